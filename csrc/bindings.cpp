@@ -1,0 +1,137 @@
+// The Python module hetmoe._C. Tensors cross as raw addresses (validated by hetmoe/kernels.py), so this
+// extension links no libtorch. Invalid arguments raise ValueError (std::invalid_argument), other failures
+// RuntimeError.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "engine/cpu_features.h"
+#include "engine/thread_pool.h"
+#include "moe/moe.h"
+
+namespace py = pybind11;
+using namespace hetmoe;
+
+namespace {
+
+WeightFormat format_from_name(const std::string& s) {
+  if (s == "bf16") return WeightFormat::bf16;
+  if (s == "int8") return WeightFormat::int8;
+  if (s == "int4") return WeightFormat::int4;
+  throw std::invalid_argument("unknown weight format '" + s + "' (expected bf16, int8 or int4)");
+}
+
+const char* format_name(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::bf16: return "bf16";
+    case WeightFormat::int8: return "int8";
+    case WeightFormat::int4: return "int4";
+  }
+  return "?";
+}
+
+template <typename T>
+T* ptr(uintptr_t a) { return reinterpret_cast<T*>(a); }
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "hetmoe CPU expert engine";
+
+  m.def("cpu_features", [] {
+    const CpuFeatures& f = cpu_features();
+    py::dict d;
+    d["flags"] = f.describe();
+    d["best_isa"] = isa_name(f.best());
+    py::list ok;
+    for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::amx})
+      if (f.supports(i)) ok.append(isa_name(i));
+    d["supported_isas"] = ok;
+    return d;
+  });
+  m.def("physical_core_cpus", &physical_core_cpus);
+
+  py::class_<Job, std::shared_ptr<Job>>(m, "Job");
+  py::class_<MoeJob, Job, std::shared_ptr<MoeJob>>(m, "MoeJob");
+
+  py::class_<ThreadPool, std::shared_ptr<ThreadPool>>(m, "ThreadPool")
+      .def(py::init<int, bool, int>(), py::arg("threads") = 0, py::arg("pin") = true, py::arg("spin_us") = 500)
+      .def_property_readonly("size", &ThreadPool::size)
+      .def_property_readonly("pinned_cpus", &ThreadPool::pinned_cpus)
+      .def("submit", &ThreadPool::submit, py::arg("job"))
+      .def("sync", &ThreadPool::sync, py::arg("allow_pending") = 0, py::call_guard<py::gil_scoped_release>())
+      .def("pending", &ThreadPool::pending)
+      .def(
+          "read_bandwidth",
+          [](ThreadPool& p, size_t bytes, int repeats, const std::string& isa) {
+            return measure_read_bandwidth(p, bytes, repeats, isa_from_name(isa));
+          },
+          py::arg("bytes"), py::arg("repeats") = 5, py::arg("isa"), py::call_guard<py::gil_scoped_release>());
+
+  py::class_<MoeExperts, std::shared_ptr<MoeExperts>>(m, "MoeExperts")
+      .def(py::init([](std::shared_ptr<ThreadPool> pool, int n_expert, int hidden, int inter, const std::string& fmt,
+                       int group, const std::string& isa) {
+             ExpertsConfig c;
+             c.n_expert = n_expert;
+             c.hidden = hidden;
+             c.intermediate = inter;
+             c.format = format_from_name(fmt);
+             c.group = group;
+             c.isa = isa_from_name(isa);
+             return std::make_shared<MoeExperts>(c, std::move(pool));
+           }),
+           py::arg("pool"), py::arg("num_experts"), py::arg("hidden_size"), py::arg("intermediate_size"),
+           py::arg("weight_format"), py::arg("group_size"), py::arg("isa"))
+      .def(
+          "load",
+          [](MoeExperts& ex, int e0, int n, uintptr_t gate, uintptr_t up, uintptr_t down) {
+            ex.load(e0, n, ptr<const float>(gate), ptr<const float>(up), ptr<const float>(down));
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def("unpack",
+           [](const MoeExperts& ex, int e, uintptr_t gate, uintptr_t up, uintptr_t down) {
+             ex.unpack(e, ptr<float>(gate), ptr<float>(up), ptr<float>(down));
+           })
+      .def("is_loaded", &MoeExperts::is_loaded)
+      .def_property_readonly("n_loaded", &MoeExperts::n_loaded)
+      .def("info",
+           [](const MoeExperts& ex) {
+             const ExpertsConfig& c = ex.config();
+             py::dict d;
+             d["weight_format"] = format_name(c.format);
+             d["group_size"] = ex.gate_up_shape().per_row ? 0 : ex.gate_up_shape().group;
+             d["isa"] = isa_name(c.isa);
+             d["kernel"] = ex.kernel().name;
+             d["activation"] = c.format == WeightFormat::bf16 ? "fp32"
+                               : c.format == WeightFormat::int8 ? "int16" : "int8";
+             d["bytes_per_expert"] = ex.bytes_per_expert();
+             d["threads"] = ex.pool().size();
+             d["num_experts"] = c.n_expert;
+             d["hidden_size"] = c.hidden;
+             d["intermediate_size"] = c.intermediate;
+             return d;
+           })
+      .def(
+          "make_job",
+          [](std::shared_ptr<MoeExperts> ex, uintptr_t x, bool x_bf16, uintptr_t ids, bool ids_int32, uintptr_t weights,
+             int k, uintptr_t out, bool out_bf16, bool accumulate, uintptr_t n_tokens_ptr, int64_t n_tokens,
+             int64_t capacity, uintptr_t skip_mask) {
+            MoeCall c;
+            c.x = ptr<const void>(x);
+            c.x_bf16 = x_bf16;
+            c.ids = ptr<const void>(ids);
+            c.ids_int32 = ids_int32;
+            c.weights = ptr<const float>(weights);
+            c.k = k;
+            c.out = ptr<void>(out);
+            c.out_bf16 = out_bf16;
+            c.accumulate = accumulate;
+            c.n_tokens_ptr = ptr<const int64_t>(n_tokens_ptr);
+            c.n_tokens = n_tokens;
+            c.capacity = capacity;
+            c.skip_mask = ptr<const uint8_t>(skip_mask);
+            return std::make_shared<MoeJob>(std::move(ex), c);
+          },
+          py::arg("x"), py::arg("x_bf16"), py::arg("ids"), py::arg("ids_int32"), py::arg("weights"), py::arg("k"),
+          py::arg("out"), py::arg("out_bf16"), py::arg("accumulate"), py::arg("n_tokens_ptr"), py::arg("n_tokens"),
+          py::arg("capacity"), py::arg("skip_mask"));
+}

@@ -1,0 +1,139 @@
+#include "engine/cpu_features.h"
+
+#include <cpuid.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <fstream>
+#include <set>
+#include <stdexcept>
+#include <utility>
+
+namespace hetmoe {
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::scalar: return "scalar";
+    case Isa::avx2: return "avx2";
+    case Isa::avx512: return "avx512";
+    case Isa::amx: return "amx";
+  }
+  return "?";
+}
+
+Isa isa_from_name(const std::string& name) {
+  for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::amx})
+    if (name == isa_name(i)) return i;
+  throw std::invalid_argument("unknown ISA '" + name + "' (expected scalar, avx2, avx512 or amx)");
+}
+
+static unsigned long long xgetbv0() {
+  unsigned eax, edx;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return ((unsigned long long)edx << 32) | eax;
+}
+
+static CpuFeatures detect() {
+  CpuFeatures f;
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  bool osxsave = c & (1u << 27);
+  f.fma = c & (1u << 12);
+  f.f16c = c & (1u << 29);
+  bool avx = c & (1u << 28);
+  if (osxsave && avx) {
+    unsigned long long xcr0 = xgetbv0();
+    f.os_avx = (xcr0 & 0x6) == 0x6;
+    f.os_avx512 = (xcr0 & 0xe6) == 0xe6;
+  }
+  if (__get_cpuid_max(0, nullptr) >= 7) {
+    __cpuid_count(7, 0, a, b, c, d);
+    f.avx2 = b & (1u << 5);
+    f.avx512f = b & (1u << 16);
+    f.avx512dq = b & (1u << 17);
+    f.avx512bw = b & (1u << 30);
+    f.avx512vl = b & (1u << 31);
+    f.avx512_vnni = c & (1u << 11);
+    f.amx_bf16 = d & (1u << 22);
+    f.amx_tile = d & (1u << 24);
+    f.amx_int8 = d & (1u << 25);
+    __cpuid_count(7, 1, a, b, c, d);
+    f.avx512_bf16 = a & (1u << 5);
+  }
+  return f;
+}
+
+bool CpuFeatures::supports(Isa isa) const {
+  bool avx2_ok = os_avx && avx2 && fma && f16c;
+  bool avx512_ok = avx2_ok && os_avx512 && avx512f && avx512bw && avx512vl && avx512dq && avx512_bf16 && avx512_vnni;
+  switch (isa) {
+    case Isa::scalar: return true;
+    case Isa::avx2: return avx2_ok;
+    case Isa::avx512: return avx512_ok;
+    case Isa::amx: return avx512_ok && amx_tile && amx_bf16 && amx_int8;
+  }
+  return false;
+}
+
+Isa CpuFeatures::best() const {
+  // AMX kernels arrive with the AMX issue; until then its slot in the dispatch table runs the AVX-512 kernels,
+  // so the best level we select is avx512.
+  if (supports(Isa::avx512)) return Isa::avx512;
+  if (supports(Isa::avx2)) return Isa::avx2;
+  return Isa::scalar;
+}
+
+std::string CpuFeatures::describe() const {
+  std::string s;
+  auto add = [&](bool on, const char* n) {
+    if (on) s += (s.empty() ? "" : " ") + std::string(n);
+  };
+  add(avx2, "avx2");
+  add(fma, "fma");
+  add(f16c, "f16c");
+  add(avx512f, "avx512f");
+  add(avx512bw, "avx512bw");
+  add(avx512vl, "avx512vl");
+  add(avx512dq, "avx512dq");
+  add(avx512_bf16, "avx512_bf16");
+  add(avx512_vnni, "avx512_vnni");
+  add(amx_tile, "amx_tile");
+  add(amx_bf16, "amx_bf16");
+  add(amx_int8, "amx_int8");
+  return s;
+}
+
+const CpuFeatures& cpu_features() {
+  static const CpuFeatures f = detect();
+  return f;
+}
+
+static bool read_int(const std::string& path, int* out) {
+  std::ifstream in(path);
+  return bool(in >> *out);
+}
+
+std::vector<int> physical_core_cpus() {
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  std::vector<int> allowed;
+  if (sched_getaffinity(0, sizeof(mask), &mask) == 0) {
+    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
+      if (CPU_ISSET(cpu, &mask)) allowed.push_back(cpu);
+  }
+  if (allowed.empty()) allowed.push_back(0);
+  std::set<std::pair<int, int>> seen;
+  std::vector<std::pair<int, int>> cores;  // (package, cpu)
+  for (int cpu : allowed) {
+    std::string base = "/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/topology/";
+    int core = -1, pkg = -1;
+    if (!read_int(base + "core_id", &core) || !read_int(base + "physical_package_id", &pkg)) return allowed;
+    if (seen.insert({pkg, core}).second) cores.push_back({pkg, cpu});
+  }
+  std::stable_sort(cores.begin(), cores.end(), [](auto& x, auto& y) { return x.first < y.first; });
+  std::vector<int> out;
+  for (auto& pc : cores) out.push_back(pc.second);
+  return out;
+}
+
+}  // namespace hetmoe

@@ -1,0 +1,219 @@
+#include "engine/thread_pool.h"
+
+#include <immintrin.h>
+#include <pthread.h>
+#include <sched.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <stdexcept>
+
+#include "engine/cpu_features.h"
+
+namespace hetmoe {
+
+using Clock = std::chrono::steady_clock;
+
+uint8_t* Scratch::get(size_t bytes) {
+  if (bytes <= size_) return ptr_;
+  std::free(ptr_);
+  size_t want = bytes + bytes / 4 + 4096;
+  void* p = nullptr;
+  if (posix_memalign(&p, 64, want) != 0) {
+    ptr_ = nullptr;
+    size_ = 0;
+    throw std::bad_alloc();
+  }
+  ptr_ = static_cast<uint8_t*>(p);
+  size_ = want;
+  return ptr_;
+}
+
+Scratch::~Scratch() { std::free(ptr_); }
+
+static void pin_to_cpu(int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort: a refused pin is not an error
+}
+
+ThreadPool::ThreadPool(int n_threads, bool pin, int spin_us) : spin_us_(spin_us < 0 ? 0 : spin_us) {
+  std::vector<int> cores = physical_core_cpus();
+  n_threads_ = n_threads > 0 ? n_threads : (int)cores.size();
+  if (n_threads_ > 1024) throw std::invalid_argument("threads must be at most 1024");
+  // Pin one thread per physical core; with more threads than cores, pinning would stack threads, so skip it.
+  if (pin && n_threads_ <= (int)cores.size()) cpus_.assign(cores.begin(), cores.begin() + n_threads_);
+  for (int i = 0; i < n_threads_; ++i) thread_scratch_.emplace_back(new Scratch());
+  threads_.emplace_back([this] { coordinator_main(); });
+  for (int i = 1; i < n_threads_; ++i) threads_.emplace_back([this, i] { worker_main(i); });
+}
+
+ThreadPool::~ThreadPool() {
+  // The coordinator drains the queue first (its jobs still need the workers), then the workers stop.
+  {
+    std::lock_guard<std::mutex> lk(queue_mu_);
+    stop_.store(true);
+  }
+  queue_cv_.notify_all();
+  threads_[0].join();
+  {
+    std::lock_guard<std::mutex> lk(wake_mu_);
+    generation_.fetch_add(1);
+  }
+  wake_cv_.notify_all();
+  for (size_t i = 1; i < threads_.size(); ++i) threads_[i].join();
+}
+
+uint8_t* ThreadPool::scratch(int slot, size_t bytes) {
+  while ((int)scratch_.size() <= slot) scratch_.emplace_back(new Scratch());
+  return scratch_[slot]->get(bytes);
+}
+
+uint8_t* ThreadPool::thread_scratch(int thread, size_t bytes) { return thread_scratch_[thread]->get(bytes); }
+
+// ---------------------------------------------------------------- parallel_for
+
+void ThreadPool::run_tasks(int thread_index) {
+  const auto& fn = *fn_;
+  for (;;) {
+    int64_t t = next_task_.fetch_add(1, std::memory_order_relaxed);
+    if (t >= n_tasks_) break;
+    try {
+      fn(t, thread_index);
+    } catch (...) {
+      std::lock_guard<std::mutex> lk(task_error_mu_);
+      if (!task_error_) task_error_ = std::current_exception();
+    }
+  }
+}
+
+void ThreadPool::parallel_for(int64_t n_tasks, const std::function<void(int64_t, int)>& fn) {
+  if (n_tasks <= 0) return;
+  if (n_threads_ == 1 || n_tasks == 1) {
+    for (int64_t t = 0; t < n_tasks; ++t) fn(t, 0);
+    return;
+  }
+  fn_ = &fn;
+  n_tasks_ = n_tasks;
+  next_task_.store(0, std::memory_order_relaxed);
+  busy_workers_.store(n_threads_ - 1, std::memory_order_relaxed);
+  {
+    // Publishing under the mutex means a worker that is about to sleep cannot miss this generation.
+    std::lock_guard<std::mutex> lk(wake_mu_);
+    generation_.fetch_add(1, std::memory_order_release);
+  }
+  wake_cv_.notify_all();
+  run_tasks(0);
+  while (busy_workers_.load(std::memory_order_acquire) != 0) _mm_pause();
+  fn_ = nullptr;
+  if (task_error_) {
+    std::exception_ptr e;
+    std::swap(e, task_error_);
+    std::rethrow_exception(e);
+  }
+}
+
+void ThreadPool::wait_for_generation(uint64_t seen, int thread_index) {
+  auto deadline = Clock::now() + std::chrono::microseconds(spin_us_);
+  int spins = 0;
+  while (generation_.load(std::memory_order_acquire) == seen) {
+    _mm_pause();
+    if (++spins % 256 == 0 && Clock::now() > deadline) {
+      std::unique_lock<std::mutex> lk(wake_mu_);
+      wake_cv_.wait(lk, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+      return;
+    }
+  }
+}
+
+void ThreadPool::worker_main(int index) {
+  if (!cpus_.empty()) pin_to_cpu(cpus_[index]);
+  uint64_t seen = 0;
+  for (;;) {
+    wait_for_generation(seen, index);
+    seen = generation_.load(std::memory_order_acquire);
+    if (stop_.load()) return;
+    run_tasks(index);
+    busy_workers_.fetch_sub(1, std::memory_order_acq_rel);
+  }
+}
+
+// ---------------------------------------------------------------- job queue
+
+void ThreadPool::coordinator_main() {
+  if (!cpus_.empty()) pin_to_cpu(cpus_[0]);
+  for (;;) {
+    std::shared_ptr<Job> job;
+    // Spin on the submission counter first (cheap, keeps submit->start latency low), then sleep.
+    auto deadline = Clock::now() + std::chrono::microseconds(spin_us_);
+    int spins = 0;
+    while (submitted_.load(std::memory_order_acquire) == completed_.load(std::memory_order_relaxed) &&
+           !stop_.load(std::memory_order_relaxed)) {
+      _mm_pause();
+      if (++spins % 256 == 0 && Clock::now() > deadline) break;
+    }
+    {
+      std::unique_lock<std::mutex> lk(queue_mu_);
+      queue_cv_.wait(lk, [&] { return !queue_.empty() || stop_.load(); });
+      if (queue_.empty()) return;  // stopping with nothing left to run
+      job = queue_.front();
+    }
+    std::exception_ptr err;
+    try {
+      job->run(*this);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    job.reset();
+    {
+      std::lock_guard<std::mutex> lk(queue_mu_);
+      queue_.pop_front();
+      if (err && !job_error_) job_error_ = err;
+      completed_.fetch_add(1, std::memory_order_release);
+    }
+    done_cv_.notify_all();
+  }
+}
+
+uint64_t ThreadPool::submit(std::shared_ptr<Job> job) {
+  if (!job) throw std::invalid_argument("submit: null job");
+  uint64_t id;
+  {
+    std::lock_guard<std::mutex> lk(queue_mu_);
+    if (stop_.load()) throw std::runtime_error("submit: thread pool is shutting down");
+    queue_.push_back(std::move(job));
+    id = submitted_.fetch_add(1, std::memory_order_release) + 1;
+  }
+  queue_cv_.notify_one();
+  return id;
+}
+
+int64_t ThreadPool::pending() const {
+  return (int64_t)(submitted_.load(std::memory_order_acquire) - completed_.load(std::memory_order_acquire));
+}
+
+void ThreadPool::sync(int64_t allow_pending) {
+  if (allow_pending < 0) throw std::invalid_argument("sync: allow_pending must be >= 0");
+  // A short spin serves the hybrid decode loop (jobs finish within microseconds of the wait); then sleep.
+  auto deadline = Clock::now() + std::chrono::microseconds(spin_us_ < 50 ? spin_us_ : 50);
+  int spins = 0;
+  while (pending() > allow_pending) {
+    _mm_pause();
+    if (++spins % 64 == 0 && Clock::now() > deadline) {
+      std::unique_lock<std::mutex> lk(queue_mu_);
+      done_cv_.wait(lk, [&] { return pending() <= allow_pending; });
+      break;
+    }
+  }
+  std::exception_ptr err;
+  {
+    std::lock_guard<std::mutex> lk(queue_mu_);
+    std::swap(err, job_error_);
+  }
+  if (err) std::rethrow_exception(err);
+}
+
+}  // namespace hetmoe

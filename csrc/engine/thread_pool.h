@@ -1,0 +1,109 @@
+// Persistent worker threads (one per physical core, pinned) and the FIFO job queue they serve.
+//
+// Thread 0 of the pool is the coordinator: it pops jobs in submission order and runs each one; inside a job,
+// parallel_for() hands tasks to all pool threads (the coordinator included), pulled dynamically from an
+// atomic counter so uneven tasks balance themselves. Threads spin for spin_us after their last work, then
+// sleep on a condition variable: an idle pool costs ~0% CPU.
+//
+// submit() returns at once; sync(n) blocks until at most n submitted jobs are unfinished. An exception
+// thrown by a job is kept and rethrown by the next sync(), never lost.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace hetmoe {
+
+class ThreadPool;
+
+// A unit of work run by the coordinator. It may call pool.parallel_for(); it must not call submit/sync.
+struct Job {
+  virtual ~Job() = default;
+  virtual void run(ThreadPool& pool) = 0;
+};
+
+// A job that runs a function (packing, bandwidth probes and other one-off work).
+struct FunctionJob : Job {
+  explicit FunctionJob(std::function<void(ThreadPool&)> f) : fn(std::move(f)) {}
+  void run(ThreadPool& pool) override { fn(pool); }
+  std::function<void(ThreadPool&)> fn;
+};
+
+// Cache-line-aligned scratch memory owned by the pool and reused by the jobs it runs one after another.
+class Scratch {
+ public:
+  uint8_t* get(size_t bytes);  // grows (never shrinks); contents are not preserved across growth
+  ~Scratch();
+
+ private:
+  uint8_t* ptr_ = nullptr;
+  size_t size_ = 0;
+};
+
+class ThreadPool {
+ public:
+  // n_threads <= 0: one per physical core. spin_us: how long idle threads spin before sleeping.
+  ThreadPool(int n_threads, bool pin, int spin_us);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int size() const { return n_threads_; }
+  const std::vector<int>& pinned_cpus() const { return cpus_; }
+
+  // --- inside a job (coordinator thread only) ---
+  // Runs fn(task, thread_index) for every task in [0, n_tasks); returns when all are done.
+  void parallel_for(int64_t n_tasks, const std::function<void(int64_t, int)>& fn);
+  // Scratch buffers: slot s of the pool, or slot s of thread t (per-thread slots never alias).
+  uint8_t* scratch(int slot, size_t bytes);
+  uint8_t* thread_scratch(int thread, size_t bytes);
+
+  // --- from any other thread ---
+  uint64_t submit(std::shared_ptr<Job> job);
+  void sync(int64_t allow_pending = 0);  // rethrows the first error of a finished job
+  int64_t pending() const;
+
+ private:
+  void worker_main(int index);
+  void coordinator_main();
+  void run_tasks(int thread_index);
+  void wait_for_generation(uint64_t seen, int thread_index);
+
+  int n_threads_;
+  int spin_us_;
+  std::vector<int> cpus_;
+  std::vector<std::thread> threads_;
+  std::atomic<bool> stop_{false};
+
+  // parallel_for state
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int64_t> next_task_{0};
+  std::atomic<int> busy_workers_{0};
+  int64_t n_tasks_ = 0;
+  const std::function<void(int64_t, int)>* fn_ = nullptr;
+  std::mutex task_error_mu_;
+  std::exception_ptr task_error_;
+  std::mutex wake_mu_;
+  std::condition_variable wake_cv_;
+
+  // job queue
+  mutable std::mutex queue_mu_;
+  std::condition_variable queue_cv_;  // coordinator waits for jobs
+  std::condition_variable done_cv_;   // sync waits for completions
+  std::deque<std::shared_ptr<Job>> queue_;
+  std::atomic<uint64_t> submitted_{0};
+  std::atomic<uint64_t> completed_{0};
+  std::exception_ptr job_error_;
+
+  std::vector<std::unique_ptr<Scratch>> scratch_;
+  std::vector<std::unique_ptr<Scratch>> thread_scratch_;
+};
+
+}  // namespace hetmoe

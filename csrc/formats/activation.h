@@ -1,0 +1,79 @@
+// Quantization of one token's activations into an activation row (layout in layout.h). Done once per layer
+// per token, before any expert reads it. Rounding is round-half-to-even on x * (qmax / amax), so a reference
+// can reproduce it exactly in fp32.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "formats/layout.h"
+
+namespace hetmoe {
+
+inline float* act_scales(uint8_t* row, const ActLayout& a) { return reinterpret_cast<float*>(row + a.scales_off); }
+inline int32_t* act_sums(uint8_t* row, const ActLayout& a) { return reinterpret_cast<int32_t*>(row + a.sums_off); }
+inline const float* act_scales(const uint8_t* row, const ActLayout& a) {
+  return reinterpret_cast<const float*>(row + a.scales_off);
+}
+inline const int32_t* act_sums(const uint8_t* row, const ActLayout& a) {
+  return reinterpret_cast<const int32_t*>(row + a.sums_off);
+}
+
+template <typename Q>
+inline void quantize_groups(const float* x, int k, const ActLayout& a, float qmax, uint8_t* row) {
+  Q* q = reinterpret_cast<Q*>(row);
+  float* scales = act_scales(row, a);
+  int32_t* sums = act_sums(row, a);
+  for (int g0 = 0, gi = 0; g0 < a.kp; g0 += a.group, ++gi) {
+    int g1 = g0 + a.group < k ? g0 + a.group : k;
+    float amax = 0.f;
+    for (int i = g0; i < g1; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+    int32_t sum = 0;
+    if (amax > 0.f && std::isfinite(amax)) {
+      float inv = qmax / amax;
+      for (int i = g0; i < g1; ++i) {
+        float v = std::nearbyint(x[i] * inv);
+        v = v > qmax ? qmax : (v < -qmax ? -qmax : v);
+        q[i] = (Q)v;
+        sum += (int32_t)v;
+      }
+      scales[gi] = amax / qmax;
+    } else {
+      for (int i = g0; i < g1; ++i) q[i] = 0;
+      scales[gi] = amax > 0.f ? NAN : 0.f;  // a non-finite input stays visible in the output
+    }
+    for (int i = g1 > g0 ? g1 : g0; i < g0 + a.group; ++i) q[i] = 0;
+    sums[gi] = sum;
+  }
+}
+
+// x: fp32 [k] -> row (a.row_bytes bytes).
+inline void quantize_activation(WeightFormat f, const float* x, int k, const ActLayout& a, uint8_t* row) {
+  switch (f) {
+    case WeightFormat::bf16: {
+      float* dst = reinterpret_cast<float*>(row);
+      std::memcpy(dst, x, sizeof(float) * k);
+      for (int i = k; i < a.kp; ++i) dst[i] = 0.f;
+      break;
+    }
+    case WeightFormat::int8: quantize_groups<int16_t>(x, k, a, 32767.f, row); break;
+    case WeightFormat::int4: quantize_groups<int8_t>(x, k, a, 127.f, row); break;
+  }
+}
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = (uint32_t)v << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return (uint16_t)(bits >> 16);
+}
+
+}  // namespace hetmoe

@@ -1,0 +1,122 @@
+// The packed weight layout: the one contract between packing (pack.cpp) and every micro-kernel.
+//
+// A weight matrix W [N, K] (Hugging Face out x in: gate/up are [I, H], down is [H, I]) is stored as
+// ceil(N / 16) row blocks of 16 rows. A row block is contiguous and 64-byte aligned; inside it, K is walked in
+// 64-byte lines, and every line holds the same 4-byte slice of K for each of the 16 rows:
+//
+//     line j, bytes [4n, 4n + 4) = row n of the block, elements k in [j*kpl, (j+1)*kpl)     (kpl = K per line)
+//
+//   bf16: kpl = 2   the two bf16 values of k = 2j, 2j+1 (low half = even k)
+//   int8: kpl = 4   four bytes k = 4j..4j+3, stored as unsigned (q + 128), q in [-127, 127]
+//   int4: kpl = 8   byte b holds k = 8j+b in its low nibble and k = 8j+4+b in its high nibble, stored as
+//                   unsigned (q + 8), q in [-8, 7]
+//
+// A line is one 512-bit register (16 rows x 32 bits): the layout AVX-512 VNNI/BF16 dot products and the AMX
+// B-tile format (16 lines = one 1 KB tile) read directly, so no kernel repacks at run time.
+//
+// K is zero-padded to a multiple of the group size (bf16 uses 32), N to a multiple of 16. Padding is zero in
+// value (128 for int8, 8 for int4) so it contributes nothing to dot products.
+//
+// Scales (int8/int4) live apart from the lines, one fp32 per (row, group), laid out [row block][group][16 rows],
+// so the 16 scales a kernel needs at the end of a group are one contiguous 64-byte vector.
+//
+// Activations are quantized once per layer into "activation rows" (ActRow below) whose element type follows
+// the weight format: fp32 for bf16 weights, int16 for int8 weights, int8 for int4 weights, each with one fp32
+// scale and one int32 element sum per group (the sum undoes the unsigned offset of the weights).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace hetmoe {
+
+enum class WeightFormat : int { bf16 = 0, int8 = 1, int4 = 2 };
+
+constexpr int kRowsPerBlock = 16;
+constexpr int kLineBytes = 64;
+constexpr int kBf16Group = 32;  // K padding unit for bf16, which has no scales
+
+static_assert(kRowsPerBlock * 4 == kLineBytes, "a line is 16 rows x 4 bytes");
+
+inline int k_per_line(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::bf16: return 2;
+    case WeightFormat::int8: return 4;
+    case WeightFormat::int4: return 8;
+  }
+  return 0;
+}
+
+inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// Geometry of one packed matrix [N, K].
+struct MatrixShape {
+  WeightFormat format;
+  int n;        // rows (outputs)
+  int k;        // columns (inputs)
+  int group;    // elements of K per scale (bf16: kBf16Group, no scales)
+  int kp;       // K padded to the group size
+  int n_blocks; // row blocks of 16
+  bool per_row; // int8 only: one scale per row, stored repeated in every group of 128
+
+  // group <= 0 with int8 means per-row scales.
+  static MatrixShape make(WeightFormat f, int n, int k, int group) {
+    MatrixShape s;
+    s.per_row = f == WeightFormat::int8 && group <= 0;
+    if (s.per_row) group = 128;
+    s.format = f;
+    s.n = n;
+    s.k = k;
+    s.group = f == WeightFormat::bf16 ? kBf16Group : group;
+    s.kp = (int)round_up(k, s.group);
+    s.n_blocks = (int)((n + kRowsPerBlock - 1) / kRowsPerBlock);
+    return s;
+  }
+  int n_groups() const { return kp / group; }
+  int lines_per_block() const { return kp / k_per_line(format); }
+  size_t block_bytes() const { return (size_t)lines_per_block() * kLineBytes; }
+  size_t data_bytes() const { return block_bytes() * n_blocks; }
+  bool has_scales() const { return format != WeightFormat::bf16; }
+  size_t block_scales() const { return has_scales() ? (size_t)n_groups() * kRowsPerBlock : 0; }  // floats
+  size_t scale_bytes() const { return block_scales() * n_blocks * sizeof(float); }
+};
+
+// What the micro-kernel reads for one row block.
+struct RowBlock {
+  const uint8_t* data;   // block_bytes(), 64-byte aligned
+  const float* scales;   // [n_groups][16] or nullptr for bf16
+  int kp;
+  int group;
+};
+
+// Activation row for one token: [kp] elements, then per group one fp32 scale and one int32 sum.
+// bf16 weights: fp32 elements, scales = 1, sums = 0 (unused). Rows are padded to 64 bytes.
+inline size_t act_elem_bytes(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::bf16: return 4;
+    case WeightFormat::int8: return 2;
+    case WeightFormat::int4: return 1;
+  }
+  return 0;
+}
+
+struct ActLayout {
+  int kp;
+  int group;
+  size_t elem_bytes;
+  size_t scales_off;  // byte offset of the fp32 scales
+  size_t sums_off;    // byte offset of the int32 sums
+  size_t row_bytes;   // 64-byte multiple
+
+  static ActLayout make(const MatrixShape& s) {
+    ActLayout a;
+    a.kp = s.kp;
+    a.group = s.group;
+    a.elem_bytes = act_elem_bytes(s.format);
+    a.scales_off = (size_t)round_up((int64_t)s.kp * a.elem_bytes, 64);
+    a.sums_off = a.scales_off + (size_t)round_up((int64_t)s.n_groups() * 4, 64);
+    a.row_bytes = a.sums_off + (size_t)round_up((int64_t)s.n_groups() * 4, 64);
+    return a;
+  }
+};
+
+}  // namespace hetmoe

@@ -1,0 +1,190 @@
+// AVX2 + FMA micro-kernels (compiled with -mavx2 -mfma; called only when CPUID reports them).
+// Tokens are processed in tiles of NT so each weight line loaded from memory serves NT tokens.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "formats/activation.h"
+#include "kernels/dispatch.h"
+
+namespace hetmoe {
+namespace avx2 {
+
+namespace {
+
+// Runs tile<NT> over n_tok tokens: full tiles of kMax, then one tail tile.
+template <int kMax, template <int> class Tile>
+inline void run_tiles(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  int t = 0;
+  for (; t + kMax <= n_tok; t += kMax) Tile<kMax>::run(w, rows + t, a, out + t * kRowsPerBlock);
+  switch (n_tok - t) {
+    case 0: break;
+    case 1: Tile<1>::run(w, rows + t, a, out + t * kRowsPerBlock); break;
+    case 2: if constexpr (kMax > 2) Tile<2>::run(w, rows + t, a, out + t * kRowsPerBlock); break;
+    case 3: if constexpr (kMax > 3) Tile<3>::run(w, rows + t, a, out + t * kRowsPerBlock); break;
+  }
+}
+
+template <int NT>
+struct Bf16Tile {
+  static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout&, float* out) {
+    const int lines = w.kp / 2;
+    const __m256i hi_mask = _mm256_set1_epi32((int)0xffff0000u);
+    const float* x[NT];
+    for (int i = 0; i < NT; ++i) x[i] = reinterpret_cast<const float*>(rows[i]);
+    __m256 acc[NT][2];
+    for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    const uint8_t* p = w.data;
+    for (int j = 0; j < lines; ++j, p += kLineBytes) {
+      __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
+      __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32));
+      __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
+      __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, hi_mask));
+      __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
+      __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, hi_mask));
+      for (int i = 0; i < NT; ++i) {
+        __m256 xe = _mm256_broadcast_ss(x[i] + 2 * j), xo = _mm256_broadcast_ss(x[i] + 2 * j + 1);
+        acc[i][0] = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, acc[i][0]));
+        acc[i][1] = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, acc[i][1]));
+      }
+    }
+    for (int i = 0; i < NT; ++i) {
+      _mm256_storeu_ps(out + i * kRowsPerBlock, acc[i][0]);
+      _mm256_storeu_ps(out + i * kRowsPerBlock + 8, acc[i][1]);
+    }
+  }
+};
+
+// acc += float(isum - offset * xsum) * (w_scale * x_scale), for 8 rows.
+inline __m256 epilogue8(__m256 acc, __m256i isum, int32_t offset_sum, const float* wscale, float xscale) {
+  isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(offset_sum));
+  __m256 s = _mm256_mul_ps(_mm256_loadu_ps(wscale), _mm256_set1_ps(xscale));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, acc);
+}
+
+// int8 weights (unsigned, offset 128) x int16 activations. A 16-byte chunk is 4 rows x 4 k; madd gives
+// per-row pairs that one hadd + permute turns into 8 row sums.
+template <int NT>
+struct Int8Tile {
+  static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+    const int lines_per_group = w.group / 4, n_groups = w.kp / w.group;
+    const int16_t* x[NT];
+    for (int i = 0; i < NT; ++i) x[i] = reinterpret_cast<const int16_t*>(rows[i]);
+    __m256 facc[NT][2];
+    for (int i = 0; i < NT; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
+    const uint8_t* p = w.data;
+    for (int g = 0; g < n_groups; ++g) {
+      __m256i acc[NT][4];
+      for (int i = 0; i < NT; ++i)
+        for (int c = 0; c < 4; ++c) acc[i][c] = _mm256_setzero_si256();
+      for (int jj = 0; jj < lines_per_group; ++jj, p += kLineBytes) {
+        const int j = g * lines_per_group + jj;
+        __m256i xb[NT];
+        for (int i = 0; i < NT; ++i) {
+          int64_t q4;
+          std::memcpy(&q4, x[i] + 4 * j, 8);
+          xb[i] = _mm256_set1_epi64x(q4);
+        }
+        for (int c = 0; c < 4; ++c) {
+          __m256i w16 = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(p + 16 * c)));
+          for (int i = 0; i < NT; ++i) acc[i][c] = _mm256_add_epi32(acc[i][c], _mm256_madd_epi16(w16, xb[i]));
+        }
+      }
+      for (int i = 0; i < NT; ++i) {
+        const float xs = act_scales(rows[i], a)[g];
+        const int32_t off = 128 * act_sums(rows[i], a)[g];
+        __m256i lo = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][0], acc[i][1]), 0xD8);
+        __m256i hi = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][2], acc[i][3]), 0xD8);
+        facc[i][0] = epilogue8(facc[i][0], lo, off, w.scales + g * kRowsPerBlock, xs);
+        facc[i][1] = epilogue8(facc[i][1], hi, off, w.scales + g * kRowsPerBlock + 8, xs);
+      }
+    }
+    for (int i = 0; i < NT; ++i) {
+      _mm256_storeu_ps(out + i * kRowsPerBlock, facc[i][0]);
+      _mm256_storeu_ps(out + i * kRowsPerBlock + 8, facc[i][1]);
+    }
+  }
+};
+
+// int4 weights (unsigned nibbles, offset 8) x int8 activations. maddubs sums stay in int16 for 4 lines
+// (|sum| <= 4 * 2 * 2 * 15 * 127 = 30480), then widen to int32.
+template <int NT>
+struct Int4Tile {
+  static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+    const int lines_per_group = w.group / 8, n_groups = w.kp / w.group;
+    const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const int8_t* x[NT];
+    for (int i = 0; i < NT; ++i) x[i] = reinterpret_cast<const int8_t*>(rows[i]);
+    __m256 facc[NT][2];
+    for (int i = 0; i < NT; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
+    const uint8_t* p = w.data;
+    for (int g = 0; g < n_groups; ++g) {
+      __m256i acc[NT][2];
+      for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+      for (int j4 = 0; j4 < lines_per_group; j4 += 4) {
+        __m256i acc16[NT][2];
+        for (int i = 0; i < NT; ++i) acc16[i][0] = acc16[i][1] = _mm256_setzero_si256();
+        for (int jj = 0; jj < 4; ++jj, p += kLineBytes) {
+          const int j = g * lines_per_group + j4 + jj;
+          __m256i xl[NT], xh[NT];
+          for (int i = 0; i < NT; ++i) {
+            int32_t l, h;
+            std::memcpy(&l, x[i] + 8 * j, 4);
+            std::memcpy(&h, x[i] + 8 * j + 4, 4);
+            xl[i] = _mm256_set1_epi32(l);
+            xh[i] = _mm256_set1_epi32(h);
+          }
+          for (int half = 0; half < 2; ++half) {
+            __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32 * half));
+            __m256i lo = _mm256_and_si256(v, low4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            for (int i = 0; i < NT; ++i) {
+              __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl[i]), _mm256_maddubs_epi16(hi, xh[i]));
+              acc16[i][half] = _mm256_add_epi16(acc16[i][half], s);
+            }
+          }
+        }
+        for (int i = 0; i < NT; ++i)
+          for (int half = 0; half < 2; ++half)
+            acc[i][half] = _mm256_add_epi32(acc[i][half], _mm256_madd_epi16(acc16[i][half], ones));
+      }
+      for (int i = 0; i < NT; ++i) {
+        const float xs = act_scales(rows[i], a)[g];
+        const int32_t off = 8 * act_sums(rows[i], a)[g];
+        facc[i][0] = epilogue8(facc[i][0], acc[i][0], off, w.scales + g * kRowsPerBlock, xs);
+        facc[i][1] = epilogue8(facc[i][1], acc[i][1], off, w.scales + g * kRowsPerBlock + 8, xs);
+      }
+    }
+    for (int i = 0; i < NT; ++i) {
+      _mm256_storeu_ps(out + i * kRowsPerBlock, facc[i][0]);
+      _mm256_storeu_ps(out + i * kRowsPerBlock + 8, facc[i][1]);
+    }
+  }
+};
+
+}  // namespace
+
+uint64_t read_bytes(const uint8_t* p, size_t bytes) {
+  __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
+  for (size_t i = 0; i + 128 <= bytes; i += 128) {
+    a = _mm256_xor_si256(a, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i)));
+    b = _mm256_xor_si256(b, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
+    c = _mm256_xor_si256(c, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 64)));
+    d = _mm256_xor_si256(d, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 96)));
+  }
+  a = _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d));
+  return (uint64_t)_mm256_extract_epi64(a, 0) ^ (uint64_t)_mm256_extract_epi64(a, 3);
+}
+
+void rowblock_bf16(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  run_tiles<4, Bf16Tile>(w, rows, a, n_tok, out);
+}
+void rowblock_int8(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  run_tiles<2, Int8Tile>(w, rows, a, n_tok, out);
+}
+void rowblock_int4(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  run_tiles<2, Int4Tile>(w, rows, a, n_tok, out);
+}
+
+}  // namespace avx2
+}  // namespace hetmoe

@@ -1,0 +1,80 @@
+// Portable reference micro-kernels: the semantics every ISA version reproduces bit for bit.
+#include <cmath>
+#include <cstring>
+
+#include "formats/activation.h"
+#include "kernels/dispatch.h"
+
+namespace hetmoe {
+namespace scalar {
+
+uint64_t read_bytes(const uint8_t* p, size_t bytes) {
+  uint64_t a = 0, b = 0;
+  for (size_t i = 0; i < bytes; i += 16) {
+    uint64_t v[2];
+    std::memcpy(v, p + i, 16);
+    a ^= v[0];
+    b ^= v[1];
+  }
+  return a ^ b;
+}
+
+void rowblock_bf16(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  const int lines = w.kp / 2;
+  for (int t = 0; t < n_tok; ++t) {
+    const float* x = reinterpret_cast<const float*>(rows[t]);
+    for (int r = 0; r < kRowsPerBlock; ++r) {
+      float acc = 0.f;
+      for (int j = 0; j < lines; ++j) {
+        uint16_t v[2];
+        std::memcpy(v, w.data + (size_t)j * kLineBytes + 4 * r, 4);
+        acc = std::fma(bf16_to_float(v[0]), x[2 * j], acc);
+        acc = std::fma(bf16_to_float(v[1]), x[2 * j + 1], acc);
+      }
+      out[t * kRowsPerBlock + r] = acc;
+    }
+  }
+}
+
+// Integer formats: exact int32 dot product per group, then acc = fma(float(isum), w_scale * x_scale, acc).
+template <typename Q, int kOffset, bool kNibbles>
+static void rowblock_int(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  const int kpl = kNibbles ? 8 : 4;
+  const int n_groups = w.kp / w.group, lines_per_group = w.group / kpl;
+  for (int t = 0; t < n_tok; ++t) {
+    const Q* x = reinterpret_cast<const Q*>(rows[t]);
+    const float* xs = act_scales(rows[t], a);
+    const int32_t* xsum = act_sums(rows[t], a);
+    for (int r = 0; r < kRowsPerBlock; ++r) {
+      float acc = 0.f;
+      for (int g = 0; g < n_groups; ++g) {
+        int32_t isum = 0;
+        for (int j = g * lines_per_group; j < (g + 1) * lines_per_group; ++j) {
+          const uint8_t* p = w.data + (size_t)j * kLineBytes + 4 * r;
+          for (int b = 0; b < 4; ++b) {
+            if (kNibbles) {
+              isum += (int32_t)(p[b] & 0x0f) * x[j * 8 + b];
+              isum += (int32_t)(p[b] >> 4) * x[j * 8 + 4 + b];
+            } else {
+              isum += (int32_t)p[b] * x[j * 4 + b];
+            }
+          }
+        }
+        isum -= kOffset * xsum[g];
+        acc = std::fma((float)isum, w.scales[g * kRowsPerBlock + r] * xs[g], acc);
+      }
+      out[t * kRowsPerBlock + r] = acc;
+    }
+  }
+}
+
+void rowblock_int8(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  rowblock_int<int16_t, 128, false>(w, rows, a, n_tok, out);
+}
+
+void rowblock_int4(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  rowblock_int<int8_t, 8, true>(w, rows, a, n_tok, out);
+}
+
+}  // namespace scalar
+}  // namespace hetmoe

@@ -1,0 +1,315 @@
+#include "moe/moe.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <new>
+#include <stdexcept>
+
+#include "formats/activation.h"
+#include "formats/pack.h"
+
+namespace hetmoe {
+
+// ---------------------------------------------------------------- storage
+
+HugeBuffer::HugeBuffer(size_t bytes) : size_(bytes) {
+  if (bytes == 0) return;
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    size_ = 0;
+    throw std::runtime_error("cannot allocate " + std::to_string(bytes >> 20) + " MiB for expert weights");
+  }
+  madvise(p, bytes, MADV_HUGEPAGE);
+  ptr_ = static_cast<uint8_t*>(p);
+}
+
+HugeBuffer::~HugeBuffer() {
+  if (ptr_) munmap(ptr_, size_);
+}
+
+static void check_config(const ExpertsConfig& c) {
+  auto bad = [](const std::string& m) { throw std::invalid_argument(m); };
+  if (c.n_expert <= 0) bad("num_experts must be positive, got " + std::to_string(c.n_expert));
+  if (c.hidden <= 0 || c.intermediate <= 0)
+    bad("hidden_size and intermediate_size must be positive, got " + std::to_string(c.hidden) + " and " +
+        std::to_string(c.intermediate));
+  if (c.format != WeightFormat::bf16) {
+    bool per_row = c.format == WeightFormat::int8 && c.group <= 0;
+    if (!per_row && c.group != 32 && c.group != 64 && c.group != 128)
+      bad("group_size must be 32, 64 or 128" + std::string(c.format == WeightFormat::int8 ? " (or 0 for per-row)" : "") +
+          ", got " + std::to_string(c.group));
+  }
+  if (!cpu_features().supports(c.isa))
+    bad(std::string("this CPU cannot run the ") + isa_name(c.isa) + " kernels (it has: " + cpu_features().describe() + ")");
+}
+
+MoeExperts::MoeExperts(const ExpertsConfig& cfg, std::shared_ptr<ThreadPool> pool) : cfg_(cfg), pool_(std::move(pool)) {
+  check_config(cfg_);
+  gu_ = MatrixShape::make(cfg_.format, cfg_.intermediate, cfg_.hidden, cfg_.group);
+  down_ = MatrixShape::make(cfg_.format, cfg_.hidden, cfg_.intermediate, cfg_.group);
+  gu_act_ = ActLayout::make(gu_);
+  down_act_ = ActLayout::make(down_);
+  kernel_ = select_kernel(cfg_.format, cfg_.isa);
+  size_t E = cfg_.n_expert;
+  gu_data_ = HugeBuffer(E * 2 * gu_.data_bytes());
+  gu_scales_ = HugeBuffer(E * 2 * gu_.scale_bytes());
+  down_data_ = HugeBuffer(E * down_.data_bytes());
+  down_scales_ = HugeBuffer(E * down_.scale_bytes());
+  loaded_.assign(E, 0);
+}
+
+size_t MoeExperts::bytes_per_expert() const {
+  return 2 * (gu_.data_bytes() + gu_.scale_bytes()) + down_.data_bytes() + down_.scale_bytes();
+}
+
+int MoeExperts::n_loaded() const { return (int)std::count(loaded_.begin(), loaded_.end(), 1); }
+
+RowBlock MoeExperts::gate_up_block(int e, int rb, int which) const {
+  size_t idx = ((size_t)e * gu_.n_blocks + rb) * 2 + which;
+  RowBlock b;
+  b.data = gu_data_.data() + idx * gu_.block_bytes();
+  b.scales = gu_.has_scales() ? reinterpret_cast<const float*>(gu_scales_.data()) + idx * gu_.block_scales() : nullptr;
+  b.kp = gu_.kp;
+  b.group = gu_.group;
+  return b;
+}
+
+RowBlock MoeExperts::down_block(int e, int rb) const {
+  size_t idx = (size_t)e * down_.n_blocks + rb;
+  RowBlock b;
+  b.data = down_data_.data() + idx * down_.block_bytes();
+  b.scales =
+      down_.has_scales() ? reinterpret_cast<const float*>(down_scales_.data()) + idx * down_.block_scales() : nullptr;
+  b.kp = down_.kp;
+  b.group = down_.group;
+  return b;
+}
+
+void MoeExperts::load(int e0, int n, const float* gate, const float* up, const float* down) {
+  if (e0 < 0 || n < 0 || e0 + n > cfg_.n_expert)
+    throw std::invalid_argument("load: experts [" + std::to_string(e0) + ", " + std::to_string(e0 + n) +
+                                ") are outside [0, " + std::to_string(cfg_.n_expert) + ")");
+  const int gu_tasks = gu_.n_blocks * 2, per_expert = gu_tasks + down_.n_blocks;
+  const size_t IH = (size_t)cfg_.intermediate * cfg_.hidden;
+  auto job = std::make_shared<FunctionJob>([&](ThreadPool& pool) {
+    pool.parallel_for((int64_t)n * per_expert, [&](int64_t task, int) {
+      int i = (int)(task / per_expert), b = (int)(task % per_expert), e = e0 + i;
+      if (b < gu_tasks) {
+        int rb = b / 2, which = b % 2;
+        size_t idx = ((size_t)e * gu_.n_blocks + rb) * 2 + which;
+        pack_row_block(gu_, (which ? up : gate) + i * IH, rb, gu_data_.data() + idx * gu_.block_bytes(),
+                       reinterpret_cast<float*>(gu_scales_.data()) + idx * gu_.block_scales());
+      } else {
+        int rb = b - gu_tasks;
+        size_t idx = (size_t)e * down_.n_blocks + rb;
+        pack_row_block(down_, down + i * IH, rb, down_data_.data() + idx * down_.block_bytes(),
+                       reinterpret_cast<float*>(down_scales_.data()) + idx * down_.block_scales());
+      }
+    });
+  });
+  pool_->submit(job);
+  pool_->sync(0);
+  for (int i = 0; i < n; ++i) loaded_[e0 + i] = 1;
+}
+
+void MoeExperts::unpack(int e, float* gate, float* up, float* down) const {
+  if (e < 0 || e >= cfg_.n_expert) throw std::invalid_argument("unpack: expert " + std::to_string(e) + " out of range");
+  if (!loaded_[e]) throw std::runtime_error("unpack: expert " + std::to_string(e) + " is not loaded");
+  for (int rb = 0; rb < gu_.n_blocks; ++rb) {
+    RowBlock g = gate_up_block(e, rb, 0), u = gate_up_block(e, rb, 1);
+    unpack_row_block(gu_, g.data, g.scales, rb, gate);
+    unpack_row_block(gu_, u.data, u.scales, rb, up);
+  }
+  for (int rb = 0; rb < down_.n_blocks; ++rb) {
+    RowBlock d = down_block(e, rb);
+    unpack_row_block(down_, d.data, d.scales, rb, down);
+  }
+}
+
+// ---------------------------------------------------------------- the job
+
+MoeJob::MoeJob(std::shared_ptr<MoeExperts> experts, const MoeCall& call) : experts_(std::move(experts)), call_(call) {}
+
+namespace {
+
+constexpr int64_t kTokensPerChunk = 1024;  // bounds the scratch memory of very long prompts
+
+// (expert, row-block range) units of one phase.
+struct Task {
+  int e;
+  int rb0, rb1;
+};
+
+inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+inline void load_row_fp32(const void* base, bool bf16, int64_t row, int n, float* dst) {
+  if (bf16) {
+    const uint16_t* src = static_cast<const uint16_t*>(base) + row * n;
+    for (int i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+  } else {
+    std::memcpy(dst, static_cast<const float*>(base) + row * n, sizeof(float) * n);
+  }
+}
+
+// Splits every active expert's row blocks into tasks of about equal cost, heaviest experts first so the
+// dynamic queue finishes evenly. Cost of one row block ~ streaming it once plus its tokens' compute.
+void make_tasks(const std::vector<int>& active, const std::vector<int>& count, int n_blocks, int n_threads,
+                std::vector<Task>& tasks) {
+  tasks.clear();
+  double total = 0;
+  for (int e : active) total += n_blocks * (1.0 + count[e] / 4.0);
+  double target = total / (4.0 * n_threads);
+  for (int e : active) {
+    double cost = 1.0 + count[e] / 4.0;
+    int step = std::max(1, std::min(n_blocks, (int)(target / cost)));
+    for (int rb = 0; rb < n_blocks; rb += step) tasks.push_back({e, rb, std::min(n_blocks, rb + step)});
+  }
+}
+
+// out[t] (+)= sum_j weights[t, j] * y[slot(t, j)], in j order so results do not depend on threads.
+void combine(ThreadPool& pool, const MoeCall& c, int H, int64_t t0, int nt, const std::vector<int>& pos,
+             const float* y) {
+  pool.parallel_for(nt, [&](int64_t t, int th) {
+    float* acc = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
+    if (c.accumulate)
+      load_row_fp32(c.out, c.out_bf16, t0 + t, H, acc);
+    else
+      std::fill(acc, acc + H, 0.f);
+    for (int j = 0; j < c.k; ++j) {
+      int s = pos[(size_t)t * c.k + j];
+      if (s < 0) continue;
+      const float w = c.weights[(t0 + t) * c.k + j];
+      const float* yr = y + (size_t)s * H;
+      for (int i = 0; i < H; ++i) acc[i] += w * yr[i];
+    }
+    if (c.out_bf16) {
+      uint16_t* dst = static_cast<uint16_t*>(c.out) + (t0 + t) * H;
+      for (int i = 0; i < H; ++i) dst[i] = float_to_bf16(acc[i]);
+    } else {
+      std::memcpy(static_cast<float*>(c.out) + (t0 + t) * H, acc, sizeof(float) * H);
+    }
+  });
+}
+
+}  // namespace
+
+void MoeJob::run(ThreadPool& pool) {
+  int64_t T = call_.n_tokens_ptr ? *call_.n_tokens_ptr : call_.n_tokens;
+  if (T < 0 || T > call_.capacity)
+    throw std::invalid_argument("number of tokens " + std::to_string(T) + " is outside [0, " +
+                                std::to_string(call_.capacity) + "], the capacity of this job's buffers");
+  for (int64_t t0 = 0; t0 < T; t0 += kTokensPerChunk) run_chunk(pool, t0, std::min(T, t0 + kTokensPerChunk));
+}
+
+void MoeJob::run_chunk(ThreadPool& pool, int64_t t0, int64_t t1) {
+  const MoeExperts& ex = *experts_;
+  const ExpertsConfig& cfg = ex.config();
+  const int E = cfg.n_expert, H = cfg.hidden, I = cfg.intermediate, k = call_.k;
+  const int nt = (int)(t1 - t0);
+  const WeightFormat fmt = cfg.format;
+  const RowBlockKernel kernel = ex.kernel().rowblock;
+
+  // ---- route: count (token, slot) pairs per expert
+  std::vector<int> count(E, 0), pos((size_t)nt * k, -1);
+  for (int t = 0; t < nt; ++t) {
+    for (int j = 0; j < k; ++j) {
+      int64_t idx = (t0 + t) * k + j;
+      int64_t id = call_.ids_int32 ? static_cast<const int32_t*>(call_.ids)[idx] : static_cast<const int64_t*>(call_.ids)[idx];
+      if (id == -1) continue;
+      if (id < -1 || id >= E)
+        throw std::invalid_argument("topk_ids[" + std::to_string(t0 + t) + ", " + std::to_string(j) + "] = " +
+                                    std::to_string(id) + " is not an expert id in [0, " + std::to_string(E) +
+                                    ") or -1");
+      if (call_.skip_mask && call_.skip_mask[id]) continue;
+      pos[(size_t)t * k + j] = (int)id;  // expert for now; becomes the slot below
+      ++count[id];
+    }
+  }
+  std::vector<int> active;
+  for (int e = 0; e < E; ++e)
+    if (count[e]) {
+      if (!ex.is_loaded(e)) throw std::runtime_error("expert " + std::to_string(e) + " is routed to but was never loaded");
+      active.push_back(e);
+    }
+  std::stable_sort(active.begin(), active.end(), [&](int a, int b) { return count[a] > count[b]; });
+  std::vector<int> first(E, 0), fill(E, 0);
+  int n_slots = 0;
+  for (int e : active) first[e] = n_slots, n_slots += count[e];
+  std::vector<int> slot_token(n_slots);
+  for (int t = 0; t < nt; ++t)
+    for (int j = 0; j < k; ++j) {
+      int& p = pos[(size_t)t * k + j];
+      if (p < 0) continue;
+      int s = first[p] + fill[p]++;
+      slot_token[s] = t;
+      p = s;
+    }
+
+  const ActLayout& ga = ex.gate_up_act();
+  const ActLayout& da = ex.down_act();
+  const MatrixShape& gu = ex.gate_up_shape();
+  const MatrixShape& dn = ex.down_shape();
+  const int n_threads = pool.size();
+
+  if (n_slots > 0) {
+    // ---- quantize x, once per token
+    uint8_t* xq = pool.scratch(0, (size_t)nt * ga.row_bytes);
+    pool.parallel_for(nt, [&](int64_t t, int th) {
+      float* row = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
+      load_row_fp32(call_.x, call_.x_bf16, t0 + t, H, row);
+      quantize_activation(fmt, row, H, ga, xq + t * ga.row_bytes);
+    });
+    std::vector<const uint8_t*> x_rows(n_slots), h_rows(n_slots);
+    for (int s = 0; s < n_slots; ++s) x_rows[s] = xq + (size_t)slot_token[s] * ga.row_bytes;
+
+    // ---- phase 1: gate + up, SwiGLU -> h [n_slots, I]
+    float* h = reinterpret_cast<float*>(pool.scratch(1, sizeof(float) * (size_t)n_slots * I));
+    std::vector<Task> tasks;
+    make_tasks(active, count, gu.n_blocks, n_threads, tasks);
+    pool.parallel_for((int64_t)tasks.size(), [&](int64_t ti, int th) {
+      const Task& task = tasks[ti];
+      const int n_e = count[task.e], s0 = first[task.e];
+      float* g = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * 2 * kRowsPerBlock * n_e));
+      float* u = g + kRowsPerBlock * n_e;
+      for (int rb = task.rb0; rb < task.rb1; ++rb) {
+        kernel(ex.gate_up_block(task.e, rb, 0), x_rows.data() + s0, ga, n_e, g);
+        kernel(ex.gate_up_block(task.e, rb, 1), x_rows.data() + s0, ga, n_e, u);
+        const int r_end = std::min(kRowsPerBlock, I - rb * kRowsPerBlock);
+        for (int i = 0; i < n_e; ++i)
+          for (int r = 0; r < r_end; ++r)
+            h[(size_t)(s0 + i) * I + rb * kRowsPerBlock + r] =
+                silu(g[i * kRowsPerBlock + r]) * u[i * kRowsPerBlock + r];
+      }
+    });
+
+    // ---- quantize h, once per (token, expert)
+    uint8_t* hq = pool.scratch(2, (size_t)n_slots * da.row_bytes);
+    pool.parallel_for(n_slots, [&](int64_t s, int) {
+      quantize_activation(fmt, h + (size_t)s * I, I, da, hq + s * da.row_bytes);
+    });
+    for (int s = 0; s < n_slots; ++s) h_rows[s] = hq + (size_t)s * da.row_bytes;
+
+    // ---- phase 2: down -> y [n_slots, H]
+    float* y = reinterpret_cast<float*>(pool.scratch(3, sizeof(float) * (size_t)n_slots * H));
+    make_tasks(active, count, dn.n_blocks, n_threads, tasks);
+    pool.parallel_for((int64_t)tasks.size(), [&](int64_t ti, int th) {
+      const Task& task = tasks[ti];
+      const int n_e = count[task.e], s0 = first[task.e];
+      float* o = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * kRowsPerBlock * n_e));
+      for (int rb = task.rb0; rb < task.rb1; ++rb) {
+        kernel(ex.down_block(task.e, rb), h_rows.data() + s0, da, n_e, o);
+        const int r_end = std::min(kRowsPerBlock, H - rb * kRowsPerBlock);
+        for (int i = 0; i < n_e; ++i)
+          std::memcpy(y + (size_t)(s0 + i) * H + rb * kRowsPerBlock, o + i * kRowsPerBlock, sizeof(float) * r_end);
+      }
+    });
+    combine(pool, call_, H, t0, nt, pos, y);
+    return;
+  }
+  combine(pool, call_, H, t0, nt, pos, nullptr);
+}
+
+}  // namespace hetmoe

@@ -1,0 +1,126 @@
+// The fused MoE layer on the CPU: the routed experts of one layer, packed, and the job that computes them.
+//
+// One call:  x [T, H], topk_ids [T, k], topk_weights [T, k]  ->  out [T, H] (overwritten or accumulated)
+//   route    group (token, slot) pairs by expert; skip -1 ids and experts masked off (they live on the GPU)
+//   quantize x once per token for the weight format
+//   phase 1  gate+up of every active expert, split in (expert, row-block range) tasks pulled dynamically;
+//            SwiGLU h = silu(gate) * up is applied in the same task
+//   quantize h once per (token, expert)
+//   phase 2  down projection of every active expert, same task split
+//   combine  out[t] (+)= sum_j topk_weights[t, j] * y[t, j], in slot order (deterministic)
+// T is read when the job runs (through a pointer when given), so one prepared job serves every T up to its
+// capacity; this is what lets a CUDA graph replay it.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/cpu_features.h"
+#include "engine/thread_pool.h"
+#include "formats/layout.h"
+#include "kernels/dispatch.h"
+
+namespace hetmoe {
+
+// Big, 64-byte aligned, zero-initialised memory (mmap; transparent huge pages requested).
+class HugeBuffer {
+ public:
+  HugeBuffer() = default;
+  explicit HugeBuffer(size_t bytes);
+  ~HugeBuffer();
+  HugeBuffer(const HugeBuffer&) = delete;
+  HugeBuffer& operator=(const HugeBuffer&) = delete;
+  HugeBuffer(HugeBuffer&& o) noexcept : ptr_(o.ptr_), size_(o.size_) { o.ptr_ = nullptr, o.size_ = 0; }
+  HugeBuffer& operator=(HugeBuffer&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(size_, o.size_);
+    return *this;
+  }
+  uint8_t* data() const { return ptr_; }
+  size_t size() const { return size_; }
+
+ private:
+  uint8_t* ptr_ = nullptr;
+  size_t size_ = 0;
+};
+
+struct ExpertsConfig {
+  int n_expert = 0;
+  int hidden = 0;        // H
+  int intermediate = 0;  // I
+  WeightFormat format = WeightFormat::bf16;
+  int group = 128;       // int8: <= 0 means per-row scales
+  Isa isa = Isa::scalar;
+};
+
+class MoeExperts {
+ public:
+  MoeExperts(const ExpertsConfig& cfg, std::shared_ptr<ThreadPool> pool);
+
+  // Packs experts [e0, e0 + n): gate, up fp32 [n, I, H]; down fp32 [n, H, I]. Runs on the pool and returns
+  // when done; must not overlap with jobs of this layer in flight.
+  void load(int e0, int n, const float* gate, const float* up, const float* down);
+  // The values the kernels multiply by, fp32: gate, up [I, H], down [H, I].
+  void unpack(int e, float* gate, float* up, float* down) const;
+
+  const ExpertsConfig& config() const { return cfg_; }
+  const MatrixShape& gate_up_shape() const { return gu_; }
+  const MatrixShape& down_shape() const { return down_; }
+  const ActLayout& gate_up_act() const { return gu_act_; }
+  const ActLayout& down_act() const { return down_act_; }
+  const KernelEntry& kernel() const { return kernel_; }
+  size_t bytes_per_expert() const;  // weights + scales, as streamed by one decode step
+  bool is_loaded(int e) const { return loaded_[e] != 0; }
+  int n_loaded() const;
+  ThreadPool& pool() const { return *pool_; }
+  const std::shared_ptr<ThreadPool>& pool_ptr() const { return pool_; }
+
+  // Row block rb of gate (which = 0) or up (which = 1) of expert e; gate and up blocks alternate in memory so
+  // a phase-1 task streams one contiguous range.
+  RowBlock gate_up_block(int e, int rb, int which) const;
+  RowBlock down_block(int e, int rb) const;
+
+ private:
+  ExpertsConfig cfg_;
+  std::shared_ptr<ThreadPool> pool_;
+  MatrixShape gu_, down_;
+  ActLayout gu_act_, down_act_;
+  KernelEntry kernel_;
+  HugeBuffer gu_data_, gu_scales_, down_data_, down_scales_;
+  std::vector<uint8_t> loaded_;
+};
+
+// Arguments of one MoE call. Pointers are raw and must stay valid while the job can run.
+struct MoeCall {
+  const void* x = nullptr;          // [capacity, H] fp32 or bf16
+  bool x_bf16 = false;
+  const void* ids = nullptr;        // [capacity, k] int32 or int64
+  bool ids_int32 = false;
+  const float* weights = nullptr;   // [capacity, k]
+  int k = 0;
+  void* out = nullptr;              // [capacity, H] fp32 or bf16
+  bool out_bf16 = false;
+  bool accumulate = false;
+  const int64_t* n_tokens_ptr = nullptr;  // if set, T is read from here when the job runs
+  int64_t n_tokens = 0;                   // otherwise T
+  int64_t capacity = 0;
+  const uint8_t* skip_mask = nullptr;     // [E], nonzero = the CPU skips this expert
+};
+
+class MoeJob : public Job {
+ public:
+  MoeJob(std::shared_ptr<MoeExperts> experts, const MoeCall& call);
+  void run(ThreadPool& pool) override;
+
+ private:
+  void run_chunk(ThreadPool& pool, int64_t t0, int64_t t1);
+  std::shared_ptr<MoeExperts> experts_;
+  MoeCall call_;
+};
+
+// DRAM read bandwidth with all pool threads, each streaming its own slice of a buffer of `bytes`.
+double measure_read_bandwidth(ThreadPool& pool, size_t bytes, int repeats, Isa isa);
+
+}  // namespace hetmoe

@@ -1,0 +1,310 @@
+"""Python face of the CPU expert engine (the C++ extension ``hetmoe._C``).
+
+``CPUExperts`` holds the routed experts of one MoE layer, packed for the CPU kernels, and computes
+
+    out[t] (+)= sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),   e = topk_ids[t, j]
+
+Shape letters: T tokens, E experts, k experts per token, H hidden size, I expert intermediate size.
+
+All layers of a process share one ``ExpertPool`` (the pinned worker threads) per thread count; jobs of every
+layer run on it in submission order, so ``submit`` / ``sync`` can keep several layers' work in flight.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Optional, Sequence, Union
+
+import torch
+
+from hetmoe import _C
+
+WEIGHT_FORMATS = ("bf16", "int8", "int4")
+ISAS = ("scalar", "avx2", "avx512", "amx")
+
+TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+def cpu_info() -> dict:
+    """CPU features, the ISA levels this machine can run, and the physical cores the pool would use."""
+    info = dict(_C.cpu_features())
+    info["physical_cores"] = len(_C.physical_core_cpus())
+    return info
+
+
+def default_threads() -> int:
+    """One thread per physical core this process may run on."""
+    return len(_C.physical_core_cpus())
+
+
+class ExpertPool:
+    """Pinned worker threads and their FIFO job queue (shared by every layer using the same thread count)."""
+
+    def __init__(self, threads: Optional[int] = None, pin: bool = True, spin_us: int = 500):
+        threads = default_threads() if threads is None else int(threads)
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self._pool = _C.ThreadPool(threads, pin, spin_us)
+        self._inflight: collections.deque = collections.deque()  # Python jobs kept alive until done
+        self._lock = threading.Lock()
+
+    @property
+    def threads(self) -> int:
+        return self._pool.size
+
+    @property
+    def pinned_cpus(self) -> list:
+        return list(self._pool.pinned_cpus)
+
+    def submit(self, job: "MoEJob") -> None:
+        """Enqueue a prepared job; returns at once."""
+        if not isinstance(job, MoEJob):
+            raise TypeError(f"submit expects a MoEJob (from CPUExperts.prepare), got {type(job).__name__}")
+        with self._lock:
+            self._inflight.append(job)
+            self._pool.submit(job._job)
+
+    def sync(self, allow_pending: int = 0) -> None:
+        """Wait until at most ``allow_pending`` submitted jobs are unfinished; raise the first job error."""
+        if int(allow_pending) < 0:
+            raise ValueError(f"allow_pending must be >= 0, got {allow_pending}")
+        try:
+            self._pool.sync(int(allow_pending))
+        finally:
+            with self._lock:
+                pending = self._pool.pending()
+                while len(self._inflight) > pending:
+                    self._inflight.popleft()
+
+    def pending(self) -> int:
+        return self._pool.pending()
+
+    def read_bandwidth(self, nbytes: int = 1 << 30, repeats: int = 5, isa: Optional[str] = None) -> float:
+        """STREAM-style read bandwidth of DRAM with this pool's threads, in GB/s (best of ``repeats``)."""
+        return self._pool.read_bandwidth(int(nbytes), int(repeats), isa or _C.cpu_features()["best_isa"])
+
+
+_pools: dict = {}
+_pools_lock = threading.Lock()
+
+
+def shared_pool(threads: Optional[int] = None) -> ExpertPool:
+    """The process-wide pool with this many threads (created on first use)."""
+    threads = default_threads() if threads is None else int(threads)
+    with _pools_lock:
+        if threads not in _pools:
+            _pools[threads] = ExpertPool(threads)
+        return _pools[threads]
+
+
+class MoEJob:
+    """A prepared call with fixed buffers; submit it as often as needed (the buffers' contents may change)."""
+
+    def __init__(self, job, keep: tuple, experts: "CPUExperts", out: torch.Tensor):
+        self._job = job
+        self._keep = keep  # tensors whose memory the C++ job points into
+        self.experts = experts
+        self.out = out
+
+
+def _check_tensor(name: str, t, dtypes: tuple, ndim: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}; the CPU expert engine needs CPU tensors (copy it with .cpu())")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of: {names}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous())")
+    return t
+
+
+class CPUExperts:
+    """The routed experts of one MoE layer on the CPU.
+
+    Args:
+        num_experts: E.
+        hidden_size: H.
+        intermediate_size: I (per expert).
+        weight_format: ``"bf16"``, ``"int8"`` or ``"int4"``.
+        group_size: int8/int4 scale group along the input dimension (32, 64 or 128); ``0`` = per-row (int8).
+        threads: pool size (default: one per physical core). Ignored when ``pool`` is given.
+        isa: ``"auto"`` (best the CPU supports) or one of ``scalar``, ``avx2``, ``avx512``, ``amx``.
+        pool: an ``ExpertPool`` to run on (default: the shared pool for ``threads``).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        weight_format: str = "bf16",
+        group_size: int = 128,
+        threads: Optional[int] = None,
+        isa: str = "auto",
+        pool: Optional[ExpertPool] = None,
+    ):
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"unknown weight_format {weight_format!r}; expected one of {', '.join(WEIGHT_FORMATS)}")
+        if isa == "auto":
+            isa = _C.cpu_features()["best_isa"]
+        elif isa not in ISAS:
+            raise ValueError(f"unknown isa {isa!r}; expected 'auto' or one of {', '.join(ISAS)}")
+        self.pool = pool if pool is not None else shared_pool(threads)
+        self.num_experts = int(num_experts)
+        self.hidden_size = int(hidden_size)
+        self.intermediate_size = int(intermediate_size)
+        self.weight_format = weight_format
+        self._ex = _C.MoeExperts(
+            self.pool._pool, self.num_experts, self.hidden_size, self.intermediate_size, weight_format,
+            int(group_size), isa,
+        )
+
+    # ------------------------------------------------------------------ weights
+
+    def load(self, gate: TensorOrList, up: TensorOrList, down: TensorOrList, first_expert: int = 0) -> None:
+        """Pack experts from Hugging Face-oriented weights: gate, up ``[n, I, H]``, down ``[n, H, I]``.
+
+        Accepts stacked tensors or per-expert lists, in any floating dtype. The engine keeps no reference to
+        them afterwards. ``first_expert`` loads a slice (experts ``first_expert .. first_expert + n``).
+        """
+        gate, up, down = (self._as_list(n, w) for n, w in (("gate", gate), ("up", up), ("down", down)))
+        n = len(gate)
+        if len(up) != n or len(down) != n:
+            raise ValueError(f"gate, up and down hold {len(gate)}, {len(up)} and {len(down)} experts; they must match")
+        if not 0 <= first_expert or first_expert + n > self.num_experts:
+            raise ValueError(
+                f"experts [{first_expert}, {first_expert + n}) do not fit in num_experts={self.num_experts}"
+            )
+        I, H = self.intermediate_size, self.hidden_size
+        for i in range(n):
+            for name, w, shape in (("gate", gate[i], (I, H)), ("up", up[i], (I, H)), ("down", down[i], (H, I))):
+                if tuple(w.shape) != shape:
+                    raise ValueError(f"{name}[{i}] has shape {tuple(w.shape)}; expected {shape} (out x in)")
+            g, u, d = (w.detach().to("cpu", torch.float32).contiguous() for w in (gate[i], up[i], down[i]))
+            for name, w in (("gate", g), ("up", u), ("down", d)):
+                if not torch.isfinite(w).all():
+                    raise ValueError(f"{name}[{i}] contains NaN or Inf")
+            self._ex.load(first_expert + i, 1, g.data_ptr(), u.data_ptr(), d.data_ptr())
+
+    @staticmethod
+    def _as_list(name: str, w: TensorOrList) -> list:
+        if isinstance(w, torch.Tensor):
+            if w.dim() != 3:
+                raise ValueError(f"{name} must be a stacked 3-D tensor or a list of 2-D tensors, got shape {tuple(w.shape)}")
+            w = list(w.unbind(0))
+        w = list(w)
+        for i, t in enumerate(w):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+            if not t.is_floating_point():
+                raise ValueError(f"{name}[{i}] has dtype {t.dtype}; expert weights must be floating point")
+        return w
+
+    def dequantized(self, expert: int) -> tuple:
+        """fp32 ``(gate [I, H], up [I, H], down [H, I])``: the values the kernels multiply by."""
+        I, H = self.intermediate_size, self.hidden_size
+        g, u, d = torch.empty(I, H), torch.empty(I, H), torch.empty(H, I)
+        self._ex.unpack(int(expert), g.data_ptr(), u.data_ptr(), d.data_ptr())
+        return g, u, d
+
+    def info(self) -> dict:
+        """Format, ISA path and kernel chosen, activation precision, bytes per expert, threads."""
+        d = dict(self._ex.info())
+        d["experts_loaded"] = self._ex.n_loaded
+        return d
+
+    # ------------------------------------------------------------------ calls
+
+    def prepare(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        out: Optional[torch.Tensor] = None,
+        *,
+        n_tokens: Optional[torch.Tensor] = None,
+        accumulate: bool = False,
+        skip_mask: Optional[torch.Tensor] = None,
+    ) -> MoEJob:
+        """Bind buffers into a job that can be submitted many times.
+
+        x ``[T, H]`` fp32/bf16, topk_ids ``[T, k]`` int32/int64 (-1 = skip), topk_weights ``[T, k]`` fp32,
+        out ``[T, H]`` fp32/bf16 (allocated like x when omitted). ``n_tokens``: an int64 CPU tensor of one
+        element read when the job runs (T is then a capacity); ``skip_mask``: bool/uint8 ``[E]``, experts the
+        CPU must skip (they are computed elsewhere), also read when the job runs.
+        """
+        if self._ex.n_loaded == 0:
+            raise RuntimeError("CPUExperts has no experts loaded yet: call load(gate, up, down) first")
+        _check_tensor("x", x, (torch.float32, torch.bfloat16), 2)
+        T, H = x.shape
+        if H != self.hidden_size:
+            raise ValueError(f"x has hidden size {H}; this layer has hidden_size={self.hidden_size}")
+        _check_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), 2)
+        _check_tensor("topk_weights", topk_weights, (torch.float32,), 2)
+        if topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
+            raise ValueError(
+                f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be [T={T}, k]"
+            )
+        k = topk_ids.shape[1]
+        if k < 1:
+            raise ValueError("topk_ids must have at least one column (k >= 1)")
+        if out is None:
+            if accumulate:
+                raise ValueError("accumulate=True needs an out tensor to accumulate into")
+            out = torch.empty_like(x)
+        _check_tensor("out", out, (torch.float32, torch.bfloat16), 2)
+        if tuple(out.shape) != (T, H):
+            raise ValueError(f"out has shape {tuple(out.shape)}; expected {(T, H)}")
+        keep = [x, topk_ids, topk_weights, out]
+        n_ptr = 0
+        if n_tokens is not None:
+            _check_tensor("n_tokens", n_tokens.reshape(-1), (torch.int64,), 1)
+            if n_tokens.numel() != 1:
+                raise ValueError(f"n_tokens must hold one value, got {n_tokens.numel()}")
+            n_ptr = n_tokens.data_ptr()
+            keep.append(n_tokens)
+        mask_ptr = 0
+        if skip_mask is not None:
+            _check_tensor("skip_mask", skip_mask, (torch.bool, torch.uint8), 1)
+            if skip_mask.numel() != self.num_experts:
+                raise ValueError(f"skip_mask has {skip_mask.numel()} entries; expected num_experts={self.num_experts}")
+            mask_ptr = skip_mask.data_ptr()
+            keep.append(skip_mask)
+        job = self._ex.make_job(
+            x.data_ptr(), x.dtype == torch.bfloat16, topk_ids.data_ptr(), topk_ids.dtype == torch.int32,
+            topk_weights.data_ptr(), k, out.data_ptr(), out.dtype == torch.bfloat16, bool(accumulate), n_ptr, T, T,
+            mask_ptr,
+        )
+        return MoEJob(job, tuple(keep), self, out)
+
+    def submit(self, job_or_x: Union[MoEJob, torch.Tensor], *args, **kwargs) -> MoEJob:
+        """Enqueue a prepared job, or prepare one from ``prepare``'s arguments and enqueue it. Returns the job."""
+        job = job_or_x if isinstance(job_or_x, MoEJob) else self.prepare(job_or_x, *args, **kwargs)
+        self.pool.submit(job)
+        return job
+
+    def sync(self, allow_pending: int = 0) -> None:
+        """Wait until at most ``allow_pending`` jobs of this layer's pool are unfinished; raise job errors."""
+        self.pool.sync(allow_pending)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        out: Optional[torch.Tensor] = None,
+        *,
+        accumulate: bool = False,
+        skip_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Compute the routed experts now and return ``out``."""
+        job = self.submit(x, topk_ids, topk_weights, out, accumulate=accumulate, skip_mask=skip_mask)
+        self.pool.sync(0)
+        return job.out
+
+    __call__ = forward
