@@ -1,6 +1,8 @@
 // The STREAM-read probe: how fast this machine's DRAM feeds the pool's threads, measured in the same process
 // (and run) as the kernels it is compared to.
 #include <chrono>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "kernels/dispatch.h"
@@ -9,6 +11,8 @@
 namespace hetmoe {
 
 double measure_read_bandwidth(ThreadPool& pool, size_t bytes, int repeats, Isa isa) {
+  if (!cpu_features().supports(isa))
+    throw std::invalid_argument(std::string("this CPU cannot run the ") + isa_name(isa) + " read loop");
   const int n = pool.size();
   const size_t slice = bytes / n / 4096 * 4096;
   if (slice == 0) throw std::invalid_argument("bandwidth probe: buffer too small for the thread count");

@@ -1,0 +1,4 @@
+"""Benchmarks behind ``hetmoe bench ...``: each prints the physics (GB/s, % of measured STREAM, FLOP/s), not only ms.
+
+``kernel``: the fused CPU MoE layer per (shape, format, T) against DRAM read bandwidth and a naive PyTorch loop.
+"""

@@ -1,0 +1,404 @@
+"""``hetmoe bench kernel``: the fused CPU MoE layer against the DRAM bandwidth and a naive PyTorch loop.
+
+Per (shape, format, T) it reports ms (median of repeats after warm-up), GB/s of expert weights streamed
+(distinct active experts x bytes per packed expert), % of the STREAM-read bandwidth measured by the same pool in
+the same run, FLOP/s (2 x 3 x H x I per (token, expert) pair), and the speed-up over a naive PyTorch
+per-expert loop timed alongside on the same machine. Consecutive calls use different random routings, so a
+decode step reads its experts from DRAM, not from cache.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hetmoe import kernels
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    hidden: int  # H
+    inter: int  # I
+    n_expert: int  # E
+    top_k: int  # k
+
+
+SHAPES = {
+    s.name: s
+    for s in (
+        Shape("deepseek-v3", 7168, 2048, 256, 8),
+        Shape("qwen3-30b-a3b", 2048, 768, 128, 8),
+        Shape("mixtral-8x7b", 4096, 14336, 8, 2),
+    )
+}
+DEFAULT_GROUP = {"bf16": 128, "int8": 128, "int4": 64}
+WARMUP = 2
+N_ROUTINGS = 8  # at least this many distinct routings are cycled through
+BASELINE_EXPERTS = 16  # the PyTorch loop keeps at most this many experts (bf16 or int8 codes)
+CHECK_TOKENS = 8
+GB = 1e9
+
+
+# ---------------------------------------------------------------------------------------------- machine
+
+
+def mem_total_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemTotal not found in /proc/meminfo")
+
+
+def llc_bytes() -> int:
+    """Size of the last-level cache seen by CPU 0 (0 when sysfs does not say)."""
+    best = (0, 0)
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    for index in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        try:
+            level = int(open(f"{base}/{index}/level").read())
+            size = open(f"{base}/{index}/size").read().strip()
+        except (OSError, ValueError):
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        best = max(best, (level, int(size.rstrip("KMG")) * mult))
+    return best[1]
+
+
+def git_commit() -> str:
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        run = lambda *cmd: subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=5)  # noqa: E731
+        head = run("git", "rev-parse", "--short", "HEAD")
+        if head.returncode != 0:
+            return ""
+        dirty = run("git", "status", "--porcelain", "--untracked-files=no").stdout.strip()
+        return head.stdout.strip() + (" (dirty)" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def machine_info(pool: kernels.ExpertPool) -> dict:
+    info = kernels.cpu_info()
+    return {
+        "hostname": socket.gethostname(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "cpu_model": _cpu_model(),
+        "cpu_flags": info["flags"],
+        "best_isa": info["best_isa"],
+        "physical_cores": info["physical_cores"],
+        "threads": pool.threads,
+        "pinned_cpus": pool.pinned_cpus,
+        "mem_total_gb": mem_total_bytes() / GB,
+        "llc_mb": llc_bytes() / (1 << 20),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def check_isa(isa: str) -> None:
+    """Refuses an ISA this CPU cannot run before anything executes its instructions."""
+    supported = kernels.cpu_info()["supported_isas"]
+    if isa != "auto" and isa not in supported:
+        raise ValueError(f"--isa {isa}: this CPU runs only {', '.join(supported)} (or auto)")
+
+
+def doctor(threads=None, isa: str = "auto") -> int:
+    check_isa(isa)
+    pool = kernels.shared_pool(threads)
+    info = kernels.cpu_info()
+    print(f"cpu:        {_cpu_model()}")
+    print(f"features:   {info['flags']}")
+    print(f"isas:       {', '.join(info['supported_isas'])} (best: {info['best_isa']})")
+    print(f"memory:     {mem_total_bytes() / GB:.1f} GB, last-level cache {llc_bytes() / (1 << 20):.0f} MiB")
+    print(f"pool:       {pool.threads} threads pinned to CPUs {pool.pinned_cpus}")
+    for fmt in kernels.WEIGHT_FORMATS:
+        ex = kernels.CPUExperts(1, 256, 256, fmt, DEFAULT_GROUP[fmt], pool=pool, isa=isa)
+        d = ex.info()
+        print(f"{fmt + ':':11s} kernel {d['kernel']} (isa {d['isa']}, activations {d['activation']})")
+    print(f"torch:      {torch.__version__}, {torch.get_num_threads()} threads")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- measurements
+
+
+def random_routing(T: int, E: int, k: int, gen: torch.Generator) -> tuple:
+    """k distinct experts per token, uniform: ids [T, k] int64, weights [T, k] fp32 (positive, sum 1)."""
+    vals, ids = torch.rand(T, E, generator=gen).topk(k, dim=1)
+    return ids.contiguous(), vals.softmax(dim=1).contiguous()
+
+
+def time_calls(fn, n_calls: int, warmup: int = WARMUP) -> list:
+    """fn(i) for i in range(warmup + n_calls); seconds of the timed calls."""
+    times = []
+    for i in range(warmup + n_calls):
+        t0 = time.perf_counter()
+        fn(i)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def load_random(experts: kernels.CPUExperts, label: str, gen: torch.Generator, chunk_bytes: int = 512 << 20) -> None:
+    """Loads N(0, 0.02) weights a few experts at a time, so the fp32 copies never exceed ``chunk_bytes``."""
+    E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
+    per_chunk = max(1, chunk_bytes // (3 * H * I * 4))
+    t0 = last = time.perf_counter()
+    tty = sys.stderr.isatty()
+    for e0 in range(0, E, per_chunk):
+        n = min(per_chunk, E - e0)
+        gate, up = (torch.randn(n, I, H, generator=gen) * 0.02 for _ in range(2))
+        down = torch.randn(n, H, I, generator=gen) * 0.02
+        experts.load(gate, up, down, first_expert=e0)
+        del gate, up, down
+        now = time.perf_counter()
+        if e0 + n == E or (tty and now - last > 0.5) or now - last > 10:
+            end = "\n" if e0 + n == E else ("\r" if tty else "\n")
+            print(f"  loading {label}: {e0 + n}/{E} experts, {now - t0:.1f} s", end=end, file=sys.stderr, flush=True)
+            last = now
+
+
+def measure_overhead(pool: kernels.ExpertPool, iters: int = 2000, warmup: int = 200) -> dict:
+    """Round trip pool.submit(job) -> pool.sync() of a prepared job whose n_tokens reads 0, in µs."""
+    H, I, k = 256, 256, 2
+    ex = kernels.CPUExperts(4, H, I, "bf16", pool=pool)
+    ex.load(torch.randn(4, I, H) * 0.02, torch.randn(4, I, H) * 0.02, torch.randn(4, H, I) * 0.02)
+    x = torch.zeros(1, H, dtype=torch.bfloat16)
+    ids = torch.zeros(1, k, dtype=torch.int64)
+    ids[0, 1] = 1
+    job = ex.prepare(x, ids, torch.ones(1, k), n_tokens=torch.zeros(1, dtype=torch.int64))
+    times = []
+    for i in range(warmup + iters):
+        t0 = time.perf_counter_ns()
+        pool.submit(job)
+        pool.sync()
+        if i >= warmup:
+            times.append((time.perf_counter_ns() - t0) / 1e3)
+    times.sort()
+    return {"iters": iters, "median_us": statistics.median(times), "p99_us": times[min(len(times) - 1, int(0.99 * len(times)))]}
+
+
+def run_overhead_bench(threads=None, iters: int = 2000) -> int:
+    pool = kernels.shared_pool(threads)
+    r = measure_overhead(pool, iters)
+    print(f"submit->sync round trip, T=0, {pool.threads} threads: median {r['median_us']:.1f} µs, "
+          f"p99 {r['p99_us']:.1f} µs ({iters} calls)")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- baseline
+
+
+class TorchLoopExperts:
+    """The naive baseline: a Python loop over active experts with torch matmuls.
+
+    Holds experts ``0 .. n-1`` of ``experts`` (their dequantized values, so outputs are comparable): bf16
+    tensors for bf16, int8 codes + fp32 group scales for int8/int4, dequantized to bf16 on the fly per call.
+    """
+
+    def __init__(self, experts: kernels.CPUExperts, n: int, fmt: str, group: int):
+        self.fmt = fmt
+        self.weights = []
+        for e in range(n):
+            g, u, d = experts.dequantized(e)
+            if fmt == "bf16":
+                self.weights.append(tuple(w.bfloat16() for w in (g, u, d)))
+            else:
+                self.weights.append(tuple(self._quantize(w, group, fmt) for w in (g, u, d)))
+
+    @staticmethod
+    def _quantize(w: torch.Tensor, group: int, fmt: str) -> tuple:
+        """Codes and scales that reproduce ``w`` (already on the engine's grid): int8 [rows, cols], fp32 [rows, cols/g]."""
+        rows, cols = w.shape
+        g = w.view(rows, cols // (group or cols), -1)
+        amax = g.abs().amax(dim=-1, keepdim=True)
+        best = None
+        for qmax in (127.0,) if fmt == "int8" else (7.0, 8.0):  # int4 codes are [-8, 7]: max |code| is 7 or 8
+            s = amax / qmax
+            q = torch.where(s > 0, g / s, torch.zeros_like(g)).round().clamp(-qmax, 127.0 if fmt == "int8" else 7.0)
+            err = (q * s - g).abs().amax(dim=-1, keepdim=True)
+            if best is None:
+                best = (q, s, err)
+            else:
+                pick = err < best[2]
+                best = (torch.where(pick, q, best[0]), torch.where(pick, s, best[1]), torch.minimum(err, best[2]))
+        return best[0].to(torch.int8).view(rows, cols), best[1].view(rows, -1)
+
+    def _expert(self, e: int) -> tuple:
+        if self.fmt == "bf16":
+            return self.weights[e]
+        out = []
+        for q, s in self.weights[e]:
+            rows, cols = q.shape
+            out.append((q.float().view(rows, s.shape[1], -1) * s.unsqueeze(-1)).view(rows, cols).bfloat16())
+        return tuple(out)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        for e in ids.unique().tolist():
+            tok, slot = torch.where(ids == e)
+            g, u, d = self._expert(e)
+            xe = x[tok]
+            h = torch.nn.functional.silu(xe @ g.T) * (xe @ u.T)
+            out.index_add_(0, tok, (h @ d.T).float() * weights[tok, slot].unsqueeze(1))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- the benchmark
+
+
+def choose_experts(shape: Shape, requested: int, bytes_per_expert: int, budget: int, notes: list) -> int:
+    """E within the memory budget, but at least k and, if possible, several times the last-level cache."""
+    cap = budget // bytes_per_expert
+    if requested <= cap:
+        return requested
+    floor = max(shape.top_k, math.ceil(4 * llc_bytes() / bytes_per_expert))
+    E = max(cap, min(requested, floor))
+    notes.append(f"E capped {requested} -> {E} by --mem-budget-gb {budget / GB:.1f} "
+                 f"({bytes_per_expert / 1e6:.1f} MB per expert); routing is uniform over these {E}")
+    return E
+
+
+def fmt_row(r: dict) -> str:
+    torch_ms = f"{r['torch_ms']:9.2f}" if r.get("torch_ms") is not None else f"{'-':>9}"
+    speedup = f"{r['speedup']:7.2f}x" if r.get("speedup") is not None else f"{'-':>8}"
+    return (f"{r['shape']:14s} {r['format']:5s} {r['T']:5d} {r['E']:4d} {r['ms']:9.3f} {r['gbps']:7.1f} "
+            f"{r['pct_stream']:6.1f}% {r['tflops']:7.3f} {r['tflops'] * 1e3:8.1f} {torch_ms} {speedup}")
+
+
+HEADER = (f"{'shape':14s} {'fmt':5s} {'T':>5s} {'E':>4s} {'ms':>9s} {'GB/s':>7s} {'%STREAM':>7s} {'TFLOPS':>7s} "
+          f"{'GFLOPS':>8s} {'torch ms':>9s} {'speedup':>8s}")
+
+
+def run_kernel_bench(args) -> int:
+    quick = bool(args.quick)
+    shapes = [SHAPES[n] for n in (args.shapes or (["qwen3-30b-a3b"] if quick else list(SHAPES)))]
+    formats = args.formats or list(kernels.WEIGHT_FORMATS)
+    tokens = args.tokens or ([1, 32] if quick else [1, 4, 32, 512, 2048])
+    repeats = args.repeats or (3 if quick else 5)
+    n_experts = args.experts or (16 if quick else None)
+    budget = int((args.mem_budget_gb * GB) if args.mem_budget_gb else 0.45 * mem_total_bytes())
+    isa = args.isa
+    check_isa(isa)
+    # Human output goes to stderr when the JSON goes to stdout.
+    log = sys.stderr if args.json == "-" else sys.stdout
+    say = lambda *a: print(*a, file=log, flush=True)  # noqa: E731
+
+    pool = kernels.shared_pool(args.threads)
+    torch.set_num_threads(pool.threads)
+    machine = machine_info(pool)
+    say(f"hetmoe bench kernel  {machine['date']}  {machine['hostname']}  commit {machine['commit'] or '?'}")
+    say(f"cpu: {machine['cpu_model']} [{machine['cpu_flags']}], {pool.threads} threads pinned to {pool.pinned_cpus}, "
+        f"torch {machine['torch']} with {torch.get_num_threads()} threads")
+
+    # Large enough to defeat the caches even under a small budget.
+    stream_bytes = max(min(2 << 30, budget // 4), 8 * llc_bytes()) // (1 << 20) * (1 << 20)
+    stream = pool.read_bandwidth(stream_bytes, 5, None if isa == "auto" else isa)
+    say(f"STREAM read ({stream_bytes / GB:.2f} GB, {pool.threads} threads, best of 5): {stream:.1f} GB/s")
+    overhead = measure_overhead(pool)
+    say(f"submit->sync round trip (T=0): median {overhead['median_us']:.1f} µs, p99 {overhead['p99_us']:.1f} µs")
+    if not args.no_baseline:
+        say(f"baseline: PyTorch loop over active experts on its own set of min(E, {BASELINE_EXPERTS}) experts "
+            f"(same T, k, x; routing over that set); int8/int4 dequantized to bf16 per call")
+    say("")
+    say(HEADER)
+
+    gen = torch.Generator().manual_seed(0)
+    records = []
+    for shape in shapes:
+        for fmt in formats:
+            group = DEFAULT_GROUP[fmt] if args.group_size is None or fmt == "bf16" else args.group_size
+            H, I, k = shape.hidden, shape.inter, shape.top_k
+            probe = kernels.CPUExperts(1, H, I, fmt, group, pool=pool, isa=isa)
+            bpe = probe.info()["bytes_per_expert"]
+            del probe
+            notes = []
+            E = choose_experts(shape, n_experts or shape.n_expert, bpe, budget, notes)
+            if E * bpe < 4 * llc_bytes():
+                notes.append(f"all {E} experts ({E * bpe / 1e6:.0f} MB) fit in 4x the last-level cache: "
+                             "weights may come from cache, GB/s can exceed DRAM")
+            experts = kernels.CPUExperts(E, H, I, fmt, group, pool=pool, isa=isa)
+            load_random(experts, f"{shape.name} {fmt}", gen)
+            info = experts.info()
+            baseline = None
+            if not args.no_baseline:
+                baseline = TorchLoopExperts(experts, min(E, BASELINE_EXPERTS), fmt, group)
+                xc = torch.randn(CHECK_TOKENS, H, generator=gen).bfloat16()
+                ids_c, w_c = random_routing(CHECK_TOKENS, len(baseline.weights), k, gen)
+                ours, ref = experts.forward(xc, ids_c, w_c).float(), baseline.forward(xc, ids_c, w_c)
+                check = ((ours - ref).norm() / ref.norm()).item()
+                notes.append(f"rel. error vs the torch loop at T={CHECK_TOKENS}: {check:.2e}"
+                             + ("  <-- WARNING: large" if check > 0.05 else ""))
+            say(f"# {shape.name} {fmt}: H {H}, I {I}, E {E}, k {k}, kernel {info['kernel']} (isa {info['isa']}, "
+                f"activations {info['activation']}{', group ' + str(group) if fmt != 'bf16' else ''}), "
+                f"{bpe / 1e6:.2f} MB per expert")
+            for note in notes:
+                say(f"#   note: {note}")
+
+            for T in tokens:
+                n_calls = WARMUP + repeats
+                routings = [random_routing(T, E, k, gen) for _ in range(max(N_ROUTINGS, n_calls))]
+                x = torch.randn(T, H, generator=gen).bfloat16()
+                out = torch.empty(T, H, dtype=torch.bfloat16)
+                times = time_calls(lambda i: experts.forward(x, *routings[i % len(routings)], out), repeats)
+                # The calls timed are routings[WARMUP:n_calls]: bytes are their distinct experts.
+                distinct = statistics.mean(routings[i][0].unique().numel() for i in range(WARMUP, n_calls))
+                ms = statistics.median(times) * 1e3
+                nbytes = distinct * bpe
+                flops = 2 * 3 * H * I * T * k
+                rec = {
+                    "shape": shape.name, "format": fmt, "T": T, "E": E, "E_named": shape.n_expert, "k": k,
+                    "H": H, "I": I, "group_size": group if fmt != "bf16" else None, "kernel": info["kernel"],
+                    "isa": info["isa"], "activation": info["activation"], "threads": pool.threads,
+                    "bytes_per_expert": bpe, "ms": ms, "ms_all": [t * 1e3 for t in times],
+                    "distinct_experts": distinct, "bytes": nbytes, "gbps": nbytes / (ms * 1e-3) / GB,
+                    "pct_stream": 100 * nbytes / (ms * 1e-3) / GB / stream, "flops": flops,
+                    "tflops": flops / (ms * 1e-3) / 1e12, "torch_ms": None, "speedup": None, "notes": notes,
+                }
+                if baseline is not None:
+                    broutings = [random_routing(T, len(baseline.weights), k, gen) for _ in range(len(routings))]
+                    btimes = time_calls(lambda i: baseline.forward(x, *broutings[i % len(broutings)]), repeats)
+                    rec["torch_ms"] = statistics.median(btimes) * 1e3
+                    rec["torch_ms_all"] = [t * 1e3 for t in btimes]
+                    rec["torch_experts"] = len(baseline.weights)
+                    rec["speedup"] = rec["torch_ms"] / ms
+                    rec["check_rel_err"] = check
+                records.append(rec)
+                say(fmt_row(rec))
+            del experts, baseline
+
+    if args.json:
+        doc = {"machine": machine, "stream_gbps": stream, "stream_bytes": stream_bytes, "overhead": overhead,
+               "config": {"repeats": repeats, "warmup": WARMUP, "mem_budget_bytes": budget, "isa": isa,
+                          "baseline_experts": None if args.no_baseline else BASELINE_EXPERTS},
+               "records": records}
+        text = json.dumps(doc, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+            say(f"wrote {args.json}")
+    return 0
