@@ -12,45 +12,53 @@ namespace avx2 {
 
 namespace {
 
-// Runs tile<NT> over n_tok tokens: full tiles of kMax, then one tail tile.
+// Runs Tile<kMax> over full tiles of tokens, then one Tile<rest> for the remainder.
+template <int N, template <int> class Tile>
+inline void run_tail(int rest, const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+  if constexpr (N > 0) {
+    if (rest == N) return Tile<N>::run(w, rows, a, out);
+    run_tail<N - 1, Tile>(rest, w, rows, a, out);
+  }
+}
+
 template <int kMax, template <int> class Tile>
 inline void run_tiles(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
   int t = 0;
   for (; t + kMax <= n_tok; t += kMax) Tile<kMax>::run(w, rows + t, a, out + t * kRowsPerBlock);
-  switch (n_tok - t) {
-    case 0: break;
-    case 1: Tile<1>::run(w, rows + t, a, out + t * kRowsPerBlock); break;
-    case 2: if constexpr (kMax > 2) Tile<2>::run(w, rows + t, a, out + t * kRowsPerBlock); break;
-    case 3: if constexpr (kMax > 3) Tile<3>::run(w, rows + t, a, out + t * kRowsPerBlock); break;
-  }
+  run_tail<kMax - 1, Tile>(n_tok - t, w, rows + t, a, out + t * kRowsPerBlock);
 }
 
+// bf16 weights x fp32 activations: even and odd k accumulate in separate registers (two independent fma
+// chains per row, so one token is not latency-bound), summed at the end.
 template <int NT>
 struct Bf16Tile {
   static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout&, float* out) {
     const int lines = w.kp / 2;
     const __m256i hi_mask = _mm256_set1_epi32((int)0xffff0000u);
     const float* x[NT];
+#pragma GCC unroll 8
     for (int i = 0; i < NT; ++i) x[i] = reinterpret_cast<const float*>(rows[i]);
-    __m256 acc[NT][2];
-    for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    __m256 even[NT][2], odd[NT][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < NT; ++i) even[i][0] = even[i][1] = odd[i][0] = odd[i][1] = _mm256_setzero_ps();
     const uint8_t* p = w.data;
     for (int j = 0; j < lines; ++j, p += kLineBytes) {
-      __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
-      __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32));
-      __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
-      __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, hi_mask));
-      __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
-      __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, hi_mask));
-      for (int i = 0; i < NT; ++i) {
-        __m256 xe = _mm256_broadcast_ss(x[i] + 2 * j), xo = _mm256_broadcast_ss(x[i] + 2 * j + 1);
-        acc[i][0] = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, acc[i][0]));
-        acc[i][1] = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, acc[i][1]));
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32 * half));
+        __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        __m256 o = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+#pragma GCC unroll 8
+        for (int i = 0; i < NT; ++i) {
+          even[i][half] = _mm256_fmadd_ps(e, _mm256_broadcast_ss(x[i] + 2 * j), even[i][half]);
+          odd[i][half] = _mm256_fmadd_ps(o, _mm256_broadcast_ss(x[i] + 2 * j + 1), odd[i][half]);
+        }
       }
     }
+#pragma GCC unroll 8
     for (int i = 0; i < NT; ++i) {
-      _mm256_storeu_ps(out + i * kRowsPerBlock, acc[i][0]);
-      _mm256_storeu_ps(out + i * kRowsPerBlock + 8, acc[i][1]);
+      _mm256_storeu_ps(out + i * kRowsPerBlock, _mm256_add_ps(even[i][0], odd[i][0]));
+      _mm256_storeu_ps(out + i * kRowsPerBlock + 8, _mm256_add_ps(even[i][1], odd[i][1]));
     }
   }
 };
@@ -69,27 +77,35 @@ struct Int8Tile {
   static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
     const int lines_per_group = w.group / 4, n_groups = w.kp / w.group;
     const int16_t* x[NT];
+    #pragma GCC unroll 8
     for (int i = 0; i < NT; ++i) x[i] = reinterpret_cast<const int16_t*>(rows[i]);
     __m256 facc[NT][2];
+    #pragma GCC unroll 8
     for (int i = 0; i < NT; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
     const uint8_t* p = w.data;
     for (int g = 0; g < n_groups; ++g) {
       __m256i acc[NT][4];
+      #pragma GCC unroll 8
       for (int i = 0; i < NT; ++i)
+        #pragma GCC unroll 8
         for (int c = 0; c < 4; ++c) acc[i][c] = _mm256_setzero_si256();
       for (int jj = 0; jj < lines_per_group; ++jj, p += kLineBytes) {
         const int j = g * lines_per_group + jj;
         __m256i xb[NT];
+        #pragma GCC unroll 8
         for (int i = 0; i < NT; ++i) {
           int64_t q4;
           std::memcpy(&q4, x[i] + 4 * j, 8);
           xb[i] = _mm256_set1_epi64x(q4);
         }
+        #pragma GCC unroll 8
         for (int c = 0; c < 4; ++c) {
           __m256i w16 = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(p + 16 * c)));
+          #pragma GCC unroll 8
           for (int i = 0; i < NT; ++i) acc[i][c] = _mm256_add_epi32(acc[i][c], _mm256_madd_epi16(w16, xb[i]));
         }
       }
+      #pragma GCC unroll 8
       for (int i = 0; i < NT; ++i) {
         const float xs = act_scales(rows[i], a)[g];
         const int32_t off = 128 * act_sums(rows[i], a)[g];
@@ -99,6 +115,7 @@ struct Int8Tile {
         facc[i][1] = epilogue8(facc[i][1], hi, off, w.scales + g * kRowsPerBlock + 8, xs);
       }
     }
+    #pragma GCC unroll 8
     for (int i = 0; i < NT; ++i) {
       _mm256_storeu_ps(out + i * kRowsPerBlock, facc[i][0]);
       _mm256_storeu_ps(out + i * kRowsPerBlock + 8, facc[i][1]);
@@ -114,19 +131,24 @@ struct Int4Tile {
     const int lines_per_group = w.group / 8, n_groups = w.kp / w.group;
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const int8_t* x[NT];
+    #pragma GCC unroll 8
     for (int i = 0; i < NT; ++i) x[i] = reinterpret_cast<const int8_t*>(rows[i]);
     __m256 facc[NT][2];
+    #pragma GCC unroll 8
     for (int i = 0; i < NT; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
     const uint8_t* p = w.data;
     for (int g = 0; g < n_groups; ++g) {
       __m256i acc[NT][2];
+      #pragma GCC unroll 8
       for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
       for (int j4 = 0; j4 < lines_per_group; j4 += 4) {
         __m256i acc16[NT][2];
+        #pragma GCC unroll 8
         for (int i = 0; i < NT; ++i) acc16[i][0] = acc16[i][1] = _mm256_setzero_si256();
         for (int jj = 0; jj < 4; ++jj, p += kLineBytes) {
           const int j = g * lines_per_group + j4 + jj;
           __m256i xl[NT], xh[NT];
+          #pragma GCC unroll 8
           for (int i = 0; i < NT; ++i) {
             int32_t l, h;
             std::memcpy(&l, x[i] + 8 * j, 4);
@@ -134,20 +156,25 @@ struct Int4Tile {
             xl[i] = _mm256_set1_epi32(l);
             xh[i] = _mm256_set1_epi32(h);
           }
+          #pragma GCC unroll 8
           for (int half = 0; half < 2; ++half) {
             __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32 * half));
             __m256i lo = _mm256_and_si256(v, low4);
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            #pragma GCC unroll 8
             for (int i = 0; i < NT; ++i) {
               __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl[i]), _mm256_maddubs_epi16(hi, xh[i]));
               acc16[i][half] = _mm256_add_epi16(acc16[i][half], s);
             }
           }
         }
+        #pragma GCC unroll 8
         for (int i = 0; i < NT; ++i)
+          #pragma GCC unroll 8
           for (int half = 0; half < 2; ++half)
             acc[i][half] = _mm256_add_epi32(acc[i][half], _mm256_madd_epi16(acc16[i][half], ones));
       }
+      #pragma GCC unroll 8
       for (int i = 0; i < NT; ++i) {
         const float xs = act_scales(rows[i], a)[g];
         const int32_t off = 8 * act_sums(rows[i], a)[g];
@@ -155,6 +182,7 @@ struct Int4Tile {
         facc[i][1] = epilogue8(facc[i][1], acc[i][1], off, w.scales + g * kRowsPerBlock + 8, xs);
       }
     }
+    #pragma GCC unroll 8
     for (int i = 0; i < NT; ++i) {
       _mm256_storeu_ps(out + i * kRowsPerBlock, facc[i][0]);
       _mm256_storeu_ps(out + i * kRowsPerBlock + 8, facc[i][1]);
@@ -177,7 +205,7 @@ uint64_t read_bytes(const uint8_t* p, size_t bytes) {
 }
 
 void rowblock_bf16(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
-  run_tiles<4, Bf16Tile>(w, rows, a, n_tok, out);
+  run_tiles<2, Bf16Tile>(w, rows, a, n_tok, out);
 }
 void rowblock_int8(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
   run_tiles<2, Int8Tile>(w, rows, a, n_tok, out);

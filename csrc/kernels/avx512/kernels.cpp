@@ -12,42 +12,47 @@ namespace avx512 {
 
 namespace {
 
+// Runs Tile<kMax> over full tiles of tokens, then one Tile<rest> for the remainder.
+template <int N, template <int> class Tile>
+inline void run_tail(int rest, const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+  if constexpr (N > 0) {
+    if (rest == N) return Tile<N>::run(w, rows, a, out);
+    run_tail<N - 1, Tile>(rest, w, rows, a, out);
+  }
+}
+
 template <int kMax, template <int> class Tile>
 inline void run_tiles(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
   int t = 0;
   for (; t + kMax <= n_tok; t += kMax) Tile<kMax>::run(w, rows + t, a, out + t * kRowsPerBlock);
-  const uint8_t* const* r = rows + t;
-  float* o = out + t * kRowsPerBlock;
-  switch (n_tok - t) {
-    case 0: break;
-    case 1: Tile<1>::run(w, r, a, o); break;
-    case 2: Tile<2>::run(w, r, a, o); break;
-    case 3: Tile<3>::run(w, r, a, o); break;
-    case 4: if constexpr (kMax > 4) Tile<4>::run(w, r, a, o); break;
-    case 5: if constexpr (kMax > 5) Tile<5>::run(w, r, a, o); break;
-    case 6: if constexpr (kMax > 6) Tile<6>::run(w, r, a, o); break;
-    case 7: if constexpr (kMax > 7) Tile<7>::run(w, r, a, o); break;
-  }
+  run_tail<kMax - 1, Tile>(n_tok - t, w, rows + t, a, out + t * kRowsPerBlock);
 }
 
+// bf16 weights x fp32 activations; even and odd k accumulate separately (see the AVX2 version).
 template <int NT>
 struct Bf16Tile {
   static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout&, float* out) {
     const int lines = w.kp / 2;
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
     const float* x[NT];
+#pragma GCC unroll 16
     for (int i = 0; i < NT; ++i) x[i] = reinterpret_cast<const float*>(rows[i]);
-    __m512 acc[NT];
-    for (int i = 0; i < NT; ++i) acc[i] = _mm512_setzero_ps();
+    __m512 even[NT], odd[NT];
+#pragma GCC unroll 16
+    for (int i = 0; i < NT; ++i) even[i] = odd[i] = _mm512_setzero_ps();
     const uint8_t* p = w.data;
     for (int j = 0; j < lines; ++j, p += kLineBytes) {
       __m512i v = _mm512_load_si512(p);
       __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
       __m512 o = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
-      for (int i = 0; i < NT; ++i)
-        acc[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(x[i][2 * j + 1]), _mm512_fmadd_ps(e, _mm512_set1_ps(x[i][2 * j]), acc[i]));
+#pragma GCC unroll 16
+      for (int i = 0; i < NT; ++i) {
+        even[i] = _mm512_fmadd_ps(e, _mm512_set1_ps(x[i][2 * j]), even[i]);
+        odd[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(x[i][2 * j + 1]), odd[i]);
+      }
     }
-    for (int i = 0; i < NT; ++i) _mm512_storeu_ps(out + i * kRowsPerBlock, acc[i]);
+#pragma GCC unroll 16
+    for (int i = 0; i < NT; ++i) _mm512_storeu_ps(out + i * kRowsPerBlock, _mm512_add_ps(even[i], odd[i]));
   }
 };
 
@@ -66,17 +71,21 @@ struct Int8Tile {
   static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
     const int lines_per_group = w.group / 4, n_groups = w.kp / w.group;
     const int16_t* x[NT];
+    #pragma GCC unroll 16
     for (int i = 0; i < NT; ++i) x[i] = reinterpret_cast<const int16_t*>(rows[i]);
     __m512 facc[NT];
+    #pragma GCC unroll 16
     for (int i = 0; i < NT; ++i) facc[i] = _mm512_setzero_ps();
     const uint8_t* p = w.data;
     for (int g = 0; g < n_groups; ++g) {
       __m512i acc[NT][2];
+      #pragma GCC unroll 16
       for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
       for (int jj = 0; jj < lines_per_group; ++jj, p += kLineBytes) {
         const int j = g * lines_per_group + jj;
         __m512i w0 = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(p)));
         __m512i w1 = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32)));
+        #pragma GCC unroll 16
         for (int i = 0; i < NT; ++i) {
           int64_t q4;
           std::memcpy(&q4, x[i] + 4 * j, 8);
@@ -85,12 +94,14 @@ struct Int8Tile {
           acc[i][1] = _mm512_dpwssd_epi32(acc[i][1], w1, xb);
         }
       }
+      #pragma GCC unroll 16
       for (int i = 0; i < NT; ++i) {
         __m512i rows16 = _mm512_inserti64x4(_mm512_castsi256_si512(pair_sums(acc[i][0])), pair_sums(acc[i][1]), 1);
         facc[i] = epilogue16(facc[i], rows16, 128 * act_sums(rows[i], a)[g], w.scales + g * kRowsPerBlock,
                              act_scales(rows[i], a)[g]);
       }
     }
+    #pragma GCC unroll 16
     for (int i = 0; i < NT; ++i) _mm512_storeu_ps(out + i * kRowsPerBlock, facc[i]);
   }
 };
@@ -102,18 +113,22 @@ struct Int4Tile {
     const int lines_per_group = w.group / 8, n_groups = w.kp / w.group;
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     const int8_t* x[NT];
+    #pragma GCC unroll 16
     for (int i = 0; i < NT; ++i) x[i] = reinterpret_cast<const int8_t*>(rows[i]);
     __m512 facc[NT];
+    #pragma GCC unroll 16
     for (int i = 0; i < NT; ++i) facc[i] = _mm512_setzero_ps();
     const uint8_t* p = w.data;
     for (int g = 0; g < n_groups; ++g) {
       __m512i acc[NT];
+      #pragma GCC unroll 16
       for (int i = 0; i < NT; ++i) acc[i] = _mm512_setzero_si512();
       for (int jj = 0; jj < lines_per_group; ++jj, p += kLineBytes) {
         const int j = g * lines_per_group + jj;
         __m512i v = _mm512_load_si512(p);
         __m512i lo = _mm512_and_si512(v, low4);
         __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        #pragma GCC unroll 16
         for (int i = 0; i < NT; ++i) {
           int32_t l, h;
           std::memcpy(&l, x[i] + 8 * j, 4);
@@ -122,10 +137,12 @@ struct Int4Tile {
           acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_set1_epi32(h));
         }
       }
+      #pragma GCC unroll 16
       for (int i = 0; i < NT; ++i)
         facc[i] = epilogue16(facc[i], acc[i], 8 * act_sums(rows[i], a)[g], w.scales + g * kRowsPerBlock,
                              act_scales(rows[i], a)[g]);
     }
+    #pragma GCC unroll 16
     for (int i = 0; i < NT; ++i) _mm512_storeu_ps(out + i * kRowsPerBlock, facc[i]);
   }
 };
@@ -145,13 +162,13 @@ uint64_t read_bytes(const uint8_t* p, size_t bytes) {
 }
 
 void rowblock_bf16(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
-  run_tiles<8, Bf16Tile>(w, rows, a, n_tok, out);
+  run_tiles<12, Bf16Tile>(w, rows, a, n_tok, out);
 }
 void rowblock_int8(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
-  run_tiles<6, Int8Tile>(w, rows, a, n_tok, out);
+  run_tiles<8, Int8Tile>(w, rows, a, n_tok, out);
 }
 void rowblock_int4(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
-  run_tiles<8, Int4Tile>(w, rows, a, n_tok, out);
+  run_tiles<12, Int4Tile>(w, rows, a, n_tok, out);
 }
 
 }  // namespace avx512

@@ -24,14 +24,14 @@ void rowblock_bf16(const RowBlock& w, const uint8_t* const* rows, const ActLayou
   for (int t = 0; t < n_tok; ++t) {
     const float* x = reinterpret_cast<const float*>(rows[t]);
     for (int r = 0; r < kRowsPerBlock; ++r) {
-      float acc = 0.f;
+      float even = 0.f, odd = 0.f;  // two independent fma chains: even and odd k
       for (int j = 0; j < lines; ++j) {
         uint16_t v[2];
         std::memcpy(v, w.data + (size_t)j * kLineBytes + 4 * r, 4);
-        acc = std::fma(bf16_to_float(v[0]), x[2 * j], acc);
-        acc = std::fma(bf16_to_float(v[1]), x[2 * j + 1], acc);
+        even = std::fma(bf16_to_float(v[0]), x[2 * j], even);
+        odd = std::fma(bf16_to_float(v[1]), x[2 * j + 1], odd);
       }
-      out[t * kRowsPerBlock + r] = acc;
+      out[t * kRowsPerBlock + r] = even + odd;
     }
   }
 }
