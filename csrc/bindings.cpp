@@ -98,7 +98,11 @@ PYBIND11_MODULE(_C, m) {
              const ExpertsConfig& c = ex.config();
              py::dict d;
              d["weight_format"] = format_name(c.format);
-             d["group_size"] = ex.gate_up_shape().per_row ? 0 : ex.gate_up_shape().group;
+             const MatrixShape& gu = ex.gate_up_shape();
+             if (gu.has_scales())
+               d["group_size"] = gu.per_row ? 0 : gu.group;  // 0 = per-row scales
+             else
+               d["group_size"] = py::none();
              d["isa"] = isa_name(c.isa);
              d["kernel"] = ex.kernel().name;
              d["activation"] = c.format == WeightFormat::bf16 ? "fp32"

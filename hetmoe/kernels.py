@@ -80,6 +80,15 @@ class ExpertPool:
     def pending(self) -> int:
         return self._pool.pending()
 
+    def __del__(self):
+        # Jobs still queued point into tensors this object keeps alive: let them finish before both go.
+        pool = getattr(self, "_pool", None)
+        if pool is not None and pool.pending():
+            try:
+                pool.sync(0)
+            except Exception:
+                pass
+
     def read_bandwidth(self, nbytes: int = 1 << 30, repeats: int = 5, isa: Optional[str] = None) -> float:
         """STREAM-style read bandwidth of DRAM with this pool's threads, in GB/s (best of ``repeats``)."""
         return self._pool.read_bandwidth(int(nbytes), int(repeats), isa or _C.cpu_features()["best_isa"])
@@ -181,14 +190,17 @@ class CPUExperts:
                 f"experts [{first_expert}, {first_expert + n}) do not fit in num_experts={self.num_experts}"
             )
         I, H = self.intermediate_size, self.hidden_size
+        # Check every expert before packing any, so a bad tensor leaves the layer as it was.
         for i in range(n):
             for name, w, shape in (("gate", gate[i], (I, H)), ("up", up[i], (I, H)), ("down", down[i], (H, I))):
                 if tuple(w.shape) != shape:
                     raise ValueError(f"{name}[{i}] has shape {tuple(w.shape)}; expected {shape} (out x in)")
-            g, u, d = (w.detach().to("cpu", torch.float32).contiguous() for w in (gate[i], up[i], down[i]))
-            for name, w in (("gate", g), ("up", u), ("down", d)):
+                if w.device.type == "meta":
+                    raise ValueError(f"{name}[{i}] is a meta tensor and holds no data")
                 if not torch.isfinite(w).all():
                     raise ValueError(f"{name}[{i}] contains NaN or Inf")
+        for i in range(n):  # one expert at a time: only one fp32 copy exists at once
+            g, u, d = (w.detach().to("cpu", torch.float32).contiguous() for w in (gate[i], up[i], down[i]))
             self._ex.load(first_expert + i, 1, g.data_ptr(), u.data_ptr(), d.data_ptr())
 
     @staticmethod

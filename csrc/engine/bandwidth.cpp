@@ -20,7 +20,7 @@ double measure_read_bandwidth(ThreadPool& pool, size_t bytes, int repeats, Isa i
   ReadKernel read = select_read_kernel(isa);
   std::vector<uint64_t> sink(n * 8, 0);
   double best = 0;
-  auto job = std::make_shared<FunctionJob>([&](ThreadPool& p) {
+  pool.run_and_wait([&](ThreadPool& p) {
     // First touch by the reading thread (pages land on its node), then timed passes.
     p.parallel_for(n, [&](int64_t i, int) {
       for (size_t o = 0; o < slice; o += 4096) buf.data()[i * slice + o] = (uint8_t)o;
@@ -32,8 +32,6 @@ double measure_read_bandwidth(ThreadPool& pool, size_t bytes, int repeats, Isa i
       best = std::max(best, (double)(slice * n) / s / 1e9);
     }
   });
-  pool.submit(job);
-  pool.sync(0);
   return best;
 }
 

@@ -52,6 +52,7 @@ ThreadPool::ThreadPool(int n_threads, bool pin, int spin_us) : spin_us_(spin_us 
 }
 
 ThreadPool::~ThreadPool() {
+  finished_.clear();
   // The coordinator drains the queue first (its jobs still need the workers), then the workers stop.
   {
     std::lock_guard<std::mutex> lk(queue_mu_);
@@ -146,7 +147,7 @@ void ThreadPool::worker_main(int index) {
 void ThreadPool::coordinator_main() {
   if (!cpus_.empty()) pin_to_cpu(cpus_[0]);
   for (;;) {
-    std::shared_ptr<Job> job;
+    Job* job;
     // Spin on the submission counter first (cheap, keeps submit->start latency low), then sleep.
     auto deadline = Clock::now() + std::chrono::microseconds(spin_us_);
     int spins = 0;
@@ -159,7 +160,7 @@ void ThreadPool::coordinator_main() {
       std::unique_lock<std::mutex> lk(queue_mu_);
       queue_cv_.wait(lk, [&] { return !queue_.empty() || stop_.load(); });
       if (queue_.empty()) return;  // stopping with nothing left to run
-      job = queue_.front();
+      job = queue_.front().get();   // the queue keeps it alive while it runs
     }
     std::exception_ptr err;
     try {
@@ -167,9 +168,9 @@ void ThreadPool::coordinator_main() {
     } catch (...) {
       err = std::current_exception();
     }
-    job.reset();
     {
       std::lock_guard<std::mutex> lk(queue_mu_);
+      finished_.push_back(std::move(queue_.front()));
       queue_.pop_front();
       if (err && !job_error_) job_error_ = err;
       completed_.fetch_add(1, std::memory_order_release);
@@ -181,8 +182,10 @@ void ThreadPool::coordinator_main() {
 uint64_t ThreadPool::submit(std::shared_ptr<Job> job) {
   if (!job) throw std::invalid_argument("submit: null job");
   uint64_t id;
+  std::vector<std::shared_ptr<Job>> done;  // released after the lock, on this thread
   {
     std::lock_guard<std::mutex> lk(queue_mu_);
+    done.swap(finished_);
     if (stop_.load()) throw std::runtime_error("submit: thread pool is shutting down");
     queue_.push_back(std::move(job));
     id = submitted_.fetch_add(1, std::memory_order_release) + 1;
@@ -195,24 +198,45 @@ int64_t ThreadPool::pending() const {
   return (int64_t)(submitted_.load(std::memory_order_acquire) - completed_.load(std::memory_order_acquire));
 }
 
-void ThreadPool::sync(int64_t allow_pending) {
-  if (allow_pending < 0) throw std::invalid_argument("sync: allow_pending must be >= 0");
-  // A short spin serves the hybrid decode loop (jobs finish within microseconds of the wait); then sleep.
+// Waits until completed_ >= target: a short spin serves the hybrid decode loop (jobs finish within
+// microseconds of the wait), then sleep.
+void ThreadPool::wait_completed(uint64_t target) {
   auto deadline = Clock::now() + std::chrono::microseconds(spin_us_ < 50 ? spin_us_ : 50);
   int spins = 0;
-  while (pending() > allow_pending) {
+  while (completed_.load(std::memory_order_acquire) < target) {
     _mm_pause();
     if (++spins % 64 == 0 && Clock::now() > deadline) {
       std::unique_lock<std::mutex> lk(queue_mu_);
-      done_cv_.wait(lk, [&] { return pending() <= allow_pending; });
+      done_cv_.wait(lk, [&] { return completed_.load(std::memory_order_acquire) >= target; });
       break;
     }
   }
+}
+
+void ThreadPool::sync(int64_t allow_pending) {
+  if (allow_pending < 0) throw std::invalid_argument("sync: allow_pending must be >= 0");
+  uint64_t sub = submitted_.load(std::memory_order_acquire);
+  wait_completed(sub > (uint64_t)allow_pending ? sub - allow_pending : 0);
   std::exception_ptr err;
+  std::vector<std::shared_ptr<Job>> done;
   {
     std::lock_guard<std::mutex> lk(queue_mu_);
     std::swap(err, job_error_);
+    done.swap(finished_);
   }
+  if (err) std::rethrow_exception(err);
+}
+
+void ThreadPool::run_and_wait(std::function<void(ThreadPool&)> fn) {
+  std::exception_ptr err;
+  uint64_t id = submit(std::make_shared<FunctionJob>([&](ThreadPool& pool) {
+    try {
+      fn(pool);
+    } catch (...) {
+      err = std::current_exception();
+    }
+  }));
+  wait_completed(id);
   if (err) std::rethrow_exception(err);
 }
 

@@ -69,12 +69,16 @@ class ThreadPool {
   uint64_t submit(std::shared_ptr<Job> job);
   void sync(int64_t allow_pending = 0);  // rethrows the first error of a finished job
   int64_t pending() const;
+  // Runs fn as a job after those already queued and waits for it alone; its error is rethrown here and
+  // never mixed with the errors of other jobs (which stay for the next sync).
+  void run_and_wait(std::function<void(ThreadPool&)> fn);
 
  private:
   void worker_main(int index);
   void coordinator_main();
   void run_tasks(int thread_index);
   void wait_for_generation(uint64_t seen, int thread_index);
+  void wait_completed(uint64_t target);
 
   int n_threads_;
   int spin_us_;
@@ -98,6 +102,9 @@ class ThreadPool {
   std::condition_variable queue_cv_;  // coordinator waits for jobs
   std::condition_variable done_cv_;   // sync waits for completions
   std::deque<std::shared_ptr<Job>> queue_;
+  // Finished jobs are released by the next submit/sync caller, never by the coordinator: a job may hold the
+  // last reference to this pool, whose destructor must not run on its own thread.
+  std::vector<std::shared_ptr<Job>> finished_;
   std::atomic<uint64_t> submitted_{0};
   std::atomic<uint64_t> completed_{0};
   std::exception_ptr job_error_;

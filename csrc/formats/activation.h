@@ -27,9 +27,13 @@ inline void quantize_groups(const float* x, int k, const ActLayout& a, float qma
   for (int g0 = 0, gi = 0; g0 < a.kp; g0 += a.group, ++gi) {
     int g1 = g0 + a.group < k ? g0 + a.group : k;
     float amax = 0.f;
-    for (int i = g0; i < g1; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+    bool finite = true;
+    for (int i = g0; i < g1; ++i) {
+      amax = std::fmax(amax, std::fabs(x[i]));
+      finite &= std::isfinite(x[i]);
+    }
     int32_t sum = 0;
-    if (amax > 0.f && std::isfinite(amax)) {
+    if (amax > 0.f && finite) {
       float inv = qmax / amax;
       for (int i = g0; i < g1; ++i) {
         float v = std::nearbyint(x[i] * inv);
@@ -40,7 +44,7 @@ inline void quantize_groups(const float* x, int k, const ActLayout& a, float qma
       scales[gi] = amax / qmax;
     } else {
       for (int i = g0; i < g1; ++i) q[i] = 0;
-      scales[gi] = amax > 0.f ? NAN : 0.f;  // a non-finite input stays visible in the output
+      scales[gi] = finite ? 0.f : NAN;  // a NaN/Inf input makes the output NaN, never silently finite
     }
     for (int i = g1 > g0 ? g1 : g0; i < g0 + a.group; ++i) q[i] = 0;
     sums[gi] = sum;

@@ -81,14 +81,17 @@ void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data,
       }
       continue;
     }
+    float row_amax = 0.f;
+    if (s.per_row)
+      for (int k = 0; k < s.k; ++k) row_amax = std::fmax(row_amax, std::fabs(src[k]));
     for (int g = 0; g < s.n_groups(); ++g) {
       int k0 = g * s.group, n = std::min(s.group, s.k - k0);
       if (n <= 0) break;
       float scale;
       if (f == WeightFormat::int8) {
-        float amax = 0.f;
-        int a0 = s.per_row ? 0 : k0, a1 = s.per_row ? s.k : k0 + n;
-        for (int i = a0; i < a1; ++i) amax = std::fmax(amax, std::fabs(src[i]));
+        float amax = row_amax;
+        if (!s.per_row)
+          for (int i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(src[k0 + i]));
         float inv = amax > 0.f ? 127.f / amax : 0.f;
         for (int i = 0; i < n; ++i) codes[i] = (int8_t)clampf(std::nearbyint(src[k0 + i] * inv), -127.f, 127.f);
         scale = amax / 127.f;

@@ -94,7 +94,7 @@ void MoeExperts::load(int e0, int n, const float* gate, const float* up, const f
                                 ") are outside [0, " + std::to_string(cfg_.n_expert) + ")");
   const int gu_tasks = gu_.n_blocks * 2, per_expert = gu_tasks + down_.n_blocks;
   const size_t IH = (size_t)cfg_.intermediate * cfg_.hidden;
-  auto job = std::make_shared<FunctionJob>([&](ThreadPool& pool) {
+  pool_->run_and_wait([&](ThreadPool& pool) {
     pool.parallel_for((int64_t)n * per_expert, [&](int64_t task, int) {
       int i = (int)(task / per_expert), b = (int)(task % per_expert), e = e0 + i;
       if (b < gu_tasks) {
@@ -110,8 +110,6 @@ void MoeExperts::load(int e0, int n, const float* gate, const float* up, const f
       }
     });
   });
-  pool_->submit(job);
-  pool_->sync(0);
   for (int i = 0; i < n; ++i) loaded_[e0 + i] = 1;
 }
 
