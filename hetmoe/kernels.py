@@ -190,18 +190,22 @@ class CPUExperts:
                 f"experts [{first_expert}, {first_expert + n}) do not fit in num_experts={self.num_experts}"
             )
         I, H = self.intermediate_size, self.hidden_size
-        # Check every expert before packing any, so a bad tensor leaves the layer as it was.
         for i in range(n):
             for name, w, shape in (("gate", gate[i], (I, H)), ("up", up[i], (I, H)), ("down", down[i], (H, I))):
                 if tuple(w.shape) != shape:
                     raise ValueError(f"{name}[{i}] has shape {tuple(w.shape)}; expected {shape} (out x in)")
                 if w.device.type == "meta":
                     raise ValueError(f"{name}[{i}] is a meta tensor and holds no data")
-                if not torch.isfinite(w).all():
-                    raise ValueError(f"{name}[{i}] contains NaN or Inf")
         for i in range(n):  # one expert at a time: only one fp32 copy exists at once
             g, u, d = (w.detach().to("cpu", torch.float32).contiguous() for w in (gate[i], up[i], down[i]))
-            self._ex.load(first_expert + i, 1, g.data_ptr(), u.data_ptr(), d.data_ptr())
+            try:
+                self._ex.load(first_expert + i, 1, g.data_ptr(), u.data_ptr(), d.data_ptr())
+            except ValueError as err:  # "<gate|up|down> of expert E contains NaN or Inf", found while packing
+                which = str(err).split()[0]
+                loaded = f"; experts {first_expert}..{first_expert + i - 1} were loaded" if i else ""
+                raise ValueError(
+                    f"{which}[{i}] contains NaN or Inf (expert {first_expert + i}, not loaded{loaded})"
+                ) from None
 
     @staticmethod
     def _as_list(name: str, w: TensorOrList) -> list:

@@ -13,6 +13,10 @@
 
 namespace hetmoe {
 
+// Software prefetch distance along a weight stream: measured ~5-10% more decode bandwidth than relying on
+// the hardware prefetcher alone (dev machine, 2 threads).
+constexpr int kPrefetchBytes = 512;
+
 using RowBlockKernel = void (*)(const RowBlock& w, const uint8_t* const* act_rows, const ActLayout& act, int n_tok,
                                 float* out /* [n_tok][16] */);
 

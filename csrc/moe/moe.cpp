@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <new>
@@ -94,23 +95,35 @@ void MoeExperts::load(int e0, int n, const float* gate, const float* up, const f
                                 ") are outside [0, " + std::to_string(cfg_.n_expert) + ")");
   const int gu_tasks = gu_.n_blocks * 2, per_expert = gu_tasks + down_.n_blocks;
   const size_t IH = (size_t)cfg_.intermediate * cfg_.hidden;
+  // Non-finite source values are refused (per matrix) before anything is marked loaded.
+  std::vector<std::atomic<int>> bad(n * 3);
+  for (auto& b : bad) b.store(0);
   pool_->run_and_wait([&](ThreadPool& pool) {
     pool.parallel_for((int64_t)n * per_expert, [&](int64_t task, int) {
       int i = (int)(task / per_expert), b = (int)(task % per_expert), e = e0 + i;
-      if (b < gu_tasks) {
-        int rb = b / 2, which = b % 2;
-        size_t idx = ((size_t)e * gu_.n_blocks + rb) * 2 + which;
-        pack_row_block(gu_, (which ? up : gate) + i * IH, rb, gu_data_.data() + idx * gu_.block_bytes(),
-                       reinterpret_cast<float*>(gu_scales_.data()) + idx * gu_.block_scales());
-      } else {
-        int rb = b - gu_tasks;
-        size_t idx = (size_t)e * down_.n_blocks + rb;
-        pack_row_block(down_, down + i * IH, rb, down_data_.data() + idx * down_.block_bytes(),
-                       reinterpret_cast<float*>(down_scales_.data()) + idx * down_.block_scales());
-      }
+      const MatrixShape& shape = b < gu_tasks ? gu_ : down_;
+      int which = b < gu_tasks ? b % 2 : 2, rb = b < gu_tasks ? b / 2 : b - gu_tasks;
+      const float* src = (which == 0 ? gate : which == 1 ? up : down) + i * IH;
+      const int r0 = rb * kRowsPerBlock, r1 = std::min(shape.n, r0 + kRowsPerBlock);
+      for (size_t v = (size_t)r0 * shape.k; v < (size_t)r1 * shape.k; ++v)
+        if (!std::isfinite(src[v])) {
+          bad[i * 3 + which].store(1);
+          return;
+        }
+      size_t idx = which == 2 ? (size_t)e * down_.n_blocks + rb : ((size_t)e * gu_.n_blocks + rb) * 2 + which;
+      uint8_t* data = (which == 2 ? down_data_ : gu_data_).data() + idx * shape.block_bytes();
+      float* scales = reinterpret_cast<float*>((which == 2 ? down_scales_ : gu_scales_).data()) + idx * shape.block_scales();
+      pack_row_block(shape, src, rb, data, scales);
     });
   });
-  for (int i = 0; i < n; ++i) loaded_[e0 + i] = 1;
+  static const char* names[3] = {"gate", "up", "down"};
+  for (int i = 0; i < n; ++i) {
+    for (int m = 0; m < 3; ++m)
+      if (bad[i * 3 + m].load())
+        throw std::invalid_argument(std::string(names[m]) + " of expert " + std::to_string(e0 + i) +
+                                    " contains NaN or Inf");
+    loaded_[e0 + i] = 1;
+  }
 }
 
 void MoeExperts::unpack(int e, float* gate, float* up, float* down) const {

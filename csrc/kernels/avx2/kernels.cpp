@@ -43,6 +43,7 @@ struct Bf16Tile {
     for (int i = 0; i < NT; ++i) even[i][0] = even[i][1] = odd[i][0] = odd[i][1] = _mm256_setzero_ps();
     const uint8_t* p = w.data;
     for (int j = 0; j < lines; ++j, p += kLineBytes) {
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
 #pragma GCC unroll 2
       for (int half = 0; half < 2; ++half) {
         __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32 * half));
@@ -90,6 +91,7 @@ struct Int8Tile {
         #pragma GCC unroll 8
         for (int c = 0; c < 4; ++c) acc[i][c] = _mm256_setzero_si256();
       for (int jj = 0; jj < lines_per_group; ++jj, p += kLineBytes) {
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
         const int j = g * lines_per_group + jj;
         __m256i xb[NT];
         #pragma GCC unroll 8
@@ -146,6 +148,7 @@ struct Int4Tile {
         #pragma GCC unroll 8
         for (int i = 0; i < NT; ++i) acc16[i][0] = acc16[i][1] = _mm256_setzero_si256();
         for (int jj = 0; jj < 4; ++jj, p += kLineBytes) {
+          _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
           const int j = g * lines_per_group + j4 + jj;
           __m256i xl[NT], xh[NT];
           #pragma GCC unroll 8

@@ -42,6 +42,7 @@ struct Bf16Tile {
     for (int i = 0; i < NT; ++i) even[i] = odd[i] = _mm512_setzero_ps();
     const uint8_t* p = w.data;
     for (int j = 0; j < lines; ++j, p += kLineBytes) {
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
       __m512i v = _mm512_load_si512(p);
       __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
       __m512 o = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
@@ -82,6 +83,7 @@ struct Int8Tile {
       #pragma GCC unroll 16
       for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
       for (int jj = 0; jj < lines_per_group; ++jj, p += kLineBytes) {
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
         const int j = g * lines_per_group + jj;
         __m512i w0 = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(p)));
         __m512i w1 = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32)));
@@ -124,6 +126,7 @@ struct Int4Tile {
       #pragma GCC unroll 16
       for (int i = 0; i < NT; ++i) acc[i] = _mm512_setzero_si512();
       for (int jj = 0; jj < lines_per_group; ++jj, p += kLineBytes) {
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
         const int j = g * lines_per_group + jj;
         __m512i v = _mm512_load_si512(p);
         __m512i lo = _mm512_and_si512(v, low4);
