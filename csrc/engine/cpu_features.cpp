@@ -4,7 +4,7 @@
 #include <sched.h>
 
 #include <algorithm>
-#include <fstream>
+#include <cstdio>
 #include <set>
 #include <stdexcept>
 #include <utility>
@@ -108,9 +108,14 @@ const CpuFeatures& cpu_features() {
   return f;
 }
 
+// C stdio rather than iostreams: some toolchains link libstdc++ statically into the extension, and its
+// iostream state then clashes with the libstdc++ torch loaded first (seen as a crash on the GPU machine).
 static bool read_int(const std::string& path, int* out) {
-  std::ifstream in(path);
-  return bool(in >> *out);
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (!f) return false;
+  bool ok = std::fscanf(f, "%d", out) == 1;
+  std::fclose(f);
+  return ok;
 }
 
 std::vector<int> physical_core_cpus() {
