@@ -43,6 +43,7 @@ static void pin_to_cpu(int cpu) {
 ThreadPool::ThreadPool(int n_threads, bool pin, int spin_us) : spin_us_(spin_us < 0 ? 0 : spin_us) {
   std::vector<int> cores = physical_core_cpus();
   n_threads_ = n_threads > 0 ? n_threads : (int)cores.size();
+  caller_may_spin_ = n_threads_ < (int)cores.size();
   if (n_threads_ > 1024) throw std::invalid_argument("threads must be at most 1024");
   // Pin one thread per physical core; with more threads than cores, pinning would stack threads, so skip it.
   if (pin && n_threads_ <= (int)cores.size()) cpus_.assign(cores.begin(), cores.begin() + n_threads_);
@@ -198,10 +199,12 @@ int64_t ThreadPool::pending() const {
   return (int64_t)(submitted_.load(std::memory_order_acquire) - completed_.load(std::memory_order_acquire));
 }
 
-// Waits until completed_ >= target: a short spin serves the hybrid decode loop (jobs finish within
-// microseconds of the wait), then sleep.
+// Waits until completed_ >= target. When the pool leaves a core free, a short spin serves the hybrid decode
+// loop (jobs finish within microseconds of the wait); when every core has a pinned worker, a spinning caller
+// would steal a worker's core and stall the phase it is in, so the caller sleeps at once.
 void ThreadPool::wait_completed(uint64_t target) {
-  auto deadline = Clock::now() + std::chrono::microseconds(spin_us_ < 50 ? spin_us_ : 50);
+  const int spin = caller_may_spin_ ? (spin_us_ < 50 ? spin_us_ : 50) : 0;
+  auto deadline = Clock::now() + std::chrono::microseconds(spin);
   int spins = 0;
   while (completed_.load(std::memory_order_acquire) < target) {
     _mm_pause();

@@ -82,6 +82,7 @@ class ThreadPool {
 
   int n_threads_;
   int spin_us_;
+  bool caller_may_spin_;  // a core is left for the threads that submit and sync
   std::vector<int> cpus_;
   std::vector<std::thread> threads_;
   std::atomic<bool> stop_{false};
