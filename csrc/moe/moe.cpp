@@ -154,7 +154,27 @@ struct Task {
   int rb0, rb1;
 };
 
-inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+// exp(x) for the SwiGLU: Cody-Waite range reduction and a degree-6 polynomial (relative error ~2e-7), in plain
+// float arithmetic so the compiler vectorizes it and every ISA gets the same bits.
+inline float fast_exp(float x) {
+  x = x == x ? x : 0.f;  // NaN: any finite value; the caller's numerator carries the NaN
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round(x / ln 2)
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  float p = 1.38888889e-3f;
+  p = p * r + 8.33333333e-3f;
+  p = p * r + 4.16666667e-2f;
+  p = p * r + 1.66666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+inline float silu(float g) { return g / (1.f + fast_exp(-g)); }
 
 inline void load_row_fp32(const void* base, bool bf16, int64_t row, int n, float* dst) {
   if (bf16) {
@@ -181,10 +201,23 @@ void make_tasks(const std::vector<int>& active, const std::vector<int>& count, i
   }
 }
 
+// Per-row work (quantizing, combining) of a decode step is cheaper on the coordinator alone than waking every
+// thread for it; it goes parallel above this many elements.
+constexpr int64_t kSerialElements = 1 << 15;
+
+template <class F>
+void for_rows(ThreadPool& pool, int64_t n_rows, int64_t elems_per_row, const F& fn) {
+  if (n_rows * elems_per_row <= kSerialElements) {
+    for (int64_t i = 0; i < n_rows; ++i) fn(i, 0);
+    return;
+  }
+  pool.parallel_for(n_rows, fn);
+}
+
 // out[t] (+)= sum_j weights[t, j] * y[slot(t, j)], in j order so results do not depend on threads.
 void combine(ThreadPool& pool, const MoeCall& c, int H, int64_t t0, int nt, const std::vector<int>& pos,
              const float* y) {
-  pool.parallel_for(nt, [&](int64_t t, int th) {
+  for_rows(pool, nt, (int64_t)H * (c.k + 1), [&](int64_t t, int th) {
     float* acc = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
     if (c.accumulate)
       load_row_fp32(c.out, c.out_bf16, t0 + t, H, acc);
@@ -269,7 +302,7 @@ void MoeJob::run_chunk(ThreadPool& pool, int64_t t0, int64_t t1) {
   if (n_slots > 0) {
     // ---- quantize x, once per token
     uint8_t* xq = pool.scratch(0, (size_t)nt * ga.row_bytes);
-    pool.parallel_for(nt, [&](int64_t t, int th) {
+    for_rows(pool, nt, H, [&](int64_t t, int th) {
       float* row = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
       load_row_fp32(call_.x, call_.x_bf16, t0 + t, H, row);
       quantize_activation(fmt, row, H, ga, xq + t * ga.row_bytes);
@@ -299,7 +332,7 @@ void MoeJob::run_chunk(ThreadPool& pool, int64_t t0, int64_t t1) {
 
     // ---- quantize h, once per (token, expert)
     uint8_t* hq = pool.scratch(2, (size_t)n_slots * da.row_bytes);
-    pool.parallel_for(n_slots, [&](int64_t s, int) {
+    for_rows(pool, n_slots, I, [&](int64_t s, int) {
       quantize_activation(fmt, h + (size_t)s * I, I, da, hq + s * da.row_bytes);
     });
     for (int s = 0; s < n_slots; ++s) h_rows[s] = hq + (size_t)s * da.row_bytes;

@@ -6,27 +6,12 @@
 
 #include "formats/activation.h"
 #include "kernels/dispatch.h"
+#include "kernels/tiles.h"
 
 namespace hetmoe {
 namespace avx2 {
 
 namespace {
-
-// Runs Tile<kMax> over full tiles of tokens, then one Tile<rest> for the remainder.
-template <int N, template <int> class Tile>
-inline void run_tail(int rest, const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
-  if constexpr (N > 0) {
-    if (rest == N) return Tile<N>::run(w, rows, a, out);
-    run_tail<N - 1, Tile>(rest, w, rows, a, out);
-  }
-}
-
-template <int kMax, template <int> class Tile>
-inline void run_tiles(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
-  int t = 0;
-  for (; t + kMax <= n_tok; t += kMax) Tile<kMax>::run(w, rows + t, a, out + t * kRowsPerBlock);
-  run_tail<kMax - 1, Tile>(n_tok - t, w, rows + t, a, out + t * kRowsPerBlock);
-}
 
 // bf16 weights x fp32 activations: even and odd k accumulate in separate registers (two independent fma
 // chains per row, so one token is not latency-bound), summed at the end.
@@ -208,13 +193,13 @@ uint64_t read_bytes(const uint8_t* p, size_t bytes) {
 }
 
 void rowblock_bf16(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
-  run_tiles<2, Bf16Tile>(w, rows, a, n_tok, out);
+  tiles::run_tiles<2, Bf16Tile>(w, rows, a, n_tok, out);
 }
 void rowblock_int8(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
-  run_tiles<2, Int8Tile>(w, rows, a, n_tok, out);
+  tiles::run_tiles<2, Int8Tile>(w, rows, a, n_tok, out);
 }
 void rowblock_int4(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
-  run_tiles<2, Int4Tile>(w, rows, a, n_tok, out);
+  tiles::run_tiles<2, Int4Tile>(w, rows, a, n_tok, out);
 }
 
 }  // namespace avx2
