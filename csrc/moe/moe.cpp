@@ -203,7 +203,7 @@ void make_tasks(const std::vector<int>& active, const std::vector<int>& count, i
 
 // Per-row work (quantizing, combining) of a decode step is cheaper on the coordinator alone than waking every
 // thread for it; it goes parallel above this many elements.
-constexpr int64_t kSerialElements = 1 << 15;
+constexpr int64_t kSerialElements = 1 << 13;
 
 template <class F>
 void for_rows(ThreadPool& pool, int64_t n_rows, int64_t elems_per_row, const F& fn) {
