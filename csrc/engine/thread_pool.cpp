@@ -123,7 +123,12 @@ void ThreadPool::wait_for_generation(uint64_t seen, int thread_index) {
   int spins = 0;
   while (generation_.load(std::memory_order_acquire) == seen) {
     _mm_pause();
-    if (++spins % 256 == 0 && Clock::now() > deadline) {
+    if (++spins % 256 == 0) {
+      if (Clock::now() <= deadline) {
+        // Let a thread that shares this core (the one submitting jobs, a framework's thread) run while we wait.
+        sched_yield();
+        continue;
+      }
       std::unique_lock<std::mutex> lk(wake_mu_);
       wake_cv_.wait(lk, [&] { return generation_.load(std::memory_order_acquire) != seen; });
       return;
@@ -155,7 +160,10 @@ void ThreadPool::coordinator_main() {
     while (submitted_.load(std::memory_order_acquire) == completed_.load(std::memory_order_relaxed) &&
            !stop_.load(std::memory_order_relaxed)) {
       _mm_pause();
-      if (++spins % 256 == 0 && Clock::now() > deadline) break;
+      if (++spins % 256 == 0) {
+        if (Clock::now() > deadline) break;
+        sched_yield();
+      }
     }
     {
       std::unique_lock<std::mutex> lk(queue_mu_);
