@@ -18,13 +18,21 @@ namespace hetmoe {
 
 HugeBuffer::HugeBuffer(size_t bytes) : size_(bytes) {
   if (bytes == 0) return;
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  // Map 2 MiB extra and trim to a 2 MiB-aligned range, so transparent huge pages can back all of it (fewer
+  // TLB misses while streaming weights).
+  constexpr size_t kHuge = 2u << 20;
+  size_t span = bytes + kHuge;
+  void* p = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) {
     size_ = 0;
     throw std::runtime_error("cannot allocate " + std::to_string(bytes >> 20) + " MiB for expert weights");
   }
-  madvise(p, bytes, MADV_HUGEPAGE);
-  ptr_ = static_cast<uint8_t*>(p);
+  uintptr_t start = reinterpret_cast<uintptr_t>(p), aligned = (start + kHuge - 1) & ~(uintptr_t)(kHuge - 1);
+  if (aligned > start) munmap(p, aligned - start);
+  size_t tail = start + span - (aligned + bytes);
+  if (tail) munmap(reinterpret_cast<void*>(aligned + bytes), tail);
+  ptr_ = reinterpret_cast<uint8_t*>(aligned);
+  madvise(ptr_, bytes, MADV_HUGEPAGE);
 }
 
 HugeBuffer::~HugeBuffer() {
