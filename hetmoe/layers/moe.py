@@ -1,0 +1,123 @@
+"""MoE layer: route -> dispatch -> experts -> combine.
+
+This file holds the *route* stage (the routers of every supported architecture, as pure functions of the router
+logits) and ``TorchExperts``, the plain-PyTorch expert backend with the same call as the CPU engine
+(``hetmoe.kernels.CPUExperts``): it is the reference the engine is compared with and the stand-in where the
+engine does not apply.
+
+Shape letters: T tokens, E experts, k experts per token, H hidden size, I expert intermediate size.
+Every router returns ``(topk_weights [T, k] fp32, topk_ids [T, k] int64)``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def route_softmax(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple:
+    """Mixtral (always normalised), Qwen2-MoE and Qwen3-MoE: softmax over experts, top-k, optional renorm."""
+    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _group_mask(group_scores: torch.Tensor, topk_group: int, n_expert: int) -> torch.Tensor:
+    """[T, n_group] scores -> bool [T, E]: the experts of each token's topk_group best groups."""
+    n_group = group_scores.shape[-1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, torch.topk(group_scores, topk_group, dim=-1).indices, True)
+    return keep.unsqueeze(-1).expand(-1, n_group, n_expert // n_group).reshape(-1, n_expert)
+
+
+def route_deepseek_v2(
+    logits: torch.Tensor,
+    top_k: int,
+    topk_method: str,
+    n_group: Optional[int],
+    topk_group: Optional[int],
+    routed_scaling_factor: float,
+) -> tuple:
+    """DeepSeek-V2 / V2-Lite: softmax scores; ``greedy`` top-k, or ``group_limited_greedy`` (top-k within the
+    topk_group groups whose best expert scores highest); weights scaled by routed_scaling_factor."""
+    scores = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    if topk_method == "group_limited_greedy":
+        E = scores.shape[-1]
+        group_best = scores.view(-1, n_group, E // n_group).amax(dim=-1)
+        scores = scores.masked_fill(~_group_mask(group_best, topk_group, E), 0.0)
+    elif topk_method != "greedy":
+        raise ValueError(f"unknown DeepSeek-V2 topk_method {topk_method!r} (expected greedy or group_limited_greedy)")
+    weights, ids = torch.topk(scores, top_k, dim=-1)
+    return weights * routed_scaling_factor, ids
+
+
+def route_deepseek_v3(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple:
+    """DeepSeek-V3/R1 and Kimi-K2: sigmoid scores; experts are *chosen* by score + e_score_correction_bias
+    within the topk_group groups with the best sum of their two best biased scores, and *weighted* by the
+    unbiased score (renormalised if norm_topk_prob), times routed_scaling_factor."""
+    scores = torch.sigmoid(logits.float())  # [T, E]
+    biased = scores + correction_bias.float()
+    E = scores.shape[-1]
+    group_scores = biased.view(-1, n_group, E // n_group).topk(2, dim=-1).values.sum(dim=-1)
+    biased = biased.masked_fill(~_group_mask(group_scores, topk_group, E), float("-inf"))
+    ids = torch.topk(biased, top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+class TorchExperts:
+    """Routed experts computed with PyTorch, called like ``CPUExperts.forward``.
+
+    Keeps gate/up ``[E, I, H]`` and down ``[E, H, I]`` in ``dtype`` on their device; computes in that dtype with
+    fp32 accumulation of the weighted sum.
+    """
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, dtype: torch.dtype = torch.float32):
+        if gate.shape != up.shape or gate.dim() != 3 or down.shape != (gate.shape[0], gate.shape[2], gate.shape[1]):
+            raise ValueError(
+                f"expert weights must be gate/up [E, I, H] and down [E, H, I]; got {tuple(gate.shape)}, "
+                f"{tuple(up.shape)}, {tuple(down.shape)}"
+            )
+        self.gate, self.up, self.down = (w.to(dtype) for w in (gate, up, down))
+        self.num_experts = gate.shape[0]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        out: Optional[torch.Tensor] = None,
+        *,
+        accumulate: bool = False,
+        skip_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+        xc = x.to(self.gate.dtype)
+        for e in topk_ids.unique().tolist():
+            if e < 0 or (skip_mask is not None and bool(skip_mask[e])):
+                continue
+            tok, slot = torch.where(topk_ids == e)
+            h = F.silu(xc[tok] @ self.gate[e].T) * (xc[tok] @ self.up[e].T)
+            acc.index_add_(0, tok, (h @ self.down[e].T).float() * topk_weights[tok, slot].float().unsqueeze(1))
+        if out is None:
+            return acc.to(x.dtype)
+        if accumulate:
+            acc += out.float()
+        out.copy_(acc)
+        return out
+
+    __call__ = forward
