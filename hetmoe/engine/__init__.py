@@ -1,0 +1,1 @@
+"""Runtime around the models: loading, placement, KV cache, runner, generation."""
