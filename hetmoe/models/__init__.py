@@ -1,0 +1,1 @@
+"""One file per Hugging Face ``model_type``; pure nn.Modules with Hugging Face class and parameter names."""

@@ -1,0 +1,128 @@
+"""Qwen3-MoE (model_type "qwen3_moe"): GQA attention with q/k RMSNorm, softmax top-k routed experts.
+
+The routed experts are an *experts backend* (``hetmoe.kernels.CPUExperts`` or ``hetmoe.layers.moe.TorchExperts``)
+attached to ``mlp.experts`` by whoever loads the weights; this file never sees their format.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetmoe.layers.attention import KVCache, Step, attend
+from hetmoe.layers.moe import route_softmax
+from hetmoe.layers.norm import RMSNorm
+from hetmoe.layers.rope import apply_rope, cos_sin, inv_frequencies
+from hetmoe.models.config import ModelConfig
+
+
+class Qwen3MoeMLP(nn.Module):
+    """Dense SwiGLU MLP (layers listed in mlp_only_layers)."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen3MoeSparseMoeBlock(nn.Module):
+    """route (softmax top-k) -> experts backend (dispatch, experts, combine)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, cfg.first("num_experts", "num_local_experts"), bias=False)
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.get("norm_topk_prob", False)
+        self.experts = None  # attached by the loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H]
+        flat = x.reshape(-1, x.shape[-1])  # [T, H]
+        weights, ids = route_softmax(self.gate(flat), self.top_k, self.norm_topk_prob)  # [T, k]
+        return self.experts(flat, ids, weights).view_as(x)
+
+
+class Qwen3MoeAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim_or_default
+        bias = cfg.get("attention_bias", False)
+        H, D = cfg.hidden_size, self.head_dim
+        self.q_proj = nn.Linear(H, self.n_heads * D, bias=bias)
+        self.k_proj = nn.Linear(H, self.n_kv * D, bias=bias)
+        self.v_proj = nn.Linear(H, self.n_kv * D, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * D, H, bias=bias)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple, step: Step, cache: KVCache) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, S, self.n_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(B, S, self.n_kv, self.head_dim))
+        v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k_all, v_all = cache.write(self.layer_idx, step, k, v)
+        out = attend(q, k_all, v_all, step, self.head_dim**-0.5)  # [B, S, heads, D]
+        return self.o_proj(out.reshape(B, S, -1))
+
+
+class Qwen3MoeDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Qwen3MoeAttention(cfg, layer_idx)
+        n_experts = cfg.first("num_experts", "num_local_experts")
+        sparse = (
+            layer_idx not in cfg.get("mlp_only_layers", [])
+            and n_experts > 0
+            and (layer_idx + 1) % cfg.get("decoder_sparse_step", 1) == 0
+        )
+        self.mlp = Qwen3MoeSparseMoeBlock(cfg) if sparse else Qwen3MoeMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple, step: Step, cache: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, step, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3MoeModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim_or_default, cfg.rope_theta), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [B, S, H]
+        rope = cos_sin(step.positions, self.inv_freq, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope, step, cache)
+        return self.norm(x)
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    """forward(ids, step, cache) -> hidden states [B, S, H]; logits(hidden) -> [B, S, vocab]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen3MoeModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
+        return self.model(input_ids, step, cache)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def make_cache(self, max_batch: int, max_context: int, dtype=torch.float32, device="cpu") -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.num_hidden_layers, max_batch, max_context, cfg.num_key_value_heads,
+                       cfg.head_dim_or_default, dtype, device)
