@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from hetmoe.layers.norm import RMSNorm
+from hetmoe.layers.rope import apply_rope
 
 
 @dataclass
@@ -51,3 +55,32 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, scale:
         scale=scale, enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)
+
+
+class GQAAttention(nn.Module):
+    """Grouped-query attention with Hugging Face parameter names (q_proj, k_proj, v_proj, o_proj and, for
+    Qwen3, per-head q_norm/k_norm applied before RoPE). Models subclass it under their own class names."""
+
+    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, layer_idx: int, *,
+                 qkv_bias: bool = False, o_bias: bool = False, qk_norm_eps: float | None = None):
+        super().__init__()
+        self.layer_idx, self.n_heads, self.n_kv, self.head_dim = layer_idx, n_heads, n_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, n_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=o_bias)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple, step: Step, cache: KVCache) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k_all, v_all = cache.write(self.layer_idx, step, k, v)
+        out = attend(q, k_all, v_all, step, self.head_dim**-0.5)  # [B, S, heads, D]
+        return self.o_proj(out.reshape(B, S, -1))

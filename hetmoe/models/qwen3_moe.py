@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetmoe.layers.attention import KVCache, Step, attend
+from hetmoe.layers.attention import GQAAttention, KVCache, Step
 from hetmoe.layers.moe import route_softmax
 from hetmoe.layers.norm import RMSNorm
-from hetmoe.layers.rope import apply_rope, cos_sin, inv_frequencies
+from hetmoe.layers.rope import cos_sin, inv_frequencies
 from hetmoe.models.config import ModelConfig
 
 
@@ -46,30 +46,13 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         return self.experts(flat, ids, weights).view_as(x)
 
 
-class Qwen3MoeAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim_or_default
-        bias = cfg.get("attention_bias", False)
-        H, D = cfg.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(H, self.n_heads * D, bias=bias)
-        self.k_proj = nn.Linear(H, self.n_kv * D, bias=bias)
-        self.v_proj = nn.Linear(H, self.n_kv * D, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * D, H, bias=bias)
-        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+class Qwen3MoeAttention(GQAAttention):
+    """GQA with per-head q/k RMSNorm."""
 
-    def forward(self, x: torch.Tensor, rope: tuple, step: Step, cache: KVCache) -> torch.Tensor:
-        B, S, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, S, self.n_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(B, S, self.n_kv, self.head_dim))
-        v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        k_all, v_all = cache.write(self.layer_idx, step, k, v)
-        out = attend(q, k_all, v_all, step, self.head_dim**-0.5)  # [B, S, heads, D]
-        return self.o_proj(out.reshape(B, S, -1))
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        bias = cfg.get("attention_bias", False)
+        super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim_or_default,
+                         layer_idx, qkv_bias=bias, o_bias=bias, qk_norm_eps=cfg.rms_norm_eps)
 
 
 class Qwen3MoeDecoderLayer(nn.Module):

@@ -1,0 +1,69 @@
+"""Shared harness for model parity tests: the same checkpoint in transformers' class and in ours, compared
+logit by logit over a prefill and cached decode steps."""
+
+import re
+
+import torch
+from safetensors.torch import load_file
+
+from hetmoe.kernels import CPUExperts
+from hetmoe.layers.attention import Step
+from hetmoe.layers.moe import TorchExperts
+from hetmoe.models.config import ModelConfig
+
+EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+DECODE_STEPS = 8
+
+
+def torch_fp32(gate, up, down):
+    return TorchExperts(gate, up, down, torch.float32)
+
+
+def engine_bf16(gate, up, down):
+    ex = CPUExperts(gate.shape[0], gate.shape[2], gate.shape[1], "bf16")
+    ex.load(gate, up, down)
+    return ex
+
+
+def load_ours(path, model_cls, experts_backend):
+    """Non-expert tensors by name (strict); routed experts stacked per layer into the given backend."""
+    model = model_cls(ModelConfig.from_file(path / "config.json"))
+    tensors, experts = {}, {}
+    for shard in sorted(path.glob("*.safetensors")):
+        for name, t in load_file(shard).items():
+            m = EXPERT_KEY.fullmatch(name)
+            if m:
+                experts.setdefault(int(m[1]), {}).setdefault(m[3], {})[int(m[2])] = t.float()
+            else:
+                tensors[name] = t.float()
+    model.load_state_dict(tensors, strict=True)
+    for layer, mats in experts.items():
+        gate, up, down = (torch.stack([mats[w][e] for e in sorted(mats[w])]) for w in ("gate", "up", "down"))
+        model.model.layers[layer].mlp.experts = experts_backend(gate, up, down)
+    return model.eval()
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def parity_errors(transformers, checkpoint, model_cls, experts_backend, batch: int, prompt_len: int = 11) -> list:
+    """Max relative logit error of ours vs transformers for the prefill and each of DECODE_STEPS greedy steps."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ours = load_ours(checkpoint, model_cls, experts_backend)
+    gen = torch.Generator().manual_seed(batch)
+    S = prompt_len
+    ids = torch.randint(0, ours.config.vocab_size, (batch, S), generator=gen)
+    cache = ours.make_cache(batch, S + DECODE_STEPS + 4)
+    slots = torch.arange(batch)
+    with torch.no_grad():
+        hf_out = hf(ids, use_cache=True)
+        logits = ours.logits(ours(ids, Step(positions=torch.arange(S).expand(batch, S), slots=slots), cache))
+        errors = [max_rel(logits, hf_out.logits)]
+        past, nxt = hf_out.past_key_values, hf_out.logits[:, -1:].argmax(-1)
+        for i in range(DECODE_STEPS):
+            hf_out = hf(nxt, cache=past, use_cache=True)
+            logits = ours.logits(ours(nxt, Step(positions=torch.full((batch, 1), S + i), slots=slots), cache))
+            errors.append(max_rel(logits, hf_out.logits))
+            past, nxt = hf_out.past_key_values, hf_out.logits[:, -1:].argmax(-1)
+    return errors
