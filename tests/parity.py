@@ -11,7 +11,12 @@ from hetmoe.layers.attention import Step
 from hetmoe.layers.moe import TorchExperts
 from hetmoe.models.config import ModelConfig
 
-EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+# Routed-expert tensors on disk: mlp.experts.E.{gate,up,down}_proj (Qwen, DeepSeek) or, in Mixtral checkpoints,
+# block_sparse_moe.experts.E.{w1,w3,w2} (gate, up, down).
+EXPERT_KEY = re.compile(
+    r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"
+)
+PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 DECODE_STEPS = 8
 
 
@@ -33,7 +38,7 @@ def load_ours(path, model_cls, experts_backend):
         for name, t in load_file(shard).items():
             m = EXPERT_KEY.fullmatch(name)
             if m:
-                experts.setdefault(int(m[1]), {}).setdefault(m[3], {})[int(m[2])] = t.float()
+                experts.setdefault(int(m[1]), {}).setdefault(PROJ[m[3]], {})[int(m[2])] = t.float()
             else:
                 tensors[name] = t.float()
     model.load_state_dict(tensors, strict=True)

@@ -1,0 +1,101 @@
+"""Mixtral (model_type "mixtral"): GQA attention (no q/k norm, no bias), softmax top-k router that always
+renormalises the top-k weights, routed experts only.
+
+Checkpoint names are those of the Hub / ``save_pretrained`` (transformers 5 too): the MoE block is
+``model.layers.N.block_sparse_moe`` (router ``block_sparse_moe.gate.weight``; experts
+``block_sparse_moe.experts.E.w1|w3|w2.weight`` = gate|up|down). transformers renames it to ``mlp`` only in
+memory, so here the module keeps the on-disk name and ``layer.mlp`` is an alias of it: the routed-experts
+backend is attached to ``layer.mlp.experts`` like every other model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hetmoe.layers.attention import GQAAttention, KVCache, Step
+from hetmoe.layers.moe import route_softmax
+from hetmoe.layers.norm import RMSNorm
+from hetmoe.layers.rope import cos_sin, inv_frequencies
+from hetmoe.models.config import ModelConfig
+
+
+class MixtralSparseMoeBlock(nn.Module):
+    """route (softmax top-k, always renormalised) -> experts backend (dispatch, experts, combine)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, cfg.first("num_local_experts", "num_experts"), bias=False)
+        self.top_k = cfg.num_experts_per_tok
+        self.experts = None  # attached by the loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H]
+        flat = x.reshape(-1, x.shape[-1])  # [T, H]
+        weights, ids = route_softmax(self.gate(flat), self.top_k, norm_topk_prob=True)  # [T, k]
+        return self.experts(flat, ids, weights).view_as(x)
+
+
+class MixtralAttention(GQAAttention):
+    """Plain GQA: no biases, no q/k norm."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim_or_default,
+                         layer_idx)
+
+
+class MixtralDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = MixtralAttention(cfg, layer_idx)
+        self.block_sparse_moe = MixtralSparseMoeBlock(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def mlp(self) -> MixtralSparseMoeBlock:
+        """transformers' in-memory name of the MoE block (not a second registration: state_dict keys stay
+        ``block_sparse_moe.*``)."""
+        return self.block_sparse_moe
+
+    def forward(self, x: torch.Tensor, rope: tuple, step: Step, cache: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, step, cache)
+        return x + self.block_sparse_moe(self.post_attention_layernorm(x))
+
+
+class MixtralModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.get("sliding_window") is not None:
+            raise NotImplementedError(f"Mixtral with sliding_window={cfg['sliding_window']} is not supported")
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(MixtralDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim_or_default, cfg.rope_theta), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [B, S, H]
+        rope = cos_sin(step.positions, self.inv_freq, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope, step, cache)
+        return self.norm(x)
+
+
+class MixtralForCausalLM(nn.Module):
+    """forward(ids, step, cache) -> hidden states [B, S, H]; logits(hidden) -> [B, S, vocab]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = MixtralModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
+        return self.model(input_ids, step, cache)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def make_cache(self, max_batch: int, max_context: int, dtype=torch.float32, device="cpu") -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.num_hidden_layers, max_batch, max_context, cfg.num_key_value_heads,
+                       cfg.head_dim_or_default, dtype, device)
