@@ -16,7 +16,7 @@ from torch import nn
 from hetmoe.layers.attention import GQAAttention, KVCache, Step
 from hetmoe.layers.moe import route_softmax
 from hetmoe.layers.norm import RMSNorm
-from hetmoe.layers.rope import cos_sin, inv_frequencies
+from hetmoe.models.common import CausalLM, DecoderModel
 from hetmoe.models.config import ModelConfig
 
 
@@ -62,40 +62,14 @@ class MixtralDecoderLayer(nn.Module):
         return x + self.block_sparse_moe(self.post_attention_layernorm(x))
 
 
-class MixtralModel(nn.Module):
+class MixtralModel(DecoderModel):
+    layer_cls = MixtralDecoderLayer
+
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
         if cfg.get("sliding_window") is not None:
             raise NotImplementedError(f"Mixtral with sliding_window={cfg['sliding_window']} is not supported")
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(MixtralDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim_or_default, cfg.rope_theta), persistent=False)
-
-    def forward(self, input_ids: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [B, S, H]
-        rope = cos_sin(step.positions, self.inv_freq, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope, step, cache)
-        return self.norm(x)
+        super().__init__(cfg)
 
 
-class MixtralForCausalLM(nn.Module):
-    """forward(ids, step, cache) -> hidden states [B, S, H]; logits(hidden) -> [B, S, vocab]."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = MixtralModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
-        return self.model(input_ids, step, cache)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def make_cache(self, max_batch: int, max_context: int, dtype=torch.float32, device="cpu") -> KVCache:
-        cfg = self.config
-        return KVCache(cfg.num_hidden_layers, max_batch, max_context, cfg.num_key_value_heads,
-                       cfg.head_dim_or_default, dtype, device)
+class MixtralForCausalLM(CausalLM):
+    model_cls = MixtralModel

@@ -8,27 +8,17 @@ expert is an ordinary dense MLP of this module (``mlp.shared_expert``).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hetmoe.layers.attention import GQAAttention, KVCache, Step
 from hetmoe.layers.moe import route_softmax
 from hetmoe.layers.norm import RMSNorm
-from hetmoe.layers.rope import cos_sin, inv_frequencies
+from hetmoe.models.common import CausalLM, DecoderModel, SwiGLUMLP
 from hetmoe.models.config import ModelConfig
 
 
-class Qwen2MoeMLP(nn.Module):
+class Qwen2MoeMLP(SwiGLUMLP):
     """Dense SwiGLU MLP: the shared expert, and the MLP of non-sparse layers."""
-
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Qwen2MoeSparseMoeBlock(nn.Module):
@@ -77,40 +67,14 @@ class Qwen2MoeDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen2MoeModel(nn.Module):
+class Qwen2MoeModel(DecoderModel):
+    layer_cls = Qwen2MoeDecoderLayer
+
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
         if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
             raise NotImplementedError("Qwen2-MoE with sliding-window attention is not supported")
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen2MoeDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim_or_default, cfg.rope_theta), persistent=False)
-
-    def forward(self, input_ids: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [B, S, H]
-        rope = cos_sin(step.positions, self.inv_freq, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope, step, cache)
-        return self.norm(x)
+        super().__init__(cfg)
 
 
-class Qwen2MoeForCausalLM(nn.Module):
-    """forward(ids, step, cache) -> hidden states [B, S, H]; logits(hidden) -> [B, S, vocab]."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = Qwen2MoeModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
-        return self.model(input_ids, step, cache)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def make_cache(self, max_batch: int, max_context: int, dtype=torch.float32, device="cpu") -> KVCache:
-        cfg = self.config
-        return KVCache(cfg.num_hidden_layers, max_batch, max_context, cfg.num_key_value_heads,
-                       cfg.head_dim_or_default, dtype, device)
+class Qwen2MoeForCausalLM(CausalLM):
+    model_cls = Qwen2MoeModel

@@ -1,0 +1,72 @@
+"""The parts every decoder-only model here shares, under Hugging Face parameter names.
+
+``DecoderModel``: embed_tokens -> layers -> norm, with one RoPE table per call shared by all layers.
+``CausalLM``: the model plus lm_head; ``forward`` returns hidden states, ``logits`` is a separate step, and
+``make_cache`` sizes the static KV cache. A model file subclasses both under its own HF class names and sets
+``layer_cls`` / ``model_cls``; a model whose attention differs (MLA) overrides what differs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetmoe.layers.attention import KVCache, Step
+from hetmoe.layers.norm import RMSNorm
+from hetmoe.layers.rope import cos_sin, inv_frequencies
+from hetmoe.models.config import ModelConfig
+
+
+class SwiGLUMLP(nn.Module):
+    """Dense gate/up/down MLP (dense layers, shared experts)."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderModel(nn.Module):
+    layer_cls: type = None  # set by each model: (cfg, layer_idx) -> decoder layer
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim_or_default, cfg.rope_theta), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [B, S, H]
+        rope = cos_sin(step.positions, self.inv_freq, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope, step, cache)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """forward(ids, step, cache) -> hidden states [B, S, H]; logits(hidden) -> [B, S, vocab]."""
+
+    model_cls: type = None  # set by each model
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = self.model_cls(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
+        return self.model(input_ids, step, cache)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def make_cache(self, max_batch: int, max_context: int, dtype=torch.float32, device="cpu") -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.num_hidden_layers, max_batch, max_context, cfg.num_key_value_heads,
+                       cfg.head_dim_or_default, dtype, device)
