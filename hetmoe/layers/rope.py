@@ -24,3 +24,55 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x [B, S, heads, D]; cos/sin [B, S, D]."""
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     return x * cos + _rotate_half(x) * sin
+
+
+# --- YaRN (DeepSeek-V2/V3, Kimi-K2): transformers' _compute_yarn_parameters and yarn_get_mscale -----------------
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    """YaRN magnitude correction 0.1 * mscale * ln(scale) + 1 (1 for scale <= 1)."""
+    import math
+
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_parameters(rope_parameters: dict, dim: int, max_position_embeddings: int) -> tuple:
+    """YaRN inverse frequencies [dim / 2] fp32 and the attention factor that scales cos/sin, as transformers'
+    ``_compute_yarn_parameters`` computes them from a config's ``rope_parameters`` (rope_type "yarn")."""
+    import math
+
+    p = rope_parameters
+    base = float(p.get("rope_theta", 10000.0))
+    dim = int(dim * p.get("partial_rotary_factor", 1.0))
+    original_max = p["original_max_position_embeddings"]
+    factor = p.get("factor")
+    if factor is None:
+        factor = max_position_embeddings / original_max
+    attention_factor = p.get("attention_factor")
+    mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = float(yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = yarn_get_mscale(factor)
+    beta_fast = p.get("beta_fast") or 32
+    beta_slow = p.get("beta_slow") or 1
+
+    def correction_dim(num_rotations):
+        return (dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # prevent singularity
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv_freq, attention_factor

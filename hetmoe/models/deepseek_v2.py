@@ -1,0 +1,266 @@
+"""DeepSeek-V2 / V2-Lite (model_type "deepseek_v2") and DeepSeek-V3 / R1 / Kimi-K2 (model_type "deepseek_v3"):
+multi-head latent attention (MLA), ``first_k_dense_replace`` dense layers, then MoE layers with shared experts.
+
+* Routing: V2 softmax (greedy / group_limited_greedy, ``route_deepseek_v2``); V3 sigmoid with
+  ``e_score_correction_bias`` and group-limited choice (``route_deepseek_v3``).
+* RoPE on the qk_rope_head_dim part only: V2 rotates interleaved pairs as complex numbers (output stays
+  interleaved); V3 with ``rope_interleave`` (the default) rotates interleaved pairs and writes the result as
+  [evens, odds], otherwise the half-split ``rotate_half`` form. YaRN ``rope_parameters`` give the inverse
+  frequencies and cos/sin scale (attention factor), and ``mscale_all_dim`` multiplies the softmax scale by mscale**2.
+* The KV cache holds only the compressed latent per position: c_kv (kv_lora_rank, after kv_a_layernorm) in the
+  cache's "k" tensor and k_pe (qk_rope_head_dim, after RoPE) in its "v" tensor, one "head" each.
+
+The routed experts are an *experts backend* attached to ``mlp.experts`` by whoever loads the weights; the shared
+experts are an ordinary dense MLP (``mlp.shared_experts``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetmoe.layers.attention import KVCache, Step, attend
+from hetmoe.layers.moe import route_deepseek_v2, route_deepseek_v3
+from hetmoe.layers.norm import RMSNorm
+from hetmoe.layers.rope import inv_frequencies, yarn_get_mscale, yarn_parameters
+from hetmoe.models.common import CausalLM
+from hetmoe.models.config import ModelConfig
+
+
+def _n_experts(cfg: ModelConfig) -> int:
+    return cfg.first("n_routed_experts", "num_local_experts", "num_experts")
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict:
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    params.setdefault("rope_theta", cfg.rope_theta)
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+class DeepseekV2MLP(nn.Module):
+    """Dense SwiGLU MLP: the layers before first_k_dense_replace, and the shared experts."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DeepseekV2TopkRouter(nn.Module):
+    """Router weight [E, H] (fp32 logits), softmax routing."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(_n_experts(cfg), cfg.hidden_size))
+        self.top_k = cfg.num_experts_per_tok
+        self.topk_method = cfg.get("topk_method", "greedy")
+        self.n_group, self.topk_group = cfg.get("n_group"), cfg.get("topk_group")
+        self.routed_scaling_factor = cfg.get("routed_scaling_factor", 1.0)
+
+    def logits(self, flat: torch.Tensor) -> torch.Tensor:
+        return F.linear(flat.float(), self.weight.float())
+
+    def forward(self, flat: torch.Tensor) -> tuple:
+        return route_deepseek_v2(self.logits(flat), self.top_k, self.topk_method, self.n_group, self.topk_group,
+                                 self.routed_scaling_factor)
+
+
+class DeepseekV3TopkRouter(DeepseekV2TopkRouter):
+    """Router weight [E, H] plus the (saved) e_score_correction_bias [E]; sigmoid group-limited routing."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.register_buffer("e_score_correction_bias", torch.zeros(_n_experts(cfg)), persistent=True)
+        self.n_group, self.topk_group = cfg.get("n_group", 1) or 1, cfg.get("topk_group", 1) or 1
+        self.norm_topk_prob = cfg.get("norm_topk_prob", True)
+
+    def forward(self, flat: torch.Tensor) -> tuple:
+        return route_deepseek_v3(self.logits(flat), self.e_score_correction_bias, self.top_k, self.n_group,
+                                 self.topk_group, self.norm_topk_prob, self.routed_scaling_factor)
+
+
+class DeepseekV2Moe(nn.Module):
+    """route -> experts backend, plus the shared experts (moe_intermediate_size * n_shared_experts)."""
+
+    router_cls = DeepseekV2TopkRouter
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = self.router_cls(cfg)
+        self.experts = None  # attached by the loader
+        n_shared = cfg.get("n_shared_experts") or 0
+        self.shared_experts = (
+            DeepseekV2MLP(cfg.hidden_size, cfg.moe_intermediate_size * n_shared, cfg.get("mlp_bias", False))
+            if n_shared else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H]
+        flat = x.reshape(-1, x.shape[-1])  # [T, H]
+        weights, ids = self.gate(flat)  # [T, k]
+        out = self.experts(flat, ids, weights).view_as(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DeepseekV3MoE(DeepseekV2Moe):
+    router_cls = DeepseekV3TopkRouter
+
+
+def _rope_complex(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """V2: interleaved pairs (x0, x1), (x2, x3)... rotated as complex numbers, result interleaved (in fp32)."""
+    xf = x.float()
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    cos, sin = cos.float(), sin.float()
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).type_as(x)
+
+
+def _rope_interleave(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """V3 rope_interleave: interleaved pairs rotated, result laid out as [rotated evens, rotated odds]."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split rotate_half form (V3 with rope_interleave false)."""
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class DeepseekV2Attention(nn.Module):
+    """Multi-head latent attention (MLA) with Hugging Face parameter names.
+
+    The cache stores c_kv = kv_a_layernorm(latent) [kv_lora_rank] and the roped k_pe [qk_rope_head_dim] per
+    position; attention expands every cached position with kv_b_proj into per-head k_nope and v, and attends with
+    q = [q_nope, q_pe], k = [k_nope, k_pe broadcast over heads]. This is the straightforward form; the
+    weight-absorbed decode form (fold kv_b_proj's k part into q and its v part into o_proj, attend in the latent
+    space) is a later optimisation.
+    """
+
+    rope_fn = staticmethod(_rope_complex)
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        H, bias = cfg.hidden_size, cfg.get("attention_bias", False)
+        self.n_heads = cfg.num_attention_heads
+        self.q_lora_rank, self.kv_lora_rank = cfg.get("q_lora_rank"), cfg.kv_lora_rank
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.qk_head_dim = self.nope + self.rope
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(H, self.n_heads * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(H, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, self.n_heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, self.kv_lora_rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.v_dim, H, bias=bias)
+        self.scale = self.qk_head_dim**-0.5
+        params = _rope_parameters(cfg)
+        if params["rope_type"] != "default" and params.get("mscale_all_dim"):
+            m = yarn_get_mscale(params["factor"], params["mscale_all_dim"])
+            self.scale = self.scale * m * m
+
+    def forward(self, x: torch.Tensor, rope: tuple, step: Step, cache: KVCache) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(B, S, self.n_heads, self.qk_head_dim).split([self.nope, self.rope], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv).view(B, S, 1, self.kv_lora_rank)
+        cos, sin = (t.unsqueeze(2) for t in rope)  # [B, S, 1, rope/2]
+        q_pe = self.rope_fn(q_pe, cos, sin)
+        k_pe = self.rope_fn(k_pe.view(B, S, 1, self.rope), cos, sin)
+        c_all, pe_all = cache.write(self.layer_idx, step, c_kv, k_pe)  # [B, ctx, 1, r], [B, ctx, 1, rope]
+        ctx = c_all.shape[1]
+        kv = self.kv_b_proj(c_all.to(x.dtype)).view(B, ctx, self.n_heads, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, pe_all.to(x.dtype).expand(B, ctx, self.n_heads, self.rope)), dim=-1)
+        out = attend(torch.cat((q_nope, q_pe), dim=-1), k, v, step, self.scale)  # [B, S, heads, v_dim]
+        return self.o_proj(out.reshape(B, S, -1))
+
+
+class DeepseekV3Attention(DeepseekV2Attention):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        self.rope_fn = _rope_interleave if cfg.get("rope_interleave", True) else _rope_half
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    attn_cls, moe_cls = DeepseekV2Attention, DeepseekV2Moe
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = self.attn_cls(cfg, layer_idx)
+        if layer_idx >= cfg.get("first_k_dense_replace", 0) and _n_experts(cfg) > 0:
+            self.mlp = self.moe_cls(cfg)
+        else:
+            self.mlp = DeepseekV2MLP(cfg.hidden_size, cfg.intermediate_size, cfg.get("mlp_bias", False))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple, step: Step, cache: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, step, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV3DecoderLayer(DeepseekV2DecoderLayer):
+    attn_cls, moe_cls = DeepseekV3Attention, DeepseekV3MoE
+
+
+class DeepseekV2Model(nn.Module):
+    """embed_tokens -> layers -> norm; one RoPE table (half-size cos/sin [B, S, rope/2], times the YaRN attention
+    factor) per call shared by all layers."""
+
+    layer_cls = DeepseekV2DecoderLayer
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        params = _rope_parameters(cfg)
+        dim = cfg.qk_rope_head_dim  # transformers' config sets head_dim = qk_rope_head_dim
+        if params["rope_type"] == "yarn":
+            inv_freq, self.attention_scaling = yarn_parameters(params, dim, cfg.max_position_embeddings)
+        elif params["rope_type"] == "default":
+            inv_freq, self.attention_scaling = inv_frequencies(dim, params["rope_theta"]), 1.0
+        else:
+            raise NotImplementedError(f"rope_type {params['rope_type']!r} is not supported for DeepSeek models")
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [B, S, H]
+        freqs = step.positions.float().unsqueeze(-1) * self.inv_freq.to(x.device)  # [B, S, rope/2]
+        rope = ((freqs.cos() * self.attention_scaling).to(x.dtype), (freqs.sin() * self.attention_scaling).to(x.dtype))
+        for layer in self.layers:
+            x = layer(x, rope, step, cache)
+        return self.norm(x)
+
+
+class DeepseekV3Model(DeepseekV2Model):
+    layer_cls = DeepseekV3DecoderLayer
+
+
+class DeepseekV2ForCausalLM(CausalLM):
+    model_cls = DeepseekV2Model
+
+    def make_cache(self, max_batch: int, max_context: int, dtype=torch.float32, device="cpu") -> KVCache:
+        """Latent cache: "k" holds c_kv [.., 1, kv_lora_rank], "v" holds k_pe [.., 1, qk_rope_head_dim]."""
+        cfg = self.config
+        return KVCache(cfg.num_hidden_layers, max_batch, max_context, 1, cfg.kv_lora_rank, dtype, device,
+                       v_head_dim=cfg.qk_rope_head_dim)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """DeepSeek-V3 / R1 and Kimi-K2."""
+
+    model_cls = DeepseekV3Model
