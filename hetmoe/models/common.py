@@ -21,11 +21,11 @@ from hetmoe.models.config import ModelConfig
 class SwiGLUMLP(nn.Module):
     """Dense gate/up/down MLP (dense layers, shared experts)."""
 
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -24,7 +24,7 @@ from hetmoe.layers.attention import KVCache, Step, attend
 from hetmoe.layers.moe import route_deepseek_v2, route_deepseek_v3
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import inv_frequencies, yarn_get_mscale, yarn_parameters
-from hetmoe.models.common import CausalLM
+from hetmoe.models.common import CausalLM, SwiGLUMLP
 from hetmoe.models.config import ModelConfig
 
 
@@ -39,17 +39,8 @@ def _rope_parameters(cfg: ModelConfig) -> dict:
     return params
 
 
-class DeepseekV2MLP(nn.Module):
+class DeepseekV2MLP(SwiGLUMLP):
     """Dense SwiGLU MLP: the layers before first_k_dense_replace, and the shared experts."""
-
-    def __init__(self, hidden: int, inter: int, bias: bool = False):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DeepseekV2TopkRouter(nn.Module):
