@@ -31,6 +31,31 @@ class SwiGLUMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class PreNormDecoderLayer(nn.Module):
+    """x + self_attn(input_layernorm(x)), then x + mlp(post_attention_layernorm(x)): the layer of every model
+    here whose MoE block is named ``mlp``. Subclasses build their attention and MLP and pass them in."""
+
+    def __init__(self, cfg: ModelConfig, self_attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple, step: Step, cache: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, step, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def qwen_layer_is_sparse(cfg: ModelConfig, layer_idx: int) -> bool:
+    """Qwen2/3-MoE: a layer is MoE unless listed in mlp_only_layers or skipped by decoder_sparse_step."""
+    return (
+        layer_idx not in cfg.get("mlp_only_layers", [])
+        and cfg.first("num_experts", "num_local_experts") > 0
+        and (layer_idx + 1) % cfg.get("decoder_sparse_step", 1) == 0
+    )
+
+
 class DecoderModel(nn.Module):
     layer_cls: type = None  # set by each model: (cfg, layer_idx) -> decoder layer
 

@@ -24,7 +24,7 @@ from hetmoe.layers.attention import KVCache, Step, attend
 from hetmoe.layers.moe import route_deepseek_v2, route_deepseek_v3
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import inv_frequencies, yarn_get_mscale, yarn_parameters
-from hetmoe.models.common import CausalLM, SwiGLUMLP
+from hetmoe.models.common import CausalLM, PreNormDecoderLayer, SwiGLUMLP
 from hetmoe.models.config import ModelConfig
 
 
@@ -185,22 +185,15 @@ class DeepseekV3Attention(DeepseekV2Attention):
         self.rope_fn = _rope_interleave if cfg.get("rope_interleave", True) else _rope_half
 
 
-class DeepseekV2DecoderLayer(nn.Module):
+class DeepseekV2DecoderLayer(PreNormDecoderLayer):
     attn_cls, moe_cls = DeepseekV2Attention, DeepseekV2Moe
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.self_attn = self.attn_cls(cfg, layer_idx)
         if layer_idx >= cfg.get("first_k_dense_replace", 0) and _n_experts(cfg) > 0:
-            self.mlp = self.moe_cls(cfg)
+            mlp = self.moe_cls(cfg)
         else:
-            self.mlp = DeepseekV2MLP(cfg.hidden_size, cfg.intermediate_size, cfg.get("mlp_bias", False))
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, rope: tuple, step: Step, cache: KVCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, step, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            mlp = DeepseekV2MLP(cfg.hidden_size, cfg.intermediate_size, cfg.get("mlp_bias", False))
+        super().__init__(cfg, self.attn_cls(cfg, layer_idx), mlp)
 
 
 class DeepseekV3DecoderLayer(DeepseekV2DecoderLayer):

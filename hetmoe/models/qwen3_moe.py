@@ -9,10 +9,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hetmoe.layers.attention import GQAAttention, KVCache, Step
+from hetmoe.layers.attention import GQAAttention
 from hetmoe.layers.moe import route_softmax
-from hetmoe.layers.norm import RMSNorm
-from hetmoe.models.common import CausalLM, DecoderModel, SwiGLUMLP
+from hetmoe.models.common import (
+    CausalLM,
+    DecoderModel,
+    PreNormDecoderLayer,
+    SwiGLUMLP,
+    qwen_layer_is_sparse,
+)
 from hetmoe.models.config import ModelConfig
 
 
@@ -45,23 +50,11 @@ class Qwen3MoeAttention(GQAAttention):
                          layer_idx, qkv_bias=bias, o_bias=bias, qk_norm_eps=cfg.rms_norm_eps)
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
+class Qwen3MoeDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.self_attn = Qwen3MoeAttention(cfg, layer_idx)
-        n_experts = cfg.first("num_experts", "num_local_experts")
-        sparse = (
-            layer_idx not in cfg.get("mlp_only_layers", [])
-            and n_experts > 0
-            and (layer_idx + 1) % cfg.get("decoder_sparse_step", 1) == 0
-        )
-        self.mlp = Qwen3MoeSparseMoeBlock(cfg) if sparse else Qwen3MoeMLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, rope: tuple, step: Step, cache: KVCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, step, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        sparse = qwen_layer_is_sparse(cfg, layer_idx)
+        mlp = Qwen3MoeSparseMoeBlock(cfg) if sparse else Qwen3MoeMLP(cfg.hidden_size, cfg.intermediate_size)
+        super().__init__(cfg, Qwen3MoeAttention(cfg, layer_idx), mlp)
 
 
 class Qwen3MoeModel(DecoderModel):
