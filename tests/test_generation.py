@@ -1,0 +1,415 @@
+"""Tokenizer (hetmoe/engine/tokenizer.py) and sampling / generation loop (hetmoe/engine/generation.py).
+
+No model: runners here return logits from a fixed random [V, V] table (a function of the last token) or follow a
+script of token ids, so every expectation is exact.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from hetmoe.engine.generation import GenerationResult, SamplingParams, generate, sample
+from hetmoe.engine.synthetic import _CHAT_TEMPLATE, build_tokenizer
+from hetmoe.engine.tokenizer import IncrementalDecoder, Tokenizer
+
+VOCAB = 512
+MULTIBYTE = "héllo → 日本語 🙂"
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return build_tokenizer(VOCAB)
+
+
+def _write_dir(path, backend, **config):
+    path.mkdir(parents=True, exist_ok=True)
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory, backend):
+    return _write_dir(tmp_path_factory.mktemp("tok"), backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                      bos_token=None, chat_template=_CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    return Tokenizer.from_dir(tok_dir)
+
+
+class TableRunner:
+    """Logits are a fixed random function of the last token; checks that positions stay inside the context."""
+
+    def __init__(self, vocab=VOCAB, max_context=256, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.table = 3 * torch.randn(vocab, vocab, generator=g)
+        self.max_context, self.pos, self.decode_calls = max_context, 0, 0
+
+    def prefill(self, ids):
+        assert 0 < len(ids) <= self.max_context
+        self.pos, self.decode_calls = len(ids), 0
+        return self.table[ids[-1]].clone()
+
+    def decode(self, token):
+        assert self.pos < self.max_context, "decode past the context"
+        self.pos += 1
+        self.decode_calls += 1
+        return self.table[token].clone()
+
+
+class ScriptedRunner(TableRunner):
+    """Greedy decoding of this runner yields ``script`` (then repeats its last token)."""
+
+    def __init__(self, script, vocab=VOCAB, max_context=256):
+        super().__init__(vocab, max_context)
+        self.script = list(script)
+
+    def _logits(self):
+        step = min(self.decode_calls, len(self.script) - 1)
+        logits = torch.randn(self.table.shape[0])
+        logits[self.script[step]] = 100.0
+        return logits
+
+    def prefill(self, ids):
+        super().prefill(ids)
+        return self._logits()
+
+    def decode(self, token):
+        super().decode(token)
+        return self._logits()
+
+
+def _run(runner, tok, params, prompt=(1, 2, 3)):
+    pieces = []
+    result = generate(runner, tok, list(prompt), params, on_text=pieces.append)
+    assert "".join(pieces) == result.text and all(pieces)
+    return result, pieces
+
+
+# --- sampling -------------------------------------------------------------------------------------------------
+
+def test_greedy_picks_argmax():
+    logits = torch.randn(3, 100)
+    assert torch.equal(sample(logits, SamplingParams()), logits.argmax(-1))
+    assert int(sample(logits[1], SamplingParams())) == int(logits[1].argmax())
+    assert sample(logits[1].to(torch.bfloat16), SamplingParams()).dim() == 0
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 5.0])
+def test_top_k1_and_tiny_top_p_are_greedy(temperature):
+    logits = torch.randn(64, 300)
+    g = torch.Generator().manual_seed(0)
+    for params in (SamplingParams(temperature=temperature, top_k=1),
+                   SamplingParams(temperature=temperature, top_p=1e-6)):
+        assert torch.equal(sample(logits, params, g), logits.argmax(-1))
+
+
+PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+
+
+@pytest.mark.parametrize("kw, allowed", [
+    (dict(), {0, 1, 2, 3, 4}),
+    (dict(top_k=2), {0, 1}),
+    (dict(top_p=0.6), {0, 1}),  # 0.4 < 0.6 <= 0.7
+    (dict(top_p=0.75), {0, 1, 2}),
+    (dict(top_k=3, top_p=0.5), {0, 1}),  # after top-3: 0.47, 0.35, 0.18
+    (dict(top_k=4, top_p=0.95), {0, 1, 2, 3}),
+])
+def test_filters_never_sample_outside_the_allowed_set(kw, allowed):
+    n = 20000
+    logits = PROBS.log().expand(n, -1).contiguous()
+    draws = sample(logits, SamplingParams(temperature=1.0, seed=0, **kw), torch.Generator().manual_seed(1))
+    counts = torch.bincount(draws, minlength=5)
+    assert set(torch.nonzero(counts).flatten().tolist()) == allowed
+    expected = PROBS * torch.tensor([i in allowed for i in range(5)])
+    expected = expected / expected.sum()
+    assert torch.allclose(counts / n, expected, atol=0.015)
+
+
+def test_temperature_sharpens():
+    logits = PROBS.log().expand(20000, -1).contiguous()
+    g = torch.Generator().manual_seed(2)
+    cold = torch.bincount(sample(logits, SamplingParams(temperature=0.5), g), minlength=5) / 20000
+    expected = PROBS ** 2 / (PROBS ** 2).sum()
+    assert torch.allclose(cold, expected, atol=0.015)
+
+
+def test_bad_logits_shape():
+    with pytest.raises(ValueError, match="logits must be"):
+        sample(torch.zeros(2, 3, 4), SamplingParams())
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(stop=("ok", "")), "stop"),
+    (dict(stop=(3,)), "stop"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(seed=1.5), "seed"),
+])
+def test_sampling_params_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+
+
+def test_sampling_params_normalizes():
+    p = SamplingParams(stop="END", stop_token_ids=[5, 6])
+    assert p.stop == ("END",) and p.stop_token_ids == (5, 6)
+
+
+# --- generation loop ------------------------------------------------------------------------------------------
+
+def test_seed_reproducible(tok):
+    def text(seed):
+        return _run(TableRunner(), tok, SamplingParams(max_new_tokens=24, temperature=1.0, seed=seed, ignore_eos=True))[0]
+
+    a, b, c = text(7), text(7), text(8)
+    assert a.token_ids == b.token_ids and a.text == b.text
+    assert a.token_ids != c.token_ids
+
+
+def test_greedy_follows_the_table(tok):
+    runner = TableRunner()
+    result, _ = _run(runner, tok, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    expected, last = [], 3
+    for _ in range(10):
+        last = int(runner.table[last].argmax())
+        expected.append(last)
+    assert result.token_ids == expected
+    assert result.text == tok.decode(expected)
+
+
+def test_max_new_tokens_is_length(tok):
+    runner = TableRunner()
+    result, _ = _run(runner, tok, SamplingParams(max_new_tokens=5, temperature=1.0, seed=0, ignore_eos=True))
+    assert result.finish_reason == "length" and len(result.token_ids) == 5 == result.completion_tokens
+    assert runner.decode_calls == 4 == result.timings.decode_steps
+    assert result.prompt_tokens == 3 == result.timings.prompt_tokens
+    assert result.timings.prefill_s > 0 and result.timings.decode_s > 0
+    assert result.timings.prefill_tok_s > 0 and result.timings.decode_tok_s > 0
+
+
+def test_context_full_is_length(tok):
+    runner = TableRunner(max_context=10)
+    result, _ = _run(runner, tok, SamplingParams(max_new_tokens=100, ignore_eos=True), prompt=range(7))
+    assert result.finish_reason == "length" and len(result.token_ids) == 3  # 7 + 3 = max_context
+    assert runner.pos <= runner.max_context
+
+
+@pytest.mark.parametrize("n", [10, 12])
+def test_prompt_too_long(tok, n):
+    with pytest.raises(ValueError, match=rf"{n} tokens.*holds 10"):
+        generate(TableRunner(max_context=10), tok, list(range(n)), SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        generate(TableRunner(), tok, [], SamplingParams())
+
+
+def test_eos_stops(tok):
+    body = tok.encode("Hello, world!")
+    eos = tok.token_to_id("<|im_end|>")
+    result, _ = _run(ScriptedRunner(body + [eos, 7, 8]), tok, SamplingParams(max_new_tokens=50))
+    assert result.finish_reason == "stop" and result.text == "Hello, world!"
+    assert result.token_ids == body and result.completion_tokens == len(body) + 1
+
+    result, _ = _run(ScriptedRunner(body + [eos, 7]), tok, SamplingParams(max_new_tokens=len(body) + 3,
+                                                                           ignore_eos=True))
+    assert result.finish_reason == "length" and result.token_ids == body + [eos, 7, 7]
+
+    result, _ = _run(ScriptedRunner(body + [eos]), tok, SamplingParams(stop_token_ids=[body[2]], ignore_eos=True))
+    assert result.finish_reason == "stop" and result.token_ids == body[:2]
+
+
+def _script(tok, text, tail="<|im_end|>"):
+    return tok.encode(text, add_special_tokens=False) + [tok.token_to_id(tail)]
+
+
+def test_stop_string_single_token(tok):
+    result, pieces = _run(ScriptedRunner(_script(tok, "Hello, world! How are you today?")), tok,
+                          SamplingParams(stop=["How"]))
+    assert result.finish_reason == "stop" and result.text == "Hello, world! "
+    assert not any("H" in p for p in pieces[1:])  # nothing of the stop string was streamed
+
+
+def test_stop_string_spanning_tokens(tok):
+    text, stop = "Hello, world! How are you today?", ", wor"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert not any(stop in tok.decode([i]) for i in ids)  # it really spans tokens
+    result, pieces = _run(ScriptedRunner(_script(tok, text)), tok, SamplingParams(stop=[stop, "today"]))
+    assert result.finish_reason == "stop" and result.text == "Hello"
+    assert "".join(pieces) == "Hello" and not any("," in p for p in pieces)
+    assert result.token_ids == ids[:len(result.token_ids)] and tok.decode(result.token_ids).startswith("Hello, wor")
+
+
+def test_earliest_stop_string_wins(tok):
+    result, _ = _run(ScriptedRunner(_script(tok, "Hello, world! How are you today?")), tok,
+                     SamplingParams(stop=["today", "are", "world!"]))
+    assert result.text == "Hello, "
+
+
+def test_stream_holds_back_only_until_resolved(tok):
+    text = "Hello, wonderful wordy world"
+    seen = []
+    result = generate(ScriptedRunner(_script(tok, text)), tok, [1], SamplingParams(stop=["world!"]),
+                      on_text=lambda p: seen.append(p))
+    assert result.finish_reason == "stop" and result.text == text  # eos, not the stop string
+    assert "".join(seen) == text and len(seen) > 3
+    # "world" was held back (it could have become "world!") and only released once the stream ended
+    assert not seen[-1].startswith(" ") and seen[-1].endswith("world") and "world" not in "".join(seen[:-1])
+
+    # ends inside a possible stop string because of max_new_tokens: the held-back text is still returned
+    n = len(tok.encode(text, add_special_tokens=False))
+    result, _ = _run(ScriptedRunner(_script(tok, text)), tok, SamplingParams(stop=["world!"], max_new_tokens=n))
+    assert result.finish_reason == "length" and result.text == text
+
+
+def test_streaming_multibyte(tok):
+    result, pieces = _run(ScriptedRunner(_script(tok, MULTIBYTE)), tok, SamplingParams(stop=["語 🙂!"]))
+    assert result.text == MULTIBYTE and not any("\ufffd" in p for p in pieces) and len(pieces) > 5
+
+
+def test_result_type(tok):
+    result, _ = _run(TableRunner(), tok, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert isinstance(result, GenerationResult)
+
+
+# --- tokenizer ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", ["def forward(self, x): return x", MULTIBYTE, ""])
+def test_roundtrip(tok, text):
+    ids = tok.encode(text)
+    assert all(isinstance(i, int) for i in ids)
+    assert tok.decode(ids) == text
+
+
+def test_incremental_decoder(tok):
+    ids = tok.encode(MULTIBYTE + " and some ascii, 🙂🙂")
+    assert any(tok.decode([i]) == "\ufffd" for i in ids)  # characters really are split across tokens
+    dec = IncrementalDecoder(tok)
+    pieces = [dec.push(i) for i in ids] + [dec.flush()]
+    assert not any("\ufffd" in p for p in pieces)
+    assert "".join(pieces) == tok.decode(ids)
+
+    dec = IncrementalDecoder(tok)  # stopped inside a character: flush hands back the partial tail
+    partial = "".join(dec.push(i) for i in ids[:2])
+    assert partial + dec.flush() == tok.decode(ids[:2])
+
+
+def test_special_tokens_and_eos_ids(tmp_path, backend):
+    d = _write_dir(tmp_path, backend, eos_token={"content": "<|im_end|>", "special": True},
+                   chat_template=[{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": "DEF"}])
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1]}))
+    (d / "config.json").write_text(json.dumps({"eos_token_id": 0}))
+    t = Tokenizer.from_dir(d)
+    assert t.eos_token == "<|im_end|>" and t.eos_ids == {0, 1, 2}
+    assert t.apply_chat_template([{"role": "user", "content": "x"}]) == "DEF"
+    assert t.decode(t.encode("<|im_start|>hi<|im_end|>"), skip_special_tokens=True) == "hi"
+    assert t.decode(t.encode("<|im_start|>hi"), skip_special_tokens=False) == "<|im_start|>hi"
+
+    (d / "chat_template.jinja").write_text("FILE {{ messages[0].content }}")  # the separate file wins
+    assert Tokenizer.from_dir(d).apply_chat_template([{"role": "user", "content": "x"}]) == "FILE x"
+
+
+def test_chat_template_matches_transformers(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    from hetmoe.engine.synthetic import write_checkpoint
+
+    path = write_checkpoint(tmp_path_factory.mktemp("ckpt"), "qwen3_moe")
+    ours, theirs = Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(path)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo 日本"},
+            {"role": "assistant", "content": "Hi!\n"}, {"role": "user", "content": "Again"}]
+    for add in (True, False):
+        expected = theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=add)
+        assert ours.apply_chat_template(chat, add_generation_prompt=add) == expected
+    prompt = ours.apply_chat_template(chat)
+    assert ours.encode(prompt) == theirs(prompt).input_ids
+    assert ours.eos_ids >= {theirs.eos_token_id}
+
+    # a template with the features real ones use: namespace, loop controls, tojson, raise_exception, tools
+    rich = (
+        "{% set ns = namespace(sys='You are helpful.') %}"
+        "{% if messages[0]['role'] == 'system' %}{% set ns.sys = messages[0]['content'] %}{% endif %}"
+        "<|im_start|>system\n{{ ns.sys }}{% if tools %}\n{{ tools | tojson }}{% endif %}<|im_end|>\n"
+        "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}"
+        "{% if m['role'] not in ['user', 'assistant'] %}{{ raise_exception('bad role ' + m['role']) }}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    )
+    rich_dir = tmp_path_factory.mktemp("rich")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(path / f, rich_dir / f)
+    (rich_dir / "chat_template.jinja").write_text(rich)
+    ours, theirs = Tokenizer.from_dir(rich_dir), transformers.AutoTokenizer.from_pretrained(rich_dir)
+    tools = [{"type": "function", "function": {"name": "f", "description": "<a & b>"}}]
+    for kw in (dict(), dict(tools=tools), dict(enable_thinking=False)):
+        expected = theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **kw)
+        assert ours.apply_chat_template(chat, **kw) == expected
+    with pytest.raises(ValueError, match="bad role tool"):
+        ours.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+BOS = "<｜begin▁of▁sentence｜>"
+
+
+@pytest.mark.parametrize("post_processor", [False, True])
+def test_deepseek_style_bos(tmp_path, post_processor):
+    from tokenizers import processors
+
+    backend = build_tokenizer(VOCAB)
+    backend.add_special_tokens([BOS, "<｜end▁of▁sentence｜>"])
+    bos_id = backend.token_to_id(BOS)
+    if post_processor:  # DeepSeek-V3's tokenizer.json adds the bos itself too
+        backend.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bos_id)])
+    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+                "{% else %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}")
+    d = _write_dir(tmp_path, backend, add_bos_token=True, add_eos_token=False, chat_template=template,
+                   bos_token={"__type": "AddedToken", "content": BOS, "lstrip": False, "normalized": True,
+                              "rstrip": False, "single_word": False},
+                   eos_token={"__type": "AddedToken", "content": "<｜end▁of▁sentence｜>"})
+    t = Tokenizer.from_dir(d)
+    assert t.bos_id == bos_id and t.add_bos_token is True
+    prompt = t.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert prompt == f"{BOS}<｜User｜>Hi<｜Assistant｜>"
+    ids = t.encode(prompt)
+    assert ids[0] == bos_id and ids.count(bos_id) == 1
+    assert t.decode(ids) == "<｜User｜>Hi<｜Assistant｜>"
+    assert t.encode("Hi")[0] == bos_id and t.encode("Hi").count(bos_id) == 1
+    assert bos_id not in t.encode("Hi", add_special_tokens=False)
+    assert t.encode(BOS + BOS + "Hi").count(bos_id) == 2  # written twice by the caller: kept as written
+    assert t.eos_ids == {backend.token_to_id("<｜end▁of▁sentence｜>")}
+
+
+def test_missing_or_broken_files(tmp_path, tok_dir):
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+    shutil.copy(tok_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text("[1, 2")
+    with pytest.raises(ValueError, match="tokenizer_config.json"):
+        Tokenizer.from_dir(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    t = Tokenizer.from_dir(tmp_path)
+    assert not t.has_chat_template and t.eos_ids == set()
+    with pytest.raises(ValueError, match="no chat template"):
+        t.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("messages", [
+    [], "hi", ["hi"], [{"role": "user"}], [{"content": "x"}], [{"role": "user", "content": None}],
+    [{"role": "user", "content": ["a"]}], [{"role": "", "content": "x"}], None,
+])
+def test_malformed_messages(tok, messages):
+    assert tok.has_chat_template
+    with pytest.raises(ValueError, match="messages"):
+        tok.apply_chat_template(messages)
