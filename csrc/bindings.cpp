@@ -49,6 +49,7 @@ PYBIND11_MODULE(_C, m) {
     return d;
   });
   m.def("physical_core_cpus", &physical_core_cpus);
+  m.attr("LAYOUT_VERSION") = kLayoutVersion;
 
   py::class_<Job, std::shared_ptr<Job>>(m, "Job");
   py::class_<MoeJob, Job, std::shared_ptr<MoeJob>>(m, "MoeJob");
@@ -91,6 +92,16 @@ PYBIND11_MODULE(_C, m) {
            [](const MoeExperts& ex, int e, uintptr_t gate, uintptr_t up, uintptr_t down) {
              ex.unpack(e, ptr<float>(gate), ptr<float>(up), ptr<float>(down));
            })
+      .def("fill_random", &MoeExperts::fill_random, py::arg("seed"), py::arg("std"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("storage",
+           [](const MoeExperts& ex) {
+             py::list views;
+             for (auto& [p, n] : ex.storage()) views.append(py::memoryview::from_memory(p, (py::ssize_t)n, false));
+             return views;
+           })
+      .def("mark_loaded", &MoeExperts::mark_loaded, py::arg("first_expert"), py::arg("n"))
+      .def("checksum", &MoeExperts::checksum, py::call_guard<py::gil_scoped_release>())
       .def("is_loaded", &MoeExperts::is_loaded)
       .def_property_readonly("n_loaded", &MoeExperts::n_loaded)
       .def("info",

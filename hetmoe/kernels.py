@@ -221,6 +221,27 @@ class CPUExperts:
                 raise ValueError(f"{name}[{i}] has dtype {t.dtype}; expert weights must be floating point")
         return w
 
+    def fill_random(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random weights written straight into the packed layout (benchmarks of real shapes without a
+        checkpoint): uniform quantized values (bf16: magnitudes over three octaves) whose std is about ``std``."""
+        self._ex.fill_random(int(seed), float(std))
+
+    def storage(self) -> list:
+        """The packed weights and scales as writable memoryviews (fixed order; empty ranges left out): what
+        the converted-expert cache saves and restores. After restoring call ``mark_loaded()``."""
+        return [m for m in self._ex.storage() if m.nbytes]
+
+    def mark_loaded(self) -> None:
+        self._ex.mark_loaded(0, self.num_experts)
+
+    def checksum(self) -> int:
+        """64-bit hash of the packed storage."""
+        return self._ex.checksum()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.storage())
+
     def dequantized(self, expert: int) -> tuple:
         """fp32 ``(gate [I, H], up [I, H], down [H, I])``: the values the kernels multiply by."""
         I, H = self.intermediate_size, self.hidden_size

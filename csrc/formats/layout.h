@@ -31,6 +31,9 @@ namespace hetmoe {
 
 enum class WeightFormat : int { bf16 = 0, int8 = 1, int4 = 2 };
 
+// Bumped whenever the packed bytes of any format change: converted-expert caches of another version are rebuilt.
+constexpr int kLayoutVersion = 1;
+
 constexpr int kRowsPerBlock = 16;
 constexpr int kLineBytes = 64;
 constexpr int kBf16Group = 32;  // K padding unit for bf16, which has no scales

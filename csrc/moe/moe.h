@@ -64,6 +64,18 @@ class MoeExperts {
   void load(int e0, int n, const float* gate, const float* up, const float* down);
   // The values the kernels multiply by, fp32: gate, up [I, H], down [H, I].
   void unpack(int e, float* gate, float* up, float* down) const;
+  // Random weights for benchmarks, written straight into the packed layout (no fp32 source, no packing):
+  // uniform quantized values with scales giving a weight std of about `std` (bf16: random magnitudes over
+  // three octaves),
+  // zero padding as packing writes it. Deterministic in `seed`. Marks every expert loaded.
+  void fill_random(uint64_t seed, float std);
+
+  // The packed storage as (pointer, bytes) ranges, in a fixed order: gate+up data, gate+up scales, down
+  // data, down scales. The converted-expert cache writes and reads these; `mark_loaded` follows a read.
+  std::vector<std::pair<uint8_t*, size_t>> storage() const;
+  void mark_loaded(int e0, int n);
+  // 64-bit hash of the packed storage (computed on the pool, independent of the thread count).
+  uint64_t checksum() const;
 
   const ExpertsConfig& config() const { return cfg_; }
   const MatrixShape& gate_up_shape() const { return gu_; }

@@ -121,3 +121,47 @@ class TorchExperts:
         return out
 
     __call__ = forward
+
+
+class HostStaging:
+    """Pinned host buffers through which GPU activations reach the CPU engine and come back; one set serves
+    every layer (layers run one after another), grown to the largest token count seen."""
+
+    def __init__(self, hidden: int, top_k: int, dtype: torch.dtype):
+        self.hidden, self.top_k, self.dtype = hidden, top_k, dtype
+        self.capacity = 0
+
+    def buffers(self, T: int) -> tuple:
+        if T > self.capacity:
+            self.capacity = max(T, 2 * self.capacity)
+            pin = torch.cuda.is_available()
+            self.x = torch.empty(self.capacity, self.hidden, dtype=self.dtype, pin_memory=pin)
+            self.out = torch.empty(self.capacity, self.hidden, dtype=self.dtype, pin_memory=pin)
+            self.ids = torch.empty(self.capacity, self.top_k, dtype=torch.int64, pin_memory=pin)
+            self.weights = torch.empty(self.capacity, self.top_k, dtype=torch.float32, pin_memory=pin)
+        return self.x[:T], self.ids[:T], self.weights[:T], self.out[:T]
+
+
+class OffloadedExperts:
+    """The dispatch stage of a hybrid run: routed experts computed by a CPU backend (``CPUExperts``) for a
+    model whose activations live on the GPU. x, ids and weights are copied to pinned host buffers, the CPU
+    computes, and the result is copied back on the current stream (the eager path; the CUDA-graph path
+    replaces these copies and waits with stream-ordered host functions)."""
+
+    def __init__(self, experts, staging: HostStaging):
+        self.experts, self.staging = experts, staging
+        self.num_experts = experts.num_experts
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            return self.experts(x, topk_ids, topk_weights)
+        T = x.shape[0]
+        xh, ids, w, out = self.staging.buffers(T)
+        xh.copy_(x, non_blocking=True)
+        ids.copy_(topk_ids, non_blocking=True)
+        w.copy_(topk_weights, non_blocking=True)
+        torch.cuda.current_stream(x.device).synchronize()
+        self.experts.forward(xh, ids, w, out)
+        return out.to(x.device, non_blocking=True)
+
+    __call__ = forward

@@ -4,8 +4,9 @@ import torch
 
 
 def inv_frequencies(head_dim: int, theta: float) -> torch.Tensor:
-    """[head_dim / 2] fp32 inverse frequencies."""
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    """[head_dim / 2] fp32 inverse frequencies (computed on the CPU even while a model is built on the meta
+    device: they are not loaded from the checkpoint)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
 
 
 def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple:
@@ -69,9 +70,9 @@ def yarn_parameters(rope_parameters: dict, dim: int, max_position_embeddings: in
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # prevent singularity
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
 
-    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(dtype=torch.float) / dim)
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     extrapolation_factor = 1 - ramp
     inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor

@@ -1,1 +1,31 @@
-"""One file per Hugging Face ``model_type``; pure nn.Modules with Hugging Face class and parameter names."""
+"""One file per Hugging Face ``model_type``; pure nn.Modules with Hugging Face class and parameter names.
+
+``model_class(cfg)`` maps a checkpoint's ``config.json`` to the causal-LM class that runs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from hetmoe.models.config import ModelConfig
+
+# model_type -> (module, class). Kimi-K2 ships model_type "kimi_k2" with the DeepSeek-V3 architecture.
+MODEL_TYPES = {
+    "deepseek_v3": ("deepseek_v2", "DeepseekV3ForCausalLM"),
+    "kimi_k2": ("deepseek_v2", "DeepseekV3ForCausalLM"),
+    "deepseek_v2": ("deepseek_v2", "DeepseekV2ForCausalLM"),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "mixtral": ("mixtral", "MixtralForCausalLM"),
+}
+
+
+def model_class(cfg: ModelConfig) -> type:
+    model_type = cfg.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(
+            f"config.json has model_type {model_type!r}, which hetmoe does not support "
+            f"(supported: {', '.join(sorted(MODEL_TYPES))})"
+        )
+    module, name = MODEL_TYPES[model_type]
+    return getattr(importlib.import_module(f"hetmoe.models.{module}"), name)

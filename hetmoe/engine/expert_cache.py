@@ -1,0 +1,110 @@
+"""The converted-expert cache: the packed routed experts of each MoE layer, saved so the next load skips the
+conversion.
+
+One file per layer in a directory named by a hash of what the bytes depend on: the checkpoint (absolute path,
+and name, size and modification time of config.json and every shard), the weight format and group size, the
+expert shape, and the engine's layout version. A file is written to a temporary name, flushed and renamed, so
+a crash never leaves a half-written file under the real name. Reading checks the header against the expected
+key and sizes and the data against the 64-bit checksum stored with it; a stale or corrupt file is reported,
+deleted and rebuilt from the checkpoint, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Optional
+
+from hetmoe import _C
+
+MAGIC = b"HETMOEX1"
+DATA_ALIGN = 4096
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hetmoe" / "experts"
+
+
+class ExpertCache:
+    def __init__(self, root, checkpoint, weight_format: str, group_size: int, warn=print):
+        key = {
+            "checkpoint": str(Path(checkpoint.path).resolve()),
+            "files": checkpoint.fingerprint(),
+            "format": weight_format,
+            "group_size": group_size,
+            "layout_version": _C.LAYOUT_VERSION,
+        }
+        self.key = json.loads(json.dumps(key))  # as it reads back from a file header (tuples become lists)
+        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:20]
+        self.dir = Path(root) / f"{Path(checkpoint.path).name}-{weight_format}-g{group_size}-{digest}"
+        self.warn = warn
+        self.hits = self.misses = self.rebuilt = 0
+
+    def _path(self, layer: int) -> Path:
+        return self.dir / f"layer{layer:04d}.bin"
+
+    def _header(self, layer: int, experts) -> dict:
+        return {**self.key, "layer": layer, "shape": [experts.num_experts, experts.hidden_size,
+                                                      experts.intermediate_size],
+                "sizes": [m.nbytes for m in experts.storage()]}
+
+    def load(self, layer: int, experts) -> bool:
+        """Fill ``experts`` from the cache; False when there is no valid entry (a bad one is removed)."""
+        path = self._path(layer)
+        if not path.is_file():
+            self.misses += 1
+            return False
+        want = self._header(layer, experts)
+        try:
+            with open(path, "rb") as f:
+                if f.read(8) != MAGIC:
+                    raise ValueError("not a hetmoe expert cache file")
+                (n,) = struct.unpack("<I", f.read(4))
+                header = json.loads(f.read(n))
+                checksum = header.pop("checksum")
+                if header != want:
+                    raise ValueError("it was made from other files or settings")
+                f.seek(DATA_ALIGN * -(-(12 + n) // DATA_ALIGN))
+                for view in experts.storage():
+                    if f.readinto(view) != view.nbytes:
+                        raise ValueError("it is truncated")
+                if f.read(1):
+                    raise ValueError("it has trailing bytes")
+            if experts.checksum() != checksum:
+                raise ValueError("its data does not match its checksum")
+        except (OSError, ValueError, KeyError, json.JSONDecodeError, struct.error) as err:
+            self.warn(f"expert cache {path} is unusable ({err}); rebuilding it from the checkpoint")
+            path.unlink(missing_ok=True)
+            self.rebuilt += 1
+            return False
+        experts.mark_loaded()
+        self.hits += 1
+        return True
+
+    def save(self, layer: int, experts) -> Optional[Path]:
+        """Write the layer atomically; a failure (e.g. a full disk) is reported and leaves no file behind."""
+        path = self._path(layer)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        header = json.dumps({**self._header(layer, experts), "checksum": experts.checksum()}).encode()
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(MAGIC + struct.pack("<I", len(header)) + header)
+                f.write(b"\0" * (DATA_ALIGN * -(-(12 + len(header)) // DATA_ALIGN) - 12 - len(header)))
+                for view in experts.storage():
+                    f.write(view)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            return path
+        except OSError as err:
+            self.warn(f"could not write the expert cache {path} ({err}); continuing without it")
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            return None

@@ -1,0 +1,196 @@
+"""Where each part of a model lives, and whether it fits, decided before anything is loaded.
+
+With a GPU: embeddings, attention, norms, routers, shared experts, dense MLPs, lm_head and the KV cache go to
+the GPU; the routed experts stay in CPU DRAM, packed for the CPU expert engine. Without one (or with
+``device="cpu"``) everything is on the CPU. ``plan_memory`` adds up the bytes of that placement from the
+model's shapes alone and ``check_fits`` refuses, with the breakdown, a plan that does not fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+FORMATS = ("bf16", "int8", "int4")
+DEFAULT_GROUP = {"bf16": 0, "int8": 128, "int4": 64}
+# Fraction of the currently free RAM / VRAM a plan may use (the rest: allocator slack, the OS, other processes).
+HEADROOM = 0.92
+CUDA_CONTEXT_BYTES = 600 << 20
+CPU_RUNTIME_BYTES = 400 << 20  # the Python process, torch and the engine's scratch
+
+
+@dataclass
+class EngineOptions:
+    """The engine options every command shares (``--device``, ``--experts-format``, ...)."""
+
+    device: str = "auto"  # auto | cuda | cpu
+    experts_format: str = "auto"  # auto | bf16 | int8 | int4 ("auto": the most precise that fits in RAM)
+    group_size: Optional[int] = None  # int8/int4 scale group (default 128 / 64; 0 = per-row int8)
+    threads: Optional[int] = None  # CPU expert threads (default: one per physical core)
+    max_context: Optional[int] = None  # KV cache positions per sequence (default: min(4096, model limit))
+    max_batch: int = 1
+    dtype: str = "auto"  # weights/activations of the dense part: auto | bf16 | fp32
+    prefill_chunk: int = 1024  # prompt tokens per forward call
+
+    def __post_init__(self):
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}")
+        if self.experts_format not in ("auto",) + FORMATS:
+            raise ValueError(f"experts format must be auto, {', '.join(FORMATS)}; got {self.experts_format!r}")
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"dtype must be auto, bf16 or fp32, got {self.dtype!r}")
+        for name in ("threads", "max_context"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {v}")
+        if self.max_batch < 1 or self.prefill_chunk < 1:
+            raise ValueError("max_batch and prefill_chunk must be >= 1")
+        if self.group_size is not None and self.group_size not in (0, 32, 64, 128):
+            raise ValueError(f"group size must be 32, 64 or 128 (or 0 = per-row int8), got {self.group_size}")
+        if self.group_size == 0 and self.experts_format == "int4":
+            raise ValueError("int4 experts need a group size of 32, 64 or 128 (per-row scales are int8 only)")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device "
+                           f"(torch {torch.__version__}; use --device cpu)")
+    return torch.device(device)
+
+
+def packed_matrix_bytes(fmt: str, n: int, k: int, group: int) -> int:
+    """Bytes of one [n, k] matrix in the engine's packed layout (csrc/formats/layout.h), scales included."""
+    group = 32 if fmt == "bf16" else (group or 128)
+    rows, kp = -(-n // 16) * 16, -(-k // group) * group
+    data = rows * kp * {"bf16": 2, "int8": 1, "int4": 1}[fmt] // (2 if fmt == "int4" else 1)
+    scales = 0 if fmt == "bf16" else rows * (kp // group) * 4
+    return data + scales
+
+
+def expert_bytes(fmt: str, hidden: int, inter: int, group: int) -> int:
+    """One routed expert (gate + up [I, H], down [H, I]) packed."""
+    return 2 * packed_matrix_bytes(fmt, inter, hidden, group) + packed_matrix_bytes(fmt, hidden, inter, group)
+
+
+@dataclass
+class MemoryPlan:
+    device: torch.device
+    dtype: torch.dtype
+    experts_format: str
+    group_size: int
+    max_context: int
+    ram: dict = field(default_factory=dict)  # part -> bytes
+    vram: dict = field(default_factory=dict)
+
+    @property
+    def ram_bytes(self) -> int:
+        return sum(self.ram.values())
+
+    @property
+    def vram_bytes(self) -> int:
+        return sum(self.vram.values())
+
+    def describe(self) -> str:
+        def parts(d):
+            return ", ".join(f"{k} {gib(v)}" for k, v in d.items() if v)
+
+        text = f"RAM {gib(self.ram_bytes)} ({parts(self.ram)})"
+        if self.device.type == "cuda":
+            text += f"; VRAM {gib(self.vram_bytes)} ({parts(self.vram)})"
+        return text
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def free_ram() -> int:
+    """MemAvailable of /proc/meminfo (what can be allocated without swapping)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def free_vram(device: torch.device) -> int:
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device, fmt: str) -> MemoryPlan:
+    """Bytes of RAM and VRAM the placement of ``shapes`` under ``opts`` needs."""
+    dtype = resolve_dtype(opts.dtype, device, shapes.dense_params)
+    group = DEFAULT_GROUP[fmt] if opts.group_size is None else opts.group_size
+    ctx = opts.max_context or min(4096, shapes.max_position_embeddings or 4096)
+    experts = shapes.n_routed * expert_bytes(fmt, shapes.hidden, shapes.expert_inter, group)
+    dense = shapes.dense_params * dtype.itemsize
+    kv = shapes.kv_elems_per_token * opts.max_batch * ctx * dtype.itemsize
+    tokens = opts.prefill_chunk * opts.max_batch
+    act = tokens * (shapes.act_width * 4 + shapes.vocab_size * 4)  # a few hidden-width buffers + the last logits
+    host_staging = 3 * tokens * shapes.hidden * 4
+    plan = MemoryPlan(device, dtype, fmt, group, ctx)
+    plan.ram = {"routed experts": experts, "runtime": CPU_RUNTIME_BYTES + host_staging}
+    if device.type == "cuda":
+        plan.vram = {"dense weights": dense, "KV cache": kv, "activations": act, "CUDA context": CUDA_CONTEXT_BYTES}
+    else:
+        plan.ram.update({"dense weights": dense, "KV cache": kv, "activations": act})
+    return plan
+
+
+def resolve_dtype(name: str, device: torch.device, dense_params: int) -> torch.dtype:
+    """auto: bf16 on a GPU; on the CPU fp32 while the dense part is small (<= 1 G parameters), else bf16."""
+    if name == "bf16":
+        return torch.bfloat16
+    if name == "fp32":
+        return torch.float32
+    return torch.bfloat16 if device.type == "cuda" or dense_params > 1_000_000_000 else torch.float32
+
+
+def choose_plan(shapes: "ModelShapes", opts: EngineOptions) -> MemoryPlan:
+    """Resolve device and experts format, and refuse a plan that cannot fit (ValueError with the numbers)."""
+    device = resolve_device(opts.device)
+    ram, vram = free_ram(), (free_vram(device) if device.type == "cuda" else 0)
+    if opts.experts_format == "auto":
+        plans = [plan_memory(shapes, opts, device, f) for f in FORMATS]
+        fitting = [p for p in plans if p.ram_bytes <= HEADROOM * ram]
+        plan = fitting[0] if fitting else plans[-1]
+    else:
+        plan = plan_memory(shapes, opts, device, opts.experts_format)
+    problems = []
+    if plan.ram_bytes > HEADROOM * ram:
+        problems.append(f"RAM: needs {gib(plan.ram_bytes)}, {gib(ram)} available")
+    if device.type == "cuda" and plan.vram_bytes > HEADROOM * vram:
+        problems.append(f"GPU memory: needs {gib(plan.vram_bytes)}, {gib(vram)} free")
+    if problems:
+        hints = []
+        if plan.experts_format != "int4":
+            hints.append("--experts-format int4")
+        hints.append("a smaller --max-context")
+        raise MemoryError(
+            f"the model does not fit this machine with {plan.experts_format} experts on {device.type} "
+            f"({'; '.join(problems)}). Plan: {plan.describe()}. Try {' or '.join(hints)}."
+        )
+    return plan
+
+
+@dataclass
+class ModelShapes:
+    """What the memory plan needs to know about a model, read from its (meta-device) modules."""
+
+    hidden: int
+    vocab_size: int
+    n_routed: int  # routed experts over all MoE layers
+    expert_inter: int
+    dense_params: int  # everything else
+    kv_elems_per_token: int  # all layers, K and V
+    act_width: int
+    max_position_embeddings: Optional[int]
