@@ -9,6 +9,8 @@ multi-head latent attention (MLA), ``first_k_dense_replace`` dense layers, then 
   frequencies and cos/sin scale (attention factor), and ``mscale_all_dim`` multiplies the softmax scale by mscale**2.
 * The KV cache holds only the compressed latent per position: c_kv (kv_lora_rank, after kv_a_layernorm) in the
   cache's "k" tensor and k_pe (qk_rope_head_dim, after RoPE) in its "v" tensor, one "head" each.
+* Attention has two equivalent forms: prefill expands the cached latents into per-head keys/values with kv_b_proj;
+  decode (few query tokens) absorbs kv_b_proj into the query and the output and attends in the latent space.
 
 The routed experts are an *experts backend* attached to ``mlp.experts`` by whoever loads the weights; the shared
 experts are an ordinary dense MLP (``mlp.shared_experts``).
@@ -129,13 +131,21 @@ class DeepseekV2Attention(nn.Module):
     """Multi-head latent attention (MLA) with Hugging Face parameter names.
 
     The cache stores c_kv = kv_a_layernorm(latent) [kv_lora_rank] and the roped k_pe [qk_rope_head_dim] per
-    position; attention expands every cached position with kv_b_proj into per-head k_nope and v, and attends with
-    q = [q_nope, q_pe], k = [k_nope, k_pe broadcast over heads]. This is the straightforward form; the
-    weight-absorbed decode form (fold kv_b_proj's k part into q and its v part into o_proj, attend in the latent
-    space) is a later optimisation.
+    position. kv_b_proj.weight [heads * (nope + v_dim), r] is, per head, W_uk [nope, r] then W_uv [v_dim, r].
+
+    * Expanded form (prefill, S > absorb_max_tokens): every cached position is expanded with kv_b_proj into
+      per-head k_nope = W_uk c_kv and v = W_uv c_kv, and q = [q_nope, q_pe] attends to k = [k_nope, k_pe]; cost
+      O(ctx * heads * (nope + v_dim) * r) per call, amortised over the S query tokens.
+    * Weight-absorbed form (decode, S <= absorb_max_tokens): q_nope . (W_uk c_kv) = (W_uk^T q_nope) . c_kv, so the
+      query is folded into the latent space (q_lat [heads, r]) and scores are q_lat . c_kv + q_pe . k_pe; the
+      output is probs @ c_kv [heads, r] then W_uv per head. Nothing is expanded per cached position: O(ctx * heads
+      * (r + rope)) per query token. W_uk / W_uv are views of kv_b_proj.weight taken at call time.
+
+    Both forms give the same result up to rounding.
     """
 
     rope_fn = staticmethod(_rope_complex)
+    absorb_max_tokens = 4  # calls with at most this many query tokens per sequence use the weight-absorbed form
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -171,12 +181,36 @@ class DeepseekV2Attention(nn.Module):
         q_pe = self.rope_fn(q_pe, cos, sin)
         k_pe = self.rope_fn(k_pe.view(B, S, 1, self.rope), cos, sin)
         c_all, pe_all = cache.write(self.layer_idx, step, c_kv, k_pe)  # [B, ctx, 1, r], [B, ctx, 1, rope]
-        ctx = c_all.shape[1]
-        kv = self.kv_b_proj(c_all.to(x.dtype)).view(B, ctx, self.n_heads, self.nope + self.v_dim)
+        c_all, pe_all = c_all.to(x.dtype), pe_all.to(x.dtype)
+        if S <= self.absorb_max_tokens:
+            out = self._attend_absorbed(q_nope, q_pe, c_all, pe_all, step)
+        else:
+            out = self._attend_expanded(q_nope, q_pe, c_all, pe_all, step)
+        return self.o_proj(out.reshape(B, S, -1))  # out: [B, S, h, v_dim]
+
+    def _attend_expanded(self, q_nope, q_pe, c_all, pe_all, step: Step) -> torch.Tensor:
+        """Expand every cached latent into per-head k_nope / v, then ordinary attention -> [B, S, h, v_dim]."""
+        B, ctx = c_all.shape[:2]
+        kv = self.kv_b_proj(c_all).view(B, ctx, self.n_heads, self.nope + self.v_dim)  # [B, ctx, h, nope + v]
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat((k_nope, pe_all.to(x.dtype).expand(B, ctx, self.n_heads, self.rope)), dim=-1)
-        out = attend(torch.cat((q_nope, q_pe), dim=-1), k, v, step, self.scale)  # [B, S, heads, v_dim]
-        return self.o_proj(out.reshape(B, S, -1))
+        k = torch.cat((k_nope, pe_all.expand(B, ctx, self.n_heads, self.rope)), dim=-1)  # [B, ctx, h, nope + rope]
+        return attend(torch.cat((q_nope, q_pe), dim=-1), k, v, step, self.scale)
+
+    def _attend_absorbed(self, q_nope, q_pe, c_all, pe_all, step: Step) -> torch.Tensor:
+        """Attend in the latent space with kv_b_proj folded into the query and the output -> [B, S, h, v_dim]."""
+        B, S, h, _ = q_nope.shape
+        ctx, r = c_all.shape[1], self.kv_lora_rank
+        w_kv = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, r)
+        w_uk, w_uv = w_kv.split([self.nope, self.v_dim], dim=1)  # [h, nope, r], [h, v, r] (views)
+        c, pe = c_all.view(B, ctx, r), pe_all.view(B, ctx, self.rope)  # [B, ctx, r], [B, ctx, rope]
+        q_lat = torch.einsum("bshn,hnr->bshr", q_nope, w_uk)  # [B, S, h, r]
+        scores = (q_lat.reshape(B, S * h, r) @ c.transpose(1, 2)
+                  + q_pe.reshape(B, S * h, self.rope) @ pe.transpose(1, 2))  # [B, S*h, ctx]
+        scores = scores.view(B, S, h, ctx).float() * self.scale  # [B, S, h, ctx]
+        mask = torch.arange(ctx, device=c.device) <= step.positions.view(B, S, 1, 1)  # [B, S, 1, ctx]
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(c.dtype)  # [B, S, h, ctx]
+        out_lat = (probs.view(B, S * h, ctx) @ c).view(B, S, h, r)  # [B, S, h, r]
+        return torch.einsum("bshr,hvr->bshv", out_lat, w_uv)  # [B, S, h, v_dim]
 
 
 class DeepseekV3Attention(DeepseekV2Attention):
