@@ -1,4 +1,4 @@
-"""The ``hetmoe`` command: ``hetmoe doctor``, ``hetmoe bench kernel``, ``hetmoe bench overhead``.
+"""The ``hetmoe`` command: ``generate``, ``chat``, ``doctor``, ``bench kernel|overhead|e2e``.
 
 This module imports only the standard library, so ``hetmoe --help`` is instant; torch and ``hetmoe._C`` are
 imported inside the subcommand handlers.
@@ -41,10 +41,65 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nonneg_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def add_engine_options(p: argparse.ArgumentParser, model: bool = True) -> None:
+    """The engine options, named the same in every command that runs a model."""
+    g = p.add_argument_group("engine")
+    if model:
+        g.add_argument("--model", metavar="DIR", default=None,
+                       help="Hugging Face checkpoint directory (default: the small model built into hetmoe)")
+    g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto: the GPU for everything but the routed experts when there is one (default: auto)")
+    g.add_argument("--experts-format", choices=("auto", "bf16", "int8", "int4"), default="auto",
+                   help="format of the routed experts on the CPU; auto: the most precise that fits in RAM")
+    g.add_argument("--group-size", type=int, default=None, choices=(0, 32, 64, 128),
+                   help="int8/int4 scale group (default: 128 for int8, 64 for int4; 0 = per-row int8)")
+    g.add_argument("--threads", type=_positive_int, default=None, help="CPU expert threads (default: physical cores)")
+    g.add_argument("--max-context", type=_positive_int, default=None,
+                   help="KV cache positions per sequence (default: min(4096, the model's limit))")
+    g.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="dense weights and activations (default: bf16 on GPU, fp32 on CPU for small models)")
+    g.add_argument("--expert-cache", metavar="DIR", default="auto",
+                   help="where converted experts are kept for the next load ('off' disables; "
+                        "default: $XDG_CACHE_HOME/hetmoe/experts)")
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=128, help="default: 128")
+    g.add_argument("--temperature", type=_nonneg_float, default=0.0, help="0 = greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, (0, 1] (default: 1 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hetmoe", description="Giant MoE models on one GPU plus CPU DRAM.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+
+    generate = sub.add_parser("generate", help="generate a completion (text to stdout, progress and timing to stderr)")
+    generate.add_argument("--prompt", "-p", default=None,
+                          help="the prompt ('-' reads stdin; default: a short built-in prompt)")
+    generate.add_argument("--raw", action="store_true",
+                          help="use the prompt as is (default: wrap it in the model's chat template when it has one)")
+    generate.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, timings) instead")
+    add_engine_options(generate)
+    add_sampling_options(generate)
+    generate.set_defaults(handler=_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat that streams the reply (/reset, /exit)")
+    chat.add_argument("--system", default=None, help="system message")
+    add_engine_options(chat)
+    add_sampling_options(chat)
+    chat.set_defaults(handler=_chat, max_new_tokens=512)
 
     doctor = sub.add_parser("doctor", help="CPU features, chosen ISA and kernel per format, pinned CPUs")
     doctor.add_argument("--threads", type=_positive_int, default=None, help="pool size (default: physical cores)")
@@ -89,6 +144,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from hetmoe.commands import run_generate
+
+    return run_generate(args)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from hetmoe.commands import run_chat
+
+    return run_chat(args)
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from hetmoe.bench.kernel import doctor
 
@@ -114,7 +181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, RuntimeError, MemoryError) as e:
+    except (ValueError, RuntimeError, MemoryError, OSError) as e:
         name = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
         print(f"hetmoe {name}: error: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,81 @@
+"""The runner: a loaded model, its static KV cache, and the forward calls of prefill and decode.
+
+The cache holds ``max_batch`` sequences ("slots") of ``max_context`` positions each and is allocated once, on
+the model's device. Prefill writes a prompt into one slot in chunks of ``prefill_chunk`` tokens (bounding
+activation memory for long prompts); decode advances one or several slots by one token each. Every call
+builds the one ``Step`` (positions, slots) the model sees; the model itself keeps no state.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from hetmoe.engine.loader import LoadedModel
+from hetmoe.layers.attention import Step
+
+
+class Runner:
+    def __init__(self, loaded: LoadedModel):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.plan.device
+        self.dtype = loaded.plan.dtype
+        self.max_context = loaded.plan.max_context
+        self.max_batch = loaded.options.max_batch
+        self.prefill_chunk = loaded.options.prefill_chunk
+        self.cache = self.model.make_cache(self.max_batch, self.max_context, self.dtype, self.device)
+        self.lengths = [0] * self.max_batch  # tokens in each slot's cache
+        self.vocab_size = loaded.config.vocab_size
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """ids, positions [B, S] and slots [B] -> logits of each sequence's last token, fp32 [B, vocab]."""
+        hidden = self.model(ids.to(self.device), Step(positions.to(self.device), slots.to(self.device)), self.cache)
+        return self.model.logits(hidden[:, -1]).float()
+
+    def prefill(self, token_ids: Sequence[int], slot: int = 0, start: int = 0) -> torch.Tensor:
+        """Write a prompt into ``slot`` from position ``start`` (0: replace what it held; > 0: keep the first
+        ``start`` cached tokens, a shared prefix); logits after its last token, fp32 [vocab]."""
+        self._check_slot(slot)
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty (no tokens)")
+        if start + n > self.max_context:
+            raise ValueError(f"the prompt is {start + n} tokens; the context holds {self.max_context} (--max-context)")
+        if not 0 <= start <= self.lengths[slot]:
+            raise ValueError(f"start {start} is beyond the {self.lengths[slot]} tokens cached in slot {slot}")
+        ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {int(ids.min())}..{int(ids.max())}")
+        slots = torch.tensor([slot])
+        for i in range(0, n, self.prefill_chunk):
+            chunk = ids[i:i + self.prefill_chunk]
+            logits = self.forward(chunk[None], torch.arange(start + i, start + i + len(chunk))[None], slots)
+        self.lengths[slot] = start + n
+        return logits[0]
+
+    def decode(self, token_id: int, slot: int = 0) -> torch.Tensor:
+        """Append one token to ``slot``; logits after it, fp32 [vocab]."""
+        return self.decode_batch([token_id], [slot])[0]
+
+    def decode_batch(self, token_ids: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
+        """One token for each of several slots (their positions may differ) -> fp32 [B, vocab]."""
+        for s in slots:
+            self._check_slot(s)
+            if self.lengths[s] >= self.max_context:
+                raise ValueError(f"slot {s} is full ({self.max_context} tokens, --max-context)")
+        positions = torch.tensor([[self.lengths[s]] for s in slots])
+        logits = self.forward(torch.tensor([[int(t)] for t in token_ids]), positions, torch.tensor(list(slots)))
+        for s in slots:
+            self.lengths[s] += 1
+        return logits
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_batch:
+            raise ValueError(f"slot {slot} is outside [0, {self.max_batch}) (max_batch)")
