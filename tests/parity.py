@@ -67,7 +67,7 @@ def parity_errors(transformers, checkpoint, model_cls, experts_backend, batch: i
         errors = [max_rel(logits, hf_out.logits)]
         past, nxt = hf_out.past_key_values, hf_out.logits[:, -1:].argmax(-1)
         for i in range(DECODE_STEPS):
-            hf_out = hf(nxt, cache=past, use_cache=True)
+            hf_out = hf(nxt, past_key_values=past, use_cache=True)
             logits = ours.logits(ours(nxt, Step(positions=torch.full((batch, 1), S + i), slots=slots), cache))
             errors.append(max_rel(logits, hf_out.logits))
             past, nxt = hf_out.past_key_values, hf_out.logits[:, -1:].argmax(-1)
