@@ -1,3 +1,21 @@
-"""hetmoe: run giant Mixture-of-Experts language models on one GPU plus CPU DRAM."""
+"""hetmoe: run giant Mixture-of-Experts language models on one GPU plus CPU DRAM.
+
+``from hetmoe import LLM, EngineOptions, SamplingParams`` (imported lazily, so ``hetmoe --help`` stays fast).
+"""
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "hetmoe.engine.llm",
+    "EngineOptions": "hetmoe.engine.placement",
+    "SamplingParams": "hetmoe.engine.generation",
+    "CPUExperts": "hetmoe.kernels",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hetmoe' has no attribute {name!r}")
