@@ -36,7 +36,14 @@ class Runner:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """ids, positions [B, S] and slots [B] -> logits of each sequence's last token, fp32 [B, vocab]."""
-        hidden = self.model(ids.to(self.device), Step(positions.to(self.device), slots.to(self.device)), self.cache)
+        kv_len = int(positions.max()) + 1
+        if kv_len > self.max_context:
+            raise ValueError(f"position {kv_len - 1} is beyond max_context={self.max_context}")
+        first = int(slots[0])
+        consecutive = bool((slots == torch.arange(first, first + len(slots))).all())
+        step = Step(positions.to(self.device), slots.to(self.device), kv_len=kv_len,
+                    first_slot=first if consecutive else None)
+        hidden = self.model(ids.to(self.device), step, self.cache)
         return self.model.logits(hidden[:, -1]).float()
 
     def prefill(self, token_ids: Sequence[int], slot: int = 0, start: int = 0) -> torch.Tensor:
@@ -66,6 +73,14 @@ class Runner:
 
     def decode_batch(self, token_ids: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
         """One token for each of several slots (their positions may differ) -> fp32 [B, vocab]."""
+        token_ids, slots = [int(t) for t in token_ids], [int(s) for s in slots]
+        if not slots or len(token_ids) != len(slots):
+            raise ValueError(f"decode_batch needs one token per slot, got {len(token_ids)} tokens for {len(slots)} slots")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots {slots} repeat a slot (one token per slot and step)")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {bad[0]}")
         for s in slots:
             self._check_slot(s)
             if self.lengths[s] >= self.max_context:

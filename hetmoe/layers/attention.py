@@ -24,6 +24,10 @@ class Step:
 
     positions: torch.Tensor  # [B, S] int64: absolute position of each token of this call
     slots: torch.Tensor  # [B] int64: the cache row of each sequence
+    # Optional host-side facts that let attention read less of the cache (the runner knows them without a
+    # device sync): kv_len > every position of this call; first_slot when slots are first_slot, first_slot+1, ...
+    kv_len: int | None = None
+    first_slot: int | None = None
 
 
 class KVCache:
@@ -37,13 +41,18 @@ class KVCache:
                              device=device)
 
     def write(self, layer: int, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple:
-        """Store k/v [B, S, kv_heads, D] at their positions; return this layer's cache rows [B, ctx, kv, D]."""
-        if int(step.positions.max()) >= self.max_context:
+        """Store k/v [B, S, kv_heads, D] at their positions; return this layer's cache rows [B, ctx, kv, D]
+        (ctx = step.kv_len when given, else max_context; views, not copies, when step.first_slot is given)."""
+        if step.kv_len is None and int(step.positions.max()) >= self.max_context:
             raise ValueError(f"position {int(step.positions.max())} is beyond max_context={self.max_context}")
         rows = step.slots.unsqueeze(1).expand_as(step.positions)
         self.k[layer].index_put_((rows, step.positions), k.to(self.k.dtype))
         self.v[layer].index_put_((rows, step.positions), v.to(self.v.dtype))
-        return self.k[layer][step.slots], self.v[layer][step.slots]
+        n = step.kv_len or self.max_context
+        if step.first_slot is not None:
+            b = slice(step.first_slot, step.first_slot + step.slots.shape[0])
+            return self.k[layer, b, :n], self.v[layer, b, :n]
+        return self.k[layer][step.slots, :n], self.v[layer][step.slots, :n]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, scale: float) -> torch.Tensor:
