@@ -55,8 +55,10 @@ class Checkpoint:
             raise FileNotFoundError(f"{config_path} is missing: not a Hugging Face model directory")
         try:
             self.config = ModelConfig.from_file(config_path)
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise CheckpointError(f"{config_path} is not valid JSON: {err}") from None
+        except (TypeError, ValueError):  # valid JSON, but not an object
+            raise CheckpointError(f"{config_path} does not hold a JSON object") from None
         self.shards = self._shard_files()
         self._entries: dict = {}
         self._maps: dict = {}
@@ -94,16 +96,24 @@ class Checkpoint:
                 header = json.loads(f.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 raise CheckpointError(f"{shard}: corrupt safetensors header ({err})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{shard}: corrupt safetensors header (not a JSON object)")
         base = 8 + n
         for name, meta in header.items():
             if name == "__metadata__":
                 continue
-            dtype = DTYPES.get(meta.get("dtype"))
+            try:
+                dtype_name, (begin, end) = str(meta["dtype"]), (int(o) for o in meta["data_offsets"])
+                shape = tuple(int(d) for d in meta["shape"])
+                if min(shape, default=0) < 0 or not 0 <= begin <= end:
+                    raise ValueError
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{shard}: tensor {name} has a malformed header entry {meta!r}") from None
+            dtype = DTYPES.get(dtype_name)
             if dtype is None:
-                raise CheckpointError(f"{shard}: tensor {name} has dtype {meta.get('dtype')!r}, which hetmoe cannot "
+                raise CheckpointError(f"{shard}: tensor {name} has dtype {dtype_name!r}, which hetmoe cannot "
                                       f"read (supported: {', '.join(DTYPES)})")
-            shape = tuple(meta["shape"])
-            begin, end = (base + o for o in meta["data_offsets"])
+            begin, end = base + begin, base + end
             numel = 1
             for d in shape:
                 numel *= d

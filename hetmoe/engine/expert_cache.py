@@ -65,6 +65,8 @@ class ExpertCache:
                     raise ValueError("not a hetmoe expert cache file")
                 (n,) = struct.unpack("<I", f.read(4))
                 header = json.loads(f.read(n))
+                if not isinstance(header, dict):
+                    raise ValueError("its header is not a JSON object")
                 checksum = header.pop("checksum")
                 if header != want:
                     raise ValueError("it was made from other files or settings")

@@ -56,9 +56,22 @@ def moe_blocks(model: nn.Module) -> list:
     return [(n, m) for n, m in model.named_modules() if hasattr(m, "experts") and not isinstance(m.experts, nn.Module)]
 
 
+_INIT_FNS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+             "xavier_normal_", "constant_", "zeros_", "ones_")
+
+
 def build_meta(cfg: ModelConfig) -> nn.Module:
-    with torch.device("meta"):
-        return model_class(cfg)(cfg)
+    # Random init is skipped: it is meaningless on meta tensors, and normal_ on a meta tensor imports
+    # torch._dynamo (about 2 s on every first load in a process).
+    saved = {n: getattr(nn.init, n) for n in _INIT_FNS}
+    try:
+        for n in saved:
+            setattr(nn.init, n, lambda t, *args, **kwargs: t)
+        with torch.device("meta"):
+            return model_class(cfg)(cfg)
+    finally:
+        for n, fn in saved.items():
+            setattr(nn.init, n, fn)
 
 
 def _experts_of(block: nn.Module) -> int:
@@ -168,7 +181,11 @@ def load_model(
     options = options or EngineOptions()
     ckpt = Checkpoint(path)
     cfg = ckpt.config
-    model = build_meta(cfg)
+    try:
+        model = build_meta(cfg)
+    except (AttributeError, KeyError, TypeError) as err:  # a config.json without an entry the model needs
+        raise CheckpointError(f"{ckpt.path / 'config.json'} does not describe a {cfg.get('model_type')} model "
+                              f"({err})") from None
     blocks = moe_blocks(model)
     inter = 0
     if blocks:
@@ -196,7 +213,7 @@ def load_model(
                 if not name.startswith(prefix + "."):
                     continue
                 experts = CPUExperts(_experts_of(block), cfg.hidden_size, inter, plan.experts_format,
-                                     plan.group_size or 128, threads=options.threads)
+                                     plan.group_size, threads=options.threads)  # int8 group 0: per-row
                 if cache is None or not cache.load(i, experts):
                     fill_experts(ckpt, name, experts)
                     if cache is not None:

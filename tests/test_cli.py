@@ -1,0 +1,310 @@
+"""Running a loaded model and the commands: placement.py (EngineOptions, the memory plan), runner.py (Runner),
+llm.py (LLM) and `hetmoe generate` / `hetmoe chat` (cli.py, commands.py) run as subprocesses. Checkpoints are
+written by the test; the expert cache is off or a tmp dir (XDG_CACHE_HOME too)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetmoe.engine import placement
+from hetmoe.engine.generation import SamplingParams
+from hetmoe.engine.llm import LLM
+from hetmoe.engine.loader import load_model
+from hetmoe.engine.placement import EngineOptions, ModelShapes, choose_plan, expert_bytes, plan_memory
+from hetmoe.engine.runner import Runner
+from hetmoe.kernels import CPUExperts
+
+IDS = [5, 17, 300, 42, 9, 260, 77, 3, 128, 64, 11]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from hetmoe.engine.synthetic import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3_moe", seed=1, dtype="float32")
+
+
+def _load(path, **opts):
+    opts = {"device": "cpu", "dtype": "fp32", "experts_format": "bf16", "max_context": 32, **opts}
+    return load_model(path, EngineOptions(**opts), expert_cache=None, progress=False, log=lambda m: None)
+
+
+def max_rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+# ---------------------------------------------------------------- placement and the memory plan
+
+SHAPES = ModelShapes(hidden=1024, vocab_size=32000, n_routed=1000, expert_inter=1024, dense_params=50_000_000,
+                     kv_elems_per_token=16384, act_width=8192, max_position_embeddings=8192)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(device="tpu"), "device must be"), (dict(experts_format="fp8"), "experts format"),
+    (dict(dtype="fp16"), "dtype must be"), (dict(threads=0), "threads must be >= 1"),
+    (dict(max_context=0), "max-context must be >= 1"), (dict(max_batch=0), "max_batch"),
+    (dict(prefill_chunk=0), "prefill_chunk"), (dict(group_size=48), "group size must be"),
+    (dict(experts_format="int4", group_size=0), "int4 experts need a group size")])
+def test_engine_options_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineOptions(**kwargs)
+
+
+def test_plan_refuses_what_does_not_fit(monkeypatch, model_dir):
+    monkeypatch.setattr(placement, "free_ram", lambda: 1 << 20)
+    with pytest.raises(MemoryError, match=r"bf16 experts on cpu \(RAM: needs [0-9.]+ GiB, 1.0 MiB available\).*"
+                                          r"routed experts.*--experts-format int4"):
+        choose_plan(SHAPES, EngineOptions(device="cpu", experts_format="bf16"))
+    with pytest.raises(MemoryError, match=r"with int4 experts.*1.0 MiB available.*smaller --max-context"):
+        choose_plan(SHAPES, EngineOptions(device="cpu"))
+    with pytest.raises(MemoryError, match="int4"):  # refused before any weight is read
+        _load(model_dir, experts_format="auto")
+
+
+def test_auto_format_picks_the_most_precise_that_fits(monkeypatch):
+    opts = EngineOptions(device="cpu")
+    need = {f: plan_memory(SHAPES, opts, torch.device("cpu"), f).ram_bytes for f in placement.FORMATS}
+    assert need["bf16"] > need["int8"] > need["int4"] > 2**30
+    for free, want in ((10 * need["bf16"], "bf16"), (need["int8"] / placement.HEADROOM + 1, "int8"),
+                       (need["int4"] / placement.HEADROOM + 1, "int4")):
+        monkeypatch.setattr(placement, "free_ram", lambda free=free: int(free))
+        plan = choose_plan(SHAPES, opts)
+        assert plan.experts_format == want
+        assert plan.ram["routed experts"] == SHAPES.n_routed * expert_bytes(want, 1024, 1024, plan.group_size)
+
+
+@pytest.mark.parametrize("E, H, I", [(3, 100, 37), (2, 129, 65), (1, 17, 200)])
+def test_expert_bytes_match_the_engine(E, H, I):
+    for fmt, groups in (("bf16", [0]), ("int8", [0, 32, 64, 128]), ("int4", [32, 64, 128])):
+        for g in groups:
+            assert CPUExperts(E, H, I, fmt, g).nbytes == E * expert_bytes(fmt, H, I, g), (fmt, g)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda(model_dir):
+    with pytest.raises(RuntimeError, match="--device cuda.*no CUDA device"):
+        choose_plan(SHAPES, EngineOptions(device="cuda"))
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        _load(model_dir, device="cuda")
+
+
+# ---------------------------------------------------------------- Runner
+
+# Measured max rel. logit error: chunked prefill 2.2e-7, prefix reuse 2.0e-7, decode_batch vs single slots 2.1e-7.
+def test_chunked_prefill_equals_one_shot(model_dir):
+    one, chunked = Runner(_load(model_dir)), Runner(_load(model_dir, prefill_chunk=3))
+    assert chunked.prefill_chunk == 3  # 11 tokens: chunks of 3, 3, 3, 2
+    want = torch.stack([one.prefill(IDS), one.decode(7)])
+    got = torch.stack([chunked.prefill(IDS), chunked.decode(7)])
+    print(f"chunked prefill: max rel. error {max_rel(got, want):.1e}")
+    assert max_rel(got, want) <= 1e-5
+
+
+def test_prefill_after_a_cached_prefix(model_dir):
+    loaded = _load(model_dir)
+    fresh, runner = Runner(loaded), Runner(loaded)
+    want = torch.stack([fresh.prefill(IDS), fresh.decode(9)])
+    runner.prefill(IDS[:6] + list(range(400, 410)))  # a longer, different tail stays in the cache
+    got = torch.stack([runner.prefill(IDS[6:], start=6), runner.decode(9)])
+    assert runner.lengths[0] == len(IDS) + 1
+    print(f"prefix reuse: max rel. error {max_rel(got, want):.1e}")
+    assert max_rel(got, want) <= 1e-5
+
+
+def test_decode_batch_equals_single_slots(model_dir):
+    prompts, steps = [IDS, IDS[3:7]], [(11, 12), (13, 14)]
+    both = Runner(_load(model_dir, max_batch=2))
+    for slot, prompt in enumerate(prompts):
+        both.prefill(prompt, slot=slot)
+    got = torch.stack([both.decode_batch(steps[0], [0, 1]), both.decode_batch(steps[1][::-1], [1, 0]).flip(0)])
+    loaded = _load(model_dir)
+    for slot, prompt in enumerate(prompts):
+        one = Runner(loaded)
+        one.prefill(prompt)
+        want = torch.stack([one.decode(steps[0][slot]), one.decode(steps[1][slot])])
+        print(f"slot {slot}: max rel. error {max_rel(got[:, slot], want):.1e}")
+        assert max_rel(got[:, slot], want) <= 1e-5
+    assert both.lengths == [len(IDS) + 2, 6]
+
+
+def test_runner_errors(model_dir):
+    runner = Runner(_load(model_dir, max_context=16))
+    for call, match in [
+        (lambda: runner.prefill([]), "the prompt is empty"),
+        (lambda: runner.prefill(list(range(17))), "the prompt is 17 tokens; the context holds 16"),
+        (lambda: runner.prefill([1], start=3), "start 3 is beyond the 0 tokens cached in slot 0"),
+        (lambda: runner.prefill([1], slot=1), r"slot 1 is outside \[0, 1\)"),
+        (lambda: runner.prefill([1, 512]), r"token ids must be in \[0, 512\); got 1..512"),
+        (lambda: runner.prefill([-1, 2]), r"token ids must be in \[0, 512\)"),
+        (lambda: runner.decode(512), r"token ids must be in \[0, 512\); got 512"),
+        (lambda: runner.decode(-1), r"token ids must be in \[0, 512\); got -1"),
+        (lambda: runner.decode(1, slot=-1), r"slot -1 is outside"),
+        (lambda: runner.decode_batch([1, 2], [0]), "one token per slot, got 2 tokens for 1 slots"),
+        (lambda: runner.decode_batch([1, 2], [0, 0]), "repeat a slot"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert runner.lengths == [0]  # nothing was written
+    runner.prefill(list(range(16)))
+    with pytest.raises(ValueError, match="slot 0 is full"):
+        runner.decode(1)
+
+
+# ---------------------------------------------------------------- LLM
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, EngineOptions(device="cpu", max_context=128), expert_cache=None, progress=False,
+               log=lambda m: None)
+
+
+def test_llm_greedy_is_deterministic_and_matches_the_runner(llm):
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    a, b = llm.generate("Hello, world!", params), llm.generate("Hello, world!", params)
+    assert len(a.token_ids) == 10 and a.token_ids == b.token_ids and a.text == b.text and a.text
+    runner = Runner(llm.loaded)
+    logits, want = runner.prefill(llm.prompt_ids("Hello, world!", chat=True)), []
+    for _ in range(10):
+        want.append(int(logits.argmax()))
+        logits = runner.decode(want[-1])
+    assert a.token_ids == want
+
+
+def test_llm_seeded_sampling(llm):
+    def run(seed):
+        return llm.generate("Hello", SamplingParams(max_new_tokens=12, temperature=1.0, seed=seed, ignore_eos=True))
+
+    a, b, c = run(7), run(7), run(8)
+    assert a.token_ids == b.token_ids and a.text == b.text and a.token_ids != c.token_ids
+
+
+def test_chat_prefix_reuse_equals_a_fresh_llm(llm, model_dir):
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    starts, prefill = [], llm.runner.prefill
+    llm.runner.prefill = lambda ids, slot=0, start=0: starts.append(start) or prefill(ids, slot, start)
+    try:
+        messages = [{"role": "user", "content": "Hi there"}]
+        first = llm.generate(messages, params)
+        messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Tell me more"}]
+        second = llm.generate(messages, params)
+    finally:
+        del llm.runner.prefill
+    assert starts[-1] >= len(llm.prompt_ids(messages[:1], chat=True))  # the first turn was not recomputed
+    fresh = LLM(model_dir, EngineOptions(device="cpu", max_context=128), expert_cache=None, progress=False,
+                log=lambda m: None).generate(messages, params)
+    assert second.token_ids == fresh.token_ids and second.text == fresh.text
+
+
+# ---------------------------------------------------------------- the commands
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return {**os.environ, "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("xdg"))}  # never the user's cache
+
+
+def hetmoe(env, *args, stdin="", exe=None, code=0):
+    """The command in a fresh process (each pays the torch import, ~3 s: most cases run ``cli.main`` in-process)."""
+    cmd = [exe] if exe else [sys.executable, "-m", "hetmoe"]
+    out = subprocess.run(cmd + [str(a) for a in args], input=stdin, capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert "Traceback" not in out.stderr, out.stderr
+    if code is not None:
+        assert out.returncode == code, out.stderr
+    return out
+
+
+def main(capsys, *args):
+    """``hetmoe ARGS`` in this process -> (exit code, stdout, stderr)."""
+    from hetmoe.cli import main as cli_main
+
+    try:
+        code = cli_main([str(a) for a in args])
+    except SystemExit as e:  # argparse
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+GEN = ("generate", "--expert-cache", "off", "--max-new-tokens", 8)
+
+
+def test_help_lists_the_commands(env):
+    out = hetmoe(env, "--help")
+    assert "generate" in out.stdout and "chat" in out.stdout
+
+
+def test_generate_with_the_builtin_model(env, capsys):
+    exe = shutil.which("hetmoe", path=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
+    if exe is None:
+        pytest.fail("the hetmoe console script is not installed (pip install -e .)")
+    plain = hetmoe(env, *GEN, exe=exe)  # the console script, once
+    assert plain.stdout.strip() and "tok/s" not in plain.stdout
+    assert "hetmoe: deepseek_v3 from" in plain.stderr and "default_model" in plain.stderr
+    timing = [line for line in plain.stderr.splitlines() if "tok/s" in line]
+    assert len(timing) == 1 and "prompt tokens" in timing[0] and "generated" in timing[0]
+    code, stdout, _ = main(capsys, *GEN, "--json")
+    result = json.loads(stdout)
+    assert code == 0 and result["text"] == plain.stdout[:-1]  # the same greedy completion (plain adds a newline)
+    assert 1 <= result["completion_tokens"] <= 8 and result["finish_reason"] in ("stop", "length")
+    assert result["decode_tok_s"] >= 0 and result["prompt_tokens"] > 0
+
+
+def test_generate_seed_is_reproducible(env, capsys):
+    args = (*GEN, "--json", "--temperature", 1.5, "--top-k", 50, "--prompt", "Once upon a time")
+    a = json.loads(hetmoe(env, *args, "--seed", 11).stdout)
+    b, c = (json.loads(main(capsys, *args, "--seed", seed)[1]) for seed in (11, 12))
+    assert a["text"] == b["text"] and a["completion_tokens"] == b["completion_tokens"]
+    assert c["text"] != a["text"]
+
+
+def test_generate_with_a_checkpoint_dir_and_a_cache(env, model_dir, tmp_path, llm, capsys):
+    args = ("generate", "--model", model_dir, "--expert-cache", tmp_path, "--max-new-tokens", 6, "--json",
+            "--experts-format", "bf16", "--device", "cpu", "--prompt", "Hello, world!")
+    result = json.loads(hetmoe(env, *args).stdout)
+    assert len(list(tmp_path.rglob("layer*.bin"))) == 2
+    code, stdout, stderr = main(capsys, *args)
+    assert code == 0 and "expert cache 2/2 layers reused" in stderr
+    assert json.loads(stdout)["text"] == result["text"]
+    want = llm.generate("Hello, world!", SamplingParams(max_new_tokens=6))
+    assert result["text"] == want.text and result["completion_tokens"] == want.completion_tokens
+
+
+def test_chat_two_turns_from_stdin(env):
+    out = hetmoe(env, "chat", "--expert-cache", "off", "--max-new-tokens", 6, stdin="Hi there\nTell me more\n")
+    assert len([line for line in out.stderr.splitlines() if "tok/s" in line]) == 2, out.stderr
+    assert out.stdout.strip()
+
+
+def _one_error_line(code, stdout, stderr, message):
+    assert code not in (0, None) and stdout == ""
+    errors = [line for line in stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0] == stderr.splitlines()[-1], stderr
+    assert errors[0].startswith("hetmoe generate: error:") and message in errors[0], errors
+
+
+def test_truncated_shard_is_a_one_line_error(env, model_dir, tmp_path):
+    path = shutil.copytree(model_dir, tmp_path / "truncated")
+    shard = sorted(path.glob("*.safetensors"))[-1]
+    os.truncate(shard, shard.stat().st_size // 2)
+    out = hetmoe(env, *GEN, "--model", path, code=None)  # a real process: exit status, no traceback
+    _one_error_line(out.returncode, out.stdout, out.stderr, f"{shard.name} is truncated")
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--model", "/nonexistent/model"), "error: model directory /nonexistent/model does not exist"),
+    (("--temperature", -1), "error: argument --temperature: expected a number >= 0, got -1"),
+    (("--top-p", 0), r"error: top_p must be in (0, 1]"),
+    (("--top-k", -2), "error: top_k must be an integer >= 0"),
+    (("--device", "cuda"), "error: --device cuda was asked for, but torch sees no CUDA device"),
+], ids=["no-model-dir", "negative-temperature", "zero-top-p", "negative-top-k", "cuda-without-cuda"])
+def test_errors_are_one_line(capsys, args, message):
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    _one_error_line(*main(capsys, *GEN, *args), message)
