@@ -160,7 +160,7 @@ def test_cache_reused_and_damaged_file_rebuilt(tiny, tmp_path, damage, why):
     path = tiny["deepseek_v3"]
     fresh, tokens = run_logits(load(path, None, experts_format="int4"))
     first = load(path, tmp_path, experts_format="int4")
-    assert sorted(os.listdir(first.info["cache_dir"])) == ["layer0001.bin", "layer0002.bin"]  # layer 0 is dense
+    assert sorted(os.listdir(first.info["cache_dir"])) == ["key.json", "layer0001.bin", "layer0002.bin"]  # layer 0 is dense
     assert (first.info["cache_hits"], first.info["cache_misses"]) == (0, 2)
     second = load(path, tmp_path, experts_format="int4")
     assert (second.info["cache_hits"], second.info["cache_misses"]) == (2, 0)
@@ -195,6 +195,8 @@ def test_cache_keyed_by_format_group_and_files(ckpt, tmp_path):
     assert (touched.info["cache_hits"], touched.info["cache_misses"]) == (0, 2)
     assert touched.info["cache_dir"] not in dirs
     assert torch.equal(run_logits(touched, tokens)[0], ref)
+    # the four directories made from the older shard are gone; only the new one is left
+    assert [p.name for p in cache.iterdir()] == [Path(touched.info["cache_dir"]).name]
 
 
 def test_cache_write_failure_is_not_fatal(ckpt, tmp_path):

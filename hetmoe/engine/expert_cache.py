@@ -6,7 +6,9 @@ and name, size and modification time of config.json and every shard), the weight
 expert shape, and the engine's layout version. A file is written to a temporary name, flushed and renamed, so
 a crash never leaves a half-written file under the real name. Reading checks the header against the expected
 key and sizes and the data against the 64-bit checksum stored with it; a stale or corrupt file is reported,
-deleted and rebuilt from the checkpoint, never used.
+deleted and rebuilt from the checkpoint, never used. Each directory keeps its key in ``key.json``; when a new
+one is written, directories made from an older version of the same checkpoint path (other file sizes or times,
+another layout version) are deleted, so re-downloading a model does not leave its old cache behind.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 from typing import Optional
@@ -93,7 +96,10 @@ class ExpertCache:
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         header = json.dumps({**self._header(layer, experts), "checksum": experts.checksum()}).encode()
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            if not self.dir.is_dir():
+                self.dir.mkdir(parents=True)
+                (self.dir / "key.json").write_text(json.dumps(self.key, indent=1))
+                self._prune_stale()
             with open(tmp, "wb") as f:
                 f.write(MAGIC + struct.pack("<I", len(header)) + header)
                 f.write(b"\0" * (DATA_ALIGN * -(-(12 + len(header)) // DATA_ALIGN) - 12 - len(header)))
@@ -110,3 +116,21 @@ class ExpertCache:
             except OSError:
                 pass
             return None
+
+    def _prune_stale(self) -> None:
+        """Delete cache directories of an older version of this checkpoint path."""
+        for other in self.dir.parent.iterdir():
+            if other == self.dir or not (other / "key.json").is_file():
+                continue
+            try:
+                key = json.loads((other / "key.json").read_text())
+                stale = (key.get("checkpoint") == self.key["checkpoint"]
+                         and (key.get("files") != self.key["files"]
+                              or key.get("layout_version") != self.key["layout_version"]))
+            except (OSError, ValueError, AttributeError):
+                continue
+            if stale:
+                size = sum(f.stat().st_size for f in other.iterdir() if f.is_file())
+                shutil.rmtree(other, ignore_errors=True)
+                self.warn(f"removed the expert cache of an older version of this checkpoint: {other} "
+                          f"({size / 2**30:.2f} GiB)")
