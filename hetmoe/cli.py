@@ -11,6 +11,7 @@ import sys
 from typing import Optional, Sequence
 
 SHAPE_NAMES = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")  # defined in hetmoe.bench.kernel.SHAPES
+MODEL_SHAPES = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "deepseek-v2-lite")  # hetmoe.engine.synthetic.SHAPES
 
 
 def _int_list(text: str) -> list:
@@ -137,6 +138,35 @@ def build_parser() -> argparse.ArgumentParser:
                         help="smoke run: qwen3-30b-a3b with E=16, tokens 1,32, 3 repeats (explicit options win)")
     kernel.set_defaults(handler=_bench_kernel)
 
+    e2e = bench_sub.add_parser(
+        "e2e",
+        help="prefill and decode tok/s of a whole model vs the decode roofline (CPU alone and hybrid)",
+        description="Builds a real model shape with random weights (or loads --model) once per placement — cpu, and "
+        "hybrid (routed experts on the CPU, the rest on the GPU); --device auto runs both where there is a GPU — and "
+        "reports prefill tok/s per prompt length, batch-1 decode tok/s, and the decode roofline: bytes each decoded "
+        "token must read from CPU DRAM over the STREAM-read bandwidth measured in the same run.",
+    )
+    source = e2e.add_mutually_exclusive_group()
+    source.add_argument("--model", metavar="DIR", default=None,
+                        help="a Hugging Face checkpoint directory instead of a shape")
+    source.add_argument("--shape", choices=MODEL_SHAPES, default=None,
+                        help=f"a real model shape with random weights: {', '.join(MODEL_SHAPES)} "
+                        "(default: qwen3-30b-a3b)")
+    e2e.add_argument("--layers", type=_positive_int, default=None,
+                     help="decoder layers of the shape to build (default: all of them; --quick: 2)")
+    e2e.add_argument("--prompt-tokens", type=_int_list, default=None,
+                     help="comma list of prompt lengths timed for prefill (default: 128,1024)")
+    e2e.add_argument("--decode-tokens", type=_positive_int, default=None, help="decode steps timed (default: 128)")
+    e2e.add_argument("--repeats", type=_positive_int, default=None,
+                     help="timed runs per point after a warm-up; the median is reported (default: 3)")
+    e2e.add_argument("--seed", type=int, default=0, help="random weights and token ids (default: 0)")
+    e2e.add_argument("--json", metavar="PATH", default=None, help="write all results as JSON ('-' = stdout)")
+    e2e.add_argument("--quick", action="store_true",
+                     help="smoke run: 2 layers, int4 experts, prompts 16,64, 8 decode tokens, 1 repeat "
+                     "(explicit options win)")
+    add_engine_options(e2e, model=False)
+    e2e.set_defaults(handler=_bench_e2e)
+
     overhead = bench_sub.add_parser("overhead", help="submit -> sync round trip of a prepared job with T=0")
     overhead.add_argument("--threads", type=_positive_int, default=None, help="pool size (default: physical cores)")
     overhead.add_argument("--iters", type=_positive_int, default=2000, help="timed round trips (default: 2000)")
@@ -166,6 +196,12 @@ def _bench_kernel(args: argparse.Namespace) -> int:
     from hetmoe.bench.kernel import run_kernel_bench
 
     return run_kernel_bench(args)
+
+
+def _bench_e2e(args: argparse.Namespace) -> int:
+    from hetmoe.bench.e2e import run_e2e_bench
+
+    return run_e2e_bench(args)
 
 
 def _bench_overhead(args: argparse.Namespace) -> int:

@@ -7,13 +7,33 @@ weights, exactly as the architecture's own ``save_pretrained`` lays them out (pe
 
 The architecture's config and modeling classes come from ``transformers`` (needed here only, never by the
 engine), so a checkpoint is by construction one that transformers itself loads.
+
+``build_random_model("qwen3-30b-a3b")`` builds a model of a real, published shape (``SHAPES``) in memory with
+random weights — no checkpoint, no tokenizer — placed exactly as the loader places it: what benchmarks of full-size
+models run on.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import os
+import re
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from hetmoe.engine.loader import LoadedModel, _experts_of, build_meta, model_shapes, moe_blocks
+from hetmoe.engine.placement import EngineOptions, choose_plan
+from hetmoe.kernels import CPUExperts
+from hetmoe.layers.moe import HostStaging, OffloadedExperts
+from hetmoe.layers.norm import RMSNorm
+from hetmoe.models.config import ModelConfig
 
 # Small but complete configurations: every feature of the architecture is present (dense first layers,
 # shared experts, groups, GQA, q/k norm, MLA), with sizes that load in well under a second.
@@ -111,7 +131,6 @@ def write_checkpoint(
     experts). Weights are ``dtype`` and split into shards of ``max_shard_size`` with an index, so loaders are
     exercised on multi-shard checkpoints. Returns the directory.
     """
-    import torch
     import transformers
 
     path = Path(path)
@@ -140,3 +159,158 @@ def write_checkpoint(
         "chat_template": _CHAT_TEMPLATE,
     }, indent=1))
     return path
+
+
+# ---------------------------------------------------------------------------------------------- real shapes
+
+# The published config.json of each model (the entries that describe its shape and numerics; training-only and
+# quantization entries left out). build_random_model builds them with random weights.
+SHAPES = {
+    "qwen3-30b-a3b": {  # Qwen/Qwen3-30B-A3B
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "attention_bias": False, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "rope_scaling": None, "max_position_embeddings": 40960, "max_window_layers": 48,
+        "sliding_window": None, "use_sliding_window": False, "tie_word_embeddings": False,
+        "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
+    },
+    "deepseek-v3": {  # deepseek-ai/DeepSeek-V3 (and R1): MLA, 3 dense layers, 256 routed + 1 shared, sigmoid routing
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61, "first_k_dense_replace": 3, "moe_layer_freq": 1, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+        "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "attention_bias": False, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+        "max_position_embeddings": 163840, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+        "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
+    },
+    "mixtral-8x7b": {  # mistralai/Mixtral-8x7B-v0.1
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+        "sliding_window": None, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    },
+    "deepseek-v2-lite": {  # deepseek-ai/DeepSeek-V2-Lite: MLA without q LoRA, 1 dense layer, 64 routed + 2 shared
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+        "num_hidden_layers": 27, "first_k_dense_replace": 1, "moe_layer_freq": 1, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64, "n_shared_experts": 2,
+        "num_experts_per_tok": 6, "n_group": 1, "topk_group": 1, "topk_method": "greedy", "scoring_func": "softmax",
+        "norm_topk_prob": False, "routed_scaling_factor": 1.0, "attention_bias": False, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": 0.707,
+                         "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
+        "max_position_embeddings": 163840, "tie_word_embeddings": False, "bos_token_id": 100000,
+        "eos_token_id": 100001, "torch_dtype": "bfloat16",
+    },
+}
+
+_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+
+def shape_config(shape: Union[str, dict], num_layers: Optional[int] = None) -> ModelConfig:
+    """The config of a named shape (a key of ``SHAPES``) or of a config.json-like dict, with ``num_layers``
+    decoder layers instead of the shape's own number when given."""
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise ValueError(f"unknown shape {shape!r}; known shapes: {', '.join(SHAPES)}")
+        shape = SHAPES[shape]
+    if not isinstance(shape, dict) or "model_type" not in shape:
+        raise ValueError("a shape is a name in SHAPES or a config.json-like dict with a model_type")
+    cfg = ModelConfig(copy.deepcopy(shape))
+    if num_layers is not None:
+        if int(num_layers) < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        cfg["num_hidden_layers"] = int(num_layers)
+    return cfg
+
+
+_CHUNK = 1 << 24  # elements generated per task (on the CPU, tasks run on all cores)
+
+
+def _fill_random(model: nn.Module, device: torch.device, dtype: torch.dtype, seed: int, std: float) -> None:
+    """Give every meta parameter and buffer of ``model`` storage on ``device``, one tensor at a time: parameters
+    N(0, std) in ``dtype`` (RMSNorm weights 1), persistent buffers (e.g. e_score_correction_bias) zeros in their
+    own dtype, non-persistent buffers (RoPE tables, computed at build time) moved — as the loader does. Each
+    chunk of ``_CHUNK`` elements has its own seeded generator, so the values do not depend on the thread count."""
+    workers = len(os.sched_getaffinity(0)) if device.type == "cpu" else 1
+
+    def normal(t: torch.Tensor, index: int, chunk: int) -> None:
+        gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + index) * 4099 + chunk)
+        t.view(-1)[chunk * _CHUNK:(chunk + 1) * _CHUNK].normal_(0.0, std, generator=gen)
+
+    index = 0
+    with ThreadPoolExecutor(workers) as pool:
+        for module in model.modules():
+            for leaf, p in list(module._parameters.items()):
+                if p is None:
+                    continue
+                t = torch.empty(p.shape, dtype=dtype, device=device)
+                if isinstance(module, RMSNorm):
+                    t.fill_(1.0)
+                else:
+                    list(pool.map(lambda c: normal(t, index, c), range(-(-t.numel() // _CHUNK))))
+                module._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+                index += 1
+            for leaf, b in list(module._buffers.items()):
+                if b is None:
+                    continue
+                if leaf in module._non_persistent_buffers_set:
+                    module._buffers[leaf] = b.to(device)
+                else:
+                    module._buffers[leaf] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+
+
+def build_random_model(
+    shape: Union[str, dict],
+    num_layers: Optional[int] = None,
+    options: Optional[EngineOptions] = None,
+    *,
+    seed: int = 0,
+    std: float = 0.02,
+    log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr),
+) -> LoadedModel:
+    """A model of ``shape`` (a key of ``SHAPES`` or a config dict) with random weights, built in memory and placed
+    as ``load_model`` places a checkpoint under ``options``: dense weights N(0, std) on the plan's device in its
+    dtype (generated there, one tensor at a time), routed experts packed in the plan's format on the CPU
+    (``CPUExperts.fill_random(seed + layer)``), attached like the loader attaches them.
+
+    The memory plan is made from the real shapes first: MemoryError, before anything large is allocated, when the
+    model does not fit. ``LoadedModel.path`` is None (there is no tokenizer: feed token ids).
+    """
+    t0 = time.perf_counter()
+    options = options or EngineOptions()
+    cfg = shape_config(shape, num_layers)
+    model = build_meta(cfg)
+    blocks = moe_blocks(model)
+    inter = (cfg.get("moe_intermediate_size") or cfg.intermediate_size) if blocks else 0
+    plan = choose_plan(model_shapes(model, cfg, inter), options)
+    name = shape if isinstance(shape, str) else cfg.model_type
+    log(f"hetmoe: random {name} ({cfg.model_type}): {cfg.num_hidden_layers} layers, {len(blocks)} MoE; "
+        f"{plan.device.type}, {plan.dtype}, experts {plan.experts_format}"
+        f"{f' group {plan.group_size}' if plan.experts_format != 'bf16' else ''}; {plan.describe()}")
+    _fill_random(model, plan.device, plan.dtype, seed, std)
+    staging = (HostStaging(cfg.hidden_size, cfg.num_experts_per_tok, plan.dtype)
+               if plan.device.type == "cuda" and blocks else None)
+    expert_bytes = 0
+    for block_name, block in blocks:
+        layer = int(_LAYER_INDEX.search(f".{block_name}.").group(1))
+        experts = CPUExperts(_experts_of(block), cfg.hidden_size, inter, plan.experts_format, plan.group_size or 128,
+                             threads=options.threads)
+        experts.fill_random(seed + layer, std)
+        expert_bytes += experts.nbytes
+        block.experts = OffloadedExperts(experts, staging) if staging is not None else experts
+    if plan.device.type == "cuda":
+        torch.cuda.synchronize(plan.device)
+    info = {"load_s": time.perf_counter() - t0, "expert_bytes": expert_bytes, "shape": name, "seed": seed}
+    log(f"hetmoe: built in {info['load_s']:.1f} s (routed experts {expert_bytes / 2**30:.2f} GiB)")
+    return LoadedModel(model.eval(), cfg, plan, options, None, info)

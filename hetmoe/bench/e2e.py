@@ -1,0 +1,270 @@
+"""``hetmoe bench e2e``: prefill and decode of a whole model, per placement, against the decode roofline.
+
+The model is a real shape with random weights (``hetmoe.engine.synthetic.SHAPES``, built in memory) or a checkpoint
+directory. For each placement — ``cpu`` (everything on the CPU) and ``hybrid`` (routed experts on the CPU, the rest
+on the GPU); ``--device auto`` runs both where there is a GPU, building the model once per placement — it reports:
+
+* prefill tok/s per prompt length (random token ids; one warm-up prefill, then the median of ``--repeats``);
+* decode tok/s at batch 1 over ``--decode-tokens`` steps after a prompt (random token ids, timed with the GPU
+  synchronized; the median of ``--repeats`` runs);
+* the decode roofline: the bytes a decoded token must read from CPU DRAM — per MoE layer its top_k routed experts
+  x bytes per packed expert, plus, on the CPU alone, every dense weight but the embedding (a one-row gather) —
+  divided into the STREAM-read bandwidth the engine's pool measures in the same run, just before that placement's
+  timings (the model resident); and the measured decode rate as a % of it, with the GB/s it streamed.
+
+The KV cache is not in the roofline bytes; the engine attends over all ``max_context`` cache positions of a slot,
+so ``max_context`` defaults to what the run needs (longest prompt, or shortest prompt + decode steps).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Optional
+
+import torch
+
+from hetmoe import kernels
+from hetmoe.bench.kernel import GB, llc_bytes, machine_info
+from hetmoe.engine.loader import LoadedModel, load_model, moe_blocks
+from hetmoe.engine.placement import EngineOptions, free_ram
+from hetmoe.engine.runner import Runner
+from hetmoe.engine.synthetic import SHAPES, build_random_model
+from hetmoe.layers.moe import OffloadedExperts
+
+DEFAULT_SHAPE = "qwen3-30b-a3b"
+DECODE_WARMUP = 2  # untimed decode steps before each timed run
+QUICK = {"layers": 2, "prompt_tokens": [16, 64], "decode_tokens": 8, "repeats": 1, "experts_format": "int4"}
+DEFAULTS = {"prompt_tokens": [128, 1024], "decode_tokens": 128, "repeats": 3}
+PLACEMENT = {"cpu": "cpu", "cuda": "hybrid"}
+
+
+def placements(device: str) -> list:
+    """The devices to run: ``auto`` is both the CPU alone and the hybrid placement when a GPU is present."""
+    if device == "auto":
+        return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    return [device]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def roofline_bytes(loaded: LoadedModel) -> dict:
+    """Bytes one decoded token (batch 1) must read from CPU DRAM: top_k experts per MoE layer, plus the dense
+    weights (all parameters but the embedding) when the dense part is on the CPU."""
+    cfg = loaded.config
+    per_layer = []
+    for _, block in moe_blocks(loaded.model):
+        experts = block.experts.experts if isinstance(block.experts, OffloadedExperts) else block.experts
+        info = experts.info()
+        per_layer.append((min(cfg.num_experts_per_tok, experts.num_experts), info["bytes_per_expert"], info))
+    expert_bytes = sum(k * bpe for k, bpe, _ in per_layer)
+    dense = sum(p.numel() * p.element_size() for n, p in loaded.model.named_parameters()
+                if n != "model.embed_tokens.weight")
+    on_cpu = loaded.device.type == "cpu"
+    first = per_layer[0][2] if per_layer else {}
+    return {
+        "moe_layers": len(per_layer), "top_k": cfg.num_experts_per_tok,
+        "bytes_per_expert": per_layer[0][1] if per_layer else 0, "kernel": first.get("kernel"),
+        "isa": first.get("isa"), "expert_bytes_per_token": expert_bytes,
+        "dense_bytes_per_token": dense if on_cpu else 0, "dense_bytes": dense,
+        "bytes_per_token": expert_bytes + (dense if on_cpu else 0),
+    }
+
+
+def time_prefill(runner: Runner, n: int, repeats: int, gen: torch.Generator) -> list:
+    """Seconds of ``repeats`` prefills of ``n`` random tokens into slot 0, after one warm-up."""
+    times = []
+    for i in range(1 + repeats):
+        ids = torch.randint(runner.vocab_size, (n,), generator=gen).tolist()
+        _sync(runner.device)
+        t0 = time.perf_counter()
+        runner.prefill(ids)
+        _sync(runner.device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def time_decode(runner: Runner, prompt: int, steps: int, gen: torch.Generator) -> list:
+    """Seconds of each of ``steps`` decode steps (random tokens) after a ``prompt``-token prefill and
+    DECODE_WARMUP untimed steps."""
+    runner.prefill(torch.randint(runner.vocab_size, (prompt,), generator=gen).tolist())
+    tokens = torch.randint(runner.vocab_size, (DECODE_WARMUP + steps,), generator=gen).tolist()
+    times = []
+    for i, tok in enumerate(tokens):
+        _sync(runner.device)
+        t0 = time.perf_counter()
+        runner.decode(tok)
+        _sync(runner.device)
+        if i >= DECODE_WARMUP:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure(loaded: LoadedModel, prompts: list, decode_tokens: int, repeats: int, stream_gbps: float,
+            seed: int) -> dict:
+    runner = Runner(loaded)
+    gen = torch.Generator().manual_seed(seed)
+    roof = roofline_bytes(loaded)
+    prefill = []
+    for n in prompts:
+        times = time_prefill(runner, n, repeats, gen)
+        s = statistics.median(times)
+        prefill.append({"tokens": n, "tok_s": n / s, "ms": s * 1e3, "ms_all": [t * 1e3 for t in times]})
+    runs = [time_decode(runner, min(prompts), decode_tokens, gen) for _ in range(repeats)]
+    rates = [len(r) / sum(r) for r in runs]
+    tok_s = statistics.median(rates)
+    steps = sorted(t for r in runs for t in r)
+    nbytes = roof["bytes_per_token"]
+    roofline = stream_gbps * GB / nbytes if nbytes else None
+    del runner
+    return {
+        **roof,
+        "prefill": prefill,
+        "decode_tok_s": tok_s, "decode_tok_s_all": rates, "ms_per_token": 1e3 / tok_s,
+        "decode_step_ms_median": statistics.median(steps) * 1e3,
+        "decode_step_ms_p90": steps[min(len(steps) - 1, int(0.9 * len(steps)))] * 1e3,
+        "roofline_tok_s": roofline, "pct_roofline": 100 * tok_s / roofline if roofline else None,
+        "gbps_effective": nbytes * tok_s / GB,
+    }
+
+
+def _options(args, device: str, max_context: int) -> EngineOptions:
+    fmt = QUICK["experts_format"] if args.quick and args.experts_format == "auto" else args.experts_format
+    return EngineOptions(device=device, experts_format=fmt, group_size=args.group_size,
+                         threads=args.threads, max_context=max_context, dtype=args.dtype)
+
+
+def _build(args, shape: Optional[str], layers: Optional[int], options: EngineOptions, log) -> LoadedModel:
+    if args.model:
+        cache = None if args.expert_cache == "off" else args.expert_cache
+        return load_model(args.model, options, expert_cache=cache, progress=sys.stderr.isatty(), log=log)
+    return build_random_model(shape, layers, options, seed=args.seed, log=log)
+
+
+def fmt_table(records: list, prompts: list) -> list:
+    def num(v, spec):
+        return format(v, spec) if v is not None else "-"
+
+    head = (f"{'placement':9s} {'experts':7s} {'dtype':8s} {'layers':>6s} "
+            + " ".join(f"{'prefill@' + str(n):>12s}" for n in prompts)
+            + f" {'decode':>8s} {'roofline':>9s} {'%roof':>6s} {'ms/tok':>8s} {'MB/tok':>8s} {'GB/s eff':>8s}"
+            f" {'STREAM':>7s}")
+    lines = [head, f"{'':9s} {'':7s} {'':8s} {'':6s} " + " ".join(f"{'tok/s':>12s}" for _ in prompts)
+             + f" {'tok/s':>8s} {'tok/s':>9s} {'':>6s} {'':>8s} {'':>8s} {'':>8s} {'GB/s':>7s}"]
+    for r in records:
+        pre = {p["tokens"]: p["tok_s"] for p in r["prefill"]}
+        lines.append(
+            f"{r['placement']:9s} {r['experts_format']:7s} {r['dtype']:8s} {r['layers']:6d} "
+            + " ".join(f"{num(pre.get(n), '12.1f'):>12s}" for n in prompts)
+            + f" {r['decode_tok_s']:8.2f} {num(r['roofline_tok_s'], '9.2f'):>9s} {num(r['pct_roofline'], '5.1f'):>5s}%"
+            f" {r['ms_per_token']:8.1f} {r['bytes_per_token'] / 1e6:8.1f} {r['gbps_effective']:8.2f}"
+            f" {r['stream_gbps']:7.1f}"
+        )
+    return lines
+
+
+def run_e2e_bench(args) -> int:
+    quick = bool(args.quick)
+    if args.model and args.layers is not None:
+        raise ValueError("--layers applies to --shape models only (a checkpoint is loaded whole)")
+    shape = None if args.model else (args.shape or DEFAULT_SHAPE)
+    if shape is not None and shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known shapes: {', '.join(SHAPES)}")
+    layers = args.layers if args.layers is not None else (QUICK["layers"] if quick and shape else None)
+    conf = QUICK if quick else DEFAULTS
+    prompts = args.prompt_tokens or conf["prompt_tokens"]
+    decode_tokens = args.decode_tokens or conf["decode_tokens"]
+    repeats = args.repeats or conf["repeats"]
+    need = max(max(prompts), min(prompts) + DECODE_WARMUP + decode_tokens)
+    if args.max_context is not None and args.max_context < need:
+        raise ValueError(f"--max-context {args.max_context} is too small for this run: it needs {need} positions "
+                         f"(longest prompt, or shortest prompt + {DECODE_WARMUP} + --decode-tokens)")
+    max_context = args.max_context or need
+    devices = placements(args.device)
+    if "cuda" in devices and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device (use --device cpu)")
+    for d in devices:  # validate the options before any measurement
+        _options(args, d, max_context)
+
+    out = sys.stderr if args.json == "-" else sys.stdout  # the JSON alone on stdout when it goes there
+    say = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+
+    pool = kernels.shared_pool(args.threads)
+    machine = machine_info(pool)
+    machine["torch_threads"] = torch.get_num_threads()
+    machine["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    machine["cuda"] = torch.version.cuda
+    # Threading settings that change CPU timings (OpenMP threads spin-waiting beside the pinned expert pool).
+    machine["env"] = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_BLOCKTIME",
+                                                 "OMP_PROC_BIND", "GOMP_SPINCOUNT") if k in os.environ}
+    say(f"hetmoe bench e2e  {machine['date']}  {machine['hostname']}  commit {machine['commit'] or '?'}")
+    say(f"cpu: {machine['cpu_model']} [{machine['cpu_flags']}], expert pool {pool.threads} threads pinned to "
+        f"{pool.pinned_cpus}, torch {machine['torch']} with {machine['torch_threads']} threads"
+        + (f"; gpu: {machine['gpu']}" if machine["gpu"] else ""))
+    source = args.model or f"{shape} (random weights{f', {layers} layers' if layers else ''})"
+    say(f"model: {source}; prompts {prompts} tokens, decode {decode_tokens} tokens after {min(prompts)}, "
+        f"median of {repeats} repeats, max_context {max_context}")
+
+    records = []
+    for device in devices:
+        loaded = _build(args, shape, layers, _options(args, device, max_context), log)
+        try:
+            expert_total = loaded.info.get("expert_bytes", 0)
+            notes = []
+            if expert_total and expert_total < 4 * llc_bytes():
+                notes.append(f"all routed experts ({expert_total / 1e6:.0f} MB) fit in 4x the last-level cache: "
+                             "decode may read them from cache, above the DRAM roofline")
+            # Measured alongside, with the model resident: the buffer defeats the caches and fits next to it.
+            cap = (512 << 20) if quick else (2 << 30)
+            stream_bytes = max(min(cap, free_ram() // 4), 8 * llc_bytes()) // (1 << 20) * (1 << 20)
+            stream = pool.read_bandwidth(stream_bytes, 5)
+            say(f"{PLACEMENT[device]}: STREAM read ({stream_bytes / GB:.2f} GB, {pool.threads} threads, best of 5): "
+                f"{stream:.1f} GB/s")
+            rec = {
+                "placement": PLACEMENT[device], "device": device, "model": source, "shape": shape,
+                "layers": loaded.config.num_hidden_layers, "experts_format": loaded.plan.experts_format,
+                "group_size": loaded.plan.group_size if loaded.plan.experts_format != "bf16" else None,
+                "dtype": str(loaded.plan.dtype).replace("torch.", ""), "max_context": loaded.plan.max_context,
+                "build_s": loaded.info.get("load_s"), "expert_bytes_total": expert_total, "notes": notes,
+                "stream_gbps": stream, "stream_bytes": stream_bytes, "threads": pool.threads,
+                **measure(loaded, prompts, decode_tokens, repeats, stream, args.seed),
+            }
+        finally:
+            del loaded
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        records.append(rec)
+        for note in notes:
+            say(f"note ({rec['placement']}): {note}")
+
+    say("")
+    for line in fmt_table(records, prompts):
+        say(line)
+    say(f"roofline = STREAM read GB/s (measured per placement, column STREAM) / bytes per decoded token (MB/tok: "
+        f"top_k x bytes per expert x MoE layers; cpu adds every dense weight but the embedding); "
+        f"{pool.threads} expert threads, {machine['torch_threads']} torch threads")
+
+    if args.json:
+        doc = {"machine": machine, "threads": pool.threads,
+               "config": {"model": args.model, "shape": shape, "layers": layers, "prompt_tokens": prompts,
+                          "decode_tokens": decode_tokens, "decode_warmup": DECODE_WARMUP, "repeats": repeats,
+                          "max_context": max_context, "seed": args.seed, "device": args.device},
+               "records": records}
+        text = json.dumps(doc, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+            say(f"wrote {args.json}")
+    return 0

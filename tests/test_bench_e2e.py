@@ -1,0 +1,178 @@
+"""Random models of real shapes built in memory (synthetic.build_random_model) and ``hetmoe bench e2e``."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hetmoe import cli
+from hetmoe.bench.e2e import placements, roofline_bytes
+from hetmoe.engine import synthetic
+from hetmoe.engine.loader import moe_blocks
+from hetmoe.engine.placement import EngineOptions, expert_bytes
+from hetmoe.engine.runner import Runner
+from hetmoe.engine.synthetic import SHAPES, build_random_model
+from hetmoe.kernels import CPUExperts
+from hetmoe.layers.moe import OffloadedExperts
+from hetmoe.layers.norm import RMSNorm
+
+# Real configs shrunk: every feature kept (q/k norm, GQA; MLA with q LoRA, dense first layer, shared expert,
+# groups, YaRN), E not a power of two.
+TINY_QWEN3 = {**SHAPES["qwen3-30b-a3b"], "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 12,
+              "num_experts_per_tok": 3, "vocab_size": 300}
+TINY_DSV3 = {**SHAPES["deepseek-v3"], "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+             "first_k_dense_replace": 1, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 24,
+             "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "q_lora_rank": 32, "kv_lora_rank": 16,
+             "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8, "vocab_size": 256}
+
+
+def _experts(loaded) -> list:
+    return [b.experts.experts if isinstance(b.experts, OffloadedExperts) else b.experts
+            for _, b in moe_blocks(loaded.model)]
+
+
+def _run(loaded, prompt=7, steps=3) -> list:
+    runner = Runner(loaded)
+    gen = torch.Generator().manual_seed(1)
+    out = [runner.prefill(torch.randint(loaded.config.vocab_size, (prompt,), generator=gen).tolist())]
+    for tok in torch.randint(loaded.config.vocab_size, (steps,), generator=gen).tolist():
+        out.append(runner.decode(tok))
+    return out
+
+
+def test_tiny_qwen3_shape_builds_places_and_runs():
+    opts = EngineOptions(device="cpu", experts_format="int8", max_context=32)
+    loaded = build_random_model(TINY_QWEN3, num_layers=3, options=opts, seed=4, log=lambda m: None)
+    assert loaded.path is None and loaded.config.num_hidden_layers == 3 and loaded.plan.dtype == torch.float32
+    for name, p in loaded.model.named_parameters():
+        assert p.device.type == "cpu" and p.dtype == torch.float32, name
+    for name, m in loaded.model.named_modules():
+        if isinstance(m, RMSNorm):
+            assert torch.equal(m.weight, torch.ones_like(m.weight)), name
+    q = loaded.model.model.layers[1].self_attn.q_proj.weight
+    assert abs(q.std().item() - 0.02) < 0.002 and abs(q.mean().item()) < 0.002
+    assert loaded.model.model.inv_freq.device.type == "cpu"
+    experts = _experts(loaded)
+    assert len(experts) == 3 and all(isinstance(e, CPUExperts) for e in experts)
+    assert all(e.info()["experts_loaded"] == 12 and e.weight_format == "int8" for e in experts)
+    sums = [e.checksum() for e in experts]
+    assert len(set(sums)) == 3  # fill_random(seed + layer): every layer different
+    logits = _run(loaded)
+    assert all(l.shape == (300,) and torch.isfinite(l).all() for l in logits)
+    assert logits[0].std() > 0
+
+    again = build_random_model(TINY_QWEN3, num_layers=3, options=opts, seed=4, log=lambda m: None)
+    assert [e.checksum() for e in _experts(again)] == sums
+    assert torch.equal(again.model.lm_head.weight, loaded.model.lm_head.weight)
+    other = build_random_model(TINY_QWEN3, num_layers=3, options=opts, seed=5, log=lambda m: None)
+    assert [e.checksum() for e in _experts(other)] != sums
+    assert not torch.equal(other.model.lm_head.weight, loaded.model.lm_head.weight)
+
+
+def test_tiny_deepseek_v3_shape_bf16():
+    opts = EngineOptions(device="cpu", experts_format="int4", dtype="bf16", max_context=32)
+    loaded = build_random_model(TINY_DSV3, num_layers=3, options=opts, log=lambda m: None)
+    model = loaded.model
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+    assert bias.dtype == torch.float32 and torch.equal(bias, torch.zeros(24))
+    assert model.model.inv_freq.dtype == torch.float32 and torch.isfinite(model.model.inv_freq).all()
+    assert len(_experts(loaded)) == 2  # layer 0 is dense (first_k_dense_replace 1)
+    assert all(torch.isfinite(l).all() for l in _run(loaded))
+
+
+def test_real_qwen3_one_layer_and_roofline_bytes():
+    opts = EngineOptions(device="cpu", experts_format="int4", max_context=16)
+    loaded = build_random_model("qwen3-30b-a3b", num_layers=1, options=opts, log=lambda m: None)
+    cfg = loaded.config
+    assert (cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.vocab_size) == (2048, 128, 768, 151936)
+    assert all(torch.isfinite(l).all() for l in _run(loaded, prompt=5, steps=2))
+    roof = roofline_bytes(loaded)
+    bpe = expert_bytes("int4", 2048, 768, 64)
+    assert roof["bytes_per_expert"] == bpe and roof["moe_layers"] == 1
+    assert roof["expert_bytes_per_token"] == 8 * bpe
+    params = sum(p.numel() for p in loaded.model.parameters())
+    assert roof["dense_bytes_per_token"] == 4 * (params - 151936 * 2048)  # fp32, all but the embedding
+    assert roof["bytes_per_token"] == roof["expert_bytes_per_token"] + roof["dense_bytes_per_token"]
+
+
+def test_refuses_what_does_not_fit_before_allocating(monkeypatch):
+    def never(*a, **k):
+        raise AssertionError("allocated weights for a model that does not fit")
+
+    monkeypatch.setattr(synthetic, "_fill_random", never)
+    monkeypatch.setattr(synthetic, "CPUExperts", never)
+    with pytest.raises(MemoryError, match="does not fit"):  # ~1.2 TB of bf16 experts
+        build_random_model("deepseek-v3", options=EngineOptions(device="cpu", experts_format="bf16"),
+                           log=lambda m: None)
+
+
+def test_bad_shapes():
+    with pytest.raises(ValueError, match="unknown shape 'nope'"):
+        build_random_model("nope")
+    with pytest.raises(ValueError, match="num_layers"):
+        build_random_model("qwen3-30b-a3b", num_layers=0)
+    with pytest.raises(ValueError, match="model_type"):
+        build_random_model({"hidden_size": 64})
+
+
+def test_cli_shape_names_match():
+    assert cli.MODEL_SHAPES == tuple(SHAPES)
+    assert placements("cpu") == ["cpu"]
+    assert placements("auto") == (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+
+
+def test_bench_e2e_quick_json():
+    run = subprocess.run([sys.executable, "-m", "hetmoe", "bench", "e2e", "--quick", "--device", "cpu", "--json", "-"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(run.stdout)  # the JSON alone on stdout; the table went to stderr
+    assert "placement" in run.stderr and "roofline" in run.stderr
+    assert doc["threads"] >= 1
+    assert {"cpu_model", "commit", "cpu_flags", "gpu"} <= doc["machine"].keys()
+    (rec,) = doc["records"]
+    assert rec["placement"] == "cpu" and rec["layers"] == 2 and rec["experts_format"] == "int4"
+    assert [p["tokens"] for p in rec["prefill"]] == [16, 64] and all(p["tok_s"] > 0 for p in rec["prefill"])
+    for key in ("stream_gbps", "decode_tok_s", "roofline_tok_s", "pct_roofline", "ms_per_token", "gbps_effective",
+                "expert_bytes_per_token", "dense_bytes_per_token"):
+        assert rec[key] > 0, key
+    assert rec["bytes_per_token"] == rec["expert_bytes_per_token"] + rec["dense_bytes_per_token"]
+    assert rec["moe_layers"] == 2 and rec["top_k"] == 8
+    assert rec["roofline_tok_s"] == pytest.approx(rec["stream_gbps"] * 1e9 / rec["bytes_per_token"])
+    assert rec["ms_per_token"] == pytest.approx(1e3 / rec["decode_tok_s"])
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--shape", "nope"], "invalid choice"),
+    (["--layers", "0"], "positive integer"),
+    (["--prompt-tokens", "0,5"], "positive integers"),
+    (["--model", "/nonexistent", "--layers", "2"], "--layers applies to --shape"),
+    (["--shape", "qwen3-30b-a3b", "--model", "/x"], "not allowed with"),
+    (["--quick", "--device", "cpu", "--max-context", "8"], "--max-context 8 is too small"),
+])
+def test_bench_e2e_bad_options(argv, needle, capsys):
+    try:
+        code = cli.main(["bench", "e2e", *argv])
+    except SystemExit as e:  # argparse
+        code = e.code
+    assert code != 0
+    err = capsys.readouterr().err
+    assert "error" in err and needle in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tiny_shape_hybrid():
+    kw = dict(num_layers=3, seed=2, log=lambda m: None)
+    hybrid = build_random_model(TINY_QWEN3, options=EngineOptions(device="cuda", dtype="fp32", experts_format="bf16",
+                                                                  max_context=32), **kw)
+    assert all(p.device.type == "cuda" for p in hybrid.model.parameters())
+    blocks = moe_blocks(hybrid.model)
+    assert all(isinstance(b.experts, OffloadedExperts) for _, b in blocks)
+    assert len({id(b.experts.staging) for _, b in blocks}) == 1  # one HostStaging for every layer
+    out = _run(hybrid)
+    assert all(l.device.type == "cuda" and torch.isfinite(l).all() for l in out)
+    assert roofline_bytes(hybrid)["dense_bytes_per_token"] == 0
