@@ -15,6 +15,8 @@ import torch
 from hetmoe.engine.loader import LoadedModel
 from hetmoe.layers.attention import Step
 
+KV_BUCKET = 64
+
 
 class Runner:
     def __init__(self, loaded: LoadedModel):
@@ -25,6 +27,10 @@ class Runner:
         self.max_context = loaded.plan.max_context
         self.max_batch = loaded.options.max_batch
         self.prefill_chunk = loaded.options.prefill_chunk
+        if self.device.type == "cuda":
+            # cuDNN's SDPA builds an execution graph on the CPU for every new shape (measured ~11 ms per call on the
+            # H200 machine); decode changes the attended length every step, so leave attention to the other kernels.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.cache = self.model.make_cache(self.max_batch, self.max_context, self.dtype, self.device)
         self.lengths = [0] * self.max_batch  # tokens in each slot's cache
         self.vocab_size = loaded.config.vocab_size
@@ -39,6 +45,8 @@ class Runner:
         kv_len = int(positions.max()) + 1
         if kv_len > self.max_context:
             raise ValueError(f"position {kv_len - 1} is beyond max_context={self.max_context}")
+        # attend over a length rounded up to KV_BUCKET (positions past a token's own are masked): few distinct shapes
+        kv_len = min(self.max_context, -(-kv_len // KV_BUCKET) * KV_BUCKET)
         first = int(slots[0])
         consecutive = bool((slots == torch.arange(first, first + len(slots))).all())
         step = Step(positions.to(self.device), slots.to(self.device), kv_len=kv_len,
