@@ -1,6 +1,7 @@
 """RMSNorm with Hugging Face semantics: normalise in fp32, cast back, then scale."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -11,7 +12,6 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
+        # F.rms_norm computes in fp32 for bf16/fp16 inputs and returns x's dtype: the same rounding points as
+        # Hugging Face's x.float() -> normalise -> .to(dtype), in one kernel instead of five.
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.variance_epsilon)
