@@ -1,4 +1,4 @@
-"""The ``hetmoe`` command: ``generate``, ``chat``, ``doctor``, ``bench kernel|overhead|e2e``.
+"""The ``hetmoe`` command: ``generate``, ``chat``, ``serve``, ``doctor``, ``bench kernel|overhead|e2e|serve``.
 
 This module imports only the standard library, so ``hetmoe --help`` is instant; torch and ``hetmoe._C`` are
 imported inside the subcommand handlers.
@@ -40,6 +40,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {text}")
     return value
 
 
@@ -102,6 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_options(chat)
     add_sampling_options(chat)
     chat.set_defaults(handler=_chat, max_new_tokens=512)
+
+    serve = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models)",
+        description="Serves the model over the OpenAI API: point the openai client (or any tool that speaks it) at "
+        "http://HOST:PORT/v1. Up to --max-batch requests decode together (continuous batching).")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=_port, default=8000, help="TCP port (default: 8000; 0 = any free port, printed)")
+    serve.add_argument("--api-key", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on every /v1 request (default: no key)")
+    serve.add_argument("--max-batch", type=_positive_int, default=8,
+                       help="sequences that decode together, each with its own KV-cache slot (default: 8)")
+    add_engine_options(serve)
+    serve.set_defaults(handler=_serve)
 
     doctor = sub.add_parser("doctor", help="CPU features, chosen ISA and kernel per format, pinned CPUs")
     doctor.add_argument("--threads", type=_positive_int, default=None, help="pool size (default: physical cores)")
@@ -185,6 +205,12 @@ def _chat(args: argparse.Namespace) -> int:
     from hetmoe.commands import run_chat
 
     return run_chat(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from hetmoe.server.main import run_serve
+
+    return run_serve(args)
 
 
 def _doctor(args: argparse.Namespace) -> int:

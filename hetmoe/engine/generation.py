@@ -1,6 +1,7 @@
 """Sampling and the generation loop: prefill → (sample → stop checks → decode)*, with stop strings and streaming.
 
-``generate`` drives any runner with ``prefill(ids) -> logits [V]``, ``decode(id) -> logits [V]`` and
+``SequenceState`` is one sequence's part of that loop (stop checks, incremental text, finish reason, token
+counts); ``generate`` runs one sequence with it, the server's scheduler many. ``generate`` drives any runner with ``prefill(ids) -> logits [V]``, ``decode(id) -> logits [V]`` and
 ``max_context``; the tokenizer turns tokens into text pieces for ``on_text`` as they complete. Text that could
 still become a stop string is held back until it is resolved, so a stop string never reaches the caller.
 """
@@ -146,6 +147,77 @@ class _TextStream:
             self.emitted = end
 
 
+class SequenceState:
+    """What happens to one sequence after its prompt: each sampled token is added with ``add``, which runs the
+    stop checks (eos / stop token ids, stop strings, ``max_new_tokens``, a full context) and streams the text
+    that is final to ``on_text``. Shared by ``generate`` and the server's scheduler, which runs many at once.
+
+    ``finish_reason`` is None while the sequence goes on, then "stop" (eos, stop token or stop string) or
+    "length" (``max_new_tokens`` or the context is full).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_tokens: int, params: SamplingParams, max_context: int,
+                 on_text: Optional[Callable[[str], None]] = None):
+        if prompt_tokens < 1:
+            raise ValueError("the prompt is empty: at least one token is needed to start generation")
+        if prompt_tokens >= max_context:
+            raise ValueError(f"the prompt is {prompt_tokens} tokens but the context holds {max_context} "
+                             f"(max_context), leaving no room to generate")
+        self.params, self.prompt_tokens, self.max_context = params, prompt_tokens, max_context
+        self.stop_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            self.stop_ids |= tokenizer.eos_ids
+        self.stream = _TextStream(tokenizer, params.stop, on_text)
+        self.token_ids: list[int] = []  # generated, without a final eos / stop token
+        self.completion_tokens = 0  # sampled, a final eos / stop token included
+        self.finish_reason: Optional[str] = None
+        self._generator: Optional[torch.Generator] = None
+
+    @property
+    def text(self) -> str:
+        return self.stream.text
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def generator(self, device: torch.device) -> Optional[torch.Generator]:
+        """This sequence's own RNG (None without a seed: the global one), created on the logits' device."""
+        if self._generator is None and self.params.seed is not None:
+            self._generator = torch.Generator(device=device).manual_seed(self.params.seed)
+        return self._generator
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """A token from this sequence's logits [V] with its own parameters and generator."""
+        return int(sample(logits, self.params, self.generator(logits.device)))
+
+    def add(self, token: int) -> bool:
+        """Record a sampled token; True when the sequence is finished (then it must not be decoded further)."""
+        if self.finished:
+            raise RuntimeError("add() after the sequence finished")
+        self.completion_tokens += 1
+        if token in self.stop_ids:
+            return self._finish("stop", flush=True)
+        self.token_ids.append(token)
+        if self.stream.push(token):
+            return self._finish("stop", flush=False)
+        if (len(self.token_ids) >= self.params.max_new_tokens
+                or self.prompt_tokens + len(self.token_ids) >= self.max_context):
+            return self._finish("length", flush=True)
+        return False
+
+    def abort(self, reason: str = "length") -> None:
+        """End the sequence early (e.g. the server shuts down): release held-back text, record ``reason``."""
+        if not self.finished:
+            self._finish(reason, flush=True)
+
+    def _finish(self, reason: str, flush: bool) -> bool:
+        if flush and self.stream.finish():  # the flushed tail completed a stop string
+            reason = "stop"
+        self.finish_reason = reason
+        return True
+
+
 def generate(runner, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: Optional[SamplingParams] = None,
              on_text: Optional[Callable[[str], None]] = None) -> GenerationResult:
     """Generate from ``prompt_ids`` until eos, a stop token or string, ``max_new_tokens`` or a full context.
@@ -156,44 +228,21 @@ def generate(runner, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: Op
     """
     params = params or SamplingParams()
     prompt = [int(t) for t in prompt_ids]
-    if not prompt:
-        raise ValueError("the prompt is empty: at least one token is needed to start generation")
-    if len(prompt) >= runner.max_context:
-        raise ValueError(f"the prompt is {len(prompt)} tokens but the context holds {runner.max_context} "
-                         f"(max_context), leaving no room to generate")
-    stop_ids = set(params.stop_token_ids or ())
-    if not params.ignore_eos:
-        stop_ids |= tokenizer.eos_ids
-    stream = _TextStream(tokenizer, params.stop, on_text)
-    generator = None
-    ids: list[int] = []
-    finish, stopped_by_text, n_sampled = "length", False, 0
+    seq = SequenceState(tokenizer, len(prompt), params, runner.max_context, on_text)
 
     t0 = time.perf_counter()
     logits = runner.prefill(prompt)
     t_first = None
     while True:
-        if generator is None and params.seed is not None:
-            generator = torch.Generator(device=logits.device).manual_seed(params.seed)
-        token = int(sample(logits, params, generator))  # .item() also waits for the device: timings are real
-        n_sampled += 1
+        token = seq.sample(logits)  # .item() also waits for the device: timings are real
         if t_first is None:
             t_first = time.perf_counter()
-        if token in stop_ids:
-            finish = "stop"
-            break
-        ids.append(token)
-        if stream.push(token):
-            finish, stopped_by_text = "stop", True
-            break
-        if len(ids) >= params.max_new_tokens or len(prompt) + len(ids) >= runner.max_context:
+        if seq.add(token):
             break
         logits = runner.decode(token)
-    if not stopped_by_text and stream.finish():
-        finish = "stop"
     t_end = time.perf_counter()
 
     timings = Timings(prefill_s=t_first - t0, decode_s=t_end - t_first, prompt_tokens=len(prompt),
-                      decode_steps=n_sampled - 1)
-    return GenerationResult(text=stream.text, token_ids=ids, finish_reason=finish, prompt_tokens=len(prompt),
-                            completion_tokens=n_sampled, timings=timings)
+                      decode_steps=seq.completion_tokens - 1)
+    return GenerationResult(text=seq.text, token_ids=seq.token_ids, finish_reason=seq.finish_reason,
+                            prompt_tokens=len(prompt), completion_tokens=seq.completion_tokens, timings=timings)

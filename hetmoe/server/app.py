@@ -1,0 +1,209 @@
+"""The HTTP face of the server (aiohttp): routes, API-key check, request validation, streaming.
+
+    POST /v1/chat/completions   POST /v1/completions   (stream: server-sent events, then "data: [DONE]")
+    GET  /v1/models             GET  /v1/models/{id}    GET /health    GET /metrics
+
+Handlers validate (protocol.parse_request), queue a Request on the Scheduler and relay its events; they never
+run model code. Every error leaves as an OpenAI error body; anything unexpected is caught by the middleware and
+answered 500, so one bad request can neither crash the server nor leave a connection hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import traceback
+from typing import Optional
+
+from aiohttp import web
+
+from hetmoe.server import protocol
+from hetmoe.server.metrics import Metrics
+from hetmoe.server.protocol import APIError, ServedModel, error_body
+from hetmoe.server.scheduler import Request, Scheduler
+
+MAX_BODY_BYTES = 16 << 20  # larger bodies get 413 from aiohttp
+SERVED: web.AppKey = web.AppKey("served", ServedModel)
+SCHEDULER: web.AppKey = web.AppKey("scheduler", Scheduler)
+METRICS: web.AppKey = web.AppKey("metrics", Metrics)
+API_KEY: web.AppKey = web.AppKey("api_key", str)
+
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+_HTTP_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
+               413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+
+
+def _json_error(status: int, message: str, type: Optional[str] = None, param=None, code=None) -> web.Response:
+    type = type or _HTTP_TYPES.get(status, "invalid_request_error")
+    return web.json_response(error_body(message, type, param, code), status=status)
+
+
+def _endpoint(request: web.Request) -> str:
+    """The metrics label: a known route, or "other" (so random paths cannot grow the label set)."""
+    path = request.path
+    if path.startswith("/v1/models/"):
+        return "/v1/models"
+    return path if path in _ENDPOINTS else "other"
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    """API-key check, OpenAI-shaped errors for everything, request counting."""
+    metrics = request.app[METRICS]
+    try:
+        key = request.app[API_KEY]
+        if key and request.path.startswith("/v1/"):
+            auth = request.headers.get("Authorization", "")
+            given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            if not given:
+                raise APIError(401, "You didn't provide an API key: send 'Authorization: Bearer KEY'.",
+                               type="authentication_error", code="invalid_api_key")
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                raise APIError(401, "Incorrect API key provided.", type="authentication_error",
+                               code="invalid_api_key")
+        response = await handler(request)
+    except APIError as e:
+        response = web.json_response(e.body(), status=e.status)
+    except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method, body too large
+        if e.status < 400:
+            raise
+        message = {404: f"Unknown route {request.method} {request.path}",
+                   405: f"Method {request.method} is not allowed on {request.path}",
+                   413: f"The request body is larger than {MAX_BODY_BYTES} bytes"}.get(e.status, e.reason)
+        response = _json_error(e.status, message)
+        if e.status == 405:
+            response.headers["Allow"] = e.headers.get("Allow", "")
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:
+        traceback.print_exc()
+        response = _json_error(500, f"internal server error: {type(e).__name__}: {e}")
+    metrics.on_request(_endpoint(request), response.status)
+    return response
+
+
+async def _body(request: web.Request):
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise APIError(400, f"We could not parse the JSON body of your request ({type(e).__name__}: {e}). "
+                            "Send a JSON object with 'Content-Type: application/json'.", code="invalid_json")
+
+
+async def _completions(request: web.Request, kind: str) -> web.StreamResponse:
+    served = request.app[SERVED]
+    body = await _body(request)
+    parsed = await asyncio.to_thread(protocol.parse_request, body, served, kind)  # tokenizing may take a while
+    req = request.app[SCHEDULER].submit(Request(parsed.prompt_ids, parsed.params, asyncio.get_running_loop()))
+    try:
+        if parsed.stream:
+            return await _stream(request, req, parsed, served.id)
+        return await _whole(req, parsed, served.id)
+    finally:
+        if not req.finished:
+            req.cancel()  # the client went away (or the handler failed): the engine frees the slot
+
+
+def _error_of(event: tuple) -> APIError:
+    _, status, message = event
+    return APIError(status, message, type="server_error", code="engine_error" if status == 500 else "shutting_down")
+
+
+async def _whole(req: Request, parsed: protocol.Parsed, model: str) -> web.Response:
+    pieces = []
+    while True:
+        event = await req.events.get()
+        if event[0] == "text":
+            pieces.append(event[1])
+        elif event[0] == "error":
+            raise _error_of(event)
+        else:
+            _, finish, n_prompt, n_completion = event
+            body = protocol.response(parsed.kind, protocol.new_id(parsed.kind), model, "".join(pieces), finish,
+                                     protocol.usage(n_prompt, n_completion))
+            return web.json_response(body)
+
+
+async def _stream(request: web.Request, req: Request, parsed: protocol.Parsed, model: str) -> web.StreamResponse:
+    kind, rid, created = parsed.kind, protocol.new_id(parsed.kind), int(time.time())
+    event = await req.events.get()
+    if event[0] == "error":  # nothing sent yet: a plain error response with its status
+        raise _error_of(event)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+    await response.prepare(request)
+
+    async def send(obj) -> None:
+        await response.write(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
+
+    try:
+        if kind == "chat":
+            await send(protocol.chunk(kind, rid, model, created, role=True))
+        while True:
+            if event[0] == "text":
+                await send(protocol.chunk(kind, rid, model, created, text=event[1]))
+            elif event[0] == "error":  # after the headers: an error object in the stream, as OpenAI does
+                err = _error_of(event)
+                await send(err.body())
+                break
+            else:
+                _, finish, n_prompt, n_completion = event
+                await send(protocol.chunk(kind, rid, model, created, finish_reason=finish))
+                if parsed.include_usage:
+                    await send(protocol.chunk(kind, rid, model, created, use=protocol.usage(n_prompt, n_completion),
+                                              choices=False))
+                break
+            event = await req.events.get()
+        await send(b"[DONE]")
+        await response.write_eof()
+    except ConnectionResetError:  # the client left; the finally of _completions cancels the sequence
+        pass
+    return response
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _completions(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _completions(request, "completion")
+
+
+def _model_card(served: ServedModel) -> dict:
+    return {"id": served.id, "object": "model", "created": served.created, "owned_by": "hetmoe",
+            "max_model_len": served.max_context}
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request.app[SERVED])]})
+
+
+async def model(request: web.Request) -> web.Response:
+    served, name = request.app[SERVED], request.match_info["name"]
+    if name != served.id:
+        raise APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
+    return web.json_response(_model_card(served))
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(text=request.app[METRICS].render(), content_type="text/plain", charset="utf-8",
+                        headers={"X-Prometheus-Format": "0.0.4"})
+
+
+def create_app(served: ServedModel, scheduler: Scheduler, api_key: Optional[str] = None) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
+    app[SERVED], app[SCHEDULER], app[METRICS], app[API_KEY] = served, scheduler, scheduler.metrics, api_key or ""
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{name:.+}", model)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
