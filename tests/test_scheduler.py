@@ -1,0 +1,191 @@
+"""The server's engine loop (hetmoe/server/scheduler.py) in-process, on a runner whose logits are a fixed random
+function of the last token: every expectation is exact, and the one-sequence generate() is the reference."""
+
+import asyncio
+import json
+import time
+
+import pytest
+import torch
+
+from hetmoe.engine.generation import SamplingParams, generate
+from hetmoe.engine.synthetic import _CHAT_TEMPLATE, build_tokenizer
+from hetmoe.engine.tokenizer import Tokenizer
+from hetmoe.server.scheduler import Request, Scheduler
+
+VOCAB = 512
+POISON = 13  # a sequence fed this token makes the runner raise
+
+
+class SlotRunner:
+    """Runner interface of hetmoe.engine.runner.Runner over ``max_batch`` slots; logits = table[last token].
+    Records its calls so tests can see how prefill chunks and decode steps interleave."""
+
+    def __init__(self, max_batch=4, max_context=64, prefill_chunk=4, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.table = 3 * torch.randn(VOCAB, VOCAB, generator=g)
+        self.max_batch, self.max_context, self.prefill_chunk, self.vocab_size = max_batch, max_context, prefill_chunk, VOCAB
+        self.lengths = [0] * max_batch
+        self.calls = []
+
+    def prefill(self, ids, slot=0, start=0):
+        assert 0 <= start <= self.lengths[slot] and start + len(ids) <= self.max_context and len(ids) <= self.prefill_chunk
+        if POISON in ids:
+            raise RuntimeError("poisoned prompt")
+        self.calls.append(("prefill", slot, len(ids)))
+        self.lengths[slot] = start + len(ids)
+        return self.table[ids[-1]].clone()
+
+    def decode_batch(self, tokens, slots):
+        assert len(set(slots)) == len(slots)
+        if POISON in tokens:
+            raise RuntimeError("poisoned token")
+        for s in slots:
+            assert self.lengths[s] < self.max_context
+            self.lengths[s] += 1
+        self.calls.append(("decode", tuple(slots)))
+        return self.table[list(tokens)].clone()
+
+
+class OneSlot:
+    """The same runner seen by generate() (one sequence)."""
+
+    def __init__(self, runner):
+        self.r, self.max_context = runner, runner.max_context
+
+    def prefill(self, ids):
+        for i in range(0, len(ids), self.r.prefill_chunk):
+            logits = self.r.prefill(ids[i:i + self.r.prefill_chunk], 0, i)
+        return logits
+
+    def decode(self, token):
+        return self.r.decode_batch([token], [0])[0]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    build_tokenizer(VOCAB).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": _CHAT_TEMPLATE}))
+    return Tokenizer.from_dir(path)
+
+
+async def _collect(req):
+    text = []
+    while True:
+        event = await req.events.get()
+        if event[0] == "text":
+            text.append(event[1])
+        else:
+            return "".join(text), event
+
+
+def _serve(runner, tok, jobs, cancel=()):
+    """Submit (prompt, params) jobs at once; -> [(text, final event)]. Requests whose index is in ``cancel`` are
+    cancelled right after submission."""
+    async def main():
+        sched = Scheduler(runner, tok, log=lambda m: None).start()
+        loop = asyncio.get_running_loop()
+        reqs = [sched.submit(Request(p, params, loop)) for p, params in jobs]
+        for i in cancel:
+            reqs[i].cancel()
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(_collect(r) for i, r in enumerate(reqs) if i not in cancel)),
+                                          60)
+        finally:
+            sched.shutdown()
+
+    return asyncio.run(main())
+
+
+PROMPTS = [[5, 17, 300], list(range(20, 31)), [7], list(range(100, 117)), [42, 43], [9, 8, 7, 6, 5]]
+
+
+def test_batched_equals_one_at_a_time(tok):
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True), SamplingParams(max_new_tokens=7),
+              SamplingParams(max_new_tokens=12, temperature=0.9, seed=3, ignore_eos=True),
+              SamplingParams(max_new_tokens=10, temperature=1.2, top_k=20, seed=4, ignore_eos=True),
+              SamplingParams(max_new_tokens=9, top_p=0.5, temperature=1.0, seed=5, stop=["e"]),
+              SamplingParams(max_new_tokens=60, ignore_eos=True)]  # runs into the context limit
+    runner = SlotRunner(max_batch=4)  # 6 requests, 4 slots: two wait for a free slot
+    got = _serve(runner, tok, list(zip(PROMPTS, params)))
+    for prompt, p, (text, event) in zip(PROMPTS, params, got):
+        want = generate(OneSlot(SlotRunner()), tok, prompt, p)
+        assert text == want.text and event == ("done", want.finish_reason, len(prompt), want.completion_tokens)
+    assert got[-1][1][1] == "length" and got[-1][1][3] == 64 - len(PROMPTS[-1])
+
+
+def test_long_prompts_prefill_in_chunks_between_decode_steps(tok):
+    runner = SlotRunner(max_batch=2, prefill_chunk=4)
+    _serve(runner, tok, [([1, 2], SamplingParams(max_new_tokens=30, ignore_eos=True)),
+                         (list(range(40, 60)), SamplingParams(max_new_tokens=2, ignore_eos=True))])
+    chunks = [i for i, c in enumerate(runner.calls) if c[0] == "prefill" and c[1] == 1]
+    assert len(chunks) == 5  # 20 prompt tokens in chunks of 4
+    for a, b in zip(chunks, chunks[1:]):  # the first sequence kept decoding between the chunks
+        assert any(c[0] == "decode" and 0 in c[1] for c in runner.calls[a:b])
+
+
+def test_an_engine_error_fails_only_that_request(tok):
+    runner = SlotRunner(max_batch=4)
+    runner.table[:, POISON] = -1e9  # nobody samples the poison token by chance...
+    runner.table[99, :] = -1e9
+    runner.table[99, POISON] = 1e9  # ...except after token 99: that sequence's decode step raises
+    jobs = [([5, 6], SamplingParams(max_new_tokens=8, ignore_eos=True)),
+            ([1, 99], SamplingParams(max_new_tokens=8, ignore_eos=True)),  # decode fails
+            ([POISON, 3], SamplingParams(max_new_tokens=8, ignore_eos=True)),  # prefill fails
+            ([7, 8], SamplingParams(max_new_tokens=8, ignore_eos=True))]
+    got = _serve(runner, tok, jobs)
+    assert got[1][1][:2] == ("error", 500) and "poisoned token" in got[1][1][2]
+    assert got[2][1][:2] == ("error", 500) and "poisoned prompt" in got[2][1][2]
+    for i in (0, 3):
+        assert got[i][1][:2] == ("done", "length") and got[i][1][3] == 8
+
+
+def test_cancel_frees_the_slot(tok):
+    runner = SlotRunner(max_batch=1)
+    long = SamplingParams(max_new_tokens=50, ignore_eos=True)
+
+    async def main():
+        sched = Scheduler(runner, tok, log=lambda m: None).start()
+        loop = asyncio.get_running_loop()
+        first = sched.submit(Request([1, 2], long, loop))
+        second = sched.submit(Request([3, 4], SamplingParams(max_new_tokens=3, ignore_eos=True), loop))
+        assert (await first.events.get())[0] == "text"  # it holds the only slot
+        first.cancel()
+        text, done = await asyncio.wait_for(_collect(second), 30)
+        sched.shutdown()
+        return done, sched.metrics
+
+    done, metrics = asyncio.run(main())
+    assert done[:2] == ("done", "length") and metrics.cancelled == 1 and metrics.running == 0
+    first_decodes = sum(1 for c in runner.calls if c == ("decode", (0,)))
+    assert first_decodes < 50 + 3  # the first sequence did not run to its max_tokens
+
+
+def test_shutdown_ends_running_and_refuses_waiting(tok):
+    runner = SlotRunner(max_batch=1)
+
+    async def main():
+        sched = Scheduler(runner, tok, log=lambda m: None).start()
+        loop = asyncio.get_running_loop()
+        running = sched.submit(Request([1, 2], SamplingParams(max_new_tokens=60, ignore_eos=True), loop))
+        waiting = sched.submit(Request([3, 4], SamplingParams(max_new_tokens=3), loop))
+        assert (await running.events.get())[0] == "text"
+        await asyncio.to_thread(sched.shutdown)
+        late = sched.submit(Request([5], SamplingParams(), loop))
+        return await _collect(running), await _collect(waiting), await _collect(late)
+
+    (text, done), (_, refused), (_, late) = asyncio.run(main())
+    assert done[:2] == ("done", "length") and done[3] < 60
+    assert refused[:2] == ("error", 503) and late[:2] == ("error", 503)
+
+
+def test_idle_loop_uses_no_cpu(tok):
+    sched = Scheduler(SlotRunner(), tok, log=lambda m: None).start()
+    try:
+        t0, c0 = time.perf_counter(), time.process_time()
+        time.sleep(0.5)  # measuring, not synchronizing: the process's CPU time while nothing is submitted
+        cpu = time.process_time() - c0
+        assert cpu < 0.05 * (time.perf_counter() - t0), cpu
+    finally:
+        sched.shutdown()
