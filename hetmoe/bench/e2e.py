@@ -19,7 +19,6 @@ so ``max_context`` defaults to what the run needs (longest prompt, or shortest p
 from __future__ import annotations
 
 import gc
-import json
 import os
 import statistics
 import sys
@@ -29,7 +28,7 @@ from typing import Optional
 import torch
 
 from hetmoe import kernels
-from hetmoe.bench.kernel import GB, llc_bytes, machine_info
+from hetmoe.bench.kernel import GB, llc_bytes, machine_info, write_json
 from hetmoe.engine.loader import LoadedModel, load_model, moe_blocks
 from hetmoe.engine.placement import EngineOptions, free_ram
 from hetmoe.engine.runner import Runner
@@ -260,11 +259,5 @@ def run_e2e_bench(args) -> int:
                           "decode_tokens": decode_tokens, "decode_warmup": DECODE_WARMUP, "repeats": repeats,
                           "max_context": max_context, "seed": args.seed, "device": args.device},
                "records": records}
-        text = json.dumps(doc, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
-            say(f"wrote {args.json}")
+        write_json(args.json, doc, say)
     return 0

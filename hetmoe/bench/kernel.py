@@ -90,6 +90,17 @@ def git_commit() -> str:
         return ""
 
 
+def write_json(dest: str, doc: dict, say) -> None:
+    """A benchmark's results as JSON to ``dest`` ('-' = stdout)."""
+    text = json.dumps(doc, indent=1)
+    if dest == "-":
+        print(text)
+    else:
+        with open(dest, "w") as f:
+            f.write(text + "\n")
+        say(f"wrote {dest}")
+
+
 def machine_info(pool: kernels.ExpertPool) -> dict:
     info = kernels.cpu_info()
     return {
@@ -400,11 +411,5 @@ def run_kernel_bench(args) -> int:
                "config": {"repeats": repeats, "warmup": WARMUP, "mem_budget_bytes": budget, "isa": isa,
                           "baseline_experts": None if args.no_baseline else BASELINE_EXPERTS},
                "records": records}
-        text = json.dumps(doc, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
-            say(f"wrote {args.json}")
+        write_json(args.json, doc, say)
     return 0
