@@ -78,6 +78,17 @@ def _experts_of(block: nn.Module) -> int:
     return getattr(block, "num_experts", None) or block.gate.weight.shape[0]
 
 
+def new_experts(block: nn.Module, cfg: ModelConfig, inter: int, plan: MemoryPlan, threads) -> CPUExperts:
+    """Empty CPU experts for a MoE block, in the plan's format (group 0 with int8: per-row scales)."""
+    return CPUExperts(_experts_of(block), cfg.hidden_size, inter, plan.experts_format, plan.group_size,
+                      threads=threads)
+
+
+def attach_experts(block: nn.Module, experts: CPUExperts, staging) -> None:
+    """The block's routed experts: the CPU engine directly, or through pinned staging when the model is on a GPU."""
+    block.experts = OffloadedExperts(experts, staging) if staging is not None else experts
+
+
 def model_shapes(model: nn.Module, cfg: ModelConfig, expert_inter: int) -> ModelShapes:
     n_routed = sum(_experts_of(b) for _, b in moe_blocks(model))
     cache = model.make_cache(1, 1, device="meta")
@@ -212,14 +223,13 @@ def load_model(
             for name, block in blocks:
                 if not name.startswith(prefix + "."):
                     continue
-                experts = CPUExperts(_experts_of(block), cfg.hidden_size, inter, plan.experts_format,
-                                     plan.group_size, threads=options.threads)  # int8 group 0: per-row
+                experts = new_experts(block, cfg, inter, plan, options.threads)
                 if cache is None or not cache.load(i, experts):
                     fill_experts(ckpt, name, experts)
                     if cache is not None:
                         cache.save(i, experts)
                 expert_bytes += experts.nbytes
-                block.experts = OffloadedExperts(experts, staging) if staging is not None else experts
+                attach_experts(block, experts, staging)
             ckpt.release()
             bar.update(1)
     ckpt.close()

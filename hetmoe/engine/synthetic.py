@@ -28,10 +28,9 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
-from hetmoe.engine.loader import LoadedModel, _experts_of, build_meta, model_shapes, moe_blocks
+from hetmoe.engine.loader import LoadedModel, attach_experts, build_meta, model_shapes, moe_blocks, new_experts
 from hetmoe.engine.placement import EngineOptions, choose_plan
-from hetmoe.kernels import CPUExperts
-from hetmoe.layers.moe import HostStaging, OffloadedExperts
+from hetmoe.layers.moe import HostStaging
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.models.config import ModelConfig
 
@@ -100,8 +99,9 @@ def _config(arch: str, overrides: Optional[dict], vocab_size: int):
     return transformers.AutoConfig.for_model(arch, **kwargs)
 
 
-def build_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer trained on a small built-in corpus (no download)."""
+def train_bpe(texts, vocab_size: int):
+    """A byte-level BPE tokenizer (``tokenizers.Tokenizer``) trained on the strings ``texts``, with the special
+    tokens <|endoftext|> (id 0), <|im_start|>, <|im_end|> that ``tokenizer_config`` and the chat template use."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -111,8 +111,26 @@ def build_tokenizer(vocab_size: int):
         vocab_size=vocab_size, special_tokens=_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     return tok
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer trained on a small built-in corpus (no download)."""
+    return train_bpe(_CORPUS.splitlines(), vocab_size)
+
+
+def tokenizer_config(model_max_length: int) -> dict:
+    """tokenizer_config.json of a ``train_bpe`` tokenizer: eos <|im_end|>, pad <|endoftext|>, no bos, the
+    ChatML-style chat template."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "model_max_length": model_max_length,
+        "chat_template": _CHAT_TEMPLATE,
+    }
 
 
 def write_checkpoint(
@@ -150,14 +168,7 @@ def write_checkpoint(
                 b.copy_(0.05 * torch.randn_like(b))
     model.save_pretrained(path, max_shard_size=max_shard_size)
     tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "bos_token": None,
-        "model_max_length": cfg.max_position_embeddings,
-        "chat_template": _CHAT_TEMPLATE,
-    }, indent=1))
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(cfg.max_position_embeddings), indent=1))
     return path
 
 
@@ -304,11 +315,10 @@ def build_random_model(
     expert_bytes = 0
     for block_name, block in blocks:
         layer = int(_LAYER_INDEX.search(f".{block_name}.").group(1))
-        experts = CPUExperts(_experts_of(block), cfg.hidden_size, inter, plan.experts_format, plan.group_size or 128,
-                             threads=options.threads)
+        experts = new_experts(block, cfg, inter, plan, options.threads)
         experts.fill_random(seed + layer, std)
         expert_bytes += experts.nbytes
-        block.experts = OffloadedExperts(experts, staging) if staging is not None else experts
+        attach_experts(block, experts, staging)
     if plan.device.type == "cuda":
         torch.cuda.synchronize(plan.device)
     info = {"load_s": time.perf_counter() - t0, "expert_bytes": expert_bytes, "shape": name, "seed": seed}
