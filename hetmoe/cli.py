@@ -188,6 +188,30 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_options(e2e, model=False)
     e2e.set_defaults(handler=_bench_e2e)
 
+    bserve = bench_sub.add_parser(
+        "serve",
+        help="N concurrent streaming clients against an OpenAI-compatible server: tok/s, TTFT, per-token latency",
+        description="Runs --clients streaming /v1/completions clients for --duration seconds (each request: "
+        "--prompt-tokens token ids, --max-tokens generated with ignore_eos) against --url, or against a "
+        "`hetmoe serve` it starts itself with --model, the engine options and --max-batch. Reports output tok/s, "
+        "TTFT, time per output token and inter-token latency (p50/p99), completed requests and errors.",
+    )
+    bserve.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000/v1 "
+                        "(default: start hetmoe serve with the engine options below)")
+    bserve.add_argument("--api-key", default=None, metavar="KEY", help="sent as 'Authorization: Bearer KEY'")
+    bserve.add_argument("--clients", type=_positive_int, default=64, help="concurrent streaming clients (default: 64)")
+    bserve.add_argument("--duration", type=_nonneg_float, default=60.0,
+                        help="seconds during which clients start new requests (default: 60)")
+    bserve.add_argument("--prompt-tokens", type=_positive_int, default=32, help="prompt length (default: 32)")
+    bserve.add_argument("--max-tokens", type=_positive_int, default=64, help="tokens per request (default: 64)")
+    bserve.add_argument("--temperature", type=_nonneg_float, default=0.0, help="default: 0 (greedy)")
+    bserve.add_argument("--seed", type=int, default=0, help="random prompts (default: 0)")
+    bserve.add_argument("--max-batch", type=_positive_int, default=16,
+                        help="--max-batch of the server it starts (default: 16)")
+    bserve.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON ('-' = stdout)")
+    add_engine_options(bserve)
+    bserve.set_defaults(handler=_bench_serve)
+
     overhead = bench_sub.add_parser("overhead", help="submit -> sync round trip of a prepared job with T=0")
     overhead.add_argument("--threads", type=_positive_int, default=None, help="pool size (default: physical cores)")
     overhead.add_argument("--iters", type=_positive_int, default=2000, help="timed round trips (default: 2000)")
@@ -229,6 +253,12 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     from hetmoe.bench.e2e import run_e2e_bench
 
     return run_e2e_bench(args)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from hetmoe.bench.serve import run_serve_bench
+
+    return run_serve_bench(args)
 
 
 def _bench_overhead(args: argparse.Namespace) -> int:

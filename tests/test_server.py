@@ -382,6 +382,21 @@ def test_fuzz_request_bodies_never_5xx(server, model):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
+# ---------------------------------------------------------------- hetmoe bench serve
+
+def test_bench_serve_against_the_server(server, capsys):
+    from hetmoe.cli import main
+
+    code = main(["bench", "serve", "--url", server.url, "--api-key", KEY, "--clients", "6", "--duration", "1",
+                 "--max-tokens", "8", "--prompt-tokens", "5", "--json", "-"])
+    out = capsys.readouterr()
+    result = json.loads(out.out)
+    assert code == 0 and result["errors"] == 0 and result["requests_completed"] >= 6, out.err
+    assert result["completion_tokens"] == 8 * result["requests_completed"] and result["output_tok_s"] > 0
+    assert 0 < result["ttft_ms_p50"] <= result["ttft_ms_p99"] and 0 < result["tpot_ms_p50"] <= result["tpot_ms_p99"]
+    assert "output tok/s" in out.err
+
+
 # ---------------------------------------------------------------- shutdown (last: it stops the module's server)
 
 def test_sigterm_ends_streams_and_exits_0(server, client, model):

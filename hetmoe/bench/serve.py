@@ -1,0 +1,198 @@
+"""``hetmoe bench serve``: N concurrent streaming clients against an OpenAI-compatible server for a bounded time.
+
+Each client loops: POST /v1/completions with ``stream: true`` (a prompt of ``--prompt-tokens`` token ids,
+``--max-tokens`` generated with ``ignore_eos`` so every request has the same length), read the server-sent events
+to ``[DONE]``, start the next request. No new request starts after ``--duration`` seconds; those in flight finish.
+Reported, over the requests that completed:
+
+* output tok/s: completion tokens (from the usage chunk) / wall time from the first request to the last answer;
+* TTFT: request sent -> first chunk with text;
+* TPOT (time per output token): (last text chunk - first text chunk) / (completion tokens - 1), per request;
+* ITL: the gaps between consecutive text chunks (a chunk is usually one token);
+* errors: non-200 answers, error events, streams that end without [DONE] or without usage (must be 0).
+
+Without ``--url`` it starts ``hetmoe serve`` itself (``--model`` and the engine options, ``--max-batch``) on a free
+port and stops it with SIGTERM at the end. Only aiohttp is needed on the client side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional
+
+import aiohttp
+import numpy as np
+
+STARTUP_TIMEOUT_S = 600.0
+
+
+def _start_server(args) -> tuple:
+    """``hetmoe serve`` on port 0 with this command's engine options -> (process, base url of the API)."""
+    cmd = [sys.executable, "-m", "hetmoe", "serve", "--port", "0", "--max-batch", str(args.max_batch)]
+    for flag, value in (("--model", args.model), ("--device", args.device), ("--experts-format", args.experts_format),
+                        ("--group-size", args.group_size), ("--threads", args.threads),
+                        ("--max-context", args.max_context), ("--dtype", args.dtype),
+                        ("--expert-cache", args.expert_cache)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    found, lines = {}, []
+    ready = threading.Event()
+
+    def read():  # keep draining stderr for the whole run: a full pipe would stall the server
+        for line in proc.stderr:
+            lines.append(line)
+            m = re.search(r"serving \S+ on (http://\S+/v1)", line)
+            if m:
+                found["url"] = m.group(1)
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not ready.wait(STARTUP_TIMEOUT_S) or "url" not in found:
+        proc.kill()
+        raise RuntimeError("the server did not start:\n" + "".join(lines[-20:]))
+    return proc, found["url"]
+
+
+class Stats:
+    def __init__(self):
+        self.ttft, self.tpot, self.itl = [], [], []
+        self.tokens = self.completed = self.errors = 0
+        self.error_messages: list = []
+
+    def error(self, message: str) -> None:
+        self.errors += 1
+        if len(self.error_messages) < 5:
+            self.error_messages.append(message)
+
+
+async def _one_request(session, url: str, body: dict, stats: Stats) -> None:
+    start = time.perf_counter()
+    times, usage, done = [], None, False
+    try:
+        async with session.post(url, json=body) as r:
+            if r.status != 200:
+                stats.error(f"HTTP {r.status}: {(await r.text())[:200]}")
+                return
+            async for raw in r.content:
+                line = raw.strip()
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:]
+                if data == b"[DONE]":
+                    done = True
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    stats.error(f"error event: {event['error'].get('message')}")
+                    return
+                if event.get("usage"):
+                    usage = event["usage"]
+                if event.get("choices") and event["choices"][0].get("text"):
+                    times.append(time.perf_counter())
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        stats.error(f"{type(e).__name__}: {e}")
+        return
+    if not done or usage is None:
+        stats.error("the stream ended without usage and [DONE]")
+        return
+    n = usage["completion_tokens"]
+    stats.completed += 1
+    stats.tokens += n
+    if times:
+        stats.ttft.append(times[0] - start)
+        stats.itl.extend(np.diff(times).tolist())
+        if n > 1:
+            stats.tpot.append((times[-1] - times[0]) / (n - 1))
+
+
+async def _client(i: int, session, url: str, model: str, args, deadline: float, stats: Stats) -> None:
+    rng = random.Random(args.seed * 1000 + i)
+    while time.perf_counter() < deadline:
+        prompt = [rng.randrange(10, 256) for _ in range(args.prompt_tokens)]
+        body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
+                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+        await _one_request(session, url, body, stats)
+
+
+async def _run(api: str, args) -> dict:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)
+    connector = aiohttp.TCPConnector(limit=args.clients + 4)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as session:
+        async with session.get(f"{api}/models") as r:
+            if r.status != 200:
+                raise RuntimeError(f"GET {api}/models: HTTP {r.status} {(await r.text())[:200]}")
+            model = (await r.json())["data"][0]["id"]
+        stats = Stats()
+        start = time.perf_counter()
+        deadline = start + args.duration
+        await asyncio.gather(*(_client(i, session, f"{api}/completions", model, args, deadline, stats)
+                               for i in range(args.clients)))
+        elapsed = time.perf_counter() - start
+    return _summary(stats, elapsed, model, api, args)
+
+
+def _pct(values: list, q: float) -> Optional[float]:
+    return float(np.percentile(values, q)) * 1e3 if values else None
+
+
+def _summary(stats: Stats, elapsed: float, model: str, api: str, args) -> dict:
+    return {
+        "url": api, "model": model, "clients": args.clients, "duration_s": args.duration, "elapsed_s": elapsed,
+        "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "temperature": args.temperature,
+        "max_batch": None if args.url else args.max_batch,
+        "requests_completed": stats.completed, "errors": stats.errors, "error_messages": stats.error_messages,
+        "completion_tokens": stats.tokens, "output_tok_s": stats.tokens / elapsed,
+        "ttft_ms_p50": _pct(stats.ttft, 50), "ttft_ms_p99": _pct(stats.ttft, 99),
+        "tpot_ms_p50": _pct(stats.tpot, 50), "tpot_ms_p99": _pct(stats.tpot, 99),
+        "itl_ms_p50": _pct(stats.itl, 50), "itl_ms_p99": _pct(stats.itl, 99),
+    }
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def run_serve_bench(args) -> int:
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json == "-" else print
+    proc = None
+    if args.url:
+        api = args.url.rstrip("/")
+        api = api if api.endswith("/v1") else api + "/v1"
+    else:
+        proc, api = _start_server(args)
+    try:
+        say(f"hetmoe bench serve: {args.clients} streaming clients for {args.duration:g} s against {api} "
+            f"(prompt {args.prompt_tokens} tokens, {args.max_tokens} generated per request)")
+        result = asyncio.run(_run(api, args))
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    say(f"model {result['model']}: {result['requests_completed']} requests completed in {result['elapsed_s']:.1f} s, "
+        f"{result['errors']} errors")
+    say(f"{'output tok/s':>14} {result['output_tok_s']:.1f}")
+    for name in ("ttft", "tpot", "itl"):
+        say(f"{name.upper() + ' ms':>14} p50 {_fmt(result[f'{name}_ms_p50'])}  p99 {_fmt(result[f'{name}_ms_p99'])}")
+    for message in result["error_messages"]:
+        say(f"error: {message}")
+    if args.json:
+        from hetmoe.bench.kernel import git_commit, write_json
+
+        result.update(commit=git_commit(), date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), host=os.uname().nodename)
+        write_json(args.json, result, say)
+    return 1 if result["errors"] else 0
