@@ -104,7 +104,7 @@ def test_refuses_what_does_not_fit_before_allocating(monkeypatch):
         raise AssertionError("allocated weights for a model that does not fit")
 
     monkeypatch.setattr(synthetic, "_fill_random", never)
-    monkeypatch.setattr(synthetic, "CPUExperts", never)
+    monkeypatch.setattr(synthetic, "new_experts", never)
     with pytest.raises(MemoryError, match="does not fit"):  # ~1.2 TB of bf16 experts
         build_random_model("deepseek-v3", options=EngineOptions(device="cpu", experts_format="bf16"),
                            log=lambda m: None)
