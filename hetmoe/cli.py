@@ -1,4 +1,4 @@
-"""The ``hetmoe`` command: ``generate``, ``chat``, ``serve``, ``doctor``, ``bench kernel|overhead|e2e|serve``.
+"""The ``hetmoe`` command: ``generate``, ``chat``, ``serve``, ``eval``, ``doctor``, ``bench kernel|overhead|e2e|serve``.
 
 This module imports only the standard library, so ``hetmoe --help`` is instant; torch and ``hetmoe._C`` are
 imported inside the subcommand handlers.
@@ -123,6 +123,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_options(serve)
     serve.set_defaults(handler=_serve)
 
+    ev = sub.add_parser(
+        "eval", help="perplexity of a configuration, and its KL divergence / top-1 agreement against bf16 experts",
+        description="Scores --text in consecutive, non-overlapping windows of --window tokens (each from an empty "
+        "cache; the first token of a window is context, never scored) with the engine options given, and the same "
+        "windows with the model's --reference-format experts (default bf16, nothing dropped): perplexity of both, "
+        "mean KL(reference || configuration) per token and the fraction of positions whose most likely next token "
+        "agrees. Both configurations are loaded at once.")
+    ev.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score ('-' reads stdin)")
+    ev.add_argument("--window", type=int, default=512,
+                    help="tokens per window, >= 2 and <= the context (default: 512)")
+    ev.add_argument("--max-tokens", type=_positive_int, default=None, metavar="N",
+                    help="score only the first N tokens of the text")
+    ev.add_argument("--drop-experts", type=int, default=0, metavar="D",
+                    help="per token, do not compute the D lowest-weighted of its top-k routed experts (weights not "
+                    "renormalised; default: 0)")
+    ev.add_argument("--reference-format", choices=("bf16", "int8", "int4", "none"), default="bf16",
+                    help="experts format of the reference run ('none': perplexity only; default: bf16)")
+    ev.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON ('-' = stdout only)")
+    add_engine_options(ev)
+    ev.set_defaults(handler=_eval)
+
     doctor = sub.add_parser("doctor", help="CPU features, chosen ISA and kernel per format, pinned CPUs")
     doctor.add_argument("--threads", type=_positive_int, default=None, help="pool size (default: physical cores)")
     doctor.add_argument("--isa", default="auto", help="auto, scalar, avx2, avx512 or amx (default: auto)")
@@ -235,6 +256,12 @@ def _serve(args: argparse.Namespace) -> int:
     from hetmoe.server.main import run_serve
 
     return run_serve(args)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from hetmoe.eval_command import run_eval
+
+    return run_eval(args)
 
 
 def _doctor(args: argparse.Namespace) -> int:

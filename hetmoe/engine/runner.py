@@ -40,8 +40,10 @@ class Runner:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """ids, positions [B, S] and slots [B] -> logits of each sequence's last token, fp32 [B, vocab]."""
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                last_only: bool = True) -> torch.Tensor:
+        """ids, positions [B, S] and slots [B] -> logits of each sequence's last token, fp32 [B, vocab]
+        (``last_only=False``: of every token, [B, S, vocab])."""
         kv_len = int(positions.max()) + 1
         if kv_len > self.max_context:
             raise ValueError(f"position {kv_len - 1} is beyond max_context={self.max_context}")
@@ -52,7 +54,7 @@ class Runner:
         step = Step(positions.to(self.device), slots.to(self.device), kv_len=kv_len,
                     first_slot=first if consecutive else None)
         hidden = self.model(ids.to(self.device), step, self.cache)
-        return self.model.logits(hidden[:, -1]).float()
+        return self.model.logits(hidden[:, -1] if last_only else hidden).float()
 
     def prefill(self, token_ids: Sequence[int], slot: int = 0, start: int = 0) -> torch.Tensor:
         """Write a prompt into ``slot`` from position ``start`` (0: replace what it held; > 0: keep the first
@@ -74,6 +76,26 @@ class Runner:
             logits = self.forward(chunk[None], torch.arange(start + i, start + i + len(chunk))[None], slots)
         self.lengths[slot] = start + n
         return logits[0]
+
+    def score(self, token_ids: Sequence[int], slot: int = 0) -> torch.Tensor:
+        """Write ``token_ids`` into ``slot`` from position 0, as prefill does, and return the logits after every
+        token, fp32 [n, vocab] (row i predicts token i + 1): what perplexity and evaluation need."""
+        self._check_slot(slot)
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("nothing to score (no tokens)")
+        ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
+        if n > self.max_context:
+            raise ValueError(f"{n} tokens do not fit the context of {self.max_context} (--max-context)")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {int(ids.min())}..{int(ids.max())}")
+        out = torch.empty(n, self.vocab_size, dtype=torch.float32)
+        for i in range(0, n, self.prefill_chunk):
+            chunk = ids[i:i + self.prefill_chunk]
+            logits = self.forward(chunk[None], torch.arange(i, i + len(chunk))[None], torch.tensor([slot]), False)
+            out[i:i + len(chunk)] = logits[0].cpu()
+        self.lengths[slot] = n
+        return out
 
     def decode(self, token_id: int, slot: int = 0) -> torch.Tensor:
         """Append one token to ``slot``; logits after it, fp32 [vocab]."""

@@ -165,3 +165,29 @@ class OffloadedExperts:
         return out.to(x.device, non_blocking=True)
 
     __call__ = forward
+
+
+class DropLowestExperts:
+    """A dispatch option for accuracy studies: per token, the ``d`` lowest-weighted of its top-k routed experts
+    are not computed (their ids set to -1 before the wrapped backend runs; the other weights are *not*
+    renormalised). What simply dropping experts costs, the baseline that deferring them is compared with.
+
+    ``d = 0`` passes the call through unchanged. Ties between equal weights drop the earlier slot (stable sort).
+    """
+
+    def __init__(self, experts, d: int):
+        if not isinstance(d, int) or d < 0:
+            raise ValueError(f"the number of experts to drop must be an integer >= 0, got {d!r}")
+        self.experts, self.d = experts, d
+        self.num_experts = experts.num_experts
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *args, **kwargs):
+        if self.d:
+            k = topk_ids.shape[-1]
+            if self.d >= k:
+                raise ValueError(f"cannot drop {self.d} of the top-{k} experts of each token (at most {k - 1})")
+            lowest = topk_weights.argsort(dim=-1, stable=True)[:, :self.d]  # [T, d]
+            topk_ids = topk_ids.scatter(1, lowest, -1)  # a copy: the router's ids are left as they were
+        return self.experts(x, topk_ids, topk_weights, *args, **kwargs)
+
+    __call__ = forward

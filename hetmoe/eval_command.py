@@ -1,0 +1,124 @@
+"""What ``hetmoe eval`` does (the argument parsing is in cli.py): perplexity of one configuration of a model on a
+text, and the KL divergence and top-1 agreement of its next-token distributions against the same model with
+``--reference-format`` experts (bf16 by default, nothing dropped), both run over identical windows of tokens.
+The math and the windowing are in hetmoe/engine/evaluation.py.
+
+Both configurations are loaded at once (the reference's dense part and experts too): meant for models whose
+two copies fit in memory; ``--reference-format none`` loads one copy and reports perplexity only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from hetmoe.commands import engine_options
+from hetmoe.engine.evaluation import evaluate
+from hetmoe.engine.llm import default_model_path
+from hetmoe.engine.loader import load_model, moe_blocks
+from hetmoe.engine.runner import Runner
+from hetmoe.engine.tokenizer import Tokenizer
+from hetmoe.layers.moe import DropLowestExperts
+
+
+def _read_text(name: str) -> str:
+    if name == "-":
+        text = sys.stdin.read()
+    else:
+        path = Path(name)
+        if not path.is_file():
+            raise FileNotFoundError(f"text file {path} does not exist")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"text file {path} is not UTF-8 ({e})") from None
+    if not text.strip():
+        raise ValueError(f"the text {'on stdin' if name == '-' else f'file {name}'} is empty")
+    return text
+
+
+def _model_config(model: Path) -> dict:
+    """config.json when it can be read (the loader reports a missing or broken one)."""
+    try:
+        return json.loads((model / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def _describe(plan, drop: int = 0) -> dict:
+    label = plan.experts_format
+    if plan.experts_format != "bf16":
+        label += f" g{plan.group_size}" if plan.group_size else " per-row"
+    if drop:
+        label += f", drop {drop}"
+    return {"label": label, "experts_format": plan.experts_format, "group_size": plan.group_size,
+            "drop_experts": drop, "device": plan.device.type, "dtype": str(plan.dtype).replace("torch.", "")}
+
+
+def _table(report: dict) -> str:
+    lines = [f"hetmoe eval: {report['text']}: {report['tokens']} tokens scored in {report['windows']} windows of "
+             f"{report['window']} ({report['seconds']:.1f} s)",
+             f"{'configuration':<24} {'perplexity':>10} {'change':>8} {'KL(ref||test)':>14} {'top-1':>8}"]
+    if report["reference"] is not None:
+        lines.append(f"{report['reference']['label'] + ' (reference)':<24} {report['reference_perplexity']:>10.4f}")
+        lines.append(f"{report['config']['label']:<24} {report['perplexity']:>10.4f} "
+                     f"{100 * report['perplexity_change']:>+7.2f}% {report['kl']:>14.3e} "
+                     f"{100 * report['top1_agreement']:>7.2f}%")
+    else:
+        lines.append(f"{report['config']['label']:<24} {report['perplexity']:>10.4f}")
+    return "\n".join(lines)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    drop = args.drop_experts
+    if drop < 0:
+        raise ValueError(f"--drop-experts must be >= 0, got {drop}")
+    if args.window < 2:
+        raise ValueError(f"--window must be at least 2 tokens, got {args.window}")
+    text = _read_text(args.text)
+    model = Path(args.model) if args.model is not None else default_model_path()
+    cfg = _model_config(model)
+    top_k = cfg.get("num_experts_per_tok")
+    if drop and cfg and not top_k:
+        raise ValueError("--drop-experts: this model has no routed experts")
+    if top_k and drop >= top_k:
+        raise ValueError(f"--drop-experts {drop}: each token has {top_k} experts; at most {top_k - 1} can be dropped")
+    limit = cfg.get("max_position_embeddings")
+    if limit and args.window > limit:
+        raise ValueError(f"--window {args.window} is beyond the model's {limit} positions")
+    opts = engine_options(args)
+    if opts.max_context is None:
+        opts.max_context = args.window
+    elif args.window > opts.max_context:
+        raise ValueError(f"--window {args.window} does not fit --max-context {opts.max_context}")
+    cache = None if args.expert_cache == "off" else args.expert_cache
+    progress = sys.stderr.isatty()
+
+    test = load_model(model, opts, expert_cache=cache, progress=progress)
+    blocks = moe_blocks(test.model)
+    if drop and not blocks:
+        raise ValueError("--drop-experts: this model has no routed experts")
+    for _, block in blocks if drop else ():
+        block.experts = DropLowestExperts(block.experts, drop)
+    ids = Tokenizer.from_dir(test.path).encode(text)
+    if args.max_tokens is not None:
+        ids = ids[:args.max_tokens]
+    reference = None
+    if args.reference_format != "none":
+        ref_opts = dataclasses.replace(opts, experts_format=args.reference_format, group_size=None)
+        reference = load_model(model, ref_opts, expert_cache=cache, progress=progress)
+
+    result = evaluate(Runner(test), ids, args.window, Runner(reference) if reference else None, progress)
+    report = {"model": str(test.path), "text": "<stdin>" if args.text == "-" else str(args.text),
+              "window": args.window, "config": _describe(test.plan, drop),
+              "reference": _describe(reference.plan) if reference else None, **result.summary()}
+    if args.json == "-":
+        print(json.dumps(report))
+        return 0
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    print(_table(report))
+    return 0
