@@ -8,7 +8,8 @@ Reported, over the requests that completed:
 * output tok/s: completion tokens (from the usage chunk) / wall time from the first request to the last answer;
 * TTFT: request sent -> first chunk with text;
 * TPOT (time per output token): (last text chunk - first text chunk) / (completion tokens - 1), per request;
-* ITL: the gaps between consecutive text chunks (a chunk is usually one token);
+* ITL: the gaps between consecutive text chunks (a chunk is one token, or several when a token ends inside a UTF-8
+  character or a possible stop string and its text waits for the next: tokens_per_text_chunk says how many);
 * errors: non-200 answers, error events, streams that end without [DONE] or without usage (must be 0).
 
 Without ``--url`` it starts ``hetmoe serve`` itself (``--model`` and the engine options, ``--max-batch``) on a free
@@ -67,7 +68,7 @@ def _start_server(args) -> tuple:
 class Stats:
     def __init__(self):
         self.ttft, self.tpot, self.itl = [], [], []
-        self.tokens = self.completed = self.errors = 0
+        self.tokens = self.completed = self.errors = self.chunks = 0
         self.error_messages: list = []
 
     def error(self, message: str) -> None:
@@ -109,6 +110,7 @@ async def _one_request(session, url: str, body: dict, stats: Stats) -> None:
     n = usage["completion_tokens"]
     stats.completed += 1
     stats.tokens += n
+    stats.chunks += len(times)
     if times:
         stats.ttft.append(times[0] - start)
         stats.itl.extend(np.diff(times).tolist())
@@ -154,14 +156,15 @@ def _summary(stats: Stats, elapsed: float, model: str, api: str, args) -> dict:
         "max_batch": None if args.url else args.max_batch,
         "requests_completed": stats.completed, "errors": stats.errors, "error_messages": stats.error_messages,
         "completion_tokens": stats.tokens, "output_tok_s": stats.tokens / elapsed,
+        "tokens_per_text_chunk": stats.tokens / stats.chunks if stats.chunks else None,
         "ttft_ms_p50": _pct(stats.ttft, 50), "ttft_ms_p99": _pct(stats.ttft, 99),
         "tpot_ms_p50": _pct(stats.tpot, 50), "tpot_ms_p99": _pct(stats.tpot, 99),
         "itl_ms_p50": _pct(stats.itl, 50), "itl_ms_p99": _pct(stats.itl, 99),
     }
 
 
-def _fmt(v) -> str:
-    return "-" if v is None else f"{v:.1f}"
+def _fmt(v, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
 
 
 def run_serve_bench(args) -> int:
@@ -185,7 +188,8 @@ def run_serve_bench(args) -> int:
                 proc.kill()
     say(f"model {result['model']}: {result['requests_completed']} requests completed in {result['elapsed_s']:.1f} s, "
         f"{result['errors']} errors")
-    say(f"{'output tok/s':>14} {result['output_tok_s']:.1f}")
+    say(f"{'output tok/s':>14} {result['output_tok_s']:.1f}  ({_fmt(result['tokens_per_text_chunk'], 2)} tokens per "
+        f"text chunk)")
     for name in ("ttft", "tpot", "itl"):
         say(f"{name.upper() + ' ms':>14} p50 {_fmt(result[f'{name}_ms_p50'])}  p99 {_fmt(result[f'{name}_ms_p99'])}")
     for message in result["error_messages"]:
