@@ -1,0 +1,253 @@
+"""`hetmoe eval` and the demo-model training script: the evaluation math against hand-computed numbers,
+DropLowestExperts, identical / quantized / dropped configurations on the built-in model, the command's JSON
+and its errors, and tools/train_demo_moe.py --smoke end to end (train, save, load, generate, eval)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetmoe.engine.evaluation import evaluate, kl_and_agreement, perplexity, split_windows, token_nll
+from hetmoe.engine.llm import LLM, default_model_path
+from hetmoe.engine.generation import SamplingParams
+from hetmoe.engine.loader import load_model, moe_blocks
+from hetmoe.engine.placement import EngineOptions
+from hetmoe.engine.runner import Runner
+from hetmoe.engine.tokenizer import Tokenizer
+from hetmoe.layers.moe import DropLowestExperts
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = '''import os
+
+
+def read_lines(path):
+    """Return the lines of a text file."""
+    with open(path, encoding="utf-8") as f:
+        return f.read().splitlines()
+
+
+class Counter:
+    def __init__(self):
+        self.counts = {}
+
+    def add(self, key, n=1):
+        self.counts[key] = self.counts.get(key, 0) + n
+        return self.counts[key]
+'''
+KEYS = {"model", "text", "window", "config", "reference", "tokens", "windows", "nll", "perplexity",
+        "reference_perplexity", "perplexity_change", "kl", "kl_max", "top1_agreement", "seconds"}
+
+
+# ---------------------------------------------------------------- the math, by hand
+
+def test_math_against_a_hand_computed_case():
+    ln = math.log
+    ref = torch.tensor([[ln(3), ln(2), 0.0], [ln(2), 0.0, 0.0]], dtype=torch.float64)  # p = [1/2, 1/3, 1/6], [1/2, 1/4, 1/4]
+    test = torch.tensor([[ln(2), 0.0, 0.0], [0.0, 0.0, ln(2)]], dtype=torch.float64)  # q = [1/2, 1/4, 1/4], [1/4, 1/4, 1/2]
+    targets = torch.tensor([0, 2])
+    nll = token_nll(test, targets)
+    assert nll.tolist() == pytest.approx([ln(2), ln(2)], abs=1e-12)  # -log(1/2) twice
+    assert perplexity(nll) == pytest.approx(2.0, abs=1e-12)
+    kl, agree = kl_and_agreement(ref, test)
+    want = [1 / 2 * ln(1) + 1 / 3 * ln((1 / 3) / (1 / 4)) + 1 / 6 * ln((1 / 6) / (1 / 4)),
+            1 / 2 * ln((1 / 2) / (1 / 4)) + 1 / 4 * ln(1) + 1 / 4 * ln((1 / 4) / (1 / 2))]
+    assert kl.tolist() == pytest.approx(want, abs=1e-12)
+    assert agree.tolist() == [True, False]  # argmax 0 / 0, then 0 / 2
+    kl_self, agree_self = kl_and_agreement(ref, ref)
+    assert kl_self.abs().max() == 0 and agree_self.all()
+
+
+def test_math_errors_and_windows():
+    with pytest.raises(ValueError, match=r"logits \[N, V\] and targets \[N\]"):
+        token_nll(torch.zeros(2, 3), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="one shape"):
+        kl_and_agreement(torch.zeros(2, 3), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="zero tokens"):
+        perplexity(torch.zeros(0))
+    assert split_windows(list(range(10)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert split_windows(list(range(9)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # a lone last token scores nothing
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        split_windows([1, 2, 3], 1)
+
+
+# ---------------------------------------------------------------- DropLowestExperts
+
+class _Recorder:
+    num_experts = 8
+
+    def __call__(self, x, ids, weights):
+        self.ids, self.weights = ids.clone(), weights.clone()
+        return x
+
+
+def test_drop_lowest_experts_sets_the_lowest_weighted_ids_to_minus_one():
+    ids = torch.tensor([[3, 1, 7, 5], [0, 2, 4, 6], [1, 2, 3, 4]])
+    weights = torch.tensor([[0.4, 0.1, 0.3, 0.2], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
+    rec = _Recorder()
+    for d, want in [(0, ids.tolist()),
+                    (1, [[3, -1, 7, 5], [-1, 2, 4, 6], [-1, 2, 3, 4]]),  # ties: the earlier slot goes first
+                    (3, [[3, -1, -1, -1], [-1, -1, -1, 6], [-1, -1, -1, 4]])]:
+        DropLowestExperts(rec, d)(torch.zeros(3, 2), ids, weights)
+        assert rec.ids.tolist() == want, d
+        assert torch.equal(rec.weights, weights)  # not renormalised
+    assert ids[0, 1] == 1  # the router's tensor is untouched
+    with pytest.raises(ValueError, match="cannot drop 4 of the top-4"):
+        DropLowestExperts(rec, 4)(torch.zeros(3, 2), ids, weights)
+    with pytest.raises(ValueError, match=">= 0"):
+        DropLowestExperts(rec, -1)
+
+
+# ---------------------------------------------------------------- configurations of the built-in model
+
+def _runner(fmt="bf16", drop=None, path=None):
+    opts = EngineOptions(device="cpu", experts_format=fmt, max_context=64)
+    loaded = load_model(path or default_model_path(), opts, expert_cache=None, progress=False, log=lambda m: None)
+    if drop is not None:
+        for _, block in moe_blocks(loaded.model):
+            block.experts = DropLowestExperts(block.experts, drop)
+    return Runner(loaded)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return Tokenizer.from_dir(default_model_path()).encode(TEXT)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _runner("bf16")
+
+
+def test_identical_configurations_agree_exactly(ids, reference):
+    res = evaluate(_runner("bf16"), ids, 48, reference).summary()
+    assert res["tokens"] == len(ids) - res["windows"] and res["windows"] == -(-len(ids) // 48)
+    assert abs(res["kl"]) <= 1e-6 and res["top1_agreement"] == 1.0
+    assert res["perplexity"] == res["reference_perplexity"] and math.isfinite(res["perplexity"])
+
+
+def test_int4_moves_the_distribution(ids, reference):
+    res = evaluate(_runner("int4"), ids, 48, reference).summary()
+    print(f"int4 vs bf16 (built-in random model): KL {res['kl']:.2e}, top-1 {res['top1_agreement']:.3f}")
+    assert res["kl"] > 1e-7 and math.isfinite(res["perplexity"]) and res["kl_max"] >= res["kl"]
+
+
+def test_dropping_experts(ids, reference):
+    plain = reference.score(ids[:48])
+    assert torch.equal(_runner(drop=0).score(ids[:48]), plain)  # D = 0 is no dropping, bit for bit
+    res = evaluate(_runner(drop=1), ids, 48, reference).summary()
+    assert res["kl"] > 1e-6 and math.isfinite(res["perplexity"])
+
+
+# ---------------------------------------------------------------- the command
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return {**os.environ, "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("xdg"))}
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "text.py"
+    path.write_text(TEXT)
+    return path
+
+
+def cli(capsys, *args):
+    from hetmoe.cli import main
+
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_eval_command_json(env, text_file):
+    out = subprocess.run([sys.executable, "-m", "hetmoe", "eval", "--text", text_file, "--experts-format", "int8",
+                          "--expert-cache", "off", "--window", "64", "--json", "-"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    result = json.loads(out.stdout)
+    assert set(result) == KEYS
+    assert result["config"]["experts_format"] == "int8" and result["reference"]["experts_format"] == "bf16"
+    assert result["tokens"] > 0 and result["kl"] >= 0 and 0 <= result["top1_agreement"] <= 1
+
+
+def test_eval_command_table_and_identical_configs(capsys, text_file, tmp_path):
+    code, stdout, _ = cli(capsys, "eval", "--text", text_file, "--experts-format", "bf16", "--expert-cache", "off",
+                          "--window", 32, "--max-tokens", 100, "--json", tmp_path / "r.json")
+    assert code == 0 and "bf16 (reference)" in stdout and "KL(ref||test)" in stdout
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["kl"] <= 1e-6 and result["top1_agreement"] == 1.0
+    assert result["tokens"] == 100 - 4  # 100 tokens in windows of 32, 32, 32, 4: one unscored token each
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--text", "/nonexistent/text.txt"), "text file /nonexistent/text.txt does not exist"),
+    (("--text", "EMPTY"), "is empty"),
+    (("--drop-experts", 4), "--drop-experts 4: each token has 4 experts; at most 3 can be dropped"),
+    (("--window", 0), "--window must be at least 2 tokens, got 0"),
+    (("--window", 8192), "--window 8192 is beyond the model's 4096 positions"),
+], ids=["missing-text", "empty-text", "drop-too-many", "window-0", "window-too-long"])
+def test_eval_errors_are_one_line(capsys, text_file, tmp_path, args, message):
+    empty = tmp_path / "empty.txt"
+    empty.write_text(" \n")
+    args = [empty if a == "EMPTY" else a for a in args]
+    if "--text" not in args:
+        args = ["--text", text_file, *args]
+    code, stdout, stderr = cli(capsys, "eval", "--expert-cache", "off", *args)
+    errors = [line for line in stderr.splitlines() if "error:" in line]
+    assert code not in (0, None) and stdout == ""
+    assert len(errors) == 1 and errors[0].startswith("hetmoe eval: error:") and message in errors[0], stderr
+
+
+# ---------------------------------------------------------------- the training script
+
+@pytest.fixture(scope="module")
+def smoke_checkpoint(tmp_path_factory, env):
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("demo") / "ckpt"
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "train_demo_moe.py"), "--smoke", "--device", "cpu",
+                          "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out
+
+
+def test_training_smoke_run_writes_a_checkpoint(smoke_checkpoint):
+    names = {p.name for p in smoke_checkpoint.iterdir()}
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "training.json", "heldout.txt"} <= names
+    assert any(n.endswith(".safetensors") for n in names)
+    record = json.loads((smoke_checkpoint / "training.json").read_text())
+    assert record["steps"] == 2 and math.isfinite(record["train_loss"]) and math.isfinite(record["heldout_loss"])
+    assert record["corpus"]["heldout_files"] == 2 and len(record["corpus"]["heldout_list_sha256"]) == 64
+    load = record["expert_load_heldout"]["layer 1"]
+    assert len(load) == 8 and sum(load) == pytest.approx(1, abs=1e-3)
+    assert record["hetmoe_vs_transformers_rel_logit_error"] < 1e-4  # the saved layout is what the engine reads
+    assert (smoke_checkpoint / "heldout.txt").stat().st_size > 0
+
+
+def test_trained_checkpoint_loads_and_generates_deterministically(smoke_checkpoint):
+    llm = LLM(smoke_checkpoint, EngineOptions(device="cpu", max_context=64), expert_cache=None, progress=False,
+              log=lambda m: None)
+    assert llm.loaded.config.model_type == "deepseek_v3"
+
+    def run(seed):
+        return llm.generate("def main():", SamplingParams(max_new_tokens=12, temperature=1.0, seed=seed,
+                                                            ignore_eos=True), chat=False).token_ids
+
+    assert run(5) == run(5) and len(run(5)) == 12
+
+
+def test_eval_on_the_trained_checkpoint(capsys, smoke_checkpoint):
+    code, stdout, stderr = cli(capsys, "eval", "--model", smoke_checkpoint, "--text", smoke_checkpoint / "heldout.txt",
+                               "--experts-format", "int4", "--group-size", 32, "--window", 64, "--max-tokens", 300,
+                               "--expert-cache", "off", "--json", "-")
+    assert code == 0, stderr
+    result = json.loads(stdout)
+    assert math.isfinite(result["perplexity"]) and result["tokens"] == 300 - 5 and result["kl"] >= 0
