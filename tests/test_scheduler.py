@@ -24,12 +24,14 @@ class SlotRunner:
     def __init__(self, max_batch=4, max_context=64, prefill_chunk=4, seed=0):
         g = torch.Generator().manual_seed(seed)
         self.table = 3 * torch.randn(VOCAB, VOCAB, generator=g)
-        self.max_batch, self.max_context, self.prefill_chunk, self.vocab_size = max_batch, max_context, prefill_chunk, VOCAB
+        self.max_batch, self.max_context, self.prefill_chunk = max_batch, max_context, prefill_chunk
+        self.vocab_size = VOCAB
         self.lengths = [0] * max_batch
         self.calls = []
 
     def prefill(self, ids, slot=0, start=0):
-        assert 0 <= start <= self.lengths[slot] and start + len(ids) <= self.max_context and len(ids) <= self.prefill_chunk
+        assert 0 <= start <= self.lengths[slot] and start + len(ids) <= self.max_context
+        assert len(ids) <= self.prefill_chunk
         if POISON in ids:
             raise RuntimeError("poisoned prompt")
         self.calls.append(("prefill", slot, len(ids)))
@@ -66,7 +68,8 @@ class OneSlot:
 def tok(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok")
     build_tokenizer(VOCAB).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": _CHAT_TEMPLATE}))
+    config = {"eos_token": "<|im_end|>", "chat_template": _CHAT_TEMPLATE}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
     return Tokenizer.from_dir(path)
 
 

@@ -321,7 +321,8 @@ def test_http_errors(server, model):
     assert_error(httpx.get(f"{server.base}/v1/models/other", headers={"Authorization": f"Bearer {KEY}"}), 404,
                  code="model_not_found")
     too_long = post(server, "/v1/completions", _cmpl(model, prompt="word " * 300))
-    assert re.search(r"maximum context length is 256 tokens.*your prompt is \d+ tokens", too_long.json()["error"]["message"])
+    message = too_long.json()["error"]["message"]
+    assert re.search(r"maximum context length is 256 tokens.*your prompt is \d+ tokens", message), message
 
 
 # ---------------------------------------------------------------- fuzz

@@ -1,9 +1,10 @@
 """Sampling and the generation loop: prefill → (sample → stop checks → decode)*, with stop strings and streaming.
 
 ``SequenceState`` is one sequence's part of that loop (stop checks, incremental text, finish reason, token
-counts); ``generate`` runs one sequence with it, the server's scheduler many. ``generate`` drives any runner with ``prefill(ids) -> logits [V]``, ``decode(id) -> logits [V]`` and
-``max_context``; the tokenizer turns tokens into text pieces for ``on_text`` as they complete. Text that could
-still become a stop string is held back until it is resolved, so a stop string never reaches the caller.
+counts); ``generate`` runs one sequence with it, the server's scheduler many. ``generate`` drives any runner with
+``prefill(ids) -> logits [V]``, ``decode(id) -> logits [V]`` and ``max_context``; the tokenizer turns tokens into
+text pieces for ``on_text`` as they complete. Text that could still become a stop string is held back until it is
+resolved, so a stop string never reaches the caller.
 """
 
 from __future__ import annotations
