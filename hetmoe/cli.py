@@ -89,6 +89,14 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
 
 
+def add_shape_options(p: argparse.ArgumentParser) -> None:
+    """Serve a real model shape with random weights built in memory instead of a checkpoint (benchmarks)."""
+    g = p.add_argument_group("synthetic model (instead of --model)")
+    g.add_argument("--shape", choices=MODEL_SHAPES, default=None,
+                   help="a real model shape with random weights and a word-per-token tokenizer")
+    g.add_argument("--layers", type=_positive_int, default=None, help="decoder layers of --shape (default: all)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hetmoe", description="Giant MoE models on one GPU plus CPU DRAM.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -120,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' on every /v1 request (default: no key)")
     serve.add_argument("--max-batch", type=_positive_int, default=8,
                        help="sequences that decode together, each with its own KV-cache slot (default: 8)")
+    add_shape_options(serve)
     add_engine_options(serve)
     serve.set_defaults(handler=_serve)
 
@@ -230,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--max-batch", type=_positive_int, default=16,
                         help="--max-batch of the server it starts (default: 16)")
     bserve.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON ('-' = stdout)")
+    add_shape_options(bserve)
     add_engine_options(bserve)
     bserve.set_defaults(handler=_bench_serve)
 

@@ -176,3 +176,22 @@ def test_tiny_shape_hybrid():
     out = _run(hybrid)
     assert all(l.device.type == "cuda" and torch.isfinite(l).all() for l in out)
     assert roofline_bytes(hybrid)["dense_bytes_per_token"] == 0
+
+
+def test_shape_tokenizer_decodes_every_id():
+    from hetmoe.engine.synthetic import shape_tokenizer
+
+    tok = shape_tokenizer(5000)
+    assert tok.vocab_size == 5000 and len(tok.eos_ids) == 1 and max(tok.eos_ids) < 5000
+    words = tok.decode(list(range(300, 5000)))
+    assert "\ufffd" not in words and len(words.split()) == 5000 - 300 - 3  # one word per id, specials skipped
+    assert tok.decode(tok.encode("héllo, wörld")) == "héllo, wörld"
+    with pytest.raises(ValueError, match="too small"):
+        shape_tokenizer(100)
+
+
+def test_serve_shape_and_model_are_exclusive(tmp_path):
+    from hetmoe import cli
+
+    assert cli.main(["serve", "--shape", "qwen3-30b-a3b", "--model", str(tmp_path), "--device", "cpu"]) == 1
+    assert cli.main(["serve", "--layers", "2", "--device", "cpu"]) == 1

@@ -39,7 +39,8 @@ STARTUP_TIMEOUT_S = 600.0
 def _start_server(args) -> tuple:
     """``hetmoe serve`` on port 0 with this command's engine options -> (process, base url of the API)."""
     cmd = [sys.executable, "-m", "hetmoe", "serve", "--port", "0", "--max-batch", str(args.max_batch)]
-    for flag, value in (("--model", args.model), ("--device", args.device), ("--experts-format", args.experts_format),
+    for flag, value in (("--model", args.model), ("--shape", args.shape), ("--layers", args.layers),
+                        ("--device", args.device), ("--experts-format", args.experts_format),
                         ("--group-size", args.group_size), ("--threads", args.threads),
                         ("--max-context", args.max_context), ("--dtype", args.dtype),
                         ("--expert-cache", args.expert_cache)):

@@ -133,6 +133,37 @@ def tokenizer_config(model_max_length: int) -> dict:
     }
 
 
+def shape_tokenizer(vocab_size: int):
+    """A tokenizer for a model built in memory (``build_random_model``), which has no tokenizer of its own but
+    must turn any of its ``vocab_size`` ids into text: the 256 byte-level symbols, the specials, then one
+    ASCII word per remaining id (" aa", " ab", ...), so every generated token decodes to readable text.
+    Encoding uses bytes only (no merges). Returns a ``hetmoe.engine.tokenizer.Tokenizer`` with the ChatML
+    template; eos is <|im_end|>."""
+    import string
+
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from hetmoe.engine.tokenizer import Tokenizer
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    n_words = vocab_size - len(vocab) - len(_SPECIALS)
+    if n_words < 0:
+        raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer")
+    letters, width = string.ascii_lowercase, 1
+    while 26**width < n_words:
+        width += 1
+    for i in range(n_words):
+        word = "".join(letters[(i // 26**j) % 26] for j in reversed(range(width)))
+        vocab["\u0120" + word] = len(vocab)  # \u0120 is the byte-level symbol of a space
+    backend = Backend(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(_SPECIALS)
+    return Tokenizer(backend, tokenizer_config(4096), chat_template=_CHAT_TEMPLATE)
+
+
 def write_checkpoint(
     path: Union[str, Path],
     arch: str,

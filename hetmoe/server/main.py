@@ -46,10 +46,20 @@ def run_serve(args: argparse.Namespace) -> int:
 
     options = engine_options(args)
     options.max_batch = args.max_batch
-    llm = LLM(args.model, options, expert_cache=None if args.expert_cache == "off" else args.expert_cache,
-              progress=sys.stderr.isatty())
+    if args.shape is not None:
+        if args.model is not None:
+            raise ValueError("give --model or --shape, not both")
+        from hetmoe.engine.synthetic import build_random_model, shape_tokenizer
+
+        loaded = build_random_model(args.shape, args.layers, options)
+        llm = LLM(loaded=loaded, tokenizer=shape_tokenizer(loaded.config.vocab_size))
+    else:
+        if args.layers is not None:
+            raise ValueError("--layers goes with --shape")
+        llm = LLM(args.model, options, expert_cache=None if args.expert_cache == "off" else args.expert_cache,
+                  progress=sys.stderr.isatty())
     llm.runner.prefill([0], slot=0)  # warm-up: the first forward call pays one-time initialisation
-    served = ServedModel(id=model_id(args.model), prompt_ids=llm.prompt_ids, max_context=llm.max_context,
+    served = ServedModel(id=args.shape or model_id(args.model), prompt_ids=llm.prompt_ids, max_context=llm.max_context,
                          vocab_size=llm.runner.vocab_size, has_chat_template=llm.tokenizer.has_chat_template,
                          defaults=generation_defaults(llm.loaded.path or Path(".")))
     scheduler = Scheduler(llm.runner, llm.tokenizer).start()
