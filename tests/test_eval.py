@@ -47,8 +47,9 @@ KEYS = {"model", "text", "window", "config", "reference", "tokens", "windows", "
 
 def test_math_against_a_hand_computed_case():
     ln = math.log
-    ref = torch.tensor([[ln(3), ln(2), 0.0], [ln(2), 0.0, 0.0]], dtype=torch.float64)  # p = [1/2, 1/3, 1/6], [1/2, 1/4, 1/4]
-    test = torch.tensor([[ln(2), 0.0, 0.0], [0.0, 0.0, ln(2)]], dtype=torch.float64)  # q = [1/2, 1/4, 1/4], [1/4, 1/4, 1/2]
+    f64 = torch.float64
+    ref = torch.tensor([[ln(3), ln(2), 0.0], [ln(2), 0.0, 0.0]], dtype=f64)  # p = [1/2, 1/3, 1/6], [1/2, 1/4, 1/4]
+    test = torch.tensor([[ln(2), 0.0, 0.0], [0.0, 0.0, ln(2)]], dtype=f64)  # q = [1/2, 1/4, 1/4], [1/4, 1/4, 1/2]
     targets = torch.tensor([0, 2])
     nll = token_nll(test, targets)
     assert nll.tolist() == pytest.approx([ln(2), ln(2)], abs=1e-12)  # -log(1/2) twice

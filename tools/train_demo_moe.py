@@ -15,7 +15,9 @@ chat template). Training: AdamW, bf16 autocast on CUDA, warmup then cosine decay
 ``--time-budget`` (whichever ends first), random windows of ``--seq-len`` tokens, plus a switch-style load-balancing
 loss per MoE layer, E * sum_e f_e * P_e (f_e: fraction of the layer's token-expert choices that went to e,
 recomputed with V3's routing rule from the router logits; P_e: the mean over tokens of e's normalised sigmoid
-score), times ``--aux-coef``.
+score; 1 when balanced), summed over the MoE layers, times ``--aux-coef``. The final train loss is measured on the
+first ``--eval-tokens`` of the train stream, the held-out loss on the held-out files, both in windows of
+``--seq-len`` (so they differ from ``hetmoe eval`` on heldout.txt, which joins the files with newlines).
 
 OUT receives: config.json, model*.safetensors (bf16, shards <= 10 MB, with an index), generation_config.json,
 tokenizer.json, tokenizer_config.json, heldout.txt (<= 200 KB of held-out files, for ``hetmoe eval``),
@@ -258,7 +260,8 @@ def train(args) -> None:
     model = transformers.DeepseekV3ForCausalLM(config).to(device).train()
     n_params = sum(p.numel() for p in model.parameters())
     n_routed = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
-    log(f"model: {n_params / 1e6:.2f} M parameters ({n_routed / 1e6:.2f} M in routed experts) on {device}")
+    log(f"model: {n_params / 1e6:.2f} M parameters ({n_routed / 1e6:.2f} M in routed experts) on {device}, "
+        f"experts implementation {getattr(model.config, '_experts_implementation', '?')}")
     stats = RouterStats(model, cfg)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
@@ -269,7 +272,7 @@ def train(args) -> None:
     train_dev = train_ids.to(device)
     offsets = torch.arange(seq + 1, device=device)
     steps = args.steps or (10**9 if args.time_budget else 2000)
-    t0, step, ema = time.time(), 0, None
+    t0, step = time.time(), 0
     while step < steps:
         elapsed = time.time() - t0
         if args.time_budget and elapsed >= args.time_budget:
@@ -290,18 +293,16 @@ def train(args) -> None:
         opt.step()
         step += 1
         if step % args.log_every == 0 or step == steps or step == 1:
-            lm_v = lm.item()
-            ema = lm_v if ema is None else 0.9 * ema + 0.1 * lm_v
-            dt = time.time() - t0
-            log(f"step {step}: loss {lm_v:.4f} aux {float(aux.detach()) if torch.is_tensor(aux) else 0:.4f} lr {opt.param_groups[0]['lr']:.2e} "
-                f"{step * args.batch_size * seq / dt:,.0f} tok/s {dt:.0f} s")
+            dt, aux_v = time.time() - t0, float(aux.detach()) if torch.is_tensor(aux) else 0.0
+            log(f"step {step}: loss {lm.item():.4f} aux {aux_v:.4f} (sum over MoE layers) "
+                f"lr {opt.param_groups[0]['lr']:.2e} {step * args.batch_size * seq / dt:,.0f} tok/s {dt:.0f} s")
     train_s = time.time() - t0
     stats.counts.clear()
     heldout_loss = mean_loss(model, heldout_ids, seq, args.batch_size, args.eval_tokens, device, stats)
     load = stats.load()
     train_loss = mean_loss(model, train_ids, seq, args.batch_size, args.eval_tokens, device, stats)
-    log(f"done: {step} steps, {step * args.batch_size * seq:,} tokens in {train_s:.0f} s; train loss {train_loss:.4f}, "
-        f"held-out loss {heldout_loss:.4f} (ppl {math.exp(heldout_loss):.2f})")
+    log(f"done: {step} steps, {step * args.batch_size * seq:,} tokens in {train_s:.0f} s; train loss "
+        f"{train_loss:.4f}, held-out loss {heldout_loss:.4f} (ppl {math.exp(heldout_loss):.2f})")
     for name, fractions in load.items():
         log(f"expert load (held-out), {name}: " + " ".join(f"{v:.3f}" for v in fractions))
     for h in stats.handles:
@@ -324,16 +325,18 @@ def train(args) -> None:
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                      "transformers": transformers.__version__},
     }
-    record.update(check_with_hetmoe(model, out, heldout_ids[: min(128, seq)], 8 if args.smoke else 64))
+    record.update(check_with_hetmoe(out, heldout_ids[: min(128, seq)], 8 if args.smoke else 64))
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     (out / "README.md").write_text(readme(record))
     size = sum(f.stat().st_size for f in out.iterdir() if f.suffix == ".safetensors")
     log(f"wrote {out}: safetensors {size / 1e6:.1f} MB, total {time.time() - t_start:.0f} s")
 
 
-def check_with_hetmoe(model, out: Path, ids: torch.Tensor, new_tokens: int) -> dict:
-    """Load the saved checkpoint with hetmoe's engine (CPU, bf16 experts, fp32 dense): its logits against
-    transformers' on the same bf16 weights, and sample completions."""
+def check_with_hetmoe(out: Path, ids: torch.Tensor, new_tokens: int) -> dict:
+    """Load the saved checkpoint with hetmoe's engine (CPU, bf16 experts, fp32 dense) and with transformers (fp32;
+    a fresh load, so the RoPE tables are fp32 again): their logits on ``ids``, and sample completions."""
+    import transformers
+
     from hetmoe.engine.generation import SamplingParams
     from hetmoe.engine.llm import LLM
     from hetmoe.engine.placement import EngineOptions
@@ -341,8 +344,9 @@ def check_with_hetmoe(model, out: Path, ids: torch.Tensor, new_tokens: int) -> d
     llm = LLM(out, EngineOptions(device="cpu", experts_format="bf16", dtype="fp32", max_context=512),
               expert_cache=None, progress=False, log=lambda m: None)
     ours = llm.runner.score(ids.tolist())
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
-        ref = model.float()(input_ids=ids[None], use_cache=False).logits[0].float()
+        ref = model(input_ids=ids[None], use_cache=False).logits[0].float()
     rel = float((ours - ref).norm() / ref.norm())
     log(f"hetmoe engine vs transformers on the saved weights: rel. logit error {rel:.2e}")
     samples = []

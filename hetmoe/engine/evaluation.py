@@ -20,7 +20,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
