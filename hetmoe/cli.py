@@ -74,6 +74,9 @@ def add_engine_options(p: argparse.ArgumentParser, model: bool = True) -> None:
                    help="KV cache positions per sequence (default: min(4096, the model's limit))")
     g.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="dense weights and activations (default: bf16 on GPU, fp32 on CPU for small models)")
+    g.add_argument("--defer-experts", type=int, default=0, metavar="D",
+                   help="Expert Deferral: per token, compute the D lowest-weighted of its top-k routed experts "
+                   "alongside the next layer and add them to the next MoE layer's output (0 <= D < top-k; default: 0)")
     g.add_argument("--expert-cache", metavar="DIR", default="auto",
                    help="where converted experts are kept for the next load ('off' disables; "
                         "default: $XDG_CACHE_HOME/hetmoe/experts)")
@@ -136,9 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
         "eval", help="perplexity of a configuration, and its KL divergence / top-1 agreement against bf16 experts",
         description="Scores --text in consecutive, non-overlapping windows of --window tokens (each from an empty "
         "cache; the first token of a window is context, never scored) with the engine options given, and the same "
-        "windows with the model's --reference-format experts (default bf16, nothing dropped): perplexity of both, "
-        "mean KL(reference || configuration) per token and the fraction of positions whose most likely next token "
-        "agrees. Both configurations are loaded at once.")
+        "windows with the model's --reference-format experts (default bf16, nothing dropped or deferred): perplexity "
+        "of both, mean KL(reference || configuration) per token and the fraction of positions whose most likely next "
+        "token agrees. Both configurations are loaded at once.")
     ev.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score ('-' reads stdin)")
     ev.add_argument("--window", type=int, default=512,
                     help="tokens per window, >= 2 and <= the context (default: 512)")

@@ -1,7 +1,7 @@
 """What ``hetmoe eval`` does (the argument parsing is in cli.py): perplexity of one configuration of a model on a
 text, and the KL divergence and top-1 agreement of its next-token distributions against the same model with
-``--reference-format`` experts (bf16 by default, nothing dropped), both run over identical windows of tokens.
-The math and the windowing are in hetmoe/engine/evaluation.py.
+``--reference-format`` experts (bf16 by default, nothing dropped or deferred), both run over identical windows of
+tokens. The math and the windowing are in hetmoe/engine/evaluation.py.
 
 Both configurations are loaded at once (the reference's dense part and experts too): meant for models whose
 two copies fit in memory; ``--reference-format none`` loads one copy and reports perplexity only.
@@ -48,14 +48,17 @@ def _model_config(model: Path) -> dict:
         return {}
 
 
-def _describe(plan, drop: int = 0) -> dict:
+def _describe(plan, drop: int = 0, defer: int = 0) -> dict:
     label = plan.experts_format
     if plan.experts_format != "bf16":
         label += f" g{plan.group_size}" if plan.group_size else " per-row"
     if drop:
         label += f", drop {drop}"
+    if defer:
+        label += f", defer {defer}"
     return {"label": label, "experts_format": plan.experts_format, "group_size": plan.group_size,
-            "drop_experts": drop, "device": plan.device.type, "dtype": str(plan.dtype).replace("torch.", "")}
+            "drop_experts": drop, "defer_experts": defer, "device": plan.device.type,
+            "dtype": str(plan.dtype).replace("torch.", "")}
 
 
 def _table(report: dict) -> str:
@@ -90,6 +93,8 @@ def run_eval(args: argparse.Namespace) -> int:
     if limit and args.window > limit:
         raise ValueError(f"--window {args.window} is beyond the model's {limit} positions")
     opts = engine_options(args)
+    if drop and opts.defer_experts:
+        raise ValueError("--drop-experts and --defer-experts go one at a time (each is compared with the reference)")
     if opts.max_context is None:
         opts.max_context = args.window
     elif args.window > opts.max_context:
@@ -108,12 +113,12 @@ def run_eval(args: argparse.Namespace) -> int:
         ids = ids[:args.max_tokens]
     reference = None
     if args.reference_format != "none":
-        ref_opts = dataclasses.replace(opts, experts_format=args.reference_format, group_size=None)
+        ref_opts = dataclasses.replace(opts, experts_format=args.reference_format, group_size=None, defer_experts=0)
         reference = load_model(model, ref_opts, expert_cache=cache, progress=progress)
 
     result = evaluate(Runner(test), ids, args.window, Runner(reference) if reference else None, progress)
     report = {"model": str(test.path), "text": "<stdin>" if args.text == "-" else str(args.text),
-              "window": args.window, "config": _describe(test.plan, drop),
+              "window": args.window, "config": _describe(test.plan, drop, opts.defer_experts),
               "reference": _describe(reference.plan) if reference else None, **result.summary()}
     if args.json == "-":
         print(json.dumps(report))

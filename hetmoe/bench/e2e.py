@@ -33,7 +33,7 @@ from hetmoe.engine.loader import LoadedModel, load_model, moe_blocks
 from hetmoe.engine.placement import EngineOptions, free_ram
 from hetmoe.engine.runner import Runner
 from hetmoe.engine.synthetic import SHAPES, build_random_model
-from hetmoe.layers.moe import OffloadedExperts
+from hetmoe.layers.moe import DeferredExperts, OffloadedExperts
 
 DEFAULT_SHAPE = "qwen3-30b-a3b"
 DECODE_WARMUP = 2  # untimed decode steps before each timed run
@@ -60,7 +60,9 @@ def roofline_bytes(loaded: LoadedModel) -> dict:
     cfg = loaded.config
     per_layer = []
     for _, block in moe_blocks(loaded.model):
-        experts = block.experts.experts if isinstance(block.experts, OffloadedExperts) else block.experts
+        experts = block.experts
+        while isinstance(experts, (DeferredExperts, OffloadedExperts)):  # the CPU engine inside the dispatch wrappers
+            experts = experts.experts
         info = experts.info()
         per_layer.append((min(cfg.num_experts_per_tok, experts.num_experts), info["bytes_per_expert"], info))
     expert_bytes = sum(k * bpe for k, bpe, _ in per_layer)
@@ -138,7 +140,8 @@ def measure(loaded: LoadedModel, prompts: list, decode_tokens: int, repeats: int
 def _options(args, device: str, max_context: int) -> EngineOptions:
     fmt = QUICK["experts_format"] if args.quick and args.experts_format == "auto" else args.experts_format
     return EngineOptions(device=device, experts_format=fmt, group_size=args.group_size,
-                         threads=args.threads, max_context=max_context, dtype=args.dtype)
+                         threads=args.threads, max_context=max_context, dtype=args.dtype,
+                         defer_experts=args.defer_experts)
 
 
 def _build(args, shape: Optional[str], layers: Optional[int], options: EngineOptions, log) -> LoadedModel:
@@ -211,7 +214,8 @@ def run_e2e_bench(args) -> int:
         + (f"; gpu: {machine['gpu']}" if machine["gpu"] else ""))
     source = args.model or f"{shape} (random weights{f', {layers} layers' if layers else ''})"
     say(f"model: {source}; prompts {prompts} tokens, decode {decode_tokens} tokens after {min(prompts)}, "
-        f"median of {repeats} repeats, max_context {max_context}")
+        f"median of {repeats} repeats, max_context {max_context}"
+        + (f", {args.defer_experts} experts deferred per token" if args.defer_experts else ""))
 
     records = []
     for device in devices:
@@ -233,6 +237,7 @@ def run_e2e_bench(args) -> int:
                 "layers": loaded.config.num_hidden_layers, "experts_format": loaded.plan.experts_format,
                 "group_size": loaded.plan.group_size if loaded.plan.experts_format != "bf16" else None,
                 "dtype": str(loaded.plan.dtype).replace("torch.", ""), "max_context": loaded.plan.max_context,
+                "defer_experts": loaded.options.defer_experts,
                 "build_s": loaded.info.get("load_s"), "expert_bytes_total": expert_total, "notes": notes,
                 "stream_gbps": stream, "stream_bytes": stream_bytes, "threads": pool.threads,
                 **measure(loaded, prompts, decode_tokens, repeats, stream, args.seed),
@@ -257,7 +262,8 @@ def run_e2e_bench(args) -> int:
         doc = {"machine": machine, "threads": pool.threads,
                "config": {"model": args.model, "shape": shape, "layers": layers, "prompt_tokens": prompts,
                           "decode_tokens": decode_tokens, "decode_warmup": DECODE_WARMUP, "repeats": repeats,
-                          "max_context": max_context, "seed": args.seed, "device": args.device},
+                          "max_context": max_context, "seed": args.seed, "device": args.device,
+                          "defer_experts": args.defer_experts},
                "records": records}
         write_json(args.json, doc, say)
     return 0

@@ -43,6 +43,7 @@ def _start_server(args) -> tuple:
                         ("--device", args.device), ("--experts-format", args.experts_format),
                         ("--group-size", args.group_size), ("--threads", args.threads),
                         ("--max-context", args.max_context), ("--dtype", args.dtype),
+                        ("--defer-experts", args.defer_experts),
                         ("--expert-cache", args.expert_cache)):
         if value is not None:
             cmd += [flag, str(value)]

@@ -6,7 +6,8 @@
          dense tensors copied to their device in the plan's dtype (FP8 dequantized on the fly),
          routed experts packed into the CPU engine's format (or read from the converted-expert cache),
          the layer's source pages released
-    -> the model, on its devices, with an experts backend attached to every MoE block.
+    -> the model, on its devices, with an experts backend attached to every MoE block
+       (wrapped for Expert Deferral when options.defer_experts > 0: defer_experts).
 
 Checkpoint tensors are found by the model's own parameter names (Hugging Face names), so no rename table
 exists; routed experts are ``<block>.experts.<e>.{gate_proj,up_proj,down_proj}.weight`` (Mixtral:
@@ -29,7 +30,7 @@ from hetmoe.engine.checkpoint import Checkpoint, CheckpointError
 from hetmoe.engine.expert_cache import ExpertCache, default_cache_dir
 from hetmoe.engine.placement import EngineOptions, MemoryPlan, ModelShapes, choose_plan
 from hetmoe.kernels import CPUExperts
-from hetmoe.layers.moe import HostStaging, OffloadedExperts
+from hetmoe.layers.moe import DeferralChain, DeferredExperts, HostStaging, OffloadedExperts
 from hetmoe.models import model_class
 from hetmoe.models.config import ModelConfig
 
@@ -87,6 +88,35 @@ def new_experts(block: nn.Module, cfg: ModelConfig, inter: int, plan: MemoryPlan
 def attach_experts(block: nn.Module, experts: CPUExperts, staging) -> None:
     """The block's routed experts: the CPU engine directly, or through pinned staging when the model is on a GPU."""
     block.experts = OffloadedExperts(experts, staging) if staging is not None else experts
+
+
+def check_deferral(cfg: ModelConfig, n_moe: int, d: int) -> None:
+    """Refuse, before any weight is read, a deferral the model cannot do: d must be below its top-k."""
+    if not d:
+        return
+    if not n_moe:
+        raise ValueError(f"--defer-experts {d}: this model has no routed experts")
+    k = cfg.num_experts_per_tok
+    if d >= k:
+        raise ValueError(f"--defer-experts {d}: each token has {k} routed experts (top-{k}); at most {k - 1} can be "
+                         "deferred")
+
+
+def defer_experts(model: nn.Module, d: int, overlap: bool = True) -> Optional[DeferralChain]:
+    """Expert Deferral on every MoE block of ``model``: the backend attached to each (in forward order) wrapped in
+    a ``DeferredExperts`` deferring ``d`` experts per token, all sharing one ``DeferralChain`` (returned). d = 0
+    leaves the model as it is and returns None."""
+    if not d:
+        return None
+    blocks = moe_blocks(model)
+    if not blocks:
+        raise ValueError(f"cannot defer {d} experts: the model has no MoE blocks")
+    if any(isinstance(b.experts, DeferredExperts) for _, b in blocks):
+        raise ValueError("the model's experts are already deferred")
+    chain = DeferralChain(len(blocks))
+    for i, (_, block) in enumerate(blocks):
+        block.experts = DeferredExperts(block.experts, chain, i, d, overlap)
+    return chain
 
 
 def model_shapes(model: nn.Module, cfg: ModelConfig, expert_inter: int) -> ModelShapes:
@@ -198,6 +228,7 @@ def load_model(
         raise CheckpointError(f"{ckpt.path / 'config.json'} does not describe a {cfg.get('model_type')} model "
                               f"({err})") from None
     blocks = moe_blocks(model)
+    check_deferral(cfg, len(blocks), options.defer_experts)
     inter = 0
     if blocks:
         names = _expert_keys(ckpt, blocks[0][0])
@@ -205,7 +236,8 @@ def load_model(
     plan = choose_plan(model_shapes(model, cfg, inter), options)
     log(f"hetmoe: {cfg.get('model_type')} from {ckpt.path}: {len(model.model.layers)} layers, "
         f"{len(blocks)} MoE; {plan.device.type}, {plan.dtype}, experts {plan.experts_format}"
-        f"{f' group {plan.group_size}' if plan.experts_format != 'bf16' else ''}; {plan.describe()}")
+        f"{f' group {plan.group_size}' if plan.experts_format != 'bf16' else ''}"
+        f"{f', {options.defer_experts} deferred per token' if options.defer_experts else ''}; {plan.describe()}")
     cache = None
     if expert_cache is not None and blocks:
         root = default_cache_dir() if expert_cache == "auto" else Path(expert_cache)
@@ -233,6 +265,7 @@ def load_model(
             ckpt.release()
             bar.update(1)
     ckpt.close()
+    defer_experts(model, options.defer_experts)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise CheckpointError(f"{ckpt.path}: tensors were never loaded: {', '.join(missing[:5])}")

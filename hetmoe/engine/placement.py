@@ -33,6 +33,7 @@ class EngineOptions:
     max_batch: int = 1
     dtype: str = "auto"  # weights/activations of the dense part: auto | bf16 | fp32
     prefill_chunk: int = 1024  # prompt tokens per forward call
+    defer_experts: int = 0  # Expert Deferral: per token, the d lowest-weighted routed experts go to the next MoE layer
 
     def __post_init__(self):
         if self.device not in ("auto", "cuda", "cpu"):
@@ -45,6 +46,8 @@ class EngineOptions:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {v}")
+        if isinstance(self.defer_experts, bool) or not isinstance(self.defer_experts, int) or self.defer_experts < 0:
+            raise ValueError(f"defer-experts must be an integer >= 0, got {self.defer_experts!r}")
         if self.max_batch < 1 or self.prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
         if self.group_size is not None and self.group_size not in (0, 32, 64, 128):

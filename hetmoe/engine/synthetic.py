@@ -28,7 +28,16 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
-from hetmoe.engine.loader import LoadedModel, attach_experts, build_meta, model_shapes, moe_blocks, new_experts
+from hetmoe.engine.loader import (
+    LoadedModel,
+    attach_experts,
+    build_meta,
+    check_deferral,
+    defer_experts,
+    model_shapes,
+    moe_blocks,
+    new_experts,
+)
 from hetmoe.engine.placement import EngineOptions, choose_plan
 from hetmoe.layers.moe import HostStaging
 from hetmoe.layers.norm import RMSNorm
@@ -324,7 +333,7 @@ def build_random_model(
     """A model of ``shape`` (a key of ``SHAPES`` or a config dict) with random weights, built in memory and placed
     as ``load_model`` places a checkpoint under ``options``: dense weights N(0, std) on the plan's device in its
     dtype (generated there, one tensor at a time), routed experts packed in the plan's format on the CPU
-    (``CPUExperts.fill_random(seed + layer)``), attached like the loader attaches them.
+    (``CPUExperts.fill_random(seed + layer)``), attached (and deferred) like the loader attaches them.
 
     The memory plan is made from the real shapes first: MemoryError, before anything large is allocated, when the
     model does not fit. ``LoadedModel.path`` is None (there is no tokenizer: feed token ids).
@@ -334,12 +343,14 @@ def build_random_model(
     cfg = shape_config(shape, num_layers)
     model = build_meta(cfg)
     blocks = moe_blocks(model)
+    check_deferral(cfg, len(blocks), options.defer_experts)
     inter = (cfg.get("moe_intermediate_size") or cfg.intermediate_size) if blocks else 0
     plan = choose_plan(model_shapes(model, cfg, inter), options)
     name = shape if isinstance(shape, str) else cfg.model_type
     log(f"hetmoe: random {name} ({cfg.model_type}): {cfg.num_hidden_layers} layers, {len(blocks)} MoE; "
         f"{plan.device.type}, {plan.dtype}, experts {plan.experts_format}"
-        f"{f' group {plan.group_size}' if plan.experts_format != 'bf16' else ''}; {plan.describe()}")
+        f"{f' group {plan.group_size}' if plan.experts_format != 'bf16' else ''}"
+        f"{f', {options.defer_experts} deferred per token' if options.defer_experts else ''}; {plan.describe()}")
     _fill_random(model, plan.device, plan.dtype, seed, std)
     staging = (HostStaging(cfg.hidden_size, cfg.num_experts_per_tok, plan.dtype)
                if plan.device.type == "cuda" and blocks else None)
@@ -350,6 +361,7 @@ def build_random_model(
         experts.fill_random(seed + layer, std)
         expert_bytes += experts.nbytes
         attach_experts(block, experts, staging)
+    defer_experts(model, options.defer_experts)
     if plan.device.type == "cuda":
         torch.cuda.synchronize(plan.device)
     info = {"load_s": time.perf_counter() - t0, "expert_bytes": expert_bytes, "shape": name, "seed": seed}

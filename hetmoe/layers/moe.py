@@ -1,9 +1,10 @@
 """MoE layer: route -> dispatch -> experts -> combine.
 
 This file holds the *route* stage (the routers of every supported architecture, as pure functions of the router
-logits) and ``TorchExperts``, the plain-PyTorch expert backend with the same call as the CPU engine
+logits), ``TorchExperts``, the plain-PyTorch expert backend with the same call as the CPU engine
 (``hetmoe.kernels.CPUExperts``): it is the reference the engine is compared with and the stand-in where the
-engine does not apply.
+engine does not apply, and the *dispatch* wrappers around a backend: ``OffloadedExperts`` (GPU activations to the
+CPU engine and back), ``DropLowestExperts`` (accuracy studies) and ``DeferredExperts`` (Expert Deferral).
 
 Shape letters: T tokens, E experts, k experts per token, H hidden size, I expert intermediate size.
 Every router returns ``(topk_weights [T, k] fp32, topk_ids [T, k] int64)``.
@@ -11,6 +12,7 @@ Every router returns ``(topk_weights [T, k] fp32, topk_ids [T, k] int64)``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -191,3 +193,164 @@ class DropLowestExperts:
         return self.experts(x, topk_ids, topk_weights, *args, **kwargs)
 
     __call__ = forward
+
+
+def split_deferred(topk_ids: torch.Tensor, topk_weights: torch.Tensor, d: int) -> tuple:
+    """Each token's top-k split for Expert Deferral: ``(immediate_ids, deferred_ids)``, both ``[T, k]`` like
+    ``topk_ids`` with the other part's slots set to -1 (every backend skips -1). The ``d`` lowest-weighted slots of
+    a row are deferred; among equal weights the earlier slot counts as the lower (a stable ascending sort, the rule
+    of DropLowestExperts)."""
+    lowest = topk_weights.argsort(dim=-1, stable=True)[:, :d]  # [T, d]
+    deferred = torch.zeros(topk_ids.shape, dtype=torch.bool, device=topk_ids.device).scatter_(1, lowest, True)
+    return topk_ids.masked_fill(deferred, -1), topk_ids.masked_fill(~deferred, -1)
+
+
+@dataclass
+class _Deferred:
+    layer: int  # chain index of the layer that deferred
+    out: torch.Tensor  # [T, H] fp32, on the host for the CPU engine: written while ``job`` runs
+    job: object = None  # the engine job writing ``out`` (it holds x, ids and weights), None when out is complete
+    pool: object = None  # the engine pool running ``job``
+
+    def wait(self, synced_pool) -> torch.Tensor:
+        """``out`` once complete. ``synced_pool``: a pool the caller has synced past this job (FIFO: done)."""
+        if self.job is not None and self.pool is not synced_pool:
+            self.pool.sync(0)
+        return self.out
+
+
+class DeferralChain:
+    """What Expert Deferral carries from one MoE layer to the next within one forward call: the deferred output
+    of the layer just run, until the next MoE layer adds it. One per model, shared by its ``n_layers``
+    ``DeferredExperts`` (indices 0 .. n_layers - 1 in forward order).
+
+    Nothing crosses forward calls: the last layer consumes what is pending and defers nothing, and the first layer
+    discards whatever an interrupted call left behind (once its job is done), so every call starts clean."""
+
+    def __init__(self, n_layers: int):
+        if n_layers < 1:
+            raise ValueError(f"a deferral chain needs at least one MoE layer, got {n_layers}")
+        self.n_layers = n_layers
+        self.pending: Optional[_Deferred] = None
+
+    def reset(self) -> None:
+        stale, self.pending = self.pending, None
+        if stale is not None and stale.job is not None:
+            stale.pool.sync(0)  # the engine may be writing its buffers: let it finish before they are freed
+
+    def put(self, deferred: _Deferred) -> None:
+        if self.pending is not None:
+            raise RuntimeError(f"MoE layer {deferred.layer} deferred experts while layer {self.pending.layer}'s "
+                               "deferred output was still pending")
+        self.pending = deferred
+
+    def take(self, layer: int, T: int) -> _Deferred:
+        """The output deferred by layer ``layer - 1`` of this call, for its ``T`` tokens; the chain is left empty."""
+        pending, self.pending = self.pending, None
+        if pending is None or pending.layer != layer - 1:
+            got = "nothing" if pending is None else f"the output of layer {pending.layer}"
+            raise RuntimeError(f"MoE layer {layer} expected the experts deferred by layer {layer - 1}, found {got}: "
+                               "the MoE layers of a forward call must run in order, each once")
+        if pending.out.shape[0] != T:
+            raise RuntimeError(f"MoE layer {layer} has {T} tokens; layer {layer - 1} deferred experts for "
+                               f"{pending.out.shape[0]}")
+        return pending
+
+
+class DeferredExperts:
+    """Expert Deferral (DESIGN.md, KTransformers §6), the dispatch stage of MoE layer ``index`` of ``chain``.
+
+    Per token the ``d`` lowest-weighted of its top-k experts are *deferred* (``split_deferred``): computed on this
+    layer's input x_l but added to the next MoE layer's routed output, so this wrapper returns
+
+        R_imm_l(x_l) + R_def_{l-1}(x_{l-1})       (the model then adds its shared experts S_l(x_l))
+
+    The first layer of the chain has no deferred input, the last defers nothing (its whole top-k is immediate).
+    ``d = 0`` calls the wrapped backend unchanged. The parts go to separate fp32 buffers, added in a fixed order
+    (immediate, then the previous layer's deferred) and cast to x's dtype once.
+
+    With the CPU engine (``CPUExperts``, or ``OffloadedExperts`` around it, whose x is staged through pinned host
+    memory) and ``overlap``, the immediate and the deferred job are submitted back to back and only the immediate
+    one is waited for (``sync(allow_pending=1)``): the deferred job runs while the caller computes the next layer's
+    attention, and the pool's FIFO order has it done by the time the next layer's immediate job is. ``overlap=False``
+    waits for each job (bitwise the same numbers). Any other backend is called twice per layer, synchronously.
+    """
+
+    def __init__(self, experts, chain: DeferralChain, index: int, d: int, overlap: bool = True):
+        if not isinstance(d, int) or d < 0:
+            raise ValueError(f"the number of experts to defer must be an integer >= 0, got {d!r}")
+        if not 0 <= index < chain.n_layers:
+            raise ValueError(f"layer index {index} is outside the chain's {chain.n_layers} MoE layers")
+        self.experts, self.chain, self.index, self.d, self.overlap = experts, chain, index, d, overlap
+        self.num_experts = experts.num_experts
+        inner = experts.experts if isinstance(experts, OffloadedExperts) else experts
+        self.engine = inner if hasattr(inner, "prepare") and hasattr(inner, "pool") else None  # a CPUExperts
+
+    @property
+    def position(self) -> str:
+        first, last = self.index == 0, self.index == self.chain.n_layers - 1
+        return "only" if first and last else "first" if first else "last" if last else "middle"
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        position = self.position
+        if self.d == 0 or position == "only":
+            return self.experts(x, topk_ids, topk_weights)
+        if self.d >= topk_ids.shape[-1]:
+            raise ValueError(f"cannot defer {self.d} of the top-{topk_ids.shape[-1]} experts of each token "
+                             f"(at most {topk_ids.shape[-1] - 1})")
+        if position == "first":
+            self.chain.reset()
+            prev = None
+        else:
+            prev = self.chain.take(self.index, x.shape[0])
+        if position == "last":
+            imm_ids, def_ids = topk_ids, None
+        else:
+            imm_ids, def_ids = split_deferred(topk_ids, topk_weights, self.d)
+        parts = self._engine_parts if self.engine is not None else self._backend_parts
+        y, deferred = parts(x, imm_ids, def_ids, topk_weights)  # y: [T, H] fp32
+        if deferred is not None:
+            self.chain.put(deferred)
+        if y.device != x.device:
+            y = y.to(x.device, non_blocking=True)
+        if prev is not None:
+            y = y + prev.wait(self.engine.pool if self.engine is not None else None).to(x.device, non_blocking=True)
+        return y.to(x.dtype)
+
+    __call__ = forward
+
+    def _engine_parts(self, x, imm_ids, def_ids, weights) -> tuple:
+        engine = self.engine
+        cuda = x.device.type == "cuda"
+        if cuda:  # stage through pinned memory (fresh buffers: the deferred job reads them after this call)
+            xh, imm_ids, weights = (_pinned_copy(t) for t in (x, imm_ids, weights))
+            def_ids = _pinned_copy(def_ids) if def_ids is not None else None
+            torch.cuda.current_stream(x.device).synchronize()
+        else:
+            xh, imm_ids, weights = x.contiguous(), imm_ids.contiguous(), weights.contiguous()
+        out_imm = torch.empty(xh.shape, dtype=torch.float32, pin_memory=cuda)  # [T, H]
+        if def_ids is None:
+            return engine.forward(xh, imm_ids, weights, out_imm), None
+        out_def = torch.empty(xh.shape, dtype=torch.float32, pin_memory=cuda)
+        if not self.overlap:
+            engine.forward(xh, imm_ids, weights, out_imm)
+            return out_imm, _Deferred(self.index, engine.forward(xh, def_ids, weights, out_def))
+        engine.submit(xh, imm_ids, weights, out_imm)
+        job = engine.submit(xh, def_ids, weights, out_def)
+        engine.sync(allow_pending=1)  # the immediate job (and, FIFO, every earlier one) is done
+        return out_imm, _Deferred(self.index, out_def, job, engine.pool)
+
+    def _backend_parts(self, x, imm_ids, def_ids, weights) -> tuple:
+        def run(ids):
+            if isinstance(self.experts, TorchExperts):
+                return self.experts.forward(x, ids, weights, torch.empty(x.shape, dtype=torch.float32, device=x.device))
+            return self.experts(x, ids, weights).float()
+
+        y = run(imm_ids)
+        return y, (_Deferred(self.index, run(def_ids)) if def_ids is not None else None)
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
