@@ -1,0 +1,359 @@
+"""Expert Deferral (hetmoe/layers/moe.py: DeferredExperts, DeferralChain; --defer-experts): d = 0 is the undeferred
+model bit for bit; d > 0 is y_l = S_l(x_l) + R_imm_l(x_l) + R_def_{l-1}(x_{l-1}) as written out layer by layer in
+plain PyTorch below; the first MoE layer has no deferred input and the last defers nothing; the CPU engine's
+overlapped jobs give the synchronous result bit for bit; bad d is refused; nothing leaks from one forward call to
+the next. Checkpoints: synthetic.write_checkpoint, fp32, with three MoE layers (first, middle, last) and top-4."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+
+from hetmoe.engine.loader import defer_experts, load_model, moe_blocks  # noqa: E402
+from hetmoe.engine.placement import EngineOptions  # noqa: E402
+from hetmoe.engine.runner import Runner  # noqa: E402
+from hetmoe.engine.synthetic import build_random_model, write_checkpoint  # noqa: E402
+from hetmoe.layers.attention import Step  # noqa: E402
+from hetmoe.layers.moe import (  # noqa: E402
+    DeferralChain,
+    DeferredExperts,
+    OffloadedExperts,
+    TorchExperts,
+    route_softmax,
+    split_deferred,
+)
+from hetmoe.layers.rope import cos_sin  # noqa: E402
+from hetmoe.models import model_class  # noqa: E402
+from hetmoe.models.config import ModelConfig  # noqa: E402
+from parity import load_ours, max_rel, torch_fp32  # noqa: E402
+
+ARCHS = ("deepseek_v3", "qwen3_moe")
+# Three MoE layers each (DeepSeek: one dense layer first), four experts per token so that d = 1 and 2 both apply.
+CONFIGS = {
+    "deepseek_v3": dict(num_hidden_layers=4, num_experts_per_tok=4, topk_group=2),
+    "qwen3_moe": dict(num_hidden_layers=3, num_experts_per_tok=4),
+}
+PROMPT = [5, 17, 300, 42, 9, 260, 77, 3, 128, 64, 11]
+FED = [7, 300, 12, 99]  # decode steps feed fixed tokens, so every run sees the same inputs
+CPU = dict(device="cpu", dtype="fp32", max_context=64, experts_format="bf16")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deferral")
+    return {a: write_checkpoint(root / a, a, CONFIGS[a], seed=3 + i, dtype="float32") for i, a in enumerate(ARCHS)}
+
+
+def load(path, **opts):
+    return load_model(path, EngineOptions(**{**CPU, **opts}), expert_cache=None, progress=False, log=lambda m: None)
+
+
+def torch_model(path):
+    """Our model class with fp32 TorchExperts backends (tests/parity.load_ours)."""
+    return load_ours(path, model_class(ModelConfig.from_file(path / "config.json")), torch_fp32)
+
+
+def run_runner(loaded, prompt=PROMPT, fed=FED):
+    runner = Runner(loaded)
+    return torch.stack([runner.prefill(prompt)] + [runner.decode(t) for t in fed])
+
+
+@torch.no_grad()
+def run_model(model, forward=None, prompt=PROMPT, fed=FED):
+    """Prefill then decode ``fed`` on a bare model (or through ``forward(model, ids, step, cache)``) -> logits
+    of each call's last token [1 + len(fed), V]."""
+    forward = forward or (lambda m, ids, step, cache: m.logits(m(ids, step, cache)))
+    cache, slot = model.make_cache(1, 64), torch.tensor([0])
+    out = [forward(model, torch.tensor([prompt]), Step(torch.arange(len(prompt))[None], slot), cache)[0, -1]]
+    for i, t in enumerate(fed):
+        out.append(forward(model, torch.tensor([[t]]), Step(torch.tensor([[len(prompt) + i]]), slot), cache)[0, -1])
+    return torch.stack(out).float()
+
+
+# ---------------------------------------------------------------- the formula, written out in plain PyTorch
+
+def _rope(inner, step, dtype):
+    if hasattr(inner, "attention_scaling"):  # DeepSeek: half-size cos/sin times the YaRN attention factor
+        freqs = step.positions.float().unsqueeze(-1) * inner.inv_freq
+        return (freqs.cos() * inner.attention_scaling).to(dtype), (freqs.sin() * inner.attention_scaling).to(dtype)
+    return cos_sin(step.positions, inner.inv_freq, dtype)
+
+
+def _route(mlp, flat):
+    if isinstance(mlp.gate, torch.nn.Linear):  # Qwen3-MoE: softmax top-k
+        return route_softmax(mlp.gate(flat), mlp.top_k, mlp.norm_topk_prob)
+    return mlp.gate(flat)  # DeepSeek-V3: its router module returns (weights, ids)
+
+
+def reference_deferral(model, ids, step, cache, d):
+    """Logits of ``model`` (its MoE blocks holding TorchExperts, whose fp32 weights are all this reads of them)
+    with Expert Deferral, one (token, expert) at a time:
+
+        y_l = S_l(x_l) + R_imm_l(x_l) + R_def_{l-1}(x_{l-1})
+
+    Per token the d slots with the lowest (weight, slot index) are deferred — ascending weight, and among equal
+    weights the earlier slot first — except in the last MoE layer, whose whole top-k is immediate."""
+    inner = model.model
+    x = inner.embed_tokens(ids)  # [B, S, H]
+    rope = _rope(inner, step, x.dtype)
+    moe = [i for i, layer in enumerate(inner.layers) if hasattr(layer.mlp, "experts")]
+    carried = None  # [T, H]: the deferred experts of the previous MoE layer, on its input
+    for i, layer in enumerate(inner.layers):
+        x = x + layer.self_attn(layer.input_layernorm(x), rope, step, cache)
+        h = layer.post_attention_layernorm(x)
+        if i not in moe:
+            x = x + layer.mlp(h)
+            continue
+        ex = layer.mlp.experts
+        flat = h.reshape(-1, h.shape[-1])  # [T, H]
+        weights, top = _route(layer.mlp, flat)  # [T, k]
+        n_defer = 0 if i == moe[-1] else d
+        immediate, deferred = torch.zeros_like(flat), torch.zeros_like(flat)
+        for t in range(flat.shape[0]):
+            order = sorted(range(top.shape[1]), key=lambda j: (weights[t, j].item(), j))
+            for rank, j in enumerate(order):
+                e = int(top[t, j])
+                y = (F.silu(ex.gate[e] @ flat[t]) * (ex.up[e] @ flat[t])) @ ex.down[e].T * weights[t, j]
+                if rank < n_defer:
+                    deferred[t] += y
+                else:
+                    immediate[t] += y
+        routed = immediate if carried is None else immediate + carried
+        carried = deferred if n_defer else None
+        out = routed.view_as(h)
+        if getattr(layer.mlp, "shared_experts", None) is not None:
+            out = out + layer.mlp.shared_experts(h)
+        x = x + out
+    return model.logits(inner.norm(x))
+
+
+# ---------------------------------------------------------------- (1) d = 0 is the undeferred model
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_d0_is_the_undeferred_model_bit_for_bit(ckpt, arch):
+    plain = load(ckpt[arch])
+    assert all(not isinstance(b.experts, DeferredExperts) for _, b in moe_blocks(plain.model))
+    want = run_runner(plain)
+    blocks = moe_blocks(plain.model)
+    chain = DeferralChain(len(blocks))
+    for i, (_, block) in enumerate(blocks):  # the wrapper itself at d = 0
+        block.experts = DeferredExperts(block.experts, chain, i, 0)
+    assert torch.equal(run_runner(plain), want)
+    assert torch.equal(run_runner(load(ckpt[arch], defer_experts=0)), want)
+    # TorchExperts backends too, on the bare model
+    model = torch_model(ckpt[arch])
+    want = run_model(model)
+    assert defer_experts(model, 0) is None
+    assert torch.equal(run_model(model), want)
+
+
+# ---------------------------------------------------------------- (2) d > 0 is the formula
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("d", [1, 2])
+def test_deferral_equals_the_plain_pytorch_formula(ckpt, arch, d):
+    ref = run_model(torch_model(ckpt[arch]), lambda m, ids, step, cache: reference_deferral(m, ids, step, cache, d))
+    undeferred = run_model(torch_model(ckpt[arch]))
+    ours = torch_model(ckpt[arch])
+    chain = defer_experts(ours, d)
+    assert isinstance(chain, DeferralChain) and chain.n_layers == 3
+    got = run_model(ours)
+    err, moved = max_rel(got, ref), max_rel(undeferred, ref)
+    print(f"{arch} d={d}: TorchExperts fp32 vs reference {err:.1e}; undeferred vs reference {moved:.1e}")
+    assert err < 1e-5, err
+    assert moved > 1e-3, moved  # deferral changes the logits: the comparison above could fail
+    # the CPU engine (bf16 experts, overlapped jobs) against the fp32 reference: bf16 rounding only
+    engine = run_runner(load(ckpt[arch], defer_experts=d))
+    engine_err = max_rel(engine, ref)
+    print(f"{arch} d={d}: CPU engine bf16 vs reference {engine_err:.1e}")
+    assert engine_err < 2e-3, engine_err  # measured <= 5.1e-4
+    assert engine_err < moved / 5, (engine_err, moved)
+
+
+def test_split_deferred_ties_and_complement():
+    ids = torch.tensor([[4, 7, 1, 2], [0, 5, 6, 3], [9, 8, 7, 6]])
+    w = torch.tensor([[0.1, 0.4, 0.3, 0.2], [0.25, 0.25, 0.25, 0.25], [0.5, 0.2, 0.2, 0.1]])
+    imm, dfr = split_deferred(ids, w, 2)
+    assert dfr.tolist() == [[4, -1, -1, 2], [0, 5, -1, -1], [-1, 8, -1, 6]]  # ties: the earlier slot is deferred
+    assert imm.tolist() == [[-1, 7, 1, -1], [-1, -1, 6, 3], [9, -1, 7, -1]]
+    assert torch.equal(torch.where(imm >= 0, imm, dfr), ids)
+
+
+# ---------------------------------------------------------------- (3) first, middle, last
+
+class _Outputs:
+    """Records what a block's backend returns (and passes everything through)."""
+
+    def __init__(self, experts, log):
+        self.experts, self.log, self.num_experts = experts, log, experts.num_experts
+
+    def __call__(self, x, ids, weights):
+        y = self.experts(x, ids, weights)
+        self.log.append(y.clone())
+        return y
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_first_layer_has_no_deferred_input_and_last_defers_nothing(ckpt, arch, monkeypatch):
+    d = 2
+    loaded = load(ckpt[arch], defer_experts=d)
+    blocks = [b for _, b in moe_blocks(loaded.model)]
+    assert [b.experts.position for b in blocks] == ["first", "middle", "last"]
+    engines = [b.experts.engine for b in blocks]
+    pool = engines[0].pool
+    assert all(e.pool is pool for e in engines)
+    events = []
+    for layer, engine in enumerate(engines):
+        def submit(x, ids, weights, out=None, *args, _layer=layer, _submit=engine.submit, **kwargs):
+            events.append(("submit", _layer, ids.clone(), weights.clone(), out))
+            return _submit(x, ids, weights, out, *args, **kwargs)
+        monkeypatch.setattr(engine, "submit", submit)
+    real_sync = pool.sync
+    monkeypatch.setattr(pool, "sync", lambda allow_pending=0: (events.append(("sync", allow_pending)),
+                                                               real_sync(allow_pending))[1])
+    outputs = []
+    for b in blocks:
+        b.experts = _Outputs(b.experts, outputs)
+
+    runner = Runner(loaded)
+    for call in (lambda: runner.prefill(PROMPT), lambda: runner.decode(FED[0])):
+        events.clear()
+        outputs.clear()
+        call()
+        # the jobs in pool order: layer 0 immediate + deferred, wait for all but one; layer 1 the same; layer 2 whole
+        assert [(e[0], e[1]) if e[0] == "submit" else e for e in events] == [
+            ("submit", 0), ("submit", 0), ("sync", 1), ("submit", 1), ("submit", 1), ("sync", 1),
+            ("submit", 2), ("sync", 0)], events
+        subs = [e for e in events if e[0] == "submit"]
+        for layer in (0, 1):
+            (_, _, imm, w, out_imm), (_, _, dfr, w2, out_def) = subs[2 * layer], subs[2 * layer + 1]
+            assert torch.equal(w, w2)
+            assert ((imm >= 0) != (dfr >= 0)).all()  # every slot is immediate or deferred, never both
+            assert ((dfr >= 0).sum(-1) == d).all() and ((imm >= 0).sum(-1) == 4 - d).all()
+            # the deferred slots are the lowest-weighted ones
+            assert (w.masked_fill(dfr < 0, -1).amax(-1) <= w.masked_fill(imm < 0, 2).amin(-1)).all()
+        last_ids = subs[4][2]
+        assert (last_ids >= 0).all() and last_ids.shape[1] == 4  # the last layer defers nothing
+        out = [s[4] for s in subs]  # imm0, def0, imm1, def1, all2 (fp32)
+        assert torch.equal(outputs[0], out[0])  # no deferred input at the first layer
+        assert torch.equal(outputs[1], out[2] + out[1])  # immediate, then the previous layer's deferred
+        assert torch.equal(outputs[2], out[4] + out[3])
+        assert out[1].abs().sum() > 0 and out[3].abs().sum() > 0  # the deferred parts were computed
+        assert blocks[0].experts.experts.chain.pending is None  # the last layer consumed it
+
+
+def test_layers_must_run_in_order():
+    ex = TorchExperts(torch.randn(4, 8, 16), torch.randn(4, 8, 16), torch.randn(4, 16, 8))
+    chain = DeferralChain(3)
+    middle = DeferredExperts(ex, chain, 1, 1)
+    x, ids, w = torch.randn(2, 16), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2)
+    with pytest.raises(RuntimeError, match="MoE layer 1 expected the experts deferred by layer 0, found nothing"):
+        middle(x, ids, w)
+    DeferredExperts(ex, chain, 0, 1)(x, ids, w)
+    with pytest.raises(RuntimeError, match="MoE layer 1 has 1 tokens; layer 0 deferred experts for 2"):
+        middle(x[:1], ids[:1], w[:1])
+
+
+# ---------------------------------------------------------------- (4) overlapped jobs == synchronous jobs
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("d", [1, 2])
+def test_overlapped_engine_jobs_equal_synchronous_ones(ckpt, arch, d):
+    overlapped = load(ckpt[arch], defer_experts=d)
+    assert all(b.experts.overlap and b.experts.engine is not None for _, b in moe_blocks(overlapped.model))
+    synchronous = load(ckpt[arch])
+    defer_experts(synchronous.model, d, overlap=False)
+    a, b = run_runner(overlapped), run_runner(synchronous)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, run_runner(load(ckpt[arch])))  # and both differ from the undeferred model
+
+
+# ---------------------------------------------------------------- (5) bad d
+
+def test_bad_d_is_refused(ckpt, capsys):
+    with pytest.raises(ValueError, match="defer-experts must be an integer >= 0, got -1"):
+        EngineOptions(defer_experts=-1)
+    with pytest.raises(ValueError, match="defer-experts must be an integer >= 0"):
+        EngineOptions(defer_experts=1.5)
+    with pytest.raises(ValueError, match=r"--defer-experts 4: each token has 4 routed experts \(top-4\); at most 3"):
+        load(ckpt["qwen3_moe"], defer_experts=4)
+    with pytest.raises(ValueError, match="at most 7 can be deferred"):  # refused before any weight is made
+        build_random_model("qwen3-30b-a3b", 1, EngineOptions(device="cpu", defer_experts=8), log=lambda m: None)
+    ex = TorchExperts(torch.randn(4, 8, 16), torch.randn(4, 8, 16), torch.randn(4, 16, 8))
+    with pytest.raises(ValueError, match="integer >= 0"):
+        DeferredExperts(ex, DeferralChain(2), 0, -1)
+    with pytest.raises(ValueError, match="cannot defer 2 of the top-2"):
+        DeferredExperts(ex, DeferralChain(2), 0, 2)(torch.randn(1, 16), torch.tensor([[0, 1]]), torch.rand(1, 2))
+    loaded = load(ckpt["qwen3_moe"], defer_experts=1)
+    with pytest.raises(ValueError, match="already deferred"):
+        defer_experts(loaded.model, 1)
+
+    from hetmoe.cli import main
+
+    code = main(["generate", "--model", str(ckpt["qwen3_moe"]), "--device", "cpu", "--expert-cache", "off",
+                 "--defer-experts", "4", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert code == 1 and "hetmoe generate: error: --defer-experts 4: each token has 4 routed experts" in err, err
+    assert "Traceback" not in err
+
+
+# ---------------------------------------------------------------- (6) nothing crosses forward calls
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_no_state_leaks_across_calls(ckpt, arch, monkeypatch):
+    other = [300, 2, 2, 41, 7, 7, 7, 100, 5]
+    loaded = load(ckpt[arch], defer_experts=2, prefill_chunk=4)  # several forward calls per prompt
+    chain = moe_blocks(loaded.model)[0][1].experts.chain
+    alone = run_runner(loaded, prompt=other)
+    first = run_runner(loaded)
+    assert chain.pending is None
+    assert torch.equal(run_runner(loaded, prompt=other), alone)
+    assert torch.equal(run_runner(loaded), first)
+    # a call interrupted after the first MoE layer deferred its experts leaves them pending; the next call drops them
+    attn = loaded.model.model.layers[-1].self_attn
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(attn, "forward", boom)
+    with pytest.raises(KeyboardInterrupt):
+        run_runner(loaded)
+    assert chain.pending is not None
+    monkeypatch.undo()
+    assert torch.equal(run_runner(loaded, prompt=other), alone)
+
+
+def test_eval_compares_deferral_with_the_undeferred_reference(ckpt, capsys, tmp_path):
+    import json
+
+    from hetmoe.cli import main
+
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 6)
+    common = ["eval", "--model", str(ckpt["qwen3_moe"]), "--text", str(text), "--device", "cpu", "--window", "16",
+              "--expert-cache", "off", "--experts-format", "bf16"]
+    assert main(common + ["--defer-experts", "1", "--json", str(tmp_path / "r.json")]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["config"]["defer_experts"] == 1 and result["config"]["label"] == "bf16, defer 1"
+    assert result["reference"]["defer_experts"] == 0 and result["kl"] > 1e-6
+    assert main(common + ["--defer-experts", "1", "--drop-experts", "1"]) == 1
+    assert "one at a time" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the hybrid placement (GPU machine)
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hybrid_deferral_matches_cpu(ckpt, arch):
+    hybrid = load(ckpt[arch], device="cuda", defer_experts=2)
+    assert all(isinstance(b.experts.experts, OffloadedExperts) for _, b in moe_blocks(hybrid.model))
+    gpu = run_runner(hybrid).cpu()
+    cpu = run_runner(load(ckpt[arch], defer_experts=2))
+    err = max_rel(gpu, cpu)
+    print(f"{arch} d=2: hybrid vs cpu max rel. logit error {err:.2e}")
+    assert err < 2e-3, err
+    synchronous = load(ckpt[arch], device="cuda")
+    defer_experts(synchronous.model, 2, overlap=False)
+    assert torch.equal(run_runner(synchronous).cpu(), gpu)
