@@ -134,6 +134,26 @@ def test_decode_batch_equals_single_slots(model_dir):
     assert both.lengths == [len(IDS) + 2, 6]
 
 
+def test_prefill_batch_equals_separate_prefills(model_dir):
+    # Three prompts of different lengths (right-padded in one call; slot 2 continues a cached prefix), then a
+    # decode step of all three, against each prompt prefilled alone.
+    prompts, starts = [IDS, IDS[2:5], IDS[:8]], [0, 0, 4]
+    batch = Runner(_load(model_dir, max_batch=3))
+    batch.prefill(IDS[:4], slot=2)
+    got = batch.prefill_batch([p[s:] for p, s in zip(prompts, starts)], [0, 1, 2], starts)
+    assert batch.lengths == [len(p) for p in prompts]
+    got_next = batch.decode_batch([5, 6, 7], [0, 1, 2])
+    loaded = _load(model_dir)
+    for slot, prompt in enumerate(prompts):
+        one = Runner(loaded)
+        want = one.prefill(prompt)
+        want_next = one.decode(5 + slot)
+        print(f"slot {slot}: max rel. error {max_rel(got[slot], want):.1e}, next {max_rel(got_next[slot], want_next):.1e}")
+        assert max_rel(got[slot], want) <= 1e-5 and max_rel(got_next[slot], want_next) <= 1e-5
+    with pytest.raises(ValueError, match="one chunk and one start per distinct slot"):
+        batch.prefill_batch([IDS, IDS], [0, 0], [0, 0])
+
+
 def test_runner_errors(model_dir):
     runner = Runner(_load(model_dir, max_context=16))
     for call, match in [

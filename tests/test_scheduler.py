@@ -38,6 +38,11 @@ class SlotRunner:
         self.lengths[slot] = start + len(ids)
         return self.table[ids[-1]].clone()
 
+    def prefill_batch(self, chunks, slots, starts):
+        rows = [self.prefill(c, s, st) for c, s, st in zip(chunks, slots, starts)]
+        self.calls.append(("prefill_batch", tuple(slots)))
+        return torch.stack(rows)
+
     def decode_batch(self, tokens, slots):
         assert len(set(slots)) == len(slots)
         if POISON in tokens:
@@ -126,6 +131,14 @@ def test_long_prompts_prefill_in_chunks_between_decode_steps(tok):
     assert len(chunks) == 5  # 20 prompt tokens in chunks of 4
     for a, b in zip(chunks, chunks[1:]):  # the first sequence kept decoding between the chunks
         assert any(c[0] == "decode" and 0 in c[1] for c in runner.calls[a:b])
+
+
+def test_short_prompts_arriving_together_prefill_in_one_call(tok):
+    runner = SlotRunner(max_batch=4, prefill_chunk=8)
+    got = _serve(runner, tok, [([i + 1, i + 2, i + 3], SamplingParams(max_new_tokens=3, ignore_eos=True))
+                               for i in range(4)])
+    assert all(event[:2] == ("done", "length") for _, event in got)
+    assert ("prefill_batch", (0, 1, 2, 3)) in runner.calls  # one forward call for the four prompts
 
 
 def test_an_engine_error_fails_only_that_request(tok):

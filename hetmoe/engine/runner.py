@@ -8,7 +8,7 @@ builds the one ``Step`` (positions, slots) the model sees; the model itself keep
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -41,9 +41,10 @@ class Runner:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                last_only: bool = True) -> torch.Tensor:
+                last_only: bool = True, last: Optional[torch.Tensor] = None) -> torch.Tensor:
         """ids, positions [B, S] and slots [B] -> logits of each sequence's last token, fp32 [B, vocab]
-        (``last_only=False``: of every token, [B, S, vocab])."""
+        (``last``: the index in S of each row's last real token, for right-padded rows; ``last_only=False``:
+        logits of every token, [B, S, vocab])."""
         kv_len = int(positions.max()) + 1
         if kv_len > self.max_context:
             raise ValueError(f"position {kv_len - 1} is beyond max_context={self.max_context}")
@@ -54,11 +55,13 @@ class Runner:
         step = Step(positions.to(self.device), slots.to(self.device), kv_len=kv_len,
                     first_slot=first if consecutive else None)
         hidden = self.model(ids.to(self.device), step, self.cache)
-        return self.model.logits(hidden[:, -1] if last_only else hidden).float()
+        if last is not None:
+            hidden = hidden[torch.arange(len(last), device=hidden.device), last.to(hidden.device)]  # [B, H]
+        elif last_only:
+            hidden = hidden[:, -1]
+        return self.model.logits(hidden).float()
 
-    def prefill(self, token_ids: Sequence[int], slot: int = 0, start: int = 0) -> torch.Tensor:
-        """Write a prompt into ``slot`` from position ``start`` (0: replace what it held; > 0: keep the first
-        ``start`` cached tokens, a shared prefix); logits after its last token, fp32 [vocab]."""
+    def _check_prompt(self, token_ids: Sequence[int], slot: int, start: int) -> torch.Tensor:
         self._check_slot(slot)
         n = len(token_ids)
         if n == 0:
@@ -70,6 +73,13 @@ class Runner:
         ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {int(ids.min())}..{int(ids.max())}")
+        return ids
+
+    def prefill(self, token_ids: Sequence[int], slot: int = 0, start: int = 0) -> torch.Tensor:
+        """Write a prompt into ``slot`` from position ``start`` (0: replace what it held; > 0: keep the first
+        ``start`` cached tokens, a shared prefix); logits after its last token, fp32 [vocab]."""
+        ids = self._check_prompt(token_ids, slot, start)
+        n = len(ids)
         slots = torch.tensor([slot])
         for i in range(0, n, self.prefill_chunk):
             chunk = ids[i:i + self.prefill_chunk]
@@ -96,6 +106,32 @@ class Runner:
             out[i:i + len(chunk)] = logits[0].cpu()
         self.lengths[slot] = n
         return out
+
+    def prefill_batch(self, chunks: Sequence[Sequence[int]], slots: Sequence[int],
+                      starts: Sequence[int]) -> torch.Tensor:
+        """Prompt chunks of several slots in one forward call (each written from its ``start``, at most
+        ``prefill_chunk`` tokens) -> logits after each chunk's last token, fp32 [B, vocab].
+
+        Rows are right-padded to the longest chunk; a padding token sits past its row's real tokens, so they
+        never attend to it, and it writes only cache positions the sequence overwrites later. A row whose padding
+        would run past max_context is refused (ValueError): prefill it alone."""
+        if len(set(slots)) != len(slots) or len(chunks) != len(slots) or len(starts) != len(slots):
+            raise ValueError("prefill_batch needs one chunk and one start per distinct slot")
+        rows = [self._check_prompt(c, s, st) for c, s, st in zip(chunks, slots, starts)]
+        S = max(len(r) for r in rows)
+        if S > self.prefill_chunk:
+            raise ValueError(f"a chunk of {S} tokens is longer than prefill_chunk={self.prefill_chunk}")
+        if max(st for st in starts) + S > self.max_context:
+            raise ValueError("the padded batch runs past max_context: prefill these rows one by one")
+        ids = torch.zeros(len(rows), S, dtype=torch.int64)
+        for b, r in enumerate(rows):
+            ids[b, :len(r)] = r
+        positions = torch.tensor(list(starts)).unsqueeze(1) + torch.arange(S)
+        last = torch.tensor([len(r) - 1 for r in rows])
+        logits = self.forward(ids, positions, torch.tensor(list(slots)), last=last)
+        for s, st, r in zip(slots, starts, rows):
+            self.lengths[s] = st + len(r)
+        return logits
 
     def decode(self, token_id: int, slot: int = 0) -> torch.Tensor:
         """Append one token to ``slot``; logits after it, fp32 [vocab]."""

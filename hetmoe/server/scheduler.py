@@ -4,8 +4,9 @@ The HTTP side (asyncio) only calls ``submit`` and ``Request.cancel``; everything
 here. Each iteration of the loop:
 
     admit waiting requests into free KV-cache slots (0 .. max_batch-1)
-    -> prefill ONE chunk (<= runner.prefill_chunk tokens) of the oldest sequence still prefilling;
-       when its prompt is complete, sample its first token
+    -> one prefill call: the next chunk (<= runner.prefill_chunk tokens) of the oldest sequence still
+       prefilling, batched with those of younger ones up to PREFILL_TOKENS padded tokens; a sequence whose
+       prompt is complete samples its first token
     -> one Runner.decode_batch step for every sequence that has a token to feed, then per sequence: sample
        with its own SamplingParams and generator, stop checks (SequenceState), stream the new text
     -> finished, failed and cancelled sequences free their slot
@@ -35,6 +36,8 @@ import torch
 from hetmoe.engine.generation import SamplingParams, SequenceState
 from hetmoe.engine.tokenizer import Tokenizer
 from hetmoe.server.metrics import Metrics
+
+PREFILL_TOKENS = 512  # padded tokens one batched prefill call may hold (short prompts arriving together)
 
 
 class Request:
@@ -162,23 +165,53 @@ class Scheduler:
         self._decode()
 
     def _prefill_chunk(self) -> None:
-        seq = next((s for s in self._running if s.prefilling), None)
-        if seq is None:
+        """One prefill forward call: the next chunk of the oldest prefilling sequence, batched with the next
+        chunks of younger ones while the padded batch stays within prefill_chunk tokens per row and
+        PREFILL_TOKENS in all (many short prompts arriving together join in one call)."""
+        chunk_len = self.runner.prefill_chunk
+        group, width = [], 0
+        for seq in (s for s in self._running if s.prefilling):
+            n = min(len(seq.req.prompt_ids) - seq.prefilled, chunk_len)
+            if group and (max(width, n) * (len(group) + 1) > PREFILL_TOKENS
+                          or seq.prefilled + max(width, n) > self.max_context
+                          or any(g.prefilled + max(width, n) > self.max_context for g in group)):
+                break
+            group.append(seq)
+            width = max(width, n)
+        if not group:
             return
-        prompt = seq.req.prompt_ids
-        chunk = prompt[seq.prefilled:seq.prefilled + self.runner.prefill_chunk]
+        chunks = [s.req.prompt_ids[s.prefilled:s.prefilled + chunk_len] for s in group]
         try:
-            logits = self.runner.prefill(chunk, slot=seq.slot, start=seq.prefilled)
+            if len(group) == 1:
+                rows = [self.runner.prefill(chunks[0], slot=group[0].slot, start=group[0].prefilled)]
+            else:
+                rows = list(self.runner.prefill_batch(chunks, [s.slot for s in group], [s.prefilled for s in group]))
+        except Exception:
+            rows = self._prefill_one_by_one(group, chunks)  # find the sequence at fault; the others go on
+        for seq, chunk, logits in zip(group, chunks, rows):
+            if logits is None:
+                continue
             seq.prefilled += len(chunk)
             if seq.prefilling:
-                return
-            token = seq.state.sample(logits)
-        except Exception as e:
-            traceback.print_exc()
-            self._fail(seq, f"prefill failed: {type(e).__name__}: {e}")
-            return
-        self.metrics.on_first_token(time.perf_counter() - seq.req.arrival, len(prompt))
-        self._advance(seq, token)
+                continue
+            try:
+                token = seq.state.sample(logits)
+            except Exception as e:
+                self._fail(seq, f"sampling failed: {type(e).__name__}: {e}")
+                continue
+            self.metrics.on_first_token(time.perf_counter() - seq.req.arrival, len(seq.req.prompt_ids))
+            self._advance(seq, token)
+
+    def _prefill_one_by_one(self, group: list, chunks: list) -> list:
+        rows = []
+        for seq, chunk in zip(group, chunks):
+            try:
+                rows.append(self.runner.prefill(chunk, slot=seq.slot, start=seq.prefilled))
+            except Exception as e:
+                traceback.print_exc()
+                self._fail(seq, f"prefill failed: {type(e).__name__}: {e}")
+                rows.append(None)
+        return rows
 
     def _decode(self) -> None:
         batch = [s for s in self._running if s.next_token is not None]
