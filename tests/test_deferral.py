@@ -227,7 +227,7 @@ def test_first_layer_has_no_deferred_input_and_last_defers_nothing(ckpt, arch, m
             ("submit", 2), ("sync", 0)], events
         subs = [e for e in events if e[0] == "submit"]
         for layer in (0, 1):
-            (_, _, imm, w, out_imm), (_, _, dfr, w2, out_def) = subs[2 * layer], subs[2 * layer + 1]
+            (_, _, imm, w, _), (_, _, dfr, w2, _) = subs[2 * layer], subs[2 * layer + 1]
             assert torch.equal(w, w2)
             assert ((imm >= 0) != (dfr >= 0)).all()  # every slot is immediate or deferred, never both
             assert ((dfr >= 0).sum(-1) == d).all() and ((imm >= 0).sum(-1) == 4 - d).all()
