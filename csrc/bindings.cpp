@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "cuda_hooks.h"
 #include "engine/cpu_features.h"
 #include "engine/thread_pool.h"
 #include "moe/moe.h"
@@ -58,7 +59,8 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<int, bool, int>(), py::arg("threads") = 0, py::arg("pin") = true, py::arg("spin_us") = 500)
       .def_property_readonly("size", &ThreadPool::size)
       .def_property_readonly("pinned_cpus", &ThreadPool::pinned_cpus)
-      .def("submit", &ThreadPool::submit, py::arg("job"))
+      .def(
+          "submit", [](ThreadPool& p, std::shared_ptr<Job> job) { return p.submit(std::move(job)); }, py::arg("job"))
       .def("sync", &ThreadPool::sync, py::arg("allow_pending") = 0, py::call_guard<py::gil_scoped_release>())
       .def("pending", &ThreadPool::pending)
       .def(
@@ -67,6 +69,55 @@ PYBIND11_MODULE(_C, m) {
             return measure_read_bandwidth(p, bytes, repeats, isa_from_name(isa));
           },
           py::arg("bytes"), py::arg("repeats") = 5, py::arg("isa"), py::call_guard<py::gil_scoped_release>());
+
+  // CUDA host functions (csrc/cuda_hooks.h). Streams cross as raw handles (torch.cuda.Stream.cuda_stream) or
+  // as a FakeStream (tests without CUDA).
+  m.def("cuda_hooks_available", &cuda_hooks::available);
+  m.def("cuda_hooks_error", [] { return cuda_hooks::unavailable_reason(); });
+
+  py::class_<FakeStream, std::shared_ptr<FakeStream>>(m, "FakeStream")
+      .def(py::init<>())
+      .def("begin_capture", &FakeStream::begin_capture)
+      .def("end_capture", &FakeStream::end_capture)
+      .def_property_readonly("capturing", &FakeStream::capturing)
+      .def("replay", &FakeStream::replay)
+      .def("pause", &FakeStream::pause)
+      .def("resume", &FakeStream::resume)
+      .def("synchronize", &FakeStream::synchronize, py::call_guard<py::gil_scoped_release>());
+
+  auto cuda = [](uintptr_t s) { return HostStream{s, nullptr}; };
+  auto fake = [](FakeStream& s) { return HostStream{0, &s}; };
+  py::class_<HostFuncs, std::shared_ptr<HostFuncs>>(m, "HostFuncs")
+      .def(py::init<>())
+      .def(
+          "submit",
+          [cuda](HostFuncs& h, uintptr_t stream, std::shared_ptr<ThreadPool> pool, std::shared_ptr<Job> job) {
+            return h.enqueue_submit(cuda(stream), std::move(pool), std::move(job));
+          },
+          py::arg("stream"), py::arg("pool"), py::arg("job"))
+      .def(
+          "submit",
+          [fake](HostFuncs& h, FakeStream& stream, std::shared_ptr<ThreadPool> pool, std::shared_ptr<Job> job) {
+            return h.enqueue_submit(fake(stream), std::move(pool), std::move(job));
+          },
+          py::arg("stream"), py::arg("pool"), py::arg("job"))
+      .def(
+          "sync",
+          [cuda](HostFuncs& h, uintptr_t stream, std::shared_ptr<ThreadPool> pool, int64_t allow_pending) {
+            return h.enqueue_sync(cuda(stream), std::move(pool), allow_pending);
+          },
+          py::arg("stream"), py::arg("pool"), py::arg("allow_pending"))
+      .def(
+          "sync",
+          [fake](HostFuncs& h, FakeStream& stream, std::shared_ptr<ThreadPool> pool, int64_t allow_pending) {
+            return h.enqueue_sync(fake(stream), std::move(pool), allow_pending);
+          },
+          py::arg("stream"), py::arg("pool"), py::arg("allow_pending"))
+      .def("release_finished", &HostFuncs::release_finished)
+      .def("close", &HostFuncs::close, py::call_guard<py::gil_scoped_release>())
+      .def("__len__", &HostFuncs::size)
+      .def_property_readonly("n_captured", &HostFuncs::n_captured)
+      .def_property_readonly("n_not_run", &HostFuncs::n_not_run);
 
   py::class_<MoeExperts, std::shared_ptr<MoeExperts>>(m, "MoeExperts")
       .def(py::init([](std::shared_ptr<ThreadPool> pool, int n_expert, int hidden, int inter, const std::string& fmt,

@@ -249,6 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
     overhead = bench_sub.add_parser("overhead", help="submit -> sync round trip of a prepared job with T=0")
     overhead.add_argument("--threads", type=_positive_int, default=None, help="pool size (default: physical cores)")
     overhead.add_argument("--iters", type=_positive_int, default=2000, help="timed round trips (default: 2000)")
+    overhead.add_argument("--stream", action="store_true",
+                          help="also through CUDA host functions on a stream, per layer, graph and eager (needs CUDA)")
+    overhead.add_argument("--with-copies", action="store_true",
+                          help="--stream: add the copies x -> pinned host and out -> device; compare with them alone")
+    overhead.add_argument("--layers", type=_positive_int, default=48, help="--stream: layers per step (default: 48)")
+    overhead.add_argument("--hidden", type=_positive_int, default=2048,
+                          help="--stream: hidden size H of the copied rows, bf16 (default: 2048)")
     overhead.set_defaults(handler=_bench_overhead)
     return parser
 
@@ -304,7 +311,10 @@ def _bench_serve(args: argparse.Namespace) -> int:
 def _bench_overhead(args: argparse.Namespace) -> int:
     from hetmoe.bench.kernel import run_overhead_bench
 
-    return run_overhead_bench(threads=args.threads, iters=args.iters)
+    if args.with_copies and not args.stream:
+        raise ValueError("--with-copies needs --stream")
+    return run_overhead_bench(threads=args.threads, iters=args.iters, stream=args.stream,
+                              with_copies=args.with_copies, layers=args.layers, hidden=args.hidden)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

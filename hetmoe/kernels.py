@@ -8,6 +8,8 @@ Shape letters: T tokens, E experts, k experts per token, H hidden size, I expert
 
 All layers of a process share one ``ExpertPool`` (the pinned worker threads) per thread count; jobs of every
 layer run on it in submission order, so ``submit`` / ``sync`` can keep several layers' work in flight.
+``submit_on_stream`` / ``sync_on_stream`` do the same in CUDA stream order (CUDA host functions, capturable
+into a CUDA graph); the rules they keep are in ``csrc/cuda_hooks.h``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,104 @@ def cpu_info() -> dict:
     return info
 
 
+def cuda_hooks_available() -> bool:
+    """Whether the NVIDIA driver (libcuda.so.1 with cuLaunchHostFunc) was found: stream host functions need it."""
+    return _C.cuda_hooks_available()
+
+
+def _stream_arg(stream, what: str):
+    """The raw handle of ``stream`` (a torch.cuda.Stream; None: the current stream), or a ``_C.FakeStream``."""
+    if isinstance(stream, _C.FakeStream):  # the stand-in the CPU tests use
+        return stream
+    if not _C.cuda_hooks_available():
+        raise RuntimeError(f"{what} needs a CUDA device and driver: {_C.cuda_hooks_error()}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{what} needs a CUDA device and driver: torch sees no CUDA device")
+    if stream is None:
+        stream = torch.cuda.current_stream()
+    elif not isinstance(stream, torch.cuda.Stream):
+        raise TypeError(f"{what}: stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
+    return int(stream.cuda_stream)
+
+
+def _synchronize_cuda() -> None:
+    """Best effort: may run from a finalizer, even at interpreter exit."""
+    try:
+        # Not during a capture (the garbage collector may call this then): synchronizing would break it.
+        if torch.cuda.is_available() and torch.cuda.is_initialized() and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
+    except Exception:
+        pass
+
+
+_leaked_jobs: list = []  # jobs of host functions closed before their stream reached them (see HostFuncs.close)
+
+
+class HostFuncs:
+    """Owner of the CUDA host functions enqueued by ``ExpertPool.submit_on_stream`` / ``sync_on_stream``.
+
+    A host function runs when its stream reaches it; one enqueued while the stream is captured into a CUDA
+    graph runs at every replay of that graph. Its payload (and the ``MoEJob`` whose buffers it reads) is kept
+    here: eager ones until they have run and their job is done, captured ones until ``close()``. So keep a
+    ``HostFuncs`` alive at least as long as the graphs captured through it, and close it (or drop it) only
+    when no replay is in flight. Each ``ExpertPool`` has one (used when none is given) that lives as long as
+    the pool; pass your own to tie captured host functions to a graph that may be discarded.
+    """
+
+    def __init__(self):
+        self._c = _C.HostFuncs()
+        self._jobs: dict = {}  # payload id -> MoEJob: its tensors must outlive the payload
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return 0 if self._c is None else len(self._c)
+
+    @property
+    def n_captured(self) -> int:
+        return 0 if self._c is None else self._c.n_captured
+
+    def _live(self):
+        if self._c is None:
+            self._c = _C.HostFuncs()  # reusable after close()
+        return self._c
+
+    def _release(self) -> None:
+        for pid in self._c.release_finished():
+            self._jobs.pop(pid, None)
+
+    def submit(self, pool: "ExpertPool", job: "MoEJob", stream) -> None:
+        with self._lock:
+            c = self._live()
+            self._release()
+            self._jobs[c.submit(stream, pool._pool, job._job)] = job
+
+    def sync(self, pool: "ExpertPool", allow_pending: int, stream) -> None:
+        with self._lock:
+            c = self._live()
+            self._release()
+            c.sync(stream, pool._pool, allow_pending)
+
+    def close(self) -> None:
+        """Wait for the jobs these host functions submitted and free them. Host functions not reached yet by an
+        eager stream are waited for with ``torch.cuda.synchronize()``; any still not run (a stream that never
+        gets there) are leaked with their job's buffers rather than freed under the driver."""
+        with self._lock:
+            c, self._c = self._c, None
+            if c is None:
+                return
+            if c.n_not_run:
+                _synchronize_cuda()
+            leaked = set(c.close())
+            _leaked_jobs.extend(job for pid, job in self._jobs.items() if pid in leaked)
+            self._jobs.clear()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
 def default_threads() -> int:
     """One thread per physical core this process may run on."""
     return len(_C.physical_core_cpus())
@@ -48,6 +148,7 @@ class ExpertPool:
         self._pool = _C.ThreadPool(threads, pin, spin_us)
         self._inflight: collections.deque = collections.deque()  # Python jobs kept alive until done
         self._lock = threading.Lock()
+        self._host_funcs: Optional[HostFuncs] = None  # created by the first *_on_stream call
 
     @property
     def threads(self) -> int:
@@ -66,7 +167,8 @@ class ExpertPool:
             self._pool.submit(job._job)
 
     def sync(self, allow_pending: int = 0) -> None:
-        """Wait until at most ``allow_pending`` submitted jobs are unfinished; raise the first job error."""
+        """Wait until at most ``allow_pending`` submitted jobs are unfinished; raise the first job error, also
+        one of a job that a host function submitted (``submit_on_stream``), exactly once."""
         if int(allow_pending) < 0:
             raise ValueError(f"allow_pending must be >= 0, got {allow_pending}")
         try:
@@ -77,10 +179,47 @@ class ExpertPool:
                 while len(self._inflight) > pending:
                     self._inflight.popleft()
 
+    def submit_on_stream(self, job: "MoEJob", stream=None, *, host_funcs: Optional[HostFuncs] = None) -> None:
+        """Enqueue a CUDA host function that submits ``job`` when ``stream`` reaches it; returns at once.
+
+        ``stream``: a ``torch.cuda.Stream`` (None: the current stream). The submission happens on the driver's
+        thread (no Python), once, or at every replay when the stream is being captured into a CUDA graph. Data
+        the job reads must be on the host by then: copy it with ``non_blocking=True`` on the same stream before
+        this call. ``host_funcs``: who keeps the host function's payload and the job (default: this pool's own).
+        """
+        if not isinstance(job, MoEJob):
+            raise TypeError(f"submit_on_stream expects a MoEJob (from CPUExperts.prepare), got {type(job).__name__}")
+        handle = _stream_arg(stream, "submit_on_stream")
+        self._owner(host_funcs).submit(self, job, handle)
+
+    def sync_on_stream(self, allow_pending: int = 0, stream=None, *, host_funcs: Optional[HostFuncs] = None) -> None:
+        """Enqueue a CUDA host function that blocks ``stream`` until at most ``allow_pending`` jobs of this pool
+        are unfinished; returns at once. Work queued on the stream after it (an ``out.to("cuda",
+        non_blocking=True)``) sees the finished jobs' results. A job's error cannot stop the stream: it is
+        raised by the next ``sync()``. Put it on a side stream joined with events to keep the main stream busy.
+        """
+        if int(allow_pending) < 0:
+            raise ValueError(f"allow_pending must be >= 0, got {allow_pending}")
+        handle = _stream_arg(stream, "sync_on_stream")
+        self._owner(host_funcs).sync(self, int(allow_pending), handle)
+
+    def _owner(self, host_funcs: Optional[HostFuncs]) -> HostFuncs:
+        if host_funcs is not None:
+            if not isinstance(host_funcs, HostFuncs):
+                raise TypeError(f"host_funcs must be a HostFuncs, got {type(host_funcs).__name__}")
+            return host_funcs
+        with self._lock:
+            if self._host_funcs is None:
+                self._host_funcs = HostFuncs()
+            return self._host_funcs
+
     def pending(self) -> int:
         return self._pool.pending()
 
     def __del__(self):
+        host_funcs = getattr(self, "_host_funcs", None)
+        if host_funcs is not None:
+            host_funcs.close()
         # Jobs still queued point into tensors this object keeps alive: let them finish before both go.
         pool = getattr(self, "_pool", None)
         if pool is not None and pool.pending():

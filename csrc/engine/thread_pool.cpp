@@ -169,7 +169,7 @@ void ThreadPool::coordinator_main() {
       std::unique_lock<std::mutex> lk(queue_mu_);
       queue_cv_.wait(lk, [&] { return !queue_.empty() || stop_.load(); });
       if (queue_.empty()) return;  // stopping with nothing left to run
-      job = queue_.front().get();   // the queue keeps it alive while it runs
+      job = queue_.front().job;  // kept alive by the queue entry or, when borrowed, by its submitter
     }
     std::exception_ptr err;
     try {
@@ -179,7 +179,7 @@ void ThreadPool::coordinator_main() {
     }
     {
       std::lock_guard<std::mutex> lk(queue_mu_);
-      finished_.push_back(std::move(queue_.front()));
+      if (queue_.front().owner) finished_.push_back(std::move(queue_.front().owner));
       queue_.pop_front();
       if (err && !job_error_) job_error_ = err;
       completed_.fetch_add(1, std::memory_order_release);
@@ -188,19 +188,34 @@ void ThreadPool::coordinator_main() {
   }
 }
 
-uint64_t ThreadPool::submit(std::shared_ptr<Job> job) {
-  if (!job) throw std::invalid_argument("submit: null job");
+uint64_t ThreadPool::enqueue(Job* job, std::shared_ptr<Job> owner, std::vector<std::shared_ptr<Job>>* release) {
   uint64_t id;
-  std::vector<std::shared_ptr<Job>> done;  // released after the lock, on this thread
   {
     std::lock_guard<std::mutex> lk(queue_mu_);
-    done.swap(finished_);
+    if (release) release->swap(finished_);
     if (stop_.load()) throw std::runtime_error("submit: thread pool is shutting down");
-    queue_.push_back(std::move(job));
+    queue_.push_back(Queued{job, std::move(owner)});
     id = submitted_.fetch_add(1, std::memory_order_release) + 1;
   }
   queue_cv_.notify_one();
   return id;
+}
+
+uint64_t ThreadPool::submit(std::shared_ptr<Job> job) {
+  if (!job) throw std::invalid_argument("submit: null job");
+  std::vector<std::shared_ptr<Job>> done;  // released after the lock, on this thread
+  Job* raw = job.get();
+  return enqueue(raw, std::move(job), &done);
+}
+
+uint64_t ThreadPool::submit_borrowed(Job* job) {
+  if (!job) throw std::invalid_argument("submit: null job");
+  return enqueue(job, nullptr, nullptr);
+}
+
+void ThreadPool::record_error(std::exception_ptr err) {
+  std::lock_guard<std::mutex> lk(queue_mu_);
+  if (err && !job_error_) job_error_ = err;
 }
 
 int64_t ThreadPool::pending() const {
@@ -224,10 +239,14 @@ void ThreadPool::wait_completed(uint64_t target) {
   }
 }
 
-void ThreadPool::sync(int64_t allow_pending) {
+void ThreadPool::wait(int64_t allow_pending) {
   if (allow_pending < 0) throw std::invalid_argument("sync: allow_pending must be >= 0");
   uint64_t sub = submitted_.load(std::memory_order_acquire);
   wait_completed(sub > (uint64_t)allow_pending ? sub - allow_pending : 0);
+}
+
+void ThreadPool::sync(int64_t allow_pending) {
+  wait(allow_pending);
   std::exception_ptr err;
   std::vector<std::shared_ptr<Job>> done;
   {

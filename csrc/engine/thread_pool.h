@@ -6,7 +6,12 @@
 // sleep on a condition variable: an idle pool costs ~0% CPU.
 //
 // submit() returns at once; sync(n) blocks until at most n submitted jobs are unfinished. An exception
-// thrown by a job is kept and rethrown by the next sync(), never lost.
+// thrown by a job is kept and rethrown by the next sync(), never lost, exactly once.
+//
+// Thread safety: submit, submit_borrowed, sync, wait, pending and record_error may be called from any number
+// of threads at once (the queue, the counters and the error slot change under queue_mu_). Besides Python's
+// threads, CUDA host functions call submit_borrowed and wait from the driver's callback thread
+// (csrc/cuda_hooks.h).
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -66,9 +71,22 @@ class ThreadPool {
   uint8_t* thread_scratch(int thread, size_t bytes);
 
   // --- from any other thread ---
+  // Returns the job's id: ids count submissions from 1 and jobs complete in id order.
   uint64_t submit(std::shared_ptr<Job> job);
+  // Like submit, but the pool takes no reference: the caller keeps the job alive until completed() >= the
+  // returned id. Nothing is left for a later caller to release and no destructor can run here, which is what
+  // a CUDA host function on the driver's thread needs (a released job could hold the last reference to this
+  // pool or to gigabytes of packed experts).
+  uint64_t submit_borrowed(Job* job);
   void sync(int64_t allow_pending = 0);  // rethrows the first error of a finished job
+  // Like sync, but leaves errors (and finished jobs) for the next sync: a CUDA host function has no way to
+  // report an error, so the next sync on a Python thread raises it.
+  void wait(int64_t allow_pending = 0);
+  void wait_for(uint64_t id) { wait_completed(id); }  // until job `id` (and all before it) completed
+  // Keeps err (unless an earlier error is waiting) for the next sync to rethrow.
+  void record_error(std::exception_ptr err);
   int64_t pending() const;
+  uint64_t completed() const { return completed_.load(std::memory_order_acquire); }
   // Runs fn as a job after those already queued and waits for it alone; its error is rethrown here and
   // never mixed with the errors of other jobs (which stay for the next sync).
   void run_and_wait(std::function<void(ThreadPool&)> fn);
@@ -79,6 +97,7 @@ class ThreadPool {
   void run_tasks(int thread_index);
   void wait_for_generation(uint64_t seen, int thread_index);
   void wait_completed(uint64_t target);
+  uint64_t enqueue(Job* job, std::shared_ptr<Job> owner, std::vector<std::shared_ptr<Job>>* release);
 
   int n_threads_;
   int spin_us_;
@@ -102,7 +121,11 @@ class ThreadPool {
   mutable std::mutex queue_mu_;
   std::condition_variable queue_cv_;  // coordinator waits for jobs
   std::condition_variable done_cv_;   // sync waits for completions
-  std::deque<std::shared_ptr<Job>> queue_;
+  struct Queued {
+    Job* job;
+    std::shared_ptr<Job> owner;  // null for submit_borrowed
+  };
+  std::deque<Queued> queue_;
   // Finished jobs are released by the next submit/sync caller, never by the coordinator: a job may hold the
   // last reference to this pool, whose destructor must not run on its own thread.
   std::vector<std::shared_ptr<Job>> finished_;

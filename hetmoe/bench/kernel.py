@@ -211,11 +211,22 @@ def measure_overhead(pool: kernels.ExpertPool, iters: int = 2000, warmup: int = 
     return {"iters": iters, "median_us": statistics.median(times), "p99_us": times[min(len(times) - 1, int(0.99 * len(times)))]}
 
 
-def run_overhead_bench(threads=None, iters: int = 2000) -> int:
+def run_overhead_bench(threads=None, iters: int = 2000, stream: bool = False, with_copies: bool = False,
+                       layers: int = 48, hidden: int = 2048) -> int:
+    """Python submit -> sync round trip; with ``stream``, also the same through CUDA host functions per layer
+    (hetmoe/bench/stream.py), which needs a CUDA device."""
+    if stream:
+        from hetmoe.bench.stream import check_cuda
+
+        check_cuda()  # fail before spending time on the CPU part
     pool = kernels.shared_pool(threads)
     r = measure_overhead(pool, iters)
     print(f"submit->sync round trip, T=0, {pool.threads} threads: median {r['median_us']:.1f} µs, "
           f"p99 {r['p99_us']:.1f} µs ({iters} calls)")
+    if stream:
+        from hetmoe.bench.stream import run_stream_overhead_bench
+
+        return run_stream_overhead_bench(pool, layers=layers, iters=iters, hidden=hidden, with_copies=with_copies)
     return 0
 
 
