@@ -2,6 +2,7 @@
 function of the last token: every expectation is exact, and the one-sequence generate() is the reference."""
 
 import asyncio
+import threading
 import json
 import time
 
@@ -178,21 +179,38 @@ def test_cancel_frees_the_slot(tok):
     assert first_decodes < 50 + 3  # the first sequence did not run to its max_tokens
 
 
+class GatedRunner(SlotRunner):
+    """Decode steps wait for ``gate``: the test decides when the running sequence may move on."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.gate, self.held = threading.Event(), threading.Event()
+
+    def decode_batch(self, tokens, slots):
+        self.held.set()
+        assert self.gate.wait(30), "the test never opened the gate"
+        return super().decode_batch(tokens, slots)
+
+
 def test_shutdown_ends_running_and_refuses_waiting(tok):
-    runner = SlotRunner(max_batch=1)
+    runner = GatedRunner(max_batch=1)
 
     async def main():
         sched = Scheduler(runner, tok, log=lambda m: None).start()
         loop = asyncio.get_running_loop()
         running = sched.submit(Request([1, 2], SamplingParams(max_new_tokens=60, ignore_eos=True), loop))
         waiting = sched.submit(Request([3, 4], SamplingParams(max_new_tokens=3), loop))
-        assert (await running.events.get())[0] == "text"
-        await asyncio.to_thread(sched.shutdown)
+        assert await asyncio.to_thread(runner.held.wait, 30)  # first token sampled; its decode step is held
+        stopping = asyncio.create_task(asyncio.to_thread(sched.shutdown))
+        while not sched._stopping:  # shutdown has been requested ...
+            await asyncio.sleep(0.001)
+        runner.gate.set()  # ... before the held decode step finishes
+        await stopping
         late = sched.submit(Request([5], SamplingParams(), loop))
         return await _collect(running), await _collect(waiting), await _collect(late)
 
     (text, done), (_, refused), (_, late) = asyncio.run(main())
-    assert done[:2] == ("done", "length") and done[3] < 60
+    assert done[:2] == ("done", "length") and done[3] == 2  # the first token and the one held decode step
     assert refused[:2] == ("error", 503) and late[:2] == ("error", 503)
 
 
