@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetmoe.layers.attention import KVCache, Step
+from hetmoe.layers.moe import route_softmax
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import cos_sin, inv_frequencies
 from hetmoe.models.config import ModelConfig
@@ -29,6 +30,29 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SoftmaxMoeBlock(nn.Module):
+    """route (softmax over the linear router ``gate``, top-k, optional renormalisation) -> experts backend
+    (dispatch, experts, combine): the MoE block of Mixtral, Qwen2-MoE and Qwen3-MoE. ``shared(flat)`` adds a
+    dense part to the routed output (Qwen2-MoE's gated shared expert); the base has none."""
+
+    def __init__(self, cfg: ModelConfig, n_experts: int, norm_topk_prob: bool):
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, n_experts, bias=False)
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = norm_topk_prob
+        self.experts = None  # attached by the loader
+
+    def shared(self, flat: torch.Tensor):
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H]
+        flat = x.reshape(-1, x.shape[-1])  # [T, H]
+        weights, ids = route_softmax(self.gate(flat), self.top_k, self.norm_topk_prob)  # [T, k]
+        out = self.experts(flat, ids, weights)
+        shared = self.shared(flat)
+        return (out if shared is None else out + shared).view_as(x)
 
 
 class PreNormDecoderLayer(nn.Module):

@@ -14,25 +14,16 @@ import torch
 from torch import nn
 
 from hetmoe.layers.attention import GQAAttention, KVCache, Step
-from hetmoe.layers.moe import route_softmax
 from hetmoe.layers.norm import RMSNorm
-from hetmoe.models.common import CausalLM, DecoderModel
+from hetmoe.models.common import CausalLM, DecoderModel, SoftmaxMoeBlock
 from hetmoe.models.config import ModelConfig
 
 
-class MixtralSparseMoeBlock(nn.Module):
-    """route (softmax top-k, always renormalised) -> experts backend (dispatch, experts, combine)."""
+class MixtralSparseMoeBlock(SoftmaxMoeBlock):
+    """route (softmax top-k, always renormalised) -> experts backend."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.first("num_local_experts", "num_experts"), bias=False)
-        self.top_k = cfg.num_experts_per_tok
-        self.experts = None  # attached by the loader
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H]
-        flat = x.reshape(-1, x.shape[-1])  # [T, H]
-        weights, ids = route_softmax(self.gate(flat), self.top_k, norm_topk_prob=True)  # [T, k]
-        return self.experts(flat, ids, weights).view_as(x)
+        super().__init__(cfg, cfg.first("num_local_experts", "num_experts"), norm_topk_prob=True)
 
 
 class MixtralAttention(GQAAttention):

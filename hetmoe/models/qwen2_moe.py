@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from hetmoe.layers.attention import GQAAttention
-from hetmoe.layers.moe import route_softmax
 from hetmoe.models.common import (
     CausalLM,
     DecoderModel,
     PreNormDecoderLayer,
+    SoftmaxMoeBlock,
     SwiGLUMLP,
     qwen_layer_is_sparse,
 )
@@ -26,23 +26,16 @@ class Qwen2MoeMLP(SwiGLUMLP):
     """Dense SwiGLU MLP: the shared expert, and the MLP of non-sparse layers."""
 
 
-class Qwen2MoeSparseMoeBlock(nn.Module):
+class Qwen2MoeSparseMoeBlock(SoftmaxMoeBlock):
     """route (softmax top-k) -> experts backend, plus sigmoid-gated shared expert."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.first("num_experts", "num_local_experts"), bias=False)
-        self.top_k = cfg.num_experts_per_tok
-        self.norm_topk_prob = cfg.get("norm_topk_prob", False)
-        self.experts = None  # attached by the loader
+        super().__init__(cfg, cfg.first("num_experts", "num_local_experts"), cfg.get("norm_topk_prob", False))
         self.shared_expert = Qwen2MoeMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H]
-        flat = x.reshape(-1, x.shape[-1])  # [T, H]
-        weights, ids = route_softmax(self.gate(flat), self.top_k, self.norm_topk_prob)  # [T, k]
-        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        return (self.experts(flat, ids, weights) + shared).view_as(x)
+    def shared(self, flat: torch.Tensor) -> torch.Tensor:  # [T, H]
+        return torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
 
 
 class Qwen2MoeAttention(GQAAttention):

@@ -6,15 +6,12 @@ attached to ``mlp.experts`` by whoever loads the weights; this file never sees t
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 from hetmoe.layers.attention import GQAAttention
-from hetmoe.layers.moe import route_softmax
 from hetmoe.models.common import (
     CausalLM,
     DecoderModel,
     PreNormDecoderLayer,
+    SoftmaxMoeBlock,
     SwiGLUMLP,
     qwen_layer_is_sparse,
 )
@@ -25,20 +22,11 @@ class Qwen3MoeMLP(SwiGLUMLP):
     """Dense SwiGLU MLP (layers listed in mlp_only_layers)."""
 
 
-class Qwen3MoeSparseMoeBlock(nn.Module):
-    """route (softmax top-k) -> experts backend (dispatch, experts, combine)."""
+class Qwen3MoeSparseMoeBlock(SoftmaxMoeBlock):
+    """route (softmax top-k, renormalised if norm_topk_prob) -> experts backend."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.first("num_experts", "num_local_experts"), bias=False)
-        self.top_k = cfg.num_experts_per_tok
-        self.norm_topk_prob = cfg.get("norm_topk_prob", False)
-        self.experts = None  # attached by the loader
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H]
-        flat = x.reshape(-1, x.shape[-1])  # [T, H]
-        weights, ids = route_softmax(self.gate(flat), self.top_k, self.norm_topk_prob)  # [T, k]
-        return self.experts(flat, ids, weights).view_as(x)
+        super().__init__(cfg, cfg.first("num_experts", "num_local_experts"), cfg.get("norm_topk_prob", False))
 
 
 class Qwen3MoeAttention(GQAAttention):
