@@ -7,7 +7,9 @@ library's own ``.py`` files (``sysconfig.get_paths()["stdlib"]``; test suites an
     python tools/train_demo_moe.py --smoke --out /tmp/smoke             # tiny model, 2 steps, a few seconds (CI)
 
 Corpus: the files in sorted order; a file is held out when sha256(its path) % 50 == 0 (~2%, independent of the
-Python version's file list). The training documents are the train files plus chat-formatted examples made from
+Python version's file list) and used for validation when it is 1 (another ~2%). Every ``--val-every`` seconds the
+validation loss is measured and the best weights so far are kept; those are the ones saved (early stopping), so the
+held-out loss is never used for a choice. The training documents are the train files plus chat-formatted examples made from
 their documented public functions (user: "Write a Python function `name`: <docstring summary>", assistant: the
 function's source), so that a chat-wrapped prompt gets code back. Documents are separated by <|endoftext|>.
 Tokenizer: byte-level BPE trained on the train files (hetmoe.engine.synthetic.train_bpe, its special tokens and
@@ -82,32 +84,36 @@ def stdlib_files() -> list:
 
 
 def read_corpus(smoke: bool) -> tuple:
-    """(train [(path, text)], held-out [(path, text)], description) of the stdlib's .py files."""
+    """(train, validation, held-out, description) of the stdlib's .py files; each split a list of (path, text).
+    Validation chooses the checkpoint kept (early stopping); held-out is only measured, never used for choices."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    train, heldout, train_bytes = [], [], 0
+    train, val, heldout, train_bytes = [], [], [], 0
     for rel in stdlib_files():
-        is_heldout = int(hashlib.sha256(rel.encode()).hexdigest(), 16) % HELDOUT_MODULUS == 0
-        if smoke and (len(heldout) >= 2 if is_heldout else train_bytes >= 150_000):
-            continue  # a small slice: the first ~150 KB of train files, two held-out files
+        bucket = int(hashlib.sha256(rel.encode()).hexdigest(), 16) % HELDOUT_MODULUS
+        split = heldout if bucket == 0 else val if bucket == 1 else train
+        if smoke and (len(split) >= 2 if split is not train else train_bytes >= 150_000):
+            continue  # a small slice: the first ~150 KB of train files, two validation and two held-out files
         try:
             text = (root / rel).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
         if text.strip():
-            (heldout if is_heldout else train).append((rel, text))
-            train_bytes += 0 if is_heldout else len(text)
-    if not train or not heldout:
+            split.append((rel, text))
+            train_bytes += len(text) if split is train else 0
+    if not train or not val or not heldout:
         raise SystemExit(f"no usable .py files under {root}")
     desc = {
         "source": "Python standard library .py files (sysconfig stdlib path), test suites and site-packages excluded",
         "python": sys.version.split()[0], "stdlib": str(root), "train_files": len(train),
-        "heldout_files": len(heldout), "train_bytes": sum(len(t.encode()) for _, t in train),
+        "heldout_files": len(heldout), "validation_files": len(val),
+        "validation_rule": f"sha256(relative path) % {HELDOUT_MODULUS} == 1",
+        "train_bytes": sum(len(t.encode()) for _, t in train),
         "heldout_bytes": sum(len(t.encode()) for _, t in heldout),
         "heldout_rule": f"sha256(relative path) % {HELDOUT_MODULUS} == 0",
         "heldout_list_sha256": hashlib.sha256("\n".join(r for r, _ in heldout).encode()).hexdigest(),
         "heldout_list": [r for r, _ in heldout],
     }
-    return train, heldout, desc
+    return train, val, heldout, desc
 
 
 def chat_examples(files: list, max_bytes: int, seed: int) -> list:
@@ -242,18 +248,19 @@ def train(args) -> None:
     torch.manual_seed(args.seed)
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = dict(SMOKE_MODEL if args.smoke else MODEL)
-    train_files, heldout_files, corpus = read_corpus(args.smoke)
+    train_files, val_files, heldout_files, corpus = read_corpus(args.smoke)
     log(f"corpus: {corpus['train_files']} train files ({corpus['train_bytes'] / 1e6:.1f} MB), "
         f"{corpus['heldout_files']} held out ({corpus['heldout_bytes'] / 1e3:.0f} KB), Python {corpus['python']}")
     tok = train_bpe((t for _, t in train_files), cfg["vocab_size"])
     chats = chat_examples(train_files, int(args.chat_fraction * corpus["train_bytes"]), args.seed)
     train_ids = encode_stream(tok, [t for _, t in train_files] + chats)
     heldout_ids = encode_stream(tok, [t for _, t in heldout_files])
+    val_ids = encode_stream(tok, [t for _, t in val_files])
     corpus.update(chat_examples=len(chats), chat_bytes=sum(len(c.encode()) for c in chats),
-                  train_tokens=len(train_ids), heldout_tokens=len(heldout_ids))
+                  train_tokens=len(train_ids), heldout_tokens=len(heldout_ids), validation_tokens=len(val_ids))
     log(f"tokenizer: {tok.get_vocab_size()} tokens; train {len(train_ids)} tokens ({len(chats)} chat examples), "
         f"held out {len(heldout_ids)} ({time.time() - t_start:.1f} s)")
-    seq = min(args.seq_len, cfg["max_position_embeddings"], len(heldout_ids) - 1, len(train_ids) - 1)
+    seq = min(args.seq_len, cfg["max_position_embeddings"], len(heldout_ids) - 1, len(val_ids) - 1, len(train_ids) - 1)
 
     config = transformers.DeepseekV3Config(**cfg, bos_token_id=None, eos_token_id=0, pad_token_id=0,
                                            tie_word_embeddings=False)
@@ -272,11 +279,26 @@ def train(args) -> None:
     train_dev = train_ids.to(device)
     offsets = torch.arange(seq + 1, device=device)
     steps = args.steps or (10**9 if args.time_budget else 2000)
-    t0, step = time.time(), 0
+    t0, step, next_val = time.time(), 0, args.val_every
+    best, curve = None, []  # (validation loss, step, CPU copy of the weights); [(step, seconds, validation loss)]
+
+    def validate() -> None:
+        nonlocal best
+        loss = mean_loss(model, val_ids, seq, args.batch_size, args.val_tokens, device)
+        curve.append((step, round(time.time() - t0, 1), loss))
+        kept = best is None or loss < best[0]
+        if kept:
+            best = (loss, step, {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()})
+        log(f"step {step}: validation loss {loss:.4f}" + (" (best so far, kept)" if kept else f" (best {best[0]:.4f} "
+                                                          f"at step {best[1]})"))
+
     while step < steps:
         elapsed = time.time() - t0
         if args.time_budget and elapsed >= args.time_budget:
             break
+        if elapsed >= next_val:
+            validate()
+            next_val = elapsed + args.val_every
         progress = max(step / steps, elapsed / args.time_budget if args.time_budget else 0.0)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, min(progress, 1.0), args)
@@ -296,7 +318,10 @@ def train(args) -> None:
             dt, aux_v = time.time() - t0, float(aux.detach()) if torch.is_tensor(aux) else 0.0
             log(f"step {step}: loss {lm.item():.4f} aux {aux_v:.4f} (sum over MoE layers) "
                 f"lr {opt.param_groups[0]['lr']:.2e} {step * args.batch_size * seq / dt:,.0f} tok/s {dt:.0f} s")
+    validate()
     train_s = time.time() - t0
+    model.load_state_dict(best[2])  # early stopping: the weights with the lowest validation loss
+    log(f"keeping the weights of step {best[1]} (validation loss {best[0]:.4f})")
     stats.counts.clear()
     heldout_loss = mean_loss(model, heldout_ids, seq, args.batch_size, args.eval_tokens, device, stats)
     load = stats.load()
@@ -319,7 +344,8 @@ def train(args) -> None:
         "command": " ".join(sys.argv), "args": vars(args), "config": cfg, "parameters": n_params,
         "routed_expert_parameters": n_routed, "steps": step, "seq_len": seq, "batch_size": args.batch_size,
         "tokens_seen": step * args.batch_size * seq, "epochs": step * args.batch_size * seq / len(train_ids),
-        "train_seconds": train_s, "wall_seconds": time.time() - t_start, "train_loss": train_loss,
+        "train_seconds": train_s, "kept_step": best[1], "validation_loss": best[0],
+        "validation_curve": [{"step": s_, "seconds": t_, "loss": l_} for s_, t_, l_ in curve], "wall_seconds": time.time() - t_start, "train_loss": train_loss,
         "heldout_loss": heldout_loss, "heldout_perplexity": math.exp(heldout_loss), "expert_load_heldout": load,
         "corpus": corpus, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
@@ -391,10 +417,14 @@ def main(argv=None) -> None:
                    help="chat-formatted function examples, as a fraction of the train files' bytes")
     p.add_argument("--eval-tokens", type=int, default=None, help="max tokens for the final losses (default 262144)")
     p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--val-every", type=float, default=None, metavar="SECONDS",
+                   help="validation loss every this many seconds of training; the best weights are kept (default 15)")
+    p.add_argument("--val-tokens", type=int, default=None, help="validation tokens per check (default 65536)")
     args = p.parse_args(argv)
     smoke = args.smoke
     for name, full, tiny in (("batch_size", 64, 2), ("seq_len", 512, 32), ("warmup", 100, 1),
-                             ("eval_tokens", 262144, 256), ("steps", None, 2)):
+                             ("eval_tokens", 262144, 256), ("steps", None, 2),
+                             ("val_every", 15.0, 1e9), ("val_tokens", 65536, 256)):
         if getattr(args, name) is None:
             setattr(args, name, tiny if smoke else full)
     if args.time_budget is not None and args.time_budget <= 0 or args.batch_size < 1 or args.seq_len < 2:
