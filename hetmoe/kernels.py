@@ -311,6 +311,7 @@ class CPUExperts:
             self.pool._pool, self.num_experts, self.hidden_size, self.intermediate_size, weight_format,
             int(group_size), isa,
         )
+        self._skip_mask: Optional[torch.Tensor] = None  # static: experts computed elsewhere (set_skip_mask)
 
     # ------------------------------------------------------------------ weights
 
@@ -394,6 +395,20 @@ class CPUExperts:
         d["experts_loaded"] = self._ex.n_loaded
         return d
 
+    def set_skip_mask(self, mask: Optional[torch.Tensor]) -> None:
+        """Experts this layer never computes from now on (they are computed elsewhere, e.g. GPU-resident experts):
+        bool ``[E]``, used by every later call that passes no ``skip_mask`` of its own; None clears it. Jobs
+        prepared earlier keep the mask they were prepared with."""
+        if mask is not None:
+            mask = _check_tensor("skip_mask", mask, (torch.bool, torch.uint8), 1).to(torch.bool).clone()
+            if mask.numel() != self.num_experts:
+                raise ValueError(f"skip_mask has {mask.numel()} entries; expected num_experts={self.num_experts}")
+        self._skip_mask = mask
+
+    @property
+    def skip_mask(self) -> Optional[torch.Tensor]:
+        return self._skip_mask
+
     # ------------------------------------------------------------------ calls
 
     def prepare(
@@ -445,6 +460,8 @@ class CPUExperts:
             n_ptr = n_tokens.data_ptr()
             keep.append(n_tokens)
         mask_ptr = 0
+        if skip_mask is None:
+            skip_mask = self._skip_mask
         if skip_mask is not None:
             _check_tensor("skip_mask", skip_mask, (torch.bool, torch.uint8), 1)
             if skip_mask.numel() != self.num_experts:

@@ -148,22 +148,31 @@ class OffloadedExperts:
     """The dispatch stage of a hybrid run: routed experts computed by a CPU backend (``CPUExperts``) for a
     model whose activations live on the GPU. x, ids and weights are copied to pinned host buffers, the CPU
     computes, and the result is copied back on the current stream (the eager path; the CUDA-graph path
-    replaces these copies and waits with stream-ordered host functions)."""
+    replaces these copies and waits with stream-ordered host functions).
+
+    ``gpu``: the layer's GPU-resident experts (``layers/gpu_experts.py``, attached with ``attach_gpu_experts``, which
+    also sets the CPU engine's static skip mask), computed on the main stream while the CPU computes the rest and
+    added to the CPU part in fp32."""
 
     def __init__(self, experts, staging: HostStaging):
         self.experts, self.staging = experts, staging
         self.num_experts = experts.num_experts
+        self.gpu = None  # a GpuExperts, or None
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":
-            return self.experts(x, topk_ids, topk_weights)
+            out = self.experts(x, topk_ids, topk_weights)
+            return out if self.gpu is None else (out.float() + self.gpu(x, topk_ids, topk_weights)).to(x.dtype)
         T = x.shape[0]
         xh, ids, w, out = self.staging.buffers(T)
         xh.copy_(x, non_blocking=True)
         ids.copy_(topk_ids, non_blocking=True)
         w.copy_(topk_weights, non_blocking=True)
         torch.cuda.current_stream(x.device).synchronize()
+        resident = self.gpu(x, topk_ids, topk_weights) if self.gpu is not None else None  # runs during the CPU part
         self.experts.forward(xh, ids, w, out)
+        if resident is not None:
+            return (out.to(x.device, non_blocking=True).float() + resident).to(x.dtype)
         return out.to(x.device, non_blocking=True)
 
     __call__ = forward
@@ -274,6 +283,10 @@ class DeferredExperts:
     one is waited for (``sync(allow_pending=1)``): the deferred job runs while the caller computes the next layer's
     attention, and the pool's FIFO order has it done by the time the next layer's immediate job is. ``overlap=False``
     waits for each job (bitwise the same numbers). Any other backend is called twice per layer, synchronously.
+
+    GPU-resident experts (``OffloadedExperts.gpu``) are never deferred: every slot routed to them, immediate or
+    deferred by the split, is computed on this layer's input and added to this layer's output (after the immediate
+    CPU part, before the previous layer's deferred part); the CPU engine skips them in both of its jobs.
     """
 
     def __init__(self, experts, chain: DeferralChain, index: int, d: int, overlap: bool = True):
@@ -308,11 +321,15 @@ class DeferredExperts:
         else:
             imm_ids, def_ids = split_deferred(topk_ids, topk_weights, self.d)
         parts = self._engine_parts if self.engine is not None else self._backend_parts
+        gpu = getattr(self.experts, "gpu", None) if self.engine is not None else None
+        resident = gpu(x, topk_ids, topk_weights) if gpu is not None else None  # the whole top-k: never deferred
         y, deferred = parts(x, imm_ids, def_ids, topk_weights)  # y: [T, H] fp32
         if deferred is not None:
             self.chain.put(deferred)
         if y.device != x.device:
             y = y.to(x.device, non_blocking=True)
+        if resident is not None:
+            y = y + resident
         if prev is not None:
             y = y + prev.wait(self.engine.pool if self.engine is not None else None).to(x.device, non_blocking=True)
         return y.to(x.dtype)

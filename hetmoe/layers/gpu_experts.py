@@ -1,0 +1,156 @@
+"""GPU-resident experts (``--gpu-experts N``): part of the *experts* stage of route -> dispatch -> experts -> combine.
+
+Per MoE layer, N of the E routed experts are kept on the GPU as well as in the CPU engine; the CPU engine skips
+them through its static skip mask (``CPUExperts.set_skip_mask``) and ``GpuExperts`` computes every (token, slot)
+routed to them, on the main stream, while the CPU computes the rest. The weights are the values the CPU format
+holds (``CPUExperts.dequantized``: int8/int4 dequantized, bf16 as is) cast to the model dtype, so a hybrid run with
+resident experts matches the all-CPU placement up to summation order (and, with int8/int4, the CPU engine's
+activation rounding, which the GPU does not do).
+
+Two paths, one result:
+  dense  (T <= dense_max_tokens, and always while a CUDA graph is being captured): every resident expert runs over
+         all T tokens, weighted by a combine matrix C [T, N] built on the device from (topk_ids, topk_weights)
+         (0 where a token did not route to that expert). Fixed shapes, no host sync: capturable. Two GEMMs:
+         [T, H] x [H, N*2I] (gate and up of all N experts), then [T, N*I] x [N*I, H] (down, which also sums over N).
+  gather (larger T: prefill, always eager): per resident expert, only the tokens routed to it.
+
+Shape letters: T tokens, E experts, k experts per token, N resident experts, H hidden, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+DENSE_MAX_TOKENS = 32  # up to here the dense path's wasted work (N/k-fold at T=1) costs less than N gathers
+
+
+def combine_matrix(topk_ids: torch.Tensor, topk_weights: torch.Tensor, slot_of: torch.Tensor, n: int) -> torch.Tensor:
+    """fp32 [T, N]: C[t, r] = the weight token t gives resident expert r (0 where it did not route to it).
+
+    topk_ids [T, k] (-1 = empty slot), topk_weights [T, k], slot_of [E + 1] int64: the resident index of each
+    expert, -1 for the others and at index E (where empty slots point). No host sync, fixed shapes."""
+    ids = topk_ids.long()
+    ids = ids.masked_fill(ids < 0, slot_of.shape[0] - 1)
+    slots = slot_of[ids]  # [T, k], -1 = not resident
+    onehot = slots.unsqueeze(-1) == torch.arange(n, device=slots.device)  # [T, k, N]; a token's ids are distinct
+    return (onehot * topk_weights.float().unsqueeze(-1)).sum(dim=1)
+
+
+class GpuExperts:
+    """N routed experts of one MoE layer on a device, called like an experts backend but returning only their part:
+    ``forward(x [T, H], topk_ids [T, k], topk_weights [T, k]) -> fp32 [T, H]``.
+
+    Args:
+        expert_ids: the N experts kept here (distinct, in [0, num_experts)).
+        gate, up: [N, I, H]; down: [N, H, I] (Hugging Face out x in), any float dtype, any device.
+        num_experts: E of the layer.
+        dtype, device: where and in what precision the weights are kept and computed (fp32 accumulation).
+    """
+
+    def __init__(self, expert_ids: Sequence[int], gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                 num_experts: int, dtype: torch.dtype = torch.bfloat16, device="cpu",
+                 dense_max_tokens: int = DENSE_MAX_TOKENS):
+        ids = [int(e) for e in expert_ids]
+        n = len(ids)
+        if n < 1:
+            raise ValueError("GpuExperts needs at least one expert (attach none instead)")
+        if len(set(ids)) != n or min(ids) < 0 or max(ids) >= num_experts:
+            raise ValueError(f"resident expert ids must be distinct and in [0, {num_experts}); got {ids}")
+        if gate.dim() != 3 or gate.shape != up.shape or down.shape != (gate.shape[0], gate.shape[2], gate.shape[1]):
+            raise ValueError(f"expert weights must be gate/up [N, I, H] and down [N, H, I]; got {tuple(gate.shape)}, "
+                             f"{tuple(up.shape)}, {tuple(down.shape)}")
+        if gate.shape[0] != n:
+            raise ValueError(f"{n} expert ids for {gate.shape[0]} experts' weights")
+        _, I, H = gate.shape
+        self.expert_ids, self.num_experts, self.n = ids, int(num_experts), n
+        self.hidden_size, self.intermediate_size = H, I
+        self.dtype, self.device = dtype, torch.device(device)
+        self.dense_max_tokens = int(dense_max_tokens)
+        # [N*2I, H]: rows of expert r are gate_r then up_r, so x @ W^T viewed [T, N, 2, I] splits them.
+        self.w_gate_up = torch.stack((gate, up), dim=1).reshape(n * 2 * I, H).to(self.device, dtype).contiguous()
+        # [H, N*I]: columns of expert r are down_r's, so h [T, N*I] @ W^T sums the N experts' outputs.
+        self.w_down = down.permute(1, 0, 2).reshape(H, n * I).to(self.device, dtype).contiguous()
+        slot_of = torch.full((num_experts + 1,), -1, dtype=torch.int64)
+        slot_of[torch.tensor(ids)] = torch.arange(n)
+        self.slot_of = slot_of.to(self.device)  # [E + 1]
+
+    @classmethod
+    def from_cpu(cls, cpu_experts, expert_ids: Sequence[int], dtype: torch.dtype, device, **kwargs) -> "GpuExperts":
+        """The resident copy of ``expert_ids`` of a ``CPUExperts``: the values its kernels multiply by, one expert
+        at a time (at most one fp32 copy on the host at once)."""
+        mats = [cpu_experts.dequantized(e) for e in expert_ids]  # fp32 (gate [I, H], up [I, H], down [H, I])
+        gate, up, down = (torch.stack([m[i] for m in mats]) for i in range(3))
+        return cls(expert_ids, gate, up, down, cpu_experts.num_experts, dtype, device, **kwargs)
+
+    @property
+    def nbytes(self) -> int:
+        return self.w_gate_up.nbytes + self.w_down.nbytes
+
+    def skip_mask(self) -> torch.Tensor:
+        """bool [E] on the host, True for the resident experts: what the CPU engine must skip."""
+        mask = torch.zeros(self.num_experts, dtype=torch.bool)
+        mask[torch.tensor(self.expert_ids)] = True
+        return mask
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.hidden_size:
+            raise ValueError(f"x must be [T, {self.hidden_size}], got {tuple(x.shape)}")
+        if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+            raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must "
+                             f"both be [T={x.shape[0]}, k]")
+        if x.device != self.device:
+            raise ValueError(f"x is on {x.device}; these resident experts are on {self.device}")
+        capturing = x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if x.shape[0] <= self.dense_max_tokens or capturing:
+            return self._dense(x, topk_ids, topk_weights)
+        return self._gather(x, topk_ids, topk_weights)
+
+    __call__ = forward
+
+    def _dense(self, x, topk_ids, topk_weights) -> torch.Tensor:
+        T, N, I = x.shape[0], self.n, self.intermediate_size
+        c = combine_matrix(topk_ids, topk_weights, self.slot_of, N)  # [T, N]
+        gu = F.linear(x.to(self.dtype), self.w_gate_up).view(T, N, 2, I)
+        h = F.silu(gu[:, :, 0]) * gu[:, :, 1]  # [T, N, I]
+        h = (h.float() * c.unsqueeze(-1)).to(self.dtype)  # weighted before down (linear): one GEMM sums over N
+        return F.linear(h.view(T, N * I), self.w_down).float()
+
+    def _gather(self, x, topk_ids, topk_weights) -> torch.Tensor:
+        I = self.intermediate_size
+        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+        xc = x.to(self.dtype)
+        slots = self.slot_of[topk_ids.long().masked_fill(topk_ids < 0, self.num_experts)]  # [T, k]
+        for r in range(self.n):
+            tok, j = torch.where(slots == r)
+            if tok.numel() == 0:
+                continue
+            gu = F.linear(xc[tok], self.w_gate_up[2 * r * I:(2 * r + 2) * I])  # [t, 2I]
+            h = F.silu(gu[:, :I]) * gu[:, I:]
+            y = F.linear(h, self.w_down[:, r * I:(r + 1) * I])  # [t, H]
+            acc.index_add_(0, tok, y.float() * topk_weights[tok, j].float().unsqueeze(1))
+        return acc
+
+
+def first_experts(num_experts: int, n: int) -> list:
+    """The resident set when no calibration is run: experts 0 .. n-1."""
+    return list(range(min(n, num_experts)))
+
+
+def attach_gpu_experts(dispatch, gpu: Optional[GpuExperts]) -> None:
+    """Give an ``OffloadedExperts`` (or a ``DeferredExperts`` around one) its resident part: the CPU engine skips
+    ``gpu``'s experts from now on (its static skip mask) and the dispatch adds ``gpu``'s output. None detaches."""
+    from hetmoe.layers.moe import DeferredExperts, OffloadedExperts
+
+    off = dispatch.experts if isinstance(dispatch, DeferredExperts) else dispatch
+    if not isinstance(off, OffloadedExperts):
+        raise TypeError(f"GPU experts attach to OffloadedExperts (a hybrid placement), got {type(off).__name__}")
+    engine = off.experts
+    if not hasattr(engine, "set_skip_mask"):
+        raise TypeError(f"the CPU backend {type(engine).__name__} has no static skip mask (needs CPUExperts)")
+    if gpu is not None and gpu.num_experts != engine.num_experts:
+        raise ValueError(f"{gpu.num_experts} experts on the GPU side, {engine.num_experts} on the CPU side")
+    engine.set_skip_mask(gpu.skip_mask() if gpu is not None else None)
+    off.gpu = gpu
