@@ -141,7 +141,8 @@ def _options(args, device: str, max_context: int) -> EngineOptions:
     fmt = QUICK["experts_format"] if args.quick and args.experts_format == "auto" else args.experts_format
     return EngineOptions(device=device, experts_format=fmt, group_size=args.group_size,
                          threads=args.threads, max_context=max_context, dtype=args.dtype,
-                         defer_experts=args.defer_experts)
+                         defer_experts=args.defer_experts, gpu_experts=args.gpu_experts,
+                         calibration_file=args.calibration_file)
 
 
 def _build(args, shape: Optional[str], layers: Optional[int], options: EngineOptions, log) -> LoadedModel:
