@@ -77,6 +77,11 @@ def add_engine_options(p: argparse.ArgumentParser, model: bool = True) -> None:
     g.add_argument("--defer-experts", type=int, default=0, metavar="D",
                    help="Expert Deferral: per token, compute the D lowest-weighted of its top-k routed experts "
                    "alongside the next layer and add them to the next MoE layer's output (0 <= D < top-k; default: 0)")
+    g.add_argument("--gpu-experts", type=int, default=0, metavar="N",
+                   help="with a GPU: keep N routed experts of every MoE layer on it as well and compute them there, "
+                   "the N most often routed on a calibration text (0 <= N <= experts per layer; default: 0)")
+    g.add_argument("--calibration-file", metavar="FILE", default=None,
+                   help="UTF-8 text whose routing picks the --gpu-experts (default: a built-in mixed text)")
     g.add_argument("--expert-cache", metavar="DIR", default="auto",
                    help="where converted experts are kept for the next load ('off' disables; "
                         "default: $XDG_CACHE_HOME/hetmoe/experts)")

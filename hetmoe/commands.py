@@ -16,7 +16,8 @@ DEFAULT_PROMPT = "Mixture-of-Experts models route every token to"
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     return EngineOptions(device=args.device, experts_format=args.experts_format, group_size=args.group_size,
                          threads=args.threads, max_context=args.max_context, dtype=args.dtype,
-                         defer_experts=args.defer_experts)
+                         defer_experts=args.defer_experts, gpu_experts=args.gpu_experts,
+                         calibration_file=args.calibration_file)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

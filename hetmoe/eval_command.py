@@ -113,7 +113,8 @@ def run_eval(args: argparse.Namespace) -> int:
         ids = ids[:args.max_tokens]
     reference = None
     if args.reference_format != "none":
-        ref_opts = dataclasses.replace(opts, experts_format=args.reference_format, group_size=None, defer_experts=0)
+        ref_opts = dataclasses.replace(opts, experts_format=args.reference_format, group_size=None, defer_experts=0,
+                                       gpu_experts=0)
         reference = load_model(model, ref_opts, expert_cache=cache, progress=progress)
 
     result = evaluate(Runner(test), ids, args.window, Runner(reference) if reference else None, progress)

@@ -7,7 +7,9 @@
          routed experts packed into the CPU engine's format (or read from the converted-expert cache),
          the layer's source pages released
     -> the model, on its devices, with an experts backend attached to every MoE block
-       (wrapped for Expert Deferral when options.defer_experts > 0: defer_experts).
+       (wrapped for Expert Deferral when options.defer_experts > 0: defer_experts)
+    -> with --gpu-experts N on a GPU: N experts per MoE layer also kept there, chosen by a calibration prefill
+       (engine/calibration.py).
 
 Checkpoint tensors are found by the model's own parameter names (Hugging Face names), so no rename table
 exists; routed experts are ``<block>.experts.<e>.{gate_proj,up_proj,down_proj}.weight`` (Mixtral:
@@ -26,6 +28,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from hetmoe.engine.calibration import calibration_text, check_gpu_experts, keep_gpu_experts
 from hetmoe.engine.checkpoint import Checkpoint, CheckpointError
 from hetmoe.engine.expert_cache import ExpertCache, default_cache_dir
 from hetmoe.engine.placement import EngineOptions, MemoryPlan, ModelShapes, choose_plan
@@ -126,7 +129,7 @@ def model_shapes(model: nn.Module, cfg: ModelConfig, expert_inter: int) -> Model
         hidden=cfg.hidden_size, vocab_size=cfg.vocab_size, n_routed=n_routed, expert_inter=expert_inter,
         dense_params=sum(p.numel() for p in model.parameters()),
         kv_elems_per_token=(cache.k.numel() + cache.v.numel()), act_width=8 * cfg.hidden_size,
-        max_position_embeddings=cfg.get("max_position_embeddings"),
+        max_position_embeddings=cfg.get("max_position_embeddings"), n_moe_layers=len(moe_blocks(model)),
     )
 
 
@@ -204,6 +207,15 @@ def fill_experts(ckpt: Checkpoint, prefix: str, experts: CPUExperts) -> None:
             raise CheckpointError(f"{prefix}.experts.{e}: {err}") from None
 
 
+def _tokenize_with(path: Path) -> Callable[[str], list]:
+    def tokenize(text: str) -> list:
+        from hetmoe.engine.tokenizer import Tokenizer
+
+        return Tokenizer.from_dir(path).encode(text)
+
+    return tokenize
+
+
 def load_model(
     path,
     options: Optional[EngineOptions] = None,
@@ -229,6 +241,9 @@ def load_model(
                               f"({err})") from None
     blocks = moe_blocks(model)
     check_deferral(cfg, len(blocks), options.defer_experts)
+    check_gpu_experts([_experts_of(b) for _, b in blocks], options.gpu_experts)
+    if options.gpu_experts:
+        calibration_text(options.calibration_file)  # a bad file fails now, not after loading
     inter = 0
     if blocks:
         names = _expert_keys(ckpt, blocks[0][0])
@@ -269,12 +284,14 @@ def load_model(
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise CheckpointError(f"{ckpt.path}: tensors were never loaded: {', '.join(missing[:5])}")
+    gpu_experts = keep_gpu_experts(model.eval(), blocks, plan, options, _tokenize_with(ckpt.path), log)
     info = {
         "load_s": time.perf_counter() - t0,
         "expert_bytes": expert_bytes,
         "cache_hits": cache.hits if cache else 0,
         "cache_misses": cache.misses if cache else 0,
         "cache_dir": str(cache.dir) if cache else None,
+        "gpu_experts": gpu_experts,
     }
     log(f"hetmoe: loaded in {info['load_s']:.1f} s (routed experts {expert_bytes / 2**30:.2f} GiB"
         + (f", expert cache {cache.hits}/{cache.hits + cache.misses + cache.rebuilt} layers reused" if cache else "")

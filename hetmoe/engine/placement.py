@@ -34,6 +34,8 @@ class EngineOptions:
     dtype: str = "auto"  # weights/activations of the dense part: auto | bf16 | fp32
     prefill_chunk: int = 1024  # prompt tokens per forward call
     defer_experts: int = 0  # Expert Deferral: per token, the d lowest-weighted routed experts go to the next MoE layer
+    gpu_experts: int = 0  # routed experts per MoE layer also kept on the GPU and computed there (hybrid placement)
+    calibration_file: Optional[str] = None  # text whose routing picks them (default: calibration.DEFAULT_TEXT)
 
     def __post_init__(self):
         if self.device not in ("auto", "cuda", "cpu"):
@@ -48,6 +50,8 @@ class EngineOptions:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {v}")
         if isinstance(self.defer_experts, bool) or not isinstance(self.defer_experts, int) or self.defer_experts < 0:
             raise ValueError(f"defer-experts must be an integer >= 0, got {self.defer_experts!r}")
+        if isinstance(self.gpu_experts, bool) or not isinstance(self.gpu_experts, int) or self.gpu_experts < 0:
+            raise ValueError(f"gpu-experts must be an integer >= 0, got {self.gpu_experts!r}")
         if self.max_batch < 1 or self.prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
         if self.group_size is not None and self.group_size not in (0, 32, 64, 128):
@@ -144,6 +148,9 @@ def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device
     plan.ram = {"routed experts": experts, "runtime": CPU_RUNTIME_BYTES + host_staging}
     if device.type == "cuda":
         plan.vram = {"dense weights": dense, "KV cache": kv, "activations": act, "CUDA context": CUDA_CONTEXT_BYTES}
+        # --gpu-experts: N experts per MoE layer in the dense dtype (they stay in RAM too, packed for the CPU)
+        plan.vram["GPU experts"] = opts.gpu_experts * shapes.n_moe_layers * 3 * shapes.hidden * shapes.expert_inter \
+            * dtype.itemsize
     else:
         plan.ram.update({"dense weights": dense, "KV cache": kv, "activations": act})
     return plan
@@ -178,6 +185,8 @@ def choose_plan(shapes: "ModelShapes", opts: EngineOptions) -> MemoryPlan:
         if plan.experts_format != "int4":
             hints.append("--experts-format int4")
         hints.append("a smaller --max-context")
+        if plan.vram.get("GPU experts") and any("GPU memory" in p for p in problems):
+            hints.append("fewer --gpu-experts")
         raise MemoryError(
             f"the model does not fit this machine with {plan.experts_format} experts on {device.type} "
             f"({'; '.join(problems)}). Plan: {plan.describe()}. Try {' or '.join(hints)}."
@@ -197,3 +206,4 @@ class ModelShapes:
     kv_elems_per_token: int  # all layers, K and V
     act_width: int
     max_position_embeddings: Optional[int]
+    n_moe_layers: int = 0  # blocks with routed experts (what --gpu-experts multiplies)

@@ -28,8 +28,10 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
+from hetmoe.engine.calibration import check_gpu_experts, keep_gpu_experts
 from hetmoe.engine.loader import (
     LoadedModel,
+    _experts_of,
     attach_experts,
     build_meta,
     check_deferral,
@@ -344,6 +346,7 @@ def build_random_model(
     model = build_meta(cfg)
     blocks = moe_blocks(model)
     check_deferral(cfg, len(blocks), options.defer_experts)
+    check_gpu_experts([_experts_of(b) for _, b in blocks], options.gpu_experts)
     inter = (cfg.get("moe_intermediate_size") or cfg.intermediate_size) if blocks else 0
     plan = choose_plan(model_shapes(model, cfg, inter), options)
     name = shape if isinstance(shape, str) else cfg.model_type
@@ -362,8 +365,10 @@ def build_random_model(
         expert_bytes += experts.nbytes
         attach_experts(block, experts, staging)
     defer_experts(model, options.defer_experts)
+    gpu_experts = keep_gpu_experts(model.eval(), blocks, plan, options, None, log)  # no tokenizer: the first N
     if plan.device.type == "cuda":
         torch.cuda.synchronize(plan.device)
-    info = {"load_s": time.perf_counter() - t0, "expert_bytes": expert_bytes, "shape": name, "seed": seed}
+    info = {"load_s": time.perf_counter() - t0, "expert_bytes": expert_bytes, "shape": name, "seed": seed,
+            "gpu_experts": gpu_experts}
     log(f"hetmoe: built in {info['load_s']:.1f} s (routed experts {expert_bytes / 2**30:.2f} GiB)")
     return LoadedModel(model.eval(), cfg, plan, options, None, info)

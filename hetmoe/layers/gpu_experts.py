@@ -81,8 +81,12 @@ class GpuExperts:
     def from_cpu(cls, cpu_experts, expert_ids: Sequence[int], dtype: torch.dtype, device, **kwargs) -> "GpuExperts":
         """The resident copy of ``expert_ids`` of a ``CPUExperts``: the values its kernels multiply by, one expert
         at a time (at most one fp32 copy on the host at once)."""
-        mats = [cpu_experts.dequantized(e) for e in expert_ids]  # fp32 (gate [I, H], up [I, H], down [H, I])
-        gate, up, down = (torch.stack([m[i] for m in mats]) for i in range(3))
+        n, I, H = len(expert_ids), cpu_experts.intermediate_size, cpu_experts.hidden_size
+        gate, up = (torch.empty(n, I, H, dtype=dtype, device=device) for _ in range(2))
+        down = torch.empty(n, H, I, dtype=dtype, device=device)
+        for r, e in enumerate(expert_ids):
+            for dst, src in zip((gate, up, down), cpu_experts.dequantized(int(e))):  # fp32 [I, H], [I, H], [H, I]
+                dst[r].copy_(src)
         return cls(expert_ids, gate, up, down, cpu_experts.num_experts, dtype, device, **kwargs)
 
     @property
