@@ -47,6 +47,8 @@ def _start_server(args) -> tuple:
                         ("--expert-cache", args.expert_cache)):
         if value is not None:
             cmd += [flag, str(value)]
+    if getattr(args, "no_cuda_graph", False):
+        cmd.append("--no-cuda-graph")
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     found, lines = {}, []
     ready = threading.Event()

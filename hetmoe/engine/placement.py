@@ -36,6 +36,7 @@ class EngineOptions:
     defer_experts: int = 0  # Expert Deferral: per token, the d lowest-weighted routed experts go to the next MoE layer
     gpu_experts: int = 0  # routed experts per MoE layer also kept on the GPU and computed there (hybrid placement)
     calibration_file: Optional[str] = None  # text whose routing picks them (default: calibration.DEFAULT_TEXT)
+    cuda_graph: bool = True  # on a GPU, decode steps replay a CUDA graph (False: the same step run eagerly)
 
     def __post_init__(self):
         if self.device not in ("auto", "cuda", "cpu"):
@@ -52,6 +53,8 @@ class EngineOptions:
             raise ValueError(f"defer-experts must be an integer >= 0, got {self.defer_experts!r}")
         if isinstance(self.gpu_experts, bool) or not isinstance(self.gpu_experts, int) or self.gpu_experts < 0:
             raise ValueError(f"gpu-experts must be an integer >= 0, got {self.gpu_experts!r}")
+        if not isinstance(self.cuda_graph, bool):
+            raise ValueError(f"cuda_graph must be True or False, got {self.cuda_graph!r}")
         if self.max_batch < 1 or self.prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
         if self.group_size is not None and self.group_size not in (0, 32, 64, 128):

@@ -4,22 +4,33 @@ The cache holds ``max_batch`` sequences ("slots") of ``max_context`` positions e
 the model's device. Prefill writes a prompt into one slot in chunks of ``prefill_chunk`` tokens (bounding
 activation memory for long prompts); decode advances one or several slots by one token each. Every call
 builds the one ``Step`` (positions, slots) the model sees; the model itself keeps no state.
+
+On a GPU, decode steps go through ``engine/cuda_graph.py`` (one CUDA graph per batch size, replayed every token;
+``EngineOptions.cuda_graph=False`` runs the same step eagerly) and the offloaded routed experts through
+``layers/hybrid.py`` (CPU jobs in CUDA stream order). Prefill stays eager.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Optional, Sequence
 
 import torch
 
-from hetmoe.engine.loader import LoadedModel
+from hetmoe import kernels
+from hetmoe.engine.cuda_graph import GraphDecoder
+from hetmoe.engine.loader import LoadedModel, moe_blocks
 from hetmoe.layers.attention import Step
+from hetmoe.layers.hybrid import HybridDecode
+from hetmoe.layers.moe import DeferredExperts, OffloadedExperts
 
 KV_BUCKET = 64
 
 
 class Runner:
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, *, cuda_graph: Optional[bool] = None, kv_mode: Optional[str] = None):
+        """``cuda_graph`` (default: ``loaded.options.cuda_graph``) and ``kv_mode`` ("full" / "bucket", see
+        engine/cuda_graph.py) apply to decode steps on a GPU only."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.plan.device
@@ -31,9 +42,32 @@ class Runner:
             # cuDNN's SDPA builds an execution graph on the CPU for every new shape (measured ~11 ms per call on the
             # H200 machine); decode changes the attended length every step, so leave attention to the other kernels.
             torch.backends.cuda.enable_cudnn_sdp(False)
-        self.cache = self.model.make_cache(self.max_batch, self.max_context, self.dtype, self.device)
+        self.decoder: Optional[GraphDecoder] = None
+        self.hybrid: Optional[HybridDecode] = None
+        rows = self.max_batch + (1 if self.device.type == "cuda" else 0)  # + the decoder's scratch slot
+        self.cache = self.model.make_cache(rows, self.max_context, self.dtype, self.device)
         self.lengths = [0] * self.max_batch  # tokens in each slot's cache
         self.vocab_size = loaded.config.vocab_size
+        if self.device.type == "cuda":
+            self._setup_decoder(loaded.options.cuda_graph if cuda_graph is None else cuda_graph, kv_mode)
+
+    def _setup_decoder(self, cuda_graph: bool, kv_mode: Optional[str]) -> None:
+        offloaded = []
+        for _, block in moe_blocks(self.model):
+            dispatch = block.experts
+            inner = dispatch.experts if isinstance(dispatch, DeferredExperts) else dispatch
+            if isinstance(inner, OffloadedExperts):
+                offloaded.append(inner)
+        decoder_kwargs = {"kv_mode": kv_mode} if kv_mode else {}
+        if offloaded:
+            if not kernels.cuda_hooks_available():  # no cuLaunchHostFunc: decode keeps the synchronous path
+                print(f"hetmoe: decode without CUDA graphs: {kernels._C.cuda_hooks_error()}", file=sys.stderr)
+                return
+            self.hybrid = HybridDecode(GraphDecoder.capacity_for(self.max_batch), self.device)
+            for layer in offloaded:
+                layer.hybrid = self.hybrid
+        self.decoder = GraphDecoder(self.model, self.cache, self.max_batch, self.max_context, self.device,
+                                    self.hybrid, cuda_graph, **decoder_kwargs)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -151,8 +185,11 @@ class Runner:
             self._check_slot(s)
             if self.lengths[s] >= self.max_context:
                 raise ValueError(f"slot {s} is full ({self.max_context} tokens, --max-context)")
-        positions = torch.tensor([[self.lengths[s]] for s in slots])
-        logits = self.forward(torch.tensor([[int(t)] for t in token_ids]), positions, torch.tensor(list(slots)))
+        if self.decoder is not None:
+            logits = self.decoder.step(token_ids, [self.lengths[s] for s in slots], slots)
+        else:
+            positions = torch.tensor([[self.lengths[s]] for s in slots])
+            logits = self.forward(torch.tensor([[int(t)] for t in token_ids]), positions, torch.tensor(list(slots)))
         for s in slots:
             self.lengths[s] += 1
         return logits

@@ -147,19 +147,43 @@ class HostStaging:
 class OffloadedExperts:
     """The dispatch stage of a hybrid run: routed experts computed by a CPU backend (``CPUExperts``) for a
     model whose activations live on the GPU. x, ids and weights are copied to pinned host buffers, the CPU
-    computes, and the result is copied back on the current stream (the eager path; the CUDA-graph path
-    replaces these copies and waits with stream-ordered host functions).
+    computes, and the result is copied back on the current stream: the path of prefill. Inside a decode step of the
+    runner (``hybrid``, ``layers/hybrid.py``) the same layer runs in CUDA stream order instead (host functions
+    submit and wait for the CPU job; capturable into a CUDA graph), computing ``main_stream_part`` meanwhile.
 
     ``gpu``: the layer's GPU-resident experts (``layers/gpu_experts.py``, attached with ``attach_gpu_experts``, which
     also sets the CPU engine's static skip mask), computed on the main stream while the CPU computes the rest and
     added to the CPU part in fp32."""
 
+    takes_shared = True  # the model passes its shared experts in (models/common.routed_and_shared)
+
     def __init__(self, experts, staging: HostStaging):
         self.experts, self.staging = experts, staging
         self.num_experts = experts.num_experts
         self.gpu = None  # a GpuExperts, or None
+        self.hybrid = None  # a HybridDecode (layers/hybrid.py, set by the runner): decode steps in CUDA stream order
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def main_stream_part(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                         shared=None) -> tuple:
+        """What the GPU computes while the CPU works on this layer's routed experts (the one place for it):
+        (the GPU-resident experts' part, fp32 [T, H] or None; the model's shared experts ``shared()``, [T, H] in
+        x's dtype, or None)."""
+        resident = self.gpu(x, topk_ids, topk_weights) if self.gpu is not None else None
+        return resident, (shared() if shared is not None else None)
+
+    def streaming(self, x: torch.Tensor) -> bool:
+        """Whether this call runs in CUDA stream order (inside a decode step of the runner's HybridDecode)."""
+        return self.hybrid is not None and self.hybrid.active and x.device.type == "cuda"
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared=None) -> torch.Tensor:
+        """Routed experts [T, H] (+ ``shared()``, the model's shared experts, when given)."""
+        if self.streaming(x):
+            return self.hybrid.run(self, x, topk_ids, topk_weights, shared)
+        out = self._routed(x, topk_ids, topk_weights)
+        dense = shared() if shared is not None else None
+        return out if dense is None else out + dense
+
+    def _routed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":
             out = self.experts(x, topk_ids, topk_weights)
             return out if self.gpu is None else (out.float() + self.gpu(x, topk_ids, topk_weights)).to(x.dtype)
@@ -304,13 +328,28 @@ class DeferredExperts:
         first, last = self.index == 0, self.index == self.chain.n_layers - 1
         return "only" if first and last else "first" if first else "last" if last else "middle"
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    takes_shared = True  # the model passes its shared experts in (models/common.routed_and_shared)
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared=None) -> torch.Tensor:
+        """R_imm_l(x_l) + R_def_{l-1}(x_{l-1}) [T, H] (+ ``shared()``, the model's shared experts, when given)."""
+        position = self.position
+        if self.d and position != "only" and self.d >= topk_ids.shape[-1]:
+            raise ValueError(f"cannot defer {self.d} of the top-{topk_ids.shape[-1]} experts of each token "
+                             f"(at most {topk_ids.shape[-1] - 1})")
+        off = self.experts
+        if isinstance(off, OffloadedExperts) and off.streaming(x):  # a decode step in CUDA stream order
+            defer = self.d if position in ("first", "middle") else 0
+            return off.hybrid.run(off, x, topk_ids, topk_weights, shared, defer)
+        y = self._routed(x, topk_ids, topk_weights)
+        dense = shared() if shared is not None else None
+        return y if dense is None else y + dense
+
+    __call__ = forward
+
+    def _routed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         position = self.position
         if self.d == 0 or position == "only":
             return self.experts(x, topk_ids, topk_weights)
-        if self.d >= topk_ids.shape[-1]:
-            raise ValueError(f"cannot defer {self.d} of the top-{topk_ids.shape[-1]} experts of each token "
-                             f"(at most {topk_ids.shape[-1] - 1})")
         if position == "first":
             self.chain.reset()
             prev = None
@@ -333,8 +372,6 @@ class DeferredExperts:
         if prev is not None:
             y = y + prev.wait(self.engine.pool if self.engine is not None else None).to(x.device, non_blocking=True)
         return y.to(x.dtype)
-
-    __call__ = forward
 
     def _engine_parts(self, x, imm_ids, def_ids, weights) -> tuple:
         engine = self.engine

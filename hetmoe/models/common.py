@@ -32,6 +32,17 @@ class SwiGLUMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def routed_and_shared(experts, flat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared) -> torch.Tensor:
+    """The combine of a MoE block: routed experts + ``shared()`` (a callable -> [T, H] or None), [T, H].
+    A backend that computes elsewhere (``takes_shared``: the CPU engine behind a GPU model) is handed ``shared`` and
+    calls it on the GPU while its routed experts run; any other backend runs first, then ``shared``."""
+    if getattr(experts, "takes_shared", False):
+        return experts(flat, ids, weights, shared=shared)
+    out = experts(flat, ids, weights)
+    dense = shared()
+    return out if dense is None else out + dense
+
+
 class SoftmaxMoeBlock(nn.Module):
     """route (softmax over the linear router ``gate``, top-k, optional renormalisation) -> experts backend
     (dispatch, experts, combine): the MoE block of Mixtral, Qwen2-MoE and Qwen3-MoE. ``shared(flat)`` adds a
@@ -50,9 +61,7 @@ class SoftmaxMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H]
         flat = x.reshape(-1, x.shape[-1])  # [T, H]
         weights, ids = route_softmax(self.gate(flat), self.top_k, self.norm_topk_prob)  # [T, k]
-        out = self.experts(flat, ids, weights)
-        shared = self.shared(flat)
-        return (out if shared is None else out + shared).view_as(x)
+        return routed_and_shared(self.experts, flat, ids, weights, lambda: self.shared(flat)).view_as(x)
 
 
 class PreNormDecoderLayer(nn.Module):

@@ -26,7 +26,7 @@ from hetmoe.layers.attention import KVCache, Step, attend
 from hetmoe.layers.moe import route_deepseek_v2, route_deepseek_v3
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import inv_frequencies, yarn_get_mscale, yarn_parameters
-from hetmoe.models.common import CausalLM, PreNormDecoderLayer, SwiGLUMLP
+from hetmoe.models.common import CausalLM, PreNormDecoderLayer, SwiGLUMLP, routed_and_shared
 from hetmoe.models.config import ModelConfig
 
 
@@ -96,10 +96,8 @@ class DeepseekV2Moe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H]
         flat = x.reshape(-1, x.shape[-1])  # [T, H]
         weights, ids = self.gate(flat)  # [T, k]
-        out = self.experts(flat, ids, weights).view_as(x)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        shared = (lambda: self.shared_experts(flat)) if self.shared_experts is not None else (lambda: None)
+        return routed_and_shared(self.experts, flat, ids, weights, shared).view_as(x)
 
 
 class DeepseekV3MoE(DeepseekV2Moe):

@@ -1,0 +1,181 @@
+"""Decode steps on a GPU: one CUDA graph per (batch size, attended length), captured on first use and replayed every
+token — or, with ``cuda_graph=False``, the very same forward run eagerly.
+
+A step reads its inputs from static device buffers (``inputs``: token ids, positions, cache slots, number of real
+rows), filled by one host-to-device copy before each replay. A batch of n sequences runs as the next captured size
+B >= n (1, 2, 4, ... max_batch): the B - n padding rows feed token 0 at position 0 of a scratch cache slot (row
+``max_batch`` of a cache allocated one row larger), so their KV writes touch no sequence, and the CPU experts read
+the real row count n through a pointer (``HybridDecode``), so padding costs no expert work.
+
+Attention must not change shape between replays. Two ways (``kv_mode``):
+  "full"    every step attends over all max_context cache positions (later ones masked on the device from the
+            positions): one graph per batch size.
+  "bucket"  the attended length is rounded up to KV_BUCKET as in eager runs: one graph per (batch size, length
+            bucket), each captured the first time a step needs it.
+``hetmoe bench e2e`` measures both at 1024 and 4096 positions (BENCHMARKS.md); see DEFAULT_KV_MODE.
+
+Shape letters: n real rows, B padded batch (a captured size), C the largest captured size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import nullcontext
+from typing import Optional, Sequence
+
+import torch
+
+from hetmoe.layers.attention import Step
+
+KV_MODES = ("full", "bucket")
+DEFAULT_KV_MODE = "full"
+
+
+def capture_sizes(max_batch: int) -> list:
+    """The batch sizes graphs are captured for: powers of two below max_batch, then max_batch."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch]
+
+
+def padded_size(n: int, sizes: Sequence[int]) -> int:
+    """The smallest captured size holding n rows."""
+    for b in sizes:
+        if b >= n:
+            return b
+    raise ValueError(f"a decode batch of {n} sequences exceeds the largest captured size {sizes[-1]} (max_batch)")
+
+
+def bucket_len(max_position: int, max_context: int, bucket: int) -> int:
+    """Attended length for positions up to ``max_position``: rounded up to ``bucket``, at most max_context."""
+    return min(max_context, -(-(max_position + 1) // bucket) * bucket)
+
+
+def pack_inputs(buf: torch.Tensor, capacity: int, token_ids: Sequence[int], positions: Sequence[int],
+                slots: Sequence[int], scratch_slot: int) -> None:
+    """Write one step's inputs into ``buf`` (int64 [3C + 1]): ids | positions | slots (padding rows: token 0,
+    position 0, the scratch slot) | n."""
+    n, C = len(token_ids), capacity
+    if n > C:
+        raise ValueError(f"{n} rows do not fit the static inputs of capacity {C}")
+    buf.zero_()
+    buf[:n] = torch.as_tensor(token_ids, dtype=torch.int64)
+    buf[C:C + n] = torch.as_tensor(positions, dtype=torch.int64)
+    buf[2 * C:3 * C] = scratch_slot
+    buf[2 * C:2 * C + n] = torch.as_tensor(slots, dtype=torch.int64)
+    buf[3 * C] = n
+
+
+class GraphDecoder:
+    """Decode steps of ``model`` over ``cache`` (max_batch + 1 rows: the last is the scratch slot).
+
+    ``hybrid``: the model's HybridDecode (None when no routed experts are offloaded). ``cuda_graph``: capture and
+    replay, or run the same forward eagerly (no padding, attended length bucketed)."""
+
+    def __init__(self, model, cache, max_batch: int, max_context: int, device: torch.device, hybrid=None,
+                 cuda_graph: bool = True, kv_mode: str = DEFAULT_KV_MODE, kv_bucket: int = 64,
+                 log=lambda msg: print(msg, file=sys.stderr, flush=True)):
+        if kv_mode not in KV_MODES:
+            raise ValueError(f"kv_mode must be one of {', '.join(KV_MODES)}, got {kv_mode!r}")
+        self.model, self.cache, self.hybrid = model, cache, hybrid
+        self.max_batch, self.max_context, self.device = max_batch, max_context, device
+        self.cuda_graph, self.kv_mode, self.kv_bucket, self.log = cuda_graph, kv_mode, kv_bucket, log
+        self.sizes = capture_sizes(max_batch)
+        self.capacity = self.sizes[-1]
+        self.scratch_slot = max_batch
+        C = self.capacity
+        self.inputs = torch.zeros(3 * C + 1, dtype=torch.int64, device=device)  # ids | positions | slots | n
+        self.inputs_host = torch.zeros(3 * C + 1, dtype=torch.int64, pin_memory=True)
+        self.graphs: dict = {}  # (B, kv_len, cpu) -> (CUDAGraph, logits [B, V] fp32)
+        self.capture_s: dict = {}  # the same keys -> seconds the warm-up and capture took
+        self.mempool = torch.cuda.graph_pool_handle() if cuda_graph else None
+
+    @staticmethod
+    def capacity_for(max_batch: int) -> int:
+        """Rows of the static buffers (inputs, host staging): the largest captured size."""
+        return capture_sizes(max_batch)[-1]
+
+    def kv_len(self, positions: Sequence[int]) -> int:
+        top = max(positions)
+        if self.cuda_graph and self.kv_mode == "full":
+            return self.max_context
+        return bucket_len(top, self.max_context, self.kv_bucket)
+
+    @torch.inference_mode()
+    def step(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+             cpu: bool = True) -> torch.Tensor:
+        """One token for each of n sequences (validated by the runner) -> logits fp32 [n, V] (a fresh tensor).
+        ``cpu=False``: leave the CPU experts out (benchmark time split; the outputs are then meaningless)."""
+        n = len(token_ids)
+        B = padded_size(n, self.sizes) if self.cuda_graph else n
+        kv_len = self.kv_len(positions)
+        pack_inputs(self.inputs_host, self.capacity, token_ids, positions, slots, self.scratch_slot)
+        self.inputs.copy_(self.inputs_host, non_blocking=True)
+        if not self.cuda_graph:
+            logits = self._forward(B, kv_len, cpu)
+        else:
+            key = (B, kv_len, cpu)
+            if key not in self.graphs:
+                self._capture(key)
+            graph, logits = self.graphs[key]
+            graph.replay()
+        out = logits[:n].clone()
+        self.finish()
+        return out
+
+    def finish(self) -> None:
+        """Wait for the step and raise what a CPU job of it raised (jobs run on the driver's thread)."""
+        torch.cuda.current_stream(self.device).synchronize()  # also: inputs_host may be rewritten now
+        if self.hybrid is not None:
+            for pool in self.hybrid.pools:
+                pool.sync()
+
+    def _forward(self, B: int, kv_len: int, cpu: bool = True) -> torch.Tensor:
+        """The decode forward over the static inputs' first B rows -> logits fp32 [B, V]."""
+        C = self.capacity
+        ids = self.inputs[:B].view(B, 1)
+        step = Step(self.inputs[C:C + B].view(B, 1), self.inputs[2 * C:2 * C + B], kv_len=kv_len)
+        ctx = self.hybrid.step(self.inputs[3 * C:3 * C + 1], cpu) if self.hybrid is not None else nullcontext()
+        with ctx:
+            hidden = self.model(ids, step, self.cache)[:, -1]  # [B, H]
+        return self.model.logits(hidden).float()
+
+    def _capture(self, key: tuple) -> None:
+        B, kv_len, cpu = key
+        t0 = time.perf_counter()
+        # Warm-up, eagerly on a side stream (lazy initialisations, the hybrid layers' buffers and jobs): it computes
+        # this very step, so the replay that follows rewrites the same KV entries with the same values.
+        main = torch.cuda.current_stream(self.device)
+        warm = torch.cuda.Stream(self.device)
+        warm.wait_stream(main)
+        with torch.cuda.stream(warm):
+            self._forward(B, kv_len, cpu)
+        main.wait_stream(warm)
+        self.finish()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            logits = self._forward(B, kv_len, cpu)
+        self.graphs[key] = (graph, logits)
+        self.capture_s[key] = time.perf_counter() - t0
+        if len(self.capture_s) == 1:
+            self.log(f"hetmoe: captured the decode step as a CUDA graph (batch {B}, attending {kv_len} positions) "
+                     f"in {1e3 * self.capture_s[key]:.0f} ms; other batch sizes"
+                     f"{' and lengths' if self.kv_mode == 'bucket' else ''} are captured when first needed")
+
+    def close(self) -> None:
+        """Drop the graphs, then the host functions captured in them."""
+        torch.cuda.synchronize(self.device)
+        self.graphs.clear()
+        if self.hybrid is not None:
+            self.hybrid.close()
+
+    def stats(self) -> dict:
+        return {"cuda_graph": self.cuda_graph, "kv_mode": self.kv_mode, "sizes": self.sizes,
+                "graphs": len(self.graphs),
+                "capture_ms": {f"B{b}_kv{kv}{'' if cpu else '_gpu_only'}": 1e3 * s
+                               for (b, kv, cpu), s in self.capture_s.items()}}

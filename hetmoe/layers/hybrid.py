@@ -1,0 +1,164 @@
+"""The dispatch stage of a hybrid decode step in CUDA stream order: the routed experts of every MoE layer go to the CPU
+engine through stream host functions, so one decode step can be captured into a CUDA graph and replayed (and runs
+the same way without a graph). Per MoE layer, on the main stream unless noted:
+
+    copy x, topk ids, topk weights -> this layer's pinned host buffers        (non_blocking)
+    host function SUBMIT the immediate job [; SUBMIT the deferred job]         (the pool runs them in FIFO order)
+    side stream: wait for the main stream; host function SYNC (at most 1 job left pending when this layer defers,
+                 else 0); copy the CPU output [and the previous layer's deferred output] back to the device
+    main stream meanwhile: GPU-resident experts, the model's shared experts    (OffloadedExperts.main_stream_part)
+    main stream: wait for the side stream; y = cpu [+ resident] [+ previous deferred] (fp32) -> dtype [+ shared]
+
+The sync host function blocks the stream it is on, which is why it sits on a side stream: the main stream keeps
+computing. Expert Deferral (d > 0): layer l's deferred job reads layer l's own buffers while the GPU runs layer
+l+1's attention; layer l+1's sync (FIFO) finds it done and copies its output back. The first MoE layer of a step has
+no deferred input, the last defers nothing, so every step ends with the pool idle.
+
+Buffers are static: per MoE layer, pinned x [C, H], ids [C, k] (immediate and deferred), weights [C, k], outputs
+[C, H] fp32 and their device copies, with C = ``capacity`` (the largest captured batch). The CPU jobs are prepared
+once per layer, with the token count T read at run time from one pinned int64 (``n_tokens``) that each step sets
+in stream order from a device scalar (the runner's static input): padded rows past T are never computed.
+
+Shape letters: T tokens, k experts per token, H hidden size, C capacity.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from hetmoe.kernels import HostFuncs
+
+
+@dataclass
+class _LayerBuffers:
+    x: torch.Tensor  # [C, H] pinned, the layer's input in the model dtype
+    ids: torch.Tensor  # [C, k] int64 pinned: the immediate experts (all of them when the layer defers nothing)
+    ids_def: torch.Tensor  # [C, k] int64 pinned: the deferred experts (-1 elsewhere)
+    weights: torch.Tensor  # [C, k] fp32 pinned
+    out: torch.Tensor  # [C, H] fp32 pinned, written by the immediate job
+    out_def: torch.Tensor  # [C, H] fp32 pinned, written by the deferred job
+    dev: torch.Tensor  # [C, H] fp32 on the device: out copied back
+    dev_prev: torch.Tensor  # [C, H] fp32 on the device: the previous layer's out_def copied back
+    job: object  # MoEJob over (x, ids, weights, out)
+    job_def: object  # MoEJob over (x, ids_def, weights, out_def)
+    mask: object  # the engine's static skip mask the jobs were prepared with
+
+
+class HybridDecode:
+    """Stream-ordered CPU dispatch shared by every ``OffloadedExperts`` of one model (``OffloadedExperts.hybrid``),
+    active only inside ``step(...)`` (decode steps; prefill keeps the plain eager path).
+
+    ``capacity``: the largest batch a step may have. ``cpu=False`` inside a step leaves the CPU out (no host
+    function, stale outputs): what the GPU alone costs, for the benchmark's time split."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity, self.device = int(capacity), torch.device(device)
+        self.side = torch.cuda.Stream(self.device)
+        self.host_funcs = HostFuncs()  # owns the payloads of eager and captured host functions alike
+        self.n_tokens = torch.zeros(1, dtype=torch.int64, pin_memory=True)  # T the jobs read when they run
+        self.active = False
+        self.cpu = True
+        self._buffers: dict = {}  # id(OffloadedExperts) -> _LayerBuffers
+        self._pending: Optional[_LayerBuffers] = None  # the layer whose deferred job is in flight
+        self.pools: set = set()
+
+    @contextmanager
+    def step(self, n_tokens: torch.Tensor, cpu: bool = True):
+        """One decode forward call: ``n_tokens`` ([1] int64 on the device) rows of the batch are real."""
+        if self.active:
+            raise RuntimeError("a hybrid decode step is already running")
+        self.n_tokens.copy_(n_tokens, non_blocking=True)  # stream order: before any job of this step runs
+        self.active, self.cpu, self._pending = True, cpu, None
+        try:
+            yield self
+            if self._pending is not None:
+                raise RuntimeError("the last MoE layer of the step deferred experts: their output would be lost")
+        finally:
+            self.active, self.cpu, self._pending = False, True, None
+
+    def buffers(self, layer) -> Optional[_LayerBuffers]:
+        return self._buffers.get(id(layer))
+
+    def _layer_buffers(self, layer, x: torch.Tensor, k: int) -> _LayerBuffers:
+        engine = layer.experts
+        buf = self._buffers.get(id(layer))
+        mask = getattr(engine, "skip_mask", None)
+        if buf is not None and buf.mask is mask and buf.x.dtype == x.dtype and buf.ids.shape[1] == k:
+            return buf
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("hybrid decode buffers must exist before a CUDA graph is captured (run one eager step)")
+        C, H = self.capacity, x.shape[1]
+
+        def pinned(*shape, dtype):
+            return torch.zeros(*shape, dtype=dtype, pin_memory=True)
+
+        xh, w = pinned(C, H, dtype=x.dtype), pinned(C, k, dtype=torch.float32)
+        ids, ids_def = pinned(C, k, dtype=torch.int64), pinned(C, k, dtype=torch.int64)
+        ids.fill_(-1)
+        ids_def.fill_(-1)
+        out, out_def = pinned(C, H, dtype=torch.float32), pinned(C, H, dtype=torch.float32)
+        buf = _LayerBuffers(
+            xh, ids, ids_def, w, out, out_def,
+            torch.zeros(C, H, dtype=torch.float32, device=x.device), torch.zeros(C, H, dtype=torch.float32, device=x.device),
+            engine.prepare(xh, ids, w, out, n_tokens=self.n_tokens),
+            engine.prepare(xh, ids_def, w, out_def, n_tokens=self.n_tokens), mask,
+        )
+        self._buffers[id(layer)] = buf
+        self.pools.add(engine.pool)
+        return buf
+
+    def run(self, layer, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared=None,
+            defer: int = 0) -> torch.Tensor:
+        """The routed (+ shared) output [T, H] of MoE layer ``layer`` (an ``OffloadedExperts``) in x's dtype.
+        ``defer``: experts per token this layer defers to the next MoE layer (0: none; the last layer passes 0)."""
+        from hetmoe.layers.moe import split_deferred
+
+        T, k = x.shape[0], topk_ids.shape[1]
+        if T > self.capacity:
+            raise ValueError(f"a hybrid decode step holds at most {self.capacity} tokens, got {T}")
+        buf = self._layer_buffers(layer, x, k)
+        pool, hf = layer.experts.pool, self.host_funcs
+        main = torch.cuda.current_stream(x.device)
+        weights = topk_weights.float()
+        imm_ids, def_ids = split_deferred(topk_ids, weights, defer) if defer else (topk_ids, None)
+        buf.x[:T].copy_(x, non_blocking=True)
+        buf.ids[:T].copy_(imm_ids, non_blocking=True)
+        buf.weights[:T].copy_(weights, non_blocking=True)
+        if def_ids is not None:
+            buf.ids_def[:T].copy_(def_ids, non_blocking=True)
+        if self.cpu:
+            pool.submit_on_stream(buf.job, main, host_funcs=hf)
+            if def_ids is not None:
+                pool.submit_on_stream(buf.job_def, main, host_funcs=hf)
+        prev, self._pending = self._pending, (buf if def_ids is not None else None)
+        self.side.wait_stream(main)
+        if self.cpu:
+            pool.sync_on_stream(1 if def_ids is not None else 0, self.side, host_funcs=hf)
+        with torch.cuda.stream(self.side):
+            buf.dev[:T].copy_(buf.out[:T], non_blocking=True)
+            if prev is not None:
+                buf.dev_prev[:T].copy_(prev.out_def[:T], non_blocking=True)
+        resident, dense = layer.main_stream_part(x, topk_ids, weights, shared)  # the GPU works while the CPU does
+        main.wait_stream(self.side)
+        y = buf.dev[:T]
+        if resident is not None:
+            y = y + resident
+        if prev is not None:
+            y = y + buf.dev_prev[:T]
+        y = y.to(x.dtype)
+        return y if dense is None else y + dense
+
+    def cpu_jobs(self) -> list:
+        """Every prepared (job, deferred job) of the model's layers: the benchmark re-runs them to time the CPU."""
+        return [(b.job, b.job_def) for b in self._buffers.values()]
+
+    def close(self) -> None:
+        """Free the host functions' payloads (call only when no replay of a graph captured through them is in
+        flight or will follow)."""
+        self.host_funcs.close()
