@@ -94,6 +94,9 @@ PYBIND11_MODULE(_C, m) {
           [cuda](HostFuncs& h, uintptr_t stream, std::shared_ptr<ThreadPool> pool, std::shared_ptr<Job> job) {
             return h.enqueue_submit(cuda(stream), std::move(pool), std::move(job));
           },
+    d["amx_unavailable"] = amx_unavailable_reason();  // "" when the AMX kernels can run
+    d["amx_kernels_compiled"] = amx_kernels_compiled();
+    d["amx_min_tokens_default"] = kAmxMinTokens;
           py::arg("stream"), py::arg("pool"), py::arg("job"))
       .def(
           "submit",
@@ -121,7 +124,7 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<MoeExperts, std::shared_ptr<MoeExperts>>(m, "MoeExperts")
       .def(py::init([](std::shared_ptr<ThreadPool> pool, int n_expert, int hidden, int inter, const std::string& fmt,
-                       int group, const std::string& isa) {
+                       int group, const std::string& isa, bool amx_emulated, int amx_min_tokens) {
              ExpertsConfig c;
              c.n_expert = n_expert;
              c.hidden = hidden;
@@ -132,7 +135,9 @@ PYBIND11_MODULE(_C, m) {
              return std::make_shared<MoeExperts>(c, std::move(pool));
            }),
            py::arg("pool"), py::arg("num_experts"), py::arg("hidden_size"), py::arg("intermediate_size"),
-           py::arg("weight_format"), py::arg("group_size"), py::arg("isa"))
+           py::arg("weight_format"), py::arg("group_size"), py::arg("isa"), py::arg("amx_emulated") = false,
+           py::arg("amx_min_tokens") = kAmxMinTokens)
+      .def_property("amx_min_tokens", &MoeExperts::amx_min_tokens, &MoeExperts::set_amx_min_tokens)
       .def(
           "load",
           [](MoeExperts& ex, int e0, int n, uintptr_t gate, uintptr_t up, uintptr_t down) {
@@ -147,6 +152,8 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("storage",
            [](const MoeExperts& ex) {
+             c.amx = amx_emulated ? AmxMode::emulated : AmxMode::off;
+             c.amx_min_tokens = amx_min_tokens;
              py::list views;
              for (auto& [p, n] : ex.storage()) views.append(py::memoryview::from_memory(p, (py::ssize_t)n, false));
              return views;
@@ -187,6 +194,17 @@ PYBIND11_MODULE(_C, m) {
             c.ids = ptr<const void>(ids);
             c.ids_int32 = ids_int32;
             c.weights = ptr<const float>(weights);
+             const AmxMode amx = ex.amx_mode();
+             d["amx"] = amx == AmxMode::native ? "native" : amx == AmxMode::emulated ? "emulated" : "off";
+             if (amx != AmxMode::off) {
+               d["amx_kernel"] = ex.kernel().gemm_name;
+               d["amx_min_tokens"] = ex.amx_min_tokens();
+               d["amx_activation"] = c.format == WeightFormat::bf16 ? "bf16" : "int8";
+             } else {
+               d["amx_kernel"] = py::none();
+               d["amx_min_tokens"] = py::none();
+               d["amx_activation"] = py::none();
+             }
             c.k = k;
             c.out = ptr<void>(out);
             c.out_bf16 = out_bf16;

@@ -24,6 +24,9 @@ from hetmoe import _C
 
 WEIGHT_FORMATS = ("bf16", "int8", "int4")
 ISAS = ("scalar", "avx2", "avx512", "amx")
+# Tests only: the AMX GEMM through a plain C++ emulation of the tile instructions (any CPU; slow), with the
+# best non-AMX row-block kernels for experts with few tokens.
+AMX_EMULATED = "amx-emulated"
 
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -281,7 +284,10 @@ class CPUExperts:
         weight_format: ``"bf16"``, ``"int8"`` or ``"int4"``.
         group_size: int8/int4 scale group along the input dimension (32, 64 or 128); ``0`` = per-row (int8).
         threads: pool size (default: one per physical core). Ignored when ``pool`` is given.
-        isa: ``"auto"`` (best the CPU supports) or one of ``scalar``, ``avx2``, ``avx512``, ``amx``.
+        isa: ``"auto"`` (best the CPU supports) or one of ``scalar``, ``avx2``, ``avx512``, ``amx``
+            (``"amx-emulated"``: tests only). With ``amx``, each call computes experts that have at least
+            ``amx_min_tokens`` tokens with AMX tiles and the others with the AVX-512 kernels, on the same
+            weights; ``avx512`` forces the AVX-512 kernels for all.
         pool: an ``ExpertPool`` to run on (default: the shared pool for ``threads``).
     """
 
@@ -299,29 +305,44 @@ class CPUExperts:
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"unknown weight_format {weight_format!r}; expected one of {', '.join(WEIGHT_FORMATS)}")
         if isa == "auto":
-            isa = _C.cpu_features()["best_isa"]
+            isa = features["best_isa"]
+        elif emulated:  # row blocks on the best real non-AMX level
+            isa = next(i for i in ("avx512", "avx2", "scalar") if i in features["supported_isas"])
         elif isa not in ISAS:
             raise ValueError(f"unknown isa {isa!r}; expected 'auto' or one of {', '.join(ISAS)}")
         self.pool = pool if pool is not None else shared_pool(threads)
+        amx_min_tokens: the per-expert token count from which AMX is used (default: the engine's measured
+            crossover, ``cpu_info()["amx_min_tokens_default"]``); also settable later as ``.amx_min_tokens``.
+
+    AMX multiplies bf16 x bf16 and int8 x int8, so AMX experts read activations rounded to bf16 (bf16
+    weights) or int8 per group (int8 weights; the AVX-512 path keeps int16); int4 weights use int8
+    activations on both paths. The accuracy cost is measured in tests/test_amx.py.
         self.num_experts = int(num_experts)
         self.hidden_size = int(hidden_size)
         self.intermediate_size = int(intermediate_size)
         self.weight_format = weight_format
         self._ex = _C.MoeExperts(
             self.pool._pool, self.num_experts, self.hidden_size, self.intermediate_size, weight_format,
-            int(group_size), isa,
+            int(group_size), isa, emulated, int(amx_min_tokens),
         )
         self._skip_mask: Optional[torch.Tensor] = None  # static: experts computed elsewhere (set_skip_mask)
 
     # ------------------------------------------------------------------ weights
 
+        amx_min_tokens: Optional[int] = None,
     def load(self, gate: TensorOrList, up: TensorOrList, down: TensorOrList, first_expert: int = 0) -> None:
         """Pack experts from Hugging Face-oriented weights: gate, up ``[n, I, H]``, down ``[n, H, I]``.
 
+        features = _C.cpu_features()
+        emulated = isa == AMX_EMULATED
         Accepts stacked tensors or per-expert lists, in any floating dtype. The engine keeps no reference to
         them afterwards. ``first_expert`` loads a slice (experts ``first_expert .. first_expert + n``).
         """
         gate, up, down = (self._as_list(n, w) for n, w in (("gate", gate), ("up", up), ("down", down)))
+        if amx_min_tokens is None:
+            amx_min_tokens = features["amx_min_tokens_default"]
+        elif isinstance(amx_min_tokens, bool) or not isinstance(amx_min_tokens, int) or amx_min_tokens < 1:
+            raise ValueError(f"amx_min_tokens must be an integer >= 1, got {amx_min_tokens!r}")
         n = len(gate)
         if len(up) != n or len(down) != n:
             raise ValueError(f"gate, up and down hold {len(gate)}, {len(up)} and {len(down)} experts; they must match")
@@ -333,6 +354,17 @@ class CPUExperts:
         for i in range(n):
             for name, w, shape in (("gate", gate[i], (I, H)), ("up", up[i], (I, H)), ("down", down[i], (H, I))):
                 if tuple(w.shape) != shape:
+    @property
+    def amx_min_tokens(self) -> Optional[int]:
+        """Experts with at least this many tokens in a call use the AMX GEMM (None: this engine has no AMX path)."""
+        return self._ex.amx_min_tokens if self._ex.info()["amx"] != "off" else None
+
+    @amx_min_tokens.setter
+    def amx_min_tokens(self, n: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"amx_min_tokens must be an integer >= 1, got {n!r}")
+        self._ex.amx_min_tokens = n
+
                     raise ValueError(f"{name}[{i}] has shape {tuple(w.shape)}; expected {shape} (out x in)")
                 if w.device.type == "meta":
                     raise ValueError(f"{name}[{i}] is a meta tensor and holds no data")

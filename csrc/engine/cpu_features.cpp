@@ -2,6 +2,11 @@
 
 #include <cpuid.h>
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <algorithm>
 #include <cstdio>
@@ -45,6 +50,7 @@ static CpuFeatures detect() {
     unsigned long long xcr0 = xgetbv0();
     f.os_avx = (xcr0 & 0x6) == 0x6;
     f.os_avx512 = (xcr0 & 0xe6) == 0xe6;
+    f.os_amx = (xcr0 & (3ull << 17)) == (3ull << 17);  // XTILECFG, XTILEDATA
   }
   if (__get_cpuid_max(0, nullptr) >= 7) {
     __cpuid_count(7, 0, a, b, c, d);
@@ -70,14 +76,13 @@ bool CpuFeatures::supports(Isa isa) const {
     case Isa::scalar: return true;
     case Isa::avx2: return avx2_ok;
     case Isa::avx512: return avx512_ok;
-    case Isa::amx: return avx512_ok && amx_tile && amx_bf16 && amx_int8;
+    case Isa::amx: return avx512_ok && amx_unavailable_reason().empty();
   }
   return false;
 }
 
 Isa CpuFeatures::best() const {
-  // AMX kernels arrive with the AMX issue; until then its slot in the dispatch table runs the AVX-512 kernels,
-  // so the best level we select is avx512.
+  if (supports(Isa::amx)) return Isa::amx;
   if (supports(Isa::avx512)) return Isa::avx512;
   if (supports(Isa::avx2)) return Isa::avx2;
   return Isa::scalar;
@@ -106,6 +111,45 @@ std::string CpuFeatures::describe() const {
 const CpuFeatures& cpu_features() {
   static const CpuFeatures f = detect();
   return f;
+}
+
+// Linux arch_prctl codes (asm/prctl.h) and the tile-data state component number.
+constexpr int kArchReqXcompPerm = 0x1023;
+constexpr int kXfeatureXtiledata = 18;
+
+static bool request_amx(int* err) {
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0) return true;
+  *err = errno;
+  return false;
+}
+
+static std::string amx_reason() {
+  const CpuFeatures& f = cpu_features();
+  if (!(f.amx_tile && f.amx_bf16 && f.amx_int8)) return "the CPU has no AMX (amx_tile, amx_bf16, amx_int8)";
+  if (!f.os_amx) return "the OS does not enable the AMX tile state (XCR0 bits 17, 18)";
+#ifndef HETMOE_HAVE_AMX
+  return "this build has no AMX kernels (the compiler did not accept -mamx-tile -mamx-int8 -mamx-bf16)";
+#else
+  int err = 0;
+  if (!request_amx(&err))
+    return std::string("the kernel refused AMX: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) failed: ") +
+           std::strerror(err);
+  return "";
+#endif
+}
+
+const std::string& amx_unavailable_reason() {
+  static const std::string reason = amx_reason();
+  return reason;
+}
+
+bool amx_thread_ready() {
+  static thread_local int state = 0;  // 0 unknown, 1 granted, -1 refused
+  if (state == 0) {
+    int err = 0;
+    state = amx_unavailable_reason().empty() && request_amx(&err) ? 1 : -1;
+  }
+  return state == 1;
 }
 
 // C stdio rather than iostreams: some toolchains link libstdc++ statically into the extension, and its

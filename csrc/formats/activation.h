@@ -67,6 +67,20 @@ inline void quantize_activation(WeightFormat f, const float* x, int k, const Act
   }
 }
 
+inline uint16_t float_to_bf16(float f);
+
+// The AMX experts' activation row (ActLayout::make(shape, true)): bf16 elements for bf16 weights, int8 groups
+// with qmax 127 for int8 and int4 weights (for int4 this is the same row as quantize_activation writes).
+inline void quantize_activation_amx(WeightFormat f, const float* x, int k, const ActLayout& a, uint8_t* row) {
+  if (f == WeightFormat::bf16) {
+    uint16_t* dst = reinterpret_cast<uint16_t*>(row);
+    for (int i = 0; i < k; ++i) dst[i] = float_to_bf16(x[i]);
+    for (int i = k; i < a.kp; ++i) dst[i] = 0;
+  } else {
+    quantize_groups<int8_t>(x, k, a, 127.f, row);
+  }
+}
+
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = (uint32_t)v << 16;
   float f;

@@ -102,6 +102,11 @@ inline size_t act_elem_bytes(WeightFormat f) {
   return 0;
 }
 
+// AMX tiles multiply bf16 x bf16 and int8 x int8 only, so experts computed with AMX read narrower activations:
+// bf16 for bf16 weights, int8 (groups as above, qmax 127) for int8 and int4 weights. Same row layout otherwise;
+// the elements of consecutive rows are A-tile rows (tileloadd base + m * row stride).
+inline size_t act_elem_bytes_amx(WeightFormat f) { return f == WeightFormat::bf16 ? 2 : 1; }
+
 struct ActLayout {
   int kp;
   int group;
@@ -110,11 +115,11 @@ struct ActLayout {
   size_t sums_off;    // byte offset of the int32 sums
   size_t row_bytes;   // 64-byte multiple
 
-  static ActLayout make(const MatrixShape& s) {
+  static ActLayout make(const MatrixShape& s, bool amx = false) {
     ActLayout a;
     a.kp = s.kp;
     a.group = s.group;
-    a.elem_bytes = act_elem_bytes(s.format);
+    a.elem_bytes = amx ? act_elem_bytes_amx(s.format) : act_elem_bytes(s.format);
     a.scales_off = (size_t)round_up((int64_t)s.kp * a.elem_bytes, 64);
     a.sums_off = a.scales_off + (size_t)round_up((int64_t)s.n_groups() * 4, 64);
     a.row_bytes = a.sums_off + (size_t)round_up((int64_t)s.n_groups() * 4, 64);

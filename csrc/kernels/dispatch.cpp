@@ -15,17 +15,51 @@ const KernelEntry kTable[4][3] = {
     /* avx512 */ {{avx512::rowblock_bf16, "bf16/avx512-fma"},
                   {avx512::rowblock_int8, "int8/avx512-vnni"},
                   {avx512::rowblock_int4, "int4/avx512-vnni"}},
-    /* amx    */ {{}, {}, {}},  // AMX tile kernels: filled by the AMX prefill issue
+    /* amx    */ {{}, {}, {}},  // row blocks of few tokens: the AVX-512 kernels; the GEMM comes from kGemm
 };
+
+struct GemmEntry {
+  GemmKernel fn;
+  const char* name;
+};
+
+#ifdef HETMOE_HAVE_AMX
+const GemmEntry kGemm[3] = {{amx::gemm_bf16, "bf16/amx-tdpbf16ps"},
+                            {amx::gemm_int8, "int8/amx-tdpbsud"},
+                            {amx::gemm_int4, "int4/amx-tdpbsud"}};
+#else
+const GemmEntry kGemm[3] = {{nullptr, nullptr}, {nullptr, nullptr}, {nullptr, nullptr}};
+#endif
+const GemmEntry kGemmEmulated[3] = {{amx::emulated_gemm_bf16, "bf16/amx-emulated"},
+                                    {amx::emulated_gemm_int8, "int8/amx-emulated"},
+                                    {amx::emulated_gemm_int4, "int4/amx-emulated"}};
 
 }  // namespace
 
-KernelEntry select_kernel(WeightFormat format, Isa isa) {
+bool amx_kernels_compiled() {
+#ifdef HETMOE_HAVE_AMX
+  return true;
+#else
+  return false;
+#endif
+}
+
+KernelEntry select_kernel(WeightFormat format, Isa isa, AmxMode amx) {
+  KernelEntry out = kTable[0][(int)format];
   for (int level = (int)isa; level >= 0; --level) {
     const KernelEntry& e = kTable[level][(int)format];
-    if (e.rowblock) return e;
+    if (e.rowblock) {
+      out = e;
+      break;
+    }
   }
-  return kTable[0][(int)format];
+  if (isa == Isa::amx && amx == AmxMode::off) amx = AmxMode::native;
+  if (amx != AmxMode::off) {
+    const GemmEntry& g = (amx == AmxMode::native ? kGemm : kGemmEmulated)[(int)format];
+    out.gemm = g.fn;
+    out.gemm_name = g.name;
+  }
+  return out;
 }
 
 ReadKernel select_read_kernel(Isa isa) {

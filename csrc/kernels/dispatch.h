@@ -20,14 +20,32 @@ constexpr int kPrefetchBytes = 512;
 using RowBlockKernel = void (*)(const RowBlock& w, const uint8_t* const* act_rows, const ActLayout& act, int n_tok,
                                 float* out /* [n_tok][16] */);
 
+// A GEMM over many tokens of one expert (kernels/amx/gemm.h): one or two packed row blocks, tokens read as
+// A-tile rows from AMX activation rows (ActLayout::make(shape, true)) at a fixed stride:
+//     out[t * 32 + 16 * j + r] = sum_k W_j[r][k] * a_t[k]      for t < n_tok, j < n_blk (1 or 2), r < 16
+// with a_t = act + t * act_stride. Rows up to round_up(n_tok, 16) are read (the caller provides them; rows
+// past n_tok only feed outputs that are not written).
+using GemmKernel = void (*)(const RowBlock* w, int n_blk, const uint8_t* act, size_t act_stride, const ActLayout& a,
+                            int n_tok, float* out /* [n_tok][32] */);
+
 struct KernelEntry {
   RowBlockKernel rowblock = nullptr;
   const char* name = nullptr;  // e.g. "int4/avx512-vnni"
+  GemmKernel gemm = nullptr;   // AMX tile GEMM for experts with many tokens (null: none)
+  const char* gemm_name = nullptr;
 };
 
-// The table entry for (format, isa). An ISA whose kernels are not written yet for a format falls back to the
-// next lower level (the AMX slot runs the AVX-512 kernels until the AMX issue fills it); `name` tells which ran.
-KernelEntry select_kernel(WeightFormat format, Isa isa);
+// How the AMX GEMM runs: not at all, on the AMX units, or through the plain C++ emulation of the same tile
+// instructions (tests of the tile loop logic on machines without AMX; slow).
+enum class AmxMode : int { off = 0, native = 1, emulated = 2 };
+
+// The table entry for (format, isa). An ISA whose kernels are not written for a format falls back to the
+// next lower level; `name` tells which ran. The AMX level runs the AVX-512 row-block kernels (few tokens per
+// expert) plus the AMX GEMM (many tokens); `emulated` replaces that GEMM by its emulation.
+KernelEntry select_kernel(WeightFormat format, Isa isa, AmxMode amx = AmxMode::off);
+
+// Whether the AMX tile kernels were compiled into this build (the compiler knew -mamx-*).
+bool amx_kernels_compiled();
 
 // Streams `bytes` (a multiple of 64) through vector loads and returns a value depending on all of them:
 // the STREAM-style read loop our bandwidth probe uses, at the same ISA level as the kernels.
@@ -52,5 +70,13 @@ void rowblock_bf16(const RowBlock&, const uint8_t* const*, const ActLayout&, int
 void rowblock_int8(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_int4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 }  // namespace avx512
+namespace amx {  // kernels/amx/kernels.cpp (real tile instructions) and emulated.cpp (plain C++)
+void gemm_bf16(const RowBlock*, int, const uint8_t*, size_t, const ActLayout&, int, float*);
+void gemm_int8(const RowBlock*, int, const uint8_t*, size_t, const ActLayout&, int, float*);
+void gemm_int4(const RowBlock*, int, const uint8_t*, size_t, const ActLayout&, int, float*);
+void emulated_gemm_bf16(const RowBlock*, int, const uint8_t*, size_t, const ActLayout&, int, float*);
+void emulated_gemm_int8(const RowBlock*, int, const uint8_t*, size_t, const ActLayout&, int, float*);
+void emulated_gemm_int4(const RowBlock*, int, const uint8_t*, size_t, const ActLayout&, int, float*);
+}  // namespace amx
 
 }  // namespace hetmoe

@@ -11,6 +11,7 @@
 
 #include "formats/activation.h"
 #include "formats/pack.h"
+#include "moe/expert_tasks.h"
 
 namespace hetmoe {
 
@@ -51,8 +52,14 @@ static void check_config(const ExpertsConfig& c) {
       bad("group_size must be 32, 64 or 128" + std::string(c.format == WeightFormat::int8 ? " (or 0 for per-row)" : "") +
           ", got " + std::to_string(c.group));
   }
+  if (c.isa == Isa::amx && !amx_unavailable_reason().empty())
+    bad("the amx kernels cannot run here: " + amx_unavailable_reason() + " (CPU flags: " + cpu_features().describe() +
+        ")");
   if (!cpu_features().supports(c.isa))
     bad(std::string("this CPU cannot run the ") + isa_name(c.isa) + " kernels (it has: " + cpu_features().describe() + ")");
+  if (c.amx == AmxMode::native && c.isa != Isa::amx)
+    bad("the native AMX GEMM needs isa amx, got " + std::string(isa_name(c.isa)));
+  if (c.amx_min_tokens < 1) bad("amx_min_tokens must be >= 1, got " + std::to_string(c.amx_min_tokens));
 }
 
 MoeExperts::MoeExperts(const ExpertsConfig& cfg, std::shared_ptr<ThreadPool> pool) : cfg_(cfg), pool_(std::move(pool)) {
@@ -61,13 +68,23 @@ MoeExperts::MoeExperts(const ExpertsConfig& cfg, std::shared_ptr<ThreadPool> poo
   down_ = MatrixShape::make(cfg_.format, cfg_.hidden, cfg_.intermediate, cfg_.group);
   gu_act_ = ActLayout::make(gu_);
   down_act_ = ActLayout::make(down_);
-  kernel_ = select_kernel(cfg_.format, cfg_.isa);
+  gu_amx_act_ = ActLayout::make(gu_, true);
+  down_amx_act_ = ActLayout::make(down_, true);
+  if (cfg_.isa == Isa::amx && cfg_.amx == AmxMode::off) cfg_.amx = AmxMode::native;
+  kernel_ = select_kernel(cfg_.format, cfg_.isa, cfg_.amx);
+  amx_min_tokens_.store(cfg_.amx_min_tokens);
   size_t E = cfg_.n_expert;
   gu_data_ = HugeBuffer(E * 2 * gu_.data_bytes());
   gu_scales_ = HugeBuffer(E * 2 * gu_.scale_bytes());
   down_data_ = HugeBuffer(E * down_.data_bytes());
   down_scales_ = HugeBuffer(E * down_.scale_bytes());
   loaded_.assign(E, 0);
+}
+
+void MoeExperts::set_amx_min_tokens(int n) {
+  if (n < 1) throw std::invalid_argument("amx_min_tokens must be >= 1, got " + std::to_string(n));
+  cfg_.amx_min_tokens = n;
+  amx_min_tokens_.store(n);
 }
 
 size_t MoeExperts::bytes_per_expert() const {
@@ -274,34 +291,6 @@ namespace {
 
 constexpr int64_t kTokensPerChunk = 1024;  // bounds the scratch memory of very long prompts
 
-// (expert, row-block range) units of one phase.
-struct Task {
-  int e;
-  int rb0, rb1;
-};
-
-// exp(x) for the SwiGLU: Cody-Waite range reduction and a degree-6 polynomial (relative error ~2e-7), in plain
-// float arithmetic so the compiler vectorizes it and every ISA gets the same bits.
-inline float fast_exp(float x) {
-  x = x == x ? x : 0.f;  // NaN: any finite value; the caller's numerator carries the NaN
-  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round(x / ln 2)
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-  float p = 1.38888889e-3f;
-  p = p * r + 8.33333333e-3f;
-  p = p * r + 4.16666667e-2f;
-  p = p * r + 1.66666667e-1f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  int32_t bits = ((int32_t)n + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
-
-inline float silu(float g) { return g / (1.f + fast_exp(-g)); }
-
 inline void load_row_fp32(const void* base, bool bf16, int64_t row, int n, float* dst) {
   if (bf16) {
     const uint16_t* src = static_cast<const uint16_t*>(base) + row * n;
@@ -311,21 +300,10 @@ inline void load_row_fp32(const void* base, bool bf16, int64_t row, int n, float
   }
 }
 
-// Splits every active expert's row blocks into tasks of about equal cost, heaviest experts first so the
-// dynamic queue finishes evenly. Cost of one row block ~ streaming it once plus its tokens' compute.
-void make_tasks(const std::vector<int>& active, const std::vector<int>& count, int n_blocks, int n_threads,
-                std::vector<Task>& tasks) {
-  tasks.clear();
-  double total = 0;
-  for (int e : active) total += n_blocks * (1.0 + count[e] / 4.0);
-  // ~16 tasks per thread: the last task to finish bounds the phase's tail to a few percent of it.
-  double target = total / (16.0 * n_threads);
-  for (int e : active) {
-    double cost = 1.0 + count[e] / 4.0;
-    int step = std::max(1, std::min(n_blocks, (int)(target / cost)));
-    for (int rb = 0; rb < n_blocks; rb += step) tasks.push_back({e, rb, std::min(n_blocks, rb + step)});
-  }
-}
+constexpr int kAmxScratchSlot = 8;  // pool scratch slot of the gathered AMX activations of x
+
+// Tokens per AMX task: its activation panel (tokens x K) stays within ~1 MiB of L2 while the weights stream.
+int amx_panel_tokens(const ActLayout& a) { return std::max<int>(32, (int)((1u << 20) / a.row_bytes) / 32 * 32); }
 
 // Per-row work (quantizing, combining) of a decode step is cheaper on the coordinator alone than waking every
 // thread for it; it goes parallel above this many elements.
@@ -381,7 +359,6 @@ void MoeJob::run_chunk(ThreadPool& pool, int64_t t0, int64_t t1) {
   const int E = cfg.n_expert, H = cfg.hidden, I = cfg.intermediate, k = call_.k;
   const int nt = (int)(t1 - t0);
   const WeightFormat fmt = cfg.format;
-  const RowBlockKernel kernel = ex.kernel().rowblock;
 
   // ---- route: count (token, slot) pairs per expert
   std::vector<int> count(E, 0), pos((size_t)nt * k, -1);
@@ -426,57 +403,59 @@ void MoeJob::run_chunk(ThreadPool& pool, int64_t t0, int64_t t1) {
   const int n_threads = pool.size();
 
   if (n_slots > 0) {
-    // ---- quantize x, once per token
-    uint8_t* xq = pool.scratch(0, (size_t)nt * ga.row_bytes);
-    for_rows(pool, nt, H, [&](int64_t t, int th) {
-      float* row = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
-      load_row_fp32(call_.x, call_.x_bf16, t0 + t, H, row);
-      quantize_activation(fmt, row, H, ga, xq + t * ga.row_bytes);
-    });
+    // AMX experts: those with at least amx_min_tokens tokens. `active` is sorted by count, so they come first
+    // and own the slots [0, n_amx_slots).
+    int n_amx = 0;
+    while (n_amx < (int)active.size() && ex.uses_amx(count[active[n_amx]])) ++n_amx;
+    const int n_amx_slots = n_amx ? first[active[n_amx - 1]] + count[active[n_amx - 1]] : 0;
+    const ActLayout& gxa = ex.gate_up_amx_act();
+    const ActLayout& dxa = ex.down_amx_act();
     std::vector<const uint8_t*> x_rows(n_slots), h_rows(n_slots);
-    for (int s = 0; s < n_slots; ++s) x_rows[s] = xq + (size_t)slot_token[s] * ga.row_bytes;
+
+    // ---- quantize x: once per token for the row-block kernels; once per AMX slot, gathered so that an
+    // expert's tokens are consecutive A-tile rows (+16 rows of slack: a tile reads 16 rows)
+    if (n_amx_slots < n_slots) {
+      uint8_t* xq = pool.scratch(0, (size_t)nt * ga.row_bytes);
+      for_rows(pool, nt, H, [&](int64_t t, int th) {
+        float* row = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
+        load_row_fp32(call_.x, call_.x_bf16, t0 + t, H, row);
+        quantize_activation(fmt, row, H, ga, xq + t * ga.row_bytes);
+      });
+      for (int s = n_amx_slots; s < n_slots; ++s) x_rows[s] = xq + (size_t)slot_token[s] * ga.row_bytes;
+    }
+    uint8_t* xa = nullptr;
+    if (n_amx_slots > 0) {
+      xa = pool.scratch(kAmxScratchSlot, (size_t)(n_amx_slots + 16) * gxa.row_bytes);
+      for_rows(pool, n_amx_slots, H, [&](int64_t s, int th) {
+        float* row = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
+        load_row_fp32(call_.x, call_.x_bf16, t0 + slot_token[s], H, row);
+        quantize_activation_amx(fmt, row, H, gxa, xa + s * gxa.row_bytes);
+      });
+    }
 
     // ---- phase 1: gate + up, SwiGLU -> h [n_slots, I]
     float* h = reinterpret_cast<float*>(pool.scratch(1, sizeof(float) * (size_t)n_slots * I));
     std::vector<Task> tasks;
-    make_tasks(active, count, gu.n_blocks, n_threads, tasks);
-    pool.parallel_for((int64_t)tasks.size(), [&](int64_t ti, int th) {
-      const Task& task = tasks[ti];
-      const int n_e = count[task.e], s0 = first[task.e];
-      float* g = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * 2 * kRowsPerBlock * n_e));
-      float* u = g + kRowsPerBlock * n_e;
-      for (int rb = task.rb0; rb < task.rb1; ++rb) {
-        kernel(ex.gate_up_block(task.e, rb, 0), x_rows.data() + s0, ga, n_e, g);
-        kernel(ex.gate_up_block(task.e, rb, 1), x_rows.data() + s0, ga, n_e, u);
-        const int r_end = std::min(kRowsPerBlock, I - rb * kRowsPerBlock);
-        for (int i = 0; i < n_e; ++i)
-          for (int r = 0; r < r_end; ++r)
-            h[(size_t)(s0 + i) * I + rb * kRowsPerBlock + r] =
-                silu(g[i * kRowsPerBlock + r]) * u[i * kRowsPerBlock + r];
-      }
-    });
+    make_tasks(active, count, n_amx, TaskPlan{gu.n_blocks, 1, amx_panel_tokens(gxa), n_threads}, tasks);
+    const PhaseInput in1{x_rows.data(), xa, gxa.row_bytes, first.data()};
+    pool.parallel_for((int64_t)tasks.size(), [&](int64_t ti, int th) { run_gate_up_task(ex, tasks[ti], in1, h, pool, th); });
 
-    // ---- quantize h, once per (token, expert)
-    uint8_t* hq = pool.scratch(2, (size_t)n_slots * da.row_bytes);
+    // ---- quantize h, once per (token, expert), in the format of the expert's path
+    const size_t h_stride = std::max(da.row_bytes, dxa.row_bytes);
+    uint8_t* hq = pool.scratch(2, (size_t)(n_slots + 16) * h_stride);
     for_rows(pool, n_slots, I, [&](int64_t s, int) {
-      quantize_activation(fmt, h + (size_t)s * I, I, da, hq + s * da.row_bytes);
+      if (s < n_amx_slots)
+        quantize_activation_amx(fmt, h + (size_t)s * I, I, dxa, hq + s * h_stride);
+      else
+        quantize_activation(fmt, h + (size_t)s * I, I, da, hq + s * h_stride);
     });
-    for (int s = 0; s < n_slots; ++s) h_rows[s] = hq + (size_t)s * da.row_bytes;
+    for (int s = 0; s < n_slots; ++s) h_rows[s] = hq + (size_t)s * h_stride;
 
     // ---- phase 2: down -> y [n_slots, H]
     float* y = reinterpret_cast<float*>(pool.scratch(3, sizeof(float) * (size_t)n_slots * H));
-    make_tasks(active, count, dn.n_blocks, n_threads, tasks);
-    pool.parallel_for((int64_t)tasks.size(), [&](int64_t ti, int th) {
-      const Task& task = tasks[ti];
-      const int n_e = count[task.e], s0 = first[task.e];
-      float* o = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * kRowsPerBlock * n_e));
-      for (int rb = task.rb0; rb < task.rb1; ++rb) {
-        kernel(ex.down_block(task.e, rb), h_rows.data() + s0, da, n_e, o);
-        const int r_end = std::min(kRowsPerBlock, H - rb * kRowsPerBlock);
-        for (int i = 0; i < n_e; ++i)
-          std::memcpy(y + (size_t)(s0 + i) * H + rb * kRowsPerBlock, o + i * kRowsPerBlock, sizeof(float) * r_end);
-      }
-    });
+    make_tasks(active, count, n_amx, TaskPlan{dn.n_blocks, 2, amx_panel_tokens(dxa), n_threads}, tasks);
+    const PhaseInput in2{h_rows.data(), hq, h_stride, first.data()};
+    pool.parallel_for((int64_t)tasks.size(), [&](int64_t ti, int th) { run_down_task(ex, tasks[ti], in2, y, pool, th); });
     combine(pool, call_, H, t0, nt, pos, y);
     return;
   }

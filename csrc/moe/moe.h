@@ -11,6 +11,7 @@
 // T is read when the job runs (through a pointer when given), so one prepared job serves every T up to its
 // capacity; this is what lets a CUDA graph replay it.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -46,6 +47,12 @@ class HugeBuffer {
   size_t size_ = 0;
 };
 
+// Experts with at least this many tokens in a call run on the AMX GEMM (where the engine has one), the
+// others on the row-block kernels, on the same packed weights. The one default; overridable per layer
+// (CPUExperts(amx_min_tokens=...)). Crossover measured with `hetmoe bench kernel --crossover` (AMX vs
+// AVX-512 on the same layer at 1..32 tokens per expert, bench/device/amx.sh).
+constexpr int kAmxMinTokens = 4;
+
 struct ExpertsConfig {
   int n_expert = 0;
   int hidden = 0;        // H
@@ -53,6 +60,8 @@ struct ExpertsConfig {
   WeightFormat format = WeightFormat::bf16;
   int group = 128;       // int8: <= 0 means per-row scales
   Isa isa = Isa::scalar;
+  AmxMode amx = AmxMode::off;  // isa == amx implies native; emulated: tests only
+  int amx_min_tokens = kAmxMinTokens;
 };
 
 class MoeExperts {
@@ -83,6 +92,14 @@ class MoeExperts {
   const ActLayout& gate_up_act() const { return gu_act_; }
   const ActLayout& down_act() const { return down_act_; }
   const KernelEntry& kernel() const { return kernel_; }
+  // AMX experts' activation rows (bf16 / int8; formats/activation.h quantize_activation_amx).
+  const ActLayout& gate_up_amx_act() const { return gu_amx_act_; }
+  const ActLayout& down_amx_act() const { return down_amx_act_; }
+  AmxMode amx_mode() const { return kernel_.gemm ? cfg_.amx : AmxMode::off; }
+  // Read when a job runs; change it between jobs (benchmarks compare both paths on the same weights).
+  int amx_min_tokens() const { return amx_min_tokens_.load(std::memory_order_relaxed); }
+  void set_amx_min_tokens(int n);
+  bool uses_amx(int n_tokens) const { return kernel_.gemm != nullptr && n_tokens >= amx_min_tokens(); }
   size_t bytes_per_expert() const;  // weights + scales, as streamed by one decode step
   bool is_loaded(int e) const { return loaded_[e] != 0; }
   int n_loaded() const;
@@ -98,8 +115,9 @@ class MoeExperts {
   ExpertsConfig cfg_;
   std::shared_ptr<ThreadPool> pool_;
   MatrixShape gu_, down_;
-  ActLayout gu_act_, down_act_;
+  ActLayout gu_act_, down_act_, gu_amx_act_, down_amx_act_;
   KernelEntry kernel_;
+  std::atomic<int> amx_min_tokens_{kAmxMinTokens};
   HugeBuffer gu_data_, gu_scales_, down_data_, down_scales_;
   std::vector<uint8_t> loaded_;
 };

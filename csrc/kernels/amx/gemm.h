@@ -1,0 +1,219 @@
+// The AMX GEMM of one expert: many tokens x one or two packed row blocks (formats/layout.h), written once
+// against a tiny tile-op wrapper `Tiles` and compiled twice: kernels.cpp with the real tile instructions,
+// emulated.cpp with a plain C++ emulation of exactly those instructions (so the loop and layout logic is tested
+// on machines without AMX). Include it only from those two files: everything here is file-local.
+//
+// Tiles (static functions; tile numbers are fixed by the wrapper):
+//   configure(a_colsb, b_rows)  C tiles 0..3 = 16 x 64 B, A tiles 4, 5 = 16 x a_colsb, B tiles 6, 7 = b_rows x 64 B
+//   release()                   tilerelease
+//   zero_c<I, J>()              C(I, J) = 0                       (C(I, J) is tile 2 I + J)
+//   load_a<I>(p, stride)        A(I) = 16 rows at p + m * stride
+//   load_b<J>(p)                B(J) = b_rows rows of 64 B, contiguous at p
+//   dp_bf16<I, J>()             C(I, J) += A(I) . B(J)    tdpbf16ps: fp32 += bf16 pair products
+//   dp_int8<I, J>()             C(I, J) += A(I) . B(J)    tdpbsud: int32 += signed A bytes x unsigned B bytes
+//   store_c<I, J>(p, stride)    16 rows of 64 B to p + m * stride
+//   unpack_int4(src, n, dst)    n int4 lines -> 2n int8 lines (low nibbles, then high nibbles, per line)
+//   prefetch(p)
+//
+// Shapes: a tile step covers 32 tokens (A(0), A(1): 16 each) x 32 outputs (B(0), B(1): 16 rows each) x one K
+// step (bf16: 32 k = 16 B rows of bf16 pairs; int8: min(group, 64) k = 16 or 8 B rows of 4 bytes). A B tile is
+// a run of consecutive lines of one packed row block: the weights are read in place, never repacked (int4 is
+// first expanded to int8 lines in a per-thread slab, since tiles multiply bytes, not nibbles).
+//
+// Loop nest: the caller hands one (expert, row-block pair, token range) task; here the row blocks' weights
+// (<= 2 x 229 KB for K = 7168) are streamed from DRAM by the first token block and re-read from L2 by the
+// others; C accumulates in tiles across K (bf16) or across one scale group (int8/int4: then the int32 sums
+// go through the same fp32 epilogue as the other kernels: acc = fma(float(isum - offset * xsum), w_scale *
+// x_scale, acc)).
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "formats/activation.h"
+#include "formats/layout.h"
+
+namespace hetmoe {
+namespace amx {
+namespace {
+
+constexpr int kTokBlock = 32;        // tokens per tile step (two A tiles)
+constexpr int kOutStride = 32;       // floats per output row: [n_tok][32]
+constexpr int kPrefetchAhead = 4096;  // bytes ahead along the weight stream, first token block only
+
+// Per-thread buffer of the int4 expansion (grows, 64-byte aligned, never shrinks).
+inline uint8_t* slab(size_t bytes) {
+  struct Buf {
+    uint8_t* p = nullptr;
+    size_t n = 0;
+    ~Buf() { std::free(p); }
+  };
+  static thread_local Buf buf;
+  if (bytes > buf.n) {
+    std::free(buf.p);
+    buf.p = nullptr;
+    buf.n = 0;
+    void* p = nullptr;
+    if (posix_memalign(&p, 64, bytes) != 0) throw std::bad_alloc();
+    buf.p = static_cast<uint8_t*>(p);
+    buf.n = bytes;
+  }
+  return buf.p;
+}
+
+template <class Tiles>
+struct Gemm {
+  // ---- bf16 weights x bf16 activations: fp32 accumulation in tiles over all of K.
+  template <int NA, int NB>
+  static void bf16_step(const RowBlock* w, const uint8_t* a0, size_t stride, int kp, bool first, float* c) {
+    if constexpr (NA > 0) Tiles::template zero_c<0, 0>();
+    if constexpr (NB > 1) Tiles::template zero_c<0, 1>();
+    if constexpr (NA > 1) Tiles::template zero_c<1, 0>();
+    if constexpr (NA > 1 && NB > 1) Tiles::template zero_c<1, 1>();
+    for (int k0 = 0; k0 < kp; k0 += 32) {
+      const uint8_t* b0 = w[0].data + (size_t)(k0 / 2) * kLineBytes;
+      const uint8_t* b1 = NB > 1 ? w[1].data + (size_t)(k0 / 2) * kLineBytes : nullptr;
+      if (first)
+        for (int l = 0; l < 16; ++l) {
+          Tiles::prefetch(b0 + kPrefetchAhead + l * kLineBytes);
+          if constexpr (NB > 1) Tiles::prefetch(b1 + kPrefetchAhead + l * kLineBytes);
+        }
+      Tiles::template load_a<0>(a0 + 2 * (size_t)k0, stride);
+      Tiles::template load_b<0>(b0);
+      Tiles::template dp_bf16<0, 0>();
+      if constexpr (NB > 1) {
+        Tiles::template load_b<1>(b1);
+        Tiles::template dp_bf16<0, 1>();
+      }
+      if constexpr (NA > 1) {
+        Tiles::template load_a<1>(a0 + 16 * stride + 2 * (size_t)k0, stride);
+        Tiles::template dp_bf16<1, 0>();
+        if constexpr (NB > 1) Tiles::template dp_bf16<1, 1>();
+      }
+    }
+    const size_t cs = kOutStride * sizeof(float);
+    Tiles::template store_c<0, 0>(c, cs);
+    if constexpr (NB > 1) Tiles::template store_c<0, 1>(c + 16, cs);
+    if constexpr (NA > 1) Tiles::template store_c<1, 0>(c + 16 * kOutStride, cs);
+    if constexpr (NA > 1 && NB > 1) Tiles::template store_c<1, 1>(c + 16 * kOutStride + 16, cs);
+  }
+
+  static void bf16(const RowBlock* w, int n_blk, const uint8_t* act, size_t stride, const ActLayout&, int n_tok,
+                   float* out) {
+    alignas(64) float c[kTokBlock * kOutStride];
+    Tiles::configure(64, 16);
+    for (int m0 = 0; m0 < n_tok; m0 += kTokBlock) {
+      const int rows = n_tok - m0 < kTokBlock ? n_tok - m0 : kTokBlock;
+      const uint8_t* a0 = act + (size_t)m0 * stride;
+      const bool first = m0 == 0;
+      if (rows > 16)
+        n_blk > 1 ? bf16_step<2, 2>(w, a0, stride, w[0].kp, first, c) : bf16_step<2, 1>(w, a0, stride, w[0].kp, first, c);
+      else
+        n_blk > 1 ? bf16_step<1, 2>(w, a0, stride, w[0].kp, first, c) : bf16_step<1, 1>(w, a0, stride, w[0].kp, first, c);
+      for (int t = 0; t < rows; ++t)
+        std::memcpy(out + (size_t)(m0 + t) * kOutStride, c + t * kOutStride, sizeof(float) * 16 * n_blk);
+    }
+    Tiles::release();
+  }
+
+  // ---- int8 lines (unsigned, offset `offset`) x int8 activations: int32 per group in tiles, fp32 epilogue.
+  // lines[j]: the int8-layout lines of block j (K per line 4); scales[j]: its [n_groups][16] scales.
+  template <int NA, int NB>
+  static void int8_group(const uint8_t* const* lines, const uint8_t* a0, size_t stride, int k0, int n_steps,
+                         int kstep, bool first, int32_t* c) {
+    if constexpr (NA > 0) Tiles::template zero_c<0, 0>();
+    if constexpr (NB > 1) Tiles::template zero_c<0, 1>();
+    if constexpr (NA > 1) Tiles::template zero_c<1, 0>();
+    if constexpr (NA > 1 && NB > 1) Tiles::template zero_c<1, 1>();
+    for (int s = 0; s < n_steps; ++s, k0 += kstep) {
+      const uint8_t* b0 = lines[0] + (size_t)(k0 / 4) * kLineBytes;
+      const uint8_t* b1 = NB > 1 ? lines[1] + (size_t)(k0 / 4) * kLineBytes : nullptr;
+      if (first)
+        for (int l = 0; l < kstep / 4; ++l) {
+          Tiles::prefetch(b0 + kPrefetchAhead + l * kLineBytes);
+          if constexpr (NB > 1) Tiles::prefetch(b1 + kPrefetchAhead + l * kLineBytes);
+        }
+      Tiles::template load_a<0>(a0 + k0, stride);
+      Tiles::template load_b<0>(b0);
+      Tiles::template dp_int8<0, 0>();
+      if constexpr (NB > 1) {
+        Tiles::template load_b<1>(b1);
+        Tiles::template dp_int8<0, 1>();
+      }
+      if constexpr (NA > 1) {
+        Tiles::template load_a<1>(a0 + 16 * stride + k0, stride);
+        Tiles::template dp_int8<1, 0>();
+        if constexpr (NB > 1) Tiles::template dp_int8<1, 1>();
+      }
+    }
+    const size_t cs = kOutStride * sizeof(int32_t);
+    Tiles::template store_c<0, 0>(c, cs);
+    if constexpr (NB > 1) Tiles::template store_c<0, 1>(c + 16, cs);
+    if constexpr (NA > 1) Tiles::template store_c<1, 0>(c + 16 * kOutStride, cs);
+    if constexpr (NA > 1 && NB > 1) Tiles::template store_c<1, 1>(c + 16 * kOutStride + 16, cs);
+  }
+
+  static void int8_lines(const uint8_t* const* lines, const float* const* scales, int n_blk, int kp, int group,
+                         int32_t offset, const uint8_t* act, size_t stride, const ActLayout& a, int n_tok, float* out,
+                         bool prefetch) {
+    const int kstep = group < 64 ? group : 64, n_steps = group / kstep, n_groups = kp / group;
+    alignas(64) int32_t c[kTokBlock * kOutStride];
+    alignas(64) float acc[kTokBlock * kOutStride];
+    Tiles::configure(kstep, kstep / 4);
+    for (int m0 = 0; m0 < n_tok; m0 += kTokBlock) {
+      const int rows = n_tok - m0 < kTokBlock ? n_tok - m0 : kTokBlock;
+      const uint8_t* a0 = act + (size_t)m0 * stride;
+      const bool first = prefetch && m0 == 0;
+      std::memset(acc, 0, sizeof(acc));
+      for (int g = 0; g < n_groups; ++g) {
+        const int k0 = g * group;
+        if (rows > 16)
+          n_blk > 1 ? int8_group<2, 2>(lines, a0, stride, k0, n_steps, kstep, first, c)
+                    : int8_group<2, 1>(lines, a0, stride, k0, n_steps, kstep, first, c);
+        else
+          n_blk > 1 ? int8_group<1, 2>(lines, a0, stride, k0, n_steps, kstep, first, c)
+                    : int8_group<1, 1>(lines, a0, stride, k0, n_steps, kstep, first, c);
+        for (int t = 0; t < rows; ++t) {
+          const uint8_t* row = a0 + (size_t)t * stride;
+          const float xs = act_scales(row, a)[g];
+          const int32_t xoff = offset * act_sums(row, a)[g];
+          for (int j = 0; j < n_blk; ++j) {
+            const float* ws = scales[j] + g * kRowsPerBlock;
+            const int32_t* ci = c + t * kOutStride + 16 * j;
+            float* o = acc + t * kOutStride + 16 * j;
+            for (int r = 0; r < 16; ++r) o[r] = std::fma((float)(ci[r] - xoff), ws[r] * xs, o[r]);
+          }
+        }
+      }
+      for (int t = 0; t < rows; ++t)
+        std::memcpy(out + (size_t)(m0 + t) * kOutStride, acc + t * kOutStride, sizeof(float) * 16 * n_blk);
+    }
+    Tiles::release();
+  }
+
+  static void int8(const RowBlock* w, int n_blk, const uint8_t* act, size_t stride, const ActLayout& a, int n_tok,
+                   float* out) {
+    const uint8_t* lines[2] = {w[0].data, n_blk > 1 ? w[1].data : nullptr};
+    const float* scales[2] = {w[0].scales, n_blk > 1 ? w[1].scales : nullptr};
+    int8_lines(lines, scales, n_blk, w[0].kp, w[0].group, 128, act, stride, a, n_tok, out, true);
+  }
+
+  static void int4(const RowBlock* w, int n_blk, const uint8_t* act, size_t stride, const ActLayout& a, int n_tok,
+                   float* out) {
+    // One int4 line (8 k) becomes two int8 lines (k 8j..8j+3 from the low nibbles, 8j+4..8j+7 from the high
+    // ones): consecutive K, so the expanded block is in the int8 layout with offset 8 instead of 128.
+    const int kp = w[0].kp, int4_lines = kp / 8;
+    const size_t block_bytes = (size_t)kp / 4 * kLineBytes;
+    uint8_t* buf = slab(block_bytes * n_blk);
+    const uint8_t* lines[2] = {buf, buf + block_bytes};
+    const float* scales[2] = {w[0].scales, n_blk > 1 ? w[1].scales : nullptr};
+    for (int j = 0; j < n_blk; ++j) Tiles::unpack_int4(w[j].data, int4_lines, buf + j * block_bytes);
+    int8_lines(lines, scales, n_blk, kp, w[0].group, 8, act, stride, a, n_tok, out, false);
+  }
+};
+
+}  // namespace
+}  // namespace amx
+}  // namespace hetmoe

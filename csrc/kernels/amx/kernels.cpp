@@ -1,0 +1,81 @@
+// AMX GEMM with the real tile instructions (compiled with -mamx-* and AVX-512 flags, called only after CPUID,
+// XCR0 and the kernel's arch_prctl permission said yes; see engine/cpu_features.h). The tile instructions are
+// written as inline asm with the tile number as an immediate: GCC's _tile_* macros stringize their tile
+// argument (so it cannot be a template parameter) and declare no memory access (so stores to a buffer a tile
+// then loads could be reordered around them).
+#include <immintrin.h>
+
+#include "kernels/amx/gemm.h"
+#include "kernels/dispatch.h"
+
+namespace hetmoe {
+namespace amx {
+namespace {
+
+#define HETMOE_AI inline __attribute__((always_inline))
+
+struct Native {
+  static void configure(int a_colsb, int b_rows) {
+    alignas(64) uint8_t cfg[64] = {};
+    cfg[0] = 1;  // palette 1
+    for (int i = 0; i < 8; ++i) {
+      const uint16_t colsb = i == 4 || i == 5 ? (uint16_t)a_colsb : 64;
+      std::memcpy(cfg + 16 + 2 * i, &colsb, 2);
+      cfg[48 + i] = (uint8_t)(i < 6 ? 16 : b_rows);
+    }
+    asm volatile("ldtilecfg %0" ::"m"(*reinterpret_cast<const uint8_t(*)[64]>(cfg)));
+  }
+  static void release() { asm volatile("tilerelease" ::: "memory"); }
+  template <int I, int J>
+  static HETMOE_AI void zero_c() {
+    asm volatile("tilezero %%tmm%c0" ::"i"(2 * I + J));
+  }
+  template <int I>
+  static HETMOE_AI void load_a(const void* p, size_t stride) {
+    asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(stride), "i"(4 + I) : "memory");
+  }
+  template <int J>
+  static HETMOE_AI void load_b(const void* p) {
+    asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"((size_t)64), "i"(6 + J) : "memory");
+  }
+  template <int I, int J>
+  static HETMOE_AI void dp_bf16() {
+    asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(2 * I + J), "i"(4 + I), "i"(6 + J));
+  }
+  template <int I, int J>
+  static HETMOE_AI void dp_int8() {
+    asm volatile("tdpbsud %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(2 * I + J), "i"(4 + I), "i"(6 + J));
+  }
+  template <int I, int J>
+  static HETMOE_AI void store_c(void* p, size_t stride) {
+    asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(p), "r"(stride), "i"(2 * I + J) : "memory");
+  }
+  static void unpack_int4(const uint8_t* src, int n_lines, uint8_t* dst) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    for (int l = 0; l < n_lines; ++l) {
+      _mm_prefetch(reinterpret_cast<const char*>(src) + 64 * l + 1024, _MM_HINT_T0);
+      const __m512i v = _mm512_load_si512(src + 64 * l);
+      _mm512_store_si512(dst + 128 * l, _mm512_and_si512(v, low4));
+      _mm512_store_si512(dst + 128 * l + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+    }
+  }
+  static HETMOE_AI void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+};
+
+}  // namespace
+
+void gemm_bf16(const RowBlock* w, int n_blk, const uint8_t* act, size_t stride, const ActLayout& a, int n_tok,
+               float* out) {
+  Gemm<Native>::bf16(w, n_blk, act, stride, a, n_tok, out);
+}
+void gemm_int8(const RowBlock* w, int n_blk, const uint8_t* act, size_t stride, const ActLayout& a, int n_tok,
+               float* out) {
+  Gemm<Native>::int8(w, n_blk, act, stride, a, n_tok, out);
+}
+void gemm_int4(const RowBlock* w, int n_blk, const uint8_t* act, size_t stride, const ActLayout& a, int n_tok,
+               float* out) {
+  Gemm<Native>::int4(w, n_blk, act, stride, a, n_tok, out);
+}
+
+}  // namespace amx
+}  // namespace hetmoe

@@ -1,0 +1,139 @@
+#include "moe/expert_tasks.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+namespace hetmoe {
+
+namespace {
+
+// Relative cost of one row block: streaming it once (1) plus each token's compute, which the AMX GEMM does
+// about 8x faster than the row-block kernels.
+constexpr double kRowBlockTokenCost = 1.0 / 4;
+constexpr double kAmxTokenCost = 1.0 / 32;
+constexpr int kAmxTokenUnit = 32;  // tokens per AMX tile step
+constexpr int kTasksPerThread = 16;  // the last task to finish bounds the phase's tail to a few percent of it
+
+// exp(x) for the SwiGLU: Cody-Waite range reduction and a degree-6 polynomial (relative error ~2e-7), in plain
+// float arithmetic so the compiler vectorizes it and every ISA gets the same bits.
+inline float fast_exp(float x) {
+  x = x == x ? x : 0.f;  // NaN: any finite value; the caller's numerator carries the NaN
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round(x / ln 2)
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  float p = 1.38888889e-3f;
+  p = p * r + 8.33333333e-3f;
+  p = p * r + 4.16666667e-2f;
+  p = p * r + 1.66666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+inline float silu(float g) { return g / (1.f + fast_exp(-g)); }
+
+void check_amx_thread(const MoeExperts& ex) {
+  if (ex.amx_mode() == AmxMode::native && !amx_thread_ready())
+    throw std::runtime_error("AMX permission refused on a pool thread (arch_prctl ARCH_REQ_XCOMP_PERM)");
+}
+
+}  // namespace
+
+void make_tasks(const std::vector<int>& active, const std::vector<int>& count, int amx_experts, const TaskPlan& plan,
+                std::vector<Task>& tasks) {
+  tasks.clear();
+  const int nb = plan.n_blocks;
+  auto block_cost = [&](size_t i) {
+    return 1.0 + count[active[i]] * ((int)i < amx_experts ? kAmxTokenCost : kRowBlockTokenCost);
+  };
+  double total = 0;
+  for (size_t i = 0; i < active.size(); ++i) total += nb * block_cost(i);
+  const double target = total / (kTasksPerThread * plan.n_threads);
+  for (size_t i = 0; i < active.size(); ++i) {
+    const int e = active[i], n = count[e];
+    const bool amx = (int)i < amx_experts;
+    const int gran = amx ? plan.row_gran : 1;
+    const double cost = block_cost(i);
+    int step = std::max(1, (int)(target / cost) / gran) * gran;
+    step = std::min(step, nb);
+    // Rows alone too coarse (one step costs more than twice the target): split the tokens as well. AMX tasks
+    // also cap their tokens so the activation panel stays in L2.
+    int parts = cost * step > 2 * target ? (int)std::ceil(cost * step / target) : 1;
+    const int unit = amx ? kAmxTokenUnit : 8;
+    int per_part = (int)((n + parts - 1) / parts + unit - 1) / unit * unit;
+    if (amx) per_part = std::min(per_part, std::max(unit, plan.amx_max_tokens));
+    per_part = std::max(per_part, 1);
+    // Row ranges outside, token parts inside: the parts of one row range run at about the same time and
+    // share its weights through L3.
+    for (int rb = 0; rb < nb; rb += step)
+      for (int m0 = 0; m0 < n; m0 += per_part)
+        tasks.push_back({e, rb, std::min(nb, rb + step), m0, std::min(n, m0 + per_part), amx});
+  }
+}
+
+void run_gate_up_task(const MoeExperts& ex, const Task& task, const PhaseInput& in, float* h, ThreadPool& pool,
+                      int thread) {
+  const int I = ex.config().intermediate;
+  const int n = task.m1 - task.m0, s0 = in.first[task.e] + task.m0;
+  const KernelEntry& kernel = ex.kernel();
+  if (task.amx) {
+    check_amx_thread(ex);
+    float* o = reinterpret_cast<float*>(pool.thread_scratch(thread, sizeof(float) * 32 * n));
+    const uint8_t* act = in.amx_rows + (size_t)s0 * in.amx_stride;
+    for (int rb = task.rb0; rb < task.rb1; ++rb) {
+      const RowBlock w[2] = {ex.gate_up_block(task.e, rb, 0), ex.gate_up_block(task.e, rb, 1)};
+      kernel.gemm(w, 2, act, in.amx_stride, ex.gate_up_amx_act(), n, o);  // o[i] = gate rows 0..15, up 0..15
+      const int r_end = std::min(kRowsPerBlock, I - rb * kRowsPerBlock);
+      for (int i = 0; i < n; ++i)
+        for (int r = 0; r < r_end; ++r)
+          h[(size_t)(s0 + i) * I + rb * kRowsPerBlock + r] = silu(o[i * 32 + r]) * o[i * 32 + 16 + r];
+    }
+    return;
+  }
+  float* g = reinterpret_cast<float*>(pool.thread_scratch(thread, sizeof(float) * 2 * kRowsPerBlock * n));
+  float* u = g + kRowsPerBlock * n;
+  for (int rb = task.rb0; rb < task.rb1; ++rb) {
+    kernel.rowblock(ex.gate_up_block(task.e, rb, 0), in.rows + s0, ex.gate_up_act(), n, g);
+    kernel.rowblock(ex.gate_up_block(task.e, rb, 1), in.rows + s0, ex.gate_up_act(), n, u);
+    const int r_end = std::min(kRowsPerBlock, I - rb * kRowsPerBlock);
+    for (int i = 0; i < n; ++i)
+      for (int r = 0; r < r_end; ++r)
+        h[(size_t)(s0 + i) * I + rb * kRowsPerBlock + r] = silu(g[i * kRowsPerBlock + r]) * u[i * kRowsPerBlock + r];
+  }
+}
+
+void run_down_task(const MoeExperts& ex, const Task& task, const PhaseInput& in, float* y, ThreadPool& pool,
+                   int thread) {
+  const int H = ex.config().hidden;
+  const int n = task.m1 - task.m0, s0 = in.first[task.e] + task.m0;
+  const KernelEntry& kernel = ex.kernel();
+  if (task.amx) {
+    check_amx_thread(ex);
+    float* o = reinterpret_cast<float*>(pool.thread_scratch(thread, sizeof(float) * 32 * n));
+    const uint8_t* act = in.amx_rows + (size_t)s0 * in.amx_stride;
+    for (int rb = task.rb0; rb < task.rb1; rb += 2) {
+      const int n_blk = std::min(2, task.rb1 - rb);
+      const RowBlock w[2] = {ex.down_block(task.e, rb), ex.down_block(task.e, n_blk > 1 ? rb + 1 : rb)};
+      kernel.gemm(w, n_blk, act, in.amx_stride, ex.down_amx_act(), n, o);
+      const int r_end = std::min(kRowsPerBlock * n_blk, H - rb * kRowsPerBlock);
+      for (int i = 0; i < n; ++i)
+        std::memcpy(y + (size_t)(s0 + i) * H + rb * kRowsPerBlock, o + i * 32, sizeof(float) * r_end);
+    }
+    return;
+  }
+  float* o = reinterpret_cast<float*>(pool.thread_scratch(thread, sizeof(float) * kRowsPerBlock * n));
+  for (int rb = task.rb0; rb < task.rb1; ++rb) {
+    kernel.rowblock(ex.down_block(task.e, rb), in.rows + s0, ex.down_act(), n, o);
+    const int r_end = std::min(kRowsPerBlock, H - rb * kRowsPerBlock);
+    for (int i = 0; i < n; ++i)
+      std::memcpy(y + (size_t)(s0 + i) * H + rb * kRowsPerBlock, o + i * kRowsPerBlock, sizeof(float) * r_end);
+  }
+}
+
+}  // namespace hetmoe

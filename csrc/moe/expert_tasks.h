@@ -1,0 +1,55 @@
+// The units of work of the MoE job's two compute phases (gate+up with SwiGLU, then down), how a phase is cut
+// into them, and the code that runs one.
+//
+// A task is (expert, row-block range, token range). Experts with at least `amx_min_tokens` tokens run on the
+// AMX GEMM (kernels/amx/gemm.h), the others on the row-block kernels, on the same packed weights. Big expert
+// tasks are split into sub-tasks of about equal cost (rows first, tokens when rows alone are too few), pulled
+// dynamically from the pool's atomic task counter, heaviest first: a popular expert (skewed routing) is
+// shared by all threads instead of leaving them idle behind it.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "moe/moe.h"
+
+namespace hetmoe {
+
+struct Task {
+  int e;
+  int rb0, rb1;  // row blocks of the phase's matrix (gate+up: one block of each)
+  int m0, m1;    // positions among the expert's tokens (its slots first[e] + m0 .. first[e] + m1)
+  bool amx;
+};
+
+// How a phase is cut. `row_gran`: row blocks per AMX GEMM call (1 for gate+up, whose call takes the gate and
+// up blocks together; 2 for down). `amx_max_tokens`: tokens per AMX task, so that its activation panel stays
+// in L2 while the task's row blocks stream through.
+struct TaskPlan {
+  int n_blocks;
+  int row_gran;
+  int amx_max_tokens;
+  int n_threads;
+};
+
+// Tasks for the experts in `active` (sorted by token count, descending); amx_experts: how many of the first
+// ones run on AMX.
+void make_tasks(const std::vector<int>& active, const std::vector<int>& count, int amx_experts, const TaskPlan& plan,
+                std::vector<Task>& tasks);
+
+// What the tasks of one phase read. Slot s of expert e is first[e] + i for its i-th token.
+struct PhaseInput {
+  const uint8_t* const* rows;  // [n_slots] row-block kernel activation row of each slot
+  const uint8_t* amx_rows;     // AMX activation rows: slot s at amx_rows + s * amx_stride (+16 readable rows)
+  size_t amx_stride;
+  const int* first;            // [E]
+};
+
+// h[s, :] for the task's slots and rows: silu(gate x) * (up x).   h: [n_slots, I]
+void run_gate_up_task(const MoeExperts& ex, const Task& task, const PhaseInput& in, float* h, ThreadPool& pool,
+                      int thread);
+// y[s, :] for the task's slots and rows: down h.                   y: [n_slots, H]
+void run_down_task(const MoeExperts& ex, const Task& task, const PhaseInput& in, float* y, ThreadPool& pool,
+                   int thread);
+
+}  // namespace hetmoe
