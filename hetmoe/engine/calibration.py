@@ -87,6 +87,7 @@ class _RoutingCounter:
     def __init__(self, inner, num_experts: int):
         self.inner, self.num_experts = inner, num_experts
         self.counts = torch.zeros(num_experts, dtype=torch.int64)  # [E]
+        self.takes_shared = getattr(inner, "takes_shared", False)  # the model calls us as it calls the inner stage
 
     def __call__(self, x, topk_ids, topk_weights, *args, **kwargs):
         ids = topk_ids[topk_ids >= 0].flatten().cpu()
