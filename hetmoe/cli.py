@@ -222,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="timed runs per point after a warm-up; the median is reported (default: 3)")
     e2e.add_argument("--seed", type=int, default=0, help="random weights and token ids (default: 0)")
     e2e.add_argument("--json", metavar="PATH", default=None, help="write all results as JSON ('-' = stdout)")
+    e2e.add_argument("--no-variants", action="store_true",
+                     help="hybrid placement: skip the decode variants (eager, CUDA graph, graph + deferral d=1..3, "
+                     "graph + --gpu-experts) and their GPU/CPU time split")
+    e2e.add_argument("--kv-contexts", type=_int_list, default=None, metavar="N,N",
+                     help="hybrid placement: also time graph decode near the end of these context lengths with "
+                     "attention over the whole cache vs per 64-position bucket (e.g. 1024,4096)")
     e2e.add_argument("--quick", action="store_true",
                      help="smoke run: 2 layers, int4 experts, prompts 16,64, 8 decode tokens, 1 repeat "
                      "(explicit options win)")

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from hetmoe import kernels
+from hetmoe.bench.decode_variants import decode_variants, fmt_variants, kv_modes
 from hetmoe.bench.kernel import GB, llc_bytes, machine_info, write_json
 from hetmoe.engine.loader import LoadedModel, load_model, moe_blocks
 from hetmoe.engine.placement import EngineOptions, free_ram
@@ -243,6 +244,14 @@ def run_e2e_bench(args) -> int:
                 "stream_gbps": stream, "stream_bytes": stream_bytes, "threads": pool.threads,
                 **measure(loaded, prompts, decode_tokens, repeats, stream, args.seed),
             }
+            if device == "cuda" and not getattr(args, "no_variants", False):  # eager / graph / deferral / GPU experts
+                say(f"{PLACEMENT[device]}: decode variants, batch 1, {decode_tokens} steps x {repeats} after "
+                    f"{min(prompts)} tokens:")
+                rec["variants"] = decode_variants(loaded, min(prompts), decode_tokens, repeats, rec["roofline_tok_s"],
+                                                  args.seed, log=say)
+                if getattr(args, "kv_contexts", None):
+                    say(f"{PLACEMENT[device]}: graph attention over the whole cache (full) vs per 64-position bucket:")
+                    rec["kv_modes"] = kv_modes(loaded, args.kv_contexts, min(decode_tokens, 64), args.seed, log=say)
         finally:
             del loaded
             gc.collect()
@@ -255,6 +264,12 @@ def run_e2e_bench(args) -> int:
     say("")
     for line in fmt_table(records, prompts):
         say(line)
+    for r in records:
+        if r.get("variants"):
+            say("")
+            say(f"decode variants ({r['placement']}, {r['experts_format']} experts; step = GPU + CPU - overlap):")
+            for line in fmt_variants(r["variants"]):
+                say(line)
     say(f"roofline = STREAM read GB/s (measured per placement, column STREAM) / bytes per decoded token (MB/tok: "
         f"top_k x bytes per expert x MoE layers; cpu adds every dense weight but the embedding); "
         f"{pool.threads} expert threads, {machine['torch_threads']} torch threads")

@@ -63,9 +63,7 @@ class Runner:
             if not kernels.cuda_hooks_available():  # no cuLaunchHostFunc: decode keeps the synchronous path
                 print(f"hetmoe: decode without CUDA graphs: {kernels._C.cuda_hooks_error()}", file=sys.stderr)
                 return
-            self.hybrid = HybridDecode(GraphDecoder.capacity_for(self.max_batch), self.device)
-            for layer in offloaded:
-                layer.hybrid = self.hybrid
+            self.hybrid = HybridDecode(GraphDecoder.capacity_for(self.max_batch), self.device, offloaded)
         self.decoder = GraphDecoder(self.model, self.cache, self.max_batch, self.max_context, self.device,
                                     self.hybrid, cuda_graph, **decoder_kwargs)
 

@@ -55,7 +55,7 @@ class HybridDecode:
     ``capacity``: the largest batch a step may have. ``cpu=False`` inside a step leaves the CPU out (no host
     function, stale outputs): what the GPU alone costs, for the benchmark's time split."""
 
-    def __init__(self, capacity: int, device: torch.device):
+    def __init__(self, capacity: int, device: torch.device, layers=()):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity, self.device = int(capacity), torch.device(device)
@@ -67,18 +67,25 @@ class HybridDecode:
         self._buffers: dict = {}  # id(OffloadedExperts) -> _LayerBuffers
         self._pending: Optional[_LayerBuffers] = None  # the layer whose deferred job is in flight
         self.pools: set = set()
+        self.layers = list(layers)  # the OffloadedExperts this object drives (pointed at it by every step)
+        self._jobs_now: list = []
+        self.last_jobs: list = []  # the CPU jobs one step submits, in order (of the last step run with the CPU)
 
     @contextmanager
     def step(self, n_tokens: torch.Tensor, cpu: bool = True):
         """One decode forward call: ``n_tokens`` ([1] int64 on the device) rows of the batch are real."""
         if self.active:
             raise RuntimeError("a hybrid decode step is already running")
+        for layer in self.layers:  # another runner on the same model may have pointed them at its own
+            layer.hybrid = self
         self.n_tokens.copy_(n_tokens, non_blocking=True)  # stream order: before any job of this step runs
-        self.active, self.cpu, self._pending = True, cpu, None
+        self.active, self.cpu, self._pending, self._jobs_now = True, cpu, None, []
         try:
             yield self
             if self._pending is not None:
                 raise RuntimeError("the last MoE layer of the step deferred experts: their output would be lost")
+            if cpu:
+                self.last_jobs = self._jobs_now
         finally:
             self.active, self.cpu, self._pending = False, True, None
 
@@ -134,8 +141,10 @@ class HybridDecode:
             buf.ids_def[:T].copy_(def_ids, non_blocking=True)
         if self.cpu:
             pool.submit_on_stream(buf.job, main, host_funcs=hf)
+            self._jobs_now.append((pool, buf.job))
             if def_ids is not None:
                 pool.submit_on_stream(buf.job_def, main, host_funcs=hf)
+                self._jobs_now.append((pool, buf.job_def))
         prev, self._pending = self._pending, (buf if def_ids is not None else None)
         self.side.wait_stream(main)
         if self.cpu:
@@ -153,10 +162,6 @@ class HybridDecode:
             y = y + buf.dev_prev[:T]
         y = y.to(x.dtype)
         return y if dense is None else y + dense
-
-    def cpu_jobs(self) -> list:
-        """Every prepared (job, deferred job) of the model's layers: the benchmark re-runs them to time the CPU."""
-        return [(b.job, b.job_def) for b in self._buffers.values()]
 
     def close(self) -> None:
         """Free the host functions' payloads (call only when no replay of a graph captured through them is in

@@ -1,0 +1,196 @@
+"""Decode variants of the hybrid placement, for ``hetmoe bench e2e`` on a GPU (issue 4): the same loaded model decoded
+eagerly, as a CUDA graph, as a graph with Expert Deferral d = 1, 2, 3, and (with ``--gpu-experts N``) as a graph with
+GPU-resident experts — each at batch 1 beside the decode roofline, with a one-step time split:
+
+* step   median wall time of a decode step (the graph replayed, the GPU synchronized);
+* GPU    the same step with the CPU left out (no host functions: the routed experts' outputs are stale) — what the
+         GPU and the small copies alone cost;
+* CPU    the CPU jobs of one step (the buffers of the last real step) run back to back on the expert pool, no GPU;
+* overlap = GPU + CPU - step: the time both were busy at once (0 would be fully serial).
+
+``kv_modes`` compares the two ways a graph attends (engine/cuda_graph.py: "full" = all max_context positions,
+"bucket" = one graph per 64-position bucket) at given context lengths: the sequence is placed near the end of the
+context by setting its cached length (the KV entries are whatever the cache holds: decode cost does not depend on
+them), decoded once untimed (captures every graph it needs, timed apart), then rewound and timed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from hetmoe.engine.loader import LoadedModel, defer_experts, moe_blocks
+from hetmoe.engine.runner import Runner
+from hetmoe.layers.moe import DeferredExperts, OffloadedExperts
+
+DEFER = (1, 2, 3)
+SPLIT_STEPS = 10
+
+
+def set_deferral(model, d: int) -> None:
+    """Re-wrap the model's MoE dispatch for Expert Deferral of ``d`` experts per token (0: none)."""
+    for _, block in moe_blocks(model):
+        if isinstance(block.experts, DeferredExperts):
+            block.experts = block.experts.experts
+    defer_experts(model, d)
+
+
+def _offloaded(model) -> list:
+    out = []
+    for _, block in moe_blocks(model):
+        d = block.experts.experts if isinstance(block.experts, DeferredExperts) else block.experts
+        if isinstance(d, OffloadedExperts):
+            out.append(d)
+    return out
+
+
+def _set_gpu_experts(model, saved: list, on: bool) -> None:
+    from hetmoe.layers.gpu_experts import attach_gpu_experts
+
+    for off, gpu in zip(_offloaded(model), saved):
+        attach_gpu_experts(off, gpu if on else None)
+
+
+def _median_ms(fn, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def time_split(runner: Runner, steps: int = SPLIT_STEPS) -> dict:
+    """GPU / CPU / overlap of one batch-1 decode step of slot 0 at its current length (re-run in place: the KV entry
+    it writes is the one the next real step overwrites)."""
+    dec, hyb = runner.decoder, runner.hybrid
+    pos, tok = runner.lengths[0], 1
+    dec.step([tok], [pos], [0], cpu=False)  # captures the GPU-only graph (untimed)
+    gpu_ms = _median_ms(lambda: dec.step([tok], [pos], [0], cpu=False), steps)
+    dec.step([tok], [pos], [0])
+    step_ms = _median_ms(lambda: dec.step([tok], [pos], [0]), steps)
+    jobs = list(hyb.last_jobs) if hyb is not None else []
+
+    def cpu_alone():
+        for pool, job in jobs:
+            pool.submit(job)
+        for pool in {p for p, _ in jobs}:
+            pool.sync()
+
+    cpu_ms = _median_ms(cpu_alone, steps) if jobs else 0.0
+    return {"step_ms": step_ms, "gpu_ms": gpu_ms, "cpu_ms": cpu_ms, "overlap_ms": gpu_ms + cpu_ms - step_ms,
+            "cpu_jobs_per_step": len(jobs)}
+
+
+def _decode_times(runner: Runner, prompt: list, steps: int, warmup: int, gen: torch.Generator) -> list:
+    runner.prefill(prompt)
+    times = []
+    for i, tok in enumerate(torch.randint(runner.vocab_size, (warmup + steps,), generator=gen).tolist()):
+        t0 = time.perf_counter()
+        runner.decode(tok)  # synchronizes: the logits are on the host side of the step's end
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def decode_variants(loaded: LoadedModel, prompt_tokens: int, steps: int, repeats: int, roofline_tok_s,
+                    seed: int = 0, warmup: int = 2, log=print) -> list:
+    """Batch-1 decode tok/s per variant (median of ``repeats`` runs of ``steps`` steps after a prompt), with the
+    roofline and the time split. The model's own deferral and GPU experts are restored afterwards."""
+    model = loaded.model
+    k = loaded.config.num_experts_per_tok
+    gpu_saved = [off.gpu for off in _offloaded(model)]
+    has_gpu = any(g is not None for g in gpu_saved)
+    blocks = moe_blocks(model)
+    own_d = blocks[0][1].experts.d if blocks and isinstance(blocks[0][1].experts, DeferredExperts) else 0
+    variants = [("eager", False, 0, False), ("graph", True, 0, False)]
+    variants += [(f"graph+d{d}", True, d, False) for d in DEFER if d < k]
+    if has_gpu:
+        n = max(len(g.expert_ids) for g in gpu_saved if g is not None)
+        variants += [(f"graph+gpu{n}", True, 0, True)] + [(f"graph+gpu{n}+d{d}", True, d, True) for d in DEFER if d < k]
+    gen = torch.Generator().manual_seed(seed)
+    records = []
+    try:
+        for name, graph, d, gpu in variants:
+            set_deferral(model, d)
+            if has_gpu:
+                _set_gpu_experts(model, gpu_saved, gpu)
+            runner = Runner(loaded, cuda_graph=graph)
+            try:
+                prompt = torch.randint(runner.vocab_size, (prompt_tokens,), generator=gen).tolist()
+                runs = [_decode_times(runner, prompt, steps, warmup, gen) for _ in range(repeats)]
+                rates = [len(r) / sum(r) for r in runs]
+                tok_s = statistics.median(rates)
+                rec = {"variant": name, "cuda_graph": graph, "defer_experts": d, "gpu_experts": gpu,
+                       "decode_tok_s": tok_s, "decode_tok_s_all": rates, "ms_per_token": 1e3 / tok_s,
+                       "roofline_tok_s": roofline_tok_s,
+                       "pct_roofline": 100 * tok_s / roofline_tok_s if roofline_tok_s else None,
+                       **time_split(runner), "decoder": runner.decoder.stats()}
+            finally:
+                runner.decoder.close()
+                del runner
+            records.append(rec)
+            log(f"  {name:16s} {rec['decode_tok_s']:7.2f} tok/s  step {rec['step_ms']:6.2f} ms = GPU {rec['gpu_ms']:6.2f}"
+                f" + CPU {rec['cpu_ms']:6.2f} - overlap {rec['overlap_ms']:6.2f}")
+    finally:
+        set_deferral(model, own_d)
+        if has_gpu:
+            _set_gpu_experts(model, gpu_saved, True)
+    return records
+
+
+def kv_modes(loaded: LoadedModel, contexts: list, steps: int, seed: int = 0, log=print) -> list:
+    """Batch-1 graph decode tok/s near the end of each context length, per attention mode ("full", "bucket")."""
+    out = []
+    gen = torch.Generator().manual_seed(seed)
+    for ctx in contexts:
+        if ctx < steps + 16:
+            raise ValueError(f"context {ctx} is too short for {steps} decode steps")
+        sized = dataclasses.replace(loaded, plan=dataclasses.replace(loaded.plan, max_context=ctx))
+        for mode in ("full", "bucket"):
+            runner = Runner(sized, cuda_graph=True, kv_mode=mode)
+            try:
+                runner.prefill(torch.randint(runner.vocab_size, (8,), generator=gen).tolist())
+                start = ctx - steps - 1
+                tokens = torch.randint(runner.vocab_size, (steps,), generator=gen).tolist()
+                runner.lengths[0] = start
+                t0 = time.perf_counter()
+                for tok in tokens:  # captures what this range needs
+                    runner.decode(tok)
+                first_s = time.perf_counter() - t0
+                runner.lengths[0] = start
+                times = []
+                for tok in tokens:
+                    t0 = time.perf_counter()
+                    runner.decode(tok)
+                    times.append(time.perf_counter() - t0)
+                stats = runner.decoder.stats()
+                rec = {"context": ctx, "kv_mode": mode, "positions": [start, start + steps],
+                       "decode_tok_s": steps / sum(times), "step_ms_median": 1e3 * statistics.median(times),
+                       "first_pass_s": first_s, "graphs": stats["graphs"],
+                       "capture_ms_total": sum(stats["capture_ms"].values())}
+            finally:
+                runner.decoder.close()
+                del runner
+            out.append(rec)
+            log(f"  context {ctx:5d} {mode:6s}: {rec['decode_tok_s']:7.2f} tok/s (median step "
+                f"{rec['step_ms_median']:.2f} ms), {rec['graphs']} graphs captured in {rec['capture_ms_total']:.0f} ms")
+    return out
+
+
+def fmt_variants(records: list) -> list:
+    head = (f"{'variant':18s} {'decode':>8s} {'roofline':>9s} {'%roof':>6s} {'step':>7s} {'GPU':>7s} {'CPU':>7s}"
+            f" {'overlap':>8s} {'capture':>8s}")
+    lines = [head, f"{'':18s} {'tok/s':>8s} {'tok/s':>9s} {'':>6s} {'ms':>7s} {'ms':>7s} {'ms':>7s} {'ms':>8s} {'ms':>8s}"]
+    for r in records:
+        cap = sum(r["decoder"]["capture_ms"].values())
+        roof = r["roofline_tok_s"]
+        lines.append(
+            f"{r['variant']:18s} {r['decode_tok_s']:8.2f} {roof if roof is not None else float('nan'):9.2f}"
+            f" {r['pct_roofline'] if r['pct_roofline'] is not None else float('nan'):5.1f}% {r['step_ms']:7.2f}"
+            f" {r['gpu_ms']:7.2f} {r['cpu_ms']:7.2f} {r['overlap_ms']:8.2f} {cap:8.0f}"
+        )
+    return lines

@@ -1,0 +1,296 @@
+"""Decode steps as CUDA graphs (engine/cuda_graph.py) with the hybrid MoE dispatch in stream order (layers/hybrid.py).
+
+GPU tests (skipped without CUDA): graph decode against the same step run eagerly (``cuda_graph=False``: host
+functions, no capture) and against the synchronous path of prefill (``OffloadedExperts``: copies + stream
+synchronize + CPU forward), for batches 1, 3 (padded to 4) and 8 over steps that cross a 64-position KV bucket, with
+and without Expert Deferral, per architecture, fp32 and bf16; replays after routing changed; greedy generation.
+Tolerances (relative max logit error): an unpadded fp32 graph in "bucket" mode runs the very kernels of the eager
+step, so it must agree to 1e-6; otherwise kernel choices differ (padded GEMMs, attended length), and a 1e-7
+difference upstream can flip the bf16 rounding of an activation in the CPU engine: 2e-3 in fp32 (the bound of the
+other hybrid tests), 5e-2 in bf16. Measured values are printed (-s).
+
+CPU tests (CI): the padding, bucketing and static-input logic, the shared-experts hand-over, options, and that a
+CPU-only runner has no decoder.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hetmoe.engine.cuda_graph import bucket_len, capture_sizes, pack_inputs, padded_size
+from hetmoe.engine.placement import EngineOptions
+from hetmoe.layers.moe import OffloadedExperts, TorchExperts
+from hetmoe.models.common import routed_and_shared
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------- CPU: the logic around the graphs
+
+
+def test_capture_sizes_and_padding():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(9) == [1, 2, 4, 8, 9]
+    sizes = capture_sizes(8)
+    assert [padded_size(n, sizes) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    with pytest.raises(ValueError, match="exceeds the largest captured size 8"):
+        padded_size(9, sizes)
+    with pytest.raises(ValueError, match="max_batch must be >= 1"):
+        capture_sizes(0)
+
+
+def test_bucket_len():
+    assert bucket_len(0, 4096, 64) == 64
+    assert bucket_len(63, 4096, 64) == 64
+    assert bucket_len(64, 4096, 64) == 128
+    assert bucket_len(4090, 4096, 64) == 4096
+    assert bucket_len(100, 100, 64) == 100  # never past max_context
+
+
+def test_pack_inputs_pads_to_the_scratch_slot():
+    C, scratch = 4, 9
+    buf = torch.full((3 * C + 1,), 77, dtype=torch.int64)
+    pack_inputs(buf, C, [11, 12, 13], [5, 0, 63], [2, 0, 1], scratch)
+    ids, pos, slots, n = buf[:C], buf[C:2 * C], buf[2 * C:3 * C], buf[3 * C]
+    assert ids.tolist() == [11, 12, 13, 0] and pos.tolist() == [5, 0, 63, 0]
+    assert slots.tolist() == [2, 0, 1, scratch] and int(n) == 3
+    pack_inputs(buf, C, [1], [2], [3], scratch)  # a smaller step leaves nothing of the previous one
+    assert buf[:C].tolist() == [1, 0, 0, 0] and buf[2 * C:3 * C].tolist() == [3, scratch, scratch, scratch]
+    assert int(buf[3 * C]) == 1
+    with pytest.raises(ValueError, match="do not fit"):
+        pack_inputs(buf, C, [1] * 5, [0] * 5, list(range(5)), scratch)
+
+
+class _Recorder:
+    """A backend that takes the model's shared experts, as OffloadedExperts does."""
+
+    takes_shared = True
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, x, ids, w, shared=None):
+        self.calls.append("routed")
+        dense = shared()
+        self.calls.append("after shared")
+        return x * 2 + (0 if dense is None else dense)
+
+
+def test_routed_and_shared():
+    x, ids, w = torch.randn(3, 8), torch.zeros(3, 2, dtype=torch.int64), torch.rand(3, 2)
+    rec = _Recorder()
+    assert torch.equal(routed_and_shared(rec, x, ids, w, lambda: x + 1), x * 2 + (x + 1))
+    assert rec.calls == ["routed", "after shared"]  # shared is computed inside the backend's call
+    assert torch.equal(routed_and_shared(rec, x, ids, w, lambda: None), x * 2)
+
+    def plain(x, ids, w):  # any other backend: called first, then shared, summed
+        return x * 3
+
+    assert torch.equal(routed_and_shared(plain, x, ids, w, lambda: x), x * 4)
+    assert torch.equal(routed_and_shared(plain, x, ids, w, lambda: None), x * 3)
+
+
+def test_offloaded_experts_adds_shared_on_cpu():
+    E, H, I = 4, 16, 8
+    g = torch.Generator().manual_seed(0)
+    ex = TorchExperts(torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g),
+                      torch.randn(E, H, I, generator=g))
+    off = OffloadedExperts(ex, staging=None)
+    x, w = torch.randn(3, H, generator=g), torch.rand(3, 2, generator=g)
+    ids = torch.tensor([[0, 1], [2, -1], [3, 0]])
+    s = torch.randn(3, H, generator=g)
+    assert not off.streaming(x) and off.hybrid is None
+    assert torch.equal(off(x, ids, w, shared=lambda: s), ex(x, ids, w) + s)
+    assert torch.equal(off(x, ids, w), ex(x, ids, w))
+
+
+def test_cuda_graph_option():
+    assert EngineOptions().cuda_graph is True
+    with pytest.raises(ValueError, match="cuda_graph must be True or False"):
+        EngineOptions(cuda_graph=1)
+    from hetmoe.cli import build_parser
+    from hetmoe.commands import engine_options
+
+    args = build_parser().parse_args(["generate", "--no-cuda-graph"])
+    assert engine_options(args).cuda_graph is False
+    assert engine_options(build_parser().parse_args(["generate"])).cuda_graph is True
+
+
+def test_cpu_runner_has_no_decoder():
+    pytest.importorskip("transformers")
+    from hetmoe.engine.runner import Runner
+    from hetmoe.engine.synthetic import SHAPES, build_random_model
+
+    cfg = {**SHAPES["qwen3-30b-a3b"], "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 12,
+           "num_experts_per_tok": 3, "vocab_size": 300}
+    loaded = build_random_model(cfg, 2, EngineOptions(device="cpu", dtype="fp32", experts_format="bf16",
+                                                      max_context=32, max_batch=3), log=lambda m: None)
+    runner = Runner(loaded, cuda_graph=True)
+    assert runner.decoder is None and runner.hybrid is None
+    assert runner.cache.k.shape[1] == 3  # no scratch slot on the CPU
+    a = runner.decode_batch([5, 6], [0, 2])
+    assert a.shape == (2, 300) and torch.isfinite(a).all() and runner.lengths == [1, 0, 1]
+
+
+# ---------------------------------------------------------------- GPU: graphs against eager
+
+
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
+ARCHS = ("qwen3_moe", "deepseek_v3")
+CONFIGS = {  # three MoE layers (first, middle, last), top-4: deferral of 1 and 2 both apply
+    "qwen3_moe": dict(num_hidden_layers=3, num_experts_per_tok=4),
+    "deepseek_v3": dict(num_hidden_layers=4, num_experts_per_tok=4, topk_group=2),
+}
+MAX_BATCH, MAX_CONTEXT, STEPS = 8, 128, 8
+BATCHES = (1, 3, 8)
+
+
+def _prompt(i: int) -> list:
+    n = 57 + i  # 57..64 tokens: the decode steps cross the 64-position bucket
+    return [(37 * i + 11 * j) % 250 + 3 for j in range(n)]
+
+
+def _fed(step: int, slot: int) -> int:
+    return (13 * step + 29 * slot) % 250 + 3
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from hetmoe.engine.synthetic import write_checkpoint
+
+    root = tmp_path_factory.mktemp("graph")
+    return {a: write_checkpoint(root / a, a, CONFIGS[a], seed=7 + i, dtype="float32") for i, a in enumerate(ARCHS)}
+
+
+def _load(path, dtype, d=0, **kw):
+    from hetmoe.engine.loader import load_model
+
+    opts = EngineOptions(device="cuda", dtype=dtype, experts_format="bf16", max_context=MAX_CONTEXT,
+                         max_batch=MAX_BATCH, defer_experts=d, **kw)
+    return load_model(path, opts, expert_cache=None, progress=False, log=lambda m: None)
+
+
+def _decode(loaded, batch: int, mode: str, record_ids: bool = False):
+    """Logits [STEPS, batch, V] of ``batch`` sequences decoded STEPS steps after their prompts.
+    mode: "graph-full", "graph-bucket", "eager" (same step, no capture) or "sync" (the synchronous prefill path)."""
+    from hetmoe.engine.runner import Runner
+
+    graph = mode.startswith("graph")
+    runner = Runner(loaded, cuda_graph=graph, kv_mode=mode.split("-")[1] if graph else None)
+    if mode == "sync":
+        runner.decoder = None
+    slots = list(range(batch))
+    for s in slots:
+        runner.prefill(_prompt(s), slot=s)
+    out, routings = [], []
+    for i in range(STEPS):
+        out.append(runner.decode_batch([_fed(i, s) for s in slots], slots).cpu())
+        if record_ids:
+            first = runner.hybrid.layers[0]
+            routings.append(runner.hybrid.buffers(first).ids[:batch].clone())
+    if runner.decoder is not None:
+        runner.decoder.close()
+    return torch.stack(out), runner, routings
+
+
+def _rel(a, b) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("d", [0, 2])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_graph_matches_eager(ckpt, arch, dtype, d):
+    loaded = _load(ckpt[arch], dtype, d)
+    tol = 2e-3 if dtype == "fp32" else 5e-2
+    for batch in BATCHES:
+        eager, _, _ = _decode(loaded, batch, "eager")
+        sync, _, _ = _decode(loaded, batch, "sync")
+        full, runner, _ = _decode(loaded, batch, "graph-full")
+        bucket, runner_b, _ = _decode(loaded, batch, "graph-bucket")
+        errs = {"eager~sync": _rel(eager, sync), "full~eager": _rel(full, eager), "bucket~eager": _rel(bucket, eager)}
+        print(f"{arch} {dtype} d={d} batch {batch}: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+        assert all(torch.isfinite(t).all() for t in (eager, sync, full, bucket))
+        for name, err in errs.items():
+            assert err < tol, (name, err)
+        if dtype == "fp32" and batch in (1, MAX_BATCH):  # unpadded, same attended length: the eager kernels
+            assert errs["bucket~eager"] < 1e-6, errs
+        padded = padded_size(batch, capture_sizes(MAX_BATCH))
+        assert {k[0] for k in runner.decoder.graphs} == {padded}  # captured once, replayed every step
+        assert {k[1] for k in runner.decoder.graphs} == {MAX_CONTEXT}
+        assert {k[1] for k in runner_b.decoder.graphs} == {64, 128}  # one per bucket crossed
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_replays_follow_new_routing(ckpt, arch):
+    """One captured graph, replayed with different tokens: the routing the CPU jobs see changes every step and the
+    logits still follow the eager step."""
+    loaded = _load(ckpt[arch], "fp32", 1)
+    graph, runner, routings = _decode(loaded, 3, "graph-full", record_ids=True)
+    eager, _, _ = _decode(loaded, 3, "eager")
+    assert len(runner.decoder.graphs) == 1
+    distinct = {tuple(r.flatten().tolist()) for r in routings}
+    assert len(distinct) >= STEPS // 2, "the fed tokens should route differently from step to step"
+    assert (routings[0][:, 0] >= 0).all()
+    assert _rel(graph, eager) < 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_capture_is_timed_and_logged_once(ckpt, capsys):
+    from hetmoe.engine.runner import Runner
+
+    loaded = _load(ckpt["qwen3_moe"], "bf16")
+    runner = Runner(loaded)
+    runner.decoder.log = lambda msg: print(msg, file=__import__("sys").stderr)
+    runner.prefill([5, 6, 7], slot=0)
+    runner.prefill([8, 9], slot=1)
+    runner.decode(10, slot=0)
+    runner.decode_batch([11, 12], [0, 1])
+    runner.decode_batch([13, 14], [0, 1])
+    err = capsys.readouterr().err
+    assert err.count("captured the decode step as a CUDA graph") == 1
+    assert len(runner.decoder.capture_s) == 2 and all(s > 0 for s in runner.decoder.capture_s.values())
+    with pytest.raises(ValueError, match="one token per slot"):
+        runner.decode_batch([1, 2], [0])
+    runner.decoder.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_experts_in_the_graph(ckpt):
+    """GPU-resident experts (computed on the main stream during the CPU part) inside the captured step."""
+    loaded = _load(ckpt["qwen3_moe"], "fp32", 1, gpu_experts=2)
+    graph, _, _ = _decode(loaded, 3, "graph-full")
+    eager, _, _ = _decode(loaded, 3, "eager")
+    sync, _, _ = _decode(loaded, 3, "sync")
+    print(f"gpu experts: graph~eager {_rel(graph, eager):.1e}, eager~sync {_rel(eager, sync):.1e}")
+    assert _rel(graph, eager) < 2e-3 and _rel(eager, sync) < 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_generate_graph_equals_eager():
+    from hetmoe.engine.generation import SamplingParams
+    from hetmoe.engine.llm import LLM
+
+    texts = []
+    for graph in (True, False):
+        llm = LLM(None, EngineOptions(device="cuda", dtype="fp32", cuda_graph=graph, defer_experts=1),
+                  expert_cache=None, progress=False, log=lambda m: None)
+        r = llm.generate("def forward(self, x):", SamplingParams(max_new_tokens=24), chat=False)
+        assert llm.runner.decoder is not None and llm.runner.decoder.cuda_graph is graph
+        assert bool(llm.runner.decoder.graphs) is graph
+        texts.append(r.text)
+        llm.runner.decoder.close()
+    print(f"generated: {texts[0]!r}")
+    assert texts[0] == texts[1]
