@@ -75,6 +75,7 @@ class GpuExperts:
         self.w_down = down.permute(1, 0, 2).reshape(H, n * I).to(self.device, dtype).contiguous()
         slot_of = torch.full((num_experts + 1,), -1, dtype=torch.int64)
         slot_of[torch.tensor(ids)] = torch.arange(n)
+        self.device = self.w_gate_up.device  # with its index: "cuda" becomes "cuda:0", as x.device reads
         self.slot_of = slot_of.to(self.device)  # [E + 1]
 
     @classmethod
