@@ -12,6 +12,10 @@
 namespace py = pybind11;
 using namespace hetmoe;
 
+namespace hetmoe {
+void bind_numa(py::module_& m);  // bindings_numa.cpp
+}
+
 namespace {
 
 WeightFormat format_from_name(const std::string& s) {
@@ -218,4 +222,6 @@ PYBIND11_MODULE(_C, m) {
           py::arg("x"), py::arg("x_bf16"), py::arg("ids"), py::arg("ids_int32"), py::arg("weights"), py::arg("k"),
           py::arg("out"), py::arg("out_bf16"), py::arg("accumulate"), py::arg("n_tokens_ptr"), py::arg("n_tokens"),
           py::arg("capacity"), py::arg("skip_mask"));
+
+  bind_numa(m);
 }

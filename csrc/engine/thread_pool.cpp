@@ -47,9 +47,34 @@ ThreadPool::ThreadPool(int n_threads, bool pin, int spin_us) : spin_us_(spin_us 
   if (n_threads_ > 1024) throw std::invalid_argument("threads must be at most 1024");
   // Pin one thread per physical core; with more threads than cores, pinning would stack threads, so skip it.
   if (pin && n_threads_ <= (int)cores.size()) cpus_.assign(cores.begin(), cores.begin() + n_threads_);
+  start();
+}
+
+ThreadPool::ThreadPool(int n_threads, const std::vector<int>& cpus, int spin_us, bool caller_may_spin)
+    : n_threads_(n_threads), spin_us_(spin_us < 0 ? 0 : spin_us), caller_may_spin_(caller_may_spin) {
+  if (n_threads_ < 1 || n_threads_ > 1024) throw std::invalid_argument("threads must be in [1, 1024]");
+  if (n_threads_ <= (int)cpus.size())
+    cpus_.assign(cpus.begin(), cpus.begin() + n_threads_);
+  else
+    cpu_set_ = cpus;
+  start();
+}
+
+void ThreadPool::start() {
   for (int i = 0; i < n_threads_; ++i) thread_scratch_.emplace_back(new Scratch());
   threads_.emplace_back([this] { coordinator_main(); });
   for (int i = 1; i < n_threads_; ++i) threads_.emplace_back([this, i] { worker_main(i); });
+}
+
+void ThreadPool::pin_thread(int index) const {
+  if (!cpus_.empty()) {
+    pin_to_cpu(cpus_[index]);
+  } else if (!cpu_set_.empty()) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int cpu : cpu_set_) CPU_SET(cpu, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort, like pin_to_cpu
+  }
 }
 
 ThreadPool::~ThreadPool() {
@@ -137,7 +162,7 @@ void ThreadPool::wait_for_generation(uint64_t seen, int thread_index) {
 }
 
 void ThreadPool::worker_main(int index) {
-  if (!cpus_.empty()) pin_to_cpu(cpus_[index]);
+  pin_thread(index);
   uint64_t seen = 0;
   for (;;) {
     wait_for_generation(seen, index);
@@ -151,7 +176,7 @@ void ThreadPool::worker_main(int index) {
 // ---------------------------------------------------------------- job queue
 
 void ThreadPool::coordinator_main() {
-  if (!cpus_.empty()) pin_to_cpu(cpus_[0]);
+  pin_thread(0);
   for (;;) {
     Job* job;
     // Spin on the submission counter first (cheap, keeps submit->start latency low), then sleep.

@@ -56,6 +56,10 @@ class ThreadPool {
  public:
   // n_threads <= 0: one per physical core. spin_us: how long idle threads spin before sleeping.
   ThreadPool(int n_threads, bool pin, int spin_us);
+  // A pool on given CPUs (a NUMA subpool, engine/numa.h): thread i pinned to cpus[i] when there are at least
+  // n_threads of them, otherwise every thread allowed on the whole set. caller_may_spin: whether a thread
+  // waiting in sync may spin briefly (only when some core has no pinned worker).
+  ThreadPool(int n_threads, const std::vector<int>& cpus, int spin_us, bool caller_may_spin);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -92,6 +96,8 @@ class ThreadPool {
   void run_and_wait(std::function<void(ThreadPool&)> fn);
 
  private:
+  void start();
+  void pin_thread(int index) const;
   void worker_main(int index);
   void coordinator_main();
   void run_tasks(int thread_index);
@@ -103,6 +109,7 @@ class ThreadPool {
   int spin_us_;
   bool caller_may_spin_;  // a core is left for the threads that submit and sync
   std::vector<int> cpus_;
+  std::vector<int> cpu_set_;  // when not pinned one by one: every thread may run on these CPUs (empty: any)
   std::vector<std::thread> threads_;
   std::atomic<bool> stop_{false};
 
