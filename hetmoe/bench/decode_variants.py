@@ -64,10 +64,10 @@ def _median_ms(fn, n: int) -> float:
 
 
 def time_split(runner: Runner, steps: int = SPLIT_STEPS) -> dict:
-    """GPU / CPU / overlap of one batch-1 decode step of slot 0 at its current length (re-run in place: the KV entry
-    it writes is the one the next real step overwrites)."""
+    """GPU / CPU / overlap of one batch-1 decode step of slot 0, re-running its last step in place (its KV entry is
+    rewritten: the runner is not used for generation afterwards)."""
     dec, hyb = runner.decoder, runner.hybrid
-    pos, tok = runner.lengths[0], 1
+    pos, tok = max(0, runner.lengths[0] - 1), 1
     dec.step([tok], [pos], [0], cpu=False)  # captures the GPU-only graph (untimed)
     gpu_ms = _median_ms(lambda: dec.step([tok], [pos], [0], cpu=False), steps)
     dec.step([tok], [pos], [0])
