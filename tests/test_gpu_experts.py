@@ -396,6 +396,25 @@ def _max_rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+_cpu_refs: dict = {}
+
+
+def _cpu_logits(path, fmt="bf16"):
+    """The all-CPU placement's logits (computed once per checkpoint and format)."""
+    if (path, fmt) not in _cpu_refs:
+        _cpu_refs[path, fmt] = _logits(path, device="cpu", experts_format=fmt)[1]
+    return _cpu_refs[path, fmt]
+
+
+def _bf16_tol():
+    """Hybrid (resident experts in fp32 on the GPU) vs all-CPU, bf16 experts. With AMX the CPU engine rounds the
+    activations of experts with >= amx_min_tokens tokens (prefill) to bf16, which the GPU copy does not: that adds
+    up to ~2^-9 per element of those experts' inputs. Without AMX only matmul summation order differs."""
+    from hetmoe.kernels import cpu_info
+
+    return 1e-2 if "amx" in cpu_info()["supported_isas"] else 2e-3
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
@@ -403,7 +422,7 @@ def _max_rel(a, b):
                                         ("bf16", 8, "graph"), ("int4", 3, "graph")])
 def test_hybrid_gpu_experts_match_cpu(checkpoints, arch, fmt, n, mode):
     path = checkpoints[arch]
-    _, cpu = _logits(path, device="cpu", experts_format=fmt)
+    cpu = _cpu_logits(path, fmt)
     logs = []
     loaded, hyb = _logits(path, logs, mode, device="cuda", experts_format=fmt, gpu_experts=n)
     report = loaded.info["gpu_experts"]
@@ -415,10 +434,10 @@ def test_hybrid_gpu_experts_match_cpu(checkpoints, arch, fmt, n, mode):
         assert b.experts.gpu.w_gate_up.is_cuda and int(b.experts.experts.skip_mask.sum()) == n
     err = _max_rel(hyb, cpu)
     print(f"{arch} {fmt} N={n} {mode}: hybrid --gpu-experts vs cpu, max rel. logit error {err:.2e}")
-    # bf16 experts: as test_hybrid_gpu (TF32/cuBLAS vs CPU matmuls, same weight values); int4: the CPU rounds
-    # activations to int8 for the non-resident experts on both sides, the GPU part does not round them.
-    # measured in CPU emulation (no TF32): bf16 2.4e-7, int4 2.2e-3
-    assert err < (2e-3 if fmt == "bf16" else 2e-2), err
+    # bf16 experts: cuBLAS vs CPU matmuls on the same weight values (and AMX's bf16 activations, _bf16_tol); int4:
+    # the CPU rounds activations to int8 (both placements, non-resident experts), the GPU copy does not.
+    # measured in CPU emulation on AVX2: bf16 2.4e-7, int4 2.2e-3
+    assert err < (_bf16_tol() if fmt == "bf16" else 2e-2), err
 
 
 @pytest.mark.gpu
@@ -427,12 +446,12 @@ def test_hybrid_all_resident_ignores_deferral(checkpoints):
     """With every expert resident nothing is left to defer: d = 1 gives the d = 0 result (resident experts are
     never deferred), and both match the CPU placement."""
     path = checkpoints["qwen3_moe"]
-    _, cpu = _logits(path, device="cpu")
+    cpu = _cpu_logits(path)
     _, d0 = _logits(path, device="cuda", gpu_experts=8)
     _, d1 = _logits(path, device="cuda", gpu_experts=8, defer_experts=1)
     print(f"all resident: d=1 vs d=0 {_max_rel(d1, d0):.2e}, d=0 vs cpu {_max_rel(d0, cpu):.2e}")
     assert _max_rel(d1, d0) < 1e-5
-    assert _max_rel(d0, cpu) < 2e-3
+    assert _max_rel(d0, cpu) < _bf16_tol()
 
 
 def _emulated_logits(path, resident: list, **opts):
@@ -457,9 +476,10 @@ def _emulated_logits(path, resident: list, **opts):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_emulated_hybrid_matches_cpu(checkpoints, arch):
     """The CPU emulation the GPU deferral test compares with: without deferral it is the all-CPU model."""
-    _, cpu = _logits(checkpoints[arch], device="cpu")
+    cpu = _cpu_logits(checkpoints[arch])
     emu = _emulated_logits(checkpoints[arch], [[0, 3, 5]] * 3)
-    assert _max_rel(emu, cpu) < 1e-5, _max_rel(emu, cpu)  # measured 2.4e-7
+    # measured 2.4e-7 on AVX2 (fp32 activations); AMX rounds prefill activations to bf16 on the CPU side only
+    assert _max_rel(emu, cpu) < (_bf16_tol() if _bf16_tol() > 2e-3 else 1e-5), _max_rel(emu, cpu)
 
 
 @pytest.mark.gpu
@@ -507,5 +527,6 @@ def test_dense_path_captures_into_cuda_graph(T):
         w.copy_(new_w)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, gpu(x, ids, w)), seed
-    assert not torch.equal(out, eager0)
+        # the same kernels up to cuBLAS's choice inside a capture; stale inputs would give an error ~1
+        assert rel_err(out, gpu(x, ids, w)) < 5e-3, seed
+    assert rel_err(out, eager0) > 0.1
