@@ -5,8 +5,10 @@
 #include <pybind11/stl.h>
 
 #include "cuda_hooks.h"
+#include "stream_signals.h"
 #include "engine/cpu_features.h"
 #include "engine/thread_pool.h"
+#include "moe/expert_tasks.h"
 #include "moe/moe.h"
 
 namespace py = pybind11;
@@ -39,6 +41,48 @@ T* ptr(uintptr_t a) { return reinterpret_cast<T*>(a); }
 
 }  // namespace
 
+// HostFuncs and StreamSignals: the two ways of stream-ordered submit/sync (csrc/cuda_hooks.h,
+// csrc/stream_signals.h), bound with one Python face. Streams cross as raw handles
+// (torch.cuda.Stream.cuda_stream) or as a FakeStream (tests without CUDA).
+template <typename Owner>
+py::class_<Owner, std::shared_ptr<Owner>> bind_stream_work(py::module_& m, const char* name) {
+  auto on = [](uintptr_t s) { return HostStream{s, nullptr}; };
+  auto on_fake = [](FakeStream& s) { return HostStream{0, &s}; };
+  using PoolPtr = std::shared_ptr<ThreadPool>;
+  py::class_<Owner, std::shared_ptr<Owner>> c(m, name);
+  c.def(py::init<>())
+      .def(
+          "submit",
+          [on](Owner& h, uintptr_t stream, PoolPtr pool, std::shared_ptr<Job> job) {
+            return h.enqueue_submit(on(stream), std::move(pool), std::move(job));
+          },
+          py::arg("stream"), py::arg("pool"), py::arg("job"))
+      .def(
+          "submit",
+          [on_fake](Owner& h, FakeStream& stream, PoolPtr pool, std::shared_ptr<Job> job) {
+            return h.enqueue_submit(on_fake(stream), std::move(pool), std::move(job));
+          },
+          py::arg("stream"), py::arg("pool"), py::arg("job"))
+      .def(
+          "sync",
+          [on](Owner& h, uintptr_t stream, PoolPtr pool, int64_t allow_pending) {
+            return h.enqueue_sync(on(stream), std::move(pool), allow_pending);
+          },
+          py::arg("stream"), py::arg("pool"), py::arg("allow_pending"))
+      .def(
+          "sync",
+          [on_fake](Owner& h, FakeStream& stream, PoolPtr pool, int64_t allow_pending) {
+            return h.enqueue_sync(on_fake(stream), std::move(pool), allow_pending);
+          },
+          py::arg("stream"), py::arg("pool"), py::arg("allow_pending"))
+      .def("release_finished", &Owner::release_finished)
+      .def("close", &Owner::close, py::call_guard<py::gil_scoped_release>())
+      .def("__len__", &Owner::size)
+      .def_property_readonly("n_captured", &Owner::n_captured)
+      .def_property_readonly("n_not_run", &Owner::n_not_run);
+  return c;
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "hetmoe CPU expert engine";
 
@@ -51,8 +95,26 @@ PYBIND11_MODULE(_C, m) {
     for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::amx})
       if (f.supports(i)) ok.append(isa_name(i));
     d["supported_isas"] = ok;
+    d["amx_unavailable"] = amx_unavailable_reason();  // "" when the AMX kernels can run
+    d["amx_kernels_compiled"] = amx_kernels_compiled();
+    d["amx_min_tokens_default"] = kAmxMinTokens;
     return d;
   });
+  // The MoE job's task split (moe/expert_tasks.h) for given per-expert token counts, sorted descending: tests.
+  m.def(
+      "plan_tasks",
+      [](const std::vector<int>& counts, int amx_experts, int n_blocks, int row_gran, int amx_max_tokens,
+         int n_threads) {
+        std::vector<int> active(counts.size());
+        for (size_t i = 0; i < counts.size(); ++i) active[i] = (int)i;
+        std::vector<Task> tasks;
+        make_tasks(active, counts, amx_experts, TaskPlan{n_blocks, row_gran, amx_max_tokens, n_threads}, tasks);
+        std::vector<std::tuple<int, int, int, int, int, bool>> out;
+        for (const Task& t : tasks) out.emplace_back(t.e, t.rb0, t.rb1, t.m0, t.m1, t.amx);
+        return out;
+      },
+      py::arg("counts"), py::arg("amx_experts"), py::arg("n_blocks"), py::arg("row_gran"), py::arg("amx_max_tokens"),
+      py::arg("n_threads"));
   m.def("physical_core_cpus", &physical_core_cpus);
   m.attr("LAYOUT_VERSION") = kLayoutVersion;
 
@@ -89,42 +151,11 @@ PYBIND11_MODULE(_C, m) {
       .def("resume", &FakeStream::resume)
       .def("synchronize", &FakeStream::synchronize, py::call_guard<py::gil_scoped_release>());
 
-  auto cuda = [](uintptr_t s) { return HostStream{s, nullptr}; };
-  auto fake = [](FakeStream& s) { return HostStream{0, &s}; };
-  py::class_<HostFuncs, std::shared_ptr<HostFuncs>>(m, "HostFuncs")
-      .def(py::init<>())
-      .def(
-          "submit",
-          [cuda](HostFuncs& h, uintptr_t stream, std::shared_ptr<ThreadPool> pool, std::shared_ptr<Job> job) {
-            return h.enqueue_submit(cuda(stream), std::move(pool), std::move(job));
-          },
-    d["amx_unavailable"] = amx_unavailable_reason();  // "" when the AMX kernels can run
-    d["amx_kernels_compiled"] = amx_kernels_compiled();
-    d["amx_min_tokens_default"] = kAmxMinTokens;
-          py::arg("stream"), py::arg("pool"), py::arg("job"))
-      .def(
-          "submit",
-          [fake](HostFuncs& h, FakeStream& stream, std::shared_ptr<ThreadPool> pool, std::shared_ptr<Job> job) {
-            return h.enqueue_submit(fake(stream), std::move(pool), std::move(job));
-          },
-          py::arg("stream"), py::arg("pool"), py::arg("job"))
-      .def(
-          "sync",
-          [cuda](HostFuncs& h, uintptr_t stream, std::shared_ptr<ThreadPool> pool, int64_t allow_pending) {
-            return h.enqueue_sync(cuda(stream), std::move(pool), allow_pending);
-          },
-          py::arg("stream"), py::arg("pool"), py::arg("allow_pending"))
-      .def(
-          "sync",
-          [fake](HostFuncs& h, FakeStream& stream, std::shared_ptr<ThreadPool> pool, int64_t allow_pending) {
-            return h.enqueue_sync(fake(stream), std::move(pool), allow_pending);
-          },
-          py::arg("stream"), py::arg("pool"), py::arg("allow_pending"))
-      .def("release_finished", &HostFuncs::release_finished)
-      .def("close", &HostFuncs::close, py::call_guard<py::gil_scoped_release>())
-      .def("__len__", &HostFuncs::size)
-      .def_property_readonly("n_captured", &HostFuncs::n_captured)
-      .def_property_readonly("n_not_run", &HostFuncs::n_not_run);
+  bind_stream_work<HostFuncs>(m, "HostFuncs");
+  m.def("stream_signals_available", &cuda_hooks::signals_available);
+  m.def("stream_signals_error", [] { return cuda_hooks::signals_unavailable_reason(); });
+  bind_stream_work<StreamSignals>(m, "StreamSignals").def_property_readonly("kicks", &StreamSignals::kicks)
+      .def_property_readonly("slot_high_water", &StreamSignals::slot_high_water);
 
   py::class_<MoeExperts, std::shared_ptr<MoeExperts>>(m, "MoeExperts")
       .def(py::init([](std::shared_ptr<ThreadPool> pool, int n_expert, int hidden, int inter, const std::string& fmt,
@@ -136,6 +167,8 @@ PYBIND11_MODULE(_C, m) {
              c.format = format_from_name(fmt);
              c.group = group;
              c.isa = isa_from_name(isa);
+             c.amx = amx_emulated ? AmxMode::emulated : AmxMode::off;
+             c.amx_min_tokens = amx_min_tokens;
              return std::make_shared<MoeExperts>(c, std::move(pool));
            }),
            py::arg("pool"), py::arg("num_experts"), py::arg("hidden_size"), py::arg("intermediate_size"),
@@ -156,8 +189,6 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("storage",
            [](const MoeExperts& ex) {
-             c.amx = amx_emulated ? AmxMode::emulated : AmxMode::off;
-             c.amx_min_tokens = amx_min_tokens;
              py::list views;
              for (auto& [p, n] : ex.storage()) views.append(py::memoryview::from_memory(p, (py::ssize_t)n, false));
              return views;
@@ -180,6 +211,17 @@ PYBIND11_MODULE(_C, m) {
              d["kernel"] = ex.kernel().name;
              d["activation"] = c.format == WeightFormat::bf16 ? "fp32"
                                : c.format == WeightFormat::int8 ? "int16" : "int8";
+             const AmxMode amx = ex.amx_mode();
+             d["amx"] = amx == AmxMode::native ? "native" : amx == AmxMode::emulated ? "emulated" : "off";
+             if (amx != AmxMode::off) {
+               d["amx_kernel"] = ex.kernel().gemm_name;
+               d["amx_min_tokens"] = ex.amx_min_tokens();
+               d["amx_activation"] = c.format == WeightFormat::bf16 ? "bf16" : "int8";
+             } else {
+               d["amx_kernel"] = py::none();
+               d["amx_min_tokens"] = py::none();
+               d["amx_activation"] = py::none();
+             }
              d["bytes_per_expert"] = ex.bytes_per_expert();
              d["threads"] = ex.pool().size();
              d["num_experts"] = c.n_expert;
@@ -198,17 +240,6 @@ PYBIND11_MODULE(_C, m) {
             c.ids = ptr<const void>(ids);
             c.ids_int32 = ids_int32;
             c.weights = ptr<const float>(weights);
-             const AmxMode amx = ex.amx_mode();
-             d["amx"] = amx == AmxMode::native ? "native" : amx == AmxMode::emulated ? "emulated" : "off";
-             if (amx != AmxMode::off) {
-               d["amx_kernel"] = ex.kernel().gemm_name;
-               d["amx_min_tokens"] = ex.amx_min_tokens();
-               d["amx_activation"] = c.format == WeightFormat::bf16 ? "bf16" : "int8";
-             } else {
-               d["amx_kernel"] = py::none();
-               d["amx_min_tokens"] = py::none();
-               d["amx_activation"] = py::none();
-             }
             c.k = k;
             c.out = ptr<void>(out);
             c.out_bf16 = out_bf16;

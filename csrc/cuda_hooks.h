@@ -62,6 +62,18 @@ void launch_host_func(uintptr_t stream, HostFn fn, void* data);
 // cuStreamIsCapturing: whether work enqueued on `stream` now goes into a graph instead of running.
 bool is_capturing(uintptr_t stream);
 
+// Stream memory operations (csrc/stream_signals.h): whether the driver has them, or why not.
+bool signals_available();
+const std::string& signals_unavailable_reason();
+// Registers [ptr, ptr + bytes) (page-aligned) as pinned host memory the device of `stream` can read and write;
+// returns its device address. unmap_host_memory undoes it.
+uint64_t map_host_memory(uintptr_t stream, void* ptr, size_t bytes);
+void unmap_host_memory(void* ptr);
+// cuStreamWriteValue32 (after all earlier work of the stream, with a memory fence) and cuStreamWaitValue32 with
+// CU_STREAM_WAIT_VALUE_EQ (later work of the stream waits until *addr == value).
+void write_value32(uintptr_t stream, uint64_t dev_addr, uint32_t value);
+void wait_value32_eq(uintptr_t stream, uint64_t dev_addr, uint32_t value);
+
 }  // namespace cuda_hooks
 
 // A stand-in for a CUDA stream where there is none (tests run on CPU-only machines): host functions run in

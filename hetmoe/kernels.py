@@ -21,6 +21,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from hetmoe import _C
+from hetmoe.numa import NumaOption, resolve_subpools
 
 WEIGHT_FORMATS = ("bf16", "int8", "int4")
 ISAS = ("scalar", "avx2", "avx512", "amx")
@@ -71,21 +72,41 @@ def _synchronize_cuda() -> None:
 _leaked_jobs: list = []  # jobs of host functions closed before their stream reached them (see HostFuncs.close)
 
 
-class HostFuncs:
-    """Owner of the CUDA host functions enqueued by ``ExpertPool.submit_on_stream`` / ``sync_on_stream``.
+MECHANISMS = ("signals", "callbacks")
 
-    A host function runs when its stream reaches it; one enqueued while the stream is captured into a CUDA
-    graph runs at every replay of that graph. Its payload (and the ``MoEJob`` whose buffers it reads) is kept
-    here: eager ones until they have run and their job is done, captured ones until ``close()``. So keep a
-    ``HostFuncs`` alive at least as long as the graphs captured through it, and close it (or drop it) only
-    when no replay is in flight. Each ``ExpertPool`` has one (used when none is given) that lives as long as
-    the pool; pass your own to tie captured host functions to a graph that may be discarded.
+
+def default_mechanism() -> str:
+    """``signals`` where the driver has stream memory operations (CUDA 11.7+), else ``callbacks``."""
+    return "signals" if _C.stream_signals_available() else "callbacks"
+
+
+class HostFuncs:
+    """Owner of the stream-ordered work enqueued by ``ExpertPool.submit_on_stream`` / ``sync_on_stream``.
+
+    Two mechanisms, one behaviour: ``signals`` (default where available; csrc/stream_signals.h) has the GPU
+    write and wait on words of pinned host memory that a watcher thread turns into pool submissions;
+    ``callbacks`` (csrc/cuda_hooks.h) enqueues CUDA host functions. Work enqueued while the stream is captured
+    into a CUDA graph happens at every replay of that graph. Its payload (and the ``MoEJob`` whose buffers it
+    reads) is kept here: eager ones until they have run and their job is done, captured ones until
+    ``close()``. So keep a ``HostFuncs`` alive at least as long as the graphs captured through it, and close it
+    (or drop it) only when no replay is in flight. Each ``ExpertPool`` has one (used when none is given) that
+    lives as long as the pool; pass your own to tie captured work to a graph that may be discarded.
+
+    ``sync(allow_pending=n)`` waits, with ``callbacks``, until at most n jobs of the pool are unfinished; with
+    ``signals``, for every job submitted through this object except the newest n not yet waited for. The two
+    agree whenever one owner drives the pool, as a decode step does. With ``signals`` the first submit must
+    happen outside a graph capture (it maps the signal memory).
     """
 
-    def __init__(self):
-        self._c = _C.HostFuncs()
+    def __init__(self, mechanism: Optional[str] = None):
+        mechanism = default_mechanism() if mechanism is None else mechanism
+        if mechanism not in MECHANISMS:
+            raise ValueError(f"unknown stream mechanism {mechanism!r}; expected one of {', '.join(MECHANISMS)}")
+        self.mechanism = mechanism
+        self._c = None
         self._jobs: dict = {}  # payload id -> MoEJob: its tensors must outlive the payload
         self._lock = threading.Lock()
+        self._live()
 
     def __len__(self) -> int:
         return 0 if self._c is None else len(self._c)
@@ -95,8 +116,8 @@ class HostFuncs:
         return 0 if self._c is None else self._c.n_captured
 
     def _live(self):
-        if self._c is None:
-            self._c = _C.HostFuncs()  # reusable after close()
+        if self._c is None:  # reusable after close()
+            self._c = _C.StreamSignals() if self.mechanism == "signals" else _C.HostFuncs()
         return self._c
 
     def _release(self) -> None:
@@ -142,24 +163,48 @@ def default_threads() -> int:
 
 
 class ExpertPool:
-    """Pinned worker threads and their FIFO job queue (shared by every layer using the same thread count)."""
+    """Pinned worker threads and their FIFO job queue (shared by every layer using the same thread count).
 
-    def __init__(self, threads: Optional[int] = None, pin: bool = True, spin_us: int = 500):
-        threads = default_threads() if threads is None else int(threads)
-        if threads < 1:
+    ``numa``: ``"off"`` (default: one pool), ``"auto"`` (one subpool per NUMA node) or N subpools
+    (hetmoe/numa.py). With several, experts built on this pool are split across them; jobs are still
+    submitted and synced here, through subpool 0.
+    """
+
+    def __init__(self, threads: Optional[int] = None, pin: bool = True, spin_us: int = 500, numa: NumaOption = "off"):
+        threads = None if threads is None else int(threads)
+        if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
-        self._pool = _C.ThreadPool(threads, pin, spin_us)
+        self.subpools = resolve_subpools(numa, threads)
+        self._numa = None  # _C.NumaPools when split
+        if self.subpools > 1:
+            self._numa = _C.NumaPools(self.subpools, threads or 0, pin, spin_us)
+            self._pool = self._numa.pool(0)
+        else:
+            self._pool = _C.ThreadPool(default_threads() if threads is None else threads, pin, spin_us)
         self._inflight: collections.deque = collections.deque()  # Python jobs kept alive until done
         self._lock = threading.Lock()
         self._host_funcs: Optional[HostFuncs] = None  # created by the first *_on_stream call
 
     @property
     def threads(self) -> int:
-        return self._pool.size
+        return self._numa.threads if self._numa is not None else self._pool.size
 
     @property
     def pinned_cpus(self) -> list:
+        if self._numa is not None:
+            return [c for s in range(self.subpools) for c in self._numa.pool(s).pinned_cpus]
         return list(self._pool.pinned_cpus)
+
+    @property
+    def numa_plans(self) -> list:
+        """Per subpool: ``{"nodes", "cpus", "threads", "memory_node"}`` (one entry when not split)."""
+        if self._numa is not None:
+            return self._numa.plans
+        return [{"nodes": [], "cpus": self.pinned_cpus, "threads": self.threads, "memory_node": -1}]
+
+    @property
+    def numa_binding(self) -> str:
+        return self._numa.binding if self._numa is not None else "one pool: first touch"
 
     def submit(self, job: "MoEJob") -> None:
         """Enqueue a prepared job; returns at once."""
@@ -232,21 +277,24 @@ class ExpertPool:
                 pass
 
     def read_bandwidth(self, nbytes: int = 1 << 30, repeats: int = 5, isa: Optional[str] = None) -> float:
-        """STREAM-style read bandwidth of DRAM with this pool's threads, in GB/s (best of ``repeats``)."""
-        return self._pool.read_bandwidth(int(nbytes), int(repeats), isa or _C.cpu_features()["best_isa"])
+        """STREAM-style read bandwidth of DRAM with this pool's threads, in GB/s (best of ``repeats``); with
+        subpools, all of them at once, each on its own buffer."""
+        owner = self._numa if self._numa is not None else self._pool
+        return owner.read_bandwidth(int(nbytes), int(repeats), isa or _C.cpu_features()["best_isa"])
 
 
 _pools: dict = {}
 _pools_lock = threading.Lock()
 
 
-def shared_pool(threads: Optional[int] = None) -> ExpertPool:
-    """The process-wide pool with this many threads (created on first use)."""
+def shared_pool(threads: Optional[int] = None, numa: NumaOption = "auto") -> ExpertPool:
+    """The process-wide pool with this many threads and NUMA subpools (created on first use)."""
+    subpools = resolve_subpools(numa, None if threads is None else int(threads))
     threads = default_threads() if threads is None else int(threads)
     with _pools_lock:
-        if threads not in _pools:
-            _pools[threads] = ExpertPool(threads)
-        return _pools[threads]
+        if (threads, subpools) not in _pools:
+            _pools[threads, subpools] = ExpertPool(threads, numa=subpools)
+        return _pools[threads, subpools]
 
 
 class MoEJob:
@@ -288,7 +336,15 @@ class CPUExperts:
             (``"amx-emulated"``: tests only). With ``amx``, each call computes experts that have at least
             ``amx_min_tokens`` tokens with AMX tiles and the others with the AVX-512 kernels, on the same
             weights; ``avx512`` forces the AVX-512 kernels for all.
-        pool: an ``ExpertPool`` to run on (default: the shared pool for ``threads``).
+        pool: an ``ExpertPool`` to run on (default: the shared pool for ``threads`` and ``numa``).
+        numa: ``"auto"`` (default), ``"off"`` or N subpools (hetmoe/numa.py); with a ``pool``, it must agree
+            with it. With N > 1 every expert's intermediate dimension is split across the subpools.
+        amx_min_tokens: the per-expert token count from which AMX is used (default: the engine's measured
+            crossover, ``cpu_info()["amx_min_tokens_default"]``); also settable later as ``.amx_min_tokens``.
+
+    AMX multiplies bf16 x bf16 and int8 x int8, so AMX experts read activations rounded to bf16 (bf16
+    weights) or int8 per group (int8 weights; the AVX-512 path keeps int16); int4 weights use int8
+    activations on both paths. The accuracy cost is measured in tests/test_amx.py.
     """
 
     def __init__(
@@ -301,59 +357,40 @@ class CPUExperts:
         threads: Optional[int] = None,
         isa: str = "auto",
         pool: Optional[ExpertPool] = None,
+        amx_min_tokens: Optional[int] = None,
+        numa: Optional[NumaOption] = None,
     ):
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"unknown weight_format {weight_format!r}; expected one of {', '.join(WEIGHT_FORMATS)}")
+        features = _C.cpu_features()
+        emulated = isa == AMX_EMULATED
         if isa == "auto":
             isa = features["best_isa"]
         elif emulated:  # row blocks on the best real non-AMX level
             isa = next(i for i in ("avx512", "avx2", "scalar") if i in features["supported_isas"])
         elif isa not in ISAS:
             raise ValueError(f"unknown isa {isa!r}; expected 'auto' or one of {', '.join(ISAS)}")
-        self.pool = pool if pool is not None else shared_pool(threads)
-        amx_min_tokens: the per-expert token count from which AMX is used (default: the engine's measured
-            crossover, ``cpu_info()["amx_min_tokens_default"]``); also settable later as ``.amx_min_tokens``.
-
-    AMX multiplies bf16 x bf16 and int8 x int8, so AMX experts read activations rounded to bf16 (bf16
-    weights) or int8 per group (int8 weights; the AVX-512 path keeps int16); int4 weights use int8
-    activations on both paths. The accuracy cost is measured in tests/test_amx.py.
-        self.num_experts = int(num_experts)
-        self.hidden_size = int(hidden_size)
-        self.intermediate_size = int(intermediate_size)
-        self.weight_format = weight_format
-        self._ex = _C.MoeExperts(
-            self.pool._pool, self.num_experts, self.hidden_size, self.intermediate_size, weight_format,
-            int(group_size), isa, emulated, int(amx_min_tokens),
-        )
-        self._skip_mask: Optional[torch.Tensor] = None  # static: experts computed elsewhere (set_skip_mask)
-
-    # ------------------------------------------------------------------ weights
-
-        amx_min_tokens: Optional[int] = None,
-    def load(self, gate: TensorOrList, up: TensorOrList, down: TensorOrList, first_expert: int = 0) -> None:
-        """Pack experts from Hugging Face-oriented weights: gate, up ``[n, I, H]``, down ``[n, H, I]``.
-
-        features = _C.cpu_features()
-        emulated = isa == AMX_EMULATED
-        Accepts stacked tensors or per-expert lists, in any floating dtype. The engine keeps no reference to
-        them afterwards. ``first_expert`` loads a slice (experts ``first_expert .. first_expert + n``).
-        """
-        gate, up, down = (self._as_list(n, w) for n, w in (("gate", gate), ("up", up), ("down", down)))
         if amx_min_tokens is None:
             amx_min_tokens = features["amx_min_tokens_default"]
         elif isinstance(amx_min_tokens, bool) or not isinstance(amx_min_tokens, int) or amx_min_tokens < 1:
             raise ValueError(f"amx_min_tokens must be an integer >= 1, got {amx_min_tokens!r}")
-        n = len(gate)
-        if len(up) != n or len(down) != n:
-            raise ValueError(f"gate, up and down hold {len(gate)}, {len(up)} and {len(down)} experts; they must match")
-        if not 0 <= first_expert or first_expert + n > self.num_experts:
-            raise ValueError(
-                f"experts [{first_expert}, {first_expert + n}) do not fit in num_experts={self.num_experts}"
-            )
-        I, H = self.intermediate_size, self.hidden_size
-        for i in range(n):
-            for name, w, shape in (("gate", gate[i], (I, H)), ("up", up[i], (I, H)), ("down", down[i], (H, I))):
-                if tuple(w.shape) != shape:
+        if pool is None:
+            pool = shared_pool(threads, "auto" if numa is None else numa)
+        elif numa is not None and resolve_subpools(numa, pool.threads) != pool.subpools:
+            raise ValueError(f"numa={numa!r} asks for {resolve_subpools(numa, pool.threads)} subpools; the pool given "
+                             f"has {pool.subpools}")
+        self.pool = pool
+        self.num_experts = int(num_experts)
+        self.hidden_size = int(hidden_size)
+        self.intermediate_size = int(intermediate_size)
+        self.weight_format = weight_format
+        split = self.pool.subpools > 1  # tensor parallel over NUMA subpools: same interface
+        self._ex = (_C.NumaExperts if split else _C.MoeExperts)(
+            self.pool._numa if split else self.pool._pool, self.num_experts, self.hidden_size, self.intermediate_size, weight_format,
+            int(group_size), isa, emulated, int(amx_min_tokens),
+        )
+        self._skip_mask: Optional[torch.Tensor] = None  # static: experts computed elsewhere (set_skip_mask)
+
     @property
     def amx_min_tokens(self) -> Optional[int]:
         """Experts with at least this many tokens in a call use the AMX GEMM (None: this engine has no AMX path)."""
@@ -365,6 +402,26 @@ class CPUExperts:
             raise ValueError(f"amx_min_tokens must be an integer >= 1, got {n!r}")
         self._ex.amx_min_tokens = n
 
+    # ------------------------------------------------------------------ weights
+
+    def load(self, gate: TensorOrList, up: TensorOrList, down: TensorOrList, first_expert: int = 0) -> None:
+        """Pack experts from Hugging Face-oriented weights: gate, up ``[n, I, H]``, down ``[n, H, I]``.
+
+        Accepts stacked tensors or per-expert lists, in any floating dtype. The engine keeps no reference to
+        them afterwards. ``first_expert`` loads a slice (experts ``first_expert .. first_expert + n``).
+        """
+        gate, up, down = (self._as_list(n, w) for n, w in (("gate", gate), ("up", up), ("down", down)))
+        n = len(gate)
+        if len(up) != n or len(down) != n:
+            raise ValueError(f"gate, up and down hold {len(gate)}, {len(up)} and {len(down)} experts; they must match")
+        if not 0 <= first_expert or first_expert + n > self.num_experts:
+            raise ValueError(
+                f"experts [{first_expert}, {first_expert + n}) do not fit in num_experts={self.num_experts}"
+            )
+        I, H = self.intermediate_size, self.hidden_size
+        for i in range(n):
+            for name, w, shape in (("gate", gate[i], (I, H)), ("up", up[i], (I, H)), ("down", down[i], (H, I))):
+                if tuple(w.shape) != shape:
                     raise ValueError(f"{name}[{i}] has shape {tuple(w.shape)}; expected {shape} (out x in)")
                 if w.device.type == "meta":
                     raise ValueError(f"{name}[{i}] is a meta tensor and holds no data")
@@ -425,6 +482,8 @@ class CPUExperts:
         """Format, ISA path and kernel chosen, activation precision, bytes per expert, threads."""
         d = dict(self._ex.info())
         d["experts_loaded"] = self._ex.n_loaded
+        d.setdefault("numa_subpools", 1)  # split engines report their subpools and [i0, i1) slices
+        d.setdefault("numa_slices", [(0, self.intermediate_size)])
         return d
 
     def set_skip_mask(self, mask: Optional[torch.Tensor]) -> None:

@@ -52,6 +52,18 @@ def stream():
     fs.synchronize()
 
 
+@pytest.fixture(params=["callbacks", "signals"])
+def mech(request):
+    """The stream mechanism under test (hetmoe.kernels.HostFuncs): CUDA host functions or stream signals."""
+    return request.param
+
+
+def payloads(hf, submits: int, syncs: int) -> int:
+    """Payloads a HostFuncs holds for that many live submits and syncs: host functions keep one per call,
+    stream signals one per submit (a sync only enqueues waits on the submits' signals)."""
+    return submits + (syncs if hf.mechanism == "callbacks" else 0)
+
+
 def driver_has_host_funcs() -> bool:
     try:
         lib = ctypes.CDLL("libcuda.so.1")
@@ -121,26 +133,26 @@ def test_fake_stream_misuse(stream):
 # ---------------------------------------------------------------- host functions on a (fake) stream
 
 
-def test_submit_and_sync_in_stream_order(pool, layer, stream):
+def test_submit_and_sync_in_stream_order(pool, layer, stream, mech):
     x, ids, w = make_inputs(7, 4, seed=1)
     expected = layer(x, ids, w)
     out = torch.full((7, H), math.nan)
     job = layer.prepare(x, ids, w, out)
-    hf = HostFuncs()
+    hf = HostFuncs(mech)
     stream.pause()  # the stream has not reached the host functions yet
     pool.submit_on_stream(job, stream, host_funcs=hf)
     pool.sync_on_stream(0, stream, host_funcs=hf)
     assert pool.pending() == 0 and out.isnan().all(), "the job was submitted before the stream reached it"
-    assert len(hf) == 2 and hf._c.n_not_run == 2 and hf.n_captured == 0
+    assert len(hf) == payloads(hf, 1, 1) and hf._c.n_not_run == payloads(hf, 1, 1) and hf.n_captured == 0
     hf._c.release_finished()
-    assert len(hf) == 2, "payloads freed before their host functions ran"
+    assert len(hf) == payloads(hf, 1, 1), "payloads freed before their host functions ran"
     stream.resume()
     stream.synchronize()
     assert torch.equal(out, expected)
     pool.sync()
     pool.sync_on_stream(0, stream, host_funcs=hf)  # frees the finished ones first
     stream.synchronize()
-    assert len(hf) == 1 and not hf._jobs
+    assert len(hf) == payloads(hf, 0, 1) and not hf._jobs
     hf.close()
     assert len(hf) == 0
 
@@ -161,11 +173,11 @@ def test_sync_host_function_blocks_the_stream(pool, layer, stream):
     hf.close()
 
 
-def test_job_error_raised_at_next_sync_once(pool, layer, stream):
+def test_job_error_raised_at_next_sync_once(pool, layer, stream, mech):
     x, ids, w = make_inputs(7, 2, seed=4)
     bad = ids.clone()
     bad[2, 1] = 999
-    hf = HostFuncs()
+    hf = HostFuncs(mech)
     pool.submit_on_stream(layer.prepare(x, bad, w), stream, host_funcs=hf)
     pool.sync_on_stream(0, stream, host_funcs=hf)
     stream.synchronize()  # the stream went on: the error waits in the pool
@@ -182,12 +194,12 @@ def test_job_error_raised_at_next_sync_once(pool, layer, stream):
     hf.close()
 
 
-def test_error_of_a_replayed_job_each_time(pool, layer, stream):
+def test_error_of_a_replayed_job_each_time(pool, layer, stream, mech):
     """A captured job that fails fails at every replay; each failure is raised by one sync."""
     x, ids, w = make_inputs(4, 2, seed=5)
     n = torch.tensor([4])
     job = layer.prepare(x, ids, w, n_tokens=n)
-    hf = HostFuncs()
+    hf = HostFuncs(mech)
     stream.begin_capture()
     pool.submit_on_stream(job, stream, host_funcs=hf)
     pool.sync_on_stream(0, stream, host_funcs=hf)
@@ -202,7 +214,7 @@ def test_error_of_a_replayed_job_each_time(pool, layer, stream):
     hf.close()
 
 
-def test_captured_host_functions_replay(pool, layer, stream):
+def test_captured_host_functions_replay(pool, layer, stream, mech):
     """Captured once, replayed 5 times with new inputs and n_tokens: each replay submits and syncs again."""
     cap, k = 8, 4
     sentinel = 12345.0
@@ -210,14 +222,14 @@ def test_captured_host_functions_replay(pool, layer, stream):
     w_host, out_host = torch.zeros(cap, k), torch.full((cap, H), sentinel)
     n = torch.tensor([cap])
     job = layer.prepare(x_host, ids_host, w_host, out_host, n_tokens=n)
-    hf = HostFuncs()
+    hf = HostFuncs(mech)
     stream.begin_capture()
     pool.submit_on_stream(job, stream, host_funcs=hf)
     pool.sync_on_stream(0, stream, host_funcs=hf)
     stream.end_capture()
     stream.synchronize()
     assert pool.pending() == 0 and (out_host == sentinel).all(), "a captured host function ran at capture"
-    assert len(hf) == 2 and hf.n_captured == 2
+    assert len(hf) == payloads(hf, 1, 1) and hf.n_captured == payloads(hf, 1, 1)
     del job  # the HostFuncs keeps it (and its tensors) for the replays
     for i, t in enumerate((1, 3, 8, 2, 5)):
         x, ids, w = make_inputs(cap, k, seed=10 + i)
@@ -232,20 +244,21 @@ def test_captured_host_functions_replay(pool, layer, stream):
         assert torch.equal(out_host[:t], layer(x[:t], ids[:t], w[:t])), f"replay {i}"
         assert (out_host[t:] == sentinel).all()
         hf._release()
-        assert len(hf) == 2, "captured payloads must live as long as the HostFuncs"
+        assert len(hf) == payloads(hf, 1, 1), "captured payloads must live as long as the HostFuncs"
     pool.sync()
     hf.close()
     assert len(hf) == 0 and not hf._jobs
 
 
-def test_close_leaks_host_functions_not_run_yet(pool, layer, stream):
+def test_close_leaks_host_functions_not_run_yet(pool, layer, stream, mech):
     """Closing a HostFuncs before its stream reached a host function keeps that payload and job's buffers."""
     x, ids, w = make_inputs(5, 3, seed=6)
     out = torch.full((5, H), math.nan)
     job = layer.prepare(x, ids, w, out)
-    hf = HostFuncs()
+    hf = HostFuncs(mech)
     stream.pause()
     pool.submit_on_stream(job, stream, host_funcs=hf)
+    pool.sync_on_stream(0, stream, host_funcs=hf)  # the stream passes this only once the job is done
     n_leaked = len(kernels._leaked_jobs)
     hf.close()
     try:
@@ -341,7 +354,7 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
 
 @gpu
 @needs_cuda
-def test_gpu_submit_sync_on_stream(pool, layer):
+def test_gpu_submit_sync_on_stream(pool, layer, mech):
     T, k = 7, 4
     x, ids, w = make_inputs(T, k, seed=20)
     x_half = (x / 2).cuda()
@@ -349,14 +362,17 @@ def test_gpu_submit_sync_on_stream(pool, layer):
     out_pin = _pinned(torch.full((T, H), math.nan))
     job = layer.prepare(x_pin, _pinned(ids), _pinned(w), out_pin, n_tokens=torch.tensor([T]))
     out_gpu = torch.full((T, H), math.nan, device="cuda")
-    hf = HostFuncs()
-    torch.cuda._sleep(100_000_000)  # the device is busy while we enqueue: nothing below may run early
+    hf = HostFuncs(mech)
+    before = pool.pending()
+    torch.cuda._sleep(1_000_000_000)  # the device is busy while we enqueue: nothing below may run early
     x_gpu = x_half * 2  # a kernel writes the input
     x_pin.copy_(x_gpu, non_blocking=True)
     pool.submit_on_stream(job, host_funcs=hf)
     pool.sync_on_stream(host_funcs=hf)
     out_gpu.copy_(out_pin, non_blocking=True)
-    assert pool.pending() == 0 and out_pin.isnan().all(), "the host function ran before the stream reached it"
+    pending, untouched = pool.pending(), bool(out_pin.isnan().all())
+    assert pending == before == 0 and untouched, (
+        f"the job ran before the stream reached it (pending {before} -> {pending}, output untouched: {untouched})")
     torch.cuda.synchronize()
     pool.sync()
     assert torch.equal(out_gpu.cpu(), layer(x, ids, w))
@@ -365,7 +381,7 @@ def test_gpu_submit_sync_on_stream(pool, layer):
 
 @gpu
 @needs_cuda
-def test_gpu_sync_on_side_stream(pool, layer):
+def test_gpu_sync_on_side_stream(pool, layer, mech):
     """The layout of a decode step: submit on the main stream, wait on a side stream joined by events."""
     T, k = 5, 6
     x, ids, w = make_inputs(T, k, seed=21)
@@ -373,7 +389,7 @@ def test_gpu_sync_on_side_stream(pool, layer):
     x_pin, out_pin = _pinned(torch.zeros(T, H)), _pinned(torch.full((T, H), math.nan))
     job = layer.prepare(x_pin, _pinned(ids), _pinned(w), out_pin)
     main, side = torch.cuda.current_stream(), torch.cuda.Stream()
-    hf = HostFuncs()
+    hf = HostFuncs(mech)
     x_pin.copy_(x_gpu, non_blocking=True)
     pool.submit_on_stream(job, host_funcs=hf)
     side.wait_stream(main)
@@ -389,7 +405,7 @@ def test_gpu_sync_on_side_stream(pool, layer):
 
 @gpu
 @needs_cuda
-def test_gpu_graph_replays(pool, layer):
+def test_gpu_graph_replays(pool, layer, mech):
     cap, k = 8, 4
     x_src = torch.zeros(cap, H, device="cuda")
     x_pin = _pinned(torch.zeros(cap, H))
@@ -398,7 +414,7 @@ def test_gpu_graph_replays(pool, layer):
     out_gpu = torch.zeros(cap, H, device="cuda")
     n = torch.tensor([cap])
     job = layer.prepare(x_pin, ids_pin, w_pin, out_pin, n_tokens=n)
-    hf = HostFuncs()
+    hf = HostFuncs(mech)
 
     def step():
         x_pin.copy_(x_src * 2, non_blocking=True)
@@ -416,7 +432,7 @@ def test_gpu_graph_replays(pool, layer):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    assert hf.n_captured == 2
+    assert hf.n_captured == payloads(hf, 1, 1)
     for i, t in enumerate((1, 3, 8, 2, 5)):
         x, ids, w = make_inputs(cap, k, seed=30 + i)
         x_src.copy_(x / 2)
@@ -427,7 +443,7 @@ def test_gpu_graph_replays(pool, layer):
         torch.cuda.synchronize()
         pool.sync()
         assert torch.equal(out_gpu[:t].cpu(), layer(x[:t], ids[:t], w[:t])), f"replay {i} (T={t})"
-    assert hf.n_captured == 2
+    assert hf.n_captured == payloads(hf, 1, 1)
     del graph
     hf.close()
     assert len(hf) == 0
@@ -435,7 +451,7 @@ def test_gpu_graph_replays(pool, layer):
 
 @gpu
 @needs_cuda
-def test_gpu_job_error_at_next_sync_once(pool, layer):
+def test_gpu_job_error_at_next_sync_once(pool, layer, mech):
     T, k = 6, 2
     x, ids, w = make_inputs(T, k, seed=40)
     bad = ids.clone()
@@ -443,7 +459,7 @@ def test_gpu_job_error_at_next_sync_once(pool, layer):
     x_pin, ids_pin, w_pin = _pinned(x), _pinned(bad), _pinned(w)
     out_pin = _pinned(torch.full((T, H), math.nan))
     job = layer.prepare(x_pin, ids_pin, w_pin, out_pin)
-    hf = HostFuncs()
+    hf = HostFuncs(mech)
     pool.submit_on_stream(job, host_funcs=hf)
     pool.sync_on_stream(host_funcs=hf)
     torch.cuda.synchronize()  # the stream went on
@@ -458,3 +474,83 @@ def test_gpu_job_error_at_next_sync_once(pool, layer):
     pool.sync()
     assert torch.equal(out_gpu.cpu(), layer(x, ids, w))
     hf.close()
+
+
+# ---------------------------------------------------------------- stream signals only (csrc/stream_signals.h)
+
+
+def test_signals_sync_covers_all_but_the_newest(pool, layer, stream):
+    """sync(allow_pending=1) after two submits waits for the first only; sync(0) then for the second."""
+    x, ids, w = make_inputs(300, 6, seed=50)
+    out_a, out_b = torch.full((300, H), math.nan), torch.full((300, H), math.nan)
+    a, b = layer.prepare(x, ids, w, out_a), layer.prepare(x, ids, w, out_b)
+    hf = HostFuncs("signals")
+    pool.submit_on_stream(a, stream, host_funcs=hf)
+    pool.submit_on_stream(b, stream, host_funcs=hf)
+    pool.sync_on_stream(1, stream, host_funcs=hf)
+    assert len(hf._c) == 2 and hf._c.n_not_run == 2
+    stream.synchronize()  # the stream passed the wait for a: a is done
+    expected = layer(x, ids, w)
+    assert torch.equal(out_a, expected)
+    pool.sync_on_stream(0, stream, host_funcs=hf)
+    stream.synchronize()
+    assert torch.equal(out_b, expected)
+    assert hf._c.kicks == 2
+    pool.sync()
+    hf._release()
+    assert len(hf) == 0 and not hf._jobs, "signals the stream has passed are freed"
+    hf.close()
+
+
+def test_signals_slots_are_reused(pool, layer, stream):
+    """Eager submits release their signal once the stream has passed it: the slots in use stay few however
+    many rounds run (the memory has 4096), and no submission is lost or doubled."""
+    x, ids, w = make_inputs(2, 2, seed=51)
+    out = torch.zeros(2, H)
+    job = layer.prepare(x, ids, w, out, accumulate=True)
+    hf = HostFuncs("signals")
+    rounds = 300
+    for r in range(rounds):
+        pool.submit_on_stream(job, stream, host_funcs=hf)
+        pool.sync_on_stream(0, stream, host_funcs=hf)
+        if r % 50 == 49:
+            stream.synchronize()
+    stream.synchronize()
+    pool.sync()
+    assert hf._c.kicks == rounds, "a submission was lost or doubled"
+    assert hf._c.slot_high_water <= 60, f"{hf._c.slot_high_water} slots used for one signal in flight at a time"
+    assert torch.allclose(out, layer(x, ids, w) * rounds, rtol=1e-3, atol=1e-6)
+    hf.close()
+
+
+def test_signals_capacity_error(pool, layer, stream):
+    x, ids, w = make_inputs(2, 2, seed=52)
+    job = layer.prepare(x, ids, w)
+    hf = HostFuncs("signals")
+    stream.begin_capture()
+    with pytest.raises(RuntimeError, match="more than 4096 stream signals alive"):
+        for _ in range(4097):
+            pool.submit_on_stream(job, stream, host_funcs=hf)
+    stream.end_capture()
+    assert hf.n_captured == 4096
+    hf.close()
+    assert len(hf) == 0
+
+
+def test_signals_sync_on_another_pool_is_an_error(pool, layer, stream):
+    x, ids, w = make_inputs(2, 2, seed=53)
+    hf = HostFuncs("signals")
+    pool.submit_on_stream(layer.prepare(x, ids, w), stream, host_funcs=hf)
+    other = ExpertPool(1)
+    with pytest.raises(ValueError, match="runs on another pool"):
+        other.sync_on_stream(0, stream, host_funcs=hf)
+    pool.sync_on_stream(0, stream, host_funcs=hf)
+    stream.synchronize()
+    pool.sync()
+    hf.close()
+
+
+def test_unknown_mechanism():
+    with pytest.raises(ValueError, match="unknown stream mechanism 'pigeons'"):
+        HostFuncs("pigeons")
+    assert kernels.default_mechanism() == ("signals" if _C.stream_signals_available() else "callbacks")
