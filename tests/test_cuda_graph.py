@@ -136,6 +136,90 @@ def test_cpu_runner_has_no_decoder():
     assert a.shape == (2, 300) and torch.isfinite(a).all() and runner.lengths == [1, 0, 1]
 
 
+# ---------------------------------------------------------------- CPU: the stream-ordered dispatch on a FakeStream
+
+
+def _fake_hybrid_setup(path, d: int):
+    """A CPU model whose MoE dispatch is OffloadedExperts (+ DeferredExperts when d), driven by a HybridDecode on a
+    FakeStream, and a runner over it (max_batch 4: slot 3 is the padding rows' scratch slot)."""
+    from hetmoe import _C
+    from hetmoe.engine.loader import defer_experts, load_model, moe_blocks
+    from hetmoe.engine.runner import Runner
+    from hetmoe.layers.hybrid import HybridDecode
+    from hetmoe.layers.moe import DeferredExperts
+
+    opts = EngineOptions(device="cpu", dtype="fp32", experts_format="bf16", max_context=96, max_batch=4)
+    loaded = load_model(path, opts, expert_cache=None, progress=False, log=lambda m: None)
+    offloaded = []
+    for _, block in moe_blocks(loaded.model):
+        engine = block.experts.experts if isinstance(block.experts, DeferredExperts) else block.experts
+        block.experts = OffloadedExperts(engine, staging=None)
+        offloaded.append(block.experts)
+    defer_experts(loaded.model, d)
+    stream = _C.FakeStream()
+    hybrid = HybridDecode(4, "cpu", offloaded, fake_stream=stream)
+    return Runner(loaded), hybrid, stream
+
+
+@torch.inference_mode()
+def _hybrid_step(runner, hybrid, tokens, slots, pad_to):
+    """One decode step of ``tokens`` through the hybrid dispatch, padded to ``pad_to`` rows (scratch slot 3)."""
+    from hetmoe.layers.attention import Step
+
+    n = len(tokens)
+    ids = torch.tensor(tokens + [0] * (pad_to - n)).view(pad_to, 1)
+    pos = torch.tensor([runner.lengths[s] for s in slots] + [0] * (pad_to - n)).view(pad_to, 1)
+    step = Step(pos, torch.tensor(slots + [3] * (pad_to - n)), kv_len=bucket_len(int(pos.max()), 96, 64))
+    with hybrid.step(torch.tensor([n])):
+        hidden = runner.model(ids, step, runner.cache)[:, -1]
+    for s in slots:
+        runner.lengths[s] += 1
+    return runner.model.logits(hidden)[:n].float()
+
+
+@pytest.mark.parametrize("d", [0, 2])
+def test_stream_dispatch_on_a_fake_stream(ckpt, d):
+    """The host-function path of a decode step (static buffers, T through a pointer, padding rows, deferred jobs left
+    pending across layers) on the CPU: the plain CPU path's logits, padded or not."""
+    runner, hybrid, stream = _fake_hybrid_setup(ckpt["qwen3_moe"], d)
+    prompts = [_prompt(0)[:20], _prompt(1)[:23], _prompt(2)[:17]]
+    slots = [0, 1, 2]
+    want = []
+    for s, p in zip(slots, prompts):
+        runner.prefill(p, slot=s)
+    for i in range(4):
+        want.append(runner.decode_batch([_fed(i, s) for s in slots], slots))  # the synchronous CPU path
+    for pad_to in (3, 4):
+        for s, p in zip(slots, prompts):
+            runner.prefill(p, slot=s)
+        got = torch.stack([_hybrid_step(runner, hybrid, [_fed(i, s) for s in slots], slots, pad_to)
+                           for i in range(4)])
+        err = _rel(got, torch.stack(want))
+        print(f"fake stream d={d} padded to {pad_to}: {err:.1e}")
+        assert err < (1e-6 if pad_to == 3 else 2e-3), err  # measured 0 / 4.9e-7 (CPU GEMMs of 4 rows, not 3)
+    jobs = hybrid.last_jobs
+    assert len(jobs) == 3 + (2 if d else 0)  # three layers; the first two defer (the last never does)
+    assert int(hybrid.n_tokens) == 3 and hybrid.host_funcs.n_captured == 0
+    first = hybrid.buffers(hybrid.layers[0])
+    assert (first.weights[3] > 0).all() and (first.out[3] == 0).all()  # the padding row: copied, never computed
+    assert not hybrid.active and hybrid._pending is None
+    stream.synchronize()
+    hybrid.close()
+
+
+def test_stream_dispatch_refuses_too_many_rows(ckpt):
+    runner, hybrid, _ = _fake_hybrid_setup(ckpt["qwen3_moe"], 0)
+    runner.prefill([5, 6, 7], slot=0)
+    with pytest.raises(ValueError, match="holds at most 4 tokens, got 5"):
+        _hybrid_step(runner, hybrid, [1] * 5, [0, 0, 0, 0, 0], 5)
+    assert not hybrid.active
+    with pytest.raises(RuntimeError, match="already running"):
+        with hybrid.step(torch.tensor([1])):
+            with hybrid.step(torch.tensor([1])):
+                pass
+    hybrid.close()
+
+
 # ---------------------------------------------------------------- GPU: graphs against eager
 
 

@@ -24,7 +24,7 @@ Shape letters: T tokens, k experts per token, H hidden size, C capacity.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
@@ -53,15 +53,21 @@ class HybridDecode:
     active only inside ``step(...)`` (decode steps; prefill keeps the plain eager path).
 
     ``capacity``: the largest batch a step may have. ``cpu=False`` inside a step leaves the CPU out (no host
-    function, stale outputs): what the GPU alone costs, for the benchmark's time split."""
+    function, stale outputs): what the GPU alone costs, for the benchmark's time split.
 
-    def __init__(self, capacity: int, device: torch.device, layers=()):
+    ``fake_stream`` (a ``_C.FakeStream``; device "cpu"): the same host functions and buffers on a machine without
+    CUDA, for tests. Main and side stream are then that one stream, drained where the main stream would join the
+    side stream (no overlap)."""
+
+    def __init__(self, capacity: int, device: torch.device, layers=(), fake_stream=None):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity, self.device = int(capacity), torch.device(device)
-        self.side = torch.cuda.Stream(self.device)
+        self.fake = fake_stream
+        self.pin = fake_stream is None
+        self.side = torch.cuda.Stream(self.device) if fake_stream is None else None
         self.host_funcs = HostFuncs()  # owns the payloads of eager and captured host functions alike
-        self.n_tokens = torch.zeros(1, dtype=torch.int64, pin_memory=True)  # T the jobs read when they run
+        self.n_tokens = torch.zeros(1, dtype=torch.int64, pin_memory=self.pin)  # T the jobs read when they run
         self.active = False
         self.cpu = True
         self._buffers: dict = {}  # id(OffloadedExperts) -> _LayerBuffers
@@ -98,12 +104,12 @@ class HybridDecode:
         mask = getattr(engine, "skip_mask", None)
         if buf is not None and buf.mask is mask and buf.x.dtype == x.dtype and buf.ids.shape[1] == k:
             return buf
-        if torch.cuda.is_current_stream_capturing():
+        if self.fake is None and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("hybrid decode buffers must exist before a CUDA graph is captured (run one eager step)")
         C, H = self.capacity, x.shape[1]
 
         def pinned(*shape, dtype):
-            return torch.zeros(*shape, dtype=dtype, pin_memory=True)
+            return torch.zeros(*shape, dtype=dtype, pin_memory=self.pin)
 
         xh, w = pinned(C, H, dtype=x.dtype), pinned(C, k, dtype=torch.float32)
         ids, ids_def = pinned(C, k, dtype=torch.int64), pinned(C, k, dtype=torch.int64)
@@ -131,7 +137,7 @@ class HybridDecode:
             raise ValueError(f"a hybrid decode step holds at most {self.capacity} tokens, got {T}")
         buf = self._layer_buffers(layer, x, k)
         pool, hf = layer.experts.pool, self.host_funcs
-        main = torch.cuda.current_stream(x.device)
+        main = self.fake if self.fake is not None else torch.cuda.current_stream(x.device)
         weights = topk_weights.float()
         imm_ids, def_ids = split_deferred(topk_ids, weights, defer) if defer else (topk_ids, None)
         buf.x[:T].copy_(x, non_blocking=True)
@@ -146,15 +152,20 @@ class HybridDecode:
                 pool.submit_on_stream(buf.job_def, main, host_funcs=hf)
                 self._jobs_now.append((pool, buf.job_def))
         prev, self._pending = self._pending, (buf if def_ids is not None else None)
-        self.side.wait_stream(main)
+        if self.fake is None:
+            self.side.wait_stream(main)
         if self.cpu:
-            pool.sync_on_stream(1 if def_ids is not None else 0, self.side, host_funcs=hf)
-        with torch.cuda.stream(self.side):
+            pool.sync_on_stream(1 if def_ids is not None else 0, self.side if self.fake is None else self.fake,
+                                host_funcs=hf)
+        if self.fake is not None:
+            self.fake.synchronize()  # the host stands in for the side stream: the copies below follow the sync
+        with torch.cuda.stream(self.side) if self.fake is None else nullcontext():
             buf.dev[:T].copy_(buf.out[:T], non_blocking=True)
             if prev is not None:
                 buf.dev_prev[:T].copy_(prev.out_def[:T], non_blocking=True)
         resident, dense = layer.main_stream_part(x, topk_ids, weights, shared)  # the GPU works while the CPU does
-        main.wait_stream(self.side)
+        if self.fake is None:
+            main.wait_stream(self.side)
         y = buf.dev[:T]
         if resident is not None:
             y = y + resident

@@ -173,7 +173,7 @@ class OffloadedExperts:
 
     def streaming(self, x: torch.Tensor) -> bool:
         """Whether this call runs in CUDA stream order (inside a decode step of the runner's HybridDecode)."""
-        return self.hybrid is not None and self.hybrid.active and x.device.type == "cuda"
+        return self.hybrid is not None and self.hybrid.active and x.device.type == self.hybrid.device.type
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared=None) -> torch.Tensor:
         """Routed experts [T, H] (+ ``shared()``, the model's shared experts, when given)."""
