@@ -9,9 +9,9 @@ GPU-resident experts — each at batch 1 beside the decode roofline, with a one-
 * overlap = GPU + CPU - step: the time both were busy at once (0 would be fully serial).
 
 ``kv_modes`` compares the two ways a graph attends (engine/cuda_graph.py: "full" = all max_context positions,
-"bucket" = one graph per 64-position bucket) at given context lengths: the sequence is placed near the end of the
-context by setting its cached length (the KV entries are whatever the cache holds: decode cost does not depend on
-them), decoded once untimed (captures every graph it needs, timed apart), then rewound and timed.
+"bucket" = one graph per 64-position bucket) with the sequence near given lengths in a cache of the largest: the
+sequence is placed there by setting its cached length (the KV entries are whatever the cache holds: decode cost does
+not depend on them), decoded once untimed (captures every graph it needs, timed apart), then rewound and timed.
 """
 
 from __future__ import annotations
@@ -133,7 +133,8 @@ def decode_variants(loaded: LoadedModel, prompt_tokens: int, steps: int, repeats
                 runner.decoder.close()
                 del runner
             records.append(rec)
-            log(f"  {name:16s} {rec['decode_tok_s']:7.2f} tok/s  step {rec['step_ms']:6.2f} ms = GPU {rec['gpu_ms']:6.2f}"
+            log(f"  {name:16s} {rec['decode_tok_s']:7.2f} tok/s  step {rec['step_ms']:6.2f} ms"
+                f" = GPU {rec['gpu_ms']:6.2f}"
                 f" + CPU {rec['cpu_ms']:6.2f} - overlap {rec['overlap_ms']:6.2f}")
     finally:
         set_deferral(model, own_d)
@@ -143,19 +144,24 @@ def decode_variants(loaded: LoadedModel, prompt_tokens: int, steps: int, repeats
 
 
 def kv_modes(loaded: LoadedModel, contexts: list, steps: int, seed: int = 0, log=print) -> list:
-    """Batch-1 graph decode tok/s near the end of each context length, per attention mode ("full", "bucket")."""
+    """Batch-1 graph decode tok/s with the sequence near each length of ``contexts`` in a cache of max(contexts)
+    positions, per attention mode: "full" attends all of them at every length, "bucket" only up to the length's
+    bucket but captures a graph per bucket (timed apart: the first pass over the range captures, the second is
+    timed)."""
     out = []
     gen = torch.Generator().manual_seed(seed)
-    for ctx in contexts:
-        if ctx < steps + 16:
-            raise ValueError(f"context {ctx} is too short for {steps} decode steps")
-        sized = dataclasses.replace(loaded, plan=dataclasses.replace(loaded.plan, max_context=ctx))
-        for mode in ("full", "bucket"):
-            runner = Runner(sized, cuda_graph=True, kv_mode=mode)
-            try:
-                runner.prefill(torch.randint(runner.vocab_size, (8,), generator=gen).tolist())
+    max_ctx = max(contexts)
+    if min(contexts) < steps + 16:
+        raise ValueError(f"context {min(contexts)} is too short for {steps} decode steps")
+    sized = dataclasses.replace(loaded, plan=dataclasses.replace(loaded.plan, max_context=max_ctx))
+    for mode in ("full", "bucket"):
+        runner = Runner(sized, cuda_graph=True, kv_mode=mode)
+        try:
+            runner.prefill(torch.randint(runner.vocab_size, (8,), generator=gen).tolist())
+            for ctx in contexts:
                 start = ctx - steps - 1
                 tokens = torch.randint(runner.vocab_size, (steps,), generator=gen).tolist()
+                captured = dict(runner.decoder.capture_s)
                 runner.lengths[0] = start
                 t0 = time.perf_counter()
                 for tok in tokens:  # captures what this range needs
@@ -167,24 +173,27 @@ def kv_modes(loaded: LoadedModel, contexts: list, steps: int, seed: int = 0, log
                     t0 = time.perf_counter()
                     runner.decode(tok)
                     times.append(time.perf_counter() - t0)
-                stats = runner.decoder.stats()
-                rec = {"context": ctx, "kv_mode": mode, "positions": [start, start + steps],
+                new = {k: v for k, v in runner.decoder.capture_s.items() if k not in captured}
+                rec = {"context": ctx, "max_context": max_ctx, "kv_mode": mode, "positions": [start, start + steps],
+                       "attended": sorted({k[1] for k in new}) or None,
                        "decode_tok_s": steps / sum(times), "step_ms_median": 1e3 * statistics.median(times),
-                       "first_pass_s": first_s, "graphs": stats["graphs"],
-                       "capture_ms_total": sum(stats["capture_ms"].values())}
-            finally:
-                runner.decoder.close()
-                del runner
-            out.append(rec)
-            log(f"  context {ctx:5d} {mode:6s}: {rec['decode_tok_s']:7.2f} tok/s (median step "
-                f"{rec['step_ms_median']:.2f} ms), {rec['graphs']} graphs captured in {rec['capture_ms_total']:.0f} ms")
+                       "first_pass_s": first_s, "graphs_captured": len(new),
+                       "capture_ms": 1e3 * sum(new.values())}
+                out.append(rec)
+                log(f"  sequence at {start}..{start + steps} of {max_ctx}, {mode:6s}: {rec['decode_tok_s']:7.2f} tok/s "
+                    f"(median step {rec['step_ms_median']:.2f} ms); {rec['graphs_captured']} graphs captured on the "
+                    f"way ({rec['capture_ms']:.0f} ms)")
+        finally:
+            runner.decoder.close()
+            del runner
     return out
 
 
 def fmt_variants(records: list) -> list:
     head = (f"{'variant':18s} {'decode':>8s} {'roofline':>9s} {'%roof':>6s} {'step':>7s} {'GPU':>7s} {'CPU':>7s}"
             f" {'overlap':>8s} {'capture':>8s}")
-    lines = [head, f"{'':18s} {'tok/s':>8s} {'tok/s':>9s} {'':>6s} {'ms':>7s} {'ms':>7s} {'ms':>7s} {'ms':>8s} {'ms':>8s}"]
+    units = f"{'':18s} {'tok/s':>8s} {'tok/s':>9s} {'':>6s}" + "".join(f" {'ms':>{w}s}" for w in (7, 7, 7, 8, 8))
+    lines = [head, units]
     for r in records:
         cap = sum(r["decoder"]["capture_ms"].values())
         roof = r["roofline_tok_s"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 import time
 from contextlib import nullcontext
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 

@@ -118,7 +118,8 @@ class HybridDecode:
         out, out_def = pinned(C, H, dtype=torch.float32), pinned(C, H, dtype=torch.float32)
         buf = _LayerBuffers(
             xh, ids, ids_def, w, out, out_def,
-            torch.zeros(C, H, dtype=torch.float32, device=x.device), torch.zeros(C, H, dtype=torch.float32, device=x.device),
+            torch.zeros(C, H, dtype=torch.float32, device=x.device),
+            torch.zeros(C, H, dtype=torch.float32, device=x.device),
             engine.prepare(xh, ids, w, out, n_tokens=self.n_tokens),
             engine.prepare(xh, ids_def, w, out_def, n_tokens=self.n_tokens), mask,
         )
