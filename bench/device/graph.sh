@@ -25,7 +25,7 @@ e2e() {  # $1 format, $2 seconds allowed
     >"$out/e2e_$1.txt" 2>"$out/e2e_$1.err"
   echo "e2e $1 rc=$? after ${SECONDS}s" | tee -a "$out/e2e_$1.txt"
   sed -n '/^placement/,$p' "$out/e2e_$1.txt"
-  grep -E "context|captured|Error|error" "$out/e2e_$1.txt" "$out/e2e_$1.err" | tail -12
+  grep -E "tok/s  step|sequence at|captured|Error|error" "$out/e2e_$1.txt" "$out/e2e_$1.err" | tail -16
 }
 e2e int4 95
 left=$((228 - SECONDS))
