@@ -198,6 +198,19 @@ def build_parser() -> argparse.ArgumentParser:
     kernel.add_argument("--quick", action="store_true",
                         help="smoke run: qwen3-30b-a3b with E=16, tokens 1,32, 3 repeats (explicit options win)")
     kernel.set_defaults(handler=_bench_kernel)
+    kernel.add_argument("--routing", type=_choice_list(("uniform", "zipf")), default=None,
+                        help="comma list of routings: uniform, zipf (expert popularity ~ 1/rank; default: uniform)")
+    kernel.add_argument("--compare-avx512", action="store_true",
+                        help="with AMX: also time every point with all experts on the AVX-512 kernels (same weights)")
+    kernel.add_argument("--compare-max-tokens", type=_positive_int, default=1 << 30, metavar="T",
+                        help="--compare-avx512 only up to this T (default: all)")
+    kernel.add_argument("--amx-min-tokens", type=_positive_int, default=None, metavar="N",
+                        help="experts with >= N tokens use AMX (default: the engine's measured crossover)")
+    kernel.add_argument("--crossover", action="store_true",
+                        help="with AMX: measure AMX vs AVX-512 at 1..32 tokens per expert (sets amx_min_tokens)")
+    kernel.add_argument("--random-packed", action="store_true",
+                        help="random weights written straight into the packed layout (fast; no fp32 source)")
+    kernel.add_argument("--warmup", type=int, default=None, help="untimed calls per point (default: 2)")
 
     e2e = bench_sub.add_parser(
         "e2e",

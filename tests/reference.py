@@ -88,12 +88,14 @@ def moe_reference_emulated(x, gate_dq, up_dq, down_dq, topk_ids, topk_weights, a
 
     gate_dq, up_dq, down_dq: sequences (or stacked tensors) of per-expert fp32 weights as returned by
     ``CPUExperts.dequantized(e)``; an entry may be None for an expert that is never routed to.
-    activation: ``info()["activation"]`` ("fp32", "int16" or "int8"); group: ``info()["group_size"]``
+    activation: ``info()["activation"]`` ("fp32", "int16" or "int8"; "bf16" for AMX experts); group: ``info()["group_size"]``
     (0 = int8 weights with per-row scales, whose activations use groups of 128). x is quantized per token
     before gate/up, and h = silu(gate x) * (up x) per (token, expert) before down, both along their rows.
     """
     if activation == "fp32":
         quant = lambda v: v.float().double()  # noqa: E731  (the engine keeps h in fp32)
+    elif activation == "bf16":  # AMX experts of bf16 weights: x and h rounded to bf16 (nearest even)
+        quant = lambda v: v.float().bfloat16().double()  # noqa: E731
     else:
         qmax = ACTIVATION_QMAX[activation]
         g = group if group > 0 else PER_ROW_ACTIVATION_GROUP

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from hetmoe import kernels
+from hetmoe.bench import kernel_amx
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def _cpu_model() -> str:
 def check_isa(isa: str) -> None:
     """Refuses an ISA this CPU cannot run before anything executes its instructions."""
     supported = kernels.cpu_info()["supported_isas"]
-    if isa != "auto" and isa not in supported:
+    if isa not in ("auto", kernels.AMX_EMULATED) and isa not in supported:
         raise ValueError(f"--isa {isa}: this CPU runs only {', '.join(supported)} (or auto)")
 
 
@@ -144,10 +145,17 @@ def doctor(threads=None, isa: str = "auto") -> int:
     print(f"isas:       {', '.join(info['supported_isas'])} (best: {info['best_isa']})")
     print(f"memory:     {mem_total_bytes() / GB:.1f} GB, last-level cache {llc_bytes() / (1 << 20):.0f} MiB")
     print(f"pool:       {pool.threads} threads pinned to CPUs {pool.pinned_cpus}")
+    amx = info["amx_unavailable"]
+    print(f"amx:        {'AMX unavailable: ' + amx if amx else 'available'}")
+    print("choice per expert and call (kernel by tokens routed to the expert):")
     for fmt in kernels.WEIGHT_FORMATS:
         ex = kernels.CPUExperts(1, 256, 256, fmt, DEFAULT_GROUP[fmt], pool=pool, isa=isa)
         d = ex.info()
-        print(f"{fmt + ':':11s} kernel {d['kernel']} (isa {d['isa']}, activations {d['activation']})")
+        line = f"{fmt + ':':11s} kernel {d['kernel']} (isa {d['isa']}, activations {d['activation']})"
+        if d["amx"] != "off":
+            line = (f"{fmt + ':':11s} < {d['amx_min_tokens']} tokens: {d['kernel']} (activations {d['activation']}); "
+                    f">= {d['amx_min_tokens']} tokens: {d['amx_kernel']} (activations {d['amx_activation']})")
+        print(line)
     print(f"torch:      {torch.__version__}, {torch.get_num_threads()} threads")
     return 0
 
@@ -307,12 +315,13 @@ def fmt_row(r: dict) -> str:
     def opt(key, fmt, width):
         return format(r[key], fmt) if r.get(key) is not None else f"{'-':>{width}}"
 
-    return (f"{r['shape']:14s} {r['format']:5s} {r['T']:5d} {r['E']:4d} {r['ms']:9.3f} {r['gbps']:7.1f} "
+    return (f"{r['shape']:14s} {r['format']:5s} {r['routing']:7s} {r['path']:12s} {r['T']:5d} {r['E']:4d} "
+            f"{r['ms']:9.3f} {r['gbps']:7.1f} "
             f"{r['pct_stream']:6.1f}% {r['tflops']:7.3f} {r['tflops'] * 1e3:8.1f} "
             f"{opt('ours_same_routing_ms', '10.2f', 10)} {opt('torch_ms', '9.2f', 9)} {opt('speedup', '7.2f', 7)}x")
 
 
-HEADER = (f"{'shape':14s} {'fmt':5s} {'T':>5s} {'E':>4s} {'ms':>9s} {'GB/s':>7s} {'%STREAM':>7s} {'TFLOPS':>7s} "
+HEADER = (f"{'shape':14s} {'fmt':5s} {'routing':7s} {'path':12s} {'T':>5s} {'E':>4s} {'ms':>9s} {'GB/s':>7s} {'%STREAM':>7s} {'TFLOPS':>7s} "
           f"{'GFLOPS':>8s} {'ours@base':>10s} {'torch ms':>9s} {'speedup':>8s}")
 
 
@@ -322,6 +331,8 @@ def run_kernel_bench(args) -> int:
     formats = args.formats or list(kernels.WEIGHT_FORMATS)
     tokens = args.tokens or ([1, 32] if quick else [1, 4, 32, 512, 2048])
     repeats = args.repeats or (3 if quick else 5)
+    warmup = WARMUP if args.warmup is None else args.warmup
+    routing_kinds = args.routing or ["uniform"]
     n_experts = args.experts or (16 if quick else None)
     budget = int((args.mem_budget_gb * GB) if args.mem_budget_gb else 0.45 * mem_total_bytes())
     isa = args.isa
@@ -339,7 +350,7 @@ def run_kernel_bench(args) -> int:
 
     # Large enough to defeat the caches even under a small budget.
     stream_bytes = max(min(2 << 30, budget // 4), 8 * llc_bytes()) // (1 << 20) * (1 << 20)
-    stream = pool.read_bandwidth(stream_bytes, 5, None if isa == "auto" else isa)
+    stream = pool.read_bandwidth(stream_bytes, 5, None if isa in ("auto", kernels.AMX_EMULATED) else isa)
     say(f"STREAM read ({stream_bytes / GB:.2f} GB, {pool.threads} threads, best of 5): {stream:.1f} GB/s")
     overhead = measure_overhead(pool)
     say(f"submit->sync round trip (T=0): median {overhead['median_us']:.1f} µs, p99 {overhead['p99_us']:.1f} µs")
@@ -352,11 +363,13 @@ def run_kernel_bench(args) -> int:
 
     gen = torch.Generator().manual_seed(0)
     records = []
+    crossovers = []
     for shape in shapes:
         for fmt in formats:
             group = DEFAULT_GROUP[fmt] if args.group_size is None or fmt == "bf16" else args.group_size
             H, I, k = shape.hidden, shape.inter, shape.top_k
-            probe = kernels.CPUExperts(1, H, I, fmt, group, pool=pool, isa=isa)
+            amx_kw = {} if args.amx_min_tokens is None else {"amx_min_tokens": args.amx_min_tokens}
+            probe = kernels.CPUExperts(1, H, I, fmt, group, pool=pool, isa=isa, **amx_kw)
             bpe = probe.info()["bytes_per_expert"]
             del probe
             notes = []
@@ -364,8 +377,11 @@ def run_kernel_bench(args) -> int:
             if E * bpe < 4 * llc_bytes():
                 notes.append(f"all {E} experts ({E * bpe / 1e6:.0f} MB) fit in 4x the last-level cache: "
                              "weights may come from cache, GB/s can exceed DRAM")
-            experts = kernels.CPUExperts(E, H, I, fmt, group, pool=pool, isa=isa)
-            load_random(experts, f"{shape.name} {fmt}", gen)
+            experts = kernels.CPUExperts(E, H, I, fmt, group, pool=pool, isa=isa, **amx_kw)
+            if args.random_packed:
+                experts.fill_random(seed=len(records) + 1)
+            else:
+                load_random(experts, f"{shape.name} {fmt}", gen)
             info = experts.info()
             baseline = None
             if not args.no_baseline:
@@ -379,17 +395,26 @@ def run_kernel_bench(args) -> int:
             say(f"# {shape.name} {fmt}: H {H}, I {I}, E {E}, k {k}, kernel {info['kernel']} (isa {info['isa']}, "
                 f"activations {info['activation']}{', group ' + str(group) if fmt != 'bf16' else ''}), "
                 f"{bpe / 1e6:.2f} MB per expert")
+            if info["amx"] != "off":
+                say(f"#   AMX ({info['amx']}): experts with >= {info['amx_min_tokens']} tokens run "
+                    f"{info['amx_kernel']} (activations {info['amx_activation']}), the others {info['kernel']}")
+            paths = kernel_amx.paths_of(experts, args.compare_avx512)
             for note in notes:
                 say(f"#   note: {note}")
 
-            for T in tokens:
-                n_calls = WARMUP + repeats
-                routings = [random_routing(T, E, k, gen) for _ in range(max(N_ROUTINGS, n_calls))]
-                x = torch.randn(T, H, generator=gen).bfloat16()
+            for T, routing, (path, threshold) in [(T, r, p) for T in tokens for r in routing_kinds for p in paths]:
+                if threshold == kernel_amx.NEVER and T > args.compare_max_tokens:
+                    continue  # the row-block path at very long prompts costs more time than it tells
+                if threshold is not None:
+                    experts.amx_min_tokens = threshold
+                n_calls = warmup + repeats
+                rgen = torch.Generator().manual_seed(T * 7919 + len(routing))  # same routings for every path
+                routings = [kernel_amx.make_routing(routing, T, E, k, rgen) for _ in range(max(N_ROUTINGS, n_calls))]
+                x = torch.randn(T, H, generator=rgen).bfloat16()
                 out = torch.empty(T, H, dtype=torch.bfloat16)
-                times = time_calls(lambda i: experts.forward(x, *routings[i % len(routings)], out), repeats)
-                # The calls timed are routings[WARMUP:n_calls]: bytes are their distinct experts.
-                distinct = statistics.mean(routings[i][0].unique().numel() for i in range(WARMUP, n_calls))
+                times = time_calls(lambda i: experts.forward(x, *routings[i % len(routings)], out), repeats, warmup)
+                # The calls timed are routings[warmup:n_calls]: bytes are their distinct experts.
+                distinct = statistics.mean(routings[i][0].unique().numel() for i in range(warmup, n_calls))
                 ms = statistics.median(times) * 1e3
                 nbytes = distinct * bpe
                 flops = 2 * 3 * H * I * T * k
@@ -397,16 +422,19 @@ def run_kernel_bench(args) -> int:
                     "shape": shape.name, "format": fmt, "T": T, "E": E, "E_named": shape.n_expert, "k": k,
                     "H": H, "I": I, "group_size": group if fmt != "bf16" else None, "kernel": info["kernel"],
                     "isa": info["isa"], "activation": info["activation"], "threads": pool.threads,
+                    "routing": routing, "path": path, "amx_min_tokens": threshold,
+                    "amx_kernel": info.get("amx_kernel") if threshold != kernel_amx.NEVER else None,
                     "bytes_per_expert": bpe, "ms": ms, "ms_all": [t * 1e3 for t in times],
                     "distinct_experts": distinct, "bytes": nbytes, "gbps": nbytes / (ms * 1e-3) / GB,
                     "pct_stream": 100 * nbytes / (ms * 1e-3) / GB / stream, "flops": flops,
                     "tflops": flops / (ms * 1e-3) / 1e12, "torch_ms": None, "speedup": None, "notes": notes,
                 }
-                if baseline is not None:
+                if baseline is not None and routing == "uniform" and path == paths[0][0]:
                     broutings = [random_routing(T, len(baseline.weights), k, gen) for _ in range(len(routings))]
-                    btimes = time_calls(lambda i: baseline.forward(x, *broutings[i % len(broutings)]), repeats)
+                    btimes = time_calls(lambda i: baseline.forward(x, *broutings[i % len(broutings)]), repeats, warmup)
                     # The ratio compares equal work: our engine again, on the baseline's routings and experts.
-                    stimes = time_calls(lambda i: experts.forward(x, *broutings[i % len(broutings)], out), repeats)
+                    stimes = time_calls(lambda i: experts.forward(x, *broutings[i % len(broutings)], out), repeats,
+                                        warmup)
                     rec["torch_ms"] = statistics.median(btimes) * 1e3
                     rec["torch_ms_all"] = [t * 1e3 for t in btimes]
                     rec["ours_same_routing_ms"] = statistics.median(stimes) * 1e3
@@ -415,11 +443,17 @@ def run_kernel_bench(args) -> int:
                     rec["check_rel_err"] = check
                 records.append(rec)
                 say(fmt_row(rec))
+            if paths[0][1] is not None:
+                experts.amx_min_tokens = paths[0][1]
+                if args.crossover:
+                    crossovers.append({"shape": shape.name, "format": fmt, "E": E,
+                                       **kernel_amx.crossover(experts, k, say, repeats, warmup, time_calls)})
             del experts, baseline
 
     if args.json:
         doc = {"machine": machine, "stream_gbps": stream, "stream_bytes": stream_bytes, "overhead": overhead,
-               "config": {"repeats": repeats, "warmup": WARMUP, "mem_budget_bytes": budget, "isa": isa,
+               "crossover": crossovers,
+               "config": {"repeats": repeats, "warmup": warmup, "routing": routing_kinds, "mem_budget_bytes": budget, "isa": isa,
                           "baseline_experts": None if args.no_baseline else BASELINE_EXPERTS},
                "records": records}
         write_json(args.json, doc, say)
