@@ -57,6 +57,15 @@ def _nonneg_float(text: str) -> float:
     return value
 
 
+def _numa(text: str):
+    from hetmoe.numa import parse_numa
+
+    try:
+        return parse_numa(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def add_engine_options(p: argparse.ArgumentParser, model: bool = True) -> None:
     """The engine options, named the same in every command that runs a model."""
     g = p.add_argument_group("engine")
@@ -70,6 +79,8 @@ def add_engine_options(p: argparse.ArgumentParser, model: bool = True) -> None:
     g.add_argument("--group-size", type=int, default=None, choices=(0, 32, 64, 128),
                    help="int8/int4 scale group (default: 128 for int8, 64 for int4; 0 = per-row int8)")
     g.add_argument("--threads", type=_positive_int, default=None, help="CPU expert threads (default: physical cores)")
+    g.add_argument("--numa", type=_numa, default="auto", metavar="auto|off|N",
+                   help="split each expert across N NUMA subpools (tensor parallel); auto: one per NUMA node")
     g.add_argument("--max-context", type=_positive_int, default=None,
                    help="KV cache positions per sequence (default: min(4096, the model's limit))")
     g.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
@@ -166,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="CPU features, chosen ISA and kernel per format, pinned CPUs")
     doctor.add_argument("--threads", type=_positive_int, default=None, help="pool size (default: physical cores)")
     doctor.add_argument("--isa", default="auto", help="auto, scalar, avx2, avx512 or amx (default: auto)")
+    doctor.add_argument("--numa", type=_numa, default="auto", metavar="auto|off|N", help="NUMA subpools (default: auto)")
     doctor.set_defaults(handler=_doctor)
 
     bench = sub.add_parser("bench", help="benchmarks that print bandwidth and FLOP/s, not only time")
@@ -313,7 +325,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from hetmoe.bench.kernel import doctor
 
-    return doctor(threads=args.threads, isa=args.isa)
+    return doctor(threads=args.threads, isa=args.isa, numa=args.numa)
 
 
 def _bench_kernel(args: argparse.Namespace) -> int:

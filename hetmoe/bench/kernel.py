@@ -25,6 +25,7 @@ import torch
 
 from hetmoe import kernels
 from hetmoe.bench import kernel_amx
+from hetmoe.numa import describe as describe_numa
 
 
 @dataclass(frozen=True)
@@ -136,15 +137,16 @@ def check_isa(isa: str) -> None:
         raise ValueError(f"--isa {isa}: this CPU runs only {', '.join(supported)} (or auto)")
 
 
-def doctor(threads=None, isa: str = "auto") -> int:
+def doctor(threads=None, isa: str = "auto", numa="auto") -> int:
     check_isa(isa)
-    pool = kernels.shared_pool(threads)
+    pool = kernels.shared_pool(threads, numa)
     info = kernels.cpu_info()
     print(f"cpu:        {_cpu_model()}")
     print(f"features:   {info['flags']}")
     print(f"isas:       {', '.join(info['supported_isas'])} (best: {info['best_isa']})")
     print(f"memory:     {mem_total_bytes() / GB:.1f} GB, last-level cache {llc_bytes() / (1 << 20):.0f} MiB")
     print(f"pool:       {pool.threads} threads pinned to CPUs {pool.pinned_cpus}")
+    print("\n".join(describe_numa(pool)))
     amx = info["amx_unavailable"]
     print(f"amx:        {'AMX unavailable: ' + amx if amx else 'available'}")
     print("choice per expert and call (kernel by tokens routed to the expert):")

@@ -33,7 +33,7 @@ def default_cache_dir() -> Path:
 
 
 class ExpertCache:
-    def __init__(self, root, checkpoint, weight_format: str, group_size: int, warn=print):
+    def __init__(self, root, checkpoint, weight_format: str, group_size: int, warn=print, numa: int = 1):
         key = {
             "checkpoint": str(Path(checkpoint.path).resolve()),
             "files": checkpoint.fingerprint(),
@@ -41,9 +41,12 @@ class ExpertCache:
             "group_size": group_size,
             "layout_version": _C.LAYOUT_VERSION,
         }
+        if numa > 1:  # experts split over NUMA subpools store their slices one after another (csrc/moe/numa.h)
+            key["numa_subpools"] = numa
         self.key = json.loads(json.dumps(key))  # as it reads back from a file header (tuples become lists)
         digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:20]
-        self.dir = Path(root) / f"{Path(checkpoint.path).name}-{weight_format}-g{group_size}-{digest}"
+        split = f"-numa{numa}" if numa > 1 else ""
+        self.dir = Path(root) / f"{Path(checkpoint.path).name}-{weight_format}-g{group_size}{split}-{digest}"
         self.warn = warn
         self.hits = self.misses = self.rebuilt = 0
 
@@ -51,9 +54,11 @@ class ExpertCache:
         return self.dir / f"layer{layer:04d}.bin"
 
     def _header(self, layer: int, experts) -> dict:
+        slices = experts.info()["numa_slices"]
         return {**self.key, "layer": layer, "shape": [experts.num_experts, experts.hidden_size,
                                                       experts.intermediate_size],
-                "sizes": [m.nbytes for m in experts.storage()]}
+                "sizes": [m.nbytes for m in experts.storage()],
+                **({"numa_slices": [list(b) for b in slices]} if len(slices) > 1 else {})}
 
     def load(self, layer: int, experts) -> bool:
         """Fill ``experts`` from the cache; False when there is no valid entry (a bad one is removed)."""

@@ -33,6 +33,7 @@ from hetmoe.engine.checkpoint import Checkpoint, CheckpointError
 from hetmoe.engine.expert_cache import ExpertCache, default_cache_dir
 from hetmoe.engine.placement import EngineOptions, MemoryPlan, ModelShapes, choose_plan
 from hetmoe.kernels import CPUExperts
+from hetmoe.numa import resolve_subpools
 from hetmoe.layers.moe import DeferralChain, DeferredExperts, HostStaging, OffloadedExperts
 from hetmoe.models import model_class
 from hetmoe.models.config import ModelConfig
@@ -82,10 +83,11 @@ def _experts_of(block: nn.Module) -> int:
     return getattr(block, "num_experts", None) or block.gate.weight.shape[0]
 
 
-def new_experts(block: nn.Module, cfg: ModelConfig, inter: int, plan: MemoryPlan, threads) -> CPUExperts:
+def new_experts(block: nn.Module, cfg: ModelConfig, inter: int, plan: MemoryPlan, threads,
+                numa="auto") -> CPUExperts:
     """Empty CPU experts for a MoE block, in the plan's format (group 0 with int8: per-row scales)."""
     return CPUExperts(_experts_of(block), cfg.hidden_size, inter, plan.experts_format, plan.group_size,
-                      threads=threads)
+                      threads=threads, numa=numa)
 
 
 def attach_experts(block: nn.Module, experts: CPUExperts, staging) -> None:
@@ -256,7 +258,8 @@ def load_model(
     cache = None
     if expert_cache is not None and blocks:
         root = default_cache_dir() if expert_cache == "auto" else Path(expert_cache)
-        cache = ExpertCache(root, ckpt, plan.experts_format, plan.group_size, warn=lambda m: log(f"hetmoe: {m}"))
+        cache = ExpertCache(root, ckpt, plan.experts_format, plan.group_size, warn=lambda m: log(f"hetmoe: {m}"),
+                            numa=resolve_subpools(options.numa, options.threads))
     staging = (HostStaging(cfg.hidden_size, cfg.num_experts_per_tok, plan.dtype)
                if plan.device.type == "cuda" and blocks else None)
     filler = _Materializer(ckpt, plan)
@@ -270,7 +273,7 @@ def load_model(
             for name, block in blocks:
                 if not name.startswith(prefix + "."):
                     continue
-                experts = new_experts(block, cfg, inter, plan, options.threads)
+                experts = new_experts(block, cfg, inter, plan, options.threads, options.numa)
                 if cache is None or not cache.load(i, experts):
                     fill_experts(ckpt, name, experts)
                     if cache is not None:

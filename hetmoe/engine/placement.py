@@ -9,9 +9,11 @@ model's shapes alone and ``check_fits`` refuses, with the breakdown, a plan that
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
+
+from hetmoe.numa import parse_numa
 
 FORMATS = ("bf16", "int8", "int4")
 DEFAULT_GROUP = {"bf16": 0, "int8": 128, "int4": 64}
@@ -29,6 +31,7 @@ class EngineOptions:
     experts_format: str = "auto"  # auto | bf16 | int8 | int4 ("auto": the most precise that fits in RAM)
     group_size: Optional[int] = None  # int8/int4 scale group (default 128 / 64; 0 = per-row int8)
     threads: Optional[int] = None  # CPU expert threads (default: one per physical core)
+    numa: Union[str, int] = "auto"  # NUMA subpools of the CPU experts: auto | off | N (hetmoe/numa.py)
     max_context: Optional[int] = None  # KV cache positions per sequence (default: min(4096, model limit))
     max_batch: int = 1
     dtype: str = "auto"  # weights/activations of the dense part: auto | bf16 | fp32
@@ -45,6 +48,7 @@ class EngineOptions:
             raise ValueError(f"experts format must be auto, {', '.join(FORMATS)}; got {self.experts_format!r}")
         if self.dtype not in ("auto", "bf16", "fp32"):
             raise ValueError(f"dtype must be auto, bf16 or fp32, got {self.dtype!r}")
+        self.numa = parse_numa(self.numa)
         for name in ("threads", "max_context"):
             v = getattr(self, name)
             if v is not None and v < 1:
