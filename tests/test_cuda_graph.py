@@ -223,7 +223,6 @@ def test_stream_dispatch_refuses_too_many_rows(ckpt):
 # ---------------------------------------------------------------- GPU: graphs against eager
 
 
-gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
 ARCHS = ("qwen3_moe", "deepseek_v3")
 CONFIGS = {  # three MoE layers (first, middle, last), top-4: deferral of 1 and 2 both apply
     "qwen3_moe": dict(num_hidden_layers=3, num_experts_per_tok=4),
