@@ -12,7 +12,10 @@ Attention must not change shape between replays. Two ways (``kv_mode``):
             positions): one graph per batch size.
   "bucket"  the attended length is rounded up to KV_BUCKET as in eager runs: one graph per (batch size, length
             bucket), each captured the first time a step needs it.
-``hetmoe bench e2e`` measures both at 1024 and 4096 positions (BENCHMARKS.md); see DEFAULT_KV_MODE.
+``hetmoe bench e2e --kv-contexts 1024,4096`` measures both (BENCHMARKS.md). The default is "full": one capture per
+batch size, none in the middle of a generation (a bucket capture costs an eager step plus the capture, every 64
+tokens), for the price of attending max_context positions — at batch 1 a few MB of KV per layer, small beside the
+CPU experts' step.
 
 Shape letters: n real rows, B padded batch (a captured size), C the largest captured size, V vocabulary.
 """
