@@ -10,7 +10,7 @@ from hetmoe.engine.generation import SamplingParams
 from hetmoe.engine.llm import LLM
 from hetmoe.engine.placement import EngineOptions
 
-DEFAULT_PROMPT = "Mixture-of-Experts models route every token to"
+DEFAULT_PROMPT = "Write a Python function `read_lines`: Return the lines of a text file as a list."
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:

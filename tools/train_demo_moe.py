@@ -384,15 +384,23 @@ def check_with_hetmoe(out: Path, ids: torch.Tensor, new_tokens: int) -> dict:
 
 
 def readme(r: dict) -> str:
-    c = r["config"]
+    c, corpus = r["config"], r["corpus"]
     return (f"# hetmoe demo MoE\n\nA DeepSeek-V3-architecture MoE ({c['num_hidden_layers']} layers, hidden "
             f"{c['hidden_size']}, {c['n_routed_experts']} routed experts + {c['n_shared_experts']} shared, "
-            f"top-{c['num_experts_per_tok']}, MLA; {r['parameters'] / 1e6:.1f} M parameters) trained from scratch by "
-            f"`tools/train_demo_moe.py` on the Python {r['corpus']['python']} standard library's own source "
-            f"({r['corpus']['train_files']} files; {r['corpus']['heldout_files']} held out, in heldout.txt).\n\n"
-            f"{r['steps']} steps, {r['tokens_seen']:,} tokens, {r['train_seconds']:.0f} s on {r['device']}: train "
-            f"loss {r['train_loss']:.3f}, held-out loss {r['heldout_loss']:.3f} (perplexity "
-            f"{r['heldout_perplexity']:.2f}). Everything else is in training.json.\n")
+            f"top-{c['num_experts_per_tok']}, MLA, sigmoid group-limited router; {r['parameters'] / 1e6:.1f} M "
+            f"parameters) trained from scratch by `tools/train_demo_moe.py` on the Python {corpus['python']} standard "
+            f"library's own source ({corpus['train_files']} files, {corpus['train_tokens']:,} tokens with the chat "
+            f"examples; {corpus.get('validation_files', 0)} files for validation; {corpus['heldout_files']} held out, "
+            f"in heldout.txt). It writes Python in the standard library's style; ask it in chat form for a function "
+            f"(\"Write a Python function `name`: what it does\") or give it the start of a file with `--raw`. "
+            f"It is a demo, not a useful coding model.\n\n"
+            f"{r['command']}\n\n"
+            f"{r['steps']} steps, {r['tokens_seen']:,} tokens, {r['train_seconds']:.0f} s on {r['device']}; the "
+            f"weights kept are those of step {r.get('kept_step', r['steps'])} (lowest validation loss, "
+            f"{r.get('validation_loss', float('nan')):.3f}): train loss {r['train_loss']:.3f}, held-out loss "
+            f"{r['heldout_loss']:.3f} (perplexity {r['heldout_perplexity']:.2f}), measured in windows of "
+            f"{r['seq_len']} tokens. Everything else (validation curve, per-layer expert load on held-out text, "
+            f"versions) is in training.json.\n")
 
 
 def main(argv=None) -> None:
