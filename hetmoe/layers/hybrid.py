@@ -9,8 +9,9 @@ the same way without a graph). Per MoE layer, on the main stream unless noted:
     main stream meanwhile: GPU-resident experts, the model's shared experts    (OffloadedExperts.main_stream_part)
     main stream: wait for the side stream; y = cpu [+ resident] [+ previous deferred] (fp32) -> dtype [+ shared]
 
-The sync host function blocks the stream it is on, which is why it sits on a side stream: the main stream keeps
-computing. Expert Deferral (d > 0): layer l's deferred job reads layer l's own buffers while the GPU runs layer
+"Host function" stands for either mechanism of ``kernels.HostFuncs``: stream memory operations watched by a thread
+(signals, the default where the driver has them) or CUDA host functions (callbacks); both are captured into graphs.
+The sync blocks the stream it is on, which is why it sits on a side stream: the main stream keeps computing. Expert Deferral (d > 0): layer l's deferred job reads layer l's own buffers while the GPU runs layer
 l+1's attention; layer l+1's sync (FIFO) finds it done and copies its output back. The first MoE layer of a step has
 no deferred input, the last defers nothing, so every step ends with the pool idle.
 
