@@ -404,14 +404,16 @@ def run_kernel_bench(args) -> int:
             for note in notes:
                 say(f"#   note: {note}")
 
-            for T, routing, (path, threshold) in [(T, r, p) for T in tokens for r in routing_kinds for p in paths]:
+            points = [(T, r, p) for T in tokens for r in routing_kinds for p in paths]
+            for T, routing, (path, threshold) in points:
                 if threshold == kernel_amx.NEVER and T > args.compare_max_tokens:
                     continue  # the row-block path at very long prompts costs more time than it tells
                 if threshold is not None:
                     experts.amx_min_tokens = threshold
                 n_calls = warmup + repeats
                 rgen = torch.Generator().manual_seed(T * 7919 + len(routing))  # same routings for every path
-                routings = [kernel_amx.make_routing(routing, T, E, k, rgen) for _ in range(max(N_ROUTINGS, n_calls))]
+                routings = [kernel_amx.make_routing(routing, T, E, k, rgen)
+                            for _ in range(max(N_ROUTINGS, n_calls))]
                 x = torch.randn(T, H, generator=rgen).bfloat16()
                 out = torch.empty(T, H, dtype=torch.bfloat16)
                 times = time_calls(lambda i: experts.forward(x, *routings[i % len(routings)], out), repeats, warmup)
@@ -433,7 +435,8 @@ def run_kernel_bench(args) -> int:
                 }
                 if baseline is not None and routing == "uniform" and path == paths[0][0]:
                     broutings = [random_routing(T, len(baseline.weights), k, gen) for _ in range(len(routings))]
-                    btimes = time_calls(lambda i: baseline.forward(x, *broutings[i % len(broutings)]), repeats, warmup)
+                    btimes = time_calls(lambda i: baseline.forward(x, *broutings[i % len(broutings)]), repeats,
+                                        warmup)
                     # The ratio compares equal work: our engine again, on the baseline's routings and experts.
                     stimes = time_calls(lambda i: experts.forward(x, *broutings[i % len(broutings)], out), repeats,
                                         warmup)

@@ -108,7 +108,8 @@ struct Emulated {
   static void store_c(void* p, size_t stride) {
     const int c = 2 * I + J;
     need(st.configured, "tilestored without a tile configuration");
-    for (int r = 0; r < st.rows[c]; ++r) std::memcpy(static_cast<uint8_t*>(p) + r * stride, st.t[c] + 64 * r, st.colsb[c]);
+    for (int r = 0; r < st.rows[c]; ++r)
+      std::memcpy(static_cast<uint8_t*>(p) + r * stride, st.t[c] + 64 * r, st.colsb[c]);
   }
   static void unpack_int4(const uint8_t* src, int n_lines, uint8_t* dst) {
     for (int l = 0; l < n_lines; ++l)

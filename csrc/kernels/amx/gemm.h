@@ -108,10 +108,11 @@ struct Gemm {
       const int rows = n_tok - m0 < kTokBlock ? n_tok - m0 : kTokBlock;
       const uint8_t* a0 = act + (size_t)m0 * stride;
       const bool first = m0 == 0;
+      const int kp = w[0].kp;
       if (rows > 16)
-        n_blk > 1 ? bf16_step<2, 2>(w, a0, stride, w[0].kp, first, c) : bf16_step<2, 1>(w, a0, stride, w[0].kp, first, c);
+        n_blk > 1 ? bf16_step<2, 2>(w, a0, stride, kp, first, c) : bf16_step<2, 1>(w, a0, stride, kp, first, c);
       else
-        n_blk > 1 ? bf16_step<1, 2>(w, a0, stride, w[0].kp, first, c) : bf16_step<1, 1>(w, a0, stride, w[0].kp, first, c);
+        n_blk > 1 ? bf16_step<1, 2>(w, a0, stride, kp, first, c) : bf16_step<1, 1>(w, a0, stride, kp, first, c);
       for (int t = 0; t < rows; ++t)
         std::memcpy(out + (size_t)(m0 + t) * kOutStride, c + t * kOutStride, sizeof(float) * 16 * n_blk);
     }
