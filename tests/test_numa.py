@@ -35,7 +35,11 @@ from hetmoe.kernels import CPUExperts, ExpertPool, HostFuncs, cpu_info, shared_p
 from hetmoe.numa import parse_numa, resolve_subpools, topology
 from reference import moe_reference, moe_reference_emulated, rel_err
 
-BEST_ISA = cpu_info()["best_isa"]
+# The row-block kernels (AVX-512 on the GPU machine, AVX2 here); the AMX path has its own test below, with the
+# tolerances of tests/test_amx.py (its activations are rounded to bf16 / int8).
+ROW_ISA = next(i for i in ("avx512", "avx2", "scalar") if i in cpu_info()["supported_isas"])
+AMX_PATHS = [getattr(kernels, "AMX_EMULATED", None)] + (["amx"] if "amx" in cpu_info()["supported_isas"] else [])
+AMX_FP32_TOL = {"bf16": 5.5e-3, "int8-g128": 2.3e-2, "int8-row": 2.25e-2, "int4-g64": 0.22}
 # name -> (weight_format, group_size); the tolerances of tests/test_kernels.py ("all cases" column)
 FORMATS = {
     "bf16": ("bf16", 128),
@@ -73,7 +77,7 @@ def weights(shape):
     return make_weights(*shape, "numa")
 
 
-def build(fmt, shape, pool, isa=BEST_ISA, **kw):
+def build(fmt, shape, pool, isa=ROW_ISA, **kw):
     E, H, I = shape
     weight_format, group = FORMATS[fmt]
     ex = CPUExperts(E, H, I, weight_format, group, isa=isa, pool=pool, **kw)
@@ -128,8 +132,10 @@ def test_split_matches_unsplit(fmt, shape, one, two):
         ours16, base16 = (ex(x, ids, w, torch.empty(T, shape[1], dtype=torch.bfloat16)) for ex in (b, a))
         assert within_one_bf16_ulp(ours16, base16), f"T={T} k={k}: bf16 out differs by more than rounding"
         worst_bf16 = max(worst_bf16, rel_err(ours16.float(), base16.float()))
-        if T <= 64:  # the float64 references are slow in Python (the unsplit engine is checked at T=300 too)
+        # The float64 references are slow in Python: T <= 64 (the unsplit engine is checked at T = 300 too).
+        if T <= 64:
             assert rel_err(ours, moe_reference(x, *weights(shape), ids, w)) <= FP32_TOL[fmt]
+        if T <= 7:
             assert rel_err(ours, emulated(b, x, ids, w)) <= EMULATED_TOL
     print(f"{fmt} {shape}: max {worst:.1e} from the unsplit engine ({worst_bf16:.1e} with bf16 out)")
 
@@ -157,15 +163,23 @@ def test_two_threads_per_subpool():
     assert within_one_bf16_ulp(out, ref)
 
 
-@pytest.mark.skipif(not hasattr(kernels, "AMX_EMULATED"), reason="this build has no AMX path")
-def test_amx_path_split(one, two):
-    """Experts with enough tokens take the AMX GEMM (emulated off-device, native on the GPU machine)."""
-    isa = "amx" if "amx" in cpu_info()["supported_isas"] else kernels.AMX_EMULATED
-    a = build("int8-g128", SPLIT, one, isa=isa, amx_min_tokens=2)
-    b = build("int8-g128", SPLIT, two, isa=isa, amx_min_tokens=2)
-    assert b.amx_min_tokens == 2
-    x, ids, w = inputs(SPLIT, 64, 6)
-    assert rel_err(b(x, ids, w), a(x, ids, w)) <= SPLIT_TOL
+@pytest.mark.skipif(AMX_PATHS[0] is None, reason="this build has no AMX path")
+@pytest.mark.parametrize("path", AMX_PATHS)
+@pytest.mark.parametrize("fmt", AMX_FP32_TOL)
+def test_amx_path_split(fmt, path, one, two):
+    """Experts with at least amx_min_tokens tokens take the AMX GEMM (emulated everywhere; native where the
+    CPU has AMX); the others the row-block kernels, in each slice as in the unsplit engine."""
+    a = build(fmt, SPLIT, one, isa=path, amx_min_tokens=3)
+    b = build(fmt, SPLIT, two, isa=path, amx_min_tokens=3)
+    assert b.amx_min_tokens == 3 and b.info()["amx"] == a.info()["amx"] != "off"
+    b.amx_min_tokens = 3  # set on every slice
+    for T, k in ((7, 8), (64, 6)):
+        x, ids, w = inputs(SPLIT, T, k)
+        ours = b(x, ids, w)
+        err = rel_err(ours, a(x, ids, w))
+        print(f"{fmt} {path} T={T}: {err:.1e} from the unsplit engine")
+        assert err <= SPLIT_TOL
+        assert rel_err(ours, moe_reference(x, *weights(SPLIT), ids, w)) <= AMX_FP32_TOL[fmt]
 
 
 # ---------------------------------------------------------------- the call contract
