@@ -73,7 +73,8 @@ void bind_numa(py::module_& m) {
   m.def(
       "numa_plan",
       [](int n_subpools, int n_threads, const std::string& root, py::object allowed) {
-        if (root.empty() && allowed.is_none()) return plans_list(plan_subpools(system_numa_topology(), n_subpools, n_threads));
+        if (root.empty() && allowed.is_none())
+          return plans_list(plan_subpools(system_numa_topology(), n_subpools, n_threads));
         std::vector<int> cpus = allowed.is_none() ? affinity_cpus() : allowed.cast<std::vector<int>>();
         return plans_list(plan_subpools(read_numa_topology(root.empty() ? "/sys/devices/system" : root, cpus),
                                         n_subpools, n_threads));

@@ -260,14 +260,16 @@ def test_submit_sync_in_order(one, two):
         assert rel_err(j.out, a(*r)) <= SPLIT_TOL
 
 
-def test_stream_host_functions_replay(two):
-    """Submit/sync through stream-ordered host functions (a FakeStream here) replay like on one pool."""
+@pytest.mark.parametrize("mech", getattr(kernels, "MECHANISMS", (None,)))
+def test_stream_submit_sync_replay(two, mech):
+    """Stream-ordered submit/sync (host functions or stream signals, on a FakeStream here), captured once and
+    replayed with new inputs and T: the split job goes through subpool 0 like any job."""
     b = build("int8-g32", SPLIT, two)
     cap, k, H = 8, 4, SPLIT[1]
     x_h, ids_h, w_h = torch.zeros(cap, H), torch.zeros(cap, k, dtype=torch.int64), torch.zeros(cap, k)
     out_h, n = torch.zeros(cap, H), torch.tensor([cap])
     job = b.prepare(x_h, ids_h, w_h, out_h, n_tokens=n)
-    hf, stream = HostFuncs(), _C.FakeStream()
+    hf, stream = (HostFuncs() if mech is None else HostFuncs(mech)), _C.FakeStream()
     try:
         stream.begin_capture()
         b.pool.submit_on_stream(job, stream, host_funcs=hf)
@@ -287,6 +289,44 @@ def test_stream_host_functions_replay(two):
         stream.synchronize()
         b.pool.sync()
         hf.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_graph_replay(two):
+    """A CUDA graph that copies x in, submits the split job, syncs on the stream and copies out, replayed."""
+    b = build("int8-g128", SPLIT, two)
+    cap, k, H = 6, 4, SPLIT[1]
+    pin = lambda t: t.pin_memory()  # noqa: E731
+    x_pin, w_pin = pin(torch.zeros(cap, H)), pin(torch.zeros(cap, k))
+    ids_pin = pin(torch.zeros(cap, k, dtype=torch.int64))
+    out_pin, n_pin = pin(torch.zeros(cap, H)), pin(torch.tensor([cap]))
+    job = b.prepare(x_pin, ids_pin, w_pin, out_pin, n_tokens=n_pin)
+    x_gpu, out_gpu = torch.zeros(cap, H, device="cuda"), torch.zeros(cap, H, device="cuda")
+    hf = HostFuncs()
+    b.pool.submit_on_stream(job, host_funcs=hf)  # once outside a capture (stream signals map memory then)
+    b.pool.sync_on_stream(host_funcs=hf)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            x_pin.copy_(x_gpu, non_blocking=True)
+            b.pool.submit_on_stream(job, host_funcs=hf)
+            b.pool.sync_on_stream(host_funcs=hf)
+            out_gpu.copy_(out_pin, non_blocking=True)
+    for i, t in enumerate((6, 2, 1)):
+        x, ids, w = inputs(SPLIT, cap, k, seed=30 + i)
+        x_gpu.copy_(x)
+        ids_pin.copy_(ids)
+        w_pin.copy_(w)
+        n_pin[0] = t
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out_gpu[:t].cpu(), b(x[:t], ids[:t], w[:t])), f"replay {i}"
+    b.pool.sync()
+    del graph
+    hf.close()
 
 
 # ---------------------------------------------------------------- storage, checksum, the converted-expert cache

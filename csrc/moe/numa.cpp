@@ -29,7 +29,8 @@ std::vector<std::pair<int, int>> tp_slices(int intermediate, int unit, int n) {
 
 // ---------------------------------------------------------------- experts
 
-NumaExperts::NumaExperts(const ExpertsConfig& cfg, std::shared_ptr<NumaPools> pools) : cfg_(cfg), pools_(std::move(pools)) {
+NumaExperts::NumaExperts(const ExpertsConfig& cfg, std::shared_ptr<NumaPools> pools)
+    : cfg_(cfg), pools_(std::move(pools)) {
   if (!pools_) throw std::invalid_argument("NumaExperts: no subpools");
   // The unit every boundary is a multiple of: the down matrix's scale group (bf16: the K padding unit).
   const int unit = cfg_.format == WeightFormat::bf16 ? kBf16Group : (cfg_.group <= 0 ? 128 : cfg_.group);
@@ -114,7 +115,8 @@ void NumaExperts::load(int e0, int n, const float* gate, const float* up, const 
       } else {
         // Scales are per group and groups are whole: the slice's columns packed alone give the same bytes.
         float* tmp = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * nr * Is));
-        for (int r = 0; r < nr; ++r) std::memcpy(tmp + (size_t)r * Is, src + (size_t)(r0 + r) * I + i0, sizeof(float) * Is);
+        for (int r = 0; r < nr; ++r)
+          std::memcpy(tmp + (size_t)r * Is, src + (size_t)(r0 + r) * I + i0, sizeof(float) * Is);
         pack_row_block(MatrixShape::make(fmt, nr, Is, cfg_.group), tmp, 0, data, scales);
       }
     });

@@ -97,7 +97,8 @@ def run(args) -> dict:
                 for n in names:
                     times[n] += _time_round(experts[n], x, routings, r * (calls + 1), calls, out)
             distinct = statistics.mean(ids.unique().numel() for ids, _ in routings)
-            rec = {"format": fmt, "T": T, "E": E, "H": H, "I": I, "k": k, "group_size": group if fmt != "bf16" else None,
+            rec = {"format": fmt, "T": T, "E": E, "H": H, "I": I, "k": k,
+                   "group_size": group if fmt != "bf16" else None,
                    "kernel": info["kernel"], "amx": info.get("amx"), "numa_slices": info["numa_slices"],
                    "bytes_per_expert": bpe, "distinct_experts": distinct, "flops": 2 * 3 * H * I * T * k}
             for n in names:
@@ -107,8 +108,8 @@ def run(args) -> dict:
                           "tflops": rec["flops"] / (ms * 1e-3) / 1e12}
             rec["overhead"] = rec[names[1]]["ms"] / rec[names[0]]["ms"] - 1
             records.append(rec)
-            say(f"{fmt:5s} {T:5d} " + " ".join(f"{rec[n]['ms']:12.3f} {rec[n]['gbps']:6.1f} {rec[n]['pct_stream']:5.1f} "
-                                               f"{rec[n]['tflops']:6.2f}" for n in names)
+            say(f"{fmt:5s} {T:5d} " + " ".join(f"{rec[n]['ms']:12.3f} {rec[n]['gbps']:6.1f} "
+                                               f"{rec[n]['pct_stream']:5.1f} {rec[n]['tflops']:6.2f}" for n in names)
                 + f" {100 * rec['overhead']:+8.1f}%")
             if args.json:
                 with open(args.json, "w") as f:
