@@ -182,6 +182,19 @@ def test_odd_shapes(fmt, shape, path):
         check(out, fp32_reference(shape, T, k), emu, fmt, f"{fmt} {path} {shape} T={T} k={k}")
 
 
+LONG_K = (4, 1100, 600)  # K spans several GEMM chunks (512 bf16, 1024 int8 values) and ends in a partial one
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_k_chunks(fmt, path):
+    T, k = 40, 2
+    x, ids, w = inputs(LONG_K, T, k)
+    out = engine(fmt, path, LONG_K)(x, ids, w)
+    emu = all_amx_reference(fmt, LONG_K, T, k)
+    check(out, fp32_reference(LONG_K, T, k), emu, fmt, f"{fmt} {path} {LONG_K} T={T} k={k}")
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("fmt", ["bf16", "int8-g128", "int4-g32"])
 def test_mixed_paths_at_threshold(fmt, path):
@@ -210,11 +223,11 @@ def test_skewed_routing(fmt, path):
 @pytest.mark.parametrize("fmt", ["int4-g32", "int4-g64", "int4-g128"])
 def test_int4_amx_is_bitwise_row_block(fmt):
     """int4: same int8 activations, exact int32 sums per group, same fp32 epilogue -> identical bits."""
-    for T, k in ((64, 6), (300, 8)):
-        x, ids, w = inputs(SMALL, T, k)
-        rows = engine(fmt, ROW_ISA, SMALL)(x, ids, w)
+    for shape, T, k in ((SMALL, 64, 6), (SMALL, 300, 8), (LONG_K, 40, 2)):
+        x, ids, w = inputs(shape, T, k)
+        rows = engine(fmt, ROW_ISA, shape)(x, ids, w)
         for path in PATHS:
-            assert torch.equal(engine(fmt, path, SMALL)(x, ids, w), rows), f"{fmt} {path} T={T}"
+            assert torch.equal(engine(fmt, path, shape)(x, ids, w), rows), f"{fmt} {path} {shape} T={T}"
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8-g64", "int4-g128"])

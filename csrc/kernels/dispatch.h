@@ -24,9 +24,9 @@ using RowBlockKernel = void (*)(const RowBlock& w, const uint8_t* const* act_row
 // A-tile rows from AMX activation rows (ActLayout::make(shape, true)) at a fixed stride:
 //     out[t * 32 + 16 * j + r] = sum_k W_j[r][k] * a_t[k]      for t < n_tok, j < n_blk (1 or 2), r < 16
 // with a_t = act + t * act_stride. Rows up to round_up(n_tok, 16) are read (the caller provides them; rows
-// past n_tok only feed outputs that are not written).
+// past n_tok only feed outputs that are not used). out has round_up(n_tok, 32) rows (those past n_tok: scratch).
 using GemmKernel = void (*)(const RowBlock* w, int n_blk, const uint8_t* act, size_t act_stride, const ActLayout& a,
-                            int n_tok, float* out /* [n_tok][32] */);
+                            int n_tok, float* out /* [round_up(n_tok, 32)][32] */);
 
 struct KernelEntry {
   RowBlockKernel rowblock = nullptr;

@@ -84,7 +84,7 @@ void run_gate_up_task(const MoeExperts& ex, const Task& task, const PhaseInput& 
   const KernelEntry& kernel = ex.kernel();
   if (task.amx) {
     check_amx_thread(ex);
-    float* o = reinterpret_cast<float*>(pool.thread_scratch(thread, sizeof(float) * 32 * n));
+    float* o = reinterpret_cast<float*>(pool.thread_scratch(thread, sizeof(float) * 32 * ((n + 31) / 32 * 32)));
     const uint8_t* act = in.amx_rows + (size_t)s0 * in.amx_stride;
     for (int rb = task.rb0; rb < task.rb1; ++rb) {
       const RowBlock w[2] = {ex.gate_up_block(task.e, rb, 0), ex.gate_up_block(task.e, rb, 1)};
@@ -115,7 +115,7 @@ void run_down_task(const MoeExperts& ex, const Task& task, const PhaseInput& in,
   const KernelEntry& kernel = ex.kernel();
   if (task.amx) {
     check_amx_thread(ex);
-    float* o = reinterpret_cast<float*>(pool.thread_scratch(thread, sizeof(float) * 32 * n));
+    float* o = reinterpret_cast<float*>(pool.thread_scratch(thread, sizeof(float) * 32 * ((n + 31) / 32 * 32)));
     const uint8_t* act = in.amx_rows + (size_t)s0 * in.amx_stride;
     for (int rb = task.rb0; rb < task.rb1; rb += 2) {
       const int n_blk = std::min(2, task.rb1 - rb);

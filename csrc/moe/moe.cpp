@@ -302,8 +302,9 @@ inline void load_row_fp32(const void* base, bool bf16, int64_t row, int n, float
 
 constexpr int kAmxScratchSlot = 8;  // pool scratch slot of the gathered AMX activations of x
 
-// Tokens per AMX task: its activation panel (tokens x K) stays within ~1 MiB of L2 while the weights stream.
-int amx_panel_tokens(const ActLayout& a) { return std::max<int>(32, (int)((1u << 20) / a.row_bytes) / 32 * 32); }
+// Tokens per AMX task: its activation panel (tokens x K), re-read for every row block of the task, stays
+// within 1.5 MiB of the 2 MiB L2 (the GEMM's own weight chunk is 32 KB).
+int amx_panel_tokens(const ActLayout& a) { return std::max<int>(32, (int)((3u << 19) / a.row_bytes) / 32 * 32); }
 
 // Per-row work (quantizing, combining) of a decode step is cheaper on the coordinator alone than waking every
 // thread for it; it goes parallel above this many elements.

@@ -12,6 +12,7 @@
 //   dp_bf16<I, J>()             C(I, J) += A(I) . B(J)    tdpbf16ps: fp32 += bf16 pair products
 //   dp_int8<I, J>()             C(I, J) += A(I) . B(J)    tdpbsud: int32 += signed A bytes x unsigned B bytes
 //   store_c<I, J>(p, stride)    16 rows of 64 B to p + m * stride
+//   load_c<I, J>(p, stride)     C(I, J) = 16 rows of 64 B from p + m * stride
 //   unpack_int4(src, n, dst)    n int4 lines -> 2n int8 lines (low nibbles, then high nibbles, per line)
 //   prefetch(p)
 //
@@ -20,11 +21,13 @@
 // a run of consecutive lines of one packed row block: the weights are read in place, never repacked (int4 is
 // first expanded to int8 lines in a per-thread slab, since tiles multiply bytes, not nibbles).
 //
-// Loop nest: the caller hands one (expert, row-block pair, token range) task; here the row blocks' weights
-// (<= 2 x 229 KB for K = 7168) are streamed from DRAM by the first token block and re-read from L2 by the
-// others; C accumulates in tiles across K (bf16) or across one scale group (int8/int4: then the int32 sums
-// go through the same fp32 epilogue as the other kernels: acc = fma(float(isum - offset * xsum), w_scale *
-// x_scale, acc)).
+// Loop nest: the caller hands one (expert, row-block pair, token range) task; here K is cut in chunks whose
+// weights (32 KB) are streamed from DRAM by the first token block and re-read from L1/L2 by the others, while
+// the tokens' activations of the chunk stay in L2. C accumulates in tiles across a chunk (bf16; `out` holds it
+// between chunks) or across one scale group (int8/int4: then the int32 sums go through the same fp32 epilogue
+// as the other kernels: acc = fma(float(isum - offset * xsum), w_scale * x_scale, acc)).
+//
+// `out` has round_up(n_tok, 32) rows of 32 floats (rows past n_tok are scratch).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -42,6 +45,8 @@ namespace {
 constexpr int kTokBlock = 32;        // tokens per tile step (two A tiles)
 constexpr int kOutStride = 32;       // floats per output row: [n_tok][32]
 constexpr int kPrefetchAhead = 4096;  // bytes ahead along the weight stream, first token block only
+constexpr int kChunkBf16 = 512;   // K per chunk: 2 row blocks x 16 rows x 512 x 2 B = 32 KB of weights
+constexpr int kChunkInt8 = 1024;  // same bytes for int8 lines (a multiple of every group size)
 
 // Per-thread buffer of the int4 expansion (grows, 64-byte aligned, never shrinks).
 inline uint8_t* slab(size_t bytes) {
@@ -65,22 +70,31 @@ inline uint8_t* slab(size_t bytes) {
 
 template <class Tiles>
 struct Gemm {
-  // ---- bf16 weights x bf16 activations: fp32 accumulation in tiles over all of K.
+  // ---- bf16 weights x bf16 activations: fp32 accumulation in tiles; C goes to `out` between K chunks.
   template <int NA, int NB>
-  static void bf16_step(const RowBlock* w, const uint8_t* a0, size_t stride, int kp, bool first, float* c) {
-    if constexpr (NA > 0) Tiles::template zero_c<0, 0>();
-    if constexpr (NB > 1) Tiles::template zero_c<0, 1>();
-    if constexpr (NA > 1) Tiles::template zero_c<1, 0>();
-    if constexpr (NA > 1 && NB > 1) Tiles::template zero_c<1, 1>();
-    for (int k0 = 0; k0 < kp; k0 += 32) {
-      const uint8_t* b0 = w[0].data + (size_t)(k0 / 2) * kLineBytes;
-      const uint8_t* b1 = NB > 1 ? w[1].data + (size_t)(k0 / 2) * kLineBytes : nullptr;
+  static void bf16_step(const RowBlock* w, const uint8_t* a0, size_t stride, int k0, int k1, bool first, bool resume,
+                        float* c) {
+    const size_t cs = kOutStride * sizeof(float);
+    if (resume) {
+      Tiles::template load_c<0, 0>(c, cs);
+      if constexpr (NB > 1) Tiles::template load_c<0, 1>(c + 16, cs);
+      if constexpr (NA > 1) Tiles::template load_c<1, 0>(c + 16 * kOutStride, cs);
+      if constexpr (NA > 1 && NB > 1) Tiles::template load_c<1, 1>(c + 16 * kOutStride + 16, cs);
+    } else {
+      Tiles::template zero_c<0, 0>();
+      if constexpr (NB > 1) Tiles::template zero_c<0, 1>();
+      if constexpr (NA > 1) Tiles::template zero_c<1, 0>();
+      if constexpr (NA > 1 && NB > 1) Tiles::template zero_c<1, 1>();
+    }
+    for (int k0_ = k0; k0_ < k1; k0_ += 32) {
+      const uint8_t* b0 = w[0].data + (size_t)(k0_ / 2) * kLineBytes;
+      const uint8_t* b1 = NB > 1 ? w[1].data + (size_t)(k0_ / 2) * kLineBytes : nullptr;
       if (first)
         for (int l = 0; l < 16; ++l) {
           Tiles::prefetch(b0 + kPrefetchAhead + l * kLineBytes);
           if constexpr (NB > 1) Tiles::prefetch(b1 + kPrefetchAhead + l * kLineBytes);
         }
-      Tiles::template load_a<0>(a0 + 2 * (size_t)k0, stride);
+      Tiles::template load_a<0>(a0 + 2 * (size_t)k0_, stride);
       Tiles::template load_b<0>(b0);
       Tiles::template dp_bf16<0, 0>();
       if constexpr (NB > 1) {
@@ -88,33 +102,37 @@ struct Gemm {
         Tiles::template dp_bf16<0, 1>();
       }
       if constexpr (NA > 1) {
-        Tiles::template load_a<1>(a0 + 16 * stride + 2 * (size_t)k0, stride);
+        Tiles::template load_a<1>(a0 + 16 * stride + 2 * (size_t)k0_, stride);
         Tiles::template dp_bf16<1, 0>();
         if constexpr (NB > 1) Tiles::template dp_bf16<1, 1>();
       }
     }
-    const size_t cs = kOutStride * sizeof(float);
     Tiles::template store_c<0, 0>(c, cs);
     if constexpr (NB > 1) Tiles::template store_c<0, 1>(c + 16, cs);
     if constexpr (NA > 1) Tiles::template store_c<1, 0>(c + 16 * kOutStride, cs);
     if constexpr (NA > 1 && NB > 1) Tiles::template store_c<1, 1>(c + 16 * kOutStride + 16, cs);
   }
 
+  // K is walked in chunks (outer) and token blocks (inner): the chunk's weights (<= 32 KB, L1) are loaded from
+  // DRAM by the first token block and reused by the others, and the tokens' activations of one chunk
+  // (n_tok x 1 KB) stay in L2 while the chunk's row blocks stream.
   static void bf16(const RowBlock* w, int n_blk, const uint8_t* act, size_t stride, const ActLayout&, int n_tok,
                    float* out) {
-    alignas(64) float c[kTokBlock * kOutStride];
+    const int kp = w[0].kp;
     Tiles::configure(64, 16);
-    for (int m0 = 0; m0 < n_tok; m0 += kTokBlock) {
-      const int rows = n_tok - m0 < kTokBlock ? n_tok - m0 : kTokBlock;
-      const uint8_t* a0 = act + (size_t)m0 * stride;
-      const bool first = m0 == 0;
-      const int kp = w[0].kp;
-      if (rows > 16)
-        n_blk > 1 ? bf16_step<2, 2>(w, a0, stride, kp, first, c) : bf16_step<2, 1>(w, a0, stride, kp, first, c);
-      else
-        n_blk > 1 ? bf16_step<1, 2>(w, a0, stride, kp, first, c) : bf16_step<1, 1>(w, a0, stride, kp, first, c);
-      for (int t = 0; t < rows; ++t)
-        std::memcpy(out + (size_t)(m0 + t) * kOutStride, c + t * kOutStride, sizeof(float) * 16 * n_blk);
+    for (int k0 = 0; k0 < kp; k0 += kChunkBf16) {
+      const int k1 = k0 + kChunkBf16 < kp ? k0 + kChunkBf16 : kp;
+      for (int m0 = 0; m0 < n_tok; m0 += kTokBlock) {
+        const uint8_t* a0 = act + (size_t)m0 * stride;
+        float* c = out + (size_t)m0 * kOutStride;
+        const bool first = m0 == 0, resume = k0 > 0;
+        if (n_tok - m0 > 16)
+          n_blk > 1 ? bf16_step<2, 2>(w, a0, stride, k0, k1, first, resume, c)
+                    : bf16_step<2, 1>(w, a0, stride, k0, k1, first, resume, c);
+        else
+          n_blk > 1 ? bf16_step<1, 2>(w, a0, stride, k0, k1, first, resume, c)
+                    : bf16_step<1, 1>(w, a0, stride, k0, k1, first, resume, c);
+      }
     }
     Tiles::release();
   }
@@ -156,40 +174,43 @@ struct Gemm {
     if constexpr (NA > 1 && NB > 1) Tiles::template store_c<1, 1>(c + 16 * kOutStride + 16, cs);
   }
 
+  // Same chunk / token-block order as bf16; the fp32 accumulators are `out` itself (group order per output is
+  // the same as in the row-block kernels, so int4 gives their exact bits).
   static void int8_lines(const uint8_t* const* lines, const float* const* scales, int n_blk, int kp, int group,
                          int32_t offset, const uint8_t* act, size_t stride, const ActLayout& a, int n_tok, float* out,
                          bool prefetch) {
-    const int kstep = group < 64 ? group : 64, n_steps = group / kstep, n_groups = kp / group;
+    const int kstep = group < 64 ? group : 64, n_steps = group / kstep;
+    const int chunk = kChunkInt8 / group * group;
     alignas(64) int32_t c[kTokBlock * kOutStride];
-    alignas(64) float acc[kTokBlock * kOutStride];
+    std::memset(out, 0, sizeof(float) * kOutStride * (size_t)n_tok);
     Tiles::configure(kstep, kstep / 4);
-    for (int m0 = 0; m0 < n_tok; m0 += kTokBlock) {
-      const int rows = n_tok - m0 < kTokBlock ? n_tok - m0 : kTokBlock;
-      const uint8_t* a0 = act + (size_t)m0 * stride;
-      const bool first = prefetch && m0 == 0;
-      std::memset(acc, 0, sizeof(acc));
-      for (int g = 0; g < n_groups; ++g) {
-        const int k0 = g * group;
-        if (rows > 16)
-          n_blk > 1 ? int8_group<2, 2>(lines, a0, stride, k0, n_steps, kstep, first, c)
-                    : int8_group<2, 1>(lines, a0, stride, k0, n_steps, kstep, first, c);
-        else
-          n_blk > 1 ? int8_group<1, 2>(lines, a0, stride, k0, n_steps, kstep, first, c)
-                    : int8_group<1, 1>(lines, a0, stride, k0, n_steps, kstep, first, c);
-        for (int t = 0; t < rows; ++t) {
-          const uint8_t* row = a0 + (size_t)t * stride;
-          const float xs = act_scales(row, a)[g];
-          const int32_t xoff = offset * act_sums(row, a)[g];
-          for (int j = 0; j < n_blk; ++j) {
-            const float* ws = scales[j] + g * kRowsPerBlock;
-            const int32_t* ci = c + t * kOutStride + 16 * j;
-            float* o = acc + t * kOutStride + 16 * j;
-            for (int r = 0; r < 16; ++r) o[r] = std::fma((float)(ci[r] - xoff), ws[r] * xs, o[r]);
+    for (int kc = 0; kc < kp; kc += chunk) {
+      const int kc_end = kc + chunk < kp ? kc + chunk : kp;
+      for (int m0 = 0; m0 < n_tok; m0 += kTokBlock) {
+        const int rows = n_tok - m0 < kTokBlock ? n_tok - m0 : kTokBlock;
+        const uint8_t* a0 = act + (size_t)m0 * stride;
+        const bool first = prefetch && m0 == 0;
+        for (int k0 = kc; k0 < kc_end; k0 += group) {
+          const int g = k0 / group;
+          if (rows > 16)
+            n_blk > 1 ? int8_group<2, 2>(lines, a0, stride, k0, n_steps, kstep, first, c)
+                      : int8_group<2, 1>(lines, a0, stride, k0, n_steps, kstep, first, c);
+          else
+            n_blk > 1 ? int8_group<1, 2>(lines, a0, stride, k0, n_steps, kstep, first, c)
+                      : int8_group<1, 1>(lines, a0, stride, k0, n_steps, kstep, first, c);
+          for (int t = 0; t < rows; ++t) {
+            const uint8_t* row = a0 + (size_t)t * stride;
+            const float xs = act_scales(row, a)[g];
+            const int32_t xoff = offset * act_sums(row, a)[g];
+            for (int j = 0; j < n_blk; ++j) {
+              const float* ws = scales[j] + g * kRowsPerBlock;
+              const int32_t* ci = c + t * kOutStride + 16 * j;
+              float* o = out + (size_t)(m0 + t) * kOutStride + 16 * j;
+              for (int r = 0; r < 16; ++r) o[r] = std::fma((float)(ci[r] - xoff), ws[r] * xs, o[r]);
+            }
           }
         }
       }
-      for (int t = 0; t < rows; ++t)
-        std::memcpy(out + (size_t)(m0 + t) * kOutStride, acc + t * kOutStride, sizeof(float) * 16 * n_blk);
     }
     Tiles::release();
   }

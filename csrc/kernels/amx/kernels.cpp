@@ -39,6 +39,10 @@ struct Native {
     asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"((size_t)64), "i"(6 + J) : "memory");
   }
   template <int I, int J>
+  static HETMOE_AI void load_c(const void* p, size_t stride) {
+    asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(stride), "i"(2 * I + J) : "memory");
+  }
+  template <int I, int J>
   static HETMOE_AI void dp_bf16() {
     asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(2 * I + J), "i"(4 + I), "i"(6 + J));
   }
