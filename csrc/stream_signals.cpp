@@ -208,9 +208,13 @@ void StreamSignals::watch() {
       last = clock::now();
       continue;
     }
+    // Spin hard just after a kick (the next one usually follows within a layer's time), then yield while
+    // spinning, so that a pool worker that shares this core is not held off for a scheduler time slice.
     auto idle = clock::now() - last;
-    if (idle < std::chrono::milliseconds(5)) {
+    if (idle < std::chrono::microseconds(20)) {
       for (int i = 0; i < 8; ++i) _mm_pause();
+    } else if (idle < std::chrono::milliseconds(5)) {
+      std::this_thread::yield();
     } else if (idle < std::chrono::seconds(1)) {
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     } else {

@@ -158,12 +158,13 @@ def test_submit_and_sync_in_stream_order(pool, layer, stream, mech):
 
 
 def test_sync_host_function_blocks_the_stream(pool, layer, stream):
-    """The stream passes a sync host function only when the pool's jobs are done."""
+    """The stream passes a sync host function only when the pool's jobs are done, those submitted from Python
+    included (a callbacks-only guarantee: stream signals wait for their own submissions)."""
     x, ids, w = make_inputs(300, 6, seed=2)
     jobs = [layer.prepare(x, ids, w) for _ in range(8)]
     for job in jobs:  # several milliseconds of work, submitted from Python
         pool.submit(job)
-    hf = HostFuncs()
+    hf = HostFuncs("callbacks")
     pool.sync_on_stream(0, stream, host_funcs=hf)
     stream.synchronize()
     assert pool.pending() == 0
