@@ -53,8 +53,8 @@ static void check_config(const ExpertsConfig& c) {
           ", got " + std::to_string(c.group));
   }
   if (c.isa == Isa::amx && !amx_unavailable_reason().empty())
-    bad("the amx kernels cannot run here: " + amx_unavailable_reason() + " (CPU flags: " + cpu_features().describe() +
-        ")");
+    bad("this CPU cannot run the amx kernels: " + amx_unavailable_reason() + " (it has: " +
+        cpu_features().describe() + ")");
   if (!cpu_features().supports(c.isa))
     bad(std::string("this CPU cannot run the ") + isa_name(c.isa) + " kernels (it has: " + cpu_features().describe() + ")");
   if (c.amx == AmxMode::native && c.isa != Isa::amx)
