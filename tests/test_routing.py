@@ -94,7 +94,9 @@ def test_torch_experts_match_reference_and_engine():
     assert rel_err(ours, ref) < 1e-5
     engine = CPUExperts(E, H, I, "bf16")
     engine.load(gate, up, down)
-    assert rel_err(engine(x, ids, w), ours) < 4e-3
+    # bf16 weights: 2.8e-3 measured; with AMX (experts of >= 4 tokens read bf16-rounded activations) 4.06e-3
+    # (measured with isa="amx-emulated", bitwise the same math; tests/test_amx.py)
+    assert rel_err(engine(x, ids, w), ours) < (4e-3 if engine.info()["amx"] == "off" else 4.7e-3)
     out = torch.ones(T, H)
     TorchExperts(gate, up, down)(x, ids, w, out, accumulate=True)
     assert rel_err(out, ref + 1) < 1e-5
