@@ -364,6 +364,11 @@ def test_gpu_submit_sync_on_stream(pool, layer, mech):
     job = layer.prepare(x_pin, _pinned(ids), _pinned(w), out_pin, n_tokens=torch.tensor([T]))
     out_gpu = torch.full((T, H), math.nan, device="cuda")
     hf = HostFuncs(mech)
+    # Load the kernels used below first: CUDA loads a module at a kernel's first launch, and that load waited for
+    # the busy device on the GPU machine, so the host functions were enqueued only after the sleep had ended.
+    x_pin.copy_(x_half * 2, non_blocking=True)
+    torch.cuda.synchronize()
+    x_pin.fill_(math.nan)
     before = pool.pending()
     torch.cuda._sleep(1_000_000_000)  # the device is busy while we enqueue: nothing below may run early
     x_gpu = x_half * 2  # a kernel writes the input

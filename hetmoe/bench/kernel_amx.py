@@ -51,7 +51,8 @@ def paths_of(experts: kernels.CPUExperts, compare: bool) -> list:
         return [(info["isa"], None)]
     own = experts.amx_min_tokens
     name = "amx" if info["amx"] == "native" else "amx-emulated"
-    return [(name, own), (info["isa"], NEVER)] if compare else [(name, own)]
+    row_block = info["kernel"].split("/")[-1].split("-")[0]  # the row-block kernels' ISA, e.g. avx512
+    return [(name, own), (row_block, NEVER)] if compare else [(name, own)]
 
 
 def balanced_routing(n_per_expert: int, E: int, k: int) -> tuple:
