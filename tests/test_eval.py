@@ -194,7 +194,7 @@ def test_eval_command_table_and_identical_configs(capsys, text_file, tmp_path):
     (("--text", "EMPTY"), "is empty"),
     (("--drop-experts", 4), "--drop-experts 4: each token has 4 experts; at most 3 can be dropped"),
     (("--window", 0), "--window must be at least 2 tokens, got 0"),
-    (("--window", 8192), "--window 8192 is beyond the model's 4096 positions"),
+    (("--window", 8192), "--window 8192 is beyond the model's 1024 positions"),
 ], ids=["missing-text", "empty-text", "drop-too-many", "window-0", "window-too-long"])
 def test_eval_errors_are_one_line(capsys, text_file, tmp_path, args, message):
     empty = tmp_path / "empty.txt"
