@@ -491,10 +491,12 @@ def test_signals_sync_covers_all_but_the_newest(pool, layer, stream):
     out_a, out_b = torch.full((300, H), math.nan), torch.full((300, H), math.nan)
     a, b = layer.prepare(x, ids, w, out_a), layer.prepare(x, ids, w, out_b)
     hf = HostFuncs("signals")
+    stream.pause()  # not reached yet
     pool.submit_on_stream(a, stream, host_funcs=hf)
     pool.submit_on_stream(b, stream, host_funcs=hf)
     pool.sync_on_stream(1, stream, host_funcs=hf)
     assert len(hf._c) == 2 and hf._c.n_not_run == 2
+    stream.resume()
     stream.synchronize()  # the stream passed the wait for a: a is done
     expected = layer(x, ids, w)
     assert torch.equal(out_a, expected)
