@@ -32,7 +32,9 @@
 //
 // Idle cost: the watcher spins for 20 us after the last kick, then spins with sched_yield until 5 ms, then
 // polls every 50 us, then every 1 ms after 1 s without kicks, and sleeps while no signal exists. It is one more
-// runnable thread beside the pool's workers: the hybrid placement leaves it a core (hetmoe.kernels.default_threads).
+// runnable thread beside the pool's workers, pinned one per core: a worker it displaces holds up the whole parallel
+// job for a scheduler time slice. Decode steps took 384 ms on the GPU machine while it spun without yielding, 26 ms
+// once it yielded (qwen3-30b-a3b shape, int4, CUDA graph).
 #pragma once
 #include <atomic>
 #include <condition_variable>

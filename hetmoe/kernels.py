@@ -157,16 +157,9 @@ class HostFuncs:
             pass
 
 
-# Cores the hybrid placement leaves to threads other than the expert pool's: the Python thread that launches and
-# waits for the GPU work, and the stream-signal watcher (csrc/stream_signals.h), which spin while a decode step
-# runs. A pool pinned to every core shares cores with them, and a worker descheduled in the middle of a parallel
-# job holds the whole job up for a scheduler time slice.
-HYBRID_RESERVED_CORES = 2
-
-
-def default_threads(reserve: int = 0) -> int:
-    """One thread per physical core this process may run on, less ``reserve`` (at least one)."""
-    return max(1, len(_C.physical_core_cpus()) - reserve)
+def default_threads() -> int:
+    """One thread per physical core this process may run on."""
+    return len(_C.physical_core_cpus())
 
 
 class ExpertPool:

@@ -538,9 +538,12 @@ def test_dense_path_captures_into_cuda_graph(T):
         w.copy_(new_w)
         graph.replay()
         torch.cuda.synchronize()
-        # the same math up to cuBLAS's kernel choice inside a capture (different bf16 rounding; the first run on
-        # the H200 machine exceeded 5e-3 for two of three replays); stale inputs would give an error ~1
-        err = rel_err(out, gpu(x, ids, w))
+        ref = gpu(x, ids, w)
+        if not ref.abs().max():  # no token chose a resident expert (1 in 6 per token here): nothing to compare
+            assert not out.abs().max(), (seed, "the replay computed experts no token chose")
+            continue
+        # the same math up to cuBLAS's kernel choice inside a capture; stale inputs would give an error ~1
+        err = rel_err(out, ref)
         print(f"T={T} replay {seed}: graph vs eager {err:.2e}")
-        assert err < 3e-2, (seed, err)
+        assert err < 5e-3, (seed, err)
     assert rel_err(out, eager0) > 0.1
