@@ -9,6 +9,7 @@
 #include "engine/cpu_features.h"
 #include "engine/thread_pool.h"
 #include "moe/expert_tasks.h"
+#include "bindings_experts.h"
 #include "moe/moe.h"
 
 namespace py = pybind11;
@@ -20,12 +21,8 @@ void bind_numa(py::module_& m);  // bindings_numa.cpp
 
 namespace {
 
-WeightFormat format_from_name(const std::string& s) {
-  if (s == "bf16") return WeightFormat::bf16;
-  if (s == "int8") return WeightFormat::int8;
-  if (s == "int4") return WeightFormat::int4;
-  throw std::invalid_argument("unknown weight format '" + s + "' (expected bf16, int8 or int4)");
-}
+using bindings::format_from_name;
+using bindings::ptr;
 
 const char* format_name(WeightFormat f) {
   switch (f) {
@@ -36,8 +33,6 @@ const char* format_name(WeightFormat f) {
   return "?";
 }
 
-template <typename T>
-T* ptr(uintptr_t a) { return reinterpret_cast<T*>(a); }
 
 }  // namespace
 
@@ -157,46 +152,9 @@ PYBIND11_MODULE(_C, m) {
   bind_stream_work<StreamSignals>(m, "StreamSignals").def_property_readonly("kicks", &StreamSignals::kicks)
       .def_property_readonly("slot_high_water", &StreamSignals::slot_high_water);
 
-  py::class_<MoeExperts, std::shared_ptr<MoeExperts>>(m, "MoeExperts")
-      .def(py::init([](std::shared_ptr<ThreadPool> pool, int n_expert, int hidden, int inter, const std::string& fmt,
-                       int group, const std::string& isa, bool amx_emulated, int amx_min_tokens) {
-             ExpertsConfig c;
-             c.n_expert = n_expert;
-             c.hidden = hidden;
-             c.intermediate = inter;
-             c.format = format_from_name(fmt);
-             c.group = group;
-             c.isa = isa_from_name(isa);
-             c.amx = amx_emulated ? AmxMode::emulated : AmxMode::off;
-             c.amx_min_tokens = amx_min_tokens;
-             return std::make_shared<MoeExperts>(c, std::move(pool));
-           }),
-           py::arg("pool"), py::arg("num_experts"), py::arg("hidden_size"), py::arg("intermediate_size"),
-           py::arg("weight_format"), py::arg("group_size"), py::arg("isa"), py::arg("amx_emulated") = false,
-           py::arg("amx_min_tokens") = kAmxMinTokens)
-      .def_property("amx_min_tokens", &MoeExperts::amx_min_tokens, &MoeExperts::set_amx_min_tokens)
-      .def(
-          "load",
-          [](MoeExperts& ex, int e0, int n, uintptr_t gate, uintptr_t up, uintptr_t down) {
-            ex.load(e0, n, ptr<const float>(gate), ptr<const float>(up), ptr<const float>(down));
-          },
-          py::call_guard<py::gil_scoped_release>())
-      .def("unpack",
-           [](const MoeExperts& ex, int e, uintptr_t gate, uintptr_t up, uintptr_t down) {
-             ex.unpack(e, ptr<float>(gate), ptr<float>(up), ptr<float>(down));
-           })
-      .def("fill_random", &MoeExperts::fill_random, py::arg("seed"), py::arg("std"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("storage",
-           [](const MoeExperts& ex) {
-             py::list views;
-             for (auto& [p, n] : ex.storage()) views.append(py::memoryview::from_memory(p, (py::ssize_t)n, false));
-             return views;
-           })
-      .def("mark_loaded", &MoeExperts::mark_loaded, py::arg("first_expert"), py::arg("n"))
-      .def("checksum", &MoeExperts::checksum, py::call_guard<py::gil_scoped_release>())
-      .def("is_loaded", &MoeExperts::is_loaded)
-      .def_property_readonly("n_loaded", &MoeExperts::n_loaded)
+  py::class_<MoeExperts, std::shared_ptr<MoeExperts>> experts(m, "MoeExperts");
+  bindings::bind_experts_common<MoeExperts, ThreadPool, MoeJob>(experts, "pool");
+  experts
       .def("info",
            [](const MoeExperts& ex) {
              const ExpertsConfig& c = ex.config();
@@ -228,31 +186,7 @@ PYBIND11_MODULE(_C, m) {
              d["hidden_size"] = c.hidden;
              d["intermediate_size"] = c.intermediate;
              return d;
-           })
-      .def(
-          "make_job",
-          [](std::shared_ptr<MoeExperts> ex, uintptr_t x, bool x_bf16, uintptr_t ids, bool ids_int32, uintptr_t weights,
-             int k, uintptr_t out, bool out_bf16, bool accumulate, uintptr_t n_tokens_ptr, int64_t n_tokens,
-             int64_t capacity, uintptr_t skip_mask) {
-            MoeCall c;
-            c.x = ptr<const void>(x);
-            c.x_bf16 = x_bf16;
-            c.ids = ptr<const void>(ids);
-            c.ids_int32 = ids_int32;
-            c.weights = ptr<const float>(weights);
-            c.k = k;
-            c.out = ptr<void>(out);
-            c.out_bf16 = out_bf16;
-            c.accumulate = accumulate;
-            c.n_tokens_ptr = ptr<const int64_t>(n_tokens_ptr);
-            c.n_tokens = n_tokens;
-            c.capacity = capacity;
-            c.skip_mask = ptr<const uint8_t>(skip_mask);
-            return std::make_shared<MoeJob>(std::move(ex), c);
-          },
-          py::arg("x"), py::arg("x_bf16"), py::arg("ids"), py::arg("ids_int32"), py::arg("weights"), py::arg("k"),
-          py::arg("out"), py::arg("out_bf16"), py::arg("accumulate"), py::arg("n_tokens_ptr"), py::arg("n_tokens"),
-          py::arg("capacity"), py::arg("skip_mask"));
+           });
 
   bind_numa(m);
 }

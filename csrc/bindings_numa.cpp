@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "bindings_experts.h"
 #include "engine/numa.h"
 #include "moe/numa.h"
 
@@ -12,15 +13,7 @@ namespace hetmoe {
 
 namespace {
 
-WeightFormat parse_format(const std::string& s) {
-  if (s == "bf16") return WeightFormat::bf16;
-  if (s == "int8") return WeightFormat::int8;
-  if (s == "int4") return WeightFormat::int4;
-  throw std::invalid_argument("unknown weight format '" + s + "' (expected bf16, int8 or int4)");
-}
-
-template <typename T>
-T* ptr(uintptr_t a) { return reinterpret_cast<T*>(a); }
+using bindings::ptr;
 
 py::list topology_list(const NumaTopology& t) {
   py::list nodes;
@@ -113,46 +106,9 @@ void bind_numa(py::module_& m) {
           },
           py::arg("bytes"), py::arg("repeats") = 5, py::arg("isa"), py::call_guard<py::gil_scoped_release>());
 
-  py::class_<NumaExperts, std::shared_ptr<NumaExperts>>(m, "NumaExperts")
-      .def(py::init([](std::shared_ptr<NumaPools> pools, int n_expert, int hidden, int inter, const std::string& fmt,
-                       int group, const std::string& isa, bool amx_emulated, int amx_min_tokens) {
-             ExpertsConfig c;
-             c.n_expert = n_expert;
-             c.hidden = hidden;
-             c.intermediate = inter;
-             c.format = parse_format(fmt);
-             c.group = group;
-             c.isa = isa_from_name(isa);
-             c.amx = amx_emulated ? AmxMode::emulated : AmxMode::off;  // as MoeExperts' binding
-             c.amx_min_tokens = amx_min_tokens;
-             return std::make_shared<NumaExperts>(c, std::move(pools));
-           }),
-           py::arg("pools"), py::arg("num_experts"), py::arg("hidden_size"), py::arg("intermediate_size"),
-           py::arg("weight_format"), py::arg("group_size"), py::arg("isa"), py::arg("amx_emulated") = false,
-           py::arg("amx_min_tokens") = kAmxMinTokens)
-      .def_property("amx_min_tokens", &NumaExperts::amx_min_tokens, &NumaExperts::set_amx_min_tokens)
-      .def(
-          "load",
-          [](NumaExperts& ex, int e0, int n, uintptr_t gate, uintptr_t up, uintptr_t down) {
-            ex.load(e0, n, ptr<const float>(gate), ptr<const float>(up), ptr<const float>(down));
-          },
-          py::call_guard<py::gil_scoped_release>())
-      .def("unpack",
-           [](const NumaExperts& ex, int e, uintptr_t gate, uintptr_t up, uintptr_t down) {
-             ex.unpack(e, ptr<float>(gate), ptr<float>(up), ptr<float>(down));
-           })
-      .def("fill_random", &NumaExperts::fill_random, py::arg("seed"), py::arg("std"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("storage",
-           [](const NumaExperts& ex) {
-             py::list views;
-             for (auto& [p, n] : ex.storage()) views.append(py::memoryview::from_memory(p, (py::ssize_t)n, false));
-             return views;
-           })
-      .def("mark_loaded", &NumaExperts::mark_loaded, py::arg("first_expert"), py::arg("n"))
-      .def("checksum", &NumaExperts::checksum, py::call_guard<py::gil_scoped_release>())
-      .def("is_loaded", &NumaExperts::is_loaded)
-      .def_property_readonly("n_loaded", &NumaExperts::n_loaded)
+  py::class_<NumaExperts, std::shared_ptr<NumaExperts>> experts(m, "NumaExperts");
+  bindings::bind_experts_common<NumaExperts, NumaPools, NumaMoeJob>(experts, "pools");
+  experts
       .def("info",
            [](std::shared_ptr<NumaExperts> ex) {
              // MoeExperts.info() of slice 0 (format, kernel, ISA, activations), with the whole layer's sizes.
@@ -166,31 +122,7 @@ void bind_numa(py::module_& m) {
              d["numa_slices"] = b;
              d["numa_binding"] = ex->pools().binding();
              return d;
-           })
-      .def(
-          "make_job",
-          [](std::shared_ptr<NumaExperts> ex, uintptr_t x, bool x_bf16, uintptr_t ids, bool ids_int32, uintptr_t weights,
-             int k, uintptr_t out, bool out_bf16, bool accumulate, uintptr_t n_tokens_ptr, int64_t n_tokens,
-             int64_t capacity, uintptr_t skip_mask) {
-            MoeCall c;
-            c.x = ptr<const void>(x);
-            c.x_bf16 = x_bf16;
-            c.ids = ptr<const void>(ids);
-            c.ids_int32 = ids_int32;
-            c.weights = ptr<const float>(weights);
-            c.k = k;
-            c.out = ptr<void>(out);
-            c.out_bf16 = out_bf16;
-            c.accumulate = accumulate;
-            c.n_tokens_ptr = ptr<const int64_t>(n_tokens_ptr);
-            c.n_tokens = n_tokens;
-            c.capacity = capacity;
-            c.skip_mask = ptr<const uint8_t>(skip_mask);
-            return std::make_shared<NumaMoeJob>(std::move(ex), c);
-          },
-          py::arg("x"), py::arg("x_bf16"), py::arg("ids"), py::arg("ids_int32"), py::arg("weights"), py::arg("k"),
-          py::arg("out"), py::arg("out_bf16"), py::arg("accumulate"), py::arg("n_tokens_ptr"), py::arg("n_tokens"),
-          py::arg("capacity"), py::arg("skip_mask"));
+           });
 }
 
 }  // namespace hetmoe

@@ -1,0 +1,100 @@
+// What the Python faces of MoeExperts (bindings.cpp) and NumaExperts (bindings_numa.cpp) share: the constructor's
+// arguments and the methods both classes have under the same names, bound once here so the two stay identical for
+// hetmoe/kernels.py.
+#pragma once
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "moe/moe.h"
+
+namespace hetmoe {
+namespace bindings {
+
+namespace py = pybind11;
+
+inline WeightFormat format_from_name(const std::string& s) {
+  if (s == "bf16") return WeightFormat::bf16;
+  if (s == "int8") return WeightFormat::int8;
+  if (s == "int4") return WeightFormat::int4;
+  throw std::invalid_argument("unknown weight format '" + s + "' (expected bf16, int8 or int4)");
+}
+
+template <typename T>
+T* ptr(uintptr_t a) { return reinterpret_cast<T*>(a); }
+
+// Binds __init__(pool_or_pools, num_experts, hidden_size, intermediate_size, weight_format, group_size, isa,
+// amx_emulated=False, amx_min_tokens=...) and the shared methods on `c`; Pools is what the constructor takes,
+// Job what make_job returns (a job over a MoeCall).
+template <typename Experts, typename Pools, typename JobT>
+void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const char* pools_arg) {
+  c.def(py::init([](std::shared_ptr<Pools> pools, int n_expert, int hidden, int inter, const std::string& fmt,
+                    int group, const std::string& isa, bool amx_emulated, int amx_min_tokens) {
+          ExpertsConfig cfg;
+          cfg.n_expert = n_expert;
+          cfg.hidden = hidden;
+          cfg.intermediate = inter;
+          cfg.format = format_from_name(fmt);
+          cfg.group = group;
+          cfg.isa = isa_from_name(isa);
+          cfg.amx = amx_emulated ? AmxMode::emulated : AmxMode::off;
+          cfg.amx_min_tokens = amx_min_tokens;
+          return std::make_shared<Experts>(cfg, std::move(pools));
+        }),
+        py::arg(pools_arg), py::arg("num_experts"), py::arg("hidden_size"), py::arg("intermediate_size"),
+        py::arg("weight_format"), py::arg("group_size"), py::arg("isa"), py::arg("amx_emulated") = false,
+        py::arg("amx_min_tokens") = kAmxMinTokens)
+      .def_property("amx_min_tokens", &Experts::amx_min_tokens, &Experts::set_amx_min_tokens)
+      .def(
+          "load",
+          [](Experts& ex, int e0, int n, uintptr_t gate, uintptr_t up, uintptr_t down) {
+            ex.load(e0, n, ptr<const float>(gate), ptr<const float>(up), ptr<const float>(down));
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def("unpack",
+           [](const Experts& ex, int e, uintptr_t gate, uintptr_t up, uintptr_t down) {
+             ex.unpack(e, ptr<float>(gate), ptr<float>(up), ptr<float>(down));
+           })
+      .def("fill_random", &Experts::fill_random, py::arg("seed"), py::arg("std"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("storage",
+           [](const Experts& ex) {
+             py::list views;
+             for (auto& [p, n] : ex.storage()) views.append(py::memoryview::from_memory(p, (py::ssize_t)n, false));
+             return views;
+           })
+      .def("mark_loaded", &Experts::mark_loaded, py::arg("first_expert"), py::arg("n"))
+      .def("checksum", &Experts::checksum, py::call_guard<py::gil_scoped_release>())
+      .def("is_loaded", &Experts::is_loaded)
+      .def_property_readonly("n_loaded", &Experts::n_loaded)
+      .def(
+          "make_job",
+          [](std::shared_ptr<Experts> ex, uintptr_t x, bool x_bf16, uintptr_t ids, bool ids_int32, uintptr_t weights,
+             int k, uintptr_t out, bool out_bf16, bool accumulate, uintptr_t n_tokens_ptr, int64_t n_tokens,
+             int64_t capacity, uintptr_t skip_mask) {
+            MoeCall call;
+            call.x = ptr<const void>(x);
+            call.x_bf16 = x_bf16;
+            call.ids = ptr<const void>(ids);
+            call.ids_int32 = ids_int32;
+            call.weights = ptr<const float>(weights);
+            call.k = k;
+            call.out = ptr<void>(out);
+            call.out_bf16 = out_bf16;
+            call.accumulate = accumulate;
+            call.n_tokens_ptr = ptr<const int64_t>(n_tokens_ptr);
+            call.n_tokens = n_tokens;
+            call.capacity = capacity;
+            call.skip_mask = ptr<const uint8_t>(skip_mask);
+            return std::make_shared<JobT>(std::move(ex), call);
+          },
+          py::arg("x"), py::arg("x_bf16"), py::arg("ids"), py::arg("ids_int32"), py::arg("weights"), py::arg("k"),
+          py::arg("out"), py::arg("out_bf16"), py::arg("accumulate"), py::arg("n_tokens_ptr"), py::arg("n_tokens"),
+          py::arg("capacity"), py::arg("skip_mask"));
+}
+
+}  // namespace bindings
+}  // namespace hetmoe
