@@ -92,7 +92,10 @@ PYBIND11_MODULE(_C, m) {
     d["supported_isas"] = ok;
     d["amx_unavailable"] = amx_unavailable_reason();  // "" when the AMX kernels can run
     d["amx_kernels_compiled"] = amx_kernels_compiled();
-    d["amx_min_tokens_default"] = kAmxMinTokens;
+    py::dict amx_min;  // per weight format
+    for (WeightFormat f : {WeightFormat::bf16, WeightFormat::int8, WeightFormat::int4})
+      amx_min[format_name(f)] = default_amx_min_tokens(f);
+    d["amx_min_tokens_default"] = amx_min;
     return d;
   });
   // The MoE job's task split (moe/expert_tasks.h) for given per-expert token counts, sorted descending: tests.

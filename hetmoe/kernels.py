@@ -340,7 +340,8 @@ class CPUExperts:
         numa: ``"auto"`` (default), ``"off"`` or N subpools (hetmoe/numa.py); with a ``pool``, it must agree
             with it. With N > 1 every expert's intermediate dimension is split across the subpools.
         amx_min_tokens: the per-expert token count from which AMX is used (default: the engine's measured
-            crossover, ``cpu_info()["amx_min_tokens_default"]``); also settable later as ``.amx_min_tokens``.
+            crossover for the format, ``cpu_info()["amx_min_tokens_default"]``); also settable later as
+            ``.amx_min_tokens``.
 
     AMX multiplies bf16 x bf16 and int8 x int8, so AMX experts read activations rounded to bf16 (bf16
     weights) or int8 per group (int8 weights; the AVX-512 path keeps int16); int4 weights use int8
@@ -371,7 +372,7 @@ class CPUExperts:
         elif isa not in ISAS:
             raise ValueError(f"unknown isa {isa!r}; expected 'auto' or one of {', '.join(ISAS)}")
         if amx_min_tokens is None:
-            amx_min_tokens = features["amx_min_tokens_default"]
+            amx_min_tokens = features["amx_min_tokens_default"][weight_format]
         elif isinstance(amx_min_tokens, bool) or not isinstance(amx_min_tokens, int) or amx_min_tokens < 1:
             raise ValueError(f"amx_min_tokens must be an integer >= 1, got {amx_min_tokens!r}")
         if pool is None:

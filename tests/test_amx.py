@@ -331,7 +331,7 @@ def test_amx_selected_only_where_supported():
     info = ex.info()
     if HAS_AMX:
         assert INFO["best_isa"] == "amx" and info["amx"] == "native"
-        assert info["amx_min_tokens"] == INFO["amx_min_tokens_default"] and info["kernel"].endswith("avx512-vnni")
+        assert info["amx_min_tokens"] == INFO["amx_min_tokens_default"]["int8"] and info["kernel"].endswith("avx512-vnni")
     else:
         assert INFO["best_isa"] != "amx" and info["amx"] == "off" and info["amx_kernel"] is None
         assert INFO["amx_unavailable"], "the reason AMX is unavailable must be reported"
@@ -384,6 +384,6 @@ def test_doctor_prints_the_choice_table():
     text = buf.getvalue()
     assert "amx" in text
     if HAS_AMX:
-        assert f">= {INFO['amx_min_tokens_default']} tokens" in text and "amx-tdpbsud" in text
+        assert f">= {INFO['amx_min_tokens_default']['int8']} tokens" in text and "amx-tdpbsud" in text
     else:
         assert "AMX unavailable" in text
