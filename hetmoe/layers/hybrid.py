@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from hetmoe.kernels import HostFuncs
+from hetmoe.streams import HostFuncs
 
 
 @dataclass
