@@ -6,6 +6,18 @@ import zlib
 
 import torch
 
+# The engine's formats under test: name -> (weight_format, group_size); group 0 = int8 per-row scales.
+FORMATS = {
+    "bf16": ("bf16", 128),
+    "int8-g32": ("int8", 32),
+    "int8-g64": ("int8", 64),
+    "int8-g128": ("int8", 128),
+    "int8-row": ("int8", 0),
+    "int4-g32": ("int4", 32),
+    "int4-g64": ("int4", 64),
+    "int4-g128": ("int4", 128),
+}
+
 WEIGHT_STD = 0.02  # gaussian expert weights, like a freshly initialised (or typical trained) MoE layer
 
 

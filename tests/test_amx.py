@@ -42,7 +42,7 @@ from contextlib import redirect_stdout
 import pytest
 import torch
 
-from cases import make_routing, make_weights, make_x
+from cases import FORMATS, make_routing, make_weights, make_x
 from hetmoe import _C
 from hetmoe.kernels import CPUExperts, ExpertPool, cpu_info, shared_pool
 from reference import moe_reference, moe_reference_emulated, rel_err
@@ -52,16 +52,6 @@ HAS_AMX = "amx" in INFO["supported_isas"]
 PATHS = ["amx-emulated"] + (["amx"] if HAS_AMX else [])
 ROW_ISA = next(i for i in ("avx512", "avx2", "scalar") if i in INFO["supported_isas"])
 
-FORMATS = {
-    "bf16": ("bf16", 128),
-    "int8-g32": ("int8", 32),
-    "int8-g64": ("int8", 64),
-    "int8-g128": ("int8", 128),
-    "int8-row": ("int8", 0),
-    "int4-g32": ("int4", 32),
-    "int4-g64": ("int4", 64),
-    "int4-g128": ("int4", 128),
-}
 FP32_TOL = {  # measured maxima + ~15 % (module docstring)
     "bf16": 5.5e-3,
     "int8-g32": 1.85e-2,

@@ -35,7 +35,7 @@ import math
 import pytest
 import torch
 
-from cases import make_routing, make_weights, make_x
+from cases import FORMATS, make_routing, make_weights, make_x
 from hetmoe.kernels import CPUExperts, ExpertPool, cpu_info, shared_pool
 from reference import moe_reference, moe_reference_emulated, rel_err
 
@@ -44,17 +44,6 @@ from reference import moe_reference, moe_reference_emulated, rel_err
 ISAS = [isa for isa in cpu_info()["supported_isas"] if isa != "amx"]
 BEST_ISA = ISAS[-1]
 
-# name -> (weight_format, group_size)
-FORMATS = {
-    "bf16": ("bf16", 128),
-    "int8-g32": ("int8", 32),
-    "int8-g64": ("int8", 64),
-    "int8-g128": ("int8", 128),
-    "int8-row": ("int8", 0),
-    "int4-g32": ("int4", 32),
-    "int4-g64": ("int4", 64),
-    "int4-g128": ("int4", 128),
-}
 # Measured quantization-noise floors + ~15 % (table in the module docstring): any case / large shapes.
 FP32_TOL = {
     "bf16": 5.0e-3,

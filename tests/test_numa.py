@@ -21,15 +21,13 @@ What is bitwise and what is not:
 from __future__ import annotations
 
 import functools
-import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from cases import make_routing, make_weights, make_x
+from cases import FORMATS, make_routing, make_weights, make_x
 from hetmoe import _C, kernels
 from hetmoe.kernels import CPUExperts, ExpertPool, HostFuncs, cpu_info, shared_pool
 from hetmoe.numa import parse_numa, resolve_subpools, topology
@@ -40,17 +38,7 @@ from reference import moe_reference, moe_reference_emulated, rel_err
 ROW_ISA = next(i for i in ("avx512", "avx2", "scalar") if i in cpu_info()["supported_isas"])
 AMX_PATHS = [getattr(kernels, "AMX_EMULATED", None)] + (["amx"] if "amx" in cpu_info()["supported_isas"] else [])
 AMX_FP32_TOL = {"bf16": 5.5e-3, "int8-g128": 2.3e-2, "int8-row": 2.25e-2, "int4-g64": 0.22}
-# name -> (weight_format, group_size); the tolerances of tests/test_kernels.py ("all cases" column)
-FORMATS = {
-    "bf16": ("bf16", 128),
-    "int8-g32": ("int8", 32),
-    "int8-g64": ("int8", 64),
-    "int8-g128": ("int8", 128),
-    "int8-row": ("int8", 0),
-    "int4-g32": ("int4", 32),
-    "int4-g64": ("int4", 64),
-    "int4-g128": ("int4", 128),
-}
+# the tolerances of tests/test_kernels.py ("all cases" column)
 FP32_TOL = {"bf16": 5.0e-3, "int8-g32": 1.5e-2, "int8-g64": 1.3e-2, "int8-g128": 1.4e-2, "int8-row": 1.75e-2,
             "int4-g32": 0.27, "int4-g64": 0.23, "int4-g128": 0.25}
 EMULATED_TOL = 1e-3

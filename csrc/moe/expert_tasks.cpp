@@ -77,6 +77,15 @@ void make_tasks(const std::vector<int>& active, const std::vector<int>& count, i
   }
 }
 
+// h[i][rb*16 + r] = silu(gate[i][r]) * up[i][r] for the n tokens of one row block (rows past I left alone);
+// gate/up rows of token i start at i * stride.
+static void store_swiglu(const float* gate, const float* up, int stride, int n, int rb, int I, float* h) {
+  const int r_end = std::min(kRowsPerBlock, I - rb * kRowsPerBlock);
+  for (int i = 0; i < n; ++i)
+    for (int r = 0; r < r_end; ++r)
+      h[(size_t)i * I + rb * kRowsPerBlock + r] = silu(gate[i * stride + r]) * up[i * stride + r];
+}
+
 void run_gate_up_task(const MoeExperts& ex, const Task& task, const PhaseInput& in, float* h, ThreadPool& pool,
                       int thread) {
   const int I = ex.config().intermediate;
@@ -89,10 +98,7 @@ void run_gate_up_task(const MoeExperts& ex, const Task& task, const PhaseInput& 
     for (int rb = task.rb0; rb < task.rb1; ++rb) {
       const RowBlock w[2] = {ex.gate_up_block(task.e, rb, 0), ex.gate_up_block(task.e, rb, 1)};
       kernel.gemm(w, 2, act, in.amx_stride, ex.gate_up_amx_act(), n, o);  // o[i] = gate rows 0..15, up 0..15
-      const int r_end = std::min(kRowsPerBlock, I - rb * kRowsPerBlock);
-      for (int i = 0; i < n; ++i)
-        for (int r = 0; r < r_end; ++r)
-          h[(size_t)(s0 + i) * I + rb * kRowsPerBlock + r] = silu(o[i * 32 + r]) * o[i * 32 + 16 + r];
+      store_swiglu(o, o + kRowsPerBlock, 2 * kRowsPerBlock, n, rb, I, h + (size_t)s0 * I);
     }
     return;
   }
@@ -101,10 +107,7 @@ void run_gate_up_task(const MoeExperts& ex, const Task& task, const PhaseInput& 
   for (int rb = task.rb0; rb < task.rb1; ++rb) {
     kernel.rowblock(ex.gate_up_block(task.e, rb, 0), in.rows + s0, ex.gate_up_act(), n, g);
     kernel.rowblock(ex.gate_up_block(task.e, rb, 1), in.rows + s0, ex.gate_up_act(), n, u);
-    const int r_end = std::min(kRowsPerBlock, I - rb * kRowsPerBlock);
-    for (int i = 0; i < n; ++i)
-      for (int r = 0; r < r_end; ++r)
-        h[(size_t)(s0 + i) * I + rb * kRowsPerBlock + r] = silu(g[i * kRowsPerBlock + r]) * u[i * kRowsPerBlock + r];
+    store_swiglu(g, u, kRowsPerBlock, n, rb, I, h + (size_t)s0 * I);
   }
 }
 
