@@ -113,6 +113,42 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("counts"), py::arg("amx_experts"), py::arg("n_blocks"), py::arg("row_gran"), py::arg("amx_max_tokens"),
       py::arg("n_threads"));
+  // The row work of a MoE job at one ISA level (kernels/row_ops.h), on contiguous fp32/bf16 buffers: tests compare
+  // every level with the scalar one byte for byte.
+  m.def(
+      "row_quantize",
+      [](const std::string& isa, const std::string& fmt, bool amx, int group, py::buffer x) {
+        py::buffer_info b = x.request();
+        if (b.format != py::format_descriptor<float>::format() || b.ndim != 1)
+          throw std::invalid_argument("row_quantize: x must be a 1-d float32 buffer");
+        const Isa level = isa_from_name(isa);
+        if (!cpu_features().supports(level)) throw std::invalid_argument("this CPU cannot run " + isa);
+        const int k = (int)b.shape[0];
+        const MatrixShape shape = MatrixShape::make(bindings::format_from_name(fmt), kRowsPerBlock, k, group);
+        const ActLayout a = ActLayout::make(shape, amx);
+        std::string row(a.row_bytes, '\0');
+        select_row_ops(level).quantize(shape.format, amx, static_cast<const float*>(b.ptr), k, a,
+                                       reinterpret_cast<uint8_t*>(&row[0]));
+        return py::bytes(row);
+      },
+      py::arg("isa"), py::arg("fmt"), py::arg("amx"), py::arg("group"), py::arg("x"));
+  m.def(
+      "row_bf16",
+      [](const std::string& isa, py::buffer x) {  // fp32 -> bf16 bits (uint16) -> fp32, both through the ISA
+        py::buffer_info b = x.request();
+        if (b.format != py::format_descriptor<float>::format() || b.ndim != 1)
+          throw std::invalid_argument("row_bf16: x must be a 1-d float32 buffer");
+        const Isa level = isa_from_name(isa);
+        if (!cpu_features().supports(level)) throw std::invalid_argument("this CPU cannot run " + isa);
+        const int n = (int)b.shape[0];
+        std::vector<uint16_t> bits(n);
+        std::vector<float> back(n);
+        const RowOps ops = select_row_ops(level);
+        ops.f32_to_bf16(static_cast<const float*>(b.ptr), n, bits.data());
+        ops.bf16_to_f32(bits.data(), n, back.data());
+        return py::make_tuple(bits, back);
+      },
+      py::arg("isa"), py::arg("x"));
   m.def("physical_core_cpus", &physical_core_cpus);
   m.attr("LAYOUT_VERSION") = kLayoutVersion;
 

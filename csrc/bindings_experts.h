@@ -26,6 +26,15 @@ inline WeightFormat format_from_name(const std::string& s) {
 template <typename T>
 T* ptr(uintptr_t a) { return reinterpret_cast<T*>(a); }
 
+// The MoeExperts a Python experts object runs on: itself, or a NUMA engine's slices.
+inline std::vector<const MoeExperts*> engines_of(const MoeExperts& ex) { return {&ex}; }
+template <typename Split>
+std::vector<const MoeExperts*> engines_of(const Split& ex) {
+  std::vector<const MoeExperts*> v;
+  for (int s = 0; s < ex.n_slices(); ++s) v.push_back(&ex.slice(s));
+  return v;
+}
+
 // Binds __init__(pool_or_pools, num_experts, hidden_size, intermediate_size, weight_format, group_size, isa,
 // amx_emulated=False, amx_min_tokens=...) and the shared methods on `c`; Pools is what the constructor takes,
 // Job what make_job returns (a job over a MoeCall).
@@ -69,6 +78,26 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
       .def("mark_loaded", &Experts::mark_loaded, py::arg("first_expert"), py::arg("n"))
       .def("checksum", &Experts::checksum, py::call_guard<py::gil_scoped_release>())
       .def("is_loaded", &Experts::is_loaded)
+      .def("set_profiling",
+           [](const Experts& ex, bool on) {
+             for (const MoeExperts* e : engines_of(ex)) const_cast<MoeExperts*>(e)->set_profiling(on);
+           })
+      .def("reset_profile",
+           [](const Experts& ex) {
+             for (const MoeExperts* e : engines_of(ex)) const_cast<MoeExperts*>(e)->reset_profile();
+           })
+      .def("profile",
+           [](const Experts& ex) {  // one dict per engine slice: jobs, and ns summed per stage
+             py::list out;
+             for (const MoeExperts* e : engines_of(ex)) {
+               const JobProfile p = e->profile();
+               py::dict d;
+               d["jobs"] = p.jobs;
+               for (int i = 0; i < kJobStages; ++i) d[job_stage_name(i)] = p.ns[i];
+               out.append(d);
+             }
+             return out;
+           })
       .def_property_readonly("n_loaded", &Experts::n_loaded)
       .def(
           "make_job",

@@ -223,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     kernel.add_argument("--random-packed", action="store_true",
                         help="random weights written straight into the packed layout (fast; no fp32 source)")
     kernel.add_argument("--warmup", type=int, default=None, help="untimed calls per point (default: 2)")
+    kernel.add_argument("--profile", action="store_true",
+                        help="also print where each point's time goes: the job's stages (route, quantize, gate+up, "
+                        "down, combine) in ms per call")
 
     e2e = bench_sub.add_parser(
         "e2e",

@@ -377,6 +377,23 @@ class CPUExperts:
         d.setdefault("numa_slices", [(0, self.intermediate_size)])
         return d
 
+    JOB_STAGES = ("route", "quantize_x", "gate_up", "quantize_h", "down", "combine")
+
+    def set_profiling(self, on: bool = True) -> None:
+        """Time every job's stages from now on (``profile()``; turning it on clears the sums), or stop timing
+        (the sums stay readable). Off by default, and free when off."""
+        if on:
+            self._ex.reset_profile()
+        self._ex.set_profiling(bool(on))
+
+    def profile(self) -> dict:
+        """Where the jobs run since ``set_profiling()`` spent their time: ``{"jobs": n, "ms": {stage: mean ms per
+        job}}`` over ``JOB_STAGES`` (a NUMA-split layer: the mean over its slices, which run at the same time)."""
+        slices = self._ex.profile()
+        jobs = slices[0]["jobs"]
+        ms = {st: sum(p[st] for p in slices) / len(slices) / max(jobs, 1) / 1e6 for st in self.JOB_STAGES}
+        return {"jobs": jobs, "ms": ms}
+
     def set_skip_mask(self, mask: Optional[torch.Tensor]) -> None:
         """Experts this layer never computes from now on (they are computed elsewhere, e.g. GPU-resident experts):
         bool ``[E]``, used by every later call that passes no ``skip_mask`` of its own; None clears it. Jobs

@@ -475,3 +475,25 @@ def test_dequantized_int4_error(group):
             for r in range(0, rows, 7):
                 for g0 in range(0, n, group):
                     assert dq[r, g0:g0 + group].unique().numel() <= 16
+
+
+def test_stage_profile_counts_jobs_and_time():
+    ex = CPUExperts(8, 64, 96, "int4", 32, pool=shared_pool(2))
+    ex.fill_random(seed=3)
+    x = torch.randn(5, 64)
+    ids = torch.randint(0, 8, (5, 2))
+    w = torch.rand(5, 2)
+    ex.forward(x, ids, w)
+    assert ex.profile()["jobs"] == 0  # off by default
+    ex.set_profiling(True)
+    for _ in range(3):
+        ex.forward(x, ids, w)
+    prof = ex.profile()
+    assert prof["jobs"] == 3
+    assert set(prof["ms"]) == set(CPUExperts.JOB_STAGES)
+    assert all(v >= 0 for v in prof["ms"].values()) and prof["ms"]["gate_up"] > 0
+    ex.set_profiling(False)
+    ex.forward(x, ids, w)
+    assert ex.profile()["jobs"] == 3
+    ex.set_profiling(True)  # restarting clears the sums
+    assert ex.profile()["jobs"] == 0

@@ -19,38 +19,42 @@ inline const int32_t* act_sums(const uint8_t* row, const ActLayout& a) {
   return reinterpret_cast<const int32_t*>(row + a.sums_off);
 }
 
+// One group x[g0, g1) (g1 - g0 <= group; the rest of the group up to `group` elements is zero padding) ->
+// q[g0, g0 + group), its scale and the sum of its quantized values.
+template <typename Q>
+inline void quantize_group(const float* x, int g0, int g1, int group, float qmax, Q* q, float& scale, int32_t& sum) {
+  float amax = 0.f;
+  bool finite = true;
+  for (int i = g0; i < g1; ++i) {
+    amax = std::fmax(amax, std::fabs(x[i]));
+    finite &= std::isfinite(x[i]);
+  }
+  sum = 0;
+  if (amax > 0.f && finite) {
+    float inv = qmax / amax;
+    for (int i = g0; i < g1; ++i) {
+      // Round half to even by the 1.5 * 2^23 trick: exact for |v| <= qmax, and vectorizable (nearbyint is
+      // a library call on baseline x86-64).
+      float v = (x[i] * inv + 12582912.f) - 12582912.f;
+      v = v > qmax ? qmax : (v < -qmax ? -qmax : v);
+      q[i] = (Q)v;
+      sum += (int32_t)v;
+    }
+    scale = amax / qmax;
+  } else {
+    for (int i = g0; i < g1; ++i) q[i] = 0;
+    scale = finite ? 0.f : NAN;  // a NaN/Inf input makes the output NaN, never silently finite
+  }
+  for (int i = g1 > g0 ? g1 : g0; i < g0 + group; ++i) q[i] = 0;
+}
+
 template <typename Q>
 inline void quantize_groups(const float* x, int k, const ActLayout& a, float qmax, uint8_t* row) {
   Q* q = reinterpret_cast<Q*>(row);
   float* scales = act_scales(row, a);
   int32_t* sums = act_sums(row, a);
-  for (int g0 = 0, gi = 0; g0 < a.kp; g0 += a.group, ++gi) {
-    int g1 = g0 + a.group < k ? g0 + a.group : k;
-    float amax = 0.f;
-    bool finite = true;
-    for (int i = g0; i < g1; ++i) {
-      amax = std::fmax(amax, std::fabs(x[i]));
-      finite &= std::isfinite(x[i]);
-    }
-    int32_t sum = 0;
-    if (amax > 0.f && finite) {
-      float inv = qmax / amax;
-      for (int i = g0; i < g1; ++i) {
-        // Round half to even by the 1.5 * 2^23 trick: exact for |v| <= qmax, and vectorizable (nearbyint is
-        // a library call on baseline x86-64).
-        float v = (x[i] * inv + 12582912.f) - 12582912.f;
-        v = v > qmax ? qmax : (v < -qmax ? -qmax : v);
-        q[i] = (Q)v;
-        sum += (int32_t)v;
-      }
-      scales[gi] = amax / qmax;
-    } else {
-      for (int i = g0; i < g1; ++i) q[i] = 0;
-      scales[gi] = finite ? 0.f : NAN;  // a NaN/Inf input makes the output NaN, never silently finite
-    }
-    for (int i = g1 > g0 ? g1 : g0; i < g0 + a.group; ++i) q[i] = 0;
-    sums[gi] = sum;
-  }
+  for (int g0 = 0, gi = 0; g0 < a.kp; g0 += a.group, ++gi)
+    quantize_group(x, g0, g0 + a.group < k ? g0 + a.group : k, a.group, qmax, q, scales[gi], sums[gi]);
 }
 
 // x: fp32 [k] -> row (a.row_bytes bytes).

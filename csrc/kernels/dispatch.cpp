@@ -62,6 +62,12 @@ KernelEntry select_kernel(WeightFormat format, Isa isa, AmxMode amx) {
   return out;
 }
 
+RowOps select_row_ops(Isa isa) {
+  if (isa >= Isa::avx512) return avx512::row_ops();
+  if (isa == Isa::avx2) return avx2::row_ops();
+  return scalar::row_ops();
+}
+
 ReadKernel select_read_kernel(Isa isa) {
   if (isa >= Isa::avx512) return avx512::read_bytes;
   if (isa == Isa::avx2) return avx2::read_bytes;

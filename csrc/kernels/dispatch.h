@@ -47,6 +47,16 @@ KernelEntry select_kernel(WeightFormat format, Isa isa, AmxMode amx = AmxMode::o
 // Whether the AMX tile kernels were compiled into this build (the compiler knew -mamx-*).
 bool amx_kernels_compiled();
 
+// The per-token row work of a MoE job (kernels/row_ops.h), per ISA level: the same bits at every level.
+struct RowOps {
+  // formats/activation.h quantize_activation (amx = false) or quantize_activation_amx (amx = true)
+  void (*quantize)(WeightFormat f, bool amx, const float* x, int k, const ActLayout& a, uint8_t* row);
+  void (*bf16_to_f32)(const uint16_t* src, int n, float* dst);
+  void (*f32_to_bf16)(const float* src, int n, uint16_t* dst);
+  void (*axpy)(float w, const float* y, int n, float* acc);  // acc[i] += w * y[i]
+};
+RowOps select_row_ops(Isa isa);
+
 // Streams `bytes` (a multiple of 64) through vector loads and returns a value depending on all of them:
 // the STREAM-style read loop our bandwidth probe uses, at the same ISA level as the kernels.
 using ReadKernel = uint64_t (*)(const uint8_t* p, size_t bytes);
@@ -54,18 +64,21 @@ ReadKernel select_read_kernel(Isa isa);
 
 namespace scalar {
 uint64_t read_bytes(const uint8_t*, size_t);
+RowOps row_ops();
 void rowblock_bf16(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_int8(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_int4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 }  // namespace scalar
 namespace avx2 {
 uint64_t read_bytes(const uint8_t*, size_t);
+RowOps row_ops();
 void rowblock_bf16(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_int8(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_int4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 }  // namespace avx2
 namespace avx512 {
 uint64_t read_bytes(const uint8_t*, size_t);
+RowOps row_ops();
 void rowblock_bf16(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_int8(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_int4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <new>
@@ -72,6 +73,7 @@ MoeExperts::MoeExperts(const ExpertsConfig& cfg, std::shared_ptr<ThreadPool> poo
   down_amx_act_ = ActLayout::make(down_, true);
   if (cfg_.isa == Isa::amx && cfg_.amx == AmxMode::off) cfg_.amx = AmxMode::native;
   kernel_ = select_kernel(cfg_.format, cfg_.isa, cfg_.amx);
+  row_ops_ = select_row_ops(cfg_.isa);
   amx_min_tokens_.store(cfg_.amx_min_tokens);
   size_t E = cfg_.n_expert;
   gu_data_ = HugeBuffer(E * 2 * gu_.data_bytes());
@@ -89,6 +91,27 @@ void MoeExperts::set_amx_min_tokens(int n) {
 
 size_t MoeExperts::bytes_per_expert() const {
   return 2 * (gu_.data_bytes() + gu_.scale_bytes()) + down_.data_bytes() + down_.scale_bytes();
+}
+
+const char* job_stage_name(int stage) {
+  static const char* names[kJobStages] = {"route", "quantize_x", "gate_up", "quantize_h", "down", "combine"};
+  return stage >= 0 && stage < kJobStages ? names[stage] : "?";
+}
+
+JobProfile MoeExperts::profile() const {
+  std::lock_guard<std::mutex> lk(profile_mu_);
+  return profile_;
+}
+
+void MoeExperts::reset_profile() {
+  std::lock_guard<std::mutex> lk(profile_mu_);
+  profile_ = JobProfile{};
+}
+
+void MoeExperts::add_profile(const int64_t* ns) const {
+  std::lock_guard<std::mutex> lk(profile_mu_);
+  ++profile_.jobs;
+  for (int i = 0; i < kJobStages; ++i) profile_.ns[i] += ns[i];
 }
 
 int MoeExperts::n_loaded() const { return (int)std::count(loaded_.begin(), loaded_.end(), 1); }
@@ -289,12 +312,39 @@ MoeJob::MoeJob(std::shared_ptr<MoeExperts> experts, const MoeCall& call) : exper
 
 namespace {
 
-constexpr int64_t kTokensPerChunk = 1024;  // bounds the scratch memory of very long prompts
+constexpr int64_t kTokensPerChunk = 1024;
 
-inline void load_row_fp32(const void* base, bool bf16, int64_t row, int n, float* dst) {
+}  // namespace
+
+// Reads the clock at stage boundaries only while the experts are profiling; hands the sums over at the end.
+class StageClock {
+ public:
+  explicit StageClock(const MoeExperts& ex) : ex_(ex), on_(ex.profiling()) {
+    if (on_) last_ = std::chrono::steady_clock::now();
+  }
+  void done(JobStage stage) {
+    if (!on_) return;
+    const auto now = std::chrono::steady_clock::now();
+    ns_[(int)stage] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - last_).count();
+    last_ = now;
+  }
+  ~StageClock() {
+    if (on_) ex_.add_profile(ns_);
+  }
+
+ private:
+  const MoeExperts& ex_;
+  bool on_;
+  std::chrono::steady_clock::time_point last_;
+  int64_t ns_[kJobStages] = {};
+};
+
+namespace {
+  // bounds the scratch memory of very long prompts
+
+inline void load_row_fp32(const RowOps& ops, const void* base, bool bf16, int64_t row, int n, float* dst) {
   if (bf16) {
-    const uint16_t* src = static_cast<const uint16_t*>(base) + row * n;
-    for (int i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+    ops.bf16_to_f32(static_cast<const uint16_t*>(base) + row * n, n, dst);
   } else {
     std::memcpy(dst, static_cast<const float*>(base) + row * n, sizeof(float) * n);
   }
@@ -320,24 +370,21 @@ void for_rows(ThreadPool& pool, int64_t n_rows, int64_t elems_per_row, const F& 
 }
 
 // out[t] (+)= sum_j weights[t, j] * y[slot(t, j)], in j order so results do not depend on threads.
-void combine(ThreadPool& pool, const MoeCall& c, int H, int64_t t0, int nt, const std::vector<int>& pos,
-             const float* y) {
+void combine(ThreadPool& pool, const RowOps& ops, const MoeCall& c, int H, int64_t t0, int nt,
+             const std::vector<int>& pos, const float* y) {
   for_rows(pool, nt, (int64_t)H * (c.k + 1), [&](int64_t t, int th) {
     float* acc = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
     if (c.accumulate)
-      load_row_fp32(c.out, c.out_bf16, t0 + t, H, acc);
+      load_row_fp32(ops, c.out, c.out_bf16, t0 + t, H, acc);
     else
       std::fill(acc, acc + H, 0.f);
     for (int j = 0; j < c.k; ++j) {
       int s = pos[(size_t)t * c.k + j];
       if (s < 0) continue;
-      const float w = c.weights[(t0 + t) * c.k + j];
-      const float* yr = y + (size_t)s * H;
-      for (int i = 0; i < H; ++i) acc[i] += w * yr[i];
+      ops.axpy(c.weights[(t0 + t) * c.k + j], y + (size_t)s * H, H, acc);
     }
     if (c.out_bf16) {
-      uint16_t* dst = static_cast<uint16_t*>(c.out) + (t0 + t) * H;
-      for (int i = 0; i < H; ++i) dst[i] = float_to_bf16(acc[i]);
+      ops.f32_to_bf16(acc, H, static_cast<uint16_t*>(c.out) + (t0 + t) * H);
     } else {
       std::memcpy(static_cast<float*>(c.out) + (t0 + t) * H, acc, sizeof(float) * H);
     }
@@ -347,19 +394,22 @@ void combine(ThreadPool& pool, const MoeCall& c, int H, int64_t t0, int nt, cons
 }  // namespace
 
 void MoeJob::run(ThreadPool& pool) {
+  StageClock clock(*experts_);
   int64_t T = call_.n_tokens_ptr ? *call_.n_tokens_ptr : call_.n_tokens;
   if (T < 0 || T > call_.capacity)
     throw std::invalid_argument("number of tokens " + std::to_string(T) + " is outside [0, " +
                                 std::to_string(call_.capacity) + "], the capacity of this job's buffers");
-  for (int64_t t0 = 0; t0 < T; t0 += kTokensPerChunk) run_chunk(pool, t0, std::min(T, t0 + kTokensPerChunk));
+  for (int64_t t0 = 0; t0 < T; t0 += kTokensPerChunk)
+    run_chunk(pool, t0, std::min(T, t0 + kTokensPerChunk), clock);
 }
 
-void MoeJob::run_chunk(ThreadPool& pool, int64_t t0, int64_t t1) {
+void MoeJob::run_chunk(ThreadPool& pool, int64_t t0, int64_t t1, StageClock& clock) {
   const MoeExperts& ex = *experts_;
   const ExpertsConfig& cfg = ex.config();
   const int E = cfg.n_expert, H = cfg.hidden, I = cfg.intermediate, k = call_.k;
   const int nt = (int)(t1 - t0);
   const WeightFormat fmt = cfg.format;
+  const RowOps& ops = ex.row_ops();
 
   // ---- route: count (token, slot) pairs per expert
   std::vector<int> count(E, 0), pos((size_t)nt * k, -1);
@@ -402,6 +452,7 @@ void MoeJob::run_chunk(ThreadPool& pool, int64_t t0, int64_t t1) {
   const MatrixShape& gu = ex.gate_up_shape();
   const MatrixShape& dn = ex.down_shape();
   const int n_threads = pool.size();
+  clock.done(JobStage::route);
 
   if (n_slots > 0) {
     // AMX experts: those with at least amx_min_tokens tokens. `active` is sorted by count, so they come first
@@ -419,8 +470,8 @@ void MoeJob::run_chunk(ThreadPool& pool, int64_t t0, int64_t t1) {
       uint8_t* xq = pool.scratch(0, (size_t)nt * ga.row_bytes);
       for_rows(pool, nt, H, [&](int64_t t, int th) {
         float* row = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
-        load_row_fp32(call_.x, call_.x_bf16, t0 + t, H, row);
-        quantize_activation(fmt, row, H, ga, xq + t * ga.row_bytes);
+        load_row_fp32(ops, call_.x, call_.x_bf16, t0 + t, H, row);
+        ops.quantize(fmt, false, row, H, ga, xq + t * ga.row_bytes);
       });
       for (int s = n_amx_slots; s < n_slots; ++s) x_rows[s] = xq + (size_t)slot_token[s] * ga.row_bytes;
     }
@@ -429,10 +480,11 @@ void MoeJob::run_chunk(ThreadPool& pool, int64_t t0, int64_t t1) {
       xa = pool.scratch(kAmxScratchSlot, (size_t)(n_amx_slots + 16) * gxa.row_bytes);
       for_rows(pool, n_amx_slots, H, [&](int64_t s, int th) {
         float* row = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
-        load_row_fp32(call_.x, call_.x_bf16, t0 + slot_token[s], H, row);
-        quantize_activation_amx(fmt, row, H, gxa, xa + s * gxa.row_bytes);
+        load_row_fp32(ops, call_.x, call_.x_bf16, t0 + slot_token[s], H, row);
+        ops.quantize(fmt, true, row, H, gxa, xa + s * gxa.row_bytes);
       });
     }
+    clock.done(JobStage::quantize_x);
 
     // ---- phase 1: gate + up, SwiGLU -> h [n_slots, I]
     float* h = reinterpret_cast<float*>(pool.scratch(1, sizeof(float) * (size_t)n_slots * I));
@@ -440,27 +492,29 @@ void MoeJob::run_chunk(ThreadPool& pool, int64_t t0, int64_t t1) {
     make_tasks(active, count, n_amx, TaskPlan{gu.n_blocks, 1, amx_panel_tokens(gxa), n_threads}, tasks);
     const PhaseInput in1{x_rows.data(), xa, gxa.row_bytes, first.data()};
     pool.parallel_for((int64_t)tasks.size(), [&](int64_t ti, int th) { run_gate_up_task(ex, tasks[ti], in1, h, pool, th); });
+    clock.done(JobStage::gate_up);
 
     // ---- quantize h, once per (token, expert), in the format of the expert's path
     const size_t h_stride = std::max(da.row_bytes, dxa.row_bytes);
     uint8_t* hq = pool.scratch(2, (size_t)(n_slots + 16) * h_stride);
     for_rows(pool, n_slots, I, [&](int64_t s, int) {
-      if (s < n_amx_slots)
-        quantize_activation_amx(fmt, h + (size_t)s * I, I, dxa, hq + s * h_stride);
-      else
-        quantize_activation(fmt, h + (size_t)s * I, I, da, hq + s * h_stride);
+      ops.quantize(fmt, s < n_amx_slots, h + (size_t)s * I, I, s < n_amx_slots ? dxa : da, hq + s * h_stride);
     });
     for (int s = 0; s < n_slots; ++s) h_rows[s] = hq + (size_t)s * h_stride;
+    clock.done(JobStage::quantize_h);
 
     // ---- phase 2: down -> y [n_slots, H]
     float* y = reinterpret_cast<float*>(pool.scratch(3, sizeof(float) * (size_t)n_slots * H));
     make_tasks(active, count, n_amx, TaskPlan{dn.n_blocks, 2, amx_panel_tokens(dxa), n_threads}, tasks);
     const PhaseInput in2{h_rows.data(), hq, h_stride, first.data()};
     pool.parallel_for((int64_t)tasks.size(), [&](int64_t ti, int th) { run_down_task(ex, tasks[ti], in2, y, pool, th); });
-    combine(pool, call_, H, t0, nt, pos, y);
+    clock.done(JobStage::down);
+    combine(pool, ops, call_, H, t0, nt, pos, y);
+    clock.done(JobStage::combine);
     return;
   }
-  combine(pool, call_, H, t0, nt, pos, nullptr);
+  combine(pool, ops, call_, H, t0, nt, pos, nullptr);
+  clock.done(JobStage::combine);
 }
 
 }  // namespace hetmoe

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -60,6 +61,18 @@ inline int default_amx_min_tokens(WeightFormat f) {
   return f == WeightFormat::int4 ? kAmxMinTokensInt4 : kAmxMinTokens;
 }
 
+// The stages of one MoE job (see the top of this file), for the per-stage time profile.
+enum class JobStage { route, quantize_x, gate_up, quantize_h, down, combine, count };
+constexpr int kJobStages = (int)JobStage::count;
+const char* job_stage_name(int stage);
+
+// Wall time of each stage summed over the jobs run while profiling was on (MoeExperts::set_profiling): where a
+// layer's time goes, for benchmarks. Off by default; when off a job reads no clock.
+struct JobProfile {
+  int64_t jobs = 0;
+  int64_t ns[kJobStages] = {};
+};
+
 struct ExpertsConfig {
   int n_expert = 0;
   int hidden = 0;        // H
@@ -99,6 +112,7 @@ class MoeExperts {
   const ActLayout& gate_up_act() const { return gu_act_; }
   const ActLayout& down_act() const { return down_act_; }
   const KernelEntry& kernel() const { return kernel_; }
+  const RowOps& row_ops() const { return row_ops_; }
   // AMX experts' activation rows (bf16 / int8; formats/activation.h quantize_activation_amx).
   const ActLayout& gate_up_amx_act() const { return gu_amx_act_; }
   const ActLayout& down_amx_act() const { return down_amx_act_; }
@@ -106,6 +120,12 @@ class MoeExperts {
   // Read when a job runs; change it between jobs (benchmarks compare both paths on the same weights).
   int amx_min_tokens() const { return amx_min_tokens_.load(std::memory_order_relaxed); }
   void set_amx_min_tokens(int n);
+  // Per-stage wall time of the jobs (JobProfile); reset clears the sums.
+  void set_profiling(bool on) { profiling_.store(on, std::memory_order_relaxed); }
+  bool profiling() const { return profiling_.load(std::memory_order_relaxed); }
+  JobProfile profile() const;
+  void reset_profile();
+  void add_profile(const int64_t* ns) const;
   bool uses_amx(int n_tokens) const { return kernel_.gemm != nullptr && n_tokens >= amx_min_tokens(); }
   size_t bytes_per_expert() const;  // weights + scales, as streamed by one decode step
   bool is_loaded(int e) const { return loaded_[e] != 0; }
@@ -124,7 +144,11 @@ class MoeExperts {
   MatrixShape gu_, down_;
   ActLayout gu_act_, down_act_, gu_amx_act_, down_amx_act_;
   KernelEntry kernel_;
+  RowOps row_ops_;
   std::atomic<int> amx_min_tokens_{kAmxMinTokens};
+  std::atomic<bool> profiling_{false};
+  mutable std::mutex profile_mu_;
+  mutable JobProfile profile_;
   HugeBuffer gu_data_, gu_scales_, down_data_, down_scales_;
   std::vector<uint8_t> loaded_;
 };
@@ -146,13 +170,15 @@ struct MoeCall {
   const uint8_t* skip_mask = nullptr;     // [E], nonzero = the CPU skips this expert
 };
 
+class StageClock;
+
 class MoeJob : public Job {
  public:
   MoeJob(std::shared_ptr<MoeExperts> experts, const MoeCall& call);
   void run(ThreadPool& pool) override;
 
  private:
-  void run_chunk(ThreadPool& pool, int64_t t0, int64_t t1);
+  void run_chunk(ThreadPool& pool, int64_t t0, int64_t t1, StageClock& clock);
   std::shared_ptr<MoeExperts> experts_;
   MoeCall call_;
 };

@@ -416,7 +416,10 @@ def run_kernel_bench(args) -> int:
                             for _ in range(max(N_ROUTINGS, n_calls))]
                 x = torch.randn(T, H, generator=rgen).bfloat16()
                 out = torch.empty(T, H, dtype=torch.bfloat16)
+                experts.set_profiling(bool(args.profile))
                 times = time_calls(lambda i: experts.forward(x, *routings[i % len(routings)], out), repeats, warmup)
+                stages = experts.profile() if args.profile else None
+                experts.set_profiling(False)
                 # The calls timed are routings[warmup:n_calls]: bytes are their distinct experts.
                 distinct = statistics.mean(routings[i][0].unique().numel() for i in range(warmup, n_calls))
                 ms = statistics.median(times) * 1e3
@@ -446,8 +449,13 @@ def run_kernel_bench(args) -> int:
                     rec["torch_experts"] = len(baseline.weights)
                     rec["speedup"] = rec["torch_ms"] / rec["ours_same_routing_ms"]
                     rec["check_rel_err"] = check
+                if stages is not None:
+                    rec["stages_ms"] = stages["ms"]
                 records.append(rec)
                 say(fmt_row(rec))
+                if stages is not None:
+                    say("    stages (ms per call, warm-up included): " + "  ".join(
+                        f"{st} {v:.3f}" for st, v in stages["ms"].items()))
             if paths[0][1] is not None:
                 experts.amx_min_tokens = paths[0][1]
                 if args.crossover:

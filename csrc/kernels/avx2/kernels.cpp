@@ -2,10 +2,12 @@
 // Tokens are processed in tiles of NT so each weight line loaded from memory serves NT tokens.
 #include <immintrin.h>
 
+#include <cfloat>
 #include <cstring>
 
 #include "formats/activation.h"
 #include "kernels/dispatch.h"
+#include "kernels/row_ops.h"
 #include "kernels/tiles.h"
 
 namespace hetmoe {
@@ -178,7 +180,65 @@ struct Int4Tile {
   }
 };
 
+// The SIMD wrapper of kernels/row_ops.h: 8 fp32 / int32 lanes.
+struct V {
+  static constexpr int kLanes = 8;
+  using F = __m256;
+  using I = __m256i;
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float f) { return _mm256_set1_ps(f); }
+  static F abs(F v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F min(F a, F b) { return _mm256_min_ps(a, b); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static bool finite(F v) { return _mm256_movemask_ps(_mm256_cmp_ps(abs(v), _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ)) == 0xff; }
+  static float hmax(F v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+  }
+  static I cvt(F v) { return _mm256_cvtps_epi32(v); }
+  static I izero() { return _mm256_setzero_si256(); }
+  static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
+  static int32_t hsum(I v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+  }
+  static __m128i to16(I v) { return _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)); }
+  static void store_q8(int8_t* p, I v) {
+    const __m128i w = to16(v);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
+  }
+  static void store_q16(int16_t* p, I v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to16(v)); }
+  static void to_bf16(const float* x, uint16_t* d) {  // float_to_bf16 (formats/activation.h) on 8 lanes
+    const __m256i b = _mm256_castps_si256(_mm256_loadu_ps(x));
+    const __m256i top = _mm256_srli_epi32(b, 16);
+    __m256i r = _mm256_add_epi32(b, _mm256_set1_epi32(0x7fff));
+    r = _mm256_srli_epi32(_mm256_add_epi32(r, _mm256_and_si256(top, _mm256_set1_epi32(1))), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);
+    const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d), h);
+  }
+  static void from_bf16(const uint16_t* s, float* d) {
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+    _mm256_storeu_ps(d, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+  }
+};
+
 }  // namespace
+
+RowOps row_ops() {
+  return {row_ops::quantize<V>, row_ops::bf16_to_f32<V>, row_ops::f32_to_bf16<V>, row_ops::axpy<V>};
+}
 
 uint64_t read_bytes(const uint8_t* p, size_t bytes) {
   __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;

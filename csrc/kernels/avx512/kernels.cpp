@@ -2,10 +2,12 @@
 // them). One 64-byte line is one zmm register: 16 rows x 4 bytes.
 #include <immintrin.h>
 
+#include <cfloat>
 #include <cstring>
 
 #include "formats/activation.h"
 #include "kernels/dispatch.h"
+#include "kernels/row_ops.h"
 #include "kernels/tiles.h"
 
 namespace hetmoe {
@@ -135,7 +137,52 @@ struct Int4Tile {
   }
 };
 
+// The SIMD wrapper of kernels/row_ops.h: 16 fp32 / int32 lanes.
+struct V {
+  static constexpr int kLanes = 16;
+  using F = __m512;
+  using I = __m512i;
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float f) { return _mm512_set1_ps(f); }
+  static F abs(F v) { return _mm512_abs_ps(v); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F min(F a, F b) { return _mm512_min_ps(a, b); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static bool finite(F v) { return _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ) == 0xffff; }
+  static float hmax(F v) { return _mm512_reduce_max_ps(v); }
+  static I cvt(F v) { return _mm512_cvtps_epi32(v); }
+  static I izero() { return _mm512_setzero_si512(); }
+  static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+  static int32_t hsum(I v) { return _mm512_reduce_add_epi32(v); }
+  static void store_q8(int8_t* p, I v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v)); }
+  static void store_q16(int16_t* p, I v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(v));
+  }
+  static void to_bf16(const float* x, uint16_t* d) {  // float_to_bf16 (formats/activation.h) on 16 lanes
+    const __m512i b = _mm512_castps_si512(_mm512_loadu_ps(x));
+    const __m512i top = _mm512_srli_epi32(b, 16);
+    __m512i r = _mm512_add_epi32(b, _mm512_set1_epi32(0x7fff));
+    r = _mm512_srli_epi32(_mm512_add_epi32(r, _mm512_and_si512(top, _mm512_set1_epi32(1))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(top, _mm512_set1_epi32(0x40)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), _mm512_cvtepi32_epi16(r));
+  }
+  static void from_bf16(const uint16_t* s, float* d) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+    _mm512_storeu_ps(d, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+  }
+};
+
 }  // namespace
+
+RowOps row_ops() {
+  return {row_ops::quantize<V>, row_ops::bf16_to_f32<V>, row_ops::f32_to_bf16<V>, row_ops::axpy<V>};
+}
 
 uint64_t read_bytes(const uint8_t* p, size_t bytes) {
   __m512i a = _mm512_setzero_si512(), b = a, c = a, d = a;

@@ -8,6 +8,28 @@
 namespace hetmoe {
 namespace scalar {
 
+namespace {
+
+void quantize(WeightFormat f, bool amx, const float* x, int k, const ActLayout& a, uint8_t* row) {
+  if (amx)
+    quantize_activation_amx(f, x, k, a, row);
+  else
+    quantize_activation(f, x, k, a, row);
+}
+void bf16_to_f32(const uint16_t* src, int n, float* dst) {
+  for (int i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+}
+void f32_to_bf16(const float* src, int n, uint16_t* dst) {
+  for (int i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+}
+void axpy(float w, const float* y, int n, float* acc) {
+  for (int i = 0; i < n; ++i) acc[i] += w * y[i];
+}
+
+}  // namespace
+
+RowOps row_ops() { return {quantize, bf16_to_f32, f32_to_bf16, axpy}; }
+
 uint64_t read_bytes(const uint8_t* p, size_t bytes) {
   uint64_t a = 0, b = 0;
   for (size_t i = 0; i < bytes; i += 16) {

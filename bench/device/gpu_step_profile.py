@@ -1,0 +1,53 @@
+"""Where the GPU time of one batch-1 hybrid decode step goes (qwen3-30b-a3b shape, N layers, int4 experts): CUDA
+kernels per step and their total time from torch.profiler over eager steps with the CPU experts left out, then the
+graph replay time of the GPU part alone and of the whole step. Run on the GPU machine from the repo root:
+
+    python3 bench/device/gpu_step_profile.py [layers]
+"""
+
+import statistics
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from hetmoe.engine.placement import EngineOptions
+from hetmoe.engine.runner import Runner
+from hetmoe.engine.synthetic import build_random_model
+
+layers = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+loaded = build_random_model("qwen3-30b-a3b", layers, EngineOptions(device="cuda", experts_format="int4",
+                                                                   max_context=1024), log=lambda m: None)
+for graph in (False, True):
+    runner = Runner(loaded, cuda_graph=graph)
+    runner.prefill(list(range(1, 65)))
+    dec = runner.decoder
+    pos = runner.lengths[0] - 1
+
+    def step(cpu):
+        dec.step([5], [pos], [0], cpu=cpu)
+        torch.cuda.synchronize()
+
+    for _ in range(3):
+        step(False), step(True)
+    if not graph:
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                step(False)
+        ev = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        per = len(ev) / 5
+        total = sum(e.device_time for e in ev) / 5 / 1e3
+        print(f"eager, GPU part only: {per:.0f} kernels per step ({per / layers:.1f} per layer), kernel time "
+              f"{total:.3f} ms per step ({total / layers * 1e3:.1f} us per layer)")
+        print(prof.key_averages().table(sort_by="device_time_total", row_limit=25, max_name_column_width=60))
+    for cpu in (False, True):
+        ts = []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            step(cpu)
+            ts.append(time.perf_counter() - t0)
+        ms = statistics.median(ts) * 1e3
+        print(f"{'graph' if graph else 'eager'} step, cpu={cpu}: {ms:.3f} ms ({ms / layers * 1e3:.1f} us per layer)")
+    dec.close()
+    del runner

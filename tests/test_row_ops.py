@@ -1,0 +1,66 @@
+"""The per-token row work of a MoE job (csrc/kernels/row_ops.h): activation quantization and bf16 conversions at
+every ISA level this CPU runs must give the scalar reference's bytes exactly, on inputs that hit rounding ties,
+group edges, all-zero groups, denormals, NaN and Inf."""
+
+import numpy as np
+import pytest
+
+from hetmoe import _C
+
+ISAS = [i for i in _C.cpu_features()["supported_isas"] if i in ("avx2", "avx512")]
+pytestmark = pytest.mark.skipif(not ISAS, reason="no SIMD level besides scalar on this CPU")
+
+
+def tricky_rows(k: int, seed: int):
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal(k).astype(np.float32)
+    yield "normal", base
+    yield "large range", (base * np.float32(10.0) ** rng.integers(-20, 20, k)).astype(np.float32)
+    # exact ties after scaling: amax 127 -> inv 1, values k + 0.5 round to even
+    ties = (rng.integers(-126, 126, k) + 0.5).astype(np.float32)
+    ties[::97] = 127.0
+    yield "ties", ties
+    zeros = base.copy()
+    zeros[: min(k, 128)] = 0.0
+    yield "zero group", zeros
+    den = base.copy()
+    den[1::3] = np.float32(1e-40)
+    yield "denormals", den
+    for bad in (np.nan, np.inf, -np.inf):
+        v = base.copy()
+        v[min(k - 1, 70)] = bad
+        yield f"{bad}", v
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt,group", [("int8", 32), ("int8", 128), ("int8", 0), ("int4", 32), ("int4", 64),
+                                       ("int4", 128), ("bf16", 0)])
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("k", [64, 200, 768, 2048])
+def test_quantize_matches_scalar(isa, fmt, group, amx, k):
+    for name, x in tricky_rows(k, k + group):
+        ref = _C.row_quantize("scalar", fmt, amx, group, x)
+        got = _C.row_quantize(isa, fmt, amx, group, x)
+        assert got == ref, f"{isa} {fmt} g{group} amx={amx} k={k}: rows differ on '{name}' input"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_conversions_match_scalar(isa):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(1000).astype(np.float32)
+    # round-to-even ties (low half exactly 0x8000 with even and odd bf16), the largest finite, denormals, NaN, Inf
+    bits = np.array([0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x00000001, 0x807FFFFF, 0x7FC00001, 0xFF800000, 0x7F800000,
+                     0x7F800001, 0xFFFFFFFF], dtype=np.uint32)
+    x[: len(bits)] = bits.view(np.float32)
+    ref_bits, ref_back = _C.row_bf16("scalar", x)
+    got_bits, got_back = _C.row_bf16(isa, x)
+    assert got_bits == ref_bits
+    assert np.array_equal(np.array(got_back, np.float32).view(np.uint32), np.array(ref_back, np.float32).view(np.uint32))
+    assert ref_bits[0] == 0x3F80 and ref_bits[1] == 0x3F82  # ties to even, up and down
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="float32"):
+        _C.row_quantize("scalar", "int8", False, 32, np.zeros(64, np.float64))
+    with pytest.raises(ValueError):
+        _C.row_quantize("scalar", "int5", False, 32, np.zeros(64, np.float32))
