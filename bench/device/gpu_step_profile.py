@@ -2,7 +2,7 @@
 kernels per step and their total time from torch.profiler over eager steps with the CPU experts left out, then the
 graph replay time of the GPU part alone and of the whole step. Run on the GPU machine from the repo root:
 
-    python3 bench/device/gpu_step_profile.py [layers]
+    python3 bench/device/gpu_step_profile.py [layers] [--no-profiler]
 """
 
 import statistics
@@ -16,7 +16,9 @@ from hetmoe.engine.placement import EngineOptions
 from hetmoe.engine.runner import Runner
 from hetmoe.engine.synthetic import build_random_model
 
-layers = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+layers = int(args[0]) if args else 8
+use_profiler = "--no-profiler" not in sys.argv
 loaded = build_random_model("qwen3-30b-a3b", layers, EngineOptions(device="cuda", experts_format="int4",
                                                                    max_context=1024), log=lambda m: None)
 for graph in (False, True):
@@ -31,7 +33,7 @@ for graph in (False, True):
 
     for _ in range(3):
         step(False), step(True)
-    if not graph:
+    if not graph and use_profiler:
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             for _ in range(5):
                 step(False)
