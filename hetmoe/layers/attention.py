@@ -8,7 +8,7 @@ overwrite.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,25 @@ class Step:
     # device sync): kv_len > every position of this call; first_slot when slots are first_slot, first_slot+1, ...
     kv_len: int | None = None
     first_slot: int | None = None
+    _masks: dict = field(default_factory=dict, repr=False, compare=False)  # attn_mask's, built once per call
+
+    def attn_mask(self, ctx: int, dtype: torch.dtype, group: int = 1) -> torch.Tensor:
+        """Additive attention mask [B, 1, S * group, ctx] in ``dtype``: 0 where a query may attend (cached position
+        <= its own), -inf elsewhere; row s * group + j belongs to position s (``group`` query heads per position,
+        see ``attend``). Built on first use and shared by every layer of the call."""
+        mask = self._masks.get((ctx, dtype, group))
+        if mask is None:
+            B, S = self.positions.shape
+            base = self._masks.get((ctx, dtype, 1))
+            if base is None:
+                later = torch.arange(ctx, device=self.positions.device) > self.positions.unsqueeze(-1)  # [B, S, ctx]
+                base = torch.zeros(B, 1, S, ctx, dtype=dtype, device=later.device).masked_fill_(later.unsqueeze(1),
+                                                                                                   float("-inf"))
+                self._masks[(ctx, dtype, 1)] = base
+            # S = 1: a broadcast view (stride 0 over the group), no copy
+            mask = base.unsqueeze(3).expand(B, 1, S, group, ctx).reshape(B, 1, S * group, ctx)
+            self._masks[(ctx, dtype, group)] = mask
+        return mask
 
 
 class KVCache:
@@ -56,14 +75,22 @@ class KVCache:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, scale: float) -> torch.Tensor:
-    """q [B, S, heads, D] over cache rows k/v [B, ctx, kv_heads, D] -> [B, S, heads, Dv] (causal by position)."""
-    ctx = k.shape[1]
-    mask = torch.arange(ctx, device=q.device).view(1, 1, 1, ctx) <= step.positions.unsqueeze(1).unsqueeze(-1)
+    """q [B, S, heads, D] over cache rows k/v [B, ctx, kv_heads, D] -> [B, S, heads, Dv] (causal by position).
+
+    The g = heads / kv_heads query heads that share a kv head (head h reads kv head h // g) are folded into the query
+    length: q [B, kv_heads, S * g, D], row s * g + j, with the mask repeated per row (exact: the mask depends on the
+    position only). SDPA then sees plain multi-head attention with an additive mask, which its fused kernels take
+    (memory-efficient on CUDA, flash on the CPU); enable_gqa together with a mask would send it to the math
+    fallback. For S = 1 the fold is a view of q."""
+    B, S, H, D = q.shape
+    ctx, n_kv = k.shape[1], k.shape[2]
+    g = H // n_kv
+    qf = q.reshape(B, S, n_kv, g, D).transpose(1, 2).reshape(B, n_kv, S * g, D)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype), attn_mask=mask,
-        scale=scale, enable_gqa=q.shape[2] != k.shape[2],
-    )
-    return out.transpose(1, 2)
+        qf, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype), attn_mask=step.attn_mask(ctx, q.dtype, g),
+        scale=scale,
+    )  # [B, kv_heads, S * g, Dv]
+    return out.reshape(B, n_kv, S, g, -1).transpose(1, 2).reshape(B, S, H, -1)
 
 
 class GQAAttention(nn.Module):

@@ -205,8 +205,8 @@ class DeepseekV2Attention(nn.Module):
         scores = (q_lat.reshape(B, S * h, r) @ c.transpose(1, 2)
                   + q_pe.reshape(B, S * h, self.rope) @ pe.transpose(1, 2))  # [B, S*h, ctx]
         scores = scores.view(B, S, h, ctx).float() * self.scale  # [B, S, h, ctx]
-        mask = torch.arange(ctx, device=c.device) <= step.positions.view(B, S, 1, 1)  # [B, S, 1, ctx]
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(c.dtype)  # [B, S, h, ctx]
+        mask = step.attn_mask(ctx, scores.dtype).view(B, S, 1, ctx)  # 0 or -inf, shared by the layers
+        probs = (scores + mask).softmax(dim=-1).to(c.dtype)  # [B, S, h, ctx]
         out_lat = (probs.view(B, S * h, ctx) @ c).view(B, S, h, r)  # [B, S, h, r]
         return torch.einsum("bshr,hvr->bshv", out_lat, w_uv)  # [B, S, h, v_dim]
 
