@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 def route_softmax(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple:
     """Mixtral (always normalised), Qwen2-MoE and Qwen3-MoE: softmax over experts, top-k, optional renorm."""
-    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]: computed in fp32, no separate cast
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
