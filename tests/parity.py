@@ -42,6 +42,7 @@ def load_ours(path, model_cls, experts_backend):
             else:
                 tensors[name] = t.float()
     model.load_state_dict(tensors, strict=True)
+    model.fuse_projections()  # as the loader does: q/k/v and gate/up as one matmul each
     for layer, mats in experts.items():
         gate, up, down = (torch.stack([mats[w][e] for e in sorted(mats[w])]) for w in ("gate", "up", "down"))
         model.model.layers[layer].mlp.experts = experts_backend(gate, up, down)

@@ -7,7 +7,8 @@
          routed experts packed into the CPU engine's format (or read from the converted-expert cache),
          the layer's source pages released
     -> the model, on its devices, with an experts backend attached to every MoE block
-       (wrapped for Expert Deferral when options.defer_experts > 0: defer_experts)
+       (wrapped for Expert Deferral when options.defer_experts > 0: defer_experts), its projections that read one
+       input fused into one matmul (CausalLM.fuse_projections)
     -> with --gpu-experts N on a GPU: N experts per MoE layer also kept there, chosen by a calibration prefill
        (engine/calibration.py).
 
@@ -287,6 +288,7 @@ def load_model(
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise CheckpointError(f"{ckpt.path}: tensors were never loaded: {', '.join(missing[:5])}")
+    model.fuse_projections()  # q/k/v (and gate/up) as one matmul each; parameters and their names unchanged
     gpu_experts = keep_gpu_experts(model.eval(), blocks, plan, options, _tokenize_with(ckpt.path), log)
     info = {
         "load_s": time.perf_counter() - t0,

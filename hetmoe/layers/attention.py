@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetmoe.layers.linear import FusedLinears
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import apply_rope
 
@@ -95,7 +96,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, scale:
 
 class GQAAttention(nn.Module):
     """Grouped-query attention with Hugging Face parameter names (q_proj, k_proj, v_proj, o_proj and, for
-    Qwen3, per-head q_norm/k_norm applied before RoPE). Models subclass it under their own class names."""
+    Qwen3, per-head q_norm/k_norm applied before RoPE). Models subclass it under their own class names.
+
+    Once ``fuse_projections`` has run (the loader calls it), q/k/v are one matmul; q and k then share one RMSNorm
+    call and one RoPE (same rounding points as the separate calls)."""
 
     def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, layer_idx: int, *,
                  qkv_bias: bool = False, o_bias: bool = False, qk_norm_eps: float | None = None):
@@ -105,18 +109,29 @@ class GQAAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=o_bias)
+        self.qk_norm_eps = qk_norm_eps
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+        self.qkv = None  # a FusedLinears once fuse_projections ran
+
+    def fuse_projections(self) -> None:
+        self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, rope: tuple, step: Step, cache: KVCache) -> torch.Tensor:
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        H, K, D = self.n_heads, self.n_kv, self.head_dim
+        if self.qkv is not None:
+            qkv = self.qkv(x)
+        else:
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)  # [B, S, (H + 2K) * D]
+        qk = qkv[..., :(H + K) * D].view(B, S, H + K, D)
+        v = qkv[..., (H + K) * D:].view(B, S, K, D)
+        if self.qk_norm_eps is not None:  # RMSNorm's weight * normalised x, with a per-head weight [H + K, D]
+            weight = torch.cat((self.q_norm.weight.expand(H, D), self.k_norm.weight.expand(K, D)))
+            qk = weight * F.rms_norm(qk, (D,), eps=self.qk_norm_eps)
+        qk = apply_rope(qk, *rope)
+        q, k = qk.split((H, K), dim=2)
         k_all, v_all = cache.write(self.layer_idx, step, k, v)
-        out = attend(q, k_all, v_all, step, self.head_dim**-0.5)  # [B, S, heads, D]
+        out = attend(q, k_all, v_all, step, D**-0.5)  # [B, S, heads, D]
         return self.o_proj(out.reshape(B, S, -1))

@@ -10,21 +10,20 @@ def inv_frequencies(head_dim: int, theta: float) -> torch.Tensor:
 
 
 def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple:
-    """positions [B, S] -> cos, sin [B, S, head_dim] (frequencies repeated over both halves)."""
+    """positions [B, S] -> the RoPE table of one forward call, shared by every layer: cos [B, S, 1, D] and the
+    signed sin [B, S, 1, D] = [-sin, sin] (frequencies repeated over both halves; the 1 broadcasts over heads).
+    Rounded to ``dtype`` as Hugging Face rounds cos and sin; negating is exact, so x rolled by half times the signed
+    sin is, bit for bit, rotate_half(x) * sin."""
     freqs = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)  # [B, S, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), dim=-1).unsqueeze(2).to(dtype), torch.cat((-sin, sin), dim=-1).unsqueeze(2).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [B, S, heads, D] with the table of ``cos_sin``: x * cos + rotate_half(x) * sin, where rotate_half(x) * sin
+    = [x2, x1] * [-sin, sin] (x = [x1, x2]): four kernels instead of five, no negation per layer."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, S, heads, D]; cos/sin [B, S, D]."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return x * cos + _rotate_half(x) * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
 # --- YaRN (DeepSeek-V2/V3, Kimi-K2): transformers' _compute_yarn_parameters and yarn_get_mscale -----------------

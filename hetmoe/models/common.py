@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetmoe.layers.attention import KVCache, Step
+from hetmoe.layers.linear import FusedLinears
 from hetmoe.layers.moe import route_softmax
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import cos_sin, inv_frequencies
@@ -27,9 +28,14 @@ class SwiGLUMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_up = None  # a FusedLinears once fuse_projections ran
+
+    def fuse_projections(self) -> None:
+        self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up.parts(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 def routed_and_shared(experts, flat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared) -> torch.Tensor:
@@ -123,6 +129,14 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def fuse_projections(self) -> None:
+        """Once the weights are loaded: the linears of a layer that read the same input (attention q/k/v, an MLP's
+        gate/up) run as one matmul from then on; their parameters become views of one weight (layers/linear.py),
+        names and values unchanged."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "fuse_projections"):
+                module.fuse_projections()
 
     def make_cache(self, max_batch: int, max_context: int, dtype=torch.float32, device="cpu") -> KVCache:
         cfg = self.config

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetmoe.layers.attention import KVCache, Step, attend
+from hetmoe.layers.linear import FusedLinears
 from hetmoe.layers.moe import route_deepseek_v2, route_deepseek_v3
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import inv_frequencies, yarn_get_mscale, yarn_parameters
@@ -168,12 +169,24 @@ class DeepseekV2Attention(nn.Module):
         if params["rope_type"] != "default" and params.get("mscale_all_dim"):
             m = yarn_get_mscale(params["factor"], params["mscale_all_dim"])
             self.scale = self.scale * m * m
+        self.q_kv_a = None  # a FusedLinears (q_proj or q_a_proj, kv_a_proj_with_mqa) once fuse_projections ran
+
+    def fuse_projections(self) -> None:
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        if (first.bias is None) == (self.kv_a_proj_with_mqa.bias is None):
+            self.q_kv_a = FusedLinears(first, self.kv_a_proj_with_mqa)
 
     def forward(self, x: torch.Tensor, rope: tuple, step: Step, cache: KVCache) -> torch.Tensor:
         B, S, _ = x.shape
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_pe = q.view(B, S, self.n_heads, self.qk_head_dim).split([self.nope, self.rope], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        if self.q_kv_a is not None:
+            q, kv_a = self.q_kv_a.parts(x)
+        else:
+            q = self.q_proj(x) if self.q_lora_rank is None else self.q_a_proj(x)
+            kv_a = self.kv_a_proj_with_mqa(x)
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q_nope, q_pe = q.reshape(B, S, self.n_heads, self.qk_head_dim).split([self.nope, self.rope], dim=-1)
+        c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv).view(B, S, 1, self.kv_lora_rank)
         cos, sin = (t.unsqueeze(2) for t in rope)  # [B, S, 1, rope/2]
         q_pe = self.rope_fn(q_pe, cos, sin)
