@@ -21,7 +21,8 @@ from hetmoe.layers.rope import apply_rope
 
 @dataclass
 class Step:
-    """What the runner tells a model about one forward call (prefill or decode)."""
+    """What the runner tells a model about one forward call (prefill or decode). One per call: it keeps the
+    attention masks derived from ``positions`` (``attn_mask``) for the layers of that call."""
 
     positions: torch.Tensor  # [B, S] int64: absolute position of each token of this call
     slots: torch.Tensor  # [B] int64: the cache row of each sequence
@@ -29,7 +30,7 @@ class Step:
     # device sync): kv_len > every position of this call; first_slot when slots are first_slot, first_slot+1, ...
     kv_len: int | None = None
     first_slot: int | None = None
-    _masks: dict = field(default_factory=dict, repr=False, compare=False)  # attn_mask's, built once per call
+    _masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # attn_mask's, once per call
 
     def attn_mask(self, ctx: int, dtype: torch.dtype, group: int = 1) -> torch.Tensor:
         """Additive attention mask [B, 1, S * group, ctx] in ``dtype``: 0 where a query may attend (cached position
