@@ -78,7 +78,8 @@ def add_engine_options(p: argparse.ArgumentParser, model: bool = True) -> None:
                    help="format of the routed experts on the CPU; auto: the most precise that fits in RAM")
     g.add_argument("--group-size", type=int, default=None, choices=(0, 32, 64, 128),
                    help="int8/int4 scale group (default: 128 for int8, 64 for int4; 0 = per-row int8)")
-    g.add_argument("--threads", type=_positive_int, default=None, help="CPU expert threads (default: physical cores)")
+    g.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU expert threads (default: physical cores; with a GPU, 2 fewer)")
     g.add_argument("--numa", type=_numa, default="auto", metavar="auto|off|N",
                    help="split each expert across N NUMA subpools (tensor parallel); auto: one per NUMA node")
     g.add_argument("--max-context", type=_positive_int, default=None,

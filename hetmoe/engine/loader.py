@@ -33,7 +33,7 @@ from hetmoe.engine.calibration import calibration_text, check_gpu_experts, keep_
 from hetmoe.engine.checkpoint import Checkpoint, CheckpointError
 from hetmoe.engine.expert_cache import ExpertCache, default_cache_dir
 from hetmoe.engine.placement import EngineOptions, MemoryPlan, ModelShapes, choose_plan
-from hetmoe.kernels import CPUExperts
+from hetmoe.kernels import HYBRID_RESERVED_CORES, CPUExperts, default_threads
 from hetmoe.numa import resolve_subpools
 from hetmoe.layers.moe import DeferralChain, DeferredExperts, HostStaging, OffloadedExperts
 from hetmoe.models import model_class
@@ -87,6 +87,8 @@ def _experts_of(block: nn.Module) -> int:
 def new_experts(block: nn.Module, cfg: ModelConfig, inter: int, plan: MemoryPlan, threads,
                 numa="auto") -> CPUExperts:
     """Empty CPU experts for a MoE block, in the plan's format (group 0 with int8: per-row scales)."""
+    if threads is None and plan.device.type == "cuda":
+        threads = default_threads(reserve=HYBRID_RESERVED_CORES)
     return CPUExperts(_experts_of(block), cfg.hidden_size, inter, plan.experts_format, plan.group_size,
                       threads=threads, numa=numa)
 

@@ -30,7 +30,7 @@ class EngineOptions:
     device: str = "auto"  # auto | cuda | cpu
     experts_format: str = "auto"  # auto | bf16 | int8 | int4 ("auto": the most precise that fits in RAM)
     group_size: Optional[int] = None  # int8/int4 scale group (default 128 / 64; 0 = per-row int8)
-    threads: Optional[int] = None  # CPU expert threads (default: one per physical core)
+    threads: Optional[int] = None  # CPU expert threads (default: one per physical core; hybrid: 2 fewer)
     numa: Union[str, int] = "auto"  # NUMA subpools of the CPU experts: auto | off | N (hetmoe/numa.py)
     max_context: Optional[int] = None  # KV cache positions per sequence (default: min(4096, model limit))
     max_batch: int = 1
