@@ -195,3 +195,14 @@ def test_serve_shape_and_model_are_exclusive(tmp_path):
 
     assert cli.main(["serve", "--shape", "qwen3-30b-a3b", "--model", str(tmp_path), "--device", "cpu"]) == 1
     assert cli.main(["serve", "--layers", "2", "--device", "cpu"]) == 1
+
+
+def test_expert_pool_is_the_models_own():
+    from hetmoe import kernels
+    from hetmoe.bench.e2e import _expert_pool
+
+    opts = EngineOptions(device="cpu", experts_format="int4", threads=1)
+    loaded = build_random_model(TINY_QWEN3, num_layers=2, options=opts, log=lambda m: None)
+    fallback = kernels.shared_pool(2)
+    pool = _expert_pool(loaded, fallback)
+    assert pool is not fallback and pool.threads == 1

@@ -46,7 +46,7 @@ PLACEMENT = {"cpu": "cpu", "cuda": "hybrid"}
 
 def _expert_pool(loaded, fallback: kernels.ExpertPool) -> kernels.ExpertPool:
     """The pool the model's routed experts run on (through any dispatch wrappers), else ``fallback``."""
-    for block in moe_blocks(loaded.model):
+    for _, block in moe_blocks(loaded.model):
         ex = getattr(block, "experts", None)
         for _ in range(4):
             if isinstance(ex, kernels.CPUExperts):
