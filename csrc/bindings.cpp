@@ -168,7 +168,9 @@ PYBIND11_MODULE(_C, m) {
           [](ThreadPool& p, size_t bytes, int repeats, const std::string& isa) {
             return measure_read_bandwidth(p, bytes, repeats, isa_from_name(isa));
           },
-          py::arg("bytes"), py::arg("repeats") = 5, py::arg("isa"), py::call_guard<py::gil_scoped_release>());
+          py::arg("bytes"), py::arg("repeats") = 5, py::arg("isa"), py::call_guard<py::gil_scoped_release>())
+      .def("amx_peak", &measure_amx_peak, py::arg("bf16"), py::arg("rounds") = 200000,
+           py::call_guard<py::gil_scoped_release>());
 
   // CUDA host functions (csrc/cuda_hooks.h). Streams cross as raw handles (torch.cuda.Stream.cuda_stream) or
   // as a FakeStream (tests without CUDA).

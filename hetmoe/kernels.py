@@ -181,6 +181,16 @@ class ExpertPool:
         owner = self._numa if self._numa is not None else self._pool
         return owner.read_bandwidth(int(nbytes), int(repeats), isa or _C.cpu_features()["best_isa"])
 
+    def amx_peak(self, dtype: str = "int8", rounds: int = 200000) -> float:
+        """The AMX tile unit's own rate with every thread of this pool: TFLOPS (2 x multiply-adds; TOPS for int8)
+        of back-to-back tdpbf16ps / tdpbsud on register tiles, nothing loaded or stored: the ceiling of the AMX
+        GEMM on this machine. ValueError where AMX cannot run; a pool split over NUMA nodes is not supported."""
+        if dtype not in ("bf16", "int8"):
+            raise ValueError(f"dtype must be bf16 or int8, got {dtype!r}")
+        if self._numa is not None:
+            raise ValueError("amx_peak runs on one pool; this one is split over NUMA subpools")
+        return self._pool.amx_peak(dtype == "bf16", int(rounds))
+
 
 _pools: dict = {}
 _pools_lock = threading.Lock()

@@ -377,3 +377,15 @@ def test_doctor_prints_the_choice_table():
         assert f">= {INFO['amx_min_tokens_default']['int8']} tokens" in text and "amx-tdpbsud" in text
     else:
         assert "AMX unavailable" in text
+
+
+def test_amx_peak_probe():
+    pool = ExpertPool(threads=2, pin=False)
+    if not HAS_AMX:
+        with pytest.raises(ValueError, match="AMX"):
+            pool.amx_peak("int8", rounds=10)
+    else:  # the tile unit alone: far above anything a GEMM with loads reaches, and bf16 about half of int8
+        int8, bf16 = pool.amx_peak("int8", rounds=20000), pool.amx_peak("bf16", rounds=20000)
+        assert int8 > 0.5 and 0.3 < bf16 / int8 < 0.7
+    with pytest.raises(ValueError, match="bf16 or int8"):
+        pool.amx_peak("fp8")

@@ -1,5 +1,7 @@
 // The STREAM-read probe: how fast this machine's DRAM feeds the pool's threads, measured in the same process
-// (and run) as the kernels it is compared to.
+// (and run) as the kernels it is compared to; and the AMX tile unit's own peak, the ceiling of the AMX GEMM.
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <stdexcept>
 #include <string>
@@ -33,6 +35,32 @@ double measure_read_bandwidth(ThreadPool& pool, size_t bytes, int repeats, Isa i
     }
   });
   return best;
+}
+
+double measure_amx_peak(ThreadPool& pool, bool bf16, int64_t rounds) {
+#ifdef HETMOE_HAVE_AMX
+  if (!amx_unavailable_reason().empty())
+    throw std::invalid_argument("this CPU cannot run AMX: " + amx_unavailable_reason());
+  const int n = pool.size();
+  double best = 0;
+  std::atomic<int> refused{0};
+  pool.run_and_wait([&](ThreadPool& p) {
+    for (int r = 0; r < 3; ++r) {
+      auto t0 = std::chrono::steady_clock::now();
+      p.parallel_for(n, [&](int64_t, int) {
+        if (!amx_thread_ready()) return (void)refused.fetch_add(1);
+        amx::peak_loop(bf16, rounds);
+      });
+      double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      best = std::max(best, 2.0 * (double)rounds * 4 * 16 * 16 * (bf16 ? 32 : 64) * n / s / 1e12);
+    }
+  });
+  if (refused.load()) throw std::runtime_error("AMX permission refused on a pool thread");
+  return best;
+#else
+  (void)pool, (void)bf16, (void)rounds;
+  throw std::invalid_argument("this build has no AMX kernels (the compiler did not know -mamx-*)");
+#endif
 }
 
 }  // namespace hetmoe

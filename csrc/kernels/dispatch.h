@@ -90,6 +90,9 @@ void gemm_int4(const RowBlock*, int, const uint8_t*, size_t, const ActLayout&, i
 void emulated_gemm_bf16(const RowBlock*, int, const uint8_t*, size_t, const ActLayout&, int, float*);
 void emulated_gemm_int8(const RowBlock*, int, const uint8_t*, size_t, const ActLayout&, int, float*);
 void emulated_gemm_int4(const RowBlock*, int, const uint8_t*, size_t, const ActLayout&, int, float*);
+// The tile unit's own rate: `rounds` x 4 independent tdpbf16ps / tdpbsud on register tiles, nothing loaded or
+// stored in the loop (native AMX builds only); returns the multiply-adds done.
+uint64_t peak_loop(bool bf16, int64_t rounds);
 }  // namespace amx
 
 }  // namespace hetmoe

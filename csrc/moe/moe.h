@@ -185,5 +185,7 @@ class MoeJob : public Job {
 
 // DRAM read bandwidth with all pool threads, each streaming its own slice of a buffer of `bytes`.
 double measure_read_bandwidth(ThreadPool& pool, size_t bytes, int repeats, Isa isa);
+// TFLOPS (2 x multiply-adds) of every pool thread running amx::peak_loop(bf16, rounds) at once (best of 3).
+double measure_amx_peak(ThreadPool& pool, bool bf16, int64_t rounds);
 
 }  // namespace hetmoe

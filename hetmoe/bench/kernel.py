@@ -354,6 +354,11 @@ def run_kernel_bench(args) -> int:
     stream_bytes = max(min(2 << 30, budget // 4), 8 * llc_bytes()) // (1 << 20) * (1 << 20)
     stream = pool.read_bandwidth(stream_bytes, 5, None if isa in ("auto", kernels.AMX_EMULATED) else isa)
     say(f"STREAM read ({stream_bytes / GB:.2f} GB, {pool.threads} threads, best of 5): {stream:.1f} GB/s")
+    amx_peak = None
+    if not kernels.cpu_info()["amx_unavailable"] and pool.subpools == 1:
+        amx_peak = {d: pool.amx_peak(d) for d in ("bf16", "int8")}
+        say(f"AMX tile unit alone ({pool.threads} threads, tdp* on register tiles, best of 3): "
+            f"bf16 {amx_peak['bf16']:.1f} TFLOPS, int8 {amx_peak['int8']:.1f} TOPS")
     overhead = measure_overhead(pool)
     say(f"submit->sync round trip (T=0): median {overhead['median_us']:.1f} µs, p99 {overhead['p99_us']:.1f} µs")
     if not args.no_baseline:
@@ -465,6 +470,7 @@ def run_kernel_bench(args) -> int:
 
     if args.json:
         doc = {"machine": machine, "stream_gbps": stream, "stream_bytes": stream_bytes, "overhead": overhead,
+               "amx_peak_tflops": amx_peak,
                "crossover": crossovers,
                "config": {"repeats": repeats, "warmup": warmup, "routing": routing_kinds, "mem_budget_bytes": budget, "isa": isa,
                           "baseline_experts": None if args.no_baseline else BASELINE_EXPERTS},

@@ -68,6 +68,21 @@ struct Native {
 
 }  // namespace
 
+uint64_t peak_loop(bool bf16, int64_t rounds) {
+  Native::configure(64, 16);
+  asm volatile("tilezero %%tmm0\n\ttilezero %%tmm1\n\ttilezero %%tmm2\n\ttilezero %%tmm3\n\t"
+               "tilezero %%tmm4\n\ttilezero %%tmm5\n\ttilezero %%tmm6\n\ttilezero %%tmm7" ::);
+  for (int64_t i = 0; i < rounds; ++i) {
+    if (bf16) {
+      Native::dp_bf16<0, 0>(), Native::dp_bf16<0, 1>(), Native::dp_bf16<1, 0>(), Native::dp_bf16<1, 1>();
+    } else {
+      Native::dp_int8<0, 0>(), Native::dp_int8<0, 1>(), Native::dp_int8<1, 0>(), Native::dp_int8<1, 1>();
+    }
+  }
+  Native::release();
+  return (uint64_t)rounds * 4 * 16 * 16 * (bf16 ? 32 : 64);
+}
+
 void gemm_bf16(const RowBlock* w, int n_blk, const uint8_t* act, size_t stride, const ActLayout& a, int n_tok,
                float* out) {
   Gemm<Native>::bf16(w, n_blk, act, stride, a, n_tok, out);
