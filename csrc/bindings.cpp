@@ -78,6 +78,19 @@ py::class_<Owner, std::shared_ptr<Owner>> bind_stream_work(py::module_& m, const
   return c;
 }
 
+// A 1-d float32 buffer argument of the row-work bindings, and an ISA level this CPU runs.
+static py::buffer_info float_row(py::buffer x, const char* fn) {
+  py::buffer_info b = x.request();
+  if (b.format != py::format_descriptor<float>::format() || b.ndim != 1)
+    throw std::invalid_argument(std::string(fn) + ": x must be a 1-d float32 buffer");
+  return b;
+}
+static Isa runnable_isa(const std::string& isa) {
+  const Isa level = isa_from_name(isa);
+  if (!cpu_features().supports(level)) throw std::invalid_argument("this CPU cannot run " + isa);
+  return level;
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "hetmoe CPU expert engine";
 
@@ -118,11 +131,8 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "row_quantize",
       [](const std::string& isa, const std::string& fmt, bool amx, int group, py::buffer x) {
-        py::buffer_info b = x.request();
-        if (b.format != py::format_descriptor<float>::format() || b.ndim != 1)
-          throw std::invalid_argument("row_quantize: x must be a 1-d float32 buffer");
-        const Isa level = isa_from_name(isa);
-        if (!cpu_features().supports(level)) throw std::invalid_argument("this CPU cannot run " + isa);
+        py::buffer_info b = float_row(x, "row_quantize");
+        const Isa level = runnable_isa(isa);
         const int k = (int)b.shape[0];
         const MatrixShape shape = MatrixShape::make(bindings::format_from_name(fmt), kRowsPerBlock, k, group);
         const ActLayout a = ActLayout::make(shape, amx);
@@ -135,11 +145,8 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "row_bf16",
       [](const std::string& isa, py::buffer x) {  // fp32 -> bf16 bits (uint16) -> fp32, both through the ISA
-        py::buffer_info b = x.request();
-        if (b.format != py::format_descriptor<float>::format() || b.ndim != 1)
-          throw std::invalid_argument("row_bf16: x must be a 1-d float32 buffer");
-        const Isa level = isa_from_name(isa);
-        if (!cpu_features().supports(level)) throw std::invalid_argument("this CPU cannot run " + isa);
+        py::buffer_info b = float_row(x, "row_bf16");
+        const Isa level = runnable_isa(isa);
         const int n = (int)b.shape[0];
         std::vector<uint16_t> bits(n);
         std::vector<float> back(n);
