@@ -136,7 +136,8 @@ def test_bench_e2e_quick_json():
     (rec,) = doc["records"]
     assert rec["placement"] == "cpu" and rec["layers"] == 2 and rec["experts_format"] == "int4"
     assert [p["tokens"] for p in rec["prefill"]] == [16, 64] and all(p["tok_s"] > 0 for p in rec["prefill"])
-    for key in ("stream_gbps", "decode_tok_s", "roofline_tok_s", "pct_roofline", "ms_per_token", "gbps_effective",
+    for key in ("stream_gbps", "stream_gbps_after", "decode_tok_s", "roofline_tok_s", "pct_roofline", "ms_per_token",
+                "gbps_effective",
                 "expert_bytes_per_token", "dense_bytes_per_token"):
         assert rec[key] > 0, key
     assert rec["bytes_per_token"] == rec["expert_bytes_per_token"] + rec["dense_bytes_per_token"]

@@ -264,6 +264,11 @@ def run_e2e_bench(args) -> int:
                 if getattr(args, "kv_contexts", None):
                     say(f"{PLACEMENT[device]}: graph attention over the whole cache (full) vs per 64-position bucket:")
                     rec["kv_modes"] = kv_modes(loaded, args.kv_contexts, min(decode_tokens, 64), args.seed, log=say)
+            # Shared machines' bandwidth drifts over minutes: a second probe after all timings brackets the
+            # roofline the rows were measured against.
+            rec["stream_gbps_after"] = epool.read_bandwidth(stream_bytes, 5)
+            say(f"{PLACEMENT[device]}: STREAM read after the timings: {rec['stream_gbps_after']:.1f} GB/s "
+                f"(before: {stream:.1f})")
         finally:
             del loaded
             gc.collect()
