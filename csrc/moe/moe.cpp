@@ -310,12 +310,6 @@ uint64_t MoeExperts::checksum() const {
 
 MoeJob::MoeJob(std::shared_ptr<MoeExperts> experts, const MoeCall& call) : experts_(std::move(experts)), call_(call) {}
 
-namespace {
-
-constexpr int64_t kTokensPerChunk = 1024;
-
-}  // namespace
-
 // Reads the clock at stage boundaries only while the experts are profiling; hands the sums over at the end.
 class StageClock {
  public:
@@ -340,7 +334,8 @@ class StageClock {
 };
 
 namespace {
-  // bounds the scratch memory of very long prompts
+
+constexpr int64_t kTokensPerChunk = 1024;  // bounds the scratch memory of very long prompts
 
 inline void load_row_fp32(const RowOps& ops, const void* base, bool bf16, int64_t row, int n, float* dst) {
   if (bf16) {

@@ -242,7 +242,7 @@ void NumaMoeJob::reduce(ThreadPool& pool0, int64_t t0, int64_t nt) {
         const float* ps = partial_[s] + off;
         for (int i = 0; i < H; ++i) acc[i] += ps[i];
       }
-      for (int i = 0; i < H; ++i) dst[i] = float_to_bf16(acc[i]);
+      experts_->slice(0).row_ops().f32_to_bf16(acc, H, dst);
     } else {
       float* dst = static_cast<float*>(call_.out) + (t0 + t) * H;
       if (call_.accumulate)
