@@ -103,7 +103,7 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
           "make_job",
           [](std::shared_ptr<Experts> ex, uintptr_t x, bool x_bf16, uintptr_t ids, bool ids_int32, uintptr_t weights,
              int k, uintptr_t out, bool out_bf16, bool accumulate, uintptr_t n_tokens_ptr, int64_t n_tokens,
-             int64_t capacity, uintptr_t skip_mask) {
+             int64_t capacity, uintptr_t skip_mask, int defer_lowest, const std::string& part) {
             MoeCall call;
             call.x = ptr<const void>(x);
             call.x_bf16 = x_bf16;
@@ -118,11 +118,20 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
             call.n_tokens = n_tokens;
             call.capacity = capacity;
             call.skip_mask = ptr<const uint8_t>(skip_mask);
+            call.defer_lowest = defer_lowest;
+            if (part == "all")
+              call.part = JobPart::all;
+            else if (part == "immediate")
+              call.part = JobPart::immediate;
+            else if (part == "deferred")
+              call.part = JobPart::deferred;
+            else
+              throw std::invalid_argument("part must be all, immediate or deferred, got '" + part + "'");
             return std::make_shared<JobT>(std::move(ex), call);
           },
           py::arg("x"), py::arg("x_bf16"), py::arg("ids"), py::arg("ids_int32"), py::arg("weights"), py::arg("k"),
           py::arg("out"), py::arg("out_bf16"), py::arg("accumulate"), py::arg("n_tokens_ptr"), py::arg("n_tokens"),
-          py::arg("capacity"), py::arg("skip_mask"));
+          py::arg("capacity"), py::arg("skip_mask"), py::arg("defer_lowest") = 0, py::arg("part") = "all");
 }
 
 }  // namespace bindings

@@ -439,6 +439,8 @@ class CPUExperts:
         n_tokens: Optional[torch.Tensor] = None,
         accumulate: bool = False,
         skip_mask: Optional[torch.Tensor] = None,
+        defer: int = 0,
+        deferred: bool = False,
     ) -> MoEJob:
         """Bind buffers into a job that can be submitted many times.
 
@@ -446,6 +448,11 @@ class CPUExperts:
         out ``[T, H]`` fp32/bf16 (allocated like x when omitted). ``n_tokens``: an int64 CPU tensor of one
         element read when the job runs (T is then a capacity); ``skip_mask``: bool/uint8 ``[E]``, experts the
         CPU must skip (they are computed elsewhere), also read when the job runs.
+
+        Expert Deferral without splitting the routing first: with ``defer`` = d in [1, k), the job computes
+        only each token's k - d highest-weighted slots, or with ``deferred=True`` only its d lowest-weighted
+        ones (the rule of ``hetmoe.layers.moe.split_deferred``: among equal weights the earlier slot is the
+        lower), both from the same topk_ids / topk_weights.
         """
         if self._ex.n_loaded == 0:
             raise RuntimeError("CPUExperts has no experts loaded yet: call load(gate, up, down) first")
@@ -462,6 +469,10 @@ class CPUExperts:
         k = topk_ids.shape[1]
         if k < 1:
             raise ValueError("topk_ids must have at least one column (k >= 1)")
+        if defer and not 1 <= defer < k:
+            raise ValueError(f"defer must be in [1, k={k}) or 0, got {defer}")
+        if deferred and not defer:
+            raise ValueError("deferred=True needs defer > 0 (the number of lowest-weighted slots deferred)")
         if out is None:
             if accumulate:
                 raise ValueError("accumulate=True needs an out tensor to accumulate into")
@@ -489,7 +500,7 @@ class CPUExperts:
         job = self._ex.make_job(
             x.data_ptr(), x.dtype == torch.bfloat16, topk_ids.data_ptr(), topk_ids.dtype == torch.int32,
             topk_weights.data_ptr(), k, out.data_ptr(), out.dtype == torch.bfloat16, bool(accumulate), n_ptr, T, T,
-            mask_ptr,
+            mask_ptr, int(defer), ("deferred" if deferred else "immediate") if defer else "all",
         )
         return MoEJob(job, tuple(keep), self, out)
 

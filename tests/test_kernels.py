@@ -497,3 +497,40 @@ def test_stage_profile_counts_jobs_and_time():
     assert ex.profile()["jobs"] == 3
     ex.set_profiling(True)  # restarting clears the sums
     assert ex.profile()["jobs"] == 0
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_job_picks_its_deferral_part(fmt):
+    """prepare(defer=d) computes each token's k - d highest-weighted slots and prepare(defer=d, deferred=True) the d
+    lowest, from one routing: the same bits as jobs over split_deferred's two id tensors (ties: earlier slot lower)."""
+    from hetmoe.layers.moe import split_deferred
+
+    E, H, I, k, T = 12, 64, 96, 6, 9
+    ex = CPUExperts(E, H, I, fmt, 32, pool=shared_pool(2))
+    ex.fill_random(seed=5)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=gen)
+    w[1] = 0.25  # all tied
+    w[2, :3] = torch.tensor([0.0, -0.0, 0.0])  # signed zeros compare equal
+    w[3, 4] = w[3, 1]
+    for d in (1, 2, 5):
+        imm_ids, def_ids = split_deferred(ids, w, d)
+        for deferred, ref_ids in ((False, imm_ids), (True, def_ids)):
+            job = ex.prepare(x, ids, w, torch.empty(T, H), defer=d, deferred=deferred)
+            ex.submit(job)
+            ex.sync()
+            ref = ex.forward(x, ref_ids, w)
+            assert torch.equal(job.out, ref), (d, deferred)
+    with pytest.raises(ValueError, match="defer must be in"):
+        ex.prepare(x, ids, w, defer=k)
+    with pytest.raises(ValueError, match="needs defer > 0"):
+        ex.prepare(x, ids, w, deferred=True)
+
+
+def test_too_many_experts_per_token_is_refused():
+    ex = CPUExperts(4, 64, 32, "int8", 32, pool=shared_pool(2))
+    ex.fill_random(seed=1)
+    with pytest.raises(ValueError, match=r"k \(experts per token\) must be in \[1, 64\]"):
+        ex.prepare(torch.randn(2, 64), torch.zeros(2, 65, dtype=torch.int64), torch.rand(2, 65))

@@ -308,7 +308,20 @@ uint64_t MoeExperts::checksum() const {
 
 // ---------------------------------------------------------------- the job
 
-MoeJob::MoeJob(std::shared_ptr<MoeExperts> experts, const MoeCall& call) : experts_(std::move(experts)), call_(call) {}
+MoeJob::MoeJob(std::shared_ptr<MoeExperts> experts, const MoeCall& call) : experts_(std::move(experts)), call_(call) {
+  check_call(call_);
+}
+
+void check_call(const MoeCall& c) {
+  if (c.k < 1 || c.k > kMaxTopK)
+    throw std::invalid_argument("k (experts per token) must be in [1, " + std::to_string(kMaxTopK) + "], got " +
+                                std::to_string(c.k));
+  if (c.part != JobPart::all && (c.defer_lowest < 1 || c.defer_lowest >= c.k))
+    throw std::invalid_argument("a deferral part needs 1 <= defer_lowest < k, got defer_lowest " +
+                                std::to_string(c.defer_lowest) + " with k " + std::to_string(c.k));
+  if (c.part == JobPart::all && c.defer_lowest != 0)
+    throw std::invalid_argument("defer_lowest is set but the job computes all slots (part 'all')");
+}
 
 // Reads the clock at stage boundaries only while the experts are profiling; hands the sums over at the end.
 class StageClock {
@@ -364,6 +377,20 @@ void for_rows(ThreadPool& pool, int64_t n_rows, int64_t elems_per_row, const F& 
   pool.parallel_for(n_rows, fn);
 }
 
+// in_part[j] = whether slot j of a token with weights w[0..k) belongs to `part` (JobPart): the d lowest weights by a
+// stable ascending order with NaN last (torch's stable argsort) are the deferred part.
+void select_part(const float* w, int k, int d, JobPart part, std::vector<uint8_t>& in_part) {
+  int order[kMaxTopK];
+  for (int j = 0; j < k; ++j) order[j] = j;
+  std::stable_sort(order, order + k, [w](int a, int b) {
+    if (std::isnan(w[a])) return false;
+    return std::isnan(w[b]) || w[a] < w[b];
+  });
+  const uint8_t deferred = part == JobPart::deferred;
+  for (int j = 0; j < k; ++j) in_part[j] = !deferred;
+  for (int i = 0; i < d && i < k; ++i) in_part[order[i]] = deferred;
+}
+
 // out[t] (+)= sum_j weights[t, j] * y[slot(t, j)], in j order so results do not depend on threads.
 void combine(ThreadPool& pool, const RowOps& ops, const MoeCall& c, int H, int64_t t0, int nt,
              const std::vector<int>& pos, const float* y) {
@@ -408,8 +435,11 @@ void MoeJob::run_chunk(ThreadPool& pool, int64_t t0, int64_t t1, StageClock& clo
 
   // ---- route: count (token, slot) pairs per expert
   std::vector<int> count(E, 0), pos((size_t)nt * k, -1);
+  std::vector<uint8_t> in_part(k, 1);
   for (int t = 0; t < nt; ++t) {
+    if (call_.part != JobPart::all) select_part(call_.weights + (t0 + t) * k, k, call_.defer_lowest, call_.part, in_part);
     for (int j = 0; j < k; ++j) {
+      if (!in_part[j]) continue;
       int64_t idx = (t0 + t) * k + j;
       int64_t id = call_.ids_int32 ? static_cast<const int32_t*>(call_.ids)[idx] : static_cast<const int64_t*>(call_.ids)[idx];
       if (id == -1) continue;

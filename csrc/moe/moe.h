@@ -1,7 +1,8 @@
 // The fused MoE layer on the CPU: the routed experts of one layer, packed, and the job that computes them.
 //
 // One call:  x [T, H], topk_ids [T, k], topk_weights [T, k]  ->  out [T, H] (overwritten or accumulated)
-//   route    group (token, slot) pairs by expert; skip -1 ids and experts masked off (they live on the GPU)
+//   route    group (token, slot) pairs by expert; skip -1 ids, experts masked off (they live on the GPU) and,
+//            under Expert Deferral, the slots of the other part (JobPart)
 //   quantize x once per token for the weight format
 //   phase 1  gate+up of every active expert, split in (expert, row-block range) tasks pulled dynamically;
 //            SwiGLU h = silu(gate) * up is applied in the same task
@@ -153,6 +154,11 @@ class MoeExperts {
   std::vector<uint8_t> loaded_;
 };
 
+// Which of each token's top-k slots a job computes under Expert Deferral (MoeCall::defer_lowest = d > 0): the d
+// lowest-weighted slots of a token are its deferred part (among equal weights the earlier slot counts as the lower;
+// NaN weights count as the highest), the other k - d its immediate part.
+enum class JobPart : int { all = 0, immediate = 1, deferred = 2 };
+
 // Arguments of one MoE call. Pointers are raw and must stay valid while the job can run.
 struct MoeCall {
   const void* x = nullptr;          // [capacity, H] fp32 or bf16
@@ -168,9 +174,15 @@ struct MoeCall {
   int64_t n_tokens = 0;                   // otherwise T
   int64_t capacity = 0;
   const uint8_t* skip_mask = nullptr;     // [E], nonzero = the CPU skips this expert
+  int defer_lowest = 0;                   // d (with part immediate or deferred)
+  JobPart part = JobPart::all;
 };
 
 class StageClock;
+
+constexpr int kMaxTopK = 64;  // experts per token a job takes
+// Throws std::invalid_argument when a call's k or deferral fields are out of range (every job's constructor runs it).
+void check_call(const MoeCall& call);
 
 class MoeJob : public Job {
  public:

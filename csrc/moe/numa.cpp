@@ -178,6 +178,7 @@ uint64_t NumaExperts::checksum() const {
 
 NumaMoeJob::NumaMoeJob(std::shared_ptr<NumaExperts> experts, const MoeCall& call)
     : experts_(std::move(experts)), call_(call) {
+  check_call(call_);
   mask_.assign(call_.skip_mask ? experts_->config().n_expert : 0, 0);
   partial_.assign(experts_->n_slices(), nullptr);
 }

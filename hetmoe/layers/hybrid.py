@@ -15,8 +15,9 @@ The sync blocks the stream it is on, which is why it sits on a side stream: the 
 l+1's attention; layer l+1's sync (FIFO) finds it done and copies its output back. The first MoE layer of a step has
 no deferred input, the last defers nothing, so every step ends with the pool idle.
 
-Buffers are static: per MoE layer, pinned x [C, H], ids [C, k] (immediate and deferred), weights [C, k], outputs
-[C, H] fp32 and their device copies, with C = ``capacity`` (the largest captured batch). The CPU jobs are prepared
+Buffers are static: per MoE layer, pinned x [C, H], ids [C, k], weights [C, k], outputs [C, H] fp32 and their device
+copies, with C = ``capacity`` (the largest captured batch). A deferring layer's two jobs read the same routing and
+pick their slots themselves (``CPUExperts.prepare(defer=d)``): no split of the routing on the GPU. The CPU jobs are prepared
 once per layer, with the token count T read at run time from one pinned int64 (``n_tokens``) that each step sets
 in stream order from a device scalar (the runner's static input): padded rows past T are never computed.
 
@@ -37,15 +38,15 @@ from hetmoe.streams import HostFuncs
 @dataclass
 class _LayerBuffers:
     x: torch.Tensor  # [C, H] pinned, the layer's input in the model dtype
-    ids: torch.Tensor  # [C, k] int64 pinned: the immediate experts (all of them when the layer defers nothing)
-    ids_def: torch.Tensor  # [C, k] int64 pinned: the deferred experts (-1 elsewhere)
+    ids: torch.Tensor  # [C, k] int64 pinned: the layer's routing
     weights: torch.Tensor  # [C, k] fp32 pinned
     out: torch.Tensor  # [C, H] fp32 pinned, written by the immediate job
     out_def: torch.Tensor  # [C, H] fp32 pinned, written by the deferred job
     dev: torch.Tensor  # [C, H] fp32 on the device: out copied back
     dev_prev: torch.Tensor  # [C, H] fp32 on the device: the previous layer's out_def copied back
-    job: object  # MoEJob over (x, ids, weights, out)
-    job_def: object  # MoEJob over (x, ids_def, weights, out_def)
+    job: object  # MoEJob over (x, ids, weights, out): every slot, or the immediate ones when defer > 0
+    job_def: object  # MoEJob over (x, ids, weights, out_def): each token's `defer` lowest-weighted slots (or None)
+    defer: int  # experts per token the jobs defer (they pick the slots themselves: no split on the GPU)
     mask: object  # the engine's static skip mask the jobs were prepared with
 
 
@@ -99,11 +100,12 @@ class HybridDecode:
     def buffers(self, layer) -> Optional[_LayerBuffers]:
         return self._buffers.get(id(layer))
 
-    def _layer_buffers(self, layer, x: torch.Tensor, k: int) -> _LayerBuffers:
+    def _layer_buffers(self, layer, x: torch.Tensor, k: int, defer: int) -> _LayerBuffers:
         engine = layer.experts
         buf = self._buffers.get(id(layer))
         mask = getattr(engine, "skip_mask", None)
-        if buf is not None and buf.mask is mask and buf.x.dtype == x.dtype and buf.ids.shape[1] == k:
+        if (buf is not None and buf.mask is mask and buf.x.dtype == x.dtype and buf.ids.shape[1] == k
+                and buf.defer == defer):
             return buf
         if self.fake is None and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("hybrid decode buffers must exist before a CUDA graph is captured (run one eager step)")
@@ -113,16 +115,16 @@ class HybridDecode:
             return torch.zeros(*shape, dtype=dtype, pin_memory=self.pin)
 
         xh, w = pinned(C, H, dtype=x.dtype), pinned(C, k, dtype=torch.float32)
-        ids, ids_def = pinned(C, k, dtype=torch.int64), pinned(C, k, dtype=torch.int64)
+        ids = pinned(C, k, dtype=torch.int64)
         ids.fill_(-1)
-        ids_def.fill_(-1)
         out, out_def = pinned(C, H, dtype=torch.float32), pinned(C, H, dtype=torch.float32)
         buf = _LayerBuffers(
-            xh, ids, ids_def, w, out, out_def,
+            xh, ids, w, out, out_def,
             torch.zeros(C, H, dtype=torch.float32, device=x.device),
             torch.zeros(C, H, dtype=torch.float32, device=x.device),
-            engine.prepare(xh, ids, w, out, n_tokens=self.n_tokens),
-            engine.prepare(xh, ids_def, w, out_def, n_tokens=self.n_tokens), mask,
+            engine.prepare(xh, ids, w, out, n_tokens=self.n_tokens, defer=defer),
+            engine.prepare(xh, ids, w, out_def, n_tokens=self.n_tokens, defer=defer, deferred=True) if defer else None,
+            defer, mask,
         )
         self._buffers[id(layer)] = buf
         self.pools.add(engine.pool)
@@ -132,33 +134,27 @@ class HybridDecode:
             defer: int = 0) -> torch.Tensor:
         """The routed (+ shared) output [T, H] of MoE layer ``layer`` (an ``OffloadedExperts``) in x's dtype.
         ``defer``: experts per token this layer defers to the next MoE layer (0: none; the last layer passes 0)."""
-        from hetmoe.layers.moe import split_deferred
-
         T, k = x.shape[0], topk_ids.shape[1]
         if T > self.capacity:
             raise ValueError(f"a hybrid decode step holds at most {self.capacity} tokens, got {T}")
-        buf = self._layer_buffers(layer, x, k)
+        buf = self._layer_buffers(layer, x, k, defer)
         pool, hf = layer.experts.pool, self.host_funcs
         main = self.fake if self.fake is not None else torch.cuda.current_stream(x.device)
         weights = topk_weights.float()
-        imm_ids, def_ids = split_deferred(topk_ids, weights, defer) if defer else (topk_ids, None)
         buf.x[:T].copy_(x, non_blocking=True)
-        buf.ids[:T].copy_(imm_ids, non_blocking=True)
+        buf.ids[:T].copy_(topk_ids, non_blocking=True)
         buf.weights[:T].copy_(weights, non_blocking=True)
-        if def_ids is not None:
-            buf.ids_def[:T].copy_(def_ids, non_blocking=True)
         if self.cpu:
             pool.submit_on_stream(buf.job, main, host_funcs=hf)
             self._jobs_now.append((pool, buf.job))
-            if def_ids is not None:
+            if defer:
                 pool.submit_on_stream(buf.job_def, main, host_funcs=hf)
                 self._jobs_now.append((pool, buf.job_def))
-        prev, self._pending = self._pending, (buf if def_ids is not None else None)
+        prev, self._pending = self._pending, (buf if defer else None)
         if self.fake is None:
             self.side.wait_stream(main)
         if self.cpu:
-            pool.sync_on_stream(1 if def_ids is not None else 0, self.side if self.fake is None else self.fake,
-                                host_funcs=hf)
+            pool.sync_on_stream(1 if defer else 0, self.side if self.fake is None else self.fake, host_funcs=hf)
         if self.fake is not None:
             self.fake.synchronize()  # the host stands in for the side stream: the copies below follow the sync
         with torch.cuda.stream(self.side) if self.fake is None else nullcontext():
