@@ -43,6 +43,15 @@ void check_amx_thread(const MoeExperts& ex) {
     throw std::runtime_error("AMX permission refused on a pool thread (arch_prctl ARCH_REQ_XCOMP_PERM)");
 }
 
+// The start of an AMX task on n slots from s0: the thread's AMX permission checked, `out` set to its GEMM output
+// scratch (round_up(n, 32) rows of 32 floats); returns the task's first activation row.
+const uint8_t* amx_task_start(const MoeExperts& ex, const PhaseInput& in, int s0, int n, ThreadPool& pool, int thread,
+                              float*& out) {
+  check_amx_thread(ex);
+  out = reinterpret_cast<float*>(pool.thread_scratch(thread, sizeof(float) * 32 * ((n + 31) / 32 * 32)));
+  return in.amx_rows + (size_t)s0 * in.amx_stride;
+}
+
 }  // namespace
 
 void make_tasks(const std::vector<int>& active, const std::vector<int>& count, int amx_experts, const TaskPlan& plan,
@@ -92,9 +101,8 @@ void run_gate_up_task(const MoeExperts& ex, const Task& task, const PhaseInput& 
   const int n = task.m1 - task.m0, s0 = in.first[task.e] + task.m0;
   const KernelEntry& kernel = ex.kernel();
   if (task.amx) {
-    check_amx_thread(ex);
-    float* o = reinterpret_cast<float*>(pool.thread_scratch(thread, sizeof(float) * 32 * ((n + 31) / 32 * 32)));
-    const uint8_t* act = in.amx_rows + (size_t)s0 * in.amx_stride;
+    float* o;
+    const uint8_t* act = amx_task_start(ex, in, s0, n, pool, thread, o);
     for (int rb = task.rb0; rb < task.rb1; ++rb) {
       const RowBlock w[2] = {ex.gate_up_block(task.e, rb, 0), ex.gate_up_block(task.e, rb, 1)};
       kernel.gemm(w, 2, act, in.amx_stride, ex.gate_up_amx_act(), n, o);  // o[i] = gate rows 0..15, up 0..15
@@ -117,9 +125,8 @@ void run_down_task(const MoeExperts& ex, const Task& task, const PhaseInput& in,
   const int n = task.m1 - task.m0, s0 = in.first[task.e] + task.m0;
   const KernelEntry& kernel = ex.kernel();
   if (task.amx) {
-    check_amx_thread(ex);
-    float* o = reinterpret_cast<float*>(pool.thread_scratch(thread, sizeof(float) * 32 * ((n + 31) / 32 * 32)));
-    const uint8_t* act = in.amx_rows + (size_t)s0 * in.amx_stride;
+    float* o;
+    const uint8_t* act = amx_task_start(ex, in, s0, n, pool, thread, o);
     for (int rb = task.rb0; rb < task.rb1; rb += 2) {
       const int n_blk = std::min(2, task.rb1 - rb);
       const RowBlock w[2] = {ex.down_block(task.e, rb), ex.down_block(task.e, n_blk > 1 ? rb + 1 : rb)};

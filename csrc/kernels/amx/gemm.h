@@ -70,6 +70,39 @@ inline uint8_t* slab(size_t bytes) {
 
 template <class Tiles>
 struct Gemm {
+  template <bool kBf16, int I, int J>
+  static void dp() {
+    if constexpr (kBf16)
+      Tiles::template dp_bf16<I, J>();
+    else
+      Tiles::template dp_int8<I, J>();
+  }
+
+  // One K step of the NA x NB tile block: A rows from `a` (A(1): 16 rows further), B tiles of n_lines lines at b0, b1
+  // (prefetched kPrefetchAhead bytes ahead when `first`, the token block that streams them from DRAM):
+  // C(i, j) += A(i) . B(j).
+  template <bool kBf16, int NA, int NB>
+  static void tile_step(const uint8_t* a, size_t stride, const uint8_t* b0, const uint8_t* b1, int n_lines,
+                        bool first) {
+    if (first)
+      for (int l = 0; l < n_lines; ++l) {
+        Tiles::prefetch(b0 + kPrefetchAhead + l * kLineBytes);
+        if constexpr (NB > 1) Tiles::prefetch(b1 + kPrefetchAhead + l * kLineBytes);
+      }
+    Tiles::template load_a<0>(a, stride);
+    Tiles::template load_b<0>(b0);
+    dp<kBf16, 0, 0>();
+    if constexpr (NB > 1) {
+      Tiles::template load_b<1>(b1);
+      dp<kBf16, 0, 1>();
+    }
+    if constexpr (NA > 1) {
+      Tiles::template load_a<1>(a + 16 * stride, stride);
+      dp<kBf16, 1, 0>();
+      if constexpr (NB > 1) dp<kBf16, 1, 1>();
+    }
+  }
+
   // ---- bf16 weights x bf16 activations: fp32 accumulation in tiles; C goes to `out` between K chunks.
   template <int NA, int NB>
   static void bf16_step(const RowBlock* w, const uint8_t* a0, size_t stride, int k0, int k1, bool first, bool resume,
@@ -89,23 +122,7 @@ struct Gemm {
     for (int k0_ = k0; k0_ < k1; k0_ += 32) {
       const uint8_t* b0 = w[0].data + (size_t)(k0_ / 2) * kLineBytes;
       const uint8_t* b1 = NB > 1 ? w[1].data + (size_t)(k0_ / 2) * kLineBytes : nullptr;
-      if (first)
-        for (int l = 0; l < 16; ++l) {
-          Tiles::prefetch(b0 + kPrefetchAhead + l * kLineBytes);
-          if constexpr (NB > 1) Tiles::prefetch(b1 + kPrefetchAhead + l * kLineBytes);
-        }
-      Tiles::template load_a<0>(a0 + 2 * (size_t)k0_, stride);
-      Tiles::template load_b<0>(b0);
-      Tiles::template dp_bf16<0, 0>();
-      if constexpr (NB > 1) {
-        Tiles::template load_b<1>(b1);
-        Tiles::template dp_bf16<0, 1>();
-      }
-      if constexpr (NA > 1) {
-        Tiles::template load_a<1>(a0 + 16 * stride + 2 * (size_t)k0_, stride);
-        Tiles::template dp_bf16<1, 0>();
-        if constexpr (NB > 1) Tiles::template dp_bf16<1, 1>();
-      }
+      tile_step<true, NA, NB>(a0 + 2 * (size_t)k0_, stride, b0, b1, 16, first);
     }
     Tiles::template store_c<0, 0>(c, cs);
     if constexpr (NB > 1) Tiles::template store_c<0, 1>(c + 16, cs);
@@ -149,23 +166,7 @@ struct Gemm {
     for (int s = 0; s < n_steps; ++s, k0 += kstep) {
       const uint8_t* b0 = lines[0] + (size_t)(k0 / 4) * kLineBytes;
       const uint8_t* b1 = NB > 1 ? lines[1] + (size_t)(k0 / 4) * kLineBytes : nullptr;
-      if (first)
-        for (int l = 0; l < kstep / 4; ++l) {
-          Tiles::prefetch(b0 + kPrefetchAhead + l * kLineBytes);
-          if constexpr (NB > 1) Tiles::prefetch(b1 + kPrefetchAhead + l * kLineBytes);
-        }
-      Tiles::template load_a<0>(a0 + k0, stride);
-      Tiles::template load_b<0>(b0);
-      Tiles::template dp_int8<0, 0>();
-      if constexpr (NB > 1) {
-        Tiles::template load_b<1>(b1);
-        Tiles::template dp_int8<0, 1>();
-      }
-      if constexpr (NA > 1) {
-        Tiles::template load_a<1>(a0 + 16 * stride + k0, stride);
-        Tiles::template dp_int8<1, 0>();
-        if constexpr (NB > 1) Tiles::template dp_int8<1, 1>();
-      }
+      tile_step<false, NA, NB>(a0 + k0, stride, b0, b1, kstep / 4, first);
     }
     const size_t cs = kOutStride * sizeof(int32_t);
     Tiles::template store_c<0, 0>(c, cs);
