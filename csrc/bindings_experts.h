@@ -103,7 +103,8 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
           "make_job",
           [](std::shared_ptr<Experts> ex, uintptr_t x, bool x_bf16, uintptr_t ids, bool ids_int32, uintptr_t weights,
              int k, uintptr_t out, bool out_bf16, bool accumulate, uintptr_t n_tokens_ptr, int64_t n_tokens,
-             int64_t capacity, uintptr_t skip_mask, int defer_lowest, const std::string& part) {
+             int64_t capacity, uintptr_t skip_mask, int defer_lowest, const std::string& part, uintptr_t logits,
+             bool logits_bf16, bool norm_topk_prob, uintptr_t addend) {
             MoeCall call;
             call.x = ptr<const void>(x);
             call.x_bf16 = x_bf16;
@@ -119,6 +120,10 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
             call.capacity = capacity;
             call.skip_mask = ptr<const uint8_t>(skip_mask);
             call.defer_lowest = defer_lowest;
+            call.logits = ptr<const void>(logits);
+            call.logits_bf16 = logits_bf16;
+            call.norm_topk_prob = norm_topk_prob;
+            call.addend = ptr<const float>(addend);
             if (part == "all")
               call.part = JobPart::all;
             else if (part == "immediate")
@@ -131,7 +136,9 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
           },
           py::arg("x"), py::arg("x_bf16"), py::arg("ids"), py::arg("ids_int32"), py::arg("weights"), py::arg("k"),
           py::arg("out"), py::arg("out_bf16"), py::arg("accumulate"), py::arg("n_tokens_ptr"), py::arg("n_tokens"),
-          py::arg("capacity"), py::arg("skip_mask"), py::arg("defer_lowest") = 0, py::arg("part") = "all");
+          py::arg("capacity"), py::arg("skip_mask"), py::arg("defer_lowest") = 0, py::arg("part") = "all",
+          py::arg("logits") = 0, py::arg("logits_bf16") = false, py::arg("norm_topk_prob") = false,
+          py::arg("addend") = 0);
 }
 
 }  // namespace bindings

@@ -441,6 +441,9 @@ class CPUExperts:
         skip_mask: Optional[torch.Tensor] = None,
         defer: int = 0,
         deferred: bool = False,
+        logits: Optional[torch.Tensor] = None,
+        norm_topk_prob: bool = False,
+        addend: Optional[torch.Tensor] = None,
     ) -> MoEJob:
         """Bind buffers into a job that can be submitted many times.
 
@@ -453,6 +456,12 @@ class CPUExperts:
         only each token's k - d highest-weighted slots, or with ``deferred=True`` only its d lowest-weighted
         ones (the rule of ``hetmoe.layers.moe.split_deferred``: among equal weights the earlier slot is the
         lower), both from the same topk_ids / topk_weights.
+
+        Routing on the CPU (the softmax router of Mixtral and Qwen2/3-MoE): with ``logits`` ``[T, E]`` fp32/bf16 the
+        job first routes every token itself (top-k by logit, lower id first among equal logits; softmax weights,
+        renormalised over the top k when ``norm_topk_prob``) and *writes* topk_ids / topk_weights, which are then
+        its outputs. ``addend`` ``[T, H]`` fp32 is added to each token's sum after the experts (out = experts +
+        addend, in that order: the previous layer's deferred output in a hybrid decode step).
         """
         if self._ex.n_loaded == 0:
             raise RuntimeError("CPUExperts has no experts loaded yet: call load(gate, up, down) first")
@@ -481,6 +490,23 @@ class CPUExperts:
         if tuple(out.shape) != (T, H):
             raise ValueError(f"out has shape {tuple(out.shape)}; expected {(T, H)}")
         keep = [x, topk_ids, topk_weights, out]
+        logits_ptr, addend_ptr = 0, 0
+        if logits is not None:
+            _check_tensor("logits", logits, (torch.float32, torch.bfloat16), 2)
+            if tuple(logits.shape) != (T, self.num_experts):
+                raise ValueError(f"logits has shape {tuple(logits.shape)}; expected [T={T}, num_experts={self.num_experts}]")
+            if k > self.num_experts:
+                raise ValueError(f"cannot route to the top {k} of {self.num_experts} experts")
+            logits_ptr = logits.data_ptr()
+            keep.append(logits)
+        elif norm_topk_prob:
+            raise ValueError("norm_topk_prob applies only to a job that routes from logits")
+        if addend is not None:
+            _check_tensor("addend", addend, (torch.float32,), 2)
+            if tuple(addend.shape) != (T, H):
+                raise ValueError(f"addend has shape {tuple(addend.shape)}; expected {(T, H)}")
+            addend_ptr = addend.data_ptr()
+            keep.append(addend)
         n_ptr = 0
         if n_tokens is not None:
             _check_tensor("n_tokens", n_tokens.reshape(-1), (torch.int64,), 1)
@@ -501,6 +527,7 @@ class CPUExperts:
             x.data_ptr(), x.dtype == torch.bfloat16, topk_ids.data_ptr(), topk_ids.dtype == torch.int32,
             topk_weights.data_ptr(), k, out.data_ptr(), out.dtype == torch.bfloat16, bool(accumulate), n_ptr, T, T,
             mask_ptr, int(defer), ("deferred" if deferred else "immediate") if defer else "all",
+            logits_ptr, logits is not None and logits.dtype == torch.bfloat16, bool(norm_topk_prob), addend_ptr,
         )
         return MoEJob(job, tuple(keep), self, out)
 

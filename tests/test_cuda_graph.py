@@ -177,11 +177,13 @@ def _hybrid_step(runner, hybrid, tokens, slots, pad_to):
     return runner.model.logits(hidden)[:n].float()
 
 
-@pytest.mark.parametrize("d", [0, 2])
-def test_stream_dispatch_on_a_fake_stream(ckpt, d):
+@pytest.mark.parametrize("d,host_routing", [(0, True), (2, True), (2, False)])
+def test_stream_dispatch_on_a_fake_stream(ckpt, d, host_routing):
     """The host-function path of a decode step (static buffers, T through a pointer, padding rows, deferred jobs left
-    pending across layers) on the CPU: the plain CPU path's logits, padded or not."""
+    pending across layers, the CPU jobs routing from the logits or given the routing) on the CPU: the plain CPU
+    path's logits, padded or not."""
     runner, hybrid, stream = _fake_hybrid_setup(ckpt["qwen3_moe"], d)
+    hybrid.route_on_host = host_routing
     prompts = [_prompt(0)[:20], _prompt(1)[:23], _prompt(2)[:17]]
     slots = [0, 1, 2]
     want = []
@@ -201,7 +203,13 @@ def test_stream_dispatch_on_a_fake_stream(ckpt, d):
     assert len(jobs) == 3 + (2 if d else 0)  # three layers; the first two defer (the last never does)
     assert int(hybrid.n_tokens) == 3 and hybrid.host_funcs.n_captured == 0
     first = hybrid.buffers(hybrid.layers[0])
-    assert (first.weights[3] > 0).all() and (first.out[3] == 0).all()  # the padding row: copied, never computed
+    assert (first.logits is not None) == host_routing
+    if host_routing:  # the padding row: never routed nor computed
+        assert (first.weights[3] == 0).all() and (first.ids[3] == -1).all()
+        assert (first.weights[:3].sum(-1) - 1).abs().max() < 1e-6  # qwen3 renormalises the top k
+    else:  # the padding row: its routing copied, never computed
+        assert (first.weights[3] > 0).all()
+    assert (first.out[3] == 0).all()
     assert not hybrid.active and hybrid._pending is None
     stream.synchronize()
     hybrid.close()

@@ -192,6 +192,7 @@ void NumaMoeJob::run(ThreadPool& pool) {
     throw std::invalid_argument("number of tokens " + std::to_string(T) + " is outside [0, " +
                                 std::to_string(call_.capacity) + "], the capacity of this job's buffers");
   const int E = experts_->config().n_expert, H = experts_->config().hidden, k = call_.k;
+  if (call_.logits) route_softmax_rows(call_, E, 0, T);  // once here; the slices read the ids it wrote
   // Ids are checked here, once, so the error names the token in the whole call (slices see one chunk).
   for (int64_t i = 0; i < T * k; ++i) {
     int64_t id = call_.ids_int32 ? static_cast<const int32_t*>(call_.ids)[i] : static_cast<const int64_t*>(call_.ids)[i];
@@ -213,6 +214,8 @@ void NumaMoeJob::run(ThreadPool& pool) {
       c.out = part;
       c.out_bf16 = false;
       c.accumulate = false;
+      c.logits = nullptr;
+      c.addend = nullptr;
       c.n_tokens_ptr = nullptr;
       c.n_tokens = c.capacity = nt;
       c.skip_mask = call_.skip_mask ? mask_.data() : nullptr;
@@ -228,7 +231,7 @@ constexpr int64_t kSerialReduceElements = 1 << 16;
 
 void NumaMoeJob::reduce(ThreadPool& pool0, int64_t t0, int64_t nt) {
   const int n = experts_->n_slices(), H = experts_->config().hidden;
-  // out[t] = (old out[t] when accumulating) + partial_0[t] + partial_1[t] + ..., in fp32, then stored.
+  // out[t] = (old out[t] when accumulating) + partial_0[t] + partial_1[t] + ... (+ addend[t]), in fp32, then stored.
   auto row = [&](int64_t t, int th, ThreadPool& p) {
     const size_t off = (size_t)t * H;
     const float* p0 = partial_[0] + off;
@@ -243,6 +246,8 @@ void NumaMoeJob::reduce(ThreadPool& pool0, int64_t t0, int64_t nt) {
         const float* ps = partial_[s] + off;
         for (int i = 0; i < H; ++i) acc[i] += ps[i];
       }
+      if (call_.addend)
+        for (int i = 0; i < H; ++i) acc[i] += call_.addend[(t0 + t) * H + i];
       experts_->slice(0).row_ops().f32_to_bf16(acc, H, dst);
     } else {
       float* dst = static_cast<float*>(call_.out) + (t0 + t) * H;
@@ -254,6 +259,8 @@ void NumaMoeJob::reduce(ThreadPool& pool0, int64_t t0, int64_t nt) {
         const float* ps = partial_[s] + off;
         for (int i = 0; i < H; ++i) dst[i] += ps[i];
       }
+      if (call_.addend)
+        for (int i = 0; i < H; ++i) dst[i] += call_.addend[(t0 + t) * H + i];
     }
   };
   if (nt * H * n <= kSerialReduceElements) {

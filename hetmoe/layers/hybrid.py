@@ -2,26 +2,37 @@
 engine through stream host functions, so one decode step can be captured into a CUDA graph and replayed (and runs
 the same way without a graph). Per MoE layer, on the main stream unless noted:
 
-    copy x, topk ids, topk weights -> this layer's pinned host buffers        (non_blocking)
+    copy x and the router logits (softmax routers) or the top-k ids and weights -> this layer's pinned buffers
     host function SUBMIT the immediate job [; SUBMIT the deferred job]         (the pool runs them in FIFO order)
     side stream: wait for the main stream; host function SYNC (at most 1 job left pending when this layer defers,
-                 else 0); copy the CPU output [and the previous layer's deferred output] back to the device
+                 else 0); copy the CPU output [and, with GPU experts, the previous layer's deferred output] back
     main stream meanwhile: GPU-resident experts, the model's shared experts    (OffloadedExperts.main_stream_part)
-    main stream: wait for the side stream; y = cpu [+ resident] [+ previous deferred] (fp32) -> dtype [+ shared]
+    main stream: wait for the side stream; [y = cpu + resident + previous deferred (fp32) -> dtype] [+ shared]
 
 "Host function" stands for either mechanism of ``kernels.HostFuncs``: stream memory operations watched by a thread
 (signals, the default where the driver has them) or CUDA host functions (callbacks); both are captured into graphs.
-The sync blocks the stream it is on, which is why it sits on a side stream: the main stream keeps computing. Expert Deferral (d > 0): layer l's deferred job reads layer l's own buffers while the GPU runs layer
-l+1's attention; layer l+1's sync (FIFO) finds it done and copies its output back. The first MoE layer of a step has
-no deferred input, the last defers nothing, so every step ends with the pool idle.
+The sync blocks the stream it is on, which is why it sits on a side stream: the main stream keeps computing.
 
-Buffers are static: per MoE layer, pinned x [C, H], ids [C, k], weights [C, k], outputs [C, H] fp32 and their device
-copies, with C = ``capacity`` (the largest captured batch). A deferring layer's two jobs read the same routing and
-pick their slots themselves (``CPUExperts.prepare(defer=d)``): no split of the routing on the GPU. The CPU jobs are prepared
-once per layer, with the token count T read at run time from one pinned int64 (``n_tokens``) that each step sets
-in stream order from a device scalar (the runner's static input): padded rows past T are never computed.
+What the GPU does between a layer's attention and the next layer's is on the critical path of a step, so the CPU
+takes what it can: for a softmax router (Mixtral, Qwen2/3-MoE) the jobs route from the logits themselves
+(``route_on_host``: no top-k, renormalisation or float cast kernels, one copy instead of two), and a layer without
+GPU-resident experts gets its routed output *direct*: the immediate job adds the previous layer's deferred output
+(``addend``, fp32, after its own sum: the order of the GPU add it replaces) and stores the result in the model dtype,
+so one copy comes back and nothing is left to add or cast. A layer with GPU-resident experts needs the ids on the
+device and adds its parts there, in fp32, in the same order.
 
-Shape letters: T tokens, k experts per token, H hidden size, C capacity.
+Expert Deferral (d > 0): layer l's deferred job reads layer l's own buffers while the GPU runs layer l+1's
+attention; layer l+1's immediate job runs after it (FIFO) and finds its output complete. The first MoE layer of a
+step has no deferred input, the last defers nothing, so every step ends with the pool idle.
+
+Buffers are static: per MoE layer, pinned x [C, H], ids [C, k], weights [C, k], logits [C, E], outputs [C, H] and
+their device copies, with C = ``capacity`` (the largest captured batch). A deferring layer's two jobs read the same
+routing and pick their slots themselves (``CPUExperts.prepare(defer=d)``): no split of the routing on the GPU. The
+CPU jobs are prepared once per layer, with the token count T read at run time from one pinned int64 (``n_tokens``)
+that each step sets in stream order from a device scalar (the runner's static input): padded rows past T are never
+computed.
+
+Shape letters: T tokens, k experts per token, H hidden size, E experts, C capacity.
 """
 
 from __future__ import annotations
@@ -37,17 +48,21 @@ from hetmoe.streams import HostFuncs
 
 @dataclass
 class _LayerBuffers:
+    key: tuple  # what the buffers and jobs were made for (dtype, k, defer, direct, routing): rebuilt when it changes
+    mask: object  # the engine's static skip mask the jobs were prepared with
     x: torch.Tensor  # [C, H] pinned, the layer's input in the model dtype
-    ids: torch.Tensor  # [C, k] int64 pinned: the layer's routing
+    ids: torch.Tensor  # [C, k] int64 pinned: the layer's routing (written by the jobs when they route)
     weights: torch.Tensor  # [C, k] fp32 pinned
-    out: torch.Tensor  # [C, H] fp32 pinned, written by the immediate job
+    logits: Optional[torch.Tensor]  # [C, E] pinned router logits when the jobs route on the host, else None
+    out: torch.Tensor  # [C, H] pinned, written by the immediate job: x's dtype when direct, else fp32
     out_def: torch.Tensor  # [C, H] fp32 pinned, written by the deferred job
-    dev: torch.Tensor  # [C, H] fp32 on the device: out copied back
-    dev_prev: torch.Tensor  # [C, H] fp32 on the device: the previous layer's out_def copied back
+    dev: torch.Tensor  # [C, H] on the device: out copied back
+    dev_prev: Optional[torch.Tensor]  # [C, H] fp32 on the device: the previous layer's out_def (not direct only)
+    addend: Optional[torch.Tensor]  # direct: the previous layer's out_def, which the immediate job adds
     job: object  # MoEJob over (x, ids, weights, out): every slot, or the immediate ones when defer > 0
     job_def: object  # MoEJob over (x, ids, weights, out_def): each token's `defer` lowest-weighted slots (or None)
     defer: int  # experts per token the jobs defer (they pick the slots themselves: no split on the GPU)
-    mask: object  # the engine's static skip mask the jobs were prepared with
+    direct: bool  # the job writes the layer's routed output complete, in x's dtype (no GPU-resident experts)
 
 
 class HybridDecode:
@@ -72,6 +87,7 @@ class HybridDecode:
         self.n_tokens = torch.zeros(1, dtype=torch.int64, pin_memory=self.pin)  # T the jobs read when they run
         self.active = False
         self.cpu = True
+        self.route_on_host = True  # softmax routers: the CPU jobs route from the logits (OffloadedExperts.routes_on_host)
         self._buffers: dict = {}  # id(OffloadedExperts) -> _LayerBuffers
         self._pending: Optional[_LayerBuffers] = None  # the layer whose deferred job is in flight
         self.pools: set = set()
@@ -100,12 +116,15 @@ class HybridDecode:
     def buffers(self, layer) -> Optional[_LayerBuffers]:
         return self._buffers.get(id(layer))
 
-    def _layer_buffers(self, layer, x: torch.Tensor, k: int, defer: int) -> _LayerBuffers:
+    def _layer_buffers(self, layer, x: torch.Tensor, k: int, defer: int, logits: Optional[torch.Tensor],
+                       norm_topk_prob: bool, prev: Optional[_LayerBuffers]) -> _LayerBuffers:
         engine = layer.experts
-        buf = self._buffers.get(id(layer))
+        direct = layer.gpu is None
+        addend = prev.out_def if (direct and prev is not None) else None
         mask = getattr(engine, "skip_mask", None)
-        if (buf is not None and buf.mask is mask and buf.x.dtype == x.dtype and buf.ids.shape[1] == k
-                and buf.defer == defer):
+        key = (x.dtype, k, defer, direct, None if logits is None else (logits.dtype, logits.shape[1], bool(norm_topk_prob)))
+        buf = self._buffers.get(id(layer))
+        if buf is not None and buf.mask is mask and buf.addend is addend and buf.key == key:
             return buf
         if self.fake is None and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("hybrid decode buffers must exist before a CUDA graph is captured (run one eager step)")
@@ -114,43 +133,59 @@ class HybridDecode:
         def pinned(*shape, dtype):
             return torch.zeros(*shape, dtype=dtype, pin_memory=self.pin)
 
+        out_dtype = x.dtype if direct else torch.float32
         xh, w = pinned(C, H, dtype=x.dtype), pinned(C, k, dtype=torch.float32)
         ids = pinned(C, k, dtype=torch.int64)
         ids.fill_(-1)
-        out, out_def = pinned(C, H, dtype=torch.float32), pinned(C, H, dtype=torch.float32)
+        lg = pinned(C, logits.shape[1], dtype=logits.dtype) if logits is not None else None
+        out, out_def = pinned(C, H, dtype=out_dtype), pinned(C, H, dtype=torch.float32)
+        route = dict(logits=lg, norm_topk_prob=bool(norm_topk_prob)) if lg is not None else {}
         buf = _LayerBuffers(
-            xh, ids, w, out, out_def,
-            torch.zeros(C, H, dtype=torch.float32, device=x.device),
-            torch.zeros(C, H, dtype=torch.float32, device=x.device),
-            engine.prepare(xh, ids, w, out, n_tokens=self.n_tokens, defer=defer),
-            engine.prepare(xh, ids, w, out_def, n_tokens=self.n_tokens, defer=defer, deferred=True) if defer else None,
-            defer, mask,
+            key, mask, xh, ids, w, lg, out, out_def,
+            torch.zeros(C, H, dtype=out_dtype, device=x.device),
+            None if direct else torch.zeros(C, H, dtype=torch.float32, device=x.device),
+            addend,
+            engine.prepare(xh, ids, w, out, n_tokens=self.n_tokens, defer=defer, addend=addend, **route),
+            engine.prepare(xh, ids, w, out_def, n_tokens=self.n_tokens, defer=defer, deferred=True, **route)
+            if defer else None,
+            defer, direct,
         )
         self._buffers[id(layer)] = buf
         self.pools.add(engine.pool)
         return buf
 
-    def run(self, layer, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared=None,
-            defer: int = 0) -> torch.Tensor:
+    def run(self, layer, x: torch.Tensor, topk_ids: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
+            shared=None, defer: int = 0, *, logits: Optional[torch.Tensor] = None, top_k: Optional[int] = None,
+            norm_topk_prob: bool = False) -> torch.Tensor:
         """The routed (+ shared) output [T, H] of MoE layer ``layer`` (an ``OffloadedExperts``) in x's dtype.
-        ``defer``: experts per token this layer defers to the next MoE layer (0: none; the last layer passes 0)."""
-        T, k = x.shape[0], topk_ids.shape[1]
+        ``defer``: experts per token this layer defers to the next MoE layer (0: none; the last layer passes 0).
+        With ``logits`` (and ``top_k``, ``norm_topk_prob``) instead of a routing, the CPU jobs route themselves
+        (softmax routers; only for a layer without GPU-resident experts, which need the ids on the device)."""
+        T = x.shape[0]
         if T > self.capacity:
             raise ValueError(f"a hybrid decode step holds at most {self.capacity} tokens, got {T}")
-        buf = self._layer_buffers(layer, x, k, defer)
+        if logits is not None and layer.gpu is not None:
+            raise ValueError("a layer with GPU-resident experts needs its routing on the device, not logits")
+        k = top_k if logits is not None else topk_ids.shape[1]
+        prev, self._pending = self._pending, None
+        buf = self._layer_buffers(layer, x, k, defer, logits, norm_topk_prob, prev)
+        self._pending = buf if defer else None
         pool, hf = layer.experts.pool, self.host_funcs
         main = self.fake if self.fake is not None else torch.cuda.current_stream(x.device)
-        weights = topk_weights.float()
         buf.x[:T].copy_(x, non_blocking=True)
-        buf.ids[:T].copy_(topk_ids, non_blocking=True)
-        buf.weights[:T].copy_(weights, non_blocking=True)
+        if logits is not None:
+            buf.logits[:T].copy_(logits, non_blocking=True)
+            weights = None
+        else:
+            weights = topk_weights.float()
+            buf.ids[:T].copy_(topk_ids, non_blocking=True)
+            buf.weights[:T].copy_(weights, non_blocking=True)
         if self.cpu:
             pool.submit_on_stream(buf.job, main, host_funcs=hf)
             self._jobs_now.append((pool, buf.job))
             if defer:
                 pool.submit_on_stream(buf.job_def, main, host_funcs=hf)
                 self._jobs_now.append((pool, buf.job_def))
-        prev, self._pending = self._pending, (buf if defer else None)
         if self.fake is None:
             self.side.wait_stream(main)
         if self.cpu:
@@ -159,17 +194,18 @@ class HybridDecode:
             self.fake.synchronize()  # the host stands in for the side stream: the copies below follow the sync
         with torch.cuda.stream(self.side) if self.fake is None else nullcontext():
             buf.dev[:T].copy_(buf.out[:T], non_blocking=True)
-            if prev is not None:
+            if prev is not None and not buf.direct:
                 buf.dev_prev[:T].copy_(prev.out_def[:T], non_blocking=True)
         resident, dense = layer.main_stream_part(x, topk_ids, weights, shared)  # the GPU works while the CPU does
         if self.fake is None:
             main.wait_stream(self.side)
         y = buf.dev[:T]
-        if resident is not None:
-            y = y + resident
-        if prev is not None:
-            y = y + buf.dev_prev[:T]
-        y = y.to(x.dtype)
+        if not buf.direct:
+            if resident is not None:
+                y = y + resident
+            if prev is not None:
+                y = y + buf.dev_prev[:T]
+            y = y.to(x.dtype)
         return y if dense is None else y + dense
 
     def close(self) -> None:

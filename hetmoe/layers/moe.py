@@ -175,6 +175,19 @@ class OffloadedExperts:
         """Whether this call runs in CUDA stream order (inside a decode step of the runner's HybridDecode)."""
         return self.hybrid is not None and self.hybrid.active and x.device.type == self.hybrid.device.type
 
+    def routes_on_host(self, x: torch.Tensor) -> bool:
+        """Whether this call takes the router's logits instead of a routing (``forward_logits``): inside a decode
+        step whose HybridDecode routes on the host, for a layer without GPU-resident experts (they need the ids on
+        the device). The CPU jobs then compute the softmax top-k themselves: no top-k kernels on the GPU and one
+        copy (the logits) instead of two (ids, weights)."""
+        return self.streaming(x) and self.hybrid.route_on_host and self.gpu is None
+
+    def forward_logits(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk_prob: bool, shared=None,
+                       defer: int = 0) -> torch.Tensor:
+        """``forward`` for a softmax router's ``logits`` [T, E] (only where ``routes_on_host(x)``)."""
+        return self.hybrid.run(self, x, None, None, shared, defer, logits=logits, top_k=top_k,
+                               norm_topk_prob=norm_topk_prob)
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared=None) -> torch.Tensor:
         """Routed experts [T, H] (+ ``shared()``, the model's shared experts, when given)."""
         if self.streaming(x):
@@ -330,12 +343,26 @@ class DeferredExperts:
 
     takes_shared = True  # the model passes its shared experts in (models/common.routed_and_shared)
 
+    def _check_d(self, k: int) -> str:
+        position = self.position
+        if self.d and position != "only" and self.d >= k:
+            raise ValueError(f"cannot defer {self.d} of the top-{k} experts of each token (at most {k - 1})")
+        return position
+
+    def routes_on_host(self, x: torch.Tensor) -> bool:
+        """``OffloadedExperts.routes_on_host`` of the wrapped dispatch (False for any other backend)."""
+        return isinstance(self.experts, OffloadedExperts) and self.experts.routes_on_host(x)
+
+    def forward_logits(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
+                       shared=None) -> torch.Tensor:
+        """``forward`` for a softmax router's logits, inside a decode step that routes on the host."""
+        position = self._check_d(top_k)
+        defer = self.d if position in ("first", "middle") else 0
+        return self.experts.forward_logits(x, logits, top_k, norm_topk_prob, shared, defer)
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared=None) -> torch.Tensor:
         """R_imm_l(x_l) + R_def_{l-1}(x_{l-1}) [T, H] (+ ``shared()``, the model's shared experts, when given)."""
-        position = self.position
-        if self.d and position != "only" and self.d >= topk_ids.shape[-1]:
-            raise ValueError(f"cannot defer {self.d} of the top-{topk_ids.shape[-1]} experts of each token "
-                             f"(at most {topk_ids.shape[-1] - 1})")
+        position = self._check_d(topk_ids.shape[-1])
         off = self.experts
         if isinstance(off, OffloadedExperts) and off.streaming(x):  # a decode step in CUDA stream order
             defer = self.d if position in ("first", "middle") else 0

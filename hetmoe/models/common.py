@@ -49,6 +49,17 @@ def routed_and_shared(experts, flat: torch.Tensor, ids: torch.Tensor, weights: t
     return out if dense is None else out + dense
 
 
+def softmax_routed_and_shared(experts, flat: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
+                              shared) -> torch.Tensor:
+    """route_softmax, then ``routed_and_shared``; or, where the backend routes this call on the host
+    (``routes_on_host``: the CPU engine inside a hybrid decode step), the logits handed over unrouted."""
+    on_host = getattr(experts, "routes_on_host", None)
+    if on_host is not None and on_host(flat):
+        return experts.forward_logits(flat, logits, top_k, norm_topk_prob, shared=shared)
+    weights, ids = route_softmax(logits, top_k, norm_topk_prob)  # [T, k]
+    return routed_and_shared(experts, flat, ids, weights, shared)
+
+
 class SoftmaxMoeBlock(nn.Module):
     """route (softmax over the linear router ``gate``, top-k, optional renormalisation) -> experts backend
     (dispatch, experts, combine): the MoE block of Mixtral, Qwen2-MoE and Qwen3-MoE. ``shared(flat)`` adds a
@@ -66,8 +77,8 @@ class SoftmaxMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H]
         flat = x.reshape(-1, x.shape[-1])  # [T, H]
-        weights, ids = route_softmax(self.gate(flat), self.top_k, self.norm_topk_prob)  # [T, k]
-        return routed_and_shared(self.experts, flat, ids, weights, lambda: self.shared(flat)).view_as(x)
+        return softmax_routed_and_shared(self.experts, flat, self.gate(flat), self.top_k, self.norm_topk_prob,
+                                         lambda: self.shared(flat)).view_as(x)
 
 
 class PreNormDecoderLayer(nn.Module):

@@ -1,0 +1,128 @@
+"""The CPU job's own softmax router (``CPUExperts.prepare(logits=...)``, used by hybrid decode steps so the GPU runs no
+top-k) against ``route_softmax``, and the job's ``addend`` (the previous layer's deferred output added on the CPU)."""
+
+import pytest
+import torch
+
+from hetmoe.kernels import CPUExperts
+from hetmoe.layers.moe import route_softmax, split_deferred
+
+H, I = 64, 32
+
+
+def make_experts(E: int, numa=None, seed: int = 0) -> CPUExperts:
+    gen = torch.Generator().manual_seed(seed)
+    ex = CPUExperts(E, H, I, "bf16", threads=2, numa=numa) if numa else CPUExperts(E, H, I, "bf16", threads=2)
+    ex.load(*(0.1 * torch.randn(E, *s, generator=gen) for s in ((I, H), (I, H), (H, I))))
+    return ex
+
+
+def run(ex, x, ids, w, out, **kw):
+    ex.submit(ex.prepare(x, ids, w, out, **kw))
+    ex.sync()
+    return out
+
+
+@pytest.mark.parametrize("E,k", [(16, 4), (128, 8)])
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+def test_job_routes_like_route_softmax(E, k, logits_dtype, norm, ids_dtype):
+    gen = torch.Generator().manual_seed(E + k)
+    T = 9
+    ex = make_experts(E)
+    x = torch.randn(T, H, generator=gen)
+    logits = (3 * torch.randn(T, E, generator=gen)).to(logits_dtype)
+    ids = torch.full((T, k), -7, dtype=ids_dtype)
+    w = torch.full((T, k), -1.0)
+    out = run(ex, x, ids, w, torch.empty(T, H), logits=logits, norm_topk_prob=norm)
+    w_ref, ids_ref = route_softmax(logits, k, norm)
+    lf = logits.float()
+    chosen = lf.gather(1, ids.long())
+    assert (chosen[:, :-1] >= chosen[:, 1:]).all()  # descending by logit
+    rest = lf.scatter(1, ids.long(), float("-inf"))
+    assert (chosen[:, -1] >= rest.max(-1).values).all()  # no expert left out scores higher
+    ties = (chosen[:, -1] == rest.max(-1).values).any()
+    if logits_dtype == torch.float32:  # no ties in random fp32 logits: the very same experts as torch.topk
+        assert not ties and torch.equal(ids.long(), ids_ref)
+    torch.testing.assert_close(w, w_ref, rtol=2e-6, atol=1e-8)  # equal logits have equal weights
+    if norm:
+        assert (w.sum(-1) - 1).abs().max() < 1e-6
+    else:
+        assert (w.sum(-1) < 1).all()
+    ref = ex(x, ids.long(), w_ref)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("numa", [None, "2"])
+def test_job_routing_ties_and_non_finite_rows(numa):
+    E, k = 8, 3
+    ex = make_experts(E, numa=numa)
+    logits = torch.tensor([
+        [0.0, 1.0, 1.0, 0.5, 1.0, -2.0, 0.0, 0.0],  # a three-way tie at the top: the lower ids first
+        [0.0] * 8,  # all equal: ids 0, 1, 2
+        [0.0, float("nan"), 0, 0, 0, 0, 0, 0],  # NaN: weights NaN (the output must not be silently finite)
+        [float("inf"), 0, 0, 0, 0, 0, 0, 0],
+        [-1.0, 2.0, -3.0, 4.0, 0.0, 0.0, 5.0, -9.0],
+    ])
+    T = logits.shape[0]
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(1))
+    ids, w = torch.zeros(T, k, dtype=torch.int64), torch.zeros(T, k)
+    out = run(ex, x, ids, w, torch.empty(T, H), logits=logits, norm_topk_prob=True)
+    assert ids[0].tolist() == [1, 2, 4] and ids[1].tolist() == [0, 1, 2] and ids[4].tolist() == [6, 3, 1]
+    torch.testing.assert_close(w[0], torch.full((3,), 1 / 3))
+    assert torch.isnan(w[2]).all() and torch.isnan(w[3]).all()
+    assert torch.isnan(out[2]).all() and torch.isnan(out[3]).all()
+    assert torch.isfinite(out[[0, 1, 4]]).all()
+
+
+def test_deferral_parts_route_from_logits():
+    """An immediate and a deferred job routing from the same logits split each token like split_deferred."""
+    E, k, d, T = 16, 4, 2, 7
+    gen = torch.Generator().manual_seed(3)
+    ex = make_experts(E)
+    x, logits = torch.randn(T, H, generator=gen), torch.randn(T, E, generator=gen)
+    parts = []
+    for deferred in (False, True):
+        ids, w = torch.zeros(T, k, dtype=torch.int64), torch.zeros(T, k)
+        parts.append(run(ex, x, ids, w, torch.empty(T, H), logits=logits, norm_topk_prob=True, defer=d,
+                         deferred=deferred))
+    w_ref, ids_ref = route_softmax(logits, k, True)
+    imm_ids, def_ids = split_deferred(ids_ref, w_ref, d)
+    torch.testing.assert_close(parts[0], ex(x, imm_ids, w_ref), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(parts[1], ex(x, def_ids, w_ref), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("numa", [None, "2"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_addend_is_added_after_the_experts(numa, out_dtype):
+    E, k, T = 16, 4, 5
+    gen = torch.Generator().manual_seed(4)
+    ex = make_experts(E, numa=numa)
+    x = torch.randn(T, H, generator=gen)
+    w, ids = route_softmax(torch.randn(T, E, generator=gen), k, True)
+    ids[1, 2] = -1  # a skipped slot
+    addend = torch.randn(T, H, generator=gen)
+    plain = run(ex, x, ids, w, torch.empty(T, H))
+    got = run(ex, x, ids, w, torch.empty(T, H, dtype=out_dtype), addend=addend)
+    assert torch.equal(got, (plain + addend).to(out_dtype))  # fp32 sum, then one rounding: bitwise
+    none = torch.full_like(ids, -1)  # no expert at all: out = addend
+    assert torch.equal(run(ex, x, none, w, torch.empty(T, H), addend=addend), addend)
+
+
+def test_bad_routing_arguments_are_refused():
+    E, k, T = 16, 4, 3
+    ex = make_experts(E)
+    x, ids, w, out = torch.zeros(T, H), torch.zeros(T, k, dtype=torch.int64), torch.zeros(T, k), torch.zeros(T, H)
+    with pytest.raises(ValueError, match=r"logits has shape \(3, 8\); expected \[T=3, num_experts=16\]"):
+        ex.prepare(x, ids, w, out, logits=torch.zeros(T, 8))
+    with pytest.raises(ValueError, match="logits has dtype float16"):
+        ex.prepare(x, ids, w, out, logits=torch.zeros(T, E, dtype=torch.float16))
+    with pytest.raises(ValueError, match="norm_topk_prob applies only"):
+        ex.prepare(x, ids, w, out, norm_topk_prob=True)
+    with pytest.raises(ValueError, match="cannot route to the top 20 of 16"):
+        ex.prepare(x, torch.zeros(T, 20, dtype=torch.int64), torch.zeros(T, 20), out, logits=torch.zeros(T, E))
+    with pytest.raises(ValueError, match=r"addend has shape \(3, 32\)"):
+        ex.prepare(x, ids, w, out, addend=torch.zeros(T, 32))
+    with pytest.raises(ValueError, match="addend has dtype bfloat16"):
+        ex.prepare(x, ids, w, out, addend=torch.zeros(T, H, dtype=torch.bfloat16))
