@@ -396,8 +396,7 @@ class CPUExperts:
         d.setdefault("numa_slices", [(0, self.intermediate_size)])
         return d
 
-    # "experts": gate_up + quantize_h + down of a decode job, which run as one pass without a barrier between them
-    JOB_STAGES = ("route", "quantize_x", "gate_up", "quantize_h", "down", "experts", "combine")
+    JOB_STAGES = ("route", "quantize_x", "gate_up", "quantize_h", "down", "combine")
 
     def set_profiling(self, on: bool = True) -> None:
         """Time every job's stages from now on (``profile()``; turning it on clears the sums), or stop timing

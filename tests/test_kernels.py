@@ -491,17 +491,12 @@ def test_stage_profile_counts_jobs_and_time():
     prof = ex.profile()
     assert prof["jobs"] == 3
     assert set(prof["ms"]) == set(CPUExperts.JOB_STAGES)
-    assert all(v >= 0 for v in prof["ms"].values())
-    # 10 slots x I 96: a decode-sized job runs its experts as one pass (no separate gate_up / quantize_h / down)
-    assert prof["ms"]["experts"] > 0 and prof["ms"]["gate_up"] == prof["ms"]["down"] == 0
+    assert all(v >= 0 for v in prof["ms"].values()) and prof["ms"]["gate_up"] > 0
     ex.set_profiling(False)
     ex.forward(x, ids, w)
     assert ex.profile()["jobs"] == 3
     ex.set_profiling(True)  # restarting clears the sums
     assert ex.profile()["jobs"] == 0
-    ex.forward(torch.randn(200, 64), torch.randint(0, 8, (200, 2)), torch.rand(200, 2))  # 400 slots: two phases
-    prof = ex.profile()
-    assert prof["ms"]["gate_up"] > 0 and prof["ms"]["down"] > 0 and prof["ms"]["experts"] == 0
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])

@@ -1,6 +1,5 @@
 #include "moe/moe.h"
 
-#include <immintrin.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -8,7 +7,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <memory>
 #include <new>
 #include <stdexcept>
 
@@ -96,7 +94,7 @@ size_t MoeExperts::bytes_per_expert() const {
 }
 
 const char* job_stage_name(int stage) {
-  static const char* names[kJobStages] = {"route", "quantize_x", "gate_up", "quantize_h", "down", "experts", "combine"};
+  static const char* names[kJobStages] = {"route", "quantize_x", "gate_up", "quantize_h", "down", "combine"};
   return stage >= 0 && stage < kJobStages ? names[stage] : "?";
 }
 
@@ -439,89 +437,26 @@ void select_part(const float* w, int k, int d, JobPart part, std::vector<uint8_t
   for (int i = 0; i < d && i < k; ++i) in_part[order[i]] = deferred;
 }
 
-// out[t] (+)= sum_j weights[t, j] * y[slot(t, j)] (+ addend[t]), in j order so results do not depend on threads. A
-// decode step's few rows are cut into column chunks as well, so that every thread takes a share.
+// out[t] (+)= sum_j weights[t, j] * y[slot(t, j)], in j order so results do not depend on threads.
 void combine(ThreadPool& pool, const RowOps& ops, const MoeCall& c, int H, int64_t t0, int nt,
              const std::vector<int>& pos, const float* y) {
-  constexpr int kMinChunk = 256;
-  const int64_t total = (int64_t)nt * H * (c.k + 1);
-  const int chunks = total <= kSerialElements || nt == 0
-                         ? 1
-                         : std::max(1, std::min((H + kMinChunk - 1) / kMinChunk, pool.size() / nt));
-  const int width = ((H + chunks - 1) / chunks + 15) / 16 * 16;
-  for_rows(pool, (int64_t)nt * chunks, total / std::max<int64_t>(1, (int64_t)nt * chunks), [&](int64_t task, int th) {
-    const int64_t t = task / chunks;
-    const int c0 = (int)(task % chunks) * width, n = std::min(width, H - c0);
-    if (n <= 0) return;
-    const int64_t at = (t0 + t) * H + c0;  // element offset of the chunk in out and addend
-    float* acc = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * width));
-    if (!c.accumulate)
-      std::fill(acc, acc + n, 0.f);
-    else if (c.out_bf16)
-      ops.bf16_to_f32(static_cast<const uint16_t*>(c.out) + at, n, acc);
+  for_rows(pool, nt, (int64_t)H * (c.k + 1), [&](int64_t t, int th) {
+    float* acc = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
+    if (c.accumulate)
+      load_row_fp32(ops, c.out, c.out_bf16, t0 + t, H, acc);
     else
-      std::memcpy(acc, static_cast<const float*>(c.out) + at, sizeof(float) * n);
+      std::fill(acc, acc + H, 0.f);
     for (int j = 0; j < c.k; ++j) {
       int s = pos[(size_t)t * c.k + j];
       if (s < 0) continue;
-      ops.axpy(c.weights[(t0 + t) * c.k + j], y + (size_t)s * H + c0, n, acc);
+      ops.axpy(c.weights[(t0 + t) * c.k + j], y + (size_t)s * H, H, acc);
     }
-    if (c.addend) ops.axpy(1.f, c.addend + at, n, acc);  // exactly acc + addend
-    if (c.out_bf16)
-      ops.f32_to_bf16(acc, n, static_cast<uint16_t*>(c.out) + at);
-    else
-      std::memcpy(static_cast<float*>(c.out) + at, acc, sizeof(float) * n);
-  });
-}
-
-// Decode (few slots, no AMX expert): gate+up, quantize h and down as one parallel pass. Tasks are pulled in order,
-// every gate+up task before any down task; the thread that finishes an expert's last gate+up task quantizes that
-// expert's h rows and marks it ready, and the expert's down tasks wait for the mark. By the time a down task is
-// pulled every gate+up task is running or done, so the wait is short and cannot deadlock. What it saves against two
-// phases: the barrier after gate+up (threads idle behind the slowest task) and the serial quantization of h.
-void run_experts_fused(ThreadPool& pool, const MoeExperts& ex, const std::vector<int>& active,
-                       const std::vector<int>& count, const std::vector<int>& first, const uint8_t* const* x_rows,
-                       const uint8_t* const* h_rows, float* h, uint8_t* hq, size_t h_stride, float* y) {
-  const ExpertsConfig& cfg = ex.config();
-  const int I = cfg.intermediate, n_threads = pool.size(), na = (int)active.size();
-  std::vector<Task> tasks, down;
-  make_tasks(active, count, 0, TaskPlan{ex.gate_up_shape().n_blocks, 1, 32, n_threads}, tasks);
-  const int64_t n_gu = (int64_t)tasks.size();
-  make_tasks(active, count, 0, TaskPlan{ex.down_shape().n_blocks, 2, 32, n_threads}, down);
-  tasks.insert(tasks.end(), down.begin(), down.end());
-  std::vector<int> index_of(cfg.n_expert, -1);
-  for (int i = 0; i < na; ++i) index_of[active[i]] = i;
-  std::unique_ptr<std::atomic<int>[]> left(new std::atomic<int>[na]), ready(new std::atomic<int>[na]);
-  for (int i = 0; i < na; ++i) left[i].store(0, std::memory_order_relaxed), ready[i].store(0, std::memory_order_relaxed);
-  for (int64_t i = 0; i < n_gu; ++i) left[index_of[tasks[i].e]].fetch_add(1, std::memory_order_relaxed);
-  std::atomic<bool> failed{false};
-  const RowOps& ops = ex.row_ops();
-  const ActLayout& da = ex.down_act();
-  const PhaseInput in1{x_rows, nullptr, 0, first.data()}, in2{h_rows, hq, h_stride, first.data()};
-  auto finish = [&](int a, int e) {
-    if (left[a].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-    if (!failed.load(std::memory_order_acquire))
-      for (int s = first[e]; s < first[e] + count[e]; ++s)
-        ops.quantize(cfg.format, false, h + (size_t)s * I, I, da, hq + s * h_stride);
-    ready[a].store(1, std::memory_order_release);
-  };
-  pool.parallel_for((int64_t)tasks.size(), [&](int64_t ti, int th) {
-    const Task& task = tasks[ti];
-    const int a = index_of[task.e];
-    if (ti < n_gu) {
-      try {
-        run_gate_up_task(ex, task, in1, h, pool, th);
-      } catch (...) {
-        failed.store(true, std::memory_order_release);
-        finish(a, task.e);
-        throw;  // parallel_for keeps the first error and raises it when the pass ends
-      }
-      finish(a, task.e);
-      return;
+    if (c.addend) ops.axpy(1.f, c.addend + (t0 + t) * H, H, acc);  // exactly acc + addend
+    if (c.out_bf16) {
+      ops.f32_to_bf16(acc, H, static_cast<uint16_t*>(c.out) + (t0 + t) * H);
+    } else {
+      std::memcpy(static_cast<float*>(c.out) + (t0 + t) * H, acc, sizeof(float) * H);
     }
-    while (!ready[a].load(std::memory_order_acquire)) _mm_pause();
-    if (failed.load(std::memory_order_acquire)) return;
-    run_down_task(ex, task, in2, y, pool, th);
   });
 }
 
@@ -624,33 +559,25 @@ void MoeJob::run_chunk(ThreadPool& pool, int64_t t0, int64_t t1, StageClock& clo
     }
     clock.done(JobStage::quantize_x);
 
-    float* h = reinterpret_cast<float*>(pool.scratch(1, sizeof(float) * (size_t)n_slots * I));
-    const size_t h_stride = std::max(da.row_bytes, dxa.row_bytes);
-    uint8_t* hq = pool.scratch(2, (size_t)(n_slots + 16) * h_stride);
-    for (int s = 0; s < n_slots; ++s) h_rows[s] = hq + (size_t)s * h_stride;
-    float* y = reinterpret_cast<float*>(pool.scratch(3, sizeof(float) * (size_t)n_slots * H));
-    std::vector<Task> tasks;
-    if (n_amx == 0 && (int64_t)n_slots * I <= kSerialElements) {
-      run_experts_fused(pool, ex, active, count, first, x_rows.data(), h_rows.data(), h, hq, h_stride, y);
-      clock.done(JobStage::experts);
-      combine(pool, ops, call_, H, t0, nt, pos, y);
-      clock.done(JobStage::combine);
-      return;
-    }
-
     // ---- phase 1: gate + up, SwiGLU -> h [n_slots, I]
+    float* h = reinterpret_cast<float*>(pool.scratch(1, sizeof(float) * (size_t)n_slots * I));
+    std::vector<Task> tasks;
     make_tasks(active, count, n_amx, TaskPlan{gu.n_blocks, 1, amx_panel_tokens(gxa), n_threads}, tasks);
     const PhaseInput in1{x_rows.data(), xa, gxa.row_bytes, first.data()};
     pool.parallel_for((int64_t)tasks.size(), [&](int64_t ti, int th) { run_gate_up_task(ex, tasks[ti], in1, h, pool, th); });
     clock.done(JobStage::gate_up);
 
     // ---- quantize h, once per (token, expert), in the format of the expert's path
+    const size_t h_stride = std::max(da.row_bytes, dxa.row_bytes);
+    uint8_t* hq = pool.scratch(2, (size_t)(n_slots + 16) * h_stride);
     for_rows(pool, n_slots, I, [&](int64_t s, int) {
       ops.quantize(fmt, s < n_amx_slots, h + (size_t)s * I, I, s < n_amx_slots ? dxa : da, hq + s * h_stride);
     });
+    for (int s = 0; s < n_slots; ++s) h_rows[s] = hq + (size_t)s * h_stride;
     clock.done(JobStage::quantize_h);
 
     // ---- phase 2: down -> y [n_slots, H]
+    float* y = reinterpret_cast<float*>(pool.scratch(3, sizeof(float) * (size_t)n_slots * H));
     make_tasks(active, count, n_amx, TaskPlan{dn.n_blocks, 2, amx_panel_tokens(dxa), n_threads}, tasks);
     const PhaseInput in2{h_rows.data(), hq, h_stride, first.data()};
     pool.parallel_for((int64_t)tasks.size(), [&](int64_t ti, int th) { run_down_task(ex, tasks[ti], in2, y, pool, th); });

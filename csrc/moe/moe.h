@@ -63,8 +63,7 @@ inline int default_amx_min_tokens(WeightFormat f) {
 }
 
 // The stages of one MoE job (see the top of this file), for the per-stage time profile.
-// `experts`: a decode job's gate+up, quantize h and down run as one pass (no barrier between them; see moe.cpp).
-enum class JobStage { route, quantize_x, gate_up, quantize_h, down, experts, combine, count };
+enum class JobStage { route, quantize_x, gate_up, quantize_h, down, combine, count };
 constexpr int kJobStages = (int)JobStage::count;
 const char* job_stage_name(int stage);
 
