@@ -130,18 +130,18 @@ PYBIND11_MODULE(_C, m) {
   // every level with the scalar one byte for byte.
   m.def(
       "row_quantize",
-      [](const std::string& isa, const std::string& fmt, bool amx, int group, py::buffer x) {
+      [](const std::string& isa, const std::string& fmt, bool amx, int group, py::buffer x, bool one_group) {
         py::buffer_info b = float_row(x, "row_quantize");
         const Isa level = runnable_isa(isa);
         const int k = (int)b.shape[0];
         const MatrixShape shape = MatrixShape::make(bindings::format_from_name(fmt), kRowsPerBlock, k, group);
-        const ActLayout a = ActLayout::make(shape, amx);
+        const ActLayout a = ActLayout::make(shape, amx, one_group);
         std::string row(a.row_bytes, '\0');
         select_row_ops(level).quantize(shape.format, amx, static_cast<const float*>(b.ptr), k, a,
                                        reinterpret_cast<uint8_t*>(&row[0]));
         return py::bytes(row);
       },
-      py::arg("isa"), py::arg("fmt"), py::arg("amx"), py::arg("group"), py::arg("x"));
+      py::arg("isa"), py::arg("fmt"), py::arg("amx"), py::arg("group"), py::arg("x"), py::arg("one_group") = false);
   m.def(
       "row_bf16",
       [](const std::string& isa, py::buffer x) {  // fp32 -> bf16 bits (uint16) -> fp32, both through the ISA

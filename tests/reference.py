@@ -89,7 +89,8 @@ def moe_reference_emulated(x, gate_dq, up_dq, down_dq, topk_ids, topk_weights, a
     gate_dq, up_dq, down_dq: sequences (or stacked tensors) of per-expert fp32 weights as returned by
     ``CPUExperts.dequantized(e)``; an entry may be None for an expert that is never routed to.
     activation: ``info()["activation"]`` ("fp32", "int16" or "int8"; "bf16" for AMX experts); group: ``info()["group_size"]``
-    (0 = int8 weights with per-row scales, whose activations use groups of 128). x is quantized per token
+    (0 = int8 weights with per-row scales, whose activations use groups of 128; "row": the AMX activations of
+    those weights, x in one group per token and h in groups of 128). x is quantized per token
     before gate/up, and h = silu(gate x) * (up x) per (token, expert) before down, both along their rows.
     """
     if activation == "fp32":
@@ -98,7 +99,10 @@ def moe_reference_emulated(x, gate_dq, up_dq, down_dq, topk_ids, topk_weights, a
         quant = lambda v: v.float().bfloat16().double()  # noqa: E731
     else:
         qmax = ACTIVATION_QMAX[activation]
-        g = group if group > 0 else PER_ROW_ACTIVATION_GROUP
+        g = group if group != "row" and group > 0 else PER_ROW_ACTIVATION_GROUP
         quant = lambda v: fake_quantize(v, g, qmax).double()  # noqa: E731
+    quant_x = quant
+    if group == "row":  # AMX experts of per-row int8 weights: x in one group per token (h keeps groups of 128)
+        quant_x = lambda v: fake_quantize(v, v.shape[-1], ACTIVATION_QMAX[activation]).double()  # noqa: E731
     weights_of = lambda e: (gate_dq[e].double(), up_dq[e].double(), down_dq[e].double())  # noqa: E731
-    return _moe(x.float().double(), weights_of, len(gate_dq), topk_ids, topk_weights, skip_mask, quant, quant)
+    return _moe(x.float().double(), weights_of, len(gate_dq), topk_ids, topk_weights, skip_mask, quant_x, quant)

@@ -20,12 +20,13 @@ row-block path on the same inputs:
     int8 g32    1.60e-2          1.16e-2                1.85e-2
     int8 g64    1.98e-2          1.19e-2                2.3e-2
     int8 g128   1.98e-2          1.36e-2                2.3e-2
-    int8 row    1.94e-2          1.31e-2                2.25e-2
+    int8 row    2.18e-2          1.31e-2                2.5e-2   (AMX: one activation scale per token for x)
     int4 g32    0.174            0.174                  0.20   (bitwise the row-block result)
     int4 g64    0.193            0.193                  0.22
     int4 g128   0.211            0.211                  0.245
 
-So int8 activations cost int8 weights about +0.5 % relative error (1.2-1.4e-2 -> 1.6-2.0e-2) and bf16
+So int8 activations cost int8 weights about +0.5 % relative error (1.2-1.4e-2 -> 1.6-2.2e-2; per-row weights
+quantize x with one scale per token on AMX, so that their gate/up GEMM sums all of K in the tiles) and bf16
 activations cost bf16 weights ~+0.14 % (3.4e-3 -> 4.7e-3). Against the emulated reference with AMX rounding
 every case measured <= 1.6e-4 (bf16 8.5e-5, int8 1.5e-4, int4 1.6e-4); the bound asserted is 1e-3, as in
 test_kernels.py. The real instructions (GPU machine) must give the same numbers: int8/int4 bitwise equal to
@@ -57,7 +58,7 @@ FP32_TOL = {  # measured maxima + ~15 % (module docstring)
     "int8-g32": 1.85e-2,
     "int8-g64": 2.3e-2,
     "int8-g128": 2.3e-2,
-    "int8-row": 2.25e-2,
+    "int8-row": 2.5e-2,
     "int4-g32": 0.20,
     "int4-g64": 0.22,
     "int4-g128": 0.245,
@@ -120,7 +121,8 @@ def emulated_reference(fmt: str, shape, x, ids, w, amx_experts):
     g, u, d = dequantized(fmt, shape)
     group = FORMATS[fmt][1]
     on_amx = torch.tensor([e in amx_experts for e in range(shape[0])])
-    out = moe_reference_emulated(x, g, u, d, ids, w, amx_activation(fmt), group, skip_mask=~on_amx).double()
+    amx_group = "row" if fmt == "int8-row" else group  # per-row int8 weights: one activation scale per token
+    out = moe_reference_emulated(x, g, u, d, ids, w, amx_activation(fmt), amx_group, skip_mask=~on_amx).double()
     if not bool(on_amx.all()):
         out += moe_reference_emulated(x, g, u, d, ids, w, row_activation(fmt), group, skip_mask=on_amx).double()
     return out.float()

@@ -37,7 +37,7 @@ from reference import moe_reference, moe_reference_emulated, rel_err
 # tolerances of tests/test_amx.py (its activations are rounded to bf16 / int8).
 ROW_ISA = next(i for i in ("avx512", "avx2", "scalar") if i in cpu_info()["supported_isas"])
 AMX_PATHS = [getattr(kernels, "AMX_EMULATED", None)] + (["amx"] if "amx" in cpu_info()["supported_isas"] else [])
-AMX_FP32_TOL = {"bf16": 5.5e-3, "int8-g128": 2.3e-2, "int8-row": 2.25e-2, "int4-g64": 0.22}
+AMX_FP32_TOL = {"bf16": 5.5e-3, "int8-g128": 2.3e-2, "int8-row": 2.5e-2, "int4-g64": 0.22}
 # the tolerances of tests/test_kernels.py ("all cases" column)
 FP32_TOL = {"bf16": 5.0e-3, "int8-g32": 1.5e-2, "int8-g64": 1.3e-2, "int8-g128": 1.4e-2, "int8-row": 1.75e-2,
             "int4-g32": 0.27, "int4-g64": 0.23, "int4-g128": 0.25}

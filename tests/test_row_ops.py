@@ -45,6 +45,22 @@ def test_quantize_matches_scalar(isa, fmt, group, amx, k):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("k", [64, 200, 2048, 7168])
+def test_one_group_row_matches_scalar(isa, k):
+    """x of per-row int8 experts on AMX: one int8 group (one scale, one sum) over the whole row."""
+    for name, x in tricky_rows(k, k + 128):
+        ref = _C.row_quantize("scalar", "int8", True, 0, x, one_group=True)
+        got = _C.row_quantize(isa, "int8", True, 0, x, one_group=True)
+        assert got == ref, f"{isa} k={k}: rows differ on '{name}' input"
+    x = np.linspace(-3, 5, k, dtype=np.float32)
+    row = _C.row_quantize("scalar", "int8", True, 0, x, one_group=True)
+    kp = -(-k // 128) * 128
+    q = np.frombuffer(row[:kp], np.int8)
+    scale = np.frombuffer(row, np.float32, count=1, offset=-(-kp // 64) * 64)[0]
+    assert q.max() == 127 and scale == np.float32(5) / np.float32(127)  # the whole row's amax sets the one scale
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_bf16_conversions_match_scalar(isa):
     rng = np.random.default_rng(0)
     x = rng.standard_normal(1000).astype(np.float32)

@@ -103,8 +103,11 @@ inline size_t act_elem_bytes(WeightFormat f) {
 }
 
 // AMX tiles multiply bf16 x bf16 and int8 x int8 only, so experts computed with AMX read narrower activations:
-// bf16 for bf16 weights, int8 (groups as above, qmax 127) for int8 and int4 weights. Same row layout otherwise;
-// the elements of consecutive rows are A-tile rows (tileloadd base + m * row stride).
+// bf16 for bf16 weights, int8 (groups as above, qmax 127) for int8 and int4 weights. `one_group`: one group over
+// the whole row (one scale per token), for x of the gate/up matrices of per-row int8 weights: their AMX GEMM then
+// sums all of K in the tiles with a single fp32 epilogue (kernels/amx/gemm.h). (h keeps groups of 128: the NUMA
+// split cuts I at multiples of 128, and must round h as the unsplit engine does.) Same row layout otherwise; the
+// elements of consecutive rows are A-tile rows (tileloadd base + m * row stride).
 inline size_t act_elem_bytes_amx(WeightFormat f) { return f == WeightFormat::bf16 ? 2 : 1; }
 
 struct ActLayout {
@@ -115,14 +118,15 @@ struct ActLayout {
   size_t sums_off;    // byte offset of the int32 sums
   size_t row_bytes;   // 64-byte multiple
 
-  static ActLayout make(const MatrixShape& s, bool amx = false) {
+  static ActLayout make(const MatrixShape& s, bool amx = false, bool one_group = false) {
     ActLayout a;
     a.kp = s.kp;
-    a.group = s.group;
+    a.group = one_group ? s.kp : s.group;
     a.elem_bytes = amx ? act_elem_bytes_amx(s.format) : act_elem_bytes(s.format);
+    const int64_t n_groups = s.kp / a.group;
     a.scales_off = (size_t)round_up((int64_t)s.kp * a.elem_bytes, 64);
-    a.sums_off = a.scales_off + (size_t)round_up((int64_t)s.n_groups() * 4, 64);
-    a.row_bytes = a.sums_off + (size_t)round_up((int64_t)s.n_groups() * 4, 64);
+    a.sums_off = a.scales_off + (size_t)round_up(n_groups * 4, 64);
+    a.row_bytes = a.sums_off + (size_t)round_up(n_groups * 4, 64);
     return a;
   }
 };

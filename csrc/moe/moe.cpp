@@ -69,7 +69,7 @@ MoeExperts::MoeExperts(const ExpertsConfig& cfg, std::shared_ptr<ThreadPool> poo
   down_ = MatrixShape::make(cfg_.format, cfg_.hidden, cfg_.intermediate, cfg_.group);
   gu_act_ = ActLayout::make(gu_);
   down_act_ = ActLayout::make(down_);
-  gu_amx_act_ = ActLayout::make(gu_, true);
+  gu_amx_act_ = ActLayout::make(gu_, true, gu_.per_row);  // per-row int8: one scale per token (layout.h)
   down_amx_act_ = ActLayout::make(down_, true);
   if (cfg_.isa == Isa::amx && cfg_.amx == AmxMode::off) cfg_.amx = AmxMode::native;
   kernel_ = select_kernel(cfg_.format, cfg_.isa, cfg_.amx);

@@ -103,55 +103,67 @@ struct Gemm {
     }
   }
 
-  // ---- bf16 weights x bf16 activations: fp32 accumulation in tiles; C goes to `out` between K chunks.
-  template <int NA, int NB>
-  static void bf16_step(const RowBlock* w, const uint8_t* a0, size_t stride, int k0, int k1, bool first, bool resume,
-                        float* c) {
-    const size_t cs = kOutStride * sizeof(float);
+  // ---- One K chunk [k0, k1) of a 32-token block, C kept in `c` ([32][kOutStride] fp32 or int32) between chunks:
+  // bf16 weights x bf16 activations (fp32 sums, K step 32), or int8 lines x int8 activations summed over all of K
+  // (int32, K step 64: per-row scales, one group per row).
+  template <bool kBf16, int NA, int NB>
+  static void k_chunk(const uint8_t* const* lines, const uint8_t* a0, size_t stride, int k0, int k1, bool first,
+                      bool resume, void* c) {
+    constexpr int kStep = kBf16 ? 32 : 64, kPerLine = kBf16 ? 2 : 4, kElem = kBf16 ? 2 : 1;
+    const size_t cs = kOutStride * 4;
+    uint8_t* cb = static_cast<uint8_t*>(c);
     if (resume) {
-      Tiles::template load_c<0, 0>(c, cs);
-      if constexpr (NB > 1) Tiles::template load_c<0, 1>(c + 16, cs);
-      if constexpr (NA > 1) Tiles::template load_c<1, 0>(c + 16 * kOutStride, cs);
-      if constexpr (NA > 1 && NB > 1) Tiles::template load_c<1, 1>(c + 16 * kOutStride + 16, cs);
+      Tiles::template load_c<0, 0>(cb, cs);
+      if constexpr (NB > 1) Tiles::template load_c<0, 1>(cb + 64, cs);
+      if constexpr (NA > 1) Tiles::template load_c<1, 0>(cb + 16 * cs, cs);
+      if constexpr (NA > 1 && NB > 1) Tiles::template load_c<1, 1>(cb + 16 * cs + 64, cs);
     } else {
       Tiles::template zero_c<0, 0>();
       if constexpr (NB > 1) Tiles::template zero_c<0, 1>();
       if constexpr (NA > 1) Tiles::template zero_c<1, 0>();
       if constexpr (NA > 1 && NB > 1) Tiles::template zero_c<1, 1>();
     }
-    for (int k0_ = k0; k0_ < k1; k0_ += 32) {
-      const uint8_t* b0 = w[0].data + (size_t)(k0_ / 2) * kLineBytes;
-      const uint8_t* b1 = NB > 1 ? w[1].data + (size_t)(k0_ / 2) * kLineBytes : nullptr;
-      tile_step<true, NA, NB>(a0 + 2 * (size_t)k0_, stride, b0, b1, 16, first);
+    for (int k = k0; k < k1; k += kStep) {
+      const uint8_t* b0 = lines[0] + (size_t)(k / kPerLine) * kLineBytes;
+      const uint8_t* b1 = NB > 1 ? lines[1] + (size_t)(k / kPerLine) * kLineBytes : nullptr;
+      tile_step<kBf16, NA, NB>(a0 + kElem * (size_t)k, stride, b0, b1, 16, first);
     }
-    Tiles::template store_c<0, 0>(c, cs);
-    if constexpr (NB > 1) Tiles::template store_c<0, 1>(c + 16, cs);
-    if constexpr (NA > 1) Tiles::template store_c<1, 0>(c + 16 * kOutStride, cs);
-    if constexpr (NA > 1 && NB > 1) Tiles::template store_c<1, 1>(c + 16 * kOutStride + 16, cs);
+    Tiles::template store_c<0, 0>(cb, cs);
+    if constexpr (NB > 1) Tiles::template store_c<0, 1>(cb + 64, cs);
+    if constexpr (NA > 1) Tiles::template store_c<1, 0>(cb + 16 * cs, cs);
+    if constexpr (NA > 1 && NB > 1) Tiles::template store_c<1, 1>(cb + 16 * cs + 64, cs);
   }
 
-  // K is walked in chunks (outer) and token blocks (inner): the chunk's weights (<= 32 KB, L1) are loaded from
-  // DRAM by the first token block and reused by the others, and the tokens' activations of one chunk
-  // (n_tok x 1 KB) stay in L2 while the chunk's row blocks stream.
-  static void bf16(const RowBlock* w, int n_blk, const uint8_t* act, size_t stride, const ActLayout&, int n_tok,
-                   float* out) {
-    const int kp = w[0].kp;
+  // K is walked in chunks (outer) and token blocks (inner): the chunk's weights (32 KB, L1) are loaded from DRAM
+  // by the first token block and reused by the others, and the tokens' activations of one chunk stay in L2 while
+  // the chunk's row blocks stream. C lives in `c_out` ([n_tok][kOutStride] 4-byte sums) between chunks.
+  template <bool kBf16>
+  static void chunked(const uint8_t* const* lines, int n_blk, int kp, const uint8_t* act, size_t stride, int n_tok,
+                      void* c_out, bool prefetch) {
+    constexpr int kChunk = kBf16 ? kChunkBf16 : kChunkInt8;
     Tiles::configure(64, 16);
-    for (int k0 = 0; k0 < kp; k0 += kChunkBf16) {
-      const int k1 = k0 + kChunkBf16 < kp ? k0 + kChunkBf16 : kp;
+    for (int k0 = 0; k0 < kp; k0 += kChunk) {
+      const int k1 = k0 + kChunk < kp ? k0 + kChunk : kp;
       for (int m0 = 0; m0 < n_tok; m0 += kTokBlock) {
         const uint8_t* a0 = act + (size_t)m0 * stride;
-        float* c = out + (size_t)m0 * kOutStride;
-        const bool first = m0 == 0, resume = k0 > 0;
+        void* c = static_cast<uint8_t*>(c_out) + (size_t)m0 * kOutStride * 4;
+        const bool first = prefetch && m0 == 0, resume = k0 > 0;
         if (n_tok - m0 > 16)
-          n_blk > 1 ? bf16_step<2, 2>(w, a0, stride, k0, k1, first, resume, c)
-                    : bf16_step<2, 1>(w, a0, stride, k0, k1, first, resume, c);
+          n_blk > 1 ? k_chunk<kBf16, 2, 2>(lines, a0, stride, k0, k1, first, resume, c)
+                    : k_chunk<kBf16, 2, 1>(lines, a0, stride, k0, k1, first, resume, c);
         else
-          n_blk > 1 ? bf16_step<1, 2>(w, a0, stride, k0, k1, first, resume, c)
-                    : bf16_step<1, 1>(w, a0, stride, k0, k1, first, resume, c);
+          n_blk > 1 ? k_chunk<kBf16, 1, 2>(lines, a0, stride, k0, k1, first, resume, c)
+                    : k_chunk<kBf16, 1, 1>(lines, a0, stride, k0, k1, first, resume, c);
       }
     }
     Tiles::release();
+  }
+
+  // ---- bf16 weights x bf16 activations: fp32 accumulation in tiles across each K chunk, in `out` between them.
+  static void bf16(const RowBlock* w, int n_blk, const uint8_t* act, size_t stride, const ActLayout&, int n_tok,
+                   float* out) {
+    const uint8_t* lines[2] = {w[0].data, n_blk > 1 ? w[1].data : nullptr};
+    chunked<true>(lines, n_blk, w[0].kp, act, stride, n_tok, out, true);
   }
 
   // ---- int8 lines (unsigned, offset `offset`) x int8 activations: int32 per group in tiles, fp32 epilogue.
@@ -180,6 +192,25 @@ struct Gemm {
   static void int8_lines(const uint8_t* const* lines, const float* const* scales, int n_blk, int kp, int group,
                          int32_t offset, const uint8_t* act, size_t stride, const ActLayout& a, int n_tok, float* out,
                          bool prefetch) {
+    // One activation group per row (per-row int8 weights, or all of K in one group): all of K is summed first, in
+    // K steps of 64 (a K of 32 in one group of 32 takes the grouped loop below, whose K step is the group).
+    if (a.group >= kp && kp % 64 == 0) {
+      int32_t* sums = reinterpret_cast<int32_t*>(out);  // the same [n_tok][32] 4-byte cells, converted in place
+      chunked<false>(lines, n_blk, kp, act, stride, n_tok, sums, prefetch);
+      for (int t = 0; t < n_tok; ++t) {
+        const uint8_t* row = act + (size_t)t * stride;
+        const float xs = act_scales(row, a)[0];
+        const int32_t xoff = offset * act_sums(row, a)[0];
+        for (int j = 0; j < n_blk; ++j) {
+          const float* ws = scales[j];  // group 0 (per-row scales repeat in every group)
+          int32_t ci[16];
+          std::memcpy(ci, sums + (size_t)t * kOutStride + 16 * j, sizeof(ci));  // read before the cells are overwritten
+          float* o = out + (size_t)t * kOutStride + 16 * j;
+          for (int r = 0; r < 16; ++r) o[r] = std::fma((float)(ci[r] - xoff), ws[r] * xs, 0.f);
+        }
+      }
+      return;
+    }
     const int kstep = group < 64 ? group : 64, n_steps = group / kstep;
     const int chunk = kChunkInt8 / group * group;
     alignas(64) int32_t c[kTokBlock * kOutStride];
