@@ -30,6 +30,7 @@ struct Bf16Tile {
     const uint8_t* p = w.data;
     for (int j = 0; j < lines; ++j, p += kLineBytes) {
       _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchL2Bytes, _MM_HINT_T1);
       __m512i v = _mm512_load_si512(p);
       __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
       __m512 o = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
@@ -71,6 +72,7 @@ struct Int8Tile {
       for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
       for (int jj = 0; jj < lines_per_group; ++jj, p += kLineBytes) {
         _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchL2Bytes, _MM_HINT_T1);
         const int j = g * lines_per_group + jj;
         __m512i w0 = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(p)));
         __m512i w1 = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32)));
@@ -114,6 +116,7 @@ struct Int4Tile {
       for (int i = 0; i < NT; ++i) acc[i] = _mm512_setzero_si512();
       for (int jj = 0; jj < lines_per_group; ++jj, p += kLineBytes) {
         _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchL2Bytes, _MM_HINT_T1);
         const int j = g * lines_per_group + jj;
         __m512i v = _mm512_load_si512(p);
         __m512i lo = _mm512_and_si512(v, low4);
