@@ -135,7 +135,7 @@ PYBIND11_MODULE(_C, m) {
         const Isa level = runnable_isa(isa);
         const int k = (int)b.shape[0];
         const MatrixShape shape = MatrixShape::make(bindings::format_from_name(fmt), kRowsPerBlock, k, group);
-        const ActLayout a = ActLayout::make(shape, amx, one_group);
+        const ActLayout a = ActLayout::make(shape, amx, one_group ? shape.kp : 0);
         std::string row(a.row_bytes, '\0');
         select_row_ops(level).quantize(shape.format, amx, static_cast<const float*>(b.ptr), k, a,
                                        reinterpret_cast<uint8_t*>(&row[0]));

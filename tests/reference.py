@@ -62,6 +62,12 @@ def moe_reference(x, gate, up, down, topk_ids, topk_weights, skip_mask=None) -> 
     return _moe(x.double(), weights_of, gate.shape[0], topk_ids, topk_weights, skip_mask, same, same)
 
 
+def amx_row_group(intermediate: int) -> int:
+    """csrc/formats/layout.h amx_row_group: the AMX activation group of h for per-row int8 weights."""
+    kp = -(-intermediate // 128) * 128
+    return next((g for g in (1024, 512, 256) if kp % g == 0 and kp // g >= 2), 128)
+
+
 def fake_quantize(v: torch.Tensor, group: int, qmax: int) -> torch.Tensor:
     """Round each row of ``v`` in groups of ``group`` elements like the engine quantizes activations.
 
@@ -90,7 +96,7 @@ def moe_reference_emulated(x, gate_dq, up_dq, down_dq, topk_ids, topk_weights, a
     ``CPUExperts.dequantized(e)``; an entry may be None for an expert that is never routed to.
     activation: ``info()["activation"]`` ("fp32", "int16" or "int8"; "bf16" for AMX experts); group: ``info()["group_size"]``
     (0 = int8 weights with per-row scales, whose activations use groups of 128; "row": the AMX activations of
-    those weights, x in one group per token and h in groups of 128). x is quantized per token
+    those weights, x in one group per token and h in groups of ``amx_row_group(I)``). x is quantized per token
     before gate/up, and h = silu(gate x) * (up x) per (token, expert) before down, both along their rows.
     """
     if activation == "fp32":
@@ -102,7 +108,9 @@ def moe_reference_emulated(x, gate_dq, up_dq, down_dq, topk_ids, topk_weights, a
         g = group if group != "row" and group > 0 else PER_ROW_ACTIVATION_GROUP
         quant = lambda v: fake_quantize(v, g, qmax).double()  # noqa: E731
     quant_x = quant
-    if group == "row":  # AMX experts of per-row int8 weights: x in one group per token (h keeps groups of 128)
-        quant_x = lambda v: fake_quantize(v, v.shape[-1], ACTIVATION_QMAX[activation]).double()  # noqa: E731
+    if group == "row":  # AMX experts of per-row int8 weights: x in one group per token, h in amx_row_group(I)
+        qmax = ACTIVATION_QMAX[activation]
+        quant_x = lambda v: fake_quantize(v, v.shape[-1], qmax).double()  # noqa: E731
+        quant = lambda v: fake_quantize(v, amx_row_group(v.shape[-1]), qmax).double()  # noqa: E731
     weights_of = lambda e: (gate_dq[e].double(), up_dq[e].double(), down_dq[e].double())  # noqa: E731
     return _moe(x.float().double(), weights_of, len(gate_dq), topk_ids, topk_weights, skip_mask, quant_x, quant)

@@ -190,6 +190,18 @@ def test_k_chunks(fmt, path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape", [(4, 160, 1500), (3, 136, 2000)], ids=["h-groups-512", "h-groups-1024"])
+def test_per_row_int8_long_activation_groups(shape, path):
+    """Per-row int8 on AMX: x in one group per token, h in groups of amx_row_group(I) (512: three groups within
+    a K chunk; 1024: one group per chunk), against both references."""
+    T, k = 40, 2
+    x, ids, w = inputs(shape, T, k)
+    out = engine("int8-row", path, shape)(x, ids, w)
+    emu = all_amx_reference("int8-row", shape, T, k)
+    check(out, fp32_reference(shape, T, k), emu, "int8-row", f"int8-row {path} {shape}")
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("fmt", ["bf16", "int8-g128", "int4-g32"])
 def test_mixed_paths_at_threshold(fmt, path):
     """Default-style threshold: experts with >= 4 tokens on AMX, the others on the row-block kernels."""

@@ -5,7 +5,8 @@ On a one-node machine ``numa=2`` cuts the cores into two subpools: the code path
 where the memory lands. Every case compares the split engine with the unsplit one on the same weights.
 
 What is bitwise and what is not:
-  * packing: slice boundaries are multiples of the group size (bf16: 32; per-row int8: 128), so the slices hold
+  * packing: slice boundaries are multiples of the group size (bf16: 32; per-row int8: amx_row_group(I), the
+    AMX activation group of h, at least 128), so the slices hold
     exactly the unsplit engine's bytes, and the activations (x, and h = silu(gate x) * up x, quantized in
     groups along I) round identically: ``dequantized()`` is asserted bitwise equal for every format;
   * outputs: the down projection's dot product over I becomes per-slice partial sums added afterwards, and the
@@ -31,7 +32,7 @@ from cases import FORMATS, make_routing, make_weights, make_x
 from hetmoe import _C, kernels
 from hetmoe.kernels import CPUExperts, ExpertPool, HostFuncs, cpu_info, shared_pool
 from hetmoe.numa import parse_numa, resolve_subpools, topology
-from reference import moe_reference, moe_reference_emulated, rel_err
+from reference import amx_row_group, moe_reference, moe_reference_emulated, rel_err
 
 # The row-block kernels (AVX-512 on the GPU machine, AVX2 here); the AMX path has its own test below, with the
 # tolerances of tests/test_amx.py (its activations are rounded to bf16 / int8).
@@ -104,7 +105,7 @@ def emulated(ex, x, ids, w, skip_mask=None):
 def test_split_matches_unsplit(fmt, shape, one, two):
     a, b = build(fmt, shape, one), build(fmt, shape, two)
     slices = b.info()["numa_slices"]
-    unit = 32 if fmt == "bf16" else (FORMATS[fmt][1] or 128)
+    unit = 32 if fmt == "bf16" else (FORMATS[fmt][1] or amx_row_group(shape[2]))
     assert len(slices) == 2 and slices[0][0] == 0 and slices[-1][1] == shape[2]
     assert slices[0][1] == slices[1][0] and slices[0][1] % unit == 0
     for e in range(shape[0]):
@@ -153,21 +154,25 @@ def test_two_threads_per_subpool():
 
 @pytest.mark.skipif(AMX_PATHS[0] is None, reason="this build has no AMX path")
 @pytest.mark.parametrize("path", AMX_PATHS)
-@pytest.mark.parametrize("fmt", AMX_FP32_TOL)
-def test_amx_path_split(fmt, path, one, two):
+@pytest.mark.parametrize("fmt,shape", [(f, SPLIT) for f in AMX_FP32_TOL] + [("int8-row", (12, 160, 1500))],
+                         ids=list(AMX_FP32_TOL) + ["int8-row-h-groups-512"])
+def test_amx_path_split(fmt, shape, path, one, two):
     """Experts with at least amx_min_tokens tokens take the AMX GEMM (emulated everywhere; native where the
-    CPU has AMX); the others the row-block kernels, in each slice as in the unsplit engine."""
-    a = build(fmt, SPLIT, one, isa=path, amx_min_tokens=3)
-    b = build(fmt, SPLIT, two, isa=path, amx_min_tokens=3)
+    CPU has AMX); the others the row-block kernels, in each slice as in the unsplit engine (per-row int8 with
+    I = 1500: h in AMX groups of 512, the slices cut at 512)."""
+    a = build(fmt, shape, one, isa=path, amx_min_tokens=3)
+    b = build(fmt, shape, two, isa=path, amx_min_tokens=3)
+    if shape != SPLIT:
+        assert [tuple(s) for s in b.info()["numa_slices"]] == [(0, 512), (512, 1500)]
     assert b.amx_min_tokens == 3 and b.info()["amx"] == a.info()["amx"] != "off"
     b.amx_min_tokens = 3  # set on every slice
     for T, k in ((7, 8), (64, 6)):
-        x, ids, w = inputs(SPLIT, T, k)
+        x, ids, w = inputs(shape, T, k)
         ours = b(x, ids, w)
         err = rel_err(ours, a(x, ids, w))
         print(f"{fmt} {path} T={T}: {err:.1e} from the unsplit engine")
         assert err <= SPLIT_TOL
-        assert rel_err(ours, moe_reference(x, *weights(SPLIT), ids, w)) <= AMX_FP32_TOL[fmt]
+        assert rel_err(ours, moe_reference(x, *weights(shape), ids, w)) <= AMX_FP32_TOL[fmt]
 
 
 # ---------------------------------------------------------------- the call contract

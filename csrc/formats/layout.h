@@ -103,11 +103,11 @@ inline size_t act_elem_bytes(WeightFormat f) {
 }
 
 // AMX tiles multiply bf16 x bf16 and int8 x int8 only, so experts computed with AMX read narrower activations:
-// bf16 for bf16 weights, int8 (groups as above, qmax 127) for int8 and int4 weights. `one_group`: one group over
-// the whole row (one scale per token), for x of the gate/up matrices of per-row int8 weights: their AMX GEMM then
-// sums all of K in the tiles with a single fp32 epilogue (kernels/amx/gemm.h). (h keeps groups of 128: the NUMA
-// split cuts I at multiples of 128, and must round h as the unsplit engine does.) Same row layout otherwise; the
-// elements of consecutive rows are A-tile rows (tileloadd base + m * row stride).
+// bf16 for bf16 weights, int8 (groups as above, qmax 127) for int8 and int4 weights. `group` > 0 overrides the
+// matrix's group for per-row int8 weights, whose AMX GEMM sums a whole activation group in the tiles before its one
+// fp32 epilogue (kernels/amx/gemm.h): x gets one group over the whole row (one scale per token), h groups of
+// amx_row_group(I) (the NUMA split cuts I at multiples of it, so slices round h as the unsplit engine does). Same
+// row layout otherwise; the elements of consecutive rows are A-tile rows (tileloadd base + m * row stride).
 inline size_t act_elem_bytes_amx(WeightFormat f) { return f == WeightFormat::bf16 ? 2 : 1; }
 
 struct ActLayout {
@@ -118,10 +118,10 @@ struct ActLayout {
   size_t sums_off;    // byte offset of the int32 sums
   size_t row_bytes;   // 64-byte multiple
 
-  static ActLayout make(const MatrixShape& s, bool amx = false, bool one_group = false) {
+  static ActLayout make(const MatrixShape& s, bool amx = false, int group = 0) {
     ActLayout a;
     a.kp = s.kp;
-    a.group = one_group ? s.kp : s.group;
+    a.group = group > 0 ? group : s.group;  // a divisor of kp
     a.elem_bytes = amx ? act_elem_bytes_amx(s.format) : act_elem_bytes(s.format);
     const int64_t n_groups = s.kp / a.group;
     a.scales_off = (size_t)round_up((int64_t)s.kp * a.elem_bytes, 64);
@@ -130,5 +130,15 @@ struct ActLayout {
     return a;
   }
 };
+
+// The AMX activation group of h (K of the down matrix) for per-row int8 weights with intermediate size I: the
+// largest of 1024, 512, 256 that divides I padded to 128 at least twice (a NUMA split into two stays possible),
+// else 128. Longer groups mean fewer epilogues in the GEMM.
+inline int amx_row_group(int intermediate) {
+  const int64_t kp = round_up(intermediate, 128);
+  for (int g = 1024; g > 128; g /= 2)
+    if (kp % g == 0 && kp / g >= 2) return g;
+  return 128;
+}
 
 }  // namespace hetmoe

@@ -65,12 +65,14 @@ static void check_config(const ExpertsConfig& c) {
 
 MoeExperts::MoeExperts(const ExpertsConfig& cfg, std::shared_ptr<ThreadPool> pool) : cfg_(cfg), pool_(std::move(pool)) {
   check_config(cfg_);
+  if (cfg_.intermediate_full <= 0) cfg_.intermediate_full = cfg_.intermediate;
   gu_ = MatrixShape::make(cfg_.format, cfg_.intermediate, cfg_.hidden, cfg_.group);
   down_ = MatrixShape::make(cfg_.format, cfg_.hidden, cfg_.intermediate, cfg_.group);
   gu_act_ = ActLayout::make(gu_);
   down_act_ = ActLayout::make(down_);
-  gu_amx_act_ = ActLayout::make(gu_, true, gu_.per_row);  // per-row int8: one scale per token (layout.h)
-  down_amx_act_ = ActLayout::make(down_, true);
+  // per-row int8 on AMX: x in one group per token, h in groups of amx_row_group(I) (layout.h)
+  gu_amx_act_ = ActLayout::make(gu_, true, gu_.per_row ? gu_.kp : 0);
+  down_amx_act_ = ActLayout::make(down_, true, down_.per_row ? amx_row_group(cfg_.intermediate_full) : 0);
   if (cfg_.isa == Isa::amx && cfg_.amx == AmxMode::off) cfg_.amx = AmxMode::native;
   kernel_ = select_kernel(cfg_.format, cfg_.isa, cfg_.amx);
   row_ops_ = select_row_ops(cfg_.isa);

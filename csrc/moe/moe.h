@@ -83,6 +83,9 @@ struct ExpertsConfig {
   Isa isa = Isa::scalar;
   AmxMode amx = AmxMode::off;  // isa == amx implies native; emulated: tests only
   int amx_min_tokens = kAmxMinTokens;
+  // The whole expert's I when this config is one NUMA slice of it (0: `intermediate`): per-row int8 experts on AMX
+  // group h by amx_row_group of it, in every slice alike.
+  int intermediate_full = 0;
 };
 
 class MoeExperts {

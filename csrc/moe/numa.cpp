@@ -32,12 +32,16 @@ std::vector<std::pair<int, int>> tp_slices(int intermediate, int unit, int n) {
 NumaExperts::NumaExperts(const ExpertsConfig& cfg, std::shared_ptr<NumaPools> pools)
     : cfg_(cfg), pools_(std::move(pools)) {
   if (!pools_) throw std::invalid_argument("NumaExperts: no subpools");
-  // The unit every boundary is a multiple of: the down matrix's scale group (bf16: the K padding unit).
-  const int unit = cfg_.format == WeightFormat::bf16 ? kBf16Group : (cfg_.group <= 0 ? 128 : cfg_.group);
+  // The unit every boundary is a multiple of: the down matrix's scale group (bf16: the K padding unit; per-row
+  // int8: the AMX activation group of h, formats/layout.h amx_row_group).
+  const int unit = cfg_.format == WeightFormat::bf16 ? kBf16Group
+                   : cfg_.group <= 0                 ? amx_row_group(cfg_.intermediate)
+                                                     : cfg_.group;
   bounds_ = tp_slices(cfg_.intermediate, unit, pools_->size());
   for (size_t s = 0; s < bounds_.size(); ++s) {
     ExpertsConfig c = cfg_;
     c.intermediate = bounds_[s].second - bounds_[s].first;
+    c.intermediate_full = cfg_.intermediate;
     slices_.push_back(std::make_shared<MoeExperts>(c, pools_->pool_ptr((int)s)));  // validates the config
     // Before anything touches the pages: they then fault in on the subpool's node.
     for (auto& [p, n] : slices_.back()->storage()) pools_->bind((int)s, p, n);

@@ -188,10 +188,13 @@ struct Gemm {
   }
 
   // Same chunk / token-block order as bf16; the fp32 accumulators are `out` itself (group order per output is
-  // the same as in the row-block kernels, so int4 gives their exact bits).
-  static void int8_lines(const uint8_t* const* lines, const float* const* scales, int n_blk, int kp, int group,
+  // the same as in the row-block kernels, so int4 gives their exact bits). The loop's group is the activations'
+  // (a.group); the weight scales are read per weight group `wgroup` (the same, except for per-row int8 weights,
+  // whose scales repeat in every group of 128 while their h groups are longer).
+  static void int8_lines(const uint8_t* const* lines, const float* const* scales, int n_blk, int kp, int wgroup,
                          int32_t offset, const uint8_t* act, size_t stride, const ActLayout& a, int n_tok, float* out,
                          bool prefetch) {
+    const int group = a.group;
     // One activation group per row (per-row int8 weights, or all of K in one group): all of K is summed first, in
     // K steps of 64 (a K of 32 in one group of 32 takes the grouped loop below, whose K step is the group).
     if (a.group >= kp && kp % 64 == 0) {
@@ -235,7 +238,7 @@ struct Gemm {
             const float xs = act_scales(row, a)[g];
             const int32_t xoff = offset * act_sums(row, a)[g];
             for (int j = 0; j < n_blk; ++j) {
-              const float* ws = scales[j] + g * kRowsPerBlock;
+              const float* ws = scales[j] + (k0 / wgroup) * kRowsPerBlock;
               const int32_t* ci = c + t * kOutStride + 16 * j;
               float* o = out + (size_t)(m0 + t) * kOutStride + 16 * j;
               for (int r = 0; r < 16; ++r) o[r] = std::fma((float)(ci[r] - xoff), ws[r] * xs, o[r]);
