@@ -104,7 +104,8 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
           [](std::shared_ptr<Experts> ex, uintptr_t x, bool x_bf16, uintptr_t ids, bool ids_int32, uintptr_t weights,
              int k, uintptr_t out, bool out_bf16, bool accumulate, uintptr_t n_tokens_ptr, int64_t n_tokens,
              int64_t capacity, uintptr_t skip_mask, int defer_lowest, const std::string& part, uintptr_t logits,
-             bool logits_bf16, bool norm_topk_prob, uintptr_t addend) {
+             bool logits_bf16, bool norm_topk_prob, uintptr_t addend, const std::string& router, int n_group,
+             int topk_group, float routed_scaling_factor, uintptr_t correction_bias) {
             MoeCall call;
             call.x = ptr<const void>(x);
             call.x_bf16 = x_bf16;
@@ -122,7 +123,18 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
             call.defer_lowest = defer_lowest;
             call.logits = ptr<const void>(logits);
             call.logits_bf16 = logits_bf16;
-            call.norm_topk_prob = norm_topk_prob;
+            if (router == "softmax")
+              call.router.score = RouteScore::softmax;
+            else if (router == "sigmoid_grouped")
+              call.router.score = RouteScore::sigmoid_grouped;
+            else
+              throw std::invalid_argument("router must be softmax or sigmoid_grouped, got '" + router + "'");
+            call.router.norm_topk_prob = norm_topk_prob;
+            call.router.n_group = n_group;
+            call.router.topk_group = topk_group;
+            call.router.scaling = routed_scaling_factor;
+            call.router.bias = ptr<const float>(correction_bias);
+            if (call.logits) check_router(call.router, ex->config().n_expert, k);
             call.addend = ptr<const float>(addend);
             if (part == "all")
               call.part = JobPart::all;
@@ -138,7 +150,8 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
           py::arg("out"), py::arg("out_bf16"), py::arg("accumulate"), py::arg("n_tokens_ptr"), py::arg("n_tokens"),
           py::arg("capacity"), py::arg("skip_mask"), py::arg("defer_lowest") = 0, py::arg("part") = "all",
           py::arg("logits") = 0, py::arg("logits_bf16") = false, py::arg("norm_topk_prob") = false,
-          py::arg("addend") = 0);
+          py::arg("addend") = 0, py::arg("router") = "softmax", py::arg("n_group") = 1, py::arg("topk_group") = 1,
+          py::arg("routed_scaling_factor") = 1.f, py::arg("correction_bias") = 0);
 }
 
 }  // namespace bindings

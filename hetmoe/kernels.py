@@ -442,7 +442,7 @@ class CPUExperts:
         defer: int = 0,
         deferred: bool = False,
         logits: Optional[torch.Tensor] = None,
-        norm_topk_prob: bool = False,
+        router: Optional[HostRouter] = None,
         addend: Optional[torch.Tensor] = None,
     ) -> MoEJob:
         """Bind buffers into a job that can be submitted many times.
@@ -457,10 +457,10 @@ class CPUExperts:
         ones (the rule of ``hetmoe.layers.moe.split_deferred``: among equal weights the earlier slot is the
         lower), both from the same topk_ids / topk_weights.
 
-        Routing on the CPU (the softmax router of Mixtral and Qwen2/3-MoE): with ``logits`` ``[T, E]`` fp32/bf16 the
-        job first routes every token itself (top-k by logit, lower id first among equal logits; softmax weights,
-        renormalised over the top k when ``norm_topk_prob``) and *writes* topk_ids / topk_weights, which are then
-        its outputs. ``addend`` ``[T, H]`` fp32 is added to each token's sum after the experts (out = experts +
+        Routing on the CPU: with ``logits`` ``[T, E]`` fp32/bf16 and a ``router`` (``hetmoe.layers.moe.HostRouter``, its
+        top_k = k) the
+        job first routes every token itself and *writes* topk_ids / topk_weights, which are then its outputs.
+        ``addend`` ``[T, H]`` fp32 is added to each token's sum after the experts (out = experts +
         addend, in that order: the previous layer's deferred output in a hybrid decode step).
         """
         if self._ex.n_loaded == 0:
@@ -490,17 +490,30 @@ class CPUExperts:
         if tuple(out.shape) != (T, H):
             raise ValueError(f"out has shape {tuple(out.shape)}; expected {(T, H)}")
         keep = [x, topk_ids, topk_weights, out]
-        logits_ptr, addend_ptr = 0, 0
+        logits_ptr, addend_ptr, bias_ptr = 0, 0, 0
         if logits is not None:
             _check_tensor("logits", logits, (torch.float32, torch.bfloat16), 2)
             if tuple(logits.shape) != (T, self.num_experts):
                 raise ValueError(f"logits has shape {tuple(logits.shape)}; expected [T={T}, num_experts={self.num_experts}]")
+            if router is None:
+                raise ValueError("a job that routes from logits needs router=HostRouter(...) (hetmoe.layers.moe)")
+            if router.kind not in ("softmax", "sigmoid_grouped"):
+                raise ValueError(f"router kind must be softmax or sigmoid_grouped, got {router.kind!r}")
+            if router.top_k != k:
+                raise ValueError(f"the router's top_k {router.top_k} differs from topk_ids' {k} columns")
             if k > self.num_experts:
                 raise ValueError(f"cannot route to the top {k} of {self.num_experts} experts")
+            if router.correction_bias is not None:
+                _check_tensor("correction_bias", router.correction_bias, (torch.float32,), 1)
+                if router.correction_bias.numel() != self.num_experts:
+                    raise ValueError(f"correction_bias has {router.correction_bias.numel()} entries; expected "
+                                     f"num_experts={self.num_experts}")
+                bias_ptr = router.correction_bias.data_ptr()
+                keep.append(router.correction_bias)
             logits_ptr = logits.data_ptr()
             keep.append(logits)
-        elif norm_topk_prob:
-            raise ValueError("norm_topk_prob applies only to a job that routes from logits")
+        elif router is not None:
+            raise ValueError("router applies only to a job that routes from logits")
         if addend is not None:
             _check_tensor("addend", addend, (torch.float32,), 2)
             if tuple(addend.shape) != (T, H):
@@ -527,7 +540,10 @@ class CPUExperts:
             x.data_ptr(), x.dtype == torch.bfloat16, topk_ids.data_ptr(), topk_ids.dtype == torch.int32,
             topk_weights.data_ptr(), k, out.data_ptr(), out.dtype == torch.bfloat16, bool(accumulate), n_ptr, T, T,
             mask_ptr, int(defer), ("deferred" if deferred else "immediate") if defer else "all",
-            logits_ptr, logits is not None and logits.dtype == torch.bfloat16, bool(norm_topk_prob), addend_ptr,
+            logits_ptr, logits is not None and logits.dtype == torch.bfloat16,
+            bool(router.norm_topk_prob) if router else False, addend_ptr, router.kind if router else "softmax",
+            int(router.n_group) if router else 1, int(router.topk_group) if router else 1,
+            float(router.routed_scaling_factor) if router else 1.0, bias_ptr,
         )
         return MoEJob(job, tuple(keep), self, out)
 

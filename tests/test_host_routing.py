@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hetmoe.kernels import CPUExperts
-from hetmoe.layers.moe import route_softmax, split_deferred
+from hetmoe.layers.moe import HostRouter, route_deepseek_v3, route_softmax, split_deferred
 
 H, I = 64, 32
 
@@ -35,7 +35,7 @@ def test_job_routes_like_route_softmax(E, k, logits_dtype, norm, ids_dtype):
     logits = (3 * torch.randn(T, E, generator=gen)).to(logits_dtype)
     ids = torch.full((T, k), -7, dtype=ids_dtype)
     w = torch.full((T, k), -1.0)
-    out = run(ex, x, ids, w, torch.empty(T, H), logits=logits, norm_topk_prob=norm)
+    out = run(ex, x, ids, w, torch.empty(T, H), logits=logits, router=HostRouter("softmax", k, norm))
     w_ref, ids_ref = route_softmax(logits, k, norm)
     lf = logits.float()
     chosen = lf.gather(1, ids.long())
@@ -55,6 +55,34 @@ def test_job_routes_like_route_softmax(E, k, logits_dtype, norm, ids_dtype):
 
 
 @pytest.mark.parametrize("numa", [None, "2"])
+@pytest.mark.parametrize("E,k,n_group,topk_group", [(16, 4, 4, 2), (64, 8, 8, 4), (32, 6, 1, 1), (16, 2, 8, 3)])
+@pytest.mark.parametrize("norm", [True, False])
+def test_job_routes_like_route_deepseek_v3(E, k, n_group, topk_group, norm, numa):
+    """DeepSeek-V3's sigmoid scores, correction bias and group-limited choice, routed by the job."""
+    gen = torch.Generator().manual_seed(E + k + n_group)
+    T = 11
+    ex = make_experts(E, numa=numa)
+    x = torch.randn(T, H, generator=gen)
+    logits = 2 * torch.randn(T, E, generator=gen)
+    bias = 0.1 * torch.randn(E, generator=gen)  # large enough to change choices (the test below checks it does)
+    router = HostRouter("sigmoid_grouped", k, norm, n_group, topk_group, 2.5, bias)
+    ids, w = torch.zeros(T, k, dtype=torch.int64), torch.zeros(T, k)
+    out = run(ex, x, ids, w, torch.empty(T, H), logits=logits, router=router)
+    w_ref, ids_ref = route_deepseek_v3(logits, bias, k, n_group, topk_group, norm, 2.5)
+    order, order_ref = ids.argsort(-1), ids_ref.argsort(-1)  # torch.topk may return the chosen set in any order
+    assert torch.equal(ids.gather(1, order), ids_ref.gather(1, order_ref))
+    torch.testing.assert_close(w.gather(1, order), w_ref.gather(1, order_ref), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(out, ex(x, ids_ref, w_ref), rtol=1e-5, atol=1e-6)
+    no_bias = HostRouter("sigmoid_grouped", k, norm, n_group, topk_group, 2.5)
+    ids0 = torch.zeros(T, k, dtype=torch.int64)
+    run(ex, x, ids0, torch.zeros(T, k), torch.empty(T, H), logits=logits, router=no_bias)
+    assert torch.equal(ids0.sort(-1).values, route_deepseek_v3(logits, torch.zeros(E), k, n_group, topk_group, norm,
+                                                              2.5)[1].sort(-1).values)
+    if n_group > 1:
+        assert not torch.equal(ids0.sort(-1).values, ids.sort(-1).values)  # the bias changed some choice
+
+
+@pytest.mark.parametrize("numa", [None, "2"])
 def test_job_routing_ties_and_non_finite_rows(numa):
     E, k = 8, 3
     ex = make_experts(E, numa=numa)
@@ -68,7 +96,7 @@ def test_job_routing_ties_and_non_finite_rows(numa):
     T = logits.shape[0]
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(1))
     ids, w = torch.zeros(T, k, dtype=torch.int64), torch.zeros(T, k)
-    out = run(ex, x, ids, w, torch.empty(T, H), logits=logits, norm_topk_prob=True)
+    out = run(ex, x, ids, w, torch.empty(T, H), logits=logits, router=HostRouter("softmax", k, True))
     assert ids[0].tolist() == [1, 2, 4] and ids[1].tolist() == [0, 1, 2] and ids[4].tolist() == [6, 3, 1]
     torch.testing.assert_close(w[0], torch.full((3,), 1 / 3))
     assert torch.isnan(w[2]).all() and torch.isnan(w[3]).all()
@@ -85,7 +113,7 @@ def test_deferral_parts_route_from_logits():
     parts = []
     for deferred in (False, True):
         ids, w = torch.zeros(T, k, dtype=torch.int64), torch.zeros(T, k)
-        parts.append(run(ex, x, ids, w, torch.empty(T, H), logits=logits, norm_topk_prob=True, defer=d,
+        parts.append(run(ex, x, ids, w, torch.empty(T, H), logits=logits, router=HostRouter("softmax", k, True), defer=d,
                          deferred=deferred))
     w_ref, ids_ref = route_softmax(logits, k, True)
     imm_ids, def_ids = split_deferred(ids_ref, w_ref, d)
@@ -115,13 +143,29 @@ def test_bad_routing_arguments_are_refused():
     ex = make_experts(E)
     x, ids, w, out = torch.zeros(T, H), torch.zeros(T, k, dtype=torch.int64), torch.zeros(T, k), torch.zeros(T, H)
     with pytest.raises(ValueError, match=r"logits has shape \(3, 8\); expected \[T=3, num_experts=16\]"):
-        ex.prepare(x, ids, w, out, logits=torch.zeros(T, 8))
+        ex.prepare(x, ids, w, out, logits=torch.zeros(T, 8), router=HostRouter("softmax", k))
     with pytest.raises(ValueError, match="logits has dtype float16"):
-        ex.prepare(x, ids, w, out, logits=torch.zeros(T, E, dtype=torch.float16))
-    with pytest.raises(ValueError, match="norm_topk_prob applies only"):
-        ex.prepare(x, ids, w, out, norm_topk_prob=True)
+        ex.prepare(x, ids, w, out, logits=torch.zeros(T, E, dtype=torch.float16), router=HostRouter("softmax", k))
+    with pytest.raises(ValueError, match="router applies only"):
+        ex.prepare(x, ids, w, out, router=HostRouter("softmax", k))
+    with pytest.raises(ValueError, match="needs router="):
+        ex.prepare(x, ids, w, out, logits=torch.zeros(T, E))
+    with pytest.raises(ValueError, match="router kind must be"):
+        ex.prepare(x, ids, w, out, logits=torch.zeros(T, E), router=HostRouter("sparsemax", k))
+    with pytest.raises(ValueError, match="top_k 3 differs from topk_ids' 4"):
+        ex.prepare(x, ids, w, out, logits=torch.zeros(T, E), router=HostRouter("softmax", 3))
+    with pytest.raises(ValueError, match="n_group 3 does not divide the 16 experts"):
+        ex.prepare(x, ids, w, out, logits=torch.zeros(T, E), router=HostRouter("sigmoid_grouped", k, n_group=3))
+    with pytest.raises(ValueError, match="topk_group must be in"):
+        ex.prepare(x, ids, w, out, logits=torch.zeros(T, E), router=HostRouter("sigmoid_grouped", k, True, 4, 5))
+    with pytest.raises(ValueError, match="hold fewer than top-k"):
+        ex.prepare(x, ids, w, out, logits=torch.zeros(T, E), router=HostRouter("sigmoid_grouped", k, True, 8, 1))
+    with pytest.raises(ValueError, match="correction_bias has 8 entries"):
+        ex.prepare(x, ids, w, out, logits=torch.zeros(T, E),
+                   router=HostRouter("sigmoid_grouped", k, correction_bias=torch.zeros(8)))
     with pytest.raises(ValueError, match="cannot route to the top 20 of 16"):
-        ex.prepare(x, torch.zeros(T, 20, dtype=torch.int64), torch.zeros(T, 20), out, logits=torch.zeros(T, E))
+        ex.prepare(x, torch.zeros(T, 20, dtype=torch.int64), torch.zeros(T, 20), out, logits=torch.zeros(T, E),
+                   router=HostRouter("softmax", 20))
     with pytest.raises(ValueError, match=r"addend has shape \(3, 32\)"):
         ex.prepare(x, ids, w, out, addend=torch.zeros(T, 32))
     with pytest.raises(ValueError, match="addend has dtype bfloat16"):

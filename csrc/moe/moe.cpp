@@ -327,48 +327,9 @@ void check_call(const MoeCall& c) {
     throw std::invalid_argument("a job that routes from logits needs ids and weights buffers to write the routing to");
 }
 
-void route_softmax_rows(const MoeCall& c, int E, int64_t t0, int64_t t1) {
-  const int k = c.k;
-  if (k > E)
-    throw std::invalid_argument("top-k " + std::to_string(k) + " is larger than the number of experts " +
-                                std::to_string(E));
-  std::vector<float> row(E);
-  for (int64_t t = t0; t < t1; ++t) {
-    if (c.logits_bf16) {
-      const uint16_t* src = static_cast<const uint16_t*>(c.logits) + t * E;
-      for (int e = 0; e < E; ++e) row[e] = bf16_to_float(src[e]);
-    } else {
-      std::memcpy(row.data(), static_cast<const float*>(c.logits) + t * E, sizeof(float) * E);
-    }
-    int top[kMaxTopK];
-    float* w = const_cast<float*>(c.weights) + t * k;
-    bool finite = true;
-    for (int e = 0; e < E; ++e) finite &= std::isfinite(row[e]);
-    if (!finite) {
-      for (int j = 0; j < k; ++j) top[j] = j, w[j] = NAN;
-    } else {
-      // insertion into the k best so far, descending; a later id never displaces an equal earlier one
-      int n = 0;
-      for (int e = 0; e < E; ++e) {
-        if (n == k && !(row[e] > row[top[k - 1]])) continue;
-        int i = n < k ? n++ : k - 1;
-        while (i > 0 && row[e] > row[top[i - 1]]) top[i] = top[i - 1], --i;
-        top[i] = e;
-      }
-      const double m = row[top[0]];
-      double z_all = 0, z_top = 0, p[kMaxTopK];
-      for (int e = 0; e < E; ++e) z_all += std::exp((double)row[e] - m);
-      for (int j = 0; j < k; ++j) z_top += p[j] = std::exp((double)row[top[j]] - m);
-      const double z = c.norm_topk_prob ? z_top : z_all;
-      for (int j = 0; j < k; ++j) w[j] = (float)(p[j] / z);
-    }
-    for (int j = 0; j < k; ++j) {
-      if (c.ids_int32)
-        static_cast<int32_t*>(const_cast<void*>(c.ids))[t * k + j] = top[j];
-      else
-        static_cast<int64_t*>(const_cast<void*>(c.ids))[t * k + j] = top[j];
-    }
-  }
+void route_call(const MoeCall& c, int E, int64_t t0, int64_t t1) {
+  route_rows(c.router, c.logits, c.logits_bf16, E, c.k, const_cast<void*>(c.ids), c.ids_int32,
+             const_cast<float*>(c.weights), t0, t1);
 }
 
 // Reads the clock at stage boundaries only while the experts are profiling; hands the sums over at the end.
@@ -470,7 +431,7 @@ void MoeJob::run(ThreadPool& pool) {
   if (T < 0 || T > call_.capacity)
     throw std::invalid_argument("number of tokens " + std::to_string(T) + " is outside [0, " +
                                 std::to_string(call_.capacity) + "], the capacity of this job's buffers");
-  if (call_.logits) route_softmax_rows(call_, experts_->config().n_expert, 0, T);
+  if (call_.logits) route_call(call_, experts_->config().n_expert, 0, T);
   for (int64_t t0 = 0; t0 < T; t0 += kTokensPerChunk)
     run_chunk(pool, t0, std::min(T, t0 + kTokensPerChunk), clock);
 }

@@ -24,6 +24,7 @@
 #include "engine/thread_pool.h"
 #include "formats/layout.h"
 #include "kernels/dispatch.h"
+#include "moe/routing.h"
 
 namespace hetmoe {
 
@@ -179,21 +180,18 @@ struct MoeCall {
   const uint8_t* skip_mask = nullptr;     // [E], nonzero = the CPU skips this expert
   int defer_lowest = 0;                   // d (with part immediate or deferred)
   JobPart part = JobPart::all;
-  // Routing on the CPU (softmax routers: Mixtral, Qwen2/3-MoE): when `logits` is set the job first routes every
-  // token itself (route_softmax_rows) and *writes* ids and weights, which are then its outputs, not inputs.
+  // Routing on the CPU (moe/routing.h): when `logits` is set the job first routes every token itself with `router`
+  // and *writes* ids and weights, which are then its outputs, not inputs.
   const void* logits = nullptr;     // [capacity, n_expert] fp32 or bf16, the router's logits
   bool logits_bf16 = false;
-  bool norm_topk_prob = false;      // renormalise the top-k probabilities to sum 1
+  HostRouter router;
   // [capacity, H] fp32 added to each token's weighted sum before it is stored (after the experts, so the sum is
   // (experts) + addend in that order): the previous layer's deferred output in a hybrid decode step.
   const float* addend = nullptr;
 };
 
-// The softmax router on the CPU for tokens [t0, t1) of `call` (its logits set): per token, the top-k experts by
-// logit (among equal logits the lower id first; a non-finite logit gives the first k ids with NaN weights, so the
-// output is NaN rather than silently finite), weighted by their softmax probability over all experts (computed
-// in double), or renormalised over the top k when norm_topk_prob. Writes call.ids and call.weights.
-void route_softmax_rows(const MoeCall& call, int n_expert, int64_t t0, int64_t t1);
+// Routes tokens [t0, t1) of `call` (its logits set) with call.router: writes call.ids and call.weights.
+void route_call(const MoeCall& call, int n_expert, int64_t t0, int64_t t1);
 
 class StageClock;
 

@@ -196,7 +196,7 @@ void NumaMoeJob::run(ThreadPool& pool) {
     throw std::invalid_argument("number of tokens " + std::to_string(T) + " is outside [0, " +
                                 std::to_string(call_.capacity) + "], the capacity of this job's buffers");
   const int E = experts_->config().n_expert, H = experts_->config().hidden, k = call_.k;
-  if (call_.logits) route_softmax_rows(call_, E, 0, T);  // once here; the slices read the ids it wrote
+  if (call_.logits) route_call(call_, E, 0, T);  // once here; the slices read the ids it wrote
   // Ids are checked here, once, so the error names the token in the whole call (slices see one chunk).
   for (int64_t i = 0; i < T * k; ++i) {
     int64_t id = call_.ids_int32 ? static_cast<const int32_t*>(call_.ids)[i] : static_cast<const int64_t*>(call_.ids)[i];

@@ -14,8 +14,9 @@ the same way without a graph). Per MoE layer, on the main stream unless noted:
 The sync blocks the stream it is on, which is why it sits on a side stream: the main stream keeps computing.
 
 What the GPU does between a layer's attention and the next layer's is on the critical path of a step, so the CPU
-takes what it can: for a softmax router (Mixtral, Qwen2/3-MoE) the jobs route from the logits themselves
-(``route_on_host``: no top-k, renormalisation or float cast kernels, one copy instead of two), and a layer without
+takes what it can: the jobs route from the logits themselves (``route_on_host``; the softmax router of Mixtral and
+Qwen2/3-MoE, DeepSeek-V3's sigmoid group-limited one: no top-k, masking, renormalisation or float cast kernels, one
+copy instead of two), and a layer without
 GPU-resident experts gets its routed output *direct*: the immediate job adds the previous layer's deferred output
 (``addend``, fp32, after its own sum: the order of the GPU add it replaces) and stores the result in the model dtype,
 so one copy comes back and nothing is left to add or cast. A layer with GPU-resident experts needs the ids on the
@@ -37,6 +38,7 @@ Shape letters: T tokens, k experts per token, H hidden size, E experts, C capaci
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Optional
@@ -59,6 +61,7 @@ class _LayerBuffers:
     dev: torch.Tensor  # [C, H] on the device: out copied back
     dev_prev: Optional[torch.Tensor]  # [C, H] fp32 on the device: the previous layer's out_def (not direct only)
     addend: Optional[torch.Tensor]  # direct: the previous layer's out_def, which the immediate job adds
+    bias_src: Optional[torch.Tensor]  # the router's correction bias the jobs were prepared with (a CPU copy of it)
     job: object  # MoEJob over (x, ids, weights, out): every slot, or the immediate ones when defer > 0
     job_def: object  # MoEJob over (x, ids, weights, out_def): each token's `defer` lowest-weighted slots (or None)
     defer: int  # experts per token the jobs defer (they pick the slots themselves: no split on the GPU)
@@ -117,14 +120,16 @@ class HybridDecode:
         return self._buffers.get(id(layer))
 
     def _layer_buffers(self, layer, x: torch.Tensor, k: int, defer: int, logits: Optional[torch.Tensor],
-                       norm_topk_prob: bool, prev: Optional[_LayerBuffers]) -> _LayerBuffers:
+                       router, prev: Optional[_LayerBuffers]) -> _LayerBuffers:
         engine = layer.experts
         direct = layer.gpu is None
         addend = prev.out_def if (direct and prev is not None) else None
         mask = getattr(engine, "skip_mask", None)
-        key = (x.dtype, k, defer, direct, None if logits is None else (logits.dtype, logits.shape[1], bool(norm_topk_prob)))
+        bias_src = router.correction_bias if router is not None else None
+        key = (x.dtype, k, defer, direct, None if logits is None else (logits.dtype, logits.shape[1], router.key()))
         buf = self._buffers.get(id(layer))
-        if buf is not None and buf.mask is mask and buf.addend is addend and buf.key == key:
+        if (buf is not None and buf.mask is mask and buf.addend is addend and buf.bias_src is bias_src
+                and buf.key == key):
             return buf
         if self.fake is None and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("hybrid decode buffers must exist before a CUDA graph is captured (run one eager step)")
@@ -139,12 +144,15 @@ class HybridDecode:
         ids.fill_(-1)
         lg = pinned(C, logits.shape[1], dtype=logits.dtype) if logits is not None else None
         out, out_def = pinned(C, H, dtype=out_dtype), pinned(C, H, dtype=torch.float32)
-        route = dict(logits=lg, norm_topk_prob=bool(norm_topk_prob)) if lg is not None else {}
+        route = {}
+        if lg is not None:  # the jobs read a host copy of the correction bias (a model buffer, fixed after loading)
+            bias = bias_src.detach().float().cpu().contiguous() if bias_src is not None else None
+            route = dict(logits=lg, router=dataclasses.replace(router, correction_bias=bias))
         buf = _LayerBuffers(
             key, mask, xh, ids, w, lg, out, out_def,
             torch.zeros(C, H, dtype=out_dtype, device=x.device),
             None if direct else torch.zeros(C, H, dtype=torch.float32, device=x.device),
-            addend,
+            addend, bias_src,
             engine.prepare(xh, ids, w, out, n_tokens=self.n_tokens, defer=defer, addend=addend, **route),
             engine.prepare(xh, ids, w, out_def, n_tokens=self.n_tokens, defer=defer, deferred=True, **route)
             if defer else None,
@@ -155,20 +163,19 @@ class HybridDecode:
         return buf
 
     def run(self, layer, x: torch.Tensor, topk_ids: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
-            shared=None, defer: int = 0, *, logits: Optional[torch.Tensor] = None, top_k: Optional[int] = None,
-            norm_topk_prob: bool = False) -> torch.Tensor:
+            shared=None, defer: int = 0, *, logits: Optional[torch.Tensor] = None, router=None) -> torch.Tensor:
         """The routed (+ shared) output [T, H] of MoE layer ``layer`` (an ``OffloadedExperts``) in x's dtype.
         ``defer``: experts per token this layer defers to the next MoE layer (0: none; the last layer passes 0).
-        With ``logits`` (and ``top_k``, ``norm_topk_prob``) instead of a routing, the CPU jobs route themselves
-        (softmax routers; only for a layer without GPU-resident experts, which need the ids on the device)."""
+        With ``logits`` and a ``router`` (``kernels.HostRouter``) instead of a routing, the CPU jobs route
+        themselves (only for a layer without GPU-resident experts, which need the ids on the device)."""
         T = x.shape[0]
         if T > self.capacity:
             raise ValueError(f"a hybrid decode step holds at most {self.capacity} tokens, got {T}")
         if logits is not None and layer.gpu is not None:
             raise ValueError("a layer with GPU-resident experts needs its routing on the device, not logits")
-        k = top_k if logits is not None else topk_ids.shape[1]
+        k = router.top_k if logits is not None else topk_ids.shape[1]
         prev, self._pending = self._pending, None
-        buf = self._layer_buffers(layer, x, k, defer, logits, norm_topk_prob, prev)
+        buf = self._layer_buffers(layer, x, k, defer, logits, router if logits is not None else None, prev)
         self._pending = buf if defer else None
         pool, hf = layer.experts.pool, self.host_funcs
         main = self.fake if self.fake is not None else torch.cuda.current_stream(x.device)

@@ -81,6 +81,34 @@ def route_deepseek_v3(
     return weights * routed_scaling_factor, ids
 
 
+@dataclass(frozen=True, eq=False)
+class HostRouter:
+    """A router that a CPU MoE job runs itself from the router's logits (``CPUExperts.prepare(logits=...)``; the C++
+    is csrc/moe/routing.h), the twin of a route function above:
+
+    * ``"softmax"``: ``route_softmax`` (Mixtral, Qwen2/3-MoE): top-k of the softmax, renormalised if norm_topk_prob;
+    * ``"sigmoid_grouped"``: ``route_deepseek_v3`` (DeepSeek-V3/R1, Kimi-K2): sigmoid scores, experts chosen by score +
+      ``correction_bias`` ([E] fp32 on the CPU) within the ``topk_group`` of ``n_group`` groups whose two best biased
+      scores sum highest, weighted by the unbiased score (renormalised if norm_topk_prob) x routed_scaling_factor.
+
+    Among equal values the lower id wins; a token with a non-finite logit gets NaN weights."""
+
+    kind: str
+    top_k: int
+    norm_topk_prob: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    correction_bias: Optional[torch.Tensor] = None
+
+    KINDS = ("softmax", "sigmoid_grouped")
+
+    def key(self) -> tuple:
+        """Everything but the bias tensor (compared by identity where it matters)."""
+        return (self.kind, self.top_k, bool(self.norm_topk_prob), self.n_group, self.topk_group,
+                float(self.routed_scaling_factor))
+
+
 class TorchExperts:
     """Routed experts computed with PyTorch, called like ``CPUExperts.forward``.
 
@@ -178,15 +206,14 @@ class OffloadedExperts:
     def routes_on_host(self, x: torch.Tensor) -> bool:
         """Whether this call takes the router's logits instead of a routing (``forward_logits``): inside a decode
         step whose HybridDecode routes on the host, for a layer without GPU-resident experts (they need the ids on
-        the device). The CPU jobs then compute the softmax top-k themselves: no top-k kernels on the GPU and one
-        copy (the logits) instead of two (ids, weights)."""
+        the device). The CPU jobs then route themselves (``kernels.HostRouter``): no top-k kernels on the GPU and
+        one copy (the logits) instead of two (ids, weights)."""
         return self.streaming(x) and self.hybrid.route_on_host and self.gpu is None
 
-    def forward_logits(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk_prob: bool, shared=None,
-                       defer: int = 0) -> torch.Tensor:
-        """``forward`` for a softmax router's ``logits`` [T, E] (only where ``routes_on_host(x)``)."""
-        return self.hybrid.run(self, x, None, None, shared, defer, logits=logits, top_k=top_k,
-                               norm_topk_prob=norm_topk_prob)
+    def forward_logits(self, x: torch.Tensor, logits: torch.Tensor, router, shared=None, defer: int = 0) -> torch.Tensor:
+        """``forward`` for the router's ``logits`` [T, E] and how to route them (``kernels.HostRouter``), only where
+        ``routes_on_host(x)``."""
+        return self.hybrid.run(self, x, None, None, shared, defer, logits=logits, router=router)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared=None) -> torch.Tensor:
         """Routed experts [T, H] (+ ``shared()``, the model's shared experts, when given)."""
@@ -353,12 +380,12 @@ class DeferredExperts:
         """``OffloadedExperts.routes_on_host`` of the wrapped dispatch (False for any other backend)."""
         return isinstance(self.experts, OffloadedExperts) and self.experts.routes_on_host(x)
 
-    def forward_logits(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
-                       shared=None) -> torch.Tensor:
-        """``forward`` for a softmax router's logits, inside a decode step that routes on the host."""
-        position = self._check_d(top_k)
+    def forward_logits(self, x: torch.Tensor, logits: torch.Tensor, router, shared=None) -> torch.Tensor:
+        """``forward`` for the router's logits (``OffloadedExperts.forward_logits``), inside a decode step that routes
+        on the host."""
+        position = self._check_d(router.top_k)
         defer = self.d if position in ("first", "middle") else 0
-        return self.experts.forward_logits(x, logits, top_k, norm_topk_prob, shared, defer)
+        return self.experts.forward_logits(x, logits, router, shared, defer)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared=None) -> torch.Tensor:
         """R_imm_l(x_l) + R_def_{l-1}(x_{l-1}) [T, H] (+ ``shared()``, the model's shared experts, when given)."""

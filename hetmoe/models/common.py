@@ -14,7 +14,7 @@ from torch import nn
 
 from hetmoe.layers.attention import KVCache, Step
 from hetmoe.layers.linear import FusedLinears
-from hetmoe.layers.moe import route_softmax
+from hetmoe.layers.moe import HostRouter, route_softmax
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import cos_sin, inv_frequencies
 from hetmoe.models.config import ModelConfig
@@ -49,13 +49,19 @@ def routed_and_shared(experts, flat: torch.Tensor, ids: torch.Tensor, weights: t
     return out if dense is None else out + dense
 
 
+def routes_on_host(experts, flat: torch.Tensor) -> bool:
+    """Whether the experts backend takes this call's router logits and routes on the host (the CPU engine inside a
+    hybrid decode step: ``OffloadedExperts.routes_on_host``)."""
+    on_host = getattr(experts, "routes_on_host", None)
+    return on_host is not None and on_host(flat)
+
+
 def softmax_routed_and_shared(experts, flat: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
                               shared) -> torch.Tensor:
     """route_softmax, then ``routed_and_shared``; or, where the backend routes this call on the host
     (``routes_on_host``: the CPU engine inside a hybrid decode step), the logits handed over unrouted."""
-    on_host = getattr(experts, "routes_on_host", None)
-    if on_host is not None and on_host(flat):
-        return experts.forward_logits(flat, logits, top_k, norm_topk_prob, shared=shared)
+    if routes_on_host(experts, flat):
+        return experts.forward_logits(flat, logits, HostRouter("softmax", top_k, norm_topk_prob), shared=shared)
     weights, ids = route_softmax(logits, top_k, norm_topk_prob)  # [T, k]
     return routed_and_shared(experts, flat, ids, weights, shared)
 

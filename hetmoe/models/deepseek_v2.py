@@ -24,10 +24,10 @@ from torch import nn
 
 from hetmoe.layers.attention import KVCache, Step, attend
 from hetmoe.layers.linear import FusedLinears
-from hetmoe.layers.moe import route_deepseek_v2, route_deepseek_v3
+from hetmoe.layers.moe import HostRouter, route_deepseek_v2, route_deepseek_v3
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import inv_frequencies, yarn_get_mscale, yarn_parameters
-from hetmoe.models.common import CausalLM, PreNormDecoderLayer, SwiGLUMLP, routed_and_shared
+from hetmoe.models.common import CausalLM, PreNormDecoderLayer, SwiGLUMLP, routed_and_shared, routes_on_host
 from hetmoe.models.config import ModelConfig
 
 
@@ -78,6 +78,11 @@ class DeepseekV3TopkRouter(DeepseekV2TopkRouter):
         return route_deepseek_v3(self.logits(flat), self.e_score_correction_bias, self.top_k, self.n_group,
                                  self.topk_group, self.norm_topk_prob, self.routed_scaling_factor)
 
+    def host_router(self) -> HostRouter:
+        """The same routing as ``forward``, for a CPU job to run from the logits."""
+        return HostRouter("sigmoid_grouped", self.top_k, self.norm_topk_prob, self.n_group, self.topk_group,
+                          self.routed_scaling_factor, self.e_score_correction_bias)
+
 
 class DeepseekV2Moe(nn.Module):
     """route -> experts backend, plus the shared experts (moe_intermediate_size * n_shared_experts)."""
@@ -96,8 +101,11 @@ class DeepseekV2Moe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H]
         flat = x.reshape(-1, x.shape[-1])  # [T, H]
-        weights, ids = self.gate(flat)  # [T, k]
         shared = (lambda: self.shared_experts(flat)) if self.shared_experts is not None else (lambda: None)
+        if hasattr(self.gate, "host_router") and routes_on_host(self.experts, flat):  # V3: the CPU jobs route
+            return self.experts.forward_logits(flat, self.gate.logits(flat), self.gate.host_router(),
+                                               shared=shared).view_as(x)
+        weights, ids = self.gate(flat)  # [T, k]
         return routed_and_shared(self.experts, flat, ids, weights, shared).view_as(x)
 
 
