@@ -195,7 +195,7 @@ void route_call(const MoeCall& call, int n_expert, int64_t t0, int64_t t1);
 
 class StageClock;
 
-constexpr int kMaxTopK = 64;  // experts per token a job takes
+constexpr int kMaxTopK = kMaxRoutedTopK;  // experts per token a job takes
 // Throws std::invalid_argument when a call's k or deferral fields are out of range (every job's constructor runs it).
 void check_call(const MoeCall& call);
 

@@ -67,7 +67,8 @@ void sigmoid_grouped(const HostRouter& r, const float* row, int E, int k, std::v
 
 void check_router(const HostRouter& r, int E, int k) {
   auto bad = [](const std::string& m) { throw std::invalid_argument(m); };
-  if (k < 1 || k > E) bad("cannot route to the top " + std::to_string(k) + " of " + std::to_string(E) + " experts");
+  if (k < 1 || k > E || k > kMaxRoutedTopK)
+    bad("cannot route to the top " + std::to_string(k) + " of " + std::to_string(E) + " experts");
   if (r.score == RouteScore::sigmoid_grouped) {
     if (r.n_group < 1 || E % r.n_group != 0)
       bad("n_group " + std::to_string(r.n_group) + " does not divide the " + std::to_string(E) + " experts");
@@ -93,7 +94,7 @@ void route_rows(const HostRouter& r, const void* logits, bool logits_bf16, int E
     } else {
       std::memcpy(row.data(), static_cast<const float*>(logits) + t * E, sizeof(float) * E);
     }
-    int top[64];  // k <= kMaxTopK (moe.h), checked by every job
+    int top[kMaxRoutedTopK];
     float* w = weights + t * k;
     bool finite = true;
     for (int e = 0; e < E; ++e) finite &= std::isfinite(row[e]);

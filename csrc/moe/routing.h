@@ -14,6 +14,8 @@ namespace hetmoe {
 
 enum class RouteScore : int { softmax = 0, sigmoid_grouped = 1 };
 
+constexpr int kMaxRoutedTopK = 64;  // the jobs' own bound (moe.h kMaxTopK)
+
 struct HostRouter {
   RouteScore score = RouteScore::softmax;
   bool norm_topk_prob = false;

@@ -101,8 +101,6 @@ class HostRouter:
     routed_scaling_factor: float = 1.0
     correction_bias: Optional[torch.Tensor] = None
 
-    KINDS = ("softmax", "sigmoid_grouped")
-
     def key(self) -> tuple:
         """Everything but the bias tensor (compared by identity where it matters)."""
         return (self.kind, self.top_k, bool(self.norm_topk_prob), self.n_group, self.topk_group,
