@@ -166,7 +166,7 @@ class HybridDecode:
             shared=None, defer: int = 0, *, logits: Optional[torch.Tensor] = None, router=None) -> torch.Tensor:
         """The routed (+ shared) output [T, H] of MoE layer ``layer`` (an ``OffloadedExperts``) in x's dtype.
         ``defer``: experts per token this layer defers to the next MoE layer (0: none; the last layer passes 0).
-        With ``logits`` and a ``router`` (``kernels.HostRouter``) instead of a routing, the CPU jobs route
+        With ``logits`` and a ``router`` (``layers.moe.HostRouter``) instead of a routing, the CPU jobs route
         themselves (only for a layer without GPU-resident experts, which need the ids on the device)."""
         T = x.shape[0]
         if T > self.capacity:

@@ -204,12 +204,12 @@ class OffloadedExperts:
     def routes_on_host(self, x: torch.Tensor) -> bool:
         """Whether this call takes the router's logits instead of a routing (``forward_logits``): inside a decode
         step whose HybridDecode routes on the host, for a layer without GPU-resident experts (they need the ids on
-        the device). The CPU jobs then route themselves (``kernels.HostRouter``): no top-k kernels on the GPU and
+        the device). The CPU jobs then route themselves (``layers.moe.HostRouter``): no top-k kernels on the GPU and
         one copy (the logits) instead of two (ids, weights)."""
         return self.streaming(x) and self.hybrid.route_on_host and self.gpu is None
 
     def forward_logits(self, x: torch.Tensor, logits: torch.Tensor, router, shared=None, defer: int = 0) -> torch.Tensor:
-        """``forward`` for the router's ``logits`` [T, E] and how to route them (``kernels.HostRouter``), only where
+        """``forward`` for the router's ``logits`` [T, E] and how to route them (``layers.moe.HostRouter``), only where
         ``routes_on_host(x)``."""
         return self.hybrid.run(self, x, None, None, shared, defer, logits=logits, router=router)
 
