@@ -494,7 +494,8 @@ class CPUExperts:
         if logits is not None:
             _check_tensor("logits", logits, (torch.float32, torch.bfloat16), 2)
             if tuple(logits.shape) != (T, self.num_experts):
-                raise ValueError(f"logits has shape {tuple(logits.shape)}; expected [T={T}, num_experts={self.num_experts}]")
+                raise ValueError(f"logits has shape {tuple(logits.shape)}; expected "
+                                 f"[T={T}, num_experts={self.num_experts}]")
             if router is None:
                 raise ValueError("a job that routes from logits needs router=HostRouter(...) (hetmoe.layers.moe)")
             if router.kind not in ("softmax", "sigmoid_grouped"):

@@ -113,7 +113,8 @@ def test_deferral_parts_route_from_logits():
     parts = []
     for deferred in (False, True):
         ids, w = torch.zeros(T, k, dtype=torch.int64), torch.zeros(T, k)
-        parts.append(run(ex, x, ids, w, torch.empty(T, H), logits=logits, router=HostRouter("softmax", k, True), defer=d,
+        parts.append(run(ex, x, ids, w, torch.empty(T, H), logits=logits, router=HostRouter("softmax", k, True),
+                         defer=d,
                          deferred=deferred))
     w_ref, ids_ref = route_softmax(logits, k, True)
     imm_ids, def_ids = split_deferred(ids_ref, w_ref, d)

@@ -73,7 +73,8 @@ void check_router(const HostRouter& r, int E, int k) {
     if (r.n_group < 1 || E % r.n_group != 0)
       bad("n_group " + std::to_string(r.n_group) + " does not divide the " + std::to_string(E) + " experts");
     if (r.topk_group < 1 || r.topk_group > r.n_group)
-      bad("topk_group must be in [1, n_group = " + std::to_string(r.n_group) + "], got " + std::to_string(r.topk_group));
+      bad("topk_group must be in [1, n_group = " + std::to_string(r.n_group) + "], got " +
+          std::to_string(r.topk_group));
     if ((int64_t)r.topk_group * (E / r.n_group) < k)
       bad("topk_group " + std::to_string(r.topk_group) + " groups of " + std::to_string(E / r.n_group) +
           " experts hold fewer than top-k " + std::to_string(k));

@@ -90,7 +90,7 @@ class HybridDecode:
         self.n_tokens = torch.zeros(1, dtype=torch.int64, pin_memory=self.pin)  # T the jobs read when they run
         self.active = False
         self.cpu = True
-        self.route_on_host = True  # softmax routers: the CPU jobs route from the logits (OffloadedExperts.routes_on_host)
+        self.route_on_host = True  # the CPU jobs route from the logits (OffloadedExperts.routes_on_host)
         self._buffers: dict = {}  # id(OffloadedExperts) -> _LayerBuffers
         self._pending: Optional[_LayerBuffers] = None  # the layer whose deferred job is in flight
         self.pools: set = set()

@@ -208,7 +208,8 @@ class OffloadedExperts:
         one copy (the logits) instead of two (ids, weights)."""
         return self.streaming(x) and self.hybrid.route_on_host and self.gpu is None
 
-    def forward_logits(self, x: torch.Tensor, logits: torch.Tensor, router, shared=None, defer: int = 0) -> torch.Tensor:
+    def forward_logits(self, x: torch.Tensor, logits: torch.Tensor, router, shared=None,
+                       defer: int = 0) -> torch.Tensor:
         """``forward`` for the router's ``logits`` [T, E] and how to route them (``layers.moe.HostRouter``), only where
         ``routes_on_host(x)``."""
         return self.hybrid.run(self, x, None, None, shared, defer, logits=logits, router=router)
