@@ -502,8 +502,6 @@ class CPUExperts:
                 raise ValueError(f"router kind must be softmax or sigmoid_grouped, got {router.kind!r}")
             if router.top_k != k:
                 raise ValueError(f"the router's top_k {router.top_k} differs from topk_ids' {k} columns")
-            if k > self.num_experts:
-                raise ValueError(f"cannot route to the top {k} of {self.num_experts} experts")
             if router.correction_bias is not None:
                 _check_tensor("correction_bias", router.correction_bias, (torch.float32,), 1)
                 if router.correction_bias.numel() != self.num_experts:

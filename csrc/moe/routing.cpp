@@ -1,5 +1,6 @@
 #include "moe/routing.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -34,15 +35,26 @@ void softmax_weights(const HostRouter& r, const float* row, int E, int k, const 
   for (int j = 0; j < k; ++j) w[j] = (float)(std::exp((double)row[top[j]] - m) / z);
 }
 
+// Per-call scratch of the routers (allocated once per job, not per token).
+struct RouteScratch {
+  std::vector<float> row, s, b, group_score;
+  std::vector<uint8_t> allowed;
+  std::vector<int> groups;
+  RouteScratch(int E, const HostRouter& r)
+      : row(E), s(E), b(E), group_score(r.n_group), allowed(E), groups(r.topk_group) {}
+};
+
 // route_deepseek_v3, in fp32 like the PyTorch function.
-void sigmoid_grouped(const HostRouter& r, const float* row, int E, int k, std::vector<float>& s,
-                     std::vector<float>& b, std::vector<uint8_t>& allowed, int* top, float* w) {
+void sigmoid_grouped(const HostRouter& r, const float* row, int E, int k, RouteScratch& sc, int* top, float* w) {
+  std::vector<float>& s = sc.s;
+  std::vector<float>& b = sc.b;
+  std::vector<uint8_t>& allowed = sc.allowed;
+  std::vector<float>& group_score = sc.group_score;
   const int G = r.n_group, per = E / G;
   for (int e = 0; e < E; ++e) {
     s[e] = 1.f / (1.f + std::exp(-row[e]));
     b[e] = s[e] + (r.bias ? r.bias[e] : 0.f);
   }
-  std::vector<float> group_score(G);
   for (int g = 0; g < G; ++g) {
     int best[2] = {0, 0};
     const int n2 = per < 2 ? per : 2;
@@ -50,10 +62,9 @@ void sigmoid_grouped(const HostRouter& r, const float* row, int E, int k, std::v
     group_score[g] = 0.f;
     for (int i = 0; i < n2; ++i) group_score[g] += b[g * per + best[i]];
   }
-  std::vector<int> groups(r.topk_group);
-  top_k(group_score.data(), G, r.topk_group, nullptr, groups.data());
+  top_k(group_score.data(), G, r.topk_group, nullptr, sc.groups.data());
   std::fill(allowed.begin(), allowed.end(), 0);
-  for (int g : groups) std::fill(allowed.begin() + g * per, allowed.begin() + (g + 1) * per, 1);
+  for (int g : sc.groups) std::fill(allowed.begin() + g * per, allowed.begin() + (g + 1) * per, 1);
   top_k(b.data(), E, k, allowed.data(), top);
   float sum = 0.f;
   for (int j = 0; j < k; ++j) sum += w[j] = s[top[j]];
@@ -86,8 +97,8 @@ void check_router(const HostRouter& r, int E, int k) {
 void route_rows(const HostRouter& r, const void* logits, bool logits_bf16, int E, int k, void* ids, bool ids_int32,
                 float* weights, int64_t t0, int64_t t1) {
   check_router(r, E, k);
-  std::vector<float> row(E), s(E), b(E);
-  std::vector<uint8_t> allowed(E);
+  RouteScratch sc(E, r);
+  std::vector<float>& row = sc.row;
   for (int64_t t = t0; t < t1; ++t) {
     if (logits_bf16) {
       const uint16_t* src = static_cast<const uint16_t*>(logits) + t * E;
@@ -105,7 +116,7 @@ void route_rows(const HostRouter& r, const void* logits, bool logits_bf16, int E
       top_k(row.data(), E, k, nullptr, top);
       softmax_weights(r, row.data(), E, k, top, w);
     } else {
-      sigmoid_grouped(r, row.data(), E, k, s, b, allowed, top, w);
+      sigmoid_grouped(r, row.data(), E, k, sc, top, w);
     }
     for (int j = 0; j < k; ++j) {
       if (ids_int32)
