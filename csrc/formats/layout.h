@@ -26,6 +26,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace hetmoe {
 
@@ -128,6 +129,66 @@ struct ActLayout {
     a.sums_off = a.scales_off + (size_t)round_up(n_groups * 4, 64);
     a.row_bytes = a.sums_off + (size_t)round_up(n_groups * 4, 64);
     return a;
+  }
+};
+
+// The activations an AMX GEMM reads, stored as its A tiles ("panel"). Rows (one per token and expert) come in
+// blocks of 16, and each expert's rows start a new block. Inside a block the 16 rows' elements (the element part
+// of an ActLayout row, scales_off bytes) are cut in 64-byte pieces, and piece c of all 16 rows is one contiguous
+// 1 KB tile at block + c * 1024 (row m at + m * 64): a tile load reads 16 consecutive cache lines, not 16 lines a
+// row apart. Each row's scales and sums (the rest of the ActLayout row, same offsets relative to scales_off)
+// live in `meta`, meta_bytes per row.
+struct AmxPanel {
+  uint8_t* tiles = nullptr;
+  uint8_t* meta = nullptr;
+  size_t block_bytes = 0;  // 16 * scales_off
+  size_t meta_bytes = 0;   // row_bytes - scales_off
+  size_t sums_rel = 0;     // sums_off - scales_off
+
+  static AmxPanel make(const ActLayout& a, uint8_t* tiles, uint8_t* meta) {
+    AmxPanel p;
+    p.tiles = tiles;
+    p.meta = meta;
+    p.block_bytes = 16 * a.scales_off;
+    p.meta_bytes = a.row_bytes - a.scales_off;
+    p.sums_rel = a.sums_off - a.scales_off;
+    return p;
+  }
+  // Bytes of a panel of n_rows rows (a multiple of 16): tiles, then meta.
+  static size_t tile_bytes(const ActLayout& a, int64_t n_rows) { return (size_t)n_rows * a.scales_off; }
+  static size_t meta_bytes_of(const ActLayout& a, int64_t n_rows) {
+    return (size_t)n_rows * (a.row_bytes - a.scales_off);
+  }
+
+  // Byte `byte` of row `row`'s elements; the 16 rows of a tile follow at a stride of 64 bytes.
+  uint8_t* at(int64_t row, size_t byte) const {
+    return tiles + (size_t)(row / 16) * block_bytes + (byte / 64) * 1024 + (size_t)(row % 16) * 64 + byte % 64;
+  }
+  const float* scales(int64_t row) const { return reinterpret_cast<const float*>(meta + (size_t)row * meta_bytes); }
+  const int32_t* sums(int64_t row) const {
+    return reinterpret_cast<const int32_t*>(meta + (size_t)row * meta_bytes + sums_rel);
+  }
+  // The same panel from row `row0` (a multiple of 16) on.
+  AmxPanel from(int64_t row0) const {
+    AmxPanel p = *this;
+    p.tiles = tiles + (size_t)(row0 / 16) * block_bytes;
+    p.meta = meta + (size_t)row0 * meta_bytes;
+    return p;
+  }
+  // Row `row` := an ActLayout activation row (`elem_bytes` = a.scales_off), or zeros when src is null.
+  void store(int64_t row, const uint8_t* src, size_t elem_bytes) const {
+    for (size_t c = 0; c < elem_bytes; c += 64) {
+      uint8_t* dst = at(row, c);
+      if (src)
+        std::memcpy(dst, src + c, 64);
+      else
+        std::memset(dst, 0, 64);
+    }
+    uint8_t* m = meta + (size_t)row * meta_bytes;
+    if (src)
+      std::memcpy(m, src + elem_bytes, meta_bytes);
+    else
+      std::memset(m, 0, meta_bytes);
   }
 };
 

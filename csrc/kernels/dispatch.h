@@ -24,13 +24,15 @@ constexpr int kPrefetchL2Bytes = 4096;
 using RowBlockKernel = void (*)(const RowBlock& w, const uint8_t* const* act_rows, const ActLayout& act, int n_tok,
                                 float* out /* [n_tok][16] */);
 
-// A GEMM over many tokens of one expert (kernels/amx/gemm.h): one or two packed row blocks, tokens read as
-// A-tile rows from AMX activation rows (ActLayout::make(shape, true)) at a fixed stride:
+// A GEMM over many tokens of one expert (kernels/amx/gemm.h): one or two packed row blocks, tokens read as A
+// tiles from an activation panel (formats/layout.h AmxPanel) of AMX activation rows (ActLayout::make(shape, true)):
 //     out[t * 32 + 16 * j + r] = sum_k W_j[r][k] * a_t[k]      for t < n_tok, j < n_blk (1 or 2), r < 16
-// with a_t = act + t * act_stride. Rows up to round_up(n_tok, 16) are read (the caller provides them; rows
-// past n_tok only feed outputs that are not used). out has round_up(n_tok, 32) rows (those past n_tok: scratch).
-using GemmKernel = void (*)(const RowBlock* w, int n_blk, const uint8_t* act, size_t act_stride, const ActLayout& a,
-                            int n_tok, float* out /* [round_up(n_tok, 32)][32] */);
+// with a_t = panel row t. Rows up to round_up(n_tok, 16) are read (the caller provides them; rows past n_tok only
+// feed outputs that are not used). out has round_up(n_tok, 32) rows (those past n_tok: scratch).
+// `next` (n_next blocks, or null): the row blocks of the caller's next call, whose first weights this call
+// prefetches into L2 while it ends.
+using GemmKernel = void (*)(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
+                            const ActLayout& a, int n_tok, float* out /* [round_up(n_tok, 32)][32] */);
 
 struct KernelEntry {
   RowBlockKernel rowblock = nullptr;
@@ -88,12 +90,12 @@ void rowblock_int8(const RowBlock&, const uint8_t* const*, const ActLayout&, int
 void rowblock_int4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 }  // namespace avx512
 namespace amx {  // kernels/amx/kernels.cpp (real tile instructions) and emulated.cpp (plain C++)
-void gemm_bf16(const RowBlock*, int, const uint8_t*, size_t, const ActLayout&, int, float*);
-void gemm_int8(const RowBlock*, int, const uint8_t*, size_t, const ActLayout&, int, float*);
-void gemm_int4(const RowBlock*, int, const uint8_t*, size_t, const ActLayout&, int, float*);
-void emulated_gemm_bf16(const RowBlock*, int, const uint8_t*, size_t, const ActLayout&, int, float*);
-void emulated_gemm_int8(const RowBlock*, int, const uint8_t*, size_t, const ActLayout&, int, float*);
-void emulated_gemm_int4(const RowBlock*, int, const uint8_t*, size_t, const ActLayout&, int, float*);
+void gemm_bf16(const RowBlock*, int, const RowBlock*, int, const AmxPanel&, const ActLayout&, int, float*);
+void gemm_int8(const RowBlock*, int, const RowBlock*, int, const AmxPanel&, const ActLayout&, int, float*);
+void gemm_int4(const RowBlock*, int, const RowBlock*, int, const AmxPanel&, const ActLayout&, int, float*);
+void emulated_gemm_bf16(const RowBlock*, int, const RowBlock*, int, const AmxPanel&, const ActLayout&, int, float*);
+void emulated_gemm_int8(const RowBlock*, int, const RowBlock*, int, const AmxPanel&, const ActLayout&, int, float*);
+void emulated_gemm_int4(const RowBlock*, int, const RowBlock*, int, const AmxPanel&, const ActLayout&, int, float*);
 // The tile unit's own rate: `rounds` x 4 independent tdpbf16ps / tdpbsud on register tiles, nothing loaded or
 // stored in the loop (native AMX builds only); returns the multiply-adds done.
 uint64_t peak_loop(bool bf16, int64_t rounds);

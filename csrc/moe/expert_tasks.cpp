@@ -43,13 +43,14 @@ void check_amx_thread(const MoeExperts& ex) {
     throw std::runtime_error("AMX permission refused on a pool thread (arch_prctl ARCH_REQ_XCOMP_PERM)");
 }
 
-// The start of an AMX task on n slots from s0: the thread's AMX permission checked, `out` set to its GEMM output
-// scratch (round_up(n, 32) rows of 32 floats); returns the task's first activation row.
-const uint8_t* amx_task_start(const MoeExperts& ex, const PhaseInput& in, int s0, int n, ThreadPool& pool, int thread,
-                              float*& out) {
+// The start of an AMX task: the thread's AMX permission checked, `out` set to its GEMM output scratch
+// (round_up(n, 32) rows of 32 floats); returns the panel from the task's first token on (m0 is a multiple of 32).
+AmxPanel amx_task_start(const MoeExperts& ex, const PhaseInput& in, const Task& task, ThreadPool& pool, int thread,
+                        float*& out) {
   check_amx_thread(ex);
+  const int n = task.m1 - task.m0;
   out = reinterpret_cast<float*>(pool.thread_scratch(thread, sizeof(float) * 32 * ((n + 31) / 32 * 32)));
-  return in.amx_rows + (size_t)s0 * in.amx_stride;
+  return in.amx.from(in.amx_first[task.e] + task.m0);
 }
 
 }  // namespace
@@ -102,10 +103,13 @@ void run_gate_up_task(const MoeExperts& ex, const Task& task, const PhaseInput& 
   const KernelEntry& kernel = ex.kernel();
   if (task.amx) {
     float* o;
-    const uint8_t* act = amx_task_start(ex, in, s0, n, pool, thread, o);
+    const AmxPanel x = amx_task_start(ex, in, task, pool, thread, o);
     for (int rb = task.rb0; rb < task.rb1; ++rb) {
       const RowBlock w[2] = {ex.gate_up_block(task.e, rb, 0), ex.gate_up_block(task.e, rb, 1)};
-      kernel.gemm(w, 2, act, in.amx_stride, ex.gate_up_amx_act(), n, o);  // o[i] = gate rows 0..15, up 0..15
+      const bool more = rb + 1 < task.rb1;
+      const RowBlock next[2] = {more ? ex.gate_up_block(task.e, rb + 1, 0) : w[0],
+                                more ? ex.gate_up_block(task.e, rb + 1, 1) : w[1]};
+      kernel.gemm(w, 2, more ? next : nullptr, 2, x, ex.gate_up_amx_act(), n, o);  // o[i] = gate 0..15, up 0..15
       store_swiglu(o, o + kRowsPerBlock, 2 * kRowsPerBlock, n, rb, I, h + (size_t)s0 * I);
     }
     return;
@@ -126,11 +130,14 @@ void run_down_task(const MoeExperts& ex, const Task& task, const PhaseInput& in,
   const KernelEntry& kernel = ex.kernel();
   if (task.amx) {
     float* o;
-    const uint8_t* act = amx_task_start(ex, in, s0, n, pool, thread, o);
+    const AmxPanel x = amx_task_start(ex, in, task, pool, thread, o);
     for (int rb = task.rb0; rb < task.rb1; rb += 2) {
       const int n_blk = std::min(2, task.rb1 - rb);
       const RowBlock w[2] = {ex.down_block(task.e, rb), ex.down_block(task.e, n_blk > 1 ? rb + 1 : rb)};
-      kernel.gemm(w, n_blk, act, in.amx_stride, ex.down_amx_act(), n, o);
+      const int n_next = std::min(2, task.rb1 - rb - 2);
+      const RowBlock next[2] = {n_next > 0 ? ex.down_block(task.e, rb + 2) : w[0],
+                                n_next > 1 ? ex.down_block(task.e, rb + 3) : w[0]};
+      kernel.gemm(w, n_blk, n_next > 0 ? next : nullptr, n_next, x, ex.down_amx_act(), n, o);
       const int r_end = std::min(kRowsPerBlock * n_blk, H - rb * kRowsPerBlock);
       for (int i = 0; i < n; ++i)
         std::memcpy(y + (size_t)(s0 + i) * H + rb * kRowsPerBlock, o + i * 32, sizeof(float) * r_end);

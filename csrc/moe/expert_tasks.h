@@ -40,8 +40,8 @@ void make_tasks(const std::vector<int>& active, const std::vector<int>& count, i
 // What the tasks of one phase read. Slot s of expert e is first[e] + i for its i-th token.
 struct PhaseInput {
   const uint8_t* const* rows;  // [n_slots] row-block kernel activation row of each slot
-  const uint8_t* amx_rows;     // AMX activation rows: slot s at amx_rows + s * amx_stride (+16 readable rows)
-  size_t amx_stride;
+  AmxPanel amx;                // AMX experts' activations: the i-th token of expert e is panel row amx_first[e] + i
+  const int* amx_first;        // [E] a multiple of 16 (AMX experts only)
   const int* first;            // [E]
 };
 

@@ -367,7 +367,7 @@ inline void load_row_fp32(const RowOps& ops, const void* base, bool bf16, int64_
   }
 }
 
-constexpr int kAmxScratchSlot = 8;  // pool scratch slot of the gathered AMX activations of x
+constexpr int kAmxScratchSlot = 8;  // pool scratch slots: AMX rows of x per token (8), the panels of x (9) and h (10)
 
 // Tokens per AMX task: its activation panel (tokens x K), re-read for every row block of the task, stays
 // within 1.5 MiB of the 2 MiB L2 (the GEMM's own weight chunk is 32 KB).
@@ -499,9 +499,28 @@ void MoeJob::run_chunk(ThreadPool& pool, int64_t t0, int64_t t1, StageClock& clo
     const ActLayout& gxa = ex.gate_up_amx_act();
     const ActLayout& dxa = ex.down_amx_act();
     std::vector<const uint8_t*> x_rows(n_slots), h_rows(n_slots);
+    // AMX experts' rows in the activation panels (layout.h AmxPanel): each expert starts a block of 16 rows;
+    // panel_row[s] is slot s's row, and the rows that pad an expert's last block are zero.
+    std::vector<int> amx_first(E, 0), panel_row(n_amx_slots);
+    int n_panel = 0;
+    for (int i = 0; i < n_amx; ++i) {
+      const int e = active[i];
+      amx_first[e] = n_panel;
+      for (int m = 0; m < count[e]; ++m) panel_row[first[e] + m] = n_panel + m;
+      n_panel += (count[e] + 15) / 16 * 16;
+    }
+    auto make_panel = [&](int slot, const ActLayout& a) {
+      uint8_t* p = pool.scratch(slot, AmxPanel::tile_bytes(a, n_panel) + AmxPanel::meta_bytes_of(a, n_panel));
+      const AmxPanel panel = AmxPanel::make(a, p, p + AmxPanel::tile_bytes(a, n_panel));
+      for (int i = 0; i < n_amx; ++i) {
+        const int e = active[i];
+        for (int r = amx_first[e] + count[e]; r % 16; ++r) panel.store(r, nullptr, a.scales_off);
+      }
+      return panel;
+    };
 
-    // ---- quantize x: once per token for the row-block kernels; once per AMX slot, gathered so that an
-    // expert's tokens are consecutive A-tile rows (+16 rows of slack: a tile reads 16 rows)
+    // ---- quantize x, once per token: for the row-block kernels into rows; for AMX experts also in their
+    // format, then copied to every panel row of the token (an expert's tokens are consecutive A-tile rows)
     if (n_amx_slots < n_slots) {
       uint8_t* xq = pool.scratch(0, (size_t)nt * ga.row_bytes);
       for_rows(pool, nt, H, [&](int64_t t, int th) {
@@ -511,13 +530,17 @@ void MoeJob::run_chunk(ThreadPool& pool, int64_t t0, int64_t t1, StageClock& clo
       });
       for (int s = n_amx_slots; s < n_slots; ++s) x_rows[s] = xq + (size_t)slot_token[s] * ga.row_bytes;
     }
-    uint8_t* xa = nullptr;
+    AmxPanel xa;
     if (n_amx_slots > 0) {
-      xa = pool.scratch(kAmxScratchSlot, (size_t)(n_amx_slots + 16) * gxa.row_bytes);
-      for_rows(pool, n_amx_slots, H, [&](int64_t s, int th) {
+      uint8_t* xt = pool.scratch(kAmxScratchSlot, (size_t)nt * gxa.row_bytes);
+      for_rows(pool, nt, H, [&](int64_t t, int th) {
         float* row = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
-        load_row_fp32(ops, call_.x, call_.x_bf16, t0 + slot_token[s], H, row);
-        ops.quantize(fmt, true, row, H, gxa, xa + s * gxa.row_bytes);
+        load_row_fp32(ops, call_.x, call_.x_bf16, t0 + t, H, row);
+        ops.quantize(fmt, true, row, H, gxa, xt + t * gxa.row_bytes);
+      });
+      xa = make_panel(kAmxScratchSlot + 1, gxa);
+      for_rows(pool, n_amx_slots, gxa.scales_off / 4, [&](int64_t s, int) {
+        xa.store(panel_row[s], xt + (size_t)slot_token[s] * gxa.row_bytes, gxa.scales_off);
       });
     }
     clock.done(JobStage::quantize_x);
@@ -526,23 +549,30 @@ void MoeJob::run_chunk(ThreadPool& pool, int64_t t0, int64_t t1, StageClock& clo
     float* h = reinterpret_cast<float*>(pool.scratch(1, sizeof(float) * (size_t)n_slots * I));
     std::vector<Task> tasks;
     make_tasks(active, count, n_amx, TaskPlan{gu.n_blocks, 1, amx_panel_tokens(gxa), n_threads}, tasks);
-    const PhaseInput in1{x_rows.data(), xa, gxa.row_bytes, first.data()};
+    const PhaseInput in1{x_rows.data(), xa, amx_first.data(), first.data()};
     pool.parallel_for((int64_t)tasks.size(), [&](int64_t ti, int th) { run_gate_up_task(ex, tasks[ti], in1, h, pool, th); });
     clock.done(JobStage::gate_up);
 
-    // ---- quantize h, once per (token, expert), in the format of the expert's path
-    const size_t h_stride = std::max(da.row_bytes, dxa.row_bytes);
-    uint8_t* hq = pool.scratch(2, (size_t)(n_slots + 16) * h_stride);
-    for_rows(pool, n_slots, I, [&](int64_t s, int) {
-      ops.quantize(fmt, s < n_amx_slots, h + (size_t)s * I, I, s < n_amx_slots ? dxa : da, hq + s * h_stride);
+    // ---- quantize h, once per (token, expert), in the format of the expert's path: AMX slots into the panel
+    AmxPanel ha;
+    if (n_amx_slots > 0) ha = make_panel(kAmxScratchSlot + 2, dxa);
+    uint8_t* hq = pool.scratch(2, (size_t)(n_slots - n_amx_slots) * da.row_bytes);
+    for_rows(pool, n_slots, I, [&](int64_t s, int th) {
+      if (s < n_amx_slots) {
+        uint8_t* row = pool.thread_scratch(th, dxa.row_bytes);
+        ops.quantize(fmt, true, h + (size_t)s * I, I, dxa, row);
+        ha.store(panel_row[s], row, dxa.scales_off);
+      } else {
+        ops.quantize(fmt, false, h + (size_t)s * I, I, da, hq + (s - n_amx_slots) * da.row_bytes);
+      }
     });
-    for (int s = 0; s < n_slots; ++s) h_rows[s] = hq + (size_t)s * h_stride;
+    for (int s = n_amx_slots; s < n_slots; ++s) h_rows[s] = hq + (size_t)(s - n_amx_slots) * da.row_bytes;
     clock.done(JobStage::quantize_h);
 
     // ---- phase 2: down -> y [n_slots, H]
     float* y = reinterpret_cast<float*>(pool.scratch(3, sizeof(float) * (size_t)n_slots * H));
     make_tasks(active, count, n_amx, TaskPlan{dn.n_blocks, 2, amx_panel_tokens(dxa), n_threads}, tasks);
-    const PhaseInput in2{h_rows.data(), hq, h_stride, first.data()};
+    const PhaseInput in2{h_rows.data(), ha, amx_first.data(), first.data()};
     pool.parallel_for((int64_t)tasks.size(), [&](int64_t ti, int th) { run_down_task(ex, tasks[ti], in2, y, pool, th); });
     clock.done(JobStage::down);
     combine(pool, ops, call_, H, t0, nt, pos, y);

@@ -60,7 +60,7 @@ struct Emulated {
     std::memset(st.t[2 * I + J], 0, 1024);
   }
   template <int I>
-  static void load_a(const void* p, size_t stride) { load(4 + I, p, stride); }
+  static void load_a(const void* p) { load(4 + I, p, 64); }
   template <int J>
   static void load_b(const void* p) { load(6 + J, p, 64); }
   template <int I, int J>
@@ -120,22 +120,22 @@ struct Emulated {
         dst[128 * l + 64 + b] = src[64 * l + b] >> 4;
       }
   }
-  static void prefetch(const void*) {}
+  static void prefetch_l2(const void*) {}
 };
 
 }  // namespace
 
-void emulated_gemm_bf16(const RowBlock* w, int n_blk, const uint8_t* act, size_t stride, const ActLayout& a, int n_tok,
-                        float* out) {
-  Gemm<Emulated>::bf16(w, n_blk, act, stride, a, n_tok, out);
+void emulated_gemm_bf16(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
+                        const ActLayout& a, int n_tok, float* out) {
+  Gemm<Emulated>::bf16(w, n_blk, next, n_next, x, a, n_tok, out);
 }
-void emulated_gemm_int8(const RowBlock* w, int n_blk, const uint8_t* act, size_t stride, const ActLayout& a, int n_tok,
-                        float* out) {
-  Gemm<Emulated>::int8(w, n_blk, act, stride, a, n_tok, out);
+void emulated_gemm_int8(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
+                        const ActLayout& a, int n_tok, float* out) {
+  Gemm<Emulated>::int8(w, n_blk, next, n_next, x, a, n_tok, out);
 }
-void emulated_gemm_int4(const RowBlock* w, int n_blk, const uint8_t* act, size_t stride, const ActLayout& a, int n_tok,
-                        float* out) {
-  Gemm<Emulated>::int4(w, n_blk, act, stride, a, n_tok, out);
+void emulated_gemm_int4(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
+                        const ActLayout& a, int n_tok, float* out) {
+  Gemm<Emulated>::int4(w, n_blk, next, n_next, x, a, n_tok, out);
 }
 
 }  // namespace amx

@@ -7,23 +7,27 @@
 //   configure(a_colsb, b_rows)  C tiles 0..3 = 16 x 64 B, A tiles 4, 5 = 16 x a_colsb, B tiles 6, 7 = b_rows x 64 B
 //   release()                   tilerelease
 //   zero_c<I, J>()              C(I, J) = 0                       (C(I, J) is tile 2 I + J)
-//   load_a<I>(p, stride)        A(I) = 16 rows at p + m * stride
+//   load_a<I>(p)                A(I) = 16 rows of a_colsb bytes at p + m * 64 (one panel tile, layout.h)
 //   load_b<J>(p)                B(J) = b_rows rows of 64 B, contiguous at p
 //   dp_bf16<I, J>()             C(I, J) += A(I) . B(J)    tdpbf16ps: fp32 += bf16 pair products
 //   dp_int8<I, J>()             C(I, J) += A(I) . B(J)    tdpbsud: int32 += signed A bytes x unsigned B bytes
 //   store_c<I, J>(p, stride)    16 rows of 64 B to p + m * stride
 //   load_c<I, J>(p, stride)     C(I, J) = 16 rows of 64 B from p + m * stride
 //   unpack_int4(src, n, dst)    n int4 lines -> 2n int8 lines (low nibbles, then high nibbles, per line)
-//   prefetch(p)
+//   prefetch_l2(p)              prefetcht2: the line at p into L2
 //
 // Shapes: a tile step covers 32 tokens (A(0), A(1): 16 each) x 32 outputs (B(0), B(1): 16 rows each) x one K
 // step (bf16: 32 k = 16 B rows of bf16 pairs; int8: min(group, 64) k = 16 or 8 B rows of 4 bytes). A B tile is
 // a run of consecutive lines of one packed row block: the weights are read in place, never repacked (int4 is
-// first expanded to int8 lines in a per-thread slab, since tiles multiply bytes, not nibbles).
+// first expanded to int8 lines in a per-thread slab, since tiles multiply bytes, not nibbles). An A tile is a
+// piece of the activation panel (formats/layout.h AmxPanel): 16 rows x 64 bytes, 1 KB contiguous.
 //
 // Loop nest: the caller hands one (expert, row-block pair, token range) task; here K is cut in chunks whose
-// weights (32 KB) are streamed from DRAM by the first token block and re-read from L1/L2 by the others, while
-// the tokens' activations of the chunk stay in L2. C accumulates in tiles across a chunk (bf16; `out` holds it
+// weights (32 KB) are read by every token block from L1/L2, while the tokens' activation tiles of the chunk stay
+// in L2. Every tile step of a chunk also prefetches its share of the next chunk's weights (or of the first chunk
+// of the caller's next call) into L2, so each thread streams DRAM evenly while all its token blocks compute
+// (in-process A/B on the GPU machine: -11% time for per-row int8 at T = 512 against prefetching only in the first
+// token block, -6% at T = 2048, -9% bf16; BENCHMARKS.md). C accumulates in tiles across a chunk (bf16; `out` holds it
 // between chunks) or across one scale group (int8/int4: then the int32 sums go through the same fp32 epilogue
 // as the other kernels: acc = fma(float(isum - offset * xsum), w_scale * x_scale, acc)).
 //
@@ -44,7 +48,6 @@ namespace {
 
 constexpr int kTokBlock = 32;        // tokens per tile step (two A tiles)
 constexpr int kOutStride = 32;       // floats per output row: [n_tok][32]
-constexpr int kPrefetchAhead = 4096;  // bytes ahead along the weight stream, first token block only
 constexpr int kChunkBf16 = 512;   // K per chunk: 2 row blocks x 16 rows x 512 x 2 B = 32 KB of weights
 constexpr int kChunkInt8 = 1024;  // same bytes for int8 lines (a multiple of every group size)
 
@@ -68,8 +71,42 @@ inline uint8_t* slab(size_t bytes) {
   return buf.p;
 }
 
+// The weights of the chunk after the one computing (the rest of this call's row blocks, or the first chunk of the
+// next call's): `lines` lines of 64 B at p[0] (and p[1] when n == 2). Every tile step of the current chunk
+// prefetches its share into L2, so the DRAM stream runs while all token blocks compute, not only the first.
+struct NextChunk {
+  const uint8_t* p[2] = {nullptr, nullptr};
+  int n = 0;
+  int lines = 0;
+};
+
 template <class Tiles>
 struct Gemm {
+  // Part `part` of n_parts of the next chunk into L2.
+  static void prefetch_share(const NextChunk& nx, int part, int n_parts) {
+    const int per = (nx.lines + n_parts - 1) / n_parts, l0 = part * per;
+    const int l1 = l0 + per < nx.lines ? l0 + per : nx.lines;
+    for (int j = 0; j < nx.n; ++j)
+      for (int l = l0; l < l1; ++l) Tiles::prefetch_l2(nx.p[j] + (size_t)l * kLineBytes);
+  }
+
+  // The chunk after [k0, k1) of rows `lines` (kPerLine k per line; kp padded K; chunk: K per chunk), or the
+  // first chunk of `next` (n_next blocks) after the last one.
+  static NextChunk next_chunk(const uint8_t* const* lines, int n_blk, const RowBlock* next, int n_next, int k1, int kp,
+                              int chunk, int k_per_line) {
+    NextChunk nx;
+    if (k1 < kp) {
+      for (int j = 0; j < n_blk; ++j) nx.p[j] = lines[j] + (size_t)(k1 / k_per_line) * kLineBytes;
+      nx.n = n_blk;
+      nx.lines = ((k1 + chunk < kp ? k1 + chunk : kp) - k1) / k_per_line;
+    } else if (next) {
+      for (int j = 0; j < n_next; ++j) nx.p[j] = next[j].data;
+      nx.n = n_next;
+      nx.lines = (chunk < kp ? chunk : kp) / k_per_line;
+    }
+    return nx;
+  }
+
   template <bool kBf16, int I, int J>
   static void dp() {
     if constexpr (kBf16)
@@ -78,18 +115,11 @@ struct Gemm {
       Tiles::template dp_int8<I, J>();
   }
 
-  // One K step of the NA x NB tile block: A rows from `a` (A(1): 16 rows further), B tiles of n_lines lines at b0, b1
-  // (prefetched kPrefetchAhead bytes ahead when `first`, the token block that streams them from DRAM):
+  // One K step of the NA x NB tile block: A tiles at a0, a1 (panel tiles), B tiles at b0, b1:
   // C(i, j) += A(i) . B(j).
   template <bool kBf16, int NA, int NB>
-  static void tile_step(const uint8_t* a, size_t stride, const uint8_t* b0, const uint8_t* b1, int n_lines,
-                        bool first) {
-    if (first)
-      for (int l = 0; l < n_lines; ++l) {
-        Tiles::prefetch(b0 + kPrefetchAhead + l * kLineBytes);
-        if constexpr (NB > 1) Tiles::prefetch(b1 + kPrefetchAhead + l * kLineBytes);
-      }
-    Tiles::template load_a<0>(a, stride);
+  static void tile_step(const uint8_t* a0, const uint8_t* a1, const uint8_t* b0, const uint8_t* b1) {
+    Tiles::template load_a<0>(a0);
     Tiles::template load_b<0>(b0);
     dp<kBf16, 0, 0>();
     if constexpr (NB > 1) {
@@ -97,7 +127,7 @@ struct Gemm {
       dp<kBf16, 0, 1>();
     }
     if constexpr (NA > 1) {
-      Tiles::template load_a<1>(a + 16 * stride, stride);
+      Tiles::template load_a<1>(a1);
       dp<kBf16, 1, 0>();
       if constexpr (NB > 1) dp<kBf16, 1, 1>();
     }
@@ -107,8 +137,8 @@ struct Gemm {
   // bf16 weights x bf16 activations (fp32 sums, K step 32), or int8 lines x int8 activations summed over all of K
   // (int32, K step 64: per-row scales, one group per row).
   template <bool kBf16, int NA, int NB>
-  static void k_chunk(const uint8_t* const* lines, const uint8_t* a0, size_t stride, int k0, int k1, bool first,
-                      bool resume, void* c) {
+  static void k_chunk(const uint8_t* const* lines, const AmxPanel& x, int m0, int k0, int k1, bool resume, void* c,
+                      const NextChunk& nx, int part0, int n_parts) {
     constexpr int kStep = kBf16 ? 32 : 64, kPerLine = kBf16 ? 2 : 4, kElem = kBf16 ? 2 : 1;
     const size_t cs = kOutStride * 4;
     uint8_t* cb = static_cast<uint8_t*>(c);
@@ -126,7 +156,9 @@ struct Gemm {
     for (int k = k0; k < k1; k += kStep) {
       const uint8_t* b0 = lines[0] + (size_t)(k / kPerLine) * kLineBytes;
       const uint8_t* b1 = NB > 1 ? lines[1] + (size_t)(k / kPerLine) * kLineBytes : nullptr;
-      tile_step<kBf16, NA, NB>(a0 + kElem * (size_t)k, stride, b0, b1, 16, first);
+      const uint8_t* a0 = x.at(m0, kElem * (size_t)k);
+      prefetch_share(nx, part0 + (k - k0) / kStep, n_parts);
+      tile_step<kBf16, NA, NB>(a0, a0 + x.block_bytes, b0, b1);
     }
     Tiles::template store_c<0, 0>(cb, cs);
     if constexpr (NB > 1) Tiles::template store_c<0, 1>(cb + 64, cs);
@@ -134,43 +166,46 @@ struct Gemm {
     if constexpr (NA > 1 && NB > 1) Tiles::template store_c<1, 1>(cb + 16 * cs + 64, cs);
   }
 
-  // K is walked in chunks (outer) and token blocks (inner): the chunk's weights (32 KB, L1) are loaded from DRAM
-  // by the first token block and reused by the others, and the tokens' activations of one chunk stay in L2 while
-  // the chunk's row blocks stream. C lives in `c_out` ([n_tok][kOutStride] 4-byte sums) between chunks.
+  // K is walked in chunks (outer) and token blocks (inner): the chunk's weights (32 KB, L1), prefetched into L2
+  // during the previous chunk, are reused by every token block, and the tokens' activations of one chunk stay in
+  // L2 while the chunk's row blocks stream. C lives in `c_out` ([n_tok][kOutStride] 4-byte sums) between chunks.
   template <bool kBf16>
-  static void chunked(const uint8_t* const* lines, int n_blk, int kp, const uint8_t* act, size_t stride, int n_tok,
-                      void* c_out, bool prefetch) {
-    constexpr int kChunk = kBf16 ? kChunkBf16 : kChunkInt8;
+  static void chunked(const uint8_t* const* lines, int n_blk, const RowBlock* next, int n_next, int kp,
+                      const AmxPanel& x, int n_tok, void* c_out, bool prefetch) {
+    constexpr int kChunk = kBf16 ? kChunkBf16 : kChunkInt8, kStep = kBf16 ? 32 : 64, kPerLine = kBf16 ? 2 : 4;
     Tiles::configure(64, 16);
+    const int n_tok_blocks = (n_tok + kTokBlock - 1) / kTokBlock;
     for (int k0 = 0; k0 < kp; k0 += kChunk) {
       const int k1 = k0 + kChunk < kp ? k0 + kChunk : kp;
+      const NextChunk nx = prefetch ? next_chunk(lines, n_blk, next, n_next, k1, kp, kChunk, kPerLine) : NextChunk{};
+      const int steps = (k1 - k0) / kStep, n_parts = n_tok_blocks * steps;
       for (int m0 = 0; m0 < n_tok; m0 += kTokBlock) {
-        const uint8_t* a0 = act + (size_t)m0 * stride;
+        const int part0 = m0 / kTokBlock * steps;
         void* c = static_cast<uint8_t*>(c_out) + (size_t)m0 * kOutStride * 4;
-        const bool first = prefetch && m0 == 0, resume = k0 > 0;
+        const bool resume = k0 > 0;
         if (n_tok - m0 > 16)
-          n_blk > 1 ? k_chunk<kBf16, 2, 2>(lines, a0, stride, k0, k1, first, resume, c)
-                    : k_chunk<kBf16, 2, 1>(lines, a0, stride, k0, k1, first, resume, c);
+          n_blk > 1 ? k_chunk<kBf16, 2, 2>(lines, x, m0, k0, k1, resume, c, nx, part0, n_parts)
+                    : k_chunk<kBf16, 2, 1>(lines, x, m0, k0, k1, resume, c, nx, part0, n_parts);
         else
-          n_blk > 1 ? k_chunk<kBf16, 1, 2>(lines, a0, stride, k0, k1, first, resume, c)
-                    : k_chunk<kBf16, 1, 1>(lines, a0, stride, k0, k1, first, resume, c);
+          n_blk > 1 ? k_chunk<kBf16, 1, 2>(lines, x, m0, k0, k1, resume, c, nx, part0, n_parts)
+                    : k_chunk<kBf16, 1, 1>(lines, x, m0, k0, k1, resume, c, nx, part0, n_parts);
       }
     }
     Tiles::release();
   }
 
   // ---- bf16 weights x bf16 activations: fp32 accumulation in tiles across each K chunk, in `out` between them.
-  static void bf16(const RowBlock* w, int n_blk, const uint8_t* act, size_t stride, const ActLayout&, int n_tok,
-                   float* out) {
+  static void bf16(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
+                   const ActLayout&, int n_tok, float* out) {
     const uint8_t* lines[2] = {w[0].data, n_blk > 1 ? w[1].data : nullptr};
-    chunked<true>(lines, n_blk, w[0].kp, act, stride, n_tok, out, true);
+    chunked<true>(lines, n_blk, next, n_next, w[0].kp, x, n_tok, out, true);
   }
 
   // ---- int8 lines (unsigned, offset `offset`) x int8 activations: int32 per group in tiles, fp32 epilogue.
   // lines[j]: the int8-layout lines of block j (K per line 4); scales[j]: its [n_groups][16] scales.
   template <int NA, int NB>
-  static void int8_group(const uint8_t* const* lines, const uint8_t* a0, size_t stride, int k0, int n_steps,
-                         int kstep, bool first, int32_t* c) {
+  static void int8_group(const uint8_t* const* lines, const AmxPanel& x, int m0, int k0, int n_steps, int kstep,
+                         int32_t* c, const NextChunk& nx, int part0, int n_parts) {
     if constexpr (NA > 0) Tiles::template zero_c<0, 0>();
     if constexpr (NB > 1) Tiles::template zero_c<0, 1>();
     if constexpr (NA > 1) Tiles::template zero_c<1, 0>();
@@ -178,7 +213,9 @@ struct Gemm {
     for (int s = 0; s < n_steps; ++s, k0 += kstep) {
       const uint8_t* b0 = lines[0] + (size_t)(k0 / 4) * kLineBytes;
       const uint8_t* b1 = NB > 1 ? lines[1] + (size_t)(k0 / 4) * kLineBytes : nullptr;
-      tile_step<false, NA, NB>(a0 + k0, stride, b0, b1, kstep / 4, first);
+      const uint8_t* a0 = x.at(m0, k0);
+      prefetch_share(nx, part0 + s, n_parts);
+      tile_step<false, NA, NB>(a0, a0 + x.block_bytes, b0, b1);
     }
     const size_t cs = kOutStride * sizeof(int32_t);
     Tiles::template store_c<0, 0>(c, cs);
@@ -191,19 +228,18 @@ struct Gemm {
   // the same as in the row-block kernels, so int4 gives their exact bits). The loop's group is the activations'
   // (a.group); the weight scales are read per weight group `wgroup` (the same, except for per-row int8 weights,
   // whose scales repeat in every group of 128 while their h groups are longer).
-  static void int8_lines(const uint8_t* const* lines, const float* const* scales, int n_blk, int kp, int wgroup,
-                         int32_t offset, const uint8_t* act, size_t stride, const ActLayout& a, int n_tok, float* out,
-                         bool prefetch) {
+  static void int8_lines(const uint8_t* const* lines, const float* const* scales, int n_blk, const RowBlock* next,
+                         int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x, const ActLayout& a,
+                         int n_tok, float* out, bool prefetch) {
     const int group = a.group;
     // One activation group per row (per-row int8 weights, or all of K in one group): all of K is summed first, in
     // K steps of 64 (a K of 32 in one group of 32 takes the grouped loop below, whose K step is the group).
     if (a.group >= kp && kp % 64 == 0) {
       int32_t* sums = reinterpret_cast<int32_t*>(out);  // the same [n_tok][32] 4-byte cells, converted in place
-      chunked<false>(lines, n_blk, kp, act, stride, n_tok, sums, prefetch);
+      chunked<false>(lines, n_blk, next, n_next, kp, x, n_tok, sums, prefetch);
       for (int t = 0; t < n_tok; ++t) {
-        const uint8_t* row = act + (size_t)t * stride;
-        const float xs = act_scales(row, a)[0];
-        const int32_t xoff = offset * act_sums(row, a)[0];
+        const float xs = x.scales(t)[0];
+        const int32_t xoff = offset * x.sums(t)[0];
         for (int j = 0; j < n_blk; ++j) {
           const float* ws = scales[j];  // group 0 (per-row scales repeat in every group)
           int32_t ci[16];
@@ -219,24 +255,24 @@ struct Gemm {
     alignas(64) int32_t c[kTokBlock * kOutStride];
     std::memset(out, 0, sizeof(float) * kOutStride * (size_t)n_tok);
     Tiles::configure(kstep, kstep / 4);
+    const int n_tok_blocks = (n_tok + kTokBlock - 1) / kTokBlock;
     for (int kc = 0; kc < kp; kc += chunk) {
       const int kc_end = kc + chunk < kp ? kc + chunk : kp;
+      const NextChunk nx = prefetch ? next_chunk(lines, n_blk, next, n_next, kc_end, kp, chunk, 4) : NextChunk{};
+      const int steps = (kc_end - kc) / kstep, n_parts = n_tok_blocks * steps;
       for (int m0 = 0; m0 < n_tok; m0 += kTokBlock) {
         const int rows = n_tok - m0 < kTokBlock ? n_tok - m0 : kTokBlock;
-        const uint8_t* a0 = act + (size_t)m0 * stride;
-        const bool first = prefetch && m0 == 0;
         for (int k0 = kc; k0 < kc_end; k0 += group) {
-          const int g = k0 / group;
+          const int g = k0 / group, part0 = (m0 / kTokBlock) * steps + (k0 - kc) / kstep;
           if (rows > 16)
-            n_blk > 1 ? int8_group<2, 2>(lines, a0, stride, k0, n_steps, kstep, first, c)
-                      : int8_group<2, 1>(lines, a0, stride, k0, n_steps, kstep, first, c);
+            n_blk > 1 ? int8_group<2, 2>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts)
+                      : int8_group<2, 1>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts);
           else
-            n_blk > 1 ? int8_group<1, 2>(lines, a0, stride, k0, n_steps, kstep, first, c)
-                      : int8_group<1, 1>(lines, a0, stride, k0, n_steps, kstep, first, c);
+            n_blk > 1 ? int8_group<1, 2>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts)
+                      : int8_group<1, 1>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts);
           for (int t = 0; t < rows; ++t) {
-            const uint8_t* row = a0 + (size_t)t * stride;
-            const float xs = act_scales(row, a)[g];
-            const int32_t xoff = offset * act_sums(row, a)[g];
+            const float xs = x.scales(m0 + t)[g];
+            const int32_t xoff = offset * x.sums(m0 + t)[g];
             for (int j = 0; j < n_blk; ++j) {
               const float* ws = scales[j] + (k0 / wgroup) * kRowsPerBlock;
               const int32_t* ci = c + t * kOutStride + 16 * j;
@@ -250,15 +286,15 @@ struct Gemm {
     Tiles::release();
   }
 
-  static void int8(const RowBlock* w, int n_blk, const uint8_t* act, size_t stride, const ActLayout& a, int n_tok,
-                   float* out) {
+  static void int8(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
+                   const ActLayout& a, int n_tok, float* out) {
     const uint8_t* lines[2] = {w[0].data, n_blk > 1 ? w[1].data : nullptr};
     const float* scales[2] = {w[0].scales, n_blk > 1 ? w[1].scales : nullptr};
-    int8_lines(lines, scales, n_blk, w[0].kp, w[0].group, 128, act, stride, a, n_tok, out, true);
+    int8_lines(lines, scales, n_blk, next, n_next, w[0].kp, w[0].group, 128, x, a, n_tok, out, true);
   }
 
-  static void int4(const RowBlock* w, int n_blk, const uint8_t* act, size_t stride, const ActLayout& a, int n_tok,
-                   float* out) {
+  static void int4(const RowBlock* w, int n_blk, const RowBlock*, int, const AmxPanel& x, const ActLayout& a,
+                   int n_tok, float* out) {
     // One int4 line (8 k) becomes two int8 lines (k 8j..8j+3 from the low nibbles, 8j+4..8j+7 from the high
     // ones): consecutive K, so the expanded block is in the int8 layout with offset 8 instead of 128.
     const int kp = w[0].kp, int4_lines = kp / 8;
@@ -267,7 +303,7 @@ struct Gemm {
     const uint8_t* lines[2] = {buf, buf + block_bytes};
     const float* scales[2] = {w[0].scales, n_blk > 1 ? w[1].scales : nullptr};
     for (int j = 0; j < n_blk; ++j) Tiles::unpack_int4(w[j].data, int4_lines, buf + j * block_bytes);
-    int8_lines(lines, scales, n_blk, kp, w[0].group, 8, act, stride, a, n_tok, out, false);
+    int8_lines(lines, scales, n_blk, nullptr, 0, kp, w[0].group, 8, x, a, n_tok, out, false);
   }
 };
 

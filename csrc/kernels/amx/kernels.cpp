@@ -31,8 +31,8 @@ struct Native {
     asm volatile("tilezero %%tmm%c0" ::"i"(2 * I + J));
   }
   template <int I>
-  static HETMOE_AI void load_a(const void* p, size_t stride) {
-    asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(stride), "i"(4 + I) : "memory");
+  static HETMOE_AI void load_a(const void* p) {
+    asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"((size_t)64), "i"(4 + I) : "memory");
   }
   template <int J>
   static HETMOE_AI void load_b(const void* p) {
@@ -63,7 +63,7 @@ struct Native {
       _mm512_store_si512(dst + 128 * l + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
     }
   }
-  static HETMOE_AI void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+  static HETMOE_AI void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T2); }
 };
 
 }  // namespace
@@ -83,17 +83,17 @@ uint64_t peak_loop(bool bf16, int64_t rounds) {
   return (uint64_t)rounds * 4 * 16 * 16 * (bf16 ? 32 : 64);
 }
 
-void gemm_bf16(const RowBlock* w, int n_blk, const uint8_t* act, size_t stride, const ActLayout& a, int n_tok,
-               float* out) {
-  Gemm<Native>::bf16(w, n_blk, act, stride, a, n_tok, out);
+void gemm_bf16(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
+               const ActLayout& a, int n_tok, float* out) {
+  Gemm<Native>::bf16(w, n_blk, next, n_next, x, a, n_tok, out);
 }
-void gemm_int8(const RowBlock* w, int n_blk, const uint8_t* act, size_t stride, const ActLayout& a, int n_tok,
-               float* out) {
-  Gemm<Native>::int8(w, n_blk, act, stride, a, n_tok, out);
+void gemm_int8(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
+               const ActLayout& a, int n_tok, float* out) {
+  Gemm<Native>::int8(w, n_blk, next, n_next, x, a, n_tok, out);
 }
-void gemm_int4(const RowBlock* w, int n_blk, const uint8_t* act, size_t stride, const ActLayout& a, int n_tok,
-               float* out) {
-  Gemm<Native>::int4(w, n_blk, act, stride, a, n_tok, out);
+void gemm_int4(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
+               const ActLayout& a, int n_tok, float* out) {
+  Gemm<Native>::int4(w, n_blk, next, n_next, x, a, n_tok, out);
 }
 
 }  // namespace amx

@@ -1,0 +1,228 @@
+// A stand-alone probe of the AMX int8 tile loop on the GPU machine's Xeon: how fast the 2x2 tile step of
+// kernels/amx/gemm.h runs by where its A and B tiles come from, so loop-nest changes are judged on numbers.
+// Not part of the package. Build and run on the device:
+//   g++ -O2 -std=c++17 -mamx-tile -mamx-int8 -mavx512f -pthread bench/device/amx_probe.cpp -o /tmp/amx_probe
+//   /tmp/amx_probe
+// Each line: a variant, threads, tokens per expert, and the int8 TOPS of the whole run.
+//   a=strided  A rows read in place from activation rows of `row_bytes` (the engine today)
+//   a=packed   A tiles packed 1 KB contiguous per (token block, K step)
+//   chunk      K per chunk (C tiles stored/reloaded between chunks), "full" = all of K in the tiles
+//   hot        one expert's weights reused (L2/L3); cold: 64 experts (1.9 GB) streamed from DRAM
+#include <immintrin.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr int kK = 7168;         // gate/up K of the DeepSeek-V3 layer
+constexpr int kN = 4096;         // gate + up rows
+constexpr size_t kRowBytes = 7296;  // an AMX activation row of that K today (elements, scales, sums)
+
+void tile_config() {
+  alignas(64) uint8_t cfg[64] = {};
+  cfg[0] = 1;
+  for (int i = 0; i < 8; ++i) {
+    const uint16_t colsb = 64;
+    std::memcpy(cfg + 16 + 2 * i, &colsb, 2);
+    cfg[48 + i] = 16;
+  }
+  _tile_loadconfig(cfg);
+}
+
+uint8_t* alloc(size_t n, uint8_t fill) {
+  void* p = nullptr;
+  if (posix_memalign(&p, 2 << 20, n)) std::abort();
+  std::memset(p, fill, n);
+  return static_cast<uint8_t*>(p);
+}
+
+struct Variant {
+  bool packed;
+  int chunk;  // K per chunk
+  int bprefetch;  // bytes ahead prefetched on the first token block (0 = none)
+  int mode = 0;   // 0 loads + dot products, 1 loads only, 2 dot products only, 3 + prefetch next A/B into L1
+  int hint = 0;   // 0: first-block prefetch with prefetcht0, 2: with prefetcht2 (L2)
+  bool spread = false;  // every token block prefetches (t2) its share of the next chunk's weights
+};
+
+// One expert: out rows [n_tok] x [pairs*32]; weights `w` in the packed-line layout (row block of 16 rows =
+// K/4 lines of 64 B); A either rows of kRowBytes or packed tiles [tok block of 16][K/64][1 KB].
+void expert(const Variant& v, const uint8_t* w, int p0, int p1, const uint8_t* a, int n_tok, int32_t* c) {
+  const size_t block = (size_t)kK / 4 * 64;  // bytes per row block
+  const int chunk = v.chunk;
+  for (int p = p0; p < p1; ++p) {
+    const uint8_t* b0base = w + (size_t)(2 * p) * block;
+    const uint8_t* b1base = b0base + block;
+    for (int k0 = 0; k0 < kK; k0 += chunk) {
+      for (int m0 = 0; m0 < n_tok; m0 += 32) {
+        int32_t* cm = c + (size_t)m0 * 32;
+        if (k0 == 0) {
+          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        } else {
+          _tile_loadd(0, cm, 128); _tile_loadd(1, cm + 16, 128);
+          _tile_loadd(2, cm + 16 * 32, 128); _tile_loadd(3, cm + 16 * 32 + 16, 128);
+        }
+        const bool first = m0 == 0 && v.bprefetch > 0;
+        for (int k = k0; k < k0 + chunk; k += 64) {
+          const uint8_t* b0 = b0base + (size_t)(k / 4) * 64;
+          const uint8_t* b1 = b1base + (size_t)(k / 4) * 64;
+          if (first && v.hint == 0)
+            for (int l = 0; l < 16; ++l) {
+              _mm_prefetch((const char*)b0 + v.bprefetch + 64 * l, _MM_HINT_T0);
+              _mm_prefetch((const char*)b1 + v.bprefetch + 64 * l, _MM_HINT_T0);
+            }
+          if (first && v.hint == 2)
+            for (int l = 0; l < 16; ++l) {
+              _mm_prefetch((const char*)b0 + v.bprefetch + 64 * l, _MM_HINT_T2);
+              _mm_prefetch((const char*)b1 + v.bprefetch + 64 * l, _MM_HINT_T2);
+            }
+          if (v.spread && k0 + chunk < kK) {
+            // this block's share of the next chunk: chunk/4 lines per row block, over n_blocks * steps
+            const int n_blocks = (n_tok + 31) / 32, steps = chunk / 64;
+            const int per = (chunk / 4) / (n_blocks * steps) > 0 ? (chunk / 4) / (n_blocks * steps) : 1;
+            const int idx = ((m0 / 32) * steps + (k - k0) / 64) * per;
+            for (int l = 0; l < per && idx + l < chunk / 4; ++l) {
+              _mm_prefetch((const char*)b0base + (size_t)(k0 + chunk) * 16 + 64 * (idx + l), _MM_HINT_T2);
+              _mm_prefetch((const char*)b1base + (size_t)(k0 + chunk) * 16 + 64 * (idx + l), _MM_HINT_T2);
+            }
+          }
+          const uint8_t *a0, *a1;
+          size_t as;
+          if (v.packed) {
+            a0 = a + ((size_t)(m0 / 16) * (kK / 64) + k / 64) * 1024;
+            a1 = a + ((size_t)(m0 / 16 + 1) * (kK / 64) + k / 64) * 1024;
+            as = 64;
+          } else {
+            a0 = a + (size_t)m0 * kRowBytes + k;
+            a1 = a0 + 16 * kRowBytes;
+            as = kRowBytes;
+          }
+          if (v.mode == 3) {
+            for (int l = 0; l < 16; ++l) {
+              _mm_prefetch((const char*)a0 + 1024 + 64 * l, _MM_HINT_T0);
+              _mm_prefetch((const char*)a1 + 1024 + 64 * l, _MM_HINT_T0);
+            }
+            if (!first)
+              for (int l = 0; l < 16; ++l) {
+                _mm_prefetch((const char*)b0 + 1024 + 64 * l, _MM_HINT_T0);
+                _mm_prefetch((const char*)b1 + 1024 + 64 * l, _MM_HINT_T0);
+              }
+          }
+          if (v.mode == 1) {
+            _tile_loadd(4, a0, as);
+            _tile_loadd(6, b0, 64);
+            _tile_loadd(7, b1, 64);
+            _tile_loadd(5, a1, as);
+          } else if (v.mode == 2) {
+            _tile_dpbusd(0, 4, 6);
+            _tile_dpbusd(1, 4, 7);
+            _tile_dpbusd(2, 5, 6);
+            _tile_dpbusd(3, 5, 7);
+          } else {
+            _tile_loadd(4, a0, as);
+            _tile_loadd(6, b0, 64);
+            _tile_dpbusd(0, 4, 6);
+            _tile_loadd(7, b1, 64);
+            _tile_dpbusd(1, 4, 7);
+            _tile_loadd(5, a1, as);
+            _tile_dpbusd(2, 5, 6);
+            _tile_dpbusd(3, 5, 7);
+          }
+        }
+        _tile_stored(0, cm, 128); _tile_stored(1, cm + 16, 128);
+        _tile_stored(2, cm + 16 * 32, 128); _tile_stored(3, cm + 16 * 32 + 16, 128);
+      }
+    }
+  }
+}
+
+void pin(int cpu) {
+  cpu_set_t s;
+  CPU_ZERO(&s);
+  CPU_SET(cpu, &s);
+  pthread_setaffinity_np(pthread_self(), sizeof(s), &s);
+}
+
+bool amx_perm() { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
+
+double run(const Variant& v, int threads, int n_tok, int n_exp, int reps, uint8_t* w, uint8_t* a_rows,
+           uint8_t* a_packed) {
+  const int pairs = kN / 32;
+  const size_t wbytes = (size_t)kN * kK;
+  const size_t a_bytes = v.packed ? (size_t)n_tok / 16 * (kK / 64) * 1024 : (size_t)n_tok * kRowBytes;
+  std::atomic<int> ready{0};
+  std::vector<std::thread> ts;
+  std::atomic<long> t_start{0};
+  double secs = 0;
+  std::vector<double> per(threads);
+  for (int t = 0; t < threads; ++t)
+    ts.emplace_back([&, t] {
+      pin(t);
+      if (!amx_perm()) std::abort();
+      tile_config();
+      std::vector<int32_t> c((size_t)n_tok * 32);
+      const int p0 = pairs * t / threads, p1 = pairs * (t + 1) / threads;
+      // warm-up pass
+      for (int e = 0; e < n_exp; ++e)
+        expert(v, w + e * wbytes, p0, p1, (v.packed ? a_packed : a_rows) + (e % 8) * a_bytes, n_tok, c.data());
+      ready.fetch_add(1);
+      while (ready.load() < threads) {
+      }
+      auto t0 = std::chrono::steady_clock::now();
+      for (int r = 0; r < reps; ++r)
+        for (int e = 0; e < n_exp; ++e)
+          expert(v, w + e * wbytes, p0, p1, (v.packed ? a_packed : a_rows) + (e % 8) * a_bytes, n_tok, c.data());
+      per[t] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      _tile_release();
+    });
+  for (auto& t : ts) t.join();
+  for (double s : per) secs = s > secs ? s : secs;
+  const double ops = 2.0 * n_tok * kN * kK * n_exp * reps;
+  return ops / secs / 1e12;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int max_threads = argc > 1 ? atoi(argv[1]) : 16;
+  const int n_cold = 64;
+  const size_t wbytes = (size_t)kN * kK;
+  uint8_t* w = alloc(wbytes * n_cold, 1);
+  for (size_t i = 0; i < wbytes * n_cold; i += 4096) w[i] = (uint8_t)(i >> 12);
+  const int max_tok = 256;
+  uint8_t* a_rows = alloc((size_t)8 * max_tok * kRowBytes + 64 * kRowBytes, 2);
+  uint8_t* a_packed = alloc((size_t)8 * max_tok * kK + 65536, 2);
+  printf("variant                          threads tok  data   TOPS\n");
+  struct Named {
+    const char* name;
+    Variant v;
+  };
+  const Named variants[] = {
+      {"t0 4K first block (engine)", {true, 1024, 4096, 0, 0, false}},
+      {"no prefetch", {true, 1024, 0, 0, 0, false}},
+      {"t2 8K first block", {true, 1024, 8192, 0, 2, false}},
+      {"t2 16K first block", {true, 1024, 16384, 0, 2, false}},
+      {"spread next chunk t2", {true, 1024, 0, 0, 0, true}},
+      {"t0 4K + spread next chunk t2", {true, 1024, 4096, 0, 0, true}},
+  };
+  for (int n_tok : {64, 256})
+    for (int round = 0; round < 3; ++round)
+      for (const Named& nv : variants) {
+        const double tops = run(nv.v, max_threads, n_tok, n_cold, 1, w, a_rows, a_packed);
+        printf("%-32s %7d %4d %-5s %6.2f  (%.1f GB/s of weights)\n", nv.name, max_threads, n_tok, "cold", tops,
+               tops * 1e12 / (2.0 * n_tok) / 1e9);
+        fflush(stdout);
+      }
+  return 0;
+}
