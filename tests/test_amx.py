@@ -327,6 +327,22 @@ def test_skewed_tasks_are_balanced():
     assert cost[0] >= cost[-1], "heaviest experts first"
 
 
+def test_decode_phases_take_fewer_longer_tasks():
+    """Row-block experts with a few tokens each only stream weights: ~4 tasks per thread, not ~16 (each task starts
+    a new DRAM stream). A phase with more tokens per expert keeps the finer split."""
+    threads, n_blocks = 14, 128
+    decode = plan([1] * 8, 0, n_blocks, threads=threads)
+    prefill = plan([8] * 8, 0, n_blocks, threads=threads)
+    assert 3 * threads <= len(decode) <= 6 * threads
+    assert len(prefill) >= 12 * threads
+    for tasks, count in ((decode, 1), (prefill, 8)):
+        cover = torch.zeros(8, n_blocks, dtype=torch.int32)
+        for e, rb0, rb1, m0, m1, amx in tasks:
+            assert not amx and (m0, m1) == (0, count)
+            cover[e, rb0:rb1] += 1
+        assert bool((cover == 1).all())
+
+
 # ---------------------------------------------------------------- dispatch (runs anywhere)
 
 

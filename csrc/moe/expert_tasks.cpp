@@ -15,6 +15,13 @@ constexpr double kRowBlockTokenCost = 1.0 / 4;
 constexpr double kAmxTokenCost = 1.0 / 32;
 constexpr int kAmxTokenUnit = 32;  // tokens per AMX tile step
 constexpr int kTasksPerThread = 16;  // the last task to finish bounds the phase's tail to a few percent of it
+// Decode-like phases (row-block experts only, each with fewer than 1 / kRowBlockTokenCost tokens: streaming the
+// weights is the cost) take fewer, longer tasks: every task starts a new DRAM stream whose first lines come at DRAM
+// latency, which costs more than the longer tail. A/B on the GPU machine (qwen3-30b-a3b int4, 48 layers, 14 threads,
+// BENCHMARKS.md): a step of the deferral-split jobs (d = 4) 12.94 / 12.80 ms at 16 tasks per thread, 12.19 at 8,
+// 11.69 at 4; the unsplit jobs 11.43 / 11.04, 10.87 / 10.65, 10.98. In graph decode with d = 4, 77.05 / 76.05 ->
+// 84.44 / 90.39 tok/s.
+constexpr int kStreamingTasksPerThread = 4;
 
 // exp(x) for the SwiGLU: Cody-Waite range reduction and a degree-6 polynomial (relative error ~2e-7), in plain
 // float arithmetic so the compiler vectorizes it and every ISA gets the same bits.
@@ -63,8 +70,12 @@ void make_tasks(const std::vector<int>& active, const std::vector<int>& count, i
     return 1.0 + count[active[i]] * ((int)i < amx_experts ? kAmxTokenCost : kRowBlockTokenCost);
   };
   double total = 0;
-  for (size_t i = 0; i < active.size(); ++i) total += nb * block_cost(i);
-  const double target = total / (kTasksPerThread * plan.n_threads);
+  bool streaming = amx_experts == 0;
+  for (size_t i = 0; i < active.size(); ++i) {
+    total += nb * block_cost(i);
+    streaming = streaming && count[active[i]] * kRowBlockTokenCost < 1.0;
+  }
+  const double target = total / ((streaming ? kStreamingTasksPerThread : kTasksPerThread) * plan.n_threads);
   for (size_t i = 0; i < active.size(); ++i) {
     const int e = active[i], n = count[e];
     const bool amx = (int)i < amx_experts;
