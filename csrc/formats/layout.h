@@ -108,7 +108,7 @@ inline size_t act_elem_bytes(WeightFormat f) {
 // matrix's group for per-row int8 weights, whose AMX GEMM sums a whole activation group in the tiles before its one
 // fp32 epilogue (kernels/amx/gemm.h): x gets one group over the whole row (one scale per token), h groups of
 // amx_row_group(I) (the NUMA split cuts I at multiples of it, so slices round h as the unsplit engine does). Same
-// row layout otherwise; the elements of consecutive rows are A-tile rows (tileloadd base + m * row stride).
+// row layout otherwise; the GEMM reads these rows from an AmxPanel (below), which stores them as its A tiles.
 inline size_t act_elem_bytes_amx(WeightFormat f) { return f == WeightFormat::bf16 ? 2 : 1; }
 
 struct ActLayout {
