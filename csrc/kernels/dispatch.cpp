@@ -18,21 +18,9 @@ const KernelEntry kTable[4][3] = {
     /* amx    */ {{}, {}, {}},  // row blocks of few tokens: the AVX-512 kernels; the GEMM comes from kGemm
 };
 
-struct GemmEntry {
-  GemmKernel fn;
-  const char* name;
-};
-
-#ifdef HETMOE_HAVE_AMX
-const GemmEntry kGemm[3] = {{amx::gemm_bf16, "bf16/amx-tdpbf16ps"},
-                            {amx::gemm_int8, "int8/amx-tdpbsud"},
-                            {amx::gemm_int4, "int4/amx-tdpbsud"}};
-#else
-const GemmEntry kGemm[3] = {{nullptr, nullptr}, {nullptr, nullptr}, {nullptr, nullptr}};
-#endif
-const GemmEntry kGemmEmulated[3] = {{amx::emulated_gemm_bf16, "bf16/amx-emulated"},
-                                    {amx::emulated_gemm_int8, "int8/amx-emulated"},
-                                    {amx::emulated_gemm_int4, "int4/amx-emulated"}};
+// [native, emulated][format]
+const char* const kGemmNames[2][3] = {{"bf16/amx-tdpbf16ps", "int8/amx-tdpbsud", "int4/amx-tdpbsud"},
+                                      {"bf16/amx-emulated", "int8/amx-emulated", "int4/amx-emulated"}};
 
 }  // namespace
 
@@ -55,9 +43,13 @@ KernelEntry select_kernel(WeightFormat format, Isa isa, AmxMode amx) {
   }
   if (isa == Isa::amx && amx == AmxMode::off) amx = AmxMode::native;
   if (amx != AmxMode::off) {
-    const GemmEntry& g = (amx == AmxMode::native ? kGemm : kGemmEmulated)[(int)format];
-    out.gemm = g.fn;
-    out.gemm_name = g.name;
+    const bool native = amx == AmxMode::native;
+#ifdef HETMOE_HAVE_AMX
+    out.gemm = native ? amx::gemm(format) : amx::emulated_gemm(format);
+#else
+    out.gemm = native ? nullptr : amx::emulated_gemm(format);
+#endif
+    out.gemm_name = out.gemm ? kGemmNames[native ? 0 : 1][(int)format] : nullptr;
   }
   return out;
 }

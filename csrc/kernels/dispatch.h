@@ -90,12 +90,8 @@ void rowblock_int8(const RowBlock&, const uint8_t* const*, const ActLayout&, int
 void rowblock_int4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 }  // namespace avx512
 namespace amx {  // kernels/amx/kernels.cpp (real tile instructions) and emulated.cpp (plain C++)
-void gemm_bf16(const RowBlock*, int, const RowBlock*, int, const AmxPanel&, const ActLayout&, int, float*);
-void gemm_int8(const RowBlock*, int, const RowBlock*, int, const AmxPanel&, const ActLayout&, int, float*);
-void gemm_int4(const RowBlock*, int, const RowBlock*, int, const AmxPanel&, const ActLayout&, int, float*);
-void emulated_gemm_bf16(const RowBlock*, int, const RowBlock*, int, const AmxPanel&, const ActLayout&, int, float*);
-void emulated_gemm_int8(const RowBlock*, int, const RowBlock*, int, const AmxPanel&, const ActLayout&, int, float*);
-void emulated_gemm_int4(const RowBlock*, int, const RowBlock*, int, const AmxPanel&, const ActLayout&, int, float*);
+GemmKernel gemm(WeightFormat f);           // Gemm<Native> (native AMX builds only)
+GemmKernel emulated_gemm(WeightFormat f);  // Gemm<Emulated>
 // The tile unit's own rate: `rounds` x 4 independent tdpbf16ps / tdpbsud on register tiles, nothing loaded or
 // stored in the loop (native AMX builds only); returns the multiply-adds done.
 uint64_t peak_loop(bool bf16, int64_t rounds);

@@ -125,17 +125,9 @@ struct Emulated {
 
 }  // namespace
 
-void emulated_gemm_bf16(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
-                        const ActLayout& a, int n_tok, float* out) {
-  Gemm<Emulated>::bf16(w, n_blk, next, n_next, x, a, n_tok, out);
-}
-void emulated_gemm_int8(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
-                        const ActLayout& a, int n_tok, float* out) {
-  Gemm<Emulated>::int8(w, n_blk, next, n_next, x, a, n_tok, out);
-}
-void emulated_gemm_int4(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
-                        const ActLayout& a, int n_tok, float* out) {
-  Gemm<Emulated>::int4(w, n_blk, next, n_next, x, a, n_tok, out);
+GemmKernel emulated_gemm(WeightFormat f) {
+  static constexpr GemmKernel kByFormat[3] = {Gemm<Emulated>::bf16, Gemm<Emulated>::int8, Gemm<Emulated>::int4};
+  return kByFormat[(int)f];
 }
 
 }  // namespace amx

@@ -83,17 +83,9 @@ uint64_t peak_loop(bool bf16, int64_t rounds) {
   return (uint64_t)rounds * 4 * 16 * 16 * (bf16 ? 32 : 64);
 }
 
-void gemm_bf16(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
-               const ActLayout& a, int n_tok, float* out) {
-  Gemm<Native>::bf16(w, n_blk, next, n_next, x, a, n_tok, out);
-}
-void gemm_int8(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
-               const ActLayout& a, int n_tok, float* out) {
-  Gemm<Native>::int8(w, n_blk, next, n_next, x, a, n_tok, out);
-}
-void gemm_int4(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
-               const ActLayout& a, int n_tok, float* out) {
-  Gemm<Native>::int4(w, n_blk, next, n_next, x, a, n_tok, out);
+GemmKernel gemm(WeightFormat f) {
+  static constexpr GemmKernel kByFormat[3] = {Gemm<Native>::bf16, Gemm<Native>::int8, Gemm<Native>::int4};
+  return kByFormat[(int)f];
 }
 
 }  // namespace amx
