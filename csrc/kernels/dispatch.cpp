@@ -15,7 +15,7 @@ const KernelEntry kTable[4][3] = {
     /* avx512 */ {{avx512::rowblock_bf16, "bf16/avx512-fma"},
                   {avx512::rowblock_int8, "int8/avx512-vnni"},
                   {avx512::rowblock_int4, "int4/avx512-vnni"}},
-    /* amx    */ {{}, {}, {}},  // row blocks of few tokens: the AVX-512 kernels; the GEMM comes from kGemm
+    /* amx    */ {{}, {}, {}},  // row blocks of few tokens: the AVX-512 kernels; the GEMM from amx::gemm
 };
 
 // [native, emulated][format]
