@@ -1,6 +1,8 @@
 // The Python module hetmoe._C. Tensors cross as raw addresses (validated by hetmoe/kernels.py), so this
 // extension links no libtorch. Invalid arguments raise ValueError (std::invalid_argument), other failures
 // RuntimeError.
+#include <atomic>
+
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -177,7 +179,26 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("bytes"), py::arg("repeats") = 5, py::arg("isa"), py::call_guard<py::gil_scoped_release>())
       .def("amx_peak", &measure_amx_peak, py::arg("bf16"), py::arg("rounds") = 200000,
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "borrowed_ids_seen",
+          // Submits n borrowed jobs, each recording whether its id (ThreadPool::submit_borrowed's id_out) was
+          // already stored when it ran; returns how many saw it (tests: every one must).
+          [](ThreadPool& p, int n) {
+            struct Probe : Job {
+              std::atomic<uint64_t> id{0};
+              bool seen = false;
+              void run(ThreadPool&) override { seen = id.load(std::memory_order_acquire) != 0; }
+            };
+            std::vector<Probe> probes(n);
+            uint64_t last = 0;
+            for (Probe& j : probes) last = p.submit_borrowed(&j, &j.id);
+            p.wait_for(last);
+            int seen = 0;
+            for (const Probe& j : probes) seen += j.seen;
+            return seen;
+          },
+          py::arg("n"), py::call_guard<py::gil_scoped_release>());
 
   // CUDA host functions (csrc/cuda_hooks.h). Streams cross as raw handles (torch.cuda.Stream.cuda_stream) or
   // as a FakeStream (tests without CUDA).

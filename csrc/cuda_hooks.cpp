@@ -296,7 +296,7 @@ namespace {
 void host_submit(void* data) noexcept {
   auto* p = static_cast<HostFuncs::Payload*>(data);
   try {
-    p->job_id.store(p->pool->submit_borrowed(p->job.get()), std::memory_order_release);
+    p->pool->submit_borrowed(p->job.get(), &p->job_id);
   } catch (...) {
     p->pool->record_error(std::current_exception());
   }

@@ -67,7 +67,7 @@ struct StreamSignals::Signal final : public Job {
   Word* passed = nullptr;
   std::shared_ptr<ThreadPool> pool;
   std::shared_ptr<Job> job;
-  std::atomic<uint64_t> job_id{0};  // the pool's id of the latest submission, stored after submitting
+  std::atomic<uint64_t> job_id{0};  // the pool's id of the latest submission, stored before the job can start
   FakeOp done0, kick1, wait_done, passed1;
 
   void run(ThreadPool& p) override {
@@ -198,7 +198,7 @@ void StreamSignals::watch() {
       std::sort(kicked.begin(), kicked.end(), [](Signal* a, Signal* b) { return a->id < b->id; });
       for (Signal* s : kicked) {
         try {
-          s->job_id.store(s->pool->submit_borrowed(s), std::memory_order_release);
+          s->pool->submit_borrowed(s, &s->job_id);
         } catch (...) {
           s->pool->record_error(std::current_exception());
           s->done->store(1, std::memory_order_release);

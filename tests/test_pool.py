@@ -70,6 +70,14 @@ def test_jobs_run_in_submission_order(pool):
     assert rel_err(out, 2 * ya.double() + yb.double()) <= 1e-6
 
 
+def test_borrowed_job_id_is_stored_before_the_job_runs(pool):
+    """A borrowed submission (CUDA host functions, stream signals) records its id for later release checks; the id
+    must be in place before the job can start, or a job that finishes first is never seen as finished."""
+    raw = pool._pool
+    for _ in range(20):
+        assert raw.borrowed_ids_seen(64) == 64
+
+
 def test_resubmit_prepared_job_reads_current_contents(pool, layer):
     x, ids, w = make_inputs(64, 6, seed=6)
     x2, ids2, w2 = make_inputs(64, 6, seed=7)

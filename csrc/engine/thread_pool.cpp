@@ -213,14 +213,17 @@ void ThreadPool::coordinator_main() {
   }
 }
 
-uint64_t ThreadPool::enqueue(Job* job, std::shared_ptr<Job> owner, std::vector<std::shared_ptr<Job>>* release) {
+uint64_t ThreadPool::enqueue(Job* job, std::shared_ptr<Job> owner, std::vector<std::shared_ptr<Job>>* release,
+                             std::atomic<uint64_t>* id_out) {
   uint64_t id;
   {
     std::lock_guard<std::mutex> lk(queue_mu_);
     if (release) release->swap(finished_);
     if (stop_.load()) throw std::runtime_error("submit: thread pool is shutting down");
+    id = submitted_.load(std::memory_order_relaxed) + 1;
+    if (id_out) id_out->store(id, std::memory_order_release);  // before the coordinator can pop the job
     queue_.push_back(Queued{job, std::move(owner)});
-    id = submitted_.fetch_add(1, std::memory_order_release) + 1;
+    submitted_.store(id, std::memory_order_release);
   }
   queue_cv_.notify_one();
   return id;
@@ -233,9 +236,9 @@ uint64_t ThreadPool::submit(std::shared_ptr<Job> job) {
   return enqueue(raw, std::move(job), &done);
 }
 
-uint64_t ThreadPool::submit_borrowed(Job* job) {
+uint64_t ThreadPool::submit_borrowed(Job* job, std::atomic<uint64_t>* id_out) {
   if (!job) throw std::invalid_argument("submit: null job");
-  return enqueue(job, nullptr, nullptr);
+  return enqueue(job, nullptr, nullptr, id_out);
 }
 
 void ThreadPool::record_error(std::exception_ptr err) {

@@ -81,7 +81,9 @@ class ThreadPool {
   // returned id. Nothing is left for a later caller to release and no destructor can run here, which is what
   // a CUDA host function on the driver's thread needs (a released job could hold the last reference to this
   // pool or to gigabytes of packed experts).
-  uint64_t submit_borrowed(Job* job);
+  // id_out (optional) receives the id before the job can start, so a submitter that records it can never see the
+  // job finish ahead of its own record.
+  uint64_t submit_borrowed(Job* job, std::atomic<uint64_t>* id_out = nullptr);
   void sync(int64_t allow_pending = 0);  // rethrows the first error of a finished job
   // Like sync, but leaves errors (and finished jobs) for the next sync: a CUDA host function has no way to
   // report an error, so the next sync on a Python thread raises it.
@@ -103,7 +105,8 @@ class ThreadPool {
   void run_tasks(int thread_index);
   void wait_for_generation(uint64_t seen, int thread_index);
   void wait_completed(uint64_t target);
-  uint64_t enqueue(Job* job, std::shared_ptr<Job> owner, std::vector<std::shared_ptr<Job>>* release);
+  uint64_t enqueue(Job* job, std::shared_ptr<Job> owner, std::vector<std::shared_ptr<Job>>* release,
+                   std::atomic<uint64_t>* id_out = nullptr);
 
   int n_threads_;
   int spin_us_;
