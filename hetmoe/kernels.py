@@ -457,10 +457,9 @@ class CPUExperts:
         ones (the rule of ``hetmoe.layers.moe.split_deferred``: among equal weights the earlier slot is the
         lower), both from the same topk_ids / topk_weights.
 
-        Routing on the CPU: with ``logits`` ``[T, E]`` fp32/bf16 and a ``router`` (``hetmoe.layers.moe.HostRouter``, its
-        top_k = k) the
-        job first routes every token itself and *writes* topk_ids / topk_weights, which are then its outputs.
-        ``addend`` ``[T, H]`` fp32 is added to each token's sum after the experts (out = experts +
+        Routing on the CPU: with ``logits`` ``[T, E]`` fp32/bf16 and a ``router`` (``hetmoe.layers.moe.HostRouter``,
+        its top_k = k) the job first routes every token itself and *writes* topk_ids / topk_weights, which are then
+        its outputs. ``addend`` ``[T, H]`` fp32 is added to each token's sum after the experts (out = experts +
         addend, in that order: the previous layer's deferred output in a hybrid decode step).
         """
         if self._ex.n_loaded == 0:

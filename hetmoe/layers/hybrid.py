@@ -64,7 +64,6 @@ class _LayerBuffers:
     bias_src: Optional[torch.Tensor]  # the router's correction bias the jobs were prepared with (a CPU copy of it)
     job: object  # MoEJob over (x, ids, weights, out): every slot, or the immediate ones when defer > 0
     job_def: object  # MoEJob over (x, ids, weights, out_def): each token's `defer` lowest-weighted slots (or None)
-    defer: int  # experts per token the jobs defer (they pick the slots themselves: no split on the GPU)
     direct: bool  # the job writes the layer's routed output complete, in x's dtype (no GPU-resident experts)
 
 
@@ -156,7 +155,7 @@ class HybridDecode:
             engine.prepare(xh, ids, w, out, n_tokens=self.n_tokens, defer=defer, addend=addend, **route),
             engine.prepare(xh, ids, w, out_def, n_tokens=self.n_tokens, defer=defer, deferred=True, **route)
             if defer else None,
-            defer, direct,
+            direct,
         )
         self._buffers[id(layer)] = buf
         self.pools.add(engine.pool)
