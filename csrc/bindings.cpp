@@ -117,17 +117,26 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "plan_tasks",
       [](const std::vector<int>& counts, int amx_experts, int n_blocks, int row_gran, int amx_max_tokens,
-         int n_threads) {
+         int n_threads, bool with_groups) -> py::object {
         std::vector<int> active(counts.size());
         for (size_t i = 0; i < counts.size(); ++i) active[i] = (int)i;
         std::vector<Task> tasks;
-        make_tasks(active, counts, amx_experts, TaskPlan{n_blocks, row_gran, amx_max_tokens, n_threads}, tasks);
-        std::vector<std::tuple<int, int, int, int, int, bool>> out;
-        for (const Task& t : tasks) out.emplace_back(t.e, t.rb0, t.rb1, t.m0, t.m1, t.amx);
-        return out;
+        std::vector<TaskGroup> groups;
+        make_tasks(active, counts, amx_experts, TaskPlan{n_blocks, row_gran, amx_max_tokens, n_threads}, tasks,
+                   &groups);
+        py::list out, out_groups;
+        for (const Task& t : tasks) {
+          if (with_groups)
+            out.append(py::make_tuple(t.e, t.rb0, t.rb1, t.m0, t.m1, t.amx, t.group));
+          else
+            out.append(py::make_tuple(t.e, t.rb0, t.rb1, t.m0, t.m1, t.amx));
+        }
+        if (!with_groups) return std::move(out);
+        for (const TaskGroup& g : groups) out_groups.append(py::make_tuple(g.e, g.m0, g.m1, g.n_tasks));
+        return py::make_tuple(out, out_groups);
       },
       py::arg("counts"), py::arg("amx_experts"), py::arg("n_blocks"), py::arg("row_gran"), py::arg("amx_max_tokens"),
-      py::arg("n_threads"));
+      py::arg("n_threads"), py::arg("with_groups") = false);
   // The row work of a MoE job at one ISA level (kernels/row_ops.h), on contiguous fp32/bf16 buffers: tests compare
   // every level with the scalar one byte for byte.
   m.def(

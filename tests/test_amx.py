@@ -333,7 +333,10 @@ def test_decode_phases_take_fewer_longer_tasks():
     threads, n_blocks = 14, 128
     decode = plan([1] * 8, 0, n_blocks, threads=threads)
     prefill = plan([8] * 8, 0, n_blocks, threads=threads)
-    assert 3 * threads <= len(decode) <= 6 * threads
+    # ~4 per thread, the last `threads` of them cut in 4
+    assert 3 * threads <= len(decode) - 3 * threads <= 6 * threads
+    rows = [rb1 - rb0 for _, rb0, rb1, *_ in decode]
+    assert max(rows[-4 * threads:]) * 3 <= min(rows[:-4 * threads]), "a decode phase ends in smaller tasks"
     assert len(prefill) >= 12 * threads
     for tasks, count in ((decode, 1), (prefill, 8)):
         cover = torch.zeros(8, n_blocks, dtype=torch.int32)
@@ -341,6 +344,26 @@ def test_decode_phases_take_fewer_longer_tasks():
             assert not amx and (m0, m1) == (0, count)
             cover[e, rb0:rb1] += 1
         assert bool((cover == 1).all())
+
+
+@pytest.mark.parametrize("counts, amx_experts, n_blocks, row_gran", [
+    ([1] * 8, 0, 128, 1),          # decode, tail cut
+    ([3, 1, 1], 0, 7, 1),          # few row blocks
+    ([900, 300, 40, 6, 2], 4, 448, 2),
+    ([50] * 64, 64, 128, 1),
+])
+def test_task_groups_count_the_tasks_of_each_expert_and_token_range(counts, amx_experts, n_blocks, row_gran):
+    """Every task names its (expert, token range) group, and a group's n_tasks is the number of tasks in it: the
+    countdown after which the last of them quantizes the group's complete rows."""
+    tasks, groups = _C.plan_tasks(counts, amx_experts, n_blocks, row_gran, 128, 14, with_groups=True)
+    seen = [0] * len(groups)
+    for e, rb0, rb1, m0, m1, amx, g in tasks:
+        assert groups[g][:3] == (e, m0, m1)
+        seen[g] += rb1 - rb0
+        groups[g] = groups[g][:3] + (groups[g][3] - 1,)
+    assert all(n == 0 for *_, n in groups), "n_tasks differs from the tasks of the group"
+    assert seen == [n_blocks] * len(groups), "a group's tasks must cover every row block"
+    assert sorted({(e, m0, m1) for e, _, _, m0, m1, _, _ in tasks}) == sorted(g[:3] for g in groups)
 
 
 # ---------------------------------------------------------------- dispatch (runs anywhere)

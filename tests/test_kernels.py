@@ -239,7 +239,7 @@ def test_isas_bitwise_identical(fmt):
 def test_deterministic_across_runs_and_threads(fmt, isa):
     one = build(fmt, isa, SMALL, pool=ExpertPool(1))
     two = build(fmt, isa, SMALL, pool=ExpertPool(2))
-    for T, k, hot in ((1, 2, 0.0), (64, 8, 0.0), (300, 6, 0.85)):
+    for T, k, hot in ((1, 2, 0.0), (12, 8, 0.0), (64, 8, 0.0), (300, 6, 0.85)):
         x, ids, w = inputs(SMALL, T, k, hot)
         first = two(x, ids, w)
         assert torch.equal(first, two(x, ids, w)), f"T={T}: two runs differ"
@@ -278,6 +278,23 @@ def test_accumulate(fmt, out_dtype):
         check(out - out0, reference(SMALL, 7, 2), small_emulated(fmt, SMALL, 7, 2), FP32_TOL[fmt], "accumulate")
     else:  # one bf16 rounding of the sum
         assert rel_err(out, out0.double() + y.double()) <= 4e-3
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["bf16", "int8-g32", "int4-g64"])
+def test_combine_in_the_down_phase_matches_the_combine_after_it(fmt, out_dtype):
+    """Up to 16 tokens the down phase's tasks combine the output columns they complete; above, the combine runs after
+    the phase. A token's row is the same bits either way, with accumulate and an odd hidden size too."""
+    for shape in (SMALL, ODD):
+        ex = small_engine(fmt, BEST_ISA, shape)
+        x, ids, w = inputs(shape, 17, 3)
+        base = (torch.randn(17, shape[1]) * 0.05).to(out_dtype)
+        for accumulate in (False, True):
+            few, many = base[:16].clone(), base.clone()
+            ex(x[:16], ids[:16], w[:16], few, accumulate=accumulate)
+            ex(x, ids, w, many, accumulate=accumulate)
+            assert torch.equal(few, many[:16]), f"{shape} accumulate={accumulate}"
+            assert not torch.equal(few, base[:16])
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8-row", "int4-g64"])

@@ -21,6 +21,15 @@ struct Task {
   int rb0, rb1;  // row blocks of the phase's matrix (gate+up: one block of each)
   int m0, m1;    // positions among the expert's tokens (its slots first[e] + m0 .. first[e] + m1)
   bool amx;
+  int group;     // index of its (expert, token range) in make_tasks' `groups`
+};
+
+// The tasks that share one (expert, token range): together they cover every row block of the phase for those
+// tokens, so the last of them to finish holds complete rows of the phase's output.
+struct TaskGroup {
+  int e;
+  int m0, m1;
+  int n_tasks;
 };
 
 // How a phase is cut. `row_gran`: row blocks per AMX GEMM call (1 for gate+up, whose call takes the gate and
@@ -34,9 +43,9 @@ struct TaskPlan {
 };
 
 // Tasks for the experts in `active` (sorted by token count, descending); amx_experts: how many of the first
-// ones run on AMX.
+// ones run on AMX. `groups` (when given) receives the (expert, token range) groups the tasks' `group` index.
 void make_tasks(const std::vector<int>& active, const std::vector<int>& count, int amx_experts, const TaskPlan& plan,
-                std::vector<Task>& tasks);
+                std::vector<Task>& tasks, std::vector<TaskGroup>* groups = nullptr);
 
 // What the tasks of one phase read. Slot s of expert e is first[e] + i for its i-th token.
 struct PhaseInput {

@@ -96,7 +96,7 @@ size_t MoeExperts::bytes_per_expert() const {
 }
 
 const char* job_stage_name(int stage) {
-  static const char* names[kJobStages] = {"route", "quantize_x", "gate_up", "quantize_h", "down", "combine"};
+  static const char* names[kJobStages] = {"route", "quantize_x", "gate_up", "down", "combine"};
   return stage >= 0 && stage < kJobStages ? names[stage] : "?";
 }
 
@@ -376,6 +376,8 @@ int amx_panel_tokens(const ActLayout& a) { return std::max<int>(32, (int)((3u <<
 // Per-row work (quantizing, combining) of a decode step is cheaper on the coordinator alone than waking every
 // thread for it; it goes parallel above this many elements.
 constexpr int64_t kSerialElements = 1 << 13;
+// Chunks of at most this many tokens combine inside the down phase (run_chunk).
+constexpr int kFusedCombineTokens = 16;
 
 template <class F>
 void for_rows(ThreadPool& pool, int64_t n_rows, int64_t elems_per_row, const F& fn) {
@@ -400,28 +402,50 @@ void select_part(const float* w, int k, int d, JobPart part, std::vector<uint8_t
   for (int i = 0; i < d && i < k; ++i) in_part[order[i]] = deferred;
 }
 
-// out[t] (+)= sum_j weights[t, j] * y[slot(t, j)], in j order so results do not depend on threads.
+// out[t, c0:c1] (+)= sum_j weights[t, j] * y[slot(t, j), c0:c1] (+ addend[t, c0:c1]) for tokens [ta, tb) of the
+// chunk, in j order so results depend neither on threads nor on how the columns are cut; acc: c1 - c0 floats.
+void combine_rows(const RowOps& ops, const MoeCall& c, int H, int64_t t0, int64_t ta, int64_t tb,
+                  const std::vector<int>& pos, const float* y, int c0, int c1, float* acc) {
+  const int n = c1 - c0;
+  for (int64_t t = ta; t < tb; ++t) {
+    const size_t off = (size_t)(t0 + t) * H + c0;
+    if (!c.accumulate)
+      std::fill(acc, acc + n, 0.f);
+    else if (c.out_bf16)
+      ops.bf16_to_f32(static_cast<const uint16_t*>(c.out) + off, n, acc);
+    else
+      std::memcpy(acc, static_cast<const float*>(c.out) + off, sizeof(float) * n);
+    for (int j = 0; j < c.k; ++j) {
+      const int s = pos[(size_t)t * c.k + j];
+      if (s >= 0) ops.axpy(c.weights[(t0 + t) * c.k + j], y + (size_t)s * H + c0, n, acc);
+    }
+    if (c.addend) ops.axpy(1.f, c.addend + off, n, acc);  // exactly acc + addend
+    if (c.out_bf16)
+      ops.f32_to_bf16(acc, n, static_cast<uint16_t*>(c.out) + off);
+    else
+      std::memcpy(static_cast<float*>(c.out) + off, acc, sizeof(float) * n);
+  }
+}
+
+// The combine of whole rows, a token per task.
 void combine(ThreadPool& pool, const RowOps& ops, const MoeCall& c, int H, int64_t t0, int nt,
              const std::vector<int>& pos, const float* y) {
   for_rows(pool, nt, (int64_t)H * (c.k + 1), [&](int64_t t, int th) {
-    float* acc = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
-    if (c.accumulate)
-      load_row_fp32(ops, c.out, c.out_bf16, t0 + t, H, acc);
-    else
-      std::fill(acc, acc + H, 0.f);
-    for (int j = 0; j < c.k; ++j) {
-      int s = pos[(size_t)t * c.k + j];
-      if (s < 0) continue;
-      ops.axpy(c.weights[(t0 + t) * c.k + j], y + (size_t)s * H, H, acc);
-    }
-    if (c.addend) ops.axpy(1.f, c.addend + (t0 + t) * H, H, acc);  // exactly acc + addend
-    if (c.out_bf16) {
-      ops.f32_to_bf16(acc, H, static_cast<uint16_t*>(c.out) + (t0 + t) * H);
-    } else {
-      std::memcpy(static_cast<float*>(c.out) + (t0 + t) * H, acc, sizeof(float) * H);
-    }
+    combine_rows(ops, c, H, t0, t, t + 1, pos, y, 0, H, reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H)));
   });
 }
+
+// Countdowns over the tasks of a phase: the task that brings one to zero finishes what depends on all of them.
+class Countdown {
+ public:
+  explicit Countdown(size_t n) : left_(n) {}
+  void set(size_t i, int v) { left_[i].store(v, std::memory_order_relaxed); }
+  // True for the caller that takes index i to zero; acquire-release, so it sees every other task's writes.
+  bool arrive(size_t i) { return left_[i].fetch_sub(1, std::memory_order_acq_rel) == 1; }
+
+ private:
+  std::vector<std::atomic<int>> left_;
+};
 
 }  // namespace
 
@@ -545,37 +569,72 @@ void MoeJob::run_chunk(ThreadPool& pool, int64_t t0, int64_t t1, StageClock& clo
     }
     clock.done(JobStage::quantize_x);
 
-    // ---- phase 1: gate + up, SwiGLU -> h [n_slots, I]
-    float* h = reinterpret_cast<float*>(pool.scratch(1, sizeof(float) * (size_t)n_slots * I));
-    std::vector<Task> tasks;
-    make_tasks(active, count, n_amx, TaskPlan{gu.n_blocks, 1, amx_panel_tokens(gxa), n_threads}, tasks);
-    const PhaseInput in1{x_rows.data(), xa, amx_first.data(), first.data()};
-    pool.parallel_for((int64_t)tasks.size(), [&](int64_t ti, int th) { run_gate_up_task(ex, tasks[ti], in1, h, pool, th); });
-    clock.done(JobStage::gate_up);
-
-    // ---- quantize h, once per (token, expert), in the format of the expert's path: AMX slots into the panel
+    // h is quantized once per (token, expert), in the format of the expert's path (AMX slots into their panel),
+    // by the phase-1 task that completes the expert's rows for those tokens. With a few tokens (decode), y is
+    // combined a run of row blocks at a time by the phase-2 task that completes those blocks for every expert;
+    // with many, a combine that late would fall on the few threads running the phase's last tasks, so it runs
+    // after the phase on every thread.
+    const bool fuse_combine = nt <= kFusedCombineTokens;
     AmxPanel ha;
     if (n_amx_slots > 0) ha = make_panel(kAmxScratchSlot + 2, dxa);
     uint8_t* hq = pool.scratch(2, (size_t)(n_slots - n_amx_slots) * da.row_bytes);
-    for_rows(pool, n_slots, I, [&](int64_t s, int th) {
+    for (int s = n_amx_slots; s < n_slots; ++s) h_rows[s] = hq + (size_t)(s - n_amx_slots) * da.row_bytes;
+    float* h = reinterpret_cast<float*>(pool.scratch(1, sizeof(float) * (size_t)n_slots * I));
+    auto quantize_h = [&](int64_t s, int th) {
       if (s < n_amx_slots) {
         uint8_t* row = pool.thread_scratch(th, dxa.row_bytes);
         ops.quantize(fmt, true, h + (size_t)s * I, I, dxa, row);
         ha.store(panel_row[s], row, dxa.scales_off);
       } else {
-        ops.quantize(fmt, false, h + (size_t)s * I, I, da, hq + (s - n_amx_slots) * da.row_bytes);
+        ops.quantize(fmt, false, h + (size_t)s * I, I, da, hq + (size_t)(s - n_amx_slots) * da.row_bytes);
+      }
+    };
+
+    // ---- phase 1: gate + up, SwiGLU -> h [n_slots, I]
+    std::vector<Task> tasks;
+    std::vector<TaskGroup> groups;
+    make_tasks(active, count, n_amx, TaskPlan{gu.n_blocks, 1, amx_panel_tokens(gxa), n_threads}, tasks, &groups);
+    Countdown rows_left(groups.size());
+    for (size_t g = 0; g < groups.size(); ++g) rows_left.set(g, groups[g].n_tasks);
+    const PhaseInput in1{x_rows.data(), xa, amx_first.data(), first.data()};
+    pool.parallel_for((int64_t)tasks.size(), [&](int64_t ti, int th) {
+      const Task& task = tasks[ti];
+      run_gate_up_task(ex, task, in1, h, pool, th);
+      if (rows_left.arrive(task.group)) {
+        const TaskGroup& g = groups[task.group];
+        for (int s = first[g.e] + g.m0; s < first[g.e] + g.m1; ++s) quantize_h(s, th);
       }
     });
-    for (int s = n_amx_slots; s < n_slots; ++s) h_rows[s] = hq + (size_t)(s - n_amx_slots) * da.row_bytes;
-    clock.done(JobStage::quantize_h);
+    clock.done(JobStage::gate_up);
 
     // ---- phase 2: down -> y [n_slots, H]
     float* y = reinterpret_cast<float*>(pool.scratch(3, sizeof(float) * (size_t)n_slots * H));
     make_tasks(active, count, n_amx, TaskPlan{dn.n_blocks, 2, amx_panel_tokens(dxa), n_threads}, tasks);
+    Countdown blocks_left(dn.n_blocks);
+    {
+      std::vector<int> covers(dn.n_blocks + 1, 0);  // tasks covering each row block, by differences
+      for (const Task& t : tasks) ++covers[t.rb0], --covers[t.rb1];
+      for (int b = 0, c = 0; b < dn.n_blocks; ++b) blocks_left.set(b, c += covers[b]);
+    }
     const PhaseInput in2{h_rows.data(), ha, amx_first.data(), first.data()};
-    pool.parallel_for((int64_t)tasks.size(), [&](int64_t ti, int th) { run_down_task(ex, tasks[ti], in2, y, pool, th); });
+    pool.parallel_for((int64_t)tasks.size(), [&](int64_t ti, int th) {
+      const Task& task = tasks[ti];
+      run_down_task(ex, task, in2, y, pool, th);
+      if (!fuse_combine) return;
+      // combine each run of the task's blocks that it was the last to compute
+      for (int b = task.rb0, run0 = -1; b <= task.rb1; ++b) {
+        const bool mine = b < task.rb1 && blocks_left.arrive(b);
+        if (mine && run0 < 0) run0 = b;
+        if (!mine && run0 >= 0) {
+          const int c0 = run0 * kRowsPerBlock, c1 = std::min(H, b * kRowsPerBlock);
+          combine_rows(ops, call_, H, t0, 0, nt, pos, y, c0, c1,
+                       reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * (c1 - c0))));
+          run0 = -1;
+        }
+      }
+    });
     clock.done(JobStage::down);
-    combine(pool, ops, call_, H, t0, nt, pos, y);
+    if (!fuse_combine) combine(pool, ops, call_, H, t0, nt, pos, y);
     clock.done(JobStage::combine);
     return;
   }

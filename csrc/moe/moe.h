@@ -5,10 +5,11 @@
 //            under Expert Deferral, the slots of the other part (JobPart)
 //   quantize x once per token for the weight format
 //   phase 1  gate+up of every active expert, split in (expert, row-block range) tasks pulled dynamically;
-//            SwiGLU h = silu(gate) * up is applied in the same task
-//   quantize h once per (token, expert)
+//            SwiGLU h = silu(gate) * up is applied in the same task, and the task that completes an expert's
+//            rows quantizes them once per (token, expert)
 //   phase 2  down projection of every active expert, same task split
-//   combine  out[t] (+)= sum_j topk_weights[t, j] * y[t, j], in slot order (deterministic)
+//   combine  out[t] (+)= sum_j topk_weights[t, j] * y[t, j], in slot order (deterministic): with a few tokens by
+//            the phase-2 task that completes a run of output columns, with many after phase 2 on every thread
 // T is read when the job runs (through a pointer when given), so one prepared job serves every T up to its
 // capacity; this is what lets a CUDA graph replay it.
 #pragma once
@@ -64,7 +65,7 @@ inline int default_amx_min_tokens(WeightFormat f) {
 }
 
 // The stages of one MoE job (see the top of this file), for the per-stage time profile.
-enum class JobStage { route, quantize_x, gate_up, quantize_h, down, combine, count };
+enum class JobStage { route, quantize_x, gate_up, down, combine, count };
 constexpr int kJobStages = (int)JobStage::count;
 const char* job_stage_name(int stage);
 
