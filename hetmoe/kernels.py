@@ -396,7 +396,7 @@ class CPUExperts:
         d.setdefault("numa_slices", [(0, self.intermediate_size)])
         return d
 
-    JOB_STAGES = ("route", "quantize_x", "gate_up", "down", "combine")
+    JOB_STAGES = ("route", "quantize_x", "experts", "combine")
 
     def set_profiling(self, on: bool = True) -> None:
         """Time every job's stages from now on (``profile()``; turning it on clears the sums), or stop timing

@@ -22,8 +22,9 @@ constexpr int kTasksPerThread = 16;  // the last task to finish bounds the phase
 // 11.69 at 4; the unsplit jobs 11.43 / 11.04, 10.87 / 10.65, 10.98. In graph decode with d = 4, 77.05 / 76.05 ->
 // 84.44 / 90.39 tok/s.
 constexpr int kStreamingTasksPerThread = 4;
-// ... and such a phase's last n_threads tasks are cut in this many. A/B on the GPU machine (same shape, one process):
-// a step of whole jobs 11.0 / 11.3 / 10.9 ms uncut, 10.4 / 10.3 / 10.5 cut in 2, 10.4 / 10.1 / 10.3 cut in 4.
+// ... and such a phase's last n_threads tasks are cut in this many when it ends the job. A/B on the GPU machine
+// (same shape, one process, with a barrier after each phase then): a step of whole jobs 11.0 / 11.3 / 10.9 ms
+// uncut, 10.4 / 10.3 / 10.5 cut in 2, 10.4 / 10.1 / 10.3 cut in 4.
 constexpr int kTailCuts = 4;
 
 // exp(x) for the SwiGLU: Cody-Waite range reduction and a degree-6 polynomial (relative error ~2e-7), in plain
@@ -111,7 +112,7 @@ void make_tasks(const std::vector<int>& active, const std::vector<int>& count, i
   }
   // A streaming phase ends in smaller tasks: its last n_threads tasks are cut in kTailCuts by rows, so the
   // threads finish within a fraction of a task of each other while the rest keep their long streams.
-  if (streaming) {
+  if (streaming && plan.cut_tail) {
     const size_t n_tail = std::min(tasks.size(), (size_t)plan.n_threads);
     std::vector<Task> tail(tasks.end() - n_tail, tasks.end());
     tasks.resize(tasks.size() - n_tail);

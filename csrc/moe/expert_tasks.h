@@ -1,12 +1,14 @@
 // The units of work of the MoE job's two compute phases (gate+up with SwiGLU, then down), how a phase is cut
-// into them, and the code that runs one.
+// into them, and the code that runs one. The job pulls both phases' tasks from one list (moe.cpp run_chunk): a
+// down task waits for its expert's gate+up tasks only, not for the whole phase.
 //
 // A task is (expert, row-block range, token range). Experts with at least `amx_min_tokens` tokens run on the
 // AMX GEMM (kernels/amx/gemm.h), the others on the row-block kernels, on the same packed weights. Big expert
 // tasks are split into sub-tasks of about equal cost (rows first, tokens when rows alone are too few), pulled
 // dynamically from the pool's atomic task counter, heaviest first: a popular expert (skewed routing) is
 // shared by all threads instead of leaving them idle behind it. A phase is cut into ~16 tasks per thread, or ~4
-// when it only streams weights (decode: row-block experts with a few tokens each).
+// when it only streams weights (decode: row-block experts with a few tokens each), and then its last tasks are
+// cut smaller when it ends the job (down).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -40,6 +42,7 @@ struct TaskPlan {
   int row_gran;
   int amx_max_tokens;
   int n_threads;
+  bool cut_tail = true;  // a streaming phase's last tasks cut smaller (the tasks end the job's parallel work)
 };
 
 // Tasks for the experts in `active` (sorted by token count, descending); amx_experts: how many of the first

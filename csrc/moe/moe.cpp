@@ -1,5 +1,6 @@
 #include "moe/moe.h"
 
+#include <immintrin.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -96,7 +97,7 @@ size_t MoeExperts::bytes_per_expert() const {
 }
 
 const char* job_stage_name(int stage) {
-  static const char* names[kJobStages] = {"route", "quantize_x", "gate_up", "down", "combine"};
+  static const char* names[kJobStages] = {"route", "quantize_x", "experts", "combine"};
   return stage >= 0 && stage < kJobStages ? names[stage] : "?";
 }
 
@@ -440,6 +441,8 @@ class Countdown {
  public:
   explicit Countdown(size_t n) : left_(n) {}
   void set(size_t i, int v) { left_[i].store(v, std::memory_order_relaxed); }
+  void add(size_t i, int v) { left_[i].fetch_add(v, std::memory_order_relaxed); }
+  bool zero(size_t i) const { return left_[i].load(std::memory_order_acquire) == 0; }
   // True for the caller that takes index i to zero; acquire-release, so it sees every other task's writes.
   bool arrive(size_t i) { return left_[i].fetch_sub(1, std::memory_order_acq_rel) == 1; }
 
@@ -570,10 +573,10 @@ void MoeJob::run_chunk(ThreadPool& pool, int64_t t0, int64_t t1, StageClock& clo
     clock.done(JobStage::quantize_x);
 
     // h is quantized once per (token, expert), in the format of the expert's path (AMX slots into their panel),
-    // by the phase-1 task that completes the expert's rows for those tokens. With a few tokens (decode), y is
-    // combined a run of row blocks at a time by the phase-2 task that completes those blocks for every expert;
-    // with many, a combine that late would fall on the few threads running the phase's last tasks, so it runs
-    // after the phase on every thread.
+    // by the gate+up task that completes the expert's rows for those tokens. With a few tokens (decode), y is
+    // combined a run of row blocks at a time by the down task that completes those blocks for every expert;
+    // with many, a combine that late would fall on the few threads running the last tasks, so it runs after
+    // them on every thread.
     const bool fuse_combine = nt <= kFusedCombineTokens;
     AmxPanel ha;
     if (n_amx_slots > 0) ha = make_panel(kAmxScratchSlot + 2, dxa);
@@ -590,35 +593,52 @@ void MoeJob::run_chunk(ThreadPool& pool, int64_t t0, int64_t t1, StageClock& clo
       }
     };
 
-    // ---- phase 1: gate + up, SwiGLU -> h [n_slots, I]
-    std::vector<Task> tasks;
+    // ---- gate + up with SwiGLU -> h [n_slots, I], then down -> y [n_slots, H], as one list of tasks: an
+    // expert's down tasks wait (spinning) until its gate+up tasks are done and its h quantized. The down tasks are
+    // pulled after every gate+up task and in the same expert order, so such a wait is at most the last gate+up
+    // task, and the threads stream weights from the first task to the last without a barrier between the phases.
+    std::vector<Task> tasks, down_tasks;
     std::vector<TaskGroup> groups;
-    make_tasks(active, count, n_amx, TaskPlan{gu.n_blocks, 1, amx_panel_tokens(gxa), n_threads}, tasks, &groups);
-    Countdown rows_left(groups.size());
-    for (size_t g = 0; g < groups.size(); ++g) rows_left.set(g, groups[g].n_tasks);
-    const PhaseInput in1{x_rows.data(), xa, amx_first.data(), first.data()};
-    pool.parallel_for((int64_t)tasks.size(), [&](int64_t ti, int th) {
-      const Task& task = tasks[ti];
-      run_gate_up_task(ex, task, in1, h, pool, th);
-      if (rows_left.arrive(task.group)) {
-        const TaskGroup& g = groups[task.group];
-        for (int s = first[g.e] + g.m0; s < first[g.e] + g.m1; ++s) quantize_h(s, th);
-      }
-    });
-    clock.done(JobStage::gate_up);
-
-    // ---- phase 2: down -> y [n_slots, H]
-    float* y = reinterpret_cast<float*>(pool.scratch(3, sizeof(float) * (size_t)n_slots * H));
-    make_tasks(active, count, n_amx, TaskPlan{dn.n_blocks, 2, amx_panel_tokens(dxa), n_threads}, tasks);
+    make_tasks(active, count, n_amx, TaskPlan{gu.n_blocks, 1, amx_panel_tokens(gxa), n_threads, false}, tasks, &groups);
+    make_tasks(active, count, n_amx, TaskPlan{dn.n_blocks, 2, amx_panel_tokens(dxa), n_threads}, down_tasks);
+    Countdown rows_left(groups.size()), expert_left(E);
+    for (int e : active) expert_left.set(e, 0);
+    for (size_t g = 0; g < groups.size(); ++g) {
+      rows_left.set(g, groups[g].n_tasks);
+      expert_left.add(groups[g].e, groups[g].n_tasks);
+    }
     Countdown blocks_left(dn.n_blocks);
     {
       std::vector<int> covers(dn.n_blocks + 1, 0);  // tasks covering each row block, by differences
-      for (const Task& t : tasks) ++covers[t.rb0], --covers[t.rb1];
+      for (const Task& t : down_tasks) ++covers[t.rb0], --covers[t.rb1];
       for (int b = 0, c = 0; b < dn.n_blocks; ++b) blocks_left.set(b, c += covers[b]);
     }
+    float* y = reinterpret_cast<float*>(pool.scratch(3, sizeof(float) * (size_t)n_slots * H));
+    const PhaseInput in1{x_rows.data(), xa, amx_first.data(), first.data()};
     const PhaseInput in2{h_rows.data(), ha, amx_first.data(), first.data()};
-    pool.parallel_for((int64_t)tasks.size(), [&](int64_t ti, int th) {
-      const Task& task = tasks[ti];
+    const int64_t n_gu = (int64_t)tasks.size();
+    std::atomic<bool> failed{false};  // a gate+up task threw: the waits give up (parallel_for reports the error)
+    auto run_task = [&](int64_t ti, int th) {
+      if (ti < n_gu) {
+        const Task& task = tasks[ti];
+        try {
+          run_gate_up_task(ex, task, in1, h, pool, th);
+          if (rows_left.arrive(task.group)) {
+            const TaskGroup& g = groups[task.group];
+            for (int s = first[g.e] + g.m0; s < first[g.e] + g.m1; ++s) quantize_h(s, th);
+          }
+        } catch (...) {
+          failed.store(true, std::memory_order_relaxed);
+          throw;
+        }
+        expert_left.arrive(task.e);
+        return;
+      }
+      const Task& task = down_tasks[ti - n_gu];
+      while (!expert_left.zero(task.e)) {
+        if (failed.load(std::memory_order_relaxed)) return;
+        _mm_pause();
+      }
       run_down_task(ex, task, in2, y, pool, th);
       if (!fuse_combine) return;
       // combine each run of the task's blocks that it was the last to compute
@@ -632,8 +652,9 @@ void MoeJob::run_chunk(ThreadPool& pool, int64_t t0, int64_t t1, StageClock& clo
           run0 = -1;
         }
       }
-    });
-    clock.done(JobStage::down);
+    };
+    pool.parallel_for(n_gu + (int64_t)down_tasks.size(), run_task);
+    clock.done(JobStage::experts);
     if (!fuse_combine) combine(pool, ops, call_, H, t0, nt, pos, y);
     clock.done(JobStage::combine);
     return;

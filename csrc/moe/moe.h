@@ -4,12 +4,14 @@
 //   route    group (token, slot) pairs by expert; skip -1 ids, experts masked off (they live on the GPU) and,
 //            under Expert Deferral, the slots of the other part (JobPart)
 //   quantize x once per token for the weight format
-//   phase 1  gate+up of every active expert, split in (expert, row-block range) tasks pulled dynamically;
-//            SwiGLU h = silu(gate) * up is applied in the same task, and the task that completes an expert's
-//            rows quantizes them once per (token, expert)
-//   phase 2  down projection of every active expert, same task split
+//   experts  one list of tasks pulled dynamically by every pool thread:
+//            gate+up of every active expert, split in (expert, row-block range, token range) tasks; SwiGLU
+//            h = silu(gate) * up is applied in the same task, and the task that completes an expert's rows
+//            quantizes them once per (token, expert);
+//            then down of every active expert, same split; a down task waits until its expert's h is quantized
+//            (no barrier between the two halves)
 //   combine  out[t] (+)= sum_j topk_weights[t, j] * y[t, j], in slot order (deterministic): with a few tokens by
-//            the phase-2 task that completes a run of output columns, with many after phase 2 on every thread
+//            the down task that completes a run of output columns, with many after the tasks on every thread
 // T is read when the job runs (through a pointer when given), so one prepared job serves every T up to its
 // capacity; this is what lets a CUDA graph replay it.
 #pragma once
@@ -65,7 +67,7 @@ inline int default_amx_min_tokens(WeightFormat f) {
 }
 
 // The stages of one MoE job (see the top of this file), for the per-stage time profile.
-enum class JobStage { route, quantize_x, gate_up, down, combine, count };
+enum class JobStage { route, quantize_x, experts, combine, count };
 constexpr int kJobStages = (int)JobStage::count;
 const char* job_stage_name(int stage);
 
