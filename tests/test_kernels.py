@@ -546,6 +546,116 @@ def test_job_picks_its_deferral_part(fmt):
         ex.prepare(x, ids, w, deferred=True)
 
 
+def _deferral_jobs(ex, T, k, d, gen, addend=True, pair=True):
+    H, E = ex.hidden_size, ex.num_experts
+    x = torch.randn(T, H, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, k, generator=gen)
+    add = torch.randn(T, H, generator=gen) * 0.01 if addend else None
+    imm = ex.prepare(x, ids, w, torch.empty(T, H, dtype=torch.bfloat16), defer=d, addend=add)
+    dfr = ex.prepare(x, ids, w, torch.empty(T, H), defer=d, deferred=True, pair=imm if pair else None)
+    return imm, dfr
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_paired_deferral_jobs_run_as_one_list_with_the_same_bits(fmt, threads):
+    """An immediate job and its paired deferred job submitted back to back run as one list (the immediate job
+    completes first, the deferred one joins the rest): the same bits as the two jobs run one at a time, over many
+    layers in a row, for every token count a decode step takes; above 16 tokens they run unpaired."""
+    from hetmoe import _C
+
+    pool = ExpertPool(threads)
+    layers = []
+    for seed in range(4):
+        ex = CPUExperts(16, 64, 96, fmt, 32, pool=pool)
+        ex.fill_random(seed=seed)
+        layers.append(ex)
+    gen = torch.Generator().manual_seed(3)
+    blocker = CPUExperts(4, 512, 512, "bf16", pool=pool)  # a long job first: every pair is queued when it ends
+    blocker.fill_random(seed=1)
+    long_job = blocker.prepare(torch.randn(512, 512), torch.randint(0, 4, (512, 4)), torch.rand(512, 4))
+    for T in (1, 3, 16, 17):
+        jobs = [_deferral_jobs(ex, T, 6, 2, gen) for ex in layers]
+        before = _C.paired_deferral_runs()
+        pool.submit(long_job)
+        for imm, dfr in jobs:  # a hybrid step's order
+            pool.submit(imm)
+            pool.submit(dfr)
+        pool.sync()
+        paired = _C.paired_deferral_runs() - before
+        assert paired == (len(layers) if T <= 16 else 0), f"T={T}: {paired} paired runs"
+        got = [(imm.out.clone(), dfr.out.clone()) for imm, dfr in jobs]
+        for imm, dfr in jobs:  # one at a time: def is never queued behind imm, so nothing pairs
+            for job in (imm, dfr):
+                job.out.fill_(7)
+                pool.submit(job)
+                pool.sync()
+        assert _C.paired_deferral_runs() - before == paired
+        for (a, b), (imm, dfr) in zip(got, jobs):
+            assert torch.equal(a, imm.out) and torch.equal(b, dfr.out), f"T={T}"
+
+
+def test_paired_deferral_jobs_under_load():
+    """Many pairs back to back with unrelated jobs between some of them, on a pool with more threads than cores:
+    every output matches its one-at-a-time value."""
+    pool = ExpertPool(3)
+    ex = CPUExperts(16, 64, 96, "int8", 32, pool=pool)
+    ex.fill_random(seed=9)
+    gen = torch.Generator().manual_seed(4)
+    pairs = [_deferral_jobs(ex, 1 + i % 4, 8, 1 + i % 7, gen, addend=i % 2 == 0) for i in range(24)]
+    other = ex.prepare(torch.randn(2, 64), torch.randint(0, 16, (2, 3)), torch.rand(2, 3))
+    refs = []
+    for imm, dfr in pairs:
+        for job in (imm, dfr):
+            pool.submit(job)
+            pool.sync()
+        refs.append((imm.out.clone(), dfr.out.clone()))
+    for _ in range(5):
+        for i, (imm, dfr) in enumerate(pairs):
+            imm.out.zero_(), dfr.out.zero_()
+            pool.submit(imm)
+            if i % 5 == 4:
+                pool.submit(other)  # the deferred job is not right behind: both run on their own
+            pool.submit(dfr)
+        pool.sync()
+        for (imm, dfr), (a, b) in zip(pairs, refs):
+            assert torch.equal(imm.out, a) and torch.equal(dfr.out, b)
+
+
+def test_paired_deferral_job_errors():
+    """A pair whose deferred part routes to an unloaded expert: the immediate output is still right and the error
+    is raised once, at the sync; pair= refuses jobs that do not belong together."""
+    E, H, I = 8, 64, 96
+    pool = ExpertPool(2)
+    ex = CPUExperts(E, H, I, "bf16", pool=pool)
+    gen = torch.Generator().manual_seed(5)
+    ex.load(torch.randn(6, I, H, generator=gen) * 0.05, torch.randn(6, I, H, generator=gen) * 0.05,
+            torch.randn(6, H, I, generator=gen) * 0.05)  # experts 6 and 7 never loaded
+    x = torch.randn(1, H, generator=gen)
+    ids = torch.tensor([[0, 1, 6]])
+    w = torch.tensor([[0.5, 0.4, 0.1]])  # expert 6 is the deferred (lowest-weighted) slot
+    imm = ex.prepare(x, ids, w, torch.empty(1, H), defer=1)
+    dfr = ex.prepare(x, ids, w, torch.empty(1, H), defer=1, deferred=True, pair=imm)
+    pool.submit(imm)
+    pool.submit(dfr)
+    with pytest.raises(RuntimeError, match="expert 6 is routed to but was never loaded"):
+        pool.sync()
+    pool.sync()  # raised once
+    ref = ex.forward(x, torch.tensor([[0, 1]]), w[:, :2])
+    assert torch.equal(imm.out, ref)
+    with pytest.raises(ValueError, match="pair= goes with deferred=True"):
+        ex.prepare(x, ids, w, defer=1, pair=imm)
+    with pytest.raises(ValueError, match="must share x, the routing"):
+        ex.prepare(x.clone(), ids, w, torch.empty(1, H), defer=1, deferred=True, pair=ex.prepare(x, ids, w, defer=1))
+    with pytest.raises(ValueError, match="already paired"):
+        ex.prepare(x, ids, w, torch.empty(1, H), defer=1, deferred=True, pair=imm)
+    other = CPUExperts(E, H, I, "bf16", pool=pool)
+    with pytest.raises(ValueError, match="same CPUExperts"):
+        other.fill_random(seed=1)
+        other.prepare(x, ids, w, torch.empty(1, H), defer=1, deferred=True, pair=imm)
+
+
 def test_too_many_experts_per_token_is_refused():
     ex = CPUExperts(4, 64, 32, "int8", 32, pool=shared_pool(2))
     ex.fill_random(seed=1)

@@ -103,29 +103,42 @@ uint8_t* ThreadPool::thread_scratch(int thread, size_t bytes) { return thread_sc
 
 // ---------------------------------------------------------------- parallel_for
 
+void ThreadPool::run_task(int64_t t, int thread_index) {
+  try {
+    (*fn_)(t, thread_index);
+  } catch (...) {
+    std::lock_guard<std::mutex> lk(task_error_mu_);
+    if (!task_error_) task_error_ = std::current_exception();
+  }
+}
+
 void ThreadPool::run_tasks(int thread_index) {
-  const auto& fn = *fn_;
   for (;;) {
     int64_t t = next_task_.fetch_add(1, std::memory_order_relaxed);
-    if (t >= n_tasks_) break;
-    try {
-      fn(t, thread_index);
-    } catch (...) {
-      std::lock_guard<std::mutex> lk(task_error_mu_);
-      if (!task_error_) task_error_ = std::current_exception();
-    }
+    while (t >= n_tasks_.load(std::memory_order_acquire) && more_tasks_.load(std::memory_order_acquire)) _mm_pause();
+    if (t >= n_tasks_.load(std::memory_order_acquire)) break;
+    run_task(t, thread_index);
   }
 }
 
 void ThreadPool::parallel_for(int64_t n_tasks, const std::function<void(int64_t, int)>& fn) {
+  parallel_join();
   if (n_tasks <= 0) return;
   if (n_threads_ == 1 || n_tasks == 1) {
     for (int64_t t = 0; t < n_tasks; ++t) fn(t, 0);
     return;
   }
+  parallel_start(n_tasks, fn);
+  parallel_join();
+}
+
+void ThreadPool::parallel_start(int64_t n_tasks, const std::function<void(int64_t, int)>& fn, bool more) {
+  parallel_join();
   fn_ = &fn;
-  n_tasks_ = n_tasks;
+  n_tasks_.store(n_tasks, std::memory_order_relaxed);
+  more_tasks_.store(more, std::memory_order_relaxed);
   next_task_.store(0, std::memory_order_relaxed);
+  if (n_threads_ == 1) return;  // no workers: the coordinator runs everything when it helps or joins
   busy_workers_.store(n_threads_ - 1, std::memory_order_relaxed);
   {
     // Publishing under the mutex means a worker that is about to sleep cannot miss this generation.
@@ -133,6 +146,27 @@ void ThreadPool::parallel_for(int64_t n_tasks, const std::function<void(int64_t,
     generation_.fetch_add(1, std::memory_order_release);
   }
   wake_cv_.notify_all();
+}
+
+void ThreadPool::parallel_extend(int64_t n_tasks) {
+  n_tasks_.store(n_tasks, std::memory_order_release);
+  more_tasks_.store(false, std::memory_order_release);
+}
+
+void ThreadPool::parallel_help(int64_t limit) {
+  if (!fn_) return;
+  int64_t t = next_task_.load(std::memory_order_relaxed);
+  while (t < limit && t < n_tasks_.load(std::memory_order_acquire)) {
+    if (next_task_.compare_exchange_weak(t, t + 1, std::memory_order_relaxed)) {
+      run_task(t, 0);
+      t = next_task_.load(std::memory_order_relaxed);
+    }
+  }
+}
+
+void ThreadPool::parallel_join() {
+  if (!fn_) return;
+  if (more_tasks_.load(std::memory_order_relaxed)) parallel_extend(n_tasks_.load(std::memory_order_relaxed));
   run_tasks(0);
   while (busy_workers_.load(std::memory_order_acquire) != 0) _mm_pause();
   fn_ = nullptr;
@@ -141,6 +175,15 @@ void ThreadPool::parallel_for(int64_t n_tasks, const std::function<void(int64_t,
     std::swap(e, task_error_);
     std::rethrow_exception(e);
   }
+}
+
+bool ThreadPool::next_job_is(const Job* job, int wait_us) const {
+  // the running job is not completed yet: one more submission than that means a job is queued behind it
+  const uint64_t running = completed_.load(std::memory_order_acquire) + 1;
+  const auto deadline = Clock::now() + std::chrono::microseconds(wait_us);
+  while (submitted_.load(std::memory_order_acquire) <= running && Clock::now() < deadline) _mm_pause();
+  std::lock_guard<std::mutex> lk(queue_mu_);
+  return queue_.size() >= 2 && queue_[1].job->inner() == job;
 }
 
 void ThreadPool::wait_for_generation(uint64_t seen, int thread_index) {

@@ -377,8 +377,6 @@ int amx_panel_tokens(const ActLayout& a) { return std::max<int>(32, (int)((3u <<
 // Per-row work (quantizing, combining) of a decode step is cheaper on the coordinator alone than waking every
 // thread for it; it goes parallel above this many elements.
 constexpr int64_t kSerialElements = 1 << 13;
-// Chunks of at most this many tokens combine inside the down phase (run_chunk).
-constexpr int kFusedCombineTokens = 16;
 
 template <class F>
 void for_rows(ThreadPool& pool, int64_t n_rows, int64_t elems_per_row, const F& fn) {
@@ -428,18 +426,10 @@ void combine_rows(const RowOps& ops, const MoeCall& c, int H, int64_t t0, int64_
   }
 }
 
-// The combine of whole rows, a token per task.
-void combine(ThreadPool& pool, const RowOps& ops, const MoeCall& c, int H, int64_t t0, int nt,
-             const std::vector<int>& pos, const float* y) {
-  for_rows(pool, nt, (int64_t)H * (c.k + 1), [&](int64_t t, int th) {
-    combine_rows(ops, c, H, t0, t, t + 1, pos, y, 0, H, reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H)));
-  });
-}
-
 // Countdowns over the tasks of a phase: the task that brings one to zero finishes what depends on all of them.
 class Countdown {
  public:
-  explicit Countdown(size_t n) : left_(n) {}
+  void reset(size_t n) { left_ = std::vector<std::atomic<int>>(n); }
   void set(size_t i, int v) { left_[i].store(v, std::memory_order_relaxed); }
   void add(size_t i, int v) { left_[i].fetch_add(v, std::memory_order_relaxed); }
   bool zero(size_t i) const { return left_[i].load(std::memory_order_acquire) == 0; }
@@ -452,214 +442,366 @@ class Countdown {
 
 }  // namespace
 
-void MoeJob::run(ThreadPool& pool) {
-  StageClock clock(*experts_);
-  int64_t T = call_.n_tokens_ptr ? *call_.n_tokens_ptr : call_.n_tokens;
-  if (T < 0 || T > call_.capacity)
-    throw std::invalid_argument("number of tokens " + std::to_string(T) + " is outside [0, " +
-                                std::to_string(call_.capacity) + "], the capacity of this job's buffers");
-  if (call_.logits) route_call(call_, experts_->config().n_expert, 0, T);
-  for (int64_t t0 = 0; t0 < T; t0 += kTokensPerChunk)
-    run_chunk(pool, t0, std::min(T, t0 + kTokensPerChunk), clock);
-}
+// One chunk of tokens of one call, from its routing to its combine. The constructor runs on the coordinator: it
+// routes, quantizes x and cuts the work into tasks. run_task(i) (any pool thread, any order of pulling) runs one
+// task, and finish() what is left after all of them (the combine of many tokens, or of a chunk without slots).
+//
+// The tasks: gate + up with SwiGLU -> h [n_slots, I], then down -> y [n_slots, H], in one list. An expert's down
+// tasks wait (spinning) until its gate+up tasks are done and its h quantized; they come after every gate+up task
+// and in the same expert order, so such a wait is at most the last gate+up task, and the threads stream weights
+// from the first task to the last without a barrier between the phases. h is quantized once per (token, expert),
+// in the format of the expert's path (AMX slots into their panel), by the gate+up task that completes the
+// expert's rows for those tokens. With a few tokens (decode), y is combined a run of row blocks at a time by the
+// down task that completes those blocks for every expert; with many, a combine that late would fall on the few
+// threads running the last tasks, so finish() runs it on every thread.
+class ChunkPlan {
+ public:
+  // Pool scratch slots from slot_base on (two plans in flight at once use different bases). serial: the
+  // constructor runs its row work on the calling thread alone (another plan's tasks may be in flight).
+  ChunkPlan(const MoeExperts& ex, const MoeCall& call, ThreadPool& pool, int64_t t0, int64_t t1, int slot_base,
+            bool serial, StageClock& clock);
+  int64_t n_tasks() const { return (int64_t)(tasks_.size() + down_tasks_.size()); }
+  void run_task(int64_t ti, int th);
+  // Until every task has run (or one has failed).
+  void wait() const {
+    while (tasks_left_.load(std::memory_order_acquire) > 0 && !failed()) _mm_pause();
+  }
+  bool failed() const { return failed_.load(std::memory_order_relaxed); }
+  void finish(ThreadPool& pool, bool serial);
 
-void MoeJob::run_chunk(ThreadPool& pool, int64_t t0, int64_t t1, StageClock& clock) {
-  const MoeExperts& ex = *experts_;
-  const ExpertsConfig& cfg = ex.config();
-  const int E = cfg.n_expert, H = cfg.hidden, I = cfg.intermediate, k = call_.k;
-  const int nt = (int)(t1 - t0);
-  const WeightFormat fmt = cfg.format;
-  const RowOps& ops = ex.row_ops();
+ private:
+  template <class F>
+  void rows(int64_t n_rows, int64_t elems_per_row, bool serial, const F& fn) {
+    if (serial) {
+      for (int64_t i = 0; i < n_rows; ++i) fn(i, 0);
+    } else {
+      for_rows(pool_, n_rows, elems_per_row, fn);
+    }
+  }
+  void quantize_h(int s, int th);
+
+  const MoeExperts& ex_;
+  const MoeCall& call_;
+  ThreadPool& pool_;
+  int64_t t0_;
+  int nt_, E_, H_, I_, k_;
+  const RowOps& ops_;
+  std::vector<int> count_, pos_, active_, first_, slot_token_, amx_first_, panel_row_;
+  std::vector<const uint8_t*> x_rows_, h_rows_;
+  int n_slots_ = 0, n_amx_slots_ = 0;
+  AmxPanel xa_, ha_;
+  uint8_t* hq_ = nullptr;
+  float *h_ = nullptr, *y_ = nullptr;
+  bool fuse_combine_ = false;
+  std::vector<Task> tasks_, down_tasks_;
+  std::vector<TaskGroup> groups_;
+  Countdown rows_left_, expert_left_, blocks_left_;
+  std::atomic<int64_t> tasks_left_{0};
+  std::atomic<bool> failed_{false};  // a gate+up task threw: the waits give up (the pool reports the error)
+};
+
+ChunkPlan::ChunkPlan(const MoeExperts& ex, const MoeCall& call, ThreadPool& pool, int64_t t0, int64_t t1,
+                     int slot_base, bool serial, StageClock& clock)
+    : ex_(ex), call_(call), pool_(pool), t0_(t0), nt_((int)(t1 - t0)), E_(ex.config().n_expert),
+      H_(ex.config().hidden), I_(ex.config().intermediate), k_(call.k), ops_(ex.row_ops()) {
+  const int E = E_, H = H_, k = k_, nt = nt_;
+  const WeightFormat fmt = ex.config().format;
 
   // ---- route: count (token, slot) pairs per expert
-  std::vector<int> count(E, 0), pos((size_t)nt * k, -1);
+  count_.assign(E, 0);
+  pos_.assign((size_t)nt * k, -1);
   std::vector<uint8_t> in_part(k, 1);
   for (int t = 0; t < nt; ++t) {
-    if (call_.part != JobPart::all) select_part(call_.weights + (t0 + t) * k, k, call_.defer_lowest, call_.part, in_part);
+    if (call.part != JobPart::all) select_part(call.weights + (t0 + t) * k, k, call.defer_lowest, call.part, in_part);
     for (int j = 0; j < k; ++j) {
       if (!in_part[j]) continue;
       int64_t idx = (t0 + t) * k + j;
-      int64_t id = call_.ids_int32 ? static_cast<const int32_t*>(call_.ids)[idx] : static_cast<const int64_t*>(call_.ids)[idx];
+      int64_t id = call.ids_int32 ? static_cast<const int32_t*>(call.ids)[idx] : static_cast<const int64_t*>(call.ids)[idx];
       if (id == -1) continue;
       if (id < -1 || id >= E)
         throw std::invalid_argument("topk_ids[" + std::to_string(t0 + t) + ", " + std::to_string(j) + "] = " +
                                     std::to_string(id) + " is not an expert id in [0, " + std::to_string(E) +
                                     ") or -1");
-      if (call_.skip_mask && call_.skip_mask[id]) continue;
-      pos[(size_t)t * k + j] = (int)id;  // expert for now; becomes the slot below
-      ++count[id];
+      if (call.skip_mask && call.skip_mask[id]) continue;
+      pos_[(size_t)t * k + j] = (int)id;  // expert for now; becomes the slot below
+      ++count_[id];
     }
   }
-  std::vector<int> active;
   for (int e = 0; e < E; ++e)
-    if (count[e]) {
+    if (count_[e]) {
       if (!ex.is_loaded(e)) throw std::runtime_error("expert " + std::to_string(e) + " is routed to but was never loaded");
-      active.push_back(e);
+      active_.push_back(e);
     }
-  std::stable_sort(active.begin(), active.end(), [&](int a, int b) { return count[a] > count[b]; });
-  std::vector<int> first(E, 0), fill(E, 0);
-  int n_slots = 0;
-  for (int e : active) first[e] = n_slots, n_slots += count[e];
-  std::vector<int> slot_token(n_slots);
+  std::stable_sort(active_.begin(), active_.end(), [&](int a, int b) { return count_[a] > count_[b]; });
+  first_.assign(E, 0);
+  std::vector<int> fill(E, 0);
+  for (int e : active_) first_[e] = n_slots_, n_slots_ += count_[e];
+  slot_token_.resize(n_slots_);
   for (int t = 0; t < nt; ++t)
     for (int j = 0; j < k; ++j) {
-      int& p = pos[(size_t)t * k + j];
+      int& p = pos_[(size_t)t * k + j];
       if (p < 0) continue;
-      int s = first[p] + fill[p]++;
-      slot_token[s] = t;
+      int s = first_[p] + fill[p]++;
+      slot_token_[s] = t;
       p = s;
     }
+  clock.done(JobStage::route);
+  if (n_slots_ == 0) return;
 
   const ActLayout& ga = ex.gate_up_act();
   const ActLayout& da = ex.down_act();
   const MatrixShape& gu = ex.gate_up_shape();
   const MatrixShape& dn = ex.down_shape();
   const int n_threads = pool.size();
-  clock.done(JobStage::route);
-
-  if (n_slots > 0) {
-    // AMX experts: those with at least amx_min_tokens tokens. `active` is sorted by count, so they come first
-    // and own the slots [0, n_amx_slots).
-    int n_amx = 0;
-    while (n_amx < (int)active.size() && ex.uses_amx(count[active[n_amx]])) ++n_amx;
-    const int n_amx_slots = n_amx ? first[active[n_amx - 1]] + count[active[n_amx - 1]] : 0;
-    const ActLayout& gxa = ex.gate_up_amx_act();
-    const ActLayout& dxa = ex.down_amx_act();
-    std::vector<const uint8_t*> x_rows(n_slots), h_rows(n_slots);
-    // AMX experts' rows in the activation panels (layout.h AmxPanel): each expert starts a block of 16 rows;
-    // panel_row[s] is slot s's row, and the rows that pad an expert's last block are zero.
-    std::vector<int> amx_first(E, 0), panel_row(n_amx_slots);
-    int n_panel = 0;
+  // AMX experts: those with at least amx_min_tokens tokens. `active` is sorted by count, so they come first
+  // and own the slots [0, n_amx_slots).
+  int n_amx = 0;
+  while (n_amx < (int)active_.size() && ex.uses_amx(count_[active_[n_amx]])) ++n_amx;
+  n_amx_slots_ = n_amx ? first_[active_[n_amx - 1]] + count_[active_[n_amx - 1]] : 0;
+  const ActLayout& gxa = ex.gate_up_amx_act();
+  const ActLayout& dxa = ex.down_amx_act();
+  x_rows_.resize(n_slots_);
+  h_rows_.resize(n_slots_);
+  // AMX experts' rows in the activation panels (layout.h AmxPanel): each expert starts a block of 16 rows;
+  // panel_row[s] is slot s's row, and the rows that pad an expert's last block are zero.
+  amx_first_.assign(E, 0);
+  panel_row_.resize(n_amx_slots_);
+  int n_panel = 0;
+  for (int i = 0; i < n_amx; ++i) {
+    const int e = active_[i];
+    amx_first_[e] = n_panel;
+    for (int m = 0; m < count_[e]; ++m) panel_row_[first_[e] + m] = n_panel + m;
+    n_panel += (count_[e] + 15) / 16 * 16;
+  }
+  auto make_panel = [&](int slot, const ActLayout& a) {
+    uint8_t* p = pool.scratch(slot, AmxPanel::tile_bytes(a, n_panel) + AmxPanel::meta_bytes_of(a, n_panel));
+    const AmxPanel panel = AmxPanel::make(a, p, p + AmxPanel::tile_bytes(a, n_panel));
     for (int i = 0; i < n_amx; ++i) {
-      const int e = active[i];
-      amx_first[e] = n_panel;
-      for (int m = 0; m < count[e]; ++m) panel_row[first[e] + m] = n_panel + m;
-      n_panel += (count[e] + 15) / 16 * 16;
+      const int e = active_[i];
+      for (int r = amx_first_[e] + count_[e]; r % 16; ++r) panel.store(r, nullptr, a.scales_off);
     }
-    auto make_panel = [&](int slot, const ActLayout& a) {
-      uint8_t* p = pool.scratch(slot, AmxPanel::tile_bytes(a, n_panel) + AmxPanel::meta_bytes_of(a, n_panel));
-      const AmxPanel panel = AmxPanel::make(a, p, p + AmxPanel::tile_bytes(a, n_panel));
-      for (int i = 0; i < n_amx; ++i) {
-        const int e = active[i];
-        for (int r = amx_first[e] + count[e]; r % 16; ++r) panel.store(r, nullptr, a.scales_off);
-      }
-      return panel;
-    };
+    return panel;
+  };
 
-    // ---- quantize x, once per token: for the row-block kernels into rows; for AMX experts also in their
-    // format, then copied to every panel row of the token (an expert's tokens are consecutive A-tile rows)
-    if (n_amx_slots < n_slots) {
-      uint8_t* xq = pool.scratch(0, (size_t)nt * ga.row_bytes);
-      for_rows(pool, nt, H, [&](int64_t t, int th) {
-        float* row = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
-        load_row_fp32(ops, call_.x, call_.x_bf16, t0 + t, H, row);
-        ops.quantize(fmt, false, row, H, ga, xq + t * ga.row_bytes);
-      });
-      for (int s = n_amx_slots; s < n_slots; ++s) x_rows[s] = xq + (size_t)slot_token[s] * ga.row_bytes;
-    }
-    AmxPanel xa;
-    if (n_amx_slots > 0) {
-      uint8_t* xt = pool.scratch(kAmxScratchSlot, (size_t)nt * gxa.row_bytes);
-      for_rows(pool, nt, H, [&](int64_t t, int th) {
-        float* row = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
-        load_row_fp32(ops, call_.x, call_.x_bf16, t0 + t, H, row);
-        ops.quantize(fmt, true, row, H, gxa, xt + t * gxa.row_bytes);
-      });
-      xa = make_panel(kAmxScratchSlot + 1, gxa);
-      for_rows(pool, n_amx_slots, gxa.scales_off / 4, [&](int64_t s, int) {
-        xa.store(panel_row[s], xt + (size_t)slot_token[s] * gxa.row_bytes, gxa.scales_off);
-      });
-    }
-    clock.done(JobStage::quantize_x);
+  // ---- quantize x, once per token: for the row-block kernels into rows; for AMX experts also in their
+  // format, then copied to every panel row of the token (an expert's tokens are consecutive A-tile rows)
+  if (n_amx_slots_ < n_slots_) {
+    uint8_t* xq = pool.scratch(slot_base + 0, (size_t)nt * ga.row_bytes);
+    rows(nt, H, serial, [&](int64_t t, int th) {
+      float* row = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
+      load_row_fp32(ops_, call.x, call.x_bf16, t0 + t, H, row);
+      ops_.quantize(fmt, false, row, H, ga, xq + t * ga.row_bytes);
+    });
+    for (int s = n_amx_slots_; s < n_slots_; ++s) x_rows_[s] = xq + (size_t)slot_token_[s] * ga.row_bytes;
+  }
+  if (n_amx_slots_ > 0) {
+    uint8_t* xt = pool.scratch(slot_base + kAmxScratchSlot, (size_t)nt * gxa.row_bytes);
+    rows(nt, H, serial, [&](int64_t t, int th) {
+      float* row = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
+      load_row_fp32(ops_, call.x, call.x_bf16, t0 + t, H, row);
+      ops_.quantize(fmt, true, row, H, gxa, xt + t * gxa.row_bytes);
+    });
+    xa_ = make_panel(slot_base + kAmxScratchSlot + 1, gxa);
+    rows(n_amx_slots_, gxa.scales_off / 4, serial, [&](int64_t s, int) {
+      xa_.store(panel_row_[s], xt + (size_t)slot_token_[s] * gxa.row_bytes, gxa.scales_off);
+    });
+  }
+  clock.done(JobStage::quantize_x);
 
-    // h is quantized once per (token, expert), in the format of the expert's path (AMX slots into their panel),
-    // by the gate+up task that completes the expert's rows for those tokens. With a few tokens (decode), y is
-    // combined a run of row blocks at a time by the down task that completes those blocks for every expert;
-    // with many, a combine that late would fall on the few threads running the last tasks, so it runs after
-    // them on every thread.
-    const bool fuse_combine = nt <= kFusedCombineTokens;
-    AmxPanel ha;
-    if (n_amx_slots > 0) ha = make_panel(kAmxScratchSlot + 2, dxa);
-    uint8_t* hq = pool.scratch(2, (size_t)(n_slots - n_amx_slots) * da.row_bytes);
-    for (int s = n_amx_slots; s < n_slots; ++s) h_rows[s] = hq + (size_t)(s - n_amx_slots) * da.row_bytes;
-    float* h = reinterpret_cast<float*>(pool.scratch(1, sizeof(float) * (size_t)n_slots * I));
-    auto quantize_h = [&](int64_t s, int th) {
-      if (s < n_amx_slots) {
-        uint8_t* row = pool.thread_scratch(th, dxa.row_bytes);
-        ops.quantize(fmt, true, h + (size_t)s * I, I, dxa, row);
-        ha.store(panel_row[s], row, dxa.scales_off);
-      } else {
-        ops.quantize(fmt, false, h + (size_t)s * I, I, da, hq + (size_t)(s - n_amx_slots) * da.row_bytes);
-      }
-    };
+  fuse_combine_ = nt <= kFusedCombineTokens;
+  if (n_amx_slots_ > 0) ha_ = make_panel(slot_base + kAmxScratchSlot + 2, dxa);
+  hq_ = pool.scratch(slot_base + 2, (size_t)(n_slots_ - n_amx_slots_) * da.row_bytes);
+  for (int s = n_amx_slots_; s < n_slots_; ++s) h_rows_[s] = hq_ + (size_t)(s - n_amx_slots_) * da.row_bytes;
+  h_ = reinterpret_cast<float*>(pool.scratch(slot_base + 1, sizeof(float) * (size_t)n_slots_ * I_));
+  y_ = reinterpret_cast<float*>(pool.scratch(slot_base + 3, sizeof(float) * (size_t)n_slots_ * H));
 
-    // ---- gate + up with SwiGLU -> h [n_slots, I], then down -> y [n_slots, H], as one list of tasks: an
-    // expert's down tasks wait (spinning) until its gate+up tasks are done and its h quantized. The down tasks are
-    // pulled after every gate+up task and in the same expert order, so such a wait is at most the last gate+up
-    // task, and the threads stream weights from the first task to the last without a barrier between the phases.
-    std::vector<Task> tasks, down_tasks;
-    std::vector<TaskGroup> groups;
-    make_tasks(active, count, n_amx, TaskPlan{gu.n_blocks, 1, amx_panel_tokens(gxa), n_threads, false}, tasks, &groups);
-    make_tasks(active, count, n_amx, TaskPlan{dn.n_blocks, 2, amx_panel_tokens(dxa), n_threads}, down_tasks);
-    Countdown rows_left(groups.size()), expert_left(E);
-    for (int e : active) expert_left.set(e, 0);
-    for (size_t g = 0; g < groups.size(); ++g) {
-      rows_left.set(g, groups[g].n_tasks);
-      expert_left.add(groups[g].e, groups[g].n_tasks);
+  make_tasks(active_, count_, n_amx, TaskPlan{gu.n_blocks, 1, amx_panel_tokens(gxa), n_threads, false}, tasks_,
+             &groups_);
+  make_tasks(active_, count_, n_amx, TaskPlan{dn.n_blocks, 2, amx_panel_tokens(dxa), n_threads}, down_tasks_);
+  rows_left_.reset(groups_.size());
+  expert_left_.reset(E);
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    rows_left_.set(g, groups_[g].n_tasks);
+    expert_left_.add(groups_[g].e, groups_[g].n_tasks);
+  }
+  blocks_left_.reset(dn.n_blocks);
+  std::vector<int> covers(dn.n_blocks + 1, 0);  // tasks covering each row block, by differences
+  for (const Task& t : down_tasks_) ++covers[t.rb0], --covers[t.rb1];
+  for (int b = 0, c = 0; b < dn.n_blocks; ++b) blocks_left_.set(b, c += covers[b]);
+  tasks_left_.store(n_tasks(), std::memory_order_relaxed);
+}
+
+void ChunkPlan::quantize_h(int s, int th) {
+  const WeightFormat fmt = ex_.config().format;
+  if (s < n_amx_slots_) {
+    const ActLayout& dxa = ex_.down_amx_act();
+    uint8_t* row = pool_.thread_scratch(th, dxa.row_bytes);
+    ops_.quantize(fmt, true, h_ + (size_t)s * I_, I_, dxa, row);
+    ha_.store(panel_row_[s], row, dxa.scales_off);
+  } else {
+    const ActLayout& da = ex_.down_act();
+    ops_.quantize(fmt, false, h_ + (size_t)s * I_, I_, da, hq_ + (size_t)(s - n_amx_slots_) * da.row_bytes);
+  }
+}
+
+void ChunkPlan::run_task(int64_t ti, int th) {
+  struct Done {  // counts the task as run however it ends
+    std::atomic<int64_t>& left;
+    ~Done() { left.fetch_sub(1, std::memory_order_acq_rel); }
+  } done{tasks_left_};
+  const int64_t n_gu = (int64_t)tasks_.size();
+  if (ti < n_gu) {
+    const Task& task = tasks_[ti];
+    try {
+      run_gate_up_task(ex_, task, PhaseInput{x_rows_.data(), xa_, amx_first_.data(), first_.data()}, h_, pool_, th);
+      if (rows_left_.arrive(task.group)) {
+        const TaskGroup& g = groups_[task.group];
+        for (int s = first_[g.e] + g.m0; s < first_[g.e] + g.m1; ++s) quantize_h(s, th);
+      }
+    } catch (...) {
+      failed_.store(true, std::memory_order_relaxed);
+      throw;
     }
-    Countdown blocks_left(dn.n_blocks);
-    {
-      std::vector<int> covers(dn.n_blocks + 1, 0);  // tasks covering each row block, by differences
-      for (const Task& t : down_tasks) ++covers[t.rb0], --covers[t.rb1];
-      for (int b = 0, c = 0; b < dn.n_blocks; ++b) blocks_left.set(b, c += covers[b]);
-    }
-    float* y = reinterpret_cast<float*>(pool.scratch(3, sizeof(float) * (size_t)n_slots * H));
-    const PhaseInput in1{x_rows.data(), xa, amx_first.data(), first.data()};
-    const PhaseInput in2{h_rows.data(), ha, amx_first.data(), first.data()};
-    const int64_t n_gu = (int64_t)tasks.size();
-    std::atomic<bool> failed{false};  // a gate+up task threw: the waits give up (parallel_for reports the error)
-    auto run_task = [&](int64_t ti, int th) {
-      if (ti < n_gu) {
-        const Task& task = tasks[ti];
-        try {
-          run_gate_up_task(ex, task, in1, h, pool, th);
-          if (rows_left.arrive(task.group)) {
-            const TaskGroup& g = groups[task.group];
-            for (int s = first[g.e] + g.m0; s < first[g.e] + g.m1; ++s) quantize_h(s, th);
-          }
-        } catch (...) {
-          failed.store(true, std::memory_order_relaxed);
-          throw;
-        }
-        expert_left.arrive(task.e);
-        return;
-      }
-      const Task& task = down_tasks[ti - n_gu];
-      while (!expert_left.zero(task.e)) {
-        if (failed.load(std::memory_order_relaxed)) return;
-        _mm_pause();
-      }
-      run_down_task(ex, task, in2, y, pool, th);
-      if (!fuse_combine) return;
-      // combine each run of the task's blocks that it was the last to compute
-      for (int b = task.rb0, run0 = -1; b <= task.rb1; ++b) {
-        const bool mine = b < task.rb1 && blocks_left.arrive(b);
-        if (mine && run0 < 0) run0 = b;
-        if (!mine && run0 >= 0) {
-          const int c0 = run0 * kRowsPerBlock, c1 = std::min(H, b * kRowsPerBlock);
-          combine_rows(ops, call_, H, t0, 0, nt, pos, y, c0, c1,
-                       reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * (c1 - c0))));
-          run0 = -1;
-        }
-      }
-    };
-    pool.parallel_for(n_gu + (int64_t)down_tasks.size(), run_task);
-    clock.done(JobStage::experts);
-    if (!fuse_combine) combine(pool, ops, call_, H, t0, nt, pos, y);
-    clock.done(JobStage::combine);
+    expert_left_.arrive(task.e);
     return;
   }
-  combine(pool, ops, call_, H, t0, nt, pos, nullptr);
+  const Task& task = down_tasks_[ti - n_gu];
+  while (!expert_left_.zero(task.e)) {
+    if (failed()) return;
+    _mm_pause();
+  }
+  run_down_task(ex_, task, PhaseInput{h_rows_.data(), ha_, amx_first_.data(), first_.data()}, y_, pool_, th);
+  if (!fuse_combine_) return;
+  // combine each run of the task's blocks that it was the last to compute
+  for (int b = task.rb0, run0 = -1; b <= task.rb1; ++b) {
+    const bool mine = b < task.rb1 && blocks_left_.arrive(b);
+    if (mine && run0 < 0) run0 = b;
+    if (!mine && run0 >= 0) {
+      const int c0 = run0 * kRowsPerBlock, c1 = std::min(H_, b * kRowsPerBlock);
+      combine_rows(ops_, call_, H_, t0_, 0, nt_, pos_, y_, c0, c1,
+                   reinterpret_cast<float*>(pool_.thread_scratch(th, sizeof(float) * (c1 - c0))));
+      run0 = -1;
+    }
+  }
+}
+
+void ChunkPlan::finish(ThreadPool& pool, bool serial) {
+  if (n_slots_ > 0 && fuse_combine_) return;
+  rows(nt_, (int64_t)H_ * (k_ + 1), serial, [&](int64_t t, int th) {
+    combine_rows(ops_, call_, H_, t0_, t, t + 1, pos_, y_, 0, H_,
+                 reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H_)));
+  });
+}
+
+// An immediate job and its deferred job (MoeJob::pair): what the immediate job leaves in flight for the other.
+struct DeferralPair {
+  std::atomic<const MoeJob*> imm{nullptr}, def{nullptr};  // cleared by the job's destructor
+  std::unique_ptr<ChunkPlan> imm_plan, def_plan;
+  int64_t n_imm = 0;
+  std::function<void(int64_t, int)> fn;
+  bool in_flight = false;  // coordinator only: the deferred tasks are running, the deferred job joins them
+};
+
+constexpr int kPairScratchBase = 16;
+constexpr int kPairWaitUs = 20;  // how long an immediate job waits for its deferred job to be queued behind it
+std::atomic<uint64_t> g_paired_runs{0};  // the deferred plan's pool scratch slots while the immediate one's are in use
+
+MoeJob::~MoeJob() {
+  if (!pair_) return;
+  const MoeJob* self = this;
+  pair_->imm.compare_exchange_strong(self, nullptr);
+  self = this;
+  pair_->def.compare_exchange_strong(self, nullptr);
+}
+
+void MoeJob::pair(const std::shared_ptr<MoeJob>& imm, const std::shared_ptr<MoeJob>& def) {
+  auto bad = [](const std::string& m) { throw std::invalid_argument("pair: " + m); };
+  if (!imm || !def) bad("null job");
+  const MoeCall &a = imm->call_, &b = def->call_;
+  if (a.part != JobPart::immediate || b.part != JobPart::deferred)
+    bad("the first job must compute the immediate part, the second the deferred part");
+  if (imm->experts_ != def->experts_) bad("the two jobs are over different experts");
+  if (a.defer_lowest != b.defer_lowest || a.k != b.k || a.x != b.x || a.x_bf16 != b.x_bf16 || a.ids != b.ids ||
+      a.ids_int32 != b.ids_int32 || a.weights != b.weights || a.n_tokens_ptr != b.n_tokens_ptr ||
+      a.n_tokens != b.n_tokens || a.capacity != b.capacity || a.skip_mask != b.skip_mask || a.out == b.out)
+    bad("the two jobs must share x, the routing, the token count and the mask, and write different outputs");
+  if (imm->pair_ || def->pair_) bad("a job is already paired");
+  auto p = std::make_shared<DeferralPair>();
+  p->imm.store(imm.get());
+  p->def.store(def.get());
+  imm->pair_ = def->pair_ = p;
+}
+
+void MoeJob::run(ThreadPool& pool) {
+  if (pair_ && call_.part == JobPart::deferred && pair_->in_flight) return join_paired(pool);
+  StageClock clock(*experts_);
+  int64_t T = call_.n_tokens_ptr ? *call_.n_tokens_ptr : call_.n_tokens;
+  if (T < 0 || T > call_.capacity)
+    throw std::invalid_argument("number of tokens " + std::to_string(T) + " is outside [0, " +
+                                std::to_string(call_.capacity) + "], the capacity of this job's buffers");
+  if (call_.logits) route_call(call_, experts_->config().n_expert, 0, T);
+  const bool may_pair = pair_ && call_.part == JobPart::immediate && T > 0 && T <= kFusedCombineTokens;
+  for (int64_t t0 = 0; t0 < T; t0 += kTokensPerChunk) {
+    auto plan = std::make_unique<ChunkPlan>(*experts_, call_, pool, t0, std::min(T, t0 + kTokensPerChunk), 0, false,
+                                            clock);
+    // asked once this job's own plan is made, giving the deferred job time to be queued (a hybrid step submits
+    // it microseconds after this one)
+    const MoeJob* def = may_pair ? pair_->def.load(std::memory_order_acquire) : nullptr;
+    if (def && pool.next_job_is(def, kPairWaitUs)) return run_paired(pool, T, std::move(plan), *def, clock);
+    pool.parallel_for(plan->n_tasks(), [&](int64_t i, int th) { plan->run_task(i, th); });
+    clock.done(JobStage::experts);
+    plan->finish(pool, false);
+    clock.done(JobStage::combine);
+  }
+}
+
+// The immediate job of a pair whose deferred job is queued right behind it: the deferred part's tasks go into the
+// same list, behind this job's own, and keep the workers streaming while this job completes (its output is what
+// the GPU waits for) and the deferred job starts; that one then joins them. Ids and weights are this job's (it
+// routed them), so the deferred part does not route again.
+void MoeJob::run_paired(ThreadPool& pool, int64_t T, std::unique_ptr<ChunkPlan> plan, const MoeJob& def,
+                        StageClock& clock) {
+  DeferralPair& P = *pair_;
+  P.def_plan.reset();
+  P.imm_plan = std::move(plan);
+  P.n_imm = P.imm_plan->n_tasks();
+  P.fn = [&P](int64_t i, int th) {
+    if (i < P.n_imm)
+      P.imm_plan->run_task(i, th);
+    else
+      P.def_plan->run_task(i - P.n_imm, th);
+  };
+  pool.parallel_start(P.n_imm, P.fn, true);
+  g_paired_runs.fetch_add(1, std::memory_order_relaxed);
+  int64_t n_def = 0;
+  try {
+    P.def_plan = std::make_unique<ChunkPlan>(*experts_, def.call_, pool, 0, T, kPairScratchBase, true, clock);
+    n_def = P.def_plan->n_tasks();
+  } catch (...) {
+    P.def_plan.reset();  // the deferred job runs on its own and reports the error
+  }
+  P.in_flight = P.def_plan != nullptr;
+  pool.parallel_extend(P.n_imm + n_def);
+  pool.parallel_help(P.n_imm);
+  P.imm_plan->wait();
+  if (!P.in_flight || P.imm_plan->failed()) {
+    P.in_flight = false;
+    pool.parallel_join();  // rethrows a task's error
+  }
+  clock.done(JobStage::experts);
+  P.imm_plan->finish(pool, true);
+  clock.done(JobStage::combine);
+}
+
+uint64_t MoeJob::paired_runs() { return g_paired_runs.load(std::memory_order_relaxed); }
+
+void MoeJob::join_paired(ThreadPool& pool) {
+  DeferralPair& P = *pair_;
+  StageClock clock(*experts_);
+  P.in_flight = false;
+  pool.parallel_join();
+  clock.done(JobStage::experts);
+  P.def_plan->finish(pool, false);
   clock.done(JobStage::combine);
 }
 

@@ -199,18 +199,37 @@ void route_call(const MoeCall& call, int n_expert, int64_t t0, int64_t t1);
 class StageClock;
 
 constexpr int kMaxTopK = kMaxRoutedTopK;  // experts per token a job takes
+// Chunks of at most this many tokens combine inside the down tasks (moe.cpp ChunkPlan), and only such jobs pair.
+constexpr int kFusedCombineTokens = 16;
 // Throws std::invalid_argument when a call's k or deferral fields are out of range (every job's constructor runs it).
 void check_call(const MoeCall& call);
+
+struct DeferralPair;
+class ChunkPlan;
 
 class MoeJob : public Job {
  public:
   MoeJob(std::shared_ptr<MoeExperts> experts, const MoeCall& call);
+  ~MoeJob() override;
   void run(ThreadPool& pool) override;
 
+  // Pairs Expert Deferral's two jobs of one layer: `imm` (part immediate) and `def` (part deferred) over the same
+  // experts, x, routing buffers and token count, writing different outputs. Submitted one right after the other to
+  // the same pool (a hybrid decode step does), with at most kFusedCombineTokens tokens, they run as one list of
+  // tasks: imm starts def's tasks behind its own and completes as soon as its own output is written, while the
+  // workers go on with def's; def then joins them. The pool streams weights without the second job's start and
+  // end. Submitted otherwise (def not queued right behind imm), each runs on its own as before.
+  static void pair(const std::shared_ptr<MoeJob>& imm, const std::shared_ptr<MoeJob>& def);
+  // How many times, in this process, an immediate job has run with its deferred job's tasks (tests, benchmarks).
+  static uint64_t paired_runs();
+
  private:
-  void run_chunk(ThreadPool& pool, int64_t t0, int64_t t1, StageClock& clock);
+  void run_paired(ThreadPool& pool, int64_t T, std::unique_ptr<ChunkPlan> plan, const MoeJob& def,
+                  StageClock& clock);
+  void join_paired(ThreadPool& pool);
   std::shared_ptr<MoeExperts> experts_;
   MoeCall call_;
+  std::shared_ptr<DeferralPair> pair_;
 };
 
 // DRAM read bandwidth with all pool threads, each streaming its own slice of a buffer of `bytes`.

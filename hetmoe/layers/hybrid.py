@@ -23,7 +23,9 @@ so one copy comes back and nothing is left to add or cast. A layer with GPU-resi
 device and adds its parts there, in fp32, in the same order.
 
 Expert Deferral (d > 0): layer l's deferred job reads layer l's own buffers while the GPU runs layer l+1's
-attention; layer l+1's immediate job runs after it (FIFO) and finds its output complete. The first MoE layer of a
+attention; layer l+1's immediate job runs after it (FIFO) and finds its output complete. The two jobs of a layer
+are paired (``CPUExperts.prepare(pair=...)``): queued back to back, they run as one list of tasks, and the immediate
+one completes as soon as its output is written while the pool streams on into the deferred one's. The first MoE layer of a
 step has no deferred input, the last defers nothing, so every step ends with the pool idle.
 
 Buffers are static: per MoE layer, pinned x [C, H], ids [C, k], weights [C, k], logits [C, E], outputs [C, H] and
@@ -147,15 +149,14 @@ class HybridDecode:
         if lg is not None:  # the jobs read a host copy of the correction bias (a model buffer, fixed after loading)
             bias = bias_src.detach().float().cpu().contiguous() if bias_src is not None else None
             route = dict(logits=lg, router=dataclasses.replace(router, correction_bias=bias))
+        job = engine.prepare(xh, ids, w, out, n_tokens=self.n_tokens, defer=defer, addend=addend, **route)
+        job_def = engine.prepare(xh, ids, w, out_def, n_tokens=self.n_tokens, defer=defer, deferred=True, pair=job,
+                                 **route) if defer else None
         buf = _LayerBuffers(
             key, mask, xh, ids, w, lg, out, out_def,
             torch.zeros(C, H, dtype=out_dtype, device=x.device),
             None if direct else torch.zeros(C, H, dtype=torch.float32, device=x.device),
-            addend, bias_src,
-            engine.prepare(xh, ids, w, out, n_tokens=self.n_tokens, defer=defer, addend=addend, **route),
-            engine.prepare(xh, ids, w, out_def, n_tokens=self.n_tokens, defer=defer, deferred=True, **route)
-            if defer else None,
-            direct,
+            addend, bias_src, job, job_def, direct,
         )
         self._buffers[id(layer)] = buf
         self.pools.add(engine.pool)
