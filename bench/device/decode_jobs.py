@@ -2,8 +2,8 @@
 top-8) over L layers, timed per step of L jobs, against the STREAM-read bandwidth of the same pool. Variants:
 
 - cold batched: each layer's job once per step, submitted together, one sync (weights from DRAM);
-- deferral split d=4: each layer as two jobs (its 4 highest-weighted experts, then its 4 others) in the queue order
-  of a hybrid step with Expert Deferral;
+- deferral split d=4: each layer as two jobs (its 4 highest-weighted experts, then its 4 others), paired and in the
+  queue order of a hybrid step with Expert Deferral;
 - one by one: submit and sync every job (the latency of each round trip shows);
 - warm: layer 0's job L times (its weights stay in the last-level cache).
 
@@ -47,7 +47,8 @@ for r in range(R):
         ids = torch.randperm(E, generator=gen)[:k].view(1, k).to(torch.int32)
         w = torch.rand(1, k, generator=gen)
         row.append(ex.prepare(x, ids, w))
-        srow.append((ex.prepare(x, ids, w, defer=D), ex.prepare(x, ids, w, defer=D, deferred=True)))
+        imm = ex.prepare(x, ids, w, defer=D)
+        srow.append((imm, ex.prepare(x, ids, w, defer=D, deferred=True, pair=imm)))
     full.append(row)
     split.append(srow)
 step_bytes = L * k * bpe
@@ -61,13 +62,11 @@ def batched(r, warm=False):
     return time.perf_counter() - t
 
 
-def deferred(r):  # a hybrid step's order: imm(l), then def(l - 1), which runs while the GPU does attention(l + 1)
+def deferred(r):  # a hybrid step's order: imm(l), then def(l), which runs while the GPU does attention(l + 1)
     t = time.perf_counter()
     for l in range(L):
         pool.submit(split[r][l][0])
-        if l:
-            pool.submit(split[r][l - 1][1])
-    pool.submit(split[r][L - 1][1])
+        pool.submit(split[r][l][1])
     pool.sync(0)
     return time.perf_counter() - t
 
