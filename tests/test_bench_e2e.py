@@ -207,3 +207,15 @@ def test_expert_pool_is_the_models_own():
     fallback = kernels.shared_pool(2)
     pool = _expert_pool(loaded, fallback)
     assert pool is not fallback and pool.threads == 1
+
+
+def test_bench_kernel_profile_covers_the_timed_calls_only(tmp_path):
+    """--profile reports the stages of the timed calls, not of the warm-up ones (a first call also faults its
+    scratch memory in)."""
+    out = tmp_path / "k.json"
+    assert cli.main(["bench", "kernel", "--shapes", "qwen3-30b-a3b", "--experts", "8", "--formats", "int4",
+                     "--tokens", "2", "--threads", "2", "--no-baseline", "--random-packed", "--repeats", "3",
+                     "--warmup", "2", "--profile", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())["records"][0]
+    assert rec["stages_jobs"] == 3
+    assert set(rec["stages_ms"]) == {"route", "quantize_x", "experts", "combine"} and rec["stages_ms"]["experts"] > 0
