@@ -378,13 +378,23 @@ int amx_panel_tokens(const ActLayout& a) { return std::max<int>(32, (int)((3u <<
 // thread for it; it goes parallel above this many elements.
 constexpr int64_t kSerialElements = 1 << 13;
 
+// A parallel task takes consecutive rows worth about this many elements (at least ~4 tasks per thread). A/B on the
+// GPU machine (DeepSeek-V3 layer, T = 512, 16 threads): quantizing x into the AMX panels 2.16 / 2.18 ms with a row
+// per task, 1.82 / 1.95 ms so (bf16: 3.59 / 3.58 -> 3.21 / 3.41).
+constexpr int64_t kTaskElements = 1 << 14;
+
 template <class F>
 void for_rows(ThreadPool& pool, int64_t n_rows, int64_t elems_per_row, const F& fn) {
   if (n_rows * elems_per_row <= kSerialElements) {
     for (int64_t i = 0; i < n_rows; ++i) fn(i, 0);
     return;
   }
-  pool.parallel_for(n_rows, fn);
+  int64_t per_task = std::max<int64_t>(1, kTaskElements / std::max<int64_t>(1, elems_per_row));
+  per_task = std::min(per_task, std::max<int64_t>(1, n_rows / (4 * pool.size())));
+  const int64_t n_tasks = (n_rows + per_task - 1) / per_task;
+  pool.parallel_for(n_tasks, [&](int64_t task, int th) {
+    for (int64_t i = task * per_task, end = std::min(n_rows, i + per_task); i < end; ++i) fn(i, th);
+  });
 }
 
 // in_part[j] = whether slot j of a token with weights w[0..k) belongs to `part` (JobPart): the d lowest weights by a
