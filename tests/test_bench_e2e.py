@@ -146,6 +146,24 @@ def test_bench_e2e_quick_json():
     assert rec["ms_per_token"] == pytest.approx(1e3 / rec["decode_tok_s"])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_e2e_quick_variants_on_the_gpu():
+    """The hybrid placement's decode variants, each with the roofline of the STREAM probed around its own runs."""
+    run = subprocess.run([sys.executable, "-m", "hetmoe", "bench", "e2e", "--quick", "--device", "cuda", "--json", "-"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    (rec,) = json.loads(run.stdout)["records"]
+    names = [v["variant"] for v in rec["variants"]]
+    assert names[:3] == ["eager", "graph", "graph+d1"]
+    for v in rec["variants"]:
+        assert v["decode_tok_s"] > 0 and len(v["stream_gbps_adjacent"]) == 2
+        assert v["roofline_adjacent_tok_s"] == pytest.approx(
+            sum(v["stream_gbps_adjacent"]) / 2 * 1e9 / rec["bytes_per_token"])
+        assert v["pct_roofline_adjacent"] == pytest.approx(100 * v["decode_tok_s"] / v["roofline_adjacent_tok_s"])
+    assert "adj.roof" in run.stderr
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--shape", "nope"], "invalid choice"),
     (["--layers", "0"], "positive integer"),

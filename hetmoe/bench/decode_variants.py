@@ -97,9 +97,13 @@ def _decode_times(runner: Runner, prompt: list, steps: int, warmup: int, gen: to
 
 
 def decode_variants(loaded: LoadedModel, prompt_tokens: int, steps: int, repeats: int, roofline_tok_s,
-                    seed: int = 0, warmup: int = 2, log=print) -> list:
+                    seed: int = 0, warmup: int = 2, log=print, stream=None, bytes_per_token: float = 0) -> list:
     """Batch-1 decode tok/s per variant (median of ``repeats`` runs of ``steps`` steps after a prompt), with the
-    roofline and the time split. The model's own deferral and GPU experts are restored afterwards."""
+    roofline and the time split. The model's own deferral and GPU experts are restored afterwards.
+
+    ``stream`` (a function returning GB/s) is also probed right before and after each variant's runs: on a machine
+    whose bandwidth drifts within minutes, ``roofline_adjacent_tok_s`` (their mean / ``bytes_per_token``) is the
+    roofline of the minute the variant ran in, beside the run-wide ``roofline_tok_s``."""
     model = loaded.model
     k = loaded.config.num_experts_per_tok
     gpu_saved = [off.gpu for off in _offloaded(model)]
@@ -121,13 +125,18 @@ def decode_variants(loaded: LoadedModel, prompt_tokens: int, steps: int, repeats
             runner = Runner(loaded, cuda_graph=graph)
             try:
                 prompt = torch.randint(runner.vocab_size, (prompt_tokens,), generator=gen).tolist()
+                around = [stream()] if stream else []
                 runs = [_decode_times(runner, prompt, steps, warmup, gen) for _ in range(repeats)]
+                around += [stream()] if stream else []
                 rates = [len(r) / sum(r) for r in runs]
                 tok_s = statistics.median(rates)
+                adjacent = (statistics.mean(around) * 1e9 / bytes_per_token) if around and bytes_per_token else None
                 rec = {"variant": name, "cuda_graph": graph, "defer_experts": d, "gpu_experts": gpu,
                        "decode_tok_s": tok_s, "decode_tok_s_all": rates, "ms_per_token": 1e3 / tok_s,
                        "roofline_tok_s": roofline_tok_s,
                        "pct_roofline": 100 * tok_s / roofline_tok_s if roofline_tok_s else None,
+                       "stream_gbps_adjacent": around or None, "roofline_adjacent_tok_s": adjacent,
+                       "pct_roofline_adjacent": 100 * tok_s / adjacent if adjacent else None,
                        **time_split(runner), "decoder": runner.decoder.stats()}
             finally:
                 runner.decoder.close()
@@ -190,16 +199,21 @@ def kv_modes(loaded: LoadedModel, contexts: list, steps: int, seed: int = 0, log
 
 
 def fmt_variants(records: list) -> list:
-    head = (f"{'variant':18s} {'decode':>8s} {'roofline':>9s} {'%roof':>6s} {'step':>7s} {'GPU':>7s} {'CPU':>7s}"
-            f" {'overlap':>8s} {'capture':>8s}")
-    units = f"{'':18s} {'tok/s':>8s} {'tok/s':>9s} {'':>6s}" + "".join(f" {'ms':>{w}s}" for w in (7, 7, 7, 8, 8))
+    """The variants' table; "adj." columns: the roofline from the STREAM probed around each variant's runs."""
+    nan = float("nan")
+    head = (f"{'variant':18s} {'decode':>8s} {'roofline':>9s} {'%roof':>6s} {'adj.roof':>9s} {'%adj':>6s}"
+            f" {'step':>7s} {'GPU':>7s} {'CPU':>7s} {'overlap':>8s} {'capture':>8s}")
+    units = (f"{'':18s} {'tok/s':>8s} {'tok/s':>9s} {'':>6s} {'tok/s':>9s} {'':>6s}"
+             + "".join(f" {'ms':>{w}s}" for w in (7, 7, 7, 8, 8)))
     lines = [head, units]
     for r in records:
         cap = sum(r["decoder"]["capture_ms"].values())
-        roof = r["roofline_tok_s"]
+        roof, adj = r["roofline_tok_s"], r.get("roofline_adjacent_tok_s")
+        pct, pct_adj = r["pct_roofline"], r.get("pct_roofline_adjacent")
         lines.append(
-            f"{r['variant']:18s} {r['decode_tok_s']:8.2f} {roof if roof is not None else float('nan'):9.2f}"
-            f" {r['pct_roofline'] if r['pct_roofline'] is not None else float('nan'):5.1f}% {r['step_ms']:7.2f}"
+            f"{r['variant']:18s} {r['decode_tok_s']:8.2f} {roof if roof is not None else nan:9.2f}"
+            f" {pct if pct is not None else nan:5.1f}% {adj if adj is not None else nan:9.2f}"
+            f" {pct_adj if pct_adj is not None else nan:5.1f}% {r['step_ms']:7.2f}"
             f" {r['gpu_ms']:7.2f} {r['cpu_ms']:7.2f} {r['overlap_ms']:8.2f} {cap:8.0f}"
         )
     return lines

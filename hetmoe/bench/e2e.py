@@ -259,8 +259,9 @@ def run_e2e_bench(args) -> int:
             if device == "cuda" and not getattr(args, "no_variants", False):  # eager / graph / deferral / GPU experts
                 say(f"{PLACEMENT[device]}: decode variants, batch 1, {decode_tokens} steps x {repeats} after "
                     f"{min(prompts)} tokens:")
-                rec["variants"] = decode_variants(loaded, min(prompts), decode_tokens, repeats, rec["roofline_tok_s"],
-                                                  args.seed, log=say)
+                rec["variants"] = decode_variants(
+                    loaded, min(prompts), decode_tokens, repeats, rec["roofline_tok_s"], args.seed, log=say,
+                    stream=lambda: epool.read_bandwidth(stream_bytes, 3), bytes_per_token=rec["bytes_per_token"])
                 if getattr(args, "kv_contexts", None):
                     say(f"{PLACEMENT[device]}: graph attention over the whole cache (full) vs per 64-position bucket:")
                     rec["kv_modes"] = kv_modes(loaded, args.kv_contexts, min(decode_tokens, 64), args.seed, log=say)
@@ -284,7 +285,8 @@ def run_e2e_bench(args) -> int:
     for r in records:
         if r.get("variants"):
             say("")
-            say(f"decode variants ({r['placement']}, {r['experts_format']} experts; step = GPU + CPU - overlap):")
+            say(f"decode variants ({r['placement']}, {r['experts_format']} experts; step = GPU + CPU - overlap; "
+                f"adj.roof: the roofline from the STREAM probed right before and after the variant's runs):")
             for line in fmt_variants(r["variants"]):
                 say(line)
     per_placement = ", ".join(f"{r['placement']} {r['threads']}" for r in records)
