@@ -78,6 +78,7 @@ struct StreamSignals::Signal final : public Job {
     }
     done->store(1, std::memory_order_release);  // last touch: the stream may go on from here
   }
+  const Job* inner() const override { return job.get(); }  // a paired MoeJob looks for its partner through this
 };
 
 StreamSignals::StreamSignals() : slot_owner_(kCapacity) {

@@ -157,6 +157,33 @@ def test_submit_and_sync_in_stream_order(pool, layer, stream, mech):
     assert len(hf) == 0
 
 
+def test_paired_deferral_jobs_pair_through_the_stream(pool, layer, stream, mech):
+    """A deferring layer's two jobs submitted on a stream in a hybrid step's order run as one list of tasks whichever
+    mechanism queues them (the immediate job finds its partner through the mechanism's wrapper job), with the bits of
+    the two jobs run one at a time."""
+    x, ids, w = make_inputs(3, 4, seed=3)
+    imm = layer.prepare(x, ids, w, torch.empty(3, H), defer=2)
+    dfr = layer.prepare(x, ids, w, torch.empty(3, H), defer=2, deferred=True, pair=imm)
+    for job in (imm, dfr):
+        pool.submit(job)
+        pool.sync()
+    want = (imm.out.clone(), dfr.out.clone())
+    blocker = layer.prepare(*make_inputs(300, 6, seed=4))  # milliseconds of work: both jobs are queued when it ends
+    hf = HostFuncs(mech)
+    before = _C.paired_deferral_runs()
+    stream.pause()
+    pool.submit_on_stream(imm, stream, host_funcs=hf)
+    pool.submit_on_stream(dfr, stream, host_funcs=hf)
+    pool.sync_on_stream(0, stream, host_funcs=hf)
+    pool.submit(blocker)
+    stream.resume()
+    stream.synchronize()
+    pool.sync()
+    assert _C.paired_deferral_runs() == before + 1
+    assert torch.equal(imm.out, want[0]) and torch.equal(dfr.out, want[1])
+    hf.close()
+
+
 def test_sync_host_function_blocks_the_stream(pool, layer, stream):
     """The stream passes a sync host function only when the pool's jobs are done, those submitted from Python
     included (a callbacks-only guarantee: stream signals wait for their own submissions)."""
