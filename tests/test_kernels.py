@@ -651,8 +651,8 @@ def test_paired_deferral_job_errors():
     with pytest.raises(ValueError, match="already paired"):
         ex.prepare(x, ids, w, torch.empty(1, H), defer=1, deferred=True, pair=imm)
     other = CPUExperts(E, H, I, "bf16", pool=pool)
+    other.fill_random(seed=1)
     with pytest.raises(ValueError, match="same CPUExperts"):
-        other.fill_random(seed=1)
         other.prepare(x, ids, w, torch.empty(1, H), defer=1, deferred=True, pair=imm)
 
 

@@ -383,9 +383,11 @@ constexpr int64_t kSerialElements = 1 << 13;
 // per task, 1.82 / 1.95 ms so (bf16: 3.59 / 3.58 -> 3.21 / 3.41).
 constexpr int64_t kTaskElements = 1 << 14;
 
+// fn(row, thread) for rows [0, n_rows): on the calling thread alone when the work is small or `serial` (another
+// list of tasks is in flight on the pool), else as parallel tasks of consecutive rows.
 template <class F>
-void for_rows(ThreadPool& pool, int64_t n_rows, int64_t elems_per_row, const F& fn) {
-  if (n_rows * elems_per_row <= kSerialElements) {
+void for_rows(ThreadPool& pool, int64_t n_rows, int64_t elems_per_row, const F& fn, bool serial = false) {
+  if (serial || n_rows * elems_per_row <= kSerialElements) {
     for (int64_t i = 0; i < n_rows; ++i) fn(i, 0);
     return;
   }
@@ -480,14 +482,6 @@ class ChunkPlan {
   void finish(ThreadPool& pool, bool serial);
 
  private:
-  template <class F>
-  void rows(int64_t n_rows, int64_t elems_per_row, bool serial, const F& fn) {
-    if (serial) {
-      for (int64_t i = 0; i < n_rows; ++i) fn(i, 0);
-    } else {
-      for_rows(pool_, n_rows, elems_per_row, fn);
-    }
-  }
   void quantize_h(int s, int th);
 
   const MoeExperts& ex_;
@@ -597,24 +591,24 @@ ChunkPlan::ChunkPlan(const MoeExperts& ex, const MoeCall& call, ThreadPool& pool
   // format, then copied to every panel row of the token (an expert's tokens are consecutive A-tile rows)
   if (n_amx_slots_ < n_slots_) {
     uint8_t* xq = pool.scratch(slot_base + 0, (size_t)nt * ga.row_bytes);
-    rows(nt, H, serial, [&](int64_t t, int th) {
+    for_rows(pool, nt, H, [&](int64_t t, int th) {
       float* row = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
       load_row_fp32(ops_, call.x, call.x_bf16, t0 + t, H, row);
       ops_.quantize(fmt, false, row, H, ga, xq + t * ga.row_bytes);
-    });
+    }, serial);
     for (int s = n_amx_slots_; s < n_slots_; ++s) x_rows_[s] = xq + (size_t)slot_token_[s] * ga.row_bytes;
   }
   if (n_amx_slots_ > 0) {
     uint8_t* xt = pool.scratch(slot_base + kAmxScratchSlot, (size_t)nt * gxa.row_bytes);
-    rows(nt, H, serial, [&](int64_t t, int th) {
+    for_rows(pool, nt, H, [&](int64_t t, int th) {
       float* row = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
       load_row_fp32(ops_, call.x, call.x_bf16, t0 + t, H, row);
       ops_.quantize(fmt, true, row, H, gxa, xt + t * gxa.row_bytes);
-    });
+    }, serial);
     xa_ = make_panel(slot_base + kAmxScratchSlot + 1, gxa);
-    rows(n_amx_slots_, gxa.scales_off / 4, serial, [&](int64_t s, int) {
+    for_rows(pool, n_amx_slots_, gxa.scales_off / 4, [&](int64_t s, int) {
       xa_.store(panel_row_[s], xt + (size_t)slot_token_[s] * gxa.row_bytes, gxa.scales_off);
-    });
+    }, serial);
   }
   clock.done(JobStage::quantize_x);
 
@@ -697,17 +691,16 @@ void ChunkPlan::run_task(int64_t ti, int th) {
 
 void ChunkPlan::finish(ThreadPool& pool, bool serial) {
   if (n_slots_ > 0 && fuse_combine_) return;
-  rows(nt_, (int64_t)H_ * (k_ + 1), serial, [&](int64_t t, int th) {
+  for_rows(pool, nt_, (int64_t)H_ * (k_ + 1), [&](int64_t t, int th) {
     combine_rows(ops_, call_, H_, t0_, t, t + 1, pos_, y_, 0, H_,
                  reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H_)));
-  });
+  }, serial);
 }
 
 // An immediate job and its deferred job (MoeJob::pair): what the immediate job leaves in flight for the other.
 struct DeferralPair {
   std::atomic<const MoeJob*> imm{nullptr}, def{nullptr};  // cleared by the job's destructor
   std::unique_ptr<ChunkPlan> imm_plan, def_plan;
-  int64_t n_imm = 0;
   std::function<void(int64_t, int)> fn;
   bool in_flight = false;  // coordinator only: the deferred tasks are running, the deferred job joins them
 };
@@ -774,14 +767,14 @@ void MoeJob::run_paired(ThreadPool& pool, int64_t T, std::unique_ptr<ChunkPlan> 
   DeferralPair& P = *pair_;
   P.def_plan.reset();
   P.imm_plan = std::move(plan);
-  P.n_imm = P.imm_plan->n_tasks();
-  P.fn = [&P](int64_t i, int th) {
-    if (i < P.n_imm)
+  const int64_t n_imm = P.imm_plan->n_tasks();
+  P.fn = [&P, n_imm](int64_t i, int th) {
+    if (i < n_imm)
       P.imm_plan->run_task(i, th);
     else
-      P.def_plan->run_task(i - P.n_imm, th);
+      P.def_plan->run_task(i - n_imm, th);
   };
-  pool.parallel_start(P.n_imm, P.fn, true);
+  pool.parallel_start(n_imm, P.fn, true);
   g_paired_runs.fetch_add(1, std::memory_order_relaxed);
   int64_t n_def = 0;
   try {
@@ -791,8 +784,8 @@ void MoeJob::run_paired(ThreadPool& pool, int64_t T, std::unique_ptr<ChunkPlan> 
     P.def_plan.reset();  // the deferred job runs on its own and reports the error
   }
   P.in_flight = P.def_plan != nullptr;
-  pool.parallel_extend(P.n_imm + n_def);
-  pool.parallel_help(P.n_imm);
+  pool.parallel_extend(n_imm + n_def);
+  pool.parallel_help(n_imm);
   P.imm_plan->wait();
   if (!P.in_flight || P.imm_plan->failed()) {
     P.in_flight = false;

@@ -25,8 +25,8 @@ device and adds its parts there, in fp32, in the same order.
 Expert Deferral (d > 0): layer l's deferred job reads layer l's own buffers while the GPU runs layer l+1's
 attention; layer l+1's immediate job runs after it (FIFO) and finds its output complete. The two jobs of a layer
 are paired (``CPUExperts.prepare(pair=...)``): queued back to back, they run as one list of tasks, and the immediate
-one completes as soon as its output is written while the pool streams on into the deferred one's. The first MoE layer of a
-step has no deferred input, the last defers nothing, so every step ends with the pool idle.
+one completes as soon as its output is written while the pool streams on into the deferred one's. The first MoE
+layer of a step has no deferred input, the last defers nothing, so every step ends with the pool idle.
 
 Buffers are static: per MoE layer, pinned x [C, H], ids [C, k], weights [C, k], logits [C, E], outputs [C, H] and
 their device copies, with C = ``capacity`` (the largest captured batch). A deferring layer's two jobs read the same
