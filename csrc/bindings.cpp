@@ -174,6 +174,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<MoeJob, Job, std::shared_ptr<MoeJob>>(m, "MoeJob");
   m.def("pair_deferral_jobs", &MoeJob::pair, py::arg("immediate"), py::arg("deferred"));
   m.def("paired_deferral_runs", &MoeJob::paired_runs);
+  m.def("chained_deferral_runs", &MoeJob::chained_runs);
 
   py::class_<ThreadPool, std::shared_ptr<ThreadPool>>(m, "ThreadPool")
       .def(py::init<int, bool, int>(), py::arg("threads") = 0, py::arg("pin") = true, py::arg("spin_us") = 500)

@@ -596,6 +596,57 @@ def test_paired_deferral_jobs_run_as_one_list_with_the_same_bits(fmt, threads):
             assert torch.equal(a, imm.out) and torch.equal(b, dfr.out), f"T={T}"
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_chained_deferral_pairs_match_one_at_a_time(threads):
+    """A hybrid step's jobs queued at once: each layer's immediate job adds the previous layer's deferred output
+    (its addend) and is chained behind that deferred job's tasks; outputs have the same bits as the jobs run one
+    at a time, for 1 to 16 tokens. The deferred part is the heavy one (7 of 8 experts), so a combine that did not
+    wait for the previous deferred job would read its output half written."""
+    from hetmoe import _C
+
+    pool = ExpertPool(threads)
+    gen = torch.Generator().manual_seed(11)
+    layers = []
+    for seed in range(5):
+        ex = CPUExperts(16, 128, 96, "int4", 32, pool=pool)
+        ex.fill_random(seed=seed)
+        layers.append(ex)
+    blocker = CPUExperts(4, 512, 512, "bf16", pool=pool)
+    blocker.fill_random(seed=1)
+    long_job = blocker.prepare(torch.randn(256, 512), torch.randint(0, 4, (256, 4)), torch.rand(256, 4))
+    for T in (1, 4, 16):
+        jobs, prev_out = [], None
+        for ex in layers:
+            x = torch.randn(T, 128, generator=gen).bfloat16()
+            ids = torch.stack([torch.randperm(16, generator=gen)[:8] for _ in range(T)]).to(torch.int32)
+            w = torch.rand(T, 8, generator=gen)
+            imm = ex.prepare(x, ids, w, torch.empty(T, 128, dtype=torch.bfloat16), defer=7, addend=prev_out)
+            dfr = ex.prepare(x, ids, w, torch.empty(T, 128), defer=7, deferred=True, pair=imm)
+            jobs.append((imm, dfr))
+            prev_out = dfr.out
+        chained = _C.chained_deferral_runs()
+        for rnd in range(6):
+            paired = _C.paired_deferral_runs()
+            pool.submit(long_job)
+            for imm, dfr in jobs:
+                imm.out.fill_(3), dfr.out.fill_(5)
+                pool.submit(imm)
+                pool.submit(dfr)
+            pool.sync()
+            assert _C.paired_deferral_runs() - paired == len(layers)
+            got = [(imm.out.clone(), dfr.out.clone()) for imm, dfr in jobs]
+            for imm, dfr in jobs:
+                for job in (imm, dfr):
+                    job.out.fill_(7)
+                    pool.submit(job)
+                    pool.sync()
+            for l, ((a, b), (imm, dfr)) in enumerate(zip(got, jobs)):
+                assert torch.equal(b, dfr.out), f"T={T} layer {l} deferred"
+                assert torch.equal(a, imm.out), f"T={T} layer {l} immediate (round {rnd})"
+        # a deferred job chains the next one unless its own tasks were all done before it ran
+        assert 0 < _C.chained_deferral_runs() - chained <= 6 * (len(layers) - 1), f"T={T}"
+
+
 def test_paired_deferral_jobs_under_load():
     """Many pairs back to back with unrelated jobs between some of them, on a pool with more threads than cores:
     every output matches its one-at-a-time value."""

@@ -104,8 +104,11 @@ uint8_t* ThreadPool::thread_scratch(int thread, size_t bytes) { return thread_sc
 // ---------------------------------------------------------------- parallel_for
 
 void ThreadPool::run_task(int64_t t, int thread_index) {
+  int i = n_parts_.load(std::memory_order_acquire) - 1;
+  while (i > 0 && parts_[i % kListParts].start > t) --i;
+  const Part& part = parts_[i % kListParts];
   try {
-    (*fn_)(t, thread_index);
+    (*part.fn)(t - part.start, thread_index);
   } catch (...) {
     std::lock_guard<std::mutex> lk(task_error_mu_);
     if (!task_error_) task_error_ = std::current_exception();
@@ -121,7 +124,7 @@ void ThreadPool::run_tasks(int thread_index) {
   }
 }
 
-void ThreadPool::parallel_for(int64_t n_tasks, const std::function<void(int64_t, int)>& fn) {
+void ThreadPool::parallel_for(int64_t n_tasks, const TaskFn& fn) {
   parallel_join();
   if (n_tasks <= 0) return;
   if (n_threads_ == 1 || n_tasks == 1) {
@@ -132,9 +135,11 @@ void ThreadPool::parallel_for(int64_t n_tasks, const std::function<void(int64_t,
   parallel_join();
 }
 
-void ThreadPool::parallel_start(int64_t n_tasks, const std::function<void(int64_t, int)>& fn, bool more) {
+void ThreadPool::parallel_start(int64_t n_tasks, const TaskFn& fn, bool more) {
   parallel_join();
-  fn_ = &fn;
+  list_open_ = true;
+  parts_[0] = Part{0, &fn};
+  n_parts_.store(1, std::memory_order_relaxed);
   n_tasks_.store(n_tasks, std::memory_order_relaxed);
   more_tasks_.store(more, std::memory_order_relaxed);
   next_task_.store(0, std::memory_order_relaxed);
@@ -148,28 +153,43 @@ void ThreadPool::parallel_start(int64_t n_tasks, const std::function<void(int64_
   wake_cv_.notify_all();
 }
 
-void ThreadPool::parallel_extend(int64_t n_tasks) {
-  n_tasks_.store(n_tasks, std::memory_order_release);
-  more_tasks_.store(false, std::memory_order_release);
+int64_t ThreadPool::parallel_append(int64_t n_tasks, const TaskFn& fn, bool more) {
+  // Workers that saw the end of a closed list have left it: a new list then.
+  if (!list_open_ || !more_tasks_.load(std::memory_order_relaxed)) {
+    parallel_start(n_tasks, fn, more);
+    return 0;
+  }
+  const int64_t start = n_tasks_.load(std::memory_order_relaxed);
+  if (n_tasks > 0) {
+    const int i = n_parts_.load(std::memory_order_relaxed);
+    parts_[i % kListParts] = Part{start, &fn};
+    n_parts_.store(i + 1, std::memory_order_release);  // before the count that lets workers reach the part
+  }
+  n_tasks_.store(start + n_tasks, std::memory_order_release);
+  more_tasks_.store(more, std::memory_order_release);  // after the count: a worker that sees false sees the count
+  return start;
 }
 
-void ThreadPool::parallel_help(int64_t limit) {
-  if (!fn_) return;
+int64_t ThreadPool::parallel_help(int64_t limit, int64_t max_tasks) {
+  int64_t ran = 0;
+  if (!list_open_) return ran;
   int64_t t = next_task_.load(std::memory_order_relaxed);
-  while (t < limit && t < n_tasks_.load(std::memory_order_acquire)) {
+  while (ran < max_tasks && t < limit && t < n_tasks_.load(std::memory_order_acquire)) {
     if (next_task_.compare_exchange_weak(t, t + 1, std::memory_order_relaxed)) {
       run_task(t, 0);
+      ++ran;
       t = next_task_.load(std::memory_order_relaxed);
     }
   }
+  return ran;
 }
 
 void ThreadPool::parallel_join() {
-  if (!fn_) return;
-  if (more_tasks_.load(std::memory_order_relaxed)) parallel_extend(n_tasks_.load(std::memory_order_relaxed));
+  if (!list_open_) return;
+  if (more_tasks_.load(std::memory_order_relaxed)) more_tasks_.store(false, std::memory_order_release);
   run_tasks(0);
   while (busy_workers_.load(std::memory_order_acquire) != 0) _mm_pause();
-  fn_ = nullptr;
+  list_open_ = false;
   if (task_error_) {
     std::exception_ptr e;
     std::swap(e, task_error_);
@@ -184,6 +204,13 @@ bool ThreadPool::next_job_is(const Job* job, int wait_us) const {
   while (submitted_.load(std::memory_order_acquire) <= running && Clock::now() < deadline) _mm_pause();
   std::lock_guard<std::mutex> lk(queue_mu_);
   return queue_.size() >= 2 && queue_[1].job->inner() == job;
+}
+
+const Job* ThreadPool::next_job() const {
+  // cheap test first: nothing is queued behind the running job
+  if (submitted_.load(std::memory_order_acquire) <= completed_.load(std::memory_order_acquire) + 1) return nullptr;
+  std::lock_guard<std::mutex> lk(queue_mu_);
+  return queue_.size() >= 2 ? queue_[1].job->inner() : nullptr;
 }
 
 void ThreadPool::wait_for_generation(uint64_t seen, int thread_index) {

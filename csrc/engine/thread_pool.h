@@ -72,19 +72,25 @@ class ThreadPool {
   // --- inside a job (coordinator thread only) ---
   // Runs fn(task, thread_index) for every task in [0, n_tasks); returns when all are done.
   void parallel_for(int64_t n_tasks, const std::function<void(int64_t, int)>& fn);
-  // The same in parts, so that tasks can outlive the job that started them (Expert Deferral's pair of jobs,
-  // moe/moe.h): parallel_start hands [0, n_tasks) to the workers and returns at once; with more = true the
-  // workers that reach the end wait for parallel_extend to give the final count. parallel_help runs tasks below
-  // `limit` on the coordinator while any is left to take; parallel_join takes part in what is left, waits for
-  // every task and rethrows the first error. One list at a time: parallel_for and parallel_start join the
-  // previous one first. fn must stay valid until the join.
-  void parallel_start(int64_t n_tasks, const std::function<void(int64_t, int)>& fn, bool more = false);
-  void parallel_extend(int64_t n_tasks);
-  void parallel_help(int64_t limit);
+  // The same in parts, so that tasks can outlive the job that started them (Expert Deferral's jobs, moe/moe.h):
+  // parallel_start hands [0, n_tasks) to the workers and returns at once. parallel_append puts n_tasks more, run
+  // by their own fn, behind those and returns the list index of its first (it starts a list when none is open).
+  // With more = true the workers that reach the end of the list wait for the next append; parallel_help runs up
+  // to max_tasks tasks below `limit` on the coordinator while any is left to take (returns how many it ran);
+  // parallel_join takes part in what is left, waits for every task and rethrows the first error. One list at a
+  // time: parallel_for and parallel_start join the previous one first. Each fn must stay valid until the join,
+  // and at most kListParts parts of a list may have tasks not yet finished.
+  using TaskFn = std::function<void(int64_t, int)>;
+  static constexpr int kListParts = 8;
+  void parallel_start(int64_t n_tasks, const TaskFn& fn, bool more = false);
+  int64_t parallel_append(int64_t n_tasks, const TaskFn& fn, bool more = false);
+  int64_t parallel_help(int64_t limit, int64_t max_tasks = INT64_MAX);
   void parallel_join();
   // Whether the job queued after the running one is `job` (compared through Job::inner), waiting up to wait_us
   // for some job to be queued after it.
   bool next_job_is(const Job* job, int wait_us = 0) const;
+  // The job queued after the running one (through Job::inner), or null: what a job may prepare ahead.
+  const Job* next_job() const;
   // Scratch buffers: slot s of the pool, or slot s of thread t (per-thread slots never alias).
   uint8_t* scratch(int slot, size_t bytes);
   uint8_t* thread_scratch(int thread, size_t bytes);
@@ -118,7 +124,7 @@ class ThreadPool {
   void worker_main(int index);
   void coordinator_main();
   void run_tasks(int thread_index);
-  void run_task(int64_t t, int thread_index);  // fn_(t), its error kept for the join
+  void run_task(int64_t t, int thread_index);  // the fn of t's part, its error kept for the join
   void wait_for_generation(uint64_t seen, int thread_index);
   void wait_completed(uint64_t target);
   uint64_t enqueue(Job* job, std::shared_ptr<Job> owner, std::vector<std::shared_ptr<Job>>* release,
@@ -137,8 +143,14 @@ class ThreadPool {
   std::atomic<int64_t> next_task_{0};
   std::atomic<int> busy_workers_{0};
   std::atomic<int64_t> n_tasks_{0};
-  std::atomic<bool> more_tasks_{false};  // parallel_extend will raise n_tasks_
-  const std::function<void(int64_t, int)>* fn_ = nullptr;
+  std::atomic<bool> more_tasks_{false};  // parallel_append will raise n_tasks_
+  struct Part {
+    int64_t start = 0;
+    const TaskFn* fn = nullptr;
+  };
+  Part parts_[kListParts];        // part i of the list in parts_[i % kListParts]
+  std::atomic<int> n_parts_{0};
+  bool list_open_ = false;        // coordinator only
   std::mutex task_error_mu_;
   std::exception_ptr task_error_;
   std::mutex wake_mu_;

@@ -111,9 +111,9 @@ void MoeExperts::reset_profile() {
   profile_ = JobProfile{};
 }
 
-void MoeExperts::add_profile(const int64_t* ns) const {
+void MoeExperts::add_profile(const int64_t* ns, bool count_job) const {
   std::lock_guard<std::mutex> lk(profile_mu_);
-  ++profile_.jobs;
+  profile_.jobs += count_job;
   for (int i = 0; i < kJobStages; ++i) profile_.ns[i] += ns[i];
 }
 
@@ -333,10 +333,11 @@ void route_call(const MoeCall& c, int E, int64_t t0, int64_t t1) {
              const_cast<float*>(c.weights), t0, t1);
 }
 
-// Reads the clock at stage boundaries only while the experts are profiling; hands the sums over at the end.
+// Reads the clock at stage boundaries only while the experts are profiling; hands the sums over at the end
+// (count_job: as one job; a plan made ahead for a queued job is not one).
 class StageClock {
  public:
-  explicit StageClock(const MoeExperts& ex) : ex_(ex), on_(ex.profiling()) {
+  explicit StageClock(const MoeExperts& ex, bool count_job = true) : ex_(ex), on_(ex.profiling()), job_(count_job) {
     if (on_) last_ = std::chrono::steady_clock::now();
   }
   void done(JobStage stage) {
@@ -346,12 +347,12 @@ class StageClock {
     last_ = now;
   }
   ~StageClock() {
-    if (on_) ex_.add_profile(ns_);
+    if (on_) ex_.add_profile(ns_, job_);
   }
 
  private:
   const MoeExperts& ex_;
-  bool on_;
+  bool on_, job_;
   std::chrono::steady_clock::time_point last_;
   int64_t ns_[kJobStages] = {};
 };
@@ -474,6 +475,11 @@ class ChunkPlan {
             bool serial, StageClock& clock);
   int64_t n_tasks() const { return (int64_t)(tasks_.size() + down_tasks_.size()); }
   void run_task(int64_t ti, int th);
+  const ThreadPool::TaskFn& task_fn() const { return fn_; }  // run_task, for the pool's list
+  bool done() const { return tasks_left_.load(std::memory_order_acquire) == 0; }
+  // A plan whose tasks start before the previous job's are done: its combine waits for combine_after_previous().
+  void hold_combine() { combine_held_.store(true, std::memory_order_relaxed); }
+  void combine_after_previous() { combine_held_.store(false, std::memory_order_release); }
   // Until every task has run (or one has failed).
   void wait() const {
     while (tasks_left_.load(std::memory_order_acquire) > 0 && !failed()) _mm_pause();
@@ -502,6 +508,8 @@ class ChunkPlan {
   Countdown rows_left_, expert_left_, blocks_left_;
   std::atomic<int64_t> tasks_left_{0};
   std::atomic<bool> failed_{false};  // a gate+up task threw: the waits give up (the pool reports the error)
+  std::atomic<bool> combine_held_{false};
+  ThreadPool::TaskFn fn_ = [this](int64_t i, int th) { run_task(i, th); };
 };
 
 ChunkPlan::ChunkPlan(const MoeExperts& ex, const MoeCall& call, ThreadPool& pool, int64_t t0, int64_t t1,
@@ -676,6 +684,7 @@ void ChunkPlan::run_task(int64_t ti, int th) {
   }
   run_down_task(ex_, task, PhaseInput{h_rows_.data(), ha_, amx_first_.data(), first_.data()}, y_, pool_, th);
   if (!fuse_combine_) return;
+  while (combine_held_.load(std::memory_order_acquire)) _mm_pause();
   // combine each run of the task's blocks that it was the last to compute
   for (int b = task.rb0, run0 = -1; b <= task.rb1; ++b) {
     const bool mine = b < task.rb1 && blocks_left_.arrive(b);
@@ -698,16 +707,19 @@ void ChunkPlan::finish(ThreadPool& pool, bool serial) {
 }
 
 // An immediate job and its deferred job (MoeJob::pair): what the immediate job leaves in flight for the other.
+// Coordinator only, like everything a job does outside its tasks.
 struct DeferralPair {
   std::atomic<const MoeJob*> imm{nullptr}, def{nullptr};  // cleared by the job's destructor
   std::unique_ptr<ChunkPlan> imm_plan, def_plan;
-  std::function<void(int64_t, int)> fn;
-  bool in_flight = false;  // coordinator only: the deferred tasks are running, the deferred job joins them
+  int64_t imm_end = 0, def_end = 0;  // the end of each plan's tasks in the pool's list
+  int64_t T = 0;                     // tokens, when the previous deferred job chained the immediate plan
+  bool imm_chained = false;          // imm_plan's tasks are in the list already (MoeJob::chain_next)
+  bool in_flight = false;            // the deferred tasks are running, the deferred job joins them
 };
 
-constexpr int kPairScratchBase = 16;
+constexpr int kPairScratchBase = 16;  // the deferred plan's pool scratch slots while the immediate one's are in use
 constexpr int kPairWaitUs = 20;  // how long an immediate job waits for its deferred job to be queued behind it
-std::atomic<uint64_t> g_paired_runs{0};  // the deferred plan's pool scratch slots while the immediate one's are in use
+std::atomic<uint64_t> g_paired_runs{0}, g_chained_runs{0};
 
 MoeJob::~MoeJob() {
   if (!pair_) return;
@@ -737,6 +749,7 @@ void MoeJob::pair(const std::shared_ptr<MoeJob>& imm, const std::shared_ptr<MoeJ
 
 void MoeJob::run(ThreadPool& pool) {
   if (pair_ && call_.part == JobPart::deferred && pair_->in_flight) return join_paired(pool);
+  if (pair_ && call_.part == JobPart::immediate && pair_->imm_chained) return run_chained(pool);
   StageClock clock(*experts_);
   int64_t T = call_.n_tokens_ptr ? *call_.n_tokens_ptr : call_.n_tokens;
   if (T < 0 || T > call_.capacity)
@@ -765,27 +778,49 @@ void MoeJob::run(ThreadPool& pool) {
 void MoeJob::run_paired(ThreadPool& pool, int64_t T, std::unique_ptr<ChunkPlan> plan, const MoeJob& def,
                         StageClock& clock) {
   DeferralPair& P = *pair_;
-  P.def_plan.reset();
   P.imm_plan = std::move(plan);
-  const int64_t n_imm = P.imm_plan->n_tasks();
-  P.fn = [&P, n_imm](int64_t i, int th) {
-    if (i < n_imm)
-      P.imm_plan->run_task(i, th);
-    else
-      P.def_plan->run_task(i - n_imm, th);
-  };
-  pool.parallel_start(n_imm, P.fn, true);
+  P.imm_end = P.imm_plan->n_tasks();
+  pool.parallel_start(P.imm_end, P.imm_plan->task_fn(), true);
   g_paired_runs.fetch_add(1, std::memory_order_relaxed);
-  int64_t n_def = 0;
+  append_deferred(pool, T, def, clock);
+  complete_immediate(pool, clock);
+}
+
+// An immediate job whose plan the previous deferred job made and whose tasks are running already.
+void MoeJob::run_chained(ThreadPool& pool) {
+  DeferralPair& P = *pair_;
+  P.imm_chained = false;
+  StageClock clock(*experts_);  // its route and quantize_x stages were timed when the plan was made
+  const MoeJob* def = P.def.load(std::memory_order_acquire);
+  if (def && pool.next_job_is(def, kPairWaitUs)) {
+    g_paired_runs.fetch_add(1, std::memory_order_relaxed);
+    append_deferred(pool, P.T, *def, clock);
+  } else {
+    P.in_flight = false;
+  }
+  complete_immediate(pool, clock);
+}
+
+void MoeJob::append_deferred(ThreadPool& pool, int64_t T, const MoeJob& def, StageClock& clock) {
+  DeferralPair& P = *pair_;
+  P.def_plan.reset();
   try {
     P.def_plan = std::make_unique<ChunkPlan>(*experts_, def.call_, pool, 0, T, kPairScratchBase, true, clock);
-    n_def = P.def_plan->n_tasks();
   } catch (...) {
     P.def_plan.reset();  // the deferred job runs on its own and reports the error
   }
   P.in_flight = P.def_plan != nullptr;
-  pool.parallel_extend(n_imm + n_def);
-  pool.parallel_help(n_imm);
+  if (P.in_flight) {
+    const int64_t n = P.def_plan->n_tasks();
+    P.def_end = pool.parallel_append(n, P.def_plan->task_fn(), true) + n;
+  }
+}
+
+// Runs the immediate tasks still to take, waits for the rest of them and writes nothing more: the output is
+// complete when this returns. Without deferred tasks in flight (or after a failure) the list is closed here.
+void MoeJob::complete_immediate(ThreadPool& pool, StageClock& clock) {
+  DeferralPair& P = *pair_;
+  pool.parallel_help(P.imm_end);
   P.imm_plan->wait();
   if (!P.in_flight || P.imm_plan->failed()) {
     P.in_flight = false;
@@ -797,14 +832,52 @@ void MoeJob::run_paired(ThreadPool& pool, int64_t T, std::unique_ptr<ChunkPlan> 
 }
 
 uint64_t MoeJob::paired_runs() { return g_paired_runs.load(std::memory_order_relaxed); }
+uint64_t MoeJob::chained_runs() { return g_chained_runs.load(std::memory_order_relaxed); }
+
+// While this deferred job's tasks run: when the job queued next is an immediate job of a pair with at most
+// kFusedCombineTokens tokens, makes its plan (routing it first when it routes itself) and appends its tasks.
+// Returns that plan, or null; `decided` is set once there is a next job to decide on (chained or not), so that
+// it is asked once.
+ChunkPlan* MoeJob::chain_next(ThreadPool& pool, bool& decided) {
+  const MoeJob* next = dynamic_cast<const MoeJob*>(pool.next_job());
+  if (!next) return nullptr;
+  decided = true;
+  if (!next->pair_ || next->call_.part != JobPart::immediate || next->pair_->imm_chained) return nullptr;
+  const MoeCall& c = next->call_;
+  const int64_t T = c.n_tokens_ptr ? *c.n_tokens_ptr : c.n_tokens;
+  if (T < 1 || T > kFusedCombineTokens || T > c.capacity) return nullptr;
+  DeferralPair& Q = *next->pair_;
+  try {
+    if (c.logits) route_call(c, next->experts_->config().n_expert, 0, T);
+    StageClock clock(*next->experts_, false);
+    auto plan = std::make_unique<ChunkPlan>(*next->experts_, c, pool, 0, T, 0, true, clock);
+    plan->hold_combine();
+    Q.imm_plan = std::move(plan);
+  } catch (...) {
+    return nullptr;  // the job runs as usual when its turn comes and reports the error then
+  }
+  const int64_t n = Q.imm_plan->n_tasks();
+  Q.imm_end = pool.parallel_append(n, Q.imm_plan->task_fn(), true) + n;
+  Q.T = T;
+  Q.imm_chained = true;
+  g_chained_runs.fetch_add(1, std::memory_order_relaxed);
+  return Q.imm_plan.get();
+}
 
 void MoeJob::join_paired(ThreadPool& pool) {
   DeferralPair& P = *pair_;
   StageClock clock(*experts_);
   P.in_flight = false;
-  pool.parallel_join();
+  ChunkPlan* next = nullptr;
+  bool decided = false;
+  while (!P.def_plan->done()) {
+    if (!decided) next = chain_next(pool, decided);
+    if (pool.parallel_help(P.def_end, 1) == 0) _mm_pause();
+  }
+  if (next) next->combine_after_previous();  // this job's output is complete
+  if (!next || P.def_plan->failed()) pool.parallel_join();  // closes the list; rethrows a task's error
   clock.done(JobStage::experts);
-  P.def_plan->finish(pool, false);
+  P.def_plan->finish(pool, next != nullptr);
   clock.done(JobStage::combine);
 }
 

@@ -133,7 +133,7 @@ class MoeExperts {
   bool profiling() const { return profiling_.load(std::memory_order_relaxed); }
   JobProfile profile() const;
   void reset_profile();
-  void add_profile(const int64_t* ns) const;
+  void add_profile(const int64_t* ns, bool count_job = true) const;
   bool uses_amx(int n_tokens) const { return kernel_.gemm != nullptr && n_tokens >= amx_min_tokens(); }
   size_t bytes_per_expert() const;  // weights + scales, as streamed by one decode step
   bool is_loaded(int e) const { return loaded_[e] != 0; }
@@ -219,14 +219,25 @@ class MoeJob : public Job {
   // tasks: imm starts def's tasks behind its own and completes as soon as its own output is written, while the
   // workers go on with def's; def then joins them. The pool streams weights without the second job's start and
   // end. Submitted otherwise (def not queued right behind imm), each runs on its own as before.
+  //
+  // Chained pairs: when the next layer's immediate job is already queued while def's tasks run (the GPU was
+  // quicker than def), def makes that job's plan and puts its tasks behind its own in the same list, so the
+  // workers stream on from one layer into the next without a barrier. The chained job's combine waits for def to
+  // be done (def's output may be its addend), and it completes, as always, after def.
   static void pair(const std::shared_ptr<MoeJob>& imm, const std::shared_ptr<MoeJob>& def);
-  // How many times, in this process, an immediate job has run with its deferred job's tasks (tests, benchmarks).
+  // How many times, in this process, an immediate job has run with its deferred job's tasks, and how many
+  // immediate jobs were chained behind the previous deferred job (tests, benchmarks).
   static uint64_t paired_runs();
+  static uint64_t chained_runs();
 
  private:
   void run_paired(ThreadPool& pool, int64_t T, std::unique_ptr<ChunkPlan> plan, const MoeJob& def,
                   StageClock& clock);
+  void run_chained(ThreadPool& pool);
+  void append_deferred(ThreadPool& pool, int64_t T, const MoeJob& def, StageClock& clock);
+  void complete_immediate(ThreadPool& pool, StageClock& clock);
   void join_paired(ThreadPool& pool);
+  ChunkPlan* chain_next(ThreadPool& pool, bool& decided);
   std::shared_ptr<MoeExperts> experts_;
   MoeCall call_;
   std::shared_ptr<DeferralPair> pair_;
