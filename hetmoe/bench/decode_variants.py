@@ -26,7 +26,7 @@ from hetmoe.engine.loader import LoadedModel, defer_experts, moe_blocks
 from hetmoe.engine.runner import Runner
 from hetmoe.layers.moe import DeferredExperts, OffloadedExperts
 
-DEFER = (1, 2, 3, 4, 5, 6)  # d < top_k only
+DEFER = (1, 2, 3, 4, 5, 6, 7)  # d < top_k only
 SPLIT_STEPS = 10
 
 
