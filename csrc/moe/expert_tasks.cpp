@@ -23,7 +23,8 @@ constexpr int kTasksPerThread = 16;  // the last task to finish bounds the phase
 // 84.44 / 90.39 tok/s. With deferral pairs chained (one list of tasks from layer to layer, moe.cpp), 2 per thread
 // beat 4 again (same machine and shape, two runs of 4 rounds at STREAM 67-90 GB/s): whole jobs 14.7-15.7 ms per
 // step against 14.9-16.1, deferral-split (d = 4) 13.7-14.8 against 14.6-15.3; graph decode with d = 6 or 7 faster
-// in 6 of 9 alternating pairs (61.2 -> 66.3, 64.6 -> 67.8, but 67.3 -> 62.0 once). 1 or 3 per thread: slower.
+// in 7 of 9 alternating pairs (61.2 -> 66.3, 64.6 -> 67.8; slower twice, 67.3 -> 62.0 the most). 1 or 3 per
+// thread: slower.
 constexpr int kStreamingTasksPerThread = 2;
 // ... and such a phase's last n_threads tasks are cut in this many when it ends the job. A/B on the GPU machine
 // (same shape, one process, with a barrier after each phase then): a step of whole jobs 11.0 / 11.3 / 10.9 ms
