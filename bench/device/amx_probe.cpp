@@ -4,10 +4,11 @@
 //   g++ -O2 -std=c++17 -mamx-tile -mamx-int8 -mavx512f -pthread bench/device/amx_probe.cpp -o /tmp/amx_probe
 //   /tmp/amx_probe
 // Each line: a variant, threads, tokens per expert, and the int8 TOPS of the whole run.
-//   a=strided  A rows read in place from activation rows of `row_bytes` (the engine today)
-//   a=packed   A tiles packed 1 KB contiguous per (token block, K step)
-//   chunk      K per chunk (C tiles stored/reloaded between chunks), "full" = all of K in the tiles
-//   hot        one expert's weights reused (L2/L3); cold: 64 experts (1.9 GB) streamed from DRAM
+//   2x2 (engine order)   the tile step of gemm.h: C 2x2, A tiles 4, 5, B tiles 6, 7, loads before each product
+//   2x1 / 1x2 double-buffered   two alternating sets of A (or B) tiles, so a step's loads need not wait for the
+//                        previous step's products (1.5 tile loads per product instead of 1)
+//   hot                  one expert's weights over and over (L2/L3); cold: 64 experts (1.9 GB) from DRAM
+// Activations are packed 1 KB A tiles (formats/layout.h AmxPanel); K in chunks of 1024 (C kept between chunks).
 #include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
@@ -147,6 +148,63 @@ void expert(const Variant& v, const uint8_t* w, int p0, int p1, const uint8_t* a
   }
 }
 
+// Double-buffered tile orders (mode 4: 2x1, mode 5: 1x2): the tiles a step loads are not the ones the previous
+// step's dot products read, so a step's loads can run while the previous step multiplies (tile registers are
+// not renamed). 2x1: C 0,1 = tokens 0-15 / 16-31 x one row block; A sets {2,3} / {4,5}; B 6 / 7. 1x2: C 0,1 = 16
+// tokens x row blocks 0 / 1; A 2 / 3; B sets {4,5} / {6,7}. Both load 1.5 tiles per dot product (2x2: 1).
+void expert_db(const Variant& v, const uint8_t* w, int p0, int p1, const uint8_t* a, int n_tok, int32_t* c) {
+  const size_t block = (size_t)kK / 4 * 64;
+  const int chunk = v.chunk, steps = chunk / 64;
+  auto at = [&](int m0, int k) { return a + ((size_t)(m0 / 16) * (kK / 64) + k / 64) * 1024; };
+  for (int p = p0; p < p1; ++p) {
+    const uint8_t* bb[2] = {w + (size_t)(2 * p) * block, w + (size_t)(2 * p + 1) * block};
+    for (int k0 = 0; k0 < kK; k0 += chunk) {
+      if (v.mode == 4) {
+        for (int j = 0; j < 2; ++j)
+          for (int m0 = 0; m0 < n_tok; m0 += 32) {
+            int32_t* cm = c + (size_t)m0 * 32 + 16 * j;
+            if (k0 == 0) { _tile_zero(0); _tile_zero(1); }
+            else { _tile_loadd(0, cm, 128); _tile_loadd(1, cm + 16 * 32, 128); }
+            const uint8_t* b = bb[j] + (size_t)(k0 / 4) * 64;
+            _tile_loadd(2, at(m0, k0), 64); _tile_loadd(3, at(m0 + 16, k0), 64); _tile_loadd(6, b, 64);
+            for (int s2 = 0; s2 < steps; s2 += 2) {
+              const int k1 = k0 + 64 * (s2 + 1), k2 = k0 + 64 * (s2 + 2);
+              _tile_loadd(4, at(m0, k1), 64); _tile_loadd(5, at(m0 + 16, k1), 64);
+              _tile_loadd(7, bb[j] + (size_t)(k1 / 4) * 64, 64);
+              _tile_dpbusd(0, 2, 6); _tile_dpbusd(1, 3, 6);
+              if (s2 + 2 < steps) {
+                _tile_loadd(2, at(m0, k2), 64); _tile_loadd(3, at(m0 + 16, k2), 64);
+                _tile_loadd(6, bb[j] + (size_t)(k2 / 4) * 64, 64);
+              }
+              _tile_dpbusd(0, 4, 7); _tile_dpbusd(1, 5, 7);
+            }
+            _tile_stored(0, cm, 128); _tile_stored(1, cm + 16 * 32, 128);
+          }
+      } else {
+        for (int m0 = 0; m0 < n_tok; m0 += 16) {
+          int32_t* cm = c + (size_t)m0 * 32;
+          if (k0 == 0) { _tile_zero(0); _tile_zero(1); }
+          else { _tile_loadd(0, cm, 128); _tile_loadd(1, cm + 16, 128); }
+          _tile_loadd(2, at(m0, k0), 64);
+          _tile_loadd(4, bb[0] + (size_t)(k0 / 4) * 64, 64); _tile_loadd(5, bb[1] + (size_t)(k0 / 4) * 64, 64);
+          for (int s2 = 0; s2 < steps; s2 += 2) {
+            const int k1 = k0 + 64 * (s2 + 1), k2 = k0 + 64 * (s2 + 2);
+            _tile_loadd(3, at(m0, k1), 64);
+            _tile_loadd(6, bb[0] + (size_t)(k1 / 4) * 64, 64); _tile_loadd(7, bb[1] + (size_t)(k1 / 4) * 64, 64);
+            _tile_dpbusd(0, 2, 4); _tile_dpbusd(1, 2, 5);
+            if (s2 + 2 < steps) {
+              _tile_loadd(2, at(m0, k2), 64);
+              _tile_loadd(4, bb[0] + (size_t)(k2 / 4) * 64, 64); _tile_loadd(5, bb[1] + (size_t)(k2 / 4) * 64, 64);
+            }
+            _tile_dpbusd(0, 3, 6); _tile_dpbusd(1, 3, 7);
+          }
+          _tile_stored(0, cm, 128); _tile_stored(1, cm + 16, 128);
+        }
+      }
+    }
+  }
+}
+
 void pin(int cpu) {
   cpu_set_t s;
   CPU_ZERO(&s);
@@ -174,15 +232,20 @@ double run(const Variant& v, int threads, int n_tok, int n_exp, int reps, uint8_
       std::vector<int32_t> c((size_t)n_tok * 32);
       const int p0 = pairs * t / threads, p1 = pairs * (t + 1) / threads;
       // warm-up pass
-      for (int e = 0; e < n_exp; ++e)
-        expert(v, w + e * wbytes, p0, p1, (v.packed ? a_packed : a_rows) + (e % 8) * a_bytes, n_tok, c.data());
+      auto one = [&](int e) {
+        const uint8_t* a = (v.packed ? a_packed : a_rows) + (e % 8) * a_bytes;
+        if (v.mode >= 4)
+          expert_db(v, w + e * wbytes, p0, p1, a, n_tok, c.data());
+        else
+          expert(v, w + e * wbytes, p0, p1, a, n_tok, c.data());
+      };
+      for (int e = 0; e < n_exp; ++e) one(e);
       ready.fetch_add(1);
       while (ready.load() < threads) {
       }
       auto t0 = std::chrono::steady_clock::now();
       for (int r = 0; r < reps; ++r)
-        for (int e = 0; e < n_exp; ++e)
-          expert(v, w + e * wbytes, p0, p1, (v.packed ? a_packed : a_rows) + (e % 8) * a_bytes, n_tok, c.data());
+        for (int e = 0; e < n_exp; ++e) one(e);
       per[t] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       _tile_release();
     });
@@ -209,16 +272,18 @@ int main(int argc, char** argv) {
     Variant v;
   };
   const Named variants[] = {
-      {"t0 4K first block (engine)", {true, 1024, 4096, 0, 0, false}},
-      {"no prefetch", {true, 1024, 0, 0, 0, false}},
-      {"t2 8K first block", {true, 1024, 8192, 0, 2, false}},
-      {"t2 16K first block", {true, 1024, 16384, 0, 2, false}},
-      {"spread next chunk t2", {true, 1024, 0, 0, 0, true}},
-      {"t0 4K + spread next chunk t2", {true, 1024, 4096, 0, 0, true}},
+      {"2x2 (engine order)", {true, 1024, 0, 0, 0, false}},
+      {"2x1 double-buffered", {true, 1024, 0, 4, 0, false}},
+      {"1x2 double-buffered", {true, 1024, 0, 5, 0, false}},
   };
+  // hot: one expert over and over (1 thread and all); cold: 64 experts from DRAM (all threads)
   for (int n_tok : {64, 256})
-    for (int round = 0; round < 3; ++round)
+    for (int round = 0; round < 2; ++round)
       for (const Named& nv : variants) {
+        for (int th : {1, max_threads}) {
+          const double tops = run(nv.v, th, n_tok, 1, th == 1 ? 20 : 60, w, a_rows, a_packed);
+          printf("%-32s %7d %4d %-5s %6.2f\n", nv.name, th, n_tok, "hot", tops);
+        }
         const double tops = run(nv.v, max_threads, n_tok, n_cold, 1, w, a_rows, a_packed);
         printf("%-32s %7d %4d %-5s %6.2f  (%.1f GB/s of weights)\n", nv.name, max_threads, n_tok, "cold", tops,
                tops * 1e12 / (2.0 * n_tok) / 1e9);
