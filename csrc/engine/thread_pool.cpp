@@ -104,10 +104,12 @@ uint8_t* ThreadPool::thread_scratch(int thread, size_t bytes) { return thread_sc
 // ---------------------------------------------------------------- parallel_for
 
 void ThreadPool::run_task(int64_t t, int thread_index) {
-  int i = n_parts_.load(std::memory_order_acquire) - 1;
-  while (i > 0 && parts_[i % kListParts].start > t) --i;
+  const int n = n_parts_.load(std::memory_order_acquire), oldest = n > kListParts ? n - kListParts : 0;
+  int i = n - 1;
+  while (i > oldest && parts_[i % kListParts].start > t) --i;
   const Part& part = parts_[i % kListParts];
   try {
+    if (part.start > t) throw std::logic_error("thread pool: a task of a list part already reused");
     (*part.fn)(t - part.start, thread_index);
   } catch (...) {
     std::lock_guard<std::mutex> lk(task_error_mu_);

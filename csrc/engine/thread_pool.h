@@ -70,8 +70,9 @@ class ThreadPool {
   const std::vector<int>& pinned_cpus() const { return cpus_; }
 
   // --- inside a job (coordinator thread only) ---
+  using TaskFn = std::function<void(int64_t, int)>;
   // Runs fn(task, thread_index) for every task in [0, n_tasks); returns when all are done.
-  void parallel_for(int64_t n_tasks, const std::function<void(int64_t, int)>& fn);
+  void parallel_for(int64_t n_tasks, const TaskFn& fn);
   // The same in parts, so that tasks can outlive the job that started them (Expert Deferral's jobs, moe/moe.h):
   // parallel_start hands [0, n_tasks) to the workers and returns at once. parallel_append puts n_tasks more, run
   // by their own fn, behind those and returns the list index of its first (it starts a list when none is open).
@@ -80,7 +81,6 @@ class ThreadPool {
   // parallel_join takes part in what is left, waits for every task and rethrows the first error. One list at a
   // time: parallel_for and parallel_start join the previous one first. Each fn must stay valid until the join,
   // and at most kListParts parts of a list may have tasks not yet finished.
-  using TaskFn = std::function<void(int64_t, int)>;
   static constexpr int kListParts = 8;
   void parallel_start(int64_t n_tasks, const TaskFn& fn, bool more = false);
   int64_t parallel_append(int64_t n_tasks, const TaskFn& fn, bool more = false);
