@@ -9,6 +9,8 @@
 //                        previous step's products (1.5 tile loads per product instead of 1)
 //   hot                  one expert's weights over and over (L2/L3); cold: 64 experts (1.9 GB) from DRAM
 // Activations are packed 1 KB A tiles (formats/layout.h AmxPanel); K in chunks of 1024 (C kept between chunks).
+// `/tmp/amx_probe 16 helpers`: 16 compute threads against 8, alone or each with a helper thread prefetching its
+// next weight chunks (run_helpers).
 #include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
@@ -22,6 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <thread>
+#include <string>
 #include <vector>
 
 namespace {
@@ -59,6 +62,8 @@ struct Variant {
 
 // One expert: out rows [n_tok] x [pairs*32]; weights `w` in the packed-line layout (row block of 16 rows =
 // K/4 lines of 64 B); A either rows of kRowBytes or packed tiles [tok block of 16][K/64][1 KB].
+thread_local std::atomic<long>* g_progress = nullptr;  // chunks done by this thread (helper variants)
+
 void expert(const Variant& v, const uint8_t* w, int p0, int p1, const uint8_t* a, int n_tok, int32_t* c) {
   const size_t block = (size_t)kK / 4 * 64;  // bytes per row block
   const int chunk = v.chunk;
@@ -144,6 +149,7 @@ void expert(const Variant& v, const uint8_t* w, int p0, int p1, const uint8_t* a
         _tile_stored(0, cm, 128); _tile_stored(1, cm + 16, 128);
         _tile_stored(2, cm + 16 * 32, 128); _tile_stored(3, cm + 16 * 32 + 16, 128);
       }
+      if (g_progress) g_progress->store(g_progress->load(std::memory_order_relaxed) + 1, std::memory_order_release);
     }
   }
 }
@@ -255,6 +261,74 @@ double run(const Variant& v, int threads, int n_tok, int n_exp, int reps, uint8_
   return ops / secs / 1e12;
 }
 
+
+// Helper variants: `compute` threads run the engine's loop (spread prefetch) on CPUs cc[i]; with helpers, thread
+// i's helper on CPU hc[i] follows its chunk counter and prefetches (prefetcht2) or loads the weights of the chunks
+// `lead` ahead of it, so the compute thread finds them in a cache it shares (when the two CPUs are siblings).
+double run_helpers(int compute, const std::vector<int>& cc, const std::vector<int>& hc, int lead, bool touch,
+                   int n_tok, int n_exp, uint8_t* w, uint8_t* a_packed) {
+  const Variant v{true, 1024, 0, 0, 0, true};
+  const int pairs = kN / 32, nch = kK / 1024;
+  const size_t wbytes = (size_t)kN * kK, block = (size_t)kK / 4 * 64;
+  const size_t a_bytes = (size_t)n_tok / 16 * (kK / 64) * 1024;
+  std::vector<std::atomic<long>> prog(compute);
+  std::atomic<int> ready{0};
+  const bool helpers = !hc.empty();
+  const int n_threads = compute * (helpers ? 2 : 1);
+  std::vector<double> per(compute);
+  std::vector<std::thread> ts;
+  std::atomic<long> sink{0};
+  for (int t = 0; t < compute; ++t) prog[t].store(-1);
+  for (int t = 0; t < n_threads; ++t)
+    ts.emplace_back([&, t] {
+      const bool helper = t >= compute;
+      const int i = helper ? t - compute : t;
+      pin(helper ? hc[i] : cc[i]);
+      const int p0 = pairs * i / compute, p1 = pairs * (i + 1) / compute;
+      if (helper) {
+        ready.fetch_add(1);
+        while (ready.load() < n_threads) {
+        }
+        const long total = (long)n_exp * (p1 - p0) * nch;
+        long acc = 0;
+        while (prog[i].load(std::memory_order_acquire) < 0) _mm_pause();  // warm-up done, timed pass starts at 0
+        for (long cidx = 0; cidx < total; ++cidx) {
+          while (cidx > prog[i].load(std::memory_order_acquire) + lead) _mm_pause();
+          const int e = (int)(cidx / ((long)(p1 - p0) * nch)), p = p0 + (int)(cidx / nch % (p1 - p0)), k0 = (int)(cidx % nch) * 1024;
+          const uint8_t* b0 = w + e * wbytes + (size_t)(2 * p) * block + (size_t)k0 * 16;
+          for (int j = 0; j < 2; ++j)
+            for (int l = 0; l < 256; ++l) {
+              const uint8_t* q = b0 + j * block + 64 * l;
+              if (touch)
+                acc += *(const volatile uint8_t*)q;
+              else
+                _mm_prefetch((const char*)q, _MM_HINT_T2);
+            }
+        }
+        sink.fetch_add(acc);
+        return;
+      }
+      if (!amx_perm()) std::abort();
+      tile_config();
+      std::vector<int32_t> c((size_t)n_tok * 32);
+      for (int e = 0; e < n_exp; ++e) expert(v, w + e * wbytes, p0, p1, a_packed + (e % 8) * a_bytes, n_tok, c.data());
+      ready.fetch_add(1);
+      while (ready.load() < n_threads) {
+      }
+      g_progress = &prog[i];
+      auto t0 = std::chrono::steady_clock::now();
+      prog[i].store(0, std::memory_order_release);
+      for (int e = 0; e < n_exp; ++e) expert(v, w + e * wbytes, p0, p1, a_packed + (e % 8) * a_bytes, n_tok, c.data());
+      per[i] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      prog[i].store(1L << 40);
+      g_progress = nullptr;
+      _tile_release();
+    });
+  for (auto& t : ts) t.join();
+  double secs = 0;
+  for (double x : per) secs = x > secs ? x : secs;
+  return 2.0 * n_tok * kN * kK * n_exp / secs / 1e12;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -271,6 +345,24 @@ int main(int argc, char** argv) {
     const char* name;
     Variant v;
   };
+  if (argc > 2 && std::string(argv[2]) == "helpers") {
+    std::vector<int> all, lo, hi, even, odd;
+    for (int c = 0; c < 16; ++c) (c < 8 ? lo : hi).push_back(c), (c % 2 ? odd : even).push_back(c), all.push_back(c);
+    for (int n_tok : {64, 256})
+      for (int round = 0; round < 3; ++round) {
+        auto show = [&](const char* name, double tops) {
+          printf("%-40s %4d cold %6.2f  (%.1f GB/s of weights)\n", name, n_tok, tops, tops * 1e12 / (2.0 * n_tok) / 1e9);
+          fflush(stdout);
+        };
+        show("16 compute (engine)", run_helpers(16, all, {}, 0, false, n_tok, n_cold, w, a_packed));
+        show("8 compute 0-7", run_helpers(8, lo, {}, 0, false, n_tok, n_cold, w, a_packed));
+        show("8 compute 0-7 + helpers 8-15 t2 lead 4", run_helpers(8, lo, hi, 4, false, n_tok, n_cold, w, a_packed));
+        show("8 compute even + helpers odd t2 lead 4", run_helpers(8, even, odd, 4, false, n_tok, n_cold, w, a_packed));
+        show("8 compute even + helpers odd load lead 4", run_helpers(8, even, odd, 4, true, n_tok, n_cold, w, a_packed));
+        show("8 compute 0-7 + helpers 8-15 t2 lead 16", run_helpers(8, lo, hi, 16, false, n_tok, n_cold, w, a_packed));
+      }
+    return 0;
+  }
   const Named variants[] = {
       {"2x2 (engine order)", {true, 1024, 0, 0, 0, false}},
       {"2x1 double-buffered", {true, 1024, 0, 4, 0, false}},
