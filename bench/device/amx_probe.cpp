@@ -7,6 +7,8 @@
 //   2x2 (engine order)   the tile step of gemm.h: C 2x2, A tiles 4, 5, B tiles 6, 7, loads before each product
 //   2x1 / 1x2 double-buffered   two alternating sets of A (or B) tiles, so a step's loads need not wait for the
 //                        previous step's products (1.5 tile loads per product instead of 1)
+//   1x3                  one 16-token A tile against three row blocks, A double-buffered (1.33 loads per product,
+//                        A from L2 a third of them)
 //   hot                  one expert's weights over and over (L2/L3); cold: 64 experts (1.9 GB) from DRAM
 // Activations are packed 1 KB A tiles (formats/layout.h AmxPanel); K in chunks of 1024 (C kept between chunks).
 // `/tmp/amx_probe 16 helpers`: 16 compute threads against 8, alone or each with a helper thread prefetching its
@@ -211,6 +213,47 @@ void expert_db(const Variant& v, const uint8_t* w, int p0, int p1, const uint8_t
   }
 }
 
+// Mode 6, 1x3: one 16-token A tile against three row blocks (C 0-2), A double-buffered (tiles 3 / 4), B 5-7:
+// each A tile (from L2) is used by 3 products instead of 2, and the next A loads while the products run. Row blocks
+// in triples (255 of the 256; the run counts 255), K in chunks of `chunk`, the next chunk spread-prefetched.
+void expert_1x3(const Variant& v, const uint8_t* w, int q0, int q1, const uint8_t* a, int n_tok, int32_t* c) {
+  const size_t block = (size_t)kK / 4 * 64;
+  const int chunk = v.chunk, steps = chunk / 64;
+  auto at = [&](int m0, int k) { return a + ((size_t)(m0 / 16) * (kK / 64) + k / 64) * 1024; };
+  for (int q = q0; q < q1; ++q) {
+    const uint8_t* b[3] = {w + (size_t)(3 * q) * block, w + (size_t)(3 * q + 1) * block, w + (size_t)(3 * q + 2) * block};
+    for (int k0 = 0; k0 < kK; k0 += chunk) {
+      const int n_blocks = n_tok / 16, per = (chunk / 4) / (n_blocks * steps) > 0 ? (chunk / 4) / (n_blocks * steps) : 1;
+      for (int m0 = 0; m0 < n_tok; m0 += 16) {
+        int32_t* cm = c + (size_t)m0 * 48;
+        if (k0 == 0) { _tile_zero(0); _tile_zero(1); _tile_zero(2); }
+        else { _tile_loadd(0, cm, 192); _tile_loadd(1, cm + 16, 192); _tile_loadd(2, cm + 32, 192); }
+        _tile_loadd(3, at(m0, k0), 64);
+        for (int s2 = 0; s2 < steps; s2 += 2) {
+          const int ka = k0 + 64 * s2, kb = ka + 64;
+          if (k0 + chunk < kK) {
+            const int idx = ((m0 / 16) * steps + s2) * per;
+            for (int l = 0; l < 2 * per && idx + l < chunk / 4; ++l)
+              for (int j = 0; j < 3; ++j)
+                _mm_prefetch((const char*)b[j] + (size_t)(k0 + chunk) * 16 + 64 * (idx + l), _MM_HINT_T2);
+          }
+          _tile_loadd(4, at(m0, kb), 64);
+          _tile_loadd(5, b[0] + (size_t)(ka / 4) * 64, 64);
+          _tile_loadd(6, b[1] + (size_t)(ka / 4) * 64, 64);
+          _tile_loadd(7, b[2] + (size_t)(ka / 4) * 64, 64);
+          _tile_dpbusd(0, 3, 5); _tile_dpbusd(1, 3, 6); _tile_dpbusd(2, 3, 7);
+          if (s2 + 2 < steps) _tile_loadd(3, at(m0, kb + 64), 64);
+          _tile_loadd(5, b[0] + (size_t)(kb / 4) * 64, 64);
+          _tile_loadd(6, b[1] + (size_t)(kb / 4) * 64, 64);
+          _tile_loadd(7, b[2] + (size_t)(kb / 4) * 64, 64);
+          _tile_dpbusd(0, 4, 5); _tile_dpbusd(1, 4, 6); _tile_dpbusd(2, 4, 7);
+        }
+        _tile_stored(0, cm, 192); _tile_stored(1, cm + 16, 192); _tile_stored(2, cm + 32, 192);
+      }
+    }
+  }
+}
+
 void pin(int cpu) {
   cpu_set_t s;
   CPU_ZERO(&s);
@@ -237,15 +280,18 @@ double run(const Variant& v, int threads, int n_tok, int n_exp, int reps, uint8_
       tile_config();
       std::vector<int32_t> c((size_t)n_tok * 32);
       const int p0 = pairs * t / threads, p1 = pairs * (t + 1) / threads;
-      // warm-up pass
+      const int q0 = 85 * t / threads, q1 = 85 * (t + 1) / threads;  // row-block triples (1x3)
+      if (v.mode == 6) c.resize((size_t)n_tok * 48);
       auto one = [&](int e) {
         const uint8_t* a = (v.packed ? a_packed : a_rows) + (e % 8) * a_bytes;
-        if (v.mode >= 4)
+        if (v.mode == 6)
+          expert_1x3(v, w + e * wbytes, q0, q1, a, n_tok, c.data());
+        else if (v.mode >= 4)
           expert_db(v, w + e * wbytes, p0, p1, a, n_tok, c.data());
         else
           expert(v, w + e * wbytes, p0, p1, a, n_tok, c.data());
       };
-      for (int e = 0; e < n_exp; ++e) one(e);
+      for (int e = 0; e < n_exp; ++e) one(e);  // warm-up pass
       ready.fetch_add(1);
       while (ready.load() < threads) {
       }
@@ -257,7 +303,7 @@ double run(const Variant& v, int threads, int n_tok, int n_exp, int reps, uint8_
     });
   for (auto& t : ts) t.join();
   for (double s : per) secs = s > secs ? s : secs;
-  const double ops = 2.0 * n_tok * kN * kK * n_exp * reps;
+  const double ops = 2.0 * n_tok * kN * kK * n_exp * reps * (v.mode == 6 ? 255.0 / 256 : 1.0);
   return ops / secs / 1e12;
 }
 
@@ -367,6 +413,8 @@ int main(int argc, char** argv) {
       {"2x2 (engine order)", {true, 1024, 0, 0, 0, false}},
       {"2x1 double-buffered", {true, 1024, 0, 4, 0, false}},
       {"1x2 double-buffered", {true, 1024, 0, 5, 0, false}},
+      {"1x3, A double-buffered, chunk 512", {true, 512, 0, 6, 0, false}},
+      {"1x3, A double-buffered, chunk 1024", {true, 1024, 0, 6, 0, false}},
   };
   // hot: one expert over and over (1 thread and all); cold: 64 experts from DRAM (all threads)
   for (int n_tok : {64, 256})
