@@ -200,16 +200,17 @@ void ThreadPool::parallel_join() {
 }
 
 bool ThreadPool::next_job_is(const Job* job, int wait_us) const {
-  // the running job is not completed yet: one more submission than that means a job is queued behind it
-  const uint64_t running = completed_.load(std::memory_order_acquire) + 1;
   const auto deadline = Clock::now() + std::chrono::microseconds(wait_us);
-  while (submitted_.load(std::memory_order_acquire) <= running && Clock::now() < deadline) _mm_pause();
-  std::lock_guard<std::mutex> lk(queue_mu_);
-  return queue_.size() >= 2 && queue_[1].job->inner() == job;
+  const Job* next = next_job();
+  while (!next && Clock::now() < deadline) {
+    _mm_pause();
+    next = next_job();
+  }
+  return next == job;
 }
 
 const Job* ThreadPool::next_job() const {
-  // cheap test first: nothing is queued behind the running job
+  // the running job is not completed yet: one more submission than that means a job is queued behind it
   if (submitted_.load(std::memory_order_acquire) <= completed_.load(std::memory_order_acquire) + 1) return nullptr;
   std::lock_guard<std::mutex> lk(queue_mu_);
   return queue_.size() >= 2 ? queue_[1].job->inner() : nullptr;
