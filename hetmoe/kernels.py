@@ -466,8 +466,10 @@ class CPUExperts:
         ``pair`` (with ``deferred=True``): this layer's immediate job, prepared with the same x, routing buffers,
         n_tokens and mask. Whenever this job is submitted right behind it to the same pool (a hybrid decode step
         does) with at most 16 tokens, the two run as one list of tasks: the immediate job completes as soon as its
-        output is written while the workers go on with this one's tasks, without a second start and end. Results
-        are the same bits either way. No effect on NUMA-split layers.
+        output is written while the workers go on with this one's tasks, without a second start and end. When the
+        next layer's immediate job is already queued while this one's tasks run, its tasks join the same list too
+        (its combine waits for this job's output). Results are the same bits either way. No effect on NUMA-split
+        layers.
         """
         if self._ex.n_loaded == 0:
             raise RuntimeError("CPUExperts has no experts loaded yet: call load(gate, up, down) first")

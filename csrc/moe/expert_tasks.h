@@ -6,7 +6,7 @@
 // AMX GEMM (kernels/amx/gemm.h), the others on the row-block kernels, on the same packed weights. Big expert
 // tasks are split into sub-tasks of about equal cost (rows first, tokens when rows alone are too few), pulled
 // dynamically from the pool's atomic task counter, heaviest first: a popular expert (skewed routing) is
-// shared by all threads instead of leaving them idle behind it. A phase is cut into ~16 tasks per thread, or ~4
+// shared by all threads instead of leaving them idle behind it. A phase is cut into ~16 tasks per thread, or ~2
 // when it only streams weights (decode: row-block experts with a few tokens each), and then its last tasks are
 // cut smaller when it ends the job (down).
 #pragma once

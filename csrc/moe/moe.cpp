@@ -474,6 +474,7 @@ class ChunkPlan {
   ChunkPlan(const MoeExperts& ex, const MoeCall& call, ThreadPool& pool, int64_t t0, int64_t t1, int slot_base,
             bool serial, StageClock& clock);
   int64_t n_tasks() const { return (int64_t)(tasks_.size() + down_tasks_.size()); }
+  int64_t n_tokens() const { return nt_; }
   void run_task(int64_t ti, int th);
   const ThreadPool::TaskFn& task_fn() const { return fn_; }  // run_task, for the pool's list
   bool done() const { return tasks_left_.load(std::memory_order_acquire) == 0; }
@@ -482,7 +483,7 @@ class ChunkPlan {
   void combine_after_previous() { combine_held_.store(false, std::memory_order_release); }
   // Until every task has run (or one has failed).
   void wait() const {
-    while (tasks_left_.load(std::memory_order_acquire) > 0 && !failed()) _mm_pause();
+    while (!done() && !failed()) _mm_pause();
   }
   bool failed() const { return failed_.load(std::memory_order_relaxed); }
   void finish(ThreadPool& pool, bool serial);
@@ -712,7 +713,6 @@ struct DeferralPair {
   std::atomic<const MoeJob*> imm{nullptr}, def{nullptr};  // cleared by the job's destructor
   std::unique_ptr<ChunkPlan> imm_plan, def_plan;
   int64_t imm_end = 0, def_end = 0;  // the end of each plan's tasks in the pool's list
-  int64_t T = 0;                     // tokens, when the previous deferred job chained the immediate plan
   bool imm_chained = false;          // imm_plan's tasks are in the list already (MoeJob::chain_next)
   bool in_flight = false;            // the deferred tasks are running, the deferred job joins them
 };
@@ -794,7 +794,7 @@ void MoeJob::run_chained(ThreadPool& pool) {
   const MoeJob* def = P.def.load(std::memory_order_acquire);
   if (def && pool.next_job_is(def, kPairWaitUs)) {
     g_paired_runs.fetch_add(1, std::memory_order_relaxed);
-    append_deferred(pool, P.T, *def, clock);
+    append_deferred(pool, P.imm_plan->n_tokens(), *def, clock);
   } else {
     P.in_flight = false;
   }
@@ -858,7 +858,6 @@ ChunkPlan* MoeJob::chain_next(ThreadPool& pool, bool& decided) {
   }
   const int64_t n = Q.imm_plan->n_tasks();
   Q.imm_end = pool.parallel_append(n, Q.imm_plan->task_fn(), true) + n;
-  Q.T = T;
   Q.imm_chained = true;
   g_chained_runs.fetch_add(1, std::memory_order_relaxed);
   return Q.imm_plan.get();
