@@ -1,7 +1,10 @@
 // The Python module hetmoe._C. Tensors cross as raw addresses (validated by hetmoe/kernels.py), so this
 // extension links no libtorch. Invalid arguments raise ValueError (std::invalid_argument), other failures
 // RuntimeError.
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <memory>
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -167,6 +170,34 @@ PYBIND11_MODULE(_C, m) {
         return py::make_tuple(bits, back);
       },
       py::arg("isa"), py::arg("x"));
+  m.def(
+      "row_swiglu",
+      [](const std::string& isa, py::buffer gate, py::buffer up) {  // silu(gate) * up through the ISA's row op
+        py::buffer_info g = float_row(gate, "row_swiglu"), u = float_row(up, "row_swiglu");
+        if (g.shape[0] != u.shape[0]) throw std::invalid_argument("row_swiglu: gate and up differ in length");
+        const int n = (int)g.shape[0];
+        std::vector<float> h(n);
+        select_row_ops(runnable_isa(isa)).swiglu(static_cast<const float*>(g.ptr), static_cast<const float*>(u.ptr), n,
+                                                 h.data());
+        return h;
+      },
+      py::arg("isa"), py::arg("gate"), py::arg("up"));
+  m.def(
+      "row_copy_stream",
+      [](const std::string& isa, py::buffer x, int offset) {  // x[offset:] copied to an aligned buffer at `offset`
+        py::buffer_info b = float_row(x, "row_copy_stream");
+        const int n = (int)b.shape[0];
+        if (offset < 0 || offset > n) throw std::invalid_argument("row_copy_stream: offset out of range");
+        void* p = nullptr;
+        if (posix_memalign(&p, 64, sizeof(float) * (n + 16)) != 0) throw std::bad_alloc();
+        std::unique_ptr<float, decltype(&std::free)> dst(static_cast<float*>(p), &std::free);
+        std::fill(dst.get(), dst.get() + n, -1.f);
+        select_row_ops(runnable_isa(isa)).copy_stream(static_cast<const float*>(b.ptr) + offset, n - offset,
+                                                      dst.get() + offset);
+        stream_fence();
+        return std::vector<float>(dst.get(), dst.get() + n);
+      },
+      py::arg("isa"), py::arg("x"), py::arg("offset") = 0);
   m.def("physical_core_cpus", &physical_core_cpus);
   m.attr("LAYOUT_VERSION") = kLayoutVersion;
 

@@ -100,4 +100,27 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even; NaN stays Na
   return (uint16_t)(bits >> 16);
 }
 
+// exp(x) for the experts' SwiGLU: Cody-Waite range reduction and a degree-6 polynomial (relative error ~2e-7), in
+// plain float arithmetic, so that the vector row op (kernels/row_ops.h swiglu) gives the same bits at every ISA.
+inline float fast_exp(float x) {
+  x = x == x ? x : 0.f;  // NaN: any finite value; the caller's numerator carries the NaN
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round(x / ln 2)
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  float p = 1.38888889e-3f;
+  p = p * r + 8.33333333e-3f;
+  p = p * r + 4.16666667e-2f;
+  p = p * r + 1.66666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// The SwiGLU of one element: silu(gate) * up, silu(g) = g / (1 + exp(-g)).
+inline float swiglu(float gate, float up) { return gate / (1.f + fast_exp(gate * -1.f)) * up; }
+
 }  // namespace hetmoe

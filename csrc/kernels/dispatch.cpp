@@ -1,5 +1,7 @@
 #include "kernels/dispatch.h"
 
+#include <immintrin.h>
+
 namespace hetmoe {
 
 namespace {
@@ -53,6 +55,8 @@ KernelEntry select_kernel(WeightFormat format, Isa isa, AmxMode amx) {
   }
   return out;
 }
+
+void stream_fence() { _mm_sfence(); }
 
 RowOps select_row_ops(Isa isa) {
   if (isa >= Isa::avx512) return avx512::row_ops();

@@ -60,7 +60,13 @@ struct RowOps {
   void (*bf16_to_f32)(const uint16_t* src, int n, float* dst);
   void (*f32_to_bf16)(const float* src, int n, uint16_t* dst);
   void (*axpy)(float w, const float* y, int n, float* acc);  // acc[i] += w * y[i]
+  void (*swiglu)(const float* gate, const float* up, int n, float* h);  // h[i] = silu(gate[i]) * up[i]
+  // dst[i] = src[i], with stores that bypass the caches where the ISA has them (the caller fences before
+  // another thread reads dst: stream_fence)
+  void (*copy_stream)(const float* src, int n, float* dst);
 };
+// Orders this thread's cache-bypassing stores (RowOps::copy_stream) before its later stores.
+void stream_fence();
 RowOps select_row_ops(Isa isa);
 
 // Streams `bytes` (a multiple of 64) through vector loads and returns a value depending on all of them:

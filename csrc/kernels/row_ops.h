@@ -13,6 +13,9 @@
 //   store_q8(int8_t*, I) store_q16(int16_t*, I)       narrowing stores of in-range values
 //   to_bf16(const float*, uint16_t*)  from_bf16(const uint16_t*, float*)   kLanes elements, round to nearest even
 //                                                      (NaN stays NaN, as float_to_bf16)
+//   div(F, F)  nan_to_zero(F)          a / b; NaN lanes -> 0
+//   pow2(I n) -> F                     2^n for n in [-126, 127]
+//   stream(float*, F)                  a store that bypasses the caches (p aligned to the vector)
 // Every arithmetic step is the scalar code's (mul, then add, then sub; the build has -ffp-contract=off), so rows
 // equal the scalar reference exactly.
 #pragma once
@@ -99,6 +102,44 @@ inline void f32_to_bf16(const float* src, int n, uint16_t* dst) {
   int i = 0;
   for (; i + V::kLanes <= n; i += V::kLanes) V::to_bf16(src + i, dst + i);
   for (; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+}
+
+// h[i] = swiglu(gate[i], up[i]) for i < n: formats/activation.h swiglu, step by step.
+template <class V>
+inline void swiglu(const float* gate, const float* up, int n, float* h) {
+  using F = typename V::F;
+  int i = 0;
+  for (; i + V::kLanes <= n; i += V::kLanes) {
+    const F g = V::load(gate + i);
+    F x = V::nan_to_zero(V::mul(g, V::set1(-1.f)));
+    x = V::max(V::min(x, V::set1(88.f)), V::set1(-87.f));
+    const F magic = V::set1(12582912.f);
+    const F k = V::sub(V::add(V::mul(x, V::set1(1.44269504f)), magic), magic);
+    const F r = V::sub(V::sub(x, V::mul(k, V::set1(0.693145752f))), V::mul(k, V::set1(1.42860677e-6f)));
+    F p = V::set1(1.38888889e-3f);
+    p = V::add(V::mul(p, r), V::set1(8.33333333e-3f));
+    p = V::add(V::mul(p, r), V::set1(4.16666667e-2f));
+    p = V::add(V::mul(p, r), V::set1(1.66666667e-1f));
+    p = V::add(V::mul(p, r), V::set1(0.5f));
+    p = V::add(V::mul(p, r), V::set1(1.f));
+    p = V::add(V::mul(p, r), V::set1(1.f));
+    const F e = V::mul(p, V::pow2(V::cvt(k)));
+    V::store(h + i, V::mul(V::div(g, V::add(V::set1(1.f), e)), V::load(up + i)));
+  }
+  for (; i < n; ++i) h[i] = hetmoe::swiglu(gate[i], up[i]);
+}
+
+// dst[i] = src[i] for i < n, written around the caches where dst is aligned to the vector (a buffer written once
+// and read much later, by other threads: no read of the old lines, no eviction of the weights being streamed).
+template <class V>
+inline void copy_stream(const float* src, int n, float* dst) {
+  if (reinterpret_cast<uintptr_t>(dst) % (sizeof(float) * V::kLanes) != 0) {
+    std::memcpy(dst, src, sizeof(float) * n);
+    return;
+  }
+  int i = 0;
+  for (; i + V::kLanes <= n; i += V::kLanes) V::stream(dst + i, V::load(src + i));
+  for (; i < n; ++i) dst[i] = src[i];
 }
 
 // acc[i] += w * y[i] for i < n (a multiply, then an add: the scalar combine's rounding).

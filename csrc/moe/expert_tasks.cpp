@@ -5,6 +5,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "formats/activation.h"
+
 namespace hetmoe {
 
 namespace {
@@ -30,28 +32,6 @@ constexpr int kStreamingTasksPerThread = 2;
 // (same shape, one process, with a barrier after each phase then): a step of whole jobs 11.0 / 11.3 / 10.9 ms
 // uncut, 10.4 / 10.3 / 10.5 cut in 2, 10.4 / 10.1 / 10.3 cut in 4.
 constexpr int kTailCuts = 4;
-
-// exp(x) for the SwiGLU: Cody-Waite range reduction and a degree-6 polynomial (relative error ~2e-7), in plain
-// float arithmetic so the compiler vectorizes it and every ISA gets the same bits.
-inline float fast_exp(float x) {
-  x = x == x ? x : 0.f;  // NaN: any finite value; the caller's numerator carries the NaN
-  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round(x / ln 2)
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-  float p = 1.38888889e-3f;
-  p = p * r + 8.33333333e-3f;
-  p = p * r + 4.16666667e-2f;
-  p = p * r + 1.66666667e-1f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  int32_t bits = ((int32_t)n + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
-
-inline float silu(float g) { return g / (1.f + fast_exp(-g)); }
 
 void check_amx_thread(const MoeExperts& ex) {
   if (ex.amx_mode() == AmxMode::native && !amx_thread_ready())
@@ -135,11 +115,11 @@ void make_tasks(const std::vector<int>& active, const std::vector<int>& count, i
 
 // h[i][rb*16 + r] = silu(gate[i][r]) * up[i][r] for the n tokens of one row block (rows past I left alone);
 // gate/up rows of token i start at i * stride.
-static void store_swiglu(const float* gate, const float* up, int stride, int n, int rb, int I, float* h) {
+static void store_swiglu(const RowOps& ops, const float* gate, const float* up, int stride, int n, int rb, int I,
+                         float* h) {
   const int r_end = std::min(kRowsPerBlock, I - rb * kRowsPerBlock);
   for (int i = 0; i < n; ++i)
-    for (int r = 0; r < r_end; ++r)
-      h[(size_t)i * I + rb * kRowsPerBlock + r] = silu(gate[i * stride + r]) * up[i * stride + r];
+    ops.swiglu(gate + i * stride, up + i * stride, r_end, h + (size_t)i * I + rb * kRowsPerBlock);
 }
 
 void run_gate_up_task(const MoeExperts& ex, const Task& task, const PhaseInput& in, float* h, ThreadPool& pool,
@@ -156,7 +136,7 @@ void run_gate_up_task(const MoeExperts& ex, const Task& task, const PhaseInput& 
       const RowBlock next[2] = {more ? ex.gate_up_block(task.e, rb + 1, 0) : w[0],
                                 more ? ex.gate_up_block(task.e, rb + 1, 1) : w[1]};
       kernel.gemm(w, 2, more ? next : nullptr, 2, x, ex.gate_up_amx_act(), n, o);  // o[i] = gate 0..15, up 0..15
-      store_swiglu(o, o + kRowsPerBlock, 2 * kRowsPerBlock, n, rb, I, h + (size_t)s0 * I);
+      store_swiglu(ex.row_ops(), o, o + kRowsPerBlock, 2 * kRowsPerBlock, n, rb, I, h + (size_t)s0 * I);
     }
     return;
   }
@@ -165,7 +145,7 @@ void run_gate_up_task(const MoeExperts& ex, const Task& task, const PhaseInput& 
   for (int rb = task.rb0; rb < task.rb1; ++rb) {
     kernel.rowblock(ex.gate_up_block(task.e, rb, 0), in.rows + s0, ex.gate_up_act(), n, g);
     kernel.rowblock(ex.gate_up_block(task.e, rb, 1), in.rows + s0, ex.gate_up_act(), n, u);
-    store_swiglu(g, u, kRowsPerBlock, n, rb, I, h + (size_t)s0 * I);
+    store_swiglu(ex.row_ops(), g, u, kRowsPerBlock, n, rb, I, h + (size_t)s0 * I);
   }
 }
 
@@ -174,6 +154,14 @@ void run_down_task(const MoeExperts& ex, const Task& task, const PhaseInput& in,
   const int H = ex.config().hidden;
   const int n = task.m1 - task.m0, s0 = in.first[task.e] + task.m0;
   const KernelEntry& kernel = ex.kernel();
+  // y rows go around the caches when they are read only by the combine after the job's tasks
+  const RowOps& ops = ex.row_ops();
+  auto put_y = [&](const float* src, int count, float* dst) {
+    if (in.stream_out)
+      ops.copy_stream(src, count, dst);
+    else
+      std::memcpy(dst, src, sizeof(float) * count);
+  };
   if (task.amx) {
     float* o;
     const AmxPanel x = amx_task_start(ex, in, task, pool, thread, o);
@@ -185,18 +173,18 @@ void run_down_task(const MoeExperts& ex, const Task& task, const PhaseInput& in,
                                 n_next > 1 ? ex.down_block(task.e, rb + 3) : w[0]};
       kernel.gemm(w, n_blk, n_next > 0 ? next : nullptr, n_next, x, ex.down_amx_act(), n, o);
       const int r_end = std::min(kRowsPerBlock * n_blk, H - rb * kRowsPerBlock);
-      for (int i = 0; i < n; ++i)
-        std::memcpy(y + (size_t)(s0 + i) * H + rb * kRowsPerBlock, o + i * 32, sizeof(float) * r_end);
+      for (int i = 0; i < n; ++i) put_y(o + i * 32, r_end, y + (size_t)(s0 + i) * H + rb * kRowsPerBlock);
     }
+    if (in.stream_out) stream_fence();
     return;
   }
   float* o = reinterpret_cast<float*>(pool.thread_scratch(thread, sizeof(float) * kRowsPerBlock * n));
   for (int rb = task.rb0; rb < task.rb1; ++rb) {
     kernel.rowblock(ex.down_block(task.e, rb), in.rows + s0, ex.down_act(), n, o);
     const int r_end = std::min(kRowsPerBlock, H - rb * kRowsPerBlock);
-    for (int i = 0; i < n; ++i)
-      std::memcpy(y + (size_t)(s0 + i) * H + rb * kRowsPerBlock, o + i * kRowsPerBlock, sizeof(float) * r_end);
+    for (int i = 0; i < n; ++i) put_y(o + i * kRowsPerBlock, r_end, y + (size_t)(s0 + i) * H + rb * kRowsPerBlock);
   }
+  if (in.stream_out) stream_fence();
 }
 
 }  // namespace hetmoe

@@ -56,6 +56,7 @@ struct PhaseInput {
   AmxPanel amx;                // AMX experts' activations: the i-th token of expert e is panel row amx_first[e] + i
   const int* amx_first;        // [E] a multiple of 16 (AMX experts only)
   const int* first;            // [E]
+  bool stream_out = false;     // down: y is read only after every task (no fused combine): written around the caches
 };
 
 // h[s, :] for the task's slots and rows: silu(gate x) * (up x).   h: [n_slots, I]

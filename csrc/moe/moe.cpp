@@ -683,7 +683,8 @@ void ChunkPlan::run_task(int64_t ti, int th) {
     if (failed()) return;
     _mm_pause();
   }
-  run_down_task(ex_, task, PhaseInput{h_rows_.data(), ha_, amx_first_.data(), first_.data()}, y_, pool_, th);
+  run_down_task(ex_, task, PhaseInput{h_rows_.data(), ha_, amx_first_.data(), first_.data(), !fuse_combine_}, y_,
+                pool_, th);
   if (!fuse_combine_) return;
   while (combine_held_.load(std::memory_order_acquire)) _mm_pause();
   // combine each run of the task's blocks that it was the last to compute

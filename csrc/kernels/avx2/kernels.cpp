@@ -202,6 +202,10 @@ struct V {
     m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
     return _mm_cvtss_f32(m);
   }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F nan_to_zero(F v) { return _mm256_and_ps(v, _mm256_cmp_ps(v, v, _CMP_ORD_Q)); }
+  static F pow2(I n) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23)); }
+  static void stream(float* p, F v) { _mm256_stream_ps(p, v); }
   static I cvt(F v) { return _mm256_cvtps_epi32(v); }
   static I izero() { return _mm256_setzero_si256(); }
   static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
@@ -237,7 +241,8 @@ struct V {
 }  // namespace
 
 RowOps row_ops() {
-  return {row_ops::quantize<V>, row_ops::bf16_to_f32<V>, row_ops::f32_to_bf16<V>, row_ops::axpy<V>};
+  return {row_ops::quantize<V>, row_ops::bf16_to_f32<V>, row_ops::f32_to_bf16<V>,
+          row_ops::axpy<V>,     row_ops::swiglu<V>,      row_ops::copy_stream<V>};
 }
 
 uint64_t read_bytes(const uint8_t* p, size_t bytes) {

@@ -176,6 +176,10 @@ struct V {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static bool finite(F v) { return _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ) == 0xffff; }
   static float hmax(F v) { return _mm512_reduce_max_ps(v); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F nan_to_zero(F v) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), v); }
+  static F pow2(I n) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23)); }
+  static void stream(float* p, F v) { _mm512_stream_ps(p, v); }
   static I cvt(F v) { return _mm512_cvtps_epi32(v); }
   static I izero() { return _mm512_setzero_si512(); }
   static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
@@ -203,7 +207,8 @@ struct V {
 }  // namespace
 
 RowOps row_ops() {
-  return {row_ops::quantize<V>, row_ops::bf16_to_f32<V>, row_ops::f32_to_bf16<V>, row_ops::axpy<V>};
+  return {row_ops::quantize<V>, row_ops::bf16_to_f32<V>, row_ops::f32_to_bf16<V>,
+          row_ops::axpy<V>,     row_ops::swiglu<V>,      row_ops::copy_stream<V>};
 }
 
 uint64_t read_bytes(const uint8_t* p, size_t bytes) {

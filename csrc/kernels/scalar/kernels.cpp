@@ -25,10 +25,14 @@ void f32_to_bf16(const float* src, int n, uint16_t* dst) {
 void axpy(float w, const float* y, int n, float* acc) {
   for (int i = 0; i < n; ++i) acc[i] += w * y[i];
 }
+void swiglu(const float* gate, const float* up, int n, float* h) {
+  for (int i = 0; i < n; ++i) h[i] = hetmoe::swiglu(gate[i], up[i]);
+}
+void copy(const float* src, int n, float* dst) { std::memcpy(dst, src, sizeof(float) * n); }
 
 }  // namespace
 
-RowOps row_ops() { return {quantize, bf16_to_f32, f32_to_bf16, axpy}; }
+RowOps row_ops() { return {quantize, bf16_to_f32, f32_to_bf16, axpy, swiglu, copy}; }
 
 uint64_t read_bytes(const uint8_t* p, size_t bytes) {
   uint64_t a = 0, b = 0;
