@@ -175,16 +175,16 @@ void run_down_task(const MoeExperts& ex, const Task& task, const PhaseInput& in,
       const int r_end = std::min(kRowsPerBlock * n_blk, H - rb * kRowsPerBlock);
       for (int i = 0; i < n; ++i) put_y(o + i * 32, r_end, y + (size_t)(s0 + i) * H + rb * kRowsPerBlock);
     }
-    if (in.stream_out) stream_fence();
-    return;
+  } else {
+    float* o = reinterpret_cast<float*>(pool.thread_scratch(thread, sizeof(float) * kRowsPerBlock * n));
+    for (int rb = task.rb0; rb < task.rb1; ++rb) {
+      kernel.rowblock(ex.down_block(task.e, rb), in.rows + s0, ex.down_act(), n, o);
+      const int r_end = std::min(kRowsPerBlock, H - rb * kRowsPerBlock);
+      for (int i = 0; i < n; ++i)
+        put_y(o + i * kRowsPerBlock, r_end, y + (size_t)(s0 + i) * H + rb * kRowsPerBlock);
+    }
   }
-  float* o = reinterpret_cast<float*>(pool.thread_scratch(thread, sizeof(float) * kRowsPerBlock * n));
-  for (int rb = task.rb0; rb < task.rb1; ++rb) {
-    kernel.rowblock(ex.down_block(task.e, rb), in.rows + s0, ex.down_act(), n, o);
-    const int r_end = std::min(kRowsPerBlock, H - rb * kRowsPerBlock);
-    for (int i = 0; i < n; ++i) put_y(o + i * kRowsPerBlock, r_end, y + (size_t)(s0 + i) * H + rb * kRowsPerBlock);
-  }
-  if (in.stream_out) stream_fence();
+  if (in.stream_out) stream_fence();  // the streamed rows are visible before the task counts as done
 }
 
 }  // namespace hetmoe
