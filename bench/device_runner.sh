@@ -10,7 +10,7 @@ python3 -m pip install --no-build-isolation --no-deps -e . >"$out/build.log" 2>&
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout 300 python3 -m pytest -q tests -rs 2>&1 | tee "$out/tests.txt" | tail -8
-  python3 -m pytest -q tests/test_hybrid_gpu.py -s 2>&1 | grep -E "rel. logit error|passed|failed" | tee "$out/hybrid.txt"
+  python3 -m pytest -q tests/engine/test_hybrid_gpu.py -s 2>&1 | grep -E "rel. logit error|passed|failed" | tee "$out/hybrid.txt"
 fi
 for dev in cuda cpu; do
   hetmoe generate --device $dev --expert-cache off --max-new-tokens 64 --json 2>"$out/gen_$dev.err" | tee "$out/gen_$dev.json"

@@ -92,7 +92,7 @@ static py::buffer_info float_row(py::buffer x, const char* fn) {
 }
 static Isa runnable_isa(const std::string& isa) {
   const Isa level = isa_from_name(isa);
-  if (!cpu_features().supports(level)) throw std::invalid_argument("this CPU cannot run " + isa);
+  if (!cpu_features().supports(level)) throw std::invalid_argument("this CPU cannot run " + isa + ": " + isa_refusal(level));
   return level;
 }
 
@@ -103,6 +103,8 @@ PYBIND11_MODULE(_C, m) {
     const CpuFeatures& f = cpu_features();
     py::dict d;
     d["flags"] = f.describe();
+    d["max_isa"] = isa_name(max_isa());  // HETMOE_MAX_ISA (amx when unset)
+    d["isa_cap"] = isa_cap_note();       // "" when unset
     d["best_isa"] = isa_name(f.best());
     py::list ok;
     for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::amx})

@@ -96,6 +96,8 @@ def add_engine_options(p: argparse.ArgumentParser, model: bool = True) -> None:
                    help="UTF-8 text whose routing picks the --gpu-experts (default: a built-in mixed text)")
     g.add_argument("--no-cuda-graph", action="store_true",
                    help="with a GPU: run each decode step eagerly instead of replaying it as a CUDA graph")
+    g.add_argument("--isa", choices=("auto", "scalar", "avx2", "avx512", "amx"), default="auto",
+                   help="CPU expert kernels (default: auto, the best this CPU runs within $HETMOE_MAX_ISA)")
     g.add_argument("--expert-cache", metavar="DIR", default="auto",
                    help="where converted experts are kept for the next load ('off' disables; "
                         "default: $XDG_CACHE_HOME/hetmoe/experts)")

@@ -17,7 +17,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
     return EngineOptions(device=args.device, experts_format=args.experts_format, group_size=args.group_size,
                          threads=args.threads, numa=args.numa, max_context=args.max_context, dtype=args.dtype,
                          defer_experts=args.defer_experts, gpu_experts=args.gpu_experts,
-                         calibration_file=args.calibration_file, cuda_graph=not args.no_cuda_graph)
+                         calibration_file=args.calibration_file, cuda_graph=not args.no_cuda_graph, isa=args.isa)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

@@ -254,7 +254,7 @@ class CPUExperts:
 
     AMX multiplies bf16 x bf16 and int8 x int8, so AMX experts read activations rounded to bf16 (bf16
     weights) or int8 per group (int8 weights; the AVX-512 path keeps int16); int4 weights use int8
-    activations on both paths. The accuracy cost is measured in tests/test_amx.py.
+    activations on both paths. The accuracy cost is measured in tests/kernels/test_amx.py.
     """
 
     def __init__(

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-resident experts (--gpu-experts N, issue 4 item 4) on the GPU machine, about 2 minutes (at most 3.5):
-#   1. tests/test_gpu_experts.py: CPU tests and the GPU-marked ones (hybrid vs all-CPU placement for qwen3_moe and
+#   1. tests/models/test_gpu_experts.py: CPU tests and the GPU-marked ones (hybrid vs all-CPU placement for qwen3_moe and
 #      deepseek_v3, deferral + resident experts vs a CPU emulation, the dense path captured in a CUDA graph)
 #   2. `hetmoe generate --gpu-experts 4` on the built-in model (the calibration report on stderr)
 #   3. the dense (decode) path alone on the qwen3-30b-a3b expert shape: us per layer for N = 4..32 resident, T = 1..8
@@ -14,7 +14,7 @@ t0=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >"$out/gpu.txt" 2>&1
 git rev-parse HEAD >"$out/commit.txt" 2>/dev/null
 
-timeout 120 python3 -m pytest tests/test_gpu_experts.py -q -rs -s -p no:cacheprovider \
+timeout 120 python3 -m pytest tests/models/test_gpu_experts.py -q -rs -s -p no:cacheprovider \
   --junitxml="$out/junit.xml" >"$out/tests.log" 2>&1
 tests_rc=$?
 grep -E "max rel|vs cpu|vs CPU|emulation|all resident|passed|failed|Error|SKIPPED" "$out/tests.log" | tail -40

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include <algorithm>
@@ -69,7 +70,27 @@ static CpuFeatures detect() {
   return f;
 }
 
+static Isa read_max_isa() {
+  const char* v = std::getenv("HETMOE_MAX_ISA");
+  if (v == nullptr || *v == '\0') return Isa::amx;
+  for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::amx})
+    if (std::strcmp(v, isa_name(i)) == 0) return i;
+  throw std::invalid_argument(std::string("HETMOE_MAX_ISA='") + v +
+                              "' is not an ISA level: expected scalar, avx2, avx512 or amx (or unset for no cap)");
+}
+
+Isa max_isa() {
+  static const Isa cap = read_max_isa();  // a throwing initialisation is retried (and throws) at the next call
+  return cap;
+}
+
+std::string isa_cap_note() {
+  const char* v = std::getenv("HETMOE_MAX_ISA");
+  return max_isa() == Isa::amx && (v == nullptr || *v == '\0') ? "" : std::string("HETMOE_MAX_ISA=") + isa_name(max_isa());
+}
+
 bool CpuFeatures::supports(Isa isa) const {
+  if (isa > max_isa()) return false;
   bool avx2_ok = os_avx && avx2 && fma && f16c;
   bool avx512_ok = avx2_ok && os_avx512 && avx512f && avx512bw && avx512vl && avx512dq && avx512_bf16 && avx512_vnni;
   switch (isa) {
@@ -79,6 +100,14 @@ bool CpuFeatures::supports(Isa isa) const {
     case Isa::amx: return avx512_ok && amx_unavailable_reason().empty();
   }
   return false;
+}
+
+std::string isa_refusal(Isa isa) {
+  const CpuFeatures& f = cpu_features();
+  if (f.supports(isa)) return "";
+  if (isa > max_isa()) return isa_cap_note() + " caps the engine at " + isa_name(max_isa());
+  if (isa == Isa::amx && !amx_unavailable_reason().empty()) return amx_unavailable_reason();
+  return "the CPU lacks its instructions (it has: " + f.describe() + ")";
 }
 
 Isa CpuFeatures::best() const {
@@ -127,6 +156,7 @@ static std::string amx_reason() {
   const CpuFeatures& f = cpu_features();
   if (!(f.amx_tile && f.amx_bf16 && f.amx_int8)) return "the CPU has no AMX (amx_tile, amx_bf16, amx_int8)";
   if (!f.os_amx) return "the OS does not enable the AMX tile state (XCR0 bits 17, 18)";
+  if (max_isa() < Isa::amx) return isa_cap_note() + " caps the engine below amx";
 #ifndef HETMOE_HAVE_AMX
   return "this build has no AMX kernels (the compiler did not accept -mamx-tile -mamx-int8 -mamx-bf16)";
 #else

@@ -54,11 +54,8 @@ static void check_config(const ExpertsConfig& c) {
       bad("group_size must be 32, 64 or 128" + std::string(c.format == WeightFormat::int8 ? " (or 0 for per-row)" : "") +
           ", got " + std::to_string(c.group));
   }
-  if (c.isa == Isa::amx && !amx_unavailable_reason().empty())
-    bad("this CPU cannot run the amx kernels: " + amx_unavailable_reason() + " (it has: " +
-        cpu_features().describe() + ")");
   if (!cpu_features().supports(c.isa))
-    bad(std::string("this CPU cannot run the ") + isa_name(c.isa) + " kernels (it has: " + cpu_features().describe() + ")");
+    bad(std::string("this CPU cannot run the ") + isa_name(c.isa) + " kernels: " + isa_refusal(c.isa));
   if (c.amx == AmxMode::native && c.isa != Isa::amx)
     bad("the native AMX GEMM needs isa amx, got " + std::string(isa_name(c.isa)));
   if (c.amx_min_tokens < 1) bad("amx_min_tokens must be >= 1, got " + std::to_string(c.amx_min_tokens));

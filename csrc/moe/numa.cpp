@@ -282,7 +282,8 @@ void NumaMoeJob::reduce(ThreadPool& pool0, int64_t t0, int64_t nt) {
 
 double measure_read_bandwidth(NumaPools& pools, size_t bytes, int repeats, Isa isa) {
   if (!cpu_features().supports(isa))
-    throw std::invalid_argument(std::string("this CPU cannot run the ") + isa_name(isa) + " read loop");
+    throw std::invalid_argument(std::string("this CPU cannot run the ") + isa_name(isa) + " read loop: " +
+                                isa_refusal(isa));
   const int n = pools.size();
   std::vector<size_t> per_thread(n);
   std::vector<HugeBuffer> bufs;

@@ -154,7 +154,7 @@ def _options(args, device: str, max_context: int) -> EngineOptions:
     return EngineOptions(device=device, experts_format=fmt, group_size=args.group_size,
                          threads=args.threads, max_context=max_context, dtype=args.dtype,
                          defer_experts=args.defer_experts, gpu_experts=args.gpu_experts,
-                         calibration_file=args.calibration_file)
+                         calibration_file=args.calibration_file, isa=args.isa)
 
 
 def _build(args, shape: Optional[str], layers: Optional[int], options: EngineOptions, log) -> LoadedModel:

@@ -112,6 +112,7 @@ def machine_info(pool: kernels.ExpertPool) -> dict:
         "cpu_model": _cpu_model(),
         "cpu_flags": info["flags"],
         "best_isa": info["best_isa"],
+        "isa_cap": info["isa_cap"],
         "physical_cores": info["physical_cores"],
         "threads": pool.threads,
         "pinned_cpus": pool.pinned_cpus,
@@ -143,7 +144,8 @@ def doctor(threads=None, isa: str = "auto", numa="auto") -> int:
     info = kernels.cpu_info()
     print(f"cpu:        {_cpu_model()}")
     print(f"features:   {info['flags']}")
-    print(f"isas:       {', '.join(info['supported_isas'])} (best: {info['best_isa']})")
+    cap = f"; capped by {info['isa_cap']}" if info["isa_cap"] else ""
+    print(f"isas:       {', '.join(info['supported_isas'])} (best: {info['best_isa']}{cap})")
     print(f"memory:     {mem_total_bytes() / GB:.1f} GB, last-level cache {llc_bytes() / (1 << 20):.0f} MiB")
     print(f"pool:       {pool.threads} threads pinned to CPUs {pool.pinned_cpus}")
     print("\n".join(describe_numa(pool)))

@@ -84,13 +84,15 @@ def _experts_of(block: nn.Module) -> int:
     return getattr(block, "num_experts", None) or block.gate.weight.shape[0]
 
 
-def new_experts(block: nn.Module, cfg: ModelConfig, inter: int, plan: MemoryPlan, threads,
-                numa="auto") -> CPUExperts:
-    """Empty CPU experts for a MoE block, in the plan's format (group 0 with int8: per-row scales)."""
+def new_experts(block: nn.Module, cfg: ModelConfig, inter: int, plan: MemoryPlan,
+                options: EngineOptions) -> CPUExperts:
+    """Empty CPU experts for a MoE block, in the plan's format (group 0 with int8: per-row scales), on the
+    options' threads, NUMA split and kernel ISA."""
+    threads = options.threads
     if threads is None and plan.device.type == "cuda":
         threads = default_threads(reserve=HYBRID_RESERVED_CORES)
     return CPUExperts(_experts_of(block), cfg.hidden_size, inter, plan.experts_format, plan.group_size,
-                      threads=threads, numa=numa)
+                      threads=threads, numa=options.numa, isa=options.isa, amx_min_tokens=options.amx_min_tokens)
 
 
 def attach_experts(block: nn.Module, experts: CPUExperts, staging) -> None:
@@ -276,7 +278,7 @@ def load_model(
             for name, block in blocks:
                 if not name.startswith(prefix + "."):
                     continue
-                experts = new_experts(block, cfg, inter, plan, options.threads, options.numa)
+                experts = new_experts(block, cfg, inter, plan, options)
                 if cache is None or not cache.load(i, experts):
                     fill_experts(ckpt, name, experts)
                     if cache is not None:

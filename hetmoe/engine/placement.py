@@ -13,6 +13,7 @@ from typing import Optional, Union
 
 import torch
 
+from hetmoe.kernels import AMX_EMULATED, ISAS, cpu_info
 from hetmoe.numa import parse_numa
 
 FORMATS = ("bf16", "int8", "int4")
@@ -40,6 +41,11 @@ class EngineOptions:
     gpu_experts: int = 0  # routed experts per MoE layer also kept on the GPU and computed there (hybrid placement)
     calibration_file: Optional[str] = None  # text whose routing picks them (default: calibration.DEFAULT_TEXT)
     cuda_graph: bool = True  # on a GPU, decode steps replay a CUDA graph (False: the same step run eagerly)
+    # CPU expert kernels: auto (the best this CPU runs, within HETMOE_MAX_ISA) | scalar | avx2 | avx512 | amx, or
+    # amx-emulated (tests: the AMX GEMM's logic on any CPU); amx_min_tokens: per-expert token count from which the
+    # AMX GEMM runs (default: the engine's measured crossover; 1: every expert on the AMX path)
+    isa: str = "auto"
+    amx_min_tokens: Optional[int] = None
 
     def __post_init__(self):
         if self.device not in ("auto", "cuda", "cpu"):
@@ -57,6 +63,15 @@ class EngineOptions:
             raise ValueError(f"defer-experts must be an integer >= 0, got {self.defer_experts!r}")
         if isinstance(self.gpu_experts, bool) or not isinstance(self.gpu_experts, int) or self.gpu_experts < 0:
             raise ValueError(f"gpu-experts must be an integer >= 0, got {self.gpu_experts!r}")
+        if self.isa not in ("auto",) + ISAS + (AMX_EMULATED,):
+            raise ValueError(f"isa must be auto, {', '.join(ISAS)} (or {AMX_EMULATED}), got {self.isa!r}")
+        runs = cpu_info()  # also refuses a bad HETMOE_MAX_ISA before anything loads
+        if self.isa in ISAS and self.isa not in runs["supported_isas"]:
+            cap = f" ({runs['isa_cap']})" if runs["isa_cap"] else ""
+            raise ValueError(f"isa {self.isa}: this CPU runs only {', '.join(runs['supported_isas'])}{cap}")
+        if self.amx_min_tokens is not None and (isinstance(self.amx_min_tokens, bool)
+                                                or not isinstance(self.amx_min_tokens, int) or self.amx_min_tokens < 1):
+            raise ValueError(f"amx_min_tokens must be an integer >= 1, got {self.amx_min_tokens!r}")
         if not isinstance(self.cuda_graph, bool):
             raise ValueError(f"cuda_graph must be True or False, got {self.cuda_graph!r}")
         if self.max_batch < 1 or self.prefill_chunk < 1:

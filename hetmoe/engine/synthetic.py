@@ -361,7 +361,7 @@ def build_random_model(
     expert_bytes = 0
     for block_name, block in blocks:
         layer = int(_LAYER_INDEX.search(f".{block_name}.").group(1))
-        experts = new_experts(block, cfg, inter, plan, options.threads, options.numa)
+        experts = new_experts(block, cfg, inter, plan, options)
         experts.fill_random(seed + layer, std)
         expert_bytes += experts.nbytes
         attach_experts(block, experts, staging)

@@ -344,7 +344,7 @@ def test_eval_compares_deferral_with_the_undeferred_reference(ckpt, capsys, tmp_
 # ---------------------------------------------------------------- the hybrid placement (GPU machine)
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("arch", ARCHS)
 def test_hybrid_deferral_matches_cpu(ckpt, arch):
     hybrid = load(ckpt[arch], device="cuda", defer_experts=2)

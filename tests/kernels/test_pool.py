@@ -213,7 +213,7 @@ def test_bad_call_arguments(layer):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_tensor_rejected(layer):
     x, ids, w = make_inputs(4, 2)
     with pytest.raises(ValueError, match="x is on cuda"):

@@ -285,7 +285,7 @@ def test_stream_submit_sync_replay(two, mech):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_gpu_graph_replay(two):
     """A CUDA graph that copies x in, submits the split job, syncs on the stream and copies out, replayed."""
     b = build("int8-g128", SPLIT, two)

@@ -368,7 +368,7 @@ def test_cli_flag():
 
 # ---------------------------------------------------------------- on the GPU
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+gpu = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from hetmoe.engine.runner import Runner
 from hetmoe.engine.tokenizer import Tokenizer
 from hetmoe.layers.moe import DropLowestExperts
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEXT = '''import os
 
 
