@@ -9,13 +9,13 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "bindings_experts.h"
 #include "cuda_hooks.h"
-#include "stream_signals.h"
 #include "engine/cpu_features.h"
 #include "engine/thread_pool.h"
 #include "moe/expert_tasks.h"
-#include "bindings_experts.h"
 #include "moe/moe.h"
+#include "stream_signals.h"
 
 namespace py = pybind11;
 using namespace hetmoe;
@@ -38,6 +38,24 @@ const char* format_name(WeightFormat f) {
   return "?";
 }
 
+// Tests: a job that holds the pool's coordinator until open(), so that every job submitted behind it is queued
+// when it ends (pairing and chaining of deferral jobs then no longer depend on timing).
+struct GateJob : Job {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool opened = false;
+  void run(ThreadPool&) override {
+    std::unique_lock<std::mutex> lk(mu);
+    cv.wait(lk, [&] { return opened; });
+  }
+  void open() {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      opened = true;
+    }
+    cv.notify_all();
+  }
+};
 
 }  // namespace
 
@@ -92,7 +110,8 @@ static py::buffer_info float_row(py::buffer x, const char* fn) {
 }
 static Isa runnable_isa(const std::string& isa) {
   const Isa level = isa_from_name(isa);
-  if (!cpu_features().supports(level)) throw std::invalid_argument("this CPU cannot run " + isa + ": " + isa_refusal(level));
+  if (!cpu_features().supports(level))
+    throw std::invalid_argument("this CPU cannot run " + isa + ": " + isa_refusal(level));
   return level;
 }
 
@@ -121,8 +140,8 @@ PYBIND11_MODULE(_C, m) {
   // The MoE job's task split (moe/expert_tasks.h) for given per-expert token counts, sorted descending: tests.
   m.def(
       "plan_tasks",
-      [](const std::vector<int>& counts, int amx_experts, int n_blocks, int row_gran, int amx_max_tokens,
-         int n_threads, bool with_groups) -> py::object {
+      [](const std::vector<int>& counts, int amx_experts, int n_blocks, int row_gran, int amx_max_tokens, int n_threads,
+         bool with_groups) -> py::object {
         std::vector<int> active(counts.size());
         for (size_t i = 0; i < counts.size(); ++i) active[i] = (int)i;
         std::vector<Task> tasks;
@@ -179,8 +198,8 @@ PYBIND11_MODULE(_C, m) {
         if (g.shape[0] != u.shape[0]) throw std::invalid_argument("row_swiglu: gate and up differ in length");
         const int n = (int)g.shape[0];
         std::vector<float> h(n);
-        select_row_ops(runnable_isa(isa)).swiglu(static_cast<const float*>(g.ptr), static_cast<const float*>(u.ptr), n,
-                                                 h.data());
+        select_row_ops(runnable_isa(isa))
+            .swiglu(static_cast<const float*>(g.ptr), static_cast<const float*>(u.ptr), n, h.data());
         return h;
       },
       py::arg("isa"), py::arg("gate"), py::arg("up"));
@@ -194,8 +213,8 @@ PYBIND11_MODULE(_C, m) {
         if (posix_memalign(&p, 64, sizeof(float) * (n + 16)) != 0) throw std::bad_alloc();
         std::unique_ptr<float, decltype(&std::free)> dst(static_cast<float*>(p), &std::free);
         std::fill(dst.get(), dst.get() + n, -1.f);
-        select_row_ops(runnable_isa(isa)).copy_stream(static_cast<const float*>(b.ptr) + offset, n - offset,
-                                                      dst.get() + offset);
+        select_row_ops(runnable_isa(isa))
+            .copy_stream(static_cast<const float*>(b.ptr) + offset, n - offset, dst.get() + offset);
         stream_fence();
         return std::vector<float>(dst.get(), dst.get() + n);
       },
@@ -205,6 +224,7 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Job, std::shared_ptr<Job>>(m, "Job");
   py::class_<MoeJob, Job, std::shared_ptr<MoeJob>>(m, "MoeJob");
+  py::class_<GateJob, Job, std::shared_ptr<GateJob>>(m, "GateJob").def(py::init<>()).def("open", &GateJob::open);
   m.def("pair_deferral_jobs", &MoeJob::pair, py::arg("immediate"), py::arg("deferred"));
   m.def("paired_deferral_runs", &MoeJob::paired_runs);
   m.def("chained_deferral_runs", &MoeJob::chained_runs);
@@ -263,44 +283,42 @@ PYBIND11_MODULE(_C, m) {
   bind_stream_work<HostFuncs>(m, "HostFuncs");
   m.def("stream_signals_available", &cuda_hooks::signals_available);
   m.def("stream_signals_error", [] { return cuda_hooks::signals_unavailable_reason(); });
-  bind_stream_work<StreamSignals>(m, "StreamSignals").def_property_readonly("kicks", &StreamSignals::kicks)
+  bind_stream_work<StreamSignals>(m, "StreamSignals")
+      .def_property_readonly("kicks", &StreamSignals::kicks)
       .def_property_readonly("slot_high_water", &StreamSignals::slot_high_water);
 
   py::class_<MoeExperts, std::shared_ptr<MoeExperts>> experts(m, "MoeExperts");
   bindings::bind_experts_common<MoeExperts, ThreadPool, MoeJob>(experts, "pool");
-  experts
-      .def("info",
-           [](const MoeExperts& ex) {
-             const ExpertsConfig& c = ex.config();
-             py::dict d;
-             d["weight_format"] = format_name(c.format);
-             const MatrixShape& gu = ex.gate_up_shape();
-             if (gu.has_scales())
-               d["group_size"] = gu.per_row ? 0 : gu.group;  // 0 = per-row scales
-             else
-               d["group_size"] = py::none();
-             d["isa"] = isa_name(c.isa);
-             d["kernel"] = ex.kernel().name;
-             d["activation"] = c.format == WeightFormat::bf16 ? "fp32"
-                               : c.format == WeightFormat::int8 ? "int16" : "int8";
-             const AmxMode amx = ex.amx_mode();
-             d["amx"] = amx == AmxMode::native ? "native" : amx == AmxMode::emulated ? "emulated" : "off";
-             if (amx != AmxMode::off) {
-               d["amx_kernel"] = ex.kernel().gemm_name;
-               d["amx_min_tokens"] = ex.amx_min_tokens();
-               d["amx_activation"] = c.format == WeightFormat::bf16 ? "bf16" : "int8";
-             } else {
-               d["amx_kernel"] = py::none();
-               d["amx_min_tokens"] = py::none();
-               d["amx_activation"] = py::none();
-             }
-             d["bytes_per_expert"] = ex.bytes_per_expert();
-             d["threads"] = ex.pool().size();
-             d["num_experts"] = c.n_expert;
-             d["hidden_size"] = c.hidden;
-             d["intermediate_size"] = c.intermediate;
-             return d;
-           });
+  experts.def("info", [](const MoeExperts& ex) {
+    const ExpertsConfig& c = ex.config();
+    py::dict d;
+    d["weight_format"] = format_name(c.format);
+    const MatrixShape& gu = ex.gate_up_shape();
+    if (gu.has_scales())
+      d["group_size"] = gu.per_row ? 0 : gu.group;  // 0 = per-row scales
+    else
+      d["group_size"] = py::none();
+    d["isa"] = isa_name(c.isa);
+    d["kernel"] = ex.kernel().name;
+    d["activation"] = c.format == WeightFormat::bf16 ? "fp32" : c.format == WeightFormat::int8 ? "int16" : "int8";
+    const AmxMode amx = ex.amx_mode();
+    d["amx"] = amx == AmxMode::native ? "native" : amx == AmxMode::emulated ? "emulated" : "off";
+    if (amx != AmxMode::off) {
+      d["amx_kernel"] = ex.kernel().gemm_name;
+      d["amx_min_tokens"] = ex.amx_min_tokens();
+      d["amx_activation"] = c.format == WeightFormat::bf16 ? "bf16" : "int8";
+    } else {
+      d["amx_kernel"] = py::none();
+      d["amx_min_tokens"] = py::none();
+      d["amx_activation"] = py::none();
+    }
+    d["bytes_per_expert"] = ex.bytes_per_expert();
+    d["threads"] = ex.pool().size();
+    d["num_experts"] = c.n_expert;
+    d["hidden_size"] = c.hidden;
+    d["intermediate_size"] = c.intermediate;
+    return d;
+  });
 
   bind_numa(m);
 }

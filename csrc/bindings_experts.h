@@ -24,7 +24,9 @@ inline WeightFormat format_from_name(const std::string& s) {
 }
 
 template <typename T>
-T* ptr(uintptr_t a) { return reinterpret_cast<T*>(a); }
+T* ptr(uintptr_t a) {
+  return reinterpret_cast<T*>(a);
+}
 
 // The MoeExperts a Python experts object runs on: itself, or a NUMA engine's slices.
 inline std::vector<const MoeExperts*> engines_of(const MoeExperts& ex) { return {&ex}; }
@@ -63,10 +65,8 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
             ex.load(e0, n, ptr<const float>(gate), ptr<const float>(up), ptr<const float>(down));
           },
           py::call_guard<py::gil_scoped_release>())
-      .def("unpack",
-           [](const Experts& ex, int e, uintptr_t gate, uintptr_t up, uintptr_t down) {
-             ex.unpack(e, ptr<float>(gate), ptr<float>(up), ptr<float>(down));
-           })
+      .def("unpack", [](const Experts& ex, int e, uintptr_t gate, uintptr_t up,
+                        uintptr_t down) { ex.unpack(e, ptr<float>(gate), ptr<float>(up), ptr<float>(down)); })
       .def("fill_random", &Experts::fill_random, py::arg("seed"), py::arg("std"),
            py::call_guard<py::gil_scoped_release>())
       .def("storage",

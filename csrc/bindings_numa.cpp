@@ -93,11 +93,12 @@ void bind_numa(py::module_& m) {
       .def_property_readonly("size", &NumaPools::size)
       .def_property_readonly("threads", &NumaPools::n_threads)
       .def("pool", &NumaPools::pool_ptr, py::arg("s"))
-      .def_property_readonly("plans", [](const NumaPools& p) {
-        std::vector<SubpoolPlan> plans;
-        for (int s = 0; s < p.size(); ++s) plans.push_back(p.plan(s));
-        return plans_list(plans);
-      })
+      .def_property_readonly("plans",
+                             [](const NumaPools& p) {
+                               std::vector<SubpoolPlan> plans;
+                               for (int s = 0; s < p.size(); ++s) plans.push_back(p.plan(s));
+                               return plans_list(plans);
+                             })
       .def_property_readonly("binding", &NumaPools::binding)
       .def(
           "read_bandwidth",
@@ -108,21 +109,19 @@ void bind_numa(py::module_& m) {
 
   py::class_<NumaExperts, std::shared_ptr<NumaExperts>> experts(m, "NumaExperts");
   bindings::bind_experts_common<NumaExperts, NumaPools, NumaMoeJob>(experts, "pools");
-  experts
-      .def("info",
-           [](std::shared_ptr<NumaExperts> ex) {
-             // MoeExperts.info() of slice 0 (format, kernel, ISA, activations), with the whole layer's sizes.
-             py::dict d = py::cast(ex->slice_ptr(0)).attr("info")();
-             d["intermediate_size"] = ex->config().intermediate;
-             d["bytes_per_expert"] = ex->bytes_per_expert();
-             d["threads"] = ex->pools().n_threads();
-             d["numa_subpools"] = ex->pools().size();
-             std::vector<std::pair<int, int>> b;
-             for (int s = 0; s < ex->n_slices(); ++s) b.push_back(ex->bounds(s));
-             d["numa_slices"] = b;
-             d["numa_binding"] = ex->pools().binding();
-             return d;
-           });
+  experts.def("info", [](std::shared_ptr<NumaExperts> ex) {
+    // MoeExperts.info() of slice 0 (format, kernel, ISA, activations), with the whole layer's sizes.
+    py::dict d = py::cast(ex->slice_ptr(0)).attr("info")();
+    d["intermediate_size"] = ex->config().intermediate;
+    d["bytes_per_expert"] = ex->bytes_per_expert();
+    d["threads"] = ex->pools().n_threads();
+    d["numa_subpools"] = ex->pools().size();
+    std::vector<std::pair<int, int>> b;
+    for (int s = 0; s < ex->n_slices(); ++s) b.push_back(ex->bounds(s));
+    d["numa_slices"] = b;
+    d["numa_binding"] = ex->pools().binding();
+    return d;
+  });
 }
 
 }  // namespace hetmoe

@@ -34,7 +34,7 @@ struct Driver {
   std::string no_signals;
   CUresult (*get_error_name)(CUresult, const char**) = nullptr;    // optional: messages only
   CUresult (*get_error_string)(CUresult, const char**) = nullptr;  // optional: messages only
-  std::string missing;  // why the driver cannot be used; "" when it can
+  std::string missing;                                             // why the driver cannot be used; "" when it can
 };
 
 template <typename F>

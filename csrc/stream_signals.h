@@ -70,7 +70,7 @@ class StreamSignals {
   size_t size() const;
   size_t n_captured() const;
   size_t n_not_run() const;  // eager signals the stream has not passed yet
-  uint64_t kicks() const { return kicks_.load(std::memory_order_relaxed); }  // jobs the watcher submitted
+  uint64_t kicks() const { return kicks_.load(std::memory_order_relaxed); }            // jobs the watcher submitted
   int slot_high_water() const { return high_water_.load(std::memory_order_relaxed); }  // slots ever used at once
 
   struct Signal;
@@ -89,7 +89,7 @@ class StreamSignals {
   std::vector<std::atomic<Signal*>> slot_owner_;  // slot -> signal, read by the watcher without the lock
   std::vector<int> free_slots_;
   std::atomic<int> high_water_{0};  // slots [0, high_water_) may be in use
-  std::deque<Signal*> unsynced_;     // submitted, no wait enqueued yet (creation order)
+  std::deque<Signal*> unsynced_;    // submitted, no wait enqueued yet (creation order)
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> kicks_{0};
   std::thread watcher_;

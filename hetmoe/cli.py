@@ -11,6 +11,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from hetmoe import __version__
+
 SHAPE_NAMES = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")  # defined in hetmoe.bench.kernel.SHAPES
 MODEL_SHAPES = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "deepseek-v2-lite")  # hetmoe.engine.synthetic.SHAPES
 
@@ -30,7 +32,8 @@ def _choice_list(choices: Sequence[str]):
         values = [v.strip() for v in text.split(",") if v.strip()]
         bad = [v for v in values if v not in choices]
         if bad or not values:
-            raise argparse.ArgumentTypeError(f"unknown {', '.join(bad) or 'empty list'}; choose from {', '.join(choices)}")
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(bad) or 'empty list'}; choose from {', '.join(choices)}")
         return values
 
     return parse
@@ -123,6 +126,7 @@ def add_shape_options(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hetmoe", description="Giant MoE models on one GPU plus CPU DRAM.")
+    parser.add_argument("--version", action="version", version=f"hetmoe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -180,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="CPU features, chosen ISA and kernel per format, pinned CPUs")
     doctor.add_argument("--threads", type=_positive_int, default=None, help="pool size (default: physical cores)")
     doctor.add_argument("--isa", default="auto", help="auto, scalar, avx2, avx512 or amx (default: auto)")
-    doctor.add_argument("--numa", type=_numa, default="auto", metavar="auto|off|N", help="NUMA subpools (default: auto)")
+    doctor.add_argument("--numa", type=_numa, default="auto", metavar="auto|off|N",
+                        help="NUMA subpools (default: auto)")
     doctor.set_defaults(handler=_doctor)
 
     bench = sub.add_parser("bench", help="benchmarks that print bandwidth and FLOP/s, not only time")
@@ -199,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     kernel.add_argument("--formats", type=_choice_list(("bf16", "int8", "int4")), default=None,
                         help="comma list of bf16, int8, int4 (default: all)")
     kernel.add_argument("--tokens", type=_int_list, default=None, help="comma list of T (default: 1,4,32,512,2048)")
-    kernel.add_argument("--threads", type=_positive_int, default=None, help="pool and torch threads (default: physical cores)")
+    kernel.add_argument("--threads", type=_positive_int, default=None,
+                        help="pool and torch threads (default: physical cores)")
     kernel.add_argument("--isa", default="auto", help="auto, scalar, avx2, avx512 or amx (default: auto)")
     kernel.add_argument("--group-size", type=int, default=None,
                         help="int8/int4 scale group (default: 128 for int8, 64 for int4; 0 = per-row int8)")

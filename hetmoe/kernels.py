@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
@@ -30,6 +30,9 @@ from hetmoe.streams import (  # noqa: F401  (MECHANISMS, default_mechanism, _lea
     cuda_hooks_available,
     default_mechanism,
 )
+
+if TYPE_CHECKING:  # layers.moe imports this module: the router type is for annotations only
+    from hetmoe.layers.moe import HostRouter
 
 WEIGHT_FORMATS = ("bf16", "int8", "int4")
 ISAS = ("scalar", "avx2", "avx512", "amx")
@@ -296,8 +299,8 @@ class CPUExperts:
         self.weight_format = weight_format
         split = self.pool.subpools > 1  # tensor parallel over NUMA subpools: same interface
         self._ex = (_C.NumaExperts if split else _C.MoeExperts)(
-            self.pool._numa if split else self.pool._pool, self.num_experts, self.hidden_size, self.intermediate_size, weight_format,
-            int(group_size), isa, emulated, int(amx_min_tokens),
+            self.pool._numa if split else self.pool._pool, self.num_experts, self.hidden_size, self.intermediate_size,
+            weight_format, int(group_size), isa, emulated, int(amx_min_tokens),
         )
         self._skip_mask: Optional[torch.Tensor] = None  # static: experts computed elsewhere (set_skip_mask)
 
@@ -350,7 +353,8 @@ class CPUExperts:
     def _as_list(name: str, w: TensorOrList) -> list:
         if isinstance(w, torch.Tensor):
             if w.dim() != 3:
-                raise ValueError(f"{name} must be a stacked 3-D tensor or a list of 2-D tensors, got shape {tuple(w.shape)}")
+                raise ValueError(
+                    f"{name} must be a stacked 3-D tensor or a list of 2-D tensors, got shape {tuple(w.shape)}")
             w = list(w.unbind(0))
         w = list(w)
         for i, t in enumerate(w):

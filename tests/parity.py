@@ -1,5 +1,7 @@
 """Shared harness for model parity tests: the same checkpoint in transformers' class and in ours, compared
-logit by logit over a prefill and cached decode steps."""
+logit by logit over a prefill and cached decode steps. The routed experts go into a backend builder
+``(gate, up, down) -> experts``: ``torch_fp32``, or ``engine_bf16(path)`` for the CPU engine forced onto one of
+the numerical paths of tests/paths.py."""
 
 import re
 
@@ -24,10 +26,16 @@ def torch_fp32(gate, up, down):
     return TorchExperts(gate, up, down, torch.float32)
 
 
-def engine_bf16(gate, up, down):
-    ex = CPUExperts(gate.shape[0], gate.shape[2], gate.shape[1], "bf16")
-    ex.load(gate, up, down)
-    return ex
+def engine_bf16(path):
+    """The builder of bf16 experts in the CPU engine on ``path`` (a tests/paths.EnginePath; every expert on that
+    path, whatever its token count)."""
+
+    def build(gate, up, down):
+        ex = CPUExperts(gate.shape[0], gate.shape[2], gate.shape[1], "bf16", **path.options)
+        ex.load(gate, up, down)
+        return ex
+
+    return build
 
 
 def load_ours(path, model_cls, experts_backend):
@@ -53,23 +61,41 @@ def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+_HF_TRACES = {}
+
+
+def hf_trace(transformers, checkpoint, batch: int, prompt_len: int) -> tuple:
+    """transformers' logits for a random prompt (seeded by ``batch``) and DECODE_STEPS greedy steps: (prompt ids,
+    the tokens it fed, its logits per call). Computed once per checkpoint and shape: every backend compared with
+    it (one per engine path) reads the same trace."""
+    key = (str(checkpoint), batch, prompt_len)
+    if key not in _HF_TRACES:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        gen = torch.Generator().manual_seed(batch)
+        ids = torch.randint(0, hf.config.vocab_size, (batch, prompt_len), generator=gen)
+        with torch.no_grad():
+            out = hf(ids, use_cache=True)
+            logits, fed = [out.logits], []
+            for _ in range(DECODE_STEPS):
+                fed.append(out.logits[:, -1:].argmax(-1))
+                out = hf(fed[-1], past_key_values=out.past_key_values, use_cache=True)
+                logits.append(out.logits)
+        _HF_TRACES[key] = ids, fed, logits
+    return _HF_TRACES[key]
+
+
 def parity_errors(transformers, checkpoint, model_cls, experts_backend, batch: int, prompt_len: int = 11) -> list:
-    """Max relative logit error of ours vs transformers for the prefill and each of DECODE_STEPS greedy steps."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    """Max relative logit error of ours vs transformers for the prefill and each of DECODE_STEPS greedy steps
+    (transformers' greedy tokens fed to both)."""
+    ids, fed, hf_logits = hf_trace(transformers, checkpoint, batch, prompt_len)
     ours = load_ours(checkpoint, model_cls, experts_backend)
-    gen = torch.Generator().manual_seed(batch)
     S = prompt_len
-    ids = torch.randint(0, ours.config.vocab_size, (batch, S), generator=gen)
     cache = ours.make_cache(batch, S + DECODE_STEPS + 4)
     slots = torch.arange(batch)
     with torch.no_grad():
-        hf_out = hf(ids, use_cache=True)
         logits = ours.logits(ours(ids, Step(positions=torch.arange(S).expand(batch, S), slots=slots), cache))
-        errors = [max_rel(logits, hf_out.logits)]
-        past, nxt = hf_out.past_key_values, hf_out.logits[:, -1:].argmax(-1)
-        for i in range(DECODE_STEPS):
-            hf_out = hf(nxt, past_key_values=past, use_cache=True)
+        errors = [max_rel(logits, hf_logits[0])]
+        for i, nxt in enumerate(fed):
             logits = ours.logits(ours(nxt, Step(positions=torch.full((batch, 1), S + i), slots=slots), cache))
-            errors.append(max_rel(logits, hf_out.logits))
-            past, nxt = hf_out.past_key_values, hf_out.logits[:, -1:].argmax(-1)
+            errors.append(max_rel(logits, hf_logits[i + 1]))
     return errors

@@ -66,19 +66,45 @@ ALL_PATHS = (
 # The paths this machine runs (within HETMOE_MAX_ISA): the emulated AMX GEMM runs everywhere.
 PATHS = {p.name: p for p in ALL_PATHS if p.isa == AMX_EMULATED or p.isa in _INFO["supported_isas"]}
 BEST_ROW_PATH = PATHS[next(i for i in ("avx512", "avx2", "scalar") if i in PATHS)]
+BEST_AMX_PATH = PATHS.get("amx", PATHS[AMX_EMULATED])  # the tile unit where there is one, else its emulation
+# One path of each class: for whole-model tests too costly to run on every path (the row-block paths give the same
+# bits as each other, and the two AMX paths for int8/int4: tests/kernels checks both claims on every path).
+CLASS_PATHS = (BEST_ROW_PATH, BEST_AMX_PATH)
 # What isa="auto" runs here, and whether it can put experts of one call on different classes.
 AUTO_MIXES_CLASSES = _INFO["best_isa"] == "amx"
 
-# Cross-path bound for whole-model logits: max |a - b| / max |b| between the same forward pass computed on the
-# row-block class and on the AMX class (or on the mixed default), fp32 dense part, on the tiny random
-# checkpoints of hetmoe.engine.synthetic. MEASURED with tests/engine/test_cli.py's equality cases and the
-# parity tests (row-block vs amx-emulated, every model_type) on the dev machine: bf16 experts 2.4e-4 (bf16 vs
-# fp32 activations), int8 1.9e-3 (int8 vs int16 activations); int4 experts read int8 activations on both
-# classes, so the bound is the within-path one. Bounds: ~2x the measurement.
-LOGIT_CROSS_PATH_BOUND = {"bf16": 5e-4, "int8": 4e-3, "int4": 1e-5}
-# Within one path the same tokens give the same logits whatever the split, up to the dense part's fp32
-# summation order (attention over a cached prefix vs one shot).
+# The engine left to choose per expert and call: the AMX GEMM from the format's amx_min_tokens, the row blocks below
+# (emulated here, so every machine exercises the mixing that isa="auto" does on an AMX CPU).
+MIXED_PATH = EnginePath("amx-emulated-mixed", AMX_EMULATED, None)
+# What isa="auto" runs on this machine.
+AUTO_PATH = EnginePath("auto", "auto", None)
+
+
+def mixes_classes(path: EnginePath) -> bool:
+    """Whether one call on this path may compute some experts on the row-block class and others on the AMX one."""
+    return path.amx_min_tokens is None and (path.isa == AMX_EMULATED or (path.isa == "auto" and AUTO_MIXES_CLASSES))
+
+
+# Whole-model logits, max |a - b| / max |b|, fp32 dense part, on the tiny random checkpoints of
+# hetmoe.engine.synthetic (11-token prompt, then 2 decode steps), every model_type. MEASURED on the dev machine
+# (AVX-512 Zen 4; amx-emulated gives the AMX class's bits for int8/int4), worst model in brackets:
+#
+#                              bf16 experts           int8 experts           int4 experts
+#   row class vs AMX class     5.1e-4 (deepseek_v3)   2.1e-3 (deepseek_v3)   0 (both read int8 activations)
+#   one path, chunked (3) vs   3.1e-7                 4.1e-6 (mixtral)       3.1e-7
+#   one shot (either class)
+#   mixed, chunked vs one shot 3.9e-4 (deepseek_v3)   2.1e-3 (deepseek_v3)   3.1e-7
+#
+# Bounds: about 2x the measured maxima. Across classes the bound is the activation rounding's; within one path the
+# same tokens give the same logits whatever the split, up to the dense part's fp32 summation order (attention over
+# a cached prefix vs one shot) seen through the experts' activation quantization.
 LOGIT_SAME_PATH_BOUND = 1e-5
+LOGIT_CROSS_PATH_BOUND = {"bf16": 1e-3, "int8": 4e-3, "int4": LOGIT_SAME_PATH_BOUND}
+
+
+def logit_bound(path: EnginePath, fmt: str) -> float:
+    """The bound for two splittings of the same tokens on ``path`` (chunked vs one shot, batch vs alone, ...)."""
+    return LOGIT_CROSS_PATH_BOUND[fmt] if mixes_classes(path) else LOGIT_SAME_PATH_BOUND
 
 
 def ids(paths) -> list:

@@ -94,7 +94,8 @@ def moe_reference_emulated(x, gate_dq, up_dq, down_dq, topk_ids, topk_weights, a
 
     gate_dq, up_dq, down_dq: sequences (or stacked tensors) of per-expert fp32 weights as returned by
     ``CPUExperts.dequantized(e)``; an entry may be None for an expert that is never routed to.
-    activation: ``info()["activation"]`` ("fp32", "int16" or "int8"; "bf16" for AMX experts); group: ``info()["group_size"]``
+    activation: ``info()["activation"]`` ("fp32", "int16" or "int8"; "bf16" for AMX experts); group:
+    ``info()["group_size"]``
     (0 = int8 weights with per-row scales, whose activations use groups of 128; "row": the AMX activations of
     those weights, x in one group per token and h in groups of ``amx_row_group(I)``). x is quantized per token
     before gate/up, and h = silu(gate x) * (up x) per (token, expert) before down, both along their rows.

@@ -25,14 +25,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <thread>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
 
-constexpr int kK = 7168;         // gate/up K of the DeepSeek-V3 layer
-constexpr int kN = 4096;         // gate + up rows
+constexpr int kK = 7168;            // gate/up K of the DeepSeek-V3 layer
+constexpr int kN = 4096;            // gate + up rows
 constexpr size_t kRowBytes = 7296;  // an AMX activation row of that K today (elements, scales, sums)
 
 void tile_config() {
@@ -55,10 +55,10 @@ uint8_t* alloc(size_t n, uint8_t fill) {
 
 struct Variant {
   bool packed;
-  int chunk;  // K per chunk
-  int bprefetch;  // bytes ahead prefetched on the first token block (0 = none)
-  int mode = 0;   // 0 loads + dot products, 1 loads only, 2 dot products only, 3 + prefetch next A/B into L1
-  int hint = 0;   // 0: first-block prefetch with prefetcht0, 2: with prefetcht2 (L2)
+  int chunk;            // K per chunk
+  int bprefetch;        // bytes ahead prefetched on the first token block (0 = none)
+  int mode = 0;         // 0 loads + dot products, 1 loads only, 2 dot products only, 3 + prefetch next A/B into L1
+  int hint = 0;         // 0: first-block prefetch with prefetcht0, 2: with prefetcht2 (L2)
   bool spread = false;  // every token block prefetches (t2) its share of the next chunk's weights
 };
 
@@ -76,10 +76,15 @@ void expert(const Variant& v, const uint8_t* w, int p0, int p1, const uint8_t* a
       for (int m0 = 0; m0 < n_tok; m0 += 32) {
         int32_t* cm = c + (size_t)m0 * 32;
         if (k0 == 0) {
-          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
         } else {
-          _tile_loadd(0, cm, 128); _tile_loadd(1, cm + 16, 128);
-          _tile_loadd(2, cm + 16 * 32, 128); _tile_loadd(3, cm + 16 * 32 + 16, 128);
+          _tile_loadd(0, cm, 128);
+          _tile_loadd(1, cm + 16, 128);
+          _tile_loadd(2, cm + 16 * 32, 128);
+          _tile_loadd(3, cm + 16 * 32 + 16, 128);
         }
         const bool first = m0 == 0 && v.bprefetch > 0;
         for (int k = k0; k < k0 + chunk; k += 64) {
@@ -148,8 +153,10 @@ void expert(const Variant& v, const uint8_t* w, int p0, int p1, const uint8_t* a
             _tile_dpbusd(3, 5, 7);
           }
         }
-        _tile_stored(0, cm, 128); _tile_stored(1, cm + 16, 128);
-        _tile_stored(2, cm + 16 * 32, 128); _tile_stored(3, cm + 16 * 32 + 16, 128);
+        _tile_stored(0, cm, 128);
+        _tile_stored(1, cm + 16, 128);
+        _tile_stored(2, cm + 16 * 32, 128);
+        _tile_stored(3, cm + 16 * 32 + 16, 128);
       }
       if (g_progress) g_progress->store(g_progress->load(std::memory_order_relaxed) + 1, std::memory_order_release);
     }
@@ -171,42 +178,65 @@ void expert_db(const Variant& v, const uint8_t* w, int p0, int p1, const uint8_t
         for (int j = 0; j < 2; ++j)
           for (int m0 = 0; m0 < n_tok; m0 += 32) {
             int32_t* cm = c + (size_t)m0 * 32 + 16 * j;
-            if (k0 == 0) { _tile_zero(0); _tile_zero(1); }
-            else { _tile_loadd(0, cm, 128); _tile_loadd(1, cm + 16 * 32, 128); }
+            if (k0 == 0) {
+              _tile_zero(0);
+              _tile_zero(1);
+            } else {
+              _tile_loadd(0, cm, 128);
+              _tile_loadd(1, cm + 16 * 32, 128);
+            }
             const uint8_t* b = bb[j] + (size_t)(k0 / 4) * 64;
-            _tile_loadd(2, at(m0, k0), 64); _tile_loadd(3, at(m0 + 16, k0), 64); _tile_loadd(6, b, 64);
+            _tile_loadd(2, at(m0, k0), 64);
+            _tile_loadd(3, at(m0 + 16, k0), 64);
+            _tile_loadd(6, b, 64);
             for (int s2 = 0; s2 < steps; s2 += 2) {
               const int k1 = k0 + 64 * (s2 + 1), k2 = k0 + 64 * (s2 + 2);
-              _tile_loadd(4, at(m0, k1), 64); _tile_loadd(5, at(m0 + 16, k1), 64);
+              _tile_loadd(4, at(m0, k1), 64);
+              _tile_loadd(5, at(m0 + 16, k1), 64);
               _tile_loadd(7, bb[j] + (size_t)(k1 / 4) * 64, 64);
-              _tile_dpbusd(0, 2, 6); _tile_dpbusd(1, 3, 6);
+              _tile_dpbusd(0, 2, 6);
+              _tile_dpbusd(1, 3, 6);
               if (s2 + 2 < steps) {
-                _tile_loadd(2, at(m0, k2), 64); _tile_loadd(3, at(m0 + 16, k2), 64);
+                _tile_loadd(2, at(m0, k2), 64);
+                _tile_loadd(3, at(m0 + 16, k2), 64);
                 _tile_loadd(6, bb[j] + (size_t)(k2 / 4) * 64, 64);
               }
-              _tile_dpbusd(0, 4, 7); _tile_dpbusd(1, 5, 7);
+              _tile_dpbusd(0, 4, 7);
+              _tile_dpbusd(1, 5, 7);
             }
-            _tile_stored(0, cm, 128); _tile_stored(1, cm + 16 * 32, 128);
+            _tile_stored(0, cm, 128);
+            _tile_stored(1, cm + 16 * 32, 128);
           }
       } else {
         for (int m0 = 0; m0 < n_tok; m0 += 16) {
           int32_t* cm = c + (size_t)m0 * 32;
-          if (k0 == 0) { _tile_zero(0); _tile_zero(1); }
-          else { _tile_loadd(0, cm, 128); _tile_loadd(1, cm + 16, 128); }
+          if (k0 == 0) {
+            _tile_zero(0);
+            _tile_zero(1);
+          } else {
+            _tile_loadd(0, cm, 128);
+            _tile_loadd(1, cm + 16, 128);
+          }
           _tile_loadd(2, at(m0, k0), 64);
-          _tile_loadd(4, bb[0] + (size_t)(k0 / 4) * 64, 64); _tile_loadd(5, bb[1] + (size_t)(k0 / 4) * 64, 64);
+          _tile_loadd(4, bb[0] + (size_t)(k0 / 4) * 64, 64);
+          _tile_loadd(5, bb[1] + (size_t)(k0 / 4) * 64, 64);
           for (int s2 = 0; s2 < steps; s2 += 2) {
             const int k1 = k0 + 64 * (s2 + 1), k2 = k0 + 64 * (s2 + 2);
             _tile_loadd(3, at(m0, k1), 64);
-            _tile_loadd(6, bb[0] + (size_t)(k1 / 4) * 64, 64); _tile_loadd(7, bb[1] + (size_t)(k1 / 4) * 64, 64);
-            _tile_dpbusd(0, 2, 4); _tile_dpbusd(1, 2, 5);
+            _tile_loadd(6, bb[0] + (size_t)(k1 / 4) * 64, 64);
+            _tile_loadd(7, bb[1] + (size_t)(k1 / 4) * 64, 64);
+            _tile_dpbusd(0, 2, 4);
+            _tile_dpbusd(1, 2, 5);
             if (s2 + 2 < steps) {
               _tile_loadd(2, at(m0, k2), 64);
-              _tile_loadd(4, bb[0] + (size_t)(k2 / 4) * 64, 64); _tile_loadd(5, bb[1] + (size_t)(k2 / 4) * 64, 64);
+              _tile_loadd(4, bb[0] + (size_t)(k2 / 4) * 64, 64);
+              _tile_loadd(5, bb[1] + (size_t)(k2 / 4) * 64, 64);
             }
-            _tile_dpbusd(0, 3, 6); _tile_dpbusd(1, 3, 7);
+            _tile_dpbusd(0, 3, 6);
+            _tile_dpbusd(1, 3, 7);
           }
-          _tile_stored(0, cm, 128); _tile_stored(1, cm + 16, 128);
+          _tile_stored(0, cm, 128);
+          _tile_stored(1, cm + 16, 128);
         }
       }
     }
@@ -221,13 +251,22 @@ void expert_1x3(const Variant& v, const uint8_t* w, int q0, int q1, const uint8_
   const int chunk = v.chunk, steps = chunk / 64;
   auto at = [&](int m0, int k) { return a + ((size_t)(m0 / 16) * (kK / 64) + k / 64) * 1024; };
   for (int q = q0; q < q1; ++q) {
-    const uint8_t* b[3] = {w + (size_t)(3 * q) * block, w + (size_t)(3 * q + 1) * block, w + (size_t)(3 * q + 2) * block};
+    const uint8_t* b[3] = {w + (size_t)(3 * q) * block, w + (size_t)(3 * q + 1) * block,
+                           w + (size_t)(3 * q + 2) * block};
     for (int k0 = 0; k0 < kK; k0 += chunk) {
-      const int n_blocks = n_tok / 16, per = (chunk / 4) / (n_blocks * steps) > 0 ? (chunk / 4) / (n_blocks * steps) : 1;
+      const int n_blocks = n_tok / 16,
+                per = (chunk / 4) / (n_blocks * steps) > 0 ? (chunk / 4) / (n_blocks * steps) : 1;
       for (int m0 = 0; m0 < n_tok; m0 += 16) {
         int32_t* cm = c + (size_t)m0 * 48;
-        if (k0 == 0) { _tile_zero(0); _tile_zero(1); _tile_zero(2); }
-        else { _tile_loadd(0, cm, 192); _tile_loadd(1, cm + 16, 192); _tile_loadd(2, cm + 32, 192); }
+        if (k0 == 0) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+        } else {
+          _tile_loadd(0, cm, 192);
+          _tile_loadd(1, cm + 16, 192);
+          _tile_loadd(2, cm + 32, 192);
+        }
         _tile_loadd(3, at(m0, k0), 64);
         for (int s2 = 0; s2 < steps; s2 += 2) {
           const int ka = k0 + 64 * s2, kb = ka + 64;
@@ -241,14 +280,20 @@ void expert_1x3(const Variant& v, const uint8_t* w, int q0, int q1, const uint8_
           _tile_loadd(5, b[0] + (size_t)(ka / 4) * 64, 64);
           _tile_loadd(6, b[1] + (size_t)(ka / 4) * 64, 64);
           _tile_loadd(7, b[2] + (size_t)(ka / 4) * 64, 64);
-          _tile_dpbusd(0, 3, 5); _tile_dpbusd(1, 3, 6); _tile_dpbusd(2, 3, 7);
+          _tile_dpbusd(0, 3, 5);
+          _tile_dpbusd(1, 3, 6);
+          _tile_dpbusd(2, 3, 7);
           if (s2 + 2 < steps) _tile_loadd(3, at(m0, kb + 64), 64);
           _tile_loadd(5, b[0] + (size_t)(kb / 4) * 64, 64);
           _tile_loadd(6, b[1] + (size_t)(kb / 4) * 64, 64);
           _tile_loadd(7, b[2] + (size_t)(kb / 4) * 64, 64);
-          _tile_dpbusd(0, 4, 5); _tile_dpbusd(1, 4, 6); _tile_dpbusd(2, 4, 7);
+          _tile_dpbusd(0, 4, 5);
+          _tile_dpbusd(1, 4, 6);
+          _tile_dpbusd(2, 4, 7);
         }
-        _tile_stored(0, cm, 192); _tile_stored(1, cm + 16, 192); _tile_stored(2, cm + 32, 192);
+        _tile_stored(0, cm, 192);
+        _tile_stored(1, cm + 16, 192);
+        _tile_stored(2, cm + 32, 192);
       }
     }
   }
@@ -307,12 +352,11 @@ double run(const Variant& v, int threads, int n_tok, int n_exp, int reps, uint8_
   return ops / secs / 1e12;
 }
 
-
 // Helper variants: `compute` threads run the engine's loop (spread prefetch) on CPUs cc[i]; with helpers, thread
 // i's helper on CPU hc[i] follows its chunk counter and prefetches (prefetcht2) or loads the weights of the chunks
 // `lead` ahead of it, so the compute thread finds them in a cache it shares (when the two CPUs are siblings).
-double run_helpers(int compute, const std::vector<int>& cc, const std::vector<int>& hc, int lead, bool touch,
-                   int n_tok, int n_exp, uint8_t* w, uint8_t* a_packed) {
+double run_helpers(int compute, const std::vector<int>& cc, const std::vector<int>& hc, int lead, bool touch, int n_tok,
+                   int n_exp, uint8_t* w, uint8_t* a_packed) {
   const Variant v{true, 1024, 0, 0, 0, true};
   const int pairs = kN / 32, nch = kK / 1024;
   const size_t wbytes = (size_t)kN * kK, block = (size_t)kK / 4 * 64;
@@ -340,7 +384,8 @@ double run_helpers(int compute, const std::vector<int>& cc, const std::vector<in
         while (prog[i].load(std::memory_order_acquire) < 0) _mm_pause();  // warm-up done, timed pass starts at 0
         for (long cidx = 0; cidx < total; ++cidx) {
           while (cidx > prog[i].load(std::memory_order_acquire) + lead) _mm_pause();
-          const int e = (int)(cidx / ((long)(p1 - p0) * nch)), p = p0 + (int)(cidx / nch % (p1 - p0)), k0 = (int)(cidx % nch) * 1024;
+          const int e = (int)(cidx / ((long)(p1 - p0) * nch)), p = p0 + (int)(cidx / nch % (p1 - p0)),
+                    k0 = (int)(cidx % nch) * 1024;
           const uint8_t* b0 = w + e * wbytes + (size_t)(2 * p) * block + (size_t)k0 * 16;
           for (int j = 0; j < 2; ++j)
             for (int l = 0; l < 256; ++l) {
@@ -397,14 +442,16 @@ int main(int argc, char** argv) {
     for (int n_tok : {64, 256})
       for (int round = 0; round < 3; ++round) {
         auto show = [&](const char* name, double tops) {
-          printf("%-40s %4d cold %6.2f  (%.1f GB/s of weights)\n", name, n_tok, tops, tops * 1e12 / (2.0 * n_tok) / 1e9);
+          printf("%-40s %4d cold %6.2f  (%.1f GB/s of weights)\n", name, n_tok, tops,
+                 tops * 1e12 / (2.0 * n_tok) / 1e9);
           fflush(stdout);
         };
         show("16 compute (engine)", run_helpers(16, all, {}, 0, false, n_tok, n_cold, w, a_packed));
         show("8 compute 0-7", run_helpers(8, lo, {}, 0, false, n_tok, n_cold, w, a_packed));
         show("8 compute 0-7 + helpers 8-15 t2 lead 4", run_helpers(8, lo, hi, 4, false, n_tok, n_cold, w, a_packed));
         show("8 compute even + helpers odd t2 lead 4", run_helpers(8, even, odd, 4, false, n_tok, n_cold, w, a_packed));
-        show("8 compute even + helpers odd load lead 4", run_helpers(8, even, odd, 4, true, n_tok, n_cold, w, a_packed));
+        show("8 compute even + helpers odd load lead 4",
+             run_helpers(8, even, odd, 4, true, n_tok, n_cold, w, a_packed));
         show("8 compute 0-7 + helpers 8-15 t2 lead 16", run_helpers(8, lo, hi, 16, false, n_tok, n_cold, w, a_packed));
       }
     return 0;

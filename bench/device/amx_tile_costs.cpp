@@ -29,8 +29,14 @@ template <int MODE>
 static double run(int rows, long iters) {
   cfg(rows);
   for (int i = 0; i < 8192; ++i) buf[i] = i * 7;
-  _tile_loadd(4, buf, 64); _tile_loadd(5, buf + 1024, 64); _tile_loadd(6, buf + 2048, 64); _tile_loadd(7, buf + 3072, 64);
-  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  _tile_loadd(4, buf, 64);
+  _tile_loadd(5, buf + 1024, 64);
+  _tile_loadd(6, buf + 2048, 64);
+  _tile_loadd(7, buf + 3072, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
   auto t0 = std::chrono::steady_clock::now();
   for (long i = 0; i < iters; ++i) {
     if (MODE >= 1) _tile_loadd(4, buf, 64);
@@ -62,7 +68,11 @@ int main(int argc, char** argv) {
       }
       double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       _tile_release();
-      printf("%s: %.1f ns per round\n", variant == 0 ? "ldtilecfg+tilezero+tilerelease" : variant == 1 ? "ldtilecfg+zero+store+release" : "ldtilecfg+zero (no release)", s / n * 1e9);
+      printf("%s: %.1f ns per round\n",
+             variant == 0   ? "ldtilecfg+tilezero+tilerelease"
+             : variant == 1 ? "ldtilecfg+zero+store+release"
+                            : "ldtilecfg+zero (no release)",
+             s / n * 1e9);
     }
     return 0;
   }
@@ -77,7 +87,8 @@ int main(int argc, char** argv) {
         th.emplace_back([&, t] {
           syscall(SYS_arch_prctl, 0x1023, 18);
           ready++;
-          while (ready.load() < nth) {}
+          while (ready.load() < nth) {
+          }
           secs[t] = mode == 0 ? run<0>(rows, iters) : mode == 1 ? run<1>(rows, iters) : run<2>(rows, iters);
         });
       for (auto& x : th) x.join();
@@ -85,6 +96,7 @@ int main(int argc, char** argv) {
       for (double s : secs) mx = s > mx ? s : mx;
       double ns_per_dp = mx / (iters * 4.0) * 1e9;
       double tops = nth * iters * 4.0 * rows * 16 * 64 * 2 / mx / 1e12;
-      printf("%-18s rows %2d threads %2d: %.2f ns per dp per thread, %.2f TOPS (useful rows)\n", names[mode], rows, nth, ns_per_dp, tops);
+      printf("%-18s rows %2d threads %2d: %.2f ns per dp per thread, %.2f TOPS (useful rows)\n", names[mode], rows, nth,
+             ns_per_dp, tops);
     }
 }

@@ -56,25 +56,25 @@ step_bytes = L * k * bpe
 
 def batched(r, warm=False):
     t = time.perf_counter()
-    for l in range(L):
-        pool.submit(full[r][0] if warm else full[r][l])
+    for layer in range(L):
+        pool.submit(full[r][0] if warm else full[r][layer])
     pool.sync(0)
     return time.perf_counter() - t
 
 
 def deferred(r):  # a hybrid step's order: imm(l), then def(l), which runs while the GPU does attention(l + 1)
     t = time.perf_counter()
-    for l in range(L):
-        pool.submit(split[r][l][0])
-        pool.submit(split[r][l][1])
+    for layer in range(L):
+        pool.submit(split[r][layer][0])
+        pool.submit(split[r][layer][1])
     pool.sync(0)
     return time.perf_counter() - t
 
 
 def one_by_one(r):
     t = time.perf_counter()
-    for l in range(L):
-        pool.submit(full[r][l])
+    for layer in range(L):
+        pool.submit(full[r][layer])
         pool.sync(0)
     return time.perf_counter() - t
 

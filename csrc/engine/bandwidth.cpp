@@ -14,8 +14,8 @@ namespace hetmoe {
 
 double measure_read_bandwidth(ThreadPool& pool, size_t bytes, int repeats, Isa isa) {
   if (!cpu_features().supports(isa))
-    throw std::invalid_argument(std::string("this CPU cannot run the ") + isa_name(isa) + " read loop: " +
-                                isa_refusal(isa));
+    throw std::invalid_argument(std::string("this CPU cannot run the ") + isa_name(isa) +
+                                " read loop: " + isa_refusal(isa));
   const int n = pool.size();
   const size_t slice = bytes / n / 4096 * 4096;
   if (slice == 0) throw std::invalid_argument("bandwidth probe: buffer too small for the thread count");

@@ -86,7 +86,8 @@ Isa max_isa() {
 
 std::string isa_cap_note() {
   const char* v = std::getenv("HETMOE_MAX_ISA");
-  return max_isa() == Isa::amx && (v == nullptr || *v == '\0') ? "" : std::string("HETMOE_MAX_ISA=") + isa_name(max_isa());
+  return max_isa() == Isa::amx && (v == nullptr || *v == '\0') ? ""
+                                                               : std::string("HETMOE_MAX_ISA=") + isa_name(max_isa());
 }
 
 bool CpuFeatures::supports(Isa isa) const {

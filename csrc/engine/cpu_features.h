@@ -17,7 +17,7 @@ struct CpuFeatures {
   bool avx512_bf16 = false, avx512_vnni = false;
   bool amx_tile = false, amx_bf16 = false, amx_int8 = false;
   bool os_avx = false, os_avx512 = false, os_amx = false;
-  Isa best() const;       // the highest level whose kernels may run here (at most max_isa())
+  Isa best() const;              // the highest level whose kernels may run here (at most max_isa())
   bool supports(Isa isa) const;  // within max_isa(); amx: also compiled in and permitted (amx_unavailable_reason())
   std::string describe() const;
 };

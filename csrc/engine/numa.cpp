@@ -208,8 +208,8 @@ std::vector<SubpoolPlan> plan_subpools(const NumaTopology& topo, int n_subpools,
   if (n_subpools < 0) throw std::invalid_argument("numa: the number of subpools must be >= 1 (or auto)");
   if (n_subpools == 0) n_subpools = std::min(N, n_threads);
   if (n_subpools > n_threads)
-    throw std::invalid_argument("numa: " + std::to_string(n_subpools) + " subpools need at least as many threads, got " +
-                                std::to_string(n_threads));
+    throw std::invalid_argument("numa: " + std::to_string(n_subpools) +
+                                " subpools need at least as many threads, got " + std::to_string(n_threads));
 
   std::vector<SubpoolPlan> plans;
   if (n_subpools <= N) {
@@ -228,8 +228,8 @@ std::vector<SubpoolPlan> plan_subpools(const NumaTopology& topo, int n_subpools,
       const NumaNode& node = topo.nodes[cpu_nodes[i]];
       const int share = n_subpools / N + (i < n_subpools % N ? 1 : 0), n_cores = (int)node.cores.size();
       if (share > n_cores)
-        throw std::invalid_argument("numa: cannot cut node " + std::to_string(node.id) + " (" + std::to_string(n_cores) +
-                                    " cores) into " + std::to_string(share) + " subpools");
+        throw std::invalid_argument("numa: cannot cut node " + std::to_string(node.id) + " (" +
+                                    std::to_string(n_cores) + " cores) into " + std::to_string(share) + " subpools");
       for (int j = 0; j < share; ++j) {
         SubpoolPlan p;
         p.nodes.push_back(node.id);
@@ -272,8 +272,8 @@ std::string bind_memory(void* p, size_t bytes, int node) {
   std::vector<unsigned long> mask(node / kBits + 1, 0);
   mask[node / kBits] |= 1ul << (node % kBits);
   // maxnode: the kernel reads maxnode - 1 bits (a historic off-by-one that every libnuma caller adds to).
-  long rc = syscall(SYS_mbind, a, b - a, kMpolPreferred, mask.data(), (unsigned long)(mask.size() * kBits + 1),
-                    kMpolMfMove);
+  long rc =
+      syscall(SYS_mbind, a, b - a, kMpolPreferred, mask.data(), (unsigned long)(mask.size() * kBits + 1), kMpolMfMove);
   if (rc == 0) return "";
   int err = errno;
   return std::string("mbind to node ") + std::to_string(node) + ": " + std::strerror(err);
@@ -327,8 +327,8 @@ NumaPools::NumaPools(std::vector<SubpoolPlan> plans, bool pin, int spin_us, bool
   const bool caller_may_spin = total < (int)physical_core_cpus().size();
   for (auto& p : plans_) {
     if (p.threads < 1) throw std::invalid_argument("numa: every subpool needs at least one thread");
-    pools_.push_back(std::make_shared<ThreadPool>(p.threads, pin ? p.cpus : std::vector<int>{}, spin_us,
-                                                  caller_may_spin));
+    pools_.push_back(
+        std::make_shared<ThreadPool>(p.threads, pin ? p.cpus : std::vector<int>{}, spin_us, caller_may_spin));
     partial_.emplace_back(new Scratch());
   }
   std::set<int> mem;

@@ -50,14 +50,14 @@ std::vector<int> parse_cpu_list(const std::string& text);
 // (its affinity mask). Without root/node (a kernel without NUMA) or with unreadable node files, the result
 // is one node holding every allowed CPU, and `source` says why.
 NumaTopology read_numa_topology(const std::string& root, const std::vector<int>& allowed);
-std::vector<int> affinity_cpus();  // the calling thread's affinity mask
+std::vector<int> affinity_cpus();            // the calling thread's affinity mask
 const NumaTopology& system_numa_topology();  // of this machine and process, read once
 
 struct SubpoolPlan {
   std::vector<int> nodes;  // ids of the CPU nodes it runs on
   std::vector<int> cpus;   // the physical cores it may use (one CPU each)
   int threads = 0;
-  int memory_node = -1;    // node its memory should live on; -1: several nodes or unknown (first touch decides)
+  int memory_node = -1;  // node its memory should live on; -1: several nodes or unknown (first touch decides)
 };
 
 // Splits the machine into n_subpools (0 = auto: one per CPU node, at most n_threads) with n_threads in all

@@ -267,7 +267,7 @@ void ThreadPool::coordinator_main() {
       std::unique_lock<std::mutex> lk(queue_mu_);
       queue_cv_.wait(lk, [&] { return !queue_.empty() || stop_.load(); });
       if (queue_.empty()) return;  // stopping with nothing left to run
-      job = queue_.front().job;  // kept alive by the queue entry or, when borrowed, by its submitter
+      job = queue_.front().job;    // kept alive by the queue entry or, when borrowed, by its submitter
     }
     std::exception_ptr err;
     try {

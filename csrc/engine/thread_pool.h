@@ -148,9 +148,9 @@ class ThreadPool {
     int64_t start = 0;
     const TaskFn* fn = nullptr;
   };
-  Part parts_[kListParts];        // part i of the list in parts_[i % kListParts]
+  Part parts_[kListParts];  // part i of the list in parts_[i % kListParts]
   std::atomic<int> n_parts_{0};
-  bool list_open_ = false;        // coordinator only
+  bool list_open_ = false;  // coordinator only
   std::mutex task_error_mu_;
   std::exception_ptr task_error_;
   std::mutex wake_mu_;

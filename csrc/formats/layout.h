@@ -55,12 +55,12 @@ inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 // Geometry of one packed matrix [N, K].
 struct MatrixShape {
   WeightFormat format;
-  int n;        // rows (outputs)
-  int k;        // columns (inputs)
-  int group;    // elements of K per scale (bf16: kBf16Group, no scales)
-  int kp;       // K padded to the group size
-  int n_blocks; // row blocks of 16
-  bool per_row; // int8 only: one scale per row, stored repeated in every group of 128
+  int n;         // rows (outputs)
+  int k;         // columns (inputs)
+  int group;     // elements of K per scale (bf16: kBf16Group, no scales)
+  int kp;        // K padded to the group size
+  int n_blocks;  // row blocks of 16
+  bool per_row;  // int8 only: one scale per row, stored repeated in every group of 128
 
   // group <= 0 with int8 means per-row scales.
   static MatrixShape make(WeightFormat f, int n, int k, int group) {
@@ -86,8 +86,8 @@ struct MatrixShape {
 
 // What the micro-kernel reads for one row block.
 struct RowBlock {
-  const uint8_t* data;   // block_bytes(), 64-byte aligned
-  const float* scales;   // [n_groups][16] or nullptr for bf16
+  const uint8_t* data;  // block_bytes(), 64-byte aligned
+  const float* scales;  // [n_groups][16] or nullptr for bf16
   int kp;
   int group;
 };

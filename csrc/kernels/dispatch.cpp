@@ -7,6 +7,7 @@ namespace hetmoe {
 namespace {
 
 // [isa][format]; an empty entry falls back to the level below.
+// clang-format off
 const KernelEntry kTable[4][3] = {
     /* scalar */ {{scalar::rowblock_bf16, "bf16/scalar"},
                   {scalar::rowblock_int8, "int8/scalar"},
@@ -19,6 +20,7 @@ const KernelEntry kTable[4][3] = {
                   {avx512::rowblock_int4, "int4/avx512-vnni"}},
     /* amx    */ {{}, {}, {}},  // row blocks of few tokens: the AVX-512 kernels; the GEMM from amx::gemm
 };
+// clang-format on
 
 // [native, emulated][format]
 const char* const kGemmNames[2][3] = {{"bf16/amx-tdpbf16ps", "int8/amx-tdpbsud", "int4/amx-tdpbsud"},

@@ -59,7 +59,7 @@ struct RowOps {
   void (*quantize)(WeightFormat f, bool amx, const float* x, int k, const ActLayout& a, uint8_t* row);
   void (*bf16_to_f32)(const uint16_t* src, int n, float* dst);
   void (*f32_to_bf16)(const float* src, int n, uint16_t* dst);
-  void (*axpy)(float w, const float* y, int n, float* acc);  // acc[i] += w * y[i]
+  void (*axpy)(float w, const float* y, int n, float* acc);             // acc[i] += w * y[i]
   void (*swiglu)(const float* gate, const float* up, int n, float* h);  // h[i] = silu(gate[i]) * up[i]
   // dst[i] = src[i], with stores that bypass the caches where the ISA has them (the caller fences before
   // another thread reads dst: stream_fence)
@@ -95,8 +95,8 @@ void rowblock_bf16(const RowBlock&, const uint8_t* const*, const ActLayout&, int
 void rowblock_int8(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_int4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 }  // namespace avx512
-namespace amx {  // kernels/amx/kernels.cpp (real tile instructions) and emulated.cpp (plain C++)
-GemmKernel gemm(WeightFormat f);           // Gemm<Native> (native AMX builds only)
+namespace amx {                   // kernels/amx/kernels.cpp (real tile instructions) and emulated.cpp (plain C++)
+GemmKernel gemm(WeightFormat f);  // Gemm<Native> (native AMX builds only)
 GemmKernel emulated_gemm(WeightFormat f);  // Gemm<Emulated>
 // The tile unit's own rate: `rounds` x 4 independent tdpbf16ps / tdpbsud on register tiles, nothing loaded or
 // stored in the loop (native AMX builds only); returns the multiply-adds done.

@@ -15,7 +15,7 @@ namespace {
 // about 8x faster than the row-block kernels.
 constexpr double kRowBlockTokenCost = 1.0 / 4;
 constexpr double kAmxTokenCost = 1.0 / 32;
-constexpr int kAmxTokenUnit = 32;  // tokens per AMX tile step
+constexpr int kAmxTokenUnit = 32;    // tokens per AMX tile step
 constexpr int kTasksPerThread = 16;  // the last task to finish bounds the phase's tail to a few percent of it
 // Decode-like phases (row-block experts only, each with fewer than 1 / kRowBlockTokenCost tokens: streaming the
 // weights is the cost) take fewer, longer tasks: every task starts a new DRAM stream whose first lines come at DRAM
@@ -180,8 +180,7 @@ void run_down_task(const MoeExperts& ex, const Task& task, const PhaseInput& in,
     for (int rb = task.rb0; rb < task.rb1; ++rb) {
       kernel.rowblock(ex.down_block(task.e, rb), in.rows + s0, ex.down_act(), n, o);
       const int r_end = std::min(kRowsPerBlock, H - rb * kRowsPerBlock);
-      for (int i = 0; i < n; ++i)
-        put_y(o + i * kRowsPerBlock, r_end, y + (size_t)(s0 + i) * H + rb * kRowsPerBlock);
+      for (int i = 0; i < n; ++i) put_y(o + i * kRowsPerBlock, r_end, y + (size_t)(s0 + i) * H + rb * kRowsPerBlock);
     }
   }
   if (in.stream_out) stream_fence();  // the streamed rows are visible before the task counts as done

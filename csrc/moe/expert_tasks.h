@@ -23,7 +23,7 @@ struct Task {
   int rb0, rb1;  // row blocks of the phase's matrix (gate+up: one block of each)
   int m0, m1;    // positions among the expert's tokens (its slots first[e] + m0 .. first[e] + m1)
   bool amx;
-  int group;     // index of its (expert, token range) in make_tasks' `groups`
+  int group;  // index of its (expert, token range) in make_tasks' `groups`
 };
 
 // The tasks that share one (expert, token range): together they cover every row block of the phase for those

@@ -51,8 +51,9 @@ static void check_config(const ExpertsConfig& c) {
   if (c.format != WeightFormat::bf16) {
     bool per_row = c.format == WeightFormat::int8 && c.group <= 0;
     if (!per_row && c.group != 32 && c.group != 64 && c.group != 128)
-      bad("group_size must be 32, 64 or 128" + std::string(c.format == WeightFormat::int8 ? " (or 0 for per-row)" : "") +
-          ", got " + std::to_string(c.group));
+      bad("group_size must be 32, 64 or 128" +
+          std::string(c.format == WeightFormat::int8 ? " (or 0 for per-row)" : "") + ", got " +
+          std::to_string(c.group));
   }
   if (!cpu_features().supports(c.isa))
     bad(std::string("this CPU cannot run the ") + isa_name(c.isa) + " kernels: " + isa_refusal(c.isa));
@@ -160,7 +161,8 @@ void MoeExperts::load(int e0, int n, const float* gate, const float* up, const f
         }
       size_t idx = which == 2 ? (size_t)e * down_.n_blocks + rb : ((size_t)e * gu_.n_blocks + rb) * 2 + which;
       uint8_t* data = (which == 2 ? down_data_ : gu_data_).data() + idx * shape.block_bytes();
-      float* scales = reinterpret_cast<float*>((which == 2 ? down_scales_ : gu_scales_).data()) + idx * shape.block_scales();
+      float* scales =
+          reinterpret_cast<float*>((which == 2 ? down_scales_ : gu_scales_).data()) + idx * shape.block_scales();
       pack_row_block(shape, src, rb, data, scales);
     });
   });
@@ -251,7 +253,8 @@ void MoeExperts::fill_random(uint64_t seed, float std) {
       uint64_t block_seed = seed * 0x2545F4914F6CDD1Dull + (uint64_t)task;
       if (b < gu_tasks) {
         RowBlock blk = gate_up_block(e, b / 2, b % 2);
-        fill_random_block(gu_, b / 2, block_seed, scale, bf16_exp, const_cast<uint8_t*>(blk.data), const_cast<float*>(blk.scales));
+        fill_random_block(gu_, b / 2, block_seed, scale, bf16_exp, const_cast<uint8_t*>(blk.data),
+                          const_cast<float*>(blk.scales));
       } else {
         RowBlock blk = down_block(e, b - gu_tasks);
         fill_random_block(down_, b - gu_tasks, block_seed, scale, bf16_exp, const_cast<uint8_t*>(blk.data),
@@ -510,10 +513,10 @@ class ChunkPlan {
   ThreadPool::TaskFn fn_ = [this](int64_t i, int th) { run_task(i, th); };
 };
 
-ChunkPlan::ChunkPlan(const MoeExperts& ex, const MoeCall& call, ThreadPool& pool, int64_t t0, int64_t t1,
-                     int slot_base, bool serial, StageClock& clock)
-    : ex_(ex), call_(call), pool_(pool), t0_(t0), nt_((int)(t1 - t0)), E_(ex.config().n_expert),
-      H_(ex.config().hidden), I_(ex.config().intermediate), k_(call.k), ops_(ex.row_ops()) {
+ChunkPlan::ChunkPlan(const MoeExperts& ex, const MoeCall& call, ThreadPool& pool, int64_t t0, int64_t t1, int slot_base,
+                     bool serial, StageClock& clock)
+    : ex_(ex), call_(call), pool_(pool), t0_(t0), nt_((int)(t1 - t0)), E_(ex.config().n_expert), H_(ex.config().hidden),
+      I_(ex.config().intermediate), k_(call.k), ops_(ex.row_ops()) {
   const int E = E_, H = H_, k = k_, nt = nt_;
   const WeightFormat fmt = ex.config().format;
 
@@ -526,11 +529,12 @@ ChunkPlan::ChunkPlan(const MoeExperts& ex, const MoeCall& call, ThreadPool& pool
     for (int j = 0; j < k; ++j) {
       if (!in_part[j]) continue;
       int64_t idx = (t0 + t) * k + j;
-      int64_t id = call.ids_int32 ? static_cast<const int32_t*>(call.ids)[idx] : static_cast<const int64_t*>(call.ids)[idx];
+      int64_t id =
+          call.ids_int32 ? static_cast<const int32_t*>(call.ids)[idx] : static_cast<const int64_t*>(call.ids)[idx];
       if (id == -1) continue;
       if (id < -1 || id >= E)
-        throw std::invalid_argument("topk_ids[" + std::to_string(t0 + t) + ", " + std::to_string(j) + "] = " +
-                                    std::to_string(id) + " is not an expert id in [0, " + std::to_string(E) +
+        throw std::invalid_argument("topk_ids[" + std::to_string(t0 + t) + ", " + std::to_string(j) +
+                                    "] = " + std::to_string(id) + " is not an expert id in [0, " + std::to_string(E) +
                                     ") or -1");
       if (call.skip_mask && call.skip_mask[id]) continue;
       pos_[(size_t)t * k + j] = (int)id;  // expert for now; becomes the slot below
@@ -539,7 +543,8 @@ ChunkPlan::ChunkPlan(const MoeExperts& ex, const MoeCall& call, ThreadPool& pool
   }
   for (int e = 0; e < E; ++e)
     if (count_[e]) {
-      if (!ex.is_loaded(e)) throw std::runtime_error("expert " + std::to_string(e) + " is routed to but was never loaded");
+      if (!ex.is_loaded(e))
+        throw std::runtime_error("expert " + std::to_string(e) + " is routed to but was never loaded");
       active_.push_back(e);
     }
   std::stable_sort(active_.begin(), active_.end(), [&](int a, int b) { return count_[a] > count_[b]; });
@@ -597,24 +602,31 @@ ChunkPlan::ChunkPlan(const MoeExperts& ex, const MoeCall& call, ThreadPool& pool
   // format, then copied to every panel row of the token (an expert's tokens are consecutive A-tile rows)
   if (n_amx_slots_ < n_slots_) {
     uint8_t* xq = pool.scratch(slot_base + 0, (size_t)nt * ga.row_bytes);
-    for_rows(pool, nt, H, [&](int64_t t, int th) {
-      float* row = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
-      load_row_fp32(ops_, call.x, call.x_bf16, t0 + t, H, row);
-      ops_.quantize(fmt, false, row, H, ga, xq + t * ga.row_bytes);
-    }, serial);
+    for_rows(
+        pool, nt, H,
+        [&](int64_t t, int th) {
+          float* row = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
+          load_row_fp32(ops_, call.x, call.x_bf16, t0 + t, H, row);
+          ops_.quantize(fmt, false, row, H, ga, xq + t * ga.row_bytes);
+        },
+        serial);
     for (int s = n_amx_slots_; s < n_slots_; ++s) x_rows_[s] = xq + (size_t)slot_token_[s] * ga.row_bytes;
   }
   if (n_amx_slots_ > 0) {
     uint8_t* xt = pool.scratch(slot_base + kAmxScratchSlot, (size_t)nt * gxa.row_bytes);
-    for_rows(pool, nt, H, [&](int64_t t, int th) {
-      float* row = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
-      load_row_fp32(ops_, call.x, call.x_bf16, t0 + t, H, row);
-      ops_.quantize(fmt, true, row, H, gxa, xt + t * gxa.row_bytes);
-    }, serial);
+    for_rows(
+        pool, nt, H,
+        [&](int64_t t, int th) {
+          float* row = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
+          load_row_fp32(ops_, call.x, call.x_bf16, t0 + t, H, row);
+          ops_.quantize(fmt, true, row, H, gxa, xt + t * gxa.row_bytes);
+        },
+        serial);
     xa_ = make_panel(slot_base + kAmxScratchSlot + 1, gxa);
-    for_rows(pool, n_amx_slots_, gxa.scales_off / 4, [&](int64_t s, int) {
-      xa_.store(panel_row_[s], xt + (size_t)slot_token_[s] * gxa.row_bytes, gxa.scales_off);
-    }, serial);
+    for_rows(
+        pool, n_amx_slots_, gxa.scales_off / 4,
+        [&](int64_t s, int) { xa_.store(panel_row_[s], xt + (size_t)slot_token_[s] * gxa.row_bytes, gxa.scales_off); },
+        serial);
   }
   clock.done(JobStage::quantize_x);
 
@@ -680,8 +692,8 @@ void ChunkPlan::run_task(int64_t ti, int th) {
     if (failed()) return;
     _mm_pause();
   }
-  run_down_task(ex_, task, PhaseInput{h_rows_.data(), ha_, amx_first_.data(), first_.data(), !fuse_combine_}, y_,
-                pool_, th);
+  run_down_task(ex_, task, PhaseInput{h_rows_.data(), ha_, amx_first_.data(), first_.data(), !fuse_combine_}, y_, pool_,
+                th);
   if (!fuse_combine_) return;
   while (combine_held_.load(std::memory_order_acquire)) _mm_pause();
   // combine each run of the task's blocks that it was the last to compute
@@ -699,10 +711,13 @@ void ChunkPlan::run_task(int64_t ti, int th) {
 
 void ChunkPlan::finish(ThreadPool& pool, bool serial) {
   if (n_slots_ > 0 && fuse_combine_) return;
-  for_rows(pool, nt_, (int64_t)H_ * (k_ + 1), [&](int64_t t, int th) {
-    combine_rows(ops_, call_, H_, t0_, t, t + 1, pos_, y_, 0, H_,
-                 reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H_)));
-  }, serial);
+  for_rows(
+      pool, nt_, (int64_t)H_ * (k_ + 1),
+      [&](int64_t t, int th) {
+        combine_rows(ops_, call_, H_, t0_, t, t + 1, pos_, y_, 0, H_,
+                     reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H_)));
+      },
+      serial);
 }
 
 // An immediate job and its deferred job (MoeJob::pair): what the immediate job leaves in flight for the other.
@@ -716,7 +731,7 @@ struct DeferralPair {
 };
 
 constexpr int kPairScratchBase = 16;  // the deferred plan's pool scratch slots while the immediate one's are in use
-constexpr int kPairWaitUs = 20;  // how long an immediate job waits for its deferred job to be queued behind it
+constexpr int kPairWaitUs = 20;       // how long an immediate job waits for its deferred job to be queued behind it
 std::atomic<uint64_t> g_paired_runs{0}, g_chained_runs{0};
 
 MoeJob::~MoeJob() {
@@ -756,8 +771,8 @@ void MoeJob::run(ThreadPool& pool) {
   if (call_.logits) route_call(call_, experts_->config().n_expert, 0, T);
   const bool may_pair = pair_ && call_.part == JobPart::immediate && T > 0 && T <= kFusedCombineTokens;
   for (int64_t t0 = 0; t0 < T; t0 += kTokensPerChunk) {
-    auto plan = std::make_unique<ChunkPlan>(*experts_, call_, pool, t0, std::min(T, t0 + kTokensPerChunk), 0, false,
-                                            clock);
+    auto plan =
+        std::make_unique<ChunkPlan>(*experts_, call_, pool, t0, std::min(T, t0 + kTokensPerChunk), 0, false, clock);
     // asked once this job's own plan is made, giving the deferred job time to be queued (a hybrid step submits
     // it microseconds after this one)
     const MoeJob* def = may_pair ? pair_->def.load(std::memory_order_acquire) : nullptr;
@@ -871,7 +886,7 @@ void MoeJob::join_paired(ThreadPool& pool) {
     if (!decided) next = chain_next(pool, decided);
     if (pool.parallel_help(P.def_end, 1) == 0) _mm_pause();
   }
-  if (next) next->combine_after_previous();  // this job's output is complete
+  if (next) next->combine_after_previous();                 // this job's output is complete
   if (!next || P.def_plan->failed()) pool.parallel_join();  // closes the list; rethrows a task's error
   clock.done(JobStage::experts);
   P.def_plan->finish(pool, next != nullptr);

@@ -83,7 +83,7 @@ struct ExpertsConfig {
   int hidden = 0;        // H
   int intermediate = 0;  // I
   WeightFormat format = WeightFormat::bf16;
-  int group = 128;       // int8: <= 0 means per-row scales
+  int group = 128;  // int8: <= 0 means per-row scales
   Isa isa = Isa::scalar;
   AmxMode amx = AmxMode::off;  // isa == amx implies native; emulated: tests only
   int amx_min_tokens = kAmxMinTokens;
@@ -168,24 +168,24 @@ enum class JobPart : int { all = 0, immediate = 1, deferred = 2 };
 
 // Arguments of one MoE call. Pointers are raw and must stay valid while the job can run.
 struct MoeCall {
-  const void* x = nullptr;          // [capacity, H] fp32 or bf16
+  const void* x = nullptr;  // [capacity, H] fp32 or bf16
   bool x_bf16 = false;
-  const void* ids = nullptr;        // [capacity, k] int32 or int64
+  const void* ids = nullptr;  // [capacity, k] int32 or int64
   bool ids_int32 = false;
-  const float* weights = nullptr;   // [capacity, k]
+  const float* weights = nullptr;  // [capacity, k]
   int k = 0;
-  void* out = nullptr;              // [capacity, H] fp32 or bf16
+  void* out = nullptr;  // [capacity, H] fp32 or bf16
   bool out_bf16 = false;
   bool accumulate = false;
   const int64_t* n_tokens_ptr = nullptr;  // if set, T is read from here when the job runs
   int64_t n_tokens = 0;                   // otherwise T
   int64_t capacity = 0;
-  const uint8_t* skip_mask = nullptr;     // [E], nonzero = the CPU skips this expert
-  int defer_lowest = 0;                   // d (with part immediate or deferred)
+  const uint8_t* skip_mask = nullptr;  // [E], nonzero = the CPU skips this expert
+  int defer_lowest = 0;                // d (with part immediate or deferred)
   JobPart part = JobPart::all;
   // Routing on the CPU (moe/routing.h): when `logits` is set the job first routes every token itself with `router`
   // and *writes* ids and weights, which are then its outputs, not inputs.
-  const void* logits = nullptr;     // [capacity, n_expert] fp32 or bf16, the router's logits
+  const void* logits = nullptr;  // [capacity, n_expert] fp32 or bf16, the router's logits
   bool logits_bf16 = false;
   HostRouter router;
   // [capacity, H] fp32 added to each token's weighted sum before it is stored (after the experts, so the sum is
@@ -231,8 +231,7 @@ class MoeJob : public Job {
   static uint64_t chained_runs();
 
  private:
-  void run_paired(ThreadPool& pool, int64_t T, std::unique_ptr<ChunkPlan> plan, const MoeJob& def,
-                  StageClock& clock);
+  void run_paired(ThreadPool& pool, int64_t T, std::unique_ptr<ChunkPlan> plan, const MoeJob& def, StageClock& clock);
   void run_chained(ThreadPool& pool);
   void append_deferred(ThreadPool& pool, int64_t T, const MoeJob& def, StageClock& clock);
   void complete_immediate(ThreadPool& pool, StageClock& clock);

@@ -199,7 +199,8 @@ void NumaMoeJob::run(ThreadPool& pool) {
   if (call_.logits) route_call(call_, E, 0, T);  // once here; the slices read the ids it wrote
   // Ids are checked here, once, so the error names the token in the whole call (slices see one chunk).
   for (int64_t i = 0; i < T * k; ++i) {
-    int64_t id = call_.ids_int32 ? static_cast<const int32_t*>(call_.ids)[i] : static_cast<const int64_t*>(call_.ids)[i];
+    int64_t id =
+        call_.ids_int32 ? static_cast<const int32_t*>(call_.ids)[i] : static_cast<const int64_t*>(call_.ids)[i];
     if (id < -1 || id >= E)
       throw std::invalid_argument("topk_ids[" + std::to_string(i / k) + ", " + std::to_string(i % k) + "] = " +
                                   std::to_string(id) + " is not an expert id in [0, " + std::to_string(E) + ") or -1");
@@ -282,8 +283,8 @@ void NumaMoeJob::reduce(ThreadPool& pool0, int64_t t0, int64_t nt) {
 
 double measure_read_bandwidth(NumaPools& pools, size_t bytes, int repeats, Isa isa) {
   if (!cpu_features().supports(isa))
-    throw std::invalid_argument(std::string("this CPU cannot run the ") + isa_name(isa) + " read loop: " +
-                                isa_refusal(isa));
+    throw std::invalid_argument(std::string("this CPU cannot run the ") + isa_name(isa) +
+                                " read loop: " + isa_refusal(isa));
   const int n = pools.size();
   std::vector<size_t> per_thread(n);
   std::vector<HugeBuffer> bufs;
@@ -308,9 +309,8 @@ double measure_read_bandwidth(NumaPools& pools, size_t bytes, int repeats, Isa i
   for (int r = 0; r < repeats; ++r) {
     auto t0 = std::chrono::steady_clock::now();
     pools.run_on_all(n, [&](int s, ThreadPool& p) {
-      p.parallel_for(p.size(), [&](int64_t i, int) {
-        sink[s][i * 8] += read(bufs[s].data() + i * per_thread[s], per_thread[s]);
-      });
+      p.parallel_for(
+          p.size(), [&](int64_t i, int) { sink[s][i * 8] += read(bufs[s].data() + i * per_thread[s], per_thread[s]); });
     });
     double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     best = std::max(best, (double)total / sec / 1e9);

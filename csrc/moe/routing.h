@@ -19,9 +19,9 @@ constexpr int kMaxRoutedTopK = 64;  // the jobs' own bound (moe.h kMaxTopK)
 struct HostRouter {
   RouteScore score = RouteScore::softmax;
   bool norm_topk_prob = false;
-  int n_group = 1;            // sigmoid_grouped: groups of n_expert / n_group experts
-  int topk_group = 1;         // sigmoid_grouped: groups kept per token
-  float scaling = 1.f;        // sigmoid_grouped: routed_scaling_factor
+  int n_group = 1;              // sigmoid_grouped: groups of n_expert / n_group experts
+  int topk_group = 1;           // sigmoid_grouped: groups kept per token
+  float scaling = 1.f;          // sigmoid_grouped: routed_scaling_factor
   const float* bias = nullptr;  // sigmoid_grouped: e_score_correction_bias [n_expert] (nullptr: zeros)
 };
 

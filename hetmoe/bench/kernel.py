@@ -220,7 +220,8 @@ def measure_overhead(pool: kernels.ExpertPool, iters: int = 2000, warmup: int = 
         if i >= warmup:
             times.append((time.perf_counter_ns() - t0) / 1e3)
     times.sort()
-    return {"iters": iters, "median_us": statistics.median(times), "p99_us": times[min(len(times) - 1, int(0.99 * len(times)))]}
+    p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
+    return {"iters": iters, "median_us": statistics.median(times), "p99_us": p99}
 
 
 def run_overhead_bench(threads=None, iters: int = 2000, stream: bool = False, with_copies: bool = False,
@@ -264,7 +265,8 @@ class TorchLoopExperts:
 
     @staticmethod
     def _quantize(w: torch.Tensor, group: int, fmt: str) -> tuple:
-        """Codes and scales that reproduce ``w`` (already on the engine's grid): int8 [rows, cols], fp32 [rows, cols/g]."""
+        """Codes and scales that reproduce ``w`` (already on the engine's grid): int8 [rows, cols], fp32
+        [rows, cols/g]."""
         rows, cols = w.shape
         g = w.view(rows, cols // (group or cols), -1)
         amax = g.abs().amax(dim=-1, keepdim=True)
@@ -325,7 +327,8 @@ def fmt_row(r: dict) -> str:
             f"{opt('ours_same_routing_ms', '10.2f', 10)} {opt('torch_ms', '9.2f', 9)} {opt('speedup', '7.2f', 7)}x")
 
 
-HEADER = (f"{'shape':14s} {'fmt':5s} {'routing':7s} {'path':12s} {'T':>5s} {'E':>4s} {'ms':>9s} {'GB/s':>7s} {'%STREAM':>7s} {'TFLOPS':>7s} "
+HEADER = (f"{'shape':14s} {'fmt':5s} {'routing':7s} {'path':12s} {'T':>5s} {'E':>4s} {'ms':>9s} {'GB/s':>7s} "
+          f"{'%STREAM':>7s} {'TFLOPS':>7s} "
           f"{'GFLOPS':>8s} {'ours@base':>10s} {'torch ms':>9s} {'speedup':>8s}")
 
 
@@ -356,11 +359,15 @@ def run_kernel_bench(args) -> int:
     stream_bytes = max(min(2 << 30, budget // 4), 8 * llc_bytes()) // (1 << 20) * (1 << 20)
     stream = pool.read_bandwidth(stream_bytes, 5, None if isa in ("auto", kernels.AMX_EMULATED) else isa)
     say(f"STREAM read ({stream_bytes / GB:.2f} GB, {pool.threads} threads, best of 5): {stream:.1f} GB/s")
-    amx_peak = None
+    amx_peak = amx_ratio = None
     if not kernels.cpu_info()["amx_unavailable"] and pool.subpools == 1:
         amx_peak = {d: pool.amx_peak(d) for d in ("bf16", "int8")}
+        amx_ratio = amx_peak["bf16"] / amx_peak["int8"]
+        # Reported, not asserted (a test did, and a shared 2-core AMX VM measured 4.1): the tile unit's nominal
+        # rate for bf16 is half that of int8; far from it, the probe was not measuring the tile unit alone.
+        note = "" if 0.3 < amx_ratio < 0.7 else "  (nominal ~0.5: the probe shared the cores or was throttled)"
         say(f"AMX tile unit alone ({pool.threads} threads, tdp* on register tiles, best of 3): "
-            f"bf16 {amx_peak['bf16']:.1f} TFLOPS, int8 {amx_peak['int8']:.1f} TOPS")
+            f"bf16 {amx_peak['bf16']:.1f} TFLOPS, int8 {amx_peak['int8']:.1f} TOPS, bf16/int8 {amx_ratio:.2f}{note}")
     overhead = measure_overhead(pool)
     say(f"submit->sync round trip (T=0): median {overhead['median_us']:.1f} µs, p99 {overhead['p99_us']:.1f} µs")
     if not args.no_baseline:
@@ -473,13 +480,14 @@ def run_kernel_bench(args) -> int:
                 if args.crossover:
                     crossovers.append({"shape": shape.name, "format": fmt, "E": E,
                                        **kernel_amx.crossover(experts, k, say, repeats, warmup, time_calls)})
-            del experts, baseline
+            experts = baseline = None  # free this shape's packed experts before the next shape is built
 
     if args.json:
         doc = {"machine": machine, "stream_gbps": stream, "stream_bytes": stream_bytes, "overhead": overhead,
-               "amx_peak_tflops": amx_peak,
+               "amx_peak_tflops": amx_peak, "amx_peak_bf16_over_int8": amx_ratio,
                "crossover": crossovers,
-               "config": {"repeats": repeats, "warmup": warmup, "routing": routing_kinds, "mem_budget_bytes": budget, "isa": isa,
+               "config": {"repeats": repeats, "warmup": warmup, "routing": routing_kinds, "mem_budget_bytes": budget,
+                          "isa": isa,
                           "baseline_experts": None if args.no_baseline else BASELINE_EXPERTS},
                "records": records}
         write_json(args.json, doc, say)

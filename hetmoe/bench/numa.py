@@ -25,7 +25,7 @@ import time
 import torch
 
 from hetmoe import kernels
-from hetmoe.bench.kernel import SHAPES, DEFAULT_GROUP, machine_info, measure_overhead, random_routing
+from hetmoe.bench.kernel import DEFAULT_GROUP, SHAPES, machine_info, measure_overhead, random_routing
 from hetmoe.numa import describe, topology
 
 GB = 1e9

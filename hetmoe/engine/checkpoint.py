@@ -123,7 +123,8 @@ class Checkpoint:
             if end > size:
                 raise CheckpointError(f"{shard} is truncated: tensor {name} ends at byte {end}, the file has {size}")
             if name in self._entries:
-                raise CheckpointError(f"tensor {name} appears in both {self._entries[name].shard.name} and {shard.name}")
+                raise CheckpointError(
+                    f"tensor {name} appears in both {self._entries[name].shard.name} and {shard.name}")
             self._entries[name] = _Entry(shard, dtype, shape, begin, end)
 
     # ------------------------------------------------------------------ access

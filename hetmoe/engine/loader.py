@@ -34,10 +34,10 @@ from hetmoe.engine.checkpoint import Checkpoint, CheckpointError
 from hetmoe.engine.expert_cache import ExpertCache, default_cache_dir
 from hetmoe.engine.placement import EngineOptions, MemoryPlan, ModelShapes, choose_plan
 from hetmoe.kernels import HYBRID_RESERVED_CORES, CPUExperts, default_threads
-from hetmoe.numa import resolve_subpools
 from hetmoe.layers.moe import DeferralChain, DeferredExperts, HostStaging, OffloadedExperts
 from hetmoe.models import model_class
 from hetmoe.models.config import ModelConfig
+from hetmoe.numa import resolve_subpools
 
 EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # HF names of gate, up, down
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")

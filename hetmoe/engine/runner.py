@@ -173,7 +173,8 @@ class Runner:
         """One token for each of several slots (their positions may differ) -> fp32 [B, vocab]."""
         token_ids, slots = [int(t) for t in token_ids], [int(s) for s in slots]
         if not slots or len(token_ids) != len(slots):
-            raise ValueError(f"decode_batch needs one token per slot, got {len(token_ids)} tokens for {len(slots)} slots")
+            raise ValueError(
+                f"decode_batch needs one token per slot, got {len(token_ids)} tokens for {len(slots)} slots")
         if len(set(slots)) != len(slots):
             raise ValueError(f"slots {slots} repeat a slot (one token per slot and step)")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]

@@ -93,7 +93,8 @@ def _compile_template(source: str):
 
 def _check_messages(messages: Any) -> None:
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError(f"messages must be a non-empty list of {{'role': str, 'content': str}} dicts, got {messages!r}")
+        raise ValueError(
+            f"messages must be a non-empty list of {{'role': str, 'content': str}} dicts, got {messages!r}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")

@@ -4,7 +4,6 @@ and its errors, and tools/train_demo_moe.py --smoke end to end (train, save, loa
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,13 +12,14 @@ import pytest
 import torch
 
 from hetmoe.engine.evaluation import evaluate, kl_and_agreement, perplexity, split_windows, token_nll
-from hetmoe.engine.llm import LLM, default_model_path
 from hetmoe.engine.generation import SamplingParams
+from hetmoe.engine.llm import LLM, default_model_path
 from hetmoe.engine.loader import load_model, moe_blocks
 from hetmoe.engine.placement import EngineOptions
 from hetmoe.engine.runner import Runner
 from hetmoe.engine.tokenizer import Tokenizer
 from hetmoe.layers.moe import DropLowestExperts
+from paths import LOGIT_CROSS_PATH_BOUND
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = '''import os
@@ -147,8 +147,8 @@ def test_dropping_experts(ids, reference):
 # ---------------------------------------------------------------- the command
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return {**os.environ, "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("xdg"))}
+def env(isolated_env):
+    return isolated_env
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +229,12 @@ def test_training_smoke_run_writes_a_checkpoint(smoke_checkpoint):
     assert record["corpus"]["heldout_files"] == 2 and len(record["corpus"]["heldout_list_sha256"]) == 64
     load = record["expert_load_heldout"]["layer 1"]
     assert len(load) == 8 and sum(load) == pytest.approx(1, abs=1e-3)
-    assert record["hetmoe_vs_transformers_rel_logit_error"] < 1e-4  # the saved layout is what the engine reads
+    # The saved layout is what the engine reads (a wrong layout gives errors of order 1). The weights are bf16, so
+    # on the row-block class only fp32 order differs (measured 1e-5..3e-5); on AMX (isa auto there) the experts'
+    # activations are rounded to bf16 (measured 3.2e-4): the cross-path bound (tests/paths.py).
+    amx = record["hetmoe_isa"] == "amx"
+    bound = LOGIT_CROSS_PATH_BOUND["bf16"] if amx else 1e-4
+    assert record["hetmoe_vs_transformers_rel_logit_error"] < bound, record["hetmoe_isa"]
     assert (smoke_checkpoint / "heldout.txt").stat().st_size > 0
 
 

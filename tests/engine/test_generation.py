@@ -169,7 +169,8 @@ def test_sampling_params_normalizes():
 
 def test_seed_reproducible(tok):
     def text(seed):
-        return _run(TableRunner(), tok, SamplingParams(max_new_tokens=24, temperature=1.0, seed=seed, ignore_eos=True))[0]
+        params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=seed, ignore_eos=True)
+        return _run(TableRunner(), tok, params)[0]
 
     a, b, c = text(7), text(7), text(8)
     assert a.token_ids == b.token_ids and a.text == b.text

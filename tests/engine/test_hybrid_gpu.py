@@ -6,9 +6,9 @@ import torch
 
 from hetmoe.engine.generation import SamplingParams
 from hetmoe.engine.llm import LLM
+from hetmoe.engine.loader import load_model
 from hetmoe.engine.placement import EngineOptions
 from hetmoe.engine.runner import Runner
-from hetmoe.engine.loader import load_model
 from hetmoe.layers.moe import OffloadedExperts
 
 pytestmark = pytest.mark.gpu

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -168,15 +169,23 @@ def test_paired_deferral_jobs_pair_through_the_stream(pool, layer, stream, mech)
         pool.submit(job)
         pool.sync()
     want = (imm.out.clone(), dfr.out.clone())
-    blocker = layer.prepare(*make_inputs(300, 6, seed=4))  # milliseconds of work: both jobs are queued when it ends
     hf = HostFuncs(mech)
     before = _C.paired_deferral_runs()
-    stream.pause()
-    pool.submit_on_stream(imm, stream, host_funcs=hf)
-    pool.submit_on_stream(dfr, stream, host_funcs=hf)
-    pool.sync_on_stream(0, stream, host_funcs=hf)
-    pool.submit(blocker)
-    stream.resume()
+    gate = _C.GateJob()  # holds the pool until the stream has queued both jobs behind it: pairing by order alone
+    pool._pool.submit(gate)
+    try:
+        stream.pause()
+        pool.submit_on_stream(imm, stream, host_funcs=hf)
+        pool.submit_on_stream(dfr, stream, host_funcs=hf)
+        pool.sync_on_stream(0, stream, host_funcs=hf)
+        stream.resume()
+        # the stream's thread submits both jobs, then waits at its sync: a state to wait for, not a duration
+        deadline = time.monotonic() + 60
+        while pool.pending() < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert pool.pending() == 3, pool.pending()  # the gate, the immediate job and the deferred one
+    finally:
+        gate.open()  # before synchronize: the sync host function waits on the pool
     stream.synchronize()
     pool.sync()
     assert _C.paired_deferral_runs() == before + 1

@@ -1,5 +1,9 @@
 """The CPU job's own softmax router (``CPUExperts.prepare(logits=...)``, used by hybrid decode steps so the GPU runs no
-top-k) against ``route_softmax``, and the job's ``addend`` (the previous layer's deferred output added on the CPU)."""
+top-k) against ``route_softmax``, and the job's ``addend`` (the previous layer's deferred output added on the CPU).
+
+Engine paths (tests/paths.py): each comparison is between two runs of one engine (the job routing vs the same
+experts given the ids), so it holds on every path; the tests that compute experts run on each path this machine
+runs (``engine_path``), the AMX logic through amx-emulated on any CPU."""
 
 import pytest
 import torch
@@ -10,9 +14,11 @@ from hetmoe.layers.moe import HostRouter, route_deepseek_v3, route_softmax, spli
 H, I = 64, 32
 
 
-def make_experts(E: int, numa=None, seed: int = 0) -> CPUExperts:
+def make_experts(E: int, numa=None, seed: int = 0, path=None) -> CPUExperts:
+    """bf16 experts on ``path`` (a tests/paths.EnginePath; None: the default isa="auto")."""
     gen = torch.Generator().manual_seed(seed)
-    ex = CPUExperts(E, H, I, "bf16", threads=2, numa=numa) if numa else CPUExperts(E, H, I, "bf16", threads=2)
+    kw = {**(path.options if path else {}), **({"numa": numa} if numa else {})}
+    ex = CPUExperts(E, H, I, "bf16", threads=2, **kw)
     ex.load(*(0.1 * torch.randn(E, *s, generator=gen) for s in ((I, H), (I, H), (H, I))))
     return ex
 
@@ -27,10 +33,10 @@ def run(ex, x, ids, w, out, **kw):
 @pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
-def test_job_routes_like_route_softmax(E, k, logits_dtype, norm, ids_dtype):
+def test_job_routes_like_route_softmax(E, k, logits_dtype, norm, ids_dtype, engine_path):
     gen = torch.Generator().manual_seed(E + k)
     T = 9
-    ex = make_experts(E)
+    ex = make_experts(E, path=engine_path)
     x = torch.randn(T, H, generator=gen)
     logits = (3 * torch.randn(T, E, generator=gen)).to(logits_dtype)
     ids = torch.full((T, k), -7, dtype=ids_dtype)
@@ -57,11 +63,11 @@ def test_job_routes_like_route_softmax(E, k, logits_dtype, norm, ids_dtype):
 @pytest.mark.parametrize("numa", [None, "2"])
 @pytest.mark.parametrize("E,k,n_group,topk_group", [(16, 4, 4, 2), (64, 8, 8, 4), (32, 6, 1, 1), (16, 2, 8, 3)])
 @pytest.mark.parametrize("norm", [True, False])
-def test_job_routes_like_route_deepseek_v3(E, k, n_group, topk_group, norm, numa):
+def test_job_routes_like_route_deepseek_v3(E, k, n_group, topk_group, norm, numa, engine_path):
     """DeepSeek-V3's sigmoid scores, correction bias and group-limited choice, routed by the job."""
     gen = torch.Generator().manual_seed(E + k + n_group)
     T = 11
-    ex = make_experts(E, numa=numa)
+    ex = make_experts(E, numa=numa, path=engine_path)
     x = torch.randn(T, H, generator=gen)
     logits = 2 * torch.randn(T, E, generator=gen)
     bias = 0.1 * torch.randn(E, generator=gen)  # large enough to change choices (the test below checks it does)
@@ -83,9 +89,9 @@ def test_job_routes_like_route_deepseek_v3(E, k, n_group, topk_group, norm, numa
 
 
 @pytest.mark.parametrize("numa", [None, "2"])
-def test_job_routing_ties_and_non_finite_rows(numa):
+def test_job_routing_ties_and_non_finite_rows(numa, engine_path):
     E, k = 8, 3
-    ex = make_experts(E, numa=numa)
+    ex = make_experts(E, numa=numa, path=engine_path)
     logits = torch.tensor([
         [0.0, 1.0, 1.0, 0.5, 1.0, -2.0, 0.0, 0.0],  # a three-way tie at the top: the lower ids first
         [0.0] * 8,  # all equal: ids 0, 1, 2
@@ -104,11 +110,11 @@ def test_job_routing_ties_and_non_finite_rows(numa):
     assert torch.isfinite(out[[0, 1, 4]]).all()
 
 
-def test_deferral_parts_route_from_logits():
+def test_deferral_parts_route_from_logits(engine_path):
     """An immediate and a deferred job routing from the same logits split each token like split_deferred."""
     E, k, d, T = 16, 4, 2, 7
     gen = torch.Generator().manual_seed(3)
-    ex = make_experts(E)
+    ex = make_experts(E, path=engine_path)
     x, logits = torch.randn(T, H, generator=gen), torch.randn(T, E, generator=gen)
     parts = []
     for deferred in (False, True):
@@ -124,10 +130,10 @@ def test_deferral_parts_route_from_logits():
 
 @pytest.mark.parametrize("numa", [None, "2"])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_addend_is_added_after_the_experts(numa, out_dtype):
+def test_addend_is_added_after_the_experts(numa, out_dtype, engine_path):
     E, k, T = 16, 4, 5
     gen = torch.Generator().manual_seed(4)
-    ex = make_experts(E, numa=numa)
+    ex = make_experts(E, numa=numa, path=engine_path)
     x = torch.randn(T, H, generator=gen)
     w, ids = route_softmax(torch.randn(T, E, generator=gen), k, True)
     ids[1, 2] = -1  # a skipped slot

@@ -546,6 +546,25 @@ def test_job_picks_its_deferral_part(fmt):
         ex.prepare(x, ids, w, deferred=True)
 
 
+class _Gate:
+    """Holds ``pool``'s coordinator in a gate job (_C.GateJob) until the block ends: every job submitted inside
+    the block is queued when the first of them starts, whatever the machine's speed. Pairing (the deferred job is
+    queued right behind its immediate job) and chaining (the next layer's immediate job is queued behind a
+    deferred job) are then decided by the submission order alone, not by a race with a long job."""
+
+    def __init__(self, pool):
+        from hetmoe import _C
+
+        self.pool, self.gate = pool, _C.GateJob()
+
+    def __enter__(self):
+        self.pool._pool.submit(self.gate)  # a raw _C job: ExpertPool.submit takes MoEJobs only
+        return self
+
+    def __exit__(self, *exc):
+        self.gate.open()  # also when the block raised: a gate left closed would hang the pool
+
+
 def _deferral_jobs(ex, T, k, d, gen, addend=True, pair=True):
     H, E = ex.hidden_size, ex.num_experts
     x = torch.randn(T, H, generator=gen).bfloat16()
@@ -572,18 +591,16 @@ def test_paired_deferral_jobs_run_as_one_list_with_the_same_bits(fmt, threads):
         ex.fill_random(seed=seed)
         layers.append(ex)
     gen = torch.Generator().manual_seed(3)
-    blocker = CPUExperts(4, 512, 512, "bf16", pool=pool)  # a long job first: every pair is queued when it ends
-    blocker.fill_random(seed=1)
-    long_job = blocker.prepare(torch.randn(512, 512), torch.randint(0, 4, (512, 4)), torch.rand(512, 4))
     for T in (1, 3, 16, 17):
         jobs = [_deferral_jobs(ex, T, 6, 2, gen) for ex in layers]
-        before = _C.paired_deferral_runs()
-        pool.submit(long_job)
-        for imm, dfr in jobs:  # a hybrid step's order
-            pool.submit(imm)
-            pool.submit(dfr)
+        before = _C.paired_deferral_runs()  # process-global, but only this test's pool runs jobs meanwhile
+        with _Gate(pool):  # every pair is queued before the first job starts
+            for imm, dfr in jobs:  # a hybrid step's order
+                pool.submit(imm)
+                pool.submit(dfr)
         pool.sync()
         paired = _C.paired_deferral_runs() - before
+        # deterministic: the gate queued every deferred job right behind its immediate one; above 16 tokens no pair
         assert paired == (len(layers) if T <= 16 else 0), f"T={T}: {paired} paired runs"
         got = [(imm.out.clone(), dfr.out.clone()) for imm, dfr in jobs]
         for imm, dfr in jobs:  # one at a time: def is never queued behind imm, so nothing pairs
@@ -611,9 +628,6 @@ def test_chained_deferral_pairs_match_one_at_a_time(threads):
         ex = CPUExperts(16, 128, 96, "int4", 32, pool=pool)
         ex.fill_random(seed=seed)
         layers.append(ex)
-    blocker = CPUExperts(4, 512, 512, "bf16", pool=pool)
-    blocker.fill_random(seed=1)
-    long_job = blocker.prepare(torch.randn(256, 512), torch.randint(0, 4, (256, 4)), torch.rand(256, 4))
     for T in (1, 4, 16):
         jobs, prev_out = [], None
         for ex in layers:
@@ -624,16 +638,23 @@ def test_chained_deferral_pairs_match_one_at_a_time(threads):
             dfr = ex.prepare(x, ids, w, torch.empty(T, 128), defer=7, deferred=True, pair=imm)
             jobs.append((imm, dfr))
             prev_out = dfr.out
-        chained = _C.chained_deferral_runs()
         for rnd in range(6):
-            paired = _C.paired_deferral_runs()
-            pool.submit(long_job)
-            for imm, dfr in jobs:
-                imm.out.fill_(3), dfr.out.fill_(5)
-                pool.submit(imm)
-                pool.submit(dfr)
+            paired, chained = _C.paired_deferral_runs(), _C.chained_deferral_runs()
+            with _Gate(pool):  # the whole step is queued before its first job starts
+                for imm, dfr in jobs:
+                    imm.out.fill_(3), dfr.out.fill_(5)
+                    pool.submit(imm)
+                    pool.submit(dfr)
             pool.sync()
             assert _C.paired_deferral_runs() - paired == len(layers)
+            # A deferred job chains the next layer's immediate job when some of its own tasks are left when it runs.
+            # With one thread nobody else takes them (deterministic: every layer but the last chains); with more,
+            # the workers may finish them first (timing), so only the bound holds.
+            n_chained = _C.chained_deferral_runs() - chained
+            if threads == 1:
+                assert n_chained == len(layers) - 1, f"T={T} round {rnd}: {n_chained} chained"
+            else:
+                assert 0 <= n_chained <= len(layers) - 1, f"T={T} round {rnd}: {n_chained} chained"
             got = [(imm.out.clone(), dfr.out.clone()) for imm, dfr in jobs]
             for imm, dfr in jobs:
                 for job in (imm, dfr):
@@ -643,8 +664,6 @@ def test_chained_deferral_pairs_match_one_at_a_time(threads):
             for l, ((a, b), (imm, dfr)) in enumerate(zip(got, jobs)):
                 assert torch.equal(b, dfr.out), f"T={T} layer {l} deferred"
                 assert torch.equal(a, imm.out), f"T={T} layer {l} immediate (round {rnd})"
-        # a deferred job chains the next one unless its own tasks were all done before it ran
-        assert 0 < _C.chained_deferral_runs() - chained <= 6 * (len(layers) - 1), f"T={T}"
 
 
 def test_paired_deferral_jobs_under_load():

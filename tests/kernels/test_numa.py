@@ -376,8 +376,9 @@ def test_expert_cache_key_includes_split(tmp_path, one, two):
 
 def test_loader_numa_end_to_end(tmp_path):
     pytest.importorskip("transformers")
-    from hetmoe.engine.synthetic import write_checkpoint
     from test_loader import load, rel, run_logits
+
+    from hetmoe.engine.synthetic import write_checkpoint
 
     path = write_checkpoint(tmp_path / "m", "qwen3_moe", {"moe_intermediate_size": 96}, seed=4, dtype="float32")
     ref, tokens = run_logits(load(path, experts_format="int8", threads=2, numa="off"))

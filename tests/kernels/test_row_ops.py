@@ -71,7 +71,8 @@ def test_bf16_conversions_match_scalar(isa):
     ref_bits, ref_back = _C.row_bf16("scalar", x)
     got_bits, got_back = _C.row_bf16(isa, x)
     assert got_bits == ref_bits
-    assert np.array_equal(np.array(got_back, np.float32).view(np.uint32), np.array(ref_back, np.float32).view(np.uint32))
+    got_u32, ref_u32 = (np.array(v, np.float32).view(np.uint32) for v in (got_back, ref_back))
+    assert np.array_equal(got_u32, ref_u32)
     assert ref_bits[0] == 0x3F80 and ref_bits[1] == 0x3F82  # ties to even, up and down
 
 

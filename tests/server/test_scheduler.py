@@ -2,9 +2,8 @@
 function of the last token: every expectation is exact, and the one-sequence generate() is the reference."""
 
 import asyncio
-import threading
 import json
-import time
+import threading
 
 import pytest
 import torch
@@ -158,27 +157,6 @@ def test_an_engine_error_fails_only_that_request(tok):
         assert got[i][1][:2] == ("done", "length") and got[i][1][3] == 8
 
 
-def test_cancel_frees_the_slot(tok):
-    runner = SlotRunner(max_batch=1)
-    long = SamplingParams(max_new_tokens=50, ignore_eos=True)
-
-    async def main():
-        sched = Scheduler(runner, tok, log=lambda m: None).start()
-        loop = asyncio.get_running_loop()
-        first = sched.submit(Request([1, 2], long, loop))
-        second = sched.submit(Request([3, 4], SamplingParams(max_new_tokens=3, ignore_eos=True), loop))
-        assert (await first.events.get())[0] == "text"  # it holds the only slot
-        first.cancel()
-        text, done = await asyncio.wait_for(_collect(second), 30)
-        sched.shutdown()
-        return done, sched.metrics
-
-    done, metrics = asyncio.run(main())
-    assert done[:2] == ("done", "length") and metrics.cancelled == 1 and metrics.running == 0
-    first_decodes = sum(1 for c in runner.calls if c == ("decode", (0,)))
-    assert first_decodes < 50 + 3  # the first sequence did not run to its max_tokens
-
-
 class GatedRunner(SlotRunner):
     """Decode steps wait for ``gate``: the test decides when the running sequence may move on."""
 
@@ -190,6 +168,34 @@ class GatedRunner(SlotRunner):
         self.held.set()
         assert self.gate.wait(30), "the test never opened the gate"
         return super().decode_batch(tokens, slots)
+
+
+def test_cancel_frees_the_slot(tok):
+    """A cancelled sequence leaves its slot at the next step and the waiting request takes it. The first decode step
+    is held until the cancel is in (GatedRunner), so the order is fixed whatever the machine's speed."""
+    runner = GatedRunner(max_batch=1)
+    long = SamplingParams(max_new_tokens=50, ignore_eos=True)
+
+    async def main():
+        sched = Scheduler(runner, tok, log=lambda m: None).start()
+        loop = asyncio.get_running_loop()
+        first = sched.submit(Request([1, 2], long, loop))
+        second = sched.submit(Request([3, 4], SamplingParams(max_new_tokens=3, ignore_eos=True), loop))
+        # it holds the only slot: prefilled, first token sampled, its first decode step held
+        assert await asyncio.to_thread(runner.held.wait, 30)
+        first.cancel()
+        runner.gate.set()  # the held step ends; the next one sees the cancel
+        text, done = await asyncio.wait_for(_collect(second), 30)
+        sched.shutdown()
+        return first, done, sched.metrics
+
+    first, done, metrics = asyncio.run(main())
+    assert done[:2] == ("done", "length") and done[3] == 3
+    assert metrics.cancelled == 1 and metrics.running == 0
+    assert not first.finished  # a cancelled request gets no "done"
+    # the first sequence ran exactly its one held decode step, then the second got the slot: prefill, 2 decode steps
+    first_seq, second_seq = [("prefill", 0, 2), ("decode", (0,))], [("prefill", 0, 2)] + [("decode", (0,))] * 2
+    assert runner.calls == first_seq + second_seq
 
 
 def test_shutdown_ends_running_and_refuses_waiting(tok):
@@ -214,12 +220,52 @@ def test_shutdown_ends_running_and_refuses_waiting(tok):
     assert refused[:2] == ("error", 503) and late[:2] == ("error", 503)
 
 
-def test_idle_loop_uses_no_cpu(tok):
-    sched = Scheduler(SlotRunner(), tok, log=lambda m: None).start()
+class CountingCondition(threading.Condition):
+    """The scheduler's condition variable, recording every wait: its timeout and whether it returned. ``parked`` is
+    set just before a wait starts, with the lock held: whoever takes the lock after it is set knows the waiter is
+    inside wait() (it released the lock there)."""
+
+    def __init__(self):
+        super().__init__()
+        self.timeouts, self.returned, self.parked = [], 0, threading.Event()
+
+    def wait(self, timeout=None):
+        self.timeouts.append(timeout)
+        self.parked.set()
+        try:
+            return super().wait(timeout)
+        finally:
+            self.returned += 1
+            self.parked.clear()
+
+
+def _parked(cond, n):
+    """Waits until the engine thread is inside its ``n``-th wait on ``cond``; returns (waits entered, returned)."""
+    assert cond.parked.wait(30), "the engine loop never went idle"
+    with cond:  # the engine thread released the lock in wait(): it is blocked there now
+        assert len(cond.timeouts) == n, cond.timeouts
+        return len(cond.timeouts), cond.returned
+
+
+def test_idle_loop_waits_untimed_and_wakes_only_for_work(tok):
+    """With nothing submitted the engine thread blocks in an untimed wait on its condition (no polling, no CPU
+    use) and is woken once per submission, then parks again: counted waits, not a CPU-time budget."""
+    sched = Scheduler(SlotRunner(), tok, log=lambda m: None)
+    sched._cond = cond = CountingCondition()
+    sched.start()
     try:
-        t0, c0 = time.perf_counter(), time.process_time()
-        time.sleep(0.5)  # measuring, not synchronizing: the process's CPU time while nothing is submitted
-        cpu = time.process_time() - c0
-        assert cpu < 0.05 * (time.perf_counter() - t0), cpu
+        assert _parked(cond, 1) == (1, 0)  # idle from the start: one wait entered, none returned
+        assert cond.timeouts == [None], "the idle loop must not poll with a timeout"
+
+        async def one():
+            req = sched.submit(Request([1, 2], SamplingParams(max_new_tokens=3, ignore_eos=True),
+                                       asyncio.get_running_loop()))
+            return await asyncio.wait_for(_collect(req), 30)
+
+        _, done = asyncio.run(one())
+        assert done[:2] == ("done", "length") and done[3] == 3
+        # woken once by the submission, served it, and parked again: the second wait, still untimed
+        assert _parked(cond, 2) == (2, 1) and cond.timeouts == [None, None]
     finally:
         sched.shutdown()
+    assert cond.returned == 2 and not sched._thread.is_alive()  # shutdown's notify was the only other wake-up

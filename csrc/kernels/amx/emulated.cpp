@@ -60,11 +60,17 @@ struct Emulated {
     std::memset(st.t[2 * I + J], 0, 1024);
   }
   template <int I>
-  static void load_a(const void* p) { load(4 + I, p, 64); }
+  static void load_a(const void* p) {
+    load(4 + I, p, 64);
+  }
   template <int J>
-  static void load_b(const void* p) { load(6 + J, p, 64); }
+  static void load_b(const void* p) {
+    load(6 + J, p, 64);
+  }
   template <int I, int J>
-  static void load_c(const void* p, size_t stride) { load(2 * I + J, p, stride); }
+  static void load_c(const void* p, size_t stride) {
+    load(2 * I + J, p, stride);
+  }
 
   // Shapes every tdp* checks: C is rows(A) x colsb(B), and A's K (colsb / 4 dwords) is B's rows.
   static void check_dp(int c, int a, int b) {

@@ -46,8 +46,8 @@ namespace hetmoe {
 namespace amx {
 namespace {
 
-constexpr int kTokBlock = 32;        // tokens per tile step (two A tiles)
-constexpr int kOutStride = 32;       // floats per output row: [n_tok][32]
+constexpr int kTokBlock = 32;     // tokens per tile step (two A tiles)
+constexpr int kOutStride = 32;    // floats per output row: [n_tok][32]
 constexpr int kChunkBf16 = 512;   // K per chunk: 2 row blocks x 16 rows x 512 x 2 B = 32 KB of weights
 constexpr int kChunkInt8 = 1024;  // same bytes for int8 lines (a multiple of every group size)
 
@@ -195,8 +195,8 @@ struct Gemm {
   }
 
   // ---- bf16 weights x bf16 activations: fp32 accumulation in tiles across each K chunk, in `out` between them.
-  static void bf16(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
-                   const ActLayout&, int n_tok, float* out) {
+  static void bf16(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x, const ActLayout&,
+                   int n_tok, float* out) {
     const uint8_t* lines[2] = {w[0].data, n_blk > 1 ? w[1].data : nullptr};
     chunked<true>(lines, n_blk, next, n_next, w[0].kp, x, n_tok, out, true);
   }
@@ -293,8 +293,8 @@ struct Gemm {
     int8_lines(lines, scales, n_blk, next, n_next, w[0].kp, w[0].group, 128, x, a, n_tok, out, true);
   }
 
-  static void int4(const RowBlock* w, int n_blk, const RowBlock*, int, const AmxPanel& x, const ActLayout& a,
-                   int n_tok, float* out) {
+  static void int4(const RowBlock* w, int n_blk, const RowBlock*, int, const AmxPanel& x, const ActLayout& a, int n_tok,
+                   float* out) {
     // One int4 line (8 k) becomes two int8 lines (k 8j..8j+3 from the low nibbles, 8j+4..8j+7 from the high
     // ones): consecutive K, so the expanded block is in the int8 layout with offset 8 instead of 128.
     const int kp = w[0].kp, int4_lines = kp / 8;

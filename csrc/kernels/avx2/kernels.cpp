@@ -65,36 +65,36 @@ struct Int8Tile {
   static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
     const int lines_per_group = w.group / 4, n_groups = w.kp / w.group;
     const int16_t* x[NT];
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int i = 0; i < NT; ++i) x[i] = reinterpret_cast<const int16_t*>(rows[i]);
     __m256 facc[NT][2];
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int i = 0; i < NT; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
     const uint8_t* p = w.data;
     for (int g = 0; g < n_groups; ++g) {
       __m256i acc[NT][4];
-      #pragma GCC unroll 8
+#pragma GCC unroll 8
       for (int i = 0; i < NT; ++i)
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int c = 0; c < 4; ++c) acc[i][c] = _mm256_setzero_si256();
       for (int jj = 0; jj < lines_per_group; ++jj, p += kLineBytes) {
         _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
         const int j = g * lines_per_group + jj;
         __m256i xb[NT];
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int i = 0; i < NT; ++i) {
           int64_t q4;
           std::memcpy(&q4, x[i] + 4 * j, 8);
           xb[i] = _mm256_set1_epi64x(q4);
         }
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int c = 0; c < 4; ++c) {
           __m256i w16 = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(p + 16 * c)));
-          #pragma GCC unroll 8
+#pragma GCC unroll 8
           for (int i = 0; i < NT; ++i) acc[i][c] = _mm256_add_epi32(acc[i][c], _mm256_madd_epi16(w16, xb[i]));
         }
       }
-      #pragma GCC unroll 8
+#pragma GCC unroll 8
       for (int i = 0; i < NT; ++i) {
         const float xs = act_scales(rows[i], a)[g];
         const int32_t off = 128 * act_sums(rows[i], a)[g];
@@ -104,7 +104,7 @@ struct Int8Tile {
         facc[i][1] = epilogue8(facc[i][1], hi, off, w.scales + g * kRowsPerBlock + 8, xs);
       }
     }
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int i = 0; i < NT; ++i) {
       _mm256_storeu_ps(out + i * kRowsPerBlock, facc[i][0]);
       _mm256_storeu_ps(out + i * kRowsPerBlock + 8, facc[i][1]);
@@ -120,25 +120,25 @@ struct Int4Tile {
     const int lines_per_group = w.group / 8, n_groups = w.kp / w.group;
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const int8_t* x[NT];
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int i = 0; i < NT; ++i) x[i] = reinterpret_cast<const int8_t*>(rows[i]);
     __m256 facc[NT][2];
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int i = 0; i < NT; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
     const uint8_t* p = w.data;
     for (int g = 0; g < n_groups; ++g) {
       __m256i acc[NT][2];
-      #pragma GCC unroll 8
+#pragma GCC unroll 8
       for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
       for (int j4 = 0; j4 < lines_per_group; j4 += 4) {
         __m256i acc16[NT][2];
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int i = 0; i < NT; ++i) acc16[i][0] = acc16[i][1] = _mm256_setzero_si256();
         for (int jj = 0; jj < 4; ++jj, p += kLineBytes) {
           _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
           const int j = g * lines_per_group + j4 + jj;
           __m256i xl[NT], xh[NT];
-          #pragma GCC unroll 8
+#pragma GCC unroll 8
           for (int i = 0; i < NT; ++i) {
             int32_t l, h;
             std::memcpy(&l, x[i] + 8 * j, 4);
@@ -146,25 +146,25 @@ struct Int4Tile {
             xl[i] = _mm256_set1_epi32(l);
             xh[i] = _mm256_set1_epi32(h);
           }
-          #pragma GCC unroll 8
+#pragma GCC unroll 8
           for (int half = 0; half < 2; ++half) {
             __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32 * half));
             __m256i lo = _mm256_and_si256(v, low4);
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            #pragma GCC unroll 8
+#pragma GCC unroll 8
             for (int i = 0; i < NT; ++i) {
               __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl[i]), _mm256_maddubs_epi16(hi, xh[i]));
               acc16[i][half] = _mm256_add_epi16(acc16[i][half], s);
             }
           }
         }
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int i = 0; i < NT; ++i)
-          #pragma GCC unroll 8
+#pragma GCC unroll 8
           for (int half = 0; half < 2; ++half)
             acc[i][half] = _mm256_add_epi32(acc[i][half], _mm256_madd_epi16(acc16[i][half], ones));
       }
-      #pragma GCC unroll 8
+#pragma GCC unroll 8
       for (int i = 0; i < NT; ++i) {
         const float xs = act_scales(rows[i], a)[g];
         const int32_t off = 8 * act_sums(rows[i], a)[g];
@@ -172,7 +172,7 @@ struct Int4Tile {
         facc[i][1] = epilogue8(facc[i][1], acc[i][1], off, w.scales + g * kRowsPerBlock + 8, xs);
       }
     }
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int i = 0; i < NT; ++i) {
       _mm256_storeu_ps(out + i * kRowsPerBlock, facc[i][0]);
       _mm256_storeu_ps(out + i * kRowsPerBlock + 8, facc[i][1]);
@@ -195,7 +195,9 @@ struct V {
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static bool finite(F v) { return _mm256_movemask_ps(_mm256_cmp_ps(abs(v), _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ)) == 0xff; }
+  static bool finite(F v) {
+    return _mm256_movemask_ps(_mm256_cmp_ps(abs(v), _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ)) == 0xff;
+  }
   static float hmax(F v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -226,8 +228,8 @@ struct V {
     const __m256i top = _mm256_srli_epi32(b, 16);
     __m256i r = _mm256_add_epi32(b, _mm256_set1_epi32(0x7fff));
     r = _mm256_srli_epi32(_mm256_add_epi32(r, _mm256_and_si256(top, _mm256_set1_epi32(1))), 16);
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)),
-                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i nan =
+        _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
     r = _mm256_blendv_epi8(r, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);
     const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(d), h);

@@ -60,15 +60,15 @@ struct Int8Tile {
   static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
     const int lines_per_group = w.group / 4, n_groups = w.kp / w.group;
     const int16_t* x[NT];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int i = 0; i < NT; ++i) x[i] = reinterpret_cast<const int16_t*>(rows[i]);
     __m512 facc[NT];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int i = 0; i < NT; ++i) facc[i] = _mm512_setzero_ps();
     const uint8_t* p = w.data;
     for (int g = 0; g < n_groups; ++g) {
       __m512i acc[NT][2];
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
       for (int jj = 0; jj < lines_per_group; ++jj, p += kLineBytes) {
         _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
@@ -76,7 +76,7 @@ struct Int8Tile {
         const int j = g * lines_per_group + jj;
         __m512i w0 = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(p)));
         __m512i w1 = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32)));
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int i = 0; i < NT; ++i) {
           int64_t q4;
           std::memcpy(&q4, x[i] + 4 * j, 8);
@@ -85,14 +85,14 @@ struct Int8Tile {
           acc[i][1] = _mm512_dpwssd_epi32(acc[i][1], w1, xb);
         }
       }
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int i = 0; i < NT; ++i) {
         __m512i rows16 = _mm512_inserti64x4(_mm512_castsi256_si512(pair_sums(acc[i][0])), pair_sums(acc[i][1]), 1);
         facc[i] = epilogue16(facc[i], rows16, 128 * act_sums(rows[i], a)[g], w.scales + g * kRowsPerBlock,
                              act_scales(rows[i], a)[g]);
       }
     }
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int i = 0; i < NT; ++i) _mm512_storeu_ps(out + i * kRowsPerBlock, facc[i]);
   }
 };
@@ -112,20 +112,20 @@ struct Int4Tile {
     const int lines_per_group = w.group / 8, n_groups = w.kp / w.group;  // a multiple of kUnroll (group >= 32)
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     const int8_t* x[NT];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int i = 0; i < NT; ++i) x[i] = reinterpret_cast<const int8_t*>(rows[i]);
     __m512 facc[NT];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int i = 0; i < NT; ++i) facc[i] = _mm512_setzero_ps();
     const uint8_t* p = w.data;
     for (int g = 0; g < n_groups; ++g) {
       __m512i acc[NT][kChains];
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int i = 0; i < NT; ++i)
-        #pragma GCC unroll 4
+#pragma GCC unroll 4
         for (int c = 0; c < kChains; ++c) acc[i][c] = _mm512_setzero_si512();
       for (int jj = 0; jj < lines_per_group; jj += kUnroll) {
-        #pragma GCC unroll 2
+#pragma GCC unroll 2
         for (int u = 0; u < kUnroll; ++u, p += kLineBytes) {
           _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchL2Bytes, _MM_HINT_T1);
@@ -133,7 +133,7 @@ struct Int4Tile {
           __m512i v = _mm512_load_si512(p);
           __m512i lo = _mm512_and_si512(v, low4);
           __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-          #pragma GCC unroll 16
+#pragma GCC unroll 16
           for (int i = 0; i < NT; ++i) {
             int32_t l, h;
             std::memcpy(&l, x[i] + 8 * j, 4);
@@ -145,16 +145,16 @@ struct Int4Tile {
           }
         }
       }
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int i = 0; i < NT; ++i) {
         __m512i sum = acc[i][0];
-        #pragma GCC unroll 4
+#pragma GCC unroll 4
         for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, acc[i][c]);
         facc[i] = epilogue16(facc[i], sum, 8 * act_sums(rows[i], a)[g], w.scales + g * kRowsPerBlock,
                              act_scales(rows[i], a)[g]);
       }
     }
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int i = 0; i < NT; ++i) _mm512_storeu_ps(out + i * kRowsPerBlock, facc[i]);
   }
 };
@@ -174,7 +174,9 @@ struct V {
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static bool finite(F v) { return _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ) == 0xffff; }
+  static bool finite(F v) {
+    return _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ) == 0xffff;
+  }
   static float hmax(F v) { return _mm512_reduce_max_ps(v); }
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F nan_to_zero(F v) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), v); }
@@ -193,8 +195,8 @@ struct V {
     const __m512i top = _mm512_srli_epi32(b, 16);
     __m512i r = _mm512_add_epi32(b, _mm512_set1_epi32(0x7fff));
     r = _mm512_srli_epi32(_mm512_add_epi32(r, _mm512_and_si512(top, _mm512_set1_epi32(1))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
+    const __mmask16 nan =
+        _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(top, _mm512_set1_epi32(0x40)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), _mm512_cvtepi32_epi16(r));
   }

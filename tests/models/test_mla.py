@@ -1,6 +1,7 @@
-"""DeepSeek-V2 / V3 (MLA, dense-then-MoE layers, shared experts) parity with transformers' own implementation:
-prefill (expanded MLA form), then cached decode steps (weight-absorbed MLA form), batch 1 and 2; plus a
-DeepSeek-V3 checkpoint with YaRN RoPE; plus the absorbed vs the expanded form on the same cache state."""
+"""DeepSeek-V2 / V3 multi-head latent attention against transformers' own implementation beyond the parity test
+(tests/models/test_parity.py): a checkpoint with YaRN RoPE (prefill + cached decode, batch 1 and 2), and the
+weight-absorbed decode form against the expanded one on the same cache state. Routed experts: fp32 TorchExperts
+(no engine path involved)."""
 
 import copy
 
@@ -9,10 +10,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hetmoe.engine.synthetic import write_checkpoint  # noqa: E402
 from hetmoe.layers.attention import Step  # noqa: E402
 from hetmoe.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM  # noqa: E402
-from parity import DECODE_STEPS, engine_bf16, load_ours, max_rel, parity_errors, torch_fp32  # noqa: E402
+from parity import DECODE_STEPS, load_ours, max_rel, parity_errors, torch_fp32  # noqa: E402
 
 MODELS = {"deepseek_v3": DeepseekV3ForCausalLM, "deepseek_v2": DeepseekV2ForCausalLM}
 
@@ -24,38 +24,21 @@ YARN = {
 }
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
-def checkpoint(request, tmp_path_factory):
-    # Layer 0 dense (first_k_dense_replace=1), layers 1 and 2 MoE with shared experts.
+@pytest.fixture(params=list(MODELS))
+def checkpoint(request, checkpoints):
+    # Layer 0 dense (first_k_dense_replace=1), layers 1 and 2 MoE with shared experts: test_parity.py's checkpoint.
     arch = request.param
-    path = write_checkpoint(tmp_path_factory.mktemp(arch), arch, {"num_hidden_layers": 3}, seed=7, dtype="float32")
-    return arch, path
+    return arch, checkpoints(arch, {"num_hidden_layers": 3}, seed=7, dtype="float32")
 
 
-# Measured (batch 1 / 2), TorchExperts fp32: V3 2.4e-7 / 2.4e-7, V2 2.6e-7 / 2.8e-7; CPU engine, bf16 experts:
-# V3 7.9e-4 / 6.9e-4 (routed_scaling_factor 2.5 amplifies the expert rounding), V2 7.9e-5 / 7.8e-5.
-BF16_TOL = {"deepseek_v3": 6e-3, "deepseek_v2": 6e-4}
-
-
-@pytest.mark.parametrize("backend", [torch_fp32, engine_bf16], ids=["torch-fp32", "engine-bf16"])
-@pytest.mark.parametrize("batch", [1, 2])
-def test_prefill_and_decode_match_transformers(checkpoint, backend, batch):
-    arch, path = checkpoint
-    tol = 1e-4 if backend is torch_fp32 else BF16_TOL[arch]
-    errors = parity_errors(transformers, path, MODELS[arch], backend, batch)
-    print(f"{arch} batch {batch}: max rel. error over prefill + {DECODE_STEPS} decode steps: {max(errors):.2e}")
-    assert max(errors) <= tol, errors
-
-
-# Measured (TorchExperts fp32): 1.9e-7 to 2.7e-7.
+# Measured (TorchExperts fp32, max rel. logit error over prefill + decode): 2.1e-7 to 3.1e-7.
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("arch, mscale_all_dim", [("deepseek_v3", 1.0), ("deepseek_v3", 0.707), ("deepseek_v2", 0.707)])
-def test_yarn_matches_transformers(tmp_path_factory, arch, mscale_all_dim, batch):
+def test_yarn_matches_transformers(checkpoints, arch, mscale_all_dim, batch):
     # mscale == mscale_all_dim (as DeepSeek-V3 ships): cos/sin unscaled, softmax scale * mscale**2;
     # mscale != mscale_all_dim: also a YaRN attention factor != 1 on cos/sin.
     overrides = {**YARN, "rope_parameters": {**YARN["rope_parameters"], "mscale_all_dim": mscale_all_dim}}
-    path = write_checkpoint(tmp_path_factory.mktemp(f"{arch}_yarn"), arch, {"num_hidden_layers": 3, **overrides},
-                            seed=11, dtype="float32")
+    path = checkpoints(arch, {"num_hidden_layers": 3, **overrides}, seed=11, dtype="float32")
     errors = parity_errors(transformers, path, MODELS[arch], torch_fp32, batch)
     print(f"{arch} yarn (mscale_all_dim {mscale_all_dim}) batch {batch}: max rel. error over prefill + "
           f"{DECODE_STEPS} decode steps: {max(errors):.2e}")
@@ -63,7 +46,7 @@ def test_yarn_matches_transformers(tmp_path_factory, arch, mscale_all_dim, batch
 
 
 # Measured (fp32 logits, batch 2 at positions 5 and 9, max rel. difference absorbed vs expanded):
-# V3 S=1 1.8e-7, S=3 2.0e-7; V2 S=1 1.8e-7, S=3 2.0e-7.
+# V3 S=1 1.8e-7, S=3 2.0e-7; V2 S=1 1.8e-7, S=3 2.2e-7.
 @pytest.mark.parametrize("S", [1, 3])
 def test_absorbed_decode_matches_expanded(checkpoint, S):
     arch, path = checkpoint
