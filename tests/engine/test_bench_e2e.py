@@ -125,6 +125,7 @@ def test_cli_shape_names_match():
     assert placements("auto") == (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
 
 
+@pytest.mark.slow  # the command end to end (~11 s on 2 cores); its pieces have per-commit tests in this file
 def test_bench_e2e_quick_json():
     run = subprocess.run([sys.executable, "-m", "hetmoe", "bench", "e2e", "--quick", "--device", "cpu", "--json", "-"],
                          capture_output=True, text=True, timeout=300)

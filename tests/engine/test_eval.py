@@ -220,6 +220,7 @@ def smoke_checkpoint(tmp_path_factory, env):
     return out
 
 
+@pytest.mark.slow  # a training run of the demo script (~15 s on 2 cores)
 def test_training_smoke_run_writes_a_checkpoint(smoke_checkpoint):
     names = {p.name for p in smoke_checkpoint.iterdir()}
     assert {"config.json", "tokenizer.json", "tokenizer_config.json", "training.json", "heldout.txt"} <= names
@@ -238,6 +239,7 @@ def test_training_smoke_run_writes_a_checkpoint(smoke_checkpoint):
     assert (smoke_checkpoint / "heldout.txt").stat().st_size > 0
 
 
+@pytest.mark.slow  # a training run of the demo script (~15 s on 2 cores)
 def test_trained_checkpoint_loads_and_generates_deterministically(smoke_checkpoint):
     llm = LLM(smoke_checkpoint, EngineOptions(device="cpu", max_context=64), expert_cache=None, progress=False,
               log=lambda m: None)
@@ -250,6 +252,7 @@ def test_trained_checkpoint_loads_and_generates_deterministically(smoke_checkpoi
     assert run(5) == run(5) and len(run(5)) == 12
 
 
+@pytest.mark.slow  # a training run of the demo script (~15 s on 2 cores)
 def test_eval_on_the_trained_checkpoint(capsys, smoke_checkpoint):
     code, stdout, stderr = cli(capsys, "eval", "--model", smoke_checkpoint, "--text", smoke_checkpoint / "heldout.txt",
                                "--experts-format", "int4", "--group-size", 32, "--window", 64, "--max-tokens", 300,
