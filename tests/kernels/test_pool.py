@@ -17,8 +17,10 @@ BEST_ISA = cpu_info()["best_isa"]
 E, H, I = 12, 160, 96
 
 
-def make_layer(pool, fmt="int8", group=128, shape=(E, H, I), seed=0) -> CPUExperts:
-    ex = CPUExperts(*shape, fmt, group, isa=BEST_ISA, pool=pool)
+def make_layer(pool, fmt="int8", group=128, shape=(E, H, I), seed=0, path=None) -> CPUExperts:
+    """On ``path`` (tests/paths.py) when given, else on the best ISA with the engine's own AMX crossover."""
+    kw = path.options if path is not None else {"isa": BEST_ISA}
+    ex = CPUExperts(*shape, fmt, group, pool=pool, **kw)
     ex.load(*make_weights(*shape, seed))
     return ex
 
@@ -79,7 +81,8 @@ def test_borrowed_job_id_is_stored_before_the_job_runs(pool):
         assert raw.borrowed_ids_seen(64) == 64
 
 
-def test_resubmit_prepared_job_reads_current_contents(pool, layer):
+def test_resubmit_prepared_job_reads_current_contents(pool, engine_path):
+    layer = make_layer(pool, path=engine_path)
     x, ids, w = make_inputs(64, 6, seed=6)
     x2, ids2, w2 = make_inputs(64, 6, seed=7)
     out = torch.empty(64, H)
@@ -99,7 +102,8 @@ def test_resubmit_prepared_job_reads_current_contents(pool, layer):
     assert torch.equal(out, layer(x2, ids2, w2))
 
 
-def test_n_tokens_read_at_execution(pool, layer):
+def test_n_tokens_read_at_execution(pool, engine_path):
+    layer = make_layer(pool, path=engine_path)
     x, ids, w = make_inputs(64, 6, seed=8)
     sentinel = 12345.0
     out = torch.full((64, H), sentinel)
