@@ -40,6 +40,30 @@ def engine_path(request):
     return request.param
 
 
+# ---------------------------------------------------------------- engine pools and streams
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """A two-thread ExpertPool of the test module's own (not the process-wide shared pool), so pending counts and
+    job order are the module's alone."""
+    from hetmoe.kernels import ExpertPool
+
+    return ExpertPool(2)
+
+
+@pytest.fixture
+def stream():
+    """A ``_C.FakeStream``: a thread that runs host functions in stream order, standing in for a CUDA stream on
+    machines without one; resumed and drained after the test."""
+    from hetmoe import _C
+
+    fs = _C.FakeStream()
+    yield fs
+    fs.resume()
+    fs.synchronize()
+
+
 # ---------------------------------------------------------------- checkpoints and caches
 
 

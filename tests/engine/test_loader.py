@@ -462,3 +462,17 @@ def test_peak_rss_while_loading(big):
     # Measured: 1.15 (baseline 220 MiB, final +163 MiB, peak +187 MiB; VmHWM reset by clear_refs, sampling agrees).
     assert m["final"] - m["baseline"] >= m["expert_bytes"] * 0.95  # the experts really are resident
     assert ratio <= 1.3
+
+
+def test_loader_numa_end_to_end(tmp_path):
+    """Experts split over 2 NUMA subpools (tests/kernels/test_numa.py tests the split itself): the same logits as
+    unsplit, and the split layout's own cache entries."""
+    path = write_checkpoint(tmp_path / "m", "qwen3_moe", {"moe_intermediate_size": 96}, seed=4, dtype="float32")
+    ref, tokens = run_logits(load(path, experts_format="int8", threads=2, numa="off"))
+    cache = tmp_path / "cache"
+    for attempt in range(2):  # converted, then from the cache
+        loaded = load(path, cache, experts_format="int8", threads=2, numa=2)
+        assert loaded.info["cache_hits"] == (0 if attempt == 0 else 2)
+        assert "-numa2-" in loaded.info["cache_dir"]
+        ours, _ = run_logits(loaded, tokens)
+        assert rel(ours, ref) <= 1e-5, rel(ours, ref)

@@ -34,23 +34,10 @@ def make_inputs(T, k, seed=0):
 
 
 @pytest.fixture(scope="module")
-def pool():
-    return ExpertPool(2)
-
-
-@pytest.fixture(scope="module")
 def layer(pool):
     ex = CPUExperts(E, H, I, "int8", 128, isa=BEST_ISA, pool=pool)
     ex.load(*make_weights(E, H, I, "hooks"))
     return ex
-
-
-@pytest.fixture
-def stream():
-    fs = _C.FakeStream()
-    yield fs
-    fs.resume()
-    fs.synchronize()
 
 
 @pytest.fixture(params=["callbacks", "signals"])

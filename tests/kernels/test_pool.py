@@ -32,11 +32,6 @@ def make_inputs(T, k, shape=(E, H, I), seed=0):
 
 
 @pytest.fixture(scope="module")
-def pool():
-    return ExpertPool(2)
-
-
-@pytest.fixture(scope="module")
 def layer(pool):
     return make_layer(pool)
 
