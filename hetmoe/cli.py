@@ -8,22 +8,42 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from typing import Optional, Sequence
 
 from hetmoe import __version__
 
 SHAPE_NAMES = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")  # defined in hetmoe.bench.kernel.SHAPES
+ISAS = ("auto", "scalar", "avx2", "avx512", "amx")  # hetmoe.kernels.ISAS and auto
 MODEL_SHAPES = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "deepseek-v2-lite")  # hetmoe.engine.synthetic.SHAPES
+
+
+_KINDS = {"int": "an integer", "float": "a number"}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with hetmoe's one error style: the usage, then ``hetmoe CMD: error: --option: what`` (exit 2)
+    with the values as typed (no Python quotes or reprs); runtime errors are ``hetmoe CMD: error: what`` (exit 1,
+    in ``main``)."""
+
+    def error(self, message: str):
+        message = re.sub(r"^argument ", "", message)
+        message = re.sub(r"invalid choice: '([^']*)' \(choose from (.*)\)$",
+                         lambda m: f"invalid choice: {m[1]} (choose from {m[2].replace(chr(39), '')})", message)
+        message = re.sub(r"invalid (\w+) value: '([^']*)'$",
+                         lambda m: f"expected {_KINDS.get(m[1], 'a valid value')}, got {m[2]}", message)
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _int_list(text: str) -> list:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text}") from None
     if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text}")
     return values
 
 
@@ -39,25 +59,40 @@ def _choice_list(choices: Sequence[str]):
     return parse
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+def _number(text: str, kind, ok, expected: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _number(text, int, lambda v: v >= 1, "a positive integer")
+
+
+def _nonneg_int(text: str) -> int:
+    return _number(text, int, lambda v: v >= 0, "an integer >= 0")
 
 
 def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {text}")
-    return value
+    return _number(text, int, lambda v: 0 <= v <= 65535, "a port in 0..65535")
 
 
 def _nonneg_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
+    return _number(text, float, lambda v: v >= 0, "a number >= 0")
+
+
+def _top_p(text: str) -> float:
+    return _number(text, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+
+
+def _stop(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("expected a non-empty string")
+    return text
 
 
 def _numa(text: str):
@@ -65,8 +100,8 @@ def _numa(text: str):
 
     try:
         return parse_numa(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto, off or a number of subpools >= 1, got {text}") from None
 
 
 def add_engine_options(p: argparse.ArgumentParser, model: bool = True) -> None:
@@ -80,7 +115,7 @@ def add_engine_options(p: argparse.ArgumentParser, model: bool = True) -> None:
     g.add_argument("--experts-format", choices=("auto", "bf16", "int8", "int4"), default="auto",
                    help="format of the routed experts on the CPU; auto: the most precise that fits in RAM")
     g.add_argument("--group-size", type=int, default=None, choices=(0, 32, 64, 128),
-                   help="int8/int4 scale group (default: 128 for int8, 64 for int4; 0 = per-row int8)")
+                   help="int8/int4 scale group (default: 128 for int8, 64 for int4; 0 = per-row int8; bf16 has none)")
     g.add_argument("--threads", type=_positive_int, default=None,
                    help="CPU expert threads (default: physical cores; with a GPU, 2 fewer)")
     g.add_argument("--numa", type=_numa, default="auto", metavar="auto|off|N",
@@ -99,21 +134,23 @@ def add_engine_options(p: argparse.ArgumentParser, model: bool = True) -> None:
                    help="UTF-8 text whose routing picks the --gpu-experts (default: a built-in mixed text)")
     g.add_argument("--no-cuda-graph", action="store_true",
                    help="with a GPU: run each decode step eagerly instead of replaying it as a CUDA graph")
-    g.add_argument("--isa", choices=("auto", "scalar", "avx2", "avx512", "amx"), default="auto",
+    g.add_argument("--isa", choices=ISAS, default="auto",
                    help="CPU expert kernels (default: auto, the best this CPU runs within $HETMOE_MAX_ISA)")
     g.add_argument("--expert-cache", metavar="DIR", default="auto",
                    help="where converted experts are kept for the next load ('off' disables; "
                         "default: $XDG_CACHE_HOME/hetmoe/experts)")
 
 
-def add_sampling_options(p: argparse.ArgumentParser) -> None:
+def add_sampling_options(p: argparse.ArgumentParser, max_new_tokens: int = 128) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=_positive_int, default=128, help="default: 128")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=max_new_tokens,
+                   help=f"most tokens per reply (default: {max_new_tokens})")
     g.add_argument("--temperature", type=_nonneg_float, default=0.0, help="0 = greedy (default: 0)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, (0, 1] (default: 1 = off)")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0 = off)")
+    g.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling mass, (0, 1] (default: 1 = off)")
+    g.add_argument("--top-k", type=_nonneg_int, default=0,
+                   help="sample among the k most likely tokens (default: 0 = off)")
     g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
-    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--stop", type=_stop, action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
 
 
 def add_shape_options(p: argparse.ArgumentParser) -> None:
@@ -125,10 +162,9 @@ def add_shape_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hetmoe", description="Giant MoE models on one GPU plus CPU DRAM.")
+    parser = Parser(prog="hetmoe", description="Giant MoE models on one GPU plus CPU DRAM.")
     parser.add_argument("--version", action="version", version=f"hetmoe {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")  # none: main prints the help
 
     generate = sub.add_parser("generate", help="generate a completion (text to stdout, progress and timing to stderr)")
     generate.add_argument("--prompt", "-p", default=None,
@@ -140,11 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_options(generate)
     generate.set_defaults(handler=_generate)
 
-    chat = sub.add_parser("chat", help="interactive chat that streams the reply (/reset, /exit)")
+    chat = sub.add_parser(
+        "chat", help="interactive chat that streams the reply (/help lists its commands)",
+        description="A conversation with the model: type a message, the reply streams back. On a terminal: line "
+        "editing and history (kept in $XDG_STATE_HOME/hetmoe/chat_history), Ctrl-C clears the line or stops a "
+        "reply, Ctrl-D or /exit quits; /help lists the commands. Without a terminal, one message per line of stdin.")
     chat.add_argument("--system", default=None, help="system message")
     add_engine_options(chat)
-    add_sampling_options(chat)
-    chat.set_defaults(handler=_chat, max_new_tokens=512)
+    add_sampling_options(chat, max_new_tokens=512)
+    chat.set_defaults(handler=_chat)
 
     serve = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models)",
@@ -183,14 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="CPU features, chosen ISA and kernel per format, pinned CPUs")
     doctor.add_argument("--threads", type=_positive_int, default=None, help="pool size (default: physical cores)")
-    doctor.add_argument("--isa", default="auto", help="auto, scalar, avx2, avx512 or amx (default: auto)")
+    doctor.add_argument("--isa", choices=ISAS, default="auto", help="default: auto, the best this CPU runs")
     doctor.add_argument("--numa", type=_numa, default="auto", metavar="auto|off|N",
                         help="NUMA subpools (default: auto)")
     doctor.set_defaults(handler=_doctor)
 
     bench = sub.add_parser("bench", help="benchmarks that print bandwidth and FLOP/s, not only time")
-    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
-    bench_sub.required = True
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")  # none: main prints bench's help, exit 2
 
     kernel = bench_sub.add_parser(
         "kernel",
@@ -206,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     kernel.add_argument("--tokens", type=_int_list, default=None, help="comma list of T (default: 1,4,32,512,2048)")
     kernel.add_argument("--threads", type=_positive_int, default=None,
                         help="pool and torch threads (default: physical cores)")
-    kernel.add_argument("--isa", default="auto", help="auto, scalar, avx2, avx512 or amx (default: auto)")
+    kernel.add_argument("--isa", choices=ISAS, default="auto", help="default: auto, the best this CPU runs")
     kernel.add_argument("--group-size", type=int, default=None,
                         help="int8/int4 scale group (default: 128 for int8, 64 for int4; 0 = per-row int8)")
     kernel.add_argument("--experts", type=_positive_int, default=None, help="override E of every shape")
@@ -307,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_argument("--hidden", type=_positive_int, default=2048,
                           help="--stream: hidden size H of the copied rows, bf16 (default: 2048)")
     overhead.set_defaults(handler=_bench_overhead)
+    parser.commands = {"": parser, "bench": bench, **{n: p for n, p in sub.choices.items()},
+                       **{f"bench {n}": p for n, p in bench_sub.choices.items()}}
     return parser
 
 
@@ -361,20 +402,74 @@ def _bench_serve(args: argparse.Namespace) -> int:
 def _bench_overhead(args: argparse.Namespace) -> int:
     from hetmoe.bench.kernel import run_overhead_bench
 
-    if args.with_copies and not args.stream:
-        raise ValueError("--with-copies needs --stream")
     return run_overhead_bench(threads=args.threads, iters=args.iters, stream=args.stream,
                               with_copies=args.with_copies, layers=args.layers, hidden=args.hidden)
 
 
+def _usage_errors(args: argparse.Namespace) -> Optional[str]:
+    """Option checks that argparse's per-option types cannot make (kept out of the types so that
+    ``build_parser().parse_args`` stays lenient for code that builds EngineOptions from it)."""
+    if getattr(args, "gpu_experts", 0) < 0:
+        return f"--gpu-experts: expected an integer >= 0, got {args.gpu_experts}"
+    if getattr(args, "defer_experts", 0) < 0:
+        return f"--defer-experts: expected an integer >= 0, got {args.defer_experts}"
+    if getattr(args, "experts_format", None) == "int4" and getattr(args, "group_size", None) == 0:
+        return "--group-size: int4 experts need a group size of 32, 64 or 128 (per-row scales are int8 only)"
+    if getattr(args, "with_copies", False) and not args.stream:
+        return "--with-copies: needs --stream"
+    return None
+
+
+def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    name = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
+    command = parser.commands[name]
+    if extra:
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command is None:  # bare `hetmoe`: the help, as git and pip do
+        parser.print_help()
+        parser.exit(0)
+    if args.command == "bench" and args.bench is None:
+        command.print_help(sys.stderr)
+        command.exit(2, f"\nhetmoe bench: error: choose a benchmark: {', '.join(_BENCHES)}\n")
+    problem = _usage_errors(args)
+    if problem:
+        command.error(problem)
+    return args
+
+
+_BENCHES = ("kernel", "e2e", "serve", "overhead")
+
+
+def _quiet_closed_pipe() -> int:
+    """stdout (or stderr) is a pipe whose reader has gone (``hetmoe ... | head -1``): stop quietly, as ``cat``
+    does, with the status a shell reports for a command SIGPIPE ended (128 + 13). Python ignores SIGPIPE, so
+    the write raised BrokenPipeError; both streams go to /dev/null so the final flush does not complain."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):  # a replaced stream (tests) without a file descriptor
+            pass
+    return 141
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = _parse(argv)
+    except BrokenPipeError:  # --help into a closed pipe
+        return _quiet_closed_pipe()
     # Idle OpenMP threads of torch otherwise spin on the cores the expert engine's pinned threads compute on
     # (measured on the 16-core GPU machine: hybrid decode 140 -> 65 ms per step for 8 qwen3-30b-a3b layers).
     # It must be set before torch is imported, which the handlers do.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
-        return int(args.handler(args) or 0)
+        code = int(args.handler(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        return code
+    except BrokenPipeError:
+        return _quiet_closed_pipe()
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -18,10 +18,11 @@ from pathlib import Path
 from hetmoe.commands import engine_options
 from hetmoe.engine.evaluation import evaluate
 from hetmoe.engine.llm import default_model_path
-from hetmoe.engine.loader import load_model, moe_blocks
+from hetmoe.engine.loader import check_model_dir, load_model, load_tokenizer, moe_blocks
+from hetmoe.engine.placement import normalize_options
 from hetmoe.engine.runner import Runner
-from hetmoe.engine.tokenizer import Tokenizer
 from hetmoe.layers.moe import DropLowestExperts
+from hetmoe.models import context_limit
 
 
 def _read_text(name: str) -> str:
@@ -38,14 +39,6 @@ def _read_text(name: str) -> str:
     if not text.strip():
         raise ValueError(f"the text {'on stdin' if name == '-' else f'file {name}'} is empty")
     return text
-
-
-def _model_config(model: Path) -> dict:
-    """config.json when it can be read (the loader reports a missing or broken one)."""
-    try:
-        return json.loads((model / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
 
 
 def _describe(plan, drop: int = 0, defer: int = 0) -> dict:
@@ -83,16 +76,18 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ValueError(f"--window must be at least 2 tokens, got {args.window}")
     text = _read_text(args.text)
     model = Path(args.model) if args.model is not None else default_model_path()
-    cfg = _model_config(model)
+    cfg = check_model_dir(model)  # the directory, config.json and the tokenizer, before any weight is read
+    tokenizer = load_tokenizer(model, cfg, lambda m: print(m, file=sys.stderr))
     top_k = cfg.get("num_experts_per_tok")
-    if drop and cfg and not top_k:
+    if drop and not top_k:
         raise ValueError("--drop-experts: this model has no routed experts")
     if top_k and drop >= top_k:
         raise ValueError(f"--drop-experts {drop}: each token has {top_k} experts; at most {top_k - 1} can be dropped")
-    limit = cfg.get("max_position_embeddings")
+    limit, why = context_limit(cfg)
     if limit and args.window > limit:
-        raise ValueError(f"--window {args.window} is beyond the model's {limit} positions")
-    opts = engine_options(args)
+        raise ValueError(f"--window {args.window} is beyond the model's {limit} positions ({why})")
+    # capped once here, so that the reference's load does not say it again
+    opts = normalize_options(engine_options(args), lambda m: print(m, file=sys.stderr))
     if drop and opts.defer_experts:
         raise ValueError("--drop-experts and --defer-experts go one at a time (each is compared with the reference)")
     if opts.max_context is None:
@@ -108,7 +103,7 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ValueError("--drop-experts: this model has no routed experts")
     for _, block in blocks if drop else ():
         block.experts = DropLowestExperts(block.experts, drop)
-    ids = Tokenizer.from_dir(test.path).encode(text)
+    ids = tokenizer.encode(text)
     if args.max_tokens is not None:
         ids = ids[:args.max_tokens]
     reference = None

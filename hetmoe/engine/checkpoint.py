@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import struct
 import warnings
 from pathlib import Path
@@ -36,6 +37,30 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as it is (the message names the file and tensor)."""
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def read_config(path: Path) -> ModelConfig:
+    """config.json of the model directory ``path`` (FileNotFoundError / CheckpointError naming the file); a
+    missing directory spelled like a Hugging Face hub id gets the download command, as hetmoe downloads nothing."""
+    path = Path(path)
+    if not path.is_dir():
+        hint = ""
+        if _HUB_ID.fullmatch(str(path)) and not path.exists():
+            hint = (f". It looks like a Hugging Face hub id: hetmoe does not download models; run "
+                    f"`huggingface-cli download {path} --local-dir DIR`, then pass --model DIR")
+        raise FileNotFoundError(f"model directory {path} does not exist{hint}")
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} is missing: not a Hugging Face model directory")
+    try:
+        return ModelConfig.from_file(config_path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{config_path} is not valid JSON: {err}") from None
+    except (TypeError, ValueError):  # valid JSON, but not an object
+        raise CheckpointError(f"{config_path} does not hold a JSON object") from None
+
+
 class _Entry:
     __slots__ = ("shard", "dtype", "shape", "begin", "end")
 
@@ -48,17 +73,7 @@ class Checkpoint:
 
     def __init__(self, path):
         self.path = Path(path)
-        if not self.path.is_dir():
-            raise FileNotFoundError(f"model directory {self.path} does not exist")
-        config_path = self.path / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"{config_path} is missing: not a Hugging Face model directory")
-        try:
-            self.config = ModelConfig.from_file(config_path)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise CheckpointError(f"{config_path} is not valid JSON: {err}") from None
-        except (TypeError, ValueError):  # valid JSON, but not an object
-            raise CheckpointError(f"{config_path} does not hold a JSON object") from None
+        self.config = read_config(self.path)
         self.shards = self._shard_files()
         self._entries: dict = {}
         self._maps: dict = {}

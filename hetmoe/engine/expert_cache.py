@@ -8,7 +8,8 @@ a crash never leaves a half-written file under the real name. Reading checks the
 key and sizes and the data against the 64-bit checksum stored with it; a stale or corrupt file is reported,
 deleted and rebuilt from the checkpoint, never used. Each directory keeps its key in ``key.json``; when a new
 one is written, directories made from an older version of the same checkpoint path (other file sizes or times,
-another layout version) are deleted, so re-downloading a model does not leave its old cache behind.
+another layout version) are deleted, so re-downloading a model does not leave its old cache behind; so are
+bf16 directories keyed by a group size (bf16 has none: its key says group 0 whatever --group-size was).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def default_cache_dir() -> Path:
 
 class ExpertCache:
     def __init__(self, root, checkpoint, weight_format: str, group_size: int, warn=print, numa: int = 1):
+        if weight_format == "bf16":  # no scale groups: a group size given with bf16 changes no byte
+            group_size = 0
         key = {
             "checkpoint": str(Path(checkpoint.path).resolve()),
             "files": checkpoint.fingerprint(),
@@ -129,9 +132,12 @@ class ExpertCache:
                 continue
             try:
                 key = json.loads((other / "key.json").read_text())
+                # bf16 entries keyed by a group size were written before the group was normalised out of the
+                # key: the same bytes as the group-0 entry
                 stale = (key.get("checkpoint") == self.key["checkpoint"]
                          and (key.get("files") != self.key["files"]
-                              or key.get("layout_version") != self.key["layout_version"]))
+                              or key.get("layout_version") != self.key["layout_version"]
+                              or (key.get("format") == "bf16" and key.get("group_size"))))
             except (OSError, ValueError, AttributeError):
                 continue
             if stale:

@@ -82,10 +82,16 @@ class Timings:
     decode_s: float = 0.0  # every later step
     prompt_tokens: int = 0
     decode_steps: int = 0  # runner.decode calls
+    cached_tokens: int = 0  # prompt tokens already in the KV cache (a chat's earlier turns): not recomputed
+
+    @property
+    def new_prompt_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
 
     @property
     def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+        """Prompt tokens computed per second (the cached ones cost nothing and are not counted)."""
+        return self.new_prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -224,8 +230,9 @@ def generate(runner, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: Op
     """Generate from ``prompt_ids`` until eos, a stop token or string, ``max_new_tokens`` or a full context.
 
     ``runner``: ``prefill(ids) -> logits [V]`` (starts the sequence at position 0), ``decode(id) -> logits [V]``,
-    ``max_context`` (most tokens, prompt and generated, a sequence may hold). ``on_text(piece)`` receives the text
-    as it completes; the pieces concatenate to ``result.text``.
+    ``max_context`` (most tokens, prompt and generated, a sequence may hold), and optionally ``cached_tokens``
+    (how many prompt tokens its last prefill found in the cache). ``on_text(piece)`` receives the text as it
+    completes; the pieces concatenate to ``result.text``.
     """
     params = params or SamplingParams()
     prompt = [int(t) for t in prompt_ids]
@@ -244,6 +251,6 @@ def generate(runner, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: Op
     t_end = time.perf_counter()
 
     timings = Timings(prefill_s=t_first - t0, decode_s=t_end - t_first, prompt_tokens=len(prompt),
-                      decode_steps=seq.completion_tokens - 1)
+                      decode_steps=seq.completion_tokens - 1, cached_tokens=getattr(runner, "cached_tokens", 0))
     return GenerationResult(text=seq.text, token_ids=seq.token_ids, finish_reason=seq.finish_reason,
                             prompt_tokens=len(prompt), completion_tokens=seq.completion_tokens, timings=timings)

@@ -1,6 +1,7 @@
 """Loading a Hugging Face checkpoint directory into a runnable model.
 
-    config.json -> model class (hetmoe.models.model_class) built on the meta device (no memory)
+    config.json, checked (models.check_config: every size, top-k, groups, RoPE; a bad entry is named before any
+    weight is read) -> model class (hetmoe.models.model_class) built on the meta device (no memory)
     -> memory plan (placement.choose_plan: refuses what cannot fit, before reading any weight)
     -> the globals (embeddings, final norm, lm_head), then one decoder layer at a time:
          dense tensors copied to their device in the plan's dtype (FP8 dequantized on the fly),
@@ -30,12 +31,12 @@ import torch
 from torch import nn
 
 from hetmoe.engine.calibration import calibration_text, check_gpu_experts, keep_gpu_experts
-from hetmoe.engine.checkpoint import Checkpoint, CheckpointError
+from hetmoe.engine.checkpoint import Checkpoint, CheckpointError, read_config
 from hetmoe.engine.expert_cache import ExpertCache, default_cache_dir
-from hetmoe.engine.placement import EngineOptions, MemoryPlan, ModelShapes, choose_plan
+from hetmoe.engine.placement import EngineOptions, MemoryPlan, ModelShapes, choose_plan, gib, normalize_options, wrap
 from hetmoe.kernels import HYBRID_RESERVED_CORES, CPUExperts, default_threads
 from hetmoe.layers.moe import DeferralChain, DeferredExperts, HostStaging, OffloadedExperts
-from hetmoe.models import model_class
+from hetmoe.models import APPLIES_ROPE_SCALING, ConfigError, check_config, context_limit, model_class
 from hetmoe.models.config import ModelConfig
 from hetmoe.numa import resolve_subpools
 
@@ -129,14 +130,42 @@ def defer_experts(model: nn.Module, d: int, overlap: bool = True) -> Optional[De
     return chain
 
 
+def checked_config(cfg: ModelConfig, source) -> ModelConfig:
+    """``cfg`` when the model files can run it (models.check_config); else CheckpointError naming the entry, its
+    value and ``source`` (the config.json file)."""
+    try:
+        check_config(cfg, str(source))
+    except ConfigError as err:
+        raise CheckpointError(str(err)) from None
+    return cfg
+
+
+def check_model_dir(path) -> ModelConfig:
+    """The checks of a model directory that read no weight: it exists (a hub id gets the download hint),
+    config.json parses and describes a model hetmoe can build. Returns the config."""
+    path = Path(path)
+    return checked_config(read_config(path), path / "config.json")
+
+
+def config_notes(cfg: ModelConfig) -> list:
+    """What a config asks for that the model file does not do (said at load, not refused)."""
+    scaling = cfg.rope_scaling_params
+    if scaling and cfg.get("model_type") not in APPLIES_ROPE_SCALING:
+        return [f"config.json asks for {scaling['rope_type']} RoPE scaling, which hetmoe's {cfg.get('model_type')} "
+                "model does not apply: it runs default RoPE, over at most max_position_embeddings positions"]
+    return []
+
+
 def model_shapes(model: nn.Module, cfg: ModelConfig, expert_inter: int) -> ModelShapes:
     n_routed = sum(_experts_of(b) for _, b in moe_blocks(model))
     cache = model.make_cache(1, 1, device="meta")
+    limit, why = context_limit(cfg)
     return ModelShapes(
         hidden=cfg.hidden_size, vocab_size=cfg.vocab_size, n_routed=n_routed, expert_inter=expert_inter,
         dense_params=sum(p.numel() for p in model.parameters()),
         kv_elems_per_token=(cache.k.numel() + cache.v.numel()), act_width=8 * cfg.hidden_size,
         max_position_embeddings=cfg.get("max_position_embeddings"), n_moe_layers=len(moe_blocks(model)),
+        context_limit=limit, context_why=why,
     )
 
 
@@ -214,6 +243,58 @@ def fill_experts(ckpt: Checkpoint, prefix: str, experts: CPUExperts) -> None:
             raise CheckpointError(f"{prefix}.experts.{e}: {err}") from None
 
 
+def load_summary(cfg: ModelConfig, path: Path, n_layers: int, n_moe: int, plan: MemoryPlan,
+                 options: EngineOptions, width: int = 100) -> list:
+    """The lines logged when a load starts, each at most ``width`` columns (a long path overflows alone): what,
+    from where, how placed, the memory plan, and notes on options or config entries that do not apply."""
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(plan.dtype, str(plan.dtype).replace("torch.", ""))
+    experts = f"{plan.experts_format} experts"
+    if plan.experts_format != "bf16":
+        experts += f" (group {plan.group_size})" if plan.group_size else " (per-row scales)"
+    how = [f"{n_layers} layers ({n_moe} MoE)", f"on {plan.device.type}", f"{dtype} dense part", experts]
+    if options.defer_experts:
+        how.append(f"{options.defer_experts} deferred per token")
+    if options.threads is not None:
+        how.append(f"{options.threads} expert threads")
+    lines = wrap(f"hetmoe: {cfg.get('model_type')} from", [str(path)], width)
+    lines += wrap("hetmoe:  ", how, width)
+    lines += plan.summary_lines(width)
+    notes = config_notes(cfg)
+    if options.group_size is not None and plan.experts_format == "bf16":
+        notes.append(f"--group-size {options.group_size} does not apply to bf16 experts (they have no scale "
+                     "groups); ignored")
+    for note in notes:
+        lines += wrap("hetmoe: note:", note.split(" "), width, indent="hetmoe:   ", sep="")
+    return lines
+
+
+def load_tokenizer(path, cfg: Optional[ModelConfig] = None, log: Optional[Callable[[str], None]] = None):
+    """The tokenizer of model directory ``path`` with every file read now — tokenizer.json, tokenizer_config.json,
+    the chat template compiled — so that a broken one is reported before any weight is read (ValueError /
+    FileNotFoundError naming the file). A tokenizer with more tokens than ``cfg``'s vocab_size is noted."""
+    import jinja2
+
+    from hetmoe.engine.tokenizer import Tokenizer, _compile_template
+
+    path = Path(path)
+    try:
+        tok = Tokenizer.from_dir(path)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: a tokenizer file is not UTF-8 ({err})") from None
+    if tok.chat_template:
+        try:
+            _compile_template(tok.chat_template)
+        except jinja2.TemplateError as err:
+            src = path / "chat_template.jinja"
+            src = src if src.is_file() else path / "tokenizer_config.json"
+            raise ValueError(f"{src}: the chat template does not compile ({err})") from None
+    vocab = (cfg or {}).get("vocab_size")
+    if log is not None and isinstance(vocab, int) and tok.vocab_size > vocab:
+        log(f"hetmoe: note: {path / 'tokenizer.json'} has {tok.vocab_size} tokens, config.json's vocab_size is "
+            f"{vocab}: ids from {vocab} on have no embedding")
+    return tok
+
+
 def _tokenize_with(path: Path) -> Callable[[str], list]:
     def tokenize(text: str) -> list:
         from hetmoe.engine.tokenizer import Tokenizer
@@ -238,9 +319,9 @@ def load_model(
     bad checkpoint, MemoryError when the plan does not fit.
     """
     t0 = time.perf_counter()
-    options = options or EngineOptions()
-    ckpt = Checkpoint(path)
-    cfg = ckpt.config
+    options = normalize_options(options or EngineOptions(), log)
+    ckpt = Checkpoint(path)  # config.json and every shard header; no weight
+    cfg = checked_config(ckpt.config, ckpt.path / "config.json")
     try:
         model = build_meta(cfg)
     except (AttributeError, KeyError, TypeError) as err:  # a config.json without an entry the model needs
@@ -256,10 +337,8 @@ def load_model(
         names = _expert_keys(ckpt, blocks[0][0])
         inter = ckpt.shape(f"{blocks[0][0]}.experts.0.{names[0]}.weight")[0]
     plan = choose_plan(model_shapes(model, cfg, inter), options)
-    log(f"hetmoe: {cfg.get('model_type')} from {ckpt.path}: {len(model.model.layers)} layers, "
-        f"{len(blocks)} MoE; {plan.device.type}, {plan.dtype}, experts {plan.experts_format}"
-        f"{f' group {plan.group_size}' if plan.experts_format != 'bf16' else ''}"
-        f"{f', {options.defer_experts} deferred per token' if options.defer_experts else ''}; {plan.describe()}")
+    for line in load_summary(cfg, ckpt.path, len(model.model.layers), len(blocks), plan, options):
+        log(line)
     cache = None
     if expert_cache is not None and blocks:
         root = default_cache_dir() if expert_cache == "auto" else Path(expert_cache)
@@ -302,7 +381,9 @@ def load_model(
         "cache_dir": str(cache.dir) if cache else None,
         "gpu_experts": gpu_experts,
     }
-    log(f"hetmoe: loaded in {info['load_s']:.1f} s (routed experts {expert_bytes / 2**30:.2f} GiB"
-        + (f", expert cache {cache.hits}/{cache.hits + cache.misses + cache.rebuilt} layers reused" if cache else "")
-        + ")")
+    done = [f"routed experts {gib(expert_bytes)}"]
+    if cache:
+        done.append(f"expert cache {cache.hits}/{cache.hits + cache.misses + cache.rebuilt} layers reused")
+    for line in wrap(f"hetmoe: loaded in {info['load_s']:.1f} s:", done):
+        log(line)
     return LoadedModel(model.eval(), cfg, plan, options, ckpt.path, info)

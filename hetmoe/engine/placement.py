@@ -8,12 +8,12 @@ model's shapes alone and ``check_fits`` refuses, with the breakdown, a plan that
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 import torch
 
-from hetmoe.kernels import AMX_EMULATED, ISAS, cpu_info
+from hetmoe.kernels import AMX_EMULATED, ISAS, cpu_info, default_threads
 from hetmoe.numa import parse_numa
 
 FORMATS = ("bf16", "int8", "int4")
@@ -132,9 +132,34 @@ class MemoryPlan:
             text += f"; VRAM {gib(self.vram_bytes)} ({parts(self.vram)})"
         return text
 
+    def summary_lines(self, width: int = 100) -> list:
+        """The plan's memory as log lines of at most ``width`` columns: one "RAM total: part size, ..." group
+        (then VRAM), wrapped."""
+        groups = [("RAM", self.ram)] + ([("VRAM", self.vram)] if self.device.type == "cuda" else [])
+        lines = []
+        for name, d in groups:
+            items = [f"{k} {gib(v)}" for k, v in d.items() if v]
+            lines += wrap(f"hetmoe:   {name} {gib(sum(d.values()))}:", items, width)
+        return lines
+
 
 def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+    """Bytes in one style everywhere: MiB with one decimal below 1 GiB, GiB with two from there."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def wrap(head: str, items: list, width: int = 100, indent: str = "hetmoe:     ", sep: str = ",") -> list:
+    """``head`` then ``items`` (each but the last followed by ``sep``), as lines of at most ``width`` columns;
+    continuation lines start with ``indent``. An item longer than a line (a path) overflows on a line of its own."""
+    lines, line, fresh = [], head, True
+    for i, item in enumerate(items):
+        piece = item + (sep if i < len(items) - 1 else "")
+        if not fresh and len(line) + 1 + len(piece) > width:
+            lines.append(line)
+            line, fresh = indent + piece, False
+        else:
+            line, fresh = f"{line} {piece}", False
+    return lines + [line]
 
 
 def free_ram() -> int:
@@ -158,8 +183,9 @@ def free_vram(device: torch.device) -> int:
 def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device, fmt: str) -> MemoryPlan:
     """Bytes of RAM and VRAM the placement of ``shapes`` under ``opts`` needs."""
     dtype = resolve_dtype(opts.dtype, device, shapes.dense_params)
-    group = DEFAULT_GROUP[fmt] if opts.group_size is None else opts.group_size
-    ctx = opts.max_context or min(4096, shapes.max_position_embeddings or 4096)
+    # bf16 has no scale groups: its group is 0 whatever --group-size says (it keys the expert cache)
+    group = DEFAULT_GROUP[fmt] if opts.group_size is None or fmt == "bf16" else opts.group_size
+    ctx = opts.max_context or min(4096, shapes.context_limit or shapes.max_position_embeddings or 4096)
     experts = shapes.n_routed * expert_bytes(fmt, shapes.hidden, shapes.expert_inter, group)
     dense = shapes.dense_params * dtype.itemsize
     kv = shapes.kv_elems_per_token * opts.max_batch * ctx * dtype.itemsize
@@ -188,7 +214,9 @@ def resolve_dtype(name: str, device: torch.device, dense_params: int) -> torch.d
 
 
 def choose_plan(shapes: "ModelShapes", opts: EngineOptions) -> MemoryPlan:
-    """Resolve device and experts format, and refuse a plan that cannot fit (ValueError with the numbers)."""
+    """Resolve device and experts format, and refuse a plan that cannot fit (MemoryError with the numbers) or a
+    --max-context beyond the model's positions (ValueError naming the limit)."""
+    check_context(shapes, opts)
     device = resolve_device(opts.device)
     ram, vram = free_ram(), (free_vram(device) if device.type == "cuda" else 0)
     if opts.experts_format == "auto":
@@ -216,6 +244,27 @@ def choose_plan(shapes: "ModelShapes", opts: EngineOptions) -> MemoryPlan:
     return plan
 
 
+def check_context(shapes: "ModelShapes", opts: EngineOptions) -> None:
+    limit = shapes.context_limit or shapes.max_position_embeddings
+    if opts.max_context is not None and limit and opts.max_context > limit:
+        why = shapes.context_why or f"max_position_embeddings {limit}"
+        raise ValueError(f"--max-context {opts.max_context} is beyond the {limit} positions this model was trained "
+                         f"for ({why} in config.json); use --max-context {limit} or less")
+
+
+def normalize_options(opts: EngineOptions, log=None) -> EngineOptions:
+    """``opts`` with what this machine cannot honour brought within it, each said once through ``log``: more
+    --threads than the physical cores this process may run on are capped to them (extra threads only contend
+    for the same cores). Returns ``opts`` itself when nothing changes."""
+    cores = default_threads()
+    if opts.threads is not None and opts.threads > cores:
+        if log is not None:
+            log(f"hetmoe: --threads {opts.threads} is more than the {cores} physical cores this process may use; "
+                f"using {cores}")
+        return replace(opts, threads=cores)
+    return opts
+
+
 @dataclass
 class ModelShapes:
     """What the memory plan needs to know about a model, read from its (meta-device) modules."""
@@ -229,3 +278,5 @@ class ModelShapes:
     act_width: int
     max_position_embeddings: Optional[int]
     n_moe_layers: int = 0  # blocks with routed experts (what --gpu-experts multiplies)
+    context_limit: Optional[int] = None  # positions the model attends over (models.context_limit), and why
+    context_why: str = ""

@@ -7,16 +7,108 @@ transformers renders them: a sandboxed jinja2 environment with ``trim_blocks`` a
 ``raise_exception`` / ``strftime_now`` globals, a non-escaping ``tojson`` and the loop-control extension.
 
 ``IncrementalDecoder`` turns a stream of token ids into text pieces without ever cutting a UTF-8 character in two.
+
+Bounded work for untrusted text (the server): ``min_tokens(text)`` is a lower bound on the token count from the
+text's length alone (every token of the vocabulary covers at most ``chars_per_token`` characters of the input);
+``encode_capped(text, cap)`` returns the same ids as ``encode`` when there are at most ``cap`` of them, and
+otherwise raises ``PromptTooLong`` after tokenizing only a prefix of roughly ``cap`` tokens. It encodes through
+the backend's batch call, which releases the GIL, so other Python threads keep running meanwhile.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
 _REPLACEMENT = "\ufffd"  # what a byte-level decoder emits for an incomplete UTF-8 sequence
+CAPPED_FIRST_PIECE = 1 << 16  # characters encode_capped tokenizes first; each further prefix is twice as long
+_MAX_DECOMPOSITION = 4  # code points in the longest canonical decomposition (Unicode 14; tested against unicodedata)
+_UNICODE_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
+
+
+class PromptTooLong(ValueError):
+    """``encode_capped``: the text has more than ``cap`` tokens; it has at least ``at_least`` (> cap), exactly that
+    many when ``exact`` (it was tokenized whole)."""
+
+    def __init__(self, at_least: int, cap: int, chars: int, exact: bool = False):
+        super().__init__(f"the text ({chars} characters) has {'' if exact else 'at least '}{at_least} tokens, "
+                         f"more than {cap}")
+        self.at_least, self.cap, self.chars, self.exact = at_least, cap, chars, exact
+
+
+def _normalizer_shrink(spec: Optional[dict]) -> Optional[float]:
+    """By how much a tokenizer.json normalizer can shorten a text (len(text) <= factor * len(normalized)); None
+    when it can delete characters without bound (BertNormalizer's cleaning, Strip, StripAccents, Precompiled,
+    regex Replace)."""
+    if spec is None:
+        return 1.0
+    kind = spec.get("type")
+    if kind == "Sequence":
+        factor = 1.0
+        for inner in spec.get("normalizers", []):
+            f = _normalizer_shrink(inner)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind in _UNICODE_FORMS:  # composition merges at most a full canonical decomposition into one character
+        return float(_MAX_DECOMPOSITION)
+    if kind in ("Lowercase", "Prepend"):  # a character lowercases to one or more; prepending only adds
+        return 1.0
+    if kind == "Replace":
+        pattern, content = spec.get("pattern", {}).get("String"), spec.get("content")
+        if isinstance(pattern, str) and pattern and isinstance(content, str) and content:
+            return max(1.0, len(pattern) / len(content))
+    return None
+
+
+def _keeps_every_character(spec: Optional[dict]) -> bool:
+    """Whether a pre-tokenizer passes every character on (Whitespace, WhitespaceSplit, Bert and Split "Removed"
+    drop some, so a text of spaces alone could have no tokens at all)."""
+    if spec is None:
+        return True
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return all(_keeps_every_character(p) for p in spec.get("pretokenizers", []))
+    if kind in ("Split", "Punctuation"):
+        return spec.get("behavior") != "Removed"
+    return kind in ("ByteLevel", "Metaspace", "Digits", "UnicodeScripts")
+
+
+def _chars_per_token(backend) -> Optional[int]:
+    """The most input characters one token can stand for, or None when no such bound holds for this tokenizer.
+
+    Every token covers a contiguous piece of the normalized text, at most as many characters as its vocabulary
+    string has (byte-level strings have one character per byte, and a character is at least one byte;
+    "<0x41>" byte-fallback tokens cover less than one). That needs a BPE model that maps every character to
+    tokens (the whole byte alphabet present, or byte fallback with all 256 byte tokens, or an unk token per
+    character), a pre-tokenizer that drops nothing, added tokens that swallow no whitespace (lstrip/rstrip),
+    and the normalizer's shrink factor on top."""
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    vocab = backend.get_vocab(with_added_tokens=True)
+    if model.get("type") != "BPE" or not _keeps_every_character(spec.get("pre_tokenizer")):
+        return None
+    if any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or []):
+        return None
+    from tokenizers import pre_tokenizers
+
+    byte_level = "ByteLevel" in json.dumps(spec.get("pre_tokenizer"))
+    if byte_level and all(c in vocab for c in pre_tokenizers.ByteLevel.alphabet()):
+        pass  # every byte of any text has a token
+    elif model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256)):
+        pass
+    elif model.get("unk_token") in vocab and not model.get("fuse_unk"):
+        pass  # an unknown character is one unk token
+    else:
+        return None  # unknown characters are dropped, or fused into one unk however many there are
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    if shrink is None or not vocab:
+        return None
+    return int(math.ceil(max(len(t) for t in vocab) * shrink))
 
 
 def _read_json(path: Path) -> dict:
@@ -129,6 +221,7 @@ class Tokenizer:
         self.eos_ids: set[int] = ids
         self.chat_template = chat_template
         self._compiled = None
+        self._bound: Optional[tuple] = None  # (chars_per_token, longest added token), computed on first use
 
     @classmethod
     def from_dir(cls, path: Union[str, Path]) -> "Tokenizer":
@@ -169,7 +262,10 @@ class Tokenizer:
         whether it comes from ``add_bos_token``, tokenizer.json's post-processor or the text itself."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._fix_bos(text, self._tok.encode(text, add_special_tokens=add_special_tokens).ids,
+                             add_special_tokens)
+
+    def _fix_bos(self, text: str, ids: list, add_special_tokens: bool) -> list[int]:
         if not add_special_tokens or self.bos_id is None:
             return ids
         bos_text = self._tok.id_to_token(self.bos_id) or ""
@@ -182,6 +278,61 @@ class Tokenizer:
         added = leading > in_text if self.add_bos_token is None else self.add_bos_token
         want = max(in_text, 1) if added else in_text
         return [self.bos_id] * want + ids[leading:]
+
+    def _bounds(self) -> tuple:
+        if self._bound is None:
+            added = [t.content for t in self._tok.get_added_tokens_decoder().values()]
+            self._bound = (_chars_per_token(self._tok), max(map(len, added), default=0))
+        return self._bound
+
+    @property
+    def chars_per_token(self) -> Optional[int]:
+        """The most input characters one token can cover (None: this tokenizer admits no such bound)."""
+        return self._bounds()[0]
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))`` (either ``add_special_tokens``) without tokenizing: 0 when the
+        tokenizer admits no bound."""
+        per_token = self.chars_per_token
+        return 0 if not per_token else -(-len(text) // per_token)
+
+    def encode_capped(self, text: str, cap: int, add_special_tokens: bool = True) -> list[int]:
+        """``encode(text, add_special_tokens)`` when that has at most ``cap`` ids; otherwise ``PromptTooLong``,
+        decided without tokenizing all of a long text.
+
+        Refuses at once when ``min_tokens`` exceeds ``cap``. Else tokenizes prefixes of ``CAPPED_FIRST_PIECE``,
+        then twice, four times ... as many characters, until a prefix is the whole text or proves more than ``cap``
+        tokens — so the work is a few times that of ``cap`` tokens, whatever the text's length. A prefix proves
+        the tokens of its pre-tokenized words except the last ones: normalizers and pre-tokenizers look at a
+        bounded neighbourhood (a lookahead character, an added token straddling the cut), words are tokenized
+        one by one, so every word ending far enough before the cut is a word of the whole text, with the same
+        tokens. The last ``longest added token + 16`` words are not counted (each word is at least one
+        character, so they hold every word within that many characters of the cut)."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode_capped() takes a str, got {type(text).__name__}")
+        bound = self.min_tokens(text)
+        if bound > cap:
+            raise PromptTooLong(bound, cap, len(text))
+        margin_words = self._bounds()[1] + 16
+        k = CAPPED_FIRST_PIECE
+        while k < len(text):
+            word_ids = self._encode_unlocked(text[:k], False).word_ids
+            proven = len(word_ids)
+            last = next((w for w in reversed(word_ids) if w is not None), None)
+            if last is not None:
+                while proven and (word_ids[proven - 1] is None or word_ids[proven - 1] > last - margin_words):
+                    proven -= 1
+            if proven > cap:
+                raise PromptTooLong(proven, cap, len(text))
+            k *= 2
+        ids = self._fix_bos(text, self._encode_unlocked(text, add_special_tokens).ids, add_special_tokens)
+        if len(ids) > cap:
+            raise PromptTooLong(len(ids), cap, len(text), exact=True)
+        return ids
+
+    def _encode_unlocked(self, text: str, add_special_tokens: bool):
+        # the batch call runs in Rust with the GIL released (encode() keeps it for the whole tokenization)
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -1,9 +1,16 @@
-"""A model's ``config.json`` as an object with attribute access (no transformers needed at run time)."""
+"""A model's ``config.json`` as an object with attribute access (no transformers needed at run time), and the
+checks that its entries describe a model these files can build (``check_config``), made before any weight is read.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    """A config.json entry the models cannot run with; the message names the field, its value and the file."""
 
 
 class ModelConfig(dict):
@@ -37,3 +44,207 @@ class ModelConfig(dict):
     @property
     def head_dim_or_default(self) -> int:
         return self.get("head_dim") or self["hidden_size"] // self["num_attention_heads"]
+
+    @property
+    def rope_scaling_params(self) -> dict:
+        """rope_parameters (transformers >= 4.56) or rope_scaling, {} when neither scales (rope_type "default")."""
+        params = self.get("rope_parameters") or self.get("rope_scaling") or {}
+        if not isinstance(params, dict):
+            return {}
+        kind = params.get("rope_type", params.get("type", "default"))
+        return {} if kind == "default" else {**params, "rope_type": kind}
+
+
+# ------------------------------------------------------------------------------------------------ checks
+
+# model_type family -> (the entry or entries naming the routed-expert count, whether attention is GQA)
+_EXPERTS = {
+    "qwen3_moe": ("num_experts", "num_local_experts"), "qwen2_moe": ("num_experts", "num_local_experts"),
+    "mixtral": ("num_local_experts", "num_experts"),
+    "deepseek_v2": ("n_routed_experts", "num_local_experts", "num_experts"),
+    "deepseek_v3": ("n_routed_experts", "num_local_experts", "num_experts"),
+    "kimi_k2": ("n_routed_experts", "num_local_experts", "num_experts"),
+}
+
+
+class _Checker:
+    def __init__(self, cfg: ModelConfig, source: str):
+        self.cfg, self.source, self.model_type = cfg, source, cfg.get("model_type")
+
+    def fail(self, what: str):
+        raise ConfigError(f"{self.source}: {what}")
+
+    def int(self, name: str, minimum: int = 1, default=None, required: bool = True) -> Optional[int]:
+        v = self.cfg.get(name, default)
+        if v is None:
+            if required:
+                raise ConfigError(f"{self.source} does not describe a {self.model_type} model: it has no {name}")
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            self.fail(f"{name} is {v!r}; it must be an integer >= {minimum}")
+        return v
+
+    def number(self, name: str, value, positive: bool = True) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and not value > 0):
+            self.fail(f"{name} is {value!r}; it must be a number > 0")
+        return float(value)
+
+
+def check_config(cfg: ModelConfig, source: str = "config.json") -> None:
+    """Refuse (ConfigError naming the field, its value and ``source``) a config.json whose entries the model
+    files cannot run: sizes that are missing or not positive, a top-k outside 1..experts, DeepSeek expert groups
+    that do not divide the experts, head sizes that do not divide, RoPE settings the model cannot build. Only
+    supported model types are checked (model_class refuses the others)."""
+    c = _Checker(cfg, source)
+    if c.model_type not in _EXPERTS:
+        return
+    deepseek = c.model_type.startswith("deepseek") or c.model_type == "kimi_k2"
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+        c.int(name)
+    layers, heads, hidden = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["hidden_size"]
+    if cfg.get("rms_norm_eps") is None:
+        c.int("rms_norm_eps")  # the "has no" message
+    c.number("rms_norm_eps", cfg["rms_norm_eps"])
+    c.int("max_position_embeddings", required=deepseek)
+    params = cfg.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        c.fail(f"rope_parameters is {params!r}; it must be an object")
+    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    if theta is not None:
+        c.number("rope_theta", theta)
+    _check_rope_scaling(c, deepseek)
+
+    n_experts = _n_experts(c)
+    first_dense = 0
+    if deepseek:
+        first_dense = c.int("first_k_dense_replace", minimum=0, default=0)
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            c.int(name)
+        c.int("qk_nope_head_dim", minimum=0)
+        c.int("q_lora_rank", required=False)
+        if cfg["qk_rope_head_dim"] % 2:
+            c.fail(f"qk_rope_head_dim is {cfg['qk_rope_head_dim']}; RoPE needs an even size")
+    else:
+        kv = c.int("num_key_value_heads")
+        if heads % kv:
+            c.fail(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+        head_dim = c.int("head_dim", required=False)
+        if head_dim is None:
+            if hidden % heads:
+                c.fail(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} (and there is no "
+                       "head_dim)")
+            head_dim = hidden // heads
+        if head_dim % 2:
+            c.fail(f"the head size is {head_dim} ({'head_dim' if cfg.get('head_dim') else 'hidden_size / heads'}); "
+                   "RoPE needs an even size")
+    dense_layers = n_experts == 0 or first_dense > 0
+    if c.model_type in ("qwen3_moe", "qwen2_moe"):
+        step = c.int("decoder_sparse_step", default=1)
+        only = cfg.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+            c.fail(f"mlp_only_layers is {only!r}; it must be a list of layer indices")
+        bad = [i for i in only if not 0 <= i < layers]
+        if bad:
+            c.fail(f"mlp_only_layers lists layer(s) {bad}; the model has {layers} (num_hidden_layers)")
+        dense_layers = dense_layers or bool(only) or step > 1
+    if c.model_type == "mixtral" or dense_layers:
+        c.int("intermediate_size")
+    if not n_experts:
+        return
+    if c.model_type != "mixtral":
+        c.int("moe_intermediate_size")
+    if c.model_type == "qwen2_moe":
+        c.int("shared_expert_intermediate_size")
+    if deepseek:
+        c.int("n_shared_experts", minimum=0, default=0)
+    k = cfg.get("num_experts_per_tok")
+    if k is None:
+        c.int("num_experts_per_tok")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_experts:
+        c.fail(f"num_experts_per_tok is {k!r}; with {n_experts} routed experts ({_expert_field(cfg)}) it must be "
+               f"between 1 and {n_experts}")
+    if deepseek:
+        _check_groups(c, n_experts, k)
+
+
+def _expert_field(cfg: ModelConfig) -> str:
+    return next(n for n in _EXPERTS[cfg["model_type"]] if cfg.get(n) is not None)
+
+
+def _n_experts(c: _Checker) -> int:
+    names = _EXPERTS[c.model_type]
+    present = [n for n in names if c.cfg.get(n) is not None]
+    if not present:
+        raise ConfigError(f"{c.source} does not describe a {c.model_type} model: it has none of {', '.join(names)}")
+    return c.int(present[0], minimum=0 if c.model_type != "mixtral" else 1)
+
+
+def _check_groups(c: _Checker, n_experts: int, k: int) -> None:
+    """DeepSeek's group-limited routing: V3 always (n_group default 1, a group's score is its best two experts),
+    V2 with topk_method group_limited_greedy."""
+    cfg = c.cfg
+    v3 = c.model_type != "deepseek_v2"
+    method = cfg.get("topk_method", "greedy")
+    if not v3 and method not in ("greedy", "group_limited_greedy"):
+        c.fail(f"topk_method is {method!r}; DeepSeek-V2 routes with greedy or group_limited_greedy")
+    if not v3 and method == "greedy":
+        return
+    n_group = c.int("n_group", default=1) if not v3 else (cfg.get("n_group") or 1)
+    topk_group = c.int("topk_group", default=1) if not v3 else (cfg.get("topk_group") or 1)
+    for name, v in (("n_group", n_group), ("topk_group", topk_group)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            c.fail(f"{name} is {v!r}; it must be an integer >= 1")
+    if n_experts % n_group:
+        c.fail(f"n_group is {n_group}; it must divide the {n_experts} routed experts ({_expert_field(cfg)})")
+    per_group = n_experts // n_group
+    if v3 and per_group < 2:
+        c.fail(f"n_group is {n_group}: groups of {per_group} expert(s); a group is scored by its best two, so "
+               f"n_group can be at most {n_experts // 2}")
+    if topk_group > n_group:
+        c.fail(f"topk_group is {topk_group}; it must be between 1 and n_group ({n_group})")
+    if k > topk_group * per_group:
+        c.fail(f"num_experts_per_tok is {k}, but topk_group {topk_group} groups of {per_group} experts offer only "
+               f"{topk_group * per_group}")
+
+
+def _check_rope_scaling(c: _Checker, deepseek: bool) -> None:
+    raw = c.cfg.get("rope_parameters") or c.cfg.get("rope_scaling")
+    if raw is None:
+        return
+    field_name = "rope_parameters" if c.cfg.get("rope_parameters") else "rope_scaling"
+    if not isinstance(raw, dict):
+        c.fail(f"{field_name} is {raw!r}; it must be an object")
+    scaling = c.cfg.rope_scaling_params
+    if not scaling:
+        return
+    factor = scaling.get("factor")
+    if factor is not None:
+        c.number(f"{field_name}.factor", factor)
+    original = scaling.get("original_max_position_embeddings")
+    if original is not None and (isinstance(original, bool) or not isinstance(original, int) or original < 1):
+        c.fail(f"{field_name}.original_max_position_embeddings is {original!r}; it must be an integer >= 1")
+    if deepseek:
+        if scaling["rope_type"] != "yarn":
+            c.fail(f"{field_name} has rope_type {scaling['rope_type']!r}; DeepSeek models run default or yarn RoPE")
+        if original is None:
+            c.fail(f"{field_name} (yarn) has no original_max_position_embeddings")
+
+
+def context_limit(cfg: ModelConfig, applies_rope_scaling: bool = True) -> tuple:
+    """(positions the model can attend over, how that number was found) — None when config.json has no
+    max_position_embeddings. With RoPE scaling that the model applies (a factor, e.g. YaRN), the larger of
+    max_position_embeddings and original_max_position_embeddings x factor."""
+    limit = cfg.get("max_position_embeddings")
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        return None, ""
+    why = f"max_position_embeddings {limit}"
+    scaling = cfg.rope_scaling_params
+    factor = scaling.get("factor")
+    if applies_rope_scaling and isinstance(factor, (int, float)) and factor > 1:
+        original = scaling.get("original_max_position_embeddings") or limit
+        scaled = int(original * factor)
+        if scaled > limit:
+            limit = scaled
+            why = (f"{scaling['rope_type']} RoPE scaling: original_max_position_embeddings {original} x factor "
+                   f"{factor:g}")
+    return limit, why

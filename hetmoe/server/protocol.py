@@ -5,6 +5,12 @@ the JSON objects the official client expects back (``chat.completion``, ``chat.c
 Every problem with a request is an ``APIError`` carrying the HTTP status and the OpenAI error body
 ``{"error": {"message", "type", "param", "code"}}``. Bad input is always 400 (``invalid_request_error``), as
 OpenAI answers wrong types, bad values, missing fields and too-long prompts; an unknown model is 404.
+
+Bounded work per request: a text prompt is tokenized with a cap (``Tokenizer.encode_capped`` through
+``prompt_encoder``): one whose length in characters already proves more tokens than the context holds is refused
+(400 ``context_length_exceeded``) without being tokenized, and a longer-than-the-context one after tokenizing a
+prefix of about a context's worth of tokens, so a megabyte prompt costs no more than a fitting one. The tokenizer
+runs with the GIL released: the event loop and the engine thread go on meanwhile.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from hetmoe.engine.generation import SamplingParams
+from hetmoe.engine.tokenizer import PromptTooLong
 
 ROLES = ("system", "user", "assistant", "developer")  # developer (OpenAI's newer name) is rendered as system
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # bounds the per-token hold-back check
@@ -42,7 +49,7 @@ class ServedModel:
     """What validation needs to know about the model being served."""
 
     id: str
-    prompt_ids: Callable  # (text or messages, chat: bool) -> token ids, as LLM.prompt_ids
+    prompt_ids: Callable  # (text or messages, chat: bool, cap: int) -> token ids, as LLM.prompt_ids; PromptTooLong
     max_context: int
     vocab_size: int
     has_chat_template: bool
@@ -181,9 +188,7 @@ def _sampling(body: dict, served: ServedModel, n_prompt: int, chat: bool, prompt
             max_tokens, param = value, name  # max_completion_tokens (OpenAI's newer name) wins over max_tokens
     limit = served.max_context
     if n_prompt >= limit:
-        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your prompt is "
-                            f"{n_prompt} tokens, which leaves no room for the completion. Please shorten the prompt.",
-                       param=prompt_param, code="context_length_exceeded")
+        raise _too_long(limit, n_prompt, prompt_param)
     if max_tokens is None:
         max_tokens = limit - n_prompt if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, limit - n_prompt)
     elif n_prompt + max_tokens > limit:
@@ -258,9 +263,33 @@ def _messages(body: dict) -> list:
     return out
 
 
+def prompt_encoder(tokenizer) -> Callable:
+    """``ServedModel.prompt_ids`` for a ``Tokenizer``: the ids ``LLM.prompt_ids`` gives (a list of messages
+    rendered by the chat template, a string as is), through ``encode_capped``: ``PromptTooLong`` past ``cap``."""
+
+    def prompt_ids(prompt, chat: bool, cap: int) -> list:
+        if isinstance(prompt, list) or (chat and tokenizer.has_chat_template):
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return tokenizer.encode_capped(text, cap, add_special_tokens=False)
+        return tokenizer.encode_capped(prompt, cap)
+
+    return prompt_ids
+
+
+def _too_long(limit: int, n_prompt: int, param: str, exact: bool = True) -> APIError:
+    amount = f"{n_prompt} tokens" if exact else f"at least {n_prompt} tokens"
+    return APIError(400, f"This model's maximum context length is {limit} tokens. However, your prompt is "
+                         f"{amount}, which leaves no room for the completion. Please shorten the prompt.",
+                    param=param, code="context_length_exceeded")
+
+
 def _encode(served: ServedModel, prompt, chat: bool, param: str) -> list:
+    limit = served.max_context
     try:
-        return list(served.prompt_ids(prompt, chat))
+        return list(served.prompt_ids(prompt, chat, limit - 1))  # at least one token must stay for the completion
+    except PromptTooLong as e:
+        raise _too_long(limit, e.at_least, param, e.exact) from None
     except Exception as e:  # template errors (roles must alternate ...), text the tokenizer cannot take
         raise APIError(400, f"Invalid '{param}': {e}", param=param, code="invalid_value") from e
 
@@ -275,6 +304,8 @@ def _prompt_ids(body: dict, served: ServedModel) -> list:
         ids = _encode(served, prompt, False, "prompt")
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         ids = prompt
+        if len(ids) >= served.max_context:
+            raise _too_long(served.max_context, len(ids), "prompt")
         bad = [t for t in ids if not 0 <= t < served.vocab_size]
         if bad:
             raise _bad_value("prompt", f"token ids must be in [0, {served.vocab_size}), got {bad[0]}")

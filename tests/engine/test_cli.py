@@ -240,6 +240,47 @@ def test_chat_prefix_reuse_equals_a_fresh_llm(llm, model_dir):
     assert second.token_ids == fresh.token_ids and second.text == fresh.text
 
 
+def test_prefix_reuse_counts_cached_tokens(llm):
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    llm.forget_cache()
+    messages = [{"role": "user", "content": "Hi there"}]
+    first = llm.generate(messages, params)
+    assert first.timings.cached_tokens == 0 and first.timings.new_prompt_tokens == first.prompt_tokens
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "More"}]
+    second = llm.generate(messages, params)
+    t = second.timings
+    assert 0 < t.cached_tokens < second.prompt_tokens and t.new_prompt_tokens == second.prompt_tokens - t.cached_tokens
+    llm.forget_cache()
+    assert llm.generate(messages, params).timings.cached_tokens == 0
+
+
+def test_an_interrupted_step_is_not_reused(llm, model_dir):
+    """A step stopped part way (Ctrl-C in `chat`, an error) may have overwritten KV positions of earlier turns: the
+    prefix record names only completed steps, so the next turn does not reuse them and equals a fresh LLM."""
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    first_turn = [{"role": "user", "content": "Hi there"}]
+    llm.forget_cache()
+    first = llm.generate(first_turn, params)
+    prefill = llm.runner.prefill
+
+    def interrupted(ids, *a, **kw):
+        prefill(ids, *a, **kw)  # the step's cache writes happen, then the interrupt arrives
+        raise KeyboardInterrupt
+
+    llm.runner.prefill = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):  # another conversation, diverging at its first user message
+            llm.generate([{"role": "user", "content": "Something else entirely, and longer"}], params)
+    finally:
+        del llm.runner.prefill
+    again = first_turn + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "More"}]
+    got = llm.generate(again, params)
+    fresh = LLM(model_dir, EngineOptions(**LLM_OPTIONS), expert_cache=None, progress=False,
+                log=lambda m: None).generate(again, params)
+    assert got.timings.cached_tokens == 0  # nothing trusted after the interrupted prefill
+    assert got.token_ids == fresh.token_ids
+
+
 # ---------------------------------------------------------------- the commands
 
 @pytest.fixture(scope="module")
@@ -337,12 +378,73 @@ def test_truncated_shard_is_a_one_line_error(env, model_dir, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (("--model", "/nonexistent/model"), "error: model directory /nonexistent/model does not exist"),
-    (("--temperature", -1), "error: argument --temperature: expected a number >= 0, got -1"),
-    (("--top-p", 0), r"error: top_p must be in (0, 1]"),
-    (("--top-k", -2), "error: top_k must be an integer >= 0"),
     (("--device", "cuda"), "error: --device cuda was asked for, but torch sees no CUDA device"),
-], ids=["no-model-dir", "negative-temperature", "zero-top-p", "negative-top-k", "cuda-without-cuda"])
-def test_errors_are_one_line(capsys, args, message):
+], ids=["no-model-dir", "cuda-without-cuda"])
+def test_runtime_errors_are_one_line(capsys, args, message):
     if "cuda" in args and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    _one_error_line(*main(capsys, *GEN, *args), message)
+    code, stdout, stderr = main(capsys, *GEN, *args)
+    assert code == 1 and "usage:" not in stderr
+    _one_error_line(code, stdout, stderr, message)
+
+
+# Usage errors: argparse's exit status 2, the usage, then one line `hetmoe CMD: error: --option: what` with the
+# value as typed: no Python quotes, reprs or tuples (before: "argument --top-p" from argparse next to "top_p must
+# be ..." with exit 1, "invalid _positive_int value: 'abc'", "got ('',)").
+@pytest.mark.parametrize("args, line", [
+    (("generate", "--temperature", -1), "hetmoe generate: error: --temperature: expected a number >= 0, got -1"),
+    (("generate", "--top-p", 0), "hetmoe generate: error: --top-p: expected a number in (0, 1], got 0"),
+    (("generate", "--top-k", -2), "hetmoe generate: error: --top-k: expected an integer >= 0, got -2"),
+    (("generate", "--threads", "abc"), "hetmoe generate: error: --threads: expected a positive integer, got abc"),
+    (("generate", "--seed", "x"), "hetmoe generate: error: --seed: expected an integer, got x"),
+    (("generate", "--stop", ""), "hetmoe generate: error: --stop: expected a non-empty string"),
+    (("generate", "--device", "tpu"),
+     "hetmoe generate: error: --device: invalid choice: tpu (choose from auto, cuda, cpu)"),
+    (("generate", "--gpu-experts", -1), "hetmoe generate: error: --gpu-experts: expected an integer >= 0, got -1"),
+    (("generate", "--experts-format", "int4", "--group-size", 0),
+     "hetmoe generate: error: --group-size: int4 experts need a group size of 32, 64 or 128"),
+    (("generate", "--bogus"), "hetmoe generate: error: unrecognized arguments: --bogus"),
+    (("chat", "--numa", "x"), "hetmoe chat: error: --numa: expected auto, off or a number of subpools >= 1, got x"),
+    (("doctor", "--isa", "sse4"), "hetmoe doctor: error: --isa: invalid choice: sse4 (choose from auto, scalar"),
+    (("bench", "overhead", "--with-copies"), "hetmoe bench overhead: error: --with-copies: needs --stream"),
+    (("bench", "kernel", "--tokens", "a"),
+     "hetmoe bench kernel: error: --tokens: expected a comma-separated list of integers, got a"),
+    (("nope",), "hetmoe: error: COMMAND: invalid choice: nope (choose from generate, chat, serve"),
+], ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else None)
+def test_usage_errors_have_one_style(capsys, args, line):
+    code, stdout, stderr = main(capsys, *args)
+    lines = stderr.splitlines()
+    assert code == 2 and stdout == "" and lines[0].startswith("usage: hetmoe"), stderr
+    assert lines[-1].startswith(line) and [x for x in lines if "error:" in x] == lines[-1:], stderr
+    assert not any(c in lines[-1] for c in "'\"") and "argument " not in lines[-1], lines[-1]
+
+
+def test_bare_commands_print_their_help(capsys):
+    code, stdout, stderr = main(capsys)  # bare `hetmoe`: the help on stdout, exit 0 (git, pip)
+    assert code == 0 and stderr == "" and stdout.startswith("usage: hetmoe") and "generate" in stdout
+    code, stdout, stderr = main(capsys, "bench")  # a missing benchmark: bench's help, a usage error
+    assert code == 2 and stdout == "" and "kernel" in stderr and "overhead" in stderr
+    assert stderr.splitlines()[-1] == "hetmoe bench: error: choose a benchmark: kernel, e2e, serve, overhead"
+    code, stdout, _ = main(capsys, "chat", "--help")  # chat's own default, not generate's
+    assert code == 0 and "most tokens per reply (default: 512)" in " ".join(stdout.split())
+
+
+def _into_a_closed_pipe(env, *args):
+    """``hetmoe ARGS | head -0``, deterministically: stdout is a pipe whose read end is closed before it starts."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run([sys.executable, "-m", "hetmoe", *map(str, args)], stdout=write_end,
+                             stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    finally:
+        os.close(write_end)
+    return out.returncode, out.stderr
+
+
+@pytest.mark.parametrize("args", [GEN, (*GEN, "--json")], ids=["generate-stream", "generate-json"])
+def test_a_closed_pipe_ends_quietly(env, args):
+    # As `cat` into a closed pipe: nothing on stderr about it, the status a shell shows for SIGPIPE (128 + 13).
+    # Before: "Broken pipe" / "Exception ignored ... BrokenPipeError" and exit 1.
+    code, stderr = _into_a_closed_pipe(env, *args)
+    assert code == 141, stderr
+    assert "Traceback" not in stderr and "Broken" not in stderr and "error" not in stderr.lower(), stderr
