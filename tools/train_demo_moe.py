@@ -369,7 +369,8 @@ def check_with_hetmoe(out: Path, ids: torch.Tensor, new_tokens: int) -> dict:
     from hetmoe.engine.placement import EngineOptions
     from hetmoe.kernels import cpu_info
 
-    llm = LLM(out, EngineOptions(device="cpu", experts_format="bf16", dtype="fp32", max_context=512),
+    limit = json.loads((out / "config.json").read_text())["max_position_embeddings"]  # the smoke model's is 128
+    llm = LLM(out, EngineOptions(device="cpu", experts_format="bf16", dtype="fp32", max_context=min(512, limit)),
               expert_cache=None, progress=False, log=lambda m: None)
     ours = llm.runner.score(ids.tolist())
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
