@@ -9,7 +9,7 @@ _LAZY = {
     "LLM": "hetmoe.engine.llm",
     "EngineOptions": "hetmoe.engine.placement",
     "SamplingParams": "hetmoe.engine.generation",
-    "CPUExperts": "hetmoe.kernels",
+    "CPUExperts": "hetmoe.cpu",
 }
 
 

@@ -15,8 +15,8 @@ from typing import Optional, Sequence
 from hetmoe import __version__
 
 SHAPE_NAMES = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")  # defined in hetmoe.bench.kernel.SHAPES
-ISAS = ("auto", "scalar", "avx2", "avx512", "amx")  # hetmoe.kernels.ISAS and auto
-MODEL_SHAPES = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "deepseek-v2-lite")  # hetmoe.engine.synthetic.SHAPES
+ISAS = ("auto", "scalar", "avx2", "avx512", "amx")  # hetmoe.cpu.ISAS and auto
+MODEL_SHAPES = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "deepseek-v2-lite")  # hetmoe.testing.synthetic.SHAPES
 
 
 _KINDS = {"int": "an integer", "float": "a number"}
@@ -96,7 +96,7 @@ def _stop(text: str) -> str:
 
 
 def _numa(text: str):
-    from hetmoe.numa import parse_numa
+    from hetmoe.cpu.numa import parse_numa
 
     try:
         return parse_numa(text)

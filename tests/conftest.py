@@ -47,7 +47,7 @@ def engine_path(request):
 def pool():
     """A two-thread ExpertPool of the test module's own (not the process-wide shared pool), so pending counts and
     job order are the module's alone."""
-    from hetmoe.kernels import ExpertPool
+    from hetmoe.cpu import ExpertPool
 
     return ExpertPool(2)
 
@@ -68,7 +68,7 @@ def stream():
 
 
 class CheckpointFactory:
-    """Tiny random checkpoints (hetmoe.engine.synthetic.write_checkpoint), each written once per session."""
+    """Tiny random checkpoints (hetmoe.testing.synthetic.write_checkpoint), each written once per session."""
 
     def __init__(self, root):
         self.root = root
@@ -76,7 +76,7 @@ class CheckpointFactory:
 
     def __call__(self, arch: str, overrides: dict | None = None, seed: int = 0, dtype: str = "float32", **kw):
         pytest.importorskip("transformers")
-        from hetmoe.engine.synthetic import write_checkpoint
+        from hetmoe.testing.synthetic import write_checkpoint
 
         key = (arch, repr(sorted((overrides or {}).items())), seed, dtype, repr(sorted(kw.items())))
         if key not in self._made:

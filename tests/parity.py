@@ -8,7 +8,7 @@ import re
 import torch
 from safetensors.torch import load_file
 
-from hetmoe.kernels import CPUExperts
+from hetmoe.cpu import CPUExperts
 from hetmoe.layers.attention import Step
 from hetmoe.layers.moe import TorchExperts
 from hetmoe.models.config import ModelConfig

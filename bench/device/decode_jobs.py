@@ -21,16 +21,16 @@ import time
 
 import torch
 
-from hetmoe import kernels
+from hetmoe import cpu
 
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 14
 L = int(sys.argv[2]) if len(sys.argv) > 2 else 48
 E, H, I, k, D, R = 128, 2048, 768, 8, 4, 6
-pool = kernels.ExpertPool(threads)
+pool = cpu.ExpertPool(threads)
 t0 = time.time()
 layers = []
 for seed in range(1, L + 1):
-    ex = kernels.CPUExperts(E, H, I, "int4", 64, pool=pool)
+    ex = cpu.CPUExperts(E, H, I, "int4", 64, pool=pool)
     ex.fill_random(seed=seed)
     layers.append(ex)
 bpe = layers[0].info()["bytes_per_expert"]

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from hetmoe.bench.decode_variants import _offloaded
 from hetmoe.engine.placement import EngineOptions
 from hetmoe.engine.runner import Runner
-from hetmoe.engine.synthetic import build_random_model
+from hetmoe.testing.synthetic import build_random_model
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 layers = int(args[0]) if args else 8

@@ -1,6 +1,6 @@
 """``hetmoe bench e2e``: prefill and decode of a whole model, per placement, against the decode roofline.
 
-The model is a real shape with random weights (``hetmoe.engine.synthetic.SHAPES``, built in memory) or a checkpoint
+The model is a real shape with random weights (``hetmoe.testing.synthetic.SHAPES``, built in memory) or a checkpoint
 directory. For each placement — ``cpu`` (everything on the CPU) and ``hybrid`` (routed experts on the CPU, the rest
 on the GPU); ``--device auto`` runs both where there is a GPU, building the model once per placement — it reports:
 
@@ -27,14 +27,14 @@ from typing import Optional
 
 import torch
 
-from hetmoe import kernels
+from hetmoe import cpu
 from hetmoe.bench.decode_variants import decode_variants, fmt_variants, kv_modes
 from hetmoe.bench.kernel import GB, llc_bytes, machine_info, write_json
 from hetmoe.engine.loader import LoadedModel, load_model, moe_blocks
 from hetmoe.engine.placement import EngineOptions, free_ram
 from hetmoe.engine.runner import Runner
-from hetmoe.engine.synthetic import SHAPES, build_random_model
 from hetmoe.layers.moe import DeferredExperts, OffloadedExperts
+from hetmoe.testing.synthetic import SHAPES, build_random_model
 
 DEFAULT_SHAPE = "qwen3-30b-a3b"
 DECODE_WARMUP = 2  # untimed decode steps before each timed run
@@ -44,12 +44,12 @@ PLACEMENT = {"cpu": "cpu", "cuda": "hybrid"}
 
 
 
-def _expert_pool(loaded, fallback: kernels.ExpertPool) -> kernels.ExpertPool:
+def _expert_pool(loaded, fallback: cpu.ExpertPool) -> cpu.ExpertPool:
     """The pool the model's routed experts run on (through any dispatch wrappers), else ``fallback``."""
     for _, block in moe_blocks(loaded.model):
         ex = getattr(block, "experts", None)
         for _ in range(4):
-            if isinstance(ex, kernels.CPUExperts):
+            if isinstance(ex, cpu.CPUExperts):
                 return ex.pool
             ex = getattr(ex, "experts", None)
     return fallback
@@ -213,7 +213,7 @@ def run_e2e_bench(args) -> int:
     say = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
 
-    pool = kernels.shared_pool(args.threads)
+    pool = cpu.shared_pool(args.threads)
     machine = machine_info(pool)
     machine["torch_threads"] = torch.get_num_threads()
     machine["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None

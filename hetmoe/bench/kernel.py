@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hetmoe import kernels
+from hetmoe import cpu
 from hetmoe.bench import kernel_amx
-from hetmoe.numa import describe as describe_numa
+from hetmoe.cpu.numa import describe as describe_numa
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,8 @@ def write_json(dest: str, doc: dict, say) -> None:
         say(f"wrote {dest}")
 
 
-def machine_info(pool: kernels.ExpertPool) -> dict:
-    info = kernels.cpu_info()
+def machine_info(pool: cpu.ExpertPool) -> dict:
+    info = cpu.cpu_info()
     return {
         "hostname": socket.gethostname(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -133,15 +133,15 @@ def _cpu_model() -> str:
 
 def check_isa(isa: str) -> None:
     """Refuses an ISA this CPU cannot run before anything executes its instructions."""
-    supported = kernels.cpu_info()["supported_isas"]
-    if isa not in ("auto", kernels.AMX_EMULATED) and isa not in supported:
+    supported = cpu.cpu_info()["supported_isas"]
+    if isa not in ("auto", cpu.AMX_EMULATED) and isa not in supported:
         raise ValueError(f"--isa {isa}: this CPU runs only {', '.join(supported)} (or auto)")
 
 
 def doctor(threads=None, isa: str = "auto", numa="auto") -> int:
     check_isa(isa)
-    pool = kernels.shared_pool(threads, numa)
-    info = kernels.cpu_info()
+    pool = cpu.shared_pool(threads, numa)
+    info = cpu.cpu_info()
     print(f"cpu:        {_cpu_model()}")
     print(f"features:   {info['flags']}")
     cap = f"; capped by {info['isa_cap']}" if info["isa_cap"] else ""
@@ -152,8 +152,8 @@ def doctor(threads=None, isa: str = "auto", numa="auto") -> int:
     amx = info["amx_unavailable"]
     print(f"amx:        {'AMX unavailable: ' + amx if amx else 'available'}")
     print("choice per expert and call (kernel by tokens routed to the expert):")
-    for fmt in kernels.WEIGHT_FORMATS:
-        ex = kernels.CPUExperts(1, 256, 256, fmt, DEFAULT_GROUP[fmt], pool=pool, isa=isa)
+    for fmt in cpu.WEIGHT_FORMATS:
+        ex = cpu.CPUExperts(1, 256, 256, fmt, DEFAULT_GROUP[fmt], pool=pool, isa=isa)
         d = ex.info()
         line = f"{fmt + ':':11s} kernel {d['kernel']} (isa {d['isa']}, activations {d['activation']})"
         if d["amx"] != "off":
@@ -184,7 +184,7 @@ def time_calls(fn, n_calls: int, warmup: int = WARMUP) -> list:
     return times
 
 
-def load_random(experts: kernels.CPUExperts, label: str, gen: torch.Generator, chunk_bytes: int = 512 << 20) -> None:
+def load_random(experts: cpu.CPUExperts, label: str, gen: torch.Generator, chunk_bytes: int = 512 << 20) -> None:
     """Loads N(0, 0.02) weights a few experts at a time, so the fp32 copies never exceed ``chunk_bytes``."""
     E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
     per_chunk = max(1, chunk_bytes // (3 * H * I * 4))
@@ -203,10 +203,10 @@ def load_random(experts: kernels.CPUExperts, label: str, gen: torch.Generator, c
             last = now
 
 
-def measure_overhead(pool: kernels.ExpertPool, iters: int = 2000, warmup: int = 200) -> dict:
+def measure_overhead(pool: cpu.ExpertPool, iters: int = 2000, warmup: int = 200) -> dict:
     """Round trip pool.submit(job) -> pool.sync() of a prepared job whose n_tokens reads 0, in µs."""
     H, I, k = 256, 256, 2
-    ex = kernels.CPUExperts(4, H, I, "bf16", pool=pool)
+    ex = cpu.CPUExperts(4, H, I, "bf16", pool=pool)
     ex.load(torch.randn(4, I, H) * 0.02, torch.randn(4, I, H) * 0.02, torch.randn(4, H, I) * 0.02)
     x = torch.zeros(1, H, dtype=torch.bfloat16)
     ids = torch.zeros(1, k, dtype=torch.int64)
@@ -232,7 +232,7 @@ def run_overhead_bench(threads=None, iters: int = 2000, stream: bool = False, wi
         from hetmoe.bench.stream import check_cuda
 
         check_cuda()  # fail before spending time on the CPU part
-    pool = kernels.shared_pool(threads)
+    pool = cpu.shared_pool(threads)
     r = measure_overhead(pool, iters)
     print(f"submit->sync round trip, T=0, {pool.threads} threads: median {r['median_us']:.1f} µs, "
           f"p99 {r['p99_us']:.1f} µs ({iters} calls)")
@@ -253,7 +253,7 @@ class TorchLoopExperts:
     tensors for bf16, int8 codes + fp32 group scales for int8/int4, dequantized to bf16 on the fly per call.
     """
 
-    def __init__(self, experts: kernels.CPUExperts, n: int, fmt: str, group: int):
+    def __init__(self, experts: cpu.CPUExperts, n: int, fmt: str, group: int):
         self.fmt = fmt
         self.weights = []
         for e in range(n):
@@ -335,7 +335,7 @@ HEADER = (f"{'shape':14s} {'fmt':5s} {'routing':7s} {'path':12s} {'T':>5s} {'E':
 def run_kernel_bench(args) -> int:
     quick = bool(args.quick)
     shapes = [SHAPES[n] for n in (args.shapes or (["qwen3-30b-a3b"] if quick else list(SHAPES)))]
-    formats = args.formats or list(kernels.WEIGHT_FORMATS)
+    formats = args.formats or list(cpu.WEIGHT_FORMATS)
     tokens = args.tokens or ([1, 32] if quick else [1, 4, 32, 512, 2048])
     repeats = args.repeats or (3 if quick else 5)
     warmup = WARMUP if args.warmup is None else args.warmup
@@ -348,7 +348,7 @@ def run_kernel_bench(args) -> int:
     log = sys.stderr if args.json == "-" else sys.stdout
     say = lambda *a: print(*a, file=log, flush=True)  # noqa: E731
 
-    pool = kernels.shared_pool(args.threads)
+    pool = cpu.shared_pool(args.threads)
     torch.set_num_threads(pool.threads)
     machine = machine_info(pool)
     say(f"hetmoe bench kernel  {machine['date']}  {machine['hostname']}  commit {machine['commit'] or '?'}")
@@ -357,10 +357,10 @@ def run_kernel_bench(args) -> int:
 
     # Large enough to defeat the caches even under a small budget.
     stream_bytes = max(min(2 << 30, budget // 4), 8 * llc_bytes()) // (1 << 20) * (1 << 20)
-    stream = pool.read_bandwidth(stream_bytes, 5, None if isa in ("auto", kernels.AMX_EMULATED) else isa)
+    stream = pool.read_bandwidth(stream_bytes, 5, None if isa in ("auto", cpu.AMX_EMULATED) else isa)
     say(f"STREAM read ({stream_bytes / GB:.2f} GB, {pool.threads} threads, best of 5): {stream:.1f} GB/s")
     amx_peak = amx_ratio = None
-    if not kernels.cpu_info()["amx_unavailable"] and pool.subpools == 1:
+    if not cpu.cpu_info()["amx_unavailable"] and pool.subpools == 1:
         amx_peak = {d: pool.amx_peak(d) for d in ("bf16", "int8")}
         amx_ratio = amx_peak["bf16"] / amx_peak["int8"]
         # Reported, not asserted (a test did, and a shared 2-core AMX VM measured 4.1): the tile unit's nominal
@@ -385,7 +385,7 @@ def run_kernel_bench(args) -> int:
             group = DEFAULT_GROUP[fmt] if args.group_size is None or fmt == "bf16" else args.group_size
             H, I, k = shape.hidden, shape.inter, shape.top_k
             amx_kw = {} if args.amx_min_tokens is None else {"amx_min_tokens": args.amx_min_tokens}
-            probe = kernels.CPUExperts(1, H, I, fmt, group, pool=pool, isa=isa, **amx_kw)
+            probe = cpu.CPUExperts(1, H, I, fmt, group, pool=pool, isa=isa, **amx_kw)
             bpe = probe.info()["bytes_per_expert"]
             del probe
             notes = []
@@ -393,7 +393,7 @@ def run_kernel_bench(args) -> int:
             if E * bpe < 4 * llc_bytes():
                 notes.append(f"all {E} experts ({E * bpe / 1e6:.0f} MB) fit in 4x the last-level cache: "
                              "weights may come from cache, GB/s can exceed DRAM")
-            experts = kernels.CPUExperts(E, H, I, fmt, group, pool=pool, isa=isa, **amx_kw)
+            experts = cpu.CPUExperts(E, H, I, fmt, group, pool=pool, isa=isa, **amx_kw)
             if args.random_packed:
                 experts.fill_random(seed=len(records) + 1)
             else:

@@ -12,7 +12,7 @@ import statistics
 
 import torch
 
-from hetmoe import kernels
+from hetmoe import cpu
 
 ROUTINGS = ("uniform", "zipf")
 ZIPF_S = 1.0  # expert popularity ~ 1 / rank^s
@@ -44,7 +44,7 @@ def make_routing(kind: str, T: int, E: int, k: int, gen: torch.Generator) -> tup
     raise ValueError(f"unknown routing {kind!r}; expected one of {', '.join(ROUTINGS)}")
 
 
-def paths_of(experts: kernels.CPUExperts, compare: bool) -> list:
+def paths_of(experts: cpu.CPUExperts, compare: bool) -> list:
     """[(path name, amx_min_tokens to set or None)] to time on this engine."""
     info = experts.info()
     if info["amx"] == "off":
@@ -62,7 +62,7 @@ def balanced_routing(n_per_expert: int, E: int, k: int) -> tuple:
     return ids.contiguous(), torch.full((T, k), 1.0 / k)
 
 
-def crossover(experts: kernels.CPUExperts, k: int, say, repeats: int, warmup: int, time_calls) -> dict:
+def crossover(experts: cpu.CPUExperts, k: int, say, repeats: int, warmup: int, time_calls) -> dict:
     """ms of one layer call with every expert at n tokens, all on AMX vs all on the row-block kernels; the
     crossover is the smallest n from which AMX is at least as fast at every larger n measured."""
     E, H = experts.num_experts, experts.hidden_size

@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from hetmoe import kernels
+from hetmoe import cpu
 from hetmoe.bench.kernel import DEFAULT_GROUP, SHAPES, machine_info, measure_overhead, random_routing
-from hetmoe.numa import describe, topology
+from hetmoe.cpu.numa import describe, topology
 
 GB = 1e9
 
@@ -49,8 +49,8 @@ def run(args) -> dict:
     shape = SHAPES[args.shape]
     H, I, k = shape.hidden, shape.inter, shape.top_k
     E = args.experts or shape.n_expert
-    configs = {"single": kernels.ExpertPool(args.threads, numa="off"),
-               f"split{args.subpools}": kernels.ExpertPool(args.threads, numa=args.subpools)}
+    configs = {"single": cpu.ExpertPool(args.threads, numa="off"),
+               f"split{args.subpools}": cpu.ExpertPool(args.threads, numa=args.subpools)}
     names = list(configs)
     split_pool = configs[names[1]]
     machine = machine_info(configs["single"])
@@ -78,7 +78,7 @@ def run(args) -> dict:
         group = DEFAULT_GROUP[fmt]
         experts = {}
         for n, pool in configs.items():
-            ex = kernels.CPUExperts(E, H, I, fmt, group, pool=pool)
+            ex = cpu.CPUExperts(E, H, I, fmt, group, pool=pool)
             ex.fill_random(seed=1, std=0.02)
             experts[n] = ex
         info = experts[names[1]].info()
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     for f in args.formats:
-        if f not in kernels.WEIGHT_FORMATS:
+        if f not in cpu.WEIGHT_FORMATS:
             p.error(f"unknown format {f}")
     run(args)
     return 0

@@ -1,6 +1,6 @@
 """``hetmoe bench overhead --stream``: what stream-ordered submit + sync cost per MoE layer, on the GPU machine,
 for each mechanism (``signals``: stream memory operations; ``callbacks``: CUDA host functions; see
-hetmoe.kernels.HostFuncs).
+hetmoe.cpu.HostFuncs).
 
 Per layer, on one CUDA stream: [x -> pinned host copy], submit, sync, [pinned out -> device copy]; the copies
 only with ``--with-copies``. The job is a prepared T=1 job whose
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from hetmoe import kernels
+from hetmoe import cpu
 
 TARGET_US = 10.0
 
@@ -30,7 +30,7 @@ TARGET_US = 10.0
 class _Layer:
     """Static buffers and the prepared job of one layer."""
 
-    def __init__(self, experts: kernels.CPUExperts, top_k: int, n_tokens: torch.Tensor, gen: torch.Generator):
+    def __init__(self, experts: cpu.CPUExperts, top_k: int, n_tokens: torch.Tensor, gen: torch.Generator):
         H = experts.hidden_size
         self.x_dev = torch.randn(1, H, generator=gen).to("cuda", torch.bfloat16)
         self.x_host = torch.empty(1, H, dtype=torch.bfloat16, pin_memory=True)
@@ -42,24 +42,24 @@ class _Layer:
 
 
 def check_cuda() -> None:
-    if not kernels.cuda_hooks_available():
-        raise RuntimeError(f"bench overhead --stream needs a CUDA device and driver: {kernels._C.cuda_hooks_error()}")
+    if not cpu.cuda_hooks_available():
+        raise RuntimeError(f"bench overhead --stream needs a CUDA device and driver: {cpu._C.cuda_hooks_error()}")
     if not torch.cuda.is_available():
         raise RuntimeError("bench overhead --stream needs a CUDA device and driver: torch sees no CUDA device")
 
 
-def measure_stream_overhead(pool: kernels.ExpertPool, layers: int = 48, replays: int = 500, hidden: int = 2048,
+def measure_stream_overhead(pool: cpu.ExpertPool, layers: int = 48, replays: int = 500, hidden: int = 2048,
                             top_k: int = 8, with_copies: bool = False, eager_steps: int = 100,
                             mechanism: str = "callbacks") -> dict:
     """Per-layer device time of submit + sync (and copies), graph and eager, in µs; see the module doc."""
     check_cuda()
-    experts = kernels.CPUExperts(8, hidden, 256, "bf16", pool=pool)
+    experts = cpu.CPUExperts(8, hidden, 256, "bf16", pool=pool)
     experts.fill_random(0, 0.02)
     n_tokens = torch.zeros(1, dtype=torch.int64)  # read as T = 0 by every job
     gen = torch.Generator().manual_seed(0)
     stack = [_Layer(experts, top_k, n_tokens, gen) for _ in range(layers)]
 
-    def step(hooks: bool, owner: kernels.HostFuncs) -> None:
+    def step(hooks: bool, owner: cpu.HostFuncs) -> None:
         for layer in stack:
             if with_copies:
                 layer.x_host.copy_(layer.x_dev, non_blocking=True)
@@ -72,7 +72,7 @@ def measure_stream_overhead(pool: kernels.ExpertPool, layers: int = 48, replays:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def time_graph(hooks: bool) -> list:
-        owner = kernels.HostFuncs(mechanism)  # lives as long as the graph below
+        owner = cpu.HostFuncs(mechanism)  # lives as long as the graph below
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # one eager run before capture, as torch advises
@@ -103,7 +103,7 @@ def measure_stream_overhead(pool: kernels.ExpertPool, layers: int = 48, replays:
     cycles_per_ms = 1e6 / max(start.elapsed_time(end), 1e-3)
 
     def time_eager(hooks: bool) -> tuple:
-        owner = kernels.HostFuncs(mechanism)
+        owner = cpu.HostFuncs(mechanism)
         t0 = time.perf_counter()
         step(hooks, owner)  # warm-up, and how long Python takes to launch one step
         launch_ms = (time.perf_counter() - t0) * 1e3
@@ -141,12 +141,12 @@ def measure_stream_overhead(pool: kernels.ExpertPool, layers: int = 48, replays:
     return result
 
 
-def run_stream_overhead_bench(pool: kernels.ExpertPool, layers: int, iters: int, hidden: int,
+def run_stream_overhead_bench(pool: cpu.ExpertPool, layers: int, iters: int, hidden: int,
                               with_copies: bool) -> int:
     check_cuda()  # before any work: a clear error on machines without CUDA
-    mechanisms = list(kernels.MECHANISMS) if kernels.default_mechanism() == "signals" else ["callbacks"]
+    mechanisms = list(cpu.MECHANISMS) if cpu.default_mechanism() == "signals" else ["callbacks"]
     if "signals" not in mechanisms:
-        print(f"stream signals unavailable ({kernels._C.stream_signals_error()}): measuring callbacks only")
+        print(f"stream signals unavailable ({cpu._C.stream_signals_error()}): measuring callbacks only")
     copies = (f"x {2 * hidden} B -> pinned host and out {2 * hidden} B -> device" if with_copies
               else "none (--with-copies adds them)")
     print(f"stream-ordered submit + sync per layer, {torch.cuda.get_device_name()}: {layers} layers, "

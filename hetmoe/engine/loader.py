@@ -30,15 +30,15 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from hetmoe.cpu import HYBRID_RESERVED_CORES, CPUExperts, default_threads
+from hetmoe.cpu.numa import resolve_subpools
 from hetmoe.engine.calibration import calibration_text, check_gpu_experts, keep_gpu_experts
 from hetmoe.engine.checkpoint import Checkpoint, CheckpointError, read_config
 from hetmoe.engine.expert_cache import ExpertCache, default_cache_dir
 from hetmoe.engine.placement import EngineOptions, MemoryPlan, ModelShapes, choose_plan, gib, normalize_options, wrap
-from hetmoe.kernels import HYBRID_RESERVED_CORES, CPUExperts, default_threads
 from hetmoe.layers.moe import DeferralChain, DeferredExperts, HostStaging, OffloadedExperts
 from hetmoe.models import APPLIES_ROPE_SCALING, ConfigError, check_config, context_limit, model_class
 from hetmoe.models.config import ModelConfig
-from hetmoe.numa import resolve_subpools
 
 EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # HF names of gate, up, down
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")

@@ -13,8 +13,8 @@ from typing import Optional, Union
 
 import torch
 
-from hetmoe.kernels import AMX_EMULATED, ISAS, cpu_info, default_threads
-from hetmoe.numa import parse_numa
+from hetmoe.cpu import AMX_EMULATED, ISAS, cpu_info, default_threads
+from hetmoe.cpu.numa import parse_numa
 
 FORMATS = ("bf16", "int8", "int4")
 DEFAULT_GROUP = {"bf16": 0, "int8": 128, "int4": 64}

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from hetmoe import kernels
+from hetmoe import cpu
 from hetmoe.engine.cuda_graph import GraphDecoder
 from hetmoe.engine.loader import LoadedModel, moe_blocks
 from hetmoe.layers.attention import Step
@@ -60,8 +60,8 @@ class Runner:
                 offloaded.append(inner)
         decoder_kwargs = {"kv_mode": kv_mode} if kv_mode else {}
         if offloaded:
-            if not kernels.cuda_hooks_available():  # no cuLaunchHostFunc: decode keeps the synchronous path
-                print(f"hetmoe: decode without CUDA graphs: {kernels._C.cuda_hooks_error()}", file=sys.stderr)
+            if not cpu.cuda_hooks_available():  # no cuLaunchHostFunc: decode keeps the synchronous path
+                print(f"hetmoe: decode without CUDA graphs: {cpu._C.cuda_hooks_error()}", file=sys.stderr)
                 return
             self.hybrid = HybridDecode(GraphDecoder.capacity_for(self.max_batch), self.device, offloaded)
         self.decoder = GraphDecoder(self.model, self.cache, self.max_batch, self.max_context, self.device,

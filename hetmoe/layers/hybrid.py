@@ -47,7 +47,7 @@ from typing import Optional
 
 import torch
 
-from hetmoe.streams import HostFuncs
+from hetmoe.cpu.host_funcs import HostFuncs
 
 
 @dataclass

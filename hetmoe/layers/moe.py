@@ -2,7 +2,7 @@
 
 This file holds the *route* stage (the routers of every supported architecture, as pure functions of the router
 logits), ``TorchExperts``, the plain-PyTorch expert backend with the same call as the CPU engine
-(``hetmoe.kernels.CPUExperts``): it is the reference the engine is compared with and the stand-in where the
+(``hetmoe.cpu.CPUExperts``): it is the reference the engine is compared with and the stand-in where the
 engine does not apply, and the *dispatch* wrappers around a backend: ``OffloadedExperts`` (GPU activations to the
 CPU engine and back), ``DropLowestExperts`` (accuracy studies) and ``DeferredExperts`` (Expert Deferral).
 

@@ -1,6 +1,6 @@
 """Qwen3-MoE (model_type "qwen3_moe"): GQA attention with q/k RMSNorm, softmax top-k routed experts.
 
-The routed experts are an *experts backend* (``hetmoe.kernels.CPUExperts`` or ``hetmoe.layers.moe.TorchExperts``)
+The routed experts are an *experts backend* (``hetmoe.cpu.CPUExperts`` or ``hetmoe.layers.moe.TorchExperts``)
 attached to ``mlp.experts`` by whoever loads the weights; this file never sees their format.
 """
 

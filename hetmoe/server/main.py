@@ -81,7 +81,7 @@ def run_serve(args: argparse.Namespace) -> int:
     sockets = bind(args.host, args.port)  # before the (possibly minutes long) load: a busy port fails at once
     try:
         if args.shape is not None:
-            from hetmoe.engine.synthetic import build_random_model, shape_tokenizer
+            from hetmoe.testing.synthetic import build_random_model, shape_tokenizer
 
             loaded = build_random_model(args.shape, args.layers, options)
             llm = LLM(loaded=loaded, tokenizer=shape_tokenizer(loaded.config.vocab_size))

@@ -9,14 +9,14 @@ import torch
 
 from hetmoe import cli
 from hetmoe.bench.e2e import placements, roofline_bytes
-from hetmoe.engine import synthetic
+from hetmoe.cpu import CPUExperts
 from hetmoe.engine.loader import moe_blocks
 from hetmoe.engine.placement import EngineOptions, expert_bytes
 from hetmoe.engine.runner import Runner
-from hetmoe.engine.synthetic import SHAPES, build_random_model
-from hetmoe.kernels import CPUExperts
 from hetmoe.layers.moe import OffloadedExperts
 from hetmoe.layers.norm import RMSNorm
+from hetmoe.testing import synthetic
+from hetmoe.testing.synthetic import SHAPES, build_random_model
 
 # Real configs shrunk: every feature kept (q/k norm, GQA; MLA with q LoRA, dense first layer, shared expert,
 # groups, YaRN), E not a power of two.
@@ -199,7 +199,7 @@ def test_tiny_shape_hybrid():
 
 
 def test_shape_tokenizer_decodes_every_id():
-    from hetmoe.engine.synthetic import shape_tokenizer
+    from hetmoe.testing.synthetic import shape_tokenizer
 
     tok = shape_tokenizer(5000)
     assert tok.vocab_size == 5000 and len(tok.eos_ids) == 1 and max(tok.eos_ids) < 5000
@@ -218,12 +218,12 @@ def test_serve_shape_and_model_are_exclusive(tmp_path):
 
 
 def test_expert_pool_is_the_models_own():
-    from hetmoe import kernels
+    from hetmoe import cpu
     from hetmoe.bench.e2e import _expert_pool
 
     opts = EngineOptions(device="cpu", experts_format="int4", threads=1)
     loaded = build_random_model(TINY_QWEN3, num_layers=2, options=opts, log=lambda m: None)
-    fallback = kernels.shared_pool(2)
+    fallback = cpu.shared_pool(2)
     pool = _expert_pool(loaded, fallback)
     assert pool is not fallback and pool.threads == 1
 

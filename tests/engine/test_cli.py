@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from hetmoe.cpu import CPUExperts
 from hetmoe.engine import placement
 from hetmoe.engine.generation import SamplingParams
 from hetmoe.engine.llm import LLM
 from hetmoe.engine.loader import load_model
 from hetmoe.engine.placement import EngineOptions, ModelShapes, choose_plan, expert_bytes, plan_memory
 from hetmoe.engine.runner import Runner
-from hetmoe.kernels import CPUExperts
 from paths import AUTO_PATH, BEST_ROW_PATH, MIXED_PATH, PATHS, logit_bound
 
 # The runner's equality cases run on every engine path of this machine, each forced (bitwise within the path, so

@@ -122,7 +122,7 @@ def test_cuda_graph_option():
 def test_cpu_runner_has_no_decoder():
     pytest.importorskip("transformers")
     from hetmoe.engine.runner import Runner
-    from hetmoe.engine.synthetic import SHAPES, build_random_model
+    from hetmoe.testing.synthetic import SHAPES, build_random_model
 
     cfg = {**SHAPES["qwen3-30b-a3b"], "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 12,
@@ -254,7 +254,7 @@ def _fed(step: int, slot: int) -> int:
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     pytest.importorskip("transformers")
-    from hetmoe.engine.synthetic import write_checkpoint
+    from hetmoe.testing.synthetic import write_checkpoint
 
     root = tmp_path_factory.mktemp("graph")
     return {a: write_checkpoint(root / a, a, CONFIGS[a], seed=7 + i, dtype="float32") for i, a in enumerate(ARCHS)}

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from hetmoe.engine.generation import GenerationResult, SamplingParams, generate, sample
-from hetmoe.engine.synthetic import _CHAT_TEMPLATE, build_tokenizer
 from hetmoe.engine.tokenizer import IncrementalDecoder, Tokenizer
+from hetmoe.testing.synthetic import _CHAT_TEMPLATE, build_tokenizer
 
 VOCAB = 512
 MULTIBYTE = "héllo → 日本語 🙂"
@@ -320,7 +320,7 @@ def test_special_tokens_and_eos_ids(tmp_path, backend):
 
 def test_chat_template_matches_transformers(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
-    from hetmoe.engine.synthetic import write_checkpoint
+    from hetmoe.testing.synthetic import write_checkpoint
 
     path = write_checkpoint(tmp_path_factory.mktemp("ckpt"), "qwen3_moe")
     ours, theirs = Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(path)

@@ -14,7 +14,7 @@ from hetmoe.layers.moe import OffloadedExperts
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
 
-from hetmoe.engine.synthetic import ARCHITECTURES, write_checkpoint  # noqa: E402
+from hetmoe.testing.synthetic import ARCHITECTURES, write_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)

@@ -20,9 +20,9 @@ from hetmoe.engine.checkpoint import Checkpoint, CheckpointError, dequantize_fp8
 from hetmoe.engine.loader import load_model, moe_blocks  # noqa: E402
 from hetmoe.engine.placement import DEFAULT_GROUP, EngineOptions  # noqa: E402
 from hetmoe.engine.runner import Runner  # noqa: E402
-from hetmoe.engine.synthetic import ARCHITECTURES, write_checkpoint  # noqa: E402
 from hetmoe.layers.attention import Step  # noqa: E402
 from hetmoe.models import model_class  # noqa: E402
+from hetmoe.testing.synthetic import ARCHITECTURES, write_checkpoint  # noqa: E402
 from parity import engine_bf16, load_ours, max_rel  # noqa: E402
 from paths import BEST_ROW_PATH  # noqa: E402
 

@@ -7,7 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hetmoe.engine.synthetic import ARCHITECTURES, write_checkpoint  # noqa: E402
+from hetmoe.testing.synthetic import ARCHITECTURES, write_checkpoint  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

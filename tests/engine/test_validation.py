@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 
 from hetmoe.cli import main
+from hetmoe.cpu import default_threads
 from hetmoe.engine.checkpoint import Checkpoint, CheckpointError
 from hetmoe.engine.llm import LLM
 from hetmoe.engine.loader import load_model
 from hetmoe.engine.placement import EngineOptions, MemoryPlan, gib, normalize_options
-from hetmoe.engine.synthetic import SHAPES, write_checkpoint
-from hetmoe.kernels import default_threads
 from hetmoe.models import context_limit
 from hetmoe.models.config import ModelConfig
 from hetmoe.models.config import context_limit as scaled_limit
+from hetmoe.testing.synthetic import SHAPES, write_checkpoint
 
 CPU = dict(device="cpu", dtype="fp32", experts_format="bf16")
 

@@ -46,7 +46,7 @@ import torch
 
 from cases import FORMATS, make_routing, make_weights, make_x
 from hetmoe import _C
-from hetmoe.kernels import CPUExperts, ExpertPool, cpu_info, shared_pool
+from hetmoe.cpu import CPUExperts, ExpertPool, cpu_info, shared_pool
 from reference import moe_reference, moe_reference_emulated, rel_err
 
 INFO = cpu_info()

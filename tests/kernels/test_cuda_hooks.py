@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from cases import make_routing, make_weights, make_x
-from hetmoe import _C, kernels
-from hetmoe.kernels import CPUExperts, ExpertPool, HostFuncs, cpu_info
+from hetmoe import _C, cpu
+from hetmoe.cpu import CPUExperts, ExpertPool, HostFuncs, cpu_info
 
 BEST_ISA = cpu_info()["best_isa"]
 E, H, I = 12, 160, 96
@@ -42,7 +42,7 @@ def layer(pool):
 
 @pytest.fixture(params=["callbacks", "signals"])
 def mech(request):
-    """The stream mechanism under test (hetmoe.kernels.HostFuncs): CUDA host functions or stream signals."""
+    """The stream mechanism under test (hetmoe.cpu.HostFuncs): CUDA host functions or stream signals."""
     return request.param
 
 
@@ -64,8 +64,8 @@ def driver_has_host_funcs() -> bool:
 
 
 def test_available_matches_driver():
-    assert kernels.cuda_hooks_available() == _C.cuda_hooks_available() == driver_has_host_funcs()
-    if not kernels.cuda_hooks_available():
+    assert cpu.cuda_hooks_available() == _C.cuda_hooks_available() == driver_has_host_funcs()
+    if not cpu.cuda_hooks_available():
         assert "CUDA host functions need" in _C.cuda_hooks_error()
     else:
         assert _C.cuda_hooks_error() == ""
@@ -283,17 +283,17 @@ def test_close_leaks_host_functions_not_run_yet(pool, layer, stream, mech):
     stream.pause()
     pool.submit_on_stream(job, stream, host_funcs=hf)
     pool.sync_on_stream(0, stream, host_funcs=hf)  # the stream passes this only once the job is done
-    n_leaked = len(kernels._leaked_jobs)
+    n_leaked = len(cpu._leaked_jobs)
     hf.close()
     try:
-        assert len(hf) == 0 and kernels._leaked_jobs[n_leaked:] == [job]
+        assert len(hf) == 0 and cpu._leaked_jobs[n_leaked:] == [job]
         del job
         stream.resume()
         stream.synchronize()
         pool.sync()
         assert torch.equal(out, layer(x, ids, w))
     finally:
-        del kernels._leaked_jobs[n_leaked:]
+        del cpu._leaked_jobs[n_leaked:]
 
 
 def test_default_host_funcs_of_the_pool(stream):
@@ -584,4 +584,4 @@ def test_signals_sync_on_another_pool_is_an_error(pool, layer, stream):
 def test_unknown_mechanism():
     with pytest.raises(ValueError, match="unknown stream mechanism 'pigeons'"):
         HostFuncs("pigeons")
-    assert kernels.default_mechanism() == ("signals" if _C.stream_signals_available() else "callbacks")
+    assert cpu.default_mechanism() == ("signals" if _C.stream_signals_available() else "callbacks")

@@ -8,7 +8,7 @@ runs (``engine_path``), the AMX logic through amx-emulated on any CPU."""
 import pytest
 import torch
 
-from hetmoe.kernels import CPUExperts
+from hetmoe.cpu import CPUExperts
 from hetmoe.layers.moe import HostRouter, route_deepseek_v3, route_softmax, split_deferred
 
 H, I = 64, 32

@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from hetmoe.kernels import cpu_info
+from hetmoe.cpu import cpu_info
 
 LEVELS = ("scalar", "avx2", "avx512", "amx")
 HARDWARE = cpu_info()["supported_isas"]  # this process runs uncapped unless the suite itself is capped
 
 PROBE = """
 import json, sys
-from hetmoe.kernels import CPUExperts, cpu_info
+from hetmoe.cpu import CPUExperts, cpu_info
 info = cpu_info()
 out = {k: info[k] for k in ("supported_isas", "best_isa", "max_isa", "isa_cap", "amx_unavailable")}
 out["kernel"] = CPUExperts(2, 64, 32, "int8", 32).info()["kernel"]

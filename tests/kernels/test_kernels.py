@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from cases import FORMATS, make_routing, make_weights, make_x
-from hetmoe.kernels import CPUExperts, ExpertPool, cpu_info, shared_pool
+from hetmoe.cpu import CPUExperts, ExpertPool, cpu_info, shared_pool
 from reference import moe_reference, moe_reference_emulated, rel_err
 
 # The row-block kernels of every ISA give the same bits; the AMX level (AMX experts read bf16 / int8

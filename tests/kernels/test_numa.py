@@ -29,15 +29,15 @@ import pytest
 import torch
 
 from cases import FORMATS, make_routing, make_weights, make_x
-from hetmoe import _C, kernels
-from hetmoe.kernels import CPUExperts, ExpertPool, HostFuncs, cpu_info, shared_pool
-from hetmoe.numa import parse_numa, resolve_subpools, topology
+from hetmoe import _C, cpu
+from hetmoe.cpu import CPUExperts, ExpertPool, HostFuncs, cpu_info, shared_pool
+from hetmoe.cpu.numa import parse_numa, resolve_subpools, topology
 from reference import amx_row_group, moe_reference, moe_reference_emulated, rel_err
 
 # The row-block kernels (AVX-512 on the GPU machine, AVX2 here); the AMX path has its own test below, with the
 # tolerances of tests/test_amx.py (its activations are rounded to bf16 / int8).
 ROW_ISA = next(i for i in ("avx512", "avx2", "scalar") if i in cpu_info()["supported_isas"])
-AMX_PATHS = [getattr(kernels, "AMX_EMULATED", None)] + (["amx"] if "amx" in cpu_info()["supported_isas"] else [])
+AMX_PATHS = [getattr(cpu, "AMX_EMULATED", None)] + (["amx"] if "amx" in cpu_info()["supported_isas"] else [])
 AMX_FP32_TOL = {"bf16": 5.5e-3, "int8-g128": 2.3e-2, "int8-row": 2.5e-2, "int4-g64": 0.22}
 # the tolerances of tests/test_kernels.py ("all cases" column)
 FP32_TOL = {"bf16": 5.0e-3, "int8-g32": 1.5e-2, "int8-g64": 1.3e-2, "int8-g128": 1.4e-2, "int8-row": 1.75e-2,
@@ -253,7 +253,7 @@ def test_submit_sync_in_order(one, two):
         assert rel_err(j.out, a(*r)) <= SPLIT_TOL
 
 
-@pytest.mark.parametrize("mech", getattr(kernels, "MECHANISMS", (None,)))
+@pytest.mark.parametrize("mech", getattr(cpu, "MECHANISMS", (None,)))
 def test_stream_submit_sync_replay(two, mech):
     """Stream-ordered submit/sync (host functions or stream signals, on a FakeStream here), captured once and
     replayed with new inputs and T: the split job goes through subpool 0 like any job."""
@@ -389,10 +389,10 @@ def fake_sysfs(root: Path, nodes: dict, online=None, has_memory=None, siblings=N
         (d / "cpulist").write_text(cpus + "\n")
         if distance:
             (d / "distance").write_text(" ".join(map(str, distance[n])) + "\n")
-        for cpu in _C.parse_cpu_list(cpus):
-            t = root / "cpu" / f"cpu{cpu}" / "topology"
+        for c in _C.parse_cpu_list(cpus):
+            t = root / "cpu" / f"cpu{c}" / "topology"
             t.mkdir(parents=True)
-            (t / "core_id").write_text(f"{(siblings or {}).get(cpu, cpu)}\n")
+            (t / "core_id").write_text(f"{(siblings or {}).get(c, c)}\n")
             (t / "physical_package_id").write_text(f"{n}\n")
     if online is not None:
         (root / "cpu" / "online").write_text(online + "\n")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cases import make_routing, make_weights, make_x
-from hetmoe.kernels import ISAS, CPUExperts, ExpertPool, MoEJob, cpu_info
+from hetmoe.cpu import ISAS, CPUExperts, ExpertPool, MoEJob, cpu_info
 from reference import rel_err
 
 BEST_ISA = cpu_info()["best_isa"]

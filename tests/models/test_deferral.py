@@ -20,7 +20,6 @@ pytest.importorskip("transformers")
 from hetmoe.engine.loader import defer_experts, load_model, moe_blocks  # noqa: E402
 from hetmoe.engine.placement import EngineOptions  # noqa: E402
 from hetmoe.engine.runner import Runner  # noqa: E402
-from hetmoe.engine.synthetic import build_random_model  # noqa: E402
 from hetmoe.layers.attention import Step  # noqa: E402
 from hetmoe.layers.moe import (  # noqa: E402
     DeferralChain,
@@ -33,6 +32,7 @@ from hetmoe.layers.moe import (  # noqa: E402
 from hetmoe.layers.rope import cos_sin  # noqa: E402
 from hetmoe.models import model_class  # noqa: E402
 from hetmoe.models.config import ModelConfig  # noqa: E402
+from hetmoe.testing.synthetic import build_random_model  # noqa: E402
 from parity import load_ours, max_rel, torch_fp32  # noqa: E402
 from paths import CLASS_PATHS  # noqa: E402
 from paths import ids as path_ids  # noqa: E402

@@ -16,6 +16,7 @@ assert with what was measured.
 import pytest
 import torch
 
+from hetmoe.cpu import CPUExperts
 from hetmoe.engine.calibration import (
     DEFAULT_TEXT,
     check_gpu_experts,
@@ -26,7 +27,6 @@ from hetmoe.engine.calibration import (
 )
 from hetmoe.engine.loader import load_model, moe_blocks
 from hetmoe.engine.placement import EngineOptions, ModelShapes, plan_memory
-from hetmoe.kernels import CPUExperts
 from hetmoe.layers.gpu_experts import GpuExperts, attach_gpu_experts, combine_matrix
 from hetmoe.layers.moe import DeferralChain, DeferredExperts, OffloadedExperts, TorchExperts, split_deferred
 from reference import rel_err
@@ -228,7 +228,7 @@ def test_deferral_never_defers_resident_experts():
 # ---------------------------------------------------------------- calibration
 
 def _tiny_qwen3(n_layers=2):
-    from hetmoe.engine.synthetic import TINY, build_random_model
+    from hetmoe.testing.synthetic import TINY, build_random_model
 
     cfg = dict(model_type="qwen3_moe", vocab_size=300, rms_norm_eps=1e-6, rope_theta=10000.0,
                max_position_embeddings=256, **{**TINY["qwen3_moe"], "num_hidden_layers": n_layers})
@@ -374,7 +374,7 @@ gpu = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     pytest.importorskip("transformers")
-    from hetmoe.engine.synthetic import write_checkpoint
+    from hetmoe.testing.synthetic import write_checkpoint
 
     root = tmp_path_factory.mktemp("gpuexp")
     return {a: write_checkpoint(root / a, a, seed=11 + i, dtype="float32")
@@ -421,7 +421,7 @@ def _bf16_tol():
     """Hybrid (resident experts in fp32 on the GPU) vs all-CPU, bf16 experts. With AMX the CPU engine rounds the
     activations of experts with >= amx_min_tokens tokens (prefill) to bf16, which the GPU copy does not: that adds
     up to ~2^-9 per element of those experts' inputs. Without AMX only matmul summation order differs."""
-    from hetmoe.kernels import cpu_info
+    from hetmoe.cpu import cpu_info
 
     return 1e-2 if "amx" in cpu_info()["supported_isas"] else 2e-3
 
@@ -433,7 +433,7 @@ def _bf16_tol():
                                         ("bf16", 8, "graph"), ("int4", 3, "graph")])
 def test_hybrid_gpu_experts_match_cpu(checkpoints, arch, fmt, n, mode):
     path = checkpoints[arch]
-    cpu = _cpu_logits(path, fmt)
+    ref = _cpu_logits(path, fmt)
     logs = []
     loaded, hyb = _logits(path, logs, mode, device="cuda", experts_format=fmt, gpu_experts=n)
     report = loaded.info["gpu_experts"]
@@ -443,7 +443,7 @@ def test_hybrid_gpu_experts_match_cpu(checkpoints, arch, fmt, n, mode):
     for _, b in blocks:
         assert b.experts.gpu is not None and len(b.experts.gpu.expert_ids) == n
         assert b.experts.gpu.w_gate_up.is_cuda and int(b.experts.experts.skip_mask.sum()) == n
-    err = _max_rel(hyb, cpu)
+    err = _max_rel(hyb, ref)
     print(f"{arch} {fmt} N={n} {mode}: hybrid --gpu-experts vs cpu, max rel. logit error {err:.2e}")
     # bf16 experts: cuBLAS vs CPU matmuls on the same weight values (and AMX's bf16 activations, _bf16_tol); int4:
     # the CPU rounds activations to int8 (both placements, non-resident experts), the GPU copy does not.
@@ -457,12 +457,12 @@ def test_hybrid_all_resident_ignores_deferral(checkpoints):
     """With every expert resident nothing is left to defer: d = 1 gives the d = 0 result (resident experts are
     never deferred), and both match the CPU placement."""
     path = checkpoints["qwen3_moe"]
-    cpu = _cpu_logits(path)
+    ref = _cpu_logits(path)
     _, d0 = _logits(path, device="cuda", gpu_experts=8)
     _, d1 = _logits(path, device="cuda", gpu_experts=8, defer_experts=1)
-    print(f"all resident: d=1 vs d=0 {_max_rel(d1, d0):.2e}, d=0 vs cpu {_max_rel(d0, cpu):.2e}")
+    print(f"all resident: d=1 vs d=0 {_max_rel(d1, d0):.2e}, d=0 vs cpu {_max_rel(d0, ref):.2e}")
     assert _max_rel(d1, d0) < 1e-5
-    assert _max_rel(d0, cpu) < _bf16_tol()
+    assert _max_rel(d0, ref) < _bf16_tol()
 
 
 def _emulated_logits(path, resident: list, **opts):

@@ -4,7 +4,7 @@ every engine path this machine runs (tests/paths.py)."""
 import pytest
 import torch
 
-from hetmoe.kernels import CPUExperts
+from hetmoe.cpu import CPUExperts
 from hetmoe.layers.moe import TorchExperts, route_deepseek_v2, route_deepseek_v3, route_softmax
 from reference import moe_reference, rel_err
 

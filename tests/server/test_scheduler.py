@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from hetmoe.engine.generation import SamplingParams, generate
-from hetmoe.engine.synthetic import _CHAT_TEMPLATE, build_tokenizer
 from hetmoe.engine.tokenizer import Tokenizer
 from hetmoe.server.scheduler import Request, Scheduler
+from hetmoe.testing.synthetic import _CHAT_TEMPLATE, build_tokenizer
 
 VOCAB = 512
 POISON = 13  # a sequence fed this token makes the runner raise

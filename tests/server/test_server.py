@@ -55,7 +55,7 @@ class Server:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     pytest.importorskip("transformers")
-    from hetmoe.engine.synthetic import write_checkpoint
+    from hetmoe.testing.synthetic import write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("served-qwen3"), "qwen3_moe", seed=1, dtype="float32")
 

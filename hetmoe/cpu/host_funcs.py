@@ -14,7 +14,7 @@ import torch
 from hetmoe import _C
 
 if TYPE_CHECKING:
-    from hetmoe.kernels import ExpertPool, MoEJob
+    from hetmoe.cpu import ExpertPool, MoEJob
 
 
 def cuda_hooks_available() -> bool:

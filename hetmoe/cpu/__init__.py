@@ -1,0 +1,16 @@
+"""The CPU side of hetmoe: the routed experts' engine (``CPUExperts``, experts.py), its pinned worker pools
+(``ExpertPool``, pool.py), NUMA subpools (numa.py) and the stream-ordered host functions through which a CUDA
+stream submits and waits for CPU jobs (``HostFuncs``, host_funcs.py). The C++ behind them is ``hetmoe._C``
+(csrc/)."""
+
+from hetmoe import _C  # noqa: F401
+from hetmoe.cpu.experts import AMX_EMULATED, ISAS, WEIGHT_FORMATS, CPUExperts
+from hetmoe.cpu.host_funcs import MECHANISMS, HostFuncs, _leaked_jobs, cuda_hooks_available, default_mechanism
+from hetmoe.cpu.numa import NumaOption, resolve_subpools
+from hetmoe.cpu.pool import HYBRID_RESERVED_CORES, ExpertPool, MoEJob, cpu_info, default_threads, shared_pool
+
+__all__ = [
+    "AMX_EMULATED", "ISAS", "WEIGHT_FORMATS", "CPUExperts", "MECHANISMS", "HostFuncs", "_leaked_jobs",
+    "cuda_hooks_available", "default_mechanism", "NumaOption", "resolve_subpools", "HYBRID_RESERVED_CORES",
+    "ExpertPool", "MoEJob", "cpu_info", "default_threads", "shared_pool",
+]
