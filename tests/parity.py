@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from hetmoe.cpu import CPUExperts
 from hetmoe.layers.attention import Step
-from hetmoe.layers.moe import TorchExperts
+from hetmoe.moe import TorchExperts
 from hetmoe.models.config import ModelConfig
 
 # Routed-expert tensors on disk: mlp.experts.E.{gate,up,down}_proj (Qwen, DeepSeek) or, in Mixtral checkpoints,
@@ -53,7 +53,7 @@ def load_ours(path, model_cls, experts_backend):
     model.fuse_projections()  # as the loader does: q/k/v and gate/up as one matmul each
     for layer, mats in experts.items():
         gate, up, down = (torch.stack([mats[w][e] for e in sorted(mats[w])]) for w in ("gate", "up", "down"))
-        model.model.layers[layer].mlp.experts = experts_backend(gate, up, down)
+        model.model.layers[layer].mlp.moe.attach(experts_backend(gate, up, down))
     return model.eval()
 
 

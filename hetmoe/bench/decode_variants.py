@@ -24,34 +24,24 @@ import torch
 
 from hetmoe.engine.loader import LoadedModel, defer_experts, moe_blocks
 from hetmoe.engine.runner import Runner
-from hetmoe.layers.moe import DeferredExperts, OffloadedExperts
 
 DEFER = (1, 2, 3, 4, 5, 6, 7)  # d < top_k only
 SPLIT_STEPS = 10
 
 
 def set_deferral(model, d: int) -> None:
-    """Re-wrap the model's MoE dispatch for Expert Deferral of ``d`` experts per token (0: none)."""
-    for _, block in moe_blocks(model):
-        if isinstance(block.experts, DeferredExperts):
-            block.experts = block.experts.experts
+    """Expert Deferral of ``d`` experts per token on every MoE layer (0: none)."""
     defer_experts(model, d)
 
 
 def _offloaded(model) -> list:
-    out = []
-    for _, block in moe_blocks(model):
-        d = block.experts.experts if isinstance(block.experts, DeferredExperts) else block.experts
-        if isinstance(d, OffloadedExperts):
-            out.append(d)
-    return out
+    """The MoE layers whose experts run on the CPU behind the GPU model."""
+    return [layer for _, layer in moe_blocks(model) if layer.staging is not None]
 
 
 def _set_gpu_experts(model, saved: list, on: bool) -> None:
-    from hetmoe.layers.gpu_experts import attach_gpu_experts
-
-    for off, gpu in zip(_offloaded(model), saved):
-        attach_gpu_experts(off, gpu if on else None)
+    for layer, gpu in zip(_offloaded(model), saved):
+        layer.set_gpu_experts(gpu if on else None)
 
 
 def _median_ms(fn, n: int) -> float:
@@ -109,7 +99,7 @@ def decode_variants(loaded: LoadedModel, prompt_tokens: int, steps: int, repeats
     gpu_saved = [off.gpu for off in _offloaded(model)]
     has_gpu = any(g is not None for g in gpu_saved)
     blocks = moe_blocks(model)
-    own_d = blocks[0][1].experts.d if blocks and isinstance(blocks[0][1].experts, DeferredExperts) else 0
+    own_d = blocks[0][1].defer if blocks else 0
     variants = [("eager", False, 0, False), ("graph", True, 0, False)]
     variants += [(f"graph+d{d}", True, d, False) for d in DEFER if d < k]
     if has_gpu:

@@ -33,7 +33,6 @@ from hetmoe.bench.kernel import GB, llc_bytes, machine_info, write_json
 from hetmoe.engine.loader import LoadedModel, load_model, moe_blocks
 from hetmoe.engine.placement import EngineOptions, free_ram
 from hetmoe.engine.runner import Runner
-from hetmoe.layers.moe import DeferredExperts, OffloadedExperts
 from hetmoe.testing.synthetic import SHAPES, build_random_model
 
 DEFAULT_SHAPE = "qwen3-30b-a3b"
@@ -45,13 +44,10 @@ PLACEMENT = {"cpu": "cpu", "cuda": "hybrid"}
 
 
 def _expert_pool(loaded, fallback: cpu.ExpertPool) -> cpu.ExpertPool:
-    """The pool the model's routed experts run on (through any dispatch wrappers), else ``fallback``."""
-    for _, block in moe_blocks(loaded.model):
-        ex = getattr(block, "experts", None)
-        for _ in range(4):
-            if isinstance(ex, cpu.CPUExperts):
-                return ex.pool
-            ex = getattr(ex, "experts", None)
+    """The pool the model's routed experts run on, else ``fallback``."""
+    for _, layer in moe_blocks(loaded.model):
+        if layer.engine is not None:
+            return layer.engine.pool
     return fallback
 
 def placements(device: str) -> list:
@@ -71,10 +67,8 @@ def roofline_bytes(loaded: LoadedModel) -> dict:
     weights (all parameters but the embedding) when the dense part is on the CPU."""
     cfg = loaded.config
     per_layer = []
-    for _, block in moe_blocks(loaded.model):
-        experts = block.experts
-        while isinstance(experts, (DeferredExperts, OffloadedExperts)):  # the CPU engine inside the dispatch wrappers
-            experts = experts.experts
+    for _, layer in moe_blocks(loaded.model):
+        experts = layer.experts
         info = experts.info()
         per_layer.append((min(cfg.num_experts_per_tok, experts.num_experts), info["bytes_per_expert"], info))
     expert_bytes = sum(k * bpe for k, bpe, _ in per_layer)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hetmoe.layers.attention import Step
-from hetmoe.layers.gpu_experts import GpuExperts, attach_gpu_experts, first_experts
+from hetmoe.moe.gpu_experts import GpuExperts, first_experts
 
 MAX_CALIBRATION_TOKENS = 1024  # a prefill of this many tokens through the whole model; enough to rank experts
 
@@ -81,20 +81,6 @@ def calibration_text(path: Optional[str]) -> tuple:
     return text, str(path)
 
 
-class _RoutingCounter:
-    """Stands in front of a block's dispatch stage during calibration: counts each routed (token, expert) pair."""
-
-    def __init__(self, inner, num_experts: int):
-        self.inner, self.num_experts = inner, num_experts
-        self.counts = torch.zeros(num_experts, dtype=torch.int64)  # [E]
-        self.takes_shared = getattr(inner, "takes_shared", False)  # the model calls us as it calls the inner stage
-
-    def __call__(self, x, topk_ids, topk_weights, *args, **kwargs):
-        ids = topk_ids[topk_ids >= 0].flatten().cpu()
-        self.counts += torch.bincount(ids, minlength=self.num_experts)[:self.num_experts]
-        return self.inner(x, topk_ids, topk_weights, *args, **kwargs)
-
-
 @torch.inference_mode()
 def count_routing(model: nn.Module, blocks: list, token_ids: Sequence[int], device, dtype,
                   chunk: int = 512) -> list:
@@ -102,10 +88,15 @@ def count_routing(model: nn.Module, blocks: list, token_ids: Sequence[int], devi
     (name, module) pairs of loader.moe_blocks, in forward order), how often each expert was chosen: int64 [E]."""
     if not token_ids:
         raise ValueError("no calibration tokens")
-    counters = []
-    for _, block in blocks:
-        counters.append(_RoutingCounter(block.experts, block.experts.num_experts))
-        block.experts = counters[-1]
+    counts = [torch.zeros(layer.num_experts, dtype=torch.int64) for _, layer in blocks]  # [E] per layer
+
+    def counter(c: torch.Tensor, E: int):
+        def count(topk_ids: torch.Tensor) -> None:
+            c.add_(torch.bincount(topk_ids[topk_ids >= 0].flatten().cpu(), minlength=E)[:E])
+        return count
+
+    for (_, layer), c in zip(blocks, counts):
+        layer.route_observer = counter(c, layer.num_experts)
     try:
         n = len(token_ids)
         cache = model.make_cache(1, n, dtype, device)
@@ -116,9 +107,9 @@ def count_routing(model: nn.Module, blocks: list, token_ids: Sequence[int], devi
             positions = torch.arange(i, i + len(part), device=device)[None]
             model(part[None].to(device), Step(positions, slots, kv_len=i + len(part), first_slot=0), cache)
     finally:
-        for (_, block), counter in zip(blocks, counters):
-            block.experts = counter.inner
-    return [c.counts for c in counters]
+        for _, layer in blocks:
+            layer.route_observer = None
+    return counts
 
 
 def choose_experts(counts: torch.Tensor, n: int) -> list:
@@ -137,8 +128,8 @@ def place_gpu_experts(model: nn.Module, blocks: list, n: int, dtype: torch.dtype
                       token_ids: Optional[Sequence[int]] = None, source: str = "",
                       log: Callable[[str], None] = print) -> dict:
     """Keep ``n`` experts of every MoE block on ``device``: the most routed on ``token_ids`` (a calibration run),
-    or the first ``n`` when ``token_ids`` is None. Each block's experts must be an ``OffloadedExperts`` (or a
-    ``DeferredExperts`` around one) over a ``CPUExperts``. Returns the report kept in ``LoadedModel.info``."""
+    or the first ``n`` when ``token_ids`` is None. Each MoE layer must have the CPU engine behind a GPU model (a
+    hybrid placement). Returns the report kept in ``LoadedModel.info``."""
     if not n:
         return {}
     counts = None
@@ -146,21 +137,18 @@ def place_gpu_experts(model: nn.Module, blocks: list, n: int, dtype: torch.dtype
         token_ids = list(token_ids)[:MAX_CALIBRATION_TOKENS]
         counts = count_routing(model, blocks, token_ids, device, dtype)
     layers = []
-    for i, (name, block) in enumerate(blocks):
-        dispatch = block.experts
-        off = getattr(dispatch, "experts", None) if hasattr(dispatch, "chain") else dispatch  # a DeferredExperts
-        engine = getattr(off, "experts", None)
-        if not hasattr(engine, "dequantized"):
-            raise TypeError(f"{name}: GPU experts need the CPU expert engine behind the dispatch stage")
+    for i, (name, layer) in enumerate(blocks):
+        engine = layer.engine
+        if engine is None:
+            raise TypeError(f"{name}: GPU experts need the CPU expert engine behind the MoE layer")
         ids = choose_experts(counts[i], n) if counts is not None else first_experts(engine.num_experts, n)
-        gpu = GpuExperts.from_cpu(engine, ids, dtype, device)
-        attach_gpu_experts(dispatch, gpu)
+        layer.set_gpu_experts(GpuExperts.from_cpu(engine, ids, dtype, device))
         layers.append({"block": name, "experts": ids,
                        "coverage": coverage(counts[i], ids) if counts is not None else None})
     report = {"n": n, "chosen_by": "calibration" if counts is not None else "first",
               "calibration": source if counts is not None else None,
               "calibration_tokens": len(token_ids) if counts is not None else 0, "layers": layers,
-              "bytes": sum(_resident(b.experts).nbytes for _, b in blocks)}
+              "bytes": sum(layer.gpu.nbytes for _, layer in blocks)}
     if counts is not None:
         cov = [layer["coverage"] for layer in layers]
         report["mean_coverage"] = sum(cov) / len(cov)
@@ -176,11 +164,6 @@ def place_gpu_experts(model: nn.Module, blocks: list, n: int, dtype: torch.dtype
         log(f"hetmoe: GPU experts: the first {n} of every MoE layer ({report['bytes'] / 2**20:.1f} MiB; "
             f"no calibration: {source or 'no tokenizer'})")
     return report
-
-
-def _resident(dispatch) -> GpuExperts:
-    off = dispatch.experts if hasattr(dispatch, "chain") else dispatch
-    return off.gpu
 
 
 def _layer_name(block: str) -> str:

@@ -5,7 +5,7 @@ A step reads its inputs from static device buffers (``inputs``: token ids, posit
 rows), filled by one host-to-device copy before each replay. A batch of n sequences runs as the next captured size
 B >= n (1, 2, 4, ... max_batch): the B - n padding rows feed token 0 at position 0 of a scratch cache slot (row
 ``max_batch`` of a cache allocated one row larger), so their KV writes touch no sequence, and the CPU experts read
-the real row count n through a pointer (``HybridDecode``), so padding costs no expert work.
+the real row count n through a pointer (``hetmoe.moe.StreamDecode``), so padding costs no expert work.
 
 Attention must not change shape between replays. Two ways (``kv_mode``):
   "full"    every step attends over all max_context cache positions (later ones masked on the device from the
@@ -77,7 +77,7 @@ def pack_inputs(buf: torch.Tensor, capacity: int, token_ids: Sequence[int], posi
 class GraphDecoder:
     """Decode steps of ``model`` over ``cache`` (max_batch + 1 rows: the last is the scratch slot).
 
-    ``hybrid``: the model's HybridDecode (None when no routed experts are offloaded). ``cuda_graph``: capture and
+    ``hybrid``: the model's StreamDecode (None when no routed experts are offloaded). ``cuda_graph``: capture and
     replay, or run the same forward eagerly (no padding, attended length bucketed)."""
 
     def __init__(self, model, cache, max_batch: int, max_context: int, device: torch.device, hybrid=None,

@@ -7,9 +7,9 @@
          dense tensors copied to their device in the plan's dtype (FP8 dequantized on the fly),
          routed experts packed into the CPU engine's format (or read from the converted-expert cache),
          the layer's source pages released
-    -> the model, on its devices, with an experts backend attached to every MoE block
-       (wrapped for Expert Deferral when options.defer_experts > 0: defer_experts), its projections that read one
-       input fused into one matmul (CausalLM.fuse_projections)
+    -> the model, on its devices, with its CPU experts attached to every MoE layer (hetmoe/moe/: ``MoELayer.attach``;
+       Expert Deferral set when options.defer_experts > 0), its projections that read one input fused into one
+       matmul (CausalLM.fuse_projections)
     -> with --gpu-experts N on a GPU: N experts per MoE layer also kept there, chosen by a calibration prefill
        (engine/calibration.py).
 
@@ -36,9 +36,9 @@ from hetmoe.engine.calibration import calibration_text, check_gpu_experts, keep_
 from hetmoe.engine.checkpoint import Checkpoint, CheckpointError, read_config
 from hetmoe.engine.expert_cache import ExpertCache, default_cache_dir
 from hetmoe.engine.placement import EngineOptions, MemoryPlan, ModelShapes, choose_plan, gib, normalize_options, wrap
-from hetmoe.layers.moe import DeferralChain, DeferredExperts, HostStaging, OffloadedExperts
 from hetmoe.models import APPLIES_ROPE_SCALING, ConfigError, check_config, context_limit, model_class
 from hetmoe.models.config import ModelConfig
+from hetmoe.moe import HostStaging, MoELayer, defer_experts, moe_layers
 
 EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # HF names of gate, up, down
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -59,8 +59,8 @@ class LoadedModel:
 
 
 def moe_blocks(model: nn.Module) -> list:
-    """(module name, module) of every block that takes a routed-experts backend (``experts`` attribute)."""
-    return [(n, m) for n, m in model.named_modules() if hasattr(m, "experts") and not isinstance(m.experts, nn.Module)]
+    """(block name, MoELayer) of every MoE block of ``model``, in forward order (``hetmoe.moe.moe_layers``)."""
+    return moe_layers(model)
 
 
 _INIT_FNS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
@@ -81,24 +81,15 @@ def build_meta(cfg: ModelConfig) -> nn.Module:
             setattr(nn.init, n, fn)
 
 
-def _experts_of(block: nn.Module) -> int:
-    return getattr(block, "num_experts", None) or block.gate.weight.shape[0]
-
-
-def new_experts(block: nn.Module, cfg: ModelConfig, inter: int, plan: MemoryPlan,
+def new_experts(layer: MoELayer, cfg: ModelConfig, inter: int, plan: MemoryPlan,
                 options: EngineOptions) -> CPUExperts:
-    """Empty CPU experts for a MoE block, in the plan's format (group 0 with int8: per-row scales), on the
+    """Empty CPU experts for a MoE layer, in the plan's format (group 0 with int8: per-row scales), on the
     options' threads, NUMA split and kernel ISA."""
     threads = options.threads
     if threads is None and plan.device.type == "cuda":
         threads = default_threads(reserve=HYBRID_RESERVED_CORES)
-    return CPUExperts(_experts_of(block), cfg.hidden_size, inter, plan.experts_format, plan.group_size,
+    return CPUExperts(layer.num_experts, cfg.hidden_size, inter, plan.experts_format, plan.group_size,
                       threads=threads, numa=options.numa, isa=options.isa, amx_min_tokens=options.amx_min_tokens)
-
-
-def attach_experts(block: nn.Module, experts: CPUExperts, staging) -> None:
-    """The block's routed experts: the CPU engine directly, or through pinned staging when the model is on a GPU."""
-    block.experts = OffloadedExperts(experts, staging) if staging is not None else experts
 
 
 def check_deferral(cfg: ModelConfig, n_moe: int, d: int) -> None:
@@ -111,23 +102,6 @@ def check_deferral(cfg: ModelConfig, n_moe: int, d: int) -> None:
     if d >= k:
         raise ValueError(f"--defer-experts {d}: each token has {k} routed experts (top-{k}); at most {k - 1} can be "
                          "deferred")
-
-
-def defer_experts(model: nn.Module, d: int, overlap: bool = True) -> Optional[DeferralChain]:
-    """Expert Deferral on every MoE block of ``model``: the backend attached to each (in forward order) wrapped in
-    a ``DeferredExperts`` deferring ``d`` experts per token, all sharing one ``DeferralChain`` (returned). d = 0
-    leaves the model as it is and returns None."""
-    if not d:
-        return None
-    blocks = moe_blocks(model)
-    if not blocks:
-        raise ValueError(f"cannot defer {d} experts: the model has no MoE blocks")
-    if any(isinstance(b.experts, DeferredExperts) for _, b in blocks):
-        raise ValueError("the model's experts are already deferred")
-    chain = DeferralChain(len(blocks))
-    for i, (_, block) in enumerate(blocks):
-        block.experts = DeferredExperts(block.experts, chain, i, d, overlap)
-    return chain
 
 
 def checked_config(cfg: ModelConfig, source) -> ModelConfig:
@@ -157,7 +131,7 @@ def config_notes(cfg: ModelConfig) -> list:
 
 
 def model_shapes(model: nn.Module, cfg: ModelConfig, expert_inter: int) -> ModelShapes:
-    n_routed = sum(_experts_of(b) for _, b in moe_blocks(model))
+    n_routed = sum(b.num_experts for _, b in moe_blocks(model))
     cache = model.make_cache(1, 1, device="meta")
     limit, why = context_limit(cfg)
     return ModelShapes(
@@ -329,7 +303,7 @@ def load_model(
                               f"({err})") from None
     blocks = moe_blocks(model)
     check_deferral(cfg, len(blocks), options.defer_experts)
-    check_gpu_experts([_experts_of(b) for _, b in blocks], options.gpu_experts)
+    check_gpu_experts([b.num_experts for _, b in blocks], options.gpu_experts)
     if options.gpu_experts:
         calibration_text(options.calibration_file)  # a bad file fails now, not after loading
     inter = 0
@@ -363,7 +337,7 @@ def load_model(
                     if cache is not None:
                         cache.save(i, experts)
                 expert_bytes += experts.nbytes
-                attach_experts(block, experts, staging)
+                block.attach(experts, staging)
             ckpt.release()
             bar.update(1)
     ckpt.close()

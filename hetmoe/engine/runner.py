@@ -6,8 +6,8 @@ activation memory for long prompts); decode advances one or several slots by one
 builds the one ``Step`` (positions, slots) the model sees; the model itself keeps no state.
 
 On a GPU, decode steps go through ``engine/cuda_graph.py`` (one CUDA graph per batch size, replayed every token;
-``EngineOptions.cuda_graph=False`` runs the same step eagerly) and the offloaded routed experts through
-``layers/hybrid.py`` (CPU jobs in CUDA stream order). Prefill stays eager.
+``EngineOptions.cuda_graph=False`` runs the same step eagerly) and the MoE layers whose experts run on the CPU
+through ``moe/stream.py`` (CPU jobs in CUDA stream order). Prefill stays eager.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from hetmoe import cpu
 from hetmoe.engine.cuda_graph import GraphDecoder
 from hetmoe.engine.loader import LoadedModel, moe_blocks
 from hetmoe.layers.attention import Step
-from hetmoe.layers.hybrid import HybridDecode
-from hetmoe.layers.moe import DeferredExperts, OffloadedExperts
+from hetmoe.moe import StreamDecode
 
 KV_BUCKET = 64
 
@@ -43,7 +42,7 @@ class Runner:
             # H200 machine); decode changes the attended length every step, so leave attention to the other kernels.
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.decoder: Optional[GraphDecoder] = None
-        self.hybrid: Optional[HybridDecode] = None
+        self.hybrid: Optional[StreamDecode] = None
         rows = self.max_batch + (1 if self.device.type == "cuda" else 0)  # + the decoder's scratch slot
         self.cache = self.model.make_cache(rows, self.max_context, self.dtype, self.device)
         self.lengths = [0] * self.max_batch  # tokens in each slot's cache
@@ -52,18 +51,13 @@ class Runner:
             self._setup_decoder(loaded.options.cuda_graph if cuda_graph is None else cuda_graph, kv_mode)
 
     def _setup_decoder(self, cuda_graph: bool, kv_mode: Optional[str]) -> None:
-        offloaded = []
-        for _, block in moe_blocks(self.model):
-            dispatch = block.experts
-            inner = dispatch.experts if isinstance(dispatch, DeferredExperts) else dispatch
-            if isinstance(inner, OffloadedExperts):
-                offloaded.append(inner)
+        offloaded = [layer for _, layer in moe_blocks(self.model) if layer.staging is not None]
         decoder_kwargs = {"kv_mode": kv_mode} if kv_mode else {}
         if offloaded:
             if not cpu.cuda_hooks_available():  # no cuLaunchHostFunc: decode keeps the synchronous path
                 print(f"hetmoe: decode without CUDA graphs: {cpu._C.cuda_hooks_error()}", file=sys.stderr)
                 return
-            self.hybrid = HybridDecode(GraphDecoder.capacity_for(self.max_batch), self.device, offloaded)
+            self.hybrid = StreamDecode(GraphDecoder.capacity_for(self.max_batch), self.device, offloaded)
         self.decoder = GraphDecoder(self.model, self.cache, self.max_batch, self.max_context, self.device,
                                     self.hybrid, cuda_graph, **decoder_kwargs)
 

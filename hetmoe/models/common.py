@@ -14,10 +14,10 @@ from torch import nn
 
 from hetmoe.layers.attention import KVCache, Step
 from hetmoe.layers.linear import FusedLinears
-from hetmoe.layers.moe import HostRouter, route_softmax
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import cos_sin, inv_frequencies
 from hetmoe.models.config import ModelConfig
+from hetmoe.moe import MoELayer, RouterSpec
 
 
 class SwiGLUMLP(nn.Module):
@@ -38,53 +38,21 @@ class SwiGLUMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-def routed_and_shared(experts, flat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared) -> torch.Tensor:
-    """The combine of a MoE block: routed experts + ``shared()`` (a callable -> [T, H] or None), [T, H].
-    A backend that computes elsewhere (``takes_shared``: the CPU engine behind a GPU model) is handed ``shared`` and
-    calls it on the GPU while its routed experts run; any other backend runs first, then ``shared``."""
-    if getattr(experts, "takes_shared", False):
-        return experts(flat, ids, weights, shared=shared)
-    out = experts(flat, ids, weights)
-    dense = shared()
-    return out if dense is None else out + dense
-
-
-def routes_on_host(experts, flat: torch.Tensor) -> bool:
-    """Whether the experts backend takes this call's router logits and routes on the host (the CPU engine inside a
-    hybrid decode step: ``OffloadedExperts.routes_on_host``)."""
-    on_host = getattr(experts, "routes_on_host", None)
-    return on_host is not None and on_host(flat)
-
-
-def softmax_routed_and_shared(experts, flat: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
-                              shared) -> torch.Tensor:
-    """route_softmax, then ``routed_and_shared``; or, where the backend routes this call on the host
-    (``routes_on_host``: the CPU engine inside a hybrid decode step), the logits handed over unrouted."""
-    if routes_on_host(experts, flat):
-        return experts.forward_logits(flat, logits, HostRouter("softmax", top_k, norm_topk_prob), shared=shared)
-    weights, ids = route_softmax(logits, top_k, norm_topk_prob)  # [T, k]
-    return routed_and_shared(experts, flat, ids, weights, shared)
-
-
 class SoftmaxMoeBlock(nn.Module):
-    """route (softmax over the linear router ``gate``, top-k, optional renormalisation) -> experts backend
-    (dispatch, experts, combine): the MoE block of Mixtral, Qwen2-MoE and Qwen3-MoE. ``shared(flat)`` adds a
-    dense part to the routed output (Qwen2-MoE's gated shared expert); the base has none."""
+    """The MoE block of Mixtral, Qwen2-MoE and Qwen3-MoE: the linear router ``gate`` gives the logits, the MoE layer
+    (hetmoe/moe/) routes them (softmax, top-k, optional renormalisation) and computes the routed experts;
+    ``shared(flat)`` adds a dense part to the routed output (Qwen2-MoE's gated shared expert); the base has none."""
 
     def __init__(self, cfg: ModelConfig, n_experts: int, norm_topk_prob: bool):
         super().__init__()
         self.gate = nn.Linear(cfg.hidden_size, n_experts, bias=False)
-        self.top_k = cfg.num_experts_per_tok
-        self.norm_topk_prob = norm_topk_prob
-        self.experts = None  # attached by the loader
+        self.moe = MoELayer(RouterSpec("softmax", cfg.num_experts_per_tok, norm_topk_prob), n_experts)
 
-    def shared(self, flat: torch.Tensor):
-        return None
+    shared = None  # or a method: flat [T, H] -> [T, H]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H]
         flat = x.reshape(-1, x.shape[-1])  # [T, H]
-        return softmax_routed_and_shared(self.experts, flat, self.gate(flat), self.top_k, self.norm_topk_prob,
-                                         lambda: self.shared(flat)).view_as(x)
+        return self.moe(flat, self.gate(flat), shared=self.shared).view_as(x)
 
 
 class PreNormDecoderLayer(nn.Module):

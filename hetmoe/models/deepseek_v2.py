@@ -1,8 +1,8 @@
 """DeepSeek-V2 / V2-Lite (model_type "deepseek_v2") and DeepSeek-V3 / R1 / Kimi-K2 (model_type "deepseek_v3"):
 multi-head latent attention (MLA), ``first_k_dense_replace`` dense layers, then MoE layers with shared experts.
 
-* Routing: V2 softmax (greedy / group_limited_greedy, ``route_deepseek_v2``); V3 sigmoid with
-  ``e_score_correction_bias`` and group-limited choice (``route_deepseek_v3``).
+* Routing (hetmoe/moe/router.py): V2 softmax (greedy / group_limited_greedy, kind ``deepseek_v2``); V3 sigmoid
+  with ``e_score_correction_bias`` and group-limited choice (kind ``sigmoid_grouped``).
 * RoPE on the qk_rope_head_dim part only: V2 rotates interleaved pairs as complex numbers (output stays
   interleaved); V3 with ``rope_interleave`` (the default) rotates interleaved pairs and writes the result as
   [evens, odds], otherwise the half-split ``rotate_half`` form. YaRN ``rope_parameters`` give the inverse
@@ -12,8 +12,8 @@ multi-head latent attention (MLA), ``first_k_dense_replace`` dense layers, then 
 * Attention has two equivalent forms: prefill expands the cached latents into per-head keys/values with kv_b_proj;
   decode (few query tokens) absorbs kv_b_proj into the query and the output and attends in the latent space.
 
-The routed experts are an *experts backend* attached to ``mlp.experts`` by whoever loads the weights; the shared
-experts are an ordinary dense MLP (``mlp.shared_experts``).
+The routed experts sit behind the MoE layer ``mlp.moe`` (hetmoe/moe/), attached by whoever loads the weights; the
+shared experts are an ordinary dense MLP (``mlp.shared_experts``) that the layer adds.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from torch import nn
 
 from hetmoe.layers.attention import KVCache, Step, attend
 from hetmoe.layers.linear import FusedLinears
-from hetmoe.layers.moe import HostRouter, route_deepseek_v2, route_deepseek_v3
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import inv_frequencies, yarn_get_mscale, yarn_parameters
-from hetmoe.models.common import CausalLM, PreNormDecoderLayer, SwiGLUMLP, routed_and_shared, routes_on_host
+from hetmoe.models.common import CausalLM, PreNormDecoderLayer, SwiGLUMLP
 from hetmoe.models.config import ModelConfig
+from hetmoe.moe import MoELayer, RouterSpec
 
 
 def _n_experts(cfg: ModelConfig) -> int:
@@ -47,22 +47,20 @@ class DeepseekV2MLP(SwiGLUMLP):
 
 
 class DeepseekV2TopkRouter(nn.Module):
-    """Router weight [E, H] (fp32 logits), softmax routing."""
+    """Router weight [E, H]: fp32 logits; softmax routing (greedy or group-limited, ``spec``)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(_n_experts(cfg), cfg.hidden_size))
-        self.top_k = cfg.num_experts_per_tok
-        self.topk_method = cfg.get("topk_method", "greedy")
-        self.n_group, self.topk_group = cfg.get("n_group"), cfg.get("topk_group")
-        self.routed_scaling_factor = cfg.get("routed_scaling_factor", 1.0)
+        self.spec = RouterSpec("deepseek_v2", cfg.num_experts_per_tok, n_group=cfg.get("n_group") or 1,
+                               topk_group=cfg.get("topk_group") or 1,
+                               routed_scaling_factor=cfg.get("routed_scaling_factor", 1.0),
+                               topk_method=cfg.get("topk_method", "greedy"))
 
-    def logits(self, flat: torch.Tensor) -> torch.Tensor:
-        return F.linear(flat.float(), self.weight.float())
+    correction_bias = None
 
-    def forward(self, flat: torch.Tensor) -> tuple:
-        return route_deepseek_v2(self.logits(flat), self.top_k, self.topk_method, self.n_group, self.topk_group,
-                                 self.routed_scaling_factor)
+    def forward(self, flat: torch.Tensor) -> torch.Tensor:
+        return F.linear(flat.float(), self.weight.float())  # [T, E]
 
 
 class DeepseekV3TopkRouter(DeepseekV2TopkRouter):
@@ -71,28 +69,25 @@ class DeepseekV3TopkRouter(DeepseekV2TopkRouter):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.register_buffer("e_score_correction_bias", torch.zeros(_n_experts(cfg)), persistent=True)
-        self.n_group, self.topk_group = cfg.get("n_group", 1) or 1, cfg.get("topk_group", 1) or 1
-        self.norm_topk_prob = cfg.get("norm_topk_prob", True)
+        self.spec = RouterSpec("sigmoid_grouped", cfg.num_experts_per_tok, cfg.get("norm_topk_prob", True),
+                               cfg.get("n_group", 1) or 1, cfg.get("topk_group", 1) or 1,
+                               cfg.get("routed_scaling_factor", 1.0))
 
-    def forward(self, flat: torch.Tensor) -> tuple:
-        return route_deepseek_v3(self.logits(flat), self.e_score_correction_bias, self.top_k, self.n_group,
-                                 self.topk_group, self.norm_topk_prob, self.routed_scaling_factor)
-
-    def host_router(self) -> HostRouter:
-        """The same routing as ``forward``, for a CPU job to run from the logits."""
-        return HostRouter("sigmoid_grouped", self.top_k, self.norm_topk_prob, self.n_group, self.topk_group,
-                          self.routed_scaling_factor, self.e_score_correction_bias)
+    @property
+    def correction_bias(self) -> torch.Tensor:
+        return self.e_score_correction_bias
 
 
 class DeepseekV2Moe(nn.Module):
-    """route -> experts backend, plus the shared experts (moe_intermediate_size * n_shared_experts)."""
+    """router logits -> the MoE layer (hetmoe/moe/), plus the shared experts (moe_intermediate_size *
+    n_shared_experts)."""
 
     router_cls = DeepseekV2TopkRouter
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate = self.router_cls(cfg)
-        self.experts = None  # attached by the loader
+        self.moe = MoELayer(self.gate.spec, _n_experts(cfg))
         n_shared = cfg.get("n_shared_experts") or 0
         self.shared_experts = (
             DeepseekV2MLP(cfg.hidden_size, cfg.moe_intermediate_size * n_shared, cfg.get("mlp_bias", False))
@@ -101,12 +96,8 @@ class DeepseekV2Moe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H]
         flat = x.reshape(-1, x.shape[-1])  # [T, H]
-        shared = (lambda: self.shared_experts(flat)) if self.shared_experts is not None else (lambda: None)
-        if hasattr(self.gate, "host_router") and routes_on_host(self.experts, flat):  # V3: the CPU jobs route
-            return self.experts.forward_logits(flat, self.gate.logits(flat), self.gate.host_router(),
-                                               shared=shared).view_as(x)
-        weights, ids = self.gate(flat)  # [T, k]
-        return routed_and_shared(self.experts, flat, ids, weights, shared).view_as(x)
+        return self.moe(flat, self.gate(flat), shared=self.shared_experts,
+                        correction_bias=self.gate.correction_bias).view_as(x)
 
 
 class DeepseekV3MoE(DeepseekV2Moe):

@@ -4,8 +4,8 @@ renormalises the top-k weights, routed experts only.
 Checkpoint names are those of the Hub / ``save_pretrained`` (transformers 5 too): the MoE block is
 ``model.layers.N.block_sparse_moe`` (router ``block_sparse_moe.gate.weight``; experts
 ``block_sparse_moe.experts.E.w1|w3|w2.weight`` = gate|up|down). transformers renames it to ``mlp`` only in
-memory, so here the module keeps the on-disk name and ``layer.mlp`` is an alias of it: the routed-experts
-backend is attached to ``layer.mlp.experts`` like every other model.
+memory, so here the module keeps the on-disk name and ``layer.mlp`` is an alias of it: the MoE layer is
+``layer.mlp.moe`` like every other model's.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hetmoe.models.config import ModelConfig
 
 
 class MixtralSparseMoeBlock(SoftmaxMoeBlock):
-    """route (softmax top-k, always renormalised) -> experts backend."""
+    """softmax top-k, always renormalised."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, cfg.first("num_local_experts", "num_experts"), norm_topk_prob=True)

@@ -1,8 +1,8 @@
 """Qwen2-MoE (model_type "qwen2_moe"): GQA attention with q/k/v bias (o_proj without), softmax top-k routed
 experts plus a shared expert gated by ``sigmoid(shared_expert_gate(x))``.
 
-The routed experts are an *experts backend* attached to ``mlp.experts`` by whoever loads the weights; the shared
-expert is an ordinary dense MLP of this module (``mlp.shared_expert``).
+The routed experts sit behind the MoE layer ``mlp.moe`` (hetmoe/moe/), attached by whoever loads the weights; the
+shared expert is an ordinary dense MLP of this module (``mlp.shared_expert``) that the layer adds.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Qwen2MoeMLP(SwiGLUMLP):
 
 
 class Qwen2MoeSparseMoeBlock(SoftmaxMoeBlock):
-    """route (softmax top-k) -> experts backend, plus sigmoid-gated shared expert."""
+    """softmax top-k, plus the sigmoid-gated shared expert."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, cfg.first("num_experts", "num_local_experts"), cfg.get("norm_topk_prob", False))

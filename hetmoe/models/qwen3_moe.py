@@ -1,7 +1,7 @@
 """Qwen3-MoE (model_type "qwen3_moe"): GQA attention with q/k RMSNorm, softmax top-k routed experts.
 
-The routed experts are an *experts backend* (``hetmoe.cpu.CPUExperts`` or ``hetmoe.layers.moe.TorchExperts``)
-attached to ``mlp.experts`` by whoever loads the weights; this file never sees their format.
+The routed experts sit behind the MoE layer ``mlp.moe`` (hetmoe/moe/), attached by whoever loads the weights; this
+file never sees where they run or in what format.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class Qwen3MoeMLP(SwiGLUMLP):
 
 
 class Qwen3MoeSparseMoeBlock(SoftmaxMoeBlock):
-    """route (softmax top-k, renormalised if norm_topk_prob) -> experts backend."""
+    """softmax top-k, renormalised if norm_topk_prob."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, cfg.first("num_experts", "num_local_experts"), cfg.get("norm_topk_prob", False))

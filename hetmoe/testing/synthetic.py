@@ -31,19 +31,16 @@ from torch import nn
 from hetmoe.engine.calibration import check_gpu_experts, keep_gpu_experts
 from hetmoe.engine.loader import (
     LoadedModel,
-    _experts_of,
-    attach_experts,
     build_meta,
     check_deferral,
-    defer_experts,
     model_shapes,
     moe_blocks,
     new_experts,
 )
 from hetmoe.engine.placement import EngineOptions, choose_plan
-from hetmoe.layers.moe import HostStaging
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.models.config import ModelConfig
+from hetmoe.moe import HostStaging, defer_experts
 
 # Small but complete configurations: every feature of the architecture is present (dense first layers,
 # shared experts, groups, GQA, q/k norm, MLA), with sizes that load in well under a second.
@@ -346,7 +343,7 @@ def build_random_model(
     model = build_meta(cfg)
     blocks = moe_blocks(model)
     check_deferral(cfg, len(blocks), options.defer_experts)
-    check_gpu_experts([_experts_of(b) for _, b in blocks], options.gpu_experts)
+    check_gpu_experts([b.num_experts for _, b in blocks], options.gpu_experts)
     inter = (cfg.get("moe_intermediate_size") or cfg.intermediate_size) if blocks else 0
     plan = choose_plan(model_shapes(model, cfg, inter), options)
     name = shape if isinstance(shape, str) else cfg.model_type
@@ -364,7 +361,7 @@ def build_random_model(
         experts = new_experts(block, cfg, inter, plan, options)
         experts.fill_random(seed + layer, std)
         expert_bytes += experts.nbytes
-        attach_experts(block, experts, staging)
+        block.attach(experts, staging)
     defer_experts(model, options.defer_experts)
     gpu_experts = keep_gpu_experts(model.eval(), blocks, plan, options, None, log)  # no tokenizer: the first N
     if plan.device.type == "cuda":

@@ -1,7 +1,7 @@
-"""GPU-resident experts (``--gpu-experts N``): part of the *experts* stage of route -> dispatch -> experts -> combine.
+"""GPU-resident experts (``--gpu-experts N``): an experts backend of route -> dispatch -> experts -> combine.
 
 Per MoE layer, N of the E routed experts are kept on the GPU as well as in the CPU engine; the CPU engine skips
-them through its static skip mask (``CPUExperts.set_skip_mask``) and ``GpuExperts`` computes every (token, slot)
+them through its static skip mask (``MoELayer.set_gpu_experts``) and ``GpuExperts`` computes every (token, slot)
 routed to them, on the main stream, while the CPU computes the rest. The weights are the values the CPU format
 holds (``CPUExperts.dequantized``: int8/int4 dequantized, bf16 as is) cast to the model dtype, so a hybrid run with
 resident experts matches the all-CPU placement up to summation order (and, with int8/int4, the CPU engine's
@@ -40,8 +40,8 @@ def combine_matrix(topk_ids: torch.Tensor, topk_weights: torch.Tensor, slot_of: 
 
 
 class GpuExperts:
-    """N routed experts of one MoE layer on a device, called like an experts backend but returning only their part:
-    ``forward(x [T, H], topk_ids [T, k], topk_weights [T, k]) -> fp32 [T, H]``.
+    """N routed experts of one MoE layer on a device, an ``ExpertsBackend`` (hetmoe/moe/backends.py) that computes only
+    the slots routed to its own experts: ``forward(x [T, H], topk_ids [T, k], topk_weights [T, k]) -> fp32 [T, H]``.
 
     Args:
         expert_ids: the N experts kept here (distinct, in [0, num_experts)).
@@ -100,7 +100,22 @@ class GpuExperts:
         mask[torch.tensor(self.expert_ids)] = True
         return mask
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                out: Optional[torch.Tensor] = None, *, accumulate: bool = False,
+                skip_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Their part, fp32 [T, H] (written or, ``accumulate``, added into ``out`` when given). ``skip_mask`` bool [E]:
+        experts not computed in this call."""
+        y = self._part(x, topk_ids, topk_weights, skip_mask)
+        if out is None:
+            return y
+        if accumulate:
+            y = y + out.float()
+        out.copy_(y)
+        return out
+
+    __call__ = forward
+
+    def _part(self, x, topk_ids, topk_weights, skip_mask) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(f"x must be [T, {self.hidden_size}], got {tuple(x.shape)}")
         if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
@@ -108,12 +123,13 @@ class GpuExperts:
                              f"both be [T={x.shape[0]}, k]")
         if x.device != self.device:
             raise ValueError(f"x is on {x.device}; these resident experts are on {self.device}")
+        if skip_mask is not None:
+            skip = skip_mask.to(self.device, torch.bool)
+            topk_ids = topk_ids.masked_fill(skip[topk_ids.long().clamp(min=0)] & (topk_ids >= 0), -1)
         capturing = x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if x.shape[0] <= self.dense_max_tokens or capturing:
             return self._dense(x, topk_ids, topk_weights)
         return self._gather(x, topk_ids, topk_weights)
-
-    __call__ = forward
 
     def _dense(self, x, topk_ids, topk_weights) -> torch.Tensor:
         T, N, I = x.shape[0], self.n, self.intermediate_size
@@ -142,20 +158,3 @@ class GpuExperts:
 def first_experts(num_experts: int, n: int) -> list:
     """The resident set when no calibration is run: experts 0 .. n-1."""
     return list(range(min(n, num_experts)))
-
-
-def attach_gpu_experts(dispatch, gpu: Optional[GpuExperts]) -> None:
-    """Give an ``OffloadedExperts`` (or a ``DeferredExperts`` around one) its resident part: the CPU engine skips
-    ``gpu``'s experts from now on (its static skip mask) and the dispatch adds ``gpu``'s output. None detaches."""
-    from hetmoe.layers.moe import DeferredExperts, OffloadedExperts
-
-    off = dispatch.experts if isinstance(dispatch, DeferredExperts) else dispatch
-    if not isinstance(off, OffloadedExperts):
-        raise TypeError(f"GPU experts attach to OffloadedExperts (a hybrid placement), got {type(off).__name__}")
-    engine = off.experts
-    if not hasattr(engine, "set_skip_mask"):
-        raise TypeError(f"the CPU backend {type(engine).__name__} has no static skip mask (needs CPUExperts)")
-    if gpu is not None and gpu.num_experts != engine.num_experts:
-        raise ValueError(f"{gpu.num_experts} experts on the GPU side, {engine.num_experts} on the CPU side")
-    engine.set_skip_mask(gpu.skip_mask() if gpu is not None else None)
-    off.gpu = gpu

@@ -1,15 +1,16 @@
-"""The dispatch stage of a hybrid decode step in CUDA stream order: the routed experts of every MoE layer go to the CPU
-engine through stream host functions, so one decode step can be captured into a CUDA graph and replayed (and runs
-the same way without a graph). Per MoE layer, on the main stream unless noted:
+"""The dispatch stage of a hybrid decode step in CUDA stream order (``StreamDecode``): the routed experts of every MoE
+layer go to the CPU engine through stream host functions, so one decode step can be captured into a CUDA graph and
+replayed (and runs the same way without a graph). Per MoE layer, on the main stream unless noted:
 
     copy x and the router logits (softmax routers) or the top-k ids and weights -> this layer's pinned buffers
     host function SUBMIT the immediate job [; SUBMIT the deferred job]         (the pool runs them in FIFO order)
     side stream: wait for the main stream; host function SYNC (at most 1 job left pending when this layer defers,
                  else 0); copy the CPU output [and, with GPU experts, the previous layer's deferred output] back
-    main stream meanwhile: GPU-resident experts, the model's shared experts    (OffloadedExperts.main_stream_part)
-    main stream: wait for the side stream; [y = cpu + resident + previous deferred (fp32) -> dtype] [+ shared]
+    main stream meanwhile: GPU-resident experts, the model's shared experts
+    main stream: wait for the side stream; dispatch.combine: [cpu + resident + previous deferred (fp32) -> dtype]
+                 + shared
 
-"Host function" stands for either mechanism of ``kernels.HostFuncs``: stream memory operations watched by a thread
+"Host function" stands for either mechanism of ``hetmoe.cpu.HostFuncs``: stream memory operations watched by a thread
 (signals, the default where the driver has them) or CUDA host functions (callbacks); both are captured into graphs.
 The sync blocks the stream it is on, which is why it sits on a side stream: the main stream keeps computing.
 
@@ -24,30 +25,44 @@ device and adds its parts there, in fp32, in the same order.
 
 Expert Deferral (d > 0): layer l's deferred job reads layer l's own buffers while the GPU runs layer l+1's
 attention; layer l+1's immediate job runs after it (FIFO) and finds its output complete. The two jobs of a layer
-are paired (``CPUExperts.prepare(pair=...)``): queued back to back, they run as one list of tasks, and the immediate
+are paired (``Slots.deferred(d, pair=...)``): queued back to back, they run as one list of tasks, and the immediate
 one completes as soon as its output is written while the pool streams on into the deferred one's. The first MoE
 layer of a step has no deferred input, the last defers nothing, so every step ends with the pool idle.
 
 Buffers are static: per MoE layer, pinned x [C, H], ids [C, k], weights [C, k], logits [C, E], outputs [C, H] and
 their device copies, with C = ``capacity`` (the largest captured batch). A deferring layer's two jobs read the same
-routing and pick their slots themselves (``CPUExperts.prepare(defer=d)``): no split of the routing on the GPU. The
+routing and pick their slots themselves (``CPUExperts.prepare(slots=Slots.immediate(d))`` and
+``Slots.deferred(d)``): no split of the routing on the GPU. The
 CPU jobs are prepared once per layer, with the token count T read at run time from one pinned int64 (``n_tokens``)
 that each step sets in stream order from a device scalar (the runner's static input): padded rows past T are never
 computed.
+
+A step is active through ``current()`` (a context variable the driver sets for the duration of ``step()``): a MoE
+layer asks it whether it is driven (``drives``) and nothing is written into the layers.
 
 Shape letters: T tokens, k experts per token, H hidden size, E experts, C capacity.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextvars
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from hetmoe.cpu.experts import HostRoute, Slots
 from hetmoe.cpu.host_funcs import HostFuncs
+from hetmoe.moe.combine import combine
+from hetmoe.moe.deferral import drop_lowest
+
+_current: contextvars.ContextVar = contextvars.ContextVar("hetmoe_stream_decode", default=None)
+
+
+def current() -> Optional["StreamDecode"]:
+    """The stream-ordered decode step running in this context, or None."""
+    return _current.get()
 
 
 @dataclass
@@ -69,9 +84,9 @@ class _LayerBuffers:
     direct: bool  # the job writes the layer's routed output complete, in x's dtype (no GPU-resident experts)
 
 
-class HybridDecode:
-    """Stream-ordered CPU dispatch shared by every ``OffloadedExperts`` of one model (``OffloadedExperts.hybrid``),
-    active only inside ``step(...)`` (decode steps; prefill keeps the plain eager path).
+class StreamDecode:
+    """Stream-ordered CPU dispatch of the MoE layers ``layers`` of one model, active only inside ``step(...)`` (decode
+    steps; prefill keeps the eager path of hetmoe/moe/dispatch.py).
 
     ``capacity``: the largest batch a step may have. ``cpu=False`` inside a step leaves the CPU out (no host
     function, stale outputs): what the GPU alone costs, for the benchmark's time split.
@@ -91,11 +106,12 @@ class HybridDecode:
         self.n_tokens = torch.zeros(1, dtype=torch.int64, pin_memory=self.pin)  # T the jobs read when they run
         self.active = False
         self.cpu = True
-        self.route_on_host = True  # the CPU jobs route from the logits (OffloadedExperts.routes_on_host)
-        self._buffers: dict = {}  # id(OffloadedExperts) -> _LayerBuffers
+        self.route_on_host = True  # the CPU jobs route from the logits where they can (``routes_on_host``)
+        self._buffers: dict = {}  # id(MoELayer) -> _LayerBuffers
         self._pending: Optional[_LayerBuffers] = None  # the layer whose deferred job is in flight
         self.pools: set = set()
-        self.layers = list(layers)  # the OffloadedExperts this object drives (pointed at it by every step)
+        self.layers = list(layers)  # the MoE layers this object drives
+        self._driven = {id(layer) for layer in self.layers}
         self._jobs_now: list = []
         self.last_jobs: list = []  # the CPU jobs one step submits, in order (of the last step run with the CPU)
 
@@ -104,10 +120,9 @@ class HybridDecode:
         """One decode forward call: ``n_tokens`` ([1] int64 on the device) rows of the batch are real."""
         if self.active:
             raise RuntimeError("a hybrid decode step is already running")
-        for layer in self.layers:  # another runner on the same model may have pointed them at its own
-            layer.hybrid = self
         self.n_tokens.copy_(n_tokens, non_blocking=True)  # stream order: before any job of this step runs
         self.active, self.cpu, self._pending, self._jobs_now = True, cpu, None, []
+        token = _current.set(self)
         try:
             yield self
             if self._pending is not None:
@@ -115,18 +130,29 @@ class HybridDecode:
             if cpu:
                 self.last_jobs = self._jobs_now
         finally:
+            _current.reset(token)
             self.active, self.cpu, self._pending = False, True, None
+
+    def drives(self, layer, x: torch.Tensor) -> bool:
+        """Whether this call of MoE layer ``layer`` runs in stream order (a layer of this step, on its device)."""
+        return self.active and id(layer) in self._driven and x.device.type == self.device.type
+
+    def routes_on_host(self, layer) -> bool:
+        """Whether the CPU jobs of ``layer`` route from the router's logits themselves (``HostRoute``): where the
+        router kind allows it and the layer has no GPU-resident experts (they need the ids on the device) and drops
+        none. No top-k kernels on the GPU then, and one copy (the logits) instead of two (ids, weights)."""
+        return self.route_on_host and layer.gpu is None and layer.router.host_routable and not layer.drop
 
     def buffers(self, layer) -> Optional[_LayerBuffers]:
         return self._buffers.get(id(layer))
 
     def _layer_buffers(self, layer, x: torch.Tensor, k: int, defer: int, logits: Optional[torch.Tensor],
-                       router, prev: Optional[_LayerBuffers]) -> _LayerBuffers:
+                       bias_src: Optional[torch.Tensor], prev: Optional[_LayerBuffers]) -> _LayerBuffers:
         engine = layer.experts
         direct = layer.gpu is None
         addend = prev.out_def if (direct and prev is not None) else None
-        mask = getattr(engine, "skip_mask", None)
-        bias_src = router.correction_bias if router is not None else None
+        mask = engine.skip_mask
+        router = layer.router
         key = (x.dtype, k, defer, direct, None if logits is None else (logits.dtype, logits.shape[1], router.key()))
         buf = self._buffers.get(id(layer))
         if (buf is not None and buf.mask is mask and buf.addend is addend and buf.bias_src is bias_src
@@ -145,13 +171,14 @@ class HybridDecode:
         ids.fill_(-1)
         lg = pinned(C, logits.shape[1], dtype=logits.dtype) if logits is not None else None
         out, out_def = pinned(C, H, dtype=out_dtype), pinned(C, H, dtype=torch.float32)
-        route = {}
+        route = None
         if lg is not None:  # the jobs read a host copy of the correction bias (a model buffer, fixed after loading)
             bias = bias_src.detach().float().cpu().contiguous() if bias_src is not None else None
-            route = dict(logits=lg, router=dataclasses.replace(router, correction_bias=bias))
-        job = engine.prepare(xh, ids, w, out, n_tokens=self.n_tokens, defer=defer, addend=addend, **route)
-        job_def = engine.prepare(xh, ids, w, out_def, n_tokens=self.n_tokens, defer=defer, deferred=True, pair=job,
-                                 **route) if defer else None
+            route = HostRoute(lg, router.with_bias(bias))
+        slots = Slots.immediate(defer) if defer else Slots.all()
+        job = engine.prepare(xh, ids, w, out, n_tokens=self.n_tokens, slots=slots, route=route, addend=addend)
+        job_def = engine.prepare(xh, ids, w, out_def, n_tokens=self.n_tokens, slots=Slots.deferred(defer, pair=job),
+                                 route=route) if defer else None
         buf = _LayerBuffers(
             key, mask, xh, ids, w, lg, out, out_def,
             torch.zeros(C, H, dtype=out_dtype, device=x.device),
@@ -162,29 +189,34 @@ class HybridDecode:
         self.pools.add(engine.pool)
         return buf
 
-    def run(self, layer, x: torch.Tensor, topk_ids: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
-            shared=None, defer: int = 0, *, logits: Optional[torch.Tensor] = None, router=None) -> torch.Tensor:
-        """The routed (+ shared) output [T, H] of MoE layer ``layer`` (an ``OffloadedExperts``) in x's dtype.
-        ``defer``: experts per token this layer defers to the next MoE layer (0: none; the last layer passes 0).
-        With ``logits`` and a ``router`` (``layers.moe.HostRouter``) instead of a routing, the CPU jobs route
-        themselves (only for a layer without GPU-resident experts, which need the ids on the device)."""
+    def run(self, layer, x: torch.Tensor, logits: torch.Tensor, shared=None,
+            correction_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The routed (+ ``shared(x)``) output [T, H] of MoE layer ``layer`` (a ``MoELayer``) in x's dtype, from its
+        router's ``logits`` [T, E]: routed by the CPU jobs themselves where ``routes_on_host(layer)``, else on the
+        device first."""
         T = x.shape[0]
         if T > self.capacity:
             raise ValueError(f"a hybrid decode step holds at most {self.capacity} tokens, got {T}")
-        if logits is not None and layer.gpu is not None:
-            raise ValueError("a layer with GPU-resident experts needs its routing on the device, not logits")
-        k = router.top_k if logits is not None else topk_ids.shape[1]
+        k = layer.router.top_k
+        defer = layer.defers_now(k)
+        on_host = self.routes_on_host(layer)
+        topk_ids = weights = None
+        if not on_host:
+            weights, topk_ids = layer.route(logits, correction_bias)
+            if layer.drop:
+                topk_ids = drop_lowest(topk_ids, weights, layer.drop)
+            weights = weights.float()
         prev, self._pending = self._pending, None
-        buf = self._layer_buffers(layer, x, k, defer, logits, router if logits is not None else None, prev)
+        bias_src = correction_bias if correction_bias is not None else layer.router.correction_bias
+        buf = self._layer_buffers(layer, x, k, defer, logits if on_host else None, bias_src if on_host else None,
+                                  prev)
         self._pending = buf if defer else None
         pool, hf = layer.experts.pool, self.host_funcs
         main = self.fake if self.fake is not None else torch.cuda.current_stream(x.device)
         buf.x[:T].copy_(x, non_blocking=True)
-        if logits is not None:
+        if on_host:
             buf.logits[:T].copy_(logits, non_blocking=True)
-            weights = None
         else:
-            weights = topk_weights.float()
             buf.ids[:T].copy_(topk_ids, non_blocking=True)
             buf.weights[:T].copy_(weights, non_blocking=True)
         if self.cpu:
@@ -203,17 +235,14 @@ class HybridDecode:
             buf.dev[:T].copy_(buf.out[:T], non_blocking=True)
             if prev is not None and not buf.direct:
                 buf.dev_prev[:T].copy_(prev.out_def[:T], non_blocking=True)
-        resident, dense = layer.main_stream_part(x, topk_ids, weights, shared)  # the GPU works while the CPU does
+        # The GPU works while the CPU does: the resident experts (whole top-k, never deferred), the shared experts.
+        resident = layer.gpu(x, topk_ids, weights) if layer.gpu is not None else None
+        dense = shared(x) if shared is not None else None
         if self.fake is None:
             main.wait_stream(self.side)
-        y = buf.dev[:T]
-        if not buf.direct:
-            if resident is not None:
-                y = y + resident
-            if prev is not None:
-                y = y + buf.dev_prev[:T]
-            y = y.to(x.dtype)
-        return y if dense is None else y + dense
+        if buf.direct:  # the job wrote the complete routed output in x's dtype
+            return combine(buf.dev[:T], None, None, x.dtype, dense)
+        return combine(buf.dev[:T], resident, buf.dev_prev[:T] if prev is not None else None, x.dtype, dense)
 
     def close(self) -> None:
         """Free the host functions' payloads (call only when no replay of a graph captured through them is in

@@ -1,0 +1,31 @@
+"""The MoE layer: four named stages, each in its own file.
+
+    route      router.py       RouterSpec: router logits -> each token's top-k expert ids and weights (softmax,
+                               DeepSeek-V2 group-limited, DeepSeek-V3 sigmoid with bias), on the device or inside the
+                               CPU job
+    dispatch   dispatch.py     MoELayer, one flat object per layer: where each (token, slot) is computed: the CPU
+                               engine (activations staged through pinned memory from a GPU model), the GPU-resident
+                               experts, Expert Deferral's two parts (deferral.py), drop (accuracy studies);
+               stream.py       the same inside a decode step, in CUDA stream order (capturable into a CUDA graph)
+    experts    backends.py     the ExpertsBackend call: hetmoe.cpu.CPUExperts (csrc/), TorchExperts;
+               gpu_experts.py  GpuExperts, a layer's GPU-resident experts
+    combine    combine.py      combine(): CPU part + GPU-resident part + previous layer's deferred part (fp32) ->
+                               model dtype -> + shared experts, the one addition order of every path
+
+A model's MoE block is ``self.moe(x, self.gate(x), shared=...)``: it builds a RouterSpec from its config and never
+asks where its experts run.
+"""
+
+from hetmoe.moe.backends import ExpertsBackend, TorchExperts
+from hetmoe.moe.combine import combine
+from hetmoe.moe.deferral import DeferralChain, drop_lowest, split_deferred
+from hetmoe.moe.dispatch import HostStaging, MoELayer, defer_experts, moe_layers
+from hetmoe.moe.gpu_experts import GpuExperts
+from hetmoe.moe.router import RouterSpec, route_deepseek_v2, route_deepseek_v3, route_softmax
+from hetmoe.moe.stream import StreamDecode
+
+__all__ = [
+    "ExpertsBackend", "TorchExperts", "DeferralChain", "drop_lowest", "split_deferred", "HostStaging", "MoELayer",
+    "combine", "defer_experts", "moe_layers", "GpuExperts", "RouterSpec", "route_deepseek_v2", "route_deepseek_v3",
+    "route_softmax", "StreamDecode",
+]
