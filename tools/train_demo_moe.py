@@ -47,7 +47,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the hetmoe command doe
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from hetmoe.layers.moe import route_deepseek_v3  # noqa: E402
+from hetmoe.moe.router import route_deepseek_v3  # noqa: E402
 from hetmoe.testing.synthetic import tokenizer_config, train_bpe  # noqa: E402
 
 MODEL = dict(  # 11.6 M parameters (5.9 M in routed experts), 23 MB in bf16

@@ -28,7 +28,7 @@ done
 
 timeout 40 python3 - "$out/dense_bench.json" <<'PY' 2>&1 | tee "$out/dense_bench.txt"
 import json, sys, torch
-from hetmoe.layers.gpu_experts import GpuExperts
+from hetmoe.moe.gpu_experts import GpuExperts
 H, I, E, k = 2048, 768, 128, 8  # qwen3-30b-a3b
 res = []
 for n in (4, 8, 16, 32):

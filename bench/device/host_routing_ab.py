@@ -1,5 +1,5 @@
 """A/B of where a hybrid decode step routes (qwen3-30b-a3b shape, all 48 layers unless given, int4 experts, batch 1,
-CUDA graph): the CPU jobs routing from the logits (``HybridDecode.route_on_host``, the default) against the top-k on
+CUDA graph): the CPU jobs routing from the logits (``StreamDecode.route_on_host``, the default) against the top-k on
 the GPU, alternating in one process, each for graph decoding with deferral d in DEFERS. Prints tok/s, the step's
 split (GPU / CPU / overlap, as bench e2e) and the roofline from a STREAM probe before and after. Run on the GPU
 machine from the repo root:

@@ -1,0 +1,148 @@
+"""``hetmoe eval``: perplexity of one configuration of a model on a text, and the KL divergence and top-1
+agreement of its next-token distributions against the same model with ``--reference-format`` experts (bf16 by
+default, nothing dropped or deferred), both run over identical windows of tokens. The math and the windowing are
+in hetmoe/engine/evaluation.py.
+
+Both configurations are loaded at once (the reference's dense part and experts too): meant for models whose
+two copies fit in memory; ``--reference-format none`` loads one copy and reports perplexity only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from hetmoe.cli.options import add_engine_options, engine_options, expert_cache, positive_int
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "eval", help="perplexity of a configuration, and its KL divergence / top-1 agreement against bf16 experts",
+        description="Scores --text in consecutive, non-overlapping windows of --window tokens (each from an empty "
+        "cache; the first token of a window is context, never scored) with the engine options given, and the same "
+        "windows with the model's --reference-format experts (default bf16, nothing dropped or deferred): perplexity "
+        "of both, mean KL(reference || configuration) per token and the fraction of positions whose most likely next "
+        "token agrees. Both configurations are loaded at once.")
+    p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score ('-' reads stdin)")
+    p.add_argument("--window", type=int, default=512, help="tokens per window, >= 2 and <= the context (default: 512)")
+    p.add_argument("--max-tokens", type=positive_int, default=None, metavar="N",
+                   help="score only the first N tokens of the text")
+    p.add_argument("--drop-experts", type=int, default=0, metavar="D",
+                   help="per token, do not compute the D lowest-weighted of its top-k routed experts (weights not "
+                   "renormalised; default: 0)")
+    p.add_argument("--reference-format", choices=("bf16", "int8", "int4", "none"), default="bf16",
+                   help="experts format of the reference run ('none': perplexity only; default: bf16)")
+    p.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON ('-' = stdout only)")
+    add_engine_options(p)
+    p.set_defaults(handler=run)
+    return p
+
+
+def _read_text(name: str) -> str:
+    if name == "-":
+        text = sys.stdin.read()
+    else:
+        path = Path(name)
+        if not path.is_file():
+            raise FileNotFoundError(f"text file {path} does not exist")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"text file {path} is not UTF-8 ({e})") from None
+    if not text.strip():
+        raise ValueError(f"the text {'on stdin' if name == '-' else f'file {name}'} is empty")
+    return text
+
+
+def _describe(plan, drop: int = 0, defer: int = 0) -> dict:
+    label = plan.experts_format
+    if plan.experts_format != "bf16":
+        label += f" g{plan.group_size}" if plan.group_size else " per-row"
+    if drop:
+        label += f", drop {drop}"
+    if defer:
+        label += f", defer {defer}"
+    return {"label": label, "experts_format": plan.experts_format, "group_size": plan.group_size,
+            "drop_experts": drop, "defer_experts": defer, "device": plan.device.type,
+            "dtype": str(plan.dtype).replace("torch.", "")}
+
+
+def _table(report: dict) -> str:
+    lines = [f"hetmoe eval: {report['text']}: {report['tokens']} tokens scored in {report['windows']} windows of "
+             f"{report['window']} ({report['seconds']:.1f} s)",
+             f"{'configuration':<24} {'perplexity':>10} {'change':>8} {'KL(ref||test)':>14} {'top-1':>8}"]
+    if report["reference"] is not None:
+        lines.append(f"{report['reference']['label'] + ' (reference)':<24} {report['reference_perplexity']:>10.4f}")
+        lines.append(f"{report['config']['label']:<24} {report['perplexity']:>10.4f} "
+                     f"{100 * report['perplexity_change']:>+7.2f}% {report['kl']:>14.3e} "
+                     f"{100 * report['top1_agreement']:>7.2f}%")
+    else:
+        lines.append(f"{report['config']['label']:<24} {report['perplexity']:>10.4f}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hetmoe.engine.evaluation import evaluate
+    from hetmoe.engine.llm import default_model_path
+    from hetmoe.engine.loader import check_model_dir, load_model, load_tokenizer, moe_blocks
+    from hetmoe.engine.placement import normalize_options
+    from hetmoe.engine.runner import Runner
+    from hetmoe.models import context_limit
+
+    drop = args.drop_experts
+    if drop < 0:
+        raise ValueError(f"--drop-experts must be >= 0, got {drop}")
+    if args.window < 2:
+        raise ValueError(f"--window must be at least 2 tokens, got {args.window}")
+    text = _read_text(args.text)
+    model = Path(args.model) if args.model is not None else default_model_path()
+    cfg = check_model_dir(model)  # the directory, config.json and the tokenizer, before any weight is read
+    tokenizer = load_tokenizer(model, cfg, lambda m: print(m, file=sys.stderr))
+    top_k = cfg.get("num_experts_per_tok")
+    if drop and not top_k:
+        raise ValueError("--drop-experts: this model has no routed experts")
+    if top_k and drop >= top_k:
+        raise ValueError(f"--drop-experts {drop}: each token has {top_k} experts; at most {top_k - 1} can be dropped")
+    limit, why = context_limit(cfg)
+    if limit and args.window > limit:
+        raise ValueError(f"--window {args.window} is beyond the model's {limit} positions ({why})")
+    # capped once here, so that the reference's load does not say it again
+    opts = normalize_options(engine_options(args), lambda m: print(m, file=sys.stderr))
+    if drop and opts.defer_experts:
+        raise ValueError("--drop-experts and --defer-experts go one at a time (each is compared with the reference)")
+    if opts.max_context is None:
+        opts.max_context = args.window
+    elif args.window > opts.max_context:
+        raise ValueError(f"--window {args.window} does not fit --max-context {opts.max_context}")
+    cache = expert_cache(args)
+    progress = sys.stderr.isatty()
+
+    test = load_model(model, opts, expert_cache=cache, progress=progress)
+    blocks = moe_blocks(test.model)
+    if drop and not blocks:
+        raise ValueError("--drop-experts: this model has no routed experts")
+    for _, layer in blocks:
+        layer.set_drop(drop)
+    ids = tokenizer.encode(text)
+    if args.max_tokens is not None:
+        ids = ids[:args.max_tokens]
+    reference = None
+    if args.reference_format != "none":
+        ref_opts = dataclasses.replace(opts, experts_format=args.reference_format, group_size=None, defer_experts=0,
+                                       gpu_experts=0)
+        reference = load_model(model, ref_opts, expert_cache=cache, progress=progress)
+
+    result = evaluate(Runner(test), ids, args.window, Runner(reference) if reference else None, progress)
+    report = {"model": str(test.path), "text": "<stdin>" if args.text == "-" else str(args.text),
+              "window": args.window, "config": _describe(test.plan, drop, opts.defer_experts),
+              "reference": _describe(reference.plan) if reference else None, **result.summary()}
+    if args.json == "-":
+        print(json.dumps(report))
+        return 0
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    print(_table(report))
+    return 0
