@@ -8,8 +8,8 @@
 #pragma once
 #include <cstdint>
 
-#include "engine/cpu_features.h"
 #include "formats/layout.h"
+#include "runtime/cpu_features.h"
 
 namespace hetmoe {
 

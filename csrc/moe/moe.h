@@ -23,11 +23,11 @@
 #include <utility>
 #include <vector>
 
-#include "engine/cpu_features.h"
-#include "engine/thread_pool.h"
 #include "formats/layout.h"
 #include "kernels/dispatch.h"
 #include "moe/routing.h"
+#include "runtime/cpu_features.h"
+#include "runtime/thread_pool.h"
 
 namespace hetmoe {
 

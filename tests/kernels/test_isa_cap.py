@@ -1,4 +1,4 @@
-"""HETMOE_MAX_ISA: a process-wide cap on the ISA level the engine may select (csrc/engine/cpu_features.h max_isa),
+"""HETMOE_MAX_ISA: a process-wide cap on the ISA level the engine may select (csrc/runtime/cpu_features.h max_isa),
 read once at the engine's start. Each case runs in a fresh process, since the cap is read once per process."""
 
 import json

@@ -1,5 +1,5 @@
 // AMX GEMM with the real tile instructions (compiled with -mamx-* and AVX-512 flags, called only after CPUID,
-// XCR0 and the kernel's arch_prctl permission said yes; see engine/cpu_features.h). The tile instructions are
+// XCR0 and the kernel's arch_prctl permission said yes; see runtime/cpu_features.h). The tile instructions are
 // written as inline asm with the tile number as an immediate: GCC's _tile_* macros stringize their tile
 // argument (so it cannot be a template parameter) and declare no memory access (so stores to a buffer a tile
 // then loads could be reordered around them).

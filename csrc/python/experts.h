@@ -1,6 +1,6 @@
-// What the Python faces of MoeExperts (bindings.cpp) and NumaExperts (bindings_numa.cpp) share: the constructor's
+// What the Python faces of MoeExperts (python/module.cpp) and NumaExperts (python/numa.cpp) share: the constructor's
 // arguments and the methods both classes have under the same names, bound once here so the two stay identical for
-// hetmoe/kernels.py.
+// hetmoe/cpu/experts.py.
 #pragma once
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

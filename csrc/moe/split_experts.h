@@ -1,4 +1,4 @@
-// Tensor parallelism of one MoE layer over NUMA subpools (engine/numa.h), built around MoeExperts/MoeJob.
+// Tensor parallelism of one MoE layer over NUMA subpools (runtime/topology.h), built around MoeExperts/MoeJob.
 //
 // Every expert's intermediate dimension I is cut into slices [i0, i1), one per subpool: slice s is an ordinary
 // MoeExperts of intermediate size i1 - i0 holding rows [i0, i1) of gate and up and the matching columns
@@ -13,7 +13,7 @@
 // of the 16-row block, so gate/up row blocks, down's scale groups and the groups in which the down input h is
 // quantized are all the unsplit engine's: the packed bytes and every activation rounding are bitwise the
 // same. What differs is fp32 summation order only: the down dot product over I becomes a sum of per-slice
-// partial sums, and the weighted combine runs per slice (measured in tests/test_numa.py).
+// partial sums, and the weighted combine runs per slice (measured in tests/kernels/test_numa.py).
 //
 // Packing reads the full matrices (per-row int8 scales need the whole row), so the slices hold exactly the
 // bytes the unsplit engine would. The packed storage (what the converted-expert cache saves) is the slices'
@@ -27,8 +27,8 @@
 #include <utility>
 #include <vector>
 
-#include "engine/numa.h"
 #include "moe/moe.h"
+#include "runtime/topology.h"
 
 namespace hetmoe {
 

@@ -1,5 +1,5 @@
 // Stream signals: stream-ordered submit and sync of CPU jobs through stream memory operations, the fast
-// alternative to the host functions of cuda_hooks.h (same calls, same contract for callers).
+// alternative to the host functions of stream/host_funcs.h (same calls, same contract for callers).
 //
 // Why: a host function runs on the driver's callback thread, which has to be woken for every call; on the
 // GPU machine that cost ~30 us per call, ~60 us per MoE layer (submit + sync), against a budget of 10 us.
@@ -46,8 +46,8 @@
 #include <thread>
 #include <vector>
 
-#include "cuda_hooks.h"
-#include "engine/thread_pool.h"
+#include "runtime/thread_pool.h"
+#include "stream/host_funcs.h"
 
 namespace hetmoe {
 

@@ -1,4 +1,4 @@
-#include "moe/numa.h"
+#include "moe/split_experts.h"
 
 #include <algorithm>
 #include <atomic>

@@ -1,4 +1,4 @@
-#include "engine/cpu_features.h"
+#include "runtime/cpu_features.h"
 
 #include <cpuid.h>
 #include <sched.h>

@@ -1,4 +1,4 @@
-#include "engine/numa.h"
+#include "runtime/topology.h"
 
 #include <immintrin.h>
 #include <sched.h>
@@ -16,7 +16,7 @@
 #include <set>
 #include <stdexcept>
 
-#include "engine/cpu_features.h"
+#include "runtime/cpu_features.h"
 
 namespace hetmoe {
 

@@ -1,4 +1,4 @@
-#include "cuda_hooks.h"
+#include "stream/host_funcs.h"
 
 #include <dlfcn.h>
 
@@ -22,7 +22,7 @@ constexpr int kCaptureStatusNone = 0;  // CU_STREAM_CAPTURE_STATUS_NONE (ACTIVE 
 struct Driver {
   CUresult (*launch_host_func)(CUstream, HostFn, void*) = nullptr;
   CUresult (*stream_is_capturing)(CUstream, int*) = nullptr;
-  // Stream memory operations and mapped host memory (stream_signals.h); all or none, `no_signals` says why.
+  // Stream memory operations and mapped host memory (stream/signals.h); all or none, `no_signals` says why.
   CUresult (*write_value32)(CUstream, uint64_t, uint32_t, unsigned) = nullptr;
   CUresult (*wait_value32)(CUstream, uint64_t, uint32_t, unsigned) = nullptr;
   CUresult (*host_register)(void*, size_t, unsigned) = nullptr;

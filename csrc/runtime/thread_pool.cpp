@@ -1,4 +1,4 @@
-#include "engine/thread_pool.h"
+#include "runtime/thread_pool.h"
 
 #include <immintrin.h>
 #include <pthread.h>
@@ -10,7 +10,7 @@
 #include <new>
 #include <stdexcept>
 
-#include "engine/cpu_features.h"
+#include "runtime/cpu_features.h"
 
 namespace hetmoe {
 

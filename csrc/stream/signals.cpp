@@ -1,4 +1,4 @@
-#include "stream_signals.h"
+#include "stream/signals.h"
 
 #include <immintrin.h>
 

@@ -11,7 +11,7 @@
 // Thread safety: submit, submit_borrowed, sync, wait, pending and record_error may be called from any number
 // of threads at once (the queue, the counters and the error slot change under queue_mu_). Besides Python's
 // threads, CUDA host functions call submit_borrowed and wait from the driver's callback thread
-// (csrc/cuda_hooks.h).
+// (csrc/stream/host_funcs.h).
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -58,7 +58,7 @@ class ThreadPool {
  public:
   // n_threads <= 0: one per physical core. spin_us: how long idle threads spin before sleeping.
   ThreadPool(int n_threads, bool pin, int spin_us);
-  // A pool on given CPUs (a NUMA subpool, engine/numa.h): thread i pinned to cpus[i] when there are at least
+  // A pool on given CPUs (a NUMA subpool, runtime/topology.h): thread i pinned to cpus[i] when there are at least
   // n_threads of them, otherwise every thread allowed on the whole set. caller_may_spin: whether a thread
   // waiting in sync may spin briefly (only when some core has no pinned worker).
   ThreadPool(int n_threads, const std::vector<int>& cpus, int spin_us, bool caller_may_spin);

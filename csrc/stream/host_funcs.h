@@ -29,7 +29,7 @@
 //   - close() (and the destructor) waits for the jobs its payloads submitted and frees every payload except
 //     eager ones whose host function has not run yet: the stream may still reach those, so they are leaked
 //     on purpose, with their job and pool, and their ids returned so the caller keeps the buffers too.
-//   - The job's buffers (MoeCall pointers) must outlive its payload; hetmoe/kernels.py keeps the Python
+//   - The job's buffers (MoeCall pointers) must outlive its payload; hetmoe/cpu/experts.py keeps the Python
 //     tensors beside the HostFuncs for exactly as long as the payload exists.
 //   - The pool and the job are shared_ptrs in the payload, so neither can die while a host function may run.
 #pragma once
@@ -44,7 +44,7 @@
 #include <utility>
 #include <vector>
 
-#include "engine/thread_pool.h"
+#include "runtime/thread_pool.h"
 
 namespace hetmoe {
 
@@ -62,7 +62,7 @@ void launch_host_func(uintptr_t stream, HostFn fn, void* data);
 // cuStreamIsCapturing: whether work enqueued on `stream` now goes into a graph instead of running.
 bool is_capturing(uintptr_t stream);
 
-// Stream memory operations (csrc/stream_signals.h): whether the driver has them, or why not.
+// Stream memory operations (csrc/stream/signals.h): whether the driver has them, or why not.
 bool signals_available();
 const std::string& signals_unavailable_reason();
 // Registers [ptr, ptr + bytes) (page-aligned) as pinned host memory the device of `stream` can read and write;

@@ -1,11 +1,11 @@
-// The NUMA part of hetmoe._C (called from bindings.cpp): topology, subpools, tensor-parallel experts. The
-// NumaExperts class mirrors MoeExperts method for method, so hetmoe/kernels.py drives either the same way.
+// The NUMA part of hetmoe._C (called from python/module.cpp): topology, subpools, tensor-parallel experts. The
+// NumaExperts class mirrors MoeExperts method for method, so hetmoe/cpu/experts.py drives either the same way.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "bindings_experts.h"
-#include "engine/numa.h"
-#include "moe/numa.h"
+#include "moe/split_experts.h"
+#include "python/experts.h"
+#include "runtime/topology.h"
 
 namespace py = pybind11;
 

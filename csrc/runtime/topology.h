@@ -7,10 +7,10 @@
 // counter, the barrier between the gate+up and the down phase, the scratch buffers -- then stays inside one
 // node: no cache line bounces between sockets per task, a slower node never holds the other's phase barrier,
 // and scratch memory is first touched (so placed) by the node that uses it. MoeJob runs unchanged on each
-// subpool; the tensor-parallel layer (moe/numa.h) coordinates them.
+// subpool; the tensor-parallel layer (moe/split_experts.h) coordinates them.
 //
 // Subpool 0 is the face of the set: jobs are submitted to it, so submit/sync/pending and the CUDA host
-// functions (cuda_hooks.h) work exactly as with a single pool. A job running on subpool 0 hands work to the
+// functions (stream/host_funcs.h) work exactly as with a single pool. A job running on subpool 0 hands work to the
 // others with fan_out() and waits for it. The other subpools run nothing but what fan_out and run_on_all hand
 // them, and that work never waits on anything, so no cycle of waits (deadlock) can form.
 #pragma once
@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/thread_pool.h"
+#include "runtime/thread_pool.h"
 
 namespace hetmoe {
 
@@ -97,7 +97,7 @@ class NumaPools {
   void bind(int s, void* p, size_t bytes);
   std::string binding() const;  // how memory is placed, in words
 
-  // Partial-output buffer of subpool s for tensor-parallel jobs (moe/numa.h). Only from work fan_out runs on
+  // Partial-output buffer of subpool s for tensor-parallel jobs (moe/split_experts.h). Only from work fan_out runs on
   // subpool s; jobs on subpool 0 run one at a time, so one buffer per subpool serves every layer.
   uint8_t* partial(int s, size_t bytes) { return partial_[s]->get(bytes); }
 

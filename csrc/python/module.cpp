@@ -1,4 +1,4 @@
-// The Python module hetmoe._C. Tensors cross as raw addresses (validated by hetmoe/kernels.py), so this
+// The Python module hetmoe._C. Tensors cross as raw addresses (validated by hetmoe/cpu/experts.py), so this
 // extension links no libtorch. Invalid arguments raise ValueError (std::invalid_argument), other failures
 // RuntimeError.
 #include <algorithm>
@@ -9,19 +9,19 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "bindings_experts.h"
-#include "cuda_hooks.h"
-#include "engine/cpu_features.h"
-#include "engine/thread_pool.h"
 #include "moe/expert_tasks.h"
 #include "moe/moe.h"
-#include "stream_signals.h"
+#include "python/experts.h"
+#include "runtime/cpu_features.h"
+#include "runtime/thread_pool.h"
+#include "stream/host_funcs.h"
+#include "stream/signals.h"
 
 namespace py = pybind11;
 using namespace hetmoe;
 
 namespace hetmoe {
-void bind_numa(py::module_& m);  // bindings_numa.cpp
+void bind_numa(py::module_& m);  // python/numa.cpp
 }
 
 namespace {
@@ -59,8 +59,8 @@ struct GateJob : Job {
 
 }  // namespace
 
-// HostFuncs and StreamSignals: the two ways of stream-ordered submit/sync (csrc/cuda_hooks.h,
-// csrc/stream_signals.h), bound with one Python face. Streams cross as raw handles
+// HostFuncs and StreamSignals: the two ways of stream-ordered submit/sync (csrc/stream/host_funcs.h,
+// csrc/stream/signals.h), bound with one Python face. Streams cross as raw handles
 // (torch.cuda.Stream.cuda_stream) or as a FakeStream (tests without CUDA).
 template <typename Owner>
 py::class_<Owner, std::shared_ptr<Owner>> bind_stream_work(py::module_& m, const char* name) {
@@ -265,7 +265,7 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("n"), py::call_guard<py::gil_scoped_release>());
 
-  // CUDA host functions (csrc/cuda_hooks.h). Streams cross as raw handles (torch.cuda.Stream.cuda_stream) or
+  // CUDA host functions (csrc/stream/host_funcs.h). Streams cross as raw handles (torch.cuda.Stream.cuda_stream) or
   // as a FakeStream (tests without CUDA).
   m.def("cuda_hooks_available", &cuda_hooks::available);
   m.def("cuda_hooks_error", [] { return cuda_hooks::unavailable_reason(); });
