@@ -86,8 +86,29 @@ def _decode_times(runner: Runner, prompt: list, steps: int, warmup: int, gen: to
     return times
 
 
+TOPK_ON_GPU = "+topk-gpu"  # a switch on any graph variant: the top-k on the GPU instead of inside the CPU jobs
+
+
+def variant_names(k: int, gpu_n: int = 0) -> list:
+    """Every variant name for a model with top-``k`` routing (and ``gpu_n`` GPU-resident experts per layer): the
+    default runs, in order, and then the switches that are off by default (``graph...+topk-gpu``)."""
+    names = ["eager", "graph"] + [f"graph+d{d}" for d in DEFER if d < k]
+    if gpu_n:
+        names += [f"graph+gpu{gpu_n}"] + [f"graph+gpu{gpu_n}+d{d}" for d in DEFER if d < k]
+    return names + [n + TOPK_ON_GPU for n in names if n.startswith("graph") and "+gpu" not in n]
+
+
+def _parse_variant(name: str) -> tuple:
+    """name -> (cuda graph, d, GPU experts on, route on host)."""
+    route_on_host = not name.endswith(TOPK_ON_GPU)
+    parts = name.removesuffix(TOPK_ON_GPU).split("+")
+    d = next((int(p[1:]) for p in parts if p.startswith("d")), 0)
+    return parts[0] == "graph", d, any(p.startswith("gpu") for p in parts), route_on_host
+
+
 def decode_variants(loaded: LoadedModel, prompt_tokens: int, steps: int, repeats: int, roofline_tok_s,
-                    seed: int = 0, warmup: int = 2, log=print, stream=None, bytes_per_token: float = 0) -> list:
+                    seed: int = 0, warmup: int = 2, log=print, stream=None, bytes_per_token: float = 0,
+                    only=None) -> list:
     """Batch-1 decode tok/s per variant (median of ``repeats`` runs of ``steps`` steps after a prompt), with the
     roofline and the time split. The model's own deferral and GPU experts are restored afterwards.
 
@@ -100,19 +121,26 @@ def decode_variants(loaded: LoadedModel, prompt_tokens: int, steps: int, repeats
     has_gpu = any(g is not None for g in gpu_saved)
     blocks = moe_blocks(model)
     own_d = blocks[0][1].defer if blocks else 0
-    variants = [("eager", False, 0, False), ("graph", True, 0, False)]
-    variants += [(f"graph+d{d}", True, d, False) for d in DEFER if d < k]
-    if has_gpu:
-        n = max(len(g.expert_ids) for g in gpu_saved if g is not None)
-        variants += [(f"graph+gpu{n}", True, 0, True)] + [(f"graph+gpu{n}+d{d}", True, d, True) for d in DEFER if d < k]
+    n = max((len(g.expert_ids) for g in gpu_saved if g is not None), default=0)
+    known = variant_names(k, n)
+    if only is None:
+        names = [v for v in known if not v.endswith(TOPK_ON_GPU)]
+    else:
+        unknown = [v for v in only if v not in known]
+        if unknown:
+            raise ValueError(f"unknown decode variant {unknown[0]!r} for this model; known: {', '.join(known)}")
+        names = list(only)
     gen = torch.Generator().manual_seed(seed)
     records = []
     try:
-        for name, graph, d, gpu in variants:
+        for name in names:
+            graph, d, gpu, route_on_host = _parse_variant(name)
             set_deferral(model, d)
             if has_gpu:
                 _set_gpu_experts(model, gpu_saved, gpu)
             runner = Runner(loaded, cuda_graph=graph)
+            if runner.hybrid is not None:
+                runner.hybrid.route_on_host = route_on_host
             try:
                 prompt = torch.randint(runner.vocab_size, (prompt_tokens,), generator=gen).tolist()
                 around = [stream()] if stream else []
@@ -122,6 +150,7 @@ def decode_variants(loaded: LoadedModel, prompt_tokens: int, steps: int, repeats
                 tok_s = statistics.median(rates)
                 adjacent = (statistics.mean(around) * 1e9 / bytes_per_token) if around and bytes_per_token else None
                 rec = {"variant": name, "cuda_graph": graph, "defer_experts": d, "gpu_experts": gpu,
+                       "route_on_host": route_on_host,
                        "decode_tok_s": tok_s, "decode_tok_s_all": rates, "ms_per_token": 1e3 / tok_s,
                        "roofline_tok_s": roofline_tok_s,
                        "pct_roofline": 100 * tok_s / roofline_tok_s if roofline_tok_s else None,

@@ -255,7 +255,8 @@ def run_e2e_bench(args) -> int:
                     f"{min(prompts)} tokens:")
                 rec["variants"] = decode_variants(
                     loaded, min(prompts), decode_tokens, repeats, rec["roofline_tok_s"], args.seed, log=say,
-                    stream=lambda: epool.read_bandwidth(stream_bytes, 3), bytes_per_token=rec["bytes_per_token"])
+                    stream=lambda: epool.read_bandwidth(stream_bytes, 3), bytes_per_token=rec["bytes_per_token"],
+                    only=getattr(args, "variants", None))
                 if getattr(args, "kv_contexts", None):
                     say(f"{PLACEMENT[device]}: graph attention over the whole cache (full) vs per 64-position bucket:")
                     rec["kv_modes"] = kv_modes(loaded, args.kv_contexts, min(decode_tokens, 64), args.seed, log=say)
