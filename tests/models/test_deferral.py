@@ -1,5 +1,5 @@
-"""Expert Deferral (hetmoe/layers/moe.py: DeferredExperts, DeferralChain; --defer-experts): d = 0 is the undeferred
-model bit for bit; d > 0 is y_l = S_l(x_l) + R_imm_l(x_l) + R_def_{l-1}(x_{l-1}) as written out layer by layer in
+"""Expert Deferral (hetmoe/moe/deferral.py: DeferralChain; hetmoe/moe/dispatch.py: MoELayer.set_deferral,
+defer_experts; --defer-experts): d = 0 is the undeferred model bit for bit; d > 0 is y_l = S_l(x_l) + R_imm_l(x_l) + R_def_{l-1}(x_{l-1}) as written out layer by layer in
 plain PyTorch below; the first MoE layer has no deferred input and the last defers nothing; the CPU engine's
 overlapped jobs give the synchronous result bit for bit; bad d is refused; nothing leaks from one forward call to
 the next. Checkpoints: synthetic.write_checkpoint, fp32, with three MoE layers (first, middle, last) and top-4.
@@ -21,11 +21,12 @@ from hetmoe.engine.loader import defer_experts, load_model, moe_blocks  # noqa: 
 from hetmoe.engine.placement import EngineOptions  # noqa: E402
 from hetmoe.engine.runner import Runner  # noqa: E402
 from hetmoe.layers.attention import Step  # noqa: E402
-from hetmoe.layers.moe import (  # noqa: E402
+from hetmoe.moe import (  # noqa: E402
     DeferralChain,
-    DeferredExperts,
-    OffloadedExperts,
+    MoELayer,
+    RouterSpec,
     TorchExperts,
+    route_deepseek_v3,
     route_softmax,
     split_deferred,
 )
@@ -94,9 +95,14 @@ def _rope(inner, step, dtype):
 
 
 def _route(mlp, flat):
-    if isinstance(mlp.gate, torch.nn.Linear):  # Qwen3-MoE: softmax top-k
-        return route_softmax(mlp.gate(flat), mlp.top_k, mlp.norm_topk_prob)
-    return mlp.gate(flat)  # DeepSeek-V3: its router module returns (weights, ids)
+    """(weights, ids) from the block's router logits, by the route function of its kind, with the block's own
+    parameters (its MoE layer's RouterSpec fields)."""
+    spec, logits = mlp.moe.router, mlp.gate(flat)
+    if spec.kind == "softmax":  # Qwen3-MoE: softmax top-k
+        return route_softmax(logits, spec.top_k, spec.norm_topk_prob)
+    assert spec.kind == "sigmoid_grouped", spec.kind  # DeepSeek-V3
+    return route_deepseek_v3(logits, mlp.gate.e_score_correction_bias, spec.top_k, spec.n_group, spec.topk_group,
+                             spec.norm_topk_prob, spec.routed_scaling_factor)
 
 
 def reference_deferral(model, ids, step, cache, d):
@@ -110,7 +116,7 @@ def reference_deferral(model, ids, step, cache, d):
     inner = model.model
     x = inner.embed_tokens(ids)  # [B, S, H]
     rope = _rope(inner, step, x.dtype)
-    moe = [i for i, layer in enumerate(inner.layers) if hasattr(layer.mlp, "experts")]
+    moe = [i for i, layer in enumerate(inner.layers) if hasattr(layer.mlp, "moe")]
     carried = None  # [T, H]: the deferred experts of the previous MoE layer, on its input
     for i, layer in enumerate(inner.layers):
         x = x + layer.self_attn(layer.input_layernorm(x), rope, step, cache)
@@ -118,7 +124,7 @@ def reference_deferral(model, ids, step, cache, d):
         if i not in moe:
             x = x + layer.mlp(h)
             continue
-        ex = layer.mlp.experts
+        ex = layer.mlp.moe.experts
         flat = h.reshape(-1, h.shape[-1])  # [T, H]
         weights, top = _route(layer.mlp, flat)  # [T, k]
         n_defer = 0 if i == moe[-1] else d
@@ -147,12 +153,13 @@ def reference_deferral(model, ids, step, cache, d):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_d0_is_the_undeferred_model_bit_for_bit(ckpt, arch, engine_path):
     plain = load(ckpt[arch], engine_path)
-    assert all(not isinstance(b.experts, DeferredExperts) for _, b in moe_blocks(plain.model))
+    assert all(b.defer == 0 and b.chain is None and b.position == "only" for _, b in moe_blocks(plain.model))
     want = run_runner(plain)
     blocks = moe_blocks(plain.model)
     chain = DeferralChain(len(blocks))
-    for i, (_, block) in enumerate(blocks):  # the wrapper itself at d = 0
-        block.experts = DeferredExperts(block.experts, chain, i, 0)
+    for i, (_, block) in enumerate(blocks):  # the deferral setting itself at d = 0, given a chain
+        block.set_deferral(0, chain, i)
+        assert block.defers_now(4) == 0
     assert torch.equal(run_runner(plain), want)
     assert torch.equal(run_runner(load(ckpt[arch], engine_path, defer_experts=0)), want)
 
@@ -206,15 +213,16 @@ def test_split_deferred_ties_and_complement():
 # ---------------------------------------------------------------- (3) first, middle, last
 
 class _Outputs:
-    """Records what a block's backend returns (and passes everything through)."""
+    """Stands in for a block's MoE layer: records the layer's routed output (without the shared experts, which it
+    adds afterwards as the layer's combine does) and passes everything through."""
 
-    def __init__(self, experts, log):
-        self.experts, self.log, self.num_experts = experts, log, experts.num_experts
+    def __init__(self, layer, log):
+        self.layer, self.log = layer, log
 
-    def __call__(self, x, ids, weights):
-        y = self.experts(x, ids, weights)
+    def __call__(self, x, logits, shared=None, correction_bias=None):
+        y = self.layer(x, logits, correction_bias=correction_bias)
         self.log.append(y.clone())
-        return y
+        return y if shared is None else y + shared(x)
 
 
 @on_two_paths
@@ -222,9 +230,10 @@ class _Outputs:
 def test_first_layer_has_no_deferred_input_and_last_defers_nothing(ckpt, arch, engine_path, monkeypatch):
     d = 2
     loaded = load(ckpt[arch], engine_path, defer_experts=d)
-    blocks = [b for _, b in moe_blocks(loaded.model)]
-    assert [b.experts.position for b in blocks] == ["first", "middle", "last"]
-    engines = [b.experts.engine for b in blocks]
+    named = moe_blocks(loaded.model)
+    blocks = [b for _, b in named]
+    assert [b.position for b in blocks] == ["first", "middle", "last"]
+    engines = [b.engine for b in blocks]
     pool = engines[0].pool
     assert all(e.pool is pool for e in engines)
     events = []
@@ -237,8 +246,8 @@ def test_first_layer_has_no_deferred_input_and_last_defers_nothing(ckpt, arch, e
     monkeypatch.setattr(pool, "sync", lambda allow_pending=0: (events.append(("sync", allow_pending)),
                                                                real_sync(allow_pending))[1])
     outputs = []
-    for b in blocks:
-        b.experts = _Outputs(b.experts, outputs)
+    for name, b in named:
+        monkeypatch.setattr(loaded.model.get_submodule(name), "moe", _Outputs(b, outputs))
 
     runner = Runner(loaded)
     for call in (lambda: runner.prefill(PROMPT), lambda: runner.decode(FED[0])):
@@ -264,19 +273,26 @@ def test_first_layer_has_no_deferred_input_and_last_defers_nothing(ckpt, arch, e
         assert torch.equal(outputs[1], out[2] + out[1])  # immediate, then the previous layer's deferred
         assert torch.equal(outputs[2], out[4] + out[3])
         assert out[1].abs().sum() > 0 and out[3].abs().sum() > 0  # the deferred parts were computed
-        assert blocks[0].experts.experts.chain.pending is None  # the last layer consumed it
+        assert blocks[0].chain.pending is None  # the last layer consumed it
+
+
+def _torch_layer(d=0, chain=None, index=0, k=2):
+    """A MoE layer of 4 TorchExperts (H 16, I 8), softmax top-``k``, deferring ``d`` as layer ``index`` of ``chain``."""
+    layer = MoELayer(RouterSpec("softmax", k), 4)
+    layer.attach(TorchExperts(torch.randn(4, 8, 16), torch.randn(4, 8, 16), torch.randn(4, 16, 8)))
+    layer.set_deferral(d, chain, index)
+    return layer
 
 
 def test_layers_must_run_in_order():
-    ex = TorchExperts(torch.randn(4, 8, 16), torch.randn(4, 8, 16), torch.randn(4, 16, 8))
     chain = DeferralChain(3)
-    middle = DeferredExperts(ex, chain, 1, 1)
-    x, ids, w = torch.randn(2, 16), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2)
+    middle = _torch_layer(1, chain, 1)
+    x, logits = torch.randn(2, 16), torch.randn(2, 4)
     with pytest.raises(RuntimeError, match="MoE layer 1 expected the experts deferred by layer 0, found nothing"):
-        middle(x, ids, w)
-    DeferredExperts(ex, chain, 0, 1)(x, ids, w)
+        middle(x, logits)
+    _torch_layer(1, chain, 0)(x, logits)
     with pytest.raises(RuntimeError, match="MoE layer 1 has 1 tokens; layer 0 deferred experts for 2"):
-        middle(x[:1], ids[:1], w[:1])
+        middle(x[:1], logits[:1])
 
 
 # ---------------------------------------------------------------- (4) overlapped jobs == synchronous jobs
@@ -286,9 +302,10 @@ def test_layers_must_run_in_order():
 @pytest.mark.parametrize("d", [1, 2])
 def test_overlapped_engine_jobs_equal_synchronous_ones(ckpt, arch, d, engine_path):
     overlapped = load(ckpt[arch], engine_path, defer_experts=d)
-    assert all(b.experts.overlap and b.experts.engine is not None for _, b in moe_blocks(overlapped.model))
+    assert all(b.overlap and b.engine is not None and b.defer == d for _, b in moe_blocks(overlapped.model))
     synchronous = load(ckpt[arch], engine_path)
     defer_experts(synchronous.model, d, overlap=False)
+    assert not any(b.overlap for _, b in moe_blocks(synchronous.model))
     a, b = run_runner(overlapped), run_runner(synchronous)
     assert torch.equal(a, b)
     assert not torch.equal(a, run_runner(load(ckpt[arch], engine_path)))  # and both differ from the undeferred model
@@ -305,14 +322,20 @@ def test_bad_d_is_refused(ckpt, capsys):
         load(ckpt["qwen3_moe"], defer_experts=4)
     with pytest.raises(ValueError, match="at most 7 can be deferred"):  # refused before any weight is made
         build_random_model("qwen3-30b-a3b", 1, EngineOptions(device="cpu", defer_experts=8), log=lambda m: None)
-    ex = TorchExperts(torch.randn(4, 8, 16), torch.randn(4, 8, 16), torch.randn(4, 16, 8))
     with pytest.raises(ValueError, match="integer >= 0"):
-        DeferredExperts(ex, DeferralChain(2), 0, -1)
+        _torch_layer().set_deferral(-1, DeferralChain(2), 0)
     with pytest.raises(ValueError, match="cannot defer 2 of the top-2"):
-        DeferredExperts(ex, DeferralChain(2), 0, 2)(torch.randn(1, 16), torch.tensor([[0, 1]]), torch.rand(1, 2))
+        _torch_layer(2, DeferralChain(2), 0)(torch.randn(1, 16), torch.randn(1, 4))
+    # Deferring a deferred model again replaces its deferral (one chain, d as asked), never stacks a second one:
+    # the same logits as a model loaded with that d (the wrappers' "already deferred" refusal guarded the same).
     loaded = load(ckpt["qwen3_moe"], defer_experts=1)
-    with pytest.raises(ValueError, match="already deferred"):
-        defer_experts(loaded.model, 1)
+    old = moe_blocks(loaded.model)[0][1].chain
+    chain = defer_experts(loaded.model, 2)
+    assert chain is not old and all(b.chain is chain and b.defer == 2 for _, b in moe_blocks(loaded.model))
+    assert torch.equal(run_runner(loaded), run_runner(load(ckpt["qwen3_moe"], defer_experts=2)))
+    assert defer_experts(loaded.model, 0) is None
+    assert all(b.chain is None and b.defer == 0 for _, b in moe_blocks(loaded.model))
+    assert torch.equal(run_runner(loaded), run_runner(load(ckpt["qwen3_moe"])))
 
     from hetmoe.cli import main
 
@@ -330,7 +353,7 @@ def test_bad_d_is_refused(ckpt, capsys):
 def test_no_state_leaks_across_calls(ckpt, arch, engine_path, monkeypatch):
     other = [300, 2, 2, 41, 7, 7, 7, 100, 5]
     loaded = load(ckpt[arch], engine_path, defer_experts=2, prefill_chunk=4)  # several forward calls per prompt
-    chain = moe_blocks(loaded.model)[0][1].experts.chain
+    chain = moe_blocks(loaded.model)[0][1].chain
     alone = run_runner(loaded, prompt=other)
     first = run_runner(loaded)
     assert chain.pending is None
@@ -373,7 +396,7 @@ def test_eval_compares_deferral_with_the_undeferred_reference(ckpt, capsys, tmp_
 @pytest.mark.parametrize("arch", ARCHS)
 def test_hybrid_deferral_matches_cpu(ckpt, arch):
     hybrid = load(ckpt[arch], device="cuda", defer_experts=2)
-    assert all(isinstance(b.experts.experts, OffloadedExperts) for _, b in moe_blocks(hybrid.model))
+    assert all(b.engine is not None and b.staging is not None and b.defer == 2 for _, b in moe_blocks(hybrid.model))
     gpu = run_runner(hybrid).cpu()
     cpu = run_runner(load(ckpt[arch], defer_experts=2))
     err = max_rel(gpu, cpu)

@@ -1,11 +1,11 @@
-"""The route stage (hetmoe/layers/moe.py) against transformers' own routers, and TorchExperts against the engine on
-every engine path this machine runs (tests/paths.py)."""
+"""The route stage (hetmoe/moe/router.py) against transformers' own routers, and TorchExperts (hetmoe/moe/backends.py)
+against the engine on every engine path this machine runs (tests/paths.py)."""
 
 import pytest
 import torch
 
 from hetmoe.cpu import CPUExperts
-from hetmoe.layers.moe import TorchExperts, route_deepseek_v2, route_deepseek_v3, route_softmax
+from hetmoe.moe import TorchExperts, route_deepseek_v2, route_deepseek_v3, route_softmax
 from reference import moe_reference, rel_err
 
 transformers = pytest.importorskip("transformers")
