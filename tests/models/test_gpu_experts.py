@@ -1,8 +1,10 @@
-"""GPU-resident experts (--gpu-experts N; hetmoe/layers/gpu_experts.py, hetmoe/engine/calibration.py).
+"""GPU-resident experts (--gpu-experts N; hetmoe/moe/gpu_experts.py, MoELayer.set_gpu_experts,
+hetmoe/engine/calibration.py).
 
 CPU (CI): the combine matrix against a naive loop; GpuExperts (dense and gather paths) on CPU tensors against
 TorchExperts over odd shapes; the CPU engine's static skip mask plus the resident part equals the all-CPU result
-(also through OffloadedExperts and Expert Deferral, where resident experts are never deferred); calibration picks
+(also through the hybrid MoELayer run on CPU tensors and Expert Deferral, where resident experts are never
+deferred); calibration picks
 the most routed experts on a crafted router; option validation, the memory plan, the CLI flag.
 GPU (marked, skipped without CUDA): hybrid placement with --gpu-experts N against the all-CPU placement (qwen3_moe and
 deepseek_v3 tiny checkpoints; decode as a CUDA graph, the same step eager, and the plain synchronous path); deferral
@@ -27,8 +29,8 @@ from hetmoe.engine.calibration import (
 )
 from hetmoe.engine.loader import load_model, moe_blocks
 from hetmoe.engine.placement import EngineOptions, ModelShapes, plan_memory
-from hetmoe.layers.gpu_experts import GpuExperts, attach_gpu_experts, combine_matrix
-from hetmoe.layers.moe import DeferralChain, DeferredExperts, OffloadedExperts, TorchExperts, split_deferred
+from hetmoe.moe import DeferralChain, HostStaging, MoELayer, RouterSpec, TorchExperts, split_deferred
+from hetmoe.moe.gpu_experts import GpuExperts, combine_matrix
 from reference import rel_err
 
 E, H, I = 10, 48, 40  # E not a power of two; H, I not multiples of the kernels' blocks
@@ -54,6 +56,21 @@ def _resident_mask(ids_resident, e=E):
     mask = torch.zeros(e, dtype=torch.bool)
     mask[ids_resident] = True
     return mask
+
+
+def _hybrid_layer(engine, k, ids=None, weights=None):
+    """A MoE layer in the hybrid placement's configuration (the CPU engine behind a GPU model: staging attached),
+    run here on CPU tensors, where the staging buffers are not used. With ``ids``/``weights`` its route stage
+    returns that fixed routing (ids may hold -1) whatever the logits, so that a test picks the (token, slot) pairs."""
+    layer = MoELayer(RouterSpec("softmax", k), engine.num_experts)
+    layer.attach(engine, HostStaging(engine.hidden_size, k, torch.float32))
+    if ids is not None:
+        _fix_route(layer, ids, weights)
+    return layer
+
+
+def _fix_route(layer, ids, weights):
+    layer.route = lambda logits, correction_bias=None: (weights, ids)
 
 
 # ---------------------------------------------------------------- the combine matrix and GpuExperts on CPU tensors
@@ -165,12 +182,12 @@ def test_skip_mask_plus_resident_equals_all_cpu(fmt, T):
     if 2 not in ids[0].tolist():
         ids[0, 0] = 2  # a resident expert has a token
     all_cpu = ex.forward(x, ids, w).clone()
-    off = OffloadedExperts(ex, None)
+    off = _hybrid_layer(ex, 4, ids, w)
     resident = [2, 3, 7]
-    attach_gpu_experts(off, GpuExperts.from_cpu(ex, resident, torch.float32, "cpu"))
+    off.set_gpu_experts(GpuExperts.from_cpu(ex, resident, torch.float32, "cpu"))
     assert torch.equal(ex.skip_mask, _resident_mask(resident))
     cpu_part = ex.forward(x, ids, w).clone()  # the static mask applies to every later call
-    both = off(x, ids, w)
+    both = off(x, torch.zeros(T, E))
     tol = _split_tol(ex)
     assert rel_err(both, all_cpu) < tol, (fmt, rel_err(both, all_cpu))
     assert rel_err(cpu_part, all_cpu) > 0.05  # the resident experts carry a real share: the test can fail
@@ -180,7 +197,7 @@ def test_skip_mask_plus_resident_equals_all_cpu(fmt, T):
     ex.pool.submit(job)
     ex.pool.sync(0)
     assert torch.equal(job.out, cpu_part)
-    attach_gpu_experts(off, None)  # detaching clears the mask
+    off.set_gpu_experts(None)  # detaching clears the mask
     assert ex.skip_mask is None and off.gpu is None and torch.equal(ex.forward(x, ids, w), all_cpu)
 
 
@@ -190,30 +207,39 @@ def test_set_skip_mask_bad_input():
         ex.set_skip_mask(torch.zeros(E + 1, dtype=torch.bool))
     with pytest.raises(ValueError, match="dtype"):
         ex.set_skip_mask(torch.zeros(E, dtype=torch.float32))
-    with pytest.raises(TypeError):
-        attach_gpu_experts(ex, None)  # not a dispatch stage
+    # GPU experts need the CPU engine behind a GPU model: not the engine without staging, nor another backend
+    alone = MoELayer(RouterSpec("softmax", 2), E)
+    alone.attach(ex)
+    with pytest.raises(TypeError, match="hybrid placement"):
+        alone.set_gpu_experts(None)
+    torch_layer = MoELayer(RouterSpec("softmax", 2), E)
+    torch_layer.attach(TorchExperts(*_weights(torch.Generator().manual_seed(3))), HostStaging(H, 2, torch.float32))
+    with pytest.raises(TypeError, match="hybrid placement"):
+        torch_layer.set_gpu_experts(None)
+    assert ex.skip_mask is None and alone.gpu is None and torch_layer.gpu is None
 
 
 def test_deferral_never_defers_resident_experts():
     """Three MoE layers (first, middle, last), d = 1, resident experts on each: layer l returns
     G_l(x_l; every slot) + CPU_l(x_l; immediate, masked) + CPU_{l-1}(x_{l-1}; deferred, masked)."""
     chain, layers, engines = DeferralChain(3), [], []
-    for i in range(3):
-        ex = _engine("bf16", 40 + i)
-        off = OffloadedExperts(ex, None)
-        attach_gpu_experts(off, GpuExperts.from_cpu(ex, [i, 5, 9], torch.float32, "cpu"))
-        engines.append(ex)
-        layers.append(DeferredExperts(off, chain, i, 1))
     gen = torch.Generator().manual_seed(5)
     T, k = 6, 4
     xs = [torch.randn(T, H, generator=gen) for _ in range(3)]
     routes = [_routing(gen, T, k, holes=False) for _ in range(3)]
-    outs = [layer(x, *r) for layer, x, r in zip(layers, xs, routes)]
+    for i in range(3):
+        ex = _engine("bf16", 40 + i)
+        off = _hybrid_layer(ex, k, *routes[i])
+        off.set_gpu_experts(GpuExperts.from_cpu(ex, [i, 5, 9], torch.float32, "cpu"))
+        off.set_deferral(1, chain, i)
+        engines.append(ex)
+        layers.append(off)
+    outs = [layer(x, torch.zeros(T, E)) for layer, x in zip(layers, xs)]
     prev = None
     for i in range(3):
         ids, w = routes[i]
         imm, dfr = split_deferred(ids, w, 1) if i < 2 else (ids, None)
-        want = engines[i].forward(xs[i], imm, w).float() + layers[i].experts.gpu(xs[i], ids, w)
+        want = engines[i].forward(xs[i], imm, w).float() + layers[i].gpu(xs[i], ids, w)
         if prev is not None:
             want = want + prev
         prev = engines[i].forward(xs[i], dfr, w).clone() if dfr is not None else None
@@ -235,7 +261,7 @@ def _tiny_qwen3(n_layers=2):
     loaded = build_random_model(cfg, options=EngineOptions(device="cpu", dtype="fp32", max_context=64),
                                 log=lambda m: None)
     for _, block in moe_blocks(loaded.model):  # the hybrid dispatch stage, run on CPU tensors
-        block.experts = OffloadedExperts(block.experts, None)
+        block.attach(block.experts, HostStaging(cfg["hidden_size"], block.router.top_k, torch.float32))
     return loaded
 
 
@@ -255,19 +281,22 @@ class _CraftedRouter(torch.nn.Module):
 def test_calibration_picks_the_most_routed_experts():
     loaded = _tiny_qwen3()
     blocks = moe_blocks(loaded.model)
-    blocks[0][1].gate = _CraftedRouter()
+    engines = [b.experts for _, b in blocks]
+    loaded.model.get_submodule(blocks[0][0]).gate = _CraftedRouter()
     tokens = list(range(3, 33))  # 30 tokens, one chunk
     counts = count_routing(loaded.model, blocks, tokens, "cpu", torch.float32)
     assert counts[0].tolist() == [0, 0, 20, 0, 0, 30, 0, 10]
     assert int(counts[1].sum()) == 60  # the other layer: its own router, 30 tokens x top-2
-    assert all(isinstance(b.experts, OffloadedExperts) for _, b in blocks)  # the counters are gone
+    # the counters are gone, the layers as they were
+    assert all(b.route_observer is None and b.experts is e and b.staging is not None
+               for (_, b), e in zip(blocks, engines))
     logs = []
     report = place_gpu_experts(loaded.model, blocks, 2, torch.float32, "cpu", tokens, "crafted", logs.append)
     assert report["layers"][0]["experts"] == [2, 5]
     assert report["layers"][0]["coverage"] == pytest.approx(50 / 60)
     assert report["layers"][1]["experts"] == choose_experts(counts[1], 2)
-    assert blocks[0][1].experts.gpu.expert_ids == [2, 5]
-    assert torch.equal(blocks[0][1].experts.experts.skip_mask, _resident_mask([2, 5], 8))
+    assert blocks[0][1].gpu.expert_ids == [2, 5]
+    assert torch.equal(blocks[0][1].engine.skip_mask, _resident_mask([2, 5], 8))
     assert report["chosen_by"] == "calibration" and report["calibration_tokens"] == 30
     assert len(logs) == 2 and "cover" in logs[0] and "L0 83%: 2,5;" in logs[1], logs
 
@@ -294,7 +323,7 @@ def test_resident_experts_keep_the_model_output():
     assert 0 < report["mean_coverage"] < 1
     runner = Runner(loaded)
     out = torch.stack([runner.prefill(prompt), runner.decode(17), runner.decode(250)])
-    tol = _split_tol(moe_blocks(loaded.model)[0][1].experts.experts)
+    tol = _split_tol(moe_blocks(loaded.model)[0][1].engine)
     assert rel_err(out, ref) < tol, rel_err(out, ref)  # measured 3e-7 on AVX2 (fp32 activations)
     report = place_gpu_experts(loaded.model, moe_blocks(loaded.model), 2, torch.float32, "cpu", None, "", print)
     assert report["chosen_by"] == "first" and report["layers"][0]["experts"] == [0, 1]
@@ -332,7 +361,8 @@ def test_load_refuses_too_many_and_ignores_on_cpu(tmp_path):
                         progress=False, log=logs.append)
     assert any("--gpu-experts 4 ignored" in m and "CPU-only" in m for m in logs), logs
     assert loaded.info["gpu_experts"] == {}
-    assert all(isinstance(b.experts, CPUExperts) and b.experts.skip_mask is None for _, b in moe_blocks(loaded.model))
+    assert all(isinstance(b.experts, CPUExperts) and b.gpu is None and b.experts.skip_mask is None
+               for _, b in moe_blocks(loaded.model))
 
 
 def test_memory_plan_counts_and_refuses(monkeypatch):
@@ -355,7 +385,7 @@ def test_memory_plan_counts_and_refuses(monkeypatch):
 
 def test_cli_flag():
     from hetmoe.cli import build_parser
-    from hetmoe.commands import engine_options
+    from hetmoe.cli.options import engine_options
 
     for argv in (["generate"], ["chat"], ["serve"], ["eval", "--text", "t"], ["bench", "e2e"], ["bench", "serve"]):
         args = build_parser().parse_args(argv + ["--gpu-experts", "3", "--calibration-file", "c.txt"])
@@ -386,7 +416,8 @@ PROMPT = list(range(3, 43))  # 40 tokens: the gather path in prefill; decode ste
 
 def _logits(path, logs=None, mode="graph", **opts):
     """Logits of a 40-token prefill and 4 decode steps. On a GPU, ``mode``: "graph" (decode steps replay a CUDA
-    graph), "eager" (the same stream-ordered step, not captured) or "sync" (the plain OffloadedExperts path)."""
+    graph), "eager" (the same stream-ordered step, not captured) or "sync" (the MoE layers' plain eager path: staged
+    copies, stream synchronize, CPU forward)."""
     from hetmoe.engine.runner import Runner
 
     options = EngineOptions(**{"dtype": "fp32", "experts_format": "bf16", "max_context": 64, **opts})
@@ -441,8 +472,8 @@ def test_hybrid_gpu_experts_match_cpu(checkpoints, arch, fmt, n, mode):
     assert any("GPU experts: " in m and "cover" in m for m in logs), logs
     blocks = moe_blocks(loaded.model)
     for _, b in blocks:
-        assert b.experts.gpu is not None and len(b.experts.gpu.expert_ids) == n
-        assert b.experts.gpu.w_gate_up.is_cuda and int(b.experts.experts.skip_mask.sum()) == n
+        assert b.gpu is not None and len(b.gpu.expert_ids) == n
+        assert b.gpu.w_gate_up.is_cuda and int(b.engine.skip_mask.sum()) == n
     err = _max_rel(hyb, ref)
     print(f"{arch} {fmt} N={n} {mode}: hybrid --gpu-experts vs cpu, max rel. logit error {err:.2e}")
     # bf16 experts: cuBLAS vs CPU matmuls on the same weight values (and AMX's bf16 activations, _bf16_tol); int4:
@@ -466,19 +497,16 @@ def test_hybrid_all_resident_ignores_deferral(checkpoints):
 
 
 def _emulated_logits(path, resident: list, **opts):
-    """The hybrid dispatch stage (OffloadedExperts, under DeferredExperts when deferring) run on CPU tensors with
-    fp32 resident experts ``resident[i]`` on MoE block i: what the hybrid computes, without a GPU."""
+    """The hybrid dispatch stage (each MoELayer with staging and GPU experts attached, deferring when asked) run on
+    CPU tensors with fp32 resident experts ``resident[i]`` on MoE block i: what the hybrid computes, without a GPU."""
     from hetmoe.engine.runner import Runner
 
     options = EngineOptions(**{"dtype": "fp32", "experts_format": "bf16", "max_context": 64, "device": "cpu", **opts})
     loaded = load_model(path, options, expert_cache=None, progress=False, log=lambda m: None)
     for (_, block), ids in zip(moe_blocks(loaded.model), resident):
-        if isinstance(block.experts, DeferredExperts):
-            block.experts.experts = OffloadedExperts(block.experts.experts, None)
-        else:
-            block.experts = OffloadedExperts(block.experts, None)
-        off = block.experts.experts if isinstance(block.experts, DeferredExperts) else block.experts
-        attach_gpu_experts(block.experts, GpuExperts.from_cpu(off.experts, ids, torch.float32, "cpu"))
+        block.attach(block.experts, HostStaging(loaded.config.hidden_size, block.router.top_k, torch.float32))
+        block.set_gpu_experts(GpuExperts.from_cpu(block.engine, ids, torch.float32, "cpu"))
+    assert all(b.defer == opts.get("defer_experts", 0) for _, b in moe_blocks(loaded.model))
     runner = Runner(loaded)
     out = [runner.prefill(PROMPT)] + [runner.decode(t) for t in (7, 200, 31, 99)]
     return torch.stack(out)
