@@ -9,14 +9,16 @@ model's shapes alone and ``check_fits`` refuses, with the breakdown, a plan that
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from hetmoe.cpu import AMX_EMULATED, ISAS, cpu_info, default_threads
-from hetmoe.cpu.numa import parse_numa
+# torch and hetmoe.cpu (hetmoe._C) are imported where they are used, so that the command line can build its
+# flags from EngineOptions' fields without them: ``hetmoe --help`` stays instant.
 
 FORMATS = ("bf16", "int8", "int4")
+ISA_CHOICES = ("auto", "scalar", "avx2", "avx512", "amx")  # "auto" and hetmoe.cpu.ISAS (tests/engine/test_cli.py)
 DEFAULT_GROUP = {"bf16": 0, "int8": 128, "int4": 64}
 # Fraction of the currently free RAM / VRAM a plan may use (the rest: allocator slack, the OS, other processes).
 HEADROOM = 0.92
@@ -24,30 +26,69 @@ CUDA_CONTEXT_BYTES = 600 << 20
 CPU_RUNTIME_BYTES = 400 << 20  # the Python process, torch and the engine's scratch
 
 
+def cli_flag(name: str, help: str, **spec) -> dict:
+    """Field metadata: the command-line flag of an engine option. hetmoe/cli/options.py adds one flag per field
+    that has one to every command that runs a model (``add_engine_options``; the default is the field's) and
+    builds an EngineOptions back from the parsed arguments (``engine_options``). ``spec``: ``type`` (an argument
+    type of hetmoe/cli/options.py by name: "int", "positive_int", "numa"; default: the text as typed),
+    ``choices``, ``metavar``, ``negate`` (a switch that sets the field to False) and ``min`` (a bound checked
+    after parsing, not by the type, so that parse_args stays lenient and EngineOptions refuses the value)."""
+    return {"flag": name, "help": help, **spec}
+
+
 @dataclass
 class EngineOptions:
-    """The engine options every command shares (``--device``, ``--experts-format``, ...)."""
+    """The engine options every command shares (``--device``, ``--experts-format``, ...): a field with ``flag``
+    metadata is that command-line option, its help text written here once."""
 
-    device: str = "auto"  # auto | cuda | cpu
-    experts_format: str = "auto"  # auto | bf16 | int8 | int4 ("auto": the most precise that fits in RAM)
-    group_size: Optional[int] = None  # int8/int4 scale group (default 128 / 64; 0 = per-row int8)
-    threads: Optional[int] = None  # CPU expert threads (default: one per physical core; hybrid: 2 fewer)
-    numa: Union[str, int] = "auto"  # NUMA subpools of the CPU experts: auto | off | N (hetmoe/numa.py)
-    max_context: Optional[int] = None  # KV cache positions per sequence (default: min(4096, model limit))
-    max_batch: int = 1
-    dtype: str = "auto"  # weights/activations of the dense part: auto | bf16 | fp32
+    device: str = field(default="auto", metadata=cli_flag(
+        "--device", "auto: the GPU for everything but the routed experts when there is one (default: auto)",
+        choices=("auto", "cuda", "cpu")))
+    experts_format: str = field(default="auto", metadata=cli_flag(
+        "--experts-format", "format of the routed experts on the CPU; auto: the most precise that fits in RAM",
+        choices=("auto",) + FORMATS))
+    group_size: Optional[int] = field(default=None, metadata=cli_flag(
+        "--group-size", "int8/int4 scale group (default: 128 for int8, 64 for int4; 0 = per-row int8; bf16 has none)",
+        type="int", choices=(0, 32, 64, 128)))
+    threads: Optional[int] = field(default=None, metadata=cli_flag(
+        "--threads", "CPU expert threads (default: physical cores; with a GPU, 2 fewer)", type="positive_int"))
+    numa: Union[str, int] = field(default="auto", metadata=cli_flag(  # hetmoe/cpu/numa.py
+        "--numa", "split each expert across N NUMA subpools (tensor parallel); auto: one per NUMA node",
+        type="numa", metavar="auto|off|N"))
+    max_context: Optional[int] = field(default=None, metadata=cli_flag(
+        "--max-context", "KV cache positions per sequence (default: min(4096, the model's limit))",
+        type="positive_int"))
+    max_batch: int = 1  # sequences with a KV cache slot each (`hetmoe serve --max-batch`)
+    dtype: str = field(default="auto", metadata=cli_flag(
+        "--dtype", "dense weights and activations (default: bf16 on GPU, fp32 on CPU for small models)",
+        choices=("auto", "bf16", "fp32")))
     prefill_chunk: int = 1024  # prompt tokens per forward call
-    defer_experts: int = 0  # Expert Deferral: per token, the d lowest-weighted routed experts go to the next MoE layer
-    gpu_experts: int = 0  # routed experts per MoE layer also kept on the GPU and computed there (hybrid placement)
-    calibration_file: Optional[str] = None  # text whose routing picks them (default: calibration.DEFAULT_TEXT)
-    cuda_graph: bool = True  # on a GPU, decode steps replay a CUDA graph (False: the same step run eagerly)
-    # CPU expert kernels: auto (the best this CPU runs, within HETMOE_MAX_ISA) | scalar | avx2 | avx512 | amx, or
-    # amx-emulated (tests: the AMX GEMM's logic on any CPU); amx_min_tokens: per-expert token count from which the
-    # AMX GEMM runs (default: the engine's measured crossover; 1: every expert on the AMX path)
-    isa: str = "auto"
+    defer_experts: int = field(default=0, metadata=cli_flag(
+        "--defer-experts", "Expert Deferral: per token, compute the D lowest-weighted of its top-k routed experts "
+        "alongside the next layer and add them to the next MoE layer's output (0 <= D < top-k; default: 0)",
+        type="int", metavar="D", min=0))
+    gpu_experts: int = field(default=0, metadata=cli_flag(  # hybrid placement only
+        "--gpu-experts", "with a GPU: keep N routed experts of every MoE layer on it as well and compute them "
+        "there, the N most often routed on a calibration text (0 <= N <= experts per layer; default: 0)",
+        type="int", metavar="N", min=0))
+    calibration_file: Optional[str] = field(default=None, metadata=cli_flag(  # default: calibration.DEFAULT_TEXT
+        "--calibration-file", "UTF-8 text whose routing picks the --gpu-experts (default: a built-in mixed text)",
+        metavar="FILE"))
+    cuda_graph: bool = field(default=True, metadata=cli_flag(
+        "--no-cuda-graph", "with a GPU: run each decode step eagerly instead of replaying it as a CUDA graph",
+        negate=True))
+    # CPU expert kernels; besides the flag's choices, amx-emulated (tests: the AMX GEMM's logic on any CPU).
+    # amx_min_tokens: per-expert token count from which the AMX GEMM runs (default: the engine's measured
+    # crossover; 1: every expert on the AMX path)
+    isa: str = field(default="auto", metadata=cli_flag(
+        "--isa", "CPU expert kernels (default: auto, the best this CPU runs within $HETMOE_MAX_ISA)",
+        choices=ISA_CHOICES))
     amx_min_tokens: Optional[int] = None
 
     def __post_init__(self):
+        from hetmoe.cpu import AMX_EMULATED, ISAS, cpu_info
+        from hetmoe.cpu.numa import parse_numa
+
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}")
         if self.experts_format not in ("auto",) + FORMATS:
@@ -83,6 +124,8 @@ class EngineOptions:
 
 
 def resolve_device(device: str) -> torch.device:
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -177,6 +220,8 @@ def free_ram() -> int:
 
 
 def free_vram(device: torch.device) -> int:
+    import torch
+
     return torch.cuda.mem_get_info(device)[0]
 
 
@@ -206,6 +251,8 @@ def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device
 
 def resolve_dtype(name: str, device: torch.device, dense_params: int) -> torch.dtype:
     """auto: bf16 on a GPU; on the CPU fp32 while the dense part is small (<= 1 G parameters), else bf16."""
+    import torch
+
     if name == "bf16":
         return torch.bfloat16
     if name == "fp32":
@@ -256,6 +303,8 @@ def normalize_options(opts: EngineOptions, log=None) -> EngineOptions:
     """``opts`` with what this machine cannot honour brought within it, each said once through ``log``: more
     --threads than the physical cores this process may run on are capped to them (extra threads only contend
     for the same cores). Returns ``opts`` itself when nothing changes."""
+    from hetmoe.cpu import default_threads
+
     cores = default_threads()
     if opts.threads is not None and opts.threads > cores:
         if log is not None:
