@@ -9,14 +9,8 @@ decode step reads its experts from DRAM, not from cache.
 
 from __future__ import annotations
 
-import datetime
-import json
 import math
-import os
-import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -25,7 +19,15 @@ import torch
 
 from hetmoe import cpu
 from hetmoe.bench import kernel_amx
-from hetmoe.cpu.numa import describe as describe_numa
+from hetmoe.bench.machine import (
+    GB,
+    check_isa,
+    git_commit,  # noqa: F401  serve.py imports it from here
+    llc_bytes,
+    machine_info,
+    mem_total_bytes,
+    write_json,
+)
 
 
 @dataclass(frozen=True)
@@ -50,118 +52,6 @@ WARMUP = 2
 N_ROUTINGS = 8  # at least this many distinct routings are cycled through
 BASELINE_EXPERTS = 16  # the PyTorch loop keeps at most this many experts (bf16 or int8 codes)
 CHECK_TOKENS = 8
-GB = 1e9
-
-
-# ---------------------------------------------------------------------------------------------- machine
-
-
-def mem_total_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("MemTotal not found in /proc/meminfo")
-
-
-def llc_bytes() -> int:
-    """Size of the last-level cache seen by CPU 0 (0 when sysfs does not say)."""
-    best = (0, 0)
-    base = "/sys/devices/system/cpu/cpu0/cache"
-    for index in sorted(os.listdir(base)) if os.path.isdir(base) else []:
-        try:
-            level = int(open(f"{base}/{index}/level").read())
-            size = open(f"{base}/{index}/size").read().strip()
-        except (OSError, ValueError):
-            continue
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
-        best = max(best, (level, int(size.rstrip("KMG")) * mult))
-    return best[1]
-
-
-def git_commit() -> str:
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        run = lambda *cmd: subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=5)  # noqa: E731
-        head = run("git", "rev-parse", "--short", "HEAD")
-        if head.returncode != 0:
-            return ""
-        dirty = run("git", "status", "--porcelain", "--untracked-files=no").stdout.strip()
-        return head.stdout.strip() + (" (dirty)" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def write_json(dest: str, doc: dict, say) -> None:
-    """A benchmark's results as JSON to ``dest`` ('-' = stdout)."""
-    text = json.dumps(doc, indent=1)
-    if dest == "-":
-        print(text)
-    else:
-        with open(dest, "w") as f:
-            f.write(text + "\n")
-        say(f"wrote {dest}")
-
-
-def machine_info(pool: cpu.ExpertPool) -> dict:
-    info = cpu.cpu_info()
-    return {
-        "hostname": socket.gethostname(),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "commit": git_commit(),
-        "cpu_model": _cpu_model(),
-        "cpu_flags": info["flags"],
-        "best_isa": info["best_isa"],
-        "isa_cap": info["isa_cap"],
-        "physical_cores": info["physical_cores"],
-        "threads": pool.threads,
-        "pinned_cpus": pool.pinned_cpus,
-        "mem_total_gb": mem_total_bytes() / GB,
-        "llc_mb": llc_bytes() / (1 << 20),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
-    except OSError:
-        return ""
-
-
-def check_isa(isa: str) -> None:
-    """Refuses an ISA this CPU cannot run before anything executes its instructions."""
-    supported = cpu.cpu_info()["supported_isas"]
-    if isa not in ("auto", cpu.AMX_EMULATED) and isa not in supported:
-        raise ValueError(f"--isa {isa}: this CPU runs only {', '.join(supported)} (or auto)")
-
-
-def doctor(threads=None, isa: str = "auto", numa="auto") -> int:
-    check_isa(isa)
-    pool = cpu.shared_pool(threads, numa)
-    info = cpu.cpu_info()
-    print(f"cpu:        {_cpu_model()}")
-    print(f"features:   {info['flags']}")
-    cap = f"; capped by {info['isa_cap']}" if info["isa_cap"] else ""
-    print(f"isas:       {', '.join(info['supported_isas'])} (best: {info['best_isa']}{cap})")
-    print(f"memory:     {mem_total_bytes() / GB:.1f} GB, last-level cache {llc_bytes() / (1 << 20):.0f} MiB")
-    print(f"pool:       {pool.threads} threads pinned to CPUs {pool.pinned_cpus}")
-    print("\n".join(describe_numa(pool)))
-    amx = info["amx_unavailable"]
-    print(f"amx:        {'AMX unavailable: ' + amx if amx else 'available'}")
-    print("choice per expert and call (kernel by tokens routed to the expert):")
-    for fmt in cpu.WEIGHT_FORMATS:
-        ex = cpu.CPUExperts(1, 256, 256, fmt, DEFAULT_GROUP[fmt], pool=pool, isa=isa)
-        d = ex.info()
-        line = f"{fmt + ':':11s} kernel {d['kernel']} (isa {d['isa']}, activations {d['activation']})"
-        if d["amx"] != "off":
-            line = (f"{fmt + ':':11s} < {d['amx_min_tokens']} tokens: {d['kernel']} (activations {d['activation']}); "
-                    f">= {d['amx_min_tokens']} tokens: {d['amx_kernel']} (activations {d['amx_activation']})")
-        print(line)
-    print(f"torch:      {torch.__version__}, {torch.get_num_threads()} threads")
-    return 0
 
 
 # ---------------------------------------------------------------------------------------------- measurements
@@ -363,8 +253,8 @@ def run_kernel_bench(args) -> int:
     if not cpu.cpu_info()["amx_unavailable"] and pool.subpools == 1:
         amx_peak = {d: pool.amx_peak(d) for d in ("bf16", "int8")}
         amx_ratio = amx_peak["bf16"] / amx_peak["int8"]
-        # Reported, not asserted (a test did, and a shared 2-core AMX VM measured 4.1): the tile unit's nominal
-        # rate for bf16 is half that of int8; far from it, the probe was not measuring the tile unit alone.
+        # Reported, not asserted (a test did, and failed on a shared VM): the tile unit's nominal rate for bf16
+        # is half that of int8; far from it, the probe was not measuring the tile unit alone.
         note = "" if 0.3 < amx_ratio < 0.7 else "  (nominal ~0.5: the probe shared the cores or was throttled)"
         say(f"AMX tile unit alone ({pool.threads} threads, tdp* on register tiles, best of 3): "
             f"bf16 {amx_peak['bf16']:.1f} TFLOPS, int8 {amx_peak['int8']:.1f} TOPS, bf16/int8 {amx_ratio:.2f}{note}")

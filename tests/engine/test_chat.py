@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hetmoe import commands
+from hetmoe.cli import chat
 
 DEADLINE_S = 120  # a loaded 2-core CI machine: the torch import and the model load come first
 
@@ -161,26 +161,26 @@ def test_history_is_bounded_and_appended(tmp_path):
     readline = pytest.importorskip("readline")
     path = tmp_path / "hetmoe" / "chat_history"
     path.parent.mkdir()
-    path.write_text("".join(f"old {i}\n" for i in range(commands.HISTORY_LENGTH + 50)))
+    path.write_text("".join(f"old {i}\n" for i in range(chat.HISTORY_LENGTH + 50)))
     readline.clear_history()
     try:
-        history = commands._History(readline, path)
+        history = chat._History(readline, path)
         readline.add_history("new 1")
         readline.add_history("new 2")
         history.save()
     finally:
         readline.clear_history()
     lines = path.read_text().splitlines()
-    assert len(lines) == commands.HISTORY_LENGTH and lines[-2:] == ["new 1", "new 2"]
-    assert lines[-3] == f"old {commands.HISTORY_LENGTH + 49}"
+    assert len(lines) == chat.HISTORY_LENGTH and lines[-2:] == ["new 1", "new 2"]
+    assert lines[-3] == f"old {chat.HISTORY_LENGTH + 49}"
 
 
 def test_history_path(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
-    assert commands.history_path() == tmp_path / "hetmoe" / "chat_history"
+    assert chat.history_path() == tmp_path / "hetmoe" / "chat_history"
     monkeypatch.setenv("XDG_STATE_HOME", "relative/dir")  # the spec: ignored unless absolute
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert commands.history_path() == tmp_path / ".local" / "state" / "hetmoe" / "chat_history"
+    assert chat.history_path() == tmp_path / ".local" / "state" / "hetmoe" / "chat_history"
 
 
 # ---------------------------------------------------------------- Ctrl-C during a reply, in this process
@@ -227,7 +227,7 @@ def test_ctrl_c_stops_the_reply_and_keeps_it(capsys):
 
     llm = ScriptedLLM([["Hel", "^C", "lo", "never"], ["a", "^C", "^C", "never"], ["ok"]])
     before = signal.getsignal(signal.SIGINT)
-    assert commands._chat_loop(llm, None, read, interactive=True) == 0
+    assert chat._chat_loop(llm, None, read, interactive=True) == 0
     assert signal.getsignal(signal.SIGINT) is before
     out = capsys.readouterr()
     # The first Ctrl-C stops the reply at its next piece: "lo" is streamed, then the reply ends, and the

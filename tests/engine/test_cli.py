@@ -1,5 +1,5 @@
 """Running a loaded model and the commands: placement.py (EngineOptions, the memory plan), runner.py (Runner),
-llm.py (LLM) and `hetmoe generate` / `hetmoe chat` (cli.py, commands.py) run as subprocesses. Checkpoints are
+llm.py (LLM) and `hetmoe generate` / `hetmoe chat` (hetmoe/cli/) run as subprocesses. Checkpoints are
 written by the test; the expert cache is off or a tmp dir (XDG_CACHE_HOME too)."""
 
 import json
@@ -417,6 +417,45 @@ def test_usage_errors_have_one_style(capsys, args, line):
     assert code == 2 and stdout == "" and lines[0].startswith("usage: hetmoe"), stderr
     assert lines[-1].startswith(line) and [x for x in lines if "error:" in x] == lines[-1:], stderr
     assert not any(c in lines[-1] for c in "'\"") and "argument " not in lines[-1], lines[-1]
+
+
+ENGINE_FLAGS = {"device": "--device", "experts_format": "--experts-format", "group_size": "--group-size",
+                "threads": "--threads", "numa": "--numa", "max_context": "--max-context", "dtype": "--dtype",
+                "defer_experts": "--defer-experts", "gpu_experts": "--gpu-experts",
+                "calibration_file": "--calibration-file", "cuda_graph": "--no-cuda-graph", "isa": "--isa"}
+
+
+@pytest.mark.parametrize("command", [["generate"], ["chat"], ["serve"], ["eval", "--text", "t"], ["bench", "e2e"],
+                                     ["bench", "serve"]], ids=" ".join)
+def test_engine_flags_are_the_engine_options_fields(command, capsys, monkeypatch):
+    # Each engine flag is written once, as EngineOptions field metadata: every command that runs a model gets the
+    # same flags, with the field's default and help, and reads back the EngineOptions they describe.
+    from hetmoe.cli import build_parser
+    from hetmoe.cli.options import engine_fields, engine_options
+    from hetmoe.cpu import ISAS
+
+    assert {f.name: f.metadata["flag"] for f in engine_fields()} == ENGINE_FLAGS
+    assert placement.ISA_CHOICES == ("auto",) + ISAS  # written out in placement.py so that parsing needs no _C
+    argv = ["--device", "cpu", "--experts-format", "int8", "--group-size", "32", "--threads", "1", "--numa", "off",
+            "--max-context", "64", "--dtype", "fp32", "--defer-experts", "1", "--gpu-experts", "2",
+            "--calibration-file", "c.txt", "--no-cuda-graph", "--isa", "scalar"]
+    assert engine_options(build_parser().parse_args(command + argv)) == EngineOptions(
+        device="cpu", experts_format="int8", group_size=32, threads=1, numa="off", max_context=64, dtype="fp32",
+        defer_experts=1, gpu_experts=2, calibration_file="c.txt", cuda_graph=False, isa="scalar")
+    assert engine_options(build_parser().parse_args(command)) == EngineOptions()
+    monkeypatch.setenv("COLUMNS", "1000")  # each help on one line (argparse wraps at hyphens too)
+    code, stdout, _ = main(capsys, *command, "--help")
+    shown = " ".join(stdout.split())
+    assert code == 0 and all(" ".join(f.metadata["help"].split()) in shown for f in engine_fields())
+
+
+def test_parsing_imports_no_torch(env):
+    # `hetmoe --help` stays instant: the parsers of every command, engine flags included, come without torch/_C.
+    script = ("import sys; from hetmoe.cli import build_parser; p = build_parser(); "
+              "[q.format_help() for q in p.commands.values()]; "
+              "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('hetmoe._C')))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
 
 
 def test_bare_commands_print_their_help(capsys):

@@ -1,75 +1,30 @@
-"""What ``hetmoe generate`` and ``hetmoe chat`` do (the argument parsing is in cli.py)."""
+"""``hetmoe chat``: an interactive conversation whose replies stream back (the REPL: line editing and history
+on a terminal, slash commands, Ctrl-C that stops a reply but keeps it); one message per line without a terminal."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import signal
 import sys
 from pathlib import Path
 
-from hetmoe.engine.generation import SamplingParams
-from hetmoe.engine.llm import LLM
-from hetmoe.engine.placement import EngineOptions
-
-DEFAULT_PROMPT = "Write a Python function `read_lines`: Return the lines of a text file as a list."
+from hetmoe.cli.options import add_engine_options, add_sampling_options, open_llm
 
 
-def engine_options(args: argparse.Namespace) -> EngineOptions:
-    return EngineOptions(device=args.device, experts_format=args.experts_format, group_size=args.group_size,
-                         threads=args.threads, numa=args.numa, max_context=args.max_context, dtype=args.dtype,
-                         defer_experts=args.defer_experts, gpu_experts=args.gpu_experts,
-                         calibration_file=args.calibration_file, cuda_graph=not args.no_cuda_graph, isa=args.isa)
-
-
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
-
-
-def open_llm(args: argparse.Namespace) -> LLM:
-    params = sampling_params(args)  # validate before the (possibly long) load
-    llm = LLM(args.model, engine_options(args), expert_cache=None if args.expert_cache == "off" else args.expert_cache,
-              progress=sys.stderr.isatty())
-    llm.default_params = params
-    return llm
-
-
-def _stream(piece: str) -> None:
-    sys.stdout.write(piece)
-    sys.stdout.flush()
-
-
-def _timing(result) -> str:
-    t = result.timings
-    return (f"hetmoe: {result.prompt_tokens} prompt tokens in {t.prefill_s:.2f} s ({t.prefill_tok_s:.1f} tok/s), "
-            f"{result.completion_tokens} generated in {t.decode_s:.2f} s ({t.decode_tok_s:.1f} tok/s), "
-            f"finish: {result.finish_reason}")
-
-
-def run_generate(args: argparse.Namespace) -> int:
-    prompt = args.prompt
-    if prompt == "-":
-        prompt = sys.stdin.read()
-    elif prompt is None:
-        prompt = DEFAULT_PROMPT
-    if not prompt:
-        raise ValueError("the prompt is empty")
-    llm = open_llm(args)
-    if args.json:
-        result = llm.generate(prompt, llm.default_params, chat=not args.raw)
-        t = result.timings
-        print(json.dumps({"text": result.text, "finish_reason": result.finish_reason,
-                          "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                          "prefill_s": t.prefill_s, "decode_s": t.decode_s, "decode_tok_s": t.decode_tok_s}))
-    else:
-        result = llm.generate(prompt, llm.default_params, chat=not args.raw, on_text=_stream)
-        sys.stdout.write("\n")
-        print(_timing(result), file=sys.stderr)
-    return 0
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "chat", help="interactive chat that streams the reply (/help lists its commands)",
+        description="A conversation with the model: type a message, the reply streams back. On a terminal: line "
+        "editing and history (kept in $XDG_STATE_HOME/hetmoe/chat_history), Ctrl-C clears the line or stops a "
+        "reply, Ctrl-D or /exit quits; /help lists the commands. Without a terminal, one message per line of stdin.")
+    p.add_argument("--system", default=None, help="system message")
+    add_engine_options(p)
+    add_sampling_options(p, max_new_tokens=512)
+    p.set_defaults(handler=run)
+    return p
 
 
 CHAT_HELP = """\
@@ -176,7 +131,7 @@ def _reader(interactive: bool, history: bool):
     return read
 
 
-def run_chat(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     llm = open_llm(args)
     if not llm.tokenizer.has_chat_template:
         raise ValueError("this model's tokenizer has no chat template; use `hetmoe generate --raw` instead")
@@ -247,7 +202,8 @@ def _reply(llm, messages: list, text: str, stop: _ReplyInterrupt,
 
     def on_text(piece: str) -> None:
         pieces.append(piece)
-        _stream(piece)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
         if stop.requested:
             raise _StopReply
 

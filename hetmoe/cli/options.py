@@ -1,0 +1,190 @@
+"""Argument types and the option groups several commands share: engine, sampling, synthetic model.
+
+The engine flags are generated from EngineOptions' field metadata (``cli_flag`` in hetmoe/engine/placement.py):
+each field with a flag is added by ``add_engine_options`` and read back by ``engine_options``, so an engine
+option is written once, in the dataclass. Like the rest of the command line, this imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Optional, Sequence
+
+from hetmoe.engine.placement import ISA_CHOICES, EngineOptions
+
+SHAPE_NAMES = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")  # defined in hetmoe.bench.kernel.SHAPES
+ISAS = ISA_CHOICES  # "auto" and hetmoe.cpu.ISAS
+MODEL_SHAPES = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "deepseek-v2-lite")  # hetmoe.testing.synthetic.SHAPES
+
+
+# ---------------------------------------------------------------------------------------------- argument types
+
+
+def int_list(text: str) -> list:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text}")
+    return values
+
+
+def choice_list(choices: Sequence[str]):
+    def parse(text: str) -> list:
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        bad = [v for v in values if v not in choices]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(bad) or 'empty list'}; choose from {', '.join(choices)}")
+        return values
+
+    return parse
+
+
+def _number(text: str, kind, ok, expected: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _number(text, int, lambda v: v >= 1, "a positive integer")
+
+
+def nonneg_int(text: str) -> int:
+    return _number(text, int, lambda v: v >= 0, "an integer >= 0")
+
+
+def port(text: str) -> int:
+    return _number(text, int, lambda v: 0 <= v <= 65535, "a port in 0..65535")
+
+
+def nonneg_float(text: str) -> float:
+    return _number(text, float, lambda v: v >= 0, "a number >= 0")
+
+
+def top_p(text: str) -> float:
+    return _number(text, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+
+
+def stop(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("expected a non-empty string")
+    return text
+
+
+def numa(text: str):
+    from hetmoe.cpu.numa import parse_numa
+
+    try:
+        return parse_numa(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto, off or a number of subpools >= 1, got {text}") from None
+
+
+TYPES = {"int": int, "positive_int": positive_int, "numa": numa}  # the names cli_flag's ``type`` may give
+
+
+# ---------------------------------------------------------------------------------------------- engine
+
+
+def engine_fields() -> list:
+    """The EngineOptions fields that are command-line flags, in the dataclass's order."""
+    return [f for f in dataclasses.fields(EngineOptions) if "flag" in f.metadata]
+
+
+def _dest(f: dataclasses.Field) -> str:
+    """The argparse attribute of a field's flag: ``--no-cuda-graph`` -> ``no_cuda_graph``."""
+    return f.metadata["flag"][2:].replace("-", "_")
+
+
+def add_engine_options(p: argparse.ArgumentParser, model: bool = True) -> None:
+    """The engine options, named the same in every command that runs a model: --model (unless ``model`` is
+    False), the EngineOptions flags, --expert-cache."""
+    g = p.add_argument_group("engine")
+    if model:
+        g.add_argument("--model", metavar="DIR", default=None,
+                       help="Hugging Face checkpoint directory (default: the small model built into hetmoe)")
+    for f in engine_fields():
+        m = f.metadata
+        if m.get("negate"):
+            g.add_argument(m["flag"], action="store_true", help=m["help"])
+        else:
+            g.add_argument(m["flag"], type=TYPES[m["type"]] if "type" in m else None, default=f.default,
+                           choices=m.get("choices"), metavar=m.get("metavar"), help=m["help"])
+    g.add_argument("--expert-cache", metavar="DIR", default="auto",
+                   help="where converted experts are kept for the next load ('off' disables; "
+                        "default: $XDG_CACHE_HOME/hetmoe/experts)")
+
+
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The EngineOptions that ``args`` (parsed with add_engine_options) ask for."""
+    values = {}
+    for f in engine_fields():
+        value = getattr(args, _dest(f))
+        values[f.name] = not value if f.metadata.get("negate") else value
+    return EngineOptions(**values)
+
+
+def engine_usage_error(args: argparse.Namespace) -> Optional[str]:
+    """What the engine flags in ``args`` cannot be, beyond each flag's type (None: nothing)."""
+    for f in engine_fields():
+        bound, value = f.metadata.get("min"), getattr(args, _dest(f), None)
+        if bound is not None and value is not None and value < bound:
+            return f"{f.metadata['flag']}: expected an integer >= {bound}, got {value}"
+    if getattr(args, "experts_format", None) == "int4" and getattr(args, "group_size", None) == 0:
+        return "--group-size: int4 experts need a group size of 32, 64 or 128 (per-row scales are int8 only)"
+    return None
+
+
+def expert_cache(args: argparse.Namespace) -> Optional[str]:
+    """--expert-cache as LLM and load_model take it (None: off)."""
+    return None if args.expert_cache == "off" else args.expert_cache
+
+
+# ---------------------------------------------------------------------------------------------- sampling, shapes
+
+
+def add_sampling_options(p: argparse.ArgumentParser, max_new_tokens: int = 128) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
+                   help=f"most tokens per reply (default: {max_new_tokens})")
+    g.add_argument("--temperature", type=nonneg_float, default=0.0, help="0 = greedy (default: 0)")
+    g.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling mass, (0, 1] (default: 1 = off)")
+    g.add_argument("--top-k", type=nonneg_int, default=0,
+                   help="sample among the k most likely tokens (default: 0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    g.add_argument("--stop", type=stop, action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+
+
+def sampling_params(args: argparse.Namespace):
+    """The SamplingParams that ``args`` (parsed with add_sampling_options) ask for."""
+    from hetmoe.engine.generation import SamplingParams
+
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+
+
+def open_llm(args: argparse.Namespace):
+    """The LLM of the engine options in ``args``, its default sampling from the sampling options."""
+    from hetmoe.engine.llm import LLM
+
+    params = sampling_params(args)  # validate before the (possibly long) load
+    llm = LLM(args.model, engine_options(args), expert_cache=expert_cache(args), progress=sys.stderr.isatty())
+    llm.default_params = params
+    return llm
+
+
+def add_shape_options(p: argparse.ArgumentParser) -> None:
+    """Serve a real model shape with random weights built in memory instead of a checkpoint (benchmarks)."""
+    g = p.add_argument_group("synthetic model (instead of --model)")
+    g.add_argument("--shape", choices=MODEL_SHAPES, default=None,
+                   help="a real model shape with random weights and a word-per-token tokenizer")
+    g.add_argument("--layers", type=positive_int, default=None, help="decoder layers of --shape (default: all)")
