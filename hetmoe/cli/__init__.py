@@ -90,14 +90,14 @@ def _quiet_closed_pipe() -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    # Idle OpenMP threads of torch otherwise spin on the cores the expert engine's pinned threads compute on and
+    # slow every hybrid decode step (BENCHMARKS.md, where the hybrid step's time goes). OpenMP reads it when torch
+    # loads, which parsing already does (--numa's type imports hetmoe.cpu), so it is set before anything else.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         args = _parse(argv)
     except BrokenPipeError:  # --help into a closed pipe
         return _quiet_closed_pipe()
-    # Idle OpenMP threads of torch otherwise spin on the cores the expert engine's pinned threads compute on and
-    # slow every hybrid decode step (BENCHMARKS.md, where the hybrid step's time goes). It must be set before
-    # torch is imported, which the handlers do.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         code = int(args.handler(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush

@@ -458,6 +458,24 @@ def test_parsing_imports_no_torch(env):
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
 
 
+def test_omp_wait_policy_is_set_before_torch_loads(env):
+    # OpenMP reads OMP_WAIT_POLICY when torch loads; parsing already loads it (the type of --numa), so main sets
+    # it before parsing. A hook reports what the first `import torch` sees.
+    script = ("import os, sys\n"
+              "class Hook:\n"
+              "    def find_spec(self, name, path=None, target=None):\n"
+              "        if name == 'torch' and 'torch' not in sys.modules:\n"
+              "            print('torch loads with', os.environ.get('OMP_WAIT_POLICY'), file=sys.stderr)\n"
+              "sys.meta_path.insert(0, Hook())\n"
+              "from hetmoe.cli import main\n"
+              "raise SystemExit(main(sys.argv[1:]))\n")
+    env = {k: v for k, v in env.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", script, "doctor", "--threads", "1"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert [line for line in out.stderr.splitlines() if "torch loads" in line] == ["torch loads with PASSIVE"]
+
+
 def test_bare_commands_print_their_help(capsys):
     code, stdout, stderr = main(capsys)  # bare `hetmoe`: the help on stdout, exit 0 (git, pip)
     assert code == 0 and stderr == "" and stdout.startswith("usage: hetmoe") and "generate" in stdout
