@@ -1,8 +1,8 @@
-"""Decode steps as CUDA graphs (engine/cuda_graph.py) with the hybrid MoE dispatch in stream order (layers/hybrid.py).
+"""Decode steps as CUDA graphs (engine/cuda_graph.py) with the hybrid MoE dispatch in stream order (moe/stream.py).
 
 GPU tests (skipped without CUDA): graph decode against the same step run eagerly (``cuda_graph=False``: host
-functions, no capture) and against the synchronous path of prefill (``OffloadedExperts``: copies + stream
-synchronize + CPU forward), for batches 1, 3 (padded to 4) and 8 over steps that cross a 64-position KV bucket, with
+functions, no capture) and against the synchronous path of prefill (``MoELayer`` outside a stream step: copies +
+stream synchronize + CPU forward), for batches 1, 3 (padded to 4) and 8 over steps that cross a 64-position KV bucket, with
 and without Expert Deferral, per architecture, fp32 and bf16; replays after routing changed; greedy generation.
 Tolerances (relative max logit error): an unpadded fp32 graph in "bucket" mode runs the very kernels of the eager
 step, so it must agree to 1e-6; otherwise kernel choices differ (padded GEMMs, attended length), and a 1e-7
@@ -20,8 +20,7 @@ import torch
 
 from hetmoe.engine.cuda_graph import bucket_len, capture_sizes, pack_inputs, padded_size
 from hetmoe.engine.placement import EngineOptions
-from hetmoe.layers.moe import OffloadedExperts, TorchExperts
-from hetmoe.models.common import routed_and_shared
+from hetmoe.moe import MoELayer, RouterSpec, TorchExperts, route_softmax, stream
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -65,46 +64,54 @@ def test_pack_inputs_pads_to_the_scratch_slot():
 
 
 class _Recorder:
-    """A backend that takes the model's shared experts, as OffloadedExperts does."""
+    """An experts backend that logs its calls (into ``calls``, shared with the shared-experts callable)."""
 
-    takes_shared = True
+    num_experts = 4
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, calls):
+        self.calls = calls
 
-    def __call__(self, x, ids, w, shared=None):
+    def __call__(self, x, ids, w):
         self.calls.append("routed")
-        dense = shared()
-        self.calls.append("after shared")
-        return x * 2 + (0 if dense is None else dense)
+        return x * 2
 
 
-def test_routed_and_shared():
-    x, ids, w = torch.randn(3, 8), torch.zeros(3, 2, dtype=torch.int64), torch.rand(3, 2)
-    rec = _Recorder()
-    assert torch.equal(routed_and_shared(rec, x, ids, w, lambda: x + 1), x * 2 + (x + 1))
-    assert rec.calls == ["routed", "after shared"]  # shared is computed inside the backend's call
-    assert torch.equal(routed_and_shared(rec, x, ids, w, lambda: None), x * 2)
+def test_moe_layer_hands_the_shared_experts_over():
+    """The layer is given its shared experts as a callable (the model never adds them itself): called once, on the
+    layer's input, after the routed experts outside a stream step, its output added; None adds nothing."""
+    x, logits = torch.randn(3, 8), torch.randn(3, 4)
+    calls = []
+    layer = MoELayer(RouterSpec("softmax", 2), 4)
+    layer.attach(_Recorder(calls))
 
-    def plain(x, ids, w):  # any other backend: called first, then shared, summed
-        return x * 3
+    def shared(t):
+        calls.append("shared")
+        assert t is x
+        return t + 1
 
-    assert torch.equal(routed_and_shared(plain, x, ids, w, lambda: x), x * 4)
-    assert torch.equal(routed_and_shared(plain, x, ids, w, lambda: None), x * 3)
+    assert torch.equal(layer(x, logits, shared=shared), x * 2 + (x + 1))
+    assert calls == ["routed", "shared"]
+    calls.clear()
+    assert torch.equal(layer(x, logits, shared=lambda t: None), x * 2)
+    assert torch.equal(layer(x, logits), x * 2) and calls == ["routed", "routed"]
 
 
-def test_offloaded_experts_adds_shared_on_cpu():
+def test_moe_layer_adds_shared_on_cpu():
     E, H, I = 4, 16, 8
     g = torch.Generator().manual_seed(0)
     ex = TorchExperts(torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g),
                       torch.randn(E, H, I, generator=g))
-    off = OffloadedExperts(ex, staging=None)
-    x, w = torch.randn(3, H, generator=g), torch.rand(3, 2, generator=g)
-    ids = torch.tensor([[0, 1], [2, -1], [3, 0]])
+    layer = MoELayer(RouterSpec("softmax", 2), E)
+    layer.attach(ex)
+    x, logits = torch.randn(3, H, generator=g), torch.randn(3, E, generator=g)
+    w, ids = route_softmax(logits, 2, False)
     s = torch.randn(3, H, generator=g)
-    assert not off.streaming(x) and off.hybrid is None
-    assert torch.equal(off(x, ids, w, shared=lambda: s), ex(x, ids, w) + s)
-    assert torch.equal(off(x, ids, w), ex(x, ids, w))
+    assert stream.current() is None  # outside a stream-ordered step: the eager path
+    assert torch.equal(layer(x, logits, shared=lambda t: s), ex(x, ids, w) + s)
+    assert torch.equal(layer(x, logits), ex(x, ids, w))
+    fixed = torch.tensor([[0, 1], [2, -1], [3, 0]])  # a -1 slot is skipped
+    layer.route = lambda logits, correction_bias=None: (w, fixed)
+    assert torch.equal(layer(x, logits, shared=lambda t: s), ex(x, fixed, w) + s)
 
 
 def test_cuda_graph_option():
@@ -112,7 +119,7 @@ def test_cuda_graph_option():
     with pytest.raises(ValueError, match="cuda_graph must be True or False"):
         EngineOptions(cuda_graph=1)
     from hetmoe.cli import build_parser
-    from hetmoe.commands import engine_options
+    from hetmoe.cli.options import engine_options
 
     args = build_parser().parse_args(["generate", "--no-cuda-graph"])
     assert engine_options(args).cuda_graph is False
@@ -140,25 +147,21 @@ def test_cpu_runner_has_no_decoder():
 
 
 def _fake_hybrid_setup(path, d: int):
-    """A CPU model whose MoE dispatch is OffloadedExperts (+ DeferredExperts when d), driven by a HybridDecode on a
-    FakeStream, and a runner over it (max_batch 4: slot 3 is the padding rows' scratch slot)."""
+    """A CPU model whose MoE layers (deferring d when d) are driven by a StreamDecode on a FakeStream, and a runner
+    over it (max_batch 4: slot 3 is the padding rows' scratch slot)."""
     from hetmoe import _C
     from hetmoe.engine.loader import defer_experts, load_model, moe_blocks
     from hetmoe.engine.runner import Runner
-    from hetmoe.layers.hybrid import HybridDecode
-    from hetmoe.layers.moe import DeferredExperts
+    from hetmoe.moe import StreamDecode
 
     opts = EngineOptions(device="cpu", dtype="fp32", experts_format="bf16", max_context=96, max_batch=4)
     loaded = load_model(path, opts, expert_cache=None, progress=False, log=lambda m: None)
-    offloaded = []
-    for _, block in moe_blocks(loaded.model):
-        engine = block.experts.experts if isinstance(block.experts, DeferredExperts) else block.experts
-        block.experts = OffloadedExperts(engine, staging=None)
-        offloaded.append(block.experts)
+    layers = [layer for _, layer in moe_blocks(loaded.model)]
+    assert all(layer.engine is not None for layer in layers)
     defer_experts(loaded.model, d)
-    stream = _C.FakeStream()
-    hybrid = HybridDecode(4, "cpu", offloaded, fake_stream=stream)
-    return Runner(loaded), hybrid, stream
+    fake = _C.FakeStream()
+    hybrid = StreamDecode(4, "cpu", layers, fake_stream=fake)
+    return Runner(loaded), hybrid, fake
 
 
 @torch.inference_mode()
@@ -183,7 +186,7 @@ def test_stream_dispatch_on_a_fake_stream(ckpt, arch, d, host_routing):
     """The host-function path of a decode step (static buffers, T through a pointer, padding rows, deferred jobs left
     pending across layers, the CPU jobs routing from the logits — softmax, or DeepSeek-V3's sigmoid group-limited
     router — or given the routing) on the CPU: the plain CPU path's logits, padded or not."""
-    runner, hybrid, stream = _fake_hybrid_setup(ckpt[arch], d)
+    runner, hybrid, fake = _fake_hybrid_setup(ckpt[arch], d)
     hybrid.route_on_host = host_routing
     prompts = [_prompt(0)[:20], _prompt(1)[:23], _prompt(2)[:17]]
     slots = [0, 1, 2]
@@ -212,8 +215,8 @@ def test_stream_dispatch_on_a_fake_stream(ckpt, arch, d, host_routing):
     else:  # the padding row: its routing copied, never computed
         assert (first.weights[3] > 0).all()
     assert (first.out[3] == 0).all()
-    assert not hybrid.active and hybrid._pending is None
-    stream.synchronize()
+    assert not hybrid.active and hybrid._pending is None and stream.current() is None
+    fake.synchronize()
     hybrid.close()
 
 
@@ -222,7 +225,7 @@ def test_stream_dispatch_refuses_too_many_rows(ckpt):
     runner.prefill([5, 6, 7], slot=0)
     with pytest.raises(ValueError, match="holds at most 4 tokens, got 5"):
         _hybrid_step(runner, hybrid, [1] * 5, [0, 0, 0, 0, 0], 5)
-    assert not hybrid.active
+    assert not hybrid.active and stream.current() is None
     with pytest.raises(RuntimeError, match="already running"):
         with hybrid.step(torch.tensor([1])):
             with hybrid.step(torch.tensor([1])):
