@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Style check run by CI before the tests: ruff (lint + isort, config in pyproject.toml) over the Python and
-# clang-format (.clang-format) over the C++. Fails with the one command that fixes what can be fixed mechanically.
+# clang-format (.clang-format) over the C++, then the Markdown's relative links (tools/check_links.py). Fails with
+# the one command that fixes what can be fixed mechanically.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -12,6 +13,7 @@ echo "ruff $(ruff --version | cut -d' ' -f2): ruff check ."
 ruff check . || status=1
 echo "clang-format $(clang-format --version | grep -o '[0-9][0-9.]*' | head -1): ${#cpp[@]} C++ files"
 clang-format --dry-run --Werror "${cpp[@]}" || status=1
+python3 tools/check_links.py || status=1
 
 if [ "$status" -ne 0 ]; then
   echo "style check failed; to fix (then wrap what ruff cannot): cd $(pwd) && $fix" >&2
