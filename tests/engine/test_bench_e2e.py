@@ -13,7 +13,6 @@ from hetmoe.cpu import CPUExperts
 from hetmoe.engine.loader import moe_blocks
 from hetmoe.engine.placement import EngineOptions, expert_bytes
 from hetmoe.engine.runner import Runner
-from hetmoe.layers.moe import OffloadedExperts
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.testing import synthetic
 from hetmoe.testing.synthetic import SHAPES, build_random_model
@@ -30,8 +29,7 @@ TINY_DSV3 = {**SHAPES["deepseek-v3"], "hidden_size": 64, "intermediate_size": 96
 
 
 def _experts(loaded) -> list:
-    return [b.experts.experts if isinstance(b.experts, OffloadedExperts) else b.experts
-            for _, b in moe_blocks(loaded.model)]
+    return [b.experts for _, b in moe_blocks(loaded.model)]
 
 
 def _run(loaded, prompt=7, steps=3) -> list:
@@ -191,8 +189,8 @@ def test_tiny_shape_hybrid():
                                                                   max_context=32), **kw)
     assert all(p.device.type == "cuda" for p in hybrid.model.parameters())
     blocks = moe_blocks(hybrid.model)
-    assert all(isinstance(b.experts, OffloadedExperts) for _, b in blocks)
-    assert len({id(b.experts.staging) for _, b in blocks}) == 1  # one HostStaging for every layer
+    assert all(isinstance(b.engine, CPUExperts) and b.staging is not None for _, b in blocks)
+    assert len({id(b.staging) for _, b in blocks}) == 1  # one HostStaging for every layer
     out = _run(hybrid)
     assert all(l.device.type == "cuda" and torch.isfinite(l).all() for l in out)
     assert roofline_bytes(hybrid)["dense_bytes_per_token"] == 0

@@ -9,7 +9,7 @@ from hetmoe.engine.llm import LLM
 from hetmoe.engine.loader import load_model
 from hetmoe.engine.placement import EngineOptions
 from hetmoe.engine.runner import Runner
-from hetmoe.layers.moe import OffloadedExperts
+from hetmoe.moe import MoELayer
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
@@ -37,9 +37,8 @@ def test_hybrid_matches_cpu(checkpoint):
     loaded, gpu = _logits(checkpoint, "cuda", "fp32")
     assert loaded.plan.device.type == "cuda"
     assert next(loaded.model.parameters()).device.type == "cuda" and loaded.model.lm_head.weight.is_cuda
-    blocks = [m for n, m in loaded.model.named_modules() if hasattr(m, "experts") and m.experts is not None
-              and not isinstance(m.experts, torch.nn.Module)]
-    assert blocks and all(isinstance(b.experts, OffloadedExperts) for b in blocks)
+    blocks = [m.moe for m in loaded.model.modules() if isinstance(getattr(m, "moe", None), MoELayer)]
+    assert blocks and all(b.engine is not None and b.staging is not None for b in blocks)  # CPU engine, staged
     _, cpu = _logits(checkpoint, "cpu", "fp32")
     err = ((gpu - cpu).abs().max() / cpu.abs().max()).item()
     print(f"{checkpoint.name}: hybrid fp32 vs cpu fp32 max rel. logit error {err:.2e}")

@@ -1,4 +1,4 @@
-"""Synthetic checkpoints (hetmoe/engine/synthetic.py): complete, sharded, loadable by transformers itself."""
+"""Synthetic checkpoints (hetmoe/testing/synthetic.py): complete, sharded, loadable by transformers itself."""
 
 import json
 
