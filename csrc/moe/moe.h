@@ -27,31 +27,10 @@
 #include "kernels/dispatch.h"
 #include "moe/routing.h"
 #include "runtime/cpu_features.h"
+#include "runtime/huge_buffer.h"
 #include "runtime/thread_pool.h"
 
 namespace hetmoe {
-
-// Big, 64-byte aligned, zero-initialised memory (mmap; transparent huge pages requested).
-class HugeBuffer {
- public:
-  HugeBuffer() = default;
-  explicit HugeBuffer(size_t bytes);
-  ~HugeBuffer();
-  HugeBuffer(const HugeBuffer&) = delete;
-  HugeBuffer& operator=(const HugeBuffer&) = delete;
-  HugeBuffer(HugeBuffer&& o) noexcept : ptr_(o.ptr_), size_(o.size_) { o.ptr_ = nullptr, o.size_ = 0; }
-  HugeBuffer& operator=(HugeBuffer&& o) noexcept {
-    std::swap(ptr_, o.ptr_);
-    std::swap(size_, o.size_);
-    return *this;
-  }
-  uint8_t* data() const { return ptr_; }
-  size_t size() const { return size_; }
-
- private:
-  uint8_t* ptr_ = nullptr;
-  size_t size_ = 0;
-};
 
 // Experts with at least this many tokens in a call run on the AMX GEMM (where the engine has one), the
 // others on the row-block kernels, on the same packed weights; overridable per layer
@@ -198,7 +177,7 @@ void route_call(const MoeCall& call, int n_expert, int64_t t0, int64_t t1);
 class StageClock;
 
 constexpr int kMaxTopK = kMaxRoutedTopK;  // experts per token a job takes
-// Chunks of at most this many tokens combine inside the down tasks (moe.cpp ChunkPlan), and only such jobs pair.
+// Chunks of at most this many tokens combine inside the down tasks (moe/chunk_plan.h), and only such jobs pair.
 constexpr int kFusedCombineTokens = 16;
 // Throws std::invalid_argument when a call's k or deferral fields are out of range (every job's constructor runs it).
 void check_call(const MoeCall& call);
@@ -240,10 +219,5 @@ class MoeJob : public Job {
   MoeCall call_;
   std::shared_ptr<DeferralPair> pair_;
 };
-
-// DRAM read bandwidth with all pool threads, each streaming its own slice of a buffer of `bytes`.
-double measure_read_bandwidth(ThreadPool& pool, size_t bytes, int repeats, Isa isa);
-// TFLOPS (2 x multiply-adds) of every pool thread running amx::peak_loop(bf16, rounds) at once (best of 3).
-double measure_amx_peak(ThreadPool& pool, bool bf16, int64_t rounds);
 
 }  // namespace hetmoe

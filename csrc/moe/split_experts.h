@@ -85,7 +85,4 @@ class NumaMoeJob : public Job {
   std::vector<const float*> partial_;  // [n_slices] partial outputs of the current chunk, [nt, H] each
 };
 
-// DRAM read bandwidth with every subpool reading its own buffer at once (first touched by its threads).
-double measure_read_bandwidth(NumaPools& pools, size_t bytes, int repeats, Isa isa);
-
 }  // namespace hetmoe

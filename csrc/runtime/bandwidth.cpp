@@ -1,5 +1,5 @@
-// The STREAM-read probe: how fast this machine's DRAM feeds the pool's threads, measured in the same process
-// (and run) as the kernels it is compared to; and the AMX tile unit's own peak, the ceiling of the AMX GEMM.
+#include "runtime/bandwidth.h"
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "kernels/dispatch.h"
-#include "moe/moe.h"
+#include "runtime/huge_buffer.h"
 
 namespace hetmoe {
 
@@ -35,6 +35,43 @@ double measure_read_bandwidth(ThreadPool& pool, size_t bytes, int repeats, Isa i
       best = std::max(best, (double)(slice * n) / s / 1e9);
     }
   });
+  return best;
+}
+
+double measure_read_bandwidth(NumaPools& pools, size_t bytes, int repeats, Isa isa) {
+  if (!cpu_features().supports(isa))
+    throw std::invalid_argument(std::string("this CPU cannot run the ") + isa_name(isa) +
+                                " read loop: " + isa_refusal(isa));
+  const int n = pools.size();
+  std::vector<size_t> per_thread(n);
+  std::vector<HugeBuffer> bufs;
+  size_t total = 0;
+  for (int s = 0; s < n; ++s) {
+    const int threads = pools.pool(s).size();
+    per_thread[s] = bytes / n / threads / 4096 * 4096;
+    if (per_thread[s] == 0) throw std::invalid_argument("bandwidth probe: buffer too small for the thread count");
+    bufs.emplace_back(per_thread[s] * threads);
+    pools.bind(s, bufs.back().data(), bufs.back().size());
+    total += bufs.back().size();
+  }
+  ReadKernel read = select_read_kernel(isa);
+  std::vector<std::vector<uint64_t>> sink(n);
+  pools.run_on_all(n, [&](int s, ThreadPool& p) {  // first touch by the thread that reads it
+    sink[s].assign((size_t)p.size() * 8, 0);
+    p.parallel_for(p.size(), [&](int64_t i, int) {
+      for (size_t o = 0; o < per_thread[s]; o += 4096) bufs[s].data()[i * per_thread[s] + o] = (uint8_t)o;
+    });
+  });
+  double best = 0;
+  for (int r = 0; r < repeats; ++r) {
+    auto t0 = std::chrono::steady_clock::now();
+    pools.run_on_all(n, [&](int s, ThreadPool& p) {
+      p.parallel_for(
+          p.size(), [&](int64_t i, int) { sink[s][i * 8] += read(bufs[s].data() + i * per_thread[s], per_thread[s]); });
+    });
+    double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, (double)total / sec / 1e9);
+  }
   return best;
 }
 

@@ -2,9 +2,8 @@
 // pool, when a CUDA stream reaches them — once when enqueued eagerly, at every replay when enqueued while the
 // stream is captured into a CUDA graph. This is how one graph per decode step drives the CPU experts.
 //
-// No CUDA at build or link time: libcuda.so.1 is opened at first use (dlopen) and cuLaunchHostFunc and
-// cuStreamIsCapturing are looked up there. Without the driver available() is false and every enqueue throws
-// std::runtime_error; the rest of the extension is unaffected.
+// The driver is looked up at run time (stream/driver.h): cuLaunchHostFunc and cuStreamIsCapturing. Without it
+// every enqueue on a CUDA stream throws std::runtime_error; a FakeStream (stream/fake_stream.h) needs no driver.
 //
 // What a host function does, on the driver's callback thread: submit calls pool.submit_borrowed(job), sync
 // calls pool.wait(allow_pending). Nothing else: no Python, no expert math, no CUDA call, no destructor.
@@ -33,89 +32,15 @@
 //     tensors beside the HostFuncs for exactly as long as the payload exists.
 //   - The pool and the job are shared_ptrs in the payload, so neither can die while a host function may run.
 #pragma once
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <mutex>
-#include <string>
-#include <thread>
-#include <utility>
 #include <vector>
 
 #include "runtime/thread_pool.h"
+#include "stream/fake_stream.h"
 
 namespace hetmoe {
-
-using HostFn = void (*)(void*);  // CUhostFn
-
-namespace cuda_hooks {
-
-// Whether libcuda.so.1 and the entry points we need were found (looked up once, at the first call).
-bool available();
-// Why not, or "" when available.
-const std::string& unavailable_reason();
-// cuLaunchHostFunc on a raw stream handle (torch.cuda.Stream.cuda_stream). Throws std::runtime_error with the
-// driver's message when it refuses, or the reason above when there is no driver.
-void launch_host_func(uintptr_t stream, HostFn fn, void* data);
-// cuStreamIsCapturing: whether work enqueued on `stream` now goes into a graph instead of running.
-bool is_capturing(uintptr_t stream);
-
-// Stream memory operations (csrc/stream/signals.h): whether the driver has them, or why not.
-bool signals_available();
-const std::string& signals_unavailable_reason();
-// Registers [ptr, ptr + bytes) (page-aligned) as pinned host memory the device of `stream` can read and write;
-// returns its device address. unmap_host_memory undoes it.
-uint64_t map_host_memory(uintptr_t stream, void* ptr, size_t bytes);
-void unmap_host_memory(void* ptr);
-// cuStreamWriteValue32 (after all earlier work of the stream, with a memory fence) and cuStreamWaitValue32 with
-// CU_STREAM_WAIT_VALUE_EQ (later work of the stream waits until *addr == value).
-void write_value32(uintptr_t stream, uint64_t dev_addr, uint32_t value);
-void wait_value32_eq(uintptr_t stream, uint64_t dev_addr, uint32_t value);
-
-}  // namespace cuda_hooks
-
-// A stand-in for a CUDA stream where there is none (tests run on CPU-only machines): host functions run in
-// launch order on a thread of the FakeStream's own, as the driver runs them on its thread. Between
-// begin_capture() and end_capture() launches are recorded instead, and replay() launches the recording again,
-// as a graph replay would. pause() holds host functions back (not yet reached by the stream) until resume().
-class FakeStream {
- public:
-  FakeStream();
-  ~FakeStream();  // resumes, runs what is queued, then stops
-  FakeStream(const FakeStream&) = delete;
-  FakeStream& operator=(const FakeStream&) = delete;
-
-  void launch(HostFn fn, void* data);
-  void begin_capture();
-  void end_capture();
-  bool capturing() const;
-  void replay();
-  void pause();
-  void resume();
-  void synchronize();  // until every host function launched so far has returned
-
- private:
-  void thread_main();
-
-  mutable std::mutex mu_;
-  std::condition_variable cv_;       // the thread waits for work (or resume)
-  std::condition_variable idle_cv_;  // synchronize waits for the queue to drain
-  std::deque<std::pair<HostFn, void*>> queue_;
-  std::vector<std::pair<HostFn, void*>> recording_;
-  bool capturing_ = false;
-  bool paused_ = false;
-  bool running_ = false;  // a host function is executing
-  bool stop_ = false;
-  std::thread thread_;
-};
-
-// Where to enqueue: a CUDA stream handle, or a FakeStream when `fake` is set.
-struct HostStream {
-  uintptr_t cuda = 0;
-  FakeStream* fake = nullptr;
-};
 
 // Owner of host-function payloads (see the lifetime rules above). Methods may be called from any thread.
 class HostFuncs {

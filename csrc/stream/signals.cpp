@@ -47,7 +47,7 @@ struct StreamSignals::Arena {
     std::memset(base, 0, 3 * kArrayBytes);
   }
   ~Arena() {
-    if (mapped) cuda_hooks::unmap_host_memory(base);
+    if (mapped) cuda_driver::unmap_host_memory(base);
     std::free(base);
   }
   Word* kick(int slot) const { return reinterpret_cast<Word*>(base) + slot; }
@@ -91,7 +91,7 @@ void StreamSignals::ensure_mapped(const HostStream& stream) {
   if (!arena_) arena_ = std::make_unique<Arena>();
   if (stream.fake || arena_->mapped) return;
   // Registering memory is not a stream operation: do a first eager submit before capturing a graph.
-  arena_->dev = cuda_hooks::map_host_memory(stream.cuda, arena_->base, 3 * Arena::kArrayBytes);
+  arena_->dev = cuda_driver::map_host_memory(stream.cuda, arena_->base, 3 * Arena::kArrayBytes);
   arena_->mapped = true;
 }
 
@@ -104,7 +104,7 @@ uint64_t StreamSignals::enqueue_submit(const HostStream& stream, std::shared_ptr
   if (!pool || !job) throw std::invalid_argument("enqueue_submit: null pool or job");
   std::lock_guard<std::mutex> lk(mu_);
   ensure_mapped(stream);
-  bool captured = stream.fake ? stream.fake->capturing() : cuda_hooks::is_capturing(stream.cuda);
+  bool captured = stream.fake ? stream.fake->capturing() : cuda_driver::is_capturing(stream.cuda);
   int slot;
   if (!free_slots_.empty()) {
     slot = free_slots_.back();
@@ -137,8 +137,8 @@ uint64_t StreamSignals::enqueue_submit(const HostStream& stream, std::shared_ptr
       stream.fake->launch(&fake_write, &s->done0);
       stream.fake->launch(&fake_write, &s->kick1);
     } else {
-      cuda_hooks::write_value32(stream.cuda, arena_->dev_of(s->done), 0);
-      cuda_hooks::write_value32(stream.cuda, arena_->dev_of(s->kick), 1);
+      cuda_driver::write_value32(stream.cuda, arena_->dev_of(s->done), 0);
+      cuda_driver::write_value32(stream.cuda, arena_->dev_of(s->kick), 1);
     }
   } catch (...) {
     slot_owner_[slot].store(nullptr, std::memory_order_release);
@@ -167,8 +167,8 @@ uint64_t StreamSignals::enqueue_sync(const HostStream& stream, std::shared_ptr<T
       stream.fake->launch(&fake_wait, &s->wait_done);
       stream.fake->launch(&fake_write, &s->passed1);
     } else {
-      cuda_hooks::wait_value32_eq(stream.cuda, arena_->dev_of(s->done), 1);
-      cuda_hooks::write_value32(stream.cuda, arena_->dev_of(s->passed), 1);
+      cuda_driver::wait_value32_eq(stream.cuda, arena_->dev_of(s->done), 1);
+      cuda_driver::write_value32(stream.cuda, arena_->dev_of(s->passed), 1);
     }
     s->synced = true;
     unsynced_.pop_front();

@@ -47,7 +47,8 @@
 #include <vector>
 
 #include "runtime/thread_pool.h"
-#include "stream/host_funcs.h"
+#include "stream/driver.h"
+#include "stream/fake_stream.h"
 
 namespace hetmoe {
 

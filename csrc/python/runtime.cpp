@@ -1,19 +1,44 @@
-// The NUMA part of hetmoe._C (called from python/module.cpp): topology, subpools, tensor-parallel experts. The
-// NumaExperts class mirrors MoeExperts method for method, so hetmoe/cpu/experts.py drives either the same way.
+// The runtime in hetmoe._C: thread pools and their jobs, NUMA topology and subpools, and the bandwidth probes.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "moe/split_experts.h"
-#include "python/experts.h"
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "python/bindings.h"
+#include "runtime/bandwidth.h"
+#include "runtime/cpu_features.h"
+#include "runtime/huge_buffer.h"
+#include "runtime/thread_pool.h"
 #include "runtime/topology.h"
 
-namespace py = pybind11;
-
 namespace hetmoe {
+namespace bindings {
 
 namespace {
 
-using bindings::ptr;
+// Tests: a job that holds the pool's coordinator until open(), so that every job submitted behind it is queued
+// when it ends (pairing and chaining of deferral jobs then no longer depend on timing).
+struct GateJob : Job {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool opened = false;
+  void run(ThreadPool&) override {
+    std::unique_lock<std::mutex> lk(mu);
+    cv.wait(lk, [&] { return opened; });
+  }
+  void open() {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      opened = true;
+    }
+    cv.notify_all();
+  }
+};
 
 py::list topology_list(const NumaTopology& t) {
   py::list nodes;
@@ -53,7 +78,47 @@ py::list plans_list(const std::vector<SubpoolPlan>& plans) {
 
 }  // namespace
 
-void bind_numa(py::module_& m) {
+void bind_runtime(py::module_& m) {
+  m.def("physical_core_cpus", &physical_core_cpus);
+  py::class_<Job, std::shared_ptr<Job>>(m, "Job");
+  py::class_<GateJob, Job, std::shared_ptr<GateJob>>(m, "GateJob").def(py::init<>()).def("open", &GateJob::open);
+
+  py::class_<ThreadPool, std::shared_ptr<ThreadPool>>(m, "ThreadPool")
+      .def(py::init<int, bool, int>(), py::arg("threads") = 0, py::arg("pin") = true, py::arg("spin_us") = 500)
+      .def_property_readonly("size", &ThreadPool::size)
+      .def_property_readonly("pinned_cpus", &ThreadPool::pinned_cpus)
+      .def(
+          "submit", [](ThreadPool& p, std::shared_ptr<Job> job) { return p.submit(std::move(job)); }, py::arg("job"))
+      .def("sync", &ThreadPool::sync, py::arg("allow_pending") = 0, py::call_guard<py::gil_scoped_release>())
+      .def("pending", &ThreadPool::pending)
+      .def(
+          "read_bandwidth",
+          [](ThreadPool& p, size_t bytes, int repeats, const std::string& isa) {
+            return measure_read_bandwidth(p, bytes, repeats, isa_from_name(isa));
+          },
+          py::arg("bytes"), py::arg("repeats") = 5, py::arg("isa"), py::call_guard<py::gil_scoped_release>())
+      .def("amx_peak", &measure_amx_peak, py::arg("bf16"), py::arg("rounds") = 200000,
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "borrowed_ids_seen",
+          // Submits n borrowed jobs, each recording whether its id (ThreadPool::submit_borrowed's id_out) was
+          // already stored when it ran; returns how many saw it (tests: every one must).
+          [](ThreadPool& p, int n) {
+            struct Probe : Job {
+              std::atomic<uint64_t> id{0};
+              bool seen = false;
+              void run(ThreadPool&) override { seen = id.load(std::memory_order_acquire) != 0; }
+            };
+            std::vector<Probe> probes(n);
+            uint64_t last = 0;
+            for (Probe& j : probes) last = p.submit_borrowed(&j, &j.id);
+            p.wait_for(last);
+            int seen = 0;
+            for (const Probe& j : probes) seen += j.seen;
+            return seen;
+          },
+          py::arg("n"), py::call_guard<py::gil_scoped_release>());
+
   m.def("parse_cpu_list", &parse_cpu_list, py::arg("text"));
   m.def(
       "numa_topology",
@@ -81,8 +146,6 @@ void bind_numa(py::module_& m) {
     return py::make_tuple(err.empty(), err);
   });
 
-  py::class_<NumaMoeJob, Job, std::shared_ptr<NumaMoeJob>>(m, "NumaMoeJob");
-
   py::class_<NumaPools, std::shared_ptr<NumaPools>>(m, "NumaPools")
       .def(py::init([](int n_subpools, int n_threads, bool pin, int spin_us, bool bind) {
              return std::make_shared<NumaPools>(plan_subpools(system_numa_topology(), n_subpools, n_threads), pin,
@@ -106,22 +169,7 @@ void bind_numa(py::module_& m) {
             return measure_read_bandwidth(p, bytes, repeats, isa_from_name(isa));
           },
           py::arg("bytes"), py::arg("repeats") = 5, py::arg("isa"), py::call_guard<py::gil_scoped_release>());
-
-  py::class_<NumaExperts, std::shared_ptr<NumaExperts>> experts(m, "NumaExperts");
-  bindings::bind_experts_common<NumaExperts, NumaPools, NumaMoeJob>(experts, "pools");
-  experts.def("info", [](std::shared_ptr<NumaExperts> ex) {
-    // MoeExperts.info() of slice 0 (format, kernel, ISA, activations), with the whole layer's sizes.
-    py::dict d = py::cast(ex->slice_ptr(0)).attr("info")();
-    d["intermediate_size"] = ex->config().intermediate;
-    d["bytes_per_expert"] = ex->bytes_per_expert();
-    d["threads"] = ex->pools().n_threads();
-    d["numa_subpools"] = ex->pools().size();
-    std::vector<std::pair<int, int>> b;
-    for (int s = 0; s < ex->n_slices(); ++s) b.push_back(ex->bounds(s));
-    d["numa_slices"] = b;
-    d["numa_binding"] = ex->pools().binding();
-    return d;
-  });
 }
 
+}  // namespace bindings
 }  // namespace hetmoe

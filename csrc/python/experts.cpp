@@ -1,32 +1,22 @@
-// What the Python faces of MoeExperts (python/module.cpp) and NumaExperts (python/numa.cpp) share: the constructor's
-// arguments and the methods both classes have under the same names, bound once here so the two stay identical for
-// hetmoe/cpu/experts.py.
-#pragma once
+// MoeExperts and NumaExperts in hetmoe._C: one Python face for both (the constructor's arguments and the methods
+// both classes have are bound once, by bind_experts_common), so hetmoe/cpu/experts.py drives either the same way;
+// and the jobs they make.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "moe/moe.h"
+#include "moe/split_experts.h"
+#include "python/bindings.h"
 
 namespace hetmoe {
 namespace bindings {
 
-namespace py = pybind11;
-
-inline WeightFormat format_from_name(const std::string& s) {
-  if (s == "bf16") return WeightFormat::bf16;
-  if (s == "int8") return WeightFormat::int8;
-  if (s == "int4") return WeightFormat::int4;
-  throw std::invalid_argument("unknown weight format '" + s + "' (expected bf16, int8 or int4)");
-}
-
-template <typename T>
-T* ptr(uintptr_t a) {
-  return reinterpret_cast<T*>(a);
-}
+namespace {
 
 // The MoeExperts a Python experts object runs on: itself, or a NUMA engine's slices.
 inline std::vector<const MoeExperts*> engines_of(const MoeExperts& ex) { return {&ex}; }
@@ -152,6 +142,65 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
           py::arg("logits") = 0, py::arg("logits_bf16") = false, py::arg("norm_topk_prob") = false,
           py::arg("addend") = 0, py::arg("router") = "softmax", py::arg("n_group") = 1, py::arg("topk_group") = 1,
           py::arg("routed_scaling_factor") = 1.f, py::arg("correction_bias") = 0);
+}
+
+}  // namespace
+
+void bind_experts(py::module_& m) {
+  py::class_<MoeJob, Job, std::shared_ptr<MoeJob>>(m, "MoeJob");
+  py::class_<NumaMoeJob, Job, std::shared_ptr<NumaMoeJob>>(m, "NumaMoeJob");
+  m.def("pair_deferral_jobs", &MoeJob::pair, py::arg("immediate"), py::arg("deferred"));
+  m.def("paired_deferral_runs", &MoeJob::paired_runs);
+  m.def("chained_deferral_runs", &MoeJob::chained_runs);
+
+  py::class_<MoeExperts, std::shared_ptr<MoeExperts>> experts(m, "MoeExperts");
+  bind_experts_common<MoeExperts, ThreadPool, MoeJob>(experts, "pool");
+  experts.def("info", [](const MoeExperts& ex) {
+    const ExpertsConfig& c = ex.config();
+    py::dict d;
+    d["weight_format"] = format_name(c.format);
+    const MatrixShape& gu = ex.gate_up_shape();
+    if (gu.has_scales())
+      d["group_size"] = gu.per_row ? 0 : gu.group;  // 0 = per-row scales
+    else
+      d["group_size"] = py::none();
+    d["isa"] = isa_name(c.isa);
+    d["kernel"] = ex.kernel().name;
+    d["activation"] = c.format == WeightFormat::bf16 ? "fp32" : c.format == WeightFormat::int8 ? "int16" : "int8";
+    const AmxMode amx = ex.amx_mode();
+    d["amx"] = amx == AmxMode::native ? "native" : amx == AmxMode::emulated ? "emulated" : "off";
+    if (amx != AmxMode::off) {
+      d["amx_kernel"] = ex.kernel().gemm_name;
+      d["amx_min_tokens"] = ex.amx_min_tokens();
+      d["amx_activation"] = c.format == WeightFormat::bf16 ? "bf16" : "int8";
+    } else {
+      d["amx_kernel"] = py::none();
+      d["amx_min_tokens"] = py::none();
+      d["amx_activation"] = py::none();
+    }
+    d["bytes_per_expert"] = ex.bytes_per_expert();
+    d["threads"] = ex.pool().size();
+    d["num_experts"] = c.n_expert;
+    d["hidden_size"] = c.hidden;
+    d["intermediate_size"] = c.intermediate;
+    return d;
+  });
+
+  py::class_<NumaExperts, std::shared_ptr<NumaExperts>> numa_experts(m, "NumaExperts");
+  bind_experts_common<NumaExperts, NumaPools, NumaMoeJob>(numa_experts, "pools");
+  numa_experts.def("info", [](std::shared_ptr<NumaExperts> ex) {
+    // MoeExperts.info() of slice 0 (format, kernel, ISA, activations), with the whole layer's sizes.
+    py::dict d = py::cast(ex->slice_ptr(0)).attr("info")();
+    d["intermediate_size"] = ex->config().intermediate;
+    d["bytes_per_expert"] = ex->bytes_per_expert();
+    d["threads"] = ex->pools().n_threads();
+    d["numa_subpools"] = ex->pools().size();
+    std::vector<std::pair<int, int>> b;
+    for (int s = 0; s < ex->n_slices(); ++s) b.push_back(ex->bounds(s));
+    d["numa_slices"] = b;
+    d["numa_binding"] = ex->pools().binding();
+    return d;
+  });
 }
 
 }  // namespace bindings

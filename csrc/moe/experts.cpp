@@ -1,0 +1,285 @@
+// MoeExperts (moe.h): the packed storage of one layer's experts, packing from fp32, random weights, the raw
+// storage the converted-expert cache reads and writes, and its checksum.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "formats/activation.h"
+#include "formats/pack.h"
+#include "moe/moe.h"
+
+namespace hetmoe {
+
+// ---------------------------------------------------------------- storage
+
+static void check_config(const ExpertsConfig& c) {
+  auto bad = [](const std::string& m) { throw std::invalid_argument(m); };
+  if (c.n_expert <= 0) bad("num_experts must be positive, got " + std::to_string(c.n_expert));
+  if (c.hidden <= 0 || c.intermediate <= 0)
+    bad("hidden_size and intermediate_size must be positive, got " + std::to_string(c.hidden) + " and " +
+        std::to_string(c.intermediate));
+  if (c.format != WeightFormat::bf16) {
+    bool per_row = c.format == WeightFormat::int8 && c.group <= 0;
+    if (!per_row && c.group != 32 && c.group != 64 && c.group != 128)
+      bad("group_size must be 32, 64 or 128" +
+          std::string(c.format == WeightFormat::int8 ? " (or 0 for per-row)" : "") + ", got " +
+          std::to_string(c.group));
+  }
+  if (!cpu_features().supports(c.isa))
+    bad(std::string("this CPU cannot run the ") + isa_name(c.isa) + " kernels: " + isa_refusal(c.isa));
+  if (c.amx == AmxMode::native && c.isa != Isa::amx)
+    bad("the native AMX GEMM needs isa amx, got " + std::string(isa_name(c.isa)));
+  if (c.amx_min_tokens < 1) bad("amx_min_tokens must be >= 1, got " + std::to_string(c.amx_min_tokens));
+}
+
+MoeExperts::MoeExperts(const ExpertsConfig& cfg, std::shared_ptr<ThreadPool> pool) : cfg_(cfg), pool_(std::move(pool)) {
+  check_config(cfg_);
+  if (cfg_.intermediate_full <= 0) cfg_.intermediate_full = cfg_.intermediate;
+  gu_ = MatrixShape::make(cfg_.format, cfg_.intermediate, cfg_.hidden, cfg_.group);
+  down_ = MatrixShape::make(cfg_.format, cfg_.hidden, cfg_.intermediate, cfg_.group);
+  gu_act_ = ActLayout::make(gu_);
+  down_act_ = ActLayout::make(down_);
+  // per-row int8 on AMX: x in one group per token, h in groups of amx_row_group(I) (layout.h)
+  gu_amx_act_ = ActLayout::make(gu_, true, gu_.per_row ? gu_.kp : 0);
+  down_amx_act_ = ActLayout::make(down_, true, down_.per_row ? amx_row_group(cfg_.intermediate_full) : 0);
+  if (cfg_.isa == Isa::amx && cfg_.amx == AmxMode::off) cfg_.amx = AmxMode::native;
+  kernel_ = select_kernel(cfg_.format, cfg_.isa, cfg_.amx);
+  row_ops_ = select_row_ops(cfg_.isa);
+  amx_min_tokens_.store(cfg_.amx_min_tokens);
+  size_t E = cfg_.n_expert;
+  gu_data_ = HugeBuffer(E * 2 * gu_.data_bytes());
+  gu_scales_ = HugeBuffer(E * 2 * gu_.scale_bytes());
+  down_data_ = HugeBuffer(E * down_.data_bytes());
+  down_scales_ = HugeBuffer(E * down_.scale_bytes());
+  loaded_.assign(E, 0);
+}
+
+void MoeExperts::set_amx_min_tokens(int n) {
+  if (n < 1) throw std::invalid_argument("amx_min_tokens must be >= 1, got " + std::to_string(n));
+  cfg_.amx_min_tokens = n;
+  amx_min_tokens_.store(n);
+}
+
+size_t MoeExperts::bytes_per_expert() const {
+  return 2 * (gu_.data_bytes() + gu_.scale_bytes()) + down_.data_bytes() + down_.scale_bytes();
+}
+
+const char* job_stage_name(int stage) {
+  static const char* names[kJobStages] = {"route", "quantize_x", "experts", "combine"};
+  return stage >= 0 && stage < kJobStages ? names[stage] : "?";
+}
+
+JobProfile MoeExperts::profile() const {
+  std::lock_guard<std::mutex> lk(profile_mu_);
+  return profile_;
+}
+
+void MoeExperts::reset_profile() {
+  std::lock_guard<std::mutex> lk(profile_mu_);
+  profile_ = JobProfile{};
+}
+
+void MoeExperts::add_profile(const int64_t* ns, bool count_job) const {
+  std::lock_guard<std::mutex> lk(profile_mu_);
+  profile_.jobs += count_job;
+  for (int i = 0; i < kJobStages; ++i) profile_.ns[i] += ns[i];
+}
+
+int MoeExperts::n_loaded() const { return (int)std::count(loaded_.begin(), loaded_.end(), 1); }
+
+RowBlock MoeExperts::gate_up_block(int e, int rb, int which) const {
+  size_t idx = ((size_t)e * gu_.n_blocks + rb) * 2 + which;
+  RowBlock b;
+  b.data = gu_data_.data() + idx * gu_.block_bytes();
+  b.scales = gu_.has_scales() ? reinterpret_cast<const float*>(gu_scales_.data()) + idx * gu_.block_scales() : nullptr;
+  b.kp = gu_.kp;
+  b.group = gu_.group;
+  return b;
+}
+
+RowBlock MoeExperts::down_block(int e, int rb) const {
+  size_t idx = (size_t)e * down_.n_blocks + rb;
+  RowBlock b;
+  b.data = down_data_.data() + idx * down_.block_bytes();
+  b.scales =
+      down_.has_scales() ? reinterpret_cast<const float*>(down_scales_.data()) + idx * down_.block_scales() : nullptr;
+  b.kp = down_.kp;
+  b.group = down_.group;
+  return b;
+}
+
+void MoeExperts::load(int e0, int n, const float* gate, const float* up, const float* down) {
+  if (e0 < 0 || n < 0 || e0 + n > cfg_.n_expert)
+    throw std::invalid_argument("load: experts [" + std::to_string(e0) + ", " + std::to_string(e0 + n) +
+                                ") are outside [0, " + std::to_string(cfg_.n_expert) + ")");
+  const int gu_tasks = gu_.n_blocks * 2, per_expert = gu_tasks + down_.n_blocks;
+  const size_t IH = (size_t)cfg_.intermediate * cfg_.hidden;
+  // Non-finite source values are refused (per matrix) before anything is marked loaded.
+  std::vector<std::atomic<int>> bad(n * 3);
+  for (auto& b : bad) b.store(0);
+  pool_->run_and_wait([&](ThreadPool& pool) {
+    pool.parallel_for((int64_t)n * per_expert, [&](int64_t task, int) {
+      int i = (int)(task / per_expert), b = (int)(task % per_expert), e = e0 + i;
+      const MatrixShape& shape = b < gu_tasks ? gu_ : down_;
+      int which = b < gu_tasks ? b % 2 : 2, rb = b < gu_tasks ? b / 2 : b - gu_tasks;
+      const float* src = (which == 0 ? gate : which == 1 ? up : down) + i * IH;
+      const int r0 = rb * kRowsPerBlock, r1 = std::min(shape.n, r0 + kRowsPerBlock);
+      for (size_t v = (size_t)r0 * shape.k; v < (size_t)r1 * shape.k; ++v)
+        if (!std::isfinite(src[v])) {
+          bad[i * 3 + which].store(1);
+          return;
+        }
+      size_t idx = which == 2 ? (size_t)e * down_.n_blocks + rb : ((size_t)e * gu_.n_blocks + rb) * 2 + which;
+      uint8_t* data = (which == 2 ? down_data_ : gu_data_).data() + idx * shape.block_bytes();
+      float* scales =
+          reinterpret_cast<float*>((which == 2 ? down_scales_ : gu_scales_).data()) + idx * shape.block_scales();
+      pack_row_block(shape, src, rb, data, scales);
+    });
+  });
+  static const char* names[3] = {"gate", "up", "down"};
+  for (int i = 0; i < n; ++i) {
+    for (int m = 0; m < 3; ++m)
+      if (bad[i * 3 + m].load())
+        throw std::invalid_argument(std::string(names[m]) + " of expert " + std::to_string(e0 + i) +
+                                    " contains NaN or Inf");
+    loaded_[e0 + i] = 1;
+  }
+}
+
+void MoeExperts::unpack(int e, float* gate, float* up, float* down) const {
+  if (e < 0 || e >= cfg_.n_expert) throw std::invalid_argument("unpack: expert " + std::to_string(e) + " out of range");
+  if (!loaded_[e]) throw std::runtime_error("unpack: expert " + std::to_string(e) + " is not loaded");
+  for (int rb = 0; rb < gu_.n_blocks; ++rb) {
+    RowBlock g = gate_up_block(e, rb, 0), u = gate_up_block(e, rb, 1);
+    unpack_row_block(gu_, g.data, g.scales, rb, gate);
+    unpack_row_block(gu_, u.data, u.scales, rb, up);
+  }
+  for (int rb = 0; rb < down_.n_blocks; ++rb) {
+    RowBlock d = down_block(e, rb);
+    unpack_row_block(down_, d.data, d.scales, rb, down);
+  }
+}
+
+// ---------------------------------------------------------------- random weights, raw storage
+
+namespace {
+
+inline uint64_t splitmix64(uint64_t& state) {
+  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// One row block of random quantized values in the packed layout; elements outside [n, k] get the padding value.
+void fill_random_block(const MatrixShape& s, int rb, uint64_t seed, float scale, int bf16_exp, uint8_t* data,
+                       float* scales) {
+  const int kpl = k_per_line(s.format);
+  uint64_t state = seed;
+  for (int line = 0; line < s.lines_per_block(); ++line) {
+    for (int r = 0; r < kRowsPerBlock; ++r) {
+      const bool row_ok = rb * kRowsPerBlock + r < s.n;
+      const uint64_t bits = splitmix64(state);
+      uint8_t* dst = data + (size_t)line * kLineBytes + 4 * r;
+      const int k0 = line * kpl;
+      if (s.format == WeightFormat::bf16) {
+        for (int h = 0; h < 2; ++h) {
+          const uint64_t b = bits >> (16 * h);
+          // sign, one of three exponents from bf16_exp up (times [1, 2) from the mantissa), 7 mantissa bits
+          uint16_t v = (uint16_t)(((b & 1) << 15) | ((bf16_exp + (b >> 1) % 3) << 7) | ((b >> 8) & 0x7F));
+          if (!row_ok || k0 + h >= s.k) v = 0;
+          std::memcpy(dst + 2 * h, &v, 2);
+        }
+      } else if (s.format == WeightFormat::int8) {
+        for (int b = 0; b < 4; ++b) {
+          const int q = (int)((bits >> (16 * b)) % 255) - 127;
+          dst[b] = (uint8_t)((row_ok && k0 + b < s.k ? q : 0) + 128);
+        }
+      } else {
+        for (int b = 0; b < 4; ++b) {
+          const bool lo_ok = row_ok && k0 + b < s.k, hi_ok = row_ok && k0 + 4 + b < s.k;
+          const uint8_t lo = lo_ok ? (bits >> (8 * b)) & 0xF : 8, hi = hi_ok ? (bits >> (8 * b + 4)) & 0xF : 8;
+          dst[b] = (uint8_t)(lo | (hi << 4));
+        }
+      }
+    }
+  }
+  for (size_t i = 0; i < s.block_scales(); ++i) scales[i] = scale;
+}
+
+}  // namespace
+
+void MoeExperts::fill_random(uint64_t seed, float std) {
+  // Standard deviation of the uniform quantized values: int8 q in [-127, 127], int4 q in [-8, 7].
+  const float q_std = cfg_.format == WeightFormat::int8 ? 73.6f : 4.61f;
+  const float scale = std / q_std;
+  // bf16: magnitudes 2^e..2^(e+3) have a std of about 0.0316 * 2^(e+7)
+  const int bf16_exp = 127 - 7 + (int)std::lround(std::log2(std::max(std, 1e-30f) / 0.0316f));
+  if (bf16_exp < 1 || bf16_exp > 250) throw std::invalid_argument("fill_random: std out of range");
+  const int gu_tasks = gu_.n_blocks * 2, per_expert = gu_tasks + down_.n_blocks;
+  pool_->run_and_wait([&](ThreadPool& pool) {
+    pool.parallel_for((int64_t)cfg_.n_expert * per_expert, [&](int64_t task, int) {
+      int e = (int)(task / per_expert), b = (int)(task % per_expert);
+      uint64_t block_seed = seed * 0x2545F4914F6CDD1Dull + (uint64_t)task;
+      if (b < gu_tasks) {
+        RowBlock blk = gate_up_block(e, b / 2, b % 2);
+        fill_random_block(gu_, b / 2, block_seed, scale, bf16_exp, const_cast<uint8_t*>(blk.data),
+                          const_cast<float*>(blk.scales));
+      } else {
+        RowBlock blk = down_block(e, b - gu_tasks);
+        fill_random_block(down_, b - gu_tasks, block_seed, scale, bf16_exp, const_cast<uint8_t*>(blk.data),
+                          const_cast<float*>(blk.scales));
+      }
+    });
+  });
+  std::fill(loaded_.begin(), loaded_.end(), 1);
+}
+
+std::vector<std::pair<uint8_t*, size_t>> MoeExperts::storage() const {
+  return {{gu_data_.data(), gu_data_.size()},
+          {gu_scales_.data(), gu_scales_.size()},
+          {down_data_.data(), down_data_.size()},
+          {down_scales_.data(), down_scales_.size()}};
+}
+
+void MoeExperts::mark_loaded(int e0, int n) {
+  if (e0 < 0 || n < 0 || e0 + n > cfg_.n_expert)
+    throw std::invalid_argument("mark_loaded: experts [" + std::to_string(e0) + ", " + std::to_string(e0 + n) +
+                                ") are outside [0, " + std::to_string(cfg_.n_expert) + ")");
+  std::fill(loaded_.begin() + e0, loaded_.begin() + e0 + n, 1);
+}
+
+uint64_t MoeExperts::checksum() const {
+  constexpr size_t kChunk = 1u << 20;
+  auto ranges = storage();
+  std::vector<std::pair<const uint8_t*, size_t>> chunks;
+  for (auto& [p, n] : ranges)
+    for (size_t off = 0; off < n; off += kChunk) chunks.emplace_back(p + off, std::min(kChunk, n - off));
+  std::vector<uint64_t> hashes(chunks.size());
+  pool_->run_and_wait([&](ThreadPool& pool) {
+    pool.parallel_for((int64_t)chunks.size(), [&](int64_t c, int) {
+      const uint8_t* p = chunks[c].first;
+      const size_t n = chunks[c].second;
+      uint64_t h[4] = {1, 2, 3, 4};  // four independent lanes keep the loop bandwidth-bound
+      size_t i = 0;
+      for (; i + 32 <= n; i += 32)
+        for (int l = 0; l < 4; ++l) {
+          uint64_t w;
+          std::memcpy(&w, p + i + 8 * l, 8);
+          h[l] = (h[l] ^ w) * 0x100000001B3ull + (h[l] >> 29);
+        }
+      uint64_t acc = n;
+      for (; i < n; ++i) acc = (acc ^ p[i]) * 0x100000001B3ull;
+      for (int l = 0; l < 4; ++l) acc = (acc ^ h[l]) * 0x9E3779B97F4A7C15ull + (acc >> 31);
+      hashes[c] = acc;
+    });
+  });
+  uint64_t total = 0xCBF29CE484222325ull;
+  for (uint64_t h : hashes) total = (total ^ h) * 0x100000001B3ull + (total >> 33);
+  return total;
+}
+
+}  // namespace hetmoe

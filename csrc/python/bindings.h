@@ -1,0 +1,46 @@
+// What the parts of the Python module hetmoe._C (python/module.cpp) share: the binders of each part, and how
+// arguments cross. Tensors cross as raw addresses (validated by hetmoe/cpu/experts.py), so this extension links no
+// libtorch. Invalid arguments raise ValueError (std::invalid_argument), other failures RuntimeError.
+#pragma once
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "formats/layout.h"
+
+namespace hetmoe {
+namespace bindings {
+
+namespace py = pybind11;
+
+// In module order: a part may use the classes of the parts before it.
+void bind_runtime(py::module_& m);  // python/runtime.cpp: pools, jobs, NUMA topology and subpools, probes
+void bind_stream(py::module_& m);   // python/stream.cpp: stream-ordered submit/sync (host functions, signals)
+void bind_kernels(py::module_& m);  // python/kernels.cpp: the kernels' row ops and task split, for tests
+void bind_experts(py::module_& m);  // python/experts.cpp: MoeExperts, NumaExperts and their jobs
+
+inline WeightFormat format_from_name(const std::string& s) {
+  if (s == "bf16") return WeightFormat::bf16;
+  if (s == "int8") return WeightFormat::int8;
+  if (s == "int4") return WeightFormat::int4;
+  throw std::invalid_argument("unknown weight format '" + s + "' (expected bf16, int8 or int4)");
+}
+
+template <typename T>
+T* ptr(uintptr_t a) {
+  return reinterpret_cast<T*>(a);
+}
+
+inline const char* format_name(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::bf16: return "bf16";
+    case WeightFormat::int8: return "int8";
+    case WeightFormat::int4: return "int4";
+  }
+  return "?";
+}
+
+}  // namespace bindings
+}  // namespace hetmoe

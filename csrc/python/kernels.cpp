@@ -1,0 +1,125 @@
+// The kernels' row ops at each ISA level and the MoE job's task split, bound for tests.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "formats/layout.h"
+#include "kernels/dispatch.h"
+#include "kernels/row_ops.h"
+#include "moe/expert_tasks.h"
+#include "python/bindings.h"
+#include "runtime/cpu_features.h"
+
+namespace hetmoe {
+namespace bindings {
+
+namespace {
+
+// A 1-d float32 buffer argument of the row-work bindings, and an ISA level this CPU runs.
+py::buffer_info float_row(py::buffer x, const char* fn) {
+  py::buffer_info b = x.request();
+  if (b.format != py::format_descriptor<float>::format() || b.ndim != 1)
+    throw std::invalid_argument(std::string(fn) + ": x must be a 1-d float32 buffer");
+  return b;
+}
+Isa runnable_isa(const std::string& isa) {
+  const Isa level = isa_from_name(isa);
+  if (!cpu_features().supports(level))
+    throw std::invalid_argument("this CPU cannot run " + isa + ": " + isa_refusal(level));
+  return level;
+}
+
+}  // namespace
+
+void bind_kernels(py::module_& m) {
+  // The MoE job's task split (moe/expert_tasks.h) for given per-expert token counts, sorted descending: tests.
+  m.def(
+      "plan_tasks",
+      [](const std::vector<int>& counts, int amx_experts, int n_blocks, int row_gran, int amx_max_tokens, int n_threads,
+         bool with_groups) -> py::object {
+        std::vector<int> active(counts.size());
+        for (size_t i = 0; i < counts.size(); ++i) active[i] = (int)i;
+        std::vector<Task> tasks;
+        std::vector<TaskGroup> groups;
+        make_tasks(active, counts, amx_experts, TaskPlan{n_blocks, row_gran, amx_max_tokens, n_threads}, tasks,
+                   &groups);
+        py::list out, out_groups;
+        for (const Task& t : tasks) {
+          if (with_groups)
+            out.append(py::make_tuple(t.e, t.rb0, t.rb1, t.m0, t.m1, t.amx, t.group));
+          else
+            out.append(py::make_tuple(t.e, t.rb0, t.rb1, t.m0, t.m1, t.amx));
+        }
+        if (!with_groups) return std::move(out);
+        for (const TaskGroup& g : groups) out_groups.append(py::make_tuple(g.e, g.m0, g.m1, g.n_tasks));
+        return py::make_tuple(out, out_groups);
+      },
+      py::arg("counts"), py::arg("amx_experts"), py::arg("n_blocks"), py::arg("row_gran"), py::arg("amx_max_tokens"),
+      py::arg("n_threads"), py::arg("with_groups") = false);
+  // The row work of a MoE job at one ISA level (kernels/row_ops.h), on contiguous fp32/bf16 buffers: tests compare
+  // every level with the scalar one byte for byte.
+  m.def(
+      "row_quantize",
+      [](const std::string& isa, const std::string& fmt, bool amx, int group, py::buffer x, bool one_group) {
+        py::buffer_info b = float_row(x, "row_quantize");
+        const Isa level = runnable_isa(isa);
+        const int k = (int)b.shape[0];
+        const MatrixShape shape = MatrixShape::make(bindings::format_from_name(fmt), kRowsPerBlock, k, group);
+        const ActLayout a = ActLayout::make(shape, amx, one_group ? shape.kp : 0);
+        std::string row(a.row_bytes, '\0');
+        select_row_ops(level).quantize(shape.format, amx, static_cast<const float*>(b.ptr), k, a,
+                                       reinterpret_cast<uint8_t*>(&row[0]));
+        return py::bytes(row);
+      },
+      py::arg("isa"), py::arg("fmt"), py::arg("amx"), py::arg("group"), py::arg("x"), py::arg("one_group") = false);
+  m.def(
+      "row_bf16",
+      [](const std::string& isa, py::buffer x) {  // fp32 -> bf16 bits (uint16) -> fp32, both through the ISA
+        py::buffer_info b = float_row(x, "row_bf16");
+        const Isa level = runnable_isa(isa);
+        const int n = (int)b.shape[0];
+        std::vector<uint16_t> bits(n);
+        std::vector<float> back(n);
+        const RowOps ops = select_row_ops(level);
+        ops.f32_to_bf16(static_cast<const float*>(b.ptr), n, bits.data());
+        ops.bf16_to_f32(bits.data(), n, back.data());
+        return py::make_tuple(bits, back);
+      },
+      py::arg("isa"), py::arg("x"));
+  m.def(
+      "row_swiglu",
+      [](const std::string& isa, py::buffer gate, py::buffer up) {  // silu(gate) * up through the ISA's row op
+        py::buffer_info g = float_row(gate, "row_swiglu"), u = float_row(up, "row_swiglu");
+        if (g.shape[0] != u.shape[0]) throw std::invalid_argument("row_swiglu: gate and up differ in length");
+        const int n = (int)g.shape[0];
+        std::vector<float> h(n);
+        select_row_ops(runnable_isa(isa))
+            .swiglu(static_cast<const float*>(g.ptr), static_cast<const float*>(u.ptr), n, h.data());
+        return h;
+      },
+      py::arg("isa"), py::arg("gate"), py::arg("up"));
+  m.def(
+      "row_copy_stream",
+      [](const std::string& isa, py::buffer x, int offset) {  // x[offset:] copied to an aligned buffer at `offset`
+        py::buffer_info b = float_row(x, "row_copy_stream");
+        const int n = (int)b.shape[0];
+        if (offset < 0 || offset > n) throw std::invalid_argument("row_copy_stream: offset out of range");
+        void* p = nullptr;
+        if (posix_memalign(&p, 64, sizeof(float) * (n + 16)) != 0) throw std::bad_alloc();
+        std::unique_ptr<float, decltype(&std::free)> dst(static_cast<float*>(p), &std::free);
+        std::fill(dst.get(), dst.get() + n, -1.f);
+        select_row_ops(runnable_isa(isa))
+            .copy_stream(static_cast<const float*>(b.ptr) + offset, n - offset, dst.get() + offset);
+        stream_fence();
+        return std::vector<float>(dst.get(), dst.get() + n);
+      },
+      py::arg("isa"), py::arg("x"), py::arg("offset") = 0);
+}
+
+}  // namespace bindings
+}  // namespace hetmoe
