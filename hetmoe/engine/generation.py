@@ -1,15 +1,13 @@
-"""Sampling and the generation loop: prefill → (sample → stop checks → decode)*, with stop strings and streaming.
+"""Sampling and one sequence's part of the generation loop: stop checks, stop strings and streamed text.
 
-``SequenceState`` is one sequence's part of that loop (stop checks, incremental text, finish reason, token
-counts); ``generate`` runs one sequence with it, the server's scheduler many. ``generate`` drives any runner with
-``prefill(ids) -> logits [V]``, ``decode(id) -> logits [V]`` and ``max_context``; the tokenizer turns tokens into
-text pieces for ``on_text`` as they complete. Text that could still become a stop string is held back until it is
-resolved, so a stop string never reaches the caller.
+``SamplingParams`` says how to pick tokens and when to stop; ``sample`` picks them; ``SequenceState`` follows one
+sequence after its prompt (stop checks, incremental text, finish reason, token counts). The loop that drives
+many sequences at once is ``engine/scheduler.py``. Text that could still become a stop string is held back until it
+is resolved, so a stop string never reaches the caller.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -18,11 +16,12 @@ import torch
 from hetmoe.engine.tokenizer import IncrementalDecoder, Tokenizer
 
 
-@dataclass
+@dataclass(init=False)
 class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature=0`` is greedy; ``seed`` makes sampling reproducible."""
+    """How to pick tokens and when to stop, as in vLLM / OpenAI. ``temperature=0`` is greedy; ``seed`` makes
+    sampling reproducible; ``max_tokens`` bounds the tokens generated (``max_new_tokens=`` is accepted too)."""
 
-    max_new_tokens: int = 128
+    max_tokens: int = 128
     temperature: float = 0.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
@@ -31,9 +30,28 @@ class SamplingParams:
     stop_token_ids: Optional[Sequence[int]] = None
     ignore_eos: bool = False
 
-    def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+    def __init__(self, max_tokens: Optional[int] = None, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: Optional[int] = None, stop: Sequence[str] = (),
+                 stop_token_ids: Optional[Sequence[int]] = None, ignore_eos: bool = False, *,
+                 max_new_tokens: Optional[int] = None):
+        name = "max_tokens"
+        if max_new_tokens is not None:
+            if max_tokens is not None:
+                raise TypeError("give max_tokens or max_new_tokens (its other name), not both")
+            max_tokens, name = max_new_tokens, "max_new_tokens"
+        self.max_tokens = 128 if max_tokens is None else max_tokens
+        self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
+        self.stop, self.stop_token_ids, self.ignore_eos = stop, stop_token_ids, ignore_eos
+        self._check(name)
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The other name of ``max_tokens`` (the CLI's ``--max-new-tokens``)."""
+        return self.max_tokens
+
+    def _check(self, max_tokens_name: str) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"{max_tokens_name} must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -102,7 +120,7 @@ class Timings:
 class GenerationResult:
     text: str  # stop strings and whatever follows them removed
     token_ids: list[int]  # generated, without a final eos / stop token (a stop string's tokens stay)
-    finish_reason: str  # "stop" (eos, stop token or stop string) | "length" (max_new_tokens or context full)
+    finish_reason: str  # "stop" (eos, stop token or stop string) | "length" (max_tokens or context full)
     prompt_tokens: int
     completion_tokens: int  # tokens the model produced, a final eos / stop token included
     timings: Timings = field(default_factory=Timings)
@@ -156,11 +174,11 @@ class _TextStream:
 
 class SequenceState:
     """What happens to one sequence after its prompt: each sampled token is added with ``add``, which runs the
-    stop checks (eos / stop token ids, stop strings, ``max_new_tokens``, a full context) and streams the text
-    that is final to ``on_text``. Shared by ``generate`` and the server's scheduler, which runs many at once.
+    stop checks (eos / stop token ids, stop strings, ``max_tokens``, a full context) and streams the text
+    that is final to ``on_text``. The scheduler (engine/scheduler.py) keeps one per running sequence.
 
     ``finish_reason`` is None while the sequence goes on, then "stop" (eos, stop token or stop string) or
-    "length" (``max_new_tokens`` or the context is full).
+    "length" (``max_tokens`` or the context is full).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_tokens: int, params: SamplingParams, max_context: int,
@@ -208,7 +226,7 @@ class SequenceState:
         self.token_ids.append(token)
         if self.stream.push(token):
             return self._finish("stop", flush=False)
-        if (len(self.token_ids) >= self.params.max_new_tokens
+        if (len(self.token_ids) >= self.params.max_tokens
                 or self.prompt_tokens + len(self.token_ids) >= self.max_context):
             return self._finish("length", flush=True)
         return False
@@ -224,33 +242,3 @@ class SequenceState:
         self.finish_reason = reason
         return True
 
-
-def generate(runner, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: Optional[SamplingParams] = None,
-             on_text: Optional[Callable[[str], None]] = None) -> GenerationResult:
-    """Generate from ``prompt_ids`` until eos, a stop token or string, ``max_new_tokens`` or a full context.
-
-    ``runner``: ``prefill(ids) -> logits [V]`` (starts the sequence at position 0), ``decode(id) -> logits [V]``,
-    ``max_context`` (most tokens, prompt and generated, a sequence may hold), and optionally ``cached_tokens``
-    (how many prompt tokens its last prefill found in the cache). ``on_text(piece)`` receives the text as it
-    completes; the pieces concatenate to ``result.text``.
-    """
-    params = params or SamplingParams()
-    prompt = [int(t) for t in prompt_ids]
-    seq = SequenceState(tokenizer, len(prompt), params, runner.max_context, on_text)
-
-    t0 = time.perf_counter()
-    logits = runner.prefill(prompt)
-    t_first = None
-    while True:
-        token = seq.sample(logits)  # .item() also waits for the device: timings are real
-        if t_first is None:
-            t_first = time.perf_counter()
-        if seq.add(token):
-            break
-        logits = runner.decode(token)
-    t_end = time.perf_counter()
-
-    timings = Timings(prefill_s=t_first - t0, decode_s=t_end - t_first, prompt_tokens=len(prompt),
-                      decode_steps=seq.completion_tokens - 1, cached_tokens=getattr(runner, "cached_tokens", 0))
-    return GenerationResult(text=seq.text, token_ids=seq.token_ids, finish_reason=seq.finish_reason,
-                            prompt_tokens=len(prompt), completion_tokens=seq.completion_tokens, timings=timings)

@@ -1,23 +1,33 @@
 """``LLM``: a model directory (or the built-in default model) loaded, tokenized and ready to generate — the one
-object the CLI commands, the server and Python users share.
+object the CLI commands and Python users share. Every call goes through the engine's scheduler
+(engine/scheduler.py), the loop the server runs too: continuous batching, prefix reuse, stop handling.
 
-    from hetmoe import LLM
-    llm = LLM("path/to/DeepSeek-V3", EngineOptions(experts_format="int4"))
-    print(llm.generate("Explain MoE in one sentence.", SamplingParams(max_new_tokens=64)).text)
+    from hetmoe import LLM, EngineOptions, SamplingParams
+    llm = LLM("path/to/DeepSeek-V3", EngineOptions(experts_format="int4", max_batch=4))
+    print(llm.generate("Explain MoE in one sentence.", SamplingParams(max_tokens=64)).text)
+    outs = llm.generate(["First prompt", "Second prompt"])           # a list: generated together, in order
+    reply = llm.chat([{"role": "user", "content": "Hi!"}])             # the chat template applied
+    for piece in (s := llm.stream("Once upon a time")): print(piece, end="")
+    print(s.result.timings.decode_tok_s)
 """
 
 from __future__ import annotations
 
 import sys
+from collections import deque
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
-from hetmoe.engine.generation import GenerationResult, SamplingParams, generate
+from hetmoe.engine.generation import GenerationResult, SamplingParams
 from hetmoe.engine.loader import LoadedModel, check_model_dir, load_model, load_tokenizer
 from hetmoe.engine.placement import EngineOptions
 from hetmoe.engine.runner import Runner
+from hetmoe.engine.scheduler import Request, Scheduler
 from hetmoe.engine.tokenizer import Tokenizer
+
+Prompt = Union[str, list]  # text, or a conversation: a list of {"role", "content"} messages
+Params = Union[SamplingParams, Sequence[SamplingParams], None]
 
 
 def default_model_path() -> Path:
@@ -25,12 +35,17 @@ def default_model_path() -> Path:
     return Path(str(resources.files("hetmoe") / "data" / "default_model"))
 
 
+def _is_conversation(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+
+
 class LLM:
     def __init__(self, model: Union[str, Path, None] = None, options: Optional[EngineOptions] = None, *,
                  expert_cache: Optional[str] = "auto", progress: bool = True, log: Optional[Callable] = None,
                  loaded: Optional[LoadedModel] = None, tokenizer: Optional[Tokenizer] = None):
         """``model``: a Hugging Face checkpoint directory (None: the built-in default model). ``loaded`` and
-        ``tokenizer`` bypass loading (models built in memory, e.g. synthetic benchmark shapes)."""
+        ``tokenizer`` bypass loading (models built in memory, e.g. synthetic benchmark shapes). Up to
+        ``options.max_batch`` prompts run at once."""
         path = Path(model) if model is not None else default_model_path()
         kwargs = {"log": log} if log is not None else {}
         if loaded is None and tokenizer is None:
@@ -39,17 +54,18 @@ class LLM:
         self.loaded = loaded or load_model(path, options, expert_cache=expert_cache, progress=progress, **kwargs)
         self.tokenizer = tokenizer or Tokenizer.from_dir(self.loaded.path or path)
         self.runner = Runner(self.loaded)
-        self._reuse: list = []  # tokens in slot 0's cache, for prefix reuse across chat turns (forget_cache)
+        self.scheduler = Scheduler(self.runner, self.tokenizer, log=log)
+        self.default_params: Optional[SamplingParams] = None  # what params=None means (else SamplingParams())
 
     @property
     def max_context(self) -> int:
         return self.runner.max_context
 
     def forget_cache(self) -> None:
-        """The next ``generate`` recomputes its whole prompt (nothing in the KV cache is trusted for reuse)."""
-        self._reuse = []
+        """The next prompts are computed whole (nothing in the KV cache is trusted for reuse)."""
+        self.scheduler.forget_cache()
 
-    def prompt_ids(self, prompt: Union[str, list], chat: bool) -> list:
+    def prompt_ids(self, prompt: Prompt, chat: bool) -> list:
         """Token ids of a prompt: a string (wrapped as one user message when ``chat`` and the tokenizer has a
         chat template) or a list of chat messages."""
         if isinstance(prompt, list):
@@ -60,38 +76,90 @@ class LLM:
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(prompt)
 
-    def generate(self, prompt: Union[str, list], params: Optional[SamplingParams] = None, *, chat: bool = True,
-                 on_text: Optional[Callable[[str], None]] = None) -> GenerationResult:
-        """Generate a completion of ``prompt`` (text or a list of {role, content} messages)."""
-        return generate(_PrefixReuse(self), self.tokenizer, self.prompt_ids(prompt, chat), params, on_text)
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]], params: Params = None, *, chat: bool = True,
+                 on_text: Optional[Callable[[str], None]] = None):
+        """Complete ``prompts``: one prompt (text; or a conversation, as ``chat`` takes it) -> a GenerationResult;
+        a list of them -> a list of results, in order, generated together (up to ``max_batch`` at a time).
+
+        ``params``: one SamplingParams for all, or one per prompt (None: ``default_params``). ``chat``: wrap a
+        text prompt as one user message when the model has a chat template (False: the text as it is).
+        ``on_text(piece)`` (one prompt only) receives the text as it completes, between engine steps; an
+        exception it raises stops the generation there (what is cached stays reusable)."""
+        if isinstance(prompts, str) or _is_conversation(prompts):
+            return self._run([self.prompt_ids(prompts, chat)], params, on_text)[0]
+        if on_text is not None:
+            raise ValueError("on_text streams one prompt; for several, call stream() for each or generate them "
+                             "without it")
+        return self._run([self.prompt_ids(p, chat) for p in prompts], params)
+
+    def chat(self, messages: list, params: Params = None, *, on_text: Optional[Callable[[str], None]] = None):
+        """Reply to a conversation (a list of {role, content} messages, the chat template applied) ->
+        a GenerationResult; to a list of conversations -> a list of results. Earlier turns still in the KV cache
+        are not recomputed."""
+        if messages and all(isinstance(m, list) for m in messages):
+            return self._run([self.prompt_ids(m, chat=True) for m in messages], params)
+        if not isinstance(messages, list):
+            raise ValueError(f"messages must be a list of {{role, content}} messages, got {type(messages).__name__}")
+        return self._run([self.prompt_ids(messages, chat=True)], params, on_text)[0]
+
+    def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, chat: bool = True) -> "Stream":
+        """Iterate over the text of ``prompt``'s completion as it is generated (``generate``'s pieces); once the
+        iteration ends, ``.result`` is the GenerationResult (timings included). Leaving the loop early (or
+        ``close()``) frees the sequence's slot at the next engine step."""
+        return Stream(self.scheduler, self.prompt_ids(prompt, chat), self._params(params, 1)[0])
+
+    def _params(self, params: Params, n: int) -> list:
+        if params is None:
+            params = self.default_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError(f"params must be one SamplingParams or one per prompt ({n}), got {len(params)} items")
+        return params
+
+    def _run(self, prompt_ids: list, params: Params, on_text: Optional[Callable[[str], None]] = None) -> list:
+        params = self._params(params, len(prompt_ids))
+        return self.scheduler.run([Request(ids, p, on_text) for ids, p in zip(prompt_ids, params)])
 
 
-class _PrefixReuse:
-    """Runner view for ``generate`` that skips re-computing the part of a new prompt already in the cache
-    (a chat's earlier turns): positions past the shared prefix are simply overwritten.
+class Stream:
+    """``LLM.stream``'s iterator: text pieces, then ``result`` (None until the completion has ended)."""
 
-    The record of what the cache holds (``LLM._reuse``) only ever names positions whose step completed: it is
-    cleared while a step runs and set once it returns, so a step interrupted (Ctrl-C, an error) leaves nothing
-    for the next prompt to trust."""
+    def __init__(self, scheduler: Scheduler, prompt_ids: list, params: SamplingParams):
+        self._scheduler, self._pieces = scheduler, deque()
+        self._req = scheduler.add(Request(prompt_ids, params, on_text=self._pieces.append))
+        self.result: Optional[GenerationResult] = None
 
-    def __init__(self, llm: LLM):
-        self.llm, self.runner = llm, llm.runner
-        self.max_context = self.runner.max_context
-        self.cached_tokens = 0  # of the last prefill
+    def __iter__(self) -> "Stream":
+        return self
 
-    def prefill(self, ids: list):
-        old, self.llm._reuse = self.llm._reuse, []
-        common = 0
-        for a, b in zip(old, ids[:-1]):  # at least the last prompt token is computed, for its logits
-            if a != b:
-                break
-            common += 1
-        logits = self.runner.prefill(ids[common:], start=common) if common else self.runner.prefill(ids)
-        self.llm._reuse, self.cached_tokens = list(ids), common
-        return logits
+    def __next__(self) -> str:
+        req = self._req
+        while not self._pieces:
+            if req.finished or req.cancelled:
+                if req.finished and req.error is None and self.result is None:
+                    self.result = req.result()
+                raise StopIteration
+            try:
+                self._scheduler.step()  # every running sequence moves on, this one among them
+                req.drain()
+            except BaseException:
+                req.cancel()
+                raise
+        return self._pieces.popleft()
 
-    def decode(self, token: int):
-        done, self.llm._reuse = self.llm._reuse, []
-        logits = self.runner.decode(token)
-        self.llm._reuse = done + [token]
-        return logits
+    def close(self) -> None:
+        """Stop the completion (its slot is freed at the next engine step); the iteration ends."""
+        self._pieces.clear()
+        if not self._req.finished:
+            self._req.cancel()
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()

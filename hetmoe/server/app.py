@@ -3,7 +3,7 @@
     POST /v1/chat/completions   POST /v1/completions   (stream: server-sent events, then "data: [DONE]")
     GET  /v1/models             GET  /v1/models/{id}    GET /health    GET /metrics
 
-Handlers validate (protocol.parse_request), queue a Request on the Scheduler and relay its events; they never
+Handlers validate (protocol.parse_request), queue a Request on the EngineLoop and relay its events; they never
 run model code. Every error leaves as an OpenAI error body; anything unexpected is caught by the middleware and
 answered 500, so one bad request can neither crash the server nor leave a connection hanging.
 """
@@ -20,13 +20,13 @@ from typing import Optional
 from aiohttp import web
 
 from hetmoe.server import protocol
+from hetmoe.server.bridge import EngineLoop, Request
 from hetmoe.server.metrics import Metrics
 from hetmoe.server.protocol import APIError, ServedModel, error_body
-from hetmoe.server.scheduler import Request, Scheduler
 
 MAX_BODY_BYTES = 16 << 20  # larger bodies get 413 from aiohttp
 SERVED: web.AppKey = web.AppKey("served", ServedModel)
-SCHEDULER: web.AppKey = web.AppKey("scheduler", Scheduler)
+ENGINE: web.AppKey = web.AppKey("engine", EngineLoop)
 METRICS: web.AppKey = web.AppKey("metrics", Metrics)
 API_KEY: web.AppKey = web.AppKey("api_key", str)
 
@@ -97,7 +97,7 @@ async def _completions(request: web.Request, kind: str) -> web.StreamResponse:
     served = request.app[SERVED]
     body = await _body(request)
     parsed = await asyncio.to_thread(protocol.parse_request, body, served, kind)  # tokenizing may take a while
-    req = request.app[SCHEDULER].submit(Request(parsed.prompt_ids, parsed.params, asyncio.get_running_loop()))
+    req = request.app[ENGINE].submit(Request(parsed.prompt_ids, parsed.params, asyncio.get_running_loop()))
     try:
         if parsed.stream:
             return await _stream(request, req, parsed, served.id)
@@ -197,9 +197,9 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"X-Prometheus-Format": "0.0.4"})
 
 
-def create_app(served: ServedModel, scheduler: Scheduler, api_key: Optional[str] = None) -> web.Application:
+def create_app(served: ServedModel, engine: EngineLoop, api_key: Optional[str] = None) -> web.Application:
     app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
-    app[SERVED], app[SCHEDULER], app[METRICS], app[API_KEY] = served, scheduler, scheduler.metrics, api_key or ""
+    app[SERVED], app[ENGINE], app[METRICS], app[API_KEY] = served, engine, engine.metrics, api_key or ""
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)

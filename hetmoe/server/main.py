@@ -67,10 +67,10 @@ def bind(host: str, port: int) -> list:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from hetmoe.commands import engine_options
+    from hetmoe.cli.options import engine_options, expert_cache
     from hetmoe.engine.llm import LLM
     from hetmoe.server.app import create_app
-    from hetmoe.server.scheduler import Scheduler
+    from hetmoe.server.bridge import EngineLoop
 
     options = engine_options(args)
     options.max_batch = args.max_batch
@@ -86,23 +86,22 @@ def run_serve(args: argparse.Namespace) -> int:
             loaded = build_random_model(args.shape, args.layers, options)
             llm = LLM(loaded=loaded, tokenizer=shape_tokenizer(loaded.config.vocab_size))
         else:
-            llm = LLM(args.model, options, expert_cache=None if args.expert_cache == "off" else args.expert_cache,
-                      progress=sys.stderr.isatty())
+            llm = LLM(args.model, options, expert_cache=expert_cache(args), progress=sys.stderr.isatty())
         llm.runner.prefill([0], slot=0)  # warm-up: the first forward call pays one-time initialisation
         llm.tokenizer.chars_per_token  # the prompt-length bound reads the vocabulary once, now rather than later
         served = ServedModel(id=args.shape or model_id(args.model), prompt_ids=prompt_encoder(llm.tokenizer),
                              max_context=llm.max_context, vocab_size=llm.runner.vocab_size,
                              has_chat_template=llm.tokenizer.has_chat_template,
                              defaults=generation_defaults(llm.loaded.path or Path(".")))
-        scheduler = Scheduler(llm.runner, llm.tokenizer).start()
-        app = create_app(served, scheduler, args.api_key)
-        return asyncio.run(_serve(app, scheduler, sockets, args.host, served, args.max_batch))
+        engine = EngineLoop(llm.runner, llm.tokenizer).start()
+        app = create_app(served, engine, args.api_key)
+        return asyncio.run(_serve(app, engine, sockets, args.host, served, args.max_batch))
     finally:
         for sock in sockets:
             sock.close()
 
 
-async def _serve(app, scheduler, sockets: list, host: str, served: ServedModel, max_batch: int) -> int:
+async def _serve(app, engine, sockets: list, host: str, served: ServedModel, max_batch: int) -> int:
     from aiohttp import web
 
     loop = asyncio.get_running_loop()
@@ -116,7 +115,7 @@ async def _serve(app, scheduler, sockets: list, host: str, served: ServedModel, 
             await web.SockSite(runner, sock, backlog=BACKLOG).start()
     except OSError as e:
         await runner.cleanup()
-        scheduler.shutdown()
+        engine.shutdown()
         raise OSError(f"cannot listen on {host}: {e.strerror or e}") from e
     port = sockets[0].getsockname()[1]
     bound = runner.addresses[0][1] if runner.addresses else port
@@ -127,7 +126,7 @@ async def _serve(app, scheduler, sockets: list, host: str, served: ServedModel, 
     print("hetmoe serve: shutting down", file=sys.stderr, flush=True)
     for s in list(runner.sites):  # stop accepting connections
         await s.stop()
-    await asyncio.to_thread(scheduler.shutdown)  # running generations end; their handlers finish the responses
+    await asyncio.to_thread(engine.shutdown)  # running generations end; their handlers finish the responses
     await runner.cleanup()
     print("hetmoe serve: stopped", file=sys.stderr, flush=True)
     return 0

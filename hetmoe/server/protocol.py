@@ -210,7 +210,7 @@ def _sampling(body: dict, served: ServedModel, n_prompt: int, chat: bool, prompt
     if seed is not None and not -2**63 <= seed < 2**64:
         raise _bad_value("seed", f"expected a 64-bit integer, got {seed}")
     ignore_eos = _field(body, "ignore_eos", bool, False)  # an extension, as in vLLM (benchmarks)
-    return SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+    return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                           top_k=max(top_k, 0), seed=seed, stop=_stop(body), ignore_eos=ignore_eos)
 
 

@@ -1,7 +1,9 @@
-"""Tokenizer (hetmoe/engine/tokenizer.py) and sampling / generation loop (hetmoe/engine/generation.py).
+"""Tokenizer (hetmoe/engine/tokenizer.py), sampling and stop handling (hetmoe/engine/generation.py), and the
+generation loop (hetmoe/engine/scheduler.py): one sequence's stop strings and streaming, several batched, prefix reuse
+and what an interrupted step leaves behind.
 
-No model: runners here return logits from a fixed random [V, V] table (a function of the last token) or follow a
-script of token ids, so every expectation is exact.
+No model: runners here return logits from a fixed random [V, V] table (a function of the last token, or of the whole
+context a slot's cache holds) or follow a script of token ids, so every expectation is exact.
 """
 
 import json
@@ -10,7 +12,8 @@ import shutil
 import pytest
 import torch
 
-from hetmoe.engine.generation import GenerationResult, SamplingParams, generate, sample
+from hetmoe.engine.generation import GenerationResult, SamplingParams, sample
+from hetmoe.engine.scheduler import Request, Scheduler
 from hetmoe.engine.tokenizer import IncrementalDecoder, Tokenizer
 from hetmoe.testing.synthetic import _CHAT_TEMPLATE, build_tokenizer
 
@@ -42,23 +45,52 @@ def tok(tok_dir):
 
 
 class TableRunner:
-    """Logits are a fixed random function of the last token; checks that positions stay inside the context."""
+    """The runner interface the scheduler drives (engine/runner.py's) over ``max_batch`` slots. Logits are a fixed
+    random function of the last token; checks that positions stay inside the context and that a prefill starts
+    within what its slot holds. ``pos``, ``decode_calls``: slot 0's length and decode steps since its last prefill."""
 
-    def __init__(self, vocab=VOCAB, max_context=256, seed=0):
+    def __init__(self, vocab=VOCAB, max_context=256, seed=0, max_batch=1, prefill_chunk=1024):
         g = torch.Generator().manual_seed(seed)
         self.table = 3 * torch.randn(vocab, vocab, generator=g)
-        self.max_context, self.pos, self.decode_calls = max_context, 0, 0
+        self.max_context, self.max_batch, self.prefill_chunk = max_context, max_batch, prefill_chunk
+        self.cache = [[] for _ in range(max_batch)]  # the tokens each slot's KV cache holds
+        self.decode_calls, self.starts = 0, []
 
-    def prefill(self, ids):
-        assert 0 < len(ids) <= self.max_context
-        self.pos, self.decode_calls = len(ids), 0
-        return self.table[ids[-1]].clone()
+    @property
+    def pos(self):
+        return len(self.cache[0])
 
-    def decode(self, token):
-        assert self.pos < self.max_context, "decode past the context"
-        self.pos += 1
-        self.decode_calls += 1
-        return self.table[token].clone()
+    def _logits(self, slot):
+        return self.table[self.cache[slot][-1]].clone()
+
+    def prefill(self, ids, slot=0, start=0):
+        assert 0 < len(ids) <= self.prefill_chunk and start + len(ids) <= self.max_context
+        assert 0 <= start <= len(self.cache[slot]), "a prefill past what the slot holds"
+        self.cache[slot] = self.cache[slot][:start] + list(ids)
+        self.starts.append(start)
+        if slot == 0:
+            self.decode_calls = 0
+        return self._logits(slot)
+
+    def prefill_batch(self, chunks, slots, starts):
+        return torch.stack([self.prefill(c, s, st) for c, s, st in zip(chunks, slots, starts)])
+
+    def decode_batch(self, tokens, slots):
+        rows = []
+        for token, slot in zip(tokens, slots):
+            assert len(self.cache[slot]) < self.max_context, "decode past the context"
+            self.cache[slot].append(int(token))
+            self.decode_calls += slot == 0
+            rows.append(self._logits(slot))
+        return torch.stack(rows)
+
+
+class ContextRunner(TableRunner):
+    """Logits are a function of everything the slot's cache holds: reusing a prefix the cache does not really
+    hold (or no longer holds) changes the tokens."""
+
+    def _logits(self, slot):
+        return self.table[hash(tuple(self.cache[slot])) % self.table.shape[0]].clone()
 
 
 class ScriptedRunner(TableRunner):
@@ -68,19 +100,16 @@ class ScriptedRunner(TableRunner):
         super().__init__(vocab, max_context)
         self.script = list(script)
 
-    def _logits(self):
+    def _logits(self, slot):
         step = min(self.decode_calls, len(self.script) - 1)
         logits = torch.randn(self.table.shape[0])
         logits[self.script[step]] = 100.0
         return logits
 
-    def prefill(self, ids):
-        super().prefill(ids)
-        return self._logits()
 
-    def decode(self, token):
-        super().decode(token)
-        return self._logits()
+def generate(runner, tok, prompt_ids, params, on_text=None):
+    """One sequence through the engine's scheduler, as LLM.generate runs it."""
+    return Scheduler(runner, tok).run([Request(prompt_ids, params, on_text)])[0]
 
 
 def _run(runner, tok, params, prompt=(1, 2, 3)):
@@ -149,27 +178,32 @@ def test_bad_logits_shape():
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-1), "top_k"),
-    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_tokens=0), "max_tokens must be"),
+    (dict(max_new_tokens=0), "max_new_tokens must be"),
+    (dict(max_tokens=2, max_new_tokens=2), "not both"),
     (dict(stop=("ok", "")), "stop"),
     (dict(stop=(3,)), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(seed=1.5), "seed"),
 ])
 def test_sampling_params_validation(kw, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         SamplingParams(**kw)
 
 
 def test_sampling_params_normalizes():
     p = SamplingParams(stop="END", stop_token_ids=[5, 6])
     assert p.stop == ("END",) and p.stop_token_ids == (5, 6)
+    assert SamplingParams().max_tokens == 128 and SamplingParams(7) == SamplingParams(max_tokens=7)
+    old = SamplingParams(max_new_tokens=9)  # the CLI's name, kept as another name of max_tokens
+    assert old == SamplingParams(max_tokens=9) and old.max_new_tokens == 9
 
 
 # --- generation loop ------------------------------------------------------------------------------------------
 
 def test_seed_reproducible(tok):
     def text(seed):
-        params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=seed, ignore_eos=True)
+        params = SamplingParams(max_tokens=24, temperature=1.0, seed=seed, ignore_eos=True)
         return _run(TableRunner(), tok, params)[0]
 
     a, b, c = text(7), text(7), text(8)
@@ -179,7 +213,7 @@ def test_seed_reproducible(tok):
 
 def test_greedy_follows_the_table(tok):
     runner = TableRunner()
-    result, _ = _run(runner, tok, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    result, _ = _run(runner, tok, SamplingParams(max_tokens=10, ignore_eos=True))
     expected, last = [], 3
     for _ in range(10):
         last = int(runner.table[last].argmax())
@@ -188,9 +222,9 @@ def test_greedy_follows_the_table(tok):
     assert result.text == tok.decode(expected)
 
 
-def test_max_new_tokens_is_length(tok):
+def test_max_tokens_is_length(tok):
     runner = TableRunner()
-    result, _ = _run(runner, tok, SamplingParams(max_new_tokens=5, temperature=1.0, seed=0, ignore_eos=True))
+    result, _ = _run(runner, tok, SamplingParams(max_tokens=5, temperature=1.0, seed=0, ignore_eos=True))
     assert result.finish_reason == "length" and len(result.token_ids) == 5 == result.completion_tokens
     assert runner.decode_calls == 4 == result.timings.decode_steps
     assert result.prompt_tokens == 3 == result.timings.prompt_tokens
@@ -200,7 +234,7 @@ def test_max_new_tokens_is_length(tok):
 
 def test_context_full_is_length(tok):
     runner = TableRunner(max_context=10)
-    result, _ = _run(runner, tok, SamplingParams(max_new_tokens=100, ignore_eos=True), prompt=range(7))
+    result, _ = _run(runner, tok, SamplingParams(max_tokens=100, ignore_eos=True), prompt=range(7))
     assert result.finish_reason == "length" and len(result.token_ids) == 3  # 7 + 3 = max_context
     assert runner.pos <= runner.max_context
 
@@ -216,11 +250,11 @@ def test_prompt_too_long(tok, n):
 def test_eos_stops(tok):
     body = tok.encode("Hello, world!")
     eos = tok.token_to_id("<|im_end|>")
-    result, _ = _run(ScriptedRunner(body + [eos, 7, 8]), tok, SamplingParams(max_new_tokens=50))
+    result, _ = _run(ScriptedRunner(body + [eos, 7, 8]), tok, SamplingParams(max_tokens=50))
     assert result.finish_reason == "stop" and result.text == "Hello, world!"
     assert result.token_ids == body and result.completion_tokens == len(body) + 1
 
-    result, _ = _run(ScriptedRunner(body + [eos, 7]), tok, SamplingParams(max_new_tokens=len(body) + 3,
+    result, _ = _run(ScriptedRunner(body + [eos, 7]), tok, SamplingParams(max_tokens=len(body) + 3,
                                                                            ignore_eos=True))
     assert result.finish_reason == "length" and result.token_ids == body + [eos, 7, 7]
 
@@ -265,9 +299,9 @@ def test_stream_holds_back_only_until_resolved(tok):
     # "world" was held back (it could have become "world!") and only released once the stream ended
     assert not seen[-1].startswith(" ") and seen[-1].endswith("world") and "world" not in "".join(seen[:-1])
 
-    # ends inside a possible stop string because of max_new_tokens: the held-back text is still returned
+    # ends inside a possible stop string because of max_tokens: the held-back text is still returned
     n = len(tok.encode(text, add_special_tokens=False))
-    result, _ = _run(ScriptedRunner(_script(tok, text)), tok, SamplingParams(stop=["world!"], max_new_tokens=n))
+    result, _ = _run(ScriptedRunner(_script(tok, text)), tok, SamplingParams(stop=["world!"], max_tokens=n))
     assert result.finish_reason == "length" and result.text == text
 
 
@@ -277,8 +311,128 @@ def test_streaming_multibyte(tok):
 
 
 def test_result_type(tok):
-    result, _ = _run(TableRunner(), tok, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    result, _ = _run(TableRunner(), tok, SamplingParams(max_tokens=3, ignore_eos=True))
     assert isinstance(result, GenerationResult)
+
+
+# --- several sequences, prefix reuse, interrupted steps -------------------------------------------------------
+
+PROMPTS = [list(range(1, 4)), list(range(10, 31)), [7], list(range(40, 49)), [5, 6]]
+
+
+def _alone(prompt, params, tok):
+    """The reference: the prompt by itself, on a fresh runner."""
+    return generate(ContextRunner(max_batch=1, prefill_chunk=4), tok, prompt, params)
+
+
+def test_batched_equals_alone(tok):
+    """Five prompts of different lengths on three slots (two wait for a free one), prompts in chunks of 4 between
+    decode steps, one of them sampled: each gets what it gets alone, whatever ran beside it."""
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 9, 12, 4, 7)]
+    params[2] = SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    got = Scheduler(ContextRunner(max_batch=3, prefill_chunk=4), tok).run(
+        [Request(p, sp) for p, sp in zip(PROMPTS, params)])
+    for prompt, sp, result in zip(PROMPTS, params, got):
+        want = _alone(prompt, sp, tok)
+        assert result.token_ids == want.token_ids and result.text == want.text
+        assert result.finish_reason == "length" and result.completion_tokens == sp.max_tokens
+
+
+def test_prefix_reuse_computes_only_the_new_part(tok):
+    runner = ContextRunner(max_batch=2, prefill_chunk=4)
+    sched = Scheduler(runner, tok)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    prompt = list(range(1, 11))
+    first = sched.run([Request(prompt, params)])[0]
+    assert first.timings.cached_tokens == 0 and first.timings.new_prompt_tokens == 10
+    turn = prompt + first.token_ids + [7, 8]  # the conversation so far and a new message
+    runner.starts.clear()
+    second = sched.run([Request(turn, params)])[0]
+    cached = 10 + 4  # the prompt and the generated tokens fed back (the last one never was)
+    assert second.timings.cached_tokens == cached and second.timings.new_prompt_tokens == len(turn) - cached
+    assert runner.starts[0] == cached
+    assert second.token_ids == _alone(turn, params, tok).token_ids
+    third = sched.run([Request(turn, params)])[0]  # again: all but the last token, computed for its logits
+    assert third.timings.cached_tokens == len(turn) - 1 and third.token_ids == second.token_ids
+    sched.forget_cache()
+    assert sched.run([Request(turn, params)])[0].timings.cached_tokens == 0
+
+
+def test_each_conversation_finds_its_slot(tok):
+    """Two conversations in two slots: each next turn goes to the slot that holds its earlier turns."""
+    sched = Scheduler(ContextRunner(max_batch=2), tok)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    a, b = list(range(1, 9)), list(range(50, 62))
+    ra, rb = sched.run([Request(a, params), Request(b, params)])
+    for prompt, reply in ((b, rb), (a, ra)):
+        turn = prompt + reply.token_ids + [3]
+        got = sched.run([Request(turn, params)])[0]
+        assert got.timings.cached_tokens == len(prompt) + 3 and got.token_ids == _alone(turn, params, tok).token_ids
+
+
+@pytest.mark.parametrize("where", ["prefill", "decode_batch"])
+def test_an_interrupted_step_is_not_reused(tok, where):
+    """A runner call stopped part way (a second Ctrl-C, an error) may have overwritten cache positions of the earlier
+    turn: nothing of its slot is reused afterwards, and the next turn gets what a fresh runner gives."""
+    runner = ContextRunner(max_batch=1)
+    sched = Scheduler(runner, tok)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompt = list(range(1, 11))
+    first = sched.run([Request(prompt, params)])[0]
+    call = getattr(runner, where)
+
+    def interrupted(*args, **kwargs):
+        call(*args, **kwargs)  # the call's cache writes happen, then the interrupt arrives
+        raise KeyboardInterrupt
+
+    setattr(runner, where, interrupted)
+    with pytest.raises(KeyboardInterrupt):  # another prompt sharing the first 3 tokens, then overwriting
+        sched.run([Request(prompt[:3] + [99] * 5, params)])
+    delattr(runner, where)
+    assert not sched.running  # the interrupted sequence has left its slot
+    again = prompt + first.token_ids + [7]
+    got = sched.run([Request(again, params)])[0]
+    assert got.timings.cached_tokens == 0 and got.token_ids == _alone(again, params, tok).token_ids
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_stopping_between_steps_keeps_the_cache(tok):
+    """An exception from on_text (the chat's first Ctrl-C) stops the sequence between two steps: it is dropped, its
+    slot freed, and what its completed steps cached is reused."""
+    sched = Scheduler(ContextRunner(max_batch=1), tok)
+    prompt, pieces = list(range(1, 11)), []
+
+    def on_text(piece):
+        pieces.append(piece)
+        if len(pieces) == 3:
+            raise _Stop
+
+    req = Request(prompt, SamplingParams(max_tokens=50, ignore_eos=True), on_text)
+    with pytest.raises(_Stop):
+        sched.run([req])
+    assert req.cancelled and not req.finished and not sched.running
+    generated = req.state.token_ids
+    turn = prompt + generated + [7]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    got = sched.run([Request(turn, params)])[0]
+    assert got.timings.cached_tokens == len(prompt) + len(generated) - 1
+    assert got.token_ids == _alone(turn, params, tok).token_ids and not sched.running
+
+
+def test_a_failed_request_raises_its_error(tok):
+    runner = ContextRunner(max_batch=2)
+
+    def broken(tokens, slots):
+        raise RuntimeError("decode exploded")
+
+    runner.decode_batch = broken
+    sched = Scheduler(runner, tok, log=lambda m: None)
+    with pytest.raises(RuntimeError, match="decode exploded"):
+        sched.run([Request([1, 2], SamplingParams(max_tokens=3, ignore_eos=True))])
+    assert not sched.running and not sched.waiting
 
 
 # --- tokenizer ------------------------------------------------------------------------------------------------

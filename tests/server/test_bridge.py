@@ -1,5 +1,6 @@
-"""The server's engine loop (hetmoe/server/scheduler.py) in-process, on a runner whose logits are a fixed random
-function of the last token: every expectation is exact, and the one-sequence generate() is the reference."""
+"""The server's engine thread (hetmoe/server/bridge.py, running hetmoe/engine/scheduler.py) in-process, driven from
+asyncio as the HTTP handlers drive it, on a runner whose logits are a fixed random function of the last token: every
+expectation is exact, and each request run alone through the engine's scheduler (one slot) is the reference."""
 
 import asyncio
 import json
@@ -8,9 +9,10 @@ import threading
 import pytest
 import torch
 
-from hetmoe.engine.generation import SamplingParams, generate
+from hetmoe.engine import scheduler as engine
+from hetmoe.engine.generation import SamplingParams
 from hetmoe.engine.tokenizer import Tokenizer
-from hetmoe.server.scheduler import Request, Scheduler
+from hetmoe.server.bridge import EngineLoop, Request
 from hetmoe.testing.synthetic import _CHAT_TEMPLATE, build_tokenizer
 
 VOCAB = 512
@@ -54,19 +56,9 @@ class SlotRunner:
         return self.table[list(tokens)].clone()
 
 
-class OneSlot:
-    """The same runner seen by generate() (one sequence)."""
-
-    def __init__(self, runner):
-        self.r, self.max_context = runner, runner.max_context
-
-    def prefill(self, ids):
-        for i in range(0, len(ids), self.r.prefill_chunk):
-            logits = self.r.prefill(ids[i:i + self.r.prefill_chunk], 0, i)
-        return logits
-
-    def decode(self, token):
-        return self.r.decode_batch([token], [0])[0]
+def alone(prompt, params, tok):
+    """The reference: the request by itself, through the engine's scheduler on a one-slot runner."""
+    return engine.Scheduler(SlotRunner(max_batch=1), tok).run([engine.Request(prompt, params)])[0]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +84,7 @@ def _serve(runner, tok, jobs, cancel=()):
     """Submit (prompt, params) jobs at once; -> [(text, final event)]. Requests whose index is in ``cancel`` are
     cancelled right after submission."""
     async def main():
-        sched = Scheduler(runner, tok, log=lambda m: None).start()
+        sched = EngineLoop(runner, tok, log=lambda m: None).start()
         loop = asyncio.get_running_loop()
         reqs = [sched.submit(Request(p, params, loop)) for p, params in jobs]
         for i in cancel:
@@ -110,23 +102,23 @@ PROMPTS = [[5, 17, 300], list(range(20, 31)), [7], list(range(100, 117)), [42, 4
 
 
 def test_batched_equals_one_at_a_time(tok):
-    params = [SamplingParams(max_new_tokens=12, ignore_eos=True), SamplingParams(max_new_tokens=7),
-              SamplingParams(max_new_tokens=12, temperature=0.9, seed=3, ignore_eos=True),
-              SamplingParams(max_new_tokens=10, temperature=1.2, top_k=20, seed=4, ignore_eos=True),
-              SamplingParams(max_new_tokens=9, top_p=0.5, temperature=1.0, seed=5, stop=["e"]),
-              SamplingParams(max_new_tokens=60, ignore_eos=True)]  # runs into the context limit
+    params = [SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=7),
+              SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=1.2, top_k=20, seed=4, ignore_eos=True),
+              SamplingParams(max_tokens=9, top_p=0.5, temperature=1.0, seed=5, stop=["e"]),
+              SamplingParams(max_tokens=60, ignore_eos=True)]  # runs into the context limit
     runner = SlotRunner(max_batch=4)  # 6 requests, 4 slots: two wait for a free slot
     got = _serve(runner, tok, list(zip(PROMPTS, params)))
     for prompt, p, (text, event) in zip(PROMPTS, params, got):
-        want = generate(OneSlot(SlotRunner()), tok, prompt, p)
+        want = alone(prompt, p, tok)
         assert text == want.text and event == ("done", want.finish_reason, len(prompt), want.completion_tokens)
     assert got[-1][1][1] == "length" and got[-1][1][3] == 64 - len(PROMPTS[-1])
 
 
 def test_long_prompts_prefill_in_chunks_between_decode_steps(tok):
     runner = SlotRunner(max_batch=2, prefill_chunk=4)
-    _serve(runner, tok, [([1, 2], SamplingParams(max_new_tokens=30, ignore_eos=True)),
-                         (list(range(40, 60)), SamplingParams(max_new_tokens=2, ignore_eos=True))])
+    _serve(runner, tok, [([1, 2], SamplingParams(max_tokens=30, ignore_eos=True)),
+                         (list(range(40, 60)), SamplingParams(max_tokens=2, ignore_eos=True))])
     chunks = [i for i, c in enumerate(runner.calls) if c[0] == "prefill" and c[1] == 1]
     assert len(chunks) == 5  # 20 prompt tokens in chunks of 4
     for a, b in zip(chunks, chunks[1:]):  # the first sequence kept decoding between the chunks
@@ -135,7 +127,7 @@ def test_long_prompts_prefill_in_chunks_between_decode_steps(tok):
 
 def test_short_prompts_arriving_together_prefill_in_one_call(tok):
     runner = SlotRunner(max_batch=4, prefill_chunk=8)
-    got = _serve(runner, tok, [([i + 1, i + 2, i + 3], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    got = _serve(runner, tok, [([i + 1, i + 2, i + 3], SamplingParams(max_tokens=3, ignore_eos=True))
                                for i in range(4)])
     assert all(event[:2] == ("done", "length") for _, event in got)
     assert ("prefill_batch", (0, 1, 2, 3)) in runner.calls  # one forward call for the four prompts
@@ -146,10 +138,10 @@ def test_an_engine_error_fails_only_that_request(tok):
     runner.table[:, POISON] = -1e9  # nobody samples the poison token by chance...
     runner.table[99, :] = -1e9
     runner.table[99, POISON] = 1e9  # ...except after token 99: that sequence's decode step raises
-    jobs = [([5, 6], SamplingParams(max_new_tokens=8, ignore_eos=True)),
-            ([1, 99], SamplingParams(max_new_tokens=8, ignore_eos=True)),  # decode fails
-            ([POISON, 3], SamplingParams(max_new_tokens=8, ignore_eos=True)),  # prefill fails
-            ([7, 8], SamplingParams(max_new_tokens=8, ignore_eos=True))]
+    jobs = [([5, 6], SamplingParams(max_tokens=8, ignore_eos=True)),
+            ([1, 99], SamplingParams(max_tokens=8, ignore_eos=True)),  # decode fails
+            ([POISON, 3], SamplingParams(max_tokens=8, ignore_eos=True)),  # prefill fails
+            ([7, 8], SamplingParams(max_tokens=8, ignore_eos=True))]
     got = _serve(runner, tok, jobs)
     assert got[1][1][:2] == ("error", 500) and "poisoned token" in got[1][1][2]
     assert got[2][1][:2] == ("error", 500) and "poisoned prompt" in got[2][1][2]
@@ -174,13 +166,13 @@ def test_cancel_frees_the_slot(tok):
     """A cancelled sequence leaves its slot at the next step and the waiting request takes it. The first decode step
     is held until the cancel is in (GatedRunner), so the order is fixed whatever the machine's speed."""
     runner = GatedRunner(max_batch=1)
-    long = SamplingParams(max_new_tokens=50, ignore_eos=True)
+    long = SamplingParams(max_tokens=50, ignore_eos=True)
 
     async def main():
-        sched = Scheduler(runner, tok, log=lambda m: None).start()
+        sched = EngineLoop(runner, tok, log=lambda m: None).start()
         loop = asyncio.get_running_loop()
         first = sched.submit(Request([1, 2], long, loop))
-        second = sched.submit(Request([3, 4], SamplingParams(max_new_tokens=3, ignore_eos=True), loop))
+        second = sched.submit(Request([3, 4], SamplingParams(max_tokens=3, ignore_eos=True), loop))
         # it holds the only slot: prefilled, first token sampled, its first decode step held
         assert await asyncio.to_thread(runner.held.wait, 30)
         first.cancel()
@@ -202,10 +194,10 @@ def test_shutdown_ends_running_and_refuses_waiting(tok):
     runner = GatedRunner(max_batch=1)
 
     async def main():
-        sched = Scheduler(runner, tok, log=lambda m: None).start()
+        sched = EngineLoop(runner, tok, log=lambda m: None).start()
         loop = asyncio.get_running_loop()
-        running = sched.submit(Request([1, 2], SamplingParams(max_new_tokens=60, ignore_eos=True), loop))
-        waiting = sched.submit(Request([3, 4], SamplingParams(max_new_tokens=3), loop))
+        running = sched.submit(Request([1, 2], SamplingParams(max_tokens=60, ignore_eos=True), loop))
+        waiting = sched.submit(Request([3, 4], SamplingParams(max_tokens=3), loop))
         assert await asyncio.to_thread(runner.held.wait, 30)  # first token sampled; its decode step is held
         stopping = asyncio.create_task(asyncio.to_thread(sched.shutdown))
         while not sched._stopping:  # shutdown has been requested ...
@@ -250,7 +242,7 @@ def _parked(cond, n):
 def test_idle_loop_waits_untimed_and_wakes_only_for_work(tok):
     """With nothing submitted the engine thread blocks in an untimed wait on its condition (no polling, no CPU
     use) and is woken once per submission, then parks again: counted waits, not a CPU-time budget."""
-    sched = Scheduler(SlotRunner(), tok, log=lambda m: None)
+    sched = EngineLoop(SlotRunner(), tok, log=lambda m: None)
     sched._cond = cond = CountingCondition()
     sched.start()
     try:
@@ -258,7 +250,7 @@ def test_idle_loop_waits_untimed_and_wakes_only_for_work(tok):
         assert cond.timeouts == [None], "the idle loop must not poll with a timeout"
 
         async def one():
-            req = sched.submit(Request([1, 2], SamplingParams(max_new_tokens=3, ignore_eos=True),
+            req = sched.submit(Request([1, 2], SamplingParams(max_tokens=3, ignore_eos=True),
                                        asyncio.get_running_loop()))
             return await asyncio.wait_for(_collect(req), 30)
 
