@@ -1,5 +1,5 @@
 """`hetmoe eval` and the demo-model training script: the evaluation math against hand-computed numbers,
-DropLowestExperts, identical / quantized / dropped configurations on the built-in model, the command's JSON
+dropping experts (MoELayer.set_drop), identical / quantized / dropped configurations on the built-in model, the command's JSON
 and its errors, and tools/train_demo_moe.py --smoke end to end (train, save, load, generate, eval)."""
 
 import json
@@ -18,7 +18,7 @@ from hetmoe.engine.loader import load_model, moe_blocks
 from hetmoe.engine.placement import EngineOptions
 from hetmoe.engine.runner import Runner
 from hetmoe.engine.tokenizer import Tokenizer
-from hetmoe.layers.moe import DropLowestExperts
+from hetmoe.moe import MoELayer, RouterSpec, drop_lowest
 from paths import LOGIT_CROSS_PATH_BOUND
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,7 +76,7 @@ def test_math_errors_and_windows():
         split_windows([1, 2, 3], 1)
 
 
-# ---------------------------------------------------------------- DropLowestExperts
+# ---------------------------------------------------------------- dropping experts (MoELayer.set_drop)
 
 class _Recorder:
     num_experts = 8
@@ -86,6 +86,15 @@ class _Recorder:
         return x
 
 
+def _dropping(rec, d, ids, weights):
+    """A MoE layer over ``rec`` that drops ``d`` experts per token, its route stage fixed to (weights, ids)."""
+    layer = MoELayer(RouterSpec("softmax", ids.shape[1]), rec.num_experts)
+    layer.attach(rec)
+    layer.set_drop(d)
+    layer.route = lambda logits, correction_bias=None: (weights, ids)
+    return layer
+
+
 def test_drop_lowest_experts_sets_the_lowest_weighted_ids_to_minus_one():
     ids = torch.tensor([[3, 1, 7, 5], [0, 2, 4, 6], [1, 2, 3, 4]])
     weights = torch.tensor([[0.4, 0.1, 0.3, 0.2], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
@@ -93,14 +102,15 @@ def test_drop_lowest_experts_sets_the_lowest_weighted_ids_to_minus_one():
     for d, want in [(0, ids.tolist()),
                     (1, [[3, -1, 7, 5], [-1, 2, 4, 6], [-1, 2, 3, 4]]),  # ties: the earlier slot goes first
                     (3, [[3, -1, -1, -1], [-1, -1, -1, 6], [-1, -1, -1, 4]])]:
-        DropLowestExperts(rec, d)(torch.zeros(3, 2), ids, weights)
+        _dropping(rec, d, ids, weights)(torch.zeros(3, 2), torch.zeros(3, 8))
         assert rec.ids.tolist() == want, d
         assert torch.equal(rec.weights, weights)  # not renormalised
+        assert drop_lowest(ids, weights, d).tolist() == want, d
     assert ids[0, 1] == 1  # the router's tensor is untouched
     with pytest.raises(ValueError, match="cannot drop 4 of the top-4"):
-        DropLowestExperts(rec, 4)(torch.zeros(3, 2), ids, weights)
+        _dropping(rec, 4, ids, weights)(torch.zeros(3, 2), torch.zeros(3, 8))
     with pytest.raises(ValueError, match=">= 0"):
-        DropLowestExperts(rec, -1)
+        MoELayer(RouterSpec("softmax", 4), 8).set_drop(-1)
 
 
 # ---------------------------------------------------------------- configurations of the built-in model
@@ -110,7 +120,7 @@ def _runner(fmt="bf16", drop=None, path=None):
     loaded = load_model(path or default_model_path(), opts, expert_cache=None, progress=False, log=lambda m: None)
     if drop is not None:
         for _, block in moe_blocks(loaded.model):
-            block.experts = DropLowestExperts(block.experts, drop)
+            block.set_drop(drop)
     return Runner(loaded)
 
 
