@@ -127,9 +127,9 @@ class Stream:
     """``LLM.stream``'s iterator: text pieces, then ``result`` (None until the completion has ended)."""
 
     def __init__(self, scheduler: Scheduler, prompt_ids: list, params: SamplingParams):
-        self._scheduler, self._pieces = scheduler, deque()
-        self._req = scheduler.add(Request(prompt_ids, params, on_text=self._pieces.append))
+        self._scheduler, self._pieces, self._req = scheduler, deque(), None
         self.result: Optional[GenerationResult] = None
+        self._req = scheduler.add(Request(prompt_ids, params, on_text=self._pieces.append))  # ValueError: refused
 
     def __iter__(self) -> "Stream":
         return self
@@ -152,7 +152,7 @@ class Stream:
     def close(self) -> None:
         """Stop the completion (its slot is freed at the next engine step); the iteration ends."""
         self._pieces.clear()
-        if not self._req.finished:
+        if self._req is not None and not self._req.finished:
             self._req.cancel()
 
     def __enter__(self) -> "Stream":

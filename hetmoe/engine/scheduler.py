@@ -115,11 +115,12 @@ class _NoObserver:
 
 class _Sequence:
     """A request in a slot: how much of its prompt is cached, the token to feed at the next decode step, and the
-    tokens the slot's cache holds (``kv``; ``kv_trusted`` is False while a call on the slot runs)."""
+    tokens the slot's cache holds (``kv``; ``kv_trusted`` is False while a call on the slot runs; ``keep``: a later
+    prompt may reuse them once this sequence has ended)."""
 
     def __init__(self, req: Request, slot: int, kv: list):
         self.req, self.slot, self.state = req, slot, req.state
-        self.kv, self.kv_trusted = kv, True
+        self.kv, self.kv_trusted, self.keep = kv, True, True
         self.prefilled = len(kv)  # prompt tokens in the cache
         self.next_token: Optional[int] = None  # sampled, not yet fed to the model
 
@@ -201,7 +202,7 @@ class Scheduler:
         """Trust nothing cached: the next prompts are computed whole."""
         self._cached = [[] for _ in self._cached]
         for seq in self.running:
-            seq.kv_trusted = False
+            seq.keep = False
 
     def stop_all(self, message: str) -> None:
         """End everything now: sequences that have generated finish as a length limit (their text so far kept),
@@ -229,7 +230,7 @@ class Scheduler:
             self._prefill_chunk()
             self._decode()
         except BaseException as e:
-            for seq in list(self.running):  # their state may be half updated; the calls that ran are not trusted
+            for seq in list(self.running):  # their state may be half updated (a call that never returned: untrusted)
                 self._fail(seq, "failed", f"internal error in the engine loop: {type(e).__name__}: {e}", e,
                            log=False)
             raise
@@ -381,5 +382,5 @@ class Scheduler:
     def _release(self, seq: _Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
-            self._cached[seq.slot] = seq.kv if seq.kv_trusted else []
+            self._cached[seq.slot] = seq.kv if seq.kv_trusted and seq.keep else []
             self._free.append(seq.slot)

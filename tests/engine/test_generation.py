@@ -356,6 +356,12 @@ def test_prefix_reuse_computes_only_the_new_part(tok):
     assert third.timings.cached_tokens == len(turn) - 1 and third.token_ids == second.token_ids
     sched.forget_cache()
     assert sched.run([Request(turn, params)])[0].timings.cached_tokens == 0
+    running = sched.add(Request(turn, params))  # forgotten while it runs: nothing it caches is reused either
+    sched.step()
+    sched.forget_cache()
+    while not running.finished:
+        sched.step()
+    assert sched.run([Request(turn, params)])[0].timings.cached_tokens == 0
 
 
 def test_each_conversation_finds_its_slot(tok):

@@ -89,6 +89,8 @@ def test_stream(llm):
     assert list(early) == [] and early.result is None
     assert llm.generate(PROMPTS[3], SamplingParams(max_tokens=2)).completion_tokens <= 2
     assert not llm.scheduler.running
+    with pytest.raises(ValueError, match="context holds 128"):
+        llm.stream("word " * 200, params)
 
 
 def test_chat(llm):
