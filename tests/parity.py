@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 
 from hetmoe.cpu import CPUExperts
 from hetmoe.layers.attention import Step
-from hetmoe.moe import TorchExperts
 from hetmoe.models.config import ModelConfig
+from hetmoe.moe import TorchExperts
 
 # Routed-expert tensors on disk: mlp.experts.E.{gate,up,down}_proj (Qwen, DeepSeek) or, in Mixtral checkpoints,
 # block_sparse_moe.experts.E.{w1,w3,w2} (gate, up, down).

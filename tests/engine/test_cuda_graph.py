@@ -2,12 +2,12 @@
 
 GPU tests (skipped without CUDA): graph decode against the same step run eagerly (``cuda_graph=False``: host
 functions, no capture) and against the synchronous path of prefill (``MoELayer`` outside a stream step: copies +
-stream synchronize + CPU forward), for batches 1, 3 (padded to 4) and 8 over steps that cross a 64-position KV bucket, with
-and without Expert Deferral, per architecture, fp32 and bf16; replays after routing changed; greedy generation.
-Tolerances (relative max logit error): an unpadded fp32 graph in "bucket" mode runs the very kernels of the eager
-step, so it must agree to 1e-6; otherwise kernel choices differ (padded GEMMs, attended length), and a 1e-7
-difference upstream can flip the bf16 rounding of an activation in the CPU engine: 2e-3 in fp32 (the bound of the
-other hybrid tests), 5e-2 in bf16. Measured values are printed (-s).
+stream synchronize + CPU forward), for batches 1, 3 (padded to 4) and 8 over steps that cross a 64-position KV
+bucket, with and without Expert Deferral, per architecture, fp32 and bf16; replays after routing changed; greedy
+generation. Tolerances (relative max logit error): an unpadded fp32 graph in "bucket" mode runs the very kernels of
+the eager step, so it must agree to 1e-6; otherwise kernel choices differ (padded GEMMs, attended length), and a
+1e-7 difference upstream can flip the bf16 rounding of an activation in the CPU engine: 2e-3 in fp32 (the bound of
+the other hybrid tests), 5e-2 in bf16. Measured values are printed (-s).
 
 CPU tests (CI): the padding, bucketing and static-input logic, the shared-experts hand-over, options, and that a
 CPU-only runner has no decoder.

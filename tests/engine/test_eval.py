@@ -1,6 +1,6 @@
 """`hetmoe eval` and the demo-model training script: the evaluation math against hand-computed numbers,
-dropping experts (MoELayer.set_drop), identical / quantized / dropped configurations on the built-in model, the command's JSON
-and its errors, and tools/train_demo_moe.py --smoke end to end (train, save, load, generate, eval)."""
+dropping experts (MoELayer.set_drop), identical / quantized / dropped configurations on the built-in model, the
+command's JSON and its errors, and tools/train_demo_moe.py --smoke end to end (train, save, load, generate, eval)."""
 
 import json
 import math

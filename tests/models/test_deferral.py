@@ -1,8 +1,9 @@
 """Expert Deferral (hetmoe/moe/deferral.py: DeferralChain; hetmoe/moe/dispatch.py: MoELayer.set_deferral,
-defer_experts; --defer-experts): d = 0 is the undeferred model bit for bit; d > 0 is y_l = S_l(x_l) + R_imm_l(x_l) + R_def_{l-1}(x_{l-1}) as written out layer by layer in
-plain PyTorch below; the first MoE layer has no deferred input and the last defers nothing; the CPU engine's
-overlapped jobs give the synchronous result bit for bit; bad d is refused; nothing leaks from one forward call to
-the next. Checkpoints: synthetic.write_checkpoint, fp32, with three MoE layers (first, middle, last) and top-4.
+defer_experts; --defer-experts): d = 0 is the undeferred model bit for bit; d > 0 is
+y_l = S_l(x_l) + R_imm_l(x_l) + R_def_{l-1}(x_{l-1}) as written out layer by layer in plain PyTorch below; the first
+MoE layer has no deferred input and the last defers nothing; the CPU engine's overlapped jobs give the synchronous
+result bit for bit; bad d is refused (and deferring again replaces, never stacks); nothing leaks from one forward
+call to the next. Checkpoints: synthetic.write_checkpoint, fp32, with three MoE layers (first, middle, last) and top-4.
 
 Engine paths (tests/paths.py): the bitwise properties (d = 0, overlapped == synchronous, first/middle/last, no
 leaks) hold within one path, and the formula test compares the engine with the fp32 reference under the bf16
@@ -21,6 +22,9 @@ from hetmoe.engine.loader import defer_experts, load_model, moe_blocks  # noqa: 
 from hetmoe.engine.placement import EngineOptions  # noqa: E402
 from hetmoe.engine.runner import Runner  # noqa: E402
 from hetmoe.layers.attention import Step  # noqa: E402
+from hetmoe.layers.rope import cos_sin  # noqa: E402
+from hetmoe.models import model_class  # noqa: E402
+from hetmoe.models.config import ModelConfig  # noqa: E402
 from hetmoe.moe import (  # noqa: E402
     DeferralChain,
     MoELayer,
@@ -30,9 +34,6 @@ from hetmoe.moe import (  # noqa: E402
     route_softmax,
     split_deferred,
 )
-from hetmoe.layers.rope import cos_sin  # noqa: E402
-from hetmoe.models import model_class  # noqa: E402
-from hetmoe.models.config import ModelConfig  # noqa: E402
 from hetmoe.testing.synthetic import build_random_model  # noqa: E402
 from parity import load_ours, max_rel, torch_fp32  # noqa: E402
 from paths import CLASS_PATHS  # noqa: E402
