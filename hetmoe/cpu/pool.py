@@ -31,11 +31,10 @@ def cpu_info() -> dict:
 
 
 # Cores the hybrid placement leaves to threads other than the expert pool's: the Python thread that launches and
-# waits for the GPU work, and the stream-signal watcher (csrc/stream_signals.h), which spin while a decode step
+# waits for the GPU work, and the stream-signal watcher (csrc/stream/signals.h), which spin while a decode step
 # runs. A pool pinned to every core shares cores with them, and a worker descheduled in the middle of a parallel
-# job holds the whole job up for a scheduler time slice. Measured on the H200 machine (16 cores, qwen3-30b-a3b
-# shape, 8 layers, bench/device/gpu_step_profile.py): a graph decode step took 56.0 ms with 16 pool threads (each
-# CPU job's gate+up stage 3.4 ms instead of 0.12) and 2.79 ms with 14.
+# job holds the whole job up for a scheduler time slice: a decode step is many times slower
+# (docs/experiments/2026-11-29-decode-step.md#reserved-cores).
 HYBRID_RESERVED_CORES = 2
 
 

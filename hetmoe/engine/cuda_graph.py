@@ -12,10 +12,9 @@ Attention must not change shape between replays. Two ways (``kv_mode``):
             positions): one graph per batch size.
   "bucket"  the attended length is rounded up to KV_BUCKET as in eager runs: one graph per (batch size, length
             bucket), each captured the first time a step needs it.
-``hetmoe bench e2e --kv-contexts 1024,4096`` measures both (BENCHMARKS.md). The default is "bucket": on the GPU
-machine (qwen3-30b-a3b shape, int4, batch 1, max_context 4096) a step near position 1000 took 25.9 ms with buckets
-and 33.5 ms attending the whole cache, and both 32.8-32.9 ms near position 4090; a bucket's capture (~230 ms, every
-64 tokens) costs less than the 64 steps it shortens whenever the sequence is well short of max_context.
+``hetmoe bench e2e --kv-contexts 1024,4096`` measures both. The default is "bucket": a step well short of
+max_context attends far fewer positions, and a bucket's capture (once every 64 tokens) costs less than the 64 steps
+it shortens (docs/experiments/2026-11-29-whole-model-and-serving.md#kv-buckets).
 
 Shape letters: n real rows, B padded batch (a captured size), C the largest captured size, V vocabulary.
 """

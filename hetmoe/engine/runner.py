@@ -38,8 +38,9 @@ class Runner:
         self.max_batch = loaded.options.max_batch
         self.prefill_chunk = loaded.options.prefill_chunk
         if self.device.type == "cuda":
-            # cuDNN's SDPA builds an execution graph on the CPU for every new shape (measured ~11 ms per call on the
-            # H200 machine); decode changes the attended length every step, so leave attention to the other kernels.
+            # cuDNN's SDPA builds an execution graph on the CPU for every new shape, and decode changes the attended
+            # length every step, so leave attention to the other kernels
+            # (docs/experiments/2026-11-29-whole-model-and-serving.md#omp-wait-policy).
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.decoder: Optional[GraphDecoder] = None
         self.hybrid: Optional[StreamDecode] = None
