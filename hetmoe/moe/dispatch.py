@@ -5,7 +5,8 @@ A model's MoE block calls ``self.moe(x, logits, shared=...)``; the layer routes 
 when the model is on a GPU; GPU-resident experts on the main stream; Expert Deferral's two parts), and adds the
 parts in one fixed order (hetmoe/moe/combine.py). Inside a decode step of the runner the same layer runs in CUDA
 stream order instead (hetmoe/moe/stream.py, active through ``stream.current()``: a per-call context, nothing
-written into the layer).
+written into the layer), and a long prefill chunk on the GPU computes the experts there from weights streamed
+layer by layer (hetmoe/moe/layerwise.py, ``layerwise.current()``).
 
 What a layer holds, all set by the loader (hetmoe/engine/loader.py) and changeable between calls:
   experts   the experts backend (``CPUExperts``, ``TorchExperts``; hetmoe/moe/backends.py)
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from hetmoe.cpu.experts import CPUExperts
-from hetmoe.moe import stream
+from hetmoe.moe import layerwise, stream
 from hetmoe.moe.combine import combine
 from hetmoe.moe.deferral import DeferralChain, Deferred, drop_lowest, split_deferred
 from hetmoe.moe.router import RouterSpec
@@ -128,7 +129,7 @@ class MoELayer:
         ``correction_bias``: the router's score correction (sigmoid_grouped), a model buffer."""
         if self.experts is None:
             raise RuntimeError("no experts are attached to this MoE layer (MoELayer.attach)")
-        driver = stream.current()
+        driver = stream.current() or layerwise.current()
         if driver is not None and driver.drives(self, x):
             return driver.run(self, x, logits, shared, correction_bias)
         weights, ids = self.route(logits, correction_bias)

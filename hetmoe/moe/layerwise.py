@@ -1,0 +1,216 @@
+"""Layerwise GPU prefill: a dispatch path of the MoE layer for long prompts. Each MoE layer's routed experts are
+computed on the GPU from the CPU engine's own packed bytes, streamed over PCIe one layer ahead of the compute.
+
+Per forward call (a prefill chunk of T >= ``min_tokens`` tokens), with S slots (default 2) on the GPU:
+
+    start of the call       copy stream: layers 0 .. S-1's packed experts -> slots 0 .. S-1   (DMA from the engine's
+                                         storage, registered with the driver: no second copy in RAM)
+    MoE layer i             main stream: route (hetmoe/moe/router.py); wait for slot i % S's copy (an event);
+                                         unpack the packed layout to the model dtype (hetmoe/moe/packed.py);
+                                         gate+up, SwiGLU, down as grouped GEMMs over the tokens sorted by expert;
+                                         record "slot free"
+                            copy stream: after "slot free", layer i + S -> slot i % S (runs while layers
+                                         i + 1 .. i + S - 1 compute)
+                            main stream: combine (hetmoe/moe/combine.py) with the shared experts
+
+Events order every slot reuse; nothing synchronizes the device. The whole layer is copied: the copy of layer i + 1
+starts before its router has run (that is the overlap), and at the token counts where this path wins, T·k is many
+times the number of experts, so nearly every expert is routed to anyway. Expert Deferral is a decode feature: here
+every expert is computed exactly once, on the layer's own input; GPU-resident experts are computed from the
+streamed weights like the others (they hold the same values).
+
+Shape letters: T tokens, k experts per token, E experts, H hidden size, I intermediate size, M = T·k rows.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from hetmoe.moe.combine import combine
+from hetmoe.moe.deferral import drop_lowest
+from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
+
+_current: contextvars.ContextVar = contextvars.ContextVar("hetmoe_layerwise_prefill", default=None)
+
+
+def current() -> Optional["LayerwisePrefill"]:
+    """The layerwise prefill running in this context, or None."""
+    return _current.get()
+
+
+def _grouped_mm_ok(x: torch.Tensor) -> bool:
+    """torch._grouped_mm: bf16 on a GPU of compute capability 9.0 or newer."""
+    if x.device.type != "cuda" or x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        return False
+    return torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def grouped_swiglu(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gu: torch.Tensor,
+                   w_down: torch.Tensor) -> torch.Tensor:
+    """The routed experts of every (token, slot) pair: x [T, H], topk_ids / topk_weights [T, k] (-1: skipped),
+    w_gu [E, 2I, H] (gate rows, then up rows), w_down [E, H, I], all in one dtype on x's device -> fp32 [T, H]."""
+    T, k = topk_ids.shape
+    E, two_i, _ = w_gu.shape
+    I = two_i // 2
+    flat = topk_ids.reshape(-1).long()
+    flat = torch.where(flat < 0, E, flat)  # skipped slots sort last, into a bucket no expert reads
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E + 1)[:E]
+    ends = torch.cumsum(counts, 0)
+    n_valid = int(ends[-1])  # one host sync per layer: prefill runs eagerly
+    order = order[:n_valid]
+    tok = order // k
+    xs = x[tok].to(w_gu.dtype)  # [M, H]
+    if _grouped_mm_ok(xs):
+        offs = ends.to(torch.int32)
+        gu = torch._grouped_mm(xs, w_gu.transpose(1, 2), offs=offs)  # [M, 2I]
+        h = F.silu(gu[:, :I]) * gu[:, I:]
+        y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs)  # [M, H]
+    else:  # one expert at a time (CPU, older GPUs, fp32 models)
+        y = torch.empty(n_valid, w_down.shape[1], dtype=xs.dtype, device=xs.device)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                gu = xs[start:start + n] @ w_gu[e].T
+                y[start:start + n] = (F.silu(gu[:, :I]) * gu[:, I:]) @ w_down[e].T
+            start += n
+    y = y.float() * topk_weights.reshape(-1)[order].float().unsqueeze(1)
+    return torch.zeros(T, w_down.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y)
+
+
+class _HostMemory:
+    """The engine's storage ranges registered with the CUDA driver (page-locked in place), so that copies from them
+    are DMA transfers that run on a stream, without a staging copy. ``cudaHostRegister`` through PyTorch's binding of
+    the CUDA runtime."""
+
+    def __init__(self, tensors: list):
+        self.ptrs = []
+        cudart = torch.cuda.cudart()
+        for t in tensors:
+            err = cudart.cudaHostRegister(t.data_ptr(), t.numel(), 0)
+            if int(getattr(err, "value", err)) != 0:
+                self.close()
+                raise RuntimeError(f"cudaHostRegister of {t.numel() / 2**20:.0f} MiB of expert storage failed "
+                                   f"(error {int(getattr(err, 'value', err))})")
+            self.ptrs.append(t.data_ptr())
+
+    def close(self) -> None:
+        cudart = torch.cuda.cudart()
+        for p in self.ptrs:
+            cudart.cudaHostUnregister(p)
+        self.ptrs = []
+
+
+class LayerwisePrefill:
+    """The layerwise GPU prefill of one model's MoE layers (``layers``: MoELayers with the unsplit CPU engine, in
+    forward order). ``min_tokens``: the forward calls with at least this many tokens take this path (the runner
+    asks ``wants(T)``); ``slots``: GPU buffers of one layer's packed experts each (>= 2: copy one while computing
+    another). On a CPU ``device`` (tests) the same path runs without copies, reading the engine's storage directly."""
+
+    def __init__(self, layers: list, device, dtype: torch.dtype, min_tokens: int, slots: int = 2):
+        if slots < 2:
+            raise ValueError(f"layerwise prefill needs at least 2 slots, got {slots}")
+        self.device, self.dtype = torch.device(device), dtype
+        self.min_tokens, self.n_slots = int(min_tokens), int(slots)
+        self.layers = list(layers)
+        self._index = {id(layer): i for i, layer in enumerate(self.layers)}
+        self.layouts = [ExpertLayout.of(layer.engine) for layer in self.layers]
+        self.host = [expert_ranges(layer.engine, lay) for layer, lay in zip(self.layers, self.layouts)]
+        self.cuda = self.device.type == "cuda"
+        self._registered = None
+        if self.cuda:
+            self._registered = _HostMemory([t for ranges in self.host for t in ranges])
+            widths = [max(r[j].numel() for r in self.host) for j in range(len(self.host[0]))]
+            self.slots = [[torch.empty(w, dtype=torch.uint8, device=self.device) for w in widths]
+                          for _ in range(self.n_slots)]
+            self.copy_stream = torch.cuda.Stream(self.device)
+            self.copied = [torch.cuda.Event() for _ in range(self.n_slots)]
+            self.freed = [None] * self.n_slots  # the event after the last compute that read the slot
+        self.layers_run = 0  # MoE layers computed here since construction (for reports and tests)
+
+    @property
+    def slot_bytes(self) -> int:
+        """GPU memory the slots hold."""
+        return sum(t.numel() for slot in getattr(self, "slots", []) for t in slot)
+
+    def wants(self, n_tokens: int) -> bool:
+        return bool(self.layers) and n_tokens >= self.min_tokens
+
+    def drives(self, layer, x: torch.Tensor) -> bool:
+        return id(layer) in self._index and x.device.type == self.device.type
+
+    @contextmanager
+    def prefill(self):
+        """One forward call on this path: the first slots' copies start now."""
+        if current() is not None:
+            raise RuntimeError("a layerwise prefill is already running")
+        for i in range(min(self.n_slots, len(self.layers))):
+            self._issue(i)
+        token = _current.set(self)
+        try:
+            yield self
+        finally:
+            _current.reset(token)
+
+    def _issue(self, i: int) -> None:
+        if not self.cuda:
+            return
+        s = i % self.n_slots
+        with torch.cuda.stream(self.copy_stream):
+            if self.freed[s] is not None:
+                self.copy_stream.wait_event(self.freed[s])
+            for dst, src in zip(self.slots[s], self.host[i]):
+                dst[:src.numel()].copy_(src, non_blocking=True)
+            self.copied[s].record(self.copy_stream)
+
+    def _weights(self, i: int) -> tuple:
+        lay = self.layouts[i]
+        if not self.cuda:
+            return unpack_experts(lay, self.host[i], lay.num_experts, self.dtype)
+        s = i % self.n_slots
+        torch.cuda.current_stream(self.device).wait_event(self.copied[s])
+        ranges = [dst[:src.numel()] for dst, src in zip(self.slots[s], self.host[i])]
+        return unpack_experts(lay, ranges, lay.num_experts, self.dtype)
+
+    def run(self, layer, x: torch.Tensor, logits: torch.Tensor, shared=None,
+            correction_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """MoE layer ``layer``'s routed (+ ``shared(x)``) output [T, H] in x's dtype, its experts on this device."""
+        i = self._index[id(layer)]
+        weights, ids = layer.route(logits, correction_bias)
+        if layer.drop:
+            ids = drop_lowest(ids, weights, layer.drop)
+        w_gu, w_down = self._weights(i)
+        y = grouped_swiglu(x, ids, weights, w_gu, w_down)
+        del w_gu, w_down
+        if self.cuda:
+            s = i % self.n_slots
+            self.freed[s] = torch.cuda.Event()
+            self.freed[s].record(torch.cuda.current_stream(self.device))
+            if i + self.n_slots < len(self.layers):
+                self._issue(i + self.n_slots)
+        self.layers_run += 1
+        return combine(y, None, None, x.dtype, shared(x) if shared is not None else None)
+
+    def close(self) -> None:
+        if self._registered is not None:
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+            self._registered.close()
+            self._registered = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter exit: the CUDA runtime may be gone already, and the process with it
+            pass
+
+
+def eligible(layer) -> bool:
+    """Whether a MoE layer can take this path: the CPU engine, not split over NUMA subpools."""
+    engine = layer.engine
+    return engine is not None and engine.info().get("numa_subpools", 1) == 1
