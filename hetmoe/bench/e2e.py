@@ -18,6 +18,7 @@ so ``max_context`` defaults to what the run needs (longest prompt, or shortest p
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import statistics
@@ -30,6 +31,7 @@ import torch
 from hetmoe import cpu
 from hetmoe.bench.decode_variants import decode_variants, fmt_variants, kv_modes
 from hetmoe.bench.kernel import GB, llc_bytes, machine_info, write_json
+from hetmoe.cli.options import engine_options
 from hetmoe.engine.loader import LoadedModel, load_model, moe_blocks
 from hetmoe.engine.placement import EngineOptions, free_ram
 from hetmoe.engine.runner import Runner
@@ -145,10 +147,7 @@ def measure(loaded: LoadedModel, prompts: list, decode_tokens: int, repeats: int
 
 def _options(args, device: str, max_context: int) -> EngineOptions:
     fmt = QUICK["experts_format"] if args.quick and args.experts_format == "auto" else args.experts_format
-    return EngineOptions(device=device, experts_format=fmt, group_size=args.group_size,
-                         threads=args.threads, max_context=max_context, dtype=args.dtype,
-                         defer_experts=args.defer_experts, gpu_experts=args.gpu_experts,
-                         calibration_file=args.calibration_file, isa=args.isa)
+    return dataclasses.replace(engine_options(args), device=device, experts_format=fmt, max_context=max_context)
 
 
 def _build(args, shape: Optional[str], layers: Optional[int], options: EngineOptions, log) -> LoadedModel:

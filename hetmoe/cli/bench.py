@@ -108,8 +108,12 @@ def _add_e2e(sub) -> None:
     e2e.add_argument("--seed", type=int, default=0, help="random weights and token ids (default: 0)")
     e2e.add_argument("--json", metavar="PATH", default=None, help="write all results as JSON ('-' = stdout)")
     e2e.add_argument("--no-variants", action="store_true",
-                     help="hybrid placement: skip the decode variants (eager, CUDA graph, graph + deferral d=1..3, "
+                     help="hybrid placement: skip the decode variants (eager, CUDA graph, graph + deferral d=1..k-1, "
                      "graph + --gpu-experts) and their GPU/CPU time split")
+    e2e.add_argument("--variants", type=_name_list, default=None, metavar="NAME,NAME",
+                     help="hybrid placement: run only these decode variants, e.g. graph,graph+d6 (names as the table "
+                     "prints them; also the off-by-default switches, e.g. graph+topk-gpu: the top-k on the GPU "
+                     "instead of inside the CPU jobs)")
     e2e.add_argument("--kv-contexts", type=int_list, default=None, metavar="N,N",
                      help="hybrid placement: also time graph decode near the end of these context lengths with "
                      "attention over the whole cache vs per 64-position bucket (e.g. 1024,4096)")
@@ -118,6 +122,13 @@ def _add_e2e(sub) -> None:
                      "(explicit options win)")
     add_engine_options(e2e, model=False)
     e2e.set_defaults(handler=_run_e2e)
+
+
+def _name_list(text: str) -> list:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of variant names")
+    return names
 
 
 def _add_serve(sub) -> None:
