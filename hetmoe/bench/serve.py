@@ -38,17 +38,20 @@ STARTUP_TIMEOUT_S = 600.0
 
 def _start_server(args) -> tuple:
     """``hetmoe serve`` on port 0 with this command's engine options -> (process, base url of the API)."""
+    from hetmoe.cli.options import engine_fields
+
     cmd = [sys.executable, "-m", "hetmoe", "serve", "--port", "0", "--max-batch", str(args.max_batch)]
     for flag, value in (("--model", args.model), ("--shape", args.shape), ("--layers", args.layers),
-                        ("--device", args.device), ("--experts-format", args.experts_format),
-                        ("--group-size", args.group_size), ("--threads", args.threads),
-                        ("--max-context", args.max_context), ("--dtype", args.dtype),
-                        ("--defer-experts", args.defer_experts),
                         ("--expert-cache", args.expert_cache)):
         if value is not None:
             cmd += [flag, str(value)]
-    if getattr(args, "no_cuda_graph", False):
-        cmd.append("--no-cuda-graph")
+    for f in engine_fields():  # every engine flag, as given to this command
+        flag = f.metadata["flag"]
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if f.metadata.get("negate"):
+            cmd += [flag] if value else []
+        elif value is not None and value != f.default:
+            cmd += [flag, str(value)]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     found, lines = {}, []
     ready = threading.Event()
