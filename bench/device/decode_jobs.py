@@ -47,8 +47,8 @@ for r in range(R):
         ids = torch.randperm(E, generator=gen)[:k].view(1, k).to(torch.int32)
         w = torch.rand(1, k, generator=gen)
         row.append(ex.prepare(x, ids, w))
-        imm = ex.prepare(x, ids, w, defer=D)
-        srow.append((imm, ex.prepare(x, ids, w, defer=D, deferred=True, pair=imm)))
+        imm = ex.prepare(x, ids, w, slots=cpu.Slots.immediate(D))
+        srow.append((imm, ex.prepare(x, ids, w, slots=cpu.Slots.deferred(D, pair=imm))))
     full.append(row)
     split.append(srow)
 step_bytes = L * k * bpe

@@ -1,6 +1,6 @@
 // The route stage on the CPU. A MoE job handed the router's logits (MoeCall::logits) routes its tokens itself and
 // writes the top-k ids and weights: a hybrid decode step then copies the logits to the host instead of running the
-// top-k on the GPU (hetmoe/layers/hybrid.py). Two routers, each the CPU twin of a function in hetmoe/layers/moe.py:
+// top-k on the GPU (hetmoe/moe/stream.py). Two routers, each the CPU twin of a function in hetmoe/moe/router.py:
 //   softmax          route_softmax: softmax over the experts, top-k, optionally renormalised (Mixtral, Qwen2/3-MoE);
 //   sigmoid_grouped  route_deepseek_v3: sigmoid scores; experts chosen by score + correction bias within the
 //                    topk_group groups whose two best biased scores sum highest; weighted by the unbiased score

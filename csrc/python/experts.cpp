@@ -18,6 +18,110 @@ namespace bindings {
 
 namespace {
 
+// One MoE call as Python describes it to make_job (hetmoe/cpu/experts.py CPUExperts.prepare): tensors as addresses
+// (Tensor.data_ptr(); 0 = none) with their dtype flags, shapes in the letters of moe/moe.h. The C++ twin is MoeCall;
+// make_call converts one into the other and checks what can be checked without the tensors.
+struct JobSpec {
+  uintptr_t x = 0;  // [T, H] fp32, or bf16 with x_bf16
+  bool x_bf16 = false;
+  uintptr_t ids = 0;  // [T, k] int64, or int32 with ids_int32 (-1 = skip); written by a job that routes itself
+  bool ids_int32 = false;
+  uintptr_t weights = 0;  // [T, k] fp32; written by a job that routes itself
+  int k = 0;
+  uintptr_t out = 0;  // [T, H] fp32, or bf16 with out_bf16
+  bool out_bf16 = false;
+  bool accumulate = false;      // out (+)= the experts' sum
+  uintptr_t n_tokens_ptr = 0;   // one int64 read when the job runs (the token count; 0: T)
+  int64_t T = 0;                // rows of every buffer (the capacity), and the token count without n_tokens_ptr
+  uintptr_t skip_mask = 0;      // [E] uint8/bool, nonzero = the CPU skips this expert; read when the job runs
+  JobPart part = JobPart::all;  // which of each token's k slots the job computes (Expert Deferral)
+  int defer = 0;                // d: the deferred part is each token's d lowest-weighted slots (parts other than all)
+  uintptr_t addend = 0;         // [T, H] fp32 added to each token's sum after the experts
+  // Routing on the CPU (moe/routing.h): with logits set, the job routes every token itself and writes ids, weights.
+  uintptr_t logits = 0;  // [T, E] fp32, or bf16 with logits_bf16
+  bool logits_bf16 = false;
+  RouteScore router = RouteScore::softmax;
+  bool norm_topk_prob = false;
+  int n_group = 1;
+  int topk_group = 1;
+  float routed_scaling_factor = 1.f;
+  uintptr_t correction_bias = 0;  // [E] fp32 (sigmoid_grouped; 0: zeros)
+};
+
+// Throws std::invalid_argument for a spec no job can run (MoeJob's constructor checks k and the deferral fields).
+MoeCall make_call(const JobSpec& s, int n_expert) {
+  if (s.T > 0 && (!s.x || !s.ids || !s.weights || !s.out))
+    throw std::invalid_argument("make_job: x, ids, weights and out must be set for T > 0");
+  if (s.T < 0) throw std::invalid_argument("make_job: T must be >= 0, got " + std::to_string(s.T));
+  MoeCall call;
+  call.x = ptr<const void>(s.x);
+  call.x_bf16 = s.x_bf16;
+  call.ids = ptr<const void>(s.ids);
+  call.ids_int32 = s.ids_int32;
+  call.weights = ptr<const float>(s.weights);
+  call.k = s.k;
+  call.out = ptr<void>(s.out);
+  call.out_bf16 = s.out_bf16;
+  call.accumulate = s.accumulate;
+  call.n_tokens_ptr = ptr<const int64_t>(s.n_tokens_ptr);
+  call.n_tokens = s.T;
+  call.capacity = s.T;
+  call.skip_mask = ptr<const uint8_t>(s.skip_mask);
+  call.part = s.part;
+  call.defer_lowest = s.defer;
+  call.addend = ptr<const float>(s.addend);
+  call.logits = ptr<const void>(s.logits);
+  call.logits_bf16 = s.logits_bf16;
+  call.router.score = s.router;
+  call.router.norm_topk_prob = s.norm_topk_prob;
+  call.router.n_group = s.n_group;
+  call.router.topk_group = s.topk_group;
+  call.router.scaling = s.routed_scaling_factor;
+  call.router.bias = ptr<const float>(s.correction_bias);
+  if (call.logits) check_router(call.router, n_expert, s.k);
+  return call;
+}
+
+// JobSpec(**fields): unknown names raise AttributeError (the class has no dynamic attributes).
+void bind_job_spec(py::module_& m) {
+  py::enum_<JobPart>(m, "JobPart")
+      .value("all", JobPart::all)
+      .value("immediate", JobPart::immediate)
+      .value("deferred", JobPart::deferred);
+  py::enum_<RouteScore>(m, "RouterKind")
+      .value("softmax", RouteScore::softmax)
+      .value("sigmoid_grouped", RouteScore::sigmoid_grouped);
+  py::class_<JobSpec> c(m, "JobSpec");
+  c.def(py::init([](const py::kwargs& fields) {
+     py::object spec = py::cast(JobSpec{});
+     for (auto item : fields) py::setattr(spec, item.first, item.second);
+     return spec.cast<JobSpec>();
+   }))
+      .def_readwrite("x", &JobSpec::x)
+      .def_readwrite("x_bf16", &JobSpec::x_bf16)
+      .def_readwrite("ids", &JobSpec::ids)
+      .def_readwrite("ids_int32", &JobSpec::ids_int32)
+      .def_readwrite("weights", &JobSpec::weights)
+      .def_readwrite("k", &JobSpec::k)
+      .def_readwrite("out", &JobSpec::out)
+      .def_readwrite("out_bf16", &JobSpec::out_bf16)
+      .def_readwrite("accumulate", &JobSpec::accumulate)
+      .def_readwrite("n_tokens_ptr", &JobSpec::n_tokens_ptr)
+      .def_readwrite("T", &JobSpec::T)
+      .def_readwrite("skip_mask", &JobSpec::skip_mask)
+      .def_readwrite("part", &JobSpec::part)
+      .def_readwrite("defer", &JobSpec::defer)
+      .def_readwrite("addend", &JobSpec::addend)
+      .def_readwrite("logits", &JobSpec::logits)
+      .def_readwrite("logits_bf16", &JobSpec::logits_bf16)
+      .def_readwrite("router", &JobSpec::router)
+      .def_readwrite("norm_topk_prob", &JobSpec::norm_topk_prob)
+      .def_readwrite("n_group", &JobSpec::n_group)
+      .def_readwrite("topk_group", &JobSpec::topk_group)
+      .def_readwrite("routed_scaling_factor", &JobSpec::routed_scaling_factor)
+      .def_readwrite("correction_bias", &JobSpec::correction_bias);
+}
+
 // The MoeExperts a Python experts object runs on: itself, or a NUMA engine's slices.
 inline std::vector<const MoeExperts*> engines_of(const MoeExperts& ex) { return {&ex}; }
 template <typename Split>
@@ -29,7 +133,7 @@ std::vector<const MoeExperts*> engines_of(const Split& ex) {
 
 // Binds __init__(pool_or_pools, num_experts, hidden_size, intermediate_size, weight_format, group_size, isa,
 // amx_emulated=False, amx_min_tokens=...) and the shared methods on `c`; Pools is what the constructor takes,
-// Job what make_job returns (a job over a MoeCall).
+// Job what make_job(JobSpec) returns (a job over a MoeCall).
 template <typename Experts, typename Pools, typename JobT>
 void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const char* pools_arg) {
   c.def(py::init([](std::shared_ptr<Pools> pools, int n_expert, int hidden, int inter, const std::string& fmt,
@@ -91,62 +195,16 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
       .def_property_readonly("n_loaded", &Experts::n_loaded)
       .def(
           "make_job",
-          [](std::shared_ptr<Experts> ex, uintptr_t x, bool x_bf16, uintptr_t ids, bool ids_int32, uintptr_t weights,
-             int k, uintptr_t out, bool out_bf16, bool accumulate, uintptr_t n_tokens_ptr, int64_t n_tokens,
-             int64_t capacity, uintptr_t skip_mask, int defer_lowest, const std::string& part, uintptr_t logits,
-             bool logits_bf16, bool norm_topk_prob, uintptr_t addend, const std::string& router, int n_group,
-             int topk_group, float routed_scaling_factor, uintptr_t correction_bias) {
-            MoeCall call;
-            call.x = ptr<const void>(x);
-            call.x_bf16 = x_bf16;
-            call.ids = ptr<const void>(ids);
-            call.ids_int32 = ids_int32;
-            call.weights = ptr<const float>(weights);
-            call.k = k;
-            call.out = ptr<void>(out);
-            call.out_bf16 = out_bf16;
-            call.accumulate = accumulate;
-            call.n_tokens_ptr = ptr<const int64_t>(n_tokens_ptr);
-            call.n_tokens = n_tokens;
-            call.capacity = capacity;
-            call.skip_mask = ptr<const uint8_t>(skip_mask);
-            call.defer_lowest = defer_lowest;
-            call.logits = ptr<const void>(logits);
-            call.logits_bf16 = logits_bf16;
-            if (router == "softmax")
-              call.router.score = RouteScore::softmax;
-            else if (router == "sigmoid_grouped")
-              call.router.score = RouteScore::sigmoid_grouped;
-            else
-              throw std::invalid_argument("router must be softmax or sigmoid_grouped, got '" + router + "'");
-            call.router.norm_topk_prob = norm_topk_prob;
-            call.router.n_group = n_group;
-            call.router.topk_group = topk_group;
-            call.router.scaling = routed_scaling_factor;
-            call.router.bias = ptr<const float>(correction_bias);
-            if (call.logits) check_router(call.router, ex->config().n_expert, k);
-            call.addend = ptr<const float>(addend);
-            if (part == "all")
-              call.part = JobPart::all;
-            else if (part == "immediate")
-              call.part = JobPart::immediate;
-            else if (part == "deferred")
-              call.part = JobPart::deferred;
-            else
-              throw std::invalid_argument("part must be all, immediate or deferred, got '" + part + "'");
-            return std::make_shared<JobT>(std::move(ex), call);
+          [](std::shared_ptr<Experts> ex, const JobSpec& spec) {
+            return std::make_shared<JobT>(ex, make_call(spec, ex->config().n_expert));
           },
-          py::arg("x"), py::arg("x_bf16"), py::arg("ids"), py::arg("ids_int32"), py::arg("weights"), py::arg("k"),
-          py::arg("out"), py::arg("out_bf16"), py::arg("accumulate"), py::arg("n_tokens_ptr"), py::arg("n_tokens"),
-          py::arg("capacity"), py::arg("skip_mask"), py::arg("defer_lowest") = 0, py::arg("part") = "all",
-          py::arg("logits") = 0, py::arg("logits_bf16") = false, py::arg("norm_topk_prob") = false,
-          py::arg("addend") = 0, py::arg("router") = "softmax", py::arg("n_group") = 1, py::arg("topk_group") = 1,
-          py::arg("routed_scaling_factor") = 1.f, py::arg("correction_bias") = 0);
+          py::arg("spec"));
 }
 
 }  // namespace
 
 void bind_experts(py::module_& m) {
+  bind_job_spec(m);
   py::class_<MoeJob, Job, std::shared_ptr<MoeJob>>(m, "MoeJob");
   py::class_<NumaMoeJob, Job, std::shared_ptr<NumaMoeJob>>(m, "NumaMoeJob");
   m.def("pair_deferral_jobs", &MoeJob::pair, py::arg("immediate"), py::arg("deferred"));

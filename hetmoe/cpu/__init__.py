@@ -4,13 +4,13 @@ stream submits and waits for CPU jobs (``HostFuncs``, host_funcs.py). The C++ be
 (csrc/)."""
 
 from hetmoe import _C  # noqa: F401
-from hetmoe.cpu.experts import AMX_EMULATED, ISAS, WEIGHT_FORMATS, CPUExperts
+from hetmoe.cpu.experts import AMX_EMULATED, ISAS, WEIGHT_FORMATS, CPUExperts, HostRoute, Slots
 from hetmoe.cpu.host_funcs import MECHANISMS, HostFuncs, _leaked_jobs, cuda_hooks_available, default_mechanism
 from hetmoe.cpu.numa import NumaOption, resolve_subpools
 from hetmoe.cpu.pool import HYBRID_RESERVED_CORES, ExpertPool, MoEJob, cpu_info, default_threads, shared_pool
 
 __all__ = [
-    "AMX_EMULATED", "ISAS", "WEIGHT_FORMATS", "CPUExperts", "MECHANISMS", "HostFuncs", "_leaked_jobs",
-    "cuda_hooks_available", "default_mechanism", "NumaOption", "resolve_subpools", "HYBRID_RESERVED_CORES",
-    "ExpertPool", "MoEJob", "cpu_info", "default_threads", "shared_pool",
+    "AMX_EMULATED", "ISAS", "WEIGHT_FORMATS", "CPUExperts", "HostRoute", "Slots", "MECHANISMS", "HostFuncs",
+    "_leaked_jobs", "cuda_hooks_available", "default_mechanism", "NumaOption", "resolve_subpools",
+    "HYBRID_RESERVED_CORES", "ExpertPool", "MoEJob", "cpu_info", "default_threads", "shared_pool",
 ]

@@ -12,6 +12,7 @@ Shape letters: T tokens, E experts, k experts per token, H hidden size, I expert
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
@@ -21,7 +22,7 @@ from hetmoe.cpu.numa import NumaOption, resolve_subpools
 from hetmoe.cpu.pool import ExpertPool, MoEJob, shared_pool
 
 if TYPE_CHECKING:  # hetmoe.moe imports this module: the router type is for annotations only
-    from hetmoe.moe.router import RouterSpec as HostRouter
+    from hetmoe.moe.router import RouterSpec
 
 WEIGHT_FORMATS = ("bf16", "int8", "int4")
 ISAS = ("scalar", "avx2", "avx512", "amx")
@@ -30,6 +31,58 @@ ISAS = ("scalar", "avx2", "avx512", "amx")
 AMX_EMULATED = "amx-emulated"
 
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
+PARTS = ("all", "immediate", "deferred")  # Slots.part
+
+
+@dataclass(frozen=True, eq=False)
+class Slots:
+    """Which of each token's k routed slots a job computes (Expert Deferral without splitting the routing first).
+
+    ``"all"``; ``"immediate"``: the k - ``defer`` highest-weighted; ``"deferred"``: the ``defer`` lowest-weighted
+    (among equal weights the earlier slot is the lower; 1 <= defer < k for both). ``pair`` (deferred only): the same
+    layer's immediate job, prepared with the same x, routing buffers, n_tokens and mask (see ``CPUExperts.prepare``).
+    """
+
+    part: str = "all"
+    defer: int = 0
+    pair: Optional[MoEJob] = None
+
+    def __post_init__(self):
+        if self.part not in PARTS:
+            raise ValueError(f"slots part must be one of {', '.join(PARTS)}, got {self.part!r}")
+        if isinstance(self.defer, bool) or not isinstance(self.defer, int):
+            raise ValueError(f"slots defer must be an integer, got {self.defer!r}")
+        if self.part == "all" and self.defer:
+            raise ValueError(f"Slots.all() computes every slot: defer must be 0, got {self.defer}")
+        if self.part != "all" and self.defer < 1:
+            raise ValueError(f"an {self.part} part needs defer >= 1 (the number of lowest-weighted slots deferred), "
+                             f"got {self.defer}")
+        if self.pair is not None and self.part != "deferred":
+            raise ValueError("pair goes with Slots.deferred(d, pair=...): it names the immediate job of the same layer")
+
+    @classmethod
+    def all(cls) -> "Slots":
+        return cls()
+
+    @classmethod
+    def immediate(cls, d: int) -> "Slots":
+        return cls("immediate", d)
+
+    @classmethod
+    def deferred(cls, d: int, pair: Optional[MoEJob] = None) -> "Slots":
+        return cls("deferred", d, pair)
+
+
+@dataclass(frozen=True, eq=False)
+class HostRoute:
+    """The job routes each token itself from the router's logits and *writes* topk_ids / topk_weights.
+
+    ``logits`` ``[T, E]`` fp32/bf16, CPU, contiguous; ``router``: a ``hetmoe.moe.router.RouterSpec`` with
+    ``host_routable`` (kind softmax or sigmoid_grouped; csrc/moe/routing.h), its top_k = k, its ``correction_bias``
+    a CPU fp32 ``[E]`` tensor or None."""
+
+    logits: torch.Tensor
+    router: "RouterSpec"
 
 
 def _check_tensor(name: str, t, dtypes: tuple, ndim: int) -> torch.Tensor:
@@ -62,7 +115,7 @@ class CPUExperts:
             ``amx_min_tokens`` tokens with AMX tiles and the others with the AVX-512 kernels, on the same
             weights; ``avx512`` forces the AVX-512 kernels for all.
         pool: an ``ExpertPool`` to run on (default: the shared pool for ``threads`` and ``numa``).
-        numa: ``"auto"`` (default), ``"off"`` or N subpools (hetmoe/numa.py); with a ``pool``, it must agree
+        numa: ``"auto"`` (default), ``"off"`` or N subpools (hetmoe/cpu/numa.py); with a ``pool``, it must agree
             with it. With N > 1 every expert's intermediate dimension is split across the subpools.
         amx_min_tokens: the per-expert token count from which AMX is used (default: the engine's measured
             crossover for the format, ``cpu_info()["amx_min_tokens_default"]``); also settable later as
@@ -256,12 +309,9 @@ class CPUExperts:
         n_tokens: Optional[torch.Tensor] = None,
         accumulate: bool = False,
         skip_mask: Optional[torch.Tensor] = None,
-        defer: int = 0,
-        deferred: bool = False,
-        logits: Optional[torch.Tensor] = None,
-        router: Optional[HostRouter] = None,
+        slots: Slots = Slots(),
+        route: Optional[HostRoute] = None,
         addend: Optional[torch.Tensor] = None,
-        pair: Optional[MoEJob] = None,
     ) -> MoEJob:
         """Bind buffers into a job that can be submitted many times.
 
@@ -270,26 +320,21 @@ class CPUExperts:
         element read when the job runs (T is then a capacity); ``skip_mask``: bool/uint8 ``[E]``, experts the
         CPU must skip (they are computed elsewhere), also read when the job runs.
 
-        Expert Deferral without splitting the routing first: with ``defer`` = d in [1, k), the job computes
-        only each token's k - d highest-weighted slots, or with ``deferred=True`` only its d lowest-weighted
-        ones (the rule of ``hetmoe.layers.moe.split_deferred``: among equal weights the earlier slot is the
-        lower), both from the same topk_ids / topk_weights.
+        ``slots``: all of each token's k slots, or one part of them (Expert Deferral), from the same routing.
+        ``route``: the job first routes every token from the logits and *writes* topk_ids / topk_weights.
+        ``addend`` ``[T, H]`` fp32 is added to each token's sum after the experts (out = experts + addend, in that
+        order: the previous layer's deferred output in a hybrid decode step).
 
-        Routing on the CPU: with ``logits`` ``[T, E]`` fp32/bf16 and a ``router`` (``hetmoe.layers.moe.HostRouter``,
-        its top_k = k) the job first routes every token itself and *writes* topk_ids / topk_weights, which are then
-        its outputs. ``addend`` ``[T, H]`` fp32 is added to each token's sum after the experts (out = experts +
-        addend, in that order: the previous layer's deferred output in a hybrid decode step).
-
-        ``pair`` (with ``deferred=True``): this layer's immediate job, prepared with the same x, routing buffers,
-        n_tokens and mask. Whenever this job is submitted right behind it to the same pool (a hybrid decode step
-        does) with at most 16 tokens, the two run as one list of tasks: the immediate job completes as soon as its
-        output is written while the workers go on with this one's tasks, without a second start and end. When the
-        next layer's immediate job is already queued while this one's tasks run, its tasks join the same list too
-        (its combine waits for this job's output). Results are the same bits either way. No effect on NUMA-split
-        layers.
+        ``Slots.deferred(d, pair=imm)``: whenever this job is submitted right behind ``imm`` to the same pool (a
+        hybrid decode step does) with at most 16 tokens, the two run as one list of tasks: ``imm`` completes as
+        soon as its output is written while the workers go on with this one's tasks. When the next layer's
+        immediate job is already queued meanwhile, its tasks join the same list too (its combine waits for this
+        job's output). Results are the same bits either way. No effect on NUMA-split layers.
         """
         if self._ex.n_loaded == 0:
             raise RuntimeError("CPUExperts has no experts loaded yet: call load(gate, up, down) first")
+        if not isinstance(slots, Slots):
+            raise TypeError(f"slots must be a Slots (Slots.all(), .immediate(d), .deferred(d)), got {slots!r}")
         _check_tensor("x", x, (torch.float32, torch.bfloat16), 2)
         T, H = x.shape
         if H != self.hidden_size:
@@ -303,10 +348,10 @@ class CPUExperts:
         k = topk_ids.shape[1]
         if k < 1:
             raise ValueError("topk_ids must have at least one column (k >= 1)")
-        if defer and not 1 <= defer < k:
-            raise ValueError(f"defer must be in [1, k={k}) or 0, got {defer}")
-        if deferred and not defer:
-            raise ValueError("deferred=True needs defer > 0 (the number of lowest-weighted slots deferred)")
+        if slots.defer and not slots.defer < k:
+            raise ValueError(f"slots defer must be in [1, k={k}), got {slots.defer}")
+        if slots.pair is not None and (not isinstance(slots.pair, MoEJob) or slots.pair.experts is not self):
+            raise ValueError("pair must be a job prepared by this same CPUExperts")
         if out is None:
             if accumulate:
                 raise ValueError("accumulate=True needs an out tensor to accumulate into")
@@ -315,68 +360,67 @@ class CPUExperts:
         if tuple(out.shape) != (T, H):
             raise ValueError(f"out has shape {tuple(out.shape)}; expected {(T, H)}")
         keep = [x, topk_ids, topk_weights, out]
-        logits_ptr, addend_ptr, bias_ptr = 0, 0, 0
-        if logits is not None:
-            _check_tensor("logits", logits, (torch.float32, torch.bfloat16), 2)
-            if tuple(logits.shape) != (T, self.num_experts):
-                raise ValueError(f"logits has shape {tuple(logits.shape)}; expected "
-                                 f"[T={T}, num_experts={self.num_experts}]")
-            if router is None:
-                raise ValueError("a job that routes from logits needs router=HostRouter(...) (hetmoe.layers.moe)")
-            if router.kind not in ("softmax", "sigmoid_grouped"):
-                raise ValueError(f"router kind must be softmax or sigmoid_grouped, got {router.kind!r}")
-            if router.top_k != k:
-                raise ValueError(f"the router's top_k {router.top_k} differs from topk_ids' {k} columns")
-            if router.correction_bias is not None:
-                _check_tensor("correction_bias", router.correction_bias, (torch.float32,), 1)
-                if router.correction_bias.numel() != self.num_experts:
-                    raise ValueError(f"correction_bias has {router.correction_bias.numel()} entries; expected "
-                                     f"num_experts={self.num_experts}")
-                bias_ptr = router.correction_bias.data_ptr()
-                keep.append(router.correction_bias)
-            logits_ptr = logits.data_ptr()
-            keep.append(logits)
-        elif router is not None:
-            raise ValueError("router applies only to a job that routes from logits")
+        if route is not None:
+            keep += self._check_route(route, T, k)
         if addend is not None:
             _check_tensor("addend", addend, (torch.float32,), 2)
             if tuple(addend.shape) != (T, H):
                 raise ValueError(f"addend has shape {tuple(addend.shape)}; expected {(T, H)}")
-            addend_ptr = addend.data_ptr()
             keep.append(addend)
-        n_ptr = 0
         if n_tokens is not None:
             _check_tensor("n_tokens", n_tokens.reshape(-1), (torch.int64,), 1)
             if n_tokens.numel() != 1:
                 raise ValueError(f"n_tokens must hold one value, got {n_tokens.numel()}")
-            n_ptr = n_tokens.data_ptr()
             keep.append(n_tokens)
-        mask_ptr = 0
-        if skip_mask is None:
-            skip_mask = self._skip_mask
+        skip_mask = self._skip_mask if skip_mask is None else skip_mask
         if skip_mask is not None:
             _check_tensor("skip_mask", skip_mask, (torch.bool, torch.uint8), 1)
             if skip_mask.numel() != self.num_experts:
                 raise ValueError(f"skip_mask has {skip_mask.numel()} entries; expected num_experts={self.num_experts}")
-            mask_ptr = skip_mask.data_ptr()
             keep.append(skip_mask)
-        job = self._ex.make_job(
-            x.data_ptr(), x.dtype == torch.bfloat16, topk_ids.data_ptr(), topk_ids.dtype == torch.int32,
-            topk_weights.data_ptr(), k, out.data_ptr(), out.dtype == torch.bfloat16, bool(accumulate), n_ptr, T, T,
-            mask_ptr, int(defer), ("deferred" if deferred else "immediate") if defer else "all",
-            logits_ptr, logits is not None and logits.dtype == torch.bfloat16,
-            bool(router.norm_topk_prob) if router else False, addend_ptr, router.kind if router else "softmax",
-            int(router.n_group) if router else 1, int(router.topk_group) if router else 1,
-            float(router.routed_scaling_factor) if router else 1.0, bias_ptr,
+
+        def addr(t: Optional[torch.Tensor]) -> int:
+            return 0 if t is None else t.data_ptr()
+
+        spec = _C.JobSpec(
+            x=x.data_ptr(), x_bf16=x.dtype == torch.bfloat16, ids=topk_ids.data_ptr(),
+            ids_int32=topk_ids.dtype == torch.int32, weights=topk_weights.data_ptr(), k=k, out=out.data_ptr(),
+            out_bf16=out.dtype == torch.bfloat16, accumulate=bool(accumulate), n_tokens_ptr=addr(n_tokens), T=T,
+            skip_mask=addr(skip_mask), part=_C.JobPart.__members__[slots.part], defer=slots.defer, addend=addr(addend),
         )
-        if pair is not None:
-            if not deferred:
-                raise ValueError("pair= goes with deferred=True: it names the immediate job of the same layer")
-            if not isinstance(pair, MoEJob) or pair.experts is not self:
-                raise ValueError("pair must be a job prepared by this same CPUExperts")
-            if isinstance(job, _C.MoeJob) and isinstance(pair._job, _C.MoeJob):  # not the NUMA-split job
-                _C.pair_deferral_jobs(pair._job, job)
+        if route is not None:
+            r = route.router
+            spec.logits, spec.logits_bf16 = route.logits.data_ptr(), route.logits.dtype == torch.bfloat16
+            spec.router, spec.norm_topk_prob = _C.RouterKind.__members__[r.kind], bool(r.norm_topk_prob)
+            spec.n_group, spec.topk_group = int(r.n_group), int(r.topk_group)
+            spec.routed_scaling_factor, spec.correction_bias = float(r.routed_scaling_factor), addr(r.correction_bias)
+        job = self._ex.make_job(spec)
+        if slots.pair is not None and isinstance(job, _C.MoeJob) and isinstance(slots.pair._job, _C.MoeJob):
+            _C.pair_deferral_jobs(slots.pair._job, job)  # not the NUMA-split job
         return MoEJob(job, tuple(keep), self, out)
+
+    def _check_route(self, route: HostRoute, T: int, k: int) -> list:
+        """Validates a HostRoute for a [T, k] job; returns the tensors the job points into."""
+        if not isinstance(route, HostRoute):
+            raise TypeError(f"route must be a HostRoute(logits, router), got {route!r}")
+        _check_tensor("logits", route.logits, (torch.float32, torch.bfloat16), 2)
+        if tuple(route.logits.shape) != (T, self.num_experts):
+            raise ValueError(f"logits has shape {tuple(route.logits.shape)}; expected "
+                             f"[T={T}, num_experts={self.num_experts}]")
+        router = route.router
+        if not hasattr(router, "host_routable"):
+            raise ValueError(f"a job that routes from logits needs a router (RouterSpec), got {router!r}")
+        if not router.host_routable:
+            raise ValueError(f"router kind {router.kind!r} is not host routable: a CPU job routes softmax or "
+                             f"sigmoid_grouped (route it on the device with RouterSpec.route)")
+        if router.top_k != k:
+            raise ValueError(f"the router's top_k {router.top_k} differs from topk_ids' {k} columns")
+        bias = router.correction_bias
+        if bias is not None:
+            _check_tensor("correction_bias", bias, (torch.float32,), 1)
+            if bias.numel() != self.num_experts:
+                raise ValueError(f"correction_bias has {bias.numel()} entries; expected num_experts={self.num_experts}")
+        return [route.logits] if bias is None else [route.logits, bias]
 
     def submit(self, job_or_x: Union[MoEJob, torch.Tensor], *args, **kwargs) -> MoEJob:
         """Enqueue a prepared job, or prepare one from ``prepare``'s arguments and enqueue it. Returns the job."""

@@ -426,7 +426,7 @@ def test_unknown_isa():
 
 
 def test_doctor_prints_the_choice_table():
-    from hetmoe.bench.kernel import doctor
+    from hetmoe.cli.doctor import doctor
 
     buf = io.StringIO()
     with redirect_stdout(buf):

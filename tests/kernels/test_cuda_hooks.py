@@ -1,4 +1,4 @@
-"""Stream host functions (csrc/cuda_hooks.h): ExpertPool.submit_on_stream / sync_on_stream.
+"""Stream host functions (csrc/stream/host_funcs.h): ExpertPool.submit_on_stream / sync_on_stream.
 
 On machines without CUDA the host functions run on ``_C.FakeStream``, a stand-in whose own thread calls them in
 order as the driver's thread would, and which can record and replay them as a CUDA graph does: that covers the
@@ -18,7 +18,7 @@ import torch
 
 from cases import make_routing, make_weights, make_x
 from hetmoe import _C, cpu
-from hetmoe.cpu import CPUExperts, ExpertPool, HostFuncs, cpu_info
+from hetmoe.cpu import CPUExperts, ExpertPool, HostFuncs, Slots, cpu_info
 
 BEST_ISA = cpu_info()["best_isa"]
 E, H, I = 12, 160, 96
@@ -150,8 +150,8 @@ def test_paired_deferral_jobs_pair_through_the_stream(pool, layer, stream, mech)
     mechanism queues them (the immediate job finds its partner through the mechanism's wrapper job), with the bits of
     the two jobs run one at a time."""
     x, ids, w = make_inputs(3, 4, seed=3)
-    imm = layer.prepare(x, ids, w, torch.empty(3, H), defer=2)
-    dfr = layer.prepare(x, ids, w, torch.empty(3, H), defer=2, deferred=True, pair=imm)
+    imm = layer.prepare(x, ids, w, torch.empty(3, H), slots=Slots.immediate(2))
+    dfr = layer.prepare(x, ids, w, torch.empty(3, H), slots=Slots.deferred(2, pair=imm))
     for job in (imm, dfr):
         pool.submit(job)
         pool.sync()
@@ -505,7 +505,7 @@ def test_gpu_job_error_at_next_sync_once(pool, layer, mech):
     hf.close()
 
 
-# ---------------------------------------------------------------- stream signals only (csrc/stream_signals.h)
+# ---------------------------------------------------------------- stream signals only (csrc/stream/signals.h)
 
 
 def test_signals_sync_covers_all_but_the_newest(pool, layer, stream):

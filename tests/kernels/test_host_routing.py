@@ -1,5 +1,6 @@
-"""The CPU job's own softmax router (``CPUExperts.prepare(logits=...)``, used by hybrid decode steps so the GPU runs no
-top-k) against ``route_softmax``, and the job's ``addend`` (the previous layer's deferred output added on the CPU).
+"""The CPU job's own router (``CPUExperts.prepare(route=HostRoute(logits, router))``, used by hybrid decode steps so the
+GPU runs no top-k) against ``route_softmax`` and ``route_deepseek_v3``, and the job's ``addend`` (the previous layer's
+deferred output added on the CPU).
 
 Engine paths (tests/paths.py): each comparison is between two runs of one engine (the job routing vs the same
 experts given the ids), so it holds on every path; the tests that compute experts run on each path this machine
@@ -8,8 +9,8 @@ runs (``engine_path``), the AMX logic through amx-emulated on any CPU."""
 import pytest
 import torch
 
-from hetmoe.cpu import CPUExperts
-from hetmoe.layers.moe import HostRouter, route_deepseek_v3, route_softmax, split_deferred
+from hetmoe.cpu import CPUExperts, HostRoute, Slots
+from hetmoe.moe.router import RouterSpec, route_deepseek_v3, route_softmax
 
 H, I = 64, 32
 
@@ -29,6 +30,14 @@ def run(ex, x, ids, w, out, **kw):
     return out
 
 
+def split_deferred(ids: torch.Tensor, w: torch.Tensor, d: int) -> tuple:
+    """Reference of the deferral split: (immediate ids, deferred ids), the other part's slots -1; the d lowest weights
+    by a stable ascending sort are deferred (among equal weights the earlier slot is the lower)."""
+    lowest = w.argsort(dim=-1, stable=True)[:, :d]
+    deferred = torch.zeros(ids.shape, dtype=torch.bool).scatter_(1, lowest, True)
+    return ids.masked_fill(deferred, -1), ids.masked_fill(~deferred, -1)
+
+
 @pytest.mark.parametrize("E,k", [(16, 4), (128, 8)])
 @pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm", [True, False])
@@ -41,7 +50,7 @@ def test_job_routes_like_route_softmax(E, k, logits_dtype, norm, ids_dtype, engi
     logits = (3 * torch.randn(T, E, generator=gen)).to(logits_dtype)
     ids = torch.full((T, k), -7, dtype=ids_dtype)
     w = torch.full((T, k), -1.0)
-    out = run(ex, x, ids, w, torch.empty(T, H), logits=logits, router=HostRouter("softmax", k, norm))
+    out = run(ex, x, ids, w, torch.empty(T, H), route=HostRoute(logits, RouterSpec("softmax", k, norm)))
     w_ref, ids_ref = route_softmax(logits, k, norm)
     lf = logits.float()
     chosen = lf.gather(1, ids.long())
@@ -71,17 +80,17 @@ def test_job_routes_like_route_deepseek_v3(E, k, n_group, topk_group, norm, numa
     x = torch.randn(T, H, generator=gen)
     logits = 2 * torch.randn(T, E, generator=gen)
     bias = 0.1 * torch.randn(E, generator=gen)  # large enough to change choices (the test below checks it does)
-    router = HostRouter("sigmoid_grouped", k, norm, n_group, topk_group, 2.5, bias)
+    router = RouterSpec("sigmoid_grouped", k, norm, n_group, topk_group, 2.5, correction_bias=bias)
     ids, w = torch.zeros(T, k, dtype=torch.int64), torch.zeros(T, k)
-    out = run(ex, x, ids, w, torch.empty(T, H), logits=logits, router=router)
+    out = run(ex, x, ids, w, torch.empty(T, H), route=HostRoute(logits, router))
     w_ref, ids_ref = route_deepseek_v3(logits, bias, k, n_group, topk_group, norm, 2.5)
     order, order_ref = ids.argsort(-1), ids_ref.argsort(-1)  # torch.topk may return the chosen set in any order
     assert torch.equal(ids.gather(1, order), ids_ref.gather(1, order_ref))
     torch.testing.assert_close(w.gather(1, order), w_ref.gather(1, order_ref), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(out, ex(x, ids_ref, w_ref), rtol=1e-5, atol=1e-6)
-    no_bias = HostRouter("sigmoid_grouped", k, norm, n_group, topk_group, 2.5)
+    no_bias = RouterSpec("sigmoid_grouped", k, norm, n_group, topk_group, 2.5)
     ids0 = torch.zeros(T, k, dtype=torch.int64)
-    run(ex, x, ids0, torch.zeros(T, k), torch.empty(T, H), logits=logits, router=no_bias)
+    run(ex, x, ids0, torch.zeros(T, k), torch.empty(T, H), route=HostRoute(logits, no_bias))
     assert torch.equal(ids0.sort(-1).values, route_deepseek_v3(logits, torch.zeros(E), k, n_group, topk_group, norm,
                                                               2.5)[1].sort(-1).values)
     if n_group > 1:
@@ -102,7 +111,7 @@ def test_job_routing_ties_and_non_finite_rows(numa, engine_path):
     T = logits.shape[0]
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(1))
     ids, w = torch.zeros(T, k, dtype=torch.int64), torch.zeros(T, k)
-    out = run(ex, x, ids, w, torch.empty(T, H), logits=logits, router=HostRouter("softmax", k, True))
+    out = run(ex, x, ids, w, torch.empty(T, H), route=HostRoute(logits, RouterSpec("softmax", k, True)))
     assert ids[0].tolist() == [1, 2, 4] and ids[1].tolist() == [0, 1, 2] and ids[4].tolist() == [6, 3, 1]
     torch.testing.assert_close(w[0], torch.full((3,), 1 / 3))
     assert torch.isnan(w[2]).all() and torch.isnan(w[3]).all()
@@ -119,9 +128,9 @@ def test_deferral_parts_route_from_logits(engine_path):
     parts = []
     for deferred in (False, True):
         ids, w = torch.zeros(T, k, dtype=torch.int64), torch.zeros(T, k)
-        parts.append(run(ex, x, ids, w, torch.empty(T, H), logits=logits, router=HostRouter("softmax", k, True),
-                         defer=d,
-                         deferred=deferred))
+        slots = Slots.deferred(d) if deferred else Slots.immediate(d)
+        parts.append(run(ex, x, ids, w, torch.empty(T, H), route=HostRoute(logits, RouterSpec("softmax", k, True)),
+                         slots=slots))
     w_ref, ids_ref = route_softmax(logits, k, True)
     imm_ids, def_ids = split_deferred(ids_ref, w_ref, d)
     torch.testing.assert_close(parts[0], ex(x, imm_ids, w_ref), rtol=1e-5, atol=1e-6)
@@ -149,30 +158,36 @@ def test_bad_routing_arguments_are_refused():
     E, k, T = 16, 4, 3
     ex = make_experts(E)
     x, ids, w, out = torch.zeros(T, H), torch.zeros(T, k, dtype=torch.int64), torch.zeros(T, k), torch.zeros(T, H)
+
+    def route(logits=None, kind="softmax", top_k=k, **kw):
+        return HostRoute(torch.zeros(T, E) if logits is None else logits, RouterSpec(kind, top_k, **kw))
+
     with pytest.raises(ValueError, match=r"logits has shape \(3, 8\); expected \[T=3, num_experts=16\]"):
-        ex.prepare(x, ids, w, out, logits=torch.zeros(T, 8), router=HostRouter("softmax", k))
+        ex.prepare(x, ids, w, out, route=route(torch.zeros(T, 8)))
     with pytest.raises(ValueError, match="logits has dtype float16"):
-        ex.prepare(x, ids, w, out, logits=torch.zeros(T, E, dtype=torch.float16), router=HostRouter("softmax", k))
-    with pytest.raises(ValueError, match="router applies only"):
-        ex.prepare(x, ids, w, out, router=HostRouter("softmax", k))
-    with pytest.raises(ValueError, match="needs router="):
-        ex.prepare(x, ids, w, out, logits=torch.zeros(T, E))
-    with pytest.raises(ValueError, match="router kind must be"):
-        ex.prepare(x, ids, w, out, logits=torch.zeros(T, E), router=HostRouter("sparsemax", k))
+        ex.prepare(x, ids, w, out, route=route(torch.zeros(T, E, dtype=torch.float16)))
+    with pytest.raises(ValueError, match="logits must be contiguous"):
+        ex.prepare(x, ids, w, out, route=route(torch.zeros(E, T).t()))
+    with pytest.raises(TypeError, match="route must be a HostRoute"):
+        ex.prepare(x, ids, w, out, route=RouterSpec("softmax", k))
+    with pytest.raises(ValueError, match="needs a router"):
+        ex.prepare(x, ids, w, out, route=HostRoute(torch.zeros(T, E), None))
+    with pytest.raises(ValueError, match="router kind 'deepseek_v2' is not host routable"):
+        ex.prepare(x, ids, w, out, route=route(kind="deepseek_v2"))
     with pytest.raises(ValueError, match="top_k 3 differs from topk_ids' 4"):
-        ex.prepare(x, ids, w, out, logits=torch.zeros(T, E), router=HostRouter("softmax", 3))
+        ex.prepare(x, ids, w, out, route=route(top_k=3))
     with pytest.raises(ValueError, match="n_group 3 does not divide the 16 experts"):
-        ex.prepare(x, ids, w, out, logits=torch.zeros(T, E), router=HostRouter("sigmoid_grouped", k, n_group=3))
+        ex.prepare(x, ids, w, out, route=route(kind="sigmoid_grouped", n_group=3))
     with pytest.raises(ValueError, match="topk_group must be in"):
-        ex.prepare(x, ids, w, out, logits=torch.zeros(T, E), router=HostRouter("sigmoid_grouped", k, True, 4, 5))
+        ex.prepare(x, ids, w, out, route=route(kind="sigmoid_grouped", norm_topk_prob=True, n_group=4, topk_group=5))
     with pytest.raises(ValueError, match="hold fewer than top-k"):
-        ex.prepare(x, ids, w, out, logits=torch.zeros(T, E), router=HostRouter("sigmoid_grouped", k, True, 8, 1))
+        ex.prepare(x, ids, w, out, route=route(kind="sigmoid_grouped", norm_topk_prob=True, n_group=8, topk_group=1))
     with pytest.raises(ValueError, match="correction_bias has 8 entries"):
-        ex.prepare(x, ids, w, out, logits=torch.zeros(T, E),
-                   router=HostRouter("sigmoid_grouped", k, correction_bias=torch.zeros(8)))
+        ex.prepare(x, ids, w, out, route=route(kind="sigmoid_grouped", correction_bias=torch.zeros(8)))
+    with pytest.raises(ValueError, match="correction_bias has dtype bfloat16"):
+        ex.prepare(x, ids, w, out, route=route(kind="sigmoid_grouped", correction_bias=torch.zeros(E).bfloat16()))
     with pytest.raises(ValueError, match="cannot route to the top 20 of 16"):
-        ex.prepare(x, torch.zeros(T, 20, dtype=torch.int64), torch.zeros(T, 20), out, logits=torch.zeros(T, E),
-                   router=HostRouter("softmax", 20))
+        ex.prepare(x, torch.zeros(T, 20, dtype=torch.int64), torch.zeros(T, 20), out, route=route(top_k=20))
     with pytest.raises(ValueError, match=r"addend has shape \(3, 32\)"):
         ex.prepare(x, ids, w, out, addend=torch.zeros(T, 32))
     with pytest.raises(ValueError, match="addend has dtype bfloat16"):

@@ -36,11 +36,11 @@ import pytest
 import torch
 
 from cases import FORMATS, make_routing, make_weights, make_x
-from hetmoe.cpu import CPUExperts, ExpertPool, cpu_info, shared_pool
+from hetmoe.cpu import CPUExperts, ExpertPool, Slots, cpu_info, shared_pool
 from reference import moe_reference, moe_reference_emulated, rel_err
 
 # The row-block kernels of every ISA give the same bits; the AMX level (AMX experts read bf16 / int8
-# activations) has its own file, tests/test_amx.py.
+# activations) has its own file, tests/kernels/test_amx.py.
 ISAS = [isa for isa in cpu_info()["supported_isas"] if isa != "amx"]
 BEST_ISA = ISAS[-1]
 
@@ -521,10 +521,8 @@ def test_stage_profile_counts_jobs_and_time():
 
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 def test_job_picks_its_deferral_part(fmt):
-    """prepare(defer=d) computes each token's k - d highest-weighted slots and prepare(defer=d, deferred=True) the d
+    """prepare(slots=Slots.immediate(d)) computes each token's k - d highest-weighted slots and Slots.deferred(d) the d
     lowest, from one routing: the same bits as jobs over split_deferred's two id tensors (ties: earlier slot lower)."""
-    from hetmoe.layers.moe import split_deferred
-
     E, H, I, k, T = 12, 64, 96, 6, 9
     ex = CPUExperts(E, H, I, fmt, 32, pool=shared_pool(2))
     ex.fill_random(seed=5)
@@ -538,15 +536,62 @@ def test_job_picks_its_deferral_part(fmt):
     for d in (1, 2, 5):
         imm_ids, def_ids = split_deferred(ids, w, d)
         for deferred, ref_ids in ((False, imm_ids), (True, def_ids)):
-            job = ex.prepare(x, ids, w, torch.empty(T, H), defer=d, deferred=deferred)
+            job = ex.prepare(x, ids, w, torch.empty(T, H), slots=Slots.deferred(d) if deferred else Slots.immediate(d))
             ex.submit(job)
             ex.sync()
             ref = ex.forward(x, ref_ids, w)
             assert torch.equal(job.out, ref), (d, deferred)
-    with pytest.raises(ValueError, match="defer must be in"):
-        ex.prepare(x, ids, w, defer=k)
-    with pytest.raises(ValueError, match="needs defer > 0"):
-        ex.prepare(x, ids, w, deferred=True)
+    with pytest.raises(ValueError, match=r"slots defer must be in \[1, k=6\), got 6"):
+        ex.prepare(x, ids, w, slots=Slots.immediate(k))
+    with pytest.raises(ValueError, match="needs defer >= 1"):
+        Slots.deferred(0)
+    with pytest.raises(ValueError, match="needs defer >= 1"):
+        Slots.immediate(-1)
+    with pytest.raises(ValueError, match="defer must be 0"):
+        Slots("all", 2)
+    with pytest.raises(ValueError, match="part must be one of all, immediate, deferred"):
+        Slots("lowest", 2)
+    with pytest.raises(TypeError, match="slots must be a Slots"):
+        ex.prepare(x, ids, w, slots="all")
+
+
+def split_deferred(ids: torch.Tensor, w: torch.Tensor, d: int) -> tuple:
+    """Reference of the deferral split: (immediate ids, deferred ids), the other part's slots -1; the d lowest weights
+    by a stable ascending sort are deferred (among equal weights the earlier slot is the lower)."""
+    lowest = w.argsort(dim=-1, stable=True)[:, :d]
+    deferred = torch.zeros(ids.shape, dtype=torch.bool).scatter_(1, lowest, True)
+    return ids.masked_fill(deferred, -1), ids.masked_fill(~deferred, -1)
+
+
+def test_job_spec_names_every_field_and_is_checked():
+    """make_job takes one _C.JobSpec (named fields, enums for the part and the router): unknown names are refused,
+    and a spec no job can run raises ValueError before any job exists."""
+    from hetmoe import _C
+
+    assert set(_C.JobPart.__members__) == {"all", "immediate", "deferred"}
+    assert set(_C.RouterKind.__members__) == {"softmax", "sigmoid_grouped"}
+    spec = _C.JobSpec(k=2, T=3, part=_C.JobPart.deferred, defer=1, router=_C.RouterKind.sigmoid_grouped)
+    assert (spec.k, spec.T, spec.part, spec.defer, spec.x, spec.n_group) == (2, 3, _C.JobPart.deferred, 1, 0, 1)
+    with pytest.raises(AttributeError):
+        _C.JobSpec(topk=2)
+    with pytest.raises(TypeError):
+        _C.JobSpec(part="deferred")  # an enum, not a string
+    ex = CPUExperts(4, 64, 32, "bf16", pool=shared_pool(2))
+    ex.fill_random(seed=1)
+    x, ids, w, out = torch.zeros(3, 64), torch.zeros(3, 2, dtype=torch.int64), torch.zeros(3, 2), torch.zeros(3, 64)
+    ok = dict(x=x.data_ptr(), ids=ids.data_ptr(), weights=w.data_ptr(), out=out.data_ptr(), k=2, T=3)
+    with pytest.raises(ValueError, match="x, ids, weights and out must be set"):
+        ex._ex.make_job(_C.JobSpec(**{**ok, "weights": 0}))
+    with pytest.raises(ValueError, match="T must be >= 0"):
+        ex._ex.make_job(_C.JobSpec(**{**ok, "T": -1}))
+    with pytest.raises(ValueError, match="1 <= defer_lowest < k"):
+        ex._ex.make_job(_C.JobSpec(**ok, part=_C.JobPart.deferred, defer=2))
+    with pytest.raises(ValueError, match="defer_lowest is set"):
+        ex._ex.make_job(_C.JobSpec(**ok, defer=1))
+    with pytest.raises(ValueError, match="n_group 3 does not divide"):
+        ex._ex.make_job(_C.JobSpec(**ok, logits=x.data_ptr(), router=_C.RouterKind.sigmoid_grouped, n_group=3))
+    job = ex._ex.make_job(_C.JobSpec(**ok))
+    assert isinstance(job, _C.MoeJob)
 
 
 class _Gate:
@@ -574,8 +619,8 @@ def _deferral_jobs(ex, T, k, d, gen, addend=True, pair=True):
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(torch.int32)
     w = torch.rand(T, k, generator=gen)
     add = torch.randn(T, H, generator=gen) * 0.01 if addend else None
-    imm = ex.prepare(x, ids, w, torch.empty(T, H, dtype=torch.bfloat16), defer=d, addend=add)
-    dfr = ex.prepare(x, ids, w, torch.empty(T, H), defer=d, deferred=True, pair=imm if pair else None)
+    imm = ex.prepare(x, ids, w, torch.empty(T, H, dtype=torch.bfloat16), slots=Slots.immediate(d), addend=add)
+    dfr = ex.prepare(x, ids, w, torch.empty(T, H), slots=Slots.deferred(d, pair=imm if pair else None))
     return imm, dfr
 
 
@@ -637,8 +682,9 @@ def test_chained_deferral_pairs_match_one_at_a_time(threads):
             x = torch.randn(T, 128, generator=gen).bfloat16()
             ids = torch.stack([torch.randperm(16, generator=gen)[:8] for _ in range(T)]).to(torch.int32)
             w = torch.rand(T, 8, generator=gen)
-            imm = ex.prepare(x, ids, w, torch.empty(T, 128, dtype=torch.bfloat16), defer=7, addend=prev_out)
-            dfr = ex.prepare(x, ids, w, torch.empty(T, 128), defer=7, deferred=True, pair=imm)
+            imm = ex.prepare(x, ids, w, torch.empty(T, 128, dtype=torch.bfloat16), slots=Slots.immediate(7),
+                             addend=prev_out)
+            dfr = ex.prepare(x, ids, w, torch.empty(T, 128), slots=Slots.deferred(7, pair=imm))
             jobs.append((imm, dfr))
             prev_out = dfr.out
         for rnd in range(6):
@@ -698,7 +744,7 @@ def test_paired_deferral_jobs_under_load():
 
 def test_paired_deferral_job_errors():
     """A pair whose deferred part routes to an unloaded expert: the immediate output is still right and the error
-    is raised once, at the sync; pair= refuses jobs that do not belong together."""
+    is raised once, at the sync; a pair refuses jobs that do not belong together."""
     E, H, I = 8, 64, 96
     pool = ExpertPool(2)
     ex = CPUExperts(E, H, I, "bf16", pool=pool)
@@ -708,8 +754,8 @@ def test_paired_deferral_job_errors():
     x = torch.randn(1, H, generator=gen)
     ids = torch.tensor([[0, 1, 6]])
     w = torch.tensor([[0.5, 0.4, 0.1]])  # expert 6 is the deferred (lowest-weighted) slot
-    imm = ex.prepare(x, ids, w, torch.empty(1, H), defer=1)
-    dfr = ex.prepare(x, ids, w, torch.empty(1, H), defer=1, deferred=True, pair=imm)
+    imm = ex.prepare(x, ids, w, torch.empty(1, H), slots=Slots.immediate(1))
+    dfr = ex.prepare(x, ids, w, torch.empty(1, H), slots=Slots.deferred(1, pair=imm))
     pool.submit(imm)
     pool.submit(dfr)
     with pytest.raises(RuntimeError, match="expert 6 is routed to but was never loaded"):
@@ -717,16 +763,19 @@ def test_paired_deferral_job_errors():
     pool.sync()  # raised once
     ref = ex.forward(x, torch.tensor([[0, 1]]), w[:, :2])
     assert torch.equal(imm.out, ref)
-    with pytest.raises(ValueError, match="pair= goes with deferred=True"):
-        ex.prepare(x, ids, w, defer=1, pair=imm)
+    with pytest.raises(ValueError, match=r"pair goes with Slots.deferred\(d, pair=...\)"):
+        Slots("immediate", 1, imm)
     with pytest.raises(ValueError, match="must share x, the routing"):
-        ex.prepare(x.clone(), ids, w, torch.empty(1, H), defer=1, deferred=True, pair=ex.prepare(x, ids, w, defer=1))
+        ex.prepare(x.clone(), ids, w, torch.empty(1, H),
+                   slots=Slots.deferred(1, pair=ex.prepare(x, ids, w, slots=Slots.immediate(1))))
     with pytest.raises(ValueError, match="already paired"):
-        ex.prepare(x, ids, w, torch.empty(1, H), defer=1, deferred=True, pair=imm)
+        ex.prepare(x, ids, w, torch.empty(1, H), slots=Slots.deferred(1, pair=imm))
     other = CPUExperts(E, H, I, "bf16", pool=pool)
     other.fill_random(seed=1)
     with pytest.raises(ValueError, match="same CPUExperts"):
-        other.prepare(x, ids, w, torch.empty(1, H), defer=1, deferred=True, pair=imm)
+        other.prepare(x, ids, w, torch.empty(1, H), slots=Slots.deferred(1, pair=imm))
+    with pytest.raises(ValueError, match="same CPUExperts"):
+        ex.prepare(x, ids, w, torch.empty(1, H), slots=Slots.deferred(1, pair=object()))
 
 
 def test_too_many_experts_per_token_is_refused():
