@@ -89,7 +89,17 @@ def numa(text: str):
         raise argparse.ArgumentTypeError(f"expected auto, off or a number of subpools >= 1, got {text}") from None
 
 
-TYPES = {"int": int, "positive_int": positive_int, "numa": numa}  # the names cli_flag's ``type`` may give
+def gpu_prefill(text: str):
+    from hetmoe.engine.placement import parse_gpu_prefill
+
+    try:
+        return parse_gpu_prefill(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto, off or a token count >= 1, got {text}") from None
+
+
+# the names cli_flag's ``type`` may give
+TYPES = {"int": int, "positive_int": positive_int, "numa": numa, "gpu_prefill": gpu_prefill}
 
 
 # ---------------------------------------------------------------------------------------------- engine

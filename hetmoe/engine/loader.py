@@ -38,7 +38,8 @@ from hetmoe.engine.expert_cache import ExpertCache, default_cache_dir
 from hetmoe.engine.placement import EngineOptions, MemoryPlan, ModelShapes, choose_plan, gib, normalize_options, wrap
 from hetmoe.models import APPLIES_ROPE_SCALING, ConfigError, check_config, context_limit, model_class
 from hetmoe.models.config import ModelConfig
-from hetmoe.moe import HostStaging, MoELayer, defer_experts, moe_layers
+from hetmoe.moe import HostStaging, MoELayer, defer_experts, layerwise, moe_layers
+from hetmoe.moe.layerwise import LayerwisePrefill
 
 EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # HF names of gate, up, down
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -52,6 +53,7 @@ class LoadedModel:
     options: EngineOptions
     path: Optional[Path] = None
     info: dict = field(default_factory=dict)
+    layerwise: Optional[LayerwisePrefill] = None  # the layerwise GPU prefill (hetmoe/moe/layerwise.py), or None
 
     @property
     def device(self) -> torch.device:
@@ -139,6 +141,8 @@ def model_shapes(model: nn.Module, cfg: ModelConfig, expert_inter: int) -> Model
         dense_params=sum(p.numel() for p in model.parameters()),
         kv_elems_per_token=(cache.k.numel() + cache.v.numel()), act_width=8 * cfg.hidden_size,
         max_position_embeddings=cfg.get("max_position_embeddings"), n_moe_layers=len(moe_blocks(model)),
+        top_k=cfg.get("num_experts_per_tok") or 1,
+        q_per_kv=max(1, cfg.num_attention_heads // (cfg.get("num_key_value_heads") or cfg.num_attention_heads)),
         context_limit=limit, context_why=why,
     )
 
@@ -347,6 +351,7 @@ def load_model(
         raise CheckpointError(f"{ckpt.path}: tensors were never loaded: {', '.join(missing[:5])}")
     model.fuse_projections()  # q/k/v (and gate/up) as one matmul each; parameters and their names unchanged
     gpu_experts = keep_gpu_experts(model.eval(), blocks, plan, options, _tokenize_with(ckpt.path), log)
+    lw, gpu_prefill = layerwise.setup([layer for _, layer in blocks], plan, options, log)
     info = {
         "load_s": time.perf_counter() - t0,
         "expert_bytes": expert_bytes,
@@ -354,10 +359,11 @@ def load_model(
         "cache_misses": cache.misses if cache else 0,
         "cache_dir": str(cache.dir) if cache else None,
         "gpu_experts": gpu_experts,
+        "gpu_prefill": gpu_prefill,
     }
     done = [f"routed experts {gib(expert_bytes)}"]
     if cache:
         done.append(f"expert cache {cache.hits}/{cache.hits + cache.misses + cache.rebuilt} layers reused")
     for line in wrap(f"hetmoe: loaded in {info['load_s']:.1f} s:", done):
         log(line)
-    return LoadedModel(model.eval(), cfg, plan, options, ckpt.path, info)
+    return LoadedModel(model.eval(), cfg, plan, options, ckpt.path, info, lw)

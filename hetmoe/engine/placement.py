@@ -30,7 +30,7 @@ def cli_flag(name: str, help: str, **spec) -> dict:
     """Field metadata: the command-line flag of an engine option. hetmoe/cli/options.py adds one flag per field
     that has one to every command that runs a model (``add_engine_options``; the default is the field's) and
     builds an EngineOptions back from the parsed arguments (``engine_options``). ``spec``: ``type`` (an argument
-    type of hetmoe/cli/options.py by name: "int", "positive_int", "numa"; default: the text as typed),
+    type of hetmoe/cli/options.py by name: "int", "positive_int", "numa", "gpu_prefill"; default: the text as typed),
     ``choices``, ``metavar``, ``negate`` (a switch that sets the field to False) and ``min`` (a bound checked
     after parsing, not by the type, so that parse_args stays lenient and EngineOptions refuses the value)."""
     return {"flag": name, "help": help, **spec}
@@ -84,6 +84,10 @@ class EngineOptions:
         "--isa", "CPU expert kernels (default: auto, the best this CPU runs within $HETMOE_MAX_ISA)",
         choices=ISA_CHOICES))
     amx_min_tokens: Optional[int] = None
+    gpu_prefill: Union[str, int] = field(default="auto", metadata=cli_flag(  # hetmoe/moe/layerwise.py
+        "--gpu-prefill", "with a GPU: compute the routed experts of prefill chunks of at least N tokens on the GPU, "
+        "streaming each layer's experts from RAM; auto: the N from which that is faster, measured at load; off: "
+        "always on the CPU (default: auto)", type="gpu_prefill", metavar="auto|off|N"))
 
     def __post_init__(self):
         from hetmoe.cpu import AMX_EMULATED, ISAS, cpu_info
@@ -113,6 +117,7 @@ class EngineOptions:
         if self.amx_min_tokens is not None and (isinstance(self.amx_min_tokens, bool)
                                                 or not isinstance(self.amx_min_tokens, int) or self.amx_min_tokens < 1):
             raise ValueError(f"amx_min_tokens must be an integer >= 1, got {self.amx_min_tokens!r}")
+        self.gpu_prefill = parse_gpu_prefill(self.gpu_prefill)
         if not isinstance(self.cuda_graph, bool):
             raise ValueError(f"cuda_graph must be True or False, got {self.cuda_graph!r}")
         if self.max_batch < 1 or self.prefill_chunk < 1:
@@ -121,6 +126,39 @@ class EngineOptions:
             raise ValueError(f"group size must be 32, 64 or 128 (or 0 = per-row int8), got {self.group_size}")
         if self.group_size == 0 and self.experts_format == "int4":
             raise ValueError("int4 experts need a group size of 32, 64 or 128 (per-row scales are int8 only)")
+
+
+def parse_gpu_prefill(value) -> Union[str, int]:
+    """``--gpu-prefill``: "auto", "off" or a token count >= 1."""
+    if isinstance(value, str) and value.strip().lower() in ("auto", "off"):
+        return value.strip().lower()
+    try:
+        n = int(value) if not isinstance(value, bool) else None
+    except (TypeError, ValueError):
+        n = None
+    if n is None or n < 1:
+        raise ValueError(f"gpu-prefill must be auto, off or a token count >= 1, got {value!r}")
+    return n
+
+
+# Prefill chunks tried for the layerwise GPU path, largest first: the first whose buffers fit is used.
+GPU_PREFILL_CHUNKS = (16384, 8192, 4096, 2048, 1024)
+GPU_PREFILL_SLOTS = 2
+UNPACK_EXPERTS = 16  # experts unpacked at once into the layer's weight scratch (bounds the temporaries)
+
+
+def gpu_prefill_bytes(shapes: "ModelShapes", fmt: str, group: int, chunk: int, itemsize: int) -> dict:
+    """VRAM of the layerwise GPU prefill for prefill chunks of ``chunk`` tokens (hetmoe/moe/layerwise.py): the
+    slots of packed experts, one layer's weights unpacked to the model dtype (+ the temporaries of unpacking
+    UNPACK_EXPERTS experts), and the activations of one MoE layer and the attention mask of one chunk."""
+    E = shapes.n_routed // max(shapes.n_moe_layers, 1)
+    H, I, k = shapes.hidden, shapes.expert_inter, shapes.top_k
+    layer = E * expert_bytes(fmt, H, I, group)
+    weights = E * 3 * H * I * itemsize + UNPACK_EXPERTS * 3 * H * I * 8
+    rows = chunk * k  # (token, expert) pairs
+    act = rows * (H * itemsize + 3 * I * itemsize + H * itemsize + H * 4 + 16) + chunk * H * 4
+    mask = chunk * shapes.q_per_kv * chunk * itemsize
+    return {"prefill slots": GPU_PREFILL_SLOTS * layer, "prefill weights": weights, "prefill activations": act + mask}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -157,6 +195,8 @@ class MemoryPlan:
     max_context: int
     ram: dict = field(default_factory=dict)  # part -> bytes
     vram: dict = field(default_factory=dict)
+    prefill_chunk: int = 1024  # prompt tokens per forward call
+    gpu_prefill: bool = False  # the layerwise GPU prefill's buffers are in the plan (for prefill_chunk tokens)
 
     @property
     def ram_bytes(self) -> int:
@@ -246,7 +286,29 @@ def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device
             * dtype.itemsize
     else:
         plan.ram.update({"dense weights": dense, "KV cache": kv, "activations": act})
+    plan.prefill_chunk = opts.prefill_chunk
     return plan
+
+
+def add_gpu_prefill(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions, vram_free: int) -> None:
+    """With a GPU and --gpu-prefill not off: the largest chunk of GPU_PREFILL_CHUNKS (at least --prefill-chunk)
+    whose layerwise prefill buffers fit beside the rest of the plan goes into the plan. None fitting: auto goes
+    without (the CPU computes every prefill), a token count given is refused (MemoryError with the breakdown)."""
+    if plan.device.type != "cuda" or opts.gpu_prefill == "off" or not shapes.n_moe_layers:
+        return
+    budget = HEADROOM * vram_free - plan.vram_bytes
+    need = {}
+    for chunk in [c for c in GPU_PREFILL_CHUNKS if c >= opts.prefill_chunk] or [opts.prefill_chunk]:
+        need = gpu_prefill_bytes(shapes, plan.experts_format, plan.group_size, chunk, plan.dtype.itemsize)
+        if sum(need.values()) <= budget:
+            plan.vram.update(need)
+            plan.prefill_chunk, plan.gpu_prefill = chunk, True
+            return
+    if opts.gpu_prefill != "auto":
+        parts = ", ".join(f"{k} {gib(v)}" for k, v in need.items())
+        raise MemoryError(f"--gpu-prefill {opts.gpu_prefill}: its buffers do not fit the GPU beside the model "
+                          f"(smallest chunk {chunk} tokens: {parts}; {gib(max(0, int(budget)))} left of "
+                          f"{gib(vram_free)} free). Use --gpu-prefill off, or a smaller --max-context.")
 
 
 def resolve_dtype(name: str, device: torch.device, dense_params: int) -> torch.dtype:
@@ -277,6 +339,8 @@ def choose_plan(shapes: "ModelShapes", opts: EngineOptions) -> MemoryPlan:
         problems.append(f"RAM: needs {gib(plan.ram_bytes)}, {gib(ram)} available")
     if device.type == "cuda" and plan.vram_bytes > HEADROOM * vram:
         problems.append(f"GPU memory: needs {gib(plan.vram_bytes)}, {gib(vram)} free")
+    if not problems:
+        add_gpu_prefill(plan, shapes, opts, vram)
     if problems:
         hints = []
         if plan.experts_format != "int4":
@@ -327,5 +391,7 @@ class ModelShapes:
     act_width: int
     max_position_embeddings: Optional[int]
     n_moe_layers: int = 0  # blocks with routed experts (what --gpu-experts multiplies)
+    top_k: int = 1  # routed experts per token
+    q_per_kv: int = 1  # query heads per key/value head (the prefill attention mask repeats per query group)
     context_limit: Optional[int] = None  # positions the model attends over (models.context_limit), and why
     context_why: str = ""

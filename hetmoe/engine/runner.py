@@ -7,12 +7,14 @@ builds the one ``Step`` (positions, slots) the model sees; the model itself keep
 
 On a GPU, decode steps go through ``engine/cuda_graph.py`` (one CUDA graph per batch size, replayed every token;
 ``EngineOptions.cuda_graph=False`` runs the same step eagerly) and the MoE layers whose experts run on the CPU
-through ``moe/stream.py`` (CPU jobs in CUDA stream order). Prefill stays eager.
+through ``moe/stream.py`` (CPU jobs in CUDA stream order). Prefill stays eager; chunks of at least
+``layerwise.min_tokens`` tokens compute their routed experts on the GPU (``moe/layerwise.py``).
 """
 
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from typing import Optional, Sequence
 
 import torch
@@ -36,7 +38,8 @@ class Runner:
         self.dtype = loaded.plan.dtype
         self.max_context = loaded.plan.max_context
         self.max_batch = loaded.options.max_batch
-        self.prefill_chunk = loaded.options.prefill_chunk
+        self.prefill_chunk = loaded.plan.prefill_chunk  # larger when the plan holds the layerwise GPU prefill
+        self.layerwise = loaded.layerwise
         if self.device.type == "cuda":
             # cuDNN's SDPA builds an execution graph on the CPU for every new shape, and decode changes the attended
             # length every step, so leave attention to the other kernels
@@ -81,7 +84,9 @@ class Runner:
         consecutive = bool((slots == torch.arange(first, first + len(slots))).all())
         step = Step(positions.to(self.device), slots.to(self.device), kv_len=kv_len,
                     first_slot=first if consecutive else None)
-        hidden = self.model(ids.to(self.device), step, self.cache)
+        layerwise = self.layerwise is not None and self.layerwise.wants(ids.numel())
+        with self.layerwise.prefill() if layerwise else nullcontext():  # the routed experts on the GPU
+            hidden = self.model(ids.to(self.device), step, self.cache)
         if last is not None:
             hidden = hidden[torch.arange(len(last), device=hidden.device), last.to(hidden.device)]  # [B, H]
         elif last_only:

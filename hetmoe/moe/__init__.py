@@ -7,6 +7,8 @@
                                engine (activations staged through pinned memory from a GPU model), the GPU-resident
                                experts, Expert Deferral's two parts (deferral.py), drop (accuracy studies);
                stream.py       the same inside a decode step, in CUDA stream order (capturable into a CUDA graph)
+               layerwise.py    long prefill chunks on the GPU, each layer's packed experts streamed from RAM
+                               (packed.py reads the CPU engine's layout with torch ops)
     experts    backends.py     the ExpertsBackend call: hetmoe.cpu.CPUExperts (csrc/), TorchExperts;
                gpu_experts.py  GpuExperts, a layer's GPU-resident experts
     combine    combine.py      combine(): CPU part + GPU-resident part + previous layer's deferred part (fp32) ->
@@ -16,6 +18,7 @@ A model's MoE block is ``self.moe(x, self.gate(x), shared=...)``: it builds a Ro
 asks where its experts run.
 """
 
+from hetmoe.moe import layerwise
 from hetmoe.moe.backends import ExpertsBackend, TorchExperts
 from hetmoe.moe.combine import combine
 from hetmoe.moe.deferral import DeferralChain, drop_lowest, split_deferred
@@ -27,5 +30,5 @@ from hetmoe.moe.stream import StreamDecode
 __all__ = [
     "ExpertsBackend", "TorchExperts", "DeferralChain", "drop_lowest", "split_deferred", "HostStaging", "MoELayer",
     "combine", "defer_experts", "moe_layers", "GpuExperts", "RouterSpec", "route_deepseek_v2", "route_deepseek_v3",
-    "route_softmax", "StreamDecode",
+    "route_softmax", "StreamDecode", "layerwise",
 ]

@@ -25,6 +25,7 @@ Shape letters: T tokens, k experts per token, E experts, H hidden size, I interm
 from __future__ import annotations
 
 import contextvars
+import time
 from contextlib import contextmanager
 from typing import Optional
 
@@ -36,6 +37,7 @@ from hetmoe.moe.deferral import drop_lowest
 from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
 
 _current: contextvars.ContextVar = contextvars.ContextVar("hetmoe_layerwise_prefill", default=None)
+GPU_SLOTS = 2  # = hetmoe.engine.placement.GPU_PREFILL_SLOTS (the plan counts them)
 
 
 def current() -> Optional["LayerwisePrefill"]:
@@ -112,7 +114,8 @@ class LayerwisePrefill:
     asks ``wants(T)``); ``slots``: GPU buffers of one layer's packed experts each (>= 2: copy one while computing
     another). On a CPU ``device`` (tests) the same path runs without copies, reading the engine's storage directly."""
 
-    def __init__(self, layers: list, device, dtype: torch.dtype, min_tokens: int, slots: int = 2):
+    def __init__(self, layers: list, device, dtype: torch.dtype, min_tokens: int, slots: int = 2,
+                 unpack_experts: int = 16):
         if slots < 2:
             raise ValueError(f"layerwise prefill needs at least 2 slots, got {slots}")
         self.device, self.dtype = torch.device(device), dtype
@@ -122,6 +125,12 @@ class LayerwisePrefill:
         self.layouts = [ExpertLayout.of(layer.engine) for layer in self.layers]
         self.host = [expert_ranges(layer.engine, lay) for layer, lay in zip(self.layers, self.layouts)]
         self.cuda = self.device.type == "cuda"
+        self.unpack_n = int(unpack_experts)
+        lay = self.layouts[0] if self.layouts else None
+        if lay is not None:  # one layer's weights in the model dtype, rewritten by every layer
+            E, H, I = lay.num_experts, lay.hidden, lay.intermediate
+            self.w_gu = torch.empty(E, 2 * I, H, dtype=dtype, device=self.device)
+            self.w_down = torch.empty(E, H, I, dtype=dtype, device=self.device)
         self._registered = None
         if self.cuda:
             self._registered = _HostMemory([t for ranges in self.host for t in ranges])
@@ -169,13 +178,22 @@ class LayerwisePrefill:
             self.copied[s].record(self.copy_stream)
 
     def _weights(self, i: int) -> tuple:
+        """Layer i's experts unpacked into the weight scratch, a few experts at a time (bounded temporaries)."""
         lay = self.layouts[i]
-        if not self.cuda:
-            return unpack_experts(lay, self.host[i], lay.num_experts, self.dtype)
-        s = i % self.n_slots
-        torch.cuda.current_stream(self.device).wait_event(self.copied[s])
-        ranges = [dst[:src.numel()] for dst, src in zip(self.slots[s], self.host[i])]
-        return unpack_experts(lay, ranges, lay.num_experts, self.dtype)
+        if self.cuda:
+            s = i % self.n_slots
+            torch.cuda.current_stream(self.device).wait_event(self.copied[s])
+            ranges = [dst[:src.numel()] for dst, src in zip(self.slots[s], self.host[i])]
+        else:
+            ranges = self.host[i]
+        per = [b for b in lay.range_bytes() if b]
+        E = lay.num_experts
+        for e0 in range(0, E, self.unpack_n):
+            n = min(self.unpack_n, E - e0)
+            gu, d = unpack_experts(lay, [r[e0 * b:(e0 + n) * b] for r, b in zip(ranges, per)], n, self.dtype)
+            self.w_gu[e0:e0 + n].copy_(gu)
+            self.w_down[e0:e0 + n].copy_(d)
+        return self.w_gu, self.w_down
 
     def run(self, layer, x: torch.Tensor, logits: torch.Tensor, shared=None,
             correction_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -186,7 +204,6 @@ class LayerwisePrefill:
             ids = drop_lowest(ids, weights, layer.drop)
         w_gu, w_down = self._weights(i)
         y = grouped_swiglu(x, ids, weights, w_gu, w_down)
-        del w_gu, w_down
         if self.cuda:
             s = i % self.n_slots
             self.freed[s] = torch.cuda.Event()
@@ -195,6 +212,49 @@ class LayerwisePrefill:
                 self._issue(i + self.n_slots)
         self.layers_run += 1
         return combine(y, None, None, x.dtype, shared(x) if shared is not None else None)
+
+    def measure(self, tokens=(256, 1024), seed: int = 0) -> dict:
+        """The rates the threshold is chosen from, measured on the first MoE layer with random activations and
+        routing (a few ms on a GPU): the H2D copy of one layer's packed experts, the GPU path's unpack and grouped
+        GEMMs at two token counts, the CPU engine's prefill at two token counts. Seconds per layer."""
+        if not self.cuda or not self.layers:
+            raise RuntimeError("measuring the layerwise prefill needs its CUDA device")
+        layer, lay = self.layers[0], self.layouts[0]
+        gen = torch.Generator().manual_seed(seed)
+        H, E, k = lay.hidden, lay.num_experts, layer.router.top_k
+        torch.cuda.synchronize(self.device)
+        copy = []
+        for _ in range(2):
+            t0 = torch.cuda.Event(enable_timing=True)
+            t0.record(self.copy_stream)
+            self._issue(0)
+            self.copy_stream.synchronize()
+            copy.append(t0.elapsed_time(self.copied[0]) / 1e3)
+        gpu, cpu = {}, {}
+        for T in tokens:
+            x = torch.randn(T, H, generator=gen).to(self.dtype)
+            ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+            w = torch.rand(T, k, generator=gen)
+            xd, idd, wd = x.to(self.device), ids.to(self.device), w.to(self.device)
+            for rep in range(2):  # the first call warms the kernels up
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                grouped_swiglu(xd, idd, wd, *self._weights(0))
+                b.record()
+                b.synchronize()
+            gpu[T] = a.elapsed_time(b) / 1e3
+            xh = x.to(torch.float32) if layer.engine.info()["weight_format"] == "bf16" else x
+            times = []
+            for rep in range(2):
+                t = time.perf_counter()
+                layer.engine.forward(xh, ids, w)
+                times.append(time.perf_counter() - t)
+            cpu[T] = min(times)
+        self.freed[0] = None
+        return {"copy_s": min(copy), "copy_gbps": self.layer_bytes(0) / min(copy) / 1e9, "gpu_s": gpu, "cpu_s": cpu}
+
+    def layer_bytes(self, i: int) -> int:
+        return sum(t.numel() for t in self.host[i])
 
     def close(self) -> None:
         if self._registered is not None:
@@ -210,7 +270,73 @@ class LayerwisePrefill:
             pass
 
 
+def _line(rates: dict) -> tuple:
+    """(fixed seconds, seconds per token) through the two measured points of ``rates`` {tokens: seconds}."""
+    (t0, s0), (t1, s1) = sorted(rates.items())[:2]
+    per = max((s1 - s0) / (t1 - t0), 0.0)
+    return max(s0 - per * t0, 0.0), per
+
+
+def choose_min_tokens(rates: dict, limit: int = 1 << 20) -> Optional[int]:
+    """The smallest token count from which one layer is faster on the layerwise GPU path than on the CPU engine:
+    per layer, the GPU path takes max(its copy, its compute) (the copy of the next layer overlaps this one's
+    compute), the CPU its compute. None when the GPU path never wins below ``limit`` tokens."""
+    g0, g1 = _line(rates["gpu_s"])
+    c0, c1 = _line(rates["cpu_s"])
+    copy = rates["copy_s"]
+    T = 16
+    while T <= limit:
+        if max(copy, g0 + g1 * T) <= c0 + c1 * T:
+            lo = T // 2
+            while lo + 1 < T:  # the exact crossover between T/2 and T
+                mid = (lo + T) // 2
+                if max(copy, g0 + g1 * mid) <= c0 + c1 * mid:
+                    T = mid
+                else:
+                    lo = mid
+            return T
+        T *= 2
+    return None
+
+
 def eligible(layer) -> bool:
     """Whether a MoE layer can take this path: the CPU engine, not split over NUMA subpools."""
     engine = layer.engine
     return engine is not None and engine.info().get("numa_subpools", 1) == 1
+
+
+def setup(layers: list, plan, options, log) -> tuple:
+    """The model's layerwise GPU prefill for a plan that holds its buffers (``plan.gpu_prefill``), with the token
+    threshold of ``options.gpu_prefill`` (a count, or "auto": measured here) -> (LayerwisePrefill or None, the
+    report kept in ``LoadedModel.info``). Where the driver refuses to register the experts' memory, or the GPU path
+    never wins, prefill stays on the CPU and ``log`` says why."""
+    if not plan.gpu_prefill:
+        return None, {"enabled": False, "why": "off" if options.gpu_prefill == "off" else "no room on the GPU"}
+    ok = [layer for layer in layers if eligible(layer)]
+    if not ok:
+        return None, {"enabled": False, "why": "no MoE layer with the unsplit CPU engine (NUMA-split layers)"}
+    threshold = options.gpu_prefill if isinstance(options.gpu_prefill, int) else 1
+    try:
+        driver = LayerwisePrefill(ok, plan.device, plan.dtype, threshold, GPU_SLOTS)
+    except RuntimeError as err:
+        log(f"hetmoe: GPU prefill off: {err}")
+        return None, {"enabled": False, "why": str(err)}
+    report = {"enabled": True, "chunk": plan.prefill_chunk, "layers": len(ok), "min_tokens": threshold,
+              "chosen_by": "--gpu-prefill"}
+    if options.gpu_prefill == "auto":
+        rates = driver.measure()
+        chosen = choose_min_tokens(rates)
+        report.update(rates=rates, chosen_by="measured")
+        cpu_tok_s = max(rates["cpu_s"]) / rates["cpu_s"][max(rates["cpu_s"])]
+        rate_text = (f"H2D {rates['copy_gbps']:.1f} GB/s ({driver.layer_bytes(0) / 2**20:.0f} MiB per layer in "
+                     f"{1e3 * rates['copy_s']:.1f} ms), CPU experts {cpu_tok_s:.0f} tok/s per layer")
+        if chosen is None:
+            driver.close()
+            log(f"hetmoe: GPU prefill off: the CPU is faster at every prompt length here ({rate_text})")
+            return None, {**report, "enabled": False, "why": "the CPU is faster"}
+        driver.min_tokens = report["min_tokens"] = chosen
+        log(f"hetmoe: GPU prefill from {chosen} tokens per chunk, chunks of {plan.prefill_chunk} ({rate_text})")
+    else:
+        log(f"hetmoe: GPU prefill from {threshold} tokens per chunk (--gpu-prefill), chunks of {plan.prefill_chunk}")
+    return driver, report
+

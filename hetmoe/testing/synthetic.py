@@ -40,7 +40,7 @@ from hetmoe.engine.loader import (
 from hetmoe.engine.placement import EngineOptions, choose_plan
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.models.config import ModelConfig
-from hetmoe.moe import HostStaging, defer_experts
+from hetmoe.moe import HostStaging, defer_experts, layerwise
 
 # Small but complete configurations: every feature of the architecture is present (dense first layers,
 # shared experts, groups, GQA, q/k norm, MLA), with sizes that load in well under a second.
@@ -364,9 +364,10 @@ def build_random_model(
         block.attach(experts, staging)
     defer_experts(model, options.defer_experts)
     gpu_experts = keep_gpu_experts(model.eval(), blocks, plan, options, None, log)  # no tokenizer: the first N
+    lw, gpu_prefill = layerwise.setup([layer for _, layer in blocks], plan, options, log)
     if plan.device.type == "cuda":
         torch.cuda.synchronize(plan.device)
     info = {"load_s": time.perf_counter() - t0, "expert_bytes": expert_bytes, "shape": name, "seed": seed,
-            "gpu_experts": gpu_experts}
+            "gpu_experts": gpu_experts, "gpu_prefill": gpu_prefill}
     log(f"hetmoe: built in {info['load_s']:.1f} s (routed experts {expert_bytes / 2**30:.2f} GiB)")
-    return LoadedModel(model.eval(), cfg, plan, options, None, info)
+    return LoadedModel(model.eval(), cfg, plan, options, None, info, lw)
