@@ -31,6 +31,7 @@ import torch
 from hetmoe import cpu
 from hetmoe.bench.decode_variants import decode_variants, fmt_variants, kv_modes
 from hetmoe.bench.kernel import GB, llc_bytes, machine_info, write_json
+from hetmoe.bench.prefill import prefill_paths
 from hetmoe.cli.options import engine_options
 from hetmoe.engine.loader import LoadedModel, load_model, moe_blocks
 from hetmoe.engine.placement import EngineOptions, free_ram
@@ -249,6 +250,10 @@ def run_e2e_bench(args) -> int:
                 "stream_gbps": stream, "stream_bytes": stream_bytes, "threads": epool.threads,
                 **measure(loaded, prompts, decode_tokens, repeats, stream, args.seed),
             }
+            if device == "cuda" and loaded.layerwise is not None:
+                say(f"{PLACEMENT[device]}: prefill by path (routed experts on the CPU / streamed to the GPU / auto, "
+                    f"from {loaded.layerwise.min_tokens} tokens), {repeats} repeats:")
+                rec["prefill_paths"] = prefill_paths(loaded, prompts, repeats, args.seed, time_prefill, log=say)
             if device == "cuda" and not getattr(args, "no_variants", False):  # eager / graph / deferral / GPU experts
                 say(f"{PLACEMENT[device]}: decode variants, batch 1, {decode_tokens} steps x {repeats} after "
                     f"{min(prompts)} tokens:")

@@ -142,22 +142,23 @@ def parse_gpu_prefill(value) -> Union[str, int]:
 
 
 # Prefill chunks tried for the layerwise GPU path, largest first: the first whose buffers fit is used.
-GPU_PREFILL_CHUNKS = (16384, 8192, 4096, 2048, 1024)
+GPU_PREFILL_CHUNKS = (8192, 4096, 2048, 1024)
 GPU_PREFILL_SLOTS = 2
 UNPACK_EXPERTS = 16  # experts unpacked at once into the layer's weight scratch (bounds the temporaries)
 
 
-def gpu_prefill_bytes(shapes: "ModelShapes", fmt: str, group: int, chunk: int, itemsize: int) -> dict:
+def gpu_prefill_bytes(shapes: "ModelShapes", fmt: str, group: int, chunk: int, itemsize: int, ctx: int) -> dict:
     """VRAM of the layerwise GPU prefill for prefill chunks of ``chunk`` tokens (hetmoe/moe/layerwise.py): the
     slots of packed experts, one layer's weights unpacked to the model dtype (+ the temporaries of unpacking
-    UNPACK_EXPERTS experts), and the activations of one MoE layer and the attention mask of one chunk."""
+    UNPACK_EXPERTS experts), and the activations of one MoE layer and the attention mask of one chunk over a
+    context of ``ctx`` positions."""
     E = shapes.n_routed // max(shapes.n_moe_layers, 1)
     H, I, k = shapes.hidden, shapes.expert_inter, shapes.top_k
     layer = E * expert_bytes(fmt, H, I, group)
     weights = E * 3 * H * I * itemsize + UNPACK_EXPERTS * 3 * H * I * 8
     rows = chunk * k  # (token, expert) pairs
     act = rows * (H * itemsize + 3 * I * itemsize + H * itemsize + H * 4 + 16) + chunk * H * 4
-    mask = chunk * shapes.q_per_kv * chunk * itemsize
+    mask = chunk * shapes.q_per_kv * ctx * itemsize
     return {"prefill slots": GPU_PREFILL_SLOTS * layer, "prefill weights": weights, "prefill activations": act + mask}
 
 
@@ -299,7 +300,8 @@ def add_gpu_prefill(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions
     budget = HEADROOM * vram_free - plan.vram_bytes
     need = {}
     for chunk in [c for c in GPU_PREFILL_CHUNKS if c >= opts.prefill_chunk] or [opts.prefill_chunk]:
-        need = gpu_prefill_bytes(shapes, plan.experts_format, plan.group_size, chunk, plan.dtype.itemsize)
+        need = gpu_prefill_bytes(shapes, plan.experts_format, plan.group_size, chunk, plan.dtype.itemsize,
+                                 plan.max_context)
         if sum(need.values()) <= budget:
             plan.vram.update(need)
             plan.prefill_chunk, plan.gpu_prefill = chunk, True

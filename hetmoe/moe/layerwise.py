@@ -141,6 +141,8 @@ class LayerwisePrefill:
             self.copied = [torch.cuda.Event() for _ in range(self.n_slots)]
             self.freed = [None] * self.n_slots  # the event after the last compute that read the slot
         self.layers_run = 0  # MoE layers computed here since construction (for reports and tests)
+        self.profiling = False  # when on: CUDA events around every copy and every layer's expert compute
+        self._events: list = []  # (layer, "copy" | "compute", start event, end event)
 
     @property
     def slot_bytes(self) -> int:
@@ -173,9 +175,12 @@ class LayerwisePrefill:
         with torch.cuda.stream(self.copy_stream):
             if self.freed[s] is not None:
                 self.copy_stream.wait_event(self.freed[s])
+            start = self._event()
             for dst, src in zip(self.slots[s], self.host[i]):
                 dst[:src.numel()].copy_(src, non_blocking=True)
             self.copied[s].record(self.copy_stream)
+            if start is not None:
+                self._events.append((i, "copy", start, self.copied[s]))
 
     def _weights(self, i: int) -> tuple:
         """Layer i's experts unpacked into the weight scratch, a few experts at a time (bounded temporaries)."""
@@ -202,8 +207,11 @@ class LayerwisePrefill:
         weights, ids = layer.route(logits, correction_bias)
         if layer.drop:
             ids = drop_lowest(ids, weights, layer.drop)
+        start = self._event()
         w_gu, w_down = self._weights(i)
         y = grouped_swiglu(x, ids, weights, w_gu, w_down)
+        if start is not None:
+            self._events.append((i, "compute", start, self._event()))
         if self.cuda:
             s = i % self.n_slots
             self.freed[s] = torch.cuda.Event()
@@ -212,6 +220,25 @@ class LayerwisePrefill:
                 self._issue(i + self.n_slots)
         self.layers_run += 1
         return combine(y, None, None, x.dtype, shared(x) if shared is not None else None)
+
+    def _event(self):
+        if not (self.cuda and self.profiling):
+            return None
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()  # on the current stream: the copy stream inside _issue, the main stream in run
+        return e
+
+    def profile(self) -> dict:
+        """Mean ms per MoE layer of the copies and the expert computes recorded since profiling was turned on
+        (synchronizes; clears the record): {"copy_ms", "compute_ms", "layers"}."""
+        torch.cuda.synchronize(self.device)
+        sums = {"copy": [], "compute": []}
+        for _, what, a, b in self._events:
+            sums[what].append(a.elapsed_time(b))
+        self._events = []
+        n = len(sums["compute"])
+        return {"copy_ms": sum(sums["copy"]) / max(n, 1), "compute_ms": sum(sums["compute"]) / max(n, 1),
+                "layers": n}
 
     def measure(self, tokens=(256, 1024), seed: int = 0) -> dict:
         """The rates the threshold is chosen from, measured on the first MoE layer with random activations and
