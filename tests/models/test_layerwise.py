@@ -1,0 +1,244 @@
+"""Layerwise GPU prefill (--gpu-prefill; hetmoe/moe/layerwise.py, hetmoe/moe/packed.py).
+
+CPU (CI): the packed layout read with torch ops equals the engine's own unpacking (every format, odd shapes, a
+range of experts); the grouped SwiGLU against TorchExperts; the whole path (routing, unpacking a few experts at a
+time into the scratch, grouped GEMMs, combine) run on CPU tensors inside a model, against the CPU engine's path, for
+every architecture and format; skipped slots; the threshold rule; the VRAM plan's chunk choice and its refusal.
+GPU (marked): prefill logits of the GPU path vs the CPU engine's path of the same hybrid model for each format and
+architecture; a prompt split in small chunks vs one chunk; slot reuse with a deliberately slowed copy stream; CUDA
+graph decode after a GPU prefill.
+
+Tolerances are relative max logit errors (max |diff| / max |ref|), written beside each assert with what was measured.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from hetmoe.cpu import CPUExperts
+from hetmoe.engine.loader import load_model, moe_blocks
+from hetmoe.engine.placement import EngineOptions, add_gpu_prefill, gpu_prefill_bytes, parse_gpu_prefill
+from hetmoe.engine.runner import Runner
+from hetmoe.moe import TorchExperts
+from hetmoe.moe.layerwise import LayerwisePrefill, choose_min_tokens, grouped_swiglu
+from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
+
+ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3"]
+FORMATS = [("bf16", None), ("int8", 0), ("int8", 64), ("int4", 32), ("int4", 64)]
+
+
+def _max_rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("fmt,group", FORMATS)
+@pytest.mark.parametrize("H,I", [(96, 40), (64, 144), (130, 24)])
+def test_unpack_equals_the_engine(fmt, group, H, I):
+    E = 6
+    experts = CPUExperts(E, H, I, fmt, group if group is not None else 128, threads=1)
+    experts.fill_random(seed=H + I)
+    lay = ExpertLayout.of(experts)
+    ranges = expert_ranges(experts, lay)
+    per = [b for b in lay.range_bytes() if b]
+    assert [r.numel() for r in ranges] == [E * b for b in per]
+    assert sum(lay.range_bytes()) == lay.expert_bytes == experts.info()["bytes_per_expert"]
+    a, n = 2, 3  # experts 2..4 alone, as the GPU path unpacks a few at a time
+    gu, d = unpack_experts(lay, [r[a * b:(a + n) * b] for r, b in zip(ranges, per)], n, torch.float32)
+    assert gu.shape == (n, 2 * I, H) and d.shape == (n, H, I)
+    for i in range(n):
+        g, u, dd = experts.dequantized(a + i)
+        assert torch.equal(gu[i], torch.cat([g, u])), f"gate/up of expert {a + i}"  # exactly the same values
+        assert torch.equal(d[i], dd), f"down of expert {a + i}"
+
+
+def test_grouped_swiglu_matches_torch_experts():
+    gen = torch.Generator().manual_seed(0)
+    E, H, I, T, k = 7, 48, 20, 33, 3
+    gate, up = torch.randn(E, I, H, generator=gen), torch.randn(E, I, H, generator=gen)
+    down = torch.randn(E, H, I, generator=gen)
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    ids[3, 1] = ids[10, 0] = -1  # skipped slots (dropped experts)
+    ids[:, 2] = torch.where(ids[:, 2] == 4, 5, ids[:, 2])  # expert 4 routed less, some experts not at all
+    w = torch.rand(T, k, generator=gen)
+    ref = TorchExperts(gate, up, down)(x, ids, w)
+    got = grouped_swiglu(x, ids, w, torch.cat([gate, up], dim=1), down)
+    assert got.dtype == torch.float32
+    assert _max_rel(got, ref) < 1e-5  # measured 2.4e-7: summation order
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_the_path_on_cpu_tensors_matches_the_cpu_engine(checkpoints, arch, fmt):
+    """The GPU path's code (no copies on a CPU device), inside the model, against the engine path."""
+    loaded = load_model(checkpoints(arch), EngineOptions(device="cpu", experts_format=fmt, dtype="fp32"),
+                        expert_cache=None, log=lambda m: None)
+    runner = Runner(loaded)
+    ids = torch.randint(0, loaded.config.vocab_size, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = runner.score(ids)
+    layers = [layer for _, layer in moe_blocks(loaded.model)]
+    lw = LayerwisePrefill(layers, "cpu", torch.float32, min_tokens=1, unpack_experts=3)
+    with lw.prefill():
+        got = runner.score(ids)
+    assert lw.layers_run == len(layers)
+    # The engine rounds activations (int8: int16, int4: int8 per group), the torch path keeps fp32.
+    # measured: bf16 1.8e-7..3.4e-7, int8 1.0e-6..9.7e-6, int4 2.2e-4..3.0e-3
+    assert _max_rel(got, ref) < {"bf16": 1e-5, "int8": 1e-4, "int4": 1e-2}[fmt]
+
+
+def test_deferral_does_not_apply_to_the_gpu_path(checkpoints):
+    """Prefill on this path computes every expert once, on its own layer's input: a model with Expert Deferral
+    gives the same logits as one without."""
+    path = checkpoints("qwen3_moe")
+    outs = []
+    for d in (0, 1):
+        loaded = load_model(path, EngineOptions(device="cpu", dtype="fp32", defer_experts=d), expert_cache=None,
+                            log=lambda m: None)
+        lw = LayerwisePrefill([layer for _, layer in moe_blocks(loaded.model)], "cpu", torch.float32, 1)
+        with lw.prefill():
+            outs.append(Runner(loaded).score(list(range(3, 30))))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_a_nested_prefill_is_refused(checkpoints):
+    loaded = load_model(checkpoints("qwen3_moe"), EngineOptions(device="cpu", dtype="fp32"), expert_cache=None,
+                        log=lambda m: None)
+    lw = LayerwisePrefill([layer for _, layer in moe_blocks(loaded.model)], "cpu", torch.float32, 1)
+    with lw.prefill():
+        with pytest.raises(RuntimeError, match="already running"):
+            with lw.prefill():
+                pass
+    with pytest.raises(ValueError, match="at least 2 slots"):
+        LayerwisePrefill([], "cpu", torch.float32, 1, slots=1)
+
+
+def test_threshold_rule():
+    # a layer: copy 5.7 ms; GPU compute 0.2 ms + 0.8 us/token; CPU 0.1 ms + 22 us/token -> crossover ~255 tokens
+    rates = {"copy_s": 5.7e-3, "gpu_s": {256: 0.4048e-3, 1024: 1.0192e-3}, "cpu_s": {256: 5.732e-3, 1024: 22.628e-3}}
+    t = choose_min_tokens(rates)
+    assert 250 <= t <= 262, t
+    assert max(5.7e-3, 0.2e-3 + 0.8e-6 * t) <= 0.1e-3 + 22e-6 * t  # wins at t
+    assert not max(5.7e-3, 0.2e-3 + 0.8e-6 * (t - 1)) <= 0.1e-3 + 22e-6 * (t - 1)  # not one token earlier
+    fast_cpu = dict(rates, cpu_s={256: 0.1e-3, 1024: 0.3e-3})
+    assert choose_min_tokens(fast_cpu) is None
+
+
+def test_gpu_prefill_option():
+    assert parse_gpu_prefill("auto") == "auto" and parse_gpu_prefill("OFF") == "off" and parse_gpu_prefill("512") == 512
+    for bad in ("0", "-3", "many", True, 1.5e9j):
+        with pytest.raises(ValueError, match="gpu-prefill must be auto, off or a token count"):
+            EngineOptions(gpu_prefill=bad)
+
+
+def _plan_and_shapes(fmt="int4"):
+    from hetmoe.engine.placement import MemoryPlan, ModelShapes
+
+    shapes = ModelShapes(hidden=2048, vocab_size=151936, n_routed=48 * 128, expert_inter=768, dense_params=10 ** 9,
+                         kv_elems_per_token=48 * 2 * 4 * 128, act_width=8 * 2048, max_position_embeddings=40960,
+                         n_moe_layers=48, top_k=8, q_per_kv=8)
+    plan = MemoryPlan(torch.device("cuda"), torch.bfloat16, fmt, 64, 32768)
+    plan.vram = {"dense weights": 3 << 30}
+    return plan, shapes
+
+
+def test_the_plan_takes_the_largest_chunk_that_fits():
+    plan, shapes = _plan_and_shapes()
+    need = sum(gpu_prefill_bytes(shapes, "int4", 64, 8192, 2, plan.max_context).values())
+    add_gpu_prefill(plan, shapes, EngineOptions(gpu_prefill=256), vram_free=int(((3 << 30) + need) / 0.92) + (1 << 20))
+    assert plan.gpu_prefill and plan.prefill_chunk == 8192
+    assert plan.vram["prefill slots"] == 2 * 128 * (3 * 768 * 2048 // 2 + 3 * 768 * 2048 // 64 * 4)
+    plan, shapes = _plan_and_shapes()
+    need2k = sum(gpu_prefill_bytes(shapes, "int4", 64, 2048, 2, plan.max_context).values())
+    add_gpu_prefill(plan, shapes, EngineOptions(), vram_free=int(((3 << 30) + need2k) / 0.92) + (1 << 20))
+    assert plan.gpu_prefill and plan.prefill_chunk == 2048
+
+
+def test_the_plan_refuses_an_impossible_gpu_prefill():
+    plan, shapes = _plan_and_shapes()
+    add_gpu_prefill(plan, shapes, EngineOptions(), vram_free=4 << 30)  # auto: no room -> prefill stays on the CPU
+    assert not plan.gpu_prefill and plan.prefill_chunk == 1024 and "prefill slots" not in plan.vram
+    plan, shapes = _plan_and_shapes()
+    with pytest.raises(MemoryError, match=r"--gpu-prefill 512: its buffers do not fit the GPU .*prefill slots"):
+        add_gpu_prefill(plan, shapes, EngineOptions(gpu_prefill=512), vram_free=4 << 30)
+
+
+# ---------------------------------------------------------------- GPU
+
+gpu = pytest.mark.gpu
+
+
+def _hybrid(path, fmt, gpu_prefill, **opts):
+    return load_model(path, EngineOptions(device="cuda", experts_format=fmt, gpu_prefill=gpu_prefill, **opts),
+                      expert_cache=None, log=lambda m: None)
+
+
+@gpu
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_gpu_prefill_matches_the_cpu_engine(checkpoints, arch, fmt):
+    path = checkpoints(arch)
+    ids = list(range(5, 100))
+    ref = Runner(_hybrid(path, fmt, "off")).score(ids)
+    loaded = _hybrid(path, fmt, 1)
+    assert loaded.layerwise is not None and loaded.info["gpu_prefill"]["enabled"]
+    got = Runner(loaded).score(ids)
+    assert loaded.layerwise.layers_run == len(moe_blocks(loaded.model))
+    err = _max_rel(got, ref)
+    print(f"{arch} {fmt}: GPU prefill vs CPU engine, max rel. logit error {err:.2e}")
+    # bf16 model: cuBLAS bf16 GEMMs (bf16 between gate/up and down) vs the CPU kernels' fp32 accumulation, plus the
+    # engine's activation rounding (int8/int4, AMX)
+    assert err < 3e-2, err
+
+
+@gpu
+def test_gpu_prefill_in_chunks_equals_one_chunk(checkpoints):
+    loaded = _hybrid(checkpoints("qwen3_moe"), "int4", 1)
+    ids = list(range(7, 90))
+    one = Runner(loaded)
+    whole = one.prefill(ids)
+    small = Runner(loaded)
+    small.prefill_chunk = 16  # 6 chunks, each on the GPU path
+    chunked = small.prefill(ids)
+    assert _max_rel(chunked, whole) < 2e-2  # bf16 attention over a cache written in pieces
+
+
+@gpu
+def test_slots_are_reused_only_after_their_layer_computed(checkpoints, monkeypatch):
+    """A copy stream slowed before every copy: the layers still read the right weights (events order the reuse)."""
+    loaded = _hybrid(checkpoints("deepseek_v3", {"num_hidden_layers": 5, "first_k_dense_replace": 1}), "int8", 1)
+    lw = loaded.layerwise
+    assert len(lw.layers) > lw.n_slots  # the slots are reused within one forward call
+    ids = list(range(3, 70))
+    ref = Runner(loaded).score(ids)
+    issue = lw._issue
+
+    def slow_issue(i):
+        with torch.cuda.stream(lw.copy_stream):
+            torch.cuda._sleep(20_000_000)  # ~10 ms of GPU cycles on the copy stream before the copy
+        issue(i)
+
+    monkeypatch.setattr(lw, "_issue", slow_issue)
+    got = Runner(loaded).score(ids)
+    assert torch.equal(got, ref)
+
+
+@gpu
+def test_graph_decode_after_gpu_prefill(checkpoints):
+    path = checkpoints("qwen3_moe")
+    outs = []
+    for gp in ("off", 1):
+        runner = Runner(_hybrid(path, "bf16", gp))
+        logits = runner.prefill(list(range(4, 60)))
+        toks = []
+        for _ in range(6):
+            toks.append(int(logits.argmax()))
+            logits = runner.decode(toks[-1])
+        outs.append((toks, logits))
+    assert outs[0][0] == outs[1][0]  # the same greedy tokens
+    assert _max_rel(outs[1][1], outs[0][1]) < 3e-2
+
+
+def test_dataclass_field_is_documented():
+    f = {f.name: f for f in dataclasses.fields(EngineOptions)}["gpu_prefill"]
+    assert f.metadata["flag"] == "--gpu-prefill" and f.default == "auto"
