@@ -210,7 +210,7 @@ def _reply(llm, messages: list, text: str, stop: _ReplyInterrupt,
     try:
         if stop.requested:  # Ctrl-C before the reply began
             raise _StopReply
-        result = llm.generate(messages, llm.default_params, on_text=on_text)
+        result = llm.chat(messages, on_text=on_text)
     except (_StopReply, KeyboardInterrupt):
         if not interactive:
             raise

@@ -47,13 +47,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("the prompt is empty")
     llm = open_llm(args)
     if args.json:
-        result = llm.generate(prompt, llm.default_params, chat=not args.raw)
+        result = llm.generate(prompt, chat=not args.raw)
         t = result.timings
         print(json.dumps({"text": result.text, "finish_reason": result.finish_reason,
                           "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
                           "prefill_s": t.prefill_s, "decode_s": t.decode_s, "decode_tok_s": t.decode_tok_s}))
     else:
-        result = llm.generate(prompt, llm.default_params, chat=not args.raw, on_text=_stream)
+        result = llm.generate(prompt, chat=not args.raw, on_text=_stream)
         sys.stdout.write("\n")
         print(_timing(result), file=sys.stderr)
     return 0

@@ -178,7 +178,7 @@ def sampling_params(args: argparse.Namespace):
     """The SamplingParams that ``args`` (parsed with add_sampling_options) ask for."""
     from hetmoe.engine.generation import SamplingParams
 
-    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+    return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
 
 

@@ -202,7 +202,7 @@ class ScriptedLLM:
             os.kill(os.getpid(), signal.SIGINT)
         return list(range(sum(len(m["content"]) + 1 for m in messages)))
 
-    def generate(self, messages, params, on_text):
+    def chat(self, messages, on_text):
         self.seen.append([dict(m) for m in messages])
         pieces = []
         for piece in self.replies.pop(0):

@@ -422,7 +422,8 @@ def test_usage_errors_have_one_style(capsys, args, line):
 ENGINE_FLAGS = {"device": "--device", "experts_format": "--experts-format", "group_size": "--group-size",
                 "threads": "--threads", "numa": "--numa", "max_context": "--max-context", "dtype": "--dtype",
                 "defer_experts": "--defer-experts", "gpu_experts": "--gpu-experts",
-                "calibration_file": "--calibration-file", "cuda_graph": "--no-cuda-graph", "isa": "--isa"}
+                "calibration_file": "--calibration-file", "cuda_graph": "--no-cuda-graph", "isa": "--isa",
+                "gpu_prefill": "--gpu-prefill"}
 
 
 @pytest.mark.parametrize("command", [["generate"], ["chat"], ["serve"], ["eval", "--text", "t"], ["bench", "e2e"],
