@@ -13,11 +13,9 @@
 
 namespace hetmoe {
 
-// Software prefetch distances along a weight stream: into L1 kPrefetchBytes ahead (measured ~5-10% more decode
-// bandwidth than the hardware prefetcher alone, dev machine, 2 threads), and on AVX-512 also into L2
-// kPrefetchL2Bytes ahead, far enough to cover DRAM latency at a thread's share of the bandwidth. With 14 threads
-// on the GPU machine the L2 prefetch cut a qwen3-30b-a3b decode job (T = 1, 8 of 512 experts) by 12 % (int4),
-// 17 % (int8) and 18 % (bf16): in-process A/B, median of 20 alternations (BENCHMARKS.md).
+// Software prefetch distances along a weight stream: into L1 kPrefetchBytes ahead, and on AVX-512 also into L2
+// kPrefetchL2Bytes ahead, far enough to cover DRAM latency at a thread's share of the bandwidth. Decode jobs
+// stream faster with both than with the hardware prefetcher alone (BENCHMARKS.md#l2-prefetch).
 constexpr int kPrefetchBytes = 512;
 constexpr int kPrefetchL2Bytes = 4096;
 

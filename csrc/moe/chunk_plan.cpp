@@ -30,9 +30,8 @@ int amx_panel_tokens(const ActLayout& a) { return std::max<int>(32, (int)((3u <<
 // thread for it; it goes parallel above this many elements.
 constexpr int64_t kSerialElements = 1 << 13;
 
-// A parallel task takes consecutive rows worth about this many elements (at least ~4 tasks per thread). A/B on the
-// GPU machine (DeepSeek-V3 layer, T = 512, 16 threads): quantizing x into the AMX panels 2.16 / 2.18 ms with a row
-// per task, 1.82 / 1.95 ms so (bf16: 3.59 / 3.58 -> 3.21 / 3.41).
+// A parallel task takes consecutive rows worth about this many elements (at least ~4 tasks per thread): a row per
+// task is slower, e.g. quantizing x into the AMX panels of a long prompt (BENCHMARKS.md#row-work-in-chunks).
 constexpr int64_t kTaskElements = 1 << 14;
 
 // fn(row, thread) for rows [0, n_rows): on the calling thread alone when the work is small or `serial` (another

@@ -19,18 +19,11 @@ constexpr int kAmxTokenUnit = 32;    // tokens per AMX tile step
 constexpr int kTasksPerThread = 16;  // the last task to finish bounds the phase's tail to a few percent of it
 // Decode-like phases (row-block experts only, each with fewer than 1 / kRowBlockTokenCost tokens: streaming the
 // weights is the cost) take fewer, longer tasks: every task starts a new DRAM stream whose first lines come at DRAM
-// latency, which costs more than the longer tail. A/B on the GPU machine (qwen3-30b-a3b int4, 48 layers, 14 threads,
-// BENCHMARKS.md): a step of the deferral-split jobs (d = 4) 12.94 / 12.80 ms at 16 tasks per thread, 12.19 at 8,
-// 11.69 at 4; the unsplit jobs 11.43 / 11.04, 10.87 / 10.65, 10.98. In graph decode with d = 4, 77.05 / 76.05 ->
-// 84.44 / 90.39 tok/s. With deferral pairs chained (one list of tasks from layer to layer, moe.cpp), 2 per thread
-// beat 4 again (same machine and shape, two runs of 4 rounds at STREAM 67-90 GB/s): whole jobs 14.7-15.7 ms per
-// step against 14.9-16.1, deferral-split (d = 4) 13.7-14.8 against 14.6-15.3; graph decode with d = 6 or 7 faster
-// in 7 of 9 alternating pairs (61.2 -> 66.3, 64.6 -> 67.8; slower twice, 67.3 -> 62.0 the most). 1 or 3 per
-// thread: slower.
+// latency, which costs more than the longer tail. With deferral pairs chained (one list of tasks from layer to
+// layer, moe/deferral.h), 2 per thread stream fastest; 1, 3 and 4 are slower (BENCHMARKS.md#decode-tasks-per-thread).
 constexpr int kStreamingTasksPerThread = 2;
-// ... and such a phase's last n_threads tasks are cut in this many when it ends the job. A/B on the GPU machine
-// (same shape, one process, with a barrier after each phase then): a step of whole jobs 11.0 / 11.3 / 10.9 ms
-// uncut, 10.4 / 10.3 / 10.5 cut in 2, 10.4 / 10.1 / 10.3 cut in 4.
+// ... and such a phase's last n_threads tasks are cut in this many when it ends the job, so that the threads done
+// first share the last stretch of work (BENCHMARKS.md#one-task-list).
 constexpr int kTailCuts = 4;
 
 void check_amx_thread(const MoeExperts& ex) {

@@ -35,9 +35,9 @@ namespace hetmoe {
 // Experts with at least this many tokens in a call run on the AMX GEMM (where the engine has one), the
 // others on the row-block kernels, on the same packed weights; overridable per layer
 // (CPUExperts(amx_min_tokens=...)). From the crossover `hetmoe bench kernel --crossover` measures (AMX vs
-// AVX-512 on the same layer, 1..32 tokens per expert; BENCHMARKS.md "AMX prefill kernels and the adaptive
-// choice"): bf16 and int8 AMX win from 1 token per expert, kept at 4 so decode stays on the row-block kernels;
-// int4 AMX (nibbles unpacked per tile) wins only from 32.
+// AVX-512 on the same layer, 1..32 tokens per expert; BENCHMARKS.md#amx-crossover): bf16 and int8 AMX win from
+// 1 token per expert, kept at 4 so decode stays on the row-block kernels; int4 AMX (nibbles unpacked per tile)
+// wins only from 32.
 constexpr int kAmxMinTokens = 4;
 constexpr int kAmxMinTokensInt4 = 32;
 inline int default_amx_min_tokens(WeightFormat f) {

@@ -1,8 +1,8 @@
 // Stream signals: stream-ordered submit and sync of CPU jobs through stream memory operations, the fast
 // alternative to the host functions of stream/host_funcs.h (same calls, same contract for callers).
 //
-// Why: a host function runs on the driver's callback thread, which has to be woken for every call; on the
-// GPU machine that cost ~30 us per call, ~60 us per MoE layer (submit + sync), against a budget of 10 us.
+// Why: a host function runs on the driver's callback thread, which has to be woken for every call, a cost several
+// times what a decode step can spend per MoE layer (BENCHMARKS.md#stream-signals).
 // A stream memory operation is executed by the GPU itself: writing a word of pinned host memory, or waiting
 // until a word there has a value. No driver thread, nothing to wake.
 //
@@ -33,8 +33,8 @@
 // Idle cost: the watcher spins for 20 us after the last kick, then spins with sched_yield until 5 ms, then
 // polls every 50 us, then every 1 ms after 1 s without kicks, and sleeps while no signal exists. It is one more
 // runnable thread beside the pool's workers, pinned one per core: a worker it displaces holds up the whole parallel
-// job for a scheduler time slice. Decode steps took 384 ms on the GPU machine while it spun without yielding, 26 ms
-// once it yielded (qwen3-30b-a3b shape, int4, CUDA graph).
+// job for a scheduler time slice: a watcher that spun without yielding slowed decode steps by an order of
+// magnitude (BENCHMARKS.md#watcher-yield).
 #pragma once
 #include <atomic>
 #include <condition_variable>

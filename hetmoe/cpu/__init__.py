@@ -1,4 +1,5 @@
-"""The CPU side of hetmoe: the routed experts' engine (``CPUExperts``, experts.py), its pinned worker pools
+"""The CPU side of hetmoe: the routed experts' engine (``CPUExperts``, experts.py; a job's ``Slots`` and ``HostRoute``
+say which of each token's slots it computes and whether it routes itself), its pinned worker pools
 (``ExpertPool``, pool.py), NUMA subpools (numa.py) and the stream-ordered host functions through which a CUDA
 stream submits and waits for CPU jobs (``HostFuncs``, host_funcs.py). The C++ behind them is ``hetmoe._C``
 (csrc/)."""

@@ -26,8 +26,8 @@
 // weights (32 KB) are read by every token block from L1/L2, while the tokens' activation tiles of the chunk stay
 // in L2. Every tile step of a chunk also prefetches its share of the next chunk's weights (or of the first chunk
 // of the caller's next call) into L2, so each thread streams DRAM evenly while all its token blocks compute
-// (in-process A/B on the GPU machine: -11% time for per-row int8 at T = 512 against prefetching only in the first
-// token block, -6% at T = 2048, -9% bf16; BENCHMARKS.md). C accumulates in tiles across a chunk (bf16; `out` holds it
+// (faster than prefetching in the first token block only: BENCHMARKS.md#amx-spread-prefetch). C accumulates in
+// tiles across a chunk (bf16; `out` holds it
 // between chunks) or across one scale group (int8/int4: then the int32 sums go through the same fp32 epilogue
 // as the other kernels: acc = fma(float(isum - offset * xsum), w_scale * x_scale, acc)).
 //

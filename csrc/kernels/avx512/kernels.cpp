@@ -101,8 +101,8 @@ struct Int8Tile {
 // one on its accumulator: with one chain per token, the two per line would bound a one-token row block by their
 // latency rather than by memory. So up to 4 tokens, low and high nibbles sum into separate accumulators, and one
 // token also alternates lines (4 chains); more tokens are enough chains by themselves (and need the registers).
-// The sums are int32: the same bits in any order. (Dev machine, Zen 4, one thread, an expert read from L3:
-// 21.1 -> 25.0 GB/s; on the GPU machine's Xeon decode jobs did not change, DRAM-bound either way.)
+// The sums are int32: the same bits in any order. (Faster from the caches; DRAM-bound decode jobs gain nothing:
+// BENCHMARKS.md#int4-accumulators.)
 template <int NT>
 struct Int4Tile {
   static constexpr int kSplit = NT <= 4 ? 2 : 1;   // chains per line: low/high nibbles apart
