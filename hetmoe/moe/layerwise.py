@@ -25,6 +25,7 @@ Shape letters: T tokens, k experts per token, E experts, H hidden size, I interm
 from __future__ import annotations
 
 import contextvars
+import sys
 import time
 from contextlib import contextmanager
 from typing import Optional
@@ -52,6 +53,15 @@ def _grouped_mm_ok(x: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        print(message, file=sys.stderr)
+
+
 def grouped_swiglu(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gu: torch.Tensor,
                    w_down: torch.Tensor) -> torch.Tensor:
     """The routed experts of every (token, slot) pair: x [T, H], topk_ids / topk_weights [T, k] (-1: skipped),
@@ -68,12 +78,17 @@ def grouped_swiglu(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     order = order[:n_valid]
     tok = order // k
     xs = x[tok].to(w_gu.dtype)  # [M, H]
+    y = None
     if _grouped_mm_ok(xs):
         offs = ends.to(torch.int32)
-        gu = torch._grouped_mm(xs, w_gu.transpose(1, 2), offs=offs)  # [M, 2I]
-        h = F.silu(gu[:, :I]) * gu[:, I:]
-        y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs)  # [M, H]
-    else:  # one expert at a time (CPU, older GPUs, fp32 models)
+        try:
+            gu = torch._grouped_mm(xs, w_gu.transpose(1, 2), offs=offs)  # [M, 2I]
+            h = F.silu(gu[:, :I]) * gu[:, I:]
+            y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs)  # [M, H]
+        except RuntimeError as err:  # a shape the kernel does not take (alignment): the loop below
+            _warn_once(f"hetmoe: grouped GEMM unavailable for this shape ({str(err).splitlines()[0]}); "
+                       "computing the GPU prefill's experts one at a time")
+    if y is None:  # one expert at a time (CPU, older GPUs, fp32 models)
         y = torch.empty(n_valid, w_down.shape[1], dtype=xs.dtype, device=xs.device)
         start = 0
         for e, n in enumerate(counts.tolist()):
@@ -138,7 +153,7 @@ class LayerwisePrefill:
             self.slots = [[torch.empty(w, dtype=torch.uint8, device=self.device) for w in widths]
                           for _ in range(self.n_slots)]
             self.copy_stream = torch.cuda.Stream(self.device)
-            self.copied = [torch.cuda.Event() for _ in range(self.n_slots)]
+            self.copied = [torch.cuda.Event(enable_timing=True) for _ in range(self.n_slots)]
             self.freed = [None] * self.n_slots  # the event after the last compute that read the slot
         self.layers_run = 0  # MoE layers computed here since construction (for reports and tests)
         self.profiling = False  # when on: CUDA events around every copy and every layer's expert compute
