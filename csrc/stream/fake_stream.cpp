@@ -1,5 +1,7 @@
 #include "stream/fake_stream.h"
 
+#include <stdexcept>
+
 namespace hetmoe {
 
 FakeStream::FakeStream() : thread_([this] { thread_main(); }) {}
