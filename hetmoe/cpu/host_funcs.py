@@ -1,6 +1,6 @@
 """Stream-ordered CPU work: the owner of what ``ExpertPool.submit_on_stream`` / ``sync_on_stream`` enqueue on a
-CUDA stream (``HostFuncs``), by one of two mechanisms: stream signals (``csrc/stream_signals.h``, the default where
-the driver has stream memory operations) or CUDA host functions (``csrc/cuda_hooks.h``). CPU tests use
+CUDA stream (``HostFuncs``), by one of two mechanisms: stream signals (``csrc/stream/signals.h``, the default where
+the driver has stream memory operations) or CUDA host functions (``csrc/stream/host_funcs.h``). CPU tests use
 ``_C.FakeStream`` in place of a CUDA stream.
 """
 
@@ -61,9 +61,9 @@ def default_mechanism() -> str:
 class HostFuncs:
     """Owner of the stream-ordered work enqueued by ``ExpertPool.submit_on_stream`` / ``sync_on_stream``.
 
-    Two mechanisms, one behaviour: ``signals`` (default where available; csrc/stream_signals.h) has the GPU
+    Two mechanisms, one behaviour: ``signals`` (default where available; csrc/stream/signals.h) has the GPU
     write and wait on words of pinned host memory that a watcher thread turns into pool submissions;
-    ``callbacks`` (csrc/cuda_hooks.h) enqueues CUDA host functions. Work enqueued while the stream is captured
+    ``callbacks`` (csrc/stream/host_funcs.h) enqueues CUDA host functions. Work enqueued while the stream is captured
     into a CUDA graph happens at every replay of that graph. Its payload (and the ``MoEJob`` whose buffers it
     reads) is kept here: eager ones until they have run and their job is done, captured ones until
     ``close()``. So keep a ``HostFuncs`` alive at least as long as the graphs captured through it, and close it

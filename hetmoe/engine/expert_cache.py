@@ -44,7 +44,7 @@ class ExpertCache:
             "group_size": group_size,
             "layout_version": _C.LAYOUT_VERSION,
         }
-        if numa > 1:  # experts split over NUMA subpools store their slices one after another (csrc/moe/numa.h)
+        if numa > 1:  # experts split over NUMA subpools store their slices one after another (csrc/moe/split_experts.h)
             key["numa_subpools"] = numa
         self.key = json.loads(json.dumps(key))  # as it reads back from a file header (tuples become lists)
         digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:20]
