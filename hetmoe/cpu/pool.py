@@ -47,7 +47,7 @@ class ExpertPool:
     """Pinned worker threads and their FIFO job queue (shared by every layer using the same thread count).
 
     ``numa``: ``"off"`` (default: one pool), ``"auto"`` (one subpool per NUMA node) or N subpools
-    (hetmoe/numa.py). With several, experts built on this pool are split across them; jobs are still
+    (hetmoe/cpu/numa.py). With several, experts built on this pool are split across them; jobs are still
     submitted and synced here, through subpool 0.
     """
 
