@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from hetmoe.moe import packed_triton
 from hetmoe.moe.combine import combine
 from hetmoe.moe.deferral import drop_lowest
 from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
@@ -81,10 +82,10 @@ def grouped_swiglu(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     y = None
     if _grouped_mm_ok(xs):
         offs = ends.to(torch.int32)
-        try:
-            gu = torch._grouped_mm(xs, w_gu.transpose(1, 2), offs=offs)  # [M, 2I]
-            h = F.silu(gu[:, :I]) * gu[:, I:]
-            y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs)  # [M, H]
+        try:  # fp32 out: gate/up and the output are rounded once (h to bf16 for the down GEMM's input)
+            gu = torch._grouped_mm(xs, w_gu.transpose(1, 2), offs=offs, out_dtype=torch.float32)  # [M, 2I]
+            h = (F.silu(gu[:, :I]) * gu[:, I:]).to(w_down.dtype)
+            y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs, out_dtype=torch.float32)  # [M, H]
         except RuntimeError as err:  # a shape the kernel does not take (alignment): the loop below
             _warn_once(f"hetmoe: grouped GEMM unavailable for this shape ({str(err).splitlines()[0]}); "
                        "computing the GPU prefill's experts one at a time")
@@ -206,6 +207,9 @@ class LayerwisePrefill:
             ranges = [dst[:src.numel()] for dst, src in zip(self.slots[s], self.host[i])]
         else:
             ranges = self.host[i]
+        if self.cuda and packed_triton.available():  # one pass, straight into the scratch
+            packed_triton.unpack_into(lay, ranges, self.w_gu, self.w_down)
+            return self.w_gu, self.w_down
         per = [b for b in lay.range_bytes() if b]
         E = lay.num_experts
         for e0 in range(0, E, self.unpack_n):

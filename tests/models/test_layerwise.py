@@ -192,6 +192,31 @@ def test_gpu_prefill_matches_the_cpu_engine(checkpoints, arch, fmt):
 
 
 @gpu
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_one_layer_on_the_gpu_path_matches_the_cpu_engine(checkpoints, arch, fmt):
+    """The same input and router logits through one MoE layer: the CPU engine (staged through pinned memory) vs the
+    GPU path (packed bytes copied, unpacked by the kernel, grouped GEMMs): the format's own error, no routing
+    feedback from earlier layers."""
+    loaded = _hybrid(checkpoints(arch), fmt, 1)
+    lw = loaded.layerwise
+    layer = lw.layers[0]
+    gen = torch.Generator().manual_seed(3)
+    T, H = 300, loaded.config.hidden_size
+    x = (torch.randn(T, H, generator=gen) * 0.5).to("cuda", torch.bfloat16)
+    logits = torch.randn(T, layer.num_experts, generator=gen).to("cuda")
+    block = next(m for m in loaded.model.modules() if getattr(m, "moe", None) is layer)
+    bias = getattr(block.gate, "correction_bias", None)
+    ref = layer(x, logits, correction_bias=bias).float()
+    with lw.prefill():
+        got = lw.run(layer, x, logits, correction_bias=bias).float()
+    err = ((got - ref).norm() / ref.norm()).item()
+    print(f"{arch} {fmt}: one layer, GPU path vs CPU engine, rel. error {err:.2e}")
+    # bf16 rounding of h on the GPU (fp32 on the CPU); int8/int4: the engine's activation rounding
+    assert err < {"bf16": 1e-2, "int8": 2e-2, "int4": 4e-2}[fmt], err
+
+
+@gpu
 def test_gpu_prefill_in_chunks_equals_one_chunk(checkpoints):
     loaded = _hybrid(checkpoints("qwen3_moe"), "int4", 1)
     ids = list(range(7, 90))
@@ -242,3 +267,43 @@ def test_graph_decode_after_gpu_prefill(checkpoints):
 def test_dataclass_field_is_documented():
     f = {f.name: f for f in dataclasses.fields(EngineOptions)}["gpu_prefill"]
     assert f.metadata["flag"] == "--gpu-prefill" and f.default == "auto"
+
+
+TRITON_CHECK = """
+import sys, torch
+from hetmoe.cpu import CPUExperts
+from hetmoe.moe import packed_triton
+from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
+cuda = torch.cuda.is_available()
+dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+for fmt, group in %r:
+    E, H, I = 3, 130, 24
+    experts = CPUExperts(E, H, I, fmt, group if group is not None else 128, threads=1)
+    experts.fill_random(seed=9)
+    lay = ExpertLayout.of(experts)
+    ranges = expert_ranges(experts, lay)
+    ref_gu, ref_d = unpack_experts(lay, ranges, E, torch.float32)
+    w_gu = torch.full((E, 2 * I, H), float("nan"), dtype=dtype, device=dev)
+    w_d = torch.full((E, H, I), float("nan"), dtype=dtype, device=dev)
+    packed_triton.unpack_into(lay, [r.to(dev) for r in ranges], w_gu, w_d)
+    if not (torch.equal(w_gu.cpu(), ref_gu.to(dtype)) and torch.equal(w_d.cpu(), ref_d.to(dtype))):
+        sys.exit(f"{fmt} group {group}: the kernel's weights differ from the engine's")
+print("ok")
+"""
+
+
+def test_the_triton_unpack_equals_the_engine():
+    """The one-pass GPU kernel (hetmoe/moe/packed_triton.py), every format: on a GPU, bitwise the engine's values
+    rounded to bf16; without one, under Triton's interpreter (a fresh process: the interpreter is chosen when the
+    kernel is defined), bitwise in fp32 (the interpreter truncates where the GPU rounds)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    done = subprocess.run([sys.executable, "-c", TRITON_CHECK % (FORMATS,)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
