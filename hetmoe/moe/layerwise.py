@@ -195,8 +195,8 @@ class LayerwisePrefill:
             for dst, src in zip(self.slots[s], self.host[i]):
                 dst[:src.numel()].copy_(src, non_blocking=True)
             self.copied[s].record(self.copy_stream)
-            if start is not None:
-                self._events.append((i, "copy", start, self.copied[s]))
+            if start is not None:  # an end event of its own: copied[s] is recorded again by the slot's next copy
+                self._events.append((i, "copy", start, self._event()))
 
     def _weights(self, i: int) -> tuple:
         """Layer i's experts unpacked into the weight scratch, a few experts at a time (bounded temporaries)."""
