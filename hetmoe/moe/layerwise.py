@@ -82,10 +82,10 @@ def grouped_swiglu(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     y = None
     if _grouped_mm_ok(xs):
         offs = ends.to(torch.int32)
-        try:  # fp32 out: gate/up and the output are rounded once (h to bf16 for the down GEMM's input)
-            gu = torch._grouped_mm(xs, w_gu.transpose(1, 2), offs=offs, out_dtype=torch.float32)  # [M, 2I]
+        try:  # bf16 out (the kernel's only choice for bf16 inputs); SwiGLU in fp32, h rounded once
+            gu = torch._grouped_mm(xs, w_gu.transpose(1, 2), offs=offs).float()  # [M, 2I]
             h = (F.silu(gu[:, :I]) * gu[:, I:]).to(w_down.dtype)
-            y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs, out_dtype=torch.float32)  # [M, H]
+            y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs)  # [M, H]
         except RuntimeError as err:  # a shape the kernel does not take (alignment): the loop below
             _warn_once(f"hetmoe: grouped GEMM unavailable for this shape ({str(err).splitlines()[0]}); "
                        "computing the GPU prefill's experts one at a time")
