@@ -30,7 +30,7 @@ import torch
 
 from hetmoe import cpu
 from hetmoe.bench.decode_variants import decode_variants, fmt_variants, kv_modes
-from hetmoe.bench.kernel import GB, llc_bytes, machine_info, write_json
+from hetmoe.bench.machine import GB, llc_bytes, machine_info, write_json
 from hetmoe.bench.prefill import prefill_paths
 from hetmoe.cli.options import engine_options
 from hetmoe.engine.loader import LoadedModel, load_model, moe_blocks

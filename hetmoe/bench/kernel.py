@@ -22,7 +22,6 @@ from hetmoe.bench import kernel_amx
 from hetmoe.bench.machine import (
     GB,
     check_isa,
-    git_commit,  # noqa: F401  serve.py imports it from here
     llc_bytes,
     machine_info,
     mem_total_bytes,

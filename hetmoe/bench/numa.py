@@ -25,7 +25,8 @@ import time
 import torch
 
 from hetmoe import cpu
-from hetmoe.bench.kernel import DEFAULT_GROUP, SHAPES, machine_info, measure_overhead, random_routing
+from hetmoe.bench.kernel import DEFAULT_GROUP, SHAPES, measure_overhead, random_routing
+from hetmoe.bench.machine import machine_info
 from hetmoe.cpu.numa import describe, topology
 
 GB = 1e9

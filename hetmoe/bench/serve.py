@@ -202,7 +202,7 @@ def run_serve_bench(args) -> int:
     for message in result["error_messages"]:
         say(f"error: {message}")
     if args.json:
-        from hetmoe.bench.kernel import git_commit, write_json
+        from hetmoe.bench.machine import git_commit, write_json
 
         result.update(commit=git_commit(), date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), host=os.uname().nodename)
         write_json(args.json, result, say)

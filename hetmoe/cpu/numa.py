@@ -2,8 +2,8 @@
 
 With N > 1 subpools (one per NUMA node by default), each MoE layer's experts are split along their intermediate
 dimension across the subpools, each slice in its node's memory, and every call runs the slices at once and adds
-their partial outputs (csrc/moe/split_experts.h). ``auto`` = one subpool per NUMA node that has CPUs this process may use
-(so 1, the plain single pool, on a one-node machine); ``off`` = 1; N forces N (e.g. 2 on a one-node machine,
+their partial outputs (csrc/moe/split_experts.h). ``auto`` = one subpool per NUMA node that has CPUs this process
+may use (so 1, the plain single pool, on a one-node machine); ``off`` = 1; N forces N (e.g. 2 on a one-node machine,
 for tests). Machine topology is read from /sys/devices/system (csrc/runtime/topology.h).
 """
 
