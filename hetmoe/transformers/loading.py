@@ -1,0 +1,286 @@
+"""``from_pretrained``: a Transformers model whose routed experts run on hetmoe's CPU engine, loaded streaming.
+
+    config.json (AutoConfig) -> the model class built with its parameters on the meta device (buffers such as RoPE
+    frequencies are computed as usual) -> every ``@use_experts_implementation`` module sorted: the engine computes
+    it (backend.unsupported is None) or Transformers does (one warning naming the modules and why)
+    -> the checkpoint's tensors (hetmoe/engine/checkpoint.py: memory-mapped, FP8 dequantized), named by the
+    model's own renamings (transformers.conversion_mapping), one decoder layer at a time: dense tensors copied to
+    their device; each engine module's experts packed into a CPUExperts one expert at a time straight from the
+    mapped shards (per-expert ``experts.<e>.{gate,up,down}_proj`` / ``w1, w3, w2``, or fused ``gate_up_proj`` /
+    ``down_proj``, either orientation); the layer's pages released
+    -> tied weights tied, the model in eval mode with ``config._experts_implementation = "hetmoe"``.
+
+A fallback module's experts are assembled into its own parameters instead (they are materialised: that is what
+Transformers' implementation needs).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from hetmoe.transformers import backend
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+_PER_EXPERT = re.compile(r"(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.(weight|bias)")
+_FUSED = re.compile(r"(gate_up_proj|down_proj|gate_proj|up_proj)(_bias)?")
+_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_INIT_FNS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+             "xavier_normal_", "constant_", "zeros_", "ones_")
+
+
+@contextmanager
+def _parameters_on_meta():
+    """Parameters registered meanwhile are moved to the meta device (their storage, never written, is freed);
+    buffers stay real. Random init is skipped: it is meaningless on meta tensors."""
+    register = nn.Module.register_parameter
+    saved = {n: getattr(nn.init, n) for n in _INIT_FNS}
+
+    def on_meta(self, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    nn.Module.register_parameter = on_meta
+    for n in saved:
+        setattr(nn.init, n, lambda t, *args, **kwargs: t)
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+        for n, fn in saved.items():
+            setattr(nn.init, n, fn)
+
+
+def build_model(config, dtype: torch.dtype):
+    """The causal-LM class of ``config`` with meta parameters and the hetmoe experts implementation."""
+    from transformers import AutoModelForCausalLM
+
+    backend.register()
+    with _parameters_on_meta():
+        return AutoModelForCausalLM.from_config(config, experts_implementation=backend.NAME, dtype=dtype)
+
+
+def _choose_format(fmt: str, n_experts: int, H: int, I: int, dense_bytes: int) -> str:
+    from hetmoe.engine.placement import DEFAULT_GROUP, FORMATS, HEADROOM, expert_bytes, free_ram
+
+    if fmt != "auto":
+        return fmt
+    budget = HEADROOM * free_ram() - dense_bytes
+    for f in FORMATS:
+        if n_experts * expert_bytes(f, H, I, DEFAULT_GROUP[f]) <= budget:
+            return f
+    return FORMATS[-1]
+
+
+class _Sources:
+    """The checkpoint tensors of one experts module: per-expert matrices or fused stacks, by role."""
+
+    def __init__(self):
+        self.per_expert: dict = {}  # (role, e, "weight"|"bias") -> checkpoint key
+        self.fused: dict = {}  # "gate_up_proj" | "down_proj" | "gate_proj" | "up_proj" (+ "_bias") -> key
+
+    def add(self, rest: str, key: str) -> bool:
+        m = _PER_EXPERT.fullmatch(rest)
+        if m:
+            self.per_expert[(_ROLE[m.group(2)], int(m.group(1)), m.group(3))] = key
+            return True
+        m = _FUSED.fullmatch(rest)
+        if m:
+            self.fused[rest] = key
+            return True
+        return False
+
+
+def _expert_mats(ckpt, src: _Sources, module: nn.Module, e: int, E: int, H: int, I: int, where: str) -> tuple:
+    """fp32-or-stored views (gate [I, H], up [I, H], down [H, I]) of expert ``e``, Hugging Face out x in."""
+    if src.per_expert:
+        mats = []
+        for role, want in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+            key = src.per_expert.get((role, e, "weight"))
+            if key is None:
+                raise ValueError(f"{where}: the checkpoint has no {role} projection of expert {e}")
+            w = ckpt.get_float(key)
+            if tuple(w.shape) == want[::-1] and want[0] != want[1]:
+                w = w.t()  # stored in x out
+            if tuple(w.shape) != want:
+                raise ValueError(f"{where}: {key} has shape {list(w.shape)}; expected {list(want)}")
+            mats.append(w)
+        return tuple(mats)
+    t = module.is_transposed
+    if "gate_up_proj" in src.fused:
+        gu = ckpt.get(src.fused["gate_up_proj"])[e]
+        gu = gu.t() if t else gu  # [2I, H]
+        g, u = gu[:I], gu[I:]
+    else:
+        g, u = (ckpt.get(src.fused[n])[e] for n in ("gate_proj", "up_proj"))
+        g, u = (m.t() if t else m for m in (g, u))
+    d = ckpt.get(src.fused["down_proj"])[e]
+    d = d.t() if t else d
+    for name, m, want in (("gate", g, (I, H)), ("up", u, (I, H)), ("down", d, (H, I))):
+        if tuple(m.shape) != want:
+            raise ValueError(f"{where}: the fused {name} projection of expert {e} has shape {list(m.shape)}; "
+                             f"expected {list(want)}")
+    return g, u, d
+
+
+def _pack(ckpt, src: _Sources, module: nn.Module, experts, where: str) -> None:
+    E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
+    for e in range(E):
+        g, u, d = _expert_mats(ckpt, src, module, e, E, H, I, where)
+        try:
+            experts.load([g], [u], [d], first_expert=e)
+        except ValueError as err:
+            raise ValueError(f"{where}.{e}: {err}") from None
+
+
+def _assemble(ckpt, src: _Sources, module: nn.Module, device, dtype, where: str) -> None:
+    """A fallback module's own parameters from per-expert checkpoint tensors (fused ones load as they are)."""
+    if not src.per_expert or not module.has_gate or module.has_bias:
+        raise ValueError(f"{where}: per-expert checkpoint tensors for a {type(module).__name__} module are not "
+                         "supported; save the model with transformers' save_pretrained")
+    E, H, I = backend.expert_shape(module)
+    t, cat = module.is_transposed, module.is_concatenated
+    gu = torch.empty(module.gate_up_proj.shape, dtype=dtype, device=device)
+    down = torch.empty(module.down_proj.shape, dtype=dtype, device=device)
+    for e in range(E):
+        g, u, d = _expert_mats(ckpt, src, module, e, E, H, I, where)
+        both = torch.cat([g, u]) if cat else torch.stack([g, u], 1).reshape(2 * I, H)  # [2I, H]
+        gu[e].copy_(both.t() if t else both)
+        down[e].copy_(d.t() if t else d)
+    module._parameters["gate_up_proj"] = nn.Parameter(gu, requires_grad=False)
+    module._parameters["down_proj"] = nn.Parameter(down, requires_grad=False)
+
+
+def from_pretrained(path, rules=None, experts_format: str = "auto", device: str = "auto",
+                    threads: Optional[int] = None, *, group_size: Optional[int] = None, dtype: str = "auto",
+                    isa: str = "auto", numa="auto", log=None):
+    """A ``transformers.PreTrainedModel`` from the checkpoint directory ``path`` whose routed experts run on the
+    CPU engine (``experts_format`` bf16 / int8 / int4; auto: the most precise that fits in RAM) and whose other
+    modules sit on ``device`` (auto: the GPU when there is one). Experts the engine cannot compute exactly keep
+    Transformers' eager implementation on ``device`` (a ``FallbackWarning`` names them). ``rules``: not yet
+    applied (placement rules, issue 22 item 3); None only."""
+    from transformers import AutoConfig
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    from hetmoe.cpu import CPUExperts
+    from hetmoe.engine.checkpoint import Checkpoint
+    from hetmoe.engine.placement import DEFAULT_GROUP, resolve_device, resolve_dtype
+
+    if rules is not None:
+        raise NotImplementedError("placement rules are not applied by the Transformers backend yet")
+    path = Path(path)
+    dev = resolve_device(device)
+    ckpt = Checkpoint(path)
+    config = AutoConfig.from_pretrained(path)
+    qc = getattr(config, "quantization_config", None)
+    if qc is not None:  # DeepSeek FP8: dequantized by the checkpoint reader
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+        if str(method) != "fp8":
+            raise ValueError(f"{path}: quantization {method!r} is not supported by the hetmoe Transformers backend")
+        del config.quantization_config
+    model = build_model(config, torch.float32)
+    modules = {n: m for n, m in model.named_modules() if backend.is_experts_module(m)}
+    dense_params = sum(p.numel() for n, p in model.named_parameters()
+                       if not any(n.startswith(k + ".") for k in modules))
+    torch_dtype = resolve_dtype(dtype, dev, dense_params)
+    if torch_dtype != torch.float32:  # built again in that dtype: buffers keep the dtypes the model gives them
+        model = build_model(config, torch_dtype)
+        modules = {n: m for n, m in model.named_modules() if backend.is_experts_module(m)}
+    engine_modules, fallback = {}, {}
+    for name, m in modules.items():
+        why = backend.unsupported(m)
+        (fallback if why else engine_modules)[name] = why
+    if fallback:
+        reasons = sorted(set(fallback.values()))
+        names = sorted(fallback)
+        warnings.warn(f"hetmoe: {len(names)} experts module(s) ({type(modules[names[0]]).__name__}: "
+                      f"{names[0]}{', ...' if len(names) > 1 else ''}) have {'; '.join(reasons)}: the engine cannot "
+                      f"compute them exactly, so they run with Transformers' eager implementation on {dev.type}",
+                      backend.FallbackWarning, stacklevel=2)
+    shapes = {n: backend.expert_shape(modules[n]) for n in engine_modules}
+    n_experts = sum(s[0] for s in shapes.values())
+    H, I = next(iter(shapes.values()))[1:] if shapes else (0, 0)
+    fmt = _choose_format(experts_format, n_experts, H, I, dense_params * torch_dtype.itemsize)
+    group = DEFAULT_GROUP[fmt] if group_size is None or fmt == "bf16" else group_size
+
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if not isinstance(c, WeightConverter)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    meta_sd = dict(model.state_dict())
+    prefixes = sorted(modules, key=len, reverse=True)
+    sources = {n: _Sources() for n in modules}
+    dense: dict = {}  # model key -> checkpoint key
+    for key in ckpt.names():
+        if key.endswith("_scale_inv"):
+            continue  # FP8 block scales: read with their weight
+        renamed, _ = rename_source_key(key, renamings, [], model.base_model_prefix, meta_sd)
+        owner = next((p for p in prefixes if renamed.startswith(p + ".")), None)
+        rest = renamed[len(owner) + 1:] if owner is not None else ""
+        # a fallback module's fused tensors are its own parameters: they load as dense tensors
+        if owner is not None and (owner in engine_modules or _PER_EXPERT.fullmatch(rest)) and \
+                sources[owner].add(rest, key):
+            continue
+        target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_sd)
+        if target in meta_sd:
+            dense[target] = key
+        elif pattern is not None:
+            raise ValueError(f"{path}: tensor {key} needs a conversion ({pattern} -> {target}) that the hetmoe "
+                             "loader does not stream")
+
+    def layer_of(name: str) -> int:
+        m = _LAYER.search("." + name)
+        return int(m.group(1)) if m else -1
+
+    keep_fp32 = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    layers = sorted({layer_of(n) for n in list(dense) + list(modules)})
+    for layer in layers:
+        for target in [t for t in dense if layer_of(t) == layer]:
+            key = dense[target]
+            mod_name, _, leaf = target.rpartition(".")
+            mod = model.get_submodule(mod_name)
+            like = meta_sd[target]
+            want = torch.float32 if any(k in target for k in keep_fp32) else like.dtype
+            src = ckpt.get_float(key) if like.is_floating_point() else ckpt.get(key)
+            if tuple(src.shape) != tuple(like.shape):
+                raise ValueError(f"{path}: tensor {key} has shape {list(src.shape)}; the model expects "
+                                 f"{list(like.shape)} for {target}")
+            out = torch.empty(like.shape, dtype=want if like.is_floating_point() else like.dtype, device=dev)
+            out.copy_(src)
+            if leaf in mod._parameters:
+                mod._parameters[leaf] = nn.Parameter(out, requires_grad=False)
+            else:
+                mod._buffers[leaf] = out
+        for name in [n for n in modules if layer_of(n) == layer]:
+            module, src = modules[name], sources[name]
+            if name in engine_modules:
+                E, H_, I_ = shapes[name]
+                experts = CPUExperts(E, H_, I_, fmt, group, threads=threads, isa=isa, numa=numa)
+                _pack(ckpt, src, module, experts, name)
+                backend.attach(module, experts)
+            elif any(getattr(module, p).is_meta for p in ("gate_up_proj", "down_proj") if hasattr(module, p)):
+                _assemble(ckpt, src, module, dev, torch_dtype, name)
+        ckpt.release()
+    ckpt.close()
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"{path}: tensors never loaded: {', '.join(missing[:5])}")
+    for mod in model.modules():  # the buffers computed at build time (RoPE) join the dense part
+        for leaf, b in list(mod._buffers.items()):
+            if b is not None and b.device != dev:
+                mod._buffers[leaf] = b.to(dev)
+    model.eval().requires_grad_(False)
+    model.hetmoe_info = {"experts_format": fmt, "group_size": group, "device": dev.type, "dtype": torch_dtype,
+                         "engine_modules": sorted(engine_modules), "fallback_modules": dict(fallback)}
+    if log is not None:
+        log(f"hetmoe: {type(model).__name__} through Transformers: {len(engine_modules)} experts modules on the CPU "
+            f"engine ({fmt}), {len(fallback)} with Transformers' eager experts; dense part {torch_dtype} on {dev.type}")
+    return model
