@@ -151,6 +151,13 @@ def engine_usage_error(args: argparse.Namespace) -> Optional[str]:
             return f"{f.metadata['flag']}: expected an integer >= {bound}, got {value}"
     if getattr(args, "experts_format", None) == "int4" and getattr(args, "group_size", None) == 0:
         return "--group-size: int4 experts need a group size of 32, 64 or 128 (per-row scales are int8 only)"
+    if getattr(args, "rules", None) is not None:  # the file's own errors now; what it matches, at load
+        from hetmoe.engine.rules import RulesError, load
+
+        try:
+            load(args.rules)
+        except RulesError as err:
+            return f"--rules: {err}"
     return None
 
 

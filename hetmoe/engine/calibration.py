@@ -14,7 +14,7 @@ go to the log (stderr) and to ``LoadedModel.info["gpu_experts"]``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -124,35 +124,41 @@ def coverage(counts: torch.Tensor, expert_ids: Sequence[int]) -> float:
     return float(counts[list(expert_ids)].sum()) / total if total else 0.0
 
 
-def place_gpu_experts(model: nn.Module, blocks: list, n: int, dtype: torch.dtype, device,
+def place_gpu_experts(model: nn.Module, blocks: list, n: Union[int, Sequence[int]], dtype: torch.dtype, device,
                       token_ids: Optional[Sequence[int]] = None, source: str = "",
                       log: Callable[[str], None] = print) -> dict:
-    """Keep ``n`` experts of every MoE block on ``device``: the most routed on ``token_ids`` (a calibration run),
-    or the first ``n`` when ``token_ids`` is None. Each MoE layer must have the CPU engine behind a GPU model (a
-    hybrid placement). Returns the report kept in ``LoadedModel.info``."""
-    if not n:
+    """Keep ``n`` experts of every MoE block on ``device`` (or ``n[i]`` of block i: placement rules; 0 keeps none):
+    the most routed on ``token_ids`` (a calibration run), or the first ``n`` when ``token_ids`` is None. Each MoE
+    layer must have the CPU engine behind a GPU model (a hybrid placement). Returns the report kept in
+    ``LoadedModel.info``."""
+    per_layer = [n] * len(blocks) if isinstance(n, int) else list(n)
+    if not any(per_layer):
         return {}
+    n = per_layer[0] if len(set(per_layer)) == 1 else per_layer
     counts = None
     if token_ids is not None:
         token_ids = list(token_ids)[:MAX_CALIBRATION_TOKENS]
         counts = count_routing(model, blocks, token_ids, device, dtype)
     layers = []
-    for i, (name, layer) in enumerate(blocks):
+    for i, ((name, layer), k) in enumerate(zip(blocks, per_layer)):
         engine = layer.engine
         if engine is None:
             raise TypeError(f"{name}: GPU experts need the CPU expert engine behind the MoE layer")
-        ids = choose_experts(counts[i], n) if counts is not None else first_experts(engine.num_experts, n)
+        if not k:
+            continue
+        ids = choose_experts(counts[i], k) if counts is not None else first_experts(engine.num_experts, k)
         layer.set_gpu_experts(GpuExperts.from_cpu(engine, ids, dtype, device))
         layers.append({"block": name, "experts": ids,
                        "coverage": coverage(counts[i], ids) if counts is not None else None})
     report = {"n": n, "chosen_by": "calibration" if counts is not None else "first",
               "calibration": source if counts is not None else None,
               "calibration_tokens": len(token_ids) if counts is not None else 0, "layers": layers,
-              "bytes": sum(layer.gpu.nbytes for _, layer in blocks)}
+              "bytes": sum(layer.gpu.nbytes for _, layer in blocks if layer.gpu is not None)}
+    what = f"{n} per MoE layer" if isinstance(n, int) else f"{','.join(map(str, n))} in the MoE layers"
     if counts is not None:
         cov = [layer["coverage"] for layer in layers]
         report["mean_coverage"] = sum(cov) / len(cov)
-        log(f"hetmoe: GPU experts: {n} per MoE layer ({report['bytes'] / 2**20:.1f} MiB), the most routed on "
+        log(f"hetmoe: GPU experts: {what} ({report['bytes'] / 2**20:.1f} MiB), the most routed on "
             f"{len(token_ids)} tokens of the {source}: they cover {100 * report['mean_coverage']:.1f}% of the routed "
             f"(token, expert) pairs (mean over {len(cov)} layers, min {100 * min(cov):.1f}%, max "
             f"{100 * max(cov):.1f}%)")
@@ -161,7 +167,8 @@ def place_gpu_experts(model: nn.Module, blocks: list, n: int, dtype: torch.dtype
             for layer in layers))
     else:
         report["mean_coverage"] = None
-        log(f"hetmoe: GPU experts: the first {n} of every MoE layer ({report['bytes'] / 2**20:.1f} MiB; "
+        first = f"{n} of every MoE layer" if isinstance(n, int) else f"{','.join(map(str, n))} of the MoE layers"
+        log(f"hetmoe: GPU experts: the first {first} ({report['bytes'] / 2**20:.1f} MiB; "
             f"no calibration: {source or 'no tokenizer'})")
     return report
 
@@ -173,14 +180,17 @@ def _layer_name(block: str) -> str:
 
 def keep_gpu_experts(model: nn.Module, blocks: list, plan, options, tokenize: Optional[Callable[[str], list]],
                      log: Callable[[str], None]) -> dict:
-    """``options.gpu_experts`` experts per MoE block on the plan's GPU, after loading: chosen on the calibration
-    text through ``tokenize`` (text -> token ids), or the first N when ``tokenize`` is None or fails. On a CPU-only
-    placement N is ignored, with a note. Returns the report for ``LoadedModel.info["gpu_experts"]``."""
-    n = options.gpu_experts
-    if not n:
-        return {}
+    """``options.gpu_experts`` experts per MoE block on the plan's GPU (per block: ``plan.layers``, where the
+    placement rules may set other counts), after loading: chosen on the calibration text through ``tokenize``
+    (text -> token ids), or the first N when ``tokenize`` is None or fails. On a CPU-only placement N is ignored,
+    with a note. Returns the report for ``LoadedModel.info["gpu_experts"]``."""
+    n = [lp.gpu_experts for lp in plan.layers] if plan.layers else options.gpu_experts
     if plan.device.type != "cuda":
-        log(f"hetmoe: note: --gpu-experts {n} ignored: the placement is CPU-only (every expert runs on the CPU)")
+        if options.gpu_experts:
+            log(f"hetmoe: note: --gpu-experts {options.gpu_experts} ignored: the placement is CPU-only (every "
+                "expert runs on the CPU)")
+        return {}
+    if not (any(n) if isinstance(n, list) else n):
         return {}
     text, name = calibration_text(options.calibration_file)
     token_ids, source = None, "the model has no tokenizer"

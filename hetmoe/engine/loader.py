@@ -35,12 +35,26 @@ from hetmoe.cpu.numa import resolve_subpools
 from hetmoe.engine.calibration import calibration_text, check_gpu_experts, keep_gpu_experts
 from hetmoe.engine.checkpoint import Checkpoint, CheckpointError, read_config
 from hetmoe.engine.expert_cache import ExpertCache, default_cache_dir
-from hetmoe.engine.placement import EngineOptions, MemoryPlan, ModelShapes, choose_plan, gib, normalize_options, wrap
+from hetmoe.engine.placement import (
+    EngineOptions,
+    LayerPlan,
+    MemoryPlan,
+    ModelShapes,
+    choose_plan,
+    gib,
+    normalize_options,
+    resolve_device,
+    resolve_dtype,
+    wrap,
+)
+from hetmoe.engine.rules import apply_native
+from hetmoe.engine.rules import load as load_rules
 from hetmoe.models import APPLIES_ROPE_SCALING, ConfigError, check_config, context_limit, model_class
 from hetmoe.models.config import ModelConfig
-from hetmoe.moe import HostStaging, MoELayer, defer_experts, layerwise, moe_layers
+from hetmoe.moe import DeferralChain, HostStaging, MoELayer, defer_experts, layerwise, moe_layers  # noqa: F401 (*)
 from hetmoe.moe.layerwise import LayerwisePrefill
 
+# (*) defer_experts (the uniform deferral) is imported from here by hetmoe/bench/decode_variants.py and tests.
 EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # HF names of gate, up, down
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -84,14 +98,51 @@ def build_meta(cfg: ModelConfig) -> nn.Module:
 
 
 def new_experts(layer: MoELayer, cfg: ModelConfig, inter: int, plan: MemoryPlan,
-                options: EngineOptions) -> CPUExperts:
-    """Empty CPU experts for a MoE layer, in the plan's format (group 0 with int8: per-row scales), on the
-    options' threads, NUMA split and kernel ISA."""
+                options: EngineOptions, spec: Optional[LayerPlan] = None) -> CPUExperts:
+    """Empty CPU experts for a MoE layer, in the format of its ``spec`` (``plan.layers[i]``; default: the plan's;
+    group 0 with int8: per-row scales), on the options' threads, NUMA split and kernel ISA."""
     threads = options.threads
     if threads is None and plan.device.type == "cuda":
         threads = default_threads(reserve=HYBRID_RESERVED_CORES)
-    return CPUExperts(layer.num_experts, cfg.hidden_size, inter, plan.experts_format, plan.group_size,
+    fmt, group = (spec.experts_format, spec.group_size) if spec else (plan.experts_format, plan.group_size)
+    return CPUExperts(layer.num_experts, cfg.hidden_size, inter, fmt, group,
                       threads=threads, numa=options.numa, isa=options.isa, amx_min_tokens=options.amx_min_tokens)
+
+
+def plan_model(model: nn.Module, cfg: ModelConfig, blocks: list, options: EngineOptions, inter: int) -> MemoryPlan:
+    """The checks that read no weight (deferral, --gpu-experts, the placement rules of ``options.rules`` against the
+    model's modules) and the memory plan, its ``layers`` placed as the rules say."""
+    check_deferral(cfg, len(blocks), options.defer_experts)
+    check_gpu_experts([b.num_experts for _, b in blocks], options.gpu_experts)
+    shapes = model_shapes(model, cfg, inter)
+    layers = None
+    if options.rules is not None:
+        device = resolve_device(options.device)
+        layers = apply_native(load_rules(options.rules), model, blocks, device,
+                              resolve_dtype(options.dtype, device, shapes.dense_params), shapes.top_k)
+    return choose_plan(shapes, options, layers)
+
+
+def defer_layers(blocks: list, plan: MemoryPlan) -> list:
+    """Expert Deferral as the plan's layers ask (each its own d; ``--defer-experts`` or the rules). Layer i with
+    d_i > 0 adds its d_i lowest-weighted experts per token to the next MoE layer's output: each run of deferring
+    layers and the layer after it share one DeferralChain; the last MoE layer defers nothing. Returns the chains."""
+    ds = [lp.defer_experts for lp in plan.layers]
+    chains, i, n = [], 0, len(blocks)
+    while i < n:
+        if not ds[i] or i == n - 1:
+            blocks[i][1].set_deferral(0)
+            i += 1
+            continue
+        j = i
+        while j < n - 1 and ds[j]:
+            j += 1  # j: the layer that takes the run's last deferred part
+        chain = DeferralChain(j - i + 1)
+        for t in range(i, j + 1):  # the chain's last layer only adds (it defers nothing whatever its d)
+            blocks[t][1].set_deferral(ds[t] or ds[t - 1], chain, t - i)
+        chains.append(chain)
+        i = j + 1
+    return chains
 
 
 def check_deferral(cfg: ModelConfig, n_moe: int, d: int) -> None:
@@ -104,6 +155,17 @@ def check_deferral(cfg: ModelConfig, n_moe: int, d: int) -> None:
     if d >= k:
         raise ValueError(f"--defer-experts {d}: each token has {k} routed experts (top-{k}); at most {k - 1} can be "
                          "deferred")
+
+
+def layerwise_layers(blocks: list, plan: MemoryPlan) -> list:
+    """The MoE layers the layerwise GPU prefill streams: not those whose experts are all on the GPU already (the
+    rules' ``device: cuda``), and, when the rules mix bf16 with int8/int4 layers, only the kind of the largest
+    layer (the slots hold one storage layout: bf16 has no scale ranges); the others prefill as usual."""
+    pairs = [(b, lp) for (_, b), lp in zip(blocks, plan.layers) if lp.gpu_experts < b.num_experts]
+    if not pairs:
+        return []
+    big = max(pairs, key=lambda p: p[1].ram)[1]
+    return [b for b, lp in pairs if (lp.experts_format == "bf16") == (big.experts_format == "bf16")]
 
 
 def checked_config(cfg: ModelConfig, source) -> ModelConfig:
@@ -143,7 +205,7 @@ def model_shapes(model: nn.Module, cfg: ModelConfig, expert_inter: int) -> Model
         max_position_embeddings=cfg.get("max_position_embeddings"), n_moe_layers=len(moe_blocks(model)),
         top_k=cfg.get("num_experts_per_tok") or 1,
         q_per_kv=max(1, cfg.num_attention_heads // (cfg.get("num_key_value_heads") or cfg.num_attention_heads)),
-        context_limit=limit, context_why=why,
+        context_limit=limit, context_why=why, moe_names=tuple(n for n, _ in moe_blocks(model)),
     )
 
 
@@ -226,12 +288,21 @@ def load_summary(cfg: ModelConfig, path: Path, n_layers: int, n_moe: int, plan: 
     """The lines logged when a load starts, each at most ``width`` columns (a long path overflows alone): what,
     from where, how placed, the memory plan, and notes on options or config entries that do not apply."""
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(plan.dtype, str(plan.dtype).replace("torch.", ""))
-    experts = f"{plan.experts_format} experts"
-    if plan.experts_format != "bf16":
-        experts += f" (group {plan.group_size})" if plan.group_size else " (per-row scales)"
+    def fmt(f: str, g: int) -> str:
+        return f + ("" if f == "bf16" else f" (group {g})" if g else " (per-row scales)")
+
+    kinds = [fmt(lp.experts_format, lp.group_size) for lp in plan.layers] or [fmt(plan.experts_format,
+                                                                                   plan.group_size)]
+    experts = (f"{kinds[0]} experts" if len(set(kinds)) == 1
+               else "experts " + " + ".join(f"{k} in {kinds.count(k)} layers" for k in dict.fromkeys(kinds)))
     how = [f"{n_layers} layers ({n_moe} MoE)", f"on {plan.device.type}", f"{dtype} dense part", experts]
-    if options.defer_experts:
-        how.append(f"{options.defer_experts} deferred per token")
+    defers = [lp.defer_experts for lp in plan.layers]
+    if len(set(defers)) > 1:
+        how.append(f"deferral per layer {','.join(map(str, defers))}")
+    elif defers and defers[0]:
+        how.append(f"{defers[0]} deferred per token")
+    if options.rules is not None:
+        how.append(f"rules {options.rules}")
     if options.threads is not None:
         how.append(f"{options.threads} expert threads")
     lines = wrap(f"hetmoe: {cfg.get('model_type')} from", [str(path)], width)
@@ -306,22 +377,26 @@ def load_model(
         raise CheckpointError(f"{ckpt.path / 'config.json'} does not describe a {cfg.get('model_type')} model "
                               f"({err})") from None
     blocks = moe_blocks(model)
-    check_deferral(cfg, len(blocks), options.defer_experts)
-    check_gpu_experts([b.num_experts for _, b in blocks], options.gpu_experts)
-    if options.gpu_experts:
-        calibration_text(options.calibration_file)  # a bad file fails now, not after loading
     inter = 0
     if blocks:
         names = _expert_keys(ckpt, blocks[0][0])
         inter = ckpt.shape(f"{blocks[0][0]}.experts.0.{names[0]}.weight")[0]
-    plan = choose_plan(model_shapes(model, cfg, inter), options)
+    plan = plan_model(model, cfg, blocks, options, inter)
+    if options.gpu_experts or any(lp.gpu_experts for lp in plan.layers):
+        calibration_text(options.calibration_file)  # a bad file fails now, not after loading
     for line in load_summary(cfg, ckpt.path, len(model.model.layers), len(blocks), plan, options):
         log(line)
-    cache = None
-    if expert_cache is not None and blocks:
-        root = default_cache_dir() if expert_cache == "auto" else Path(expert_cache)
-        cache = ExpertCache(root, ckpt, plan.experts_format, plan.group_size, warn=lambda m: log(f"hetmoe: {m}"),
-                            numa=resolve_subpools(options.numa, options.threads))
+    caches = {}  # (format, group) -> ExpertCache: each layer's packed experts keyed by its own format
+
+    def cache_for(lp: LayerPlan) -> Optional[ExpertCache]:
+        if expert_cache is None:
+            return None
+        key = (lp.experts_format, lp.group_size)
+        if key not in caches:
+            root = default_cache_dir() if expert_cache == "auto" else Path(expert_cache)
+            caches[key] = ExpertCache(root, ckpt, *key, warn=lambda m: log(f"hetmoe: {m}"),
+                                      numa=resolve_subpools(options.numa, options.threads))
+        return caches[key]
     staging = (HostStaging(cfg.hidden_size, cfg.num_experts_per_tok, plan.dtype)
                if plan.device.type == "cuda" and blocks else None)
     filler = _Materializer(ckpt, plan)
@@ -332,10 +407,11 @@ def load_model(
         for i in range(len(layers)):
             prefix = f"model.layers.{i}"
             filler.fill(model, prefix)
-            for name, block in blocks:
+            for (name, block), lp in zip(blocks, plan.layers):
                 if not name.startswith(prefix + "."):
                     continue
-                experts = new_experts(block, cfg, inter, plan, options)
+                experts = new_experts(block, cfg, inter, plan, options, lp)
+                cache = cache_for(lp)
                 if cache is None or not cache.load(i, experts):
                     fill_experts(ckpt, name, experts)
                     if cache is not None:
@@ -345,25 +421,28 @@ def load_model(
             ckpt.release()
             bar.update(1)
     ckpt.close()
-    defer_experts(model, options.defer_experts)
+    defer_layers(blocks, plan)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise CheckpointError(f"{ckpt.path}: tensors were never loaded: {', '.join(missing[:5])}")
     model.fuse_projections()  # q/k/v (and gate/up) as one matmul each; parameters and their names unchanged
     gpu_experts = keep_gpu_experts(model.eval(), blocks, plan, options, _tokenize_with(ckpt.path), log)
-    lw, gpu_prefill = layerwise.setup([layer for _, layer in blocks], plan, options, log)
+    lw, gpu_prefill = layerwise.setup(layerwise_layers(blocks, plan), plan, options, log)
+    used = list(caches.values())
     info = {
         "load_s": time.perf_counter() - t0,
         "expert_bytes": expert_bytes,
-        "cache_hits": cache.hits if cache else 0,
-        "cache_misses": cache.misses if cache else 0,
-        "cache_dir": str(cache.dir) if cache else None,
+        "cache_hits": sum(c.hits for c in used),
+        "cache_misses": sum(c.misses for c in used),
+        "cache_dir": str(used[0].dir) if used else None,
+        "cache_dirs": [str(c.dir) for c in used],
         "gpu_experts": gpu_experts,
         "gpu_prefill": gpu_prefill,
     }
     done = [f"routed experts {gib(expert_bytes)}"]
-    if cache:
-        done.append(f"expert cache {cache.hits}/{cache.hits + cache.misses + cache.rebuilt} layers reused")
+    if used:
+        total = sum(c.hits + c.misses + c.rebuilt for c in used)
+        done.append(f"expert cache {info['cache_hits']}/{total} layers reused")
     for line in wrap(f"hetmoe: loaded in {info['load_s']:.1f} s:", done):
         log(line)
     return LoadedModel(model.eval(), cfg, plan, options, ckpt.path, info, lw)

@@ -8,6 +8,7 @@ model's shapes alone and ``check_fits`` refuses, with the breakdown, a plan that
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -88,6 +89,9 @@ class EngineOptions:
         "--gpu-prefill", "with a GPU: compute the routed experts of prefill chunks of at least N tokens on the GPU, "
         "streaming each layer's experts from RAM; auto: the N from which that is faster, measured at load; off: "
         "always on the CPU (default: auto)", type="gpu_prefill", metavar="auto|off|N"))
+    rules: Optional[str] = field(default=None, metadata=cli_flag(  # hetmoe/engine/rules.py
+        "--rules", "placement rules, a YAML file: per module its device, experts format and group, GPU-resident "
+        "experts, deferral (docs/rules.md); the flags above apply where no rule does", metavar="FILE"))
 
     def __post_init__(self):
         from hetmoe.cpu import AMX_EMULATED, ISAS, cpu_info
@@ -126,6 +130,8 @@ class EngineOptions:
             raise ValueError(f"group size must be 32, 64 or 128 (or 0 = per-row int8), got {self.group_size}")
         if self.group_size == 0 and self.experts_format == "int4":
             raise ValueError("int4 experts need a group size of 32, 64 or 128 (per-row scales are int8 only)")
+        if not isinstance(self.rules, (str, os.PathLike, type(None))):
+            raise ValueError(f"rules must be the path of a YAML file, got {self.rules!r}")
 
 
 def parse_gpu_prefill(value) -> Union[str, int]:
@@ -188,6 +194,26 @@ def expert_bytes(fmt: str, hidden: int, inter: int, group: int) -> int:
 
 
 @dataclass
+class LayerPlan:
+    """One MoE layer's routed experts: packed for the CPU engine, ``gpu_experts`` of them also on the GPU (all: the
+    rules' ``device: cuda``), ``defer_experts`` deferred per token; ``ram`` / ``vram``: the bytes they take."""
+
+    name: str
+    experts_format: str
+    group_size: int
+    gpu_experts: int
+    defer_experts: int
+    ram: int
+    vram: int
+
+
+def layer_group(fmt: str, group: Optional[int]) -> int:
+    """The scale group of ``fmt`` experts asked for as ``group``: None, or 0 with int4 (per-row is int8 only), is the
+    format's default; bf16 has no groups: 0 whatever was asked (it keys the expert cache)."""
+    return 0 if fmt == "bf16" else DEFAULT_GROUP[fmt] if group is None or (group == 0 and fmt == "int4") else group
+
+
+@dataclass
 class MemoryPlan:
     device: torch.device
     dtype: torch.dtype
@@ -198,6 +224,7 @@ class MemoryPlan:
     vram: dict = field(default_factory=dict)
     prefill_chunk: int = 1024  # prompt tokens per forward call
     gpu_prefill: bool = False  # the layerwise GPU prefill's buffers are in the plan (for prefill_chunk tokens)
+    layers: list = field(default_factory=list)  # LayerPlan of every MoE layer, in forward order
 
     @property
     def ram_bytes(self) -> int:
@@ -255,8 +282,6 @@ def free_ram() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
-
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -266,25 +291,48 @@ def free_vram(device: torch.device) -> int:
     return torch.cuda.mem_get_info(device)[0]
 
 
-def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device, fmt: str) -> MemoryPlan:
-    """Bytes of RAM and VRAM the placement of ``shapes`` under ``opts`` needs."""
+def plan_layers(shapes: "ModelShapes", opts: EngineOptions, device: torch.device, fmt: str, itemsize: int,
+                layers: Optional[list] = None) -> list:
+    """The LayerPlan of every MoE layer: ``fmt`` and the options where ``layers`` (a ``rules.Placement`` each) don't."""
+    n, H, I = shapes.n_moe_layers, shapes.hidden, shapes.expert_inter
+    names = list(shapes.moe_names) or [f"moe layer {i}" for i in range(n)]
+    out = []
+    for name, p in zip(names, layers if layers is not None else [None] * n):
+        got = {k: getattr(p, k, None) for k in ("experts_format", "group_size", "gpu_experts", "defer_experts")}
+        f = got["experts_format"] or fmt
+        group = layer_group(f, opts.group_size if got["group_size"] is None else got["group_size"])
+        gpu = opts.gpu_experts if got["gpu_experts"] is None else got["gpu_experts"]
+        gpu = gpu if device.type == "cuda" else 0  # a CPU-only placement keeps every expert on the CPU
+        defer = opts.defer_experts if got["defer_experts"] is None else got["defer_experts"]
+        ram = shapes.n_routed // n * expert_bytes(f, H, I, group)
+        out.append(LayerPlan(name, f, group, gpu, defer, ram, gpu * 3 * H * I * itemsize))
+    return out
+
+
+def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device, fmt: str,
+                layers: Optional[list] = None) -> MemoryPlan:
+    """Bytes of RAM and VRAM the placement of ``shapes`` under ``opts`` needs; ``layers``: the placement rules'
+    settings of each MoE layer (``rules.apply_native``), None for none (``fmt`` and the options everywhere)."""
     dtype = resolve_dtype(opts.dtype, device, shapes.dense_params)
-    # bf16 has no scale groups: its group is 0 whatever --group-size says (it keys the expert cache)
-    group = DEFAULT_GROUP[fmt] if opts.group_size is None or fmt == "bf16" else opts.group_size
+    group = layer_group(fmt, opts.group_size)
     ctx = opts.max_context or min(4096, shapes.context_limit or shapes.max_position_embeddings or 4096)
-    experts = shapes.n_routed * expert_bytes(fmt, shapes.hidden, shapes.expert_inter, group)
+    per_layer = plan_layers(shapes, opts, device, fmt, dtype.itemsize, layers)
+    experts = sum(lp.ram for lp in per_layer) or shapes.n_routed * expert_bytes(fmt, shapes.hidden,
+                                                                                 shapes.expert_inter, group)
+    if per_layer:  # the most common format and group name the plan (the expert cache keys each layer by its own)
+        pairs = [(lp.experts_format, lp.group_size) for lp in per_layer]
+        fmt, group = max(pairs, key=pairs.count)
     dense = shapes.dense_params * dtype.itemsize
     kv = shapes.kv_elems_per_token * opts.max_batch * ctx * dtype.itemsize
     tokens = opts.prefill_chunk * opts.max_batch
     act = tokens * (shapes.act_width * 4 + shapes.vocab_size * 4)  # a few hidden-width buffers + the last logits
     host_staging = 3 * tokens * shapes.hidden * 4
-    plan = MemoryPlan(device, dtype, fmt, group, ctx)
+    plan = MemoryPlan(device, dtype, fmt, group, ctx, layers=per_layer)
     plan.ram = {"routed experts": experts, "runtime": CPU_RUNTIME_BYTES + host_staging}
     if device.type == "cuda":
         plan.vram = {"dense weights": dense, "KV cache": kv, "activations": act, "CUDA context": CUDA_CONTEXT_BYTES}
         # --gpu-experts: N experts per MoE layer in the dense dtype (they stay in RAM too, packed for the CPU)
-        plan.vram["GPU experts"] = opts.gpu_experts * shapes.n_moe_layers * 3 * shapes.hidden * shapes.expert_inter \
-            * dtype.itemsize
+        plan.vram["GPU experts"] = sum(lp.vram for lp in per_layer)
     else:
         plan.ram.update({"dense weights": dense, "KV cache": kv, "activations": act})
     plan.prefill_chunk = opts.prefill_chunk
@@ -299,9 +347,11 @@ def add_gpu_prefill(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions
         return
     budget = HEADROOM * vram_free - plan.vram_bytes
     need = {}
+    # the slots hold any layer: sized for the largest (mixed formats under placement rules)
+    big = max(plan.layers, key=lambda lp: lp.ram, default=None)
+    fmt, group = (big.experts_format, big.group_size) if big is not None else (plan.experts_format, plan.group_size)
     for chunk in [c for c in GPU_PREFILL_CHUNKS if c >= opts.prefill_chunk] or [opts.prefill_chunk]:
-        need = gpu_prefill_bytes(shapes, plan.experts_format, plan.group_size, chunk, plan.dtype.itemsize,
-                                 plan.max_context)
+        need = gpu_prefill_bytes(shapes, fmt, group, chunk, plan.dtype.itemsize, plan.max_context)
         if sum(need.values()) <= budget:
             plan.vram.update(need)
             plan.prefill_chunk, plan.gpu_prefill = chunk, True
@@ -324,18 +374,18 @@ def resolve_dtype(name: str, device: torch.device, dense_params: int) -> torch.d
     return torch.bfloat16 if device.type == "cuda" or dense_params > 1_000_000_000 else torch.float32
 
 
-def choose_plan(shapes: "ModelShapes", opts: EngineOptions) -> MemoryPlan:
-    """Resolve device and experts format, and refuse a plan that cannot fit (MemoryError with the numbers) or a
-    --max-context beyond the model's positions (ValueError naming the limit)."""
+def choose_plan(shapes: "ModelShapes", opts: EngineOptions, layers: Optional[list] = None) -> MemoryPlan:
+    """Resolve device and experts format (auto: for the MoE layers ``layers``, the rules, leave to it); refuse a plan
+    that cannot fit (MemoryError with the numbers) or a --max-context beyond the model's positions (ValueError)."""
     check_context(shapes, opts)
     device = resolve_device(opts.device)
     ram, vram = free_ram(), (free_vram(device) if device.type == "cuda" else 0)
     if opts.experts_format == "auto":
-        plans = [plan_memory(shapes, opts, device, f) for f in FORMATS]
+        plans = [plan_memory(shapes, opts, device, f, layers) for f in FORMATS]
         fitting = [p for p in plans if p.ram_bytes <= HEADROOM * ram]
         plan = fitting[0] if fitting else plans[-1]
     else:
-        plan = plan_memory(shapes, opts, device, opts.experts_format)
+        plan = plan_memory(shapes, opts, device, opts.experts_format, layers)
     problems = []
     if plan.ram_bytes > HEADROOM * ram:
         problems.append(f"RAM: needs {gib(plan.ram_bytes)}, {gib(ram)} available")
@@ -397,3 +447,4 @@ class ModelShapes:
     q_per_kv: int = 1  # query heads per key/value head (the prefill attention mask repeats per query group)
     context_limit: Optional[int] = None  # positions the model attends over (models.context_limit), and why
     context_why: str = ""
+    moe_names: tuple = ()  # the MoE blocks' names, in forward order (the plan's per-layer entries)

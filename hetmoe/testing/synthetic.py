@@ -28,19 +28,20 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
-from hetmoe.engine.calibration import check_gpu_experts, keep_gpu_experts
+from hetmoe.engine.calibration import keep_gpu_experts
 from hetmoe.engine.loader import (
     LoadedModel,
     build_meta,
-    check_deferral,
-    model_shapes,
+    defer_layers,
+    layerwise_layers,
     moe_blocks,
     new_experts,
+    plan_model,
 )
-from hetmoe.engine.placement import EngineOptions, choose_plan
+from hetmoe.engine.placement import EngineOptions
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.models.config import ModelConfig
-from hetmoe.moe import HostStaging, defer_experts, layerwise
+from hetmoe.moe import HostStaging, layerwise
 
 # Small but complete configurations: every feature of the architecture is present (dense first layers,
 # shared experts, groups, GQA, q/k norm, MLA), with sizes that load in well under a second.
@@ -332,7 +333,8 @@ def build_random_model(
     """A model of ``shape`` (a key of ``SHAPES`` or a config dict) with random weights, built in memory and placed
     as ``load_model`` places a checkpoint under ``options``: dense weights N(0, std) on the plan's device in its
     dtype (generated there, one tensor at a time), routed experts packed in the plan's format on the CPU
-    (``CPUExperts.fill_random(seed + layer)``), attached (and deferred) like the loader attaches them.
+    (``CPUExperts.fill_random(seed + layer)``), attached (and deferred) like the loader attaches them; placement
+    rules (``options.rules``) apply as in the loader.
 
     The memory plan is made from the real shapes first: MemoryError, before anything large is allocated, when the
     model does not fit. ``LoadedModel.path`` is None (there is no tokenizer: feed token ids).
@@ -342,29 +344,29 @@ def build_random_model(
     cfg = shape_config(shape, num_layers)
     model = build_meta(cfg)
     blocks = moe_blocks(model)
-    check_deferral(cfg, len(blocks), options.defer_experts)
-    check_gpu_experts([b.num_experts for _, b in blocks], options.gpu_experts)
     inter = (cfg.get("moe_intermediate_size") or cfg.intermediate_size) if blocks else 0
-    plan = choose_plan(model_shapes(model, cfg, inter), options)
+    plan = plan_model(model, cfg, blocks, options, inter)
     name = shape if isinstance(shape, str) else cfg.model_type
+    mixed = len({(lp.experts_format, lp.group_size) for lp in plan.layers}) > 1
     log(f"hetmoe: random {name} ({cfg.model_type}): {cfg.num_hidden_layers} layers, {len(blocks)} MoE; "
         f"{plan.device.type}, {plan.dtype}, experts {plan.experts_format}"
         f"{f' group {plan.group_size}' if plan.experts_format != 'bf16' else ''}"
+        f"{f' and others (rules {options.rules})' if mixed else ''}"
         f"{f', {options.defer_experts} deferred per token' if options.defer_experts else ''}; {plan.describe()}")
     _fill_random(model, plan.device, plan.dtype, seed, std)
     model.fuse_projections()  # as the loader does
     staging = (HostStaging(cfg.hidden_size, cfg.num_experts_per_tok, plan.dtype)
                if plan.device.type == "cuda" and blocks else None)
     expert_bytes = 0
-    for block_name, block in blocks:
+    for (block_name, block), lp in zip(blocks, plan.layers):
         layer = int(_LAYER_INDEX.search(f".{block_name}.").group(1))
-        experts = new_experts(block, cfg, inter, plan, options)
+        experts = new_experts(block, cfg, inter, plan, options, lp)
         experts.fill_random(seed + layer, std)
         expert_bytes += experts.nbytes
         block.attach(experts, staging)
-    defer_experts(model, options.defer_experts)
+    defer_layers(blocks, plan)
     gpu_experts = keep_gpu_experts(model.eval(), blocks, plan, options, None, log)  # no tokenizer: the first N
-    lw, gpu_prefill = layerwise.setup([layer for _, layer in blocks], plan, options, log)
+    lw, gpu_prefill = layerwise.setup(layerwise_layers(blocks, plan), plan, options, log)
     if plan.device.type == "cuda":
         torch.cuda.synchronize(plan.device)
     info = {"load_s": time.perf_counter() - t0, "expert_bytes": expert_bytes, "shape": name, "seed": seed,
