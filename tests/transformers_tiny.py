@@ -3,9 +3,12 @@ save_pretrained (tests/engine/test_transformers_backend.py)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
-COMMON = dict(vocab_size=160, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+COMMON = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, tie_word_embeddings=False)
 
 # family -> (config class name, entries beyond COMMON)
@@ -40,18 +43,29 @@ def make_config(family: str):
     return getattr(transformers, cls_name)(**{**COMMON, **extra})
 
 
-def save_tiny(family: str, path, seed: int = 0, dtype: torch.dtype = torch.float32, std: float = 0.08) -> None:
-    """A random ``family`` model saved to ``path``. Weights are rounded to bf16 (then stored in ``dtype``), so the
-    engine's bf16 experts hold them exactly; std well above the init's 0.02 so that the routing and logits are far
-    from uniform."""
+def save_tiny(family: str, path, seed: int = 0, dtype: torch.dtype = torch.float32, std: float = 0.08,
+              max_shard_size: str = "100KB", tokenizer: bool = False) -> Path:
+    """A random ``family`` model saved to ``path`` in shards of ``max_shard_size`` (with ``tokenizer``: a
+    byte-level BPE tokenizer and its config beside it). Weights are rounded to bf16 (then stored in ``dtype``), so
+    the engine's bf16 experts hold them exactly; std well above the init's 0.02 so that the routing and logits are
+    far from uniform; norm weights 1 + noise, DeepSeek-style correction biases random."""
     from transformers import AutoModelForCausalLM
 
+    path = Path(path)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(make_config(family), dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.copy_((torch.randn_like(p) * std).to(torch.bfloat16).float())
-            elif name.endswith("bias"):
-                p.copy_((torch.randn_like(p) * std).to(torch.bfloat16).float())
-    model.to(dtype).save_pretrained(path)
+            noise = (torch.randn_like(p) * std).to(torch.bfloat16).float()
+            p.copy_(1 + noise if "norm" in name and p.dim() == 1 else noise)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    model.to(dtype).save_pretrained(path, max_shard_size=max_shard_size)
+    if tokenizer:
+        from hetmoe.testing.synthetic import build_tokenizer, tokenizer_config
+
+        tok = build_tokenizer(COMMON["vocab_size"])
+        tok.save(str(path / "tokenizer.json"))
+        (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(COMMON["max_position_embeddings"])))
+    return path

@@ -25,6 +25,7 @@ from hetmoe.engine.placement import EngineOptions
 from hetmoe.engine.runner import Runner
 from hetmoe.engine.scheduler import Request, Scheduler
 from hetmoe.engine.tokenizer import Tokenizer
+from hetmoe.models import MODEL_TYPES
 
 Prompt = Union[str, list]  # text, or a conversation: a list of {"role", "content"} messages
 Params = Union[SamplingParams, Sequence[SamplingParams], None]
@@ -48,12 +49,24 @@ class LLM:
         ``options.max_batch`` prompts run at once."""
         path = Path(model) if model is not None else default_model_path()
         kwargs = {"log": log} if log is not None else {}
-        if loaded is None and tokenizer is None:
+        say = log or (lambda m: print(m, file=sys.stderr))
+        runner = None
+        if loaded is None:
             # the directory, config.json and the tokenizer files are checked before any weight is read
-            tokenizer = load_tokenizer(path, check_model_dir(path), log or (lambda m: print(m, file=sys.stderr)))
+            cfg = check_model_dir(path)
+            tokenizer = tokenizer or load_tokenizer(path, cfg, say)
+            if cfg.get("model_type") not in MODEL_TYPES:  # no hetmoe model file: Transformers' own, if it has one
+                from hetmoe.transformers.runner import open_transformers, transformers_class
+
+                name = transformers_class(cfg.get("model_type"))
+                if name is not None:
+                    say(f"hetmoe: model_type {cfg.get('model_type')!r} has no hetmoe model file: running {name} "
+                        "through Transformers with the hetmoe experts backend (eager decode: no CUDA graphs or "
+                        "Expert Deferral)")
+                    loaded, runner = open_transformers(path, options, say)
         self.loaded = loaded or load_model(path, options, expert_cache=expert_cache, progress=progress, **kwargs)
         self.tokenizer = tokenizer or Tokenizer.from_dir(self.loaded.path or path)
-        self.runner = Runner(self.loaded)
+        self.runner = runner or Runner(self.loaded)
         self.scheduler = Scheduler(self.runner, self.tokenizer, log=log)
         self.default_params: Optional[SamplingParams] = None  # what params=None means (else SamplingParams())
 

@@ -52,27 +52,27 @@ def _is_silu(act) -> bool:
 
 
 def unsupported(module: nn.Module) -> Optional[str]:
-    """Why the engine cannot compute ``module`` exactly (None: it can)."""
+    """Why the engine cannot compute ``module`` exactly, every reason joined (None: it can)."""
     from transformers.integrations.moe import _default_apply_gate
 
+    why = []
     if not module.has_gate:
-        return "no gate projection (act(up x) experts)"
+        why.append("no gate projection (act(up x) experts)")
     if module.has_bias:
-        return "expert biases"
+        why.append("expert biases")
     if getattr(module, "has_post_expert_norm", False):
-        return "a norm after each expert"
-    gate = getattr(type(module), "_apply_gate", _default_apply_gate)
-    if gate is not _default_apply_gate:
-        return f"its own gate function ({type(module).__name__}._apply_gate, e.g. a clamped SwiGLU)"
-    act = getattr(module, "act_fn", None)
-    if not _is_silu(act):
-        name = getattr(act, "__name__", type(act).__name__)
-        return f"activation {name} (the engine computes SiLU-gated experts)"
-    for name in ("gate_up_proj", "down_proj"):
+        why.append("a norm after each expert")
+    if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+        why.append(f"its own gate function ({type(module).__name__}._apply_gate, e.g. a clamped SwiGLU)")
+    elif module.has_gate and not _is_silu(getattr(module, "act_fn", None)):
+        act = getattr(module, "act_fn", None)
+        why.append(f"activation {getattr(act, '__name__', type(act).__name__)} (the engine computes SiLU-gated "
+                   "experts)")
+    for name in ("gate_up_proj", "down_proj") if module.has_gate else ():
         p = getattr(module, name, None)
         if not isinstance(p, torch.Tensor) or p.dim() != 3:
-            return f"no 3-D {name} parameter"
-    return None
+            why.append(f"no 3-D {name} parameter")
+    return "; ".join(why) or None
 
 
 def expert_shape(module: nn.Module) -> tuple:

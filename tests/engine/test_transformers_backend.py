@@ -1,0 +1,268 @@
+"""The Transformers experts backend (hetmoe/transformers/): tiny random checkpoints of Transformers MoE families,
+written by the test with Transformers itself (tests/transformers_tiny.py), loaded by ``hetmoe.transformers.
+from_pretrained`` and compared with the same checkpoint under Transformers' eager experts; the fallback of a variant
+the engine cannot compute; the runner adapter and ``hetmoe generate --model DIR`` for a model_type without a hetmoe
+model file.
+
+Paths: the experts on the CPU engine's best row-block path (BEST_ROW_PATH: fp32 activations with bf16 weights, so
+bf16-rounded fp32 checkpoints are computed without any rounding of the weights) or isa=auto; the dense part in
+Transformers' fp32 PyTorch on the CPU. GPU-marked: dense on the GPU, experts on the CPU.
+"""
+
+import warnings
+
+import pytest
+import torch
+from transformers_tiny import FAMILIES, save_tiny
+
+import hetmoe.transformers as ht
+from hetmoe.transformers.backend import engine_of, hetmoe_experts_forward, is_experts_module
+from hetmoe.transformers.runner import TransformersRunner, transformers_class
+from paths import BEST_ROW_PATH
+
+ENGINE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "olmoe", "glm4_moe", "qwen3_next")
+IDS = [[5, 17, 300, 42, 9, 260, 77, 3, 128, 64, 11]]
+# ‖logits - eager‖ / ‖eager‖ with bf16 experts holding the checkpoint's (bf16-rounded) weights exactly: fp32
+# summation order only. Measured max over the six families: 4.0e-7.
+BF16_BOUND = 5e-6
+# The quantized formats against the eager fp32 model (the format's accuracy on these tiny random models: Gaussian
+# weights of std 0.08, int8 group 128 / int4 group 64, isa auto). MEASURED (AVX-512 machine), max over the six
+# families: one experts module's output against the exact float64 layer (64 tokens, top-2): int8 1.1e-2, int4
+# 1.75e-1; whole-model logits: int8 1.0e-2 (qwen3_next), int4 1.6e-1 (qwen3_next). Bounds about 1.5-2x.
+MODULE_BOUND = {"int8": 2e-2, "int4": 0.25}
+LOGITS_BOUND = {"int8": 2e-2, "int4": 0.3}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """family -> checkpoint directory (written once per module, sharded, with a tokenizer)."""
+    dirs = {}
+
+    def get(family):
+        if family not in dirs:
+            dirs[family] = save_tiny(family, tmp_path_factory.mktemp(family), tokenizer=True)
+        return dirs[family]
+
+    return get
+
+
+def eager(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()
+
+
+def load(path, fmt="bf16", **kw):
+    return ht.from_pretrained(path, experts_format=fmt, device="cpu", dtype="fp32", isa=BEST_ROW_PATH.isa, **kw)
+
+
+def rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@torch.inference_mode()
+def logits(model, ids=IDS):
+    return model(torch.tensor(ids)).logits
+
+
+def test_importing_registers_the_backend():
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    assert ALL_EXPERTS_FUNCTIONS["hetmoe"] is hetmoe_experts_forward
+    assert set(ENGINE_FAMILIES) | {"gpt_oss"} == set(FAMILIES)  # every family of the issue's list exists in 5.24
+
+
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_engine_matches_eager_experts(tiny, family):
+    from transformers import PreTrainedModel
+
+    path = tiny(family)
+    ref = eager(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ht.FallbackWarning)  # every experts module of these runs on the engine
+        model = load(path)
+    assert isinstance(model, PreTrainedModel) and model.config._experts_implementation == "hetmoe"
+    experts = [m for m in model.modules() if is_experts_module(m)]
+    assert experts and all(engine_of(m) is not None for m in experts)
+    assert not [k for k in model.state_dict() if k.endswith((".experts.gate_up_proj", ".experts.down_proj"))]
+    assert rel(logits(model), logits(ref)) < BF16_BOUND
+    ids = torch.tensor(IDS)
+    out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, ref.generate(ids, max_new_tokens=12, do_sample=False))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_quantized_formats_within_their_bound(tiny, family, fmt):
+    from reference import moe_reference, rel_err
+
+    path = tiny(family)
+    ref = eager(path)
+    model = ht.from_pretrained(path, experts_format=fmt, device="cpu", dtype="fp32")  # isa auto
+    assert model.hetmoe_info["experts_format"] == fmt
+    name, module = next((n, m) for n, m in model.named_modules() if engine_of(m) is not None)
+    theirs = ref.get_submodule(name)
+    E, I2, H = theirs.gate_up_proj.shape
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(64)])
+    w = torch.rand(64, 2, generator=g)
+    gu, down = theirs.gate_up_proj.detach(), theirs.down_proj.detach()
+    exact = moe_reference(x, gu[:, :I2 // 2], gu[:, I2 // 2:], down, ids, w)
+    assert 0 < rel_err(hetmoe_experts_forward(module, x, ids, w), exact) < MODULE_BOUND[fmt]
+    assert 0 < rel(logits(model), logits(ref)) < LOGITS_BOUND[fmt]
+
+
+def test_bf16_model_on_bf16_experts(tiny):
+    """A bf16 dense part (bf16 activations into the engine): within bf16 rounding of the eager bf16 model."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny("qwen3_moe")
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager", dtype=torch.bfloat16).eval()
+    model = ht.from_pretrained(path, experts_format="bf16", device="cpu", dtype="bf16")
+    assert model.dtype == torch.bfloat16
+    assert rel(logits(model), logits(ref)) < 3e-2  # measured 6e-3: bf16 activations rounded at different points
+
+
+def test_gpt_oss_falls_back_with_one_warning(tiny):
+    path = tiny("gpt_oss")
+    with pytest.warns(ht.FallbackWarning) as record:
+        model = load(path)
+    assert len([w for w in record if issubclass(w.category, ht.FallbackWarning)]) == 1
+    text = str(record[0].message)
+    assert "GptOssExperts" in text and "expert biases" in text and "_apply_gate" in text
+    assert model.hetmoe_info["engine_modules"] == []
+    assert torch.equal(logits(model), logits(eager(path)))  # Transformers' own eager experts, same weights
+
+
+def test_other_activation_falls_back(tmp_path):
+    """A gated activation other than SiLU (GELU here): Transformers computes it, named in the warning."""
+    from transformers import AutoModelForCausalLM
+    from transformers_tiny import make_config
+
+    cfg = make_config("qwen3_moe")
+    cfg.hidden_act = "gelu"
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    with pytest.warns(ht.FallbackWarning, match="activation"):
+        model = load(tmp_path)
+    assert rel(logits(model), logits(eager(tmp_path))) < 1e-6
+
+
+def test_dense_routing_weights_are_gathered(tiny):
+    """top_k_weights given as [T, E] (one dense row per token) equals the same weights as [T, k]."""
+    model = load(tiny("olmoe"))
+    module = next(m for m in model.modules() if engine_of(m) is not None)
+    E = engine_of(module).num_experts
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, model.config.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(5)])
+    w = torch.rand(5, 2, generator=g)
+    dense = torch.zeros(5, E).scatter(1, ids, w)
+    assert torch.equal(hetmoe_experts_forward(module, x, ids, dense), hetmoe_experts_forward(module, x, ids, w))
+    with pytest.raises(ValueError, match="top_k_weights"):
+        hetmoe_experts_forward(module, x, ids, torch.rand(5, 3))
+
+
+def test_fused_checkpoint_tensors(tiny, tmp_path):
+    """A checkpoint holding the model's own fused experts (gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    path = tiny("qwen3_moe")
+    ref = eager(path)
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    assert rel(logits(load(tmp_path)), logits(ref)) < BF16_BOUND
+
+
+def test_truncated_checkpoint_is_refused(tiny, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tiny("mixtral")
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    tensors = {}
+    for f in path.glob("*.safetensors"):
+        tensors.update(load_file(str(f)))
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]  # Mixtral's original names
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="down projection of expert 3"):
+        load(tmp_path)
+
+
+# ---------------------------------------------------------------- the runner adapter and the commands
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_next"])  # an attention KV cache that crops; one that cannot
+def test_runner_prefix_reuse_equals_a_fresh_prefill(tiny, family):
+    model = load(tiny(family))
+    runner = TransformersRunner(model, max_batch=2, max_context=64, prefill_chunk=4)
+    ids = IDS[0]
+    fresh = runner.prefill(ids, slot=0)
+    runner.prefill(ids[:6] + [1, 2, 3], slot=1)
+    reused = runner.prefill(ids[6:], slot=1, start=6)
+    assert rel(reused, fresh) < 1e-5 and runner.lengths[:2] == [len(ids), len(ids)]
+    step = runner.decode_batch([7, 7], [0, 1])
+    assert rel(step[1], step[0]) < 1e-5
+    scored = runner.score(ids + [7], slot=0)
+    assert scored.shape == (len(ids) + 1, model.config.vocab_size) and rel(scored[-1], step[0]) < 1e-5
+    with pytest.raises(ValueError, match="max_batch"):
+        runner.prefill(ids, slot=2)
+    with pytest.raises(ValueError, match="context"):
+        runner.prefill(list(range(65)), slot=0)
+
+
+def test_transformers_class_of_a_model_type():
+    assert transformers_class("olmoe") == "OlmoeForCausalLM"
+    assert transformers_class("llama") is None  # no experts interface: not a MoE model
+    assert transformers_class("no_such_model") is None
+
+
+def test_llm_routes_a_type_without_model_file(tiny):
+    from hetmoe.engine.generation import SamplingParams
+    from hetmoe.engine.llm import LLM
+    from hetmoe.engine.placement import EngineOptions
+    from hetmoe.engine.runner import Runner
+
+    said = []
+    opts = EngineOptions(device="cpu", dtype="fp32", experts_format="bf16", isa=BEST_ROW_PATH.isa, max_context=64)
+    llm = LLM(tiny("glm4_moe"), opts, expert_cache=None, log=said.append)
+    assert isinstance(llm.runner, TransformersRunner) and any("through Transformers" in m for m in said)
+    out = llm.generate("def f(x):", SamplingParams(max_tokens=6), chat=False)
+    ids = llm.tokenizer.encode("def f(x):")
+    ref = eager(tiny("glm4_moe")).generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):]
+    assert out.token_ids == ref[:len(out.token_ids)].tolist() and out.completion_tokens >= 1
+    native = LLM(tiny("qwen3_moe"), opts, expert_cache=None, log=said.append)
+    assert isinstance(native.runner, Runner)  # a type with a hetmoe model file keeps the native runner
+
+
+def test_generate_command_on_a_type_without_model_file(tiny, capsys):
+    import json
+
+    from hetmoe.cli import main as cli_main
+
+    code = cli_main(["generate", "--model", str(tiny("olmoe")), "--expert-cache", "off", "--device", "cpu",
+                     "--max-new-tokens", "5", "--raw", "--prompt", "Hello", "--json"])
+    out = capsys.readouterr()
+    assert code == 0 and "has no hetmoe model file" in out.err and "OlmoeForCausalLM" in out.err
+    result = json.loads(out.out)
+    assert 1 <= result["completion_tokens"] <= 5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_gpu_dense_cpu_experts(tiny, family):
+    """Dense part on the GPU (fp32), experts on the CPU engine: the same logits and greedy tokens as on the CPU."""
+    path = tiny(family)
+    cpu = load(path)
+    gpu = ht.from_pretrained(path, experts_format="bf16", device="cuda", dtype="fp32", isa=BEST_ROW_PATH.isa)
+    assert gpu.model.embed_tokens.weight.is_cuda and gpu.hetmoe_info["device"] == "cuda"
+    ids = torch.tensor(IDS)
+    with torch.inference_mode():
+        a, b = gpu(ids.cuda()).logits.cpu(), cpu(ids).logits
+    assert rel(a, b) < 1e-4  # fp32 GPU matmuls (TF32 off by default) against fp32 CPU ones
+    out = gpu.generate(ids.cuda(), max_new_tokens=8, do_sample=False).cpu()
+    assert torch.equal(out, cpu.generate(ids, max_new_tokens=8, do_sample=False))
