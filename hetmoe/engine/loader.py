@@ -294,7 +294,8 @@ def load_summary(cfg: ModelConfig, path: Path, n_layers: int, n_moe: int, plan: 
     kinds = [fmt(lp.experts_format, lp.group_size) for lp in plan.layers] or [fmt(plan.experts_format,
                                                                                    plan.group_size)]
     experts = (f"{kinds[0]} experts" if len(set(kinds)) == 1
-               else "experts " + " + ".join(f"{k} in {kinds.count(k)} layers" for k in dict.fromkeys(kinds)))
+               else "experts " + " + ".join(f"{k} in {kinds.count(k)} layer{'s' * (kinds.count(k) > 1)}"
+                                        for k in dict.fromkeys(kinds)))
     how = [f"{n_layers} layers ({n_moe} MoE)", f"on {plan.device.type}", f"{dtype} dense part", experts]
     defers = [lp.defer_experts for lp in plan.layers]
     if len(set(defers)) > 1:
