@@ -275,7 +275,8 @@ def native_modules(model, blocks: list) -> list:
 def apply_native(rules: Rules, model, blocks: list, device, dtype, top_k: int) -> list:
     """The rules of the native runner for a model placed on ``device`` with dense ``dtype`` (torch objects) and
     ``top_k`` experts per token: one Placement per MoE block of ``blocks`` (in order; empty where no rule takes
-    it), with ``device: cuda`` made ``gpu_experts`` = every expert. Refuses, at the rule's line, what the native
+    it), with ``device: cuda`` made ``gpu_experts`` = every expert (``device: cpu``: none, unless it sets
+    ``gpu_experts``). Refuses, at the rule's line, what the native
     runner cannot do: a device other than the placement's for dense modules, routed experts on a GPU without a
     GPU placement (or on another GPU), a dtype other than the placement's, more GPU experts than the layer has,
     a deferral of top-k or more."""
@@ -304,6 +305,8 @@ def apply_native(rules: Rules, model, blocks: list, device, dtype, top_k: int) -
             if _device(p.device, device) != "cuda":
                 raise rules.error(r, f"{name}.experts on {p.device}: the model runs on {device}", "device")
             p = dataclasses.replace(p, gpu_experts=layer.num_experts)
+        elif p.device == "cpu" and p.gpu_experts is None:  # all on the CPU engine, whatever --gpu-experts says
+            p = dataclasses.replace(p, gpu_experts=0)
         elif p.gpu_experts is not None and p.gpu_experts > layer.num_experts:
             raise rules.error(r, f"gpu_experts {p.gpu_experts}: {name} has {layer.num_experts} routed experts",
                               "gpu_experts")

@@ -221,6 +221,33 @@ def test_load_refuses_before_reading_weights(qwen3, tmp_path, text, line, messag
     assert not any("loaded in" in m for m in log)
 
 
+def test_example_plans_a_hybrid_placement():
+    # docs/rules-example.yaml on a 6-layer model placed on a GPU (the plan is made from shapes alone: no GPU needed):
+    # layers 0-3 all resident and bf16, 4-5 int4 g64 deferring 1, lm_head on the GPU; the plan's bytes per layer.
+    from hetmoe.engine.loader import build_meta, model_shapes
+    from hetmoe.engine.placement import plan_memory
+    from hetmoe.models.config import ModelConfig
+    from hetmoe.testing.synthetic import TINY
+
+    cfg = ModelConfig(model_type="qwen3_moe", vocab_size=300, rms_norm_eps=1e-6, rope_theta=10000.0,
+                      max_position_embeddings=256, **{**TINY["qwen3_moe"], "num_hidden_layers": 6})
+    model = build_meta(cfg)
+    blocks = moe_blocks(model)
+    cuda = torch.device("cuda")
+    layers = rules.apply_native(rules.load(EXAMPLE), model, blocks, cuda, torch.bfloat16, 2)
+    opts = EngineOptions(gpu_experts=2, experts_format="int8")  # the flags, where no rule decides
+    plan = plan_memory(model_shapes(model, cfg, 32), opts, cuda, "int8", layers)
+    assert [(lp.experts_format, lp.group_size, lp.gpu_experts, lp.defer_experts) for lp in plan.layers] == \
+        [("bf16", 0, 8, 0)] * 4 + [("int4", 64, 0, 1)] * 2  # device: cpu keeps none on the GPU despite the flag
+    assert [lp.ram for lp in plan.layers] == [8 * expert_bytes("bf16", 64, 32, 0)] * 4 + \
+        [8 * expert_bytes("int4", 64, 32, 64)] * 2
+    assert plan.vram["GPU experts"] == 4 * 8 * 3 * 64 * 32 * 2 and plan.ram["routed experts"] == sum(
+        lp.ram for lp in plan.layers)
+    cpu_only = plan_memory(model_shapes(model, cfg, 32), opts, torch.device("cpu"), "int8", None)
+    assert {(lp.experts_format, lp.group_size) for lp in cpu_only.layers} == {("int8", 128)}
+    assert [lp.gpu_experts for lp in cpu_only.layers] == [0] * 6  # CPU-only: every expert on the CPU
+
+
 def test_layerwise_prefill_layers():
     # fully resident layers are not streamed; a bf16 layer does not share slots sized for int4 ones (or back)
     blocks = [("b0", SimpleNamespace(num_experts=8)), ("b1", SimpleNamespace(num_experts=8)),
