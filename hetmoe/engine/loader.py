@@ -47,11 +47,11 @@ from hetmoe.engine.placement import (
     resolve_dtype,
     wrap,
 )
-from hetmoe.engine.rules import apply_native
+from hetmoe.engine.rules import apply_native, defer_layers, layerwise_layers
 from hetmoe.engine.rules import load as load_rules
 from hetmoe.models import APPLIES_ROPE_SCALING, ConfigError, check_config, context_limit, model_class
 from hetmoe.models.config import ModelConfig
-from hetmoe.moe import DeferralChain, HostStaging, MoELayer, defer_experts, layerwise, moe_layers  # noqa: F401 (*)
+from hetmoe.moe import HostStaging, MoELayer, defer_experts, layerwise, moe_layers  # noqa: F401 (*)
 from hetmoe.moe.layerwise import LayerwisePrefill
 
 # (*) defer_experts (the uniform deferral) is imported from here by hetmoe/bench/decode_variants.py and tests.
@@ -123,28 +123,6 @@ def plan_model(model: nn.Module, cfg: ModelConfig, blocks: list, options: Engine
     return choose_plan(shapes, options, layers)
 
 
-def defer_layers(blocks: list, plan: MemoryPlan) -> list:
-    """Expert Deferral as the plan's layers ask (each its own d; ``--defer-experts`` or the rules). Layer i with
-    d_i > 0 adds its d_i lowest-weighted experts per token to the next MoE layer's output: each run of deferring
-    layers and the layer after it share one DeferralChain; the last MoE layer defers nothing. Returns the chains."""
-    ds = [lp.defer_experts for lp in plan.layers]
-    chains, i, n = [], 0, len(blocks)
-    while i < n:
-        if not ds[i] or i == n - 1:
-            blocks[i][1].set_deferral(0)
-            i += 1
-            continue
-        j = i
-        while j < n - 1 and ds[j]:
-            j += 1  # j: the layer that takes the run's last deferred part
-        chain = DeferralChain(j - i + 1)
-        for t in range(i, j + 1):  # the chain's last layer only adds (it defers nothing whatever its d)
-            blocks[t][1].set_deferral(ds[t] or ds[t - 1], chain, t - i)
-        chains.append(chain)
-        i = j + 1
-    return chains
-
-
 def check_deferral(cfg: ModelConfig, n_moe: int, d: int) -> None:
     """Refuse, before any weight is read, a deferral the model cannot do: d must be below its top-k."""
     if not d:
@@ -155,17 +133,6 @@ def check_deferral(cfg: ModelConfig, n_moe: int, d: int) -> None:
     if d >= k:
         raise ValueError(f"--defer-experts {d}: each token has {k} routed experts (top-{k}); at most {k - 1} can be "
                          "deferred")
-
-
-def layerwise_layers(blocks: list, plan: MemoryPlan) -> list:
-    """The MoE layers the layerwise GPU prefill streams: not those whose experts are all on the GPU already (the
-    rules' ``device: cuda``), and, when the rules mix bf16 with int8/int4 layers, only the kind of the largest
-    layer (the slots hold one storage layout: bf16 has no scale ranges); the others prefill as usual."""
-    pairs = [(b, lp) for (_, b), lp in zip(blocks, plan.layers) if lp.gpu_experts < b.num_experts]
-    if not pairs:
-        return []
-    big = max(pairs, key=lambda p: p[1].ram)[1]
-    return [b for b, lp in pairs if (lp.experts_format == "bf16") == (big.experts_format == "bf16")]
 
 
 def checked_config(cfg: ModelConfig, source) -> ModelConfig:

@@ -11,8 +11,10 @@ An ordered list; each module takes the first rule that matches its name (and, wi
 what no rule sets comes from the engine options. ``load(path) -> Rules`` parses and checks the file (every error
 names the file and the line); ``Rules.for_module(name, class_name) -> Placement`` is one module's placement, and
 ``Rules.assign(modules)`` places a whole model and refuses a rule that takes no module or sets a key that none of
-the modules it took has. ``apply_native`` turns them into the native runner's per-MoE-layer settings. Used by the
-native loader and by the Transformers path alike; imports no torch (the command line checks a file with it).
+the modules it took has. ``apply_native`` turns them into the native runner's per-MoE-layer settings (the memory
+plan's ``layers``), which ``defer_layers`` (deferral chains) and ``layerwise_layers`` (the GPU prefill) read, rules
+or not. Used by the native loader and by the Transformers path alike; imports no torch at import time (the command
+line checks a file with it).
 """
 
 from __future__ import annotations
@@ -323,3 +325,47 @@ def _device(text: str, device) -> str:
         return text
     index = device.index if device.index is not None else 0
     return "cuda" if device.type == "cuda" and text == f"cuda:{index}" else "other"
+
+
+def defer_layers(blocks: list, plan) -> list:
+    """Expert Deferral as the plan's layers ask (each its own d; ``--defer-experts`` or the rules). Layer i with
+    d_i > 0 adds its d_i lowest-weighted experts per token to the next MoE layer's output: each run of deferring
+    layers and the layer after it share one DeferralChain; the last MoE layer defers nothing. Returns the chains."""
+    from hetmoe.moe import DeferralChain
+
+    ds = [lp.defer_experts for lp in plan.layers]
+    chains, i, n = [], 0, len(blocks)
+    while i < n:
+        if not ds[i] or i == n - 1:
+            blocks[i][1].set_deferral(0, None, i)
+            i += 1
+            continue
+        j = i
+        while j < n - 1 and ds[j]:
+            j += 1  # j: the layer that takes the run's last deferred part
+        chain = DeferralChain(j - i + 1)
+        for t in range(i, j + 1):  # the chain's last layer only adds (it defers nothing whatever its d)
+            blocks[t][1].set_deferral(ds[t] or ds[t - 1], chain, t - i)
+        chains.append(chain)
+        i = j + 1
+    return chains
+
+
+def layerwise_layers(blocks: list, plan) -> list:
+    """The MoE layers the layerwise GPU prefill streams: not those whose experts are all on the GPU already (the
+    rules' ``device: cuda``), and, when the rules mix bf16 with int8/int4 layers, only the kind of the largest
+    layer (the slots hold one storage layout: bf16 has no scale ranges); the others prefill as usual. A layer of
+    a deferral chain is never left out (a chain split between the two paths would lose a deferred part): a
+    resident one is streamed too, one of the other kind turns the layerwise prefill off (no layer)."""
+    n, ds = len(blocks), [lp.defer_experts for lp in plan.layers]
+    chained = [bool(ds[i] and i < n - 1) or bool(i and ds[i - 1]) for i in range(n)]
+    kind = [lp.experts_format == "bf16" for lp in plan.layers]
+    streamed = [i for i, ((_, b), lp) in enumerate(zip(blocks, plan.layers)) if lp.gpu_experts < b.num_experts]
+    big = kind[max(streamed or range(n), key=lambda i: plan.layers[i].ram)] if n else False
+    out = []
+    for i, (_, b) in enumerate(blocks):
+        if kind[i] != big and chained[i]:
+            return []
+        if kind[i] == big and (i in streamed or chained[i]):
+            out.append(b)
+    return out

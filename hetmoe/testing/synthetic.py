@@ -29,16 +29,9 @@ import torch
 from torch import nn
 
 from hetmoe.engine.calibration import keep_gpu_experts
-from hetmoe.engine.loader import (
-    LoadedModel,
-    build_meta,
-    defer_layers,
-    layerwise_layers,
-    moe_blocks,
-    new_experts,
-    plan_model,
-)
+from hetmoe.engine.loader import LoadedModel, build_meta, moe_blocks, new_experts, plan_model
 from hetmoe.engine.placement import EngineOptions
+from hetmoe.engine.rules import defer_layers, layerwise_layers
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.models.config import ModelConfig
 from hetmoe.moe import HostStaging, layerwise

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from hetmoe.engine import rules
-from hetmoe.engine.loader import layerwise_layers, load_model, moe_blocks
+from hetmoe.engine.loader import load_model, moe_blocks
 from hetmoe.engine.placement import DEFAULT_GROUP, EngineOptions, LayerPlan, expert_bytes
-from hetmoe.engine.rules import RulesError
+from hetmoe.engine.rules import RulesError, layerwise_layers
 from hetmoe.engine.runner import Runner
 from parity import max_rel
 
@@ -254,9 +254,16 @@ def test_layerwise_prefill_layers():
               ("b2", SimpleNamespace(num_experts=8))]
     lp = [LayerPlan("b0", "bf16", 0, 8, 0, 300, 1), LayerPlan("b1", "int4", 64, 0, 0, 100, 0),
           LayerPlan("b2", "int4", 64, 2, 0, 100, 0)]
-    assert layerwise_layers(blocks, SimpleNamespace(layers=lp)) == [blocks[1][1], blocks[2][1]]
-    lp[0].gpu_experts = 0
-    assert layerwise_layers(blocks, SimpleNamespace(layers=lp)) == [blocks[0][1]]
+    plan = SimpleNamespace(layers=lp)
+    assert layerwise_layers(blocks, plan) == [blocks[1][1], blocks[2][1]]
+    lp[0].defer_experts = 1  # layers 0 and 1 now share a deferral chain: the chain is not split
+    assert layerwise_layers(blocks, plan) == []
+    lp[0].experts_format, lp[0].defer_experts, lp[1].defer_experts = "int4", 0, 1
+    assert layerwise_layers(blocks, plan) == [blocks[1][1], blocks[2][1]]  # layer 0 resident, not in the chain
+    lp[0].defer_experts = 1
+    assert layerwise_layers(blocks, plan) == [b for _, b in blocks]  # resident but chained: streamed too
+    lp[0].experts_format, lp[0].gpu_experts, lp[0].defer_experts, lp[1].defer_experts = "bf16", 0, 0, 0
+    assert layerwise_layers(blocks, plan) == [blocks[0][1]]  # the largest layer's kind
 
 
 def test_random_model_takes_rules(tmp_path):
