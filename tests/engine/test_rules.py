@@ -335,3 +335,22 @@ def test_resident_experts_per_layer(qwen3, tmp_path):
     cpu = load(qwen3, experts_format="bf16")
     fed = [7, 300, 42]  # the same tokens into both: a greedy near-tie cannot make them decode different text
     assert max_rel(logits(hybrid, 3, fed), logits(cpu, 3, fed)) < 2e-2
+
+
+@pytest.mark.gpu
+def test_example_file_on_a_gpu(checkpoints, tmp_path):
+    # docs/rules-example.yaml as shipped, on 6 MoE layers: 0-3 resident (bf16 values), 4-5 int4 g64 on the CPU
+    # deferring 1 (one chain: 4 -> 5), lm_head on the GPU; the same per-layer formats and deferral on the CPU alone
+    # give the same logits within the bf16 tolerance (same tokens fed to both).
+    ckpt = checkpoints("qwen3_moe", {"num_hidden_layers": 6}, seed=5)
+    hybrid = load(ckpt, rules=str(EXAMPLE), device="cuda", threads=None)
+    layers = [layer for _, layer in moe_blocks(hybrid.model)]
+    assert [layer.gpu.n if layer.gpu is not None else 0 for layer in layers] == [8] * 4 + [0] * 2
+    assert [(e.info()["weight_format"]) for e in (layer.engine for layer in layers)] == ["bf16"] * 4 + ["int4"] * 2
+    assert [(layer.defer, layer.position) for layer in layers][4:] == [(1, "first"), (1, "last")]
+    assert hybrid.model.lm_head.weight.device.type == "cuda"
+    same = write(tmp_path, "- match: 'model\\.layers\\.[0-3]\\.mlp\\.experts'\n  experts_format: bf16\n"
+                           "- match: '.*experts'\n  experts_format: int4\n  group_size: 64\n  defer_experts: 1\n")
+    cpu = load(ckpt, rules=str(same))
+    fed = [7, 300, 42]
+    assert max_rel(logits(hybrid, 3, fed), logits(cpu, 3, fed)) < 2e-2
