@@ -112,8 +112,12 @@ def hetmoe_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_i
     top_k_weights [T, k] or [T, E] (a dense row per token: the weights of the chosen experts are gathered) ->
     [T, H] on hidden_states' device and dtype."""
     experts = engine_of(self)
-    if experts is None:
-        return _original_forward(self)(self, hidden_states, top_k_index, top_k_weights)
+    if experts is None:  # Transformers' own, where the module's weights are (a rule may place them elsewhere)
+        where = self.down_proj.device
+        if where == hidden_states.device:
+            return _original_forward(self)(self, hidden_states, top_k_index, top_k_weights)
+        out = _original_forward(self)(self, hidden_states.to(where), top_k_index.to(where), top_k_weights.to(where))
+        return out.to(hidden_states.device)
     E = experts.num_experts
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])

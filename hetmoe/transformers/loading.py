@@ -158,14 +158,46 @@ def _assemble(ckpt, src: _Sources, module: nn.Module, device, dtype, where: str)
     module._parameters["down_proj"] = nn.Parameter(down, requires_grad=False)
 
 
+def _rule_placements(rules, model, modules: dict, dev: torch.device, dtype: torch.dtype) -> dict:
+    """{experts module name: Placement} from placement rules (hetmoe/engine/rules.py: a file or a Rules). Dense
+    modules stay on the model's device in its dtype and the native runner's per-layer keys do not apply here:
+    a rule asking otherwise is refused at its line."""
+    from hetmoe.engine.rules import DENSE, EXPERTS, Rules
+    from hetmoe.engine.rules import load as load_rules
+
+    rules = rules if isinstance(rules, Rules) else load_rules(rules)
+    taken = rules.assign([(n, type(m).__name__, EXPERTS if n in modules else DENSE)
+                          for n, m in model.named_modules() if n])
+    dt = "bf16" if dtype == torch.bfloat16 else "fp32"
+    out = {}
+    for name, p in taken.items():
+        if name in modules:
+            for key in ("gpu_experts", "defer_experts"):
+                if getattr(p, key) is not None:
+                    raise rules.error(p.rule, f"{key} is the native runner's; a model run through Transformers has "
+                                              "its experts wholly on the CPU engine or wholly on a device", key)
+            if p.device is not None and p.device != "cpu" and dev.type != "cuda":
+                raise rules.error(p.rule, f"{name} on {p.device}: the placement is CPU-only", "device")
+            out[name] = p
+            continue
+        if p.device is not None and torch.device(p.device).type != dev.type:
+            raise rules.error(p.rule, f"{name} on {p.device}: a model run through Transformers keeps its dense "
+                                      f"modules on one device ({dev}); set --device instead", "device")
+        if p.dtype is not None and p.dtype != dt:
+            raise rules.error(p.rule, f"{name} in {p.dtype}: the dense part runs in one dtype ({dt} here); set "
+                                      "--dtype instead", "dtype")
+    return out
+
+
 def from_pretrained(path, rules=None, experts_format: str = "auto", device: str = "auto",
                     threads: Optional[int] = None, *, group_size: Optional[int] = None, dtype: str = "auto",
                     isa: str = "auto", numa="auto", log=None):
     """A ``transformers.PreTrainedModel`` from the checkpoint directory ``path`` whose routed experts run on the
     CPU engine (``experts_format`` bf16 / int8 / int4; auto: the most precise that fits in RAM) and whose other
     modules sit on ``device`` (auto: the GPU when there is one). Experts the engine cannot compute exactly keep
-    Transformers' eager implementation on ``device`` (a ``FallbackWarning`` names them). ``rules``: not yet
-    applied (placement rules, issue 22 item 3); None only."""
+    Transformers' eager implementation on ``device`` (a ``FallbackWarning`` names them). ``rules``: placement
+    rules (a YAML file, docs/rules.md, or a ``hetmoe.engine.rules.Rules``): per experts module its format and group,
+    or ``device: cuda`` for Transformers' own experts on the GPU."""
     from transformers import AutoConfig
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, rename_source_key
@@ -174,8 +206,6 @@ def from_pretrained(path, rules=None, experts_format: str = "auto", device: str 
     from hetmoe.engine.checkpoint import Checkpoint
     from hetmoe.engine.placement import DEFAULT_GROUP, resolve_device, resolve_dtype
 
-    if rules is not None:
-        raise NotImplementedError("placement rules are not applied by the Transformers backend yet")
     path = Path(path)
     dev = resolve_device(device)
     ckpt = Checkpoint(path)
@@ -194,8 +224,12 @@ def from_pretrained(path, rules=None, experts_format: str = "auto", device: str 
     if torch_dtype != torch.float32:  # built again in that dtype: buffers keep the dtypes the model gives them
         model = build_model(config, torch_dtype)
         modules = {n: m for n, m in model.named_modules() if backend.is_experts_module(m)}
+    placed = _rule_placements(rules, model, modules, dev, torch_dtype) if rules is not None else {}
+    on_device = {n for n, p in placed.items() if p.device not in (None, "cpu")}  # Transformers' experts there
     engine_modules, fallback = {}, {}
     for name, m in modules.items():
+        if name in on_device:
+            continue
         why = backend.unsupported(m)
         (fallback if why else engine_modules)[name] = why
     if fallback:
@@ -210,6 +244,16 @@ def from_pretrained(path, rules=None, experts_format: str = "auto", device: str 
     H, I = next(iter(shapes.values()))[1:] if shapes else (0, 0)
     fmt = _choose_format(experts_format, n_experts, H, I, dense_params * torch_dtype.itemsize)
     group = DEFAULT_GROUP[fmt] if group_size is None or fmt == "bf16" else group_size
+
+    def format_of(name: str) -> tuple:
+        p = placed.get(name)
+        f = p.experts_format if p is not None and p.experts_format else fmt
+        g = p.group_size if p is not None and p.group_size is not None else (group if f == fmt else None)
+        return f, DEFAULT_GROUP[f] if g is None or f == "bf16" else g
+
+    def device_of(name: str) -> torch.device:  # a parameter's: its experts module's rule, else the model's
+        owner = next((n for n in on_device if name.startswith(n + ".")), None)
+        return torch.device(placed[owner].device) if owner else dev
 
     conversions = get_model_conversion_mapping(model)
     renamings = [c for c in conversions if not isinstance(c, WeightConverter)]
@@ -252,7 +296,8 @@ def from_pretrained(path, rules=None, experts_format: str = "auto", device: str 
             if tuple(src.shape) != tuple(like.shape):
                 raise ValueError(f"{path}: tensor {key} has shape {list(src.shape)}; the model expects "
                                  f"{list(like.shape)} for {target}")
-            out = torch.empty(like.shape, dtype=want if like.is_floating_point() else like.dtype, device=dev)
+            out = torch.empty(like.shape, dtype=want if like.is_floating_point() else like.dtype,
+                              device=device_of(target))
             out.copy_(src)
             if leaf in mod._parameters:
                 mod._parameters[leaf] = nn.Parameter(out, requires_grad=False)
@@ -262,11 +307,12 @@ def from_pretrained(path, rules=None, experts_format: str = "auto", device: str 
             module, src = modules[name], sources[name]
             if name in engine_modules:
                 E, H_, I_ = shapes[name]
-                experts = CPUExperts(E, H_, I_, fmt, group, threads=threads, isa=isa, numa=numa)
+                f, g = format_of(name)
+                experts = CPUExperts(E, H_, I_, f, g, threads=threads, isa=isa, numa=numa)
                 _pack(ckpt, src, module, experts, name)
                 backend.attach(module, experts)
             elif any(getattr(module, p).is_meta for p in ("gate_up_proj", "down_proj") if hasattr(module, p)):
-                _assemble(ckpt, src, module, dev, torch_dtype, name)
+                _assemble(ckpt, src, module, device_of(name + ".gate_up_proj"), torch_dtype, name)
         ckpt.release()
     ckpt.close()
     model.tie_weights()
@@ -279,7 +325,9 @@ def from_pretrained(path, rules=None, experts_format: str = "auto", device: str 
                 mod._buffers[leaf] = b.to(dev)
     model.eval().requires_grad_(False)
     model.hetmoe_info = {"experts_format": fmt, "group_size": group, "device": dev.type, "dtype": torch_dtype,
-                         "engine_modules": sorted(engine_modules), "fallback_modules": dict(fallback)}
+                         "engine_modules": sorted(engine_modules), "fallback_modules": dict(fallback),
+                         "formats": {n: format_of(n) for n in engine_modules},
+                         "device_modules": {n: placed[n].device for n in sorted(on_device)}}
     if log is not None:
         log(f"hetmoe: {type(model).__name__} through Transformers: {len(engine_modules)} experts modules on the CPU "
             f"engine ({fmt}), {len(fallback)} with Transformers' eager experts; dense part {torch_dtype} on {dev.type}")

@@ -193,9 +193,9 @@ def open_transformers(path, options, log: Callable[[str], None] = lambda m: prin
         if getattr(options, name) != off:
             raise ValueError(f"--{name.replace('_', '-')} is not available for a model run through Transformers "
                              "(native model types only)")
-    model = from_pretrained(path, experts_format=options.experts_format, device=options.device,
-                            threads=options.threads, group_size=options.group_size, dtype=options.dtype,
-                            isa=options.isa, numa=options.numa, log=log)
+    model = from_pretrained(path, getattr(options, "rules", None), experts_format=options.experts_format,
+                            device=options.device, threads=options.threads, group_size=options.group_size,
+                            dtype=options.dtype, isa=options.isa, numa=options.numa, log=log)
     info = model.hetmoe_info
     runner = TransformersRunner(model, options.max_batch, options.max_context, options.prefill_chunk)
     plan = _Plan(runner.device, info["dtype"], info["experts_format"], info["group_size"], runner.max_context)

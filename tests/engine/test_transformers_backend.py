@@ -266,3 +266,46 @@ def test_gpu_dense_cpu_experts(tiny, family):
     assert rel(a, b) < 1e-4  # fp32 GPU matmuls (TF32 off by default) against fp32 CPU ones
     out = gpu.generate(ids.cuda(), max_new_tokens=8, do_sample=False).cpu()
     assert torch.equal(out, cpu.generate(ids, max_new_tokens=8, do_sample=False))
+
+
+# ---------------------------------------------------------------- placement rules (hetmoe/engine/rules.py)
+
+
+def test_rules_set_formats_per_layer(tiny, tmp_path):
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("- match: 'model\\.layers\\.0\\.mlp\\.experts'\n  experts_format: int8\n  group_size: 32\n"
+                     "- match: 'model\\.layers\\..*\\.mlp\\.experts'\n  experts_format: int4\n")
+    model = load(tiny("olmoe"), rules=str(rules))
+    formats = model.hetmoe_info["formats"]
+    assert formats == {"model.layers.0.mlp.experts": ("int8", 32), "model.layers.1.mlp.experts": ("int4", 64)}
+    assert engine_of(model.model.layers[0].mlp.experts).weight_format == "int8"
+    assert 0 < rel(logits(model), logits(eager(tiny("olmoe")))) < LOGITS_BOUND["int4"]
+
+
+@pytest.mark.parametrize("text, match", [
+    ("- match: 'model\\.layers\\.0\\.mlp\\.experts'\n  defer_experts: 1\n", "rules.yaml:2.*native runner"),
+    ("- match: lm_head\n  dtype: bf16\n", "rules.yaml:2.*one dtype"),
+    ("- match: 'model\\.layers\\.0\\.mlp\\.experts'\n  device: cuda\n", "CPU-only"),
+    ("- match: 'nothing\\.here'\n  device: cpu\n", "matches no module"),
+])
+def test_bad_rules_are_refused_at_their_line(tiny, tmp_path, text, match):
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load(tiny("olmoe"), rules=str(rules))
+
+
+@pytest.mark.gpu
+def test_gpu_rules_put_the_first_layer_on_the_gpu(tiny, tmp_path):
+    """The shipped shape of rules: the first layer's experts on the GPU (Transformers' own), the rest int4 on the
+    CPU, lm_head on the GPU; the same greedy tokens as the CPU-only bf16 model up to int4's error."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("- match: 'model\\.layers\\.0\\.mlp\\.experts'\n  device: cuda\n"
+                     "- match: 'model\\.layers\\..*\\.mlp\\.experts'\n  experts_format: bf16\n"
+                     "- match: lm_head\n  device: cuda\n")
+    path = tiny("qwen3_moe")
+    gpu = ht.from_pretrained(path, rules=str(rules), device="cuda", dtype="fp32", isa=BEST_ROW_PATH.isa)
+    assert gpu.model.layers[0].mlp.experts.down_proj.is_cuda and engine_of(gpu.model.layers[1].mlp.experts)
+    with torch.inference_mode():
+        a = gpu(torch.tensor(IDS).cuda()).logits.cpu()
+    assert rel(a, logits(load(path))) < 1e-4
