@@ -16,12 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
+# As the hetmoe command does (hetmoe/cli/__init__.py), before torch loads OpenMP: idle PyTorch threads must not
+# spin on the cores the expert engine computes on (BENCHMARKS.md#omp-wait-policy). OMP_WAIT_POLICY=ACTIVE in the
+# environment measures the other policy.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -157,7 +163,8 @@ def main(argv=None) -> int:
     experts_speedup = results[best]["experts_ms"] / results["hetmoe"]["experts_ms"]
     print(f"{args.shape}, {args.layers} layers ({n_moe} MoE, E={E} k={k} H={H} I={I}), dense {args.dtype}, "
           f"torch threads {torch.get_num_threads()}, hetmoe {args.format} g{group} on {info.get('isa')} "
-          f"({info.get('threads')} threads); built in {build_s:.0f} s; median of {args.repeats}x{args.tokens} steps")
+          f"({info.get('threads')} threads), OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}; "
+          f"built in {build_s:.0f} s; median of {args.repeats}x{args.tokens} steps")
     print(f"{'experts':<12} {'ms/token':>9} {'tok/s':>7} {'experts ms':>11} {'routed MB/tok':>14} {'GB/s':>6}")
     for i in routed:
         r = results[i]
@@ -167,7 +174,8 @@ def main(argv=None) -> int:
     print(f"hetmoe ({args.format}) vs Transformers' best ({best}, {args.dtype}): {speedup:.2f}x per decode step, "
           f"{experts_speedup:.2f}x in the routed experts")
     if args.json:
-        report = {"args": vars(args), "cpu": {k_: v for k_, v in cpu_info().items() if isinstance(v, (str, int))},
+        report = {"args": vars(args), "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
+                  "cpu": {k_: v for k_, v in cpu_info().items() if isinstance(v, (str, int))},
                   "engine": {k_: v for k_, v in info.items() if isinstance(v, (str, int, float))},
                   "results": results, "best_transformers": best, "speedup": speedup,
                   "experts_speedup": experts_speedup}
