@@ -23,6 +23,7 @@ import time
 import torch
 
 from hetmoe.engine.loader import LoadedModel, defer_experts, moe_blocks
+from hetmoe.engine.rules import defer_layers
 from hetmoe.engine.runner import Runner
 
 DEFER = (1, 2, 3, 4, 5, 6, 7)  # d < top_k only
@@ -120,7 +121,6 @@ def decode_variants(loaded: LoadedModel, prompt_tokens: int, steps: int, repeats
     gpu_saved = [off.gpu for off in _offloaded(model)]
     has_gpu = any(g is not None for g in gpu_saved)
     blocks = moe_blocks(model)
-    own_d = blocks[0][1].defer if blocks else 0
     n = max((len(g.expert_ids) for g in gpu_saved if g is not None), default=0)
     known = variant_names(k, n)
     if only is None:
@@ -165,7 +165,7 @@ def decode_variants(loaded: LoadedModel, prompt_tokens: int, steps: int, repeats
                 f" = GPU {rec['gpu_ms']:6.2f}"
                 f" + CPU {rec['cpu_ms']:6.2f} - overlap {rec['overlap_ms']:6.2f}")
     finally:
-        set_deferral(model, own_d)
+        defer_layers(blocks, loaded.plan)  # the model's own deferral back (per layer, as its plan says)
         if has_gpu:
             _set_gpu_experts(model, gpu_saved, True)
     return records

@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     reference = None
     if args.reference_format != "none":
         ref_opts = dataclasses.replace(opts, experts_format=args.reference_format, group_size=None, defer_experts=0,
-                                       gpu_experts=0)
+                                       gpu_experts=0, rules=None)  # a uniform reference
         reference = load_model(model, ref_opts, expert_cache=cache, progress=progress)
 
     result = evaluate(Runner(test), ids, args.window, Runner(reference) if reference else None, progress)
