@@ -239,6 +239,22 @@ def test_llm_routes_a_type_without_model_file(tiny):
     assert isinstance(native.runner, Runner)  # a type with a hetmoe model file keeps the native runner
 
 
+def test_scheduler_batches_over_the_slots(tiny):
+    """Two prompts at once through the engine's scheduler (what the server runs), on two slots: the same greedy
+    tokens as each alone."""
+    from hetmoe.engine.generation import SamplingParams
+    from hetmoe.engine.llm import LLM
+    from hetmoe.engine.placement import EngineOptions
+
+    opts = EngineOptions(device="cpu", dtype="fp32", experts_format="bf16", isa=BEST_ROW_PATH.isa, max_context=64,
+                         max_batch=2)
+    llm = LLM(tiny("qwen3_next"), opts, expert_cache=None, log=lambda m: None)
+    params = SamplingParams(max_tokens=5)
+    both = llm.generate(["def f(x):", "Hello there"], params, chat=False)
+    alone = [llm.generate(p, params, chat=False) for p in ("Hello there", "def f(x):")]
+    assert [r.token_ids for r in both] == [r.token_ids for r in alone[::-1]]
+
+
 def test_generate_command_on_a_type_without_model_file(tiny, capsys):
     import json
 
