@@ -193,6 +193,38 @@ def test_truncated_checkpoint_is_refused(tiny, tmp_path):
         load(tmp_path)
 
 
+def test_fp8_checkpoint_equals_its_dequantized_weights(tiny, tmp_path):
+    """DeepSeek FP8 (e4m3 weights, one weight_scale_inv per 128 x 128 block, quantization_config fp8): dequantized by
+    the checkpoint reader, so the model equals the one loaded from the dequantized weights, bit for bit."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tiny("deepseek_v3")
+    fp8, deq = tmp_path / "fp8", tmp_path / "deq"
+    for d in (fp8, deq):
+        d.mkdir()
+        shutil.copy(src / "config.json", d / "config.json")
+    q_all, d_all = {}, {}
+    for f in src.glob("*.safetensors"):
+        for name, t in load_file(str(f)).items():
+            if t.dim() == 2 and name.endswith("proj.weight") and ".mlp.gate." not in name:
+                scale = t.abs().max().clamp_min(1e-12).reshape(1, 1) / 448  # one block: these matrices are small
+                q = (t / scale).to(torch.float8_e4m3fn)
+                q_all[name], q_all[name + "_scale_inv"] = q, scale
+                d_all[name] = q.float() * scale
+            else:
+                q_all[name] = d_all[name] = t
+    save_file(q_all, str(fp8 / "model.safetensors"))
+    save_file(d_all, str(deq / "model.safetensors"))
+    cfg = json.loads((fp8 / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    assert torch.equal(logits(load(fp8)), logits(load(deq)))
+
+
 # ---------------------------------------------------------------- the runner adapter and the commands
 
 
