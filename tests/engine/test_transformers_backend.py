@@ -177,6 +177,48 @@ def test_fused_checkpoint_tensors(tiny, tmp_path):
     assert rel(logits(load(tmp_path)), logits(ref)) < BF16_BOUND
 
 
+@pytest.mark.parametrize("layout", ["fused", "fused-transposed", "per-expert-transposed"])
+def test_expert_layouts_read_as_out_x_in(tmp_path, layout):
+    """Fused [E, 2I, H] / [E, H, 2I] (``is_transposed``) stacks and per-expert matrices stored in x out all give the
+    engine gate, up [I, H] and down [H, I]."""
+    import json
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from hetmoe.engine.checkpoint import Checkpoint
+    from hetmoe.transformers.loading import _expert_mats, _Sources
+
+    E, H, I = 3, 16, 24
+    g = torch.Generator().manual_seed(5)
+    gate, up = torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g)
+    down = torch.randn(E, H, I, generator=g)
+    src, tensors = _Sources(), {}
+    if layout.startswith("fused"):
+        t = layout.endswith("transposed")
+        gu = torch.cat([gate, up], 1)  # [E, 2I, H]
+        tensors = {"e.gate_up_proj": gu.transpose(1, 2).contiguous() if t else gu,
+                   "e.down_proj": down.transpose(1, 2).contiguous() if t else down}
+        src.add("gate_up_proj", "e.gate_up_proj")
+        src.add("down_proj", "e.down_proj")
+    else:
+        t = False
+        for e in range(E):
+            for name, w in (("gate_proj", gate[e]), ("up_proj", up[e]), ("down_proj", down[e])):
+                key = f"e.{e}.{name}.weight"
+                tensors[key] = w.t().contiguous()
+                src.add(f"{e}.{name}.weight", key)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "test"}))
+    ckpt = Checkpoint(tmp_path)
+    module = SimpleNamespace(is_transposed=t)
+    for e in range(E):
+        got = _expert_mats(ckpt, src, module, e, E, H, I, "e")
+        for a, b in zip(got, (gate[e], up[e], down[e])):
+            assert torch.equal(a, b)
+    ckpt.close()
+
+
 def test_truncated_checkpoint_is_refused(tiny, tmp_path):
     import shutil
 
