@@ -26,7 +26,7 @@ IDS = [[5, 17, 300, 42, 9, 260, 77, 3, 128, 64, 11]]
 # summation order only. Measured max over the six families: 4.0e-7.
 BF16_BOUND = 5e-6
 # The quantized formats against the eager fp32 model (the format's accuracy on these tiny random models: Gaussian
-# weights of std 0.08, int8 group 128 / int4 group 64, isa auto). MEASURED (AVX-512 machine), max over the six
+# weights of std 0.08, int8 group 128 / int4 group 64, BEST_ROW_PATH). MEASURED (AVX-512 machine), max over the six
 # families: one experts module's output against the exact float64 layer (64 tokens, top-2): int8 1.1e-2, int4
 # 1.75e-1; whole-model logits: int8 1.0e-2 (qwen3_next), int4 1.6e-1 (qwen3_next). Bounds about 1.5-2x.
 MODULE_BOUND = {"int8": 2e-2, "int4": 0.25}
@@ -98,7 +98,7 @@ def test_quantized_formats_within_their_bound(tiny, family, fmt):
 
     path = tiny(family)
     ref = eager(path)
-    model = ht.from_pretrained(path, experts_format=fmt, device="cpu", dtype="fp32")  # isa auto
+    model = load(path, fmt)  # the row-block path: the same bits on AVX2, AVX-512 and AMX machines
     assert model.hetmoe_info["experts_format"] == fmt
     name, module = next((n, m) for n, m in model.named_modules() if engine_of(m) is not None)
     theirs = ref.get_submodule(name)
