@@ -3,6 +3,7 @@ implementations, in one run on the same machine and the same dense part (issue 2
 
     python3 bench/transformers_backend.py                       # qwen3-30b-a3b shape, 4 layers, CPU only
     python3 bench/transformers_backend.py --layers 2 --format int8 --impls grouped_mm,eager --json out.json
+    python3 bench/transformers_backend.py --device cuda          # hybrid: dense on the GPU, experts on the CPU
 
 The model is Transformers' own Qwen3MoeForCausalLM (or the --shape's class) of a real shape with random weights
 (hetmoe/testing/synthetic.py's SHAPES): the dense part and Transformers' experts in --dtype (bf16), the hetmoe
@@ -79,25 +80,50 @@ class Switch:
             self.engines.append(ex)
             self.params.append({n: m._parameters[n] for n in ("gate_up_proj", "down_proj")})
 
-    def use(self, impl: str) -> None:
-        if impl == NONE:
-            from transformers.integrations.moe import ExpertsInterface
+    def to_gpu(self) -> None:
+        """Hybrid placement: every module but the routed experts on the GPU; Transformers' experts then run on
+        their CPU weights, the activations copied over and back as hetmoe's are (``on_cpu``)."""
+        self.use("hetmoe")  # the expert weights leave the modules: .to() does not move them
+        self.model.to("cuda")
+        self.hybrid = True
 
+    hybrid = False
+
+    def use(self, impl: str) -> None:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+        if impl == NONE:
             ExpertsInterface.register(NONE, lambda module, x, ids, w: torch.zeros_like(x))
+        name = impl
+        if self.hybrid and impl not in ("hetmoe", NONE):
+            name = f"cpu-{impl}"
+            ExpertsInterface.register(name, on_cpu(ALL_EXPERTS_FUNCTIONS.get(impl)))
         for m, params, ex in zip(self.modules, self.params, self.engines):
             if impl == "hetmoe":
                 self.backend.attach(m, ex)
             else:
                 m.__dict__.pop(self.backend.ENGINE_ATTR, None)
                 m._parameters.update(params)
-        self.model.set_experts_implementation(impl)
+        self.model.set_experts_implementation(name)
+
+
+def on_cpu(fn):
+    """An experts implementation run on the CPU for activations on another device (``fn`` None: eager)."""
+    import inspect
+
+    def run(module, x, ids, w):
+        f = fn or inspect.unwrap(type(module).forward)
+        return f(module, x.cpu(), ids.cpu(), w.cpu()).to(x.device)
+
+    return run
 
 
 @torch.inference_mode()
 def decode_steps(model, prompt: int, tokens: int, seed: int = 1) -> list:
     """Seconds of each greedy one-token step after a ``prompt``-token prefill."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=g)
+    device = model.get_input_embeddings().weight.device
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=g).to(device)
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
     cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
     times = []
@@ -105,6 +131,8 @@ def decode_steps(model, prompt: int, tokens: int, seed: int = 1) -> list:
         t0 = time.perf_counter()
         out = model(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1)
         cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -122,6 +150,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=16, help="decode steps per repeat")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="hetmoe expert threads (default: physical cores)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: hybrid, everything but the routed experts on the GPU (both sides' experts on the CPU)")
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args(argv)
 
@@ -134,6 +164,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model = build(args.shape, args.layers, dtype)
     switch = Switch(model, args.format, group, args.threads)
+    if args.device == "cuda":
+        switch.to_gpu()
     build_s = time.perf_counter() - t0
     cfg = model.config
     E, H, I = hetmoe.transformers.backend.expert_shape(switch.modules[0])
@@ -163,7 +195,8 @@ def main(argv=None) -> int:
     speedup = results[best]["ms_per_token"] / results["hetmoe"]["ms_per_token"]
     ours, theirs = results["hetmoe"]["experts_ms"], results[best]["experts_ms"]
     experts_speedup = theirs / ours if ours and theirs else None
-    print(f"{args.shape}, {args.layers} layers ({n_moe} MoE, E={E} k={k} H={H} I={I}), dense {args.dtype}, "
+    print(f"{args.shape}, {args.layers} layers ({n_moe} MoE, E={E} k={k} H={H} I={I}), dense {args.dtype} on "
+          f"{args.device}, "
           f"torch threads {torch.get_num_threads()}, hetmoe {args.format} g{group} on {info.get('isa')} "
           f"({info.get('threads')} threads), OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}; "
           f"built in {build_s:.0f} s; median of {args.repeats}x{args.tokens} steps")
