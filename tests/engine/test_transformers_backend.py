@@ -149,6 +149,20 @@ def test_other_activation_falls_back(tmp_path):
     assert rel(logits(model), logits(eager(tmp_path))) < 1e-6
 
 
+def test_tied_embeddings(tmp_path):
+    """tie_word_embeddings: lm_head is not in the checkpoint; it is the embedding, tied after loading."""
+    from transformers import AutoModelForCausalLM
+    from transformers_tiny import make_config
+
+    cfg = make_config("qwen3_moe")
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(2)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    model = load(tmp_path)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert rel(logits(model), logits(eager(tmp_path))) < 1e-3  # weights not bf16-rounded here: measured 1.8e-4
+
+
 def test_dense_routing_weights_are_gathered(tiny):
     """top_k_weights given as [T, E] (one dense row per token) equals the same weights as [T, k]."""
     model = load(tiny("olmoe"))
