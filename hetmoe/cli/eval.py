@@ -84,13 +84,36 @@ def _table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _native_opener(cache, progress: bool):
+    from hetmoe.engine.loader import load_model
+
+    def open_native(path, opts):
+        return load_model(path, opts, expert_cache=cache, progress=progress), None
+    return open_native
+
+
+def _transformers_opener(cfg, drop: int):
+    """A model type without a hetmoe model file, through Transformers with the hetmoe experts backend."""
+    from hetmoe.transformers.runner import open_transformers, transformers_class
+
+    name = transformers_class(cfg.get("model_type"))
+    if name is None:
+        return _native_opener(None, False)  # the native loader names what is wrong with the model type
+    if drop:
+        raise ValueError("--drop-experts is not available for a model run through Transformers (native model "
+                         "types only)")
+    print(f"hetmoe: model_type {cfg.get('model_type')!r} has no hetmoe model file: evaluating {name} through "
+          "Transformers with the hetmoe experts backend", file=sys.stderr)
+    return lambda path, opts: open_transformers(path, opts, lambda m: print(m, file=sys.stderr))
+
+
 def run(args: argparse.Namespace) -> int:
     from hetmoe.engine.evaluation import evaluate
     from hetmoe.engine.llm import default_model_path
-    from hetmoe.engine.loader import check_model_dir, load_model, load_tokenizer, moe_blocks
+    from hetmoe.engine.loader import check_model_dir, load_tokenizer, moe_blocks
     from hetmoe.engine.placement import normalize_options
     from hetmoe.engine.runner import Runner
-    from hetmoe.models import context_limit
+    from hetmoe.models import MODEL_TYPES, context_limit
 
     drop = args.drop_experts
     if drop < 0:
@@ -120,22 +143,28 @@ def run(args: argparse.Namespace) -> int:
     cache = expert_cache(args)
     progress = sys.stderr.isatty()
 
-    test = load_model(model, opts, expert_cache=cache, progress=progress)
-    blocks = moe_blocks(test.model)
-    if drop and not blocks:
+    open_model = _native_opener(cache, progress)
+    if cfg.get("model_type") not in MODEL_TYPES:  # no hetmoe model file: Transformers' own, if it has one
+        open_model = _transformers_opener(cfg, drop)
+    test, test_runner = open_model(model, opts)
+    blocks = moe_blocks(test.model) if test_runner is None else []
+    if drop and test_runner is None and not blocks:
         raise ValueError("--drop-experts: this model has no routed experts")
     for _, layer in blocks:
         layer.set_drop(drop)
     ids = tokenizer.encode(text)
     if args.max_tokens is not None:
         ids = ids[:args.max_tokens]
-    reference = None
+    reference = ref_runner = None
     if args.reference_format != "none":
         ref_opts = dataclasses.replace(opts, experts_format=args.reference_format, group_size=None, defer_experts=0,
                                        gpu_experts=0, rules=None)  # a uniform reference
-        reference = load_model(model, ref_opts, expert_cache=cache, progress=progress)
+        reference, ref_runner = open_model(model, ref_opts)
 
-    result = evaluate(Runner(test), ids, args.window, Runner(reference) if reference else None, progress)
+    test_runner = test_runner or Runner(test)
+    if reference is not None:
+        ref_runner = ref_runner or Runner(reference)
+    result = evaluate(test_runner, ids, args.window, ref_runner, progress)
     report = {"model": str(test.path), "text": "<stdin>" if args.text == "-" else str(args.text),
               "window": args.window, "config": _describe(test.plan, drop, opts.defer_experts),
               "reference": _describe(reference.plan) if reference else None, **result.summary()}

@@ -356,6 +356,31 @@ def test_generate_command_on_a_type_without_model_file(tiny, capsys):
     assert 1 <= result["completion_tokens"] <= 5
 
 
+def test_eval_command_on_a_type_without_model_file(tiny, tmp_path, capsys):
+    """``hetmoe eval`` scores such a model through the backend, against its bf16-experts reference: int8 experts
+    cost a little, and the numbers are finite."""
+    import json
+
+    from hetmoe.cli import main as cli_main
+
+    text = tmp_path / "t.txt"
+    text.write_text("def f(x):\n    return x + 1\n\nprint(f(2))\n" * 8)
+    code = cli_main(["eval", "--model", str(tiny("olmoe")), "--text", str(text), "--window", "32", "--device", "cpu",
+                     "--experts-format", "int8", "--expert-cache", "off", "--json", "-"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "has no hetmoe model file" in out.err
+    report = json.loads(out.out)
+    assert report["config"]["experts_format"] == "int8" and report["reference"]["experts_format"] == "bf16"
+    assert report["tokens"] > 0 and report["perplexity"] > 1
+    print(f"olmoe int8 vs bf16 experts: KL {report['kl']:.2e}, top-1 agreement {report['top1_agreement']:.3f}")
+    # int8 against bf16 experts, a small cost: measured KL 1.1e-6, top-1 agreement 0.968
+    assert 0 < report["kl"] < 1e-3 and report["top1_agreement"] > 0.9
+    code = cli_main(["eval", "--model", str(tiny("olmoe")), "--text", str(text), "--window", "32",
+                     "--drop-experts", "1", "--expert-cache", "off", "--device", "cpu"])
+    assert code == 1 and "--drop-experts is not available" in capsys.readouterr().err
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
 def test_gpu_dense_cpu_experts(tiny, family):
