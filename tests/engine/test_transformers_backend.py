@@ -72,6 +72,25 @@ def test_importing_registers_the_backend():
     assert set(ENGINE_FAMILIES) | {"gpt_oss"} == set(FAMILIES)  # every family of the issue's list exists in 5.24
 
 
+@pytest.mark.parametrize("order", ["hetmoe first", "transformers first"])
+def test_importing_hetmoe_registers_the_backend(order):
+    """``import hetmoe`` alone registers "hetmoe" (fresh processes: before or after Transformers is imported), and
+    the command line's imports load no Transformers."""
+    import subprocess
+    import sys
+
+    first, second = ("import hetmoe", "import transformers") if order == "hetmoe first" else \
+        ("import transformers", "import hetmoe")
+    code = (f"{first}\n{second}\nfrom transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS\n"
+            "import hetmoe.transformers.backend as b\n"
+            "assert ALL_EXPERTS_FUNCTIONS['hetmoe'] is b.hetmoe_experts_forward\nprint('ok')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-1500:]
+    cli = subprocess.run([sys.executable, "-c", "import sys, hetmoe, hetmoe.cli; hetmoe.cli.build_parser(); "
+                          "print('transformers' in sys.modules)"], capture_output=True, text=True, timeout=120)
+    assert cli.stdout.strip() == "False", cli.stderr[-1500:]
+
+
 @pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_engine_matches_eager_experts(tiny, family):
     from transformers import PreTrainedModel
