@@ -289,11 +289,10 @@ class LayerwisePrefill:
                 b.record()
                 b.synchronize()
             gpu[T] = a.elapsed_time(b) / 1e3
-            xh = x.to(torch.float32) if layer.engine.info()["weight_format"] == "bf16" else x
             times = []
             for rep in range(2):
                 t = time.perf_counter()
-                layer.engine.forward(xh, ids, w)
+                layer.engine.forward(x, ids, w)  # x in the model dtype, as the CPU prefill path stages it
                 times.append(time.perf_counter() - t)
             cpu[T] = min(times)
         self.freed[0] = None
