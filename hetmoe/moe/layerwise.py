@@ -358,8 +358,8 @@ def setup(layers: list, plan, options, log) -> tuple:
     if not plan.gpu_prefill:
         return None, {"enabled": False, "why": "off" if options.gpu_prefill == "off" else "no room on the GPU"}
     ok = [layer for layer in layers if eligible(layer)]
-    if not ok:
-        return None, {"enabled": False, "why": "no MoE layer with the unsplit CPU engine (NUMA-split layers)"}
+    if not ok or len(ok) != len(layers):  # all or none: a layer left out could split a deferral chain
+        return None, {"enabled": False, "why": "MoE layers split over NUMA subpools (their storage is per slice)"}
     threshold = options.gpu_prefill if isinstance(options.gpu_prefill, int) else 1
     try:
         driver = LayerwisePrefill(ok, plan.device, plan.dtype, threshold, GPU_SLOTS)
