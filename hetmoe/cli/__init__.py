@@ -91,7 +91,7 @@ def _quiet_closed_pipe() -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     # Idle OpenMP threads of torch otherwise spin on the cores the expert engine's pinned threads compute on and
-    # slow every hybrid decode step (docs/experiments/2026-11-29-whole-model-and-serving.md#omp-wait-policy).
+    # slow every hybrid decode step (BENCHMARKS.md#omp-wait-policy).
     # OpenMP reads it when torch loads, which parsing already does (--numa's type imports hetmoe.cpu), so it is
     # set before anything else.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

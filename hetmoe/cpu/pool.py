@@ -34,7 +34,7 @@ def cpu_info() -> dict:
 # waits for the GPU work, and the stream-signal watcher (csrc/stream/signals.h), which spin while a decode step
 # runs. A pool pinned to every core shares cores with them, and a worker descheduled in the middle of a parallel
 # job holds the whole job up for a scheduler time slice: a decode step is many times slower
-# (docs/experiments/2026-11-29-decode-step.md#reserved-cores).
+# (BENCHMARKS.md#reserved-cores).
 HYBRID_RESERVED_CORES = 2
 
 

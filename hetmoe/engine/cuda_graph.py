@@ -14,7 +14,7 @@ Attention must not change shape between replays. Two ways (``kv_mode``):
             bucket), each captured the first time a step needs it.
 ``hetmoe bench e2e --kv-contexts 1024,4096`` measures both. The default is "bucket": a step well short of
 max_context attends far fewer positions, and a bucket's capture (once every 64 tokens) costs less than the 64 steps
-it shortens (docs/experiments/2026-11-29-whole-model-and-serving.md#kv-buckets).
+it shortens (BENCHMARKS.md#kv-buckets).
 
 Shape letters: n real rows, B padded batch (a captured size), C the largest captured size, V vocabulary.
 """

@@ -42,8 +42,7 @@ class Runner:
         self.layerwise = loaded.layerwise
         if self.device.type == "cuda":
             # cuDNN's SDPA builds an execution graph on the CPU for every new shape, and decode changes the attended
-            # length every step, so leave attention to the other kernels
-            # (docs/experiments/2026-11-29-whole-model-and-serving.md#omp-wait-policy).
+            # length every step, so leave attention to the other kernels (BENCHMARKS.md#omp-wait-policy).
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.decoder: Optional[GraphDecoder] = None
         self.hybrid: Optional[StreamDecode] = None
