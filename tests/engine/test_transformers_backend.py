@@ -461,51 +461,20 @@ def test_gpu_rules_put_the_first_layer_on_the_gpu(tiny, tmp_path):
 
 # ---------------------------------------------------------------- peak memory while loading
 
-RSS_SCRIPT = r"""
-import json, sys, threading, warnings
-import torch, hetmoe.transformers as ht, transformers.models.qwen3_moe.modeling_qwen3_moe
-def status(key):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
-baseline, peak, done = status("VmRSS"), [0], threading.Event()
-try:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := the current RSS
-    reset = True
-except OSError:
-    reset = False
-def sample():  # the fallback where clear_refs is not permitted
-    while not done.wait(0.002):
-        peak[0] = max(peak[0], status("VmRSS"))
-threading.Thread(target=sample, daemon=True).start()
-model = ht.from_pretrained(sys.argv[1], experts_format="bf16", device="cpu", dtype="fp32")
-done.set()
-engines = [m._hetmoe_experts for m in model.modules() if "_hetmoe_experts" in m.__dict__]
-print(json.dumps(dict(baseline=baseline, final=status("VmRSS"), sampled=peak[0], hwm=status("VmHWM") if reset else 0,
-                      expert_bytes=sum(e.nbytes for e in engines))))
-"""
-
-
 @pytest.mark.slow
 def test_peak_rss_while_loading(tmp_path):
     """Experts streamed from the mapped shards: the load's peak stays near what it keeps (the packed experts)."""
-    import json
-    import subprocess
-    import sys
-
+    from rss import peak_rss
     from transformers import AutoModelForCausalLM
     from transformers_tiny import make_config
 
     cfg = make_config("qwen3_moe")
     cfg.update(dict(hidden_size=256, moe_intermediate_size=512, num_experts=32, num_hidden_layers=8, head_dim=64))
     AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp_path, max_shard_size="50MB")
-    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
-    m = json.loads(out.stdout.splitlines()[-1])
-    peak = max(m["sampled"], m["hwm"])
-    ratio = (peak - m["baseline"]) / (m["final"] - m["baseline"])
-    print({k: round(v / 2**20, 1) for k, v in m.items() if v}, f"peak / final over baseline {ratio:.3f}")
+    m = peak_rss("import warnings, torch, hetmoe.transformers as ht, transformers.models.qwen3_moe.modeling_qwen3_moe",
+                 'model = ht.from_pretrained(sys.argv[1], experts_format="bf16", device="cpu", dtype="fp32")\n'
+                 'engines = [m._hetmoe_experts for m in model.modules() if "_hetmoe_experts" in m.__dict__]',
+                 "sum(e.nbytes for e in engines)", tmp_path)
     assert m["final"] - m["baseline"] >= m["expert_bytes"] * 0.95  # the experts really are resident
     # Measured: 1.11 (baseline 419 MiB, final +223 MiB of which 192 MiB packed experts, peak +248 MiB).
-    assert ratio <= 1.3
+    assert m["ratio"] <= 1.3
