@@ -74,9 +74,7 @@ class LoadedModel:
         return self.plan.device
 
 
-def moe_blocks(model: nn.Module) -> list:
-    """(block name, MoELayer) of every MoE block of ``model``, in forward order (``hetmoe.moe.moe_layers``)."""
-    return moe_layers(model)
+moe_blocks = moe_layers  # (block name, MoELayer) of every MoE block of a model, in forward order
 
 
 _INIT_FNS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",

@@ -39,7 +39,6 @@ from hetmoe.moe.deferral import drop_lowest
 from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
 
 _current: contextvars.ContextVar = contextvars.ContextVar("hetmoe_layerwise_prefill", default=None)
-GPU_SLOTS = 2  # = hetmoe.engine.placement.GPU_PREFILL_SLOTS (the plan counts them)
 
 
 def current() -> Optional["LayerwisePrefill"]:
@@ -139,7 +138,7 @@ class LayerwisePrefill:
         self.layers = list(layers)
         self._index = {id(layer): i for i, layer in enumerate(self.layers)}
         self.layouts = [ExpertLayout.of(layer.engine) for layer in self.layers]
-        self.host = [expert_ranges(layer.engine, lay) for layer, lay in zip(self.layers, self.layouts)]
+        self.host = [expert_ranges(layer.engine) for layer in self.layers]
         self.cuda = self.device.type == "cuda"
         self.unpack_n = int(unpack_experts)
         lay = self.layouts[0] if self.layouts else None
@@ -355,6 +354,8 @@ def setup(layers: list, plan, options, log) -> tuple:
     threshold of ``options.gpu_prefill`` (a count, or "auto": measured here) -> (LayerwisePrefill or None, the
     report kept in ``LoadedModel.info``). Where the driver refuses to register the experts' memory, or the GPU path
     never wins, prefill stays on the CPU and ``log`` says why."""
+    from hetmoe.engine.placement import GPU_PREFILL_SLOTS, UNPACK_EXPERTS  # the buffers the plan counted
+
     if not plan.gpu_prefill:
         return None, {"enabled": False, "why": "off" if options.gpu_prefill == "off" else "no room on the GPU"}
     ok = [layer for layer in layers if eligible(layer)]
@@ -362,7 +363,7 @@ def setup(layers: list, plan, options, log) -> tuple:
         return None, {"enabled": False, "why": "MoE layers split over NUMA subpools (their storage is per slice)"}
     threshold = options.gpu_prefill if isinstance(options.gpu_prefill, int) else 1
     try:
-        driver = LayerwisePrefill(ok, plan.device, plan.dtype, threshold, GPU_SLOTS)
+        driver = LayerwisePrefill(ok, plan.device, plan.dtype, threshold, GPU_PREFILL_SLOTS, UNPACK_EXPERTS)
     except RuntimeError as err:
         log(f"hetmoe: GPU prefill off: {err}")
         return None, {"enabled": False, "why": str(err)}

@@ -142,9 +142,7 @@ def unpack_experts(layout: ExpertLayout, ranges, n: int, dtype: torch.dtype = to
     return w_gu, w_d.view(n, d.n_blocks * ROWS, d.kp)[:, :H, :I]
 
 
-def expert_ranges(experts, layout: ExpertLayout) -> list:
-    """The layer's storage ranges as uint8 CPU tensors over the engine's own memory (no copy)."""
-    views = experts.storage()
-    if layout.fmt == "bf16":
-        views = views[:1] + views[1:2]
-    return [torch.frombuffer(v, dtype=torch.uint8) for v in views]
+def expert_ranges(experts) -> list:
+    """The layer's storage ranges as uint8 CPU tensors over the engine's own memory (no copy): four, or two for bf16
+    (``CPUExperts.storage`` leaves the empty scale ranges out)."""
+    return [torch.frombuffer(v, dtype=torch.uint8) for v in experts.storage()]

@@ -39,7 +39,7 @@ def test_unpack_equals_the_engine(fmt, group, H, I):
     experts = CPUExperts(E, H, I, fmt, group if group is not None else 128, threads=1)
     experts.fill_random(seed=H + I)
     lay = ExpertLayout.of(experts)
-    ranges = expert_ranges(experts, lay)
+    ranges = expert_ranges(experts)
     per = [b for b in lay.range_bytes() if b]
     assert [r.numel() for r in ranges] == [E * b for b in per]
     assert sum(lay.range_bytes()) == lay.expert_bytes == experts.info()["bytes_per_expert"]
@@ -284,7 +284,7 @@ for fmt, group in %r:
     experts = CPUExperts(E, H, I, fmt, group if group is not None else 128, threads=1)
     experts.fill_random(seed=9)
     lay = ExpertLayout.of(experts)
-    ranges = expert_ranges(experts, lay)
+    ranges = expert_ranges(experts)
     ref_gu, ref_d = unpack_experts(lay, ranges, E, torch.float32)
     w_gu = torch.full((E, 2 * I, H), float("nan"), dtype=dtype, device=dev)
     w_d = torch.full((E, H, I), float("nan"), dtype=dtype, device=dev)
