@@ -31,7 +31,7 @@ import torch
 from hetmoe import cpu
 from hetmoe.bench.decode_variants import decode_variants, fmt_variants, kv_modes
 from hetmoe.bench.machine import GB, llc_bytes, machine_info, write_json
-from hetmoe.bench.prefill import prefill_paths
+from hetmoe.bench.prefill import prefill_paths, time_prefill
 from hetmoe.cli.options import engine_options
 from hetmoe.engine.loader import LoadedModel, load_model, moe_blocks
 from hetmoe.engine.placement import EngineOptions, free_ram
@@ -60,11 +60,6 @@ def placements(device: str) -> list:
     return [device]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def roofline_bytes(loaded: LoadedModel) -> dict:
     """Bytes one decoded token (batch 1) must read from CPU DRAM: top_k experts per MoE layer, plus the dense
     weights (all parameters but the embedding) when the dense part is on the CPU."""
@@ -88,20 +83,6 @@ def roofline_bytes(loaded: LoadedModel) -> dict:
     }
 
 
-def time_prefill(runner: Runner, n: int, repeats: int, gen: torch.Generator) -> list:
-    """Seconds of ``repeats`` prefills of ``n`` random tokens into slot 0, after one warm-up."""
-    times = []
-    for i in range(1 + repeats):
-        ids = torch.randint(runner.vocab_size, (n,), generator=gen).tolist()
-        _sync(runner.device)
-        t0 = time.perf_counter()
-        runner.prefill(ids)
-        _sync(runner.device)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return times
-
-
 def time_decode(runner: Runner, prompt: int, steps: int, gen: torch.Generator) -> list:
     """Seconds of each of ``steps`` decode steps (random tokens) after a ``prompt``-token prefill and
     DECODE_WARMUP untimed steps."""
@@ -109,10 +90,10 @@ def time_decode(runner: Runner, prompt: int, steps: int, gen: torch.Generator) -
     tokens = torch.randint(runner.vocab_size, (DECODE_WARMUP + steps,), generator=gen).tolist()
     times = []
     for i, tok in enumerate(tokens):
-        _sync(runner.device)
+        runner.synchronize()
         t0 = time.perf_counter()
         runner.decode(tok)
-        _sync(runner.device)
+        runner.synchronize()
         if i >= DECODE_WARMUP:
             times.append(time.perf_counter() - t0)
     return times
@@ -253,7 +234,7 @@ def run_e2e_bench(args) -> int:
             if device == "cuda" and loaded.layerwise is not None:
                 say(f"{PLACEMENT[device]}: prefill by path (routed experts on the CPU / streamed to the GPU / auto, "
                     f"from {loaded.layerwise.min_tokens} tokens), {repeats} repeats:")
-                rec["prefill_paths"] = prefill_paths(loaded, prompts, repeats, args.seed, time_prefill, log=say)
+                rec["prefill_paths"] = prefill_paths(loaded, prompts, repeats, args.seed, log=say)
             if device == "cuda" and not getattr(args, "no_variants", False):  # eager / graph / deferral / GPU experts
                 say(f"{PLACEMENT[device]}: decode variants, batch 1, {decode_tokens} steps x {repeats} after "
                     f"{min(prompts)} tokens:")

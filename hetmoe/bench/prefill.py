@@ -7,6 +7,7 @@ experts at the measured H2D rate). The GPU path's time per MoE layer is split in
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -14,7 +15,21 @@ from hetmoe.engine.loader import LoadedModel
 from hetmoe.engine.runner import Runner
 
 
-def prefill_paths(loaded: LoadedModel, prompts: list, repeats: int, seed: int, time_prefill, log=print) -> dict:
+def time_prefill(runner: Runner, n: int, repeats: int, gen: torch.Generator) -> list:
+    """Seconds of ``repeats`` prefills of ``n`` random tokens into slot 0, after one warm-up."""
+    times = []
+    for i in range(1 + repeats):
+        ids = torch.randint(runner.vocab_size, (n,), generator=gen).tolist()
+        runner.synchronize()
+        t0 = time.perf_counter()
+        runner.prefill(ids)
+        runner.synchronize()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def prefill_paths(loaded: LoadedModel, prompts: list, repeats: int, seed: int, log=print) -> dict:
     """{"rates": the layerwise rates measured now, "expert_bytes", "rows": per prompt length {tokens, cpu/gpu/auto
     tok/s, pcie_roofline_tok_s, pct_roofline, copy_ms/compute_ms per layer}}."""
     lw = loaded.layerwise

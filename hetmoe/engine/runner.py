@@ -64,7 +64,8 @@ class Runner:
         self.decoder = GraphDecoder(self.model, self.cache, self.max_batch, self.max_context, self.device,
                                     self.hybrid, cuda_graph, **decoder_kwargs)
 
-    def _sync(self) -> None:
+    def synchronize(self) -> None:
+        """Wait for the work queued on the model's device (timings)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
