@@ -127,10 +127,11 @@ class LayerwisePrefill:
     """The layerwise GPU prefill of one model's MoE layers (``layers``: MoELayers with the unsplit CPU engine, in
     forward order). ``min_tokens``: the forward calls with at least this many tokens take this path (the runner
     asks ``wants(T)``); ``slots``: GPU buffers of one layer's packed experts each (>= 2: copy one while computing
-    another). On a CPU ``device`` (tests) the same path runs without copies, reading the engine's storage directly."""
+    another); ``unpack_batch``: experts unpacked at once where PyTorch ops unpack (no Triton). On a CPU ``device``
+    (tests) the same path runs without copies, reading the engine's storage directly."""
 
     def __init__(self, layers: list, device, dtype: torch.dtype, min_tokens: int, slots: int = 2,
-                 unpack_experts: int = 16):
+                 unpack_batch: int = 16):
         if slots < 2:
             raise ValueError(f"layerwise prefill needs at least 2 slots, got {slots}")
         self.device, self.dtype = torch.device(device), dtype
@@ -140,7 +141,7 @@ class LayerwisePrefill:
         self.layouts = [ExpertLayout.of(layer.engine) for layer in self.layers]
         self.host = [expert_ranges(layer.engine) for layer in self.layers]
         self.cuda = self.device.type == "cuda"
-        self.unpack_n = int(unpack_experts)
+        self.unpack_n = int(unpack_batch)
         lay = self.layouts[0] if self.layouts else None
         if lay is not None:  # one layer's weights in the model dtype, rewritten by every layer
             E, H, I = lay.num_experts, lay.hidden, lay.intermediate

@@ -78,7 +78,7 @@ def test_the_path_on_cpu_tensors_matches_the_cpu_engine(checkpoints, arch, fmt):
     ids = torch.randint(0, loaded.config.vocab_size, (37,), generator=torch.Generator().manual_seed(1)).tolist()
     ref = runner.score(ids)
     layers = [layer for _, layer in moe_blocks(loaded.model)]
-    lw = LayerwisePrefill(layers, "cpu", torch.float32, min_tokens=1, unpack_experts=3)
+    lw = LayerwisePrefill(layers, "cpu", torch.float32, min_tokens=1, unpack_batch=3)
     with lw.prefill():
         got = runner.score(ids)
     assert lw.layers_run == len(layers)
