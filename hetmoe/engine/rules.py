@@ -328,27 +328,11 @@ def _device(text: str, device) -> str:
 
 
 def defer_layers(blocks: list, plan) -> list:
-    """Expert Deferral as the plan's layers ask (each its own d; ``--defer-experts`` or the rules). Layer i with
-    d_i > 0 adds its d_i lowest-weighted experts per token to the next MoE layer's output: each run of deferring
-    layers and the layer after it share one DeferralChain; the last MoE layer defers nothing. Returns the chains."""
-    from hetmoe.moe import DeferralChain
+    """Expert Deferral as the plan's layers ask (each its own d; ``--defer-experts`` or the rules): the chains of
+    ``hetmoe.moe.set_deferrals``."""
+    from hetmoe.moe import set_deferrals
 
-    ds = [lp.defer_experts for lp in plan.layers]
-    chains, i, n = [], 0, len(blocks)
-    while i < n:
-        if not ds[i] or i == n - 1:
-            blocks[i][1].set_deferral(0, None, i)
-            i += 1
-            continue
-        j = i
-        while j < n - 1 and ds[j]:
-            j += 1  # j: the layer that takes the run's last deferred part
-        chain = DeferralChain(j - i + 1)
-        for t in range(i, j + 1):  # the chain's last layer only adds (it defers nothing whatever its d)
-            blocks[t][1].set_deferral(ds[t] or ds[t - 1], chain, t - i)
-        chains.append(chain)
-        i = j + 1
-    return chains
+    return set_deferrals([layer for _, layer in blocks], [lp.defer_experts for lp in plan.layers])
 
 
 def layerwise_layers(blocks: list, plan) -> list:

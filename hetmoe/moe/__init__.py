@@ -22,13 +22,13 @@ from hetmoe.moe import layerwise
 from hetmoe.moe.backends import ExpertsBackend, TorchExperts
 from hetmoe.moe.combine import combine
 from hetmoe.moe.deferral import DeferralChain, drop_lowest, split_deferred
-from hetmoe.moe.dispatch import HostStaging, MoELayer, defer_experts, moe_layers
+from hetmoe.moe.dispatch import HostStaging, MoELayer, defer_experts, moe_layers, set_deferrals
 from hetmoe.moe.gpu_experts import GpuExperts
 from hetmoe.moe.router import RouterSpec, route_deepseek_v2, route_deepseek_v3, route_softmax
 from hetmoe.moe.stream import StreamDecode
 
 __all__ = [
     "ExpertsBackend", "TorchExperts", "DeferralChain", "drop_lowest", "split_deferred", "HostStaging", "MoELayer",
-    "combine", "defer_experts", "moe_layers", "GpuExperts", "RouterSpec", "route_deepseek_v2", "route_deepseek_v3",
-    "route_softmax", "StreamDecode", "layerwise",
+    "combine", "defer_experts", "moe_layers", "set_deferrals", "GpuExperts", "RouterSpec", "route_deepseek_v2",
+    "route_deepseek_v3", "route_softmax", "StreamDecode", "layerwise",
 ]

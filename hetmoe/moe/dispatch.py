@@ -232,13 +232,33 @@ def moe_layers(model: nn.Module) -> list:
     return [(n, m.moe) for n, m in model.named_modules() if isinstance(getattr(m, "moe", None), MoELayer)]
 
 
+def set_deferrals(layers: list, ds: list, overlap: bool = True) -> list:
+    """Expert Deferral per MoE layer (``layers`` in forward order, ``ds[i]`` experts per token for layer i; 0: none).
+    Layer i with d_i > 0 adds its d_i lowest-weighted experts per token to the next MoE layer's output: each run of
+    deferring layers and the layer after it share one DeferralChain (the run's last layer only adds); the last MoE
+    layer of a model defers nothing. Returns the chains."""
+    chains, i, n = [], 0, len(layers)
+    while i < n:
+        if not ds[i] or (i == n - 1 and n > 1):
+            layers[i].set_deferral(0)
+            i += 1
+            continue
+        j = i
+        while j < n - 1 and ds[j]:
+            j += 1  # j: the layer that takes the run's last deferred part
+        chain = DeferralChain(j - i + 1)
+        for t in range(i, j + 1):
+            layers[t].set_deferral(ds[t] or ds[t - 1], chain, t - i, overlap)
+        chains.append(chain)
+        i = j + 1
+    return chains
+
+
 def defer_experts(model: nn.Module, d: int, overlap: bool = True) -> Optional[DeferralChain]:
-    """Expert Deferral of ``d`` experts per token on every MoE layer of ``model`` (in forward order), all sharing one
+    """Expert Deferral of ``d`` experts per token on every MoE layer of ``model``, all sharing one
     ``DeferralChain`` (returned); d = 0 turns deferral off and returns None."""
-    layers = moe_layers(model)
+    layers = [layer for _, layer in moe_layers(model)]
     if d and not layers:
         raise ValueError(f"cannot defer {d} experts: the model has no MoE blocks")
-    chain = DeferralChain(len(layers)) if d else None
-    for i, (_, layer) in enumerate(layers):
-        layer.set_deferral(d, chain, i, overlap)
-    return chain
+    chains = set_deferrals(layers, [d] * len(layers), overlap)
+    return chains[0] if chains else None
