@@ -19,6 +19,8 @@ from paths import PATHS, ids
 
 RUN_ALL = os.environ.get("HETMOE_TEST_ALL", "") not in ("", "0")
 HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:  # Triton kernels (where triton is installed) run in its interpreter, chosen when triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,16 +7,10 @@ GPU-resident experts — each at batch 1 beside the decode roofline, with a one-
          GPU and the small copies alone cost;
 * CPU    the CPU jobs of one step (the buffers of the last real step) run back to back on the expert pool, no GPU;
 * overlap = GPU + CPU - step: the time both were busy at once (0 would be fully serial).
-
-``kv_modes`` compares the two ways a graph attends (engine/cuda_graph.py: "full" = all max_context positions,
-"bucket" = one graph per 64-position bucket) with the sequence near given lengths in a cache of the largest: the
-sequence is placed there by setting its cached length (the KV entries are whatever the cache holds: decode cost does
-not depend on them), decoded once untimed (captures every graph it needs, timed apart), then rewound and timed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 
@@ -169,52 +163,6 @@ def decode_variants(loaded: LoadedModel, prompt_tokens: int, steps: int, repeats
         if has_gpu:
             _set_gpu_experts(model, gpu_saved, True)
     return records
-
-
-def kv_modes(loaded: LoadedModel, contexts: list, steps: int, seed: int = 0, log=print) -> list:
-    """Batch-1 graph decode tok/s with the sequence near each length of ``contexts`` in a cache of max(contexts)
-    positions, per attention mode: "full" attends all of them at every length, "bucket" only up to the length's
-    bucket but captures a graph per bucket (timed apart: the first pass over the range captures, the second is
-    timed)."""
-    out = []
-    gen = torch.Generator().manual_seed(seed)
-    max_ctx = max(contexts)
-    if min(contexts) < steps + 16:
-        raise ValueError(f"context {min(contexts)} is too short for {steps} decode steps")
-    sized = dataclasses.replace(loaded, plan=dataclasses.replace(loaded.plan, max_context=max_ctx))
-    for mode in ("full", "bucket"):
-        runner = Runner(sized, cuda_graph=True, kv_mode=mode)
-        try:
-            runner.prefill(torch.randint(runner.vocab_size, (8,), generator=gen).tolist())
-            for ctx in contexts:
-                start = ctx - steps - 1
-                tokens = torch.randint(runner.vocab_size, (steps,), generator=gen).tolist()
-                captured = dict(runner.decoder.capture_s)
-                runner.lengths[0] = start
-                t0 = time.perf_counter()
-                for tok in tokens:  # captures what this range needs
-                    runner.decode(tok)
-                first_s = time.perf_counter() - t0
-                runner.lengths[0] = start
-                times = []
-                for tok in tokens:
-                    t0 = time.perf_counter()
-                    runner.decode(tok)
-                    times.append(time.perf_counter() - t0)
-                new = {k: v for k, v in runner.decoder.capture_s.items() if k not in captured}
-                rec = {"context": ctx, "max_context": max_ctx, "kv_mode": mode, "positions": [start, start + steps],
-                       "attended": sorted({k[1] for k in new}) or None,
-                       "decode_tok_s": steps / sum(times), "step_ms_median": 1e3 * statistics.median(times),
-                       "first_pass_s": first_s, "graphs_captured": len(new),
-                       "capture_ms": 1e3 * sum(new.values())}
-                out.append(rec)
-                log(f"  sequence at {start}..{start + steps} of {max_ctx}, {mode:6s}: {rec['decode_tok_s']:7.2f} tok/s "
-                    f"(median step {rec['step_ms_median']:.2f} ms); {rec['graphs_captured']} graphs captured on the "
-                    f"way ({rec['capture_ms']:.0f} ms)")
-        finally:
-            runner.decoder.close()
-            del runner
-    return out
 
 
 def fmt_variants(records: list) -> list:

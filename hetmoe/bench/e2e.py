@@ -29,7 +29,8 @@ from typing import Optional
 import torch
 
 from hetmoe import cpu
-from hetmoe.bench.decode_variants import decode_variants, fmt_variants, kv_modes
+from hetmoe.bench.decode_variants import decode_variants, fmt_variants
+from hetmoe.bench.long_context import kv_contexts
 from hetmoe.bench.machine import GB, llc_bytes, machine_info, write_json
 from hetmoe.bench.prefill import prefill_paths, time_prefill
 from hetmoe.cli.options import engine_options
@@ -243,8 +244,10 @@ def run_e2e_bench(args) -> int:
                     stream=lambda: epool.read_bandwidth(stream_bytes, 3), bytes_per_token=rec["bytes_per_token"],
                     only=getattr(args, "variants", None))
                 if getattr(args, "kv_contexts", None):
-                    say(f"{PLACEMENT[device]}: graph attention over the whole cache (full) vs per 64-position bucket:")
-                    rec["kv_modes"] = kv_modes(loaded, args.kv_contexts, min(decode_tokens, 64), args.seed, log=say)
+                    say(f"{PLACEMENT[device]}: long contexts, graph decode at batch 1 and prefill attention, per "
+                        "attention path (triton: paged cache and hetmoe's kernels; sdpa: contiguous cache):")
+                    rec["kv_contexts"] = kv_contexts(loaded, args.kv_contexts, min(decode_tokens, 64), args.seed,
+                                                     log=say)
             # Shared machines' bandwidth drifts over minutes: a second probe after all timings brackets the
             # roofline the rows were measured against.
             rec["stream_gbps_after"] = epool.read_bandwidth(stream_bytes, 5)

@@ -115,8 +115,9 @@ def _add_e2e(sub) -> None:
                      "prints them; also the off-by-default switches, e.g. graph+topk-gpu: the top-k on the GPU "
                      "instead of inside the CPU jobs)")
     e2e.add_argument("--kv-contexts", type=int_list, default=None, metavar="N,N",
-                     help="hybrid placement: also time graph decode near the end of these context lengths with "
-                     "attention over the whole cache vs per 64-position bucket (e.g. 1024,4096)")
+                     help="hybrid placement: also time, per attention path (triton / sdpa), graph decode near these "
+                     "context lengths (tok/s, GPU part of the step), batch 16 at mixed lengths, and the attention "
+                     "of a prefill of each length (e.g. 512,8192,32768,131072)")
     e2e.add_argument("--quick", action="store_true",
                      help="smoke run: 2 layers, int4 experts, prompts 16,64, 8 decode tokens, 1 repeat "
                      "(explicit options win)")

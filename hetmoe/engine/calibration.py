@@ -105,7 +105,7 @@ def count_routing(model: nn.Module, blocks: list, token_ids: Sequence[int], devi
         for i in range(0, n, chunk):
             part = ids[i:i + chunk]
             positions = torch.arange(i, i + len(part), device=device)[None]
-            model(part[None].to(device), Step(positions, slots, kv_len=i + len(part), first_slot=0), cache)
+            model(part[None].to(device), Step(positions, slots, kv_len=i + len(part), first_slot=0, start=i), cache)
     finally:
         for _, layer in blocks:
             layer.route_observer = None

@@ -7,12 +7,17 @@ B >= n (1, 2, 4, ... max_batch): the B - n padding rows feed token 0 at position
 ``max_batch`` of a cache allocated one row larger), so their KV writes touch no sequence, and the CPU experts read
 the real row count n through a pointer (``hetmoe.moe.StreamDecode``), so padding costs no expert work.
 
-Attention must not change shape between replays. Two ways (``kv_mode``):
+With the paged KV cache (a GPU with Triton; layers/kv_cache.py) attention reads each row's length from the
+positions on the device and splits its pages over the GPU: one graph per batch size serves every context length.
+When the cache reallocates its pool to grow (``cache.version`` changes), the graphs captured over the old one are
+dropped and captured again when next needed.
+
+Without it, attention over the contiguous cache must not change shape between replays. Two ways (``kv_mode``):
   "full"    every step attends over all max_context cache positions (later ones masked on the device from the
             positions): one graph per batch size.
   "bucket"  the attended length is rounded up to KV_BUCKET as in eager runs: one graph per (batch size, length
             bucket), each captured the first time a step needs it.
-``hetmoe bench e2e --kv-contexts 1024,4096`` measures both. The default is "bucket": a step well short of
+The default is "bucket": a step well short of
 max_context attends far fewer positions, and a bucket's capture (once every 64 tokens) costs less than the 64 steps
 it shortens (BENCHMARKS.md#kv-buckets).
 
@@ -96,6 +101,7 @@ class GraphDecoder:
         self.graphs: dict = {}  # (B, kv_len, cpu) -> (CUDAGraph, logits [B, V] fp32)
         self.capture_s: dict = {}  # the same keys -> seconds the warm-up and capture took
         self.mempool = torch.cuda.graph_pool_handle() if cuda_graph else None
+        self.cache_version = cache.version
 
     @staticmethod
     def capacity_for(max_batch: int) -> int:
@@ -104,9 +110,11 @@ class GraphDecoder:
 
     def kv_len(self, positions: Sequence[int]) -> int:
         top = max(positions)
-        if self.cuda_graph and self.kv_mode == "full":
+        if self.cache.paged:  # the kernels read the lengths on the device; kv_len only bounds eager fallbacks
             return self.max_context
-        return bucket_len(top, self.max_context, self.kv_bucket)
+        if self.cuda_graph and self.kv_mode == "full":
+            return self.cache.capacity
+        return bucket_len(top, self.cache.capacity, self.kv_bucket)
 
     @torch.inference_mode()
     def step(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
@@ -121,6 +129,10 @@ class GraphDecoder:
         if not self.cuda_graph:
             logits = self._forward(B, kv_len, cpu)
         else:
+            if self.cache.version != self.cache_version:  # the cache reallocated: its graphs read freed memory
+                torch.cuda.current_stream(self.device).synchronize()
+                self.graphs.clear()
+                self.cache_version = self.cache.version
             key = (B, kv_len, cpu)
             if key not in self.graphs:
                 self._capture(key)

@@ -166,7 +166,7 @@ def model_shapes(model: nn.Module, cfg: ModelConfig, expert_inter: int) -> Model
     return ModelShapes(
         hidden=cfg.hidden_size, vocab_size=cfg.vocab_size, n_routed=n_routed, expert_inter=expert_inter,
         dense_params=sum(p.numel() for p in model.parameters()),
-        kv_elems_per_token=(cache.k.numel() + cache.v.numel()), act_width=8 * cfg.hidden_size,
+        kv_elems_per_token=cache.elems_per_token, act_width=8 * cfg.hidden_size,
         max_position_embeddings=cfg.get("max_position_embeddings"), n_moe_layers=len(moe_blocks(model)),
         top_k=cfg.get("num_experts_per_tok") or 1,
         q_per_kv=max(1, cfg.num_attention_heads // (cfg.get("num_key_value_heads") or cfg.num_attention_heads)),
@@ -274,7 +274,7 @@ def load_summary(cfg: ModelConfig, path: Path, n_layers: int, n_moe: int, plan: 
     lines = wrap(f"hetmoe: {cfg.get('model_type')} from", [str(path)], width)
     lines += wrap("hetmoe:  ", how, width)
     lines += plan.summary_lines(width)
-    notes = config_notes(cfg)
+    notes = config_notes(cfg) + plan.notes
     if options.group_size is not None and plan.experts_format == "bf16":
         notes.append(f"--group-size {options.group_size} does not apply to bf16 experts (they have no scale "
                      "groups); ignored")

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Optional, Union
 
+from hetmoe.engine.sysmem import expert_bytes, free_ram, free_vram, gib, packed_matrix_bytes, wrap  # noqa: F401  (importers use them from here)
+
 if TYPE_CHECKING:
     import torch
 
@@ -19,6 +21,7 @@ if TYPE_CHECKING:
 # flags from EngineOptions' fields without them: ``hetmoe --help`` stays instant.
 
 FORMATS = ("bf16", "int8", "int4")
+ATTENTION_CHOICES = ("auto", "triton", "sdpa")
 ISA_CHOICES = ("auto", "scalar", "avx2", "avx512", "amx")  # "auto" and hetmoe.cpu.ISAS (tests/engine/test_cli.py)
 DEFAULT_GROUP = {"bf16": 0, "int8": 128, "int4": 64}
 # Fraction of the currently free RAM / VRAM a plan may use (the rest: allocator slack, the OS, other processes).
@@ -57,7 +60,7 @@ class EngineOptions:
         "--numa", "split each expert across N NUMA subpools (tensor parallel); auto: one per NUMA node",
         type="numa", metavar="auto|off|N"))
     max_context: Optional[int] = field(default=None, metadata=cli_flag(
-        "--max-context", "KV cache positions per sequence (default: min(4096, the model's limit))",
+        "--max-context", "KV cache positions per sequence (default: the model's limit, or the most that fits)",
         type="positive_int"))
     max_batch: int = 1  # sequences with a KV cache slot each (`hetmoe serve --max-batch`)
     dtype: str = field(default="auto", metadata=cli_flag(
@@ -78,6 +81,10 @@ class EngineOptions:
     cuda_graph: bool = field(default=True, metadata=cli_flag(
         "--no-cuda-graph", "with a GPU: run each decode step eagerly instead of replaying it as a CUDA graph",
         negate=True))
+    attention: str = field(default="auto", metadata=cli_flag(  # hetmoe/layers/attention.py
+        "--attention", "with a GPU: triton = paged KV cache and hetmoe's Triton kernels (split-KV decode, mask-free "
+        "prefill); sdpa = PyTorch's SDPA over a contiguous cache; auto: triton when installed (default: auto)",
+        choices=ATTENTION_CHOICES))
     # CPU expert kernels; besides the flag's choices, amx-emulated (tests: the AMX GEMM's logic on any CPU).
     # amx_min_tokens: per-expert token count from which the AMX GEMM runs (default: the engine's measured
     # crossover; 1: every expert on the AMX path)
@@ -122,6 +129,8 @@ class EngineOptions:
                                                 or not isinstance(self.amx_min_tokens, int) or self.amx_min_tokens < 1):
             raise ValueError(f"amx_min_tokens must be an integer >= 1, got {self.amx_min_tokens!r}")
         self.gpu_prefill = parse_gpu_prefill(self.gpu_prefill)
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {self.attention!r}")
         if not isinstance(self.cuda_graph, bool):
             raise ValueError(f"cuda_graph must be True or False, got {self.cuda_graph!r}")
         if self.max_batch < 1 or self.prefill_chunk < 1:
@@ -157,7 +166,7 @@ def gpu_prefill_bytes(shapes: "ModelShapes", fmt: str, group: int, chunk: int, i
     """VRAM of the layerwise GPU prefill for prefill chunks of ``chunk`` tokens (hetmoe/moe/layerwise.py): the
     slots of packed experts, one layer's weights unpacked to the model dtype (+ the temporaries of unpacking
     UNPACK_EXPERTS experts), and the activations of one MoE layer and the attention mask of one chunk over a
-    context of ``ctx`` positions."""
+    context of ``ctx`` positions (0: the paged kernels, no mask)."""
     E = shapes.n_routed // max(shapes.n_moe_layers, 1)
     H, I, k = shapes.hidden, shapes.expert_inter, shapes.top_k
     layer = E * expert_bytes(fmt, H, I, group)
@@ -177,20 +186,6 @@ def resolve_device(device: str) -> torch.device:
         raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device "
                            f"(torch {torch.__version__}; use --device cpu)")
     return torch.device(device)
-
-
-def packed_matrix_bytes(fmt: str, n: int, k: int, group: int) -> int:
-    """Bytes of one [n, k] matrix in the engine's packed layout (csrc/formats/layout.h), scales included."""
-    group = 32 if fmt == "bf16" else (group or 128)
-    rows, kp = -(-n // 16) * 16, -(-k // group) * group
-    data = rows * kp * {"bf16": 2, "int8": 1, "int4": 1}[fmt] // (2 if fmt == "int4" else 1)
-    scales = 0 if fmt == "bf16" else rows * (kp // group) * 4
-    return data + scales
-
-
-def expert_bytes(fmt: str, hidden: int, inter: int, group: int) -> int:
-    """One routed expert (gate + up [I, H], down [H, I]) packed."""
-    return 2 * packed_matrix_bytes(fmt, inter, hidden, group) + packed_matrix_bytes(fmt, hidden, inter, group)
 
 
 @dataclass
@@ -225,6 +220,8 @@ class MemoryPlan:
     prefill_chunk: int = 1024  # prompt tokens per forward call
     gpu_prefill: bool = False  # the layerwise GPU prefill's buffers are in the plan (for prefill_chunk tokens)
     layers: list = field(default_factory=list)  # LayerPlan of every MoE layer, in forward order
+    kv_paged: bool = False  # the KV cache is paged (layers/kv_cache.py): "KV cache" holds one full sequence
+    notes: list = field(default_factory=list)  # what the plan chose that the user did not ask for, said at load
 
     @property
     def ram_bytes(self) -> int:
@@ -254,43 +251,6 @@ class MemoryPlan:
         return lines
 
 
-def gib(n: int) -> str:
-    """Bytes in one style everywhere: MiB with one decimal below 1 GiB, GiB with two from there."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def wrap(head: str, items: list, width: int = 100, indent: str = "hetmoe:     ", sep: str = ",") -> list:
-    """``head`` then ``items`` (each but the last followed by ``sep``), as lines of at most ``width`` columns;
-    continuation lines start with ``indent``. An item longer than a line (a path) overflows on a line of its own."""
-    lines, line, fresh = [], head, True
-    for i, item in enumerate(items):
-        piece = item + (sep if i < len(items) - 1 else "")
-        if not fresh and len(line) + 1 + len(piece) > width:
-            lines.append(line)
-            line, fresh = indent + piece, False
-        else:
-            line, fresh = f"{line} {piece}", False
-    return lines + [line]
-
-
-def free_ram() -> int:
-    """MemAvailable of /proc/meminfo (what can be allocated without swapping)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def free_vram(device: torch.device) -> int:
-    import torch
-
-    return torch.cuda.mem_get_info(device)[0]
-
-
 def plan_layers(shapes: "ModelShapes", opts: EngineOptions, device: torch.device, fmt: str, itemsize: int,
                 layers: Optional[list] = None) -> list:
     """The LayerPlan of every MoE layer: ``fmt`` and the options where ``layers`` (a ``rules.Placement`` each) don't."""
@@ -310,12 +270,14 @@ def plan_layers(shapes: "ModelShapes", opts: EngineOptions, device: torch.device
 
 
 def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device, fmt: str,
-                layers: Optional[list] = None) -> MemoryPlan:
+                layers: Optional[list] = None, max_context: Optional[int] = None) -> MemoryPlan:
     """Bytes of RAM and VRAM the placement of ``shapes`` under ``opts`` needs; ``layers``: the placement rules'
-    settings of each MoE layer (``rules.apply_native``), None for none (``fmt`` and the options everywhere)."""
+    settings of each MoE layer (``rules.apply_native``), None for none (``fmt`` and the options everywhere);
+    ``max_context``: instead of --max-context or the model's limit."""
     dtype = resolve_dtype(opts.dtype, device, shapes.dense_params)
     group = layer_group(fmt, opts.group_size)
-    ctx = opts.max_context or min(4096, shapes.context_limit or shapes.max_position_embeddings or 4096)
+    ctx = max_context or opts.max_context or model_limit(shapes)
+    paged = kv_paged(opts, device)
     per_layer = plan_layers(shapes, opts, device, fmt, dtype.itemsize, layers)
     experts = sum(lp.ram for lp in per_layer) or shapes.n_routed * expert_bytes(fmt, shapes.hidden,
                                                                                  shapes.expert_inter, group)
@@ -323,11 +285,13 @@ def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device
         pairs = [(lp.experts_format, lp.group_size) for lp in per_layer]
         fmt, group = max(pairs, key=pairs.count)
     dense = shapes.dense_params * dtype.itemsize
-    kv = shapes.kv_elems_per_token * opts.max_batch * ctx * dtype.itemsize
+    # paged (a GPU with the Triton kernels): pages are taken as sequences grow, so the plan holds one sequence at
+    # its full context; contiguous: every row's capacity grows together, so all of them
+    kv = shapes.kv_elems_per_token * (1 if paged else opts.max_batch) * ctx * dtype.itemsize
     tokens = opts.prefill_chunk * opts.max_batch
     act = tokens * (shapes.act_width * 4 + shapes.vocab_size * 4)  # a few hidden-width buffers + the last logits
     host_staging = 3 * tokens * shapes.hidden * 4
-    plan = MemoryPlan(device, dtype, fmt, group, ctx, layers=per_layer)
+    plan = MemoryPlan(device, dtype, fmt, group, ctx, layers=per_layer, kv_paged=paged)
     plan.ram = {"routed experts": experts, "runtime": CPU_RUNTIME_BYTES + host_staging}
     if device.type == "cuda":
         plan.vram = {"dense weights": dense, "KV cache": kv, "activations": act, "CUDA context": CUDA_CONTEXT_BYTES}
@@ -351,7 +315,8 @@ def add_gpu_prefill(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions
     big = max(plan.layers, key=lambda lp: lp.ram, default=None)
     fmt, group = (big.experts_format, big.group_size) if big is not None else (plan.experts_format, plan.group_size)
     for chunk in [c for c in GPU_PREFILL_CHUNKS if c >= opts.prefill_chunk] or [opts.prefill_chunk]:
-        need = gpu_prefill_bytes(shapes, fmt, group, chunk, plan.dtype.itemsize, plan.max_context)
+        mask_ctx = 0 if plan.kv_paged else plan.max_context
+        need = gpu_prefill_bytes(shapes, fmt, group, chunk, plan.dtype.itemsize, mask_ctx)
         if sum(need.values()) <= budget:
             plan.vram.update(need)
             plan.prefill_chunk, plan.gpu_prefill = chunk, True
@@ -386,6 +351,8 @@ def choose_plan(shapes: "ModelShapes", opts: EngineOptions, layers: Optional[lis
         plan = fitting[0] if fitting else plans[-1]
     else:
         plan = plan_memory(shapes, opts, device, opts.experts_format, layers)
+    if opts.max_context is None:
+        plan = fit_context(plan, shapes, opts, layers, ram, vram)
     problems = []
     if plan.ram_bytes > HEADROOM * ram:
         problems.append(f"RAM: needs {gib(plan.ram_bytes)}, {gib(ram)} available")
@@ -405,6 +372,39 @@ def choose_plan(shapes: "ModelShapes", opts: EngineOptions, layers: Optional[lis
             f"({'; '.join(problems)}). Plan: {plan.describe()}. Try {' or '.join(hints)}."
         )
     return plan
+
+
+def model_limit(shapes: "ModelShapes") -> int:
+    """The positions the model attends over (its config's limit; 4096 when it names none)."""
+    return shapes.context_limit or shapes.max_position_embeddings or 4096
+
+
+def kv_paged(opts: EngineOptions, device: torch.device) -> bool:
+    """Whether the runner's KV cache will be paged (layers/kv_cache.py): a GPU with the Triton kernels."""
+    from hetmoe.layers.attention import paged_kernels
+
+    return opts.attention != "sdpa" and paged_kernels(device)
+
+
+def fit_context(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions, layers, ram: int,
+                vram: int) -> MemoryPlan:
+    """No --max-context: the model's limit if the plan fits, else the largest fitting multiple of 1024 (a note says)."""
+    per_pos = {k: v / plan.max_context for k, v in (("ram", plan.ram.get("KV cache", 0)),
+                                                    ("vram", plan.vram.get("KV cache", 0)))}
+    room = [(HEADROOM * ram - plan.ram_bytes, per_pos["ram"]), (HEADROOM * vram - plan.vram_bytes, per_pos["vram"])]
+    short = [(-left, each) for left, each in room if each and left < 0]
+    if not short:
+        return plan
+    ctx = min(plan.max_context - int(over / each) - 1 for over, each in short) // 1024 * 1024
+    if ctx < 1024:
+        return plan
+    fitted = plan_memory(shapes, opts, plan.device, plan.experts_format, layers, max_context=ctx)
+    rows = 1 if plan.kv_paged else opts.max_batch
+    kv = fitted.vram.get("KV cache") or fitted.ram["KV cache"]
+    fitted.notes.append(f"the context is {ctx} positions, not the model's {plan.max_context}: a KV cache of {rows} "
+                        f"full sequence{'s' * (rows > 1)} at that length ({gib(kv)}) is what fits beside the rest of "
+                        "the plan (--max-context chooses)")
+    return fitted
 
 
 def check_context(shapes: "ModelShapes", opts: EngineOptions) -> None:

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import sys
 from contextlib import nullcontext
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from hetmoe import cpu
 from hetmoe.engine.cuda_graph import GraphDecoder
 from hetmoe.engine.loader import LoadedModel, moe_blocks
-from hetmoe.layers.attention import Step
+from hetmoe.layers.attention import KVCacheFull, Step, paged_kernels
 from hetmoe.moe import StreamDecode
 
 KV_BUCKET = 64
@@ -47,7 +47,14 @@ class Runner:
         self.decoder: Optional[GraphDecoder] = None
         self.hybrid: Optional[StreamDecode] = None
         rows = self.max_batch + (1 if self.device.type == "cuda" else 0)  # + the decoder's scratch slot
-        self.cache = self.model.make_cache(rows, self.max_context, self.dtype, self.device)
+        paged = loaded.options.attention != "sdpa" and paged_kernels(self.device)
+        if loaded.options.attention == "triton" and not paged:
+            raise RuntimeError("--attention triton needs a CUDA device and the triton package")
+        # KV memory for the positions in use (layers/kv_cache.py): pages on a GPU, a growing capacity elsewhere
+        self.cache = self.model.make_cache(rows, self.max_context, self.dtype, self.device,
+                                           page_size=KV_BUCKET if paged else None,
+                                           initial_tokens=rows * 4 * KV_BUCKET if paged else KV_BUCKET)
+        self.reclaim: Optional[Callable[[], bool]] = None  # frees idle slots' caches when the KV memory runs out
         self.lengths = [0] * self.max_batch  # tokens in each slot's cache
         self.vocab_size = loaded.config.vocab_size
         if self.device.type == "cuda":
@@ -63,6 +70,22 @@ class Runner:
             self.hybrid = StreamDecode(GraphDecoder.capacity_for(self.max_batch), self.device, offloaded)
         self.decoder = GraphDecoder(self.model, self.cache, self.max_batch, self.max_context, self.device,
                                     self.hybrid, cuda_graph, **decoder_kwargs)
+
+    def reserve(self, slot: int, length: int) -> None:
+        """KV positions [0, length) of ``slot`` held; when the memory is out, ``reclaim`` (the scheduler's: drop
+        idle slots' cached prefixes) runs once and the reservation is tried again, else KVCacheFull."""
+        try:
+            self.cache.reserve(slot, length)
+        except KVCacheFull:
+            if self.reclaim is None or not self.reclaim():
+                raise
+            self.cache.reserve(slot, length)
+
+    def release(self, slot: int, keep: int = 0) -> None:
+        """``slot`` keeps only its first ``keep`` cached positions (the rest of its KV memory is freed)."""
+        self._check_slot(slot)
+        self.cache.release(slot, keep)
+        self.lengths[slot] = min(self.lengths[slot], keep)
 
     def synchronize(self) -> None:
         """Wait for the work queued on the model's device (timings)."""
@@ -82,8 +105,11 @@ class Runner:
         kv_len = min(self.max_context, -(-kv_len // KV_BUCKET) * KV_BUCKET)
         first = int(slots[0])
         consecutive = bool((slots == torch.arange(first, first + len(slots))).all())
+        for s, top in zip(slots.tolist(), positions.max(dim=1).values.tolist()):
+            self.reserve(s, top + 1)
+        start = int(positions[0, 0]) if len(slots) == 1 else None  # one row: its positions are consecutive
         step = Step(positions.to(self.device), slots.to(self.device), kv_len=kv_len,
-                    first_slot=first if consecutive else None)
+                    first_slot=first if consecutive else None, start=start)
         layerwise = self.layerwise is not None and self.layerwise.wants(ids.numel())
         with self.layerwise.prefill() if layerwise else nullcontext():  # the routed experts on the GPU
             hidden = self.model(ids.to(self.device), step, self.cache)
@@ -112,6 +138,7 @@ class Runner:
         ``start`` cached tokens, a shared prefix); logits after its last token, fp32 [vocab]."""
         ids = self._check_prompt(token_ids, slot, start)
         n = len(ids)
+        self.cache.release(slot, start)  # pages past the kept prefix go back (a longer earlier sequence's)
         slots = torch.tensor([slot])
         for i in range(0, n, self.prefill_chunk):
             chunk = ids[i:i + self.prefill_chunk]
@@ -132,6 +159,7 @@ class Runner:
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {int(ids.min())}..{int(ids.max())}")
         out = torch.empty(n, self.vocab_size, dtype=torch.float32)
+        self.cache.release(slot, 0)
         for i in range(0, n, self.prefill_chunk):
             chunk = ids[i:i + self.prefill_chunk]
             logits = self.forward(chunk[None], torch.arange(i, i + len(chunk))[None], torch.tensor([slot]), False)
@@ -184,6 +212,8 @@ class Runner:
             self._check_slot(s)
             if self.lengths[s] >= self.max_context:
                 raise ValueError(f"slot {s} is full ({self.max_context} tokens, --max-context)")
+        for s in slots:
+            self.reserve(s, self.lengths[s] + 1)
         if self.decoder is not None:
             logits = self.decoder.step(token_ids, [self.lengths[s] for s in slots], slots)
         else:

@@ -157,6 +157,8 @@ class Scheduler:
         self.running: list = []  # _Sequences, in admission order
         self._free = list(range(runner.max_batch))  # least recently used first
         self._cached: list = [[] for _ in range(runner.max_batch)]  # trusted tokens in each free slot's cache
+        if hasattr(runner, "reclaim"):  # KV memory out: the free slots' cached prefixes go first
+            runner.reclaim = self._reclaim
 
     # ------------------------------------------------------------------------------------------ the caller's side
 
@@ -203,6 +205,14 @@ class Scheduler:
         self._cached = [[] for _ in self._cached]
         for seq in self.running:
             seq.keep = False
+
+    def _reclaim(self) -> bool:
+        """Free the KV memory of every slot no sequence runs in (their cached prefixes are forgotten) -> whether
+        there was any."""
+        for slot in self._free:
+            self._cached[slot] = []
+            self.runner.release(slot, 0)
+        return bool(self._free)
 
     def stop_all(self, message: str) -> None:
         """End everything now: sequences that have generated finish as a length limit (their text so far kept),

@@ -1,9 +1,13 @@
-"""Attention over a preallocated KV cache, and the step metadata every model forward receives.
+"""Attention over the KV cache (layers/kv_cache.py), and the step metadata every model forward receives.
 
-Shapes are static: the cache holds ``max_batch x max_context`` slots per layer, new keys/values are written
-at their absolute positions, and a query at position p attends to cached positions <= p. Right-padded
-batches are safe: a padding token writes slots that its sequence's real tokens never attend to and later
-overwrite.
+New keys/values are written at their absolute positions, and a query at position p attends to cached positions
+<= p. Right-padded batches are safe: a padding token writes positions that its sequence's real tokens never
+attend to and later overwrite.
+
+Two ways to attend (``attend_cache``): over a paged cache on a GPU, the Triton kernels of
+layers/triton_attention.py read the pages in place, causal from each token's position, no mask anywhere; else
+(CPU, no Triton, ``--attention sdpa``) PyTorch's SDPA over the cache rows, with ``is_causal`` for a prompt from
+position 0 and an additive mask otherwise.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetmoe.layers.kv_cache import KVCache, KVCacheFull  # noqa: F401  (the models import them from here)
 from hetmoe.layers.linear import FusedLinears
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import apply_rope
@@ -30,6 +35,7 @@ class Step:
     # device sync): kv_len > every position of this call; first_slot when slots are first_slot, first_slot+1, ...
     kv_len: int | None = None
     first_slot: int | None = None
+    start: int | None = None  # when every row's positions are start, start + 1, ...: that start
     _masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # attn_mask's, once per call
 
     def attn_mask(self, ctx: int, dtype: torch.dtype, group: int = 1) -> torch.Tensor:
@@ -51,47 +57,81 @@ class Step:
         return mask
 
 
-class KVCache:
-    """Keys and values of every layer: [layers, max_batch, max_context, kv_heads, head_dim] each."""
+def paged_kernels(device) -> bool:
+    """Whether the paged cache and its Triton kernels can run on ``device`` (a GPU, Triton importable)."""
+    if torch.device(device).type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
-    def __init__(self, n_layers: int, max_batch: int, max_context: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device="cpu", v_head_dim: int | None = None):
-        self.max_context = max_context
-        self.k = torch.zeros(n_layers, max_batch, max_context, kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(n_layers, max_batch, max_context, kv_heads, v_head_dim or head_dim, dtype=dtype,
-                             device=device)
 
-    def write(self, layer: int, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple:
-        """Store k/v [B, S, kv_heads, D] at their positions; return this layer's cache rows [B, ctx, kv, D]
-        (ctx = step.kv_len when given, else max_context; views, not copies, when step.first_slot is given)."""
-        if step.kv_len is None and int(step.positions.max()) >= self.max_context:
-            raise ValueError(f"position {int(step.positions.max())} is beyond max_context={self.max_context}")
-        rows = step.slots.unsqueeze(1).expand_as(step.positions)
-        self.k[layer].index_put_((rows, step.positions), k.to(self.k.dtype))
-        self.v[layer].index_put_((rows, step.positions), v.to(self.v.dtype))
-        n = step.kv_len or self.max_context
-        if step.first_slot is not None:
-            b = slice(step.first_slot, step.first_slot + step.slots.shape[0])
-            return self.k[layer, b, :n], self.v[layer, b, :n]
-        return self.k[layer][step.slots, :n], self.v[layer][step.slots, :n]
+def attend_cache(q: torch.Tensor, cache: KVCache, layer: int, step: Step, scale: float) -> torch.Tensor:
+    """q [B, S, heads, D] over this layer's cache (written already for this step) -> [B, S, heads, Dv]."""
+    if cache.paged:
+        from hetmoe.layers import triton_attention
+
+        k, v = cache.pages(layer)
+        if q.shape[1] == 1:
+            out = triton_attention.decode(q[:, 0], k, v, cache.table, step.slots, step.positions[:, 0], scale)
+            return out.unsqueeze(1)
+        return triton_attention.prefill(q, k, v, cache.table, step.slots, step.positions, scale)
+    k, v = cache.rows(layer, step)
+    return attend(q, k, v, step, scale)
+
+
+def mla_latent_paged(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: KVCache, layer: int, step: Step,
+                     scale: float) -> torch.Tensor:
+    """MLA's absorbed attention over a paged latent cache (k: c_kv [.., 1, r], v: k_pe): q_lat [B, S, h, r],
+    q_pe [B, S, h, rope] -> [B, S, h, r]. One decode row per query token; the latent is key part 1 and the
+    value, read once per page."""
+    from hetmoe.layers import triton_attention
+
+    B, S, h, r = q_lat.shape
+    c, pe = cache.pages(layer)
+    rows = step.slots.unsqueeze(1).expand(B, S).reshape(-1)
+    out = triton_attention.decode(q_lat.reshape(B * S, h, r), c, None, cache.table, rows, step.positions.reshape(-1),
+                                  scale, q2=q_pe.reshape(B * S, h, -1), k2=pe, v_is_k1=True)
+    return out.view(B, S, h, r)
+
+
+def mla_expanded_paged(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pe: torch.Tensor, page_size: int,
+                       step: Step, scale: float) -> torch.Tensor:
+    """MLA's expanded attention: q_nope [B, S, h, nope] and q_pe [B, S, h, rope] over the expanded rows kv [B, ctx,
+    h, nope + v] (whole pages, from KVCache.rows) and the rope keys pe [B, ctx, 1, rope] shared by the heads ->
+    [B, S, h, v]. The rows are handed to the prefill kernel as pages of an identity table."""
+    from hetmoe.layers import triton_attention
+
+    B, ctx, h, _ = kv.shape
+    nope, n = q_nope.shape[-1], B * ctx // page_size
+    pages = kv.view(n, page_size, h, -1)
+    pe_pages = pe.view(n, page_size, 1, -1).expand(-1, -1, h, -1)  # head stride 0
+    table = torch.arange(n, dtype=torch.int32, device=kv.device).view(B, ctx // page_size)
+    return triton_attention.prefill(q_nope, pages[..., :nope], pages[..., nope:], table,
+                                    torch.arange(B, device=kv.device), step.positions, scale, q2=q_pe, k2=pe_pages)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, scale: float) -> torch.Tensor:
     """q [B, S, heads, D] over cache rows k/v [B, ctx, kv_heads, D] -> [B, S, heads, Dv] (causal by position).
 
-    The g = heads / kv_heads query heads that share a kv head (head h reads kv head h // g) are folded into the query
-    length: q [B, kv_heads, S * g, D], row s * g + j, with the mask repeated per row (exact: the mask depends on the
-    position only). SDPA then sees plain multi-head attention with an additive mask, which its fused kernels take
+    A prompt from position 0 (``step.start == 0``) is SDPA's own causal case: no mask. Otherwise the g = heads /
+    kv_heads query heads that share a kv head (head h reads kv head h // g) are folded into the query length: q
+    [B, kv_heads, S * g, D], row s * g + j, with the mask repeated per row (exact: the mask depends on the position
+    only). SDPA then sees plain multi-head attention with an additive mask, which its fused kernels take
     (memory-efficient on CUDA, flash on the CPU); enable_gqa together with a mask would send it to the math
     fallback. For S = 1 the fold is a view of q."""
     B, S, H, D = q.shape
     ctx, n_kv = k.shape[1], k.shape[2]
     g = H // n_kv
+    kt, vt = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
+    if step.start == 0 and S > 1:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, is_causal=True, scale=scale,
+                                             enable_gqa=g > 1)  # [B, heads, S, Dv]
+        return out.transpose(1, 2)
     qf = q.reshape(B, S, n_kv, g, D).transpose(1, 2).reshape(B, n_kv, S * g, D)
-    out = F.scaled_dot_product_attention(
-        qf, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype), attn_mask=step.attn_mask(ctx, q.dtype, g),
-        scale=scale,
-    )  # [B, kv_heads, S * g, Dv]
+    out = F.scaled_dot_product_attention(qf, kt, vt, attn_mask=step.attn_mask(ctx, q.dtype, g), scale=scale)
     return out.reshape(B, n_kv, S, g, -1).transpose(1, 2).reshape(B, S, H, -1)
 
 
@@ -133,6 +173,6 @@ class GQAAttention(nn.Module):
             qk = weight * F.rms_norm(qk, (D,), eps=self.qk_norm_eps)
         qk = apply_rope(qk, *rope)
         q, k = qk.split((H, K), dim=2)
-        k_all, v_all = cache.write(self.layer_idx, step, k, v)
-        out = attend(q, k_all, v_all, step, D**-0.5)  # [B, S, heads, D]
+        cache.write(self.layer_idx, step, k, v)
+        out = attend_cache(q, cache, self.layer_idx, step, D**-0.5)  # [B, S, heads, D]
         return self.o_proj(out.reshape(B, S, -1))

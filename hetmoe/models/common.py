@@ -123,7 +123,8 @@ class CausalLM(nn.Module):
             if module is not self and hasattr(module, "fuse_projections"):
                 module.fuse_projections()
 
-    def make_cache(self, max_batch: int, max_context: int, dtype=torch.float32, device="cpu") -> KVCache:
+    def make_cache(self, max_batch: int, max_context: int, dtype=torch.float32, device="cpu", **layout) -> KVCache:
+        """``layout``: KVCache's page_size / initial_tokens (layers/kv_cache.py)."""
         cfg = self.config
         return KVCache(cfg.num_hidden_layers, max_batch, max_context, cfg.num_key_value_heads,
-                       cfg.head_dim_or_default, dtype, device)
+                       cfg.head_dim_or_default, dtype, device, **layout)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetmoe.layers.attention import KVCache, Step, attend
+from hetmoe.layers.attention import KVCache, Step, attend, mla_expanded_paged, mla_latent_paged
 from hetmoe.layers.linear import FusedLinears
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import inv_frequencies, yarn_get_mscale, yarn_parameters
@@ -190,37 +190,44 @@ class DeepseekV2Attention(nn.Module):
         cos, sin = (t.unsqueeze(2) for t in rope)  # [B, S, 1, rope/2]
         q_pe = self.rope_fn(q_pe, cos, sin)
         k_pe = self.rope_fn(k_pe.view(B, S, 1, self.rope), cos, sin)
-        c_all, pe_all = cache.write(self.layer_idx, step, c_kv, k_pe)  # [B, ctx, 1, r], [B, ctx, 1, rope]
-        c_all, pe_all = c_all.to(x.dtype), pe_all.to(x.dtype)
+        cache.write(self.layer_idx, step, c_kv, k_pe)
         if S <= self.absorb_max_tokens:
-            out = self._attend_absorbed(q_nope, q_pe, c_all, pe_all, step)
+            out = self._attend_absorbed(q_nope, q_pe, cache, step)
         else:
-            out = self._attend_expanded(q_nope, q_pe, c_all, pe_all, step)
+            out = self._attend_expanded(q_nope, q_pe, cache, step)
         return self.o_proj(out.reshape(B, S, -1))  # out: [B, S, h, v_dim]
 
-    def _attend_expanded(self, q_nope, q_pe, c_all, pe_all, step: Step) -> torch.Tensor:
+    def _attend_expanded(self, q_nope, q_pe, cache: KVCache, step: Step) -> torch.Tensor:
         """Expand every cached latent into per-head k_nope / v, then ordinary attention -> [B, S, h, v_dim]."""
+        c_all, pe_all = (t.to(q_nope.dtype) for t in cache.rows(self.layer_idx, step))  # [B, ctx, 1, r | rope]
         B, ctx = c_all.shape[:2]
         kv = self.kv_b_proj(c_all).view(B, ctx, self.n_heads, self.nope + self.v_dim)  # [B, ctx, h, nope + v]
+        if cache.paged:
+            return mla_expanded_paged(q_nope, q_pe, kv, pe_all, cache.page_size, step, self.scale)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, pe_all.expand(B, ctx, self.n_heads, self.rope)), dim=-1)  # [B, ctx, h, nope + rope]
         return attend(torch.cat((q_nope, q_pe), dim=-1), k, v, step, self.scale)
 
-    def _attend_absorbed(self, q_nope, q_pe, c_all, pe_all, step: Step) -> torch.Tensor:
+    def _attend_absorbed(self, q_nope, q_pe, cache: KVCache, step: Step) -> torch.Tensor:
         """Attend in the latent space with kv_b_proj folded into the query and the output -> [B, S, h, v_dim]."""
         B, S, h, _ = q_nope.shape
-        ctx, r = c_all.shape[1], self.kv_lora_rank
+        r = self.kv_lora_rank
         w_kv = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, r)
         w_uk, w_uv = w_kv.split([self.nope, self.v_dim], dim=1)  # [h, nope, r], [h, v, r] (views)
-        c, pe = c_all.view(B, ctx, r), pe_all.view(B, ctx, self.rope)  # [B, ctx, r], [B, ctx, rope]
         q_lat = torch.einsum("bshn,hnr->bshr", q_nope, w_uk)  # [B, S, h, r]
+        if cache.paged:
+            out_lat = mla_latent_paged(q_lat, q_pe, cache, self.layer_idx, step, self.scale)
+            return torch.einsum("bshr,hvr->bshv", out_lat, w_uv)
+        c_all, pe_all = (t.to(q_nope.dtype) for t in cache.rows(self.layer_idx, step))
+        ctx = c_all.shape[1]
+        c, pe = c_all.view(B, ctx, r), pe_all.view(B, ctx, self.rope)  # [B, ctx, r], [B, ctx, rope]
         scores = (q_lat.reshape(B, S * h, r) @ c.transpose(1, 2)
                   + q_pe.reshape(B, S * h, self.rope) @ pe.transpose(1, 2))  # [B, S*h, ctx]
         scores = scores.view(B, S, h, ctx).float() * self.scale  # [B, S, h, ctx]
         mask = step.attn_mask(ctx, scores.dtype).view(B, S, 1, ctx)  # 0 or -inf, shared by the layers
         probs = (scores + mask).softmax(dim=-1).to(c.dtype)  # [B, S, h, ctx]
         out_lat = (probs.view(B, S * h, ctx) @ c).view(B, S, h, r)  # [B, S, h, r]
-        return torch.einsum("bshr,hvr->bshv", out_lat, w_uv)  # [B, S, h, v_dim]
+        return torch.einsum("bshr,hvr->bshv", out_lat, w_uv)
 
 
 class DeepseekV3Attention(DeepseekV2Attention):
@@ -281,11 +288,11 @@ class DeepseekV3Model(DeepseekV2Model):
 class DeepseekV2ForCausalLM(CausalLM):
     model_cls = DeepseekV2Model
 
-    def make_cache(self, max_batch: int, max_context: int, dtype=torch.float32, device="cpu") -> KVCache:
+    def make_cache(self, max_batch: int, max_context: int, dtype=torch.float32, device="cpu", **layout) -> KVCache:
         """Latent cache: "k" holds c_kv [.., 1, kv_lora_rank], "v" holds k_pe [.., 1, qk_rope_head_dim]."""
         cfg = self.config
         return KVCache(cfg.num_hidden_layers, max_batch, max_context, 1, cfg.kv_lora_rank, dtype, device,
-                       v_head_dim=cfg.qk_rope_head_dim)
+                       v_head_dim=cfg.qk_rope_head_dim, **layout)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

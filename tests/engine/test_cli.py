@@ -423,7 +423,7 @@ ENGINE_FLAGS = {"device": "--device", "experts_format": "--experts-format", "gro
                 "threads": "--threads", "numa": "--numa", "max_context": "--max-context", "dtype": "--dtype",
                 "defer_experts": "--defer-experts", "gpu_experts": "--gpu-experts",
                 "calibration_file": "--calibration-file", "cuda_graph": "--no-cuda-graph", "isa": "--isa",
-                "gpu_prefill": "--gpu-prefill", "rules": "--rules"}
+                "gpu_prefill": "--gpu-prefill", "rules": "--rules", "attention": "--attention"}
 
 
 @pytest.mark.parametrize("command", [["generate"], ["chat"], ["serve"], ["eval", "--text", "t"], ["bench", "e2e"],
@@ -439,10 +439,10 @@ def test_engine_flags_are_the_engine_options_fields(command, capsys, monkeypatch
     assert placement.ISA_CHOICES == ("auto",) + ISAS  # written out in placement.py so that parsing needs no _C
     argv = ["--device", "cpu", "--experts-format", "int8", "--group-size", "32", "--threads", "1", "--numa", "off",
             "--max-context", "64", "--dtype", "fp32", "--defer-experts", "1", "--gpu-experts", "2",
-            "--calibration-file", "c.txt", "--no-cuda-graph", "--isa", "scalar"]
+            "--calibration-file", "c.txt", "--no-cuda-graph", "--isa", "scalar", "--attention", "sdpa"]
     assert engine_options(build_parser().parse_args(command + argv)) == EngineOptions(
         device="cpu", experts_format="int8", group_size=32, threads=1, numa="off", max_context=64, dtype="fp32",
-        defer_experts=1, gpu_experts=2, calibration_file="c.txt", cuda_graph=False, isa="scalar")
+        defer_experts=1, gpu_experts=2, calibration_file="c.txt", cuda_graph=False, isa="scalar", attention="sdpa")
     assert engine_options(build_parser().parse_args(command)) == EngineOptions()
     monkeypatch.setenv("COLUMNS", "1000")  # each help on one line (argparse wraps at hyphens too)
     code, stdout, _ = main(capsys, *command, "--help")

@@ -1,0 +1,183 @@
+"""The KV cache: keys and values of every layer for ``rows`` sequences of up to ``max_context`` positions, held
+for the positions in use, not for every row's full context.
+
+Two layouts, one interface (``reserve`` / ``release`` / ``write`` / ``rows``):
+
+* **paged** (``page_size`` given; on a GPU with Triton, read by layers/triton_attention.py): a pool of pages
+  [layers, n_pages, P, kv_heads, D] and a page table [rows, pages_per_row] int32 on the device. ``reserve(row, n)``
+  hands the row pages for positions < n from the pool, which grows (doubling, up to every row's full context) when
+  it runs dry. Page 0 is never handed out: table entries not yet assigned point at it, so a padding row or the
+  decoder's scratch row writes there and harms no sequence.
+* **contiguous** (CPU, or a GPU without Triton): [layers, rows, capacity, kv_heads, D]; ``reserve`` grows the
+  capacity every row shares (doubling, up to ``max_context``).
+
+Growing reallocates the storage: ``version`` counts reallocations, and whoever captured the old tensors in a CUDA
+graph (engine/cuda_graph.py) drops those graphs. A pool that cannot grow raises ``KVCacheFull``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+GROW_ALIGN = 64  # contiguous capacity grows in multiples of this many positions
+
+
+class KVCacheFull(MemoryError):
+    """The cache cannot hold more positions (its device is out of memory)."""
+
+
+class KVCache:
+    def __init__(self, n_layers: int, rows: int, max_context: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device="cpu", v_head_dim: Optional[int] = None, *,
+                 page_size: Optional[int] = None, initial_tokens: Optional[int] = None):
+        """``initial_tokens``: positions allocated up front (paged: in the pool; contiguous: per row; default
+        ``max_context`` per row for contiguous, a few pages per row for paged)."""
+        self.n_layers, self.n_rows, self.max_context = n_layers, rows, max_context
+        self.kv_heads, self.head_dim, self.v_head_dim = kv_heads, head_dim, v_head_dim or head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.paged = page_size is not None
+        self.page_size = page_size or max_context
+        self.version = 0
+        if self.paged:
+            P = page_size
+            self.pages_per_row = -(-max_context // P)
+            self.max_pages = rows * self.pages_per_row + 1
+            want = -(-(initial_tokens or rows * 4 * P) // P) + 1
+            self.table = torch.zeros(rows, self.pages_per_row, dtype=torch.int32, device=self.device)
+            self.owned = [[] for _ in range(rows)]  # the pages each row holds, in position order
+            self.free: list = []
+            self.k = self.v = None
+            self.n_pages = 1
+            self._grow_pool(min(self.max_pages, max(2, want)))
+        else:
+            self.capacity = 0
+            self.k = self.v = None
+            self._grow_rows(min(max_context, initial_tokens or max_context))
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def elems_per_token(self) -> int:
+        """Elements one position takes over all layers, keys and values."""
+        return self.n_layers * self.kv_heads * (self.head_dim + self.v_head_dim)
+
+    @property
+    def bytes_allocated(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def _alloc(self, *shape_tail) -> tuple:
+        k = torch.zeros(self.n_layers, *shape_tail, self.kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        v = torch.zeros(self.n_layers, *shape_tail, self.kv_heads, self.v_head_dim, dtype=self.dtype,
+                        device=self.device)
+        return k, v
+
+    def _alloc_or_full(self, what: str, *shape_tail) -> tuple:
+        try:
+            return self._alloc(*shape_tail)
+        except torch.OutOfMemoryError as e:
+            need = self.elems_per_token * torch.Size(shape_tail).numel() * self.dtype.itemsize
+            raise KVCacheFull(f"the KV cache cannot grow to {what} ({need / 2**30:.2f} GiB): the {self.device.type} "
+                              "memory is full; use a smaller --max-batch or --max-context, or shorter prompts") from e
+
+    def _grow_pool(self, n_pages: int) -> None:
+        k, v = self._alloc_or_full(f"{n_pages - 1} pages of {self.page_size} positions", n_pages, self.page_size)
+        if self.k is not None:
+            k[:, :self.n_pages].copy_(self.k)
+            v[:, :self.n_pages].copy_(self.v)
+        self.free.extend(range(n_pages - 1, self.n_pages - 1, -1))  # pop() hands out the lowest first
+        self.k, self.v, self.n_pages = k, v, n_pages
+        self.version += 1
+
+    def _grow_rows(self, capacity: int) -> None:
+        k, v = self._alloc_or_full(f"{capacity} positions per row", self.n_rows, capacity)
+        if self.k is not None:
+            k[:, :, :self.capacity].copy_(self.k)
+            v[:, :, :self.capacity].copy_(self.v)
+        self.k, self.v, self.capacity = k, v, capacity
+        self.version += 1
+
+    # ------------------------------------------------------------------ positions in use
+    def reserve(self, row: int, length: int) -> None:
+        """Make positions [0, length) of ``row`` writable (KVCacheFull when the memory is not there)."""
+        if length > self.max_context:
+            raise ValueError(f"position {length - 1} is beyond max_context={self.max_context}")
+        if not self.paged:
+            if length > self.capacity:
+                grown = max(length, min(self.max_context, 2 * self.capacity))
+                self._grow_rows(min(self.max_context, -(-grown // GROW_ALIGN) * GROW_ALIGN))
+            return
+        owned = self.owned[row]
+        need = -(-length // self.page_size) - len(owned)
+        if need <= 0:
+            return
+        if need > len(self.free):
+            short = need - len(self.free)
+            target = min(self.max_pages, max(self.n_pages + short, 2 * self.n_pages))
+            try:
+                self._grow_pool(target)
+            except KVCacheFull:
+                if target == self.n_pages + short:
+                    raise
+                self._grow_pool(self.n_pages + short)  # doubling did not fit: just what this row needs
+        new = [self.free.pop() for _ in range(need)]
+        first = len(owned)
+        owned.extend(new)
+        self.table[row, first:first + need] = torch.tensor(new, dtype=torch.int32).to(self.device)
+
+    def release(self, row: int, keep: int = 0) -> None:
+        """Positions >= ``keep`` of ``row`` are no longer needed (paged: their pages return to the pool)."""
+        if not self.paged:
+            return
+        owned = self.owned[row]
+        keep_pages = -(-keep // self.page_size)
+        if len(owned) > keep_pages:
+            self.free.extend(reversed(owned[keep_pages:]))
+            del owned[keep_pages:]
+            self.table[row, keep_pages:] = 0
+
+    def tokens_held(self) -> int:
+        """Positions allocated for sequences (paged: pages handed out x page size; contiguous: rows x capacity)."""
+        if self.paged:
+            return sum(len(o) for o in self.owned) * self.page_size
+        return self.n_rows * self.capacity
+
+    # ------------------------------------------------------------------ reads and writes
+    def write(self, layer: int, step, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k/v [B, S, kv_heads, D] at the step's positions of its rows (``step.slots``)."""
+        if not self.paged:
+            if step.kv_len is None and int(step.positions.max()) >= self.capacity:
+                raise ValueError(f"position {int(step.positions.max())} is beyond the {self.capacity} positions "
+                                 f"reserved (max_context={self.max_context})")
+            rows = step.slots.unsqueeze(1).expand_as(step.positions)
+            self.k[layer].index_put_((rows, step.positions), k.to(self.k.dtype))
+            self.v[layer].index_put_((rows, step.positions), v.to(self.v.dtype))
+            return
+        P = self.page_size
+        page = self.table[step.slots.unsqueeze(1), step.positions // P].long()  # [B, S]
+        flat = (page * P + step.positions % P).reshape(-1)
+        self.k[layer].view(-1, self.kv_heads, self.head_dim).index_copy_(
+            0, flat, k.reshape(-1, self.kv_heads, self.head_dim).to(self.dtype))
+        self.v[layer].view(-1, self.kv_heads, self.v_head_dim).index_copy_(
+            0, flat, v.reshape(-1, self.kv_heads, self.v_head_dim).to(self.dtype))
+
+    def rows(self, layer: int, step) -> tuple:
+        """This layer's keys and values of the step's rows, [B, ctx, kv_heads, D] each: ctx = step.kv_len (or all
+        positions held), rounded up to whole pages when paged (then a gathered copy; contiguous: views when
+        step.first_slot is given). Positions past a row's own are stale or zero: attention masks them."""
+        if not self.paged:
+            n = min(step.kv_len or self.capacity, self.capacity)
+            if step.first_slot is not None:
+                b = slice(step.first_slot, step.first_slot + step.slots.shape[0])
+                return self.k[layer, b, :n], self.v[layer, b, :n]
+            return self.k[layer][step.slots, :n], self.v[layer][step.slots, :n]
+        n_pages = -(-(step.kv_len or self.max_context) // self.page_size)
+        pages = self.table[step.slots, :n_pages].long()  # [B, n_pages]
+        B = pages.shape[0]
+        k = self.k[layer][pages].view(B, n_pages * self.page_size, self.kv_heads, self.head_dim)
+        v = self.v[layer][pages].view(B, n_pages * self.page_size, self.kv_heads, self.v_head_dim)
+        return k, v
+
+    def pages(self, layer: int) -> tuple:
+        """The paged layout's pools of one layer: k [n_pages, P, kv_heads, D], v [n_pages, P, kv_heads, Dv]."""
+        return self.k[layer], self.v[layer]
