@@ -38,6 +38,20 @@ def timed_us(fn, n: int = 20) -> float:
     return statistics.median(times)
 
 
+def graph_us(fn, n: int = 50) -> float:
+    """Median µs of ``fn`` replayed as a CUDA graph (no launch overhead: what a decode step inside the engine's
+    graph pays)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return timed_us(g.replay, n)
+
+
 def pages_for(B: int, ctx: int, kv: int, d: int, dv: int):
     per = -(-ctx // P)
     k = torch.randn(B * per + 1, P, kv, d, device="cuda", dtype=torch.bfloat16)
@@ -51,11 +65,11 @@ def gqa_decode(B: int, ctx: int, H=32, KV=4, D=128) -> dict:
     q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
     pos = torch.full((B,), ctx - 1, device="cuda")
     slots = torch.arange(B, device="cuda")
-    ours = timed_us(lambda: ta.decode(q, k, v, table, slots, pos, D**-0.5))
+    ours = graph_us(lambda: ta.decode(q, k, v, table, slots, pos, D**-0.5))
     kc = k[1:].view(B, -1, KV, D)[:, :ctx]
     vc = v[1:].view(B, -1, KV, D)[:, :ctx]
     step = Step(pos.view(B, 1), slots, kv_len=ctx)
-    sdpa = timed_us(lambda: attend(q.view(B, 1, H, D), kc, vc, step, D**-0.5))
+    sdpa = graph_us(lambda: attend(q.view(B, 1, H, D), kc, vc, step, D**-0.5))
     return {"kind": "gqa decode", "batch": B, "context": ctx, "triton_us": ours, "sdpa_us": sdpa,
             "kv_gbps": 2 * B * ctx * KV * D * 2 / ours / 1e3}
 
@@ -66,7 +80,7 @@ def mla_decode(B: int, ctx: int, H=128, r=512, rope=64) -> dict:
     q_pe = torch.randn(B, H, rope, device="cuda", dtype=torch.bfloat16)
     pos = torch.full((B,), ctx - 1, device="cuda")
     slots = torch.arange(B, device="cuda")
-    ours = timed_us(lambda: ta.decode(q_lat, c, None, table, slots, pos, 0.1, q2=q_pe, k2=pe, v_is_k1=True))
+    ours = graph_us(lambda: ta.decode(q_lat, c, None, table, slots, pos, 0.1, q2=q_pe, k2=pe, v_is_k1=True))
     cc, pc = c[1:].view(B, -1, r)[:, :ctx], pe[1:].view(B, -1, rope)[:, :ctx]
     mask = torch.zeros(B, 1, ctx, device="cuda")
 
@@ -74,7 +88,7 @@ def mla_decode(B: int, ctx: int, H=128, r=512, rope=64) -> dict:
         s = (q_lat @ cc.transpose(1, 2) + q_pe @ pc.transpose(1, 2)).float() * 0.1
         return ((s + mask).softmax(-1).to(cc.dtype) @ cc)
 
-    return {"kind": "mla decode", "batch": B, "context": ctx, "triton_us": ours, "sdpa_us": timed_us(torch_form),
+    return {"kind": "mla decode", "batch": B, "context": ctx, "triton_us": ours, "sdpa_us": graph_us(torch_form),
             "kv_gbps": B * ctx * (r + rope) * 2 / ours / 1e3}
 
 
@@ -102,6 +116,31 @@ def gqa_prefill(n: int, H=32, KV=4, D=128, chunk=8192) -> dict:
             "triton_tflops": flops / t_ours / 1e6}
 
 
+def prefix_prefill(start: int, S: int = 8192, H=32, KV=4, D=128) -> dict:
+    """One chunk of S tokens after a cached prefix of ``start``: the Triton kernel over the pages against SDPA with a
+    lower-right causal bias over contiguous keys (GQA expanded when SDPA will not take enable_gqa with it)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    n = start + S
+    k, v, table = pages_for(1, n, KV, D, D)
+    slots = torch.zeros(1, dtype=torch.int64, device="cuda")
+    q = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(start, n, device="cuda")[None]
+    ours = timed_us(lambda: ta.prefill(q, k, v, table, slots, pos, D**-0.5), 5)
+    kc, vc = k[1:].view(1, -1, KV, D)[:, :n], v[1:].view(1, -1, KV, D)[:, :n]
+    bias = causal_lower_right(S, n)
+
+    def lower_right():
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), kc.transpose(1, 2).repeat_interleave(H // KV, 1),
+            vc.transpose(1, 2).repeat_interleave(H // KV, 1), attn_mask=bias, scale=D**-0.5)
+
+    ref = lower_right().transpose(1, 2).float()
+    err = (ta.prefill(q, k, v, table, slots, pos, D**-0.5).float() - ref).abs().max().item()
+    return {"kind": "gqa prefix prefill", "start": start, "chunk": S, "triton_us": ours,
+            "sdpa_lower_right_us": timed_us(lower_right, 5), "max_abs_diff": err}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="512,8192,32768,131072")
@@ -109,6 +148,11 @@ def main() -> None:
     args = ap.parse_args()
     ctxs = [int(x) for x in args.contexts.split(",")]
     rows = []
+    for cudnn in (False, True):
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+        rows.append({**gqa_prefill(8192), "cudnn_sdp": cudnn})
+    torch.backends.cuda.enable_cudnn_sdp(False)  # as the engine runs
+    rows += [prefix_prefill(8192), prefix_prefill(24576)]
     for ctx in ctxs:
         for B in (1, 16):
             if B * ctx <= 16 * 32768:

@@ -5,9 +5,10 @@ New keys/values are written at their absolute positions, and a query at position
 attend to and later overwrite.
 
 Two ways to attend (``attend_cache``): over a paged cache on a GPU, the Triton kernels of
-layers/triton_attention.py read the pages in place, causal from each token's position, no mask anywhere; else
-(CPU, no Triton, ``--attention sdpa``) PyTorch's SDPA over the cache rows, with ``is_causal`` for a prompt from
-position 0 and an additive mask otherwise.
+layers/triton_attention.py read the pages in place, causal from each token's position, no mask anywhere (a prompt
+chunk from position 0 goes to SDPA's flash kernel with ``is_causal``: it needs no cache read); else (CPU, no Triton,
+``--attention sdpa``) PyTorch's SDPA over the cache rows, with ``is_causal`` for a prompt from position 0 and an
+additive mask otherwise.
 """
 
 from __future__ import annotations
@@ -68,11 +69,15 @@ def paged_kernels(device) -> bool:
     return True
 
 
-def attend_cache(q: torch.Tensor, cache: KVCache, layer: int, step: Step, scale: float) -> torch.Tensor:
-    """q [B, S, heads, D] over this layer's cache (written already for this step) -> [B, S, heads, Dv]."""
+def attend_cache(q: torch.Tensor, cache: KVCache, layer: int, step: Step, scale: float,
+                 new: tuple | None = None) -> torch.Tensor:
+    """q [B, S, heads, D] over this layer's cache (written already for this step) -> [B, S, heads, Dv]. ``new``: the
+    step's own keys and values [B, S, kv_heads, D] (a prompt from position 0 needs nothing else)."""
     if cache.paged:
         from hetmoe.layers import triton_attention
 
+        if step.start == 0 and new is not None and q.shape[1] > 1:  # SDPA's flash kernel, causal, no cache read
+            return causal_sdpa(q, *new, scale)
         k, v = cache.pages(layer)
         if q.shape[1] == 1:
             out = triton_attention.decode(q[:, 0], k, v, cache.table, step.slots, step.positions[:, 0], scale)
@@ -80,6 +85,16 @@ def attend_cache(q: torch.Tensor, cache: KVCache, layer: int, step: Step, scale:
         return triton_attention.prefill(q, k, v, cache.table, step.slots, step.positions, scale)
     k, v = cache.rows(layer, step)
     return attend(q, k, v, step, scale)
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, S, heads, D] over k/v [B, ctx >= S, kv_heads, D] from position 0, query s attending keys 0..s (SDPA's
+    is_causal, no mask) -> [B, S, heads, Dv]."""
+    g = q.shape[2] // k.shape[2]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).to(q.dtype),
+                                         v.transpose(1, 2).to(q.dtype), is_causal=True, scale=scale,
+                                         enable_gqa=g > 1)  # [B, heads, S, Dv]
+    return out.transpose(1, 2)
 
 
 def mla_latent_paged(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: KVCache, layer: int, step: Step,
@@ -125,12 +140,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, scale:
     B, S, H, D = q.shape
     ctx, n_kv = k.shape[1], k.shape[2]
     g = H // n_kv
-    kt, vt = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
     if step.start == 0 and S > 1:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, is_causal=True, scale=scale,
-                                             enable_gqa=g > 1)  # [B, heads, S, Dv]
-        return out.transpose(1, 2)
+        return causal_sdpa(q, k, v, scale)
     qf = q.reshape(B, S, n_kv, g, D).transpose(1, 2).reshape(B, n_kv, S * g, D)
+    kt, vt = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
     out = F.scaled_dot_product_attention(qf, kt, vt, attn_mask=step.attn_mask(ctx, q.dtype, g), scale=scale)
     return out.reshape(B, n_kv, S, g, -1).transpose(1, 2).reshape(B, S, H, -1)
 
@@ -174,5 +187,5 @@ class GQAAttention(nn.Module):
         qk = apply_rope(qk, *rope)
         q, k = qk.split((H, K), dim=2)
         cache.write(self.layer_idx, step, k, v)
-        out = attend_cache(q, cache, self.layer_idx, step, D**-0.5)  # [B, S, heads, D]
+        out = attend_cache(q, cache, self.layer_idx, step, D**-0.5, new=(k, v))  # [B, S, heads, D]
         return self.o_proj(out.reshape(B, S, -1))

@@ -221,10 +221,14 @@ def test_model_on_the_paged_kernels_matches_the_contiguous_cache(kernels, checkp
     pytest.importorskip("transformers")
     from hetmoe.models.deepseek_v2 import DeepseekV3ForCausalLM
     from hetmoe.models.qwen3_moe import Qwen3MoeForCausalLM
-    from parity import load_ours, max_rel, torch_fp32
+    from hetmoe.moe import TorchExperts
+    from parity import load_ours, max_rel
+
+    def experts(*weights):  # fp32, on the device the model runs on
+        return TorchExperts(*(w.to(DEVICE) for w in weights))
 
     cls = {"qwen3_moe": Qwen3MoeForCausalLM, "deepseek_v3": DeepseekV3ForCausalLM}[arch]
-    model = load_ours(checkpoints(arch, {"num_hidden_layers": 2}, seed=5, dtype="float32"), cls, torch_fp32)
+    model = load_ours(checkpoints(arch, {"num_hidden_layers": 2}, seed=5, dtype="float32"), cls, experts)
     model = model.to(DEVICE)
     gen = torch.Generator().manual_seed(9)
     caches = [model.make_cache(2, 96, device=DEVICE, page_size=16, initial_tokens=16),
