@@ -26,7 +26,6 @@ from hetmoe.engine.loader import LoadedModel
 from hetmoe.engine.runner import Runner
 from hetmoe.layers.attention import paged_kernels
 
-
 PREFILL_MAX = 32768  # prefill attention is timed up to this length (past it: minutes, and the sdpa path's masks)
 
 
