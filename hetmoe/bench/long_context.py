@@ -9,9 +9,9 @@ cache, one CUDA graph per 64-position bucket — engine/cuda_graph.py), in a cac
   rewound and timed;
 * (triton, ``batch`` > 1) a decode step of ``batch`` sequences at lengths spread from min to max(contexts)
   against the same batch all at min(contexts);
-* the attention alone of a prefill of each context up to PREFILL_MAX: every layer's attention kernel over the prompt in chunks of
-  the runner's prefill_chunk, on random q/k/v of the model's shape (the projections, experts and the rest are
-  what ``bench e2e``'s prefill rows time).
+* the attention alone of a prefill of each context up to PREFILL_MAX: every layer's attention kernel over the
+  prompt in chunks of the runner's prefill_chunk, on random q/k/v of the model's shape (the projections, experts
+  and the rest are what ``bench e2e``'s prefill rows time).
 """
 
 from __future__ import annotations
