@@ -76,8 +76,10 @@ def attend_cache(q: torch.Tensor, cache: KVCache, layer: int, step: Step, scale:
     if cache.paged:
         from hetmoe.layers import triton_attention
 
-        if step.start == 0 and new is not None and q.shape[1] > 1:  # SDPA's flash kernel, causal, no cache read
-            return causal_sdpa(q, *new, scale)
+        if step.start is not None and q.shape[1] > 1:  # one prompt: SDPA's flash kernel (see attend)
+            if step.start == 0 and new is not None:  # causal over its own keys: no cache read
+                return causal_sdpa(q, *new, scale)
+            return attend(q, *cache.rows(layer, step), step, scale)
         k, v = cache.pages(layer)
         if q.shape[1] == 1:
             out = triton_attention.decode(q[:, 0], k, v, cache.table, step.slots, step.positions[:, 0], scale)
@@ -131,7 +133,8 @@ def mla_expanded_paged(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tenso
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, scale: float) -> torch.Tensor:
     """q [B, S, heads, D] over cache rows k/v [B, ctx, kv_heads, D] -> [B, S, heads, Dv] (causal by position).
 
-    A prompt from position 0 (``step.start == 0``) is SDPA's own causal case: no mask. Otherwise the g = heads /
+    One sequence's consecutive positions (``step.start`` given) need no mask: from position 0 SDPA's own causal
+    case, after a cached prefix its lower-right causal bias (the flash kernel on a GPU). Otherwise the g = heads /
     kv_heads query heads that share a kv head (head h reads kv head h // g) are folded into the query length: q
     [B, kv_heads, S * g, D], row s * g + j, with the mask repeated per row (exact: the mask depends on the position
     only). SDPA then sees plain multi-head attention with an additive mask, which its fused kernels take
@@ -140,8 +143,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, scale:
     B, S, H, D = q.shape
     ctx, n_kv = k.shape[1], k.shape[2]
     g = H // n_kv
-    if step.start == 0 and S > 1:
-        return causal_sdpa(q, k, v, scale)
+    if step.start is not None and S > 1:  # one sequence's consecutive positions: causal, no mask
+        if step.start == 0:
+            return causal_sdpa(q, k, v, scale)
+        from torch.nn.attention.bias import causal_lower_right
+
+        L = step.start + S  # its keys end with its own tokens: causality aligned to the last row and column
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k[:, :L].transpose(1, 2).to(q.dtype),
+                                             v[:, :L].transpose(1, 2).to(q.dtype), attn_mask=causal_lower_right(S, L),
+                                             scale=scale, enable_gqa=g > 1)
+        return out.transpose(1, 2)
     qf = q.reshape(B, S, n_kv, g, D).transpose(1, 2).reshape(B, n_kv, S * g, D)
     kt, vt = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
     out = F.scaled_dot_product_attention(qf, kt, vt, attn_mask=step.attn_mask(ctx, q.dtype, g), scale=scale)

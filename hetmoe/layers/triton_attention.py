@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-DECODE_PROGRAMS_PER_SM = 4  # the split over the sequence aims at this many programs per SM (at least)
+DECODE_PROGRAMS_PER_SM = 4  # the split over the sequence aims at up to this many programs per SM
 MAX_SPLITS = 128
 
 
@@ -108,7 +108,7 @@ def _decode_split(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, PART_O, PART_L,
 @triton.jit
 def _decode_reduce(PART_O, PART_L, OUT, spo_n, spo_h, spo_s, spl_n, spl_h, so_n, so_h, H,
                    DV: tl.constexpr, BDV: tl.constexpr, NSPLIT: tl.constexpr):
-    """Merge a (row, head)'s splits by their log-sum-exp."""
+    """Merge a (row, head)'s splits by their log-sum-exp, for BDV of the value dims (program axis 2)."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, NSPLIT)
@@ -116,7 +116,7 @@ def _decode_reduce(PART_O, PART_L, OUT, spo_n, spo_h, spo_s, spl_n, spl_h, so_n,
     m = tl.max(lse, 0)
     w = tl.exp(lse - m)
     w = w / tl.sum(w, 0)
-    dv = tl.arange(0, BDV)
+    dv = tl.program_id(2) * BDV + tl.arange(0, BDV)
     o = tl.load(PART_O + n * spo_n + h * spo_h + sp[:, None] * spo_s + dv[None, :],
                 mask=(lse[:, None] > float("-inf")) & (dv[None, :] < DV), other=0.0)
     out = tl.sum(o * w[:, None], 0)
@@ -216,8 +216,9 @@ def _programs_wanted(device: torch.device) -> int:
 def decode_splits(rows: int, program_rows: int, pages_per_row: int, device: torch.device) -> int:
     """Splits of each query row's pages: a power of two, enough programs for the GPU, at most the pages a row
     can have. Depends only on shapes fixed at capture, so a CUDA graph keeps it."""
-    want = -(-_programs_wanted(device) // max(1, rows * program_rows))
-    return max(1, min(triton.next_power_of_2(want), MAX_SPLITS, triton.next_power_of_2(pages_per_row)))
+    want = max(1, _programs_wanted(device) // max(1, rows * program_rows))
+    floor_pow2 = triton.next_power_of_2(want + 1) // 2  # the largest power of two <= want
+    return max(1, min(floor_pow2, MAX_SPLITS, triton.next_power_of_2(pages_per_row)))
 
 
 def decode(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None, table: torch.Tensor, slots: torch.Tensor,
@@ -252,9 +253,10 @@ def decode(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None, table: to
         BLOCK_G=BLOCK_G, P=P, NSPLIT=nsplit, HAS_Q2=has_q2, V_IS_K1=v_is_k1, IEEE=ieee,
         num_warps=4 if max(D1, DV) <= 128 else 8, num_stages=2,
     )
-    _decode_reduce[(N, H)](
+    bd_reduce = min(_pow2(DV), 128)
+    _decode_reduce[(N, H, -(-DV // bd_reduce))](
         part_o, part_l, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0),
-        part_l.stride(1), out.stride(0), out.stride(1), H, DV=DV, BDV=_pow2(DV), NSPLIT=nsplit, num_warps=4,
+        part_l.stride(1), out.stride(0), out.stride(1), H, DV=DV, BDV=bd_reduce, NSPLIT=nsplit, num_warps=4,
     )
     return out
 
