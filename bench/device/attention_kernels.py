@@ -74,11 +74,11 @@ def gqa_decode(B: int, ctx: int, H=32, KV=4, D=128) -> dict:
             "kv_gbps": 2 * B * ctx * KV * D * 2 / ours / 1e3}
 
 
-def mla_decode(B: int, ctx: int, H=128, r=512, rope=64) -> dict:
+def mla_decode(B: int, ctx: int, H=128, r=512, rope=64, lengths=None) -> dict:
     c, pe, table = pages_for(B, ctx, 1, r, rope)
     q_lat = torch.randn(B, H, r, device="cuda", dtype=torch.bfloat16)
     q_pe = torch.randn(B, H, rope, device="cuda", dtype=torch.bfloat16)
-    pos = torch.full((B,), ctx - 1, device="cuda")
+    pos = torch.full((B,), ctx - 1, device="cuda") if lengths is None else torch.tensor(lengths, device="cuda") - 1
     slots = torch.arange(B, device="cuda")
     ours = graph_us(lambda: ta.decode(q_lat, c, None, table, slots, pos, 0.1, q2=q_pe, k2=pe, v_is_k1=True))
     cc, pc = c[1:].view(B, -1, r)[:, :ctx], pe[1:].view(B, -1, rope)[:, :ctx]
@@ -88,7 +88,7 @@ def mla_decode(B: int, ctx: int, H=128, r=512, rope=64) -> dict:
         s = (q_lat @ cc.transpose(1, 2) + q_pe @ pc.transpose(1, 2)).float() * 0.1
         return ((s + mask).softmax(-1).to(cc.dtype) @ cc)
 
-    return {"kind": "mla decode", "batch": B, "context": ctx, "triton_us": ours, "sdpa_us": graph_us(torch_form),
+    return {"kind": "mla decode" + (" mixed" if lengths else ""), "batch": B, "context": ctx, "triton_us": ours, "sdpa_us": graph_us(torch_form),
             "kv_gbps": B * ctx * (r + rope) * 2 / ours / 1e3}
 
 
@@ -153,6 +153,8 @@ def main() -> None:
         rows.append({**gqa_prefill(8192), "cudnn_sdp": cudnn})
     torch.backends.cuda.enable_cudnn_sdp(False)  # as the engine runs
     rows += [prefix_prefill(8192), prefix_prefill(24576)]
+    mixed = [int(512 * 64 ** (i / 15)) for i in range(16)]  # 512 .. 32768, as bench e2e --kv-contexts
+    rows += [mla_decode(16, 32768, lengths=mixed), mla_decode(16, 512), gqa_decode(16, 512)]
     for ctx in ctxs:
         for B in (1, 16):
             if B * ctx <= 16 * 32768:

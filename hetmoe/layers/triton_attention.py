@@ -233,7 +233,8 @@ def decode(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None, table: to
         v = k1
     DV = v.shape[-1]
     G = H // KV
-    BLOCK_G = _pow2(min(G, 64))
+    # query heads per program: a kv head's group (GQA); MLA's 512-wide latent value holds 32 heads' accumulators
+    BLOCK_G = _pow2(min(G, 32 if DV > 256 else 64))
     head_blocks = -(-G // BLOCK_G)
     nsplit = decode_splits(N, KV * head_blocks, table.shape[1], q1.device)
     part_o = torch.empty(N, H, nsplit, DV, dtype=torch.float32, device=q1.device)

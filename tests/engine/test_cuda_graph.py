@@ -306,7 +306,12 @@ def _rel(a, b) -> float:
 @pytest.mark.gpu
 @pytest.mark.gpu
 def test_graph_matches_eager(ckpt, arch, dtype, d):
-    loaded = _load(ckpt[arch], dtype, d)
+    """The contiguous cache's two graph modes (SDPA), and the paged cache's one graph per batch size (the Triton
+    kernels, where they run), against the eager step."""
+    from hetmoe.layers.attention import paged_kernels
+
+    loaded = _load(ckpt[arch], dtype, d, attention="sdpa")
+    paged = _load(ckpt[arch], dtype, d, attention="triton") if paged_kernels("cuda") else None
     tol = 2e-3 if dtype == "fp32" else 5e-2
     for batch in BATCHES:
         eager, _, _ = _decode(loaded, batch, "eager")
@@ -314,6 +319,11 @@ def test_graph_matches_eager(ckpt, arch, dtype, d):
         full, keys, _ = _decode(loaded, batch, "graph-full")
         bucket, keys_b, _ = _decode(loaded, batch, "graph-bucket")
         errs = {"eager~sync": _rel(eager, sync), "full~eager": _rel(full, eager), "bucket~eager": _rel(bucket, eager)}
+        if paged is not None:
+            paged_graph, keys_p, _ = _decode(paged, batch, "graph-full")
+            paged_eager, _, _ = _decode(paged, batch, "eager")
+            errs.update({"paged~eager": _rel(paged_graph, eager), "paged~paged eager": _rel(paged_graph, paged_eager)})
+            assert keys_p == {(padded_size(batch, capture_sizes(MAX_BATCH)), MAX_CONTEXT, True)}
         print(f"{arch} {dtype} d={d} batch {batch}: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
         assert all(torch.isfinite(t).all() for t in (eager, sync, full, bucket))
         for name, err in errs.items():

@@ -82,9 +82,13 @@ def test_the_path_on_cpu_tensors_matches_the_cpu_engine(checkpoints, arch, fmt):
     with lw.prefill():
         got = runner.score(ids)
     assert lw.layers_run == len(layers)
-    # The engine rounds activations (int8: int16, int4: int8 per group), the torch path keeps fp32.
-    # measured: bf16 1.8e-7..3.4e-7, int8 1.0e-6..9.7e-6, int4 2.2e-4..3.0e-3
-    assert _max_rel(got, ref) < {"bf16": 1e-5, "int8": 1e-4, "int4": 1e-2}[fmt]
+    # The engine rounds activations (int8: int16, int4: int8 per group; on an AMX CPU bf16 experts take the tile GEMM
+    # on bf16 activations: tests/paths.py), the torch path keeps fp32.
+    # measured: bf16 1.8e-7..3.4e-7 (2.6e-4 on the GPU machine's AMX Xeon), int8 1.0e-6..9.7e-6, int4 2.2e-4..3.0e-3
+    from hetmoe.cpu import cpu_info
+
+    bf16 = 1e-3 if "amx" in cpu_info()["supported_isas"] else 1e-5
+    assert _max_rel(got, ref) < {"bf16": bf16, "int8": 1e-4, "int4": 1e-2}[fmt]
 
 
 def test_deferral_does_not_apply_to_the_gpu_path(checkpoints):
