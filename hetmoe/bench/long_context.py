@@ -63,15 +63,16 @@ def decode_at(runner: Runner, ctx: int, steps: int, gen: torch.Generator) -> dic
     return {"decode_tok_s": steps / sum(times), "step_ms": 1e3 * statistics.median(times), "gpu_ms": gpu_ms}
 
 
-def batch_decode(runner: Runner, lengths: list, steps: int) -> float:
-    """Median ms of a decode step of len(lengths) sequences at those lengths (slots 0..n-1)."""
+def batch_decode(runner: Runner, lengths: list, tokens: list, steps: int) -> float:
+    """Median ms of a decode step of len(lengths) sequences at those lengths (slots 0..n-1), fed ``tokens`` (one per
+    sequence: distinct tokens route to as many experts whatever the lengths, so only attention differs)."""
     slots = list(range(len(lengths)))
     times = []
     for i in range(steps + 2):
         for s, n in zip(slots, lengths):
             runner.lengths[s] = n
         t0 = time.perf_counter()
-        runner.decode_batch([1] * len(slots), slots)
+        runner.decode_batch(tokens, slots)
         if i >= 2:
             times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
@@ -146,8 +147,9 @@ def kv_contexts(loaded: LoadedModel, contexts: list, steps: int, seed: int = 0, 
         try:
             lo, hi = contexts[0], min(max_ctx - 1, 32768)
             mixed = [int(lo * (hi / lo) ** (i / (batch - 1))) for i in range(batch)]
-            same_ms = batch_decode(runner, [lo] * batch, steps)
-            mixed_ms = batch_decode(runner, mixed, steps)
+            tokens = torch.randint(runner.vocab_size, (batch,), generator=gen).tolist()
+            same_ms = batch_decode(runner, [lo] * batch, tokens, steps)
+            mixed_ms = batch_decode(runner, mixed, tokens, steps)
             rec = {"attention": "triton", "batch": batch, "lengths": mixed, "step_ms_same": same_ms,
                    "step_ms_mixed": mixed_ms, "mixed_vs_same": mixed_ms / same_ms}
             out.append(rec)

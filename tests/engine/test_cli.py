@@ -326,7 +326,7 @@ def test_generate_with_the_builtin_model(env, capsys):
     plain = hetmoe(env, *GEN, exe=exe)  # the console script, once
     assert plain.stdout.strip() and "tok/s" not in plain.stdout
     assert "hetmoe: deepseek_v3 from" in plain.stderr and "default_model" in plain.stderr
-    timing = [line for line in plain.stderr.splitlines() if "tok/s" in line]
+    timing = [line for line in plain.stderr.splitlines() if "prompt tokens in" in line]
     assert len(timing) == 1 and "prompt tokens" in timing[0] and "generated" in timing[0]
     code, stdout, _ = main(capsys, *GEN, "--json")
     result = json.loads(stdout)
