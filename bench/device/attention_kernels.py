@@ -141,13 +141,49 @@ def prefix_prefill(start: int, S: int = 8192, H=32, KV=4, D=128) -> dict:
             "sdpa_lower_right_us": timed_us(lower_right, 5), "max_abs_diff": err}
 
 
+CONFIGS = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 8, 3), (128, 4, 2)]
+
+
+def prefill_configs(start: int = 8192, S: int = 8192) -> list:
+    """The prefill kernel's (BLOCK_M, warps, stages) choices on a chunk after a prefix: GQA (qwen3 layer) and MLA's
+    expanded form (128 heads, q/k 128 + 64 shared rope, v 128)."""
+    n = start + S
+    slots = torch.zeros(1, dtype=torch.int64, device="cuda")
+    pos = torch.arange(start, n, device="cuda")[None]
+    rows = []
+    k, v, table = pages_for(1, n, 4, 128, 128)
+    q = torch.randn(1, S, 32, 128, device="cuda", dtype=torch.bfloat16)
+    gqa_flops = 4 * 32 * 128 * S * (start + S / 2)
+    kv, _, mtable = pages_for(1, n, 128, 256, 1)
+    pe = torch.randn(kv.shape[0], P, 1, 64, device="cuda", dtype=torch.bfloat16).expand(-1, -1, 128, -1)
+    qn, qp = (torch.randn(1, S, 128, d, device="cuda", dtype=torch.bfloat16) for d in (128, 64))
+    mla_flops = 2 * 128 * (192 + 128) * S * (start + S / 2)
+    for cfg in CONFIGS:
+        try:
+            t = timed_us(lambda: ta.prefill(q, k, v, table, slots, pos, 0.1, config=cfg), 5)
+            m = timed_us(lambda: ta.prefill(qn, kv[..., :128], kv[..., 128:], mtable, slots, pos, 0.1, q2=qp, k2=pe,
+                                            config=cfg), 3)
+        except Exception as e:  # a config that does not fit the SM (shared memory, registers)
+            rows.append({"kind": "prefill config", "config": cfg, "error": str(e)[:200]})
+            continue
+        rows.append({"kind": "prefill config", "config": cfg, "gqa_us": t, "gqa_tflops": gqa_flops / t / 1e6,
+                     "mla_us": m, "mla_tflops": mla_flops / m / 1e6})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="512,8192,32768,131072")
     ap.add_argument("--json")
+    ap.add_argument("--configs", action="store_true", help="only the prefill kernel's configurations (A/B)")
     args = ap.parse_args()
     ctxs = [int(x) for x in args.contexts.split(",")]
     rows = []
+    if args.configs:
+        rows = prefill_configs()
+        for r in rows:
+            print(json.dumps(r))
+        return
     for cudnn in (False, True):
         torch.backends.cuda.enable_cudnn_sdp(cudnn)
         rows.append({**gqa_prefill(8192), "cudnn_sdp": cudnn})

@@ -26,6 +26,7 @@ import triton.language as tl
 
 DECODE_PROGRAMS_PER_SM = 4  # the split over the sequence aims at up to this many programs per SM
 MAX_SPLITS = 128
+LOG2E = 1.4426950408889634  # the prefill kernel's softmax runs in base 2
 
 
 @triton.jit
@@ -124,16 +125,57 @@ def _decode_reduce(PART_O, PART_L, OUT, spo_n, spo_h, spo_s, spl_n, spl_h, so_n,
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _prefill_page(acc, l_i, m_i, q1, q2, pos, page, kpos, K1, K2, V, kvh,
+                  sk1_t, sk1_h, sk2_t, sk2_h, sv_t, sv_h, sk1_p, sk2_p, sv_p, qk_scale,
+                  D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
+                  BD1: tl.constexpr, BD2: tl.constexpr, BDV: tl.constexpr, P: tl.constexpr,
+                  HAS_Q2: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """One page of keys/values into a block's online softmax (base 2: qk_scale holds log2(e)). MASKED: a page
+    with positions past some query's own (the diagonal); else every position is visible to every query."""
+    t = tl.arange(0, P)
+    d1 = tl.arange(0, BD1)
+    dv = tl.arange(0, BDV)
+    k1 = tl.load(K1 + page * sk1_p + t[:, None] * sk1_t + kvh * sk1_h + d1[None, :], mask=d1[None, :] < D1,
+                 other=0.0)
+    s = _dot(q1, tl.trans(k1), IEEE)
+    if HAS_Q2:
+        d2 = tl.arange(0, BD2)
+        k2 = tl.load(K2 + page * sk2_p + t[:, None] * sk2_t + kvh * sk2_h + d2[None, :], mask=d2[None, :] < D2,
+                     other=0.0)
+        s += _dot(q2, tl.trans(k2), IEEE)
+    s = s * qk_scale
+    if MASKED:
+        s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet (or padding)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(V + page * sv_p + t[:, None] * sv_t + kvh * sv_h + dv[None, :], mask=dv[None, :] < DV, other=0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _prefill(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, OUT,
              sq1_b, sq1_s, sq1_h, sq2_b, sq2_s, sq2_h,
              sk1_p, sk1_t, sk1_h, sk2_p, sk2_t, sk2_h, sv_p, sv_t, sv_h, st_r,
              sp_b, so_b, so_s, so_h,
-             S, H, G, scale,
+             S, H, G, qk_scale,
              D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
              BD1: tl.constexpr, BD2: tl.constexpr, BDV: tl.constexpr,
              BLOCK_M: tl.constexpr, P: tl.constexpr, HAS_Q2: tl.constexpr, IEEE: tl.constexpr):
     """One (block of BLOCK_M query tokens, sequence, head): flash attention over the row's pages up to the
-    block's last position, each token masked to the positions <= its own."""
+    block's last position: first the pages every query of the block sees whole, without masks, then the pages
+    on the diagonal, each token masked to the positions <= its own."""
     mb = tl.program_id(0)
     b = tl.program_id(1) // H
     h = tl.program_id(1) % H
@@ -145,48 +187,30 @@ def _prefill(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, OUT,
     d1 = tl.arange(0, BD1)
     q1 = tl.load(Q1 + b * sq1_b + ms[:, None] * sq1_s + h * sq1_h + d1[None, :],
                  mask=mmask[:, None] & (d1[None, :] < D1), other=0.0)
+    q2 = q1
     if HAS_Q2:
         d2 = tl.arange(0, BD2)
         q2 = tl.load(Q2 + b * sq2_b + ms[:, None] * sq2_s + h * sq2_h + d2[None, :],
                      mask=mmask[:, None] & (d2[None, :] < D2), other=0.0)
-    dv = tl.arange(0, BDV)
     t = tl.arange(0, P)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BDV], tl.float32)
     top = tl.max(pos, 0)
-    for pg in range(0, top // P + 1):
+    low = tl.min(tl.where(mmask, pos, top), 0)  # the block's first real position
+    whole = (low + 1) // P  # pages 0 .. whole - 1 end at or before it
+    for pg in range(0, whole):
         page = tl.load(TABLE + slot * st_r + pg).to(tl.int64)
-        kpos = pg * P + t
-        kvalid = kpos <= top
-        k1 = tl.load(K1 + page * sk1_p + t[:, None] * sk1_t + kvh * sk1_h + d1[None, :],
-                     mask=kvalid[:, None] & (d1[None, :] < D1), other=0.0)
-        if IEEE:
-            s = tl.dot(q1, tl.trans(k1), input_precision="ieee")
-        else:
-            s = tl.dot(q1, tl.trans(k1))
-        if HAS_Q2:
-            k2 = tl.load(K2 + page * sk2_p + t[:, None] * sk2_t + kvh * sk2_h + d2[None, :],
-                         mask=kvalid[:, None] & (d2[None, :] < D2), other=0.0)
-            if IEEE:
-                s += tl.dot(q2, tl.trans(k2), input_precision="ieee")
-            else:
-                s += tl.dot(q2, tl.trans(k2))
-        allowed = kpos[None, :] <= pos[:, None]
-        s = tl.where(allowed, s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet (or padding)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + page * sv_p + t[:, None] * sv_t + kvh * sv_h + dv[None, :],
-                    mask=kvalid[:, None] & (dv[None, :] < DV), other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        acc, l_i, m_i = _prefill_page(acc, l_i, m_i, q1, q2, pos, page, pg * P + t, K1, K2, V, kvh,
+                                      sk1_t, sk1_h, sk2_t, sk2_h, sv_t, sv_h, sk1_p, sk2_p, sv_p, qk_scale,
+                                      D1, D2, DV, BD1, BD2, BDV, P, HAS_Q2, False, IEEE)
+    for pg in range(whole, top // P + 1):
+        page = tl.load(TABLE + slot * st_r + pg).to(tl.int64)
+        acc, l_i, m_i = _prefill_page(acc, l_i, m_i, q1, q2, pos, page, pg * P + t, K1, K2, V, kvh,
+                                      sk1_t, sk1_h, sk2_t, sk2_h, sv_t, sv_h, sk1_p, sk2_p, sv_p, qk_scale,
+                                      D1, D2, DV, BD1, BD2, BDV, P, HAS_Q2, True, IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    dv = tl.arange(0, BDV)
     tl.store(OUT + b * so_b + ms[:, None] * so_s + h * so_h + dv[None, :], out.to(OUT.dtype.element_ty),
              mask=mmask[:, None] & (dv[None, :] < DV))
 
@@ -262,11 +286,18 @@ def decode(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None, table: to
     return out
 
 
+PREFILL_CONFIGS = {  # (query tokens per program, warps, pipeline stages) by head size, measured on the GPU machine
+    "small": (128, 8, 2),  # q/k and v head dims <= 128
+    "big": (64, 8, 2),  # MLA's expanded form (q/k 128 + 64, v 128)
+}
+
+
 def prefill(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
             positions: torch.Tensor, scale: float, *, q2: torch.Tensor | None = None,
-            k2: torch.Tensor | None = None) -> torch.Tensor:
+            k2: torch.Tensor | None = None, config: tuple | None = None) -> torch.Tensor:
     """q1 [B, S, H, D1] (q2 [B, S, H, D2]) at ``positions`` [B, S] of cache rows ``slots`` [B] -> [B, S, H, DV]
-    in q1's dtype; every token's key/value must be in the cache already. Pages as in ``decode``."""
+    in q1's dtype; every token's key/value must be in the cache already. Pages as in ``decode``. ``config``:
+    (BLOCK_M, num_warps, num_stages) instead of PREFILL_CONFIGS' (benchmarks)."""
     B, S, H, D1 = q1.shape
     KV = k1.shape[2]
     DV = v.shape[-1]
@@ -277,15 +308,17 @@ def prefill(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, table: torch.Te
     D2 = q2_.shape[-1] if has_q2 else 16
     positions = positions.contiguous()
     big = max(D1 + (D2 if has_q2 else 0), DV) > 128
-    block_m = 64 if big or q1.dtype == torch.float32 else 128
+    block_m, warps, stages = config or PREFILL_CONFIGS["big" if big else "small"]
+    if q1.dtype == torch.float32 or q1.device.type != "cuda":
+        block_m, warps, stages = 64, 4, 1  # fp32 tiles (tests, the interpreter)
     _prefill[(-(-S // block_m), B * H)](
         q1, q2_, k1, k2_, v, table, slots, positions, out,
         q1.stride(0), q1.stride(1), q1.stride(2), q2_.stride(0), q2_.stride(1), q2_.stride(2),
         *_page_strides(k1), *_page_strides(k2_), *_page_strides(v), table.stride(0),
         positions.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        S, H, H // KV, scale,
+        S, H, H // KV, scale * LOG2E,
         D1=D1, D2=D2, DV=DV, BD1=_pow2(D1), BD2=_pow2(D2), BDV=_pow2(DV),
         BLOCK_M=block_m, P=P, HAS_Q2=has_q2, IEEE=q1.dtype == torch.float32,
-        num_warps=8 if big or block_m == 128 else 4, num_stages=2,
+        num_warps=warps, num_stages=stages,
     )
     return out
