@@ -88,7 +88,8 @@ def mla_decode(B: int, ctx: int, H=128, r=512, rope=64, lengths=None) -> dict:
         s = (q_lat @ cc.transpose(1, 2) + q_pe @ pc.transpose(1, 2)).float() * 0.1
         return ((s + mask).softmax(-1).to(cc.dtype) @ cc)
 
-    return {"kind": "mla decode" + (" mixed" if lengths else ""), "batch": B, "context": ctx, "triton_us": ours, "sdpa_us": graph_us(torch_form),
+    return {"kind": "mla decode" + (" mixed" if lengths else ""), "batch": B, "context": ctx, "triton_us": ours,
+            "sdpa_us": graph_us(torch_form),
             "kv_gbps": B * ctx * (r + rope) * 2 / ours / 1e3}
 
 
