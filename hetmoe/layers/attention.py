@@ -7,8 +7,8 @@ attend to and later overwrite.
 Two ways to attend (``attend_cache``): over a paged cache on a GPU, the Triton kernels of
 layers/triton_attention.py read the pages in place, causal from each token's position, no mask anywhere (a prompt
 chunk from position 0 goes to SDPA's flash kernel with ``is_causal``: it needs no cache read); else (CPU, no Triton,
-``--attention sdpa``) PyTorch's SDPA over the cache rows, with ``is_causal`` for a prompt from position 0 and an
-additive mask otherwise.
+``--attention sdpa``) PyTorch's SDPA over the cache rows: ``is_causal`` for a prompt from position 0, the lower-right
+causal bias after a cached prefix, an additive mask for batches of several sequences.
 """
 
 from __future__ import annotations
@@ -76,10 +76,8 @@ def attend_cache(q: torch.Tensor, cache: KVCache, layer: int, step: Step, scale:
     if cache.paged:
         from hetmoe.layers import triton_attention
 
-        if step.start is not None and q.shape[1] > 1:  # one prompt: SDPA's flash kernel (see attend)
-            if step.start == 0 and new is not None:  # causal over its own keys: no cache read
-                return causal_sdpa(q, *new, scale)
-            return attend(q, *cache.rows(layer, step), step, scale)
+        if step.start == 0 and new is not None and q.shape[1] > 1:  # causal over its own keys: no cache read
+            return causal_sdpa(q, *new, scale)  # SDPA's flash kernel
         k, v = cache.pages(layer)
         if q.shape[1] == 1:
             out = triton_attention.decode(q[:, 0], k, v, cache.table, step.slots, step.positions[:, 0], scale)

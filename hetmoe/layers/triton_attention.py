@@ -286,9 +286,11 @@ def decode(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None, table: to
     return out
 
 
-PREFILL_CONFIGS = {  # (query tokens per program, warps, pipeline stages) by head size, measured on the GPU machine
-    "small": (128, 8, 2),  # q/k and v head dims <= 128
-    "big": (64, 8, 2),  # MLA's expanded form (q/k 128 + 64, v 128)
+# (query tokens per program, warps, pipeline stages) by head size: the fastest of bench/device/attention_kernels.py
+# --configs on the H200 (BENCHMARKS.md#attention-kernels)
+PREFILL_CONFIGS = {
+    "small": (64, 4, 3),  # q/k and v head dims <= 128
+    "big": (64, 4, 2),  # MLA's expanded form (q/k 128 + 64, v 128)
 }
 
 
