@@ -132,6 +132,7 @@ class GraphDecoder:
             if self.cache.version != self.cache_version:  # the cache reallocated: its graphs read freed memory
                 torch.cuda.current_stream(self.device).synchronize()
                 self.graphs.clear()
+                self.mempool = torch.cuda.graph_pool_handle()  # the old pool went with its last graph
                 self.cache_version = self.cache.version
             key = (B, kv_len, cpu)
             if key not in self.graphs:

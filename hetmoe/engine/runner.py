@@ -50,10 +50,12 @@ class Runner:
         paged = loaded.options.attention != "sdpa" and paged_kernels(self.device)
         if loaded.options.attention == "triton" and not paged:
             raise RuntimeError("--attention triton needs a CUDA device and the triton package")
-        # KV memory for the positions in use (layers/kv_cache.py): pages on a GPU, a growing capacity elsewhere
+        # KV memory (layers/kv_cache.py): on a GPU with the Triton kernels, pages for the positions in use; on the
+        # CPU a capacity that grows with the longest sequence; the GPU's SDPA fallback holds every position up front
+        # (growing there would re-capture the decode graphs)
+        initial = rows * 4 * KV_BUCKET if paged else KV_BUCKET if self.device.type == "cpu" else None
         self.cache = self.model.make_cache(rows, self.max_context, self.dtype, self.device,
-                                           page_size=KV_BUCKET if paged else None,
-                                           initial_tokens=rows * 4 * KV_BUCKET if paged else KV_BUCKET)
+                                           page_size=KV_BUCKET if paged else None, initial_tokens=initial)
         self.reclaim: Optional[Callable[[], bool]] = None  # frees idle slots' caches when the KV memory runs out
         self.lengths = [0] * self.max_batch  # tokens in each slot's cache
         self.vocab_size = loaded.config.vocab_size

@@ -5,8 +5,8 @@ New keys/values are written at their absolute positions, and a query at position
 attend to and later overwrite.
 
 Two ways to attend (``attend_cache``): over a paged cache on a GPU, the Triton kernels of
-layers/triton_attention.py read the pages in place, causal from each token's position, no mask anywhere (a prompt
-chunk from position 0 goes to SDPA's flash kernel with ``is_causal``: it needs no cache read); else (CPU, no Triton,
+layers/triton_attention.py read the pages in place, causal from each token's position, no mask anywhere (measured
+faster than the SDPA flash kernel the engine runs, BENCHMARKS.md#attention-kernels); else (CPU, no Triton,
 ``--attention sdpa``) PyTorch's SDPA over the cache rows: ``is_causal`` for a prompt from position 0, the lower-right
 causal bias after a cached prefix, an additive mask for batches of several sequences.
 """
@@ -69,15 +69,11 @@ def paged_kernels(device) -> bool:
     return True
 
 
-def attend_cache(q: torch.Tensor, cache: KVCache, layer: int, step: Step, scale: float,
-                 new: tuple | None = None) -> torch.Tensor:
-    """q [B, S, heads, D] over this layer's cache (written already for this step) -> [B, S, heads, Dv]. ``new``: the
-    step's own keys and values [B, S, kv_heads, D] (a prompt from position 0 needs nothing else)."""
+def attend_cache(q: torch.Tensor, cache: KVCache, layer: int, step: Step, scale: float) -> torch.Tensor:
+    """q [B, S, heads, D] over this layer's cache (written already for this step) -> [B, S, heads, Dv]."""
     if cache.paged:
         from hetmoe.layers import triton_attention
 
-        if step.start == 0 and new is not None and q.shape[1] > 1:  # causal over its own keys: no cache read
-            return causal_sdpa(q, *new, scale)  # SDPA's flash kernel
         k, v = cache.pages(layer)
         if q.shape[1] == 1:
             out = triton_attention.decode(q[:, 0], k, v, cache.table, step.slots, step.positions[:, 0], scale)
@@ -196,5 +192,5 @@ class GQAAttention(nn.Module):
         qk = apply_rope(qk, *rope)
         q, k = qk.split((H, K), dim=2)
         cache.write(self.layer_idx, step, k, v)
-        out = attend_cache(q, cache, self.layer_idx, step, D**-0.5, new=(k, v))  # [B, S, heads, D]
+        out = attend_cache(q, cache, self.layer_idx, step, D**-0.5)  # [B, S, heads, D]
         return self.o_proj(out.reshape(B, S, -1))
