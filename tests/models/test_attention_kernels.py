@@ -249,3 +249,37 @@ def test_model_on_the_paged_kernels_matches_the_contiguous_cache(kernels, checkp
                             start=int(positions[0, 0]) if len(slots) == 1 else None)
                 outs.append(model.logits(model(ids, step, cache)))
             assert max_rel(outs[0], outs[1]) < 1e-4, (arch, positions.tolist())
+
+
+# ---------------------------------------------------------------- the runner: KV memory for the positions in use
+
+
+def test_a_long_context_runner_holds_kv_for_the_positions_in_use(checkpoints):
+    """16 slots of a 128K context: the cache starts small and grows with what the sequences hold (paged on a GPU with
+    Triton: pages per sequence; else one capacity for the longest), and a prompt longer than the context is refused."""
+    from hetmoe.engine.loader import load_model
+    from hetmoe.engine.placement import EngineOptions
+    from hetmoe.engine.runner import Runner
+
+    ctx = 131072
+    loaded = load_model(checkpoints("qwen3_moe", {"max_position_embeddings": ctx}),
+                        EngineOptions(device=DEVICE, dtype="fp32", max_batch=16, max_context=ctx),
+                        expert_cache=None, log=lambda m: None)
+    runner = Runner(loaded)
+    cache = runner.cache
+    full = 17 * ctx * cache.elems_per_token * 4  # every row's whole context, fp32
+    assert cache.bytes_allocated < full / 100
+    runner.prefill(list(range(3, 300)), slot=0)
+    runner.prefill(list(range(3, 40)), slot=5)
+    for _ in range(3):
+        runner.decode_batch([7, 8], [0, 5])
+    held = cache.tokens_held()
+    if cache.paged:
+        assert held == (-(-300 // 64) + -(-40 // 64)) * 64  # pages of the two sequences only
+        runner.prefill(list(range(3, 20)), slot=0)  # slot 0 starts over: its pages go back
+        assert cache.tokens_held() == (1 + 1) * 64
+    else:
+        assert held == 16 * 320  # every row holds the longest sequence's capacity, rounded up to 64
+    assert cache.bytes_allocated < full / 100
+    with pytest.raises(ValueError, match="context holds"):
+        runner.prefill([1] * (ctx + 1), slot=1)
