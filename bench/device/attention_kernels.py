@@ -60,17 +60,17 @@ def pages_for(B: int, ctx: int, kv: int, d: int, dv: int):
     return k, v, table
 
 
-def gqa_decode(B: int, ctx: int, H=32, KV=4, D=128) -> dict:
+def gqa_decode(B: int, ctx: int, H=32, KV=4, D=128, lengths=None) -> dict:
     k, v, table = pages_for(B, ctx, KV, D, D)
     q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
-    pos = torch.full((B,), ctx - 1, device="cuda")
+    pos = torch.full((B,), ctx - 1, device="cuda") if lengths is None else torch.tensor(lengths, device="cuda") - 1
     slots = torch.arange(B, device="cuda")
     ours = graph_us(lambda: ta.decode(q, k, v, table, slots, pos, D**-0.5))
     kc = k[1:].view(B, -1, KV, D)[:, :ctx]
     vc = v[1:].view(B, -1, KV, D)[:, :ctx]
     step = Step(pos.view(B, 1), slots, kv_len=ctx)
     sdpa = graph_us(lambda: attend(q.view(B, 1, H, D), kc, vc, step, D**-0.5))
-    return {"kind": "gqa decode", "batch": B, "context": ctx, "triton_us": ours, "sdpa_us": sdpa,
+    return {"kind": "gqa decode" + (" mixed" if lengths else ""), "batch": B, "context": ctx, "triton_us": ours, "sdpa_us": sdpa,
             "kv_gbps": 2 * B * ctx * KV * D * 2 / ours / 1e3}
 
 
@@ -177,9 +177,18 @@ def main() -> None:
     ap.add_argument("--contexts", default="512,8192,32768,131072")
     ap.add_argument("--json")
     ap.add_argument("--configs", action="store_true", help="only the prefill kernel's configurations (A/B)")
+    ap.add_argument("--splits", action="store_true", help="only the decode kernel's split target (A/B)")
     args = ap.parse_args()
     ctxs = [int(x) for x in args.contexts.split(",")]
     rows = []
+    if args.splits:  # the split target's A/B at batch 16, mixed lengths (the decode kernel's straggler rows)
+        mixed = [int(512 * 64 ** (i / 15)) for i in range(16)]
+        for per_sm in (2, 4, 8, 16):
+            ta.DECODE_PROGRAMS_PER_SM = per_sm
+            for r in (gqa_decode(16, 32768, lengths=mixed), gqa_decode(16, 512), mla_decode(16, 32768, lengths=mixed),
+                      gqa_decode(1, 8192), mla_decode(1, 8192)):
+                print(json.dumps({**r, "programs_per_sm": per_sm}))
+        return
     if args.configs:
         rows = prefill_configs()
         for r in rows:
