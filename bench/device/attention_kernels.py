@@ -185,8 +185,8 @@ def main() -> None:
         mixed = [int(512 * 64 ** (i / 15)) for i in range(16)]
         for per_sm in (2, 4, 8, 16):
             ta.DECODE_PROGRAMS_PER_SM = per_sm
-            for r in (gqa_decode(16, 32768, lengths=mixed), gqa_decode(16, 512), mla_decode(16, 32768, lengths=mixed),
-                      gqa_decode(1, 8192), mla_decode(1, 8192)):
+            for r in (gqa_decode(16, 32768, lengths=mixed), gqa_decode(16, 512),
+                      mla_decode(16, 32768, lengths=mixed), gqa_decode(1, 8192), mla_decode(1, 8192)):
                 print(json.dumps({**r, "programs_per_sm": per_sm}))
         return
     if args.configs:
