@@ -70,7 +70,8 @@ def gqa_decode(B: int, ctx: int, H=32, KV=4, D=128, lengths=None) -> dict:
     vc = v[1:].view(B, -1, KV, D)[:, :ctx]
     step = Step(pos.view(B, 1), slots, kv_len=ctx)
     sdpa = graph_us(lambda: attend(q.view(B, 1, H, D), kc, vc, step, D**-0.5))
-    return {"kind": "gqa decode" + (" mixed" if lengths else ""), "batch": B, "context": ctx, "triton_us": ours, "sdpa_us": sdpa,
+    return {"kind": "gqa decode" + (" mixed" if lengths else ""), "batch": B, "context": ctx, "triton_us": ours,
+            "sdpa_us": sdpa,
             "kv_gbps": 2 * B * ctx * KV * D * 2 / ours / 1e3}
 
 
