@@ -24,7 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-DECODE_PROGRAMS_PER_SM = 4  # the split over the sequence aims at up to this many programs per SM
+# the split over the sequence aims at up to this many programs per SM (more splits even out a batch of mixed lengths:
+# BENCHMARKS.md#attention-kernels)
+DECODE_PROGRAMS_PER_SM = 8
 MAX_SPLITS = 128
 LOG2E = 1.4426950408889634  # the prefill kernel's softmax runs in base 2
 
