@@ -45,6 +45,7 @@ import torch
 
 from hetmoe.engine.generation import GenerationResult, SamplingParams, SequenceState, Timings
 from hetmoe.engine.tokenizer import Tokenizer
+from hetmoe.layers.kv_cache import KVCacheFull
 
 PREFILL_TOKENS = 512  # padded tokens one batched prefill call may hold (short prompts arriving together)
 
@@ -127,6 +128,12 @@ class _Sequence:
     @property
     def prefilling(self) -> bool:
         return self.prefilled < len(self.req.prompt_ids)
+
+
+def _kind(e: BaseException) -> str:
+    """The error kind of a request that a runner call failed: "capacity" when the KV cache memory is out (the server
+    answers 503: the request may succeed later), else "failed"."""
+    return "capacity" if isinstance(e, KVCacheFull) else "failed"
 
 
 def _common_prefix(a: list, b: list) -> int:
@@ -313,7 +320,7 @@ class Scheduler:
                 rows.append(self.runner.prefill(chunk, slot=seq.slot, start=seq.prefilled))
             except Exception as e:
                 traceback.print_exc()
-                self._fail(seq, "failed", f"prefill failed: {type(e).__name__}: {e}", e)
+                self._fail(seq, _kind(e), f"prefill failed: {type(e).__name__}: {e}", e)
                 rows.append(None)
         return rows
 
@@ -345,7 +352,7 @@ class Scheduler:
                 rows.append(self.runner.decode_batch([seq.next_token], [seq.slot])[0])
             except Exception as e:
                 traceback.print_exc()
-                self._fail(seq, "failed", f"decode failed: {type(e).__name__}: {e}", e)
+                self._fail(seq, _kind(e), f"decode failed: {type(e).__name__}: {e}", e)
         return torch.stack(rows) if rows else torch.empty(0)
 
     def _sample(self, batch: list, logits: torch.Tensor) -> list:

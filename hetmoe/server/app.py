@@ -108,8 +108,8 @@ async def _completions(request: web.Request, kind: str) -> web.StreamResponse:
 
 
 def _error_of(event: tuple) -> APIError:
-    _, status, message = event
-    return APIError(status, message, type="server_error", code="engine_error" if status == 500 else "shutting_down")
+    _, status, message, code = event
+    return APIError(status, message, type="server_error", code=code)
 
 
 async def _whole(req: Request, parsed: protocol.Parsed, model: str) -> web.Response:

@@ -7,7 +7,7 @@ request's asyncio queue with ``loop.call_soon_threadsafe``, as events:
 
     ("text", piece)                                   text that is final (stop strings already cut)
     ("done", finish_reason, prompt_tokens, completion_tokens)
-    ("error", http_status, message)                   only this request failed; the loop goes on
+    ("error", http_status, message, code)             only this request failed; the loop goes on
 """
 
 from __future__ import annotations
@@ -24,7 +24,10 @@ from hetmoe.engine.generation import SamplingParams
 from hetmoe.engine.tokenizer import Tokenizer
 from hetmoe.server.metrics import Metrics
 
-HTTP_STATUS = {"invalid": 400, "failed": 500, "shutdown": 503}  # the engine's error kinds
+# the engine's error kinds -> HTTP status and error code ("capacity": the KV cache memory is out; try again later)
+HTTP_STATUS = {"invalid": 400, "failed": 500, "shutdown": 503, "capacity": 503}
+ERROR_CODE = {"invalid": "invalid_value", "failed": "engine_error", "shutdown": "shutting_down",
+              "capacity": "kv_cache_full"}
 SHUTTING_DOWN = "the server is shutting down"
 
 
@@ -40,7 +43,7 @@ class Request(engine.Request):
     def deliver(self, event: tuple) -> None:
         """Called on the engine thread: hand ``event`` to the request's event loop."""
         if event[0] == "error":
-            event = ("error", HTTP_STATUS[event[1]], event[2])
+            event = ("error", HTTP_STATUS[event[1]], event[2], ERROR_CODE[event[1]])
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop is closed: nobody is listening any more

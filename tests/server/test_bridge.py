@@ -149,6 +149,58 @@ def test_an_engine_error_fails_only_that_request(tok):
         assert got[i][1][:2] == ("done", "length") and got[i][1][3] == 8
 
 
+class KVLimitedRunner(SlotRunner):
+    """A runner whose KV memory holds ``budget`` positions over all slots (hetmoe.engine.runner.Runner's contract:
+    ``reserve`` raises KVCacheFull after ``reclaim``, the scheduler's, could not free enough; ``release`` frees)."""
+
+    def __init__(self, budget, **kw):
+        super().__init__(**kw)
+        self.budget, self.held = budget, [0] * self.max_batch
+        self.reclaim, self.reclaimed = None, 0
+
+    def reserve(self, slot, length):
+        from hetmoe.layers.kv_cache import KVCacheFull
+
+        def fits():
+            return sum(self.held) - self.held[slot] + max(self.held[slot], length) <= self.budget
+
+        if not fits() and self.reclaim is not None and self.reclaim():
+            self.reclaimed += 1
+        if not fits():
+            raise KVCacheFull(f"the KV cache cannot grow to {length} positions")
+        self.held[slot] = max(self.held[slot], length)
+
+    def release(self, slot, keep=0):
+        self.held[slot] = min(self.held[slot], keep)
+        self.lengths[slot] = min(self.lengths[slot], keep)
+
+    def prefill(self, ids, slot=0, start=0):
+        self.release(slot, start)
+        self.reserve(slot, start + len(ids))
+        return super().prefill(ids, slot, start)
+
+    def decode_batch(self, tokens, slots):
+        for s in slots:
+            self.reserve(s, self.lengths[s] + 1)
+        return super().decode_batch(tokens, slots)
+
+
+def test_kv_memory_out_frees_idle_slots_then_fails_that_request_with_503(tok):
+    """Two requests leave their slots' caches (reusable prefixes); a third, larger one needs that memory: the
+    scheduler frees the idle slots and it runs. One that needs more than the whole budget fails alone, 503
+    kv_cache_full (it may run later), and the loop goes on."""
+    runner = KVLimitedRunner(budget=24, max_batch=2, max_context=64, prefill_chunk=64)
+    got = _serve(runner, tok, [([1, 2, 3, 4], SamplingParams(max_tokens=4, ignore_eos=True)),
+                               ([1, 2, 3, 5], SamplingParams(max_tokens=4, ignore_eos=True))])
+    assert all(g[1][:2] == ("done", "length") for g in got) and runner.held == [7, 7]  # both keep their caches
+    got = _serve(runner, tok, [([9] * 17, SamplingParams(max_tokens=3, ignore_eos=True))])  # 19 + the other's 7
+    assert got[0][1][:2] == ("done", "length") and runner.reclaimed == 1
+    got = _serve(runner, tok, [([5] * 30, SamplingParams(max_tokens=2, ignore_eos=True)),
+                               ([6, 7], SamplingParams(max_tokens=2, ignore_eos=True))])
+    assert got[0][1][:2] == ("error", 503) and got[0][1][3] == "kv_cache_full" and "cannot grow" in got[0][1][2]
+    assert got[1][1][:2] == ("done", "length")
+
+
 class GatedRunner(SlotRunner):
     """Decode steps wait for ``gate``: the test decides when the running sequence may move on."""
 
