@@ -2,6 +2,7 @@
 llm.py (LLM) and `hetmoe generate` / `hetmoe chat` (hetmoe/cli/) run as subprocesses. Checkpoints are
 written by the test; the expert cache is off or a tmp dir (XDG_CACHE_HOME too)."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -84,6 +85,24 @@ def test_auto_format_picks_the_most_precise_that_fits(monkeypatch):
         plan = choose_plan(SHAPES, opts)
         assert plan.experts_format == want
         assert plan.ram["routed experts"] == SHAPES.n_routed * expert_bytes(want, 1024, 1024, plan.group_size)
+
+
+def test_the_context_defaults_to_the_models_limit_or_the_most_that_fits(monkeypatch):
+    """No --max-context: the model's limit when it fits; else the largest multiple of 1024 that does, with a note; a
+    --max-context given is kept (and refused when it does not fit)."""
+    shapes = dataclasses.replace(SHAPES, max_position_embeddings=131072)
+    opts = EngineOptions(device="cpu", experts_format="int4", max_batch=2)
+    full = plan_memory(shapes, opts, torch.device("cpu"), "int4")
+    assert full.max_context == 131072 and full.ram["KV cache"] == 2 * 131072 * 16384 * 4  # fp32, both rows
+    monkeypatch.setattr(placement, "free_ram", lambda: int(full.ram_bytes / placement.HEADROOM) + 1)
+    assert choose_plan(shapes, opts).max_context == 131072 and not choose_plan(shapes, opts).notes
+    budget = full.ram_bytes - full.ram["KV cache"] + 2 * 50_000 * 16384 * 4  # room for 50,000 positions per row
+    monkeypatch.setattr(placement, "free_ram", lambda: int(budget / placement.HEADROOM))
+    plan = choose_plan(shapes, opts)
+    assert plan.max_context == 50_000 // 1024 * 1024 and plan.ram_bytes <= budget
+    assert "not the model's 131072" in plan.notes[0] and "--max-context" in plan.notes[0]
+    with pytest.raises(MemoryError, match="smaller --max-context"):
+        choose_plan(shapes, dataclasses.replace(opts, max_context=131072))
 
 
 @pytest.mark.parametrize("E, H, I", [(3, 100, 37), (2, 129, 65), (1, 17, 200)])
