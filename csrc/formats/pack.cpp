@@ -78,13 +78,57 @@ float choose_int4_scale(const float* src, int n, int8_t* q) {
   return best_s;
 }
 
-}  // namespace
+// Writes the codes of elements [k0, k0 + n) of one row (int8: q + 128 per byte; int4: q + 8 per nibble) into its
+// lines; dst points at the row's 4 bytes of line 0.
+inline void put_codes(WeightFormat f, uint8_t* dst, int k0, int n, const int8_t* codes) {
+  for (int i = 0; i < n; ++i) {
+    int k = k0 + i;
+    if (f == WeightFormat::int8) {
+      dst[(size_t)(k / 4) * kLineBytes + k % 4] = (uint8_t)(codes[i] + 128);
+    } else {
+      int j = k % 8;
+      uint8_t* p = dst + (size_t)(k / 8) * kLineBytes + j % 4;
+      uint8_t u = (uint8_t)(codes[i] + 8);
+      *p = j >= 4 ? (uint8_t)((*p & 0x0f) | (u << 4)) : (uint8_t)((*p & 0xf0) | u);
+    }
+  }
+}
 
-void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data, float* scales) {
+inline void clear_block(const MatrixShape& s, uint8_t* data, float* scales) {
   const WeightFormat f = s.format;
   const uint8_t zero = f == WeightFormat::int8 ? 128 : (f == WeightFormat::int4 ? 0x88 : 0);
   std::memset(data, zero, s.block_bytes());
   if (s.has_scales()) std::memset(scales, 0, s.block_scales() * sizeof(float));
+}
+
+}  // namespace
+
+bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* group_scales, int rb, uint8_t* data,
+                          float* scales) {
+  const WeightFormat f = s.format;
+  if (f == WeightFormat::bf16 || s.per_row) return false;
+  clear_block(s, data, scales);
+  const int lo = f == WeightFormat::int8 ? -127 : -8, hi = f == WeightFormat::int8 ? 127 : 7;
+  const int ng = s.n_groups();
+  for (int r = 0; r < kRowsPerBlock; ++r) {
+    int row = rb * kRowsPerBlock + r;
+    if (row >= s.n) break;
+    const int8_t* src = q + (size_t)row * s.k;
+    for (int k = 0; k < s.k; ++k)
+      if (src[k] < lo || src[k] > hi) return false;
+    put_codes(f, data + 4 * r, 0, s.k, src);
+    for (int g = 0; g < ng; ++g) {
+      float sc = group_scales[(size_t)row * ng + g];
+      if (!std::isfinite(sc)) return false;
+      scales[(size_t)g * kRowsPerBlock + r] = sc;
+    }
+  }
+  return true;
+}
+
+void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data, float* scales) {
+  const WeightFormat f = s.format;
+  clear_block(s, data, scales);
   int8_t codes[kMaxGroup];
   for (int r = 0; r < kRowsPerBlock; ++r) {
     int row = rb * kRowsPerBlock + r;
@@ -112,19 +156,10 @@ void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data,
         float inv = amax > 0.f ? 127.f / amax : 0.f;
         for (int i = 0; i < n; ++i) codes[i] = (int8_t)clampf(round_even(src[k0 + i] * inv), -127.f, 127.f);
         scale = amax / 127.f;
-        for (int i = 0; i < n; ++i) {
-          int k = k0 + i;
-          dst[(size_t)(k / 4) * kLineBytes + k % 4] = (uint8_t)(codes[i] + 128);
-        }
       } else {
         scale = choose_int4_scale(src + k0, n, codes);
-        for (int i = 0; i < n; ++i) {
-          int k = k0 + i, j = k % 8;
-          uint8_t* p = dst + (size_t)(k / 8) * kLineBytes + j % 4;
-          uint8_t u = (uint8_t)(codes[i] + 8);
-          *p = j >= 4 ? (uint8_t)((*p & 0x0f) | (u << 4)) : (uint8_t)((*p & 0xf0) | u);
-        }
       }
+      put_codes(f, dst, k0, n, codes);
       scales[(size_t)g * kRowsPerBlock + r] = scale;
     }
   }

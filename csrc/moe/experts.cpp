@@ -111,13 +111,12 @@ RowBlock MoeExperts::down_block(int e, int rb) const {
   return b;
 }
 
-void MoeExperts::load(int e0, int n, const float* gate, const float* up, const float* down) {
+void MoeExperts::pack_all(int e0, int n, const BlockPacker& pack, const char* failure) {
   if (e0 < 0 || n < 0 || e0 + n > cfg_.n_expert)
     throw std::invalid_argument("load: experts [" + std::to_string(e0) + ", " + std::to_string(e0 + n) +
                                 ") are outside [0, " + std::to_string(cfg_.n_expert) + ")");
   const int gu_tasks = gu_.n_blocks * 2, per_expert = gu_tasks + down_.n_blocks;
-  const size_t IH = (size_t)cfg_.intermediate * cfg_.hidden;
-  // Non-finite source values are refused (per matrix) before anything is marked loaded.
+  // A block whose source is refused fails its matrix (per expert) before anything is marked loaded.
   std::vector<std::atomic<int>> bad(n * 3);
   for (auto& b : bad) b.store(0);
   pool_->run_and_wait([&](ThreadPool& pool) {
@@ -125,28 +124,49 @@ void MoeExperts::load(int e0, int n, const float* gate, const float* up, const f
       int i = (int)(task / per_expert), b = (int)(task % per_expert), e = e0 + i;
       const MatrixShape& shape = b < gu_tasks ? gu_ : down_;
       int which = b < gu_tasks ? b % 2 : 2, rb = b < gu_tasks ? b / 2 : b - gu_tasks;
-      const float* src = (which == 0 ? gate : which == 1 ? up : down) + i * IH;
-      const int r0 = rb * kRowsPerBlock, r1 = std::min(shape.n, r0 + kRowsPerBlock);
-      for (size_t v = (size_t)r0 * shape.k; v < (size_t)r1 * shape.k; ++v)
-        if (!std::isfinite(src[v])) {
-          bad[i * 3 + which].store(1);
-          return;
-        }
       size_t idx = which == 2 ? (size_t)e * down_.n_blocks + rb : ((size_t)e * gu_.n_blocks + rb) * 2 + which;
       uint8_t* data = (which == 2 ? down_data_ : gu_data_).data() + idx * shape.block_bytes();
       float* scales =
           reinterpret_cast<float*>((which == 2 ? down_scales_ : gu_scales_).data()) + idx * shape.block_scales();
-      pack_row_block(shape, src, rb, data, scales);
+      if (!pack(i, which, shape, rb, data, scales)) bad[i * 3 + which].store(1);
     });
   });
   static const char* names[3] = {"gate", "up", "down"};
   for (int i = 0; i < n; ++i) {
     for (int m = 0; m < 3; ++m)
       if (bad[i * 3 + m].load())
-        throw std::invalid_argument(std::string(names[m]) + " of expert " + std::to_string(e0 + i) +
-                                    " contains NaN or Inf");
+        throw std::invalid_argument(std::string(names[m]) + " of expert " + std::to_string(e0 + i) + " " + failure);
     loaded_[e0 + i] = 1;
   }
+}
+
+void MoeExperts::load(int e0, int n, const float* gate, const float* up, const float* down) {
+  const size_t IH = (size_t)cfg_.intermediate * cfg_.hidden;
+  pack_all(
+      e0, n,
+      [&](int i, int which, const MatrixShape& shape, int rb, uint8_t* data, float* scales) {
+        const float* src = (which == 0 ? gate : which == 1 ? up : down) + i * IH;
+        const int r0 = rb * kRowsPerBlock, r1 = std::min(shape.n, r0 + kRowsPerBlock);
+        for (size_t v = (size_t)r0 * shape.k; v < (size_t)r1 * shape.k; ++v)
+          if (!std::isfinite(src[v])) return false;
+        pack_row_block(shape, src, rb, data, scales);
+        return true;
+      },
+      "contains NaN or Inf");
+}
+
+void MoeExperts::load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3]) {
+  if (cfg_.format == WeightFormat::bf16 || gu_.per_row)
+    throw std::invalid_argument("load_codes: the experts' format must be grouped int8 or int4");
+  const size_t IH = (size_t)cfg_.intermediate * cfg_.hidden;
+  pack_all(
+      e0, n,
+      [&](int i, int which, const MatrixShape& shape, int rb, uint8_t* data, float* scales) {
+        const size_t per_expert_scales = (size_t)shape.n * shape.n_groups();
+        return pack_row_block_codes(shape, q[which] + i * IH, group_scales[which] + i * per_expert_scales, rb, data,
+                                    scales);
+      },
+      "has a code outside its format's range or a scale that is not finite");
 }
 
 void MoeExperts::unpack(int e, float* gate, float* up, float* down) const {

@@ -17,6 +17,7 @@
 #pragma once
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -77,6 +78,10 @@ class MoeExperts {
   // Packs experts [e0, e0 + n): gate, up fp32 [n, I, H]; down fp32 [n, H, I]. Runs on the pool and returns
   // when done; must not overlap with jobs of this layer in flight.
   void load(int e0, int n, const float* gate, const float* up, const float* down);
+  // Packs experts [e0, e0 + n) from codes quantized already (formats/pack.h, pack_row_block_codes): q[m] int8
+  // [n, rows, cols] and group_scales[m] fp32 [n, rows, cols / group] for m = gate, up, down. Grouped int8/int4
+  // only; the kernels then multiply by exactly q * scale.
+  void load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3]);
   // The values the kernels multiply by, fp32: gate, up [I, H], down [H, I].
   void unpack(int e, float* gate, float* up, float* down) const;
   // Random weights for benchmarks, written straight into the packed layout (no fp32 source, no packing):
@@ -125,6 +130,11 @@ class MoeExperts {
   RowBlock down_block(int e, int rb) const;
 
  private:
+  // Runs pack(i, matrix, shape, row block, data, scales) -> accepted, for every row block of experts [e0, e0 + n)
+  // on the pool; a refused block fails its matrix with "<matrix> of expert E <failure>".
+  using BlockPacker = std::function<bool(int, int, const MatrixShape&, int, uint8_t*, float*)>;
+  void pack_all(int e0, int n, const BlockPacker& pack, const char* failure);
+
   ExpertsConfig cfg_;
   std::shared_ptr<ThreadPool> pool_;
   MatrixShape gu_, down_;

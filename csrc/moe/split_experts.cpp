@@ -134,6 +134,34 @@ void NumaExperts::load(int e0, int n, const float* gate, const float* up, const 
   for (auto& sl : slices_) sl->mark_loaded(e0, n);
 }
 
+void NumaExperts::load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3]) {
+  if (cfg_.format == WeightFormat::bf16 || cfg_.group <= 0)
+    throw std::invalid_argument("load_codes: the experts' format must be grouped int8 or int4");
+  const int H = cfg_.hidden, I = cfg_.intermediate, g = cfg_.group;
+  if (H % g || I % g)
+    throw std::invalid_argument("load_codes: hidden and intermediate sizes must be multiples of the group");
+  const size_t IH = (size_t)I * H;
+  std::vector<int8_t> down_q;
+  std::vector<float> down_s;
+  for (int i = 0; i < n; ++i)
+    for (int s = 0; s < n_slices(); ++s) {
+      // slice s: rows [i0, i1) of gate and up (contiguous), columns [i0, i1) of down (copied out; whole groups)
+      const int i0 = bounds_[s].first, Is = bounds_[s].second - i0;
+      down_q.resize((size_t)H * Is);
+      down_s.resize((size_t)H * (Is / g));
+      const int8_t* dq = q[2] + i * IH;
+      const float* ds = group_scales[2] + i * IH / g;
+      for (int r = 0; r < H; ++r) {
+        std::memcpy(down_q.data() + (size_t)r * Is, dq + (size_t)r * I + i0, Is);
+        std::memcpy(down_s.data() + (size_t)r * (Is / g), ds + (size_t)r * (I / g) + i0 / g, sizeof(float) * (Is / g));
+      }
+      const int8_t* sq[3] = {q[0] + i * IH + (size_t)i0 * H, q[1] + i * IH + (size_t)i0 * H, down_q.data()};
+      const float* ss[3] = {group_scales[0] + i * IH / g + (size_t)i0 * (H / g),
+                            group_scales[1] + i * IH / g + (size_t)i0 * (H / g), down_s.data()};
+      slices_[s]->load_codes(e0 + i, 1, sq, ss);
+    }
+}
+
 void NumaExperts::unpack(int e, float* gate, float* up, float* down) const {
   const int H = cfg_.hidden, I = cfg_.intermediate;
   for (int s = 0; s < n_slices(); ++s) {

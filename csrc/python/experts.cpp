@@ -159,6 +159,15 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
             ex.load(e0, n, ptr<const float>(gate), ptr<const float>(up), ptr<const float>(down));
           },
           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "load_codes",
+          [](Experts& ex, int e0, int n, uintptr_t gq, uintptr_t gs, uintptr_t uq, uintptr_t us, uintptr_t dq,
+             uintptr_t ds) {
+            const int8_t* q[3] = {ptr<const int8_t>(gq), ptr<const int8_t>(uq), ptr<const int8_t>(dq)};
+            const float* s[3] = {ptr<const float>(gs), ptr<const float>(us), ptr<const float>(ds)};
+            ex.load_codes(e0, n, q, s);
+          },
+          py::call_guard<py::gil_scoped_release>())
       .def("unpack", [](const Experts& ex, int e, uintptr_t gate, uintptr_t up,
                         uintptr_t down) { ex.unpack(e, ptr<float>(gate), ptr<float>(up), ptr<float>(down)); })
       .def("fill_random", &Experts::fill_random, py::arg("seed"), py::arg("std"),
