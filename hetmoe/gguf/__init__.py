@@ -1,0 +1,15 @@
+"""Reading GGUF files (llama.cpp's format) for hetmoe's models: groundwork for running them (issue 21).
+
+``open_gguf(path)`` opens one file or a split set (metadata, tensors memory-mapped; metadata.py);
+``config_from_gguf(f)`` turns its metadata into the Hugging Face config.json hetmoe's models take (metadata.py);
+``hf_name`` / ``hf_tensors`` map its tensor names to the models' parameter names with the transforms that undo
+llama.cpp's conversion (names.py); ``tokenizer_from_gguf(f)`` rebuilds its tokenizer as hetmoe's Tokenizer
+(tokenizer.py). Nothing here is wired into the loader yet. Needs the ``gguf`` package (``pip install hetmoe[gguf]``).
+"""
+
+from hetmoe.gguf.metadata import ARCHITECTURES, GGUFError, GGUFFile, GGUFTensor, config_from_gguf, open_gguf
+from hetmoe.gguf.names import Transform, hf_name, hf_names, hf_tensors, merge_kv_b, unpermute_rope
+from hetmoe.gguf.tokenizer import tokenizer_from_gguf
+
+__all__ = ["ARCHITECTURES", "GGUFError", "GGUFFile", "GGUFTensor", "Transform", "config_from_gguf", "hf_name",
+           "hf_names", "hf_tensors", "merge_kv_b", "open_gguf", "tokenizer_from_gguf", "unpermute_rope"]
