@@ -93,8 +93,8 @@ def _add_e2e(sub) -> None:
         "token must read from CPU DRAM over the STREAM-read bandwidth measured in the same run.",
     )
     source = e2e.add_mutually_exclusive_group()
-    source.add_argument("--model", metavar="DIR", default=None,
-                        help="a Hugging Face checkpoint directory instead of a shape")
+    source.add_argument("--model", metavar="DIR|FILE.gguf", default=None,
+                        help="a Hugging Face checkpoint directory or a GGUF file instead of a shape")
     source.add_argument("--shape", choices=MODEL_SHAPES, default=None,
                         help=f"a real model shape with random weights: {', '.join(MODEL_SHAPES)} "
                         "(default: qwen3-30b-a3b)")

@@ -120,8 +120,9 @@ def add_engine_options(p: argparse.ArgumentParser, model: bool = True) -> None:
     False), the EngineOptions flags, --expert-cache."""
     g = p.add_argument_group("engine")
     if model:
-        g.add_argument("--model", metavar="DIR", default=None,
-                       help="Hugging Face checkpoint directory (default: the small model built into hetmoe)")
+        g.add_argument("--model", metavar="DIR|FILE.gguf", default=None,
+                       help="Hugging Face checkpoint directory, or a GGUF file (the first part of a split set; "
+                       "docs/running.md#gguf-files) (default: the small model built into hetmoe)")
     for f in engine_fields():
         m = f.metadata
         if m.get("negate"):

@@ -143,10 +143,34 @@ def checked_config(cfg: ModelConfig, source) -> ModelConfig:
     return cfg
 
 
+def is_gguf(path) -> bool:
+    """A .gguf file, or a directory holding GGUF files and no config.json (hetmoe/gguf/)."""
+    from hetmoe.gguf.checkpoint import is_gguf as gguf_path
+
+    return gguf_path(path)
+
+
+def open_checkpoint(path):
+    """A Checkpoint of a Hugging Face directory, or a GGUFCheckpoint of a GGUF file (the same interface)."""
+    if not is_gguf(path):
+        return Checkpoint(path)
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise RuntimeError(f"{path}: reading GGUF files needs the gguf package (pip install 'hetmoe[gguf]')") from None
+    from hetmoe.gguf.checkpoint import GGUFCheckpoint
+
+    return GGUFCheckpoint(path)
+
+
 def check_model_dir(path) -> ModelConfig:
-    """The checks of a model directory that read no weight: it exists (a hub id gets the download hint),
-    config.json parses and describes a model hetmoe can build. Returns the config."""
+    """The checks of a model directory (or GGUF file) that read no weight: it exists (a hub id gets the download
+    hint), config.json (a GGUF file's metadata) parses and describes a model hetmoe can build. Returns the config."""
     path = Path(path)
+    if is_gguf(path):
+        ckpt = open_checkpoint(path)
+        ckpt.close()
+        return checked_config(ckpt.config, ckpt.config_source)
     return checked_config(read_config(path), path / "config.json")
 
 
@@ -232,9 +256,23 @@ class _Materializer:
 
 def fill_experts(ckpt: Checkpoint, prefix: str, experts: CPUExperts) -> None:
     """Pack the routed experts of block ``prefix`` from the checkpoint, one expert at a time (FP8 dequantized
-    per expert, so at most one expert's fp32 copy exists at once)."""
+    per expert, so at most one expert's fp32 copy exists at once). A GGUF file's Q8_0 / Q4_0 experts loaded as the
+    format that holds them (int8 / int4, group 32) are packed from their codes: nothing is re-quantized."""
     names = _expert_keys(ckpt, prefix)
     H, I = experts.hidden_size, experts.intermediate_size
+    keys = [f"{prefix}.experts.0.{which}.weight" for which in names]
+    exact = getattr(ckpt, "exact_format", lambda keys: None)(keys)
+    info = experts.info()
+    if exact is not None and exact == (info["weight_format"], info["group_size"]):
+        from hetmoe.cpu.codes import load_codes
+
+        for e in range(experts.num_experts):
+            parts = [ckpt.expert_codes(f"{prefix}.experts.{e}.{which}.weight") for which in names]
+            try:
+                load_codes(experts, [p[0][None] for p in parts], [p[1][None] for p in parts], first_expert=e)
+            except ValueError as err:
+                raise CheckpointError(f"{ckpt.path}: {prefix}.experts.{e}: {err}") from None
+        return
     for e in range(experts.num_experts):
         mats = []
         for which, want in zip(names, ((I, H), (I, H), (H, I))):
@@ -292,6 +330,10 @@ def load_tokenizer(path, cfg: Optional[ModelConfig] = None, log: Optional[Callab
     from hetmoe.engine.tokenizer import Tokenizer, _compile_template
 
     path = Path(path)
+    if is_gguf(path):  # tokenizer.ggml.* and tokenizer.chat_template of the file
+        from hetmoe.gguf.checkpoint import tokenizer_of
+
+        return tokenizer_of(path)
     try:
         tok = Tokenizer.from_dir(path)
     except UnicodeDecodeError as err:
@@ -310,15 +352,6 @@ def load_tokenizer(path, cfg: Optional[ModelConfig] = None, log: Optional[Callab
     return tok
 
 
-def _tokenize_with(path: Path) -> Callable[[str], list]:
-    def tokenize(text: str) -> list:
-        from hetmoe.engine.tokenizer import Tokenizer
-
-        return Tokenizer.from_dir(path).encode(text)
-
-    return tokenize
-
-
 def load_model(
     path,
     options: Optional[EngineOptions] = None,
@@ -335,8 +368,8 @@ def load_model(
     """
     t0 = time.perf_counter()
     options = normalize_options(options or EngineOptions(), log)
-    ckpt = Checkpoint(path)  # config.json and every shard header; no weight
-    cfg = checked_config(ckpt.config, ckpt.path / "config.json")
+    ckpt = open_checkpoint(path)  # config.json and every shard header (a GGUF file's metadata); no weight
+    cfg = checked_config(ckpt.config, getattr(ckpt, "config_source", ckpt.path / "config.json"))
     try:
         model = build_meta(cfg)
     except (AttributeError, KeyError, TypeError) as err:  # a config.json without an entry the model needs
@@ -347,6 +380,8 @@ def load_model(
     if blocks:
         names = _expert_keys(ckpt, blocks[0][0])
         inter = ckpt.shape(f"{blocks[0][0]}.experts.0.{names[0]}.weight")[0]
+    if blocks and hasattr(ckpt, "experts_options"):  # a GGUF file: experts at their own precision by default
+        options = ckpt.experts_options([f"{blocks[0][0]}.experts.0.{n}.weight" for n in names], options, log)
     plan = plan_model(model, cfg, blocks, options, inter)
     if options.gpu_experts or any(lp.gpu_experts for lp in plan.layers):
         calibration_text(options.calibration_file)  # a bad file fails now, not after loading
@@ -392,7 +427,8 @@ def load_model(
     if missing:
         raise CheckpointError(f"{ckpt.path}: tensors were never loaded: {', '.join(missing[:5])}")
     model.fuse_projections()  # q/k/v (and gate/up) as one matmul each; parameters and their names unchanged
-    gpu_experts = keep_gpu_experts(model.eval(), blocks, plan, options, _tokenize_with(ckpt.path), log)
+    gpu_experts = keep_gpu_experts(model.eval(), blocks, plan, options, lambda text: load_tokenizer(path).encode(text),
+                                   log)
     lw, gpu_prefill = layerwise.setup(layerwise_layers(blocks, plan), plan, options, log)
     used = list(caches.values())
     info = {

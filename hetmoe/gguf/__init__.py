@@ -4,7 +4,8 @@
 ``config_from_gguf(f)`` turns its metadata into the Hugging Face config.json hetmoe's models take (metadata.py);
 ``hf_name`` / ``hf_tensors`` map its tensor names to the models' parameter names with the transforms that undo
 llama.cpp's conversion (names.py); ``tokenizer_from_gguf(f)`` rebuilds its tokenizer as hetmoe's Tokenizer
-(tokenizer.py). Nothing here is wired into the loader yet. Needs the ``gguf`` package (``pip install hetmoe[gguf]``).
+(tokenizer.py); ``GGUFCheckpoint`` (checkpoint.py) is what the loader reads a GGUF model through
+(hetmoe/engine/loader.py ``open_checkpoint``). Needs the ``gguf`` package (``pip install hetmoe[gguf]``).
 """
 
 from hetmoe.gguf.metadata import ARCHITECTURES, GGUFError, GGUFFile, GGUFTensor, config_from_gguf, open_gguf

@@ -1,0 +1,192 @@
+"""A GGUF model as the loader reads a checkpoint (hetmoe/engine/checkpoint.py's interface): ``config``, ``names``,
+``shape``, ``get_float`` under Hugging Face names, ``release`` / ``close`` / ``fingerprint``, plus what only a GGUF
+file has: the routed experts' own quantized blocks (``expert_codes``) and the engine format that holds them exactly
+(``exact_format``).
+
+Tensors are read from the memory-mapped file when asked for, one at a time (a stacked experts tensor one expert at
+a time), so loading holds one layer's weights as the safetensors path does. Exact types: Q8_0 (fp16 scale + 32 int8
+per block) is the engine's int8 with groups of 32, Q4_0 (fp16 scale + 16 bytes: values 0..15 in the low nibbles,
+16..31 in the high ones, offset 8) its int4 with groups of 32 — packed from the codes (hetmoe/cpu/codes.py), the
+kernels multiply by exactly what ``gguf``'s dequantization gives. Every other type is dequantized (gguf.quants) and
+quantized into the experts format of the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from hetmoe.gguf.metadata import GGUFError, config_from_gguf, open_gguf
+from hetmoe.gguf.names import Transform, hf_names, merge_kv_b, unpermute_rope
+from hetmoe.models.config import ModelConfig
+
+EXACT = {"Q8_0": ("int8", 34), "Q4_0": ("int4", 18)}  # GGML type -> (engine format, bytes per block of 32)
+BLOCK = 32
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def nearest_format(ggml_type: str) -> Optional[str]:
+    """The engine format nearest a GGML type by bits (None for a float type: the plan's auto choice): up to 5 bits
+    int4, 6 and 8 bits int8."""
+    if ggml_type in FLOAT_TYPES:
+        return None
+    digits = "".join(ch for ch in ggml_type.split("_")[0] if ch.isdigit())
+    return "int4" if digits and int(digits) <= 5 else "int8"
+
+
+def tokenizer_of(path):
+    """hetmoe's Tokenizer from a GGUF file's tokenizer.ggml.* keys and chat template (tokenizer.py)."""
+    from hetmoe.gguf.tokenizer import tokenizer_from_gguf
+
+    with open_gguf(gguf_file(path)) as f:
+        return tokenizer_from_gguf(f)
+
+
+def is_gguf(path) -> bool:
+    """A .gguf file, or a directory holding GGUF files and no config.json."""
+    path = Path(path)
+    if path.is_file():
+        return path.suffix == ".gguf"
+    return path.is_dir() and not (path / "config.json").exists() and any(path.glob("*.gguf"))
+
+
+def gguf_file(path) -> Path:
+    """The file to open for ``path``: itself, or a directory's one model (a single file or the first part of one
+    split set); ValueError when the directory holds several."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    files = sorted(path.glob("*.gguf"))
+    firsts = [f for f in files if "-of-" not in f.name or f.name.split("-of-")[0].endswith("-00001")]
+    if len(firsts) != 1:
+        raise GGUFError(f"{path} holds {len(firsts)} GGUF models ({', '.join(f.name for f in firsts)}); pass the "
+                        "file to load as --model")
+    return firsts[0]
+
+
+class GGUFCheckpoint:
+    def __init__(self, path):
+        self.file = open_gguf(gguf_file(path))
+        self.path = Path(self.file.path)
+        self.config_source = self.path  # what errors about the config name
+        self.config = ModelConfig(config_from_gguf(self.file))
+        self._map: dict = {}  # HF name -> (GGUFTensor, transform, expert index or None) or the kv_b pair
+        pairs: dict = {}
+        for gguf_name, (name, transform) in hf_names(self.file).items():
+            t = self.file.tensors[gguf_name]
+            if transform is Transform.EXPERTS:
+                for e in range(t.shape[0]):
+                    self._map[name.format(expert=e)] = (t, transform, e)
+            elif transform in (Transform.KV_B_K, Transform.KV_B_V):
+                pairs.setdefault(name, {})[transform] = t
+            else:
+                self._map[name] = (t, transform, None)
+        for name, pair in pairs.items():
+            if len(pair) != 2:
+                raise GGUFError(f"{self.path}: {name} needs both attn_k_b and attn_v_b")
+            self._map[name] = (pair, Transform.KV_B_K, None)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._map
+
+    def names(self) -> list:
+        return list(self._map)
+
+    def _entry(self, name: str) -> tuple:
+        try:
+            return self._map[name]
+        except KeyError:
+            raise GGUFError(f"{self.path} has no tensor for {name}") from None
+
+    def shape(self, name: str) -> tuple:
+        t, transform, e = self._entry(name)
+        if transform is Transform.KV_B_K:
+            cfg = self.config
+            return (cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        if transform is Transform.ROW:
+            return (1, int(np.prod(t.shape)))
+        return tuple(t.shape[1:]) if e is not None else tuple(t.shape)
+
+    def get_float(self, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The tensor under its Hugging Face name, dequantized to fp32 (or ``dtype``), transforms undone."""
+        t, transform, e = self._entry(name)
+        cfg = self.config
+        if transform is Transform.KV_B_K:
+            w = merge_kv_b(t[Transform.KV_B_K].float32(), t[Transform.KV_B_V].float32(), cfg.num_attention_heads,
+                           cfg.kv_lora_rank)
+        elif transform in (Transform.UNPERMUTE_Q, Transform.UNPERMUTE_K):
+            heads = cfg.num_attention_heads if transform is Transform.UNPERMUTE_Q else cfg.num_key_value_heads
+            w = unpermute_rope(t.float32(), heads)
+        else:
+            w = t.float32(e)
+            if transform is Transform.ROW:
+                w = w.reshape(1, -1)
+        out = torch.from_numpy(np.ascontiguousarray(w))
+        return out if dtype is None else out.to(dtype)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.get_float(name)
+
+    def ggml_type(self, name: str) -> str:
+        t, _, _ = self._entry(name)
+        return t[Transform.KV_B_K].ggml_type.name if isinstance(t, dict) else t.ggml_type.name
+
+    def exact_format(self, names: list) -> Optional[tuple]:
+        """(engine format, group) holding the tensors ``names`` (one layer's gate, up, down) exactly, or None."""
+        kinds = {self.ggml_type(n) for n in names}
+        if len(kinds) == 1 and kinds <= EXACT.keys():
+            return EXACT[kinds.pop()][0], BLOCK
+        return None
+
+    def expert_codes(self, name: str) -> tuple:
+        """(codes int8 [rows, cols], scales fp32 [rows, cols / 32]) of a Q8_0 / Q4_0 expert matrix."""
+        t, _, e = self._entry(name)
+        kind = t.ggml_type.name
+        if kind not in EXACT:
+            raise GGUFError(f"{self.path}: {name} is {kind}, not one of the exactly held types {', '.join(EXACT)}")
+        rows, cols = t.shape[1:]
+        blocks = np.asarray(t.data[e]).reshape(rows, cols // BLOCK, EXACT[kind][1])
+        d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        if kind == "Q8_0":
+            q = blocks[..., 2:].copy().view(np.int8)
+        else:
+            nib = blocks[..., 2:]
+            q = np.concatenate([(nib & 0x0F).astype(np.int8) - 8, (nib >> 4).astype(np.int8) - 8], axis=-1)
+        return torch.from_numpy(q.reshape(rows, cols)), torch.from_numpy(d)
+
+    def experts_options(self, names: list, options, log: Callable[[str], None]):
+        """``options`` with the experts format this file's experts (``names``: one layer's gate, up, down) load
+        at by default: the exact one for Q8_0 / Q4_0, else the nearest by bits (a note says what re-quantizing
+        costs is measured by ``hetmoe eval``). An explicit --experts-format is kept."""
+        kinds = sorted({self.ggml_type(n) for n in names})
+        exact = self.exact_format(names)
+        if options.experts_format != "auto":
+            if exact is None or exact != (options.experts_format, options.group_size or exact[1]):
+                log(f"hetmoe: note: {self.path.name}'s experts are {'/'.join(kinds)}: dequantized and re-quantized "
+                    f"into {options.experts_format} as asked")
+            return options if exact is None or options.group_size else dataclasses.replace(options, group_size=BLOCK)
+        if exact is not None:
+            log(f"hetmoe: {self.path.name}'s experts are {kinds[0]}: packed as {exact[0]} group {BLOCK}, exactly")
+            return dataclasses.replace(options, experts_format=exact[0], group_size=BLOCK)
+        near = [nearest_format(k) for k in kinds]
+        fmt = "int8" if "int8" in near else "int4" if "int4" in near else None
+        if fmt is None:
+            return options
+        log(f"hetmoe: note: {self.path.name}'s experts are {'/'.join(kinds)}, which no engine format holds exactly: "
+            f"dequantized and re-quantized into {fmt} group {BLOCK} (--experts-format chooses; `hetmoe eval` "
+            "measures the cost)")
+        return dataclasses.replace(options, experts_format=fmt, group_size=BLOCK)
+
+    def release(self) -> None:
+        """Nothing to drop: tensors are copied out of the mapping as they are read."""
+
+    def close(self) -> None:
+        self.file.close()
+
+    def fingerprint(self) -> list:
+        """(name, size, mtime) of every part: what the converted-expert cache keys on."""
+        return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in self.file.parts]

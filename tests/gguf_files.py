@@ -1,0 +1,195 @@
+"""GGUF files for the tests, written the way llama.cpp's convert_hf_to_gguf.py writes them (a converter in
+miniature): its metadata keys per architecture, its tensor transforms (q/k permutation for llama, experts stacked
+into one tensor, DeepSeek's kv_b_proj cut into attn_k_b / attn_v_b), gguf's own HF -> GGUF name table
+(TensorNameMap) and its tokenizer keys. Shared by tests/engine/test_gguf_*.py; needs the gguf package."""
+
+from __future__ import annotations
+
+import re
+
+import gguf
+import numpy as np
+
+from hetmoe.engine.loader import build_meta, moe_blocks
+from hetmoe.models.config import _EXPERTS, ModelConfig
+from hetmoe.testing.synthetic import _config
+
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "deepseek_v3": "deepseek2",
+             "deepseek_v2": "deepseek2"}
+
+
+# ------------------------------------------------------------------------ a llama.cpp-style converter, in miniature
+
+def hf_config(arch: str, **overrides) -> dict:
+    return _config(arch, overrides, 512).to_dict()
+
+
+def _rope(cfg: dict) -> dict:
+    return ModelConfig(cfg).rope_scaling_params
+
+
+def write_metadata(w, arch: str, cfg: dict) -> None:
+    """The keys convert_hf_to_gguf.py writes (TextModel.set_gguf_parameters, then the model class's additions)."""
+    c = ModelConfig(cfg)
+    deepseek = arch.startswith("deepseek")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(1 if deepseek else c.num_key_value_heads)  # DeepseekV2Model: MLA as MQA
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_count(c.first(*_EXPERTS[arch]))
+    w.add_expert_used_count(c.num_experts_per_tok)
+    if c.get("n_group") is not None:
+        w.add_expert_group_count(c.n_group)
+        w.add_expert_group_used_count(c.topk_group)
+    if deepseek:  # the published config.json files say scoring_func sigmoid (V3) / softmax (V2)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if arch == "deepseek_v3"
+                                 else gguf.ExpertGatingFuncType.SOFTMAX)
+    scaling = _rope(cfg)
+    if scaling.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(scaling["factor"])
+        w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(scaling["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(scaling["beta_slow"])
+    if c.get("head_dim") and not deepseek:
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if arch in ("qwen3_moe", "qwen2_moe"):
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if arch == "qwen2_moe":
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    elif arch == "mixtral":
+        w.add_vocab_size(c.vocab_size)
+        w.add_rope_dimension_count(c.head_dim_or_default)
+    else:
+        w.add_leading_dense_block_count(c.first_k_dense_replace)
+        w.add_vocab_size(c.vocab_size)
+        if c.get("q_lora_rank") is not None:
+            w.add_q_lora_rank(c.q_lora_rank)
+        w.add_kv_lora_rank(c.kv_lora_rank)
+        w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+        w.add_value_length(c.kv_lora_rank)
+        w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        w.add_value_length_mla(c.v_head_dim)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_shared_count(c.n_shared_experts)
+        w.add_expert_weights_scale(c.routed_scaling_factor)
+        if c.get("norm_topk_prob"):
+            w.add_expert_weights_norm(True)
+        w.add_rope_dimension_count(c.qk_rope_head_dim)
+        if scaling.get("mscale_all_dim") is not None:
+            w.add_rope_scaling_yarn_log_mul(0.1 * scaling["mscale_all_dim"])  # [TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]
+
+
+def hetmoe_state(arch: str, cfg: dict, seed: int = 0) -> dict:
+    """Random fp32 values for every tensor hetmoe's model of ``cfg`` loads: parameters, persistent buffers, and the
+    routed experts under their checkpoint names (gate/up [I, H], down [H, I])."""
+    model = build_meta(ModelConfig(cfg))
+    rng = np.random.default_rng(seed)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    for mod_name, module in model.named_modules():
+        for leaf, b in module._buffers.items():
+            if b is not None and leaf not in module._non_persistent_buffers_set:
+                shapes[f"{mod_name}.{leaf}"] = tuple(b.shape)
+    c = ModelConfig(cfg)
+    inter = c.get("moe_intermediate_size") or c.intermediate_size
+    names = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    for block, layer in moe_blocks(model):
+        for e in range(layer.num_experts):
+            for which, shape in zip(names, ((inter, c.hidden_size), (inter, c.hidden_size), (c.hidden_size, inter))):
+                shapes[f"{block}.experts.{e}.{which}.weight"] = shape
+    if c.get("tie_word_embeddings"):
+        del shapes["lm_head.weight"]
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:  # LlamaModel.permute
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def to_gguf_tensors(arch: str, cfg: dict, state: dict, mla: bool = True) -> dict:
+    """convert_hf_to_gguf.py's modify_tensors, then gguf's TensorNameMap for the GGUF names."""
+    c = ModelConfig(cfg)
+    arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == GGUF_ARCH[arch])
+    names = gguf.get_tensor_name_map(arch_enum, c.num_hidden_layers)
+    out, experts = {}, {}
+
+    def put(name: str, w: np.ndarray):
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")  # as DeepseekV2Model renames it
+        new = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert new is not None, f"gguf's TensorNameMap has no name for {name}"
+        out[new] = np.ascontiguousarray(w)
+
+    for name, w in state.items():
+        m = re.match(r"(.+)\.experts\.(\d+)\.(\w+)\.weight$", name)
+        if m:
+            experts.setdefault((m[1], m[3]), {})[int(m[2])] = w
+        elif arch == "mixtral" and name.endswith("q_proj.weight"):
+            put(name, _permute(w, c.num_attention_heads))
+        elif arch == "mixtral" and name.endswith("k_proj.weight"):
+            put(name, _permute(w, c.num_key_value_heads))
+        elif mla and name.endswith("kv_b_proj.weight"):
+            nope, v, r = c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
+            kv_b = w.reshape(c.num_attention_heads, nope + v, r)
+            put(name.replace("kv_b_proj", "k_b_proj"), kv_b[:, :nope].transpose(0, 2, 1))
+            put(name.replace("kv_b_proj", "v_b_proj"), kv_b[:, nope:])
+        else:
+            put(name, w)
+    for (prefix, which), per in experts.items():
+        put(f"{prefix}.experts.{which}.weight", np.stack([per[e] for e in range(len(per))]))
+    return out
+
+
+def write_gguf(path, arch: str, cfg: dict, tensors: dict, tokenizer=None, split_max_tensors: int = 0,
+               drop: tuple = ()):
+    w = gguf.GGUFWriter(str(path), GGUF_ARCH[arch], split_max_tensors=split_max_tensors)
+    write_metadata(w, arch, cfg)
+    if tokenizer is not None:
+        add_tokenizer(w, *tokenizer)
+    for key in drop:
+        del w.kv_data[0][key]
+    for name, t in tensors.items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def hetmoe_names(cfg: dict) -> set:
+    return set(hetmoe_state(ModelConfig(cfg).model_type, cfg))
+
+
+def add_tokenizer(w, backend, config: dict, pre: str, vocab_size: int = 0) -> None:
+    """What convert_hf_to_gguf.py's _set_vocab_gpt2 writes for a tokenizer.json + tokenizer_config.json (the token
+    list padded with [PADn] up to the model's ``vocab_size``, as it pads to the embedding's rows)."""
+    import json
+
+    spec = json.loads(backend.to_str())
+    added = {t["id"]: t for t in spec["added_tokens"]}
+    vocab = backend.get_vocab(with_added_tokens=True)
+    by_id = {i: t for t, i in vocab.items()}
+    n = max(vocab_size, backend.get_vocab_size(with_added_tokens=True))
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(n)]
+    types = [gguf.TokenType.CONTROL if i in added and added[i]["special"] else
+             gguf.TokenType.USER_DEFINED if i in added else gguf.TokenType.NORMAL for i in range(len(tokens))]
+    merges = spec["model"]["merges"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([int(t) for t in types])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    for name, add in (("bos_token", w.add_bos_token_id), ("eos_token", w.add_eos_token_id),
+                      ("pad_token", w.add_pad_token_id)):
+        if config.get(name):
+            add(vocab[config[name]])
+    if "add_bos_token" in config:
+        w.add_add_bos_token(config["add_bos_token"])
+    if config.get("chat_template"):
+        w.add_chat_template(config["chat_template"])
