@@ -38,6 +38,20 @@ def nearest_format(ggml_type: str) -> Optional[str]:
     return "int4" if digits and int(digits) <= 5 else "int8"
 
 
+def block_codes(raw: np.ndarray, kind: str, shape: tuple) -> tuple:
+    """(codes int8 ``shape``, scales fp32 ``shape[:-1] + (shape[-1] / 32,)``) of Q8_0 / Q4_0 blocks ``raw`` (bytes,
+    rows of blocks). Q8_0: fp16 d, 32 int8; Q4_0: fp16 d, 16 bytes whose low nibbles are values 0..15 and high
+    nibbles 16..31, stored + 8."""
+    blocks = raw.reshape(*shape[:-1], shape[-1] // BLOCK, EXACT[kind][1])
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q8_0":
+        q = blocks[..., 2:].copy().view(np.int8)
+    else:
+        nib = blocks[..., 2:]
+        q = np.concatenate([(nib & 0x0F).astype(np.int8) - 8, (nib >> 4).astype(np.int8) - 8], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(q.reshape(shape))), torch.from_numpy(d)
+
+
 def tokenizer_of(path):
     """hetmoe's Tokenizer from a GGUF file's tokenizer.ggml.* keys and chat template (tokenizer.py)."""
     from hetmoe.gguf.tokenizer import tokenizer_from_gguf
@@ -148,15 +162,7 @@ class GGUFCheckpoint:
         kind = t.ggml_type.name
         if kind not in EXACT:
             raise GGUFError(f"{self.path}: {name} is {kind}, not one of the exactly held types {', '.join(EXACT)}")
-        rows, cols = t.shape[1:]
-        blocks = np.asarray(t.data[e]).reshape(rows, cols // BLOCK, EXACT[kind][1])
-        d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-        if kind == "Q8_0":
-            q = blocks[..., 2:].copy().view(np.int8)
-        else:
-            nib = blocks[..., 2:]
-            q = np.concatenate([(nib & 0x0F).astype(np.int8) - 8, (nib >> 4).astype(np.int8) - 8], axis=-1)
-        return torch.from_numpy(q.reshape(rows, cols)), torch.from_numpy(d)
+        return block_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:]))
 
     def experts_options(self, names: list, options, log: Callable[[str], None]):
         """``options`` with the experts format this file's experts (``names``: one layer's gate, up, down) load

@@ -83,14 +83,18 @@ _ROUTED = {
     "FFN_UP_EXP": (_L + "mlp.experts.{expert}.up_proj", Transform.EXPERTS),
     "FFN_DOWN_EXP": (_L + "mlp.experts.{expert}.down_proj", Transform.EXPERTS),
 }
+
+
+def _shared_expert(module: str) -> dict:
+    """The shared expert's gate/up/down under ``mlp.<module>``."""
+    return {f"FFN_{w.upper()}_SHEXP": (_L + f"mlp.{module}.{w}_proj", Transform.COPY) for w in ("gate", "up", "down")}
+
+
 # GGUF architecture -> MODEL_TENSOR name -> (Hugging Face name without .weight/.bias, transform)
 TABLES = {
     "qwen3moe": {**_COMMON, **_ROUTED, "ATTN_Q_NORM": (_L + "self_attn.q_norm", Transform.COPY),
                  "ATTN_K_NORM": (_L + "self_attn.k_norm", Transform.COPY)},
-    "qwen2moe": {**_COMMON, **_ROUTED,
-                 "FFN_GATE_SHEXP": (_L + "mlp.shared_expert.gate_proj", Transform.COPY),
-                 "FFN_UP_SHEXP": (_L + "mlp.shared_expert.up_proj", Transform.COPY),
-                 "FFN_DOWN_SHEXP": (_L + "mlp.shared_expert.down_proj", Transform.COPY),
+    "qwen2moe": {**_COMMON, **_ROUTED, **_shared_expert("shared_expert"),
                  "FFN_GATE_INP_SHEXP": (_L + "mlp.shared_expert_gate", Transform.ROW)},
     "llama": {**_COMMON,
               "ATTN_Q": (_L + "self_attn.q_proj", Transform.UNPERMUTE_Q),
@@ -108,9 +112,7 @@ TABLES = {
                   "ATTN_KV_B": (_L + "self_attn.kv_b_proj", Transform.COPY),
                   "ATTN_K_B": (_L + "self_attn.kv_b_proj", Transform.KV_B_K),
                   "ATTN_V_B": (_L + "self_attn.kv_b_proj", Transform.KV_B_V),
-                  "FFN_GATE_SHEXP": (_L + "mlp.shared_experts.gate_proj", Transform.COPY),
-                  "FFN_UP_SHEXP": (_L + "mlp.shared_experts.up_proj", Transform.COPY),
-                  "FFN_DOWN_SHEXP": (_L + "mlp.shared_experts.down_proj", Transform.COPY),
+                  **_shared_expert("shared_experts"),
                   "FFN_EXP_PROBS_B": (_L + "mlp.gate.e_score_correction_bias", Transform.COPY)},
 }
 _NO_SUFFIX = {"FFN_EXP_PROBS_B"}  # a buffer: "exp_probs_b.bias" is e_score_correction_bias itself

@@ -65,26 +65,21 @@ def test_a_moe_call_over_code_packed_experts_matches_the_reference(fmt):
 
 @pytest.mark.parametrize("qtype, fmt", [("Q8_0", "int8"), ("Q4_0", "int4")])
 def test_gguf_blocks_load_bitwise(qtype, fmt):
-    """Q8_0 (fp16 d, 32 int8) and Q4_0 (fp16 d, 16 bytes: low nibbles = values 0..15, high = 16..31, offset 8)
-    blocks quantized by the gguf package: the engine's values equal gguf.quants.dequantize bit for bit."""
+    """Q8_0 and Q4_0 blocks quantized by the gguf package, split into codes and scales by the loader's decoder
+    (hetmoe/gguf/checkpoint.py): the engine's values equal gguf.quants.dequantize bit for bit."""
     gguf = pytest.importorskip("gguf")
     qt = getattr(gguf.GGMLQuantizationType, qtype)
     gen = torch.Generator().manual_seed(3)
     experts = CPUExperts(E, H, I, fmt, G, pool=ExpertPool(1))
+    from hetmoe.gguf.checkpoint import block_codes
+
     codes, scales, refs = [], [], []
     for rows, cols in ((I, H), (I, H), (H, I)):
         w = torch.randn(E, rows, cols, generator=gen).numpy()
         raw = gguf.quants.quantize(w, qt)
         refs.append(torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, qt))))
-        blocks = raw.reshape(E, rows, cols // 32, -1)
-        d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-        if fmt == "int8":
-            q = blocks[..., 2:].copy().view(np.int8)
-        else:
-            nib = blocks[..., 2:]
-            q = np.concatenate([(nib & 0x0F).astype(np.int8) - 8, (nib >> 4).astype(np.int8) - 8], axis=-1)
-        codes.append(torch.from_numpy(q.reshape(E, rows, cols).copy()))
-        scales.append(torch.from_numpy(d))
+        q, d = block_codes(raw, qtype, (E, rows, cols))
+        codes.append(q), scales.append(d)
     load_codes(experts, codes, scales)
     for e in range(E):
         for got, want in zip(experts.dequantized(e), refs):
