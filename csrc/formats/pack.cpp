@@ -114,9 +114,20 @@ bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* gr
     int row = rb * kRowsPerBlock + r;
     if (row >= s.n) break;
     const int8_t* src = q + (size_t)row * s.k;
-    for (int k = 0; k < s.k; ++k)
-      if (src[k] < lo || src[k] > hi) return false;
-    put_codes(f, data + 4 * r, 0, s.k, src);
+    int bad = 0;
+    for (int k = 0; k < s.k; ++k) bad |= (src[k] < lo) | (src[k] > hi);
+    if (bad) return false;
+    uint8_t* dst = data + 4 * r;  // this row's 4 bytes of line 0; a line is kLineBytes further
+    if (f == WeightFormat::int8) {
+      for (int j = 0; j < s.k / 4; ++j)
+        for (int b = 0; b < 4; ++b) dst[(size_t)j * kLineBytes + b] = (uint8_t)(src[4 * j + b] + 128);
+      put_codes(f, dst, s.k / 4 * 4, s.k % 4, src + s.k / 4 * 4);
+    } else {  // byte b of line j: k = 8j + b in the low nibble, 8j + 4 + b in the high one
+      for (int j = 0; j < s.k / 8; ++j)
+        for (int b = 0; b < 4; ++b)
+          dst[(size_t)j * kLineBytes + b] = (uint8_t)((src[8 * j + b] + 8) | ((src[8 * j + 4 + b] + 8) << 4));
+      put_codes(f, dst, s.k / 8 * 8, s.k % 8, src + s.k / 8 * 8);
+    }
     for (int g = 0; g < ng; ++g) {
       float sc = group_scales[(size_t)row * ng + g];
       if (!std::isfinite(sc)) return false;

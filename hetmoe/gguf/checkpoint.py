@@ -14,6 +14,7 @@ quantized into the experts format of the plan.
 from __future__ import annotations
 
 import dataclasses
+import mmap
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -42,14 +43,19 @@ def block_codes(raw: np.ndarray, kind: str, shape: tuple) -> tuple:
     """(codes int8 ``shape``, scales fp32 ``shape[:-1] + (shape[-1] / 32,)``) of Q8_0 / Q4_0 blocks ``raw`` (bytes,
     rows of blocks). Q8_0: fp16 d, 32 int8; Q4_0: fp16 d, 16 bytes whose low nibbles are values 0..15 and high
     nibbles 16..31, stored + 8."""
-    blocks = raw.reshape(*shape[:-1], shape[-1] // BLOCK, EXACT[kind][1])
-    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    nb = shape[-1] // BLOCK
+    blocks = raw.reshape(*shape[:-1], nb, EXACT[kind][1])
+    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
     if kind == "Q8_0":
-        q = blocks[..., 2:].copy().view(np.int8)
-    else:
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
+    else:  # nibbles into uint8 in place, then - 8 as int8 (no temporaries of the whole matrix)
         nib = blocks[..., 2:]
-        q = np.concatenate([(nib & 0x0F).astype(np.int8) - 8, (nib >> 4).astype(np.int8) - 8], axis=-1)
-    return torch.from_numpy(np.ascontiguousarray(q.reshape(shape))), torch.from_numpy(d)
+        q = np.empty((*shape[:-1], nb, BLOCK), np.uint8)
+        np.bitwise_and(nib, 0x0F, out=q[..., :BLOCK // 2])
+        np.right_shift(nib, 4, out=q[..., BLOCK // 2:])
+        q = q.view(np.int8)
+        q -= 8
+    return torch.from_numpy(q.reshape(shape)), torch.from_numpy(d)
 
 
 def tokenizer_of(path):
@@ -188,7 +194,14 @@ class GGUFCheckpoint:
         return dataclasses.replace(options, experts_format=fmt, group_size=BLOCK)
 
     def release(self) -> None:
-        """Nothing to drop: tensors are copied out of the mapping as they are read."""
+        """Drop the mapped pages of every part from this process's resident memory (tensors are copied out of the
+        mapping as they are read; the pages stay in the page cache): the loader calls it after each layer."""
+        for reader in self.file._readers:
+            mm = getattr(reader.data, "_mmap", None)
+            try:
+                mm.madvise(mmap.MADV_DONTNEED)
+            except (AttributeError, OSError, ValueError):
+                pass
 
     def close(self) -> None:
         self.file.close()
