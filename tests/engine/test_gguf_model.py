@@ -190,7 +190,7 @@ def test_peak_rss_while_loading_a_gguf(tmp_path):
             w.add_tensor(name, t)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     del tensors
-    m = peak_rss("import time, torch, tqdm, hetmoe.models.qwen3_moe, gguf\nfrom hetmoe.engine.loader import load_model\n"
+    m = peak_rss("import torch, tqdm, hetmoe.models.qwen3_moe, gguf\nfrom hetmoe.engine.loader import load_model\n"
                  "from hetmoe.engine.placement import EngineOptions",
                  'loaded = load_model(sys.argv[1], EngineOptions(device="cpu", threads=1), expert_cache=None, '
                  "progress=False, log=lambda m: None)", 'loaded.info["expert_bytes"]', tmp_path / "big.gguf")
