@@ -1,9 +1,10 @@
-"""The runner: a loaded model, its static KV cache, and the forward calls of prefill and decode.
+"""The runner: a loaded model, its KV cache, and the forward calls of prefill and decode.
 
-The cache holds ``max_batch`` sequences ("slots") of ``max_context`` positions each and is allocated once, on
-the model's device. Prefill writes a prompt into one slot in chunks of ``prefill_chunk`` tokens (bounding
-activation memory for long prompts); decode advances one or several slots by one token each. Every call
-builds the one ``Step`` (positions, slots) the model sees; the model itself keeps no state.
+The cache holds ``max_batch`` sequences ("slots") of up to ``max_context`` positions each, on the model's device,
+with memory for the positions in use (layers/kv_cache.py: pages on a GPU with Triton; ``reserve`` before each
+call, ``release`` when a slot starts over). Prefill writes a prompt into one slot in chunks of ``prefill_chunk``
+tokens (bounding activation memory for long prompts); decode advances one or several slots by one token each.
+Every call builds the one ``Step`` (positions, slots) the model sees; the model itself keeps no state.
 
 On a GPU, decode steps go through ``engine/cuda_graph.py`` (one CUDA graph per batch size, replayed every token;
 ``EngineOptions.cuda_graph=False`` runs the same step eagerly) and the MoE layers whose experts run on the CPU

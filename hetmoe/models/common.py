@@ -2,8 +2,8 @@
 
 ``DecoderModel``: embed_tokens -> layers -> norm, with one RoPE table per call shared by all layers.
 ``CausalLM``: the model plus lm_head; ``forward`` returns hidden states, ``logits`` is a separate step, and
-``make_cache`` sizes the static KV cache. A model file subclasses both under its own HF class names and sets
-``layer_cls`` / ``model_cls``; a model whose attention differs (MLA) overrides what differs.
+``make_cache`` builds the KV cache (layers/kv_cache.py). A model file subclasses both under its own HF class names
+and sets ``layer_cls`` / ``model_cls``; a model whose attention differs (MLA) overrides what differs.
 """
 
 from __future__ import annotations
