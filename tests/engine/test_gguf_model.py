@@ -197,3 +197,23 @@ def test_peak_rss_while_loading_a_gguf(tmp_path):
     # Measured (dev machine): ratio 1.12 (final +97 MiB over the baseline); 1.83 with the mapped pages kept.
     assert m["final"] - m["baseline"] >= m["expert_bytes"] * 0.95  # the experts really are resident
     assert m["ratio"] <= 1.3
+
+
+def test_the_commands_take_a_gguf_file(tmp_path, capsys):
+    """generate (its text from the file's tokenizer) and eval (the GGUF's exact int4 against re-quantized int8)."""
+    from hetmoe.cli import main as cli_main
+
+    path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "Q4_0", tokenizer=True)
+    common = ["--device", "cpu", "--threads", "1", "--expert-cache", "off"]
+    assert cli_main(["generate", "--model", str(path), "--prompt", "Hello", "--max-new-tokens", "4", "--json",
+                     *common]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["completion_tokens"] == 4 and out["prompt_tokens"] > 0
+    text = tmp_path / "t.txt"
+    text.write_text("hello world, this is a test of the GGUF path with a few more words to fill windows")
+    report = tmp_path / "eval.json"
+    assert cli_main(["eval", "--model", str(path), "--text", str(text), "--window", "8", "--json", str(report),
+                     "--experts-format", "int8", *common]) == 0
+    captured = capsys.readouterr()
+    assert "re-quantized into int8 as asked" in captured.err and "int8 g32" in captured.out
+    assert report.is_file() and json.loads(report.read_text())
