@@ -30,7 +30,8 @@ from hetmoe.testing.synthetic import build_tokenizer, tokenizer_config  # noqa: 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"]
 
 
-def quantized_gguf(tmp_path, arch: str, qtype: str, tokenizer: bool = False, pad_tokens: bool = True):
+def quantized_gguf(tmp_path, arch: str, qtype: str, tokenizer: bool = False, pad_tokens: bool = True,
+                   split_max_tensors: int = 0):
     """(GGUF path, config, the HF state with the experts' dequantized values): experts stacked and quantized to
     ``qtype`` by the gguf package, everything else F32."""
     cfg = hf_config(arch)
@@ -48,13 +49,15 @@ def quantized_gguf(tmp_path, arch: str, qtype: str, tokenizer: bool = False, pad
     if tokenizer:
         backend = build_tokenizer(cfg["vocab_size"])
         tok = (backend, tokenizer_config(cfg["max_position_embeddings"]), "qwen2", cfg["vocab_size"] * pad_tokens)
-    w = gguf.GGUFWriter(str(tmp_path / f"{arch}-{qtype}.gguf"), GGUF_ARCH[arch])
+    w = gguf.GGUFWriter(str(tmp_path / f"{arch}-{qtype}.gguf"), GGUF_ARCH[arch], split_max_tensors=split_max_tensors)
     write_metadata(w, arch, cfg)
     if tok is not None:
         add_tokenizer(w, *tok)
     for name, t in tensors.items():
         w.add_tensor(name, t, raw_dtype=qt if name in deq else None)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    if split_max_tensors:  # llama.cpp's gguf-split names: NAME-00001-of-0000N.gguf
+        return sorted(tmp_path.glob(f"{arch}-{qtype}-0*.gguf"))[0], cfg, state, deq
     return tmp_path / f"{arch}-{qtype}.gguf", cfg, state, deq
 
 
@@ -217,3 +220,16 @@ def test_the_commands_take_a_gguf_file(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "re-quantized into int8 as asked" in captured.err and "int8 g32" in captured.out
     assert report.is_file() and json.loads(report.read_text())
+
+
+def test_a_split_gguf_loads_as_the_single_file_does(tmp_path):
+    from hetmoe.engine.runner import Runner
+
+    (tmp_path / "one").mkdir()
+    (tmp_path / "parts").mkdir()
+    whole, _, _, _ = quantized_gguf(tmp_path / "one", "deepseek_v3", "Q8_0")
+    first, _, _, _ = quantized_gguf(tmp_path / "parts", "deepseek_v3", "Q8_0", split_max_tensors=7)
+    assert "-00001-of-" in first.name and len(list((tmp_path / "parts").glob("*.gguf"))) > 2
+    ids = [3, 14, 15, 92, 65, 35]
+    logits = [Runner(_load(p)).prefill(ids) for p in (whole, first)]
+    assert torch.equal(logits[0], logits[1])
