@@ -39,7 +39,7 @@ def _set_gpu_experts(model, saved: list, on: bool) -> None:
         layer.set_gpu_experts(gpu if on else None)
 
 
-def _median_ms(fn, n: int) -> float:
+def median_ms(fn, n: int) -> float:
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -54,9 +54,9 @@ def time_split(runner: Runner, steps: int = SPLIT_STEPS) -> dict:
     dec, hyb = runner.decoder, runner.hybrid
     pos, tok = max(0, runner.lengths[0] - 1), 1
     dec.step([tok], [pos], [0], cpu=False)  # captures the GPU-only graph (untimed)
-    gpu_ms = _median_ms(lambda: dec.step([tok], [pos], [0], cpu=False), steps)
+    gpu_ms = median_ms(lambda: dec.step([tok], [pos], [0], cpu=False), steps)
     dec.step([tok], [pos], [0])
-    step_ms = _median_ms(lambda: dec.step([tok], [pos], [0]), steps)
+    step_ms = median_ms(lambda: dec.step([tok], [pos], [0]), steps)
     jobs = list(hyb.last_jobs) if hyb is not None else []
 
     def cpu_alone():
@@ -65,7 +65,7 @@ def time_split(runner: Runner, steps: int = SPLIT_STEPS) -> dict:
         for pool in {p for p, _ in jobs}:
             pool.sync()
 
-    cpu_ms = _median_ms(cpu_alone, steps) if jobs else 0.0
+    cpu_ms = median_ms(cpu_alone, steps) if jobs else 0.0
     return {"step_ms": step_ms, "gpu_ms": gpu_ms, "cpu_ms": cpu_ms, "overlap_ms": gpu_ms + cpu_ms - step_ms,
             "cpu_jobs_per_step": len(jobs)}
 

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from hetmoe.bench.decode_variants import median_ms, time_split
 from hetmoe.engine.loader import LoadedModel
 from hetmoe.engine.runner import Runner
 from hetmoe.layers.attention import paged_kernels
@@ -29,19 +30,9 @@ from hetmoe.layers.attention import paged_kernels
 PREFILL_MAX = 32768  # prefill attention is timed up to this length (past it: minutes, and the sdpa path's masks)
 
 
-def _median_ms(fn, n: int) -> float:
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
 def _runner(loaded: LoadedModel, max_context: int, attention: str, max_batch: int = 1) -> Runner:
-    plan = dataclasses.replace(loaded.plan, max_context=max_context)
+    paged = loaded.plan.kv_paged and attention != "sdpa"
+    plan = dataclasses.replace(loaded.plan, max_context=max_context, kv_paged=paged)
     options = dataclasses.replace(loaded.options, attention=attention, max_batch=max_batch)
     return Runner(dataclasses.replace(loaded, plan=plan, options=options), cuda_graph=True)
 
@@ -57,10 +48,8 @@ def decode_at(runner: Runner, ctx: int, steps: int, gen: torch.Generator) -> dic
             t0 = time.perf_counter()
             runner.decode(tok)
             times.append(time.perf_counter() - t0)
-    dec, pos = runner.decoder, runner.lengths[0] - 1
-    dec.step([1], [pos], [0], cpu=False)  # captures the GPU-only graph
-    gpu_ms = _median_ms(lambda: dec.step([1], [pos], [0], cpu=False), 10)
-    return {"decode_tok_s": steps / sum(times), "step_ms": 1e3 * statistics.median(times), "gpu_ms": gpu_ms}
+    return {"decode_tok_s": steps / sum(times), "step_ms": 1e3 * statistics.median(times),
+            "gpu_ms": time_split(runner)["gpu_ms"]}
 
 
 def batch_decode(runner: Runner, lengths: list, tokens: list, steps: int) -> float:
@@ -110,7 +99,8 @@ def prefill_attention_ms(loaded: LoadedModel, runner: Runner, n_tokens: int) -> 
                 attend_cache(torch.randn(1, S, H, cache.head_dim, device=dev, dtype=dt), cache, 0, step, scale)
 
     one_layer()  # compiles
-    return cfg.num_hidden_layers * _median_ms(one_layer, 1)
+    torch.cuda.synchronize()
+    return cfg.num_hidden_layers * median_ms(lambda: (one_layer(), torch.cuda.synchronize()), 1)
 
 
 def kv_contexts(loaded: LoadedModel, contexts: list, steps: int, seed: int = 0, batch: int = 16, log=print) -> list:

@@ -276,7 +276,7 @@ def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device
     ``max_context``: instead of --max-context or the model's limit."""
     dtype = resolve_dtype(opts.dtype, device, shapes.dense_params)
     group = layer_group(fmt, opts.group_size)
-    ctx = max_context or opts.max_context or model_limit(shapes)
+    ctx = max_context or opts.max_context or shapes.context_limit or shapes.max_position_embeddings or 4096
     paged = kv_paged(opts, device)
     per_layer = plan_layers(shapes, opts, device, fmt, dtype.itemsize, layers)
     experts = sum(lp.ram for lp in per_layer) or shapes.n_routed * expert_bytes(fmt, shapes.hidden,
@@ -285,8 +285,7 @@ def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device
         pairs = [(lp.experts_format, lp.group_size) for lp in per_layer]
         fmt, group = max(pairs, key=pairs.count)
     dense = shapes.dense_params * dtype.itemsize
-    # paged (a GPU with the Triton kernels): pages are taken as sequences grow, so the plan holds one sequence at
-    # its full context; contiguous: every row's capacity grows together, so all of them
+    # paged: one full sequence (pages are taken as sequences grow); contiguous: every row's capacity grows together
     kv = shapes.kv_elems_per_token * (1 if paged else opts.max_batch) * ctx * dtype.itemsize
     tokens = opts.prefill_chunk * opts.max_batch
     act = tokens * (shapes.act_width * 4 + shapes.vocab_size * 4)  # a few hidden-width buffers + the last logits
@@ -374,16 +373,14 @@ def choose_plan(shapes: "ModelShapes", opts: EngineOptions, layers: Optional[lis
     return plan
 
 
-def model_limit(shapes: "ModelShapes") -> int:
-    """The positions the model attends over (its config's limit; 4096 when it names none)."""
-    return shapes.context_limit or shapes.max_position_embeddings or 4096
-
-
 def kv_paged(opts: EngineOptions, device: torch.device) -> bool:
     """Whether the runner's KV cache will be paged (layers/kv_cache.py): a GPU with the Triton kernels."""
     from hetmoe.layers.attention import paged_kernels
 
-    return opts.attention != "sdpa" and paged_kernels(device)
+    paged = opts.attention != "sdpa" and paged_kernels(device)
+    if opts.attention == "triton" and not paged:
+        raise RuntimeError("--attention triton needs a CUDA device and the triton package")
+    return paged
 
 
 def fit_context(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions, layers, ram: int,

@@ -23,7 +23,7 @@ import torch
 from hetmoe import cpu
 from hetmoe.engine.cuda_graph import GraphDecoder
 from hetmoe.engine.loader import LoadedModel, moe_blocks
-from hetmoe.layers.attention import KVCacheFull, Step, paged_kernels
+from hetmoe.layers.attention import KVCacheFull, Step
 from hetmoe.moe import StreamDecode
 
 KV_BUCKET = 64
@@ -48,9 +48,7 @@ class Runner:
         self.decoder: Optional[GraphDecoder] = None
         self.hybrid: Optional[StreamDecode] = None
         rows = self.max_batch + (1 if self.device.type == "cuda" else 0)  # + the decoder's scratch slot
-        paged = loaded.options.attention != "sdpa" and paged_kernels(self.device)
-        if loaded.options.attention == "triton" and not paged:
-            raise RuntimeError("--attention triton needs a CUDA device and the triton package")
+        paged = loaded.plan.kv_paged
         # KV memory (layers/kv_cache.py): on a GPU with the Triton kernels, pages for the positions in use; on the
         # CPU a capacity that grows with the longest sequence; the GPU's SDPA fallback holds every position up front
         # (growing there would re-capture the decode graphs)

@@ -148,9 +148,6 @@ class GGUFCheckpoint:
         out = torch.from_numpy(np.ascontiguousarray(w))
         return out if dtype is None else out.to(dtype)
 
-    def get(self, name: str) -> torch.Tensor:
-        return self.get_float(name)
-
     def ggml_type(self, name: str) -> str:
         t, _, _ = self._entry(name)
         return t[Transform.KV_B_K].ggml_type.name if isinstance(t, dict) else t.ggml_type.name

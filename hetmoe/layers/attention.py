@@ -83,16 +83,6 @@ def attend_cache(q: torch.Tensor, cache: KVCache, layer: int, step: Step, scale:
     return attend(q, k, v, step, scale)
 
 
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, S, heads, D] over k/v [B, ctx >= S, kv_heads, D] from position 0, query s attending keys 0..s (SDPA's
-    is_causal, no mask) -> [B, S, heads, Dv]."""
-    g = q.shape[2] // k.shape[2]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).to(q.dtype),
-                                         v.transpose(1, 2).to(q.dtype), is_causal=True, scale=scale,
-                                         enable_gqa=g > 1)  # [B, heads, S, Dv]
-    return out.transpose(1, 2)
-
-
 def mla_latent_paged(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: KVCache, layer: int, step: Step,
                      scale: float) -> torch.Tensor:
     """MLA's absorbed attention over a paged latent cache (k: c_kv [.., 1, r], v: k_pe): q_lat [B, S, h, r],
@@ -138,11 +128,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, scale:
     ctx, n_kv = k.shape[1], k.shape[2]
     g = H // n_kv
     if step.start is not None and S > 1:  # one sequence's consecutive positions: causal, no mask
-        if step.start == 0:
-            return causal_sdpa(q, k, v, scale)
         from torch.nn.attention.bias import causal_lower_right
 
-        L = step.start + S  # its keys end with its own tokens: causality aligned to the last row and column
+        # its keys end with its own tokens: causality aligned to the last row and column (from position 0, L == S:
+        # SDPA's own is_causal)
+        L = step.start + S
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k[:, :L].transpose(1, 2).to(q.dtype),
                                              v[:, :L].transpose(1, 2).to(q.dtype), attn_mask=causal_lower_right(S, L),
                                              scale=scale, enable_gqa=g > 1)

@@ -40,6 +40,7 @@ class KVCache:
         self.paged = page_size is not None
         self.page_size = page_size or max_context
         self.version = 0
+        self.k = self.v = None
         if self.paged:
             P = page_size
             self.pages_per_row = -(-max_context // P)
@@ -48,12 +49,10 @@ class KVCache:
             self.table = torch.zeros(rows, self.pages_per_row, dtype=torch.int32, device=self.device)
             self.owned = [[] for _ in range(rows)]  # the pages each row holds, in position order
             self.free: list = []
-            self.k = self.v = None
             self.n_pages = 1
             self._grow_pool(min(self.max_pages, max(2, want)))
         else:
             self.capacity = 0
-            self.k = self.v = None
             self._grow_rows(min(max_context, initial_tokens or max_context))
 
     # ------------------------------------------------------------------ sizes
@@ -80,22 +79,23 @@ class KVCache:
             raise KVCacheFull(f"the KV cache cannot grow to {what} ({need / 2**30:.2f} GiB): the {self.device.type} "
                               "memory is full; use a smaller --max-batch or --max-context, or shorter prompts") from e
 
-    def _grow_pool(self, n_pages: int) -> None:
-        k, v = self._alloc_or_full(f"{n_pages - 1} pages of {self.page_size} positions", n_pages, self.page_size)
+    def _realloc(self, what: str, dim: int, *shape_tail) -> None:
+        """Storage of ``shape_tail`` ([layers, *shape_tail, heads, D]), the old contents at the start of ``dim``."""
+        k, v = self._alloc_or_full(what, *shape_tail)
         if self.k is not None:
-            k[:, :self.n_pages].copy_(self.k)
-            v[:, :self.n_pages].copy_(self.v)
-        self.free.extend(range(n_pages - 1, self.n_pages - 1, -1))  # pop() hands out the lowest first
-        self.k, self.v, self.n_pages = k, v, n_pages
+            k.narrow(dim, 0, self.k.shape[dim]).copy_(self.k)
+            v.narrow(dim, 0, self.v.shape[dim]).copy_(self.v)
+        self.k, self.v = k, v
         self.version += 1
 
+    def _grow_pool(self, n_pages: int) -> None:
+        self._realloc(f"{n_pages - 1} pages of {self.page_size} positions", 1, n_pages, self.page_size)
+        self.free.extend(range(n_pages - 1, self.n_pages - 1, -1))  # pop() hands out the lowest first
+        self.n_pages = n_pages
+
     def _grow_rows(self, capacity: int) -> None:
-        k, v = self._alloc_or_full(f"{capacity} positions per row", self.n_rows, capacity)
-        if self.k is not None:
-            k[:, :, :self.capacity].copy_(self.k)
-            v[:, :, :self.capacity].copy_(self.v)
-        self.k, self.v, self.capacity = k, v, capacity
-        self.version += 1
+        self._realloc(f"{capacity} positions per row", 2, self.n_rows, capacity)
+        self.capacity = capacity
 
     # ------------------------------------------------------------------ positions in use
     def reserve(self, row: int, length: int) -> None:

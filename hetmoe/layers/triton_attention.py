@@ -32,6 +32,13 @@ LOG2E = 1.4426950408889634  # the prefill kernel's softmax runs in base 2
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _decode_split(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, PART_O, PART_L,
                   sq1_n, sq1_h, sq2_n, sq2_h,
                   sk1_p, sk1_t, sk1_h, sk2_p, sk2_t, sk2_h, sv_p, sv_t, sv_h, st_r,
@@ -74,17 +81,11 @@ def _decode_split(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, PART_O, PART_L,
         valid = pg * P + t <= pos
         k1 = tl.load(K1 + page * sk1_p + t[:, None] * sk1_t + kvh * sk1_h + d1[None, :],
                      mask=valid[:, None] & (d1[None, :] < D1), other=0.0)
-        if IEEE:
-            s = tl.dot(q1, tl.trans(k1), input_precision="ieee")
-        else:
-            s = tl.dot(q1, tl.trans(k1))
+        s = _dot(q1, tl.trans(k1), IEEE)
         if HAS_Q2:
             k2 = tl.load(K2 + page * sk2_p + t[:, None] * sk2_t + kvh * sk2_h + d2[None, :],
                          mask=valid[:, None] & (d2[None, :] < D2), other=0.0)
-            if IEEE:
-                s += tl.dot(q2, tl.trans(k2), input_precision="ieee")
-            else:
-                s += tl.dot(q2, tl.trans(k2))
+            s += _dot(q2, tl.trans(k2), IEEE)
         s = tl.where(valid[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
@@ -95,10 +96,7 @@ def _decode_split(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, PART_O, PART_L,
         else:
             v = tl.load(V + page * sv_p + t[:, None] * sv_t + kvh * sv_h + dv[None, :],
                         mask=valid[:, None] & (dv[None, :] < DV), other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
@@ -124,13 +122,6 @@ def _decode_reduce(PART_O, PART_L, OUT, spo_n, spo_h, spo_s, spl_n, spl_h, so_n,
                 mask=(lse[:, None] > float("-inf")) & (dv[None, :] < DV), other=0.0)
     out = tl.sum(o * w[:, None], 0)
     tl.store(OUT + n * so_n + h * so_h + dv, out.to(OUT.dtype.element_ty), mask=dv < DV)
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
 
 
 @triton.jit
