@@ -178,28 +178,25 @@ ChunkPlan::ChunkPlan(const MoeExperts& ex, const MoeCall& call, ThreadPool& pool
 
   // ---- quantize x, once per token: for the row-block kernels into rows; for AMX experts also in their
   // format, then copied to every panel row of the token (an expert's tokens are consecutive A-tile rows)
-  if (n_amx_slots_ < n_slots_) {
-    uint8_t* xq = pool.scratch(slot_base + 0, (size_t)nt * ga.row_bytes);
+  // every token's x into scratch `slot` as activation rows of `layout` (`amx`: the AMX experts' format)
+  auto quantize_x = [&](int slot, const ActLayout& layout, bool amx) {
+    uint8_t* out = pool.scratch(slot_base + slot, (size_t)nt * layout.row_bytes);
     for_rows(
         pool, nt, H,
         [&](int64_t t, int th) {
           float* row = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
           load_row_fp32(ops_, call.x, call.x_bf16, t0 + t, H, row);
-          ops_.quantize(fmt, false, row, H, ga, xq + t * ga.row_bytes);
+          ops_.quantize(fmt, amx, row, H, layout, out + t * layout.row_bytes);
         },
         serial);
+    return out;
+  };
+  if (n_amx_slots_ < n_slots_) {
+    uint8_t* xq = quantize_x(0, ga, false);
     for (int s = n_amx_slots_; s < n_slots_; ++s) x_rows_[s] = xq + (size_t)slot_token_[s] * ga.row_bytes;
   }
   if (n_amx_slots_ > 0) {
-    uint8_t* xt = pool.scratch(slot_base + kAmxScratchSlot, (size_t)nt * gxa.row_bytes);
-    for_rows(
-        pool, nt, H,
-        [&](int64_t t, int th) {
-          float* row = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * H));
-          load_row_fp32(ops_, call.x, call.x_bf16, t0 + t, H, row);
-          ops_.quantize(fmt, true, row, H, gxa, xt + t * gxa.row_bytes);
-        },
-        serial);
+    uint8_t* xt = quantize_x(kAmxScratchSlot, gxa, true);
     xa_ = make_panel(slot_base + kAmxScratchSlot + 1, gxa);
     for_rows(
         pool, n_amx_slots_, gxa.scales_off / 4,
