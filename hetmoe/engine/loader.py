@@ -260,10 +260,8 @@ def fill_experts(ckpt: Checkpoint, prefix: str, experts: CPUExperts) -> None:
     format that holds them (int8 / int4, group 32) are packed from their codes: nothing is re-quantized."""
     names = _expert_keys(ckpt, prefix)
     H, I = experts.hidden_size, experts.intermediate_size
-    keys = [f"{prefix}.experts.0.{which}.weight" for which in names]
-    exact = getattr(ckpt, "exact_format", lambda keys: None)(keys)
-    info = experts.info()
-    if exact is not None and exact == (info["weight_format"], info["group_size"]):
+    exact = getattr(ckpt, "exact_format", lambda keys: None)([f"{prefix}.experts.0.{w}.weight" for w in names])
+    if exact is not None and exact == tuple(experts.info()[k] for k in ("weight_format", "group_size")):
         from hetmoe.cpu.codes import load_codes
 
         for e in range(experts.num_experts):
@@ -369,11 +367,12 @@ def load_model(
     t0 = time.perf_counter()
     options = normalize_options(options or EngineOptions(), log)
     ckpt = open_checkpoint(path)  # config.json and every shard header (a GGUF file's metadata); no weight
-    cfg = checked_config(ckpt.config, getattr(ckpt, "config_source", ckpt.path / "config.json"))
+    source = getattr(ckpt, "config_source", ckpt.path / "config.json")  # what describes the model
+    cfg = checked_config(ckpt.config, source)
     try:
         model = build_meta(cfg)
     except (AttributeError, KeyError, TypeError) as err:  # a config.json without an entry the model needs
-        raise CheckpointError(f"{ckpt.path / 'config.json'} does not describe a {cfg.get('model_type')} model "
+        raise CheckpointError(f"{source} does not describe a {cfg.get('model_type')} model "
                               f"({err})") from None
     blocks = moe_blocks(model)
     inter = 0
