@@ -177,7 +177,8 @@ class GGUFCheckpoint:
             if exact is None or exact != (options.experts_format, options.group_size or exact[1]):
                 log(f"hetmoe: note: {self.path.name}'s experts are {'/'.join(kinds)}: dequantized and re-quantized "
                     f"into {options.experts_format} as asked")
-            return options if exact is None or options.group_size else dataclasses.replace(options, group_size=BLOCK)
+            keep = exact is None or options.group_size or options.experts_format == "bf16"  # bf16 has no groups
+            return options if keep else dataclasses.replace(options, group_size=BLOCK)
         if exact is not None:
             log(f"hetmoe: {self.path.name}'s experts are {kinds[0]}: packed as {exact[0]} group {BLOCK}, exactly")
             return dataclasses.replace(options, experts_format=exact[0], group_size=BLOCK)
