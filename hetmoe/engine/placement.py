@@ -66,6 +66,10 @@ class EngineOptions:
     dtype: str = field(default="auto", metadata=cli_flag(
         "--dtype", "dense weights and activations (default: bf16 on GPU, fp32 on CPU for small models)",
         choices=("auto", "bf16", "fp32")))
+    dense_format: str = field(default="auto", metadata=cli_flag(  # the table: hetmoe/layers/linear.py
+        "--dense-format", "format of the dense weights (attention projections, shared experts, dense MLPs, lm_head): "
+        "bf16 (the --dtype), int8 or int4 weight-only with a scale per 64, fp8 (GPU only, DeepSeek's block scales); "
+        "auto: the placement's choice (default: auto)", choices=("auto", "bf16", "fp8", "int8", "int4")))
     prefill_chunk: int = 1024  # prompt tokens per forward call
     defer_experts: int = field(default=0, metadata=cli_flag(
         "--defer-experts", "Expert Deferral: per token, compute the D lowest-weighted of its top-k routed experts "
@@ -110,6 +114,8 @@ class EngineOptions:
             raise ValueError(f"experts format must be auto, {', '.join(FORMATS)}; got {self.experts_format!r}")
         if self.dtype not in ("auto", "bf16", "fp32"):
             raise ValueError(f"dtype must be auto, bf16 or fp32, got {self.dtype!r}")
+        if self.dense_format not in ("auto", "bf16", "fp8", "int8", "int4"):
+            raise ValueError(f"dense format must be auto, bf16, fp8, int8 or int4, got {self.dense_format!r}")
         self.numa = parse_numa(self.numa)
         for name in ("threads", "max_context"):
             v = getattr(self, name)
