@@ -41,3 +41,67 @@ def dense_linears(model: nn.Module) -> list:
         if isinstance(module, nn.Linear) and id(module) not in fused and leaf not in KEEP:
             out.append((name, module.out_features, module.in_features))
     return out
+
+
+class PackedPart(nn.Module):
+    """Stands where one linear of a packed fused group was (``q_proj`` of a packed ``qkv``): computes the group and
+    returns its own part, so a path that calls the linears one by one stays correct. Holds no weight."""
+
+    def __init__(self, group: nn.Module, index: int):
+        super().__init__()
+        self.index = index
+        self._group = (group,)  # not a child: the group's bytes belong to the module that owns it
+
+    def forward(self, x):
+        return self._group[0].parts(x)[self.index]
+
+
+def _linear_factory(fmt: str, device, options, dtype):
+    """(list of nn.Linear) -> a packed linear module on ``device`` in format ``fmt``."""
+    if device.type == "cpu":
+        from hetmoe.cpu import CPULinear
+
+        isa = options.isa if options is not None else "auto"
+        return lambda linears: CPULinear.from_linear(linears, fmt, isa=isa)
+    from hetmoe.layers.gpu_linear import GPULinear
+
+    return lambda linears: GPULinear.from_linears(linears, fmt, device)
+
+
+def pack_dense(root: nn.Module, fmt: str, device, options=None, dtype=None) -> int:
+    """Packs the dense linears under ``root`` (a decoder layer, or the whole model; see the module docstring) into
+    ``fmt`` on ``device``, fusing the layer's projections first (idempotent: packed modules are left alone), and
+    frees their source weights. bf16 packs nothing. Returns the bytes of the packed weights made."""
+    if fmt == "bf16":
+        return 0
+    for module in root.modules():
+        if hasattr(module, "fuse_projections") and not hasattr(module, "model"):  # not a CausalLM: its layers
+            module.fuse_projections()
+    make = _linear_factory(fmt, device, options, dtype)
+    made = 0
+    for module in list(root.modules()):
+        for attr, group in _fused_groups(module):
+            packed = make(list(group.linears))
+            setattr(module, attr, packed)
+            names = {id(c): n for n, c in module.named_children()}
+            for i, lin in enumerate(group.linears):
+                setattr(module, names[id(lin)], PackedPart(packed, i))
+            made += packed.nbytes
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and name not in KEEP:
+                packed = make([child])
+                setattr(module, name, packed)
+                made += packed.nbytes
+    return made
+
+
+def packed_bytes(model: nn.Module) -> int:
+    """Bytes of the packed dense weights in ``model`` (the modules ``pack_dense`` made)."""
+    return sum(getattr(m, "nbytes", 0) for m in model.modules() if not isinstance(m, (nn.Linear, PackedPart))
+               and type(m).__name__ in ("CPULinear", "GPULinear"))
+
+
+def plan_dense_format(plan, options=None) -> str:
+    """The dense format a plan chose (``MemoryPlan.dense_format``); an unresolved "auto" is the dtype (bf16)."""
+    fmt = getattr(plan, "dense_format", None) or getattr(options, "dense_format", "auto")
+    return "bf16" if fmt == "auto" else fmt

@@ -165,7 +165,8 @@ class GQAAttention(nn.Module):
         self.qkv = None  # a FusedLinears once fuse_projections ran
 
     def fuse_projections(self) -> None:
-        self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
+        if self.qkv is None:  # once: the loader may have fused (and packed, engine/dense.py) this layer already
+            self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, rope: tuple, step: Step, cache: KVCache) -> torch.Tensor:
         B, S, _ = x.shape

@@ -31,7 +31,8 @@ class SwiGLUMLP(nn.Module):
         self.gate_up = None  # a FusedLinears once fuse_projections ran
 
     def fuse_projections(self) -> None:
-        self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
+        if self.gate_up is None:  # once (see GQAAttention.fuse_projections)
+            self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up.parts(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))

@@ -171,6 +171,8 @@ class DeepseekV2Attention(nn.Module):
         self.q_kv_a = None  # a FusedLinears (q_proj or q_a_proj, kv_a_proj_with_mqa) once fuse_projections ran
 
     def fuse_projections(self) -> None:
+        if self.q_kv_a is not None:  # once (see GQAAttention.fuse_projections)
+            return
         first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
         if (first.bias is None) == (self.kv_a_proj_with_mqa.bias is None):
             self.q_kv_a = FusedLinears(first, self.kv_a_proj_with_mqa)
