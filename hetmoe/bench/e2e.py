@@ -34,6 +34,7 @@ from hetmoe.bench.long_context import kv_contexts
 from hetmoe.bench.machine import GB, llc_bytes, machine_info, write_json
 from hetmoe.bench.prefill import prefill_paths, time_prefill
 from hetmoe.cli.options import engine_options
+from hetmoe.engine.dense import packed_bytes, plan_dense_format
 from hetmoe.engine.loader import LoadedModel, load_model, moe_blocks
 from hetmoe.engine.placement import EngineOptions, free_ram
 from hetmoe.engine.runner import Runner
@@ -72,7 +73,7 @@ def roofline_bytes(loaded: LoadedModel) -> dict:
         per_layer.append((min(cfg.num_experts_per_tok, experts.num_experts), info["bytes_per_expert"], info))
     expert_bytes = sum(k * bpe for k, bpe, _ in per_layer)
     dense = sum(p.numel() * p.element_size() for n, p in loaded.model.named_parameters()
-                if n != "model.embed_tokens.weight")
+                if n != "model.embed_tokens.weight") + packed_bytes(loaded.model)
     on_cpu = loaded.device.type == "cpu"
     first = per_layer[0][2] if per_layer else {}
     return {
@@ -81,6 +82,7 @@ def roofline_bytes(loaded: LoadedModel) -> dict:
         "isa": first.get("isa"), "expert_bytes_per_token": expert_bytes,
         "dense_bytes_per_token": dense if on_cpu else 0, "dense_bytes": dense,
         "bytes_per_token": expert_bytes + (dense if on_cpu else 0),
+        "dense_format": plan_dense_format(loaded.plan, loaded.options),
     }
 
 
@@ -146,16 +148,17 @@ def fmt_table(records: list, prompts: list) -> list:
 
     head = (f"{'placement':9s} {'experts':7s} {'dtype':8s} {'layers':>6s} "
             + " ".join(f"{'prefill@' + str(n):>12s}" for n in prompts)
-            + f" {'decode':>8s} {'roofline':>9s} {'%roof':>6s} {'ms/tok':>8s} {'MB/tok':>8s} {'GB/s eff':>8s}"
-            f" {'STREAM':>7s}")
+            + f" {'dense':>5s} {'decode':>8s} {'roofline':>9s} {'%roof':>6s} {'ms/tok':>8s} {'MB/tok':>8s}"
+            f" {'GB/s eff':>8s} {'STREAM':>7s}")
     lines = [head, f"{'':9s} {'':7s} {'':8s} {'':6s} " + " ".join(f"{'tok/s':>12s}" for _ in prompts)
-             + f" {'tok/s':>8s} {'tok/s':>9s} {'':>6s} {'':>8s} {'':>8s} {'':>8s} {'GB/s':>7s}"]
+             + f" {'':>5s} {'tok/s':>8s} {'tok/s':>9s} {'':>6s} {'':>8s} {'':>8s} {'':>8s} {'GB/s':>7s}"]
     for r in records:
         pre = {p["tokens"]: p["tok_s"] for p in r["prefill"]}
         lines.append(
             f"{r['placement']:9s} {r['experts_format']:7s} {r['dtype']:8s} {r['layers']:6d} "
             + " ".join(f"{num(pre.get(n), '12.1f'):>12s}" for n in prompts)
-            + f" {r['decode_tok_s']:8.2f} {num(r['roofline_tok_s'], '9.2f'):>9s} {num(r['pct_roofline'], '5.1f'):>5s}%"
+            + f" {r.get('dense_format', '-'):>5s} {r['decode_tok_s']:8.2f} {num(r['roofline_tok_s'], '9.2f'):>9s}"
+            f" {num(r['pct_roofline'], '5.1f'):>5s}%"
             f" {r['ms_per_token']:8.1f} {r['bytes_per_token'] / 1e6:8.1f} {r['gbps_effective']:8.2f}"
             f" {r['stream_gbps']:7.1f}"
         )
@@ -274,7 +277,8 @@ def run_e2e_bench(args) -> int:
                 say(line)
     per_placement = ", ".join(f"{r['placement']} {r['threads']}" for r in records)
     say(f"roofline = STREAM read GB/s (measured per placement, column STREAM) / bytes per decoded token (MB/tok: "
-        f"top_k x bytes per expert x MoE layers; cpu adds every dense weight but the embedding); "
+        f"top_k x bytes per expert x MoE layers; cpu adds every dense weight but the embedding, in its dense "
+        f"format); "
         f"expert threads per placement: {per_placement}; {machine['torch_threads']} torch threads")
 
     if args.json:
