@@ -1,0 +1,296 @@
+"""Dense weights on the GPU in a format of hetmoe.layers.linear.DENSE_FORMATS: bf16, fp8 (e4m3, one scale per
+128 x 128 block), int8 and int4 (weight-only, symmetric, one fp32 scale per 64 weights along K).
+
+``GPULinear`` holds one or several linears that read the same input (q/k/v, gate/up) as one packed [N, K] matrix,
+their rows side by side (``sizes``), and computes ``y [..., N] = x [..., K] W^T + b`` in bf16. The kernel is chosen
+once, at construction, from the format and the device (``kernel``):
+
+* ``torch``: bf16 weights through F.linear (cuBLAS).
+* ``triton``: int8/int4/fp8 weights dequantized inside the K loop (hetmoe/layers/triton_linear.py): a split-K
+  GEMV for decode (M <= 16 rows), a tiled GEMM above. fp8 on GPUs without fp8 conversion (compute capability < 8.9)
+  decodes the e4m3 bytes arithmetically.
+* ``scaled_mm``: fp8 where the GPU multiplies fp8 (capability >= 8.9) and PyTorch takes DeepSeek's block scales
+  (1 x 128 per token for x, 128 x 128 for W; checked once per device): x is quantized per token and 128-column
+  block, then one ``torch._scaled_mm``. Decode rows (M <= 16) still take the Triton GEMV, which reads the fp8
+  weights with bf16 x (no activation rounding) at the memory's rate.
+* ``reference``: dequantize to fp32 and F.linear, the tests' reference and the path where Triton is missing.
+
+Packed layouts are documented in triton_linear.py. Every kernel launch depends only on the shapes, so a CUDA graph
+captured for a fixed M replays it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetmoe.layers.linear import DENSE_FORMATS, dense_format
+
+log = logging.getLogger(__name__)
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+FP8_BLOCK = 128  # DeepSeek-V3/R1: one weight_scale_inv per 128 x 128 block
+INT_QMAX = {"int8": 127, "int4": 7}
+KERNELS = ("torch", "triton", "scaled_mm", "reference")
+DECODE_M = 16  # rows at most for the GEMV (triton_linear.DECODE_M, kept here so no import of triton is needed)
+_CHUNK_ELEMENTS = 1 << 25  # fp32 weight elements converted at a time while packing
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+# ------------------------------------------------------------------------------------------ packing (PyTorch ops)
+
+
+def quantize_int(w: torch.Tensor, fmt: str) -> tuple:
+    """fp32 ``w [N, K]`` -> (codes, fp32 scales [N, Kp/64]) in ``fmt`` (int8: int8 [N, Kp]; int4: uint8 [N, Kp/2]),
+    Kp = K padded with zeros to a multiple of 64; symmetric, scale = max |w| of the group / qmax."""
+    group, qmax = DENSE_FORMATS[fmt].group, INT_QMAX[fmt]
+    N, K = w.shape
+    kp = _cdiv(K, group) * group
+    w = F.pad(w.float(), (0, kp - K)).view(N, kp // group, group)
+    scale = w.abs().amax(-1) / qmax  # [N, G]
+    q = torch.round(w / torch.where(scale > 0, scale, 1.0).unsqueeze(-1)).clamp_(-qmax, qmax).to(torch.int8)
+    if fmt == "int8":
+        return q.view(N, kp), scale
+    return pack_int4(q.view(N, kp)), scale
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes in [-8, 7], [N, Kp] -> uint8 [N, Kp/2]; in each group of 64, byte i holds
+    (q[i] + 8) | (q[32 + i] + 8) << 4."""
+    N, kp = q.shape
+    u = (q.to(torch.int16) + 8).view(N, kp // 64, 2, 32)
+    return (u[:, :, 0] | (u[:, :, 1] << 4)).to(torch.uint8).view(N, kp // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_int4: uint8 [N, Kp/2] -> int8 codes [N, Kp]."""
+    N, half = packed.shape
+    b = packed.to(torch.int16).view(N, half // 32, 1, 32)
+    return (torch.cat([b & 15, b >> 4], dim=2) - 8).to(torch.int8).view(N, half * 2)
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple:
+    """fp32 ``w [N, K]`` -> (float8_e4m3fn [N, Kp], fp32 scale_inv [ceil(N/128), Kp/128]), Kp = K padded to a
+    multiple of 128: one scale per 128 x 128 block, max |w| of the block / 448 (DeepSeek's convention)."""
+    N, K = w.shape
+    np_, kp = _cdiv(N, FP8_BLOCK) * FP8_BLOCK, _cdiv(K, FP8_BLOCK) * FP8_BLOCK
+    blocks = F.pad(w.float(), (0, kp - K, 0, np_ - N)).view(np_ // FP8_BLOCK, FP8_BLOCK, kp // FP8_BLOCK, FP8_BLOCK)
+    scale = blocks.abs().amax((1, 3)) / FP8_MAX  # [NB, KB]
+    q = (blocks / torch.where(scale > 0, scale, 1.0)[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
+    return q.to(torch.float8_e4m3fn).view(np_, kp)[:N], scale
+
+
+def dequantize(fmt: str, weight: torch.Tensor, scale: Optional[torch.Tensor], k: int) -> torch.Tensor:
+    """Packed ``weight``/``scale`` of ``fmt`` -> fp32 [N, k]."""
+    if fmt == "bf16":
+        return weight.float()
+    if fmt == "fp8":
+        s = scale.repeat_interleave(FP8_BLOCK, 0)[: weight.shape[0]].repeat_interleave(FP8_BLOCK, 1)
+        return (weight.float() * s)[:, :k]
+    codes = unpack_int4(weight) if fmt == "int4" else weight
+    return (codes.float() * scale.repeat_interleave(DENSE_FORMATS[fmt].group, 1))[:, :k]
+
+
+# ------------------------------------------------------------------------------------------ kernel choice
+
+_BLOCKWISE_OK: dict = {}
+
+
+def blockwise_scaled_mm(device: torch.device) -> bool:
+    """Whether torch._scaled_mm on ``device`` multiplies fp8 with 1 x 128 x-scales and 128 x 128 W-scales (tried
+    once on a small product and compared with its dequantized form)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        return False
+    if device not in _BLOCKWISE_OK:
+        g = torch.Generator(device=device).manual_seed(0)
+        w = torch.randn(256, 256, device=device, generator=g)
+        x = torch.randn(32, 256, device=device, generator=g).bfloat16()
+        wq, ws = quantize_fp8(w)
+        try:
+            y = _scaled_mm_fp8(x, wq, ws, None).float()
+            ref = x.float() @ dequantize("fp8", wq, ws, 256).t()
+            _BLOCKWISE_OK[device] = bool(((y - ref).norm() / ref.norm()) < 0.1)
+        except (RuntimeError, TypeError, ValueError) as err:
+            log.info("torch._scaled_mm takes no block scales here (%s); fp8 runs on the Triton kernel", err)
+            _BLOCKWISE_OK[device] = False
+    return _BLOCKWISE_OK[device]
+
+
+def choose_kernel(fmt: str, device: torch.device, n_out: int, kernel: Optional[str] = None) -> str:
+    """The kernel for ``n_out`` rows of ``fmt`` on ``device`` (module docstring); ``kernel`` asks for one, checked."""
+    if kernel is not None:
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+        if (kernel == "torch") != (fmt == "bf16") and kernel != "reference":
+            raise ValueError(f"kernel {kernel!r} does not run the {fmt} format")
+        if kernel in ("triton", "scaled_mm") and not has_triton():
+            raise ValueError(f"kernel {kernel!r} needs the triton package, which is not installed")
+        if kernel == "scaled_mm" and (fmt != "fp8" or n_out % 16 or not blockwise_scaled_mm(device)):
+            raise ValueError("kernel 'scaled_mm' needs fp8 weights, rows a multiple of 16 and a GPU where "
+                             "torch._scaled_mm takes block scales")
+        return kernel
+    if fmt == "bf16":
+        return "torch"
+    if device.type != "cuda" or not has_triton():
+        return "reference"
+    # cuBLAS multiplies fp8 only with N a multiple of 16
+    return "scaled_mm" if fmt == "fp8" and n_out % 16 == 0 and blockwise_scaled_mm(device) else "triton"
+
+
+def _scaled_mm_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias) -> torch.Tensor:
+    """bf16 x [M, K] quantized per token and 128-column block, times fp8 ``weight`` [N, Kp] with its block scales
+    [NB, Kp/128], through torch._scaled_mm -> bf16 [M, N]."""
+    M, K = x.shape
+    kp = weight.shape[1]
+    if kp != K:
+        x = F.pad(x, (0, kp - K))
+    xb = x.view(M, kp // FP8_BLOCK, FP8_BLOCK).float()
+    sx = xb.abs().amax(-1).clamp_min(1e-12) / FP8_MAX  # [M, KB]
+    xq = (xb / sx.unsqueeze(-1)).to(torch.float8_e4m3fn).view(M, kp)
+    # cuBLAS wants both scale tensors K-block-major: x's [M, KB] with strides (1, M), W's as [KB, NB]
+    y = torch._scaled_mm(xq, weight.t(), scale_a=sx.t().contiguous().t(), scale_b=scale.t(),
+                         out_dtype=torch.bfloat16)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+# ------------------------------------------------------------------------------------------ the module
+
+
+class GPULinear(nn.Module):
+    """Linears that read one input, packed side by side in a dense format (module docstring). Build it with
+    ``from_linears`` or ``from_fp8``; ``forward`` returns all outputs side by side, ``parts`` one view each."""
+
+    def __init__(self, fmt: str, weight: torch.Tensor, scale: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                 in_features: int, sizes: Sequence[int], kernel: Optional[str] = None):
+        super().__init__()
+        self.fmt = dense_format(fmt, "cuda")
+        self.in_features = in_features
+        self.sizes = list(sizes)
+        self.out_features = sum(self.sizes)
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", bias)
+        self.kernel = choose_kernel(fmt, weight.device, self.out_features, kernel)
+        self.fp8_bits = (fmt == "fp8" and weight.is_cuda and torch.cuda.get_device_capability(weight.device) < (8, 9))
+        log.debug("GPULinear [%d, %d] %s on %s: kernel %s", self.out_features, in_features, fmt, weight.device,
+                  self.kernel)
+
+    @classmethod
+    def from_linears(cls, linears: Sequence[nn.Linear], fmt: str, device, kernel: Optional[str] = None) -> GPULinear:
+        """Pack ``linears`` (one input size; all with a bias or none) into ``fmt`` on ``device``; the source
+        weights are read, not kept."""
+        dense_format(fmt, "cuda")
+        if not linears:
+            raise ValueError("GPULinear.from_linears needs at least one linear")
+        if len({lin.in_features for lin in linears}) != 1:
+            raise ValueError(f"packed linears must read inputs of one size, got {[lin.in_features for lin in linears]}")
+        if len({lin.bias is None for lin in linears}) != 1:
+            raise ValueError("packed linears must all have a bias or all have none")
+        device = torch.device(device)
+        K = linears[0].in_features
+        sizes = [lin.out_features for lin in linears]
+        rows = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
+        bias = None
+        if linears[0].bias is not None:
+            bias = torch.cat([lin.bias.detach() for lin in linears]).to(device, torch.float32)
+        if fmt == "bf16":
+            return cls(fmt, rows.to(device, torch.bfloat16).contiguous(), None, bias, K, sizes, kernel)
+        # convert a slab of rows at a time, so packing a large matrix needs no fp32 copy of all of it
+        step = max(FP8_BLOCK, _CHUNK_ELEMENTS // max(K, 1) // FP8_BLOCK * FP8_BLOCK)
+        weights, scales = [], []
+        for r0 in range(0, rows.shape[0], step):
+            slab = rows[r0:r0 + step].to(device, torch.float32)
+            q, s = quantize_fp8(slab) if fmt == "fp8" else quantize_int(slab, fmt)
+            weights.append(q)
+            scales.append(s)
+        return cls(fmt, torch.cat(weights), torch.cat(scales), bias, K, sizes, kernel)
+
+    @classmethod
+    def from_fp8(cls, weight, scale_inv, bias=None, device=None, kernel: Optional[str] = None) -> GPULinear:
+        """A DeepSeek FP8 checkpoint's own weights, kept as they are: ``weight`` float8_e4m3fn [N, K] and
+        ``scale_inv`` [ceil(N/128), ceil(K/128)] (w = weight * scale_inv per 128 x 128 block), or lists of them
+        to pack side by side (every part but the last must have N a multiple of 128, so blocks stay whole)."""
+        weights = list(weight) if isinstance(weight, (list, tuple)) else [weight]
+        scales = list(scale_inv) if isinstance(scale_inv, (list, tuple)) else [scale_inv]
+        if isinstance(bias, torch.Tensor) and len(weights) > 1:
+            raise ValueError("packed fp8 weights take one bias per part (a list), or none")
+        biases = list(bias) if isinstance(bias, (list, tuple)) else [bias] * len(weights)
+        if scale_inv is None or any(s is None for s in scales):
+            raise ValueError("fp8 weights need their scale_inv (one fp32 scale per 128 x 128 block)")
+        if len(scales) != len(weights) or len(biases) != len(weights):
+            raise ValueError(f"got {len(weights)} fp8 weights, {len(scales)} scale_inv and {len(biases)} biases")
+        if len({b is None for b in biases}) != 1:
+            raise ValueError("packed linears must all have a bias or all have none")
+        for i, (w, s) in enumerate(zip(weights, scales)):
+            if w.dtype != torch.float8_e4m3fn or w.dim() != 2:
+                raise ValueError(f"fp8 weight {i} must be a 2-D float8_e4m3fn tensor, got {w.dtype} "
+                                 f"{tuple(w.shape)}")
+            want = (_cdiv(w.shape[0], FP8_BLOCK), _cdiv(w.shape[1], FP8_BLOCK))
+            if tuple(s.shape) != want:
+                raise ValueError(f"scale_inv {i} has shape {tuple(s.shape)}; a {list(w.shape)} weight in "
+                                 f"128 x 128 blocks needs {list(want)}")
+            if i < len(weights) - 1 and w.shape[0] % FP8_BLOCK:
+                raise ValueError(f"fp8 weight {i} has {w.shape[0]} rows; only the last packed part may have a "
+                                 f"row count that is not a multiple of {FP8_BLOCK}")
+        K = weights[0].shape[1]
+        if any(w.shape[1] != K for w in weights):
+            raise ValueError(f"packed linears must read inputs of one size, got {[w.shape[1] for w in weights]}")
+        device = torch.device(device) if device is not None else weights[0].device
+        kp = _cdiv(K, FP8_BLOCK) * FP8_BLOCK
+        w = torch.cat([F.pad(x.to(device).view(torch.uint8), (0, kp - K)) for x in weights])
+        s = torch.cat([x.to(device, torch.float32) for x in scales])
+        b = torch.cat([x.to(device, torch.float32) for x in biases]) if biases[0] is not None else None
+        return cls("fp8", w.view(torch.float8_e4m3fn).contiguous(), s.contiguous(), b, K,
+                   [x.shape[0] for x in weights], kernel)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this linear holds on its device: packed weights (K padded to a group), scales, bias."""
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.bias) if t is not None)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weights this linear multiplies by, fp32 [N, K]."""
+        return dequantize(self.fmt.name, self.weight, self.scale, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] bf16 -> [..., N] bf16: every packed linear's output side by side."""
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"GPULinear takes bfloat16 inputs, got {x.dtype}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"GPULinear expects inputs [..., {self.in_features}], got {tuple(x.shape)}")
+        if x.device != self.weight.device:
+            raise ValueError(f"input on {x.device}, weights on {self.weight.device}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        M = x2.shape[0]
+        if self.kernel == "torch":
+            y = F.linear(x2, self.weight, None if self.bias is None else self.bias.to(x.dtype))
+        elif self.kernel == "reference":
+            y = F.linear(x2.float(), self.dequantized_weight(), self.bias).to(x.dtype)
+        elif self.kernel == "scaled_mm" and M > DECODE_M:
+            y = _scaled_mm_fp8(x2, self.weight, self.scale, self.bias)
+        else:
+            from hetmoe.layers import triton_linear
+
+            y = triton_linear.linear(x2, self.weight, self.scale, self.bias, self.fmt.name, self.out_features,
+                                     fp8_bits=self.fp8_bits)
+        return y.view(*lead, self.out_features)
+
+    def parts(self, x: torch.Tensor) -> tuple:
+        """x [..., K] -> each packed linear's output [..., out_i] (views of one output)."""
+        return self(x).split(self.sizes, dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.sizes}, {self.fmt.name}, kernel={self.kernel}"

@@ -1,0 +1,280 @@
+"""Dense weights in bf16/fp8/int8/int4 (hetmoe/layers/gpu_linear.py, triton_linear.py) against two references:
+the fp32 product with the same dequantized weights (kernel correctness, tight) and the fp32 product with the bf16
+weights the format was made from (the format's error, bound DENSE_FORMATS[fmt].tolerance).
+
+Paths: the reference path (dequantize + F.linear) on the CPU; the Triton kernels in Triton's interpreter on the CPU
+(TRITON_INTERPRET=1, set by tests/conftest.py; skipped without the triton package) and on the GPU (marked gpu);
+fp8 through torch._scaled_mm where the GPU takes block scales (gpu).
+
+Measured, N(0, 0.02) weights, N(0, 1) inputs, ||y - ref|| / ||ref|| (interpreter; the H200 in the comments):
+* kernel vs its dequantized weights, fp32 x and out (interpreter): <= 1e-6 (bound 1e-5); bf16 out: the output's
+  rounding, 3.4e-3 in the interpreter (it truncates to bf16), 1.7e-3 on the GPU (bound 4e-3); fp8 through
+  _scaled_mm also rounds x to fp8 per 128 block: 2.1e-2 (bound 3e-2).
+* format vs bf16 weights: int8 6.9e-3 (table 1e-2), int4 1.1e-1 (table 1.5e-1), fp8 weight-only 2.9e-2,
+  fp8 with _scaled_mm 3.6e-2 (table 6e-2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cases import WEIGHT_STD, generator
+from hetmoe.layers.gpu_linear import GPULinear, pack_int4, quantize_fp8, quantize_int, unpack_int4
+from hetmoe.layers.linear import DENSE_FORMATS
+from reference import rel_err
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+QUANTIZED = ("fp8", "int8", "int4")
+KERNEL_BOUND = 4e-3  # bf16 output rounding (see the module docstring)
+SCALED_MM_BOUND = 3e-2  # x rounded to fp8 per token and 128 block
+FP32_BOUND = 1e-5
+MS = (1, 3, 8, 64, 300)
+
+
+@pytest.fixture(scope="module")
+def tl_linear():
+    pytest.importorskip("triton")
+    if not HAS_CUDA:  # tests/conftest.py set TRITON_INTERPRET=1 before anything imported triton
+        import triton.runtime.interpreter as interp
+
+        if not getattr(interp, "_hetmoe_gpu_linear_patch", False):
+            # numpy >= 2.4 refuses int() of the 1-element arrays the interpreter keeps loop bounds in
+            original = interp._patch_lang_tensor
+
+            def patched(tensor, *rest):
+                original(tensor, *rest)
+                tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
+
+            interp._patch_lang_tensor = patched
+            interp._hetmoe_gpu_linear_patch = True
+    from hetmoe.layers import triton_linear
+
+    return triton_linear
+
+
+def make_linears(sizes, K: int, bias: bool, *params) -> list:
+    """bf16 linears [n, K] with N(0, 0.02) weights (and biases), seeded by the case."""
+    gen = generator("gpu_linear", tuple(sizes), K, bias, *params)
+    linears = []
+    for n in sizes:
+        lin = nn.Linear(K, n, bias=bias)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(n, K, generator=gen) * WEIGHT_STD)
+            if bias:
+                lin.bias.copy_(torch.randn(n, generator=gen) * WEIGHT_STD)
+        linears.append(lin.to(torch.bfloat16))
+    return linears
+
+
+def inputs(M: int, K: int, *params) -> torch.Tensor:
+    return torch.randn(M, K, generator=generator("x", M, K, *params)).to(DEVICE, torch.bfloat16)
+
+
+def bf16_reference(linears, x) -> torch.Tensor:
+    """fp32 product with the bf16 weights the format was made from."""
+    w = torch.cat([lin.weight.float() for lin in linears]).to(x.device)
+    b = torch.cat([lin.bias.float() for lin in linears]).to(x.device) if linears[0].bias is not None else None
+    return F.linear(x.float(), w, b)
+
+
+def dequantized_reference(lin: GPULinear, x) -> torch.Tensor:
+    return F.linear(x.float(), lin.dequantized_weight(), lin.bias)
+
+
+# ----------------------------------------------------------------------------------------- packing, reference path
+
+
+def test_int4_pack_roundtrip():
+    gen = generator("int4 pack")
+    q = torch.randint(-8, 8, (5, 192), generator=gen, dtype=torch.int8)
+    packed = pack_int4(q)
+    assert packed.shape == (5, 96) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_int4(packed), q)
+    assert int(packed[0, 0]) == (int(q[0, 0]) + 8) | ((int(q[0, 32]) + 8) << 4)  # group-local nibble pairs
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantize_int_codes_and_padding(fmt):
+    w = torch.randn(7, 100, generator=generator("qint", fmt)) * WEIGHT_STD
+    w[3, :64] = 0.0  # an all-zero group: scale 0, codes 0, no NaN
+    codes, scale = quantize_int(w, fmt)
+    assert scale.shape == (7, 2) and scale.dtype == torch.float32 and scale[3, 0] == 0
+    q = unpack_int4(codes) if fmt == "int4" else codes
+    assert q.shape == (7, 128) and not q[:, 100:].any()  # K padded with zero codes
+    qmax = 127 if fmt == "int8" else 7
+    assert int(q.abs().max()) == qmax
+    deq = q.float() * scale.repeat_interleave(64, 1)
+    # symmetric rounding: each weight within half a step of its group
+    assert ((deq[:, :100] - w).abs() <= scale.repeat_interleave(64, 1)[:, :100] / 2 + 1e-7).all()
+
+
+def test_fp8_matches_checkpoint_convention():
+    """from_fp8 keeps a checkpoint's weights: its dequantized weight is the loader's dequantize_fp8."""
+    from hetmoe.engine.checkpoint import dequantize_fp8
+
+    w = torch.randn(300, 200, generator=generator("fp8 conv")) * WEIGHT_STD
+    q, s = quantize_fp8(w)
+    assert q.shape == (300, 256) and s.shape == (3, 2)
+    lin = GPULinear.from_fp8(q[:, :200].contiguous(), s, kernel="reference")
+    assert torch.equal(lin.dequantized_weight(), dequantize_fp8(q[:, :200], s))
+    assert rel_err(lin.dequantized_weight(), w) < DENSE_FORMATS["fp8"].tolerance
+
+
+@pytest.mark.parametrize("fmt", list(DENSE_FORMATS))
+def test_reference_path_within_format_tolerance(fmt):
+    linears = make_linears([70, 33], 200, True, fmt)
+    lin = GPULinear.from_linears(linears, fmt, DEVICE, kernel="torch" if fmt == "bf16" else "reference")
+    x = inputs(64, 200, fmt)
+    y = lin(x)
+    assert y.shape == (64, 103) and y.dtype == torch.bfloat16
+    assert rel_err(y, dequantized_reference(lin, x)) < KERNEL_BOUND
+    assert rel_err(y, bf16_reference(linears, x)) < max(DENSE_FORMATS[fmt].tolerance, KERNEL_BOUND)
+
+
+@pytest.mark.parametrize("fmt", list(DENSE_FORMATS))
+def test_nbytes_matches_the_table(fmt):
+    lin = GPULinear.from_linears(make_linears([256], 384, False, fmt), fmt, "cpu", kernel=None)
+    assert lin.nbytes == DENSE_FORMATS[fmt].nbytes(256, 384)
+
+
+def test_fused_parts_and_bias():
+    linears = make_linears([70, 33, 129], 150, True, "parts")
+    x = inputs(5, 150, "parts").view(1, 5, 150)
+    for fmt in DENSE_FORMATS:
+        lin = GPULinear.from_linears(linears, fmt, DEVICE, kernel="torch" if fmt == "bf16" else "reference")
+        parts = lin.parts(x)
+        assert [p.shape for p in parts] == [(1, 5, 70), (1, 5, 33), (1, 5, 129)]
+        whole = lin(x)
+        for p, lo, hi in zip(parts, (0, 70, 103), (70, 103, 232)):
+            assert torch.equal(p, whole[..., lo:hi])
+        for one, p in zip(linears, parts):  # each part is that linear's output, its bias included
+            alone = GPULinear.from_linears([one], fmt, DEVICE, kernel="torch" if fmt == "bf16" else "reference")
+            if fmt != "fp8":  # fp8 blocks of 128 rows straddle the packed linears, so scales differ alone
+                assert torch.equal(alone(x), p)
+            assert rel_err(p, bf16_reference([one], x.view(5, 150)).view(1, 5, -1)) < \
+                max(DENSE_FORMATS[fmt].tolerance, KERNEL_BOUND)
+
+
+def test_from_fp8_parts():
+    ws = [torch.randn(n, 256, generator=generator("fp8 parts", n)) * WEIGHT_STD for n in (256, 100)]
+    packed = [quantize_fp8(w) for w in ws]
+    lin = GPULinear.from_fp8([q for q, _ in packed], [s for _, s in packed], kernel="reference")
+    assert lin.sizes == [256, 100] and lin.scale.shape == (3, 2)
+    assert torch.equal(lin.dequantized_weight(), torch.cat([GPULinear.from_fp8(q, s, kernel="reference")
+                                                           .dequantized_weight() for q, s in packed]))
+    with pytest.raises(ValueError, match="only the last packed part"):
+        GPULinear.from_fp8([packed[1][0], packed[0][0]], [packed[1][1], packed[0][1]])
+
+
+def test_bad_inputs():
+    linears = make_linears([64], 128, False, "bad")
+    lin = GPULinear.from_linears(linears, "int8", "cpu", kernel="reference")
+    with pytest.raises(ValueError, match="bfloat16"):
+        lin(torch.randn(2, 128))
+    with pytest.raises(ValueError, match=r"\[\.\.\., 128\]"):
+        lin(torch.randn(2, 96).bfloat16())
+    with pytest.raises(ValueError, match="dense format must be one of"):
+        GPULinear.from_linears(linears, "int3", "cpu")
+    with pytest.raises(ValueError, match="one size"):
+        GPULinear.from_linears(linears + make_linears([8], 64, False, "bad2"), "int8", "cpu")
+    with pytest.raises(ValueError, match="all have a bias"):
+        GPULinear.from_linears(linears + make_linears([8], 128, True, "bad3"), "int8", "cpu")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        GPULinear.from_linears(linears, "int8", "cpu", kernel="marlin")
+    with pytest.raises(ValueError, match="does not run the int8"):
+        GPULinear.from_linears(linears, "int8", "cpu", kernel="torch")
+    q, s = quantize_fp8(linears[0].weight.float())
+    with pytest.raises(ValueError, match="need their scale_inv"):
+        GPULinear.from_fp8(q, None)
+    with pytest.raises(ValueError, match="needs \\[1, 1\\]"):
+        GPULinear.from_fp8(q, torch.ones(2, 1))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        GPULinear.from_fp8(linears[0].weight, s)
+    if not HAS_CUDA:
+        with pytest.raises(ValueError, match="scaled_mm"):
+            GPULinear.from_fp8(q, s, kernel="scaled_mm")
+
+
+# ----------------------------------------------------------------------------------------- Triton kernels
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+@pytest.mark.parametrize("M", MS)
+def test_triton_kernel_against_both_references(tl_linear, fmt, M):
+    """Odd N and K (K not a whole group: padded), bias, the planned launch (split K for small M)."""
+    linears = make_linears([97, 40], 200, True, fmt, M)
+    lin = GPULinear.from_linears(linears, fmt, DEVICE, kernel="triton")
+    x = inputs(M, 200, fmt, M)
+    y = lin(x)
+    assert y.shape == (M, 137) and y.dtype == torch.bfloat16
+    assert rel_err(y, dequantized_reference(lin, x)) < KERNEL_BOUND
+    assert rel_err(y, bf16_reference(linears, x)) < DENSE_FORMATS[fmt].tolerance
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="fp32 activations run in the interpreter only (the GPU kernel takes bf16)")
+@pytest.mark.parametrize("fmt,fp8_bits", [("int8", False), ("int4", False), ("fp8", False), ("fp8", True)])
+@pytest.mark.parametrize("M", [3, 70])
+@pytest.mark.parametrize("split", ["none", "all"])
+def test_triton_kernel_fp32_exact(tl_linear, fmt, fp8_bits, M, split):
+    """fp32 in and out: the kernel's only rounding is fp32 summation order; one split and one split per group,
+    and fp8 decoded from its bytes (the path of GPUs without fp8 conversion)."""
+    linears = make_linears([130], 300, True, fmt, "exact")
+    lin = GPULinear.from_linears(linears, fmt, "cpu", kernel="triton")
+    x = inputs(M, 300, fmt, "exact").float()
+    n_groups = lin.scale.shape[1]
+    launch = tl_linear.plan(M, 130, n_groups, 4)
+    splits = 1 if split == "none" else n_groups
+    launch = tl_linear.Launch(launch.bm, launch.bn, splits, -(-n_groups // splits), 4, 2)
+    y = tl_linear.linear(x, lin.weight, lin.scale, lin.bias, fmt, 130, fp8_bits=fp8_bits, launch=launch)
+    assert y.dtype == torch.float32
+    assert rel_err(y, dequantized_reference(lin, x)) < FP32_BOUND
+
+
+def test_plan_fills_the_gpu(tl_linear):
+    """Decode splits K so tiles x splits reach the programs wanted; prefill with many tiles does not split;
+    every split has groups."""
+    d = tl_linear.plan(1, 2048, 64, 132)
+    assert d.bm == 16 and d.splits > 1 and d.splits * -(-2048 // d.bn) >= 132
+    assert (d.splits - 1) * d.groups_per_split < 64 <= d.splits * d.groups_per_split
+    assert tl_linear.plan(2048, 7168, 256, 132).splits == 1
+
+
+# ----------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", list(DENSE_FORMATS))
+@pytest.mark.parametrize("M", MS)
+def test_gpu_auto_kernel(fmt, M):
+    """The kernel chosen on this GPU (fp8: _scaled_mm for M > 16 where block scales go through it)."""
+    linears = make_linears([256, 128], 384, False, fmt, M, "gpu")
+    lin = GPULinear.from_linears(linears, fmt, "cuda")
+    x = inputs(M, 384, fmt, M, "gpu")
+    y = lin(x)
+    bound = SCALED_MM_BOUND if lin.kernel == "scaled_mm" and M > 16 else KERNEL_BOUND
+    assert rel_err(y, dequantized_reference(lin, x)) < bound
+    assert rel_err(y, bf16_reference(linears, x)) < max(DENSE_FORMATS[fmt].tolerance, KERNEL_BOUND)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", list(DENSE_FORMATS))
+@pytest.mark.parametrize("M", [1, 64])
+def test_gpu_graph_replay_equals_eager(fmt, M):
+    lin = GPULinear.from_linears(make_linears([576, 64], 512, True, fmt, "graph"), fmt, "cuda")
+    x = inputs(M, 512, fmt, "graph")
+    eager = lin(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        lin(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = lin(x)
+    x.copy_(inputs(M, 512, fmt, "graph 2"))
+    graph.replay()
+    assert torch.equal(out, lin(x)) and not torch.equal(out, eager)
