@@ -98,8 +98,34 @@ def gpu_prefill(text: str):
         raise argparse.ArgumentTypeError(f"expected auto, off or a token count >= 1, got {text}") from None
 
 
+def size(text: str) -> int:
+    """--gpu-memory / --cpu-memory: 24GiB, 24G, 500MiB, 1.5TB or bytes (hetmoe/engine/sysmem.py parse_size)."""
+    from hetmoe.engine.sysmem import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 24GiB, 24G, 500MiB, 1.5TB or a number of bytes, "
+                                         f"got {text}") from None
+
+
+def auto_or_int(text: str):
+    """--gpu-experts: auto or an integer (its bound is checked after parsing: engine_usage_error)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    return _number(text, int, lambda v: True, "auto or an integer")
+
+
+def context(text: str):
+    """--max-context: auto (None, the default) or a positive integer."""
+    if text.strip().lower() == "auto":
+        return None
+    return _number(text, int, lambda v: v >= 1, "auto or a positive integer")
+
+
 # the names cli_flag's ``type`` may give
-TYPES = {"int": int, "positive_int": positive_int, "numa": numa, "gpu_prefill": gpu_prefill}
+TYPES = {"int": int, "positive_int": positive_int, "numa": numa, "gpu_prefill": gpu_prefill, "size": size,
+         "gpu_experts": auto_or_int, "context": context}
 
 
 # ---------------------------------------------------------------------------------------------- engine
@@ -148,7 +174,7 @@ def engine_usage_error(args: argparse.Namespace) -> Optional[str]:
     """What the engine flags in ``args`` cannot be, beyond each flag's type (None: nothing)."""
     for f in engine_fields():
         bound, value = f.metadata.get("min"), getattr(args, _dest(f), None)
-        if bound is not None and value is not None and value < bound:
+        if bound is not None and isinstance(value, int) and value < bound:
             return f"{f.metadata['flag']}: expected an integer >= {bound}, got {value}"
     if getattr(args, "experts_format", None) == "int4" and getattr(args, "group_size", None) == 0:
         return "--group-size: int4 experts need a group size of 32, 64 or 128 (per-row scales are int8 only)"

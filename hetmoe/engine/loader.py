@@ -34,7 +34,7 @@ from hetmoe.cpu import HYBRID_RESERVED_CORES, CPUExperts, default_threads
 from hetmoe.cpu.numa import resolve_subpools
 from hetmoe.engine.calibration import calibration_text, check_gpu_experts, keep_gpu_experts
 from hetmoe.engine.checkpoint import Checkpoint, CheckpointError, read_config
-from hetmoe.engine.dense import pack_dense, plan_dense_format
+from hetmoe.engine.dense import dense_linears, pack_dense, plan_dense_format
 from hetmoe.engine.expert_cache import ExpertCache, default_cache_dir
 from hetmoe.engine.placement import (
     EngineOptions,
@@ -108,18 +108,19 @@ def new_experts(layer: MoELayer, cfg: ModelConfig, inter: int, plan: MemoryPlan,
                       threads=threads, numa=options.numa, isa=options.isa, amx_min_tokens=options.amx_min_tokens)
 
 
-def plan_model(model: nn.Module, cfg: ModelConfig, blocks: list, options: EngineOptions, inter: int) -> MemoryPlan:
+def plan_model(model: nn.Module, cfg: ModelConfig, blocks: list, options: EngineOptions, inter: int,
+               device: Optional[torch.device] = None) -> MemoryPlan:
     """The checks that read no weight (deferral, --gpu-experts, the placement rules of ``options.rules`` against the
-    model's modules) and the memory plan, its ``layers`` placed as the rules say."""
+    model's modules) and the memory plan, its ``layers`` placed as the rules say (on ``device``: hetmoe plan's)."""
     check_deferral(cfg, len(blocks), options.defer_experts)
-    check_gpu_experts([b.num_experts for _, b in blocks], options.gpu_experts)
+    check_gpu_experts([b.num_experts for _, b in blocks], 0 if options.gpu_experts == "auto" else options.gpu_experts)
     shapes = model_shapes(model, cfg, inter)
     layers = None
     if options.rules is not None:
-        device = resolve_device(options.device)
-        layers = apply_native(load_rules(options.rules), model, blocks, device,
-                              resolve_dtype(options.dtype, device, shapes.dense_params), shapes.top_k)
-    return choose_plan(shapes, options, layers)
+        where = device or resolve_device(options.device)
+        layers = apply_native(load_rules(options.rules), model, blocks, where,
+                              resolve_dtype(options.dtype, where, shapes.dense_params), shapes.top_k)
+    return choose_plan(shapes, options, layers, device)
 
 
 def check_deferral(cfg: ModelConfig, n_moe: int, d: int) -> None:
@@ -196,6 +197,7 @@ def model_shapes(model: nn.Module, cfg: ModelConfig, expert_inter: int) -> Model
         top_k=cfg.get("num_experts_per_tok") or 1,
         q_per_kv=max(1, cfg.num_attention_heads // (cfg.get("num_key_value_heads") or cfg.num_attention_heads)),
         context_limit=limit, context_why=why, moe_names=tuple(n for n, _ in moe_blocks(model)),
+        dense_linears=tuple((n, k) for _, n, k in dense_linears(model)),
     )
 
 
@@ -310,7 +312,7 @@ def load_summary(cfg: ModelConfig, path: Path, n_layers: int, n_moe: int, plan: 
         how.append(f"{options.threads} expert threads")
     lines = wrap(f"hetmoe: {cfg.get('model_type')} from", [str(path)], width)
     lines += wrap("hetmoe:  ", how, width)
-    lines += plan.summary_lines(width)
+    lines += [f"hetmoe:   {line}" for line in plan.table(width - 10)]
     notes = config_notes(cfg) + plan.notes
     if options.group_size is not None and plan.experts_format == "bf16":
         notes.append(f"--group-size {options.group_size} does not apply to bf16 experts (they have no scale "

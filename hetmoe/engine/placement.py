@@ -3,16 +3,28 @@
 With a GPU: embeddings, attention, norms, routers, shared experts, dense MLPs, lm_head and the KV cache go to
 the GPU; the routed experts stay in CPU DRAM, packed for the CPU expert engine. Without one (or with
 ``device="cpu"``) everything is on the CPU. ``plan_memory`` adds up the bytes of that placement from the
-model's shapes alone and ``check_fits`` refuses, with the breakdown, a plan that does not fit.
+model's shapes alone; ``choose_plan`` resolves what the options leave to it (dense format, experts format,
+context, GPU experts) within the RAM and VRAM budgets (``--cpu-memory``, ``--gpu-memory``; default: what is free,
+less a margin) and refuses, with the plan's table, a plan that does not fit (``PlanError``, a MemoryError).
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Optional, Union
+from dataclasses import replace
+from typing import TYPE_CHECKING, Optional
 
-from hetmoe.engine.sysmem import expert_bytes, free_ram, free_vram, gib, packed_matrix_bytes, wrap  # noqa: F401  (importers use them from here)
+from hetmoe.engine.memory_plan import LayerPlan, MemoryPlan, ModelShapes, PlanError  # noqa: F401
+from hetmoe.engine.options import (  # noqa: F401  (importers use them from here)
+    ATTENTION_CHOICES,
+    DEFAULT_GROUP,
+    DENSE_CHOICES,
+    FORMATS,
+    ISA_CHOICES,
+    EngineOptions,
+    cli_flag,
+    parse_gpu_prefill,
+)
+from hetmoe.engine.sysmem import expert_bytes, free_ram, free_vram, gib, packed_matrix_bytes, parse_size, wrap  # noqa: F401
 
 if TYPE_CHECKING:
     import torch
@@ -20,146 +32,16 @@ if TYPE_CHECKING:
 # torch and hetmoe.cpu (hetmoe._C) are imported where they are used, so that the command line can build its
 # flags from EngineOptions' fields without them: ``hetmoe --help`` stays instant.
 
-FORMATS = ("bf16", "int8", "int4")
-ATTENTION_CHOICES = ("auto", "triton", "sdpa")
-ISA_CHOICES = ("auto", "scalar", "avx2", "avx512", "amx")  # "auto" and hetmoe.cpu.ISAS (tests/engine/test_cli.py)
-DEFAULT_GROUP = {"bf16": 0, "int8": 128, "int4": 64}
 # Fraction of the currently free RAM / VRAM a plan may use (the rest: allocator slack, the OS, other processes).
+# An explicit --cpu-memory / --gpu-memory is used whole.
 HEADROOM = 0.92
 CUDA_CONTEXT_BYTES = 600 << 20
 CPU_RUNTIME_BYTES = 400 << 20  # the Python process, torch and the engine's scratch
-
-
-def cli_flag(name: str, help: str, **spec) -> dict:
-    """Field metadata: the command-line flag of an engine option. hetmoe/cli/options.py adds one flag per field
-    that has one to every command that runs a model (``add_engine_options``; the default is the field's) and
-    builds an EngineOptions back from the parsed arguments (``engine_options``). ``spec``: ``type`` (an argument
-    type of hetmoe/cli/options.py by name: "int", "positive_int", "numa", "gpu_prefill"; default: the text as typed),
-    ``choices``, ``metavar``, ``negate`` (a switch that sets the field to False) and ``min`` (a bound checked
-    after parsing, not by the type, so that parse_args stays lenient and EngineOptions refuses the value)."""
-    return {"flag": name, "help": help, **spec}
-
-
-@dataclass
-class EngineOptions:
-    """The engine options every command shares (``--device``, ``--experts-format``, ...): a field with ``flag``
-    metadata is that command-line option, its help text written here once."""
-
-    device: str = field(default="auto", metadata=cli_flag(
-        "--device", "auto: the GPU for everything but the routed experts when there is one (default: auto)",
-        choices=("auto", "cuda", "cpu")))
-    experts_format: str = field(default="auto", metadata=cli_flag(
-        "--experts-format", "format of the routed experts on the CPU; auto: the most precise that fits in RAM",
-        choices=("auto",) + FORMATS))
-    group_size: Optional[int] = field(default=None, metadata=cli_flag(
-        "--group-size", "int8/int4 scale group (default: 128 for int8, 64 for int4; 0 = per-row int8; bf16 has none)",
-        type="int", choices=(0, 32, 64, 128)))
-    threads: Optional[int] = field(default=None, metadata=cli_flag(
-        "--threads", "CPU expert threads (default: physical cores; with a GPU, 2 fewer)", type="positive_int"))
-    numa: Union[str, int] = field(default="auto", metadata=cli_flag(  # hetmoe/cpu/numa.py
-        "--numa", "split each expert across N NUMA subpools (tensor parallel); auto: one per NUMA node",
-        type="numa", metavar="auto|off|N"))
-    max_context: Optional[int] = field(default=None, metadata=cli_flag(
-        "--max-context", "KV cache positions per sequence (default: the model's limit, or the most that fits)",
-        type="positive_int"))
-    max_batch: int = 1  # sequences with a KV cache slot each (`hetmoe serve --max-batch`)
-    dtype: str = field(default="auto", metadata=cli_flag(
-        "--dtype", "dense weights and activations (default: bf16 on GPU, fp32 on CPU for small models)",
-        choices=("auto", "bf16", "fp32")))
-    dense_format: str = field(default="auto", metadata=cli_flag(  # the table: hetmoe/layers/linear.py
-        "--dense-format", "format of the dense weights (attention projections, shared experts, dense MLPs, lm_head): "
-        "bf16 (the --dtype), int8 or int4 weight-only with a scale per 64, fp8 (GPU only, DeepSeek's block scales); "
-        "auto: the placement's choice (default: auto)", choices=("auto", "bf16", "fp8", "int8", "int4")))
-    prefill_chunk: int = 1024  # prompt tokens per forward call
-    defer_experts: int = field(default=0, metadata=cli_flag(
-        "--defer-experts", "Expert Deferral: per token, compute the D lowest-weighted of its top-k routed experts "
-        "alongside the next layer and add them to the next MoE layer's output (0 <= D < top-k; default: 0)",
-        type="int", metavar="D", min=0))
-    gpu_experts: int = field(default=0, metadata=cli_flag(  # hybrid placement only
-        "--gpu-experts", "with a GPU: keep N routed experts of every MoE layer on it as well and compute them "
-        "there, the N most often routed on a calibration text (0 <= N <= experts per layer; default: 0)",
-        type="int", metavar="N", min=0))
-    calibration_file: Optional[str] = field(default=None, metadata=cli_flag(  # default: calibration.DEFAULT_TEXT
-        "--calibration-file", "UTF-8 text whose routing picks the --gpu-experts (default: a built-in mixed text)",
-        metavar="FILE"))
-    cuda_graph: bool = field(default=True, metadata=cli_flag(
-        "--no-cuda-graph", "with a GPU: run each decode step eagerly instead of replaying it as a CUDA graph",
-        negate=True))
-    attention: str = field(default="auto", metadata=cli_flag(  # hetmoe/layers/attention.py
-        "--attention", "with a GPU: triton = paged KV cache and hetmoe's Triton kernels (split-KV decode, mask-free "
-        "prefill); sdpa = PyTorch's SDPA over a contiguous cache; auto: triton when installed (default: auto)",
-        choices=ATTENTION_CHOICES))
-    # CPU expert kernels; besides the flag's choices, amx-emulated (tests: the AMX GEMM's logic on any CPU).
-    # amx_min_tokens: per-expert token count from which the AMX GEMM runs (default: the engine's measured
-    # crossover; 1: every expert on the AMX path)
-    isa: str = field(default="auto", metadata=cli_flag(
-        "--isa", "CPU expert kernels (default: auto, the best this CPU runs within $HETMOE_MAX_ISA)",
-        choices=ISA_CHOICES))
-    amx_min_tokens: Optional[int] = None
-    gpu_prefill: Union[str, int] = field(default="auto", metadata=cli_flag(  # hetmoe/moe/layerwise.py
-        "--gpu-prefill", "with a GPU: compute the routed experts of prefill chunks of at least N tokens on the GPU, "
-        "streaming each layer's experts from RAM; auto: the N from which that is faster, measured at load; off: "
-        "always on the CPU (default: auto)", type="gpu_prefill", metavar="auto|off|N"))
-    rules: Optional[str] = field(default=None, metadata=cli_flag(  # hetmoe/engine/rules.py
-        "--rules", "placement rules, a YAML file: per module its device, experts format and group, GPU-resident "
-        "experts, deferral (docs/rules.md); the flags above apply where no rule does", metavar="FILE"))
-
-    def __post_init__(self):
-        from hetmoe.cpu import AMX_EMULATED, ISAS, cpu_info
-        from hetmoe.cpu.numa import parse_numa
-
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}")
-        if self.experts_format not in ("auto",) + FORMATS:
-            raise ValueError(f"experts format must be auto, {', '.join(FORMATS)}; got {self.experts_format!r}")
-        if self.dtype not in ("auto", "bf16", "fp32"):
-            raise ValueError(f"dtype must be auto, bf16 or fp32, got {self.dtype!r}")
-        if self.dense_format not in ("auto", "bf16", "fp8", "int8", "int4"):
-            raise ValueError(f"dense format must be auto, bf16, fp8, int8 or int4, got {self.dense_format!r}")
-        self.numa = parse_numa(self.numa)
-        for name in ("threads", "max_context"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {v}")
-        if isinstance(self.defer_experts, bool) or not isinstance(self.defer_experts, int) or self.defer_experts < 0:
-            raise ValueError(f"defer-experts must be an integer >= 0, got {self.defer_experts!r}")
-        if isinstance(self.gpu_experts, bool) or not isinstance(self.gpu_experts, int) or self.gpu_experts < 0:
-            raise ValueError(f"gpu-experts must be an integer >= 0, got {self.gpu_experts!r}")
-        if self.isa not in ("auto",) + ISAS + (AMX_EMULATED,):
-            raise ValueError(f"isa must be auto, {', '.join(ISAS)} (or {AMX_EMULATED}), got {self.isa!r}")
-        runs = cpu_info()  # also refuses a bad HETMOE_MAX_ISA before anything loads
-        if self.isa in ISAS and self.isa not in runs["supported_isas"]:
-            cap = f" ({runs['isa_cap']})" if runs["isa_cap"] else ""
-            raise ValueError(f"isa {self.isa}: this CPU runs only {', '.join(runs['supported_isas'])}{cap}")
-        if self.amx_min_tokens is not None and (isinstance(self.amx_min_tokens, bool)
-                                                or not isinstance(self.amx_min_tokens, int) or self.amx_min_tokens < 1):
-            raise ValueError(f"amx_min_tokens must be an integer >= 1, got {self.amx_min_tokens!r}")
-        self.gpu_prefill = parse_gpu_prefill(self.gpu_prefill)
-        if self.attention not in ATTENTION_CHOICES:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {self.attention!r}")
-        if not isinstance(self.cuda_graph, bool):
-            raise ValueError(f"cuda_graph must be True or False, got {self.cuda_graph!r}")
-        if self.max_batch < 1 or self.prefill_chunk < 1:
-            raise ValueError("max_batch and prefill_chunk must be >= 1")
-        if self.group_size is not None and self.group_size not in (0, 32, 64, 128):
-            raise ValueError(f"group size must be 32, 64 or 128 (or 0 = per-row int8), got {self.group_size}")
-        if self.group_size == 0 and self.experts_format == "int4":
-            raise ValueError("int4 experts need a group size of 32, 64 or 128 (per-row scales are int8 only)")
-        if not isinstance(self.rules, (str, os.PathLike, type(None))):
-            raise ValueError(f"rules must be the path of a YAML file, got {self.rules!r}")
-
-
-def parse_gpu_prefill(value) -> Union[str, int]:
-    """``--gpu-prefill``: "auto", "off" or a token count >= 1."""
-    if isinstance(value, str) and value.strip().lower() in ("auto", "off"):
-        return value.strip().lower()
-    try:
-        n = int(value) if not isinstance(value, bool) else None
-    except (TypeError, ValueError):
-        n = None
-    if n is None or n < 1:
-        raise ValueError(f"gpu-prefill must be auto, off or a token count >= 1, got {value!r}")
-    return n
+DENSE_ORDER = ("bf16", "fp8", "int8", "int4")  # --dense-format auto on a GPU: the first that fits
+# --dense-format auto with --max-context auto: the dense format is chosen for this many positions (or the model's
+# limit, if less), then the context takes what is left: precision before context length.
+DENSE_AUTO_CONTEXT = 4096
+SMALL_DENSE = 1_000_000_000  # dense parameters up to which the CPU keeps them in the dtype (tests, the demo model)
 
 
 # Prefill chunks tried for the layerwise GPU path, largest first: the first whose buffers fit is used.
@@ -194,80 +76,26 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-@dataclass
-class LayerPlan:
-    """One MoE layer's routed experts: packed for the CPU engine, ``gpu_experts`` of them also on the GPU (all: the
-    rules' ``device: cuda``), ``defer_experts`` deferred per token; ``ram`` / ``vram``: the bytes they take."""
-
-    name: str
-    experts_format: str
-    group_size: int
-    gpu_experts: int
-    defer_experts: int
-    ram: int
-    vram: int
-
-
 def layer_group(fmt: str, group: Optional[int]) -> int:
     """The scale group of ``fmt`` experts asked for as ``group``: None, or 0 with int4 (per-row is int8 only), is the
     format's default; bf16 has no groups: 0 whatever was asked (it keys the expert cache)."""
     return 0 if fmt == "bf16" else DEFAULT_GROUP[fmt] if group is None or (group == 0 and fmt == "int4") else group
 
 
-@dataclass
-class MemoryPlan:
-    device: torch.device
-    dtype: torch.dtype
-    experts_format: str
-    group_size: int
-    max_context: int
-    ram: dict = field(default_factory=dict)  # part -> bytes
-    vram: dict = field(default_factory=dict)
-    prefill_chunk: int = 1024  # prompt tokens per forward call
-    gpu_prefill: bool = False  # the layerwise GPU prefill's buffers are in the plan (for prefill_chunk tokens)
-    layers: list = field(default_factory=list)  # LayerPlan of every MoE layer, in forward order
-    kv_paged: bool = False  # the KV cache is paged (layers/kv_cache.py): "KV cache" holds one full sequence
-    notes: list = field(default_factory=list)  # what the plan chose that the user did not ask for, said at load
-
-    @property
-    def ram_bytes(self) -> int:
-        return sum(self.ram.values())
-
-    @property
-    def vram_bytes(self) -> int:
-        return sum(self.vram.values())
-
-    def describe(self) -> str:
-        def parts(d):
-            return ", ".join(f"{k} {gib(v)}" for k, v in d.items() if v)
-
-        text = f"RAM {gib(self.ram_bytes)} ({parts(self.ram)})"
-        if self.device.type == "cuda":
-            text += f"; VRAM {gib(self.vram_bytes)} ({parts(self.vram)})"
-        return text
-
-    def summary_lines(self, width: int = 100) -> list:
-        """The plan's memory as log lines of at most ``width`` columns: one "RAM total: part size, ..." group
-        (then VRAM), wrapped."""
-        groups = [("RAM", self.ram)] + ([("VRAM", self.vram)] if self.device.type == "cuda" else [])
-        lines = []
-        for name, d in groups:
-            items = [f"{k} {gib(v)}" for k, v in d.items() if v]
-            lines += wrap(f"hetmoe:   {name} {gib(sum(d.values()))}:", items, width)
-        return lines
-
-
 def plan_layers(shapes: "ModelShapes", opts: EngineOptions, device: torch.device, fmt: str, itemsize: int,
-                layers: Optional[list] = None) -> list:
-    """The LayerPlan of every MoE layer: ``fmt`` and the options where ``layers`` (a ``rules.Placement`` each) don't."""
+                layers: Optional[list] = None, gpu_experts: Optional[int] = None) -> list:
+    """The LayerPlan of every MoE layer: ``fmt`` and the options where ``layers`` (a ``rules.Placement`` each) don't;
+    ``gpu_experts``: instead of --gpu-experts (its "auto" resolved; unresolved it counts as 0)."""
     n, H, I = shapes.n_moe_layers, shapes.hidden, shapes.expert_inter
     names = list(shapes.moe_names) or [f"moe layer {i}" for i in range(n)]
+    if gpu_experts is None:
+        gpu_experts = 0 if opts.gpu_experts == "auto" else opts.gpu_experts
     out = []
     for name, p in zip(names, layers if layers is not None else [None] * n):
         got = {k: getattr(p, k, None) for k in ("experts_format", "group_size", "gpu_experts", "defer_experts")}
         f = got["experts_format"] or fmt
         group = layer_group(f, opts.group_size if got["group_size"] is None else got["group_size"])
-        gpu = opts.gpu_experts if got["gpu_experts"] is None else got["gpu_experts"]
+        gpu = gpu_experts if got["gpu_experts"] is None else got["gpu_experts"]
         gpu = gpu if device.type == "cuda" else 0  # a CPU-only placement keeps every expert on the CPU
         defer = opts.defer_experts if got["defer_experts"] is None else got["defer_experts"]
         ram = shapes.n_routed // n * expert_bytes(f, H, I, group)
@@ -275,28 +103,58 @@ def plan_layers(shapes: "ModelShapes", opts: EngineOptions, device: torch.device
     return out
 
 
+def dense_bytes(shapes: "ModelShapes", fmt: str, itemsize: int) -> int:
+    """The dense weights with the linears a dense format packs (``shapes.dense_linears``) in ``fmt`` and every
+    other dense parameter (embeddings, norms, routers, MLA's kv_b_proj, biases) in the dtype."""
+    from hetmoe.layers.linear import DENSE_FORMATS
+
+    if fmt == "bf16":  # the dtype's own weights, unpacked
+        return shapes.dense_params * itemsize
+    packed = sum(n * k for n, k in shapes.dense_linears)
+    return sum(DENSE_FORMATS[fmt].nbytes(n, k) for n, k in shapes.dense_linears) + (
+        shapes.dense_params - packed) * itemsize
+
+
+def default_dense(shapes: "ModelShapes", device: torch.device) -> tuple:
+    """(format, why) of --dense-format auto before any budget: on the CPU int8 (decode there is bound by the DRAM
+    bytes it reads; int8 with a scale per 64 costs ~1e-3 of output error), the dtype for a small dense part; on a
+    GPU bf16 (``choose_dense`` steps down from it when it does not fit)."""
+    if device.type == "cuda":
+        return "bf16", "auto: the most precise; fits"
+    if shapes.dense_params <= SMALL_DENSE:
+        return "bf16", f"auto: a small model ({shapes.dense_params / 1e9:.2f} G dense parameters) keeps its dtype"
+    return "int8", "auto on the CPU: decode is bound by the DRAM bytes it reads"
+
+
 def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device, fmt: str,
-                layers: Optional[list] = None, max_context: Optional[int] = None) -> MemoryPlan:
+                layers: Optional[list] = None, max_context: Optional[int] = None, dense_format: Optional[str] = None,
+                gpu_experts: Optional[int] = None) -> MemoryPlan:
     """Bytes of RAM and VRAM the placement of ``shapes`` under ``opts`` needs; ``layers``: the placement rules'
     settings of each MoE layer (``rules.apply_native``), None for none (``fmt`` and the options everywhere);
-    ``max_context``: instead of --max-context or the model's limit."""
+    ``max_context``, ``dense_format``, ``gpu_experts``: instead of the options' (or their auto's default)."""
     dtype = resolve_dtype(opts.dtype, device, shapes.dense_params)
     group = layer_group(fmt, opts.group_size)
     ctx = max_context or opts.max_context or shapes.context_limit or shapes.max_position_embeddings or 4096
     paged = kv_paged(opts, device)
-    per_layer = plan_layers(shapes, opts, device, fmt, dtype.itemsize, layers)
+    per_layer = plan_layers(shapes, opts, device, fmt, dtype.itemsize, layers, gpu_experts)
     experts = sum(lp.ram for lp in per_layer) or shapes.n_routed * expert_bytes(fmt, shapes.hidden,
                                                                                  shapes.expert_inter, group)
     if per_layer:  # the most common format and group name the plan (the expert cache keys each layer by its own)
         pairs = [(lp.experts_format, lp.group_size) for lp in per_layer]
         fmt, group = max(pairs, key=pairs.count)
-    dense = shapes.dense_params * dtype.itemsize
+    why = {}
+    if dense_format is None and opts.dense_format != "auto":
+        dense_format, why["dense weights"] = opts.dense_format, f"--dense-format {opts.dense_format}"
+    elif dense_format is None:
+        dense_format, why["dense weights"] = default_dense(shapes, device)
+    dense = dense_bytes(shapes, dense_format, dtype.itemsize)
     # paged: one full sequence (pages are taken as sequences grow); contiguous: every row's capacity grows together
     kv = shapes.kv_elems_per_token * (1 if paged else opts.max_batch) * ctx * dtype.itemsize
     tokens = opts.prefill_chunk * opts.max_batch
     act = tokens * (shapes.act_width * 4 + shapes.vocab_size * 4)  # a few hidden-width buffers + the last logits
     host_staging = 3 * tokens * shapes.hidden * 4
-    plan = MemoryPlan(device, dtype, fmt, group, ctx, layers=per_layer, kv_paged=paged)
+    plan = MemoryPlan(device, dtype, fmt, group, ctx, layers=per_layer, kv_paged=paged, dense_format=dense_format,
+                      max_batch=opts.max_batch)
     plan.ram = {"routed experts": experts, "runtime": CPU_RUNTIME_BYTES + host_staging}
     if device.type == "cuda":
         plan.vram = {"dense weights": dense, "KV cache": kv, "activations": act, "CUDA context": CUDA_CONTEXT_BYTES}
@@ -305,32 +163,57 @@ def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device
     else:
         plan.ram.update({"dense weights": dense, "KV cache": kv, "activations": act})
     plan.prefill_chunk = opts.prefill_chunk
+    limit = shapes.context_limit or shapes.max_position_embeddings
+    why.update({"KV cache": f"--max-context {ctx}" if opts.max_context else
+                "auto: the model's limit" if ctx == limit else f"auto: the most that fits (the model's limit: {limit})",
+                "activations": f"prefill chunks of {opts.prefill_chunk} tokens x {opts.max_batch} "
+                               f"sequence{'s' * (opts.max_batch > 1)}",
+                "CUDA context": "the CUDA runtime and kernels", "runtime": "Python, torch, staging buffers",
+                "routed experts": f"--experts-format {opts.experts_format}" if opts.experts_format != "auto" else
+                "auto: the most precise that fits",
+                "GPU experts": f"--gpu-experts {opts.gpu_experts}" if opts.gpu_experts != "auto" else "auto"})
+    if layers is not None and any(getattr(p, "gpu_experts", None) is not None for p in layers):
+        why["GPU experts"] = "placement rules, then " + why["GPU experts"]
+    plan.why = why
     return plan
 
 
-def add_gpu_prefill(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions, vram_free: int) -> None:
+def add_gpu_prefill(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions, vram_free: Optional[int] = None,
+                    budget: Optional[int] = None) -> None:
     """With a GPU and --gpu-prefill not off: the largest chunk of GPU_PREFILL_CHUNKS (at least --prefill-chunk)
-    whose layerwise prefill buffers fit beside the rest of the plan goes into the plan. None fitting: auto goes
-    without (the CPU computes every prefill), a token count given is refused (MemoryError with the breakdown)."""
+    whose layerwise prefill buffers fit beside the rest of the plan in the VRAM ``budget`` (default: HEADROOM x
+    ``vram_free``) goes into the plan. None fitting: auto goes without (the CPU computes every prefill), a token
+    count given is refused (MemoryError with the breakdown)."""
     if plan.device.type != "cuda" or opts.gpu_prefill == "off" or not shapes.n_moe_layers:
         return
-    budget = HEADROOM * vram_free - plan.vram_bytes
+    total = HEADROOM * vram_free if budget is None else budget
+    left = total - plan.vram_bytes
     need = {}
-    # the slots hold any layer: sized for the largest (mixed formats under placement rules)
-    big = max(plan.layers, key=lambda lp: lp.ram, default=None)
-    fmt, group = (big.experts_format, big.group_size) if big is not None else (plan.experts_format, plan.group_size)
-    for chunk in [c for c in GPU_PREFILL_CHUNKS if c >= opts.prefill_chunk] or [opts.prefill_chunk]:
-        mask_ctx = 0 if plan.kv_paged else plan.max_context
-        need = gpu_prefill_bytes(shapes, fmt, group, chunk, plan.dtype.itemsize, mask_ctx)
-        if sum(need.values()) <= budget:
+    for chunk in prefill_chunks(opts):
+        need = prefill_need(plan, shapes, chunk)
+        if sum(need.values()) <= left:
             plan.vram.update(need)
             plan.prefill_chunk, plan.gpu_prefill = chunk, True
+            plan.why.update(dict.fromkeys(need, f"layerwise GPU prefill, chunks of {chunk} tokens"))
             return
+    plan.why["prefill slots"] = "none: the smallest chunk's buffers do not fit (the CPU prefills)"
     if opts.gpu_prefill != "auto":
         parts = ", ".join(f"{k} {gib(v)}" for k, v in need.items())
         raise MemoryError(f"--gpu-prefill {opts.gpu_prefill}: its buffers do not fit the GPU beside the model "
-                          f"(smallest chunk {chunk} tokens: {parts}; {gib(max(0, int(budget)))} left of "
-                          f"{gib(vram_free)} free). Use --gpu-prefill off, or a smaller --max-context.")
+                          f"(smallest chunk {chunk} tokens: {parts}; {gib(max(0, int(left)))} left of "
+                          f"{gib(int(total))}). Use --gpu-prefill off, or a smaller --max-context.")
+
+
+def prefill_chunks(opts: EngineOptions) -> list:
+    return [c for c in GPU_PREFILL_CHUNKS if c >= opts.prefill_chunk] or [opts.prefill_chunk]
+
+
+def prefill_need(plan: MemoryPlan, shapes: "ModelShapes", chunk: int) -> dict:
+    """The layerwise prefill's VRAM for ``chunk`` tokens beside ``plan``; the slots hold any layer: sized for the
+    largest (mixed formats under placement rules)."""
+    big = max(plan.layers, key=lambda lp: lp.ram, default=None)
+    fmt, group = (big.experts_format, big.group_size) if big is not None else (plan.experts_format, plan.group_size)
+    return gpu_prefill_bytes(shapes, fmt, group, chunk, plan.dtype.itemsize, 0 if plan.kv_paged else plan.max_context)
 
 
 def resolve_dtype(name: str, device: torch.device, dense_params: int) -> torch.dtype:
@@ -341,42 +224,151 @@ def resolve_dtype(name: str, device: torch.device, dense_params: int) -> torch.d
         return torch.bfloat16
     if name == "fp32":
         return torch.float32
-    return torch.bfloat16 if device.type == "cuda" or dense_params > 1_000_000_000 else torch.float32
+    return torch.bfloat16 if device.type == "cuda" or dense_params > SMALL_DENSE else torch.float32
 
 
-def choose_plan(shapes: "ModelShapes", opts: EngineOptions, layers: Optional[list] = None) -> MemoryPlan:
-    """Resolve device and experts format (auto: for the MoE layers ``layers``, the rules, leave to it); refuse a plan
-    that cannot fit (MemoryError with the numbers) or a --max-context beyond the model's positions (ValueError)."""
+def budgets(opts: EngineOptions, device: torch.device, gpu_here: bool = True) -> tuple:
+    """({"RAM": (bytes, source, short source), "VRAM": ...}, notes): what a plan on ``device`` may use. --cpu-memory /
+    --gpu-memory replace what is free (a plan for a smaller GPU on a bigger one), a note when more than is free;
+    else HEADROOM x what is free. ``gpu_here`` False: planning for a GPU this machine does not have (hetmoe plan
+    --device cuda): --gpu-memory is required."""
+    notes, out = [], {}
+    for name, asked, flag, device_type in (("RAM", opts.cpu_memory, "--cpu-memory", "cpu"),
+                                           ("VRAM", opts.gpu_memory, "--gpu-memory", "cuda")):
+        if device_type != device.type and device_type == "cuda":
+            if asked is not None:
+                notes.append(f"{flag} {gib(asked)} does not apply: the placement is CPU-only")
+            continue
+        if not gpu_here and device_type == "cuda":
+            if asked is None:
+                raise ValueError("planning for a GPU this machine does not have (--device cuda): give its memory "
+                                 "with --gpu-memory SIZE, e.g. --gpu-memory 24GiB")
+            out[name] = (asked, f"budget {gib(asked)} ({flag})", flag)
+            continue
+        free = free_ram() if device_type == "cpu" else free_vram(device)
+        kind = "available" if device_type == "cpu" else "free"
+        if asked is None:
+            out[name] = (int(HEADROOM * free), f"{gib(free)} {kind}", f"{HEADROOM:.0%} of {gib(free)} {kind}")
+            continue
+        out[name] = (asked, f"budget {gib(asked)} ({flag})", flag)
+        if asked > free:
+            notes.append(f"{flag} {gib(asked)} is more than the {gib(free)} {kind} on this machine now: the plan may "
+                         "not fit when it runs")
+    return out, notes
+
+
+def fp8_runs(device: torch.device, gpu_here: bool) -> str:
+    """Why the GPU cannot run fp8 dense weights ("" when it can): it needs compute capability >= 8.9 and torch's
+    scaled matmul. A GPU that is not here (hetmoe plan) is taken to be one that can."""
+    import torch
+
+    if not hasattr(torch, "_scaled_mm"):
+        return f"torch {torch.__version__} has no scaled matmul"
+    if not gpu_here or not torch.cuda.is_available():  # (tests place on a "cuda" device they do not have)
+        return ""
+    cc = torch.cuda.get_device_capability(device)
+    return "" if cc >= (8, 9) else f"compute capability {cc[0]}.{cc[1]} < 8.9"
+
+
+def choose_dense(shapes: "ModelShapes", opts: EngineOptions, device: torch.device, layers, vram: int,
+                 gpu_here: bool) -> tuple:
+    """(dense format, why): --dense-format as asked (refused where it does not run), or auto: on the CPU
+    ``default_dense``; on a GPU the most precise of DENSE_ORDER whose plan (dense, KV cache for the asked context
+    or DENSE_AUTO_CONTEXT, activations, asked GPU experts and --gpu-prefill N's smallest buffers) fits ``vram``."""
+    from hetmoe.layers.linear import dense_format
+
+    where = "cuda" if device.type == "cuda" else "cpu"
+    if opts.dense_format != "auto":
+        dense_format(opts.dense_format, where)  # ValueError: fp8 on the CPU
+        if opts.dense_format == "fp8" and (why := fp8_runs(device, gpu_here)):
+            raise ValueError(f"--dense-format fp8: this GPU cannot run it ({why}); use int8 or int4")
+        return opts.dense_format, f"--dense-format {opts.dense_format}"
+    if where == "cpu" or not shapes.dense_linears:  # (nothing to pack: every format is the dtype's bytes)
+        return default_dense(shapes, device)
+    limit = shapes.context_limit or shapes.max_position_embeddings or DENSE_AUTO_CONTEXT
+    ctx = opts.max_context or min(limit, DENSE_AUTO_CONTEXT)
+    tried, skipped = [], []
+    for name in DENSE_ORDER:
+        if name == "fp8" and (why := fp8_runs(device, gpu_here)):
+            skipped.append(f"fp8 does not run here ({why})")
+            continue
+        plan = plan_memory(shapes, opts, device, "int4", layers, max_context=ctx, dense_format=name)
+        need = plan.vram_bytes
+        if isinstance(opts.gpu_prefill, int) and shapes.n_moe_layers:
+            need += sum(prefill_need(plan, shapes, prefill_chunks(opts)[-1]).values())
+        if need <= vram:
+            break
+        tried.append(f"{name} {gib(need)}")
+    why = f"VRAM with {', '.join(tried)} > {gib(vram)}" if tried else "the most precise; fits"
+    return name, "; ".join([f"auto: {why}"] + skipped)
+
+
+def choose_plan(shapes: "ModelShapes", opts: EngineOptions, layers: Optional[list] = None,
+                device: Optional[torch.device] = None) -> MemoryPlan:
+    """Resolve device, dense format, experts format (auto: for the MoE layers ``layers``, the rules, leave to it),
+    context and --gpu-experts auto within the budgets; refuse a plan that cannot fit (PlanError, a MemoryError,
+    with the table) or a --max-context beyond the model's positions (ValueError). ``device``: plan for it instead
+    of --device, without asking whether this machine has it (hetmoe plan; a GPU then needs --gpu-memory)."""
     check_context(shapes, opts)
-    device = resolve_device(opts.device)
-    ram, vram = free_ram(), (free_vram(device) if device.type == "cuda" else 0)
+    gpu_here = device is None
+    device = resolve_device(opts.device) if device is None else device
+    limits, notes = budgets(opts, device, gpu_here)
+    (ram, ram_src, _), (vram, vram_src, _) = limits["RAM"], limits.get("VRAM", (0, "", ""))
+    dense, dense_why = choose_dense(shapes, opts, device, layers, vram, gpu_here)
     if opts.experts_format == "auto":
-        plans = [plan_memory(shapes, opts, device, f, layers) for f in FORMATS]
-        fitting = [p for p in plans if p.ram_bytes <= HEADROOM * ram]
+        plans = [plan_memory(shapes, opts, device, f, layers, dense_format=dense) for f in FORMATS]
+        fitting = [p for p in plans if p.ram_bytes <= ram]
         plan = fitting[0] if fitting else plans[-1]
+        tried = [f"{p.experts_format} {gib(p.ram_bytes)}" for p in plans[:plans.index(plan)]]
+        if tried:
+            plan.why["routed experts"] = f"auto: RAM with {', '.join(tried)} > {gib(ram)}"
     else:
-        plan = plan_memory(shapes, opts, device, opts.experts_format, layers)
+        plan = plan_memory(shapes, opts, device, opts.experts_format, layers, dense_format=dense)
+    plan.why["dense weights"] = dense_why
+    plan.budgets, plan.notes = limits, notes + plan.notes
     if opts.max_context is None:
         plan = fit_context(plan, shapes, opts, layers, ram, vram)
     problems = []
-    if plan.ram_bytes > HEADROOM * ram:
-        problems.append(f"RAM: needs {gib(plan.ram_bytes)}, {gib(ram)} available")
-    if device.type == "cuda" and plan.vram_bytes > HEADROOM * vram:
-        problems.append(f"GPU memory: needs {gib(plan.vram_bytes)}, {gib(vram)} free")
+    if plan.ram_bytes > ram:
+        problems.append(f"RAM: needs {gib(plan.ram_bytes)}, {ram_src}")
+    if device.type == "cuda" and plan.vram_bytes > vram:
+        problems.append(f"GPU memory: needs {gib(plan.vram_bytes)}, {vram_src}")
+        if plan.vram["dense weights"] > vram:
+            problems.append(f"the dense weights alone ({plan.dense_format}) need {gib(plan.vram['dense weights'])}")
     if not problems:
-        add_gpu_prefill(plan, shapes, opts, vram)
+        add_gpu_prefill(plan, shapes, opts, budget=vram)
+        fill_gpu_experts(plan, shapes, opts, layers, vram)
     if problems:
-        hints = []
-        if plan.experts_format != "int4":
-            hints.append("--experts-format int4")
-        hints.append("a smaller --max-context")
-        if plan.vram.get("GPU experts") and any("GPU memory" in p for p in problems):
-            hints.append("fewer --gpu-experts")
-        raise MemoryError(
+        ram_short, gpu_short = plan.ram_bytes > ram, device.type == "cuda" and plan.vram_bytes > vram
+        hints = ["--experts-format int4"] * (ram_short and plan.experts_format != "int4")
+        hints += ["--dense-format int4"] * (gpu_short and plan.dense_format != "int4")
+        hints += ["a smaller --max-context"] * (gpu_short or (ram_short and device.type == "cpu"))
+        hints += ["fewer --gpu-experts"] * bool(gpu_short and plan.vram.get("GPU experts"))
+        hint = f"Try {' or '.join(hints)}." if hints else "It needs a machine with more memory."
+        raise PlanError(
             f"the model does not fit this machine with {plan.experts_format} experts on {device.type} "
-            f"({'; '.join(problems)}). Plan: {plan.describe()}. Try {' or '.join(hints)}."
-        )
+            f"({'; '.join(problems)}). Plan: {plan.describe()}. {hint}\n" + "\n".join(plan.table()), plan)
     return plan
+
+
+def fill_gpu_experts(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions, layers, vram: int) -> None:
+    """--gpu-experts auto: the same count N of routed experts on the GPU in every MoE layer the rules leave it to,
+    the most that fit in the VRAM the rest of the plan leaves (at most the experts per layer)."""
+    if opts.gpu_experts != "auto" or not plan.layers:
+        return
+    if plan.device.type != "cuda":
+        plan.why["GPU experts"] = "auto: none (the placement is CPU-only)"
+        return
+    E, each = shapes.n_routed // shapes.n_moe_layers, 3 * shapes.hidden * shapes.expert_inter * plan.dtype.itemsize
+    free = [lp for lp, p in zip(plan.layers, layers or [None] * len(plan.layers))
+            if getattr(p, "gpu_experts", None) is None]
+    left = max(0, vram - plan.vram_bytes)
+    n = min(E, left // (each * len(free))) if free else 0
+    for lp in free:
+        lp.gpu_experts, lp.vram = n, n * each
+    plan.vram["GPU experts"] = sum(lp.vram for lp in plan.layers)
+    plan.why["GPU experts"] = (f"auto: {n} of {E} per layer" + (" (all)" if n == E else
+                                                                 f" fill the {gib(left)} left"))
 
 
 def kv_paged(opts: EngineOptions, device: torch.device) -> bool:
@@ -391,17 +383,21 @@ def kv_paged(opts: EngineOptions, device: torch.device) -> bool:
 
 def fit_context(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions, layers, ram: int,
                 vram: int) -> MemoryPlan:
-    """No --max-context: the model's limit if the plan fits, else the largest fitting multiple of 1024 (a note says)."""
+    """--max-context auto: the model's limit if the plan fits the ``ram`` / ``vram`` budgets, else the largest
+    fitting multiple of 1024 (a note says)."""
     per_pos = {k: v / plan.max_context for k, v in (("ram", plan.ram.get("KV cache", 0)),
                                                     ("vram", plan.vram.get("KV cache", 0)))}
-    room = [(HEADROOM * ram - plan.ram_bytes, per_pos["ram"]), (HEADROOM * vram - plan.vram_bytes, per_pos["vram"])]
+    room = [(ram - plan.ram_bytes, per_pos["ram"]), (vram - plan.vram_bytes, per_pos["vram"])]
     short = [(-left, each) for left, each in room if each and left < 0]
     if not short:
         return plan
     ctx = min(plan.max_context - int(over / each) - 1 for over, each in short) // 1024 * 1024
     if ctx < 1024:
         return plan
-    fitted = plan_memory(shapes, opts, plan.device, plan.experts_format, layers, max_context=ctx)
+    fitted = plan_memory(shapes, opts, plan.device, plan.experts_format, layers, max_context=ctx,
+                         dense_format=plan.dense_format)
+    fitted.why = {**fitted.why, **{k: v for k, v in plan.why.items() if k != "KV cache"}}
+    fitted.budgets, fitted.notes = plan.budgets, list(plan.notes)
     rows = 1 if plan.kv_paged else opts.max_batch
     kv = fitted.vram.get("KV cache") or fitted.ram["KV cache"]
     fitted.notes.append(f"the context is {ctx} positions, not the model's {plan.max_context}: a KV cache of {rows} "
@@ -431,23 +427,3 @@ def normalize_options(opts: EngineOptions, log=None) -> EngineOptions:
                 f"using {cores}")
         return replace(opts, threads=cores)
     return opts
-
-
-@dataclass
-class ModelShapes:
-    """What the memory plan needs to know about a model, read from its (meta-device) modules."""
-
-    hidden: int
-    vocab_size: int
-    n_routed: int  # routed experts over all MoE layers
-    expert_inter: int
-    dense_params: int  # everything else
-    kv_elems_per_token: int  # all layers, K and V
-    act_width: int
-    max_position_embeddings: Optional[int]
-    n_moe_layers: int = 0  # blocks with routed experts (what --gpu-experts multiplies)
-    top_k: int = 1  # routed experts per token
-    q_per_kv: int = 1  # query heads per key/value head (the prefill attention mask repeats per query group)
-    context_limit: Optional[int] = None  # positions the model attends over (models.context_limit), and why
-    context_why: str = ""
-    moe_names: tuple = ()  # the MoE blocks' names, in forward order (the plan's per-layer entries)

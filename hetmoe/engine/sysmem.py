@@ -4,6 +4,7 @@ style in every message)."""
 from __future__ import annotations
 
 import os
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -27,6 +28,28 @@ def wrap(head: str, items: list, width: int = 100, indent: str = "hetmoe:     ",
         else:
             line, fresh = f"{line} {piece}", False
     return lines + [line]
+
+
+# Units of a size: a bare letter and "i" forms are powers of 1024 (K, KiB, G, GiB: as `free -g` and llama.cpp);
+# "B" after a letter without "i" is a power of 1000 (KB, GB, TB: as disks are sold).
+_UNITS = {"": 1, "b": 1, **{f"{u}{s}": (1 << 10 * (i + 1)) for i, u in enumerate("kmgt") for s in ("", "i", "ib")},
+          **{f"{u}b": 1000 ** (i + 1) for i, u in enumerate("kmgt")}}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_size(value, name: str = "size") -> int:
+    """Bytes of a size as typed: ``24GiB``, ``24G``, ``500MiB``, ``1.5TB``, ``1048576`` (bytes), or an int. A bad
+    one is a ValueError naming ``name`` (the flag) and the forms allowed."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
+        m = _SIZE.fullmatch(value) if isinstance(value, str) else None
+        unit = _UNITS.get(m[2].lower()) if m else None
+        n = int(float(m[1]) * unit) if unit else None
+    if n is None or n < 1:
+        raise ValueError(f"{name}: expected a size such as 24GiB, 24G, 500MiB, 1.5TB or a number of bytes, got "
+                         f"{value}")
+    return n
 
 
 def free_ram() -> int:

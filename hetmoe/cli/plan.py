@@ -1,0 +1,114 @@
+"""``hetmoe plan``: the memory plan of a model — a checkpoint directory, a GGUF file or a named shape — under the
+engine and budget options, printed as a table (what goes where, bytes, why) without reading any weight. Exit
+status 0 when it fits, 1 when it does not (the table, then the reason on stderr).
+
+The model is built on the meta device from its config (config.json, the GGUF metadata, or
+hetmoe.testing.synthetic.SHAPES) and planned as the loader plans it (loader.plan_model). ``--device cuda`` on a
+machine without a GPU plans for one: its memory then comes from ``--gpu-memory``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from hetmoe.cli.options import add_engine_options, add_shape_options, engine_options
+
+WIDTH = 100  # columns of the table
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("plan", help="the memory plan of a model (what goes where, bytes, why), without loading it")
+    add_engine_options(p)
+    add_shape_options(p)
+    p.set_defaults(handler=run)
+    return p
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def checkpoint_model(path, options, log: Callable[[str], None]) -> tuple:
+    """(config, meta model, MoE blocks, expert intermediate size, options) of the checkpoint at ``path``: its
+    config and tensor headers only, as load_model reads them before its plan (a GGUF file's experts format too)."""
+    from hetmoe.engine.checkpoint import CheckpointError
+    from hetmoe.engine.loader import _expert_keys, build_meta, checked_config, moe_blocks, open_checkpoint
+
+    ckpt = open_checkpoint(path)
+    try:
+        source = getattr(ckpt, "config_source", ckpt.path / "config.json")
+        cfg = checked_config(ckpt.config, source)
+        try:
+            model = build_meta(cfg)
+        except (AttributeError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{source} does not describe a {cfg.get('model_type')} model ({err})") from None
+        blocks, inter = moe_blocks(model), 0
+        if blocks:
+            names = _expert_keys(ckpt, blocks[0][0])
+            inter = ckpt.shape(f"{blocks[0][0]}.experts.0.{names[0]}.weight")[0]
+            if hasattr(ckpt, "experts_options"):  # a GGUF file: experts at their own precision by default
+                options = ckpt.experts_options([f"{blocks[0][0]}.experts.0.{n}.weight" for n in names], options, log)
+    finally:
+        ckpt.close()
+    return cfg, model, blocks, inter, options
+
+
+def shape_model(shape: str, layers, options) -> tuple:
+    """As ``checkpoint_model``, for a named shape of hetmoe.testing.synthetic.SHAPES."""
+    from hetmoe.engine.loader import build_meta, moe_blocks
+    from hetmoe.testing.synthetic import shape_config
+
+    cfg = shape_config(shape, layers)
+    model = build_meta(cfg)
+    blocks = moe_blocks(model)
+    inter = (cfg.get("moe_intermediate_size") or cfg.intermediate_size) if blocks else 0
+    return cfg, model, blocks, inter, options
+
+
+def make_plan(args: argparse.Namespace, log: Callable[[str], None] = _log) -> tuple:
+    """(title line, plan or the PlanError it did not fit with) of the model ``args`` name under their options."""
+    import torch
+
+    from hetmoe.engine.llm import default_model_path
+    from hetmoe.engine.loader import plan_model
+    from hetmoe.engine.placement import PlanError, normalize_options, resolve_device
+
+    if args.model is not None and args.shape is not None:
+        raise ValueError("--model and --shape name two models; give one")
+    if args.layers is not None and args.shape is None:
+        raise ValueError("--layers applies to --shape only")
+    options = normalize_options(engine_options(args), log)
+    if args.shape is not None:
+        cfg, model, blocks, inter, options = shape_model(args.shape, args.layers, options)
+        name = f"{args.shape} shape"
+    else:
+        path = args.model if args.model is not None else default_model_path()
+        cfg, model, blocks, inter, options = checkpoint_model(path, options, log)
+        name = str(path)
+    # --device cuda without a GPU here: plan for one (its size from --gpu-memory)
+    planned = torch.device("cuda") if options.device == "cuda" and not torch.cuda.is_available() else None
+    where = "cuda (a GPU this machine does not have)" if planned else resolve_device(options.device).type
+    dense = sum(p.numel() for p in model.parameters())
+    routed = sum(b.num_experts for _, b in blocks) * 3 * cfg.hidden_size * inter
+    title = (f"{name}: {cfg.get('model_type')}, {cfg.num_hidden_layers} layers ({len(blocks)} MoE), "
+             f"{dense / 1e9:.2f} G dense + {routed / 1e9:.2f} G routed-expert parameters, on {where}")
+    try:
+        return title, plan_model(model, cfg, blocks, options, inter, planned)
+    except PlanError as err:
+        return title, err
+
+
+def run(args: argparse.Namespace) -> int:
+    title, plan = make_plan(args)
+    err = plan if isinstance(plan, MemoryError) else None
+    plan = err.plan if err is not None else plan
+    print(title)
+    print("\n".join(plan.table(WIDTH)))
+    for note in plan.notes:
+        print(f"note: {note}")
+    if err is not None:
+        print(f"hetmoe plan: does not fit: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 1
+    return 0
