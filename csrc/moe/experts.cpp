@@ -9,6 +9,7 @@
 
 #include "formats/activation.h"
 #include "formats/pack.h"
+#include "formats/storage.h"
 #include "moe/moe.h"
 
 namespace hetmoe {
@@ -185,60 +186,8 @@ void MoeExperts::unpack(int e, float* gate, float* up, float* down) const {
 
 // ---------------------------------------------------------------- random weights, raw storage
 
-namespace {
-
-inline uint64_t splitmix64(uint64_t& state) {
-  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-// One row block of random quantized values in the packed layout; elements outside [n, k] get the padding value.
-void fill_random_block(const MatrixShape& s, int rb, uint64_t seed, float scale, int bf16_exp, uint8_t* data,
-                       float* scales) {
-  const int kpl = k_per_line(s.format);
-  uint64_t state = seed;
-  for (int line = 0; line < s.lines_per_block(); ++line) {
-    for (int r = 0; r < kRowsPerBlock; ++r) {
-      const bool row_ok = rb * kRowsPerBlock + r < s.n;
-      const uint64_t bits = splitmix64(state);
-      uint8_t* dst = data + (size_t)line * kLineBytes + 4 * r;
-      const int k0 = line * kpl;
-      if (s.format == WeightFormat::bf16) {
-        for (int h = 0; h < 2; ++h) {
-          const uint64_t b = bits >> (16 * h);
-          // sign, one of three exponents from bf16_exp up (times [1, 2) from the mantissa), 7 mantissa bits
-          uint16_t v = (uint16_t)(((b & 1) << 15) | ((bf16_exp + (b >> 1) % 3) << 7) | ((b >> 8) & 0x7F));
-          if (!row_ok || k0 + h >= s.k) v = 0;
-          std::memcpy(dst + 2 * h, &v, 2);
-        }
-      } else if (s.format == WeightFormat::int8) {
-        for (int b = 0; b < 4; ++b) {
-          const int q = (int)((bits >> (16 * b)) % 255) - 127;
-          dst[b] = (uint8_t)((row_ok && k0 + b < s.k ? q : 0) + 128);
-        }
-      } else {
-        for (int b = 0; b < 4; ++b) {
-          const bool lo_ok = row_ok && k0 + b < s.k, hi_ok = row_ok && k0 + 4 + b < s.k;
-          const uint8_t lo = lo_ok ? (bits >> (8 * b)) & 0xF : 8, hi = hi_ok ? (bits >> (8 * b + 4)) & 0xF : 8;
-          dst[b] = (uint8_t)(lo | (hi << 4));
-        }
-      }
-    }
-  }
-  for (size_t i = 0; i < s.block_scales(); ++i) scales[i] = scale;
-}
-
-}  // namespace
-
 void MoeExperts::fill_random(uint64_t seed, float std) {
-  // Standard deviation of the uniform quantized values: int8 q in [-127, 127], int4 q in [-8, 7].
-  const float q_std = cfg_.format == WeightFormat::int8 ? 73.6f : 4.61f;
-  const float scale = std / q_std;
-  // bf16: magnitudes 2^e..2^(e+3) have a std of about 0.0316 * 2^(e+7)
-  const int bf16_exp = 127 - 7 + (int)std::lround(std::log2(std::max(std, 1e-30f) / 0.0316f));
-  if (bf16_exp < 1 || bf16_exp > 250) throw std::invalid_argument("fill_random: std out of range");
+  const RandomFill fill = RandomFill::make(cfg_.format, std);
   const int gu_tasks = gu_.n_blocks * 2, per_expert = gu_tasks + down_.n_blocks;
   pool_->run_and_wait([&](ThreadPool& pool) {
     pool.parallel_for((int64_t)cfg_.n_expert * per_expert, [&](int64_t task, int) {
@@ -246,11 +195,10 @@ void MoeExperts::fill_random(uint64_t seed, float std) {
       uint64_t block_seed = seed * 0x2545F4914F6CDD1Dull + (uint64_t)task;
       if (b < gu_tasks) {
         RowBlock blk = gate_up_block(e, b / 2, b % 2);
-        fill_random_block(gu_, b / 2, block_seed, scale, bf16_exp, const_cast<uint8_t*>(blk.data),
-                          const_cast<float*>(blk.scales));
+        fill_random_block(gu_, b / 2, block_seed, fill, const_cast<uint8_t*>(blk.data), const_cast<float*>(blk.scales));
       } else {
         RowBlock blk = down_block(e, b - gu_tasks);
-        fill_random_block(down_, b - gu_tasks, block_seed, scale, bf16_exp, const_cast<uint8_t*>(blk.data),
+        fill_random_block(down_, b - gu_tasks, block_seed, fill, const_cast<uint8_t*>(blk.data),
                           const_cast<float*>(blk.scales));
       }
     });
@@ -272,34 +220,6 @@ void MoeExperts::mark_loaded(int e0, int n) {
   std::fill(loaded_.begin() + e0, loaded_.begin() + e0 + n, 1);
 }
 
-uint64_t MoeExperts::checksum() const {
-  constexpr size_t kChunk = 1u << 20;
-  auto ranges = storage();
-  std::vector<std::pair<const uint8_t*, size_t>> chunks;
-  for (auto& [p, n] : ranges)
-    for (size_t off = 0; off < n; off += kChunk) chunks.emplace_back(p + off, std::min(kChunk, n - off));
-  std::vector<uint64_t> hashes(chunks.size());
-  pool_->run_and_wait([&](ThreadPool& pool) {
-    pool.parallel_for((int64_t)chunks.size(), [&](int64_t c, int) {
-      const uint8_t* p = chunks[c].first;
-      const size_t n = chunks[c].second;
-      uint64_t h[4] = {1, 2, 3, 4};  // four independent lanes keep the loop bandwidth-bound
-      size_t i = 0;
-      for (; i + 32 <= n; i += 32)
-        for (int l = 0; l < 4; ++l) {
-          uint64_t w;
-          std::memcpy(&w, p + i + 8 * l, 8);
-          h[l] = (h[l] ^ w) * 0x100000001B3ull + (h[l] >> 29);
-        }
-      uint64_t acc = n;
-      for (; i < n; ++i) acc = (acc ^ p[i]) * 0x100000001B3ull;
-      for (int l = 0; l < 4; ++l) acc = (acc ^ h[l]) * 0x9E3779B97F4A7C15ull + (acc >> 31);
-      hashes[c] = acc;
-    });
-  });
-  uint64_t total = 0xCBF29CE484222325ull;
-  for (uint64_t h : hashes) total = (total ^ h) * 0x100000001B3ull + (total >> 33);
-  return total;
-}
+uint64_t MoeExperts::checksum() const { return storage_checksum(*pool_, storage()); }
 
 }  // namespace hetmoe

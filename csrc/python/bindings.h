@@ -20,6 +20,7 @@ void bind_runtime(py::module_& m);  // python/runtime.cpp: pools, jobs, NUMA top
 void bind_stream(py::module_& m);   // python/stream.cpp: stream-ordered submit/sync (host functions, signals)
 void bind_kernels(py::module_& m);  // python/kernels.cpp: the kernels' row ops and task split, for tests
 void bind_experts(py::module_& m);  // python/experts.cpp: MoeExperts, NumaExperts and their jobs
+void bind_linear(py::module_& m);   // python/linear.cpp: DenseLinear and its jobs
 
 inline WeightFormat format_from_name(const std::string& s) {
   if (s == "bf16") return WeightFormat::bf16;

@@ -38,4 +38,5 @@ PYBIND11_MODULE(_C, m) {
   bindings::bind_stream(m);
   bindings::bind_kernels(m);
   bindings::bind_experts(m);
+  bindings::bind_linear(m);
 }

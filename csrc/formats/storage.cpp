@@ -1,0 +1,96 @@
+#include "formats/storage.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+namespace hetmoe {
+
+namespace {
+
+inline uint64_t splitmix64(uint64_t& state) {
+  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+RandomFill RandomFill::make(WeightFormat f, float std) {
+  // Standard deviation of the uniform quantized values: int8 q in [-127, 127], int4 q in [-8, 7].
+  const float q_std = f == WeightFormat::int8 ? 73.6f : 4.61f;
+  RandomFill r;
+  r.scale = std / q_std;
+  // bf16: magnitudes 2^e..2^(e+3) have a std of about 0.0316 * 2^(e+7)
+  r.bf16_exp = 127 - 7 + (int)std::lround(std::log2(std::max(std, 1e-30f) / 0.0316f));
+  if (r.bf16_exp < 1 || r.bf16_exp > 250) throw std::invalid_argument("fill_random: std out of range");
+  return r;
+}
+
+void fill_random_block(const MatrixShape& s, int rb, uint64_t seed, const RandomFill& fill, uint8_t* data,
+                       float* scales) {
+  const int kpl = k_per_line(s.format);
+  uint64_t state = seed;
+  for (int line = 0; line < s.lines_per_block(); ++line) {
+    for (int r = 0; r < kRowsPerBlock; ++r) {
+      const bool row_ok = rb * kRowsPerBlock + r < s.n;
+      const uint64_t bits = splitmix64(state);
+      uint8_t* dst = data + (size_t)line * kLineBytes + 4 * r;
+      const int k0 = line * kpl;
+      if (s.format == WeightFormat::bf16) {
+        for (int h = 0; h < 2; ++h) {
+          const uint64_t b = bits >> (16 * h);
+          // sign, one of three exponents from bf16_exp up (times [1, 2) from the mantissa), 7 mantissa bits
+          uint16_t v = (uint16_t)(((b & 1) << 15) | ((fill.bf16_exp + (b >> 1) % 3) << 7) | ((b >> 8) & 0x7F));
+          if (!row_ok || k0 + h >= s.k) v = 0;
+          std::memcpy(dst + 2 * h, &v, 2);
+        }
+      } else if (s.format == WeightFormat::int8) {
+        for (int b = 0; b < 4; ++b) {
+          const int q = (int)((bits >> (16 * b)) % 255) - 127;
+          dst[b] = (uint8_t)((row_ok && k0 + b < s.k ? q : 0) + 128);
+        }
+      } else {
+        for (int b = 0; b < 4; ++b) {
+          const bool lo_ok = row_ok && k0 + b < s.k, hi_ok = row_ok && k0 + 4 + b < s.k;
+          const uint8_t lo = lo_ok ? (bits >> (8 * b)) & 0xF : 8, hi = hi_ok ? (bits >> (8 * b + 4)) & 0xF : 8;
+          dst[b] = (uint8_t)(lo | (hi << 4));
+        }
+      }
+    }
+  }
+  for (size_t i = 0; i < s.block_scales(); ++i) scales[i] = fill.scale;
+}
+
+uint64_t storage_checksum(ThreadPool& pool, const std::vector<std::pair<uint8_t*, size_t>>& ranges) {
+  constexpr size_t kChunk = 1u << 20;
+  std::vector<std::pair<const uint8_t*, size_t>> chunks;
+  for (auto& [p, n] : ranges)
+    for (size_t off = 0; off < n; off += kChunk) chunks.emplace_back(p + off, std::min(kChunk, n - off));
+  std::vector<uint64_t> hashes(chunks.size());
+  pool.run_and_wait([&](ThreadPool& pool) {
+    pool.parallel_for((int64_t)chunks.size(), [&](int64_t c, int) {
+      const uint8_t* p = chunks[c].first;
+      const size_t n = chunks[c].second;
+      uint64_t h[4] = {1, 2, 3, 4};  // four independent lanes keep the loop bandwidth-bound
+      size_t i = 0;
+      for (; i + 32 <= n; i += 32)
+        for (int l = 0; l < 4; ++l) {
+          uint64_t w;
+          std::memcpy(&w, p + i + 8 * l, 8);
+          h[l] = (h[l] ^ w) * 0x100000001B3ull + (h[l] >> 29);
+        }
+      uint64_t acc = n;
+      for (; i < n; ++i) acc = (acc ^ p[i]) * 0x100000001B3ull;
+      for (int l = 0; l < 4; ++l) acc = (acc ^ h[l]) * 0x9E3779B97F4A7C15ull + (acc >> 31);
+      hashes[c] = acc;
+    });
+  });
+  uint64_t total = 0xCBF29CE484222325ull;
+  for (uint64_t h : hashes) total = (total ^ h) * 0x100000001B3ull + (total >> 33);
+  return total;
+}
+
+}  // namespace hetmoe
