@@ -1,0 +1,233 @@
+"""The memory plan on budgets (issue 24): sizes, --dense-format auto, --gpu-memory / --cpu-memory, --gpu-experts
+auto, --max-context auto, the table, and `hetmoe plan`. Every plan is made from meta-device models, on the CPU; a
+GPU is planned for without being here (``device=cuda`` given to plan_model, as `hetmoe plan --device cuda` does)."""
+
+import re
+
+import pytest
+import torch
+
+from hetmoe.engine import placement
+from hetmoe.engine.loader import build_meta, model_shapes, moe_blocks, plan_model
+from hetmoe.engine.placement import EngineOptions, PlanError, dense_bytes
+from hetmoe.engine.sysmem import gib, parse_size
+from hetmoe.layers.linear import DENSE_FORMATS
+from hetmoe.testing.synthetic import shape_config
+
+CUDA = torch.device("cuda")
+GiB = 1 << 30
+BIG_RAM = "4TiB"  # RAM budget for the full shapes: their routed experts do not fit this machine
+
+
+@pytest.fixture(scope="module")
+def deepseek():
+    """(config, meta model, MoE blocks, expert intermediate size) of the full 61-layer DeepSeek-V3 shape."""
+    cfg = shape_config("deepseek-v3")
+    model = build_meta(cfg)
+    return cfg, model, moe_blocks(model), cfg.moe_intermediate_size
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    cfg = shape_config("qwen3-30b-a3b")
+    model = build_meta(cfg)
+    return cfg, model, moe_blocks(model), cfg.moe_intermediate_size
+
+
+def _plan(model, device=CUDA, **opts):
+    cfg, meta, blocks, inter = model
+    return plan_model(meta, cfg, blocks, EngineOptions(**{"cpu_memory": BIG_RAM, **opts}), inter, device)
+
+
+# ---------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize("text, n", [("24GiB", 24 * GiB), ("24G", 24 * GiB), ("24g", 24 * GiB), ("500MiB", 500 << 20),
+                                     ("1.5TB", 1_500_000_000_000), ("2GB", 2_000_000_000), ("1048576", 1 << 20),
+                                     (" 8 GiB ", 8 * GiB), ("64k", 65536), (".5G", GiB // 2), (4096, 4096)])
+def test_sizes(text, n):
+    assert parse_size(text) == n
+    assert EngineOptions(gpu_memory=text, cpu_memory=text).gpu_memory == n
+
+
+@pytest.mark.parametrize("text", ["", "G", "24XB", "-1G", "0", "1.2.3G", "1e9", "24 GiBs", True, None, 1.5])
+def test_bad_sizes_are_clear_errors(text, capsys):
+    with pytest.raises(ValueError, match=r"--gpu-memory: expected a size such as 24GiB, 24G, 500MiB, 1\.5TB"):
+        EngineOptions(gpu_memory=text) if text is not None else parse_size(text, "--gpu-memory")
+    if isinstance(text, str) and text:
+        from hetmoe.cli import main
+
+        with pytest.raises(SystemExit) as exit:
+            main(["plan", f"--cpu-memory={text}"])
+        err = capsys.readouterr().err.splitlines()[-1]
+        assert exit.value.code == 2 and err == f"hetmoe plan: error: --cpu-memory: expected a size such as 24GiB, " \
+                                               f"24G, 500MiB, 1.5TB or a number of bytes, got {text}", err
+
+
+def test_auto_values_parse():
+    from hetmoe.cli import build_parser
+    from hetmoe.cli.options import engine_options
+
+    args = build_parser().parse_args(["plan", "--gpu-experts", "auto", "--max-context", "auto"])
+    assert engine_options(args) == EngineOptions(gpu_experts="auto")
+    assert EngineOptions(max_context="auto").max_context is None  # auto is the default
+    with pytest.raises(ValueError, match="gpu-experts must be auto or an integer >= 0"):
+        EngineOptions(gpu_experts="all")
+
+
+# ---------------------------------------------------------------- the dense format
+
+
+def test_dense_bytes_count_each_format(deepseek):
+    cfg, model, _, _ = deepseek
+    shapes = model_shapes(model, cfg, 2048)
+    packed = sum(n * k for n, k in shapes.dense_linears)
+    assert 0.8 * shapes.dense_params < packed < shapes.dense_params  # embeddings, kv_b_proj, routers stay
+    assert dense_bytes(shapes, "bf16", 2) == shapes.dense_params * 2
+    for name in ("fp8", "int8", "int4"):
+        fmt = DENSE_FORMATS[name]
+        want = sum(fmt.nbytes(n, k) for n, k in shapes.dense_linears) + (shapes.dense_params - packed) * 2
+        assert dense_bytes(shapes, name, 2) == want
+    assert dense_bytes(shapes, "int4", 2) < dense_bytes(shapes, "int8", 2) < dense_bytes(shapes, "bf16", 2)
+
+
+def test_deepseek_v3_fits_24_gib_with_fp8_or_int4_dense(deepseek):
+    plan = _plan(deepseek, gpu_memory="24GiB", max_context=32768)
+    assert plan.dense_format in ("fp8", "int4") and plan.max_context == 32768
+    assert plan.vram_bytes <= 24 * GiB
+    assert plan.vram["dense weights"] == dense_bytes(model_shapes(deepseek[1], deepseek[0], 2048),
+                                                     plan.dense_format, 2)
+    assert "bf16" in plan.why["dense weights"] and "> 24.00 GiB" in plan.why["dense weights"]
+    # forced bf16: refused with its numbers, the table in the message
+    bf16 = dense_bytes(model_shapes(deepseek[1], deepseek[0], 2048), "bf16", 2)
+    with pytest.raises(PlanError) as err:
+        _plan(deepseek, gpu_memory="24GiB", max_context=32768, dense_format="bf16")
+    text = str(err.value)
+    assert f"the dense weights alone (bf16) need {gib(bf16)}" in text and "--dense-format int4" in text
+    assert re.search(rf"dense weights \(bf16\) +cuda +{gib(bf16)}  --dense-format bf16", text), text
+    assert "VRAM total" in text and "DOES NOT FIT: 24.00 GiB budget (--gpu-memory)" in text
+    assert isinstance(err.value, MemoryError) and err.value.plan.dense_format == "bf16"
+
+
+def test_a_budget_below_int4_dense_is_refused_naming_the_dense_bytes(deepseek):
+    int4 = dense_bytes(model_shapes(deepseek[1], deepseek[0], 2048), "int4", 2)
+    with pytest.raises(MemoryError, match=rf"the dense weights alone \(int4\) need {gib(int4)}"):
+        _plan(deepseek, gpu_memory="8GiB", max_context=4096)
+
+
+def test_auto_dense_steps_down_only_as_far_as_it_must(qwen):
+    precise = _plan(qwen, gpu_memory="80GiB", max_context=32768)
+    assert precise.dense_format == "bf16" and precise.why["dense weights"] == "auto: the most precise; fits"
+    # (the optional layerwise prefill buffers come after the dense choice: off here, to compare plans like for like)
+    plans = {f: _plan(qwen, gpu_memory="80GiB", max_context=32768, dense_format=f, gpu_prefill="off")
+             for f in DENSE_FORMATS}
+    assert plans["bf16"].vram_bytes > plans["int8"].vram_bytes > plans["fp8"].vram_bytes > plans["int4"].vram_bytes
+    for budget in sorted({p.vram_bytes + d for p in plans.values() for d in (-1, 0)})[1:]:  # int4's - 1: refused
+        # the most precise that fits (int8, a scale per 64, is larger than fp8: chosen only where fp8 cannot run)
+        want = next((f for f in placement.DENSE_ORDER if plans[f].vram_bytes <= budget), "int4")
+        assert _plan(qwen, gpu_memory=budget, max_context=32768, gpu_prefill="off").dense_format == want, budget
+
+
+def test_cpu_placement_dense_format(deepseek, qwen):
+    cpu = torch.device("cpu")
+    assert _plan(deepseek, cpu).dense_format == "int8"  # decode on a CPU reads every dense byte from DRAM
+    assert _plan(qwen, cpu).dense_format == "int8"
+    small = shape_config("qwen3-30b-a3b", 1)
+    small.update(vocab_size=1000)
+    model = build_meta(small)
+    plan = plan_model(model, small, moe_blocks(model), EngineOptions(device="cpu"), 768, cpu)
+    assert plan.dense_format == "bf16" and plan.dtype == torch.float32  # a small model keeps its dtype
+    with pytest.raises(ValueError, match=r"dense format fp8 does not run on cpu \(it runs on: cuda\)"):
+        _plan(qwen, cpu, dense_format="fp8")
+
+
+# ---------------------------------------------------------------- budgets, GPU experts, context
+
+
+@pytest.mark.parametrize("budget", ["24GiB", "40GiB", "64GiB", "141GiB"])
+def test_gpu_experts_auto_fills_and_never_exceeds_the_budget(qwen, budget):
+    plan = _plan(qwen, gpu_memory=budget, max_context=32768, gpu_experts="auto")
+    limit = parse_size(budget)
+    E, each = 128, 3 * 2048 * 768 * 2
+    n = {lp.gpu_experts for lp in plan.layers}
+    assert len(n) == 1 and plan.vram["GPU experts"] == n.pop() * 48 * each == sum(lp.vram for lp in plan.layers)
+    N = plan.layers[0].gpu_experts
+    assert plan.vram_bytes <= limit and N > 0
+    assert N == E or plan.vram_bytes + 48 * each > limit  # one more per layer would not fit
+    assert f"GPU experts ({N} per layer)" in "\n".join(plan.table())
+    zero = _plan(qwen, gpu_memory=budget, max_context=32768)
+    assert zero.vram["GPU experts"] == 0 and zero.dense_format == plan.dense_format
+
+
+def test_gpu_experts_auto_is_capped_at_the_experts_per_layer(qwen):
+    plan = _plan(qwen, gpu_memory="1TiB", max_context=4096, gpu_experts="auto")
+    assert [lp.gpu_experts for lp in plan.layers] == [128] * 48 and "(all)" in plan.why["GPU experts"]
+
+
+def test_max_context_auto_fills_the_budget(deepseek):
+    plan = _plan(deepseek, gpu_memory="24GiB")
+    assert plan.max_context % 1024 == 0 and 4096 <= plan.max_context < 163840 and plan.vram_bytes <= 24 * GiB
+    assert any("not the model's 163840" in n for n in plan.notes)
+    assert plan.dense_format == "fp8"  # precision first: the dense format is chosen for 4096 positions
+    assert _plan(deepseek, gpu_memory="24GiB", max_context="auto").max_context == plan.max_context
+
+
+def test_budgets_replace_what_is_free_and_warn_above_it(qwen, monkeypatch):
+    monkeypatch.setattr(placement, "free_ram", lambda: 16 * GiB)
+    plan = _plan(qwen, torch.device("cpu"), cpu_memory="8TiB", gpu_memory="24GiB")
+    assert plan.budgets["RAM"][0] == 8 << 40
+    assert any("--cpu-memory 8192.00 GiB is more than the 16.00 GiB available" in n for n in plan.notes)
+    assert any("--gpu-memory 24.00 GiB does not apply: the placement is CPU-only" in n for n in plan.notes)
+    with pytest.raises(PlanError, match=r"RAM: needs [0-9.]+ GiB, 16.00 GiB available") as err:
+        plan_model(qwen[1], qwen[0], qwen[2], EngineOptions(device="cpu"), 768, torch.device("cpu"))
+    assert "DOES NOT FIT: 14.72 GiB budget (92% of 16.00 GiB available)" in " ".join(str(err.value).split())
+    with pytest.raises(ValueError, match="a GPU this machine does not have.*--gpu-memory SIZE"):
+        _plan(qwen)
+
+
+def test_table_rows_and_width(deepseek):
+    plan = _plan(deepseek, gpu_memory="24GiB", max_context=32768, gpu_experts="auto", max_batch=4)
+    lines = plan.table(90)
+    assert all(len(line) <= 90 for line in lines), lines
+    text = "\n".join(lines)
+    for row in (f"dense weights ({plan.dense_format})", "KV cache (32768 x ", "activations", "CUDA context",
+                "GPU experts (0 per layer)", "VRAM total", "routed experts (", "runtime", "RAM total"):
+        assert row in text, (row, text)
+    assert lines[0].split() == ["part", "on", "bytes", "why"]
+
+
+# ---------------------------------------------------------------- hetmoe plan
+
+
+def _cli(capsys, *args):
+    from hetmoe.cli import main
+
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="plans for a GPU that is not here")
+def test_plan_command(capsys):
+    args = ("plan", "--shape", "deepseek-v3", "--device", "cuda", "--max-context", 32768, "--cpu-memory", BIG_RAM)
+    code, out, err = _cli(capsys, *args, "--gpu-memory", "24GiB")
+    assert code == 0 and err == "", err
+    assert out.startswith("deepseek-v3 shape: deepseek_v3, 61 layers (58 MoE)")
+    assert re.search(r"dense weights \((fp8|int4)\) +cuda", out) and "fits: 24.00 GiB budget (--gpu-memory)" in out
+    code, out, err = _cli(capsys, *args, "--gpu-memory", "8GiB")
+    assert code == 1 and "DOES NOT FIT" in out and "dense weights (int4)" in out
+    assert err.startswith("hetmoe plan: does not fit: the model does not fit") and "dense weights alone" in err
+    code, out, err = _cli(capsys, *args)
+    assert code == 1 and out == "" and "--gpu-memory SIZE" in err and err.startswith("hetmoe plan: error:")
+    code, out, err = _cli(capsys, "plan", "--shape", "qwen3-30b-a3b", "--layers", 2, "--device", "cpu")
+    assert code == 0 and "qwen3_moe, 2 layers (2 MoE)" in out and "RAM total" in out and "VRAM" not in out
+
+
+def test_plan_command_reads_a_checkpoint(capsys):
+    from hetmoe.engine.llm import default_model_path
+
+    code, out, err = _cli(capsys, "plan", "--device", "cpu", "--experts-format", "int4")  # the built-in model
+    assert code == 0 and out.startswith(f"{default_model_path()}: deepseek_v3, 6 layers (5 MoE)"), err
+    assert "routed experts (int4, group 64)" in out and "dense weights (fp32)" in out
+    code, _, err = _cli(capsys, "plan", "--shape", "deepseek-v3", "--model", default_model_path())
+    assert code == 1 and "--model and --shape name two models" in err
