@@ -1,4 +1,4 @@
-"""The ``hetmoe`` command: ``generate``, ``chat``, ``serve``, ``eval``, ``plan``, ``doctor``,
+"""The ``hetmoe`` command: ``generate``, ``chat``, ``serve``, ``eval``, ``plan``, ``tune``, ``doctor``,
 ``bench kernel|overhead|e2e|serve``.
 
 One module per command, each with its ``add_parser(subparsers)`` and its ``run(args)``; the option groups they
@@ -15,12 +15,12 @@ import sys
 from typing import Optional, Sequence
 
 from hetmoe import __version__
-from hetmoe.cli import bench, chat, doctor, eval, generate, plan, serve
+from hetmoe.cli import bench, chat, doctor, eval, generate, plan, serve, tune
 from hetmoe.cli.options import ISAS, MODEL_SHAPES, SHAPE_NAMES, engine_usage_error
 
 __all__ = ["Parser", "build_parser", "main", "ISAS", "MODEL_SHAPES", "SHAPE_NAMES"]
 
-COMMANDS = (generate, chat, serve, eval, plan, doctor, bench)  # in the order `hetmoe --help` lists them
+COMMANDS = (generate, chat, serve, eval, plan, tune, doctor, bench)  # in the order `hetmoe --help` lists them
 
 _KINDS = {"int": "an integer", "float": "a number"}
 

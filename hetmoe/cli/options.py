@@ -141,28 +141,56 @@ def _dest(f: dataclasses.Field) -> str:
     return f.metadata["flag"][2:].replace("-", "_")
 
 
+class _Given(argparse.Action):
+    """Stores a flag's value and notes that it was given, so that a --config file fills only the others."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+        namespace.engine_flags_given = getattr(namespace, "engine_flags_given", set()) | {self.dest}
+
+
 def add_engine_options(p: argparse.ArgumentParser, model: bool = True) -> None:
     """The engine options, named the same in every command that runs a model: --model (unless ``model`` is
-    False), the EngineOptions flags, --expert-cache."""
+    False), --config, the EngineOptions flags, --expert-cache."""
     g = p.add_argument_group("engine")
     if model:
         g.add_argument("--model", metavar="DIR|FILE.gguf", default=None,
                        help="Hugging Face checkpoint directory, or a GGUF file (the first part of a split set; "
                        "docs/running.md#gguf-files) (default: the small model built into hetmoe)")
+    g.add_argument("--config", metavar="FILE", default=None,
+                   help="engine options from a YAML file (option: value, e.g. threads: 8; what `hetmoe tune` "
+                   "writes; docs/running.md#config-files); the flags given here win over it")
     for f in engine_fields():
         m = f.metadata
         if m.get("negate"):
-            g.add_argument(m["flag"], action="store_true", help=m["help"])
+            g.add_argument(m["flag"], action=_Given, nargs=0, const=True, default=False, help=m["help"])
         else:
-            g.add_argument(m["flag"], type=TYPES[m["type"]] if "type" in m else None, default=f.default,
-                           choices=m.get("choices"), metavar=m.get("metavar"), help=m["help"])
+            g.add_argument(m["flag"], action=_Given, type=TYPES[m["type"]] if "type" in m else None,
+                           default=f.default, choices=m.get("choices"), metavar=m.get("metavar"), help=m["help"])
     g.add_argument("--expert-cache", metavar="DIR", default="auto",
                    help="where converted experts are kept for the next load ('off' disables; "
                         "default: $XDG_CACHE_HOME/hetmoe/experts)")
 
 
+def apply_config(args: argparse.Namespace) -> None:
+    """Set the engine flags of ``args`` that were not given from its --config file, if any (once; ConfigError,
+    a ValueError naming FILE:LINE, for a file that cannot be used)."""
+    path = getattr(args, "config", None)
+    if path is None or getattr(args, "config_applied", False):
+        return
+    from hetmoe.engine.config_file import read
+
+    values, given = read(path, TYPES), getattr(args, "engine_flags_given", set())
+    for f in engine_fields():
+        if f.name in values and _dest(f) not in given:
+            setattr(args, _dest(f), not values[f.name] if f.metadata.get("negate") else values[f.name])
+    args.config_applied = True
+
+
 def engine_options(args: argparse.Namespace) -> EngineOptions:
-    """The EngineOptions that ``args`` (parsed with add_engine_options) ask for."""
+    """The EngineOptions that ``args`` (parsed with add_engine_options) ask for: the flags given, else the --config
+    file's values, else the defaults."""
+    apply_config(args)
     values = {}
     for f in engine_fields():
         value = getattr(args, _dest(f))
@@ -171,7 +199,14 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
 
 
 def engine_usage_error(args: argparse.Namespace) -> Optional[str]:
-    """What the engine flags in ``args`` cannot be, beyond each flag's type (None: nothing)."""
+    """What the engine flags in ``args`` (and its --config file, applied here) cannot be, beyond each flag's type
+    (None: nothing)."""
+    from hetmoe.engine.config_file import ConfigError
+
+    try:
+        apply_config(args)
+    except ConfigError as err:
+        return f"--config: {err}"
     for f in engine_fields():
         bound, value = f.metadata.get("min"), getattr(args, _dest(f), None)
         if bound is not None and isinstance(value, int) and value < bound:

@@ -148,7 +148,8 @@ def load(path) -> Rules:
 
 
 def parse(text: str, source: str = "<rules>") -> Rules:
-    """The rules of YAML ``text``; ``source`` names it in errors."""
+    """The rules of YAML ``text`` (a list of rules, or a config file's mapping with its ``rules:`` list: the lines
+    stay the file's); ``source`` names it in errors."""
     import yaml
 
     loader = yaml.SafeLoader(text)
@@ -163,6 +164,8 @@ def parse(text: str, source: str = "<rules>") -> Rules:
         loader.dispose()
     if root is None:
         raise RulesError(f"{source}: the rules file is empty (expected a list of rules, each with a match:)")
+    if isinstance(root, yaml.MappingNode):  # a --config file (hetmoe/engine/config_file.py): its rules: list
+        root = next((v for k, v in root.value if k.value == "rules" and isinstance(v, yaml.SequenceNode)), root)
     if not isinstance(root, yaml.SequenceNode):
         raise RulesError(f"{source}:{root.start_mark.line + 1}: expected a list of rules (lines starting with "
                          "'- match:'), got a " + _kind(root), root.start_mark.line + 1)

@@ -1,0 +1,180 @@
+"""``--config FILE`` (hetmoe/engine/config_file.py, the hook in hetmoe/cli/options.py) and ``hetmoe tune``
+(hetmoe/engine/tune.py, hetmoe/cli/tune.py): a config file's errors name FILE:LINE and the key, flags win over the
+file and the file over the defaults, inline rules keep their lines; tune on the built-in model (CPU alone, quick,
+a tiny candidate set) writes a file that --config loads back into the options it chose. The CPU engine runs on the
+machine's best ISA; nothing here asserts a speed."""
+
+from pathlib import Path
+
+import pytest
+
+from hetmoe.cli import build_parser
+from hetmoe.cli import main as cli_main
+from hetmoe.cli.options import engine_options
+from hetmoe.engine import config_file, rules
+from hetmoe.engine.config_file import ConfigError
+from hetmoe.engine.placement import EngineOptions
+from hetmoe.engine.tune import Tuner, thread_candidates
+
+
+def run_cli(capsys, *args):
+    """``hetmoe ARGS`` in this process -> (exit code, stdout, stderr)."""
+    try:
+        code = cli_main([str(a) for a in args])
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def options_of(*args) -> EngineOptions:
+    """The EngineOptions ``hetmoe generate ARGS`` would run with."""
+    return engine_options(build_parser().parse_args(["generate", *map(str, args)]))
+
+
+def write(tmp_path, text: str, name: str = "engine.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- --config
+
+
+def test_the_file_sets_options_and_flags_win(tmp_path):
+    path = write(tmp_path, "threads: 2\ndefer_experts: 1\ngpu_prefill: off\ndense_format: int8\ncuda_graph: false\n"
+                           "experts_format: int4\ngroup_size: 32\n")
+    got = options_of("--config", path)
+    assert got == EngineOptions(threads=2, defer_experts=1, gpu_prefill="off", dense_format="int8", cuda_graph=False,
+                                experts_format="int4", group_size=32)
+    # a flag given on the command line wins, even where it repeats the default (0 deferred, the graph on: no flag)
+    got = options_of("--config", path, "--threads", 1, "--defer-experts", 0, "--dense-format", "auto")
+    assert (got.threads, got.defer_experts, got.dense_format) == (1, 0, "auto")
+    assert (got.gpu_prefill, got.cuda_graph, got.experts_format) == ("off", False, "int4")
+    assert options_of() == EngineOptions()  # no file: the defaults
+
+
+def test_inline_rules_are_read_from_the_config_file(tmp_path):
+    path = write(tmp_path, "threads: 1\nrules:\n  - match: 'model\\.layers\\.1\\.mlp\\.experts'\n"
+                           "    experts_format: int4\n")
+    got = options_of("--config", path)
+    assert got.rules == str(path)
+    loaded = rules.load(got.rules)
+    assert len(loaded) == 1 and loaded.rules[0].line == 3 and loaded.rules[0].placement.experts_format == "int4"
+    # a rules file next to the config file, by a relative path
+    write(tmp_path, "- match: lm_head\n  dtype: fp32\n", "r.yaml")
+    assert options_of("--config", write(tmp_path, "rules: r.yaml\n", "c2.yaml")).rules == str(tmp_path / "r.yaml")
+
+
+@pytest.mark.parametrize("text, where, words", [
+    ("threads: 2\nthreadz: 4\n", 2, ["unknown key 'threadz'", "threads"]),
+    ("threads: 2\nno_cuda_graph: true\n", 2, ["no_cuda_graph", "cuda_graph"]),
+    ("\nthreads: many\n", 2, ["threads", "expected a positive integer, got many"]),
+    ("defer_experts: -1\n", 1, ["defer_experts", ">= 0"]),
+    ("device: cuda\ndense_format: int3\n", 2, ["dense_format", "int3"]),
+    ("gpu_prefill: sometimes\n", 1, ["gpu_prefill", "sometimes"]),
+    ("cuda_graph: maybe\n", 1, ["cuda_graph", "true or false"]),
+    ("threads:\n  - 1\n  - 2\n", 2, ["threads", "single value"]),
+    ("threads: 1\nthreads: 2\n", 2, ["threads", "given twice"]),
+    ("experts_format: int4\ngroup_size: 0\n", 2, ["group_size", "per-row"]),
+    ("- threads: 2\n", 1, ["expected a mapping"]),
+    ("just text\n", 1, ["expected a mapping"]),
+    ("threads: [1\n", 2, ["not valid YAML"]),
+    ("rules:\n  - match: lm_head\n    dtype: fp16\n", 3, ["rule 1", "dtype", "fp16"]),
+    ("rules: 3\n", 1, ["rules", "cannot read"]),
+])
+def test_config_errors_name_the_file_line_and_key(tmp_path, capsys, text, where, words):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        config_file.read(path)
+    assert str(err.value).startswith(f"{path}:{where}:"), str(err.value)
+    for word in words:
+        assert word in str(err.value)
+    # on the command line: the usage error path, exit status 2, before anything loads
+    code, _, stderr = run_cli(capsys, "generate", "--config", path, "--max-new-tokens", 1)
+    assert code == 2 and f"hetmoe generate: error: --config: {path}:{where}:" in stderr
+
+
+def test_an_empty_or_missing_file_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"engine\.yaml: the config file is empty"):
+        config_file.read(write(tmp_path, "# nothing\n"))
+    with pytest.raises(ConfigError, match="cannot read the config file"):
+        config_file.read(tmp_path / "absent.yaml")
+
+
+def test_render_reads_back(tmp_path):
+    values = {"threads": 3, "gpu_prefill": "off", "cuda_graph": False, "dense_format": "int8", "max_context": 512}
+    path = write(tmp_path, config_file.render(values, ("made by a test", "second line")))
+    text = path.read_text()
+    assert text.startswith("# made by a test\n# second line\n")
+    assert config_file.read(path) == values
+    with pytest.raises(ValueError, match="not an engine option"):
+        config_file.render({"max_batch": 2})
+
+
+# ---------------------------------------------------------------------------------------------- hetmoe tune
+
+
+def test_thread_candidates():
+    for cores in (1, 2, 3, 8, 56):
+        for gpu in (False, True):
+            for quick in (False, True):
+                got = thread_candidates(cores, gpu, quick)
+                assert got and got == sorted(set(got), reverse=True) and min(got) >= 1 and max(got) <= cores
+    assert thread_candidates(16, True, False) == [16, 15, 14, 8]
+
+
+@pytest.fixture
+def tune_run(tmp_path, capsys, monkeypatch):
+    """``hetmoe tune --quick`` on the built-in model, CPU alone, threads 1 and 2 -> (its result, stdout, file)."""
+    results = []
+    run = Tuner.run
+    monkeypatch.setattr(Tuner, "run", lambda self: results.append(run(self)) or results[-1])
+    out = tmp_path / "tuned.yaml"
+    code, stdout, stderr = run_cli(capsys, "tune", "--quick", "--device", "cpu", "--expert-cache", "off",
+                                   "--try", "threads=1,2", "--out", out)
+    assert code == 0, stderr
+    return results[0], stdout, out
+
+
+def test_tune_writes_a_config_that_gives_the_choice_back(tune_run):
+    result, stdout, out = tune_run
+    assert set(result.tuned) == {"threads", "dense_format"}  # CPU alone: no GPU experts, deferral, prefill
+    assert result.options == EngineOptions(device="cpu", **result.tuned)
+    # the written file, through --config, gives exactly the chosen options
+    assert options_of("--config", out) == result.options
+    text = out.read_text()
+    assert text.startswith("# hetmoe tune:") and "# machine:" in text and "# model:" in text
+    assert f"threads: {result.tuned['threads']}\n" in text
+    # every candidate is in the table; one chosen per stage, the fastest accepted one
+    for stage, option in (("threads", "threads"), ("dense format", "dense_format")):
+        rows = [r for r in result.rows if r.stage == stage]
+        chosen = [r for r in rows if r.chosen]
+        assert len(chosen) == 1 and chosen[0].value == result.tuned[option]
+        timed = [r for r in rows if r.tok_s is not None and (r.ppl_change or 0) <= result.bound]
+        assert chosen[0].tok_s == max(r.tok_s for r in timed)
+    assert sorted(r.value for r in result.rows if r.stage == "threads") == [1, 2]
+    assert len([line for line in stdout.splitlines() if line.startswith(("threads ", "dense format "))]) == \
+        len(result.rows)
+    bf16 = next(r for r in result.rows if r.value == "bf16")
+    assert bf16.ppl_change == 0  # the reference itself
+
+
+def test_tune_keeps_the_flags_given(tmp_path, capsys):
+    out = tmp_path / "t.yaml"
+    code, stdout, stderr = run_cli(capsys, "tune", "--quick", "--device", "cpu", "--expert-cache", "off",
+                                   "--threads", 1, "--dense-format", "bf16", "--out", out)
+    assert code == 0, stderr
+    assert options_of("--config", out) == EngineOptions(device="cpu", threads=1, dense_format="bf16")
+    assert "kept as given: threads, dense_format" in out.read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--try", "threadz=1,2"), "OPTION one of threads"),
+    (("--try", "threads=one"), "threads: one is not a value of --threads"),
+    (("--try", "dense_format=int3"), "dense_format: expected"),
+    (("--max-ppl-change", "-1"), "expected a percentage"),
+])
+def test_tune_usage_errors(capsys, args, message):
+    code, _, stderr = run_cli(capsys, "tune", *args)
+    assert code == 2 and message in stderr
