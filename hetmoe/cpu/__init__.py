@@ -1,20 +1,21 @@
 """The CPU side of hetmoe: the routed experts' engine (``CPUExperts``, experts.py; a job's ``Slots`` and ``HostRoute``
 say which of each token's slots it computes and whether it routes itself; ``load_codes``, codes.py: experts packed
-from codes quantized already, e.g. GGUF's Q8_0 / Q4_0), its pinned worker pools
-(``ExpertPool``, pool.py), NUMA subpools (numa.py) and the stream-ordered host functions through which a CUDA
-stream submits and waits for CPU jobs (``HostFuncs``, host_funcs.py). The C++ behind them is ``hetmoe._C``
-(csrc/)."""
+from codes quantized already, e.g. GGUF's Q8_0 / Q4_0), dense linears on the same engine (``CPULinear``,
+linear.py), its pinned worker pools (``ExpertPool``, pool.py), NUMA subpools (numa.py) and the stream-ordered host
+functions through which a CUDA stream submits and waits for CPU jobs (``HostFuncs``, host_funcs.py). The C++ behind
+them is ``hetmoe._C`` (csrc/)."""
 
 from hetmoe import _C  # noqa: F401
 from hetmoe.cpu.codes import load_codes
 from hetmoe.cpu.experts import AMX_EMULATED, ISAS, WEIGHT_FORMATS, CPUExperts, HostRoute, Slots
 from hetmoe.cpu.host_funcs import MECHANISMS, HostFuncs, _leaked_jobs, cuda_hooks_available, default_mechanism
+from hetmoe.cpu.linear import CPULinear
 from hetmoe.cpu.numa import NumaOption, resolve_subpools
 from hetmoe.cpu.pool import HYBRID_RESERVED_CORES, ExpertPool, MoEJob, cpu_info, default_threads, shared_pool
 
 __all__ = [
-    "AMX_EMULATED", "ISAS", "WEIGHT_FORMATS", "CPUExperts", "HostRoute", "Slots", "load_codes", "MECHANISMS",
-    "HostFuncs",
+    "AMX_EMULATED", "ISAS", "WEIGHT_FORMATS", "CPUExperts", "HostRoute", "Slots", "load_codes", "CPULinear",
+    "MECHANISMS", "HostFuncs",
     "_leaked_jobs", "cuda_hooks_available", "default_mechanism", "NumaOption", "resolve_subpools",
     "HYBRID_RESERVED_CORES", "ExpertPool", "MoEJob", "cpu_info", "default_threads", "shared_pool",
 ]
