@@ -115,12 +115,12 @@ def blockwise_scaled_mm(device: torch.device) -> bool:
         return False
     if device not in _BLOCKWISE_OK:
         g = torch.Generator(device=device).manual_seed(0)
-        w = torch.randn(256, 256, device=device, generator=g)
-        x = torch.randn(32, 256, device=device, generator=g).bfloat16()
+        w = torch.randn(384, 1024, device=device, generator=g)
+        x = torch.randn(20, 1024, device=device, generator=g).bfloat16()
         wq, ws = quantize_fp8(w)
         try:
             y = _scaled_mm_fp8(x, wq, ws, None).float()
-            ref = x.float() @ dequantize("fp8", wq, ws, 256).t()
+            ref = x.float() @ dequantize("fp8", wq, ws, 1024).t()
             _BLOCKWISE_OK[device] = bool(((y - ref).norm() / ref.norm()) < 0.1)
         except (RuntimeError, TypeError, ValueError) as err:
             log.info("torch._scaled_mm takes no block scales here (%s); fp8 runs on the Triton kernel", err)
@@ -128,8 +128,15 @@ def blockwise_scaled_mm(device: torch.device) -> bool:
     return _BLOCKWISE_OK[device]
 
 
-def choose_kernel(fmt: str, device: torch.device, n_out: int, kernel: Optional[str] = None) -> str:
-    """The kernel for ``n_out`` rows of ``fmt`` on ``device`` (module docstring); ``kernel`` asks for one, checked."""
+def scaled_mm_fits(n_out: int, k: int) -> bool:
+    """cuBLAS's block-scaled fp8 product takes N a multiple of 16 and a count of 128-column blocks that is a
+    multiple of 4 (seen on an H200; every DeepSeek-V3 shape has both)."""
+    return n_out % 16 == 0 and _cdiv(k, FP8_BLOCK) % 4 == 0
+
+
+def choose_kernel(fmt: str, device: torch.device, n_out: int, k: int, kernel: Optional[str] = None) -> str:
+    """The kernel for an [n_out, k] weight of ``fmt`` on ``device`` (module docstring); ``kernel`` asks for one,
+    checked."""
     if kernel is not None:
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
@@ -137,31 +144,37 @@ def choose_kernel(fmt: str, device: torch.device, n_out: int, kernel: Optional[s
             raise ValueError(f"kernel {kernel!r} does not run the {fmt} format")
         if kernel in ("triton", "scaled_mm") and not has_triton():
             raise ValueError(f"kernel {kernel!r} needs the triton package, which is not installed")
-        if kernel == "scaled_mm" and (fmt != "fp8" or n_out % 16 or not blockwise_scaled_mm(device)):
-            raise ValueError("kernel 'scaled_mm' needs fp8 weights, rows a multiple of 16 and a GPU where "
-                             "torch._scaled_mm takes block scales")
+        if kernel == "scaled_mm" and (fmt != "fp8" or not scaled_mm_fits(n_out, k) or not blockwise_scaled_mm(device)):
+            raise ValueError("kernel 'scaled_mm' needs fp8 weights, N a multiple of 16, K in a multiple of 4 blocks "
+                             "of 128 and a GPU where PyTorch's scaled matmul takes block scales")
         return kernel
     if fmt == "bf16":
         return "torch"
     if device.type != "cuda" or not has_triton():
         return "reference"
-    # cuBLAS multiplies fp8 only with N a multiple of 16
-    return "scaled_mm" if fmt == "fp8" and n_out % 16 == 0 and blockwise_scaled_mm(device) else "triton"
+    return "scaled_mm" if fmt == "fp8" and scaled_mm_fits(n_out, k) and blockwise_scaled_mm(device) else "triton"
 
 
 def _scaled_mm_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias) -> torch.Tensor:
     """bf16 x [M, K] quantized per token and 128-column block, times fp8 ``weight`` [N, Kp] with its block scales
-    [NB, Kp/128], through torch._scaled_mm -> bf16 [M, N]."""
+    [NB, Kp/128], through PyTorch's scaled matmul -> bf16 [M, N]."""
     M, K = x.shape
     kp = weight.shape[1]
-    if kp != K:
-        x = F.pad(x, (0, kp - K))
-    xb = x.view(M, kp // FP8_BLOCK, FP8_BLOCK).float()
+    mp = _cdiv(M, 16) * 16  # cuBLAS refuses block-scaled products of some row counts (1, 3, 17: seen on an H200)
+    if kp != K or mp != M:
+        x = F.pad(x, (0, kp - K, 0, mp - M))
+    xb = x.view(mp, kp // FP8_BLOCK, FP8_BLOCK).float()
     sx = xb.abs().amax(-1).clamp_min(1e-12) / FP8_MAX  # [M, KB]
-    xq = (xb / sx.unsqueeze(-1)).to(torch.float8_e4m3fn).view(M, kp)
-    # cuBLAS wants both scale tensors K-block-major: x's [M, KB] with strides (1, M), W's as [KB, NB]
-    y = torch._scaled_mm(xq, weight.t(), scale_a=sx.t().contiguous().t(), scale_b=scale.t(),
-                         out_dtype=torch.bfloat16)
+    xq = (xb / sx.unsqueeze(-1)).to(torch.float8_e4m3fn).view(mp, kp)
+    # both scale tensors K-block-major: x's [M, KB] with strides (1, M), W's as [KB, NB]
+    sx = sx.t().contiguous().t()
+    if hasattr(F, "scaled_mm"):  # the explicit recipes (PyTorch >= 2.10)
+        kinds = F.ScalingType
+        y = F.scaled_mm(xq, weight.t(), sx, kinds.BlockWise1x128, scale.t(), kinds.BlockWise128x128,
+                        output_dtype=torch.bfloat16)
+    else:
+        y = torch._scaled_mm(xq, weight.t(), scale_a=sx, scale_b=scale.t(), out_dtype=torch.bfloat16)
+    y = y[:M]
     return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -182,7 +195,7 @@ class GPULinear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", bias)
-        self.kernel = choose_kernel(fmt, weight.device, self.out_features, kernel)
+        self.kernel = choose_kernel(fmt, weight.device, self.out_features, in_features, kernel)
         self.fp8_bits = (fmt == "fp8" and weight.is_cuda and torch.cuda.get_device_capability(weight.device) < (8, 9))
         log.debug("GPULinear [%d, %d] %s on %s: kernel %s", self.out_features, in_features, fmt, weight.device,
                   self.kernel)

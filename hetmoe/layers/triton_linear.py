@@ -33,7 +33,10 @@ import triton.language as tl
 FORMATS = {"int8": 0, "int4": 1, "fp8": 2}
 GROUP = {"int8": 64, "int4": 64, "fp8": 128}  # weights along K per scale
 SCALE_ROWS = {"int8": 1, "int4": 1, "fp8": 128}  # weight rows per scale
-DECODE_M = 16  # at most this many rows of x take the split-K (decode) configuration
+GEMV_M = 4  # at most this many rows of x take the CUDA-core GEMV
+DECODE_M = 16  # at most this many rows take tensor-core tiles of 16 rows, K split (decode)
+DEQUANT_M = 256  # at least this many rows dequantize slabs of the weights to bf16 for cuBLAS
+DEQUANT_ELEMENTS = 1 << 25  # weights per dequantized slab (64 MiB of bf16 scratch)
 PROGRAMS_PER_SM = 4
 
 
@@ -50,12 +53,29 @@ def fp8_bits(b):
 
 
 @triton.jit
-def _codes(W, n, kk, stride_wn, FMT: tl.constexpr, FP8_BITS: tl.constexpr, DOT_T: tl.constexpr):
-    """[len(kk), BN] weight codes of rows ``n`` at packed columns ``kk``, in the dot dtype (exact)."""
-    w = tl.load(W + n[None, :].to(tl.int64) * stride_wn + kk[:, None])
-    if FMT == 2 and FP8_BITS:
-        return fp8_bits(w).to(DOT_T)
-    return w.to(DOT_T)
+def code_f32(w, FMT: tl.constexpr, FP8_BITS: tl.constexpr):
+    """int8 (read as uint8) or fp8 codes -> fp32, exactly. int8 goes through the float whose bits are
+    0x4B000000 | (q + 128), i.e. 2^23 + q + 128: an OR and a subtraction at full rate, where a conversion
+    instruction runs at a quarter of it (the decode GEMV is bound by it, not by memory)."""
+    if FMT == 0:
+        return (((w.to(tl.int32) ^ 128) | 0x4B000000).to(tl.float32, bitcast=True)) - 8388736.0
+    if FP8_BITS:
+        return fp8_bits(w)
+    return w.to(tl.float32)
+
+
+@triton.jit
+def nibbles_f32(b):
+    """int4 bytes (as int32) -> (low, high) codes in fp32, q = nibble - 8, by the same float trick."""
+    lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    hi = (((b >> 4) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    return lo, hi
+
+
+@triton.jit
+def _codes(W, n, kk, stride_wn, FMT: tl.constexpr, FP8_BITS: tl.constexpr):
+    """[len(kk), BN] int8 or fp8 weight codes of rows ``n`` at columns ``kk``, as fp32 (exact)."""
+    return code_f32(tl.load(W + n[None, :].to(tl.int64) * stride_wn + kk[:, None]), FMT, FP8_BITS)
 
 
 @triton.jit
@@ -63,8 +83,10 @@ def _wq_linear(X, W, S, BIAS, OUT, M, N, K, n_groups, groups_per_split,
                stride_xm, stride_wn, stride_sn, stride_os, stride_om,
                FMT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, FP8_BITS: tl.constexpr,
-               DOT_T: tl.constexpr):
-    """One [BM, BN] tile of y over the K groups of one split. PARTIAL: store fp32 to OUT[split] (no bias)."""
+               DOT_T: tl.constexpr, SCALE_AFTER: tl.constexpr):
+    """One [BM, BN] tile of y over the K groups of one split. PARTIAL: store fp32 to OUT[split] (no bias).
+    The weights are scaled before the dot (bf16 weights into the accumulating tensor-core dot), or with
+    SCALE_AFTER the dot runs on the raw codes and its partial is scaled."""
     num_m = tl.cdiv(M, BM)
     pid_m = tl.program_id(0) % num_m
     pid_n = tl.program_id(0) // num_m
@@ -80,23 +102,28 @@ def _wq_linear(X, W, S, BIAS, OUT, M, N, K, n_groups, groups_per_split,
     g0 = split * groups_per_split
     g1 = tl.minimum(g0 + groups_per_split, n_groups)
     for g in range(g0, g1):
-        s = tl.load(s_rows + g)  # [BN]
+        s = tl.load(s_rows + g)[None, :]  # [1, BN]
         if FMT == 1:
             i = tl.arange(0, GROUP // 2)
             b = tl.load(W + n_in[None, :].to(tl.int64) * stride_wn + (g * (GROUP // 2) + i)[:, None]).to(tl.int32)
-            lo = ((b & 15) - 8).to(DOT_T)  # [half, BN]
-            hi = ((b >> 4) - 8).to(DOT_T)
             k = g * GROUP + i
             x_lo = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0).to(DOT_T)
             x_hi = tl.load(x_rows + (k + GROUP // 2)[None, :], mask=m_ok[:, None] & (k[None, :] + GROUP // 2 < K),
                            other=0.0).to(DOT_T)
-            part = tl.dot(x_lo, lo) + tl.dot(x_hi, hi)
+            lo, hi = nibbles_f32(b)  # [GROUP / 2, BN]
+            if SCALE_AFTER:
+                acc += (tl.dot(x_lo, lo.to(DOT_T)) + tl.dot(x_hi, hi.to(DOT_T))) * s
+            else:
+                acc = tl.dot(x_lo, (lo.to(tl.float32) * s).to(DOT_T), acc)
+                acc = tl.dot(x_hi, (hi.to(tl.float32) * s).to(DOT_T), acc)
         else:
             k = g * GROUP + tl.arange(0, GROUP)
-            w = _codes(W, n_in, k, stride_wn, FMT, FP8_BITS, DOT_T)  # [GROUP, BN]
+            w = _codes(W, n_in, k, stride_wn, FMT, FP8_BITS)  # [GROUP, BN] fp32
             xk = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0).to(DOT_T)
-            part = tl.dot(xk, w)
-        acc += part * s[None, :]
+            if SCALE_AFTER:
+                acc += tl.dot(xk, w.to(DOT_T)) * s
+            else:
+                acc = tl.dot(xk, (w * s).to(DOT_T), acc)
     out_mask = m_ok[:, None] & n_ok[None, :]
     if PARTIAL:
         tl.store(OUT + split * stride_os + m[:, None].to(tl.int64) * stride_om + n[None, :], acc, mask=out_mask)
@@ -105,6 +132,89 @@ def _wq_linear(X, W, S, BIAS, OUT, M, N, K, n_groups, groups_per_split,
             acc += tl.load(BIAS + n_in)[None, :]
         tl.store(OUT + m[:, None].to(tl.int64) * stride_om + n[None, :], acc.to(OUT.dtype.element_ty),
                  mask=out_mask)
+
+
+@triton.jit
+def _wq_gemv(X, W, S, BIAS, OUT, M, N, K, KP, n_kb, kb_per_split,
+             stride_xm, stride_wn, stride_sn, stride_os, stride_om,
+             FMT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr, BMV: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, FP8_BITS: tl.constexpr):
+    """Few rows of x (M <= BMV <= 4): [BN, BK] weight tiles along K (rows contiguous, wide loads), dequantized
+    once and multiplied by each row of x on the CUDA cores (no tensor-core tile of 16 mostly empty rows)."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    n = pid_n * BN + tl.arange(0, BN)
+    n_ok = n < N
+    n_in = tl.where(n_ok, n, 0)
+    rows = tl.arange(0, BMV)
+    w_rows = W + n_in[:, None].to(tl.int64) * stride_wn
+    s_rows = S + (n_in // SCALE_ROWS)[:, None].to(tl.int64) * stride_sn
+    n_groups = KP // GROUP
+    acc = tl.zeros((BMV, BN), dtype=tl.float32)
+    kb0 = split * kb_per_split
+    kb1 = tl.minimum(kb0 + kb_per_split, n_kb)
+    for kb in range(kb0, kb1):
+        k0 = kb * BK
+        gi = k0 // GROUP + tl.arange(0, BK // GROUP)
+        s = tl.load(s_rows + gi[None, :], mask=(gi < n_groups)[None, :], other=0.0)  # [BN, BK / GROUP]
+        if FMT == 1:
+            c = tl.arange(0, BK // 2)
+            b = tl.load(w_rows + (k0 // 2 + c)[None, :], mask=(k0 // 2 + c < KP // 2)[None, :], other=0)
+            lo, hi = nibbles_f32(b.to(tl.int32))  # [BN, BK / 2]
+            kl = k0 + (c // (GROUP // 2)) * GROUP + c % (GROUP // 2)  # the weight in each byte's low nibble
+            for m in tl.static_range(BMV):
+                x_lo = tl.load(X + m * stride_xm + kl, mask=(kl < K) & (m < M), other=0.0).to(tl.float32)
+                x_hi = tl.load(X + m * stride_xm + kl + GROUP // 2, mask=(kl + GROUP // 2 < K) & (m < M),
+                               other=0.0).to(tl.float32)
+                p = lo * x_lo[None, :] + hi * x_hi[None, :]
+                p = tl.sum(tl.reshape(p, (BN, BK // GROUP, GROUP // 2)), axis=2)
+                part = tl.sum(p * s, axis=1)
+                acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
+        else:
+            kk = k0 + tl.arange(0, BK)
+            w = code_f32(tl.load(w_rows + kk[None, :], mask=(kk < KP)[None, :], other=0.0), FMT, FP8_BITS)
+            for m in tl.static_range(BMV):
+                xm = tl.load(X + m * stride_xm + kk, mask=(kk < K) & (m < M), other=0.0).to(tl.float32)
+                p = tl.sum(tl.reshape(w * xm[None, :], (BN, BK // GROUP, GROUP)), axis=2)
+                part = tl.sum(p * s, axis=1)
+                acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
+    out_mask = (rows < M)[:, None] & n_ok[None, :]
+    if PARTIAL:
+        tl.store(OUT + split * stride_os + rows[:, None] * stride_om + n[None, :], acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(BIAS + n_in)[None, :]
+        tl.store(OUT + rows[:, None] * stride_om + n[None, :], acc.to(OUT.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _dequantize(W, S, OUT, N, K, KP, stride_wn, stride_sn, stride_on, FMT: tl.constexpr, GROUP: tl.constexpr,
+                SCALE_ROWS: tl.constexpr, FP8_BITS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    """OUT [N, K] = the packed weights times their scales, for a [BR, BK] tile (BK a multiple of GROUP)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    r_ok = r < N
+    r_in = tl.where(r_ok, r, 0)
+    k0 = tl.program_id(1) * BK
+    gi = k0 // GROUP + tl.arange(0, BK // GROUP)
+    s = tl.load(S + (r_in // SCALE_ROWS)[:, None].to(tl.int64) * stride_sn + gi[None, :],
+                mask=(gi < KP // GROUP)[None, :], other=0.0)[:, :, None]  # [BR, BK / GROUP, 1]
+    w_rows = W + r_in[:, None].to(tl.int64) * stride_wn
+    o_rows = OUT + r[:, None].to(tl.int64) * stride_on
+    if FMT == 1:
+        c = tl.arange(0, BK // 2)
+        b = tl.load(w_rows + (k0 // 2 + c)[None, :], mask=(k0 // 2 + c < KP // 2)[None, :], other=0)
+        lo, hi = nibbles_f32(b.to(tl.int32))  # [BR, BK / 2]
+        lo = tl.reshape(tl.reshape(lo, (BR, BK // GROUP, GROUP // 2)) * s, (BR, BK // 2))
+        hi = tl.reshape(tl.reshape(hi, (BR, BK // GROUP, GROUP // 2)) * s, (BR, BK // 2))
+        kl = k0 + (c // (GROUP // 2)) * GROUP + c % (GROUP // 2)
+        tl.store(o_rows + kl[None, :], lo.to(OUT.dtype.element_ty), mask=r_ok[:, None] & (kl < K)[None, :])
+        tl.store(o_rows + (kl + GROUP // 2)[None, :], hi.to(OUT.dtype.element_ty),
+                 mask=r_ok[:, None] & (kl + GROUP // 2 < K)[None, :])
+    else:
+        k = k0 + tl.arange(0, BK)
+        w = code_f32(tl.load(w_rows + k[None, :], mask=(k < KP)[None, :], other=0.0), FMT, FP8_BITS)
+        w = tl.reshape(tl.reshape(w, (BR, BK // GROUP, GROUP)) * s, (BR, BK))
+        tl.store(o_rows + k[None, :], w.to(OUT.dtype.element_ty), mask=r_ok[:, None] & (k < K)[None, :])
 
 
 @triton.jit
@@ -125,13 +235,18 @@ def _sum_splits(P, BIAS, OUT, M, N, n_splits, stride_ps, stride_pm, stride_om, H
 
 @dataclass(frozen=True)
 class Launch:
-    """A kernel configuration: rows/columns of y per program, K splits (groups each), warps and stages."""
+    """A kernel configuration. kernel: "gemv" (M <= 4: CUDA-core dot products, ``bk`` weights along K per step),
+    "dot" (tensor-core tiles of bm x bn, one scale group per step), or "dequant" (the weights to bf16 in slabs of
+    ``bn`` rows, then cuBLAS). splits: K splits, ``per_split`` steps each."""
+    kernel: str
     bm: int
     bn: int
+    bk: int
     splits: int
-    groups_per_split: int
+    per_split: int
     num_warps: int
     num_stages: int
+    scale_after: bool = False
 
 
 _SM_COUNT: dict = {}
@@ -145,19 +260,67 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNT[device]
 
 
-def plan(M: int, N: int, n_groups: int, n_sm: int) -> Launch:
-    """The launch for an [M, K] x [N, K] product of ``n_groups`` K groups on a GPU of ``n_sm`` SMs: tiles from
-    M; K split until the tiles and splits fill the GPU (decode) -- a function of the shapes only."""
+def split_k(tiles: int, steps: int, n_sm: int, programs_per_sm: int = PROGRAMS_PER_SM) -> tuple:
+    """(splits, steps per split): K split until tiles x splits reach programs_per_sm per SM; no empty split."""
+    splits = max(1, min(steps, (programs_per_sm * n_sm) // max(tiles, 1)))
+    per = -(-steps // splits)
+    return -(-steps // per), per
+
+
+def plan(M: int, N: int, K: int, fmt: str, n_sm: int) -> Launch:
+    """The launch for x [M, K] times an [N, K] weight of ``fmt`` on a GPU of ``n_sm`` SMs -- a function of the
+    shapes only, so a CUDA graph captured for one M keeps it."""
+    group = GROUP[fmt]
+    kp = -(-K // group) * group
+    if M <= GEMV_M:
+        bn, bk = 16, 512  # the best mean over the benchmark's shapes and formats (bench/device/gpu_linear.py)
+        splits, per = split_k(-(-N // bn), -(-kp // bk), n_sm)
+        return Launch("gemv", triton.next_power_of_2(M), bn, bk, splits, per, 4, 3)
     if M <= DECODE_M:
         bm, bn, warps, stages = 16, 64, 4, 4
-    elif M <= 64:
+    elif M < DEQUANT_M:
         bm, bn, warps, stages = 64, 128, 4, 4
     else:
-        bm, bn, warps, stages = 128, 128, 8, 3
-    tiles = -(-M // bm) * -(-N // bn)
-    splits = max(1, min(n_groups, (PROGRAMS_PER_SM * n_sm) // tiles))
-    per = -(-n_groups // splits)
-    return Launch(bm, bn, -(-n_groups // per), per, warps, stages)
+        return Launch("dequant", M, max(group, DEQUANT_ELEMENTS // kp // group * group), kp, 1, 1, 4, 1)
+    splits, per = split_k(-(-M // bm) * -(-N // bn), kp // group, n_sm)
+    return Launch("dot", bm, bn, group, splits, per, warps, stages)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: str, k: int, *, fp8_bits: bool = False,
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The packed weights (rows of ``weight`` with their ``scale`` rows) -> [N, k] in ``dtype``."""
+    N = weight.shape[0]
+    out = torch.empty(N, k, dtype=dtype, device=weight.device)
+    w = _as_codes(weight, fmt, fp8_bits)
+    br, bk = 16, 256
+    kp = scale.shape[1] * GROUP[fmt]
+    _dequantize[(-(-N // br), -(-k // bk))](w, scale, out, N, k, kp, w.stride(0), scale.stride(0), out.stride(0),
+                                            FMT=FORMATS[fmt], GROUP=GROUP[fmt], SCALE_ROWS=SCALE_ROWS[fmt],
+                                            FP8_BITS=fp8_bits, BR=br, BK=bk)
+    return out
+
+
+def _as_codes(weight: torch.Tensor, fmt: str, fp8_bits: bool) -> torch.Tensor:
+    """The weight tensor as the kernels read it: int8 as uint8 (code_f32), fp8 as uint8 where it is decoded from
+    its bits."""
+    return weight.view(torch.uint8) if fmt == "int8" or (fmt == "fp8" and fp8_bits) else weight
+
+
+def _dequant_matmul(x, weight, scale, bias, fmt, n_out, fp8_bits, rows) -> torch.Tensor:
+    """y = x W^T through cuBLAS, the weights dequantized to bf16 ``rows`` at a time (a bounded scratch)."""
+    M, K = x.shape
+    out = torch.empty(M, n_out, dtype=x.dtype, device=x.device)
+    for r0 in range(0, n_out, rows):
+        r1 = min(n_out, r0 + rows)
+        s0, s1 = r0 // SCALE_ROWS[fmt], -(-r1 // SCALE_ROWS[fmt])
+        w = dequantize(weight[r0:r1], scale[s0:s1], fmt, K, fp8_bits=fp8_bits, dtype=x.dtype)  # whole scale rows
+        if r1 - r0 == n_out:
+            torch.mm(x, w.t(), out=out)
+        else:
+            out[:, r0:r1] = x @ w.t()
+    if bias is not None:
+        out += bias.to(out.dtype)
+    return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, fmt: str,
@@ -168,24 +331,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: tor
     M, K = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    group = GROUP[fmt]
-    n_groups = scale.shape[1]
     if launch is None:
-        launch = plan(M, n_out, n_groups, sm_count(x.device))
-    out = torch.empty(M, n_out, dtype=x.dtype, device=x.device)
+        launch = plan(M, n_out, K, fmt, sm_count(x.device))
     if M == 0:
-        return out
-    w = weight.view(torch.uint8) if fmt == "fp8" and fp8_bits else weight
-    dot_t = tl.bfloat16 if x.is_cuda else tl.float32
-    grid = (-(-M // launch.bm) * -(-n_out // launch.bn), launch.splits)
+        return torch.empty(M, n_out, dtype=x.dtype, device=x.device)
+    if launch.kernel == "dequant":
+        return _dequant_matmul(x, weight, scale, bias, fmt, n_out, fp8_bits, launch.bn)
+    out = torch.empty(M, n_out, dtype=x.dtype, device=x.device)
+    w = _as_codes(weight, fmt, fp8_bits)
     partial = launch.splits > 1
     dest = torch.empty(launch.splits, M, n_out, dtype=torch.float32, device=x.device) if partial else out
     has_bias = bias is not None
-    _wq_linear[grid](x, w, scale, bias if has_bias else scale, dest, M, n_out, K, n_groups, launch.groups_per_split,
-                     x.stride(0), w.stride(0), scale.stride(0), dest.stride(0) if partial else 0, dest.stride(-2),
-                     FMT=FORMATS[fmt], GROUP=group, SCALE_ROWS=SCALE_ROWS[fmt], BM=launch.bm, BN=launch.bn,
-                     HAS_BIAS=has_bias, PARTIAL=partial, FP8_BITS=fp8_bits, DOT_T=dot_t,
-                     num_warps=launch.num_warps, num_stages=launch.num_stages)
+    common = dict(FMT=FORMATS[fmt], GROUP=GROUP[fmt], SCALE_ROWS=SCALE_ROWS[fmt], BN=launch.bn, HAS_BIAS=has_bias,
+                  PARTIAL=partial, FP8_BITS=fp8_bits, num_warps=launch.num_warps, num_stages=launch.num_stages)
+    args = (x, w, scale, bias if has_bias else scale, dest)
+    strides = (x.stride(0), w.stride(0), scale.stride(0), dest.stride(0) if partial else 0, dest.stride(-2))
+    kp = scale.shape[1] * GROUP[fmt]
+    if launch.kernel == "gemv":
+        n_kb = -(-kp // launch.bk)
+        _wq_gemv[(-(-n_out // launch.bn), launch.splits)](*args, M, n_out, K, kp, n_kb, launch.per_split, *strides,
+                                                          BMV=launch.bm, BK=launch.bk, **common)
+    else:
+        dot_t = tl.bfloat16 if x.is_cuda else tl.float32  # the interpreter's bf16 dot is wrong
+        grid = (-(-M // launch.bm) * -(-n_out // launch.bn), launch.splits)
+        _wq_linear[grid](*args, M, n_out, K, kp // GROUP[fmt], launch.per_split, *strides, BM=launch.bm,
+                         DOT_T=dot_t, SCALE_AFTER=launch.scale_after, **common)
     if partial:
         rm, rn = 16, 256
         _sum_splits[(-(-M // rm), -(-n_out // rn))](dest, bias if has_bias else dest, out, M, n_out, launch.splits,

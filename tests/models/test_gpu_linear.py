@@ -215,32 +215,48 @@ def test_triton_kernel_against_both_references(tl_linear, fmt, M):
     assert rel_err(y, bf16_reference(linears, x)) < DENSE_FORMATS[fmt].tolerance
 
 
+def launches(tl, kernel: str, M: int, fmt: str, kp: int) -> list:
+    """Explicit launches of one kernel: K in one split and in one split per step (dot: also scaled after)."""
+    group = tl.GROUP[fmt]
+    if kernel == "dequant":
+        return [tl.Launch("dequant", M, 128, kp, 1, 1, 4, 1)]  # 130 rows: two slabs
+    bk = 256 if kernel == "gemv" else group
+    steps = -(-kp // bk)
+    bm = 1 << (M - 1).bit_length() if kernel == "gemv" else (16 if M <= 16 else 64)
+    out = [tl.Launch(kernel, bm, 32 if kernel == "gemv" else 64, bk, 1, steps, 4, 2),
+           tl.Launch(kernel, bm, 32 if kernel == "gemv" else 64, bk, steps, 1, 4, 2)]
+    if kernel == "dot":
+        out.append(tl.Launch(kernel, bm, 64, bk, 2, -(-steps // 2), 4, 2, scale_after=True))
+    return out
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="fp32 activations run in the interpreter only (the GPU kernel takes bf16)")
 @pytest.mark.parametrize("fmt,fp8_bits", [("int8", False), ("int4", False), ("fp8", False), ("fp8", True)])
-@pytest.mark.parametrize("M", [3, 70])
-@pytest.mark.parametrize("split", ["none", "all"])
-def test_triton_kernel_fp32_exact(tl_linear, fmt, fp8_bits, M, split):
-    """fp32 in and out: the kernel's only rounding is fp32 summation order; one split and one split per group,
-    and fp8 decoded from its bytes (the path of GPUs without fp8 conversion)."""
+@pytest.mark.parametrize("kernel,M", [("gemv", 1), ("gemv", 3), ("dot", 5), ("dot", 70), ("dequant", 70)])
+def test_triton_kernel_fp32_exact(tl_linear, fmt, fp8_bits, kernel, M):
+    """fp32 in and out: the kernel's only rounding is fp32 summation order. Every kernel (CUDA-core GEMV, tensor-core
+    tiles, dequantize + matmul), K whole and split, fp8 decoded from its bytes (GPUs without fp8 conversion)."""
     linears = make_linears([130], 300, True, fmt, "exact")
     lin = GPULinear.from_linears(linears, fmt, "cpu", kernel="triton")
     x = inputs(M, 300, fmt, "exact").float()
-    n_groups = lin.scale.shape[1]
-    launch = tl_linear.plan(M, 130, n_groups, 4)
-    splits = 1 if split == "none" else n_groups
-    launch = tl_linear.Launch(launch.bm, launch.bn, splits, -(-n_groups // splits), 4, 2)
-    y = tl_linear.linear(x, lin.weight, lin.scale, lin.bias, fmt, 130, fp8_bits=fp8_bits, launch=launch)
-    assert y.dtype == torch.float32
-    assert rel_err(y, dequantized_reference(lin, x)) < FP32_BOUND
+    ref = dequantized_reference(lin, x)
+    for launch in launches(tl_linear, kernel, M, fmt, lin.scale.shape[1] * tl_linear.GROUP[fmt]):
+        y = tl_linear.linear(x, lin.weight, lin.scale, lin.bias, fmt, 130, fp8_bits=fp8_bits, launch=launch)
+        assert y.dtype == torch.float32 and y.shape == (M, 130)
+        assert rel_err(y, ref) < FP32_BOUND, launch
 
 
 def test_plan_fills_the_gpu(tl_linear):
-    """Decode splits K so tiles x splits reach the programs wanted; prefill with many tiles does not split;
-    every split has groups."""
-    d = tl_linear.plan(1, 2048, 64, 132)
-    assert d.bm == 16 and d.splits > 1 and d.splits * -(-2048 // d.bn) >= 132
-    assert (d.splits - 1) * d.groups_per_split < 64 <= d.splits * d.groups_per_split
-    assert tl_linear.plan(2048, 7168, 256, 132).splits == 1
+    """Decode splits K so tiles x splits fill the GPU (every split has steps); prefill with many tiles does not
+    split; the dequantize path's slabs are whole scale rows."""
+    for M, kernel in ((1, "gemv"), (4, "gemv"), (16, "dot")):
+        d = tl_linear.plan(M, 2048, 4096, "int4", 132)
+        assert d.kernel == kernel and d.splits > 1 and d.splits * -(-2048 // d.bn) >= 132
+        steps = 4096 // d.bk
+        assert (d.splits - 1) * d.per_split < steps <= d.splits * d.per_split
+    assert tl_linear.plan(128, 151936, 2048, "int8", 132).splits == 1
+    big = tl_linear.plan(2048, 7168, 16384, "fp8", 132)
+    assert big.kernel == "dequant" and big.bn % 128 == 0 and big.bn * 16384 <= tl_linear.DEQUANT_ELEMENTS
 
 
 # ----------------------------------------------------------------------------------------- GPU
@@ -251,9 +267,9 @@ def test_plan_fills_the_gpu(tl_linear):
 @pytest.mark.parametrize("M", MS)
 def test_gpu_auto_kernel(fmt, M):
     """The kernel chosen on this GPU (fp8: _scaled_mm for M > 16 where block scales go through it)."""
-    linears = make_linears([256, 128], 384, False, fmt, M, "gpu")
+    linears = make_linears([256, 128], 512, False, fmt, M, "gpu")
     lin = GPULinear.from_linears(linears, fmt, "cuda")
-    x = inputs(M, 384, fmt, M, "gpu")
+    x = inputs(M, 512, fmt, M, "gpu")
     y = lin(x)
     bound = SCALED_MM_BOUND if lin.kernel == "scaled_mm" and M > 16 else KERNEL_BOUND
     assert rel_err(y, dequantized_reference(lin, x)) < bound
