@@ -82,8 +82,9 @@ def _header(result, source, machine: dict, fixed: list, out: Path) -> list:
         + (f", {machine['gpu']}" if machine["gpu"] else ", no GPU"),
         f"date: {machine['date']}, hetmoe {__version__}, commit {machine['commit'] or '?'}",
         f"model: {source.name}; placement {result.placement}",
-        f"measured: decode tok/s at batch 1, median of {b.repeats} runs of {b.steps} steps after a {b.prompt}-token "
-        f"prompt; perplexity change on {result.tokens} tokens of the {result.calibration} (windows of {b.window})",
+        f"measured: decode tok/s at batch 1, median of {b.repeats} runs of {b.steps} steps after a prompt of "
+        f"{b.prompt} tokens; perplexity change on {result.tokens} tokens of the {result.calibration} (windows of "
+        f"{b.window})",
         f"accepted: a perplexity change of at most {100 * result.bound:g}%; {result.seconds:.0f} s in all"
         + (f"; kept as given: {', '.join(fixed)}" if fixed else ""),
         *summary(result),

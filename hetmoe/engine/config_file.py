@@ -187,8 +187,10 @@ def format_value(value) -> str:
 def render(values: Mapping, header: tuple = ()) -> str:
     """The text of a config file setting ``values`` ({field name: value}; ``rules``: a path), each ``header`` line
     written as a comment first."""
+    import textwrap
+
     fields = option_fields()
-    lines = [f"# {h}".rstrip() for h in header]
+    lines = [f"# {part}".rstrip() for h in header for part in textwrap.wrap(h, 114, subsequent_indent="  ") or [""]]
     for name, value in values.items():
         if name != RULES and name not in fields:
             raise ValueError(f"{name!r} is not an engine option a config file sets")

@@ -65,6 +65,7 @@ class Row:
     ppl_change: Optional[float] = None  # ppl / reference ppl - 1, where the candidate changes the model's numbers
     note: str = ""
     chosen: bool = False
+    exact: bool = False  # the perplexity reference itself (bf16 dense, d = 0): always within the bound
 
 
 @dataclass
@@ -125,6 +126,13 @@ def thread_candidates(cores: int, gpu: bool, quick: bool) -> list:
     default = max(1, cores - 2 if gpu else cores)  # the engine's own default (hetmoe/engine/loader.py new_experts)
     picks = [default, cores - 1] if quick else [cores, cores - 1, default, cores // 2]
     return sorted({c for c in picks if c >= 1} | {default}, reverse=True)
+
+
+def choose(rows: list, bound: float) -> Optional[Row]:
+    """The fastest of ``rows`` that was timed and whose perplexity change (where measured) is at most ``bound``;
+    None when there is none. Ties: the earlier row (the candidate sets list the engine's default first)."""
+    ok = [r for r in rows if r.tok_s is not None and (r.exact or r.ppl_change is None or r.ppl_change <= bound)]
+    return max(ok, key=lambda r: r.tok_s) if ok else None
 
 
 def decode_rate(loaded: LoadedModel, budget: Budget, seed: int = 0) -> float:
@@ -192,10 +200,9 @@ class Tuner:
 
     def _choose(self, option: str, rows: list) -> None:
         """Mark the fastest accepted row of ``rows`` and keep its value."""
-        ok = [r for r in rows if r.tok_s is not None and (r.ppl_change is None or r.ppl_change <= self.bound)]
-        if not ok:
+        best = choose(rows, self.bound)
+        if best is None:
             return
-        best = max(ok, key=lambda r: r.tok_s)
         best.chosen = True
         self.tuned[option] = best.value
         self.work = replace(self.work, **{option: best.value})
@@ -245,7 +252,7 @@ class Tuner:
                       note="the threads stage's build" if reuse else "")
             ppl = perplexity(loaded, self.ids, self.budget.window)
             if fmt == "bf16":
-                reference = ppl
+                reference, row.exact = ppl, True
             if reference is not None:
                 row.ppl_change = ppl / reference - 1
             else:
@@ -311,9 +318,9 @@ class Tuner:
             row = Row("deferral", "defer_experts", d, tok_s=decode_rate(loaded, self.budget, self.seed))
             ppl = perplexity(loaded, self.ids, self.budget.window)
             reference = ppl if d == 0 else reference
-            row.ppl_change = ppl / reference - 1
+            row.ppl_change, row.exact = ppl / reference - 1, d == 0
             rows.append(self._row(row))
-            if row.ppl_change > self.bound:
+            if not row.exact and row.ppl_change > self.bound:
                 for later in ds[i + 1:]:
                     self._row(Row("deferral", "defer_experts", later, note=f"not tried: d={d} is over the bound"))
                 break
@@ -366,11 +373,11 @@ class Tuner:
 
 def fmt_rows(rows: list) -> list:
     """The table of every candidate: stage, value, decode tok/s, perplexity change, chosen mark, note."""
-    lines = [f"{'stage':<13} {'candidate':>10} {'decode tok/s':>13} {'ppl change':>11}  {'':6} note"]
+    lines = [f"{'stage':<13} {'candidate':>10} {'decode tok/s':>13} {'ppl change':>11}  {'':6}  note"]
     for r in rows:
         tok = f"{r.tok_s:.2f}" if r.tok_s is not None else "-"
         ppl = f"{100 * r.ppl_change:+.2f}%" if r.ppl_change is not None else "-"
-        lines.append(f"{r.stage:<13} {str(r.value):>10} {tok:>13} {ppl:>11}  {'chosen' if r.chosen else '':6} "
+        lines.append(f"{r.stage:<13} {str(r.value):>10} {tok:>13} {ppl:>11}  {'chosen' if r.chosen else '':6}  "
                      f"{r.note}".rstrip())
     return lines
 

@@ -13,8 +13,10 @@ from hetmoe.cli import main as cli_main
 from hetmoe.cli.options import engine_options
 from hetmoe.engine import config_file, rules
 from hetmoe.engine.config_file import ConfigError
+from hetmoe.engine.llm import default_model_path
+from hetmoe.engine.loader import moe_blocks
 from hetmoe.engine.placement import EngineOptions
-from hetmoe.engine.tune import Tuner, thread_candidates
+from hetmoe.engine.tune import Row, Source, Tuner, choose, thread_candidates
 
 
 def run_cli(capsys, *args):
@@ -124,15 +126,41 @@ def test_thread_candidates():
     assert thread_candidates(16, True, False) == [16, 15, 14, 8]
 
 
+def test_choose_takes_the_fastest_within_the_bound():
+    rows = [Row("s", "o", 0, tok_s=10.0, ppl_change=0.0), Row("s", "o", 1, tok_s=12.0, ppl_change=0.004),
+            Row("s", "o", 2, tok_s=15.0, ppl_change=0.02), Row("s", "o", 3, note="not built")]
+    assert choose(rows, 0.01).value == 1
+    assert choose(rows, 0.05).value == 2
+    assert choose(rows[1:], 0.001) is None  # every timed row over the bound
+    assert choose([Row("s", "o", 8, tok_s=3.0), Row("s", "o", 4, tok_s=3.0)], 0.01).value == 8  # ties: the first
+    assert choose([Row("s", "o", 1)], 0.01) is None
+
+
+def test_the_deferral_stage_stops_at_the_first_d_over_the_bound():
+    """On the CPU (deferral applies to every forward call): with a bound no deferral can meet, d = 1 is measured
+    and refused, the larger d are not tried, d = 0 is chosen and the model is left undeferred."""
+    source = Source(default_model_path(), expert_cache=None)
+    tuner = Tuner(source, EngineOptions(device="cpu", threads=1), quick=True, max_ppl_change=-1.0,
+                  candidates={"defer_experts": [0, 1, 2, 3]})
+    loaded = source.build(tuner.work)
+    tuner.tune_deferral(loaded)
+    by_d = {r.value: r for r in tuner.rows}
+    assert by_d[0].ppl_change == 0 and by_d[0].chosen and tuner.tuned["defer_experts"] == 0
+    assert by_d[1].tok_s is not None and by_d[1].ppl_change > -1 and not by_d[1].chosen
+    assert by_d[2].tok_s is None and by_d[3].tok_s is None and "not tried" in by_d[3].note
+    assert all(layer.defer == 0 for _, layer in moe_blocks(loaded.model))
+
+
 @pytest.fixture
 def tune_run(tmp_path, capsys, monkeypatch):
-    """``hetmoe tune --quick`` on the built-in model, CPU alone, threads 1 and 2 -> (its result, stdout, file)."""
+    """``hetmoe tune --quick`` on the built-in model, CPU alone, a tiny candidate set (threads 1 and 2, bf16 dense)
+    -> (its result, stdout, the file written)."""
     results = []
     run = Tuner.run
     monkeypatch.setattr(Tuner, "run", lambda self: results.append(run(self)) or results[-1])
     out = tmp_path / "tuned.yaml"
     code, stdout, stderr = run_cli(capsys, "tune", "--quick", "--device", "cpu", "--expert-cache", "off",
-                                   "--try", "threads=1,2", "--out", out)
+                                   "--try", "threads=1,2", "--try", "dense_format=bf16", "--out", out)
     assert code == 0, stderr
     return results[0], stdout, out
 
