@@ -231,3 +231,15 @@ def test_plan_command_reads_a_checkpoint(capsys):
     assert "routed experts (int4, group 64)" in out and "dense weights (fp32)" in out
     code, _, err = _cli(capsys, "plan", "--shape", "deepseek-v3", "--model", default_model_path())
     assert code == 1 and "--model and --shape name two models" in err
+
+
+def test_plan_command_reads_a_gguf_file(capsys, tmp_path):
+    pytest.importorskip("gguf")
+    from gguf_files import hetmoe_state, hf_config, to_gguf_tensors, write_gguf
+
+    cfg = hf_config("qwen3_moe")
+    path = write_gguf(tmp_path / "tiny.gguf", "qwen3_moe", cfg, to_gguf_tensors("qwen3_moe", cfg,
+                                                                                 hetmoe_state("qwen3_moe", cfg)))
+    code, out, err = _cli(capsys, "plan", "--model", path, "--device", "cpu", "--experts-format", "int8")
+    assert code == 0 and out.startswith(f"{path}: qwen3_moe, {cfg['num_hidden_layers']} layers"), err
+    assert "routed experts (int8, group 128)" in out and "RAM total" in out
