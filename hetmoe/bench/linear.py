@@ -1,7 +1,7 @@
 """Dense linears on the CPU engine (hetmoe/cpu/linear.py) against the DRAM bandwidth measured in the same run.
 
 Decode (T <= 16): ms per call (the engine's run of a bound call, Python's argument checks left out) and GB/s of
-packed weights streamed, % of the STREAM-read bandwidth of the same pool; matrices smaller than 4x the last-level
+packed weights streamed, % of the STREAM-read bandwidth of the same pool; matrices smaller than 8x the last-level
 cache are cycled through enough copies that every call reads DRAM. Prefill (larger T): GFLOPS (2 N K T per call).
 Median of repeats after warm-up.
 
@@ -37,7 +37,7 @@ def measure(pool: cpu.ExpertPool, n: int, k: int, fmt: str, tokens: list, isa: s
     """One record per T: ms, GB/s of weights, % of stream_gbps, GFLOPS, and torch's bf16 F.linear ms."""
     group = cpu.linear.dense_format(fmt, "cpu").group
     first = cpu.CPULinear(k, n, fmt, group, isa=isa, pool=pool)
-    copies = max(1, min(64, -(-4 * llc_bytes() // first.nbytes)))  # a decode call must not find its weights cached
+    copies = max(1, min(64, -(-8 * llc_bytes() // first.nbytes)))  # a decode call must not find its weights cached
     linears = [first] + [cpu.CPULinear(k, n, fmt, group, isa=isa, pool=pool) for _ in range(copies - 1)]
     for i, lin in enumerate(linears):
         lin.fill_random(seed=i)
