@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from hetmoe.layers.linear import FusedLinears
+from hetmoe.layers.linear import DENSE_FORMATS, DenseFormat, FusedLinears
 
 # Linears left in the model dtype whatever the dense format (see above).
 KEEP = ("gate", "shared_expert_gate", "kv_b_proj")
@@ -61,8 +61,9 @@ def _linear_factory(fmt: str, device, options, dtype):
     if device.type == "cpu":
         from hetmoe.cpu import CPULinear
 
-        isa = options.isa if options is not None else "auto"
-        return lambda linears: CPULinear.from_linear(linears, fmt, isa=isa)
+        kw = {"isa": options.isa, "amx_min_tokens": options.amx_min_tokens} if options is not None else {}
+        group = DENSE_FORMATS[fmt].group
+        return lambda linears: CPULinear.from_linear(linears, fmt, group, **kw)
     from hetmoe.layers.gpu_linear import GPULinear
 
     return lambda linears: GPULinear.from_linears(linears, fmt, device)
@@ -96,9 +97,9 @@ def pack_dense(root: nn.Module, fmt: str, device, options=None, dtype=None) -> i
 
 
 def packed_bytes(model: nn.Module) -> int:
-    """Bytes of the packed dense weights in ``model`` (the modules ``pack_dense`` made)."""
-    return sum(getattr(m, "nbytes", 0) for m in model.modules() if not isinstance(m, (nn.Linear, PackedPart))
-               and type(m).__name__ in ("CPULinear", "GPULinear"))
+    """Bytes of the packed dense weights in ``model`` (the modules ``pack_dense`` made: they carry a ``format``
+    from the dense format table)."""
+    return sum(m.nbytes for m in model.modules() if isinstance(getattr(m, "format", None), DenseFormat))
 
 
 def plan_dense_format(plan, options=None) -> str:

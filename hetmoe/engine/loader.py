@@ -34,13 +34,13 @@ from hetmoe.cpu import HYBRID_RESERVED_CORES, CPUExperts, default_threads
 from hetmoe.cpu.numa import resolve_subpools
 from hetmoe.engine.calibration import calibration_text, check_gpu_experts, keep_gpu_experts
 from hetmoe.engine.checkpoint import Checkpoint, CheckpointError, read_config
-from hetmoe.engine.dense import dense_linears, pack_dense, plan_dense_format
+from hetmoe.engine.dense import pack_dense, plan_dense_format
 from hetmoe.engine.expert_cache import ExpertCache, default_cache_dir
+from hetmoe.engine.memory_plan import model_shapes  # noqa: F401  (tests import it from here)
 from hetmoe.engine.placement import (
     EngineOptions,
     LayerPlan,
     MemoryPlan,
-    ModelShapes,
     choose_plan,
     gib,
     normalize_options,
@@ -50,7 +50,7 @@ from hetmoe.engine.placement import (
 )
 from hetmoe.engine.rules import apply_native, defer_layers, layerwise_layers
 from hetmoe.engine.rules import load as load_rules
-from hetmoe.models import APPLIES_ROPE_SCALING, ConfigError, check_config, context_limit, model_class
+from hetmoe.models import APPLIES_ROPE_SCALING, ConfigError, check_config, model_class
 from hetmoe.models.config import ModelConfig
 from hetmoe.moe import HostStaging, MoELayer, defer_experts, layerwise, moe_layers  # noqa: F401 (*)
 from hetmoe.moe.layerwise import LayerwisePrefill
@@ -183,22 +183,6 @@ def config_notes(cfg: ModelConfig) -> list:
         return [f"config.json asks for {scaling['rope_type']} RoPE scaling, which hetmoe's {cfg.get('model_type')} "
                 "model does not apply: it runs default RoPE, over at most max_position_embeddings positions"]
     return []
-
-
-def model_shapes(model: nn.Module, cfg: ModelConfig, expert_inter: int) -> ModelShapes:
-    n_routed = sum(b.num_experts for _, b in moe_blocks(model))
-    cache = model.make_cache(1, 1, device="meta")
-    limit, why = context_limit(cfg)
-    return ModelShapes(
-        hidden=cfg.hidden_size, vocab_size=cfg.vocab_size, n_routed=n_routed, expert_inter=expert_inter,
-        dense_params=sum(p.numel() for p in model.parameters()),
-        kv_elems_per_token=cache.elems_per_token, act_width=8 * cfg.hidden_size,
-        max_position_embeddings=cfg.get("max_position_embeddings"), n_moe_layers=len(moe_blocks(model)),
-        top_k=cfg.get("num_experts_per_tok") or 1,
-        q_per_kv=max(1, cfg.num_attention_heads // (cfg.get("num_key_value_heads") or cfg.num_attention_heads)),
-        context_limit=limit, context_why=why, moe_names=tuple(n for n, _ in moe_blocks(model)),
-        dense_linears=tuple((n, k) for _, n, k in dense_linears(model)),
-    )
 
 
 def _expert_keys(ckpt: Checkpoint, prefix: str) -> tuple:
