@@ -29,7 +29,6 @@ import torch
 
 from hetmoe.bench.e2e import DECODE_WARMUP, time_decode
 from hetmoe.engine.calibration import calibration_text, place_gpu_experts
-from hetmoe.engine.dense import plan_dense_format
 from hetmoe.engine.evaluation import evaluate
 from hetmoe.engine.loader import LoadedModel, defer_experts, moe_blocks
 from hetmoe.engine.placement import EngineOptions, resolve_device
@@ -212,29 +211,24 @@ class Tuner:
 
     # ------------------------------------------------------------------------------------------ stages
 
-    def tune_threads(self) -> tuple:
-        """Each thread count in its own build (a pool per count) -> the fastest build and its tok/s, kept for the
-        next stage (None, None when threads are not tuned)."""
+    def tune_threads(self) -> None:
+        """Each thread count in its own build (a pool per count; one model in memory at a time)."""
         from hetmoe.cpu import cpu_info
 
         if not self._tuning("threads"):
-            return None, None
+            return
         cores = cpu_info()["physical_cores"]
-        kept, best, rows = None, None, []
+        rows = []
         for t in self._values("threads", thread_candidates(cores, self.gpu, self.quick)):
             loaded = self._build("threads", "threads", t, threads=t)
             if loaded is None:
                 continue
-            row = self._row(Row("threads", "threads", t, tok_s=decode_rate(loaded, self.budget, self.seed)))
-            rows.append(row)
-            if best is None or row.tok_s > best:
-                kept, best = loaded, row.tok_s
+            rows.append(self._row(Row("threads", "threads", t, tok_s=decode_rate(loaded, self.budget, self.seed))))
             del loaded
             _free()
         self._choose("threads", rows)
-        return kept, best
 
-    def tune_dense(self, kept: Optional[LoadedModel], kept_tok_s: Optional[float]) -> None:
+    def tune_dense(self) -> None:
         """CPU alone: each dense format that runs on the CPU, bf16 (the exact weights) first as the reference."""
         if self.gpu or not self._tuning("dense_format"):
             return
@@ -243,13 +237,10 @@ class Tuner:
         formats = sorted(formats, key=lambda f: f != "bf16")
         reference, rows = None, []
         for fmt in formats:
-            reuse = kept is not None and plan_dense_format(kept.plan, kept.options) == fmt
-            loaded = kept if reuse else self._build("dense format", "dense_format", fmt, dense_format=fmt)
+            loaded = self._build("dense format", "dense_format", fmt, dense_format=fmt)
             if loaded is None:
                 continue
-            tok_s = kept_tok_s if reuse else decode_rate(loaded, self.budget, self.seed)
-            row = Row("dense format", "dense_format", fmt, tok_s=tok_s,
-                      note="the threads stage's build" if reuse else "")
+            row = Row("dense format", "dense_format", fmt, tok_s=decode_rate(loaded, self.budget, self.seed))
             ppl = perplexity(loaded, self.ids, self.budget.window)
             if fmt == "bf16":
                 reference, row.exact = ppl, True
@@ -328,17 +319,18 @@ class Tuner:
         self._choose("defer_experts", rows)
 
     def tune_prefill(self, loaded: LoadedModel) -> None:
-        """The threshold the layerwise prefill measured when ``loaded`` was built (``--gpu-prefill auto``)."""
+        """The threshold the layerwise prefill measured when ``loaded`` was built (``--gpu-prefill auto``): a count,
+        or off where the CPU was faster at every length. Where the path could not run at all (no room on the GPU,
+        experts split over NUMA subpools) the option is left to the next load."""
         report = loaded.info.get("gpu_prefill") or {}
+        measured = report.get("chosen_by") == "measured"
         value = report.get("min_tokens") if report.get("enabled") else "off"
-        how = "measured at load" if report.get("chosen_by") == "measured" else report.get("why", "")
-        row = self._row(Row("gpu prefill", "gpu_prefill", value, note=how))
-        if report.get("chosen_by") == "measured" or not report.get("enabled"):
+        row = self._row(Row("gpu prefill", "gpu_prefill", value if measured else "-",
+                            note="measured at load" if measured else f"not measured: {report.get('why', '?')}"))
+        if measured:
             row.chosen = True
             self.tuned["gpu_prefill"] = value
             self.work = replace(self.work, gpu_prefill=value)
-
-    # ------------------------------------------------------------------------------------------ the run
 
     def tune_gpu(self) -> None:
         """GPU experts, deferral and the prefill threshold on one build (the one with the most GPU experts)."""
@@ -357,14 +349,11 @@ class Tuner:
 
     def run(self) -> TuneResult:
         t0 = time.perf_counter()
-        kept, kept_tok_s = self.tune_threads()
+        self.tune_threads()
         if self.gpu:
-            kept = None  # the next build holds GPU experts: one model on the GPU at a time
-            _free()
             self.tune_gpu()
         else:
-            self.tune_dense(kept, kept_tok_s)
-        kept = None
+            self.tune_dense()
         _free()
         chosen = replace(self.base, **self.tuned)
         return TuneResult(chosen, dict(self.tuned), self.rows, "hybrid" if self.gpu else "cpu", self.budget,
