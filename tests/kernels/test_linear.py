@@ -30,21 +30,21 @@ TOKENS = (1, 2, 3, 7, 64, 300)
 N_ODD, K_ODD = 37, 150  # N not a multiple of 16, K not a multiple of any group
 TIGHT = 2e-6  # fp32 summation order only: measured <= 1.8e-7 (<= 4.9e-7 with the fused norm) on every path and format
 
-# ||y - y_bf16|| / ||y_bf16|| over [T=16, K=512] x [N=256] (N(0, 1) x, N(0, 0.02) W), worst of 3 seeds, MEASURED on the
-# AVX2 dev machine (row class: scalar/avx2, the same bits as avx512; AMX class: amx-emulated, the same bits as amx
+# ||y - y_bf16|| / ||y_bf16|| over [T=16, K=512] x [N=256] (N(0, 1) x, N(0, 0.02) W), worst of seeds 2..4, MEASURED on
+# the AVX2 dev machine (row class: scalar/avx2, the same bits as avx512; AMX class: amx-emulated, the same bits as amx
 # for int8/int4). Bounds: ~1.3x the measured maxima.
 #                 row class     AMX class (activations: bf16 / int8 per group / int8 per row)
-#   bf16          5.8e-7        1.7e-3
-#   int8 g64      6.0e-3        8.5e-3
-#   int8 g128     6.6e-3        9.2e-3
-#   int8 per row  8.4e-3        1.2e-2
+#   bf16          2.9e-7        1.7e-3
+#   int8 g64      6.1e-3        8.6e-3
+#   int8 g128     6.5e-3        9.3e-3
+#   int8 per row  7.6e-3        1.1e-2
 #   int4 g32      8.7e-2        8.7e-2
 #   int4 g64      9.6e-2        9.6e-2  (int4 reads int8 activations on both)
 FORMAT_BOUND = {
     ("bf16", 0): (1e-6, 2.5e-3),
     ("int8", 64): (8e-3, 1.1e-2),
     ("int8", 128): (9e-3, 1.2e-2),
-    ("int8", 0): (1.1e-2, 1.6e-2),
+    ("int8", 0): (1e-2, 1.5e-2),
     ("int4", 32): (0.115, 0.115),
     ("int4", 64): (0.125, 0.125),
 }
