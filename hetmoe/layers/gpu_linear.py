@@ -6,13 +6,15 @@ their rows side by side (``sizes``), and computes ``y [..., N] = x [..., K] W^T 
 once, at construction, from the format and the device (``kernel``):
 
 * ``torch``: bf16 weights through F.linear (cuBLAS).
-* ``triton``: int8/int4/fp8 weights dequantized inside the K loop (hetmoe/layers/triton_linear.py): a split-K
-  GEMV for decode (M <= 16 rows), a tiled GEMM above. fp8 on GPUs without fp8 conversion (compute capability < 8.9)
+* ``triton``: int8/int4/fp8 weights (hetmoe/layers/triton_linear.py): a CUDA-core GEMV that dequantizes in its
+  K loop for decode (M <= 4), tensor-core tiles that dequantize in the K loop up to M < 256, and for prefill slabs
+  of the weights dequantized to bf16 for cuBLAS. fp8 on GPUs without fp8 conversion (compute capability < 8.9)
   decodes the e4m3 bytes arithmetically.
-* ``scaled_mm``: fp8 where the GPU multiplies fp8 (capability >= 8.9) and PyTorch takes DeepSeek's block scales
-  (1 x 128 per token for x, 128 x 128 for W; checked once per device): x is quantized per token and 128-column
-  block, then one ``torch._scaled_mm``. Decode rows (M <= 16) still take the Triton GEMV, which reads the fp8
-  weights with bf16 x (no activation rounding) at the memory's rate.
+* ``scaled_mm``: fp8 where the GPU multiplies fp8 (capability >= 8.9), PyTorch takes DeepSeek's block scales
+  (1 x 128 per token for x, 128 x 128 for W; checked once per device), the shape fits cuBLAS and the weight is
+  large enough to repay x's quantization: for M > 16, x is quantized per token and 128-column block, then one
+  scaled matmul. Decode rows (M <= 16) still take the Triton kernels, which read the fp8 weights with bf16 x
+  (no activation rounding) faster than cuBLAS does.
 * ``reference``: dequantize to fp32 and F.linear, the tests' reference and the path where Triton is missing.
 
 Packed layouts are documented in triton_linear.py. Every kernel launch depends only on the shapes, so a CUDA graph
@@ -39,6 +41,7 @@ INT_QMAX = {"int8": 127, "int4": 7}
 KERNELS = ("torch", "triton", "scaled_mm", "reference")
 DECODE_M = 16  # rows at most for the GEMV (triton_linear.DECODE_M, kept here so no import of triton is needed)
 _CHUNK_ELEMENTS = 1 << 25  # fp32 weight elements converted at a time while packing
+SCALED_MM_MIN_WEIGHTS = 1 << 25  # fp8 weights at least this large take _scaled_mm for prefill
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -152,7 +155,10 @@ def choose_kernel(fmt: str, device: torch.device, n_out: int, k: int, kernel: Op
         return "torch"
     if device.type != "cuda" or not has_triton():
         return "reference"
-    return "scaled_mm" if fmt == "fp8" and scaled_mm_fits(n_out, k) and blockwise_scaled_mm(device) else "triton"
+    # x's quantization costs more than the fp8 product saves on small weights (bench/device/gpu_linear.py)
+    large = n_out * k >= SCALED_MM_MIN_WEIGHTS
+    return "scaled_mm" if fmt == "fp8" and large and scaled_mm_fits(n_out, k) and blockwise_scaled_mm(device) \
+        else "triton"
 
 
 def _scaled_mm_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias) -> torch.Tensor:

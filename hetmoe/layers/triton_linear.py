@@ -1,5 +1,4 @@
-"""Weight-only quantized linears in Triton: ``y [M, N] = x [M, K] @ dequant(W) [N, K]^T (+ bias)``, the weights
-dequantized inside the K loop, never materialised in bf16.
+"""Weight-only quantized linears in Triton: ``y [M, N] = x [M, K] @ dequant(W) [N, K]^T (+ bias)``.
 
 Packed layouts (made by hetmoe/layers/gpu_linear.py; K padded with zeros to a whole group, Kp):
 * int8: ``W`` int8 [N, Kp], one fp32 scale per 64 weights along K: ``S`` [N, Kp/64]; w = q * s.
@@ -10,13 +9,18 @@ Packed layouts (made by hetmoe/layers/gpu_linear.py; K padded with zeros to a wh
   ``weight_scale_inv``, one per 128 x 128 block; w = q * s. Where the GPU has no fp8 conversion (compute capability
   below 8.9) the kernel reads the bytes and decodes e4m3 with integer arithmetic (``fp8_bits``).
 
-One kernel serves decode and prefill. Each K step is one scale group (64 weights; fp8: one 128 block): the step's
-dot product runs on the raw codes (int8, int4 and e4m3 values are exact in bf16) and its [BM, BN] partial is
-multiplied by the group's scales, so the only rounding is bf16 x and fp32 accumulation. Decode (M <= 16) tiles
-16 rows of x (the minimum of tl.dot) and splits K over programs until the GPU holds about PROGRAMS_PER_SM
-programs per SM, so one token reads the weights at the memory's rate; the splits' fp32 partials are summed in a
-fixed order by a second kernel (bitwise reproducible, no atomics). Prefill tiles 64 or 128 rows of x; programs
-walk M fastest so the tiles of one weight block run together and the weights are read from memory once.
+Three kernels, chosen by ``plan`` from M (the A/B behind each choice: bench/device/gpu_linear.py --variants):
+* ``gemv`` (M <= 4, decode): each program reads a [16, 512] tile of weight rows along K (wide contiguous loads),
+  dequantizes it once and multiplies it by each row of x on the CUDA cores; K is split over programs until the GPU
+  holds about PROGRAMS_PER_SM programs per SM, so one token reads the weights at the memory's rate. A tensor-core
+  tile would spend 15 of its 16 rows on nothing and read the weights at a fraction of that rate.
+* ``dot`` (4 < M < DEQUANT_M): tensor-core tiles of 16/64 rows of x, one scale group per K step, the weights
+  scaled and rounded to bf16 before the dot (``scale_after``: the dot on the raw codes, its partial scaled --
+  exact, but slower), K split the same way.
+* ``dequant`` (M >= DEQUANT_M, prefill): slabs of the weights dequantized to bf16 into a bounded scratch and
+  multiplied by cuBLAS, writing each slab's columns of y in place. Prefill is bound by the tensor cores, not by
+  the weights' bytes, and cuBLAS's bf16 GEMM outruns a dequantizing Triton GEMM by more than the extra pass costs.
+Split-K partials (fp32) are summed in a fixed order by a second kernel: bitwise reproducible, no atomics.
 
 Every launch depends only on shapes (M, N, K) and the device, so a CUDA graph captured for a fixed M replays it.
 In Triton's interpreter (CPU tensors, tests) tl.dot runs in fp32: its bf16 dot is wrong there.
@@ -37,6 +41,9 @@ GEMV_M = 4  # at most this many rows of x take the CUDA-core GEMV
 DECODE_M = 16  # at most this many rows take tensor-core tiles of 16 rows, K split (decode)
 DEQUANT_M = 256  # at least this many rows dequantize slabs of the weights to bf16 for cuBLAS
 DEQUANT_ELEMENTS = 1 << 25  # weights per dequantized slab (64 MiB of bf16 scratch)
+# (rows, K, defer) of a GEMV program's weight tile: the best geometric mean over bench/device/gpu_linear.py's
+# shapes on an H200 (--variants); deferring the reduction helps int4 only
+GEMV_TILE = {"int8": (16, 512, False), "int4": (16, 512, True), "fp8": (16, 512, False)}
 PROGRAMS_PER_SM = 4
 
 
@@ -54,19 +61,16 @@ def fp8_bits(b):
 
 @triton.jit
 def code_f32(w, FMT: tl.constexpr, FP8_BITS: tl.constexpr):
-    """int8 (read as uint8) or fp8 codes -> fp32, exactly. int8 goes through the float whose bits are
-    0x4B000000 | (q + 128), i.e. 2^23 + q + 128: an OR and a subtraction at full rate, where a conversion
-    instruction runs at a quarter of it (the decode GEMV is bound by it, not by memory)."""
-    if FMT == 0:
-        return (((w.to(tl.int32) ^ 128) | 0x4B000000).to(tl.float32, bitcast=True)) - 8388736.0
-    if FP8_BITS:
+    """int8 or fp8 codes -> fp32, exactly."""
+    if FMT == 2 and FP8_BITS:
         return fp8_bits(w)
     return w.to(tl.float32)
 
 
 @triton.jit
 def nibbles_f32(b):
-    """int4 bytes (as int32) -> (low, high) codes in fp32, q = nibble - 8, by the same float trick."""
+    """int4 bytes (as int32) -> (low, high) codes in fp32, q = nibble - 8: the float whose bits are
+    0x4B000000 | nibble is 2^23 + nibble (an OR and a subtraction instead of a conversion instruction)."""
     lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
     hi = (((b >> 4) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
     return lo, hi
@@ -138,7 +142,8 @@ def _wq_linear(X, W, S, BIAS, OUT, M, N, K, n_groups, groups_per_split,
 def _wq_gemv(X, W, S, BIAS, OUT, M, N, K, KP, n_kb, kb_per_split,
              stride_xm, stride_wn, stride_sn, stride_os, stride_om,
              FMT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr, BMV: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, FP8_BITS: tl.constexpr):
+             BK: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, FP8_BITS: tl.constexpr,
+             DEFER: tl.constexpr):
     """Few rows of x (M <= BMV <= 4): [BN, BK] weight tiles along K (rows contiguous, wide loads), dequantized
     once and multiplied by each row of x on the CUDA cores (no tensor-core tile of 16 mostly empty rows)."""
     pid_n = tl.program_id(0)
@@ -151,6 +156,8 @@ def _wq_gemv(X, W, S, BIAS, OUT, M, N, K, KP, n_kb, kb_per_split,
     s_rows = S + (n_in // SCALE_ROWS)[:, None].to(tl.int64) * stride_sn
     n_groups = KP // GROUP
     acc = tl.zeros((BMV, BN), dtype=tl.float32)
+    # DEFER (one row of x): products summed elementwise over the K loop, reduced across threads once at the end
+    acc_e = tl.zeros((BN, BK // 2 if FMT == 1 else BK), dtype=tl.float32)
     kb0 = split * kb_per_split
     kb1 = tl.minimum(kb0 + kb_per_split, n_kb)
     for kb in range(kb0, kb1):
@@ -166,18 +173,25 @@ def _wq_gemv(X, W, S, BIAS, OUT, M, N, K, KP, n_kb, kb_per_split,
                 x_lo = tl.load(X + m * stride_xm + kl, mask=(kl < K) & (m < M), other=0.0).to(tl.float32)
                 x_hi = tl.load(X + m * stride_xm + kl + GROUP // 2, mask=(kl + GROUP // 2 < K) & (m < M),
                                other=0.0).to(tl.float32)
-                p = lo * x_lo[None, :] + hi * x_hi[None, :]
-                p = tl.sum(tl.reshape(p, (BN, BK // GROUP, GROUP // 2)), axis=2)
-                part = tl.sum(p * s, axis=1)
-                acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
+                p = tl.reshape(lo * x_lo[None, :] + hi * x_hi[None, :], (BN, BK // GROUP, GROUP // 2))
+                if DEFER:
+                    acc_e += tl.reshape(p * s[:, :, None], (BN, BK // 2))
+                else:
+                    part = tl.sum(tl.sum(p, axis=2) * s, axis=1)
+                    acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
         else:
             kk = k0 + tl.arange(0, BK)
             w = code_f32(tl.load(w_rows + kk[None, :], mask=(kk < KP)[None, :], other=0.0), FMT, FP8_BITS)
             for m in tl.static_range(BMV):
                 xm = tl.load(X + m * stride_xm + kk, mask=(kk < K) & (m < M), other=0.0).to(tl.float32)
-                p = tl.sum(tl.reshape(w * xm[None, :], (BN, BK // GROUP, GROUP)), axis=2)
-                part = tl.sum(p * s, axis=1)
-                acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
+                p = tl.reshape(w * xm[None, :], (BN, BK // GROUP, GROUP))
+                if DEFER:
+                    acc_e += tl.reshape(p * s[:, :, None], (BN, BK))
+                else:
+                    part = tl.sum(tl.sum(p, axis=2) * s, axis=1)
+                    acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
+    if DEFER:
+        acc += tl.sum(acc_e, axis=1)[None, :]
     out_mask = (rows < M)[:, None] & n_ok[None, :]
     if PARTIAL:
         tl.store(OUT + split * stride_os + rows[:, None] * stride_om + n[None, :], acc, mask=out_mask)
@@ -237,7 +251,8 @@ def _sum_splits(P, BIAS, OUT, M, N, n_splits, stride_ps, stride_pm, stride_om, H
 class Launch:
     """A kernel configuration. kernel: "gemv" (M <= 4: CUDA-core dot products, ``bk`` weights along K per step),
     "dot" (tensor-core tiles of bm x bn, one scale group per step), or "dequant" (the weights to bf16 in slabs of
-    ``bn`` rows, then cuBLAS). splits: K splits, ``per_split`` steps each."""
+    ``bn`` rows, then cuBLAS). splits: K splits, ``per_split`` steps each. scale_after (dot): scale each step's
+    partial instead of the weights; defer (gemv, M = 1): reduce across threads once, after the K loop."""
     kernel: str
     bm: int
     bn: int
@@ -247,6 +262,7 @@ class Launch:
     num_warps: int
     num_stages: int
     scale_after: bool = False
+    defer: bool = True
 
 
 _SM_COUNT: dict = {}
@@ -273,9 +289,9 @@ def plan(M: int, N: int, K: int, fmt: str, n_sm: int) -> Launch:
     group = GROUP[fmt]
     kp = -(-K // group) * group
     if M <= GEMV_M:
-        bn, bk = 16, 512  # the best mean over the benchmark's shapes and formats (bench/device/gpu_linear.py)
+        bn, bk, defer = GEMV_TILE[fmt]
         splits, per = split_k(-(-N // bn), -(-kp // bk), n_sm)
-        return Launch("gemv", triton.next_power_of_2(M), bn, bk, splits, per, 4, 3)
+        return Launch("gemv", triton.next_power_of_2(M), bn, bk, splits, per, 4, 3, defer=defer)
     if M <= DECODE_M:
         bm, bn, warps, stages = 16, 64, 4, 4
     elif M < DEQUANT_M:
@@ -301,9 +317,8 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: str, k: int, *, f
 
 
 def _as_codes(weight: torch.Tensor, fmt: str, fp8_bits: bool) -> torch.Tensor:
-    """The weight tensor as the kernels read it: int8 as uint8 (code_f32), fp8 as uint8 where it is decoded from
-    its bits."""
-    return weight.view(torch.uint8) if fmt == "int8" or (fmt == "fp8" and fp8_bits) else weight
+    """The weight tensor as the kernels read it: fp8 as uint8 where it is decoded from its bits."""
+    return weight.view(torch.uint8) if fmt == "fp8" and fp8_bits else weight
 
 
 def _dequant_matmul(x, weight, scale, bias, fmt, n_out, fp8_bits, rows) -> torch.Tensor:
@@ -314,10 +329,7 @@ def _dequant_matmul(x, weight, scale, bias, fmt, n_out, fp8_bits, rows) -> torch
         r1 = min(n_out, r0 + rows)
         s0, s1 = r0 // SCALE_ROWS[fmt], -(-r1 // SCALE_ROWS[fmt])
         w = dequantize(weight[r0:r1], scale[s0:s1], fmt, K, fp8_bits=fp8_bits, dtype=x.dtype)  # whole scale rows
-        if r1 - r0 == n_out:
-            torch.mm(x, w.t(), out=out)
-        else:
-            out[:, r0:r1] = x @ w.t()
+        torch.mm(x, w.t(), out=out[:, r0:r1])  # cuBLAS writes the column block in place (row stride N)
     if bias is not None:
         out += bias.to(out.dtype)
     return out
@@ -350,7 +362,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: tor
     if launch.kernel == "gemv":
         n_kb = -(-kp // launch.bk)
         _wq_gemv[(-(-n_out // launch.bn), launch.splits)](*args, M, n_out, K, kp, n_kb, launch.per_split, *strides,
-                                                          BMV=launch.bm, BK=launch.bk, **common)
+                                                          BMV=launch.bm, BK=launch.bk,
+                                                          DEFER=launch.bm == 1 and launch.defer, **common)
     else:
         dot_t = tl.bfloat16 if x.is_cuda else tl.float32  # the interpreter's bf16 dot is wrong
         grid = (-(-M // launch.bm) * -(-n_out // launch.bn), launch.splits)
