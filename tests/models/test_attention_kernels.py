@@ -33,8 +33,8 @@ def kernels():
             # numpy >= 2.4 refuses int() of the 1-element arrays the interpreter keeps scalars in (loop bounds)
             original = interp._patch_lang_tensor
 
-            def patched(tensor):
-                original(tensor)
+            def patched(tensor, *rest):
+                original(tensor, *rest)
                 tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
 
             interp._patch_lang_tensor = patched
