@@ -39,4 +39,5 @@ PYBIND11_MODULE(_C, m) {
   bindings::bind_kernels(m);
   bindings::bind_experts(m);
   bindings::bind_linear(m);
+  bindings::bind_attention(m);
 }

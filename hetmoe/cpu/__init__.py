@@ -6,6 +6,7 @@ functions through which a CUDA stream submits and waits for CPU jobs (``HostFunc
 them is ``hetmoe._C`` (csrc/)."""
 
 from hetmoe import _C  # noqa: F401
+from hetmoe.cpu.attention import attention_kernel, decode_attention
 from hetmoe.cpu.codes import load_codes
 from hetmoe.cpu.experts import AMX_EMULATED, ISAS, WEIGHT_FORMATS, CPUExperts, HostRoute, Slots
 from hetmoe.cpu.host_funcs import MECHANISMS, HostFuncs, _leaked_jobs, cuda_hooks_available, default_mechanism
@@ -18,4 +19,5 @@ __all__ = [
     "MECHANISMS", "HostFuncs",
     "_leaked_jobs", "cuda_hooks_available", "default_mechanism", "NumaOption", "resolve_subpools",
     "HYBRID_RESERVED_CORES", "ExpertPool", "MoEJob", "cpu_info", "default_threads", "shared_pool",
+    "attention_kernel", "decode_attention",
 ]

@@ -1,0 +1,245 @@
+// The loops of one decode attention span (dense/attention.h AttentionSpan), written once on GCC vector types of 8
+// floats and compiled per ISA: included by dense/attention.cpp (portable: the baseline ISA, separate multiplies and
+// adds) and kernels/avx2/attention.cpp (AVX2, contracted into FMA). Everything here has internal linkage, so each
+// build keeps its own copy and no linker can swap one for the other.
+//
+// Per chunk of kSpanKeys keys: the keys (and values) are converted to fp32 rows padded with zeros to kLanes, scored
+// against every query head (blocks of 2 heads x 4 keys, the dot product's 8 lanes summed in a fixed order), the
+// running max and sum updated per head, and the values accumulated into the output (blocks of 4 heads x 16
+// dims, keys in order). Every sum has a fixed order, so a span's result does not depend on the thread running it.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "dense/attention.h"
+
+// 32-byte vectors passed between these internal functions on a baseline build, where GCC notes the ABI of such
+// arguments (reported at the end of the including file): none of them crosses a library boundary.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace hetmoe {
+namespace {
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+__attribute__((always_inline)) inline f32x8 load8(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+__attribute__((always_inline)) inline void store8(float* p, const f32x8& v) { std::memcpy(p, &v, sizeof v); }
+__attribute__((always_inline)) inline f32x8 splat8(float x) { return f32x8{x, x, x, x, x, x, x, x}; }
+__attribute__((always_inline)) inline float hsum8(const f32x8& a) {
+  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+// e^x for x <= 0 (exactly 0 below -87.3, where e^x leaves the normal floats; NaN stays NaN): x = n ln2 + r with
+// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 3e-7), 2^n from the exponent bits. Plain
+// float operations, so it vectorizes at every ISA, unlike std::exp.
+__attribute__((always_inline)) inline f32x8 exp_neg8(const f32x8& x) {
+  const f32x8 lo = splat8(-87.3f);
+  const f32x8 xc = x < lo ? lo : x;
+  const f32x8 magic = splat8(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer (in the low mantissa bits)
+  const f32x8 t = xc * 1.44269504f + magic;
+  const f32x8 n = t - magic;
+  const f32x8 r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;  // ln 2 in two parts: n * 0.693359375 is exact
+  f32x8 p = splat8(1.0f / 720);
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const i32x8 e = ((i32x8)t - 0x4B400000 + 127) << 23;  // t's low bits hold n
+  const f32x8 y = p * (f32x8)e;
+  return x < lo ? splat8(0.0f) : y;
+}
+// The same for one float, operation for operation (no vector crosses a call here).
+inline float exp_neg(float x) {
+  const float xc = x < -87.3f ? -87.3f : x;
+  const float t = xc * 1.44269504f + 12582912.0f;
+  const float n = t - 12582912.0f;
+  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t e;
+  std::memcpy(&e, &t, sizeof e);
+  e = (e - 0x4B400000 + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &e, sizeof two_n);
+  return x < -87.3f ? 0.0f : p * two_n;
+}
+
+// A row of d elements (bf16 or fp32) as fp32, zero-padded to pad_lanes(d).
+inline void row_to_f32(const void* src, bool bf16, int d, float* dst) {
+  int i = 0;
+  if (bf16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (; i + 8 <= d; i += 8) {
+      u16x8 h;
+      std::memcpy(&h, s + i, sizeof h);
+      const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+      std::memcpy(dst + i, &w, sizeof w);
+    }
+    for (; i < d; ++i) {
+      const uint32_t w = (uint32_t)s[i] << 16;
+      std::memcpy(dst + i, &w, sizeof w);
+    }
+  } else {
+    std::memcpy(dst, src, sizeof(float) * d);
+    i = d;
+  }
+  for (; i < pad_lanes(d); ++i) dst[i] = 0.0f;
+}
+
+inline const void* advance(const void* p, int64_t elems, bool bf16) {
+  return static_cast<const uint8_t*>(p) + elems * (bf16 ? 2 : 4);
+}
+
+// s[j][t] = scale * (q_j . kc_t) for G heads and kSpanKeys keys: q [G][dk], kc [kSpanKeys][dk], dk % 8 == 0.
+void score_chunk(const float* q, int G, int dk, const float* kc, float scale, float* s) {
+  int j = 0;
+  for (; j + 2 <= G; j += 2) {
+    const float* q0 = q + (int64_t)j * dk;
+    const float* q1 = q0 + dk;
+    for (int t = 0; t < kSpanKeys; t += 4) {
+      const float* k = kc + (int64_t)t * dk;
+      f32x8 a00 = {}, a01 = {}, a02 = {}, a03 = {}, a10 = {}, a11 = {}, a12 = {}, a13 = {};
+      for (int i = 0; i < dk; i += 8) {
+        const f32x8 x0 = load8(q0 + i), x1 = load8(q1 + i);
+        const f32x8 k0 = load8(k + i), k1 = load8(k + dk + i), k2 = load8(k + 2 * dk + i), k3 = load8(k + 3 * dk + i);
+        a00 += x0 * k0;
+        a01 += x0 * k1;
+        a02 += x0 * k2;
+        a03 += x0 * k3;
+        a10 += x1 * k0;
+        a11 += x1 * k1;
+        a12 += x1 * k2;
+        a13 += x1 * k3;
+      }
+      float* s0 = s + j * kSpanKeys + t;
+      float* s1 = s0 + kSpanKeys;
+      s0[0] = hsum8(a00) * scale, s0[1] = hsum8(a01) * scale, s0[2] = hsum8(a02) * scale;
+      s0[3] = hsum8(a03) * scale;
+      s1[0] = hsum8(a10) * scale, s1[1] = hsum8(a11) * scale, s1[2] = hsum8(a12) * scale;
+      s1[3] = hsum8(a13) * scale;
+    }
+  }
+  for (; j < G; ++j) {
+    const float* q0 = q + (int64_t)j * dk;
+    for (int t = 0; t < kSpanKeys; t += 4) {
+      const float* k = kc + (int64_t)t * dk;
+      f32x8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      for (int i = 0; i < dk; i += 8) {
+        const f32x8 x0 = load8(q0 + i);
+        a0 += x0 * load8(k + i);
+        a1 += x0 * load8(k + dk + i);
+        a2 += x0 * load8(k + 2 * dk + i);
+        a3 += x0 * load8(k + 3 * dk + i);
+      }
+      float* s0 = s + j * kSpanKeys + t;
+      s0[0] = hsum8(a0) * scale, s0[1] = hsum8(a1) * scale, s0[2] = hsum8(a2) * scale, s0[3] = hsum8(a3) * scale;
+    }
+  }
+}
+
+// o_j = alpha_j * o_j + sum_{t < nc} p[j][t] * vc_t for G heads: vc rows of `stride` floats, o rows of dvp floats
+// (dvp % 16 == 0).
+void accumulate_chunk(const float* p, const float* alpha, int G, const float* vc, int64_t stride, int dvp, int nc,
+                      float* o) {
+  int j = 0;
+  for (; j + 4 <= G; j += 4) {
+    float* o0 = o + (int64_t)j * dvp;
+    const float* p0 = p + j * kSpanKeys;
+    for (int d = 0; d < dvp; d += 16) {
+      f32x8 r[4][2];
+      for (int h = 0; h < 4; ++h) {
+        r[h][0] = load8(o0 + h * dvp + d) * alpha[j + h];
+        r[h][1] = load8(o0 + h * dvp + d + 8) * alpha[j + h];
+      }
+      for (int t = 0; t < nc; ++t) {
+        const f32x8 v0 = load8(vc + t * stride + d), v1 = load8(vc + t * stride + d + 8);
+        for (int h = 0; h < 4; ++h) {
+          const float w = p0[h * kSpanKeys + t];
+          r[h][0] += w * v0;
+          r[h][1] += w * v1;
+        }
+      }
+      for (int h = 0; h < 4; ++h) {
+        store8(o0 + h * dvp + d, r[h][0]);
+        store8(o0 + h * dvp + d + 8, r[h][1]);
+      }
+    }
+  }
+  for (; j < G; ++j) {
+    float* o0 = o + (int64_t)j * dvp;
+    const float* p0 = p + j * kSpanKeys;
+    for (int d = 0; d < dvp; d += 16) {
+      f32x8 r0 = load8(o0 + d) * alpha[j], r1 = load8(o0 + d + 8) * alpha[j];
+      for (int t = 0; t < nc; ++t) {
+        r0 += p0[t] * load8(vc + t * stride + d);
+        r1 += p0[t] * load8(vc + t * stride + d + 8);
+      }
+      store8(o0 + d, r0);
+      store8(o0 + d + 8, r1);
+    }
+  }
+}
+
+void span_impl(const AttentionSpan& a) {
+  const int d1p = (int)pad_lanes(a.d1), d2p = (int)pad_lanes(a.d2), dk = d1p + d2p, dvp = (int)pad_lanes(a.dv);
+  const int G = a.G, NH = a.n_kv * a.G;
+  float* kc = a.work;                // [kSpanKeys][dk]
+  float* vc = kc + kSpanKeys * dk;   // [kSpanKeys][dvp] (unused when v is k1)
+  float* s = vc + kSpanKeys * dvp;   // [G][kSpanKeys]: scores, then probabilities
+  float* alpha = s + G * kSpanKeys;  // [G]
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int j = 0; j < NH; ++j) a.m[j] = -inf, a.l[j] = 0.0f;
+  std::memset(a.o, 0, sizeof(float) * NH * dvp);
+  // Chunk by chunk, the kv heads of the task one after the other: the task reads its block of the cache in order.
+  for (int64_t c0 = 0; c0 < a.n; c0 += kSpanKeys) {
+    const int nc = (int)std::min<int64_t>(kSpanKeys, a.n - c0);
+    for (int kv = 0; kv < a.n_kv; ++kv) {
+      for (int t = 0; t < kSpanKeys; ++t) {
+        float* krow = kc + t * dk;
+        float* vrow = vc + t * dvp;
+        if (t >= nc) {  // past the span: zero keys and values (scored, then masked below)
+          std::memset(krow, 0, sizeof(float) * dk);
+          if (a.v) std::memset(vrow, 0, sizeof(float) * dvp);
+          continue;
+        }
+        row_to_f32(advance(a.k1, (c0 + t) * a.k1_step + kv * a.k1_head, a.bf16), a.bf16, a.d1, krow);
+        if (a.d2) row_to_f32(advance(a.k2, (c0 + t) * a.k2_step + kv * a.k2_head, a.bf16), a.bf16, a.d2, krow + d1p);
+        if (a.v) row_to_f32(advance(a.v, (c0 + t) * a.v_step + kv * a.v_head, a.bf16), a.bf16, a.dv, vrow);
+      }
+      float* m = a.m + kv * G;
+      float* l = a.l + kv * G;
+      score_chunk(a.q + (int64_t)kv * G * dk, G, dk, kc, a.scale, s);
+      for (int j = 0; j < G; ++j) {
+        float* sj = s + j * kSpanKeys;
+        float mx = m[j];
+        for (int t = 0; t < nc; ++t) mx = sj[t] > mx ? sj[t] : mx;
+        for (int t = nc; t < kSpanKeys; ++t) sj[t] = -inf;
+        alpha[j] = exp_neg(m[j] - mx);
+        for (int t = 0; t < kSpanKeys; t += 8) store8(sj + t, exp_neg8(load8(sj + t) - mx));
+        float sum = 0.0f;
+        for (int t = 0; t < nc; ++t) sum += sj[t];
+        l[j] = l[j] * alpha[j] + sum;
+        m[j] = mx;
+      }
+      accumulate_chunk(s, alpha, G, a.v ? vc : kc, a.v ? dvp : dk, dvp, nc, a.o + (int64_t)kv * G * dvp);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace hetmoe

@@ -1,0 +1,119 @@
+"""Decode attention over the contiguous KV cache on the CPU engine's threads (csrc/dense/attention.h).
+
+One query token per sequence, each at its own position: ``q [B, Hq, D1]`` over one layer's cache ``k [rows, cap, Hkv,
+D1]`` / ``v [rows, cap, Hkv, Dv]`` (hetmoe/layers/kv_cache.py, contiguous layout, fp32 or bf16), sequence b reading
+cache row ``rows[b]`` at positions ``< lens[b]``. Query head h reads kv head ``h // (Hq // Hkv)``. MLA's absorbed
+form: a second key part (``q2 [B, Hq, D2]`` against ``k2 [rows, cap, Hkv, D2]``) and the latent as the value
+(``v_is_k1``). Softmax in fp32, output in q's dtype; bitwise the same for any thread count (a fixed split of the keys
+and a fixed merge order), different rounding on the portable and the AVX2 build of the loops
+(``attention_kernel()``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from hetmoe import _C
+from hetmoe.cpu import pool as _pool
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def attention_kernel() -> str:
+    """Which build of the loops runs on this CPU: ``"avx2"`` or ``"portable"`` (HETMOE_MAX_ISA caps it)."""
+    return _C.attention_kernel()
+
+
+def default_pool() -> _pool.ExpertPool:
+    """The pool the engine's experts run on (the first shared pool made in this process), else a new shared one."""
+    with _pool._pools_lock:
+        if _pool._pools:
+            return next(iter(_pool._pools.values()))
+    return _pool.shared_pool()
+
+
+def _check(name: str, t: torch.Tensor, dims: int, dtypes=DTYPES) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"decode_attention: {name} must be a tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"decode_attention: {name} must be on the CPU, got {t.device}")
+    if t.dim() != dims:
+        raise ValueError(f"decode_attention: {name} must have {dims} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"decode_attention: {name} must be {allowed}, got {str(t.dtype).removeprefix('torch.')}")
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"decode_attention: {name}'s last dim must be contiguous (stride 1), got {t.stride()}")
+
+
+def _index(name: str, t, B: int) -> torch.Tensor:
+    t = torch.as_tensor(t)
+    if t.device.type != "cpu" or t.dim() != 1 or t.shape[0] != B or t.dtype.is_floating_point:
+        raise ValueError(f"decode_attention: {name} must be a CPU integer tensor of shape [{B}], got "
+                         f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    return t.to(torch.int64).contiguous()
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor], rows, lens, scale: float,
+                     q2: Optional[torch.Tensor] = None, k2: Optional[torch.Tensor] = None, v_is_k1: bool = False,
+                     out: Optional[torch.Tensor] = None, pool: Optional[_pool.ExpertPool] = None) -> torch.Tensor:
+    """Attention of B decode queries over their cache rows -> ``out [B, Hq, Dv]`` (q's dtype, or the ``out`` given:
+    fp32 or q's dtype).
+
+    ``q [B, Hq, D1]`` (fp32 or bf16; ``q2 [B, Hq, D2]`` the same dtype), ``k [rows, cap, Hkv, D1]`` (``k2 [rows, cap,
+    Hkv, D2]``, ``v [rows, cap, Hkv, Dv]``: one dtype, fp32 or bf16, any strides with a contiguous last dim),
+    ``rows [B]`` the cache row of each sequence, ``lens [B]`` its keys (position + 1, 1..cap). ``v_is_k1``: no ``v``;
+    the values are k's first Dv = D1 dims. ``pool``: an ``ExpertPool`` (default: ``default_pool()``); the call runs
+    after the jobs queued on it and returns when done.
+    """
+    _check("q", q, 3)
+    _check("k", k, 4)
+    B, Hq, D1 = q.shape
+    n_rows, cap, Hkv, Dk = k.shape
+    if Dk != D1:
+        raise ValueError(f"decode_attention: q's head dim {D1} differs from k's {Dk}")
+    if Hq % Hkv:
+        raise ValueError(f"decode_attention: q's {Hq} heads are not a multiple of the cache's {Hkv} kv heads")
+    if v_is_k1 != (v is None):
+        raise ValueError("decode_attention: give v, or v=None with v_is_k1=True (the values are k's first dims)")
+    if (q2 is None) != (k2 is None):
+        raise ValueError("decode_attention: q2 and k2 come together (MLA's second key part)")
+    D2 = 0
+    if q2 is not None:
+        _check("q2", q2, 3, (q.dtype,))
+        _check("k2", k2, 4, (k.dtype,))
+        D2 = q2.shape[2]
+        if q2.shape[:2] != q.shape[:2] or k2.shape[:3] != k.shape[:3] or k2.shape[3] != D2:
+            raise ValueError(f"decode_attention: q2 {tuple(q2.shape)} / k2 {tuple(k2.shape)} do not match q "
+                             f"{tuple(q.shape)} / k {tuple(k.shape)} with a second part of one size")
+    if v is not None:
+        _check("v", v, 4, (k.dtype,))
+        if v.shape[:3] != k.shape[:3]:
+            raise ValueError(f"decode_attention: v {tuple(v.shape)} must share [rows, cap, kv_heads] with k "
+                             f"{tuple(k.shape)}")
+        Dv = v.shape[3]
+    else:
+        Dv = D1
+    rows, lens = _index("rows", rows, B), _index("lens", lens, B)
+    if out is None:
+        out = torch.empty(B, Hq, Dv, dtype=q.dtype)
+    else:
+        _check("out", out, 3, (torch.float32, q.dtype))
+        if tuple(out.shape) != (B, Hq, Dv):
+            raise ValueError(f"decode_attention: out must have shape {(B, Hq, Dv)}, got {tuple(out.shape)}")
+    bf16 = torch.bfloat16
+    spec = _C.AttentionSpec(
+        q=q.data_ptr(), q_strides=list(q.stride()[:2]), q_bf16=q.dtype == bf16,
+        k1=k.data_ptr(), k1_strides=list(k.stride()[:3]), kv_bf16=k.dtype == bf16,
+        rows=rows.data_ptr(), lens=lens.data_ptr(), n_rows=n_rows, cap=cap,
+        B=B, n_head=Hq, n_kv_head=Hkv, d1=D1, d2=D2, dv=Dv, scale=float(scale),
+        out=out.data_ptr(), out_strides=list(out.stride()[:2]), out_bf16=out.dtype == bf16)
+    if q2 is not None:
+        spec.q2, spec.q2_strides = q2.data_ptr(), list(q2.stride()[:2])
+        spec.k2, spec.k2_strides = k2.data_ptr(), list(k2.stride()[:3])
+    if v is not None:
+        spec.v, spec.v_strides = v.data_ptr(), list(v.stride()[:3])
+    _C.decode_attention((pool or default_pool())._pool, spec)
+    return out
