@@ -99,7 +99,10 @@ def pack_dense(root: nn.Module, fmt: str, device, options=None, dtype=None) -> i
 def packed_bytes(model: nn.Module) -> int:
     """Bytes of the packed dense weights in ``model`` (the modules ``pack_dense`` made: they carry a ``format``
     from the dense format table)."""
-    return sum(m.nbytes for m in model.modules() if isinstance(getattr(m, "format", None), DenseFormat))
+    def packed(m) -> bool:  # CPULinear.format, GPULinear.fmt
+        return any(isinstance(getattr(m, a, None), DenseFormat) for a in ("format", "fmt"))
+
+    return sum(m.nbytes for m in model.modules() if packed(m))
 
 
 def plan_dense_format(plan, options=None) -> str:

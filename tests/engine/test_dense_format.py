@@ -162,3 +162,27 @@ def test_packed_model_on_the_amx_gemm(checkpoints, fmt):
     ref = logits(loaded)
     err = ((got - ref).abs().max() / ref.abs().max()).item()
     assert 0 < err <= 5e-2, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_gpu_placement_packs_the_dense_linears(checkpoints, fmt):
+    """GPU (hybrid placement): the dense linears become GPULinear (hetmoe/layers/gpu_linear.py) in ``fmt``; logits
+    stay within the whole-model format bound of the bf16 model, and the CUDA-graph decode equals the eager one."""
+    from hetmoe.layers.gpu_linear import GPULinear
+
+    path = checkpoints("qwen3_moe", MODELS["qwen3_moe"], seed=7)
+
+    def run(dense, graph):
+        opts = EngineOptions(device="cuda", dtype="bf16", experts_format="bf16", max_context=64, dense_format=dense,
+                             cuda_graph=graph)
+        loaded = load_model(path, opts, expert_cache=None, progress=False, log=lambda m: None)
+        return loaded, logits(loaded)
+
+    packed, eager = run(fmt, False)
+    assert isinstance(packed.model.lm_head, GPULinear) and packed.plan.dense_format == fmt
+    _, graph = run(fmt, True)
+    _, full = run("bf16", False)
+    assert ((graph - eager).abs().max() / eager.abs().max()).item() <= 1e-2  # bf16 rounding of graph vs eager
+    err = ((eager - full).abs().max() / full.abs().max()).item()
+    assert 0 < err <= FORMAT_TOL.get(fmt, 0.2), err
