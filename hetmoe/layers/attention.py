@@ -8,7 +8,9 @@ Two ways to attend (``attend_cache``): over a paged cache on a GPU, the Triton k
 layers/triton_attention.py read the pages in place, causal from each token's position, no mask anywhere (measured
 faster than the SDPA flash kernel the engine runs, BENCHMARKS.md#attention-kernels); else (CPU, no Triton,
 ``--attention sdpa``) PyTorch's SDPA over the cache rows: ``is_causal`` for a prompt from position 0, the lower-right
-causal bias after a cached prefix, an additive mask for batches of several sequences.
+causal bias after a cached prefix, an additive mask for batches of several sequences. A decode step over the contiguous
+cache on the CPU (one token per sequence) runs on the CPU engine's threads instead (``cpu_decode``,
+hetmoe/cpu/attention.py).
 """
 
 from __future__ import annotations
@@ -69,8 +71,29 @@ def paged_kernels(device) -> bool:
     return True
 
 
+_cpu_decode = None  # hetmoe.cpu.attention.decode_attention once looked up; False where the extension lacks it
+
+
+def cpu_decode(q: torch.Tensor, cache: KVCache):
+    """The CPU engine's decode attention (hetmoe/cpu/attention.py) when it applies: one token per sequence over a
+    contiguous CPU cache, fp32 or bf16, the extension built with it. Else None: the torch path."""
+    global _cpu_decode
+    if _cpu_decode is None:
+        from hetmoe import _C
+
+        _cpu_decode = False
+        if hasattr(_C, "decode_attention"):
+            from hetmoe.cpu.attention import decode_attention as _cpu_decode
+    ok = (q.shape[1] == 1 and not cache.paged and cache.device.type == "cpu" and q.device.type == "cpu"
+          and q.dtype in (torch.float32, torch.bfloat16) and cache.dtype in (torch.float32, torch.bfloat16))
+    return _cpu_decode if ok and _cpu_decode else None
+
+
 def attend_cache(q: torch.Tensor, cache: KVCache, layer: int, step: Step, scale: float) -> torch.Tensor:
     """q [B, S, heads, D] over this layer's cache (written already for this step) -> [B, S, heads, Dv]."""
+    decode = cpu_decode(q, cache)
+    if decode:  # lens = positions + 1: each token attends to its own position and those before
+        return decode(q[:, 0], cache.k[layer], cache.v[layer], step.slots, step.positions[:, 0] + 1, scale).unsqueeze(1)
     if cache.paged:
         from hetmoe.layers import triton_attention
 
@@ -96,6 +119,19 @@ def mla_latent_paged(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: KVCache, la
     out = triton_attention.decode(q_lat.reshape(B * S, h, r), c, None, cache.table, rows, step.positions.reshape(-1),
                                   scale, q2=q_pe.reshape(B * S, h, -1), k2=pe, v_is_k1=True)
     return out.view(B, S, h, r)
+
+
+def mla_latent_cpu(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: KVCache, layer: int, step: Step,
+                   scale: float) -> torch.Tensor | None:
+    """MLA's absorbed attention on the CPU engine's threads over a contiguous latent cache (k: c_kv [.., 1, r], v:
+    k_pe), one decode token per sequence: q_lat [B, 1, h, r], q_pe [B, 1, h, rope] -> [B, 1, h, r]; None where
+    ``cpu_decode`` does not apply (the caller's torch path)."""
+    decode = cpu_decode(q_lat, cache)
+    if not decode:
+        return None
+    out = decode(q_lat[:, 0], cache.k[layer], None, step.slots, step.positions[:, 0] + 1, scale, q2=q_pe[:, 0],
+                 k2=cache.v[layer], v_is_k1=True)
+    return out.unsqueeze(1)
 
 
 def mla_expanded_paged(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pe: torch.Tensor, page_size: int,

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetmoe.layers.attention import KVCache, Step, attend, mla_expanded_paged, mla_latent_paged
+from hetmoe.layers.attention import KVCache, Step, attend, mla_expanded_paged, mla_latent_cpu, mla_latent_paged
 from hetmoe.layers.linear import FusedLinears
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import inv_frequencies, yarn_get_mscale, yarn_parameters
@@ -217,6 +217,9 @@ class DeepseekV2Attention(nn.Module):
         w_kv = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, r)
         w_uk, w_uv = w_kv.split([self.nope, self.v_dim], dim=1)  # [h, nope, r], [h, v, r] (views)
         q_lat = torch.einsum("bshn,hnr->bshr", q_nope, w_uk)  # [B, S, h, r]
+        out_lat = mla_latent_cpu(q_lat, q_pe, cache, self.layer_idx, step, self.scale)  # None: not a CPU decode step
+        if out_lat is not None:
+            return torch.einsum("bshr,hvr->bshv", out_lat, w_uv)
         if cache.paged:
             out_lat = mla_latent_paged(q_lat, q_pe, cache, self.layer_idx, step, self.scale)
             return torch.einsum("bshr,hvr->bshv", out_lat, w_uv)
