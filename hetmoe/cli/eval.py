@@ -23,9 +23,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "eval", help="perplexity of a configuration, and its KL divergence / top-1 agreement against bf16 experts",
         description="Scores --text in consecutive, non-overlapping windows of --window tokens (each from an empty "
         "cache; the first token of a window is context, never scored) with the engine options given, and the same "
-        "windows with the model's --reference-format experts (default bf16, nothing dropped or deferred): perplexity "
-        "of both, mean KL(reference || configuration) per token and the fraction of positions whose most likely next "
-        "token agrees. Both configurations are loaded at once.")
+        "windows with the model's --reference-format experts (default bf16; bf16 dense weights, nothing dropped or "
+        "deferred): perplexity of both, mean KL(reference || configuration) per token and the fraction of positions "
+        "whose most likely next token agrees. Both configurations are loaded at once.")
     p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score ('-' reads stdin)")
     p.add_argument("--window", type=int, default=512, help="tokens per window, >= 2 and <= the context (default: 512)")
     p.add_argument("--max-tokens", type=positive_int, default=None, metavar="N",
@@ -61,12 +61,15 @@ def _describe(plan, drop: int = 0, defer: int = 0) -> dict:
     label = plan.experts_format
     if plan.experts_format != "bf16":
         label += f" g{plan.group_size}" if plan.group_size else " per-row"
+    dense = getattr(plan, "dense_format", "bf16")
+    if dense != "bf16":
+        label += f", dense {dense}"
     if drop:
         label += f", drop {drop}"
     if defer:
         label += f", defer {defer}"
     return {"label": label, "experts_format": plan.experts_format, "group_size": plan.group_size,
-            "drop_experts": drop, "defer_experts": defer, "device": plan.device.type,
+            "dense_format": dense, "drop_experts": drop, "defer_experts": defer, "device": plan.device.type,
             "dtype": str(plan.dtype).replace("torch.", "")}
 
 
@@ -158,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     reference = ref_runner = None
     if args.reference_format != "none":
         ref_opts = dataclasses.replace(opts, experts_format=args.reference_format, group_size=None, defer_experts=0,
-                                       gpu_experts=0, rules=None)  # a uniform reference
+                                       gpu_experts=0, rules=None, dense_format="bf16")  # a uniform reference
         reference, ref_runner = open_model(model, ref_opts)
 
     test_runner = test_runner or Runner(test)

@@ -270,3 +270,15 @@ def test_eval_on_the_trained_checkpoint(capsys, smoke_checkpoint):
     assert code == 0, stderr
     result = json.loads(stdout)
     assert math.isfinite(result["perplexity"]) and result["tokens"] == 300 - 5 and result["kl"] >= 0
+
+
+def test_eval_measures_the_dense_format(capsys, text_file, tmp_path):
+    """--dense-format int8 against the reference's bf16 dense weights: the label names it, and it moves the
+    distribution (what the format costs)."""
+    code, stdout, _ = cli(capsys, "eval", "--text", text_file, "--experts-format", "bf16", "--dense-format", "int8",
+                          "--device", "cpu", "--expert-cache", "off", "--window", 32, "--max-tokens", 100,
+                          "--json", tmp_path / "r.json")
+    assert code == 0 and "dense int8" in stdout, stdout
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["config"]["dense_format"] == "int8" and result["reference"]["dense_format"] == "bf16"
+    assert result["kl"] > 0
