@@ -13,12 +13,14 @@ list of ``nn.Linear`` (one fused matrix of their rows) and offer ``forward(x)`` 
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from hetmoe.layers.linear import DENSE_FORMATS, DenseFormat, FusedLinears
 
 # Linears left in the model dtype whatever the dense format (see above).
-KEEP = ("gate", "shared_expert_gate", "kv_b_proj")
+ROUTERS = ("gate", "shared_expert_gate")
+KEEP = ROUTERS + ("kv_b_proj",)
 
 
 def _fused_groups(module: nn.Module) -> list:
@@ -56,41 +58,48 @@ class PackedPart(nn.Module):
         return self._group[0].parts(x)[self.index]
 
 
-def _linear_factory(fmt: str, device, options, dtype):
-    """(list of nn.Linear) -> a packed linear module on ``device`` in format ``fmt``."""
+def _linear_factory(device, options):
+    """(list of nn.Linear, format) -> a packed linear module on ``device``."""
     if device.type == "cpu":
         from hetmoe.cpu import CPULinear
 
         kw = {"isa": options.isa, "amx_min_tokens": options.amx_min_tokens} if options is not None else {}
-        group = DENSE_FORMATS[fmt].group
-        return lambda linears: CPULinear.from_linear(linears, fmt, group, **kw)
+        return lambda linears, fmt: CPULinear.from_linear(linears, fmt, DENSE_FORMATS[fmt].group, **kw)
     from hetmoe.layers.gpu_linear import GPULinear
 
-    return lambda linears: GPULinear.from_linears(linears, fmt, device)
+    return lambda linears, fmt: GPULinear.from_linears(linears, fmt, device)
 
 
 def pack_dense(root: nn.Module, fmt: str, device, options=None, dtype=None) -> int:
     """Packs the dense linears under ``root`` (a decoder layer, or the whole model; see the module docstring) into
     ``fmt`` on ``device``, fusing the layer's projections first (idempotent: packed modules are left alone), and
-    frees their source weights. bf16 packs nothing. Returns the bytes of the packed weights made."""
-    if fmt == "bf16":
+    frees their source weights. Returns the bytes of the packed weights made.
+
+    bf16 on a GPU packs nothing (cuBLAS reads bf16). On the CPU with a bf16 ``dtype`` everything goes to the engine,
+    bf16 included, and the routers too in bf16: the weights exactly as given, multiplied in fp32 (PyTorch's bf16
+    matmuls are slow on CPUs without bf16 arithmetic, BENCHMARKS.md#cpu-only); with fp32 weights (small models)
+    bf16 packs nothing."""
+    engine_bf16 = device.type == "cpu" and dtype == torch.bfloat16
+    if fmt == "bf16" and not engine_bf16:
         return 0
     for module in root.modules():
         if hasattr(module, "fuse_projections") and not hasattr(module, "model"):  # not a CausalLM: its layers
             module.fuse_projections()
-    make = _linear_factory(fmt, device, options, dtype)
+    make = _linear_factory(device, options)
     made = 0
     for module in list(root.modules()):
         for attr, group in _fused_groups(module):
-            packed = make(list(group.linears))
+            packed = make(list(group.linears), fmt)
             setattr(module, attr, packed)
             names = {id(c): n for n, c in module.named_children()}
             for i, lin in enumerate(group.linears):
                 setattr(module, names[id(lin)], PackedPart(packed, i))
             made += packed.nbytes
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and name not in KEEP:
-                packed = make([child])
+            if not isinstance(child, nn.Linear) or name == "kv_b_proj":
+                continue
+            if name not in ROUTERS or engine_bf16:
+                packed = make([child], "bf16" if name in ROUTERS else fmt)
                 setattr(module, name, packed)
                 made += packed.nbytes
     return made

@@ -406,7 +406,7 @@ def load_model(
                         cache.save(i, experts)
                 expert_bytes += experts.nbytes
                 block.attach(experts, staging)
-            pack_dense(layers[i], dense_fmt, plan.device, options)  # its bf16 weights freed before the next layer
+            pack_dense(layers[i], dense_fmt, plan.device, options, plan.dtype)  # this layer's source freed now
             ckpt.release()
             bar.update(1)
     ckpt.close()
@@ -415,7 +415,7 @@ def load_model(
     if missing:
         raise CheckpointError(f"{ckpt.path}: tensors were never loaded: {', '.join(missing[:5])}")
     model.fuse_projections()  # q/k/v (and gate/up) as one matmul each; parameters and their names unchanged
-    pack_dense(model, dense_fmt, plan.device, options)  # what is left: lm_head
+    pack_dense(model, dense_fmt, plan.device, options, plan.dtype)  # what is left: lm_head
     gpu_experts = keep_gpu_experts(model.eval(), blocks, plan, options, lambda text: load_tokenizer(path).encode(text),
                                    log)
     lw, gpu_prefill = layerwise.setup(layerwise_layers(blocks, plan), plan, options, log)

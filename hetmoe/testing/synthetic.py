@@ -349,7 +349,7 @@ def build_random_model(
         f"{f', {options.defer_experts} deferred per token' if options.defer_experts else ''}; {plan.describe()}")
     _fill_random(model, plan.device, plan.dtype, seed, std)
     model.fuse_projections()  # as the loader does
-    pack_dense(model, plan_dense_format(plan, options), plan.device, options)
+    pack_dense(model, plan_dense_format(plan, options), plan.device, options, plan.dtype)
     staging = (HostStaging(cfg.hidden_size, cfg.num_experts_per_tok, plan.dtype)
                if plan.device.type == "cuda" and blocks else None)
     expert_bytes = 0
