@@ -76,9 +76,9 @@ def pack_dense(root: nn.Module, fmt: str, device, options=None, dtype=None) -> i
     frees their source weights. Returns the bytes of the packed weights made.
 
     bf16 on a GPU packs nothing (cuBLAS reads bf16). On the CPU with a bf16 ``dtype`` everything goes to the engine,
-    bf16 included, and the routers too in bf16: the weights exactly as given, multiplied in fp32 (PyTorch's bf16
-    matmuls are slow on CPUs without bf16 arithmetic, BENCHMARKS.md#cpu-only); with fp32 weights (small models)
-    bf16 packs nothing."""
+    bf16 included, and the routers too in bf16: the weights exactly as given, multiplied in fp32, every product of
+    a decode step on the engine's threads (docs/dense-formats.md); with fp32 weights (small models) bf16 packs
+    nothing."""
     engine_bf16 = device.type == "cpu" and dtype == torch.bfloat16
     if fmt == "bf16" and not engine_bf16:
         return 0
