@@ -17,18 +17,7 @@ void check_config(const LinearConfig& c) {
   auto bad = [](const std::string& m) { throw std::invalid_argument(m); };
   if (c.n <= 0 || c.k <= 0)
     bad("out_features and in_features must be positive, got " + std::to_string(c.n) + " and " + std::to_string(c.k));
-  if (c.format != WeightFormat::bf16) {
-    const bool per_row = c.format == WeightFormat::int8 && c.group <= 0;
-    if (!per_row && c.group != 32 && c.group != 64 && c.group != 128)
-      bad("group_size must be 32, 64 or 128" +
-          std::string(c.format == WeightFormat::int8 ? " (or 0 for per-row)" : "") + ", got " +
-          std::to_string(c.group));
-  }
-  if (!cpu_features().supports(c.isa))
-    bad(std::string("this CPU cannot run the ") + isa_name(c.isa) + " kernels: " + isa_refusal(c.isa));
-  if (c.amx == AmxMode::native && c.isa != Isa::amx)
-    bad("the native AMX GEMM needs isa amx, got " + std::string(isa_name(c.isa)));
-  if (c.amx_min_tokens < 1) bad("amx_min_tokens must be >= 1, got " + std::to_string(c.amx_min_tokens));
+  check_kernel_choice(c.format, c.group, c.isa, c.amx, c.amx_min_tokens);
 }
 
 // The shape of row block rb alone (its rows of W from row 0): packing and unpacking see one block of a matrix

@@ -2,6 +2,9 @@
 
 #include <immintrin.h>
 
+#include <stdexcept>
+#include <string>
+
 namespace hetmoe {
 
 namespace {
@@ -70,6 +73,21 @@ ReadKernel select_read_kernel(Isa isa) {
   if (isa >= Isa::avx512) return avx512::read_bytes;
   if (isa == Isa::avx2) return avx2::read_bytes;
   return scalar::read_bytes;
+}
+
+void check_kernel_choice(WeightFormat format, int group, Isa isa, AmxMode amx, int amx_min_tokens) {
+  auto bad = [](const std::string& m) { throw std::invalid_argument(m); };
+  if (format != WeightFormat::bf16) {
+    const bool per_row = format == WeightFormat::int8 && group <= 0;
+    if (!per_row && group != 32 && group != 64 && group != 128)
+      bad("group_size must be 32, 64 or 128" + std::string(format == WeightFormat::int8 ? " (or 0 for per-row)" : "") +
+          ", got " + std::to_string(group));
+  }
+  if (!cpu_features().supports(isa))
+    bad(std::string("this CPU cannot run the ") + isa_name(isa) + " kernels: " + isa_refusal(isa));
+  if (amx == AmxMode::native && isa != Isa::amx)
+    bad("the native AMX GEMM needs isa amx, got " + std::string(isa_name(isa)));
+  if (amx_min_tokens < 1) bad("amx_min_tokens must be >= 1, got " + std::to_string(amx_min_tokens));
 }
 
 }  // namespace hetmoe

@@ -22,18 +22,7 @@ static void check_config(const ExpertsConfig& c) {
   if (c.hidden <= 0 || c.intermediate <= 0)
     bad("hidden_size and intermediate_size must be positive, got " + std::to_string(c.hidden) + " and " +
         std::to_string(c.intermediate));
-  if (c.format != WeightFormat::bf16) {
-    bool per_row = c.format == WeightFormat::int8 && c.group <= 0;
-    if (!per_row && c.group != 32 && c.group != 64 && c.group != 128)
-      bad("group_size must be 32, 64 or 128" +
-          std::string(c.format == WeightFormat::int8 ? " (or 0 for per-row)" : "") + ", got " +
-          std::to_string(c.group));
-  }
-  if (!cpu_features().supports(c.isa))
-    bad(std::string("this CPU cannot run the ") + isa_name(c.isa) + " kernels: " + isa_refusal(c.isa));
-  if (c.amx == AmxMode::native && c.isa != Isa::amx)
-    bad("the native AMX GEMM needs isa amx, got " + std::string(isa_name(c.isa)));
-  if (c.amx_min_tokens < 1) bad("amx_min_tokens must be >= 1, got " + std::to_string(c.amx_min_tokens));
+  check_kernel_choice(c.format, c.group, c.isa, c.amx, c.amx_min_tokens);
 }
 
 MoeExperts::MoeExperts(const ExpertsConfig& cfg, std::shared_ptr<ThreadPool> pool) : cfg_(cfg), pool_(std::move(pool)) {
