@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 from hetmoe.engine.placement import EngineOptions
+from hetmoe.engine.rules import yaml_root
 
 RULES = "rules"
 _BOOLS = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False}
@@ -56,16 +57,7 @@ def read(path, types: Mapping[str, Callable] = None) -> dict:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"{source}: cannot read the config file ({err})") from None
-    loader = yaml.SafeLoader(text)
-    try:
-        root = loader.get_single_node()
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        raise ConfigError(f"{source}{f':{line}' if line else ''}: not valid YAML "
-                          f"({getattr(err, 'problem', None) or err})", line) from None
-    finally:
-        loader.dispose()
+    root = yaml_root(text, source, ConfigError)
     if root is None:
         raise ConfigError(f"{source}: the config file is empty (expected a mapping of engine options, e.g. "
                           "'threads: 8')")

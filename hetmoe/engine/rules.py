@@ -147,21 +147,29 @@ def load(path) -> Rules:
     return parse(text, str(path))
 
 
+def yaml_root(text: str, source: str, error: type):
+    """The YAML node tree of ``text`` (None when empty), line numbers kept; ``error(message, line)`` raised, naming
+    ``source:LINE``, for text that is not YAML. Shared with the config files (engine/config_file.py)."""
+    import yaml
+
+    loader = yaml.SafeLoader(text)
+    try:
+        return loader.get_single_node()
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        where = f"{source}:{line}" if line else source
+        raise error(f"{where}: not valid YAML ({getattr(err, 'problem', None) or err})", line) from None
+    finally:
+        loader.dispose()
+
+
 def parse(text: str, source: str = "<rules>") -> Rules:
     """The rules of YAML ``text`` (a list of rules, or a config file's mapping with its ``rules:`` list: the lines
     stay the file's); ``source`` names it in errors."""
     import yaml
 
-    loader = yaml.SafeLoader(text)
-    try:
-        root = loader.get_single_node()
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        where = f"{source}:{line}" if line else source
-        raise RulesError(f"{where}: not valid YAML ({getattr(err, 'problem', None) or err})", line) from None
-    finally:
-        loader.dispose()
+    root = yaml_root(text, source, RulesError)
     if root is None:
         raise RulesError(f"{source}: the rules file is empty (expected a list of rules, each with a match:)")
     if isinstance(root, yaml.MappingNode):  # a --config file (hetmoe/engine/config_file.py): its rules: list
