@@ -20,9 +20,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 
 import torch
+from attention_kernels import timed_us  # bench/device/: the same CUDA-event median
 from torch import nn
 
 from hetmoe.layers import triton_linear
@@ -31,20 +31,6 @@ from hetmoe.layers.gpu_linear import GPULinear, _scaled_mm_fp8, blockwise_scaled
 SHAPES = {"qwen3 qkv": (5120, 2048), "qwen3 o": (2048, 4096), "qwen3 lm_head": (151936, 2048),
           "dsv3 q_b": (24576, 1536), "dsv3 o": (7168, 16384), "dsv3 gate_up": (36864, 7168)}
 L2_FLUSH_BYTES = 512 << 20  # weights per replay: several times the H200's 60 MB L2
-
-
-def median_us(fn, n: int = 30) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def graph_us(fns) -> float:
@@ -59,13 +45,13 @@ def graph_us(fns) -> float:
     with torch.cuda.graph(g):
         for fn in fns:
             fn()
-    return median_us(g.replay) / len(fns)
+    return timed_us(g.replay, 30) / len(fns)
 
 
 def copy_gbps() -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * src.numel() / median_us(lambda: dst.copy_(src), 10) / 1e3
+    return 2 * src.numel() / timed_us(lambda: dst.copy_(src), 10) / 1e3
 
 
 def copies(lin: GPULinear) -> list:
