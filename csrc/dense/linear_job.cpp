@@ -7,6 +7,7 @@
 #include <string>
 
 #include "dense/linear.h"
+#include "dense/sum_order.h"
 #include "formats/activation.h"
 
 namespace hetmoe {
@@ -46,16 +47,11 @@ struct Range {
 };
 
 // x[i] = w[i] * (x[i] / sqrt(mean(x^2) + eps)) for i < k, in fp32 (Hugging Face RMSNorm without its bf16 rounding);
-// the sum of squares in 8 lanes, a fixed order.
+// the sum of squares in PyTorch's order (dense/sum_order.h): bitwise an fp32 model's RMSNorm on an AVX2 PyTorch.
 void rms_norm(float* x, int k, const float* w, float eps) {
-  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int i = 0;
-  for (; i + 8 <= k; i += 8)
-    for (int l = 0; l < 8; ++l) part[l] += x[i + l] * x[i + l];
-  float ss = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-  for (; i < k; ++i) ss += x[i] * x[i];
+  const float ss = sum_squares_torch_order(x, k);
   const float inv = 1.f / std::sqrt(ss / (float)k + eps);
-  for (i = 0; i < k; ++i) x[i] = w[i] * (x[i] * inv);
+  for (int i = 0; i < k; ++i) x[i] = w[i] * (x[i] * inv);
 }
 
 // The tasks of a call of T tokens: row ranges outside, token parts inside (the parts of one row range run at about
