@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "dense/attention.h"
+#include "dense/decode_block.h"
 #include "python/bindings.h"
 
 namespace hetmoe {
@@ -62,6 +63,47 @@ AttentionArgs make_args(const AttentionSpec& s) {
   return a;
 }
 
+// The fused GQA decode block (dense/decode_block.h) as Python describes it; the C++ twin is DecodeBlockArgs.
+struct DecodeBlockSpec {
+  uintptr_t qkv = 0;  // [B, (n_head + 2 n_kv_head) d]
+  int64_t qkv_stride_b = 0;
+  bool qkv_bf16 = false;
+  int B = 0, n_head = 0, n_kv_head = 0, d = 0;
+  uintptr_t q_norm = 0, k_norm = 0;  // fp32 [d] or 0
+  float norm_eps = 1e-6f;
+  uintptr_t cos = 0, sin = 0;  // [B, d]
+  int64_t cs_stride_b = 0;
+  bool cs_bf16 = false;
+  uintptr_t k_cache = 0, v_cache = 0;                           // [rows, cap, n_kv_head, d]
+  std::vector<int64_t> k_strides{0, 0, 0}, v_strides{0, 0, 0};  // (row, position, head)
+  bool kv_bf16 = false;
+  int64_t n_rows = 0, cap = 0;
+  uintptr_t rows = 0, positions = 0;  // [B] int64
+  float scale = 1.0f;
+  uintptr_t out = 0;  // [B, n_head, d]
+  std::vector<int64_t> out_strides{0, 0};
+  bool out_bf16 = false;
+};
+
+DecodeBlockArgs make_block_args(const DecodeBlockSpec& s) {
+  DecodeBlockArgs a;
+  a.qkv = ptr<void>(s.qkv), a.qkv_stride_b = s.qkv_stride_b, a.qkv_bf16 = s.qkv_bf16;
+  a.B = s.B, a.n_head = s.n_head, a.n_kv_head = s.n_kv_head, a.d = s.d;
+  a.q_norm = ptr<const float>(s.q_norm), a.k_norm = ptr<const float>(s.k_norm), a.norm_eps = s.norm_eps;
+  a.cos = ptr<const void>(s.cos), a.sin = ptr<const void>(s.sin), a.cs_stride_b = s.cs_stride_b;
+  a.cs_bf16 = s.cs_bf16;
+  a.k_cache = ptr<void>(s.k_cache), a.v_cache = ptr<void>(s.v_cache), a.kv_bf16 = s.kv_bf16;
+  copy_strides(s.k_strides, a.k_strides, 3, "k_strides");
+  copy_strides(s.v_strides, a.v_strides, 3, "v_strides");
+  a.n_rows = s.n_rows, a.cap = s.cap;
+  a.rows = ptr<const int64_t>(s.rows), a.positions = ptr<const int64_t>(s.positions);
+  a.scale = s.scale;
+  int64_t st[2];
+  copy_strides(s.out_strides, st, 2, "out_strides");
+  a.out = ptr<void>(s.out), a.out_stride_b = st[0], a.out_stride_h = st[1], a.out_bf16 = s.out_bf16;
+  return a;
+}
+
 }  // namespace
 
 void bind_attention(py::module_& m) {
@@ -106,6 +148,29 @@ void bind_attention(py::module_& m) {
       },
       py::arg("pool"), py::arg("spec"), py::call_guard<py::gil_scoped_release>());
   m.def("attention_kernel", &attention_kernel_name);
+
+  py::class_<DecodeBlockSpec> block(m, "DecodeBlockSpec");
+  block.def(py::init([](const py::kwargs& fields) {
+    py::object s = py::cast(DecodeBlockSpec{});
+    for (auto item : fields) py::setattr(s, item.first, item.second);
+    return s.cast<DecodeBlockSpec>();
+  }));
+#define HETMOE_FIELD(name) block.def_readwrite(#name, &DecodeBlockSpec::name);
+  HETMOE_FIELD(qkv)
+  HETMOE_FIELD(qkv_stride_b) HETMOE_FIELD(qkv_bf16) HETMOE_FIELD(B) HETMOE_FIELD(n_head) HETMOE_FIELD(n_kv_head)
+      HETMOE_FIELD(d) HETMOE_FIELD(q_norm) HETMOE_FIELD(k_norm) HETMOE_FIELD(norm_eps) HETMOE_FIELD(cos)
+          HETMOE_FIELD(sin) HETMOE_FIELD(cs_stride_b) HETMOE_FIELD(cs_bf16) HETMOE_FIELD(k_cache) HETMOE_FIELD(v_cache)
+              HETMOE_FIELD(k_strides) HETMOE_FIELD(v_strides) HETMOE_FIELD(kv_bf16) HETMOE_FIELD(n_rows)
+                  HETMOE_FIELD(cap) HETMOE_FIELD(rows) HETMOE_FIELD(positions) HETMOE_FIELD(scale) HETMOE_FIELD(out)
+                      HETMOE_FIELD(out_strides) HETMOE_FIELD(out_bf16)
+#undef HETMOE_FIELD
+                          m.def(
+                              "decode_block",
+                              [](std::shared_ptr<ThreadPool> pool, const DecodeBlockSpec& s) {
+                                const DecodeBlockArgs a = make_block_args(s);
+                                pool->run_and_wait([&a](ThreadPool& p) { decode_block(p, a); });
+                              },
+                              py::arg("pool"), py::arg("spec"), py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace bindings

@@ -117,3 +117,65 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor]
         spec.v, spec.v_strides = v.data_ptr(), list(v.stride()[:3])
     _C.decode_attention((pool or default_pool())._pool, spec)
     return out
+
+
+def _block_check(name: str, t, dims: int, dtypes=DTYPES) -> None:
+    try:
+        _check(name, t, dims, dtypes)
+    except ValueError as e:
+        raise ValueError(str(e).replace("decode_attention:", "decode_block:", 1)) from None
+
+
+def decode_block(qkv: torch.Tensor, n_head: int, n_kv_head: int, cos: torch.Tensor, sin: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, rows, positions, scale: float,
+                 q_norm: Optional[torch.Tensor] = None, k_norm: Optional[torch.Tensor] = None, norm_eps: float = 1e-6,
+                 out: Optional[torch.Tensor] = None, pool: Optional[_pool.ExpertPool] = None) -> torch.Tensor:
+    """The attention block of one GQA decode step in one job (csrc/dense/decode_block.h) -> ``out [B, n_head * D]``.
+
+    ``qkv [B, (n_head + 2 n_kv_head) D]`` (fp32 or bf16, q heads then k heads then v heads: the fused projections'
+    output): per-head RMSNorm of q and k with ``q_norm`` / ``k_norm [D]`` (both or neither, eps ``norm_eps``), RoPE
+    with ``cos`` / the signed ``sin`` rows ``[B, D]`` (hetmoe/layers/rope.py cos_sin, fp32 or bf16), k and v written
+    into ``k_cache`` / ``v_cache [rows, cap, n_kv_head, D]`` (one layer, one dtype) at ``(rows[b], positions[b])``,
+    then decode attention over positions ``<= positions[b]``. The roped q and k overwrite their part of ``qkv``.
+    Rounding as the eager torch ops (bf16: after each op); ``out`` fp32 or qkv's dtype (default qkv's).
+    """
+    _block_check("qkv", qkv, 2)
+    _block_check("cos", cos, 2)
+    _block_check("sin", sin, 2, (cos.dtype,))
+    _block_check("k_cache", k_cache, 4)
+    _block_check("v_cache", v_cache, 4, (k_cache.dtype,))
+    B, width = qkv.shape
+    n_rows, cap, Hkv, D = k_cache.shape
+    if n_kv_head != Hkv or n_head < 1 or n_head % Hkv or width != (n_head + 2 * Hkv) * D:
+        raise ValueError(f"decode_block: qkv [B, {width}] must hold {n_head} q heads (a multiple of the cache's {Hkv} "
+                         f"kv heads) and 2 x {n_kv_head} k/v heads of the cache's head dim {D}")
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"decode_block: v_cache {tuple(v_cache.shape)} must match k_cache {tuple(k_cache.shape)}")
+    if tuple(cos.shape) != (B, D) or tuple(sin.shape) != (B, D) or cos.stride() != sin.stride():
+        raise ValueError(f"decode_block: cos and sin must be [{B}, {D}] with one layout, got {tuple(cos.shape)} and "
+                         f"{tuple(sin.shape)}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("decode_block: q_norm and k_norm come together (or neither)")
+    rows, positions = _index("rows", rows, B), _index("positions", positions, B)
+    if out is None:
+        out = torch.empty(B, n_head * D, dtype=qkv.dtype)
+    else:
+        _block_check("out", out, 2, (torch.float32, qkv.dtype))
+        if tuple(out.shape) != (B, n_head * D):
+            raise ValueError(f"decode_block: out must have shape {(B, n_head * D)}, got {tuple(out.shape)}")
+    bf16 = torch.bfloat16
+    keep = []
+    spec = _C.DecodeBlockSpec(
+        qkv=qkv.data_ptr(), qkv_stride_b=qkv.stride(0), qkv_bf16=qkv.dtype == bf16, B=B, n_head=n_head,
+        n_kv_head=Hkv, d=D, cos=cos.data_ptr(), sin=sin.data_ptr(), cs_stride_b=cos.stride(0),
+        cs_bf16=cos.dtype == bf16, k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
+        k_strides=list(k_cache.stride()[:3]), v_strides=list(v_cache.stride()[:3]), kv_bf16=k_cache.dtype == bf16,
+        n_rows=n_rows, cap=cap, rows=rows.data_ptr(), positions=positions.data_ptr(), scale=float(scale),
+        out=out.data_ptr(), out_strides=[out.stride(0), D], out_bf16=out.dtype == bf16)
+    if q_norm is not None:
+        keep = [w.detach().to(torch.float32).contiguous() for w in (q_norm, k_norm)]
+        if any(w.shape != (D,) for w in keep):
+            raise ValueError(f"decode_block: q_norm and k_norm must be [{D}], got {[tuple(w.shape) for w in keep]}")
+        spec.q_norm, spec.k_norm, spec.norm_eps = keep[0].data_ptr(), keep[1].data_ptr(), float(norm_eps)
+    _C.decode_block((pool or default_pool())._pool, spec)
+    return out

@@ -1,0 +1,129 @@
+// The fused GQA decode block (dense/decode_block.h): q/k norm, RoPE and the cache write of each head row as
+// tasks on the pool, then decode attention. Built without multiply-add contraction (CMakeLists.txt): the fp32
+// RoPE rounds as the eager torch ops do.
+#include "dense/decode_block.h"
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "dense/attention.h"
+#include "dense/sum_order.h"
+
+namespace hetmoe {
+
+namespace {
+
+void fail(const std::string& what) { throw std::invalid_argument("decode_block: " + what); }
+
+inline float bf16_to_f32(uint16_t h) {
+  const uint32_t u = (uint32_t)h << 16;
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+// round to nearest even, NaN kept quiet (as torch's conversion)
+inline uint16_t f32_to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
+}
+
+inline float load(const void* p, bool bf16, int64_t i) {
+  return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+inline void store(void* p, bool bf16, int64_t i, float x) {
+  if (bf16)
+    static_cast<uint16_t*>(p)[i] = f32_to_bf16(x);
+  else
+    static_cast<float*>(p)[i] = x;
+}
+
+// x rounded to the activation dtype (bf16) or kept (fp32): one torch op's output
+inline float rnd(float x, bool bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(x)) : x; }
+
+void check(const DecodeBlockArgs& a) {
+  if (a.B < 0) fail("B must be >= 0, got " + std::to_string(a.B));
+  if (a.n_head < 1 || a.n_kv_head < 1 || a.n_head % a.n_kv_head)
+    fail("n_head (" + std::to_string(a.n_head) + ") must be a positive multiple of n_kv_head (" +
+         std::to_string(a.n_kv_head) + ")");
+  if (a.d < 2 || a.d % 2) fail("the head dim must be even and >= 2 (RoPE rotates halves), got " + std::to_string(a.d));
+  if ((a.q_norm == nullptr) != (a.k_norm == nullptr)) fail("q_norm and k_norm come together");
+  if (a.B == 0) return;
+  if (!a.qkv || !a.cos || !a.sin || !a.k_cache || !a.v_cache || !a.rows || !a.positions || !a.out)
+    fail("qkv, cos, sin, k_cache, v_cache, rows, positions and out must be given");
+  if (a.B > 1 && a.qkv_stride_b < (int64_t)(a.n_head + 2 * a.n_kv_head) * a.d)
+    fail("qkv's rows overlap (row stride " + std::to_string(a.qkv_stride_b) + ")");
+  for (int b = 0; b < a.B; ++b) {
+    if (a.rows[b] < 0 || a.rows[b] >= a.n_rows)
+      fail("rows[" + std::to_string(b) + "] = " + std::to_string(a.rows[b]) + " is outside the cache's " +
+           std::to_string(a.n_rows) + " rows");
+    if (a.positions[b] < 0 || a.positions[b] >= a.cap)
+      fail("positions[" + std::to_string(b) + "] = " + std::to_string(a.positions[b]) + " must be in 0.." +
+           std::to_string(a.cap - 1) + " (the cache's capacity)");
+  }
+}
+
+// One q or k head row of token b in place: norm (weight w or none), then RoPE.
+void rope_row(const DecodeBlockArgs& a, int b, void* row, const float* w, float* x) {
+  const bool bf = a.qkv_bf16;
+  const int d = a.d, half = d / 2;
+  for (int i = 0; i < d; ++i) x[i] = load(row, bf, i);
+  if (w) {  // F.rms_norm: fp32 x * rsqrt(mean(x^2) + eps), in x's dtype; then weight * that in x's dtype
+    const float r = 1.0f / std::sqrt(sum_squares_torch_order(x, d) / (float)d + a.norm_eps);
+    for (int i = 0; i < d; ++i) x[i] = rnd(w[i] * rnd(x[i] * r, bf), bf);
+  }
+  const void* c = static_cast<const uint8_t*>(a.cos) + b * a.cs_stride_b * (a.cs_bf16 ? 2 : 4);
+  const void* s = static_cast<const uint8_t*>(a.sin) + b * a.cs_stride_b * (a.cs_bf16 ? 2 : 4);
+  for (int i = 0; i < d; ++i) {  // x * cos + [x2, x1] * signed sin
+    const float xc = rnd(x[i] * load(c, a.cs_bf16, i), bf);
+    const float xs = rnd(x[i < half ? i + half : i - half] * load(s, a.cs_bf16, i), bf);
+    store(row, bf, i, xc + xs);
+  }
+}
+
+}  // namespace
+
+void decode_block(ThreadPool& pool, const DecodeBlockArgs& a) {
+  check(a);
+  if (a.B == 0) return;
+  const int d = a.d, n_rope = a.n_head + a.n_kv_head, n_row = n_rope + a.n_kv_head;
+  const size_t qe = a.qkv_bf16 ? 2 : 4, ke = a.kv_bf16 ? 2 : 4;
+  // tasks: every head row of every token; q/k rows are normed and roped in place, k/v rows go to the cache
+  pool.parallel_for((int64_t)a.B * n_row, [&](int64_t i, int th) {
+    const int b = (int)(i / n_row), h = (int)(i % n_row);
+    uint8_t* row = static_cast<uint8_t*>(a.qkv) + (b * a.qkv_stride_b + (int64_t)h * d) * qe;
+    float* x = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * d));
+    if (h < n_rope) rope_row(a, b, row, h < a.n_head ? a.q_norm : a.k_norm, x);
+    if (h < a.n_head) return;
+    const bool is_k = h < n_rope;
+    const int kvh = is_k ? h - a.n_head : h - n_rope;
+    const int64_t* st = is_k ? a.k_strides : a.v_strides;
+    void* dst = static_cast<uint8_t*>(is_k ? a.k_cache : a.v_cache) +
+                (a.rows[b] * st[0] + a.positions[b] * st[1] + kvh * st[2]) * ke;
+    if (a.kv_bf16 == a.qkv_bf16) {
+      std::memcpy(dst, row, qe * d);
+    } else {
+      for (int j = 0; j < d; ++j) store(dst, a.kv_bf16, j, load(row, a.qkv_bf16, j));
+    }
+  });
+
+  std::vector<int64_t> lens(a.B);
+  for (int b = 0; b < a.B; ++b) lens[b] = a.positions[b] + 1;
+  AttentionArgs at;
+  at.q = a.qkv, at.q_stride_b = a.qkv_stride_b, at.q_stride_h = d, at.q_bf16 = a.qkv_bf16;
+  at.k1 = a.k_cache, at.v = a.v_cache, at.kv_bf16 = a.kv_bf16;
+  for (int j = 0; j < 3; ++j) at.k1_strides[j] = a.k_strides[j], at.v_strides[j] = a.v_strides[j];
+  at.rows = a.rows, at.lens = lens.data(), at.n_rows = a.n_rows, at.cap = a.cap;
+  at.B = a.B, at.n_head = a.n_head, at.n_kv_head = a.n_kv_head, at.d1 = d, at.dv = d;
+  at.scale = a.scale;
+  at.out = a.out, at.out_stride_b = a.out_stride_b, at.out_stride_h = a.out_stride_h, at.out_bf16 = a.out_bf16;
+  decode_attention(pool, at);
+}
+
+}  // namespace hetmoe
