@@ -21,6 +21,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from hetmoe import cpu
+from hetmoe.engine.cpu_decode import LeanDecode
 from hetmoe.engine.cuda_graph import GraphDecoder
 from hetmoe.engine.loader import LoadedModel, moe_blocks
 from hetmoe.layers.attention import KVCacheFull, Step
@@ -30,9 +31,11 @@ KV_BUCKET = 64
 
 
 class Runner:
-    def __init__(self, loaded: LoadedModel, *, cuda_graph: Optional[bool] = None, kv_mode: Optional[str] = None):
+    def __init__(self, loaded: LoadedModel, *, cuda_graph: Optional[bool] = None, kv_mode: Optional[str] = None,
+                 lean: bool = True):
         """``cuda_graph`` (default: ``loaded.options.cuda_graph``) and ``kv_mode`` ("full" / "bucket", see
-        engine/cuda_graph.py) apply to decode steps on a GPU only."""
+        engine/cuda_graph.py) apply to decode steps on a GPU only. ``lean``: one-token steps on the CPU take the
+        lean decode step (engine/cpu_decode.py) where it covers the model; False keeps them eager."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.plan.device
@@ -58,6 +61,9 @@ class Runner:
         self.reclaim: Optional[Callable[[], bool]] = None  # frees idle slots' caches when the KV memory runs out
         self.lengths = [0] * self.max_batch  # tokens in each slot's cache
         self.vocab_size = loaded.config.vocab_size
+        self.lean: Optional[LeanDecode] = None
+        if self.device.type == "cpu" and lean:
+            self.lean = LeanDecode.build(self.model, self.cache)
         if self.device.type == "cuda":
             self._setup_decoder(loaded.options.cuda_graph if cuda_graph is None else cuda_graph, kv_mode)
 
@@ -112,8 +118,11 @@ class Runner:
         step = Step(positions.to(self.device), slots.to(self.device), kv_len=kv_len,
                     first_slot=first if consecutive else None, start=start)
         layerwise = self.layerwise is not None and self.layerwise.wants(ids.numel())
-        with self.layerwise.prefill() if layerwise else nullcontext():  # the routed experts on the GPU
-            hidden = self.model(ids.to(self.device), step, self.cache)
+        if self.lean is not None and ids.shape[1] == 1 and not layerwise:
+            hidden = self.lean(ids, step.positions, step.slots)
+        else:
+            with self.layerwise.prefill() if layerwise else nullcontext():  # the routed experts on the GPU
+                hidden = self.model(ids.to(self.device), step, self.cache)
         if last is not None:
             hidden = hidden[torch.arange(len(last), device=hidden.device), last.to(hidden.device)]  # [B, H]
         elif last_only:
