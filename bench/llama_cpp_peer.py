@@ -304,6 +304,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=64, help="decode steps (default: 64)")
     ap.add_argument("--hetmoe-dtype", default="bf16", choices=("bf16", "fp32"), help="hetmoe's --dtype (default: bf16)")
     ap.add_argument("--no-hetmoe", action="store_true", help="llama-bench alone")
+    ap.add_argument("--reuse", action="store_true", help="use the --gguf file as it is when it exists (written by "
+                                                           "an earlier run with the same options)")
     ap.add_argument("--write-only", action="store_true", help="write the GGUF file (--gguf) and stop")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="PATH", help="write everything as JSON ('-' = stdout)")
@@ -312,17 +314,24 @@ def main(argv=None) -> int:
         args.prompt_tokens = [int(t) for t in args.prompt_tokens.split(",") if t]
     except ValueError:
         ap.error(f"--prompt-tokens takes a comma list of integers, got {args.prompt_tokens!r}")
-    if args.write_only and not args.gguf:
-        ap.error("--write-only needs --gguf PATH")
+    if (args.write_only or args.reuse) and not args.gguf:
+        ap.error("--write-only and --reuse need --gguf PATH")
     if not args.write_only and not args.llama_bench:
         ap.error("--llama-bench PATH is needed (or --write-only)")
     out = sys.stderr if args.json == "-" else sys.stdout
     log = lambda msg: print(msg, file=out, flush=True)  # noqa: E731
 
+    load_before = os.getloadavg()  # other work on the machine shows here: both engines want the cores to themselves
+    log(f"load average {load_before[0]:.2f} (1 min), {os.cpu_count()} cpus")
     tmp = None if args.gguf else tempfile.mkdtemp(prefix="hetmoe-peer-", dir=os.environ.get("TMPDIR", "/tmp"))
     path = args.gguf or os.path.join(tmp, f"{args.shape}-{args.layers}l-{args.dense_type}.gguf")
     try:
-        written = write_peer_gguf(path, args.shape, args.layers, args.experts_type, args.dense_type, args.seed, log)
+        if args.reuse and os.path.isfile(path):  # written by an earlier run with the same options, we trust
+            written = {"path": path, "bytes": os.path.getsize(path), "reused": True}
+            log(f"reusing {path} ({written['bytes'] / 1e9:.2f} GB)")
+        else:
+            written = write_peer_gguf(path, args.shape, args.layers, args.experts_type, args.dense_type, args.seed,
+                                      log)
         if args.write_only:
             return 0
         llama = run_llama_bench(args.llama_bench, path, args.prompt_tokens, args.decode_tokens, args.threads, log)
@@ -342,10 +351,11 @@ def main(argv=None) -> int:
         f"embedding {EMBED_TYPE}, {args.threads} threads; {cpu_model()}")
     for line in fmt_summary(rows, hetmoe):
         log(line)
+    log(f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after (1 min)")
     if args.json:
         doc = {"machine": {"cpu_model": cpu_model(), "mem_total_gb": mem_total_bytes() / 1e9,
                            "llc_mb": llc_bytes() / (1 << 20), "commit": git_commit(), "date": time.strftime(
-                               "%Y-%m-%dT%H:%M:%S%z")},
+                               "%Y-%m-%dT%H:%M:%S%z"), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
                "config": {k: v for k, v in vars(args).items() if k != "json"}, "gguf": written,
                "llama_cpp": llama, "hetmoe": hetmoe, "summary": rows}
         text = json.dumps(doc, indent=1)
