@@ -16,6 +16,8 @@ namespace hetmoe {
 
 namespace {
 
+constexpr int64_t kParallelValues = 1 << 16;  // head-row values from which the rows are spread over the pool
+
 void fail(const std::string& what) { throw std::invalid_argument("decode_block: " + what); }
 
 inline float bf16_to_f32(uint16_t h) {
@@ -94,11 +96,12 @@ void decode_block(ThreadPool& pool, const DecodeBlockArgs& a) {
   if (a.B == 0) return;
   const int d = a.d, n_rope = a.n_head + a.n_kv_head, n_row = n_rope + a.n_kv_head;
   const size_t qe = a.qkv_bf16 ? 2 : 4, ke = a.kv_bf16 ? 2 : 4;
-  // tasks: every head row of every token; q/k rows are normed and roped in place, k/v rows go to the cache
-  pool.parallel_for((int64_t)a.B * n_row, [&](int64_t i, int th) {
+  // every head row of every token: q/k rows normed and roped in place, k/v rows copied to the cache. A few
+  // thousand values at decode batch sizes: the coordinator alone (waking the workers costs more); spread over the
+  // pool's threads from kParallelValues on (the same result: rows are independent).
+  auto head_row = [&](int64_t i, float* x) {
     const int b = (int)(i / n_row), h = (int)(i % n_row);
     uint8_t* row = static_cast<uint8_t*>(a.qkv) + (b * a.qkv_stride_b + (int64_t)h * d) * qe;
-    float* x = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * d));
     if (h < n_rope) rope_row(a, b, row, h < a.n_head ? a.q_norm : a.k_norm, x);
     if (h < a.n_head) return;
     const bool is_k = h < n_rope;
@@ -111,7 +114,16 @@ void decode_block(ThreadPool& pool, const DecodeBlockArgs& a) {
     } else {
       for (int j = 0; j < d; ++j) store(dst, a.kv_bf16, j, load(row, a.qkv_bf16, j));
     }
-  });
+  };
+  const int64_t n_tasks = (int64_t)a.B * n_row;
+  if (n_tasks * d < kParallelValues) {
+    std::vector<float> x(d);
+    for (int64_t i = 0; i < n_tasks; ++i) head_row(i, x.data());
+  } else {
+    pool.parallel_for(n_tasks, [&](int64_t i, int th) {
+      head_row(i, reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * d)));
+    });
+  }
 
   std::vector<int64_t> lens(a.B);
   for (int b = 0; b < a.B; ++b) lens[b] = a.positions[b] + 1;

@@ -155,22 +155,40 @@ void bind_attention(py::module_& m) {
     for (auto item : fields) py::setattr(s, item.first, item.second);
     return s.cast<DecodeBlockSpec>();
   }));
-#define HETMOE_FIELD(name) block.def_readwrite(#name, &DecodeBlockSpec::name);
-  HETMOE_FIELD(qkv)
-  HETMOE_FIELD(qkv_stride_b) HETMOE_FIELD(qkv_bf16) HETMOE_FIELD(B) HETMOE_FIELD(n_head) HETMOE_FIELD(n_kv_head)
-      HETMOE_FIELD(d) HETMOE_FIELD(q_norm) HETMOE_FIELD(k_norm) HETMOE_FIELD(norm_eps) HETMOE_FIELD(cos)
-          HETMOE_FIELD(sin) HETMOE_FIELD(cs_stride_b) HETMOE_FIELD(cs_bf16) HETMOE_FIELD(k_cache) HETMOE_FIELD(v_cache)
-              HETMOE_FIELD(k_strides) HETMOE_FIELD(v_strides) HETMOE_FIELD(kv_bf16) HETMOE_FIELD(n_rows)
-                  HETMOE_FIELD(cap) HETMOE_FIELD(rows) HETMOE_FIELD(positions) HETMOE_FIELD(scale) HETMOE_FIELD(out)
-                      HETMOE_FIELD(out_strides) HETMOE_FIELD(out_bf16)
-#undef HETMOE_FIELD
-                          m.def(
-                              "decode_block",
-                              [](std::shared_ptr<ThreadPool> pool, const DecodeBlockSpec& s) {
-                                const DecodeBlockArgs a = make_block_args(s);
-                                pool->run_and_wait([&a](ThreadPool& p) { decode_block(p, a); });
-                              },
-                              py::arg("pool"), py::arg("spec"), py::call_guard<py::gil_scoped_release>());
+  block.def_readwrite("qkv", &DecodeBlockSpec::qkv)
+      .def_readwrite("qkv_stride_b", &DecodeBlockSpec::qkv_stride_b)
+      .def_readwrite("qkv_bf16", &DecodeBlockSpec::qkv_bf16)
+      .def_readwrite("B", &DecodeBlockSpec::B)
+      .def_readwrite("n_head", &DecodeBlockSpec::n_head)
+      .def_readwrite("n_kv_head", &DecodeBlockSpec::n_kv_head)
+      .def_readwrite("d", &DecodeBlockSpec::d)
+      .def_readwrite("q_norm", &DecodeBlockSpec::q_norm)
+      .def_readwrite("k_norm", &DecodeBlockSpec::k_norm)
+      .def_readwrite("norm_eps", &DecodeBlockSpec::norm_eps)
+      .def_readwrite("cos", &DecodeBlockSpec::cos)
+      .def_readwrite("sin", &DecodeBlockSpec::sin)
+      .def_readwrite("cs_stride_b", &DecodeBlockSpec::cs_stride_b)
+      .def_readwrite("cs_bf16", &DecodeBlockSpec::cs_bf16)
+      .def_readwrite("k_cache", &DecodeBlockSpec::k_cache)
+      .def_readwrite("v_cache", &DecodeBlockSpec::v_cache)
+      .def_readwrite("k_strides", &DecodeBlockSpec::k_strides)
+      .def_readwrite("v_strides", &DecodeBlockSpec::v_strides)
+      .def_readwrite("kv_bf16", &DecodeBlockSpec::kv_bf16)
+      .def_readwrite("n_rows", &DecodeBlockSpec::n_rows)
+      .def_readwrite("cap", &DecodeBlockSpec::cap)
+      .def_readwrite("rows", &DecodeBlockSpec::rows)
+      .def_readwrite("positions", &DecodeBlockSpec::positions)
+      .def_readwrite("scale", &DecodeBlockSpec::scale)
+      .def_readwrite("out", &DecodeBlockSpec::out)
+      .def_readwrite("out_strides", &DecodeBlockSpec::out_strides)
+      .def_readwrite("out_bf16", &DecodeBlockSpec::out_bf16);
+  m.def(
+      "decode_block",
+      [](std::shared_ptr<ThreadPool> pool, const DecodeBlockSpec& s) {
+        const DecodeBlockArgs a = make_block_args(s);
+        pool->run_and_wait([&a](ThreadPool& p) { decode_block(p, a); });
+      },
+      py::arg("pool"), py::arg("spec"), py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace bindings

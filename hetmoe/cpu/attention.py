@@ -126,6 +126,19 @@ def _block_check(name: str, t, dims: int, dtypes=DTYPES) -> None:
         raise ValueError(str(e).replace("decode_attention:", "decode_block:", 1)) from None
 
 
+class DecodeBlock:
+    """A ``decode_block`` call bound to its buffers (``prepare_decode_block``): ``run()`` as often as needed, their
+    contents may change between runs (a decode loop's fixed buffers: no argument checks or binding per call)."""
+
+    def __init__(self, spec, keep: tuple, out: torch.Tensor, pool: _pool.ExpertPool):
+        self._spec, self._keep, self.out, self.pool = spec, keep, out, pool
+
+    def run(self) -> torch.Tensor:
+        """Runs after the jobs queued on the pool; returns ``out`` when done."""
+        _C.decode_block(self.pool._pool, self._spec)
+        return self.out
+
+
 def decode_block(qkv: torch.Tensor, n_head: int, n_kv_head: int, cos: torch.Tensor, sin: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, rows, positions, scale: float,
                  q_norm: Optional[torch.Tensor] = None, k_norm: Optional[torch.Tensor] = None, norm_eps: float = 1e-6,
@@ -139,6 +152,16 @@ def decode_block(qkv: torch.Tensor, n_head: int, n_kv_head: int, cos: torch.Tens
     then decode attention over positions ``<= positions[b]``. The roped q and k overwrite their part of ``qkv``.
     Rounding as the eager torch ops (bf16: after each op); ``out`` fp32 or qkv's dtype (default qkv's).
     """
+    return prepare_decode_block(qkv, n_head, n_kv_head, cos, sin, k_cache, v_cache, rows, positions, scale, q_norm,
+                                k_norm, norm_eps, out, pool).run()
+
+
+def prepare_decode_block(qkv: torch.Tensor, n_head: int, n_kv_head: int, cos: torch.Tensor, sin: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, rows, positions, scale: float,
+                         q_norm: Optional[torch.Tensor] = None, k_norm: Optional[torch.Tensor] = None,
+                         norm_eps: float = 1e-6, out: Optional[torch.Tensor] = None,
+                         pool: Optional[_pool.ExpertPool] = None) -> DecodeBlock:
+    """``decode_block``'s arguments checked and bound once -> a ``DecodeBlock`` to ``run()``."""
     _block_check("qkv", qkv, 2)
     _block_check("cos", cos, 2)
     _block_check("sin", sin, 2, (cos.dtype,))
@@ -164,7 +187,7 @@ def decode_block(qkv: torch.Tensor, n_head: int, n_kv_head: int, cos: torch.Tens
         if tuple(out.shape) != (B, n_head * D):
             raise ValueError(f"decode_block: out must have shape {(B, n_head * D)}, got {tuple(out.shape)}")
     bf16 = torch.bfloat16
-    keep = []
+    keep = [qkv, cos, sin, k_cache, v_cache, rows, positions, out]
     spec = _C.DecodeBlockSpec(
         qkv=qkv.data_ptr(), qkv_stride_b=qkv.stride(0), qkv_bf16=qkv.dtype == bf16, B=B, n_head=n_head,
         n_kv_head=Hkv, d=D, cos=cos.data_ptr(), sin=sin.data_ptr(), cs_stride_b=cos.stride(0),
@@ -173,9 +196,9 @@ def decode_block(qkv: torch.Tensor, n_head: int, n_kv_head: int, cos: torch.Tens
         n_rows=n_rows, cap=cap, rows=rows.data_ptr(), positions=positions.data_ptr(), scale=float(scale),
         out=out.data_ptr(), out_strides=[out.stride(0), D], out_bf16=out.dtype == bf16)
     if q_norm is not None:
-        keep = [w.detach().to(torch.float32).contiguous() for w in (q_norm, k_norm)]
-        if any(w.shape != (D,) for w in keep):
-            raise ValueError(f"decode_block: q_norm and k_norm must be [{D}], got {[tuple(w.shape) for w in keep]}")
-        spec.q_norm, spec.k_norm, spec.norm_eps = keep[0].data_ptr(), keep[1].data_ptr(), float(norm_eps)
-    _C.decode_block((pool or default_pool())._pool, spec)
-    return out
+        norms = [w.detach().to(torch.float32).contiguous() for w in (q_norm, k_norm)]
+        if any(w.shape != (D,) for w in norms):
+            raise ValueError(f"decode_block: q_norm and k_norm must be [{D}], got {[tuple(w.shape) for w in norms]}")
+        spec.q_norm, spec.k_norm, spec.norm_eps = norms[0].data_ptr(), norms[1].data_ptr(), float(norm_eps)
+        keep += norms
+    return DecodeBlock(spec, tuple(keep), out, pool or default_pool())

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from hetmoe.cpu.attention import decode_block
+from hetmoe.cpu.attention import prepare_decode_block
 from hetmoe.cpu.linear import CPULinear
 from hetmoe.layers.attention import GQAAttention
 from hetmoe.layers.rope import cos_sin
@@ -88,33 +88,58 @@ class LeanDecode:
             if attn.qk_norm_eps is not None:
                 qk = (_norm(attn.q_norm)[0], _norm(attn.k_norm)[0], float(attn.qk_norm_eps))
             self.layers.append((layer, attn, _norm(layer.input_layernorm), qk))
-        self._kv = None  # (cache.version, [(k, v) of each layer]): views rebuilt when the cache grows
+        self._plans, self._plans_version = {}, None  # batch size -> _make_plan's, for one cache allocation
 
     @classmethod
     def build(cls, model, cache) -> Optional["LeanDecode"]:
         """A LeanDecode, or None where it does not apply (the runner stays eager)."""
         return None if why_not(model, cache) else cls(model, cache)
 
-    def _cache_views(self) -> list:
-        if self._kv is None or self._kv[0] != self.cache.version:
-            self._kv = (self.cache.version, [(self.cache.k[i], self.cache.v[i]) for i in range(len(self.layers))])
-        return self._kv[1]
+    def _plan(self, B: int) -> dict:
+        """The buffers and bound calls of a step of B tokens, made once per B (again after the cache grows)."""
+        if self._plans_version != self.cache.version:
+            self._plans, self._plans_version = {}, self.cache.version
+        plan = self._plans.get(B)
+        if plan is None:
+            plan = self._plans[B] = self._make_plan(B)
+        return plan
+
+    def _make_plan(self, B: int) -> dict:
+        weight = self.model.model.embed_tokens.weight  # [vocab, H]
+        dtype, D = weight.dtype, self.cache.head_dim
+        x = torch.empty(B, weight.shape[1], dtype=dtype)  # the residual stream, updated in place by every layer
+        cos, sin = torch.empty(B, D, dtype=dtype), torch.empty(B, D, dtype=dtype)
+        rows, pos = torch.empty(B, dtype=torch.int64), torch.empty(B, dtype=torch.int64)
+        buffers = {}  # shared by the layers (one runs at a time): by shape
+        steps = []
+        for i, (layer, attn, norm, qk) in enumerate(self.layers):
+            qkv_width, out_width = attn.qkv.out_features, attn.n_heads * D
+            qkv = buffers.setdefault(("qkv", qkv_width), torch.empty(B, qkv_width, dtype=dtype))
+            out = buffers.setdefault(("out", out_width), torch.empty(B, out_width, dtype=dtype))
+            q_norm, k_norm, eps = qk if qk else (None, None, 1e-6)
+            block = prepare_decode_block(qkv, attn.n_heads, attn.n_kv, cos, sin, self.cache.k[i], self.cache.v[i],
+                                         rows, pos, D**-0.5, q_norm, k_norm, eps, out=out, pool=attn.qkv.pool)
+            steps.append((layer, attn.qkv.pool, attn.qkv.prepare(x, out=qkv, norm=norm), block, attn.o_proj.pool,
+                          attn.o_proj.prepare(out, out=x, accumulate=True)))
+        return {"x": x, "cos": cos, "sin": sin, "rows": rows, "pos": pos, "steps": steps}
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """ids, positions [B, 1] and slots [B] (the cache reserved for them) -> final-normed hidden [B, 1, H]."""
         inner = self.model.model
-        x = inner.embed_tokens(ids[:, 0])  # [B, H], a fresh tensor: the residual stream, updated in place
-        B = x.shape[0]
-        cos, sin = cos_sin(positions, inner.inv_freq, x.dtype)  # [B, 1, 1, D] each
-        cos, sin = cos.view(B, -1), sin.view(B, -1)
-        pos = positions[:, 0].contiguous()
-        rows = slots.to(torch.int64).contiguous()
-        for (layer, attn, norm, qk), (k, v) in zip(self.layers, self._cache_views()):
-            qkv = attn.qkv(x, norm=norm)  # [B, (Hq + 2 Hkv) D]
-            q_norm, k_norm, eps = qk if qk else (None, None, 1e-6)
-            a = decode_block(qkv, attn.n_heads, attn.n_kv, cos, sin, k, v, rows, pos, attn.head_dim**-0.5,
-                             q_norm, k_norm, eps, pool=attn.qkv.pool)  # [B, Hq D]
-            attn.o_proj(a, out=x, accumulate=True)
+        B = ids.shape[0]
+        plan = self._plan(B)
+        x = plan["x"]
+        torch.index_select(inner.embed_tokens.weight, 0, ids[:, 0], out=x)
+        cos, sin = cos_sin(positions, inner.inv_freq, x.dtype)  # [B, 1, 1, D] each: the model's table
+        plan["cos"].copy_(cos.view(B, -1))
+        plan["sin"].copy_(sin.view(B, -1))
+        plan["pos"].copy_(positions[:, 0])
+        plan["rows"].copy_(slots)
+        for layer, qkv_pool, qkv_job, block, o_pool, o_job in plan["steps"]:
+            qkv_pool.submit(qkv_job)  # qkv = W norm(x)
+            block.run()  # after it on the pool: q/k norm, rope, cache write, attention
+            o_pool.submit(o_job)  # x += o_proj(attention)
+            o_pool.sync()
             x += layer.mlp(layer.post_attention_layernorm(x)[:, None])[:, 0]
         return inner.norm(x)[:, None]

@@ -153,6 +153,24 @@ def test_decode_block_against_torch(dtype, qk_norm, Hq, Hkv, D):
     assert rel(out, ref) <= 1e-5
 
 
+def test_decode_block_spreads_many_rows_over_the_pool():
+    """70 tokens x 8 head rows x 128 (>= 2^16 values): the rows run as pool tasks; the same result as torch."""
+    g = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, D = 70, 4, 2, 128
+    qkv = torch.randn(B, (Hq + 2 * Hkv) * D, generator=g)
+    k_cache, v_cache = torch.randn(2, B, 40, Hkv, D, generator=g)
+    q_norm, k_norm = 1 + 0.1 * torch.randn(2, D, generator=g)
+    rows, positions = torch.arange(B), torch.arange(B) % 40
+    cos, sin = cos_sin(positions[:, None], inv_frequencies(D, 10000.0), torch.float32)
+    cos, sin = cos.view(B, D), sin.view(B, D)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref, ref_q = reference_block(qkv.clone(), Hq, Hkv, cos, sin, ref_k, ref_v, rows, positions, q_norm, k_norm, 1e-6)
+    out = decode_block(qkv, Hq, Hkv, cos, sin, k_cache, v_cache, rows, positions, D**-0.5, q_norm, k_norm, 1e-6)
+    assert rel(qkv.view(B, -1, D)[:, :Hq], ref_q) <= 1e-6 and rel(k_cache, ref_k) <= 1e-6
+    assert torch.equal(v_cache, ref_v)
+    assert rel(out, ref) <= 1e-5
+
+
 def test_decode_block_refuses_bad_input():
     qkv = torch.randn(2, 8 * 16)
     k = torch.zeros(2, 8, 2, 16)
