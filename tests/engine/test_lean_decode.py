@@ -25,10 +25,12 @@ MODELS = {  # qwen3_moe: q/k norm; qwen2_moe: q/k/v bias, a dense MLP layer, a s
 }
 PROMPTS = ([3, 17, 5, 42, 8, 11, 29, 2, 33], [9, 4, 21, 6])
 # Logits of the lean step against the eager one, max |lean - eager| / max |eager| over 3-4 greedy decode steps.
-# MEASURED on AVX2: fp32 0 (bitwise: the engine's norms sum in PyTorch's AVX2 order; another PyTorch build sums in
-# another order, within 1e-5); bf16 <= 8.4e-3 for one sequence, <= 2.4e-2 for the batch of two (the eager path
+# MEASURED on AVX2: fp32 0 (bitwise: the engine's norms sum in PyTorch's AVX2 order). Where PyTorch sums in another
+# order (its AVX-512 kernels), the input norm moves by an ulp and the int16 activation rounding of int8 weights
+# turns that into up to 4.8e-5 (MEASURED here with the engine's own order): the fp32 bound covers it.
+# bf16 <= 8.4e-3 for one sequence, <= 2.4e-2 for the batch of two (the eager path
 # rounds the input norm's output and o_proj's output to bf16 before the residual add; the lean step does not).
-TOL = {"fp32": 1e-5, "bf16": 5e-2}
+TOL = {"fp32": 1e-4, "bf16": 5e-2}
 
 
 def load(path, dtype: str):
