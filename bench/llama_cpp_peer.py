@@ -341,9 +341,14 @@ def main(argv=None) -> int:
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    hetmoe = None if args.no_hetmoe else run_hetmoe(args, log)
-    if hetmoe:
-        log(hetmoe["stdout"].rstrip())
+    hetmoe, hetmoe_error = None, None
+    if not args.no_hetmoe:
+        try:  # llama.cpp's numbers are kept when hetmoe's run fails
+            hetmoe = run_hetmoe(args, log)
+            log(hetmoe["stdout"].rstrip())
+        except RuntimeError as e:
+            hetmoe_error = str(e)
+            log(hetmoe_error)
     rows = summarize(llama, hetmoe, args.prompt_tokens)
     log("")
     log(f"{args.shape}, {args.layers} layers, experts {args.experts_type} = hetmoe "
@@ -357,14 +362,14 @@ def main(argv=None) -> int:
                            "llc_mb": llc_bytes() / (1 << 20), "commit": git_commit(), "date": time.strftime(
                                "%Y-%m-%dT%H:%M:%S%z"), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
                "config": {k: v for k, v in vars(args).items() if k != "json"}, "gguf": written,
-               "llama_cpp": llama, "hetmoe": hetmoe, "summary": rows}
+               "llama_cpp": llama, "hetmoe": hetmoe, "hetmoe_error": hetmoe_error, "summary": rows}
         text = json.dumps(doc, indent=1)
         if args.json == "-":
             print(text)
         else:
             Path(args.json).write_text(text + "\n")
             log(f"wrote {args.json}")
-    return 0
+    return 1 if hetmoe_error else 0
 
 
 if __name__ == "__main__":
