@@ -16,11 +16,11 @@ namespace bindings {
 namespace py = pybind11;
 
 // In module order: a part may use the classes of the parts before it.
-void bind_runtime(py::module_& m);  // python/runtime.cpp: pools, jobs, NUMA topology and subpools, probes
-void bind_stream(py::module_& m);   // python/stream.cpp: stream-ordered submit/sync (host functions, signals)
-void bind_kernels(py::module_& m);  // python/kernels.cpp: the kernels' row ops and task split, for tests
-void bind_experts(py::module_& m);  // python/experts.cpp: MoeExperts, NumaExperts and their jobs
-void bind_linear(py::module_& m);   // python/linear.cpp: DenseLinear and its jobs
+void bind_runtime(py::module_& m);    // python/runtime.cpp: pools, jobs, NUMA topology and subpools, probes
+void bind_stream(py::module_& m);     // python/stream.cpp: stream-ordered submit/sync (host functions, signals)
+void bind_kernels(py::module_& m);    // python/kernels.cpp: the kernels' row ops and task split, for tests
+void bind_experts(py::module_& m);    // python/experts.cpp: MoeExperts, NumaExperts and their jobs
+void bind_linear(py::module_& m);     // python/linear.cpp: DenseLinear and its jobs
 void bind_attention(py::module_& m);  // python/attention.cpp: decode attention over the KV cache
 
 inline WeightFormat format_from_name(const std::string& s) {
