@@ -34,7 +34,7 @@ from hetmoe.bench.long_context import kv_contexts
 from hetmoe.bench.machine import GB, llc_bytes, machine_info, write_json
 from hetmoe.bench.prefill import prefill_paths, time_prefill
 from hetmoe.cli.options import engine_options
-from hetmoe.engine.dense import packed_bytes, plan_dense_format
+from hetmoe.engine.dense import packed_bytes
 from hetmoe.engine.loader import LoadedModel, load_model, moe_blocks
 from hetmoe.engine.placement import EngineOptions, free_ram
 from hetmoe.engine.runner import Runner
@@ -82,7 +82,7 @@ def roofline_bytes(loaded: LoadedModel) -> dict:
         "isa": first.get("isa"), "expert_bytes_per_token": expert_bytes,
         "dense_bytes_per_token": dense if on_cpu else 0, "dense_bytes": dense,
         "bytes_per_token": expert_bytes + (dense if on_cpu else 0),
-        "dense_format": plan_dense_format(loaded.plan, loaded.options),
+        "dense_format": loaded.plan.dense_format,
     }
 
 

@@ -2,7 +2,8 @@
 
 Which linears a dense format applies to, and the swap that packs them once their weights are loaded: attention
 projections (q/k/v fused into one, MLA's q/kv_a fused, q_b, o), shared experts and dense MLPs (gate/up fused, down)
-and lm_head. Routers (``gate``, ``shared_expert_gate``) stay in the model dtype: top-k choices flip on small errors.
+and lm_head. Routers (``gate``, ``shared_expert_gate``) stay in the model dtype: top-k choices flip on small errors
+(on a bf16 CPU placement they run on the engine in its bf16 format, the same weights: see ``pack_dense``).
 MLA's ``kv_b_proj`` stays too: the absorbed decode form reads its per-head slices as weights (layers/attention.py).
 The embedding stays: a token reads one row of it.
 
@@ -106,15 +107,6 @@ def pack_dense(root: nn.Module, fmt: str, device, options=None, dtype=None) -> i
 
 
 def packed_bytes(model: nn.Module) -> int:
-    """Bytes of the packed dense weights in ``model`` (the modules ``pack_dense`` made: they carry a ``format``
-    from the dense format table)."""
-    def packed(m) -> bool:  # CPULinear.format, GPULinear.fmt
-        return any(isinstance(getattr(m, a, None), DenseFormat) for a in ("format", "fmt"))
-
-    return sum(m.nbytes for m in model.modules() if packed(m))
-
-
-def plan_dense_format(plan, options=None) -> str:
-    """The dense format a plan chose (``MemoryPlan.dense_format``); an unresolved "auto" is the dtype (bf16)."""
-    fmt = getattr(plan, "dense_format", None) or getattr(options, "dense_format", "auto")
-    return "bf16" if fmt == "auto" else fmt
+    """Bytes of the packed dense weights in ``model`` (the modules ``pack_dense`` made: CPULinear and GPULinear carry
+    their ``format`` from the dense format table)."""
+    return sum(m.nbytes for m in model.modules() if isinstance(getattr(m, "format", None), DenseFormat))

@@ -34,7 +34,7 @@ from hetmoe.cpu import HYBRID_RESERVED_CORES, CPUExperts, default_threads
 from hetmoe.cpu.numa import resolve_subpools
 from hetmoe.engine.calibration import calibration_text, check_gpu_experts, keep_gpu_experts
 from hetmoe.engine.checkpoint import Checkpoint, CheckpointError, read_config
-from hetmoe.engine.dense import pack_dense, plan_dense_format
+from hetmoe.engine.dense import pack_dense
 from hetmoe.engine.expert_cache import ExpertCache, default_cache_dir
 from hetmoe.engine.memory_plan import model_shapes  # noqa: F401  (tests import it from here)
 from hetmoe.engine.placement import (
@@ -386,7 +386,6 @@ def load_model(
         return caches[key]
     staging = (HostStaging(cfg.hidden_size, cfg.num_experts_per_tok, plan.dtype)
                if plan.device.type == "cuda" and blocks else None)
-    dense_fmt = plan_dense_format(plan, options)
     filler = _Materializer(ckpt, plan)
     filler.fill(model, "")
     layers = model.model.layers
@@ -406,7 +405,7 @@ def load_model(
                         cache.save(i, experts)
                 expert_bytes += experts.nbytes
                 block.attach(experts, staging)
-            pack_dense(layers[i], dense_fmt, plan.device, options, plan.dtype)  # this layer's source freed now
+            pack_dense(layers[i], plan.dense_format, plan.device, options, plan.dtype)  # this layer's source freed now
             ckpt.release()
             bar.update(1)
     ckpt.close()
@@ -415,7 +414,7 @@ def load_model(
     if missing:
         raise CheckpointError(f"{ckpt.path}: tensors were never loaded: {', '.join(missing[:5])}")
     model.fuse_projections()  # q/k/v (and gate/up) as one matmul each; parameters and their names unchanged
-    pack_dense(model, dense_fmt, plan.device, options, plan.dtype)  # what is left: lm_head
+    pack_dense(model, plan.dense_format, plan.device, options, plan.dtype)  # what is left: lm_head
     gpu_experts = keep_gpu_experts(model.eval(), blocks, plan, options, lambda text: load_tokenizer(path).encode(text),
                                    log)
     lw, gpu_prefill = layerwise.setup(layerwise_layers(blocks, plan), plan, options, log)

@@ -71,22 +71,16 @@ def paged_kernels(device) -> bool:
     return True
 
 
-_cpu_decode = None  # hetmoe.cpu.attention.decode_attention once looked up; False where the extension lacks it
-
-
 def cpu_decode(q: torch.Tensor, cache: KVCache):
     """The CPU engine's decode attention (hetmoe/cpu/attention.py) when it applies: one token per sequence over a
-    contiguous CPU cache, fp32 or bf16, the extension built with it. Else None: the torch path."""
-    global _cpu_decode
-    if _cpu_decode is None:
-        from hetmoe import _C
+    contiguous CPU cache, fp32 or bf16. Else None: the torch path."""
+    dtypes = (torch.float32, torch.bfloat16)
+    if not (q.shape[1] == 1 and not cache.paged and cache.device.type == "cpu" and q.device.type == "cpu"
+            and q.dtype in dtypes and cache.dtype in dtypes):
+        return None
+    from hetmoe.cpu.attention import decode_attention
 
-        _cpu_decode = False
-        if hasattr(_C, "decode_attention"):
-            from hetmoe.cpu.attention import decode_attention as _cpu_decode
-    ok = (q.shape[1] == 1 and not cache.paged and cache.device.type == "cpu" and q.device.type == "cpu"
-          and q.dtype in (torch.float32, torch.bfloat16) and cache.dtype in (torch.float32, torch.bfloat16))
-    return _cpu_decode if ok and _cpu_decode else None
+    return decode_attention
 
 
 def attend_cache(q: torch.Tensor, cache: KVCache, layer: int, step: Step, scale: float) -> torch.Tensor:

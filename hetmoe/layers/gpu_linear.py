@@ -194,7 +194,7 @@ class GPULinear(nn.Module):
     def __init__(self, fmt: str, weight: torch.Tensor, scale: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                  in_features: int, sizes: Sequence[int], kernel: Optional[str] = None):
         super().__init__()
-        self.fmt = dense_format(fmt, "cuda")
+        self.format = dense_format(fmt, "cuda")
         self.in_features = in_features
         self.sizes = list(sizes)
         self.out_features = sum(self.sizes)
@@ -281,7 +281,7 @@ class GPULinear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weights this linear multiplies by, fp32 [N, K]."""
-        return dequantize(self.fmt.name, self.weight, self.scale, self.in_features)
+        return dequantize(self.format.name, self.weight, self.scale, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] bf16 -> [..., N] bf16: every packed linear's output side by side."""
@@ -303,7 +303,7 @@ class GPULinear(nn.Module):
         else:
             from hetmoe.layers import triton_linear
 
-            y = triton_linear.linear(x2, self.weight, self.scale, self.bias, self.fmt.name, self.out_features,
+            y = triton_linear.linear(x2, self.weight, self.scale, self.bias, self.format.name, self.out_features,
                                      fp8_bits=self.fp8_bits)
         return y.view(*lead, self.out_features)
 
@@ -312,4 +312,4 @@ class GPULinear(nn.Module):
         return self(x).split(self.sizes, dim=-1)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.sizes}, {self.fmt.name}, kernel={self.kernel}"
+        return f"{self.in_features} -> {self.sizes}, {self.format.name}, kernel={self.kernel}"

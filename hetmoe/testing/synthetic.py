@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from hetmoe.engine.calibration import keep_gpu_experts
-from hetmoe.engine.dense import pack_dense, plan_dense_format
+from hetmoe.engine.dense import pack_dense
 from hetmoe.engine.loader import LoadedModel, build_meta, moe_blocks, new_experts, plan_model
 from hetmoe.engine.placement import EngineOptions
 from hetmoe.engine.rules import defer_layers, layerwise_layers
@@ -349,7 +349,7 @@ def build_random_model(
         f"{f', {options.defer_experts} deferred per token' if options.defer_experts else ''}; {plan.describe()}")
     _fill_random(model, plan.device, plan.dtype, seed, std)
     model.fuse_projections()  # as the loader does
-    pack_dense(model, plan_dense_format(plan, options), plan.device, options, plan.dtype)
+    pack_dense(model, plan.dense_format, plan.device, options, plan.dtype)
     staging = (HostStaging(cfg.hidden_size, cfg.num_experts_per_tok, plan.dtype)
                if plan.device.type == "cuda" and blocks else None)
     expert_bytes = 0

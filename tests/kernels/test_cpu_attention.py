@@ -165,7 +165,8 @@ def test_bad_inputs_raise(name, kwargs, message):
 def decode_logits(model, use_engine: bool, monkeypatch, dtype) -> list:
     """Prefill two sequences of different lengths (one call each), then 6 batched decode steps of given random
     tokens (the same in every run, whatever the logits): the logits of every decode step."""
-    monkeypatch.setattr(attention_layer, "_cpu_decode", None if use_engine else False)
+    if not use_engine:  # the torch path
+        monkeypatch.setattr(attention_layer, "cpu_decode", lambda q, cache: None)
     vocab, gen = model.config.vocab_size, torch.Generator().manual_seed(5)
     cache = model.make_cache(2, 64, dtype=dtype)
     lengths = [7, 20]
