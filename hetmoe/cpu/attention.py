@@ -17,6 +17,7 @@ import torch
 
 from hetmoe import _C
 from hetmoe.cpu import pool as _pool
+from hetmoe.cpu.pool import default_pool
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -24,14 +25,6 @@ DTYPES = (torch.float32, torch.bfloat16)
 def attention_kernel() -> str:
     """Which build of the loops runs on this CPU: ``"avx2"`` or ``"portable"`` (HETMOE_MAX_ISA caps it)."""
     return _C.attention_kernel()
-
-
-def default_pool() -> _pool.ExpertPool:
-    """The pool the engine's experts run on (the first shared pool made in this process), else a new shared one."""
-    with _pool._pools_lock:
-        if _pool._pools:
-            return next(iter(_pool._pools.values()))
-    return _pool.shared_pool()
 
 
 def _check(name: str, t: torch.Tensor, dims: int, dtypes=DTYPES) -> None:

@@ -188,6 +188,14 @@ def shared_pool(threads: Optional[int] = None, numa: NumaOption = "auto") -> Exp
         return _pools[threads, subpools]
 
 
+def default_pool() -> ExpertPool:
+    """The pool the engine's experts run on (the first shared pool made in this process), else a new shared one."""
+    with _pools_lock:
+        if _pools:
+            return next(iter(_pools.values()))
+    return shared_pool()
+
+
 class MoEJob:
     """A prepared call with fixed buffers; submit it as often as needed (the buffers' contents may change)."""
 
