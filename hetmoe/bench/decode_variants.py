@@ -119,7 +119,8 @@ def decode_variants(loaded: LoadedModel, prompt_tokens: int, steps: int, repeats
     known = variant_names(k, n)
     if only is None:
         names = [v for v in known if not v.endswith(TOPK_ON_GPU)]
-    else:
+    else:  # "gpu" without a count names the model's own GPU experts (e.g. a --gpu-experts auto plan's)
+        only = ["+".join(f"gpu{n}" if p == "gpu" else p for p in v.split("+")) for v in only]
         unknown = [v for v in only if v not in known]
         if unknown:
             raise ValueError(f"unknown decode variant {unknown[0]!r} for this model; known: {', '.join(known)}")

@@ -142,6 +142,12 @@ def _build(args, shape: Optional[str], layers: Optional[int], options: EngineOpt
     return build_random_model(shape, layers, options, seed=args.seed, log=log)
 
 
+def gpu_peak(loaded: LoadedModel) -> dict:
+    """The GPU's peak allocation since the last reset, beside the VRAM budget the plan was made for."""
+    budget = loaded.plan.budgets.get("VRAM", (None,))[0]
+    return {"gpu_peak_bytes": torch.cuda.max_memory_allocated(), "gpu_budget_bytes": budget}
+
+
 def fmt_table(records: list, prompts: list) -> list:
     def num(v, spec):
         return format(v, spec) if v is not None else "-"
@@ -211,6 +217,8 @@ def run_e2e_bench(args) -> int:
 
     records = []
     for device in devices:
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         loaded = _build(args, shape, layers, _options(args, device, max_context), log)
         try:
             expert_total = loaded.info.get("expert_bytes", 0)
@@ -251,6 +259,14 @@ def run_e2e_bench(args) -> int:
                         "attention path (triton: paged cache and hetmoe's kernels; sdpa: contiguous cache):")
                     rec["kv_contexts"] = kv_contexts(loaded, args.kv_contexts, min(decode_tokens, 64), args.seed,
                                                      log=say)
+            if device == "cuda":
+                rec.update(gpu_peak(loaded))
+                peak, budget = rec["gpu_peak_bytes"], rec["gpu_budget_bytes"]
+                verdict = ("no VRAM budget in the plan" if budget is None else
+                           f"the plan's VRAM budget: {budget / 2**30:.2f} GiB"
+                           + ("" if peak <= budget else ", OVER THE BUDGET"))
+                say(f"{PLACEMENT[device]}: GPU peak allocated {peak / 2**30:.2f} GiB (torch.cuda.max_memory_allocated "
+                    f"over the load and every timing above); {verdict}")
             # Shared machines' bandwidth drifts over minutes: a second probe after all timings brackets the
             # roofline the rows were measured against.
             rec["stream_gbps_after"] = epool.read_bandwidth(stream_bytes, 5)

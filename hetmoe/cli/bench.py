@@ -112,8 +112,8 @@ def _add_e2e(sub) -> None:
                      "graph + --gpu-experts) and their GPU/CPU time split")
     e2e.add_argument("--variants", type=_name_list, default=None, metavar="NAME,NAME",
                      help="hybrid placement: run only these decode variants, e.g. graph,graph+d6 (names as the table "
-                     "prints them; also the off-by-default switches, e.g. graph+topk-gpu: the top-k on the GPU "
-                     "instead of inside the CPU jobs)")
+                     "prints them; graph+gpu: the model's GPU experts, whatever their count; also the off-by-default "
+                     "switches, e.g. graph+topk-gpu: the top-k on the GPU instead of inside the CPU jobs)")
     e2e.add_argument("--kv-contexts", type=int_list, default=None, metavar="N,N",
                      help="hybrid placement: also time, per attention path (triton / sdpa), graph decode near these "
                      "context lengths (tok/s, GPU part of the step), batch 16 at mixed lengths, and the attention "
