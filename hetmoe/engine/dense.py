@@ -10,13 +10,21 @@ The embedding stays: a token reads one row of it.
 On the CPU a packed linear is the engine's matrix product (hetmoe/cpu/linear.py ``CPULinear``); on a GPU a
 weight-only kernel that dequantizes in its K loop (hetmoe/layers/gpu_linear.py ``GPULinear``). Both take the same
 list of ``nn.Linear`` (one fused matrix of their rows) and offer ``forward(x)`` and ``parts(x)``.
+
+A DeepSeek FP8 checkpoint (e4m3 weights, one ``weight_scale_inv`` per 128 x 128 block) packed in the fp8 format on a
+GPU keeps its own bytes (``FP8Source``): the fp8 format is DeepSeek's layout (codes [N, K] with K zero-padded to a
+multiple of 128, fp32 scales [ceil(N/128), ceil(K/128)], w = code * scale per block), so the codes and scales are
+copied as they are, with no dequantize / re-quantize round trip.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
+from hetmoe.engine.checkpoint import FP8_BLOCK, dequantize_fp8
 from hetmoe.layers.linear import DENSE_FORMATS, DenseFormat, FusedLinears
 
 # Linears left in the model dtype whatever the dense format (see above).
@@ -59,22 +67,132 @@ class PackedPart(nn.Module):
         return self._group[0].parts(x)[self.index]
 
 
+class FP8Source:
+    """The FP8 weights of a checkpoint, kept for the fp8 dense format on a GPU (module docstring).
+
+    The loader offers every packable linear's weight to ``take`` while it fills a layer: a weight stored in e4m3
+    with block scales is not read; the linear gets a placeholder of its shape and the stored views are remembered.
+    ``pack_dense`` then calls ``claim`` for each group it packs (a fused group, or one linear), which returns the
+    stored codes and scales to pack side by side, or None after reading the weights the round-trip way. Every
+    taken weight must be claimed (``weights`` empty after loading)."""
+
+    def __init__(self, ckpt, dtype: torch.dtype, device):
+        self.ckpt, self.dtype, self.device = ckpt, dtype, torch.device(device)
+        self.weights: dict = {}  # nn.Linear -> (checkpoint name, e4m3 [N, K], scale_inv [ceil(N/128), ceil(K/128)])
+        self.kept = 0  # linears packed from the checkpoint's own bytes
+        self.round_trips: dict = {}  # why -> linears dequantized and re-quantized
+
+    @classmethod
+    def of(cls, ckpt, plan) -> Optional[FP8Source]:
+        """The FP8Source of a load placed by ``plan`` (None unless its dense format is fp8 on a GPU)."""
+        return cls(ckpt, plan.dtype, plan.device) if plan.dense_format == "fp8" and plan.device.type == "cuda" else None
+
+    def take(self, module: nn.Module, name: str) -> bool:
+        """Whether the weight ``name`` of linear ``module`` is kept as stored; if so the module's weight is now a
+        placeholder (uninitialised, of its shape) until ``claim``."""
+        get_fp8 = getattr(self.ckpt, "get_fp8", None)  # (a GGUF file has no DeepSeek FP8)
+        if not isinstance(module, nn.Linear) or not name.endswith(".weight") or get_fp8 is None:
+            return False
+        if name.rsplit(".", 2)[-2] in KEEP or name not in self.ckpt:  # (a tied lm_head reads the embedding)
+            return False
+        stored = get_fp8(name)
+        if stored is None:
+            return False
+        if tuple(stored[0].shape) != (module.out_features, module.in_features):
+            return False  # the loader's shape check names it
+        self.weights[module] = (name, *stored)
+        module.weight = nn.Parameter(torch.empty(stored[0].shape, dtype=self.dtype, device=self.device),
+                                     requires_grad=False)
+        return True
+
+    def claim(self, linears: list) -> Optional[tuple]:
+        """(e4m3 weights, scale_invs) of ``linears`` (one group, in order) when all are stored in FP8 and every part
+        but the last is a whole number of 128-row blocks: then the parts' code rows and scale rows, one after the
+        other, are exactly the fused matrix's blocks. Otherwise None, after dequantizing the stored weights into
+        their linears (for the round trip of ``make``) and counting why."""
+        stored = [self.weights.get(lin) for lin in linears]
+        if not any(stored):
+            return None
+        for lin in linears:
+            self.weights.pop(lin, None)
+        why = fp8_parts_why([lin.out_features for lin in linears], [s is not None for s in stored])
+        if not why:
+            self.kept += len(linears)
+            return [s[1] for s in stored], [s[2] for s in stored]
+        self.round_trips[why] = self.round_trips.get(why, 0) + len(linears)
+        for lin, s in zip(linears, stored):
+            if s is not None:
+                w = dequantize_fp8(s[1], s[2], self.dtype, s[0]).to(self.device)
+                lin.weight = nn.Parameter(w, requires_grad=False)
+        return None
+
+    def note(self) -> Optional[str]:
+        """One line on the FP8 weights that took the round trip, and why (None when none did)."""
+        if not self.round_trips:
+            return None
+        whys = "; ".join(f"{n}: {why}" for why, n in self.round_trips.items())
+        return (f"{sum(self.round_trips.values())} FP8 linears were dequantized and re-quantized into fp8 blocks, "
+                f"{self.kept} kept as the checkpoint stores them ({whys})")
+
+    def done(self, log) -> None:
+        """After the last ``pack_dense``: every taken weight was packed (else RuntimeError: a placeholder would be
+        left in the model); the note, if any, to ``log``."""
+        if self.weights:
+            raise RuntimeError(f"FP8 weights kept but never packed: {', '.join(n for n, *_ in self.weights.values())}")
+        if self.note():
+            log(f"hetmoe: note: {self.note()}")
+
+
+def fp8_parts_why(rows: list, stored: list) -> str:
+    """Why linears of ``rows`` output rows each (``stored``: each kept in FP8) cannot be packed side by side from
+    their stored blocks ("" when they can): a part that is not stored in FP8, or a part but the last whose rows
+    end inside a 128-row block (its last scale row would cover rows of the next part, with the next part's
+    scales differing)."""
+    if not all(stored):
+        return "a fused group mixes FP8 and unquantized weights"
+    if any(r % FP8_BLOCK for r in rows[:-1]):
+        return f"a fused group's parts have {rows} rows, not whole {FP8_BLOCK}-row blocks"
+    return ""
+
+
 def _linear_factory(device, options):
     """(list of nn.Linear, format) -> a packed linear module on ``device``."""
     if device.type == "cpu":
         from hetmoe.cpu import CPULinear
 
         kw = {"isa": options.isa, "amx_min_tokens": options.amx_min_tokens} if options is not None else {}
+        if getattr(options, "pool", None) is not None:  # the experts' pool (Transformers path): one set of threads
+            kw["pool"] = options.pool
         return lambda linears, fmt: CPULinear.from_linear(linears, fmt, DENSE_FORMATS[fmt].group, **kw)
     from hetmoe.layers.gpu_linear import GPULinear
 
     return lambda linears, fmt: GPULinear.from_linears(linears, fmt, device)
 
 
-def pack_dense(root: nn.Module, fmt: str, device, options=None, dtype=None) -> int:
+def _packer(device, options, fp8: Optional[FP8Source]):
+    """(list of nn.Linear, format) -> a packed linear module: from the checkpoint's FP8 bytes where ``fp8`` has
+    them (``FP8Source.claim``), else from the linears' weights."""
+    make = _linear_factory(device, options)
+    if fp8 is None:
+        return make
+
+    def pack(linears, fmt):
+        stored = fp8.claim(linears) if fmt == "fp8" else None
+        if stored is None:
+            return make(linears, fmt)
+        from hetmoe.layers.gpu_linear import GPULinear
+
+        bias = [None if lin.bias is None else lin.bias.detach() for lin in linears]
+        return GPULinear.from_fp8(*stored, bias=bias, device=device)
+
+    return pack
+
+
+def pack_dense(root: nn.Module, fmt: str, device, options=None, dtype=None, fp8: Optional[FP8Source] = None) -> int:
     """Packs the dense linears under ``root`` (a decoder layer, or the whole model; see the module docstring) into
     ``fmt`` on ``device``, fusing the layer's projections first (idempotent: packed modules are left alone), and
-    frees their source weights. Returns the bytes of the packed weights made.
+    frees their source weights. Returns the bytes of the packed weights made. ``fp8``: the checkpoint's FP8
+    weights the loader kept (``FP8Source``), packed as they are stored where they can be.
 
     bf16 on a GPU packs nothing (cuBLAS reads bf16). On the CPU with a bf16 ``dtype`` everything goes to the engine,
     bf16 included, and the routers too in bf16: the weights exactly as given, multiplied in fp32, every product of
@@ -86,7 +204,7 @@ def pack_dense(root: nn.Module, fmt: str, device, options=None, dtype=None) -> i
     for module in root.modules():
         if hasattr(module, "fuse_projections") and not hasattr(module, "model"):  # not a CausalLM: its layers
             module.fuse_projections()
-    make = _linear_factory(device, options)
+    make = _packer(device, options, fp8)
     made = 0
     for module in list(root.modules()):
         for attr, group in _fused_groups(module):

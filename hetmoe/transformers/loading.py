@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from hetmoe.transformers import backend
+from hetmoe.transformers import dense as dense_part
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 _PER_EXPERT = re.compile(r"(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.(weight|bias)")
@@ -191,13 +192,15 @@ def _rule_placements(rules, model, modules: dict, dev: torch.device, dtype: torc
 
 def from_pretrained(path, rules=None, experts_format: str = "auto", device: str = "auto",
                     threads: Optional[int] = None, *, group_size: Optional[int] = None, dtype: str = "auto",
-                    isa: str = "auto", numa="auto", log=None):
+                    isa: str = "auto", numa="auto", dense_format: str = "auto", log=None):
     """A ``transformers.PreTrainedModel`` from the checkpoint directory ``path`` whose routed experts run on the
     CPU engine (``experts_format`` bf16 / int8 / int4; auto: the most precise that fits in RAM) and whose other
     modules sit on ``device`` (auto: the GPU when there is one). Experts the engine cannot compute exactly keep
     Transformers' eager implementation on ``device`` (a ``FallbackWarning`` names them). ``rules``: placement
     rules (a YAML file, docs/rules.md, or a ``hetmoe.engine.rules.Rules``): per experts module its format and group,
-    or ``device: cuda`` for Transformers' own experts on the GPU."""
+    or ``device: cuda`` for Transformers' own experts on the GPU. ``dense_format`` (auto / bf16 / int8 / int4, fp8
+    on a GPU): the attention projections, shared experts, dense MLPs and lm_head packed in that format as each
+    layer loads (hetmoe/transformers/dense.py; auto: int8 on the CPU unless the dense part is small)."""
     from transformers import AutoConfig
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, rename_source_key
@@ -224,6 +227,15 @@ def from_pretrained(path, rules=None, experts_format: str = "auto", device: str 
     if torch_dtype != torch.float32:  # built again in that dtype: buffers keep the dtypes the model gives them
         model = build_model(config, torch_dtype)
         modules = {n: m for n, m in model.named_modules() if backend.is_experts_module(m)}
+    dense_fmt, dense_why = dense_part.choose(dense_format, dev, torch_dtype, dense_params)
+    linear_opts = dense_part.linear_options(dev, isa, threads, numa) if dense_fmt != "bf16" else None
+
+    def pack(prefix: str) -> None:  # the dense linears of one decoder layer ("": those outside the layers)
+        if prefix:
+            dense_part.pack_layer(model, prefix, dense_fmt, dev, torch_dtype, linear_opts)
+        else:
+            dense_part.pack_outside_layers(model, dense_fmt, dev, torch_dtype, linear_opts)
+
     placed = _rule_placements(rules, model, modules, dev, torch_dtype) if rules is not None else {}
     on_device = {n for n, p in placed.items() if p.device not in (None, "cpu")}  # Transformers' experts there
     engine_modules, fallback = {}, {}
@@ -313,12 +325,15 @@ def from_pretrained(path, rules=None, experts_format: str = "auto", device: str 
                 backend.attach(module, experts)
             elif any(getattr(module, p).is_meta for p in ("gate_up_proj", "down_proj") if hasattr(module, p)):
                 _assemble(ckpt, src, module, device_of(name + ".gate_up_proj"), torch_dtype, name)
+        for prefix in sorted({dense_part.layer_prefix(t) for t in dense if layer_of(t) == layer}):
+            pack(prefix)  # this layer's float copy freed now
         ckpt.release()
     ckpt.close()
     model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"{path}: tensors never loaded: {', '.join(missing[:5])}")
+    dense_part.pack_rest(model, dense_fmt, dev, torch_dtype, linear_opts)  # a tied lm_head
     for mod in model.modules():  # the buffers computed at build time (RoPE) join the dense part
         for leaf, b in list(mod._buffers.items()):
             if b is not None and b.device != dev:
@@ -327,8 +342,10 @@ def from_pretrained(path, rules=None, experts_format: str = "auto", device: str 
     model.hetmoe_info = {"experts_format": fmt, "group_size": group, "device": dev.type, "dtype": torch_dtype,
                          "engine_modules": sorted(engine_modules), "fallback_modules": dict(fallback),
                          "formats": {n: format_of(n) for n in engine_modules},
-                         "device_modules": {n: placed[n].device for n in sorted(on_device)}}
+                         "device_modules": {n: placed[n].device for n in sorted(on_device)},
+                         "dense_format": dense_fmt, "dense_why": dense_why}
     if log is not None:
         log(f"hetmoe: {type(model).__name__} through Transformers: {len(engine_modules)} experts modules on the CPU "
-            f"engine ({fmt}), {len(fallback)} with Transformers' eager experts; dense part {torch_dtype} on {dev.type}")
+            f"engine ({fmt}), {len(fallback)} with Transformers' eager experts; dense part {torch_dtype} on "
+            f"{dev.type}, its linears {dense_fmt} ({dense_why})")
     return model

@@ -54,6 +54,7 @@ class _Plan:
     experts_format: str
     group_size: int
     max_context: int
+    dense_format: str = "bf16"  # of the dense linears (hetmoe/transformers/dense.py)
 
 
 @dataclass
@@ -183,7 +184,7 @@ class TransformersRunner:
 
 def open_transformers(path, options, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)):
     """(TransformersLoaded, TransformersRunner) of the checkpoint directory ``path`` under EngineOptions
-    ``options`` (device, experts format, group size, threads, ISA, NUMA, dtype, max_batch, max_context,
+    ``options`` (device, experts format, dense format, group size, threads, ISA, NUMA, dtype, max_batch, max_context,
     prefill_chunk; the native runner's deferral, GPU experts and GPU prefill do not apply and are refused)."""
     from hetmoe.engine.placement import EngineOptions
     from hetmoe.transformers.loading import from_pretrained
@@ -195,10 +196,12 @@ def open_transformers(path, options, log: Callable[[str], None] = lambda m: prin
                              "(native model types only)")
     model = from_pretrained(path, getattr(options, "rules", None), experts_format=options.experts_format,
                             device=options.device, threads=options.threads, group_size=options.group_size,
-                            dtype=options.dtype, isa=options.isa, numa=options.numa, log=log)
+                            dtype=options.dtype, isa=options.isa, numa=options.numa,
+                            dense_format=getattr(options, "dense_format", "auto"), log=log)
     info = model.hetmoe_info
     runner = TransformersRunner(model, options.max_batch, options.max_context, options.prefill_chunk)
-    plan = _Plan(runner.device, info["dtype"], info["experts_format"], info["group_size"], runner.max_context)
+    plan = _Plan(runner.device, info["dtype"], info["experts_format"], info["group_size"], runner.max_context,
+                 info["dense_format"])
     from hetmoe.engine.checkpoint import read_config
 
     return TransformersLoaded(model, read_config(Path(path)), plan, options, Path(path), info), runner
