@@ -6,7 +6,8 @@ and releases after each never holds more than one layer of the source in memory.
 
 Every shard header is checked when the checkpoint is opened: a truncated shard, an unknown dtype or a tensor
 whose byte range disagrees with its shape is reported with the file and tensor name before anything loads.
-DeepSeek's FP8 weights (e4m3 with a ``weight_scale_inv`` per 128x128 block) are dequantized by ``get_float``.
+DeepSeek's FP8 weights (e4m3 with a ``weight_scale_inv`` per 128x128 block) are dequantized by ``get_float``, or
+handed over as stored by ``get_fp8`` (the fp8 dense format on a GPU keeps them: hetmoe/engine/dense.py ``FP8Source``).
 """
 
 from __future__ import annotations
@@ -187,6 +188,20 @@ class Checkpoint:
             raise CheckpointError(f"tensor {name} has dtype {t.dtype}; a floating-point weight was expected")
         return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
+    def get_fp8(self, name: str) -> Optional[tuple]:
+        """(e4m3 weight [N, K], its scale_inv [ceil(N/128), ceil(K/128)]) as stored (views of the mapped file) when
+        ``name`` is a DeepSeek FP8 weight (w = weight * scale_inv per 128x128 block); None for a weight stored
+        otherwise (bf16, fp32, e5m2: ``get_float`` reads those)."""
+        e = self._entry(name)
+        if e.dtype != torch.float8_e4m3fn or len(e.shape) != 2:
+            return None
+        scale_name = name + "_scale_inv"
+        if scale_name not in self._entries:
+            raise CheckpointError(f"FP8 tensor {name} has no {scale_name} in {self.path}")
+        scale = self.get(scale_name)
+        check_fp8_scale(e.shape, scale, name)
+        return self.get(name), scale
+
     def release(self) -> None:
         """Drop the mapped pages of every shard from this process's resident memory."""
         for mm in self._maps.values():
@@ -216,9 +231,26 @@ def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype 
     if w.dim() != 2:
         raise CheckpointError(f"FP8 tensor {name or ''} must be 2-D, got shape {tuple(w.shape)}")
     N, K = w.shape
+    check_fp8_scale(w.shape, scale_inv, name)
+    s = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:N].repeat_interleave(FP8_BLOCK, 1)[:, :K]
+    return (w.float() * s).to(dtype)
+
+
+def check_fp8_scale(shape, scale_inv: torch.Tensor, name: Optional[str] = None) -> None:
+    """CheckpointError unless ``scale_inv`` is floating point and has one entry per 128x128 block of ``shape``."""
+    N, K = shape
     want = (-(-N // FP8_BLOCK), -(-K // FP8_BLOCK))
     if tuple(scale_inv.shape) != want:
         raise CheckpointError(f"{name or 'FP8 tensor'}_scale_inv has shape {tuple(scale_inv.shape)}; a [{N}, {K}] "
                               f"weight in 128x128 blocks needs {list(want)}")
-    s = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:N].repeat_interleave(FP8_BLOCK, 1)[:, :K]
-    return (w.float() * s).to(dtype)
+    if not scale_inv.is_floating_point():
+        raise CheckpointError(f"{name or 'FP8 tensor'}_scale_inv has dtype {scale_inv.dtype}; floating point "
+                              "scales were expected")
+
+
+def block_fp8(cfg) -> bool:
+    """Whether ``cfg`` (config.json) says the checkpoint holds DeepSeek's FP8 weights: a quantization_config with
+    quant_method fp8, e4m3 and 128x128 weight blocks."""
+    qc = cfg.get("quantization_config")
+    return (isinstance(qc, dict) and qc.get("quant_method") == "fp8" and qc.get("fmt", "e4m3") == "e4m3"
+            and list(qc.get("weight_block_size") or ()) == [FP8_BLOCK, FP8_BLOCK])

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -33,14 +33,15 @@ from torch import nn
 from hetmoe.cpu import HYBRID_RESERVED_CORES, CPUExperts, default_threads
 from hetmoe.cpu.numa import resolve_subpools
 from hetmoe.engine.calibration import calibration_text, check_gpu_experts, keep_gpu_experts
-from hetmoe.engine.checkpoint import Checkpoint, CheckpointError, read_config
-from hetmoe.engine.dense import pack_dense
+from hetmoe.engine.checkpoint import Checkpoint, CheckpointError, block_fp8, read_config
+from hetmoe.engine.dense import FP8Source, pack_dense
 from hetmoe.engine.expert_cache import ExpertCache, default_cache_dir
 from hetmoe.engine.memory_plan import model_shapes  # noqa: F401  (tests import it from here)
 from hetmoe.engine.placement import (
     EngineOptions,
     LayerPlan,
     MemoryPlan,
+    PlanError,
     choose_plan,
     gib,
     normalize_options,
@@ -120,6 +121,13 @@ def plan_model(model: nn.Module, cfg: ModelConfig, blocks: list, options: Engine
         where = device or resolve_device(options.device)
         layers = apply_native(load_rules(options.rules), model, blocks, where,
                               resolve_dtype(options.dtype, where, shapes.dense_params), shapes.top_k)
+    if options.dense_format == "auto" and block_fp8(cfg) and (device or resolve_device(options.device)).type == "cuda":
+        try:  # a DeepSeek FP8 checkpoint's own weights: exact, half of bf16 (if they fit and run; else auto says why)
+            plan = choose_plan(shapes, replace(options, dense_format="fp8"), layers, device)
+            plan.why["dense weights"] = "auto: the checkpoint's own FP8 weights (exact; half of bf16)"
+            return plan
+        except (PlanError, ValueError):
+            pass
     return choose_plan(shapes, options, layers, device)
 
 
@@ -202,8 +210,8 @@ def _progress(total: int, enabled: bool, desc: str):
 class _Materializer:
     """Copies checkpoint tensors into a meta-built model, module by module."""
 
-    def __init__(self, ckpt: Checkpoint, plan: MemoryPlan):
-        self.ckpt, self.plan = ckpt, plan
+    def __init__(self, ckpt: Checkpoint, plan: MemoryPlan, fp8: Optional[FP8Source] = None):
+        self.ckpt, self.plan, self.fp8 = ckpt, plan, fp8  # fp8: weights kept as stored (dense.FP8Source)
         self.used: set = set()
 
     def fill(self, model: nn.Module, prefix: str) -> None:
@@ -214,7 +222,7 @@ class _Materializer:
             if not prefix and _LAYER.match(mod_name + "."):
                 continue
             for leaf, p in list(module._parameters.items()):
-                if p is not None:
+                if p is not None and not (self.fp8 is not None and self.fp8.take(module, f"{mod_name}.{leaf}")):
                     module._parameters[leaf] = nn.Parameter(self._tensor(f"{mod_name}.{leaf}", p), requires_grad=False)
             persistent = [b for b in module._buffers if b not in module._non_persistent_buffers_set]
             for leaf in persistent:
@@ -386,7 +394,8 @@ def load_model(
         return caches[key]
     staging = (HostStaging(cfg.hidden_size, cfg.num_experts_per_tok, plan.dtype)
                if plan.device.type == "cuda" and blocks else None)
-    filler = _Materializer(ckpt, plan)
+    fp8 = FP8Source.of(ckpt, plan)  # fp8 dense weights on a GPU: a DeepSeek FP8 checkpoint's own (or None)
+    filler = _Materializer(ckpt, plan, fp8)
     filler.fill(model, "")
     layers = model.model.layers
     expert_bytes = 0
@@ -405,7 +414,7 @@ def load_model(
                         cache.save(i, experts)
                 expert_bytes += experts.nbytes
                 block.attach(experts, staging)
-            pack_dense(layers[i], plan.dense_format, plan.device, options, plan.dtype)  # this layer's source freed now
+            pack_dense(layers[i], plan.dense_format, plan.device, options, plan.dtype, fp8)  # its source freed now
             ckpt.release()
             bar.update(1)
     ckpt.close()
@@ -414,7 +423,9 @@ def load_model(
     if missing:
         raise CheckpointError(f"{ckpt.path}: tensors were never loaded: {', '.join(missing[:5])}")
     model.fuse_projections()  # q/k/v (and gate/up) as one matmul each; parameters and their names unchanged
-    pack_dense(model, plan.dense_format, plan.device, options, plan.dtype)  # what is left: lm_head
+    pack_dense(model, plan.dense_format, plan.device, options, plan.dtype, fp8)  # what is left: lm_head
+    if fp8 is not None:
+        fp8.done(log)
     gpu_experts = keep_gpu_experts(model.eval(), blocks, plan, options, lambda text: load_tokenizer(path).encode(text),
                                    log)
     lw, gpu_prefill = layerwise.setup(layerwise_layers(blocks, plan), plan, options, log)
