@@ -282,12 +282,17 @@ def shape_config(shape: Union[str, dict], num_layers: Optional[int] = None) -> M
 _CHUNK = 1 << 24  # elements generated per task (on the CPU, tasks run on all cores)
 
 
-def _fill_random(model: nn.Module, device: torch.device, dtype: torch.dtype, seed: int, std: float) -> None:
+def _fill_random(model: nn.Module, device: torch.device, dtype: torch.dtype, seed: int, std: float,
+                 each_layer: Optional[Callable[[nn.Module], None]] = None) -> None:
     """Give every meta parameter and buffer of ``model`` storage on ``device``, one tensor at a time: parameters
     N(0, std) in ``dtype`` (RMSNorm weights 1), persistent buffers (e.g. e_score_correction_bias) zeros in their
     own dtype, non-persistent buffers (RoPE tables, computed at build time) moved — as the loader does. Each
-    chunk of ``_CHUNK`` elements has its own seeded generator, so the values do not depend on the thread count."""
+    chunk of ``_CHUNK`` elements has its own seeded generator, so the values do not depend on the thread count.
+    ``each_layer(layer)`` runs as soon as a decoder layer is filled (the loader packs each layer's dense weights
+    then, so that the dtype copies of one layer at most are alive)."""
     workers = len(os.sched_getaffinity(0)) if device.type == "cpu" else 1
+    decoder_layers = {id(m) for m in getattr(getattr(model, "model", None), "layers", [])} if each_layer else set()
+    current, inside = None, set()
 
     def normal(t: torch.Tensor, index: int, chunk: int) -> None:
         gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + index) * 4099 + chunk)
@@ -296,6 +301,11 @@ def _fill_random(model: nn.Module, device: torch.device, dtype: torch.dtype, see
     index = 0
     with ThreadPoolExecutor(workers) as pool:
         for module in model.modules():
+            if current is not None and id(module) not in inside:
+                each_layer(current)
+                current = None
+            if id(module) in decoder_layers:
+                current, inside = module, {id(m) for m in module.modules()}
             for leaf, p in list(module._parameters.items()):
                 if p is None:
                     continue
@@ -313,6 +323,8 @@ def _fill_random(model: nn.Module, device: torch.device, dtype: torch.dtype, see
                     module._buffers[leaf] = b.to(device)
                 else:
                     module._buffers[leaf] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+        if current is not None:
+            each_layer(current)
 
 
 def build_random_model(
@@ -347,9 +359,12 @@ def build_random_model(
         f"{f' group {plan.group_size}' if plan.experts_format != 'bf16' else ''}"
         f"{f' and others (rules {options.rules})' if mixed else ''}"
         f"{f', {options.defer_experts} deferred per token' if options.defer_experts else ''}; {plan.describe()}")
-    _fill_random(model, plan.device, plan.dtype, seed, std)
-    model.fuse_projections()  # as the loader does
-    pack_dense(model, plan.dense_format, plan.device, options, plan.dtype)
+    def pack(root):  # as the loader does: each decoder layer as soon as it is filled, then what is left (lm_head)
+        pack_dense(root, plan.dense_format, plan.device, options, plan.dtype)
+
+    _fill_random(model, plan.device, plan.dtype, seed, std, each_layer=pack)
+    model.fuse_projections()
+    pack(model)
     staging = (HostStaging(cfg.hidden_size, cfg.num_experts_per_tok, plan.dtype)
                if plan.device.type == "cuda" and blocks else None)
     expert_bytes = 0

@@ -70,6 +70,30 @@ def test_tiny_qwen3_shape_builds_places_and_runs():
     assert not torch.equal(other.model.lm_head.weight, loaded.model.lm_head.weight)
 
 
+def test_each_decoder_layer_is_handed_over_as_soon_as_it_is_filled():
+    """The builder packs a layer's dense weights before the next layer has storage (as the loader does), so at most
+    one layer's dtype copies are alive besides the packed ones; the values are those of a whole-model fill."""
+    from hetmoe.engine.loader import build_meta
+
+    cfg = synthetic.shape_config(TINY_QWEN3, 3)
+    whole, layered = build_meta(cfg), build_meta(cfg)
+    synthetic._fill_random(whole, torch.device("cpu"), torch.float32, 7, 0.02)
+    seen = []
+
+    def each_layer(layer):
+        i = len(seen)
+        seen.append(layer)
+        assert layer is layered.model.layers[i]
+        assert not any(p.is_meta for p in layer.parameters())
+        later = list(layered.model.layers[i + 1:]) + [layered.lm_head]
+        assert all(p.is_meta for m in later for p in m.parameters())
+
+    synthetic._fill_random(layered, torch.device("cpu"), torch.float32, 7, 0.02, each_layer=each_layer)
+    assert len(seen) == 3
+    a, b = dict(whole.named_parameters()), dict(layered.named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_tiny_deepseek_v3_shape_bf16():
     opts = EngineOptions(device="cpu", experts_format="int4", dtype="bf16", max_context=32)
     loaded = build_random_model(TINY_DSV3, num_layers=3, options=opts, log=lambda m: None)
