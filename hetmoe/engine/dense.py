@@ -89,7 +89,8 @@ class FP8Source:
 
     def take(self, module: nn.Module, name: str) -> bool:
         """Whether the weight ``name`` of linear ``module`` is kept as stored; if so the module's weight is now a
-        placeholder (uninitialised, of its shape) until ``claim``."""
+        placeholder (zeros of its shape, one element expanded: fusing the layer's projections makes a transient
+        copy of a fused group's) until ``claim``."""
         get_fp8 = getattr(self.ckpt, "get_fp8", None)  # (a GGUF file has no DeepSeek FP8)
         if not isinstance(module, nn.Linear) or not name.endswith(".weight") or get_fp8 is None:
             return False
@@ -101,8 +102,8 @@ class FP8Source:
         if tuple(stored[0].shape) != (module.out_features, module.in_features):
             return False  # the loader's shape check names it
         self.weights[module] = (name, *stored)
-        module.weight = nn.Parameter(torch.empty(stored[0].shape, dtype=self.dtype, device=self.device),
-                                     requires_grad=False)
+        placeholder = torch.zeros((), dtype=self.dtype, device=self.device).expand(stored[0].shape)  # no bytes
+        module.weight = nn.Parameter(placeholder, requires_grad=False)
         return True
 
     def claim(self, linears: list) -> Optional[tuple]:
