@@ -4,6 +4,7 @@ implementations, in one run on the same machine and the same dense part (issue 2
     python3 bench/transformers_backend.py                       # qwen3-30b-a3b shape, 4 layers, CPU only
     python3 bench/transformers_backend.py --layers 2 --format int8 --impls grouped_mm,eager --json out.json
     python3 bench/transformers_backend.py --device cuda          # hybrid: dense on the GPU, experts on the CPU
+    python3 bench/transformers_backend.py --dense-format int4    # hetmoe's rows with the dense linears in int4
 
 The model is Transformers' own Qwen3MoeForCausalLM (or the --shape's class) of a real shape with random weights
 (hetmoe/testing/synthetic.py's SHAPES): the dense part and Transformers' experts in --dtype (bf16), the hetmoe
@@ -11,6 +12,10 @@ engine's experts written straight into its packed --format (fill_random). Each c
 greedy loop (a --prompt-token prompt, then --tokens steps of one token, the model's own cache) --repeats times,
 alternating configurations; the median step is reported, and beside it the same step with the routed experts
 skipped ("none"): the difference is the experts' time, shown with the routed weight bytes each step reads.
+
+--dense-format int8|int4 packs the dense linears (attention, lm_head) as ``from_pretrained(dense_format=...)`` does
+(hetmoe/transformers/dense.py) and swaps them in for the hetmoe rows ("hetmoe+int4", "none+int4"); Transformers'
+rows keep the bf16 dense part (the issue's baseline), and "hetmoe" (bf16 dense) shows what the experts alone give.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ class Switch:
         from hetmoe.transformers import backend
 
         self.model, self.backend = model, backend
+        self.swapped = []  # (parent, name, float linear, packed linear) once pack_dense() ran
         self.modules = [m for m in model.modules() if backend.is_experts_module(m)]
         self.params, self.engines = [], []
         for i, m in enumerate(self.modules):
@@ -89,7 +95,21 @@ class Switch:
 
     hybrid = False
 
-    def use(self, impl: str) -> None:
+    def pack_dense(self, fmt: str, threads) -> int:
+        """The dense linears packed in ``fmt`` by the loader's code, kept beside the float ones (``use``'s
+        ``dense``); returns the packed bytes."""
+        from hetmoe.transformers import dense
+
+        before = [(parent, name, child) for parent in self.model.modules() for name, child in parent.named_children()]
+        dev = self.model.get_input_embeddings().weight.device
+        options = dense.linear_options(dev, "auto", threads, "auto")
+        made = dense.pack_rest(self.model, fmt, dev, self.model.dtype, options)
+        self.swapped = [(p, n, c, getattr(p, n)) for p, n, c in before if getattr(p, n) is not c]
+        return made
+
+    def use(self, impl: str, packed_dense: bool = False) -> None:
+        for parent, name, linear, packed in self.swapped:
+            setattr(parent, name, packed if packed_dense else linear)
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
         if impl == NONE:
@@ -144,6 +164,8 @@ def main(argv=None) -> int:
     p.add_argument("--format", default="int4", choices=("bf16", "int8", "int4"), help="hetmoe experts format")
     p.add_argument("--group-size", type=int, default=None)
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="dense part and Transformers' experts")
+    p.add_argument("--dense-format", default="bf16", choices=("bf16", "int8", "int4"),
+                   help="hetmoe's dense linears (Transformers' rows keep --dtype)")
     p.add_argument("--impls", default="grouped_mm,batched_mm,eager",
                    help="Transformers' experts implementations to compare with")
     p.add_argument("--prompt", type=int, default=16)
@@ -160,62 +182,82 @@ def main(argv=None) -> int:
     from hetmoe.engine.placement import DEFAULT_GROUP, expert_bytes
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    fmt, packed = args.dense_format, args.dense_format != "bf16"
+    if packed and args.device == "cuda" and dtype != torch.bfloat16:
+        p.error(f"--dense-format {fmt} on the GPU takes bf16 activations: use --dtype bf16")
     group = DEFAULT_GROUP[args.format] if args.group_size is None else args.group_size
     t0 = time.perf_counter()
     model = build(args.shape, args.layers, dtype)
     switch = Switch(model, args.format, group, args.threads)
     if args.device == "cuda":
         switch.to_gpu()
+    dense_packed = switch.pack_dense(fmt, args.threads) if packed else 0
+    dense_float = sum(lin.weight.nbytes for _, _, lin, _ in switch.swapped)
     build_s = time.perf_counter() - t0
     cfg = model.config
     E, H, I = hetmoe.transformers.backend.expert_shape(switch.modules[0])
     k, n_moe = cfg.num_experts_per_tok, len(switch.modules)
-    impls = [i.strip() for i in args.impls.split(",") if i.strip()] + ["hetmoe", NONE]
-    steps = {i: [] for i in impls}
-    for i in impls:  # warm-up: the first call of each pays one-time initialisation
-        switch.use(i)
+    # row -> (experts implementation, hetmoe's packed dense linears or the float ones)
+    rows = {i.strip(): (i.strip(), False) for i in args.impls.split(",") if i.strip()}
+    rows.update({"hetmoe": ("hetmoe", False), NONE: (NONE, False)})
+    if packed:
+        rows.update({f"hetmoe+{fmt}": ("hetmoe", True), f"none+{fmt}": (NONE, True)})
+    ours = f"hetmoe+{fmt}" if packed else "hetmoe"
+    steps = {r: [] for r in rows}
+    for r, (impl, dense) in rows.items():  # warm-up: the first call of each pays one-time initialisation
+        switch.use(impl, dense)
         decode_steps(model, args.prompt, 2)
     for _ in range(args.repeats):
-        for i in impls:
-            switch.use(i)
-            steps[i] += decode_steps(model, args.prompt, args.tokens)
+        for r, (impl, dense) in rows.items():
+            switch.use(impl, dense)
+            steps[r] += decode_steps(model, args.prompt, args.tokens)
     info = switch.engines[0].info()
-    routed = {i: n_moe * k * (3 * H * I * dtype.itemsize if i != "hetmoe" else expert_bytes(args.format, H, I, group))
-              for i in impls if i != NONE}
-    results = {i: {"ms_per_token": 1e3 * statistics.median(steps[i])} for i in impls}
-    rest = results[NONE]["ms_per_token"]
-    for i in routed:
-        r = results[i]
-        r["tok_s"] = 1e3 / r["ms_per_token"]
-        diff = r["ms_per_token"] - rest  # the step minus the same step without experts (noise can make it <= 0)
-        r["experts_ms"] = diff if diff > 0 else None
-        r["routed_MB_per_token"] = routed[i] / 1e6
-        r["experts_GB_s"] = routed[i] / diff / 1e6 if diff > 0 else None
-    best = min((i for i in routed if i != "hetmoe"), key=lambda i: results[i]["ms_per_token"])
-    speedup = results[best]["ms_per_token"] / results["hetmoe"]["ms_per_token"]
-    ours, theirs = results["hetmoe"]["experts_ms"], results[best]["experts_ms"]
-    experts_speedup = theirs / ours if ours and theirs else None
+    ours_bytes = expert_bytes(args.format, H, I, group)
+    routed = {r: n_moe * k * (ours_bytes if impl == "hetmoe" else 3 * H * I * dtype.itemsize)
+              for r, (impl, _) in rows.items() if impl != NONE}
+    results = {r: {"ms_per_token": 1e3 * statistics.median(steps[r])} for r in rows}
+    for r in routed:
+        res = results[r]
+        rest = results[f"none+{fmt}" if rows[r][1] else NONE]["ms_per_token"]
+        res["tok_s"] = 1e3 / res["ms_per_token"]
+        diff = res["ms_per_token"] - rest  # the step minus the same step without experts (noise can make it <= 0)
+        res["experts_ms"] = diff if diff > 0 else None
+        res["routed_MB_per_token"] = routed[r] / 1e6
+        res["experts_GB_s"] = routed[r] / diff / 1e6 if diff > 0 else None
+    best = min((r for r in routed if rows[r][0] != "hetmoe"), key=lambda r: results[r]["ms_per_token"])
+    speedup = results[best]["ms_per_token"] / results[ours]["ms_per_token"]
+    mine, theirs = results[ours]["experts_ms"], results[best]["experts_ms"]
+    experts_speedup = theirs / mine if mine and theirs else None
     print(f"{args.shape}, {args.layers} layers ({n_moe} MoE, E={E} k={k} H={H} I={I}), dense {args.dtype} on "
           f"{args.device}, "
           f"torch threads {torch.get_num_threads()}, hetmoe {args.format} g{group} on {info.get('isa')} "
           f"({info.get('threads')} threads), OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}; "
           f"built in {build_s:.0f} s; median of {args.repeats}x{args.tokens} steps")
+    if packed:
+        print(f"dense linears read per token: {dense_float / 1e6:.0f} MB in {args.dtype}, {dense_packed / 1e6:.0f} MB "
+              f"in {fmt} (rows +{fmt})")
     print(f"{'experts':<12} {'ms/token':>9} {'tok/s':>7} {'experts ms':>11} {'routed MB/tok':>14} {'GB/s':>6}")
-    for i in routed:
-        r = results[i]
-        ms, gbs = (f"{r['experts_ms']:>11.1f}", f"{r['experts_GB_s']:>6.2f}") if r["experts_ms"] else ("n/a", "n/a")
-        print(f"{i:<12} {r['ms_per_token']:>9.1f} {r['tok_s']:>7.2f} {ms:>11} {r['routed_MB_per_token']:>14.1f} "
+    for r in routed:
+        res = results[r]
+        ms, gbs = (f"{res['experts_ms']:>11.1f}", f"{res['experts_GB_s']:>6.2f}") if res["experts_ms"] else \
+            ("n/a", "n/a")
+        print(f"{r:<12} {res['ms_per_token']:>9.1f} {res['tok_s']:>7.2f} {ms:>11} {res['routed_MB_per_token']:>14.1f} "
               f"{gbs:>6}")
-    print(f"{'(none)':<12} {rest:>9.1f} {1e3 / rest:>7.2f}   the same step with the routed experts skipped")
+    for r in (r for r in rows if rows[r][0] == NONE):
+        rest = results[r]["ms_per_token"]
+        print(f"({r}){'':<{10 - len(r)}} {rest:>9.1f} {1e3 / rest:>7.2f}   the same step with the routed experts "
+              f"skipped{f', dense {fmt}' if rows[r][1] else ''}")
     share = (f"{experts_speedup:.2f}x in the routed experts" if experts_speedup else
              "the experts' share not measurable (the step without experts was no faster: a noisy machine)")
-    print(f"hetmoe ({args.format}) vs Transformers' best ({best}, {args.dtype}): {speedup:.2f}x per decode step, "
-          f"{share}")
+    dense_note = f", dense {fmt}" if packed else ""
+    print(f"hetmoe ({args.format}{dense_note}) vs Transformers' best ({best}, {args.dtype}): {speedup:.2f}x per decode "
+          f"step, {share}")
     if args.json:
         report = {"args": vars(args), "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
                   "cpu": {k_: v for k_, v in cpu_info().items() if isinstance(v, (str, int))},
                   "engine": {k_: v for k_, v in info.items() if isinstance(v, (str, int, float))},
-                  "results": results, "best_transformers": best, "speedup": speedup,
+                  "results": results, "best_transformers": best, "hetmoe_row": ours, "speedup": speedup,
+                  "dense_bytes": {args.dtype: dense_float, fmt: dense_packed} if packed else None,
                   "experts_speedup": experts_speedup}
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0
