@@ -136,6 +136,43 @@ def test_fp8_packed_modules_hold_the_checkpoint_bytes(fp8_ckpts, layer):
     assert kv_b.dtype == torch.bfloat16 and torch.equal(kv_b, want)
 
 
+def test_load_model_keeps_the_bytes(fp8_ckpts, monkeypatch):
+    """load_model's wiring (FP8Source.of, the fill, both pack_dense calls, done) on a CPU that stands in for the GPU:
+    the plan's fp8 forced, GPULinear built on the CPU (its fp32 reference path) instead of the CPU engine."""
+    from hetmoe.engine import loader, placement
+    from hetmoe.engine.runner import Runner
+
+    path = fp8_ckpts["exact"]
+    opts = EngineOptions(device="cpu", dtype="bf16", experts_format="bf16", max_context=64, dense_format="bf16")
+
+    def logits(loaded):
+        runner = Runner(loaded)
+        out = [runner.prefill([3, 17, 5, 42, 8, 11, 29, 2, 33]).reshape(1, -1).float()]
+        return torch.cat(out + [runner.decode(t).reshape(1, -1).float() for t in (7, 19, 4)])
+
+    ref = logits(loader.load_model(path, opts, expert_cache=None, progress=False, log=lambda m: None))
+    monkeypatch.setattr(placement, "choose_dense", lambda *a, **k: ("fp8", "forced"))
+    monkeypatch.setattr(FP8Source, "of", classmethod(lambda cls, ckpt, plan: cls(ckpt, plan.dtype, plan.device)))
+    monkeypatch.setattr(dense, "_linear_factory",
+                        lambda device, options: lambda linears, fmt: GPULinear.from_linears(linears, fmt, device))
+    notes = []
+    loaded = loader.load_model(path, opts, expert_cache=None, progress=False, log=notes.append)
+    assert loaded.plan.dense_format == "fp8" and not [n for n in notes if "note:" in n]
+    files = file_tensors(path)
+    sources = packed_sources(loaded.model.model.layers)
+    assert len(sources) == 15
+    for name, names in sources.items():
+        m = loaded.model.model.layers.get_submodule(name)
+        layer = name.split(".")[0]
+        keys = [f"model.layers.{layer}.{n.split('.', 1)[1]}.weight" for n in names]
+        codes = torch.cat([files[k].view(torch.uint8) for k in keys])
+        assert torch.equal(m.weight.view(torch.uint8)[:, :codes.shape[1]], codes), name
+        assert torch.equal(m.scale, torch.cat([files[k + "_scale_inv"] for k in keys])), name
+    # the same weights as the bf16 model but lm_head (quantized from bf16): MEASURED 3.6e-2 on these logits
+    err = ((logits(loaded) - ref).abs().max() / ref.abs().max()).item()
+    assert err <= 0.1, err
+
+
 def test_a_fused_group_straddling_a_block_takes_the_round_trip(fp8_ckpts, monkeypatch):
     path = fp8_ckpts["straddle"]
     packed, src = fill_and_pack(path, 0, monkeypatch)
