@@ -11,14 +11,25 @@
 //   int4: kpl = 8   byte b holds k = 8j+b in its low nibble and k = 8j+4+b in its high nibble, stored as
 //                   unsigned (q + 8), q in [-8, 7]
 //
+// Scaling (int8/int4) is symmetric (above: value = scale * q) or affine (GGUF's K-quants): value = scale * u - min
+// with u the stored byte / nibble itself (int8: 0..255, int4: 0..15; no implied offset) and one fp32 min per
+// (row, group) beside the scale. Kernels undo both forms with the activation's per-group element sum:
+//     symmetric: acc = fma(float(isum - offset * xsum), scale * x_scale, acc)                (offset 128 / 8)
+//     affine:    acc = fma(float(isum), scale * x_scale, acc); acc = fma(float(-xsum), min * x_scale, acc)
+// in that order on every ISA, so every path of one format gives the same bits.
+//
 // A line is one 512-bit register (16 rows x 32 bits): the layout AVX-512 VNNI/BF16 dot products and the AMX
 // B-tile format (16 lines = one 1 KB tile) read directly, so no kernel repacks at run time.
 //
 // K is zero-padded to a multiple of the group size (bf16 uses 32), N to a multiple of 16. Padding is zero in
-// value (128 for int8, 8 for int4) so it contributes nothing to dot products.
+// value (128 for int8, 8 for int4; affine: code 0 with scale and min 0 in padded rows, and padded K meets zero
+// activations) so it contributes nothing to dot products.
 //
 // Scales (int8/int4) live apart from the lines, one fp32 per (row, group), laid out [row block][group][16 rows],
-// so the 16 scales a kernel needs at the end of a group are one contiguous 64-byte vector.
+// so the 16 scales a kernel needs at the end of a group are one contiguous 64-byte vector. Affine blocks hold
+// their mins right after their scales, in the same [group][16 rows] order.
+//
+// Groups: 32, 64 or 128 elements of K (int8 also 16, for GGUF's Q6_K, or per row).
 //
 // Activations are quantized once per layer into "activation rows" (ActRow below) whose element type follows
 // the weight format: fp32 for bf16 weights, int16 for int8 weights, int8 for int4 weights, each with one fp32
@@ -31,6 +42,9 @@
 namespace hetmoe {
 
 enum class WeightFormat : int { bf16 = 0, int8 = 1, int4 = 2 };
+
+// How int8/int4 codes become values (see the top of this file). bf16 ignores it.
+enum class Scaling : int { symmetric = 0, affine = 1 };
 
 // Bumped whenever the packed bytes of any format change: converted-expert caches of another version are rebuilt.
 constexpr int kLayoutVersion = 1;
@@ -61,12 +75,14 @@ struct MatrixShape {
   int kp;        // K padded to the group size
   int n_blocks;  // row blocks of 16
   bool per_row;  // int8 only: one scale per row, stored repeated in every group of 128
+  Scaling scaling;
 
-  // group <= 0 with int8 means per-row scales.
-  static MatrixShape make(WeightFormat f, int n, int k, int group) {
+  // group <= 0 with int8 means per-row scales (symmetric only).
+  static MatrixShape make(WeightFormat f, int n, int k, int group, Scaling scaling = Scaling::symmetric) {
     MatrixShape s;
     s.per_row = f == WeightFormat::int8 && group <= 0;
     if (s.per_row) group = 128;
+    s.scaling = f == WeightFormat::bf16 ? Scaling::symmetric : scaling;
     s.format = f;
     s.n = n;
     s.k = k;
@@ -80,7 +96,9 @@ struct MatrixShape {
   size_t block_bytes() const { return (size_t)lines_per_block() * kLineBytes; }
   size_t data_bytes() const { return block_bytes() * n_blocks; }
   bool has_scales() const { return format != WeightFormat::bf16; }
-  size_t block_scales() const { return has_scales() ? (size_t)n_groups() * kRowsPerBlock : 0; }  // floats
+  bool affine() const { return scaling == Scaling::affine; }
+  // floats of one block's scales (and, affine, its mins after them)
+  size_t block_scales() const { return has_scales() ? (size_t)n_groups() * kRowsPerBlock * (affine() ? 2 : 1) : 0; }
   size_t scale_bytes() const { return block_scales() * n_blocks * sizeof(float); }
 };
 
@@ -90,6 +108,18 @@ struct RowBlock {
   const float* scales;  // [n_groups][16] or nullptr for bf16
   int kp;
   int group;
+  const float* mins = nullptr;  // affine: [n_groups][16] (right after the scales); symmetric: nullptr
+
+  // The block of shape s whose data and scales (s.block_scales() floats) start at these addresses.
+  static RowBlock at(const MatrixShape& s, const uint8_t* data, const float* scales) {
+    RowBlock b;
+    b.data = data;
+    b.scales = s.has_scales() ? scales : nullptr;
+    b.kp = s.kp;
+    b.group = s.group;
+    b.mins = s.affine() ? scales + (size_t)s.n_groups() * kRowsPerBlock : nullptr;
+    return b;
+  }
 };
 
 // Activation row for one token: [kp] elements, then per group one fp32 scale and one int32 sum.

@@ -78,38 +78,47 @@ float choose_int4_scale(const float* src, int n, int8_t* q) {
   return best_s;
 }
 
-// Writes the codes of elements [k0, k0 + n) of one row (int8: q + 128 per byte; int4: q + 8 per nibble) into its
-// lines; dst points at the row's 4 bytes of line 0.
-inline void put_codes(WeightFormat f, uint8_t* dst, int k0, int n, const int8_t* codes) {
+// Writes the codes of elements [k0, k0 + n) of one row (stored as code + offset: int8 symmetric 128, int4
+// symmetric 8, affine 0) into its lines; dst points at the row's 4 bytes of line 0.
+inline void put_codes(WeightFormat f, uint8_t* dst, int k0, int n, const int8_t* codes, int offset) {
   for (int i = 0; i < n; ++i) {
     int k = k0 + i;
     if (f == WeightFormat::int8) {
-      dst[(size_t)(k / 4) * kLineBytes + k % 4] = (uint8_t)(codes[i] + 128);
+      dst[(size_t)(k / 4) * kLineBytes + k % 4] = (uint8_t)(codes[i] + offset);
     } else {
       int j = k % 8;
       uint8_t* p = dst + (size_t)(k / 8) * kLineBytes + j % 4;
-      uint8_t u = (uint8_t)(codes[i] + 8);
+      uint8_t u = (uint8_t)(codes[i] + offset);
       *p = j >= 4 ? (uint8_t)((*p & 0x0f) | (u << 4)) : (uint8_t)((*p & 0xf0) | u);
     }
   }
 }
 
+// The stored offset of a symmetric code (layout.h); affine codes are stored as they are.
+inline int code_offset(const MatrixShape& s) {
+  if (s.affine()) return 0;
+  return s.format == WeightFormat::int8 ? 128 : 8;
+}
+
 inline void clear_block(const MatrixShape& s, uint8_t* data, float* scales) {
   const WeightFormat f = s.format;
-  const uint8_t zero = f == WeightFormat::int8 ? 128 : (f == WeightFormat::int4 ? 0x88 : 0);
+  const uint8_t zero = s.affine() ? 0 : f == WeightFormat::int8 ? 128 : (f == WeightFormat::int4 ? 0x88 : 0);
   std::memset(data, zero, s.block_bytes());
   if (s.has_scales()) std::memset(scales, 0, s.block_scales() * sizeof(float));
 }
 
 }  // namespace
 
-bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* group_scales, int rb, uint8_t* data,
-                          float* scales) {
+bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* group_scales, const float* group_mins,
+                          int rb, uint8_t* data, float* scales) {
   const WeightFormat f = s.format;
-  if (f == WeightFormat::bf16 || s.per_row) return false;
+  if (f == WeightFormat::bf16 || s.per_row || (s.affine() && !group_mins)) return false;
   clear_block(s, data, scales);
-  const int lo = f == WeightFormat::int8 ? -127 : -8, hi = f == WeightFormat::int8 ? 127 : 7;
+  const int off = code_offset(s);
+  const int lo = s.affine() ? 0 : f == WeightFormat::int8 ? -127 : -8;
+  const int hi = f == WeightFormat::int8 ? 127 : s.affine() ? 15 : 7;
   const int ng = s.n_groups();
+  float* mins = scales + (size_t)ng * kRowsPerBlock;  // affine only
   for (int r = 0; r < kRowsPerBlock; ++r) {
     int row = rb * kRowsPerBlock + r;
     if (row >= s.n) break;
@@ -120,18 +129,23 @@ bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* gr
     uint8_t* dst = data + 4 * r;  // this row's 4 bytes of line 0; a line is kLineBytes further
     if (f == WeightFormat::int8) {
       for (int j = 0; j < s.k / 4; ++j)
-        for (int b = 0; b < 4; ++b) dst[(size_t)j * kLineBytes + b] = (uint8_t)(src[4 * j + b] + 128);
-      put_codes(f, dst, s.k / 4 * 4, s.k % 4, src + s.k / 4 * 4);
+        for (int b = 0; b < 4; ++b) dst[(size_t)j * kLineBytes + b] = (uint8_t)(src[4 * j + b] + off);
+      put_codes(f, dst, s.k / 4 * 4, s.k % 4, src + s.k / 4 * 4, off);
     } else {  // byte b of line j: k = 8j + b in the low nibble, 8j + 4 + b in the high one
       for (int j = 0; j < s.k / 8; ++j)
         for (int b = 0; b < 4; ++b)
-          dst[(size_t)j * kLineBytes + b] = (uint8_t)((src[8 * j + b] + 8) | ((src[8 * j + 4 + b] + 8) << 4));
-      put_codes(f, dst, s.k / 8 * 8, s.k % 8, src + s.k / 8 * 8);
+          dst[(size_t)j * kLineBytes + b] = (uint8_t)((src[8 * j + b] + off) | ((src[8 * j + 4 + b] + off) << 4));
+      put_codes(f, dst, s.k / 8 * 8, s.k % 8, src + s.k / 8 * 8, off);
     }
     for (int g = 0; g < ng; ++g) {
       float sc = group_scales[(size_t)row * ng + g];
       if (!std::isfinite(sc)) return false;
       scales[(size_t)g * kRowsPerBlock + r] = sc;
+      if (s.affine()) {
+        float mn = group_mins[(size_t)row * ng + g];
+        if (!std::isfinite(mn)) return false;
+        mins[(size_t)g * kRowsPerBlock + r] = mn;
+      }
     }
   }
   return true;
@@ -160,7 +174,15 @@ void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data,
       int k0 = g * s.group, n = std::min(s.group, s.k - k0);
       if (n <= 0) break;
       float scale;
-      if (f == WeightFormat::int8) {
+      if (s.affine()) {  // min/max over the group (with 0), codes 0..qmax
+        float lo = 0.f, hi = 0.f;
+        for (int i = 0; i < n; ++i) lo = std::fmin(lo, src[k0 + i]), hi = std::fmax(hi, src[k0 + i]);
+        const float qmax = f == WeightFormat::int8 ? 127.f : 15.f;
+        scale = (hi - lo) / qmax;
+        const float inv = scale > 0.f ? 1.f / scale : 0.f;
+        for (int i = 0; i < n; ++i) codes[i] = (int8_t)clampf(round_even((src[k0 + i] - lo) * inv), 0.f, qmax);
+        scales[(size_t)(s.n_groups() + g) * kRowsPerBlock + r] = -lo;
+      } else if (f == WeightFormat::int8) {
         float amax = row_amax;
         if (!s.per_row)
           for (int i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(src[k0 + i]));
@@ -170,7 +192,7 @@ void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data,
       } else {
         scale = choose_int4_scale(src + k0, n, codes);
       }
-      put_codes(f, dst, k0, n, codes);
+      put_codes(f, dst, k0, n, codes, code_offset(s));
       scales[(size_t)g * kRowsPerBlock + r] = scale;
     }
   }
@@ -190,9 +212,12 @@ void unpack_row_block(const MatrixShape& s, const uint8_t* data, const float* sc
         std::memcpy(&v, p, 2);
         dst[k] = bf16_to_float(v);
       } else {
-        float sc = scales[(size_t)(k / s.group) * kRowsPerBlock + r];
-        int q = f == WeightFormat::int8 ? (int)*p - 128 : (int)((*p >> (4 * nib)) & 0x0f) - 8;
-        dst[k] = (float)q * sc;
+        const size_t gi = (size_t)(k / s.group) * kRowsPerBlock + r;
+        const int u = f == WeightFormat::int8 ? (int)*p : (int)((*p >> (4 * nib)) & 0x0f);
+        if (s.affine())  // two roundings, as gguf's dequantization: fl(fl(scale * u) - min)
+          dst[k] = (float)u * scales[gi] - scales[(size_t)s.n_groups() * kRowsPerBlock + gi];
+        else
+          dst[k] = (float)(u - code_offset(s)) * scales[gi];
       }
     }
   }

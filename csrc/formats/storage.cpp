@@ -61,7 +61,10 @@ void fill_random_block(const MatrixShape& s, int rb, uint64_t seed, const Random
       }
     }
   }
-  for (size_t i = 0; i < s.block_scales(); ++i) scales[i] = fill.scale;
+  // affine: the same bytes read as u with min = scale * 128 (int8) / 8 (int4) give the symmetric values again
+  const size_t n_scales = (size_t)s.n_groups() * kRowsPerBlock;
+  for (size_t i = 0; i < s.block_scales(); ++i)
+    scales[i] = i < n_scales ? fill.scale : fill.scale * (s.format == WeightFormat::int8 ? 128.f : 8.f);
 }
 
 uint64_t storage_checksum(ThreadPool& pool, const std::vector<std::pair<uint8_t*, size_t>>& ranges) {

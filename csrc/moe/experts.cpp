@@ -23,13 +23,23 @@ static void check_config(const ExpertsConfig& c) {
     bad("hidden_size and intermediate_size must be positive, got " + std::to_string(c.hidden) + " and " +
         std::to_string(c.intermediate));
   check_kernel_choice(c.format, c.group, c.isa, c.amx, c.amx_min_tokens);
+  if (c.down_group != 0) check_kernel_choice(c.format, c.down_group, c.isa, c.amx, c.amx_min_tokens);
+  const bool affine = c.gate_up_scaling == Scaling::affine || c.down_scaling == Scaling::affine;
+  if (affine && c.format == WeightFormat::bf16) bad("affine scaling needs int8 or int4 weights, got bf16");
+  if ((c.gate_up_scaling == Scaling::affine && c.group <= 0) ||
+      (c.down_scaling == Scaling::affine && (c.down_group != 0 ? c.down_group : c.group) <= 0))
+    bad("affine scaling needs a group size (not per-row scales)");
+  if (c.down_group != 0 && (c.group <= 0 || c.down_group < 0))
+    bad("down_group_size needs grouped scales for gate/up too, got group_size " + std::to_string(c.group) +
+        " and down_group_size " + std::to_string(c.down_group));
 }
 
 MoeExperts::MoeExperts(const ExpertsConfig& cfg, std::shared_ptr<ThreadPool> pool) : cfg_(cfg), pool_(std::move(pool)) {
   check_config(cfg_);
   if (cfg_.intermediate_full <= 0) cfg_.intermediate_full = cfg_.intermediate;
-  gu_ = MatrixShape::make(cfg_.format, cfg_.intermediate, cfg_.hidden, cfg_.group);
-  down_ = MatrixShape::make(cfg_.format, cfg_.hidden, cfg_.intermediate, cfg_.group);
+  if (cfg_.down_group == 0) cfg_.down_group = cfg_.group;
+  gu_ = MatrixShape::make(cfg_.format, cfg_.intermediate, cfg_.hidden, cfg_.group, cfg_.gate_up_scaling);
+  down_ = MatrixShape::make(cfg_.format, cfg_.hidden, cfg_.intermediate, cfg_.down_group, cfg_.down_scaling);
   gu_act_ = ActLayout::make(gu_);
   down_act_ = ActLayout::make(down_);
   // per-row int8 on AMX: x in one group per token, h in groups of amx_row_group(I) (layout.h)
@@ -82,23 +92,14 @@ int MoeExperts::n_loaded() const { return (int)std::count(loaded_.begin(), loade
 
 RowBlock MoeExperts::gate_up_block(int e, int rb, int which) const {
   size_t idx = ((size_t)e * gu_.n_blocks + rb) * 2 + which;
-  RowBlock b;
-  b.data = gu_data_.data() + idx * gu_.block_bytes();
-  b.scales = gu_.has_scales() ? reinterpret_cast<const float*>(gu_scales_.data()) + idx * gu_.block_scales() : nullptr;
-  b.kp = gu_.kp;
-  b.group = gu_.group;
-  return b;
+  return RowBlock::at(gu_, gu_data_.data() + idx * gu_.block_bytes(),
+                      reinterpret_cast<const float*>(gu_scales_.data()) + idx * gu_.block_scales());
 }
 
 RowBlock MoeExperts::down_block(int e, int rb) const {
   size_t idx = (size_t)e * down_.n_blocks + rb;
-  RowBlock b;
-  b.data = down_data_.data() + idx * down_.block_bytes();
-  b.scales =
-      down_.has_scales() ? reinterpret_cast<const float*>(down_scales_.data()) + idx * down_.block_scales() : nullptr;
-  b.kp = down_.kp;
-  b.group = down_.group;
-  return b;
+  return RowBlock::at(down_, down_data_.data() + idx * down_.block_bytes(),
+                      reinterpret_cast<const float*>(down_scales_.data()) + idx * down_.block_scales());
 }
 
 void MoeExperts::pack_all(int e0, int n, const BlockPacker& pack, const char* failure) {
@@ -145,18 +146,23 @@ void MoeExperts::load(int e0, int n, const float* gate, const float* up, const f
       "contains NaN or Inf");
 }
 
-void MoeExperts::load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3]) {
-  if (cfg_.format == WeightFormat::bf16 || gu_.per_row)
+void MoeExperts::load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3],
+                            const float* const group_mins[3]) {
+  if (cfg_.format == WeightFormat::bf16 || gu_.per_row || down_.per_row)
     throw std::invalid_argument("load_codes: the experts' format must be grouped int8 or int4");
+  for (int m = 0; m < 3; ++m)
+    if ((m < 2 ? gu_ : down_).affine() && !group_mins[m])
+      throw std::invalid_argument("load_codes: affine matrices need their mins");
   const size_t IH = (size_t)cfg_.intermediate * cfg_.hidden;
   pack_all(
       e0, n,
       [&](int i, int which, const MatrixShape& shape, int rb, uint8_t* data, float* scales) {
         const size_t per_expert_scales = (size_t)shape.n * shape.n_groups();
-        return pack_row_block_codes(shape, q[which] + i * IH, group_scales[which] + i * per_expert_scales, rb, data,
-                                    scales);
+        const float* mins = shape.affine() ? group_mins[which] + i * per_expert_scales : nullptr;
+        return pack_row_block_codes(shape, q[which] + i * IH, group_scales[which] + i * per_expert_scales, mins, rb,
+                                    data, scales);
       },
-      "has a code outside its format's range or a scale that is not finite");
+      "has a code outside its format's range or a scale or min that is not finite");
 }
 
 void MoeExperts::unpack(int e, float* gate, float* up, float* down) const {

@@ -62,7 +62,11 @@ struct ExpertsConfig {
   int hidden = 0;        // H
   int intermediate = 0;  // I
   WeightFormat format = WeightFormat::bf16;
-  int group = 128;  // int8: <= 0 means per-row scales
+  int group = 128;     // int8: <= 0 means per-row scales; gate/up, and down unless down_group is set
+  int down_group = 0;  // 0: group
+  // int8/int4 codes of gate/up and of down (formats/layout.h); affine needs a group (not per row)
+  Scaling gate_up_scaling = Scaling::symmetric;
+  Scaling down_scaling = Scaling::symmetric;
   Isa isa = Isa::scalar;
   AmxMode amx = AmxMode::off;  // isa == amx implies native; emulated: tests only
   int amx_min_tokens = kAmxMinTokens;
@@ -79,9 +83,11 @@ class MoeExperts {
   // when done; must not overlap with jobs of this layer in flight.
   void load(int e0, int n, const float* gate, const float* up, const float* down);
   // Packs experts [e0, e0 + n) from codes quantized already (formats/pack.h, pack_row_block_codes): q[m] int8
-  // [n, rows, cols] and group_scales[m] fp32 [n, rows, cols / group] for m = gate, up, down. Grouped int8/int4
-  // only; the kernels then multiply by exactly q * scale.
-  void load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3]);
+  // [n, rows, cols] and group_scales[m] fp32 [n, rows, cols / group] for m = gate, up, down, and for affine
+  // matrices group_mins[m] of the same shape (null for symmetric ones). Grouped int8/int4 only; the kernels then
+  // multiply by exactly q * scale (affine: scale * q - min).
+  void load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3],
+                  const float* const group_mins[3]);
   // The values the kernels multiply by, fp32: gate, up [I, H], down [H, I].
   void unpack(int e, float* gate, float* up, float* down) const;
   // Random weights for benchmarks, written straight into the packed layout (no fp32 source, no packing):

@@ -34,9 +34,10 @@ NumaExperts::NumaExperts(const ExpertsConfig& cfg, std::shared_ptr<NumaPools> po
   if (!pools_) throw std::invalid_argument("NumaExperts: no subpools");
   // The unit every boundary is a multiple of: the down matrix's scale group (bf16: the K padding unit; per-row
   // int8: the AMX activation group of h, formats/layout.h amx_row_group).
+  const int down_group = cfg_.down_group != 0 ? cfg_.down_group : cfg_.group;
   const int unit = cfg_.format == WeightFormat::bf16 ? kBf16Group
-                   : cfg_.group <= 0                 ? amx_row_group(cfg_.intermediate)
-                                                     : cfg_.group;
+                   : down_group <= 0                 ? amx_row_group(cfg_.intermediate)
+                                                     : std::max(down_group, kRowsPerBlock);
   bounds_ = tp_slices(cfg_.intermediate, unit, pools_->size());
   for (size_t s = 0; s < bounds_.size(); ++s) {
     ExpertsConfig c = cfg_;
@@ -46,8 +47,8 @@ NumaExperts::NumaExperts(const ExpertsConfig& cfg, std::shared_ptr<NumaPools> po
     // Before anything touches the pages: they then fault in on the subpool's node.
     for (auto& [p, n] : slices_.back()->storage()) pools_->bind((int)s, p, n);
   }
-  gu_ = MatrixShape::make(cfg_.format, cfg_.intermediate, cfg_.hidden, cfg_.group);
-  down_ = MatrixShape::make(cfg_.format, cfg_.hidden, cfg_.intermediate, cfg_.group);
+  gu_ = MatrixShape::make(cfg_.format, cfg_.intermediate, cfg_.hidden, cfg_.group, cfg_.gate_up_scaling);
+  down_ = MatrixShape::make(cfg_.format, cfg_.hidden, cfg_.intermediate, down_group, cfg_.down_scaling);
 }
 
 size_t NumaExperts::bytes_per_expert() const {
@@ -121,7 +122,7 @@ void NumaExperts::load(int e0, int n, const float* gate, const float* up, const 
         float* tmp = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * nr * Is));
         for (int r = 0; r < nr; ++r)
           std::memcpy(tmp + (size_t)r * Is, src + (size_t)(r0 + r) * I + i0, sizeof(float) * Is);
-        pack_row_block(MatrixShape::make(fmt, nr, Is, cfg_.group), tmp, 0, data, scales);
+        pack_row_block(MatrixShape::make(fmt, nr, Is, down_.group, down_.scaling), tmp, 0, data, scales);
       }
     });
   });
@@ -134,31 +135,37 @@ void NumaExperts::load(int e0, int n, const float* gate, const float* up, const 
   for (auto& sl : slices_) sl->mark_loaded(e0, n);
 }
 
-void NumaExperts::load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3]) {
-  if (cfg_.format == WeightFormat::bf16 || cfg_.group <= 0)
+void NumaExperts::load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3],
+                             const float* const group_mins[3]) {
+  if (cfg_.format == WeightFormat::bf16 || gu_.per_row || down_.per_row)
     throw std::invalid_argument("load_codes: the experts' format must be grouped int8 or int4");
-  const int H = cfg_.hidden, I = cfg_.intermediate, g = cfg_.group;
-  if (H % g || I % g)
+  const int H = cfg_.hidden, I = cfg_.intermediate, gg = gu_.group, gd = down_.group;
+  if (H % gg || I % gd)
     throw std::invalid_argument("load_codes: hidden and intermediate sizes must be multiples of the group");
   const size_t IH = (size_t)I * H;
   std::vector<int8_t> down_q;
-  std::vector<float> down_s;
+  std::vector<float> down_s, down_m;
   for (int i = 0; i < n; ++i)
     for (int s = 0; s < n_slices(); ++s) {
       // slice s: rows [i0, i1) of gate and up (contiguous), columns [i0, i1) of down (copied out; whole groups)
       const int i0 = bounds_[s].first, Is = bounds_[s].second - i0;
       down_q.resize((size_t)H * Is);
-      down_s.resize((size_t)H * (Is / g));
+      down_s.resize((size_t)H * (Is / gd));
+      down_m.resize(group_mins[2] ? (size_t)H * (Is / gd) : 0);
       const int8_t* dq = q[2] + i * IH;
-      const float* ds = group_scales[2] + i * IH / g;
+      const size_t d_off = i * IH / gd;
       for (int r = 0; r < H; ++r) {
         std::memcpy(down_q.data() + (size_t)r * Is, dq + (size_t)r * I + i0, Is);
-        std::memcpy(down_s.data() + (size_t)r * (Is / g), ds + (size_t)r * (I / g) + i0 / g, sizeof(float) * (Is / g));
+        const size_t src = d_off + (size_t)r * (I / gd) + i0 / gd, n_g = Is / gd;
+        std::memcpy(down_s.data() + (size_t)r * n_g, group_scales[2] + src, sizeof(float) * n_g);
+        if (group_mins[2]) std::memcpy(down_m.data() + (size_t)r * n_g, group_mins[2] + src, sizeof(float) * n_g);
       }
+      const size_t gu_off = i * IH / gg + (size_t)i0 * (H / gg);
       const int8_t* sq[3] = {q[0] + i * IH + (size_t)i0 * H, q[1] + i * IH + (size_t)i0 * H, down_q.data()};
-      const float* ss[3] = {group_scales[0] + i * IH / g + (size_t)i0 * (H / g),
-                            group_scales[1] + i * IH / g + (size_t)i0 * (H / g), down_s.data()};
-      slices_[s]->load_codes(e0 + i, 1, sq, ss);
+      const float* ss[3] = {group_scales[0] + gu_off, group_scales[1] + gu_off, down_s.data()};
+      const float* sm[3] = {group_mins[0] ? group_mins[0] + gu_off : nullptr,
+                            group_mins[1] ? group_mins[1] + gu_off : nullptr, group_mins[2] ? down_m.data() : nullptr};
+      slices_[s]->load_codes(e0 + i, 1, sq, ss, sm);
     }
 }
 

@@ -40,7 +40,8 @@ class NumaExperts {
 
   // Same contracts as MoeExperts (moe.h), on full-size matrices: gate, up [n, I, H], down [n, H, I].
   void load(int e0, int n, const float* gate, const float* up, const float* down);
-  void load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3]);
+  void load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3],
+                  const float* const group_mins[3]);
   void unpack(int e, float* gate, float* up, float* down) const;
   void fill_random(uint64_t seed, float std);                // each slice its own stream (seed, slice)
   std::vector<std::pair<uint8_t*, size_t>> storage() const;  // the slices' ranges, slice after slice

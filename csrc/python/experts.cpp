@@ -18,6 +18,14 @@ namespace bindings {
 
 namespace {
 
+Scaling scaling_from_name(const std::string& s) {
+  if (s == "symmetric") return Scaling::symmetric;
+  if (s == "affine") return Scaling::affine;
+  throw std::invalid_argument("unknown scaling '" + s + "' (expected symmetric or affine)");
+}
+
+const char* scaling_name(Scaling s) { return s == Scaling::affine ? "affine" : "symmetric"; }
+
 // One MoE call as Python describes it to make_job (hetmoe/cpu/experts.py CPUExperts.prepare): tensors as addresses
 // (Tensor.data_ptr(); 0 = none) with their dtype flags, shapes in the letters of moe/moe.h. The C++ twin is MoeCall;
 // make_call converts one into the other and checks what can be checked without the tensors.
@@ -137,13 +145,17 @@ std::vector<const MoeExperts*> engines_of(const Split& ex) {
 template <typename Experts, typename Pools, typename JobT>
 void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const char* pools_arg) {
   c.def(py::init([](std::shared_ptr<Pools> pools, int n_expert, int hidden, int inter, const std::string& fmt,
-                    int group, const std::string& isa, bool amx_emulated, int amx_min_tokens) {
+                    int group, const std::string& isa, bool amx_emulated, int amx_min_tokens, int down_group,
+                    const std::string& gate_up_scaling, const std::string& down_scaling) {
           ExpertsConfig cfg;
           cfg.n_expert = n_expert;
           cfg.hidden = hidden;
           cfg.intermediate = inter;
           cfg.format = format_from_name(fmt);
           cfg.group = group;
+          cfg.down_group = down_group;
+          cfg.gate_up_scaling = scaling_from_name(gate_up_scaling);
+          cfg.down_scaling = scaling_from_name(down_scaling);
           cfg.isa = isa_from_name(isa);
           cfg.amx = amx_emulated ? AmxMode::emulated : AmxMode::off;
           cfg.amx_min_tokens = amx_min_tokens;
@@ -151,7 +163,8 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
         }),
         py::arg(pools_arg), py::arg("num_experts"), py::arg("hidden_size"), py::arg("intermediate_size"),
         py::arg("weight_format"), py::arg("group_size"), py::arg("isa"), py::arg("amx_emulated") = false,
-        py::arg("amx_min_tokens") = kAmxMinTokens)
+        py::arg("amx_min_tokens") = kAmxMinTokens, py::arg("down_group_size") = 0,
+        py::arg("gate_up_scaling") = "symmetric", py::arg("down_scaling") = "symmetric")
       .def_property("amx_min_tokens", &Experts::amx_min_tokens, &Experts::set_amx_min_tokens)
       .def(
           "load",
@@ -162,12 +175,15 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
       .def(
           "load_codes",
           [](Experts& ex, int e0, int n, uintptr_t gq, uintptr_t gs, uintptr_t uq, uintptr_t us, uintptr_t dq,
-             uintptr_t ds) {
+             uintptr_t ds, uintptr_t gm, uintptr_t um, uintptr_t dm) {  // mins: 0 for symmetric matrices
             const int8_t* q[3] = {ptr<const int8_t>(gq), ptr<const int8_t>(uq), ptr<const int8_t>(dq)};
             const float* s[3] = {ptr<const float>(gs), ptr<const float>(us), ptr<const float>(ds)};
-            ex.load_codes(e0, n, q, s);
+            const float* m[3] = {ptr<const float>(gm), ptr<const float>(um), ptr<const float>(dm)};
+            ex.load_codes(e0, n, q, s, m);
           },
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("first_expert"), py::arg("n"), py::arg("gate_codes"), py::arg("gate_scales"), py::arg("up_codes"),
+          py::arg("up_scales"), py::arg("down_codes"), py::arg("down_scales"), py::arg("gate_mins") = 0,
+          py::arg("up_mins") = 0, py::arg("down_mins") = 0, py::call_guard<py::gil_scoped_release>())
       .def("unpack", [](const Experts& ex, int e, uintptr_t gate, uintptr_t up,
                         uintptr_t down) { ex.unpack(e, ptr<float>(gate), ptr<float>(up), ptr<float>(down)); })
       .def("fill_random", &Experts::fill_random, py::arg("seed"), py::arg("std"),
@@ -227,10 +243,16 @@ void bind_experts(py::module_& m) {
     py::dict d;
     d["weight_format"] = format_name(c.format);
     const MatrixShape& gu = ex.gate_up_shape();
-    if (gu.has_scales())
+    const MatrixShape& dn = ex.down_shape();
+    if (gu.has_scales()) {
       d["group_size"] = gu.per_row ? 0 : gu.group;  // 0 = per-row scales
-    else
+      d["down_group_size"] = dn.per_row ? 0 : dn.group;
+    } else {
       d["group_size"] = py::none();
+      d["down_group_size"] = py::none();
+    }
+    d["gate_up_scaling"] = scaling_name(gu.scaling);
+    d["down_scaling"] = scaling_name(dn.scaling);
     d["isa"] = isa_name(c.isa);
     d["kernel"] = ex.kernel().name;
     d["activation"] = c.format == WeightFormat::bf16 ? "fp32" : c.format == WeightFormat::int8 ? "int16" : "int8";

@@ -1,54 +1,79 @@
-"""Routed experts packed from codes quantized already, with no re-quantization: what a GGUF file's Q8_0 and Q4_0
-blocks hold (one scale per 32 values: int8 codes in [-127, 127], 4-bit codes in [-8, 7] once llama.cpp's +8 offset
-is taken off) become the engine's int8 / int4 formats with group 32 exactly, so the kernels multiply by the very
-values ``gguf``'s own dequantization gives. The packing itself is csrc/formats/pack.cpp (pack_row_block_codes).
+"""Routed experts packed from codes quantized already, with no re-quantization: what a GGUF file's blocks hold
+becomes the engine's int8 / int4 codes with their own scales (and mins), so the kernels multiply by the very values
+``gguf``'s own dequantization gives. The packing itself is csrc/formats/pack.cpp (pack_row_block_codes).
+
+- Q8_0 / Q4_0 (one scale per 32: int8 codes in [-127, 127], 4-bit codes in [-8, 7] once llama.cpp's +8 offset is
+  taken off): int8 / int4 symmetric, group 32.
+- Q4_K / Q5_K (value = scale * q - min per 32, q in 0..15 / 0..31): int4 / int8 affine, group 32.
+- Q6_K (value = scale * q per 16, q in [-32, 31]): int8 symmetric, group 16.
+
+Gate/up and down may differ in group and scaling (``CPUExperts(down_group_size=..., scaling=(gate_up, down))``);
+all three share the element format (int4 codes fit int8 exactly, so a mixed layer is int8).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from hetmoe.cpu.experts import CPUExperts
 
-CODE_RANGE = {"int8": (-127, 127), "int4": (-8, 7)}
+CODE_RANGE = {("int8", "symmetric"): (-127, 127), ("int4", "symmetric"): (-8, 7),
+              ("int8", "affine"): (0, 127), ("int4", "affine"): (0, 15)}
 
 
 def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
-               first_expert: int = 0) -> None:
+               first_expert: int = 0, mins: Optional[Sequence[Optional[torch.Tensor]]] = None) -> None:
     """Pack experts ``first_expert ..`` of ``experts`` (grouped int8 or int4) from ``codes`` = (gate, up, down) int8
     [n, I, H] / [n, I, H] / [n, H, I] and ``scales`` = the same matrices' fp32 [n, rows, cols / group] (one per
-    group of ``group_size`` consecutive columns of a row). ValueError, naming the matrix, for a shape, dtype, group or
-    range the engine cannot hold exactly; nothing of a refused call is marked loaded."""
+    group of the matrix's group size consecutive columns of a row); ``mins`` (same shapes as the scales) for the
+    matrices the experts hold affine (None for symmetric ones). ValueError, naming the matrix, for a shape, dtype,
+    group or range the engine cannot hold exactly; nothing of a refused call is marked loaded."""
     info = experts.info()
-    fmt, group = info["weight_format"], info["group_size"]
-    if fmt not in CODE_RANGE or group <= 0:
+    fmt, group, down_group = info["weight_format"], info["group_size"], info["down_group_size"]
+    if fmt not in ("int8", "int4") or group <= 0 or down_group <= 0:
         raise ValueError(f"codes load into grouped int8 or int4 experts; these are {fmt} (group {group})")
-    if len(codes) != 3 or len(scales) != 3:
-        raise ValueError("codes and scales must each hold (gate, up, down)")
+    mins = (None, None, None) if mins is None else tuple(mins)
+    if len(codes) != 3 or len(scales) != 3 or len(mins) != 3:
+        raise ValueError("codes, scales and mins must each hold (gate, up, down)")
     I, H = experts.intermediate_size, experts.hidden_size
     n = codes[0].shape[0] if codes[0].dim() == 3 else -1
     if not 0 <= first_expert or n < 0 or first_expert + n > experts.num_experts:
         raise ValueError(f"experts [{first_expert}, {first_expert + n}) do not fit in "
                          f"num_experts={experts.num_experts}")
-    lo, hi = CODE_RANGE[fmt]
-    ready = []
-    for name, q, s, (rows, cols) in zip(("gate", "up", "down"), codes, scales, ((I, H), (I, H), (H, I))):
-        if cols % group:
-            raise ValueError(f"{name}: {cols} columns are not a multiple of the group size {group}")
+    ready, min_ptrs = [], []
+    layouts = ((group, info["gate_up_scaling"]),) * 2 + ((down_group, info["down_scaling"]),)
+    for name, q, s, m, (rows, cols), (g, scaling) in zip(("gate", "up", "down"), codes, scales, mins,
+                                                         ((I, H), (I, H), (H, I)), layouts):
+        if cols % g:
+            raise ValueError(f"{name}: {cols} columns are not a multiple of the group size {g}")
         if q.dtype != torch.int8 or tuple(q.shape) != (n, rows, cols):
             raise ValueError(f"{name} codes must be int8 [{n}, {rows}, {cols}], got {q.dtype} {list(q.shape)}")
-        if tuple(s.shape) != (n, rows, cols // group):
-            raise ValueError(f"{name} scales must be [{n}, {rows}, {cols // group}] (one per {group} columns), "
+        if tuple(s.shape) != (n, rows, cols // g):
+            raise ValueError(f"{name} scales must be [{n}, {rows}, {cols // g}] (one per {g} columns), "
                              f"got {list(s.shape)}")
+        if (m is None) != (scaling == "symmetric"):
+            raise ValueError(f"{name} is held {scaling}: " + ("mins are needed" if m is None else "it takes no mins"))
         q = q.detach().to("cpu").contiguous()
+        lo, hi = CODE_RANGE[fmt, scaling]
         if q.numel() and (int(q.min()) < lo or int(q.max()) > hi):
-            raise ValueError(f"{name} has codes in [{int(q.min())}, {int(q.max())}]; {fmt} holds [{lo}, {hi}] exactly")
-        s = s.detach().to("cpu", torch.float32).contiguous()
-        if not torch.isfinite(s).all():
-            raise ValueError(f"{name} has scales that are NaN or Inf")
-        ready += [q, s]
+            held = fmt if scaling == "symmetric" else f"{fmt} {scaling}"
+            raise ValueError(f"{name} has codes in [{int(q.min())}, {int(q.max())}]; {held} holds [{lo}, {hi}] exactly")
+        for what, t in (("scales", s), ("mins", m)):
+            if t is None:
+                continue
+            t = t.detach().to("cpu", torch.float32).contiguous()
+            if tuple(t.shape) != (n, rows, cols // g):
+                raise ValueError(f"{name} {what} must be [{n}, {rows}, {cols // g}], got {list(t.shape)}")
+            if not torch.isfinite(t).all():
+                raise ValueError(f"{name} has {what} that are NaN or Inf")
+            (ready if what == "scales" else min_ptrs).append(t)
+        ready.insert(len(ready) - 1, q)
+        if m is None:
+            min_ptrs.append(None)
     gq, gs, uq, us, dq, ds = ready
+    keep = min_ptrs  # the mins stay alive through the call
+    gm, um, dm = (0 if t is None else t.data_ptr() for t in keep)
     experts._ex.load_codes(first_expert, n, gq.data_ptr(), gs.data_ptr(), uq.data_ptr(), us.data_ptr(),
-                           dq.data_ptr(), ds.data_ptr())
+                           dq.data_ptr(), ds.data_ptr(), gm, um, dm)

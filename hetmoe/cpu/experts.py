@@ -108,7 +108,10 @@ class CPUExperts:
         hidden_size: H.
         intermediate_size: I (per expert).
         weight_format: ``"bf16"``, ``"int8"`` or ``"int4"``.
-        group_size: int8/int4 scale group along the input dimension (32, 64 or 128); ``0`` = per-row (int8).
+        group_size: int8/int4 scale group along the input dimension (32, 64 or 128; int8 also 16); ``0`` = per-row
+            (int8). ``down_group_size``: down's own group (default: ``group_size``).
+        scaling: ``"symmetric"`` (value = scale * q) or ``"affine"`` (value = scale * q - min, GGUF's K-quants), or a
+            pair (gate/up, down); codes go in with ``hetmoe.cpu.codes.load_codes``.
         threads: pool size (default: one per physical core). Ignored when ``pool`` is given.
         isa: ``"auto"`` (best the CPU supports) or one of ``scalar``, ``avx2``, ``avx512``, ``amx``
             (``"amx-emulated"``: tests only). With ``amx``, each call computes experts that have at least
@@ -138,7 +141,10 @@ class CPUExperts:
         pool: Optional[ExpertPool] = None,
         amx_min_tokens: Optional[int] = None,
         numa: Optional[NumaOption] = None,
+        down_group_size: Optional[int] = None,
+        scaling: Union[str, tuple] = "symmetric",
     ):
+        scaling = (scaling, scaling) if isinstance(scaling, str) else tuple(scaling)
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"unknown weight_format {weight_format!r}; expected one of {', '.join(WEIGHT_FORMATS)}")
         features = _C.cpu_features()
@@ -166,8 +172,7 @@ class CPUExperts:
         split = self.pool.subpools > 1  # tensor parallel over NUMA subpools: same interface
         self._ex = (_C.NumaExperts if split else _C.MoeExperts)(
             self.pool._numa if split else self.pool._pool, self.num_experts, self.hidden_size, self.intermediate_size,
-            weight_format, int(group_size), isa, emulated, int(amx_min_tokens),
-        )
+            weight_format, int(group_size), isa, emulated, int(amx_min_tokens), int(down_group_size or 0), *scaling)
         self._skip_mask: Optional[torch.Tensor] = None  # static: experts computed elsewhere (set_skip_mask)
 
     @property
@@ -236,16 +241,15 @@ class CPUExperts:
         self._ex.fill_random(int(seed), float(std))
 
     def storage(self) -> list:
-        """The packed weights and scales as writable memoryviews (fixed order; empty ranges left out): what
-        the converted-expert cache saves and restores. After restoring call ``mark_loaded()``."""
+        """The packed weights and scales as writable memoryviews (fixed order, no empty ones): what the converted-expert
+        cache saves and restores (then ``mark_loaded()``)."""
         return [m for m in self._ex.storage() if m.nbytes]
 
-    def mark_loaded(self) -> None:
+    def mark_loaded(self) -> None:  # after restoring storage()
         self._ex.mark_loaded(0, self.num_experts)
 
     def checksum(self) -> int:
-        """64-bit hash of the packed storage."""
-        return self._ex.checksum()
+        return self._ex.checksum()  # 64-bit hash of the packed storage
 
     @property
     def nbytes(self) -> int:
@@ -269,8 +273,7 @@ class CPUExperts:
     JOB_STAGES = ("route", "quantize_x", "experts", "combine")
 
     def set_profiling(self, on: bool = True) -> None:
-        """Time every job's stages from now on (``profile()``; turning it on clears the sums), or stop timing
-        (the sums stay readable). Off by default, and free when off."""
+        """Time every job's stages from now on (``profile()``; on clears the sums), or stop (sums stay readable)."""
         if on:
             self._ex.reset_profile()
         self._ex.set_profiling(bool(on))
@@ -293,9 +296,7 @@ class CPUExperts:
                 raise ValueError(f"skip_mask has {mask.numel()} entries; expected num_experts={self.num_experts}")
         self._skip_mask = mask
 
-    @property
-    def skip_mask(self) -> Optional[torch.Tensor]:
-        return self._skip_mask
+    skip_mask = property(lambda self: self._skip_mask)
 
     # ------------------------------------------------------------------ calls
 
@@ -428,8 +429,7 @@ class CPUExperts:
         self.pool.submit(job)
         return job
 
-    def sync(self, allow_pending: int = 0) -> None:
-        """Wait until at most ``allow_pending`` jobs of this layer's pool are unfinished; raise job errors."""
+    def sync(self, allow_pending: int = 0) -> None:  # wait until <= allow_pending jobs are unfinished; raise errors
         self.pool.sync(allow_pending)
 
     def forward(

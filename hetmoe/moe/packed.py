@@ -4,10 +4,11 @@ hetmoe/moe/layerwise.py) — no second copy in RAM, no re-layout on the CPU.
 
 A matrix W [N, K] is stored as ceil(N / 16) row blocks of 16 rows; a block walks K in 64-byte lines, and line j holds
 the same 4-byte slice of K for each of the 16 rows (bf16: 2 values; int8: 4 bytes q + 128; int4: byte b holds
-k = 8j + b in its low nibble and 8j + 4 + b in its high one, q + 8). int8/int4 scales: one fp32 per (row, group),
-[row block][group][16 rows]. gate and up row blocks alternate (block 2 rb + 0 is gate's rb, 2 rb + 1 up's). One
-layer's storage is four ranges, each the experts one after another: gate+up data, gate+up scales, down data, down
-scales (no scales for bf16).
+k = 8j + b in its low nibble and 8j + 4 + b in its high one, q + 8; affine matrices store their codes u as they are,
+value = scale * u - min). int8/int4 scales: one fp32 per (row, group), [row block][group][16 rows], an affine block's
+mins right after its scales in the same order. gate and up row blocks alternate (block 2 rb + 0 is gate's rb,
+2 rb + 1 up's). One layer's storage is four ranges, each the experts one after another: gate+up data, gate+up
+scales, down data, down scales (no scales for bf16).
 
 Shape letters: E experts, H hidden size, I intermediate size, N rows, K columns, Kp K padded, G groups.
 """
@@ -37,9 +38,10 @@ class MatrixShape:
     group: int  # elements of K per scale (bf16: 32, no scales)
     kp: int
     n_blocks: int
+    affine: bool = False  # value = scale * u - min (GGUF's K-quants), else scale * q
 
     @classmethod
-    def make(cls, fmt: str, n: int, k: int, group: int) -> "MatrixShape":
+    def make(cls, fmt: str, n: int, k: int, group: int, scaling: str = "symmetric") -> "MatrixShape":
         if fmt not in K_PER_LINE:
             raise ValueError(f"unknown weight format {fmt!r}")
         if fmt == "bf16":
@@ -48,7 +50,7 @@ class MatrixShape:
             if fmt != "int8":
                 raise ValueError("per-row scales (group 0) exist for int8 only")
             group = 128  # per-row int8: the row's scale repeated in every group of 128
-        return cls(fmt, n, k, group, _round_up(k, group), -(-n // ROWS))
+        return cls(fmt, n, k, group, _round_up(k, group), -(-n // ROWS), fmt != "bf16" and scaling == "affine")
 
     @property
     def lines(self) -> int:
@@ -60,7 +62,7 @@ class MatrixShape:
 
     @property
     def block_scales(self) -> int:  # floats
-        return 0 if self.fmt == "bf16" else (self.kp // self.group) * ROWS
+        return 0 if self.fmt == "bf16" else (self.kp // self.group) * ROWS * (2 if self.affine else 1)
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,8 @@ class ExpertLayout:
             raise ValueError("the packed layout of a layer split over NUMA subpools is per slice")
         fmt, group = info["weight_format"], info["group_size"] or 0
         H, I = experts.hidden_size, experts.intermediate_size
-        return cls(fmt, experts.num_experts, H, I, MatrixShape.make(fmt, I, H, group),
-                   MatrixShape.make(fmt, H, I, group))
+        return cls(fmt, experts.num_experts, H, I, MatrixShape.make(fmt, I, H, group, info["gate_up_scaling"]),
+                   MatrixShape.make(fmt, H, I, info["down_group_size"] or 0, info["down_scaling"]))
 
     def range_bytes(self) -> tuple:
         """Bytes per expert of each range: (gate+up data, gate+up scales, down data, down scales)."""
@@ -114,12 +116,18 @@ def _unpack_data(data: torch.Tensor, shape: MatrixShape, n_mats: int) -> torch.T
 
 def _dequantize(codes: torch.Tensor, scales: torch.Tensor, shape: MatrixShape, n_mats: int,
                 dtype: torch.dtype) -> torch.Tensor:
-    """codes [n_mats, NB * 16, Kp] (q + offset), scales fp32 [n_mats * NB * G * 16] -> values [n_mats, NB * 16, Kp]."""
-    offset = 128 if shape.fmt == "int8" else 8
+    """codes [n_mats, NB * 16, Kp] (q + offset, or affine u), scales fp32 [n_mats * NB * G * 16] (affine: scales and
+    mins per block, [n_mats * NB * 2 * G * 16]) -> values [n_mats, NB * 16, Kp]."""
     G, NB = shape.kp // shape.group, shape.n_blocks
-    s = scales.view(n_mats, NB, G, ROWS).permute(0, 1, 3, 2).reshape(n_mats, NB * ROWS, G, 1)
-    q = (codes - offset).view(n_mats, NB * ROWS, G, shape.group)
-    return (q.to(torch.float32) * s).view(n_mats, NB * ROWS, shape.kp).to(dtype)
+    per = scales.view(n_mats, NB, 2 if shape.affine else 1, G, ROWS).permute(2, 0, 1, 4, 3)
+    s = per[0].reshape(n_mats, NB * ROWS, G, 1)
+    if shape.affine:  # two roundings, as gguf's dequantization: fl(fl(scale * u) - min)
+        q = codes.view(n_mats, NB * ROWS, G, shape.group)
+        w = q.to(torch.float32) * s - per[1].reshape(n_mats, NB * ROWS, G, 1)
+    else:
+        q = (codes - (128 if shape.fmt == "int8" else 8)).view(n_mats, NB * ROWS, G, shape.group)
+        w = q.to(torch.float32) * s
+    return w.view(n_mats, NB * ROWS, shape.kp).to(dtype)
 
 
 def unpack_experts(layout: ExpertLayout, ranges, n: int, dtype: torch.dtype = torch.bfloat16) -> tuple:

@@ -28,7 +28,8 @@ if triton is not None:
 
     @triton.jit
     def _unpack_kernel(data, data16, scales, out, NB, lines, block_bytes, G, rows_out, cols_out, mat_stride,
-                       FMT: tl.constexpr, GROUP: tl.constexpr, INTERLEAVED: tl.constexpr, BL: tl.constexpr):
+                       FMT: tl.constexpr, GROUP: tl.constexpr, INTERLEAVED: tl.constexpr, BL: tl.constexpr,
+                       AFFINE: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)  # row block, over every expert of the range
         lt = tl.program_id(1)  # tile of BL lines
         if INTERLEAVED:  # gate and up row blocks alternate: block 2 rb + which of the expert
@@ -51,22 +52,25 @@ if triton is not None:
                 v = tl.load(data16 + cell // 2 + j, mask=ok).to(tl.bfloat16, bitcast=True)
                 tl.store(dst + k, v.to(out.dtype.element_ty), mask=ok & (k < cols_out))
         else:
+            # affine blocks hold [G][16] scales then [G][16] mins; value = scale * u - min (two roundings: the
+            # launch turns fp fusion off) instead of scale * (u - offset)
+            sb = b * G * (2 if AFFINE else 1) * 16
             for j in tl.static_range(4):
                 byte = tl.load(data + cell + j, mask=ok, other=0).to(tl.int32)
-                if FMT == 1:  # int8: k = 4 line + j, stored q + 128
-                    k = line * 4 + j
-                    s = tl.load(scales + (b * G + k // GROUP) * 16 + r, mask=ok, other=0.0)
-                    tl.store(dst + k, ((byte - 128).to(tl.float32) * s).to(out.dtype.element_ty),
-                             mask=ok & (k < cols_out))
-                else:  # int4: low nibble k = 8 line + j, high nibble k = 8 line + 4 + j, stored q + 8
-                    k = line * 8 + j
-                    s = tl.load(scales + (b * G + k // GROUP) * 16 + r, mask=ok, other=0.0)
-                    tl.store(dst + k, (((byte & 15) - 8).to(tl.float32) * s).to(out.dtype.element_ty),
-                             mask=ok & (k < cols_out))
-                    k = k + 4
-                    s = tl.load(scales + (b * G + k // GROUP) * 16 + r, mask=ok, other=0.0)
-                    tl.store(dst + k, (((byte >> 4) - 8).to(tl.float32) * s).to(out.dtype.element_ty),
-                             mask=ok & (k < cols_out))
+                for h in tl.static_range(2 if FMT == 2 else 1):
+                    if FMT == 1:  # int8: k = 4 line + j, stored q + 128
+                        k = line * 4 + j
+                        u = byte
+                    else:  # int4: low nibble k = 8 line + j, high nibble k = 8 line + 4 + j, stored q + 8
+                        k = line * 8 + j + 4 * h
+                        u = (byte >> (4 * h)) & 15
+                    s = tl.load(scales + sb + (k // GROUP) * 16 + r, mask=ok, other=0.0)
+                    if AFFINE:
+                        m = tl.load(scales + sb + (G + k // GROUP) * 16 + r, mask=ok, other=0.0)
+                        v = u.to(tl.float32) * s - m
+                    else:
+                        v = (u - (128 if FMT == 1 else 8)).to(tl.float32) * s
+                    tl.store(dst + k, v.to(out.dtype.element_ty), mask=ok & (k < cols_out))
 
 
 def _launch(shape, data: torch.Tensor, scales, out: torch.Tensor, n_blocks: int, interleaved: bool) -> None:
@@ -77,7 +81,7 @@ def _launch(shape, data: torch.Tensor, scales, out: torch.Tensor, n_blocks: int,
     grid = (n_blocks, triton.cdiv(shape.lines, LINES_PER_PROGRAM))
     _unpack_kernel[grid](data, data16, sc, out, shape.n_blocks, shape.lines, shape.block_bytes,
                          shape.kp // shape.group, rows, cols, out.stride(0), FMT=fmt, GROUP=shape.group,
-                         INTERLEAVED=interleaved, BL=LINES_PER_PROGRAM)
+                         INTERLEAVED=interleaved, BL=LINES_PER_PROGRAM, AFFINE=shape.affine, enable_fp_fusion=False)
 
 
 def unpack_into(layout, ranges, w_gu: torch.Tensor, w_down: torch.Tensor) -> None:

@@ -29,7 +29,8 @@
 // (faster than prefetching in the first token block only: BENCHMARKS.md#amx-spread-prefetch). C accumulates in
 // tiles across a chunk (bf16; `out` holds it
 // between chunks) or across one scale group (int8/int4: then the int32 sums go through the same fp32 epilogue
-// as the other kernels: acc = fma(float(isum - offset * xsum), w_scale * x_scale, acc)).
+// as the other kernels: acc = fma(float(isum - offset * xsum), w_scale * x_scale, acc), affine weights the
+// two fmas of formats/layout.h).
 //
 // `out` has round_up(n_tok, 32) rows of 32 floats (rows past n_tok are scratch).
 #pragma once
@@ -228,13 +229,13 @@ struct Gemm {
   // the same as in the row-block kernels, so int4 gives their exact bits). The loop's group is the activations'
   // (a.group); the weight scales are read per weight group `wgroup` (the same, except for per-row int8 weights,
   // whose scales repeat in every group of 128 while their h groups are longer).
-  static void int8_lines(const uint8_t* const* lines, const float* const* scales, int n_blk, const RowBlock* next,
-                         int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x, const ActLayout& a,
-                         int n_tok, float* out, bool prefetch) {
+  static void int8_lines(const uint8_t* const* lines, const float* const* scales, const float* const* mins, int n_blk,
+                         const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x,
+                         const ActLayout& a, int n_tok, float* out, bool prefetch) {
     const int group = a.group;
     // One activation group per row (per-row int8 weights, or all of K in one group): all of K is summed first, in
     // K steps of 64 (a K of 32 in one group of 32 takes the grouped loop below, whose K step is the group).
-    if (a.group >= kp && kp % 64 == 0) {
+    if (a.group >= kp && kp % 64 == 0 && !mins[0]) {
       int32_t* sums = reinterpret_cast<int32_t*>(out);  // the same [n_tok][32] 4-byte cells, converted in place
       chunked<false>(lines, n_blk, next, n_next, kp, x, n_tok, sums, prefetch);
       for (int t = 0; t < n_tok; ++t) {
@@ -272,12 +273,20 @@ struct Gemm {
                       : int8_group<1, 1>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts);
           for (int t = 0; t < rows; ++t) {
             const float xs = x.scales(m0 + t)[g];
-            const int32_t xoff = offset * x.sums(m0 + t)[g];
+            const int32_t xsum = x.sums(m0 + t)[g], xoff = offset * xsum;
             for (int j = 0; j < n_blk; ++j) {
               const float* ws = scales[j] + (k0 / wgroup) * kRowsPerBlock;
               const int32_t* ci = c + t * kOutStride + 16 * j;
               float* o = out + (size_t)(m0 + t) * kOutStride + 16 * j;
-              for (int r = 0; r < 16; ++r) o[r] = std::fma((float)(ci[r] - xoff), ws[r] * xs, o[r]);
+              if (mins[j]) {  // affine (formats/layout.h): offset 0, then the min against the element sum
+                const float* wm = mins[j] + (k0 / wgroup) * kRowsPerBlock;
+                for (int r = 0; r < 16; ++r) {
+                  o[r] = std::fma((float)ci[r], ws[r] * xs, o[r]);
+                  o[r] = std::fma((float)(-xsum), wm[r] * xs, o[r]);
+                }
+              } else {
+                for (int r = 0; r < 16; ++r) o[r] = std::fma((float)(ci[r] - xoff), ws[r] * xs, o[r]);
+              }
             }
           }
         }
@@ -290,7 +299,8 @@ struct Gemm {
                    const ActLayout& a, int n_tok, float* out) {
     const uint8_t* lines[2] = {w[0].data, n_blk > 1 ? w[1].data : nullptr};
     const float* scales[2] = {w[0].scales, n_blk > 1 ? w[1].scales : nullptr};
-    int8_lines(lines, scales, n_blk, next, n_next, w[0].kp, w[0].group, 128, x, a, n_tok, out, true);
+    const float* mins[2] = {w[0].mins, n_blk > 1 ? w[1].mins : nullptr};
+    int8_lines(lines, scales, mins, n_blk, next, n_next, w[0].kp, w[0].group, 128, x, a, n_tok, out, true);
   }
 
   static void int4(const RowBlock* w, int n_blk, const RowBlock*, int, const AmxPanel& x, const ActLayout& a, int n_tok,
@@ -302,8 +312,9 @@ struct Gemm {
     uint8_t* buf = slab(block_bytes * n_blk);
     const uint8_t* lines[2] = {buf, buf + block_bytes};
     const float* scales[2] = {w[0].scales, n_blk > 1 ? w[1].scales : nullptr};
+    const float* mins[2] = {w[0].mins, n_blk > 1 ? w[1].mins : nullptr};
     for (int j = 0; j < n_blk; ++j) Tiles::unpack_int4(w[j].data, int4_lines, buf + j * block_bytes);
-    int8_lines(lines, scales, n_blk, nullptr, 0, kp, w[0].group, 8, x, a, n_tok, out, false);
+    int8_lines(lines, scales, mins, n_blk, nullptr, 0, kp, w[0].group, 8, x, a, n_tok, out, false);
   }
 };
 

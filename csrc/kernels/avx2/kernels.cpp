@@ -51,14 +51,22 @@ struct Bf16Tile {
   }
 };
 
-// acc += float(isum - offset * xsum) * (w_scale * x_scale), for 8 rows.
-inline __m256 epilogue8(__m256 acc, __m256i isum, int32_t offset_sum, const float* wscale, float xscale) {
-  isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(offset_sum));
+// acc += float(isum - offset * xsum) * (w_scale * x_scale), for 8 rows; affine (wmin set, offset 0): then
+// acc += float(-xsum) * (w_min * x_scale) (formats/layout.h).
+inline __m256 epilogue8(__m256 acc, __m256i isum, int32_t offset, int32_t xsum, const float* wscale, const float* wmin,
+                        float xscale) {
+  if (wmin) {
+    acc =
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_loadu_ps(wscale), _mm256_set1_ps(xscale)), acc);
+    return _mm256_fmadd_ps(_mm256_set1_ps((float)(-xsum)), _mm256_mul_ps(_mm256_loadu_ps(wmin), _mm256_set1_ps(xscale)),
+                           acc);
+  }
+  isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(offset * xsum));
   __m256 s = _mm256_mul_ps(_mm256_loadu_ps(wscale), _mm256_set1_ps(xscale));
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, acc);
 }
 
-// int8 weights (unsigned, offset 128) x int16 activations. A 16-byte chunk is 4 rows x 4 k; madd gives
+// int8 weights (unsigned, offset 128, or affine) x int16 activations. A 16-byte chunk is 4 rows x 4 k; madd gives
 // per-row pairs that one hadd + permute turns into 8 row sums.
 template <int NT>
 struct Int8Tile {
@@ -97,11 +105,12 @@ struct Int8Tile {
 #pragma GCC unroll 8
       for (int i = 0; i < NT; ++i) {
         const float xs = act_scales(rows[i], a)[g];
-        const int32_t off = 128 * act_sums(rows[i], a)[g];
+        const int32_t xsum = act_sums(rows[i], a)[g];
+        const float* wm = w.mins ? w.mins + g * kRowsPerBlock : nullptr;
         __m256i lo = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][0], acc[i][1]), 0xD8);
         __m256i hi = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][2], acc[i][3]), 0xD8);
-        facc[i][0] = epilogue8(facc[i][0], lo, off, w.scales + g * kRowsPerBlock, xs);
-        facc[i][1] = epilogue8(facc[i][1], hi, off, w.scales + g * kRowsPerBlock + 8, xs);
+        facc[i][0] = epilogue8(facc[i][0], lo, 128, xsum, w.scales + g * kRowsPerBlock, wm, xs);
+        facc[i][1] = epilogue8(facc[i][1], hi, 128, xsum, w.scales + g * kRowsPerBlock + 8, wm ? wm + 8 : wm, xs);
       }
     }
 #pragma GCC unroll 8
@@ -112,7 +121,7 @@ struct Int8Tile {
   }
 };
 
-// int4 weights (unsigned nibbles, offset 8) x int8 activations. maddubs sums stay in int16 for 4 lines
+// int4 weights (unsigned nibbles, offset 8, or affine) x int8 activations. maddubs sums stay in int16 for 4 lines
 // (|sum| <= 4 * 2 * 2 * 15 * 127 = 30480), then widen to int32.
 template <int NT>
 struct Int4Tile {
@@ -167,9 +176,10 @@ struct Int4Tile {
 #pragma GCC unroll 8
       for (int i = 0; i < NT; ++i) {
         const float xs = act_scales(rows[i], a)[g];
-        const int32_t off = 8 * act_sums(rows[i], a)[g];
-        facc[i][0] = epilogue8(facc[i][0], acc[i][0], off, w.scales + g * kRowsPerBlock, xs);
-        facc[i][1] = epilogue8(facc[i][1], acc[i][1], off, w.scales + g * kRowsPerBlock + 8, xs);
+        const int32_t xsum = act_sums(rows[i], a)[g];
+        const float* wm = w.mins ? w.mins + g * kRowsPerBlock : nullptr;
+        facc[i][0] = epilogue8(facc[i][0], acc[i][0], 8, xsum, w.scales + g * kRowsPerBlock, wm, xs);
+        facc[i][1] = epilogue8(facc[i][1], acc[i][1], 8, xsum, w.scales + g * kRowsPerBlock + 8, wm ? wm + 8 : wm, xs);
       }
     }
 #pragma GCC unroll 8

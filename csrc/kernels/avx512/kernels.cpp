@@ -45,8 +45,17 @@ struct Bf16Tile {
   }
 };
 
-inline __m512 epilogue16(__m512 acc, __m512i isum, int32_t offset_sum, const float* wscale, float xscale) {
-  isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset_sum));
+// acc += float(isum - offset * xsum) * (w_scale * x_scale), for 16 rows; affine (wmin set, offset 0): then
+// acc += float(-xsum) * (w_min * x_scale) (formats/layout.h).
+inline __m512 epilogue16(__m512 acc, __m512i isum, int32_t offset, int32_t xsum, const float* wscale, const float* wmin,
+                         float xscale) {
+  if (wmin) {
+    acc =
+        _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_loadu_ps(wscale), _mm512_set1_ps(xscale)), acc);
+    return _mm512_fmadd_ps(_mm512_set1_ps((float)(-xsum)), _mm512_mul_ps(_mm512_loadu_ps(wmin), _mm512_set1_ps(xscale)),
+                           acc);
+  }
+  isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset * xsum));
   __m512 s = _mm512_mul_ps(_mm512_loadu_ps(wscale), _mm512_set1_ps(xscale));
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc);
 }
@@ -54,7 +63,7 @@ inline __m512 epilogue16(__m512 acc, __m512i isum, int32_t offset_sum, const flo
 // Sums the two int32 lanes of each 64-bit lane: 16 pair partials -> 8 row sums.
 inline __m256i pair_sums(__m512i v) { return _mm512_cvtepi64_epi32(_mm512_add_epi32(v, _mm512_srli_epi64(v, 32))); }
 
-// int8 weights (unsigned, offset 128) x int16 activations with vpdpwssd; 32 bytes = 8 rows x 4 k.
+// int8 weights (unsigned, offset 128, or affine) x int16 activations with vpdpwssd; 32 bytes = 8 rows x 4 k.
 template <int NT>
 struct Int8Tile {
   static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
@@ -88,8 +97,8 @@ struct Int8Tile {
 #pragma GCC unroll 16
       for (int i = 0; i < NT; ++i) {
         __m512i rows16 = _mm512_inserti64x4(_mm512_castsi256_si512(pair_sums(acc[i][0])), pair_sums(acc[i][1]), 1);
-        facc[i] = epilogue16(facc[i], rows16, 128 * act_sums(rows[i], a)[g], w.scales + g * kRowsPerBlock,
-                             act_scales(rows[i], a)[g]);
+        facc[i] = epilogue16(facc[i], rows16, 128, act_sums(rows[i], a)[g], w.scales + g * kRowsPerBlock,
+                             w.mins ? w.mins + g * kRowsPerBlock : nullptr, act_scales(rows[i], a)[g]);
       }
     }
 #pragma GCC unroll 16
@@ -150,8 +159,8 @@ struct Int4Tile {
         __m512i sum = acc[i][0];
 #pragma GCC unroll 4
         for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, acc[i][c]);
-        facc[i] = epilogue16(facc[i], sum, 8 * act_sums(rows[i], a)[g], w.scales + g * kRowsPerBlock,
-                             act_scales(rows[i], a)[g]);
+        facc[i] = epilogue16(facc[i], sum, 8, act_sums(rows[i], a)[g], w.scales + g * kRowsPerBlock,
+                             w.mins ? w.mins + g * kRowsPerBlock : nullptr, act_scales(rows[i], a)[g]);
       }
     }
 #pragma GCC unroll 16

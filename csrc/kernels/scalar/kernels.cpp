@@ -62,7 +62,8 @@ void rowblock_bf16(const RowBlock& w, const uint8_t* const* rows, const ActLayou
   }
 }
 
-// Integer formats: exact int32 dot product per group, then acc = fma(float(isum), w_scale * x_scale, acc).
+// Integer formats: exact int32 dot product per group, then acc = fma(float(isum), w_scale * x_scale, acc)
+// (affine: and acc = fma(float(-xsum), w_min * x_scale, acc)).
 template <typename Q, int kOffset, bool kNibbles>
 static void rowblock_int(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
   const int kpl = kNibbles ? 8 : 4;
@@ -86,8 +87,13 @@ static void rowblock_int(const RowBlock& w, const uint8_t* const* rows, const Ac
             }
           }
         }
-        isum -= kOffset * xsum[g];
-        acc = std::fma((float)isum, w.scales[g * kRowsPerBlock + r] * xs[g], acc);
+        if (w.mins) {  // affine (layout.h): the codes carry no offset, the min meets the element sum
+          acc = std::fma((float)isum, w.scales[g * kRowsPerBlock + r] * xs[g], acc);
+          acc = std::fma((float)(-xsum[g]), w.mins[g * kRowsPerBlock + r] * xs[g], acc);
+        } else {
+          isum -= kOffset * xsum[g];
+          acc = std::fma((float)isum, w.scales[g * kRowsPerBlock + r] * xs[g], acc);
+        }
       }
       out[t * kRowsPerBlock + r] = acc;
     }

@@ -1,0 +1,233 @@
+"""GGUF's K-quant experts at their own precision (hetmoe/gguf/kquants.py -> hetmoe/cpu/codes.py -> the affine and
+group-16 layouts of csrc/formats/layout.h).
+
+Fixtures: the ``gguf`` package cannot quantize K-quants, so the blocks are written here from random bytes — every
+byte pattern is a valid block (codes, 6-bit and int8 scales) once the fp16 d / dmin fields hold finite values — and
+``gguf.quants.dequantize`` of those bytes is the reference. No binary fixture is committed.
+
+Paths covered: the row-block kernels at the ISA the tests run with (scalar, AVX2, AVX-512 by HETMOE_MAX_ISA / the
+CPU) and the AMX GEMM through its emulation (``isa="amx-emulated"``); one pool and two NUMA subpools; the GPU
+prefill's PyTorch unpack (hetmoe/moe/packed.py). Tolerances are written next to each comparison.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hetmoe.cpu import CPUExperts, ExpertPool
+from hetmoe.cpu.codes import load_codes
+from hetmoe.gguf.kquants import KQUANTS, kquant_codes
+from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
+from reference import ACTIVATION_QMAX, _moe, fake_quantize, rel_err
+
+gguf = pytest.importorskip("gguf")
+
+E, H, I = 3, 256, 512
+# (gate/up type, down type): one type per layer, and unsloth's Q4_K_M mix (Q4_K gate/up, Q6_K down)
+LAYERS = [("Q4_K", "Q4_K"), ("Q5_K", "Q5_K"), ("Q6_K", "Q6_K"), ("Q4_K", "Q6_K"), ("Q6_K", "Q8_0")]
+SYMMETRIC_32 = {"Q8_0": ("int8", "symmetric", 32), "Q4_0": ("int4", "symmetric", 32)}
+
+
+def scale_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K's 12 scale bytes from eight 6-bit scales and mins [..., 8] (the layout of hetmoe/gguf/kquants.py)."""
+    lo, hi = slice(0, 4), slice(4, 8)
+    return np.concatenate([(sc[..., lo] & 63) | ((sc[..., hi] >> 4) << 6), (m[..., lo] & 63) | ((m[..., hi] >> 4) << 6),
+                           (sc[..., hi] & 15) | ((m[..., hi] & 15) << 4)], axis=-1).astype(np.uint8)
+
+
+def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, centered: bool = False) -> np.ndarray:
+    """Bytes of a [rows, cols] matrix of type ``kind``: random, with finite fp16 scale fields. ``centered``: Q4_K /
+    Q5_K mins set near the middle code times the scale (weights centred on 0, as real quantized weights are), else
+    any 6-bit scales and mins."""
+    if kind in SYMMETRIC_32:  # Q8_0 / Q4_0: the gguf package quantizes them itself
+        qt = getattr(gguf.GGMLQuantizationType, kind)
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qt)
+    nb, nbytes = cols // 256, KQUANTS[kind][3]
+    raw = rng.integers(0, 256, (rows, nb, nbytes), dtype=np.uint8)
+    d = (rng.uniform(0.2, 1.0, (rows, nb)) * 0.01).astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
+    if kind == "Q6_K":
+        raw[..., 208:210] = d
+    else:
+        raw[..., 0:2], raw[..., 2:4] = d, d  # dmin = d
+        if centered:
+            mid = 7.5 if kind == "Q4_K" else 15.5
+            sc = rng.integers(1, int(63 / mid) + 1, (rows, nb, 8))
+            raw[..., 4:16] = scale_bytes(sc, np.rint(sc * mid).astype(np.int64))
+    return raw.reshape(rows, -1)
+
+
+def matrix_codes(kind: str, raw: np.ndarray, shape: tuple) -> tuple:
+    if kind in SYMMETRIC_32:
+        from hetmoe.gguf.checkpoint import block_codes
+
+        return (*block_codes(raw, kind, shape), None)
+    return kquant_codes(raw, kind, shape)
+
+
+def layout_of(kinds: tuple) -> dict:
+    """CPUExperts arguments holding (gate/up type, down type) exactly: int8 when either needs it."""
+    lay = [KQUANTS.get(k) or SYMMETRIC_32[k] for k in kinds]
+    fmt = "int8" if any(x[0] == "int8" for x in lay) else "int4"
+    return dict(weight_format=fmt, group_size=lay[0][2], down_group_size=lay[1][2], scaling=(lay[0][1], lay[1][1]))
+
+
+def kquant_experts(kinds: tuple, seed: int, pool: ExpertPool, isa: str = "auto", centered: bool = False, **kw):
+    """(experts loaded from random blocks, gguf's dequantization of gate, up, down [E, rows, cols] each)."""
+    rng = np.random.default_rng(seed)
+    experts = CPUExperts(E, H, I, threads=None, pool=pool, isa=isa, **layout_of(kinds), **kw)
+    codes, scales, mins, refs = [], [], [], []
+    for kind, (rows, cols) in zip((kinds[0], kinds[0], kinds[1]), ((I, H), (I, H), (H, I))):
+        raws = [random_blocks(kind, rows, cols, rng, centered) for _ in range(E)]
+        qt = getattr(gguf.GGMLQuantizationType, kind)
+        refs.append(torch.stack([torch.from_numpy(gguf.quants.dequantize(r, qt).astype(np.float32)) for r in raws]))
+        q, s, m = matrix_codes(kind, np.stack(raws), (E, rows, cols))
+        codes.append(q), scales.append(s), mins.append(m)
+    load_codes(experts, codes, scales, mins=mins)
+    return experts, refs
+
+
+@pytest.fixture(scope="module")
+def two_subpools():
+    return ExpertPool(2, numa=2)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-pool", "numa2"])
+@pytest.mark.parametrize("kinds", LAYERS, ids=lambda k: "+".join(k))
+def test_packed_experts_dequantize_bitwise_as_gguf(kinds, split, two_subpools):
+    experts, refs = kquant_experts(kinds, 1, two_subpools if split else ExpertPool(1))
+    for e in range(E):
+        for got, want in zip(experts.dequantized(e), refs):
+            assert torch.equal(got.view(torch.int32), want[e].view(torch.int32))  # bit for bit, -0.0 included
+
+
+def reference(experts, x, ids, w, refs, amx: bool) -> torch.Tensor:
+    """The float64 MoE on gguf's values with the engine's activation rounding: x per gate/up group, h per down
+    group (row blocks: int16 for int8 weights, int8 for int4; AMX: int8 for both)."""
+    info = experts.info()
+    qmax = ACTIVATION_QMAX["int8" if amx or info["weight_format"] == "int4" else "int16"]
+    qx = lambda v: fake_quantize(v, info["group_size"], qmax).double()  # noqa: E731
+    qh = lambda v: fake_quantize(v, info["down_group_size"], qmax).double()  # noqa: E731
+    weights_of = lambda e: tuple(r[e].double() for r in refs)  # noqa: E731
+    return _moe(x.double(), weights_of, E, ids, w, None, qx, qh)
+
+
+@pytest.mark.parametrize("path", ["rows", "amx-emulated"])
+@pytest.mark.parametrize("kinds", LAYERS, ids=lambda k: "+".join(k))
+@pytest.mark.parametrize("T", [1, 3, 37])
+def test_a_moe_call_matches_the_reference_on_gguf_values(kinds, T, path):
+    """Each path against the reference on the same values and activation rounding (tight: fp32 summation order
+    only; measured max 3.4e-6) and against the plain fp64 MoE on gguf's values (the activation rounding: measured
+    max 1.3e-2 with int8 activations, 4.9e-5 with int16)."""
+    amx = path == "amx-emulated"
+    kw = dict(isa="amx-emulated", amx_min_tokens=1) if amx else {}  # every expert on the AMX GEMM
+    experts, refs = kquant_experts(kinds, 2, ExpertPool(1), centered=True, **kw)
+    gen = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.randint(0, E, (T, 2), generator=gen)
+    ids[0, 1] = -1  # a skipped slot
+    w = torch.rand(T, 2, generator=gen)
+    got = experts.forward(x, ids, w)
+    assert rel_err(got, reference(experts, x, ids, w, refs, amx)) < 1e-5
+    plain = _moe(x.double(), lambda e: tuple(r[e].double() for r in refs), E, ids, w, None, lambda v: v.double(),
+                 lambda v: v.double())
+    int8_act = amx or experts.info()["weight_format"] == "int4"
+    assert rel_err(got, plain) < (3e-2 if int8_act else 2e-4)
+
+
+@pytest.mark.parametrize("kinds", LAYERS, ids=lambda k: "+".join(k))
+def test_amx_emulated_and_row_blocks_agree_on_one_token_per_expert(kinds):
+    """Below amx_min_tokens the AMX engine runs the row-block kernels: the same bits as a row-block engine."""
+    a, _ = kquant_experts(kinds, 3, ExpertPool(1), isa="amx-emulated", amx_min_tokens=100)
+    b, _ = kquant_experts(kinds, 3, ExpertPool(1))
+    gen = torch.Generator().manual_seed(5)
+    x, ids, w = torch.randn(4, H, generator=gen), torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2]]), torch.rand(4, 2)
+    assert torch.equal(a.forward(x, ids, w), b.forward(x, ids, w))
+
+
+@pytest.mark.parametrize("kinds", LAYERS, ids=lambda k: "+".join(k))
+def test_the_gpu_prefill_unpack_equals_the_engine(kinds):
+    """hetmoe/moe/packed.py's torch twin reads the affine and group-16 layouts bitwise (fp32) like the engine."""
+    experts, _ = kquant_experts(kinds, 4, ExpertPool(1))
+    lay = ExpertLayout.of(experts)
+    ranges = expert_ranges(experts)
+    assert sum(lay.range_bytes()) == experts.info()["bytes_per_expert"]
+    gu, d = unpack_experts(lay, ranges, E, torch.float32)
+    for e in range(E):
+        g, u, dd = experts.dequantized(e)
+        assert torch.equal(gu[e], torch.cat([g, u])) and torch.equal(d[e], dd)
+
+
+def test_bad_blocks_and_layouts_are_refused():
+    rng = np.random.default_rng(6)
+    with pytest.raises(ValueError, match="not whole super-blocks of 256"):
+        kquant_codes(np.zeros(144 * 2, np.uint8), "Q4_K", (2, 128))
+    with pytest.raises(ValueError, match=r"Q6_K \[2, 256\] needs 420 bytes, got 419"):
+        kquant_codes(np.zeros(419, np.uint8), "Q6_K", (2, 256))
+    experts = CPUExperts(E, H, I, "int4", 32, pool=ExpertPool(1), scaling="affine")
+    codes, scales, mins = [], [], []
+    for rows, cols in ((I, H), (I, H), (H, I)):
+        q, s, m = kquant_codes(np.stack([random_blocks("Q4_K", rows, cols, rng) for _ in range(E)]), "Q4_K",
+                               (E, rows, cols))
+        codes.append(q), scales.append(s), mins.append(m)
+    with pytest.raises(ValueError, match="gate is held affine: mins are needed"):
+        load_codes(experts, codes, scales)
+    bad = mins[2].clone()
+    bad[0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match="down has mins that are NaN or Inf"):
+        load_codes(experts, codes, scales, mins=[mins[0], mins[1], bad])
+    neg = codes[1].clone()
+    neg[0, 0, 0] = -1
+    with pytest.raises(ValueError, match=r"up has codes in \[-1, 15\]; int4 affine holds \[0, 15\]"):
+        load_codes(experts, [codes[0], neg, codes[2]], scales, mins=mins)
+    assert experts.info()["experts_loaded"] == 0
+    with pytest.raises(ValueError, match="group_size must be 32, 64 or 128, got 16"):
+        CPUExperts(E, H, I, "int4", 16, pool=ExpertPool(1))
+    with pytest.raises(ValueError, match="affine scaling needs a group size"):
+        CPUExperts(E, H, I, "int8", 0, pool=ExpertPool(1), scaling="affine")
+    with pytest.raises(ValueError, match="unknown scaling 'asym'"):
+        CPUExperts(E, H, I, "int8", 32, pool=ExpertPool(1), scaling="asym")
+
+
+TRITON_CHECK = """
+import sys, torch
+from hetmoe.cpu import CPUExperts, ExpertPool
+from hetmoe.moe import packed_triton
+from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
+cuda = torch.cuda.is_available()
+dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+for fmt, group, down_group, scaling in %r:
+    E, H, I = 2, 64, 40  # K padded to the group in down
+    experts = CPUExperts(E, H, I, fmt, group, pool=ExpertPool(1), down_group_size=down_group, scaling=scaling)
+    experts.fill_random(seed=9)
+    lay = ExpertLayout.of(experts)
+    ranges = expert_ranges(experts)
+    ref_gu, ref_d = unpack_experts(lay, ranges, E, torch.float32)
+    w_gu = torch.full((E, 2 * I, H), float("nan"), dtype=dtype, device=dev)
+    w_d = torch.full((E, H, I), float("nan"), dtype=dtype, device=dev)
+    packed_triton.unpack_into(lay, [r.to(dev) for r in ranges], w_gu, w_d)
+    if not (torch.equal(w_gu.cpu(), ref_gu.to(dtype)) and torch.equal(w_d.cpu(), ref_d.to(dtype))):
+        sys.exit(f"{fmt} {group}/{down_group} {scaling}: the kernel's weights differ from the engine's")
+print("ok")
+"""
+# The layouts of LAYERS: Q4_K, Q5_K, Q6_K, Q4_K + Q6_K
+TRITON_LAYOUTS = [("int4", 32, 32, "affine"), ("int8", 32, 32, "affine"), ("int8", 16, 16, "symmetric"),
+                  ("int8", 32, 16, ("affine", "symmetric"))]
+
+
+def test_the_triton_unpack_reads_the_kquant_layouts():
+    """The layerwise prefill's one-pass kernel (hetmoe/moe/packed_triton.py) on the affine and group-16 layouts: on
+    a GPU bitwise the engine's values rounded to bf16 (@gpu run: the same test); here under Triton's interpreter (a
+    fresh process), bitwise in fp32."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    done = subprocess.run([sys.executable, "-c", TRITON_CHECK % (TRITON_LAYOUTS,)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
