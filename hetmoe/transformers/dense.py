@@ -50,8 +50,8 @@ def choose(name: str, dev: torch.device, dtype: torch.dtype, dense_params: int) 
 
 def layer_prefix(name: str) -> str:
     """``model.layers.3`` of ``model.layers.3.self_attn.q_proj.weight`` ("" outside the decoder layers)."""
-    m = _LAYER_PREFIX.match(name)
-    return m.group(1) if m else ""
+    m = _LAYER_PREFIX.match("." + name)
+    return m.group(1)[1:] if m else ""
 
 
 def _loaded(module: nn.Module) -> bool:

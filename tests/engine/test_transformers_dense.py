@@ -144,6 +144,14 @@ def test_bad_dense_formats_are_refused(name, device, dtype, match):
         dense.choose(name, torch.device(device), dtype, 1000)
 
 
+def test_layer_prefix():
+    """The decoder layer a tensor belongs to (packed right after it loads); "" outside the layers."""
+    assert dense.layer_prefix("model.layers.3.self_attn.q_proj.weight") == "model.layers.3"
+    assert dense.layer_prefix("model.language_model.layers.10.mlp.up_proj.weight") == "model.language_model.layers.10"
+    assert dense.layer_prefix("layers.2.attn.weight") == "layers.2"
+    assert dense.layer_prefix("lm_head.weight") == dense.layer_prefix("model.layers_norm.weight") == ""
+
+
 def test_bad_dense_format_refused_before_loading(tiny):
     with pytest.raises(ValueError, match="does not run on cpu"):
         load(tiny("mixtral"), "fp8")
