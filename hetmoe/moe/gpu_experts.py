@@ -7,11 +7,15 @@ holds (``CPUExperts.dequantized``: int8/int4 dequantized, bf16 as is) cast to th
 resident experts matches the all-CPU placement up to summation order (and, with int8/int4, the CPU engine's
 activation rounding, which the GPU does not do).
 
-Two paths, one result:
-  dense  (T <= dense_max_tokens, and always while a CUDA graph is being captured): every resident expert runs over
-         all T tokens, weighted by a combine matrix C [T, N] built on the device from (topk_ids, topk_weights)
-         (0 where a token did not route to that expert). Fixed shapes, no host sync: capturable. Two GEMMs:
-         [T, H] x [H, N*2I] (gate and up of all N experts), then [T, N*I] x [N*I, H] (down, which also sums over N).
+Paths, one result:
+  routed (T <= dense_max_tokens, and always while a CUDA graph is being captured, on a GPU with Triton: decode):
+         Triton kernels over the T*k (token, slot) pairs that read only the weights of the resident experts the
+         tokens routed to, each once (hetmoe/moe/gpu_experts_triton.py): the cost follows the hits, not N.
+         Fixed shapes, no host sync: capturable.
+  dense  (the same T where Triton is absent: CPU tensors, tests): every resident expert runs over all T tokens,
+         weighted by a combine matrix C [T, N] built on the device from (topk_ids, topk_weights) (0 where a token
+         did not route to that expert). Two GEMMs: [T, H] x [H, N*2I] (gate and up of all N experts), then
+         [T, N*I] x [N*I, H] (down, which also sums over N). Capturable too, but reads all N experts' weights.
   gather (larger T: prefill, always eager): per resident expert, only the tokens routed to it.
 
 Shape letters: T tokens, E experts, k experts per token, N resident experts, H hidden, I expert intermediate.
@@ -19,12 +23,14 @@ Shape letters: T tokens, E experts, k experts per token, N resident experts, H h
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-DENSE_MAX_TOKENS = 32  # up to here the dense path's wasted work (N/k-fold at T=1) costs less than N gathers
+DENSE_MAX_TOKENS = 32  # up to here a fixed-shape path (routed or dense) costs less than N gathers
+DECODE_PATHS = ("auto", "routed", "dense")
 
 
 def combine_matrix(topk_ids: torch.Tensor, topk_weights: torch.Tensor, slot_of: torch.Tensor, n: int) -> torch.Tensor:
@@ -48,11 +54,16 @@ class GpuExperts:
         gate, up: [N, I, H]; down: [N, H, I] (Hugging Face out x in), any float dtype, any device.
         num_experts: E of the layer.
         dtype, device: where and in what precision the weights are kept and computed (fp32 accumulation).
+        decode: the fixed-shape path for T <= dense_max_tokens: "routed" (Triton kernels, the weights of routed
+            experts only; CPU tensors run them in Triton's interpreter), "dense" (torch, all N experts), "auto"
+            (routed on a GPU where the triton package is installed, else dense).
     """
 
     def __init__(self, expert_ids: Sequence[int], gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                  num_experts: int, dtype: torch.dtype = torch.bfloat16, device="cpu",
-                 dense_max_tokens: int = DENSE_MAX_TOKENS):
+                 dense_max_tokens: int = DENSE_MAX_TOKENS, decode: str = "auto"):
+        if decode not in DECODE_PATHS:
+            raise ValueError(f"decode must be one of {DECODE_PATHS}, got {decode!r}")
         ids = [int(e) for e in expert_ids]
         n = len(ids)
         if n < 1:
@@ -77,6 +88,11 @@ class GpuExperts:
         slot_of[torch.tensor(ids)] = torch.arange(n)
         self.device = self.w_gate_up.device  # with its index: "cuda" becomes "cuda:0", as x.device reads
         self.slot_of = slot_of.to(self.device)  # [E + 1]
+        if decode == "routed" and importlib.util.find_spec("triton") is None:
+            raise ValueError("decode='routed' needs the triton package, which is not installed")
+        if decode == "auto":
+            decode = "routed" if self.device.type == "cuda" and importlib.util.find_spec("triton") else "dense"
+        self.decode = decode
 
     @classmethod
     def from_cpu(cls, cpu_experts, expert_ids: Sequence[int], dtype: torch.dtype, device, **kwargs) -> "GpuExperts":
@@ -123,13 +139,27 @@ class GpuExperts:
                              f"both be [T={x.shape[0]}, k]")
         if x.device != self.device:
             raise ValueError(f"x is on {x.device}; these resident experts are on {self.device}")
-        if skip_mask is not None:
-            skip = skip_mask.to(self.device, torch.bool)
-            topk_ids = topk_ids.masked_fill(skip[topk_ids.long().clamp(min=0)] & (topk_ids >= 0), -1)
+        if skip_mask is not None and skip_mask.shape != (self.num_experts,):
+            raise ValueError(f"skip_mask must be [E={self.num_experts}], got {tuple(skip_mask.shape)}")
+        skip = skip_mask.to(self.device, torch.bool) if skip_mask is not None else None
         capturing = x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if x.shape[0] <= self.dense_max_tokens or capturing:
-            return self._dense(x, topk_ids, topk_weights)
-        return self._gather(x, topk_ids, topk_weights)
+        T = x.shape[0]
+        if T > self.dense_max_tokens and not capturing:
+            return self._gather(x, self._skipped(topk_ids, skip), topk_weights)
+        if self.decode == "routed" and T <= _routed().MAX_ROWS:
+            return self._routed(x, topk_ids, topk_weights, skip)
+        return self._dense(x, self._skipped(topk_ids, skip), topk_weights)
+
+    @staticmethod
+    def _skipped(topk_ids, skip):
+        """topk_ids with the slots of skipped experts set to -1."""
+        if skip is None:
+            return topk_ids
+        return topk_ids.masked_fill(skip[topk_ids.long().clamp(min=0)] & (topk_ids >= 0), -1)
+
+    def _routed(self, x, topk_ids, topk_weights, skip) -> torch.Tensor:
+        return _routed().routed(x, topk_ids, topk_weights, self.w_gate_up, self.w_down, self.slot_of, skip,
+                                self.num_experts, self.intermediate_size)
 
     def _dense(self, x, topk_ids, topk_weights) -> torch.Tensor:
         T, N, I = x.shape[0], self.n, self.intermediate_size
@@ -153,6 +183,13 @@ class GpuExperts:
             y = F.linear(h, self.w_down[:, r * I:(r + 1) * I])  # [t, H]
             acc.index_add_(0, tok, y.float() * topk_weights[tok, j].float().unsqueeze(1))
         return acc
+
+
+def _routed():
+    """hetmoe.moe.gpu_experts_triton, imported when first used (it needs the triton package)."""
+    from hetmoe.moe import gpu_experts_triton
+
+    return gpu_experts_triton
 
 
 def first_experts(num_experts: int, n: int) -> list:
