@@ -178,6 +178,14 @@ class KVCache:
         v = self.v[layer][pages].view(B, n_pages * self.page_size, self.kv_heads, self.v_head_dim)
         return k, v
 
+    def layout(self, layer: int) -> tuple:
+        """What a kernel that writes this layer's keys and values needs (layers/triton_fused.py): (k, v, table,
+        P) with k/v [pages, P, kv_heads, D(v)]. Paged: the pools and the page table; contiguous: row r is page r
+        of P = capacity positions, table None."""
+        if self.paged:
+            return self.k[layer], self.v[layer], self.table, self.page_size
+        return self.k[layer], self.v[layer], None, self.capacity
+
     def pages(self, layer: int) -> tuple:
         """The paged layout's pools of one layer: k [n_pages, P, kv_heads, D], v [n_pages, P, kv_heads, Dv]."""
         return self.k[layer], self.v[layer]

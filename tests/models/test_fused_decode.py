@@ -1,0 +1,171 @@
+"""The fused decode kernels (hetmoe/layers/triton_fused.py) against the unfused PyTorch code they replace, fp32 and
+bf16, and the fused decode path of each architecture against the unfused one.
+
+Kernel tests run wherever the kernels run: Triton's interpreter on the CPU (TRITON_INTERPRET=1, tests/conftest.py),
+the GPU otherwise; paths covered: the interpreter here, the GPU on the GPU machine. The kernels round to the model
+dtype at the unfused code's rounding points (RNE; by the bits, which the interpreter's own casts would truncate), so
+they differ from it only by the order of a sum of squares. Measured under the interpreter (max |fused - unfused| /
+max |unfused|, -s prints them): fp32 <= 2e-7 for every kernel; bf16 0 (bitwise) for every kernel and case here.
+Bounds: fp32 1e-5; bf16 1.6e-2 (two bf16 ulps at the largest magnitude: on the GPU a sum of squares in another
+order can move a normalised value across a rounding boundary).
+
+Model tests: one decode step of each architecture's tiny config with ``Step.fused`` against the same step
+unfused (CPU fp32, interpreter: the layer boundaries, the qkv/MLA epilogues, the SwiGLU MLPs), and the CUDA
+graph decode with the fused path on against off (GPU, bf16, batch sizes 1, 3, 8).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cases import generator
+from hetmoe.layers.attention import KVCache, Step
+from hetmoe.layers.rope import apply_rope, cos_sin, inv_frequencies
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]
+BOUND = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+
+
+@pytest.fixture(scope="module")
+def tf():
+    pytest.importorskip("triton")
+    from hetmoe.layers import triton_fused
+
+    return triton_fused
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def randn(gen, *shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+# ---------------------------------------------------------------- residual add + RMSNorm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,N", [(1, 64), (3, 300), (8, 2048), (5, 7168)])
+def test_add_rms_norm(tf, dtype, T, N):
+    gen = generator("add_rms_norm", T, N, str(dtype))
+    x, d = randn(gen, T, 1, N, dtype=dtype), randn(gen, T, 1, N, dtype=dtype, scale=0.5)
+    w = (1 + randn(gen, N, scale=0.1)).to(dtype)
+    res, out = tf.add_rms_norm(x, d, w, 1e-6)
+    r = x + d
+    ref = w * F.rms_norm(r, (N,), eps=1e-6)
+    assert torch.equal(res, r)  # one rounding of the sum, as torch's add
+    assert res.shape == out.shape == x.shape and out.dtype == dtype
+    print(f"add_rms_norm {dtype} T={T} N={N}: {rel(out, ref):.1e}")
+    assert rel(out, ref) <= BOUND[dtype]
+    same, out2 = tf.add_rms_norm(x, None, w, 1e-6)  # no delta: the norm alone, x is the residual
+    assert same is x and rel(out2, w * F.rms_norm(x, (N,), eps=1e-6)) <= BOUND[dtype]
+
+
+# ---------------------------------------------------------------- GQA: q/k norm + RoPE + KV write
+
+
+def _cache(B, K, D, P, dtype, paged: bool, ctx=96):
+    cache = KVCache(2, B + 1, ctx, K, D, dtype, DEVICE, page_size=P if paged else None, initial_tokens=None)
+    for row in range(B + 1):
+        cache.reserve(row, ctx)
+    return cache
+
+
+def _step(gen, B, S, ctx, P):
+    """Positions across page boundaries (P - 1, P, 2P + 1, ...), slots in a shuffled order."""
+    start = torch.tensor([(P - 1 + 17 * b) % (ctx - S) for b in range(B)])
+    positions = (start[:, None] + torch.arange(S)[None]).to(DEVICE)
+    slots = torch.randperm(B, generator=gen).to(DEVICE)
+    return Step(positions, slots)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("B,S,H,K,D,norm", [(1, 1, 4, 4, 16, True), (3, 1, 8, 2, 32, True), (8, 1, 6, 1, 64, False),
+                                            (2, 3, 12, 4, 128, True), (3, 2, 4, 2, 24, False)])
+def test_qkv_epilogue(tf, dtype, paged, B, S, H, K, D, norm):
+    gen = generator("qkv", B, S, H, K, D, norm, paged, str(dtype))
+    P, layer = 16, 1
+    step = _step(gen, B, S, 96, P)
+    qkv = randn(gen, B, S, (H + 2 * K) * D, dtype=dtype)
+    qw, kw = ((1 + randn(gen, D, scale=0.2)).to(dtype) for _ in range(2)) if norm else (None, None)
+    rope = cos_sin(step.positions, inv_frequencies(D, 10000.0), dtype)
+    # the unfused code of GQAAttention.forward
+    ref_cache, cache = _cache(B, K, D, P, dtype, paged), _cache(B, K, D, P, dtype, paged)
+    qk = qkv[..., :(H + K) * D].view(B, S, H + K, D)
+    v = qkv[..., (H + K) * D:].view(B, S, K, D)
+    if norm:
+        qk = torch.cat((qw.expand(H, D), kw.expand(K, D))) * F.rms_norm(qk, (D,), eps=1e-6)
+    q_ref, k_ref = apply_rope(qk, *rope).split((H, K), dim=2)
+    ref_cache.write(layer, step, k_ref, v)
+    k_pool, v_pool, table, page = cache.layout(layer)
+    q = tf.qkv_epilogue(qkv, H, K, qw, kw, 1e-6, *rope, k_pool, v_pool, table, page, step.slots, step.positions)
+    assert q.shape == (B, S, H, D) and q.dtype == dtype
+    print(f"qkv {dtype} {B, S, H, K, D} norm={norm} paged={paged}: q {rel(q, q_ref):.1e} "
+          f"k {rel(cache.k, ref_cache.k):.1e}")
+    assert rel(q, q_ref) <= BOUND[dtype]
+    assert rel(cache.k, ref_cache.k) <= BOUND[dtype]
+    assert torch.equal(cache.v, ref_cache.v)  # v is copied
+    assert torch.equal(cache.k != 0, ref_cache.k != 0)  # the very same cache entries written, no others
+
+
+# ---------------------------------------------------------------- MLA: latent norm + RoPE + latent cache write
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("form", ["complex", "interleave", "half"])
+@pytest.mark.parametrize("B,S,h,r,rope,paged", [(1, 1, 4, 16, 8, True), (3, 1, 16, 512, 64, True),
+                                                (8, 1, 3, 40, 16, False), (2, 2, 5, 24, 8, True)])
+def test_mla_epilogue(tf, dtype, form, B, S, h, r, rope, paged):
+    from hetmoe.models.deepseek_v2 import _rope_complex, _rope_half, _rope_interleave
+
+    rope_fn = {"complex": _rope_complex, "interleave": _rope_interleave, "half": _rope_half}[form]
+    gen = generator("mla", B, S, h, r, rope, paged, form, str(dtype))
+    P, layer, nope = 16, 0, 8
+    step = _step(gen, B, S, 96, P)
+    kv_a = randn(gen, B, S, r + rope, dtype=dtype)
+    q = randn(gen, B, S, h, nope + rope, dtype=dtype)
+    w = (1 + randn(gen, r, scale=0.2)).to(dtype)
+    freqs = step.positions.float().unsqueeze(-1) * inv_frequencies(rope, 10000.0).to(DEVICE)
+    cos, sin = (freqs.cos() * 1.1).to(dtype), (freqs.sin() * 1.1).to(dtype)  # times a YaRN attention factor
+    ref_cache = KVCache(1, B + 1, 96, 1, r, dtype, DEVICE, v_head_dim=rope, page_size=P if paged else None)
+    cache = KVCache(1, B + 1, 96, 1, r, dtype, DEVICE, v_head_dim=rope, page_size=P if paged else None)
+    for c in (ref_cache, cache):
+        for row in range(B + 1):
+            c.reserve(row, 96)
+    # the unfused code of DeepseekV2Attention.forward
+    c_kv, k_pe = kv_a.split([r, rope], dim=-1)
+    c_kv = (w * F.rms_norm(c_kv, (r,), eps=1e-6)).view(B, S, 1, r)
+    cs, sn = cos.unsqueeze(2), sin.unsqueeze(2)
+    q_pe_ref = rope_fn(q[..., nope:], cs, sn)
+    ref_cache.write(layer, step, c_kv, rope_fn(k_pe.reshape(B, S, 1, rope), cs, sn))
+    c_pool, pe_pool, table, page = cache.layout(layer)
+    q_pe = tf.mla_epilogue(kv_a, q, nope, w, 1e-6, cos, sin, form, c_pool, pe_pool, table, page, step.slots,
+                           step.positions)
+    assert q_pe.shape == (B, S, h, rope) and q_pe.dtype == dtype
+    print(f"mla {dtype} {form} {B, S, h, r, rope} paged={paged}: q_pe {rel(q_pe, q_pe_ref):.1e} "
+          f"c {rel(cache.k, ref_cache.k):.1e} pe {rel(cache.v, ref_cache.v):.1e}")
+    assert rel(q_pe, q_pe_ref) <= BOUND[dtype]
+    assert rel(cache.k, ref_cache.k) <= BOUND[dtype] and rel(cache.v, ref_cache.v) <= BOUND[dtype]
+    assert torch.equal(cache.k != 0, ref_cache.k != 0)
+    with pytest.raises(ValueError, match="rope form must be one of"):
+        tf.mla_epilogue(kv_a, q, nope, w, 1e-6, cos, sin, "yarn", c_pool, pe_pool, table, page, step.slots,
+                        step.positions)
+
+
+# ---------------------------------------------------------------- SwiGLU
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,I", [(1, 32), (3, 1408), (8, 37)])
+def test_silu_mul(tf, dtype, T, I):
+    gen = generator("silu_mul", T, I, str(dtype))
+    gu = randn(gen, T, 1, 2 * I, dtype=dtype, scale=2.0)
+    out = tf.silu_mul(gu)
+    gate, up = gu.split(I, dim=-1)
+    print(f"silu_mul {dtype} T={T} I={I}: {rel(out, F.silu(gate) * up):.1e}")
+    assert out.shape == (T, 1, I) and rel(out, F.silu(gate) * up) <= BOUND[dtype]
