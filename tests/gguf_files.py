@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 
 from hetmoe.engine.loader import build_meta, moe_blocks
+from hetmoe.gguf.kquants import KQUANTS
 from hetmoe.models.config import _EXPERTS, ModelConfig
 from hetmoe.testing.synthetic import _config
 
@@ -193,3 +194,38 @@ def add_tokenizer(w, backend, config: dict, pre: str, vocab_size: int = 0) -> No
         w.add_add_bos_token(config["add_bos_token"])
     if config.get("chat_template"):
         w.add_chat_template(config["chat_template"])
+
+
+# ------------------------------------------------------------------------ K-quant blocks (gguf cannot quantize them)
+
+SYMMETRIC_32 = {"Q8_0": ("int8", "symmetric", 32), "Q4_0": ("int4", "symmetric", 32)}
+
+
+def scale_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K's 12 scale bytes from eight 6-bit scales and mins [..., 8] (hetmoe/gguf/kquants.py reads them)."""
+    lo, hi = slice(0, 4), slice(4, 8)
+    return np.concatenate([(sc[..., lo] & 63) | ((sc[..., hi] >> 4) << 6), (m[..., lo] & 63) | ((m[..., hi] >> 4) << 6),
+                           (sc[..., hi] & 15) | ((m[..., hi] & 15) << 4)], axis=-1).astype(np.uint8)
+
+
+def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, centered: bool = False) -> np.ndarray:
+    """Bytes of a [rows, cols] matrix of type ``kind``: random, with finite fp16 scale fields. ``centered``: weights
+    of a std of about 0.1, centred on 0 as real quantized weights are (Q4_K / Q5_K mins near the middle code times
+    the scale, small Q6_K scales), else any scale and min bytes."""
+    if kind in SYMMETRIC_32:  # Q8_0 / Q4_0: the gguf package quantizes them itself
+        qt = getattr(gguf.GGMLQuantizationType, kind)
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qt)
+    nb, nbytes = cols // 256, KQUANTS[kind][3]
+    raw = rng.integers(0, 256, (rows, nb, nbytes), dtype=np.uint8)
+    d = (rng.uniform(0.2, 1.0, (rows, nb)) * 0.01).astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
+    if kind == "Q6_K":
+        raw[..., 208:210] = d
+        if centered:  # small positive scales (codes are centred already: q - 32)
+            raw[..., 192:208] = rng.integers(1, 4, (rows, nb, 16), dtype=np.uint8)
+    else:
+        raw[..., 0:2], raw[..., 2:4] = d, d  # dmin = d
+        if centered:
+            mid = 7.5 if kind == "Q4_K" else 15.5
+            sc = rng.integers(1, int(63 / mid) + 1, (rows, nb, 8))
+            raw[..., 4:16] = scale_bytes(sc, np.rint(sc * mid).astype(np.int64))
+    return raw.reshape(rows, -1)

@@ -23,6 +23,13 @@ CODE_RANGE = {("int8", "symmetric"): (-127, 127), ("int4", "symmetric"): (-8, 7)
               ("int8", "affine"): (0, 127), ("int4", "affine"): (0, 15)}
 
 
+def layout_of(experts: CPUExperts) -> dict:
+    """The code layout of ``experts`` as CPUExperts' keyword arguments (what GGUFCheckpoint.exact_format returns)."""
+    info = experts.info()
+    return {"weight_format": info["weight_format"], "group_size": info["group_size"],
+            "down_group_size": info["down_group_size"], "scaling": (info["gate_up_scaling"], info["down_scaling"])}
+
+
 def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
                first_expert: int = 0, mins: Optional[Sequence[Optional[torch.Tensor]]] = None) -> None:
     """Pack experts ``first_expert ..`` of ``experts`` (grouped int8 or int4) from ``codes`` = (gate, up, down) int8

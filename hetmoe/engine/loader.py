@@ -98,15 +98,28 @@ def build_meta(cfg: ModelConfig) -> nn.Module:
 
 
 def new_experts(layer: MoELayer, cfg: ModelConfig, inter: int, plan: MemoryPlan,
-                options: EngineOptions, spec: Optional[LayerPlan] = None) -> CPUExperts:
+                options: EngineOptions, spec: Optional[LayerPlan] = None, exact: Optional[dict] = None) -> CPUExperts:
     """Empty CPU experts for a MoE layer, in the format of its ``spec`` (``plan.layers[i]``; default: the plan's;
-    group 0 with int8: per-row scales), on the options' threads, NUMA split and kernel ISA."""
+    group 0 with int8: per-row scales), on the options' threads, NUMA split and kernel ISA. ``exact``: a GGUF
+    layer's own code layout (GGUFCheckpoint.exact_format), whose down group and scalings are taken when the format
+    and group are the plan's."""
     threads = options.threads
     if threads is None and plan.device.type == "cuda":
         threads = default_threads(reserve=HYBRID_RESERVED_CORES)
     fmt, group = (spec.experts_format, spec.group_size) if spec else (plan.experts_format, plan.group_size)
+    own = {}
+    if exact is not None and (exact["weight_format"], exact["group_size"]) == (fmt, group):
+        own = {"down_group_size": exact["down_group_size"], "scaling": exact["scaling"]}
     return CPUExperts(layer.num_experts, cfg.hidden_size, inter, fmt, group,
-                      threads=threads, numa=options.numa, isa=options.isa, amx_min_tokens=options.amx_min_tokens)
+                      threads=threads, numa=options.numa, isa=options.isa, amx_min_tokens=options.amx_min_tokens, **own)
+
+
+def exact_layout(ckpt: Checkpoint, prefix: str, weight_format: Optional[str] = None) -> Optional[dict]:
+    """The code layout holding block ``prefix``'s experts exactly (a GGUF file's exact types), or None."""
+    exact_format = getattr(ckpt, "exact_format", None)
+    if exact_format is None:
+        return None
+    return exact_format([f"{prefix}.experts.0.{w}.weight" for w in _expert_keys(ckpt, prefix)], weight_format)
 
 
 def plan_model(model: nn.Module, cfg: ModelConfig, blocks: list, options: EngineOptions, inter: int,
@@ -251,18 +264,21 @@ class _Materializer:
 
 def fill_experts(ckpt: Checkpoint, prefix: str, experts: CPUExperts) -> None:
     """Pack the routed experts of block ``prefix`` from the checkpoint, one expert at a time (FP8 dequantized
-    per expert, so at most one expert's fp32 copy exists at once). A GGUF file's Q8_0 / Q4_0 experts loaded as the
-    format that holds them (int8 / int4, group 32) are packed from their codes: nothing is re-quantized."""
+    per expert, so at most one expert's fp32 copy exists at once). A GGUF file's experts of exactly held types
+    (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) loaded in the layout that holds them are packed from their codes: nothing is
+    re-quantized."""
     names = _expert_keys(ckpt, prefix)
     H, I = experts.hidden_size, experts.intermediate_size
-    exact = getattr(ckpt, "exact_format", lambda keys: None)([f"{prefix}.experts.0.{w}.weight" for w in names])
-    if exact is not None and exact == tuple(experts.info()[k] for k in ("weight_format", "group_size")):
-        from hetmoe.cpu.codes import load_codes
+    from hetmoe.cpu.codes import layout_of, load_codes
 
+    exact = exact_layout(ckpt, prefix, experts.info()["weight_format"])
+    if exact is not None and exact == layout_of(experts):
         for e in range(experts.num_experts):
             parts = [ckpt.expert_codes(f"{prefix}.experts.{e}.{which}.weight") for which in names]
+            mins = [None if p[2] is None else p[2][None] for p in parts]
             try:
-                load_codes(experts, [p[0][None] for p in parts], [p[1][None] for p in parts], first_expert=e)
+                load_codes(experts, [p[0][None] for p in parts], [p[1][None] for p in parts], first_expert=e,
+                           mins=mins)
             except ValueError as err:
                 raise CheckpointError(f"{ckpt.path}: {prefix}.experts.{e}: {err}") from None
         return
@@ -406,7 +422,7 @@ def load_model(
             for (name, block), lp in zip(blocks, plan.layers):
                 if not name.startswith(prefix + "."):
                     continue
-                experts = new_experts(block, cfg, inter, plan, options, lp)
+                experts = new_experts(block, cfg, inter, plan, options, lp, exact_layout(ckpt, name, lp.experts_format))
                 cache = cache_for(lp)
                 if cache is None or not cache.load(i, experts):
                     fill_experts(ckpt, name, experts)

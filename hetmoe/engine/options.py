@@ -44,7 +44,7 @@ class EngineOptions:
         choices=("auto",) + FORMATS))
     group_size: Optional[int] = field(default=None, metadata=cli_flag(
         "--group-size", "int8/int4 scale group (default: 128 for int8, 64 for int4; 0 = per-row int8; bf16 has none)",
-        type="int", choices=(0, 32, 64, 128)))
+        type="int", choices=(0, 16, 32, 64, 128)))  # 16: int8 only (GGUF's Q6_K)
     threads: Optional[int] = field(default=None, metadata=cli_flag(
         "--threads", "CPU expert threads (default: physical cores; with a GPU, 2 fewer)", type="positive_int"))
     numa: Union[str, int] = field(default="auto", metadata=cli_flag(  # hetmoe/cpu/numa.py
@@ -146,9 +146,9 @@ class EngineOptions:
             raise ValueError(f"cuda_graph must be True or False, got {self.cuda_graph!r}")
         if self.max_batch < 1 or self.prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
-        if self.group_size is not None and self.group_size not in (0, 32, 64, 128):
-            raise ValueError(f"group size must be 32, 64 or 128 (or 0 = per-row int8), got {self.group_size}")
-        if self.group_size == 0 and self.experts_format == "int4":
+        if self.group_size is not None and self.group_size not in (0, 16, 32, 64, 128):
+            raise ValueError(f"group size must be 32, 64 or 128 (int8 also 16, or 0 = per-row), got {self.group_size}")
+        if self.group_size in (0, 16) and self.experts_format == "int4":
             raise ValueError("int4 experts need a group size of 32, 64 or 128 (per-row scales are int8 only)")
         if not isinstance(self.rules, (str, os.PathLike, type(None))):
             raise ValueError(f"rules must be the path of a YAML file, got {self.rules!r}")

@@ -6,27 +6,34 @@ file has: the routed experts' own quantized blocks (``expert_codes``) and the en
 Tensors are read from the memory-mapped file when asked for, one at a time (a stacked experts tensor one expert at
 a time), so loading holds one layer's weights as the safetensors path does. Exact types: Q8_0 (fp16 scale + 32 int8
 per block) is the engine's int8 with groups of 32, Q4_0 (fp16 scale + 16 bytes: values 0..15 in the low nibbles,
-16..31 in the high ones, offset 8) its int4 with groups of 32 — packed from the codes (hetmoe/cpu/codes.py), the
-kernels multiply by exactly what ``gguf``'s dequantization gives. Every other type is dequantized (gguf.quants) and
-quantized into the experts format of the plan.
+16..31 in the high ones, offset 8) its int4 with groups of 32; the K-quants Q4_K / Q5_K are int4 / int8 affine with
+groups of 32 and Q6_K int8 with groups of 16 (hetmoe/gguf/kquants.py). Gate/up and down may have different exact
+types (int4 codes then go into int8). They are packed from the codes (hetmoe/cpu/codes.py): the kernels multiply by
+exactly what ``gguf``'s dequantization gives. Every other type is dequantized (gguf.quants) and quantized into the
+experts format of the plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import mmap
+import re
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
+from hetmoe.gguf.kquants import KQUANTS, kquant_codes
 from hetmoe.gguf.metadata import GGUFError, config_from_gguf, open_gguf
 from hetmoe.gguf.names import Transform, hf_names, merge_kv_b, unpermute_rope
 from hetmoe.models.config import ModelConfig
 
 EXACT = {"Q8_0": ("int8", 34), "Q4_0": ("int4", 18)}  # GGML type -> (engine format, bytes per block of 32)
+# GGML type -> (engine format, scaling, group) of every type the engine holds exactly
+HELD = {"Q8_0": ("int8", "symmetric", 32), "Q4_0": ("int4", "symmetric", 32), **{k: v[:3] for k, v in KQUANTS.items()}}
 BLOCK = 32
+_LAYER = re.compile(r"\.layers\.\d+\.")
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
@@ -152,36 +159,66 @@ class GGUFCheckpoint:
         t, _, _ = self._entry(name)
         return t[Transform.KV_B_K].ggml_type.name if isinstance(t, dict) else t.ggml_type.name
 
-    def exact_format(self, names: list) -> Optional[tuple]:
-        """(engine format, group) holding the tensors ``names`` (one layer's gate, up, down) exactly, or None."""
-        kinds = {self.ggml_type(n) for n in names}
-        if len(kinds) == 1 and kinds <= EXACT.keys():
-            return EXACT[kinds.pop()][0], BLOCK
-        return None
+    def exact_format(self, names: list, weight_format: Optional[str] = None) -> Optional[dict]:
+        """The CPUExperts layout holding one layer's gate, up, down (``names``) exactly — ``weight_format``,
+        ``group_size``, ``down_group_size``, ``scaling`` (gate/up, down) — or None (gate and up of different types,
+        or a type no layout holds). int8 when a matrix needs it (int4 codes fit it exactly), or ``weight_format``
+        int8 asked for."""
+        kinds = [self.ggml_type(n) for n in names]
+        if kinds[0] != kinds[1] or not set(kinds) <= HELD.keys():
+            return None
+        gu, down = HELD[kinds[0]], HELD[kinds[2]]
+        fmt = "int8" if "int8" in (gu[0], down[0], weight_format) else "int4"
+        return {"weight_format": fmt, "group_size": gu[2], "down_group_size": down[2], "scaling": (gu[1], down[1])}
 
     def expert_codes(self, name: str) -> tuple:
-        """(codes int8 [rows, cols], scales fp32 [rows, cols / 32]) of a Q8_0 / Q4_0 expert matrix."""
+        """(codes int8 [rows, cols], scales fp32 [rows, cols / group], mins of the same shape or None) of an expert
+        matrix of an exactly held type (Q8_0 / Q4_0 / K-quants)."""
         t, _, e = self._entry(name)
         kind = t.ggml_type.name
-        if kind not in EXACT:
-            raise GGUFError(f"{self.path}: {name} is {kind}, not one of the exactly held types {', '.join(EXACT)}")
-        return block_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:]))
+        if kind not in HELD:
+            raise GGUFError(f"{self.path}: {name} is {kind}, not one of the exactly held types {', '.join(HELD)}")
+        if kind in KQUANTS:
+            try:
+                return kquant_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:]))
+            except ValueError as err:
+                raise GGUFError(f"{self.path}: {name}: {err}") from None
+        return (*block_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:])), None)
+
+    def _layer_names(self, names: list) -> list:
+        """``names`` (one MoE layer's expert 0 gate, up, down) for every layer of the file that has them."""
+        out = []
+        for i in range(self.config.num_hidden_layers):
+            mine = [_LAYER.sub(f".layers.{i}.", n, count=1) for n in names]
+            if all(n in self._map for n in mine):
+                out.append(mine)
+        return out or [names]
 
     def experts_options(self, names: list, options, log: Callable[[str], None]):
         """``options`` with the experts format this file's experts (``names``: one layer's gate, up, down) load
-        at by default: the exact one for Q8_0 / Q4_0, else the nearest by bits (a note says what re-quantizing
-        costs is measured by ``hetmoe eval``). An explicit --experts-format is kept."""
-        kinds = sorted({self.ggml_type(n) for n in names})
-        exact = self.exact_format(names)
+        at by default: the exact one (the layout most layers' types need; int8 where any layer needs it), else the
+        nearest by bits (a note says what re-quantizing costs is measured by ``hetmoe eval``). Layers whose types
+        the chosen format and group cannot hold exactly are re-quantized, with a note. An explicit --experts-format
+        is kept."""
+        layers = self._layer_names(names)
+        kinds = sorted({self.ggml_type(n) for layer in layers for n in layer})
+        exact = [x for x in (self.exact_format(layer) for layer in layers) if x is not None]
+        chosen = None
+        if exact:
+            fmt = "int8" if any(x["weight_format"] == "int8" for x in exact) else "int4"
+            groups = [x["group_size"] for x in exact]
+            chosen = (fmt, max(set(groups), key=groups.count))
         if options.experts_format != "auto":
-            if exact is None or exact != (options.experts_format, options.group_size or exact[1]):
+            if chosen is None or chosen != (options.experts_format, options.group_size or chosen[1]):
                 log(f"hetmoe: note: {self.path.name}'s experts are {'/'.join(kinds)}: dequantized and re-quantized "
                     f"into {options.experts_format} as asked")
-            keep = exact is None or options.group_size or options.experts_format == "bf16"  # bf16 has no groups
-            return options if keep else dataclasses.replace(options, group_size=BLOCK)
-        if exact is not None:
-            log(f"hetmoe: {self.path.name}'s experts are {kinds[0]}: packed as {exact[0]} group {BLOCK}, exactly")
-            return dataclasses.replace(options, experts_format=exact[0], group_size=BLOCK)
+            keep = chosen is None or options.group_size or options.experts_format == "bf16"  # bf16 has no groups
+            return options if keep else dataclasses.replace(options, group_size=chosen[1])
+        if chosen is not None:
+            off = len(layers) - groups.count(chosen[1])
+            log(f"hetmoe: {self.path.name}'s experts are {'/'.join(kinds)}: packed as {chosen[0]} group {chosen[1]}"
+                + (f", exactly except {off} layer(s) of other types (re-quantized)" if off else ", exactly"))
+            return dataclasses.replace(options, experts_format=chosen[0], group_size=chosen[1])
         near = [nearest_format(k) for k in kinds]
         fmt = "int8" if "int8" in near else "int4" if "int4" in near else None
         if fmt is None:

@@ -2,7 +2,9 @@
 writes them (tests/gguf_files.py), dense tensors in F32, routed experts quantized by the gguf package.
 
 * Q8_0 / Q4_0 experts load as int8 / int4 with groups of 32 by default, packed from their codes: every expert's
-  values are bitwise what gguf's dequantization gives.
+  values are bitwise what gguf's dequantization gives. So do the K-quants (Q4_K, Q5_K, Q6_K, and unsloth's Q4_K_M
+  mix of Q4_K gate/up with Q6_K down), written here as random blocks since the gguf package cannot quantize them
+  (tests/gguf_files.py random_blocks; no binary fixture), and files whose layers have different exact types.
 * The GGUF model's logits match the same model's reference on the dequantized weights (fp32 dense and experts,
   tests/parity.py), within the engine's activation rounding: measured max rel. error below.
 * Another type (Q5_0 here) is dequantized and re-quantized into the nearest engine format, said on the log.
@@ -12,6 +14,7 @@ writes them (tests/gguf_files.py), dense tensors in F32, routed experts quantize
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -20,29 +23,45 @@ import torch
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
-from gguf_files import GGUF_ARCH, add_tokenizer, hetmoe_state, hf_config, to_gguf_tensors, write_metadata  # noqa: E402
+from gguf_files import (  # noqa: E402
+    GGUF_ARCH,
+    add_tokenizer,
+    hetmoe_state,
+    hf_config,
+    random_blocks,
+    to_gguf_tensors,
+    write_metadata,
+)
 
 from hetmoe.engine.loader import load_model, moe_blocks  # noqa: E402
 from hetmoe.engine.placement import EngineOptions  # noqa: E402
 from hetmoe.gguf import GGUFError  # noqa: E402
+from hetmoe.gguf.kquants import KQUANTS  # noqa: E402
 from hetmoe.testing.synthetic import build_tokenizer, tokenizer_config  # noqa: E402
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"]
 
 
 def quantized_gguf(tmp_path, arch: str, qtype: str, tokenizer: bool = False, pad_tokens: bool = True,
-                   split_max_tensors: int = 0):
-    """(GGUF path, config, the HF state with the experts' dequantized values): experts stacked and quantized to
-    ``qtype`` by the gguf package, everything else F32."""
-    cfg = hf_config(arch)
+                   split_max_tensors: int = 0, layer_types: Optional[dict] = None, **overrides):
+    """(GGUF path, config, the HF state, the experts' dequantized values by GGUF name): experts stacked and quantized
+    to ``qtype`` ("GATE_UP+DOWN" for two types; ``layer_types``: block id -> such a type, else ``qtype``) by the gguf
+    package, or for K-quants, which it cannot quantize, random centred blocks (tests/gguf_files.py random_blocks);
+    everything else F32. ``overrides``: config entries (K-quant rows need sizes that are multiples of 256)."""
+    cfg = hf_config(arch, **overrides)
     # a well-conditioned model: weights of std 0.1 (norm weights about 1), not hetmoe_state's N(0, 1)
     state = {n: (1 + 0.1 * v if "norm" in n else 0.1 * v) for n, v in hetmoe_state(arch, cfg, seed=3).items()}
     tensors = to_gguf_tensors(arch, cfg, state)
-    qt = getattr(gguf.GGMLQuantizationType, qtype)
-    deq = {}
+    deq, qts, rng = {}, {}, np.random.default_rng(4)
     for name, t in list(tensors.items()):
         if "_exps." in name:
-            raw = gguf.quants.quantize(t, qt)
+            gate_up, down = ((layer_types or {}).get(int(name.split(".")[1]), qtype) + "+").split("+")[:2]
+            kind = (down or gate_up) if "_down_" in name else gate_up
+            qts[name] = qt = getattr(gguf.GGMLQuantizationType, kind)
+            if kind in KQUANTS:
+                raw = np.stack([random_blocks(kind, *t.shape[1:], rng, centered=True) for _ in range(t.shape[0])])
+            else:
+                raw = gguf.quants.quantize(t, qt)
             deq[name] = gguf.quants.dequantize(raw, qt)
             tensors[name] = raw
     tok = None
@@ -54,7 +73,7 @@ def quantized_gguf(tmp_path, arch: str, qtype: str, tokenizer: bool = False, pad
     if tok is not None:
         add_tokenizer(w, *tok)
     for name, t in tensors.items():
-        w.add_tensor(name, t, raw_dtype=qt if name in deq else None)
+        w.add_tensor(name, t, raw_dtype=qts.get(name))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     if split_max_tensors:  # llama.cpp's gguf-split names: NAME-00001-of-0000N.gguf
         return sorted(tmp_path.glob(f"{arch}-{qtype}-0*.gguf"))[0], cfg, state, deq
@@ -93,13 +112,20 @@ def test_q8_0_and_q4_0_experts_load_exactly(tmp_path, arch, qtype, fmt):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("qtype, bound", [("Q8_0", 5e-4), ("Q4_0", 5e-2)])
 def test_gguf_logits_match_the_dequantized_checkpoint(tmp_path, arch, qtype, bound):
+    err = logit_error(tmp_path, arch, *quantized_gguf(tmp_path, arch, qtype))
+    print(f"{arch} {qtype}: max rel. logit error {err:.2e}")
+    assert err < bound
+
+
+def logit_error(tmp_path, arch: str, path, cfg: dict, state: dict, deq: dict) -> float:
+    """Max rel. logit error of the GGUF model against the fp32 reference on its dequantized weights, over a prefill
+    of 11 tokens and 4 decode steps."""
     from safetensors.torch import save_file
 
     from hetmoe.engine.runner import Runner
     from hetmoe.models import model_class
     from parity import load_ours, max_rel, torch_fp32
 
-    path, cfg, state, deq = quantized_gguf(tmp_path, arch, qtype)
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
     (ref_dir / "config.json").write_text(json.dumps(cfg))
@@ -127,9 +153,88 @@ def test_gguf_logits_match_the_dequantized_checkpoint(tmp_path, arch, qtype, bou
             got.append(runner.decode(tok))
             pos = torch.tensor([[11 + step]])
             want.append(ref.logits(ref(torch.tensor([[tok]]), Step(pos, torch.tensor([0])), cache))[0, -1])
-    err = max(max_rel(g, w) for g, w in zip(got, want))
+    return max(max_rel(g, w) for g, w in zip(got, want))
+
+
+# K-quant rows are whole super-blocks of 256 values: hidden and expert intermediate sizes of 256
+KSIZES = {"qwen3_moe": dict(hidden_size=256, moe_intermediate_size=256),
+          "deepseek_v3": dict(hidden_size=256, moe_intermediate_size=256),
+          "mixtral": dict(hidden_size=256, intermediate_size=256)}
+# (types, engine layout: format, group, down group, scaling): one type, and unsloth's Q4_K_M (Q4_K gate/up, Q6_K down)
+KLAYOUTS = [("Q4_K", ("int4", 32, 32, ("affine", "affine"))), ("Q5_K", ("int8", 32, 32, ("affine", "affine"))),
+            ("Q6_K", ("int8", 16, 16, ("symmetric", "symmetric"))),
+            ("Q4_K+Q6_K", ("int8", 32, 16, ("affine", "symmetric")))]
+
+
+def _layout(engine) -> tuple:
+    i = engine.info()
+    return i["weight_format"], i["group_size"], i["down_group_size"], (i["gate_up_scaling"], i["down_scaling"])
+
+
+def _assert_exact(loaded, deq: dict) -> None:
+    """Every expert's values are gguf's dequantization, bit for bit."""
+    for name, layer in moe_blocks(loaded.model):
+        bid = int(name.split(".")[2])
+        want = [deq[f"blk.{bid}.ffn_{w}_exps.weight"] for w in ("gate", "up", "down")]
+        for e in range(layer.engine.num_experts):
+            for got, w in zip(layer.engine.dequantized(e), want):
+                assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(w[e])))
+
+
+@pytest.mark.parametrize("arch", list(KSIZES))
+@pytest.mark.parametrize("qtype, layout", KLAYOUTS, ids=[k for k, _ in KLAYOUTS])
+def test_kquant_experts_load_exactly(tmp_path, arch, qtype, layout):
+    path, _, _, deq = quantized_gguf(tmp_path, arch, qtype, **KSIZES[arch])
+    said = []
+    loaded = load_model(path, EngineOptions(device="cpu", dtype="fp32", threads=1), expert_cache=None,
+                        progress=False, log=said.append)
+    assert (loaded.plan.experts_format, loaded.plan.group_size) == layout[:2]
+    assert any(f"are {'/'.join(sorted(set(qtype.split('+'))))}: packed as {layout[0]} group {layout[1]}, exactly"
+               in s for s in said), said
+    assert all(_layout(layer.engine) == layout for _, layer in moe_blocks(loaded.model))
+    _assert_exact(loaded, deq)
+
+
+# measured (max rel. logit error, as above): Q4_K_M 7.8e-5..8.2e-5 (int8 weights: int16 activations),
+# Q4_K 2.0e-2..3.7e-2 (int4 weights: int8 activations per group of 32)
+@pytest.mark.parametrize("arch", list(KSIZES))
+@pytest.mark.parametrize("qtype, bound", [("Q4_K+Q6_K", 5e-4), ("Q4_K", 6e-2)])
+def test_kquant_logits_match_the_dequantized_checkpoint(tmp_path, arch, qtype, bound):
+    err = logit_error(tmp_path, arch, *quantized_gguf(tmp_path, arch, qtype, **KSIZES[arch]))
     print(f"{arch} {qtype}: max rel. logit error {err:.2e}")
     assert err < bound
+
+
+def test_mixed_types_per_layer(tmp_path):
+    """A "UD" file: each layer its own exact types, all held exactly in one format and group (int8, 32 here), with
+    each layer's own down group and scalings."""
+    types = {0: "Q4_K+Q6_K", 1: "Q5_K+Q8_0"}
+    path, _, _, deq = quantized_gguf(tmp_path, "qwen3_moe", "Q4_K", layer_types=types, **KSIZES["qwen3_moe"])
+    loaded = _load(path)
+    layouts = [_layout(layer.engine) for _, layer in moe_blocks(loaded.model)]
+    assert layouts == [("int8", 32, 16, ("affine", "symmetric")), ("int8", 32, 32, ("affine", "symmetric"))]
+    _assert_exact(loaded, deq)
+
+
+def test_gate_and_up_of_different_types_are_requantized(tmp_path):
+    path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "Q4_K", layer_types={1: "Q6_K+Q6_K"},
+                                   **KSIZES["qwen3_moe"])
+    said = []
+    load_model(path, EngineOptions(device="cpu", dtype="fp32", threads=1), expert_cache=None, progress=False,
+               log=said.append)
+    assert any("packed as int8 group 32, exactly except 1 layer(s) of other types (re-quantized)" in s for s in said)
+
+
+def test_a_bad_kquant_block_is_named(tmp_path):
+    """A Q4_K super-block whose fp16 d is NaN: the loader names the file, the expert and the matrix."""
+    path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "Q4_K", **KSIZES["qwen3_moe"])
+    reader = gguf.GGUFReader(str(path))
+    t = next(t for t in reader.tensors if t.name == "blk.1.ffn_down_exps.weight")
+    data = bytearray(path.read_bytes())
+    data[t.data_offset:t.data_offset + 2] = np.array([np.nan], np.float16).tobytes()  # expert 0, row 0, block 0
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"Q4_K.gguf: model.layers.1.mlp.experts.0: down has scales that are NaN"):
+        _load(path)
 
 
 def test_other_types_are_requantized_into_the_nearest_format(tmp_path):

@@ -23,39 +23,11 @@ from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
 from reference import ACTIVATION_QMAX, _moe, fake_quantize, rel_err
 
 gguf = pytest.importorskip("gguf")
+from gguf_files import SYMMETRIC_32, random_blocks  # noqa: E402
 
 E, H, I = 3, 256, 512
 # (gate/up type, down type): one type per layer, and unsloth's Q4_K_M mix (Q4_K gate/up, Q6_K down)
 LAYERS = [("Q4_K", "Q4_K"), ("Q5_K", "Q5_K"), ("Q6_K", "Q6_K"), ("Q4_K", "Q6_K"), ("Q6_K", "Q8_0")]
-SYMMETRIC_32 = {"Q8_0": ("int8", "symmetric", 32), "Q4_0": ("int4", "symmetric", 32)}
-
-
-def scale_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """Q4_K / Q5_K's 12 scale bytes from eight 6-bit scales and mins [..., 8] (the layout of hetmoe/gguf/kquants.py)."""
-    lo, hi = slice(0, 4), slice(4, 8)
-    return np.concatenate([(sc[..., lo] & 63) | ((sc[..., hi] >> 4) << 6), (m[..., lo] & 63) | ((m[..., hi] >> 4) << 6),
-                           (sc[..., hi] & 15) | ((m[..., hi] & 15) << 4)], axis=-1).astype(np.uint8)
-
-
-def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, centered: bool = False) -> np.ndarray:
-    """Bytes of a [rows, cols] matrix of type ``kind``: random, with finite fp16 scale fields. ``centered``: Q4_K /
-    Q5_K mins set near the middle code times the scale (weights centred on 0, as real quantized weights are), else
-    any 6-bit scales and mins."""
-    if kind in SYMMETRIC_32:  # Q8_0 / Q4_0: the gguf package quantizes them itself
-        qt = getattr(gguf.GGMLQuantizationType, kind)
-        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qt)
-    nb, nbytes = cols // 256, KQUANTS[kind][3]
-    raw = rng.integers(0, 256, (rows, nb, nbytes), dtype=np.uint8)
-    d = (rng.uniform(0.2, 1.0, (rows, nb)) * 0.01).astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
-    if kind == "Q6_K":
-        raw[..., 208:210] = d
-    else:
-        raw[..., 0:2], raw[..., 2:4] = d, d  # dmin = d
-        if centered:
-            mid = 7.5 if kind == "Q4_K" else 15.5
-            sc = rng.integers(1, int(63 / mid) + 1, (rows, nb, 8))
-            raw[..., 4:16] = scale_bytes(sc, np.rint(sc * mid).astype(np.int64))
-    return raw.reshape(rows, -1)
 
 
 def matrix_codes(kind: str, raw: np.ndarray, shape: tuple) -> tuple:
