@@ -7,9 +7,10 @@ TorchExperts over odd shapes; the CPU engine's static skip mask plus the residen
 deferred); calibration picks
 the most routed experts on a crafted router; option validation, the memory plan, the CLI flag.
 GPU (marked, skipped without CUDA): hybrid placement with --gpu-experts N against the all-CPU placement (qwen3_moe and
-deepseek_v3 tiny checkpoints; decode as a CUDA graph, the same step eager, and the plain synchronous path); deferral
-+ resident experts against a CPU emulation of the same dispatch; every expert resident makes deferral a no-op; the
-dense path captured into a CUDA graph on its own.
+deepseek_v3 tiny checkpoints; decode as a CUDA graph, the same step eager, and the plain synchronous path; decode steps
+take the routed Triton path); deferral + resident experts against a CPU emulation of the same dispatch; every expert
+resident makes deferral a no-op; the dense and routed decode paths captured into a CUDA graph on their own. The routed
+kernels alone: tests/models/test_gpu_experts_routed.py.
 
 Tolerances (relative errors ||out - ref|| / ||ref||, or max |diff| / max |ref| for logits) are written beside each
 assert with what was measured.
@@ -542,11 +543,12 @@ def test_hybrid_deferral_with_gpu_experts(checkpoints, arch, mode):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("T", [1, 2, 4, 8])
-def test_dense_path_captures_into_cuda_graph(T):
+@pytest.mark.parametrize("decode", ["dense", "routed"])
+def test_decode_path_captures_into_cuda_graph(T, decode):
     gen = torch.Generator().manual_seed(T)
     gate, up, down = _weights(gen)
     resident = [0, 2, 5, 9]
-    gpu = GpuExperts(resident, gate[resident], up[resident], down[resident], E, torch.bfloat16, "cuda")
+    gpu = GpuExperts(resident, gate[resident], up[resident], down[resident], E, torch.bfloat16, "cuda", decode=decode)
     x = torch.randn(T, H, generator=gen).cuda().bfloat16()
     ids, w = (t.cuda() for t in _routing(gen, T, 3, holes=False))
     eager0 = gpu(x, ids, w)
