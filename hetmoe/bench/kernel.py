@@ -27,6 +27,7 @@ from hetmoe.bench.machine import (
     mem_total_bytes,
     write_json,
 )
+from hetmoe.cpu.codes import exact_layout
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,18 @@ SHAPES = {
     )
 }
 DEFAULT_GROUP = {"bf16": 128, "int8": 128, "int4": 64}
+# GGUF experts at their own precision (hetmoe/cpu/codes.py exact_layout): (gate/up type, down type)
+GGUF_FORMATS = {"q4_k": ("Q4_K", "Q4_K"), "q5_k": ("Q5_K", "Q5_K"), "q6_k": ("Q6_K", "Q6_K"),
+                "q4_k_m": ("Q4_K", "Q6_K")}
+FORMATS = tuple(cpu.WEIGHT_FORMATS) + tuple(GGUF_FORMATS)
+
+
+def format_args(fmt: str, group_size) -> dict:
+    """CPUExperts' format keyword arguments of a --formats name (group_size: --group-size, int8/int4 only)."""
+    if fmt in GGUF_FORMATS:
+        return exact_layout(*GGUF_FORMATS[fmt])
+    group = DEFAULT_GROUP[fmt] if group_size is None or fmt == "bf16" else group_size
+    return {"weight_format": fmt, "group_size": group}
 WARMUP = 2
 N_ROUTINGS = 8  # at least this many distinct routings are cycled through
 BASELINE_EXPERTS = 16  # the PyTorch loop keeps at most this many experts (bf16 or int8 codes)
@@ -224,7 +237,7 @@ HEADER = (f"{'shape':14s} {'fmt':5s} {'routing':7s} {'path':12s} {'T':>5s} {'E':
 def run_kernel_bench(args) -> int:
     quick = bool(args.quick)
     shapes = [SHAPES[n] for n in (args.shapes or (["qwen3-30b-a3b"] if quick else list(SHAPES)))]
-    formats = args.formats or list(cpu.WEIGHT_FORMATS)
+    formats = args.formats or list(cpu.WEIGHT_FORMATS)  # the GGUF formats when asked for
     tokens = args.tokens or ([1, 32] if quick else [1, 4, 32, 512, 2048])
     repeats = args.repeats or (3 if quick else 5)
     warmup = WARMUP if args.warmup is None else args.warmup
@@ -271,10 +284,11 @@ def run_kernel_bench(args) -> int:
     crossovers = []
     for shape in shapes:
         for fmt in formats:
-            group = DEFAULT_GROUP[fmt] if args.group_size is None or fmt == "bf16" else args.group_size
+            fkw = format_args(fmt, args.group_size)
+            group = fkw["group_size"]
             H, I, k = shape.hidden, shape.inter, shape.top_k
             amx_kw = {} if args.amx_min_tokens is None else {"amx_min_tokens": args.amx_min_tokens}
-            probe = cpu.CPUExperts(1, H, I, fmt, group, pool=pool, isa=isa, **amx_kw)
+            probe = cpu.CPUExperts(1, H, I, pool=pool, isa=isa, **fkw, **amx_kw)
             bpe = probe.info()["bytes_per_expert"]
             del probe
             notes = []
@@ -282,7 +296,7 @@ def run_kernel_bench(args) -> int:
             if E * bpe < 4 * llc_bytes():
                 notes.append(f"all {E} experts ({E * bpe / 1e6:.0f} MB) fit in 4x the last-level cache: "
                              "weights may come from cache, GB/s can exceed DRAM")
-            experts = cpu.CPUExperts(E, H, I, fmt, group, pool=pool, isa=isa, **amx_kw)
+            experts = cpu.CPUExperts(E, H, I, pool=pool, isa=isa, **fkw, **amx_kw)
             if args.random_packed:
                 experts.fill_random(seed=len(records) + 1)
             else:
@@ -290,15 +304,18 @@ def run_kernel_bench(args) -> int:
             info = experts.info()
             baseline = None
             if not args.no_baseline:
-                baseline = TorchLoopExperts(experts, min(E, BASELINE_EXPERTS), fmt, group)
+                # GGUF formats' affine values are not symmetric codes: the loop holds them as bf16
+                baseline = TorchLoopExperts(experts, min(E, BASELINE_EXPERTS), "bf16" if fmt in GGUF_FORMATS else fmt,
+                                            group)
                 xc = torch.randn(CHECK_TOKENS, H, generator=gen).bfloat16()
                 ids_c, w_c = random_routing(CHECK_TOKENS, len(baseline.weights), k, gen)
                 ours, ref = experts.forward(xc, ids_c, w_c).float(), baseline.forward(xc, ids_c, w_c)
                 check = ((ours - ref).norm() / ref.norm()).item()
                 notes.append(f"rel. error vs the torch loop at T={CHECK_TOKENS}: {check:.2e}"
                              + ("  <-- WARNING: large" if check > 0.05 else ""))
+            groups = f"group {group}" + (f"/{info['down_group_size']}" if info["down_group_size"] != group else "")
             say(f"# {shape.name} {fmt}: H {H}, I {I}, E {E}, k {k}, kernel {info['kernel']} (isa {info['isa']}, "
-                f"activations {info['activation']}{', group ' + str(group) if fmt != 'bf16' else ''}), "
+                f"activations {info['activation']}{', ' + groups if fmt != 'bf16' else ''}), "
                 f"{bpe / 1e6:.2f} MB per expert")
             if info["amx"] != "off":
                 say(f"#   AMX ({info['amx']}): experts with >= {info['amx_min_tokens']} tokens run "

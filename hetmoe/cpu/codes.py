@@ -21,6 +21,20 @@ from hetmoe.cpu.experts import CPUExperts
 
 CODE_RANGE = {("int8", "symmetric"): (-127, 127), ("int4", "symmetric"): (-8, 7),
               ("int8", "affine"): (0, 127), ("int4", "affine"): (0, 15)}
+# GGML types held exactly -> (format, scaling, group)
+EXACT_TYPES = {"Q8_0": ("int8", "symmetric", 32), "Q4_0": ("int4", "symmetric", 32), "Q4_K": ("int4", "affine", 32),
+               "Q5_K": ("int8", "affine", 32), "Q6_K": ("int8", "symmetric", 16)}
+
+
+def exact_layout(gate_up_type: str, down_type: str, weight_format: Optional[str] = None) -> Optional[dict]:
+    """The CPUExperts keyword arguments (``weight_format``, ``group_size``, ``down_group_size``, ``scaling``) that
+    hold gate/up of GGML type ``gate_up_type`` and down of ``down_type`` exactly, or None when one is not held
+    exactly. int8 when either needs it (int4 codes fit it exactly) or ``weight_format`` int8 is asked for."""
+    if gate_up_type not in EXACT_TYPES or down_type not in EXACT_TYPES:
+        return None
+    gu, down = EXACT_TYPES[gate_up_type], EXACT_TYPES[down_type]
+    fmt = "int8" if "int8" in (gu[0], down[0], weight_format) else "int4"
+    return {"weight_format": fmt, "group_size": gu[2], "down_group_size": down[2], "scaling": (gu[1], down[1])}
 
 
 def layout_of(experts: CPUExperts) -> dict:

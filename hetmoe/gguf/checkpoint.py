@@ -24,14 +24,13 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from hetmoe.cpu.codes import EXACT_TYPES, exact_layout
 from hetmoe.gguf.kquants import KQUANTS, kquant_codes
 from hetmoe.gguf.metadata import GGUFError, config_from_gguf, open_gguf
 from hetmoe.gguf.names import Transform, hf_names, merge_kv_b, unpermute_rope
 from hetmoe.models.config import ModelConfig
 
 EXACT = {"Q8_0": ("int8", 34), "Q4_0": ("int4", 18)}  # GGML type -> (engine format, bytes per block of 32)
-# GGML type -> (engine format, scaling, group) of every type the engine holds exactly
-HELD = {"Q8_0": ("int8", "symmetric", 32), "Q4_0": ("int4", "symmetric", 32), **{k: v[:3] for k, v in KQUANTS.items()}}
 BLOCK = 32
 _LAYER = re.compile(r"\.layers\.\d+\.")
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
@@ -165,19 +164,16 @@ class GGUFCheckpoint:
         or a type no layout holds). int8 when a matrix needs it (int4 codes fit it exactly), or ``weight_format``
         int8 asked for."""
         kinds = [self.ggml_type(n) for n in names]
-        if kinds[0] != kinds[1] or not set(kinds) <= HELD.keys():
-            return None
-        gu, down = HELD[kinds[0]], HELD[kinds[2]]
-        fmt = "int8" if "int8" in (gu[0], down[0], weight_format) else "int4"
-        return {"weight_format": fmt, "group_size": gu[2], "down_group_size": down[2], "scaling": (gu[1], down[1])}
+        return exact_layout(kinds[0], kinds[2], weight_format) if kinds[0] == kinds[1] else None
 
     def expert_codes(self, name: str) -> tuple:
         """(codes int8 [rows, cols], scales fp32 [rows, cols / group], mins of the same shape or None) of an expert
         matrix of an exactly held type (Q8_0 / Q4_0 / K-quants)."""
         t, _, e = self._entry(name)
         kind = t.ggml_type.name
-        if kind not in HELD:
-            raise GGUFError(f"{self.path}: {name} is {kind}, not one of the exactly held types {', '.join(HELD)}")
+        if kind not in EXACT_TYPES:
+            raise GGUFError(f"{self.path}: {name} is {kind}, not one of the exactly held types "
+                            f"{', '.join(EXACT_TYPES)}")
         if kind in KQUANTS:
             try:
                 return kquant_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:]))

@@ -203,3 +203,14 @@ def test_the_triton_unpack_reads_the_kquant_layouts():
     done = subprocess.run([sys.executable, "-c", TRITON_CHECK % (TRITON_LAYOUTS,)], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_bench_kernel_takes_the_gguf_formats():
+    """`hetmoe bench kernel --formats` lists the same names the benchmark builds (the CLI imports no torch)."""
+    from hetmoe.bench.kernel import FORMATS, format_args
+    from hetmoe.cli.bench import KERNEL_FORMATS
+
+    assert FORMATS == KERNEL_FORMATS
+    assert format_args("q4_k_m", None) == {"weight_format": "int8", "group_size": 32, "down_group_size": 16,
+                                           "scaling": ("affine", "symmetric")}
+    assert format_args("int4", 32) == {"weight_format": "int4", "group_size": 32}
