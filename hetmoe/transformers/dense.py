@@ -5,8 +5,10 @@ The model's own ``nn.Linear`` modules of the dense part (attention projections, 
 lm_head) are replaced by the engine's packed linears, by the native loader's code (hetmoe/engine/dense.py
 ``pack_dense``: the same choice of what is packed and what stays, the same ``CPULinear`` / ``GPULinear``): one
 decoder layer right after it loads, so at most one layer's float copy is alive. Transformers' modules call them as
-they called the linears. Unlike the native model files, q/k/v (and gate/up) stay separate matrices, one call each:
-Transformers' attention calls them one by one.
+they called the linears. On the CPU, linears that read one input (``SAME_INPUT``: q/k/v, MLA's q_a/kv_a, gate/up)
+are packed as one matrix, as natively; Transformers calls them one by one, so the first call computes them all and
+the others take their parts (``SharedInputPart``: only for an input equal to the one computed, else it computes
+again: never a stale part). One engine call instead of three: a decode step's calls each pay a wake-up of the pool.
 
 Which format ``auto`` is, is the native plan's rule (hetmoe/engine/placement.py ``default_dense``): on the CPU int8,
 or the dtype for a dense part of at most 1 G parameters; on a GPU bf16 (the Transformers path has no VRAM plan to
@@ -21,10 +23,14 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from hetmoe.engine.dense import pack_dense
-from hetmoe.layers.linear import DENSE_FORMAT_CHOICES, dense_format
+from hetmoe.engine.dense import PackedPart, pack_dense
+from hetmoe.layers.linear import DENSE_FORMAT_CHOICES, FusedLinears, dense_format
 
 _LAYER_PREFIX = re.compile(r"^(.*?\.layers\.\d+)\.")
+# Linears of one Transformers module that read the same input: the packed matrix's name -> theirs, in row order.
+SAME_INPUT = {"packed_qkv": ("q_proj", "k_proj", "v_proj"), "packed_q_kv_a": ("q_a_proj", "kv_a_proj_with_mqa"),
+              "packed_gate_up": ("gate_proj", "up_proj"), "packed_w13": ("w1", "w3"),
+              "packed_in_proj": ("in_proj_qkvz", "in_proj_ba")}
 
 
 def choose(name: str, dev: torch.device, dtype: torch.dtype, dense_params: int) -> tuple:
@@ -59,6 +65,50 @@ def _loaded(module: nn.Module) -> bool:
     return all(not p.is_meta for m in module.modules() if isinstance(m, nn.Linear) for p in m.parameters())
 
 
+class SharedInputPart(PackedPart):
+    """Stands where one linear of a packed group was (``k_proj`` of ``packed_qkv``): the first call computes the whole
+    group and keeps the other parts, served once each to calls with an equal input (compared by value: a changed or
+    other input computes again). Parts are contiguous: Transformers ``view``s them."""
+
+    def __init__(self, group: nn.Module, index: int, shared: dict):
+        super().__init__(group, index)
+        self._shared = shared  # one per group: the input computed ("x"), its parts, the indices not served yet
+
+    def forward(self, x):
+        s = self._shared
+        if not (self.index in s.get("left", ()) and _equal(s["x"], x)):
+            s.update(x=x.detach().clone(), parts=self._group[0].parts(x), left=set(range(len(self._group[0].sizes))))
+        s["left"].discard(self.index)
+        out = s["parts"][self.index].contiguous()
+        if not s["left"]:
+            s.clear()
+        return out
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+
+
+def _pack(root: nn.Module, fmt: str, dev: torch.device, dtype: torch.dtype, options) -> int:
+    """``pack_dense`` on ``root``, the ``SAME_INPUT`` groups of its modules fused first on the CPU."""
+    if dev.type == "cpu":
+        for module in root.modules():
+            for fused, names in SAME_INPUT.items():
+                lins = [module._modules.get(n) for n in names]
+                if hasattr(module, fused) or not all(isinstance(lin, nn.Linear) for lin in lins):
+                    continue
+                if len({lin.in_features for lin in lins}) == 1 and len({lin.bias is None for lin in lins}) == 1:
+                    module.__dict__[fused] = FusedLinears(*lins)  # pack_dense packs it as one matrix
+    made = pack_dense(root, fmt, dev, options, dtype)
+    shared: dict = {}
+    for module in root.modules():
+        for name, child in list(module.named_children()):
+            if type(child) is PackedPart:  # computes its whole group per call: share one computation instead
+                group = child._group[0]
+                setattr(module, name, SharedInputPart(group, child.index, shared.setdefault(id(group), {})))
+    return made
+
+
 def pack_layer(model: nn.Module, prefix: str, fmt: str, dev: torch.device, dtype: torch.dtype, options) -> int:
     """Packs the dense linears of the decoder layer ``prefix`` once all its weights are loaded; returns the bytes
     made (0: ``bf16``, or a layer not yet loaded, left to ``pack_rest``)."""
@@ -67,7 +117,7 @@ def pack_layer(model: nn.Module, prefix: str, fmt: str, dev: torch.device, dtype
     layer = model.get_submodule(prefix)
     if not _loaded(layer):
         return 0
-    return pack_dense(layer, fmt, dev, options, dtype)
+    return _pack(layer, fmt, dev, dtype, options)
 
 
 def pack_outside_layers(model: nn.Module, fmt: str, dev: torch.device, dtype: torch.dtype, options) -> int:
@@ -83,7 +133,7 @@ def pack_outside_layers(model: nn.Module, fmt: str, dev: torch.device, dtype: to
             if isinstance(child, nn.Linear) and _loaded(child):
                 holder = nn.Module()  # pack_dense packs a root's children: one holder, the linear under its name
                 holder.add_module(leaf, child)
-                made += pack_dense(holder, fmt, dev, options, dtype)
+                made += _pack(holder, fmt, dev, dtype, options)
                 setattr(parent, leaf, getattr(holder, leaf))
     return made
 
@@ -92,7 +142,7 @@ def pack_rest(model: nn.Module, fmt: str, dev: torch.device, dtype: torch.dtype,
     """Packs every dense linear not packed yet (tied lm_head, a layer loaded in pieces); all weights are loaded."""
     if fmt == "bf16":
         return 0
-    return pack_dense(model, fmt, dev, options, dtype)
+    return _pack(model, fmt, dev, dtype, options)
 
 
 def linear_options(dev: torch.device, isa: str, threads, numa):

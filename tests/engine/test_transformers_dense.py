@@ -10,6 +10,7 @@ GPULinear on a GPU.
 """
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from transformers_tiny import FAMILIES, save_tiny
 
 import hetmoe.transformers as ht
 from hetmoe.cpu import CPULinear
-from hetmoe.engine.dense import KEEP
+from hetmoe.engine.dense import KEEP, PackedPart
 from hetmoe.layers.linear import DENSE_FORMATS
 from hetmoe.transformers import dense
 from paths import BEST_ROW_PATH
@@ -61,15 +62,27 @@ def logits(model, ids=IDS):
 
 
 def packed_of(model, cls=CPULinear) -> dict:
-    return {n: m for n, m in model.named_modules() if isinstance(m, cls)}
+    """name -> the module standing where an nn.Linear was: a packed linear of its own, or a part of a packed group
+    (q_proj of packed_qkv)."""
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, PackedPart) or (isinstance(m, cls) and len(m.sizes) == 1)}
+
+
+def linear_of(module):
+    """(packed linear, first row, rows) of a packed_of entry."""
+    if isinstance(module, PackedPart):
+        group = module._group[0]
+        return group, sum(group.sizes[:module.index]), group.sizes[module.index]
+    return module, 0, module.out_features
 
 
 def dequantized_reference(ref, packed: dict):
     """``ref`` (a float-dense load of the same checkpoint) with each packed linear's weights as the kernels see them
     (new parameters: a tied lm_head leaves the embedding as it was)."""
-    for name, lin in packed.items():
+    for name, module in packed.items():
+        lin, start, rows = linear_of(module)
         target = ref.get_submodule(name)
-        w = lin.dequantized_weight().to(target.weight.device, target.weight.dtype)
+        w = lin.dequantized_weight()[start:start + rows].to(target.weight.device, target.weight.dtype)
         target.weight = nn.Parameter(w, requires_grad=False)
     return ref
 
@@ -87,7 +100,9 @@ def test_dense_linears_within_their_format(tiny, family, fmt):
     # kv_b_proj excepted; nothing else is
     assert set(packed) == {n for n in floats if n.rsplit(".", 1)[-1] not in KEEP}
     assert "lm_head" in packed and not packed_of(ref)
-    assert all(m.format.name == fmt for m in packed.values())
+    assert all(linear_of(m)[0].format.name == fmt for m in packed.values())
+    parts = {n.rsplit(".", 1)[-1] for n, m in packed.items() if isinstance(m, dense.SharedInputPart)}
+    assert {"q_proj", "k_proj"} <= parts or {"q_a_proj", "kv_a_proj_with_mqa"} <= parts  # fused as natively
     for name, m in model.named_modules():  # the experts modules are the same modules as before
         if name in ref.hetmoe_info["fallback_modules"]:
             assert all(not p.is_meta for p in m.parameters())
@@ -150,6 +165,39 @@ def test_layer_prefix():
     assert dense.layer_prefix("model.language_model.layers.10.mlp.up_proj.weight") == "model.language_model.layers.10"
     assert dense.layer_prefix("layers.2.attn.weight") == "layers.2"
     assert dense.layer_prefix("lm_head.weight") == dense.layer_prefix("model.layers_norm.weight") == ""
+
+
+def test_same_input_linears_computed_once():
+    """q/k/v packed as one matrix: one engine call serves the three parts of one input; an input changed in place
+    in between, another input, or a part asked twice computes again (never a stale part)."""
+    torch.manual_seed(0)
+    root = nn.Module()
+    root.q_proj, root.k_proj, root.v_proj = nn.Linear(64, 32), nn.Linear(64, 16), nn.Linear(64, 16)
+    root.o_proj = nn.Linear(32, 64)
+    floats = {n: (m.weight.detach().clone(), m.bias.detach().clone()) for n, m in root.named_children()}
+    dense.pack_rest(root, "int8", torch.device("cpu"), torch.float32, SimpleNamespace(isa=BEST_ROW_PATH.isa,
+                                                                                      amx_min_tokens=None))
+    group = root.packed_qkv
+    assert isinstance(group, CPULinear) and group.sizes == [32, 16, 16] and isinstance(root.o_proj, CPULinear)
+    assert all(isinstance(getattr(root, n), dense.SharedInputPart) for n in ("q_proj", "k_proj", "v_proj"))
+    calls, parts = [], group.parts
+    group.parts = lambda x: calls.append(x.clone()) or parts(x)  # counts the group's computations
+
+    def check(name, x):
+        w, b = floats[name]
+        y = getattr(root, name)(x)
+        assert y.is_contiguous() and rel(y, F.linear(x, w, b)) < DENSE_FORMATS["int8"].tolerance
+
+    x = torch.randn(3, 64)
+    for n in ("k_proj", "q_proj", "v_proj"):
+        check(n, x)
+    assert len(calls) == 1  # one computation for the three
+    check("q_proj", x)
+    x.add_(1.0)  # changed in place: k_proj must not serve the part of the old values
+    check("k_proj", x)
+    check("v_proj", torch.randn(3, 64))
+    check("v_proj", torch.randn(3, 64))
+    assert len(calls) == 5 and torch.equal(calls[2], x)
 
 
 def test_bad_dense_format_refused_before_loading(tiny):
