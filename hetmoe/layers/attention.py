@@ -39,6 +39,9 @@ class Step:
     kv_len: int | None = None
     first_slot: int | None = None
     start: int | None = None  # when every row's positions are start, start + 1, ...: that start
+    # a decode step of the fused path (the CUDA graph's, engine/cuda_graph.py): layers run their element-wise work
+    # as the Triton kernels of layers/triton_fused.py (PreNormDecoderLayer.forward_fused)
+    fused: bool = False
     _masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # attn_mask's, once per call
 
     def attn_mask(self, ctx: int, dtype: torch.dtype, group: int = 1) -> torch.Tensor:
@@ -205,6 +208,9 @@ class GQAAttention(nn.Module):
             qkv = self.qkv(x)
         else:
             qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)  # [B, S, (H + 2K) * D]
+        if step.fused:  # q/k norm + RoPE + the cache write in one kernel
+            q = self._fused_epilogue(qkv, rope, step, cache)
+            return self.o_proj(attend_cache(q, cache, self.layer_idx, step, D**-0.5).reshape(B, S, -1))
         qk = qkv[..., :(H + K) * D].view(B, S, H + K, D)
         v = qkv[..., (H + K) * D:].view(B, S, K, D)
         if self.qk_norm_eps is not None:  # RMSNorm's weight * normalised x, with a per-head weight [H + K, D]
@@ -215,3 +221,12 @@ class GQAAttention(nn.Module):
         cache.write(self.layer_idx, step, k, v)
         out = attend_cache(q, cache, self.layer_idx, step, D**-0.5)  # [B, S, heads, D]
         return self.o_proj(out.reshape(B, S, -1))
+
+    def _fused_epilogue(self, qkv: torch.Tensor, rope: tuple, step: Step, cache: KVCache) -> torch.Tensor:
+        from hetmoe.layers.triton_fused import qkv_epilogue
+
+        norm = self.qk_norm_eps is not None
+        k, v, table, page = cache.layout(self.layer_idx)
+        return qkv_epilogue(qkv, self.n_heads, self.n_kv, self.q_norm.weight if norm else None,
+                            self.k_norm.weight if norm else None, self.qk_norm_eps or 0.0, *rope, k, v, table, page,
+                            step.slots, step.positions)

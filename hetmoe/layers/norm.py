@@ -15,3 +15,14 @@ class RMSNorm(nn.Module):
         # F.rms_norm computes in fp32 for bf16/fp16 inputs and returns x's dtype: the same rounding points as
         # Hugging Face's x.float() -> normalise -> .to(dtype), in one kernel instead of five.
         return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.variance_epsilon)
+
+    def add_forward(self, x: torch.Tensor, delta) -> tuple:
+        """The fused decode path's layer boundary (layers/triton_fused.py): (x + delta, self(x + delta)) in one
+        kernel, the sum rounded once as ``x + delta`` is; delta None: (x, self(x)). A weight in another dtype than
+        x (the norm's output would then be in the weight's dtype) takes the unfused ops."""
+        if self.weight.dtype != x.dtype:
+            x = x if delta is None else x + delta
+            return x, self(x)
+        from hetmoe.layers.triton_fused import add_rms_norm
+
+        return add_rms_norm(x, delta, self.weight, self.variance_epsilon)

@@ -8,6 +8,8 @@ and sets ``layer_cls`` / ``model_cls``; a model whose attention differs (MLA) ov
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,7 +36,12 @@ class SwiGLUMLP(nn.Module):
         if self.gate_up is None:  # once (see GQAAttention.fuse_projections)
             self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """``fused`` (a fused decode step): silu(gate) * up in one kernel on the fused projection's output."""
+        if fused and self.gate_up is not None:
+            from hetmoe.layers.triton_fused import silu_mul
+
+            return self.down_proj(silu_mul(self.gate_up(x)))
         gate, up = self.gate_up.parts(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
         return self.down_proj(F.silu(gate) * up)
 
@@ -49,11 +56,16 @@ class SoftmaxMoeBlock(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, n_experts, bias=False)
         self.moe = MoELayer(RouterSpec("softmax", cfg.num_experts_per_tok, norm_topk_prob), n_experts)
 
-    shared = None  # or a method: flat [T, H] -> [T, H]
+    shared = None  # or a method: (flat [T, H], fused) -> [T, H]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H]
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:  # [B, S, H]
         flat = x.reshape(-1, x.shape[-1])  # [T, H]
-        return self.moe(flat, self.gate(flat), shared=self.shared).view_as(x)
+        return self.moe(flat, self.gate(flat), shared=fused_call(self.shared, fused)).view_as(x)
+
+
+def fused_call(fn, fused: bool):
+    """``fn`` (a shared expert, or None) called with ``fused=True`` when the step is fused, as it is otherwise."""
+    return partial(fn, fused=True) if fn is not None and fused else fn
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -70,6 +82,28 @@ class PreNormDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple, step: Step, cache: KVCache) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, step, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, x: torch.Tensor, delta, rope: tuple, step: Step, cache: KVCache) -> tuple:
+        """The same layer in a fused decode step (``Step.fused``): the residual stream is x + delta (delta: the
+        previous layer's MLP output, not yet added; None at the first layer), added inside the input norm's kernel
+        (RMSNorm.add_forward), and likewise the attention output inside the post-attention norm's. Returns (the
+        residual after attention, this layer's MLP output)."""
+        x, h = self.input_layernorm.add_forward(x, delta)
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, rope, step, cache))
+        return x, self.mlp(h, fused=True)
+
+
+def run_layers(layers, x: torch.Tensor, rope: tuple, step: Step, cache: KVCache, norm: RMSNorm) -> torch.Tensor:
+    """The decoder layers, then the final norm: x [B, S, H] -> normalised hidden states [B, S, H]. A fused step
+    carries each layer's MLP output to the next layer's input norm, and the last one to the final norm."""
+    if not step.fused:
+        for layer in layers:
+            x = layer(x, rope, step, cache)
+        return norm(x)
+    delta = None
+    for layer in layers:
+        x, delta = layer.forward_fused(x, delta, rope, step, cache)
+    return norm.add_forward(x, delta)[1]
 
 
 def qwen_layer_is_sparse(cfg: ModelConfig, layer_idx: int) -> bool:
@@ -94,9 +128,7 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [B, S, H]
         rope = cos_sin(step.positions, self.inv_freq, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope, step, cache)
-        return self.norm(x)
+        return run_layers(self.layers, x, rope, step, cache, self.norm)
 
 
 class CausalLM(nn.Module):

@@ -26,7 +26,7 @@ from hetmoe.layers.attention import KVCache, Step, attend, mla_expanded_paged, m
 from hetmoe.layers.linear import FusedLinears
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import inv_frequencies, yarn_get_mscale, yarn_parameters
-from hetmoe.models.common import CausalLM, PreNormDecoderLayer, SwiGLUMLP
+from hetmoe.models.common import CausalLM, PreNormDecoderLayer, SwiGLUMLP, fused_call, run_layers
 from hetmoe.models.config import ModelConfig
 from hetmoe.moe import MoELayer, RouterSpec
 
@@ -59,7 +59,11 @@ class DeepseekV2TopkRouter(nn.Module):
 
     correction_bias = None
 
-    def forward(self, flat: torch.Tensor) -> torch.Tensor:
+    def forward(self, flat: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if fused and flat.is_cuda and flat.dtype == self.weight.dtype == torch.bfloat16:
+            # the same fp32 logits from one GEMM: bf16 products are exact in fp32, and the weight is not cast to a
+            # fp32 copy every step
+            return torch.mm(flat, self.weight.t(), out_dtype=torch.float32)
         return F.linear(flat.float(), self.weight.float())  # [T, E]
 
 
@@ -94,9 +98,9 @@ class DeepseekV2Moe(nn.Module):
             if n_shared else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H]
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:  # [B, S, H]
         flat = x.reshape(-1, x.shape[-1])  # [T, H]
-        return self.moe(flat, self.gate(flat), shared=self.shared_experts,
+        return self.moe(flat, self.gate(flat, fused), shared=fused_call(self.shared_experts, fused),
                         correction_bias=self.gate.correction_bias).view_as(x)
 
 
@@ -143,6 +147,7 @@ class DeepseekV2Attention(nn.Module):
     """
 
     rope_fn = staticmethod(_rope_complex)
+    rope_form = "complex"  # rope_fn's name in layers/triton_fused.py (the fused decode path)
     absorb_max_tokens = 4  # calls with at most this many query tokens per sequence use the weight-absorbed form
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
@@ -185,7 +190,21 @@ class DeepseekV2Attention(nn.Module):
             q = self.q_proj(x) if self.q_lora_rank is None else self.q_a_proj(x)
             kv_a = self.kv_a_proj_with_mqa(x)
         if self.q_lora_rank is not None:
-            q = self.q_b_proj(self.q_a_layernorm(q))
+            q = self.q_b_proj(self.q_a_layernorm.add_forward(q, None)[1] if step.fused else self.q_a_layernorm(q))
+        if step.fused:  # kv_a_layernorm, both RoPEs and the latent cache write in one kernel
+            q_nope, q_pe = self._fused_epilogue(q, kv_a, rope, step, cache)
+        else:
+            q_nope, q_pe = self._epilogue(q, kv_a, rope, step, cache)
+        if S <= self.absorb_max_tokens:
+            out = self._attend_absorbed(q_nope, q_pe, cache, step)
+        else:
+            out = self._attend_expanded(q_nope, q_pe, cache, step)
+        return self.o_proj(out.reshape(B, S, -1))  # out: [B, S, h, v_dim]
+
+    def _epilogue(self, q, kv_a, rope: tuple, step: Step, cache: KVCache) -> tuple:
+        """q [B, S, h * (nope + rope)], kv_a [B, S, r + rope] -> (q_nope, q_pe roped); the latent and the roped
+        k_pe written to the cache."""
+        B, S = q.shape[:2]
         q_nope, q_pe = q.reshape(B, S, self.n_heads, self.qk_head_dim).split([self.nope, self.rope], dim=-1)
         c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv).view(B, S, 1, self.kv_lora_rank)
@@ -193,11 +212,18 @@ class DeepseekV2Attention(nn.Module):
         q_pe = self.rope_fn(q_pe, cos, sin)
         k_pe = self.rope_fn(k_pe.view(B, S, 1, self.rope), cos, sin)
         cache.write(self.layer_idx, step, c_kv, k_pe)
-        if S <= self.absorb_max_tokens:
-            out = self._attend_absorbed(q_nope, q_pe, cache, step)
-        else:
-            out = self._attend_expanded(q_nope, q_pe, cache, step)
-        return self.o_proj(out.reshape(B, S, -1))  # out: [B, S, h, v_dim]
+        return q_nope, q_pe
+
+    def _fused_epilogue(self, q, kv_a, rope: tuple, step: Step, cache: KVCache) -> tuple:
+        from hetmoe.layers.triton_fused import mla_epilogue
+
+        B, S = q.shape[:2]
+        q = q.reshape(B, S, self.n_heads, self.qk_head_dim)
+        c, pe, table, page = cache.layout(self.layer_idx)
+        norm = self.kv_a_layernorm
+        q_pe = mla_epilogue(kv_a, q, self.nope, norm.weight, norm.variance_epsilon, *rope, self.rope_form, c, pe,
+                            table, page, step.slots, step.positions)
+        return q[..., :self.nope], q_pe
 
     def _attend_expanded(self, q_nope, q_pe, cache: KVCache, step: Step) -> torch.Tensor:
         """Expand every cached latent into per-head k_nope / v, then ordinary attention -> [B, S, h, v_dim]."""
@@ -238,7 +264,9 @@ class DeepseekV2Attention(nn.Module):
 class DeepseekV3Attention(DeepseekV2Attention):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__(cfg, layer_idx)
-        self.rope_fn = _rope_interleave if cfg.get("rope_interleave", True) else _rope_half
+        interleave = cfg.get("rope_interleave", True)
+        self.rope_fn = _rope_interleave if interleave else _rope_half
+        self.rope_form = "interleave" if interleave else "half"
 
 
 class DeepseekV2DecoderLayer(PreNormDecoderLayer):
@@ -281,9 +309,7 @@ class DeepseekV2Model(nn.Module):
         x = self.embed_tokens(input_ids)  # [B, S, H]
         freqs = step.positions.float().unsqueeze(-1) * self.inv_freq.to(x.device)  # [B, S, rope/2]
         rope = ((freqs.cos() * self.attention_scaling).to(x.dtype), (freqs.sin() * self.attention_scaling).to(x.dtype))
-        for layer in self.layers:
-            x = layer(x, rope, step, cache)
-        return self.norm(x)
+        return run_layers(self.layers, x, rope, step, cache, self.norm)
 
 
 class DeepseekV3Model(DeepseekV2Model):

@@ -15,7 +15,7 @@ from torch import nn
 
 from hetmoe.layers.attention import GQAAttention, KVCache, Step
 from hetmoe.layers.norm import RMSNorm
-from hetmoe.models.common import CausalLM, DecoderModel, SoftmaxMoeBlock
+from hetmoe.models.common import CausalLM, DecoderModel, PreNormDecoderLayer, SoftmaxMoeBlock
 from hetmoe.models.config import ModelConfig
 
 
@@ -51,6 +51,8 @@ class MixtralDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple, step: Step, cache: KVCache) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, step, cache)
         return x + self.block_sparse_moe(self.post_attention_layernorm(x))
+
+    forward_fused = PreNormDecoderLayer.forward_fused  # self.mlp is the block
 
 
 class MixtralModel(DecoderModel):

@@ -34,8 +34,8 @@ class Qwen2MoeSparseMoeBlock(SoftmaxMoeBlock):
         self.shared_expert = Qwen2MoeMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
-    def shared(self, flat: torch.Tensor) -> torch.Tensor:  # [T, H]
-        return torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+    def shared(self, flat: torch.Tensor, fused: bool = False) -> torch.Tensor:  # [T, H]
+        return torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat, fused)
 
 
 class Qwen2MoeAttention(GQAAttention):
