@@ -65,7 +65,7 @@ def _pairs(IDS, WTS, SLOT_OF, SKIP, T, stride_id, stride_wt, t, j,
 def _gate_up(X, WGU, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, stride_x, stride_id, stride_wt,
              K: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr, HAS_SKIP: tl.constexpr,
              N_EXPERTS: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, GEMV: tl.constexpr,
-             DOT_T: tl.constexpr, IEEE: tl.constexpr):
+             DEFER: tl.constexpr, DOT_T: tl.constexpr, IEEE: tl.constexpr):
     """HS[t, j, i-block] = silu(gate) * up for every token t routed to this program's expert (leaders only)."""
     t = tl.program_id(0) // K
     j = tl.program_id(0) % K
@@ -78,8 +78,19 @@ def _gate_up(X, WGU, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, stride_x, stride_id, 
     i_in = tl.where(i_ok, i, 0)
     g_rows = WGU + (me.to(tl.int64) * 2 * I + i_in)[:, None] * H  # [BI, 1]
     u_rows = g_rows + I * H
-    if GEMV:
-        rows = tl.arange(0, ROWS)
+    rows = tl.arange(0, ROWS)
+    if DEFER:  # one row of x: products summed elementwise over the K loop, reduced across threads once at the end
+        acc_ge = tl.zeros((BI, BK), dtype=tl.float32)
+        acc_ue = tl.zeros((BI, BK), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            kk = k0 + tl.arange(0, BK)
+            k_ok = kk < H
+            xm = tl.load(X + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            acc_ge += tl.load(g_rows + kk[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32) * xm
+            acc_ue += tl.load(u_rows + kk[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32) * xm
+        acc_g = tl.sum(acc_ge, axis=1)[None, :]
+        acc_u = tl.sum(acc_ue, axis=1)[None, :]
+    elif GEMV:
         acc_g = tl.zeros((ROWS, BI), dtype=tl.float32)
         acc_u = tl.zeros((ROWS, BI), dtype=tl.float32)
         for k0 in range(0, H, BK):
@@ -92,7 +103,6 @@ def _gate_up(X, WGU, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, stride_x, stride_id, 
                 acc_g += tl.where(rows[:, None] == m, tl.sum(g * xm[None, :], axis=1)[None, :], 0.0)
                 acc_u += tl.where(rows[:, None] == m, tl.sum(u * xm[None, :], axis=1)[None, :], 0.0)
     else:
-        rows = tl.arange(0, ROWS)
         acc_g = tl.zeros((ROWS, BI), dtype=tl.float32)
         acc_u = tl.zeros((ROWS, BI), dtype=tl.float32)
         x_rows = X + rows[:, None] * stride_x
@@ -117,7 +127,7 @@ def _gate_up(X, WGU, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, stride_x, stride_id, 
 def _down(HS, WD, IDS, WTS, SLOT_OF, SKIP, P, T, H, I, stride_wd, stride_id, stride_wt,
           K: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr, HAS_SKIP: tl.constexpr,
           N_EXPERTS: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, GEMV: tl.constexpr,
-          DOT_T: tl.constexpr, IEEE: tl.constexpr):
+          DEFER: tl.constexpr, DOT_T: tl.constexpr, IEEE: tl.constexpr):
     """P[t, j, h-block] = weight * (h W_down^T) for every token routed to this program's expert (leaders), zeros for
     an invalid pair (its own row)."""
     t = tl.program_id(0) // K
@@ -132,8 +142,17 @@ def _down(HS, WD, IDS, WTS, SLOT_OF, SKIP, P, T, H, I, stride_wd, stride_id, str
     if leader == 0:
         return
     w_rows = WD + tl.where(o_ok, o, 0).to(tl.int64)[:, None] * stride_wd + me.to(tl.int64) * I  # [BH, 1]
-    if GEMV:
-        rows = tl.arange(0, ROWS)
+    rows = tl.arange(0, ROWS)
+    if DEFER:
+        acc_e = tl.zeros((BH, BK), dtype=tl.float32)
+        h_row = HS + (t * K + j).to(tl.int64) * I  # T = 1: this pair is the expert's only row
+        for k0 in range(0, I, BK):
+            kk = k0 + tl.arange(0, BK)
+            k_ok = kk < I
+            hv = tl.load(h_row + kk, mask=k_ok, other=0.0)[None, :]
+            acc_e += tl.load(w_rows + kk[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32) * hv
+        acc = tl.sum(acc_e, axis=1)[None, :]
+    elif GEMV:
         acc = tl.zeros((ROWS, BH), dtype=tl.float32)
         for k0 in range(0, I, BK):
             kk = k0 + tl.arange(0, BK)
@@ -145,7 +164,6 @@ def _down(HS, WD, IDS, WTS, SLOT_OF, SKIP, P, T, H, I, stride_wd, stride_id, str
                 hv = tl.load(HS + (m * K + jm).to(tl.int64) * I + kk, mask=k_ok & (hm != 0), other=0.0)
                 acc += tl.where(rows[:, None] == m, tl.sum(w * hv[None, :], axis=1)[None, :], 0.0)
     else:
-        rows = tl.arange(0, ROWS)
         acc = tl.zeros((ROWS, BH), dtype=tl.float32)
         h_rows = HS + (rows * K + jj).to(tl.int64)[:, None] * I
         for k0 in range(0, I, BK):
@@ -164,7 +182,8 @@ def _down(HS, WD, IDS, WTS, SLOT_OF, SKIP, P, T, H, I, stride_wd, stride_id, str
 @dataclass(frozen=True)
 class Launch:
     """Tiles of the two kernels: gate/up programs cover ``bi`` rows of I, stepping ``bk_gu`` along H; down programs
-    ``bh`` rows of H, stepping ``bk_down`` along I. gemv: CUDA-core products (few rows of x) instead of dots."""
+    ``bh`` rows of H, stepping ``bk_down`` along I. gemv: CUDA-core products (few rows of x) instead of dots;
+    defer (gemv, T = 1): products summed elementwise along K, reduced across threads once after the loop."""
     gemv: bool
     bi: int
     bk_gu: int
@@ -172,6 +191,7 @@ class Launch:
     bk_down: int
     num_warps: int = 4
     num_stages: int = 3
+    defer: bool = False
 
 
 def plan(T: int, on_gpu: bool = True) -> Launch:
@@ -207,7 +227,8 @@ def routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     fp32 = w_gate_up.dtype == torch.float32
     dot_t = tl.float32 if (fp32 or not x.is_cuda) else tl.bfloat16  # the interpreter's bf16 dot is wrong
     common = dict(K=k, KP=triton.next_power_of_2(k), ROWS=rows, HAS_SKIP=skip_mask is not None,
-                  N_EXPERTS=num_experts, GEMV=launch.gemv, DOT_T=dot_t, IEEE=fp32,
+                  N_EXPERTS=num_experts, GEMV=launch.gemv, DEFER=launch.gemv and launch.defer and T == 1,
+                  DOT_T=dot_t, IEEE=fp32,
                   num_warps=launch.num_warps, num_stages=launch.num_stages)
     hs = torch.empty(T, k, intermediate, dtype=torch.float32, device=x.device)
     _gate_up[(T * k, triton.cdiv(intermediate, launch.bi))](

@@ -15,6 +15,8 @@ rounds its gate/up outputs, the hidden activations and its output to bf16, the r
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -93,14 +95,14 @@ def test_routed_matches_dense_and_reference(kernels, T, k):
     assert rel_err(out, ref) < FP32_BOUND, rel_err(out, ref)
 
 
-@pytest.mark.parametrize("T,k", [(1, 8), (2, 2), (5, 3)])
-def test_gpu_tiles_in_the_interpreter(kernels, T, k):
+@pytest.mark.parametrize("T,k,defer", [(1, 8, False), (1, 8, True), (2, 2, False), (5, 3, False)])
+def test_gpu_tiles_in_the_interpreter(kernels, T, k, defer):
     """The tiles plan() gives a GPU (narrow row blocks, several programs per expert and K steps) in the interpreter:
-    the GEMV form at T <= 4, the dot form above."""
+    the GEMV form at T <= 4 (also with the reduction deferred after the K loop), the dot form above."""
     w = _weights("tiles", T, k)
     x, ids, wts = _case(T, k, "tiles")
     g = _experts(w, RESIDENT)
-    launch = kernels.plan(T, on_gpu=True)
+    launch = dataclasses.replace(kernels.plan(T, on_gpu=True), defer=defer)
     assert launch.gemv == (T <= kernels.GEMV_ROWS)
     out = kernels.routed(x, ids, wts, g.w_gate_up, g.w_down, g.slot_of, None, E, I, launch=launch)
     ref = _reference(w, x, ids, wts, RESIDENT)
@@ -149,24 +151,27 @@ def test_same_expert_many_tokens(kernels, T):
     assert rel_err(out, _reference(w, x, ids, wts, RESIDENT)) < FP32_BOUND
 
 
-@pytest.mark.parametrize("T", [1, 7])
+@pytest.mark.parametrize("T", [1, 5])
 def test_skip_mask_and_zero_weights(kernels, T):
     w = _weights("skip", T)
     x, ids, wts = _case(T, 4, "skip")
+    j = [e in RESIDENT for e in ids[0].tolist()].index(True)  # token 0's first resident slot
     skip = torch.zeros(E, dtype=torch.bool)
-    skip[[4, 7]] = True
+    skip[[int(ids[0, j]), 7]] = True  # a resident expert routed to, and another
     g = _experts(w, RESIDENT)
     out = g(x, ids, wts, skip_mask=skip)
-    assert rel_err(out, _experts(w, RESIDENT, decode="dense")(x, ids, wts, skip_mask=skip)) < FP32_BOUND
-    assert rel_err(out, _reference(w, x, ids, wts, RESIDENT, skip)) < FP32_BOUND
+    ref = _reference(w, x, ids, wts, RESIDENT, skip)
+    if not ref.abs().max():  # T = 1: the skip removed the token's only resident expert
+        assert torch.equal(out, ref)
+    else:
+        assert rel_err(out, _experts(w, RESIDENT, decode="dense")(x, ids, wts, skip_mask=skip)) < FP32_BOUND
+        assert rel_err(out, ref) < FP32_BOUND
     # a resident slot of weight 0 is skipped like an empty one: the same bits
-    j = [e in RESIDENT for e in ids[0].tolist()].index(True)
     zero = wts.clone()
     zero[0, j] = 0.0
     cut = ids.clone()
     cut[0, j] = -1
     assert torch.equal(g(x, ids, zero), g(x, cut, wts))
-    assert not torch.equal(g(x, ids, zero), g(x, ids, wts))
 
 
 def test_bf16_weights_against_dense(kernels):
