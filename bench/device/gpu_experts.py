@@ -25,12 +25,14 @@ from hetmoe.moe import gpu_experts_triton as kern
 from hetmoe.moe.gpu_experts import GpuExperts
 
 H, I, E, K = 2048, 768, 128, 8  # qwen3-30b-a3b
-VARIANTS = {  # name -> Launch (gemv, bi, bk_gu, bh, bk_down, warps, stages)
+VARIANTS = {  # name -> Launch (gemv, bi, bk_gu, bh, bk_down, warps, stages); defer applies at T = 1 only
     "gemv 8x512/16x256": kern.Launch(True, 8, 512, 16, 256),
     "gemv 4x512/8x256": kern.Launch(True, 4, 512, 8, 256),
     "gemv 16x512/16x256": kern.Launch(True, 16, 512, 16, 256),
     "gemv 8x256/16x128": kern.Launch(True, 8, 256, 16, 128),
     "gemv 8x1024/32x256 w8": kern.Launch(True, 8, 1024, 32, 256, 8),
+    "gemv 8x512/16x256 defer": kern.Launch(True, 8, 512, 16, 256, defer=True),
+    "gemv 4x512/8x256 defer": kern.Launch(True, 4, 512, 8, 256, defer=True),
     "dot 32x64/32x64": kern.Launch(False, 32, 64, 32, 64),
     "dot 16x128/16x128": kern.Launch(False, 16, 128, 16, 128),
     "dot 64x64/64x64": kern.Launch(False, 64, 64, 64, 64),
