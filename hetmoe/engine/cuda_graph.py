@@ -82,16 +82,17 @@ class GraphDecoder:
     """Decode steps of ``model`` over ``cache`` (max_batch + 1 rows: the last is the scratch slot).
 
     ``hybrid``: the model's StreamDecode (None when no routed experts are offloaded). ``cuda_graph``: capture and
-    replay, or run the same forward eagerly (no padding, attended length bucketed)."""
+    replay, or run the same forward eagerly (no padding, attended length bucketed). ``fused``: the steps take the
+    models' fused decode path (``Step.fused``, layers/triton_fused.py)."""
 
     def __init__(self, model, cache, max_batch: int, max_context: int, device: torch.device, hybrid=None,
-                 cuda_graph: bool = True, kv_mode: str = DEFAULT_KV_MODE, kv_bucket: int = 64,
+                 cuda_graph: bool = True, kv_mode: str = DEFAULT_KV_MODE, kv_bucket: int = 64, fused: bool = False,
                  log=lambda msg: print(msg, file=sys.stderr, flush=True)):
         if kv_mode not in KV_MODES:
             raise ValueError(f"kv_mode must be one of {', '.join(KV_MODES)}, got {kv_mode!r}")
         self.model, self.cache, self.hybrid = model, cache, hybrid
         self.max_batch, self.max_context, self.device = max_batch, max_context, device
-        self.cuda_graph, self.kv_mode, self.kv_bucket, self.log = cuda_graph, kv_mode, kv_bucket, log
+        self.cuda_graph, self.kv_mode, self.kv_bucket, self.fused, self.log = cuda_graph, kv_mode, kv_bucket, fused, log
         self.sizes = capture_sizes(max_batch)
         self.capacity = self.sizes[-1]
         self.scratch_slot = max_batch
@@ -154,7 +155,7 @@ class GraphDecoder:
         """The decode forward over the static inputs' first B rows -> logits fp32 [B, V]."""
         C = self.capacity
         ids = self.inputs[:B].view(B, 1)
-        step = Step(self.inputs[C:C + B].view(B, 1), self.inputs[2 * C:2 * C + B], kv_len=kv_len)
+        step = Step(self.inputs[C:C + B].view(B, 1), self.inputs[2 * C:2 * C + B], kv_len=kv_len, fused=self.fused)
         ctx = self.hybrid.step(self.inputs[3 * C:3 * C + 1], cpu) if self.hybrid is not None else nullcontext()
         with ctx:
             hidden = self.model(ids, step, self.cache)[:, -1]  # [B, H]
@@ -190,7 +191,7 @@ class GraphDecoder:
             self.hybrid.close()
 
     def stats(self) -> dict:
-        return {"cuda_graph": self.cuda_graph, "kv_mode": self.kv_mode, "sizes": self.sizes,
+        return {"cuda_graph": self.cuda_graph, "kv_mode": self.kv_mode, "fused": self.fused, "sizes": self.sizes,
                 "graphs": len(self.graphs),
                 "capture_ms": {f"B{b}_kv{kv}{'' if cpu else '_gpu_only'}": 1e3 * s
                                for (b, kv, cpu), s in self.capture_s.items()}}

@@ -83,6 +83,10 @@ class EngineOptions:
     cuda_graph: bool = field(default=True, metadata=cli_flag(
         "--no-cuda-graph", "with a GPU: run each decode step eagerly instead of replaying it as a CUDA graph",
         negate=True))
+    fused_decode: str = field(default="on", metadata=cli_flag(  # hetmoe/layers/triton_fused.py
+        "--fused-decode", "with a GPU and Triton: run a decode step's small per-layer work (residual add + RMSNorm, "
+        "q/k norm + RoPE + KV-cache write, MLA's latent norm + RoPE, SwiGLU) as fused kernels, fewer per layer; off: "
+        "the unfused PyTorch ops (default: on)", choices=("on", "off")))
     attention: str = field(default="auto", metadata=cli_flag(  # hetmoe/layers/attention.py
         "--attention", "with a GPU: triton = paged KV cache and hetmoe's Triton kernels (split-KV decode, mask-free "
         "prefill); sdpa = PyTorch's SDPA over a contiguous cache; auto: triton when installed (default: auto)",
@@ -142,6 +146,8 @@ class EngineOptions:
         self.gpu_prefill = parse_gpu_prefill(self.gpu_prefill)
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {self.attention!r}")
+        if self.fused_decode not in ("on", "off"):
+            raise ValueError(f"fused-decode must be on or off, got {self.fused_decode!r}")
         if not isinstance(self.cuda_graph, bool):
             raise ValueError(f"cuda_graph must be True or False, got {self.cuda_graph!r}")
         if self.max_batch < 1 or self.prefill_chunk < 1:

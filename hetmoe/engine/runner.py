@@ -24,7 +24,7 @@ from hetmoe import cpu
 from hetmoe.engine.cpu_decode import LeanDecode
 from hetmoe.engine.cuda_graph import GraphDecoder
 from hetmoe.engine.loader import LoadedModel, moe_blocks
-from hetmoe.layers.attention import KVCacheFull, Step
+from hetmoe.layers.attention import KVCacheFull, Step, paged_kernels
 from hetmoe.moe import StreamDecode
 
 KV_BUCKET = 64
@@ -32,9 +32,10 @@ KV_BUCKET = 64
 
 class Runner:
     def __init__(self, loaded: LoadedModel, *, cuda_graph: Optional[bool] = None, kv_mode: Optional[str] = None,
-                 lean: bool = True):
-        """``cuda_graph`` (default: ``loaded.options.cuda_graph``) and ``kv_mode`` ("full" / "bucket", see
-        engine/cuda_graph.py) apply to decode steps on a GPU only. ``lean``: one-token steps on the CPU take the
+                 lean: bool = True, fused_decode: Optional[bool] = None):
+        """``cuda_graph`` (default: ``loaded.options.cuda_graph``), ``kv_mode`` ("full" / "bucket", see
+        engine/cuda_graph.py) and ``fused_decode`` (default: ``loaded.options.fused_decode`` is "on"; the fused
+        kernels need Triton) apply to decode steps on a GPU only. ``lean``: one-token steps on the CPU take the
         lean decode step (engine/cpu_decode.py) where it covers the model; False keeps them eager."""
         self.loaded = loaded
         self.model = loaded.model
@@ -65,9 +66,11 @@ class Runner:
         if self.device.type == "cpu" and lean:
             self.lean = LeanDecode.build(self.model, self.cache)
         if self.device.type == "cuda":
-            self._setup_decoder(loaded.options.cuda_graph if cuda_graph is None else cuda_graph, kv_mode)
+            fused = loaded.options.fused_decode == "on" if fused_decode is None else fused_decode
+            self._setup_decoder(loaded.options.cuda_graph if cuda_graph is None else cuda_graph, kv_mode,
+                                fused and paged_kernels(self.device))
 
-    def _setup_decoder(self, cuda_graph: bool, kv_mode: Optional[str]) -> None:
+    def _setup_decoder(self, cuda_graph: bool, kv_mode: Optional[str], fused: bool) -> None:
         offloaded = [layer for _, layer in moe_blocks(self.model) if layer.staging is not None]
         decoder_kwargs = {"kv_mode": kv_mode} if kv_mode else {}
         if offloaded:
@@ -76,7 +79,7 @@ class Runner:
                 return
             self.hybrid = StreamDecode(GraphDecoder.capacity_for(self.max_batch), self.device, offloaded)
         self.decoder = GraphDecoder(self.model, self.cache, self.max_batch, self.max_context, self.device,
-                                    self.hybrid, cuda_graph, **decoder_kwargs)
+                                    self.hybrid, cuda_graph, fused=fused, **decoder_kwargs)
 
     def reserve(self, slot: int, length: int) -> None:
         """KV positions [0, length) of ``slot`` held; when the memory is out, ``reclaim`` (the scheduler's: drop

@@ -174,13 +174,13 @@ def test_silu_mul(tf, dtype, T, I):
 # ---------------------------------------------------------------- the models' fused decode path
 
 
-def _tiny(arch: str, dtype: str = "fp32", device: str = "cpu", **over):
+def _tiny(arch: str, dtype: str = "fp32", device: str = "cpu", **opts):
     from hetmoe.engine.placement import EngineOptions
     from hetmoe.testing.synthetic import _config, build_random_model
 
-    cfg = _config(arch, over, 300).to_dict()
+    cfg = _config(arch, None, 300).to_dict()
     return build_random_model(cfg, None, EngineOptions(device=device, dtype=dtype, experts_format="bf16",
-                                                       max_context=96, max_batch=8), log=lambda m: None)
+                                                       max_context=96, max_batch=8, **opts), log=lambda m: None)
 
 
 def _decode_once(model, cache, tokens: list, positions: list, fused: bool) -> torch.Tensor:
@@ -214,3 +214,67 @@ def test_model_fused_step_matches_unfused(tf, arch):
     print(f"{arch}: fused~unfused logits {err:.1e}, cache {rel(cache.k, k_ref):.1e} {rel(cache.v, v_ref):.1e}")
     assert err < 1e-5
     assert rel(cache.k, k_ref) < 1e-5 and rel(cache.v, v_ref) < 1e-5
+
+
+def test_fused_decode_option():
+    from hetmoe.cli import build_parser
+    from hetmoe.cli.options import engine_options
+    from hetmoe.engine.placement import EngineOptions
+
+    assert EngineOptions().fused_decode == "on"
+    with pytest.raises(ValueError, match="fused-decode must be on or off"):
+        EngineOptions(fused_decode="yes")
+    assert engine_options(build_parser().parse_args(["generate", "--fused-decode", "off"])).fused_decode == "off"
+    assert engine_options(build_parser().parse_args(["generate"])).fused_decode == "on"
+
+
+def test_cpu_steps_are_never_fused():
+    """The switch is the GPU decoder's: a CPU runner's steps keep the unfused ops (Step.fused False)."""
+    pytest.importorskip("transformers")
+    from hetmoe.engine.runner import Runner
+
+    runner = Runner(_tiny("qwen3_moe"), fused_decode=True)
+    seen = []
+    attn = runner.model.model.layers[0].self_attn
+    original = attn.forward
+    attn.forward = lambda x, rope, step, cache: seen.append(step.fused) or original(x, rope, step, cache)
+    runner.lean = None  # the torch decode path, where a Step is built
+    runner.prefill([5, 6, 7])
+    runner.decode(8)
+    assert runner.decoder is None and seen == [False, False]  # prefill, decode
+
+
+# ---------------------------------------------------------------- GPU: graph decode, fused against unfused
+
+STEPS = 6
+
+
+def _graph_decode(loaded, batch: int, fused: bool, graph: bool = True) -> torch.Tensor:
+    from hetmoe.engine.runner import Runner
+
+    runner = Runner(loaded, cuda_graph=graph, fused_decode=fused)
+    assert runner.decoder.fused is fused
+    slots = list(range(batch))
+    for s in slots:  # 14..21-token prompts: the steps cross the 16-position page boundary of some rows
+        runner.prefill([(37 * s + 11 * j) % 250 + 3 for j in range(14 + (3 * s) % 8)], slot=s)
+    out = [runner.decode_batch([(13 * i + 29 * s) % 250 + 3 for s in slots], slots).cpu() for i in range(STEPS)]
+    runner.decoder.close()
+    return torch.stack(out)  # [STEPS, batch, V]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v2"])
+@pytest.mark.parametrize("attention", ["triton", "sdpa"])
+def test_graph_decode_fused_matches_unfused(arch, attention):
+    """The CUDA graph decode with the fused path on against off, bf16, batch sizes 1, 3 (padded to 4) and 8, over
+    the paged cache (Triton attention) and the contiguous one (SDPA). Paths: GPU. Bound 5e-2 relative max logit
+    error, the bf16 graph tests' bound (tests/engine/test_cuda_graph.py); measured values printed (-s)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("triton")
+    loaded = _tiny(arch, "bf16", "cuda", attention=attention)
+    for batch in (1, 3, 8):
+        on, off = _graph_decode(loaded, batch, True), _graph_decode(loaded, batch, False)
+        eager_on = _graph_decode(loaded, batch, True, graph=False)
+        errs = {"fused~unfused": rel(on, off), "fused graph~fused eager": rel(on, eager_on)}
+        print(f"{arch} {attention} batch {batch}: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+        assert torch.isfinite(on).all() and all(v < 5e-2 for v in errs.values()), errs
