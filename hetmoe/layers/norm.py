@@ -18,9 +18,9 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, delta) -> tuple:
         """The fused decode path's layer boundary (layers/triton_fused.py): (x + delta, self(x + delta)) in one
-        kernel, the sum rounded once as ``x + delta`` is; delta None: (x, self(x)). A weight in another dtype than
-        x (the norm's output would then be in the weight's dtype) takes the unfused ops."""
-        if self.weight.dtype != x.dtype:
+        kernel, the sum rounded once as ``x + delta`` is; delta None: (x, self(x)). A weight or delta in another
+        dtype than x (the unfused ops would promote) takes the unfused ops."""
+        if self.weight.dtype != x.dtype or (delta is not None and delta.dtype != x.dtype):
             x = x if delta is None else x + delta
             return x, self(x)
         from hetmoe.layers.triton_fused import add_rms_norm
