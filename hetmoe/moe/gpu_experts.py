@@ -7,7 +7,7 @@ holds (``CPUExperts.dequantized``: int8/int4 dequantized, bf16 as is) cast to th
 resident experts matches the all-CPU placement up to summation order (and, with int8/int4, the CPU engine's
 activation rounding, which the GPU does not do).
 
-Paths, one result:
+Three paths, one result:
   routed (T <= dense_max_tokens, and always while a CUDA graph is being captured, on a GPU with Triton: decode):
          Triton kernels over the T*k (token, slot) pairs that read only the weights of the resident experts the
          tokens routed to, each once (hetmoe/moe/gpu_experts_triton.py): the cost follows the hits, not N.
@@ -24,6 +24,7 @@ Shape letters: T tokens, E experts, k experts per token, N resident experts, H h
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -90,6 +91,9 @@ class GpuExperts:
         self.slot_of = slot_of.to(self.device)  # [E + 1]
         if decode == "routed" and importlib.util.find_spec("triton") is None:
             raise ValueError("decode='routed' needs the triton package, which is not installed")
+        if decode == "routed" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"decode='routed' on {self.device} needs Triton's interpreter (TRITON_INTERPRET=1 "
+                             "before triton is imported); use decode='dense' or 'auto'")
         if decode == "auto":
             decode = "routed" if self.device.type == "cuda" and importlib.util.find_spec("triton") else "dense"
         self.decode = decode
