@@ -174,6 +174,18 @@ def test_skip_mask_and_zero_weights(kernels, T):
     assert torch.equal(g(x, ids, zero), g(x, cut, wts))
 
 
+def test_int32_ids_bf16_routing_weights_strided_x(kernels):
+    """What routers hand over: int32 or int64 ids, fp32 or bf16 weights; x a row-strided view."""
+    w = _weights("dtypes")
+    x, ids, wts = _case(3, 2, "dtypes")
+    wide = torch.zeros(3, 2 * H)
+    wide[:, :H] = x
+    g = _experts(w, RESIDENT)
+    out = g(wide[:, :H], ids.int(), wts.bfloat16())
+    ref = _reference(w, x, ids, wts.bfloat16().float(), RESIDENT)
+    assert rel_err(out, ref) < FP32_BOUND, rel_err(out, ref)
+
+
 def test_bf16_weights_against_dense(kernels):
     w = _weights("bf16")
     x, ids, wts = _case(3, 8, "bf16")
