@@ -87,6 +87,27 @@ def dequantized_reference(ref, packed: dict):
     return ref
 
 
+def within_format(model, packed: dict, floats: dict, fmt: str):
+    """The model's logits, checking on the way that each packed linear's output, on the model's own activations,
+    is within the format's documented bound of its float linear (``floats``: name -> nn.Linear)."""
+    errs = {}
+
+    def hook(name):
+        def check(module, args, out):
+            w, b = floats[name].weight, floats[name].bias
+            errs[name] = max(errs.get(name, 0.0), rel(out, F.linear(args[0].to(w.dtype), w, b)))
+        return check
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in packed.items()]
+    out = logits(model)
+    for h in handles:
+        h.remove()
+    assert set(errs) == set(packed)  # every packed linear ran
+    worst = max(errs, key=errs.get)
+    assert 0 < errs[worst] < DENSE_FORMATS[fmt].tolerance, (worst, errs[worst])
+    return out
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_dense_linears_within_their_format(tiny, family, fmt):
@@ -103,24 +124,11 @@ def test_dense_linears_within_their_format(tiny, family, fmt):
     assert all(linear_of(m)[0].format.name == fmt for m in packed.values())
     parts = {n.rsplit(".", 1)[-1] for n, m in packed.items() if isinstance(m, dense.SharedInputPart)}
     assert {"q_proj", "k_proj"} <= parts or {"q_a_proj", "kv_a_proj_with_mqa"} <= parts  # fused as natively
-    for name, m in model.named_modules():  # the experts modules are the same modules as before
-        if name in ref.hetmoe_info["fallback_modules"]:
-            assert all(not p.is_meta for p in m.parameters())
-    errs = {}
-
-    def hook(name):
-        def check(module, args, out):
-            y = F.linear(args[0], floats[name].weight, floats[name].bias)
-            errs[name] = max(errs.get(name, 0.0), rel(out, y))
-        return check
-
-    handles = [m.register_forward_hook(hook(n)) for n, m in packed.items()]
-    out = logits(model)
-    for h in handles:
-        h.remove()
-    assert set(errs) == set(packed)  # every packed linear ran
-    worst = max(errs, key=errs.get)
-    assert 0 < errs[worst] < DENSE_FORMATS[fmt].tolerance, (worst, errs[worst])
+    for name in ref.hetmoe_info["fallback_modules"]:  # Transformers' own experts: untouched
+        theirs = dict(ref.get_submodule(name).named_parameters())
+        assert {n: p for n, p in model.get_submodule(name).named_parameters()}.keys() == theirs.keys()
+        assert all(torch.equal(p, theirs[n]) for n, p in model.get_submodule(name).named_parameters())
+    out = within_format(model, packed, floats, fmt)
     reference = dequantized_reference(ref, packed)
     assert rel(out, logits(reference)) < DEQUANT_BOUND[fmt]
     ids = torch.tensor(IDS)
@@ -292,7 +300,9 @@ def test_gpu_dense_format(tiny, fmt):
     kw = dict(experts_format="bf16", device="cuda", dtype="bf16", isa=BEST_ROW_PATH.isa)
     ref, model = ht.from_pretrained(path, dense_format="bf16", **kw), ht.from_pretrained(path, dense_format=fmt, **kw)
     packed = packed_of(model, GPULinear)
-    assert "lm_head" in packed and model.hetmoe_info["dense_format"] == fmt
-    assert rel(logits(model), logits(dequantized_reference(ref, packed))) < 5e-2  # bf16 activations on both sides
+    floats = {n: m for n, m in ref.named_modules() if isinstance(m, nn.Linear)}
+    assert set(packed) == {n for n in floats if n.rsplit(".", 1)[-1] not in KEEP} and "lm_head" in packed
+    assert model.hetmoe_info["dense_format"] == fmt and all(m.weight.is_cuda for m in packed.values())
+    assert torch.isfinite(within_format(model, packed, floats, fmt)).all()
     ids = torch.tensor(IDS, device="cuda")
     assert model.generate(ids, max_new_tokens=8, do_sample=False).shape == (1, len(IDS[0]) + 8)
