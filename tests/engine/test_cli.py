@@ -443,7 +443,8 @@ ENGINE_FLAGS = {"device": "--device", "experts_format": "--experts-format", "gro
                 "defer_experts": "--defer-experts", "gpu_experts": "--gpu-experts",
                 "calibration_file": "--calibration-file", "cuda_graph": "--no-cuda-graph", "isa": "--isa",
                 "gpu_prefill": "--gpu-prefill", "rules": "--rules", "attention": "--attention",
-                "dense_format": "--dense-format", "gpu_memory": "--gpu-memory", "cpu_memory": "--cpu-memory"}
+                "dense_format": "--dense-format", "gpu_memory": "--gpu-memory", "cpu_memory": "--cpu-memory",
+                "fused_decode": "--fused-decode"}
 
 
 @pytest.mark.parametrize("command", [["generate"], ["chat"], ["serve"], ["eval", "--text", "t"], ["bench", "e2e"],
