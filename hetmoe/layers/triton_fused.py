@@ -78,6 +78,12 @@ def _cache_place(TABLE, SLOTS, POS, t, S, st_r, P, PAGED: tl.constexpr):
 
 
 @triton.jit
+def _store_halves(dst, i, m, lo, hi, HALF: tl.constexpr):
+    _store(dst + i, lo, m)
+    _store(dst + HALF + i, hi, m)
+
+
+@triton.jit
 def _add_rms_norm(X, DELTA, W, RES, OUT, sx, sd, sr, so, N, eps, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
@@ -123,16 +129,13 @@ def _qkv_epilogue(QKV, QW, KW, COS, SIN, Q, KC, VC, TABLE, SLOTS, POS,
         c = tl.load(COS + t * s_cs + i, mask=m, other=0.0).to(tl.float32)
         s = tl.load(SIN + t * s_cs + i, mask=m, other=0.0).to(tl.float32)
         lo, hi = _rotate(a, b, c, s, True, DT)
+        # each branch stores itself: Q and the cache may differ in dtype, so no pointer is chosen across branches
         if h < H:
-            dst = Q + t * sq_t + h * sq_h
+            _store_halves(Q + t * sq_t + h * sq_h, i, m, lo, hi, HALF)
         else:
-            dst = KC + page * skc_p + off * skc_t + (h - H) * skc_h
-        _store(dst + i, lo, m)
-        _store(dst + HALF + i, hi, m)
+            _store_halves(KC + page * skc_p + off * skc_t + (h - H) * skc_h, i, m, lo, hi, HALF)
     else:
-        dst = VC + page * svc_p + off * svc_t + (h - H - K) * svc_h
-        _store(dst + i, a, m)
-        _store(dst + HALF + i, b, m)
+        _store_halves(VC + page * svc_p + off * svc_t + (h - H - K) * svc_h, i, m, a, b, HALF)
 
 
 @triton.jit
@@ -179,12 +182,12 @@ def _mla_epilogue(KVA, W, COS, SIN, Q, QPE, CC, PC, TABLE, SLOTS, POS,
         w = tl.load(W + k, mask=mk, other=0.0).to(tl.float32)
         _store(CC + page * scc_p + off * scc_t + k, _round(x * r, DT) * w, mk)
         a, b = _load_pairs(KVA + t * s_kva + R, j, mj, IN_IL, HALF)
-        dst = PC + page * spc_p + off * spc_t
+        lo, hi = _rotate(a, b, c, s, ROUND, DT)
+        _store_pairs(PC + page * spc_p + off * spc_t, j, mj, lo, hi, OUT_IL, HALF)  # (see _qkv_epilogue's stores)
     else:
         a, b = _load_pairs(Q + t * sq_t + (h - 1) * sq_h + NOPE, j, mj, IN_IL, HALF)
-        dst = QPE + t * sqpe_t + (h - 1) * sqpe_h
-    lo, hi = _rotate(a, b, c, s, ROUND, DT)
-    _store_pairs(dst, j, mj, lo, hi, OUT_IL, HALF)
+        lo, hi = _rotate(a, b, c, s, ROUND, DT)
+        _store_pairs(QPE + t * sqpe_t + (h - 1) * sqpe_h, j, mj, lo, hi, OUT_IL, HALF)
 
 
 @triton.jit
