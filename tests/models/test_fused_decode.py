@@ -191,6 +191,8 @@ def _decode_once(model, cache, tokens: list, positions: list, fused: bool) -> to
         return model.logits(hidden[:, -1]).float()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through Triton's interpreter; on a GPU machine "
+                    "test_graph_decode_fused_matches_unfused covers the models")
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v2"])
 def test_model_fused_step_matches_unfused(tf, arch):
     pytest.importorskip("transformers")
