@@ -280,3 +280,63 @@ def test_graph_decode_fused_matches_unfused(arch, attention):
         errs = {"fused~unfused": rel(on, off), "fused graph~fused eager": rel(on, eager_on)}
         print(f"{arch} {attention} batch {batch}: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
         assert torch.isfinite(on).all() and all(v < 5e-2 for v in errs.values()), errs
+
+
+# ---------------------------------------------------------------- compiled for a GPU, without one
+
+_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hetmoe.layers import triton_fused as tf
+
+def sig(ptrs, ints, scalars, consts, **types):
+    s = {n: types.get(n, "*bf16") for n in ptrs.split()}
+    s.update({n: "i64" for n in ints.split()}, **scalars, **{n: "constexpr" for n in consts})
+    return s, consts
+
+idx = dict(TABLE="*i32", SLOTS="*i64", POS="*i64")
+cases = [
+    (tf._add_rms_norm, *sig("X DELTA W RES OUT", "sx sd sr so", dict(N="i32", eps="fp32"),
+                            dict(BLOCK=8192, HAS_DELTA=True))),
+    (tf._silu_mul, *sig("GU OUT", "s_gu s_o", dict(N="i32"), dict(BLOCK=1024))),
+]
+for cache in ("*bf16", "*fp32"):
+    for norm in (True, False):
+        for paged in (True, False):
+            cases.append((tf._qkv_epilogue, *sig(
+                "QKV QW KW COS SIN Q KC VC TABLE SLOTS POS",
+                "s_qkv s_cs sq_t sq_h skc_p skc_t skc_h svc_p svc_t svc_h st_r",
+                dict(S="i32", H="i32", K="i32", P="i32", eps="fp32"), dict(D=128, BH=64, NORM=norm, PAGED=paged),
+                KC=cache, VC=cache, **idx)))
+for in_il, out_il, rnd in tf.ROPE_LAYOUTS.values():
+    for cache in ("*bf16", "*fp32"):
+        cases.append((tf._mla_epilogue, *sig(
+            "KVA W COS SIN Q QPE CC PC TABLE SLOTS POS",
+            "s_kva s_cs sq_t sq_h sqpe_t sqpe_h scc_p scc_t spc_p spc_t st_r",
+            dict(S="i32", P="i32", R="i32", NOPE="i32", eps="fp32"),
+            dict(BR=512, HALF=32, BHALF=32, IN_IL=in_il, OUT_IL=out_il, ROUND=rnd, PAGED=True),
+            CC=cache, PC=cache, **idx)))
+for fn, s, c in cases:
+    triton.compile(ASTSource(fn=fn, signature={n: s[n] for n in fn.arg_names}, constexprs=c),
+                   target=GPUTarget("cuda", 90, 32))
+print("compiled", len(cases))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU every other test compiles the kernels")
+def test_kernels_compile_for_a_gpu(tf):
+    """Triton's interpreter runs code that compiled Triton refuses (a pointer chosen across a runtime branch must
+    have one type, ...): compile every kernel variant for sm_90 (bf16 activations, bf16 and fp32 caches, paged and
+    contiguous, each RoPE form) in a process without TRITON_INTERPRET."""
+    import os
+    import subprocess
+    import sys
+
+    import triton.backends
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton has no CUDA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0 and "compiled 16" in out.stdout, out.stderr[-3000:]
