@@ -229,7 +229,7 @@ ChunkPlan::ChunkPlan(const MoeExperts& ex, const MoeCall& call, ThreadPool& pool
 }
 
 void ChunkPlan::quantize_h(int s, int th) {
-  const WeightFormat fmt = ex_.config().format;
+  const WeightFormat fmt = ex_.down_format();  // h is down's activation
   if (s < n_amx_slots_) {
     const ActLayout& dxa = ex_.down_amx_act();
     uint8_t* row = pool_.thread_scratch(th, dxa.row_bytes);

@@ -146,7 +146,7 @@ void run_down_task(const MoeExperts& ex, const Task& task, const PhaseInput& in,
                    int thread) {
   const int H = ex.config().hidden;
   const int n = task.m1 - task.m0, s0 = in.first[task.e] + task.m0;
-  const KernelEntry& kernel = ex.kernel();
+  const KernelEntry& kernel = ex.down_kernel();
   // y rows go around the caches when they are read only by the combine after the job's tasks
   const RowOps& ops = ex.row_ops();
   auto put_y = [&](const float* src, int count, float* dst) {

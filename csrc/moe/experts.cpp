@@ -23,7 +23,11 @@ static void check_config(const ExpertsConfig& c) {
     bad("hidden_size and intermediate_size must be positive, got " + std::to_string(c.hidden) + " and " +
         std::to_string(c.intermediate));
   check_kernel_choice(c.format, c.group, c.isa, c.amx, c.amx_min_tokens);
-  if (c.down_group != 0) check_kernel_choice(c.format, c.down_group, c.isa, c.amx, c.amx_min_tokens);
+  const WeightFormat down = c.down_format.value_or(c.format);
+  if (c.down_group != 0 || down != c.format)
+    check_kernel_choice(down, c.down_group != 0 ? c.down_group : c.group, c.isa, c.amx, c.amx_min_tokens);
+  if (down != c.format && (down == WeightFormat::bf16 || c.format == WeightFormat::bf16 || c.group <= 0))
+    bad("gate/up and down of different formats must both be grouped int8/int4");
   const bool affine = c.gate_up_scaling == Scaling::affine || c.down_scaling == Scaling::affine;
   if (affine && c.format == WeightFormat::bf16) bad("affine scaling needs int8 or int4 weights, got bf16");
   if ((c.gate_up_scaling == Scaling::affine && c.group <= 0) ||
@@ -39,7 +43,8 @@ MoeExperts::MoeExperts(const ExpertsConfig& cfg, std::shared_ptr<ThreadPool> poo
   if (cfg_.intermediate_full <= 0) cfg_.intermediate_full = cfg_.intermediate;
   if (cfg_.down_group == 0) cfg_.down_group = cfg_.group;
   gu_ = MatrixShape::make(cfg_.format, cfg_.intermediate, cfg_.hidden, cfg_.group, cfg_.gate_up_scaling);
-  down_ = MatrixShape::make(cfg_.format, cfg_.hidden, cfg_.intermediate, cfg_.down_group, cfg_.down_scaling);
+  down_ = MatrixShape::make(cfg_.down_format.value_or(cfg_.format), cfg_.hidden, cfg_.intermediate, cfg_.down_group,
+                            cfg_.down_scaling);
   gu_act_ = ActLayout::make(gu_);
   down_act_ = ActLayout::make(down_);
   // per-row int8 on AMX: x in one group per token, h in groups of amx_row_group(I) (layout.h)
@@ -47,6 +52,7 @@ MoeExperts::MoeExperts(const ExpertsConfig& cfg, std::shared_ptr<ThreadPool> poo
   down_amx_act_ = ActLayout::make(down_, true, down_.per_row ? amx_row_group(cfg_.intermediate_full) : 0);
   if (cfg_.isa == Isa::amx && cfg_.amx == AmxMode::off) cfg_.amx = AmxMode::native;
   kernel_ = select_kernel(cfg_.format, cfg_.isa, cfg_.amx);
+  down_kernel_ = select_kernel(down_.format, cfg_.isa, cfg_.amx);
   row_ops_ = select_row_ops(cfg_.isa);
   amx_min_tokens_.store(cfg_.amx_min_tokens);
   size_t E = cfg_.n_expert;
@@ -182,7 +188,7 @@ void MoeExperts::unpack(int e, float* gate, float* up, float* down) const {
 // ---------------------------------------------------------------- random weights, raw storage
 
 void MoeExperts::fill_random(uint64_t seed, float std) {
-  const RandomFill fill = RandomFill::make(cfg_.format, std);
+  const RandomFill fill = RandomFill::make(cfg_.format, std), down_fill = RandomFill::make(down_.format, std);
   const int gu_tasks = gu_.n_blocks * 2, per_expert = gu_tasks + down_.n_blocks;
   pool_->run_and_wait([&](ThreadPool& pool) {
     pool.parallel_for((int64_t)cfg_.n_expert * per_expert, [&](int64_t task, int) {
@@ -193,7 +199,7 @@ void MoeExperts::fill_random(uint64_t seed, float std) {
         fill_random_block(gu_, b / 2, block_seed, fill, const_cast<uint8_t*>(blk.data), const_cast<float*>(blk.scales));
       } else {
         RowBlock blk = down_block(e, b - gu_tasks);
-        fill_random_block(down_, b - gu_tasks, block_seed, fill, const_cast<uint8_t*>(blk.data),
+        fill_random_block(down_, b - gu_tasks, block_seed, down_fill, const_cast<uint8_t*>(blk.data),
                           const_cast<float*>(blk.scales));
       }
     });

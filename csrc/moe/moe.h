@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -59,9 +60,11 @@ struct JobProfile {
 
 struct ExpertsConfig {
   int n_expert = 0;
-  int hidden = 0;        // H
-  int intermediate = 0;  // I
-  WeightFormat format = WeightFormat::bf16;
+  int hidden = 0;                            // H
+  int intermediate = 0;                      // I
+  WeightFormat format = WeightFormat::bf16;  // gate/up, and down unless down_format is set
+  // down's own element format (e.g. int8 down beside int4 gate/up: GGUF's Q4_K_M); both then grouped int8/int4
+  std::optional<WeightFormat> down_format;
   int group = 128;     // int8: <= 0 means per-row scales; gate/up, and down unless down_group is set
   int down_group = 0;  // 0: group
   // int8/int4 codes of gate/up and of down (formats/layout.h); affine needs a group (not per row)
@@ -108,7 +111,9 @@ class MoeExperts {
   const MatrixShape& down_shape() const { return down_; }
   const ActLayout& gate_up_act() const { return gu_act_; }
   const ActLayout& down_act() const { return down_act_; }
-  const KernelEntry& kernel() const { return kernel_; }
+  const KernelEntry& kernel() const { return kernel_; }  // gate/up's
+  const KernelEntry& down_kernel() const { return down_kernel_; }
+  WeightFormat down_format() const { return down_.format; }
   const RowOps& row_ops() const { return row_ops_; }
   // AMX experts' activation rows (bf16 / int8; formats/activation.h quantize_activation_amx).
   const ActLayout& gate_up_amx_act() const { return gu_amx_act_; }
@@ -145,7 +150,7 @@ class MoeExperts {
   std::shared_ptr<ThreadPool> pool_;
   MatrixShape gu_, down_;
   ActLayout gu_act_, down_act_, gu_amx_act_, down_amx_act_;
-  KernelEntry kernel_;
+  KernelEntry kernel_, down_kernel_;
   RowOps row_ops_;
   std::atomic<int> amx_min_tokens_{kAmxMinTokens};
   std::atomic<bool> profiling_{false};

@@ -48,7 +48,8 @@ NumaExperts::NumaExperts(const ExpertsConfig& cfg, std::shared_ptr<NumaPools> po
     for (auto& [p, n] : slices_.back()->storage()) pools_->bind((int)s, p, n);
   }
   gu_ = MatrixShape::make(cfg_.format, cfg_.intermediate, cfg_.hidden, cfg_.group, cfg_.gate_up_scaling);
-  down_ = MatrixShape::make(cfg_.format, cfg_.hidden, cfg_.intermediate, down_group, cfg_.down_scaling);
+  down_ = MatrixShape::make(cfg_.down_format.value_or(cfg_.format), cfg_.hidden, cfg_.intermediate, down_group,
+                            cfg_.down_scaling);
 }
 
 size_t NumaExperts::bytes_per_expert() const {
@@ -74,7 +75,7 @@ void NumaExperts::load(int e0, int n, const float* gate, const float* up, const 
   if (n == 0) return;
   const int H = cfg_.hidden, I = cfg_.intermediate;
   const size_t IH = (size_t)I * H;
-  const WeightFormat fmt = cfg_.format;
+  const WeightFormat fmt = down_.format;  // the format of the down slices packed below
   std::vector<std::atomic<int>> bad((size_t)n * 3);
   for (auto& b : bad) b.store(0);
   // Each slice is packed by its own subpool's threads: the first touch of its pages is on its node.

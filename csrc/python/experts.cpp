@@ -146,7 +146,7 @@ template <typename Experts, typename Pools, typename JobT>
 void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const char* pools_arg) {
   c.def(py::init([](std::shared_ptr<Pools> pools, int n_expert, int hidden, int inter, const std::string& fmt,
                     int group, const std::string& isa, bool amx_emulated, int amx_min_tokens, int down_group,
-                    const std::string& gate_up_scaling, const std::string& down_scaling) {
+                    const std::string& gate_up_scaling, const std::string& down_scaling, const std::string& down_fmt) {
           ExpertsConfig cfg;
           cfg.n_expert = n_expert;
           cfg.hidden = hidden;
@@ -154,6 +154,7 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
           cfg.format = format_from_name(fmt);
           cfg.group = group;
           cfg.down_group = down_group;
+          if (!down_fmt.empty()) cfg.down_format = format_from_name(down_fmt);
           cfg.gate_up_scaling = scaling_from_name(gate_up_scaling);
           cfg.down_scaling = scaling_from_name(down_scaling);
           cfg.isa = isa_from_name(isa);
@@ -164,7 +165,7 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
         py::arg(pools_arg), py::arg("num_experts"), py::arg("hidden_size"), py::arg("intermediate_size"),
         py::arg("weight_format"), py::arg("group_size"), py::arg("isa"), py::arg("amx_emulated") = false,
         py::arg("amx_min_tokens") = kAmxMinTokens, py::arg("down_group_size") = 0,
-        py::arg("gate_up_scaling") = "symmetric", py::arg("down_scaling") = "symmetric")
+        py::arg("gate_up_scaling") = "symmetric", py::arg("down_scaling") = "symmetric", py::arg("down_format") = "")
       .def_property("amx_min_tokens", &Experts::amx_min_tokens, &Experts::set_amx_min_tokens)
       .def(
           "load",
@@ -255,7 +256,13 @@ void bind_experts(py::module_& m) {
     d["down_scaling"] = scaling_name(dn.scaling);
     d["isa"] = isa_name(c.isa);
     d["kernel"] = ex.kernel().name;
-    d["activation"] = c.format == WeightFormat::bf16 ? "fp32" : c.format == WeightFormat::int8 ? "int16" : "int8";
+    auto activation = [](WeightFormat f) {
+      return f == WeightFormat::bf16 ? "fp32" : f == WeightFormat::int8 ? "int16" : "int8";
+    };
+    d["activation"] = activation(c.format);
+    d["down_weight_format"] = format_name(ex.down_format());
+    d["down_kernel"] = ex.down_kernel().name;
+    d["down_activation"] = activation(ex.down_format());
     const AmxMode amx = ex.amx_mode();
     d["amx"] = amx == AmxMode::native ? "native" : amx == AmxMode::emulated ? "emulated" : "off";
     if (amx != AmxMode::off) {

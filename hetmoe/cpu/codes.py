@@ -7,8 +7,8 @@ becomes the engine's int8 / int4 codes with their own scales (and mins), so the 
 - Q4_K / Q5_K (value = scale * q - min per 32, q in 0..15 / 0..31): int4 / int8 affine, group 32.
 - Q6_K (value = scale * q per 16, q in [-32, 31]): int8 symmetric, group 16.
 
-Gate/up and down may differ in group and scaling (``CPUExperts(down_group_size=..., scaling=(gate_up, down))``);
-all three share the element format (int4 codes fit int8 exactly, so a mixed layer is int8).
+Gate/up and down may differ in format, group and scaling (``CPUExperts(weight_format=(gate_up, down),
+down_group_size=..., scaling=(gate_up, down))``): unsloth's Q4_K_M is int4 affine gate/up beside int8 group-16 down.
 """
 
 from __future__ import annotations
@@ -26,21 +26,30 @@ EXACT_TYPES = {"Q8_0": ("int8", "symmetric", 32), "Q4_0": ("int4", "symmetric", 
                "Q5_K": ("int8", "affine", 32), "Q6_K": ("int8", "symmetric", 16)}
 
 
-def exact_layout(gate_up_type: str, down_type: str, weight_format: Optional[str] = None) -> Optional[dict]:
-    """The CPUExperts keyword arguments (``weight_format``, ``group_size``, ``down_group_size``, ``scaling``) that
-    hold gate/up of GGML type ``gate_up_type`` and down of ``down_type`` exactly, or None when one is not held
-    exactly. int8 when either needs it (int4 codes fit it exactly) or ``weight_format`` int8 is asked for."""
+def exact_layout(gate_up_type: str, down_type: str, plan: Optional[str] = None) -> Optional[dict]:
+    """The CPUExperts keyword arguments (``weight_format`` — one format or a (gate/up, down) pair —,
+    ``group_size``, ``down_group_size``, ``scaling``) that hold gate/up of GGML type ``gate_up_type`` and down of
+    ``down_type`` exactly, or None when one is not held exactly. A layer of int4 types planned as int8 (``plan``;
+    other layers need int8) takes int8 codes, still exactly, so that it has the bytes the plan counted."""
     if gate_up_type not in EXACT_TYPES or down_type not in EXACT_TYPES:
         return None
     gu, down = EXACT_TYPES[gate_up_type], EXACT_TYPES[down_type]
-    fmt = "int8" if "int8" in (gu[0], down[0], weight_format) else "int4"
-    return {"weight_format": fmt, "group_size": gu[2], "down_group_size": down[2], "scaling": (gu[1], down[1])}
+    fmts = ("int8", "int8") if plan == "int8" and gu[0] == down[0] == "int4" else (gu[0], down[0])
+    return {"weight_format": fmts[0] if fmts[0] == fmts[1] else fmts, "group_size": gu[2],
+            "down_group_size": down[2], "scaling": (gu[1], down[1])}
+
+
+def plan_format(layout: dict) -> tuple:
+    """(format, group) a memory plan counts for ``layout`` (exact_layout's): int8 when either matrix is int8."""
+    fmt = layout["weight_format"]
+    return ("int8" if "int8" in (fmt if isinstance(fmt, tuple) else (fmt,)) else fmt), layout["group_size"]
 
 
 def layout_of(experts: CPUExperts) -> dict:
     """The code layout of ``experts`` as CPUExperts' keyword arguments (what GGUFCheckpoint.exact_format returns)."""
     info = experts.info()
-    return {"weight_format": info["weight_format"], "group_size": info["group_size"],
+    fmt, down = info["weight_format"], info["down_weight_format"]
+    return {"weight_format": fmt if fmt == down else (fmt, down), "group_size": info["group_size"],
             "down_group_size": info["down_group_size"], "scaling": (info["gate_up_scaling"], info["down_scaling"])}
 
 
@@ -64,9 +73,10 @@ def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Seque
         raise ValueError(f"experts [{first_expert}, {first_expert + n}) do not fit in "
                          f"num_experts={experts.num_experts}")
     ready, min_ptrs = [], []
-    layouts = ((group, info["gate_up_scaling"]),) * 2 + ((down_group, info["down_scaling"]),)
-    for name, q, s, m, (rows, cols), (g, scaling) in zip(("gate", "up", "down"), codes, scales, mins,
-                                                         ((I, H), (I, H), (H, I)), layouts):
+    layouts = ((fmt, group, info["gate_up_scaling"]),) * 2 + ((info["down_weight_format"], down_group,
+                                                              info["down_scaling"]),)
+    for name, q, s, m, (rows, cols), (fmt, g, scaling) in zip(("gate", "up", "down"), codes, scales, mins,
+                                                              ((I, H), (I, H), (H, I)), layouts):
         if cols % g:
             raise ValueError(f"{name}: {cols} columns are not a multiple of the group size {g}")
         if q.dtype != torch.int8 or tuple(q.shape) != (n, rows, cols):

@@ -107,7 +107,7 @@ class CPUExperts:
         num_experts: E.
         hidden_size: H.
         intermediate_size: I (per expert).
-        weight_format: ``"bf16"``, ``"int8"`` or ``"int4"``.
+        weight_format: ``"bf16"``, ``"int8"`` or ``"int4"``, or a pair (gate/up, down) of int8/int4.
         group_size: int8/int4 scale group along the input dimension (32, 64 or 128; int8 also 16); ``0`` = per-row
             (int8). ``down_group_size``: down's own group (default: ``group_size``).
         scaling: ``"symmetric"`` (value = scale * q) or ``"affine"`` (value = scale * q - min, GGUF's K-quants), or a
@@ -134,7 +134,7 @@ class CPUExperts:
         num_experts: int,
         hidden_size: int,
         intermediate_size: int,
-        weight_format: str = "bf16",
+        weight_format: Union[str, tuple] = "bf16",
         group_size: int = 128,
         threads: Optional[int] = None,
         isa: str = "auto",
@@ -145,7 +145,8 @@ class CPUExperts:
         scaling: Union[str, tuple] = "symmetric",
     ):
         scaling = (scaling, scaling) if isinstance(scaling, str) else tuple(scaling)
-        if weight_format not in WEIGHT_FORMATS:
+        weight_format, down_format = (weight_format, "") if isinstance(weight_format, str) else weight_format
+        if weight_format not in WEIGHT_FORMATS or down_format not in WEIGHT_FORMATS + ("",):
             raise ValueError(f"unknown weight_format {weight_format!r}; expected one of {', '.join(WEIGHT_FORMATS)}")
         features = _C.cpu_features()
         emulated = isa == AMX_EMULATED
@@ -168,11 +169,12 @@ class CPUExperts:
         self.num_experts = int(num_experts)
         self.hidden_size = int(hidden_size)
         self.intermediate_size = int(intermediate_size)
-        self.weight_format = weight_format
+        self.weight_format = (weight_format, down_format) if down_format else weight_format
         split = self.pool.subpools > 1  # tensor parallel over NUMA subpools: same interface
         self._ex = (_C.NumaExperts if split else _C.MoeExperts)(
             self.pool._numa if split else self.pool._pool, self.num_experts, self.hidden_size, self.intermediate_size,
-            weight_format, int(group_size), isa, emulated, int(amx_min_tokens), int(down_group_size or 0), *scaling)
+            weight_format, int(group_size), isa, emulated, int(amx_min_tokens), int(down_group_size or 0), *scaling,
+            down_format)
         self._skip_mask: Optional[torch.Tensor] = None  # static: experts computed elsewhere (set_skip_mask)
 
     @property
@@ -236,8 +238,7 @@ class CPUExperts:
         return w
 
     def fill_random(self, seed: int = 0, std: float = 0.02) -> None:
-        """Random weights written straight into the packed layout (benchmarks of real shapes without a
-        checkpoint): uniform quantized values (bf16: magnitudes over three octaves) whose std is about ``std``."""
+        """Random weights written straight into the packed layout (benchmarks without a checkpoint), std ~``std``."""
         self._ex.fill_random(int(seed), float(std))
 
     def storage(self) -> list:
@@ -279,17 +280,16 @@ class CPUExperts:
         self._ex.set_profiling(bool(on))
 
     def profile(self) -> dict:
-        """Where the jobs run since ``set_profiling()`` spent their time: ``{"jobs": n, "ms": {stage: mean ms per
-        job}}`` over ``JOB_STAGES`` (a NUMA-split layer: the mean over its slices, which run at the same time)."""
+        """Where the jobs since ``set_profiling()`` spent their time: ``{"jobs": n, "ms": {stage: mean ms per job}}``
+        over ``JOB_STAGES`` (a NUMA-split layer: the mean over its slices)."""
         slices = self._ex.profile()
         jobs = slices[0]["jobs"]
         ms = {st: sum(p[st] for p in slices) / len(slices) / max(jobs, 1) / 1e6 for st in self.JOB_STAGES}
         return {"jobs": jobs, "ms": ms}
 
     def set_skip_mask(self, mask: Optional[torch.Tensor]) -> None:
-        """Experts this layer never computes from now on (they are computed elsewhere, e.g. GPU-resident experts):
-        bool ``[E]``, used by every later call that passes no ``skip_mask`` of its own; None clears it. Jobs
-        prepared earlier keep the mask they were prepared with."""
+        """Experts this layer never computes from now on (computed elsewhere, e.g. GPU-resident experts): bool
+        ``[E]`` for later calls without a ``skip_mask`` of their own (jobs prepared before keep theirs); None clears."""
         if mask is not None:
             mask = _check_tensor("skip_mask", mask, (torch.bool, torch.uint8), 1).to(torch.bool).clone()
             if mask.numel() != self.num_experts:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from hetmoe.cpu import HYBRID_RESERVED_CORES, CPUExperts, default_threads
+from hetmoe.cpu.codes import plan_format
 from hetmoe.cpu.numa import resolve_subpools
 from hetmoe.engine.calibration import calibration_text, check_gpu_experts, keep_gpu_experts
 from hetmoe.engine.checkpoint import Checkpoint, CheckpointError, block_fp8, read_config
@@ -101,25 +102,16 @@ def new_experts(layer: MoELayer, cfg: ModelConfig, inter: int, plan: MemoryPlan,
                 options: EngineOptions, spec: Optional[LayerPlan] = None, exact: Optional[dict] = None) -> CPUExperts:
     """Empty CPU experts for a MoE layer, in the format of its ``spec`` (``plan.layers[i]``; default: the plan's;
     group 0 with int8: per-row scales), on the options' threads, NUMA split and kernel ISA. ``exact``: a GGUF
-    layer's own code layout (GGUFCheckpoint.exact_format), whose down group and scalings are taken when the format
-    and group are the plan's."""
+    layer's own code layout (GGUFCheckpoint.experts_layout), taken when the plan counted it (codes.plan_format)."""
     threads = options.threads
     if threads is None and plan.device.type == "cuda":
         threads = default_threads(reserve=HYBRID_RESERVED_CORES)
     fmt, group = (spec.experts_format, spec.group_size) if spec else (plan.experts_format, plan.group_size)
     own = {}
-    if exact is not None and (exact["weight_format"], exact["group_size"]) == (fmt, group):
-        own = {"down_group_size": exact["down_group_size"], "scaling": exact["scaling"]}
+    if exact is not None and plan_format(exact) == (fmt, group):  # e.g. int4 gate/up, int8 down in an int8 plan
+        fmt, own = exact["weight_format"], {"down_group_size": exact["down_group_size"], "scaling": exact["scaling"]}
     return CPUExperts(layer.num_experts, cfg.hidden_size, inter, fmt, group,
                       threads=threads, numa=options.numa, isa=options.isa, amx_min_tokens=options.amx_min_tokens, **own)
-
-
-def exact_layout(ckpt: Checkpoint, prefix: str, weight_format: Optional[str] = None) -> Optional[dict]:
-    """The code layout holding block ``prefix``'s experts exactly (a GGUF file's exact types), or None."""
-    exact_format = getattr(ckpt, "exact_format", None)
-    if exact_format is None:
-        return None
-    return exact_format([f"{prefix}.experts.0.{w}.weight" for w in _expert_keys(ckpt, prefix)], weight_format)
 
 
 def plan_model(model: nn.Module, cfg: ModelConfig, blocks: list, options: EngineOptions, inter: int,
@@ -269,19 +261,8 @@ def fill_experts(ckpt: Checkpoint, prefix: str, experts: CPUExperts) -> None:
     re-quantized."""
     names = _expert_keys(ckpt, prefix)
     H, I = experts.hidden_size, experts.intermediate_size
-    from hetmoe.cpu.codes import layout_of, load_codes
-
-    exact = exact_layout(ckpt, prefix, experts.info()["weight_format"])
-    if exact is not None and exact == layout_of(experts):
-        for e in range(experts.num_experts):
-            parts = [ckpt.expert_codes(f"{prefix}.experts.{e}.{which}.weight") for which in names]
-            mins = [None if p[2] is None else p[2][None] for p in parts]
-            try:
-                load_codes(experts, [p[0][None] for p in parts], [p[1][None] for p in parts], first_expert=e,
-                           mins=mins)
-            except ValueError as err:
-                raise CheckpointError(f"{ckpt.path}: {prefix}.experts.{e}: {err}") from None
-        return
+    if getattr(ckpt, "load_exact_experts", lambda *a: False)(prefix, names, experts):
+        return  # a GGUF file's own codes (GGUFCheckpoint.load_exact_experts)
     for e in range(experts.num_experts):
         mats = []
         for which, want in zip(names, ((I, H), (I, H), (H, I))):
@@ -422,7 +403,9 @@ def load_model(
             for (name, block), lp in zip(blocks, plan.layers):
                 if not name.startswith(prefix + "."):
                     continue
-                experts = new_experts(block, cfg, inter, plan, options, lp, exact_layout(ckpt, name, lp.experts_format))
+                exact = getattr(ckpt, "experts_layout", lambda *a: None)(name, _expert_keys(ckpt, name),
+                                                                          lp.experts_format)
+                experts = new_experts(block, cfg, inter, plan, options, lp, exact)
                 cache = cache_for(lp)
                 if cache is None or not cache.load(i, experts):
                     fill_experts(ckpt, name, experts)

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from hetmoe.cpu.codes import EXACT_TYPES, exact_layout
+from hetmoe.cpu.codes import EXACT_TYPES, exact_layout, layout_of, load_codes, plan_format
 from hetmoe.gguf.kquants import KQUANTS, kquant_codes
 from hetmoe.gguf.metadata import GGUFError, config_from_gguf, open_gguf
 from hetmoe.gguf.names import Transform, hf_names, merge_kv_b, unpermute_rope
@@ -158,13 +158,12 @@ class GGUFCheckpoint:
         t, _, _ = self._entry(name)
         return t[Transform.KV_B_K].ggml_type.name if isinstance(t, dict) else t.ggml_type.name
 
-    def exact_format(self, names: list, weight_format: Optional[str] = None) -> Optional[dict]:
-        """The CPUExperts layout holding one layer's gate, up, down (``names``) exactly — ``weight_format``,
-        ``group_size``, ``down_group_size``, ``scaling`` (gate/up, down) — or None (gate and up of different types,
-        or a type no layout holds). int8 when a matrix needs it (int4 codes fit it exactly), or ``weight_format``
-        int8 asked for."""
+    def exact_format(self, names: list, plan: Optional[str] = None) -> Optional[dict]:
+        """The CPUExperts layout holding one layer's gate, up, down (``names``) exactly (hetmoe/cpu/codes.py
+        exact_layout; ``plan``: the format the plan gives the layer), or None (gate and up of different types, or a
+        type no layout holds)."""
         kinds = [self.ggml_type(n) for n in names]
-        return exact_layout(kinds[0], kinds[2], weight_format) if kinds[0] == kinds[1] else None
+        return exact_layout(kinds[0], kinds[2], plan) if kinds[0] == kinds[1] else None
 
     def expert_codes(self, name: str) -> tuple:
         """(codes int8 [rows, cols], scales fp32 [rows, cols / group], mins of the same shape or None) of an expert
@@ -180,6 +179,26 @@ class GGUFCheckpoint:
             except ValueError as err:
                 raise GGUFError(f"{self.path}: {name}: {err}") from None
         return (*block_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:])), None)
+
+    def experts_layout(self, prefix: str, names: list, plan: Optional[str] = None) -> Optional[dict]:
+        """exact_format of block ``prefix``'s experts (``names``: gate, up, down as the model calls them)."""
+        return self.exact_format([f"{prefix}.experts.0.{w}.weight" for w in names], plan)
+
+    def load_exact_experts(self, prefix: str, names: list, experts) -> bool:
+        """Pack block ``prefix``'s experts from their own codes when ``experts`` has the layout that holds them
+        exactly (nothing re-quantized): True when done, False when not (the loader packs from floats then).
+        GGUFError naming the file, expert and matrix for a block the engine refuses (a NaN scale, ...)."""
+        held = layout_of(experts)
+        if self.experts_layout(prefix, names, plan_format(held)[0]) != held:
+            return False
+        for e in range(experts.num_experts):
+            parts = [self.expert_codes(f"{prefix}.experts.{e}.{w}.weight") for w in names]
+            try:
+                load_codes(experts, [p[0][None] for p in parts], [p[1][None] for p in parts], first_expert=e,
+                           mins=[None if p[2] is None else p[2][None] for p in parts])
+            except ValueError as err:
+                raise GGUFError(f"{self.path}: {prefix}.experts.{e}: {err}") from None
+        return True
 
     def _layer_names(self, names: list) -> list:
         """``names`` (one MoE layer's expert 0 gate, up, down) for every layer of the file that has them."""
@@ -198,11 +217,11 @@ class GGUFCheckpoint:
         is kept."""
         layers = self._layer_names(names)
         kinds = sorted({self.ggml_type(n) for layer in layers for n in layer})
-        exact = [x for x in (self.exact_format(layer) for layer in layers) if x is not None]
+        exact = [plan_format(x) for x in (self.exact_format(layer) for layer in layers) if x is not None]
         chosen = None
         if exact:
-            fmt = "int8" if any(x["weight_format"] == "int8" for x in exact) else "int4"
-            groups = [x["group_size"] for x in exact]
+            fmt = "int8" if any(x[0] == "int8" for x in exact) else "int4"
+            groups = [x[1] for x in exact]
             chosen = (fmt, max(set(groups), key=groups.count))
         if options.experts_format != "auto":
             if chosen is None or chosen != (options.experts_format, options.group_size or chosen[1]):

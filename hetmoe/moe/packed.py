@@ -69,7 +69,7 @@ class MatrixShape:
 class ExpertLayout:
     """Where each expert of a layer lives in its four storage ranges, and how to read it."""
 
-    fmt: str
+    fmt: str  # gate/up's (down's is down.fmt)
     num_experts: int
     hidden: int
     intermediate: int
@@ -85,7 +85,8 @@ class ExpertLayout:
         fmt, group = info["weight_format"], info["group_size"] or 0
         H, I = experts.hidden_size, experts.intermediate_size
         return cls(fmt, experts.num_experts, H, I, MatrixShape.make(fmt, I, H, group, info["gate_up_scaling"]),
-                   MatrixShape.make(fmt, H, I, info["down_group_size"] or 0, info["down_scaling"]))
+                   MatrixShape.make(info["down_weight_format"], H, I, info["down_group_size"] or 0,
+                                    info["down_scaling"]))
 
     def range_bytes(self) -> tuple:
         """Bytes per expert of each range: (gate+up data, gate+up scales, down data, down scales)."""

@@ -5,9 +5,10 @@ Fixtures: the ``gguf`` package cannot quantize K-quants, so the blocks are writt
 byte pattern is a valid block (codes, 6-bit and int8 scales) once the fp16 d / dmin fields hold finite values — and
 ``gguf.quants.dequantize`` of those bytes is the reference. No binary fixture is committed.
 
-Paths covered: the row-block kernels at the ISA the tests run with (scalar, AVX2, AVX-512 by HETMOE_MAX_ISA / the
-CPU) and the AMX GEMM through its emulation (``isa="amx-emulated"``); one pool and two NUMA subpools; the GPU
-prefill's PyTorch unpack (hetmoe/moe/packed.py). Tolerances are written next to each comparison.
+Paths covered: the row-block kernels at the best ISA the tests may use (scalar, AVX2, AVX-512: HETMOE_MAX_ISA / the
+CPU), the AMX GEMM through its emulation (``isa="amx-emulated"``) and, on a CPU with AMX, natively; one pool and
+two NUMA subpools; the GPU prefill's PyTorch unpack (hetmoe/moe/packed.py) and its Triton kernel (interpreted
+here, on the GPU there). Tolerances are written next to each comparison.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from hetmoe.cpu import CPUExperts, ExpertPool
-from hetmoe.cpu.codes import load_codes
-from hetmoe.gguf.kquants import KQUANTS, kquant_codes
+from hetmoe.cpu import CPUExperts, ExpertPool, cpu_info
+from hetmoe.cpu.codes import exact_layout, load_codes
+from hetmoe.gguf.kquants import kquant_codes
 from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
 from reference import ACTIVATION_QMAX, _moe, fake_quantize, rel_err
 
@@ -26,6 +27,9 @@ gguf = pytest.importorskip("gguf")
 from gguf_files import SYMMETRIC_32, random_blocks  # noqa: E402
 
 E, H, I = 3, 256, 512
+HAS_AMX = "amx" in cpu_info()["supported_isas"]
+PATHS = ["rows", "amx-emulated"] + (["amx"] if HAS_AMX else [])
+ROWS_ONLY = 10**6  # amx_min_tokens that keeps every expert on the row-block kernels
 # (gate/up type, down type): one type per layer, and unsloth's Q4_K_M mix (Q4_K gate/up, Q6_K down)
 LAYERS = [("Q4_K", "Q4_K"), ("Q5_K", "Q5_K"), ("Q6_K", "Q6_K"), ("Q4_K", "Q6_K"), ("Q6_K", "Q8_0")]
 
@@ -39,10 +43,8 @@ def matrix_codes(kind: str, raw: np.ndarray, shape: tuple) -> tuple:
 
 
 def layout_of(kinds: tuple) -> dict:
-    """CPUExperts arguments holding (gate/up type, down type) exactly: int8 when either needs it."""
-    lay = [KQUANTS.get(k) or SYMMETRIC_32[k] for k in kinds]
-    fmt = "int8" if any(x[0] == "int8" for x in lay) else "int4"
-    return dict(weight_format=fmt, group_size=lay[0][2], down_group_size=lay[1][2], scaling=(lay[0][1], lay[1][1]))
+    """CPUExperts arguments holding (gate/up type, down type) exactly."""
+    return exact_layout(*kinds)
 
 
 def kquant_experts(kinds: tuple, seed: int, pool: ExpertPool, isa: str = "auto", centered: bool = False, **kw):
@@ -75,25 +77,25 @@ def test_packed_experts_dequantize_bitwise_as_gguf(kinds, split, two_subpools):
 
 
 def reference(experts, x, ids, w, refs, amx: bool) -> torch.Tensor:
-    """The float64 MoE on gguf's values with the engine's activation rounding: x per gate/up group, h per down
-    group (row blocks: int16 for int8 weights, int8 for int4; AMX: int8 for both)."""
+    """The float64 MoE on gguf's values with the engine's activation rounding: x per gate/up group in gate/up's
+    activation format, h per down group in down's (row blocks: int16 for int8 weights, int8 for int4; AMX: int8)."""
     info = experts.info()
-    qmax = ACTIVATION_QMAX["int8" if amx or info["weight_format"] == "int4" else "int16"]
-    qx = lambda v: fake_quantize(v, info["group_size"], qmax).double()  # noqa: E731
-    qh = lambda v: fake_quantize(v, info["down_group_size"], qmax).double()  # noqa: E731
+    qmax_x, qmax_h = (ACTIVATION_QMAX["int8" if amx else info[a]] for a in ("activation", "down_activation"))
+    qx = lambda v: fake_quantize(v, info["group_size"], qmax_x).double()  # noqa: E731
+    qh = lambda v: fake_quantize(v, info["down_group_size"], qmax_h).double()  # noqa: E731
     weights_of = lambda e: tuple(r[e].double() for r in refs)  # noqa: E731
     return _moe(x.double(), weights_of, E, ids, w, None, qx, qh)
 
 
-@pytest.mark.parametrize("path", ["rows", "amx-emulated"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kinds", LAYERS, ids=lambda k: "+".join(k))
 @pytest.mark.parametrize("T", [1, 3, 37])
 def test_a_moe_call_matches_the_reference_on_gguf_values(kinds, T, path):
     """Each path against the reference on the same values and activation rounding (tight: fp32 summation order
     only; measured max 3.4e-6) and against the plain fp64 MoE on gguf's values (the activation rounding: measured
     max 1.3e-2 with int8 activations, 4.9e-5 with int16)."""
-    amx = path == "amx-emulated"
-    kw = dict(isa="amx-emulated", amx_min_tokens=1) if amx else {}  # every expert on the AMX GEMM
+    amx = path != "rows"
+    kw = dict(isa=path, amx_min_tokens=1) if amx else dict(amx_min_tokens=ROWS_ONLY)  # every expert on one path
     experts, refs = kquant_experts(kinds, 2, ExpertPool(1), centered=True, **kw)
     gen = torch.Generator().manual_seed(T)
     x = torch.randn(T, H, generator=gen)
@@ -104,15 +106,15 @@ def test_a_moe_call_matches_the_reference_on_gguf_values(kinds, T, path):
     assert rel_err(got, reference(experts, x, ids, w, refs, amx)) < 1e-5
     plain = _moe(x.double(), lambda e: tuple(r[e].double() for r in refs), E, ids, w, None, lambda v: v.double(),
                  lambda v: v.double())
-    int8_act = amx or experts.info()["weight_format"] == "int4"
+    int8_act = amx or "int4" in (experts.info()["weight_format"], experts.info()["down_weight_format"])
     assert rel_err(got, plain) < (3e-2 if int8_act else 2e-4)
 
 
 @pytest.mark.parametrize("kinds", LAYERS, ids=lambda k: "+".join(k))
 def test_amx_emulated_and_row_blocks_agree_on_one_token_per_expert(kinds):
     """Below amx_min_tokens the AMX engine runs the row-block kernels: the same bits as a row-block engine."""
-    a, _ = kquant_experts(kinds, 3, ExpertPool(1), isa="amx-emulated", amx_min_tokens=100)
-    b, _ = kquant_experts(kinds, 3, ExpertPool(1))
+    a, _ = kquant_experts(kinds, 3, ExpertPool(1), isa="amx-emulated", amx_min_tokens=ROWS_ONLY)
+    b, _ = kquant_experts(kinds, 3, ExpertPool(1), amx_min_tokens=ROWS_ONLY)
     gen = torch.Generator().manual_seed(5)
     x, ids, w = torch.randn(4, H, generator=gen), torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2]]), torch.rand(4, 2)
     assert torch.equal(a.forward(x, ids, w), b.forward(x, ids, w))
@@ -120,7 +122,8 @@ def test_amx_emulated_and_row_blocks_agree_on_one_token_per_expert(kinds):
 
 @pytest.mark.parametrize("kinds", LAYERS, ids=lambda k: "+".join(k))
 def test_the_gpu_prefill_unpack_equals_the_engine(kinds):
-    """hetmoe/moe/packed.py's torch twin reads the affine and group-16 layouts bitwise (fp32) like the engine."""
+    """hetmoe/moe/packed.py's torch twin reads the affine, group-16 and mixed-format layouts bitwise (fp32) like
+    the engine."""
     experts, _ = kquant_experts(kinds, 4, ExpertPool(1))
     lay = ExpertLayout.of(experts)
     ranges = expert_ranges(experts)
@@ -164,7 +167,7 @@ def test_bad_blocks_and_layouts_are_refused():
 
 TRITON_CHECK = """
 import sys, torch
-from hetmoe.cpu import CPUExperts, ExpertPool
+from hetmoe.cpu import CPUExperts, ExpertPool, cpu_info
 from hetmoe.moe import packed_triton
 from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
 cuda = torch.cuda.is_available()
@@ -185,7 +188,7 @@ print("ok")
 """
 # The layouts of LAYERS: Q4_K, Q5_K, Q6_K, Q4_K + Q6_K
 TRITON_LAYOUTS = [("int4", 32, 32, "affine"), ("int8", 32, 32, "affine"), ("int8", 16, 16, "symmetric"),
-                  ("int8", 32, 16, ("affine", "symmetric"))]
+                  (("int4", "int8"), 32, 16, ("affine", "symmetric"))]
 
 
 def test_the_triton_unpack_reads_the_kquant_layouts():
@@ -211,6 +214,6 @@ def test_bench_kernel_takes_the_gguf_formats():
     from hetmoe.cli.bench import KERNEL_FORMATS
 
     assert FORMATS == KERNEL_FORMATS
-    assert format_args("q4_k_m", None) == {"weight_format": "int8", "group_size": 32, "down_group_size": 16,
-                                           "scaling": ("affine", "symmetric")}
+    assert format_args("q4_k_m", None) == {"weight_format": ("int4", "int8"), "group_size": 32,
+                                           "down_group_size": 16, "scaling": ("affine", "symmetric")}
     assert format_args("int4", 32) == {"weight_format": "int4", "group_size": 32}
