@@ -23,8 +23,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from hetmoe.engine.dense import PackedPart, pack_dense
-from hetmoe.layers.linear import DENSE_FORMAT_CHOICES, FusedLinears, dense_format
+from hetmoe.engine.dense import KEEP, PackedPart, pack_dense
+from hetmoe.layers.linear import DENSE_FORMAT_CHOICES, DENSE_FORMATS, FusedLinears, dense_format
 
 _LAYER_PREFIX = re.compile(r"^(.*?\.layers\.\d+)\.")
 # Linears of one Transformers module that read the same input: the packed matrix's name -> theirs, in row order.
@@ -52,6 +52,17 @@ def choose(name: str, dev: torch.device, dtype: torch.dtype, dense_params: int) 
         raise ValueError(f"dense_format {fmt} on a GPU takes bf16 activations; the model's dtype is "
                          f"{str(dtype).replace('torch.', '')}: load it with dtype='bf16' (or dense_format='bf16')")
     return fmt, why
+
+
+def dense_bytes(model: nn.Module, dense_params: int, fmt: str, itemsize: int) -> int:
+    """Bytes of a dense part of ``dense_params`` parameters (``itemsize`` each) once its linears are packed in
+    ``fmt`` (the model may be on meta: shapes only). The RAM left for the experts (``experts_format="auto"``)."""
+    if fmt == "bf16":
+        return dense_params * itemsize
+    linears = [m for name, m in model.named_modules() if isinstance(m, nn.Linear) and
+               name.rsplit(".", 1)[-1] not in KEEP]
+    packed = sum(DENSE_FORMATS[fmt].nbytes(m.out_features, m.in_features) for m in linears)
+    return (dense_params - sum(m.weight.numel() for m in linears)) * itemsize + packed
 
 
 def layer_prefix(name: str) -> str:

@@ -254,7 +254,8 @@ def from_pretrained(path, rules=None, experts_format: str = "auto", device: str 
     shapes = {n: backend.expert_shape(modules[n]) for n in engine_modules}
     n_experts = sum(s[0] for s in shapes.values())
     H, I = next(iter(shapes.values()))[1:] if shapes else (0, 0)
-    fmt = _choose_format(experts_format, n_experts, H, I, dense_params * torch_dtype.itemsize)
+    fmt = _choose_format(experts_format, n_experts, H, I, dense_part.dense_bytes(model, dense_params, dense_fmt,
+                                                                                 torch_dtype.itemsize))
     group = DEFAULT_GROUP[fmt] if group_size is None or fmt == "bf16" else group_size
 
     def format_of(name: str) -> tuple:

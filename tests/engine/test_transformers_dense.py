@@ -167,6 +167,16 @@ def test_bad_dense_formats_are_refused(name, device, dtype, match):
         dense.choose(name, torch.device(device), dtype, 1000)
 
 
+def test_dense_bytes_count_the_packed_linears():
+    """What ``experts_format="auto"`` subtracts from the RAM: the linears in the dense format, the rest in the dtype."""
+    root = nn.Module()
+    root.embed, root.lm_head, root.gate = nn.Embedding(320, 64), nn.Linear(64, 320, bias=False), nn.Linear(64, 6)
+    params = sum(p.numel() for p in root.parameters())
+    assert dense.dense_bytes(root, params, "bf16", 4) == params * 4
+    # the router stays in the dtype; lm_head: 320 x 64 int8 bytes and one fp32 scale per row (group 64)
+    assert dense.dense_bytes(root, params, "int8", 4) == (320 * 64 + 64 * 6 + 6) * 4 + 320 * 64 + 320 * 4
+
+
 def test_layer_prefix():
     """The decoder layer a tensor belongs to (packed right after it loads); "" outside the layers."""
     assert dense.layer_prefix("model.layers.3.self_attn.q_proj.weight") == "model.layers.3"
