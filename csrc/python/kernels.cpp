@@ -1,4 +1,5 @@
-// The kernels' row ops at each ISA level and the MoE job's task split, bound for tests.
+// The kernels' row ops at each ISA level and the MoE job's task split, bound for tests; and GGUF's K-quant block
+// decoder (hetmoe/gguf/kquants.py).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -9,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "formats/gguf_blocks.h"
 #include "formats/layout.h"
 #include "kernels/dispatch.h"
 #include "kernels/row_ops.h"
@@ -120,6 +122,21 @@ void bind_kernels(py::module_& m) {
         return std::vector<float>(dst.get(), dst.get() + n);
       },
       py::arg("isa"), py::arg("x"), py::arg("offset") = 0);
+  // formats/gguf_blocks.h decode_kquant on raw addresses (the caller sized every buffer: hetmoe/gguf/kquants.py)
+  m.def(
+      "decode_kquant",
+      [](const std::string& kind, uintptr_t raw, int64_t rows, int64_t cols, uintptr_t codes, uintptr_t scales,
+         uintptr_t mins) {
+        const KQuant k = kind == "Q4_K"   ? KQuant::q4_k
+                         : kind == "Q5_K" ? KQuant::q5_k
+                         : kind == "Q6_K" ? KQuant::q6_k
+                                          : throw std::invalid_argument("decode_kquant: unknown type " + kind);
+        if (rows < 0 || cols < 0 || cols % kQkK)
+          throw std::invalid_argument("decode_kquant: rows of whole super-blocks of 256 values");
+        decode_kquant(k, ptr<const uint8_t>(raw), rows, cols, ptr<int8_t>(codes), ptr<float>(scales), ptr<float>(mins));
+      },
+      py::arg("kind"), py::arg("raw"), py::arg("rows"), py::arg("cols"), py::arg("codes"), py::arg("scales"),
+      py::arg("mins"), py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace bindings

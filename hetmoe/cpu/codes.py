@@ -72,39 +72,31 @@ def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Seque
     if not 0 <= first_expert or n < 0 or first_expert + n > experts.num_experts:
         raise ValueError(f"experts [{first_expert}, {first_expert + n}) do not fit in "
                          f"num_experts={experts.num_experts}")
-    ready, min_ptrs = [], []
+    ready = []  # per matrix: (codes, scales, mins or None), checked, contiguous on the CPU
     layouts = ((fmt, group, info["gate_up_scaling"]),) * 2 + ((info["down_weight_format"], down_group,
                                                               info["down_scaling"]),)
-    for name, q, s, m, (rows, cols), (fmt, g, scaling) in zip(("gate", "up", "down"), codes, scales, mins,
-                                                              ((I, H), (I, H), (H, I)), layouts):
+    for name, q, s, m, (rows, cols), (mfmt, g, scaling) in zip(("gate", "up", "down"), codes, scales, mins,
+                                                               ((I, H), (I, H), (H, I)), layouts):
         if cols % g:
             raise ValueError(f"{name}: {cols} columns are not a multiple of the group size {g}")
         if q.dtype != torch.int8 or tuple(q.shape) != (n, rows, cols):
             raise ValueError(f"{name} codes must be int8 [{n}, {rows}, {cols}], got {q.dtype} {list(q.shape)}")
-        if tuple(s.shape) != (n, rows, cols // g):
-            raise ValueError(f"{name} scales must be [{n}, {rows}, {cols // g}] (one per {g} columns), "
-                             f"got {list(s.shape)}")
         if (m is None) != (scaling == "symmetric"):
             raise ValueError(f"{name} is held {scaling}: " + ("mins are needed" if m is None else "it takes no mins"))
         q = q.detach().to("cpu").contiguous()
-        lo, hi = CODE_RANGE[fmt, scaling]
+        lo, hi = CODE_RANGE[mfmt, scaling]
         if q.numel() and (int(q.min()) < lo or int(q.max()) > hi):
-            held = fmt if scaling == "symmetric" else f"{fmt} {scaling}"
+            held = mfmt if scaling == "symmetric" else f"{mfmt} {scaling}"
             raise ValueError(f"{name} has codes in [{int(q.min())}, {int(q.max())}]; {held} holds [{lo}, {hi}] exactly")
+        s, m = (None if t is None else t.detach().to("cpu", torch.float32).contiguous() for t in (s, m))
         for what, t in (("scales", s), ("mins", m)):
-            if t is None:
-                continue
-            t = t.detach().to("cpu", torch.float32).contiguous()
-            if tuple(t.shape) != (n, rows, cols // g):
-                raise ValueError(f"{name} {what} must be [{n}, {rows}, {cols // g}], got {list(t.shape)}")
-            if not torch.isfinite(t).all():
+            if t is not None and tuple(t.shape) != (n, rows, cols // g):
+                raise ValueError(f"{name} {what} must be [{n}, {rows}, {cols // g}] (one per {g} columns), "
+                                 f"got {list(t.shape)}")
+            if t is not None and not torch.isfinite(t).all():
                 raise ValueError(f"{name} has {what} that are NaN or Inf")
-            (ready if what == "scales" else min_ptrs).append(t)
-        ready.insert(len(ready) - 1, q)
-        if m is None:
-            min_ptrs.append(None)
-    gq, gs, uq, us, dq, ds = ready
-    keep = min_ptrs  # the mins stay alive through the call
-    gm, um, dm = (0 if t is None else t.data_ptr() for t in keep)
+        ready.append((q, s, m))
+    (gq, gs, gm), (uq, us, um), (dq, ds, dm) = ready
+    addr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     experts._ex.load_codes(first_expert, n, gq.data_ptr(), gs.data_ptr(), uq.data_ptr(), us.data_ptr(),
-                           dq.data_ptr(), ds.data_ptr(), gm, um, dm)
+                           dq.data_ptr(), ds.data_ptr(), addr(gm), addr(um), addr(dm))
