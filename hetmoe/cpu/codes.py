@@ -85,15 +85,17 @@ def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Seque
             raise ValueError(f"{name} is held {scaling}: " + ("mins are needed" if m is None else "it takes no mins"))
         q = q.detach().to("cpu").contiguous()
         lo, hi = CODE_RANGE[mfmt, scaling]
-        if q.numel() and (int(q.min()) < lo or int(q.max()) > hi):
+        qmin, qmax = (int(v) for v in q.aminmax()) if q.numel() else (lo, hi)  # one pass over the codes
+        if qmin < lo or qmax > hi:
             held = mfmt if scaling == "symmetric" else f"{mfmt} {scaling}"
-            raise ValueError(f"{name} has codes in [{int(q.min())}, {int(q.max())}]; {held} holds [{lo}, {hi}] exactly")
+            raise ValueError(f"{name} has codes in [{qmin}, {qmax}]; {held} holds [{lo}, {hi}] exactly")
         s, m = (None if t is None else t.detach().to("cpu", torch.float32).contiguous() for t in (s, m))
         for what, t in (("scales", s), ("mins", m)):
             if t is not None and tuple(t.shape) != (n, rows, cols // g):
                 raise ValueError(f"{name} {what} must be [{n}, {rows}, {cols // g}] (one per {g} columns), "
                                  f"got {list(t.shape)}")
-            if t is not None and not torch.isfinite(t).all():
+            # a NaN or Inf makes the sum one (so does an overflow: then the exact test decides)
+            if t is not None and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
                 raise ValueError(f"{name} has {what} that are NaN or Inf")
         ready.append((q, s, m))
     (gq, gs, gm), (uq, us, um), (dq, ds, dm) = ready
