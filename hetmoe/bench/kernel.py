@@ -314,7 +314,9 @@ def run_kernel_bench(args) -> int:
                 notes.append(f"rel. error vs the torch loop at T={CHECK_TOKENS}: {check:.2e}"
                              + ("  <-- WARNING: large" if check > 0.05 else ""))
             groups = f"group {group}" + (f"/{info['down_group_size']}" if info["down_group_size"] != group else "")
-            say(f"# {shape.name} {fmt}: H {H}, I {I}, E {E}, k {k}, kernel {info['kernel']} (isa {info['isa']}, "
+            down = info["down_kernel"]
+            kernels = info["kernel"] + (f" + down {down}" if down != info["kernel"] else "")
+            say(f"# {shape.name} {fmt}: H {H}, I {I}, E {E}, k {k}, kernel {kernels} (isa {info['isa']}, "
                 f"activations {info['activation']}{', ' + groups if fmt != 'bf16' else ''}), "
                 f"{bpe / 1e6:.2f} MB per expert")
             if info["amx"] != "off":
@@ -352,6 +354,7 @@ def run_kernel_bench(args) -> int:
                 rec = {
                     "shape": shape.name, "format": fmt, "T": T, "E": E, "E_named": shape.n_expert, "k": k,
                     "H": H, "I": I, "group_size": group if fmt != "bf16" else None, "kernel": info["kernel"],
+                    "down_kernel": info["down_kernel"], "down_group_size": info["down_group_size"],
                     "isa": info["isa"], "activation": info["activation"], "threads": pool.threads,
                     "routing": routing, "path": path, "amx_min_tokens": threshold,
                     "amx_kernel": info.get("amx_kernel") if threshold != kernel_amx.NEVER else None,
