@@ -214,7 +214,7 @@ class GGUFCheckpoint:
         at by default: the exact one (the layout most layers' types need; int8 where any layer needs it), else the
         nearest by bits (a note says what re-quantizing costs is measured by ``hetmoe eval``). Layers whose types
         the chosen format and group cannot hold exactly are re-quantized, with a note. An explicit --experts-format
-        is kept."""
+        is kept (still exact where it holds the types: int4 codes in int8)."""
         layers = self._layer_names(names)
         kinds = sorted({self.ggml_type(n) for layer in layers for n in layer})
         exact = [plan_format(x) for x in (self.exact_format(layer) for layer in layers) if x is not None]
@@ -223,11 +223,17 @@ class GGUFCheckpoint:
             fmt = "int8" if any(x[0] == "int8" for x in exact) else "int4"
             groups = [x[1] for x in exact]
             chosen = (fmt, max(set(groups), key=groups.count))
-        if options.experts_format != "auto":
-            if chosen is None or chosen != (options.experts_format, options.group_size or chosen[1]):
+        if options.experts_format != "auto":  # as asked; exactly where that format holds the types (int4 in int8)
+            fmt, group = options.experts_format, options.group_size or (chosen[1] if chosen else None)
+            held = fmt != "bf16" and all(x is not None and plan_format(x) == (fmt, group)
+                                         for x in (self.exact_format(layer, fmt) for layer in layers))
+            if held:
+                log(f"hetmoe: {self.path.name}'s experts are {'/'.join(kinds)}: packed as {fmt} group {group} as "
+                    "asked, exactly")
+            else:
                 log(f"hetmoe: note: {self.path.name}'s experts are {'/'.join(kinds)}: dequantized and re-quantized "
-                    f"into {options.experts_format} as asked")
-            keep = chosen is None or options.group_size or options.experts_format == "bf16"  # bf16 has no groups
+                    f"into {fmt} as asked")
+            keep = chosen is None or options.group_size or fmt == "bf16"  # bf16 has no groups
             return options if keep else dataclasses.replace(options, group_size=chosen[1])
         if chosen is not None:
             off = len(layers) - groups.count(chosen[1])

@@ -218,6 +218,16 @@ def test_mixed_types_per_layer(tmp_path):
     _assert_exact(loaded, deq)
 
 
+def test_an_explicit_int8_holds_int4_types_exactly(tmp_path):
+    path, _, _, deq = quantized_gguf(tmp_path, "qwen3_moe", "Q4_0")
+    said = []
+    loaded = load_model(path, EngineOptions(device="cpu", dtype="fp32", threads=1, experts_format="int8"),
+                        expert_cache=None, progress=False, log=said.append)
+    assert any("packed as int8 group 32 as asked, exactly" in s for s in said), said
+    assert all(_layout(layer.engine)[0] == "int8" for _, layer in moe_blocks(loaded.model))
+    _assert_exact(loaded, deq)
+
+
 def test_gate_and_up_of_different_types_are_requantized(tmp_path):
     path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "Q4_K", layer_types={1: "Q6_K+Q6_K"},
                                    **KSIZES["qwen3_moe"])
@@ -310,7 +320,8 @@ def test_peak_rss_while_loading_a_gguf(tmp_path):
 
 
 def test_the_commands_take_a_gguf_file(tmp_path, capsys):
-    """generate (its text from the file's tokenizer) and eval (the GGUF's exact int4 against re-quantized int8)."""
+    """generate (its text from the file's tokenizer) and eval (the GGUF's exact int4 g32 against re-quantized
+    int4 g64)."""
     from hetmoe.cli import main as cli_main
 
     path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "Q4_0", tokenizer=True)
@@ -323,9 +334,9 @@ def test_the_commands_take_a_gguf_file(tmp_path, capsys):
     text.write_text("hello world, this is a test of the GGUF path with a few more words to fill windows")
     report = tmp_path / "eval.json"
     assert cli_main(["eval", "--model", str(path), "--text", str(text), "--window", "8", "--json", str(report),
-                     "--experts-format", "int8", *common]) == 0
+                     "--experts-format", "int4", "--group-size", "64", *common]) == 0
     captured = capsys.readouterr()
-    assert "re-quantized into int8 as asked" in captured.err and "int8 g32" in captured.out
+    assert "re-quantized into int4 as asked" in captured.err and "int4 g64" in captured.out
     assert report.is_file() and json.loads(report.read_text())
 
 
