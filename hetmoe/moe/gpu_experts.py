@@ -8,7 +8,8 @@ resident experts matches the all-CPU placement up to summation order (and, with 
 activation rounding, which the GPU does not do).
 
 Three paths, one result:
-  routed (T <= dense_max_tokens, and always while a CUDA graph is being captured, on a GPU with Triton: decode):
+  routed (T <= dense_max_tokens while a CUDA graph is being captured, on a GPU with Triton: the decode graph; in
+         eager calls too with decode="routed"):
          Triton kernels over the T*k (token, slot) pairs that read only the weights of the resident experts the
          tokens routed to, each once (hetmoe/moe/gpu_experts_triton.py): the cost follows the hits, not N.
          Fixed shapes, no host sync: capturable.
@@ -94,6 +95,10 @@ class GpuExperts:
         if decode == "routed" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"decode='routed' on {self.device} needs Triton's interpreter (TRITON_INTERPRET=1 "
                              "before triton is imported); use decode='dense' or 'auto'")
+        # auto: the routed kernels inside CUDA-graph capture (the decode graph, verified on the GPU machine against
+        # the all-CPU model), the dense path in eager calls (as before the routed kernels; an explicit "routed"
+        # takes them in eager calls too)
+        self.eager_routed = decode == "routed"
         if decode == "auto":
             decode = "routed" if self.device.type == "cuda" and importlib.util.find_spec("triton") else "dense"
         self.decode = decode
@@ -150,7 +155,7 @@ class GpuExperts:
         T = x.shape[0]
         if T > self.dense_max_tokens and not capturing:
             return self._gather(x, self._skipped(topk_ids, skip), topk_weights)
-        if self.decode == "routed" and T <= _routed().MAX_ROWS:
+        if self.decode == "routed" and (capturing or self.eager_routed) and T <= _routed().MAX_ROWS:
             return self._routed(x, topk_ids, topk_weights, skip)
         return self._dense(x, self._skipped(topk_ids, skip), topk_weights)
 
