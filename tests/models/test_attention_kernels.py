@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton_interp import triton_module
 
 from cases import generator
 from hetmoe.layers.attention import KVCache, Step
@@ -25,23 +26,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture(scope="module")
 def kernels():
-    pytest.importorskip("triton")
-    if DEVICE == "cpu":  # tests/conftest.py set TRITON_INTERPRET=1 before anything imported triton
-        import triton.runtime.interpreter as interp
-
-        if not getattr(interp, "_hetmoe_index_patch", False):
-            # numpy >= 2.4 refuses int() of the 1-element arrays the interpreter keeps scalars in (loop bounds)
-            original = interp._patch_lang_tensor
-
-            def patched(tensor, *rest):
-                original(tensor, *rest)
-                tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
-
-            interp._patch_lang_tensor = patched
-            interp._hetmoe_index_patch = True
-    from hetmoe.layers import triton_attention
-
-    return triton_attention
+    return triton_module("hetmoe.layers.triton_attention")
 
 
 def sdpa_reference(q, k, v, positions, scale):

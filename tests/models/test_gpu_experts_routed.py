@@ -19,6 +19,7 @@ import dataclasses
 
 import pytest
 import torch
+from triton_interp import triton_module
 
 from cases import generator, make_routing
 from hetmoe.moe.gpu_experts import GpuExperts
@@ -33,23 +34,7 @@ BF16_VS_DENSE = 1.5e-2  # the dense path's bf16 roundings (measured <= 5.3e-3 in
 
 @pytest.fixture(scope="module")
 def kernels():
-    pytest.importorskip("triton")
-    if not HAS_CUDA:  # tests/conftest.py set TRITON_INTERPRET=1 before anything imported triton
-        import triton.runtime.interpreter as interp
-
-        if not getattr(interp, "_hetmoe_gpu_linear_patch", False):
-            # numpy >= 2.4 refuses int() of the 1-element arrays the interpreter keeps loop bounds in
-            original = interp._patch_lang_tensor
-
-            def patched(tensor, *rest):
-                original(tensor, *rest)
-                tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
-
-            interp._patch_lang_tensor = patched
-            interp._hetmoe_gpu_linear_patch = True
-    from hetmoe.moe import gpu_experts_triton
-
-    return gpu_experts_triton
+    return triton_module("hetmoe.moe.gpu_experts_triton")
 
 
 def _weights(*params):

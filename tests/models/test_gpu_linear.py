@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from triton_interp import triton_module
 
 from cases import WEIGHT_STD, generator
 from hetmoe.layers.gpu_linear import GPULinear, blockwise_scaled_mm, pack_int4, quantize_fp8, quantize_int, unpack_int4
@@ -39,23 +40,7 @@ MS = (1, 3, 8, 64, 300)
 
 @pytest.fixture(scope="module")
 def tl_linear():
-    pytest.importorskip("triton")
-    if not HAS_CUDA:  # tests/conftest.py set TRITON_INTERPRET=1 before anything imported triton
-        import triton.runtime.interpreter as interp
-
-        if not getattr(interp, "_hetmoe_gpu_linear_patch", False):
-            # numpy >= 2.4 refuses int() of the 1-element arrays the interpreter keeps loop bounds in
-            original = interp._patch_lang_tensor
-
-            def patched(tensor, *rest):
-                original(tensor, *rest)
-                tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
-
-            interp._patch_lang_tensor = patched
-            interp._hetmoe_gpu_linear_patch = True
-    from hetmoe.layers import triton_linear
-
-    return triton_linear
+    return triton_module("hetmoe.layers.triton_linear")
 
 
 def make_linears(sizes, K: int, bias: bool, *params) -> list:
