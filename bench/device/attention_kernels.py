@@ -38,6 +38,21 @@ def timed_us(fn, n: int = 20) -> float:
     return statistics.median(times)
 
 
+def graph_replay_us(fns) -> float:
+    """Median µs of one replay of a CUDA graph that calls each of ``fns`` once (warmed up on a side stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn in fns:
+            fn()
+    return timed_us(g.replay, 30)
+
+
 def graph_us(fn, n: int = 50) -> float:
     """Median µs of ``fn`` replayed as a CUDA graph (no launch overhead: what a decode step inside the engine's
     graph pays)."""

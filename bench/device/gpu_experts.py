@@ -19,7 +19,7 @@ import json
 import statistics
 
 import torch
-from attention_kernels import timed_us  # bench/device/: the same CUDA-event median
+from attention_kernels import graph_replay_us  # bench/device/: the same CUDA-event median
 
 from hetmoe.moe import gpu_experts_triton as kern
 from hetmoe.moe.gpu_experts import GpuExperts
@@ -52,21 +52,6 @@ def routing(T: int, n: int, coverage: float, gen: torch.Generator):
     ids = torch.stack(rows)
     w = torch.rand(T, K, generator=gen) + 0.05
     return ids.cuda(), (w / w.sum(1, keepdim=True)).cuda()
-
-
-def graph_us(fns) -> float:
-    """Median µs of one replay of a graph that calls each of ``fns`` once."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fns:
-            fn()
-    return timed_us(g.replay, 30)
 
 
 def main():
@@ -102,7 +87,7 @@ def main():
                 for ge in layers:
                     ge.decode = path
                 fns = [lambda ge=ge, r=r: ge(x, *r) for ge, r in zip(layers, routes)]
-                res[f"{path}_us"] = graph_us(fns) / len(layers)
+                res[f"{path}_us"] = graph_replay_us(fns) / len(layers)
             ref = [ge(x, *r) for ge, r in zip(layers, routes)]
             for ge in layers:
                 ge.decode = "dense"
@@ -122,7 +107,7 @@ def main():
                         x, *r, ge.w_gate_up, ge.w_down, ge.slot_of, None, E, I, launch=launch)
                         for ge, r in zip(layers, routes)]
                     verr = max(((fn() - a).norm() / a.norm()).item() for fn, a in zip(fns, ref))
-                    us = graph_us(fns) / len(layers)
+                    us = graph_replay_us(fns) / len(layers)
                     res["variants"][name] = {"us": us, "rel_err_vs_routed": verr}
                     print(f"    {name:24s} {us:6.1f} us/layer  {read / us / 1e3:5.0f} GB/s  rel err {verr:.1e}")
             rows.append(res)

@@ -22,7 +22,7 @@ import copy
 import json
 
 import torch
-from attention_kernels import timed_us  # bench/device/: the same CUDA-event median
+from attention_kernels import graph_replay_us, timed_us  # bench/device/: the same CUDA-event medians
 from torch import nn
 
 from hetmoe.layers import triton_linear
@@ -35,17 +35,7 @@ L2_FLUSH_BYTES = 512 << 20  # weights per replay: several times the H200's 60 MB
 
 def graph_us(fns) -> float:
     """Median µs of one replay of a graph that calls each of ``fns`` once, divided by their number."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fns:
-            fn()
-    return timed_us(g.replay, 30) / len(fns)
+    return graph_replay_us(fns) / len(fns)
 
 
 def copy_gbps() -> float:
