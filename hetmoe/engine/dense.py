@@ -140,8 +140,9 @@ class FP8Source:
         left in the model); the note, if any, to ``log``."""
         if self.weights:
             raise RuntimeError(f"FP8 weights kept but never packed: {', '.join(n for n, *_ in self.weights.values())}")
-        if self.note():
-            log(f"hetmoe: note: {self.note()}")
+        note = self.note()
+        if note:
+            log(f"hetmoe: note: {note}")
 
 
 def fp8_parts_why(rows: list, stored: list) -> str:

@@ -129,6 +129,10 @@ def _rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+# each rope function's name in layers/triton_fused.py (the fused decode path)
+ROPE_FORMS = {_rope_complex: "complex", _rope_interleave: "interleave", _rope_half: "half"}
+
+
 class DeepseekV2Attention(nn.Module):
     """Multi-head latent attention (MLA) with Hugging Face parameter names.
 
@@ -147,7 +151,6 @@ class DeepseekV2Attention(nn.Module):
     """
 
     rope_fn = staticmethod(_rope_complex)
-    rope_form = "complex"  # rope_fn's name in layers/triton_fused.py (the fused decode path)
     absorb_max_tokens = 4  # calls with at most this many query tokens per sequence use the weight-absorbed form
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
@@ -221,8 +224,8 @@ class DeepseekV2Attention(nn.Module):
         q = q.reshape(B, S, self.n_heads, self.qk_head_dim)
         c, pe, table, page = cache.layout(self.layer_idx)
         norm = self.kv_a_layernorm
-        q_pe = mla_epilogue(kv_a, q, self.nope, norm.weight, norm.variance_epsilon, *rope, self.rope_form, c, pe,
-                            table, page, step.slots, step.positions)
+        q_pe = mla_epilogue(kv_a, q, self.nope, norm.weight, norm.variance_epsilon, *rope, ROPE_FORMS[self.rope_fn],
+                            c, pe, table, page, step.slots, step.positions)
         return q[..., :self.nope], q_pe
 
     def _attend_expanded(self, q_nope, q_pe, cache: KVCache, step: Step) -> torch.Tensor:
@@ -264,9 +267,7 @@ class DeepseekV2Attention(nn.Module):
 class DeepseekV3Attention(DeepseekV2Attention):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__(cfg, layer_idx)
-        interleave = cfg.get("rope_interleave", True)
-        self.rope_fn = _rope_interleave if interleave else _rope_half
-        self.rope_form = "interleave" if interleave else "half"
+        self.rope_fn = _rope_interleave if cfg.get("rope_interleave", True) else _rope_half
 
 
 class DeepseekV2DecoderLayer(PreNormDecoderLayer):
