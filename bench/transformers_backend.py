@@ -189,13 +189,13 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model = build(args.shape, args.layers, dtype)
     switch = Switch(model, args.format, group, args.threads)
+    E, H, I = hetmoe.transformers.backend.expert_shape(switch.modules[0])  # before to_gpu takes the weights out
     if args.device == "cuda":
         switch.to_gpu()
     dense_packed = switch.pack_dense(fmt, args.threads) if packed else 0
     dense_float = sum(lin.weight.nbytes for _, _, lin, _ in switch.swapped)
     build_s = time.perf_counter() - t0
     cfg = model.config
-    E, H, I = hetmoe.transformers.backend.expert_shape(switch.modules[0])
     k, n_moe = cfg.num_experts_per_tok, len(switch.modules)
     # row -> (experts implementation, hetmoe's packed dense linears or the float ones)
     rows = {i.strip(): (i.strip(), False) for i in args.impls.split(",") if i.strip()}
