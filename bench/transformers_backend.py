@@ -21,6 +21,7 @@ rows keep the bf16 dense part (the issue's baseline), and "hetmoe" (bf16 dense) 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -129,7 +130,6 @@ class Switch:
 
 def on_cpu(fn):
     """An experts implementation run on the CPU for activations on another device (``fn`` None: eager)."""
-    import inspect
 
     def run(module, x, ids, w):
         f = fn or inspect.unwrap(type(module).forward)
@@ -144,13 +144,15 @@ def decode_steps(model, prompt: int, tokens: int, seed: int = 1) -> list:
     g = torch.Generator().manual_seed(seed)
     device = model.get_input_embeddings().weight.device
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=g).to(device)
+    # the cache's name changed within Transformers 5.x (past_key_values, then cache): take the one this version has
+    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+    cache, nxt = getattr(out, name), out.logits[:, -1].argmax(-1, keepdim=True)
     times = []
     for _ in range(tokens):
         t0 = time.perf_counter()
-        out = model(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1)
-        cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+        out = model(input_ids=nxt, **{name: cache}, use_cache=True, logits_to_keep=1)
+        cache, nxt = getattr(out, name), out.logits[:, -1].argmax(-1, keepdim=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
