@@ -45,7 +45,8 @@ SMALL_DENSE = 1_000_000_000  # dense parameters up to which the CPU keeps them i
 
 
 # Prefill chunks tried for the layerwise GPU path, largest first: the first whose buffers fit is used.
-GPU_PREFILL_CHUNKS = (8192, 4096, 2048, 1024)
+GPU_PREFILL_CHUNKS = (32768, 16384, 8192, 4096, 2048, 1024)
+BIG_CHUNK = 8192  # larger chunks cross the link fewer times per long prompt, at more VRAM
 GPU_PREFILL_SLOTS = 2
 UNPACK_EXPERTS = 16  # experts unpacked at once into the layer's weight scratch (bounds the temporaries)
 
@@ -99,8 +100,20 @@ def plan_layers(shapes: "ModelShapes", opts: EngineOptions, device: torch.device
         gpu = gpu if device.type == "cuda" else 0  # a CPU-only placement keeps every expert on the CPU
         defer = opts.defer_experts if got["defer_experts"] is None else got["defer_experts"]
         ram = shapes.n_routed // n * expert_bytes(f, H, I, group)
-        out.append(LayerPlan(name, f, group, gpu, defer, ram, gpu * 3 * H * I * itemsize))
+        gfmt = getattr(p, "gpu_experts_format", None) or opts.gpu_experts_format
+        each, stored = resident_bytes(gfmt, f, group, H, I, itemsize)
+        out.append(LayerPlan(name, f, group, gpu, defer, ram, gpu * each, stored, each))
     return out
+
+
+def resident_bytes(fmt: str, cpu_format: str, group: int, H: int, I: int, itemsize: int) -> tuple:
+    """(bytes, format) of one GPU-resident expert of a layer whose CPU experts are ``cpu_format`` in ``group``,
+    stored as ``fmt`` (--gpu-experts-format; auto: the CPU's): bf16 in the dtype, int8/int4 with fp32 scales."""
+    from hetmoe.moe.resident_format import expert_bytes as stored_bytes
+    from hetmoe.moe.resident_format import planned_storage
+
+    st = planned_storage(fmt, cpu_format, group)
+    return stored_bytes(st, H, I, itemsize), st.name
 
 
 def dense_bytes(shapes: "ModelShapes", fmt: str, itemsize: int) -> int:
@@ -182,7 +195,8 @@ def add_gpu_prefill(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions
                     budget: Optional[int] = None) -> None:
     """With a GPU and --gpu-prefill not off: the largest chunk of GPU_PREFILL_CHUNKS (at least --prefill-chunk)
     whose layerwise prefill buffers fit beside the rest of the plan in the VRAM ``budget`` (default: HEADROOM x
-    ``vram_free``) goes into the plan. None fitting: auto goes without (the CPU computes every prefill), a token
+    ``vram_free``) goes into the plan; chunks above BIG_CHUNK only where their buffers take at most an eighth of
+    the budget. None fitting: auto goes without (the CPU computes every prefill), a token
     count given is refused (MemoryError with the breakdown)."""
     if plan.device.type != "cuda" or opts.gpu_prefill == "off" or not shapes.n_moe_layers:
         return
@@ -191,6 +205,8 @@ def add_gpu_prefill(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions
     need = {}
     for chunk in prefill_chunks(opts):
         need = prefill_need(plan, shapes, chunk)
+        if chunk > BIG_CHUNK and sum(need.values()) > total / 8:  # not worth the resident experts it would displace
+            continue
         if sum(need.values()) <= left:
             plan.vram.update(need)
             plan.prefill_chunk, plan.gpu_prefill = chunk, True
@@ -359,13 +375,14 @@ def fill_gpu_experts(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOption
     if plan.device.type != "cuda":
         plan.why["GPU experts"] = "auto: none (the placement is CPU-only)"
         return
-    E, each = shapes.n_routed // shapes.n_moe_layers, 3 * shapes.hidden * shapes.expert_inter * plan.dtype.itemsize
+    E = shapes.n_routed // shapes.n_moe_layers
     free = [lp for lp, p in zip(plan.layers, layers or [None] * len(plan.layers))
             if getattr(p, "gpu_experts", None) is None]
     left = max(0, vram - plan.vram_bytes)
-    n = min(E, left // (each * len(free))) if free else 0
+    # each layer's experts at their stored bytes (int4: ~3.5x as many per GiB as bf16)
+    n = min(E, left // sum(lp.gpu_expert_bytes for lp in free)) if free else 0
     for lp in free:
-        lp.gpu_experts, lp.vram = n, n * each
+        lp.gpu_experts, lp.vram = n, n * lp.gpu_expert_bytes
     plan.vram["GPU experts"] = sum(lp.vram for lp in plan.layers)
     plan.why["GPU experts"] = (f"auto: {n} of {E} per layer" + (" (all)" if n == E else
                                                                  f" fill the {gib(left)} left"))

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from hetmoe.moe import packed_triton
+from hetmoe.moe import grouped_triton, packed_triton
 from hetmoe.moe.combine import combine
 from hetmoe.moe.deferral import drop_lowest
 from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
@@ -47,7 +47,7 @@ def current() -> Optional["LayerwisePrefill"]:
 
 
 def _grouped_mm_ok(x: torch.Tensor) -> bool:
-    """torch._grouped_mm: bf16 on a GPU of compute capability 9.0 or newer."""
+    """torch._grouped_mm on x's dtype and device: bf16 on a GPU of compute capability 9.0 or newer."""
     if x.device.type != "cuda" or x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
         return False
     return torch.cuda.get_device_capability(x.device)[0] >= 9
@@ -72,30 +72,31 @@ def grouped_swiglu(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     flat = topk_ids.reshape(-1).long()
     flat = torch.where(flat < 0, E, flat)  # skipped slots sort last, into a bucket no expert reads
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=E + 1)[:E]
-    ends = torch.cumsum(counts, 0)
-    n_valid = int(ends[-1])  # one host sync per layer: prefill runs eagerly
-    order = order[:n_valid]
-    tok = order // k
-    xs = x[tok].to(w_gu.dtype)  # [M, H]
-    y = None
-    if _grouped_mm_ok(xs):
-        offs = ends.to(torch.int32)
-        try:  # bf16 out (the kernel's only choice for bf16 inputs); SwiGLU in fp32, h rounded once
-            gu = torch._grouped_mm(xs, w_gu.transpose(1, 2), offs=offs).float()  # [M, 2I]
-            h = (F.silu(gu[:, :I]) * gu[:, I:]).to(w_down.dtype)
+    ends = torch.cumsum(torch.bincount(flat, minlength=E + 1)[:E], 0)
+    if _grouped_mm_ok(w_gu) and grouped_triton.available():
+        # every M row goes in, the skipped ones past the last expert's offset, where no GEMM computes: no host sync
+        xs = x[order // k].to(w_gu.dtype)  # [M, H]
+        try:
+            offs = ends.to(torch.int32)
+            h = grouped_triton.swiglu(torch._grouped_mm(xs, w_gu.transpose(1, 2), offs=offs))  # [M, I]
             y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs)  # [M, H]
+            pos = torch.empty_like(order)
+            pos[order] = torch.arange(order.numel(), device=order.device)  # slot (t, j) -> its sorted row
+            return grouped_triton.combine_slots(y, pos.view(T, k), topk_ids, topk_weights)
         except RuntimeError as err:  # a shape the kernel does not take (alignment): the loop below
             _warn_once(f"hetmoe: grouped GEMM unavailable for this shape ({str(err).splitlines()[0]}); "
                        "computing the GPU prefill's experts one at a time")
-    if y is None:  # one expert at a time (CPU, older GPUs, fp32 models)
-        y = torch.empty(n_valid, w_down.shape[1], dtype=xs.dtype, device=xs.device)
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n:
-                gu = xs[start:start + n] @ w_gu[e].T
-                y[start:start + n] = (F.silu(gu[:, :I]) * gu[:, I:]) @ w_down[e].T
-            start += n
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    order = order[:int(ends[-1])]  # the valid pairs (one host sync per layer)
+    tok = order // k
+    xs = x[tok].to(w_gu.dtype)  # [n_valid, H]
+    y = torch.empty(order.numel(), w_down.shape[1], dtype=xs.dtype, device=xs.device)
+    start = 0
+    for e, n in enumerate(counts.tolist()):  # one expert at a time (CPU, older GPUs, fp32 models)
+        if n:
+            gu = xs[start:start + n] @ w_gu[e].T
+            y[start:start + n] = (F.silu(gu[:, :I]) * gu[:, I:]) @ w_down[e].T
+        start += n
     y = y.float() * topk_weights.reshape(-1)[order].float().unsqueeze(1)
     return torch.zeros(T, w_down.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y)
 

@@ -27,9 +27,12 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _unpack_kernel(data, data16, scales, out, NB, lines, block_bytes, G, rows_out, cols_out, mat_stride,
-                       FMT: tl.constexpr, GROUP: tl.constexpr, INTERLEAVED: tl.constexpr, BL: tl.constexpr,
-                       AFFINE: tl.constexpr):
+    def _unpack_kernel(words, scales, out, NB, lines, G, rows_out, cols_out, mat_stride, FMT: tl.constexpr,
+                       GROUP: tl.constexpr, INTERLEAVED: tl.constexpr, BL: tl.constexpr, AFFINE: tl.constexpr):
+        # A program turns a tile of BL lines of one row block (16 rows) into 16 rows of BL * PER weights: every
+        # 4-byte cell is read once as an int32 and its PER values are split off with shifts, so the loads are the
+        # block's contiguous lines and each row's stores are one contiguous run (coalesced on both sides).
+        PER: tl.constexpr = 2 if FMT == 0 else (4 if FMT == 1 else 8)  # values per 4-byte cell
         b = tl.program_id(0).to(tl.int64)  # row block, over every expert of the range
         lt = tl.program_id(1)  # tile of BL lines
         if INTERLEAVED:  # gate and up row blocks alternate: block 2 rb + which of the expert
@@ -44,44 +47,43 @@ if triton is not None:
         line = lt * BL + tl.arange(0, BL)[None, :]  # [1, BL]
         row = rb * 16 + r
         ok = (row < rows_out) & (line < lines)
-        dst = out + e * mat_stride + (which * rows_out + row) * cols_out  # row start in the [rows, cols] matrix
-        cell = b * block_bytes + line * 64 + r * 4  # byte offset of the 4-byte cell (row r, line)
-        if FMT == 0:  # bf16: two values per cell, k = 2 line + j
-            for j in tl.static_range(2):
-                k = line * 2 + j
-                v = tl.load(data16 + cell // 2 + j, mask=ok).to(tl.bfloat16, bitcast=True)
-                tl.store(dst + k, v.to(out.dtype.element_ty), mask=ok & (k < cols_out))
+        word = tl.load(words + b * lines * 16 + line * 16 + r, mask=ok, other=0)  # [16, BL] cells (row r, line)
+        o = tl.arange(0, PER)[None, None, :]  # [1, 1, PER]: value o of a cell is k = PER * line + o
+        if FMT == 0:  # bf16: the low half is k = 2 line, the high half 2 line + 1; bf16 bits << 16 = fp32
+            v = ((word[:, :, None] >> (16 * o)) << 16).to(tl.float32, bitcast=True)
         else:
-            # affine blocks hold [G][16] scales then [G][16] mins; value = scale * u - min (two roundings: the
-            # launch turns fp fusion off) instead of scale * (u - offset)
+            if FMT == 1:  # int8: byte o, stored q + 128
+                u = (word[:, :, None] >> (8 * o)) & 255
+            else:  # int4: byte o % 4, its low nibble for o < 4, its high nibble for o >= 4; stored q + 8
+                u = (word[:, :, None] >> (8 * (o % 4) + 4 * (o // 4))) & 15
+            # a cell's values share one group (GROUP is a multiple of PER); affine blocks hold [G][16] scales then
+            # [G][16] mins: value = scale * u - min (two roundings: the launch turns fp fusion off)
             sb = b * G * (2 if AFFINE else 1) * 16
-            for j in tl.static_range(4):
-                byte = tl.load(data + cell + j, mask=ok, other=0).to(tl.int32)
-                for h in tl.static_range(2 if FMT == 2 else 1):
-                    if FMT == 1:  # int8: k = 4 line + j, stored q + 128
-                        k = line * 4 + j
-                        u = byte
-                    else:  # int4: low nibble k = 8 line + j, high nibble k = 8 line + 4 + j, stored q + 8
-                        k = line * 8 + j + 4 * h
-                        u = (byte >> (4 * h)) & 15
-                    s = tl.load(scales + sb + (k // GROUP) * 16 + r, mask=ok, other=0.0)
-                    if AFFINE:
-                        m = tl.load(scales + sb + (G + k // GROUP) * 16 + r, mask=ok, other=0.0)
-                        v = u.to(tl.float32) * s - m
-                    else:
-                        v = (u - (128 if FMT == 1 else 8)).to(tl.float32) * s
-                    tl.store(dst + k, v.to(out.dtype.element_ty), mask=ok & (k < cols_out))
+            gi = (line * PER) // GROUP
+            s = tl.load(scales + sb + gi * 16 + r, mask=ok, other=0.0)[:, :, None]
+            if AFFINE:
+                m = tl.load(scales + sb + (G + gi) * 16 + r, mask=ok, other=0.0)[:, :, None]
+                v = u.to(tl.float32) * s - m
+            else:
+                v = (u - (128 if FMT == 1 else 8)).to(tl.float32) * s
+        v = tl.reshape(v, (16, BL * PER))  # row-major: column PER * (line - first line) + o
+        k = lt * BL * PER + tl.arange(0, BL * PER)[None, :]
+        dst = out + e * mat_stride + (which * rows_out + row) * cols_out  # row start in the [rows, cols] matrix
+        tl.store(dst + k, v.to(out.dtype.element_ty), mask=(row < rows_out) & (k < cols_out))
 
 
 def _launch(shape, data: torch.Tensor, scales, out: torch.Tensor, n_blocks: int, interleaved: bool) -> None:
     fmt = FMT_CODE[shape.fmt]
-    data16 = data.view(torch.int16) if fmt == 0 else data
-    sc = scales.view(torch.float32) if scales is not None else data  # unused for bf16
+    per = (2, 4, 8)[fmt]
+    if fmt and shape.group % per:
+        raise ValueError(f"{shape.fmt} groups of {shape.group}: the GPU unpack needs a multiple of {per}")
+    sc = scales.view(torch.float32) if scales is not None else data.view(torch.float32)  # unused for bf16
     rows, cols = out.shape[1] // (2 if interleaved else 1), out.shape[2]
-    grid = (n_blocks, triton.cdiv(shape.lines, LINES_PER_PROGRAM))
-    _unpack_kernel[grid](data, data16, sc, out, shape.n_blocks, shape.lines, shape.block_bytes,
-                         shape.kp // shape.group, rows, cols, out.stride(0), FMT=fmt, GROUP=shape.group,
-                         INTERLEAVED=interleaved, BL=LINES_PER_PROGRAM, AFFINE=shape.affine, enable_fp_fusion=False)
+    bl = min(LINES_PER_PROGRAM, triton.next_power_of_2(shape.lines))
+    grid = (n_blocks, triton.cdiv(shape.lines, bl))
+    _unpack_kernel[grid](data.view(torch.int32), sc, out, shape.n_blocks, shape.lines, shape.kp // shape.group,
+                         rows, cols, out.stride(0), FMT=fmt, GROUP=shape.group, INTERLEAVED=interleaved, BL=bl,
+                         AFFINE=shape.affine, enable_fp_fusion=False)
 
 
 def unpack_into(layout, ranges, w_gu: torch.Tensor, w_down: torch.Tensor) -> None:

@@ -158,6 +158,19 @@ def test_the_plan_takes_the_largest_chunk_that_fits():
     assert plan.gpu_prefill and plan.prefill_chunk == 2048
 
 
+def test_chunks_above_8192_only_on_a_large_budget():
+    """A 32768-token chunk (7.7 GiB of buffers for this shape) on an H200-sized budget; on a 24 GiB card the plan
+    stops at 8192 although a 16384 chunk would fit, leaving the VRAM to GPU-resident experts."""
+    plan, shapes = _plan_and_shapes()
+    plan.kv_paged = True  # the paged kernels: no attention mask in the buffers
+    add_gpu_prefill(plan, shapes, EngineOptions(), budget=130 << 30)
+    assert plan.gpu_prefill and plan.prefill_chunk == 32768
+    plan, shapes = _plan_and_shapes()
+    plan.kv_paged = True
+    add_gpu_prefill(plan, shapes, EngineOptions(), budget=24 << 30)
+    assert plan.gpu_prefill and plan.prefill_chunk == 8192
+
+
 def test_the_plan_refuses_an_impossible_gpu_prefill():
     plan, shapes = _plan_and_shapes()
     add_gpu_prefill(plan, shapes, EngineOptions(), vram_free=4 << 30)  # auto: no room -> prefill stays on the CPU
