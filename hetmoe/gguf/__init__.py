@@ -1,6 +1,6 @@
 """Reading GGUF files (llama.cpp's format) for hetmoe's models: groundwork for running them (issue 21).
 
-``open_gguf(path)`` opens one file or a split set (metadata, tensors memory-mapped; metadata.py);
+``open_gguf(path)`` opens one file or a split set (metadata, tensors memory-mapped; reader.py);
 ``config_from_gguf(f)`` turns its metadata into the Hugging Face config.json hetmoe's models take (metadata.py);
 ``hf_name`` / ``hf_tensors`` map its tensor names to the models' parameter names with the transforms that undo
 llama.cpp's conversion (names.py); ``tokenizer_from_gguf(f)`` rebuilds its tokenizer as hetmoe's Tokenizer
