@@ -126,11 +126,13 @@ def coverage(counts: torch.Tensor, expert_ids: Sequence[int]) -> float:
 
 def place_gpu_experts(model: nn.Module, blocks: list, n: Union[int, Sequence[int]], dtype: torch.dtype, device,
                       token_ids: Optional[Sequence[int]] = None, source: str = "",
-                      log: Callable[[str], None] = print) -> dict:
+                      log: Callable[[str], None] = print, storage: Union[str, Sequence[str]] = "auto") -> dict:
     """Keep ``n`` experts of every MoE block on ``device`` (or ``n[i]`` of block i: placement rules; 0 keeps none):
-    the most routed on ``token_ids`` (a calibration run), or the first ``n`` when ``token_ids`` is None. Each MoE
-    layer must have the CPU engine behind a GPU model (a hybrid placement). Returns the report kept in
+    the most routed on ``token_ids`` (a calibration run), or the first ``n`` when ``token_ids`` is None, stored as
+    ``storage`` (or ``storage[i]``): auto (the CPU engine's format), bf16, int8, int4 (GpuExperts.from_cpu). Each
+    MoE layer must have the CPU engine behind a GPU model (a hybrid placement). Returns the report kept in
     ``LoadedModel.info``."""
+    storages = [storage] * len(blocks) if isinstance(storage, str) else list(storage)
     per_layer = [n] * len(blocks) if isinstance(n, int) else list(n)
     if not any(per_layer):
         return {}
@@ -147,14 +149,15 @@ def place_gpu_experts(model: nn.Module, blocks: list, n: Union[int, Sequence[int
         if not k:
             continue
         ids = choose_experts(counts[i], k) if counts is not None else first_experts(engine.num_experts, k)
-        layer.set_gpu_experts(GpuExperts.from_cpu(engine, ids, dtype, device))
-        layers.append({"block": name, "experts": ids,
+        layer.set_gpu_experts(GpuExperts.from_cpu(engine, ids, dtype, device, storages[i]))
+        layers.append({"block": name, "experts": ids, "format": layer.gpu.storage.name,
                        "coverage": coverage(counts[i], ids) if counts is not None else None})
     report = {"n": n, "chosen_by": "calibration" if counts is not None else "first",
               "calibration": source if counts is not None else None,
               "calibration_tokens": len(token_ids) if counts is not None else 0, "layers": layers,
               "bytes": sum(layer.gpu.nbytes for _, layer in blocks if layer.gpu is not None)}
     what = f"{n} per MoE layer" if isinstance(n, int) else f"{','.join(map(str, n))} in the MoE layers"
+    what += f", {'/'.join(sorted({layer['format'] for layer in layers}))}"
     if counts is not None:
         cov = [layer["coverage"] for layer in layers]
         report["mean_coverage"] = sum(cov) / len(cov)
@@ -203,4 +206,5 @@ def keep_gpu_experts(model: nn.Module, blocks: list, plan, options, tokenize: Op
         token_ids, source = None, f"the {name} gives no tokens"
     if token_ids is None and options.calibration_file is not None:
         raise ValueError(f"--calibration-file {options.calibration_file}: cannot calibrate ({source})")
-    return place_gpu_experts(model, blocks, n, plan.dtype, plan.device, token_ids, source, log)
+    storage = [lp.gpu_format for lp in plan.layers] if plan.layers else options.gpu_experts_format
+    return place_gpu_experts(model, blocks, n, plan.dtype, plan.device, token_ids, source, log, storage)

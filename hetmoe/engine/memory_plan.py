@@ -27,7 +27,8 @@ class PlanError(MemoryError):
 @dataclass
 class LayerPlan:
     """One MoE layer's routed experts: packed for the CPU engine, ``gpu_experts`` of them also on the GPU (all: the
-    rules' ``device: cuda``), ``defer_experts`` deferred per token; ``ram`` / ``vram``: the bytes they take."""
+    rules' ``device: cuda``) stored as ``gpu_format`` (hetmoe/moe/resident_format.py), ``defer_experts`` deferred
+    per token; ``ram`` / ``vram``: the bytes they take."""
 
     name: str
     experts_format: str
@@ -36,6 +37,8 @@ class LayerPlan:
     defer_experts: int
     ram: int
     vram: int
+    gpu_format: str = "bf16"  # resident_format.Storage.name: bf16, int8, int4
+    gpu_expert_bytes: int = 0  # one resident expert, as stored
 
 
 @dataclass
@@ -128,7 +131,8 @@ def _label(plan: MemoryPlan, part: str) -> str:
     if part == "GPU experts":
         counts = sorted({lp.gpu_experts for lp in plan.layers}) or [0]
         n = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
-        return f"GPU experts ({n} per layer)"
+        fmts = sorted({lp.gpu_format for lp in plan.layers if lp.gpu_experts})
+        return f"GPU experts ({n} per layer{', ' + '/'.join(fmts) if fmts else ''})"
     if part == "routed experts":
         kinds = {(lp.experts_format, lp.group_size) for lp in plan.layers} or {(plan.experts_format, plan.group_size)}
         if len(kinds) > 1:

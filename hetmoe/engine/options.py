@@ -77,6 +77,10 @@ class EngineOptions:
         "--gpu-experts", "with a GPU: keep N routed experts of every MoE layer on it as well and compute them "
         "there, the N most often routed on a calibration text (0 <= N <= experts per layer); auto: as many as "
         "fill the VRAM the rest of the plan leaves (default: 0)", type="gpu_experts", metavar="auto|N", min=0))
+    gpu_experts_format: str = field(default="auto", metadata=cli_flag(  # hetmoe/moe/resident_format.py
+        "--gpu-experts-format", "how the --gpu-experts are stored on the GPU: bf16 (the dtype), int8 or int4 "
+        "(weight-only, symmetric, a scale per group); auto: the routed experts' own format, their very codes "
+        "(int4 experts: ~3.5x as many per GiB as bf16) (default: auto)", choices=("auto",) + FORMATS))
     calibration_file: Optional[str] = field(default=None, metadata=cli_flag(  # default: calibration.DEFAULT_TEXT
         "--calibration-file", "UTF-8 text whose routing picks the --gpu-experts (default: a built-in mixed text)",
         metavar="FILE"))
@@ -134,6 +138,8 @@ class EngineOptions:
         if self.gpu_experts != "auto" and (isinstance(self.gpu_experts, bool) or not isinstance(self.gpu_experts, int)
                                           or self.gpu_experts < 0):
             raise ValueError(f"gpu-experts must be auto or an integer >= 0, got {self.gpu_experts!r}")
+        if self.gpu_experts_format not in ("auto",) + FORMATS:
+            raise ValueError(f"gpu-experts-format must be auto, {', '.join(FORMATS)}; got {self.gpu_experts_format!r}")
         if self.isa not in ("auto",) + ISAS + (AMX_EMULATED,):
             raise ValueError(f"isa must be auto, {', '.join(ISAS)} (or {AMX_EMULATED}), got {self.isa!r}")
         runs = cpu_info()  # also refuses a bad HETMOE_MAX_ISA before anything loads

@@ -100,8 +100,20 @@ def plan_layers(shapes: "ModelShapes", opts: EngineOptions, device: torch.device
         gpu = gpu if device.type == "cuda" else 0  # a CPU-only placement keeps every expert on the CPU
         defer = opts.defer_experts if got["defer_experts"] is None else got["defer_experts"]
         ram = shapes.n_routed // n * expert_bytes(f, H, I, group)
-        out.append(LayerPlan(name, f, group, gpu, defer, ram, gpu * 3 * H * I * itemsize))
+        gfmt = getattr(p, "gpu_experts_format", None) or opts.gpu_experts_format
+        each, stored = resident_bytes(gfmt, f, group, H, I, itemsize)
+        out.append(LayerPlan(name, f, group, gpu, defer, ram, gpu * each, stored, each))
     return out
+
+
+def resident_bytes(fmt: str, cpu_format: str, group: int, H: int, I: int, itemsize: int) -> tuple:
+    """(bytes, format) of one GPU-resident expert of a layer whose CPU experts are ``cpu_format`` in ``group``,
+    stored as ``fmt`` (--gpu-experts-format; auto: the CPU's): bf16 in the dtype, int8/int4 with fp32 scales."""
+    from hetmoe.moe.resident_format import expert_bytes as stored_bytes
+    from hetmoe.moe.resident_format import planned_storage
+
+    st = planned_storage(fmt, cpu_format, group)
+    return stored_bytes(st, H, I, itemsize), st.name
 
 
 def dense_bytes(shapes: "ModelShapes", fmt: str, itemsize: int) -> int:
@@ -159,7 +171,7 @@ def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device
     plan.ram = {"routed experts": experts, "runtime": CPU_RUNTIME_BYTES + host_staging}
     if device.type == "cuda":
         plan.vram = {"dense weights": dense, "KV cache": kv, "activations": act, "CUDA context": CUDA_CONTEXT_BYTES}
-        # --gpu-experts: N experts per MoE layer in the dense dtype (they stay in RAM too, packed for the CPU)
+        # --gpu-experts: N experts per MoE layer as stored there (they stay in RAM too, packed for the CPU)
         plan.vram["GPU experts"] = sum(lp.vram for lp in per_layer)
     else:
         plan.ram.update({"dense weights": dense, "KV cache": kv, "activations": act})
@@ -363,13 +375,14 @@ def fill_gpu_experts(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOption
     if plan.device.type != "cuda":
         plan.why["GPU experts"] = "auto: none (the placement is CPU-only)"
         return
-    E, each = shapes.n_routed // shapes.n_moe_layers, 3 * shapes.hidden * shapes.expert_inter * plan.dtype.itemsize
+    E = shapes.n_routed // shapes.n_moe_layers
     free = [lp for lp, p in zip(plan.layers, layers or [None] * len(plan.layers))
             if getattr(p, "gpu_experts", None) is None]
     left = max(0, vram - plan.vram_bytes)
-    n = min(E, left // (each * len(free))) if free else 0
+    # each layer's experts at their stored bytes (int4: ~3.5x as many per GiB as bf16)
+    n = min(E, left // sum(lp.gpu_expert_bytes for lp in free)) if free else 0
     for lp in free:
-        lp.gpu_experts, lp.vram = n, n * each
+        lp.gpu_experts, lp.vram = n, n * lp.gpu_expert_bytes
     plan.vram["GPU experts"] = sum(lp.vram for lp in plan.layers)
     plan.why["GPU experts"] = (f"auto: {n} of {E} per layer" + (" (all)" if n == E else
                                                                  f" fill the {gib(left)} left"))

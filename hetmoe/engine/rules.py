@@ -28,7 +28,7 @@ from typing import Iterable, Optional
 from hetmoe.engine.placement import FORMATS
 
 EXPERTS, DENSE = "experts", "dense"  # the two kinds of module a rule places
-EXPERT_KEYS = ("experts_format", "group_size", "gpu_experts", "defer_experts")
+EXPERT_KEYS = ("experts_format", "group_size", "gpu_experts", "gpu_experts_format", "defer_experts")
 DENSE_KEYS = ("dtype",)
 KEYS = ("match", "class", "device") + EXPERT_KEYS + DENSE_KEYS
 DTYPES = ("bf16", "fp32")
@@ -52,6 +52,7 @@ class Placement:
     experts_format: Optional[str] = None  # routed experts: bf16, int8, int4
     group_size: Optional[int] = None  # routed experts: 0 (per-row int8), 32, 64, 128
     gpu_experts: Optional[int] = None  # routed experts: how many of the layer's experts stay on the GPU too
+    gpu_experts_format: Optional[str] = None  # routed experts: how those are stored there: auto, bf16, int8, int4
     defer_experts: Optional[int] = None  # routed experts: Expert Deferral's d for this layer
     dtype: Optional[str] = None  # dense modules: bf16, fp32
     rule: Optional["Rule"] = field(default=None, compare=False, repr=False)
@@ -249,6 +250,10 @@ def _value(key: str, value, fail):
     if key == "device":
         if not isinstance(value, str) or not _DEVICE.fullmatch(value):
             raise fail(f"device: expected cpu, cuda or cuda:N, got {value!r}")
+        return value
+    if key == "gpu_experts_format":
+        if value not in ("auto",) + FORMATS:
+            raise fail(f"gpu_experts_format: expected auto, {', '.join(FORMATS)}, got {value!r}")
         return value
     if key == "experts_format":
         if value not in FORMATS:

@@ -296,7 +296,8 @@ class Tuner:
                 b.set_gpu_experts(None)
         if n:
             place_gpu_experts(loaded.model, blocks, n, loaded.plan.dtype, loaded.plan.device, self.ids,
-                              self.calibration, log=lambda m: None)
+                              self.calibration, log=lambda m: None,
+                              storage=[lp.gpu_format for lp in loaded.plan.layers] or "auto")
 
     def tune_deferral(self, loaded: LoadedModel) -> None:
         """d = 0, 1, ... on one build; the first d over the perplexity bound ends the stage."""

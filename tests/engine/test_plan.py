@@ -154,7 +154,7 @@ def test_gpu_experts_auto_fills_and_never_exceeds_the_budget(qwen, budget):
     N = plan.layers[0].gpu_experts
     assert plan.vram_bytes <= limit and N > 0
     assert N == E or plan.vram_bytes + 48 * each > limit  # one more per layer would not fit
-    assert f"GPU experts ({N} per layer)" in "\n".join(plan.table())
+    assert f"GPU experts ({N} per layer, bf16)" in "\n".join(plan.table())  # bf16 experts: bf16 copies
     zero = _plan(qwen, gpu_memory=budget, max_context=32768)
     assert zero.vram["GPU experts"] == 0 and zero.dense_format == plan.dense_format
 

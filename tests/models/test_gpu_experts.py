@@ -372,8 +372,12 @@ def test_memory_plan_counts_and_refuses(monkeypatch):
     shapes = ModelShapes(hidden=2048, vocab_size=1000, n_routed=48 * 128, expert_inter=768, dense_params=10**6,
                          kv_elems_per_token=1000, act_width=8 * 2048, max_position_embeddings=4096, n_moe_layers=48)
     cuda = torch.device("cuda")
-    plan = plan_memory(shapes, EngineOptions(gpu_experts=8, dtype="bf16"), cuda, "int4")
+    plan = plan_memory(shapes, EngineOptions(gpu_experts=8, dtype="bf16", gpu_experts_format="bf16"), cuda, "int4")
     assert plan.vram["GPU experts"] == 8 * 48 * 3 * 2048 * 768 * 2
+    # auto: the experts' own int4 codes (a byte per 2 weights) and fp32 scales (one per 64)
+    plan = plan_memory(shapes, EngineOptions(gpu_experts=8, dtype="bf16"), cuda, "int4")
+    assert plan.vram["GPU experts"] == 8 * 48 * 3 * 2048 * 768 * (1 / 2 + 4 / 64)
+    assert {(lp.gpu_format, lp.gpu_expert_bytes) for lp in plan.layers} == {("int4", 3 * 2048 * 768 * 9 // 16)}
     assert "GPU experts" not in plan_memory(shapes, EngineOptions(gpu_experts=8), torch.device("cpu"), "int4").ram
     base = plan_memory(shapes, EngineOptions(dtype="bf16"), cuda, "int4").vram_bytes
     monkeypatch.setattr(placement, "resolve_device", lambda d: cuda)
@@ -381,7 +385,8 @@ def test_memory_plan_counts_and_refuses(monkeypatch):
     monkeypatch.setattr(placement, "free_ram", lambda: 1 << 40)
     assert placement.choose_plan(shapes, EngineOptions(gpu_experts=1, dtype="bf16", experts_format="int4"))
     with pytest.raises(MemoryError, match="fewer --gpu-experts"):
-        placement.choose_plan(shapes, EngineOptions(gpu_experts=8, dtype="bf16", experts_format="int4"))
+        placement.choose_plan(shapes, EngineOptions(gpu_experts=8, dtype="bf16", experts_format="int4",
+                                                    gpu_experts_format="bf16"))
 
 
 def test_cli_flag():

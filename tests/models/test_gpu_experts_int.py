@@ -1,0 +1,297 @@
+"""GPU-resident experts stored in int8/int4 (``GpuExperts(storage=...)``, hetmoe/moe/resident_format.py, the routed
+kernels of hetmoe/moe/gpu_experts_triton_int.py), their place in the memory plan (--gpu-experts-format, the rules'
+``gpu_experts_format``).
+
+References: the naive float64 layer (tests/reference.py ``moe_reference``) over the *dequantized* weights (scale * q,
+exact in fp32), the non-resident and skipped experts masked out: the kernels' correctness, tight. The fp32 values a
+CPU engine multiplies by (``CPUExperts.dequantized``): resident experts of its own format hold them bitwise.
+Paths: Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, tests/conftest.py; skipped without triton) with the
+interpreter's wide tiles and with the GPU's (``plan(T, on_gpu=True)``: GEMV, deferred GEMV, dots); the torch paths
+(dense: all N experts dequantized per call; gather: per expert); the GPU (marked gpu): bf16 activations, eager and
+captured in a CUDA graph.
+
+Measured, ||out - ref|| / ||ref||, fp32 activations, interpreter: routed, dense and gather vs float64 <= 3.1e-7 for
+int8 and int4, groups 32-128 (bound 1e-5: summation order only). GPU bound: BF16_X below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from triton_interp import triton_module
+
+from cases import generator, make_routing
+from hetmoe.cpu import CPUExperts
+from hetmoe.engine.placement import EngineOptions, ModelShapes, plan_memory
+from hetmoe.moe import resident_format as rf
+from hetmoe.moe.gpu_experts import GpuExperts
+from reference import moe_reference, rel_err
+
+HAS_CUDA = torch.cuda.is_available()
+E, H, I = 10, 48, 40  # E not a power of two; H, I not multiples of the groups or the kernels' blocks
+RESIDENT = [9, 1, 4, 5]  # any order: resident index = position
+FP32_BOUND = 1e-5  # summation order only (measured <= 3.1e-7)
+BF16_X = 1.5e-2  # GPU: x (and, in the dots, h and the weights) rounded to bf16
+STORAGES = {"int4-32": rf.Storage.of("int4", 32), "int4-128": rf.Storage.of("int4", 128),
+            "int8-64": rf.Storage.of("int8", 64), "int4/int8": rf.Storage("int4", "int8", 32, 128)}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return triton_module("hetmoe.moe.gpu_experts_triton_int")
+
+
+def _weights(*params):
+    gen = generator("int experts", *params)
+    return tuple(torch.randn(*shape, generator=gen) * 0.3 for shape in ((E, I, H), (E, I, H), (E, H, I)))
+
+
+def _experts(w, storage, resident=RESIDENT, decode="routed", device="cpu", dtype=torch.float32):
+    gate, up, down = w
+    return GpuExperts(resident, gate[resident], up[resident], down[resident], E, dtype, device, decode=decode,
+                      storage=storage)
+
+
+def _dequantized(g: GpuExperts) -> tuple:
+    """[E, I, H] x 2, [E, H, I] fp32: the stored values of the resident experts, zeros elsewhere."""
+    st, n = g.storage, g.n
+    gu = rf.dequantize(g.w_gate_up.cpu(), g.s_gate_up.cpu(), st.gate_up, st.group, H).view(n, 2, I, H)
+    d = rf.dequantize(g.w_down.cpu(), g.s_down.cpu(), st.down, st.down_group, I).view(n, H, I)
+    out = (torch.zeros(E, I, H), torch.zeros(E, I, H), torch.zeros(E, H, I))
+    out[0][g.expert_ids], out[1][g.expert_ids], out[2][g.expert_ids] = gu[:, 0], gu[:, 1], d
+    return out
+
+
+def _reference(g, x, ids, wts, skip=None):
+    mask = torch.ones(E, dtype=torch.bool)
+    mask[g.expert_ids] = False
+    if skip is not None:
+        mask |= skip.cpu()
+    return moe_reference(x.cpu().float(), *_dequantized(g), ids.cpu(), wts.cpu(), skip_mask=mask)
+
+
+def _case(T, k, *params):
+    x = torch.randn(T, H, generator=generator("int x", T, k, *params))
+    ids, wts = make_routing(T, k, E, "int", *params)  # some slots -1
+    if not any(e in RESIDENT for e in ids[0].tolist()):
+        ids[0, 0] = RESIDENT[-1]  # token 0 routes to a resident expert: the output is never all zero
+    return x, ids, wts
+
+
+CASES = [("int4-32", 1, 8), ("int4-32", 7, 2), ("int4-128", 3, 1), ("int4-128", 1, 2), ("int8-64", 3, 8),
+         ("int8-64", 1, 1), ("int4/int8", 5, 2), ("int4/int8", 1, 8)]
+
+
+@pytest.mark.parametrize("name,T,k", CASES)
+def test_routed_dense_and_gather_match_the_dequantized_reference(kernels, name, T, k):
+    w = _weights(name, T, k)
+    x, ids, wts = _case(T, k, name)
+    g = _experts(w, STORAGES[name])
+    ref = _reference(g, x, ids, wts)
+    assert ref.abs().max() > 0
+    out = g(x, ids, wts)
+    assert out.shape == (T, H) and out.dtype == torch.float32
+    assert rel_err(out, ref) < FP32_BOUND, rel_err(out, ref)
+    dense = _experts(w, STORAGES[name], decode="dense")
+    assert rel_err(dense(x, ids, wts), ref) < FP32_BOUND
+    assert rel_err(dense._gather(x, ids, wts), ref) < FP32_BOUND  # the prefill path, one expert at a time
+
+
+TILE_CASES = [("int4-32", 1, 8, True), ("int4-32", 1, 8, False), ("int4-32", 2, 2, False), ("int4-32", 5, 3, False),
+              ("int8-64", 1, 4, True), ("int8-64", 3, 3, False)]
+
+
+@pytest.mark.parametrize("name,T,k,defer", TILE_CASES)
+def test_gpu_tiles_in_the_interpreter(kernels, name, T, k, defer):
+    """The GPU's tiles (narrow row blocks, K steps of several groups): GEMV at T <= 4 (also with the reduction
+    deferred after the K loop), dots above."""
+    w = _weights("tiles", name, T, k)
+    x, ids, wts = _case(T, k, "tiles", name)
+    g = _experts(w, STORAGES[name])
+    launch = dataclasses.replace(triton_module("hetmoe.moe.gpu_experts_triton").plan(T, on_gpu=True), defer=defer)
+    out = kernels.routed(x, ids, wts, (g.w_gate_up, g.s_gate_up), (g.w_down, g.s_down), g.storage, g.slot_of, None,
+                         E, I, launch=launch)
+    assert rel_err(out, _reference(g, x, ids, wts)) < FP32_BOUND
+
+
+def test_no_hit_all_hits_and_skip_mask(kernels):
+    st = STORAGES["int4-32"]
+    w = _weights("hits")
+    g = _experts(w, st)
+    x = torch.randn(3, H, generator=generator("hits x"))
+    none = torch.tensor([[0, 2], [3, -1], [-1, -1]])  # none resident, and empty slots
+    assert torch.equal(g(x, none, torch.rand(3, 2) + 0.1), torch.zeros(3, H))
+    everything = _experts(w, st, resident=list(range(E))[::-1])
+    x = x[:2]
+    ids = torch.stack([torch.randperm(E, generator=generator("hits ids", t))[:4] for t in range(2)])
+    wts = torch.rand(2, 4, generator=generator("hits w")) + 0.05
+    assert rel_err(everything(x, ids, wts), _reference(everything, x, ids, wts)) < FP32_BOUND
+    skip = torch.zeros(E, dtype=torch.bool)
+    skip[[int(ids[0, 0]), 7]] = True
+    out = everything(x, ids, wts, skip_mask=skip)
+    assert rel_err(out, _reference(everything, x, ids, wts, skip)) < FP32_BOUND
+    cut = ids.masked_fill(skip[ids], -1)
+    assert torch.equal(out, everything(x, cut, wts))  # a skipped expert is an empty slot: the same bits
+
+
+def test_storage_bytes_and_layout():
+    w = _weights("bytes")
+    bf16 = _experts(w, None, decode="dense", dtype=torch.bfloat16)
+    assert bf16.storage == rf.Storage() and not bf16.storage.quantized and bf16.nbytes == 4 * 3 * H * I * 2
+    for name, st in STORAGES.items():
+        g = _experts(w, st, decode="dense")
+        assert g.nbytes == 4 * rf.expert_bytes(st, H, I), name
+    # int4 codes: byte i of a group holds weights i (low nibble) and group/2 + i (high), stored as q + 8
+    q = torch.arange(-8, 8).repeat(8).view(2, 64).to(torch.int8)
+    packed = rf.pack_int4(q, 32)
+    assert packed.shape == (2, 32) and int(packed[0, 0]) == (q[0, 0] + 8) | ((q[0, 16] + 8) << 4)
+    assert torch.equal(rf.unpack_int4(packed, 32), q)
+
+
+@pytest.mark.parametrize("fmt,group,down_group", [("int4", 32, None), ("int4", 128, None), ("int8", 0, None),
+                                                  (("int4", "int8"), 64, 128)])
+def test_from_cpu_keeps_the_engines_values(fmt, group, down_group):
+    """storage auto: the CPU engine's codes and scales, read from its packed bytes -- the same fp32 values bitwise,
+    so the resident part equals a float copy of those values (bf16 storage in fp32) up to summation order."""
+    ex = CPUExperts(E, H, I, fmt, group, threads=1, down_group_size=down_group)
+    ex.fill_random(seed=3, std=0.3)
+    g = GpuExperts.from_cpu(ex, RESIDENT, torch.float32, "cpu", "auto", decode="dense")
+    assert g.storage == rf.cpu_storage(ex) and g.storage.quantized
+    gate, up, down = _dequantized(g)
+    for e in RESIDENT:
+        cg, cu, cd = ex.dequantized(e)
+        assert torch.equal(gate[e], cg) and torch.equal(up[e], cu) and torch.equal(down[e], cd), e
+    full = GpuExperts.from_cpu(ex, RESIDENT, torch.float32, "cpu", "bf16", decode="dense")  # fp32 values copied
+    assert g.nbytes == len(RESIDENT) * rf.expert_bytes(g.storage, H, I)
+    x, ids, wts = _case(5, 4, "cpu", str(fmt))
+    assert rel_err(g(x, ids, wts), full(x, ids, wts)) < FP32_BOUND
+
+
+def test_from_cpu_in_another_format():
+    """int4 resident copies of int8 CPU experts: quantized from the engine's values in the default group (the
+    error of a fresh int4 quantization, measured 0.10 of the weights' norm)."""
+    ex = CPUExperts(E, H, I, "int8", 128, threads=1)
+    ex.fill_random(seed=4, std=0.3)
+    g = GpuExperts.from_cpu(ex, RESIDENT, torch.float32, "cpu", "int4", decode="dense")
+    assert g.storage == rf.Storage.of("int4", rf.DEFAULT_GROUP)
+    assert rf.storage_for(ex, "int8") == rf.Storage.of("int8", 128)  # its own format: its group (its codes)
+    gate = _dequantized(g)[0]
+    cg = torch.stack([ex.dequantized(e)[0] for e in RESIDENT])
+    assert 0.02 < rel_err(gate[RESIDENT], cg) < 0.15
+
+
+def test_bad_storage():
+    with pytest.raises(ValueError, match="storage must be one of"):
+        rf.Storage.of("int2")
+    with pytest.raises(ValueError, match="scale group must be one of"):
+        rf.Storage.of("int4", 48)
+    with pytest.raises(ValueError, match="bf16 or int8/int4 throughout"):
+        rf.Storage("bf16", "int4")
+    ex = CPUExperts(E, H, I, "int4", 64, threads=1)
+    with pytest.raises(ValueError, match="GPU experts format must be auto or one of"):
+        GpuExperts.from_cpu(ex, RESIDENT, torch.float32, "cpu", "fp8")
+    with pytest.raises(ValueError, match="gpu-experts-format"):
+        EngineOptions(gpu_experts_format="int2")
+
+
+# ---------------------------------------------------------------- the memory plan, the option, the rules
+
+QWEN = ModelShapes(hidden=2048, vocab_size=1000, n_routed=48 * 128, expert_inter=768, dense_params=10**6,
+                   kv_elems_per_token=1000, act_width=8 * 2048, max_position_embeddings=4096, n_moe_layers=48)
+
+
+def test_plan_counts_resident_experts_at_their_stored_bytes(monkeypatch):
+    from hetmoe.engine import placement
+
+    cuda = torch.device("cuda")
+    bf16_each, int4_each = 3 * 2048 * 768 * 2, 3 * 2048 * 768 * 9 // 16  # int4: nibbles + an fp32 scale per 64
+    plan = plan_memory(QWEN, EngineOptions(gpu_experts=4, dtype="bf16", gpu_experts_format="int8"), cuda, "int4")
+    assert plan.vram["GPU experts"] == 4 * 48 * 3 * 2048 * 768 * (1 + 4 / 64)  # int8 of int4 experts: group 64
+    base = plan_memory(QWEN, EngineOptions(dtype="bf16"), cuda, "int4").vram_bytes
+    monkeypatch.setattr(placement, "resolve_device", lambda d: cuda)
+    monkeypatch.setattr(placement, "free_vram", lambda d: int((base + 12 * 2**30) / placement.HEADROOM))
+    monkeypatch.setattr(placement, "free_ram", lambda: 1 << 40)
+    opts = dict(gpu_experts="auto", dtype="bf16", experts_format="int4", gpu_prefill="off")
+    auto = placement.choose_plan(QWEN, EngineOptions(**opts))
+    bf16 = placement.choose_plan(QWEN, EngineOptions(**opts, gpu_experts_format="bf16"))
+    n, n_bf16 = auto.layers[0].gpu_experts, bf16.layers[0].gpu_experts
+    left = 12 * 2**30 + base - auto.vram_bytes + auto.vram["GPU experts"]
+    assert n == min(128, left // (48 * int4_each)) and n_bf16 == left // (48 * bf16_each)
+    assert n >= 3.5 * n_bf16 > 0  # int4: ~3.5x as many experts in the same VRAM
+    table = "\n".join(auto.table())
+    assert f"GPU experts ({n} per layer, int4)" in table, table
+    assert f"GPU experts ({n_bf16} per layer, bf16)" in "\n".join(bf16.table())
+
+
+def test_rules_set_the_resident_format(tmp_path):
+    from hetmoe.engine import rules
+
+    path = tmp_path / "r.yaml"
+    path.write_text("- match: 'model\\.layers\\.0\\.mlp\\.experts'\n  gpu_experts: 2\n  gpu_experts_format: bf16\n")
+    r = rules.load(path)
+    p = r.for_module("model.layers.0.mlp.experts")
+    assert p.gpu_experts == 2 and p.gpu_experts_format == "bf16"
+    plan = plan_memory(QWEN, EngineOptions(gpu_experts=3, dtype="bf16"), torch.device("cuda"), "int4",
+                       layers=[p] + [None] * 47)
+    assert (plan.layers[0].gpu_format, plan.layers[0].vram) == ("bf16", 2 * 3 * 2048 * 768 * 2)
+    assert (plan.layers[1].gpu_format, plan.layers[1].vram) == ("int4", 3 * 3 * 2048 * 768 * 9 // 16)
+    path.write_text("- match: x\n  gpu_experts_format: int2\n")
+    with pytest.raises(rules.RulesError, match=r"r.yaml:2: .*gpu_experts_format: expected auto, bf16"):
+        rules.load(path)
+
+
+def test_cli_flag():
+    from hetmoe.cli import build_parser
+    from hetmoe.cli.options import engine_options
+
+    opts = engine_options(build_parser().parse_args(["generate", "--gpu-experts-format", "int8"]))
+    assert opts.gpu_experts_format == "int8"
+    assert engine_options(build_parser().parse_args(["generate"])).gpu_experts_format == "auto"
+
+
+# ---------------------------------------------------------------- GPU (bf16 activations, eager and graph)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["int4-32", "int8-64", "int4/int8"])
+@pytest.mark.parametrize("T,k", [(1, 8), (3, 2), (7, 8), (32, 8)])
+def test_cuda_routed_int(name, T, k):
+    pytest.importorskip("triton")
+    w = _weights("cuda", name, T, k)
+    x, ids, wts = (t.cuda() for t in _case(T, k, "cuda", name))
+    g = _experts(w, STORAGES[name], decode="auto", device="cuda", dtype=torch.bfloat16)
+    assert g.decode == "routed" and g.eager_routed  # int8/int4 eager calls take the kernels too
+    xb = x.bfloat16()
+    out = g(xb, ids, wts)
+    ref = _reference(g, xb.float(), ids, wts)
+    print(f"{name} T={T} k={k}: routed vs float64 {rel_err(out.cpu(), ref):.2e}")
+    assert rel_err(out.cpu(), ref) < BF16_X
+    if T > 1:
+        assert rel_err(g._gather(xb, ids, wts).cpu(), ref) < BF16_X
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4, 8])
+def test_cuda_graph_replay_equals_eager_int(T):
+    pytest.importorskip("triton")
+    g = _experts(_weights("graph", T), STORAGES["int4-128"], decode="auto", device="cuda", dtype=torch.bfloat16)
+    x, ids, wts = _case(T, 8, "graph", 0)
+    x, ids, wts = x.cuda().bfloat16(), ids.cuda(), wts.cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        g(x, ids, wts)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = g(x, ids, wts)
+    for seed in range(1, 4):
+        nx, nids, nwts = _case(T, 8, "graph", seed)
+        x.copy_(nx.bfloat16())
+        ids.copy_(nids)
+        wts.copy_(nwts)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, g(x, ids, wts)), seed  # eager takes the same kernels: the same bits
