@@ -8,9 +8,13 @@ the GPU machine from the repo root (both shapes, 8 layers: about 2 minutes):
 
 ``--table`` prints the profiler's top kernels per variant; ``--cpu-alone`` re-runs the step's CPU jobs on the pool
 alone (as bench e2e's time split does) and prints the CPU jobs' stage times. The last lines are one summary row per
-(shape, fused): kernels per layer, kernel µs per layer (eager), graph ms of the GPU part and of the whole step.
+(shape, fused): kernels per layer, kernel µs per layer (eager), nodes per layer of the captured graph of the GPU
+part (by type: kernels, memcpy, ...; the driver's cuGraphGetNodes on a graph captured with keep_graph), graph ms of
+the GPU part and of the whole step.
 """
 
+import collections
+import ctypes
 import statistics
 import sys
 import time
@@ -19,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from hetmoe.bench.decode_variants import _offloaded
+from hetmoe.engine.cuda_graph import padded_size
 from hetmoe.engine.placement import EngineOptions
 from hetmoe.engine.runner import Runner
 from hetmoe.testing.synthetic import build_random_model
@@ -62,6 +67,34 @@ def cpu_alone(runner, cpu_experts) -> None:
     print(f"  the step's {len(jobs_now)} CPU jobs alone on the pool: {median_ms(run):.3f} ms")
 
 
+NODE_TYPES = ("kernel", "memcpy", "memset", "host", "graph", "empty", "wait_event", "event_record", "sema_signal",
+              "sema_wait", "mem_alloc", "mem_free", "mem_op", "conditional")  # CUgraphNodeType, in its order
+
+
+def graph_nodes(dec, batch: int, positions: list):
+    """The nodes of the GPU part of one step (CPU left out) captured anew and never replayed: Counter by type, or
+    a string saying why not."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(graph, pool=dec.mempool):
+            dec._forward(padded_size(batch, dec.sizes), dec.kv_len(positions), cpu=False)
+        raw, n = ctypes.c_void_p(int(graph.raw_cuda_graph())), ctypes.c_size_t(0)
+        if cuda.cuGraphGetNodes(raw, None, ctypes.byref(n)) != 0:
+            return "cuGraphGetNodes failed"
+        nodes = (ctypes.c_void_p * n.value)()
+        cuda.cuGraphGetNodes(raw, nodes, ctypes.byref(n))
+        counts = collections.Counter()
+        for node in nodes:
+            kind = ctypes.c_int(-1)
+            cuda.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind))
+            counts[NODE_TYPES[kind.value] if 0 <= kind.value < len(NODE_TYPES) else str(kind.value)] += 1
+        del graph
+        return counts
+    except Exception as e:  # an older torch (no keep_graph), no driver library: the count is left out
+        return f"unavailable ({type(e).__name__}: {e})"
+
+
 summary = []
 for shape in shapes:
     loaded = build_random_model(shape, layers, EngineOptions(device="cuda", experts_format="int4", max_context=1024,
@@ -97,6 +130,15 @@ for shape in shapes:
                 if table:
                     print(prof.key_averages().table(sort_by="device_time_total", row_limit=25,
                                                     max_name_column_width=60))
+            if graph:
+                nodes = graph_nodes(dec, batch, positions)
+                if isinstance(nodes, str):
+                    print(f"{shape} fused={fused} graph nodes: {nodes}")
+                else:
+                    row["nodes_per_layer"] = sum(nodes.values()) / layers
+                    print(f"{shape} fused={fused} graph of the GPU part: {sum(nodes.values())} nodes "
+                          f"({row['nodes_per_layer']:.1f} per layer): " + ", ".join(
+                              f"{k} {v}" for k, v in nodes.most_common()))
             for cpu in (False, True):
                 for ex in cpu_experts:
                     ex.set_profiling(cpu and cpu_alone_too)
@@ -117,8 +159,9 @@ for shape in shapes:
 
 print(f"\nsummary: {layers} layers, batch {batch}, int4 experts (kernels and kernel us from the eager profile; "
       "graph ms: the GPU part alone, then the whole step)")
-print(f"{'shape':<16} {'fused':<5} {'kernels/layer':>13} {'kernel us/layer':>15} {'graph GPU ms':>12} "
-      f"{'graph step ms':>13}")
+print(f"{'shape':<16} {'fused':<5} {'kernels/layer':>13} {'kernel us/layer':>15} {'nodes/layer':>11} "
+      f"{'graph GPU ms':>12} {'graph step ms':>13}")
 for r in summary:
     print(f"{r['shape']:<16} {r['fused']:<5} {r.get('kernels_per_layer', float('nan')):>13.1f} "
-          f"{r.get('kernel_us_per_layer', float('nan')):>15.1f} {r['graph_gpu_ms']:>12.3f} {r['graph_step_ms']:>13.3f}")
+          f"{r.get('kernel_us_per_layer', float('nan')):>15.1f} {r.get('nodes_per_layer', float('nan')):>11.1f} "
+          f"{r['graph_gpu_ms']:>12.3f} {r['graph_step_ms']:>13.3f}")

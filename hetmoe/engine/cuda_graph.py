@@ -83,7 +83,8 @@ class GraphDecoder:
 
     ``hybrid``: the model's StreamDecode (None when no routed experts are offloaded). ``cuda_graph``: capture and
     replay, or run the same forward eagerly (no padding, attended length bucketed). ``fused``: the steps take the
-    models' fused decode path (``Step.fused``, layers/triton_fused.py)."""
+    models' fused decode path (``Step.fused``, layers/triton_fused.py) and the MoE layers' mapped staging
+    (``StreamDecode.step(mapped=True)``: no copies between the GPU and the CPU jobs)."""
 
     def __init__(self, model, cache, max_batch: int, max_context: int, device: torch.device, hybrid=None,
                  cuda_graph: bool = True, kv_mode: str = DEFAULT_KV_MODE, kv_bucket: int = 64, fused: bool = False,
@@ -156,7 +157,8 @@ class GraphDecoder:
         C = self.capacity
         ids = self.inputs[:B].view(B, 1)
         step = Step(self.inputs[C:C + B].view(B, 1), self.inputs[2 * C:2 * C + B], kv_len=kv_len, fused=self.fused)
-        ctx = self.hybrid.step(self.inputs[3 * C:3 * C + 1], cpu) if self.hybrid is not None else nullcontext()
+        n = self.inputs[3 * C:3 * C + 1]
+        ctx = self.hybrid.step(n, cpu, mapped=self.fused) if self.hybrid is not None else nullcontext()
         with ctx:
             hidden = self.model(ids, step, self.cache)[:, -1]  # [B, H]
         return self.model.logits(hidden).float()

@@ -21,7 +21,7 @@ class RMSNorm(nn.Module):
         kernel, the sum rounded once as ``x + delta`` is; delta None: (x, self(x)). A weight or delta in another
         dtype than x (the unfused ops would promote) takes the unfused ops."""
         if self.weight.dtype != x.dtype or (delta is not None and delta.dtype != x.dtype):
-            x = x if delta is None else x + delta
+            x = x if delta is None else x + delta.to(x.device)  # (delta: maybe a pinned host buffer, stream.py)
             return x, self(x)
         from hetmoe.layers.triton_fused import add_rms_norm
 

@@ -8,6 +8,14 @@ so that a decode step launches fewer kernels per layer (docs/decode-step.md#fuse
 * ``mla_epilogue``: after MLA's kv_a projection: kv_a_layernorm of the latent, RoPE of k_pe and both written to the
   latent cache, and RoPE of the query's rope part; returns q_pe.
 * ``silu_mul``: silu(gate) * up of a SwiGLU MLP (shared experts, dense MLPs).
+* ``router_stage``: a MoE layer's router logits x @ W.T written straight into the pinned host buffer the CPU job
+  routes from, and x itself into the job's input buffer: one kernel instead of the router GEMM and two copies.
+* ``add_rows``: a + b rounded once (the CPU experts' output read from pinned host memory plus the shared experts):
+  the combine and the copy back in one kernel.
+
+Host buffers are pinned CPU tensors: a kernel reads and writes them over PCIe through their mapped address (with
+unified addressing, pinned memory is the same pointer on the device), so no copy-engine node sits between the
+kernels of a decode graph.
 
 Each kernel rounds to the model dtype where the unfused PyTorch code does (the cast after RMSNorm, after the
 norm's weight, after each product and sum of RoPE), so the fused path differs from the unfused one only by the
@@ -19,9 +27,14 @@ heads, D head dim; nothing reads the host, so each call is capturable in a CUDA 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+# Triton's interpreter multiplies bf16 blocks wrongly in tl.dot: there the router GEMM takes fp32 blocks
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -84,13 +97,31 @@ def _store_halves(dst, i, m, lo, hi, HALF: tl.constexpr):
 
 
 @triton.jit
-def _add_rms_norm(X, DELTA, W, RES, OUT, sx, sd, sr, so, N, eps, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
+def _load_host(ptrs, mask):
+    """A load from pinned host memory that a CPU thread wrote since the last kernel: no cached line counts (.cv)."""
+    return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cv")
+
+
+@triton.jit
+def _store_host(ptrs, x, mask):
+    """_store into pinned host memory, written through to it (.wt): a CPU thread reads it after this kernel."""
+    DT: tl.constexpr = ptrs.dtype.element_ty
+    tl.store(ptrs, _round(x, DT).to(DT), mask=mask, cache_modifier=".wt")
+
+
+@triton.jit
+def _add_rms_norm(X, DELTA, W, RES, OUT, sx, sd, sr, so, N, eps, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr,
+                  DELTA_HOST: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     m = i < N
     x = tl.load(X + t * sx + i, mask=m, other=0.0).to(tl.float32)
     if HAS_DELTA:
-        x = _round(x + tl.load(DELTA + t * sd + i, mask=m, other=0.0).to(tl.float32), RES.dtype.element_ty)
+        if DELTA_HOST:
+            d = _load_host(DELTA + t * sd + i, m).to(tl.float32)
+        else:
+            d = tl.load(DELTA + t * sd + i, mask=m, other=0.0).to(tl.float32)
+        x = _round(x + d, RES.dtype.element_ty)
         _store(RES + t * sr + i, x, m)
     r = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
     w = tl.load(W + i, mask=m, other=0.0).to(tl.float32)
@@ -201,6 +232,43 @@ def _silu_mul(GU, OUT, s_gu, s_o, N, BLOCK: tl.constexpr):
     _store(OUT + t * s_o + i, _round(g / (1.0 + tl.exp(-g)), DT) * u, m)
 
 
+@triton.jit
+def _router_stage(X, W, LOGITS, XH, T, N, E, sx, sw, sl, sxh,
+                  BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, STAGE_X: tl.constexpr,
+                  PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Program (e, t): logits of experts [e * BE, (e + 1) * BE) for tokens [t * BT, (t + 1) * BT) in fp32, stored
+    in LOGITS' dtype; the programs of expert block 0 also copy their tokens' x to XH."""
+    pe = tl.program_id(0)
+    rt = tl.program_id(1) * BT + tl.arange(0, BT)
+    re = pe * BE + tl.arange(0, BE)
+    mt, me = rt < T, re < E
+    acc = tl.zeros([BT, BE], dtype=tl.float32)
+    for k0 in range(0, N, BK):
+        rk = k0 + tl.arange(0, BK)
+        mk = rk < N
+        mx = mt[:, None] & mk[None, :]
+        x = tl.load(X + rt[:, None].to(tl.int64) * sx + rk[None, :], mask=mx, other=0.0)
+        if STAGE_X:
+            if pe == 0:
+                tl.store(XH + rt[:, None].to(tl.int64) * sxh + rk[None, :], x, mask=mx, cache_modifier=".wt")
+        w = tl.load(W + re[:, None].to(tl.int64) * sw + rk[None, :], mask=me[:, None] & mk[None, :], other=0.0)
+        if UPCAST:  # the same sums (bf16 products are exact in fp32)
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w), input_precision=PREC)
+    _store_host(LOGITS + rt[:, None].to(tl.int64) * sl + re[None, :], acc, mt[:, None] & me[None, :])
+
+
+@triton.jit
+def _add_rows(A, B, OUT, sa, sb, so, N, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    a = _load_host(A + t * sa + i, m).to(tl.float32)
+    b = tl.load(B + t * sb + i, mask=m, other=0.0).to(tl.float32)
+    _store(OUT + t * so + i, a + b, m)
+
+
 def _warps(block: int) -> int:
     return 4 if block <= 2048 else 8
 
@@ -213,7 +281,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float) -> tuple:
     """x [..., N] (+ delta [..., N]) -> (residual = x + delta rounded to x's dtype (x itself when delta is None),
-    weight * rms_norm(residual)), both [..., N] in x's dtype."""
+    weight * rms_norm(residual)), both [..., N] in x's dtype. delta may be a pinned host tensor (read over PCIe:
+    a MoE layer's CPU output, hetmoe/moe/stream.py)."""
     N = x.shape[-1]
     x2 = _rows(x)
     T = x2.shape[0]
@@ -223,7 +292,8 @@ def add_rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float) -> tu
     if T:
         block = triton.next_power_of_2(N)
         _add_rms_norm[(T,)](x2, d2, weight, res, out, x2.stride(0), d2.stride(0), res.stride(0), out.stride(0), N,
-                            eps, BLOCK=block, HAS_DELTA=delta is not None, num_warps=_warps(block))
+                            eps, BLOCK=block, HAS_DELTA=delta is not None, DELTA_HOST=d2.device != x2.device,
+                            num_warps=_warps(block))
     return (res.view(x.shape) if delta is not None else x), out.view(x.shape)
 
 
@@ -295,3 +365,41 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_mul[(gu.shape[0], triton.cdiv(I, block))](gu, out, gu.stride(0), out.stride(0), I, BLOCK=block,
                                                          num_warps=4)
     return out.view(*gate_up.shape[:-1], I)
+
+
+def router_stage(x: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor, x_host=None) -> None:
+    """x [T, N] (the MoE layer's input), weight [E, N] -> logits [T, E] = x @ weight.T accumulated in fp32, stored in
+    ``logits``' dtype (the model dtype, or fp32 for DeepSeek's routers); ``x_host`` [T, N] (x's dtype): a copy of x.
+    ``logits`` and ``x_host`` may be pinned host tensors (written over PCIe), every row of their first T."""
+    T, N = x.shape
+    E = weight.shape[0]
+    if weight.shape[1] != N or weight.dtype != x.dtype or tuple(logits.shape) != (T, E):
+        raise ValueError(f"router_stage: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, "
+                         f"logits {tuple(logits.shape)}: expected weight [E, {N}] in x's dtype and logits [{T}, E]")
+    if x_host is not None and (tuple(x_host.shape) != (T, N) or x_host.dtype != x.dtype):
+        raise ValueError(f"router_stage: x_host {tuple(x_host.shape)} {x_host.dtype}, expected [{T}, {N}] {x.dtype}")
+    if x.stride(-1) != 1 or weight.stride(-1) != 1 or logits.stride(-1) != 1:
+        raise ValueError("router_stage: x, weight and logits need unit stride along their last dimension")
+    if not T:
+        return
+    xh = x_host if x_host is not None else logits
+    bt = 16  # tl.dot's smallest M: a decode batch's rows, padded
+    _router_stage[(triton.cdiv(E, 16), triton.cdiv(T, bt))](
+        x, weight, logits, xh, T, N, E, x.stride(0), weight.stride(0), logits.stride(0), xh.stride(0), BT=bt, BE=16,
+        BK=min(128, max(16, triton.next_power_of_2(N))), STAGE_X=x_host is not None,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED, num_warps=4)
+
+
+def add_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [T, N] + b [T, N] -> [T, N] in b's dtype on b's device, the sum rounded once (as ``a.to(b.dtype) + b`` when
+    a is in b's dtype); a may be a pinned host tensor (read over PCIe)."""
+    if a.shape != b.shape:
+        raise ValueError(f"add_rows: shapes {tuple(a.shape)} and {tuple(b.shape)} differ")
+    a2, b2 = _rows(a), _rows(b)
+    out = torch.empty(b2.shape, dtype=b.dtype, device=b.device)
+    N = b2.shape[-1]
+    block = min(1024, triton.next_power_of_2(max(N, 1)))
+    if b2.shape[0] and N:
+        _add_rows[(b2.shape[0], triton.cdiv(N, block))](a2, b2, out, a2.stride(0), b2.stride(0), out.stride(0), N,
+                                                          BLOCK=block, num_warps=4)
+    return out.view(b.shape)

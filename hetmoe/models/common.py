@@ -19,7 +19,7 @@ from hetmoe.layers.linear import FusedLinears
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import cos_sin, inv_frequencies
 from hetmoe.models.config import ModelConfig
-from hetmoe.moe import MoELayer, RouterSpec
+from hetmoe.moe import MoELayer, RouterLogits, RouterSpec
 
 
 class SwiGLUMLP(nn.Module):
@@ -60,7 +60,9 @@ class SoftmaxMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:  # [B, S, H]
         flat = x.reshape(-1, x.shape[-1])  # [T, H]
-        return self.moe(flat, self.gate(flat), shared=fused_call(self.shared, fused)).view_as(x)
+        gate = self.gate  # (an nn.Linear: dense formats keep routers as they are, engine/dense.py)
+        logits = RouterLogits(flat, gate.weight, flat.dtype, partial(gate, flat)) if fused else gate(flat)
+        return self.moe(flat, logits, shared=fused_call(self.shared, fused)).view_as(x)
 
 
 def fused_call(fn, fused: bool):

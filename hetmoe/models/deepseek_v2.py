@@ -18,6 +18,8 @@ shared experts are an ordinary dense MLP (``mlp.shared_experts``) that the layer
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,7 +30,7 @@ from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import inv_frequencies, yarn_get_mscale, yarn_parameters
 from hetmoe.models.common import CausalLM, PreNormDecoderLayer, SwiGLUMLP, fused_call, run_layers
 from hetmoe.models.config import ModelConfig
-from hetmoe.moe import MoELayer, RouterSpec
+from hetmoe.moe import MoELayer, RouterLogits, RouterSpec
 
 
 def _n_experts(cfg: ModelConfig) -> int:
@@ -100,7 +102,9 @@ class DeepseekV2Moe(nn.Module):
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:  # [B, S, H]
         flat = x.reshape(-1, x.shape[-1])  # [T, H]
-        return self.moe(flat, self.gate(flat, fused), shared=fused_call(self.shared_experts, fused),
+        logits = (RouterLogits(flat, self.gate.weight, torch.float32, partial(self.gate, flat, True)) if fused
+                  else self.gate(flat))
+        return self.moe(flat, logits, shared=fused_call(self.shared_experts, fused),
                         correction_bias=self.gate.correction_bias).view_as(x)
 
 

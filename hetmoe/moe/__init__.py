@@ -15,7 +15,8 @@
                                model dtype -> + shared experts, the one addition order of every path
 
 A model's MoE block is ``self.moe(x, self.gate(x), shared=...)``: it builds a RouterSpec from its config and never
-asks where its experts run.
+asks where its experts run. In a fused decode step it hands over ``RouterLogits`` instead of the logits, and the
+dispatch computes them where they are needed.
 """
 
 from hetmoe.moe import layerwise
@@ -24,11 +25,11 @@ from hetmoe.moe.combine import combine
 from hetmoe.moe.deferral import DeferralChain, drop_lowest, split_deferred
 from hetmoe.moe.dispatch import HostStaging, MoELayer, defer_experts, moe_layers, set_deferrals
 from hetmoe.moe.gpu_experts import GpuExperts
-from hetmoe.moe.router import RouterSpec, route_deepseek_v2, route_deepseek_v3, route_softmax
+from hetmoe.moe.router import RouterLogits, RouterSpec, route_deepseek_v2, route_deepseek_v3, route_softmax
 from hetmoe.moe.stream import StreamDecode
 
 __all__ = [
     "ExpertsBackend", "TorchExperts", "DeferralChain", "drop_lowest", "split_deferred", "HostStaging", "MoELayer",
-    "combine", "defer_experts", "moe_layers", "set_deferrals", "GpuExperts", "RouterSpec", "route_deepseek_v2",
-    "route_deepseek_v3", "route_softmax", "StreamDecode", "layerwise",
+    "combine", "defer_experts", "moe_layers", "set_deferrals", "GpuExperts", "RouterLogits", "RouterSpec",
+    "route_deepseek_v2", "route_deepseek_v3", "route_softmax", "StreamDecode", "layerwise",
 ]

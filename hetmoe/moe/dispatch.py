@@ -29,7 +29,7 @@ from hetmoe.cpu.experts import CPUExperts
 from hetmoe.moe import layerwise, stream
 from hetmoe.moe.combine import combine
 from hetmoe.moe.deferral import DeferralChain, Deferred, drop_lowest, split_deferred
-from hetmoe.moe.router import RouterSpec
+from hetmoe.moe.router import RouterSpec, logits_of
 
 
 class HostStaging:
@@ -125,11 +125,16 @@ class MoELayer:
 
     def __call__(self, x: torch.Tensor, logits: torch.Tensor, shared: Shared = None,
                  correction_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x [T, H], the router's logits [T, E] -> routed (+ ``shared(x)``) experts [T, H] in x's dtype.
-        ``correction_bias``: the router's score correction (sigmoid_grouped), a model buffer."""
+        """x [T, H], the router's logits [T, E] (or a ``RouterLogits``, computed where this call needs them) ->
+        routed (+ ``shared(x)``) experts [T, H] in x's dtype. ``correction_bias``: the router's score correction
+        (sigmoid_grouped), a model buffer."""
         if self.experts is None:
             raise RuntimeError("no experts are attached to this MoE layer (MoELayer.attach)")
-        driver = stream.current() or layerwise.current()
+        driver = stream.current()
+        if driver is not None and driver.drives(self, x):
+            return driver.run(self, x, logits, shared, correction_bias)
+        logits = logits_of(logits)
+        driver = layerwise.current()
         if driver is not None and driver.drives(self, x):
             return driver.run(self, x, logits, shared, correction_bias)
         weights, ids = self.route(logits, correction_bias)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -75,6 +75,24 @@ def route_deepseek_v3(logits: torch.Tensor, correction_bias: torch.Tensor, top_k
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * routed_scaling_factor, ids
+
+
+@dataclass(frozen=True)
+class RouterLogits:
+    """A router's logits not yet computed: ``x @ weight.T`` in ``dtype`` (the model dtype, or fp32 for DeepSeek's
+    routers). A model hands this to its MoE layer in a fused decode step (``Step.fused``) so that the dispatch
+    computes the logits where they are needed: a stream-ordered step whose CPU job routes writes them straight into
+    the job's pinned buffer (hetmoe/moe/stream.py); everything else calls ``compute()``, the model's own op."""
+
+    x: torch.Tensor  # [T, H]
+    weight: torch.Tensor  # [E, H]
+    dtype: torch.dtype
+    compute: Callable[[], torch.Tensor]  # -> [T, E] in dtype: what the model computes otherwise
+
+
+def logits_of(logits) -> torch.Tensor:
+    """The logits tensor of ``logits`` (a tensor, or a ``RouterLogits`` computed now)."""
+    return logits.compute() if isinstance(logits, RouterLogits) else logits
 
 
 @dataclass(frozen=True, eq=False)

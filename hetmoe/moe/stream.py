@@ -10,6 +10,10 @@ replayed (and runs the same way without a graph). Per MoE layer, on the main str
     main stream: wait for the side stream; dispatch.combine: [cpu + resident + previous deferred (fp32) -> dtype]
                  + shared
 
+With the fused decode path (``step(mapped=True)``) a layer whose jobs route and write the output complete takes none
+of these copies: one kernel computes the router logits into the pinned buffer and writes x beside them, and the
+pinned output is read in place by the next kernel (``_mapped_output``; docs/decode-step.md).
+
 "Host function" stands for either mechanism of ``hetmoe.cpu.HostFuncs``: stream memory operations watched by a thread
 (signals, the default where the driver has them) or CUDA host functions (callbacks); both are captured into graphs.
 The sync blocks the stream it is on, which is why it sits on a side stream: the main stream keeps computing.
@@ -56,6 +60,7 @@ from hetmoe.cpu.experts import HostRoute, Slots
 from hetmoe.cpu.host_funcs import HostFuncs
 from hetmoe.moe.combine import combine
 from hetmoe.moe.deferral import drop_lowest
+from hetmoe.moe.router import RouterLogits, logits_of
 
 _current: contextvars.ContextVar = contextvars.ContextVar("hetmoe_stream_decode", default=None)
 
@@ -106,6 +111,7 @@ class StreamDecode:
         self.n_tokens = torch.zeros(1, dtype=torch.int64, pin_memory=self.pin)  # T the jobs read when they run
         self.active = False
         self.cpu = True
+        self.mapped = False  # this step's GPU kernels read and write the pinned buffers themselves (``step``)
         self.route_on_host = True  # the CPU jobs route from the logits where they can (``routes_on_host``)
         self._buffers: dict = {}  # id(MoELayer) -> _LayerBuffers
         self._pending: Optional[_LayerBuffers] = None  # the layer whose deferred job is in flight
@@ -116,12 +122,18 @@ class StreamDecode:
         self.last_jobs: list = []  # the CPU jobs one step submits, in order (of the last step run with the CPU)
 
     @contextmanager
-    def step(self, n_tokens: torch.Tensor, cpu: bool = True):
-        """One decode forward call: ``n_tokens`` ([1] int64 on the device) rows of the batch are real."""
+    def step(self, n_tokens: torch.Tensor, cpu: bool = True, mapped: bool = False):
+        """One decode forward call: ``n_tokens`` ([1] int64 on the device) rows of the batch are real.
+
+        ``mapped`` (the fused decode path; needs Triton): a layer whose CPU job routes and writes the complete output
+        takes no copy. One kernel computes the router logits straight into the pinned buffer and copies x beside them
+        (``triton_fused.router_stage``, given the model's ``RouterLogits``), and the layer returns the job's pinned
+        output itself, read over PCIe by the next kernel (the next layer's residual add + RMSNorm), or added to the
+        shared experts' output by one kernel (``add_rows``). Otherwise the copies of the module docstring."""
         if self.active:
             raise RuntimeError("a hybrid decode step is already running")
         self.n_tokens.copy_(n_tokens, non_blocking=True)  # stream order: before any job of this step runs
-        self.active, self.cpu, self._pending, self._jobs_now = True, cpu, None, []
+        self.active, self.cpu, self.mapped, self._pending, self._jobs_now = True, cpu, mapped, None, []
         token = _current.set(self)
         try:
             yield self
@@ -131,7 +143,7 @@ class StreamDecode:
                 self.last_jobs = self._jobs_now
         finally:
             _current.reset(token)
-            self.active, self.cpu, self._pending = False, True, None
+            self.active, self.cpu, self.mapped, self._pending = False, True, False, None
 
     def drives(self, layer, x: torch.Tensor) -> bool:
         """Whether this call of MoE layer ``layer`` runs in stream order (a layer of this step, on its device)."""
@@ -146,14 +158,15 @@ class StreamDecode:
     def buffers(self, layer) -> Optional[_LayerBuffers]:
         return self._buffers.get(id(layer))
 
-    def _layer_buffers(self, layer, x: torch.Tensor, k: int, defer: int, logits: Optional[torch.Tensor],
+    def _layer_buffers(self, layer, x: torch.Tensor, k: int, defer: int, logits: Optional[tuple],
                        bias_src: Optional[torch.Tensor], prev: Optional[_LayerBuffers]) -> _LayerBuffers:
+        """``logits``: (dtype, E) of the router logits the jobs route from, or None."""
         engine = layer.experts
         direct = layer.gpu is None
         addend = prev.out_def if (direct and prev is not None) else None
         mask = engine.skip_mask
         router = layer.router
-        key = (x.dtype, k, defer, direct, None if logits is None else (logits.dtype, logits.shape[1], router.key()))
+        key = (x.dtype, k, defer, direct, None if logits is None else (*logits, router.key()))
         buf = self._buffers.get(id(layer))
         if (buf is not None and buf.mask is mask and buf.addend is addend and buf.bias_src is bias_src
                 and buf.key == key):
@@ -169,7 +182,7 @@ class StreamDecode:
         xh, w = pinned(C, H, dtype=x.dtype), pinned(C, k, dtype=torch.float32)
         ids = pinned(C, k, dtype=torch.int64)
         ids.fill_(-1)
-        lg = pinned(C, logits.shape[1], dtype=logits.dtype) if logits is not None else None
+        lg = pinned(C, logits[1], dtype=logits[0]) if logits is not None else None
         out, out_def = pinned(C, H, dtype=out_dtype), pinned(C, H, dtype=torch.float32)
         route = None
         if lg is not None:  # the jobs read a host copy of the correction bias (a model buffer, fixed after loading)
@@ -200,6 +213,10 @@ class StreamDecode:
         k = layer.router.top_k
         defer = layer.defers_now(k)
         on_host = self.routes_on_host(layer)
+        stage = self.mapped and on_host and _stageable(logits, x)  # router_stage computes and stages the logits
+        mapped = stage and layer.gpu is None  # (no resident experts: the job writes the output complete)
+        if not stage:
+            logits = logits_of(logits)
         topk_ids = weights = None
         if not on_host:
             weights, topk_ids = layer.route(logits, correction_bias)
@@ -208,15 +225,20 @@ class StreamDecode:
             weights = weights.float()
         prev, self._pending = self._pending, None
         bias_src = correction_bias if correction_bias is not None else layer.router.correction_bias
-        buf = self._layer_buffers(layer, x, k, defer, logits if on_host else None, bias_src if on_host else None,
-                                  prev)
+        meta = (logits.dtype, logits.weight.shape[0] if stage else logits.shape[1]) if on_host else None
+        buf = self._layer_buffers(layer, x, k, defer, meta, bias_src if on_host else None, prev)
         self._pending = buf if defer else None
         pool, hf = layer.experts.pool, self.host_funcs
         main = self.fake if self.fake is not None else torch.cuda.current_stream(x.device)
-        buf.x[:T].copy_(x, non_blocking=True)
-        if on_host:
+        if stage:
+            from hetmoe.layers.triton_fused import router_stage
+
+            router_stage(x, logits.weight, buf.logits[:T], buf.x[:T])
+        elif on_host:
+            buf.x[:T].copy_(x, non_blocking=True)
             buf.logits[:T].copy_(logits, non_blocking=True)
         else:
+            buf.x[:T].copy_(x, non_blocking=True)
             buf.ids[:T].copy_(topk_ids, non_blocking=True)
             buf.weights[:T].copy_(weights, non_blocking=True)
         if self.cpu:
@@ -225,6 +247,8 @@ class StreamDecode:
             if defer:
                 pool.submit_on_stream(buf.job_def, main, host_funcs=hf)
                 self._jobs_now.append((pool, buf.job_def))
+        if mapped:
+            return self._mapped_output(pool, buf, T, defer, shared(x) if shared is not None else None, main)
         if self.fake is None:
             self.side.wait_stream(main)
         if self.cpu:
@@ -244,7 +268,29 @@ class StreamDecode:
             return combine(buf.dev[:T], None, None, x.dtype, dense)
         return combine(buf.dev[:T], resident, buf.dev_prev[:T] if prev is not None else None, x.dtype, dense)
 
+    def _mapped_output(self, pool, buf: _LayerBuffers, T: int, defer: int, dense: Optional[torch.Tensor], main):
+        """The output of a layer whose job writes it complete, with nothing copied back (``step(mapped=True)``):
+        the pinned buffer itself [T, H], or, with shared experts ``dense`` (already queued behind the job's
+        submission: the GPU computes them while the CPU works), their sum in one kernel that reads it. The sync
+        sits on the main stream, behind the shared experts: what follows needs both, so no side stream is forked."""
+        if self.cpu:
+            pool.sync_on_stream(1 if defer else 0, main, host_funcs=self.host_funcs)
+        if self.fake is not None:
+            self.fake.synchronize()  # the host stands in for the stream: the reads below follow the sync
+        if dense is None:
+            return buf.out[:T]
+        from hetmoe.layers.triton_fused import add_rows
+
+        return add_rows(buf.out[:T], dense)
+
     def close(self) -> None:
         """Free the host functions' payloads (call only when no replay of a graph captured through them is in
         flight or will follow)."""
         self.host_funcs.close()
+
+
+def _stageable(logits, x: torch.Tensor) -> bool:
+    """Whether ``router_stage`` computes these logits: a ``RouterLogits`` over x with the weight in x's dtype, rows
+    of unit stride."""
+    return (isinstance(logits, RouterLogits) and logits.x is x and logits.weight.dtype == x.dtype
+            and x.stride(-1) == 1 and logits.weight.stride(-1) == 1)
