@@ -39,6 +39,7 @@ from hetmoe.moe import resident_format as rf
 
 DENSE_MAX_TOKENS = 32  # up to here a fixed-shape path (routed or dense) costs less than N gathers
 DECODE_PATHS = ("auto", "routed", "dense")
+GATHER_EXPERTS = 16  # int8/int4 experts dequantized at once by the gather path (bounds its scratch)
 
 
 def combine_matrix(topk_ids: torch.Tensor, topk_weights: torch.Tensor, slot_of: torch.Tensor, n: int) -> torch.Tensor:
@@ -234,14 +235,18 @@ class GpuExperts:
         d = rf.dequantize(self.w_down, self.s_down, st.down, st.down_group, I, self.dtype)
         return gu, d.view(N, H, I).permute(1, 0, 2).reshape(H, N * I)
 
-    def _expert_weights(self, r: int) -> tuple:
-        """(gate_up [2I, H], down [H, I]) of resident expert r in the dtype (int8/int4 dequantized)."""
-        st, H, I = self.storage, self.hidden_size, self.intermediate_size
+    def _expert_weights(self, r0: int, r1: int) -> tuple:
+        """(gate_up [n, 2I, H], down [n, H, I]) of resident experts r0 .. r1 - 1 in the dtype (int8/int4
+        dequantized, all n at once: a few kernels, not a few per expert)."""
+        st, H, I, n = self.storage, self.hidden_size, self.intermediate_size, r1 - r0
         if not st.quantized:
-            return self.w_gate_up[2 * r * I:(2 * r + 2) * I], self.w_down[:, r * I:(r + 1) * I]
-        rows, drows = slice(2 * r * I, (2 * r + 2) * I), slice(r * H, (r + 1) * H)
-        return (rf.dequantize(self.w_gate_up[rows], self.s_gate_up[rows], st.gate_up, st.group, H, self.dtype),
-                rf.dequantize(self.w_down[drows], self.s_down[drows], st.down, st.down_group, I, self.dtype))
+            return (self.w_gate_up[2 * r0 * I:2 * r1 * I].view(n, 2 * I, H),
+                    self.w_down[:, r0 * I:r1 * I].view(H, n, I).transpose(0, 1))
+        rows, drows = slice(2 * r0 * I, 2 * r1 * I), slice(r0 * H, r1 * H)
+        return (rf.dequantize(self.w_gate_up[rows], self.s_gate_up[rows], st.gate_up, st.group, H,
+                              self.dtype).view(n, 2 * I, H),
+                rf.dequantize(self.w_down[drows], self.s_down[drows], st.down, st.down_group, I,
+                              self.dtype).view(n, H, I))
 
     def _dense(self, x, topk_ids, topk_weights) -> torch.Tensor:
         T, N, I = x.shape[0], self.n, self.intermediate_size
@@ -257,15 +262,20 @@ class GpuExperts:
         acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
         xc = x.to(self.dtype)
         slots = self.slot_of[topk_ids.long().masked_fill(topk_ids < 0, self.num_experts)]  # [T, k]
-        for r in range(self.n):
-            tok, j = torch.where(slots == r)
-            if tok.numel() == 0:
+        step = GATHER_EXPERTS if self.storage.quantized else self.n
+        for r0 in range(0, self.n, step):
+            r1 = min(self.n, r0 + step)
+            if not bool(((slots >= r0) & (slots < r1)).any()):
                 continue
-            w_gate_up, w_down = self._expert_weights(r)
-            gu = F.linear(xc[tok], w_gate_up)  # [t, 2I]
-            h = F.silu(gu[:, :I]) * gu[:, I:]
-            y = F.linear(h, w_down)  # [t, H]
-            acc.index_add_(0, tok, y.float() * topk_weights[tok, j].float().unsqueeze(1))
+            w_gate_up, w_down = self._expert_weights(r0, r1)
+            for r in range(r0, r1):
+                tok, j = torch.where(slots == r)
+                if tok.numel() == 0:
+                    continue
+                gu = F.linear(xc[tok], w_gate_up[r - r0])  # [t, 2I]
+                h = F.silu(gu[:, :I]) * gu[:, I:]
+                y = F.linear(h, w_down[r - r0])  # [t, H]
+                acc.index_add_(0, tok, y.float() * topk_weights[tok, j].float().unsqueeze(1))
         return acc
 
 

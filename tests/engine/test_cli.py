@@ -444,7 +444,7 @@ ENGINE_FLAGS = {"device": "--device", "experts_format": "--experts-format", "gro
                 "calibration_file": "--calibration-file", "cuda_graph": "--no-cuda-graph", "isa": "--isa",
                 "gpu_prefill": "--gpu-prefill", "rules": "--rules", "attention": "--attention",
                 "dense_format": "--dense-format", "gpu_memory": "--gpu-memory", "cpu_memory": "--cpu-memory",
-                "fused_decode": "--fused-decode"}
+                "fused_decode": "--fused-decode", "gpu_experts_format": "--gpu-experts-format"}
 
 
 @pytest.mark.parametrize("command", [["generate"], ["chat"], ["serve"], ["eval", "--text", "t"], ["bench", "e2e"],

@@ -136,6 +136,30 @@ def test_no_hit_all_hits_and_skip_mask(kernels):
     assert torch.equal(out, everything(x, cut, wts))  # a skipped expert is an empty slot: the same bits
 
 
+def test_prefill_gathers_experts_in_chunks():
+    """T > dense_max_tokens takes the gather path: int4 experts dequantized GATHER_EXPERTS at a time (20 resident:
+    two chunks), each expert over its own tokens."""
+    from hetmoe.moe.gpu_experts import GATHER_EXPERTS
+
+    e, resident = 37, list(range(36, 16, -1))
+    assert len(resident) > GATHER_EXPERTS
+    gen = generator("gather chunks")
+    gate, up, down = (torch.randn(e, *shape, generator=gen) * 0.3 for shape in ((I, H), (I, H), (H, I)))
+    g = GpuExperts(resident, gate[resident], up[resident], down[resident], e, torch.float32, storage="int4",
+                   decode="dense")
+    x = torch.randn(40, H, generator=gen)
+    ids, wts = make_routing(40, 4, e, "gather chunks")
+    st, n = g.storage, g.n
+    gu = rf.dequantize(g.w_gate_up, g.s_gate_up, "int4", st.group, H).view(n, 2, I, H)
+    dq = (torch.zeros(e, I, H), torch.zeros(e, I, H), torch.zeros(e, H, I))
+    dq[0][resident], dq[1][resident] = gu[:, 0], gu[:, 1]
+    dq[2][resident] = rf.dequantize(g.w_down, g.s_down, "int4", st.down_group, I).view(n, H, I)
+    mask = torch.ones(e, dtype=torch.bool)
+    mask[resident] = False
+    ref = moe_reference(x, *dq, ids, wts, skip_mask=mask)
+    assert rel_err(g(x, ids, wts), ref) < FP32_BOUND
+
+
 def test_storage_bytes_and_layout():
     w = _weights("bytes")
     bf16 = _experts(w, None, decode="dense", dtype=torch.bfloat16)
