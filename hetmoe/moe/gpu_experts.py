@@ -153,16 +153,18 @@ class GpuExperts:
         from hetmoe.moe.packed import expert_ranges
 
         ranges = expert_ranges(cpu_experts) if cpu_experts.info().get("numa_subpools", 1) == 1 else None
-        parts = {"gate_up": [], "down": []}
-        for e in expert_ids:
+        for r, e in enumerate(expert_ids):  # each expert's rows copied into place: no second copy on the device
             own = rf.cpu_codes(cpu_experts, int(e), st, ranges) if ranges is not None else (None, None)
             g, u, d = cpu_experts.dequantized(int(e)) if None in own else (None, None, None)
-            gu = own[0] or rf.quantize(torch.cat((g, u)), st.gate_up, st.group)
-            dn = own[1] or rf.quantize(d, st.down, st.down_group)
-            parts["gate_up"].append(tuple(t.to(self.device) for t in gu))
-            parts["down"].append(tuple(t.to(self.device) for t in dn))
-        self.w_gate_up, self.s_gate_up = (torch.cat(t) for t in zip(*parts["gate_up"]))
-        self.w_down, self.s_down = (torch.cat(t) for t in zip(*parts["down"]))
+            gu = own[0] or rf.quantize(torch.cat((g, u)), st.gate_up, st.group)  # ([2I, .], [2I, G])
+            dn = own[1] or rf.quantize(d, st.down, st.down_group)  # ([H, .], [H, G])
+            if r == 0:
+                self.w_gate_up, self.s_gate_up, self.w_down, self.s_down = (
+                    torch.empty((n * t.shape[0], t.shape[1]), dtype=t.dtype, device=self.device) for t in gu + dn)
+            for dst, src in zip((self.w_gate_up, self.s_gate_up), gu):
+                dst[r * 2 * I:(r + 1) * 2 * I].copy_(src)
+            for dst, src in zip((self.w_down, self.s_down), dn):
+                dst[r * H:(r + 1) * H].copy_(src)
         return self
 
     @property

@@ -467,7 +467,8 @@ def _bf16_tol():
 @gpu
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("fmt,n,mode", [("bf16", 3, "graph"), ("bf16", 3, "eager"), ("bf16", 3, "sync"),
-                                        ("bf16", 8, "graph"), ("int4", 3, "graph")])
+                                        ("bf16", 8, "graph"), ("int4", 3, "graph"), ("int4", 3, "eager"),
+                                        ("int8", 3, "graph")])
 def test_hybrid_gpu_experts_match_cpu(checkpoints, arch, fmt, n, mode):
     path = checkpoints[arch]
     ref = _cpu_logits(path, fmt)
@@ -480,6 +481,7 @@ def test_hybrid_gpu_experts_match_cpu(checkpoints, arch, fmt, n, mode):
     for _, b in blocks:
         assert b.gpu is not None and len(b.gpu.expert_ids) == n
         assert b.gpu.w_gate_up.is_cuda and int(b.engine.skip_mask.sum()) == n
+        assert b.gpu.storage.name == fmt  # --gpu-experts-format auto: the experts' own format (their codes)
     err = _max_rel(hyb, ref)
     print(f"{arch} {fmt} N={n} {mode}: hybrid --gpu-experts vs cpu, max rel. logit error {err:.2e}")
     # bf16 experts: cuBLAS vs CPU matmuls on the same weight values (and AMX's bf16 activations, _bf16_tol); int4:
