@@ -10,7 +10,8 @@
                layerwise.py    long prefill chunks on the GPU, each layer's packed experts streamed from RAM
                                (packed.py reads the CPU engine's layout with torch ops)
     experts    backends.py     the ExpertsBackend call: hetmoe.cpu.CPUExperts (csrc/), TorchExperts;
-               gpu_experts.py  GpuExperts, a layer's GPU-resident experts
+               gpu_experts.py  GpuExperts, a layer's GPU-resident experts (stored as resident_format.py says:
+                               bf16 or int8/int4; decode kernels gpu_experts_triton.py, gpu_experts_triton_int.py)
     combine    combine.py      combine(): CPU part + GPU-resident part + previous layer's deferred part (fp32) ->
                                model dtype -> + shared experts, the one addition order of every path
 
