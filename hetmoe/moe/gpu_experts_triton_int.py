@@ -8,8 +8,8 @@ Weights: ``w_gate_up`` codes [N*2I, Hp(/2)] with scales [N*2I, Hp/group] (rows o
 up_r), ``w_down`` codes [N*H, Ip(/2)] with scales [N*H, Ip/group_down] (rows of r: down_r). Each K step takes a
 [rows, BK] tile as its two group halves (int4: the low and the high nibbles of the same bytes; int8: two loads),
 [rows, BK/2] each, multiplied by the matching halves of x (or h). GEMV (T <= 4): fp32 products on the CUDA cores;
-dots: the dequantized tile rounded to bf16 for the tensor cores (fp32 in the interpreter). Launches depend on
-(T, k, H, I) only: capturable.
+dots: the dequantized tile rounded to bf16 for the tensor cores (fp32 x: IEEE fp32 dots; the interpreter: fp32).
+Launches depend on (T, k, H, I) only: capturable.
 
 Shape letters: T tokens, k experts per token, N resident experts, H hidden, I expert intermediate.
 """
@@ -47,10 +47,18 @@ def _halves(W, S, w_off, s_off, k0, KP, R: tl.constexpr, FMT: tl.constexpr, GROU
 
 
 @triton.jit
+def _dot(a, w, acc, DOT_T: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a [M, K] @ w [N, K]^T: w (fp32 values) rounded to DOT_T for the tensor cores, or IEEE fp32."""
+    if IEEE:
+        return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+    return tl.dot(a, tl.trans(w.to(DOT_T)), acc)
+
+
+@triton.jit
 def _gate_up(X, WGU, SGU, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, HP, stride_x, stride_w, stride_s, stride_id,
              stride_wt, K: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr, HAS_SKIP: tl.constexpr,
              N_EXPERTS: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, GEMV: tl.constexpr, DEFER: tl.constexpr,
-             DOT_T: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr):
+             DOT_T: tl.constexpr, IEEE: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr):
     """HS[t, j, i-block] = silu(gate) * up for every token t routed to this program's expert (leaders only)."""
     t = tl.program_id(0) // K
     j = tl.program_id(0) % K
@@ -99,10 +107,10 @@ def _gate_up(X, WGU, SGU, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, HP, stride_x, st
             x_lo = tl.load(x_rows + kl[None, :], mask=(hit != 0)[:, None] & (kl < H)[None, :], other=0.0).to(DOT_T)
             x_hi = tl.load(x_rows + (kl + HALF)[None, :], mask=(hit != 0)[:, None] & (kl + HALF < H)[None, :],
                            other=0.0).to(DOT_T)
-            acc_g = tl.dot(x_lo, tl.trans(g_lo.to(DOT_T)), acc_g)
-            acc_g = tl.dot(x_hi, tl.trans(g_hi.to(DOT_T)), acc_g)
-            acc_u = tl.dot(x_lo, tl.trans(u_lo.to(DOT_T)), acc_u)
-            acc_u = tl.dot(x_hi, tl.trans(u_hi.to(DOT_T)), acc_u)
+            acc_g = _dot(x_lo, g_lo, acc_g, DOT_T, IEEE)
+            acc_g = _dot(x_hi, g_hi, acc_g, DOT_T, IEEE)
+            acc_u = _dot(x_lo, u_lo, acc_u, DOT_T, IEEE)
+            acc_u = _dot(x_hi, u_hi, acc_u, DOT_T, IEEE)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     dst = HS + (rows * K + jj).to(tl.int64)[:, None] * I + i[None, :]
     tl.store(dst, h, mask=(hit != 0)[:, None] & i_ok[None, :])
@@ -112,7 +120,7 @@ def _gate_up(X, WGU, SGU, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, HP, stride_x, st
 def _down(HS, WD, SD, IDS, WTS, SLOT_OF, SKIP, P, T, H, I, IP, stride_w, stride_s, stride_id, stride_wt,
           K: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr, HAS_SKIP: tl.constexpr, N_EXPERTS: tl.constexpr,
           BH: tl.constexpr, BK: tl.constexpr, GEMV: tl.constexpr, DEFER: tl.constexpr, DOT_T: tl.constexpr,
-          FMT: tl.constexpr, GROUP: tl.constexpr):
+          IEEE: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr):
     """P[t, j, h-block] = weight * (h W_down^T) for every token routed to this program's expert (leaders), zeros for
     an invalid pair (its own row)."""
     t = tl.program_id(0) // K
@@ -158,8 +166,8 @@ def _down(HS, WD, SD, IDS, WTS, SLOT_OF, SKIP, P, T, H, I, IP, stride_w, stride_
             h_lo = tl.load(h_rows + kl[None, :], mask=(hit != 0)[:, None] & (kl < I)[None, :], other=0.0).to(DOT_T)
             h_hi = tl.load(h_rows + (kl + HALF)[None, :], mask=(hit != 0)[:, None] & (kl + HALF < I)[None, :],
                            other=0.0).to(DOT_T)
-            acc = tl.dot(h_lo, tl.trans(w_lo.to(DOT_T)), acc)
-            acc = tl.dot(h_hi, tl.trans(w_hi.to(DOT_T)), acc)
+            acc = _dot(h_lo, w_lo, acc, DOT_T, IEEE)
+            acc = _dot(h_hi, w_hi, acc, DOT_T, IEEE)
     dst = P + (rows * K + jj).to(tl.int64)[:, None] * H + o[None, :]
     tl.store(dst, acc * wj[:, None], mask=(hit != 0)[:, None] & o_ok[None, :])
 
@@ -183,7 +191,8 @@ def routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     rows = triton.next_power_of_2(T) if launch.gemv else max(16, triton.next_power_of_2(T))  # dots: >= 16 rows
     common = dict(K=k, KP=triton.next_power_of_2(k), ROWS=rows, HAS_SKIP=skip_mask is not None,
                   N_EXPERTS=num_experts, GEMV=launch.gemv, DEFER=launch.gemv and launch.defer and T == 1,
-                  DOT_T=tl.bfloat16 if x.is_cuda else tl.float32,  # the interpreter's bf16 dot is wrong
+                  DOT_T=tl.bfloat16 if x.is_cuda and x.dtype != torch.float32 else tl.float32,  # the
+                  IEEE=x.is_cuda and x.dtype == torch.float32,  # interpreter's bf16 dot is wrong; fp32 x: IEEE dots
                   num_warps=launch.num_warps, num_stages=launch.num_stages)
     (wgu, sgu), (wd, sd) = gate_up, down
     hs = torch.empty(T, k, intermediate, dtype=torch.float32, device=x.device)

@@ -329,6 +329,8 @@ def test_cuda_routed_int(name, T, k):
     assert rel_err(out.cpu(), ref) < BF16_X
     if T > 1:
         assert rel_err(g._gather(xb, ids, wts).cpu(), ref) < BF16_X
+    g32 = _experts(w, STORAGES[name], decode="auto", device="cuda")  # fp32 x: fp32 GEMV products, IEEE dots
+    assert rel_err(g32(x, ids, wts).cpu(), _reference(g32, x, ids, wts)) < FP32_BOUND
 
 
 @pytest.mark.gpu
