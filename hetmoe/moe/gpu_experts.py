@@ -154,9 +154,9 @@ class GpuExperts:
 
         ranges = expert_ranges(cpu_experts) if cpu_experts.info().get("numa_subpools", 1) == 1 else None
         for r, e in enumerate(expert_ids):  # each expert's rows copied into place: no second copy on the device
-            own = rf.cpu_codes(cpu_experts, int(e), st, ranges) if ranges is not None else (None, None)
-            g, u, d = cpu_experts.dequantized(int(e)) if None in own else (None, None, None)
-            gu = own[0] or rf.quantize(torch.cat((g, u)), st.gate_up, st.group)  # ([2I, .], [2I, G])
+            own = rf.cpu_codes(cpu_experts, int(e), st, ranges, self.device) if ranges is not None else (None, None)
+            g, u, d = (t.to(self.device) for t in cpu_experts.dequantized(int(e))) if None in own else (None,) * 3
+            gu = own[0] or rf.quantize(torch.cat((g, u)), st.gate_up, st.group)  # ([2I, .], [2I, G]) on the device
             dn = own[1] or rf.quantize(d, st.down, st.down_group)  # ([H, .], [H, G])
             if r == 0:
                 self.w_gate_up, self.s_gate_up, self.w_down, self.s_down = (

@@ -167,10 +167,12 @@ def storage_for(cpu_experts, fmt: str = "auto") -> Storage:
                    _group(info["down_group_size"] or 0) if info["down_weight_format"] == fmt else DEFAULT_GROUP)
 
 
-def cpu_codes(cpu_experts, expert: int, storage: Storage, ranges: Optional[list] = None) -> Optional[tuple]:
+def cpu_codes(cpu_experts, expert: int, storage: Storage, ranges: Optional[list] = None,
+              device=None) -> Optional[tuple]:
     """((gate_up codes, scales), (down codes, scales)) of ``expert`` in ``storage``'s layout, read from the CPU
-    engine's packed bytes (``ranges``: hetmoe.moe.packed.expert_ranges, or read here); an entry is None where the
-    engine's matrix is not exactly that (another format or group, affine scaling, bf16, a NUMA-split layer)."""
+    engine's packed bytes (``ranges``: hetmoe.moe.packed.expert_ranges, or read here) and converted on ``device``
+    (default: the CPU; a GPU does it in well under a millisecond, the CPU in a few hundred); an entry is None where
+    the engine's matrix is not exactly that (another format or group, affine scaling, bf16, a NUMA-split layer)."""
     from hetmoe.moe import packed
 
     info = cpu_experts.info()
@@ -181,7 +183,7 @@ def cpu_codes(cpu_experts, expert: int, storage: Storage, ranges: Optional[list]
     if layout.fmt == "bf16":
         return None, None
     sizes = layout.range_bytes()
-    parts = [r[expert * s:(expert + 1) * s] for r, s in zip(ranges, sizes)]
+    parts = [r[expert * s:(expert + 1) * s].to(device or "cpu") for r, s in zip(ranges, sizes)]
     I, H = layout.intermediate, layout.hidden
     out = []
     for shape, data, scales, fmt, group, n_mats, n in ((layout.gate_up, parts[0], parts[1], storage.gate_up,
