@@ -8,7 +8,8 @@ It writes a random-weight GGUF of a qwen3_moe shape (hetmoe/testing/synthetic.py
 to ``--layers`` decoder layers, typed as llama.cpp's Q4_K_M is: routed experts Q4_K gate/up and Q6_K down (the mix
 hetmoe holds exactly: int4 affine g32 + int8 g16), attention Q4_K (attn_v Q6_K), the embedding Q4_K, the output
 Q6_K, norms and router F32. Blocks are random bytes with finite fp16 scales (no float copy: GBs in seconds).
-Then, ``--repeats`` times, a fresh process loads it (``load_model``, CPU placement, no expert cache) and reports
+Then, ``--repeats`` times, a fresh process loads it (``load_model``, CPU placement, no expert cache, the dense part
+as the whole 48-layer model places it on the CPU: bf16, int8 linears) and reports
 the wall time from open to a runnable model, GB/s of file, and its RSS: before, after, and at its peak (VmHWM reset
 before the load); ``ratio`` = (peak - before) / (after - before), the loaders' "never two copies" bound. The file
 is read once before the first load, so every load reads it from the page cache (/dev/shm: it is memory itself).
@@ -122,7 +123,7 @@ def write_gguf(path, shape: str, layers: int, experts: str, seed: int = 0, log=p
 
 
 _CHILD = r"""
-import json, sys, time
+import json, resource, sys, time
 import torch, tqdm, hetmoe.models.qwen3_moe
 from hetmoe.engine.loader import load_model
 from hetmoe.engine.placement import EngineOptions
@@ -132,17 +133,21 @@ def status(key):
 before = status("VmRSS")
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # VmHWM := the current RSS
-t0 = time.perf_counter()
-loaded = load_model(sys.argv[1], EngineOptions(device="cpu"), expert_cache=None, progress=False, log=lambda m: None)
-secs = time.perf_counter() - t0
-print(json.dumps(dict(load_s=secs, before=before, after=status("VmRSS"), peak=status("VmHWM"),
+t0, c0, f0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+options = EngineOptions(device="cpu", dtype=sys.argv[2], dense_format=sys.argv[3])
+loaded = load_model(sys.argv[1], options, expert_cache=None, progress=False, log=lambda m: None)
+secs, cpu = time.perf_counter() - t0, time.process_time() - c0
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0  # first touches of fresh memory, mostly
+print(json.dumps(dict(load_s=secs, cpu_s=cpu, page_faults=faults, before=before, after=status("VmRSS"),
+                      peak=status("VmHWM"),
                       expert_bytes=loaded.info["expert_bytes"], plan_expert_bytes=loaded.plan.ram["routed experts"])))
 """
 
 
-def load_once(path: str, threads) -> dict:
+def load_once(path: str, threads, dtype: str, dense_format: str) -> dict:
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-    out = subprocess.run([sys.executable, "-c", _CHILD, path], capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, "-c", _CHILD, path, dtype, dense_format], capture_output=True, text=True,
+                         env=env)
     if out.returncode:
         raise RuntimeError(f"the load failed:\n{out.stderr[-3000:]}")
     m = json.loads(out.stdout.splitlines()[-1])
@@ -161,6 +166,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse", action="store_true", help="load the --gguf file as it is when it exists")
     ap.add_argument("--repeats", type=int, default=2, help="loads, each in a fresh process (default: 2)")
     ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS of the loads (default: unset)")
+    # a few layers alone keep fp32 dense weights (a small model); the whole 48-layer model gets bf16 and int8 linears
+    ap.add_argument("--dtype", default="bf16", help="--dtype of the loads (default: bf16, as the full model)")
+    ap.add_argument("--dense-format", default="int8", help="--dense-format (default: int8, as the full model)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = ap.parse_args(argv)
@@ -178,9 +186,12 @@ def main(argv=None) -> int:
                 pass
         runs = []
         for r in range(args.repeats):
-            m = load_once(path, args.threads)
+            m = load_once(path, args.threads, args.dtype, args.dense_format)
             runs.append(m)
-            print(f"load {r + 1}: {m['load_s']:.2f} s = {written['bytes'] / m['load_s'] / 1e9:.2f} GB/s of file; "
+            m["loadavg"] = os.getloadavg()[0]  # other work on the machine: the load shares its cores with it
+            print(f"load {r + 1}: {m['load_s']:.2f} s = {written['bytes'] / m['load_s'] / 1e9:.2f} GB/s of file "
+                  f"({m['cpu_s']:.1f} CPU-s, {m['page_faults'] / 1e3:.0f} k page faults, load average "
+                  f"{m['loadavg']:.1f}); "
                   f"RSS before {m['before'] / 2**20:.0f} MiB, after +{(m['after'] - m['before']) / 2**20:.0f} MiB, "
                   f"peak +{(m['peak'] - m['before']) / 2**20:.0f} MiB (ratio {m['ratio']:.3f}); experts "
                   f"{m['expert_bytes'] / 2**20:.1f} MiB, planned {m['plan_expert_bytes'] / 2**20:.1f} MiB", flush=True)
@@ -192,7 +203,8 @@ def main(argv=None) -> int:
     secs = statistics.median(m["load_s"] for m in runs)
     rate = written["bytes"] / secs / 1e9
     ratio = max(m["ratio"] for m in runs)
-    print(f"{args.shape}, {args.layers} layers, experts {args.experts}, {written['bytes'] / 1e9:.2f} GB: median load "
+    print(f"{args.shape}, {args.layers} layers, experts {args.experts}, dense {args.dtype}/{args.dense_format}, "
+          f"{written['bytes'] / 1e9:.2f} GB: median load "
           f"{secs:.2f} s = {rate:.2f} GB/s of file; peak RSS / resident {ratio:.3f} (bound 1.3); {cpu_model()}, "
           f"{os.cpu_count()} cpus, commit {git_commit()}")
     if args.json:

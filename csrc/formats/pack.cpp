@@ -117,26 +117,37 @@ bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* gr
   const int off = code_offset(s);
   const int lo = s.affine() ? 0 : f == WeightFormat::int8 ? -127 : -8;
   const int hi = f == WeightFormat::int8 ? 127 : s.affine() ? 15 : 7;
-  const int ng = s.n_groups();
+  const int ng = s.n_groups(), row0 = rb * kRowsPerBlock, rows = std::min(kRowsPerBlock, s.n - row0);
   float* mins = scales + (size_t)ng * kRowsPerBlock;  // affine only
-  for (int r = 0; r < kRowsPerBlock; ++r) {
-    int row = rb * kRowsPerBlock + r;
-    if (row >= s.n) break;
-    const int8_t* src = q + (size_t)row * s.k;
+  for (int r = 0; r < rows; ++r) {
+    const int8_t* src = q + (size_t)(row0 + r) * s.k;
     int bad = 0;
     for (int k = 0; k < s.k; ++k) bad |= (src[k] < lo) | (src[k] > hi);
     if (bad) return false;
-    uint8_t* dst = data + 4 * r;  // this row's 4 bytes of line 0; a line is kLineBytes further
-    if (f == WeightFormat::int8) {
-      for (int j = 0; j < s.k / 4; ++j)
-        for (int b = 0; b < 4; ++b) dst[(size_t)j * kLineBytes + b] = (uint8_t)(src[4 * j + b] + off);
-      put_codes(f, dst, s.k / 4 * 4, s.k % 4, src + s.k / 4 * 4, off);
-    } else {  // byte b of line j: k = 8j + b in the low nibble, 8j + 4 + b in the high one
-      for (int j = 0; j < s.k / 8; ++j)
-        for (int b = 0; b < 4; ++b)
-          dst[(size_t)j * kLineBytes + b] = (uint8_t)((src[8 * j + b] + off) | ((src[8 * j + 4 + b] + off) << 4));
-      put_codes(f, dst, s.k / 8 * 8, s.k % 8, src + s.k / 8 * 8, off);
+  }
+  // Whole lines first, each line's 16 rows in turn (sequential stores), 4 codes (int8) or 8 (int4) per 32-bit
+  // word: q + offset is q ^ 0x80 for int8 codes in [-127, 127] and (q & 15) ^ 8 for int4 codes in [-8, 7].
+  const int kpl = f == WeightFormat::int8 ? 4 : 8, n_lines = s.k / kpl;
+  const uint32_t flip = off == 128 ? 0x80808080u : off == 8 ? 0x08080808u : 0u;
+  for (int j = 0; j < n_lines; ++j) {
+    uint8_t* line = data + (size_t)j * kLineBytes;
+    for (int r = 0; r < rows; ++r) {
+      const int8_t* src = q + (size_t)(row0 + r) * s.k + (size_t)j * kpl;
+      uint32_t w, hi4;
+      std::memcpy(&w, src, 4);
+      if (f == WeightFormat::int8) {
+        w ^= flip;
+      } else {  // byte b: k = 8j + b in the low nibble, 8j + 4 + b in the high one
+        std::memcpy(&hi4, src + 4, 4);
+        w = ((w & 0x0f0f0f0fu) ^ flip) | (((hi4 & 0x0f0f0f0fu) ^ flip) << 4);
+      }
+      std::memcpy(line + 4 * r, &w, 4);
     }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const int row = row0 + r;
+    const int8_t* src = q + (size_t)row * s.k;
+    put_codes(f, data + 4 * r, n_lines * kpl, s.k - n_lines * kpl, src + n_lines * kpl, off);
     for (int g = 0; g < ng; ++g) {
       float sc = group_scales[(size_t)row * ng + g];
       if (!std::isfinite(sc)) return false;

@@ -31,12 +31,13 @@ def _log(msg: str) -> None:
 
 
 def checkpoint_model(path, options, log: Callable[[str], None]) -> tuple:
-    """(config, meta model, MoE blocks, expert intermediate size, options) of the checkpoint at ``path``: its
-    config and tensor headers only, as load_model reads them before its plan (a GGUF file's experts format too)."""
+    """(config, meta model, MoE blocks, expert intermediate size, options, GGUF expert types) of the checkpoint at
+    ``path``: its config and tensor headers only, as load_model reads them before its plan (a GGUF file's experts
+    format and per-layer types too)."""
     from hetmoe.engine.checkpoint import CheckpointError
     from hetmoe.engine.loader import _expert_keys, build_meta, checked_config, moe_blocks, open_checkpoint
 
-    ckpt = open_checkpoint(path)
+    ckpt, types = open_checkpoint(path), ()
     try:
         source = getattr(ckpt, "config_source", ckpt.path / "config.json")
         cfg = checked_config(ckpt.config, source)
@@ -50,9 +51,10 @@ def checkpoint_model(path, options, log: Callable[[str], None]) -> tuple:
             inter = ckpt.shape(f"{blocks[0][0]}.experts.0.{names[0]}.weight")[0]
             if hasattr(ckpt, "experts_options"):  # a GGUF file: experts at their own precision by default
                 options = ckpt.experts_options([f"{blocks[0][0]}.experts.0.{n}.weight" for n in names], options, log)
+                types = ckpt.expert_types([name for name, _ in blocks], names)
     finally:
         ckpt.close()
-    return cfg, model, blocks, inter, options
+    return cfg, model, blocks, inter, options, types
 
 
 def shape_model(shape: str, layers, options) -> tuple:
@@ -64,7 +66,7 @@ def shape_model(shape: str, layers, options) -> tuple:
     model = build_meta(cfg)
     blocks = moe_blocks(model)
     inter = (cfg.get("moe_intermediate_size") or cfg.intermediate_size) if blocks else 0
-    return cfg, model, blocks, inter, options
+    return cfg, model, blocks, inter, options, ()
 
 
 def make_plan(args: argparse.Namespace, log: Callable[[str], None] = _log) -> tuple:
@@ -81,11 +83,11 @@ def make_plan(args: argparse.Namespace, log: Callable[[str], None] = _log) -> tu
         raise ValueError("--layers applies to --shape only")
     options = normalize_options(engine_options(args), log)
     if args.shape is not None:
-        cfg, model, blocks, inter, options = shape_model(args.shape, args.layers, options)
+        cfg, model, blocks, inter, options, types = shape_model(args.shape, args.layers, options)
         name = f"{args.shape} shape"
     else:
         path = args.model if args.model is not None else default_model_path()
-        cfg, model, blocks, inter, options = checkpoint_model(path, options, log)
+        cfg, model, blocks, inter, options, types = checkpoint_model(path, options, log)
         name = str(path)
     # --device cuda without a GPU here: plan for one (its size from --gpu-memory)
     planned = torch.device("cuda") if options.device == "cuda" and not torch.cuda.is_available() else None
@@ -95,7 +97,7 @@ def make_plan(args: argparse.Namespace, log: Callable[[str], None] = _log) -> tu
     title = (f"{name}: {cfg.get('model_type')}, {cfg.num_hidden_layers} layers ({len(blocks)} MoE), "
              f"{dense / 1e9:.2f} G dense + {routed / 1e9:.2f} G routed-expert parameters, on {where}")
     try:
-        return title, plan_model(model, cfg, blocks, options, inter, planned)
+        return title, plan_model(model, cfg, blocks, options, inter, planned, types)
     except PlanError as err:
         return title, err
 

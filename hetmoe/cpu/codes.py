@@ -54,12 +54,16 @@ def layout_of(experts: CPUExperts) -> dict:
 
 
 def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
-               first_expert: int = 0, mins: Optional[Sequence[Optional[torch.Tensor]]] = None) -> None:
+               first_expert: int = 0, mins: Optional[Sequence[Optional[torch.Tensor]]] = None,
+               scan_first: bool = True) -> None:
     """Pack experts ``first_expert ..`` of ``experts`` (grouped int8 or int4) from ``codes`` = (gate, up, down) int8
     [n, I, H] / [n, I, H] / [n, H, I] and ``scales`` = the same matrices' fp32 [n, rows, cols / group] (one per
     group of the matrix's group size consecutive columns of a row); ``mins`` (same shapes as the scales) for the
     matrices the experts hold affine (None for symmetric ones). ValueError, naming the matrix, for a shape, dtype,
-    group or range the engine cannot hold exactly; nothing of a refused call is marked loaded."""
+    group or range the engine cannot hold exactly; nothing of a refused call is marked loaded. ``scan_first=False``
+    (codes a decoder made, in range by construction): the values are scanned only when the engine refuses them (it
+    checks ranges and scales as it packs), to name what was wrong; a refused call may then have overwritten the
+    experts' bytes (still not marked loaded)."""
     info = experts.info()
     fmt, group, down_group = info["weight_format"], info["group_size"], info["down_group_size"]
     if fmt not in ("int8", "int4") or group <= 0 or down_group <= 0:
@@ -72,7 +76,7 @@ def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Seque
     if not 0 <= first_expert or n < 0 or first_expert + n > experts.num_experts:
         raise ValueError(f"experts [{first_expert}, {first_expert + n}) do not fit in "
                          f"num_experts={experts.num_experts}")
-    ready = []  # per matrix: (codes, scales, mins or None), checked, contiguous on the CPU
+    ready = []  # per matrix: (name, format, scaling, codes, scales, mins or None), contiguous on the CPU
     layouts = ((fmt, group, info["gate_up_scaling"]),) * 2 + ((info["down_weight_format"], down_group,
                                                               info["down_scaling"]),)
     for name, q, s, m, (rows, cols), (mfmt, g, scaling) in zip(("gate", "up", "down"), codes, scales, mins,
@@ -84,21 +88,34 @@ def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Seque
         if (m is None) != (scaling == "symmetric"):
             raise ValueError(f"{name} is held {scaling}: " + ("mins are needed" if m is None else "it takes no mins"))
         q = q.detach().to("cpu").contiguous()
-        lo, hi = CODE_RANGE[mfmt, scaling]
-        qmin, qmax = (int(v) for v in q.aminmax()) if q.numel() else (lo, hi)  # one pass over the codes
-        if qmin < lo or qmax > hi:
-            held = mfmt if scaling == "symmetric" else f"{mfmt} {scaling}"
-            raise ValueError(f"{name} has codes in [{qmin}, {qmax}]; {held} holds [{lo}, {hi}] exactly")
         s, m = (None if t is None else t.detach().to("cpu", torch.float32).contiguous() for t in (s, m))
         for what, t in (("scales", s), ("mins", m)):
             if t is not None and tuple(t.shape) != (n, rows, cols // g):
                 raise ValueError(f"{name} {what} must be [{n}, {rows}, {cols // g}] (one per {g} columns), "
                                  f"got {list(t.shape)}")
+        ready.append((name, mfmt, scaling, q, s, m))
+    if scan_first:
+        _scan(ready)
+    (_, _, _, gq, gs, gm), (_, _, _, uq, us, um), (_, _, _, dq, ds, dm) = ready
+    addr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    try:
+        experts._ex.load_codes(first_expert, n, gq.data_ptr(), gs.data_ptr(), uq.data_ptr(), us.data_ptr(),
+                               dq.data_ptr(), ds.data_ptr(), addr(gm), addr(um), addr(dm))
+    except ValueError:
+        if not scan_first:
+            _scan(ready)  # names the matrix and what is wrong with it
+        raise
+
+
+def _scan(ready: list) -> None:
+    """ValueError naming the first matrix whose codes are out of its range or whose scales or mins are not finite."""
+    for name, mfmt, scaling, q, s, m in ready:
+        lo, hi = CODE_RANGE[mfmt, scaling]
+        qmin, qmax = (int(v) for v in q.aminmax()) if q.numel() else (lo, hi)  # one pass over the codes
+        if qmin < lo or qmax > hi:
+            held = mfmt if scaling == "symmetric" else f"{mfmt} {scaling}"
+            raise ValueError(f"{name} has codes in [{qmin}, {qmax}]; {held} holds [{lo}, {hi}] exactly")
+        for what, t in (("scales", s), ("mins", m)):
             # a NaN or Inf makes the sum one (so does an overflow: then the exact test decides)
             if t is not None and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
                 raise ValueError(f"{name} has {what} that are NaN or Inf")
-        ready.append((q, s, m))
-    (gq, gs, gm), (uq, us, um), (dq, ds, dm) = ready
-    addr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    experts._ex.load_codes(first_expert, n, gq.data_ptr(), gs.data_ptr(), uq.data_ptr(), us.data_ptr(),
-                           dq.data_ptr(), ds.data_ptr(), addr(gm), addr(um), addr(dm))

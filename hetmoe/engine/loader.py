@@ -20,7 +20,6 @@ exists; routed experts are ``<block>.experts.<e>.{gate_proj,up_proj,down_proj}.w
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -37,6 +36,7 @@ from hetmoe.engine.calibration import calibration_text, check_gpu_experts, keep_
 from hetmoe.engine.checkpoint import Checkpoint, CheckpointError, block_fp8, read_config
 from hetmoe.engine.dense import FP8Source, pack_dense
 from hetmoe.engine.expert_cache import ExpertCache, default_cache_dir
+from hetmoe.engine.materialize import EXPERT_NAMES, _expert_keys, _Materializer, fill_experts  # noqa: F401
 from hetmoe.engine.memory_plan import model_shapes  # noqa: F401  (tests import it from here)
 from hetmoe.engine.placement import (
     EngineOptions,
@@ -58,8 +58,6 @@ from hetmoe.moe import HostStaging, MoELayer, defer_experts, layerwise, moe_laye
 from hetmoe.moe.layerwise import LayerwisePrefill
 
 # (*) defer_experts (the uniform deferral) is imported from here by hetmoe/bench/decode_variants.py and tests.
-EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # HF names of gate, up, down
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass
@@ -115,12 +113,13 @@ def new_experts(layer: MoELayer, cfg: ModelConfig, inter: int, plan: MemoryPlan,
 
 
 def plan_model(model: nn.Module, cfg: ModelConfig, blocks: list, options: EngineOptions, inter: int,
-               device: Optional[torch.device] = None) -> MemoryPlan:
+               device: Optional[torch.device] = None, expert_types: tuple = ()) -> MemoryPlan:
     """The checks that read no weight (deferral, --gpu-experts, the placement rules of ``options.rules`` against the
-    model's modules) and the memory plan, its ``layers`` placed as the rules say (on ``device``: hetmoe plan's)."""
+    model's modules) and the memory plan, its ``layers`` placed as the rules say (on ``device``: hetmoe plan's).
+    ``expert_types``: a GGUF file's (GGUFCheckpoint.expert_types), so that layers held exactly count their layout."""
     check_deferral(cfg, len(blocks), options.defer_experts)
     check_gpu_experts([b.num_experts for _, b in blocks], 0 if options.gpu_experts == "auto" else options.gpu_experts)
-    shapes = model_shapes(model, cfg, inter)
+    shapes = replace(model_shapes(model, cfg, inter), expert_types=tuple(expert_types))
     layers = None
     if options.rules is not None:
         where = device or resolve_device(options.device)
@@ -198,82 +197,10 @@ def config_notes(cfg: ModelConfig) -> list:
     return []
 
 
-def _expert_keys(ckpt: Checkpoint, prefix: str) -> tuple:
-    for names in EXPERT_NAMES:
-        if f"{prefix}.experts.0.{names[0]}.weight" in ckpt:
-            return names
-    raise CheckpointError(f"{ckpt.path}: no routed experts found for {prefix} (expected tensors like "
-                          f"{prefix}.experts.0.gate_proj.weight)")
-
-
 def _progress(total: int, enabled: bool, desc: str):
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="layer", disable=not enabled, file=sys.stderr, leave=False)
-
-
-class _Materializer:
-    """Copies checkpoint tensors into a meta-built model, module by module."""
-
-    def __init__(self, ckpt: Checkpoint, plan: MemoryPlan, fp8: Optional[FP8Source] = None):
-        self.ckpt, self.plan, self.fp8 = ckpt, plan, fp8  # fp8: weights kept as stored (dense.FP8Source)
-        self.used: set = set()
-
-    def fill(self, model: nn.Module, prefix: str) -> None:
-        """Every parameter and persistent buffer of ``model.get_submodule(prefix)`` (or of the globals when
-        prefix is "" — everything outside model.layers)."""
-        root = model.get_submodule(prefix) if prefix else model
-        for mod_name, module in root.named_modules(prefix=prefix):
-            if not prefix and _LAYER.match(mod_name + "."):
-                continue
-            for leaf, p in list(module._parameters.items()):
-                if p is not None and not (self.fp8 is not None and self.fp8.take(module, f"{mod_name}.{leaf}")):
-                    module._parameters[leaf] = nn.Parameter(self._tensor(f"{mod_name}.{leaf}", p), requires_grad=False)
-            persistent = [b for b in module._buffers if b not in module._non_persistent_buffers_set]
-            for leaf in persistent:
-                b = module._buffers[leaf]
-                if b is not None:
-                    module._buffers[leaf] = self._tensor(f"{mod_name}.{leaf}", b, keep_dtype=True)
-            for leaf in module._non_persistent_buffers_set:
-                b = module._buffers.get(leaf)
-                if b is not None:
-                    module._buffers[leaf] = b.to(self.plan.device)
-
-    def _tensor(self, name: str, like: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
-        ckpt = self.ckpt
-        if name not in ckpt and name == "lm_head.weight" and ckpt.config.get("tie_word_embeddings"):
-            name = "model.embed_tokens.weight"
-        dtype = like.dtype if keep_dtype else self.plan.dtype
-        src = ckpt.get_float(name)
-        if tuple(src.shape) != tuple(like.shape):
-            raise CheckpointError(f"tensor {name} has shape {list(src.shape)} in {ckpt.path}; the config implies "
-                                  f"{list(like.shape)}")
-        out = torch.empty(like.shape, dtype=dtype, device=self.plan.device)
-        out.copy_(src)  # never a view of the mapped file
-        self.used.add(name)
-        return out
-
-
-def fill_experts(ckpt: Checkpoint, prefix: str, experts: CPUExperts) -> None:
-    """Pack the routed experts of block ``prefix`` from the checkpoint, one expert at a time (FP8 dequantized
-    per expert, so at most one expert's fp32 copy exists at once). A GGUF file's experts of exactly held types
-    (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) loaded in the layout that holds them are packed from their codes: nothing is
-    re-quantized."""
-    names = _expert_keys(ckpt, prefix)
-    H, I = experts.hidden_size, experts.intermediate_size
-    if getattr(ckpt, "load_exact_experts", lambda *a: False)(prefix, names, experts):
-        return  # a GGUF file's own codes (GGUFCheckpoint.load_exact_experts)
-    for e in range(experts.num_experts):
-        mats = []
-        for which, want in zip(names, ((I, H), (I, H), (H, I))):
-            key = f"{prefix}.experts.{e}.{which}.weight"
-            if tuple(ckpt.shape(key)) != want:
-                raise CheckpointError(f"tensor {key} has shape {list(ckpt.shape(key))}; expected {list(want)}")
-            mats.append(ckpt.get_float(key))
-        try:
-            experts.load([mats[0]], [mats[1]], [mats[2]], first_expert=e)
-        except ValueError as err:
-            raise CheckpointError(f"{prefix}.experts.{e}: {err}") from None
 
 
 def load_summary(cfg: ModelConfig, path: Path, n_layers: int, n_moe: int, plan: MemoryPlan,
@@ -373,7 +300,8 @@ def load_model(
         inter = ckpt.shape(f"{blocks[0][0]}.experts.0.{names[0]}.weight")[0]
     if blocks and hasattr(ckpt, "experts_options"):  # a GGUF file: experts at their own precision by default
         options = ckpt.experts_options([f"{blocks[0][0]}.experts.0.{n}.weight" for n in names], options, log)
-    plan = plan_model(model, cfg, blocks, options, inter)
+    types = getattr(ckpt, "expert_types", lambda *a: ())([name for name, _ in blocks], names) if blocks else ()
+    plan = plan_model(model, cfg, blocks, options, inter, expert_types=types)
     if options.gpu_experts or any(lp.gpu_experts for lp in plan.layers):
         calibration_text(options.calibration_file)  # a bad file fails now, not after loading
     for line in load_summary(cfg, ckpt.path, len(model.model.layers), len(blocks), plan, options):

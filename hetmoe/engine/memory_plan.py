@@ -9,7 +9,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from hetmoe.engine.sysmem import gib, wrap
+from hetmoe.engine.sysmem import expert_bytes, gib, layout_bytes, wrap
 
 if TYPE_CHECKING:
     import torch
@@ -112,6 +112,21 @@ class ModelShapes:
     context_why: str = ""
     moe_names: tuple = ()  # the MoE blocks' names, in forward order (the plan's per-layer entries)
     dense_linears: tuple = ()  # (out, in) of each linear a dense format packs (engine/dense.py), part of dense_params
+    # per MoE layer, the GGML types of a GGUF file's (gate, up, down) experts: a layer whose types the planned
+    # format holds exactly takes their own layout (hetmoe/cpu/codes.py exact_layout) and is counted in it
+    expert_types: tuple = ()
+
+    def layer_expert_bytes(self, i: int, fmt: str, group: int) -> int:
+        """One routed expert of MoE layer ``i`` as the loader allocates it: in ``fmt`` / ``group``, or in the exact
+        layout of a GGUF file's types where that format holds them (the loader's ``new_experts`` takes it then)."""
+        if i < len(self.expert_types):
+            from hetmoe.cpu.codes import exact_layout, plan_format
+
+            gate, up, down = self.expert_types[i]
+            exact = exact_layout(gate, down, fmt) if gate == up else None
+            if exact is not None and plan_format(exact) == (fmt, group):
+                return layout_bytes(exact, self.hidden, self.expert_inter)
+        return expert_bytes(fmt, self.hidden, self.expert_inter, group)
 
 
 # The table's rows in this order (parts not named here after them, in the plan's order).

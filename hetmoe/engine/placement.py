@@ -99,7 +99,7 @@ def plan_layers(shapes: "ModelShapes", opts: EngineOptions, device: torch.device
         gpu = gpu_experts if got["gpu_experts"] is None else got["gpu_experts"]
         gpu = gpu if device.type == "cuda" else 0  # a CPU-only placement keeps every expert on the CPU
         defer = opts.defer_experts if got["defer_experts"] is None else got["defer_experts"]
-        ram = shapes.n_routed // n * expert_bytes(f, H, I, group)
+        ram = shapes.n_routed // n * shapes.layer_expert_bytes(len(out), f, group)
         gfmt = getattr(p, "gpu_experts_format", None) or opts.gpu_experts_format
         each, stored = resident_bytes(gfmt, f, group, H, I, itemsize)
         out.append(LayerPlan(name, f, group, gpu, defer, ram, gpu * each, stored, each))

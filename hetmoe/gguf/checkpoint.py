@@ -32,6 +32,7 @@ from hetmoe.models.config import ModelConfig
 
 EXACT = {"Q8_0": ("int8", 34), "Q4_0": ("int4", 18)}  # GGML type -> (engine format, bytes per block of 32)
 BLOCK = 32
+CHUNK = 8  # experts decoded and packed at once
 _LAYER = re.compile(r"\.layers\.\d+\.")
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
@@ -95,12 +96,15 @@ def gguf_file(path) -> Path:
 
 
 class GGUFCheckpoint:
+    floats_are_copies = True  # get_float returns memory of its own (the loader keeps it rather than copy it)
+
     def __init__(self, path):
         self.file = open_gguf(gguf_file(path))
         self.path = Path(self.file.path)
         self.config_source = self.path  # what errors about the config name
         self.config = ModelConfig(config_from_gguf(self.file))
         self._map: dict = {}  # HF name -> (GGUFTensor, transform, expert index or None) or the kv_b pair
+        self._scratch: dict = {}  # (matrix, GGML type, shape) -> decode buffers of CHUNK experts (load_exact_experts)
         pairs: dict = {}
         for gguf_name, (name, transform) in hf_names(self.file).items():
             t = self.file.tensors[gguf_name]
@@ -147,10 +151,9 @@ class GGUFCheckpoint:
         elif transform in (Transform.UNPERMUTE_Q, Transform.UNPERMUTE_K):
             heads = cfg.num_attention_heads if transform is Transform.UNPERMUTE_Q else cfg.num_key_value_heads
             w = unpermute_rope(t.float32(), heads)
-        else:
-            w = t.float32(e)
-            if transform is Transform.ROW:
-                w = w.reshape(1, -1)
+        else:  # decoded straight into the dtype
+            w = t.dequantized(dtype or torch.float32, e)
+            return w.reshape(1, -1) if transform is Transform.ROW else w
         out = torch.from_numpy(np.ascontiguousarray(w))
         return out if dtype is None else out.to(dtype)
 
@@ -180,6 +183,11 @@ class GGUFCheckpoint:
                 raise GGUFError(f"{self.path}: {name}: {err}") from None
         return (*block_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:])), None)
 
+    def expert_types(self, prefixes: list, names: list) -> tuple:
+        """The GGML types of (gate, up, down) of each MoE block of ``prefixes`` (``names``: as the model calls
+        them): what the memory plan counts a layer held exactly by (ModelShapes.layer_expert_bytes)."""
+        return tuple(tuple(self.ggml_type(f"{p}.experts.0.{w}.weight") for w in names) for p in prefixes)
+
     def experts_layout(self, prefix: str, names: list, plan: Optional[str] = None) -> Optional[dict]:
         """exact_format of block ``prefix``'s experts (``names``: gate, up, down as the model calls them)."""
         return self.exact_format([f"{prefix}.experts.0.{w}.weight" for w in names], plan)
@@ -187,18 +195,55 @@ class GGUFCheckpoint:
     def load_exact_experts(self, prefix: str, names: list, experts) -> bool:
         """Pack block ``prefix``'s experts from their own codes when ``experts`` has the layout that holds them
         exactly (nothing re-quantized): True when done, False when not (the loader packs from floats then).
-        GGUFError naming the file, expert and matrix for a block the engine refuses (a NaN scale, ...)."""
+        GGUFError naming the file, expert and matrix for a block the engine refuses (a NaN scale, ...).
+
+        CHUNK experts at a time: their K-quant blocks decoded on the experts' threads into buffers kept from layer
+        to layer (fresh pages cost more than the decoding on some machines), then packed in one engine call."""
         held = layout_of(experts)
         if self.experts_layout(prefix, names, plan_format(held)[0]) != held:
             return False
-        for e in range(experts.num_experts):
-            parts = [self.expert_codes(f"{prefix}.experts.{e}.{w}.weight") for w in names]
+        stacked = [self._entry(f"{prefix}.experts.0.{w}.weight")[0] for w in names]
+        threads = experts.info()["threads"]
+        for e0 in range(0, experts.num_experts, CHUNK):
+            n = min(CHUNK, experts.num_experts - e0)
+            parts = [self._chunk_codes(t, e0, n, threads, slot) for slot, t in enumerate(stacked)]
             try:
-                load_codes(experts, [p[0][None] for p in parts], [p[1][None] for p in parts], first_expert=e,
-                           mins=[None if p[2] is None else p[2][None] for p in parts])
+                load_codes(experts, [p[0] for p in parts], [p[1] for p in parts], first_expert=e0,
+                           mins=[p[2] for p in parts], scan_first=False)
             except ValueError as err:
-                raise GGUFError(f"{self.path}: {prefix}.experts.{e}: {err}") from None
+                raise self._refused(experts, parts, prefix, e0, err) from None
         return True
+
+    def _refused(self, experts, parts: list, prefix: str, e0: int, err: ValueError) -> GGUFError:
+        """The error of a chunk of experts the engine refused, naming its first bad expert and matrix (each
+        loaded alone, its values scanned first)."""
+        for e in range(parts[0][0].shape[0]):
+            one = [[None if t is None else t[e:e + 1] for t in p] for p in parts]
+            try:
+                load_codes(experts, [p[0] for p in one], [p[1] for p in one], first_expert=e0 + e,
+                           mins=[p[2] for p in one])
+            except ValueError as bad:
+                return GGUFError(f"{self.path}: {prefix}.experts.{e0 + e}: {bad}")
+        return GGUFError(f"{self.path}: {prefix}.experts.{e0}-{e0 + len(parts[0][0]) - 1}: {err}")
+
+    def _chunk_codes(self, t, e0: int, n: int, threads: int, slot: int) -> tuple:
+        """(codes, scales, mins or None) of experts [e0, e0 + n) of the stacked tensor ``t``; K-quants: views of
+        the buffers of ``slot`` (gate, up, down: 0, 1, 2) reused from layer to layer."""
+        kind, shape = t.ggml_type.name, (n, *t.shape[1:])
+        if kind not in KQUANTS:
+            return (*block_codes(np.asarray(t.data[e0:e0 + n]), kind, shape), None)
+        group, affine = KQUANTS[kind][2], KQUANTS[kind][1] == "affine"
+        key = (slot, kind, tuple(t.shape[1:]))
+        if key not in self._scratch:
+            rows, cols = t.shape[1:]
+            scales = torch.empty(CHUNK, rows, cols // group)
+            self._scratch[key] = (torch.empty(CHUNK, rows, cols, dtype=torch.int8), scales,
+                                  torch.empty_like(scales) if affine else None)
+        out = tuple(None if b is None else b[:n] for b in self._scratch[key])
+        try:
+            return kquant_codes(np.asarray(t.data[e0:e0 + n]), kind, shape, out, threads)
+        except ValueError as err:
+            raise GGUFError(f"{self.path}: {t.name}: {err}") from None
 
     def _layer_names(self, names: list) -> list:
         """``names`` (one MoE layer's expert 0 gate, up, down) for every layer of the file that has them."""
@@ -260,6 +305,7 @@ class GGUFCheckpoint:
                 pass
 
     def close(self) -> None:
+        self._scratch.clear()
         self.file.close()
 
     def fingerprint(self) -> list:

@@ -18,6 +18,10 @@ decoding itself is C++ (csrc/formats/gguf_blocks.cpp: a numpy version ran at 0.0
 
 from __future__ import annotations
 
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -29,21 +33,45 @@ KQUANTS = {"Q4_K": ("int4", "affine", 32, 144), "Q5_K": ("int8", "affine", 32, 1
            "Q6_K": ("int8", "symmetric", 16, 210)}
 
 
-def kquant_codes(raw: np.ndarray, kind: str, shape: tuple) -> tuple:
+def kquant_codes(raw: np.ndarray, kind: str, shape: tuple, out: Optional[tuple] = None, threads: int = 1) -> tuple:
     """(codes int8 ``shape``, scales fp32 ``shape[:-1] + (cols / group,)``, mins of the same shape or None) of the
     K-quant matrix ``raw`` (its bytes: rows of super-blocks) of type ``kind``, decoded in C++
     (csrc/formats/gguf_blocks.cpp); ValueError for a shape that is not whole super-blocks or a byte count that does
-    not match."""
+    not match. ``out``: the three tensors to decode into (reused buffers; their shapes checked), ``threads``: rows
+    decoded on that many threads at once (the decoder releases the GIL)."""
     fmt, scaling, group, nbytes = KQUANTS[kind]
     rows, cols = int(np.prod(shape[:-1])), shape[-1]
     if cols % QK:
         raise ValueError(f"{kind} rows of {cols} values are not whole super-blocks of {QK}")
     raw = np.ascontiguousarray(np.asarray(raw, np.uint8)).reshape(-1)
-    if raw.size != rows * (cols // QK) * nbytes:
-        raise ValueError(f"{kind} {list(shape)} needs {rows * (cols // QK) * nbytes} bytes, got {raw.size}")
-    codes = torch.empty(shape, dtype=torch.int8)
-    scales = torch.empty(*shape[:-1], cols // group)
-    mins = torch.empty_like(scales) if scaling == "affine" else None
-    _C.decode_kquant(kind, raw.ctypes.data, rows, cols, codes.data_ptr(), scales.data_ptr(),
-                     0 if mins is None else mins.data_ptr())
+    row_bytes = cols // QK * nbytes
+    if raw.size != rows * row_bytes:
+        raise ValueError(f"{kind} {list(shape)} needs {rows * row_bytes} bytes, got {raw.size}")
+    want = (tuple(shape), (*shape[:-1], cols // group))
+    if out is None:
+        codes = torch.empty(shape, dtype=torch.int8)
+        scales = torch.empty(*shape[:-1], cols // group)
+        mins = torch.empty_like(scales) if scaling == "affine" else None
+    else:
+        codes, scales, mins = out
+        if (tuple(codes.shape), tuple(scales.shape)) != want or (mins is None) != (scaling != "affine") or not all(
+                t is None or t.is_contiguous() for t in out):
+            raise ValueError(f"{kind} {list(shape)}: the output tensors do not have its shapes")
+    per_row = cols // group
+
+    def decode(r0: int, r1: int) -> None:
+        at = 4 * r0 * per_row  # bytes into the scales and mins
+        _C.decode_kquant(kind, raw.ctypes.data + r0 * row_bytes, r1 - r0, cols, codes.data_ptr() + r0 * cols,
+                         scales.data_ptr() + at, 0 if mins is None else mins.data_ptr() + at)
+
+    if threads <= 1 or rows < 2 * threads:
+        decode(0, rows)
+    else:
+        cuts = [rows * i // threads for i in range(threads + 1)]
+        list(_executor(threads).map(decode, cuts[:-1], cuts[1:]))
     return codes, scales, mins
+
+
+@functools.lru_cache(maxsize=None)
+def _executor(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="hetmoe-kquant")

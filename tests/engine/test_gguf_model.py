@@ -351,3 +351,24 @@ def test_a_split_gguf_loads_as_the_single_file_does(tmp_path):
     ids = [3, 14, 15, 92, 65, 35]
     logits = [Runner(_load(p)).prefill(ids) for p in (whole, first)]
     assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("qtype, layer_types", [
+    ("Q8_0", None), ("Q4_0", None), ("Q4_K", None), ("Q5_K", None), ("Q6_K", None), ("Q4_K+Q6_K", None),
+    ("Q4_K", {0: "Q4_K+Q6_K", 1: "Q5_K+Q8_0"}),  # layers of different exact layouts
+    ("Q4_K", {1: "Q6_K+Q6_K"}),  # gate and up of different types: that layer re-quantized into the plan's format
+])
+def test_the_plan_counts_what_the_engine_allocates(tmp_path, qtype, layer_types, capsys):
+    """For every GGUF type mix the plan's routed-expert bytes, per layer and in all, are the bytes the engine
+    allocated (affine layouts' fp32 mins and group-16 scales included), and ``hetmoe plan`` prints them."""
+    from hetmoe.cli import main
+    from hetmoe.engine.placement import gib
+
+    path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", qtype, layer_types=layer_types, **KSIZES["qwen3_moe"])
+    loaded = _load(path)
+    engine = [block.experts.nbytes for _, block in moe_blocks(loaded.model)]
+    assert [lp.ram for lp in loaded.plan.layers] == engine
+    assert loaded.plan.ram["routed experts"] == loaded.info["expert_bytes"] == sum(engine)
+    assert main(["plan", "--model", str(path), "--device", "cpu", "--dtype", "fp32"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("routed experts"))
+    assert f" {gib(sum(engine))} " in row, row
