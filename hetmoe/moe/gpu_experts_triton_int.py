@@ -28,8 +28,8 @@ FMT = {"int8": 0, "int4": 1}
 
 @triton.jit
 def _halves(W, S, w_off, s_off, k0, KP, R: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr):
-    """(lo, hi, kl): fp32 weights [R, BK/2] of the rows whose codes start at W + w_off and scales at S + s_off
-    ([R] int64 each), columns kl and kl + GROUP/2 (kl [BK/2]: the first half of each group of K step k0)."""
+    """(lo, hi, kl, kh): fp32 weights [R, BK/2] of the rows whose codes start at W + w_off and scales at S + s_off
+    ([R] int64 each), columns kl and kh = kl + GROUP/2 (kl [BK/2]: the first half of each group of K step k0)."""
     c = tl.arange(0, BK // 2)
     kl = k0 + (c // (GROUP // 2)) * GROUP + c % (GROUP // 2)
     ok = (kl < KP)[None, :]
@@ -43,7 +43,7 @@ def _halves(W, S, w_off, s_off, k0, KP, R: tl.constexpr, FMT: tl.constexpr, GROU
         hi = tl.load(W + w_off[:, None] + (kl + GROUP // 2)[None, :], mask=ok, other=0).to(tl.float32)
     lo = tl.reshape(tl.reshape(lo, (R, BK // GROUP, GROUP // 2)) * s[:, :, None], (R, BK // 2))
     hi = tl.reshape(tl.reshape(hi, (R, BK // GROUP, GROUP // 2)) * s[:, :, None], (R, BK // 2))
-    return lo, hi, kl
+    return lo, hi, kl, kl + GROUP // 2
 
 
 @triton.jit
@@ -62,7 +62,7 @@ def _gate_up(X, WGU, SGU, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, HP, stride_x, st
     """HS[t, j, i-block] = silu(gate) * up for every token t routed to this program's expert (leaders only)."""
     t = tl.program_id(0) // K
     j = tl.program_id(0) % K
-    me, leader, hit, jj, _ = _pairs(IDS, WTS, SLOT_OF, SKIP, T, stride_id, stride_wt, t, j, K, KP, ROWS, HAS_SKIP,
+    me, leader, hit, jj, wj = _pairs(IDS, WTS, SLOT_OF, SKIP, T, stride_id, stride_wt, t, j, K, KP, ROWS, HAS_SKIP,
                                     N_EXPERTS)
     if (me < 0) | (leader == 0):
         return
@@ -72,15 +72,14 @@ def _gate_up(X, WGU, SGU, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, HP, stride_x, st
     gw, gs = g_row * stride_w, g_row * stride_s
     uw, us = (g_row + I) * stride_w, (g_row + I) * stride_s
     rows = tl.arange(0, ROWS)
-    HALF: tl.constexpr = GROUP // 2
     if DEFER:  # one row of x: products summed elementwise over the K loop, reduced once at the end
         acc_ge = tl.zeros((BI, BK // 2), dtype=tl.float32)
         acc_ue = tl.zeros((BI, BK // 2), dtype=tl.float32)
         for k0 in range(0, HP, BK):
-            g_lo, g_hi, kl = _halves(WGU, SGU, gw, gs, k0, HP, BI, FMT, GROUP, BK)
-            u_lo, u_hi, _ = _halves(WGU, SGU, uw, us, k0, HP, BI, FMT, GROUP, BK)
+            g_lo, g_hi, kl, kh = _halves(WGU, SGU, gw, gs, k0, HP, BI, FMT, GROUP, BK)
+            u_lo, u_hi, kl_u, kh_u = _halves(WGU, SGU, uw, us, k0, HP, BI, FMT, GROUP, BK)
             x_lo = tl.load(X + kl, mask=kl < H, other=0.0).to(tl.float32)[None, :]
-            x_hi = tl.load(X + kl + HALF, mask=kl + HALF < H, other=0.0).to(tl.float32)[None, :]
+            x_hi = tl.load(X + kh, mask=kh < H, other=0.0).to(tl.float32)[None, :]
             acc_ge += g_lo * x_lo + g_hi * x_hi
             acc_ue += u_lo * x_lo + u_hi * x_hi
         acc_g = tl.sum(acc_ge, axis=1)[None, :]
@@ -89,11 +88,11 @@ def _gate_up(X, WGU, SGU, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, HP, stride_x, st
         acc_g = tl.zeros((ROWS, BI), dtype=tl.float32)
         acc_u = tl.zeros((ROWS, BI), dtype=tl.float32)
         for k0 in range(0, HP, BK):
-            g_lo, g_hi, kl = _halves(WGU, SGU, gw, gs, k0, HP, BI, FMT, GROUP, BK)
-            u_lo, u_hi, _ = _halves(WGU, SGU, uw, us, k0, HP, BI, FMT, GROUP, BK)
+            g_lo, g_hi, kl, kh = _halves(WGU, SGU, gw, gs, k0, HP, BI, FMT, GROUP, BK)
+            u_lo, u_hi, kl_u, kh_u = _halves(WGU, SGU, uw, us, k0, HP, BI, FMT, GROUP, BK)
             for m in tl.static_range(ROWS):
                 x_lo = tl.load(X + m * stride_x + kl, mask=(kl < H) & (m < T), other=0.0).to(tl.float32)[None, :]
-                x_hi = tl.load(X + m * stride_x + kl + HALF, mask=(kl + HALF < H) & (m < T),
+                x_hi = tl.load(X + m * stride_x + kh, mask=(kh < H) & (m < T),
                                other=0.0).to(tl.float32)[None, :]
                 acc_g += tl.where(rows[:, None] == m, tl.sum(g_lo * x_lo + g_hi * x_hi, axis=1)[None, :], 0.0)
                 acc_u += tl.where(rows[:, None] == m, tl.sum(u_lo * x_lo + u_hi * x_hi, axis=1)[None, :], 0.0)
@@ -102,10 +101,10 @@ def _gate_up(X, WGU, SGU, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, HP, stride_x, st
         acc_u = tl.zeros((ROWS, BI), dtype=tl.float32)
         x_rows = X + rows[:, None] * stride_x
         for k0 in range(0, HP, BK):
-            g_lo, g_hi, kl = _halves(WGU, SGU, gw, gs, k0, HP, BI, FMT, GROUP, BK)
-            u_lo, u_hi, _ = _halves(WGU, SGU, uw, us, k0, HP, BI, FMT, GROUP, BK)
+            g_lo, g_hi, kl, kh = _halves(WGU, SGU, gw, gs, k0, HP, BI, FMT, GROUP, BK)
+            u_lo, u_hi, kl_u, kh_u = _halves(WGU, SGU, uw, us, k0, HP, BI, FMT, GROUP, BK)
             x_lo = tl.load(x_rows + kl[None, :], mask=(hit != 0)[:, None] & (kl < H)[None, :], other=0.0).to(DOT_T)
-            x_hi = tl.load(x_rows + (kl + HALF)[None, :], mask=(hit != 0)[:, None] & (kl + HALF < H)[None, :],
+            x_hi = tl.load(x_rows + kh[None, :], mask=(hit != 0)[:, None] & (kh < H)[None, :],
                            other=0.0).to(DOT_T)
             acc_g = _dot(x_lo, g_lo, acc_g, DOT_T, IEEE)
             acc_g = _dot(x_hi, g_hi, acc_g, DOT_T, IEEE)
@@ -137,34 +136,33 @@ def _down(HS, WD, SD, IDS, WTS, SLOT_OF, SKIP, P, T, H, I, IP, stride_w, stride_
     d_row = me.to(tl.int64) * H + tl.where(o_ok, o, 0)  # [BH]
     dw, ds = d_row * stride_w, d_row * stride_s
     rows = tl.arange(0, ROWS)
-    HALF: tl.constexpr = GROUP // 2
     if DEFER:
         acc_e = tl.zeros((BH, BK // 2), dtype=tl.float32)
         h_row = HS + (t * K + j).to(tl.int64) * I  # T = 1: this pair is the expert's only row
         for k0 in range(0, IP, BK):
-            w_lo, w_hi, kl = _halves(WD, SD, dw, ds, k0, IP, BH, FMT, GROUP, BK)
+            w_lo, w_hi, kl, kh = _halves(WD, SD, dw, ds, k0, IP, BH, FMT, GROUP, BK)
             h_lo = tl.load(h_row + kl, mask=kl < I, other=0.0)[None, :]
-            h_hi = tl.load(h_row + kl + HALF, mask=kl + HALF < I, other=0.0)[None, :]
+            h_hi = tl.load(h_row + kh, mask=kh < I, other=0.0)[None, :]
             acc_e += w_lo * h_lo + w_hi * h_hi
         acc = tl.sum(acc_e, axis=1)[None, :]
     elif GEMV:
         acc = tl.zeros((ROWS, BH), dtype=tl.float32)
         for k0 in range(0, IP, BK):
-            w_lo, w_hi, kl = _halves(WD, SD, dw, ds, k0, IP, BH, FMT, GROUP, BK)
+            w_lo, w_hi, kl, kh = _halves(WD, SD, dw, ds, k0, IP, BH, FMT, GROUP, BK)
             for m in tl.static_range(ROWS):
                 hm = tl.sum(tl.where(rows == m, hit, 0))
                 jm = tl.sum(tl.where(rows == m, jj, 0))
                 h_row = HS + (m * K + jm).to(tl.int64) * I
                 h_lo = tl.load(h_row + kl, mask=(kl < I) & (hm != 0), other=0.0)[None, :]
-                h_hi = tl.load(h_row + kl + HALF, mask=(kl + HALF < I) & (hm != 0), other=0.0)[None, :]
+                h_hi = tl.load(h_row + kh, mask=(kh < I) & (hm != 0), other=0.0)[None, :]
                 acc += tl.where(rows[:, None] == m, tl.sum(w_lo * h_lo + w_hi * h_hi, axis=1)[None, :], 0.0)
     else:
         acc = tl.zeros((ROWS, BH), dtype=tl.float32)
         h_rows = HS + (rows * K + jj).to(tl.int64)[:, None] * I
         for k0 in range(0, IP, BK):
-            w_lo, w_hi, kl = _halves(WD, SD, dw, ds, k0, IP, BH, FMT, GROUP, BK)
+            w_lo, w_hi, kl, kh = _halves(WD, SD, dw, ds, k0, IP, BH, FMT, GROUP, BK)
             h_lo = tl.load(h_rows + kl[None, :], mask=(hit != 0)[:, None] & (kl < I)[None, :], other=0.0).to(DOT_T)
-            h_hi = tl.load(h_rows + (kl + HALF)[None, :], mask=(hit != 0)[:, None] & (kl + HALF < I)[None, :],
+            h_hi = tl.load(h_rows + kh[None, :], mask=(hit != 0)[:, None] & (kh < I)[None, :],
                            other=0.0).to(DOT_T)
             acc = _dot(h_lo, w_lo, acc, DOT_T, IEEE)
             acc = _dot(h_hi, w_hi, acc, DOT_T, IEEE)
