@@ -310,6 +310,54 @@ def test_cli_flag():
     assert engine_options(build_parser().parse_args(["generate"])).gpu_experts_format == "auto"
 
 
+# ---------------------------------------------------------------- compiled for a GPU, without one
+
+_COMPILE = """
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hetmoe.moe import gpu_experts_triton_int as k
+
+ptrs = dict(X="*bf16", SGU="*fp32", SD="*fp32", IDS="*i64", WTS="*fp32", SLOT_OF="*i64", SKIP="*u8", HS="*fp32",
+            P="*fp32")
+n = 0
+# (format, GEMV, DEFER, rows, BI / BH, BK gate/up, BK down, IEEE): decode at T = 1 and 4, dots at 16 rows (bf16 and
+# fp32 x); int8 differs from int4 only in its loads
+forms = [(1, True, True, 1, 8, 512, 256, False), (1, True, False, 4, 8, 512, 256, False),
+         (1, False, False, 16, 32, 64, 64, False), (1, False, False, 16, 32, 128, 128, True),
+         (0, False, False, 16, 32, 64, 64, False)]
+for fmt, gemv, defer, rows, b, bk_gu, bk_d, ieee in forms:
+    codes = "*u8" if fmt else "*i8"
+    common = dict(K=8, KP=8, ROWS=rows, HAS_SKIP=True, N_EXPERTS=128, GEMV=gemv, DEFER=defer,
+                  DOT_T=tl.float32 if ieee else tl.bfloat16, IEEE=ieee, FMT=fmt, GROUP=64)
+    for fn, c in ((k._gate_up, dict(common, BI=b, BK=bk_gu)), (k._down, dict(common, BH=b, BK=bk_d))):
+        types = dict(ptrs, WGU=codes, WD=codes, X="*fp32" if ieee else "*bf16")
+        sig = {a: "constexpr" if a in c else types.get(a, "i32") for a in fn.arg_names}
+        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", 90, 32))
+        n += 1
+print("compiled", n)
+"""
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="on a GPU the tests below compile the kernels")
+def test_kernels_compile_for_a_gpu(kernels):
+    """Triton's interpreter runs code that compiled Triton refuses (a loop-carried variable that changes type, ...):
+    compile the int kernels for sm_90 -- int4 GEMV, deferred GEMV, bf16 dots, IEEE fp32 dots; int8 dots -- in a
+    process without TRITON_INTERPRET."""
+    import os
+    import subprocess
+    import sys
+
+    import triton.backends
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton has no CUDA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0 and "compiled 10" in out.stdout, out.stderr[-3000:]
+
+
 # ---------------------------------------------------------------- GPU (bf16 activations, eager and graph)
 
 
