@@ -225,17 +225,48 @@ struct Gemm {
     if constexpr (NA > 1 && NB > 1) Tiles::template store_c<1, 1>(c + 16 * kOutStride + 16, cs);
   }
 
+  // The fp32 epilogue of one group for 16 outputs o (formats/layout.h): symmetric o = fma(float(isum - offset *
+  // xsum), w_scale * x_scale, o); affine (offset 0) the same, then o = fma(float(-xsum), w_min * x_scale, o). A
+  // function of its own with restrict pointers, instantiated per scaling, so each form is one 16-lane loop the
+  // compiler vectorizes without alias checks: with the affine branch inline in the group loop, GCC 12 emitted the
+  // symmetric form as 16 scalar steps, which made the AMX prefill of every int8/int4 expert ~3x slower.
+  template <bool kAffine>
+  static inline void epilogue16(float* __restrict o, const int32_t* __restrict isum, const float* __restrict ws,
+                                const float* __restrict wm, float xs, int32_t xsum, int32_t offset) {
+    if constexpr (kAffine) {
+      for (int r = 0; r < 16; ++r) {
+        o[r] = std::fma((float)isum[r], ws[r] * xs, o[r]);
+        o[r] = std::fma((float)(-xsum), wm[r] * xs, o[r]);
+      }
+    } else {
+      const int32_t xoff = offset * xsum;
+      for (int r = 0; r < 16; ++r) o[r] = std::fma((float)(isum[r] - xoff), ws[r] * xs, o[r]);
+    }
+  }
+
   // Same chunk / token-block order as bf16; the fp32 accumulators are `out` itself (group order per output is
   // the same as in the row-block kernels, so int4 gives their exact bits). The loop's group is the activations'
   // (a.group); the weight scales are read per weight group `wgroup` (the same, except for per-row int8 weights,
   // whose scales repeat in every group of 128 while their h groups are longer).
+  // Every block of one call has the same scaling (gate and up of one matrix shape, or row blocks of down), so
+  // mins[0] picks the instantiation.
   static void int8_lines(const uint8_t* const* lines, const float* const* scales, const float* const* mins, int n_blk,
                          const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x,
                          const ActLayout& a, int n_tok, float* out, bool prefetch) {
+    if (mins[0])
+      int8_lines_as<true>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out, prefetch);
+    else
+      int8_lines_as<false>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out, prefetch);
+  }
+
+  template <bool kAffine>
+  static void int8_lines_as(const uint8_t* const* lines, const float* const* scales, const float* const* mins,
+                            int n_blk, const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset,
+                            const AmxPanel& x, const ActLayout& a, int n_tok, float* out, bool prefetch) {
     const int group = a.group;
     // One activation group per row (per-row int8 weights, or all of K in one group): all of K is summed first, in
     // K steps of 64 (a K of 32 in one group of 32 takes the grouped loop below, whose K step is the group).
-    if (a.group >= kp && kp % 64 == 0 && !mins[0]) {
+    if (!kAffine && a.group >= kp && kp % 64 == 0) {
       int32_t* sums = reinterpret_cast<int32_t*>(out);  // the same [n_tok][32] 4-byte cells, converted in place
       chunked<false>(lines, n_blk, next, n_next, kp, x, n_tok, sums, prefetch);
       for (int t = 0; t < n_tok; ++t) {
@@ -271,23 +302,13 @@ struct Gemm {
           else
             n_blk > 1 ? int8_group<1, 2>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts)
                       : int8_group<1, 1>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts);
+          const size_t wo = (size_t)(k0 / wgroup) * kRowsPerBlock;
           for (int t = 0; t < rows; ++t) {
             const float xs = x.scales(m0 + t)[g];
-            const int32_t xsum = x.sums(m0 + t)[g], xoff = offset * xsum;
-            for (int j = 0; j < n_blk; ++j) {
-              const float* ws = scales[j] + (k0 / wgroup) * kRowsPerBlock;
-              const int32_t* ci = c + t * kOutStride + 16 * j;
-              float* o = out + (size_t)(m0 + t) * kOutStride + 16 * j;
-              if (mins[j]) {  // affine (formats/layout.h): offset 0, then the min against the element sum
-                const float* wm = mins[j] + (k0 / wgroup) * kRowsPerBlock;
-                for (int r = 0; r < 16; ++r) {
-                  o[r] = std::fma((float)ci[r], ws[r] * xs, o[r]);
-                  o[r] = std::fma((float)(-xsum), wm[r] * xs, o[r]);
-                }
-              } else {
-                for (int r = 0; r < 16; ++r) o[r] = std::fma((float)(ci[r] - xoff), ws[r] * xs, o[r]);
-              }
-            }
+            const int32_t xsum = x.sums(m0 + t)[g];
+            for (int j = 0; j < n_blk; ++j)
+              epilogue16<kAffine>(out + (size_t)(m0 + t) * kOutStride + 16 * j, c + t * kOutStride + 16 * j,
+                                  scales[j] + wo, kAffine ? mins[j] + wo : nullptr, xs, xsum, offset);
           }
         }
       }
