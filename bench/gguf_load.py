@@ -124,6 +124,9 @@ def write_gguf(path, shape: str, layers: int, experts: str, seed: int = 0, log=p
 
 _CHILD = r"""
 import json, resource, sys, time
+if sys.argv[4]:  # another checkout's hetmoe (an A/B): ahead of this one's editable install
+    sys.meta_path[:] = [f for f in sys.meta_path if "ditable" not in type(f).__name__ + str(f)]
+    sys.path.insert(0, sys.argv[4])
 import torch, tqdm, hetmoe.models.qwen3_moe
 from hetmoe.engine.loader import load_model
 from hetmoe.engine.placement import EngineOptions
@@ -144,10 +147,10 @@ print(json.dumps(dict(load_s=secs, cpu_s=cpu, page_faults=faults, before=before,
 """
 
 
-def load_once(path: str, threads, dtype: str, dense_format: str) -> dict:
+def load_once(path: str, threads, dtype: str, dense_format: str, source: str = "") -> dict:
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-    out = subprocess.run([sys.executable, "-c", _CHILD, path, dtype, dense_format], capture_output=True, text=True,
-                         env=env)
+    out = subprocess.run([sys.executable, "-c", _CHILD, path, dtype, dense_format, source], capture_output=True,
+                         text=True, env=env)
     if out.returncode:
         raise RuntimeError(f"the load failed:\n{out.stderr[-3000:]}")
     m = json.loads(out.stdout.splitlines()[-1])
@@ -169,6 +172,8 @@ def main(argv=None) -> int:
     # a few layers alone keep fp32 dense weights (a small model); the whole 48-layer model gets bf16 and int8 linears
     ap.add_argument("--dtype", default="bf16", help="--dtype of the loads (default: bf16, as the full model)")
     ap.add_argument("--dense-format", default="int8", help="--dense-format (default: int8, as the full model)")
+    ap.add_argument("--source", metavar="DIR", help="load with the hetmoe of another checkout (a git worktree of an "
+                                                    "older commit with its hetmoe/_C*.so): before/after")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = ap.parse_args(argv)
@@ -186,7 +191,7 @@ def main(argv=None) -> int:
                 pass
         runs = []
         for r in range(args.repeats):
-            m = load_once(path, args.threads, args.dtype, args.dense_format)
+            m = load_once(path, args.threads, args.dtype, args.dense_format, args.source or "")
             runs.append(m)
             m["loadavg"] = os.getloadavg()[0]  # other work on the machine: the load shares its cores with it
             print(f"load {r + 1}: {m['load_s']:.2f} s = {written['bytes'] / m['load_s'] / 1e9:.2f} GB/s of file "
