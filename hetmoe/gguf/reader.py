@@ -12,6 +12,7 @@ with a part missing raise ``GGUFError`` (a ValueError) naming the file.
 from __future__ import annotations
 
 import functools
+import gc
 import re
 import struct
 from dataclasses import dataclass
@@ -272,7 +273,16 @@ def _split_parts(path: Path) -> tuple:
 
 def open_gguf(path: Union[str, Path]) -> GGUFFile:
     """Open a GGUF file, or the whole split set of a ``-NNNNN-of-NNNNN.gguf`` part (see the module docstring)."""
-    path = Path(path)
+    collect = gc.isenabled()
+    gc.disable()  # reading makes ~1 M small objects (a tokenizer's strings): no collection walks them meanwhile
+    try:
+        return _open(Path(path))
+    finally:
+        if collect:
+            gc.enable()
+
+
+def _open(path: Path) -> GGUFFile:
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file {path}")
     parts, count = _split_parts(path)
@@ -294,6 +304,7 @@ def open_gguf(path: Union[str, Path]) -> GGUFFile:
                 raise GGUFError(f"{part}: tensor {t.name} is also in {tensors[t.name].part}")
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             tensors[t.name] = GGUFTensor(t.name, t.tensor_type, shape, t.data, part)
+        reader.fields.clear()  # read into ``metadata``: their ~600 k parts need not stay alive (nor be walked by gc)
     total = metadata.get("split.tensors.count")
     if count is not None and total is not None and total != len(tensors):
         raise GGUFError(f"{parts[0]}: split.tensors.count is {total}, but the {count} parts hold {len(tensors)}")
