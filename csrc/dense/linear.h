@@ -3,7 +3,8 @@
 // formats/layout.h, computed by the kernels of the one dispatch table (kernels/dispatch.h) on the engine's pool.
 //
 // One call:  x [T, K] -> out[t, :] (+)= W norm(x_t) (+ bias)      for t < T
-//   norm     optional RMSNorm of the input (Hugging Face: w * (x / sqrt(mean(x^2) + eps)), in fp32)
+//   norm     optional RMSNorm of the input (Hugging Face: w * (x / sqrt(mean(x^2) + eps)), in fp32), optionally
+//            written out too (norm_out), rounded as the eager module rounds it
 //   quantize every token's row once, for the path that computes it (in parallel over tokens when there are many)
 //   tasks    (row-block range x token range), pulled by every pool thread:
 //            few tokens: each task does all tokens over its row blocks, so the weights stream once, each thread on
@@ -50,6 +51,11 @@ struct LinearCall {
   bool accumulate = false;      // out += result (a residual add)
   const float* norm = nullptr;  // [K] RMSNorm weight, or null: no norm
   float norm_eps = 1e-6f;
+  // With norm: the normed rows are also written here, in x's dtype, rounded as an eager RMSNorm module in that
+  // dtype rounds them (bf16: the normalised x, then its product with the weight), and the product reads these
+  // rounded values: the call is then exactly `h = norm(x); out = W h` (a MoE block's input and its router).
+  void* norm_out = nullptr;
+  int64_t norm_out_stride = 0;            // 0: K
   const int64_t* n_tokens_ptr = nullptr;  // if set, T is read from here when the job runs
   int64_t n_tokens = 0;                   // otherwise T
   int64_t capacity = 0;                   // rows of x and out

@@ -54,6 +54,15 @@ void rms_norm(float* x, int k, const float* w, float eps) {
   for (int i = 0; i < k; ++i) x[i] = w[i] * (x[i] * inv);
 }
 
+// rms_norm with the rounding points of the eager module (hetmoe/layers/norm.py) for a bf16 x: the normalised x
+// rounded to bf16, then its product with the weight rounded again; fp32 x: rms_norm itself.
+void rms_norm_rounded(float* x, int k, const float* w, float eps, bool bf16) {
+  if (!bf16) return rms_norm(x, k, w, eps);
+  const float ss = sum_squares_torch_order(x, k);
+  const float inv = 1.f / std::sqrt(ss / (float)k + eps);
+  for (int i = 0; i < k; ++i) x[i] = bf16_to_float(float_to_bf16(w[i] * bf16_to_float(float_to_bf16(x[i] * inv))));
+}
+
 // The tasks of a call of T tokens: row ranges outside, token parts inside (the parts of one row range run at about
 // the same time and share its weights through L3).
 void make_ranges(int nb, int64_t T, bool amx, const ActLayout& amx_act, int n_threads, std::vector<Range>& out) {
@@ -114,6 +123,10 @@ void check_linear_call(const DenseLinear& lin, const LinearCall& c) {
   if (c.out_stride != 0 && c.out_stride < N)
     bad("linear call: out's row stride " + std::to_string(c.out_stride) + " is shorter than out_features " +
         std::to_string(N));
+  if (c.norm_out && !c.norm) bad("linear call: norm_out needs a norm");
+  if (c.norm_out_stride != 0 && c.norm_out_stride < K)
+    bad("linear call: norm_out's row stride " + std::to_string(c.norm_out_stride) + " is shorter than in_features " +
+        std::to_string(K));
   if (c.norm && !(c.norm_eps >= 0.f && std::isfinite(c.norm_eps)))
     bad("linear call: norm_eps must be finite and >= 0, got " + std::to_string(c.norm_eps));
 }
@@ -154,7 +167,16 @@ void DenseLinear::compute(const LinearCall& c, ThreadPool& pool) const {
       row_ops_.bf16_to_f32(static_cast<const uint16_t*>(c.x) + t * xs, K, row);
     else
       std::memcpy(row, static_cast<const float*>(c.x) + t * xs, sizeof(float) * K);
-    if (c.norm) rms_norm(row, K, c.norm, c.norm_eps);
+    if (c.norm && c.norm_out) {
+      rms_norm_rounded(row, K, c.norm, c.norm_eps, c.x_bf16);
+      const int64_t ns = c.norm_out_stride ? c.norm_out_stride : K;
+      if (c.x_bf16)
+        row_ops_.f32_to_bf16(row, K, static_cast<uint16_t*>(c.norm_out) + t * ns);
+      else
+        std::memcpy(static_cast<float*>(c.norm_out) + t * ns, row, sizeof(float) * K);
+    } else if (c.norm) {
+      rms_norm(row, K, c.norm, c.norm_eps);
+    }
     if (amx) {
       uint8_t* tmp = reinterpret_cast<uint8_t*>(row + shape_.kp);
       row_ops_.quantize(fmt, true, row, K, a, tmp);

@@ -189,6 +189,15 @@ void bind_attention(py::module_& m) {
         pool->run_and_wait([&a](ThreadPool& p) { decode_block(p, a); });
       },
       py::arg("pool"), py::arg("spec"), py::call_guard<py::gil_scoped_release>());
+  // The same call as a job to submit as often as needed (a decode step's JobList): the spec's buffers are read
+  // when it runs, and an invalid row or position is raised by the pool's next sync.
+  m.def(
+      "decode_block_job",
+      [](const DecodeBlockSpec& s) -> std::shared_ptr<Job> {
+        const DecodeBlockArgs a = make_block_args(s);
+        return std::make_shared<FunctionJob>([a](ThreadPool& p) { decode_block(p, a); });
+      },
+      py::arg("spec"));
 }
 
 }  // namespace bindings

@@ -28,6 +28,8 @@ struct LinearSpec {
   bool accumulate = false;
   uintptr_t norm_weight = 0;  // [K] fp32: RMSNorm of x first
   float norm_eps = 1e-6f;
+  uintptr_t norm_out = 0;  // [T, K] in x's dtype: the normed rows, rounded as the eager norm (0 = none)
+  int64_t norm_out_stride = 0;
   uintptr_t n_tokens_ptr = 0;  // one int64 read when the job runs (0: T)
   int64_t T = 0;               // rows of x and out (the capacity), and the token count without n_tokens_ptr
 };
@@ -45,6 +47,8 @@ LinearCall make_call(const LinearSpec& s) {
   c.accumulate = s.accumulate;
   c.norm = ptr<const float>(s.norm_weight);
   c.norm_eps = s.norm_eps;
+  c.norm_out = ptr<void>(s.norm_out);
+  c.norm_out_stride = s.norm_out_stride;
   c.n_tokens_ptr = ptr<const int64_t>(s.n_tokens_ptr);
   c.n_tokens = s.T;
   c.capacity = s.T;
@@ -70,6 +74,8 @@ void bind_linear(py::module_& m) {
       .def_readwrite("accumulate", &LinearSpec::accumulate)
       .def_readwrite("norm_weight", &LinearSpec::norm_weight)
       .def_readwrite("norm_eps", &LinearSpec::norm_eps)
+      .def_readwrite("norm_out", &LinearSpec::norm_out)
+      .def_readwrite("norm_out_stride", &LinearSpec::norm_out_stride)
       .def_readwrite("n_tokens_ptr", &LinearSpec::n_tokens_ptr)
       .def_readwrite("T", &LinearSpec::T);
 

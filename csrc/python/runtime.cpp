@@ -82,6 +82,9 @@ void bind_runtime(py::module_& m) {
   m.def("physical_core_cpus", &physical_core_cpus);
   py::class_<Job, std::shared_ptr<Job>>(m, "Job");
   py::class_<GateJob, Job, std::shared_ptr<GateJob>>(m, "GateJob").def(py::init<>()).def("open", &GateJob::open);
+  py::class_<JobList, Job, std::shared_ptr<JobList>>(m, "JobList")
+      .def(py::init<std::vector<std::shared_ptr<Job>>>(), py::arg("jobs"))
+      .def("__len__", [](const JobList& l) { return l.jobs.size(); });
 
   py::class_<ThreadPool, std::shared_ptr<ThreadPool>>(m, "ThreadPool")
       .def(py::init<int, bool, int>(), py::arg("threads") = 0, py::arg("pin") = true, py::arg("spin_us") = 500)

@@ -223,8 +223,9 @@ void ThreadPool::wait_for_generation(uint64_t seen, int thread_index) {
     _mm_pause();
     if (++spins % 256 == 0) {
       if (Clock::now() <= deadline) {
-        // Let a thread that shares this core (the one submitting jobs, a framework's thread) run while we wait.
-        sched_yield();
+        // Between jobs, let a thread that shares this core (the one submitting jobs, a framework's thread) run
+        // while we wait; inside a job, keep the core for its next phase (thread_pool.h).
+        if (!in_job_.load(std::memory_order_relaxed)) sched_yield();
         continue;
       }
       std::unique_lock<std::mutex> lk(wake_mu_);
@@ -270,11 +271,13 @@ void ThreadPool::coordinator_main() {
       job = queue_.front().job;    // kept alive by the queue entry or, when borrowed, by its submitter
     }
     std::exception_ptr err;
+    in_job_.store(true, std::memory_order_relaxed);
     try {
       job->run(*this);
     } catch (...) {
       err = std::current_exception();
     }
+    in_job_.store(false, std::memory_order_relaxed);
     {
       std::lock_guard<std::mutex> lk(queue_mu_);
       if (queue_.front().owner) finished_.push_back(std::move(queue_.front().owner));

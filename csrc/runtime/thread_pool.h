@@ -3,7 +3,10 @@
 // Thread 0 of the pool is the coordinator: it pops jobs in submission order and runs each one; inside a job,
 // parallel_for() hands tasks to all pool threads (the coordinator included), pulled dynamically from an
 // atomic counter so uneven tasks balance themselves. Threads spin for spin_us after their last work, then
-// sleep on a condition variable: an idle pool costs ~0% CPU.
+// sleep on a condition variable: an idle pool costs ~0% CPU. Between the parallel phases of a running job the
+// workers spin without yielding their cores (the next phase follows within microseconds, and a worker that yielded
+// to another process waits for that process's time slice before it can join: every phase of a decode step then
+// waits); with no job running they yield while they spin, leaving the core to a thread that shares it.
 //
 // submit() returns at once; sync(n) blocks until at most n submitted jobs are unfinished. An exception
 // thrown by a job is kept and rethrown by the next sync(), never lost, exactly once.
@@ -21,6 +24,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -41,6 +45,20 @@ struct FunctionJob : Job {
   explicit FunctionJob(std::function<void(ThreadPool&)> f) : fn(std::move(f)) {}
   void run(ThreadPool& pool) override { fn(pool); }
   std::function<void(ThreadPool&)> fn;
+};
+
+// Jobs run one after another as one job: the calls of a CPU decode step queued with one submission
+// (hetmoe/engine/cpu_decode.py), so the pool goes from one to the next without a round trip through the queue and
+// the submitting thread. The list is fixed; the jobs' buffers may change between runs.
+struct JobList : Job {
+  explicit JobList(std::vector<std::shared_ptr<Job>> list) : jobs(std::move(list)) {
+    for (const auto& job : jobs)
+      if (!job) throw std::invalid_argument("JobList: a job of the list is null");
+  }
+  void run(ThreadPool& pool) override {
+    for (const auto& job : jobs) job->run(pool);
+  }
+  std::vector<std::shared_ptr<Job>> jobs;
 };
 
 // Cache-line-aligned scratch memory owned by the pool and reused by the jobs it runs one after another.
@@ -137,6 +155,7 @@ class ThreadPool {
   std::vector<int> cpu_set_;  // when not pinned one by one: every thread may run on these CPUs (empty: any)
   std::vector<std::thread> threads_;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> in_job_{false};  // the coordinator is running a job: workers wait for its next phase unyielding
 
   // parallel_for state
   std::atomic<uint64_t> generation_{0};

@@ -131,6 +131,10 @@ class DecodeBlock:
         _C.decode_block(self.pool._pool, self._spec)
         return self.out
 
+    def job(self) -> _pool.MoEJob:
+        """The same call as a job for ``pool.submit`` or a ``job_list`` (its errors raised by the pool's sync)."""
+        return _pool.MoEJob(_C.decode_block_job(self._spec), self._keep, None, self.out)
+
 
 def decode_block(qkv: torch.Tensor, n_head: int, n_kv_head: int, cos: torch.Tensor, sin: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, rows, positions, scale: float,

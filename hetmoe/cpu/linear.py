@@ -223,7 +223,8 @@ class CPULinear(nn.Module):
 
     # ------------------------------------------------------------------ calls
 
-    def _bind(self, x: torch.Tensor, out: Optional[torch.Tensor], accumulate: bool, norm) -> tuple:
+    def _bind(self, x: torch.Tensor, out: Optional[torch.Tensor], accumulate: bool, norm,
+              norm_out: Optional[torch.Tensor] = None) -> tuple:
         """(LinearSpec, tensors it points into, out) for one call."""
         K, N = self.in_features, self.out_features
         if not isinstance(x, torch.Tensor):
@@ -262,6 +263,17 @@ class CPULinear(nn.Module):
             weight, eps = self._norm_args(norm)
             spec.norm_weight, spec.norm_eps = weight.data_ptr(), eps
             keep.append(weight)
+        if norm_out is not None:
+            if norm is None:
+                raise ValueError("norm_out needs a norm (the rows it receives are x's rows normed)")
+            if not isinstance(norm_out, torch.Tensor) or norm_out.device.type != "cpu" or norm_out.dtype != x.dtype \
+                    or tuple(norm_out.shape) != tuple(x.shape):
+                raise ValueError(f"norm_out must be a CPU tensor of x's shape {tuple(x.shape)} and dtype {x.dtype}")
+            n2 = _rows_2d("norm_out", norm_out, K)
+            if T > 1 and n2.stride(0) < K:
+                raise ValueError(f"norm_out's rows overlap (row stride {n2.stride(0)} < in_features={K})")
+            spec.norm_out, spec.norm_out_stride = n2.data_ptr(), n2.stride(0) if T > 1 else K
+            keep.append(n2)
         return spec, tuple(keep), out
 
     def _norm_args(self, norm) -> tuple:
@@ -280,11 +292,13 @@ class CPULinear(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None, accumulate: bool = False,
-                norm=None) -> torch.Tensor:
+                norm=None, norm_out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x [..., K]`` fp32/bf16 -> ``[..., N]`` in x's dtype (or written into ``out``, fp32/bf16, whose rows
         may be strided: a column slice of a wider buffer). ``accumulate``: out += the result (a residual add).
-        ``norm``: an RMSNorm (module, or ``(weight, eps)``) applied to each row of x first, in fp32."""
-        spec, keep, out = self._bind(x, out, accumulate, norm)
+        ``norm``: an RMSNorm (module, or ``(weight, eps)``) applied to each row of x first, in fp32.
+        ``norm_out`` (with ``norm``; x's shape and dtype): receives the normed rows, rounded as the eager module
+        rounds them in x's dtype, and the product reads those rounded values: exactly ``h = norm(x); W h``."""
+        spec, keep, out = self._bind(x, out, accumulate, norm, norm_out)
         if spec.T:
             self._lin.run(spec)
         return out
@@ -294,11 +308,11 @@ class CPULinear(nn.Module):
         return self.forward(x, **kwargs).split(self.sizes, dim=-1)
 
     def prepare(self, x: torch.Tensor, out: Optional[torch.Tensor] = None, *, accumulate: bool = False, norm=None,
-                n_tokens: Optional[torch.Tensor] = None) -> MoEJob:
+                norm_out: Optional[torch.Tensor] = None, n_tokens: Optional[torch.Tensor] = None) -> MoEJob:
         """Bind buffers into a job for ``pool.submit`` / ``submit_on_stream``, submitted as often as needed (their
         contents may change). ``n_tokens``: an int64 CPU tensor of one element read when the job runs (x's rows
         are then a capacity)."""
-        spec, keep, out = self._bind(x, out, accumulate, norm)
+        spec, keep, out = self._bind(x, out, accumulate, norm, norm_out)
         if n_tokens is not None:
             if not isinstance(n_tokens, torch.Tensor) or n_tokens.dtype != torch.int64 or n_tokens.numel() != 1 \
                     or n_tokens.device.type != "cpu":

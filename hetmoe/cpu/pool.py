@@ -204,3 +204,13 @@ class MoEJob:
         self._keep = keep  # tensors whose memory the C++ job points into
         self.experts = experts
         self.out = out
+
+
+def job_list(jobs) -> MoEJob:
+    """Prepared jobs (``MoEJob``s of experts, linears, decode blocks) run one after another as one job
+    (csrc/runtime/thread_pool.h ``JobList``): one submit and one sync for a decode step's calls, the pool's threads
+    going from one call to the next without a round trip through the submitting thread. ``out``: the last job's."""
+    jobs = list(jobs)
+    if not jobs or not all(isinstance(j, MoEJob) for j in jobs):
+        raise TypeError("job_list takes a non-empty list of prepared jobs (MoEJob)")
+    return MoEJob(_C.JobList([j._job for j in jobs]), tuple(jobs), None, jobs[-1].out)

@@ -164,6 +164,35 @@ def test_bitwise_across_threads_and_token_splits(engine_path, pools, fmt, group)
     assert torch.equal(pieces, whole)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_out_is_the_eager_norm_and_what_the_product_reads(pools, dtype):
+    """``norm_out``: the normed rows as the eager RMSNorm module in x's dtype rounds them (MEASURED on the AVX2 dev
+    machine: bitwise, fp32 and bf16, K in 64..2048; a PyTorch summing in another order moves a value by an ulp of
+    the dtype), and the product is exactly the linear of those rows. Row-block path of this CPU, bf16 and int8."""
+    gen = torch.Generator().manual_seed(8)
+    K, T = 150, 7
+    norm = RMSNorm(K, eps=1e-6)
+    norm.weight.data = torch.rand(K, generator=gen) + 0.5
+    norm = norm.to(dtype)
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-22
+    for fmt in ("bf16", "int8"):
+        lin = CPULinear(K, 40, fmt, 64, pool=pools[2])
+        lin.load(torch.randn(40, K, generator=gen) * 0.02)
+        x = (torch.randn(T, K, generator=gen) * 3).to(dtype)
+        h = torch.full_like(x, float("nan"))
+        y = lin(x, norm=norm, norm_out=h)
+        with torch.no_grad():
+            ref = norm(x)
+        assert ((h.float() - ref.float()).abs() <= ulp * ref.float().abs()).all()
+        assert torch.equal(y, lin(h))
+        wide = torch.zeros(T, K + 10, dtype=dtype)  # strided rows: a column slice of a wider buffer
+        assert torch.equal(lin(x, norm=norm, norm_out=wide[:, :K]), y) and torch.equal(wide[:, :K], h)
+    with pytest.raises(ValueError, match="norm_out needs a norm"):
+        lin(x, norm_out=h)
+    with pytest.raises(ValueError, match="norm_out must be"):
+        lin(x, norm=norm, norm_out=h[:3])
+
+
 def test_load_in_chunks_and_parts_gives_the_same_bytes(monkeypatch, pools):
     gen = torch.Generator().manual_seed(5)
     w = (torch.randn(70, 64, generator=gen) * 0.02).bfloat16().float()  # exact in every dtype below

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from cases import make_routing, make_weights, make_x
-from hetmoe.cpu import ISAS, CPUExperts, ExpertPool, MoEJob, cpu_info
+from hetmoe.cpu import ISAS, CPUExperts, CPULinear, ExpertPool, MoEJob, cpu_info
+from hetmoe.cpu.pool import job_list
 from reference import rel_err
 
 BEST_ISA = cpu_info()["best_isa"]
@@ -133,6 +134,34 @@ def test_n_tokens_must_be_one_int64(layer):
 
 
 # ---------------------------------------------------------------- job errors
+
+
+def test_job_list_runs_its_jobs_in_order_as_one_job(pool):
+    """``job_list``: prepared jobs of experts and linears queued with one submit, each reading what the one before
+    wrote; the same bits as the jobs submitted one by one. An error stops the list and is raised at the sync."""
+    a, b = make_layer(pool, "int8", 64, seed=6), make_layer(pool, "int4", 64, seed=7)
+    lin = CPULinear(H, H, "int8", 64, pool=pool)
+    lin.load(torch.randn(H, H, generator=torch.Generator().manual_seed(6)) * 0.02)
+    (x, ia, wa), (_, ib, wb) = make_inputs(3, 4, seed=6), make_inputs(3, 2, seed=7)
+    h, out = torch.empty(3, H), torch.empty(3, H)
+    jobs = [a.prepare(x, ia, wa, h), lin.prepare(h, out=out), b.prepare(h, ib, wb, out, accumulate=True)]
+    pool.submit(job_list(jobs))
+    pool.sync()
+    ref_h = a(x, ia, wa)
+    ref = lin(ref_h)
+    b(ref_h, ib, wb, ref, accumulate=True)
+    assert torch.equal(h, ref_h) and torch.equal(out, ref)
+    job = job_list(jobs)
+    ia[1, 0] = 999
+    out.fill_(math.nan)
+    pool.submit(job)
+    with pytest.raises(ValueError, match="999"):
+        pool.sync()
+    assert out.isnan().all(), "the jobs after the failing one ran"
+    with pytest.raises(TypeError, match="job_list"):
+        job_list([])
+    with pytest.raises(TypeError, match="job_list"):
+        job_list([x])
 
 
 def test_job_error_raised_once_at_sync(pool, layer):
