@@ -1,24 +1,31 @@
-"""A lean decode step on the CPU: per layer three engine calls and the MoE block, instead of tens of small PyTorch
-ops (issue 23).
+"""A lean decode step on the CPU: the whole step's work queued on the engine as one job, instead of tens of small
+PyTorch ops and a round trip through Python per call (issue 23).
 
 For every decoder layer (pre-norm, GQA attention whose q/k/v and o_proj are packed into the engine,
 hetmoe/engine/dense.py):
 
-    qkv = self_attn.qkv(x, norm=input_layernorm)          one job: RMSNorm + the fused q/k/v projection
-    a   = decode_block(qkv, ...)                          one job: q/k norm, RoPE, cache write, attention
-    self_attn.o_proj(a, out=x, accumulate=True)           one job: x += o_proj(a), in place
-    x  += mlp(post_attention_layernorm(x))                the model's own MoE block (routing, shared experts, deferral)
+    qkv = self_attn.qkv(x, norm=input_layernorm)          RMSNorm + the fused q/k/v projection
+    a   = decode_block(qkv, ...)                          q/k norm, RoPE, cache write, attention
+    self_attn.o_proj(a, out=x, accumulate=True)           x += o_proj(a), in place
+    logits = mlp.gate(x, norm=post_attention_layernorm,   RMSNorm (h written out, rounded as the eager norm)
+                      norm_out=h)                           + the router on the engine
+    x += experts(h, route=HostRoute(logits))              the MoE job routes (softmax top-k) and adds into x
 
-then the final norm; the runner computes the logits as for any step. The RoPE table is computed once per step and
+then ``logits = lm_head(x, norm=final norm)``. Each call is a prepared engine job; consecutive ones on one pool
+run as one ``job_list`` (hetmoe/cpu/pool.py): one submit and one sync per step, the Python thread asleep while the
+pool's threads go from call to call. A MoE block the engine cannot take whole (a shared expert, a dense MLP layer,
+Expert Deferral, dropped experts, a route observer, a router left in PyTorch) runs as the model's own module
+between two job lists; an lm_head left in PyTorch runs after them. The RoPE table is computed once per step and
 shared by all layers, as the model does. The model files stay untouched: this reads the modules' attributes.
 ``LeanDecode.build`` returns None for a model or cache it does not cover (MLA, a paged or GPU cache, linears left
 unpacked, a layer or attention whose forward is its own): the runner then keeps the eager path.
 
-Numerics: the projections and attention are the same engine kernels as the eager path, and the engine's RMSNorm and
-the block's q/k norm and RoPE round as PyTorch's fp32 ops (on an AVX2 PyTorch: csrc/dense/sum_order.h), so an fp32
-model's lean step is bitwise the eager one there. bf16: the input norm runs in fp32 inside the linear (eager rounds
-its output to bf16 first) and o_proj's fp32 output is added to the residual before rounding (eager rounds it
-first): within the bound measured in tests/engine/test_lean_decode.py.
+Numerics: the projections, router, experts and attention are the same engine kernels as the eager path; the
+engine's RMSNorm and the block's q/k norm and RoPE round as PyTorch's fp32 ops (on an AVX2 PyTorch:
+csrc/dense/sum_order.h), so an fp32 model's lean step is bitwise the eager one there. bf16: the input norm runs in
+fp32 inside the linear (eager rounds its output to bf16 first), o_proj's fp32 output and the experts' fp32 sum are
+added to the residual before rounding (eager rounds them first): within the bound measured in
+tests/engine/test_lean_decode.py.
 """
 
 from __future__ import annotations
@@ -28,10 +35,13 @@ from typing import Optional
 import torch
 
 from hetmoe.cpu.attention import prepare_decode_block
+from hetmoe.cpu.experts import HostRoute
 from hetmoe.cpu.linear import CPULinear
+from hetmoe.cpu.pool import MoEJob, job_list
 from hetmoe.layers.attention import GQAAttention
+from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import cos_sin
-from hetmoe.models.common import CausalLM, DecoderModel, PreNormDecoderLayer
+from hetmoe.models.common import CausalLM, DecoderModel, PreNormDecoderLayer, SoftmaxMoeBlock
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -73,6 +83,33 @@ def why_not(model, cache) -> Optional[str]:
     return None
 
 
+def moe_on_engine(layer) -> Optional[str]:
+    """None when the engine takes ``layer``'s whole MoE block (norm + router + routed experts, added into the
+    residual), else why not: the block then runs as the model's module."""
+    mlp = getattr(layer, "mlp", None)
+    if not isinstance(mlp, SoftmaxMoeBlock) or type(mlp).forward is not SoftmaxMoeBlock.forward or mlp.shared:
+        return "not a softmax MoE block without a shared expert"
+    if type(layer.post_attention_layernorm) is not RMSNorm:
+        return "the post-attention norm is not an RMSNorm"
+    gate, moe = mlp.gate, mlp.moe
+    if not isinstance(gate, CPULinear) or gate.bias is not None:
+        return "the router is not a bias-free linear on the engine"
+    router = moe.router
+    if moe.engine is None or not router.host_routable or router.correction_bias is not None:
+        return "the experts are not the CPU engine's, or the router is not one the engine's job runs"
+    if moe.staging is not None or moe.gpu is not None or moe.chain is not None or moe.drop or moe.route_observer:
+        return "the layer stages, defers, drops or observes its routing"
+    if moe.experts.pool is not gate.pool:
+        return "the router and the experts run on different pools"
+    return None
+
+
+def _moe_state(layers) -> tuple:
+    """What decides ``moe_on_engine`` and may change between steps (deferral, drop, observers, the experts)."""
+    return tuple((id(m.experts), m.drop, m.chain, m.route_observer, m.gpu, m.staging)
+                 for m in (getattr(getattr(layer, "mlp", None), "moe", None) for layer, *_ in layers) if m is not None)
+
+
 class LeanDecode:
     """One decode step (one token per sequence) of a packed GQA model on the CPU; see the module docstring."""
 
@@ -88,7 +125,7 @@ class LeanDecode:
             if attn.qk_norm_eps is not None:
                 qk = (_norm(attn.q_norm)[0], _norm(attn.k_norm)[0], float(attn.qk_norm_eps))
             self.layers.append((layer, attn, _norm(layer.input_layernorm), qk))
-        self._plans, self._plans_version = {}, None  # batch size -> _make_plan's, for one cache allocation
+        self._plans, self._plans_key = {}, None  # batch size -> _make_plan's, for one cache allocation and MoE state
 
     @classmethod
     def build(cls, model, cache) -> Optional["LeanDecode"]:
@@ -96,36 +133,76 @@ class LeanDecode:
         return None if why_not(model, cache) else cls(model, cache)
 
     def _plan(self, B: int) -> dict:
-        """The buffers and bound calls of a step of B tokens, made once per B (again after the cache grows)."""
-        if self._plans_version != self.cache.version:
-            self._plans, self._plans_version = {}, self.cache.version
+        """The buffers and bound calls of a step of B tokens, made once per B (again after the cache grows or a
+        MoE layer changes how it runs)."""
+        key = (self.cache.version, _moe_state(self.layers))
+        if self._plans_key != key:
+            self._plans, self._plans_key = {}, key
         plan = self._plans.get(B)
         if plan is None:
             plan = self._plans[B] = self._make_plan(B)
         return plan
 
     def _make_plan(self, B: int) -> dict:
-        weight = self.model.model.embed_tokens.weight  # [vocab, H]
-        dtype, D = weight.dtype, self.cache.head_dim
-        x = torch.empty(B, weight.shape[1], dtype=dtype)  # the residual stream, updated in place by every layer
+        inner = self.model.model
+        weight = inner.embed_tokens.weight  # [vocab, H]
+        dtype, D, H = weight.dtype, self.cache.head_dim, weight.shape[1]
+        x = torch.empty(B, H, dtype=dtype)  # the residual stream, updated in place by every layer
         cos, sin = torch.empty(B, D, dtype=dtype), torch.empty(B, D, dtype=dtype)
         rows, pos = torch.empty(B, dtype=torch.int64), torch.empty(B, dtype=torch.int64)
-        buffers = {}  # shared by the layers (one runs at a time): by shape
-        steps = []
+        buffers = {}  # shared by the layers (one runs at a time): by name and shape
+
+        def buf(name, shape, dt=dtype):
+            return buffers.setdefault((name, shape, dt), torch.empty(*shape, dtype=dt))
+
+        segments, jobs = [], []  # a segment: (pool, one job_list) or a decoder layer whose MLP Python runs
+        calls = []  # (name, pool, job) of every call, for bench/cpu_decode_profile.py
+
+        def queue(name: str, pool, job: MoEJob):
+            if jobs and jobs[0][0] is not pool:
+                close()
+            jobs.append((pool, job))
+            calls.append((name, pool, job))
+
+        def close():
+            if jobs:
+                segments.append((jobs[0][0], job_list([j for _, j in jobs])))
+                jobs.clear()
+
         for i, (layer, attn, norm, qk) in enumerate(self.layers):
-            qkv_width, out_width = attn.qkv.out_features, attn.n_heads * D
-            qkv = buffers.setdefault(("qkv", qkv_width), torch.empty(B, qkv_width, dtype=dtype))
-            out = buffers.setdefault(("out", out_width), torch.empty(B, out_width, dtype=dtype))
+            qkv = buf("qkv", (B, attn.qkv.out_features))
+            out = buf("out", (B, attn.n_heads * D))
             q_norm, k_norm, eps = qk if qk else (None, None, 1e-6)
             block = prepare_decode_block(qkv, attn.n_heads, attn.n_kv, cos, sin, self.cache.k[i], self.cache.v[i],
                                          rows, pos, D**-0.5, q_norm, k_norm, eps, out=out, pool=attn.qkv.pool)
-            steps.append((layer, attn.qkv.pool, attn.qkv.prepare(x, out=qkv, norm=norm), block, attn.o_proj.pool,
-                          attn.o_proj.prepare(out, out=x, accumulate=True)))
-        return {"x": x, "cos": cos, "sin": sin, "rows": rows, "pos": pos, "steps": steps}
+            queue("qkv", attn.qkv.pool, attn.qkv.prepare(x, out=qkv, norm=norm))  # qkv = W norm(x)
+            queue("attention", attn.qkv.pool, block.job())  # q/k norm, rope, cache write, attention
+            queue("o_proj", attn.o_proj.pool, attn.o_proj.prepare(out, out=x, accumulate=True))  # x += o_proj(a)
+            if moe_on_engine(layer) is None:
+                mlp, moe = layer.mlp, layer.mlp.moe
+                h, k = buf("h", (B, H)), moe.router.top_k
+                logits = buf("router", (B, mlp.gate.out_features))
+                ids, w = buf("ids", (B, k), torch.int64), buf("w", (B, k), torch.float32)
+                queue("norm+router", mlp.gate.pool, mlp.gate.prepare(
+                    x, out=logits, norm=_norm(layer.post_attention_layernorm), norm_out=h))  # h = norm(x), logits
+                queue("experts", moe.experts.pool, moe.experts.prepare(
+                    h, ids, w, x, accumulate=True, route=HostRoute(logits, moe.router)))  # x += experts(h)
+            else:
+                close()
+                segments.append(layer)
+                calls.append(("mlp (PyTorch)", None, layer))
+        lm_head = self.model.lm_head
+        logits = None
+        if isinstance(lm_head, CPULinear) and type(inner.norm) is RMSNorm:
+            logits = torch.empty(B, lm_head.out_features, dtype=dtype)
+            queue("norm+lm_head", lm_head.pool, lm_head.prepare(x, out=logits, norm=_norm(inner.norm),
+                                                                norm_out=buf("h", (B, H))))
+        close()
+        return {"x": x, "cos": cos, "sin": sin, "rows": rows, "pos": pos, "segments": segments, "logits": logits,
+                "calls": calls}
 
-    @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """ids, positions [B, 1] and slots [B] (the cache reserved for them) -> final-normed hidden [B, 1, H]."""
+    def inputs(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> dict:
+        """The plan of a step of these B tokens with its inputs written: embeddings, RoPE rows, positions, slots."""
         inner = self.model.model
         B = ids.shape[0]
         plan = self._plan(B)
@@ -136,10 +213,21 @@ class LeanDecode:
         plan["sin"].copy_(sin.view(B, -1))
         plan["pos"].copy_(positions[:, 0])
         plan["rows"].copy_(slots)
-        for layer, qkv_pool, qkv_job, block, o_pool, o_job in plan["steps"]:
-            qkv_pool.submit(qkv_job)  # qkv = W norm(x)
-            block.run()  # after it on the pool: q/k norm, rope, cache write, attention
-            o_pool.submit(o_job)  # x += o_proj(attention)
-            o_pool.sync()
-            x += layer.mlp(layer.post_attention_layernorm(x)[:, None])[:, 0]
-        return inner.norm(x)[:, None]
+        return plan
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """ids, positions [B, 1] and slots [B] (the cache reserved for them) -> the logits after each token,
+        fp32 [B, vocab]."""
+        plan = self.inputs(ids, positions, slots)
+        x = plan["x"]
+        for seg in plan["segments"]:
+            if isinstance(seg, tuple):
+                pool, job = seg
+                pool.submit(job)
+                pool.sync()
+            else:  # a decoder layer whose MoE block runs as the model's module
+                x += seg.mlp(seg.post_attention_layernorm(x)[:, None])[:, 0]
+        if plan["logits"] is not None:
+            return plan["logits"].to(torch.float32, copy=True)  # the caller's own (the buffer is the next step's)
+        return self.model.logits(self.model.model.norm(x)).float()

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from hetmoe.cpu.attention import decode_block  # noqa: E402
-from hetmoe.engine.cpu_decode import LeanDecode, why_not  # noqa: E402
+from hetmoe.cpu.attention import decode_block, prepare_decode_block  # noqa: E402
+from hetmoe.cpu.pool import default_pool  # noqa: E402
+from hetmoe.engine.cpu_decode import LeanDecode, moe_on_engine, why_not  # noqa: E402
 from hetmoe.engine.loader import load_model  # noqa: E402
 from hetmoe.engine.placement import EngineOptions  # noqa: E402
 from hetmoe.engine.runner import Runner  # noqa: E402
@@ -30,6 +31,8 @@ PROMPTS = ([3, 17, 5, 42, 8, 11, 29, 2, 33], [9, 4, 21, 6])
 # turns that into up to 4.8e-5 (MEASURED here with the engine's own order): the fp32 bound covers it.
 # bf16 <= 8.4e-3 for one sequence, <= 2.4e-2 for the batch of two (the eager path
 # rounds the input norm's output and o_proj's output to bf16 before the residual add; the lean step does not).
+# With the MoE blocks on the engine too (bf16 qwen3_moe, mixtral: the experts' fp32 sum added to the residual
+# before rounding, where eager rounds it first): <= 7.1e-3 for one sequence, <= 6.8e-3 for the batch (MEASURED).
 TOL = {"fp32": 1e-4, "bf16": 5e-2}
 
 
@@ -99,6 +102,30 @@ def test_lean_decode_covers_only_packed_gqa_models(checkpoints, loaded_models):
     assert Runner(plain).lean is None
     with pytest.raises(ValueError, match="does not cover"):
         LeanDecode(plain.model, Runner(plain, lean=False).cache)
+
+
+def test_lean_decode_moe_blocks_on_the_engine_and_back(loaded_models):
+    """bf16 qwen3_moe / mixtral: every MoE block is two engine jobs (norm + router, experts routing and adding into
+    the residual) in the step's one job list; qwen2_moe's shared expert keeps its blocks in PyTorch. A layer that
+    starts dropping experts leaves the job list at the next step (the plan is rebuilt) and comes back after."""
+    for arch in ("qwen3_moe", "mixtral"):
+        layers = loaded_models[(arch, "bf16")].model.model.layers
+        assert all(moe_on_engine(layer) is None for layer in layers)
+    assert all("shared" in moe_on_engine(layer) for layer in loaded_models[("qwen2_moe", "bf16")].model.model.layers)
+    loaded = loaded_models[("qwen3_moe", "bf16")]
+    lean, eager = Runner(loaded), Runner(loaded, lean=False)
+    a, b = lean.prefill(PROMPTS[0]), eager.prefill(PROMPTS[0])
+    moe = loaded.model.model.layers[1].mlp.moe
+    try:
+        for drop in (1, 0):
+            moe.set_drop(drop)
+            token = int(b.argmax())
+            a, b = lean.decode(token), eager.decode(token)
+            assert rel(a, b) <= TOL["bf16"]
+            in_python = [c for name, _, c in lean.lean._plan(1)["calls"] if name == "mlp (PyTorch)"]
+            assert in_python == ([loaded.model.model.layers[1]] if drop else [])
+    finally:
+        moe.set_drop(0)
 
 
 # ---------------------------------------------------------------- the fused block alone
@@ -189,3 +216,15 @@ def test_decode_block_refuses_bad_input():
         decode_block(qkv, 4, 2, cos, sin, k, k.clone(), [0, 1], [0, 1], 0.25, q_norm=torch.ones(16))
     with pytest.raises(ValueError, match="qkv"):
         decode_block(qkv.half(), 4, 2, cos, sin, k, k.clone(), [0, 1], [0, 1], 0.25)
+    pool = default_pool()
+    block = prepare_decode_block(qkv, 4, 2, cos, sin, k, k.clone(), [0, 1], [0, 1], 0.25)
+    pos = block._keep[6]  # the positions tensor the job reads when it runs
+    pos[1] = 8
+    pool.submit(block.job())
+    with pytest.raises(ValueError, match="positions"):  # the job's error, at the sync
+        pool.sync()
+    pos[1] = 1
+    before = [t.clone() for t in (qkv, k, block._keep[4])]  # qkv, k and v cache: the block writes all three
+    pool.submit(block.job())
+    pool.sync()
+    assert torch.equal(block.out, decode_block(*before[:1], 4, 2, cos, sin, *before[1:], [0, 1], [0, 1], 0.25))
