@@ -51,11 +51,12 @@ struct Bf16Tile {
   }
 };
 
-// acc += float(isum - offset * xsum) * (w_scale * x_scale), for 8 rows; affine (wmin set, offset 0): then
-// acc += float(-xsum) * (w_min * x_scale) (formats/layout.h).
+// acc += float(isum - offset * xsum) * (w_scale * x_scale), for 8 rows; affine (offset 0): then
+// acc += float(-xsum) * (w_min * x_scale) (formats/layout.h). As on AVX-512, a kernel body per scaling (kAffine).
+template <bool kAffine>
 inline __m256 epilogue8(__m256 acc, __m256i isum, int32_t offset, int32_t xsum, const float* wscale, const float* wmin,
                         float xscale) {
-  if (wmin) {
+  if constexpr (kAffine) {
     acc =
         _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_loadu_ps(wscale), _mm256_set1_ps(xscale)), acc);
     return _mm256_fmadd_ps(_mm256_set1_ps((float)(-xsum)), _mm256_mul_ps(_mm256_loadu_ps(wmin), _mm256_set1_ps(xscale)),
@@ -71,6 +72,10 @@ inline __m256 epilogue8(__m256 acc, __m256i isum, int32_t offset, int32_t xsum, 
 template <int NT>
 struct Int8Tile {
   static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+    w.mins ? body<true>(w, rows, a, out) : body<false>(w, rows, a, out);
+  }
+  template <bool kAffine>
+  static void body(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
     const int lines_per_group = w.group / 4, n_groups = w.kp / w.group;
     const int16_t* x[NT];
 #pragma GCC unroll 8
@@ -106,11 +111,12 @@ struct Int8Tile {
       for (int i = 0; i < NT; ++i) {
         const float xs = act_scales(rows[i], a)[g];
         const int32_t xsum = act_sums(rows[i], a)[g];
-        const float* wm = w.mins ? w.mins + g * kRowsPerBlock : nullptr;
+        const float* wm = kAffine ? w.mins + g * kRowsPerBlock : nullptr;
         __m256i lo = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][0], acc[i][1]), 0xD8);
         __m256i hi = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][2], acc[i][3]), 0xD8);
-        facc[i][0] = epilogue8(facc[i][0], lo, 128, xsum, w.scales + g * kRowsPerBlock, wm, xs);
-        facc[i][1] = epilogue8(facc[i][1], hi, 128, xsum, w.scales + g * kRowsPerBlock + 8, wm ? wm + 8 : wm, xs);
+        facc[i][0] = epilogue8<kAffine>(facc[i][0], lo, 128, xsum, w.scales + g * kRowsPerBlock, wm, xs);
+        facc[i][1] =
+            epilogue8<kAffine>(facc[i][1], hi, 128, xsum, w.scales + g * kRowsPerBlock + 8, wm ? wm + 8 : wm, xs);
       }
     }
 #pragma GCC unroll 8
@@ -126,6 +132,10 @@ struct Int8Tile {
 template <int NT>
 struct Int4Tile {
   static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+    w.mins ? body<true>(w, rows, a, out) : body<false>(w, rows, a, out);
+  }
+  template <bool kAffine>
+  static void body(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
     const int lines_per_group = w.group / 8, n_groups = w.kp / w.group;
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const int8_t* x[NT];
@@ -177,9 +187,10 @@ struct Int4Tile {
       for (int i = 0; i < NT; ++i) {
         const float xs = act_scales(rows[i], a)[g];
         const int32_t xsum = act_sums(rows[i], a)[g];
-        const float* wm = w.mins ? w.mins + g * kRowsPerBlock : nullptr;
-        facc[i][0] = epilogue8(facc[i][0], acc[i][0], 8, xsum, w.scales + g * kRowsPerBlock, wm, xs);
-        facc[i][1] = epilogue8(facc[i][1], acc[i][1], 8, xsum, w.scales + g * kRowsPerBlock + 8, wm ? wm + 8 : wm, xs);
+        const float* wm = kAffine ? w.mins + g * kRowsPerBlock : nullptr;
+        facc[i][0] = epilogue8<kAffine>(facc[i][0], acc[i][0], 8, xsum, w.scales + g * kRowsPerBlock, wm, xs);
+        facc[i][1] =
+            epilogue8<kAffine>(facc[i][1], acc[i][1], 8, xsum, w.scales + g * kRowsPerBlock + 8, wm ? wm + 8 : wm, xs);
       }
     }
 #pragma GCC unroll 8

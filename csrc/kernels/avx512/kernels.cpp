@@ -45,11 +45,13 @@ struct Bf16Tile {
   }
 };
 
-// acc += float(isum - offset * xsum) * (w_scale * x_scale), for 16 rows; affine (wmin set, offset 0): then
-// acc += float(-xsum) * (w_min * x_scale) (formats/layout.h).
+// acc += float(isum - offset * xsum) * (w_scale * x_scale), for 16 rows; affine (offset 0): then
+// acc += float(-xsum) * (w_min * x_scale) (formats/layout.h). The tiles run a kernel body per scaling
+// (kAffine), so the symmetric one carries no min pointer or branch (they cost it registers: spills at NT >= 8).
+template <bool kAffine>
 inline __m512 epilogue16(__m512 acc, __m512i isum, int32_t offset, int32_t xsum, const float* wscale, const float* wmin,
                          float xscale) {
-  if (wmin) {
+  if constexpr (kAffine) {
     acc =
         _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_loadu_ps(wscale), _mm512_set1_ps(xscale)), acc);
     return _mm512_fmadd_ps(_mm512_set1_ps((float)(-xsum)), _mm512_mul_ps(_mm512_loadu_ps(wmin), _mm512_set1_ps(xscale)),
@@ -67,6 +69,10 @@ inline __m256i pair_sums(__m512i v) { return _mm512_cvtepi64_epi32(_mm512_add_ep
 template <int NT>
 struct Int8Tile {
   static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+    w.mins ? body<true>(w, rows, a, out) : body<false>(w, rows, a, out);
+  }
+  template <bool kAffine>
+  static void body(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
     const int lines_per_group = w.group / 4, n_groups = w.kp / w.group;
     const int16_t* x[NT];
 #pragma GCC unroll 16
@@ -97,8 +103,8 @@ struct Int8Tile {
 #pragma GCC unroll 16
       for (int i = 0; i < NT; ++i) {
         __m512i rows16 = _mm512_inserti64x4(_mm512_castsi256_si512(pair_sums(acc[i][0])), pair_sums(acc[i][1]), 1);
-        facc[i] = epilogue16(facc[i], rows16, 128, act_sums(rows[i], a)[g], w.scales + g * kRowsPerBlock,
-                             w.mins ? w.mins + g * kRowsPerBlock : nullptr, act_scales(rows[i], a)[g]);
+        facc[i] = epilogue16<kAffine>(facc[i], rows16, 128, act_sums(rows[i], a)[g], w.scales + g * kRowsPerBlock,
+                                      kAffine ? w.mins + g * kRowsPerBlock : nullptr, act_scales(rows[i], a)[g]);
       }
     }
 #pragma GCC unroll 16
@@ -118,6 +124,10 @@ struct Int4Tile {
   static constexpr int kUnroll = NT == 1 ? 2 : 1;  // lines per step
   static constexpr int kChains = kSplit * kUnroll;
   static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+    w.mins ? body<true>(w, rows, a, out) : body<false>(w, rows, a, out);
+  }
+  template <bool kAffine>
+  static void body(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
     const int lines_per_group = w.group / 8, n_groups = w.kp / w.group;  // a multiple of kUnroll (group >= 32)
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     const int8_t* x[NT];
@@ -159,8 +169,8 @@ struct Int4Tile {
         __m512i sum = acc[i][0];
 #pragma GCC unroll 4
         for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, acc[i][c]);
-        facc[i] = epilogue16(facc[i], sum, 8, act_sums(rows[i], a)[g], w.scales + g * kRowsPerBlock,
-                             w.mins ? w.mins + g * kRowsPerBlock : nullptr, act_scales(rows[i], a)[g]);
+        facc[i] = epilogue16<kAffine>(facc[i], sum, 8, act_sums(rows[i], a)[g], w.scales + g * kRowsPerBlock,
+                                      kAffine ? w.mins + g * kRowsPerBlock : nullptr, act_scales(rows[i], a)[g]);
       }
     }
 #pragma GCC unroll 16
