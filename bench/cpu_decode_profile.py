@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hetmoe.engine.cpu_decode import _fp32_copy  # noqa: E402
 from hetmoe.engine.placement import EngineOptions  # noqa: E402
 from hetmoe.engine.runner import Runner  # noqa: E402
 from hetmoe.testing.synthetic import build_random_model  # noqa: E402
@@ -57,7 +58,7 @@ def step(runner: Runner, tok: int, way: str, times: dict) -> None:
         pool.sync()
         t = clock()
         if plan["logits"] is not None:
-            plan["logits"].to(torch.float32, copy=True)
+            _fp32_copy(plan["logits"])
         times["logits out"].append(clock() - t)
     runner.lengths[0] += 1
 

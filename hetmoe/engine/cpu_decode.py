@@ -83,6 +83,18 @@ def why_not(model, cache) -> Optional[str]:
     return None
 
 
+def _fp32_copy(t: torch.Tensor) -> torch.Tensor:
+    """A fresh fp32 copy made by this thread alone: a second PyTorch thread would wait for a core that the pool's
+    workers, spinning after the step, hold (bench/cpu_decode_profile.py "logits out": 25 us alone, ms in a loaded
+    decode loop)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return t.to(torch.float32, copy=True)
+    finally:
+        torch.set_num_threads(n)
+
+
 def moe_on_engine(layer) -> Optional[str]:
     """None when the engine takes ``layer``'s whole MoE block (norm + router + routed experts, added into the
     residual), else why not: the block then runs as the model's module."""
@@ -229,5 +241,5 @@ class LeanDecode:
             else:  # a decoder layer whose MoE block runs as the model's module
                 x += seg.mlp(seg.post_attention_layernorm(x)[:, None])[:, 0]
         if plan["logits"] is not None:
-            return plan["logits"].to(torch.float32, copy=True)  # the caller's own (the buffer is the next step's)
+            return _fp32_copy(plan["logits"])  # the caller's own (the buffer is the next step's)
         return self.model.logits(self.model.model.norm(x)).float()
