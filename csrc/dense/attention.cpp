@@ -82,7 +82,13 @@ void decode_attention(ThreadPool& pool, const AttentionArgs& a) {
   if (a.B == 0) return;
   // Query heads per task: whole groups of kv heads while they fit in kHeadsPerTask, else blocks of one group.
   const int g = a.n_head / a.n_kv_head;
-  const int kv_per_task = g >= kHeadsPerTask ? 1 : std::min(a.n_kv_head, kHeadsPerTask / g);
+  int kv_per_task = g >= kHeadsPerTask ? 1 : std::min(a.n_kv_head, kHeadsPerTask / g);
+  // Short contexts (a decode step at a few hundred positions: one split per sequence) give fewer tasks than
+  // threads: halve the kv heads per task until every thread has two (the same bits: heads are independent).
+  int64_t n_splits = 0;
+  for (int b = 0; b < a.B; ++b) n_splits += (a.lens[b] + kKeysPerSplit - 1) / kKeysPerSplit;
+  while (kv_per_task > 1 && n_splits * ((a.n_kv_head + kv_per_task - 1) / kv_per_task) < 2 * (int64_t)pool.size())
+    kv_per_task = (kv_per_task + 1) / 2;
   const int hb = g >= kHeadsPerTask ? kHeadsPerTask : kv_per_task * g;  // the most query heads of a task
   const int d1p = (int)pad_lanes(a.d1), dk = d1p + (int)pad_lanes(a.d2), dvp = (int)pad_lanes(a.dv);
   const int64_t part_floats = pad_lanes((int64_t)hb * (dvp + 2));  // m [hb], l [hb], o [hb][dvp]
