@@ -24,6 +24,7 @@ namespace {
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 __attribute__((always_inline)) inline f32x8 load8(const float* p) {
@@ -110,6 +111,17 @@ inline void row_to_f32(const void* src, bool bf16, int d, float* dst) {
   int i = 0;
   if (bf16) {
     const uint16_t* s = static_cast<const uint16_t*>(src);
+    // 16 at a time: each value the high half of a (little-endian) word whose low half is 0, interleaved by two
+    // shuffles (the zero-extend and shift below compiled to twice the instructions: ~10% of a span)
+    for (; i + 16 <= d; i += 16) {
+      u16x16 h;
+      std::memcpy(&h, s + i, sizeof h);
+      const u16x16 z = {};
+      const u16x16 lo = __builtin_shufflevector(z, h, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+      const u16x16 hi = __builtin_shufflevector(z, h, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+      std::memcpy(dst + i, &lo, sizeof lo);
+      std::memcpy(dst + i + 8, &hi, sizeof hi);
+    }
     for (; i + 8 <= d; i += 8) {
       u16x8 h;
       std::memcpy(&h, s + i, sizeof h);
