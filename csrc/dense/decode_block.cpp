@@ -11,6 +11,7 @@
 
 #include "dense/attention.h"
 #include "dense/sum_order.h"
+#include "runtime/cpu_features.h"
 
 namespace hetmoe {
 
@@ -67,7 +68,7 @@ void check(const DecodeBlockArgs& a) {
 }
 
 // x rounded to bf16 and back, as f32_to_bf16 then bf16_to_f32, without branches (so the loops below vectorize)
-inline float rnd_bf16(float x) {
+__attribute__((always_inline)) inline float rnd_bf16(float x) {
   uint32_t u;
   std::memcpy(&u, &x, sizeof u);
   const uint32_t r = (int32_t)(u & 0x7FFFFFFFu) > 0x7F800000 ? u | 0x400000u : u + 0x7FFFu + ((u >> 16) & 1);
@@ -78,7 +79,7 @@ inline float rnd_bf16(float x) {
 
 // n values (bf16 or fp32) as fp32
 template <bool BF>
-inline void to_f32(const void* src, int n, float* __restrict dst) {
+__attribute__((always_inline)) inline void to_f32(const void* src, int n, float* __restrict dst) {
   if (BF) {
     const uint16_t* s = static_cast<const uint16_t*>(src);
     for (int i = 0; i < n; ++i) {
@@ -91,9 +92,11 @@ inline void to_f32(const void* src, int n, float* __restrict dst) {
 }
 
 // One q or k head row of token b in place: norm (weight w or none), then RoPE. BF: qkv is bf16 (every op's result
-// rounded to bf16), CS: cos and sin are bf16. x: 3 d floats of scratch.
+// rounded to bf16), CS: cos and sin are bf16. x: 3 d floats of scratch. Inlined into a baseline and an AVX2 build
+// (below): the same operations, no multiply-add contracted, so the same bits.
 template <bool BF, bool CS>
-void rope_row(const DecodeBlockArgs& a, int b, void* row, const float* w, float* x) {
+__attribute__((always_inline)) inline void rope_row_impl(const DecodeBlockArgs& a, int b, void* row, const float* w,
+                                                         float* x) {
   const int d = a.d, half = d / 2;
   float* __restrict xv = x;
   float* __restrict c = x + d;
@@ -123,7 +126,23 @@ void rope_row(const DecodeBlockArgs& a, int b, void* row, const float* w, float*
   }
 }
 
+template <bool BF, bool CS>
+void rope_row(const DecodeBlockArgs& a, int b, void* row, const float* w, float* x) {
+  rope_row_impl<BF, CS>(a, b, row, w, x);
+}
+// 8 lanes instead of SSE2's 4: 2.2x faster per row (a standalone copy, 128 dims, bf16)
+template <bool BF, bool CS>
+__attribute__((target("avx2"))) void rope_row_avx2(const DecodeBlockArgs& a, int b, void* row, const float* w,
+                                                   float* x) {
+  rope_row_impl<BF, CS>(a, b, row, w, x);
+}
+
 using RopeRowFn = void (*)(const DecodeBlockArgs&, int, void*, const float*, float*);
+
+template <bool BF, bool CS>
+RopeRowFn pick_rope_row() {
+  return cpu_features().supports(Isa::avx2) ? rope_row_avx2<BF, CS> : rope_row<BF, CS>;
+}
 
 }  // namespace
 
@@ -132,8 +151,8 @@ void decode_block(ThreadPool& pool, const DecodeBlockArgs& a) {
   if (a.B == 0) return;
   const int d = a.d, n_rope = a.n_head + a.n_kv_head, n_row = n_rope + a.n_kv_head;
   const size_t qe = a.qkv_bf16 ? 2 : 4, ke = a.kv_bf16 ? 2 : 4;
-  const RopeRowFn rope_row_fn = a.qkv_bf16 ? (a.cs_bf16 ? rope_row<true, true> : rope_row<true, false>)
-                                           : (a.cs_bf16 ? rope_row<false, true> : rope_row<false, false>);
+  const RopeRowFn rope_row_fn = a.qkv_bf16 ? (a.cs_bf16 ? pick_rope_row<true, true>() : pick_rope_row<true, false>())
+                                           : (a.cs_bf16 ? pick_rope_row<false, true>() : pick_rope_row<false, false>());
   // every head row of every token: q/k rows normed and roped in place, k/v rows copied to the cache; spread over
   // the pool's threads (the same result: rows are independent). Even at batch 1 (40 rows of 128 for qwen3-30b-a3b)
   // that pays: the workers spin between a job's phases, and the coordinator alone took ~25 us of a ~110 us block.
