@@ -222,14 +222,16 @@ def _mla_epilogue(KVA, W, COS, SIN, Q, QPE, CC, PC, TABLE, SLOTS, POS,
 
 
 @triton.jit
-def _silu_mul(GU, OUT, s_gu, s_o, N, BLOCK: tl.constexpr):
+def _silu_mul(GU, OUT, s_gu, s_o, N, BLOCK: tl.constexpr, ROUND_SILU: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     g = tl.load(GU + t * s_gu + i, mask=m, other=0.0).to(tl.float32)
     u = tl.load(GU + t * s_gu + N + i, mask=m, other=0.0).to(tl.float32)
-    DT: tl.constexpr = OUT.dtype.element_ty
-    _store(OUT + t * s_o + i, _round(g / (1.0 + tl.exp(-g)), DT) * u, m)
+    silu = g / (1.0 + tl.exp(-g))
+    if ROUND_SILU:
+        silu = _round(silu, OUT.dtype.element_ty)
+    _store(OUT + t * s_o + i, silu * u, m)
 
 
 @triton.jit
@@ -355,15 +357,16 @@ def mla_epilogue(kv_a: torch.Tensor, q: torch.Tensor, nope: int, weight: torch.T
     return q_pe
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [..., 2I] (gate | up) -> silu(gate) * up [..., I], silu rounded to the dtype as F.silu is."""
+def silu_mul(gate_up: torch.Tensor, round_silu: bool = True) -> torch.Tensor:
+    """gate_up [..., 2I] (gate | up) -> silu(gate) * up [..., I]: silu rounded to the dtype as F.silu is, or with
+    ``round_silu=False`` the product computed in fp32 and rounded once (the layerwise prefill's SwiGLU)."""
     I = gate_up.shape[-1] // 2
     gu = _rows(gate_up)
     out = torch.empty(gu.shape[0], I, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(I))
     if gu.shape[0]:
         _silu_mul[(gu.shape[0], triton.cdiv(I, block))](gu, out, gu.stride(0), out.stride(0), I, BLOCK=block,
-                                                         num_warps=4)
+                                                         ROUND_SILU=round_silu, num_warps=4)
     return out.view(*gate_up.shape[:-1], I)
 
 

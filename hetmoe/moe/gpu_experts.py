@@ -267,7 +267,7 @@ class GpuExperts:
         step = GATHER_EXPERTS if self.storage.quantized else self.n
         for r0 in range(0, self.n, step):
             r1 = min(self.n, r0 + step)
-            if not bool(((slots >= r0) & (slots < r1)).any()):
+            if step < self.n and not bool(((slots >= r0) & (slots < r1)).any()):  # skip dequantizing unrouted ones
                 continue
             w_gate_up, w_down = self._expert_weights(r0, r1)
             for r in range(r0, r1):

@@ -2,7 +2,8 @@
 layer's experts take no host synchronization and no fp32 copies of the [M, 2I] / [M, H] intermediates:
 
 * ``swiglu(gu [M, 2I])`` -> silu(gate) * up [M, I] in gu's dtype, computed in fp32 and rounded once (as the torch
-  path does: ``(F.silu(gu.float()[:, :I]) * gu.float()[:, I:]).to(dtype)``);
+  path does: ``(F.silu(gu.float()[:, :I]) * gu.float()[:, I:]).to(dtype)``; hetmoe/layers/triton_fused.py's
+  ``silu_mul`` kernel);
 * ``combine_slots(y [M, H], pos [T, k], ids [T, k], weights [T, k])`` -> fp32 [T, H]: out[t] = the sum over the
   slots j with ids[t, j] >= 0, in slot order, of weights[t, j] * y[pos[t, j]] (pos: the row of slot (t, j) in the
   expert-sorted order). Skipped slots' rows are never read, so rows the grouped GEMM left unwritten (the skipped
@@ -30,15 +31,6 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _swiglu(GU, OUT, N, BLOCK: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = i < N
-        g = tl.load(GU + t * 2 * N + i, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(GU + t * 2 * N + N + i, mask=m, other=0.0).to(tl.float32)
-        tl.store(OUT + t * N + i, (g / (1.0 + tl.exp(-g)) * u).to(OUT.dtype.element_ty), mask=m)
-
-    @triton.jit
     def _combine_slots(Y, POS, IDS, W, OUT, H, K: tl.constexpr, BLOCK: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -54,14 +46,10 @@ if triton is not None:
 
 
 def swiglu(gu: torch.Tensor) -> torch.Tensor:
-    """gu [M, 2I] contiguous (gate | up) -> [M, I] in gu's dtype."""
-    M, two_i = gu.shape
-    I = two_i // 2
-    out = torch.empty(M, I, dtype=gu.dtype, device=gu.device)
-    block = min(1024, triton.next_power_of_2(I))
-    if M:
-        _swiglu[(M, triton.cdiv(I, block))](gu.contiguous(), out, I, BLOCK=block, num_warps=4)
-    return out
+    """gu [M, 2I] (gate | up) -> [M, I] in gu's dtype: the fused decode path's kernel, rounded once."""
+    from hetmoe.layers.triton_fused import silu_mul
+
+    return silu_mul(gu, round_silu=False)
 
 
 def combine_slots(y: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -397,7 +397,7 @@ cases = [
                             dict(BLOCK=8192, HAS_DELTA=True, DELTA_HOST=False))),
     (tf._add_rms_norm, *sig("X DELTA W RES OUT", "sx sd sr so", dict(N="i32", eps="fp32"),
                             dict(BLOCK=8192, HAS_DELTA=True, DELTA_HOST=True))),
-    (tf._silu_mul, *sig("GU OUT", "s_gu s_o", dict(N="i32"), dict(BLOCK=1024))),
+    (tf._silu_mul, *sig("GU OUT", "s_gu s_o", dict(N="i32"), dict(BLOCK=1024, ROUND_SILU=True))),
     (tf._add_rows, *sig("A B OUT", "sa sb so", dict(N="i32"), dict(BLOCK=1024))),
 ]
 for logits in ("*bf16", "*fp32"):
