@@ -27,14 +27,9 @@ heads, D head dim; nothing reads the host, so each call is capturable in a CUDA 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-
-# Triton's interpreter multiplies bf16 blocks wrongly in tl.dot: there the router GEMM takes fp32 blocks
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -236,10 +231,11 @@ def _silu_mul(GU, OUT, s_gu, s_o, N, BLOCK: tl.constexpr, ROUND_SILU: tl.constex
 
 @triton.jit
 def _router_stage(X, W, LOGITS, XH, T, N, E, sx, sw, sl, sxh,
-                  BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, STAGE_X: tl.constexpr,
-                  PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """Program (e, t): logits of experts [e * BE, (e + 1) * BE) for tokens [t * BT, (t + 1) * BT) in fp32, stored
-    in LOGITS' dtype; the programs of expert block 0 also copy their tokens' x to XH."""
+                  BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, STAGE_X: tl.constexpr):
+    """Program (e, t): logits of experts [e * BE, (e + 1) * BE) for tokens [t * BT, (t + 1) * BT), fp32 products
+    summed in fp32, stored in LOGITS' dtype; the programs of expert block 0 also copy their tokens' x to XH. A
+    broadcast product, not tl.dot: a decode batch is a few rows, and a GEMV spread over E / BE programs reads the
+    weight at HBM speed where a few tl.dot programs each walked their slice of K one latency at a time."""
     pe = tl.program_id(0)
     rt = tl.program_id(1) * BT + tl.arange(0, BT)
     re = pe * BE + tl.arange(0, BE)
@@ -254,10 +250,7 @@ def _router_stage(X, W, LOGITS, XH, T, N, E, sx, sw, sl, sxh,
             if pe == 0:
                 tl.store(XH + rt[:, None].to(tl.int64) * sxh + rk[None, :], x, mask=mx, cache_modifier=".wt")
         w = tl.load(W + re[:, None].to(tl.int64) * sw + rk[None, :], mask=me[:, None] & mk[None, :], other=0.0)
-        if UPCAST:  # the same sums (bf16 products are exact in fp32)
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w), input_precision=PREC)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     _store_host(LOGITS + rt[:, None].to(tl.int64) * sl + re[None, :], acc, mt[:, None] & me[None, :])
 
 
@@ -386,11 +379,10 @@ def router_stage(x: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor, x_
     if not T:
         return
     xh = x_host if x_host is not None else logits
-    bt = 16  # tl.dot's smallest M: a decode batch's rows, padded
-    _router_stage[(triton.cdiv(E, 16), triton.cdiv(T, bt))](
-        x, weight, logits, xh, T, N, E, x.stride(0), weight.stride(0), logits.stride(0), xh.stride(0), BT=bt, BE=16,
-        BK=min(128, max(16, triton.next_power_of_2(N))), STAGE_X=x_host is not None,
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED, num_warps=4)
+    bt, be = min(4, triton.next_power_of_2(T)), 2  # a product of BT * BE * BK = 4096 values per step
+    _router_stage[(triton.cdiv(E, be), triton.cdiv(T, bt))](
+        x, weight, logits, xh, T, N, E, x.stride(0), weight.stride(0), logits.stride(0), xh.stride(0), BT=bt, BE=be,
+        BK=min(triton.next_power_of_2(N), 4096 // (bt * be)), STAGE_X=x_host is not None, num_warps=4)
 
 
 def add_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

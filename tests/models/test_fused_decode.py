@@ -402,7 +402,7 @@ cases = [
 ]
 for logits in ("*bf16", "*fp32"):
     cases.append((tf._router_stage, *sig("X W LOGITS XH", "sx sw sl sxh", dict(T="i32", N="i32", E="i32"),
-                                         dict(BT=16, BE=16, BK=128, STAGE_X=True, PREC="tf32", UPCAST=False),
+                                         dict(BT=4, BE=2, BK=512, STAGE_X=True),
                                          LOGITS=logits)))
 for cache in ("*bf16", "*fp32"):
     for norm in (True, False):
