@@ -1,8 +1,10 @@
 """Prefill by path, for ``hetmoe bench e2e`` on a GPU: per prompt length, the routed experts on the CPU engine, on
 the layerwise GPU path (hetmoe/moe/layerwise.py) and with the automatic choice between them, beside the PCIe
 roofline of the GPU path: a prompt of T tokens cannot prefill faster than T / (one pass over every layer's packed
-experts at the measured H2D rate). The GPU path's time per MoE layer is split into its copy and its expert compute
-(CUDA events); they overlap, so a layer takes about the larger of the two."""
+experts at the measured H2D rate). The GPU path's time per MoE layer is split into its copy, its expert compute, the
+CPU's share (hetmoe/moe/cpu_share.py) and the main stream's idle time waiting for either (CUDA events); they
+overlap, so a layer takes about the largest of the first three. With a CPU share, the GPU path is also timed without
+it (``gpu_no_share``: the A/B in one run)."""
 
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def time_prefill(runner: Runner, n: int, repeats: int, gen: torch.Generator) -> 
 
 def prefill_paths(loaded: LoadedModel, prompts: list, repeats: int, seed: int, log=print) -> dict:
     """{"rates": the layerwise rates measured now, "expert_bytes", "rows": per prompt length {tokens, cpu/gpu/auto
-    tok/s, pcie_roofline_tok_s, pct_roofline, copy_ms/compute_ms per layer}}."""
+    (gpu_no_share) tok/s, pcie_roofline_tok_s, pct_roofline, copy/compute/cpu/idle ms per layer, cpu_experts}}."""
     lw = loaded.layerwise
     runner = Runner(loaded)
     gen = torch.Generator().manual_seed(seed)
@@ -42,11 +44,15 @@ def prefill_paths(loaded: LoadedModel, prompts: list, repeats: int, seed: int, l
     try:
         for n in prompts:
             row = {"tokens": n, "chunk": runner.prefill_chunk, "min_tokens_auto": auto}
-            for path in ("cpu", "gpu", "auto"):
+            for path in ("cpu", "gpu", "auto") + (("gpu_no_share",) if lw.share is not None else ()):
                 runner.layerwise = None if path == "cpu" else lw
-                lw.min_tokens = 1 if path == "gpu" else auto
+                lw.min_tokens = auto if path == "auto" else 1
                 lw.profiling = path == "gpu"
+                if path == "gpu_no_share":
+                    mode, lw.share.mode = lw.share.mode, "off"
                 times = time_prefill(runner, n, repeats, gen)
+                if path == "gpu_no_share":
+                    lw.share.mode = mode
                 row[f"{path}_tok_s"] = n / statistics.median(times)
                 if path == "gpu":
                     row.update(lw.profile())
@@ -57,7 +63,9 @@ def prefill_paths(loaded: LoadedModel, prompts: list, repeats: int, seed: int, l
             log(f"  prefill {n:6d} tokens: cpu {row['cpu_tok_s']:9.1f}  gpu {row['gpu_tok_s']:9.1f}  auto "
                 f"{row['auto_tok_s']:9.1f} tok/s; PCIe roofline {row['pcie_roofline_tok_s']:9.1f} "
                 f"({row['pct_roofline']:.0f}%); per MoE layer: copy {row['copy_ms']:.2f} ms, experts "
-                f"{row['compute_ms']:.2f} ms")
+                f"{row['compute_ms']:.2f} ms, CPU share {row['cpu_ms']:.2f} ms ({row['cpu_experts']:.0f} experts), "
+                f"idle {row['idle_ms']:.2f} ms"
+                + (f"; gpu without the share {row['gpu_no_share_tok_s']:9.1f} tok/s" if lw.share is not None else ""))
     finally:
         lw.min_tokens, lw.profiling = auto, False
         runner.layerwise = lw

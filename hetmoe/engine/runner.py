@@ -124,7 +124,7 @@ class Runner:
         if self.lean is not None and ids.shape[1] == 1 and not layerwise:
             logits = self.lean(ids, step.positions, step.slots)  # [B, vocab] fp32: the one token of each row
             return logits if last is not None or last_only else logits[:, None]
-        with self.layerwise.prefill() if layerwise else nullcontext():  # the routed experts on the GPU
+        with self.layerwise.prefill(ids.numel()) if layerwise else nullcontext():  # the routed experts on the GPU
             hidden = self.model(ids.to(self.device), step, self.cache)
         if last is not None:
             hidden = hidden[torch.arange(len(last), device=hidden.device), last.to(hidden.device)]  # [B, H]

@@ -15,7 +15,9 @@ Per forward call (a prefill chunk of T >= ``min_tokens`` tokens), with S slots (
 
 Events order every slot reuse; nothing synchronizes the device. The whole layer is copied: the copy of layer i + 1
 starts before its router has run (that is the overlap), and at the token counts where this path wins, T·k is many
-times the number of experts, so nearly every expert is routed to anyway. Expert Deferral is a decode feature: here
+times the number of experts, so nearly every expert is routed to anyway. While the link is the bottleneck, the CPU
+engine computes the last c experts of each layer at the same time, and only the first E - c are copied
+(hetmoe/moe/cpu_share.py; c chosen per chunk from the measured rates). Expert Deferral is a decode feature: here
 every expert is computed exactly once, on the layer's own input; GPU-resident experts are computed from the
 streamed weights like the others (they hold the same values).
 
@@ -34,9 +36,14 @@ import torch
 import torch.nn.functional as F
 
 from hetmoe.moe import grouped_triton, packed_triton
+from hetmoe.moe import prefill_choice as choice
 from hetmoe.moe.combine import combine
+from hetmoe.moe.cpu_share import CPUShare
 from hetmoe.moe.deferral import drop_lowest
 from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
+from hetmoe.moe.prefill_choice import choose_min_tokens, eligible, setup
+
+__all__ = ["LayerwisePrefill", "choose_min_tokens", "current", "eligible", "grouped_swiglu", "setup"]
 
 _current: contextvars.ContextVar = contextvars.ContextVar("hetmoe_layerwise_prefill", default=None)
 
@@ -129,7 +136,8 @@ class LayerwisePrefill:
     forward order). ``min_tokens``: the forward calls with at least this many tokens take this path (the runner
     asks ``wants(T)``); ``slots``: GPU buffers of one layer's packed experts each (>= 2: copy one while computing
     another); ``unpack_batch``: experts unpacked at once where PyTorch ops unpack (no Triton). On a CPU ``device``
-    (tests) the same path runs without copies, reading the engine's storage directly."""
+    (tests) the same path runs without copies, reading the engine's storage directly. ``share``: the CPU's share of
+    each layer's experts (a ``CPUShare``, ``enable_share``), or None: every expert on the GPU."""
 
     def __init__(self, layers: list, device, dtype: torch.dtype, min_tokens: int, slots: int = 2,
                  unpack_batch: int = 16):
@@ -141,6 +149,7 @@ class LayerwisePrefill:
         self._index = {id(layer): i for i, layer in enumerate(self.layers)}
         self.layouts = [ExpertLayout.of(layer.engine) for layer in self.layers]
         self.host = [expert_ranges(layer.engine) for layer in self.layers]
+        self.per = [[b for b in lay.range_bytes() if b] for lay in self.layouts]  # bytes per expert of each range
         self.cuda = self.device.type == "cuda"
         self.unpack_n = int(unpack_batch)
         lay = self.layouts[0] if self.layouts else None
@@ -158,8 +167,30 @@ class LayerwisePrefill:
             self.copied = [torch.cuda.Event(enable_timing=True) for _ in range(self.n_slots)]
             self.freed = [None] * self.n_slots  # the event after the last compute that read the slot
         self.layers_run = 0  # MoE layers computed here since construction (for reports and tests)
-        self.profiling = False  # when on: CUDA events around every copy and every layer's expert compute
-        self._events: list = []  # (layer, "copy" | "compute", start event, end event)
+        self.profiling = False  # when on: CUDA events around every copy, every layer's expert compute and CPU share
+        self._events: list = []  # (layer, "copy" | "compute" | "cpu" | "idle", start event, end event)
+        self.share: Optional[CPUShare] = None
+        self.rates: Optional[dict] = None  # the last ``measure()``
+        self.cpu_experts = 0  # the CPU's share of each layer's experts in the running forward call
+        self.shares: list = []  # (tokens, cpu_experts) of each forward call since profiling was turned on
+
+    def enable_share(self, mode="auto", chunk: int = 8192) -> Optional[CPUShare]:
+        """Let the CPU engine compute a share of each layer's experts (hetmoe/moe/cpu_share.py): ``mode`` "auto"
+        (chosen per chunk from ``self.rates``), "off" (None: no share) or a fixed number of experts, for chunks of
+        up to ``chunk`` tokens (auto: the largest with a share at these rates; its staging buffers hold that many)."""
+        if self.share is not None:
+            self.share.close()
+            self.share = None
+        mode = choice.parse_mode(str(mode))
+        ks = {layer.router.top_k for layer in self.layers}
+        if mode == "off" or not self.layers or len(ks) != 1 or (mode == "auto" and self.rates is None):
+            return None
+        E = self.layouts[0].num_experts
+        capacity = choice.share_capacity(self.rates, E, chunk) if mode == "auto" else chunk
+        if capacity < 1:
+            return None
+        self.share = CPUShare(self.layouts[0].hidden, ks.pop(), self.dtype, self.device, capacity, mode, self.rates)
+        return self.share
 
     @property
     def slot_bytes(self) -> int:
@@ -173,10 +204,19 @@ class LayerwisePrefill:
         return id(layer) in self._index and x.device.type == self.device.type
 
     @contextmanager
-    def prefill(self):
-        """One forward call on this path: the first slots' copies start now."""
+    def prefill(self, n_tokens: Optional[int] = None):
+        """One forward call of ``n_tokens`` tokens on this path (the CPU's share is chosen for it; None: no
+        share): the first slots' copies start now."""
         if current() is not None:
             raise RuntimeError("a layerwise prefill is already running")
+        c = 0
+        if self.share is not None and n_tokens:
+            c = self.share.experts_for(int(n_tokens), min(lay.num_experts for lay in self.layouts))
+            if c:
+                self.share.start(int(n_tokens))
+        if self.profiling and n_tokens:
+            self.shares.append((int(n_tokens), c))
+        self.cpu_experts = c
         for i in range(min(self.n_slots, len(self.layers))):
             self._issue(i)
         token = _current.set(self)
@@ -184,6 +224,11 @@ class LayerwisePrefill:
             yield self
         finally:
             _current.reset(token)
+            self.cpu_experts = 0
+
+    def gpu_experts(self, i: int) -> int:
+        """How many of layer i's experts (the first ones) the GPU computes in the running call."""
+        return self.layouts[i].num_experts - self.cpu_experts
 
     def _issue(self, i: int) -> None:
         if not self.cuda:
@@ -193,32 +238,38 @@ class LayerwisePrefill:
             if self.freed[s] is not None:
                 self.copy_stream.wait_event(self.freed[s])
             start = self._event()
-            for dst, src in zip(self.slots[s], self.host[i]):
-                dst[:src.numel()].copy_(src, non_blocking=True)
+            n = self.gpu_experts(i)  # each range holds the experts one after another: a prefix of each
+            for dst, src, b in zip(self.slots[s], self.host[i], self.per[i]):
+                dst[:n * b].copy_(src[:n * b], non_blocking=True)
             self.copied[s].record(self.copy_stream)
             if start is not None:  # an end event of its own: copied[s] is recorded again by the slot's next copy
                 self._events.append((i, "copy", start, self._event()))
 
-    def _weights(self, i: int) -> tuple:
-        """Layer i's experts unpacked into the weight scratch, a few experts at a time (bounded temporaries)."""
-        lay = self.layouts[i]
+    def _wait(self, i: int) -> None:
+        """The main stream waits for layer i's copy."""
         if self.cuda:
-            s = i % self.n_slots
-            torch.cuda.current_stream(self.device).wait_event(self.copied[s])
-            ranges = [dst[:src.numel()] for dst, src in zip(self.slots[s], self.host[i])]
+            idle = self._event()
+            torch.cuda.current_stream(self.device).wait_event(self.copied[i % self.n_slots])
+            if idle is not None:
+                self._events.append((i, "idle", idle, self._event()))
+
+    def _weights(self, i: int) -> tuple:
+        """Layer i's experts on the GPU (the first ``gpu_experts(i)``) unpacked into the weight scratch, a few
+        experts at a time (bounded temporaries) -> (w_gu [n, 2I, H], w_down [n, H, I])."""
+        lay, E = self.layouts[i], self.gpu_experts(i)
+        if self.cuda:
+            ranges = [dst[:E * b] for dst, b in zip(self.slots[i % self.n_slots], self.per[i])]
         else:
-            ranges = self.host[i]
+            ranges = [r[:E * b] for r, b in zip(self.host[i], self.per[i])]
         if self.cuda and packed_triton.available():  # one pass, straight into the scratch
-            packed_triton.unpack_into(lay, ranges, self.w_gu, self.w_down)
-            return self.w_gu, self.w_down
-        per = [b for b in lay.range_bytes() if b]
-        E = lay.num_experts
+            packed_triton.unpack_into(lay, ranges, self.w_gu, self.w_down, E)
+            return self.w_gu[:E], self.w_down[:E]
         for e0 in range(0, E, self.unpack_n):
             n = min(self.unpack_n, E - e0)
-            gu, d = unpack_experts(lay, [r[e0 * b:(e0 + n) * b] for r, b in zip(ranges, per)], n, self.dtype)
+            gu, d = unpack_experts(lay, [r[e0 * b:(e0 + n) * b] for r, b in zip(ranges, self.per[i])], n, self.dtype)
             self.w_gu[e0:e0 + n].copy_(gu)
             self.w_down[e0:e0 + n].copy_(d)
-        return self.w_gu, self.w_down
+        return self.w_gu[:E], self.w_down[:E]
 
     def run(self, layer, x: torch.Tensor, logits: torch.Tensor, shared=None,
             correction_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -227,6 +278,14 @@ class LayerwisePrefill:
         weights, ids = layer.route(logits, correction_bias)
         if layer.drop:
             ids = drop_lowest(ids, weights, layer.drop)
+        n = self.gpu_experts(i)
+        if self.cpu_experts:  # the CPU starts on its experts first, the GPU's ids leave them out
+            cpu_start, cpu_done = self._event(), self._event(record=False)
+            self.share.submit(i, layer.engine, x, ids, weights.float(), self.cpu_experts, cpu_done)
+            if cpu_done is not None:
+                self._events.append((i, "cpu", cpu_start, cpu_done))
+            ids = ids.masked_fill(ids >= n, -1)
+        self._wait(i)
         start = self._event()
         w_gu, w_down = self._weights(i)
         y = grouped_swiglu(x, ids, weights, w_gu, w_down)
@@ -238,27 +297,39 @@ class LayerwisePrefill:
             self.freed[s].record(torch.cuda.current_stream(self.device))
             if i + self.n_slots < len(self.layers):
                 self._issue(i + self.n_slots)
+        dense = shared(x) if shared is not None else None
+        if self.cpu_experts:
+            wait = self._event()
+            y = self.share.add(y)  # cpu + gpu in fp32: combine's order for a layer's parts
+            if wait is not None:  # the GPU's wait for the CPU (and the sum)
+                self._events.append((i, "idle", wait, self._event()))
         self.layers_run += 1
-        return combine(y, None, None, x.dtype, shared(x) if shared is not None else None)
+        return combine(y, None, None, x.dtype, dense)
 
-    def _event(self):
+    def _event(self, record: bool = True):
         if not (self.cuda and self.profiling):
             return None
         e = torch.cuda.Event(enable_timing=True)
-        e.record()  # on the current stream: the copy stream inside _issue, the main stream in run
+        if record:
+            e.record()  # on the current stream: the copy stream inside _issue, the main stream in run
         return e
 
     def profile(self) -> dict:
-        """Mean ms per MoE layer of the copies and the expert computes recorded since profiling was turned on
-        (synchronizes; clears the record): {"copy_ms", "compute_ms", "layers"}."""
+        """Mean ms per MoE layer recorded since profiling was turned on (synchronizes; clears the record): the
+        copy, the GPU's expert compute, the CPU share (from the stream reaching its submission until the job is
+        done: 0 without one), the main stream's idle time (waiting for the copy or the CPU share), the mean
+        number of experts per layer the CPU computed:
+        {"copy_ms", "compute_ms", "cpu_ms", "idle_ms", "cpu_experts", "layers"}."""
         torch.cuda.synchronize(self.device)
-        sums = {"copy": [], "compute": []}
+        sums = {"copy": 0.0, "compute": 0.0, "cpu": 0.0, "idle": 0.0}
+        n = 0
         for _, what, a, b in self._events:
-            sums[what].append(a.elapsed_time(b))
-        self._events = []
-        n = len(sums["compute"])
-        return {"copy_ms": sum(sums["copy"]) / max(n, 1), "compute_ms": sum(sums["compute"]) / max(n, 1),
-                "layers": n}
+            sums[what] += a.elapsed_time(b)
+            n += what == "compute"
+        shares, self._events, self.shares = self.shares, [], []
+        out = {f"{what}_ms": total / max(n, 1) for what, total in sums.items()}
+        out["cpu_experts"] = sum(c for _, c in shares) / max(len(shares), 1)
+        return {**out, "layers": n}
 
     def measure(self, tokens=(256, 1024), seed: int = 0) -> dict:
         """The rates the threshold is chosen from, measured on the first MoE layer with random activations and
@@ -286,6 +357,7 @@ class LayerwisePrefill:
             for rep in range(2):  # the first call warms the kernels up
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
+                self._wait(0)
                 grouped_swiglu(xd, idd, wd, *self._weights(0))
                 b.record()
                 b.synchronize()
@@ -297,12 +369,19 @@ class LayerwisePrefill:
                 times.append(time.perf_counter() - t)
             cpu[T] = min(times)
         self.freed[0] = None
-        return {"copy_s": min(copy), "copy_gbps": self.layer_bytes(0) / min(copy) / 1e9, "gpu_s": gpu, "cpu_s": cpu}
+        self.rates = {"copy_s": min(copy), "copy_gbps": self.layer_bytes(0) / min(copy) / 1e9, "gpu_s": gpu,
+                      "cpu_s": cpu}
+        if self.share is not None:
+            self.share.rates = self.rates
+        return self.rates
 
     def layer_bytes(self, i: int) -> int:
         return sum(t.numel() for t in self.host[i])
 
     def close(self) -> None:
+        if self.share is not None:
+            self.share.close()
+            self.share = None
         if self._registered is not None:
             if self.cuda:
                 torch.cuda.synchronize(self.device)
@@ -314,77 +393,3 @@ class LayerwisePrefill:
             self.close()
         except Exception:  # interpreter exit: the CUDA runtime may be gone already, and the process with it
             pass
-
-
-def _line(rates: dict) -> tuple:
-    """(fixed seconds, seconds per token) through the two measured points of ``rates`` {tokens: seconds}."""
-    (t0, s0), (t1, s1) = sorted(rates.items())[:2]
-    per = max((s1 - s0) / (t1 - t0), 0.0)
-    return max(s0 - per * t0, 0.0), per
-
-
-def choose_min_tokens(rates: dict, limit: int = 1 << 20) -> Optional[int]:
-    """The smallest token count from which one layer is faster on the layerwise GPU path than on the CPU engine:
-    per layer, the GPU path takes max(its copy, its compute) (the copy of the next layer overlaps this one's
-    compute), the CPU its compute. None when the GPU path never wins below ``limit`` tokens."""
-    g0, g1 = _line(rates["gpu_s"])
-    c0, c1 = _line(rates["cpu_s"])
-    copy = rates["copy_s"]
-    T = 16
-    while T <= limit:
-        if max(copy, g0 + g1 * T) <= c0 + c1 * T:
-            lo = T // 2
-            while lo + 1 < T:  # the exact crossover between T/2 and T
-                mid = (lo + T) // 2
-                if max(copy, g0 + g1 * mid) <= c0 + c1 * mid:
-                    T = mid
-                else:
-                    lo = mid
-            return T
-        T *= 2
-    return None
-
-
-def eligible(layer) -> bool:
-    """Whether a MoE layer can take this path: the CPU engine, not split over NUMA subpools."""
-    engine = layer.engine
-    return engine is not None and engine.info().get("numa_subpools", 1) == 1
-
-
-def setup(layers: list, plan, options, log) -> tuple:
-    """The model's layerwise GPU prefill for a plan that holds its buffers (``plan.gpu_prefill``), with the token
-    threshold of ``options.gpu_prefill`` (a count, or "auto": measured here) -> (LayerwisePrefill or None, the
-    report kept in ``LoadedModel.info``). Where the driver refuses to register the experts' memory, or the GPU path
-    never wins, prefill stays on the CPU and ``log`` says why."""
-    from hetmoe.engine.placement import GPU_PREFILL_SLOTS, UNPACK_EXPERTS  # the buffers the plan counted
-
-    if not plan.gpu_prefill:
-        return None, {"enabled": False, "why": "off" if options.gpu_prefill == "off" else "no room on the GPU"}
-    ok = [layer for layer in layers if eligible(layer)]
-    if not ok or len(ok) != len(layers):  # all or none: a layer left out could split a deferral chain
-        return None, {"enabled": False, "why": "MoE layers split over NUMA subpools (their storage is per slice)"}
-    threshold = options.gpu_prefill if isinstance(options.gpu_prefill, int) else 1
-    try:
-        driver = LayerwisePrefill(ok, plan.device, plan.dtype, threshold, GPU_PREFILL_SLOTS, UNPACK_EXPERTS)
-    except RuntimeError as err:
-        log(f"hetmoe: GPU prefill off: {err}")
-        return None, {"enabled": False, "why": str(err)}
-    report = {"enabled": True, "chunk": plan.prefill_chunk, "layers": len(ok), "min_tokens": threshold,
-              "chosen_by": "--gpu-prefill"}
-    if options.gpu_prefill == "auto":
-        rates = driver.measure()
-        chosen = choose_min_tokens(rates)
-        report.update(rates=rates, chosen_by="measured")
-        cpu_tok_s = max(rates["cpu_s"]) / rates["cpu_s"][max(rates["cpu_s"])]
-        rate_text = (f"H2D {rates['copy_gbps']:.1f} GB/s ({driver.layer_bytes(0) / 2**20:.0f} MiB per layer in "
-                     f"{1e3 * rates['copy_s']:.1f} ms), CPU experts {cpu_tok_s:.0f} tok/s per layer")
-        if chosen is None:
-            driver.close()
-            log(f"hetmoe: GPU prefill off: the CPU is faster at every prompt length here ({rate_text})")
-            return None, {**report, "enabled": False, "why": "the CPU is faster"}
-        driver.min_tokens = report["min_tokens"] = chosen
-        log(f"hetmoe: GPU prefill from {chosen} tokens per chunk, chunks of {plan.prefill_chunk} ({rate_text})")
-    else:
-        log(f"hetmoe: GPU prefill from {threshold} tokens per chunk (--gpu-prefill), chunks of {plan.prefill_chunk}")
-    return driver, report
-

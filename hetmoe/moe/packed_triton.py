@@ -8,6 +8,8 @@ fixed cost per layer below its PCIe copy. Triton comes with PyTorch's CUDA build
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 try:
@@ -86,10 +88,11 @@ def _launch(shape, data: torch.Tensor, scales, out: torch.Tensor, n_blocks: int,
                          AFFINE=shape.affine, enable_fp_fusion=False)
 
 
-def unpack_into(layout, ranges, w_gu: torch.Tensor, w_down: torch.Tensor) -> None:
-    """Every expert of ``ranges`` (the layer's packed bytes on the device, as ``packed.unpack_experts`` takes them,
-    for all ``layout.num_experts`` experts) into ``w_gu`` [E, 2I, H] and ``w_down`` [E, H, I] (contiguous)."""
-    E = layout.num_experts
+def unpack_into(layout, ranges, w_gu: torch.Tensor, w_down: torch.Tensor, n_experts: Optional[int] = None) -> None:
+    """The first ``n_experts`` experts (default: all ``layout.num_experts``) of ``ranges`` (the layer's packed bytes on
+    the device, as ``packed.unpack_experts`` takes them) into ``w_gu`` [E, 2I, H] and ``w_down`` [E, H, I]
+    (contiguous; rows past ``n_experts`` are left as they are)."""
+    E = layout.num_experts if n_experts is None else int(n_experts)
     if layout.fmt == "bf16":
         gu_data, d_data = ranges
         gu_scales = d_scales = None

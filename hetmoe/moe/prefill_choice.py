@@ -1,0 +1,162 @@
+"""What the layerwise GPU prefill chooses from the rates it measures at load (``LayerwisePrefill.measure``: one
+layer's H2D copy, the GPU path's and the CPU engine's compute at two token counts, in seconds per layer): the token
+count from which the GPU path wins (``choose_min_tokens``) and, per chunk, how many of each layer's experts the CPU
+engine computes meanwhile (``choose_cpu_share``; hetmoe/moe/cpu_share.py), pure functions of the rates; and the
+model's layerwise prefill set up at load with those choices (``setup``), which the load log prints.
+
+Shape letters: T tokens, E experts.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Union
+
+
+def _line(rates: dict) -> tuple:
+    """(fixed seconds, seconds per token) through the two measured points of ``rates`` {tokens: seconds}."""
+    (t0, s0), (t1, s1) = sorted(rates.items())[:2]
+    per = max((s1 - s0) / (t1 - t0), 0.0)
+    return max(s0 - per * t0, 0.0), per
+
+
+def choose_min_tokens(rates: dict, limit: int = 1 << 20) -> Optional[int]:
+    """The smallest token count from which one layer is faster on the layerwise GPU path than on the CPU engine:
+    per layer, the GPU path takes max(its copy, its compute) (the copy of the next layer overlaps this one's
+    compute), the CPU its compute. None when the GPU path never wins below ``limit`` tokens."""
+    g0, g1 = _line(rates["gpu_s"])
+    c0, c1 = _line(rates["cpu_s"])
+    copy = rates["copy_s"]
+    T = 16
+    while T <= limit:
+        if max(copy, g0 + g1 * T) <= c0 + c1 * T:
+            lo = T // 2
+            while lo + 1 < T:  # the exact crossover between T/2 and T
+                mid = (lo + T) // 2
+                if max(copy, g0 + g1 * mid) <= c0 + c1 * mid:
+                    T = mid
+                else:
+                    lo = mid
+            return T
+        T *= 2
+    return None
+
+
+ENV = "HETMOE_PREFILL_CPU_SHARE"
+MIN_GAIN = 0.05  # a share that saves less than this fraction of a layer's time is not worth its staging copies
+
+
+def parse_mode(text: Optional[str]) -> Union[str, int]:
+    """``auto`` | ``off`` | a number of experts >= 0 (0 = off) -> "auto", "off" or that int."""
+    value = "auto" if text is None or not str(text).strip() else str(text).strip().lower()
+    if value in ("auto", "off"):
+        return value
+    if value.isdigit():
+        return int(value) if int(value) else "off"
+    raise ValueError(f"{ENV} must be auto, off or a number of experts, got {text!r}")
+
+
+def layer_seconds(rates: dict, n_tokens: int, num_experts: int, cpu_experts: int) -> float:
+    """The modelled time of one MoE layer of ``n_tokens`` tokens with ``cpu_experts`` of its ``num_experts`` on the
+    CPU: the larger of the GPU side's share of max(copy, GPU compute) and the CPU's share of its whole-layer time
+    (routing spread evenly over the experts)."""
+    g0, g1 = _line(rates["gpu_s"])
+    c0, c1 = _line(rates["cpu_s"])
+    f = cpu_experts / num_experts
+    return max((1 - f) * max(rates["copy_s"], g0 + g1 * n_tokens), f * (c0 + c1 * n_tokens))
+
+
+def choose_cpu_share(rates: dict, n_tokens: int, num_experts: int, min_gain: float = MIN_GAIN) -> int:
+    """How many of a layer's experts (the last ones) the CPU computes for a chunk of ``n_tokens`` tokens, from the
+    rates the layerwise path measured (``LayerwisePrefill.measure``): the count in [0, E - 1] that minimises
+    ``layer_seconds``, or 0 where it saves less than ``min_gain`` of the all-GPU time."""
+    if num_experts < 2 or n_tokens < 1:
+        return 0
+    alone = layer_seconds(rates, n_tokens, num_experts, 0)
+    best = min(range(num_experts), key=lambda c: (layer_seconds(rates, n_tokens, num_experts, c), c))
+    return best if layer_seconds(rates, n_tokens, num_experts, best) <= (1 - min_gain) * alone else 0
+
+
+def share_capacity(rates: dict, num_experts: int, chunk: int) -> int:
+    """The largest chunk (<= ``chunk`` tokens) the CPU takes a share of: the size of its staging buffers."""
+    if choose_cpu_share(rates, chunk, num_experts):
+        return chunk
+    lo, hi = 0, chunk  # the share shrinks as chunks grow: the last count with one, by bisection
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if choose_cpu_share(rates, mid, num_experts) else (lo, mid)
+    return lo
+
+
+def describe_share(rates: dict, num_experts: int, lo: int, hi: int) -> str:
+    """The share at powers of two from ``lo`` to ``hi`` tokens, for the load log: "41/128 experts at 512 tokens,
+    ..., none from 4096"."""
+    parts, T = [], 1 << max(int(lo) - 1, 1).bit_length()
+    while T <= hi:
+        c = choose_cpu_share(rates, T, num_experts)
+        if not c:
+            parts.append(f"none from {T}")
+            break
+        parts.append(f"{c}/{num_experts} experts at {T} tokens")
+        T *= 2
+    return ", ".join(parts) if parts else "none"
+
+
+def eligible(layer) -> bool:
+    """Whether a MoE layer can take this path: the CPU engine, not split over NUMA subpools."""
+    engine = layer.engine
+    return engine is not None and engine.info().get("numa_subpools", 1) == 1
+
+
+def setup(layers: list, plan, options, log) -> tuple:
+    """The model's layerwise GPU prefill for a plan that holds its buffers (``plan.gpu_prefill``), with the token
+    threshold of ``options.gpu_prefill`` (a count, or "auto": measured here) -> (LayerwisePrefill or None, the
+    report kept in ``LoadedModel.info``). Where the driver refuses to register the experts' memory, or the GPU path
+    never wins, prefill stays on the CPU and ``log`` says why."""
+    from hetmoe.engine.placement import GPU_PREFILL_SLOTS, UNPACK_EXPERTS  # the buffers the plan counted
+    from hetmoe.moe.layerwise import LayerwisePrefill
+
+    if not plan.gpu_prefill:
+        return None, {"enabled": False, "why": "off" if options.gpu_prefill == "off" else "no room on the GPU"}
+    ok = [layer for layer in layers if eligible(layer)]
+    if not ok or len(ok) != len(layers):  # all or none: a layer left out could split a deferral chain
+        return None, {"enabled": False, "why": "MoE layers split over NUMA subpools (their storage is per slice)"}
+    threshold = options.gpu_prefill if isinstance(options.gpu_prefill, int) else 1
+    try:
+        driver = LayerwisePrefill(ok, plan.device, plan.dtype, threshold, GPU_PREFILL_SLOTS, UNPACK_EXPERTS)
+    except RuntimeError as err:
+        log(f"hetmoe: GPU prefill off: {err}")
+        return None, {"enabled": False, "why": str(err)}
+    report = {"enabled": True, "chunk": plan.prefill_chunk, "layers": len(ok), "min_tokens": threshold,
+              "chosen_by": "--gpu-prefill"}
+    share = parse_mode(os.environ.get(ENV))
+    rate_text = ""
+    if options.gpu_prefill == "auto" or share == "auto":  # the CPU's share is chosen from the same rates
+        rates = driver.measure()
+        report["rates"] = rates
+        cpu_tok_s = max(rates["cpu_s"]) / rates["cpu_s"][max(rates["cpu_s"])]
+        rate_text = (f" (H2D {rates['copy_gbps']:.1f} GB/s ({driver.layer_bytes(0) / 2**20:.0f} MiB per layer in "
+                     f"{1e3 * rates['copy_s']:.1f} ms), CPU experts {cpu_tok_s:.0f} tok/s per layer)")
+    if options.gpu_prefill == "auto":
+        chosen = choose_min_tokens(report["rates"])
+        report["chosen_by"] = "measured"
+        if chosen is None:
+            driver.close()
+            log(f"hetmoe: GPU prefill off: the CPU is faster at every prompt length here{rate_text}")
+            return None, {**report, "enabled": False, "why": "the CPU is faster"}
+        driver.min_tokens = report["min_tokens"] = chosen
+        text = f"hetmoe: GPU prefill from {chosen} tokens per chunk, chunks of {plan.prefill_chunk}"
+    else:
+        text = f"hetmoe: GPU prefill from {threshold} tokens per chunk (--gpu-prefill), chunks of {plan.prefill_chunk}"
+    on = driver.enable_share(share, plan.prefill_chunk)
+    E = driver.layouts[0].num_experts
+    if on is None:
+        share_text = "off" if share == "off" else "none"
+    elif share == "auto":
+        share_text = describe_share(driver.rates, E, driver.min_tokens, plan.prefill_chunk)
+    else:
+        share_text = f"{min(share, E - 1)}/{E} experts ({ENV})"
+    report["cpu_share"] = {"mode": share, "capacity": on.capacity if on is not None else 0, "text": share_text}
+    log(f"{text}{rate_text}; CPU share of each layer's experts: {share_text}")
+    return driver, report
+
