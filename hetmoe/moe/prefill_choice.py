@@ -88,6 +88,29 @@ def share_capacity(rates: dict, num_experts: int, chunk: int) -> int:
     return lo
 
 
+ROUTED_ONLY_PAIRS = 4  # chunks with T·k >= 4 E route to ~98% of the experts: whole layers, copied a layer ahead
+
+
+def routed_fraction(n_tokens: int, top_k: int, num_experts: int) -> float:
+    """The expected fraction of E experts that T tokens routing k each reach, routing spread evenly (a skewed
+    router reaches fewer)."""
+    return 1.0 - (1.0 - 1.0 / num_experts) ** (n_tokens * top_k)
+
+
+def wants_routed_only(n_tokens: int, top_k: int, num_experts: int, rates: Optional[dict] = None) -> bool:
+    """Whether a chunk copies only each layer's routed experts (hetmoe/moe/expert_copy.py), after the layer's
+    router, instead of whole layers a layer ahead: per layer that is (routed fraction x copy) + GPU compute, in
+    series, against max(copy, GPU compute). Without measured rates: when at most half the experts are reached."""
+    if n_tokens * top_k >= ROUTED_ONLY_PAIRS * num_experts:
+        return False
+    f = routed_fraction(n_tokens, top_k, num_experts)
+    if rates is None:
+        return f <= 0.5
+    g0, g1 = _line(rates["gpu_s"])
+    gpu, copy = g0 + g1 * n_tokens, rates["copy_s"]
+    return f * copy + gpu <= (1 - MIN_GAIN) * max(copy, gpu)
+
+
 def describe_share(rates: dict, num_experts: int, lo: int, hi: int) -> str:
     """The share at powers of two from ``lo`` to ``hi`` tokens, for the load log: "41/128 experts at 512 tokens,
     ..., none from 4096"."""
