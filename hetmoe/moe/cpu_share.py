@@ -3,15 +3,16 @@ that path (chunks below a few thousand tokens), the GPU waits for each layer's c
 So the last c experts of every layer are left out of the copy and computed by the CPU engine instead, on the same
 layer input, at the same time; their bytes are the ones copied last, the ones the GPU would wait on. Per MoE layer:
 
-    main stream: route; copy x, topk_ids, topk_weights -> pinned buffers; SUBMIT the CPU job (experts [E - c, E))
-    side stream: wait for the main stream; SYNC (the CPU job done)
+    main stream: route
+    side stream: wait for the main stream; copy x, topk_ids, topk_weights -> pinned buffers; SUBMIT the CPU job
+                 (experts [E - c, E)); SYNC (the CPU job done)
     main stream: wait for the slot's copy (experts [0, E - c) only); unpack and compute them (the ids of the CPU's
                  experts set to -1); the shared experts; wait for the side stream; add the job's fp32 output, read
                  from pinned memory, to the GPU's fp32 part (``add_rows``); combine
 
 SUBMIT and SYNC are the stream-ordered host functions of the hybrid decode step (``ExpertPool.submit_on_stream`` /
-``sync_on_stream``, hetmoe/moe/stream.py): nothing waits on the host, and the SYNC, which blocks its stream, sits on
-a side stream, so the main stream keeps computing. The CPU job is prepared once per (layer, c)
+``sync_on_stream``, hetmoe/moe/stream.py): nothing waits on the host, and the staging copies and the SYNC, which
+blocks its stream, sit on a side stream, so the main stream keeps computing. The CPU job is prepared once per (layer, c)
 over static pinned buffers of ``capacity`` tokens; T is read when it runs from a pinned int64 set in stream order, and
 the GPU's experts are the job's skip mask (the engine's own mask of GPU-resident experts does not apply: this path
 computes every expert from the streamed weights).
@@ -30,6 +31,7 @@ Shape letters: T tokens, E experts, k experts per token, H hidden size, C capaci
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Optional, Union
 
 import torch
@@ -110,24 +112,30 @@ class CPUShare:
 
     def submit(self, index: int, engine, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                cpu_experts: int, done=None) -> None:
-        """Stage layer ``index``'s input x [T, H] and routing [T, k] and queue its CPU job (the last
-        ``cpu_experts`` experts of ``engine``) on the current stream, and its sync on the side stream (where
-        ``done``, a CUDA event, is recorded after it: profiling)."""
+        """Stage layer ``index``'s input x [T, H] and routing [T, k], queue its CPU job (the last ``cpu_experts``
+        experts of ``engine``) and its sync, all on the side stream once the current stream has computed the
+        inputs (``done``, a CUDA event, is recorded after the sync: profiling). The main stream goes on at once:
+        the staging copies run on the device-to-host copy engine, beside its compute and the host-to-device copy."""
         T, k = ids.shape
         if T > self.capacity or k != self.top_k or x.shape[1] != self.hidden:
             raise ValueError(f"the CPU share holds [{self.capacity}, {self.hidden}] inputs with top-{self.top_k}, "
                              f"got x {tuple(x.shape)} and ids {tuple(ids.shape)}")
-        xb, ib, wb = self._bufs[:3]
-        xb[:T].copy_(x, non_blocking=True)
-        ib[:T].copy_(ids, non_blocking=True)
-        wb[:T].copy_(weights, non_blocking=True)
-        main = self._stream()
-        engine.pool.submit_on_stream(self._job(index, engine, cpu_experts), main, host_funcs=self.host_funcs)
+        job = self._job(index, engine, cpu_experts)
+        stream = self.fake
         if self.cuda:
-            self.side.wait_stream(main)
-        engine.pool.sync_on_stream(0, self.side if self.cuda else self.fake, host_funcs=self.host_funcs)
+            stream = self.side
+            stream.wait_stream(self._stream())
+            for t in (x, ids, weights):  # read on the side stream: not reused by the main stream's allocations before
+                t.record_stream(stream)
+        xb, ib, wb = self._bufs[:3]
+        with torch.cuda.stream(stream) if self.cuda else nullcontext():
+            xb[:T].copy_(x, non_blocking=True)
+            ib[:T].copy_(ids, non_blocking=True)
+            wb[:T].copy_(weights, non_blocking=True)
+        engine.pool.submit_on_stream(job, stream, host_funcs=self.host_funcs)
+        engine.pool.sync_on_stream(0, stream, host_funcs=self.host_funcs)
         if done is not None:
-            done.record(self.side)
+            done.record(stream)
 
     def add(self, y: torch.Tensor) -> torch.Tensor:
         """The CPU job's output added to the GPU's part y [T, H] fp32 (both fp32, as ``combine`` adds a layer's
