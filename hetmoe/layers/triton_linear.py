@@ -20,7 +20,8 @@ Three kernels, chosen by ``plan`` from M (the A/B behind each choice: bench/devi
 * ``dequant`` (M >= DEQUANT_M, prefill): slabs of the weights dequantized to bf16 into a bounded scratch and
   multiplied by cuBLAS, writing each slab's columns of y in place. Prefill is bound by the tensor cores, not by
   the weights' bytes, and cuBLAS's bf16 GEMM outruns a dequantizing Triton GEMM by more than the extra pass costs.
-Split-K partials (fp32) are summed in a fixed order by a second kernel: bitwise reproducible, no atomics.
+Split-K partials (fp32) are summed in split order by the tile's last split to finish (hetmoe/layers/triton_tickets.py),
+or by a second kernel where tickets are off: bitwise the same either way.
 
 Every launch depends only on shapes (M, N, K) and the device, so a CUDA graph captured for a fixed M replays it.
 In Triton's interpreter (CPU tensors, tests) tl.dot runs in fp32: its bf16 dot is wrong there.
@@ -33,6 +34,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from hetmoe.layers import triton_tickets
+from hetmoe.layers.triton_tickets import last_to_arrive
 
 FORMATS = {"int8": 0, "int4": 1, "fp8": 2}
 GROUP = {"int8": 64, "int4": 64, "fp8": 128}  # weights along K per scale
@@ -83,12 +87,29 @@ def _codes(W, n, kk, stride_wn, FMT: tl.constexpr, FP8_BITS: tl.constexpr):
 
 
 @triton.jit
-def _wq_linear(X, W, S, BIAS, OUT, M, N, K, n_groups, groups_per_split,
-               stride_xm, stride_wn, stride_sn, stride_os, stride_om,
+def _finish_splits(P, FINAL, BIAS, TICKETS, group, n_splits, m, n, n_in, mask, stride_ps, stride_pm, stride_fm,
+                   HAS_BIAS: tl.constexpr, RM: tl.constexpr, RN: tl.constexpr):
+    """The last split of tile ``group`` to finish: FINAL[m, n] = its splits' partials summed in split order
+    (bitwise ``_sum_splits``) + bias[n]."""
+    if last_to_arrive(TICKETS, group, n_splits):
+        offs = m[:, None].to(tl.int64) * stride_pm + n[None, :]
+        acc = tl.zeros((RM, RN), dtype=tl.float32)
+        for s in range(n_splits):
+            acc += tl.load(P + s * stride_ps + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            acc += tl.load(BIAS + n_in)[None, :]
+        tl.store(FINAL + m[:, None].to(tl.int64) * stride_fm + n[None, :], acc.to(FINAL.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit
+def _wq_linear(X, W, S, BIAS, OUT, FINAL, TICKETS, M, N, K, n_groups, groups_per_split,
+               stride_xm, stride_wn, stride_sn, stride_os, stride_om, stride_fm,
                FMT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, FP8_BITS: tl.constexpr,
-               DOT_T: tl.constexpr, SCALE_AFTER: tl.constexpr):
-    """One [BM, BN] tile of y over the K groups of one split. PARTIAL: store fp32 to OUT[split] (no bias).
+               DOT_T: tl.constexpr, SCALE_AFTER: tl.constexpr, TICKET: tl.constexpr):
+    """One [BM, BN] tile of y over the K groups of one split. PARTIAL: store fp32 to OUT[split] (no bias); with
+    TICKET the tile's last split to finish sums them into FINAL (``_finish_splits``).
     The weights are scaled before the dot (bf16 weights into the accumulating tensor-core dot), or with
     SCALE_AFTER the dot runs on the raw codes and its partial is scaled."""
     num_m = tl.cdiv(M, BM)
@@ -131,6 +152,9 @@ def _wq_linear(X, W, S, BIAS, OUT, M, N, K, n_groups, groups_per_split,
     out_mask = m_ok[:, None] & n_ok[None, :]
     if PARTIAL:
         tl.store(OUT + split * stride_os + m[:, None].to(tl.int64) * stride_om + n[None, :], acc, mask=out_mask)
+        if TICKET:
+            _finish_splits(OUT, FINAL, BIAS, TICKETS, tl.program_id(0), tl.num_programs(1), m, n, n_in, out_mask,
+                           stride_os, stride_om, stride_fm, HAS_BIAS, BM, BN)
     else:
         if HAS_BIAS:
             acc += tl.load(BIAS + n_in)[None, :]
@@ -139,11 +163,11 @@ def _wq_linear(X, W, S, BIAS, OUT, M, N, K, n_groups, groups_per_split,
 
 
 @triton.jit
-def _wq_gemv(X, W, S, BIAS, OUT, M, N, K, KP, n_kb, kb_per_split,
-             stride_xm, stride_wn, stride_sn, stride_os, stride_om,
+def _wq_gemv(X, W, S, BIAS, OUT, FINAL, TICKETS, M, N, K, KP, n_kb, kb_per_split,
+             stride_xm, stride_wn, stride_sn, stride_os, stride_om, stride_fm,
              FMT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr, BMV: tl.constexpr, BN: tl.constexpr,
              BK: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, FP8_BITS: tl.constexpr,
-             DEFER: tl.constexpr):
+             DEFER: tl.constexpr, TICKET: tl.constexpr):
     """Few rows of x (M <= BMV <= 4): [BN, BK] weight tiles along K (rows contiguous, wide loads), dequantized
     once and multiplied by each row of x on the CUDA cores (no tensor-core tile of 16 mostly empty rows)."""
     pid_n = tl.program_id(0)
@@ -195,6 +219,9 @@ def _wq_gemv(X, W, S, BIAS, OUT, M, N, K, KP, n_kb, kb_per_split,
     out_mask = (rows < M)[:, None] & n_ok[None, :]
     if PARTIAL:
         tl.store(OUT + split * stride_os + rows[:, None] * stride_om + n[None, :], acc, mask=out_mask)
+        if TICKET:
+            _finish_splits(OUT, FINAL, BIAS, TICKETS, pid_n, tl.num_programs(1), rows, n, n_in, out_mask,
+                           stride_os, stride_om, stride_fm, HAS_BIAS, BMV, BN)
     else:
         if HAS_BIAS:
             acc += tl.load(BIAS + n_in)[None, :]
@@ -354,10 +381,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: tor
     partial = launch.splits > 1
     dest = torch.empty(launch.splits, M, n_out, dtype=torch.float32, device=x.device) if partial else out
     has_bias = bias is not None
+    tiles = -(-n_out // launch.bn) * (1 if launch.kernel == "gemv" else -(-M // launch.bm))
+    tickets = triton_tickets.counters(x.device, tiles) if partial else None
     common = dict(FMT=FORMATS[fmt], GROUP=GROUP[fmt], SCALE_ROWS=SCALE_ROWS[fmt], BN=launch.bn, HAS_BIAS=has_bias,
-                  PARTIAL=partial, FP8_BITS=fp8_bits, num_warps=launch.num_warps, num_stages=launch.num_stages)
-    args = (x, w, scale, bias if has_bias else scale, dest)
-    strides = (x.stride(0), w.stride(0), scale.stride(0), dest.stride(0) if partial else 0, dest.stride(-2))
+                  PARTIAL=partial, FP8_BITS=fp8_bits, TICKET=tickets is not None, num_warps=launch.num_warps,
+                  num_stages=launch.num_stages)
+    args = (x, w, scale, bias if has_bias else scale, dest, out, tickets if tickets is not None else scale)
+    strides = (x.stride(0), w.stride(0), scale.stride(0), dest.stride(0) if partial else 0, dest.stride(-2),
+               out.stride(0))
     kp = scale.shape[1] * GROUP[fmt]
     if launch.kernel == "gemv":
         n_kb = -(-kp // launch.bk)
@@ -366,10 +397,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: tor
                                                           DEFER=launch.bm == 1 and launch.defer, **common)
     else:
         dot_t = tl.bfloat16 if x.is_cuda else tl.float32  # the interpreter's bf16 dot is wrong
-        grid = (-(-M // launch.bm) * -(-n_out // launch.bn), launch.splits)
+        grid = (tiles, launch.splits)
         _wq_linear[grid](*args, M, n_out, K, kp // GROUP[fmt], launch.per_split, *strides, BM=launch.bm,
                          DOT_T=dot_t, SCALE_AFTER=launch.scale_after, **common)
-    if partial:
+    if partial and tickets is None:
         rm, rn = 16, 256
         _sum_splits[(-(-M // rm), -(-n_out // rn))](dest, bias if has_bias else dest, out, M, n_out, launch.splits,
                                                     dest.stride(0), dest.stride(1), out.stride(0),

@@ -235,6 +235,26 @@ def test_triton_kernel_fp32_exact(tl_linear, fmt, fp8_bits, kernel, M):
         assert rel_err(y, ref) < FP32_BOUND, launch
 
 
+@pytest.mark.parametrize("kernel,M", [("gemv", 1), ("gemv", 3), ("dot", 5)])
+def test_split_tickets_equal_the_second_kernel(tl_linear, kernel, M, monkeypatch):
+    """K split over programs: the tile's last split to finish sums the partials (tickets) bitwise as the second
+    kernel does, bias included, and leaves every counter at zero for the next launch."""
+    linears = make_linears([130], 1000, True, "int8", "tickets")
+    lin = GPULinear.from_linears(linears, "int8", DEVICE, kernel="triton")
+    x = inputs(M, 1000, "int8", "tickets")
+    launch = launches(tl_linear, kernel, M, "int8", lin.scale.shape[1] * tl_linear.GROUP["int8"])[1]
+    assert launch.splits > 1  # one split per K step
+
+    def run():
+        return tl_linear.linear(x, lin.weight, lin.scale, lin.bias, "int8", 130, launch=launch)
+
+    with_tickets = run()
+    assert all(not buf.any() for buf in tl_linear.triton_tickets._COUNTERS.values())
+    monkeypatch.setattr(tl_linear.triton_tickets, "ENABLED", False)
+    assert torch.equal(with_tickets, run())
+    assert rel_err(with_tickets, dequantized_reference(lin, x)) < KERNEL_BOUND
+
+
 def test_plan_fills_the_gpu(tl_linear):
     """Decode splits K so tiles x splits fill the GPU (every split has steps); prefill with many tiles does not
     split; the dequantize path's slabs are whole scale rows."""
