@@ -11,6 +11,10 @@ On the CPU a packed linear is the engine's matrix product (hetmoe/cpu/linear.py 
 weight-only kernel that dequantizes in its K loop (hetmoe/layers/gpu_linear.py ``GPULinear``). Both take the same
 list of ``nn.Linear`` (one fused matrix of their rows) and offer ``forward(x)`` and ``parts(x)``.
 
+Built on a GPU in a format other than bf16, a linear's weight is first made in host memory (``on_host``: the loader
+reads it there, synthetic models generate it there) and ``GPULinear`` uploads and converts it a slab of rows at a
+time, so the build's VRAM is the packed weights plus one slab's temporaries, within the plan (issue 24).
+
 A DeepSeek FP8 checkpoint (e4m3 weights, one ``weight_scale_inv`` per 128 x 128 block) packed in the fp8 format on a
 GPU keeps its own bytes (``FP8Source``): the fp8 format is DeepSeek's layout (codes [N, K] with K zero-padded to a
 multiple of 128, fp32 scales [ceil(N/128), ceil(K/128)], w = code * scale per block), so the codes and scales are
@@ -30,6 +34,14 @@ from hetmoe.layers.linear import DENSE_FORMATS, DenseFormat, FusedLinears
 # Linears left in the model dtype whatever the dense format (see above).
 ROUTERS = ("gate", "shared_expert_gate")
 KEEP = ROUTERS + ("kv_b_proj",)
+
+
+def on_host(module: nn.Module, name: str, fmt: str, device) -> bool:
+    """Whether the weights of ``module`` (named ``name``; its last part is its attribute in its parent) are to be made
+    in host memory rather than on ``device``: a linear ``pack_dense`` packs into ``fmt`` on a GPU other than bf16,
+    which ``GPULinear.from_linears`` uploads a slab at a time (module docstring)."""
+    return (isinstance(module, nn.Linear) and torch.device(device).type == "cuda" and fmt != "bf16"
+            and name.rsplit(".", 1)[-1] not in KEEP)
 
 
 def _fused_groups(module: nn.Module) -> list:
@@ -89,8 +101,7 @@ class FP8Source:
 
     def take(self, module: nn.Module, name: str) -> bool:
         """Whether the weight ``name`` of linear ``module`` is kept as stored; if so the module's weight is now a
-        placeholder (zeros of its shape, one element expanded: fusing the layer's projections makes a transient
-        copy of a fused group's) until ``claim``."""
+        placeholder (zeros of its shape, one element expanded) until ``claim``."""
         get_fp8 = getattr(self.ckpt, "get_fp8", None)  # (a GGUF file has no DeepSeek FP8)
         if not isinstance(module, nn.Linear) or not name.endswith(".weight") or get_fp8 is None:
             return False
@@ -102,7 +113,9 @@ class FP8Source:
         if tuple(stored[0].shape) != (module.out_features, module.in_features):
             return False  # the loader's shape check names it
         self.weights[module] = (name, *stored)
-        placeholder = torch.zeros((), dtype=self.dtype, device=self.device).expand(stored[0].shape)  # no bytes
+        # no bytes; in host memory, as every linear packed on a GPU is (on_host): fusing a layer's projections
+        # makes a transient copy of a fused group's there
+        placeholder = torch.zeros((), dtype=self.dtype).expand(stored[0].shape)
         module.weight = nn.Parameter(placeholder, requires_grad=False)
         return True
 
@@ -123,7 +136,7 @@ class FP8Source:
         self.round_trips[why] = self.round_trips.get(why, 0) + len(linears)
         for lin, s in zip(linears, stored):
             if s is not None:
-                w = dequantize_fp8(s[1], s[2], self.dtype, s[0]).to(self.device)
+                w = dequantize_fp8(s[1], s[2], self.dtype, s[0])  # in host memory: packed from there (on_host)
                 lin.weight = nn.Parameter(w, requires_grad=False)
         return None
 
@@ -204,8 +217,8 @@ def pack_dense(root: nn.Module, fmt: str, device, options=None, dtype=None, fp8:
     if fmt == "bf16" and not engine_bf16:
         return 0
     for module in root.modules():
-        if hasattr(module, "fuse_projections") and not hasattr(module, "model"):  # not a CausalLM: its layers
-            module.fuse_projections()
+        if hasattr(module, "fuse_projections") and not hasattr(module, "model") and _loaded(module):
+            module.fuse_projections()  # (not a CausalLM: its layers)
     make = _packer(device, options, fp8)
     made = 0
     for module in list(root.modules()):
@@ -217,13 +230,19 @@ def pack_dense(root: nn.Module, fmt: str, device, options=None, dtype=None, fp8:
                 setattr(module, names[id(lin)], PackedPart(packed, i))
             made += packed.nbytes
         for name, child in list(module.named_children()):
-            if not isinstance(child, nn.Linear) or name == "kv_b_proj":
+            if not isinstance(child, nn.Linear) or name == "kv_b_proj" or not _loaded(child):
                 continue
             if name not in ROUTERS or engine_bf16:
                 packed = make([child], "bf16" if name in ROUTERS else fmt)
                 setattr(module, name, packed)
                 made += packed.nbytes
     return made
+
+
+def _loaded(module: nn.Module) -> bool:
+    """Whether every parameter under ``module`` holds data (a layer the loader has not reached is on the meta device:
+    ``pack_dense`` of the whole model, run once the globals are filled, packs lm_head and leaves the layers)."""
+    return not any(p.is_meta for p in module.parameters())
 
 
 def packed_bytes(model: nn.Module) -> int:

@@ -6,6 +6,8 @@
     -> the globals (embeddings, final norm, lm_head), then one decoder layer at a time:
          dense tensors copied to their device in the plan's dtype (FP8 dequantized on the fly),
          routed experts packed into the CPU engine's format (or read from the converted-expert cache),
+         the dense linears packed in the dense format (on a GPU other than bf16: read into host memory, uploaded
+         and converted a slab at a time, so VRAM holds no bf16 copy: engine/dense.py),
          the layer's source pages released
     -> the model, on its devices, with its CPU experts attached to every MoE layer (hetmoe/moe/: ``MoELayer.attach``;
        Expert Deferral set when options.defer_experts > 0), its projections that read one input fused into one
@@ -322,6 +324,7 @@ def load_model(
     fp8 = FP8Source.of(ckpt, plan)  # fp8 dense weights on a GPU: a DeepSeek FP8 checkpoint's own (or None)
     filler = _Materializer(ckpt, plan, fp8)
     filler.fill(model, "")
+    pack_dense(model, plan.dense_format, plan.device, options, plan.dtype, fp8)  # lm_head now (the layers: meta)
     layers = model.model.layers
     expert_bytes = 0
     with _progress(len(layers), progress, "loading") as bar:
@@ -350,7 +353,7 @@ def load_model(
     if missing:
         raise CheckpointError(f"{ckpt.path}: tensors were never loaded: {', '.join(missing[:5])}")
     model.fuse_projections()  # q/k/v (and gate/up) as one matmul each; parameters and their names unchanged
-    pack_dense(model, plan.dense_format, plan.device, options, plan.dtype, fp8)  # what is left: lm_head
+    pack_dense(model, plan.dense_format, plan.device, options, plan.dtype, fp8)  # what is left (none, normally)
     if fp8 is not None:
         fp8.done(log)
     gpu_experts = keep_gpu_experts(model.eval(), blocks, plan, options, lambda text: load_tokenizer(path).encode(text),

@@ -1,5 +1,6 @@
 """Filling a meta-built model from a checkpoint: dense tensors copied to their device in the plan's dtype
-(``_Materializer``), routed experts packed into the CPU engine (``fill_experts``). hetmoe/engine/loader.py drives it
+(``_Materializer``; a linear packed on a GPU in a format other than bf16 is read into host memory first, dense.py
+``on_host``), routed experts packed into the CPU engine (``fill_experts``). hetmoe/engine/loader.py drives it
 one decoder layer at a time.
 
 Checkpoint tensors are found by the model's own parameter names (Hugging Face names); routed experts are
@@ -16,7 +17,7 @@ from torch import nn
 
 from hetmoe.cpu import CPUExperts
 from hetmoe.engine.checkpoint import Checkpoint, CheckpointError
-from hetmoe.engine.dense import FP8Source
+from hetmoe.engine.dense import FP8Source, on_host
 from hetmoe.engine.memory_plan import MemoryPlan
 
 EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # HF names of gate, up, down
@@ -45,9 +46,11 @@ class _Materializer:
         for mod_name, module in root.named_modules(prefix=prefix):
             if not prefix and _LAYER.match(mod_name + "."):
                 continue
+            host = on_host(module, mod_name, self.plan.dense_format, self.plan.device)  # packed from host memory
             for leaf, p in list(module._parameters.items()):
                 if p is not None and not (self.fp8 is not None and self.fp8.take(module, f"{mod_name}.{leaf}")):
-                    module._parameters[leaf] = nn.Parameter(self._tensor(f"{mod_name}.{leaf}", p), requires_grad=False)
+                    t = self._tensor(f"{mod_name}.{leaf}", p, device=torch.device("cpu") if host else None)
+                    module._parameters[leaf] = nn.Parameter(t, requires_grad=False)
             persistent = [b for b in module._buffers if b not in module._non_persistent_buffers_set]
             for leaf in persistent:
                 b = module._buffers[leaf]
@@ -58,12 +61,15 @@ class _Materializer:
                 if b is not None:
                     module._buffers[leaf] = b.to(self.plan.device)
 
-    def _tensor(self, name: str, like: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
+    def _tensor(self, name: str, like: torch.Tensor, keep_dtype: bool = False, device=None) -> torch.Tensor:
+        """The checkpoint's ``name`` in the plan's dtype (``like``'s with ``keep_dtype``) on ``device`` (default:
+        the plan's), in memory of its own."""
         ckpt = self.ckpt
         if name not in ckpt and name == "lm_head.weight" and ckpt.config.get("tie_word_embeddings"):
             name = "model.embed_tokens.weight"
         dtype = like.dtype if keep_dtype else self.plan.dtype
-        copies = getattr(ckpt, "floats_are_copies", False) and self.plan.device.type == "cpu"
+        device = device or self.plan.device
+        copies = getattr(ckpt, "floats_are_copies", False) and device.type == "cpu"
         src = ckpt.get_float(name, dtype) if copies else ckpt.get_float(name)
         if tuple(src.shape) != tuple(like.shape):
             raise CheckpointError(f"tensor {name} has shape {list(src.shape)} in {ckpt.path}; the config implies "
@@ -71,7 +77,7 @@ class _Materializer:
         if copies and src.dtype == dtype:
             out = src.contiguous()  # dequantized into memory of its own, in the dtype (GGUF): no second copy
         else:
-            out = torch.empty(like.shape, dtype=dtype, device=self.plan.device)
+            out = torch.empty(like.shape, dtype=dtype, device=device)
             out.copy_(src)  # never a view of the mapped file
         self.used.add(name)
         return out

@@ -40,7 +40,8 @@ FP8_BLOCK = 128  # DeepSeek-V3/R1: one weight_scale_inv per 128 x 128 block
 INT_QMAX = {"int8": 127, "int4": 7}
 KERNELS = ("torch", "triton", "scaled_mm", "reference")
 DECODE_M = 16  # rows at most for the GEMV (triton_linear.DECODE_M, kept here so no import of triton is needed)
-_CHUNK_ELEMENTS = 1 << 25  # fp32 weight elements converted at a time while packing
+_CHUNK_ELEMENTS = 1 << 22  # weight elements converted at a time while packing: a slab, 16 MiB in fp32; its
+# temporaries are about 5 such slabs (tests/engine/test_build_peak.py measures them)
 SCALED_MM_MIN_WEIGHTS = 1 << 25  # fp8 weights at least this large take _scaled_mm for prefill
 
 
@@ -53,6 +54,21 @@ def has_triton() -> bool:
 
 
 # ------------------------------------------------------------------------------------------ packing (PyTorch ops)
+
+
+def _row_slabs(linears: Sequence[nn.Linear], n: int, step: Optional[int] = None):
+    """(r0, r1, rows [r1 - r0, K]) over the rows of ``linears`` stacked (their weights as they are: dtype, device),
+    ``step`` rows at a time (all when None): a view of one linear's weight where a slab lies in one, else a copy of
+    the slab's parts joined."""
+    bounds, r = [], 0
+    for lin in linears:
+        bounds.append((r, r + lin.out_features, lin.weight.detach()))
+        r += lin.out_features
+    step = step or n
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        parts = [w[max(r0, a) - a:min(r1, b) - a] for a, b, w in bounds if a < r1 and b > r0]
+        yield r0, r1, parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def quantize_int(w: torch.Tensor, fmt: str) -> tuple:
@@ -220,21 +236,38 @@ class GPULinear(nn.Module):
         device = torch.device(device)
         K = linears[0].in_features
         sizes = [lin.out_features for lin in linears]
-        rows = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
+        N = sum(sizes)
         bias = None
         if linears[0].bias is not None:
             bias = torch.cat([lin.bias.detach() for lin in linears]).to(device, torch.float32)
         if fmt == "bf16":
-            return cls(fmt, rows.to(device, torch.bfloat16).contiguous(), None, bias, K, sizes, kernel)
-        # convert a slab of rows at a time, so packing a large matrix needs no fp32 copy of all of it
+            weight = torch.empty(N, K, dtype=torch.bfloat16, device=device)
+            for r0, r1, rows in _row_slabs(linears, N):
+                weight[r0:r1].copy_(rows)
+            return cls(fmt, weight, None, bias, K, sizes, kernel)
+        # A slab of rows at a time, written into the packed tensors made up front: the weights may stay where they
+        # are (host memory: loader/synthetic stage them there), and the device holds the packed result and one
+        # slab's temporaries, never a whole matrix in bf16 or fp32, nor a second packed copy.
+        group = DENSE_FORMATS[fmt].group
+        kp = _cdiv(K, group) * group
+        if fmt == "fp8":
+            weight = torch.empty(N, kp, dtype=torch.float8_e4m3fn, device=device)
+            scale = torch.empty(_cdiv(N, FP8_BLOCK), kp // FP8_BLOCK, dtype=torch.float32, device=device)
+        else:
+            int8 = fmt == "int8"  # int4: two codes a byte
+            weight = torch.empty(N, kp if int8 else kp // 2, dtype=torch.int8 if int8 else torch.uint8, device=device)
+            scale = torch.empty(N, kp // group, dtype=torch.float32, device=device)
         step = max(FP8_BLOCK, _CHUNK_ELEMENTS // max(K, 1) // FP8_BLOCK * FP8_BLOCK)
-        weights, scales = [], []
-        for r0 in range(0, rows.shape[0], step):
-            slab = rows[r0:r0 + step].to(device, torch.float32)
+        for r0, r1, rows in _row_slabs(linears, N, step):
+            slab = rows.to(device).float()  # bf16 over the bus, widened where it lands
             q, s = quantize_fp8(slab) if fmt == "fp8" else quantize_int(slab, fmt)
-            weights.append(q)
-            scales.append(s)
-        return cls(fmt, torch.cat(weights), torch.cat(scales), bias, K, sizes, kernel)
+            del slab
+            weight[r0:r1].copy_(q)
+            if fmt == "fp8":  # r0 is a whole number of 128-row blocks
+                scale[r0 // FP8_BLOCK:r0 // FP8_BLOCK + s.shape[0]].copy_(s)
+            else:
+                scale[r0:r1].copy_(s)
+        return cls(fmt, weight, scale, bias, K, sizes, kernel)
 
     @classmethod
     def from_fp8(cls, weight, scale_inv, bias=None, device=None, kernel: Optional[str] = None) -> GPULinear:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from hetmoe.engine.calibration import keep_gpu_experts
-from hetmoe.engine.dense import pack_dense
+from hetmoe.engine.dense import on_host, pack_dense
 from hetmoe.engine.loader import LoadedModel, build_meta, moe_blocks, new_experts, plan_model
 from hetmoe.engine.placement import EngineOptions
 from hetmoe.engine.rules import defer_layers, layerwise_layers
@@ -282,40 +282,68 @@ def shape_config(shape: Union[str, dict], num_layers: Optional[int] = None) -> M
 _CHUNK = 1 << 24  # elements generated per task (on the CPU, tasks run on all cores)
 
 
+def _walk(module: nn.Module, prefix: str = ""):
+    """(name, module) of ``module`` and every module under it, in ``named_modules`` order, keeping no reference to a
+    module whose subtree is done: ``named_modules`` remembers every module it visited until it ends, which would keep
+    alive each weight that ``_fill_random``'s ``each_layer`` packed and replaced (issue 24: a whole model's bf16
+    weights on the GPU at once)."""
+    seen = set()  # ids, not modules: a module reached twice is visited once, as named_modules does
+
+    def walk(m: nn.Module, name: str):
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        yield name, m
+        for leaf, child in list(m._modules.items()):
+            if child is not None:
+                yield from walk(child, f"{name}.{leaf}" if name else leaf)
+
+    yield from walk(module, prefix)
+
+
 def _fill_random(model: nn.Module, device: torch.device, dtype: torch.dtype, seed: int, std: float,
-                 each_layer: Optional[Callable[[nn.Module], None]] = None) -> None:
+                 each_layer: Optional[Callable[[nn.Module], None]] = None,
+                 host: Optional[Callable[[str, nn.Module], bool]] = None) -> None:
     """Give every meta parameter and buffer of ``model`` storage on ``device``, one tensor at a time: parameters
     N(0, std) in ``dtype`` (RMSNorm weights 1), persistent buffers (e.g. e_score_correction_bias) zeros in their
     own dtype, non-persistent buffers (RoPE tables, computed at build time) moved — as the loader does. Each
     chunk of ``_CHUNK`` elements has its own seeded generator, so the values do not depend on the thread count.
     ``each_layer(layer)`` runs as soon as a decoder layer is filled (the loader packs each layer's dense weights
-    then, so that the dtype copies of one layer at most are alive)."""
+    then, so that the dtype copies of one layer at most are alive). ``host(name, module)``: the module's parameters
+    are kept in host memory (made on ``device`` a chunk at a time, the same values), as the loader reads the
+    linears a GPU packs in a format other than bf16 (engine/dense.py ``on_host``)."""
     workers = len(os.sched_getaffinity(0)) if device.type == "cpu" else 1
     decoder_layers = {id(m) for m in getattr(getattr(model, "model", None), "layers", [])} if each_layer else set()
     current, inside = None, set()
 
     def normal(t: torch.Tensor, index: int, chunk: int) -> None:
         gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + index) * 4099 + chunk)
-        t.view(-1)[chunk * _CHUNK:(chunk + 1) * _CHUNK].normal_(0.0, std, generator=gen)
+        part = t.view(-1)[chunk * _CHUNK:(chunk + 1) * _CHUNK]
+        if part.device.type == device.type:
+            part.normal_(0.0, std, generator=gen)
+        else:  # made on the device, with its generator, and copied to host memory
+            part.copy_(torch.empty(part.shape, dtype=part.dtype, device=device).normal_(0.0, std, generator=gen))
 
     index = 0
     with ThreadPoolExecutor(workers) as pool:
-        for module in model.modules():
+        for name, module in _walk(model):
             if current is not None and id(module) not in inside:
                 each_layer(current)
                 current = None
             if id(module) in decoder_layers:
                 current, inside = module, {id(m) for m in module.modules()}
+            where = torch.device("cpu") if host is not None and host(name, module) else device
             for leaf, p in list(module._parameters.items()):
                 if p is None:
                     continue
-                t = torch.empty(p.shape, dtype=dtype, device=device)
+                t = torch.empty(p.shape, dtype=dtype, device=where)
                 if isinstance(module, RMSNorm):
                     t.fill_(1.0)
                 else:
                     list(pool.map(lambda c: normal(t, index, c), range(-(-t.numel() // _CHUNK))))
                 module._parameters[leaf] = nn.Parameter(t, requires_grad=False)
                 index += 1
+                t = None  # (no reference here to a weight each_layer packs and frees)
             for leaf, b in list(module._buffers.items()):
                 if b is None:
                     continue
@@ -338,9 +366,10 @@ def build_random_model(
 ) -> LoadedModel:
     """A model of ``shape`` (a key of ``SHAPES`` or a config dict) with random weights, built in memory and placed
     as ``load_model`` places a checkpoint under ``options``: dense weights N(0, std) on the plan's device in its
-    dtype (generated there, one tensor at a time), routed experts packed in the plan's format on the CPU
-    (``CPUExperts.fill_random(seed + layer)``), attached (and deferred) like the loader attaches them; placement
-    rules (``options.rules``) apply as in the loader.
+    dtype (generated there, one tensor at a time; the linears a GPU packs in fp8/int8/int4 are copied to host memory
+    and packed from there, each layer as soon as it is filled, as the loader does), routed experts packed in the
+    plan's format on the CPU (``CPUExperts.fill_random(seed + layer)``), attached (and deferred) like the loader
+    attaches them; placement rules (``options.rules``) apply as in the loader.
 
     The memory plan is made from the real shapes first: MemoryError, before anything large is allocated, when the
     model does not fit. ``LoadedModel.path`` is None (there is no tokenizer: feed token ids).
@@ -362,7 +391,8 @@ def build_random_model(
     def pack(root):  # as the loader does: each decoder layer as soon as it is filled, then what is left (lm_head)
         pack_dense(root, plan.dense_format, plan.device, options, plan.dtype)
 
-    _fill_random(model, plan.device, plan.dtype, seed, std, each_layer=pack)
+    host = lambda name, module: on_host(module, name, plan.dense_format, plan.device)  # noqa: E731
+    _fill_random(model, plan.device, plan.dtype, seed, std, each_layer=pack, host=host)
     model.fuse_projections()
     pack(model)
     staging = (HostStaging(cfg.hidden_size, cfg.num_experts_per_tok, plan.dtype)
