@@ -24,9 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from hetmoe.layers import triton_tickets
-from hetmoe.layers.triton_tickets import last_to_arrive
-
 # the split over the sequence aims at up to this many programs per SM (more splits even out a batch of mixed lengths:
 # BENCHMARKS.md#attention-kernels)
 DECODE_PROGRAMS_PER_SM = 8
@@ -42,18 +39,17 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _decode_split(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, PART_O, PART_L, OUT, TICKETS,
+def _decode_split(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, PART_O, PART_L,
                   sq1_n, sq1_h, sq2_n, sq2_h,
                   sk1_p, sk1_t, sk1_h, sk2_p, sk2_t, sk2_h, sv_p, sv_t, sv_h, st_r,
-                  spo_n, spo_h, spo_s, spl_n, spl_h, so_n, so_h,
+                  spo_n, spo_h, spo_s, spl_n, spl_h,
                   scale, G, HEAD_BLOCKS,
                   D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
                   BD1: tl.constexpr, BD2: tl.constexpr, BDV: tl.constexpr,
                   BLOCK_G: tl.constexpr, P: tl.constexpr, NSPLIT: tl.constexpr,
-                  HAS_Q2: tl.constexpr, V_IS_K1: tl.constexpr, IEEE: tl.constexpr, TICKET: tl.constexpr):
+                  HAS_Q2: tl.constexpr, V_IS_K1: tl.constexpr, IEEE: tl.constexpr):
     """One (query row, block of a kv head's query heads, split of the sequence): the softmax-weighted values
-    of its pages, normalised, and their log-sum-exp (-inf for a split with no page). TICKET: the last split of
-    the (row, head block) to finish merges them into OUT (``_decode_reduce``'s sum, in split order)."""
+    of its pages, normalised, and their log-sum-exp (-inf for a split with no page)."""
     n = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS
     g0 = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_G
@@ -108,22 +104,6 @@ def _decode_split(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, PART_O, PART_L, OUT, TIC
     tl.store(PART_O + n * spo_n + heads[:, None] * spo_h + sp * spo_s + dv[None, :], out,
              mask=gmask[:, None] & (dv[None, :] < DV))
     tl.store(PART_L + n * spl_n + heads * spl_h + sp, lse, mask=gmask)
-    if TICKET:
-        if last_to_arrive(TICKETS, n * tl.num_programs(1) + tl.program_id(1), NSPLIT):
-            sps = tl.arange(0, NSPLIT)
-            lse_all = tl.load(PART_L + n * spl_n + heads[:, None] * spl_h + sps[None, :], mask=gmask[:, None],
-                              other=0.0, cache_modifier=".cg")
-            w = tl.exp(lse_all - tl.max(lse_all, 1)[:, None])
-            w = w / tl.sum(w, 1)[:, None]
-            merged = tl.zeros([BLOCK_G, BDV], tl.float32)
-            for s in range(NSPLIT):
-                ws = tl.sum(tl.where(sps[None, :] == s, w, 0.0), 1)
-                o = tl.load(PART_O + n * spo_n + heads[:, None] * spo_h + s * spo_s + dv[None, :],
-                            mask=gmask[:, None] & (dv[None, :] < DV) & (ws[:, None] > 0), other=0.0,
-                            cache_modifier=".cg")
-                merged += o * ws[:, None]
-            tl.store(OUT + n * so_n + heads[:, None] * so_h + dv[None, :], merged.to(OUT.dtype.element_ty),
-                     mask=gmask[:, None] & (dv[None, :] < DV))
 
 
 @triton.jit
@@ -277,24 +257,20 @@ def decode(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None, table: to
     part_o = torch.empty(N, H, nsplit, DV, dtype=torch.float32, device=q1.device)
     part_l = torch.empty(N, H, nsplit, dtype=torch.float32, device=q1.device)
     out = torch.empty(N, H, DV, dtype=q1.dtype, device=q1.device)
-    tickets = triton_tickets.counters(q1.device, N * KV * head_blocks)
     has_q2 = q2 is not None
     q2_, k2_ = (q2, k2) if has_q2 else (q1, k1)
     D2 = q2_.shape[-1] if has_q2 else 16
     ieee = q1.dtype == torch.float32
     _decode_split[(N, KV * head_blocks, nsplit)](
-        q1, q2_, k1, k2_, v, table, slots, positions, part_o, part_l, out,
-        tickets if tickets is not None else part_l,
+        q1, q2_, k1, k2_, v, table, slots, positions, part_o, part_l,
         q1.stride(0), q1.stride(1), q2_.stride(0), q2_.stride(1),
         *_page_strides(k1), *_page_strides(k2_), *_page_strides(v), table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
-        out.stride(0), out.stride(1), scale, G, head_blocks,
+        scale, G, head_blocks,
         D1=D1, D2=D2, DV=DV, BD1=_pow2(D1), BD2=_pow2(D2), BDV=_pow2(DV),
-        BLOCK_G=BLOCK_G, P=P, NSPLIT=nsplit, HAS_Q2=has_q2, V_IS_K1=v_is_k1, IEEE=ieee, TICKET=tickets is not None,
+        BLOCK_G=BLOCK_G, P=P, NSPLIT=nsplit, HAS_Q2=has_q2, V_IS_K1=v_is_k1, IEEE=ieee,
         num_warps=4 if max(D1, DV) <= 128 else 8, num_stages=2,
     )
-    if tickets is not None:
-        return out
     bd_reduce = min(_pow2(DV), 128)
     _decode_reduce[(N, H, -(-DV // bd_reduce))](
         part_o, part_l, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0),
