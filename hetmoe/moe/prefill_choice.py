@@ -141,8 +141,12 @@ def setup(layers: list, plan, options, log) -> tuple:
 
     if not plan.gpu_prefill:
         return None, {"enabled": False, "why": "off" if options.gpu_prefill == "off" else "no room on the GPU"}
+    if not layers:
+        why = "no MoE layer to stream (every routed expert is on the GPU, or the rules mix bf16 and int layers in a " \
+              "deferral chain)"
+        return None, {"enabled": False, "why": why}
     ok = [layer for layer in layers if eligible(layer)]
-    if not ok or len(ok) != len(layers):  # all or none: a layer left out could split a deferral chain
+    if len(ok) != len(layers):  # all or none: a layer left out could split a deferral chain
         return None, {"enabled": False, "why": "MoE layers split over NUMA subpools (their storage is per slice)"}
     threshold = options.gpu_prefill if isinstance(options.gpu_prefill, int) else 1
     try:

@@ -128,6 +128,17 @@ def test_threshold_rule():
     assert choose_min_tokens(fast_cpu) is None
 
 
+def test_nothing_to_stream_says_why():
+    """Every routed expert resident on the GPU (``--gpu-experts`` = all): no layer to stream, and the report says
+    so (``hetmoe tune`` prints it), not a NUMA reason."""
+    from types import SimpleNamespace
+
+    from hetmoe.moe.prefill_choice import setup
+
+    driver, report = setup([], SimpleNamespace(gpu_prefill=True), SimpleNamespace(gpu_prefill="auto"), print)
+    assert driver is None and not report["enabled"] and "every routed expert is on the GPU" in report["why"]
+
+
 def test_gpu_prefill_option():
     assert parse_gpu_prefill("auto") == "auto" and parse_gpu_prefill("OFF") == "off" and parse_gpu_prefill("512") == 512
     for bad in ("0", "-3", "many", True, 1.5e9j):
