@@ -301,11 +301,15 @@ class GPULinear(nn.Module):
             raise ValueError(f"packed linears must read inputs of one size, got {[w.shape[1] for w in weights]}")
         device = torch.device(device) if device is not None else weights[0].device
         kp = _cdiv(K, FP8_BLOCK) * FP8_BLOCK
-        w = torch.cat([F.pad(x.to(device).view(torch.uint8), (0, kp - K)) for x in weights])
+        # each part copied into its rows of the packed tensor: the device holds no copy of a part besides
+        w = torch.zeros(sum(x.shape[0] for x in weights), kp, dtype=torch.uint8, device=device)
+        r0 = 0
+        for x in weights:
+            w[r0:r0 + x.shape[0], :K].copy_(x.view(torch.uint8))
+            r0 += x.shape[0]
         s = torch.cat([x.to(device, torch.float32) for x in scales])
         b = torch.cat([x.to(device, torch.float32) for x in biases]) if biases[0] is not None else None
-        return cls("fp8", w.view(torch.float8_e4m3fn).contiguous(), s.contiguous(), b, K,
-                   [x.shape[0] for x in weights], kernel)
+        return cls("fp8", w.view(torch.float8_e4m3fn), s.contiguous(), b, K, [x.shape[0] for x in weights], kernel)
 
     @property
     def nbytes(self) -> int:
