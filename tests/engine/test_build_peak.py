@@ -186,6 +186,24 @@ def test_on_host_is_what_a_gpu_packs_in_a_quantized_format():
     assert not on_host(lin, "lm_head", "bf16", cuda)  # bf16 on a GPU packs nothing
 
 
+def test_loader_reads_what_a_gpu_packs_into_host_memory(tmp_path):
+    """With a plan on a GPU in int4, the loader's fill puts a dense MLP's linears (all packed) in host memory, in
+    the plan's dtype, with the checkpoint's values (the MLP alone: nothing of it is meant for the GPU as it is)."""
+    from hetmoe.engine.checkpoint import Checkpoint
+    from hetmoe.engine.materialize import _Materializer
+
+    path = synthetic.write_checkpoint(tmp_path / "ckpt", "deepseek_v3", max_shard_size="10MB")
+    ckpt = Checkpoint(path)
+    model = build_meta(ckpt.config)
+    plan = type("Plan", (), {"device": torch.device("cuda"), "dtype": torch.bfloat16, "dense_format": "int4"})()
+    _Materializer(ckpt, plan).fill(model, "model.layers.0.mlp")
+    mlp = model.model.layers[0].mlp
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        w = getattr(mlp, name).weight
+        assert w.device.type == "cpu" and w.dtype == torch.bfloat16, name
+        assert torch.equal(w, ckpt.get_float(f"model.layers.0.mlp.{name}.weight").bfloat16()), name
+
+
 def test_pack_dense_of_a_model_whose_layers_are_not_loaded(monkeypatch):
     """The loader packs lm_head as soon as the globals are filled: pack_dense of the model leaves the layers, still
     on the meta device, as they are (nothing fused), and packs them when they are filled."""
@@ -249,24 +267,30 @@ def test_random_deepseek_v3_build_stays_in_its_plan(fmt):
     _check_build(lambda: synthetic.build_random_model(shape, 2, opts, log=lambda m: None), plan)
 
 
+@pytest.fixture(scope="module")
+def medium_checkpoint(tmp_path_factory):
+    """A bf16 safetensors deepseek_v3 of 4096 hidden: a 400 MB dense MLP layer, a 260 MB lm_head, a MoE layer."""
+    return synthetic.write_checkpoint(
+        tmp_path_factory.mktemp("medium") / "ckpt", "deepseek_v3",
+        dict(hidden_size=4096, intermediate_size=16384, moe_intermediate_size=256, num_hidden_layers=2,
+             first_k_dense_replace=1, num_attention_heads=32, num_key_value_heads=32, q_lora_rank=1024,
+             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=32000),
+        max_shard_size="2GB", vocab_size=32000)
+
+
 @pytest.mark.gpu
-def test_checkpoint_load_stays_in_its_plan(tmp_path):
-    """load_model of a bf16 safetensors checkpoint (a deepseek_v3 of 4096 hidden, a 400 MB dense MLP layer, a 260 MB
-    lm_head) into int4 dense weights: the loader reads the linears into host memory and packs each layer, lm_head
-    first, a slab at a time."""
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_checkpoint_load_stays_in_its_plan(medium_checkpoint, fmt):
+    """load_model into fp8 / int4 dense weights: the loader reads the linears into host memory and packs each layer,
+    lm_head first, a slab at a time."""
     from hetmoe.engine.checkpoint import read_config
     from hetmoe.engine.loader import load_model
 
-    path = synthetic.write_checkpoint(
-        tmp_path / "ckpt", "deepseek_v3", dict(hidden_size=4096, intermediate_size=16384, moe_intermediate_size=256,
-                                               num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=32,
-                                               num_key_value_heads=32, q_lora_rank=1024, kv_lora_rank=512,
-                                               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                                               vocab_size=32000), max_shard_size="2GB", vocab_size=32000)
-    opts = EngineOptions(device="cuda", dense_format="int4", experts_format="int4", max_context=4096,
+    opts = EngineOptions(device="cuda", dense_format=fmt, experts_format="int4", max_context=4096,
                          gpu_prefill="off", gpu_memory=1 << 40)
-    cfg = read_config(path)
+    cfg = read_config(medium_checkpoint)
     plan = _planned(cfg, opts)
     opts = dataclasses.replace(opts, gpu_memory=plan.vram_bytes + 256 * MiB)
     plan = _planned(cfg, opts)
-    _check_build(lambda: load_model(path, opts, expert_cache=None, progress=False, log=lambda m: None), plan)
+    _check_build(lambda: load_model(medium_checkpoint, opts, expert_cache=None, progress=False, log=lambda m: None),
+                 plan)
