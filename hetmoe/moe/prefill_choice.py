@@ -43,7 +43,12 @@ def choose_min_tokens(rates: dict, limit: int = 1 << 20) -> Optional[int]:
 
 
 ENV = "HETMOE_PREFILL_CPU_SHARE"
-MIN_GAIN = 0.05  # a share that saves less than this fraction of a layer's time is not worth its staging copies
+# A share must promise at least this fraction of a layer's time: the model below is rough, and a share the GPU then
+# waits on costs more than it saves (the GPU machine at 2,048 tokens: modelled +10%, measured -17% with 18 experts)
+MIN_GAIN = 0.15
+# The CPU's share ran 1.16-1.18x longer than its part of the whole-layer time measured at load (GPU machine,
+# qwen3-30b-a3b int4, 46 and 18 of 128 experts at 512 and 2,048 tokens): the DMA reads the same DRAM meanwhile
+CPU_CONTENTION = 1.17
 
 
 def parse_mode(text: Optional[str]) -> Union[str, int]:
@@ -58,12 +63,17 @@ def parse_mode(text: Optional[str]) -> Union[str, int]:
 
 def layer_seconds(rates: dict, n_tokens: int, num_experts: int, cpu_experts: int) -> float:
     """The modelled time of one MoE layer of ``n_tokens`` tokens with ``cpu_experts`` of its ``num_experts`` on the
-    CPU: the larger of the GPU side's share of max(copy, GPU compute) and the CPU's share of its whole-layer time
-    (routing spread evenly over the experts)."""
+    CPU (routing spread evenly over the experts). The GPU side: its share of max(copy, GPU compute), the copy made a
+    layer ahead. The CPU side cannot start before the layer's input exists, so the GPU's work of the layer comes
+    before it (its compute time stands in for attention and the rest) and its part of the whole-layer CPU time
+    is stretched by ``CPU_CONTENTION``."""
     g0, g1 = _line(rates["gpu_s"])
     c0, c1 = _line(rates["cpu_s"])
+    gpu = g0 + g1 * n_tokens
     f = cpu_experts / num_experts
-    return max((1 - f) * max(rates["copy_s"], g0 + g1 * n_tokens), f * (c0 + c1 * n_tokens))
+    if not cpu_experts:
+        return max(rates["copy_s"], gpu)
+    return max((1 - f) * max(rates["copy_s"], gpu), gpu + CPU_CONTENTION * f * (c0 + c1 * n_tokens))
 
 
 def choose_cpu_share(rates: dict, n_tokens: int, num_experts: int, min_gain: float = MIN_GAIN) -> int:
@@ -86,29 +96,6 @@ def share_capacity(rates: dict, num_experts: int, chunk: int) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if choose_cpu_share(rates, mid, num_experts) else (lo, mid)
     return lo
-
-
-ROUTED_ONLY_PAIRS = 4  # chunks with T·k >= 4 E route to ~98% of the experts: whole layers, copied a layer ahead
-
-
-def routed_fraction(n_tokens: int, top_k: int, num_experts: int) -> float:
-    """The expected fraction of E experts that T tokens routing k each reach, routing spread evenly (a skewed
-    router reaches fewer)."""
-    return 1.0 - (1.0 - 1.0 / num_experts) ** (n_tokens * top_k)
-
-
-def wants_routed_only(n_tokens: int, top_k: int, num_experts: int, rates: Optional[dict] = None) -> bool:
-    """Whether a chunk copies only each layer's routed experts (hetmoe/moe/expert_copy.py), after the layer's
-    router, instead of whole layers a layer ahead: per layer that is (routed fraction x copy) + GPU compute, in
-    series, against max(copy, GPU compute). Without measured rates: when at most half the experts are reached."""
-    if n_tokens * top_k >= ROUTED_ONLY_PAIRS * num_experts:
-        return False
-    f = routed_fraction(n_tokens, top_k, num_experts)
-    if rates is None:
-        return f <= 0.5
-    g0, g1 = _line(rates["gpu_s"])
-    gpu, copy = g0 + g1 * n_tokens, rates["copy_s"]
-    return f * copy + gpu <= (1 - MIN_GAIN) * max(copy, gpu)
 
 
 def describe_share(rates: dict, num_experts: int, lo: int, hi: int) -> str:
