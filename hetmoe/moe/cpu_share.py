@@ -18,11 +18,11 @@ the GPU's experts are the job's skip mask (the engine's own mask of GPU-resident
 computes every expert from the streamed weights).
 
 The share c is chosen per chunk from the rates the layerwise path measures at load (hetmoe/moe/prefill_choice.py,
-``choose_cpu_share``): per layer the GPU side takes (E - c) / E of max(the layer's copy, its GPU compute), the CPU
-c / E of its compute of the whole layer, and the two run at once. Where the CPU cannot take a share that saves
-``MIN_GAIN`` of the layer's time (long chunks, where the GPU path's rate is far above the CPU's), c = 0. The sum
-of the two fp32 parts is the all-GPU path's within the formats' cross-path bound (the CPU engine rounds its
-activations; tests/models/test_cpu_share.py).
+``choose_cpu_share``): per layer the GPU side takes (E - c) / E of max(the layer's copy, its GPU compute); the CPU
+side starts when the layer's input exists, so the GPU's work comes before its c / E of the whole-layer CPU time,
+stretched by the DRAM the DMA shares with it. Where the share does not promise ``MIN_GAIN`` of the layer's time
+(long chunks, where the GPU path's rate is far above the CPU's), c = 0. The sum of the two fp32 parts is the all-GPU
+path's within the formats' cross-path bound (the CPU engine rounds its activations; tests/models/test_cpu_share.py).
 
 ``HETMOE_PREFILL_CPU_SHARE``: ``auto`` (default), ``off``, or a fixed number of experts (A/B runs), read at load.
 
