@@ -56,7 +56,7 @@ from hetmoe.engine.rules import apply_native, defer_layers, layerwise_layers
 from hetmoe.engine.rules import load as load_rules
 from hetmoe.models import APPLIES_ROPE_SCALING, ConfigError, check_config, model_class
 from hetmoe.models.config import ModelConfig
-from hetmoe.moe import HostStaging, MoELayer, defer_experts, layerwise, moe_layers  # noqa: F401 (*)
+from hetmoe.moe import HostStaging, MoELayer, defer_experts, moe_layers, prefill_choice  # noqa: F401 (*)
 from hetmoe.moe.layerwise import LayerwisePrefill
 
 # (*) defer_experts (the uniform deferral) is imported from here by hetmoe/bench/decode_variants.py and tests.
@@ -358,7 +358,7 @@ def load_model(
         fp8.done(log)
     gpu_experts = keep_gpu_experts(model.eval(), blocks, plan, options, lambda text: load_tokenizer(path).encode(text),
                                    log)
-    lw, gpu_prefill = layerwise.setup(layerwise_layers(blocks, plan), plan, options, log)
+    lw, gpu_prefill = prefill_choice.setup(layerwise_layers(blocks, plan), plan, options, log)
     used = list(caches.values())
     info = {
         "load_s": time.perf_counter() - t0,

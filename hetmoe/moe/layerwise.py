@@ -41,9 +41,6 @@ from hetmoe.moe.combine import combine
 from hetmoe.moe.cpu_share import CPUShare
 from hetmoe.moe.deferral import drop_lowest
 from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
-from hetmoe.moe.prefill_choice import choose_min_tokens, eligible, setup
-
-__all__ = ["LayerwisePrefill", "choose_min_tokens", "current", "eligible", "grouped_swiglu", "setup"]
 
 _current: contextvars.ContextVar = contextvars.ContextVar("hetmoe_layerwise_prefill", default=None)
 

@@ -132,16 +132,15 @@ def setup(layers: list, plan, options, log) -> tuple:
         why = "no MoE layer to stream (every routed expert is on the GPU, or the rules mix bf16 and int layers in a " \
               "deferral chain)"
         return None, {"enabled": False, "why": why}
-    ok = [layer for layer in layers if eligible(layer)]
-    if len(ok) != len(layers):  # all or none: a layer left out could split a deferral chain
+    if not all(eligible(layer) for layer in layers):  # all or none: a layer left out could split a deferral chain
         return None, {"enabled": False, "why": "MoE layers split over NUMA subpools (their storage is per slice)"}
     threshold = options.gpu_prefill if isinstance(options.gpu_prefill, int) else 1
     try:
-        driver = LayerwisePrefill(ok, plan.device, plan.dtype, threshold, GPU_PREFILL_SLOTS, UNPACK_EXPERTS)
+        driver = LayerwisePrefill(layers, plan.device, plan.dtype, threshold, GPU_PREFILL_SLOTS, UNPACK_EXPERTS)
     except RuntimeError as err:
         log(f"hetmoe: GPU prefill off: {err}")
         return None, {"enabled": False, "why": str(err)}
-    report = {"enabled": True, "chunk": plan.prefill_chunk, "layers": len(ok), "min_tokens": threshold,
+    report = {"enabled": True, "chunk": plan.prefill_chunk, "layers": len(layers), "min_tokens": threshold,
               "chosen_by": "--gpu-prefill"}
     share = parse_mode(os.environ.get(ENV))
     rate_text = ""

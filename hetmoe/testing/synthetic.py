@@ -35,7 +35,7 @@ from hetmoe.engine.placement import EngineOptions
 from hetmoe.engine.rules import defer_layers, layerwise_layers
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.models.config import ModelConfig
-from hetmoe.moe import HostStaging, layerwise
+from hetmoe.moe import HostStaging, prefill_choice
 
 # Small but complete configurations: every feature of the architecture is present (dense first layers,
 # shared experts, groups, GQA, q/k norm, MLA), with sizes that load in well under a second.
@@ -406,7 +406,7 @@ def build_random_model(
         block.attach(experts, staging)
     defer_layers(blocks, plan)
     gpu_experts = keep_gpu_experts(model.eval(), blocks, plan, options, None, log)  # no tokenizer: the first N
-    lw, gpu_prefill = layerwise.setup(layerwise_layers(blocks, plan), plan, options, log)
+    lw, gpu_prefill = prefill_choice.setup(layerwise_layers(blocks, plan), plan, options, log)
     if plan.device.type == "cuda":
         torch.cuda.synchronize(plan.device)
     info = {"load_s": time.perf_counter() - t0, "expert_bytes": expert_bytes, "shape": name, "seed": seed,

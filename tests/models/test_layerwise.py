@@ -21,8 +21,9 @@ from hetmoe.engine.loader import load_model, moe_blocks
 from hetmoe.engine.placement import EngineOptions, add_gpu_prefill, gpu_prefill_bytes, parse_gpu_prefill
 from hetmoe.engine.runner import Runner
 from hetmoe.moe import TorchExperts
-from hetmoe.moe.layerwise import LayerwisePrefill, choose_min_tokens, grouped_swiglu
+from hetmoe.moe.layerwise import LayerwisePrefill, grouped_swiglu
 from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
+from hetmoe.moe.prefill_choice import choose_min_tokens
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3"]
 FORMATS = [("bf16", None), ("int8", 0), ("int8", 64), ("int4", 32), ("int4", 64)]
