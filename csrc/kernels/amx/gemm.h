@@ -52,6 +52,15 @@ constexpr int kOutStride = 32;    // floats per output row: [n_tok][32]
 constexpr int kChunkBf16 = 512;   // K per chunk: 2 row blocks x 16 rows x 512 x 2 B = 32 KB of weights
 constexpr int kChunkInt8 = 1024;  // same bytes for int8 lines (a multiple of every group size)
 
+// HETMOE_AMX_LEGACY_GROUPED=1: the grouped int8/int4 loop of 32-token blocks with one C set (A/B measurement).
+inline bool legacy_grouped() {
+  static const bool v = [] {
+    const char* e = std::getenv("HETMOE_AMX_LEGACY_GROUPED");
+    return e && e[0] == '1';
+  }();
+  return v;
+}
+
 // Per-thread buffer of the int4 expansion (grows, 64-byte aligned, never shrinks).
 inline uint8_t* slab(size_t bytes) {
   struct Buf {
@@ -244,6 +253,95 @@ struct Gemm {
     }
   }
 
+  // ---- Grouped int8 lines (int8 and int4 weights with a scale per group of K): 16 tokens x the call's row blocks
+  // per step, C in two sets of tiles that alternate by group (tiles 0, 1 for even groups with A in tile 4, tiles 2, 3
+  // for odd ones with A in tile 5), so the fp32 epilogue of group g runs on the vector units while the tiles compute
+  // group g + 1. Per output the groups are summed in the same order as in the row-block kernels (same bits).
+  template <int P, int NB>
+  static void group_tiles(const uint8_t* const* lines, const AmxPanel& x, int m0, int k0, int n_steps, int kstep,
+                          int32_t* c) {
+    Tiles::template zero_c<P, 0>();
+    if constexpr (NB > 1) Tiles::template zero_c<P, 1>();
+    for (int s = 0; s < n_steps; ++s, k0 += kstep) {
+      Tiles::template load_a<P>(x.at(m0, k0));
+      Tiles::template load_b<0>(lines[0] + (size_t)(k0 / 4) * kLineBytes);
+      Tiles::template dp_int8<P, 0>();
+      if constexpr (NB > 1) {
+        Tiles::template load_b<1>(lines[1] + (size_t)(k0 / 4) * kLineBytes);
+        Tiles::template dp_int8<P, 1>();
+      }
+    }
+    const size_t cs = kOutStride * sizeof(int32_t);
+    Tiles::template store_c<P, 0>(c, cs);
+    if constexpr (NB > 1) Tiles::template store_c<P, 1>(c + 16, cs);
+  }
+
+  // The epilogue of group g for rows m0 .. m0 + rows of `out` from the int32 sums in c ([16][kOutStride]).
+  template <bool kAffine, int NB>
+  static void group_epilogue(float* out, const int32_t* c, const float* const* scales, const float* const* mins,
+                             int wgroup, int group, int32_t offset, const AmxPanel& x, int m0, int rows, int g) {
+    const size_t wo = (size_t)(g * group / wgroup) * kRowsPerBlock;
+    for (int t = 0; t < rows; ++t) {
+      const float xs = x.scales(m0 + t)[g];
+      const int32_t xsum = x.sums(m0 + t)[g];
+      for (int j = 0; j < NB; ++j)
+        epilogue16<kAffine>(out + (size_t)(m0 + t) * kOutStride + 16 * j, c + t * kOutStride + 16 * j, scales[j] + wo,
+                            kAffine ? mins[j] + wo : nullptr, xs, xsum, offset);
+    }
+  }
+
+  // K in chunks (the chunk's weights stay in L1 for every token block), then 16-token blocks, then the chunk's
+  // groups in the two-set pipeline. Prefetch: the lines' next chunk (in-place int8 lines), or `spread` (the next
+  // call's packed int4 lines) cut over every step of the call.
+  template <bool kAffine, int NB>
+  static void grouped_as(const uint8_t* const* lines, const float* const* scales, const float* const* mins,
+                         const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x,
+                         int n_tok, float* out, bool prefetch, int group, const NextChunk& spread) {
+    const int kstep = group < 64 ? group : 64, n_steps = group / kstep;
+    const int chunk = kChunkInt8 / group * group, per_chunk = chunk / group;
+    const int n_blocks = (n_tok + 15) / 16, n_chunks = (kp + chunk - 1) / chunk;
+    alignas(64) int32_t c[2][16 * kOutStride];
+    std::memset(out, 0, sizeof(float) * kOutStride * (size_t)n_tok);
+    Tiles::configure(kstep, kstep / 4);
+    for (int kc = 0; kc < kp; kc += chunk) {
+      const int kc_end = kc + chunk < kp ? kc + chunk : kp, g0 = kc / group, g1 = kc_end / group;
+      const NextChunk nx = prefetch ? next_chunk(lines, NB, next, n_next, kc_end, kp, chunk, 4) : NextChunk{};
+      for (int m0 = 0; m0 < n_tok; m0 += 16) {
+        const int rows = n_tok - m0 < 16 ? n_tok - m0 : 16;
+        const int part0 = (m0 / 16) * per_chunk, spread0 = ((kc / chunk) * n_blocks + m0 / 16) * per_chunk;
+        auto fetch = [&](int g) {
+          prefetch_share(nx, part0 + g - g0, n_blocks * per_chunk);
+          prefetch_share(spread, spread0 + g - g0, n_chunks * n_blocks * per_chunk);
+        };
+        auto epi = [&](const int32_t* cg, int g) {
+          group_epilogue<kAffine, NB>(out, cg, scales, mins, wgroup, group, offset, x, m0, rows, g);
+        };
+        for (int g = g0; g < g1; g += 2) {  // c[0] holds group g, c[1] group g + 1
+          fetch(g);
+          group_tiles<0, NB>(lines, x, m0, g * group, n_steps, kstep, c[0]);
+          if (g > g0) epi(c[1], g - 1);
+          if (g + 1 < g1) {
+            fetch(g + 1);
+            group_tiles<1, NB>(lines, x, m0, (g + 1) * group, n_steps, kstep, c[1]);
+          }
+          epi(c[0], g);
+        }
+        if ((g1 - g0) % 2 == 0) epi(c[1], g1 - 1);
+      }
+    }
+    Tiles::release();
+  }
+
+  template <bool kAffine>
+  static void grouped(const uint8_t* const* lines, const float* const* scales, const float* const* mins, int n_blk,
+                      const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x,
+                      int n_tok, float* out, bool prefetch, int group, const NextChunk& spread) {
+    n_blk > 1 ? grouped_as<kAffine, 2>(lines, scales, mins, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch,
+                                       group, spread)
+              : grouped_as<kAffine, 1>(lines, scales, mins, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch,
+                                       group, spread);
+  }
+
   // Same chunk / token-block order as bf16; the fp32 accumulators are `out` itself (group order per output is
   // the same as in the row-block kernels, so int4 gives their exact bits). The loop's group is the activations'
   // (a.group); the weight scales are read per weight group `wgroup` (the same, except for per-row int8 weights,
@@ -252,17 +350,20 @@ struct Gemm {
   // mins[0] picks the instantiation.
   static void int8_lines(const uint8_t* const* lines, const float* const* scales, const float* const* mins, int n_blk,
                          const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x,
-                         const ActLayout& a, int n_tok, float* out, bool prefetch) {
+                         const ActLayout& a, int n_tok, float* out, bool prefetch, const NextChunk& spread = {}) {
     if (mins[0])
-      int8_lines_as<true>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out, prefetch);
+      int8_lines_as<true>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out, prefetch,
+                          spread);
     else
-      int8_lines_as<false>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out, prefetch);
+      int8_lines_as<false>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out, prefetch,
+                           spread);
   }
 
   template <bool kAffine>
   static void int8_lines_as(const uint8_t* const* lines, const float* const* scales, const float* const* mins,
                             int n_blk, const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset,
-                            const AmxPanel& x, const ActLayout& a, int n_tok, float* out, bool prefetch) {
+                            const AmxPanel& x, const ActLayout& a, int n_tok, float* out, bool prefetch,
+                            const NextChunk& spread) {
     const int group = a.group;
     // One activation group per row (per-row int8 weights, or all of K in one group): all of K is summed first, in
     // K steps of 64 (a K of 32 in one group of 32 takes the grouped loop below, whose K step is the group).
@@ -282,38 +383,42 @@ struct Gemm {
       }
       return;
     }
-    const int kstep = group < 64 ? group : 64, n_steps = group / kstep;
-    const int chunk = kChunkInt8 / group * group;
-    alignas(64) int32_t c[kTokBlock * kOutStride];
-    std::memset(out, 0, sizeof(float) * kOutStride * (size_t)n_tok);
-    Tiles::configure(kstep, kstep / 4);
-    const int n_tok_blocks = (n_tok + kTokBlock - 1) / kTokBlock;
-    for (int kc = 0; kc < kp; kc += chunk) {
-      const int kc_end = kc + chunk < kp ? kc + chunk : kp;
-      const NextChunk nx = prefetch ? next_chunk(lines, n_blk, next, n_next, kc_end, kp, chunk, 4) : NextChunk{};
-      const int steps = (kc_end - kc) / kstep, n_parts = n_tok_blocks * steps;
-      for (int m0 = 0; m0 < n_tok; m0 += kTokBlock) {
-        const int rows = n_tok - m0 < kTokBlock ? n_tok - m0 : kTokBlock;
-        for (int k0 = kc; k0 < kc_end; k0 += group) {
-          const int g = k0 / group, part0 = (m0 / kTokBlock) * steps + (k0 - kc) / kstep;
-          if (rows > 16)
-            n_blk > 1 ? int8_group<2, 2>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts)
-                      : int8_group<2, 1>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts);
-          else
-            n_blk > 1 ? int8_group<1, 2>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts)
-                      : int8_group<1, 1>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts);
-          const size_t wo = (size_t)(k0 / wgroup) * kRowsPerBlock;
-          for (int t = 0; t < rows; ++t) {
-            const float xs = x.scales(m0 + t)[g];
-            const int32_t xsum = x.sums(m0 + t)[g];
-            for (int j = 0; j < n_blk; ++j)
-              epilogue16<kAffine>(out + (size_t)(m0 + t) * kOutStride + 16 * j, c + t * kOutStride + 16 * j,
-                                  scales[j] + wo, kAffine ? mins[j] + wo : nullptr, xs, xsum, offset);
+    if (legacy_grouped()) {
+      const int kstep = group < 64 ? group : 64, n_steps = group / kstep;
+      const int chunk = kChunkInt8 / group * group;
+      alignas(64) int32_t c[kTokBlock * kOutStride];
+      std::memset(out, 0, sizeof(float) * kOutStride * (size_t)n_tok);
+      Tiles::configure(kstep, kstep / 4);
+      const int n_tok_blocks = (n_tok + kTokBlock - 1) / kTokBlock;
+      for (int kc = 0; kc < kp; kc += chunk) {
+        const int kc_end = kc + chunk < kp ? kc + chunk : kp;
+        const NextChunk nx = prefetch ? next_chunk(lines, n_blk, next, n_next, kc_end, kp, chunk, 4) : NextChunk{};
+        const int steps = (kc_end - kc) / kstep, n_parts = n_tok_blocks * steps;
+        for (int m0 = 0; m0 < n_tok; m0 += kTokBlock) {
+          const int rows = n_tok - m0 < kTokBlock ? n_tok - m0 : kTokBlock;
+          for (int k0 = kc; k0 < kc_end; k0 += group) {
+            const int g = k0 / group, part0 = (m0 / kTokBlock) * steps + (k0 - kc) / kstep;
+            if (rows > 16)
+              n_blk > 1 ? int8_group<2, 2>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts)
+                        : int8_group<2, 1>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts);
+            else
+              n_blk > 1 ? int8_group<1, 2>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts)
+                        : int8_group<1, 1>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts);
+            const size_t wo = (size_t)(k0 / wgroup) * kRowsPerBlock;
+            for (int t = 0; t < rows; ++t) {
+              const float xs = x.scales(m0 + t)[g];
+              const int32_t xsum = x.sums(m0 + t)[g];
+              for (int j = 0; j < n_blk; ++j)
+                epilogue16<kAffine>(out + (size_t)(m0 + t) * kOutStride + 16 * j, c + t * kOutStride + 16 * j,
+                                    scales[j] + wo, kAffine ? mins[j] + wo : nullptr, xs, xsum, offset);
+            }
           }
         }
       }
+      Tiles::release();
+      return;
     }
-    Tiles::release();
+    grouped<kAffine>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch, group, spread);
   }
 
   static void int8(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
@@ -324,10 +429,11 @@ struct Gemm {
     int8_lines(lines, scales, mins, n_blk, next, n_next, w[0].kp, w[0].group, 128, x, a, n_tok, out, true);
   }
 
-  static void int4(const RowBlock* w, int n_blk, const RowBlock*, int, const AmxPanel& x, const ActLayout& a, int n_tok,
-                   float* out) {
+  static void int4(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
+                   const ActLayout& a, int n_tok, float* out) {
     // One int4 line (8 k) becomes two int8 lines (k 8j..8j+3 from the low nibbles, 8j+4..8j+7 from the high
-    // ones): consecutive K, so the expanded block is in the int8 layout with offset 8 instead of 128.
+    // ones): consecutive K, so the expanded block is in the int8 layout with offset 8 instead of 128. The next
+    // call's packed lines are prefetched into L2 across this call's steps, so its expansion reads L2, not DRAM.
     const int kp = w[0].kp, int4_lines = kp / 8;
     const size_t block_bytes = (size_t)kp / 4 * kLineBytes;
     uint8_t* buf = slab(block_bytes * n_blk);
@@ -335,7 +441,13 @@ struct Gemm {
     const float* scales[2] = {w[0].scales, n_blk > 1 ? w[1].scales : nullptr};
     const float* mins[2] = {w[0].mins, n_blk > 1 ? w[1].mins : nullptr};
     for (int j = 0; j < n_blk; ++j) Tiles::unpack_int4(w[j].data, int4_lines, buf + j * block_bytes);
-    int8_lines(lines, scales, mins, n_blk, nullptr, 0, kp, w[0].group, 8, x, a, n_tok, out, false);
+    NextChunk spread;
+    if (next && !legacy_grouped()) {
+      for (int j = 0; j < n_next && j < 2; ++j) spread.p[j] = next[j].data;
+      spread.n = n_next < 2 ? n_next : 2;
+      spread.lines = next[0].kp / 8;
+    }
+    int8_lines(lines, scales, mins, n_blk, nullptr, 0, kp, w[0].group, 8, x, a, n_tok, out, false, spread);
   }
 };
 
