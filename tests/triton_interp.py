@@ -1,6 +1,7 @@
 """Triton kernels in tests: without CUDA they run in Triton's interpreter (TRITON_INTERPRET=1, set by
 tests/conftest.py before anything imports triton)."""
 
+import contextlib
 import importlib
 
 import pytest
@@ -25,3 +26,79 @@ def triton_module(name: str):
             interp._patch_lang_tensor = patched
             interp._hetmoe_index_patch = True
     return importlib.import_module(name)
+
+
+@contextlib.contextmanager
+def checked_accesses():
+    """Under the interpreter: every masked-in load and store of a kernel launched inside must fall within the extent
+    of one of that launch's tensor arguments (the view, not its whole storage), or the launch raises (Triton wraps
+    the AssertionError in an InterpreterError). What the GPU would report as an illegal memory access, or silently
+    read from a neighbouring buffer, fails here with the kernel's name and the argument extents."""
+    import numpy as np
+    import triton.runtime.interpreter as interp
+
+    extents: list = []
+    init, load, store = (interp.GridExecutor._init_args_hst, interp.InterpreterBuilder.create_masked_load,
+                         interp.InterpreterBuilder.create_masked_store)
+
+    def init_checked(self, args, kwargs):
+        hst, kw = init(self, args, kwargs)
+        extents[:] = [(self.fn.__name__, a.data_ptr(),
+                       a.data_ptr() + (1 + sum((n - 1) * s for n, s in zip(a.shape, a.stride()))) * a.element_size())
+                      for a in list(hst) + list(kw.values()) if isinstance(a, torch.Tensor) and a.numel()]
+        return hst, kw
+
+    def check(ptrs, mask, what):
+        addr = ptrs.data[mask.data.astype(bool)]
+        size = np.dtype(interp._get_np_dtype(ptrs.get_element_ty())).itemsize
+        inside = np.zeros(addr.shape, dtype=bool)
+        for _, lo, hi in extents:
+            inside |= (addr >= lo) & (addr + size <= hi)
+        name, spans = extents[0][0] if extents else "?", [(hex(lo), hi - lo) for _, lo, hi in extents]
+        assert inside.all(), (f"{what} outside the arguments of {name}: {int((~inside).sum())} addresses, first "
+                              f"{hex(int(addr[~inside][0]))}; arguments (address, bytes) {spans}")
+
+    def load_checked(self, ptrs, mask, *rest):
+        check(ptrs, mask, "load")
+        return load(self, ptrs, mask, *rest)
+
+    def store_checked(self, ptrs, value, mask, *rest):
+        check(ptrs, mask, "store")
+        return store(self, ptrs, value, mask, *rest)
+
+    interp.GridExecutor._init_args_hst = init_checked
+    interp.InterpreterBuilder.create_masked_load = load_checked
+    interp.InterpreterBuilder.create_masked_store = store_checked
+    try:
+        yield
+    finally:
+        interp.GridExecutor._init_args_hst = init
+        interp.InterpreterBuilder.create_masked_load, interp.InterpreterBuilder.create_masked_store = load, store
+
+
+def checked_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(a [M, K], b [G, K, N], offs)`` for CPU tests, with its contract asserted (int32
+    cumulative offsets, one per group of b, non-decreasing, the last <= M); rows past offs[-1] NaN, as unwritten GPU
+    memory may be."""
+    assert offs.dtype == torch.int32 and offs.dim() == 1 and a.dim() == 2 and b.dim() == 3, (offs, a.shape, b.shape)
+    ends = offs.tolist()
+    assert len(ends) == b.shape[0] and a.shape[1] == b.shape[1], (ends, a.shape, b.shape)
+    assert all(x <= y for x, y in zip([0] + ends, ends)) and ends[-1] <= a.shape[0], (ends, a.shape)
+    out = torch.full((a.shape[0], b.shape[2]), float("nan"), dtype=a.dtype)
+    start = 0
+    for g, end in enumerate(ends):
+        out[start:end] = a[start:end] @ b[g]
+        start = end
+    return out
+
+
+def gpu_branch_on_cpu(monkeypatch, driver) -> None:
+    """A ``LayerwisePrefill`` on a CPU device takes its GPU branch: the Triton unpack, the sync-free grouped GEMMs
+    (``checked_grouped_mm``) and the combine kernel, all under the interpreter."""
+    from hetmoe.moe import layerwise
+
+    triton_module("hetmoe.moe.packed_triton")
+    triton_module("hetmoe.moe.grouped_triton")
+    monkeypatch.setattr(layerwise, "_grouped_mm_ok", lambda _w: True)
+    monkeypatch.setattr(torch, "_grouped_mm", checked_grouped_mm, raising=False)
+    driver.triton_unpack = True

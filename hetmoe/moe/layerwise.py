@@ -149,6 +149,7 @@ class LayerwisePrefill:
         self.per = [[b for b in lay.range_bytes() if b] for lay in self.layouts]  # bytes per expert of each range
         self.cuda = self.device.type == "cuda"
         self.unpack_n = int(unpack_batch)
+        self.triton_unpack = self.cuda and packed_triton.available()  # else PyTorch ops (tests set it on a CPU)
         lay = self.layouts[0] if self.layouts else None
         if lay is not None:  # one layer's weights in the model dtype, rewritten by every layer
             E, H, I = lay.num_experts, lay.hidden, lay.intermediate
@@ -258,7 +259,7 @@ class LayerwisePrefill:
             ranges = [dst[:E * b] for dst, b in zip(self.slots[i % self.n_slots], self.per[i])]
         else:
             ranges = [r[:E * b] for r, b in zip(self.host[i], self.per[i])]
-        if self.cuda and packed_triton.available():  # one pass, straight into the scratch
+        if self.triton_unpack:  # one pass, straight into the scratch
             packed_triton.unpack_into(lay, ranges, self.w_gu, self.w_down, E)
             return self.w_gu[:E], self.w_down[:E]
         for e0 in range(0, E, self.unpack_n):

@@ -12,6 +12,7 @@ Tolerances are relative max logit errors (max |diff| / max |ref|), written besid
 """
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -24,6 +25,8 @@ from hetmoe.moe import TorchExperts
 from hetmoe.moe.layerwise import LayerwisePrefill, grouped_swiglu
 from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
 from hetmoe.moe.prefill_choice import choose_min_tokens
+from tests.gpu_child import run_steps, say
+from tests.triton_interp import checked_accesses, gpu_branch_on_cpu
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3"]
 FORMATS = [("bf16", None), ("int8", 0), ("int8", 64), ("int4", 32), ("int4", 64)]
@@ -90,6 +93,29 @@ def test_the_path_on_cpu_tensors_matches_the_cpu_engine(checkpoints, arch, fmt):
     # The engine rounds activations (int8: int16, int4: int8 per group), the torch path keeps fp32.
     # measured: bf16 1.8e-7..3.4e-7, int8 1.0e-6..9.7e-6, int4 2.2e-4..3.0e-3
     assert _max_rel(got, ref) < {"bf16": 1e-5, "int8": 1e-4, "int4": 1e-2}[fmt]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the kernels run in Triton's interpreter where there is no GPU")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_the_gpu_branch_in_tiny_chunks(checkpoints, arch, fmt, monkeypatch):
+    """The GPU branch's kernels (the Triton unpack, the sync-free grouped GEMMs, the combine kernel) on CPU tensors
+    under Triton's interpreter, every load and store checked against its arguments' extents, in chunks of 1 to 4
+    tokens: most experts get no row, and deepseek_v3's group routing leaves whole groups empty (where the GPU
+    machine hit an illegal memory access: docs/gpu-prefill.md). Against the torch path of the same driver."""
+    loaded = load_model(checkpoints(arch), EngineOptions(device="cpu", experts_format=fmt, dtype="fp32"),
+                        expert_cache=None, log=lambda m: None)
+    runner = Runner(loaded)
+    runner.layerwise = lw = LayerwisePrefill([layer for _, layer in moe_blocks(loaded.model)], "cpu", torch.float32,
+                                             min_tokens=1, unpack_batch=3)
+    prompts = [[11], [7, 19], [7, 19, 3], [7, 19, 3, 40]]
+    ref = [runner.score(p) for p in prompts]
+    gpu_branch_on_cpu(monkeypatch, lw)
+    with checked_accesses():
+        got = [runner.score(p) for p in prompts]
+    assert lw.layers_run == len(lw.layers) * 2 * len(prompts)
+    for p, g, r in zip(prompts, got, ref):
+        assert _max_rel(g, r) < 1e-5, (len(p), _max_rel(g, r))  # fp32: summation order, silu's formula
 
 
 def test_deferral_does_not_apply_to_the_gpu_path(checkpoints):
@@ -296,6 +322,71 @@ def test_graph_decode_after_gpu_prefill(checkpoints):
     assert _max_rel(outs[1][1], outs[0][1]) < 3e-2
 
 
+@gpu
+def test_tiny_chunks_on_the_gpu_path(checkpoints):
+    """Chunks of 1 to 4 tokens on the GPU path (most experts without a row; deepseek_v3's group routing empties
+    whole groups), qwen3_moe and deepseek_v3 in every format, after one layer of 3 tokens run alone (the sequence of
+    the GPU run that hit an illegal memory access, docs/gpu-prefill.md). Steps in a child process
+    (tests/gpu_child.py): a crash names its step. The logits bound is loose: this is about crashes and NaN."""
+    steps = run_steps(__file__, "tiny-chunks", *(f"{a}={checkpoints(a)}" for a in ("qwen3_moe", "deepseek_v3")))
+    assert len(steps) == 2 * 3 * 6
+
+
+def _tiny_chunks_child(*cases: str) -> None:
+    for case in cases:
+        arch, path = case.split("=", 1)
+        for fmt in ("bf16", "int8", "int4"):
+            say(f"{arch} {fmt}: load, one layer of 3 tokens")
+            cpu, loaded = Runner(_hybrid(path, fmt, "off")), _hybrid(path, fmt, 1)
+            lw, gen = loaded.layerwise, torch.Generator().manual_seed(8)
+            lw.enable_share("off")
+            layer = lw.layers[0]
+            x = (torch.randn(3, loaded.config.hidden_size, generator=gen) * 0.5).to("cuda", torch.bfloat16)
+            logits = torch.randn(3, layer.num_experts, generator=gen).to("cuda")
+            block = next(m for m in loaded.model.modules() if getattr(m, "moe", None) is layer)
+            with lw.prefill(3):
+                lw.run(layer, x, logits, correction_bias=getattr(block.gate, "correction_bias", None))
+            for T in range(1, 5):
+                say(f"{arch} {fmt}: {T} tokens")
+                ids = list(range(7, 7 + T))
+                got = Runner(loaded).score(ids)
+                err = _max_rel(got, cpu.score(ids))
+                print(f"{arch} {fmt} {T} tokens: max rel. logit error {err:.2e}", flush=True)
+                if not (torch.isfinite(got).all() and err < 0.25):
+                    sys.exit(f"{arch} {fmt} {T} tokens: logits off by {err:.2e}")
+            say(f"{arch} {fmt}: close")
+            lw.close()
+
+
+@gpu
+def test_grouped_gemms_with_empty_groups():
+    """torch._grouped_mm as grouped_swiglu calls it (bf16, [M, H] x [E, H, 2I] then [M, I] x [E, I, H], H = 64,
+    I = 32: the test models' shapes), with most groups empty, leading or trailing, against a loop. Steps in a child
+    process: a crash names the offsets."""
+    assert len(run_steps(__file__, "grouped-mm")) == 2 * len(EMPTY_GROUPS)
+
+
+EMPTY_GROUPS = [[1, 2, 3, 4, 5, 6, 7, 8], [4, 8, 8, 8, 8, 8, 8, 8], [0, 0, 0, 0, 2, 4, 6, 8], [0, 0, 1, 2, 5, 8, 8, 8],
+                [1, 2, 2, 2, 4, 5, 6, 6], [8] * 8, [0] * 7 + [8], [4, 8], [1, 2, 4, 5, 6]]
+
+
+def _grouped_mm_child() -> None:
+    gen = torch.Generator().manual_seed(0)
+    H, I = 64, 32
+    for ends in EMPTY_GROUPS:
+        E, M = len(ends), 8
+        w_gu = (torch.randn(8, 2 * I, H, generator=gen) / 8).to("cuda", torch.bfloat16)[:E]
+        w_down = (torch.randn(8, H, I, generator=gen) / 8).to("cuda", torch.bfloat16)[:E]
+        x = torch.randn(M, H, generator=gen).to("cuda", torch.bfloat16)
+        offs = torch.tensor(ends, dtype=torch.int32, device="cuda")
+        for what, a, w in (("gate/up", x, w_gu), ("down", x[:, :I].contiguous(), w_down)):
+            say(f"grouped_mm {what}: {M} rows, {E} groups ending at {ends}")
+            got = torch._grouped_mm(a, w.transpose(1, 2), offs=offs)[:ends[-1]].float()
+            want = torch.cat([a[s:e].float() @ w[g].float().T for g, (s, e) in enumerate(zip([0] + ends, ends))])
+            if not ((got - want).abs().max() <= 2e-2 * want.abs().max() + 1e-6):
+                sys.exit(f"grouped_mm {what} {ends}: wrong values")
+
+
 def test_dataclass_field_is_documented():
     f = {f.name: f for f in dataclasses.fields(EngineOptions)}["gpu_prefill"]
     assert f.metadata["flag"] == "--gpu-prefill" and f.default == "auto"
@@ -339,3 +430,7 @@ def test_the_triton_unpack_equals_the_engine():
     done = subprocess.run([sys.executable, "-c", TRITON_CHECK % (FORMATS,)], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+if __name__ == "__main__":  # a child process of the GPU tests above (tests/gpu_child.py)
+    {"tiny-chunks": _tiny_chunks_child, "grouped-mm": _grouped_mm_child}[sys.argv[1]](*sys.argv[2:])
