@@ -61,6 +61,15 @@ inline bool legacy_grouped() {
   return v;
 }
 
+// HETMOE_AMX_SKIP_EPILOGUE=1 (measurement only: wrong results): the grouped GEMM without its fp32 epilogue.
+inline bool skip_epilogue() {
+  static const bool v = [] {
+    const char* e = std::getenv("HETMOE_AMX_SKIP_EPILOGUE");
+    return e && e[0] == '1';
+  }();
+  return v;
+}
+
 // Per-thread buffer of the int4 expansion (grows, 64-byte aligned, never shrinks).
 inline uint8_t* slab(size_t bytes) {
   struct Buf {
@@ -281,6 +290,7 @@ struct Gemm {
   static void group_epilogue(float* out, const int32_t* c, const float* const* scales, const float* const* mins,
                              int wgroup, int group, int32_t offset, const AmxPanel& x, int m0, int rows, int g) {
     const size_t wo = (size_t)(g * group / wgroup) * kRowsPerBlock;
+    if (skip_epilogue()) return;
     for (int t = 0; t < rows; ++t) {
       const float xs = x.scales(m0 + t)[g];
       const int32_t xsum = x.sums(m0 + t)[g];
