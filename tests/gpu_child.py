@@ -20,7 +20,8 @@ def say(what: str) -> None:
 def run_steps(test_file: str, *args: str, timeout: int = 420) -> list:
     """``python <test_file> <args>`` in a child process (the file's ``__main__`` runs the steps) -> the steps it
     announced; asserts it finished, else names the step it died in, with the end of its stderr."""
-    env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    path = os.pathsep.join(p for p in (str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1", "PYTHONPATH": path}
     proc = subprocess.run([sys.executable, test_file, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     steps = [line[len(STEP):] for line in proc.stdout.splitlines() if line.startswith(STEP)]
