@@ -70,6 +70,17 @@ inline bool skip_epilogue() {
   return v;
 }
 
+// Calls of up to this many tokens take the two-set 16-token loop (grouped_as), longer ones the 32-token loop with
+// one C set (4 tiles per step: its A and B tiles serve twice as many products). HETMOE_AMX_PP_MAX_TOKENS overrides
+// (measurement).
+inline int pp_max_tokens() {
+  static const int v = [] {
+    const char* e = std::getenv("HETMOE_AMX_PP_MAX_TOKENS");
+    return e ? std::atoi(e) : 24;
+  }();
+  return v;
+}
+
 // Per-thread buffer of the int4 expansion (grows, 64-byte aligned, never shrinks).
 inline uint8_t* slab(size_t bytes) {
   struct Buf {
@@ -393,7 +404,7 @@ struct Gemm {
       }
       return;
     }
-    if (legacy_grouped()) {
+    if (legacy_grouped() || n_tok > pp_max_tokens()) {
       const int kstep = group < 64 ? group : 64, n_steps = group / kstep;
       const int chunk = kChunkInt8 / group * group;
       alignas(64) int32_t c[kTokBlock * kOutStride];
