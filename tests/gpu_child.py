@@ -24,6 +24,7 @@ def run_steps(test_file: str, *args: str, timeout: int = 420) -> list:
     env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1", "PYTHONPATH": path}
     proc = subprocess.run([sys.executable, test_file, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
+    sys.stdout.write(proc.stdout)  # the child's measurements, shown with -s or -rA
     steps = [line[len(STEP):] for line in proc.stdout.splitlines() if line.startswith(STEP)]
     where = f"in step {len(steps)}, {steps[-1]!r}" if steps else "before its first step"
     assert proc.returncode == 0, f"the child died (exit {proc.returncode}) {where}:\n{proc.stderr[-4000:]}"
