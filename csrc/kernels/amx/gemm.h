@@ -114,6 +114,7 @@ template <class Tiles>
 struct Gemm {
   // Part `part` of n_parts of the next chunk into L2.
   static void prefetch_share(const NextChunk& nx, int part, int n_parts) {
+    if (nx.n == 0) return;  // (no division per tile step when there is nothing to fetch)
     const int per = (nx.lines + n_parts - 1) / n_parts, l0 = part * per;
     const int l1 = l0 + per < nx.lines ? l0 + per : nx.lines;
     for (int j = 0; j < nx.n; ++j)
@@ -296,7 +297,7 @@ struct Gemm {
     if constexpr (NB > 1) Tiles::template store_c<P, 1>(c + 16, cs);
   }
 
-  // The epilogue of group g for rows m0 .. m0 + rows of `out` from the int32 sums in c ([16][kOutStride]).
+  // The epilogue of group g for rows m0 .. m0 + rows of `out` from the int32 sums in c ([rows][kOutStride]).
   template <bool kAffine, int NB>
   static void group_epilogue(float* out, const int32_t* c, const float* const* scales, const float* const* mins,
                              int wgroup, int group, int32_t offset, const AmxPanel& x, int m0, int rows, int g) {
@@ -425,21 +426,16 @@ struct Gemm {
             else
               n_blk > 1 ? int8_group<1, 2>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts)
                         : int8_group<1, 1>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts);
-            const size_t wo = (size_t)(k0 / wgroup) * kRowsPerBlock;
-            for (int t = 0; t < rows; ++t) {
-              const float xs = x.scales(m0 + t)[g];
-              const int32_t xsum = x.sums(m0 + t)[g];
-              for (int j = 0; j < n_blk; ++j)
-                epilogue16<kAffine>(out + (size_t)(m0 + t) * kOutStride + 16 * j, c + t * kOutStride + 16 * j,
-                                    scales[j] + wo, kAffine ? mins[j] + wo : nullptr, xs, xsum, offset);
-            }
+            n_blk > 1 ? group_epilogue<kAffine, 2>(out, c, scales, mins, wgroup, group, offset, x, m0, rows, g)
+                      : group_epilogue<kAffine, 1>(out, c, scales, mins, wgroup, group, offset, x, m0, rows, g);
           }
         }
       }
       Tiles::release();
       return;
     }
-    grouped<kAffine>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch, group, spread);
+    grouped<kAffine>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch, group,
+                     spread);
   }
 
   static void int8(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
