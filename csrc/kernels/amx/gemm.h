@@ -76,7 +76,7 @@ inline bool skip_epilogue() {
 inline int pp_max_tokens() {
   static const int v = [] {
     const char* e = std::getenv("HETMOE_AMX_PP_MAX_TOKENS");
-    return e ? std::atoi(e) : 24;
+    return e ? std::atoi(e) : 32;
   }();
   return v;
 }
