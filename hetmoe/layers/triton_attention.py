@@ -41,7 +41,7 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def _decode_split(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, PART_O, PART_L,
                   sq1_n, sq1_h, sq2_n, sq2_h,
-                  sk1_p, sk1_t, sk1_h, sk2_p, sk2_t, sk2_h, sv_p, sv_t, sv_h, st_r,
+                  sk1_p, sk1_t, sk1_h, sk2_p, sk2_t, sk2_h, sv_p, sv_t, sv_h, st_r, ss_n, spos_n,
                   spo_n, spo_h, spo_s, spl_n, spl_h,
                   scale, G, HEAD_BLOCKS,
                   D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
@@ -54,8 +54,8 @@ def _decode_split(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, PART_O, PART_L,
     kvh = tl.program_id(1) // HEAD_BLOCKS
     g0 = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_G
     sp = tl.program_id(2)
-    pos = tl.load(POS + n)
-    slot = tl.load(SLOTS + n)
+    pos = tl.load(POS + n * spos_n)
+    slot = tl.load(SLOTS + n * ss_n).to(tl.int64)  # ss_n may be 0: MLA's rows of one sequence share its slot
     n_pages = pos // P + 1
     per = tl.cdiv(n_pages, NSPLIT)
     first = sp * per
@@ -101,8 +101,10 @@ def _decode_split(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, PART_O, PART_L,
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    # a split past the row's pages stores its -inf only: the reduce reads no values where the lse is -inf, so
+    # short rows in a batch with long ones cost a few bytes per empty split, not BLOCK_G x DV floats
     tl.store(PART_O + n * spo_n + heads[:, None] * spo_h + sp * spo_s + dv[None, :], out,
-             mask=gmask[:, None] & (dv[None, :] < DV))
+             mask=gmask[:, None] & (dv[None, :] < DV) & (first < last))
     tl.store(PART_L + n * spl_n + heads * spl_h + sp, lse, mask=gmask)
 
 
@@ -160,7 +162,7 @@ def _prefill_page(acc, l_i, m_i, q1, q2, pos, page, kpos, K1, K2, V, kvh,
 @triton.jit
 def _prefill(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, OUT,
              sq1_b, sq1_s, sq1_h, sq2_b, sq2_s, sq2_h,
-             sk1_p, sk1_t, sk1_h, sk2_p, sk2_t, sk2_h, sv_p, sv_t, sv_h, st_r,
+             sk1_p, sk1_t, sk1_h, sk2_p, sk2_t, sk2_h, sv_p, sv_t, sv_h, st_r, ss_b,
              sp_b, so_b, so_s, so_h,
              S, H, G, qk_scale,
              D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
@@ -176,7 +178,7 @@ def _prefill(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, OUT,
     ms = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = ms < S
     pos = tl.load(POS + b * sp_b + ms, mask=mmask, other=-1)
-    slot = tl.load(SLOTS + b)
+    slot = tl.load(SLOTS + b * ss_b).to(tl.int64)
     d1 = tl.arange(0, BD1)
     q1 = tl.load(Q1 + b * sq1_b + ms[:, None] * sq1_s + h * sq1_h + d1[None, :],
                  mask=mmask[:, None] & (d1[None, :] < D1), other=0.0)
@@ -230,10 +232,13 @@ def _programs_wanted(device: torch.device) -> int:
     return DECODE_PROGRAMS_PER_SM * _SM_COUNT[device]
 
 
-def decode_splits(rows: int, program_rows: int, pages_per_row: int, device: torch.device) -> int:
-    """Splits of each query row's pages: a power of two, enough programs for the GPU, at most the pages a row
-    can have. Depends only on shapes fixed at capture, so a CUDA graph keeps it."""
-    want = max(1, _programs_wanted(device) // max(1, rows * program_rows))
+def decode_splits(program_rows: int, pages_per_row: int, device: torch.device) -> int:
+    """Splits of each query row's pages: a power of two, enough programs for the GPU from one row alone, at most
+    the pages a row can have. Sized for one row, not divided among the batch's rows: in a batch of mixed lengths
+    the longest row alone must fill the GPU, or its few programs walk its pages long after the short rows are done
+    (empty splits of short rows exit at once and store only their -inf). Depends only on shapes fixed at capture,
+    so a CUDA graph keeps it."""
+    want = max(1, _programs_wanted(device) // max(1, program_rows))
     floor_pow2 = triton.next_power_of_2(want + 1) // 2  # the largest power of two <= want
     return max(1, min(floor_pow2, MAX_SPLITS, triton.next_power_of_2(pages_per_row)))
 
@@ -243,7 +248,9 @@ def decode(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None, table: to
            v_is_k1: bool = False) -> torch.Tensor:
     """One query token per row: q1 [N, H, D1] (q2 [N, H, D2]) at ``positions`` [N] of cache rows ``slots`` [N]
     -> [N, H, DV] in q1's dtype. k1 [n_pages, P, kv, D1], k2 [n_pages, P, kv or 1, D2], v [n_pages, P, kv, DV]
-    (``v_is_k1``: the values are k1 itself)."""
+    (``v_is_k1``: the values are k1 itself). ``slots`` and ``positions`` are read through their strides: a stride-0
+    ``slots`` (one sequence's S tokens as S rows, ``mla_latent_paged``) needs no copy and is read at its one
+    element only."""
     N, H, D1 = q1.shape
     n_pages, P, KV = k1.shape[:3]
     if v_is_k1:
@@ -253,7 +260,7 @@ def decode(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None, table: to
     # query heads per program: a kv head's group (GQA); MLA's 512-wide latent value holds 32 heads' accumulators
     BLOCK_G = _pow2(min(G, 32 if DV > 256 else 64))
     head_blocks = -(-G // BLOCK_G)
-    nsplit = decode_splits(N, KV * head_blocks, table.shape[1], q1.device)
+    nsplit = decode_splits(KV * head_blocks, table.shape[1], q1.device)
     part_o = torch.empty(N, H, nsplit, DV, dtype=torch.float32, device=q1.device)
     part_l = torch.empty(N, H, nsplit, dtype=torch.float32, device=q1.device)
     out = torch.empty(N, H, DV, dtype=q1.dtype, device=q1.device)
@@ -264,8 +271,8 @@ def decode(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None, table: to
     _decode_split[(N, KV * head_blocks, nsplit)](
         q1, q2_, k1, k2_, v, table, slots, positions, part_o, part_l,
         q1.stride(0), q1.stride(1), q2_.stride(0), q2_.stride(1),
-        *_page_strides(k1), *_page_strides(k2_), *_page_strides(v), table.stride(0),
-        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
+        *_page_strides(k1), *_page_strides(k2_), *_page_strides(v), table.stride(0), slots.stride(0),
+        positions.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
         scale, G, head_blocks,
         D1=D1, D2=D2, DV=DV, BD1=_pow2(D1), BD2=_pow2(D2), BDV=_pow2(DV),
         BLOCK_G=BLOCK_G, P=P, NSPLIT=nsplit, HAS_Q2=has_q2, V_IS_K1=v_is_k1, IEEE=ieee,
@@ -309,7 +316,7 @@ def prefill(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, table: torch.Te
     _prefill[(-(-S // block_m), B * H)](
         q1, q2_, k1, k2_, v, table, slots, positions, out,
         q1.stride(0), q1.stride(1), q1.stride(2), q2_.stride(0), q2_.stride(1), q2_.stride(2),
-        *_page_strides(k1), *_page_strides(k2_), *_page_strides(v), table.stride(0),
+        *_page_strides(k1), *_page_strides(k2_), *_page_strides(v), table.stride(0), slots.stride(0),
         positions.stride(0), out.stride(0), out.stride(1), out.stride(2),
         S, H, H // KV, scale * LOG2E,
         D1=D1, D2=D2, DV=DV, BD1=_pow2(D1), BD2=_pow2(D2), BDV=_pow2(DV),

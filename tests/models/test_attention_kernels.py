@@ -127,10 +127,12 @@ def test_mla_expanded_prefill_matches_sdpa_math(kernels):
 
 
 def test_decode_splits_are_fixed_by_shapes(kernels):
-    """The split count depends on the batch and the cache, not on the lengths: a CUDA graph keeps it."""
-    n = kernels.decode_splits(1, 4, 2048, torch.device("cpu"))
+    """The split count depends on the heads and the cache, not on the lengths nor the batch (a batch of mixed
+    lengths needs its longest row's splits): a CUDA graph keeps it."""
+    n = kernels.decode_splits(4, 2048, torch.device("cpu"))
     assert n >= 1 and n & (n - 1) == 0
-    assert kernels.decode_splits(1, 4, 2, torch.device("cpu")) <= 2  # at most the pages a row can have
+    assert kernels.decode_splits(4, 2, torch.device("cpu")) <= 2  # at most the pages a row can have
+    assert kernels.decode_splits(1, 2048, torch.device("cpu")) > n  # fewer programs per row: more splits
 
 
 # ---------------------------------------------------------------- the paged cache's bookkeeping (no kernels)
