@@ -6,7 +6,7 @@ import zlib
 
 import torch
 
-# The engine's formats under test: name -> (weight_format, group_size); group 0 = int8 per-row scales.
+# The engine's formats under test: name -> (weight_format, group_size); group 0 = per-row scales.
 FORMATS = {
     "bf16": ("bf16", 128),
     "int8-g32": ("int8", 32),
@@ -16,6 +16,7 @@ FORMATS = {
     "int4-g32": ("int4", 32),
     "int4-g64": ("int4", 64),
     "int4-g128": ("int4", 128),
+    "int4-row": ("int4", 0),
 }
 
 WEIGHT_STD = 0.02  # gaussian expert weights, like a freshly initialised (or typical trained) MoE layer

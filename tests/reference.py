@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-# Elements per activation scale group when the weights are int8 with per-row scales (info() reports group 0).
+# Elements per activation scale group when the weights have per-row scales (int8/int4; info() reports group 0).
 PER_ROW_ACTIVATION_GROUP = 128
 ACTIVATION_QMAX = {"int16": 32767, "int8": 127}
 
@@ -63,7 +63,7 @@ def moe_reference(x, gate, up, down, topk_ids, topk_weights, skip_mask=None) -> 
 
 
 def amx_row_group(intermediate: int) -> int:
-    """csrc/formats/layout.h amx_row_group: the AMX activation group of h for per-row int8 weights."""
+    """csrc/formats/layout.h amx_row_group: the AMX activation group of h for per-row int8/int4 weights."""
     kp = -(-intermediate // 128) * 128
     return next((g for g in (1024, 512, 256) if kp % g == 0 and kp // g >= 2), 128)
 
@@ -96,7 +96,7 @@ def moe_reference_emulated(x, gate_dq, up_dq, down_dq, topk_ids, topk_weights, a
     ``CPUExperts.dequantized(e)``; an entry may be None for an expert that is never routed to.
     activation: ``info()["activation"]`` ("fp32", "int16" or "int8"; "bf16" for AMX experts); group:
     ``info()["group_size"]``
-    (0 = int8 weights with per-row scales, whose activations use groups of 128; "row": the AMX activations of
+    (0 = int8/int4 weights with per-row scales, whose activations use groups of 128; "row": the AMX activations of
     those weights, x in one group per token and h in groups of ``amx_row_group(I)``). x is quantized per token
     before gate/up, and h = silu(gate x) * (up x) per (token, expert) before down, both along their rows.
     """
@@ -109,7 +109,7 @@ def moe_reference_emulated(x, gate_dq, up_dq, down_dq, topk_ids, topk_weights, a
         g = group if group != "row" and group > 0 else PER_ROW_ACTIVATION_GROUP
         quant = lambda v: fake_quantize(v, g, qmax).double()  # noqa: E731
     quant_x = quant
-    if group == "row":  # AMX experts of per-row int8 weights: x in one group per token, h in amx_row_group(I)
+    if group == "row":  # AMX experts of per-row int8/int4 weights: x in one group per token, h in amx_row_group(I)
         qmax = ACTIVATION_QMAX[activation]
         quant_x = lambda v: fake_quantize(v, v.shape[-1], qmax).double()  # noqa: E731
         quant = lambda v: fake_quantize(v, amx_row_group(v.shape[-1]), qmax).double()  # noqa: E731

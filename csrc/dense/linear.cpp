@@ -37,7 +37,7 @@ DenseLinear::DenseLinear(const LinearConfig& cfg, std::shared_ptr<ThreadPool> po
   if (!pool_) throw std::invalid_argument("DenseLinear needs a thread pool");
   shape_ = MatrixShape::make(cfg_.format, cfg_.n, cfg_.k, cfg_.group);
   act_ = ActLayout::make(shape_);
-  // per-row int8 on AMX: one activation group over the whole row (one scale per token), as the experts' x
+  // per-row int8/int4 on AMX: one activation group over the whole row (one scale per token), as the experts' x
   amx_act_ = ActLayout::make(shape_, true, shape_.per_row ? shape_.kp : 0);
   if (cfg_.isa == Isa::amx && cfg_.amx == AmxMode::off) cfg_.amx = AmxMode::native;
   kernel_ = select_kernel(cfg_.format, cfg_.isa, cfg_.amx);

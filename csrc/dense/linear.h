@@ -33,7 +33,7 @@ struct LinearConfig {
   int n = 0;  // N: output features (rows of W)
   int k = 0;  // K: input features
   WeightFormat format = WeightFormat::bf16;
-  int group = 64;  // int8/int4 scale group (32, 64, 128); int8: <= 0 means per-row scales
+  int group = 64;  // int8/int4 scale group (32, 64, 128; int8 also 16); <= 0 means per-row scales
   Isa isa = Isa::scalar;
   AmxMode amx = AmxMode::off;  // isa == amx implies native; emulated: tests only
   int amx_min_tokens = 4;      // calls with at least this many tokens use the AMX GEMM (where there is one)

@@ -29,7 +29,8 @@
 // so the 16 scales a kernel needs at the end of a group are one contiguous 64-byte vector. Affine blocks hold
 // their mins right after their scales, in the same [group][16 rows] order.
 //
-// Groups: 32, 64 or 128 elements of K (int8 also 16, for GGUF's Q6_K, or per row).
+// Groups: 32, 64 or 128 elements of K (int8 also 16, for GGUF's Q6_K), or per row (int8 and int4, symmetric: one
+// scale per row, stored repeated in every group of 128, so every kernel reads it as a grouped matrix).
 //
 // Activations are quantized once per layer into "activation rows" (ActRow below) whose element type follows
 // the weight format: fp32 for bf16 weights, int16 for int8 weights, int8 for int4 weights, each with one fp32
@@ -74,13 +75,13 @@ struct MatrixShape {
   int group;     // elements of K per scale (bf16: kBf16Group, no scales)
   int kp;        // K padded to the group size
   int n_blocks;  // row blocks of 16
-  bool per_row;  // int8 only: one scale per row, stored repeated in every group of 128
+  bool per_row;  // int8/int4: one scale per row, stored repeated in every group of 128
   Scaling scaling;
 
-  // group <= 0 with int8 means per-row scales (symmetric only).
+  // group <= 0 with int8 or int4 means per-row scales (symmetric only).
   static MatrixShape make(WeightFormat f, int n, int k, int group, Scaling scaling = Scaling::symmetric) {
     MatrixShape s;
-    s.per_row = f == WeightFormat::int8 && group <= 0;
+    s.per_row = f != WeightFormat::bf16 && group <= 0;
     if (s.per_row) group = 128;
     s.scaling = f == WeightFormat::bf16 ? Scaling::symmetric : scaling;
     s.format = f;
@@ -135,10 +136,10 @@ inline size_t act_elem_bytes(WeightFormat f) {
 
 // AMX tiles multiply bf16 x bf16 and int8 x int8 only, so experts computed with AMX read narrower activations:
 // bf16 for bf16 weights, int8 (groups as above, qmax 127) for int8 and int4 weights. `group` > 0 overrides the
-// matrix's group for per-row int8 weights, whose AMX GEMM sums a whole activation group in the tiles before its one
-// fp32 epilogue (kernels/amx/gemm.h): x gets one group over the whole row (one scale per token), h groups of
-// amx_row_group(I) (the NUMA split cuts I at multiples of it, so slices round h as the unsplit engine does). Same
-// row layout otherwise; the GEMM reads these rows from an AmxPanel (below), which stores them as its A tiles.
+// matrix's group for per-row int8/int4 weights, whose AMX GEMM sums a whole activation group in the tiles before
+// its one fp32 epilogue (kernels/amx/gemm.h): x gets one group over the whole row (one scale per token), h groups
+// of amx_row_group(I) (the NUMA split cuts I at multiples of it, so slices round h as the unsplit engine does).
+// Same row layout otherwise; the GEMM reads these rows from an AmxPanel (below), which stores them as its A tiles.
 inline size_t act_elem_bytes_amx(WeightFormat f) { return f == WeightFormat::bf16 ? 2 : 1; }
 
 struct ActLayout {
@@ -222,7 +223,7 @@ struct AmxPanel {
   }
 };
 
-// The AMX activation group of h (K of the down matrix) for per-row int8 weights with intermediate size I: the
+// The AMX activation group of h (K of the down matrix) for per-row int8/int4 weights with intermediate size I: the
 // largest of 1024, 512, 256 that divides I padded to 128 at least twice (a NUMA split into two stays possible),
 // else 128. Longer groups mean fewer epilogues in the GEMM.
 inline int amx_row_group(int intermediate) {

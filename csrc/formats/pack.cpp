@@ -78,6 +78,43 @@ float choose_int4_scale(const float* src, int n, int8_t* q) {
   return best_s;
 }
 
+// The int4 scale of a whole row (per-row scales), chosen as choose_int4_scale chooses a group's, over any length:
+// the best of the same candidate scales by squared error, then the least-squares refit for the codes of the best.
+// Returns the stored scale; *code_scale is the one the codes are rounded with (the best candidate).
+float choose_int4_row_scale(const float* src, int n, float* code_scale) {
+  float amax = 0.f;
+  for (int i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(src[i]));
+  *code_scale = 0.f;
+  if (amax == 0.f) return 0.f;
+  const int n8 = n / 8 * 8;
+  float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // the last n % 8 values, zero-padded (zeros add no error)
+  std::memcpy(tail, src + n8, sizeof(float) * (n - n8));
+  auto error = [&](float s) { return int4_error(src, n8, s) + (n8 < n ? int4_error(tail, 8, s) : 0.f); };
+  float best_err = INFINITY, best_s = amax / 7.f;
+  for (int c = 0; c < 9; ++c) {
+    float s = amax / (7.f + 0.5f * c), err = error(s);
+    if (err < best_err) best_err = err, best_s = s;
+  }
+  *code_scale = best_s;
+  const float inv = 1.f / best_s;
+  double wq = 0., qq = 0.;  // a row holds thousands of values: double sums
+  for (int i = 0; i < n; ++i) {
+    const float q = clampf(round_even(src[i] * inv), -8.f, 7.f);
+    wq += (double)src[i] * q;
+    qq += (double)q * q;
+  }
+  if (qq > 0. && wq > 0.) {
+    const float s2 = (float)(wq / qq);
+    double err2 = 0.;
+    for (int i = 0; i < n; ++i) {
+      const float d = src[i] - clampf(round_even(src[i] * inv), -8.f, 7.f) * s2;
+      err2 += (double)d * d;
+    }
+    if (err2 < best_err) return s2;
+  }
+  return best_s;
+}
+
 // Writes the codes of elements [k0, k0 + n) of one row (stored as code + offset: int8 symmetric 128, int4
 // symmetric 8, affine 0) into its lines; dst points at the row's 4 bytes of line 0.
 inline void put_codes(WeightFormat f, uint8_t* dst, int k0, int n, const int8_t* codes, int offset) {
@@ -178,9 +215,14 @@ void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data,
       }
       continue;
     }
-    float row_amax = 0.f;
-    if (s.per_row)
+    float row_amax = 0.f, row_scale = 0.f, row_inv = 0.f;
+    if (s.per_row && f == WeightFormat::int8)
       for (int k = 0; k < s.k; ++k) row_amax = std::fmax(row_amax, std::fabs(src[k]));
+    if (s.per_row && f == WeightFormat::int4) {
+      float code_scale;
+      row_scale = choose_int4_row_scale(src, s.k, &code_scale);
+      row_inv = code_scale > 0.f ? 1.f / code_scale : 0.f;
+    }
     for (int g = 0; g < s.n_groups(); ++g) {
       int k0 = g * s.group, n = std::min(s.group, s.k - k0);
       if (n <= 0) break;
@@ -200,6 +242,9 @@ void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data,
         float inv = amax > 0.f ? 127.f / amax : 0.f;
         for (int i = 0; i < n; ++i) codes[i] = (int8_t)clampf(round_even(src[k0 + i] * inv), -127.f, 127.f);
         scale = amax / 127.f;
+      } else if (s.per_row) {  // int4, the row's one scale
+        for (int i = 0; i < n; ++i) codes[i] = (int8_t)clampf(round_even(src[k0 + i] * row_inv), -8.f, 7.f);
+        scale = row_scale;
       } else {
         scale = choose_int4_scale(src + k0, n, codes);
       }

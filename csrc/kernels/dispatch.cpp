@@ -78,9 +78,10 @@ ReadKernel select_read_kernel(Isa isa) {
 void check_kernel_choice(WeightFormat format, int group, Isa isa, AmxMode amx, int amx_min_tokens) {
   auto bad = [](const std::string& m) { throw std::invalid_argument(m); };
   if (format != WeightFormat::bf16) {
-    const bool int8 = format == WeightFormat::int8, per_row = int8 && group <= 0;
+    const bool int8 = format == WeightFormat::int8, per_row = group <= 0;
     if (!per_row && group != 32 && group != 64 && group != 128 && !(int8 && group == 16))
-      bad("group_size must be 32, 64 or 128" + std::string(int8 ? " (int8 also 16, or 0 for per-row)" : "") + ", got " +
+      bad("group_size must be 32, 64 or 128" +
+          std::string(int8 ? " (int8 also 16, or 0 for per-row)" : " (or 0 for per-row)") + ", got " +
           std::to_string(group));
   }
   if (!cpu_features().supports(isa))

@@ -49,7 +49,7 @@ enum class AmxMode : int { off = 0, native = 1, emulated = 2 };
 KernelEntry select_kernel(WeightFormat format, Isa isa, AmxMode amx = AmxMode::off);
 
 // Throws std::invalid_argument naming what is wrong when (format, group, isa, amx, amx_min_tokens) is not a kernel
-// choice this build and CPU can run: a group other than 32/64/128 (int8 also 16, or <= 0: per row), an ISA the CPU (or
+// choice this build and CPU can run: a group other than 32/64/128 (int8 also 16) or <= 0 (per row), an ISA the CPU (or
 // HETMOE_MAX_ISA) refuses, native AMX without isa amx, amx_min_tokens < 1. The experts and the dense linear check
 // their configs with it.
 void check_kernel_choice(WeightFormat format, int group, Isa isa, AmxMode amx, int amx_min_tokens);

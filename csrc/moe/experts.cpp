@@ -47,7 +47,7 @@ MoeExperts::MoeExperts(const ExpertsConfig& cfg, std::shared_ptr<ThreadPool> poo
                             cfg_.down_scaling);
   gu_act_ = ActLayout::make(gu_);
   down_act_ = ActLayout::make(down_);
-  // per-row int8 on AMX: x in one group per token, h in groups of amx_row_group(I) (layout.h)
+  // per-row int8/int4 on AMX: x in one group per token, h in groups of amx_row_group(I) (layout.h)
   gu_amx_act_ = ActLayout::make(gu_, true, gu_.per_row ? gu_.kp : 0);
   down_amx_act_ = ActLayout::make(down_, true, down_.per_row ? amx_row_group(cfg_.intermediate_full) : 0);
   if (cfg_.isa == Isa::amx && cfg_.amx == AmxMode::off) cfg_.amx = AmxMode::native;

@@ -65,7 +65,7 @@ struct ExpertsConfig {
   WeightFormat format = WeightFormat::bf16;  // gate/up, and down unless down_format is set
   // down's own element format (e.g. int8 down beside int4 gate/up: GGUF's Q4_K_M); both then grouped int8/int4
   std::optional<WeightFormat> down_format;
-  int group = 128;     // int8: <= 0 means per-row scales; gate/up, and down unless down_group is set
+  int group = 128;     // int8/int4: <= 0 means per-row scales; gate/up, and down unless down_group is set
   int down_group = 0;  // 0: group
   // int8/int4 codes of gate/up and of down (formats/layout.h); affine needs a group (not per row)
   Scaling gate_up_scaling = Scaling::symmetric;
@@ -73,7 +73,7 @@ struct ExpertsConfig {
   Isa isa = Isa::scalar;
   AmxMode amx = AmxMode::off;  // isa == amx implies native; emulated: tests only
   int amx_min_tokens = kAmxMinTokens;
-  // The whole expert's I when this config is one NUMA slice of it (0: `intermediate`): per-row int8 experts on AMX
+  // The whole expert's I when this config is one NUMA slice of it (0: `intermediate`): per-row int8/int4 experts on AMX
   // group h by amx_row_group of it, in every slice alike.
   int intermediate_full = 0;
 };

@@ -57,7 +57,7 @@ def _add_kernel(sub) -> None:
                         help="pool and torch threads (default: physical cores)")
     kernel.add_argument("--isa", choices=ISAS, default="auto", help="default: auto, the best this CPU runs")
     kernel.add_argument("--group-size", type=int, default=None,
-                        help="int8/int4 scale group (default: 128 for int8, 64 for int4; 0 = per-row int8)")
+                        help="int8/int4 scale group (default: 128 for int8, 64 for int4; 0 = per-row scales)")
     kernel.add_argument("--experts", type=positive_int, default=None, help="override E of every shape")
     kernel.add_argument("--mem-budget-gb", type=float, default=None,
                         help="cap E so the packed experts fit in this many GB (default: 45%% of MemTotal)")

@@ -108,8 +108,8 @@ class CPUExperts:
         hidden_size: H.
         intermediate_size: I (per expert).
         weight_format: ``"bf16"``, ``"int8"`` or ``"int4"``, or a pair (gate/up, down) of int8/int4.
-        group_size: int8/int4 scale group along the input dimension (32, 64 or 128; int8 also 16); ``0`` = per-row
-            (int8). ``down_group_size``: down's own group (default: ``group_size``).
+        group_size: int8/int4 scale group along the input dimension (32, 64 or 128; int8 also 16); ``0`` = one
+            scale per row (symmetric). ``down_group_size``: down's own group (default: ``group_size``).
         scaling: ``"symmetric"`` (value = scale * q) or ``"affine"`` (value = scale * q - min, GGUF's K-quants), or a
             pair (gate/up, down); codes go in with ``hetmoe.cpu.codes.load_codes``.
         threads: pool size (default: one per physical core). Ignored when ``pool`` is given.
@@ -126,7 +126,7 @@ class CPUExperts:
 
     AMX multiplies bf16 x bf16 and int8 x int8, so AMX experts read activations rounded to bf16 (bf16
     weights) or int8 per group (int8 weights; the AVX-512 path keeps int16); int4 weights use int8
-    activations on both paths. The accuracy cost is measured in tests/kernels/test_amx.py.
+    activations on both paths (AMX, per-row weights: one x scale per token). Accuracy: tests/kernels/test_amx.py.
     """
 
     def __init__(

@@ -24,7 +24,7 @@ from hetmoe.cpu.experts import AMX_EMULATED, ISAS
 from hetmoe.cpu.pool import ExpertPool, MoEJob, shared_pool
 from hetmoe.layers.linear import dense_format
 
-GROUPS = (32, 64, 128)  # int8 / int4 scale groups along K; int8 also takes 0 (one scale per row)
+GROUPS = (32, 64, 128)  # int8 / int4 scale groups along K; both also take 0 (one scale per row)
 LOAD_CHUNK_BYTES = 64 << 20  # fp32 rows converted at once by load(): no fp32 copy of a whole lm_head
 
 WeightSource = Union[torch.Tensor, nn.Linear, Sequence[Union[torch.Tensor, nn.Linear]]]
@@ -59,7 +59,7 @@ class CPULinear(nn.Module):
     Args:
         in_features, out_features: K and N.
         fmt: ``"bf16"``, ``"int8"`` or ``"int4"`` (``DENSE_FORMATS`` entries that run on the CPU).
-        group_size: int8/int4 scale group along K: 32, 64 or 128; int8 also 0 (one scale per row). Ignored for bf16.
+        group_size: int8/int4 scale group along K: 32, 64 or 128, or 0 (one scale per row). Ignored for bf16.
         bias: ``[out_features]`` (any float dtype; kept in fp32) or None.
         isa: ``"auto"`` (best the CPU supports) or ``scalar``, ``avx2``, ``avx512``, ``amx`` (``"amx-emulated"``:
             tests only), as ``CPUExperts``.
@@ -84,9 +84,9 @@ class CPULinear(nn.Module):
             raise ValueError(f"in_features and out_features must be >= 1, got {in_features} and {out_features}")
         if fmt == "bf16":
             group_size = 0
-        elif group_size not in GROUPS and not (fmt == "int8" and group_size == 0):
-            raise ValueError(f"group_size for {fmt} must be one of {', '.join(map(str, GROUPS))}"
-                             f"{' or 0 (per row)' if fmt == 'int8' else ''}, got {group_size!r}")
+        elif group_size not in GROUPS and group_size != 0:
+            raise ValueError(f"group_size for {fmt} must be one of {', '.join(map(str, GROUPS))} or 0 (per row), "
+                             f"got {group_size!r}")
         self.group_size = int(group_size)
         features = _C.cpu_features()
         emulated = isa == AMX_EMULATED

@@ -101,7 +101,7 @@ def build_meta(cfg: ModelConfig) -> nn.Module:
 def new_experts(layer: MoELayer, cfg: ModelConfig, inter: int, plan: MemoryPlan,
                 options: EngineOptions, spec: Optional[LayerPlan] = None, exact: Optional[dict] = None) -> CPUExperts:
     """Empty CPU experts for a MoE layer, in the format of its ``spec`` (``plan.layers[i]``; default: the plan's;
-    group 0 with int8: per-row scales), on the options' threads, NUMA split and kernel ISA. ``exact``: a GGUF
+    group 0: per-row scales), on the options' threads, NUMA split and kernel ISA. ``exact``: a GGUF
     layer's own code layout (GGUFCheckpoint.experts_layout), taken when the plan counted it (codes.plan_format)."""
     threads = options.threads
     if threads is None and plan.device.type == "cuda":

@@ -43,7 +43,7 @@ class EngineOptions:
         "--experts-format", "format of the routed experts on the CPU; auto: the most precise that fits in RAM",
         choices=("auto",) + FORMATS))
     group_size: Optional[int] = field(default=None, metadata=cli_flag(
-        "--group-size", "int8/int4 scale group (default: 128 for int8, 64 for int4; 0 = per-row int8; bf16 has none)",
+        "--group-size", "int8/int4 scale group (default: 128 for int8, 64 for int4; 0 = per-row scales; bf16 has none)",
         type="int", choices=(0, 16, 32, 64, 128)))  # 16: int8 only (GGUF's Q6_K)
     threads: Optional[int] = field(default=None, metadata=cli_flag(
         "--threads", "CPU expert threads (default: physical cores; with a GPU, 2 fewer)", type="positive_int"))
@@ -159,9 +159,9 @@ class EngineOptions:
         if self.max_batch < 1 or self.prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
         if self.group_size is not None and self.group_size not in (0, 16, 32, 64, 128):
-            raise ValueError(f"group size must be 32, 64 or 128 (int8 also 16, or 0 = per-row), got {self.group_size}")
-        if self.group_size in (0, 16) and self.experts_format == "int4":
-            raise ValueError("int4 experts need a group size of 32, 64 or 128 (per-row scales are int8 only)")
+            raise ValueError(f"group size must be 32, 64 or 128 (int8 also 16), or 0 = per-row, got {self.group_size}")
+        if self.group_size == 16 and self.experts_format == "int4":
+            raise ValueError("int4 experts need a group size of 32, 64 or 128, or 0 (per-row scales)")
         if not isinstance(self.rules, (str, os.PathLike, type(None))):
             raise ValueError(f"rules must be the path of a YAML file, got {self.rules!r}")
 

@@ -50,7 +50,7 @@ class Placement:
 
     device: Optional[str] = None  # cpu, cuda or cuda:N
     experts_format: Optional[str] = None  # routed experts: bf16, int8, int4
-    group_size: Optional[int] = None  # routed experts: 0 (per-row int8), 32, 64, 128
+    group_size: Optional[int] = None  # routed experts: 0 (per-row scales), 32, 64, 128
     gpu_experts: Optional[int] = None  # routed experts: how many of the layer's experts stay on the GPU too
     gpu_experts_format: Optional[str] = None  # routed experts: how those are stored there: auto, bf16, int8, int4
     defer_experts: Optional[int] = None  # routed experts: Expert Deferral's d for this layer
@@ -224,8 +224,6 @@ def _rule(node, index: int, source: str, yaml) -> Rule:
     fmt, group = placement.experts_format, placement.group_size
     if group is not None and fmt == "bf16":
         raise fail("group_size: bf16 experts have no scale groups", _at(node, "group_size"))
-    if group == 0 and fmt == "int4":
-        raise fail("group_size 0 (per-row scales) is int8 only; int4 needs 32, 64 or 128", _at(node, "group_size"))
     if placement.gpu_experts is not None and (placement.device or "cpu").startswith("cuda"):
         raise fail("gpu_experts: with device cuda every expert of the layer is on the GPU already",
                    _at(node, "gpu_experts"))
@@ -266,7 +264,7 @@ def _value(key: str, value, fail):
     if isinstance(value, bool) or not isinstance(value, int):
         raise fail(f"{key}: expected an integer, got {value!r}")
     if key == "group_size" and value not in GROUPS:
-        raise fail(f"group_size: expected 32, 64 or 128 (or 0 = per-row int8), got {value}")
+        raise fail(f"group_size: expected 32, 64 or 128 (or 0 = per-row scales), got {value}")
     if value < 0:
         raise fail(f"{key}: expected an integer >= 0, got {value}")
     return value

@@ -47,9 +47,7 @@ class MatrixShape:
         if fmt == "bf16":
             group = BF16_GROUP
         elif group <= 0:
-            if fmt != "int8":
-                raise ValueError("per-row scales (group 0) exist for int8 only")
-            group = 128  # per-row int8: the row's scale repeated in every group of 128
+            group = 128  # per-row int8/int4: the row's scale repeated in every group of 128
         return cls(fmt, n, k, group, _round_up(k, group), -(-n // ROWS), fmt != "bf16" and scaling == "affine")
 
     @property

@@ -124,7 +124,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str, group: int, 
 
 
 def _group(cpu_group: int) -> int:
-    """The resident group that holds a CPU group's codes: itself, 128 for per-row int8 (0: the row's scale
+    """The resident group that holds a CPU group's codes: itself, 128 for per-row int8/int4 (0: the row's scale
     repeated), the default for a group the GPU kernels do not take."""
     return 128 if not cpu_group else cpu_group if cpu_group in GROUPS else DEFAULT_GROUP
 
@@ -143,7 +143,7 @@ def planned_storage(fmt: str, cpu_format: str, cpu_group: int) -> Storage:
 
 
 def cpu_storage(cpu_experts) -> Storage:
-    """The Storage that holds a CPUExperts' values exactly: its formats and groups (per-row int8: a group of 128,
+    """The Storage that holds a CPUExperts' values exactly: its formats and groups (per-row int8/int4: a group of 128,
     the row's scale repeated; a group the GPU kernels do not take: the default)."""
     info = cpu_experts.info()
     if "bf16" in (info["weight_format"], info["down_weight_format"]):

@@ -75,7 +75,6 @@ def test_class_is_a_second_condition():
     ("- match: x\n  experts_format: int5\n", 2, "experts_format: expected bf16, int8, int4, got 'int5'"),
     ("- match: x\n\n  group_size: 48\n", 3, "group_size: expected 32, 64 or 128"),
     ("- match: x\n  experts_format: bf16\n  group_size: 32\n", 3, "bf16 experts have no scale groups"),
-    ("- match: x\n  experts_format: int4\n  group_size: 0\n", 3, "int8 only"),
     ("- match: x\n  gpu_experts: -1\n", 2, "gpu_experts: expected an integer >= 0"),
     ("- match: x\n  defer_experts: yes\n", 2, "defer_experts: expected an integer, got True"),
     ("- match: x\n  device: gpu\n", 2, "device: expected cpu, cuda or cuda:N, got 'gpu'"),
@@ -266,15 +265,16 @@ def test_layerwise_prefill_layers():
     assert layerwise_layers(blocks, plan) == [blocks[0][1]]  # the largest layer's kind
 
 
-def test_random_model_takes_rules(tmp_path):
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_random_model_takes_rules(tmp_path, fmt):
     from hetmoe.testing.synthetic import TINY, build_random_model
 
     shape = {**TINY["qwen3_moe"], "model_type": "qwen3_moe", "vocab_size": 256, "max_position_embeddings": 64,
              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu"}
-    path = write(tmp_path, f"- match: '{L1}'\n  experts_format: int8\n  group_size: 0\n")
+    path = write(tmp_path, f"- match: '{L1}'\n  experts_format: {fmt}\n  group_size: 0\n")  # per-row scales
     loaded = build_random_model(shape, options=EngineOptions(**CPU, experts_format="bf16", rules=str(path)),
                                 log=lambda m: None)
-    assert [(layer.engine.info()["weight_format"]) for _, layer in moe_blocks(loaded.model)] == ["bf16", "int8"]
+    assert [(layer.engine.info()["weight_format"]) for _, layer in moe_blocks(loaded.model)] == ["bf16", fmt]
     assert loaded.plan.layers[1].group_size == 0
 
 

@@ -20,10 +20,13 @@ one expert, H=40) fluctuate more than large ones, hence two columns: "all" = eve
     int4 g32    0.238                 0.152..0.153         0.27 / 0.175
     int4 g64    0.198                 0.167                0.23 / 0.19
     int4 g128   0.216                 0.177                0.25 / 0.205
+    int4 row    0.203                 0.191                0.235 / 0.22
 
 The issue asked int8 <= 1e-2 and int4 <= 0.10. int8 weights rounded per group (step amax/127) add ~0.6 % noise
 to each of gate, up and down, which compounds through SwiGLU to ~1.1e-2 at group 128; only group 32 gets below
-1e-2, and only on large shapes. int4 (16 levels) gives 0.15-0.18. Against the emulated reference every format
+1e-2, and only on large shapes. int4 (16 levels) gives 0.15-0.18; int4 with one scale per row 0.19 (its scale
+search clips a row's tails as a group's; gaussian rows have no outliers, so on trained weights the gap to g64 is
+wider). Against the emulated reference every format
 measured <= 3.1e-4 (int4; int8 <= 7.9e-6, bf16 <= 1.6e-6); the bound asserted is 1e-3.
 """
 
@@ -54,6 +57,7 @@ FP32_TOL = {
     "int4-g32": 0.27,
     "int4-g64": 0.23,
     "int4-g128": 0.25,
+    "int4-row": 0.235,
 }
 FP32_TOL_LARGE = {
     "bf16": 3.4e-3,
@@ -64,6 +68,7 @@ FP32_TOL_LARGE = {
     "int4-g32": 0.175,
     "int4-g64": 0.19,
     "int4-g128": 0.205,
+    "int4-row": 0.22,
 }
 EMULATED_TOL = 1e-3
 
@@ -201,7 +206,8 @@ def test_large_shapes(fmt, shape):
 # The per-commit tier keeps one format per kind at this shape (the small-shape tests cover every format); the slow
 # tier runs the rest.
 @pytest.mark.parametrize("fmt", ["bf16", "int8-g128", "int4-g64", *(pytest.param(f, marks=pytest.mark.slow)
-                                                                  for f in ("int8-row", "int4-g32", "int4-g128"))])
+                                                                  for f in ("int8-row", "int4-g32", "int4-g128",
+                                                                            "int4-row"))])
 def test_deepseek_v3_shape(fmt):
     """H=7168, I=2048 (DeepSeek-V3 routed experts), 4 experts, T=3, k=2, best ISA."""
     shape = (4, 7168, 2048)
@@ -480,21 +486,21 @@ def test_dequantized_int8_within_half_step(group):
 
 
 # Measured ||w - dq|| / ||w|| of int4 on these gaussian weights (max over matrices): 0.087 (g32), 0.096 (g64),
-# 0.101 (g128); bounds + ~15 %.
-INT4_WEIGHT_TOL = {32: 0.10, 64: 0.11, 128: 0.116}
+# 0.101 (g128), 0.105 (per row); bounds + ~15 %.
+INT4_WEIGHT_TOL = {32: 0.10, 64: 0.11, 128: 0.116, 0: 0.12}
 
 
-@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("group", [32, 64, 128, 0])
 def test_dequantized_int4_error(group):
-    ex = small_engine(f"int4-g{group}", BEST_ISA, ODD)
+    ex = small_engine("int4-row" if group == 0 else f"int4-g{group}", BEST_ISA, ODD)
     for e, src in enumerate(zip(*weights(ODD))):
         for dq, w in zip(ex.dequantized(e), src):
             assert rel_err(dq, w) <= INT4_WEIGHT_TOL[group]
-            # at most 16 levels per (row, group)
+            # at most 16 levels per (row, group); per row: per whole row
             rows, n = w.shape
             for r in range(0, rows, 7):
-                for g0 in range(0, n, group):
-                    assert dq[r, g0:g0 + group].unique().numel() <= 16
+                for g0 in range(0, n, group or n):
+                    assert dq[r, g0:g0 + (group or n)].unique().numel() <= 16
 
 
 def test_stage_profile_counts_jobs_and_time():

@@ -183,7 +183,7 @@ def test_bad_blocks_and_layouts_are_refused():
     with pytest.raises(ValueError, match=r"up has codes in \[-1, 15\]; int4 affine holds \[0, 15\]"):
         load_codes(experts, [codes[0], neg, codes[2]], scales, mins=mins)
     assert experts.info()["experts_loaded"] == 0
-    with pytest.raises(ValueError, match="group_size must be 32, 64 or 128, got 16"):
+    with pytest.raises(ValueError, match=r"group_size must be 32, 64 or 128 \(or 0 for per-row\), got 16"):
         CPUExperts(E, H, I, "int4", 16, pool=ExpertPool(1))
     with pytest.raises(ValueError, match="affine scaling needs a group size"):
         CPUExperts(E, H, I, "int8", 0, pool=ExpertPool(1), scaling="affine")

@@ -261,8 +261,8 @@ def test_forward_before_load(pool):
         (dict(weight_format="fp8"), "unknown weight_format 'fp8'; expected one of bf16, int8, int4"),
         (dict(weight_format="int8", group_size=48),
          r"group_size must be 32, 64 or 128 \(int8 also 16, or 0 for per-row\), got 48"),
-        (dict(weight_format="int4", group_size=0), "group_size must be 32, 64 or 128, got 0"),
-        (dict(weight_format="int4", group_size=256), "group_size must be 32, 64 or 128, got 256"),
+        (dict(weight_format="int4", group_size=16), r"group_size must be 32, 64 or 128 \(or 0 for per-row\), got 16"),
+        (dict(weight_format="int4", group_size=256), r"group_size must be 32, 64 or 128 \(or 0 for per-row\), got 256"),
         (dict(isa="sse4"), "unknown isa 'sse4'"),
         (dict(num_experts=0), "num_experts must be positive"),
         (dict(hidden_size=0), "hidden_size and intermediate_size must be positive"),
@@ -326,7 +326,7 @@ def test_pool_arguments(pool):
 
 def packed_bytes(fmt: str, group: int, n: int, k: int) -> int:
     """Bytes of one packed [n, k] matrix by the rules of csrc/formats/layout.h (data + scales)."""
-    unit = 32 if fmt == "bf16" else (group or 128)  # K padding unit; per-row int8 repeats its scale per 128
+    unit = 32 if fmt == "bf16" else (group or 128)  # K padding unit; per-row scales repeat per 128
     kp = -(-k // unit) * unit
     blocks = -(-n // 16)
     k_per_line = {"bf16": 2, "int8": 4, "int4": 8}[fmt]
@@ -335,7 +335,8 @@ def packed_bytes(fmt: str, group: int, n: int, k: int) -> int:
     return data + scales
 
 
-@pytest.mark.parametrize("fmt, group", [("bf16", 128), ("int8", 128), ("int8", 0), ("int8", 32), ("int4", 64)])
+@pytest.mark.parametrize("fmt, group", [("bf16", 128), ("int8", 128), ("int8", 0), ("int8", 32), ("int4", 64),
+                                        ("int4", 0)])
 @pytest.mark.parametrize("shape", [(E, H, I), (3, 200, 88)])
 def test_info(pool, fmt, group, shape):
     ex = CPUExperts(*shape, fmt, group, isa="scalar", pool=pool)

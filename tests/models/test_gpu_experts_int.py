@@ -175,7 +175,7 @@ def test_storage_bytes_and_layout():
 
 
 @pytest.mark.parametrize("fmt,group,down_group", [("int4", 32, None), ("int4", 128, None), ("int8", 0, None),
-                                                  (("int4", "int8"), 64, 128)])
+                                                  ("int4", 0, None), (("int4", "int8"), 64, 128)])
 def test_from_cpu_keeps_the_engines_values(fmt, group, down_group):
     """storage auto: the CPU engine's codes and scales, read from its packed bytes -- the same fp32 values bitwise,
     so the resident part equals a float copy of those values (bf16 storage in fp32) up to summation order."""

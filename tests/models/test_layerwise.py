@@ -29,7 +29,7 @@ from tests.gpu_child import run_steps, say
 from tests.triton_interp import checked_accesses, gpu_branch_on_cpu
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3"]
-FORMATS = [("bf16", None), ("int8", 0), ("int8", 64), ("int4", 32), ("int4", 64)]
+FORMATS = [("bf16", None), ("int8", 0), ("int8", 64), ("int4", 32), ("int4", 64), ("int4", 0)]
 
 
 def _max_rel(a, b):
