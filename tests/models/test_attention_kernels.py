@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton_interp import checked_accesses, triton_module
+from triton_interp import triton_module
 
 from cases import generator
 from hetmoe.layers.attention import KVCache, Step
@@ -108,39 +108,6 @@ def test_mla_absorbed_decode_matches_sdpa_math(kernels, dtype):
                          positions, 0.1)
     assert out.shape == (3, H, r) and rel_err(out.float(), ref) < tolerance(dtype)
 
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("positions", [[[14, 15, 16]], [[0, 1]], [[28, 29, 30, 31], [3, 4, 5, 6]]],
-                         ids=["one-row-over-a-page-boundary", "one-row-from-0", "two-rows"])
-def test_mla_absorbed_chunk_reads_only_its_arguments(kernels, dtype, positions):
-    """The absorbed form for a chunk of S = 2..4 tokens per sequence (``mla_latent_paged``: each token a decode row,
-    the rows of one sequence sharing its slot through a stride-0 view when B = 1) over a paged latent cache, every
-    load and store checked against the arguments' extents under the interpreter. The kernel once read the slots
-    with unit stride: row 1 read past the one-element slots tensor (an illegal memory access on the GPU,
-    docs/gpu-prefill.md). Against SDPA's math backend."""
-    from hetmoe.layers.attention import mla_latent_paged
-
-    gen = generator("mla-chunk", len(positions), len(positions[0]))
-    P, h, r, rope, scale = 16, 4, 64, 16, 0.2
-    positions = torch.tensor(positions)
-    B, S = positions.shape
-    cache = KVCache(1, 3, 64, 1, r, dtype, DEVICE, v_head_dim=rope, page_size=P, initial_tokens=16)
-    slots = torch.tensor([2, 0][:B])
-    for slot in (1, *slots.tolist()):  # row 1 first: the chunk's rows get scattered pages
-        cache.reserve(slot, 48)
-    cache.k.copy_(torch.randn(cache.k.shape, generator=gen).to(dtype))
-    cache.v.copy_(torch.randn(cache.v.shape, generator=gen).to(dtype))
-    step = Step(positions.to(DEVICE), slots.to(DEVICE), kv_len=48)
-    q_lat = torch.randn(B, S, h, r, generator=gen).to(dtype).to(DEVICE)
-    q_pe = torch.randn(B, S, h, rope, generator=gen).to(dtype).to(DEVICE)
-    with checked_accesses():
-        out = mla_latent_paged(q_lat, q_pe, cache, 0, step, scale)
-    rows_c, rows_pe = cache.rows(0, step)  # [B, 48, 1, r | rope]
-    for b in range(B):
-        ref = sdpa_reference(torch.cat((q_lat[b], q_pe[b]), -1), torch.cat((rows_c[b], rows_pe[b]), -1).expand(
-            S, -1, -1, -1), rows_c[b].expand(S, -1, -1, -1), step.positions[b], scale)
-        assert rel_err(out[b].float(), ref) < tolerance(dtype), b
 
 def test_mla_expanded_prefill_matches_sdpa_math(kernels):
     from hetmoe.layers.attention import mla_expanded_paged
