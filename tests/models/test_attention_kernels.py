@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton_interp import triton_module
+from triton_interp import checked_accesses, triton_module
 
 from cases import generator
 from hetmoe.layers.attention import KVCache, Step
@@ -108,6 +108,38 @@ def test_mla_absorbed_decode_matches_sdpa_math(kernels, dtype):
                          positions, 0.1)
     assert out.shape == (3, H, r) and rel_err(out.float(), ref) < tolerance(dtype)
 
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("positions", [[[14, 15, 16]], [[0, 1]], [[28, 29, 30, 31], [3, 4, 5, 6]]],
+                         ids=["one-row-over-a-page-boundary", "one-row-from-0", "two-rows"])
+def test_mla_absorbed_chunk_reads_only_its_arguments(kernels, dtype, positions):
+    """The absorbed form for a chunk of S = 2..4 tokens per sequence (``mla_latent_paged``: each token a decode row,
+    the rows of one sequence sharing its slot through a stride-0 view when B = 1) over a paged latent cache, every
+    load and store checked against the arguments' extents under the interpreter. The kernel once read the slots
+    with unit stride: row 1 read past the one-element slots tensor (an illegal memory access on the GPU,
+    docs/gpu-prefill.md). Against SDPA's math backend."""
+    from hetmoe.layers.attention import mla_latent_paged
+
+    gen = generator("mla-chunk", len(positions), len(positions[0]))
+    P, h, r, rope, scale = 16, 4, 64, 16, 0.2
+    positions = torch.tensor(positions)
+    B, S = positions.shape
+    cache = KVCache(1, 3, 64, 1, r, dtype, DEVICE, v_head_dim=rope, page_size=P, initial_tokens=16)
+    slots = torch.tensor([2, 0][:B])
+    for slot in (1, *slots.tolist()):  # row 1 first: the chunk's rows get scattered pages
+        cache.reserve(slot, 48)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=gen).to(dtype))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=gen).to(dtype))
+    step = Step(positions.to(DEVICE), slots.to(DEVICE), kv_len=48)
+    q_lat = torch.randn(B, S, h, r, generator=gen).to(dtype).to(DEVICE)
+    q_pe = torch.randn(B, S, h, rope, generator=gen).to(dtype).to(DEVICE)
+    with checked_accesses():
+        out = mla_latent_paged(q_lat, q_pe, cache, 0, step, scale)
+    rows_c, rows_pe = cache.rows(0, step)  # [B, 48, 1, r | rope]
+    for b in range(B):
+        ref = sdpa_reference(torch.cat((q_lat[b], q_pe[b]), -1), torch.cat((rows_c[b], rows_pe[b]), -1).expand(
+            S, -1, -1, -1), rows_c[b].expand(S, -1, -1, -1), step.positions[b], scale)
+        assert rel_err(out[b].float(), ref) < tolerance(dtype), b
 
 def test_mla_expanded_prefill_matches_sdpa_math(kernels):
     from hetmoe.layers.attention import mla_expanded_paged
@@ -203,8 +235,10 @@ def test_a_pool_that_cannot_grow_says_so(monkeypatch):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_model_on_the_paged_kernels_matches_the_contiguous_cache(kernels, checkpoints, arch):
-    """Prefill two sequences (one in two chunks: a cached prefix), then decode both at different lengths: the
-    logits of the paged cache with the Triton kernels equal those of SDPA over the contiguous cache (fp32)."""
+    """Prefill two sequences (one in two chunks: a cached prefix), then decode both at different lengths, then
+    chunks of 2 to 4 tokens (deepseek_v3: the absorbed form, one decode row per token; one over a page boundary,
+    one of a whole new prompt, one of two sequences): the logits of the paged cache with the Triton kernels equal
+    those of SDPA over the contiguous cache (fp32), every kernel access inside its arguments (the interpreter)."""
     pytest.importorskip("transformers")
     from hetmoe.models.deepseek_v2 import DeepseekV3ForCausalLM
     from hetmoe.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -225,7 +259,9 @@ def test_model_on_the_paged_kernels_matches_the_contiguous_cache(kernels, checkp
     calls = [(torch.arange(0, 21)[None], [0]), (torch.arange(21, 40)[None], [0]), (torch.arange(0, 7)[None], [1])]
     calls += [(torch.tensor([[40 + i]]), [0]) for i in range(3)] + [(torch.tensor([[7 + i]]), [1]) for i in range(2)]
     calls += [(torch.tensor([[43], [9]]), [0, 1]), (torch.tensor([[44], [10]]), [0, 1])]
-    with torch.no_grad():
+    calls += [(torch.arange(11, 13)[None], [1]), (torch.arange(13, 17)[None], [1]), (torch.arange(0, 3)[None], [0])]
+    calls += [(torch.tensor([[3, 4], [17, 18]]), [0, 1])]
+    with torch.no_grad(), checked_accesses():
         for positions, slots in calls:
             ids = torch.randint(0, model.config.vocab_size, positions.shape, generator=gen).to(DEVICE)
             outs = []
