@@ -52,27 +52,9 @@ constexpr int kOutStride = 32;    // floats per output row: [n_tok][32]
 constexpr int kChunkBf16 = 512;   // K per chunk: 2 row blocks x 16 rows x 512 x 2 B = 32 KB of weights
 constexpr int kChunkInt8 = 1024;  // same bytes for int8 lines (a multiple of every group size)
 
-// HETMOE_AMX_LEGACY_GROUPED=1: the grouped int8/int4 loop of 32-token blocks with one C set (A/B measurement).
-inline bool legacy_grouped() {
-  static const bool v = [] {
-    const char* e = std::getenv("HETMOE_AMX_LEGACY_GROUPED");
-    return e && e[0] == '1';
-  }();
-  return v;
-}
-
-// HETMOE_AMX_SKIP_EPILOGUE=1 (measurement only: wrong results): the grouped GEMM without its fp32 epilogue.
-inline bool skip_epilogue() {
-  static const bool v = [] {
-    const char* e = std::getenv("HETMOE_AMX_SKIP_EPILOGUE");
-    return e && e[0] == '1';
-  }();
-  return v;
-}
-
 // Calls of up to this many tokens take the two-set 16-token loop (grouped_as), longer ones the 32-token loop with
 // one C set (4 tiles per step: its A and B tiles serve twice as many products). HETMOE_AMX_PP_MAX_TOKENS overrides
-// (measurement).
+// (measurement; 0: the 32-token loop for every call, as before ce2864b).
 inline int pp_max_tokens() {
   static const int v = [] {
     const char* e = std::getenv("HETMOE_AMX_PP_MAX_TOKENS");
@@ -119,6 +101,17 @@ struct Gemm {
     const int l1 = l0 + per < nx.lines ? l0 + per : nx.lines;
     for (int j = 0; j < nx.n; ++j)
       for (int l = l0; l < l1; ++l) Tiles::prefetch_l2(nx.p[j] + (size_t)l * kLineBytes);
+  }
+
+  // Part i of n of `s`'s lines.
+  static NextChunk slice(const NextChunk& s, int i, int n) {
+    NextChunk out;
+    const int per = (s.lines + n - 1) / n, l0 = i * per, l1 = l0 + per < s.lines ? l0 + per : s.lines;
+    if (s.n == 0 || l1 <= l0) return out;
+    for (int j = 0; j < s.n; ++j) out.p[j] = s.p[j] + (size_t)l0 * kLineBytes;
+    out.n = s.n;
+    out.lines = l1 - l0;
+    return out;
   }
 
   // The chunk after [k0, k1) of rows `lines` (kPerLine k per line; kp padded K; chunk: K per chunk), or the
@@ -201,14 +194,16 @@ struct Gemm {
   // during the previous chunk, are reused by every token block, and the tokens' activations of one chunk stay in
   // L2 while the chunk's row blocks stream. C lives in `c_out` ([n_tok][kOutStride] 4-byte sums) between chunks.
   template <bool kBf16>
+  // (`spread`: lines to prefetch cut evenly over the chunks instead, the next call's packed int4 lines.)
   static void chunked(const uint8_t* const* lines, int n_blk, const RowBlock* next, int n_next, int kp,
-                      const AmxPanel& x, int n_tok, void* c_out, bool prefetch) {
+                      const AmxPanel& x, int n_tok, void* c_out, bool prefetch, const NextChunk& spread = {}) {
     constexpr int kChunk = kBf16 ? kChunkBf16 : kChunkInt8, kStep = kBf16 ? 32 : 64, kPerLine = kBf16 ? 2 : 4;
     Tiles::configure(64, 16);
-    const int n_tok_blocks = (n_tok + kTokBlock - 1) / kTokBlock;
+    const int n_tok_blocks = (n_tok + kTokBlock - 1) / kTokBlock, n_chunks = (kp + kChunk - 1) / kChunk;
     for (int k0 = 0; k0 < kp; k0 += kChunk) {
       const int k1 = k0 + kChunk < kp ? k0 + kChunk : kp;
-      const NextChunk nx = prefetch ? next_chunk(lines, n_blk, next, n_next, k1, kp, kChunk, kPerLine) : NextChunk{};
+      const NextChunk nx = prefetch ? next_chunk(lines, n_blk, next, n_next, k1, kp, kChunk, kPerLine)
+                                    : slice(spread, k0 / kChunk, n_chunks);
       const int steps = (k1 - k0) / kStep, n_parts = n_tok_blocks * steps;
       for (int m0 = 0; m0 < n_tok; m0 += kTokBlock) {
         const int part0 = m0 / kTokBlock * steps;
@@ -302,7 +297,6 @@ struct Gemm {
   static void group_epilogue(float* out, const int32_t* c, const float* const* scales, const float* const* mins,
                              int wgroup, int group, int32_t offset, const AmxPanel& x, int m0, int rows, int g) {
     const size_t wo = (size_t)(g * group / wgroup) * kRowsPerBlock;
-    if (skip_epilogue()) return;
     for (int t = 0; t < rows; ++t) {
       const float xs = x.scales(m0 + t)[g];
       const int32_t xsum = x.sums(m0 + t)[g];
@@ -391,7 +385,7 @@ struct Gemm {
     // K steps of 64 (a K of 32 in one group of 32 takes the grouped loop below, whose K step is the group).
     if (!kAffine && a.group >= kp && kp % 64 == 0) {
       int32_t* sums = reinterpret_cast<int32_t*>(out);  // the same [n_tok][32] 4-byte cells, converted in place
-      chunked<false>(lines, n_blk, next, n_next, kp, x, n_tok, sums, prefetch);
+      chunked<false>(lines, n_blk, next, n_next, kp, x, n_tok, sums, prefetch, spread);
       for (int t = 0; t < n_tok; ++t) {
         const float xs = x.scales(t)[0];
         const int32_t xoff = offset * x.sums(t)[0];
@@ -405,7 +399,7 @@ struct Gemm {
       }
       return;
     }
-    if (legacy_grouped() || n_tok > pp_max_tokens()) {
+    if (n_tok > pp_max_tokens()) {
       const int kstep = group < 64 ? group : 64, n_steps = group / kstep;
       const int chunk = kChunkInt8 / group * group;
       alignas(64) int32_t c[kTokBlock * kOutStride];
@@ -459,7 +453,7 @@ struct Gemm {
     const float* mins[2] = {w[0].mins, n_blk > 1 ? w[1].mins : nullptr};
     for (int j = 0; j < n_blk; ++j) Tiles::unpack_int4(w[j].data, int4_lines, buf + j * block_bytes);
     NextChunk spread;
-    if (next && !legacy_grouped()) {
+    if (next) {
       for (int j = 0; j < n_next && j < 2; ++j) spread.p[j] = next[j].data;
       spread.n = n_next < 2 ? n_next : 2;
       spread.lines = next[0].kp / 8;
