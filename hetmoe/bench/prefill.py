@@ -4,7 +4,8 @@ roofline of the GPU path: a prompt of T tokens cannot prefill faster than T / (o
 experts at the measured H2D rate). The GPU path's time per MoE layer is split into its copy, its expert compute, the
 CPU's share (hetmoe/moe/cpu_share.py) and the main stream's idle time waiting for either (CUDA events); they
 overlap, so a layer takes about the largest of the first three. With a CPU share, the GPU path is also timed without
-it (``gpu_no_share``: the A/B in one run)."""
+it (``gpu_no_share``: the A/B in one run). Where layers copied only their routed experts
+(hetmoe/moe/expert_copy.py), the line says how many per layer."""
 
 from __future__ import annotations
 
@@ -65,6 +66,8 @@ def prefill_paths(loaded: LoadedModel, prompts: list, repeats: int, seed: int, l
                 f"({row['pct_roofline']:.0f}%); per MoE layer: copy {row['copy_ms']:.2f} ms, experts "
                 f"{row['compute_ms']:.2f} ms, CPU share {row['cpu_ms']:.2f} ms ({row['cpu_experts']:.0f} experts), "
                 f"idle {row['idle_ms']:.2f} ms"
+                + (f"; routed-only copies: {row['routed_experts']:.1f} of {lw.layouts[0].num_experts} experts per "
+                   "layer" if row.get("routed_layers") else "")
                 + (f"; gpu without the share {row['gpu_no_share_tok_s']:9.1f} tok/s" if lw.share is not None else ""))
     finally:
         lw.min_tokens, lw.profiling = auto, False

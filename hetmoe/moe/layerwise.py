@@ -15,9 +15,10 @@ Per forward call (a prefill chunk of T >= ``min_tokens`` tokens), with S slots (
 
 Events order every slot reuse; nothing synchronizes the device. The whole layer is copied: the copy of layer i + 1
 starts before its router has run (that is the overlap), and at the token counts where this path wins, T·k is many
-times the number of experts, so nearly every expert is routed to anyway. While the link is the bottleneck, the CPU
-engine computes the last c experts of each layer at the same time, and only the first E - c are copied
-(hetmoe/moe/cpu_share.py; c chosen per chunk from the measured rates). Expert Deferral is a decode feature: here
+times the number of experts, so nearly every expert is routed to anyway; where T·k is small against E, each layer's
+copy waits for its router and moves only the routed experts (hetmoe/moe/expert_copy.py). While the link is the
+bottleneck, the CPU engine computes the last c experts of each layer at the same time, and only the first E - c are
+copied (hetmoe/moe/cpu_share.py; c chosen per chunk from the measured rates). Expert Deferral is a decode feature: here
 every expert is computed exactly once, on the layer's own input; GPU-resident experts are computed from the
 streamed weights like the others (they hold the same values).
 
@@ -40,6 +41,7 @@ from hetmoe.moe import prefill_choice as choice
 from hetmoe.moe.combine import combine
 from hetmoe.moe.cpu_share import CPUShare
 from hetmoe.moe.deferral import drop_lowest
+from hetmoe.moe.expert_copy import HostMemory, copy_experts, routed_experts
 from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
 
 _current: contextvars.ContextVar = contextvars.ContextVar("hetmoe_layerwise_prefill", default=None)
@@ -105,36 +107,14 @@ def grouped_swiglu(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     return torch.zeros(T, w_down.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y)
 
 
-class _HostMemory:
-    """The engine's storage ranges registered with the CUDA driver (page-locked in place), so that copies from them
-    are DMA transfers that run on a stream, without a staging copy. ``cudaHostRegister`` through PyTorch's binding of
-    the CUDA runtime."""
-
-    def __init__(self, tensors: list):
-        self.ptrs = []
-        cudart = torch.cuda.cudart()
-        for t in tensors:
-            err = cudart.cudaHostRegister(t.data_ptr(), t.numel(), 0)
-            if int(getattr(err, "value", err)) != 0:
-                self.close()
-                raise RuntimeError(f"cudaHostRegister of {t.numel() / 2**20:.0f} MiB of expert storage failed "
-                                   f"(error {int(getattr(err, 'value', err))})")
-            self.ptrs.append(t.data_ptr())
-
-    def close(self) -> None:
-        cudart = torch.cuda.cudart()
-        for p in self.ptrs:
-            cudart.cudaHostUnregister(p)
-        self.ptrs = []
-
-
 class LayerwisePrefill:
     """The layerwise GPU prefill of one model's MoE layers (``layers``: MoELayers with the unsplit CPU engine, in
     forward order). ``min_tokens``: the forward calls with at least this many tokens take this path (the runner
     asks ``wants(T)``); ``slots``: GPU buffers of one layer's packed experts each (>= 2: copy one while computing
     another); ``unpack_batch``: experts unpacked at once where PyTorch ops unpack (no Triton). On a CPU ``device``
     (tests) the same path runs without copies, reading the engine's storage directly. ``share``: the CPU's share of
-    each layer's experts (a ``CPUShare``, ``enable_share``), or None: every expert on the GPU."""
+    each layer's experts (a ``CPUShare``, ``enable_share``), or None: every expert on the GPU. ``routed_copy``:
+    "auto" (per chunk, ``prefill_choice.wants_routed_only``), "on" or "off": copy only the routed experts."""
 
     def __init__(self, layers: list, device, dtype: torch.dtype, min_tokens: int, slots: int = 2,
                  unpack_batch: int = 16):
@@ -157,10 +137,8 @@ class LayerwisePrefill:
             self.w_down = torch.empty(E, H, I, dtype=dtype, device=self.device)
         self._registered = None
         if self.cuda:
-            self._registered = _HostMemory([t for ranges in self.host for t in ranges])
-            widths = [max(r[j].numel() for r in self.host) for j in range(len(self.host[0]))]
-            self.slots = [[torch.empty(w, dtype=torch.uint8, device=self.device) for w in widths]
-                          for _ in range(self.n_slots)]
+            self._registered = HostMemory([t for ranges in self.host for t in ranges])
+            self.slots = self._slot_buffers()
             self.copy_stream = torch.cuda.Stream(self.device)
             self.copied = [torch.cuda.Event(enable_timing=True) for _ in range(self.n_slots)]
             self.freed = [None] * self.n_slots  # the event after the last compute that read the slot
@@ -171,6 +149,9 @@ class LayerwisePrefill:
         self.rates: Optional[dict] = None  # the last ``measure()``
         self.cpu_experts = 0  # the CPU's share of each layer's experts in the running forward call
         self.shares: list = []  # (tokens, cpu_experts) of each forward call since profiling was turned on
+        self.routed_copy = "auto"
+        self.routed_only = False  # the running call copies each layer's routed experts after its router
+        self.routed: list = []  # experts copied by each routed-only layer since profiling was turned on
 
     def enable_share(self, mode="auto", chunk: int = 8192) -> Optional[CPUShare]:
         """Let the CPU engine compute a share of each layer's experts (hetmoe/moe/cpu_share.py): ``mode`` "auto"
@@ -189,6 +170,10 @@ class LayerwisePrefill:
             return None
         self.share = CPUShare(self.layouts[0].hidden, ks.pop(), self.dtype, self.device, capacity, mode, self.rates)
         return self.share
+
+    def _slot_buffers(self) -> list:
+        widths = [max(r[j].numel() for r in self.host) for j in range(len(self.host[0]))]
+        return [[torch.empty(w, dtype=torch.uint8, device=self.device) for w in widths] for _ in range(self.n_slots)]
 
     @property
     def slot_bytes(self) -> int:
@@ -215,30 +200,36 @@ class LayerwisePrefill:
         if self.profiling and n_tokens:
             self.shares.append((int(n_tokens), c))
         self.cpu_experts = c
-        for i in range(min(self.n_slots, len(self.layers))):
+        if n_tokens and self.layers and self.routed_copy != "off":
+            k, E = self.layers[0].router.top_k, self.layouts[0].num_experts
+            self.routed_only = self.routed_copy == "on" or choice.wants_routed_only(int(n_tokens), k, E, self.rates)
+        for i in range(0 if self.routed_only else min(self.n_slots, len(self.layers))):
             self._issue(i)
         token = _current.set(self)
         try:
             yield self
         finally:
             _current.reset(token)
-            self.cpu_experts = 0
+            self.cpu_experts, self.routed_only = 0, False
 
     def gpu_experts(self, i: int) -> int:
         """How many of layer i's experts (the first ones) the GPU computes in the running call."""
         return self.layouts[i].num_experts - self.cpu_experts
 
-    def _issue(self, i: int) -> None:
-        if not self.cuda:
+    def _issue(self, i: int, experts: Optional[list] = None) -> None:
+        """Copy layer i's experts [0, gpu_experts(i)), or the ``experts`` listed (routed-only), into its slot."""
+        if not self.cuda:  # tests: whole layers are read in place; routed-only copies into host "slots"
+            if experts is not None:
+                if not hasattr(self, "slots"):
+                    self.slots = self._slot_buffers()
+                copy_experts(self.slots[i % self.n_slots], self.host[i], self.per[i], experts)
             return
         s = i % self.n_slots
         with torch.cuda.stream(self.copy_stream):
             if self.freed[s] is not None:
                 self.copy_stream.wait_event(self.freed[s])
             start = self._event()
-            n = self.gpu_experts(i)  # each range holds the experts one after another: a prefix of each
-            for dst, src, b in zip(self.slots[s], self.host[i], self.per[i]):
-                dst[:n * b].copy_(src[:n * b], non_blocking=True)
+            copy_experts(self.slots[s], self.host[i], self.per[i], experts, self.gpu_experts(i))
             self.copied[s].record(self.copy_stream)
             if start is not None:  # an end event of its own: copied[s] is recorded again by the slot's next copy
                 self._events.append((i, "copy", start, self._event()))
@@ -251,11 +242,11 @@ class LayerwisePrefill:
             if idle is not None:
                 self._events.append((i, "idle", idle, self._event()))
 
-    def _weights(self, i: int) -> tuple:
-        """Layer i's experts on the GPU (the first ``gpu_experts(i)``) unpacked into the weight scratch, a few
-        experts at a time (bounded temporaries) -> (w_gu [n, 2I, H], w_down [n, H, I])."""
-        lay, E = self.layouts[i], self.gpu_experts(i)
-        if self.cuda:
+    def _weights(self, i: int, E: int) -> tuple:
+        """The first E experts of layer i's slot (or storage) unpacked into the weight scratch, a few experts at a
+        time (bounded temporaries) -> (w_gu [E, 2I, H], w_down [E, H, I])."""
+        lay = self.layouts[i]
+        if self.cuda or self.routed_only:
             ranges = [dst[:E * b] for dst, b in zip(self.slots[i % self.n_slots], self.per[i])]
         else:
             ranges = [r[:E * b] for r, b in zip(self.host[i], self.per[i])]
@@ -283,17 +274,25 @@ class LayerwisePrefill:
             if cpu_done is not None:
                 self._events.append((i, "cpu", cpu_start, cpu_done))
             ids = ids.masked_fill(ids >= n, -1)
+        if self.routed_only:  # the routed ones among the GPU's experts, after this layer's router (a host sync)
+            experts, ids = routed_experts(ids, n)
+            n = len(experts)
+            if self.profiling:
+                self.routed.append(n)
+            self._issue(i, experts)
         self._wait(i)
         start = self._event()
-        w_gu, w_down = self._weights(i)
-        y = grouped_swiglu(x, ids, weights, w_gu, w_down)
+        if n:
+            y = grouped_swiglu(x, ids, weights, *self._weights(i, n))
+        else:  # every pair on the CPU, or skipped
+            y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if start is not None:
             self._events.append((i, "compute", start, self._event()))
         if self.cuda:
             s = i % self.n_slots
             self.freed[s] = torch.cuda.Event()
             self.freed[s].record(torch.cuda.current_stream(self.device))
-            if i + self.n_slots < len(self.layers):
+            if i + self.n_slots < len(self.layers) and not self.routed_only:
                 self._issue(i + self.n_slots)
         dense = shared(x) if shared is not None else None
         if self.cpu_experts:
@@ -316,18 +315,20 @@ class LayerwisePrefill:
         """Mean ms per MoE layer recorded since profiling was turned on (synchronizes; clears the record): the
         copy, the GPU's expert compute, the CPU share (from the stream reaching its submission until the job is
         done: 0 without one), the main stream's idle time (waiting for the copy or the CPU share), the mean
-        number of experts per layer the CPU computed:
-        {"copy_ms", "compute_ms", "cpu_ms", "idle_ms", "cpu_experts", "layers"}."""
+        number of experts per layer the CPU computed, the mean number a routed-only layer copied, and how many
+        layers copied only their routed experts:
+        {"copy_ms", "compute_ms", "cpu_ms", "idle_ms", "cpu_experts", "routed_experts", "routed_layers", "layers"}."""
         torch.cuda.synchronize(self.device)
         sums = {"copy": 0.0, "compute": 0.0, "cpu": 0.0, "idle": 0.0}
         n = 0
         for _, what, a, b in self._events:
             sums[what] += a.elapsed_time(b)
             n += what == "compute"
-        shares, self._events, self.shares = self.shares, [], []
+        shares, routed, self._events, self.shares, self.routed = self.shares, self.routed, [], [], []
         out = {f"{what}_ms": total / max(n, 1) for what, total in sums.items()}
         out["cpu_experts"] = sum(c for _, c in shares) / max(len(shares), 1)
-        return {**out, "layers": n}
+        out["routed_experts"] = sum(routed) / max(len(routed), 1)
+        return {**out, "routed_layers": len(routed), "layers": n}
 
     def measure(self, tokens=(256, 1024), seed: int = 0) -> dict:
         """The rates the threshold is chosen from, measured on the first MoE layer with random activations and
@@ -356,7 +357,7 @@ class LayerwisePrefill:
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
                 self._wait(0)
-                grouped_swiglu(xd, idd, wd, *self._weights(0))
+                grouped_swiglu(xd, idd, wd, *self._weights(0, lay.num_experts))
                 b.record()
                 b.synchronize()
             gpu[T] = a.elapsed_time(b) / 1e3

@@ -1,10 +1,11 @@
 """What the layerwise GPU prefill chooses from the rates it measures at load (``LayerwisePrefill.measure``: one
 layer's H2D copy, the GPU path's and the CPU engine's compute at two token counts, in seconds per layer): the token
 count from which the GPU path wins (``choose_min_tokens``) and, per chunk, how many of each layer's experts the CPU
-engine computes meanwhile (``choose_cpu_share``; hetmoe/moe/cpu_share.py), pure functions of the rates; and the
-model's layerwise prefill set up at load with those choices (``setup``), which the load log prints.
+engine computes meanwhile (``choose_cpu_share``; hetmoe/moe/cpu_share.py) and whether it copies only the routed
+experts (``wants_routed_only``; hetmoe/moe/expert_copy.py), pure functions of the rates; and the model's layerwise
+prefill set up at load with those choices (``setup``), which the load log prints.
 
-Shape letters: T tokens, E experts.
+Shape letters: T tokens, k experts per token, E experts.
 """
 
 from __future__ import annotations
@@ -98,6 +99,37 @@ def share_capacity(rates: dict, num_experts: int, chunk: int) -> int:
     return lo
 
 
+ROUTED_ONLY_PAIRS = 4  # chunks with T·k >= 4 E route to ~98% of the experts: whole layers, copied a layer ahead
+ROUTED_ENV = "HETMOE_PREFILL_ROUTED_COPY"  # auto (default) | on | off: routed-only copying (A/B runs), read at load
+
+
+def parse_routed_copy(text: Optional[str]) -> str:
+    value = "auto" if text is None or not str(text).strip() else str(text).strip().lower()
+    if value not in ("auto", "on", "off"):
+        raise ValueError(f"{ROUTED_ENV} must be auto, on or off, got {text!r}")
+    return value
+
+
+def routed_fraction(n_tokens: int, top_k: int, num_experts: int) -> float:
+    """The expected fraction of E experts that T tokens routing k each reach, routing spread evenly (a skewed
+    router reaches fewer)."""
+    return 1.0 - (1.0 - 1.0 / num_experts) ** (n_tokens * top_k)
+
+
+def wants_routed_only(n_tokens: int, top_k: int, num_experts: int, rates: Optional[dict] = None) -> bool:
+    """Whether a chunk copies only each layer's routed experts (hetmoe/moe/expert_copy.py), after the layer's
+    router, instead of whole layers a layer ahead: per layer that is (routed fraction x copy) + GPU compute, in
+    series, against max(copy, GPU compute). Without measured rates: when at most half the experts are reached."""
+    if n_tokens * top_k >= ROUTED_ONLY_PAIRS * num_experts:
+        return False
+    f = routed_fraction(n_tokens, top_k, num_experts)
+    if rates is None:
+        return f <= 0.5
+    g0, g1 = _line(rates["gpu_s"])
+    gpu, copy = g0 + g1 * n_tokens, rates["copy_s"]
+    return f * copy + gpu <= (1 - MIN_GAIN) * max(copy, gpu)
+
+
 def describe_share(rates: dict, num_experts: int, lo: int, hi: int) -> str:
     """The share at powers of two from ``lo`` to ``hi`` tokens, for the load log: "41/128 experts at 512 tokens,
     ..., none from 4096"."""
@@ -162,6 +194,7 @@ def setup(layers: list, plan, options, log) -> tuple:
     else:
         text = f"hetmoe: GPU prefill from {threshold} tokens per chunk (--gpu-prefill), chunks of {plan.prefill_chunk}"
     on = driver.enable_share(share, plan.prefill_chunk)
+    driver.routed_copy = report["routed_copy"] = parse_routed_copy(os.environ.get(ROUTED_ENV))
     E = driver.layouts[0].num_experts
     if on is None:
         share_text = "off" if share == "off" else "none"
@@ -170,6 +203,7 @@ def setup(layers: list, plan, options, log) -> tuple:
     else:
         share_text = f"{min(share, E - 1)}/{E} experts ({ENV})"
     report["cpu_share"] = {"mode": share, "capacity": on.capacity if on is not None else 0, "text": share_text}
-    log(f"{text}{rate_text}; CPU share of each layer's experts: {share_text}")
+    routed = "" if driver.routed_copy == "auto" else f"; routed-only copies {driver.routed_copy} ({ROUTED_ENV})"
+    log(f"{text}{rate_text}; CPU share of each layer's experts: {share_text}{routed}")
     return driver, report
 
