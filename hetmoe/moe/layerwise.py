@@ -136,6 +136,7 @@ class LayerwisePrefill:
             self.w_gu = torch.empty(E, 2 * I, H, dtype=dtype, device=self.device)
             self.w_down = torch.empty(E, H, I, dtype=dtype, device=self.device)
         self._registered = None
+        self.slots: Optional[list] = None  # CUDA: the copy slots; CPU (tests): made by the first routed-only copy
         if self.cuda:
             self._registered = HostMemory([t for ranges in self.host for t in ranges])
             self.slots = self._slot_buffers()
@@ -178,7 +179,7 @@ class LayerwisePrefill:
     @property
     def slot_bytes(self) -> int:
         """GPU memory the slots hold."""
-        return sum(t.numel() for slot in getattr(self, "slots", []) for t in slot)
+        return sum(t.numel() for slot in self.slots or [] for t in slot)
 
     def wants(self, n_tokens: int) -> bool:
         return bool(self.layers) and n_tokens >= self.min_tokens
@@ -220,7 +221,7 @@ class LayerwisePrefill:
         """Copy layer i's experts [0, gpu_experts(i)), or the ``experts`` listed (routed-only), into its slot."""
         if not self.cuda:  # tests: whole layers are read in place; routed-only copies into host "slots"
             if experts is not None:
-                if not hasattr(self, "slots"):
+                if self.slots is None:
                     self.slots = self._slot_buffers()
                 copy_experts(self.slots[i % self.n_slots], self.host[i], self.per[i], experts)
             return

@@ -193,8 +193,8 @@ struct Gemm {
   // K is walked in chunks (outer) and token blocks (inner): the chunk's weights (32 KB, L1), prefetched into L2
   // during the previous chunk, are reused by every token block, and the tokens' activations of one chunk stay in
   // L2 while the chunk's row blocks stream. C lives in `c_out` ([n_tok][kOutStride] 4-byte sums) between chunks.
+  // Without `prefetch`, `spread` (the next call's packed int4 lines) is prefetched instead, cut evenly over the chunks.
   template <bool kBf16>
-  // (`spread`: lines to prefetch cut evenly over the chunks instead, the next call's packed int4 lines.)
   static void chunked(const uint8_t* const* lines, int n_blk, const RowBlock* next, int n_next, int kp,
                       const AmxPanel& x, int n_tok, void* c_out, bool prefetch, const NextChunk& spread = {}) {
     constexpr int kChunk = kBf16 ? kChunkBf16 : kChunkInt8, kStep = kBf16 ? 32 : 64, kPerLine = kBf16 ? 2 : 4;
@@ -307,8 +307,7 @@ struct Gemm {
   }
 
   // K in chunks (the chunk's weights stay in L1 for every token block), then 16-token blocks, then the chunk's
-  // groups in the two-set pipeline. Prefetch: the lines' next chunk (in-place int8 lines), or `spread` (the next
-  // call's packed int4 lines) cut over every step of the call.
+  // groups in the two-set pipeline. Prefetch as in `chunked`: the lines' next chunk, or a slice of `spread`.
   template <bool kAffine, int NB>
   static void grouped_as(const uint8_t* const* lines, const float* const* scales, const float* const* mins,
                          const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x,
@@ -321,14 +320,11 @@ struct Gemm {
     Tiles::configure(kstep, kstep / 4);
     for (int kc = 0; kc < kp; kc += chunk) {
       const int kc_end = kc + chunk < kp ? kc + chunk : kp, g0 = kc / group, g1 = kc_end / group;
-      const NextChunk nx = prefetch ? next_chunk(lines, NB, next, n_next, kc_end, kp, chunk, 4) : NextChunk{};
+      const NextChunk nx =
+          prefetch ? next_chunk(lines, NB, next, n_next, kc_end, kp, chunk, 4) : slice(spread, kc / chunk, n_chunks);
       for (int m0 = 0; m0 < n_tok; m0 += 16) {
-        const int rows = n_tok - m0 < 16 ? n_tok - m0 : 16;
-        const int part0 = (m0 / 16) * per_chunk, spread0 = ((kc / chunk) * n_blocks + m0 / 16) * per_chunk;
-        auto fetch = [&](int g) {
-          prefetch_share(nx, part0 + g - g0, n_blocks * per_chunk);
-          prefetch_share(spread, spread0 + g - g0, n_chunks * n_blocks * per_chunk);
-        };
+        const int rows = n_tok - m0 < 16 ? n_tok - m0 : 16, part0 = (m0 / 16) * per_chunk;
+        auto fetch = [&](int g) { prefetch_share(nx, part0 + g - g0, n_blocks * per_chunk); };
         auto epi = [&](const int32_t* cg, int g) {
           group_epilogue<kAffine, NB>(out, cg, scales, mins, wgroup, group, offset, x, m0, rows, g);
         };
@@ -343,6 +339,40 @@ struct Gemm {
           epi(c[0], g);
         }
         if ((g1 - g0) % 2 == 0) epi(c[1], g1 - 1);
+      }
+    }
+    Tiles::release();
+  }
+
+  // The 32-token loop (calls of more than pp_max_tokens() tokens): one C set of up to 2 x 2 tiles per group, its
+  // epilogue after the tiles; A and B tiles serve twice the products of the two-set loop's 16-token steps.
+  template <bool kAffine>
+  static void grouped32(const uint8_t* const* lines, const float* const* scales, const float* const* mins, int n_blk,
+                        const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x,
+                        int n_tok, float* out, bool prefetch, int group) {
+    const int kstep = group < 64 ? group : 64, n_steps = group / kstep;
+    const int chunk = kChunkInt8 / group * group;
+    alignas(64) int32_t c[kTokBlock * kOutStride];
+    std::memset(out, 0, sizeof(float) * kOutStride * (size_t)n_tok);
+    Tiles::configure(kstep, kstep / 4);
+    const int n_tok_blocks = (n_tok + kTokBlock - 1) / kTokBlock;
+    for (int kc = 0; kc < kp; kc += chunk) {
+      const int kc_end = kc + chunk < kp ? kc + chunk : kp;
+      const NextChunk nx = prefetch ? next_chunk(lines, n_blk, next, n_next, kc_end, kp, chunk, 4) : NextChunk{};
+      const int steps = (kc_end - kc) / kstep, n_parts = n_tok_blocks * steps;
+      for (int m0 = 0; m0 < n_tok; m0 += kTokBlock) {
+        const int rows = n_tok - m0 < kTokBlock ? n_tok - m0 : kTokBlock;
+        for (int k0 = kc; k0 < kc_end; k0 += group) {
+          const int g = k0 / group, part0 = (m0 / kTokBlock) * steps + (k0 - kc) / kstep;
+          if (rows > 16)
+            n_blk > 1 ? int8_group<2, 2>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts)
+                      : int8_group<2, 1>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts);
+          else
+            n_blk > 1 ? int8_group<1, 2>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts)
+                      : int8_group<1, 1>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts);
+          n_blk > 1 ? group_epilogue<kAffine, 2>(out, c, scales, mins, wgroup, group, offset, x, m0, rows, g)
+                    : group_epilogue<kAffine, 1>(out, c, scales, mins, wgroup, group, offset, x, m0, rows, g);
+        }
       }
     }
     Tiles::release();
@@ -399,37 +429,11 @@ struct Gemm {
       }
       return;
     }
-    if (n_tok > pp_max_tokens()) {
-      const int kstep = group < 64 ? group : 64, n_steps = group / kstep;
-      const int chunk = kChunkInt8 / group * group;
-      alignas(64) int32_t c[kTokBlock * kOutStride];
-      std::memset(out, 0, sizeof(float) * kOutStride * (size_t)n_tok);
-      Tiles::configure(kstep, kstep / 4);
-      const int n_tok_blocks = (n_tok + kTokBlock - 1) / kTokBlock;
-      for (int kc = 0; kc < kp; kc += chunk) {
-        const int kc_end = kc + chunk < kp ? kc + chunk : kp;
-        const NextChunk nx = prefetch ? next_chunk(lines, n_blk, next, n_next, kc_end, kp, chunk, 4) : NextChunk{};
-        const int steps = (kc_end - kc) / kstep, n_parts = n_tok_blocks * steps;
-        for (int m0 = 0; m0 < n_tok; m0 += kTokBlock) {
-          const int rows = n_tok - m0 < kTokBlock ? n_tok - m0 : kTokBlock;
-          for (int k0 = kc; k0 < kc_end; k0 += group) {
-            const int g = k0 / group, part0 = (m0 / kTokBlock) * steps + (k0 - kc) / kstep;
-            if (rows > 16)
-              n_blk > 1 ? int8_group<2, 2>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts)
-                        : int8_group<2, 1>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts);
-            else
-              n_blk > 1 ? int8_group<1, 2>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts)
-                        : int8_group<1, 1>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts);
-            n_blk > 1 ? group_epilogue<kAffine, 2>(out, c, scales, mins, wgroup, group, offset, x, m0, rows, g)
-                      : group_epilogue<kAffine, 1>(out, c, scales, mins, wgroup, group, offset, x, m0, rows, g);
-          }
-        }
-      }
-      Tiles::release();
-      return;
-    }
-    grouped<kAffine>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch, group,
-                     spread);
+    if (n_tok > pp_max_tokens())
+      grouped32<kAffine>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch, group);
+    else
+      grouped<kAffine>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch, group,
+                       spread);
   }
 
   static void int8(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
@@ -444,7 +448,8 @@ struct Gemm {
                    const ActLayout& a, int n_tok, float* out) {
     // One int4 line (8 k) becomes two int8 lines (k 8j..8j+3 from the low nibbles, 8j+4..8j+7 from the high
     // ones): consecutive K, so the expanded block is in the int8 layout with offset 8 instead of 128. The next
-    // call's packed lines are prefetched into L2 across this call's steps, so its expansion reads L2, not DRAM.
+    // call's packed lines are prefetched into L2 across this call's steps (per-row and two-set loops; the 32-token
+    // loop leaves them to the hardware prefetcher), so its expansion reads L2, not DRAM.
     const int kp = w[0].kp, int4_lines = kp / 8;
     const size_t block_bytes = (size_t)kp / 4 * kLineBytes;
     uint8_t* buf = slab(block_bytes * n_blk);
