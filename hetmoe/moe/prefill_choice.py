@@ -52,9 +52,14 @@ MIN_GAIN = 0.15
 CPU_CONTENTION = 1.17
 
 
+def _setting(text: Optional[str]) -> str:
+    """An environment switch's value, trimmed and lower-case; unset or blank is "auto"."""
+    return "auto" if text is None or not str(text).strip() else str(text).strip().lower()
+
+
 def parse_mode(text: Optional[str]) -> Union[str, int]:
     """``auto`` | ``off`` | a number of experts >= 0 (0 = off) -> "auto", "off" or that int."""
-    value = "auto" if text is None or not str(text).strip() else str(text).strip().lower()
+    value = _setting(text)
     if value in ("auto", "off"):
         return value
     if value.isdigit():
@@ -104,7 +109,8 @@ ROUTED_ENV = "HETMOE_PREFILL_ROUTED_COPY"  # auto (default) | on | off: routed-o
 
 
 def parse_routed_copy(text: Optional[str]) -> str:
-    value = "auto" if text is None or not str(text).strip() else str(text).strip().lower()
+    """``auto`` | ``on`` | ``off`` (routed-only copying) -> that string."""
+    value = _setting(text)
     if value not in ("auto", "on", "off"):
         raise ValueError(f"{ROUTED_ENV} must be auto, on or off, got {text!r}")
     return value
