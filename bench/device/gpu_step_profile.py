@@ -4,7 +4,7 @@ steps with the CPU experts left out, then the graph replay time of the GPU part 
 the GPU machine from the repo root (both shapes, 8 layers: about 2 minutes):
 
     python3 bench/device/gpu_step_profile.py [layers] [--shapes=qwen3-30b-a3b,deepseek-v3] [--fused=off,on]
-        [--batch=1] [--no-profiler] [--table] [--cpu-alone] [--threads=N]
+        [--batch=1] [--no-profiler] [--table] [--cpu-alone] [--threads=N] [--dense=bf16|fp8|int8|int4]
 
 ``--table`` prints the profiler's top kernels per variant; ``--cpu-alone`` re-runs the step's CPU jobs on the pool
 alone (as bench e2e's time split does) and prints the CPU jobs' stage times. The last lines are one summary row per
@@ -39,6 +39,7 @@ shapes = opt("shapes", "qwen3-30b-a3b,deepseek-v3").split(",")
 fused_variants = opt("fused", "off,on").split(",")
 batch = int(opt("batch", "1"))
 threads = int(opt("threads", "0")) or None
+dense = opt("dense", "bf16")  # the dense part's format (--dense-format); deepseek-v3's checkpoints hold fp8
 use_profiler, table, cpu_alone_too = "--no-profiler" not in sys.argv, "--table" in sys.argv, "--cpu-alone" in sys.argv
 
 
@@ -98,7 +99,8 @@ def graph_nodes(dec, batch: int, positions: list):
 summary = []
 for shape in shapes:
     loaded = build_random_model(shape, layers, EngineOptions(device="cuda", experts_format="int4", max_context=1024,
-                                                             max_batch=max(batch, 1), threads=threads),
+                                                             max_batch=max(batch, 1), threads=threads,
+                                                             dense_format=dense),
                                 log=lambda m: None)
     cpu_experts = [off.experts for off in _offloaded(loaded.model)]
     for fused in fused_variants:
@@ -157,8 +159,8 @@ for shape in shapes:
     del loaded, cpu_experts
     torch.cuda.empty_cache()
 
-print(f"\nsummary: {layers} layers, batch {batch}, int4 experts (kernels and kernel us from the eager profile; "
-      "graph ms: the GPU part alone, then the whole step)")
+print(f"\nsummary: {layers} layers, batch {batch}, {dense} dense, int4 experts (kernels and kernel us from the eager "
+      "profile; graph ms: the GPU part alone, then the whole step)")
 print(f"{'shape':<16} {'fused':<5} {'kernels/layer':>13} {'kernel us/layer':>15} {'nodes/layer':>11} "
       f"{'graph GPU ms':>12} {'graph step ms':>13}")
 for r in summary:
