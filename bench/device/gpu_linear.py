@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 
 import torch
@@ -67,14 +68,11 @@ def variants(M: int, N: int, K: int, fmt: str) -> list:
     kp = -(-K // group) * group
     out = []
     if M <= tl.DECODE_M:
-        for bn in (16, 32, 64):
-            for bk in (256, 512):
-                for stages in (3,):
-                    if M <= tl.GEMV_M:
-                        splits, per = tl.split_k(-(-N // bn), -(-kp // bk), n_sm)
-                        for defer in (True, False):
-                            out.append(tl.Launch("gemv", 1 << (M - 1).bit_length(), bn, bk, splits, per, 4, stages,
-                                                 defer=defer))
+        if M <= tl.GEMV_M:  # tile rows x K, warps, programs per SM, deferred reduction
+            for bn, bk, warps, pps, defer in itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (4, 8),
+                                                               (True, False)):
+                splits, per = tl.split_k(-(-N // bn), -(-kp // bk), n_sm, pps)
+                out.append(tl.Launch("gemv", 1 << (M - 1).bit_length(), bn, bk, splits, per, warps, 3, defer=defer))
         for bn, stages, pps in ((64, 4, 4), (128, 4, 4), (64, 4, 8)):
             splits, per = tl.split_k(-(-M // 16) * -(-N // bn), kp // group, n_sm, pps)
             out.append(tl.Launch("dot", 16, bn, group, splits, per, 4, stages))
@@ -127,6 +125,7 @@ def bench_shape(name, N, K, formats, ms, with_variants, copy_rate) -> list:
                                                                                     N, launch=launch)
                            for lin, x in zip(lins, xs)]
                     label = (f"{launch.kernel} {launch.bm}x{launch.bn}x{launch.bk} w{launch.num_warps} "
+                             f"{f'p{launch.splits * -(-N // launch.bn)} ' if launch.kernel == 'gemv' else ''}"
                              f"s{launch.num_stages} k/{launch.splits}{' after' if launch.scale_after else ''}"
                              f"{' nodefer' if launch.kernel == 'gemv' and not launch.defer else ''}")
                     rows.append(row(name, N, K, fmt, M, label, graph_us(fns), lin.nbytes, bf16_us, copy_rate))
