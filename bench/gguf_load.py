@@ -7,7 +7,8 @@ cache, peak RSS <= 1.3x the resident size).
 It writes a random-weight GGUF of a qwen3_moe shape (hetmoe/testing/synthetic.py SHAPES, default qwen3-30b-a3b) cut
 to ``--layers`` decoder layers, typed as llama.cpp's Q4_K_M is: routed experts Q4_K gate/up and Q6_K down (the mix
 hetmoe holds exactly: int4 affine g32 + int8 g16), attention Q4_K (attn_v Q6_K), the embedding Q4_K, the output
-Q6_K, norms and router F32. Blocks are random bytes with finite fp16 scales (no float copy: GBs in seconds).
+Q6_K, norms and router F32. Blocks are random bytes with finite fp16 scales (hetmoe/testing/random_gguf.py: no
+float copy, GBs in seconds).
 Then, ``--repeats`` times, a fresh process loads it (``load_model``, CPU placement, no expert cache, the dense part
 as the whole 48-layer model places it on the CPU: bf16, int8 linears) and reports
 the wall time from open to a runnable model, GB/s of file, and its RSS: before, after, and at its peak (VmHWM reset
@@ -27,99 +28,25 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from llama_cpp_peer import byte_level_vocab, random_tensor  # noqa: E402
 
 from hetmoe.bench.machine import cpu_model, git_commit  # noqa: E402
+from hetmoe.testing.random_gguf import DENSE_Q4_K_M, EXPERT_MIXES, qwen3moe_plan, write_random_gguf  # noqa: E402
 from hetmoe.testing.synthetic import shape_config  # noqa: E402
-
-KQ_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per super-block of 256 weights
-D_OFFSET = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # where each block's fp16 d (and dmin) live
-EXPERT_MIXES = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q4_K": ("Q4_K", "Q4_K"), "Q5_K": ("Q5_K", "Q5_K"),
-                "Q6_K": ("Q6_K", "Q6_K"), "Q8_0": ("Q8_0", "Q8_0"), "Q4_0": ("Q4_0", "Q4_0")}
-
-
-def random_blocks(kind: str, shape: tuple, rng: np.random.Generator) -> np.ndarray:
-    """``shape`` (numpy order) in GGML type ``kind`` as random bytes: K-quants with every fp16 d / dmin set to a
-    small finite value (random scale bytes and codes), Q8_0 / Q4_0 / floats as bench/llama_cpp_peer.py writes
-    them."""
-    if kind not in KQ_BYTES:
-        return random_tensor(kind, shape, rng)
-    nb = int(np.prod(shape)) // 256
-    out = np.frombuffer(bytearray(rng.bytes(nb * KQ_BYTES[kind])), dtype=np.uint8).reshape(nb, KQ_BYTES[kind])
-    d = (rng.uniform(0.5, 1.5, nb) * 1e-3).astype(np.float16).view(np.uint8).reshape(nb, 2)
-    for at in D_OFFSET[kind]:
-        out[:, at:at + 2] = d
-    return out.reshape(*shape[:-1], shape[-1] // 256 * KQ_BYTES[kind])
-
-
-def tensor_plan(cfg, experts: str) -> list:
-    """(GGUF name, numpy-order shape, GGML type) of every tensor of the qwen3moe file, in file order."""
-    h, vocab, e = cfg.hidden_size, cfg.vocab_size, cfg.num_experts
-    i, d, nh, nkv = cfg.moe_intermediate_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    gate_up, down = EXPERT_MIXES[experts]
-    plan = [("token_embd.weight", (vocab, h), "Q4_K")]
-    for b in range(cfg.num_hidden_layers):
-        p = f"blk.{b}."
-        plan += [(p + "attn_norm.weight", (h,), "F32"), (p + "attn_q.weight", (nh * d, h), "Q4_K"),
-                 (p + "attn_k.weight", (nkv * d, h), "Q4_K"), (p + "attn_v.weight", (nkv * d, h), "Q6_K"),
-                 (p + "attn_output.weight", (h, nh * d), "Q4_K"), (p + "attn_q_norm.weight", (d,), "F32"),
-                 (p + "attn_k_norm.weight", (d,), "F32"), (p + "ffn_norm.weight", (h,), "F32"),
-                 (p + "ffn_gate_inp.weight", (e, h), "F32"), (p + "ffn_gate_exps.weight", (e, i, h), gate_up),
-                 (p + "ffn_up_exps.weight", (e, i, h), gate_up), (p + "ffn_down_exps.weight", (e, h, i), down)]
-    return plan + [("output_norm.weight", (h,), "F32"), ("output.weight", (vocab, h), "Q6_K")]
-
-
-def raw_shape(shape: tuple, kind: str) -> tuple:
-    per = {"Q4_0": (32, 18), "Q8_0": (32, 34), **{k: (256, v) for k, v in KQ_BYTES.items()}}.get(kind)
-    return shape if per is None else (*shape[:-1], shape[-1] // per[0] * per[1])
 
 
 def write_gguf(path, shape: str, layers: int, experts: str, seed: int = 0, log=print) -> dict:
-    """The random-weight GGUF file (one tensor generated and written at a time); what was written."""
+    """The random-weight GGUF file (hetmoe/testing/random_gguf.py); what was written."""
     import gguf
 
     cfg = shape_config(shape, layers)
-    plan = tensor_plan(cfg, experts)
-    t0 = time.perf_counter()
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
-    w.add_name(f"hetmoe random {shape} ({layers} layers, {experts})")
-    for add, value in ((w.add_block_count, cfg.num_hidden_layers), (w.add_context_length, cfg.max_position_embeddings),
-                       (w.add_embedding_length, cfg.hidden_size), (w.add_feed_forward_length, cfg.intermediate_size),
-                       (w.add_head_count, cfg.num_attention_heads), (w.add_head_count_kv, cfg.num_key_value_heads),
-                       (w.add_key_length, cfg.head_dim), (w.add_value_length, cfg.head_dim),
-                       (w.add_rope_freq_base, cfg.rope_theta), (w.add_layer_norm_rms_eps, cfg.rms_norm_eps),
-                       (w.add_expert_count, cfg.num_experts), (w.add_expert_used_count, cfg.num_experts_per_tok),
-                       (w.add_expert_feed_forward_length, cfg.moe_intermediate_size)):
-        add(value)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    tokens, merges = byte_level_vocab(cfg.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types([int(gguf.TokenType.NORMAL)] * len(tokens))
-    w.add_token_merges(merges)
-    for name, shp, kind in plan:
-        raw = raw_shape(shp, kind)
-        dtype = np.dtype(np.float32 if kind == "F32" else np.uint8)
-        w.add_tensor_info(name, raw, dtype, int(np.prod(raw)) * dtype.itemsize,
-                          raw_dtype=gguf.GGMLQuantizationType[kind])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    rng = np.random.default_rng(seed)
-    for name, shp, kind in plan:  # RMSNorm weights 1, as a trained model's are about
-        w.write_tensor_data(np.ones(shp, np.float32) if name.endswith("norm.weight") else random_blocks(kind, shp, rng))
-    w.close()
-    size = os.path.getsize(path)
-    log(f"wrote {path}: {size / 1e9:.2f} GB, {layers} layers of {shape}, experts {experts} "
-        f"in {time.perf_counter() - t0:.1f} s")
-    return {"path": str(path), "bytes": size, "layers": layers, "experts": experts}
+    info = write_random_gguf(path, cfg, qwen3moe_plan(cfg, experts, DENSE_Q4_K_M),
+                             f"hetmoe random {shape} ({layers} layers, {experts})", gguf.LlamaFileType.MOSTLY_Q4_K_M,
+                             seed)
+    log(f"wrote {path}: {info['bytes'] / 1e9:.2f} GB, {layers} layers of {shape}, experts {experts} "
+        f"in {info['write_s']:.1f} s")
+    return {"path": str(path), "bytes": info["bytes"], "layers": layers, "experts": experts}
 
 
 _CHILD = r"""

@@ -1,6 +1,7 @@
-"""bench/llama_cpp_peer.py's GGUF writer (issue 23's llama.cpp peer): the file gguf's own reader reads back holds
-every tensor llama.cpp's qwen3moe model loads, with the asked GGML types and shapes, weights of a sensible size, and a
-byte-level vocabulary of the shape's size. llama.cpp itself is not run here."""
+"""bench/llama_cpp_peer.py's GGUF writer (issue 23's llama.cpp peer, hetmoe/testing/random_gguf.py): the file gguf's
+own reader reads back holds every tensor llama.cpp's qwen3moe model loads, with the asked GGML types and shapes (Q4_0
+and K-quant experts), weights of a sensible size, and a byte-level vocabulary of the shape's size; the commands of a
+--gpu run. llama.cpp itself is not run here."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
+from hetmoe.testing.random_gguf import byte_level_vocab, random_tensor  # noqa: E402
 from hetmoe.testing.synthetic import SHAPES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,6 +84,59 @@ def test_bad_types_and_shapes(tmp_path):
     with pytest.raises(ValueError, match="qwen3_moe shapes only"):
         peer.write_peer_gguf(tmp_path / "x.gguf", "mixtral-8x7b", 1, "Q4_0", "Q8_0")
     with pytest.raises(ValueError, match="multiple of 32"):
-        peer.random_tensor("Q4_0", (4, 48), np.random.default_rng(0))
+        random_tensor("Q4_0", (4, 48), np.random.default_rng(0))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        random_tensor("Q6_K", (4, 288), np.random.default_rng(0))
+    with pytest.raises(ValueError, match="experts-type"):
+        peer.write_peer_gguf(tmp_path / "x.gguf", "qwen3-30b-a3b", 1, "Q5_K", "Q8_0")
     with pytest.raises(ValueError, match="at least 256"):
-        peer.byte_level_vocab(100)
+        byte_level_vocab(100)
+
+
+# K-quant blocks hold 256 weights along K: the shape's K dimensions (hidden, expert intermediate) grow to 256.
+TINY_K = {**TINY, "hidden_size": 256, "moe_intermediate_size": 256}
+
+
+@pytest.mark.parametrize("experts,gate_up,down", [("Q4_K_M", "Q4_K", "Q6_K"), ("Q4_K", "Q4_K", "Q4_K"),
+                                                  ("Q6_K", "Q6_K", "Q6_K")])
+def test_kquant_experts(tmp_path, experts, gate_up, down):
+    peer = _peer()
+    cfg = {**copy.deepcopy(SHAPES["qwen3-30b-a3b"]), **TINY_K}
+    path = tmp_path / "peer.gguf"
+    peer.write_peer_gguf(path, cfg, 2, experts, "Q8_0", seed=4, log=lambda *_: None)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    for b in range(2):
+        p = f"blk.{b}."
+        got = {k: (tensors[p + k].tensor_type.name, tuple(int(n) for n in tensors[p + k].shape))
+               for k in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")}
+        assert got == {"ffn_gate_exps.weight": (gate_up, (256, 256, 6)), "ffn_up_exps.weight": (gate_up, (256, 256, 6)),
+                       "ffn_down_exps.weight": (down, (256, 256, 6))}
+    assert tensors["blk.0.attn_q.weight"].tensor_type.name == "Q8_0"
+    for name in ("blk.0.ffn_up_exps.weight", "blk.1.ffn_down_exps.weight"):
+        t = tensors[name]
+        w = gguf.dequantize(t.data, t.tensor_type)
+        # random codes and sub-block scales, d sized for std 0.02 and dmin for a mean near 0 (measured 0.020-0.022)
+        assert np.isfinite(w).all() and 0.014 < float(w.std()) < 0.03 and abs(float(w.mean())) < 0.01, name
+
+
+def test_gpu_dry_run_prints_both_commands(tmp_path, capsys):
+    peer = _peer()
+    exe = tmp_path / "llama-bench"
+    rc = peer.main(["--gpu", "--dry-run", "--layers", "48", "--experts-type", "Q4_K_M", "--dense-type", "Q8_0",
+                    "--llama-bench", str(exe), "--llama-env", "LD_LIBRARY_PATH=/x/nvidia/cu13/lib", "--threads", "30",
+                    "--gguf", str(tmp_path / "m.gguf"), "--prompt-tokens", "512", "--decode-tokens", "32"])
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0 and not (tmp_path / "m.gguf").exists()
+    llama = next(line for line in lines if str(exe) in line)
+    assert llama.startswith("LD_LIBRARY_PATH=/x/nvidia/cu13/lib ")
+    assert f"-m {tmp_path / 'm.gguf'} -p 512 -n 32 -t 30 -ngl 99 -ot exps=CPU -fa 1 -o json" in llama
+    het = next(line for line in lines if "bench e2e" in line)
+    for part in (f"--model {tmp_path / 'm.gguf'}", "--expert-cache off", "--device cuda", "--threads 30",
+                 "--variants graph", "--dense-format int8", "--prompt-tokens 512", "--decode-tokens 32"):
+        assert part in het, part
+    assert "--shape" not in het and "--layers" not in het
+
+
+def test_bad_llama_env():
+    with pytest.raises(SystemExit):
+        _peer().main(["--dry-run", "--llama-bench", "x", "--llama-env", "NOEQUALS"])
