@@ -12,7 +12,7 @@ Packed layouts (made by hetmoe/layers/gpu_linear.py; K padded with zeros to a wh
 Three kernels, chosen by ``plan`` from M (the A/B behind each choice: bench/device/gpu_linear.py --variants):
 * ``gemv`` (M <= 4, decode): each program reads a [16, 512] tile of weight rows along K (wide contiguous loads),
   dequantizes it once and multiplies it by each row of x on the CUDA cores; K is split over programs until the GPU
-  holds about PROGRAMS_PER_SM programs per SM, so one token reads the weights at the memory's rate. A tensor-core
+  holds about GEMV_PROGRAMS_PER_SM programs per SM, so one token reads the weights at the memory's rate. A tensor-core
   tile would spend 15 of its 16 rows on nothing and read the weights at a fraction of that rate.
 * ``dot`` (4 < M < DEQUANT_M): tensor-core tiles of 16/64 rows of x, one scale group per K step, the weights
   scaled and rounded to bf16 before the dot (``scale_after``: the dot on the raw codes, its partial scaled --
@@ -49,6 +49,10 @@ DEQUANT_ELEMENTS = 1 << 25  # weights per dequantized slab (64 MiB of bf16 scrat
 # shapes on an H200 (--variants); deferring the reduction helps int4 only
 GEMV_TILE = {"int8": (16, 512, False), "int4": (16, 512, True), "fp8": (16, 512, False)}
 PROGRAMS_PER_SM = 4
+# fp8 GEMVs split K until 8 programs per SM: over DeepSeek-V3's decode linears on an H200 (BENCHMARKS.md, "GPU part
+# of the decode step") o_proj 41.7 -> 32.6 us, a dense layer's down 47.2 -> 37.2, q_a + kv_a 8.2 -> 7.4, the rest
+# unchanged; int8 / int4 keep 4 (their A/B)
+GEMV_PROGRAMS_PER_SM = {"int8": PROGRAMS_PER_SM, "int4": PROGRAMS_PER_SM, "fp8": 8}
 
 
 @triton.jit
@@ -317,7 +321,7 @@ def plan(M: int, N: int, K: int, fmt: str, n_sm: int) -> Launch:
     kp = -(-K // group) * group
     if M <= GEMV_M:
         bn, bk, defer = GEMV_TILE[fmt]
-        splits, per = split_k(-(-N // bn), -(-kp // bk), n_sm)
+        splits, per = split_k(-(-N // bn), -(-kp // bk), n_sm, GEMV_PROGRAMS_PER_SM[fmt])
         return Launch("gemv", triton.next_power_of_2(M), bn, bk, splits, per, 4, 3, defer=defer)
     if M <= DECODE_M:
         bm, bn, warps, stages = 16, 64, 4, 4

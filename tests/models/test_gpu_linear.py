@@ -264,6 +264,9 @@ def test_plan_fills_the_gpu(tl_linear):
         steps = 4096 // d.bk
         assert (d.splits - 1) * d.per_split < steps <= d.splits * d.per_split
     assert tl_linear.plan(128, 151936, 2048, "int8", 132).splits == 1
+    # fp8 (DeepSeek-V3's o_proj): K split until 8 programs per SM, int8 at 4 (gpu_linear.py --variants on an H200)
+    o_fp8, o_int8 = (tl_linear.plan(1, 7168, 16384, fmt, 132) for fmt in ("fp8", "int8"))
+    assert o_fp8.splits * -(-7168 // o_fp8.bn) == 896 and o_int8.splits * -(-7168 // o_int8.bn) == 448
     big = tl_linear.plan(2048, 7168, 16384, "fp8", 132)
     assert big.kernel == "dequant" and big.bn % 128 == 0 and big.bn * 16384 <= tl_linear.DEQUANT_ELEMENTS
 
