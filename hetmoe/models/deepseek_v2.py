@@ -249,13 +249,14 @@ class DeepseekV2Attention(nn.Module):
         r = self.kv_lora_rank
         w_kv = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, r)
         w_uk, w_uv = w_kv.split([self.nope, self.v_dim], dim=1)  # [h, nope, r], [h, v, r] (views)
-        q_lat = torch.einsum("bshn,hnr->bshr", q_nope, w_uk)  # [B, S, h, r]
+        w_vu = w_uv.transpose(1, 2)  # [h, r, v]
+        q_lat = _per_head(q_nope, w_uk, step)  # [B, S, h, r]
         out_lat = mla_latent_cpu(q_lat, q_pe, cache, self.layer_idx, step, self.scale)  # None: not a CPU decode step
         if out_lat is not None:
-            return torch.einsum("bshr,hvr->bshv", out_lat, w_uv)
+            return _per_head(out_lat, w_vu, step)
         if cache.paged:
             out_lat = mla_latent_paged(q_lat, q_pe, cache, self.layer_idx, step, self.scale)
-            return torch.einsum("bshr,hvr->bshv", out_lat, w_uv)
+            return _per_head(out_lat, w_vu, step)
         c_all, pe_all = (t.to(q_nope.dtype) for t in cache.rows(self.layer_idx, step))
         ctx = c_all.shape[1]
         c, pe = c_all.view(B, ctx, r), pe_all.view(B, ctx, self.rope)  # [B, ctx, r], [B, ctx, rope]
@@ -265,7 +266,19 @@ class DeepseekV2Attention(nn.Module):
         mask = step.attn_mask(ctx, scores.dtype).view(B, S, 1, ctx)  # 0 or -inf, shared by the layers
         probs = (scores + mask).softmax(dim=-1).to(c.dtype)  # [B, S, h, ctx]
         out_lat = (probs.view(B, S * h, ctx) @ c).view(B, S, h, r)  # [B, S, h, r]
-        return torch.einsum("bshr,hvr->bshv", out_lat, w_uv)
+        return _per_head(out_lat, w_vu, step)
+
+
+def _per_head(x: torch.Tensor, w: torch.Tensor, step: Step) -> torch.Tensor:
+    """x [B, S, h, K] times each head's w [h, K, N] -> [B, S, h, N]: a fused decode step's few rows through one
+    GEMV-shaped kernel (layers/triton_fused.py ``head_gemv``), else torch.einsum."""
+    B, S, h, K = x.shape
+    if step.fused and x.dtype == w.dtype:  # (a fused step has Triton)
+        from hetmoe.layers.triton_fused import HEAD_GEMV_MAX_T, head_gemv
+
+        if B * S <= HEAD_GEMV_MAX_T:
+            return head_gemv(x.reshape(B * S, h, K), w).view(B, S, h, w.shape[2])
+    return torch.einsum("bshk,hkn->bshn", x, w)
 
 
 class DeepseekV3Attention(DeepseekV2Attention):

@@ -161,6 +161,33 @@ def test_mla_epilogue(tf, dtype, form, B, S, h, r, rope, paged):
                         step.positions)
 
 
+# ---------------------------------------------------------------- MLA's absorbed per-head products
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,h,K,N,layout", [(1, 4, 128, 512, "kn"), (3, 5, 512, 128, "nk"), (8, 2, 40, 24, "kn"),
+                                             (2, 3, 600, 20, "nk"), (5, 2, 24, 300, "kn")])
+def test_head_gemv(tf, dtype, T, h, K, N, layout):
+    """Per head x_t @ w_h (MLA's W_uk / W_uv absorption) against torch.einsum in fp32, for w with unit stride along
+    N ("kn": W_uk, a view of kv_b_proj's weight) or along K ("nk": W_uv transposed), x a strided view as the
+    model passes it; sizes off the tiles (masks) and K over several tiles. Measured (interpreter): fp32 <= 2e-7,
+    bf16 one rounding of the fp32 sum."""
+    gen = generator("head_gemv", T, h, K, N, layout, str(dtype))
+    x = randn(gen, T, h, K + 8, dtype=dtype)[..., 8:]  # a strided view, as q[..., :nope] is
+    base = randn(gen, h, N, K, dtype=dtype, scale=0.1) if layout == "nk" else randn(gen, h, K, N, dtype=dtype,
+                                                                                     scale=0.1)
+    w = base.transpose(1, 2) if layout == "nk" else base
+    out = tf.head_gemv(x, w)
+    ref = torch.einsum("thk,hkn->thn", x.float(), w.float())
+    print(f"head_gemv {dtype} {T, h, K, N} {layout}: {rel(out, ref):.1e}")
+    assert out.shape == (T, h, N) and out.dtype == dtype
+    assert rel(out, ref) <= (1e-6 if dtype == torch.float32 else 4e-3)
+    with pytest.raises(ValueError, match="at most"):
+        tf.head_gemv(randn(gen, tf.HEAD_GEMV_MAX_T + 1, h, K, dtype=dtype), w)
+    with pytest.raises(ValueError, match="expected w"):
+        tf.head_gemv(x, w[:, :K - 1])
+
+
 # ---------------------------------------------------------------- SwiGLU
 
 
@@ -420,6 +447,10 @@ for in_il, out_il, rnd in tf.ROPE_LAYOUTS.values():
             dict(S="i32", P="i32", R="i32", NOPE="i32", eps="fp32"),
             dict(BR=512, HALF=32, BHALF=32, IN_IL=in_il, OUT_IL=out_il, ROUND=rnd, PAGED=True),
             CC=cache, PC=cache, **idx)))
+for bk, bn in ((128, 128), (512, 32)):  # MLA's W_uk and W_uv tiles
+    cases.append((tf._head_gemv, *sig("X W OUT", "", dict(T="i32", K="i32", N="i32", sx_t="i32", sx_h="i32",
+                                                          sw_h="i32", sw_k="i32", sw_n="i32", so_t="i32",
+                                                          so_h="i32"), dict(BT=8, BK=bk, BN=bn))))
 for fn, s, c in cases:
     triton.compile(ASTSource(fn=fn, signature={n: s[n] for n in fn.arg_names}, constexprs=c),
                    target=GPUTarget("cuda", 90, 32))
@@ -442,4 +473,4 @@ def test_kernels_compile_for_a_gpu(tf):
         pytest.skip("this Triton has no CUDA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0 and "compiled 20" in out.stdout, out.stderr[-3000:]
+    assert out.returncode == 0 and "compiled 22" in out.stdout, out.stderr[-3000:]
