@@ -344,24 +344,6 @@ class GPULinear(nn.Module):
                                      fp8_bits=self.fp8_bits)
         return y.view(*lead, self.out_features)
 
-    def swiglu(self, gate_up: torch.Tensor):
-        """silu(gate) * up times this linear for ``gate_up`` [..., 2 * in_features] (a fused decode step's SwiGLU MLP)
-        with the activation computed by the GEMV as it reads its input: the ``silu_mul`` kernel's output bitwise,
-        one kernel fewer. None where this linear does not run the Triton GEMV for these rows (the caller runs
-        ``silu_mul`` and the linear)."""
-        from hetmoe.layers import triton_linear
-
-        lead = gate_up.shape[:-1]
-        x2 = gate_up.reshape(-1, gate_up.shape[-1])
-        M = x2.shape[0]
-        fits = gate_up.shape[-1] == 2 * self.in_features and 0 < M <= triton_linear.GEMV_M
-        if self.kernel not in ("triton", "scaled_mm") or not fits or gate_up.dtype != torch.bfloat16 \
-                or gate_up.device != self.weight.device:
-            return None
-        y = triton_linear.linear(x2, self.weight, self.scale, self.bias, self.format.name, self.out_features,
-                                 fp8_bits=self.fp8_bits, swiglu=True)
-        return y.view(*lead, self.out_features)
-
     def parts(self, x: torch.Tensor) -> tuple:
         """x [..., K] -> each packed linear's output [..., out_i] (views of one output)."""
         return self(x).split(self.sizes, dim=-1)
