@@ -50,7 +50,7 @@ DEQUANT_ELEMENTS = 1 << 25  # weights per dequantized slab (64 MiB of bf16 scrat
 GEMV_TILE = {"int8": (16, 512, False), "int4": (16, 512, True), "fp8": (16, 512, False)}
 PROGRAMS_PER_SM = 4
 # fp8 GEMVs split K until 8 programs per SM: over DeepSeek-V3's decode linears on an H200 (BENCHMARKS.md, "GPU part
-# of the decode step") o_proj 41.7 -> 32.6 us, a dense layer's down 47.2 -> 37.2, q_a + kv_a 8.2 -> 7.4, the rest
+# of the decode step") o_proj 41.7 -> 32.6 us, a dense layer's down 47.2 -> 37.2, q_a + kv_a 8.4 -> 7.4, the rest
 # unchanged; int8 / int4 keep 4 (their A/B)
 GEMV_PROGRAMS_PER_SM = {"int8": PROGRAMS_PER_SM, "int4": PROGRAMS_PER_SM, "fp8": 8}
 
