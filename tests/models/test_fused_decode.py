@@ -38,6 +38,13 @@ def tf():
     return triton_module("hetmoe.layers.triton_fused")  # (the interpreter patched for the router GEMM's loop)
 
 
+@pytest.fixture(scope="module")
+def tm():
+    from triton_interp import triton_module
+
+    return triton_module("hetmoe.layers.triton_mla")
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float().cpu(), b.float().cpu()  # (a pinned host buffer beside a GPU result)
     return ((a - b).abs().max() / b.abs().max()).item()
@@ -168,7 +175,7 @@ def test_mla_epilogue(tf, dtype, form, B, S, h, r, rope, paged):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,h,K,N,layout", [(1, 4, 128, 512, "kn"), (3, 5, 512, 128, "nk"), (8, 2, 40, 24, "kn"),
                                              (2, 3, 600, 20, "nk"), (5, 2, 24, 300, "kn")])
-def test_head_gemv(tf, dtype, T, h, K, N, layout):
+def test_head_gemv(tm, dtype, T, h, K, N, layout):
     """Per head x_t @ w_h (MLA's W_uk / W_uv absorption) against torch.einsum in fp32, for w with unit stride along
     N ("kn": W_uk, a view of kv_b_proj's weight) or along K ("nk": W_uv transposed), x a strided view as the
     model passes it; sizes off the tiles (masks) and K over several tiles. Measured (interpreter): fp32 <= 2e-7,
@@ -178,15 +185,15 @@ def test_head_gemv(tf, dtype, T, h, K, N, layout):
     base = randn(gen, h, N, K, dtype=dtype, scale=0.1) if layout == "nk" else randn(gen, h, K, N, dtype=dtype,
                                                                                      scale=0.1)
     w = base.transpose(1, 2) if layout == "nk" else base
-    out = tf.head_gemv(x, w)
+    out = tm.head_gemv(x, w)
     ref = torch.einsum("thk,hkn->thn", x.float(), w.float())
     print(f"head_gemv {dtype} {T, h, K, N} {layout}: {rel(out, ref):.1e}")
     assert out.shape == (T, h, N) and out.dtype == dtype
     assert rel(out, ref) <= (1e-6 if dtype == torch.float32 else 4e-3)
     with pytest.raises(ValueError, match="at most"):
-        tf.head_gemv(randn(gen, tf.HEAD_GEMV_MAX_T + 1, h, K, dtype=dtype), w)
+        tm.head_gemv(randn(gen, tm.HEAD_GEMV_MAX_T + 1, h, K, dtype=dtype), w)
     with pytest.raises(ValueError, match="expected w"):
-        tf.head_gemv(x, w[:, :K - 1])
+        tm.head_gemv(x, w[:, :K - 1])
 
 
 # ---------------------------------------------------------------- SwiGLU
@@ -412,7 +419,7 @@ _COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hetmoe.layers import triton_fused as tf
+from hetmoe.layers import triton_fused as tf, triton_mla as tm
 
 def sig(ptrs, ints, scalars, consts, **types):
     s = {n: types.get(n, "*bf16") for n in ptrs.split()}
@@ -449,7 +456,7 @@ for in_il, out_il, rnd in tf.ROPE_LAYOUTS.values():
             dict(BR=512, HALF=32, BHALF=32, IN_IL=in_il, OUT_IL=out_il, ROUND=rnd, PAGED=True),
             CC=cache, PC=cache, **idx)))
 for bk, bn in ((128, 128), (512, 32)):  # MLA's W_uk and W_uv tiles
-    cases.append((tf._head_gemv, *sig("X W OUT", "", dict(T="i32", K="i32", N="i32", sx_t="i32", sx_h="i32",
+    cases.append((tm._head_gemv, *sig("X W OUT", "", dict(T="i32", K="i32", N="i32", sx_t="i32", sx_h="i32",
                                                           sw_h="i32", sw_k="i32", sw_n="i32", so_t="i32",
                                                           so_h="i32"), dict(BT=8, BK=bk, BN=bn))))
 for fn, s, c in cases:
