@@ -24,6 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hetmoe.layers import triton_pdl
+from hetmoe.layers.triton_pdl import pdl_begin
+
 # the split over the sequence aims at up to this many programs per SM (more splits even out a batch of mixed lengths:
 # BENCHMARKS.md#attention-kernels)
 DECODE_PROGRAMS_PER_SM = 8
@@ -47,9 +50,10 @@ def _decode_split(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, PART_O, PART_L,
                   D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
                   BD1: tl.constexpr, BD2: tl.constexpr, BDV: tl.constexpr,
                   BLOCK_G: tl.constexpr, P: tl.constexpr, NSPLIT: tl.constexpr,
-                  HAS_Q2: tl.constexpr, V_IS_K1: tl.constexpr, IEEE: tl.constexpr):
+                  HAS_Q2: tl.constexpr, V_IS_K1: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """One (query row, block of a kv head's query heads, split of the sequence): the softmax-weighted values
     of its pages, normalised, and their log-sum-exp (-inf for a split with no page)."""
+    pdl_begin(PDL)
     n = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS
     g0 = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_G
@@ -110,8 +114,9 @@ def _decode_split(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, PART_O, PART_L,
 
 @triton.jit
 def _decode_reduce(PART_O, PART_L, OUT, spo_n, spo_h, spo_s, spl_n, spl_h, so_n, so_h, H,
-                   DV: tl.constexpr, BDV: tl.constexpr, NSPLIT: tl.constexpr):
+                   DV: tl.constexpr, BDV: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr):
     """Merge a (row, head)'s splits by their log-sum-exp, for BDV of the value dims (program axis 2)."""
+    pdl_begin(PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, NSPLIT)
@@ -277,11 +282,13 @@ def decode(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None, table: to
         D1=D1, D2=D2, DV=DV, BD1=_pow2(D1), BD2=_pow2(D2), BDV=_pow2(DV),
         BLOCK_G=BLOCK_G, P=P, NSPLIT=nsplit, HAS_Q2=has_q2, V_IS_K1=v_is_k1, IEEE=ieee,
         num_warps=4 if max(D1, DV) <= 128 else 8, num_stages=2,
+        **triton_pdl.launch(q1.device),
     )
     bd_reduce = min(_pow2(DV), 128)
     _decode_reduce[(N, H, -(-DV // bd_reduce))](
         part_o, part_l, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0),
         part_l.stride(1), out.stride(0), out.stride(1), H, DV=DV, BDV=bd_reduce, NSPLIT=nsplit, num_warps=4,
+        **triton_pdl.launch(q1.device),
     )
     return out
 

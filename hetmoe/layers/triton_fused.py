@@ -31,6 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hetmoe.layers import triton_pdl
+from hetmoe.layers.triton_pdl import pdl_begin
+
 
 @triton.jit
 def _round(x, DT: tl.constexpr):
@@ -106,7 +109,8 @@ def _store_host(ptrs, x, mask):
 
 @triton.jit
 def _add_rms_norm(X, DELTA, W, RES, OUT, sx, sd, sr, so, N, eps, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr,
-                  DELTA_HOST: tl.constexpr):
+                  DELTA_HOST: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     m = i < N
@@ -127,10 +131,11 @@ def _add_rms_norm(X, DELTA, W, RES, OUT, sx, sd, sr, so, N, eps, BLOCK: tl.const
 def _qkv_epilogue(QKV, QW, KW, COS, SIN, Q, KC, VC, TABLE, SLOTS, POS,
                   s_qkv, s_cs, sq_t, sq_h, skc_p, skc_t, skc_h, svc_p, svc_t, svc_h, st_r,
                   S, H, K, P, eps,
-                  D: tl.constexpr, BH: tl.constexpr, NORM: tl.constexpr, PAGED: tl.constexpr):
+                  D: tl.constexpr, BH: tl.constexpr, NORM: tl.constexpr, PAGED: tl.constexpr, PDL: tl.constexpr):
     """One (token, head) of the projection's output [T, (H + 2K) * D]: heads < H are q (norm, rope -> Q), then K
     key heads (norm, rope -> the cache), then K value heads (-> the cache). COS: cos of the first half of each
     token's table row, SIN: the positive sin (the second half of the signed table)."""
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     DT: tl.constexpr = Q.dtype.element_ty
@@ -189,9 +194,11 @@ def _mla_epilogue(KVA, W, COS, SIN, Q, QPE, CC, PC, TABLE, SLOTS, POS,
                   s_kva, s_cs, sq_t, sq_h, sqpe_t, sqpe_h, scc_p, scc_t, spc_p, spc_t, st_r,
                   S, P, R, NOPE, eps,
                   BR: tl.constexpr, HALF: tl.constexpr, BHALF: tl.constexpr,
-                  IN_IL: tl.constexpr, OUT_IL: tl.constexpr, ROUND: tl.constexpr, PAGED: tl.constexpr):
+                  IN_IL: tl.constexpr, OUT_IL: tl.constexpr, ROUND: tl.constexpr, PAGED: tl.constexpr,
+                  PDL: tl.constexpr):
     """Program (t, 0): token t's latent (norm -> the cache's c_kv) and k_pe (rope -> the cache's k_pe); program
     (t, 1 + h): query head h's rope part (rope -> QPE)."""
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     DT: tl.constexpr = QPE.dtype.element_ty
@@ -217,7 +224,8 @@ def _mla_epilogue(KVA, W, COS, SIN, Q, QPE, CC, PC, TABLE, SLOTS, POS,
 
 
 @triton.jit
-def _silu_mul(GU, OUT, s_gu, s_o, N, BLOCK: tl.constexpr, ROUND_SILU: tl.constexpr):
+def _silu_mul(GU, OUT, s_gu, s_o, N, BLOCK: tl.constexpr, ROUND_SILU: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
@@ -231,11 +239,12 @@ def _silu_mul(GU, OUT, s_gu, s_o, N, BLOCK: tl.constexpr, ROUND_SILU: tl.constex
 
 @triton.jit
 def _router_stage(X, W, LOGITS, XH, T, N, E, sx, sw, sl, sxh,
-                  BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, STAGE_X: tl.constexpr):
+                  BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, STAGE_X: tl.constexpr, PDL: tl.constexpr):
     """Program (e, t): logits of experts [e * BE, (e + 1) * BE) for tokens [t * BT, (t + 1) * BT), fp32 products
     summed in fp32, stored in LOGITS' dtype; the programs of expert block 0 also copy their tokens' x to XH. A
     broadcast product, not tl.dot: a decode batch is a few rows, and a GEMV spread over E / BE programs reads the
     weight at HBM speed where a few tl.dot programs each walked their slice of K one latency at a time."""
+    pdl_begin(PDL)
     pe = tl.program_id(0)
     rt = tl.program_id(1) * BT + tl.arange(0, BT)
     re = pe * BE + tl.arange(0, BE)
@@ -255,7 +264,8 @@ def _router_stage(X, W, LOGITS, XH, T, N, E, sx, sw, sl, sxh,
 
 
 @triton.jit
-def _add_rows(A, B, OUT, sa, sb, so, N, BLOCK: tl.constexpr):
+def _add_rows(A, B, OUT, sa, sb, so, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
@@ -288,7 +298,7 @@ def add_rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float) -> tu
         block = triton.next_power_of_2(N)
         _add_rms_norm[(T,)](x2, d2, weight, res, out, x2.stride(0), d2.stride(0), res.stride(0), out.stride(0), N,
                             eps, BLOCK=block, HAS_DELTA=delta is not None, DELTA_HOST=d2.device != x2.device,
-                            num_warps=_warps(block))
+                            num_warps=_warps(block), **triton_pdl.launch(x2.device))
     return (res.view(x.shape) if delta is not None else x), out.view(x.shape)
 
 
@@ -311,7 +321,8 @@ def qkv_epilogue(qkv: torch.Tensor, n_heads: int, n_kv: int, q_weight, k_weight,
             slots, positions.contiguous(), qkv2.stride(0), cos2.stride(0), q.stride(1), q.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2), table_.stride(0), S, H, K, page_size, eps if norm else 0.0,
-            D=D, BH=triton.next_power_of_2(D // 2), NORM=norm, PAGED=table is not None, num_warps=1)
+            D=D, BH=triton.next_power_of_2(D // 2), NORM=norm, PAGED=table is not None, num_warps=1,
+            **triton_pdl.launch(qkv.device))
     return q
 
 
@@ -346,7 +357,8 @@ def mla_epilogue(kv_a: torch.Tensor, q: torch.Tensor, nope: int, weight: torch.T
             c_cache.stride(0), c_cache.stride(1), pe_cache.stride(0), pe_cache.stride(1), table_.stride(0),
             S, page_size, R, nope, eps, BR=triton.next_power_of_2(R), HALF=rope // 2,
             BHALF=triton.next_power_of_2(rope // 2), IN_IL=in_il, OUT_IL=out_il, ROUND=rnd,
-            PAGED=table is not None, num_warps=_warps(triton.next_power_of_2(R)) // 2)
+            PAGED=table is not None, num_warps=_warps(triton.next_power_of_2(R)) // 2,
+            **triton_pdl.launch(q.device))
     return q_pe
 
 
@@ -359,7 +371,8 @@ def silu_mul(gate_up: torch.Tensor, round_silu: bool = True) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(I))
     if gu.shape[0]:
         _silu_mul[(gu.shape[0], triton.cdiv(I, block))](gu, out, gu.stride(0), out.stride(0), I, BLOCK=block,
-                                                         ROUND_SILU=round_silu, num_warps=4)
+                                                         ROUND_SILU=round_silu, num_warps=4,
+                                                         **triton_pdl.launch(gu.device))
     return out.view(*gate_up.shape[:-1], I)
 
 
@@ -382,7 +395,8 @@ def router_stage(x: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor, x_
     bt, be = min(4, triton.next_power_of_2(T)), 2  # a product of BT * BE * BK = 4096 values per step
     _router_stage[(triton.cdiv(E, be), triton.cdiv(T, bt))](
         x, weight, logits, xh, T, N, E, x.stride(0), weight.stride(0), logits.stride(0), xh.stride(0), BT=bt, BE=be,
-        BK=min(triton.next_power_of_2(N), 4096 // (bt * be)), STAGE_X=x_host is not None, num_warps=4)
+        BK=min(triton.next_power_of_2(N), 4096 // (bt * be)), STAGE_X=x_host is not None, num_warps=4,
+        **triton_pdl.launch(x.device))
 
 
 def add_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -396,5 +410,5 @@ def add_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(max(N, 1)))
     if b2.shape[0] and N:
         _add_rows[(b2.shape[0], triton.cdiv(N, block))](a2, b2, out, a2.stride(0), b2.stride(0), out.stride(0), N,
-                                                          BLOCK=block, num_warps=4)
+                                                          BLOCK=block, num_warps=4, **triton_pdl.launch(b.device))
     return out.view(b.shape)

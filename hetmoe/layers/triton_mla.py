@@ -12,15 +12,18 @@ import torch
 import triton
 import triton.language as tl
 
+from hetmoe.layers import triton_pdl
 from hetmoe.layers.triton_fused import _store
+from hetmoe.layers.triton_pdl import pdl_begin
 
 
 @triton.jit
 def _head_gemv(X, W, OUT, T, K, N, sx_t, sx_h, sw_h, sw_k, sw_n, so_t, so_h,
-               BT: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+               BT: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
     """Program (h, j): OUT[t, h, n] = sum_k X[t, h, k] W[h, k, n] for the T <= BT rows and the BN outputs of block j,
     products summed in fp32 and rounded once. The [BK, BN] weight tile is read once (along whichever of k and n
     has unit stride) and multiplied by each row on the CUDA cores, as the dense GEMV is."""
+    pdl_begin(PDL)
     h = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = n < N
@@ -63,5 +66,6 @@ def head_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if T and N:
         _head_gemv[(h, triton.cdiv(N, bn))](x, w, out, T, K, N, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                                             w.stride(2), out.stride(0), out.stride(1),
-                                            BT=triton.next_power_of_2(T), BK=bk, BN=bn, num_warps=8)
+                                            BT=triton.next_power_of_2(T), BK=bk, BN=bn, num_warps=8,
+                                            **triton_pdl.launch(x.device))
     return out

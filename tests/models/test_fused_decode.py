@@ -413,6 +413,27 @@ def test_graph_decode_fused_matches_unfused(arch, attention):
         assert torch.isfinite(on).all() and all(v < 5e-2 for v in errs.values()), errs
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch,dense", [("qwen3_moe", "int8"), ("deepseek_v3", "fp8"), ("qwen2_moe", "int4")])
+def test_graph_decode_pdl_is_exact(arch, dense, monkeypatch):
+    """Programmatic dependent launch (hetmoe/layers/triton_pdl.py) changes when kernels start, never what they
+    compute: the graph decode with it equals the one without it bitwise, with the quantized dense GEMVs (their L2
+    prefetch), the fused kernels, the attention and the CPU experts' host functions in the graph. Paths: GPU."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("triton")
+    from hetmoe.layers import triton_pdl
+
+    if not triton_pdl.enabled(torch.device("cuda")):
+        pytest.skip("PDL needs compute capability 9.0 (HETMOE_PDL=0 turns it off)")
+    loaded = _tiny(arch, "bf16", "cuda", dense_format=dense)
+    for batch in (1, 3):
+        with_pdl = _graph_decode(loaded, batch, True)
+        monkeypatch.setattr(triton_pdl, "ENABLED", False)
+        without = _graph_decode(loaded, batch, True)
+        monkeypatch.setattr(triton_pdl, "ENABLED", True)
+        assert torch.isfinite(with_pdl).all() and torch.equal(with_pdl, without), rel(with_pdl, without)
+
+
 # ---------------------------------------------------------------- compiled for a GPU, without one
 
 _COMPILE = """
@@ -422,6 +443,7 @@ from triton.compiler import ASTSource
 from hetmoe.layers import triton_fused as tf, triton_mla as tm
 
 def sig(ptrs, ints, scalars, consts, **types):
+    consts = dict(consts, PDL=True)  # griddepcontrol (hetmoe/layers/triton_pdl.py) exists from sm_90
     s = {n: types.get(n, "*bf16") for n in ptrs.split()}
     s.update({n: "i64" for n in ints.split()}, **scalars, **{n: "constexpr" for n in consts})
     return s, consts
