@@ -29,7 +29,6 @@ In Triton's interpreter (CPU tensors, tests) tl.dot runs in fp32: its bf16 dot i
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +36,7 @@ import triton
 import triton.language as tl
 
 from hetmoe.layers import triton_pdl, triton_tickets
-from hetmoe.layers.triton_pdl import pdl_begin, prefetch_l2
+from hetmoe.layers.triton_pdl import pdl_begin
 from hetmoe.layers.triton_tickets import last_to_arrive
 
 FORMATS = {"int8": 0, "int4": 1, "fp8": 2}
@@ -55,9 +54,6 @@ PROGRAMS_PER_SM = 4
 # of the decode step") o_proj 41.7 -> 32.6 us, a dense layer's down 47.2 -> 37.2, q_a + kv_a 8.4 -> 7.4, the rest
 # unchanged; int8 / int4 keep 4 (their A/B)
 GEMV_PROGRAMS_PER_SM = {"int8": PROGRAMS_PER_SM, "int4": PROGRAMS_PER_SM, "fp8": 8}
-# weight blocks (BK along K) a GEMV program prefetches into L2 before waiting on its predecessor (PDL only);
-# HETMOE_GEMV_PREFETCH overrides it for an A/B
-GEMV_PREFETCH = int(os.environ.get("HETMOE_GEMV_PREFETCH", "2"))
 
 
 @triton.jit
@@ -177,12 +173,9 @@ def _wq_gemv(X, W, S, BIAS, OUT, FINAL, TICKETS, M, N, K, KP, n_kb, kb_per_split
              stride_xm, stride_wn, stride_sn, stride_os, stride_om, stride_fm,
              FMT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr, BMV: tl.constexpr, BN: tl.constexpr,
              BK: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, FP8_BITS: tl.constexpr,
-             DEFER: tl.constexpr, TICKET: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+             DEFER: tl.constexpr, TICKET: tl.constexpr, PDL: tl.constexpr):
     """Few rows of x (M <= BMV <= 4): [BN, BK] weight tiles along K (rows contiguous, wide loads), dequantized
-    once and multiplied by each row of x on the CUDA cores (no tensor-core tile of 16 mostly empty rows). With PDL
-    the program first asks L2 for the first PREFETCH 128-byte lines of its weight rows: no kernel of a step writes
-    the weights, so they can be read before the wait, while the preceding kernel (a norm, an epilogue) leaves the
-    memory idle."""
+    once and multiplied by each row of x on the CUDA cores (no tensor-core tile of 16 mostly empty rows)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
@@ -197,10 +190,6 @@ def _wq_gemv(X, W, S, BIAS, OUT, FINAL, TICKETS, M, N, K, KP, n_kb, kb_per_split
     acc_e = tl.zeros((BN, BK // 2 if FMT == 1 else BK), dtype=tl.float32)
     kb0 = split * kb_per_split
     kb1 = tl.minimum(kb0 + kb_per_split, n_kb)
-    if PDL and PREFETCH > 0:  # the split's first PREFETCH lines of each row into L2 while the predecessor runs
-        WB: tl.constexpr = BK // 2 if FMT == 1 else BK  # bytes of a weight row per block
-        lines = kb0 * WB + tl.arange(0, PREFETCH) * 128
-        prefetch_l2(w_rows + tl.minimum(lines, (KP // 2 if FMT == 1 else KP) - 1)[None, :])
     pdl_begin(PDL)
     for kb in range(kb0, kb1):
         k0 = kb * BK
@@ -362,12 +351,6 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: str, k: int, *, f
     return out
 
 
-def _prefetch_lines(fmt: str, bk: int) -> int:
-    """128-byte lines per weight row a GEMV program prefetches (GEMV_PREFETCH blocks of ``bk``), a power of two."""
-    row_bytes = GEMV_PREFETCH * (bk // 2 if fmt == "int4" else bk)
-    return triton.next_power_of_2(max(1, row_bytes // 128)) if GEMV_PREFETCH > 0 else 0
-
-
 def _as_codes(weight: torch.Tensor, fmt: str, fp8_bits: bool) -> torch.Tensor:
     """The weight tensor as the kernels read it: fp8 as uint8 where it is decoded from its bits."""
     return weight.view(torch.uint8) if fmt == "fp8" and fp8_bits else weight
@@ -419,7 +402,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: tor
         n_kb = -(-kp // launch.bk)
         _wq_gemv[(-(-n_out // launch.bn), launch.splits)](*args, M, n_out, K, kp, n_kb, launch.per_split, *strides,
                                                           BMV=launch.bm, BK=launch.bk,
-                                                          PREFETCH=_prefetch_lines(fmt, launch.bk),
                                                           DEFER=launch.bm == 1 and launch.defer, **common)
     else:
         dot_t = tl.bfloat16 if x.is_cuda else tl.float32  # the interpreter's bf16 dot is wrong

@@ -36,14 +36,6 @@ def pdl_begin(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines at ``ptrs`` (one address per line; global memory), keeping them there
-    (evict_last) until read. Returns nothing; each thread issues its elements' prefetches."""
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
 def enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL: on, a CUDA device of compute capability >= 9.0, not Triton's
     interpreter."""

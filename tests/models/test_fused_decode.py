@@ -417,8 +417,8 @@ def test_graph_decode_fused_matches_unfused(arch, attention):
 @pytest.mark.parametrize("arch,dense", [("qwen3_moe", "int8"), ("deepseek_v3", "fp8"), ("qwen2_moe", "int4")])
 def test_graph_decode_pdl_is_exact(arch, dense, monkeypatch):
     """Programmatic dependent launch (hetmoe/layers/triton_pdl.py) changes when kernels start, never what they
-    compute: the graph decode with it equals the one without it bitwise, with the quantized dense GEMVs (their L2
-    prefetch), the fused kernels, the attention and the CPU experts' host functions in the graph. Paths: GPU."""
+    compute: the graph decode with it equals the one without it bitwise, with the quantized dense GEMVs, the fused
+    kernels, the attention and the CPU experts' host functions in the graph. Paths: GPU."""
     pytest.importorskip("transformers")
     pytest.importorskip("triton")
     from hetmoe.layers import triton_pdl
