@@ -73,9 +73,14 @@ def variants(M: int, N: int, K: int, fmt: str) -> list:
                                                                (True, False)):
                 splits, per = tl.split_k(-(-N // bn), -(-kp // bk), n_sm, pps)
                 out.append(tl.Launch("gemv", 1 << (M - 1).bit_length(), bn, bk, splits, per, warps, 3, defer=defer))
-        for bn, stages, pps in ((64, 4, 4), (128, 4, 4), (64, 4, 8)):
+        else:  # 4 < M <= 16: the CUDA-core GEMV's rows of x per weight tile against the tensor-core tiles below
+            for bn, bk, warps, pps in itertools.product((8, 16), (256, 512), (4, 8), (4, 8)):
+                splits, per = tl.split_k(-(-N // bn), -(-kp // bk), n_sm, pps)
+                out.append(tl.Launch("gemv", 1 << (M - 1).bit_length(), bn, bk, splits, per, warps, 3, defer=False))
+        for bn, stages, pps, after in ((64, 4, 4, False), (128, 4, 4, False), (64, 4, 8, False), (32, 4, 8, False),
+                                       (64, 4, 8, True), (128, 3, 8, False)):
             splits, per = tl.split_k(-(-M // 16) * -(-N // bn), kp // group, n_sm, pps)
-            out.append(tl.Launch("dot", 16, bn, group, splits, per, 4, stages))
+            out.append(tl.Launch("dot", 16, bn, group, splits, per, 4, stages, after))
         return out
     for bm, bn, warps, stages, after in ((128, 128, 8, 3, False), (128, 128, 4, 4, False), (128, 256, 8, 3, False),
                                          (64, 128, 4, 4, False), (128, 128, 8, 3, True)):
