@@ -40,19 +40,22 @@ def _head_gemv(X, W, OUT, T, K, N, sx_t, sx_h, sw_h, sw_k, sw_n, so_t, so_h,
     _store(OUT + rows[:, None] * so_t + h * so_h + n[None, :], acc, (rows < T)[:, None] & n_ok[None, :])
 
 
-HEAD_GEMV_MAX_T = 8  # rows of x per head_gemv call; above, torch.einsum (cuBLAS's batched GEMM)
+HEAD_GEMV_ROWS = 8  # rows of x one head_gemv call takes (each program multiplies its tile by every row)
+# rows up to which a fused decode step takes head_gemv, above them torch.einsum (cuBLAS's batched GEMM): on an H200
+# at batch 8 head_gemv was 44 us a call against einsum's ~7 (bench/device/mla_head_gemv.py)
+HEAD_GEMV_MAX_T = 2
 HEAD_GEMV_TILE = 1 << 14  # weights per program's tile (32 KiB of bf16)
 
 
 def head_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, h, K], w [h, K, N] (any strides; T <= HEAD_GEMV_MAX_T) -> [T, h, N] in x's dtype: per head, x times
+    """x [T, h, K], w [h, K, N] (any strides; T <= HEAD_GEMV_ROWS) -> [T, h, N] in x's dtype: per head, x times
     that head's matrix (``torch.einsum("thk,hkn->thn", x, w)``), summed in fp32 and rounded once."""
     T, h, K = x.shape
     if w.dim() != 3 or w.shape[0] != h or w.shape[1] != K or w.dtype != x.dtype or w.device != x.device:
         raise ValueError(f"head_gemv: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}: expected w "
                          f"[{h}, {K}, N] in x's dtype on x's device")
-    if T > HEAD_GEMV_MAX_T:
-        raise ValueError(f"head_gemv: {T} rows, at most {HEAD_GEMV_MAX_T}")
+    if T > HEAD_GEMV_ROWS:
+        raise ValueError(f"head_gemv: {T} rows, at most {HEAD_GEMV_ROWS}")
     N = w.shape[2]
     out = torch.empty(T, h, N, dtype=x.dtype, device=x.device)
     if x.stride(-1) != 1:

@@ -191,7 +191,7 @@ def test_head_gemv(tm, dtype, T, h, K, N, layout):
     assert out.shape == (T, h, N) and out.dtype == dtype
     assert rel(out, ref) <= (1e-6 if dtype == torch.float32 else 4e-3)
     with pytest.raises(ValueError, match="at most"):
-        tm.head_gemv(randn(gen, tm.HEAD_GEMV_MAX_T + 1, h, K, dtype=dtype), w)
+        tm.head_gemv(randn(gen, tm.HEAD_GEMV_ROWS + 1, h, K, dtype=dtype), w)
     with pytest.raises(ValueError, match="expected w"):
         tm.head_gemv(x, w[:, :K - 1])
 
