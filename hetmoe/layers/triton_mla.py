@@ -42,8 +42,9 @@ def _head_gemv(X, W, OUT, T, K, N, sx_t, sx_h, sw_h, sw_k, sw_n, so_t, so_h,
 
 HEAD_GEMV_ROWS = 8  # rows of x one head_gemv call takes (each program multiplies its tile by every row)
 # rows up to which a fused decode step takes head_gemv, above them torch.einsum (cuBLAS's batched GEMM): on an H200
-# at batch 8 head_gemv was 44 us a call against einsum's ~7 (bench/device/mla_head_gemv.py)
-HEAD_GEMV_MAX_T = 2
+# (bench/device/mla_head_gemv.py, BENCHMARKS.md) head_gemv took 16.4 / 13.0 us at 2 rows against einsum's 7.1 / 7.4,
+# and 10.5 / 7.2 at one row against 7.4 / 7.1 alone, where in the decode graph it made the step faster
+HEAD_GEMV_MAX_T = 1
 HEAD_GEMV_TILE = 1 << 14  # weights per program's tile (32 KiB of bf16)
 
 
