@@ -54,6 +54,10 @@ PROGRAMS_PER_SM = 4
 # of the decode step") o_proj 41.7 -> 32.6 us, a dense layer's down 47.2 -> 37.2, q_a + kv_a 8.4 -> 7.4, the rest
 # unchanged; int8 / int4 keep 4 (their A/B)
 GEMV_PROGRAMS_PER_SM = {"int8": PROGRAMS_PER_SM, "int4": PROGRAMS_PER_SM, "fp8": 8}
+# and the tensor-core tiles of 4 < M <= 16 rows: over the same six shapes at M = 8 (bench/results/
+# 2026-12-02-gpu-machine-gpu-linear-fp8-m8-variants-223c74b.txt) 8 programs per SM with the scales applied after
+# the dot took 449 us against 518 as before (o_proj 55.6 -> 38.4, lm_head 276 -> 253; q_b 13.7 -> 16.1)
+DOT_PROGRAMS_PER_SM = GEMV_PROGRAMS_PER_SM
 
 
 @triton.jit
@@ -327,14 +331,14 @@ def plan(M: int, N: int, K: int, fmt: str, n_sm: int) -> Launch:
         bn, bk, defer = GEMV_TILE[fmt]
         splits, per = split_k(-(-N // bn), -(-kp // bk), n_sm, GEMV_PROGRAMS_PER_SM[fmt])
         return Launch("gemv", triton.next_power_of_2(M), bn, bk, splits, per, 4, 3, defer=defer)
-    if M <= DECODE_M:
-        bm, bn, warps, stages = 16, 64, 4, 4
+    if M <= DECODE_M:  # fp8: K split to 8 programs per SM and the scales applied to the dot's partials
+        bm, bn, warps, stages, pps, after = 16, 64, 4, 4, DOT_PROGRAMS_PER_SM[fmt], fmt == "fp8"
     elif M < DEQUANT_M:
-        bm, bn, warps, stages = 64, 128, 4, 4
+        bm, bn, warps, stages, pps, after = 64, 128, 4, 4, PROGRAMS_PER_SM, False
     else:
         return Launch("dequant", M, max(group, DEQUANT_ELEMENTS // kp // group * group), kp, 1, 1, 4, 1)
-    splits, per = split_k(-(-M // bm) * -(-N // bn), kp // group, n_sm)
-    return Launch("dot", bm, bn, group, splits, per, warps, stages)
+    splits, per = split_k(-(-M // bm) * -(-N // bn), kp // group, n_sm, pps)
+    return Launch("dot", bm, bn, group, splits, per, warps, stages, after)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: str, k: int, *, fp8_bits: bool = False,

@@ -267,6 +267,10 @@ def test_plan_fills_the_gpu(tl_linear):
     # fp8 (DeepSeek-V3's o_proj): K split until 8 programs per SM, int8 at 4 (gpu_linear.py --variants on an H200)
     o_fp8, o_int8 = (tl_linear.plan(1, 7168, 16384, fmt, 132) for fmt in ("fp8", "int8"))
     assert o_fp8.splits * -(-7168 // o_fp8.bn) == 896 and o_int8.splits * -(-7168 // o_int8.bn) == 448
+    # at 4 < M <= 16 fp8 takes 8 programs per SM and scales the dot's partials; int8 stays at 4, scaled before
+    d_fp8, d_int8 = (tl_linear.plan(8, 7168, 16384, fmt, 132) for fmt in ("fp8", "int8"))
+    assert d_fp8.kernel == d_int8.kernel == "dot" and d_fp8.scale_after and not d_int8.scale_after
+    assert 896 < d_fp8.splits * -(-7168 // d_fp8.bn) <= 1056 and d_int8.splits * -(-7168 // d_int8.bn) <= 528
     big = tl_linear.plan(2048, 7168, 16384, "fp8", 132)
     assert big.kernel == "dequant" and big.bn % 128 == 0 and big.bn * 16384 <= tl_linear.DEQUANT_ELEMENTS
 
