@@ -148,6 +148,22 @@ def gpu_peak(loaded: LoadedModel) -> dict:
     return {"gpu_peak_bytes": torch.cuda.max_memory_allocated(), "gpu_budget_bytes": budget}
 
 
+def experts_layout(loaded) -> Optional[str]:
+    """How the first MoE layer's CPU experts hold gate/up and down, where that differs between them or is affine
+    (a GGUF file's K-quants: "gate/up int4 affine g32, down int8 g16"); None for one symmetric format."""
+    engines = [m.engine for _, m in moe_blocks(loaded.model) if m.engine is not None]
+    if not engines:
+        return None
+    info = engines[0].info()
+    gu = (info["weight_format"], info["group_size"], info["gate_up_scaling"])
+    down = (info["down_weight_format"], info["down_group_size"], info["down_scaling"])
+    if gu == down and gu[2] == "symmetric":
+        return None
+    name = lambda f, g, sc: (f"{f}{' affine' if sc != 'symmetric' else ''}"  # noqa: E731
+                             + ("" if g is None else " per-row" if g == 0 else f" g{g}"))
+    return f"gate/up {name(*gu)}, down {name(*down)}"
+
+
 def fmt_table(records: list, prompts: list) -> list:
     def num(v, spec):
         return format(v, spec) if v is not None else "-"
@@ -233,8 +249,12 @@ def run_e2e_bench(args) -> int:
             stream = epool.read_bandwidth(stream_bytes, 5)
             say(f"{PLACEMENT[device]}: STREAM read ({stream_bytes / GB:.2f} GB, {epool.threads} threads, best of 5): "
                 f"{stream:.1f} GB/s")
+            layout = experts_layout(loaded)
+            if layout:
+                say(f"{PLACEMENT[device]}: routed experts held as {layout} (the table's format is the plan's widest)")
             rec = {
                 "placement": PLACEMENT[device], "device": device, "model": source, "shape": shape,
+                "experts_layout": layout,
                 "layers": loaded.config.num_hidden_layers, "experts_format": loaded.plan.experts_format,
                 "group_size": loaded.plan.group_size if loaded.plan.experts_format != "bf16" else None,
                 "dtype": str(loaded.plan.dtype).replace("torch.", ""), "max_context": loaded.plan.max_context,

@@ -260,3 +260,25 @@ def test_bench_kernel_profile_covers_the_timed_calls_only(tmp_path):
     rec = json.loads(out.read_text())["records"][0]
     assert rec["stages_jobs"] == 3
     assert set(rec["stages_ms"]) == {"route", "quantize_x", "experts", "combine"} and rec["stages_ms"]["experts"] > 0
+
+
+def test_experts_layout_names_mixed_and_affine_layouts(monkeypatch):
+    """The e2e report names how the experts are held where the plan's one format does not say it (a GGUF's
+    K-quants: int4 affine gate/up beside int8 down), and stays quiet for one symmetric format."""
+    from types import SimpleNamespace
+
+    from hetmoe.bench import e2e
+
+    def layers(info):
+        return lambda model: [("m.0", SimpleNamespace(engine=SimpleNamespace(info=lambda: info))),
+                              ("m.1", SimpleNamespace(engine=None))]
+
+    base = dict(weight_format="int4", group_size=64, gate_up_scaling="symmetric", down_weight_format="int4",
+                down_group_size=64, down_scaling="symmetric")
+    monkeypatch.setattr(e2e, "moe_blocks", layers(base))
+    assert e2e.experts_layout(SimpleNamespace(model=None)) is None
+    q4_k_m = dict(base, group_size=32, gate_up_scaling="affine", down_weight_format="int8", down_group_size=16)
+    monkeypatch.setattr(e2e, "moe_blocks", layers(q4_k_m))
+    assert e2e.experts_layout(SimpleNamespace(model=None)) == "gate/up int4 affine g32, down int8 g16"
+    monkeypatch.setattr(e2e, "moe_blocks", lambda model: [("m.0", SimpleNamespace(engine=None))])
+    assert e2e.experts_layout(SimpleNamespace(model=None)) is None  # no CPU experts (all on the GPU)
