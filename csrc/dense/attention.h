@@ -4,14 +4,15 @@
 // For sequence b and query head h (kv head h / g, g = n_head / n_kv_head):
 //     s[t]   = scale * (q[b,h] . k1[rows[b], t, kvh] + q2[b,h] . k2[rows[b], t, kvh])      for t < lens[b]
 //     out[b,h] = sum_t softmax(s)[t] * v[rows[b], t, kvh]            (v = k1's first dv dims when v_is_k1)
-// Softmax in fp32 with a running max (online softmax). Work: tasks of (sequence, split of kKeysPerSplit keys, up to
-// kHeadsPerTask query heads: the groups of several kv heads when groups are small, else a block of one group); each
-// task reads its block of the cache once, in order, for all its query heads, and keeps its own max, sum and partial
-// output; a second pass merges the splits of a sequence in split order. The split depends on the shapes and lengths
-// only, so the result is bitwise the same for any thread count. The span loops (dense/attention_span.h) are compiled
-// twice: portable and AVX2+FMA (kernels/avx2/attention.cpp), chosen once by the CPU's features (HETMOE_MAX_ISA caps
-// them).
+// Softmax in fp32: exact within a task (the max of its scores first), merged across splits by their maxima. Work: tasks
+// of (sequence, split of kKeysPerSplit keys, up to kHeadsPerTask query heads: the groups of several kv heads when
+// groups are small, else a block of one group); each task reads its block of the cache once, in order, for all its
+// query heads, and keeps its own max, sum and partial output; a second pass merges the splits of a sequence in split
+// order. The split depends on the shapes and lengths only, so the result is bitwise the same for any thread count. The
+// span loops (dense/attention_span.h) are compiled twice: portable and AVX2+FMA (kernels/avx2/attention.cpp), chosen
+// once by the CPU's features (HETMOE_MAX_ISA caps them).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 
 #include "runtime/thread_pool.h"
@@ -52,13 +53,15 @@ const char* attention_kernel_name();
 
 // ---- the span loops' interface (dense/attention_span.h), one per ISA build ----
 
-constexpr int kSpanKeys = 16;  // keys converted and scored together
-constexpr int kLanes = 16;     // rows in the span's buffers are padded to a multiple of this many floats
+constexpr int kSpanKeys = 16;   // keys scored together (copied first when a row is not whole blocks of 16)
+constexpr int kValueKeys = 64;  // keys accumulated while a block of the output stays in registers
+constexpr int kLanes = 16;      // rows in the span's buffers are padded to a multiple of this many floats
 
 inline int64_t pad_lanes(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
-// One task: n keys of one sequence for n_kv consecutive kv heads and G query heads of each, into the running state
-// m, l, o (initialised by the span itself: m = -inf, l = 0, o = 0); query head j of kv head kv is row kv * G + j.
+// One task: n keys of one sequence for n_kv consecutive kv heads and G query heads of each, into m (the max score), l
+// (the sum of e^(s - m)) and o (the sum of e^(s - m) v), all written by the span; query head j of kv head kv is row
+// kv * G + j.
 struct AttentionSpan {
   const float* q = nullptr;  // [n_kv * G][dk] fp32, dk = pad_lanes(d1) + pad_lanes(d2), zero padding
   int n_kv = 1, G = 0, d1 = 0, d2 = 0, dv = 0;
@@ -68,16 +71,19 @@ struct AttentionSpan {
   int64_t k1_step = 0, k2_step = 0, v_step = 0;  // elements from one position to the next
   int64_t k1_head = 0, k2_head = 0, v_head = 0;  // elements from one kv head to the next
   bool bf16 = false;
-  int64_t n = 0;
+  int64_t n = 0;  // 1 .. kKeysPerSplit
   float scale = 1.0f;
-  float* work = nullptr;  // span_work_floats(G, ...) floats, 64-byte aligned
+  float* work = nullptr;  // span_work_floats(n_kv * G, ...) floats, 64-byte aligned
   float* m = nullptr;     // [n_kv * G]
   float* l = nullptr;     // [n_kv * G]
   float* o = nullptr;     // [n_kv * G][pad_lanes(dv)]
 };
 
-inline int64_t span_work_floats(int G, int d1, int d2, int dv) {
-  return kSpanKeys * (pad_lanes(d1) + pad_lanes(d2)) + kSpanKeys * pad_lanes(dv) + (int64_t)G * (kSpanKeys + 1);
+// n_head: the most query heads of a span (n_kv * G); its queries in load order, the scores of one kv head's G
+// heads, and rows copied when their length is not a multiple of 16.
+inline int64_t span_work_floats(int n_head, int d1, int d2, int dv) {
+  const int64_t dk = pad_lanes(d1) + pad_lanes(d2);
+  return n_head * dk + n_head * pad_lanes(kKeysPerSplit) + std::max(kSpanKeys * dk, kValueKeys * pad_lanes(dv));
 }
 
 using AttentionSpanFn = void (*)(const AttentionSpan& s);

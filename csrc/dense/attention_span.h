@@ -3,10 +3,12 @@
 // adds) and kernels/avx2/attention.cpp (AVX2, contracted into FMA). Everything here has internal linkage, so each
 // build keeps its own copy and no linker can swap one for the other.
 //
-// Per chunk of kSpanKeys keys: the keys (and values) are converted to fp32 rows padded with zeros to kLanes, scored
-// against every query head (blocks of 2 heads x 4 keys, the dot product's 8 lanes summed in a fixed order), the
-// running max and sum updated per head, and the values accumulated into the output (blocks of 4 heads x 16
-// dims, keys in order). Every sum has a fixed order, so a span's result does not depend on the thread running it.
+// Two passes per kv head over the span's keys, read straight from the cache: every score first (blocks of 4 heads x 2
+// keys, each block of 16 key dims loaded and converted once for the 4 heads, the dot product's 8 lanes summed in a
+// fixed order), then per head the max, the probabilities and their sum, then the values weighted by them (blocks of
+// 4 heads x 16 dims, keys in order, no rescaling). bf16 rows are converted without shuffles (load16 below), so the
+// queries and outputs of a bf16 span are kept in that load order. Every sum has a fixed order, so a span's result
+// does not depend on the thread running it.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -23,8 +25,6 @@ namespace {
 
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 __attribute__((always_inline)) inline f32x8 load8(const float* p) {
@@ -111,23 +111,8 @@ inline void row_to_f32(const void* src, bool bf16, int d, float* dst) {
   int i = 0;
   if (bf16) {
     const uint16_t* s = static_cast<const uint16_t*>(src);
-    // 16 at a time: each value the high half of a (little-endian) word whose low half is 0, interleaved by two
-    // shuffles (the zero-extend and shift below compiled to twice the instructions: ~10% of a span)
-    for (; i + 16 <= d; i += 16) {
-      u16x16 h;
-      std::memcpy(&h, s + i, sizeof h);
-      const u16x16 z = {};
-      const u16x16 lo = __builtin_shufflevector(z, h, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-      const u16x16 hi = __builtin_shufflevector(z, h, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-      std::memcpy(dst + i, &lo, sizeof lo);
-      std::memcpy(dst + i + 8, &hi, sizeof hi);
-    }
-    for (; i + 8 <= d; i += 8) {
-      u16x8 h;
-      std::memcpy(&h, s + i, sizeof h);
-      const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
-      std::memcpy(dst + i, &w, sizeof w);
-    }
+    // a plain loop, which the compiler widens with unpacks (the queries' rows, converted in the portable build: a
+    // hand-written interleave of 16-bit lanes compiled to a scalar move per element there)
     for (; i < d; ++i) {
       const uint32_t w = (uint32_t)s[i] << 16;
       std::memcpy(dst + i, &w, sizeof w);
@@ -139,146 +124,194 @@ inline void row_to_f32(const void* src, bool bf16, int d, float* dst) {
   for (; i < pad_lanes(d); ++i) dst[i] = 0.0f;
 }
 
-inline const void* advance(const void* p, int64_t elems, bool bf16) {
-  return static_cast<const uint8_t*>(p) + elems * (bf16 ? 2 : 4);
-}
-
-// s[j][t] = scale * (q_j . kc_t) for G heads and kSpanKeys keys: q [G][dk], kc [kSpanKeys][dk], dk % 8 == 0. Blocks
-// of 2 heads x 4 keys (1 head x 8 keys for the last head of an odd G), 8 accumulators of 8 lanes each.
-void score_chunk(const float* q, int G, int dk, const float* kc, float scale, float* s) {
-  int j = 0;
-  for (; j + 2 <= G; j += 2) {
-    const float* q0 = q + (int64_t)j * dk;
-    const float* q1 = q0 + dk;
-    for (int t = 0; t < kSpanKeys; t += 4) {
-      const float* k = kc + (int64_t)t * dk;
-      f32x8 a00 = {}, a01 = {}, a02 = {}, a03 = {}, a10 = {}, a11 = {}, a12 = {}, a13 = {};
-      for (int i = 0; i < dk; i += 8) {
-        const f32x8 x0 = load8(q0 + i), x1 = load8(q1 + i);
-        const f32x8 k0 = load8(k + i), k1 = load8(k + dk + i), k2 = load8(k + 2 * dk + i), k3 = load8(k + 3 * dk + i);
-        a00 += x0 * k0;
-        a01 += x0 * k1;
-        a02 += x0 * k2;
-        a03 += x0 * k3;
-        a10 += x1 * k0;
-        a11 += x1 * k1;
-        a12 += x1 * k2;
-        a13 += x1 * k3;
-      }
-      const f32x8 r = sum8x8(a00, a01, a02, a03, a10, a11, a12, a13) * scale;  // [head j: 4 keys, head j + 1: 4]
-      std::memcpy(s + j * kSpanKeys + t, &r, 4 * sizeof(float));
-      std::memcpy(s + (j + 1) * kSpanKeys + t, reinterpret_cast<const float*>(&r) + 4, 4 * sizeof(float));
-    }
-  }
-  for (; j < G; ++j) {
-    const float* q0 = q + (int64_t)j * dk;
-    for (int t = 0; t < kSpanKeys; t += 8) {
-      const float* k = kc + (int64_t)t * dk;
-      f32x8 a0 = {}, a1 = {}, a2 = {}, a3 = {}, a4 = {}, a5 = {}, a6 = {}, a7 = {};
-      for (int i = 0; i < dk; i += 8) {
-        const f32x8 x0 = load8(q0 + i);
-        a0 += x0 * load8(k + i);
-        a1 += x0 * load8(k + dk + i);
-        a2 += x0 * load8(k + 2 * dk + i);
-        a3 += x0 * load8(k + 3 * dk + i);
-        a4 += x0 * load8(k + 4 * dk + i);
-        a5 += x0 * load8(k + 5 * dk + i);
-        a6 += x0 * load8(k + 6 * dk + i);
-        a7 += x0 * load8(k + 7 * dk + i);
-      }
-      store8(s + j * kSpanKeys + t, sum8x8(a0, a1, a2, a3, a4, a5, a6, a7) * scale);
-    }
+// 16 elements of a row as two vectors. BF: 8 words of two bf16 each, split into the even elements (the low halves,
+// shifted up) and the odd ones (the high halves, masked): two operations, no shuffle. fp32: the 16 in order. A bf16
+// span keeps its queries and outputs in that load order (span_typed below).
+template <bool BF>
+__attribute__((always_inline)) inline void load16(const uint8_t* p, f32x8& a, f32x8& b) {
+  if (BF) {
+    u32x8 w;
+    std::memcpy(&w, p, sizeof w);
+    a = (f32x8)(w << 16);
+    b = (f32x8)(w & 0xFFFF0000u);
+  } else {
+    a = load8(reinterpret_cast<const float*>(p));
+    b = load8(reinterpret_cast<const float*>(p) + 8);
   }
 }
 
-// o_j = alpha_j * o_j + sum_{t < nc} p[j][t] * vc_t for G heads: vc rows of `stride` floats, o rows of dvp floats
-// (dvp % 16 == 0).
-void accumulate_chunk(const float* p, const float* alpha, int G, const float* vc, int64_t stride, int dvp, int nc,
-                      float* o) {
-  int j = 0;
-  for (; j + 4 <= G; j += 4) {
-    float* o0 = o + (int64_t)j * dvp;
-    const float* p0 = p + j * kSpanKeys;
-    for (int d = 0; d < dvp; d += 16) {
-      f32x8 r[4][2];
-      for (int h = 0; h < 4; ++h) {
-        r[h][0] = load8(o0 + h * dvp + d) * alpha[j + h];
-        r[h][1] = load8(o0 + h * dvp + d + 8) * alpha[j + h];
-      }
-      for (int t = 0; t < nc; ++t) {
-        const f32x8 v0 = load8(vc + t * stride + d), v1 = load8(vc + t * stride + d + 8);
-        for (int h = 0; h < 4; ++h) {
-          const float w = p0[h * kSpanKeys + t];
-          r[h][0] += w * v0;
-          r[h][1] += w * v1;
-        }
-      }
-      for (int h = 0; h < 4; ++h) {
-        store8(o0 + h * dvp + d, r[h][0]);
-        store8(o0 + h * dvp + d + 8, r[h][1]);
-      }
+// Rows of the cache the loops read: the first at p, the next `step` bytes on; full blocks of 16 elements (rows whose
+// length is not a multiple of 16 are copied, zero-padded, into the span's staging buffer first).
+struct Rows {
+  const uint8_t* p;
+  int64_t step;
+};
+
+// Copies nr rows of d elements (es bytes each) into dst, zero-padded to pad_lanes(d); the copy's Rows.
+inline Rows stage(Rows r, int nr, int d, int es, uint8_t* dst) {
+  const int64_t dp = pad_lanes(d) * es;
+  for (int t = 0; t < nr; ++t) {
+    std::memcpy(dst + t * dp, r.p + t * r.step, (size_t)d * es);
+    std::memset(dst + t * dp + (int64_t)d * es, 0, dp - (int64_t)d * es);
+  }
+  return Rows{dst, dp};
+}
+
+// Scores of NH heads x NK keys (NH * NK == 8): s[h * ns + t] = scale * (q_h . k_t), q in load order [NH][dk], keys
+// t0 .. t0 + NK (those past nk are not written). Each block of 16 dims is loaded once for the NH heads.
+template <bool BF, int NH, int NK>
+__attribute__((always_inline)) inline void score_block(const float* q, int dk, int d1p, Rows k1, int d2p, Rows k2,
+                                                       int t0, int nk, float scale, float* s, int ns) {
+  static_assert(NH * NK == 8, "one vector of 8 scores");
+  constexpr int es = BF ? 2 : 4;
+  const uint8_t* p1[NK];
+  const uint8_t* p2[NK];
+  for (int k = 0; k < NK; ++k) {  // keys past the span read the last one again, and are not written
+    const int t = t0 + k < nk ? t0 + k : nk - 1;
+    p1[k] = k1.p + t * k1.step;
+    p2[k] = k2.p + t * k2.step;
+  }
+  f32x8 acc[8] = {};
+  for (int i = 0; i < d1p; i += 16) {
+    f32x8 ka[NK], kb[NK];
+    for (int k = 0; k < NK; ++k) load16<BF>(p1[k] + i * es, ka[k], kb[k]);
+    for (int h = 0; h < NH; ++h) {
+      const f32x8 qa = load8(q + h * dk + i), qb = load8(q + h * dk + i + 8);
+      for (int k = 0; k < NK; ++k) acc[h * NK + k] += qa * ka[k], acc[h * NK + k] += qb * kb[k];
     }
   }
-  for (; j < G; ++j) {
-    float* o0 = o + (int64_t)j * dvp;
-    const float* p0 = p + j * kSpanKeys;
-    for (int d = 0; d < dvp; d += 16) {
-      f32x8 r0 = load8(o0 + d) * alpha[j], r1 = load8(o0 + d + 8) * alpha[j];
-      for (int t = 0; t < nc; ++t) {
-        r0 += p0[t] * load8(vc + t * stride + d);
-        r1 += p0[t] * load8(vc + t * stride + d + 8);
+  for (int i = 0; i < d2p; i += 16) {
+    f32x8 ka[NK], kb[NK];
+    for (int k = 0; k < NK; ++k) load16<BF>(p2[k] + i * es, ka[k], kb[k]);
+    for (int h = 0; h < NH; ++h) {
+      const f32x8 qa = load8(q + h * dk + d1p + i), qb = load8(q + h * dk + d1p + i + 8);
+      for (int k = 0; k < NK; ++k) acc[h * NK + k] += qa * ka[k], acc[h * NK + k] += qb * kb[k];
+    }
+  }
+  const f32x8 r = sum8x8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]) * scale;
+  for (int h = 0; h < NH; ++h)
+    for (int k = 0; k < NK && t0 + k < nk; ++k) s[h * ns + t0 + k] = r[h * NK + k];
+}
+
+// Scores of G heads for nk keys (the rows k1, k2), into s[j * ns + t]: blocks of 4 heads x 2 keys, then 2 x 4, 1 x 8.
+template <bool BF>
+void score_keys(const float* q, int G, int dk, int d1p, Rows k1, int d2p, Rows k2, int nk, float scale, float* s,
+                int ns) {
+  int j = 0;
+  for (; j + 4 <= G; j += 4)
+    for (int t = 0; t < nk; t += 2)
+      score_block<BF, 4, 2>(q + j * dk, dk, d1p, k1, d2p, k2, t, nk, scale, s + j * ns, ns);
+  for (; j + 2 <= G; j += 2)
+    for (int t = 0; t < nk; t += 4)
+      score_block<BF, 2, 4>(q + j * dk, dk, d1p, k1, d2p, k2, t, nk, scale, s + j * ns, ns);
+  for (; j < G; ++j)
+    for (int t = 0; t < nk; t += 8)
+      score_block<BF, 1, 8>(q + j * dk, dk, d1p, k1, d2p, k2, t, nk, scale, s + j * ns, ns);
+}
+
+// o_h += sum_{t < nv} p[h * ns + t] * v_t for NH heads and the 16 dims at d (o rows of dvp floats, load order).
+template <bool BF, int NH>
+__attribute__((always_inline)) inline void accumulate_block(const float* p, int ns, Rows v, int nv, int d, int dvp,
+                                                            float* o) {
+  constexpr int es = BF ? 2 : 4;
+  f32x8 r[NH][2];
+  for (int h = 0; h < NH; ++h) r[h][0] = load8(o + h * dvp + d), r[h][1] = load8(o + h * dvp + d + 8);
+  const uint8_t* vp = v.p + d * es;
+  for (int t = 0; t < nv; ++t, vp += v.step) {
+    f32x8 va, vb;
+    load16<BF>(vp, va, vb);
+    for (int h = 0; h < NH; ++h) {
+      const float w = p[h * ns + t];
+      r[h][0] += w * va;
+      r[h][1] += w * vb;
+    }
+  }
+  for (int h = 0; h < NH; ++h) store8(o + h * dvp + d, r[h][0]), store8(o + h * dvp + d + 8, r[h][1]);
+}
+
+// o_j += sum_{t < nv} p[j * ns + t] * v_t for G heads: per block of 16 dims (its rows stay in L1), blocks of 4 heads.
+template <bool BF>
+void accumulate_keys(const float* p, int ns, int G, Rows v, int nv, int dvp, float* o) {
+  for (int d = 0; d < dvp; d += 16) {
+    int j = 0;
+    for (; j + 4 <= G; j += 4) accumulate_block<BF, 4>(p + j * ns, ns, v, nv, d, dvp, o + j * dvp);
+    for (; j + 2 <= G; j += 2) accumulate_block<BF, 2>(p + j * ns, ns, v, nv, d, dvp, o + j * dvp);
+    for (; j < G; ++j) accumulate_block<BF, 1>(p + j * ns, ns, v, nv, d, dvp, o + j * dvp);
+  }
+}
+
+// Two passes over the span's n <= kKeysPerSplit keys per kv head: every score, then the max, the probabilities and
+// their sum, then the values weighted by them (no rescaling of the output).
+template <bool BF>
+void span_typed(const AttentionSpan& a) {
+  constexpr int es = BF ? 2 : 4;
+  const int d1p = (int)pad_lanes(a.d1), d2p = (int)pad_lanes(a.d2), dk = d1p + d2p, dvp = (int)pad_lanes(a.dv);
+  const int G = a.G, NH = a.n_kv * a.G, n = (int)a.n, ns = (n + 7) / 8 * 8;
+  float* q = a.work;                // [NH][dk] the queries in load order
+  float* s = q + (int64_t)NH * dk;  // [G][ns] scores, then probabilities
+  uint8_t* staged = reinterpret_cast<uint8_t*>(s + (int64_t)G * pad_lanes(kKeysPerSplit));
+  for (int64_t i = 0; i < (int64_t)NH * dk; i += 16) {
+    const f32x8 x0 = load8(a.q + i), x1 = load8(a.q + i + 8);
+    store8(q + i, BF ? __builtin_shufflevector(x0, x1, 0, 2, 4, 6, 8, 10, 12, 14) : x0);
+    store8(q + i + 8, BF ? __builtin_shufflevector(x0, x1, 1, 3, 5, 7, 9, 11, 13, 15) : x1);
+  }
+  std::memset(a.o, 0, sizeof(float) * NH * dvp);
+  const bool stage_k = a.d1 % 16 || a.d2 % 16, stage_v = a.dv % 16;
+  for (int kv = 0; kv < a.n_kv; ++kv) {
+    const Rows k1{static_cast<const uint8_t*>(a.k1) + kv * a.k1_head * es, a.k1_step * es};
+    const Rows k2{a.k2 ? static_cast<const uint8_t*>(a.k2) + kv * a.k2_head * es : nullptr, a.k2_step * es};
+    for (int c0 = 0; c0 < n; c0 += kSpanKeys) {
+      const int nc = std::min(kSpanKeys, n - c0);
+      Rows r1{k1.p + c0 * k1.step, k1.step}, r2{k2.p + c0 * k2.step, k2.step};
+      if (stage_k) {
+        r1 = stage(r1, nc, a.d1, es, staged);
+        if (a.d2) r2 = stage(r2, nc, a.d2, es, staged + (int64_t)kSpanKeys * d1p * es);
       }
-      store8(o0 + d, r0);
-      store8(o0 + d + 8, r1);
+      score_keys<BF>(q + (int64_t)kv * G * dk, G, dk, d1p, r1, a.d2 ? d2p : 0, r2, nc, a.scale, s + c0, ns);
+    }
+    float* m = a.m + kv * G;
+    float* l = a.l + kv * G;
+    const float inf = std::numeric_limits<float>::infinity();
+    for (int j = 0; j < G; ++j) {
+      float* sj = s + j * ns;
+      for (int t = n; t < ns; ++t) sj[t] = -inf;  // probability 0
+      f32x8 mv = load8(sj);
+      for (int t = 8; t < ns; t += 8) {
+        const f32x8 x = load8(sj + t);
+        mv = x > mv ? x : mv;
+      }
+      const float mx = reduce8(mv, true);
+      f32x8 lv = {};
+      for (int t = 0; t < ns; t += 8) {
+        const f32x8 p = exp_neg8(load8(sj + t) - mx);
+        store8(sj + t, p);
+        lv += p;
+      }
+      m[j] = mx;
+      l[j] = reduce8(lv, false);
+    }
+    const Rows v = a.v ? Rows{static_cast<const uint8_t*>(a.v) + kv * a.v_head * es, a.v_step * es} : k1;
+    for (int c0 = 0; c0 < n; c0 += kValueKeys) {
+      const int nc = std::min(kValueKeys, n - c0);
+      Rows rv{v.p + c0 * v.step, v.step};
+      if (stage_v) rv = stage(rv, nc, a.dv, es, staged);
+      accumulate_keys<BF>(s + c0, ns, G, rv, nc, dvp, a.o + (int64_t)kv * G * dvp);
+    }
+  }
+  if (BF) {  // the outputs back in element order
+    for (int64_t i = 0; i < (int64_t)NH * dvp; i += 16) {
+      const f32x8 ev = load8(a.o + i), od = load8(a.o + i + 8);
+      store8(a.o + i, __builtin_shufflevector(ev, od, 0, 8, 1, 9, 2, 10, 3, 11));
+      store8(a.o + i + 8, __builtin_shufflevector(ev, od, 4, 12, 5, 13, 6, 14, 7, 15));
     }
   }
 }
 
 void span_impl(const AttentionSpan& a) {
-  const int d1p = (int)pad_lanes(a.d1), d2p = (int)pad_lanes(a.d2), dk = d1p + d2p, dvp = (int)pad_lanes(a.dv);
-  const int G = a.G, NH = a.n_kv * a.G;
-  float* kc = a.work;                // [kSpanKeys][dk]
-  float* vc = kc + kSpanKeys * dk;   // [kSpanKeys][dvp] (unused when v is k1)
-  float* s = vc + kSpanKeys * dvp;   // [G][kSpanKeys]: scores, then probabilities
-  float* alpha = s + G * kSpanKeys;  // [G]
-  const float inf = std::numeric_limits<float>::infinity();
-  for (int j = 0; j < NH; ++j) a.m[j] = -inf, a.l[j] = 0.0f;
-  std::memset(a.o, 0, sizeof(float) * NH * dvp);
-  // Chunk by chunk, the kv heads of the task one after the other: the task reads its block of the cache in order.
-  for (int64_t c0 = 0; c0 < a.n; c0 += kSpanKeys) {
-    const int nc = (int)std::min<int64_t>(kSpanKeys, a.n - c0);
-    for (int kv = 0; kv < a.n_kv; ++kv) {
-      for (int t = 0; t < kSpanKeys; ++t) {
-        float* krow = kc + t * dk;
-        float* vrow = vc + t * dvp;
-        if (t >= nc) {  // past the span: zero keys and values (scored, then masked below)
-          std::memset(krow, 0, sizeof(float) * dk);
-          if (a.v) std::memset(vrow, 0, sizeof(float) * dvp);
-          continue;
-        }
-        row_to_f32(advance(a.k1, (c0 + t) * a.k1_step + kv * a.k1_head, a.bf16), a.bf16, a.d1, krow);
-        if (a.d2) row_to_f32(advance(a.k2, (c0 + t) * a.k2_step + kv * a.k2_head, a.bf16), a.bf16, a.d2, krow + d1p);
-        if (a.v) row_to_f32(advance(a.v, (c0 + t) * a.v_step + kv * a.v_head, a.bf16), a.bf16, a.dv, vrow);
-      }
-      float* m = a.m + kv * G;
-      float* l = a.l + kv * G;
-      score_chunk(a.q + (int64_t)kv * G * dk, G, dk, kc, a.scale, s);
-      static_assert(kSpanKeys == 16, "the softmax below takes a chunk as two vectors");
-      for (int j = 0; j < G; ++j) {
-        float* sj = s + j * kSpanKeys;
-        for (int t = nc; t < kSpanKeys; ++t) sj[t] = -inf;  // keys past the span: probability 0
-        const f32x8 s0 = load8(sj), s1 = load8(sj + 8);
-        const float mx = std::max(m[j], reduce8(s0 > s1 ? s0 : s1, true));
-        const f32x8 p0 = exp_neg8(s0 - mx), p1 = exp_neg8(s1 - mx);
-        store8(sj, p0);
-        store8(sj + 8, p1);
-        alpha[j] = exp_neg(m[j] - mx);
-        l[j] = l[j] * alpha[j] + reduce8(p0 + p1, false);
-        m[j] = mx;
-      }
-      accumulate_chunk(s, alpha, G, a.v ? vc : kc, a.v ? dvp : dk, dvp, nc, a.o + (int64_t)kv * G * dvp);
-    }
-  }
+  if (a.bf16)
+    span_typed<true>(a);
+  else
+    span_typed<false>(a);
 }
 
 }  // namespace

@@ -98,6 +98,23 @@ def test_mla_matches_sdpa_math(H, cache_dtype):
     assert err <= 1e-5, err
 
 
+def test_mla_odd_dims_bf16_cache():
+    # latent and rope dims that are not whole blocks of 16 (rows copied and zero-padded before the loops read them),
+    # bf16 cache, fp32 queries: the same bound as the fp32 cases
+    r, rope, H = 40, 12, 12
+    gen = generator("cpu_attention_mla_odd", H)
+    lengths = [3, 300, 17]
+    c = torch.randn(4, CAP, 1, r, generator=gen).bfloat16()
+    pe = torch.randn(4, CAP, 1, rope, generator=gen).bfloat16()
+    q_lat, q_pe = torch.randn(len(lengths), H, r, generator=gen), torch.randn(len(lengths), H, rope, generator=gen)
+    rows, lens = torch.tensor([1, 3, 0]), torch.tensor(lengths)
+    scale = (r + rope) ** -0.5
+    out = decode_attention(q_lat, c, None, rows, lens, scale, q2=q_pe, k2=pe, v_is_k1=True)
+    err = rel(out, reference(q_lat, c, c, rows, lens, scale, q_pe, pe))
+    print(f"{attention_kernel()} MLA odd dims H {H}: {err:.2e}")
+    assert err <= 1e-5, err
+
+
 def test_strided_query_and_fp32_out():
     # q a view with a head stride of its own (as attend_cache passes q[:, 0]); a given fp32 out buffer
     q, k, v, rows, lens = make_case(8, 2, 32, 32, [5, 300], torch.bfloat16, torch.bfloat16, "strided")
