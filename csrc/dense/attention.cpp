@@ -89,12 +89,16 @@ void decode_attention(ThreadPool& pool, const AttentionArgs& a) {
   for (int b = 0; b < a.B; ++b) n_splits += (a.lens[b] + kKeysPerSplit - 1) / kKeysPerSplit;
   while (kv_per_task > 1 && n_splits * ((a.n_kv_head + kv_per_task - 1) / kv_per_task) < 2 * (int64_t)pool.size())
     kv_per_task = (kv_per_task + 1) / 2;
-  const int hb = g >= kHeadsPerTask ? kHeadsPerTask : kv_per_task * g;  // the most query heads of a task
+  int hb = g >= kHeadsPerTask ? kHeadsPerTask : kv_per_task * g;  // the most query heads of a task
+  // Still too few with one kv head a task (MLA's single latent head): halve the heads of a task too, while that
+  // leaves a multiple of 4 (the span's blocks of 4 heads, so every head is computed by the same loops).
+  while (kv_per_task == 1 && hb % 8 == 0 && n_splits * a.n_kv_head * ((g + hb - 1) / hb) < 2 * (int64_t)pool.size())
+    hb /= 2;
   const int d1p = (int)pad_lanes(a.d1), dk = d1p + (int)pad_lanes(a.d2), dvp = (int)pad_lanes(a.dv);
   const int64_t part_floats = pad_lanes((int64_t)hb * (dvp + 2));  // m [hb], l [hb], o [hb][dvp]
 
   int64_t n_tasks = 0, per_split = 0;  // per_split: tasks of one split of a sequence
-  for (int kv0 = 0; kv0 < a.n_kv_head; kv0 += kv_per_task) per_split += g >= kHeadsPerTask ? (g + hb - 1) / hb : 1;
+  for (int kv0 = 0; kv0 < a.n_kv_head; kv0 += kv_per_task) per_split += kv_per_task == 1 ? (g + hb - 1) / hb : 1;
   for (int b = 0; b < a.B; ++b) n_tasks += per_split * ((a.lens[b] + kKeysPerSplit - 1) / kKeysPerSplit);
   Task* tasks = reinterpret_cast<Task*>(pool.scratch(kTaskSlot, sizeof(Task) * n_tasks));
   int64_t n = 0, n_merge = 0;

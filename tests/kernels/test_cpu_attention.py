@@ -136,6 +136,18 @@ def test_bitwise_across_thread_counts():
     assert torch.equal(a, b) and torch.equal(b, c)
 
 
+def test_mla_bitwise_across_thread_counts():
+    # one latent head: short contexts give 2 threads tasks of fewer query heads than 1 thread; the same bits
+    gen = generator("cpu_attention_mla_threads")
+    lengths = [200, 1000]
+    c, pe = torch.randn(2, CAP, 1, 64, generator=gen).bfloat16(), torch.randn(2, CAP, 1, 16, generator=gen).bfloat16()
+    q_lat, q_pe = torch.randn(2, 16, 64, generator=gen), torch.randn(2, 16, 16, generator=gen)
+    rows, lens = torch.tensor([1, 0]), torch.tensor(lengths)
+    outs = [decode_attention(q_lat[:n], c, None, rows[:n], lens[:n], 0.1, q2=q_pe[:n], k2=pe, v_is_k1=True, pool=p)
+            for n in (1, 2) for p in (ExpertPool(1), ExpertPool(2))]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[3])
+
+
 def test_portable_build_matches_reference():
     # HETMOE_MAX_ISA=scalar: the portable build of the loops, against the same reference
     code = ("import sys; sys.path[:0] = sys.argv[1:]; import torch; from test_cpu_attention import *; "
