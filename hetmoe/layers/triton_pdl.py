@@ -11,8 +11,8 @@ every program of this one has passed its wait. A kernel after a non-kernel node 
 without the attribute waits as usual, so the CPU jobs' ordering on the stream is untouched.
 
 On an H200 it took deepseek-v3's 8-layer GPU part from 1.56–1.61 to 1.49–1.50 ms (BENCHMARKS.md, "GPU part of the
-decode step"). ``HETMOE_PDL=0`` turns it off (an A/B: bench/device/gpu_step_profile.py); without a GPU of compute capability 9.0
-or more, and under Triton's interpreter, kernels launch as before.
+decode step"). ``HETMOE_PDL=0`` turns it off (an A/B: bench/device/gpu_step_profile.py); without a GPU of compute
+capability 9.0 or more, and under Triton's interpreter, kernels launch as before.
 """
 
 from __future__ import annotations
