@@ -270,8 +270,8 @@ class DeepseekV2Attention(nn.Module):
 
 
 def _per_head(x: torch.Tensor, w: torch.Tensor, step: Step) -> torch.Tensor:
-    """x [B, S, h, K] times each head's w [h, K, N] -> [B, S, h, N]: a fused decode step's few rows through one
-    GEMV-shaped kernel (layers/triton_mla.py ``head_gemv``), else torch.einsum."""
+    """x [B, S, h, K] times each head's w [h, K, N] -> [B, S, h, N]: a fused decode step of at most HEAD_GEMV_MAX_T
+    rows (one) through one GEMV-shaped kernel (layers/triton_mla.py ``head_gemv``), else torch.einsum."""
     B, S, h, K = x.shape
     if step.fused and x.dtype == w.dtype:  # (a fused step has Triton)
         from hetmoe.layers.triton_mla import HEAD_GEMV_MAX_T, head_gemv
