@@ -151,16 +151,19 @@ def gpu_peak(loaded: LoadedModel) -> dict:
 def experts_layout(loaded) -> Optional[str]:
     """How the first MoE layer's CPU experts hold gate/up and down, where that differs between them or is affine
     (a GGUF file's K-quants: "gate/up int4 affine g32, down int8 g16"); None for one symmetric format."""
-    engines = [m.engine for _, m in moe_blocks(loaded.model) if m.engine is not None]
-    if not engines:
+    engine = next((m.engine for _, m in moe_blocks(loaded.model) if m.engine is not None), None)
+    if engine is None:
         return None
-    info = engines[0].info()
+    info = engine.info()
     gu = (info["weight_format"], info["group_size"], info["gate_up_scaling"])
     down = (info["down_weight_format"], info["down_group_size"], info["down_scaling"])
     if gu == down and gu[2] == "symmetric":
         return None
-    name = lambda f, g, sc: (f"{f}{' affine' if sc != 'symmetric' else ''}"  # noqa: E731
-                             + ("" if g is None else " per-row" if g == 0 else f" g{g}"))
+
+    def name(fmt, group, scaling):
+        kind = f"{fmt} affine" if scaling != "symmetric" else fmt
+        return kind if group is None else f"{kind} per-row" if group == 0 else f"{kind} g{group}"
+
     return f"gate/up {name(*gu)}, down {name(*down)}"
 
 

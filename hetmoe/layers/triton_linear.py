@@ -12,7 +12,7 @@ Packed layouts (made by hetmoe/layers/gpu_linear.py; K padded with zeros to a wh
 Three kernels, chosen by ``plan`` from M (the A/B behind each choice: bench/device/gpu_linear.py --variants):
 * ``gemv`` (M <= 4, decode): each program reads a [16, 512] tile of weight rows along K (wide contiguous loads),
   dequantizes it once and multiplies it by each row of x on the CUDA cores; K is split over programs until the GPU
-  holds about GEMV_PROGRAMS_PER_SM programs per SM, so one token reads the weights at the memory's rate. A tensor-core
+  holds about DECODE_PROGRAMS_PER_SM programs per SM, so one token reads the weights at the memory's rate. A tensor-core
   tile would spend 15 of its 16 rows on nothing and read the weights at a fraction of that rate.
 * ``dot`` (4 < M < DEQUANT_M): tensor-core tiles of 16/64 rows of x, one scale group per K step, the weights
   scaled and rounded to bf16 before the dot (``scale_after``: the dot on the raw codes, its partial scaled --
@@ -50,14 +50,10 @@ DEQUANT_ELEMENTS = 1 << 25  # weights per dequantized slab (64 MiB of bf16 scrat
 # shapes on an H200 (--variants); deferring the reduction helps int4 only
 GEMV_TILE = {"int8": (16, 512, False), "int4": (16, 512, True), "fp8": (16, 512, False)}
 PROGRAMS_PER_SM = 4
-# fp8 GEMVs split K until 8 programs per SM: over DeepSeek-V3's decode linears on an H200 (BENCHMARKS.md, "GPU part
-# of the decode step") o_proj 41.7 -> 32.6 us, a dense layer's down 47.2 -> 37.2, q_a + kv_a 8.4 -> 7.4, the rest
-# unchanged; int8 / int4 keep 4 (their A/B)
-GEMV_PROGRAMS_PER_SM = {"int8": PROGRAMS_PER_SM, "int4": PROGRAMS_PER_SM, "fp8": 8}
-# and the tensor-core tiles of 4 < M <= 16 rows: over the same six shapes at M = 8 (bench/results/
-# 2026-12-02-gpu-machine-gpu-linear-fp8-m8-variants-223c74b.txt) 8 programs per SM with the scales applied after
-# the dot took 449 us against 518 as before (o_proj 55.6 -> 38.4, lm_head 276 -> 253; q_b 13.7 -> 16.1)
-DOT_PROGRAMS_PER_SM = GEMV_PROGRAMS_PER_SM
+# programs per SM a decode launch (the GEMV, and the tensor-core tiles of M <= DECODE_M) splits K until: fp8 takes 8,
+# where the sweeps over DeepSeek-V3's decode linears on an H200 found the wider split faster at M = 1 and at M = 8
+# (BENCHMARKS.md, "GPU part of the decode step"); int8 / int4 keep 4 (their own A/B)
+DECODE_PROGRAMS_PER_SM = {"int8": PROGRAMS_PER_SM, "int4": PROGRAMS_PER_SM, "fp8": 8}
 
 
 @triton.jit
@@ -329,10 +325,10 @@ def plan(M: int, N: int, K: int, fmt: str, n_sm: int) -> Launch:
     kp = -(-K // group) * group
     if M <= GEMV_M:
         bn, bk, defer = GEMV_TILE[fmt]
-        splits, per = split_k(-(-N // bn), -(-kp // bk), n_sm, GEMV_PROGRAMS_PER_SM[fmt])
+        splits, per = split_k(-(-N // bn), -(-kp // bk), n_sm, DECODE_PROGRAMS_PER_SM[fmt])
         return Launch("gemv", triton.next_power_of_2(M), bn, bk, splits, per, 4, 3, defer=defer)
     if M <= DECODE_M:  # fp8: K split to 8 programs per SM and the scales applied to the dot's partials
-        bm, bn, warps, stages, pps, after = 16, 64, 4, 4, DOT_PROGRAMS_PER_SM[fmt], fmt == "fp8"
+        bm, bn, warps, stages, pps, after = 16, 64, 4, 4, DECODE_PROGRAMS_PER_SM[fmt], fmt == "fp8"
     elif M < DEQUANT_M:
         bm, bn, warps, stages, pps, after = 64, 128, 4, 4, PROGRAMS_PER_SM, False
     else:

@@ -1,9 +1,9 @@
 """MLA's absorbed decode products in Triton (the fused decode path, docs/decode-step.md#fused-decode): per query
 head, the query's no-RoPE part times W_uk into the latent space, and the attention's latent output times W_uv out of
-it (hetmoe/models/deepseek_v2.py). Each is ``torch.einsum("thk,hkn->thn", x, w)`` over a few decode rows, done as
+it (hetmoe/models/deepseek_v2.py). Each is ``torch.einsum("thk,hkn->thn", x, w)`` over a decode step's row, done as
 one GEMV-shaped kernel: every program reads one tile of one head's matrix once and multiplies it by each row on the
-CUDA cores, where cuBLAS's batched GEMM spent 6.7 us per 16.8 MB weight on an H200. Tested against einsum in
-tests/models/test_fused_decode.py (Triton's interpreter without a GPU).
+CUDA cores, one node of the decode graph where einsum's batched GEMM is more (BENCHMARKS.md, "GPU part of the decode
+step"). Tested against einsum in tests/models/test_fused_decode.py (Triton's interpreter without a GPU).
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ def _head_gemv(X, W, OUT, T, K, N, sx_t, sx_h, sw_h, sw_k, sw_n, so_t, so_h,
 
 
 HEAD_GEMV_ROWS = 8  # rows of x one head_gemv call takes (each program multiplies its tile by every row)
-# rows up to which a fused decode step takes head_gemv, above them torch.einsum (cuBLAS's batched GEMM): on an H200
-# (bench/device/mla_head_gemv.py, BENCHMARKS.md) head_gemv took 16.4 / 13.0 us at 2 rows against einsum's 7.1 / 7.4,
-# and 10.5 / 7.2 at one row against 7.4 / 7.1 alone, where in the decode graph it made the step faster
+# rows up to which a fused decode step takes head_gemv, above them torch.einsum (cuBLAS's batched GEMM): each row
+# more costs head_gemv a pass of CUDA-core products over its tile, and from two rows on it was slower than einsum on
+# an H200, where at one row it made the decode step faster (bench/device/mla_head_gemv.py; BENCHMARKS.md, "GPU part
+# of the decode step")
 HEAD_GEMV_MAX_T = 1
 HEAD_GEMV_TILE = 1 << 14  # weights per program's tile (32 KiB of bf16)
 

@@ -10,9 +10,9 @@ Right after the wait, a program signals ``griddepcontrol.launch_dependents``, so
 every program of this one has passed its wait. A kernel after a non-kernel node (a copy, a host function) or launched
 without the attribute waits as usual, so the CPU jobs' ordering on the stream is untouched.
 
-On an H200 it took deepseek-v3's 8-layer GPU part from 1.56–1.61 to 1.49–1.50 ms (BENCHMARKS.md, "GPU part of the
-decode step"). ``HETMOE_PDL=0`` turns it off (an A/B: bench/device/gpu_step_profile.py); without a GPU of compute
-capability 9.0 or more, and under Triton's interpreter, kernels launch as before.
+What it saves on an H200: BENCHMARKS.md, "GPU part of the decode step". ``HETMOE_PDL=0`` turns it off (an
+A/B: bench/device/gpu_step_profile.py); without a GPU of compute capability 9.0 or more, and under Triton's
+interpreter, kernels launch as before.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ENABLED = os.environ.get("HETMOE_PDL", "1") != "0"
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton at its import, before any launch
 _CAPABLE: dict = {}
 
 
@@ -40,7 +41,7 @@ def pdl_begin(PDL: tl.constexpr):
 def enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL: on, a CUDA device of compute capability >= 9.0, not Triton's
     interpreter."""
-    if not ENABLED or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if not ENABLED or device.type != "cuda" or _INTERPRETED:
         return False
     key = device.index if device.index is not None else torch.cuda.current_device()
     if key not in _CAPABLE:

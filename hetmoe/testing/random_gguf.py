@@ -18,8 +18,6 @@ import time
 import numpy as np
 
 WEIGHT_STD = 0.02  # the std of a published checkpoint's linear weights, about
-# GGML type -> (weights per block, bytes per block) of the block types written here
-BLOCKS = {"Q4_0": (32, 18), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 # std of the weights random codes give at a scale d = 1: Q4_0 q - 8 for q in 0..15, Q8_0 int8 -128..127; K-quants
 # (measured with gguf.dequantize) with 6-bit sub-block scales and mins, dmin = d * KQ_MIN_RATIO (centred weights)
 CODE_STD = {"Q4_0": 4.61, "Q8_0": 73.9, "Q4_K": 259.0, "Q5_K": 532.0, "Q6_K": 1376.0}
@@ -34,14 +32,21 @@ DENSE_Q4_K_M = {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_
 FLOATS = {"F32": np.float32, "F16": np.uint16, "BF16": np.uint16}  # float types and the numpy type of their bits
 
 
+def _block(kind: str) -> tuple:
+    """(weights per block, bytes per block) of GGML block type ``kind``, from the gguf package's table."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+
+
 def storage(kind: str, shape: tuple) -> tuple:
     """(numpy-order shape of the raw data, numpy dtype, bytes) of a tensor of ``shape`` in GGML type ``kind``."""
     if kind in FLOATS:
         dtype = np.dtype(FLOATS[kind])
         return shape, dtype, int(np.prod(shape)) * dtype.itemsize
-    if kind not in BLOCKS:
-        raise ValueError(f"no random writer for GGML type {kind!r}; known: {', '.join([*FLOATS, *BLOCKS])}")
-    per, nbytes = BLOCKS[kind]
+    if kind not in CODE_STD:  # the block types whose random codes have a known spread
+        raise ValueError(f"no random writer for GGML type {kind!r}; known: {', '.join([*FLOATS, *CODE_STD])}")
+    per, nbytes = _block(kind)
     if shape[-1] % per:
         raise ValueError(f"{kind} needs rows of a multiple of {per} weights, got {shape[-1]} (shape {shape})")
     raw = (*shape[:-1], shape[-1] // per * nbytes)
@@ -60,7 +65,7 @@ def random_tensor(kind: str, shape: tuple, rng: np.random.Generator) -> np.ndarr
         exp_bits, mant_mask = ((15 - 6) << 10, 0x83FF) if kind == "F16" else ((127 - 6) << 7, 0x807F)
         bits = np.frombuffer(rng.bytes(2 * int(np.prod(shape))), dtype=np.uint16).reshape(shape)
         return (bits & np.uint16(mant_mask)) | np.uint16(exp_bits)
-    per, nbytes = BLOCKS[kind]
+    per, nbytes = _block(kind)
     n_blocks = int(np.prod(shape)) // per
     out = np.frombuffer(bytearray(rng.bytes(n_blocks * nbytes)), dtype=np.uint8).reshape(n_blocks, nbytes)
     d = WEIGHT_STD / CODE_STD[kind] * rng.uniform(0.5, 1.5, n_blocks).astype(np.float32)
