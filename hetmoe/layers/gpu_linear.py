@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -43,6 +44,9 @@ DECODE_M = 16  # rows at most for the GEMV (triton_linear.DECODE_M, kept here so
 _CHUNK_ELEMENTS = 1 << 22  # weight elements converted at a time while packing: a slab, 16 MiB in fp32; its
 # temporaries are about 5 such slabs (tests/engine/test_build_peak.py measures them)
 SCALED_MM_MIN_WEIGHTS = 1 << 25  # fp8 weights at least this large take _scaled_mm for prefill
+# a fused decode step's SwiGLU MLP computes silu(gate) * up inside the down projection's GEMV (``swiglu``), one kernel
+# fewer; HETMOE_SWIGLU_GEMV=0 runs silu_mul first (an A/B: bench/device/gpu_step_profile.py)
+SWIGLU_IN_GEMV = os.environ.get("HETMOE_SWIGLU_GEMV", "1") != "0"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -342,6 +346,25 @@ class GPULinear(nn.Module):
 
             y = triton_linear.linear(x2, self.weight, self.scale, self.bias, self.format.name, self.out_features,
                                      fp8_bits=self.fp8_bits)
+        return y.view(*lead, self.out_features)
+
+    def swiglu(self, gate_up: torch.Tensor):
+        """silu(gate) * up times this linear for ``gate_up`` [..., 2 * in_features] (a fused decode step's SwiGLU MLP)
+        with the activation computed by the GEMV as it reads its input: the ``silu_mul`` kernel's output bitwise,
+        one kernel fewer. None where this linear does not run the Triton GEMV for these rows (the caller runs
+        ``silu_mul`` and the linear)."""
+        from hetmoe.layers import triton_linear
+
+        lead = gate_up.shape[:-1]
+        x2 = gate_up.reshape(-1, gate_up.shape[-1])
+        M = x2.shape[0]
+        fits = gate_up.shape[-1] == 2 * self.in_features and 0 < M <= triton_linear.GEMV_M
+        if not SWIGLU_IN_GEMV or self.kernel not in ("triton", "scaled_mm") or not fits \
+                or gate_up.dtype != torch.bfloat16 \
+                or gate_up.device != self.weight.device:
+            return None
+        y = triton_linear.linear(x2, self.weight, self.scale, self.bias, self.format.name, self.out_features,
+                                 fp8_bits=self.fp8_bits, swiglu=True)
         return y.view(*lead, self.out_features)
 
     def parts(self, x: torch.Tensor) -> tuple:

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from hetmoe.layers import triton_pdl, triton_tickets
+from hetmoe.layers.triton_fused import _round
 from hetmoe.layers.triton_pdl import pdl_begin
 from hetmoe.layers.triton_tickets import last_to_arrive
 
@@ -83,6 +84,19 @@ def nibbles_f32(b):
     lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
     hi = (((b >> 4) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
     return lo, hi
+
+
+@triton.jit
+def _x_load(X, offs, mask, UP, SWIGLU: tl.constexpr):
+    """Values of x at ``offs`` as fp32; SWIGLU: X holds gate | up rows (the up half UP columns on) and x = silu(gate)
+    * up, rounded where triton_fused.silu_mul rounds (silu, then the product), so the GEMV reads what it would have
+    read from silu_mul's output."""
+    if SWIGLU:
+        DT: tl.constexpr = X.dtype.element_ty
+        g = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(X + UP + offs, mask=mask, other=0.0).to(tl.float32)
+        return _round(_round(g / (1.0 + tl.exp(-g)), DT) * u, DT)
+    return tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -173,9 +187,10 @@ def _wq_gemv(X, W, S, BIAS, OUT, FINAL, TICKETS, M, N, K, KP, n_kb, kb_per_split
              stride_xm, stride_wn, stride_sn, stride_os, stride_om, stride_fm,
              FMT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr, BMV: tl.constexpr, BN: tl.constexpr,
              BK: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, FP8_BITS: tl.constexpr,
-             DEFER: tl.constexpr, TICKET: tl.constexpr, PDL: tl.constexpr):
+             DEFER: tl.constexpr, TICKET: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr):
     """Few rows of x (M <= BMV <= 4): [BN, BK] weight tiles along K (rows contiguous, wide loads), dequantized
-    once and multiplied by each row of x on the CUDA cores (no tensor-core tile of 16 mostly empty rows)."""
+    once and multiplied by each row of x on the CUDA cores (no tensor-core tile of 16 mostly empty rows).
+    SWIGLU: x is silu(gate) * up of X's gate | up halves (``_x_load``)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
@@ -201,9 +216,8 @@ def _wq_gemv(X, W, S, BIAS, OUT, FINAL, TICKETS, M, N, K, KP, n_kb, kb_per_split
             lo, hi = nibbles_f32(b.to(tl.int32))  # [BN, BK / 2]
             kl = k0 + (c // (GROUP // 2)) * GROUP + c % (GROUP // 2)  # the weight in each byte's low nibble
             for m in tl.static_range(BMV):
-                x_lo = tl.load(X + m * stride_xm + kl, mask=(kl < K) & (m < M), other=0.0).to(tl.float32)
-                x_hi = tl.load(X + m * stride_xm + kl + GROUP // 2, mask=(kl + GROUP // 2 < K) & (m < M),
-                               other=0.0).to(tl.float32)
+                x_lo = _x_load(X, m * stride_xm + kl, (kl < K) & (m < M), K, SWIGLU)
+                x_hi = _x_load(X, m * stride_xm + kl + GROUP // 2, (kl + GROUP // 2 < K) & (m < M), K, SWIGLU)
                 p = tl.reshape(lo * x_lo[None, :] + hi * x_hi[None, :], (BN, BK // GROUP, GROUP // 2))
                 if DEFER:
                     acc_e += tl.reshape(p * s[:, :, None], (BN, BK // 2))
@@ -214,7 +228,7 @@ def _wq_gemv(X, W, S, BIAS, OUT, FINAL, TICKETS, M, N, K, KP, n_kb, kb_per_split
             kk = k0 + tl.arange(0, BK)
             w = code_f32(tl.load(w_rows + kk[None, :], mask=(kk < KP)[None, :], other=0.0), FMT, FP8_BITS)
             for m in tl.static_range(BMV):
-                xm = tl.load(X + m * stride_xm + kk, mask=(kk < K) & (m < M), other=0.0).to(tl.float32)
+                xm = _x_load(X, m * stride_xm + kk, (kk < K) & (m < M), K, SWIGLU)
                 p = tl.reshape(w * xm[None, :], (BN, BK // GROUP, GROUP))
                 if DEFER:
                     acc_e += tl.reshape(p * s[:, :, None], (BN, BK))
@@ -371,15 +385,20 @@ def _dequant_matmul(x, weight, scale, bias, fmt, n_out, fp8_bits, rows) -> torch
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, fmt: str,
-           n_out: int, *, fp8_bits: bool = False, launch: Launch | None = None) -> torch.Tensor:
+           n_out: int, *, fp8_bits: bool = False, launch: Launch | None = None, swiglu: bool = False) -> torch.Tensor:
     """x [M, K] (bf16 on the GPU; any float on the interpreter) times the packed ``weight``/``scale`` of ``fmt``
     (layouts above) + ``bias`` [N] fp32 -> [M, N] in x's dtype. ``launch`` overrides the planned configuration
-    (benchmarks, tests)."""
+    (benchmarks, tests). ``swiglu``: x is [M, 2K], gate | up, and the product is silu(gate) * up times the weight
+    (``triton_fused.silu_mul``'s roundings), computed by the GEMV as it reads x (M <= GEMV_M only)."""
     M, K = x.shape
+    if swiglu:
+        K //= 2
     if x.stride(1) != 1:
         x = x.contiguous()
     if launch is None:
         launch = plan(M, n_out, K, fmt, sm_count(x.device))
+    if swiglu and launch.kernel != "gemv":
+        raise ValueError(f"swiglu is fused into the GEMV (at most {GEMV_M} rows), not the {launch.kernel} kernel")
     if M == 0:
         return torch.empty(M, n_out, dtype=x.dtype, device=x.device)
     if launch.kernel == "dequant":
@@ -402,7 +421,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: tor
         n_kb = -(-kp // launch.bk)
         _wq_gemv[(-(-n_out // launch.bn), launch.splits)](*args, M, n_out, K, kp, n_kb, launch.per_split, *strides,
                                                           BMV=launch.bm, BK=launch.bk,
-                                                          DEFER=launch.bm == 1 and launch.defer, **common)
+                                                          DEFER=launch.bm == 1 and launch.defer, SWIGLU=swiglu,
+                                                          **common)
     else:
         dot_t = tl.bfloat16 if x.is_cuda else tl.float32  # the interpreter's bf16 dot is wrong
         grid = (tiles, launch.splits)

@@ -49,9 +49,10 @@ HEAD_GEMV_MAX_T = 1
 HEAD_GEMV_TILE = 1 << 14  # weights per program's tile (32 KiB of bf16)
 
 
-def head_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def head_gemv(x: torch.Tensor, w: torch.Tensor, tile: tuple | None = None) -> torch.Tensor:
     """x [T, h, K], w [h, K, N] (any strides; T <= HEAD_GEMV_ROWS) -> [T, h, N] in x's dtype: per head, x times
-    that head's matrix (``torch.einsum("thk,hkn->thn", x, w)``), summed in fp32 and rounded once."""
+    that head's matrix (``torch.einsum("thk,hkn->thn", x, w)``), summed in fp32 and rounded once. ``tile``: (BK, BN,
+    warps) instead of the planned ones (bench/device/mla_head_gemv.py --sweep)."""
     T, h, K = x.shape
     if w.dim() != 3 or w.shape[0] != h or w.shape[1] != K or w.dtype != x.dtype or w.device != x.device:
         raise ValueError(f"head_gemv: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}: expected w "
@@ -68,9 +69,12 @@ def head_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     else:  # along k
         bk = min(512, triton.next_power_of_2(K))
         bn = min(triton.next_power_of_2(N), HEAD_GEMV_TILE // bk)
+    warps = 8
+    if tile is not None:
+        bk, bn, warps = tile
     if T and N:
         _head_gemv[(h, triton.cdiv(N, bn))](x, w, out, T, K, N, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                                             w.stride(2), out.stride(0), out.stride(1),
-                                            BT=triton.next_power_of_2(T), BK=bk, BN=bn, num_warps=8,
+                                            BT=triton.next_power_of_2(T), BK=bk, BN=bn, num_warps=warps,
                                             **triton_pdl.launch(x.device))
     return out

@@ -41,7 +41,10 @@ class SwiGLUMLP(nn.Module):
         if fused and self.gate_up is not None:
             from hetmoe.layers.triton_fused import silu_mul
 
-            return self.down_proj(silu_mul(self.gate_up(x)))
+            gate_up = self.gate_up(x)
+            swiglu = getattr(self.down_proj, "swiglu", None)  # a packed down_proj reads silu * up in its GEMV
+            out = swiglu(gate_up) if swiglu is not None else None
+            return out if out is not None else self.down_proj(silu_mul(gate_up))
         gate, up = self.gate_up.parts(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
         return self.down_proj(F.silu(gate) * up)
 

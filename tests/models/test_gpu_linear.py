@@ -202,6 +202,26 @@ def test_triton_kernel_against_both_references(tl_linear, fmt, M):
     assert rel_err(y, bf16_reference(linears, x)) < DENSE_FORMATS[fmt].tolerance
 
 
+@pytest.mark.parametrize("fmt", QUANTIZED)
+@pytest.mark.parametrize("M", [1, 3, 5])
+def test_swiglu_in_the_gemv(tl_linear, fmt, M):
+    """down(silu(gate) * up) with the activation computed by the GEMV as it reads x equals silu_mul's output
+    through the same GEMV, bitwise (the same roundings; K split or not); 5 rows are past the GEMV (None: the
+    caller runs silu_mul)."""
+    from hetmoe.layers.triton_fused import silu_mul
+
+    linears = make_linears([97], 200, True, fmt, "swiglu")
+    lin = GPULinear.from_linears(linears, fmt, DEVICE, kernel="triton")
+    gate_up = inputs(M, 400, fmt, "swiglu", M) * 3
+    fused = lin.swiglu(gate_up.view(M, 1, 400))
+    if M > 4:
+        assert fused is None
+        return
+    assert fused.shape == (M, 1, 97)
+    assert torch.equal(fused.view(M, 97), lin(silu_mul(gate_up)))
+    assert lin.swiglu(gate_up[:, :398]) is None  # not gate | up of this linear's input
+
+
 def launches(tl, kernel: str, M: int, fmt: str, kp: int) -> list:
     """Explicit launches of one kernel: K in one split and in one split per step (dot: also scaled after)."""
     group = tl.GROUP[fmt]
