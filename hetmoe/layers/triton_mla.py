@@ -46,7 +46,9 @@ HEAD_GEMV_ROWS = 8  # rows of x one head_gemv call takes (each program multiplie
 # an H200, where at one row it made the decode step faster (bench/device/mla_head_gemv.py; BENCHMARKS.md, "GPU part
 # of the decode step")
 HEAD_GEMV_MAX_T = 1
-HEAD_GEMV_TILE = 1 << 14  # weights per program's tile (32 KiB of bf16)
+# (BK, BN, warps) of a program's tile at most, by the weight's unit-stride axis: the fastest of
+# bench/device/mla_head_gemv.py --sweep at one row on an H200 (DeepSeek-V3's W_uk and W_uv^T; BENCHMARKS.md)
+HEAD_GEMV_TILES = {"n": (128, 64, 2), "k": (256, 8, 4)}
 
 
 def head_gemv(x: torch.Tensor, w: torch.Tensor, tile: tuple | None = None) -> torch.Tensor:
@@ -63,15 +65,9 @@ def head_gemv(x: torch.Tensor, w: torch.Tensor, tile: tuple | None = None) -> to
     out = torch.empty(T, h, N, dtype=x.dtype, device=x.device)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if w.stride(2) == 1:  # rows of n contiguous: wide along n
-        bn = min(128, triton.next_power_of_2(N))
-        bk = min(triton.next_power_of_2(K), HEAD_GEMV_TILE // bn)
-    else:  # along k
-        bk = min(512, triton.next_power_of_2(K))
-        bn = min(triton.next_power_of_2(N), HEAD_GEMV_TILE // bk)
-    warps = 8
-    if tile is not None:
-        bk, bn, warps = tile
+    bk, bn, warps = tile or HEAD_GEMV_TILES["n" if w.stride(2) == 1 else "k"]  # rows of n, or of k, contiguous
+    if tile is None:
+        bk, bn = min(bk, triton.next_power_of_2(K)), min(bn, triton.next_power_of_2(N))
     if T and N:
         _head_gemv[(h, triton.cdiv(N, bn))](x, w, out, T, K, N, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                                             w.stride(2), out.stride(0), out.stride(1),
