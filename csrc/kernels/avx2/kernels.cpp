@@ -201,6 +201,60 @@ struct Int4Tile {
   }
 };
 
+// One token (decode), the same sums as Int4Tile<NT> written for a weight stream at DRAM speed. The int16 sums use
+// saturating adds, which never saturate here (the bound above) and give the same bits, but which the compiler may
+// not reassociate: with wrapping adds it rebalances the 4 lines' sums into a tree that spills 16 ymm registers.
+// The line is loaded once (not once more inside each `and`), and prefetched further ahead than the tiles do: one
+// token's lines pass quickly, and 512 bytes ahead did not cover DRAM latency (BENCHMARKS.md#cpu-only).
+constexpr int kInt4RowPrefetchBytes = 1024;
+
+template <>
+struct Int4Tile<1> {
+  static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+    w.mins ? body<true>(w, rows[0], a, out) : body<false>(w, rows[0], a, out);
+  }
+  // The 16 rows' partial sums of one 32-byte half of a line (8 rows x 8 k): int16, two per row.
+  static __m256i half_line(const uint8_t* p, int32_t xl, int32_t xh, __m256i low4) {
+    __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
+    asm("" : "+x"(v));  // one load, kept in a register for both nibbles
+    const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    return _mm256_adds_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)),
+                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
+  }
+  template <bool kAffine>
+  static void body(const RowBlock& w, const uint8_t* row, const ActLayout& a, float* out) {
+    const int lines_per_group = w.group / 8, n_groups = w.kp / w.group;
+    const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const int8_t* x = reinterpret_cast<const int8_t*>(row);
+    const float* xscales = act_scales(row, a);
+    const int32_t* xsums = act_sums(row, a);
+    __m256 f0 = _mm256_setzero_ps(), f1 = _mm256_setzero_ps();
+    const uint8_t* p = w.data;
+    for (int g = 0; g < n_groups; ++g) {
+      __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+      for (int j4 = 0; j4 < lines_per_group; j4 += 4) {
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int jj = 0; jj < 4; ++jj, p += kLineBytes, x += 8) {
+          _mm_prefetch(reinterpret_cast<const char*>(p) + kInt4RowPrefetchBytes, _MM_HINT_T0);
+          int32_t xl, xh;
+          std::memcpy(&xl, x, 4);
+          std::memcpy(&xh, x + 4, 4);
+          s0 = _mm256_adds_epi16(s0, half_line(p, xl, xh, low4));
+          s1 = _mm256_adds_epi16(s1, half_line(p + 32, xl, xh, low4));
+        }
+        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(s0, ones));
+        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(s1, ones));
+      }
+      const float* wm = kAffine ? w.mins + g * kRowsPerBlock : nullptr;
+      f0 = epilogue8<kAffine>(f0, a0, 8, xsums[g], w.scales + g * kRowsPerBlock, wm, xscales[g]);
+      f1 = epilogue8<kAffine>(f1, a1, 8, xsums[g], w.scales + g * kRowsPerBlock + 8, wm ? wm + 8 : wm, xscales[g]);
+    }
+    _mm256_storeu_ps(out, f0);
+    _mm256_storeu_ps(out + 8, f1);
+  }
+};
+
 // The SIMD wrapper of kernels/row_ops.h: 8 fp32 / int32 lanes.
 struct V {
   static constexpr int kLanes = 8;
