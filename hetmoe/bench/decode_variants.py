@@ -143,12 +143,16 @@ def decode_variants(loaded: LoadedModel, prompt_tokens: int, steps: int, repeats
                 around += [stream()] if stream else []
                 rates = [len(r) / sum(r) for r in runs]
                 tok_s = statistics.median(rates)
+                steps_ms = [1e3 * t for r in runs for t in r]  # every timed step: a slow few show here, not in step_ms
+                step_median = statistics.median(steps_ms)
                 adjacent = (statistics.mean(around) * 1e9 / bytes_per_token) if around and bytes_per_token else None
                 rec = {"variant": name, "cuda_graph": graph, "defer_experts": d, "gpu_experts": gpu,
                        "route_on_host": route_on_host,
                        "decode_tok_s": tok_s, "decode_tok_s_all": rates, "ms_per_token": 1e3 / tok_s,
                        "roofline_tok_s": roofline_tok_s,
                        "pct_roofline": 100 * tok_s / roofline_tok_s if roofline_tok_s else None,
+                       "decode_step_median_ms": step_median, "decode_step_max_ms": max(steps_ms),
+                       "decode_slow_steps": sum(t > 2 * step_median for t in steps_ms),
                        "stream_gbps_adjacent": around or None, "roofline_adjacent_tok_s": adjacent,
                        "pct_roofline_adjacent": 100 * tok_s / adjacent if adjacent else None,
                        **time_split(runner), "decoder": runner.decoder.stats()}
@@ -158,7 +162,9 @@ def decode_variants(loaded: LoadedModel, prompt_tokens: int, steps: int, repeats
             records.append(rec)
             log(f"  {name:16s} {rec['decode_tok_s']:7.2f} tok/s  step {rec['step_ms']:6.2f} ms"
                 f" = GPU {rec['gpu_ms']:6.2f}"
-                f" + CPU {rec['cpu_ms']:6.2f} - overlap {rec['overlap_ms']:6.2f}")
+                f" + CPU {rec['cpu_ms']:6.2f} - overlap {rec['overlap_ms']:6.2f}; decode steps: median"
+                f" {step_median:.2f}, max {rec['decode_step_max_ms']:.2f} ms, {rec['decode_slow_steps']} of"
+                f" {len(steps_ms)} over twice the median")
     finally:
         defer_layers(blocks, loaded.plan)  # the model's own deferral back (per layer, as its plan says)
         if has_gpu:
