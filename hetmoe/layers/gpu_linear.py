@@ -358,10 +358,9 @@ class GPULinear(nn.Module):
         lead = gate_up.shape[:-1]
         x2 = gate_up.reshape(-1, gate_up.shape[-1])
         M = x2.shape[0]
-        fits = gate_up.shape[-1] == 2 * self.in_features and 0 < M <= triton_linear.GEMV_M
-        if not SWIGLU_IN_GEMV or self.kernel not in ("triton", "scaled_mm") or not fits \
-                or gate_up.dtype != torch.bfloat16 \
-                or gate_up.device != self.weight.device:
+        fits = (gate_up.shape[-1] == 2 * self.in_features and 0 < M <= triton_linear.GEMV_M
+                and gate_up.dtype == torch.bfloat16 and gate_up.device == self.weight.device)
+        if not SWIGLU_IN_GEMV or self.kernel not in ("triton", "scaled_mm") or not fits:
             return None
         y = triton_linear.linear(x2, self.weight, self.scale, self.bias, self.format.name, self.out_features,
                                  fp8_bits=self.fp8_bits, swiglu=True)
