@@ -45,7 +45,7 @@ _CHUNK_ELEMENTS = 1 << 22  # weight elements converted at a time while packing: 
 # temporaries are about 5 such slabs (tests/engine/test_build_peak.py measures them)
 SCALED_MM_MIN_WEIGHTS = 1 << 25  # fp8 weights at least this large take _scaled_mm for prefill
 # a fused decode step's SwiGLU MLP computes silu(gate) * up inside the down projection's GEMV (``swiglu``), one kernel
-# fewer; HETMOE_SWIGLU_GEMV=0 runs silu_mul first (an A/B: bench/device/gpu_step_profile.py)
+# fewer; HETMOE_SWIGLU_GEMV=0 runs silu_mul first (the A/B of BENCHMARKS.md, "GPU part of the decode step")
 SWIGLU_IN_GEMV = os.environ.get("HETMOE_SWIGLU_GEMV", "1") != "0"
 
 
