@@ -178,6 +178,51 @@ struct Int4Tile {
   }
 };
 
+// One token (decode), the same int32 sums as Int4Tile<NT> (any order gives the same bits) written for a weight
+// stream at DRAM speed: two lines a step, each loaded once into a register, their nibble halves on four chains,
+// prefetched into L1 2 KB ahead (1 KB or less left a core short of its stream on a Zen 4: BENCHMARKS.md#cpu-only).
+constexpr int kInt4RowPrefetchBytes = 2048;
+template <>
+struct Int4Tile<1> {
+  static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+    w.mins ? body<true>(w, rows[0], a, out) : body<false>(w, rows[0], a, out);
+  }
+  template <bool kAffine>
+  static void body(const RowBlock& w, const uint8_t* row, const ActLayout& a, float* out) {
+    const int lines_per_group = w.group / 8, n_groups = w.kp / w.group;  // even (group >= 32)
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const int8_t* x = reinterpret_cast<const int8_t*>(row);
+    const float* xscales = act_scales(row, a);
+    const int32_t* xsums = act_sums(row, a);
+    __m512 f = _mm512_setzero_ps();
+    const uint8_t* p = w.data;
+    for (int g = 0; g < n_groups; ++g) {
+      __m512i c0 = _mm512_setzero_si512(), c1 = c0, c2 = c0, c3 = c0;
+      for (int j = 0; j < lines_per_group; j += 2, p += 2 * kLineBytes, x += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kInt4RowPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kInt4RowPrefetchBytes + kLineBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchL2Bytes, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchL2Bytes + kLineBytes, _MM_HINT_T1);
+        __m512i v0 = _mm512_load_si512(p), v1 = _mm512_load_si512(p + kLineBytes);
+        asm("" : "+v"(v0), "+v"(v1));  // one load each, kept in registers for both nibbles
+        int32_t x0, x1, x2, x3;
+        std::memcpy(&x0, x, 4);
+        std::memcpy(&x1, x + 4, 4);
+        std::memcpy(&x2, x + 8, 4);
+        std::memcpy(&x3, x + 12, 4);
+        c0 = _mm512_dpbusd_epi32(c0, _mm512_and_si512(v0, low4), _mm512_set1_epi32(x0));
+        c1 = _mm512_dpbusd_epi32(c1, _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4), _mm512_set1_epi32(x1));
+        c2 = _mm512_dpbusd_epi32(c2, _mm512_and_si512(v1, low4), _mm512_set1_epi32(x2));
+        c3 = _mm512_dpbusd_epi32(c3, _mm512_and_si512(_mm512_srli_epi16(v1, 4), low4), _mm512_set1_epi32(x3));
+      }
+      const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(c0, c1), _mm512_add_epi32(c2, c3));
+      f = epilogue16<kAffine>(f, sum, 8, xsums[g], w.scales + g * kRowsPerBlock,
+                              kAffine ? w.mins + g * kRowsPerBlock : nullptr, xscales[g]);
+    }
+    _mm512_storeu_ps(out, f);
+  }
+};
+
 // The SIMD wrapper of kernels/row_ops.h: 16 fp32 / int32 lanes.
 struct V {
   static constexpr int kLanes = 16;
