@@ -1,8 +1,9 @@
-"""The AMX GEMM's two loops for grouped int8/int4 weights (csrc/kernels/amx/gemm.h) give the same bits: calls of up
-to HETMOE_AMX_PP_MAX_TOKENS tokens (default 32) take the 16-token loop with two sets of C tiles, longer ones the
+"""The AMX GEMM's two loops for grouped int8 weights (csrc/kernels/amx/gemm.h) give the same bits: calls of up to
+HETMOE_AMX_PP_MAX_TOKENS tokens (default 32) take the 16-token loop with two sets of C tiles, longer ones the
 32-token loop; 0 sends every call to the 32-token loop. Per output the groups are summed in the same order either
 way, so the emulated GEMM must agree bitwise between a child run with the cut at 0 and one with it past every call.
-The cut is read once per process, hence the child processes."""
+int4 weights take the two-set loop at every length, whatever the cut: their cases here check that the cut does not
+reach them. The cut is read once per process, hence the child processes."""
 
 from __future__ import annotations
 

@@ -52,9 +52,12 @@ constexpr int kOutStride = 32;    // floats per output row: [n_tok][32]
 constexpr int kChunkBf16 = 512;   // K per chunk: 2 row blocks x 16 rows x 512 x 2 B = 32 KB of weights
 constexpr int kChunkInt8 = 1024;  // same bytes for int8 lines (a multiple of every group size)
 
-// Calls of up to this many tokens take the two-set 16-token loop (grouped_as), longer ones the 32-token loop with
-// one C set (4 tiles per step: its A and B tiles serve twice as many products). HETMOE_AMX_PP_MAX_TOKENS overrides
-// (measurement; 0: the 32-token loop for every call, as before ce2864b).
+// Grouped int8 weights: calls of up to this many tokens take the two-set 16-token loop (grouped_as), longer ones the
+// 32-token loop with one C set (4 tiles per step: its A and B tiles serve twice as many products).
+// HETMOE_AMX_PP_MAX_TOKENS overrides (measurement; 0: the 32-token loop for every call, as before ce2864b). int4
+// weights take the two-set loop at every length: with the 32-token loop a 5120 x 2048 int4 g64 linear ran at 1.4
+// TFLOPS at T = 64..512 on the GPU machine's Xeon, with the two-set loop at 3.5-4.1 (int8: 5.8 and 4.0 at T = 512;
+// BENCHMARKS.md#amx-prefill).
 inline int pp_max_tokens() {
   static const int v = [] {
     const char* e = std::getenv("HETMOE_AMX_PP_MAX_TOKENS");
@@ -394,22 +397,24 @@ struct Gemm {
   // whose scales repeat in every group of 128 while their h groups are longer).
   // Every block of one call has the same scaling (gate and up of one matrix shape, or row blocks of down), so
   // mins[0] picks the instantiation.
+  // `two_set`: grouped calls take the two-set loop at any length (int4: pp_max_tokens above).
   static void int8_lines(const uint8_t* const* lines, const float* const* scales, const float* const* mins, int n_blk,
                          const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x,
-                         const ActLayout& a, int n_tok, float* out, bool prefetch, const NextChunk& spread = {}) {
+                         const ActLayout& a, int n_tok, float* out, bool prefetch, const NextChunk& spread = {},
+                         bool two_set = false) {
     if (mins[0])
       int8_lines_as<true>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out, prefetch,
-                          spread);
+                          spread, two_set);
     else
       int8_lines_as<false>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out, prefetch,
-                           spread);
+                           spread, two_set);
   }
 
   template <bool kAffine>
   static void int8_lines_as(const uint8_t* const* lines, const float* const* scales, const float* const* mins,
                             int n_blk, const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset,
                             const AmxPanel& x, const ActLayout& a, int n_tok, float* out, bool prefetch,
-                            const NextChunk& spread) {
+                            const NextChunk& spread, bool two_set) {
     const int group = a.group;
     // One activation group per row (per-row int8 weights, or all of K in one group): all of K is summed first, in
     // K steps of 64 (a K of 32 in one group of 32 takes the grouped loop below, whose K step is the group).
@@ -429,7 +434,7 @@ struct Gemm {
       }
       return;
     }
-    if (n_tok > pp_max_tokens())
+    if (n_tok > pp_max_tokens() && !two_set)
       grouped32<kAffine>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch, group);
     else
       grouped<kAffine>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch, group,
@@ -448,8 +453,8 @@ struct Gemm {
                    const ActLayout& a, int n_tok, float* out) {
     // One int4 line (8 k) becomes two int8 lines (k 8j..8j+3 from the low nibbles, 8j+4..8j+7 from the high
     // ones): consecutive K, so the expanded block is in the int8 layout with offset 8 instead of 128. The next
-    // call's packed lines are prefetched into L2 across this call's steps (per-row and two-set loops; the 32-token
-    // loop leaves them to the hardware prefetcher), so its expansion reads L2, not DRAM.
+    // call's packed lines are prefetched into L2 across this call's steps (per-row and two-set loops: int4 never
+    // takes the 32-token loop), so its expansion reads L2, not DRAM.
     const int kp = w[0].kp, int4_lines = kp / 8;
     const size_t block_bytes = (size_t)kp / 4 * kLineBytes;
     uint8_t* buf = slab(block_bytes * n_blk);
@@ -463,7 +468,7 @@ struct Gemm {
       spread.n = n_next < 2 ? n_next : 2;
       spread.lines = next[0].kp / 8;
     }
-    int8_lines(lines, scales, mins, n_blk, nullptr, 0, kp, w[0].group, 8, x, a, n_tok, out, false, spread);
+    int8_lines(lines, scales, mins, n_blk, nullptr, 0, kp, w[0].group, 8, x, a, n_tok, out, false, spread, true);
   }
 };
 
