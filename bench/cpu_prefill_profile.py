@@ -9,12 +9,17 @@ On the CPU every module runs synchronously, so a module's wall time is its cost.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
+# as the hetmoe command does (hetmoe/cli/__init__.py): PyTorch's idle OpenMP threads would spin on the cores the
+# engine's pool computes on, between the model's torch ops and the engine's calls (BENCHMARKS.md#omp-wait-policy)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
