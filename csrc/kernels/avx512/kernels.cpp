@@ -114,14 +114,14 @@ struct Int8Tile {
 
 // int4 weights (unsigned nibbles, offset 8) x int8 activations with vpdpbusd. A vpdpbusd waits for the previous
 // one on its accumulator: with one chain per token, the two per line would bound a one-token row block by their
-// latency rather than by memory. So up to 4 tokens, low and high nibbles sum into separate accumulators, and one
-// token also alternates lines (4 chains); more tokens are enough chains by themselves (and need the registers).
-// The sums are int32: the same bits in any order. (Faster from the caches; DRAM-bound decode jobs gain nothing:
-// BENCHMARKS.md#int4-accumulators.)
+// latency rather than by memory. So up to 4 tokens, low and high nibbles sum into separate accumulators (one token
+// has a body of its own below, Int4Tile<1>, on 4 chains); more tokens are enough chains by themselves (and need the
+// registers). The sums are int32: the same bits in any order. (Faster from the caches; DRAM-bound decode jobs gain
+// nothing: BENCHMARKS.md#int4-accumulators.)
 template <int NT>
 struct Int4Tile {
-  static constexpr int kSplit = NT <= 4 ? 2 : 1;   // chains per line: low/high nibbles apart
-  static constexpr int kUnroll = NT == 1 ? 2 : 1;  // lines per step
+  static constexpr int kSplit = NT <= 4 ? 2 : 1;  // chains per line: low/high nibbles apart
+  static constexpr int kUnroll = 1;               // lines per step
   static constexpr int kChains = kSplit * kUnroll;
   static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
     w.mins ? body<true>(w, rows, a, out) : body<false>(w, rows, a, out);
