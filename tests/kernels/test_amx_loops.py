@@ -3,7 +3,9 @@ HETMOE_AMX_PP_MAX_TOKENS tokens (default 32) take the 16-token loop with two set
 32-token loop; 0 sends every call to the 32-token loop. Per output the groups are summed in the same order either
 way, so the emulated GEMM must agree bitwise between a child run with the cut at 0 and one with it past every call.
 int4 weights take the two-set loop at every length, whatever the cut: their cases here check that the cut does not
-reach them. The cut is read once per process, hence the child processes."""
+reach them. The two-set loop's epilogue passes (HETMOE_AMX_GROUP_BATCH groups each, default 4) keep the bits too: one
+group a pass and three (passes that end inside a K chunk) against the default. Both knobs are read once per
+process, hence the child processes."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ shape = (6, 200, 136)  # E, H, I: H and I not multiples of 64; groups cut partia
 E, H, I = shape
 weights = make_weights(*shape, "amx")
 outs = []
-for fmt, group in [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 32), ("int8", 64), ("int8", 128)]:
+for fmt, group in [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 16), ("int8", 32), ("int8", 64), ("int8", 128)]:
     ex = CPUExperts(E, H, I, fmt, group, isa="amx-emulated", pool=shared_pool(), amx_min_tokens=1)
     ex.load(*weights)
     for T in (1, 21, 50, 77):  # 2 of 6 experts each: calls of ~7, 17, 33 and 51 tokens
@@ -36,8 +38,11 @@ torch.save(outs, sys.argv[1])
 """
 
 
-def _run(cut: int, path: Path) -> list:
+def _run(cut: int, path: Path, batch: int | None = None) -> list:
     env = {**os.environ, "HETMOE_AMX_PP_MAX_TOKENS": str(cut)}
+    env.pop("HETMOE_AMX_GROUP_BATCH", None)
+    if batch is not None:
+        env["HETMOE_AMX_GROUP_BATCH"] = str(batch)
     code = CHILD.format(tests=str(HERE.parent))
     proc = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -47,7 +52,16 @@ def _run(cut: int, path: Path) -> list:
 def test_both_grouped_loops_give_the_same_bits(tmp_path):
     old = _run(0, tmp_path / "old.pt")
     new = _run(1 << 20, tmp_path / "new.pt")
-    assert len(old) == len(new) == 24
+    assert len(old) == len(new) == 28
     for i, (a, b) in enumerate(zip(old, new)):
         assert torch.isfinite(a).all() and a.abs().max() > 0, f"case {i}: no output"
         assert torch.equal(a, b), f"case {i}: the loops differ by {(a - b).abs().max().item():.3g}"
+
+
+def test_epilogue_passes_give_the_same_bits(tmp_path):
+    ref = _run(1 << 20, tmp_path / "default.pt")
+    for batch in (1, 3):
+        out = _run(1 << 20, tmp_path / f"batch{batch}.pt", batch)
+        assert len(out) == len(ref) == 28
+        for i, (a, b) in enumerate(zip(ref, out)):
+            assert torch.equal(a, b), f"case {i}: {batch} groups a pass differ by {(a - b).abs().max().item():.3g}"

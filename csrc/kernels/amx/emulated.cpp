@@ -1,7 +1,7 @@
 // AMX GEMM through a plain C++ emulation of the tile instructions it uses (ldtilecfg, tilezero, tileloadd,
-// tilestored, tdpbf16ps, tdpbsud), following the pseudocode of the Intel SDM. Portable (baseline x86-64 flags):
-// it lets the tests run the AMX loop/layout logic of gemm.h on any machine; far too slow for real work.
-// A tile operation whose shapes do not match the configuration throws, where the hardware would fault.
+// tilestored, tdpbf16ps, tdpbsud, tdpbssd), following the pseudocode of the Intel SDM. Portable (baseline x86-64
+// flags): it lets the tests run the AMX loop/layout logic of gemm.h on any machine; far too slow for real work. A tile
+// operation whose shapes do not match the configuration throws, where the hardware would fault.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -36,7 +36,9 @@ void need(bool ok, const char* what) {
   if (!ok) throw std::logic_error(std::string("emulated AMX: ") + what);
 }
 
-struct Emulated {
+template <bool kSigned>
+struct EmulatedT {
+  static constexpr bool kSignedB = kSigned;
   static void configure(int a_colsb, int b_rows) {
     need(a_colsb > 0 && a_colsb <= 64 && a_colsb % 4 == 0 && b_rows > 0 && b_rows <= 16, "invalid tile config");
     for (int i = 0; i < 8; ++i) {
@@ -96,7 +98,7 @@ struct Emulated {
     }
   }
   template <int I, int J>
-  static void dp_int8() {  // tdpbsud: signed A bytes x unsigned B bytes, int32 sums (wrapping)
+  static void dp_int8() {  // tdpbsud: signed A bytes x unsigned B bytes (tdpbssd: signed B), int32 sums (wrapping)
     const int c = 2 * I + J, a = 4 + I, b = 6 + J;
     check_dp(c, a, b);
     for (int m = 0; m < st.rows[c]; ++m) {
@@ -106,7 +108,8 @@ struct Emulated {
         const uint8_t* brow = st.t[b] + 64 * k;
         for (int n = 0; n < st.colsb[c] / 4; ++n) {
           int32_t s = 0;
-          for (int i = 0; i < 4; ++i) s += (int32_t)arow[4 * k + i] * (int32_t)brow[4 * n + i];
+          for (int i = 0; i < 4; ++i)
+            s += (int32_t)arow[4 * k + i] * (kSigned ? (int32_t)(int8_t)brow[4 * n + i] : (int32_t)brow[4 * n + i]);
           crow[n] += (uint32_t)s;
         }
       }
@@ -122,17 +125,19 @@ struct Emulated {
   static void unpack_int4(const uint8_t* src, int n_lines, uint8_t* dst) {
     for (int l = 0; l < n_lines; ++l)
       for (int b = 0; b < 64; ++b) {
-        dst[128 * l + b] = src[64 * l + b] & 0x0f;
-        dst[128 * l + 64 + b] = src[64 * l + b] >> 4;
+        dst[128 * l + b] = (uint8_t)((src[64 * l + b] & 0x0f) - (kSigned ? 8 : 0));
+        dst[128 * l + 64 + b] = (uint8_t)((src[64 * l + b] >> 4) - (kSigned ? 8 : 0));
       }
   }
   static void prefetch_l2(const void*) {}
 };
+using Emulated = EmulatedT<false>;
 
 }  // namespace
 
 GemmKernel emulated_gemm(WeightFormat f) {
-  static constexpr GemmKernel kByFormat[3] = {Gemm<Emulated>::bf16, Gemm<Emulated>::int8, Gemm<Emulated>::int4};
+  static constexpr GemmKernel kByFormat[3] = {Gemm<Emulated>::bf16, Gemm<Emulated>::int8,
+                                              int4_gemm<Emulated, EmulatedT<true>>};
   return kByFormat[(int)f];
 }
 

@@ -10,10 +10,14 @@
 //   load_a<I>(p)                A(I) = 16 rows of a_colsb bytes at p + m * 64 (one panel tile, layout.h)
 //   load_b<J>(p)                B(J) = b_rows rows of 64 B, contiguous at p
 //   dp_bf16<I, J>()             C(I, J) += A(I) . B(J)    tdpbf16ps: fp32 += bf16 pair products
-//   dp_int8<I, J>()             C(I, J) += A(I) . B(J)    tdpbsud: int32 += signed A bytes x unsigned B bytes
+//   dp_int8<I, J>()             C(I, J) += A(I) . B(J)    int32 += signed A bytes x B bytes: unsigned (tdpbsud), or
+//                                                          signed (tdpbssd) in a policy with kSignedB
+//   kSignedB                    whether B bytes are signed: then unpack_int4 writes nibble - 8 (symmetric int4: no
+//                               offset left to undo in the epilogue; int4_gemm below picks the policy per call)
 //   store_c<I, J>(p, stride)    16 rows of 64 B to p + m * stride
 //   load_c<I, J>(p, stride)     C(I, J) = 16 rows of 64 B from p + m * stride
-//   unpack_int4(src, n, dst)    n int4 lines -> 2n int8 lines (low nibbles, then high nibbles, per line)
+//   unpack_int4(src, n, dst)    n int4 lines -> 2n int8 lines (low nibbles, then high nibbles, per line; minus 8
+//                               with kSignedB)
 //   prefetch_l2(p)              prefetcht2: the line at p into L2
 //
 // Shapes: a tile step covers 32 tokens (A(0), A(1): 16 each) x 32 outputs (B(0), B(1): 16 rows each) x one K
@@ -62,6 +66,20 @@ inline int pp_max_tokens() {
   static const int v = [] {
     const char* e = std::getenv("HETMOE_AMX_PP_MAX_TOKENS");
     return e ? std::atoi(e) : 32;
+  }();
+  return v;
+}
+
+// Groups per epilogue pass of the two-set loop (grouped_as): the tiles of up to this many groups are stored, then
+// their epilogue runs per output vector with the fp32 accumulator held in a register across the groups (one load and
+// one store of `out` per pass instead of per group). Same bits at any value (the groups of an output are summed in
+// the same order). HETMOE_AMX_GROUP_BATCH overrides (measurement; 1: one group per pass, the loop before 2026-12-03).
+constexpr int kMaxGroupBatch = 8;
+inline int group_batch() {
+  static const int v = [] {
+    const char* e = std::getenv("HETMOE_AMX_GROUP_BATCH");
+    const int n = e ? std::atoi(e) : 4;
+    return n < 1 ? 1 : n > kMaxGroupBatch ? kMaxGroupBatch : n;
   }();
   return v;
 }
@@ -258,7 +276,7 @@ struct Gemm {
   // function of its own with restrict pointers, instantiated per scaling, so each form is one 16-lane loop the
   // compiler vectorizes without alias checks: with the affine branch inline in the group loop, GCC 12 emitted the
   // symmetric form as 16 scalar steps, which made the AMX prefill of every int8/int4 expert ~3x slower.
-  template <bool kAffine>
+  template <bool kAffine, bool kNoOffset>
   static inline void epilogue16(float* __restrict o, const int32_t* __restrict isum, const float* __restrict ws,
                                 const float* __restrict wm, float xs, int32_t xsum, int32_t offset) {
     if constexpr (kAffine) {
@@ -267,7 +285,7 @@ struct Gemm {
         o[r] = std::fma((float)(-xsum), wm[r] * xs, o[r]);
       }
     } else {
-      const int32_t xoff = offset * xsum;
+      const int32_t xoff = kNoOffset ? 0 : offset * xsum;  // (signed int4 lines: none)
       for (int r = 0; r < 16; ++r) o[r] = std::fma((float)(isum[r] - xoff), ws[r] * xs, o[r]);
     }
   }
@@ -296,7 +314,7 @@ struct Gemm {
   }
 
   // The epilogue of group g for rows m0 .. m0 + rows of `out` from the int32 sums in c ([rows][kOutStride]).
-  template <bool kAffine, int NB>
+  template <bool kAffine, bool kNoOffset, int NB>
   static void group_epilogue(float* out, const int32_t* c, const float* const* scales, const float* const* mins,
                              int wgroup, int group, int32_t offset, const AmxPanel& x, int m0, int rows, int g) {
     const size_t wo = (size_t)(g * group / wgroup) * kRowsPerBlock;
@@ -304,21 +322,45 @@ struct Gemm {
       const float xs = x.scales(m0 + t)[g];
       const int32_t xsum = x.sums(m0 + t)[g];
       for (int j = 0; j < NB; ++j)
-        epilogue16<kAffine>(out + (size_t)(m0 + t) * kOutStride + 16 * j, c + t * kOutStride + 16 * j, scales[j] + wo,
-                            kAffine ? mins[j] + wo : nullptr, xs, xsum, offset);
+        epilogue16<kAffine, kNoOffset>(out + (size_t)(m0 + t) * kOutStride + 16 * j, c + t * kOutStride + 16 * j,
+                                       scales[j] + wo, kAffine ? mins[j] + wo : nullptr, xs, xsum, offset);
+    }
+  }
+
+  // The epilogue of groups g .. g + n - 1 (their int32 sums in c + s * kCBatchStride) for rows m0 .. m0 + rows:
+  // per token and 16 outputs, the accumulator stays in a register across the n groups, in group order (the bits of
+  // n passes of group_epilogue).
+  static constexpr size_t kCBatchStride = 16 * kOutStride;
+  template <bool kAffine, bool kNoOffset, int NB>
+  static void batch_epilogue(float* out, const int32_t* c, const float* const* scales, const float* const* mins,
+                             int wgroup, int group, int32_t offset, const AmxPanel& x, int m0, int rows, int g, int n) {
+    size_t wo[kMaxGroupBatch];  // each group's weight scales (no division in the loops below)
+    for (int s = 0; s < n; ++s) wo[s] = (size_t)((g + s) * group / wgroup) * kRowsPerBlock;
+    for (int t = 0; t < rows; ++t) {
+      const float* xs = x.scales(m0 + t) + g;
+      const int32_t* xsum = x.sums(m0 + t) + g;
+      for (int j = 0; j < NB; ++j) {
+        float* o = out + (size_t)(m0 + t) * kOutStride + 16 * j;
+        alignas(64) float acc[16];
+        std::memcpy(acc, o, sizeof(acc));
+        for (int s = 0; s < n; ++s)
+          epilogue16<kAffine, kNoOffset>(acc, c + s * kCBatchStride + t * kOutStride + 16 * j, scales[j] + wo[s],
+                                         kAffine ? mins[j] + wo[s] : nullptr, xs[s], xsum[s], offset);
+        std::memcpy(o, acc, sizeof(acc));
+      }
     }
   }
 
   // K in chunks (the chunk's weights stay in L1 for every token block), then 16-token blocks, then the chunk's
   // groups in the two-set pipeline. Prefetch as in `chunked`: the lines' next chunk, or a slice of `spread`.
-  template <bool kAffine, int NB>
+  template <bool kAffine, bool kNoOffset, int NB>
   static void grouped_as(const uint8_t* const* lines, const float* const* scales, const float* const* mins,
                          const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x,
                          int n_tok, float* out, bool prefetch, int group, const NextChunk& spread) {
     const int kstep = group < 64 ? group : 64, n_steps = group / kstep;
     const int chunk = kChunkInt8 / group * group, per_chunk = chunk / group;
-    const int n_blocks = (n_tok + 15) / 16, n_chunks = (kp + chunk - 1) / chunk;
-    alignas(64) int32_t c[2][16 * kOutStride];
+    const int n_blocks = (n_tok + 15) / 16, n_chunks = (kp + chunk - 1) / chunk, batch = group_batch();
+    alignas(64) int32_t c[2][kMaxGroupBatch * kCBatchStride];  // two sets of a pass's sums: 2 x 16 KB at most
     std::memset(out, 0, sizeof(float) * kOutStride * (size_t)n_tok);
     Tiles::configure(kstep, kstep / 4);
     for (int kc = 0; kc < kp; kc += chunk) {
@@ -327,21 +369,29 @@ struct Gemm {
           prefetch ? next_chunk(lines, NB, next, n_next, kc_end, kp, chunk, 4) : slice(spread, kc / chunk, n_chunks);
       for (int m0 = 0; m0 < n_tok; m0 += 16) {
         const int rows = n_tok - m0 < 16 ? n_tok - m0 : 16, part0 = (m0 / 16) * per_chunk;
-        auto fetch = [&](int g) { prefetch_share(nx, part0 + g - g0, n_blocks * per_chunk); };
-        auto epi = [&](const int32_t* cg, int g) {
-          group_epilogue<kAffine, NB>(out, cg, scales, mins, wgroup, group, offset, x, m0, rows, g);
-        };
-        for (int g = g0; g < g1; g += 2) {  // c[0] holds group g, c[1] group g + 1
-          fetch(g);
-          group_tiles<0, NB>(lines, x, m0, g * group, n_steps, kstep, c[0]);
-          if (g > g0) epi(c[1], g - 1);
-          if (g + 1 < g1) {
-            fetch(g + 1);
-            group_tiles<1, NB>(lines, x, m0, (g + 1) * group, n_steps, kstep, c[1]);
+        // Passes of up to `batch` groups: the tiles of pass i store into c[i % 2] (consecutive groups alternate the
+        // tile sets, so a group's products need not wait for the previous group's stores), then the epilogue of
+        // pass i - 1 runs on the vector units while the tile unit works.
+        int prev_g = g0, prev_n = 0;
+        for (int gb = g0, i = 0; gb < g1; gb += batch, ++i) {
+          const int n = gb + batch < g1 ? batch : g1 - gb;
+          int32_t* cs = c[i & 1];
+          for (int s = 0; s < n; ++s) {
+            const int g = gb + s;
+            prefetch_share(nx, part0 + g - g0, n_blocks * per_chunk);
+            if ((g - g0) & 1)
+              group_tiles<1, NB>(lines, x, m0, g * group, n_steps, kstep, cs + s * kCBatchStride);
+            else
+              group_tiles<0, NB>(lines, x, m0, g * group, n_steps, kstep, cs + s * kCBatchStride);
           }
-          epi(c[0], g);
+          if (prev_n)
+            batch_epilogue<kAffine, kNoOffset, NB>(out, c[(i - 1) & 1], scales, mins, wgroup, group, offset, x, m0,
+                                                   rows, prev_g, prev_n);
+          prev_g = gb, prev_n = n;
         }
-        if ((g1 - g0) % 2 == 0) epi(c[1], g1 - 1);
+        const int last = ((g1 - g0 + batch - 1) / batch - 1) & 1;
+        batch_epilogue<kAffine, kNoOffset, NB>(out, c[last], scales, mins, wgroup, group, offset, x, m0, rows, prev_g,
+                                               prev_n);
       }
     }
     Tiles::release();
@@ -349,7 +399,7 @@ struct Gemm {
 
   // The 32-token loop (calls of more than pp_max_tokens() tokens): one C set of up to 2 x 2 tiles per group, its
   // epilogue after the tiles; A and B tiles serve twice the products of the two-set loop's 16-token steps.
-  template <bool kAffine>
+  template <bool kAffine, bool kNoOffset>
   static void grouped32(const uint8_t* const* lines, const float* const* scales, const float* const* mins, int n_blk,
                         const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x,
                         int n_tok, float* out, bool prefetch, int group) {
@@ -373,22 +423,23 @@ struct Gemm {
           else
             n_blk > 1 ? int8_group<1, 2>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts)
                       : int8_group<1, 1>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts);
-          n_blk > 1 ? group_epilogue<kAffine, 2>(out, c, scales, mins, wgroup, group, offset, x, m0, rows, g)
-                    : group_epilogue<kAffine, 1>(out, c, scales, mins, wgroup, group, offset, x, m0, rows, g);
+          n_blk > 1
+              ? group_epilogue<kAffine, kNoOffset, 2>(out, c, scales, mins, wgroup, group, offset, x, m0, rows, g)
+              : group_epilogue<kAffine, kNoOffset, 1>(out, c, scales, mins, wgroup, group, offset, x, m0, rows, g);
         }
       }
     }
     Tiles::release();
   }
 
-  template <bool kAffine>
+  template <bool kAffine, bool kNoOffset>
   static void grouped(const uint8_t* const* lines, const float* const* scales, const float* const* mins, int n_blk,
                       const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x,
                       int n_tok, float* out, bool prefetch, int group, const NextChunk& spread) {
-    n_blk > 1 ? grouped_as<kAffine, 2>(lines, scales, mins, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch,
-                                       group, spread)
-              : grouped_as<kAffine, 1>(lines, scales, mins, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch,
-                                       group, spread);
+    n_blk > 1 ? grouped_as<kAffine, kNoOffset, 2>(lines, scales, mins, next, n_next, kp, wgroup, offset, x, n_tok, out,
+                                                  prefetch, group, spread)
+              : grouped_as<kAffine, kNoOffset, 1>(lines, scales, mins, next, n_next, kp, wgroup, offset, x, n_tok, out,
+                                                  prefetch, group, spread);
   }
 
   // Same chunk / token-block order as bf16; the fp32 accumulators are `out` itself (group order per output is
@@ -403,14 +454,17 @@ struct Gemm {
                          const ActLayout& a, int n_tok, float* out, bool prefetch, const NextChunk& spread = {},
                          bool two_set = false) {
     if (mins[0])
-      int8_lines_as<true>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out, prefetch,
-                          spread, two_set);
+      int8_lines_as<true, false>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out,
+                                 prefetch, spread, two_set);
+    else if (offset == 0)
+      int8_lines_as<false, true>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out,
+                                 prefetch, spread, two_set);
     else
-      int8_lines_as<false>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out, prefetch,
-                           spread, two_set);
+      int8_lines_as<false, false>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out,
+                                  prefetch, spread, two_set);
   }
 
-  template <bool kAffine>
+  template <bool kAffine, bool kNoOffset>
   static void int8_lines_as(const uint8_t* const* lines, const float* const* scales, const float* const* mins,
                             int n_blk, const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset,
                             const AmxPanel& x, const ActLayout& a, int n_tok, float* out, bool prefetch,
@@ -435,10 +489,11 @@ struct Gemm {
       return;
     }
     if (n_tok > pp_max_tokens() && !two_set)
-      grouped32<kAffine>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch, group);
+      grouped32<kAffine, kNoOffset>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out,
+                                    prefetch, group);
     else
-      grouped<kAffine>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch, group,
-                       spread);
+      grouped<kAffine, kNoOffset>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch,
+                                  group, spread);
   }
 
   static void int8(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
@@ -452,7 +507,8 @@ struct Gemm {
   static void int4(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
                    const ActLayout& a, int n_tok, float* out) {
     // One int4 line (8 k) becomes two int8 lines (k 8j..8j+3 from the low nibbles, 8j+4..8j+7 from the high
-    // ones): consecutive K, so the expanded block is in the int8 layout with offset 8 instead of 128. The next
+    // ones): consecutive K, so the expanded block is in the int8 layout with offset 8 instead of 128, or with signed
+    // B bytes (kSignedB: nibble - 8, offset 0, so the epilogue has no offset * xsum to subtract). The next
     // call's packed lines are prefetched into L2 across this call's steps (per-row and two-set loops: int4 never
     // takes the 32-token loop), so its expansion reads L2, not DRAM.
     const int kp = w[0].kp, int4_lines = kp / 8;
@@ -468,9 +524,23 @@ struct Gemm {
       spread.n = n_next < 2 ? n_next : 2;
       spread.lines = next[0].kp / 8;
     }
-    int8_lines(lines, scales, mins, n_blk, nullptr, 0, kp, w[0].group, 8, x, a, n_tok, out, false, spread, true);
+    int8_lines(lines, scales, mins, n_blk, nullptr, 0, kp, w[0].group, Tiles::kSignedB ? 0 : 8, x, a, n_tok, out, false,
+               spread, true);
   }
 };
+
+// int4 weights: symmetric blocks through the policy with signed B bytes (the tile sums are the true sums, and the
+// epilogue skips the offset: the same integers, the same bits), affine ones (K-quant codes 0..15 with a min)
+// through the unsigned one.
+template <class Unsigned, class Signed>
+void int4_gemm(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x, const ActLayout& a,
+               int n_tok, float* out) {
+  static_assert(!Unsigned::kSignedB && Signed::kSignedB, "int4_gemm: (unsigned, signed) tile policies");
+  if (w[0].mins)
+    Gemm<Unsigned>::int4(w, n_blk, next, n_next, x, a, n_tok, out);
+  else
+    Gemm<Signed>::int4(w, n_blk, next, n_next, x, a, n_tok, out);
+}
 
 }  // namespace
 }  // namespace amx

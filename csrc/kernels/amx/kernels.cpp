@@ -14,7 +14,9 @@ namespace {
 
 #define HETMOE_AI inline __attribute__((always_inline))
 
-struct Native {
+template <bool kSigned>
+struct NativeT {
+  static constexpr bool kSignedB = kSigned;
   static void configure(int a_colsb, int b_rows) {
     alignas(64) uint8_t cfg[64] = {};
     cfg[0] = 1;  // palette 1
@@ -48,23 +50,27 @@ struct Native {
   }
   template <int I, int J>
   static HETMOE_AI void dp_int8() {
-    asm volatile("tdpbsud %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(2 * I + J), "i"(4 + I), "i"(6 + J));
+    if constexpr (kSigned)
+      asm volatile("tdpbssd %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(2 * I + J), "i"(4 + I), "i"(6 + J));
+    else
+      asm volatile("tdpbsud %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(2 * I + J), "i"(4 + I), "i"(6 + J));
   }
   template <int I, int J>
   static HETMOE_AI void store_c(void* p, size_t stride) {
     asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(p), "r"(stride), "i"(2 * I + J) : "memory");
   }
   static void unpack_int4(const uint8_t* src, int n_lines, uint8_t* dst) {
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const __m512i low4 = _mm512_set1_epi8(0x0f), bias = _mm512_set1_epi8(kSigned ? 8 : 0);
     for (int l = 0; l < n_lines; ++l) {
       _mm_prefetch(reinterpret_cast<const char*>(src) + 64 * l + 1024, _MM_HINT_T0);
       const __m512i v = _mm512_load_si512(src + 64 * l);
-      _mm512_store_si512(dst + 128 * l, _mm512_and_si512(v, low4));
-      _mm512_store_si512(dst + 128 * l + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+      _mm512_store_si512(dst + 128 * l, _mm512_sub_epi8(_mm512_and_si512(v, low4), bias));
+      _mm512_store_si512(dst + 128 * l + 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), bias));
     }
   }
   static HETMOE_AI void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T2); }
 };
+using Native = NativeT<false>;
 
 }  // namespace
 
@@ -84,7 +90,7 @@ uint64_t peak_loop(bool bf16, int64_t rounds) {
 }
 
 GemmKernel gemm(WeightFormat f) {
-  static constexpr GemmKernel kByFormat[3] = {Gemm<Native>::bf16, Gemm<Native>::int8, Gemm<Native>::int4};
+  static constexpr GemmKernel kByFormat[3] = {Gemm<Native>::bf16, Gemm<Native>::int8, int4_gemm<Native, NativeT<true>>};
   return kByFormat[(int)f];
 }
 
