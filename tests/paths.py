@@ -6,7 +6,7 @@ across thread counts, whatever the token count or chunking); across paths the ac
     path            kernels                                       activations read by the experts
     scalar          plain C++ row blocks                          fp32 (bf16 weights), int16 (int8), int8 (int4)
     avx2            AVX2/FMA row blocks (same bits as scalar)     same
-    avx512          AVX-512 VNNI/BF16 row blocks (same bits)      same
+    avx512          AVX-512 VNNI row blocks (same bits)           same
     amx-emulated    the AMX tile GEMM in plain C++ (any CPU)      bf16 (bf16 weights), int8 per group (int8, int4)
     amx             the AMX tile GEMM on the tile unit            same as amx-emulated (int8/int4 bitwise, bf16
                                                                   within the hardware's fp32 summation order)
@@ -23,7 +23,7 @@ Which paths a CPU exercises (the suite runs every one it can; ``HETMOE_MAX_ISA``
 
     CPU                               scalar  avx2  avx512  amx-emulated  amx   auto (the default) is
     AVX2 only (e.g. EPYC, capped)     yes     yes   -       yes           -     avx2: one class
-    AVX-512 BF16/VNNI (e.g. Zen 4)    yes     yes   yes     yes           -     avx512: one class
+    AVX-512 VNNI (Zen 4, Ice Lake)    yes     yes   yes     yes           -     avx512: one class
     AMX (Sapphire Rapids and later)   yes     yes   yes     yes           yes   amx: mixed classes
 """
 

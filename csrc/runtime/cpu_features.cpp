@@ -93,12 +93,15 @@ std::string isa_cap_note() {
 bool CpuFeatures::supports(Isa isa) const {
   if (isa > max_isa()) return false;
   bool avx2_ok = os_avx && avx2 && fma && f16c;
-  bool avx512_ok = avx2_ok && os_avx512 && avx512f && avx512bw && avx512vl && avx512dq && avx512_bf16 && avx512_vnni;
+  // The AVX-512 kernels use F/BW/VL/DQ and VNNI, never BF16 instructions (bf16 weights widen by shifts), so Ice Lake
+  // and Cascade Lake servers, and VMs that hide avx512_bf16, run them; the AMX level (whose TU is built with BF16)
+  // asks for BF16 too, which every AMX CPU has.
+  bool avx512_ok = avx2_ok && os_avx512 && avx512f && avx512bw && avx512vl && avx512dq && avx512_vnni;
   switch (isa) {
     case Isa::scalar: return true;
     case Isa::avx2: return avx2_ok;
     case Isa::avx512: return avx512_ok;
-    case Isa::amx: return avx512_ok && amx_unavailable_reason().empty();
+    case Isa::amx: return avx512_ok && avx512_bf16 && amx_unavailable_reason().empty();
   }
   return false;
 }
