@@ -535,12 +535,21 @@ struct Gemm {
 
 // int4 weights: symmetric blocks through the policy with signed B bytes (the tile sums are the true sums, and the
 // epilogue skips the offset: the same integers, the same bits), affine ones (K-quant codes 0..15 with a min)
-// through the unsigned one.
+// through the unsigned one. HETMOE_AMX_INT4_SIGNED=0 sends symmetric blocks through the unsigned one too
+// (measurement).
+inline bool int4_signed() {
+  static const bool v = [] {
+    const char* e = std::getenv("HETMOE_AMX_INT4_SIGNED");
+    return e == nullptr || std::atoi(e) != 0;
+  }();
+  return v;
+}
+
 template <class Unsigned, class Signed>
 void int4_gemm(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x, const ActLayout& a,
                int n_tok, float* out) {
   static_assert(!Unsigned::kSignedB && Signed::kSignedB, "int4_gemm: (unsigned, signed) tile policies");
-  if (w[0].mins)
+  if (w[0].mins || !int4_signed())
     Gemm<Unsigned>::int4(w, n_blk, next, n_next, x, a, n_tok, out);
   else
     Gemm<Signed>::int4(w, n_blk, next, n_next, x, a, n_tok, out);
