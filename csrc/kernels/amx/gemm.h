@@ -70,20 +70,6 @@ inline int pp_max_tokens() {
   return v;
 }
 
-// Groups per epilogue pass of the two-set loop (grouped_as): the tiles of up to this many groups are stored, then
-// their epilogue runs per output vector with the fp32 accumulator held in a register across the groups (one load and
-// one store of `out` per pass instead of per group). Same bits at any value (the groups of an output are summed in
-// the same order). HETMOE_AMX_GROUP_BATCH overrides (measurement; 1: one group per pass, the loop before 2026-12-03).
-constexpr int kMaxGroupBatch = 8;
-inline int group_batch() {
-  static const int v = [] {
-    const char* e = std::getenv("HETMOE_AMX_GROUP_BATCH");
-    const int n = e ? std::atoi(e) : 4;
-    return n < 1 ? 1 : n > kMaxGroupBatch ? kMaxGroupBatch : n;
-  }();
-  return v;
-}
-
 // Per-thread buffer of the int4 expansion (grows, 64-byte aligned, never shrinks).
 inline uint8_t* slab(size_t bytes) {
   struct Buf {
@@ -327,34 +313,6 @@ struct Gemm {
     }
   }
 
-  // The epilogue of groups g .. g + n - 1 (their int32 sums in c + s * kCSlotStride) for rows m0 .. m0 + rows:
-  // per token and 16 outputs, the accumulator stays in a register across the n groups, in group order (the bits of
-  // n passes of group_epilogue).
-  // The two sets of a pass's sums interleave by group slot (slot s of set k at (2 s + k) x 2 KB): the epilogue's
-  // loads from one set then never share their address bits 0-11 with the tile stores in flight into the other, which
-  // the CPU would otherwise hold back as possible store-to-load forwards (sets 16 KB apart cost the GEMM ~20%).
-  static constexpr size_t kCBatchStride = 16 * kOutStride;
-  static constexpr size_t kCSlotStride = 2 * kCBatchStride;
-  template <bool kAffine, bool kNoOffset, int NB>
-  static void batch_epilogue(float* out, const int32_t* c, const float* const* scales, const float* const* mins,
-                             int wgroup, int group, int32_t offset, const AmxPanel& x, int m0, int rows, int g, int n) {
-    size_t wo[kMaxGroupBatch];  // each group's weight scales (no division in the loops below)
-    for (int s = 0; s < n; ++s) wo[s] = (size_t)((g + s) * group / wgroup) * kRowsPerBlock;
-    for (int t = 0; t < rows; ++t) {
-      const float* xs = x.scales(m0 + t) + g;
-      const int32_t* xsum = x.sums(m0 + t) + g;
-      for (int j = 0; j < NB; ++j) {
-        float* o = out + (size_t)(m0 + t) * kOutStride + 16 * j;
-        alignas(64) float acc[16];
-        std::memcpy(acc, o, sizeof(acc));
-        for (int s = 0; s < n; ++s)
-          epilogue16<kAffine, kNoOffset>(acc, c + s * kCSlotStride + t * kOutStride + 16 * j, scales[j] + wo[s],
-                                         kAffine ? mins[j] + wo[s] : nullptr, xs[s], xsum[s], offset);
-        std::memcpy(o, acc, sizeof(acc));
-      }
-    }
-  }
-
   // K in chunks (the chunk's weights stay in L1 for every token block), then 16-token blocks, then the chunk's
   // groups in the two-set pipeline. Prefetch as in `chunked`: the lines' next chunk, or a slice of `spread`.
   template <bool kAffine, bool kNoOffset, int NB>
@@ -363,8 +321,8 @@ struct Gemm {
                          int n_tok, float* out, bool prefetch, int group, const NextChunk& spread) {
     const int kstep = group < 64 ? group : 64, n_steps = group / kstep;
     const int chunk = kChunkInt8 / group * group, per_chunk = chunk / group;
-    const int n_blocks = (n_tok + 15) / 16, n_chunks = (kp + chunk - 1) / chunk, batch = group_batch();
-    alignas(64) int32_t c[kMaxGroupBatch * kCSlotStride];  // two sets of a pass's sums, by slot: 32 KB at most
+    const int n_blocks = (n_tok + 15) / 16, n_chunks = (kp + chunk - 1) / chunk;
+    alignas(64) int32_t c[2][16 * kOutStride];
     std::memset(out, 0, sizeof(float) * kOutStride * (size_t)n_tok);
     Tiles::configure(kstep, kstep / 4);
     for (int kc = 0; kc < kp; kc += chunk) {
@@ -373,29 +331,21 @@ struct Gemm {
           prefetch ? next_chunk(lines, NB, next, n_next, kc_end, kp, chunk, 4) : slice(spread, kc / chunk, n_chunks);
       for (int m0 = 0; m0 < n_tok; m0 += 16) {
         const int rows = n_tok - m0 < 16 ? n_tok - m0 : 16, part0 = (m0 / 16) * per_chunk;
-        // Passes of up to `batch` groups: the tiles of pass i store into c[i % 2] (consecutive groups alternate the
-        // tile sets, so a group's products need not wait for the previous group's stores), then the epilogue of
-        // pass i - 1 runs on the vector units while the tile unit works.
-        int prev_g = g0, prev_n = 0;
-        for (int gb = g0, i = 0; gb < g1; gb += batch, ++i) {
-          const int n = gb + batch < g1 ? batch : g1 - gb;
-          int32_t* cs = c + (i & 1) * kCBatchStride;
-          for (int s = 0; s < n; ++s) {
-            const int g = gb + s;
-            prefetch_share(nx, part0 + g - g0, n_blocks * per_chunk);
-            if ((g - g0) & 1)
-              group_tiles<1, NB>(lines, x, m0, g * group, n_steps, kstep, cs + s * kCSlotStride);
-            else
-              group_tiles<0, NB>(lines, x, m0, g * group, n_steps, kstep, cs + s * kCSlotStride);
+        auto fetch = [&](int g) { prefetch_share(nx, part0 + g - g0, n_blocks * per_chunk); };
+        auto epi = [&](const int32_t* cg, int g) {
+          group_epilogue<kAffine, kNoOffset, NB>(out, cg, scales, mins, wgroup, group, offset, x, m0, rows, g);
+        };
+        for (int g = g0; g < g1; g += 2) {  // c[0] holds group g, c[1] group g + 1
+          fetch(g);
+          group_tiles<0, NB>(lines, x, m0, g * group, n_steps, kstep, c[0]);
+          if (g > g0) epi(c[1], g - 1);
+          if (g + 1 < g1) {
+            fetch(g + 1);
+            group_tiles<1, NB>(lines, x, m0, (g + 1) * group, n_steps, kstep, c[1]);
           }
-          if (prev_n)
-            batch_epilogue<kAffine, kNoOffset, NB>(out, c + ((i - 1) & 1) * kCBatchStride, scales, mins, wgroup, group,
-                                                   offset, x, m0, rows, prev_g, prev_n);
-          prev_g = gb, prev_n = n;
+          epi(c[0], g);
         }
-        const int last = ((g1 - g0 + batch - 1) / batch - 1) & 1;
-        batch_epilogue<kAffine, kNoOffset, NB>(out, c + last * kCBatchStride, scales, mins, wgroup, group, offset, x,
-                                               m0, rows, prev_g, prev_n);
+        if ((g1 - g0) % 2 == 0) epi(c[1], g1 - 1);
       }
     }
     Tiles::release();
