@@ -3,9 +3,9 @@ HETMOE_AMX_PP_MAX_TOKENS tokens (default 32) take the 16-token loop with two set
 32-token loop; 0 sends every call to the 32-token loop. Per output the groups are summed in the same order either
 way, so the emulated GEMM must agree bitwise between a child run with the cut at 0 and one with it past every call.
 int4 weights take the two-set loop at every length, whatever the cut: their cases here check that the cut does not
-reach them. Symmetric int4 and int8 lines as unsigned bytes (HETMOE_AMX_INT4_SIGNED=0 / HETMOE_AMX_INT8_SIGNED=0:
-tdpbsud, the offset undone in the epilogue) give the bits of their signed default in the two-set loop (tdpbssd, no
-offset; int8 lines flipped per call). The knobs are read once per process, hence the child processes."""
+reach them. Symmetric int4 expanded to unsigned bytes (HETMOE_AMX_INT4_SIGNED=0: tdpbsud, offset 8 undone in the
+epilogue) gives the bits of its signed default (tdpbssd, no offset). The knobs are read once per process, hence the
+child processes."""
 
 from __future__ import annotations
 
@@ -38,10 +38,8 @@ torch.save(outs, sys.argv[1])
 """
 
 
-def _run(cut: int, path: Path, signed: bool = True) -> list:
-    flag = "1" if signed else "0"
-    env = {**os.environ, "HETMOE_AMX_PP_MAX_TOKENS": str(cut), "HETMOE_AMX_INT4_SIGNED": flag,
-           "HETMOE_AMX_INT8_SIGNED": flag}
+def _run(cut: int, path: Path, int4_signed: bool = True) -> list:
+    env = {**os.environ, "HETMOE_AMX_PP_MAX_TOKENS": str(cut), "HETMOE_AMX_INT4_SIGNED": "1" if int4_signed else "0"}
     code = CHILD.format(tests=str(HERE.parent))
     proc = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -57,9 +55,9 @@ def test_both_grouped_loops_give_the_same_bits(tmp_path):
         assert torch.equal(a, b), f"case {i}: the loops differ by {(a - b).abs().max().item():.3g}"
 
 
-def test_signed_and_unsigned_lines_give_the_same_bits(tmp_path):
+def test_signed_and_unsigned_int4_give_the_same_bits(tmp_path):
     signed = _run(1 << 20, tmp_path / "signed.pt")
-    unsigned = _run(1 << 20, tmp_path / "unsigned.pt", signed=False)
+    unsigned = _run(1 << 20, tmp_path / "unsigned.pt", int4_signed=False)
     assert len(signed) == len(unsigned) == 28
     for i, (a, b) in enumerate(zip(signed, unsigned)):
-        assert torch.equal(a, b), f"case {i}: signed and unsigned lines differ by {(a - b).abs().max().item():.3g}"
+        assert torch.equal(a, b), f"case {i}: signed and unsigned int4 differ by {(a - b).abs().max().item():.3g}"

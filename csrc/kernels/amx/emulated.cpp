@@ -129,9 +129,6 @@ struct EmulatedT {
         dst[128 * l + 64 + b] = (uint8_t)((src[64 * l + b] >> 4) - (kSigned ? 8 : 0));
       }
   }
-  static void flip_int8(const uint8_t* src, int n_lines, uint8_t* dst) {
-    for (int i = 0; i < 64 * n_lines; ++i) dst[i] = src[i] ^ 0x80;
-  }
   static void prefetch_l2(const void*) {}
 };
 using Emulated = EmulatedT<false>;
@@ -139,7 +136,7 @@ using Emulated = EmulatedT<false>;
 }  // namespace
 
 GemmKernel emulated_gemm(WeightFormat f) {
-  static constexpr GemmKernel kByFormat[3] = {Gemm<Emulated>::bf16, int8_gemm<Emulated, EmulatedT<true>>,
+  static constexpr GemmKernel kByFormat[3] = {Gemm<Emulated>::bf16, Gemm<Emulated>::int8,
                                               int4_gemm<Emulated, EmulatedT<true>>};
   return kByFormat[(int)f];
 }

@@ -18,7 +18,6 @@
 //   load_c<I, J>(p, stride)     C(I, J) = 16 rows of 64 B from p + m * stride
 //   unpack_int4(src, n, dst)    n int4 lines -> 2n int8 lines (low nibbles, then high nibbles, per line; minus 8
 //                               with kSignedB)
-//   flip_int8(src, n, dst)      n int8 lines -> n lines of signed bytes (byte ^ 0x80 = code - 128)
 //   prefetch_l2(p)              prefetcht2: the line at p into L2
 //
 // Shapes: a tile step covers 32 tokens (A(0), A(1): 16 each) x 32 outputs (B(0), B(1): 16 rows each) x one K
@@ -453,28 +452,10 @@ struct Gemm {
 
   static void int8(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
                    const ActLayout& a, int n_tok, float* out) {
+    const uint8_t* lines[2] = {w[0].data, n_blk > 1 ? w[1].data : nullptr};
     const float* scales[2] = {w[0].scales, n_blk > 1 ? w[1].scales : nullptr};
     const float* mins[2] = {w[0].mins, n_blk > 1 ? w[1].mins : nullptr};
-    if constexpr (Tiles::kSignedB) {
-      // Symmetric grouped int8 in the two-set loop (int8_gemm below): the call's lines flipped to signed bytes in
-      // the per-thread slab first (as int4 is expanded), so the epilogue has no offset to undo; the next call's lines
-      // are prefetched into L2 across this call's steps.
-      const int kp = w[0].kp;
-      const size_t block_bytes = (size_t)kp / 4 * kLineBytes;
-      uint8_t* buf = slab(block_bytes * n_blk);
-      const uint8_t* lines[2] = {buf, buf + block_bytes};
-      for (int j = 0; j < n_blk; ++j) Tiles::flip_int8(w[j].data, kp / 4, buf + j * block_bytes);
-      NextChunk spread;
-      if (next) {
-        for (int j = 0; j < n_next && j < 2; ++j) spread.p[j] = next[j].data;
-        spread.n = n_next < 2 ? n_next : 2;
-        spread.lines = next[0].kp / 4;
-      }
-      int8_lines(lines, scales, mins, n_blk, nullptr, 0, kp, w[0].group, 0, x, a, n_tok, out, false, spread, true);
-    } else {
-      const uint8_t* lines[2] = {w[0].data, n_blk > 1 ? w[1].data : nullptr};
-      int8_lines(lines, scales, mins, n_blk, next, n_next, w[0].kp, w[0].group, 128, x, a, n_tok, out, true);
-    }
+    int8_lines(lines, scales, mins, n_blk, next, n_next, w[0].kp, w[0].group, 128, x, a, n_tok, out, true);
   }
 
   static void int4(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
@@ -512,27 +493,6 @@ inline bool int4_signed() {
     return e == nullptr || std::atoi(e) != 0;
   }();
   return v;
-}
-
-// int8 weights: symmetric ones with a scale per group, in calls that take the two-set loop, through the signed
-// policy (lines flipped to signed bytes per call: the same integers, the same bits); per-row, affine and longer calls
-// read the unsigned lines in place. HETMOE_AMX_INT8_SIGNED=0 sends every call through the unsigned one (measurement).
-inline bool int8_signed() {
-  static const bool v = [] {
-    const char* e = std::getenv("HETMOE_AMX_INT8_SIGNED");
-    return e == nullptr || std::atoi(e) != 0;
-  }();
-  return v;
-}
-
-template <class Unsigned, class Signed>
-void int8_gemm(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x, const ActLayout& a,
-               int n_tok, float* out) {
-  static_assert(!Unsigned::kSignedB && Signed::kSignedB, "int8_gemm: (unsigned, signed) tile policies");
-  if (!w[0].mins && a.group < w[0].kp && n_tok <= pp_max_tokens() && int8_signed())
-    Gemm<Signed>::int8(w, n_blk, next, n_next, x, a, n_tok, out);
-  else
-    Gemm<Unsigned>::int8(w, n_blk, next, n_next, x, a, n_tok, out);
 }
 
 template <class Unsigned, class Signed>

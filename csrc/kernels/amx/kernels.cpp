@@ -68,13 +68,6 @@ struct NativeT {
       _mm512_store_si512(dst + 128 * l + 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), bias));
     }
   }
-  static void flip_int8(const uint8_t* src, int n_lines, uint8_t* dst) {
-    const __m512i top = _mm512_set1_epi8((char)0x80);
-    for (int l = 0; l < n_lines; ++l) {
-      _mm_prefetch(reinterpret_cast<const char*>(src) + 64 * l + 1024, _MM_HINT_T0);
-      _mm512_store_si512(dst + 64 * l, _mm512_xor_si512(_mm512_load_si512(src + 64 * l), top));
-    }
-  }
   static HETMOE_AI void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T2); }
 };
 using Native = NativeT<false>;
@@ -97,8 +90,7 @@ uint64_t peak_loop(bool bf16, int64_t rounds) {
 }
 
 GemmKernel gemm(WeightFormat f) {
-  static constexpr GemmKernel kByFormat[3] = {Gemm<Native>::bf16, int8_gemm<Native, NativeT<true>>,
-                                              int4_gemm<Native, NativeT<true>>};
+  static constexpr GemmKernel kByFormat[3] = {Gemm<Native>::bf16, Gemm<Native>::int8, int4_gemm<Native, NativeT<true>>};
   return kByFormat[(int)f];
 }
 
