@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -46,18 +47,22 @@ def _run(cut: int, path: Path, int4_signed: bool = True) -> list:
     return torch.load(path)
 
 
-def test_both_grouped_loops_give_the_same_bits(tmp_path):
+@pytest.fixture(scope="module")
+def two_set(tmp_path_factory) -> list:
+    """Every call in the two-set loop (the cut past every call), int4 on signed bytes (the default)."""
+    return _run(1 << 20, tmp_path_factory.mktemp("amx_loops") / "two_set.pt")
+
+
+def test_both_grouped_loops_give_the_same_bits(tmp_path, two_set):
     old = _run(0, tmp_path / "old.pt")
-    new = _run(1 << 20, tmp_path / "new.pt")
-    assert len(old) == len(new) == 28
-    for i, (a, b) in enumerate(zip(old, new)):
+    assert len(old) == len(two_set) == 28
+    for i, (a, b) in enumerate(zip(old, two_set)):
         assert torch.isfinite(a).all() and a.abs().max() > 0, f"case {i}: no output"
         assert torch.equal(a, b), f"case {i}: the loops differ by {(a - b).abs().max().item():.3g}"
 
 
-def test_signed_and_unsigned_int4_give_the_same_bits(tmp_path):
-    signed = _run(1 << 20, tmp_path / "signed.pt")
+def test_signed_and_unsigned_int4_give_the_same_bits(tmp_path, two_set):
     unsigned = _run(1 << 20, tmp_path / "unsigned.pt", int4_signed=False)
-    assert len(signed) == len(unsigned) == 28
-    for i, (a, b) in enumerate(zip(signed, unsigned)):
+    assert len(two_set) == len(unsigned) == 28
+    for i, (a, b) in enumerate(zip(two_set, unsigned)):
         assert torch.equal(a, b), f"case {i}: signed and unsigned int4 differ by {(a - b).abs().max().item():.3g}"

@@ -262,7 +262,7 @@ struct Gemm {
   // function of its own with restrict pointers, instantiated per scaling, so each form is one 16-lane loop the
   // compiler vectorizes without alias checks: with the affine branch inline in the group loop, GCC 12 emitted the
   // symmetric form as 16 scalar steps, which made the AMX prefill of every int8/int4 expert ~3x slower.
-  template <bool kAffine, bool kNoOffset>
+  template <bool kAffine>
   static inline void epilogue16(float* __restrict o, const int32_t* __restrict isum, const float* __restrict ws,
                                 const float* __restrict wm, float xs, int32_t xsum, int32_t offset) {
     if constexpr (kAffine) {
@@ -271,7 +271,7 @@ struct Gemm {
         o[r] = std::fma((float)(-xsum), wm[r] * xs, o[r]);
       }
     } else {
-      const int32_t xoff = kNoOffset ? 0 : offset * xsum;  // (signed int4 lines: none)
+      const int32_t xoff = Tiles::kSignedB ? 0 : offset * xsum;  // (signed B bytes: no offset)
       for (int r = 0; r < 16; ++r) o[r] = std::fma((float)(isum[r] - xoff), ws[r] * xs, o[r]);
     }
   }
@@ -300,7 +300,7 @@ struct Gemm {
   }
 
   // The epilogue of group g for rows m0 .. m0 + rows of `out` from the int32 sums in c ([rows][kOutStride]).
-  template <bool kAffine, bool kNoOffset, int NB>
+  template <bool kAffine, int NB>
   static void group_epilogue(float* out, const int32_t* c, const float* const* scales, const float* const* mins,
                              int wgroup, int group, int32_t offset, const AmxPanel& x, int m0, int rows, int g) {
     const size_t wo = (size_t)(g * group / wgroup) * kRowsPerBlock;
@@ -308,14 +308,14 @@ struct Gemm {
       const float xs = x.scales(m0 + t)[g];
       const int32_t xsum = x.sums(m0 + t)[g];
       for (int j = 0; j < NB; ++j)
-        epilogue16<kAffine, kNoOffset>(out + (size_t)(m0 + t) * kOutStride + 16 * j, c + t * kOutStride + 16 * j,
-                                       scales[j] + wo, kAffine ? mins[j] + wo : nullptr, xs, xsum, offset);
+        epilogue16<kAffine>(out + (size_t)(m0 + t) * kOutStride + 16 * j, c + t * kOutStride + 16 * j, scales[j] + wo,
+                            kAffine ? mins[j] + wo : nullptr, xs, xsum, offset);
     }
   }
 
   // K in chunks (the chunk's weights stay in L1 for every token block), then 16-token blocks, then the chunk's
   // groups in the two-set pipeline. Prefetch as in `chunked`: the lines' next chunk, or a slice of `spread`.
-  template <bool kAffine, bool kNoOffset, int NB>
+  template <bool kAffine, int NB>
   static void grouped_as(const uint8_t* const* lines, const float* const* scales, const float* const* mins,
                          const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x,
                          int n_tok, float* out, bool prefetch, int group, const NextChunk& spread) {
@@ -333,7 +333,7 @@ struct Gemm {
         const int rows = n_tok - m0 < 16 ? n_tok - m0 : 16, part0 = (m0 / 16) * per_chunk;
         auto fetch = [&](int g) { prefetch_share(nx, part0 + g - g0, n_blocks * per_chunk); };
         auto epi = [&](const int32_t* cg, int g) {
-          group_epilogue<kAffine, kNoOffset, NB>(out, cg, scales, mins, wgroup, group, offset, x, m0, rows, g);
+          group_epilogue<kAffine, NB>(out, cg, scales, mins, wgroup, group, offset, x, m0, rows, g);
         };
         for (int g = g0; g < g1; g += 2) {  // c[0] holds group g, c[1] group g + 1
           fetch(g);
@@ -353,7 +353,7 @@ struct Gemm {
 
   // The 32-token loop (calls of more than pp_max_tokens() tokens): one C set of up to 2 x 2 tiles per group, its
   // epilogue after the tiles; A and B tiles serve twice the products of the two-set loop's 16-token steps.
-  template <bool kAffine, bool kNoOffset>
+  template <bool kAffine>
   static void grouped32(const uint8_t* const* lines, const float* const* scales, const float* const* mins, int n_blk,
                         const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x,
                         int n_tok, float* out, bool prefetch, int group) {
@@ -377,23 +377,22 @@ struct Gemm {
           else
             n_blk > 1 ? int8_group<1, 2>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts)
                       : int8_group<1, 1>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts);
-          n_blk > 1
-              ? group_epilogue<kAffine, kNoOffset, 2>(out, c, scales, mins, wgroup, group, offset, x, m0, rows, g)
-              : group_epilogue<kAffine, kNoOffset, 1>(out, c, scales, mins, wgroup, group, offset, x, m0, rows, g);
+          n_blk > 1 ? group_epilogue<kAffine, 2>(out, c, scales, mins, wgroup, group, offset, x, m0, rows, g)
+                    : group_epilogue<kAffine, 1>(out, c, scales, mins, wgroup, group, offset, x, m0, rows, g);
         }
       }
     }
     Tiles::release();
   }
 
-  template <bool kAffine, bool kNoOffset>
+  template <bool kAffine>
   static void grouped(const uint8_t* const* lines, const float* const* scales, const float* const* mins, int n_blk,
                       const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x,
                       int n_tok, float* out, bool prefetch, int group, const NextChunk& spread) {
-    n_blk > 1 ? grouped_as<kAffine, kNoOffset, 2>(lines, scales, mins, next, n_next, kp, wgroup, offset, x, n_tok, out,
-                                                  prefetch, group, spread)
-              : grouped_as<kAffine, kNoOffset, 1>(lines, scales, mins, next, n_next, kp, wgroup, offset, x, n_tok, out,
-                                                  prefetch, group, spread);
+    n_blk > 1 ? grouped_as<kAffine, 2>(lines, scales, mins, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch,
+                                       group, spread)
+              : grouped_as<kAffine, 1>(lines, scales, mins, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch,
+                                       group, spread);
   }
 
   // Same chunk / token-block order as bf16; the fp32 accumulators are `out` itself (group order per output is
@@ -408,17 +407,14 @@ struct Gemm {
                          const ActLayout& a, int n_tok, float* out, bool prefetch, const NextChunk& spread = {},
                          bool two_set = false) {
     if (mins[0])
-      int8_lines_as<true, false>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out,
-                                 prefetch, spread, two_set);
-    else if (offset == 0)
-      int8_lines_as<false, true>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out,
-                                 prefetch, spread, two_set);
+      int8_lines_as<true>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out, prefetch,
+                          spread, two_set);
     else
-      int8_lines_as<false, false>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out,
-                                  prefetch, spread, two_set);
+      int8_lines_as<false>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out, prefetch,
+                           spread, two_set);
   }
 
-  template <bool kAffine, bool kNoOffset>
+  template <bool kAffine>
   static void int8_lines_as(const uint8_t* const* lines, const float* const* scales, const float* const* mins,
                             int n_blk, const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset,
                             const AmxPanel& x, const ActLayout& a, int n_tok, float* out, bool prefetch,
@@ -443,11 +439,10 @@ struct Gemm {
       return;
     }
     if (n_tok > pp_max_tokens() && !two_set)
-      grouped32<kAffine, kNoOffset>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out,
-                                    prefetch, group);
+      grouped32<kAffine>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch, group);
     else
-      grouped<kAffine, kNoOffset>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch,
-                                  group, spread);
+      grouped<kAffine>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch, group,
+                       spread);
   }
 
   static void int8(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
