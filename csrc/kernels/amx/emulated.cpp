@@ -130,6 +130,11 @@ struct EmulatedT {
       }
   }
   static void prefetch_l2(const void*) {}
+  template <bool kAffine, int NB>
+  static void epilogue_rows(float* out, const int32_t* c, const float* const* ws, const float* const* wm,
+                            const AmxPanel& x, int m0, int rows, int g, int32_t offset) {
+    amx::epilogue_rows<kAffine, NB>(out, c, ws, wm, x, m0, rows, g, offset);
+  }
 };
 using Emulated = EmulatedT<false>;
 

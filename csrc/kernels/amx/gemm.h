@@ -19,6 +19,8 @@
 //   unpack_int4(src, n, dst)    n int4 lines -> 2n int8 lines (low nibbles, then high nibbles, per line; minus 8
 //                               with kSignedB)
 //   prefetch_l2(p)              prefetcht2: the line at p into L2
+//   epilogue_rows<kAffine, NB>(...)  the fp32 epilogue of one group (epilogue_rows below: the emulated policy calls
+//                               it, the native one writes the same operations with intrinsics)
 //
 // Shapes: a tile step covers 32 tokens (A(0), A(1): 16 each) x 32 outputs (B(0), B(1): 16 rows each) x one K
 // step (bf16: 32 k = 16 B rows of bf16 pairs; int8: min(group, 64) k = 16 or 8 B rows of 4 bytes). A B tile is
@@ -98,6 +100,41 @@ struct NextChunk {
   int n = 0;
   int lines = 0;
 };
+
+// The fp32 epilogue of one group for 16 outputs o (formats/layout.h): symmetric o = fma(float(isum - offset * xsum),
+// w_scale * x_scale, o); affine (offset 0) the same, then o = fma(float(-xsum), w_min * x_scale, o). A function of its
+// own with restrict pointers, instantiated per scaling, so each form is one 16-lane loop the compiler vectorizes
+// without alias checks: with the affine branch inline in the group loop, GCC 12 emitted the symmetric form as 16
+// scalar steps, which made the AMX prefill of every int8/int4 expert ~3x slower.
+template <bool kAffine>
+inline void epilogue16(float* __restrict o, const int32_t* __restrict isum, const float* __restrict ws,
+                       const float* __restrict wm, float xs, int32_t xsum, int32_t offset) {
+  if constexpr (kAffine) {
+    for (int r = 0; r < 16; ++r) {
+      o[r] = std::fma((float)isum[r], ws[r] * xs, o[r]);
+      o[r] = std::fma((float)(-xsum), wm[r] * xs, o[r]);
+    }
+  } else {
+    const int32_t xoff = offset * xsum;
+    for (int r = 0; r < 16; ++r) o[r] = std::fma((float)(isum[r] - xoff), ws[r] * xs, o[r]);
+  }
+}
+
+// The epilogue of one group g for panel rows m0 .. m0 + rows and NB blocks of 16 outputs, as plain C++ (the emulated
+// policy's; the native one writes the same operations with AVX-512 intrinsics). out and c point at row m0's outputs
+// and sums (rows kOutStride apart); ws[j] / wm[j]: block j's 16 scales / mins of the group; offset: the weights'
+// unsigned offset (0 for signed B bytes and affine blocks).
+template <bool kAffine, int NB>
+inline void epilogue_rows(float* out, const int32_t* c, const float* const* ws, const float* const* wm,
+                          const AmxPanel& x, int m0, int rows, int g, int32_t offset) {
+  for (int t = 0; t < rows; ++t) {
+    const float xs = x.scales(m0 + t)[g];
+    const int32_t xsum = x.sums(m0 + t)[g];
+    for (int j = 0; j < NB; ++j)
+      epilogue16<kAffine>(out + (size_t)t * kOutStride + 16 * j, c + t * kOutStride + 16 * j, ws[j],
+                          kAffine ? wm[j] : nullptr, xs, xsum, offset);
+  }
+}
 
 template <class Tiles>
 struct Gemm {
@@ -257,25 +294,6 @@ struct Gemm {
     if constexpr (NA > 1 && NB > 1) Tiles::template store_c<1, 1>(c + 16 * kOutStride + 16, cs);
   }
 
-  // The fp32 epilogue of one group for 16 outputs o (formats/layout.h): symmetric o = fma(float(isum - offset *
-  // xsum), w_scale * x_scale, o); affine (offset 0) the same, then o = fma(float(-xsum), w_min * x_scale, o). A
-  // function of its own with restrict pointers, instantiated per scaling, so each form is one 16-lane loop the
-  // compiler vectorizes without alias checks: with the affine branch inline in the group loop, GCC 12 emitted the
-  // symmetric form as 16 scalar steps, which made the AMX prefill of every int8/int4 expert ~3x slower.
-  template <bool kAffine>
-  static inline void epilogue16(float* __restrict o, const int32_t* __restrict isum, const float* __restrict ws,
-                                const float* __restrict wm, float xs, int32_t xsum, int32_t offset) {
-    if constexpr (kAffine) {
-      for (int r = 0; r < 16; ++r) {
-        o[r] = std::fma((float)isum[r], ws[r] * xs, o[r]);
-        o[r] = std::fma((float)(-xsum), wm[r] * xs, o[r]);
-      }
-    } else {
-      const int32_t xoff = Tiles::kSignedB ? 0 : offset * xsum;  // (signed B bytes: no offset)
-      for (int r = 0; r < 16; ++r) o[r] = std::fma((float)(isum[r] - xoff), ws[r] * xs, o[r]);
-    }
-  }
-
   // ---- Grouped int8 lines (int8 and int4 weights with a scale per group of K): 16 tokens x the call's row blocks
   // per step, C in two sets of tiles that alternate by group (tiles 0, 1 for even groups with A in tile 4, tiles 2, 3
   // for odd ones with A in tile 5), so the fp32 epilogue of group g runs on the vector units while the tiles compute
@@ -299,18 +317,17 @@ struct Gemm {
     if constexpr (NB > 1) Tiles::template store_c<P, 1>(c + 16, cs);
   }
 
-  // The epilogue of group g for rows m0 .. m0 + rows of `out` from the int32 sums in c ([rows][kOutStride]).
+  // The epilogue of group g for rows m0 .. m0 + rows of `out` from the int32 sums in c ([rows][kOutStride]), through
+  // the policy's epilogue_rows (the native one is hand-vectorized: ~6 instructions per 16 outputs, against ~13 for
+  // the compiler's loop, which let the tiles of the next group run under it; BENCHMARKS.md#amx-prefill).
   template <bool kAffine, int NB>
   static void group_epilogue(float* out, const int32_t* c, const float* const* scales, const float* const* mins,
                              int wgroup, int group, int32_t offset, const AmxPanel& x, int m0, int rows, int g) {
     const size_t wo = (size_t)(g * group / wgroup) * kRowsPerBlock;
-    for (int t = 0; t < rows; ++t) {
-      const float xs = x.scales(m0 + t)[g];
-      const int32_t xsum = x.sums(m0 + t)[g];
-      for (int j = 0; j < NB; ++j)
-        epilogue16<kAffine>(out + (size_t)(m0 + t) * kOutStride + 16 * j, c + t * kOutStride + 16 * j, scales[j] + wo,
-                            kAffine ? mins[j] + wo : nullptr, xs, xsum, offset);
-    }
+    const float* ws[2] = {scales[0] + wo, NB > 1 ? scales[1] + wo : nullptr};
+    const float* wm[2] = {kAffine ? mins[0] + wo : nullptr, kAffine && NB > 1 ? mins[1] + wo : nullptr};
+    Tiles::template epilogue_rows<kAffine, NB>(out + (size_t)m0 * kOutStride, c, ws, wm, x, m0, rows, g,
+                                               kAffine || Tiles::kSignedB ? 0 : offset);
   }
 
   // K in chunks (the chunk's weights stay in L1 for every token block), then 16-token blocks, then the chunk's

@@ -69,6 +69,38 @@ struct NativeT {
     }
   }
   static HETMOE_AI void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T2); }
+  // gemm.h epilogue_rows with intrinsics: the same operations per output (so the same bits), the block scales
+  // (and mins) of the group loaded once, and each 16 outputs one load of the sums, a subtract, a convert, a multiply,
+  // an fma with `out` and a store.
+  template <bool kAffine, int NB>
+  static void epilogue_rows(float* out, const int32_t* c, const float* const* ws, const float* const* wm,
+                            const AmxPanel& x, int m0, int rows, int g, int32_t offset) {
+    __m512 w[NB], m[NB] = {};
+    for (int j = 0; j < NB; ++j) {
+      w[j] = _mm512_loadu_ps(ws[j]);
+      if constexpr (kAffine) m[j] = _mm512_loadu_ps(wm[j]);
+    }
+    for (int t = 0; t < rows; ++t) {
+      const __m512 xs = _mm512_set1_ps(x.scales(m0 + t)[g]);
+      const int32_t xsum = x.sums(m0 + t)[g];
+      const __m512i xoff = _mm512_set1_epi32(offset * xsum);
+      const __m512 nxsum = _mm512_set1_ps((float)(-xsum));
+      float* o = out + (size_t)t * kOutStride;
+      const int32_t* ct = c + (size_t)t * kOutStride;
+      for (int j = 0; j < NB; ++j) {  // (maskz_cvt: GCC 12 warns on the unmasked form's undefined pass-through here)
+        const __m512i isum = _mm512_loadu_si512(ct + 16 * j);
+        __m512 acc = _mm512_loadu_ps(o + 16 * j);
+        if constexpr (kAffine) {
+          acc = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xffff, isum), _mm512_mul_ps(w[j], xs), acc);
+          acc = _mm512_fmadd_ps(nxsum, _mm512_mul_ps(m[j], xs), acc);
+        } else {
+          acc = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xffff, _mm512_sub_epi32(isum, xoff)), _mm512_mul_ps(w[j], xs),
+                                acc);
+        }
+        _mm512_storeu_ps(o + 16 * j, acc);
+      }
+    }
+  }
 };
 using Native = NativeT<false>;
 
