@@ -1,8 +1,9 @@
 // The AMX GEMM's loop nest and fp32 epilogue (csrc/kernels/amx/gemm.h) without the tile instructions: Gemm over a
 // tile wrapper whose products and loads do nothing and whose store_c copies fixed int32 sums, so the time is the
 // epilogue's, on any x86 machine. It shows the scalar symmetric epilogue of 7a2f8b6 (GCC 12 unrolled it into 16
-// scalar fmas per token and row block: ~3x slower AMX prefill). Not part of the package. Build and run (on AVX-512
-// machines add -mavx512f -mavx512bw -mavx512vl, as csrc/kernels/amx/kernels.cpp is built):
+// scalar fmas per token and row block: ~3x slower AMX prefill). It times gemm.h's plain C++ epilogue (the emulated
+// policy's; the native policy's hand-vectorized one is in csrc/kernels/amx/kernels.cpp). Not part of the package.
+// Build and run (on AVX-512 machines add -mavx512f -mavx512bw -mavx512vl, as csrc/kernels/amx/kernels.cpp is built):
 //   fl="-O3 -std=gnu++17 -fno-math-errno -ffp-contract=off -mavx2 -mfma"
 //   g++ $fl -Icsrc -o /tmp/amx_epi bench/device/amx_epilogue.cpp
 //   for f in "int4 64" "int8 128" "int4 64 affine" "int8 128 affine"; do /tmp/amx_epi $f; done
@@ -22,6 +23,7 @@ namespace {
 alignas(64) int32_t g_sums[256];
 
 struct NullTiles {
+  static constexpr bool kSignedB = false;
   static void configure(int, int) {}
   static void release() {}
   template <int I, int J>
@@ -42,6 +44,11 @@ struct NullTiles {
   }
   static void unpack_int4(const uint8_t*, int, uint8_t*) {}
   static void prefetch_l2(const void*) {}
+  template <bool kAffine, int NB>
+  static void epilogue_rows(float* out, const int32_t* c, const float* const* ws, const float* const* wm,
+                            const AmxPanel& x, int m0, int rows, int g, int32_t offset) {
+    amx::epilogue_rows<kAffine, NB>(out, c, ws, wm, x, m0, rows, g, offset);  // the plain C++ form
+  }
 };
 
 }  // namespace
