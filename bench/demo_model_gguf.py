@@ -29,8 +29,7 @@ def main(argv=None) -> int:
     if args.out.exists():
         ap.error(f"{args.out} exists; not overwriting it")
 
-    import torch  # noqa: F401  (safetensors' torch loader: the checkpoint is bf16, which numpy cannot hold)
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # (torch's loader: the checkpoint is bf16, which numpy cannot hold)
     from tokenizers import Tokenizer
 
     sys.path.insert(0, str(ROOT / "tests"))

@@ -22,7 +22,7 @@ namespace {
 
 alignas(64) int32_t g_sums[256];
 
-struct NullTiles {
+struct NullTiles : amx::PlainEpilogue {  // the plain C++ epilogue
   static constexpr bool kSignedB = false;
   static void configure(int, int) {}
   static void release() {}
@@ -44,11 +44,6 @@ struct NullTiles {
   }
   static void unpack_int4(const uint8_t*, int, uint8_t*) {}
   static void prefetch_l2(const void*) {}
-  template <bool kAffine, int NB>
-  static void epilogue_rows(float* out, const int32_t* c, const float* const* ws, const float* const* wm,
-                            const AmxPanel& x, int m0, int rows, int g, int32_t offset) {
-    amx::epilogue_rows<kAffine, NB>(out, c, ws, wm, x, m0, rows, g, offset);  // the plain C++ form
-  }
 };
 
 }  // namespace

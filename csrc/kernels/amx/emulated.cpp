@@ -37,7 +37,7 @@ void need(bool ok, const char* what) {
 }
 
 template <bool kSigned>
-struct EmulatedT {
+struct EmulatedT : PlainEpilogue {
   static constexpr bool kSignedB = kSigned;
   static void configure(int a_colsb, int b_rows) {
     need(a_colsb > 0 && a_colsb <= 64 && a_colsb % 4 == 0 && b_rows > 0 && b_rows <= 16, "invalid tile config");
@@ -130,11 +130,6 @@ struct EmulatedT {
       }
   }
   static void prefetch_l2(const void*) {}
-  template <bool kAffine, int NB>
-  static void epilogue_rows(float* out, const int32_t* c, const float* const* ws, const float* const* wm,
-                            const AmxPanel& x, int m0, int rows, int g, int32_t offset) {
-    amx::epilogue_rows<kAffine, NB>(out, c, ws, wm, x, m0, rows, g, offset);
-  }
 };
 using Emulated = EmulatedT<false>;
 

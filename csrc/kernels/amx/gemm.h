@@ -19,8 +19,8 @@
 //   unpack_int4(src, n, dst)    n int4 lines -> 2n int8 lines (low nibbles, then high nibbles, per line; minus 8
 //                               with kSignedB)
 //   prefetch_l2(p)              prefetcht2: the line at p into L2
-//   epilogue_rows<kAffine, NB>(...)  the fp32 epilogue of one group (epilogue_rows below: the emulated policy calls
-//                               it, the native one writes the same operations with intrinsics)
+//   epilogue_rows<kAffine, NB>(...)  the fp32 epilogue of one group (PlainEpilogue below, which the emulated policy
+//                               derives from; the native one writes the same operations with intrinsics)
 //
 // Shapes: a tile step covers 32 tokens (A(0), A(1): 16 each) x 32 outputs (B(0), B(1): 16 rows each) x one K
 // step (bf16: 32 k = 16 B rows of bf16 pairs; int8: min(group, 64) k = 16 or 8 B rows of 4 bytes). A B tile is
@@ -120,21 +120,23 @@ inline void epilogue16(float* __restrict o, const int32_t* __restrict isum, cons
   }
 }
 
-// The epilogue of one group g for panel rows m0 .. m0 + rows and NB blocks of 16 outputs, as plain C++ (the emulated
-// policy's; the native one writes the same operations with AVX-512 intrinsics). out and c point at row m0's outputs
-// and sums (rows kOutStride apart); ws[j] / wm[j]: block j's 16 scales / mins of the group; offset: the weights'
-// unsigned offset (0 for signed B bytes and affine blocks).
-template <bool kAffine, int NB>
-inline void epilogue_rows(float* out, const int32_t* c, const float* const* ws, const float* const* wm,
-                          const AmxPanel& x, int m0, int rows, int g, int32_t offset) {
-  for (int t = 0; t < rows; ++t) {
-    const float xs = x.scales(m0 + t)[g];
-    const int32_t xsum = x.sums(m0 + t)[g];
-    for (int j = 0; j < NB; ++j)
-      epilogue16<kAffine>(out + (size_t)t * kOutStride + 16 * j, c + t * kOutStride + 16 * j, ws[j],
-                          kAffine ? wm[j] : nullptr, xs, xsum, offset);
+// The epilogue of one group g for panel rows m0 .. m0 + rows and NB blocks of 16 outputs, as plain C++: a tile
+// policy without its own (the emulated one) derives from this; the native one writes the same operations with
+// AVX-512 intrinsics. out and c point at row m0's outputs and sums (rows kOutStride apart); ws[j] / wm[j]: block j's
+// 16 scales / mins of the group; offset: the weights' unsigned offset (0 for signed B bytes and affine blocks).
+struct PlainEpilogue {
+  template <bool kAffine, int NB>
+  static void epilogue_rows(float* out, const int32_t* c, const float* const* ws, const float* const* wm,
+                            const AmxPanel& x, int m0, int rows, int g, int32_t offset) {
+    for (int t = 0; t < rows; ++t) {
+      const float xs = x.scales(m0 + t)[g];
+      const int32_t xsum = x.sums(m0 + t)[g];
+      for (int j = 0; j < NB; ++j)
+        epilogue16<kAffine>(out + (size_t)t * kOutStride + 16 * j, c + t * kOutStride + 16 * j, ws[j],
+                            kAffine ? wm[j] : nullptr, xs, xsum, offset);
+    }
   }
-}
+};
 
 template <class Tiles>
 struct Gemm {

@@ -83,20 +83,14 @@ struct NativeT {
     for (int t = 0; t < rows; ++t) {
       const __m512 xs = _mm512_set1_ps(x.scales(m0 + t)[g]);
       const int32_t xsum = x.sums(m0 + t)[g];
-      const __m512i xoff = _mm512_set1_epi32(offset * xsum);
-      const __m512 nxsum = _mm512_set1_ps((float)(-xsum));
       float* o = out + (size_t)t * kOutStride;
       const int32_t* ct = c + (size_t)t * kOutStride;
       for (int j = 0; j < NB; ++j) {  // (maskz_cvt: GCC 12 warns on the unmasked form's undefined pass-through here)
-        const __m512i isum = _mm512_loadu_si512(ct + 16 * j);
-        __m512 acc = _mm512_loadu_ps(o + 16 * j);
-        if constexpr (kAffine) {
-          acc = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xffff, isum), _mm512_mul_ps(w[j], xs), acc);
-          acc = _mm512_fmadd_ps(nxsum, _mm512_mul_ps(m[j], xs), acc);
-        } else {
-          acc = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xffff, _mm512_sub_epi32(isum, xoff)), _mm512_mul_ps(w[j], xs),
-                                acc);
-        }
+        __m512i isum = _mm512_loadu_si512(ct + 16 * j);
+        if constexpr (!kAffine) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset * xsum));
+        __m512 acc = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xffff, isum), _mm512_mul_ps(w[j], xs),
+                                     _mm512_loadu_ps(o + 16 * j));
+        if constexpr (kAffine) acc = _mm512_fmadd_ps(_mm512_set1_ps((float)(-xsum)), _mm512_mul_ps(m[j], xs), acc);
         _mm512_storeu_ps(o + 16 * j, acc);
       }
     }
