@@ -25,10 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hetmoe.config.options import EngineOptions  # noqa: E402
 from hetmoe.engine.cpu_decode import _fp32_copy  # noqa: E402
-from hetmoe.engine.placement import EngineOptions  # noqa: E402
 from hetmoe.engine.runner import Runner  # noqa: E402
-from hetmoe.testing.synthetic import build_random_model  # noqa: E402
+from hetmoe.load.random_weights import build_random_model  # noqa: E402
 
 
 def step(runner: Runner, tok: int, way: str, times: dict) -> None:

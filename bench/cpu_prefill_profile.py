@@ -23,9 +23,9 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hetmoe.engine.placement import EngineOptions  # noqa: E402
+from hetmoe.config.options import EngineOptions  # noqa: E402
 from hetmoe.engine.runner import Runner  # noqa: E402
-from hetmoe.testing.synthetic import build_random_model  # noqa: E402
+from hetmoe.load.random_weights import build_random_model  # noqa: E402
 
 
 def main() -> int:

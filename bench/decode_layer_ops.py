@@ -23,13 +23,14 @@ import triton.runtime.interpreter as interp  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from hetmoe import _C  # noqa: E402
+from hetmoe.config.options import EngineOptions  # noqa: E402
 from hetmoe.cpu import host_funcs  # noqa: E402
-from hetmoe.engine.loader import moe_blocks  # noqa: E402
-from hetmoe.engine.placement import EngineOptions  # noqa: E402
-from hetmoe.layers import triton_attention, triton_fused  # noqa: E402
 from hetmoe.layers.attention import Step  # noqa: E402
+from hetmoe.load.loader import moe_blocks  # noqa: E402
+from hetmoe.load.random_weights import _config, build_random_model  # noqa: E402
 from hetmoe.moe import StreamDecode  # noqa: E402
-from hetmoe.testing.synthetic import _config, build_random_model  # noqa: E402
+from hetmoe.ops.triton import attention as triton_attention  # noqa: E402
+from hetmoe.ops.triton import fused as triton_fused
 
 _patch = interp._patch_lang_tensor
 

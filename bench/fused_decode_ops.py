@@ -20,10 +20,11 @@ import torch  # noqa: E402
 import triton.runtime.interpreter as interp  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from hetmoe.layers import triton_attention, triton_fused  # noqa: E402
 from hetmoe.layers.attention import Step  # noqa: E402
+from hetmoe.load.random_weights import _config  # noqa: E402
 from hetmoe.models import ModelConfig, model_class  # noqa: E402
-from hetmoe.testing.synthetic import _config  # noqa: E402
+from hetmoe.ops.triton import attention as triton_attention  # noqa: E402
+from hetmoe.ops.triton import fused as triton_fused
 
 VIEWS = {"aten::view", "aten::reshape", "aten::split", "aten::split_with_sizes", "aten::slice", "aten::expand",
          "aten::unsqueeze", "aten::squeeze", "aten::transpose", "aten::t", "aten::as_strided", "aten::select",

@@ -4,10 +4,10 @@ cache, peak RSS <= 1.3x the resident size).
     TMPDIR=/dev/shm python3 bench/gguf_load.py --layers 4               # Q4_K_M experts, Q4_K_M-like dense part
     python3 bench/gguf_load.py --layers 8 --gguf /dev/shm/q.gguf --reuse --repeats 3 --json out.json
 
-It writes a random-weight GGUF of a qwen3_moe shape (hetmoe/testing/synthetic.py SHAPES, default qwen3-30b-a3b) cut
+It writes a random-weight GGUF of a qwen3_moe shape (hetmoe/load/random_weights.py SHAPES, default qwen3-30b-a3b) cut
 to ``--layers`` decoder layers, typed as llama.cpp's Q4_K_M is: routed experts Q4_K gate/up and Q6_K down (the mix
 hetmoe holds exactly: int4 affine g32 + int8 g16), attention Q4_K (attn_v Q6_K), the embedding Q4_K, the output
-Q6_K, norms and router F32. Blocks are random bytes with finite fp16 scales (hetmoe/testing/random_gguf.py: no
+Q6_K, norms and router F32. Blocks are random bytes with finite fp16 scales (hetmoe/load/gguf/random_file.py: no
 float copy, GBs in seconds).
 Then, ``--repeats`` times, a fresh process loads it (``load_model``, CPU placement, no expert cache, the dense part
 as the whole 48-layer model places it on the CPU: bf16, int8 linears) and reports
@@ -32,12 +32,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hetmoe.bench.machine import cpu_model, git_commit  # noqa: E402
-from hetmoe.testing.random_gguf import DENSE_Q4_K_M, EXPERT_MIXES, qwen3moe_plan, write_random_gguf  # noqa: E402
-from hetmoe.testing.synthetic import shape_config  # noqa: E402
+from hetmoe.load.gguf.random_file import DENSE_Q4_K_M, EXPERT_MIXES, qwen3moe_plan, write_random_gguf  # noqa: E402
+from hetmoe.load.random_weights import shape_config  # noqa: E402
 
 
 def write_gguf(path, shape: str, layers: int, experts: str, seed: int = 0, log=print) -> dict:
-    """The random-weight GGUF file (hetmoe/testing/random_gguf.py); what was written."""
+    """The random-weight GGUF file (hetmoe/load/gguf/random_file.py); what was written."""
     import gguf
 
     cfg = shape_config(shape, layers)
@@ -55,8 +55,8 @@ if sys.argv[4]:  # another checkout's hetmoe (an A/B): ahead of this one's edita
     sys.meta_path[:] = [f for f in sys.meta_path if "ditable" not in type(f).__name__ + str(f)]
     sys.path.insert(0, sys.argv[4])
 import torch, tqdm, hetmoe.models.qwen3_moe
-from hetmoe.engine.loader import load_model
-from hetmoe.engine.placement import EngineOptions
+from hetmoe.load.loader import load_model
+from hetmoe.config.options import EngineOptions
 def status(key):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))

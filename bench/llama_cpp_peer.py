@@ -8,15 +8,15 @@ on one machine — CPU-only, or with --gpu the hybrid placement (routed experts 
     python3 bench/llama_cpp_peer.py --gpu --layers 48 --experts-type Q4_K_M --dense-type BF16 \\
         --llama-bench /path/llama-cuda/llama-bench --llama-env LD_LIBRARY_PATH=... --dry-run   # print, run nothing
 
-It writes a GGUF file of a hetmoe shape (hetmoe/testing/synthetic.py SHAPES, architecture ``qwen3moe``) with random
-weights (hetmoe/testing/random_gguf.py: quantized blocks written directly, random codes and fp16 scales around a
+It writes a GGUF file of a hetmoe shape (hetmoe/load/random_weights.py SHAPES, architecture ``qwen3moe``) with random
+weights (hetmoe/load/gguf/random_file.py: quantized blocks written directly, random codes and fp16 scales around a
 weight std of 0.02, so a multi-GB file takes seconds and no float copy), then times it with ``llama-bench -p 128,512
 -n 64 -t 2 -o json`` and, one after the other, hetmoe's ``hetmoe bench e2e`` with the matching formats:
 
     llama.cpp routed experts Q4_0 (18 bytes / 32 weights)  = hetmoe int4 group 64 (0.5 + 4/64 = 0.5625 B/w), a shape
                                                               of random weights built in memory (CPU mode)
     llama.cpp routed experts Q4_K_M (Q4_K gate/up, Q6_K     = hetmoe --model THE.gguf: the file's own blocks, held
-    down), Q4_K, Q6_K; any type with --gpu                    exactly (hetmoe/gguf/kquants.py)
+    down), Q4_K, Q6_K; any type with --gpu                    exactly (hetmoe/load/gguf/kquants.py)
     llama.cpp dense Q8_0 (34 / 32 = 1.0625 B/w)             = hetmoe --dense-format int8 (scale per 64)
     llama.cpp dense Q4_0                                     = hetmoe --dense-format int4
     llama.cpp dense F16 / BF16                               = hetmoe --dense-format bf16
@@ -53,8 +53,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hetmoe.bench.machine import cpu_model, git_commit, llc_bytes, mem_total_bytes  # noqa: E402
-from hetmoe.testing.random_gguf import EXPERT_MIXES, qwen3moe_plan, write_random_gguf  # noqa: E402
-from hetmoe.testing.synthetic import shape_config  # noqa: E402
+from hetmoe.load.gguf.random_file import EXPERT_MIXES, qwen3moe_plan, write_random_gguf  # noqa: E402
+from hetmoe.load.random_weights import shape_config  # noqa: E402
 
 EXPERTS_TYPES = ("Q4_0", "Q4_K_M", "Q4_K", "Q6_K")  # keys of EXPERT_MIXES
 SHAPE_FORMATS = {"Q4_0": "int4"}  # llama.cpp type -> hetmoe --experts-format (group 64) of a shape run (CPU mode)

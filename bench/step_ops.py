@@ -17,9 +17,9 @@ import copy
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hetmoe.engine.placement import EngineOptions
+from hetmoe.config.options import EngineOptions
 from hetmoe.layers.attention import Step
-from hetmoe.testing.synthetic import SHAPES, build_random_model
+from hetmoe.load.random_weights import SHAPES, build_random_model
 
 SHAPE = dict(copy.deepcopy(SHAPES["qwen3-30b-a3b"]), vocab_size=512, moe_intermediate_size=64)
 PROMPT, KV_BUCKET = 40, 64

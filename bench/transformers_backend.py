@@ -7,7 +7,7 @@ implementations, in one run on the same machine and the same dense part (issue 2
     python3 bench/transformers_backend.py --dense-format int4    # hetmoe's rows with the dense linears in int4
 
 The model is Transformers' own Qwen3MoeForCausalLM (or the --shape's class) of a real shape with random weights
-(hetmoe/testing/synthetic.py's SHAPES): the dense part and Transformers' experts in --dtype (bf16), the hetmoe
+(hetmoe/load/random_weights.py's SHAPES): the dense part and Transformers' experts in --dtype (bf16), the hetmoe
 engine's experts written straight into its packed --format (fill_random). Each configuration decodes the same
 greedy loop (a --prompt-token prompt, then --tokens steps of one token, the model's own cache) --repeats times,
 alternating configurations; the median step is reported, and beside it the same step with the routed experts
@@ -43,7 +43,7 @@ def build(shape: str, layers: int, dtype: torch.dtype, seed: int = 0):
     """Transformers' model of ``shape`` with ``layers`` decoder layers, random N(0, 0.02) weights in ``dtype``."""
     from transformers import AutoConfig
 
-    from hetmoe.testing.synthetic import shape_config
+    from hetmoe.load.random_weights import shape_config
     from hetmoe.transformers.loading import build_model
 
     cfg = dict(shape_config(shape, layers))
@@ -180,8 +180,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import hetmoe.transformers  # noqa: F401  registers "hetmoe"
+    from hetmoe.config.options import DEFAULT_GROUP
     from hetmoe.cpu import cpu_info
-    from hetmoe.engine.placement import DEFAULT_GROUP, expert_bytes
+    from hetmoe.cpu.layout import expert_bytes
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     fmt, packed = args.dense_format, args.dense_format != "bf16"

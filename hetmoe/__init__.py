@@ -13,8 +13,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "hetmoe.engine.llm",
-    "EngineOptions": "hetmoe.engine.placement",
-    "SamplingParams": "hetmoe.engine.generation",
+    "EngineOptions": "hetmoe.plan.placement",
+    "SamplingParams": "hetmoe.engine.sequence",
     "CPUExperts": "hetmoe.cpu",
 }
 

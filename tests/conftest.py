@@ -70,7 +70,7 @@ def stream():
 
 
 class CheckpointFactory:
-    """Tiny random checkpoints (hetmoe.testing.synthetic.write_checkpoint), each written once per session."""
+    """Tiny random checkpoints (hetmoe.load.random_weights.write_checkpoint), each written once per session."""
 
     def __init__(self, root):
         self.root = root
@@ -78,7 +78,7 @@ class CheckpointFactory:
 
     def __call__(self, arch: str, overrides: dict | None = None, seed: int = 0, dtype: str = "float32", **kw):
         pytest.importorskip("transformers")
-        from hetmoe.testing.synthetic import write_checkpoint
+        from hetmoe.load.random_weights import write_checkpoint
 
         key = (arch, repr(sorted((overrides or {}).items())), seed, dtype, repr(sorted(kw.items())))
         if key not in self._made:

@@ -10,10 +10,10 @@ import re
 import gguf
 import numpy as np
 
-from hetmoe.engine.loader import build_meta, moe_blocks
-from hetmoe.gguf.kquants import KQUANTS
+from hetmoe.load.gguf.kquants import KQUANTS
+from hetmoe.load.loader import build_meta, moe_blocks
+from hetmoe.load.random_weights import _config
 from hetmoe.models.config import _EXPERTS, ModelConfig
-from hetmoe.testing.synthetic import _config
 
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "deepseek_v3": "deepseek2",
              "deepseek_v2": "deepseek2"}
@@ -202,7 +202,7 @@ SYMMETRIC_32 = {"Q8_0": ("int8", "symmetric", 32), "Q4_0": ("int4", "symmetric",
 
 
 def scale_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """Q4_K / Q5_K's 12 scale bytes from eight 6-bit scales and mins [..., 8] (hetmoe/gguf/kquants.py reads them)."""
+    """Q4_K / Q5_K's 12 scale bytes from eight 6-bit scales and mins [..., 8] (hetmoe/load/gguf/kquants.py reads them)."""
     lo, hi = slice(0, 4), slice(4, 8)
     return np.concatenate([(sc[..., lo] & 63) | ((sc[..., hi] >> 4) << 6), (m[..., lo] & 63) | ((m[..., hi] >> 4) << 6),
                            (sc[..., hi] & 15) | ((m[..., hi] & 15) << 4)], axis=-1).astype(np.uint8)

@@ -86,7 +86,7 @@ def mixes_classes(path: EnginePath) -> bool:
 
 
 # Whole-model logits, max |a - b| / max |b|, fp32 dense part, on the tiny random checkpoints of
-# hetmoe.testing.synthetic (11-token prompt, then 2 decode steps), every model_type. MEASURED on the dev machine
+# hetmoe.load.random_weights (11-token prompt, then 2 decode steps), every model_type. MEASURED on the dev machine
 # (AVX-512 Zen 4; amx-emulated gives the AMX class's bits for int8/int4), worst model in brackets:
 #
 #                              bf16 experts           int8 experts           int4 experts

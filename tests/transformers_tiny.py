@@ -63,7 +63,7 @@ def save_tiny(family: str, path, seed: int = 0, dtype: torch.dtype = torch.float
                 b.copy_(0.05 * torch.randn_like(b))
     model.to(dtype).save_pretrained(path, max_shard_size=max_shard_size)
     if tokenizer:
-        from hetmoe.testing.synthetic import build_tokenizer, tokenizer_config
+        from hetmoe.load.random_weights import build_tokenizer, tokenizer_config
 
         tok = build_tokenizer(COMMON["vocab_size"])
         tok.save(str(path / "tokenizer.json"))

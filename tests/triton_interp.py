@@ -95,10 +95,10 @@ def checked_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> 
 def gpu_branch_on_cpu(monkeypatch, driver) -> None:
     """A ``LayerwisePrefill`` on a CPU device takes its GPU branch: the Triton unpack, the sync-free grouped GEMMs
     (``checked_grouped_mm``) and the combine kernel, all under the interpreter."""
-    from hetmoe.moe import layerwise
+    from hetmoe.moe.streamed import layerwise
 
-    triton_module("hetmoe.moe.packed_triton")
-    triton_module("hetmoe.moe.grouped_triton")
+    triton_module("hetmoe.ops.triton.packed")
+    triton_module("hetmoe.ops.triton.grouped")
     monkeypatch.setattr(layerwise, "_grouped_mm_ok", lambda _w: True)
     monkeypatch.setattr(torch, "_grouped_mm", checked_grouped_mm, raising=False)
     driver.triton_unpack = True

@@ -12,7 +12,7 @@ validation loss is measured and the best weights so far are kept; those are the 
 held-out loss is never used for a choice. The training documents are the train files plus chat-formatted examples made
 from their documented public functions (user: "Write a Python function `name`: <docstring summary>", assistant: the
 function's source), so that a chat-wrapped prompt gets code back. Documents are separated by <|endoftext|>.
-Tokenizer: byte-level BPE trained on the train files (hetmoe.testing.synthetic.train_bpe, its special tokens and
+Tokenizer: byte-level BPE trained on the train files (hetmoe.load.random_weights.train_bpe, its special tokens and
 chat template). Training: AdamW, bf16 autocast on CUDA, warmup then cosine decay over ``--steps`` or
 ``--time-budget`` (whichever ends first), random windows of ``--seq-len`` tokens, plus a switch-style load-balancing
 loss per MoE layer, E * sum_e f_e * P_e (f_e: fraction of the layer's token-expert choices that went to e,
@@ -47,8 +47,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the hetmoe command doe
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from hetmoe.load.random_weights import tokenizer_config, train_bpe  # noqa: E402
 from hetmoe.moe.router import route_deepseek_v3  # noqa: E402
-from hetmoe.testing.synthetic import tokenizer_config, train_bpe  # noqa: E402
 
 MODEL = dict(  # 11.6 M parameters (5.9 M in routed experts), 23 MB in bf16
     vocab_size=8192, hidden_size=256, intermediate_size=512, moe_intermediate_size=96, num_hidden_layers=6,
@@ -364,10 +364,10 @@ def check_with_hetmoe(out: Path, ids: torch.Tensor, new_tokens: int) -> dict:
     a fresh load, so the RoPE tables are fp32 again): their logits on ``ids``, and sample completions."""
     import transformers
 
+    from hetmoe.config.options import EngineOptions
     from hetmoe.cpu import cpu_info
-    from hetmoe.engine.generation import SamplingParams
     from hetmoe.engine.llm import LLM
-    from hetmoe.engine.placement import EngineOptions
+    from hetmoe.engine.sampler import SamplingParams
 
     limit = json.loads((out / "config.json").read_text())["max_position_embeddings"]  # the smoke model's is 128
     llm = LLM(out, EngineOptions(device="cpu", experts_format="bf16", dtype="fp32", max_context=min(512, limit)),

@@ -18,8 +18,8 @@ import statistics
 
 import torch
 
-from hetmoe.layers import triton_attention as ta
 from hetmoe.layers.attention import Step, attend
+from hetmoe.ops.triton import attention as ta
 
 P = 64
 

@@ -1,4 +1,4 @@
-"""GPU-resident experts' decode paths (hetmoe/moe/gpu_experts.py): the torch dense path (every resident expert over
+"""GPU-resident experts' decode paths (hetmoe/moe/gpu_resident/experts.py): the torch dense path (every resident expert over
 every token) against the routed Triton path (only the routed resident experts' weights: gpu_experts_triton.py).
 
   python bench/device/gpu_experts.py [--n 38] [--t 1,8] [--layers 16] [--coverage auto] [--variants] [--json FILE]
@@ -21,8 +21,8 @@ import statistics
 import torch
 from attention_kernels import graph_replay_us  # bench/device/: the same CUDA-event median
 
-from hetmoe.moe import gpu_experts_triton as kern
-from hetmoe.moe.gpu_experts import GpuExperts
+from hetmoe.moe.gpu_resident.experts import GpuExperts
+from hetmoe.ops.triton import experts as kern
 
 H, I, E, K = 2048, 768, 128, 8  # qwen3-30b-a3b
 VARIANTS = {  # name -> Launch (gemv, bi, bk_gu, bh, bk_down, warps, stages); defer applies at T = 1 only

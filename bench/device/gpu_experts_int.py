@@ -1,4 +1,4 @@
-"""GPU-resident experts stored in int8/int4 against bf16 (hetmoe/moe/resident_format.py, the routed kernels of
+"""GPU-resident experts stored in int8/int4 against bf16 (hetmoe/moe/gpu_resident/format.py, the routed kernels of
 gpu_experts_triton.py and gpu_experts_triton_int.py), on the qwen3-30b-a3b expert shape.
 
   python bench/device/gpu_experts_int.py [--n 29,105] [--storage bf16,int8,int4] [--group 64] [--t 1,4,8]
@@ -24,10 +24,10 @@ import torch
 from attention_kernels import graph_replay_us  # bench/device/: the same CUDA-event median
 from gpu_experts import VARIANTS, routing  # bench/device/gpu_experts.py
 
-from hetmoe.moe import gpu_experts_triton as kern
-from hetmoe.moe import gpu_experts_triton_int as kern_int
-from hetmoe.moe import resident_format as rf
-from hetmoe.moe.gpu_experts import GpuExperts
+from hetmoe.moe.gpu_resident import format as rf
+from hetmoe.moe.gpu_resident.experts import GpuExperts
+from hetmoe.ops.triton import experts as kern
+from hetmoe.ops.triton import experts_int as kern_int
 
 H, I, E, K = 2048, 768, 128, 8  # qwen3-30b-a3b
 

@@ -26,8 +26,8 @@ import torch
 from attention_kernels import graph_replay_us, timed_us  # bench/device/: the same CUDA-event medians
 from torch import nn
 
-from hetmoe.layers import triton_linear
 from hetmoe.layers.gpu_linear import GPULinear, _scaled_mm_fp8, blockwise_scaled_mm
+from hetmoe.ops.triton import linear as triton_linear
 
 SHAPES = {"qwen3 qkv": (5120, 2048), "qwen3 o": (2048, 4096), "qwen3 lm_head": (151936, 2048),
           "dsv3 q_b": (24576, 1536), "dsv3 o": (7168, 16384), "dsv3 gate_up": (36864, 7168)}

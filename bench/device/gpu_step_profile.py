@@ -23,10 +23,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from hetmoe.bench.decode_variants import _offloaded
+from hetmoe.config.options import EngineOptions
 from hetmoe.engine.cuda_graph import padded_size
-from hetmoe.engine.placement import EngineOptions
 from hetmoe.engine.runner import Runner
-from hetmoe.testing.synthetic import build_random_model
+from hetmoe.load.random_weights import build_random_model
 
 
 def opt(name: str, default: str) -> str:

@@ -15,9 +15,9 @@ import torch
 
 from hetmoe.bench.decode_variants import _decode_times, set_deferral, time_split
 from hetmoe.bench.e2e import _expert_pool, roofline_bytes
-from hetmoe.engine.placement import EngineOptions
+from hetmoe.config.options import EngineOptions
 from hetmoe.engine.runner import Runner
-from hetmoe.testing.synthetic import build_random_model
+from hetmoe.load.random_weights import build_random_model
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 opts = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)

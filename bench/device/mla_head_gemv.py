@@ -1,4 +1,4 @@
-"""MLA's absorbed per-head products at decode (hetmoe/layers/triton_mla.py): ``head_gemv`` against
+"""MLA's absorbed per-head products at decode (hetmoe/ops/triton/mla.py): ``head_gemv`` against
 ``torch.einsum`` (cuBLAS's batched GEMM) for T rows, on DeepSeek-V3's shapes (128 heads, W_uk [h, 128, 512] and
 W_uv^T [h, 512, 128] as views of kv_b_proj's weight), bf16. The A/B behind ``HEAD_GEMV_MAX_T``.
 
@@ -17,7 +17,7 @@ import json
 import torch
 from attention_kernels import graph_replay_us  # bench/device/: the same CUDA-event medians
 
-from hetmoe.layers.triton_mla import head_gemv
+from hetmoe.ops.triton.mla import head_gemv
 
 H, NOPE, V, R = 128, 128, 128, 512
 COPIES = 8  # 8 x 33.5 MB of kv_b_proj: over the H200's L2

@@ -14,9 +14,9 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hetmoe.engine.placement import EngineOptions
+from hetmoe.config.options import EngineOptions
 from hetmoe.engine.runner import Runner
-from hetmoe.testing.synthetic import build_random_model
+from hetmoe.load.random_weights import build_random_model
 
 
 def opt(name: str, default: str) -> str:

@@ -16,9 +16,10 @@ import time
 
 import torch
 
-from hetmoe.engine.loader import LoadedModel, defer_experts, moe_blocks
-from hetmoe.engine.rules import defer_layers
 from hetmoe.engine.runner import Runner
+from hetmoe.load.loader import LoadedModel, moe_blocks
+from hetmoe.load.rules import defer_layers
+from hetmoe.moe import defer_experts
 
 DEFER = (1, 2, 3, 4, 5, 6, 7)  # d < top_k only
 SPLIT_STEPS = 10

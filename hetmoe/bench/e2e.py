@@ -1,6 +1,6 @@
 """``hetmoe bench e2e``: prefill and decode of a whole model, per placement, against the decode roofline.
 
-The model is a real shape with random weights (``hetmoe.testing.synthetic.SHAPES``, built in memory) or a checkpoint
+The model is a real shape with random weights (``hetmoe.load.random_weights.SHAPES``, built in memory) or a checkpoint
 directory. For each placement — ``cpu`` (everything on the CPU) and ``hybrid`` (routed experts on the CPU, the rest
 on the GPU); ``--device auto`` runs both where there is a GPU, building the model once per placement — it reports:
 
@@ -33,12 +33,13 @@ from hetmoe.bench.decode_variants import decode_variants, fmt_variants
 from hetmoe.bench.long_context import kv_contexts
 from hetmoe.bench.machine import GB, llc_bytes, machine_info, write_json
 from hetmoe.bench.prefill import prefill_paths, time_prefill
-from hetmoe.cli.options import engine_options
-from hetmoe.engine.dense import packed_bytes
-from hetmoe.engine.loader import LoadedModel, load_model, moe_blocks
-from hetmoe.engine.placement import EngineOptions, free_ram
+from hetmoe.config.flags import engine_options
+from hetmoe.config.options import EngineOptions
 from hetmoe.engine.runner import Runner
-from hetmoe.testing.synthetic import SHAPES, build_random_model
+from hetmoe.load.dense import packed_bytes
+from hetmoe.load.loader import LoadedModel, load_model, moe_blocks
+from hetmoe.load.random_weights import SHAPES, build_random_model
+from hetmoe.plan.sysmem import free_ram
 
 DEFAULT_SHAPE = "qwen3-30b-a3b"
 DECODE_WARMUP = 2  # untimed decode steps before each timed run

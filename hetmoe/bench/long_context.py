@@ -23,9 +23,9 @@ import time
 import torch
 
 from hetmoe.bench.decode_variants import median_ms, time_split
-from hetmoe.engine.loader import LoadedModel
 from hetmoe.engine.runner import Runner
 from hetmoe.layers.attention import paged_kernels
+from hetmoe.load.loader import LoadedModel
 
 PREFILL_MAX = 32768  # prefill attention is timed up to this length (past it: minutes, and the sdpa path's masks)
 

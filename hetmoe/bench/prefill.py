@@ -1,11 +1,11 @@
 """Prefill by path, for ``hetmoe bench e2e`` on a GPU: per prompt length, the routed experts on the CPU engine, on
-the layerwise GPU path (hetmoe/moe/layerwise.py) and with the automatic choice between them, beside the PCIe
+the layerwise GPU path (hetmoe/moe/streamed/layerwise.py) and with the automatic choice between them, beside the PCIe
 roofline of the GPU path: a prompt of T tokens cannot prefill faster than T / (one pass over every layer's packed
 experts at the measured H2D rate). The GPU path's time per MoE layer is split into its copy, its expert compute, the
-CPU's share (hetmoe/moe/cpu_share.py) and the main stream's idle time waiting for either (CUDA events); they
+CPU's share (hetmoe/moe/streamed/cpu_share.py) and the main stream's idle time waiting for either (CUDA events); they
 overlap, so a layer takes about the largest of the first three. With a CPU share, the GPU path is also timed without
 it (``gpu_no_share``: the A/B in one run). Where layers copied only their routed experts
-(hetmoe/moe/expert_copy.py), the line says how many per layer."""
+(hetmoe/moe/streamed/copy.py), the line says how many per layer."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from hetmoe.engine.loader import LoadedModel
 from hetmoe.engine.runner import Runner
+from hetmoe.load.loader import LoadedModel
 
 
 def time_prefill(runner: Runner, n: int, repeats: int, gen: torch.Generator) -> list:

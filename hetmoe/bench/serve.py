@@ -38,7 +38,7 @@ STARTUP_TIMEOUT_S = 600.0
 
 def _start_server(args) -> tuple:
     """``hetmoe serve`` on port 0 with this command's engine options -> (process, base url of the API)."""
-    from hetmoe.cli.options import engine_fields
+    from hetmoe.config.flags import engine_fields
 
     cmd = [sys.executable, "-m", "hetmoe", "serve", "--port", "0", "--max-batch", str(args.max_batch)]
     for flag, value in (("--model", args.model), ("--shape", args.shape), ("--layers", args.layers),

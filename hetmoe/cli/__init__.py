@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 from hetmoe import __version__
 from hetmoe.cli import bench, chat, doctor, eval, generate, plan, serve, tune
-from hetmoe.cli.options import ISAS, MODEL_SHAPES, SHAPE_NAMES, engine_usage_error
+from hetmoe.config.flags import ISAS, MODEL_SHAPES, SHAPE_NAMES, engine_usage_error
 
 __all__ = ["Parser", "build_parser", "main", "ISAS", "MODEL_SHAPES", "SHAPE_NAMES"]
 

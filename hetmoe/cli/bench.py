@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from hetmoe.cli.options import (
+from hetmoe.cli.options import add_shape_options
+from hetmoe.config.flags import (
     ISAS,
     MODEL_SHAPES,
     SHAPE_NAMES,
     add_engine_options,
-    add_shape_options,
     choice_list,
     int_list,
     nonneg_float,

@@ -11,7 +11,8 @@ import signal
 import sys
 from pathlib import Path
 
-from hetmoe.cli.options import add_engine_options, add_sampling_options, open_llm
+from hetmoe.cli.options import add_sampling_options, open_llm
+from hetmoe.config.flags import add_engine_options
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from hetmoe.cli.options import ISAS, numa, positive_int
+from hetmoe.config.flags import ISAS, numa, positive_int
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

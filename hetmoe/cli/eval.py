@@ -1,7 +1,7 @@
 """``hetmoe eval``: perplexity of one configuration of a model on a text, and the KL divergence and top-1
 agreement of its next-token distributions against the same model with ``--reference-format`` experts (bf16 by
 default, nothing dropped or deferred), both run over identical windows of tokens. The math and the windowing are
-in hetmoe/engine/evaluation.py.
+in hetmoe/tools/evaluation.py.
 
 Both configurations are loaded at once (the reference's dense part and experts too): meant for models whose
 two copies fit in memory; ``--reference-format none`` loads one copy and reports perplexity only.
@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from hetmoe.cli.options import add_engine_options, engine_options, expert_cache, positive_int
+from hetmoe.config.flags import add_engine_options, engine_options, expert_cache, positive_int
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -88,7 +88,7 @@ def _table(report: dict) -> str:
 
 
 def _native_opener(cache, progress: bool):
-    from hetmoe.engine.loader import load_model
+    from hetmoe.load.loader import load_model
 
     def open_native(path, opts):
         return load_model(path, opts, expert_cache=cache, progress=progress), None
@@ -111,12 +111,12 @@ def _transformers_opener(cfg, drop: int):
 
 
 def run(args: argparse.Namespace) -> int:
-    from hetmoe.engine.evaluation import evaluate
     from hetmoe.engine.llm import default_model_path
-    from hetmoe.engine.loader import check_model_dir, load_tokenizer, moe_blocks
-    from hetmoe.engine.placement import normalize_options
     from hetmoe.engine.runner import Runner
+    from hetmoe.load.loader import check_model_dir, load_tokenizer, moe_blocks
     from hetmoe.models import MODEL_TYPES, context_limit
+    from hetmoe.plan.placement import normalize_options
+    from hetmoe.tools.evaluation import evaluate
 
     drop = args.drop_experts
     if drop < 0:

@@ -7,7 +7,8 @@ import argparse
 import json
 import sys
 
-from hetmoe.cli.options import add_engine_options, add_sampling_options, open_llm
+from hetmoe.cli.options import add_sampling_options, open_llm
+from hetmoe.config.flags import add_engine_options
 
 DEFAULT_PROMPT = "Write a Python function `read_lines`: Return the lines of a text file as a list."
 

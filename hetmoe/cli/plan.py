@@ -3,7 +3,7 @@ engine and budget options, printed as a table (what goes where, bytes, why) with
 status 0 when it fits, 1 when it does not (the table, then the reason on stderr).
 
 The model is built on the meta device from its config (config.json, the GGUF metadata, or
-hetmoe.testing.synthetic.SHAPES) and planned as the loader plans it (loader.plan_model). ``--device cuda`` on a
+hetmoe.load.random_weights.SHAPES) and planned as the loader plans it (loader.plan_model). ``--device cuda`` on a
 machine without a GPU plans for one: its memory then comes from ``--gpu-memory``.
 """
 
@@ -13,7 +13,8 @@ import argparse
 import sys
 from typing import Callable
 
-from hetmoe.cli.options import add_engine_options, add_shape_options, engine_options
+from hetmoe.cli.options import add_shape_options
+from hetmoe.config.flags import add_engine_options, engine_options
 
 WIDTH = 100  # columns of the table
 
@@ -34,8 +35,9 @@ def checkpoint_model(path, options, log: Callable[[str], None]) -> tuple:
     """(config, meta model, MoE blocks, expert intermediate size, options, GGUF expert types) of the checkpoint at
     ``path``: its config and tensor headers only, as load_model reads them before its plan (a GGUF file's experts
     format and per-layer types too)."""
-    from hetmoe.engine.checkpoint import CheckpointError
-    from hetmoe.engine.loader import _expert_keys, build_meta, checked_config, moe_blocks, open_checkpoint
+    from hetmoe.load.checkpoint import CheckpointError
+    from hetmoe.load.loader import build_meta, checked_config, moe_blocks, open_checkpoint
+    from hetmoe.load.materialize import expert_keys
 
     ckpt, types = open_checkpoint(path), ()
     try:
@@ -47,7 +49,7 @@ def checkpoint_model(path, options, log: Callable[[str], None]) -> tuple:
             raise CheckpointError(f"{source} does not describe a {cfg.get('model_type')} model ({err})") from None
         blocks, inter = moe_blocks(model), 0
         if blocks:
-            names = _expert_keys(ckpt, blocks[0][0])
+            names = expert_keys(ckpt, blocks[0][0])
             inter = ckpt.shape(f"{blocks[0][0]}.experts.0.{names[0]}.weight")[0]
             if hasattr(ckpt, "experts_options"):  # a GGUF file: experts at their own precision by default
                 options = ckpt.experts_options([f"{blocks[0][0]}.experts.0.{n}.weight" for n in names], options, log)
@@ -58,9 +60,9 @@ def checkpoint_model(path, options, log: Callable[[str], None]) -> tuple:
 
 
 def shape_model(shape: str, layers, options) -> tuple:
-    """As ``checkpoint_model``, for a named shape of hetmoe.testing.synthetic.SHAPES."""
-    from hetmoe.engine.loader import build_meta, moe_blocks
-    from hetmoe.testing.synthetic import shape_config
+    """As ``checkpoint_model``, for a named shape of hetmoe.load.random_weights.SHAPES."""
+    from hetmoe.load.loader import build_meta, moe_blocks
+    from hetmoe.load.random_weights import shape_config
 
     cfg = shape_config(shape, layers)
     model = build_meta(cfg)
@@ -74,8 +76,9 @@ def make_plan(args: argparse.Namespace, log: Callable[[str], None] = _log) -> tu
     import torch
 
     from hetmoe.engine.llm import default_model_path
-    from hetmoe.engine.loader import plan_model
-    from hetmoe.engine.placement import PlanError, normalize_options, resolve_device
+    from hetmoe.load.loader import plan_model
+    from hetmoe.plan.memory import PlanError
+    from hetmoe.plan.placement import normalize_options, resolve_device
 
     if args.model is not None and args.shape is not None:
         raise ValueError("--model and --shape name two models; give one")

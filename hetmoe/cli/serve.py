@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from hetmoe.cli.options import add_engine_options, add_shape_options, port, positive_int
+from hetmoe.cli.options import add_shape_options
+from hetmoe.config.flags import add_engine_options, port, positive_int
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

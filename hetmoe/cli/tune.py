@@ -1,6 +1,6 @@
 """``hetmoe tune``: measure which engine options decode fastest on this machine (threads; with a GPU the GPU experts,
 the Expert Deferral depth and the prefill threshold; on the CPU alone the dense format), within a perplexity bound,
-and write them as a ``--config`` file. The stages and what each measures: hetmoe/engine/tune.py."""
+and write them as a ``--config`` file. The stages and what each measures: hetmoe/tools/tune.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from hetmoe.cli.options import TYPES, add_engine_options, add_shape_options, engine_fields, engine_options, expert_cache
+from hetmoe.cli.options import add_shape_options
+from hetmoe.config.flags import TYPES, add_engine_options, engine_fields, engine_options, expert_cache
 
 DEFAULT_OUT = "hetmoe-tune.yaml"
 
@@ -25,7 +26,7 @@ def percent(text: str) -> float:
 
 def candidates(text: str) -> tuple:
     """``--try threads=8,12,14``: an option tune chooses and the values to try, each parsed as its flag parses it."""
-    from hetmoe.engine.tune import TUNED
+    from hetmoe.tools.tune import TUNED
 
     name, _, values = text.partition("=")
     name = name.strip().lstrip("-").replace("-", "_")
@@ -73,7 +74,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def _header(result, source, machine: dict, fixed: list, out: Path) -> list:
     from hetmoe import __version__
-    from hetmoe.engine.tune import summary
+    from hetmoe.tools.tune import summary
 
     b = result.budget
     return [
@@ -99,10 +100,10 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from hetmoe.bench.machine import cpu_model, git_commit
+    from hetmoe.config import file as config_file
     from hetmoe.cpu import cpu_info
-    from hetmoe.engine import config_file
     from hetmoe.engine.llm import default_model_path
-    from hetmoe.engine.tune import TUNED, Source, Tuner, fmt_rows
+    from hetmoe.tools.tune import TUNED, Source, Tuner, fmt_rows
 
     out = Path(args.out)
     if out.is_dir():

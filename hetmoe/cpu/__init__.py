@@ -6,18 +6,19 @@ functions through which a CUDA stream submits and waits for CPU jobs (``HostFunc
 them is ``hetmoe._C`` (csrc/)."""
 
 from hetmoe import _C  # noqa: F401
+from hetmoe.config.options import AMX_EMULATED, ISAS, NumaOption
 from hetmoe.cpu.attention import attention_kernel, decode_attention
 from hetmoe.cpu.codes import load_codes
-from hetmoe.cpu.experts import AMX_EMULATED, ISAS, WEIGHT_FORMATS, CPUExperts, HostRoute, Slots
-from hetmoe.cpu.host_funcs import MECHANISMS, HostFuncs, _leaked_jobs, cuda_hooks_available, default_mechanism
+from hetmoe.cpu.experts import WEIGHT_FORMATS, CPUExperts, HostRoute, Slots
+from hetmoe.cpu.host_funcs import MECHANISMS, HostFuncs, leaked_jobs, cuda_hooks_available, default_mechanism
 from hetmoe.cpu.linear import CPULinear
-from hetmoe.cpu.numa import NumaOption, resolve_subpools
+from hetmoe.cpu.numa import resolve_subpools
 from hetmoe.cpu.pool import HYBRID_RESERVED_CORES, ExpertPool, MoEJob, cpu_info, default_threads, shared_pool
 
 __all__ = [
     "AMX_EMULATED", "ISAS", "WEIGHT_FORMATS", "CPUExperts", "HostRoute", "Slots", "load_codes", "CPULinear",
     "MECHANISMS", "HostFuncs",
-    "_leaked_jobs", "cuda_hooks_available", "default_mechanism", "NumaOption", "resolve_subpools",
+    "leaked_jobs", "cuda_hooks_available", "default_mechanism", "NumaOption", "resolve_subpools",
     "HYBRID_RESERVED_CORES", "ExpertPool", "MoEJob", "cpu_info", "default_threads", "shared_pool",
     "attention_kernel", "decode_attention",
 ]

@@ -4,7 +4,7 @@
 
     out[t] (+)= sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),   e = topk_ids[t, j]
 
-It is an experts backend of the MoE layer (``hetmoe.moe.backends.ExpertsBackend``); its jobs run on an
+It is an experts backend of the MoE layer (``hetmoe.moe.experts.ExpertsBackend``); its jobs run on an
 ``ExpertPool`` (hetmoe/cpu/pool.py).
 
 Shape letters: T tokens, E experts, k experts per token, H hidden size, I expert intermediate size.
@@ -13,22 +13,16 @@ Shape letters: T tokens, E experts, k experts per token, H hidden size, I expert
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
 from hetmoe import _C
-from hetmoe.cpu.numa import NumaOption, resolve_subpools
+from hetmoe.config.options import AMX_EMULATED, ISAS, NumaOption
+from hetmoe.cpu.numa import resolve_subpools
 from hetmoe.cpu.pool import ExpertPool, MoEJob, shared_pool
 
-if TYPE_CHECKING:  # hetmoe.moe imports this module: the router type is for annotations only
-    from hetmoe.moe.router import RouterSpec
-
 WEIGHT_FORMATS = ("bf16", "int8", "int4")
-ISAS = ("scalar", "avx2", "avx512", "amx")
-# Tests only: the AMX GEMM through a plain C++ emulation of the tile instructions (any CPU; slow), with the
-# best non-AMX row-block kernels for experts with few tokens.
-AMX_EMULATED = "amx-emulated"
 
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
 PARTS = ("all", "immediate", "deferred")  # Slots.part
@@ -82,7 +76,7 @@ class HostRoute:
     a CPU fp32 ``[E]`` tensor or None."""
 
     logits: torch.Tensor
-    router: "RouterSpec"
+    router: object  # hetmoe.moe.router.RouterSpec (kind, top_k, host_routable, correction_bias)
 
 
 def _check_tensor(name: str, t, dtypes: tuple, ndim: int) -> torch.Tensor:

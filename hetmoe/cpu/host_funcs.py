@@ -22,7 +22,7 @@ def cuda_hooks_available() -> bool:
     return _C.cuda_hooks_available()
 
 
-def _stream_arg(stream, what: str):
+def stream_arg(stream, what: str):
     """The raw handle of ``stream`` (a torch.cuda.Stream; None: the current stream), or a ``_C.FakeStream``."""
     if isinstance(stream, _C.FakeStream):  # the stand-in the CPU tests use
         return stream
@@ -47,7 +47,7 @@ def _synchronize_cuda() -> None:
         pass
 
 
-_leaked_jobs: list = []  # jobs of host functions closed before their stream reached them (see HostFuncs.close)
+leaked_jobs: list = []  # jobs of host functions closed before their stream reached them (see HostFuncs.close)
 
 
 MECHANISMS = ("signals", "callbacks")
@@ -125,7 +125,7 @@ class HostFuncs:
             if c.n_not_run:
                 _synchronize_cuda()
             leaked = set(c.close())
-            _leaked_jobs.extend(job for pid, job in self._jobs.items() if pid in leaked)
+            leaked_jobs.extend(job for pid, job in self._jobs.items() if pid in leaked)
             self._jobs.clear()
 
     def __del__(self):

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from hetmoe import _C
-from hetmoe.cpu.experts import AMX_EMULATED, ISAS
+from hetmoe.config.formats import dense_format
+from hetmoe.config.options import AMX_EMULATED, ISAS
 from hetmoe.cpu.pool import ExpertPool, MoEJob, shared_pool
-from hetmoe.layers.linear import dense_format
 
 GROUPS = (32, 64, 128)  # int8 / int4 scale groups along K; both also take 0 (one scale per row)
 LOAD_CHUNK_BYTES = 64 << 20  # fp32 rows converted at once by load(): no fp32 copy of a whole lm_head

@@ -9,28 +9,9 @@ for tests). Machine topology is read from /sys/devices/system (csrc/runtime/topo
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
-NumaOption = Union[str, int]
-
-
-def parse_numa(value: Optional[NumaOption]) -> NumaOption:
-    """``"auto"`` (also None), ``"off"``, or an int >= 1 (also given as text); ValueError otherwise."""
-    if value is None:
-        return "auto"
-    if isinstance(value, bool):
-        raise ValueError(f"numa must be auto, off or a number of subpools >= 1, got {value!r}")
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, str) and value.strip().lower() in ("auto", "off"):
-        return value.strip().lower()
-    elif isinstance(value, str) and value.strip().isdigit():
-        n = int(value)
-    else:
-        raise ValueError(f"numa must be auto, off or a number of subpools >= 1, got {value!r}")
-    if n < 1:
-        raise ValueError(f"numa must be auto, off or a number of subpools >= 1, got {value!r}")
-    return n
+from hetmoe.config.options import NumaOption, parse_numa
 
 
 def topology(root: Optional[str] = None, allowed: Optional[list] = None) -> dict:

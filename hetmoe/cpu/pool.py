@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from hetmoe import _C
-from hetmoe.cpu.host_funcs import HostFuncs, _stream_arg
-from hetmoe.cpu.numa import NumaOption, resolve_subpools
+from hetmoe.config.options import NumaOption
+from hetmoe.cpu.host_funcs import HostFuncs, stream_arg
+from hetmoe.cpu.numa import resolve_subpools
 
 if TYPE_CHECKING:
     from hetmoe.cpu.experts import CPUExperts
@@ -118,7 +119,7 @@ class ExpertPool:
         """
         if not isinstance(job, MoEJob):
             raise TypeError(f"submit_on_stream expects a MoEJob (from CPUExperts.prepare), got {type(job).__name__}")
-        handle = _stream_arg(stream, "submit_on_stream")
+        handle = stream_arg(stream, "submit_on_stream")
         self._owner(host_funcs).submit(self, job, handle)
 
     def sync_on_stream(self, allow_pending: int = 0, stream=None, *, host_funcs: Optional[HostFuncs] = None) -> None:
@@ -129,7 +130,7 @@ class ExpertPool:
         """
         if int(allow_pending) < 0:
             raise ValueError(f"allow_pending must be >= 0, got {allow_pending}")
-        handle = _stream_arg(stream, "sync_on_stream")
+        handle = stream_arg(stream, "sync_on_stream")
         self._owner(host_funcs).sync(self, int(allow_pending), handle)
 
     def _owner(self, host_funcs: Optional[HostFuncs]) -> HostFuncs:

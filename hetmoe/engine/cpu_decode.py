@@ -2,7 +2,7 @@
 PyTorch ops and a round trip through Python per call (issue 23).
 
 For every decoder layer (pre-norm, GQA attention whose q/k/v and o_proj are packed into the engine,
-hetmoe/engine/dense.py):
+hetmoe/load/dense.py):
 
     qkv = self_attn.qkv(x, norm=input_layernorm)          RMSNorm + the fused q/k/v projection
     a   = decode_block(qkv, ...)                          q/k norm, RoPE, cache write, attention

@@ -83,7 +83,7 @@ class GraphDecoder:
 
     ``hybrid``: the model's StreamDecode (None when no routed experts are offloaded). ``cuda_graph``: capture and
     replay, or run the same forward eagerly (no padding, attended length bucketed). ``fused``: the steps take the
-    models' fused decode path (``Step.fused``, layers/triton_fused.py) and the MoE layers' mapped staging
+    models' fused decode path (``Step.fused``, ops/triton/fused.py) and the MoE layers' mapped staging
     (``StreamDecode.step(mapped=True)``: no copies between the GPU and the CPU jobs)."""
 
     def __init__(self, model, cache, max_batch: int, max_context: int, device: torch.device, hybrid=None,

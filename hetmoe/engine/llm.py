@@ -2,7 +2,9 @@
 object the CLI commands and Python users share. Every call goes through the engine's scheduler
 (engine/scheduler.py), the loop the server runs too: continuous batching, prefix reuse, stop handling.
 
-    from hetmoe import LLM, EngineOptions, SamplingParams
+    from hetmoe import LLM
+    from hetmoe.config.options import EngineOptions
+    from hetmoe.engine.sampler import SamplingParams
     llm = LLM("path/to/DeepSeek-V3", EngineOptions(experts_format="int4", max_batch=4))
     print(llm.generate("Explain MoE in one sentence.", SamplingParams(max_tokens=64)).text)
     outs = llm.generate(["First prompt", "Second prompt"])           # a list: generated together, in order
@@ -19,13 +21,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
-from hetmoe.engine.generation import GenerationResult, SamplingParams
-from hetmoe.engine.loader import LoadedModel, check_model_dir, load_model, load_tokenizer
-from hetmoe.engine.placement import EngineOptions
+from hetmoe.config.options import EngineOptions
 from hetmoe.engine.runner import Runner
+from hetmoe.engine.sampler import SamplingParams
 from hetmoe.engine.scheduler import Request, Scheduler
-from hetmoe.engine.tokenizer import Tokenizer
+from hetmoe.engine.sequence import GenerationResult
+from hetmoe.load.loader import LoadedModel, check_model_dir, load_model, load_tokenizer
 from hetmoe.models import MODEL_TYPES
+from hetmoe.tokenizer import Tokenizer
 
 Prompt = Union[str, list]  # text, or a conversation: a list of {"role", "content"} messages
 Params = Union[SamplingParams, Sequence[SamplingParams], None]

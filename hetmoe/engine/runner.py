@@ -9,7 +9,7 @@ Every call builds the one ``Step`` (positions, slots) the model sees; the model 
 On a GPU, decode steps go through ``engine/cuda_graph.py`` (one CUDA graph per batch size, replayed every token;
 ``EngineOptions.cuda_graph=False`` runs the same step eagerly) and the MoE layers whose experts run on the CPU
 through ``moe/stream.py`` (CPU jobs in CUDA stream order). Prefill stays eager; chunks of at least
-``layerwise.min_tokens`` tokens compute their routed experts on the GPU (``moe/layerwise.py``).
+``layerwise.min_tokens`` tokens compute their routed experts on the GPU (``moe/streamed/layerwise.py``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import torch
 from hetmoe import cpu
 from hetmoe.engine.cpu_decode import LeanDecode
 from hetmoe.engine.cuda_graph import GraphDecoder
-from hetmoe.engine.loader import LoadedModel, moe_blocks
-from hetmoe.layers.attention import KVCacheFull, Step, paged_kernels
+from hetmoe.layers.attention import Step, paged_kernels
+from hetmoe.layers.kv_cache import KVCacheFull
+from hetmoe.load.loader import LoadedModel, moe_blocks
 from hetmoe.moe import StreamDecode
 
 KV_BUCKET = 64

@@ -43,9 +43,10 @@ from typing import Callable, Optional
 
 import torch
 
-from hetmoe.engine.generation import GenerationResult, SamplingParams, SequenceState, Timings
-from hetmoe.engine.tokenizer import Tokenizer
+from hetmoe.engine.sampler import SamplingParams
+from hetmoe.engine.sequence import GenerationResult, SequenceState, Timings
 from hetmoe.layers.kv_cache import KVCacheFull
+from hetmoe.tokenizer import Tokenizer
 
 PREFILL_TOKENS = 512  # padded tokens one batched prefill call may hold (short prompts arriving together)
 

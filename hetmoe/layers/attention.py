@@ -5,7 +5,7 @@ New keys/values are written at their absolute positions, and a query at position
 attend to and later overwrite.
 
 Two ways to attend (``attend_cache``): over a paged cache on a GPU, the Triton kernels of
-layers/triton_attention.py read the pages in place, causal from each token's position, no mask anywhere (measured
+ops/triton/attention.py read the pages in place, causal from each token's position, no mask anywhere (measured
 faster than the SDPA flash kernel the engine runs, BENCHMARKS.md#attention-kernels); else (CPU, no Triton,
 ``--attention sdpa``) PyTorch's SDPA over the cache rows: ``is_causal`` for a prompt from position 0, the lower-right
 causal bias after a cached prefix, an additive mask for batches of several sequences. A decode step over the contiguous
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetmoe.layers.kv_cache import KVCache, KVCacheFull  # noqa: F401  (the models import them from here)
+from hetmoe.layers.kv_cache import KVCache
 from hetmoe.layers.linear import FusedLinears
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import apply_rope
@@ -40,7 +40,7 @@ class Step:
     first_slot: int | None = None
     start: int | None = None  # when every row's positions are start, start + 1, ...: that start
     # a decode step of the fused path (the CUDA graph's, engine/cuda_graph.py): layers run their element-wise work
-    # as the Triton kernels of layers/triton_fused.py (PreNormDecoderLayer.forward_fused)
+    # as the Triton kernels of ops/triton/fused.py (PreNormDecoderLayer.forward_fused)
     fused: bool = False
     _masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # attn_mask's, once per call
 
@@ -92,7 +92,7 @@ def attend_cache(q: torch.Tensor, cache: KVCache, layer: int, step: Step, scale:
     if decode:  # lens = positions + 1: each token attends to its own position and those before
         return decode(q[:, 0], cache.k[layer], cache.v[layer], step.slots, step.positions[:, 0] + 1, scale).unsqueeze(1)
     if cache.paged:
-        from hetmoe.layers import triton_attention
+        from hetmoe.ops.triton import attention as triton_attention
 
         k, v = cache.pages(layer)
         if q.shape[1] == 1:
@@ -108,7 +108,7 @@ def mla_latent_paged(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: KVCache, la
     """MLA's absorbed attention over a paged latent cache (k: c_kv [.., 1, r], v: k_pe): q_lat [B, S, h, r],
     q_pe [B, S, h, rope] -> [B, S, h, r]. One decode row per query token; the latent is key part 1 and the
     value, read once per page."""
-    from hetmoe.layers import triton_attention
+    from hetmoe.ops.triton import attention as triton_attention
 
     B, S, h, r = q_lat.shape
     c, pe = cache.pages(layer)
@@ -136,7 +136,7 @@ def mla_expanded_paged(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tenso
     """MLA's expanded attention: q_nope [B, S, h, nope] and q_pe [B, S, h, rope] over the expanded rows kv [B, ctx,
     h, nope + v] (whole pages, from KVCache.rows) and the rope keys pe [B, ctx, 1, rope] shared by the heads ->
     [B, S, h, v]. The rows are handed to the prefill kernel as pages of an identity table."""
-    from hetmoe.layers import triton_attention
+    from hetmoe.ops.triton import attention as triton_attention
 
     B, ctx, h, _ = kv.shape
     nope, n = q_nope.shape[-1], B * ctx // page_size
@@ -198,7 +198,7 @@ class GQAAttention(nn.Module):
         self.qkv = None  # a FusedLinears once fuse_projections ran
 
     def fuse_projections(self) -> None:
-        if self.qkv is None:  # once: the loader may have fused (and packed, engine/dense.py) this layer already
+        if self.qkv is None:  # once: the loader may have fused (and packed, load/dense.py) this layer already
             self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, rope: tuple, step: Step, cache: KVCache) -> torch.Tensor:
@@ -223,7 +223,7 @@ class GQAAttention(nn.Module):
         return self.o_proj(out.reshape(B, S, -1))
 
     def _fused_epilogue(self, qkv: torch.Tensor, rope: tuple, step: Step, cache: KVCache) -> torch.Tensor:
-        from hetmoe.layers.triton_fused import qkv_epilogue
+        from hetmoe.ops.triton.fused import qkv_epilogue
 
         norm = self.qk_norm_eps is not None
         k, v, table, page = cache.layout(self.layer_idx)

@@ -6,7 +6,7 @@ their rows side by side (``sizes``), and computes ``y [..., N] = x [..., K] W^T 
 once, at construction, from the format and the device (``kernel``):
 
 * ``torch``: bf16 weights through F.linear (cuBLAS).
-* ``triton``: int8/int4/fp8 weights (hetmoe/layers/triton_linear.py): a CUDA-core GEMV that dequantizes in its
+* ``triton``: int8/int4/fp8 weights (hetmoe/ops/triton/linear.py): a CUDA-core GEMV that dequantizes in its
   K loop for decode (M <= 4), tensor-core tiles that dequantize in the K loop up to M < 256, and for prefill slabs
   of the weights dequantized to bf16 for cuBLAS. fp8 on GPUs without fp8 conversion (compute capability < 8.9)
   decodes the e4m3 bytes arithmetically.
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetmoe.layers.linear import DENSE_FORMATS, dense_format
+from hetmoe.config.formats import DENSE_FORMATS, dense_format
 
 log = logging.getLogger(__name__)
 
@@ -342,7 +342,7 @@ class GPULinear(nn.Module):
         elif self.kernel == "scaled_mm" and M > DECODE_M:
             y = _scaled_mm_fp8(x2, self.weight, self.scale, self.bias)
         else:
-            from hetmoe.layers import triton_linear
+            from hetmoe.ops.triton import linear as triton_linear
 
             y = triton_linear.linear(x2, self.weight, self.scale, self.bias, self.format.name, self.out_features,
                                      fp8_bits=self.fp8_bits)
@@ -353,7 +353,7 @@ class GPULinear(nn.Module):
         with the activation computed by the GEMV as it reads its input: the ``silu_mul`` kernel's output bitwise,
         one kernel fewer. None where this linear does not run the Triton GEMV for these rows (the caller runs
         ``silu_mul`` and the linear)."""
-        from hetmoe.layers import triton_linear
+        from hetmoe.ops.triton import linear as triton_linear
 
         lead = gate_up.shape[:-1]
         x2 = gate_up.reshape(-1, gate_up.shape[-1])

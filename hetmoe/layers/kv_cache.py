@@ -3,7 +3,7 @@ for the positions in use, not for every row's full context.
 
 Two layouts, one interface (``reserve`` / ``release`` / ``write`` / ``rows``):
 
-* **paged** (``page_size`` given; on a GPU with Triton, read by layers/triton_attention.py): a pool of pages
+* **paged** (``page_size`` given; on a GPU with Triton, read by ops/triton/attention.py): a pool of pages
   [layers, n_pages, P, kv_heads, D] and a page table [rows, pages_per_row] int32 on the device. ``reserve(row, n)``
   hands the row pages for positions < n from the pool, which grows (doubling, up to every row's full context) when
   it runs dry. Page 0 is never handed out: table entries not yet assigned point at it, so a padding row or the
@@ -179,7 +179,7 @@ class KVCache:
         return k, v
 
     def layout(self, layer: int) -> tuple:
-        """What a kernel that writes this layer's keys and values needs (layers/triton_fused.py): (k, v, table,
+        """What a kernel that writes this layer's keys and values needs (ops/triton/fused.py): (k, v, table,
         P) with k/v [pages, P, kv_heads, D(v)]. Paged: the pools and the page table; contiguous: row r is page r
         of P = capacity positions, table None."""
         if self.paged:

@@ -17,12 +17,12 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.variance_epsilon)
 
     def add_forward(self, x: torch.Tensor, delta) -> tuple:
-        """The fused decode path's layer boundary (layers/triton_fused.py): (x + delta, self(x + delta)) in one
+        """The fused decode path's layer boundary (ops/triton/fused.py): (x + delta, self(x + delta)) in one
         kernel, the sum rounded once as ``x + delta`` is; delta None: (x, self(x)). A weight or delta in another
         dtype than x (the unfused ops would promote) takes the unfused ops."""
         if self.weight.dtype != x.dtype or (delta is not None and delta.dtype != x.dtype):
             x = x if delta is None else x + delta.to(x.device)  # (delta: maybe a pinned host buffer, stream.py)
             return x, self(x)
-        from hetmoe.layers.triton_fused import add_rms_norm
+        from hetmoe.ops.triton.fused import add_rms_norm
 
         return add_rms_norm(x, delta, self.weight, self.variance_epsilon)

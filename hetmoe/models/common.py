@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetmoe.layers.attention import KVCache, Step
+from hetmoe.layers.attention import Step
+from hetmoe.layers.kv_cache import KVCache
 from hetmoe.layers.linear import FusedLinears
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import cos_sin, inv_frequencies
@@ -39,7 +40,7 @@ class SwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """``fused`` (a fused decode step): silu(gate) * up in one kernel on the fused projection's output."""
         if fused and self.gate_up is not None:
-            from hetmoe.layers.triton_fused import silu_mul
+            from hetmoe.ops.triton.fused import silu_mul
 
             gate_up = self.gate_up(x)
             swiglu = getattr(self.down_proj, "swiglu", None)  # a packed down_proj reads silu * up in its GEMV
@@ -63,7 +64,7 @@ class SoftmaxMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:  # [B, S, H]
         flat = x.reshape(-1, x.shape[-1])  # [T, H]
-        gate = self.gate  # (an nn.Linear: dense formats keep routers as they are, engine/dense.py)
+        gate = self.gate  # (an nn.Linear: dense formats keep routers as they are, load/dense.py)
         logits = RouterLogits(flat, gate.weight, flat.dtype, partial(gate, flat)) if fused else gate(flat)
         return self.moe(flat, logits, shared=fused_call(self.shared, fused)).view_as(x)
 

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetmoe.layers.attention import KVCache, Step, attend, mla_expanded_paged, mla_latent_cpu, mla_latent_paged
+from hetmoe.layers.attention import Step, attend, mla_expanded_paged, mla_latent_cpu, mla_latent_paged
+from hetmoe.layers.kv_cache import KVCache
 from hetmoe.layers.linear import FusedLinears
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import inv_frequencies, yarn_get_mscale, yarn_parameters
@@ -133,7 +134,7 @@ def _rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-# each rope function's name in layers/triton_fused.py (the fused decode path)
+# each rope function's name in ops/triton/fused.py (the fused decode path)
 ROPE_FORMS = {_rope_complex: "complex", _rope_interleave: "interleave", _rope_half: "half"}
 
 
@@ -222,7 +223,7 @@ class DeepseekV2Attention(nn.Module):
         return q_nope, q_pe
 
     def _fused_epilogue(self, q, kv_a, rope: tuple, step: Step, cache: KVCache) -> tuple:
-        from hetmoe.layers.triton_fused import mla_epilogue
+        from hetmoe.ops.triton.fused import mla_epilogue
 
         B, S = q.shape[:2]
         q = q.reshape(B, S, self.n_heads, self.qk_head_dim)
@@ -271,10 +272,10 @@ class DeepseekV2Attention(nn.Module):
 
 def _per_head(x: torch.Tensor, w: torch.Tensor, step: Step) -> torch.Tensor:
     """x [B, S, h, K] times each head's w [h, K, N] -> [B, S, h, N]: a fused decode step of at most HEAD_GEMV_MAX_T
-    rows (one) through one GEMV-shaped kernel (layers/triton_mla.py ``head_gemv``), else torch.einsum."""
+    rows (one) through one GEMV-shaped kernel (ops/triton/mla.py ``head_gemv``), else torch.einsum."""
     B, S, h, K = x.shape
     if step.fused and x.dtype == w.dtype:  # (a fused step has Triton)
-        from hetmoe.layers.triton_mla import HEAD_GEMV_MAX_T, head_gemv
+        from hetmoe.ops.triton.mla import HEAD_GEMV_MAX_T, head_gemv
 
         if B * S <= HEAD_GEMV_MAX_T:
             return head_gemv(x.reshape(B * S, h, K), w).view(B, S, h, w.shape[2])

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hetmoe.layers.attention import GQAAttention, KVCache, Step
+from hetmoe.layers.attention import GQAAttention, Step
+from hetmoe.layers.kv_cache import KVCache
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.models.common import CausalLM, DecoderModel, PreNormDecoderLayer, SoftmaxMoeBlock
 from hetmoe.models.config import ModelConfig

@@ -20,14 +20,14 @@ asks where its experts run. In a fused decode step it hands over ``RouterLogits`
 dispatch computes them where they are needed.
 """
 
-from hetmoe.moe import layerwise
-from hetmoe.moe.backends import ExpertsBackend, TorchExperts
 from hetmoe.moe.combine import combine
 from hetmoe.moe.deferral import DeferralChain, drop_lowest, split_deferred
 from hetmoe.moe.dispatch import HostStaging, MoELayer, defer_experts, moe_layers, set_deferrals
-from hetmoe.moe.gpu_experts import GpuExperts
+from hetmoe.moe.experts import ExpertsBackend, TorchExperts
+from hetmoe.moe.gpu_resident.experts import GpuExperts
 from hetmoe.moe.router import RouterLogits, RouterSpec, route_deepseek_v2, route_deepseek_v3, route_softmax
 from hetmoe.moe.stream import StreamDecode
+from hetmoe.moe.streamed import layerwise
 
 __all__ = [
     "ExpertsBackend", "TorchExperts", "DeferralChain", "drop_lowest", "split_deferred", "HostStaging", "MoELayer",

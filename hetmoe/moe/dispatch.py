@@ -6,10 +6,10 @@ when the model is on a GPU; GPU-resident experts on the main stream; Expert Defe
 parts in one fixed order (hetmoe/moe/combine.py). Inside a decode step of the runner the same layer runs in CUDA
 stream order instead (hetmoe/moe/stream.py, active through ``stream.current()``: a per-call context, nothing
 written into the layer), and a long prefill chunk on the GPU computes the experts there from weights streamed
-layer by layer (hetmoe/moe/layerwise.py, ``layerwise.current()``).
+layer by layer (hetmoe/moe/streamed/layerwise.py, ``layerwise.current()``).
 
-What a layer holds, all set by the loader (hetmoe/engine/loader.py) and changeable between calls:
-  experts   the experts backend (``CPUExperts``, ``TorchExperts``; hetmoe/moe/backends.py)
+What a layer holds, all set by the loader (hetmoe/load/loader.py) and changeable between calls:
+  experts   the experts backend (``CPUExperts``, ``TorchExperts``; hetmoe/moe/experts.py)
   staging   pinned host buffers when the model runs on a GPU and the experts on the CPU (``HostStaging``), else None
   gpu       the layer's GPU-resident experts (``GpuExperts``) or None; the CPU engine skips them (its skip mask)
   defer     Expert Deferral: experts per token deferred to the next MoE layer, with the model's ``DeferralChain``
@@ -26,10 +26,11 @@ import torch
 from torch import nn
 
 from hetmoe.cpu.experts import CPUExperts
-from hetmoe.moe import layerwise, stream
+from hetmoe.moe import stream
 from hetmoe.moe.combine import combine
 from hetmoe.moe.deferral import DeferralChain, Deferred, drop_lowest, split_deferred
 from hetmoe.moe.router import RouterSpec, logits_of
+from hetmoe.moe.streamed import layerwise
 
 
 class HostStaging:

@@ -231,7 +231,7 @@ class StreamDecode:
         pool, hf = layer.experts.pool, self.host_funcs
         main = self.fake if self.fake is not None else torch.cuda.current_stream(x.device)
         if stage:
-            from hetmoe.layers.triton_fused import router_stage
+            from hetmoe.ops.triton.fused import router_stage
 
             router_stage(x, logits.weight, buf.logits[:T], buf.x[:T])
         elif on_host:
@@ -279,7 +279,7 @@ class StreamDecode:
             self.fake.synchronize()  # the host stands in for the stream: the reads below follow the sync
         if dense is None:
             return buf.out[:T]
-        from hetmoe.layers.triton_fused import add_rows
+        from hetmoe.ops.triton.fused import add_rows
 
         return add_rows(buf.out[:T], dense)
 

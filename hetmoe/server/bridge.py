@@ -20,9 +20,9 @@ from collections import deque
 from typing import Optional
 
 from hetmoe.engine import scheduler as engine
-from hetmoe.engine.generation import SamplingParams
-from hetmoe.engine.tokenizer import Tokenizer
+from hetmoe.engine.sampler import SamplingParams
 from hetmoe.server.metrics import Metrics
+from hetmoe.tokenizer import Tokenizer
 
 # the engine's error kinds -> HTTP status and error code ("capacity": the KV cache memory is out; try again later)
 HTTP_STATUS = {"invalid": 400, "failed": 500, "shutdown": 503, "capacity": 503}

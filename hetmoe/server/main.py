@@ -67,7 +67,7 @@ def bind(host: str, port: int) -> list:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from hetmoe.cli.options import engine_options, expert_cache
+    from hetmoe.config.flags import engine_options, expert_cache
     from hetmoe.engine.llm import LLM
     from hetmoe.server.app import create_app
     from hetmoe.server.bridge import EngineLoop
@@ -81,7 +81,7 @@ def run_serve(args: argparse.Namespace) -> int:
     sockets = bind(args.host, args.port)  # before the (possibly minutes long) load: a busy port fails at once
     try:
         if args.shape is not None:
-            from hetmoe.testing.synthetic import build_random_model, shape_tokenizer
+            from hetmoe.load.random_weights import build_random_model, shape_tokenizer
 
             loaded = build_random_model(args.shape, args.layers, options)
             llm = LLM(loaded=loaded, tokenizer=shape_tokenizer(loaded.config.vocab_size))

@@ -22,8 +22,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from hetmoe.engine.generation import SamplingParams
-from hetmoe.engine.tokenizer import PromptTooLong
+from hetmoe.engine.sampler import SamplingParams
+from hetmoe.tokenizer import PromptTooLong
 
 ROLES = ("system", "user", "assistant", "developer")  # developer (OpenAI's newer name) is rendered as system
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # bounds the per-token hold-back check

@@ -2,7 +2,7 @@
 ``--dense-format``; the formats: docs/dense-formats.md).
 
 The model's own ``nn.Linear`` modules of the dense part (attention projections, shared experts, dense MLPs,
-lm_head) are replaced by the engine's packed linears, by the native loader's code (hetmoe/engine/dense.py
+lm_head) are replaced by the engine's packed linears, by the native loader's code (hetmoe/load/dense.py
 ``pack_dense``: the same choice of what is packed and what stays, the same ``CPULinear`` / ``GPULinear``): one
 decoder layer right after it loads, so at most one layer's float copy is alive. Transformers' modules call them as
 they called the linears. On the CPU, linears that read one input (``SAME_INPUT``: q/k/v, MLA's q_a/kv_a, gate/up)
@@ -10,7 +10,7 @@ are packed as one matrix, as natively; Transformers calls them one by one, so th
 the others take their parts (``SharedInputPart``: only for an input equal to the one computed, else it computes
 again: never a stale part). One engine call instead of three: a decode step's calls each pay a wake-up of the pool.
 
-Which format ``auto`` is, is the native plan's rule (hetmoe/engine/placement.py ``default_dense``): on the CPU int8,
+Which format ``auto`` is, is the native plan's rule (hetmoe/plan/placement.py ``default_dense``): on the CPU int8,
 or the dtype for a dense part of at most 1 G parameters; on a GPU bf16 (the Transformers path has no VRAM plan to
 step down from). ``bf16`` leaves the model exactly as Transformers computes it.
 """
@@ -23,8 +23,9 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from hetmoe.engine.dense import KEEP, PackedPart, pack_dense
-from hetmoe.layers.linear import DENSE_FORMAT_CHOICES, DENSE_FORMATS, FusedLinears, dense_format
+from hetmoe.config.formats import DENSE_FORMAT_CHOICES, DENSE_FORMATS, dense_format
+from hetmoe.layers.linear import FusedLinears
+from hetmoe.load.dense import KEEP, PackedPart, pack_dense
 
 _LAYER_PREFIX = re.compile(r"^(.*?\.layers\.\d+)\.")
 # Linears of one Transformers module that read the same input: the packed matrix's name -> theirs, in row order.
@@ -36,7 +37,7 @@ SAME_INPUT = {"packed_qkv": ("q_proj", "k_proj", "v_proj"), "packed_q_kv_a": ("q
 def choose(name: str, dev: torch.device, dtype: torch.dtype, dense_params: int) -> tuple:
     """(format, why) of ``dense_format`` ``name`` for a dense part of ``dense_params`` parameters in ``dtype`` on
     ``dev``; a ValueError for a name that is not a format, or one that does not run there."""
-    from hetmoe.engine.placement import default_dense, fp8_runs
+    from hetmoe.plan.placement import default_dense, fp8_runs
 
     if name not in DENSE_FORMAT_CHOICES:
         raise ValueError(f"dense_format must be one of {', '.join(DENSE_FORMAT_CHOICES)}, got {name!r}")

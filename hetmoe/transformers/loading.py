@@ -3,7 +3,7 @@
     config.json (AutoConfig) -> the model class built with its parameters on the meta device (buffers such as RoPE
     frequencies are computed as usual) -> every ``@use_experts_implementation`` module sorted: the engine computes
     it (backend.unsupported is None) or Transformers does (one warning naming the modules and why)
-    -> the checkpoint's tensors (hetmoe/engine/checkpoint.py: memory-mapped, FP8 dequantized), named by the
+    -> the checkpoint's tensors (hetmoe/load/checkpoint.py: memory-mapped, FP8 dequantized), named by the
     model's own renamings (transformers.conversion_mapping), one decoder layer at a time: dense tensors copied to
     their device; each engine module's experts packed into a CPUExperts one expert at a time straight from the
     mapped shards (per-expert ``experts.<e>.{gate,up,down}_proj`` / ``w1, w3, w2``, or fused ``gate_up_proj`` /
@@ -69,7 +69,10 @@ def build_model(config, dtype: torch.dtype):
 
 
 def _choose_format(fmt: str, n_experts: int, H: int, I: int, dense_bytes: int) -> str:
-    from hetmoe.engine.placement import DEFAULT_GROUP, FORMATS, HEADROOM, expert_bytes, free_ram
+    from hetmoe.config.options import DEFAULT_GROUP, FORMATS
+    from hetmoe.cpu.layout import expert_bytes
+    from hetmoe.plan.placement import HEADROOM
+    from hetmoe.plan.sysmem import free_ram
 
     if fmt != "auto":
         return fmt
@@ -160,11 +163,11 @@ def _assemble(ckpt, src: _Sources, module: nn.Module, device, dtype, where: str)
 
 
 def _rule_placements(rules, model, modules: dict, dev: torch.device, dtype: torch.dtype) -> dict:
-    """{experts module name: Placement} from placement rules (hetmoe/engine/rules.py: a file or a Rules). Dense
+    """{experts module name: Placement} from placement rules (hetmoe/config/rules.py: a file or a Rules). Dense
     modules stay on the model's device in its dtype and the native runner's per-layer keys do not apply here:
     a rule asking otherwise is refused at its line."""
-    from hetmoe.engine.rules import DENSE, EXPERTS, Rules
-    from hetmoe.engine.rules import load as load_rules
+    from hetmoe.config.rules import DENSE, EXPERTS, Rules
+    from hetmoe.config.rules import load as load_rules
 
     rules = rules if isinstance(rules, Rules) else load_rules(rules)
     taken = rules.assign([(n, type(m).__name__, EXPERTS if n in modules else DENSE)
@@ -197,7 +200,7 @@ def from_pretrained(path, rules=None, experts_format: str = "auto", device: str 
     CPU engine (``experts_format`` bf16 / int8 / int4; auto: the most precise that fits in RAM) and whose other
     modules sit on ``device`` (auto: the GPU when there is one). Experts the engine cannot compute exactly keep
     Transformers' eager implementation on ``device`` (a ``FallbackWarning`` names them). ``rules``: placement
-    rules (a YAML file, docs/rules.md, or a ``hetmoe.engine.rules.Rules``): per experts module its format and group,
+    rules (a YAML file, docs/rules.md, or a ``hetmoe.config.rules.Rules``): per experts module its format and group,
     or ``device: cuda`` for Transformers' own experts on the GPU. ``dense_format`` (auto / bf16 / int8 / int4, fp8
     on a GPU): the attention projections, shared experts, dense MLPs and lm_head packed in that format as each
     layer loads (hetmoe/transformers/dense.py; auto: int8 on the CPU unless the dense part is small)."""
@@ -205,9 +208,10 @@ def from_pretrained(path, rules=None, experts_format: str = "auto", device: str 
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, rename_source_key
 
+    from hetmoe.config.options import DEFAULT_GROUP
     from hetmoe.cpu import CPUExperts
-    from hetmoe.engine.checkpoint import Checkpoint
-    from hetmoe.engine.placement import DEFAULT_GROUP, resolve_device, resolve_dtype
+    from hetmoe.load.checkpoint import Checkpoint
+    from hetmoe.plan.placement import resolve_device, resolve_dtype
 
     path = Path(path)
     dev = resolve_device(device)

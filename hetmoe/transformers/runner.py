@@ -186,7 +186,7 @@ def open_transformers(path, options, log: Callable[[str], None] = lambda m: prin
     """(TransformersLoaded, TransformersRunner) of the checkpoint directory ``path`` under EngineOptions
     ``options`` (device, experts format, dense format, group size, threads, ISA, NUMA, dtype, max_batch, max_context,
     prefill_chunk; the native runner's deferral, GPU experts and GPU prefill do not apply and are refused)."""
-    from hetmoe.engine.placement import EngineOptions
+    from hetmoe.config.options import EngineOptions
     from hetmoe.transformers.loading import from_pretrained
 
     options = options or EngineOptions()
@@ -202,6 +202,6 @@ def open_transformers(path, options, log: Callable[[str], None] = lambda m: prin
     runner = TransformersRunner(model, options.max_batch, options.max_context, options.prefill_chunk)
     plan = _Plan(runner.device, info["dtype"], info["experts_format"], info["group_size"], runner.max_context,
                  info["dense_format"])
-    from hetmoe.engine.checkpoint import read_config
+    from hetmoe.load.checkpoint import read_config
 
     return TransformersLoaded(model, read_config(Path(path)), plan, options, Path(path), info), runner

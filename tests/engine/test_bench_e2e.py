@@ -9,13 +9,14 @@ import torch
 
 from hetmoe import cli
 from hetmoe.bench.e2e import placements, roofline_bytes
+from hetmoe.config.options import EngineOptions
 from hetmoe.cpu import CPUExperts
-from hetmoe.engine.loader import moe_blocks
-from hetmoe.engine.placement import EngineOptions, expert_bytes
+from hetmoe.cpu.layout import expert_bytes
 from hetmoe.engine.runner import Runner
 from hetmoe.layers.norm import RMSNorm
-from hetmoe.testing import synthetic
-from hetmoe.testing.synthetic import SHAPES, build_random_model
+from hetmoe.load import random_weights as synthetic
+from hetmoe.load.loader import moe_blocks
+from hetmoe.load.random_weights import SHAPES, build_random_model
 
 # Real configs shrunk: every feature kept (q/k norm, GQA; MLA with q LoRA, dense first layer, shared expert,
 # groups, YaRN), E not a power of two.
@@ -73,7 +74,7 @@ def test_tiny_qwen3_shape_builds_places_and_runs():
 def test_each_decoder_layer_is_handed_over_as_soon_as_it_is_filled():
     """The builder packs a layer's dense weights before the next layer has storage (as the loader does), so at most
     one layer's dtype copies are alive besides the packed ones; the values are those of a whole-model fill."""
-    from hetmoe.engine.loader import build_meta
+    from hetmoe.load.loader import build_meta
 
     cfg = synthetic.shape_config(TINY_QWEN3, 3)
     whole, layered = build_meta(cfg), build_meta(cfg)
@@ -222,7 +223,7 @@ def test_tiny_shape_hybrid():
 
 
 def test_shape_tokenizer_decodes_every_id():
-    from hetmoe.testing.synthetic import shape_tokenizer
+    from hetmoe.load.random_weights import shape_tokenizer
 
     tok = shape_tokenizer(5000)
     assert tok.vocab_size == 5000 and len(tok.eos_ids) == 1 and max(tok.eos_ids) < 5000

@@ -19,13 +19,13 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from hetmoe.engine import dense
-from hetmoe.engine.dense import on_host, pack_dense
-from hetmoe.engine.loader import build_meta, moe_blocks, plan_model
-from hetmoe.engine.placement import EngineOptions
+from hetmoe.config.options import EngineOptions
 from hetmoe.layers import gpu_linear
 from hetmoe.layers.gpu_linear import GPULinear, quantize_fp8, quantize_int
-from hetmoe.testing import synthetic
+from hetmoe.load import dense
+from hetmoe.load import random_weights as synthetic
+from hetmoe.load.dense import on_host, pack_dense
+from hetmoe.load.loader import build_meta, moe_blocks, plan_model
 
 MiB = 1 << 20
 
@@ -189,14 +189,14 @@ def test_on_host_is_what_a_gpu_packs_in_a_quantized_format():
 def test_loader_reads_what_a_gpu_packs_into_host_memory(tmp_path):
     """With a plan on a GPU in int4, the loader's fill puts a dense MLP's linears (all packed) in host memory, in
     the plan's dtype, with the checkpoint's values (the MLP alone: nothing of it is meant for the GPU as it is)."""
-    from hetmoe.engine.checkpoint import Checkpoint
-    from hetmoe.engine.materialize import _Materializer
+    from hetmoe.load.checkpoint import Checkpoint
+    from hetmoe.load.materialize import Materializer
 
     path = synthetic.write_checkpoint(tmp_path / "ckpt", "deepseek_v3", max_shard_size="10MB")
     ckpt = Checkpoint(path)
     model = build_meta(ckpt.config)
     plan = type("Plan", (), {"device": torch.device("cuda"), "dtype": torch.bfloat16, "dense_format": "int4"})()
-    _Materializer(ckpt, plan).fill(model, "model.layers.0.mlp")
+    Materializer(ckpt, plan).fill(model, "model.layers.0.mlp")
     mlp = model.model.layers[0].mlp
     for name in ("gate_proj", "up_proj", "down_proj"):
         w = getattr(mlp, name).weight
@@ -283,8 +283,8 @@ def medium_checkpoint(tmp_path_factory):
 def test_checkpoint_load_stays_in_its_plan(medium_checkpoint, fmt):
     """load_model into fp8 / int4 dense weights: the loader reads the linears into host memory and packs each layer,
     lm_head first, a slab at a time."""
-    from hetmoe.engine.checkpoint import read_config
-    from hetmoe.engine.loader import load_model
+    from hetmoe.load.checkpoint import read_config
+    from hetmoe.load.loader import load_model
 
     opts = EngineOptions(device="cuda", dense_format=fmt, experts_format="int4", max_context=4096,
                          gpu_prefill="off", gpu_memory=1 << 40)

@@ -99,7 +99,7 @@ def _timing(text: str) -> tuple:
 
 
 def test_chat_on_a_terminal(qwen3_checkpoint, isolated_env, tmp_path):
-    from hetmoe.engine.tokenizer import Tokenizer
+    from hetmoe.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(qwen3_checkpoint)
 

@@ -13,13 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from hetmoe.config.options import EngineOptions
 from hetmoe.cpu import CPUExperts
-from hetmoe.engine import placement
-from hetmoe.engine.generation import SamplingParams
+from hetmoe.cpu.layout import expert_bytes
 from hetmoe.engine.llm import LLM
-from hetmoe.engine.loader import load_model
-from hetmoe.engine.placement import EngineOptions, ModelShapes, choose_plan, expert_bytes, plan_memory
 from hetmoe.engine.runner import Runner
+from hetmoe.engine.sampler import SamplingParams
+from hetmoe.load.loader import load_model
+from hetmoe.plan import placement
+from hetmoe.plan.memory import ModelShapes
+from hetmoe.plan.placement import choose_plan, plan_memory
 from paths import AUTO_PATH, BEST_ROW_PATH, MIXED_PATH, PATHS, logit_bound
 
 # The runner's equality cases run on every engine path of this machine, each forced (bitwise within the path, so
@@ -453,7 +456,7 @@ def test_engine_flags_are_the_engine_options_fields(command, capsys, monkeypatch
     # Each engine flag is written once, as EngineOptions field metadata: every command that runs a model gets the
     # same flags, with the field's default and help, and reads back the EngineOptions they describe.
     from hetmoe.cli import build_parser
-    from hetmoe.cli.options import engine_fields, engine_options
+    from hetmoe.config.flags import engine_fields, engine_options
     from hetmoe.cpu import ISAS
 
     assert {f.name: f.metadata["flag"] for f in engine_fields()} == ENGINE_FLAGS

@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hetmoe.config.options import EngineOptions
 from hetmoe.engine.cuda_graph import bucket_len, capture_sizes, pack_inputs, padded_size
-from hetmoe.engine.placement import EngineOptions
 from hetmoe.moe import MoELayer, RouterSpec, TorchExperts, route_softmax, stream
 
 HAS_CUDA = torch.cuda.is_available()
@@ -119,7 +119,7 @@ def test_cuda_graph_option():
     with pytest.raises(ValueError, match="cuda_graph must be True or False"):
         EngineOptions(cuda_graph=1)
     from hetmoe.cli import build_parser
-    from hetmoe.cli.options import engine_options
+    from hetmoe.config.flags import engine_options
 
     args = build_parser().parse_args(["generate", "--no-cuda-graph"])
     assert engine_options(args).cuda_graph is False
@@ -129,7 +129,7 @@ def test_cuda_graph_option():
 def test_cpu_runner_has_no_decoder():
     pytest.importorskip("transformers")
     from hetmoe.engine.runner import Runner
-    from hetmoe.testing.synthetic import SHAPES, build_random_model
+    from hetmoe.load.random_weights import SHAPES, build_random_model
 
     cfg = {**SHAPES["qwen3-30b-a3b"], "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 12,
@@ -150,9 +150,9 @@ def _fake_hybrid_setup(path, d: int):
     """A CPU model whose MoE layers (deferring d when d) are driven by a StreamDecode on a FakeStream, and a runner
     over it (max_batch 4: slot 3 is the padding rows' scratch slot)."""
     from hetmoe import _C
-    from hetmoe.engine.loader import defer_experts, load_model, moe_blocks
     from hetmoe.engine.runner import Runner
-    from hetmoe.moe import StreamDecode
+    from hetmoe.load.loader import load_model, moe_blocks
+    from hetmoe.moe import StreamDecode, defer_experts
 
     opts = EngineOptions(device="cpu", dtype="fp32", experts_format="bf16", max_context=96, max_batch=4)
     loaded = load_model(path, opts, expert_cache=None, progress=False, log=lambda m: None)
@@ -257,14 +257,14 @@ def _fed(step: int, slot: int) -> int:
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     pytest.importorskip("transformers")
-    from hetmoe.testing.synthetic import write_checkpoint
+    from hetmoe.load.random_weights import write_checkpoint
 
     root = tmp_path_factory.mktemp("graph")
     return {a: write_checkpoint(root / a, a, CONFIGS[a], seed=7 + i, dtype="float32") for i, a in enumerate(ARCHS)}
 
 
 def _load(path, dtype, d=0, **kw):
-    from hetmoe.engine.loader import load_model
+    from hetmoe.load.loader import load_model
 
     # gpu_prefill off: each load measures its own prefill rates, and where the layerwise path's threshold or the
     # CPU's share of it is a close call two loads can prefill differently (GPU vs CPU expert numerics, then a routing
@@ -394,8 +394,8 @@ def test_gpu_experts_in_the_graph(ckpt):
 @pytest.mark.gpu
 @pytest.mark.gpu
 def test_generate_graph_equals_eager():
-    from hetmoe.engine.generation import SamplingParams
     from hetmoe.engine.llm import LLM
+    from hetmoe.engine.sampler import SamplingParams
 
     texts = []
     for graph in (True, False):

@@ -1,4 +1,4 @@
-"""Dense weights in a dense format on the CPU (``--dense-format``; hetmoe/engine/dense.py, hetmoe/cpu/linear.py):
+"""Dense weights in a dense format on the CPU (``--dense-format``; hetmoe/load/dense.py, hetmoe/cpu/linear.py):
 the loader packs every model_type's attention projections, shared experts, dense MLPs and lm_head into the engine,
 keeps the routers and MLA's kv_b_proj in the dtype, and the packed model computes what its own dequantized weights
 compute.
@@ -13,12 +13,12 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
+from hetmoe.config.formats import DENSE_FORMATS  # noqa: E402
+from hetmoe.config.options import EngineOptions  # noqa: E402
 from hetmoe.cpu import CPULinear  # noqa: E402
-from hetmoe.engine.dense import KEEP, PackedPart, dense_linears  # noqa: E402
-from hetmoe.engine.loader import build_meta, load_model  # noqa: E402
-from hetmoe.engine.placement import EngineOptions  # noqa: E402
 from hetmoe.engine.runner import Runner  # noqa: E402
-from hetmoe.layers.linear import DENSE_FORMATS  # noqa: E402
+from hetmoe.load.dense import KEEP, PackedPart, dense_linears  # noqa: E402
+from hetmoe.load.loader import build_meta, load_model  # noqa: E402
 
 MODELS = {  # model_type -> checkpoint overrides (3 layers: a dense MLP layer where the architecture has one)
     "qwen3_moe": {"num_hidden_layers": 3},
@@ -132,7 +132,7 @@ def test_packed_model_equals_its_dequantized_weights(loaded_models, arch, fmt):
 
 
 def test_dense_bytes_shrink_by_the_format(loaded_models):
-    from hetmoe.engine.dense import packed_bytes
+    from hetmoe.load.dense import packed_bytes
 
     for arch in MODELS:
         sizes = {fmt: packed_bytes(loaded_models[arch][fmt].model) for fmt in ("int8", "int4")}
@@ -144,7 +144,7 @@ def test_dense_bytes_shrink_by_the_format(loaded_models):
 
 
 def test_fp8_on_the_cpu_is_refused():
-    from hetmoe.testing.synthetic import build_random_model
+    from hetmoe.load.random_weights import build_random_model
 
     with pytest.raises(ValueError, match="fp8"):
         build_random_model("qwen3-30b-a3b", 1, EngineOptions(device="cpu", dense_format="fp8"), log=lambda m: None)

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetmoe.engine.evaluation import evaluate, kl_and_agreement, perplexity, split_windows, token_nll
-from hetmoe.engine.generation import SamplingParams
+from hetmoe.config.options import EngineOptions
 from hetmoe.engine.llm import LLM, default_model_path
-from hetmoe.engine.loader import load_model, moe_blocks
-from hetmoe.engine.placement import EngineOptions
 from hetmoe.engine.runner import Runner
-from hetmoe.engine.tokenizer import Tokenizer
+from hetmoe.engine.sampler import SamplingParams
+from hetmoe.load.loader import load_model, moe_blocks
 from hetmoe.moe import MoELayer, RouterSpec, drop_lowest
+from hetmoe.tokenizer import Tokenizer
+from hetmoe.tools.evaluation import evaluate, kl_and_agreement, perplexity, split_windows, token_nll
 from paths import LOGIT_CROSS_PATH_BOUND
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
-"""A DeepSeek FP8 checkpoint in the fp8 dense format on a GPU keeps its own bytes (hetmoe/engine/dense.py FP8Source,
-the loader's _Materializer, hetmoe/layers/gpu_linear.py GPULinear.from_fp8), and --dense-format auto prefers them.
+"""A DeepSeek FP8 checkpoint in the fp8 dense format on a GPU keeps its own bytes (hetmoe/load/dense.py FP8Source,
+the loader's Materializer, hetmoe/layers/gpu_linear.py GPULinear.from_fp8), and --dense-format auto prefers them.
 
 CPU tests (CI): the loader's fill and pack_dense on CPU tensors; GPULinear on the CPU holds the packed bytes and runs
 its fp32 reference path, so no GPU kernel is launched. The GPU-marked test loads the checkpoint on CUDA.
@@ -17,13 +17,15 @@ pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from hetmoe.engine import dense  # noqa: E402
-from hetmoe.engine.checkpoint import Checkpoint, CheckpointError, block_fp8, dequantize_fp8  # noqa: E402
-from hetmoe.engine.dense import KEEP, FP8Source, PackedPart, fp8_parts_why, pack_dense  # noqa: E402
-from hetmoe.engine.loader import _Materializer, build_meta, moe_blocks, plan_model  # noqa: E402
-from hetmoe.engine.placement import EngineOptions, PlanError  # noqa: E402
+from hetmoe.config.options import EngineOptions  # noqa: E402
 from hetmoe.layers.gpu_linear import GPULinear, quantize_fp8  # noqa: E402
-from hetmoe.testing.synthetic import shape_config, write_checkpoint  # noqa: E402
+from hetmoe.load import dense  # noqa: E402
+from hetmoe.load.checkpoint import Checkpoint, CheckpointError, block_fp8, dequantize_fp8  # noqa: E402
+from hetmoe.load.dense import KEEP, FP8Source, PackedPart, fp8_parts_why, pack_dense  # noqa: E402
+from hetmoe.load.loader import build_meta, moe_blocks, plan_model
+from hetmoe.load.materialize import Materializer  # noqa: E402
+from hetmoe.load.random_weights import shape_config, write_checkpoint  # noqa: E402
+from hetmoe.plan.memory import PlanError
 
 CPU = torch.device("cpu")
 QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -85,7 +87,7 @@ def fill_and_pack(path, layer: int, monkeypatch=None):
     model = build_meta(ckpt.config)
     plan = type("Plan", (), {"device": CPU, "dtype": torch.bfloat16, "dense_format": "fp8"})()
     src = FP8Source(ckpt, plan.dtype, plan.device)
-    filler = _Materializer(ckpt, plan, src)
+    filler = Materializer(ckpt, plan, src)
     filler.fill(model, f"model.layers.{layer}")
     if monkeypatch is not None:
         monkeypatch.setattr(dense, "_linear_factory",
@@ -139,8 +141,9 @@ def test_fp8_packed_modules_hold_the_checkpoint_bytes(fp8_ckpts, layer):
 def test_load_model_keeps_the_bytes(fp8_ckpts, monkeypatch):
     """load_model's wiring (FP8Source.of, the fill, both pack_dense calls, done) on a CPU that stands in for the GPU:
     the plan's fp8 forced, GPULinear built on the CPU (its fp32 reference path) instead of the CPU engine."""
-    from hetmoe.engine import loader, placement
     from hetmoe.engine.runner import Runner
+    from hetmoe.load import loader
+    from hetmoe.plan import placement
 
     path = fp8_ckpts["exact"]
     opts = EngineOptions(device="cpu", dtype="bf16", experts_format="bf16", max_context=64, dense_format="bf16")
@@ -258,8 +261,8 @@ def test_fp8_checkpoint_on_cuda(fp8_ckpts, which):
     """The FP8 checkpoint loaded on CUDA with dense_format fp8 holds its bytes on the GPU and gives the logits of the
     bf16 model dequantized from it, within the fp8 kernels' error (bf16 activations x the same weights); the CUDA
     graph decode equals eager."""
-    from hetmoe.engine.loader import load_model
     from hetmoe.engine.runner import Runner
+    from hetmoe.load.loader import load_model
 
     def logits(loaded):  # a prefill and 3 decode steps
         runner = Runner(loaded)

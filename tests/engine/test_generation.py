@@ -1,4 +1,4 @@
-"""Tokenizer (hetmoe/engine/tokenizer.py), sampling and stop handling (hetmoe/engine/generation.py), and the
+"""Tokenizer (hetmoe/tokenizer.py), sampling and stop handling (hetmoe/engine/sequence.py), and the
 generation loop (hetmoe/engine/scheduler.py): one sequence's stop strings and streaming, several batched, prefix reuse
 and what an interrupted step leaves behind.
 
@@ -12,10 +12,11 @@ import shutil
 import pytest
 import torch
 
-from hetmoe.engine.generation import GenerationResult, SamplingParams, sample
+from hetmoe.engine.sampler import SamplingParams, sample
 from hetmoe.engine.scheduler import Request, Scheduler
-from hetmoe.engine.tokenizer import IncrementalDecoder, Tokenizer
-from hetmoe.testing.synthetic import _CHAT_TEMPLATE, build_tokenizer
+from hetmoe.engine.sequence import GenerationResult
+from hetmoe.load.random_weights import _CHAT_TEMPLATE, build_tokenizer
+from hetmoe.tokenizer import IncrementalDecoder, Tokenizer
 
 VOCAB = 512
 MULTIBYTE = "héllo → 日本語 🙂"
@@ -480,7 +481,7 @@ def test_special_tokens_and_eos_ids(tmp_path, backend):
 
 def test_chat_template_matches_transformers(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
-    from hetmoe.testing.synthetic import write_checkpoint
+    from hetmoe.load.random_weights import write_checkpoint
 
     path = write_checkpoint(tmp_path_factory.mktemp("ckpt"), "qwen3_moe")
     ours, theirs = Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(path)

@@ -1,6 +1,6 @@
 """The fast paths of GGUF reading (issue 21: loading at >= 1 GB/s) give what gguf's own code gives:
 
-* metadata arrays read whole (hetmoe/gguf/reader.py Reader._get_field_parts) == gguf.GGUFReader's values, for
+* metadata arrays read whole (hetmoe/load/gguf/reader.py Reader._get_field_parts) == gguf.GGUFReader's values, for
   arrays of strings, integers, floats and booleans, empty ones and arrays of arrays; a file cut inside an array is
   named as truncated;
 * dense tensors dequantized by the C++ block decoders in row chunks (reader.py _dequantize) == gguf.quants
@@ -18,9 +18,9 @@ gguf = pytest.importorskip("gguf")
 
 from gguf_files import random_blocks  # noqa: E402
 
-import hetmoe.gguf.reader as reader  # noqa: E402
-from hetmoe.gguf import GGUFError, open_gguf  # noqa: E402
-from hetmoe.gguf.kquants import kquant_codes  # noqa: E402
+import hetmoe.load.gguf.reader as reader  # noqa: E402
+from hetmoe.load.gguf import GGUFError, open_gguf  # noqa: E402
+from hetmoe.load.gguf.kquants import kquant_codes  # noqa: E402
 
 
 def _file(path, tokens: int = 300):

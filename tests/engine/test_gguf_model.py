@@ -1,4 +1,4 @@
-"""Running a GGUF file (hetmoe/gguf/checkpoint.py through hetmoe/engine/loader.py): tiny models written as llama.cpp
+"""Running a GGUF file (hetmoe/load/gguf/checkpoint.py through hetmoe/load/loader.py): tiny models written as llama.cpp
 writes them (tests/gguf_files.py), dense tensors in F32, routed experts quantized by the gguf package.
 
 * Q8_0 / Q4_0 experts load as int8 / int4 with groups of 32 by default, packed from their codes: every expert's
@@ -33,12 +33,12 @@ from gguf_files import (  # noqa: E402
     write_metadata,
 )
 
+from hetmoe.config.options import EngineOptions  # noqa: E402
 from hetmoe.cpu.codes import layout_of  # noqa: E402
-from hetmoe.engine.loader import load_model, moe_blocks  # noqa: E402
-from hetmoe.engine.placement import EngineOptions  # noqa: E402
-from hetmoe.gguf import GGUFError  # noqa: E402
-from hetmoe.gguf.kquants import KQUANTS  # noqa: E402
-from hetmoe.testing.synthetic import build_tokenizer, tokenizer_config  # noqa: E402
+from hetmoe.load.gguf import GGUFError  # noqa: E402
+from hetmoe.load.gguf.kquants import KQUANTS  # noqa: E402
+from hetmoe.load.loader import load_model, moe_blocks  # noqa: E402
+from hetmoe.load.random_weights import build_tokenizer, tokenizer_config  # noqa: E402
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"]
 
@@ -259,8 +259,8 @@ def test_other_types_are_requantized_into_the_nearest_format(tmp_path):
 
 
 def test_generate_from_a_gguf_file_with_its_own_tokenizer(tmp_path):
-    from hetmoe.engine.generation import SamplingParams
     from hetmoe.engine.llm import LLM
+    from hetmoe.engine.sampler import SamplingParams
 
     path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "Q8_0", tokenizer=True)
     llm = LLM(path, EngineOptions(device="cpu", dtype="fp32", threads=1), expert_cache=None, progress=False)
@@ -310,8 +310,8 @@ def test_peak_rss_while_loading_a_gguf(tmp_path):
             w.add_tensor(name, t)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     del tensors
-    m = peak_rss("import torch, tqdm, hetmoe.models.qwen3_moe, gguf\nfrom hetmoe.engine.loader import load_model\n"
-                 "from hetmoe.engine.placement import EngineOptions",
+    m = peak_rss("import torch, tqdm, hetmoe.models.qwen3_moe, gguf\nfrom hetmoe.load.loader import load_model\n"
+                 "from hetmoe.config.options import EngineOptions",
                  'loaded = load_model(sys.argv[1], EngineOptions(device="cpu", threads=1), expert_cache=None, '
                  "progress=False, log=lambda m: None)", 'loaded.info["expert_bytes"]', tmp_path / "big.gguf")
     # Measured (dev machine): ratio 1.12 (final +97 MiB over the baseline); 1.83 with the mapped pages kept.
@@ -362,7 +362,7 @@ def test_the_plan_counts_what_the_engine_allocates(tmp_path, qtype, layer_types,
     """For every GGUF type mix the plan's routed-expert bytes, per layer and in all, are the bytes the engine
     allocated (affine layouts' fp32 mins and group-16 scales included), and ``hetmoe plan`` prints them."""
     from hetmoe.cli import main
-    from hetmoe.engine.placement import gib
+    from hetmoe.config.units import gib
 
     path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", qtype, layer_types=layer_types, **KSIZES["qwen3_moe"])
     loaded = _load(path)

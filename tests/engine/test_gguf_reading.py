@@ -1,4 +1,4 @@
-"""Reading GGUF files (hetmoe/gguf/): metadata -> config.json, tensor names -> hetmoe's parameter names, the tokenizer.
+"""Reading GGUF files (hetmoe/load/gguf/): metadata -> config.json, tensor names -> hetmoe's parameter names, the tokenizer.
 
 The GGUF files are written here with gguf's own GGUFWriter, the way llama.cpp's convert_hf_to_gguf.py writes them:
 its metadata keys per architecture, its tensor transforms (q/k permutation for llama, experts stacked into one
@@ -23,9 +23,7 @@ from gguf_files import (  # noqa: E402
     write_metadata,
 )
 
-from hetmoe.engine.loader import build_meta  # noqa: E402
-from hetmoe.engine.tokenizer import Tokenizer  # noqa: E402
-from hetmoe.gguf import (  # noqa: E402
+from hetmoe.load.gguf import (  # noqa: E402
     GGUFError,
     Transform,
     config_from_gguf,
@@ -35,14 +33,16 @@ from hetmoe.gguf import (  # noqa: E402
     open_gguf,
     tokenizer_from_gguf,
 )
-from hetmoe.models.config import _EXPERTS, ModelConfig  # noqa: E402
-from hetmoe.testing.synthetic import (  # noqa: E402
+from hetmoe.load.loader import build_meta  # noqa: E402
+from hetmoe.load.random_weights import (  # noqa: E402
     _CHAT_TEMPLATE,
     _CORPUS,
     TINY,
     build_tokenizer,
     tokenizer_config,
 )
+from hetmoe.models.config import _EXPERTS, ModelConfig  # noqa: E402
+from hetmoe.tokenizer import Tokenizer  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ config.json
 
@@ -333,7 +333,7 @@ def _trained(regexes, nfc: bool = False):
 
 @pytest.mark.parametrize("pre", list(LLAMA_CPP_PRE))
 def test_pre_tokenizers(pre, tmp_path):
-    from hetmoe.gguf.tokenizer import PRE_TOKENIZERS
+    from hetmoe.load.gguf.tokenizer import PRE_TOKENIZERS
 
     backend = _trained(LLAMA_CPP_PRE[pre] or PRE_TOKENIZERS[pre], nfc=pre == "qwen2")
     config = {"eos_token": "<|im_end|>", "bos_token": "<|endoftext|>", "add_bos_token": False}

@@ -4,17 +4,17 @@ CPU-only placement of the same checkpoint. Runs on the GPU machine; skipped with
 import pytest
 import torch
 
-from hetmoe.engine.generation import SamplingParams
+from hetmoe.config.options import EngineOptions
 from hetmoe.engine.llm import LLM
-from hetmoe.engine.loader import load_model
-from hetmoe.engine.placement import EngineOptions
 from hetmoe.engine.runner import Runner
+from hetmoe.engine.sampler import SamplingParams
+from hetmoe.load.loader import load_model
 from hetmoe.moe import MoELayer
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
 
-from hetmoe.testing.synthetic import ARCHITECTURES, write_checkpoint  # noqa: E402
+from hetmoe.load.random_weights import ARCHITECTURES, write_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)

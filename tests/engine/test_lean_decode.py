@@ -11,13 +11,13 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
+from hetmoe.config.options import EngineOptions  # noqa: E402
 from hetmoe.cpu.attention import decode_block, prepare_decode_block  # noqa: E402
 from hetmoe.cpu.pool import default_pool  # noqa: E402
 from hetmoe.engine.cpu_decode import LeanDecode, moe_on_engine, why_not  # noqa: E402
-from hetmoe.engine.loader import load_model  # noqa: E402
-from hetmoe.engine.placement import EngineOptions  # noqa: E402
 from hetmoe.engine.runner import Runner  # noqa: E402
 from hetmoe.layers.rope import apply_rope, cos_sin, inv_frequencies  # noqa: E402
+from hetmoe.load.loader import load_model  # noqa: E402
 
 MODELS = {  # qwen3_moe: q/k norm; qwen2_moe: q/k/v bias, a dense MLP layer, a shared expert; mixtral: plain GQA
     "qwen3_moe": {"num_hidden_layers": 3},

@@ -1,4 +1,4 @@
-"""bench/llama_cpp_peer.py's GGUF writer (issue 23's llama.cpp peer, hetmoe/testing/random_gguf.py): the file gguf's
+"""bench/llama_cpp_peer.py's GGUF writer (issue 23's llama.cpp peer, hetmoe/load/gguf/random_file.py): the file gguf's
 own reader reads back holds every tensor llama.cpp's qwen3moe model loads, with the asked GGML types and shapes (Q4_0
 and K-quant experts), weights of a sensible size, and a byte-level vocabulary of the shape's size; the commands of a
 --gpu run. llama.cpp itself is not run here."""
@@ -14,8 +14,8 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from hetmoe.testing.random_gguf import byte_level_vocab, random_tensor  # noqa: E402
-from hetmoe.testing.synthetic import SHAPES  # noqa: E402
+from hetmoe.load.gguf.random_file import byte_level_vocab, random_tensor  # noqa: E402
+from hetmoe.load.random_weights import SHAPES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

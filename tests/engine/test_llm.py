@@ -5,9 +5,9 @@ sequence (the dense layers' GEMM rounding) stays far below this model's greedy m
 
 import pytest
 
-from hetmoe.engine.generation import SamplingParams
+from hetmoe.config.options import EngineOptions
 from hetmoe.engine.llm import LLM
-from hetmoe.engine.placement import EngineOptions
+from hetmoe.engine.sampler import SamplingParams
 from paths import BEST_ROW_PATH
 
 MAX_BATCH = 4

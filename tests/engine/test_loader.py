@@ -1,4 +1,4 @@
-"""Loading checkpoints: hetmoe/engine/checkpoint.py (reader, FP8), loader.py (load_model), expert_cache.py. Every
+"""Loading checkpoints: hetmoe/load/checkpoint.py (reader, FP8), loader.py (load_model), expert_cache.py. Every
 checkpoint is written here by synthetic.write_checkpoint; every expert cache is a tmp dir (never ~/.cache)."""
 
 import json
@@ -15,13 +15,13 @@ pytest.importorskip("transformers")
 from rss import peak_rss
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from hetmoe.engine.checkpoint import Checkpoint, CheckpointError, dequantize_fp8  # noqa: E402
-from hetmoe.engine.loader import load_model, moe_blocks  # noqa: E402
-from hetmoe.engine.placement import DEFAULT_GROUP, EngineOptions  # noqa: E402
+from hetmoe.config.options import DEFAULT_GROUP, EngineOptions  # noqa: E402
 from hetmoe.engine.runner import Runner  # noqa: E402
 from hetmoe.layers.attention import Step  # noqa: E402
+from hetmoe.load.checkpoint import Checkpoint, CheckpointError, dequantize_fp8  # noqa: E402
+from hetmoe.load.loader import load_model, moe_blocks  # noqa: E402
+from hetmoe.load.random_weights import ARCHITECTURES, write_checkpoint  # noqa: E402
 from hetmoe.models import model_class  # noqa: E402
-from hetmoe.testing.synthetic import ARCHITECTURES, write_checkpoint  # noqa: E402
 from parity import engine_bf16, load_ours, max_rel  # noqa: E402
 from paths import BEST_ROW_PATH  # noqa: E402
 
@@ -132,7 +132,7 @@ def test_second_load_is_served_by_the_cache(big, tmp_path, monkeypatch):
     """The second load of a checkpoint reads every MoE layer from the converted-expert cache: hit counters, no
     conversion run (fill_experts counted), the same packed bytes (checksums) and logits. How much faster that is
     is a benchmark's business (``hetmoe bench e2e``), not this test's."""
-    import hetmoe.engine.loader as loader
+    import hetmoe.load.loader as loader
 
     converted, real_fill = [], loader.fill_experts
 
@@ -425,8 +425,8 @@ def test_fp8_without_scale_is_an_error(fp8_pair, tmp_path, name):
 # ---------------------------------------------------------------- peak memory while loading
 
 def test_peak_rss_while_loading(big):
-    m = peak_rss("import torch, tqdm, hetmoe.models.qwen3_moe\nfrom hetmoe.engine.loader import load_model\n"
-                 "from hetmoe.engine.placement import EngineOptions",
+    m = peak_rss("import torch, tqdm, hetmoe.models.qwen3_moe\nfrom hetmoe.load.loader import load_model\n"
+                 "from hetmoe.config.options import EngineOptions",
                  'loaded = load_model(sys.argv[1], EngineOptions(device="cpu", experts_format="bf16"), '
                  "expert_cache=None, progress=False)", 'loaded.info["expert_bytes"]', big)
     # Measured: 1.15 (baseline 220 MiB, final +163 MiB, peak +187 MiB; VmHWM reset by clear_refs, sampling agrees).

@@ -7,12 +7,15 @@ import re
 import pytest
 import torch
 
-from hetmoe.engine import placement
-from hetmoe.engine.loader import build_meta, model_shapes, moe_blocks, plan_model
-from hetmoe.engine.placement import EngineOptions, PlanError, dense_bytes
-from hetmoe.engine.sysmem import gib, parse_size
-from hetmoe.layers.linear import DENSE_FORMATS
-from hetmoe.testing.synthetic import shape_config
+from hetmoe.config.formats import DENSE_FORMATS
+from hetmoe.config.options import EngineOptions
+from hetmoe.config.units import gib, parse_size
+from hetmoe.load.loader import build_meta, moe_blocks, plan_model
+from hetmoe.load.random_weights import shape_config
+from hetmoe.load.shapes import model_shapes
+from hetmoe.plan import placement
+from hetmoe.plan.memory import PlanError
+from hetmoe.plan.placement import dense_bytes
 
 CUDA = torch.device("cuda")
 GiB = 1 << 30
@@ -66,7 +69,7 @@ def test_bad_sizes_are_clear_errors(text, capsys):
 
 def test_auto_values_parse():
     from hetmoe.cli import build_parser
-    from hetmoe.cli.options import engine_options
+    from hetmoe.config.flags import engine_options
 
     args = build_parser().parse_args(["plan", "--gpu-experts", "auto", "--max-context", "auto"])
     assert engine_options(args) == EngineOptions(gpu_experts="auto")

@@ -1,4 +1,4 @@
-"""Placement rules (hetmoe/engine/rules.py, docs/rules.md): parsing with the file's line in every error, first match
+"""Placement rules (hetmoe/config/rules.py, docs/rules.md): parsing with the file's line in every error, first match
 wins, and the native runner's per-MoE-layer experts formats, deferral and GPU-resident experts (hetmoe/engine/
 loader.py, placement.py). The CPU tests run the CPU engine on the best ISA of the machine (one path: bitwise
 comparisons); the GPU test compares the hybrid placement with the CPU one within the bf16 tolerance."""
@@ -10,11 +10,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hetmoe.engine import rules
-from hetmoe.engine.loader import load_model, moe_blocks
-from hetmoe.engine.placement import DEFAULT_GROUP, EngineOptions, LayerPlan, expert_bytes
-from hetmoe.engine.rules import RulesError, layerwise_layers
+from hetmoe.config import rules
+from hetmoe.config.options import DEFAULT_GROUP, EngineOptions
+from hetmoe.config.rules import RulesError
+from hetmoe.cpu.layout import expert_bytes
 from hetmoe.engine.runner import Runner
+from hetmoe.load import rules as native_rules
+from hetmoe.load.loader import load_model, moe_blocks
+from hetmoe.load.rules import layerwise_layers
+from hetmoe.plan.memory import LayerPlan
 from parity import max_rel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,8 +70,8 @@ def test_class_is_a_second_condition():
     assert r.for_module("model.layers.0.mlp.experts", "Qwen3MoeExperts").experts_format == "int8"
     assert r.for_module("model.layers.0.mlp.experts", "MixtralExperts").experts_format == "int4"
     assert r.for_module("model.layers.0.mlp.experts").experts_format == "int4"  # no class: the class rule skips
-    assert rules.experts_class("Qwen3MoeSparseMoeBlock") == "Qwen3MoeExperts"
-    assert rules.experts_class("DeepseekV3MoE") == "DeepseekV3Experts"
+    assert native_rules.experts_class("Qwen3MoeSparseMoeBlock") == "Qwen3MoeExperts"
+    assert native_rules.experts_class("DeepseekV3MoE") == "DeepseekV3Experts"
 
 
 @pytest.mark.parametrize("text, line, message", [
@@ -223,17 +227,18 @@ def test_load_refuses_before_reading_weights(qwen3, tmp_path, text, line, messag
 def test_example_plans_a_hybrid_placement():
     # docs/rules-example.yaml on a 6-layer model placed on a GPU (the plan is made from shapes alone: no GPU needed):
     # layers 0-3 all resident and bf16, 4-5 int4 g64 deferring 1, lm_head on the GPU; the plan's bytes per layer.
-    from hetmoe.engine.loader import build_meta, model_shapes
-    from hetmoe.engine.placement import plan_memory
+    from hetmoe.load.loader import build_meta
+    from hetmoe.load.random_weights import TINY
+    from hetmoe.load.shapes import model_shapes
     from hetmoe.models.config import ModelConfig
-    from hetmoe.testing.synthetic import TINY
+    from hetmoe.plan.placement import plan_memory
 
     cfg = ModelConfig(model_type="qwen3_moe", vocab_size=300, rms_norm_eps=1e-6, rope_theta=10000.0,
                       max_position_embeddings=256, **{**TINY["qwen3_moe"], "num_hidden_layers": 6})
     model = build_meta(cfg)
     blocks = moe_blocks(model)
     cuda = torch.device("cuda")
-    layers = rules.apply_native(rules.load(EXAMPLE), model, blocks, cuda, torch.bfloat16, 2)
+    layers = native_rules.apply_native(rules.load(EXAMPLE), model, blocks, cuda, torch.bfloat16, 2)
     opts = EngineOptions(gpu_experts=2, experts_format="int8")  # the flags, where no rule decides
     plan = plan_memory(model_shapes(model, cfg, 32), opts, cuda, "int8", layers)
     assert [(lp.experts_format, lp.group_size, lp.gpu_experts, lp.defer_experts) for lp in plan.layers] == \
@@ -267,7 +272,7 @@ def test_layerwise_prefill_layers():
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_random_model_takes_rules(tmp_path, fmt):
-    from hetmoe.testing.synthetic import TINY, build_random_model
+    from hetmoe.load.random_weights import TINY, build_random_model
 
     shape = {**TINY["qwen3_moe"], "model_type": "qwen3_moe", "vocab_size": 256, "max_position_embeddings": 64,
              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu"}
@@ -300,7 +305,7 @@ def test_resident_experts_per_layer_on_cpu_tensors(qwen3):
     # The per-layer counts of calibration.place_gpu_experts (what plan.layers gives keep_gpu_experts), with the
     # hybrid dispatch stage run on CPU tensors: layer 0 all 8 resident, layer 1 none; the output stays the model's
     # (the resident copy holds the engine's bf16 values; bound: bf16 activation rounding, which AMX experts do).
-    from hetmoe.engine.calibration import place_gpu_experts
+    from hetmoe.load.calibration import place_gpu_experts
     from hetmoe.moe import HostStaging
 
     loaded = load(qwen3, experts_format="bf16")

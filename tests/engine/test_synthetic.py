@@ -1,4 +1,4 @@
-"""Synthetic checkpoints (hetmoe/testing/synthetic.py): complete, sharded, loadable by transformers itself."""
+"""Synthetic checkpoints (hetmoe/load/random_weights.py): complete, sharded, loadable by transformers itself."""
 
 import json
 
@@ -7,7 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hetmoe.testing.synthetic import ARCHITECTURES, write_checkpoint  # noqa: E402
+from hetmoe.load.random_weights import ARCHITECTURES, write_checkpoint  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -219,7 +219,7 @@ def test_expert_layouts_read_as_out_x_in(tmp_path, layout):
 
     from safetensors.torch import save_file
 
-    from hetmoe.engine.checkpoint import Checkpoint
+    from hetmoe.load.checkpoint import Checkpoint
     from hetmoe.transformers.loading import _expert_mats, _Sources
 
     E, H, I = 3, 16, 24
@@ -329,10 +329,10 @@ def test_transformers_class_of_a_model_type():
 
 
 def test_llm_routes_a_type_without_model_file(tiny):
-    from hetmoe.engine.generation import SamplingParams
+    from hetmoe.config.options import EngineOptions
     from hetmoe.engine.llm import LLM
-    from hetmoe.engine.placement import EngineOptions
     from hetmoe.engine.runner import Runner
+    from hetmoe.engine.sampler import SamplingParams
 
     said = []
     opts = EngineOptions(device="cpu", dtype="fp32", experts_format="bf16", isa=BEST_ROW_PATH.isa, max_context=64)
@@ -349,9 +349,9 @@ def test_llm_routes_a_type_without_model_file(tiny):
 def test_scheduler_batches_over_the_slots(tiny):
     """Two prompts at once through the engine's scheduler (what the server runs), on two slots: the same greedy
     tokens as each alone."""
-    from hetmoe.engine.generation import SamplingParams
+    from hetmoe.config.options import EngineOptions
     from hetmoe.engine.llm import LLM
-    from hetmoe.engine.placement import EngineOptions
+    from hetmoe.engine.sampler import SamplingParams
 
     opts = EngineOptions(device="cpu", dtype="fp32", experts_format="bf16", isa=BEST_ROW_PATH.isa, max_context=64,
                          max_batch=2)
@@ -416,7 +416,7 @@ def test_gpu_dense_cpu_experts(tiny, family):
     assert torch.equal(out, cpu.generate(ids, max_new_tokens=8, do_sample=False))
 
 
-# ---------------------------------------------------------------- placement rules (hetmoe/engine/rules.py)
+# ---------------------------------------------------------------- placement rules (hetmoe/config/rules.py)
 
 
 def test_rules_set_formats_per_layer(tiny, tmp_path):

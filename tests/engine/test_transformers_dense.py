@@ -1,6 +1,6 @@
 """Dense formats on the Transformers path (hetmoe/transformers/dense.py): ``from_pretrained(..., dense_format=...)``
 packs the model's dense linears (attention, shared experts, dense MLPs, lm_head) into the engine's packed linears
-as the layers load, by the native loader's code (hetmoe/engine/dense.py).
+as the layers load, by the native loader's code (hetmoe/load/dense.py).
 
 Paths: the CPU engine's best row-block path (BEST_ROW_PATH) for experts and linears, the rest Transformers' fp32
 PyTorch on the CPU. Each packed linear is checked on the model's own activations against the float linear (the
@@ -19,9 +19,9 @@ from torch import nn
 from transformers_tiny import FAMILIES, save_tiny
 
 import hetmoe.transformers as ht
+from hetmoe.config.formats import DENSE_FORMATS
 from hetmoe.cpu import CPULinear
-from hetmoe.engine.dense import KEEP, PackedPart
-from hetmoe.layers.linear import DENSE_FORMATS
+from hetmoe.load.dense import KEEP, PackedPart
 from hetmoe.transformers import dense
 from paths import BEST_ROW_PATH
 
@@ -148,7 +148,7 @@ def test_bf16_and_auto_leave_a_small_model_as_it_was(tiny):
 
 
 def test_auto_follows_the_native_rule():
-    from hetmoe.engine.placement import SMALL_DENSE
+    from hetmoe.plan.placement import SMALL_DENSE
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert dense.choose("auto", cpu, torch.bfloat16, SMALL_DENSE + 1)[0] == "int8"
@@ -291,7 +291,7 @@ def test_peak_rss_while_loading_packed(tmp_path):
     m = peak_rss("import warnings, torch, hetmoe.transformers as ht, transformers.models.qwen3_moe.modeling_qwen3_moe",
                  'model = ht.from_pretrained(sys.argv[1], experts_format="int8", device="cpu", dtype="fp32", '
                  'dense_format="int4")\n'
-                 'from hetmoe.engine.dense import packed_bytes\n'
+                 'from hetmoe.load.dense import packed_bytes\n'
                  'engines = [m._hetmoe_experts for m in model.modules() if "_hetmoe_experts" in m.__dict__]',
                  "sum(e.nbytes for e in engines) + packed_bytes(model)", tmp_path)
     assert m["final"] - m["baseline"] >= m["expert_bytes"] * 0.95

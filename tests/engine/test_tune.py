@@ -1,5 +1,5 @@
-"""``--config FILE`` (hetmoe/engine/config_file.py, the hook in hetmoe/cli/options.py) and ``hetmoe tune``
-(hetmoe/engine/tune.py, hetmoe/cli/tune.py): a config file's errors name FILE:LINE and the key, flags win over the
+"""``--config FILE`` (hetmoe/config/file.py, the hook in hetmoe/cli/options.py) and ``hetmoe tune``
+(hetmoe/tools/tune.py, hetmoe/cli/tune.py): a config file's errors name FILE:LINE and the key, flags win over the
 file and the file over the defaults, inline rules keep their lines; tune on the built-in model (CPU alone, quick,
 a tiny candidate set) writes a file that --config loads back into the options it chose. The CPU engine runs on the
 machine's best ISA; nothing here asserts a speed."""
@@ -10,13 +10,14 @@ import pytest
 
 from hetmoe.cli import build_parser
 from hetmoe.cli import main as cli_main
-from hetmoe.cli.options import engine_options
-from hetmoe.engine import config_file, rules
-from hetmoe.engine.config_file import ConfigError
+from hetmoe.config import file as config_file
+from hetmoe.config import rules
+from hetmoe.config.file import ConfigError
+from hetmoe.config.flags import engine_options
+from hetmoe.config.options import EngineOptions
 from hetmoe.engine.llm import default_model_path
-from hetmoe.engine.loader import moe_blocks
-from hetmoe.engine.placement import EngineOptions
-from hetmoe.engine.tune import Row, Source, Tuner, choose, thread_candidates
+from hetmoe.load.loader import moe_blocks
+from hetmoe.tools.tune import Row, Source, Tuner, choose, thread_candidates
 
 
 def run_cli(capsys, *args):

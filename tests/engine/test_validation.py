@@ -15,15 +15,18 @@ from pathlib import Path
 import pytest
 
 from hetmoe.cli import main
+from hetmoe.config.options import EngineOptions
+from hetmoe.config.units import gib
 from hetmoe.cpu import default_threads
-from hetmoe.engine.checkpoint import Checkpoint, CheckpointError
 from hetmoe.engine.llm import LLM
-from hetmoe.engine.loader import load_model
-from hetmoe.engine.placement import EngineOptions, MemoryPlan, gib, normalize_options
+from hetmoe.load.checkpoint import Checkpoint, CheckpointError
+from hetmoe.load.loader import load_model
+from hetmoe.load.random_weights import SHAPES, write_checkpoint
 from hetmoe.models import context_limit
 from hetmoe.models.config import ModelConfig
 from hetmoe.models.config import context_limit as scaled_limit
-from hetmoe.testing.synthetic import SHAPES, write_checkpoint
+from hetmoe.plan.memory import MemoryPlan
+from hetmoe.plan.placement import normalize_options
 
 CPU = dict(device="cpu", dtype="fp32", experts_format="bf16")
 
@@ -203,7 +206,7 @@ def test_bad_tokenizer_is_refused_before_any_weight(copy, no_weights, case, tmp_
 
 def test_tokenizer_larger_than_the_vocab_is_noted(copy):
     path = copy()
-    from hetmoe.engine.loader import load_tokenizer
+    from hetmoe.load.loader import load_tokenizer
 
     vocab = load_tokenizer(path).vocab_size
 

@@ -69,12 +69,12 @@ def test_a_moe_call_over_code_packed_experts_matches_the_reference(fmt):
 @pytest.mark.parametrize("qtype, fmt", [("Q8_0", "int8"), ("Q4_0", "int4")])
 def test_gguf_blocks_load_bitwise(qtype, fmt):
     """Q8_0 and Q4_0 blocks quantized by the gguf package, split into codes and scales by the loader's decoder
-    (hetmoe/gguf/checkpoint.py): the engine's values equal gguf.quants.dequantize bit for bit."""
+    (hetmoe/load/gguf/checkpoint.py): the engine's values equal gguf.quants.dequantize bit for bit."""
     gguf = pytest.importorskip("gguf")
     qt = getattr(gguf.GGMLQuantizationType, qtype)
     gen = torch.Generator().manual_seed(3)
     experts = CPUExperts(E, H, I, fmt, G, pool=ExpertPool(1))
-    from hetmoe.gguf.checkpoint import block_codes
+    from hetmoe.load.gguf.checkpoint import block_codes
 
     codes, scales, refs = [], [], []
     for rows, cols in ((I, H), (I, H), (H, I)):

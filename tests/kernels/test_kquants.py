@@ -1,4 +1,4 @@
-"""GGUF's K-quant experts at their own precision (hetmoe/gguf/kquants.py -> hetmoe/cpu/codes.py -> the affine and
+"""GGUF's K-quant experts at their own precision (hetmoe/load/gguf/kquants.py -> hetmoe/cpu/codes.py -> the affine and
 group-16 layouts of csrc/formats/layout.h).
 
 Fixtures: the ``gguf`` package cannot quantize K-quants, so the blocks are written here from random bytes — every
@@ -7,7 +7,7 @@ byte pattern is a valid block (codes, 6-bit and int8 scales) once the fp16 d / d
 
 Paths covered: the row-block kernels at the best ISA the tests may use (scalar, AVX2, AVX-512: HETMOE_MAX_ISA / the
 CPU), the AMX GEMM through its emulation (``isa="amx-emulated"``) and, on a CPU with AMX, natively; one pool and
-two NUMA subpools; the GPU prefill's PyTorch unpack (hetmoe/moe/packed.py) and its Triton kernel (interpreted
+two NUMA subpools; the GPU prefill's PyTorch unpack (hetmoe/moe/streamed/packed.py) and its Triton kernel (interpreted
 here, on the GPU there). Tolerances are written next to each comparison.
 """
 
@@ -19,8 +19,8 @@ import torch
 
 from hetmoe.cpu import CPUExperts, ExpertPool, cpu_info
 from hetmoe.cpu.codes import exact_layout, load_codes
-from hetmoe.gguf.kquants import kquant_codes
-from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
+from hetmoe.load.gguf.kquants import kquant_codes
+from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, unpack_experts
 from reference import ACTIVATION_QMAX, _moe, fake_quantize, rel_err
 
 gguf = pytest.importorskip("gguf")
@@ -36,7 +36,7 @@ LAYERS = [("Q4_K", "Q4_K"), ("Q5_K", "Q5_K"), ("Q6_K", "Q6_K"), ("Q4_K", "Q6_K")
 
 def matrix_codes(kind: str, raw: np.ndarray, shape: tuple) -> tuple:
     if kind in SYMMETRIC_32:
-        from hetmoe.gguf.checkpoint import block_codes
+        from hetmoe.load.gguf.checkpoint import block_codes
 
         return (*block_codes(raw, kind, shape), None)
     return kquant_codes(raw, kind, shape)
@@ -148,7 +148,7 @@ def test_amx_emulated_and_row_blocks_agree_on_one_token_per_expert(kinds):
 
 @pytest.mark.parametrize("kinds", LAYERS, ids=lambda k: "+".join(k))
 def test_the_gpu_prefill_unpack_equals_the_engine(kinds):
-    """hetmoe/moe/packed.py's torch twin reads the affine, group-16 and mixed-format layouts bitwise (fp32) like
+    """hetmoe/moe/streamed/packed.py's torch twin reads the affine, group-16 and mixed-format layouts bitwise (fp32) like
     the engine."""
     experts, _ = kquant_experts(kinds, 4, ExpertPool(1))
     lay = ExpertLayout.of(experts)
@@ -194,8 +194,8 @@ def test_bad_blocks_and_layouts_are_refused():
 TRITON_CHECK = """
 import sys, torch
 from hetmoe.cpu import CPUExperts, ExpertPool, cpu_info
-from hetmoe.moe import packed_triton
-from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
+from hetmoe.ops.triton import packed as packed_triton
+from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, unpack_experts
 cuda = torch.cuda.is_available()
 dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
 for fmt, group, down_group, scaling in %r:
@@ -218,7 +218,7 @@ TRITON_LAYOUTS = [("int4", 32, 32, "affine"), ("int8", 32, 32, "affine"), ("int8
 
 
 def test_the_triton_unpack_reads_the_kquant_layouts():
-    """The layerwise prefill's one-pass kernel (hetmoe/moe/packed_triton.py) on the affine and group-16 layouts: on
+    """The layerwise prefill's one-pass kernel (hetmoe/ops/triton/packed.py) on the affine and group-16 layouts: on
     a GPU bitwise the engine's values rounded to bf16 (@gpu run: the same test); here under Triton's interpreter (a
     fresh process), bitwise in fp32."""
     import os

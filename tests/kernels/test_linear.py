@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from hetmoe import _C
+from hetmoe.config.formats import DENSE_FORMATS
 from hetmoe.cpu import CPULinear, ExpertPool
 from hetmoe.cpu import linear as cpu_linear
-from hetmoe.layers.linear import DENSE_FORMATS
 from hetmoe.layers.norm import RMSNorm
 from reference import fake_quantize, rel_err
 

@@ -30,8 +30,9 @@ import torch
 
 from cases import FORMATS, make_routing, make_weights, make_x
 from hetmoe import _C, cpu
+from hetmoe.config.options import parse_numa
 from hetmoe.cpu import CPUExperts, ExpertPool, HostFuncs, cpu_info, shared_pool
-from hetmoe.cpu.numa import parse_numa, resolve_subpools, topology
+from hetmoe.cpu.numa import resolve_subpools, topology
 from reference import amx_row_group, moe_reference, moe_reference_emulated, rel_err
 
 # The row-block kernels (AVX-512 on the GPU machine, AVX2 here); the AMX path has its own test below, with the
@@ -355,7 +356,7 @@ class _Ckpt:
 
 
 def test_expert_cache_key_includes_split(tmp_path, one, two):
-    from hetmoe.engine.expert_cache import ExpertCache
+    from hetmoe.load.expert_cache import ExpertCache
 
     ck = _Ckpt(tmp_path / "model")
     c1 = ExpertCache(tmp_path / "cache", ck, "int8", 128, warn=lambda m: None)
@@ -470,7 +471,7 @@ def test_mbind_probe():
 
 def test_options_and_pool_api(two, capsys):
     from hetmoe.cli import main
-    from hetmoe.engine.placement import EngineOptions
+    from hetmoe.config.options import EngineOptions
 
     assert parse_numa(None) == "auto" and parse_numa("OFF") == "off" and parse_numa("2") == 2 and parse_numa(3) == 3
     for bad in ("x", 0, "-1", True, 1.5):

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from cases import generator
-from hetmoe.layers.attention import GQAAttention, KVCache, Step, attend
+from hetmoe.layers.attention import GQAAttention, Step, attend
+from hetmoe.layers.kv_cache import KVCache
 from hetmoe.layers.linear import FusedLinears
 from hetmoe.layers.rope import apply_rope, cos_sin, inv_frequencies
 from hetmoe.models.common import SwiGLUMLP

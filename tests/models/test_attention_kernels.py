@@ -17,8 +17,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton_interp import checked_accesses, triton_module
 
 from cases import generator
-from hetmoe.layers.attention import KVCache, Step
-from hetmoe.layers.kv_cache import KVCacheFull
+from hetmoe.layers.attention import Step
+from hetmoe.layers.kv_cache import KVCache, KVCacheFull
 from reference import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -26,7 +26,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture(scope="module")
 def kernels():
-    return triton_module("hetmoe.layers.triton_attention")
+    return triton_module("hetmoe.ops.triton.attention")
 
 
 def sdpa_reference(q, k, v, positions, scale):
@@ -280,9 +280,9 @@ def test_model_on_the_paged_kernels_matches_the_contiguous_cache(kernels, checkp
 def test_a_long_context_runner_holds_kv_for_the_positions_in_use(checkpoints):
     """16 slots of a 128K context: the cache starts small and grows with what the sequences hold (paged on a GPU with
     Triton: pages per sequence; else one capacity for the longest), and a prompt longer than the context is refused."""
-    from hetmoe.engine.loader import load_model
-    from hetmoe.engine.placement import EngineOptions
+    from hetmoe.config.options import EngineOptions
     from hetmoe.engine.runner import Runner
+    from hetmoe.load.loader import load_model
 
     ctx = 131072
     loaded = load_model(checkpoints("qwen3_moe", {"max_position_embeddings": ctx}),

@@ -1,5 +1,5 @@
-"""The CPU's share of each layer's experts during the layerwise GPU prefill (hetmoe/moe/cpu_share.py, the choice in
-hetmoe/moe/prefill_choice.py).
+"""The CPU's share of each layer's experts during the layerwise GPU prefill (hetmoe/moe/streamed/cpu_share.py, the choice in
+hetmoe/moe/streamed/choice.py).
 
 CPU (CI): the whole path on CPU tensors (the CPU job through stream host functions on a ``_C.FakeStream``, the GPU
 part through the layerwise path's torch code) with a share of c in {some, all but one} of the experts, against the
@@ -16,12 +16,11 @@ the tolerances are those of tests/models/test_layerwise.py's path-vs-engine test
 import pytest
 import torch
 
+from hetmoe.config.options import EngineOptions
 from hetmoe.cpu import cpu_info
-from hetmoe.engine.loader import load_model, moe_blocks
-from hetmoe.engine.placement import EngineOptions
 from hetmoe.engine.runner import Runner
-from hetmoe.moe.layerwise import LayerwisePrefill
-from hetmoe.moe.prefill_choice import (
+from hetmoe.load.loader import load_model, moe_blocks
+from hetmoe.moe.streamed.choice import (
     CPU_CONTENTION,
     choose_cpu_share,
     describe_share,
@@ -29,6 +28,7 @@ from hetmoe.moe.prefill_choice import (
     parse_mode,
     share_capacity,
 )
+from hetmoe.moe.streamed.layerwise import LayerwisePrefill
 
 # measured here (AVX2), share vs no share: bf16 <= 3.1e-7, int8 <= 7.8e-6, int4 <= 1.8e-3 (test_layerwise.py bounds)
 TOL = {"bf16": 1e-5, "int8": 1e-4, "int4": 1e-2}
@@ -102,8 +102,8 @@ def test_the_gpu_part_reads_only_its_experts(checkpoints):
 TRITON_PREFIX = """
 import sys, torch
 from hetmoe.cpu import CPUExperts
-from hetmoe.moe import packed_triton
-from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
+from hetmoe.ops.triton import packed as packed_triton
+from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, unpack_experts
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 for fmt in ("bf16", "int4"):
     E, n, H, I = 4, 2, 130, 24

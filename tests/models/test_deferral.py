@@ -18,11 +18,12 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from hetmoe.engine.loader import defer_experts, load_model, moe_blocks  # noqa: E402
-from hetmoe.engine.placement import EngineOptions  # noqa: E402
+from hetmoe.config.options import EngineOptions  # noqa: E402
 from hetmoe.engine.runner import Runner  # noqa: E402
 from hetmoe.layers.attention import Step  # noqa: E402
 from hetmoe.layers.rope import cos_sin  # noqa: E402
+from hetmoe.load.loader import load_model, moe_blocks
+from hetmoe.load.random_weights import build_random_model  # noqa: E402
 from hetmoe.models import model_class  # noqa: E402
 from hetmoe.models.config import ModelConfig  # noqa: E402
 from hetmoe.moe import (  # noqa: E402
@@ -30,11 +31,11 @@ from hetmoe.moe import (  # noqa: E402
     MoELayer,
     RouterSpec,
     TorchExperts,
+    defer_experts,  # noqa: E402
     route_deepseek_v3,
     route_softmax,
     split_deferred,
 )
-from hetmoe.testing.synthetic import build_random_model  # noqa: E402
 from parity import load_ours, max_rel, torch_fp32  # noqa: E402
 from paths import CLASS_PATHS  # noqa: E402
 from paths import ids as path_ids  # noqa: E402

@@ -1,4 +1,4 @@
-"""The fused decode kernels (hetmoe/layers/triton_fused.py) against the unfused PyTorch code they replace, fp32 and
+"""The fused decode kernels (hetmoe/ops/triton/fused.py) against the unfused PyTorch code they replace, fp32 and
 bf16, and the fused decode path of each architecture against the unfused one.
 
 Kernel tests run wherever the kernels run: Triton's interpreter on the CPU (TRITON_INTERPRET=1, tests/conftest.py),
@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from cases import generator
-from hetmoe.layers.attention import KVCache, Step
+from hetmoe.layers.attention import Step
+from hetmoe.layers.kv_cache import KVCache
 from hetmoe.layers.rope import apply_rope, cos_sin, inv_frequencies
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,14 +36,14 @@ BOUND = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 def tf():
     from triton_interp import triton_module
 
-    return triton_module("hetmoe.layers.triton_fused")  # (the interpreter patched for the router GEMM's loop)
+    return triton_module("hetmoe.ops.triton.fused")  # (the interpreter patched for the router GEMM's loop)
 
 
 @pytest.fixture(scope="module")
 def tm():
     from triton_interp import triton_module
 
-    return triton_module("hetmoe.layers.triton_mla")
+    return triton_module("hetmoe.ops.triton.mla")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -252,8 +253,8 @@ def test_add_rows(tf, dtype):
 
 
 def _tiny(arch: str, dtype: str = "fp32", device: str = "cpu", **opts):
-    from hetmoe.engine.placement import EngineOptions
-    from hetmoe.testing.synthetic import _config, build_random_model
+    from hetmoe.config.options import EngineOptions
+    from hetmoe.load.random_weights import _config, build_random_model
 
     cfg = _config(arch, None, 300).to_dict()
     return build_random_model(cfg, None, EngineOptions(device=device, dtype=dtype, experts_format="bf16",
@@ -306,7 +307,7 @@ def test_mapped_staging_matches_copies(tf, arch):
     the device); Mixtral's layer is Qwen3's. Nothing is copied back: the device twins of the outputs stay zero."""
     pytest.importorskip("transformers")
     from hetmoe import _C
-    from hetmoe.engine.loader import moe_blocks
+    from hetmoe.load.loader import moe_blocks
     from hetmoe.moe import StreamDecode
 
     model = _tiny(arch).model
@@ -351,8 +352,8 @@ def test_mapped_staging_matches_copies(tf, arch):
 
 def test_fused_decode_option():
     from hetmoe.cli import build_parser
-    from hetmoe.cli.options import engine_options
-    from hetmoe.engine.placement import EngineOptions
+    from hetmoe.config.flags import engine_options
+    from hetmoe.config.options import EngineOptions
 
     assert EngineOptions().fused_decode == "on"
     with pytest.raises(ValueError, match="fused-decode must be on or off"):
@@ -416,12 +417,12 @@ def test_graph_decode_fused_matches_unfused(arch, attention):
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch,dense", [("qwen3_moe", "int8"), ("deepseek_v3", "fp8"), ("qwen2_moe", "int4")])
 def test_graph_decode_pdl_is_exact(arch, dense, monkeypatch):
-    """Programmatic dependent launch (hetmoe/layers/triton_pdl.py) changes when kernels start, never what they
+    """Programmatic dependent launch (hetmoe/ops/triton/pdl.py) changes when kernels start, never what they
     compute: the graph decode with it equals the one without it bitwise, with the quantized dense GEMVs, the fused
     kernels, the attention and the CPU experts' host functions in the graph. Paths: GPU."""
     pytest.importorskip("transformers")
     pytest.importorskip("triton")
-    from hetmoe.layers import triton_pdl
+    from hetmoe.ops.triton import pdl as triton_pdl
 
     if not triton_pdl.enabled(torch.device("cuda")):
         pytest.skip("PDL needs compute capability 9.0 (HETMOE_PDL=0 turns it off)")
@@ -440,10 +441,11 @@ _COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hetmoe.layers import triton_fused as tf, triton_mla as tm
+from hetmoe.ops.triton import fused as tf
+from hetmoe.ops.triton import mla as tm
 
 def sig(ptrs, ints, scalars, consts, **types):
-    consts = dict(consts, PDL=True)  # griddepcontrol (hetmoe/layers/triton_pdl.py) exists from sm_90
+    consts = dict(consts, PDL=True)  # griddepcontrol (hetmoe/ops/triton/pdl.py) exists from sm_90
     s = {n: types.get(n, "*bf16") for n in ptrs.split()}
     s.update({n: "i64" for n in ints.split()}, **scalars, **{n: "constexpr" for n in consts})
     return s, consts

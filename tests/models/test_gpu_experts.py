@@ -1,5 +1,5 @@
-"""GPU-resident experts (--gpu-experts N; hetmoe/moe/gpu_experts.py, MoELayer.set_gpu_experts,
-hetmoe/engine/calibration.py).
+"""GPU-resident experts (--gpu-experts N; hetmoe/moe/gpu_resident/experts.py, MoELayer.set_gpu_experts,
+hetmoe/load/calibration.py).
 
 CPU (CI): the combine matrix against a naive loop; GpuExperts (dense and gather paths) on CPU tensors against
 TorchExperts over odd shapes; the CPU engine's static skip mask plus the resident part equals the all-CPU result
@@ -19,8 +19,9 @@ assert with what was measured.
 import pytest
 import torch
 
+from hetmoe.config.options import EngineOptions
 from hetmoe.cpu import CPUExperts
-from hetmoe.engine.calibration import (
+from hetmoe.load.calibration import (
     DEFAULT_TEXT,
     check_gpu_experts,
     choose_experts,
@@ -28,10 +29,11 @@ from hetmoe.engine.calibration import (
     coverage,
     place_gpu_experts,
 )
-from hetmoe.engine.loader import load_model, moe_blocks
-from hetmoe.engine.placement import EngineOptions, ModelShapes, plan_memory
+from hetmoe.load.loader import load_model, moe_blocks
 from hetmoe.moe import DeferralChain, HostStaging, MoELayer, RouterSpec, TorchExperts, split_deferred
-from hetmoe.moe.gpu_experts import GpuExperts, combine_matrix
+from hetmoe.moe.gpu_resident.experts import GpuExperts, combine_matrix
+from hetmoe.plan.memory import ModelShapes
+from hetmoe.plan.placement import plan_memory
 from reference import rel_err
 
 E, H, I = 10, 48, 40  # E not a power of two; H, I not multiples of the kernels' blocks
@@ -255,7 +257,7 @@ def test_deferral_never_defers_resident_experts():
 # ---------------------------------------------------------------- calibration
 
 def _tiny_qwen3(n_layers=2):
-    from hetmoe.testing.synthetic import TINY, build_random_model
+    from hetmoe.load.random_weights import TINY, build_random_model
 
     cfg = dict(model_type="qwen3_moe", vocab_size=300, rms_norm_eps=1e-6, rope_theta=10000.0,
                max_position_embeddings=256, **{**TINY["qwen3_moe"], "num_hidden_layers": n_layers})
@@ -367,7 +369,7 @@ def test_load_refuses_too_many_and_ignores_on_cpu(tmp_path):
 
 
 def test_memory_plan_counts_and_refuses(monkeypatch):
-    from hetmoe.engine import placement
+    from hetmoe.plan import placement
 
     shapes = ModelShapes(hidden=2048, vocab_size=1000, n_routed=48 * 128, expert_inter=768, dense_params=10**6,
                          kv_elems_per_token=1000, act_width=8 * 2048, max_position_embeddings=4096, n_moe_layers=48)
@@ -391,7 +393,7 @@ def test_memory_plan_counts_and_refuses(monkeypatch):
 
 def test_cli_flag():
     from hetmoe.cli import build_parser
-    from hetmoe.cli.options import engine_options
+    from hetmoe.config.flags import engine_options
 
     for argv in (["generate"], ["chat"], ["serve"], ["eval", "--text", "t"], ["bench", "e2e"], ["bench", "serve"]):
         args = build_parser().parse_args(argv + ["--gpu-experts", "3", "--calibration-file", "c.txt"])
@@ -410,7 +412,7 @@ gpu = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     pytest.importorskip("transformers")
-    from hetmoe.testing.synthetic import write_checkpoint
+    from hetmoe.load.random_weights import write_checkpoint
 
     root = tmp_path_factory.mktemp("gpuexp")
     return {a: write_checkpoint(root / a, a, seed=11 + i, dtype="float32")

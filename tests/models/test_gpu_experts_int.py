@@ -1,5 +1,5 @@
-"""GPU-resident experts stored in int8/int4 (``GpuExperts(storage=...)``, hetmoe/moe/resident_format.py, the routed
-kernels of hetmoe/moe/gpu_experts_triton_int.py), their place in the memory plan (--gpu-experts-format, the rules'
+"""GPU-resident experts stored in int8/int4 (``GpuExperts(storage=...)``, hetmoe/moe/gpu_resident/format.py, the routed
+kernels of hetmoe/ops/triton/experts_int.py), their place in the memory plan (--gpu-experts-format, the rules'
 ``gpu_experts_format``).
 
 References: the naive float64 layer (tests/reference.py ``moe_reference``) over the *dequantized* weights (scale * q,
@@ -23,10 +23,12 @@ import torch
 from triton_interp import triton_module
 
 from cases import generator, make_routing
+from hetmoe.config.options import EngineOptions
 from hetmoe.cpu import CPUExperts
-from hetmoe.engine.placement import EngineOptions, ModelShapes, plan_memory
-from hetmoe.moe import resident_format as rf
-from hetmoe.moe.gpu_experts import GpuExperts
+from hetmoe.moe.gpu_resident import format as rf
+from hetmoe.moe.gpu_resident.experts import GpuExperts
+from hetmoe.plan.memory import ModelShapes
+from hetmoe.plan.placement import plan_memory
 from reference import moe_reference, rel_err
 
 HAS_CUDA = torch.cuda.is_available()
@@ -40,7 +42,7 @@ STORAGES = {"int4-32": rf.Storage.of("int4", 32), "int4-128": rf.Storage.of("int
 
 @pytest.fixture(scope="module")
 def kernels():
-    return triton_module("hetmoe.moe.gpu_experts_triton_int")
+    return triton_module("hetmoe.ops.triton.experts_int")
 
 
 def _weights(*params):
@@ -110,7 +112,7 @@ def test_gpu_tiles_in_the_interpreter(kernels, name, T, k, defer):
     w = _weights("tiles", name, T, k)
     x, ids, wts = _case(T, k, "tiles", name)
     g = _experts(w, STORAGES[name])
-    launch = dataclasses.replace(triton_module("hetmoe.moe.gpu_experts_triton").plan(T, on_gpu=True), defer=defer)
+    launch = dataclasses.replace(triton_module("hetmoe.ops.triton.experts").plan(T, on_gpu=True), defer=defer)
     out = kernels.routed(x, ids, wts, (g.w_gate_up, g.s_gate_up), (g.w_down, g.s_down), g.storage, g.slot_of, None,
                          E, I, launch=launch)
     assert rel_err(out, _reference(g, x, ids, wts)) < FP32_BOUND
@@ -139,7 +141,7 @@ def test_no_hit_all_hits_and_skip_mask(kernels):
 def test_prefill_gathers_experts_in_chunks():
     """T > dense_max_tokens takes the gather path: int4 experts dequantized GATHER_EXPERTS at a time (20 resident:
     two chunks), each expert over its own tokens."""
-    from hetmoe.moe.gpu_experts import GATHER_EXPERTS
+    from hetmoe.moe.gpu_resident.experts import GATHER_EXPERTS
 
     e, resident = 37, list(range(36, 16, -1))
     assert len(resident) > GATHER_EXPERTS
@@ -210,11 +212,11 @@ def test_model_with_int4_resident_experts():
     """A whole model on CPU tensors (2 MoE layers, int4 engine, the hybrid dispatch): 3 resident experts per layer in
     their own int4 codes give bitwise the logits of resident fp32 copies of the same values (the same torch paths),
     and stay within the CPU engine's int8 activation rounding of the all-CPU logits."""
-    from hetmoe.engine.calibration import place_gpu_experts
-    from hetmoe.engine.loader import moe_blocks
     from hetmoe.engine.runner import Runner
+    from hetmoe.load.calibration import place_gpu_experts
+    from hetmoe.load.loader import moe_blocks
+    from hetmoe.load.random_weights import TINY, build_random_model
     from hetmoe.moe import HostStaging
-    from hetmoe.testing.synthetic import TINY, build_random_model
 
     cfg = dict(model_type="qwen3_moe", vocab_size=300, rms_norm_eps=1e-6, rope_theta=10000.0,
                max_position_embeddings=256, **{**TINY["qwen3_moe"], "num_hidden_layers": 2})
@@ -262,7 +264,7 @@ QWEN = ModelShapes(hidden=2048, vocab_size=1000, n_routed=48 * 128, expert_inter
 
 
 def test_plan_counts_resident_experts_at_their_stored_bytes(monkeypatch):
-    from hetmoe.engine import placement
+    from hetmoe.plan import placement
 
     cuda = torch.device("cuda")
     bf16_each, int4_each = 3 * 2048 * 768 * 2, 3 * 2048 * 768 * 9 // 16  # int4: nibbles + an fp32 scale per 64
@@ -285,7 +287,7 @@ def test_plan_counts_resident_experts_at_their_stored_bytes(monkeypatch):
 
 
 def test_rules_set_the_resident_format(tmp_path):
-    from hetmoe.engine import rules
+    from hetmoe.config import rules
 
     path = tmp_path / "r.yaml"
     path.write_text("- match: 'model\\.layers\\.0\\.mlp\\.experts'\n  gpu_experts: 2\n  gpu_experts_format: bf16\n")
@@ -303,7 +305,7 @@ def test_rules_set_the_resident_format(tmp_path):
 
 def test_cli_flag():
     from hetmoe.cli import build_parser
-    from hetmoe.cli.options import engine_options
+    from hetmoe.config.flags import engine_options
 
     opts = engine_options(build_parser().parse_args(["generate", "--gpu-experts-format", "int8"]))
     assert opts.gpu_experts_format == "int8"
@@ -317,7 +319,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hetmoe.moe import gpu_experts_triton_int as k
+from hetmoe.ops.triton import experts_int as k
 
 ptrs = dict(X="*bf16", SGU="*fp32", SD="*fp32", IDS="*i64", WTS="*fp32", SLOT_OF="*i64", SKIP="*u8", HS="*fp32",
             P="*fp32")

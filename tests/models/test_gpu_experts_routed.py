@@ -1,4 +1,4 @@
-"""The routed decode path of GPU-resident experts (hetmoe/moe/gpu_experts_triton.py, ``GpuExperts(decode="routed")``):
+"""The routed decode path of GPU-resident experts (hetmoe/ops/triton/experts.py, ``GpuExperts(decode="routed")``):
 Triton kernels that read only the weights of the resident experts the tokens routed to.
 
 References: the torch dense path (``decode="dense"``, every resident expert over every token) and the naive float64
@@ -22,7 +22,7 @@ import torch
 from triton_interp import triton_module
 
 from cases import generator, make_routing
-from hetmoe.moe.gpu_experts import GpuExperts
+from hetmoe.moe.gpu_resident.experts import GpuExperts
 from reference import moe_reference, rel_err
 
 HAS_CUDA = torch.cuda.is_available()
@@ -34,7 +34,7 @@ BF16_VS_DENSE = 1.5e-2  # the dense path's bf16 roundings (measured <= 5.3e-3 in
 
 @pytest.fixture(scope="module")
 def kernels():
-    return triton_module("hetmoe.moe.gpu_experts_triton")
+    return triton_module("hetmoe.ops.triton.experts")
 
 
 def _weights(*params):

@@ -25,8 +25,8 @@ from torch import nn
 from triton_interp import triton_module
 
 from cases import WEIGHT_STD, generator
+from hetmoe.config.formats import DENSE_FORMATS
 from hetmoe.layers.gpu_linear import GPULinear, blockwise_scaled_mm, pack_int4, quantize_fp8, quantize_int, unpack_int4
-from hetmoe.layers.linear import DENSE_FORMATS
 from reference import rel_err
 
 HAS_CUDA = torch.cuda.is_available()
@@ -40,7 +40,7 @@ MS = (1, 3, 8, 64, 300)
 
 @pytest.fixture(scope="module")
 def tl_linear():
-    return triton_module("hetmoe.layers.triton_linear")
+    return triton_module("hetmoe.ops.triton.linear")
 
 
 def make_linears(sizes, K: int, bias: bool, *params) -> list:
@@ -101,7 +101,7 @@ def test_quantize_int_codes_and_padding(fmt):
 
 def test_fp8_matches_checkpoint_convention():
     """from_fp8 keeps a checkpoint's weights: its dequantized weight is the loader's dequantize_fp8."""
-    from hetmoe.engine.checkpoint import dequantize_fp8
+    from hetmoe.load.checkpoint import dequantize_fp8
 
     w = torch.randn(300, 200, generator=generator("fp8 conv")) * WEIGHT_STD
     q, s = quantize_fp8(w)
@@ -208,7 +208,7 @@ def test_swiglu_in_the_gemv(tl_linear, fmt, M):
     """down(silu(gate) * up) with the activation computed by the GEMV as it reads x equals silu_mul's output
     through the same GEMV, bitwise (the same roundings; K split or not); 5 rows are past the GEMV (None: the
     caller runs silu_mul)."""
-    from hetmoe.layers.triton_fused import silu_mul
+    from hetmoe.ops.triton.fused import silu_mul
 
     linears = make_linears([97], 200, True, fmt, "swiglu")
     lin = GPULinear.from_linears(linears, fmt, DEVICE, kernel="triton")

@@ -1,5 +1,5 @@
-"""The layerwise prefill's sync-free expert path (hetmoe/moe/layerwise.py ``grouped_swiglu`` with
-hetmoe/moe/grouped_triton.py): here under Triton's interpreter on CPU tensors, with ``torch._grouped_mm`` replaced by
+"""The layerwise prefill's sync-free expert path (hetmoe/moe/streamed/layerwise.py ``grouped_swiglu`` with
+hetmoe/ops/triton/grouped.py): here under Triton's interpreter on CPU tensors, with ``torch._grouped_mm`` replaced by
 a loop over the offsets that leaves the rows past the last offset NaN (as unwritten GPU memory may be), so a
 skipped slot's row leaking into the sum would show. On a GPU the same path is covered end to end by the layerwise
 GPU tests (tests/models/test_layerwise.py, prefill logits against the CPU engine)."""
@@ -21,7 +21,7 @@ def _emulated_grouped_mm(a, b, offs):
 
 
 def test_swiglu_and_combine_kernels_match_torch():
-    gt = triton_module("hetmoe.moe.grouped_triton")
+    gt = triton_module("hetmoe.ops.triton.grouped")
     gen = torch.Generator().manual_seed(3)
     M, I, T, k, H = 24, 40, 8, 3, 72
     gu = torch.randn(M, 2 * I, generator=gen)
@@ -45,8 +45,8 @@ def test_swiglu_and_combine_kernels_match_torch():
 
 @pytest.mark.parametrize("T,k", [(1, 1), (17, 4), (64, 8)])
 def test_sync_free_path_matches_the_loop(monkeypatch, T, k):
-    triton_module("hetmoe.moe.grouped_triton")
-    from hetmoe.moe import layerwise
+    triton_module("hetmoe.ops.triton.grouped")
+    from hetmoe.moe.streamed import layerwise
 
     gen = torch.Generator().manual_seed(T + k)
     E, H, I = 9, 48, 20

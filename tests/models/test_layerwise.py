@@ -1,4 +1,4 @@
-"""Layerwise GPU prefill (--gpu-prefill; hetmoe/moe/layerwise.py, hetmoe/moe/packed.py).
+"""Layerwise GPU prefill (--gpu-prefill; hetmoe/moe/streamed/layerwise.py, hetmoe/moe/streamed/packed.py).
 
 CPU (CI): the packed layout read with torch ops equals the engine's own unpacking (every format, odd shapes, a
 range of experts); the grouped SwiGLU against TorchExperts; the whole path (routing, unpacking a few experts at a
@@ -17,14 +17,16 @@ import sys
 import pytest
 import torch
 
+from hetmoe.config.options import EngineOptions, parse_gpu_prefill
 from hetmoe.cpu import CPUExperts
-from hetmoe.engine.loader import load_model, moe_blocks
-from hetmoe.engine.placement import EngineOptions, add_gpu_prefill, gpu_prefill_bytes, parse_gpu_prefill
 from hetmoe.engine.runner import Runner
+from hetmoe.load.loader import load_model, moe_blocks
 from hetmoe.moe import TorchExperts
-from hetmoe.moe.layerwise import LayerwisePrefill, grouped_swiglu
-from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
-from hetmoe.moe.prefill_choice import choose_min_tokens
+from hetmoe.moe.streamed.choice import choose_min_tokens
+from hetmoe.moe.streamed.layerwise import LayerwisePrefill, grouped_swiglu
+from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, unpack_experts
+from hetmoe.moe.streamed.vram import gpu_prefill_bytes
+from hetmoe.plan.placement import add_gpu_prefill
 from tests.gpu_child import run_steps, say
 from tests.triton_interp import checked_accesses, gpu_branch_on_cpu
 
@@ -160,7 +162,7 @@ def test_nothing_to_stream_says_why():
     so (``hetmoe tune`` prints it), not a NUMA reason."""
     from types import SimpleNamespace
 
-    from hetmoe.moe.prefill_choice import setup
+    from hetmoe.moe.streamed.choice import setup
 
     driver, report = setup([], SimpleNamespace(gpu_prefill=True), SimpleNamespace(gpu_prefill="auto"), print)
     assert driver is None and not report["enabled"] and "every routed expert is on the GPU" in report["why"]
@@ -174,7 +176,7 @@ def test_gpu_prefill_option():
 
 
 def _plan_and_shapes(fmt="int4"):
-    from hetmoe.engine.placement import MemoryPlan, ModelShapes
+    from hetmoe.plan.memory import MemoryPlan, ModelShapes
 
     shapes = ModelShapes(hidden=2048, vocab_size=151936, n_routed=48 * 128, expert_inter=768, dense_params=10 ** 9,
                          kv_elems_per_token=48 * 2 * 4 * 128, act_width=8 * 2048, max_position_embeddings=40960,
@@ -395,8 +397,8 @@ def test_dataclass_field_is_documented():
 TRITON_CHECK = """
 import sys, torch
 from hetmoe.cpu import CPUExperts
-from hetmoe.moe import packed_triton
-from hetmoe.moe.packed import ExpertLayout, expert_ranges, unpack_experts
+from hetmoe.ops.triton import packed as packed_triton
+from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, unpack_experts
 cuda = torch.cuda.is_available()
 dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
 for fmt, group in %r:
@@ -416,7 +418,7 @@ print("ok")
 
 
 def test_the_triton_unpack_equals_the_engine():
-    """The one-pass GPU kernel (hetmoe/moe/packed_triton.py), every format: on a GPU, bitwise the engine's values
+    """The one-pass GPU kernel (hetmoe/ops/triton/packed.py), every format: on a GPU, bitwise the engine's values
     rounded to bf16; without one, under Triton's interpreter (a fresh process: the interpreter is chosen when the
     kernel is defined), bitwise in fp32 (the interpreter truncates where the GPU rounds)."""
     import os

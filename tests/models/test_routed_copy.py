@@ -1,4 +1,4 @@
-"""Routed-only copying in the layerwise GPU prefill (hetmoe/moe/expert_copy.py): when T·k is small against E, each
+"""Routed-only copying in the layerwise GPU prefill (hetmoe/moe/streamed/copy.py): when T·k is small against E, each
 layer copies only the experts its router reaches, packed one after another in the slot, the routing renumbered.
 
 CPU (CI): the helpers (which experts, the renumbering, the runs of consecutive experts, the packed copies); the whole
@@ -16,13 +16,13 @@ import sys
 import pytest
 import torch
 
-from hetmoe.engine.loader import load_model, moe_blocks
-from hetmoe.engine.placement import EngineOptions
+from hetmoe.config.options import EngineOptions
 from hetmoe.engine.runner import Runner
-from hetmoe.moe import expert_copy
-from hetmoe.moe.expert_copy import copy_experts, routed_experts, runs
-from hetmoe.moe.layerwise import LayerwisePrefill
-from hetmoe.moe.prefill_choice import ROUTED_ENV, parse_routed_copy, routed_fraction, wants_routed_only
+from hetmoe.load.loader import load_model, moe_blocks
+from hetmoe.moe.streamed import copy as expert_copy
+from hetmoe.moe.streamed.choice import ROUTED_ENV, parse_routed_copy, routed_fraction, wants_routed_only
+from hetmoe.moe.streamed.copy import copy_experts, routed_experts, runs
+from hetmoe.moe.streamed.layerwise import LayerwisePrefill
 from tests.gpu_child import run_steps, say
 from tests.triton_interp import checked_accesses, gpu_branch_on_cpu
 
@@ -81,7 +81,7 @@ def test_routed_only_equals_whole_layers(checkpoints, arch, fmt, monkeypatch):
         copied.append(experts)
         copy(dst, src, per, experts, n)
 
-    monkeypatch.setattr("hetmoe.moe.layerwise.copy_experts", spy)
+    monkeypatch.setattr("hetmoe.moe.streamed.layerwise.copy_experts", spy)
     ids = [11, 4, 29]  # 3 tokens x top-2 of 8 experts: at most 6 reached per layer
     E = lw.layouts[0].num_experts
     for share in ("off", 3):

@@ -1,4 +1,4 @@
-"""The route stage (hetmoe/moe/router.py) against transformers' own routers, and TorchExperts (hetmoe/moe/backends.py)
+"""The route stage (hetmoe/moe/router.py) against transformers' own routers, and TorchExperts (hetmoe/moe/experts.py)
 against the engine on every engine path this machine runs (tests/paths.py)."""
 
 import pytest

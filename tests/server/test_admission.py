@@ -15,10 +15,10 @@ import unicodedata
 
 import pytest
 
-from hetmoe.engine import tokenizer as tokenizer_module
-from hetmoe.engine.tokenizer import PromptTooLong, Tokenizer
+from hetmoe import tokenizer as tokenizer_module
 from hetmoe.server import protocol
 from hetmoe.server.protocol import APIError, ServedModel, prompt_encoder
+from hetmoe.tokenizer import PromptTooLong, Tokenizer
 
 CONTEXT = 256
 

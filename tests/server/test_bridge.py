@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from hetmoe.engine import scheduler as engine
-from hetmoe.engine.generation import SamplingParams
-from hetmoe.engine.tokenizer import Tokenizer
+from hetmoe.engine.sampler import SamplingParams
+from hetmoe.load.random_weights import _CHAT_TEMPLATE, build_tokenizer
 from hetmoe.server.bridge import EngineLoop, Request
-from hetmoe.testing.synthetic import _CHAT_TEMPLATE, build_tokenizer
+from hetmoe.tokenizer import Tokenizer
 
 VOCAB = 512
 POISON = 13  # a sequence fed this token makes the runner raise

@@ -55,7 +55,7 @@ class Server:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     pytest.importorskip("transformers")
-    from hetmoe.testing.synthetic import write_checkpoint
+    from hetmoe.load.random_weights import write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("served-qwen3"), "qwen3_moe", seed=1, dtype="float32")
 
@@ -77,7 +77,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def tok(model_dir):
-    from hetmoe.engine.tokenizer import Tokenizer
+    from hetmoe.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(model_dir)
 

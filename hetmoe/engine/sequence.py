@@ -1,0 +1,167 @@
+"""One sequence's part of the generation loop: stop checks, stop strings and streamed text.
+
+``SequenceState`` follows one
+sequence after its prompt (stop checks, incremental text, finish reason, token counts). The loop that drives
+many sequences at once is ``engine/scheduler.py``. Text that could still become a stop string is held back until it
+is resolved, so a stop string never reaches the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from hetmoe.engine.sampler import SamplingParams, sample
+from hetmoe.tokenizer import IncrementalDecoder, Tokenizer
+
+
+@dataclass
+class Timings:
+    prefill_s: float = 0.0  # prefill and the first token's sampling (time to first token)
+    decode_s: float = 0.0  # every later step
+    prompt_tokens: int = 0
+    decode_steps: int = 0  # runner.decode calls
+    cached_tokens: int = 0  # prompt tokens already in the KV cache (a chat's earlier turns): not recomputed
+
+    @property
+    def new_prompt_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def prefill_tok_s(self) -> float:
+        """Prompt tokens computed per second (the cached ones cost nothing and are not counted)."""
+        return self.new_prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass
+class GenerationResult:
+    text: str  # stop strings and whatever follows them removed
+    token_ids: list[int]  # generated, without a final eos / stop token (a stop string's tokens stay)
+    finish_reason: str  # "stop" (eos, stop token or stop string) | "length" (max_tokens or context full)
+    prompt_tokens: int
+    completion_tokens: int  # tokens the model produced, a final eos / stop token included
+    timings: Timings = field(default_factory=Timings)
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that is the beginning of some stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class _TextStream:
+    """Decoded text so far, cut at the first stop string, and the part of it already handed to ``on_text``."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], on_text: Optional[Callable[[str], None]]):
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.stops, self.on_text = stops, on_text
+        self.longest = max((len(s) for s in stops), default=0)
+        self.text, self.emitted = "", 0
+
+    def push(self, token_id: int) -> bool:
+        """Add a token; True when a stop string has appeared (the text is then cut before it)."""
+        return self._add(self.decoder.push(token_id), final=False)
+
+    def finish(self) -> bool:
+        """Flush the decoder and release held-back text; True if the flushed tail completed a stop string."""
+        return self._add(self.decoder.flush(), final=True)
+
+    def _add(self, piece: str, final: bool) -> bool:
+        start = max(0, len(self.text) - self.longest + 1)  # an earlier stop string would already have been found
+        self.text += piece
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0] if piece else []
+        if hits:
+            self.text = self.text[:min(hits)]
+            self._emit(len(self.text))
+            return True
+        self._emit(len(self.text) - (0 if final else _held_back(self.text, self.stops)))
+        return False
+
+    def _emit(self, end: int) -> None:
+        if end > self.emitted:
+            if self.on_text is not None:
+                self.on_text(self.text[self.emitted:end])
+            self.emitted = end
+
+
+class SequenceState:
+    """What happens to one sequence after its prompt: each sampled token is added with ``add``, which runs the
+    stop checks (eos / stop token ids, stop strings, ``max_tokens``, a full context) and streams the text
+    that is final to ``on_text``. The scheduler (engine/scheduler.py) keeps one per running sequence.
+
+    ``finish_reason`` is None while the sequence goes on, then "stop" (eos, stop token or stop string) or
+    "length" (``max_tokens`` or the context is full).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_tokens: int, params: SamplingParams, max_context: int,
+                 on_text: Optional[Callable[[str], None]] = None):
+        if prompt_tokens < 1:
+            raise ValueError("the prompt is empty: at least one token is needed to start generation")
+        if prompt_tokens >= max_context:
+            raise ValueError(f"the prompt is {prompt_tokens} tokens but the context holds {max_context} "
+                             f"(max_context), leaving no room to generate")
+        self.params, self.prompt_tokens, self.max_context = params, prompt_tokens, max_context
+        self.stop_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            self.stop_ids |= tokenizer.eos_ids
+        self.stream = _TextStream(tokenizer, params.stop, on_text)
+        self.token_ids: list[int] = []  # generated, without a final eos / stop token
+        self.completion_tokens = 0  # sampled, a final eos / stop token included
+        self.finish_reason: Optional[str] = None
+        self._generator: Optional[torch.Generator] = None
+
+    @property
+    def text(self) -> str:
+        return self.stream.text
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def generator(self, device: torch.device) -> Optional[torch.Generator]:
+        """This sequence's own RNG (None without a seed: the global one), created on the logits' device."""
+        if self._generator is None and self.params.seed is not None:
+            self._generator = torch.Generator(device=device).manual_seed(self.params.seed)
+        return self._generator
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """A token from this sequence's logits [V] with its own parameters and generator."""
+        return int(sample(logits, self.params, self.generator(logits.device)))
+
+    def add(self, token: int) -> bool:
+        """Record a sampled token; True when the sequence is finished (then it must not be decoded further)."""
+        if self.finished:
+            raise RuntimeError("add() after the sequence finished")
+        self.completion_tokens += 1
+        if token in self.stop_ids:
+            return self._finish("stop", flush=True)
+        self.token_ids.append(token)
+        if self.stream.push(token):
+            return self._finish("stop", flush=False)
+        if (len(self.token_ids) >= self.params.max_tokens
+                or self.prompt_tokens + len(self.token_ids) >= self.max_context):
+            return self._finish("length", flush=True)
+        return False
+
+    def abort(self, reason: str = "length") -> None:
+        """End the sequence early (e.g. the server shuts down): release held-back text, record ``reason``."""
+        if not self.finished:
+            self._finish(reason, flush=True)
+
+    def _finish(self, reason: str, flush: bool) -> bool:
+        if flush and self.stream.finish():  # the flushed tail completed a stop string
+            reason = "stop"
+        self.finish_reason = reason
+        return True
+

@@ -1,0 +1,314 @@
+"""A GGUF model as the loader reads a checkpoint (hetmoe/load/checkpoint.py's interface): ``config``, ``names``,
+``shape``, ``get_float`` under Hugging Face names, ``release`` / ``close`` / ``fingerprint``, plus what only a GGUF
+file has: the routed experts' own quantized blocks (``expert_codes``) and the engine format that holds them exactly
+(``exact_format``).
+
+Tensors are read from the memory-mapped file when asked for, one at a time (a stacked experts tensor one expert at
+a time), so loading holds one layer's weights as the safetensors path does. Exact types: Q8_0 (fp16 scale + 32 int8
+per block) is the engine's int8 with groups of 32, Q4_0 (fp16 scale + 16 bytes: values 0..15 in the low nibbles,
+16..31 in the high ones, offset 8) its int4 with groups of 32; the K-quants Q4_K / Q5_K are int4 / int8 affine with
+groups of 32 and Q6_K int8 with groups of 16 (hetmoe/load/gguf/kquants.py). Gate/up and down may have different exact
+types (int4 codes then go into int8). They are packed from the codes (hetmoe/cpu/codes.py): the kernels multiply by
+exactly what ``gguf``'s dequantization gives. Every other type is dequantized (gguf.quants) and quantized into the
+experts format of the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import re
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from hetmoe.cpu.codes import EXACT_TYPES, exact_layout, layout_of, load_codes, plan_format
+from hetmoe.load.gguf.kquants import KQUANTS, kquant_codes
+from hetmoe.load.gguf.metadata import config_from_gguf
+from hetmoe.load.gguf.names import Transform, hf_names, merge_kv_b, unpermute_rope
+from hetmoe.load.gguf.reader import GGUFError, open_gguf
+from hetmoe.models.config import ModelConfig
+
+EXACT = {"Q8_0": ("int8", 34), "Q4_0": ("int4", 18)}  # GGML type -> (engine format, bytes per block of 32)
+BLOCK = 32
+CHUNK = 8  # experts decoded and packed at once
+_LAYER = re.compile(r"\.layers\.\d+\.")
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def nearest_format(ggml_type: str) -> Optional[str]:
+    """The engine format nearest a GGML type by bits (None for a float type: the plan's auto choice): up to 5 bits
+    int4, 6 and 8 bits int8."""
+    if ggml_type in FLOAT_TYPES:
+        return None
+    digits = "".join(ch for ch in ggml_type.split("_")[0] if ch.isdigit())
+    return "int4" if digits and int(digits) <= 5 else "int8"
+
+
+def block_codes(raw: np.ndarray, kind: str, shape: tuple) -> tuple:
+    """(codes int8 ``shape``, scales fp32 ``shape[:-1] + (shape[-1] / 32,)``) of Q8_0 / Q4_0 blocks ``raw`` (bytes,
+    rows of blocks). Q8_0: fp16 d, 32 int8; Q4_0: fp16 d, 16 bytes whose low nibbles are values 0..15 and high
+    nibbles 16..31, stored + 8."""
+    nb = shape[-1] // BLOCK
+    blocks = raw.reshape(*shape[:-1], nb, EXACT[kind][1])
+    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q8_0":
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
+    else:  # nibbles into uint8 in place, then - 8 as int8 (no temporaries of the whole matrix)
+        nib = blocks[..., 2:]
+        q = np.empty((*shape[:-1], nb, BLOCK), np.uint8)
+        np.bitwise_and(nib, 0x0F, out=q[..., :BLOCK // 2])
+        np.right_shift(nib, 4, out=q[..., BLOCK // 2:])
+        q = q.view(np.int8)
+        q -= 8
+    return torch.from_numpy(q.reshape(shape)), torch.from_numpy(d)
+
+
+def tokenizer_of(path):
+    """hetmoe's Tokenizer from a GGUF file's tokenizer.ggml.* keys and chat template (tokenizer.py)."""
+    from hetmoe.load.gguf.tokenizer import tokenizer_from_gguf
+
+    with open_gguf(gguf_file(path)) as f:
+        return tokenizer_from_gguf(f)
+
+
+def is_gguf(path) -> bool:
+    """A .gguf file, or a directory holding GGUF files and no config.json."""
+    path = Path(path)
+    if path.is_file():
+        return path.suffix == ".gguf"
+    return path.is_dir() and not (path / "config.json").exists() and any(path.glob("*.gguf"))
+
+
+def gguf_file(path) -> Path:
+    """The file to open for ``path``: itself, or a directory's one model (a single file or the first part of one
+    split set); ValueError when the directory holds several."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    files = sorted(path.glob("*.gguf"))
+    firsts = [f for f in files if "-of-" not in f.name or f.name.split("-of-")[0].endswith("-00001")]
+    if len(firsts) != 1:
+        raise GGUFError(f"{path} holds {len(firsts)} GGUF models ({', '.join(f.name for f in firsts)}); pass the "
+                        "file to load as --model")
+    return firsts[0]
+
+
+class GGUFCheckpoint:
+    floats_are_copies = True  # get_float returns memory of its own (the loader keeps it rather than copy it)
+
+    def __init__(self, path):
+        self.file = open_gguf(gguf_file(path))
+        self.path = Path(self.file.path)
+        self.config_source = self.path  # what errors about the config name
+        self.config = ModelConfig(config_from_gguf(self.file))
+        self._map: dict = {}  # HF name -> (GGUFTensor, transform, expert index or None) or the kv_b pair
+        self._scratch: dict = {}  # (matrix, GGML type, shape) -> decode buffers of CHUNK experts (load_exact_experts)
+        pairs: dict = {}
+        for gguf_name, (name, transform) in hf_names(self.file).items():
+            t = self.file.tensors[gguf_name]
+            if transform is Transform.EXPERTS:
+                for e in range(t.shape[0]):
+                    self._map[name.format(expert=e)] = (t, transform, e)
+            elif transform in (Transform.KV_B_K, Transform.KV_B_V):
+                pairs.setdefault(name, {})[transform] = t
+            else:
+                self._map[name] = (t, transform, None)
+        for name, pair in pairs.items():
+            if len(pair) != 2:
+                raise GGUFError(f"{self.path}: {name} needs both attn_k_b and attn_v_b")
+            self._map[name] = (pair, Transform.KV_B_K, None)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._map
+
+    def names(self) -> list:
+        return list(self._map)
+
+    def _entry(self, name: str) -> tuple:
+        try:
+            return self._map[name]
+        except KeyError:
+            raise GGUFError(f"{self.path} has no tensor for {name}") from None
+
+    def shape(self, name: str) -> tuple:
+        t, transform, e = self._entry(name)
+        if transform is Transform.KV_B_K:
+            cfg = self.config
+            return (cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        if transform is Transform.ROW:
+            return (1, int(np.prod(t.shape)))
+        return tuple(t.shape[1:]) if e is not None else tuple(t.shape)
+
+    def get_float(self, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The tensor under its Hugging Face name, dequantized to fp32 (or ``dtype``), transforms undone."""
+        t, transform, e = self._entry(name)
+        cfg = self.config
+        if transform is Transform.KV_B_K:
+            w = merge_kv_b(t[Transform.KV_B_K].float32(), t[Transform.KV_B_V].float32(), cfg.num_attention_heads,
+                           cfg.kv_lora_rank)
+        elif transform in (Transform.UNPERMUTE_Q, Transform.UNPERMUTE_K):
+            heads = cfg.num_attention_heads if transform is Transform.UNPERMUTE_Q else cfg.num_key_value_heads
+            w = unpermute_rope(t.float32(), heads)
+        else:  # decoded straight into the dtype
+            w = t.dequantized(dtype or torch.float32, e)
+            return w.reshape(1, -1) if transform is Transform.ROW else w
+        out = torch.from_numpy(np.ascontiguousarray(w))
+        return out if dtype is None else out.to(dtype)
+
+    def ggml_type(self, name: str) -> str:
+        t, _, _ = self._entry(name)
+        return t[Transform.KV_B_K].ggml_type.name if isinstance(t, dict) else t.ggml_type.name
+
+    def exact_format(self, names: list, plan: Optional[str] = None) -> Optional[dict]:
+        """The CPUExperts layout holding one layer's gate, up, down (``names``) exactly (hetmoe/cpu/codes.py
+        exact_layout; ``plan``: the format the plan gives the layer), or None (gate and up of different types, or a
+        type no layout holds)."""
+        kinds = [self.ggml_type(n) for n in names]
+        return exact_layout(kinds[0], kinds[2], plan) if kinds[0] == kinds[1] else None
+
+    def expert_codes(self, name: str) -> tuple:
+        """(codes int8 [rows, cols], scales fp32 [rows, cols / group], mins of the same shape or None) of an expert
+        matrix of an exactly held type (Q8_0 / Q4_0 / K-quants)."""
+        t, _, e = self._entry(name)
+        kind = t.ggml_type.name
+        if kind not in EXACT_TYPES:
+            raise GGUFError(f"{self.path}: {name} is {kind}, not one of the exactly held types "
+                            f"{', '.join(EXACT_TYPES)}")
+        if kind in KQUANTS:
+            try:
+                return kquant_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:]))
+            except ValueError as err:
+                raise GGUFError(f"{self.path}: {name}: {err}") from None
+        return (*block_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:])), None)
+
+    def expert_types(self, prefixes: list, names: list) -> tuple:
+        """The GGML types of (gate, up, down) of each MoE block of ``prefixes`` (``names``: as the model calls
+        them): what the memory plan counts a layer held exactly by (ModelShapes.layer_expert_bytes)."""
+        return tuple(tuple(self.ggml_type(f"{p}.experts.0.{w}.weight") for w in names) for p in prefixes)
+
+    def experts_layout(self, prefix: str, names: list, plan: Optional[str] = None) -> Optional[dict]:
+        """exact_format of block ``prefix``'s experts (``names``: gate, up, down as the model calls them)."""
+        return self.exact_format([f"{prefix}.experts.0.{w}.weight" for w in names], plan)
+
+    def load_exact_experts(self, prefix: str, names: list, experts) -> bool:
+        """Pack block ``prefix``'s experts from their own codes when ``experts`` has the layout that holds them
+        exactly (nothing re-quantized): True when done, False when not (the loader packs from floats then).
+        GGUFError naming the file, expert and matrix for a block the engine refuses (a NaN scale, ...).
+
+        CHUNK experts at a time: their K-quant blocks decoded on the experts' threads into buffers kept from layer
+        to layer (fresh pages cost more than the decoding on some machines), then packed in one engine call."""
+        held = layout_of(experts)
+        if self.experts_layout(prefix, names, plan_format(held)[0]) != held:
+            return False
+        stacked = [self._entry(f"{prefix}.experts.0.{w}.weight")[0] for w in names]
+        threads = experts.info()["threads"]
+        for e0 in range(0, experts.num_experts, CHUNK):
+            n = min(CHUNK, experts.num_experts - e0)
+            parts = [self._chunk_codes(t, e0, n, threads, slot) for slot, t in enumerate(stacked)]
+            try:
+                load_codes(experts, [p[0] for p in parts], [p[1] for p in parts], first_expert=e0,
+                           mins=[p[2] for p in parts], scan_first=False)
+            except ValueError as err:
+                raise self._refused(experts, parts, prefix, e0, err) from None
+        return True
+
+    def _refused(self, experts, parts: list, prefix: str, e0: int, err: ValueError) -> GGUFError:
+        """The error of a chunk of experts the engine refused, naming its first bad expert and matrix (each
+        loaded alone, its values scanned first)."""
+        for e in range(parts[0][0].shape[0]):
+            one = [[None if t is None else t[e:e + 1] for t in p] for p in parts]
+            try:
+                load_codes(experts, [p[0] for p in one], [p[1] for p in one], first_expert=e0 + e,
+                           mins=[p[2] for p in one])
+            except ValueError as bad:
+                return GGUFError(f"{self.path}: {prefix}.experts.{e0 + e}: {bad}")
+        return GGUFError(f"{self.path}: {prefix}.experts.{e0}-{e0 + len(parts[0][0]) - 1}: {err}")
+
+    def _chunk_codes(self, t, e0: int, n: int, threads: int, slot: int) -> tuple:
+        """(codes, scales, mins or None) of experts [e0, e0 + n) of the stacked tensor ``t``; K-quants: views of
+        the buffers of ``slot`` (gate, up, down: 0, 1, 2) reused from layer to layer."""
+        kind, shape = t.ggml_type.name, (n, *t.shape[1:])
+        if kind not in KQUANTS:
+            return (*block_codes(np.asarray(t.data[e0:e0 + n]), kind, shape), None)
+        group, affine = KQUANTS[kind][2], KQUANTS[kind][1] == "affine"
+        key = (slot, kind, tuple(t.shape[1:]))
+        if key not in self._scratch:
+            rows, cols = t.shape[1:]
+            scales = torch.empty(CHUNK, rows, cols // group)
+            self._scratch[key] = (torch.empty(CHUNK, rows, cols, dtype=torch.int8), scales,
+                                  torch.empty_like(scales) if affine else None)
+        out = tuple(None if b is None else b[:n] for b in self._scratch[key])
+        try:
+            return kquant_codes(np.asarray(t.data[e0:e0 + n]), kind, shape, out, threads)
+        except ValueError as err:
+            raise GGUFError(f"{self.path}: {t.name}: {err}") from None
+
+    def _layer_names(self, names: list) -> list:
+        """``names`` (one MoE layer's expert 0 gate, up, down) for every layer of the file that has them."""
+        out = []
+        for i in range(self.config.num_hidden_layers):
+            mine = [_LAYER.sub(f".layers.{i}.", n, count=1) for n in names]
+            if all(n in self._map for n in mine):
+                out.append(mine)
+        return out or [names]
+
+    def experts_options(self, names: list, options, log: Callable[[str], None]):
+        """``options`` with the experts format this file's experts (``names``: one layer's gate, up, down) load
+        at by default: the exact one (the layout most layers' types need; int8 where any layer needs it), else the
+        nearest by bits (a note says what re-quantizing costs is measured by ``hetmoe eval``). Layers whose types
+        the chosen format and group cannot hold exactly are re-quantized, with a note. An explicit --experts-format
+        is kept (still exact where it holds the types: int4 codes in int8)."""
+        layers = self._layer_names(names)
+        kinds = sorted({self.ggml_type(n) for layer in layers for n in layer})
+        exact = [plan_format(x) for x in (self.exact_format(layer) for layer in layers) if x is not None]
+        chosen = None
+        if exact:
+            fmt = "int8" if any(x[0] == "int8" for x in exact) else "int4"
+            groups = [x[1] for x in exact]
+            chosen = (fmt, max(set(groups), key=groups.count))
+        if options.experts_format != "auto":  # as asked; exactly where that format holds the types (int4 in int8)
+            fmt, group = options.experts_format, options.group_size or (chosen[1] if chosen else None)
+            held = fmt != "bf16" and all(x is not None and plan_format(x) == (fmt, group)
+                                         for x in (self.exact_format(layer, fmt) for layer in layers))
+            if held:
+                log(f"hetmoe: {self.path.name}'s experts are {'/'.join(kinds)}: packed as {fmt} group {group} as "
+                    "asked, exactly")
+            else:
+                log(f"hetmoe: note: {self.path.name}'s experts are {'/'.join(kinds)}: dequantized and re-quantized "
+                    f"into {fmt} as asked")
+            keep = chosen is None or options.group_size or fmt == "bf16"  # bf16 has no groups
+            return options if keep else dataclasses.replace(options, group_size=chosen[1])
+        if chosen is not None:
+            off = len(layers) - groups.count(chosen[1])
+            log(f"hetmoe: {self.path.name}'s experts are {'/'.join(kinds)}: packed as {chosen[0]} group {chosen[1]}"
+                + (f", exactly except {off} layer(s) of other types (re-quantized)" if off else ", exactly"))
+            return dataclasses.replace(options, experts_format=chosen[0], group_size=chosen[1])
+        near = [nearest_format(k) for k in kinds]
+        fmt = "int8" if "int8" in near else "int4" if "int4" in near else None
+        if fmt is None:
+            return options
+        log(f"hetmoe: note: {self.path.name}'s experts are {'/'.join(kinds)}, which no engine format holds exactly: "
+            f"dequantized and re-quantized into {fmt} group {BLOCK} (--experts-format chooses; `hetmoe eval` "
+            "measures the cost)")
+        return dataclasses.replace(options, experts_format=fmt, group_size=BLOCK)
+
+    def release(self) -> None:
+        """Drop the mapped pages of every part from this process's resident memory (tensors are copied out of the
+        mapping as they are read; the pages stay in the page cache): the loader calls it after each layer."""
+        for reader in self.file._readers:
+            mm = getattr(reader.data, "_mmap", None)
+            try:
+                mm.madvise(mmap.MADV_DONTNEED)
+            except (AttributeError, OSError, ValueError):
+                pass
+
+    def close(self) -> None:
+        self._scratch.clear()
+        self.file.close()
+
+    def fingerprint(self) -> list:
+        """(name, size, mtime) of every part: what the converted-expert cache keys on."""
+        return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in self.file.parts]

@@ -1,0 +1,250 @@
+"""A GGUF file's metadata as a config.json (the file itself is read by hetmoe/load/gguf/reader.py ``open_gguf``).
+
+``config_from_gguf(f)`` is the config.json hetmoe's models take (Hugging Face keys), checked with
+``hetmoe.models.check_config``. The keys mean what llama.cpp's convert_hf_to_gguf.py writes and its loader
+(src/llama-model.cpp, src/models/*.cpp) reads; ``A.`` is the architecture prefix (``qwen3moe.``):
+
+    A.block_count, embedding_length, context_length -> num_hidden_layers, hidden_size, max_position_embeddings
+    A.attention.head_count, head_count_kv (absent: = heads, as llama.cpp) -> num_attention_heads, num_key_value_heads
+    A.attention.layer_norm_rms_epsilon -> rms_norm_eps; A.rope.freq_base (absent: llama.cpp's 10000) -> rope_theta
+    A.vocab_size (absent: the token list's length, then token_embd's rows) -> vocab_size
+    A.feed_forward_length -> intermediate_size (dense FFN); A.attention.key_length -> head_dim (GQA models)
+    A.expert_count, expert_used_count -> the expert count, num_experts_per_tok
+    A.expert_feed_forward_length (absent: the ffn_gate_exps shape) -> moe_intermediate_size
+    A.rope.scaling.type/factor/original_context_length (+ yarn_beta_fast/slow...) -> rope_scaling
+    tokenizer.ggml.bos_token_id / eos_token_id -> bos_token_id / eos_token_id; no output.weight -> tie_word_embeddings
+
+* qwen3moe -> qwen3_moe, qwen2moe -> qwen2_moe: every layer MoE (llama.cpp builds no dense layer there);
+  norm_topk_prob true for qwen3moe, false for qwen2moe (fixed in llama.cpp's graphs; no key); attention biases when
+  attn_q.bias exists; qwen2moe's shared_expert_intermediate_size from A.expert_shared_feed_forward_length (absent:
+  the ffn_up_shexp shape), its sigmoid gate is the ffn_gate_inp_shexp tensor.
+* llama with A.expert_count > 0 -> mixtral (a dense llama is refused); A.rope.dimension_count must be the head size.
+* deepseek2 -> deepseek_v3 when A.expert_gating_func is 2 (sigmoid: V3 routing with the exp_probs_b correction bias,
+  topk_method noaux_tc, rope_interleave), deepseek_v2 when 1 (softmax) or absent (as llama.cpp reads GGUFs from
+  before the key); V2 routes group_limited_greedy when A.expert_group_count > 1, else greedy.
+  A.leading_dense_block_count -> first_k_dense_replace; expert_shared_count -> n_shared_experts;
+  expert_group_count / expert_group_used_count (absent: 1) -> n_group / topk_group; expert_weights_scale (absent:
+  1.0) -> routed_scaling_factor; expert_weights_norm (absent: false, the converter writes only true) ->
+  norm_topk_prob; attention.q_lora_rank (absent: none, V2-Lite) / kv_lora_rank; rope.dimension_count ->
+  qk_rope_head_dim. MLA-era files hold the per-head sizes in attention.key_length_mla / value_length_mla
+  (key_length / value_length are then the compressed kv_lora_rank + rope / kv_lora_rank, head_count_kv 1); older
+  files in key_length / value_length: qk_nope_head_dim = key length - rope, v_head_dim = value length.
+  num_key_value_heads = heads, as in Hugging Face's DeepSeek configs. YaRN: the converter writes
+  rope.scaling.yarn_log_multiplier = 0.1 * mscale_all_dim, llama.cpp divides the 0.1 out
+  ([TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]) and takes mscale = mscale_all_dim for deepseek2: both are multiplier / 0.1.
+  (Elsewhere the multiplier is mscale_all_dim itself, with mscale 1, as llama-context.cpp reads it.)
+
+Anything hetmoe needs that the file lacks (and llama.cpp has no default for) raises GGUFError naming the file, the
+architecture and the key.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any, Optional
+
+from hetmoe.load.gguf.reader import GGUFError, GGUFFile
+
+# ------------------------------------------------------------------------------------------------ config.json
+
+ARCHITECTURES = ("qwen3moe", "qwen2moe", "deepseek2", "llama")  # the GGUF architectures config_from_gguf maps
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+
+
+class _Keys:
+    """The architecture's keys of one file, each refused with the file, the architecture and the key named."""
+
+    def __init__(self, f: GGUFFile):
+        self.f, self.arch = f, f.arch
+
+    def fail(self, what: str):
+        raise GGUFError(f"{self.f.path}: the {self.arch} GGUF {what}")
+
+    def get(self, name: str, hf: str, kind=int, default: Any = ..., prefix: bool = True) -> Any:
+        key = f"{self.arch}.{name}" if prefix else name
+        value = self.f.metadata.get(key)
+        if value is None:
+            if default is ...:
+                self.fail(f"has no {key} (needed for config.json {hf})")
+            return default
+        if isinstance(value, list):
+            self.fail(f"has a per-layer list for {key} ({hf}); hetmoe models take one value for every layer")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = {bool: isinstance(value, bool), str: isinstance(value, str), float: number,
+              int: number and isinstance(value, int)}[kind]
+        if not ok:
+            self.fail(f"has {key} = {value!r}, not {_KIND_NAMES[kind]} ({hf})")
+        return float(value) if kind is float else value
+
+    def shape(self, name: str) -> Optional[tuple]:
+        t = self.f.tensors.get(name)
+        return t.shape if t is not None else None
+
+
+def _vocab_size(k: _Keys) -> int:
+    size = k.get("vocab_size", "vocab_size", default=None)
+    if size is None:
+        tokens = k.f.metadata.get("tokenizer.ggml.tokens")
+        size = len(tokens) if tokens else None
+    if size is None and k.shape("token_embd.weight"):
+        size = k.shape("token_embd.weight")[0]
+    if size is None:
+        k.fail(f"has no {k.arch}.vocab_size, no tokenizer.ggml.tokens and no token_embd.weight (vocab_size)")
+    return size
+
+
+def _rope_scaling(k: _Keys) -> Optional[dict]:
+    kind = k.get("rope.scaling.type", "rope_scaling", kind=str, default=None)
+    if kind in (None, "none"):
+        return None
+    factor = k.get("rope.scaling.factor", "rope_scaling.factor", kind=float)
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind != "yarn":
+        k.fail(f"has rope.scaling.type {kind!r}; hetmoe reads none, linear and yarn")
+    out = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings":
+           k.get("rope.scaling.original_context_length", "rope_scaling.original_max_position_embeddings")}
+    for name, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                     ("yarn_attn_factor", "attention_factor"), ("yarn_ext_factor", "extrapolation_factor")):
+        value = k.get(f"rope.scaling.{name}", f"rope_scaling.{hf}", kind=float, default=None)
+        if value is not None:
+            out[hf] = value
+    log_mul = k.get("rope.scaling.yarn_log_multiplier", "rope_scaling.mscale_all_dim", kind=float, default=None)
+    if log_mul is not None and k.arch == "deepseek2":
+        out["mscale"] = out["mscale_all_dim"] = float(Decimal(repr(log_mul)) / Decimal("0.1"))
+    elif log_mul is not None:
+        out["mscale"], out["mscale_all_dim"] = 1.0, log_mul
+    return out
+
+
+def _experts(k: _Keys, cfg: dict, field: str, inter_tensor: str) -> None:
+    n = k.get("expert_count", field, default=0)
+    if not n:
+        k.fail(f"has no experts ({k.arch}.expert_count is {n}); hetmoe runs Mixture-of-Experts models only")
+    cfg[field] = n
+    cfg["num_experts_per_tok"] = k.get("expert_used_count", "num_experts_per_tok")
+    if k.arch != "llama":
+        cfg["moe_intermediate_size"] = _size(k, "expert_feed_forward_length", "moe_intermediate_size", inter_tensor, 1)
+
+
+def _size(k: _Keys, name: str, hf: str, tensor: str, dim: int) -> int:
+    """A size from its key, else from a tensor's shape (files written before the key existed)."""
+    value = k.get(name, hf, default=None)
+    if value is None and k.shape(tensor):
+        value = k.shape(tensor)[dim]
+    if value is None:
+        k.fail(f"has no {k.arch}.{name} and no {tensor} tensor ({hf})")
+    return value
+
+
+def _gqa(k: _Keys, cfg: dict) -> None:
+    head_dim = k.get("attention.key_length", "head_dim", default=None)
+    value_dim = k.get("attention.value_length", "head_dim", default=head_dim)
+    if head_dim is not None and value_dim != head_dim:
+        k.fail(f"has key_length {head_dim} but value_length {value_dim}; hetmoe's attention needs them equal")
+    if head_dim is not None:
+        cfg["head_dim"] = head_dim
+
+
+def _qwen(k: _Keys, cfg: dict) -> None:
+    qwen2 = k.arch == "qwen2moe"
+    cfg.update(model_type="qwen2_moe" if qwen2 else "qwen3_moe",
+               architectures=["Qwen2MoeForCausalLM" if qwen2 else "Qwen3MoeForCausalLM"],
+               decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=not qwen2, use_sliding_window=False,
+               sliding_window=None)
+    _gqa(k, cfg)
+    _experts(k, cfg, "num_experts", "blk.0.ffn_gate_exps.weight")
+    bias = "blk.0.attn_q.bias" in k.f.tensors
+    if qwen2:
+        cfg["qkv_bias"] = bias
+        cfg["shared_expert_intermediate_size"] = _size(
+            k, "expert_shared_feed_forward_length", "shared_expert_intermediate_size", "blk.0.ffn_up_shexp.weight", 0)
+    else:
+        cfg["attention_bias"] = bias
+
+
+def _mixtral(k: _Keys, cfg: dict) -> None:
+    cfg.update(model_type="mixtral", architectures=["MixtralForCausalLM"], sliding_window=None)
+    _experts(k, cfg, "num_local_experts", "")
+    _gqa(k, cfg)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    rot = k.get("rope.dimension_count", "head_dim", default=head_dim)
+    if rot != head_dim:
+        k.fail(f"rotates {rot} of the {head_dim} dimensions of a head (llama.rope.dimension_count); hetmoe's Mixtral "
+               "rotates all of them")
+    if "rope_freqs.weight" in k.f.tensors:
+        k.fail("has rope_freqs.weight (Llama-3 RoPE frequency factors), which hetmoe's Mixtral does not apply")
+    if k.get("attention.sliding_window", "sliding_window", default=None):
+        k.fail("uses sliding-window attention (llama.attention.sliding_window), which hetmoe's Mixtral does not run")
+
+
+def _deepseek2(k: _Keys, cfg: dict) -> None:
+    gating = k.get("expert_gating_func", "scoring_func", default=1)
+    if gating not in (1, 2):
+        k.fail(f"has expert_gating_func {gating}; hetmoe runs 1 (softmax, DeepSeek-V2) and 2 (sigmoid, V3)")
+    v3 = gating == 2
+    if not v3 and any(name.endswith(".exp_probs_b.bias") for name in k.f.tensors):
+        k.fail("has exp_probs_b (expert selection bias) tensors but softmax gating; hetmoe's DeepSeek-V2 has no bias")
+    heads = cfg["num_attention_heads"]
+    rope = k.get("rope.dimension_count", "qk_rope_head_dim")
+    mla = f"{k.arch}.attention.key_length_mla" in k.f.metadata
+    key_len = k.get("attention.key_length_mla" if mla else "attention.key_length", "qk_nope_head_dim")
+    q_lora = k.get("attention.q_lora_rank", "q_lora_rank", default=None)
+    if q_lora is None and "blk.0.attn_q_a.weight" in k.f.tensors:
+        k.fail("has attn_q_a tensors but no deepseek2.attention.q_lora_rank (q_lora_rank)")
+    n_group = k.get("expert_group_count", "n_group", default=1)
+    cfg.update(
+        model_type="deepseek_v3" if v3 else "deepseek_v2",
+        architectures=["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        num_key_value_heads=heads,
+        first_k_dense_replace=k.get("leading_dense_block_count", "first_k_dense_replace"),
+        q_lora_rank=q_lora, kv_lora_rank=k.get("attention.kv_lora_rank", "kv_lora_rank"),
+        qk_rope_head_dim=rope, qk_nope_head_dim=key_len - rope, head_dim=rope,  # head_dim: as transformers sets it
+        attention_bias="blk.0.attn_kv_a_mqa.bias" in k.f.tensors,
+        v_head_dim=k.get("attention.value_length_mla" if mla else "attention.value_length", "v_head_dim"),
+        n_shared_experts=k.get("expert_shared_count", "n_shared_experts"),
+        n_group=n_group, topk_group=k.get("expert_group_used_count", "topk_group", default=1),
+        routed_scaling_factor=k.get("expert_weights_scale", "routed_scaling_factor", kind=float, default=1.0),
+        norm_topk_prob=k.get("expert_weights_norm", "norm_topk_prob", kind=bool, default=False),
+        scoring_func="sigmoid" if v3 else "softmax",
+        topk_method="noaux_tc" if v3 else ("group_limited_greedy" if n_group > 1 else "greedy"),
+    )
+    if v3:
+        cfg["rope_interleave"] = True  # llama.cpp rotates interleaved pairs (GGML_ROPE_TYPE_NORM) in deepseek2
+    nextn = k.get("nextn_predict_layers", "num_nextn_predict_layers", default=0)
+    if nextn:  # multi-token-prediction blocks counted in block_count: hetmoe runs the main layers only
+        cfg["num_hidden_layers"] -= nextn
+        cfg["num_nextn_predict_layers"] = nextn
+    _experts(k, cfg, "n_routed_experts", f"blk.{cfg['first_k_dense_replace']}.ffn_gate_exps.weight")
+
+
+def config_from_gguf(f: GGUFFile) -> dict:
+    """The Hugging Face config.json dict of the model in ``f`` (a GGUFFile from ``open_gguf``), checked with
+    hetmoe's own config checks (ConfigError, a ValueError, names the file). See the module docstring."""
+    from hetmoe.models.config import ModelConfig, check_config
+
+    if f.arch not in ARCHITECTURES:
+        raise GGUFError(f"{f.path}: GGUF architecture {f.arch!r} is not one hetmoe runs "
+                        f"(supported: {', '.join(ARCHITECTURES)})")
+    k = _Keys(f)
+    heads = k.get("attention.head_count", "num_attention_heads")
+    cfg = {
+        "vocab_size": _vocab_size(k),
+        "hidden_size": k.get("embedding_length", "hidden_size"),
+        "num_hidden_layers": k.get("block_count", "num_hidden_layers"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": k.get("attention.head_count_kv", "num_key_value_heads", default=heads),
+        "rms_norm_eps": k.get("attention.layer_norm_rms_epsilon", "rms_norm_eps", kind=float),
+        "max_position_embeddings": k.get("context_length", "max_position_embeddings"),
+        "rope_theta": k.get("rope.freq_base", "rope_theta", kind=float, default=10000.0),
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in f.tensors,
+    }
+    optional = {"intermediate_size": k.get("feed_forward_length", "intermediate_size", default=None),
+                "rope_scaling": _rope_scaling(k),
+                "bos_token_id": k.get("tokenizer.ggml.bos_token_id", "bos_token_id", default=None, prefix=False),
+                "eos_token_id": k.get("tokenizer.ggml.eos_token_id", "eos_token_id", default=None, prefix=False)}
+    cfg.update({key: value for key, value in optional.items() if value is not None})
+    {"qwen3moe": _qwen, "qwen2moe": _qwen, "llama": _mixtral, "deepseek2": _deepseek2}[f.arch](k, cfg)
+    check_config(ModelConfig(cfg), str(f.path))
+    return cfg

@@ -1,0 +1,416 @@
+"""Synthetic Hugging Face checkpoints for tests and benchmarks.
+
+``write_checkpoint(path, "qwen3_moe")`` writes a complete checkpoint directory of any supported architecture —
+``config.json``, sharded ``*.safetensors`` with their index, and a byte-level BPE tokenizer trained offline with
+the ``tokenizers`` library (``tokenizer.json`` + ``tokenizer_config.json`` with a chat template) — with random
+weights, exactly as the architecture's own ``save_pretrained`` lays them out (per-expert tensors, HF names).
+
+The architecture's config and modeling classes come from ``transformers`` (needed here only, never by the
+engine), so a checkpoint is by construction one that transformers itself loads.
+
+``build_random_model("qwen3-30b-a3b")`` builds a model of a real, published shape (``SHAPES``) in memory with
+random weights — no checkpoint, no tokenizer — placed exactly as the loader places it: what benchmarks of full-size
+models run on.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from hetmoe.config.options import EngineOptions
+from hetmoe.layers.norm import RMSNorm
+from hetmoe.load.calibration import keep_gpu_experts
+from hetmoe.load.dense import on_host, pack_dense
+from hetmoe.load.loader import LoadedModel, build_meta, moe_blocks, new_experts, plan_model
+from hetmoe.load.rules import defer_layers, layerwise_layers
+from hetmoe.models.config import ModelConfig
+from hetmoe.moe import HostStaging
+from hetmoe.moe.streamed import choice as prefill_choice
+
+# Small but complete configurations: every feature of the architecture is present (dense first layers,
+# shared experts, groups, GQA, q/k norm, MLA), with sizes that load in well under a second.
+TINY = {
+    "qwen3_moe": dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True,
+    ),
+    "qwen2_moe": dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=False,
+    ),
+    "mixtral": dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=2,
+    ),
+    "deepseek_v3": dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3, first_k_dense_replace=1,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, routed_scaling_factor=2.5, norm_topk_prob=True,
+    ),
+    "deepseek_v2": dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3, first_k_dense_replace=1,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2,
+        n_group=2, topk_group=1, topk_method="group_limited_greedy", q_lora_rank=None, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, routed_scaling_factor=1.0,
+    ),
+}
+
+ARCHITECTURES = tuple(TINY)
+
+# A little English and Python for the tokenizer to learn merges from (it only has to cover bytes sensibly).
+_CORPUS = """\
+Mixture-of-Experts models route every token to a few experts out of many.
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
+def forward(self, x):
+    return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+for i in range(10):
+    print(i, i * i)
+class Expert:
+    pass
+Hello, world! How are you today? I am fine, thank you.
+"""
+
+_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _config(arch: str, overrides: Optional[dict], vocab_size: int):
+    import transformers
+
+    if arch not in TINY:
+        raise ValueError(f"unknown architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+    kwargs = {**TINY[arch], **(overrides or {})}
+    kwargs.setdefault("vocab_size", vocab_size)
+    kwargs.update(bos_token_id=None, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+    return transformers.AutoConfig.for_model(arch, **kwargs)
+
+
+def train_bpe(texts, vocab_size: int):
+    """A byte-level BPE tokenizer (``tokenizers.Tokenizer``) trained on the strings ``texts``, with the special
+    tokens <|endoftext|> (id 0), <|im_start|>, <|im_end|> that ``tokenizer_config`` and the chat template use."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer trained on a small built-in corpus (no download)."""
+    return train_bpe(_CORPUS.splitlines(), vocab_size)
+
+
+def tokenizer_config(model_max_length: int) -> dict:
+    """tokenizer_config.json of a ``train_bpe`` tokenizer: eos <|im_end|>, pad <|endoftext|>, no bos, the
+    ChatML-style chat template."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "model_max_length": model_max_length,
+        "chat_template": _CHAT_TEMPLATE,
+    }
+
+
+def shape_tokenizer(vocab_size: int):
+    """A tokenizer for a model built in memory (``build_random_model``), which has no tokenizer of its own but
+    must turn any of its ``vocab_size`` ids into text: the 256 byte-level symbols, the specials, then one
+    ASCII word per remaining id (" aa", " ab", ...), so every generated token decodes to readable text.
+    Encoding uses bytes only (no merges). Returns a ``hetmoe.tokenizer.Tokenizer`` with the ChatML
+    template; eos is <|im_end|>."""
+    import string
+
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from hetmoe.tokenizer import Tokenizer
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    n_words = vocab_size - len(vocab) - len(_SPECIALS)
+    if n_words < 0:
+        raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer")
+    letters, width = string.ascii_lowercase, 1
+    while 26**width < n_words:
+        width += 1
+    for i in range(n_words):
+        word = "".join(letters[(i // 26**j) % 26] for j in reversed(range(width)))
+        vocab["\u0120" + word] = len(vocab)  # \u0120 is the byte-level symbol of a space
+    backend = Backend(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(_SPECIALS)
+    return Tokenizer(backend, tokenizer_config(4096), chat_template=_CHAT_TEMPLATE)
+
+
+def write_checkpoint(
+    path: Union[str, Path],
+    arch: str,
+    config: Optional[dict] = None,
+    *,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    max_shard_size: str = "100KB",
+    vocab_size: int = 512,
+) -> Path:
+    """Write a random-weight checkpoint of ``arch`` (a Hugging Face ``model_type``) into ``path``.
+
+    ``config`` overrides entries of the tiny default configuration (any size works: e.g. more layers or
+    experts). Weights are ``dtype`` and split into shards of ``max_shard_size`` with an index, so loaders are
+    exercised on multi-shard checkpoints. Returns the directory.
+    """
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size)
+    cfg = _config(arch, config, vocab_size)
+    if cfg.vocab_size < tokenizer.get_vocab_size():
+        raise ValueError(f"vocab_size {cfg.vocab_size} is smaller than the tokenizer's {tokenizer.get_vocab_size()}")
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    with torch.no_grad():  # a visible spread: the default init leaves norms at 1 and router biases at 0
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(cfg.max_position_embeddings), indent=1))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- real shapes
+
+# The published config.json of each model (the entries that describe its shape and numerics; training-only and
+# quantization entries left out). build_random_model builds them with random weights.
+SHAPES = {
+    "qwen3-30b-a3b": {  # Qwen/Qwen3-30B-A3B
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "attention_bias": False, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "rope_scaling": None, "max_position_embeddings": 40960, "max_window_layers": 48,
+        "sliding_window": None, "use_sliding_window": False, "tie_word_embeddings": False,
+        "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
+    },
+    "deepseek-v3": {  # deepseek-ai/DeepSeek-V3 (and R1): MLA, 3 dense layers, 256 routed + 1 shared, sigmoid routing
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61, "first_k_dense_replace": 3, "moe_layer_freq": 1, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+        "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "attention_bias": False, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+        "max_position_embeddings": 163840, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+        "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
+    },
+    "mixtral-8x7b": {  # mistralai/Mixtral-8x7B-v0.1
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+        "sliding_window": None, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    },
+    "deepseek-v2-lite": {  # deepseek-ai/DeepSeek-V2-Lite: MLA without q LoRA, 1 dense layer, 64 routed + 2 shared
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+        "num_hidden_layers": 27, "first_k_dense_replace": 1, "moe_layer_freq": 1, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64, "n_shared_experts": 2,
+        "num_experts_per_tok": 6, "n_group": 1, "topk_group": 1, "topk_method": "greedy", "scoring_func": "softmax",
+        "norm_topk_prob": False, "routed_scaling_factor": 1.0, "attention_bias": False, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": 0.707,
+                         "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
+        "max_position_embeddings": 163840, "tie_word_embeddings": False, "bos_token_id": 100000,
+        "eos_token_id": 100001, "torch_dtype": "bfloat16",
+    },
+}
+
+_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+
+def shape_config(shape: Union[str, dict], num_layers: Optional[int] = None) -> ModelConfig:
+    """The config of a named shape (a key of ``SHAPES``) or of a config.json-like dict, with ``num_layers``
+    decoder layers instead of the shape's own number when given."""
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise ValueError(f"unknown shape {shape!r}; known shapes: {', '.join(SHAPES)}")
+        shape = SHAPES[shape]
+    if not isinstance(shape, dict) or "model_type" not in shape:
+        raise ValueError("a shape is a name in SHAPES or a config.json-like dict with a model_type")
+    cfg = ModelConfig(copy.deepcopy(shape))
+    if num_layers is not None:
+        if int(num_layers) < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        cfg["num_hidden_layers"] = int(num_layers)
+    return cfg
+
+
+_CHUNK = 1 << 24  # elements generated per task (on the CPU, tasks run on all cores)
+
+
+def _walk(module: nn.Module, prefix: str = ""):
+    """(name, module) of ``module`` and every module under it, in ``named_modules`` order, keeping no reference to a
+    module whose subtree is done: ``named_modules`` remembers every module it visited until it ends, which would keep
+    alive each weight that ``_fill_random``'s ``each_layer`` packed and replaced (issue 24: a whole model's bf16
+    weights on the GPU at once)."""
+    seen = set()  # ids, not modules: a module reached twice is visited once, as named_modules does
+
+    def walk(m: nn.Module, name: str):
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        yield name, m
+        for leaf, child in list(m._modules.items()):
+            if child is not None:
+                yield from walk(child, f"{name}.{leaf}" if name else leaf)
+
+    yield from walk(module, prefix)
+
+
+def _fill_random(model: nn.Module, device: torch.device, dtype: torch.dtype, seed: int, std: float,
+                 each_layer: Optional[Callable[[nn.Module], None]] = None,
+                 host: Optional[Callable[[str, nn.Module], bool]] = None) -> None:
+    """Give every meta parameter and buffer of ``model`` storage on ``device``, one tensor at a time: parameters
+    N(0, std) in ``dtype`` (RMSNorm weights 1), persistent buffers (e.g. e_score_correction_bias) zeros in their
+    own dtype, non-persistent buffers (RoPE tables, computed at build time) moved — as the loader does. Each
+    chunk of ``_CHUNK`` elements has its own seeded generator, so the values do not depend on the thread count.
+    ``each_layer(layer)`` runs as soon as a decoder layer is filled (the loader packs each layer's dense weights
+    then, so that the dtype copies of one layer at most are alive). ``host(name, module)``: the module's parameters
+    are kept in host memory (made on ``device`` a chunk at a time, the same values), as the loader reads the
+    linears a GPU packs in a format other than bf16 (load/dense.py ``on_host``)."""
+    workers = len(os.sched_getaffinity(0)) if device.type == "cpu" else 1
+    decoder_layers = {id(m) for m in getattr(getattr(model, "model", None), "layers", [])} if each_layer else set()
+    current, inside = None, set()
+
+    def normal(t: torch.Tensor, index: int, chunk: int) -> None:
+        gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + index) * 4099 + chunk)
+        part = t.view(-1)[chunk * _CHUNK:(chunk + 1) * _CHUNK]
+        if part.device.type == device.type:
+            part.normal_(0.0, std, generator=gen)
+        else:  # made on the device, with its generator, and copied to host memory
+            part.copy_(torch.empty(part.shape, dtype=part.dtype, device=device).normal_(0.0, std, generator=gen))
+
+    index = 0
+    with ThreadPoolExecutor(workers) as pool:
+        for name, module in _walk(model):
+            if current is not None and id(module) not in inside:
+                each_layer(current)
+                current = None
+            if id(module) in decoder_layers:
+                current, inside = module, {id(m) for m in module.modules()}
+            where = torch.device("cpu") if host is not None and host(name, module) else device
+            for leaf, p in list(module._parameters.items()):
+                if p is None:
+                    continue
+                t = torch.empty(p.shape, dtype=dtype, device=where)
+                if isinstance(module, RMSNorm):
+                    t.fill_(1.0)
+                else:
+                    list(pool.map(lambda c: normal(t, index, c), range(-(-t.numel() // _CHUNK))))
+                module._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+                index += 1
+                t = None  # (no reference here to a weight each_layer packs and frees)
+            for leaf, b in list(module._buffers.items()):
+                if b is None:
+                    continue
+                if leaf in module._non_persistent_buffers_set:
+                    module._buffers[leaf] = b.to(device)
+                else:
+                    module._buffers[leaf] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+        if current is not None:
+            each_layer(current)
+
+
+def build_random_model(
+    shape: Union[str, dict],
+    num_layers: Optional[int] = None,
+    options: Optional[EngineOptions] = None,
+    *,
+    seed: int = 0,
+    std: float = 0.02,
+    log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr),
+) -> LoadedModel:
+    """A model of ``shape`` (a key of ``SHAPES`` or a config dict) with random weights, built in memory and placed
+    as ``load_model`` places a checkpoint under ``options``: dense weights N(0, std) on the plan's device in its
+    dtype (generated there, one tensor at a time; the linears a GPU packs in fp8/int8/int4 are copied to host memory
+    and packed from there, each layer as soon as it is filled, as the loader does), routed experts packed in the
+    plan's format on the CPU (``CPUExperts.fill_random(seed + layer)``), attached (and deferred) like the loader
+    attaches them; placement rules (``options.rules``) apply as in the loader.
+
+    The memory plan is made from the real shapes first: MemoryError, before anything large is allocated, when the
+    model does not fit. ``LoadedModel.path`` is None (there is no tokenizer: feed token ids).
+    """
+    t0 = time.perf_counter()
+    options = options or EngineOptions()
+    cfg = shape_config(shape, num_layers)
+    model = build_meta(cfg)
+    blocks = moe_blocks(model)
+    inter = (cfg.get("moe_intermediate_size") or cfg.intermediate_size) if blocks else 0
+    plan = plan_model(model, cfg, blocks, options, inter)
+    name = shape if isinstance(shape, str) else cfg.model_type
+    mixed = len({(lp.experts_format, lp.group_size) for lp in plan.layers}) > 1
+    log(f"hetmoe: random {name} ({cfg.model_type}): {cfg.num_hidden_layers} layers, {len(blocks)} MoE; "
+        f"{plan.device.type}, {plan.dtype}, experts {plan.experts_format}"
+        f"{f' group {plan.group_size}' if plan.experts_format != 'bf16' else ''}"
+        f"{f' and others (rules {options.rules})' if mixed else ''}"
+        f"{f', {options.defer_experts} deferred per token' if options.defer_experts else ''}; {plan.describe()}")
+    def pack(root):  # as the loader does: each decoder layer as soon as it is filled, then what is left (lm_head)
+        pack_dense(root, plan.dense_format, plan.device, options, plan.dtype)
+
+    host = lambda name, module: on_host(module, name, plan.dense_format, plan.device)  # noqa: E731
+    _fill_random(model, plan.device, plan.dtype, seed, std, each_layer=pack, host=host)
+    model.fuse_projections()
+    pack(model)
+    staging = (HostStaging(cfg.hidden_size, cfg.num_experts_per_tok, plan.dtype)
+               if plan.device.type == "cuda" and blocks else None)
+    expert_bytes = 0
+    for (block_name, block), lp in zip(blocks, plan.layers):
+        layer = int(_LAYER_INDEX.search(f".{block_name}.").group(1))
+        experts = new_experts(block, cfg, inter, plan, options, lp)
+        experts.fill_random(seed + layer, std)
+        expert_bytes += experts.nbytes
+        block.attach(experts, staging)
+    defer_layers(blocks, plan)
+    gpu_experts = keep_gpu_experts(model.eval(), blocks, plan, options, None, log)  # no tokenizer: the first N
+    lw, gpu_prefill = prefill_choice.setup(layerwise_layers(blocks, plan), plan, options, log)
+    if plan.device.type == "cuda":
+        torch.cuda.synchronize(plan.device)
+    info = {"load_s": time.perf_counter() - t0, "expert_bytes": expert_bytes, "shape": name, "seed": seed,
+            "gpu_experts": gpu_experts, "gpu_prefill": gpu_prefill}
+    log(f"hetmoe: built in {info['load_s']:.1f} s (routed experts {expert_bytes / 2**30:.2f} GiB)")
+    return LoadedModel(model.eval(), cfg, plan, options, None, info, lw)

@@ -1,0 +1,155 @@
+"""The CPU engine's packed expert layout (csrc/formats/layout.h) read with PyTorch ops, on any device: what lets a GPU
+compute a layer's experts from the very bytes the CPU engine holds, copied as they are (layerwise prefill,
+hetmoe/moe/streamed/layerwise.py) — no second copy in RAM, no re-layout on the CPU.
+
+A matrix W [N, K] is stored as ceil(N / 16) row blocks of 16 rows; a block walks K in 64-byte lines, and line j holds
+the same 4-byte slice of K for each of the 16 rows (bf16: 2 values; int8: 4 bytes q + 128; int4: byte b holds
+k = 8j + b in its low nibble and 8j + 4 + b in its high one, q + 8; affine matrices store their codes u as they are,
+value = scale * u - min). int8/int4 scales: one fp32 per (row, group), [row block][group][16 rows], an affine block's
+mins right after its scales in the same order. gate and up row blocks alternate (block 2 rb + 0 is gate's rb,
+2 rb + 1 up's). One layer's storage is four ranges, each the experts one after another: gate+up data, gate+up
+scales, down data, down scales (no scales for bf16).
+
+Shape letters: E experts, H hidden size, I intermediate size, N rows, K columns, Kp K padded, G groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ROWS, LINE = 16, 64
+K_PER_LINE = {"bf16": 2, "int8": 4, "int4": 8}
+BF16_GROUP = 32
+
+
+def _round_up(v: int, m: int) -> int:
+    return (v + m - 1) // m * m
+
+
+@dataclass(frozen=True)
+class MatrixShape:
+    """Geometry of one packed matrix [N, K] (MatrixShape::make in csrc/formats/layout.h)."""
+
+    fmt: str
+    n: int
+    k: int
+    group: int  # elements of K per scale (bf16: 32, no scales)
+    kp: int
+    n_blocks: int
+    affine: bool = False  # value = scale * u - min (GGUF's K-quants), else scale * q
+
+    @classmethod
+    def make(cls, fmt: str, n: int, k: int, group: int, scaling: str = "symmetric") -> "MatrixShape":
+        if fmt not in K_PER_LINE:
+            raise ValueError(f"unknown weight format {fmt!r}")
+        if fmt == "bf16":
+            group = BF16_GROUP
+        elif group <= 0:
+            group = 128  # per-row int8/int4: the row's scale repeated in every group of 128
+        return cls(fmt, n, k, group, _round_up(k, group), -(-n // ROWS), fmt != "bf16" and scaling == "affine")
+
+    @property
+    def lines(self) -> int:
+        return self.kp // K_PER_LINE[self.fmt]
+
+    @property
+    def block_bytes(self) -> int:
+        return self.lines * LINE
+
+    @property
+    def block_scales(self) -> int:  # floats
+        return 0 if self.fmt == "bf16" else (self.kp // self.group) * ROWS * (2 if self.affine else 1)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where each expert of a layer lives in its four storage ranges, and how to read it."""
+
+    fmt: str  # gate/up's (down's is down.fmt)
+    num_experts: int
+    hidden: int
+    intermediate: int
+    gate_up: MatrixShape  # [I, H], one of the two interleaved matrices
+    down: MatrixShape  # [H, I]
+
+    @classmethod
+    def of(cls, experts) -> "ExpertLayout":
+        """The layout of a ``CPUExperts`` (unsplit: NUMA-split layers store their slices apart)."""
+        info = experts.info()
+        if info.get("numa_subpools", 1) != 1:
+            raise ValueError("the packed layout of a layer split over NUMA subpools is per slice")
+        fmt, group = info["weight_format"], info["group_size"] or 0
+        H, I = experts.hidden_size, experts.intermediate_size
+        return cls(fmt, experts.num_experts, H, I, MatrixShape.make(fmt, I, H, group, info["gate_up_scaling"]),
+                   MatrixShape.make(info["down_weight_format"], H, I, info["down_group_size"] or 0,
+                                    info["down_scaling"]))
+
+    def range_bytes(self) -> tuple:
+        """Bytes per expert of each range: (gate+up data, gate+up scales, down data, down scales)."""
+        gu, d = self.gate_up, self.down
+        return (2 * gu.n_blocks * gu.block_bytes, 2 * gu.n_blocks * gu.block_scales * 4,
+                d.n_blocks * d.block_bytes, d.n_blocks * d.block_scales * 4)
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(self.range_bytes())
+
+
+def _unpack_data(data: torch.Tensor, shape: MatrixShape, n_mats: int) -> torch.Tensor:
+    """uint8 [n_mats * n_blocks * block_bytes] -> the stored values [n_mats, n_blocks * 16, Kp]: bf16 as bf16, int8 /
+    int4 as their unsigned codes (int16: q + 128 / q + 8)."""
+    L, NB = shape.lines, shape.n_blocks
+    lines = data.view(n_mats * NB, L, ROWS, 4)
+    if shape.fmt == "bf16":
+        vals = lines.view(torch.bfloat16).view(n_mats * NB, L, ROWS, 2)  # element 2j (low half), then 2j + 1
+        return vals.permute(0, 2, 1, 3).reshape(n_mats, NB * ROWS, shape.kp)
+    if shape.fmt == "int8":
+        codes = lines.permute(0, 2, 1, 3)  # [., 16, L, 4]: k = 4j + b
+    else:
+        low, high = lines & 15, lines >> 4  # k = 8j + b, 8j + 4 + b
+        codes = torch.stack((low, high), dim=3).permute(0, 2, 1, 3, 4)  # [., 16, L, 2, 4]
+    return codes.reshape(n_mats, NB * ROWS, shape.kp).to(torch.int16)
+
+
+def _dequantize(codes: torch.Tensor, scales: torch.Tensor, shape: MatrixShape, n_mats: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """codes [n_mats, NB * 16, Kp] (q + offset, or affine u), scales fp32 [n_mats * NB * G * 16] (affine: scales and
+    mins per block, [n_mats * NB * 2 * G * 16]) -> values [n_mats, NB * 16, Kp]."""
+    G, NB = shape.kp // shape.group, shape.n_blocks
+    per = scales.view(n_mats, NB, 2 if shape.affine else 1, G, ROWS).permute(2, 0, 1, 4, 3)
+    s = per[0].reshape(n_mats, NB * ROWS, G, 1)
+    if shape.affine:  # two roundings, as gguf's dequantization: fl(fl(scale * u) - min)
+        q = codes.view(n_mats, NB * ROWS, G, shape.group)
+        w = q.to(torch.float32) * s - per[1].reshape(n_mats, NB * ROWS, G, 1)
+    else:
+        q = (codes - (128 if shape.fmt == "int8" else 8)).view(n_mats, NB * ROWS, G, shape.group)
+        w = q.to(torch.float32) * s
+    return w.view(n_mats, NB * ROWS, shape.kp).to(dtype)
+
+
+def unpack_experts(layout: ExpertLayout, ranges, n: int, dtype: torch.dtype = torch.bfloat16) -> tuple:
+    """The weights of ``n`` consecutive experts from their packed bytes ``ranges`` (uint8 tensors, one per storage
+    range, each holding those ``n`` experts: ``range_bytes()`` each; bf16 has only the two data ranges), on their
+    device: ``(gate_up [n, 2I, H], down [n, H, I])`` in ``dtype`` — gate rows then up rows per expert — the values the
+    CPU kernels multiply by (``CPUExperts.dequantized``), rounded to ``dtype``."""
+    gu, d, I, H = layout.gate_up, layout.down, layout.intermediate, layout.hidden
+    if layout.fmt == "bf16":
+        gu_data, d_data = ranges
+        w_gu = _unpack_data(gu_data, gu, n * 2).to(dtype)
+        w_d = _unpack_data(d_data, d, n).to(dtype)
+    else:
+        gu_data, gu_scales, d_data, d_scales = ranges
+        w_gu = _dequantize(_unpack_data(gu_data, gu, n * 2), gu_scales.view(torch.float32), gu, n * 2, dtype)
+        w_d = _dequantize(_unpack_data(d_data, d, n), d_scales.view(torch.float32), d, n, dtype)
+    # gate_up blocks alternate: [n, NB, 2 (gate, up), 16, Kp] -> [n, 2, NB * 16, Kp], padding cut
+    w_gu = w_gu.view(n, gu.n_blocks, 2, ROWS, gu.kp).transpose(1, 2).reshape(n, 2, gu.n_blocks * ROWS, gu.kp)
+    w_gu = w_gu[:, :, :I, :H].reshape(n, 2 * I, H)
+    return w_gu, w_d.view(n, d.n_blocks * ROWS, d.kp)[:, :H, :I]
+
+
+def expert_ranges(experts) -> list:
+    """The layer's storage ranges as uint8 CPU tensors over the engine's own memory (no copy): four, or two for bf16
+    (``CPUExperts.storage`` leaves the empty scale ranges out)."""
+    return [torch.frombuffer(v, dtype=torch.uint8) for v in experts.storage()]

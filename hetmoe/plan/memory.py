@@ -1,0 +1,186 @@
+"""The memory plan's data: what a model needs to be placed (``ModelShapes``), where each part goes and its bytes
+(``MemoryPlan``, ``LayerPlan`` per MoE layer), and the plan as a table (``MemoryPlan.table``): one row per part
+with its device, bytes and why, then each budget's total. hetmoe/plan/placement.py makes the plans.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from hetmoe.config.units import gib, wrap
+from hetmoe.cpu.layout import expert_bytes, layout_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+
+class PlanError(MemoryError):
+    """A plan that does not fit its budgets; ``plan``: the plan (its ``table()`` is in the message)."""
+
+    def __init__(self, message: str, plan: "MemoryPlan"):
+        super().__init__(message)
+        self.plan = plan
+
+
+
+@dataclass
+class LayerPlan:
+    """One MoE layer's routed experts: packed for the CPU engine, ``gpu_experts`` of them also on the GPU (all: the
+    rules' ``device: cuda``) stored as ``gpu_format`` (hetmoe/moe/gpu_resident/format.py), ``defer_experts`` deferred
+    per token; ``ram`` / ``vram``: the bytes they take."""
+
+    name: str
+    experts_format: str
+    group_size: int
+    gpu_experts: int
+    defer_experts: int
+    ram: int
+    vram: int
+    gpu_format: str = "bf16"  # resident_format.Storage.name: bf16, int8, int4
+    gpu_expert_bytes: int = 0  # one resident expert, as stored
+
+
+@dataclass
+class MemoryPlan:
+    device: torch.device
+    dtype: torch.dtype
+    experts_format: str
+    group_size: int
+    max_context: int
+    ram: dict = field(default_factory=dict)  # part -> bytes
+    vram: dict = field(default_factory=dict)
+    prefill_chunk: int = 1024  # prompt tokens per forward call
+    gpu_prefill: bool = False  # the layerwise GPU prefill's buffers are in the plan (for prefill_chunk tokens)
+    layers: list = field(default_factory=list)  # LayerPlan of every MoE layer, in forward order
+    kv_paged: bool = False  # the KV cache is paged (layers/kv_cache.py): "KV cache" holds one full sequence
+    notes: list = field(default_factory=list)  # what the plan chose that the user did not ask for, said at load
+    dense_format: str = "bf16"  # of the dense linears (hetmoe/load/dense.py), resolved: a DENSE_FORMATS key
+    max_batch: int = 1  # KV cache rows (sequences)
+    why: dict = field(default_factory=dict)  # part -> why it is there at that size (the table's last column)
+    budgets: dict = field(default_factory=dict)  # "RAM" / "VRAM" -> (bytes it may use, their source: message, table)
+
+    @property
+    def ram_bytes(self) -> int:
+        return sum(self.ram.values())
+
+    @property
+    def vram_bytes(self) -> int:
+        return sum(self.vram.values())
+
+    def describe(self) -> str:
+        def parts(d):
+            return ", ".join(f"{k} {gib(v)}" for k, v in d.items() if v)
+
+        text = f"RAM {gib(self.ram_bytes)} ({parts(self.ram)})"
+        if self.device.type == "cuda":
+            text += f"; VRAM {gib(self.vram_bytes)} ({parts(self.vram)})"
+        return text
+
+    def summary_lines(self, width: int = 100) -> list:
+        """The plan's memory as log lines of at most ``width`` columns: one "RAM total: part size, ..." group
+        (then VRAM), wrapped."""
+        groups = [("RAM", self.ram)] + ([("VRAM", self.vram)] if self.device.type == "cuda" else [])
+        lines = []
+        for name, d in groups:
+            items = [f"{k} {gib(v)}" for k, v in d.items() if v]
+            lines += wrap(f"hetmoe:   {name} {gib(sum(d.values()))}:", items, width)
+        return lines
+
+    def table(self, width: int = 100) -> list:
+        """The plan as lines of at most ``width`` columns: one row per part (where, bytes, why), then each
+        budget's total (hetmoe/engine/plan_table.py)."""
+        return plan_table(self, width)
+
+
+@dataclass
+class ModelShapes:
+    """What the memory plan needs to know about a model, read from its (meta-device) modules."""
+
+    hidden: int
+    vocab_size: int
+    n_routed: int  # routed experts over all MoE layers
+    expert_inter: int
+    dense_params: int  # everything else
+    kv_elems_per_token: int  # all layers, K and V
+    act_width: int
+    max_position_embeddings: Optional[int]
+    n_moe_layers: int = 0  # blocks with routed experts (what --gpu-experts multiplies)
+    top_k: int = 1  # routed experts per token
+    q_per_kv: int = 1  # query heads per key/value head (the prefill attention mask repeats per query group)
+    context_limit: Optional[int] = None  # positions the model attends over (models.context_limit), and why
+    context_why: str = ""
+    moe_names: tuple = ()  # the MoE blocks' names, in forward order (the plan's per-layer entries)
+    dense_linears: tuple = ()  # (out, in) of each linear a dense format packs (load/dense.py), part of dense_params
+    # per MoE layer, the GGML types of a GGUF file's (gate, up, down) experts: a layer whose types the planned
+    # format holds exactly takes their own layout (hetmoe/cpu/codes.py exact_layout) and is counted in it
+    expert_types: tuple = ()
+
+    def layer_expert_bytes(self, i: int, fmt: str, group: int) -> int:
+        """One routed expert of MoE layer ``i`` as the loader allocates it: in ``fmt`` / ``group``, or in the exact
+        layout of a GGUF file's types where that format holds them (the loader's ``new_experts`` takes it then)."""
+        if i < len(self.expert_types):
+            from hetmoe.cpu.codes import exact_layout, plan_format
+
+            gate, up, down = self.expert_types[i]
+            exact = exact_layout(gate, down, fmt) if gate == up else None
+            if exact is not None and plan_format(exact) == (fmt, group):
+                return layout_bytes(exact, self.hidden, self.expert_inter)
+        return expert_bytes(fmt, self.hidden, self.expert_inter, group)
+
+
+# The table's rows in this order (parts not named here after them, in the plan's order).
+ORDER = ("dense weights", "KV cache", "activations", "prefill slots", "prefill weights", "prefill activations",
+         "GPU experts", "CUDA context", "routed experts", "runtime")
+
+
+def _label(plan: MemoryPlan, part: str) -> str:
+    """A part's name in the table, with its format or size where the plan chose one."""
+    if part == "dense weights":
+        fmt = plan.dense_format
+        if fmt == "bf16":  # the dtype's own weights
+            fmt = {"torch.float32": "fp32", "torch.bfloat16": "bf16"}.get(str(plan.dtype), str(plan.dtype))
+        return f"dense weights ({fmt})"
+    if part == "KV cache":
+        return f"KV cache ({plan.max_context} x {1 if plan.kv_paged else plan.max_batch})"
+    if part == "GPU experts":
+        counts = sorted({lp.gpu_experts for lp in plan.layers}) or [0]
+        n = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+        fmts = sorted({lp.gpu_format for lp in plan.layers if lp.gpu_experts})
+        return f"GPU experts ({n} per layer{', ' + '/'.join(fmts) if fmts else ''})"
+    if part == "routed experts":
+        kinds = {(lp.experts_format, lp.group_size) for lp in plan.layers} or {(plan.experts_format, plan.group_size)}
+        if len(kinds) > 1:
+            return "routed experts (mixed per layer)"
+        fmt, group = kinds.pop()
+        return f"routed experts ({fmt}{'' if fmt == 'bf16' else f', group {group}' if group else ', per row'})"
+    return part
+
+
+def plan_table(plan: MemoryPlan, width: int = 100) -> list:
+    """``MemoryPlan.table``: rows of (part, device, bytes, why), the why column wrapped within ``width``."""
+    groups = ([("VRAM", "cuda", plan.vram)] if plan.device.type == "cuda" else []) + [("RAM", "cpu", plan.ram)]
+    rows = []
+    for name, where, parts in groups:
+        keys = [k for k, v in parts.items() if v]
+        if where == "cuda":  # what the plan considered and left out
+            keys += [k for k in ("GPU experts", "prefill slots") if k not in keys and k in plan.why
+                     and plan.why[k].startswith(("auto", "none"))]
+        keys.sort(key=lambda k: ORDER.index(k) if k in ORDER else len(ORDER))
+        rows += [(_label(plan, k), where, gib(parts.get(k, 0)), plan.why.get(k, "")) for k in keys]
+        total = sum(parts.values())
+        if name in plan.budgets:
+            budget, _, source = plan.budgets[name]
+            verdict = "fits" if total <= budget else "DOES NOT FIT"
+            rows.append((f"{name} total", where, gib(total), f"{verdict}: {gib(budget)} budget ({source})"))
+        else:
+            rows.append((f"{name} total", where, gib(total), ""))
+    pw = max(len(r[0]) for r in rows)
+    lead = pw + 1 + 4 + 1 + 10 + 2
+    lines = [f"{'part':<{pw}} {'on':<4} {'bytes':>10}  why"]
+    for part, where, size, why in rows:
+        text = textwrap.wrap(why, max(20, width - lead)) or [""]
+        lines.append(f"{part:<{pw}} {where:<4} {size:>10}  {text[0]}".rstrip())
+        lines += [" " * lead + t for t in text[1:]]
+    return lines

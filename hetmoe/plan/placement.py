@@ -1,0 +1,422 @@
+"""Where each part of a model lives, and whether it fits, decided before anything is loaded.
+
+With a GPU: embeddings, attention, norms, routers, shared experts, dense MLPs, lm_head and the KV cache go to
+the GPU; the routed experts stay in CPU DRAM, packed for the CPU expert engine. Without one (or with
+``device="cpu"``) everything is on the CPU. ``plan_memory`` adds up the bytes of that placement from the
+model's shapes alone; ``choose_plan`` resolves what the options leave to it (dense format, experts format,
+context, GPU experts) within the RAM and VRAM budgets (``--cpu-memory``, ``--gpu-memory``; default: what is free,
+less a margin) and refuses, with the plan's table, a plan that does not fit (``PlanError``, a MemoryError).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Optional
+
+from hetmoe.config.options import (
+    DEFAULT_GROUP,
+    FORMATS,
+    EngineOptions,
+)
+from hetmoe.config.units import gib
+from hetmoe.cpu.layout import expert_bytes
+from hetmoe.moe.streamed.vram import BIG_CHUNK, GPU_PREFILL_CHUNKS, gpu_prefill_bytes
+from hetmoe.plan.memory import LayerPlan, MemoryPlan, ModelShapes, PlanError
+from hetmoe.plan.sysmem import free_ram, free_vram
+
+if TYPE_CHECKING:
+    import torch
+
+# torch and hetmoe.cpu (hetmoe._C) are imported where they are used, so that the command line can build its
+# flags from EngineOptions' fields without them: ``hetmoe --help`` stays instant.
+
+# Fraction of the currently free RAM / VRAM a plan may use (the rest: allocator slack, the OS, other processes).
+# An explicit --cpu-memory / --gpu-memory is used whole.
+HEADROOM = 0.92
+CUDA_CONTEXT_BYTES = 600 << 20
+CPU_RUNTIME_BYTES = 400 << 20  # the Python process, torch and the engine's scratch
+DENSE_ORDER = ("bf16", "fp8", "int8", "int4")  # --dense-format auto on a GPU: the first that fits
+# --dense-format auto with --max-context auto: the dense format is chosen for this many positions (or the model's
+# limit, if less), then the context takes what is left: precision before context length.
+DENSE_AUTO_CONTEXT = 4096
+SMALL_DENSE = 1_000_000_000  # dense parameters up to which the CPU keeps them in the dtype (tests, the demo model)
+
+
+def resolve_device(device: str) -> torch.device:
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device "
+                           f"(torch {torch.__version__}; use --device cpu)")
+    return torch.device(device)
+
+
+def layer_group(fmt: str, group: Optional[int]) -> int:
+    """The scale group of ``fmt`` experts asked for as ``group``: None, or 16 with int4 (int8 only: GGUF's Q6_K), is the
+    format's default, 0 per-row scales; bf16 has no groups: 0 whatever was asked (it keys the expert cache)."""
+    return 0 if fmt == "bf16" else DEFAULT_GROUP[fmt] if group is None or (group == 16 and fmt == "int4") else group
+
+
+def plan_layers(shapes: "ModelShapes", opts: EngineOptions, device: torch.device, fmt: str, itemsize: int,
+                layers: Optional[list] = None, gpu_experts: Optional[int] = None) -> list:
+    """The LayerPlan of every MoE layer: ``fmt`` and the options where ``layers`` (a ``rules.Placement`` each) don't;
+    ``gpu_experts``: instead of --gpu-experts (its "auto" resolved; unresolved it counts as 0)."""
+    n, H, I = shapes.n_moe_layers, shapes.hidden, shapes.expert_inter
+    names = list(shapes.moe_names) or [f"moe layer {i}" for i in range(n)]
+    if gpu_experts is None:
+        gpu_experts = 0 if opts.gpu_experts == "auto" else opts.gpu_experts
+    out = []
+    for name, p in zip(names, layers if layers is not None else [None] * n):
+        got = {k: getattr(p, k, None) for k in ("experts_format", "group_size", "gpu_experts", "defer_experts")}
+        f = got["experts_format"] or fmt
+        group = layer_group(f, opts.group_size if got["group_size"] is None else got["group_size"])
+        gpu = gpu_experts if got["gpu_experts"] is None else got["gpu_experts"]
+        gpu = gpu if device.type == "cuda" else 0  # a CPU-only placement keeps every expert on the CPU
+        defer = opts.defer_experts if got["defer_experts"] is None else got["defer_experts"]
+        ram = shapes.n_routed // n * shapes.layer_expert_bytes(len(out), f, group)
+        gfmt = getattr(p, "gpu_experts_format", None) or opts.gpu_experts_format
+        each, stored = resident_bytes(gfmt, f, group, H, I, itemsize)
+        out.append(LayerPlan(name, f, group, gpu, defer, ram, gpu * each, stored, each))
+    return out
+
+
+def resident_bytes(fmt: str, cpu_format: str, group: int, H: int, I: int, itemsize: int) -> tuple:
+    """(bytes, format) of one GPU-resident expert of a layer whose CPU experts are ``cpu_format`` in ``group``,
+    stored as ``fmt`` (--gpu-experts-format; auto: the CPU's): bf16 in the dtype, int8/int4 with fp32 scales."""
+    from hetmoe.moe.gpu_resident.format import expert_bytes as stored_bytes
+    from hetmoe.moe.gpu_resident.format import planned_storage
+
+    st = planned_storage(fmt, cpu_format, group)
+    return stored_bytes(st, H, I, itemsize), st.name
+
+
+def dense_bytes(shapes: "ModelShapes", fmt: str, itemsize: int) -> int:
+    """The dense weights with the linears a dense format packs (``shapes.dense_linears``) in ``fmt`` and every
+    other dense parameter (embeddings, norms, routers, MLA's kv_b_proj, biases) in the dtype."""
+    from hetmoe.config.formats import DENSE_FORMATS
+
+    if fmt == "bf16":  # the dtype's own weights, unpacked
+        return shapes.dense_params * itemsize
+    packed = sum(n * k for n, k in shapes.dense_linears)
+    return sum(DENSE_FORMATS[fmt].nbytes(n, k) for n, k in shapes.dense_linears) + (
+        shapes.dense_params - packed) * itemsize
+
+
+def default_dense(shapes: "ModelShapes", device: torch.device) -> tuple:
+    """(format, why) of --dense-format auto before any budget: on the CPU int8 (decode there is bound by the DRAM
+    bytes it reads; int8 with a scale per 64 costs ~1e-3 of output error), the dtype for a small dense part; on a
+    GPU bf16 (``choose_dense`` steps down from it when it does not fit)."""
+    if device.type == "cuda":
+        return "bf16", "auto: the most precise; fits"
+    if shapes.dense_params <= SMALL_DENSE:
+        return "bf16", f"auto: a small model ({shapes.dense_params / 1e9:.2f} G dense parameters) keeps its dtype"
+    return "int8", "auto on the CPU: decode is bound by the DRAM bytes it reads"
+
+
+def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device, fmt: str,
+                layers: Optional[list] = None, max_context: Optional[int] = None, dense_format: Optional[str] = None,
+                gpu_experts: Optional[int] = None) -> MemoryPlan:
+    """Bytes of RAM and VRAM the placement of ``shapes`` under ``opts`` needs; ``layers``: the placement rules'
+    settings of each MoE layer (``rules.apply_native``), None for none (``fmt`` and the options everywhere);
+    ``max_context``, ``dense_format``, ``gpu_experts``: instead of the options' (or their auto's default)."""
+    dtype = resolve_dtype(opts.dtype, device, shapes.dense_params)
+    group = layer_group(fmt, opts.group_size)
+    ctx = max_context or opts.max_context or shapes.context_limit or shapes.max_position_embeddings or 4096
+    paged = kv_paged(opts, device)
+    per_layer = plan_layers(shapes, opts, device, fmt, dtype.itemsize, layers, gpu_experts)
+    experts = sum(lp.ram for lp in per_layer) or shapes.n_routed * expert_bytes(fmt, shapes.hidden,
+                                                                                 shapes.expert_inter, group)
+    if per_layer:  # the most common format and group name the plan (the expert cache keys each layer by its own)
+        pairs = [(lp.experts_format, lp.group_size) for lp in per_layer]
+        fmt, group = max(pairs, key=pairs.count)
+    why = {}
+    if dense_format is None and opts.dense_format != "auto":
+        dense_format, why["dense weights"] = opts.dense_format, f"--dense-format {opts.dense_format}"
+    elif dense_format is None:
+        dense_format, why["dense weights"] = default_dense(shapes, device)
+    dense = dense_bytes(shapes, dense_format, dtype.itemsize)
+    # paged: one full sequence (pages are taken as sequences grow); contiguous: every row's capacity grows together
+    kv = shapes.kv_elems_per_token * (1 if paged else opts.max_batch) * ctx * dtype.itemsize
+    tokens = opts.prefill_chunk * opts.max_batch
+    act = tokens * (shapes.act_width * 4 + shapes.vocab_size * 4)  # a few hidden-width buffers + the last logits
+    host_staging = 3 * tokens * shapes.hidden * 4
+    plan = MemoryPlan(device, dtype, fmt, group, ctx, layers=per_layer, kv_paged=paged, dense_format=dense_format,
+                      max_batch=opts.max_batch)
+    plan.ram = {"routed experts": experts, "runtime": CPU_RUNTIME_BYTES + host_staging}
+    if device.type == "cuda":
+        plan.vram = {"dense weights": dense, "KV cache": kv, "activations": act, "CUDA context": CUDA_CONTEXT_BYTES}
+        # --gpu-experts: N experts per MoE layer as stored there (they stay in RAM too, packed for the CPU)
+        plan.vram["GPU experts"] = sum(lp.vram for lp in per_layer)
+    else:
+        plan.ram.update({"dense weights": dense, "KV cache": kv, "activations": act})
+    plan.prefill_chunk = opts.prefill_chunk
+    limit = shapes.context_limit or shapes.max_position_embeddings
+    why.update({"KV cache": f"--max-context {ctx}" if opts.max_context else
+                "auto: the model's limit" if ctx == limit else f"auto: the most that fits (the model's limit: {limit})",
+                "activations": f"prefill chunks of {opts.prefill_chunk} tokens x {opts.max_batch} "
+                               f"sequence{'s' * (opts.max_batch > 1)}",
+                "CUDA context": "the CUDA runtime and kernels", "runtime": "Python, torch, staging buffers",
+                "routed experts": f"--experts-format {opts.experts_format}" if opts.experts_format != "auto" else
+                "auto: the most precise that fits",
+                "GPU experts": f"--gpu-experts {opts.gpu_experts}" if opts.gpu_experts != "auto" else "auto"})
+    if layers is not None and any(getattr(p, "gpu_experts", None) is not None for p in layers):
+        why["GPU experts"] = "placement rules, then " + why["GPU experts"]
+    plan.why = why
+    return plan
+
+
+def add_gpu_prefill(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions, vram_free: Optional[int] = None,
+                    budget: Optional[int] = None) -> None:
+    """With a GPU and --gpu-prefill not off: the largest chunk of GPU_PREFILL_CHUNKS (at least --prefill-chunk)
+    whose layerwise prefill buffers fit beside the rest of the plan in the VRAM ``budget`` (default: HEADROOM x
+    ``vram_free``) goes into the plan; chunks above BIG_CHUNK only where their buffers take at most an eighth of
+    the budget. None fitting: auto goes without (the CPU computes every prefill), a token
+    count given is refused (MemoryError with the breakdown)."""
+    if plan.device.type != "cuda" or opts.gpu_prefill == "off" or not shapes.n_moe_layers:
+        return
+    total = HEADROOM * vram_free if budget is None else budget
+    left = total - plan.vram_bytes
+    need = {}
+    for chunk in prefill_chunks(opts):
+        need = prefill_need(plan, shapes, chunk)
+        if chunk > BIG_CHUNK and sum(need.values()) > total / 8:  # not worth the resident experts it would displace
+            continue
+        if sum(need.values()) <= left:
+            plan.vram.update(need)
+            plan.prefill_chunk, plan.gpu_prefill = chunk, True
+            plan.why.update(dict.fromkeys(need, f"layerwise GPU prefill, chunks of {chunk} tokens"))
+            return
+    plan.why["prefill slots"] = "none: the smallest chunk's buffers do not fit (the CPU prefills)"
+    if opts.gpu_prefill != "auto":
+        parts = ", ".join(f"{k} {gib(v)}" for k, v in need.items())
+        raise MemoryError(f"--gpu-prefill {opts.gpu_prefill}: its buffers do not fit the GPU beside the model "
+                          f"(smallest chunk {chunk} tokens: {parts}; {gib(max(0, int(left)))} left of "
+                          f"{gib(int(total))}). Use --gpu-prefill off, or a smaller --max-context.")
+
+
+def prefill_chunks(opts: EngineOptions) -> list:
+    return [c for c in GPU_PREFILL_CHUNKS if c >= opts.prefill_chunk] or [opts.prefill_chunk]
+
+
+def prefill_need(plan: MemoryPlan, shapes: "ModelShapes", chunk: int) -> dict:
+    """The layerwise prefill's VRAM for ``chunk`` tokens beside ``plan``; the slots hold any layer: sized for the
+    largest (mixed formats under placement rules)."""
+    big = max(plan.layers, key=lambda lp: lp.ram, default=None)
+    fmt, group = (big.experts_format, big.group_size) if big is not None else (plan.experts_format, plan.group_size)
+    return gpu_prefill_bytes(shapes, fmt, group, chunk, plan.dtype.itemsize, 0 if plan.kv_paged else plan.max_context)
+
+
+def resolve_dtype(name: str, device: torch.device, dense_params: int) -> torch.dtype:
+    """auto: bf16 on a GPU; on the CPU fp32 while the dense part is small (<= 1 G parameters), else bf16."""
+    import torch
+
+    if name == "bf16":
+        return torch.bfloat16
+    if name == "fp32":
+        return torch.float32
+    return torch.bfloat16 if device.type == "cuda" or dense_params > SMALL_DENSE else torch.float32
+
+
+def budgets(opts: EngineOptions, device: torch.device, gpu_here: bool = True) -> tuple:
+    """({"RAM": (bytes, source, short source), "VRAM": ...}, notes): what a plan on ``device`` may use. --cpu-memory /
+    --gpu-memory replace what is free (a plan for a smaller GPU on a bigger one), a note when more than is free;
+    else HEADROOM x what is free. ``gpu_here`` False: planning for a GPU this machine does not have (hetmoe plan
+    --device cuda): --gpu-memory is required."""
+    notes, out = [], {}
+    for name, asked, flag, device_type in (("RAM", opts.cpu_memory, "--cpu-memory", "cpu"),
+                                           ("VRAM", opts.gpu_memory, "--gpu-memory", "cuda")):
+        if device_type != device.type and device_type == "cuda":
+            if asked is not None:
+                notes.append(f"{flag} {gib(asked)} does not apply: the placement is CPU-only")
+            continue
+        if not gpu_here and device_type == "cuda":
+            if asked is None:
+                raise ValueError("planning for a GPU this machine does not have (--device cuda): give its memory "
+                                 "with --gpu-memory SIZE, e.g. --gpu-memory 24GiB")
+            out[name] = (asked, f"budget {gib(asked)} ({flag})", flag)
+            continue
+        free = free_ram() if device_type == "cpu" else free_vram(device)
+        kind = "available" if device_type == "cpu" else "free"
+        if asked is None:
+            out[name] = (int(HEADROOM * free), f"{gib(free)} {kind}", f"{HEADROOM:.0%} of {gib(free)} {kind}")
+            continue
+        out[name] = (asked, f"budget {gib(asked)} ({flag})", flag)
+        if asked > free:
+            notes.append(f"{flag} {gib(asked)} is more than the {gib(free)} {kind} on this machine now: the plan may "
+                         "not fit when it runs")
+    return out, notes
+
+
+def fp8_runs(device: torch.device, gpu_here: bool) -> str:
+    """Why the GPU cannot run fp8 dense weights ("" when it can): it needs compute capability >= 8.9 and torch's
+    scaled matmul. A GPU that is not here (hetmoe plan) is taken to be one that can."""
+    import torch
+
+    if not hasattr(torch, "_scaled_mm"):
+        return f"torch {torch.__version__} has no scaled matmul"
+    if not gpu_here or not torch.cuda.is_available():  # (tests place on a "cuda" device they do not have)
+        return ""
+    cc = torch.cuda.get_device_capability(device)
+    return "" if cc >= (8, 9) else f"compute capability {cc[0]}.{cc[1]} < 8.9"
+
+
+def choose_dense(shapes: "ModelShapes", opts: EngineOptions, device: torch.device, layers, vram: int,
+                 gpu_here: bool) -> tuple:
+    """(dense format, why): --dense-format as asked (refused where it does not run), or auto: on the CPU
+    ``default_dense``; on a GPU the most precise of DENSE_ORDER whose plan (dense, KV cache for the asked context
+    or DENSE_AUTO_CONTEXT, activations, asked GPU experts and --gpu-prefill N's smallest buffers) fits ``vram``."""
+    from hetmoe.config.formats import dense_format
+
+    where = "cuda" if device.type == "cuda" else "cpu"
+    if opts.dense_format != "auto":
+        dense_format(opts.dense_format, where)  # ValueError: fp8 on the CPU
+        if opts.dense_format == "fp8" and (why := fp8_runs(device, gpu_here)):
+            raise ValueError(f"--dense-format fp8: this GPU cannot run it ({why}); use int8 or int4")
+        return opts.dense_format, f"--dense-format {opts.dense_format}"
+    if where == "cpu" or not shapes.dense_linears:  # (nothing to pack: every format is the dtype's bytes)
+        return default_dense(shapes, device)
+    limit = shapes.context_limit or shapes.max_position_embeddings or DENSE_AUTO_CONTEXT
+    ctx = opts.max_context or min(limit, DENSE_AUTO_CONTEXT)
+    tried, skipped = [], []
+    for name in DENSE_ORDER:
+        if name == "fp8" and (why := fp8_runs(device, gpu_here)):
+            skipped.append(f"fp8 does not run here ({why})")
+            continue
+        plan = plan_memory(shapes, opts, device, "int4", layers, max_context=ctx, dense_format=name)
+        need = plan.vram_bytes
+        if isinstance(opts.gpu_prefill, int) and shapes.n_moe_layers:
+            need += sum(prefill_need(plan, shapes, prefill_chunks(opts)[-1]).values())
+        if need <= vram:
+            break
+        tried.append(f"{name} {gib(need)}")
+    why = f"VRAM with {', '.join(tried)} > {gib(vram)}" if tried else "the most precise; fits"
+    return name, "; ".join([f"auto: {why}"] + skipped)
+
+
+def choose_plan(shapes: "ModelShapes", opts: EngineOptions, layers: Optional[list] = None,
+                device: Optional[torch.device] = None) -> MemoryPlan:
+    """Resolve device, dense format, experts format (auto: for the MoE layers ``layers``, the rules, leave to it),
+    context and --gpu-experts auto within the budgets; refuse a plan that cannot fit (PlanError, a MemoryError,
+    with the table) or a --max-context beyond the model's positions (ValueError). ``device``: plan for it instead
+    of --device, without asking whether this machine has it (hetmoe plan; a GPU then needs --gpu-memory)."""
+    check_context(shapes, opts)
+    gpu_here = device is None
+    device = resolve_device(opts.device) if device is None else device
+    limits, notes = budgets(opts, device, gpu_here)
+    (ram, ram_src, _), (vram, vram_src, _) = limits["RAM"], limits.get("VRAM", (0, "", ""))
+    dense, dense_why = choose_dense(shapes, opts, device, layers, vram, gpu_here)
+    if opts.experts_format == "auto":
+        plans = [plan_memory(shapes, opts, device, f, layers, dense_format=dense) for f in FORMATS]
+        fitting = [p for p in plans if p.ram_bytes <= ram]
+        plan = fitting[0] if fitting else plans[-1]
+        tried = [f"{p.experts_format} {gib(p.ram_bytes)}" for p in plans[:plans.index(plan)]]
+        if tried:
+            plan.why["routed experts"] = f"auto: RAM with {', '.join(tried)} > {gib(ram)}"
+    else:
+        plan = plan_memory(shapes, opts, device, opts.experts_format, layers, dense_format=dense)
+    plan.why["dense weights"] = dense_why
+    plan.budgets, plan.notes = limits, notes + plan.notes
+    if opts.max_context is None:
+        plan = fit_context(plan, shapes, opts, layers, ram, vram)
+    problems = []
+    if plan.ram_bytes > ram:
+        problems.append(f"RAM: needs {gib(plan.ram_bytes)}, {ram_src}")
+    if device.type == "cuda" and plan.vram_bytes > vram:
+        problems.append(f"GPU memory: needs {gib(plan.vram_bytes)}, {vram_src}")
+        if plan.vram["dense weights"] > vram:
+            problems.append(f"the dense weights alone ({plan.dense_format}) need {gib(plan.vram['dense weights'])}")
+    if not problems:
+        add_gpu_prefill(plan, shapes, opts, budget=vram)
+        fill_gpu_experts(plan, shapes, opts, layers, vram)
+    if problems:
+        ram_short, gpu_short = plan.ram_bytes > ram, device.type == "cuda" and plan.vram_bytes > vram
+        hints = ["--experts-format int4"] * (ram_short and plan.experts_format != "int4")
+        hints += ["--dense-format int4"] * (gpu_short and plan.dense_format != "int4")
+        hints += ["a smaller --max-context"] * (gpu_short or (ram_short and device.type == "cpu"))
+        hints += ["fewer --gpu-experts"] * bool(gpu_short and plan.vram.get("GPU experts"))
+        hint = f"Try {' or '.join(hints)}." if hints else "It needs a machine with more memory."
+        raise PlanError(
+            f"the model does not fit this machine with {plan.experts_format} experts on {device.type} "
+            f"({'; '.join(problems)}). Plan: {plan.describe()}. {hint}\n" + "\n".join(plan.table()), plan)
+    return plan
+
+
+def fill_gpu_experts(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions, layers, vram: int) -> None:
+    """--gpu-experts auto: the same count N of routed experts on the GPU in every MoE layer the rules leave it to,
+    the most that fit in the VRAM the rest of the plan leaves (at most the experts per layer)."""
+    if opts.gpu_experts != "auto" or not plan.layers:
+        return
+    if plan.device.type != "cuda":
+        plan.why["GPU experts"] = "auto: none (the placement is CPU-only)"
+        return
+    E = shapes.n_routed // shapes.n_moe_layers
+    free = [lp for lp, p in zip(plan.layers, layers or [None] * len(plan.layers))
+            if getattr(p, "gpu_experts", None) is None]
+    left = max(0, vram - plan.vram_bytes)
+    # each layer's experts at their stored bytes (int4: ~3.5x as many per GiB as bf16)
+    n = min(E, left // sum(lp.gpu_expert_bytes for lp in free)) if free else 0
+    for lp in free:
+        lp.gpu_experts, lp.vram = n, n * lp.gpu_expert_bytes
+    plan.vram["GPU experts"] = sum(lp.vram for lp in plan.layers)
+    plan.why["GPU experts"] = (f"auto: {n} of {E} per layer" + (" (all)" if n == E else
+                                                                 f" fill the {gib(left)} left"))
+
+
+def kv_paged(opts: EngineOptions, device: torch.device) -> bool:
+    """Whether the runner's KV cache will be paged (layers/kv_cache.py): a GPU with the Triton kernels."""
+    from hetmoe.layers.attention import paged_kernels
+
+    paged = opts.attention != "sdpa" and paged_kernels(device)
+    if opts.attention == "triton" and not paged:
+        raise RuntimeError("--attention triton needs a CUDA device and the triton package")
+    return paged
+
+
+def fit_context(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions, layers, ram: int,
+                vram: int) -> MemoryPlan:
+    """--max-context auto: the model's limit if the plan fits the ``ram`` / ``vram`` budgets, else the largest
+    fitting multiple of 1024 (a note says)."""
+    per_pos = {k: v / plan.max_context for k, v in (("ram", plan.ram.get("KV cache", 0)),
+                                                    ("vram", plan.vram.get("KV cache", 0)))}
+    room = [(ram - plan.ram_bytes, per_pos["ram"]), (vram - plan.vram_bytes, per_pos["vram"])]
+    short = [(-left, each) for left, each in room if each and left < 0]
+    if not short:
+        return plan
+    ctx = min(plan.max_context - int(over / each) - 1 for over, each in short) // 1024 * 1024
+    if ctx < 1024:
+        return plan
+    fitted = plan_memory(shapes, opts, plan.device, plan.experts_format, layers, max_context=ctx,
+                         dense_format=plan.dense_format)
+    fitted.why = {**fitted.why, **{k: v for k, v in plan.why.items() if k != "KV cache"}}
+    fitted.budgets, fitted.notes = plan.budgets, list(plan.notes)
+    rows = 1 if plan.kv_paged else opts.max_batch
+    kv = fitted.vram.get("KV cache") or fitted.ram["KV cache"]
+    fitted.notes.append(f"the context is {ctx} positions, not the model's {plan.max_context}: a KV cache of {rows} "
+                        f"full sequence{'s' * (rows > 1)} at that length ({gib(kv)}) is what fits beside the rest of "
+                        "the plan (--max-context chooses)")
+    return fitted
+
+
+def check_context(shapes: "ModelShapes", opts: EngineOptions) -> None:
+    limit = shapes.context_limit or shapes.max_position_embeddings
+    if opts.max_context is not None and limit and opts.max_context > limit:
+        why = shapes.context_why or f"max_position_embeddings {limit}"
+        raise ValueError(f"--max-context {opts.max_context} is beyond the {limit} positions this model was trained "
+                         f"for ({why} in config.json); use --max-context {limit} or less")
+
+
+def normalize_options(opts: EngineOptions, log=None) -> EngineOptions:
+    """``opts`` with what this machine cannot honour brought within it, each said once through ``log``: more
+    --threads than the physical cores this process may run on are capped to them (extra threads only contend
+    for the same cores). Returns ``opts`` itself when nothing changes."""
+    from hetmoe.cpu import default_threads
+
+    cores = default_threads()
+    if opts.threads is not None and opts.threads > cores:
+        if log is not None:
+            log(f"hetmoe: --threads {opts.threads} is more than the {cores} physical cores this process may use; "
+                f"using {cores}")
+        return replace(opts, threads=cores)
+    return opts

@@ -1,0 +1,404 @@
+"""A Hugging Face checkpoint's tokenizer and chat template, without transformers.
+
+``Tokenizer.from_dir(path)`` reads ``tokenizer.json`` (through the ``tokenizers`` library), ``tokenizer_config.json``
+(special tokens, ``add_bos_token``, ``chat_template``), ``chat_template.jinja`` (newer layout; takes priority, as in
+transformers), ``generation_config.json`` and ``config.json`` (eos / bos ids). Chat templates are rendered the way
+transformers renders them: a sandboxed jinja2 environment with ``trim_blocks`` and ``lstrip_blocks``, the
+``raise_exception`` / ``strftime_now`` globals, a non-escaping ``tojson`` and the loop-control extension.
+
+``IncrementalDecoder`` turns a stream of token ids into text pieces without ever cutting a UTF-8 character in two.
+
+Bounded work for untrusted text (the server): ``min_tokens(text)`` is a lower bound on the token count from the
+text's length alone (every token of the vocabulary covers at most ``chars_per_token`` characters of the input);
+``encode_capped(text, cap)`` returns the same ids as ``encode`` when there are at most ``cap`` of them, and
+otherwise raises ``PromptTooLong`` after tokenizing only a prefix of roughly ``cap`` tokens. It encodes through
+the backend's batch call, which releases the GIL, so other Python threads keep running meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+_REPLACEMENT = "\ufffd"  # what a byte-level decoder emits for an incomplete UTF-8 sequence
+CAPPED_FIRST_PIECE = 1 << 16  # characters encode_capped tokenizes first; each further prefix is twice as long
+_MAX_DECOMPOSITION = 4  # code points in the longest canonical decomposition (Unicode 14; tested against unicodedata)
+_UNICODE_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
+
+
+class PromptTooLong(ValueError):
+    """``encode_capped``: the text has more than ``cap`` tokens; it has at least ``at_least`` (> cap), exactly that
+    many when ``exact`` (it was tokenized whole)."""
+
+    def __init__(self, at_least: int, cap: int, chars: int, exact: bool = False):
+        super().__init__(f"the text ({chars} characters) has {'' if exact else 'at least '}{at_least} tokens, "
+                         f"more than {cap}")
+        self.at_least, self.cap, self.chars, self.exact = at_least, cap, chars, exact
+
+
+def _normalizer_shrink(spec: Optional[dict]) -> Optional[float]:
+    """By how much a tokenizer.json normalizer can shorten a text (len(text) <= factor * len(normalized)); None
+    when it can delete characters without bound (BertNormalizer's cleaning, Strip, StripAccents, Precompiled,
+    regex Replace)."""
+    if spec is None:
+        return 1.0
+    kind = spec.get("type")
+    if kind == "Sequence":
+        factor = 1.0
+        for inner in spec.get("normalizers", []):
+            f = _normalizer_shrink(inner)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind in _UNICODE_FORMS:  # composition merges at most a full canonical decomposition into one character
+        return float(_MAX_DECOMPOSITION)
+    if kind in ("Lowercase", "Prepend"):  # a character lowercases to one or more; prepending only adds
+        return 1.0
+    if kind == "Replace":
+        pattern, content = spec.get("pattern", {}).get("String"), spec.get("content")
+        if isinstance(pattern, str) and pattern and isinstance(content, str) and content:
+            return max(1.0, len(pattern) / len(content))
+    return None
+
+
+def _keeps_every_character(spec: Optional[dict]) -> bool:
+    """Whether a pre-tokenizer passes every character on (Whitespace, WhitespaceSplit, Bert and Split "Removed"
+    drop some, so a text of spaces alone could have no tokens at all)."""
+    if spec is None:
+        return True
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return all(_keeps_every_character(p) for p in spec.get("pretokenizers", []))
+    if kind in ("Split", "Punctuation"):
+        return spec.get("behavior") != "Removed"
+    return kind in ("ByteLevel", "Metaspace", "Digits", "UnicodeScripts")
+
+
+def _chars_per_token(backend) -> Optional[int]:
+    """The most input characters one token can stand for, or None when no such bound holds for this tokenizer.
+
+    Every token covers a contiguous piece of the normalized text, at most as many characters as its vocabulary
+    string has (byte-level strings have one character per byte, and a character is at least one byte;
+    "<0x41>" byte-fallback tokens cover less than one). That needs a BPE model that maps every character to
+    tokens (the whole byte alphabet present, or byte fallback with all 256 byte tokens, or an unk token per
+    character), a pre-tokenizer that drops nothing, added tokens that swallow no whitespace (lstrip/rstrip),
+    and the normalizer's shrink factor on top."""
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    vocab = backend.get_vocab(with_added_tokens=True)
+    if model.get("type") != "BPE" or not _keeps_every_character(spec.get("pre_tokenizer")):
+        return None
+    if any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or []):
+        return None
+    from tokenizers import pre_tokenizers
+
+    byte_level = "ByteLevel" in json.dumps(spec.get("pre_tokenizer"))
+    if byte_level and all(c in vocab for c in pre_tokenizers.ByteLevel.alphabet()):
+        pass  # every byte of any text has a token
+    elif model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256)):
+        pass
+    elif model.get("unk_token") in vocab and not model.get("fuse_unk"):
+        pass  # an unknown character is one unk token
+    else:
+        return None  # unknown characters are dropped, or fused into one unk however many there are
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    if shrink is None or not vocab:
+        return None
+    return int(math.ceil(max(len(t) for t in vocab) * shrink))
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _token_content(value: Any) -> Optional[str]:
+    """A special token from tokenizer_config.json: a string, or an AddedToken dict {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _id_list(value: Any) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _pick_template(value: Any, source: Path) -> Optional[str]:
+    """``chat_template`` is a string, or a list of {"name", "template"} dicts of which "default" is used."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        if "default" in named:
+            return named["default"]
+        if len(named) == 1:
+            return next(iter(named.values()))
+        raise ValueError(f"{source}: several chat templates {sorted(map(str, named))} and none named 'default'")
+    raise ValueError(f"{source}: chat_template must be a string or a list of {{name, template}}, got {type(value)}")
+
+
+def compile_template(source: str):
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        # transformers' {% generation %} ... {% endgeneration %} marks assistant text for training masks; render as is
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # jinja's own tojson escapes HTML characters, which transformers' (and so every template's author's) does not
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(
+            f"messages must be a non-empty list of {{'role': str, 'content': str}} dicts, got {messages!r}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise ValueError(f"messages[{i}] needs a non-empty string 'role', got {m.get('role')!r}")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}] needs a string 'content', got {type(m.get('content')).__name__}")
+
+
+class Tokenizer:
+    """Text <-> token ids, the end-of-sequence ids, and the chat template of one checkpoint."""
+
+    def __init__(self, backend, config: Optional[dict] = None, *, eos_token_ids: Iterable[int] = (),
+                 bos_token_id: Optional[int] = None, chat_template: Optional[str] = None):
+        config = config or {}
+        self._tok = backend
+        self.bos_token = _token_content(config.get("bos_token"))
+        self.eos_token = _token_content(config.get("eos_token"))
+        self.pad_token = _token_content(config.get("pad_token"))
+        self.unk_token = _token_content(config.get("unk_token"))
+        self.bos_id = self.token_to_id(self.bos_token)
+        if self.bos_id is None:  # only an id is known (config.json): it identifies the bos, templates don't see it
+            self.bos_id = bos_token_id
+        self.eos_id = self.token_to_id(self.eos_token)
+        self.pad_id = self.token_to_id(self.pad_token)
+        # Present in tokenizer_config.json it decides the bos (transformers then rebuilds the post-processor);
+        # absent, tokenizer.json's own post-processor does.
+        self.add_bos_token: Optional[bool] = config.get("add_bos_token")
+        ids = set(eos_token_ids)
+        if self.eos_id is not None:
+            ids.add(self.eos_id)
+        self.eos_ids: set[int] = ids
+        self.chat_template = chat_template
+        self._compiled = None
+        self._bound: Optional[tuple] = None  # (chars_per_token, longest added token), computed on first use
+
+    @classmethod
+    def from_dir(cls, path: Union[str, Path]) -> "Tokenizer":
+        from tokenizers import Tokenizer as Backend
+
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {path} (a Hugging Face 'fast' tokenizer file is required)")
+        try:
+            backend = Backend.from_file(str(file))
+        except Exception as e:  # the Rust side raises a bare Exception on malformed files
+            raise ValueError(f"cannot read {file}: {e}") from e
+        config = _read_json(path / "tokenizer_config.json")
+        generation = _read_json(path / "generation_config.json")
+        model = _read_json(path / "config.json")
+        template = _pick_template(config.get("chat_template"), path / "tokenizer_config.json")
+        jinja_file = path / "chat_template.jinja"
+        if jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
+        bos = generation.get("bos_token_id", model.get("bos_token_id"))
+        return cls(
+            backend, config,
+            eos_token_ids=_id_list(generation.get("eos_token_id")) + _id_list(model.get("eos_token_id")),
+            bos_token_id=bos if isinstance(bos, int) else None,
+            chat_template=template,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: Optional[str]) -> Optional[int]:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens`` exactly one bos leads (when the tokenizer uses one),
+        whether it comes from ``add_bos_token``, tokenizer.json's post-processor or the text itself."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        return self._fix_bos(text, self._tok.encode(text, add_special_tokens=add_special_tokens).ids,
+                             add_special_tokens)
+
+    def _fix_bos(self, text: str, ids: list, add_special_tokens: bool) -> list[int]:
+        if not add_special_tokens or self.bos_id is None:
+            return ids
+        bos_text = self._tok.id_to_token(self.bos_id) or ""
+        in_text = 0  # bos tokens written in the text itself are kept as written
+        while bos_text and text.startswith(bos_text * (in_text + 1)):
+            in_text += 1
+        leading = 0
+        while leading < len(ids) and ids[leading] == self.bos_id:
+            leading += 1
+        added = leading > in_text if self.add_bos_token is None else self.add_bos_token
+        want = max(in_text, 1) if added else in_text
+        return [self.bos_id] * want + ids[leading:]
+
+    def _bounds(self) -> tuple:
+        if self._bound is None:
+            added = [t.content for t in self._tok.get_added_tokens_decoder().values()]
+            self._bound = (_chars_per_token(self._tok), max(map(len, added), default=0))
+        return self._bound
+
+    @property
+    def chars_per_token(self) -> Optional[int]:
+        """The most input characters one token can cover (None: this tokenizer admits no such bound)."""
+        return self._bounds()[0]
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))`` (either ``add_special_tokens``) without tokenizing: 0 when the
+        tokenizer admits no bound."""
+        per_token = self.chars_per_token
+        return 0 if not per_token else -(-len(text) // per_token)
+
+    def encode_capped(self, text: str, cap: int, add_special_tokens: bool = True) -> list[int]:
+        """``encode(text, add_special_tokens)`` when that has at most ``cap`` ids; otherwise ``PromptTooLong``,
+        decided without tokenizing all of a long text.
+
+        Refuses at once when ``min_tokens`` exceeds ``cap``. Else tokenizes prefixes of ``CAPPED_FIRST_PIECE``,
+        then twice, four times ... as many characters, until a prefix is the whole text or proves more than ``cap``
+        tokens — so the work is a few times that of ``cap`` tokens, whatever the text's length. A prefix proves
+        the tokens of its pre-tokenized words except the last ones: normalizers and pre-tokenizers look at a
+        bounded neighbourhood (a lookahead character, an added token straddling the cut), words are tokenized
+        one by one, so every word ending far enough before the cut is a word of the whole text, with the same
+        tokens. The last ``longest added token + 16`` words are not counted (each word is at least one
+        character, so they hold every word within that many characters of the cut)."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode_capped() takes a str, got {type(text).__name__}")
+        bound = self.min_tokens(text)
+        if bound > cap:
+            raise PromptTooLong(bound, cap, len(text))
+        margin_words = self._bounds()[1] + 16
+        k = CAPPED_FIRST_PIECE
+        while k < len(text):
+            word_ids = self._encode_unlocked(text[:k], False).word_ids
+            proven = len(word_ids)
+            last = next((w for w in reversed(word_ids) if w is not None), None)
+            if last is not None:
+                while proven and (word_ids[proven - 1] is None or word_ids[proven - 1] > last - margin_words):
+                    proven -= 1
+            if proven > cap:
+                raise PromptTooLong(proven, cap, len(text))
+            k *= 2
+        ids = self._fix_bos(text, self._encode_unlocked(text, add_special_tokens).ids, add_special_tokens)
+        if len(ids) > cap:
+            raise PromptTooLong(len(ids), cap, len(text), exact=True)
+        return ids
+
+    def _encode_unlocked(self, text: str, add_special_tokens: bool):
+        # the batch call runs in Rust with the GIL released (encode() keeps it for the whole tokenization)
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """The prompt text for ``messages`` ([{"role", "content"}, ...]); encode it with ``add_special_tokens``
+        left on: a bos the template wrote is not doubled. Extra ``kwargs`` (tools, enable_thinking, ...) reach
+        the template as variables."""
+        import jinja2
+
+        if not self.chat_template:
+            raise ValueError("this checkpoint has no chat template (neither chat_template in tokenizer_config.json "
+                             "nor chat_template.jinja); pass a raw prompt instead")
+        _check_messages(messages)
+        try:
+            if self._compiled is None:
+                self._compiled = compile_template(self.chat_template)
+            specials = {"bos_token": self.bos_token, "eos_token": self.eos_token,
+                        "pad_token": self.pad_token, "unk_token": self.unk_token}
+            variables = {k: v for k, v in specials.items() if v is not None}  # unset ones stay undefined, as in HF
+            variables.update(tools=None, documents=None)
+            variables.update(kwargs)
+            # keys set to None are dropped, as transformers does (templates test presence, not None)
+            messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+            return self._compiled.render(messages=messages,
+                                         add_generation_prompt=add_generation_prompt, **variables)
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"chat template: {e}") from e
+
+
+class IncrementalDecoder:
+    """Streaming detokenization: ``push(id)`` returns the text that id completes ("" while a multi-byte character
+    is still partial); ``flush()`` returns whatever is left. The pieces concatenate to ``decode(ids)``.
+
+    Decodes a short window — the tokens of the last emitted piece plus the new ones — and emits the difference,
+    so decoders that depend on context (leading-space rules, byte fallback) agree with a whole decode.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0  # window start: first token of the last emitted piece
+        self._read = 0  # tokens before this are emitted
+
+    def _window_text(self, start: int, end: int) -> str:
+        return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        prefix_text = self._window_text(self._prefix, self._read)
+        text = self._window_text(self._prefix, len(self.ids))
+        if len(text) <= len(prefix_text) or text.endswith(_REPLACEMENT):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return text[len(prefix_text):]
+
+    def flush(self) -> str:
+        """The held-back tail (it may end in U+FFFD if generation stopped inside a character)."""
+        if self._read == len(self.ids):
+            return ""
+        prefix_text = self._window_text(self._prefix, self._read)
+        text = self._window_text(self._prefix, len(self.ids))
+        self._prefix = self._read = len(self.ids)
+        return text[len(prefix_text):]
