@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from hetmoe import cpu
+from hetmoe import cpu, envs
 from hetmoe.bench.decode_variants import decode_variants, fmt_variants
 from hetmoe.bench.long_context import kv_contexts
 from hetmoe.bench.machine import GB, llc_bytes, machine_info, write_json
@@ -224,8 +223,7 @@ def run_e2e_bench(args) -> int:
     machine["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     machine["cuda"] = torch.version.cuda
     # Threading settings that change CPU timings (OpenMP threads spin-waiting beside the pinned expert pool).
-    machine["env"] = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_BLOCKTIME",
-                                                 "OMP_PROC_BIND", "GOMP_SPINCOUNT") if k in os.environ}
+    machine["env"] = envs.snapshot()
     say(f"hetmoe bench e2e  {machine['date']}  {machine['hostname']}  commit {machine['commit'] or '?'}")
     say(f"cpu: {machine['cpu_model']} [{machine['cpu_flags']}], expert pool {pool.threads} threads pinned to "
         f"{pool.pinned_cpus}, torch {machine['torch']} with {machine['torch_threads']} threads"

@@ -14,7 +14,7 @@ import re
 import sys
 from typing import Optional, Sequence
 
-from hetmoe import __version__
+from hetmoe import __version__, envs
 from hetmoe.cli import bench, chat, doctor, eval, generate, plan, serve, tune
 from hetmoe.config.flags import ISAS, MODEL_SHAPES, SHAPE_NAMES, engine_usage_error
 
@@ -95,7 +95,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # slow every hybrid decode step (BENCHMARKS.md#omp-wait-policy).
     # OpenMP reads it when torch loads, which parsing already does (--numa's type imports hetmoe.cpu), so it is
     # set before anything else.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    envs.set_default("OMP_WAIT_POLICY", "PASSIVE")
     try:
         args = _parse(argv)
     except BrokenPipeError:  # --help into a closed pipe

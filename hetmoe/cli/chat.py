@@ -11,6 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
+from hetmoe import envs
 from hetmoe.cli.options import add_sampling_options, open_llm
 from hetmoe.config.flags import add_engine_options
 
@@ -47,7 +48,7 @@ _COMMAND = re.compile(r"/([A-Za-z]+)(\s.*)?")
 def history_path() -> Path:
     """$XDG_STATE_HOME/hetmoe/chat_history, ~/.local/state/hetmoe/chat_history when that is unset or relative
     (the XDG base directory spec)."""
-    state = os.environ.get("XDG_STATE_HOME", "")
+    state = envs.XDG_STATE_HOME or ""
     base = Path(state) if os.path.isabs(state) else Path.home() / ".local" / "state"
     return base / "hetmoe" / "chat_history"
 

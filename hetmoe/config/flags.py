@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 from typing import Optional, Sequence
 
-from hetmoe.config.options import ISA_CHOICES, EngineOptions, parse_gpu_prefill, parse_numa
+from hetmoe.config.options import ISA_CHOICES, EngineOptions, parse_cpu_share, parse_gpu_prefill, parse_numa
 from hetmoe.config.units import parse_size
 
 SHAPE_NAMES = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")  # defined in hetmoe.bench.kernel.SHAPES
@@ -94,6 +94,13 @@ def gpu_prefill(text: str):
         raise argparse.ArgumentTypeError(f"expected auto, off or a token count >= 1, got {text}") from None
 
 
+def cpu_share(text: str):
+    try:
+        return parse_cpu_share(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto, off or a number of experts >= 0, got {text}") from None
+
+
 def size(text: str) -> int:
     """--gpu-memory / --cpu-memory: 24GiB, 24G, 500MiB, 1.5TB or bytes (hetmoe/config/units.py parse_size)."""
     try:
@@ -118,7 +125,7 @@ def context(text: str):
 
 
 # the names cli_flag's ``type`` may give
-TYPES = {"int": int, "positive_int": positive_int, "numa": numa, "gpu_prefill": gpu_prefill, "size": size,
+TYPES = {"int": int, "positive_int": positive_int, "numa": numa, "gpu_prefill": gpu_prefill, "cpu_share": cpu_share, "size": size,
          "gpu_experts": auto_or_int, "context": context}
 
 

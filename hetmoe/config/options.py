@@ -111,6 +111,10 @@ class EngineOptions:
         "--gpu-prefill", "with a GPU: compute the routed experts of prefill chunks of at least N tokens on the GPU, "
         "streaming each layer's experts from RAM; auto: the N from which that is faster, measured at load; off: "
         "always on the CPU (default: auto)", type="gpu_prefill", metavar="auto|off|N"))
+    gpu_prefill_cpu_share: Union[str, int] = field(default="auto", metadata=cli_flag(  # moe/streamed/cpu_share.py
+        "--gpu-prefill-cpu-share", "with the GPU prefill on: how many of each layer's experts the CPU computes "
+        "meanwhile instead of copying them; auto: chosen from the rates measured at load; off or 0: none; N: the "
+        "last N experts (default: auto)", type="cpu_share", metavar="auto|off|N"))
     rules: Optional[str] = field(default=None, metadata=cli_flag(  # hetmoe/config/rules.py
         "--rules", "placement rules, a YAML file: per module its device, experts format and group, GPU-resident "
         "experts, deferral (docs/rules.md); the flags above apply where no rule does", metavar="FILE"))
@@ -154,6 +158,7 @@ class EngineOptions:
                                                 or not isinstance(self.amx_min_tokens, int) or self.amx_min_tokens < 1):
             raise ValueError(f"amx_min_tokens must be an integer >= 1, got {self.amx_min_tokens!r}")
         self.gpu_prefill = parse_gpu_prefill(self.gpu_prefill)
+        self.gpu_prefill_cpu_share = parse_cpu_share(self.gpu_prefill_cpu_share)
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {self.attention!r}")
         if self.fused_decode not in ("on", "off"):
@@ -200,3 +205,14 @@ def parse_numa(value: Optional[NumaOption]) -> NumaOption:
     if n < 1:
         raise ValueError(f"numa must be auto, off or a number of subpools >= 1, got {value!r}")
     return n
+
+
+def parse_cpu_share(value) -> Union[str, int]:
+    """``--gpu-prefill-cpu-share``: "auto", "off" or a number of experts >= 0 (0 = off) -> "auto", "off" or that
+    int."""
+    text = str(value).strip().lower() if not isinstance(value, bool) else "?"
+    if text in ("auto", "off"):
+        return text
+    if text.isdigit():
+        return int(text) if int(text) else "off"
+    raise ValueError(f"gpu-prefill-cpu-share must be auto, off or a number of experts, got {value!r}")

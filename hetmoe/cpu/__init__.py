@@ -10,7 +10,7 @@ from hetmoe.config.options import AMX_EMULATED, ISAS, NumaOption
 from hetmoe.cpu.attention import attention_kernel, decode_attention
 from hetmoe.cpu.codes import load_codes
 from hetmoe.cpu.experts import WEIGHT_FORMATS, CPUExperts, HostRoute, Slots
-from hetmoe.cpu.host_funcs import MECHANISMS, HostFuncs, leaked_jobs, cuda_hooks_available, default_mechanism
+from hetmoe.cpu.host_funcs import MECHANISMS, HostFuncs, cuda_hooks_available, default_mechanism, leaked_jobs
 from hetmoe.cpu.linear import CPULinear
 from hetmoe.cpu.numa import resolve_subpools
 from hetmoe.cpu.pool import HYBRID_RESERVED_CORES, ExpertPool, MoEJob, cpu_info, default_threads, shared_pool

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from typing import Optional, Sequence
 
 import torch
@@ -45,8 +44,7 @@ _CHUNK_ELEMENTS = 1 << 22  # weight elements converted at a time while packing: 
 # temporaries are about 5 such slabs (tests/engine/test_build_peak.py measures them)
 SCALED_MM_MIN_WEIGHTS = 1 << 25  # fp8 weights at least this large take _scaled_mm for prefill
 # a fused decode step's SwiGLU MLP computes silu(gate) * up inside the down projection's GEMV (``swiglu``), one kernel
-# fewer; HETMOE_SWIGLU_GEMV=0 runs silu_mul first (the A/B of BENCHMARKS.md, "GPU part of the decode step")
-SWIGLU_IN_GEMV = os.environ.get("HETMOE_SWIGLU_GEMV", "1") != "0"
+# fewer (the A/B that chose it: BENCHMARKS.md, "GPU part of the decode step")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -360,7 +358,7 @@ class GPULinear(nn.Module):
         M = x2.shape[0]
         fits = (gate_up.shape[-1] == 2 * self.in_features and 0 < M <= triton_linear.GEMV_M
                 and gate_up.dtype == torch.bfloat16 and gate_up.device == self.weight.device)
-        if not SWIGLU_IN_GEMV or self.kernel not in ("triton", "scaled_mm") or not fits:
+        if self.kernel not in ("triton", "scaled_mm") or not fits:
             return None
         y = triton_linear.linear(x2, self.weight, self.scale, self.bias, self.format.name, self.out_features,
                                  fp8_bits=self.fp8_bits, swiglu=True)

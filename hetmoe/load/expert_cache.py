@@ -22,14 +22,14 @@ import struct
 from pathlib import Path
 from typing import Optional
 
-from hetmoe import _C
+from hetmoe import _C, envs
 
 MAGIC = b"HETMOEX1"
 DATA_ALIGN = 4096
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = envs.XDG_CACHE_HOME or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "hetmoe" / "experts"
 
 

@@ -41,7 +41,7 @@ from hetmoe.load.calibration import calibration_text, check_gpu_experts, keep_gp
 from hetmoe.load.checkpoint import Checkpoint, CheckpointError, block_fp8, read_config
 from hetmoe.load.dense import FP8Source, pack_dense
 from hetmoe.load.expert_cache import ExpertCache, default_cache_dir
-from hetmoe.load.materialize import expert_keys, Materializer, fill_experts
+from hetmoe.load.materialize import Materializer, expert_keys, fill_experts
 from hetmoe.load.rules import apply_native, defer_layers, layerwise_layers
 from hetmoe.load.shapes import model_shapes
 from hetmoe.models import APPLIES_ROPE_SCALING, ConfigError, check_config, model_class

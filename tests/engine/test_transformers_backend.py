@@ -73,16 +73,19 @@ def test_importing_registers_the_backend():
 
 
 @pytest.mark.parametrize("order", ["hetmoe first", "transformers first"])
-def test_importing_hetmoe_registers_the_backend(order):
-    """``import hetmoe`` alone registers "hetmoe" (fresh processes: before or after Transformers is imported), and
-    the command line's imports load no Transformers."""
+def test_importing_hetmoe_has_no_side_effects(order):
+    """``import hetmoe`` registers nothing and hooks no import (fresh processes: before or after Transformers is
+    imported); ``import hetmoe.transformers`` registers "hetmoe" explicitly; the command line's imports load no
+    Transformers."""
     import subprocess
     import sys
 
     first, second = ("import hetmoe", "import transformers") if order == "hetmoe first" else \
         ("import transformers", "import hetmoe")
-    code = (f"{first}\n{second}\nfrom transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS\n"
-            "import hetmoe.transformers.backend as b\n"
+    code = ("import sys\nhooks = list(sys.meta_path)\n"
+            f"{first}\n{second}\nfrom transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS\n"
+            "assert 'hetmoe' not in ALL_EXPERTS_FUNCTIONS and sys.meta_path == hooks\n"
+            "import hetmoe.transformers\nimport hetmoe.transformers.backend as b\n"
             "assert ALL_EXPERTS_FUNCTIONS['hetmoe'] is b.hetmoe_experts_forward\nprint('ok')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-1500:]

@@ -283,17 +283,17 @@ def test_close_leaks_host_functions_not_run_yet(pool, layer, stream, mech):
     stream.pause()
     pool.submit_on_stream(job, stream, host_funcs=hf)
     pool.sync_on_stream(0, stream, host_funcs=hf)  # the stream passes this only once the job is done
-    n_leaked = len(cpu._leaked_jobs)
+    n_leaked = len(cpu.leaked_jobs)
     hf.close()
     try:
-        assert len(hf) == 0 and cpu._leaked_jobs[n_leaked:] == [job]
+        assert len(hf) == 0 and cpu.leaked_jobs[n_leaked:] == [job]
         del job
         stream.resume()
         stream.synchronize()
         pool.sync()
         assert torch.equal(out, layer(x, ids, w))
     finally:
-        del cpu._leaked_jobs[n_leaked:]
+        del cpu.leaked_jobs[n_leaked:]
 
 
 def test_default_host_funcs_of_the_pool(stream):

@@ -16,7 +16,7 @@ the tolerances are those of tests/models/test_layerwise.py's path-vs-engine test
 import pytest
 import torch
 
-from hetmoe.config.options import EngineOptions
+from hetmoe.config.options import EngineOptions, parse_cpu_share
 from hetmoe.cpu import cpu_info
 from hetmoe.engine.runner import Runner
 from hetmoe.load.loader import load_model, moe_blocks
@@ -25,7 +25,6 @@ from hetmoe.moe.streamed.choice import (
     choose_cpu_share,
     describe_share,
     layer_seconds,
-    parse_mode,
     share_capacity,
 )
 from hetmoe.moe.streamed.layerwise import LayerwisePrefill
@@ -168,12 +167,15 @@ def test_the_share_balances_the_cpu_against_the_copy():
     assert text.startswith(f"{choose_cpu_share(RATES, 512, E)}/128 experts at 512 tokens") and "none from" in text
 
 
-def test_share_mode():
-    assert parse_mode(None) == "auto" and parse_mode(" OFF ") == "off" and parse_mode("12") == 12
-    assert parse_mode("0") == "off"
-    for bad in ("-1", "half", "1.5"):
-        with pytest.raises(ValueError, match="HETMOE_PREFILL_CPU_SHARE must be auto, off or a number"):
-            parse_mode(bad)
+def test_share_option():
+    assert parse_cpu_share("auto") == "auto" and parse_cpu_share(" OFF ") == "off" and parse_cpu_share("12") == 12
+    assert parse_cpu_share("0") == "off" and parse_cpu_share(3) == 3
+    assert EngineOptions(gpu_prefill_cpu_share="5").gpu_prefill_cpu_share == 5
+    for bad in ("-1", "half", "1.5", "", True):
+        with pytest.raises(ValueError, match="gpu-prefill-cpu-share must be auto, off or a number"):
+            parse_cpu_share(bad)
+    with pytest.raises(ValueError, match="gpu-prefill-cpu-share"):
+        EngineOptions(gpu_prefill_cpu_share="half")
 
 
 def test_auto_needs_measured_rates(checkpoints):
@@ -233,11 +235,9 @@ def test_gpu_cpu_share_equals_the_all_gpu_path(checkpoints, arch, fmt):
 @gpu
 def test_gpu_share_option_and_profile(checkpoints, monkeypatch):
     path = checkpoints("qwen3_moe")
-    monkeypatch.setenv("HETMOE_PREFILL_CPU_SHARE", "off")
-    loaded = _hybrid(path, "int4")
+    loaded = _hybrid(path, "int4", gpu_prefill_cpu_share="off")
     assert loaded.layerwise.share is None and loaded.info["gpu_prefill"]["cpu_share"]["mode"] == "off"
-    monkeypatch.setenv("HETMOE_PREFILL_CPU_SHARE", "3")
-    loaded = _hybrid(path, "int4")
+    loaded = _hybrid(path, "int4", gpu_prefill_cpu_share=3)
     lw = loaded.layerwise
     assert lw.share is not None and loaded.info["gpu_prefill"]["cpu_share"]["mode"] == 3
     lw.profiling = True

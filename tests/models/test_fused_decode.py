@@ -429,9 +429,11 @@ def test_graph_decode_pdl_is_exact(arch, dense, monkeypatch):
     loaded = _tiny(arch, "bf16", "cuda", dense_format=dense)
     for batch in (1, 3):
         with_pdl = _graph_decode(loaded, batch, True)
-        monkeypatch.setattr(triton_pdl, "ENABLED", False)
+        monkeypatch.setenv("HETMOE_PDL", "0")
+        monkeypatch.setattr(triton_pdl, "_CAPABLE", {})
         without = _graph_decode(loaded, batch, True)
-        monkeypatch.setattr(triton_pdl, "ENABLED", True)
+        monkeypatch.setenv("HETMOE_PDL", "1")
+        monkeypatch.setattr(triton_pdl, "_CAPABLE", {})
         assert torch.isfinite(with_pdl).all() and torch.equal(with_pdl, without), rel(with_pdl, without)
 
 

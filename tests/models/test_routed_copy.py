@@ -6,7 +6,7 @@ path on CPU tensors (host "slots") with routed-only copying against whole layers
 CPU share, qwen3-like and deepseek-like models, bf16 and int4 experts: the same experts with the same rows in the
 same order, so the same bits (the torch path; its sums run in expert order either way); the GPU branch's kernels
 under Triton's interpreter with every access bounds-checked, routed-only against whole layers, chunks of 1-4 tokens;
-the choice rule and its switch (HETMOE_PREFILL_ROUTED_COPY).
+the choice rule.
 GPU (marked): routed-only vs whole-layer copies on CUDA, one layer and the whole model, in a child process that
 names the step an illegal memory access would kill it in.
 """
@@ -20,7 +20,7 @@ from hetmoe.config.options import EngineOptions
 from hetmoe.engine.runner import Runner
 from hetmoe.load.loader import load_model, moe_blocks
 from hetmoe.moe.streamed import copy as expert_copy
-from hetmoe.moe.streamed.choice import ROUTED_ENV, parse_routed_copy, routed_fraction, wants_routed_only
+from hetmoe.moe.streamed.choice import routed_fraction, wants_routed_only
 from hetmoe.moe.streamed.copy import copy_experts, routed_experts, runs
 from hetmoe.moe.streamed.layerwise import LayerwisePrefill
 from tests.gpu_child import run_steps, say
@@ -117,12 +117,6 @@ def test_routed_only_on_the_gpu_branch(checkpoints, arch, fmt, monkeypatch):
                 out[mode] = runner.score(ids)
             assert torch.equal(out["on"], out["off"]), (ids, (out["on"] - out["off"]).abs().max())
     lw.close()
-
-
-def test_the_switch():
-    assert parse_routed_copy(None) == "auto" and parse_routed_copy(" ON ") == "on" and parse_routed_copy("off") == "off"
-    with pytest.raises(ValueError, match=ROUTED_ENV):
-        parse_routed_copy("1")
 
 
 # ---------------------------------------------------------------- GPU

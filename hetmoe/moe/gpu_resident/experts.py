@@ -29,12 +29,12 @@ Shape letters: T tokens, E experts, k experts per token, N resident experts, H h
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from hetmoe import envs
 from hetmoe.moe.gpu_resident import format as rf
 
 DENSE_MAX_TOKENS = 32  # up to here a fixed-shape path (routed or dense) costs less than N gathers
@@ -114,7 +114,7 @@ class GpuExperts:
         self.slot_of = slot_of.to(self.device)  # [E + 1]
         if decode == "routed" and importlib.util.find_spec("triton") is None:
             raise ValueError("decode='routed' needs the triton package, which is not installed")
-        if decode == "routed" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if decode == "routed" and self.device.type != "cuda" and not envs.TRITON_INTERPRET:
             raise ValueError(f"decode='routed' on {self.device} needs Triton's interpreter (TRITON_INTERPRET=1 "
                              "before triton is imported); use decode='dense' or 'auto'")
         # auto: the routed kernels inside CUDA-graph capture (the decode graph, verified on the GPU machine against

@@ -10,8 +10,7 @@ Shape letters: T tokens, k experts per token, E experts.
 
 from __future__ import annotations
 
-import os
-from typing import Optional, Union
+from typing import Optional
 
 
 def _line(rates: dict) -> tuple:
@@ -43,28 +42,12 @@ def choose_min_tokens(rates: dict, limit: int = 1 << 20) -> Optional[int]:
     return None
 
 
-ENV = "HETMOE_PREFILL_CPU_SHARE"
 # A share must promise at least this fraction of a layer's time: the model below is rough, and a share the GPU then
 # waits on costs more than it saves (the GPU machine at 2,048 tokens: modelled +10%, measured -17% with 18 experts)
 MIN_GAIN = 0.15
 # The CPU's share ran 1.16-1.18x longer than its part of the whole-layer time measured at load (GPU machine,
 # qwen3-30b-a3b int4, 46 and 18 of 128 experts at 512 and 2,048 tokens): the DMA reads the same DRAM meanwhile
 CPU_CONTENTION = 1.17
-
-
-def _setting(text: Optional[str]) -> str:
-    """An environment switch's value, trimmed and lower-case; unset or blank is "auto"."""
-    return "auto" if text is None or not str(text).strip() else str(text).strip().lower()
-
-
-def parse_mode(text: Optional[str]) -> Union[str, int]:
-    """``auto`` | ``off`` | a number of experts >= 0 (0 = off) -> "auto", "off" or that int."""
-    value = _setting(text)
-    if value in ("auto", "off"):
-        return value
-    if value.isdigit():
-        return int(value) if int(value) else "off"
-    raise ValueError(f"{ENV} must be auto, off or a number of experts, got {text!r}")
 
 
 def layer_seconds(rates: dict, n_tokens: int, num_experts: int, cpu_experts: int) -> float:
@@ -105,15 +88,6 @@ def share_capacity(rates: dict, num_experts: int, chunk: int) -> int:
 
 
 ROUTED_ONLY_PAIRS = 4  # chunks with T·k >= 4 E route to ~98% of the experts: whole layers, copied a layer ahead
-ROUTED_ENV = "HETMOE_PREFILL_ROUTED_COPY"  # auto (default) | on | off: routed-only copying (A/B runs), read at load
-
-
-def parse_routed_copy(text: Optional[str]) -> str:
-    """``auto`` | ``on`` | ``off`` (routed-only copying) -> that string."""
-    value = _setting(text)
-    if value not in ("auto", "on", "off"):
-        raise ValueError(f"{ROUTED_ENV} must be auto, on or off, got {text!r}")
-    return value
 
 
 def routed_fraction(n_tokens: int, top_k: int, num_experts: int) -> float:
@@ -180,7 +154,7 @@ def setup(layers: list, plan, options, log) -> tuple:
         return None, {"enabled": False, "why": str(err)}
     report = {"enabled": True, "chunk": plan.prefill_chunk, "layers": len(layers), "min_tokens": threshold,
               "chosen_by": "--gpu-prefill"}
-    share = parse_mode(os.environ.get(ENV))
+    share = options.gpu_prefill_cpu_share
     rate_text = ""
     if options.gpu_prefill == "auto" or share == "auto":  # the CPU's share is chosen from the same rates
         rates = driver.measure()
@@ -200,16 +174,14 @@ def setup(layers: list, plan, options, log) -> tuple:
     else:
         text = f"hetmoe: GPU prefill from {threshold} tokens per chunk (--gpu-prefill), chunks of {plan.prefill_chunk}"
     on = driver.enable_share(share, plan.prefill_chunk)
-    driver.routed_copy = report["routed_copy"] = parse_routed_copy(os.environ.get(ROUTED_ENV))
     E = driver.layouts[0].num_experts
     if on is None:
         share_text = "off" if share == "off" else "none"
     elif share == "auto":
         share_text = describe_share(driver.rates, E, driver.min_tokens, plan.prefill_chunk)
     else:
-        share_text = f"{min(share, E - 1)}/{E} experts ({ENV})"
+        share_text = f"{min(share, E - 1)}/{E} experts (--gpu-prefill-cpu-share)"
     report["cpu_share"] = {"mode": share, "capacity": on.capacity if on is not None else 0, "text": share_text}
-    routed = "" if driver.routed_copy == "auto" else f"; routed-only copies {driver.routed_copy} ({ROUTED_ENV})"
-    log(f"{text}{rate_text}; CPU share of each layer's experts: {share_text}{routed}")
+    log(f"{text}{rate_text}; CPU share of each layer's experts: {share_text}")
     return driver, report
 

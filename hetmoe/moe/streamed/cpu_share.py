@@ -24,7 +24,7 @@ stretched by the DRAM the DMA shares with it. Where the share does not promise `
 (long chunks, where the GPU path's rate is far above the CPU's), c = 0. The sum of the two fp32 parts is the all-GPU
 path's within the formats' cross-path bound (the CPU engine rounds its activations; tests/models/test_cpu_share.py).
 
-``HETMOE_PREFILL_CPU_SHARE``: ``auto`` (default), ``off``, or a fixed number of experts (A/B runs), read at load.
+``--gpu-prefill-cpu-share``: ``auto`` (default), ``off``, or a fixed number of experts.
 
 Shape letters: T tokens, E experts, k experts per token, H hidden size, C capacity.
 """
@@ -36,8 +36,9 @@ from typing import Optional, Union
 
 import torch
 
+from hetmoe.config.options import parse_cpu_share
 from hetmoe.cpu.host_funcs import HostFuncs
-from hetmoe.moe.streamed.choice import choose_cpu_share, parse_mode
+from hetmoe.moe.streamed.choice import choose_cpu_share
 from hetmoe.ops.triton import grouped as grouped_triton
 
 
@@ -52,7 +53,7 @@ class CPUShare:
                  mode: Union[str, int] = "auto", rates: Optional[dict] = None):
         self.hidden, self.top_k, self.dtype = int(hidden), int(top_k), dtype
         self.device, self.capacity = torch.device(device), int(capacity)
-        self.mode, self.rates = parse_mode(str(mode)), rates
+        self.mode, self.rates = parse_cpu_share(mode), rates
         self.cuda = self.device.type == "cuda"
         self.fake = None
         if not self.cuda:

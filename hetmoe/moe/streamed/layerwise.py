@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from hetmoe.config.options import parse_cpu_share
 from hetmoe.moe.combine import combine
 from hetmoe.moe.deferral import drop_lowest
 from hetmoe.moe.streamed import choice
@@ -162,7 +163,7 @@ class LayerwisePrefill:
         if self.share is not None:
             self.share.close()
             self.share = None
-        mode = choice.parse_mode(str(mode))
+        mode = parse_cpu_share(mode)
         ks = {layer.router.top_k for layer in self.layers}
         if mode == "off" or not self.layers or len(ks) != 1 or (mode == "auto" and self.rates is None):
             return None

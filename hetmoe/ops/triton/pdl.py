@@ -17,15 +17,13 @@ interpreter, kernels launch as before.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-ENABLED = os.environ.get("HETMOE_PDL", "1") != "0"
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton at its import, before any launch
+from hetmoe import envs
+
 _CAPABLE: dict = {}
 
 
@@ -40,12 +38,13 @@ def pdl_begin(PDL: tl.constexpr):
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL: on, a CUDA device of compute capability >= 9.0, not Triton's
-    interpreter."""
-    if not ENABLED or device.type != "cuda" or _INTERPRETED:
+    interpreter (``HETMOE_PDL`` and ``TRITON_INTERPRET`` read at a device's first launch)."""
+    if device.type != "cuda":
         return False
     key = device.index if device.index is not None else torch.cuda.current_device()
     if key not in _CAPABLE:
-        _CAPABLE[key] = torch.cuda.get_device_capability(key) >= (9, 0)
+        _CAPABLE[key] = (envs.HETMOE_PDL and not envs.TRITON_INTERPRET
+                         and torch.cuda.get_device_capability(key) >= (9, 0))
     return _CAPABLE[key]
 
 

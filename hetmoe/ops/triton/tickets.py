@@ -9,8 +9,8 @@ writes the result. That program also resets the counter, so the buffer is all ze
 graph replays the kernel without a memset.
 
 Ordering: each program's threads finish their stores, meet at a barrier, and one thread's acquire-release atomic
-at GPU scope publishes them; the last program's partial loads bypass L1 (``.cg``). ``HETMOE_SPLIT_TICKETS=0``
-turns the path off (the second kernel runs, as before) for an A/B.
+at GPU scope publishes them; the last program's partial loads bypass L1 (``.cg``). Tests turn
+``ENABLED`` off to check that the second kernel gives the same bits.
 
 Not used by the decode attention (``triton_attention``): there one (row, kv head) has up to 128 splits of up to 512
 values per head, and one program merging them serially made the GPU part of a qwen3-30b-a3b step slower (8 layers:
@@ -19,13 +19,11 @@ values per head, and one program merging them serially made the GPU part of a qw
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-ENABLED = os.environ.get("HETMOE_SPLIT_TICKETS", "1") != "0"
+ENABLED = True  # tests turn it off to check that the second kernel gives the same result
 CAPACITY = 1 << 16  # split groups one launch may use; a launch with more takes the second kernel
 _COUNTERS: dict = {}
 
