@@ -202,7 +202,8 @@ SYMMETRIC_32 = {"Q8_0": ("int8", "symmetric", 32), "Q4_0": ("int4", "symmetric",
 
 
 def scale_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """Q4_K / Q5_K's 12 scale bytes from eight 6-bit scales and mins [..., 8] (hetmoe/load/gguf/kquants.py reads them)."""
+    """Q4_K / Q5_K's 12 scale bytes from eight 6-bit scales and mins [..., 8] (hetmoe/load/gguf/kquants.py reads
+    them)."""
     lo, hi = slice(0, 4), slice(4, 8)
     return np.concatenate([(sc[..., lo] & 63) | ((sc[..., hi] >> 4) << 6), (m[..., lo] & 63) | ((m[..., hi] >> 4) << 6),
                            (sc[..., hi] & 15) | ((m[..., hi] & 15) << 4)], axis=-1).astype(np.uint8)

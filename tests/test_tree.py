@@ -18,8 +18,8 @@ MAX_PY_LINES, MAX_CPP_LINES = 500, 600  # a hint to split by meaning, never a re
 
 # The packages of hetmoe from the top down: each imports only packages below it (docs/architecture.md). The root
 # (``hetmoe``: the version, the lazy names, the compiled ``_C``) may be imported by any of them.
-LAYERS = ("__main__", "cli", "server", "tools", "bench", "engine", "transformers", "load", "plan", "models", "moe", "layers", "ops",
-          "cpu", "config", "tokenizer", "envs")
+LAYERS = ("__main__", "cli", "server", "tools", "bench", "engine", "transformers", "load", "plan", "models", "moe",
+          "layers", "ops", "cpu", "config", "tokenizer", "envs")
 
 
 def _modules() -> dict:

@@ -1,5 +1,5 @@
-"""GPU-resident experts' decode paths (hetmoe/moe/gpu_resident/experts.py): the torch dense path (every resident expert over
-every token) against the routed Triton path (only the routed resident experts' weights: gpu_experts_triton.py).
+"""GPU-resident experts' decode paths (hetmoe/moe/gpu_resident/experts.py): the torch dense path (every resident expert
+over every token) against the routed Triton path (only the routed resident experts' weights: gpu_experts_triton.py).
 
   python bench/device/gpu_experts.py [--n 38] [--t 1,8] [--layers 16] [--coverage auto] [--variants] [--json FILE]
 

@@ -125,8 +125,8 @@ def context(text: str):
 
 
 # the names cli_flag's ``type`` may give
-TYPES = {"int": int, "positive_int": positive_int, "numa": numa, "gpu_prefill": gpu_prefill, "cpu_share": cpu_share, "size": size,
-         "gpu_experts": auto_or_int, "context": context}
+TYPES = {"int": int, "positive_int": positive_int, "numa": numa, "gpu_prefill": gpu_prefill, "cpu_share": cpu_share,
+         "size": size, "gpu_experts": auto_or_int, "context": context}
 
 
 # ---------------------------------------------------------------------------------------------- engine

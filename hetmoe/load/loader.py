@@ -63,7 +63,7 @@ class LoadedModel:
     options: EngineOptions
     path: Optional[Path] = None
     info: dict = field(default_factory=dict)
-    layerwise: Optional[LayerwisePrefill] = None  # the layerwise GPU prefill (hetmoe/moe/streamed/layerwise.py), or None
+    layerwise: Optional[LayerwisePrefill] = None  # the streamed GPU prefill (moe/streamed/layerwise.py), or None
 
     @property
     def device(self) -> torch.device:

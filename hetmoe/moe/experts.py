@@ -6,8 +6,8 @@ Every backend is called the same way (``ExpertsBackend``)::
 
 with ids of -1 (and experts in ``skip_mask``) skipped. The backends: ``hetmoe.cpu.CPUExperts`` (the CPU engine,
 csrc/), ``TorchExperts`` below (plain PyTorch: the reference the engine is compared with, and the stand-in where the
-engine does not apply) and ``hetmoe.moe.gpu_resident.experts.GpuExperts`` (a layer's GPU-resident experts, which return only
-their own part, in fp32).
+engine does not apply) and ``hetmoe.moe.gpu_resident.experts.GpuExperts`` (a layer's GPU-resident experts, which return
+only their own part, in fp32).
 
 Shape letters: T tokens, E experts, k experts per token, H hidden size, I expert intermediate size.
 """

@@ -1,4 +1,5 @@
-"""Reading GGUF files (hetmoe/load/gguf/): metadata -> config.json, tensor names -> hetmoe's parameter names, the tokenizer.
+"""Reading GGUF files (hetmoe/load/gguf/): metadata -> config.json, tensor names -> hetmoe's parameter names, the
+tokenizer.
 
 The GGUF files are written here with gguf's own GGUFWriter, the way llama.cpp's convert_hf_to_gguf.py writes them:
 its metadata keys per architecture, its tensor transforms (q/k permutation for llama, experts stacked into one

@@ -148,8 +148,8 @@ def test_amx_emulated_and_row_blocks_agree_on_one_token_per_expert(kinds):
 
 @pytest.mark.parametrize("kinds", LAYERS, ids=lambda k: "+".join(k))
 def test_the_gpu_prefill_unpack_equals_the_engine(kinds):
-    """hetmoe/moe/streamed/packed.py's torch twin reads the affine, group-16 and mixed-format layouts bitwise (fp32) like
-    the engine."""
+    """hetmoe/moe/streamed/packed.py's torch twin reads the affine, group-16 and mixed-format layouts bitwise (fp32)
+    like the engine."""
     experts, _ = kquant_experts(kinds, 4, ExpertPool(1))
     lay = ExpertLayout.of(experts)
     ranges = expert_ranges(experts)

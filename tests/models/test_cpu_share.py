@@ -1,5 +1,5 @@
-"""The CPU's share of each layer's experts during the layerwise GPU prefill (hetmoe/moe/streamed/cpu_share.py, the choice in
-hetmoe/moe/streamed/choice.py).
+"""The CPU's share of each layer's experts during the layerwise GPU prefill (hetmoe/moe/streamed/cpu_share.py, the
+choice in hetmoe/moe/streamed/choice.py).
 
 CPU (CI): the whole path on CPU tensors (the CPU job through stream host functions on a ``_C.FakeStream``, the GPU
 part through the layerwise path's torch code) with a share of c in {some, all but one} of the experts, against the

@@ -170,9 +170,10 @@ def storage_for(cpu_experts, fmt: str = "auto") -> Storage:
 def cpu_codes(cpu_experts, expert: int, storage: Storage, ranges: Optional[list] = None,
               device=None) -> Optional[tuple]:
     """((gate_up codes, scales), (down codes, scales)) of ``expert`` in ``storage``'s layout, read from the CPU
-    engine's packed bytes (``ranges``: hetmoe.moe.streamed.packed.expert_ranges, or read here) and converted on ``device``
-    (default: the CPU; a GPU does it in well under a millisecond, the CPU in a few hundred); an entry is None where
-    the engine's matrix is not exactly that (another format or group, affine scaling, bf16, a NUMA-split layer)."""
+    engine's packed bytes (``ranges``: hetmoe.moe.streamed.packed.expert_ranges, or read here) and converted on
+    ``device`` (default: the CPU; a GPU does it in well under a millisecond, the CPU in a few hundred); an entry is None
+    where the engine's matrix is not exactly that (another format or group, affine scaling, bf16, a NUMA-split
+    layer)."""
     from hetmoe.moe.streamed import packed
 
     info = cpu_experts.info()

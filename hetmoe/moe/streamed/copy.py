@@ -1,7 +1,8 @@
 """How a layer's packed experts reach the GPU in the layerwise prefill (hetmoe/moe/streamed/layerwise.py): the engine's
 storage registered with the driver (``HostMemory``: DMA straight from it), and the copies of a slot. Each of a layer's
-storage ranges holds the experts one after another (hetmoe/moe/streamed/packed.py), so the GPU's experts [0, n) are a prefix
-of every range (the whole layer, or all but the CPU's share), and a set of experts is a few runs of consecutive ones.
+storage ranges holds the experts one after another (hetmoe/moe/streamed/packed.py), so the GPU's experts [0, n) are a
+prefix of every range (the whole layer, or all but the CPU's share), and a set of experts is a few runs of consecutive
+ones.
 
 **Routed-only copying.** When a chunk's T·k (token, expert) pairs are few against the E experts, many experts get
 no token; then a layer's copy waits for its router: the experts it routes to are read back to the host

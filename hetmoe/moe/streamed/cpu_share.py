@@ -1,5 +1,5 @@
-"""The CPU's share of a layerwise GPU prefill (hetmoe/moe/streamed/layerwise.py): while the PCIe link is the bottleneck of
-that path (chunks below a few thousand tokens), the GPU waits for each layer's copy and the CPU engine would idle.
+"""The CPU's share of a layerwise GPU prefill (hetmoe/moe/streamed/layerwise.py): while the PCIe link is the bottleneck
+of that path (chunks below a few thousand tokens), the GPU waits for each layer's copy and the CPU engine would idle.
 So the last c experts of every layer are left out of the copy and computed by the CPU engine instead, on the same
 layer input, at the same time; their bytes are the ones copied last, the ones the GPU would wait on. Per MoE layer:
 

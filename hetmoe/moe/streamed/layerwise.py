@@ -18,9 +18,9 @@ starts before its router has run (that is the overlap), and at the token counts 
 times the number of experts, so nearly every expert is routed to anyway; where T·k is small against E, each layer's
 copy waits for its router and moves only the routed experts (hetmoe/moe/streamed/copy.py). While the link is the
 bottleneck, the CPU engine computes the last c experts of each layer at the same time, and only the first E - c are
-copied (hetmoe/moe/streamed/cpu_share.py; c chosen per chunk from the measured rates). Expert Deferral is a decode feature: here
-every expert is computed exactly once, on the layer's own input; GPU-resident experts are computed from the
-streamed weights like the others (they hold the same values).
+copied (hetmoe/moe/streamed/cpu_share.py; c chosen per chunk from the measured rates). Expert Deferral is a decode
+feature: here every expert is computed exactly once, on the layer's own input; GPU-resident experts are computed from
+the streamed weights like the others (they hold the same values).
 
 Shape letters: T tokens, k experts per token, E experts, H hidden size, I intermediate size, M = T·k rows.
 """
@@ -157,9 +157,10 @@ class LayerwisePrefill:
         self.routed: list = []  # experts copied by each routed-only layer since profiling was turned on
 
     def enable_share(self, mode="auto", chunk: int = 8192) -> Optional[CPUShare]:
-        """Let the CPU engine compute a share of each layer's experts (hetmoe/moe/streamed/cpu_share.py): ``mode`` "auto"
-        (chosen per chunk from ``self.rates``), "off" (None: no share) or a fixed number of experts, for chunks of
-        up to ``chunk`` tokens (auto: the largest with a share at these rates; its staging buffers hold that many)."""
+        """Let the CPU engine compute a share of each layer's experts (hetmoe/moe/streamed/cpu_share.py): ``mode``
+        "auto" (chosen per chunk from ``self.rates``), "off" (None: no share) or a fixed number of experts, for chunks
+        of up to ``chunk`` tokens (auto: the largest with a share at these rates; its staging buffers hold that
+        many)."""
         if self.share is not None:
             self.share.close()
             self.share = None

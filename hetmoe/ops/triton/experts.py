@@ -1,8 +1,8 @@
 """The decode path of GPU-resident experts in Triton: reads only the weights of the resident experts a token routed to.
 
 ``routed(x [T, H], topk_ids [T, k], topk_weights [T, k], ...) -> fp32 [T, H]``, the same result as
-``GpuExperts._dense`` (hetmoe/moe/gpu_resident/experts.py), whose weights it reads as stored there: ``w_gate_up`` [N*2I, H]
-(rows of resident expert r: gate_r then up_r) and ``w_down`` [H, N*I] (columns of r: down_r).
+``GpuExperts._dense`` (hetmoe/moe/gpu_resident/experts.py), whose weights it reads as stored there: ``w_gate_up`` [N*2I,
+H] (rows of resident expert r: gate_r then up_r) and ``w_down`` [H, N*I] (columns of r: down_r).
 
 Two kernels over the T*k (token, slot) pairs, a program per (pair, block of outputs):
 * ``_gate_up``: h [T, k, I] = silu(x W_gate^T) * (x W_up^T) of the pair's expert (fp32);
@@ -132,8 +132,8 @@ def _down(HS, WD, IDS, WTS, SLOT_OF, SKIP, P, T, H, I, stride_wd, stride_id, str
     an invalid pair (its own row)."""
     t = tl.program_id(0) // K
     j = tl.program_id(0) % K
-    me, leader, hit, jj, wj = gather_pairs(IDS, WTS, SLOT_OF, SKIP, T, stride_id, stride_wt, t, j, K, KP, ROWS, HAS_SKIP,
-                                     N_EXPERTS)
+    me, leader, hit, jj, wj = gather_pairs(IDS, WTS, SLOT_OF, SKIP, T, stride_id, stride_wt, t, j, K, KP, ROWS,
+                                           HAS_SKIP, N_EXPERTS)
     o = tl.program_id(1) * BH + tl.arange(0, BH)
     o_ok = o < H
     if me < 0:

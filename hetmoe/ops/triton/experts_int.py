@@ -62,8 +62,8 @@ def _gate_up(X, WGU, SGU, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, HP, stride_x, st
     """HS[t, j, i-block] = silu(gate) * up for every token t routed to this program's expert (leaders only)."""
     t = tl.program_id(0) // K
     j = tl.program_id(0) % K
-    me, leader, hit, jj, wj = gather_pairs(IDS, WTS, SLOT_OF, SKIP, T, stride_id, stride_wt, t, j, K, KP, ROWS, HAS_SKIP,
-                                    N_EXPERTS)
+    me, leader, hit, jj, wj = gather_pairs(IDS, WTS, SLOT_OF, SKIP, T, stride_id, stride_wt, t, j, K, KP, ROWS,
+                                    HAS_SKIP, N_EXPERTS)
     if (me < 0) | (leader == 0):
         return
     i = tl.program_id(1) * BI + tl.arange(0, BI)
@@ -124,8 +124,8 @@ def _down(HS, WD, SD, IDS, WTS, SLOT_OF, SKIP, P, T, H, I, IP, stride_w, stride_
     an invalid pair (its own row)."""
     t = tl.program_id(0) // K
     j = tl.program_id(0) % K
-    me, leader, hit, jj, wj = gather_pairs(IDS, WTS, SLOT_OF, SKIP, T, stride_id, stride_wt, t, j, K, KP, ROWS, HAS_SKIP,
-                                     N_EXPERTS)
+    me, leader, hit, jj, wj = gather_pairs(IDS, WTS, SLOT_OF, SKIP, T, stride_id, stride_wt, t, j, K, KP, ROWS,
+                                           HAS_SKIP, N_EXPERTS)
     o = tl.program_id(1) * BH + tl.arange(0, BH)
     o_ok = o < H
     if me < 0:

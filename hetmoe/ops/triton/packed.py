@@ -1,5 +1,5 @@
-"""One-pass GPU unpacking of the CPU engine's packed experts (csrc/formats/layout.h; hetmoe/moe/streamed/packed.py has the
-same rules in PyTorch ops): a Triton kernel reads each row block's 64-byte lines and scales once and writes the
+"""One-pass GPU unpacking of the CPU engine's packed experts (csrc/formats/layout.h; hetmoe/moe/streamed/packed.py has
+the same rules in PyTorch ops): a Triton kernel reads each row block's 64-byte lines and scales once and writes the
 weights in the model dtype straight into the layer's [E, 2I, H] / [E, H, I] scratch, padding cut. PyTorch ops take
 about ten passes over a layer for the same result; this kernel's one pass is what keeps the layerwise prefill's
 fixed cost per layer below its PCIe copy. Triton comes with PyTorch's CUDA builds; without it (CPU-only installs)
