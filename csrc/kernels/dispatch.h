@@ -101,7 +101,17 @@ void rowblock_int4(const RowBlock&, const uint8_t* const*, const ActLayout&, int
 }  // namespace avx512
 namespace amx {                   // kernels/amx/kernels.cpp (real tile instructions) and emulated.cpp (plain C++)
 GemmKernel gemm(WeightFormat f);  // Gemm<Native> (native AMX builds only)
-GemmKernel emulated_gemm(WeightFormat f);  // Gemm<Emulated>
+// The loops of the AMX GEMM the engine does not pick, for same-bits tests of the emulated one (tests/kernels/
+// test_amx_loops.py; their A/B timings: BENCHMARKS.md#amx-prefill). `loop`: grouped int8 calls take the two-set
+// 16-token loop up to 32 tokens and the 32-token loop above (engine), or one of the two at every length (int4 takes
+// the two-set loop at every length in any case). `int4_signed` false: symmetric int4 expanded to unsigned bytes
+// (tdpbsud, offset 8 undone in the epilogue) instead of signed ones (tdpbssd).
+enum class GroupedLoop : int { engine = 0, two_set = 1, one_set = 2 };
+struct GemmVariant {
+  GroupedLoop loop = GroupedLoop::engine;
+  bool int4_signed = true;
+};
+GemmKernel emulated_gemm(WeightFormat f, const GemmVariant& v = {});  // Gemm<Emulated> (v: tests only)
 // The tile unit's own rate: `rounds` x 4 independent tdpbf16ps / tdpbsud on register tiles, nothing loaded or
 // stored in the loop (native AMX builds only); returns the multiply-adds done.
 uint64_t peak_loop(bool bf16, int64_t rounds);

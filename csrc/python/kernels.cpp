@@ -1,17 +1,20 @@
-// The kernels' row ops at each ISA level and the MoE job's task split, bound for tests; and GGUF's K-quant block
-// decoder (hetmoe/gguf/kquants.py).
+// The kernels' row ops at each ISA level, the MoE job's task split and the emulated AMX GEMM's loop variants, bound
+// for tests; and GGUF's K-quant block decoder (hetmoe/gguf/kquants.py).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <new>
 #include <string>
 #include <vector>
 
+#include "formats/activation.h"
 #include "formats/gguf_blocks.h"
 #include "formats/layout.h"
+#include "formats/pack.h"
 #include "kernels/dispatch.h"
 #include "kernels/row_ops.h"
 #include "moe/expert_tasks.h"
@@ -29,6 +32,27 @@ py::buffer_info float_row(py::buffer x, const char* fn) {
   if (b.format != py::format_descriptor<float>::format() || b.ndim != 1)
     throw std::invalid_argument(std::string(fn) + ": x must be a 1-d float32 buffer");
   return b;
+}
+// A C-contiguous 2-d float32 buffer argument: rows x cols.
+py::buffer_info float_matrix(py::buffer x, const char* fn, const char* name) {
+  py::buffer_info b = x.request();
+  if (b.format != py::format_descriptor<float>::format() || b.ndim != 2 || b.strides[1] != (py::ssize_t)sizeof(float) ||
+      b.strides[0] != b.shape[1] * (py::ssize_t)sizeof(float))
+    throw std::invalid_argument(std::string(fn) + ": " + name + " must be a C-contiguous 2-d float32 buffer");
+  return b;
+}
+// `bytes` zeroed bytes, 64-byte aligned.
+std::unique_ptr<uint8_t, decltype(&std::free)> aligned_zeros(size_t bytes) {
+  void* p = nullptr;
+  if (posix_memalign(&p, 64, bytes > 0 ? bytes : 64) != 0) throw std::bad_alloc();
+  std::memset(p, 0, bytes);
+  return {static_cast<uint8_t*>(p), &std::free};
+}
+amx::GroupedLoop grouped_loop_from_name(const std::string& s) {
+  if (s == "engine") return amx::GroupedLoop::engine;
+  if (s == "two_set") return amx::GroupedLoop::two_set;
+  if (s == "one_set") return amx::GroupedLoop::one_set;
+  throw std::invalid_argument("unknown AMX loop '" + s + "' (expected engine, two_set or one_set)");
 }
 Isa runnable_isa(const std::string& isa) {
   const Isa level = isa_from_name(isa);
@@ -122,6 +146,59 @@ void bind_kernels(py::module_& m) {
         return std::vector<float>(dst.get(), dst.get() + n);
       },
       py::arg("isa"), py::arg("x"), py::arg("offset") = 0);
+  // One call of the emulated AMX GEMM (kernels/amx/gemm.h) in a variant of its loops (amx::GemmVariant): w fp32
+  // [rows <= 32, k] packed as one or two row blocks, x fp32 [n_tok, k] quantized into an AMX panel as the experts
+  // do; returns out [n_tok][16 * row blocks], flattened. Tests compare the variants' bits (test_amx_loops.py).
+  m.def(
+      "amx_emulated_gemm",
+      [](const std::string& fmt, int group, py::buffer w, py::buffer x, const std::string& scaling,
+         const std::string& loop, bool int4_signed) {
+        const char* fn = "amx_emulated_gemm";
+        py::buffer_info wb = float_matrix(w, fn, "w"), xb = float_matrix(x, fn, "x");
+        const int rows = (int)wb.shape[0], k = (int)wb.shape[1], n_tok = (int)xb.shape[0];
+        if (rows < 1 || rows > 2 * kRowsPerBlock || k < 1 || xb.shape[1] != k || n_tok < 1)
+          throw std::invalid_argument("amx_emulated_gemm: w must be [1..32, k], x [n_tok >= 1, k] with k >= 1");
+        const WeightFormat f = bindings::format_from_name(fmt);
+        if (scaling != "symmetric" && scaling != "affine")
+          throw std::invalid_argument("unknown scaling '" + scaling + "' (expected symmetric or affine)");
+        const Scaling sc = scaling == "affine" ? Scaling::affine : Scaling::symmetric;
+        check_kernel_choice(f, group, Isa::scalar, AmxMode::emulated, 1);  // the group
+        if (sc == Scaling::affine && (f == WeightFormat::bf16 || group <= 0))
+          throw std::invalid_argument("amx_emulated_gemm: affine scaling needs int8/int4 with a group");
+        const MatrixShape s = MatrixShape::make(f, rows, k, group, sc);
+        const ActLayout a = ActLayout::make(s, true);
+        const GemmKernel gemm = amx::emulated_gemm(f, amx::GemmVariant{grouped_loop_from_name(loop), int4_signed});
+        constexpr int kOutStride = 32;  // floats per row of a GemmKernel's out
+        const int n_blk = s.n_blocks, n_rows = (int)round_up(n_tok, 32);
+        auto data = aligned_zeros(s.data_bytes());
+        std::vector<float> scales(s.block_scales() * n_blk);
+        auto tiles = aligned_zeros(AmxPanel::tile_bytes(a, n_rows));
+        auto meta = aligned_zeros(AmxPanel::meta_bytes_of(a, n_rows));
+        auto row = aligned_zeros(a.row_bytes);
+        std::vector<float> out((size_t)n_rows * kOutStride);
+        {
+          py::gil_scoped_release unlocked;
+          RowBlock blk[2];
+          for (int j = 0; j < n_blk; ++j) {
+            pack_row_block(s, static_cast<const float*>(wb.ptr), j, data.get() + j * s.block_bytes(),
+                           scales.data() + j * s.block_scales());
+            blk[j] = RowBlock::at(s, data.get() + j * s.block_bytes(), scales.data() + j * s.block_scales());
+          }
+          const AmxPanel panel = AmxPanel::make(a, tiles.get(), meta.get());
+          for (int t = 0; t < n_tok; ++t) {
+            quantize_activation_amx(f, static_cast<const float*>(xb.ptr) + (size_t)t * k, k, a, row.get());
+            panel.store(t, row.get(), a.scales_off);
+          }
+          // the blocks as their own next call too: the prefetch walks its slices as in the engine (a no-op here)
+          gemm(blk, n_blk, blk, n_blk, panel, a, n_tok, out.data());
+        }
+        std::vector<float> res((size_t)n_tok * 16 * n_blk);
+        for (int t = 0; t < n_tok; ++t)
+          std::memcpy(&res[(size_t)t * 16 * n_blk], &out[(size_t)t * kOutStride], sizeof(float) * 16 * n_blk);
+        return res;
+      },
+      py::arg("fmt"), py::arg("group"), py::arg("w"), py::arg("x"), py::arg("scaling") = "symmetric",
+      py::arg("loop") = "engine", py::arg("int4_signed") = true);
   // formats/gguf_blocks.h decode_kquant on raw addresses (the caller sized every buffer: hetmoe/gguf/kquants.py)
   m.def(
       "decode_kquant",

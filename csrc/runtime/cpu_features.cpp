@@ -70,9 +70,15 @@ static CpuFeatures detect() {
   return f;
 }
 
-static Isa read_max_isa() {
+// HETMOE_MAX_ISA, the one environment variable the C++ side reads: its value, or null when unset or empty.
+static const char* max_isa_setting() {
   const char* v = std::getenv("HETMOE_MAX_ISA");
-  if (v == nullptr || *v == '\0') return Isa::amx;
+  return v == nullptr || *v == '\0' ? nullptr : v;
+}
+
+static Isa read_max_isa() {
+  const char* v = max_isa_setting();
+  if (v == nullptr) return Isa::amx;
   for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::amx})
     if (std::strcmp(v, isa_name(i)) == 0) return i;
   throw std::invalid_argument(std::string("HETMOE_MAX_ISA='") + v +
@@ -85,8 +91,7 @@ Isa max_isa() {
 }
 
 std::string isa_cap_note() {
-  const char* v = std::getenv("HETMOE_MAX_ISA");
-  return max_isa() == Isa::amx && (v == nullptr || *v == '\0') ? ""
+  return max_isa() == Isa::amx && max_isa_setting() == nullptr ? ""
                                                                : std::string("HETMOE_MAX_ISA=") + isa_name(max_isa());
 }
 

@@ -1,68 +1,87 @@
-"""The AMX GEMM's two loops for grouped int8 weights (csrc/kernels/amx/gemm.h) give the same bits: calls of up to
-HETMOE_AMX_PP_MAX_TOKENS tokens (default 32) take the 16-token loop with two sets of C tiles, longer ones the
-32-token loop; 0 sends every call to the 32-token loop. Per output the groups are summed in the same order either
-way, so the emulated GEMM must agree bitwise between a child run with the cut at 0 and one with it past every call.
-int4 weights take the two-set loop at every length, whatever the cut: their cases here check that the cut does not
-reach them. Symmetric int4 expanded to unsigned bytes (HETMOE_AMX_INT4_SIGNED=0: tdpbsud, offset 8 undone in the
-epilogue) gives the bits of its signed default (tdpbssd, no offset). The knobs are read once per process, hence the
-child processes."""
+"""The AMX GEMM's loop variants (csrc/kernels/amx/gemm.h) give the same bits, checked on the emulated GEMM in-process
+(_C.amx_emulated_gemm, one call on one or two row blocks; the variant is a parameter, amx::GemmVariant in
+csrc/kernels/dispatch.h). Grouped int8 calls of up to 32 tokens take the 16-token loop with two sets of C tiles, longer
+ones the 32-token loop (loop="engine"); "two_set" and "one_set" send every call to one of them. Per output the groups
+are summed in the same order either way, so all three must agree bitwise. int4 weights take the two-set loop at every
+length whatever the loop: their cases check that the choice does not reach them. Symmetric int4 expanded to unsigned
+bytes (int4_signed=False: tdpbsud, offset 8 undone in the epilogue) gives the bits of the engine's signed bytes
+(tdpbssd, no offset); affine int4 takes the unsigned bytes either way."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+import numpy as np
 import pytest
-import torch
 
-HERE = Path(__file__).resolve().parent
-CHILD = """
-import sys, torch
-sys.path.insert(0, {tests!r})
-from cases import make_routing, make_weights, make_x
-from hetmoe.cpu import CPUExperts, shared_pool
+from hetmoe import _C
 
-shape = (6, 200, 136)  # E, H, I: H and I not multiples of 64; groups cut partial K chunks
-E, H, I = shape
-weights = make_weights(*shape, "amx")
-outs = []
-for fmt, group in [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 16), ("int8", 32), ("int8", 64), ("int8", 128)]:
-    ex = CPUExperts(E, H, I, fmt, group, isa="amx-emulated", pool=shared_pool(), amx_min_tokens=1)
-    ex.load(*weights)
-    for T in (1, 21, 50, 77):  # 2 of 6 experts each: calls of ~7, 17, 33 and 51 tokens
-        x = make_x(T, H, shape, 2, 0.0, "amx")
-        ids, w = make_routing(T, 2, E, shape, "amx")
-        outs.append(ex(x, ids, w))
-torch.save(outs, sys.argv[1])
-"""
+# (rows, K): two row blocks, two with zero-padded rows, one block; K not a multiple of 64 (partial groups and chunks),
+# and K past one chunk of 1024 (the next chunk's prefetch, chunk boundaries inside the loops)
+SHAPES = [(32, 200), (20, 136), (16, 200), (32, 1100)]
+TOKENS = (1, 7, 16, 17, 32, 33, 51, 77)
+LOOPS = ("engine", "two_set", "one_set")
 
 
-def _run(cut: int, path: Path, int4_signed: bool = True) -> list:
-    env = {**os.environ, "HETMOE_AMX_PP_MAX_TOKENS": str(cut), "HETMOE_AMX_INT4_SIGNED": "1" if int4_signed else "0"}
-    code = CHILD.format(tests=str(HERE.parent))
-    proc = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(path)
+def data(rows: int, k: int, seed: int) -> tuple:
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, k)) * 0.02).astype(np.float32)
+    x = rng.standard_normal((max(TOKENS), k)).astype(np.float32)
+    x[3] *= 50  # one token far larger than the others (its own activation scales)
+    return w, x
 
 
-@pytest.fixture(scope="module")
-def two_set(tmp_path_factory) -> list:
-    """Every call in the two-set loop (the cut past every call), int4 on signed bytes (the default)."""
-    return _run(1 << 20, tmp_path_factory.mktemp("amx_loops") / "two_set.pt")
+def gemm(fmt, group, w, x, scaling="symmetric", **variant) -> np.ndarray:
+    out = _C.amx_emulated_gemm(fmt, group, w, np.ascontiguousarray(x), scaling=scaling, **variant)
+    return np.asarray(out, dtype=np.float32).reshape(len(x), -1)
 
 
-def test_both_grouped_loops_give_the_same_bits(tmp_path, two_set):
-    old = _run(0, tmp_path / "old.pt")
-    assert len(old) == len(two_set) == 28
-    for i, (a, b) in enumerate(zip(old, two_set)):
-        assert torch.isfinite(a).all() and a.abs().max() > 0, f"case {i}: no output"
-        assert torch.equal(a, b), f"case {i}: the loops differ by {(a - b).abs().max().item():.3g}"
+@pytest.mark.parametrize(
+    "fmt, group, scaling",
+    [("int4", 32, "symmetric"), ("int4", 64, "symmetric"), ("int4", 128, "symmetric"), ("int4", 0, "symmetric"),
+     ("int4", 32, "affine"), ("int8", 16, "symmetric"), ("int8", 32, "symmetric"), ("int8", 64, "symmetric"),
+     ("int8", 128, "symmetric"), ("int8", 0, "symmetric"), ("int8", 32, "affine"), ("int8", 64, "affine")],
+)
+def test_grouped_loops_give_the_same_bits(fmt, group, scaling):
+    for i, (rows, k) in enumerate(SHAPES):
+        w, x = data(rows, k, i)
+        for T in TOKENS:
+            outs = {loop: gemm(fmt, group, w, x[:T], scaling, loop=loop) for loop in LOOPS}
+            ref = outs["engine"]
+            assert ref.shape == (T, 16 * ((rows + 15) // 16))
+            assert np.isfinite(ref).all() and np.abs(ref).max() > 0, f"{rows}x{k}, T={T}: no output"
+            for loop, out in outs.items():
+                diff = np.abs(out - ref).max()
+                assert np.array_equal(out, ref), f"{rows}x{k}, T={T}: the {loop} loop differs by {diff:.3g}"
 
 
-def test_signed_and_unsigned_int4_give_the_same_bits(tmp_path, two_set):
-    unsigned = _run(1 << 20, tmp_path / "unsigned.pt", int4_signed=False)
-    assert len(two_set) == len(unsigned) == 28
-    for i, (a, b) in enumerate(zip(two_set, unsigned)):
-        assert torch.equal(a, b), f"case {i}: signed and unsigned int4 differ by {(a - b).abs().max().item():.3g}"
+@pytest.mark.parametrize("group, scaling", [(32, "symmetric"), (64, "symmetric"), (128, "symmetric"), (0, "symmetric"),
+                                            (32, "affine")])
+def test_signed_and_unsigned_int4_give_the_same_bits(group, scaling):
+    for i, (rows, k) in enumerate(SHAPES):
+        w, x = data(rows, k, 10 + i)
+        for T in TOKENS:
+            signed = gemm("int4", group, w, x[:T], scaling)
+            assert np.abs(signed).max() > 0
+            for loop in LOOPS:
+                unsigned = gemm("int4", group, w, x[:T], scaling, loop=loop, int4_signed=False)
+                diff = np.abs(signed - unsigned).max()
+                assert np.array_equal(signed, unsigned), f"{rows}x{k}, T={T}, {loop}: unsigned differs by {diff:.3g}"
+
+
+def test_engine_variant_is_close_to_the_product():
+    w, x = data(32, 200, 20)
+    for fmt, group, tol in [("int8", 32, 0.02), ("int4", 32, 0.2)]:
+        out = gemm(fmt, group, w, x)
+        ref = x @ w.T
+        assert np.abs(out - ref).max() <= tol * np.abs(ref).max(), fmt
+
+
+def test_bad_arguments():
+    w, x = data(32, 64, 0)
+    with pytest.raises(ValueError, match="unknown AMX loop"):
+        _C.amx_emulated_gemm("int8", 32, w, x, loop="both")
+    with pytest.raises(ValueError, match="group_size"):
+        _C.amx_emulated_gemm("int8", 48, w, x)
+    with pytest.raises(ValueError, match="w must be"):
+        _C.amx_emulated_gemm("int8", 32, np.zeros((33, 64), np.float32), x)
+    with pytest.raises(ValueError, match="affine"):
+        _C.amx_emulated_gemm("int8", 0, w, x, scaling="affine")

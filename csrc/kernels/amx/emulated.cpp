@@ -2,6 +2,7 @@
 // tilestored, tdpbf16ps, tdpbsud, tdpbssd), following the pseudocode of the Intel SDM. Portable (baseline x86-64
 // flags): it lets the tests run the AMX loop/layout logic of gemm.h on any machine; far too slow for real work. A tile
 // operation whose shapes do not match the configuration throws, where the hardware would fault.
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -133,12 +134,27 @@ struct EmulatedT : PlainEpilogue {
 };
 using Emulated = EmulatedT<false>;
 
+// The GEMM whose grouped int8 calls of up to kTwoSetMax tokens take the two-set loop (bf16 has no grouped loop).
+template <int kTwoSetMax>
+GemmKernel emulated_with(WeightFormat f, bool int4_signed) {
+  switch (f) {
+    case WeightFormat::bf16: return Gemm<Emulated>::bf16;
+    case WeightFormat::int8: return Gemm<Emulated, kTwoSetMax>::int8;
+    case WeightFormat::int4:
+      return int4_signed ? int4_gemm<Emulated, EmulatedT<true>, kTwoSetMax> : Gemm<Emulated, kTwoSetMax>::int4;
+  }
+  return nullptr;
+}
+
 }  // namespace
 
-GemmKernel emulated_gemm(WeightFormat f) {
-  static constexpr GemmKernel kByFormat[3] = {Gemm<Emulated>::bf16, Gemm<Emulated>::int8,
-                                              int4_gemm<Emulated, EmulatedT<true>>};
-  return kByFormat[(int)f];
+GemmKernel emulated_gemm(WeightFormat f, const GemmVariant& v) {
+  switch (v.loop) {
+    case GroupedLoop::engine: return emulated_with<kTwoSetMaxTokens>(f, v.int4_signed);
+    case GroupedLoop::two_set: return emulated_with<INT_MAX>(f, v.int4_signed);
+    case GroupedLoop::one_set: return emulated_with<0>(f, v.int4_signed);
+  }
+  return nullptr;
 }
 
 }  // namespace amx

@@ -59,18 +59,12 @@ constexpr int kChunkBf16 = 512;   // K per chunk: 2 row blocks x 16 rows x 512 x
 constexpr int kChunkInt8 = 1024;  // same bytes for int8 lines (a multiple of every group size)
 
 // Grouped int8 weights: calls of up to this many tokens take the two-set 16-token loop (grouped_as), longer ones the
-// 32-token loop with one C set (4 tiles per step: its A and B tiles serve twice as many products).
-// HETMOE_AMX_PP_MAX_TOKENS overrides (measurement; 0: the 32-token loop for every call, as before ce2864b). int4
-// weights take the two-set loop at every length: with the 32-token loop a 5120 x 2048 int4 g64 linear ran at 1.4
-// TFLOPS at T = 64..512 on the GPU machine's Xeon, with the two-set loop at 3.5-4.1 (int8: 5.8 and 4.0 at T = 512;
-// BENCHMARKS.md#amx-prefill).
-inline int pp_max_tokens() {
-  static const int v = [] {
-    const char* e = std::getenv("HETMOE_AMX_PP_MAX_TOKENS");
-    return e ? std::atoi(e) : 32;
-  }();
-  return v;
-}
+// 32-token loop with one C set (4 tiles per step: its A and B tiles serve twice as many products). The default of
+// Gemm's kTwoSetMax; tests also build it with 0 and past every call to compare the loops' bits (amx::GemmVariant; the
+// A/B timings of the cuts are in BENCHMARKS.md#amx-prefill). int4 weights take the two-set loop at every length: with
+// the 32-token loop a 5120 x 2048 int4 g64 linear ran at 1.4 TFLOPS at T = 64..512 on the GPU machine's Xeon, with
+// the two-set loop at 3.5-4.1 (int8: 5.8 and 4.0 at T = 512; BENCHMARKS.md#amx-prefill).
+constexpr int kTwoSetMaxTokens = 32;
 
 // Per-thread buffer of the int4 expansion (grows, 64-byte aligned, never shrinks).
 inline uint8_t* slab(size_t bytes) {
@@ -138,7 +132,7 @@ struct PlainEpilogue {
   }
 };
 
-template <class Tiles>
+template <class Tiles, int kTwoSetMax = kTwoSetMaxTokens>
 struct Gemm {
   // Part `part` of n_parts of the next chunk into L2.
   static void prefetch_share(const NextChunk& nx, int part, int n_parts) {
@@ -370,8 +364,8 @@ struct Gemm {
     Tiles::release();
   }
 
-  // The 32-token loop (calls of more than pp_max_tokens() tokens): one C set of up to 2 x 2 tiles per group, its
-  // epilogue after the tiles; A and B tiles serve twice the products of the two-set loop's 16-token steps.
+  // The 32-token loop (grouped int8 calls of more than kTwoSetMax tokens): one C set of up to 2 x 2 tiles per group,
+  // its epilogue after the tiles; A and B tiles serve twice the products of the two-set loop's 16-token steps.
   template <bool kAffine>
   static void grouped32(const uint8_t* const* lines, const float* const* scales, const float* const* mins, int n_blk,
                         const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x,
@@ -420,7 +414,7 @@ struct Gemm {
   // whose scales repeat in every group of 128 while their h groups are longer).
   // Every block of one call has the same scaling (gate and up of one matrix shape, or row blocks of down), so
   // mins[0] picks the instantiation.
-  // `two_set`: grouped calls take the two-set loop at any length (int4: pp_max_tokens above).
+  // `two_set`: grouped calls take the two-set loop at any length (int4: kTwoSetMaxTokens above).
   static void int8_lines(const uint8_t* const* lines, const float* const* scales, const float* const* mins, int n_blk,
                          const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x,
                          const ActLayout& a, int n_tok, float* out, bool prefetch, const NextChunk& spread = {},
@@ -457,7 +451,7 @@ struct Gemm {
       }
       return;
     }
-    if (n_tok > pp_max_tokens() && !two_set)
+    if (n_tok > kTwoSetMax && !two_set)
       grouped32<kAffine>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch, group);
     else
       grouped<kAffine>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch, group,
@@ -499,24 +493,16 @@ struct Gemm {
 
 // int4 weights: symmetric blocks through the policy with signed B bytes (the tile sums are the true sums, and the
 // epilogue skips the offset: the same integers, the same bits), affine ones (K-quant codes 0..15 with a min)
-// through the unsigned one. HETMOE_AMX_INT4_SIGNED=0 sends symmetric blocks through the unsigned one too
-// (measurement).
-inline bool int4_signed() {
-  static const bool v = [] {
-    const char* e = std::getenv("HETMOE_AMX_INT4_SIGNED");
-    return e == nullptr || std::atoi(e) != 0;
-  }();
-  return v;
-}
-
-template <class Unsigned, class Signed>
+// through the unsigned one. Gemm<Unsigned>::int4 sends symmetric blocks through the unsigned one too (the A/B of
+// BENCHMARKS.md#amx-prefill; tests compare the bits: amx::GemmVariant::int4_signed).
+template <class Unsigned, class Signed, int kTwoSetMax = kTwoSetMaxTokens>
 void int4_gemm(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x, const ActLayout& a,
                int n_tok, float* out) {
   static_assert(!Unsigned::kSignedB && Signed::kSignedB, "int4_gemm: (unsigned, signed) tile policies");
-  if (w[0].mins || !int4_signed())
-    Gemm<Unsigned>::int4(w, n_blk, next, n_next, x, a, n_tok, out);
+  if (w[0].mins)
+    Gemm<Unsigned, kTwoSetMax>::int4(w, n_blk, next, n_next, x, a, n_tok, out);
   else
-    Gemm<Signed>::int4(w, n_blk, next, n_next, x, a, n_tok, out);
+    Gemm<Signed, kTwoSetMax>::int4(w, n_blk, next, n_next, x, a, n_tok, out);
 }
 
 }  // namespace
