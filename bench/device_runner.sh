@@ -13,7 +13,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   python3 -m pytest -q tests/engine/test_hybrid_gpu.py -s 2>&1 | grep -E "rel. logit error|passed|failed" | tee "$out/hybrid.txt"
 fi
 for dev in cuda cpu; do
-  hetmoe generate --device $dev --expert-cache off --max-new-tokens 64 --json 2>"$out/gen_$dev.err" | tee "$out/gen_$dev.json"
+  hetmoe generate --device $dev --expert-cache off --max-tokens 64 --json 2>"$out/gen_$dev.err" | tee "$out/gen_$dev.json"
   tail -2 "$out/gen_$dev.err"
 done
 if [ $# -gt 0 ]; then

@@ -380,7 +380,7 @@ def check_with_hetmoe(out: Path, ids: torch.Tensor, new_tokens: int) -> dict:
     log(f"hetmoe engine vs transformers on the saved weights: rel. logit error {rel:.2e}")
     samples = []
     for mode, prompt in SAMPLE_PROMPTS:
-        result = llm.generate(prompt, SamplingParams(max_new_tokens=new_tokens), chat=mode == "chat")
+        result = llm.generate(prompt, SamplingParams(max_tokens=new_tokens), chat=mode == "chat")
         samples.append({"mode": mode, "prompt": prompt, "completion": result.text})
         log(f"sample ({mode}) {prompt!r} -> {result.text!r}")
     # which numerical class computed the experts (tests/paths.py): on AMX their activations are rounded to bf16

@@ -23,7 +23,7 @@ tests_rc=$?
 grep -E "max rel|vs cpu|vs CPU|emulation|all resident|passed|failed|Error|SKIPPED" "$out/tests.log" | tail -40
 
 for n in 4; do
-  timeout 40 python3 -m hetmoe generate --device cuda --gpu-experts $n --expert-cache off --max-new-tokens 24 \
+  timeout 40 python3 -m hetmoe generate --device cuda --gpu-experts $n --expert-cache off --max-tokens 24 \
     --raw --json --prompt "def forward(self, x):" >"$out/generate_n$n.json" 2>"$out/generate_n$n.err"
   echo "generate --gpu-experts $n: rc=$? $(head -c 300 "$out/generate_n$n.json")"
   grep -E "GPU experts|ignored|error" "$out/generate_n$n.err" | head -3

@@ -24,7 +24,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "reply, Ctrl-D or /exit quits; /help lists the commands. Without a terminal, one message per line of stdin.")
     p.add_argument("--system", default=None, help="system message")
     add_engine_options(p)
-    add_sampling_options(p, max_new_tokens=512)
+    add_sampling_options(p, max_tokens=512)
     p.set_defaults(handler=run)
     return p
 

@@ -28,8 +28,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "whose most likely next token agrees. Both configurations are loaded at once.")
     p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score ('-' reads stdin)")
     p.add_argument("--window", type=int, default=512, help="tokens per window, >= 2 and <= the context (default: 512)")
-    p.add_argument("--max-tokens", type=positive_int, default=None, metavar="N",
-                   help="score only the first N tokens of the text")
+    p.add_argument("--text-tokens", "--max-tokens", dest="text_tokens", type=positive_int, default=None, metavar="N",
+                   help="score only the first N tokens of the text (--max-tokens: its old name)")
     p.add_argument("--drop-experts", type=int, default=0, metavar="D",
                    help="per token, do not compute the D lowest-weighted of its top-k routed experts (weights not "
                    "renormalised; default: 0)")
@@ -156,8 +156,8 @@ def run(args: argparse.Namespace) -> int:
     for _, layer in blocks:
         layer.set_drop(drop)
     ids = tokenizer.encode(text)
-    if args.max_tokens is not None:
-        ids = ids[:args.max_tokens]
+    if args.text_tokens is not None:
+        ids = ids[:args.text_tokens]
     reference = ref_runner = None
     if args.reference_format != "none":
         ref_opts = dataclasses.replace(opts, experts_format=args.reference_format, group_size=None, defer_experts=0,

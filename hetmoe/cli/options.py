@@ -20,10 +20,11 @@ from hetmoe.config.flags import (
 # ---------------------------------------------------------------------------------------------- sampling, shapes
 
 
-def add_sampling_options(p: argparse.ArgumentParser, max_new_tokens: int = 128) -> None:
+def add_sampling_options(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
-                   help=f"most tokens per reply (default: {max_new_tokens})")
+    g.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=positive_int, default=max_tokens,
+                   help=f"most tokens per reply, as max_tokens in Python and the API (--max-new-tokens: the same; "
+                   f"default: {max_tokens})")
     g.add_argument("--temperature", type=nonneg_float, default=0.0, help="0 = greedy (default: 0)")
     g.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling mass, (0, 1] (default: 1 = off)")
     g.add_argument("--top-k", type=nonneg_int, default=0,
@@ -36,7 +37,7 @@ def sampling_params(args: argparse.Namespace):
     """The SamplingParams that ``args`` (parsed with add_sampling_options) ask for."""
     from hetmoe.engine.sampler import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
 
 

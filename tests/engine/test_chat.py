@@ -113,7 +113,7 @@ def test_chat_on_a_terminal(qwen3_checkpoint, isolated_env, tmp_path):
     long_message = " ".join(["word"] * 300)
     assert n_tokens(long_message) > 96 > n_tokens("abcd") + 4 + n_tokens("hi")  # what --max-context 96 holds
     term = Terminal(["chat", "--model", qwen3_checkpoint, "--device", "cpu", "--expert-cache", "off",
-                     "--max-new-tokens", 4, "--max-context", 96], env)
+                     "--max-tokens", 4, "--max-context", 96], env)
     term.expect("/help lists the commands", PROMPT)
 
     # Line editing: "abd", left arrow, "c" is the message "abcd"; the raw keys would be other tokens.

@@ -226,7 +226,7 @@ def llm(model_dir):
 
 
 def test_llm_greedy_is_deterministic_and_matches_the_runner(llm):
-    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
     a, b = llm.generate("Hello, world!", params), llm.generate("Hello, world!", params)
     assert len(a.token_ids) == 10 and a.token_ids == b.token_ids and a.text == b.text and a.text
     runner = Runner(llm.loaded)
@@ -239,14 +239,14 @@ def test_llm_greedy_is_deterministic_and_matches_the_runner(llm):
 
 def test_llm_seeded_sampling(llm):
     def run(seed):
-        return llm.generate("Hello", SamplingParams(max_new_tokens=12, temperature=1.0, seed=seed, ignore_eos=True))
+        return llm.generate("Hello", SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True))
 
     a, b, c = run(7), run(7), run(8)
     assert a.token_ids == b.token_ids and a.text == b.text and a.token_ids != c.token_ids
 
 
 def test_chat_prefix_reuse_equals_a_fresh_llm(llm, model_dir):
-    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
     starts, prefill = [], llm.runner.prefill
     llm.runner.prefill = lambda ids, slot=0, start=0: starts.append(start) or prefill(ids, slot, start)
     try:
@@ -263,7 +263,7 @@ def test_chat_prefix_reuse_equals_a_fresh_llm(llm, model_dir):
 
 
 def test_prefix_reuse_counts_cached_tokens(llm):
-    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
     llm.forget_cache()
     messages = [{"role": "user", "content": "Hi there"}]
     first = llm.generate(messages, params)
@@ -279,7 +279,7 @@ def test_prefix_reuse_counts_cached_tokens(llm):
 def test_an_interrupted_step_is_not_reused(llm, model_dir):
     """A step stopped part way (Ctrl-C in `chat`, an error) may have overwritten KV positions of earlier turns: the
     prefix record names only completed steps, so the next turn does not reuse them and equals a fresh LLM."""
-    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
     first_turn = [{"role": "user", "content": "Hi there"}]
     llm.forget_cache()
     first = llm.generate(first_turn, params)
@@ -333,7 +333,7 @@ def main(capsys, *args):
     return code, out.out, out.err
 
 
-GEN = ("generate", "--expert-cache", "off", "--max-new-tokens", 8)
+GEN = ("generate", "--expert-cache", "off", "--max-tokens", 8)
 
 
 def test_help_lists_the_commands(env):
@@ -366,19 +366,19 @@ def test_generate_seed_is_reproducible(env, capsys):
 
 
 def test_generate_with_a_checkpoint_dir_and_a_cache(env, model_dir, tmp_path, llm, capsys):
-    args = ("generate", "--model", model_dir, "--expert-cache", tmp_path, "--max-new-tokens", 6, "--json",
+    args = ("generate", "--model", model_dir, "--expert-cache", tmp_path, "--max-tokens", 6, "--json",
             "--experts-format", "bf16", "--device", "cpu", "--prompt", "Hello, world!")
     result = json.loads(hetmoe(env, *args).stdout)
     assert len(list(tmp_path.rglob("layer*.bin"))) == 2
     code, stdout, stderr = main(capsys, *args)
     assert code == 0 and "expert cache 2/2 layers reused" in stderr
     assert json.loads(stdout)["text"] == result["text"]
-    want = llm.generate("Hello, world!", SamplingParams(max_new_tokens=6))
+    want = llm.generate("Hello, world!", SamplingParams(max_tokens=6))
     assert result["text"] == want.text and result["completion_tokens"] == want.completion_tokens
 
 
 def test_chat_two_turns_from_stdin(env):
-    out = hetmoe(env, "chat", "--expert-cache", "off", "--max-new-tokens", 6, stdin="Hi there\nTell me more\n")
+    out = hetmoe(env, "chat", "--expert-cache", "off", "--max-tokens", 6, stdin="Hi there\nTell me more\n")
     assert len([line for line in out.stderr.splitlines() if "tok/s" in line]) == 2, out.stderr
     assert out.stdout.strip()
 
@@ -445,7 +445,8 @@ ENGINE_FLAGS = {"device": "--device", "experts_format": "--experts-format", "gro
                 "threads": "--threads", "numa": "--numa", "max_context": "--max-context", "dtype": "--dtype",
                 "defer_experts": "--defer-experts", "gpu_experts": "--gpu-experts",
                 "calibration_file": "--calibration-file", "cuda_graph": "--no-cuda-graph", "isa": "--isa",
-                "gpu_prefill": "--gpu-prefill", "rules": "--rules", "attention": "--attention",
+                "gpu_prefill": "--gpu-prefill", "gpu_prefill_cpu_share": "--gpu-prefill-cpu-share", "rules": "--rules",
+                "attention": "--attention",
                 "dense_format": "--dense-format", "gpu_memory": "--gpu-memory", "cpu_memory": "--cpu-memory",
                 "fused_decode": "--fused-decode", "gpu_experts_format": "--gpu-experts-format"}
 
@@ -499,6 +500,18 @@ def test_omp_wait_policy_is_set_before_torch_loads(env):
                          env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     assert [line for line in out.stderr.splitlines() if "torch loads" in line] == ["torch loads with PASSIVE"]
+
+
+def test_one_word_for_the_generated_tokens():
+    # --max-tokens is max_tokens in Python and the API; the old flag names stay as aliases of the same setting.
+    from hetmoe.cli import build_parser
+
+    parser = build_parser()
+    for command in ("generate", "chat"):
+        assert parser.parse_args([command, "--max-tokens", "7"]).max_tokens == 7
+        assert parser.parse_args([command, "--max-new-tokens", "9"]).max_tokens == 9
+    assert parser.parse_args(["eval", "--text", "t", "--text-tokens", "5"]).text_tokens == 5
+    assert parser.parse_args(["eval", "--text", "t", "--max-tokens", "6"]).text_tokens == 6
 
 
 def test_bare_commands_print_their_help(capsys):

@@ -401,7 +401,7 @@ def test_generate_graph_equals_eager():
     for graph in (True, False):
         llm = LLM(None, EngineOptions(device="cuda", dtype="fp32", cuda_graph=graph, defer_experts=1),
                   expert_cache=None, progress=False, log=lambda m: None)
-        r = llm.generate("def forward(self, x):", SamplingParams(max_new_tokens=24), chat=False)
+        r = llm.generate("def forward(self, x):", SamplingParams(max_tokens=24), chat=False)
         assert llm.runner.decoder is not None and llm.runner.decoder.cuda_graph is graph
         assert bool(llm.runner.decoder.graphs) is graph
         texts.append(r.text)

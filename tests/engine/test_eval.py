@@ -256,7 +256,7 @@ def test_trained_checkpoint_loads_and_generates_deterministically(smoke_checkpoi
     assert llm.loaded.config.model_type == "deepseek_v3"
 
     def run(seed):
-        return llm.generate("def main():", SamplingParams(max_new_tokens=12, temperature=1.0, seed=seed,
+        return llm.generate("def main():", SamplingParams(max_tokens=12, temperature=1.0, seed=seed,
                                                             ignore_eos=True), chat=False).token_ids
 
     assert run(5) == run(5) and len(run(5)) == 12

@@ -326,7 +326,7 @@ def test_the_commands_take_a_gguf_file(tmp_path, capsys):
 
     path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "Q4_0", tokenizer=True)
     common = ["--device", "cpu", "--threads", "1", "--expert-cache", "off"]
-    assert cli_main(["generate", "--model", str(path), "--prompt", "Hello", "--max-new-tokens", "4", "--json",
+    assert cli_main(["generate", "--model", str(path), "--prompt", "Hello", "--max-tokens", "4", "--json",
                      *common]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["completion_tokens"] == 4 and out["prompt_tokens"] > 0

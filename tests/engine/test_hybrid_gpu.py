@@ -47,6 +47,6 @@ def test_hybrid_matches_cpu(checkpoint):
 
 def test_hybrid_bf16_generates(checkpoint):
     llm = LLM(checkpoint, EngineOptions(device="cuda", experts_format="int4"), expert_cache=None, progress=False)
-    a = llm.generate("def forward(self, x):", SamplingParams(max_new_tokens=12), chat=False)
-    b = llm.generate("def forward(self, x):", SamplingParams(max_new_tokens=12), chat=False)
+    a = llm.generate("def forward(self, x):", SamplingParams(max_tokens=12), chat=False)
+    b = llm.generate("def forward(self, x):", SamplingParams(max_tokens=12), chat=False)
     assert a.completion_tokens >= 1 and a.text == b.text

@@ -295,7 +295,7 @@ def test_cli_bad_rules_file(qwen3, tmp_path, capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and f"--rules: {bad}:2: rule 1: device: expected cpu, cuda or cuda:N" in err, err
     nothing = write(tmp_path, "- match: 'model\\.layers\\.9\\..*'\n  device: cpu\n", "nothing.yaml")
-    code = main(["generate", "--model", str(qwen3), "--device", "cpu", "--max-new-tokens", "1", "--expert-cache",
+    code = main(["generate", "--model", str(qwen3), "--device", "cpu", "--max-tokens", "1", "--expert-cache",
                  "off", "--rules", str(nothing)])
     err = capsys.readouterr().err
     assert code == 1 and f"hetmoe generate: error: {nothing}:1: rule 1" in err and "matches no module" in err, err

@@ -80,11 +80,11 @@ def test_importing_hetmoe_has_no_side_effects(order):
     import subprocess
     import sys
 
-    first, second = ("import hetmoe", "import transformers") if order == "hetmoe first" else \
-        ("import transformers", "import hetmoe")
-    code = ("import sys\nhooks = list(sys.meta_path)\n"
+    hetmoe = "hooks = list(sys.meta_path)\nimport hetmoe\nassert sys.meta_path == hooks, sys.meta_path"
+    first, second = (hetmoe, "import transformers") if order == "hetmoe first" else ("import transformers", hetmoe)
+    code = ("import sys\n"
             f"{first}\n{second}\nfrom transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS\n"
-            "assert 'hetmoe' not in ALL_EXPERTS_FUNCTIONS and sys.meta_path == hooks\n"
+            "assert 'hetmoe' not in ALL_EXPERTS_FUNCTIONS\n"
             "import hetmoe.transformers\nimport hetmoe.transformers.backend as b\n"
             "assert ALL_EXPERTS_FUNCTIONS['hetmoe'] is b.hetmoe_experts_forward\nprint('ok')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -371,7 +371,7 @@ def test_generate_command_on_a_type_without_model_file(tiny, capsys):
     from hetmoe.cli import main as cli_main
 
     code = cli_main(["generate", "--model", str(tiny("olmoe")), "--expert-cache", "off", "--device", "cpu",
-                     "--max-new-tokens", "5", "--raw", "--prompt", "Hello", "--json"])
+                     "--max-tokens", "5", "--raw", "--prompt", "Hello", "--json"])
     out = capsys.readouterr()
     assert code == 0 and "has no hetmoe model file" in out.err and "OlmoeForCausalLM" in out.err
     result = json.loads(out.out)

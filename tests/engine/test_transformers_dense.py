@@ -260,7 +260,7 @@ def test_generate_and_eval_commands_with_a_dense_format(tmp_path, capsys):
 
     path = save_tiny("olmoe", tmp_path / "olmoe", tokenizer=True)
     code = cli_main(["generate", "--model", str(path), "--expert-cache", "off", "--device", "cpu", "--dense-format",
-                     "int4", "--max-new-tokens", "5", "--raw", "--prompt", "Hello", "--json"])
+                     "int4", "--max-tokens", "5", "--raw", "--prompt", "Hello", "--json"])
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "through Transformers" in out.err and "its linears int4 (dense_format=int4)" in out.err

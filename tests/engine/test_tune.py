@@ -94,7 +94,7 @@ def test_config_errors_name_the_file_line_and_key(tmp_path, capsys, text, where,
     for word in words:
         assert word in str(err.value)
     # on the command line: the usage error path, exit status 2, before anything loads
-    code, _, stderr = run_cli(capsys, "generate", "--config", path, "--max-new-tokens", 1)
+    code, _, stderr = run_cli(capsys, "generate", "--config", path, "--max-tokens", 1)
     assert code == 2 and f"hetmoe generate: error: --config: {path}:{where}:" in stderr
 
 

@@ -74,7 +74,7 @@ def test_doctor_reports_the_cap():
 
 
 @pytest.mark.parametrize("args", [["doctor"],
-                                  pytest.param(["generate", "--max-new-tokens", "1"], marks=pytest.mark.slow)])
+                                  pytest.param(["generate", "--max-tokens", "1"], marks=pytest.mark.slow)])
 def test_a_bad_cap_is_a_one_line_error(args):
     proc = run(args, "avx3")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr

@@ -342,7 +342,7 @@ def test_bad_d_is_refused(ckpt, capsys):
     from hetmoe.cli import main
 
     code = main(["generate", "--model", str(ckpt["qwen3_moe"]), "--device", "cpu", "--expert-cache", "off",
-                 "--defer-experts", "4", "--max-new-tokens", "2"])
+                 "--defer-experts", "4", "--max-tokens", "2"])
     err = capsys.readouterr().err
     assert code == 1 and "hetmoe generate: error: --defer-experts 4: each token has 4 routed experts" in err, err
     assert "Traceback" not in err
