@@ -33,6 +33,17 @@ PYBIND11_MODULE(_C, m) {
     return d;
   });
   m.attr("LAYOUT_VERSION") = kLayoutVersion;
+  {  // the packed layout's geometry (formats/layout.h), the one source of hetmoe/cpu/layout.py's constants
+    py::dict layout;
+    layout["rows_per_block"] = kRowsPerBlock;
+    layout["line_bytes"] = kLineBytes;
+    layout["bf16_group"] = kBf16Group;
+    py::dict per_line;
+    for (WeightFormat f : {WeightFormat::bf16, WeightFormat::int8, WeightFormat::int4})
+      per_line[format_name(f)] = k_per_line(f);
+    layout["k_per_line"] = per_line;
+    m.attr("LAYOUT") = layout;
+  }
 
   bindings::bind_runtime(m);
   bindings::bind_stream(m);

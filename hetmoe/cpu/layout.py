@@ -1,15 +1,24 @@
-"""Bytes of the CPU engine's packed layout (csrc/formats/layout.h): one matrix, one routed expert, one expert in a
-code layout. No torch: the memory plan adds these up before anything loads."""
+"""The CPU engine's packed layout as Python sees it: its geometry, read from ``hetmoe._C`` (csrc/formats/layout.h is
+the one source), and the bytes of one matrix, one routed expert, one expert in a code layout. No torch: the memory
+plan adds these up before anything loads; hetmoe/moe/streamed/packed.py and hetmoe/ops/triton/packed.py read the
+bytes with these constants."""
 
 from __future__ import annotations
 
+from hetmoe import _C
+
+VERSION = _C.LAYOUT_VERSION  # bumped whenever the packed bytes change (the expert cache keys on it)
+ROWS = _C.LAYOUT["rows_per_block"]  # rows of a row block
+LINE = _C.LAYOUT["line_bytes"]  # bytes of a line: the same 4-byte slice of K for each of the ROWS rows
+BF16_GROUP = _C.LAYOUT["bf16_group"]  # K padding unit of bf16, which has no scales
+K_PER_LINE = dict(_C.LAYOUT["k_per_line"])  # values of K per line, per format
 
 def packed_matrix_bytes(fmt: str, n: int, k: int, group: int, affine: bool = False) -> int:
     """Bytes of one [n, k] matrix in the engine's packed layout (csrc/formats/layout.h), scales (and an affine
     matrix's mins, one fp32 beside each scale) included."""
-    group = 32 if fmt == "bf16" else (group or 128)
-    rows, kp = -(-n // 16) * 16, -(-k // group) * group
-    data = rows * kp * {"bf16": 2, "int8": 1, "int4": 1}[fmt] // (2 if fmt == "int4" else 1)
+    group = BF16_GROUP if fmt == "bf16" else (group or 128)
+    rows, kp = -(-n // ROWS) * ROWS, -(-k // group) * group
+    data = rows * kp * LINE // (ROWS * K_PER_LINE[fmt])
     scales = 0 if fmt == "bf16" else rows * (kp // group) * 4 * (2 if affine else 1)
     return data + scales
 

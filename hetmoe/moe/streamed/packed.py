@@ -2,13 +2,9 @@
 compute a layer's experts from the very bytes the CPU engine holds, copied as they are (layerwise prefill,
 hetmoe/moe/streamed/layerwise.py) — no second copy in RAM, no re-layout on the CPU.
 
-A matrix W [N, K] is stored as ceil(N / 16) row blocks of 16 rows; a block walks K in 64-byte lines, and line j holds
-the same 4-byte slice of K for each of the 16 rows (bf16: 2 values; int8: 4 bytes q + 128; int4: byte b holds
-k = 8j + b in its low nibble and 8j + 4 + b in its high one, q + 8; affine matrices store their codes u as they are,
-value = scale * u - min). int8/int4 scales: one fp32 per (row, group), [row block][group][16 rows], an affine block's
-mins right after its scales in the same order. gate and up row blocks alternate (block 2 rb + 0 is gate's rb,
-2 rb + 1 up's). One layer's storage is four ranges, each the experts one after another: gate+up data, gate+up
-scales, down data, down scales (no scales for bf16).
+The layout (row blocks of ROWS rows, lines of LINE bytes, the codes, the scales, gate and up row blocks alternating,
+a layer's four storage ranges) is described once, in csrc/formats/layout.h; its constants come from there through
+hetmoe/cpu/layout.py.
 
 Shape letters: E experts, H hidden size, I intermediate size, N rows, K columns, Kp K padded, G groups.
 """
@@ -19,9 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-ROWS, LINE = 16, 64
-K_PER_LINE = {"bf16": 2, "int8": 4, "int4": 8}
-BF16_GROUP = 32
+from hetmoe.cpu.layout import BF16_GROUP, K_PER_LINE, LINE, ROWS
 
 
 def _round_up(v: int, m: int) -> int:

@@ -1,5 +1,5 @@
 """One-pass GPU unpacking of the CPU engine's packed experts (csrc/formats/layout.h; hetmoe/moe/streamed/packed.py has
-the same rules in PyTorch ops): a Triton kernel reads each row block's 64-byte lines and scales once and writes the
+the same rules in PyTorch ops): a Triton kernel reads each row block's lines and scales once and writes the
 weights in the model dtype straight into the layer's [E, 2I, H] / [E, H, I] scratch, padding cut. PyTorch ops take
 about ten passes over a layer for the same result; this kernel's one pass is what keeps the layerwise prefill's
 fixed cost per layer below its PCIe copy. Triton comes with PyTorch's CUDA builds; without it (CPU-only installs)
@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from hetmoe.cpu.layout import K_PER_LINE, ROWS
 
 try:
     import triton
@@ -30,11 +32,11 @@ if triton is not None:
 
     @triton.jit
     def _unpack_kernel(words, scales, out, NB, lines, G, rows_out, cols_out, mat_stride, FMT: tl.constexpr,
-                       GROUP: tl.constexpr, INTERLEAVED: tl.constexpr, BL: tl.constexpr, AFFINE: tl.constexpr):
-        # A program turns a tile of BL lines of one row block (16 rows) into 16 rows of BL * PER weights: every
+                       GROUP: tl.constexpr, INTERLEAVED: tl.constexpr, BL: tl.constexpr, AFFINE: tl.constexpr,
+                       R: tl.constexpr, PER: tl.constexpr):
+        # A program turns a tile of BL lines of one row block (R rows) into R rows of BL * PER weights: every
         # 4-byte cell is read once as an int32 and its PER values are split off with shifts, so the loads are the
         # block's contiguous lines and each row's stores are one contiguous run (coalesced on both sides).
-        PER: tl.constexpr = 2 if FMT == 0 else (4 if FMT == 1 else 8)  # values per 4-byte cell
         b = tl.program_id(0).to(tl.int64)  # row block, over every expert of the range
         lt = tl.program_id(1)  # tile of BL lines
         if INTERLEAVED:  # gate and up row blocks alternate: block 2 rb + which of the expert
@@ -45,11 +47,11 @@ if triton is not None:
             e = b // NB
             rb = b % NB
             which = 0
-        r = tl.arange(0, 16)[:, None]  # [16, 1] rows of the block
+        r = tl.arange(0, R)[:, None]  # [R, 1] rows of the block
         line = lt * BL + tl.arange(0, BL)[None, :]  # [1, BL]
-        row = rb * 16 + r
+        row = rb * R + r
         ok = (row < rows_out) & (line < lines)
-        word = tl.load(words + b * lines * 16 + line * 16 + r, mask=ok, other=0)  # [16, BL] cells (row r, line)
+        word = tl.load(words + b * lines * R + line * R + r, mask=ok, other=0)  # [R, BL] cells (row r, line)
         o = tl.arange(0, PER)[None, None, :]  # [1, 1, PER]: value o of a cell is k = PER * line + o
         if FMT == 0:  # bf16: the low half is k = 2 line, the high half 2 line + 1; bf16 bits << 16 = fp32
             v = ((word[:, :, None] >> (16 * o)) << 16).to(tl.float32, bitcast=True)
@@ -58,17 +60,17 @@ if triton is not None:
                 u = (word[:, :, None] >> (8 * o)) & 255
             else:  # int4: byte o % 4, its low nibble for o < 4, its high nibble for o >= 4; stored q + 8
                 u = (word[:, :, None] >> (8 * (o % 4) + 4 * (o // 4))) & 15
-            # a cell's values share one group (GROUP is a multiple of PER); affine blocks hold [G][16] scales then
-            # [G][16] mins: value = scale * u - min (two roundings: the launch turns fp fusion off)
-            sb = b * G * (2 if AFFINE else 1) * 16
+            # a cell's values share one group (GROUP is a multiple of PER); affine blocks hold [G][R] scales then
+            # [G][R] mins: value = scale * u - min (two roundings: the launch turns fp fusion off)
+            sb = b * G * (2 if AFFINE else 1) * R
             gi = (line * PER) // GROUP
-            s = tl.load(scales + sb + gi * 16 + r, mask=ok, other=0.0)[:, :, None]
+            s = tl.load(scales + sb + gi * R + r, mask=ok, other=0.0)[:, :, None]
             if AFFINE:
-                m = tl.load(scales + sb + (G + gi) * 16 + r, mask=ok, other=0.0)[:, :, None]
+                m = tl.load(scales + sb + (G + gi) * R + r, mask=ok, other=0.0)[:, :, None]
                 v = u.to(tl.float32) * s - m
             else:
                 v = (u - (128 if FMT == 1 else 8)).to(tl.float32) * s
-        v = tl.reshape(v, (16, BL * PER))  # row-major: column PER * (line - first line) + o
+        v = tl.reshape(v, (R, BL * PER))  # row-major: column PER * (line - first line) + o
         k = lt * BL * PER + tl.arange(0, BL * PER)[None, :]
         dst = out + e * mat_stride + (which * rows_out + row) * cols_out  # row start in the [rows, cols] matrix
         tl.store(dst + k, v.to(out.dtype.element_ty), mask=(row < rows_out) & (k < cols_out))
@@ -76,7 +78,7 @@ if triton is not None:
 
 def _launch(shape, data: torch.Tensor, scales, out: torch.Tensor, n_blocks: int, interleaved: bool) -> None:
     fmt = FMT_CODE[shape.fmt]
-    per = (2, 4, 8)[fmt]
+    per = K_PER_LINE[shape.fmt]  # values per 4-byte cell
     if fmt and shape.group % per:
         raise ValueError(f"{shape.fmt} groups of {shape.group}: the GPU unpack needs a multiple of {per}")
     sc = scales.view(torch.float32) if scales is not None else data.view(torch.float32)  # unused for bf16
@@ -85,7 +87,7 @@ def _launch(shape, data: torch.Tensor, scales, out: torch.Tensor, n_blocks: int,
     grid = (n_blocks, triton.cdiv(shape.lines, bl))
     _unpack_kernel[grid](data.view(torch.int32), sc, out, shape.n_blocks, shape.lines, shape.kp // shape.group,
                          rows, cols, out.stride(0), FMT=fmt, GROUP=shape.group, INTERLEAVED=interleaved, BL=bl,
-                         AFFINE=shape.affine, enable_fp_fusion=False)
+                         AFFINE=shape.affine, R=ROWS, PER=per, enable_fp_fusion=False)
 
 
 def unpack_into(layout, ranges, w_gu: torch.Tensor, w_down: torch.Tensor, n_experts: Optional[int] = None) -> None:
