@@ -47,11 +47,11 @@ def engine_path(request):
 
 @pytest.fixture(scope="module")
 def pool():
-    """A two-thread ExpertPool of the test module's own (not the process-wide shared pool), so pending counts and
+    """A two-thread WorkerPool of the test module's own (not the process-wide shared pool), so pending counts and
     job order are the module's alone."""
-    from hetmoe.cpu import ExpertPool
+    from hetmoe.cpu import WorkerPool
 
-    return ExpertPool(2)
+    return WorkerPool(2)
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from hetmoe import cpu
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 14
 L = int(sys.argv[2]) if len(sys.argv) > 2 else 48
 E, H, I, k, D, R = 128, 2048, 768, 8, 4, 6
-pool = cpu.ExpertPool(threads)
+pool = cpu.WorkerPool(threads)
 t0 = time.time()
 layers = []
 for seed in range(1, L + 1):

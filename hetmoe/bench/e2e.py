@@ -48,7 +48,7 @@ PLACEMENT = {"cpu": "cpu", "cuda": "hybrid"}
 
 
 
-def _expert_pool(loaded, fallback: cpu.ExpertPool) -> cpu.ExpertPool:
+def _expert_pool(loaded, fallback: cpu.WorkerPool) -> cpu.WorkerPool:
     """The pool the model's routed experts run on, else ``fallback``."""
     for _, layer in moe_blocks(loaded.model):
         if layer.engine is not None:

@@ -105,7 +105,7 @@ def load_random(experts: cpu.CPUExperts, label: str, gen: torch.Generator, chunk
             last = now
 
 
-def measure_overhead(pool: cpu.ExpertPool, iters: int = 2000, warmup: int = 200) -> dict:
+def measure_overhead(pool: cpu.WorkerPool, iters: int = 2000, warmup: int = 200) -> dict:
     """Round trip pool.submit(job) -> pool.sync() of a prepared job whose n_tokens reads 0, in µs."""
     H, I, k = 256, 256, 2
     ex = cpu.CPUExperts(4, H, I, "bf16", pool=pool)

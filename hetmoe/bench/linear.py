@@ -32,7 +32,7 @@ def time_call(fn, repeats: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def measure(pool: cpu.ExpertPool, n: int, k: int, fmt: str, tokens: list, isa: str = "auto", repeats: int = 20,
+def measure(pool: cpu.WorkerPool, n: int, k: int, fmt: str, tokens: list, isa: str = "auto", repeats: int = 20,
             stream_gbps: float = 0.0, baseline: bool = True) -> list:
     """One record per T: ms, GB/s of weights, % of stream_gbps, GFLOPS, and torch's bf16 F.linear ms."""
     group = cpu.linear.dense_format(fmt, "cpu").group
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--isa", default="auto")
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args(argv)
-    pool = cpu.ExpertPool(args.threads, numa="off")
+    pool = cpu.WorkerPool(args.threads, numa="off")
     stream = pool.read_bandwidth(1 << 30, 5)
     print(f"threads {pool.threads}, STREAM read {stream:.1f} GB/s")
     for shape in args.shape or ["4096x2048", "151936x2048"]:

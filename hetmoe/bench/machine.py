@@ -64,7 +64,7 @@ def write_json(dest: str, doc: dict, say) -> None:
         say(f"wrote {dest}")
 
 
-def machine_info(pool: cpu.ExpertPool) -> dict:
+def machine_info(pool: cpu.WorkerPool) -> dict:
     info = cpu.cpu_info()
     return {
         "hostname": socket.gethostname(),

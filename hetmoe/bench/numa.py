@@ -50,8 +50,8 @@ def run(args) -> dict:
     shape = SHAPES[args.shape]
     H, I, k = shape.hidden, shape.inter, shape.top_k
     E = args.experts or shape.n_expert
-    configs = {"single": cpu.ExpertPool(args.threads, numa="off"),
-               f"split{args.subpools}": cpu.ExpertPool(args.threads, numa=args.subpools)}
+    configs = {"single": cpu.WorkerPool(args.threads, numa="off"),
+               f"split{args.subpools}": cpu.WorkerPool(args.threads, numa=args.subpools)}
     names = list(configs)
     split_pool = configs[names[1]]
     machine = machine_info(configs["single"])

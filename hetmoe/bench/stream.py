@@ -48,7 +48,7 @@ def check_cuda() -> None:
         raise RuntimeError("bench overhead --stream needs a CUDA device and driver: torch sees no CUDA device")
 
 
-def measure_stream_overhead(pool: cpu.ExpertPool, layers: int = 48, replays: int = 500, hidden: int = 2048,
+def measure_stream_overhead(pool: cpu.WorkerPool, layers: int = 48, replays: int = 500, hidden: int = 2048,
                             top_k: int = 8, with_copies: bool = False, eager_steps: int = 100,
                             mechanism: str = "callbacks") -> dict:
     """Per-layer device time of submit + sync (and copies), graph and eager, in µs; see the module doc."""
@@ -141,7 +141,7 @@ def measure_stream_overhead(pool: cpu.ExpertPool, layers: int = 48, replays: int
     return result
 
 
-def run_stream_overhead_bench(pool: cpu.ExpertPool, layers: int, iters: int, hidden: int,
+def run_stream_overhead_bench(pool: cpu.WorkerPool, layers: int, iters: int, hidden: int,
                               with_copies: bool) -> int:
     check_cuda()  # before any work: a clear error on machines without CUDA
     mechanisms = list(cpu.MECHANISMS) if cpu.default_mechanism() == "signals" else ["callbacks"]

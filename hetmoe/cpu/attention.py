@@ -51,14 +51,14 @@ def _index(name: str, t, B: int) -> torch.Tensor:
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor], rows, lens, scale: float,
                      q2: Optional[torch.Tensor] = None, k2: Optional[torch.Tensor] = None, v_is_k1: bool = False,
-                     out: Optional[torch.Tensor] = None, pool: Optional[_pool.ExpertPool] = None) -> torch.Tensor:
+                     out: Optional[torch.Tensor] = None, pool: Optional[_pool.WorkerPool] = None) -> torch.Tensor:
     """Attention of B decode queries over their cache rows -> ``out [B, Hq, Dv]`` (q's dtype, or the ``out`` given:
     fp32 or q's dtype).
 
     ``q [B, Hq, D1]`` (fp32 or bf16; ``q2 [B, Hq, D2]`` the same dtype), ``k [rows, cap, Hkv, D1]`` (``k2 [rows, cap,
     Hkv, D2]``, ``v [rows, cap, Hkv, Dv]``: one dtype, fp32 or bf16, any strides with a contiguous last dim),
     ``rows [B]`` the cache row of each sequence, ``lens [B]`` its keys (position + 1, 1..cap). ``v_is_k1``: no ``v``;
-    the values are k's first Dv = D1 dims. ``pool``: an ``ExpertPool`` (default: ``default_pool()``); the call runs
+    the values are k's first Dv = D1 dims. ``pool``: an ``WorkerPool`` (default: ``default_pool()``); the call runs
     after the jobs queued on it and returns when done.
     """
     _check("q", q, 3)
@@ -123,7 +123,7 @@ class DecodeBlock:
     """A ``decode_block`` call bound to its buffers (``prepare_decode_block``): ``run()`` as often as needed, their
     contents may change between runs (a decode loop's fixed buffers: no argument checks or binding per call)."""
 
-    def __init__(self, spec, keep: tuple, out: torch.Tensor, pool: _pool.ExpertPool):
+    def __init__(self, spec, keep: tuple, out: torch.Tensor, pool: _pool.WorkerPool):
         self._spec, self._keep, self.out, self.pool = spec, keep, out, pool
 
     def run(self) -> torch.Tensor:
@@ -131,15 +131,15 @@ class DecodeBlock:
         _C.decode_block(self.pool._pool, self._spec)
         return self.out
 
-    def job(self) -> _pool.MoEJob:
+    def job(self) -> _pool.EngineJob:
         """The same call as a job for ``pool.submit`` or a ``job_list`` (its errors raised by the pool's sync)."""
-        return _pool.MoEJob(_C.decode_block_job(self._spec), self._keep, None, self.out)
+        return _pool.EngineJob(_C.decode_block_job(self._spec), self._keep, None, self.out)
 
 
 def decode_block(qkv: torch.Tensor, n_head: int, n_kv_head: int, cos: torch.Tensor, sin: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, rows, positions, scale: float,
                  q_norm: Optional[torch.Tensor] = None, k_norm: Optional[torch.Tensor] = None, norm_eps: float = 1e-6,
-                 out: Optional[torch.Tensor] = None, pool: Optional[_pool.ExpertPool] = None) -> torch.Tensor:
+                 out: Optional[torch.Tensor] = None, pool: Optional[_pool.WorkerPool] = None) -> torch.Tensor:
     """The attention block of one GQA decode step in one job (csrc/dense/decode_block.h) -> ``out [B, n_head * D]``.
 
     ``qkv [B, (n_head + 2 n_kv_head) D]`` (fp32 or bf16, q heads then k heads then v heads: the fused projections'
@@ -157,7 +157,7 @@ def prepare_decode_block(qkv: torch.Tensor, n_head: int, n_kv_head: int, cos: to
                          k_cache: torch.Tensor, v_cache: torch.Tensor, rows, positions, scale: float,
                          q_norm: Optional[torch.Tensor] = None, k_norm: Optional[torch.Tensor] = None,
                          norm_eps: float = 1e-6, out: Optional[torch.Tensor] = None,
-                         pool: Optional[_pool.ExpertPool] = None) -> DecodeBlock:
+                         pool: Optional[_pool.WorkerPool] = None) -> DecodeBlock:
     """``decode_block``'s arguments checked and bound once -> a ``DecodeBlock`` to ``run()``."""
     _block_check("qkv", qkv, 2)
     _block_check("cos", cos, 2)

@@ -5,7 +5,7 @@
     out[t] (+)= sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),   e = topk_ids[t, j]
 
 It is an experts backend of the MoE layer (``hetmoe.moe.experts.ExpertsBackend``); its jobs run on an
-``ExpertPool`` (hetmoe/cpu/pool.py).
+``WorkerPool`` (hetmoe/cpu/pool.py).
 
 Shape letters: T tokens, E experts, k experts per token, H hidden size, I expert intermediate size.
 """
@@ -20,7 +20,7 @@ import torch
 from hetmoe import _C
 from hetmoe.config.options import AMX_EMULATED, ISAS, NumaOption
 from hetmoe.cpu.numa import resolve_subpools
-from hetmoe.cpu.pool import ExpertPool, MoEJob, shared_pool
+from hetmoe.cpu.pool import EngineJob, WorkerPool, shared_pool
 
 WEIGHT_FORMATS = ("bf16", "int8", "int4")
 
@@ -39,7 +39,7 @@ class Slots:
 
     part: str = "all"
     defer: int = 0
-    pair: Optional[MoEJob] = None
+    pair: Optional[EngineJob] = None
 
     def __post_init__(self):
         if self.part not in PARTS:
@@ -63,7 +63,7 @@ class Slots:
         return cls("immediate", d)
 
     @classmethod
-    def deferred(cls, d: int, pair: Optional[MoEJob] = None) -> "Slots":
+    def deferred(cls, d: int, pair: Optional[EngineJob] = None) -> "Slots":
         return cls("deferred", d, pair)
 
 
@@ -111,7 +111,7 @@ class CPUExperts:
             (``"amx-emulated"``: tests only). With ``amx``, each call computes experts that have at least
             ``amx_min_tokens`` tokens with AMX tiles and the others with the AVX-512 kernels, on the same
             weights; ``avx512`` forces the AVX-512 kernels for all.
-        pool: an ``ExpertPool`` to run on (default: the shared pool for ``threads`` and ``numa``).
+        pool: an ``WorkerPool`` to run on (default: the shared pool for ``threads`` and ``numa``).
         numa: ``"auto"`` (default), ``"off"`` or N subpools (hetmoe/cpu/numa.py); with a ``pool``, it must agree
             with it. With N > 1 every expert's intermediate dimension is split across the subpools.
         amx_min_tokens: the per-expert token count from which AMX is used (default: the engine's measured
@@ -132,7 +132,7 @@ class CPUExperts:
         group_size: int = 128,
         threads: Optional[int] = None,
         isa: str = "auto",
-        pool: Optional[ExpertPool] = None,
+        pool: Optional[WorkerPool] = None,
         amx_min_tokens: Optional[int] = None,
         numa: Optional[NumaOption] = None,
         down_group_size: Optional[int] = None,
@@ -307,7 +307,7 @@ class CPUExperts:
         slots: Slots = Slots(),
         route: Optional[HostRoute] = None,
         addend: Optional[torch.Tensor] = None,
-    ) -> MoEJob:
+    ) -> EngineJob:
         """Bind buffers into a job that can be submitted many times.
 
         x ``[T, H]`` fp32/bf16, topk_ids ``[T, k]`` int32/int64 (-1 = skip), topk_weights ``[T, k]`` fp32,
@@ -345,7 +345,7 @@ class CPUExperts:
             raise ValueError("topk_ids must have at least one column (k >= 1)")
         if slots.defer and not slots.defer < k:
             raise ValueError(f"slots defer must be in [1, k={k}), got {slots.defer}")
-        if slots.pair is not None and (not isinstance(slots.pair, MoEJob) or slots.pair.experts is not self):
+        if slots.pair is not None and (not isinstance(slots.pair, EngineJob) or slots.pair.experts is not self):
             raise ValueError("pair must be a job prepared by this same CPUExperts")
         if out is None:
             if accumulate:
@@ -392,7 +392,7 @@ class CPUExperts:
         job = self._ex.make_job(spec)
         if slots.pair is not None and isinstance(job, _C.MoeJob) and isinstance(slots.pair._job, _C.MoeJob):
             _C.pair_deferral_jobs(slots.pair._job, job)  # not the NUMA-split job
-        return MoEJob(job, tuple(keep), self, out)
+        return EngineJob(job, tuple(keep), self, out)
 
     def _check_route(self, route: HostRoute, T: int, k: int) -> list:
         """Validates a HostRoute for a [T, k] job; returns the tensors the job points into."""
@@ -417,9 +417,9 @@ class CPUExperts:
                 raise ValueError(f"correction_bias has {bias.numel()} entries; expected num_experts={self.num_experts}")
         return [route.logits] if bias is None else [route.logits, bias]
 
-    def submit(self, job_or_x: Union[MoEJob, torch.Tensor], *args, **kwargs) -> MoEJob:
+    def submit(self, job_or_x: Union[EngineJob, torch.Tensor], *args, **kwargs) -> EngineJob:
         """Enqueue a prepared job, or prepare one from ``prepare``'s arguments and enqueue it. Returns the job."""
-        job = job_or_x if isinstance(job_or_x, MoEJob) else self.prepare(job_or_x, *args, **kwargs)
+        job = job_or_x if isinstance(job_or_x, EngineJob) else self.prepare(job_or_x, *args, **kwargs)
         self.pool.submit(job)
         return job
 

@@ -1,4 +1,4 @@
-"""Stream-ordered CPU work: the owner of what ``ExpertPool.submit_on_stream`` / ``sync_on_stream`` enqueue on a
+"""Stream-ordered CPU work: the owner of what ``WorkerPool.submit_on_stream`` / ``sync_on_stream`` enqueue on a
 CUDA stream (``HostFuncs``), by one of two mechanisms: stream signals (``csrc/stream/signals.h``, the default where
 the driver has stream memory operations) or CUDA host functions (``csrc/stream/host_funcs.h``). CPU tests use
 ``_C.FakeStream`` in place of a CUDA stream.
@@ -14,7 +14,7 @@ import torch
 from hetmoe import _C
 
 if TYPE_CHECKING:
-    from hetmoe.cpu import ExpertPool, MoEJob
+    from hetmoe.cpu import EngineJob, WorkerPool
 
 
 def cuda_hooks_available() -> bool:
@@ -59,15 +59,15 @@ def default_mechanism() -> str:
 
 
 class HostFuncs:
-    """Owner of the stream-ordered work enqueued by ``ExpertPool.submit_on_stream`` / ``sync_on_stream``.
+    """Owner of the stream-ordered work enqueued by ``WorkerPool.submit_on_stream`` / ``sync_on_stream``.
 
     Two mechanisms, one behaviour: ``signals`` (default where available; csrc/stream/signals.h) has the GPU
     write and wait on words of pinned host memory that a watcher thread turns into pool submissions;
     ``callbacks`` (csrc/stream/host_funcs.h) enqueues CUDA host functions. Work enqueued while the stream is captured
-    into a CUDA graph happens at every replay of that graph. Its payload (and the ``MoEJob`` whose buffers it
+    into a CUDA graph happens at every replay of that graph. Its payload (and the ``EngineJob`` whose buffers it
     reads) is kept here: eager ones until they have run and their job is done, captured ones until
     ``close()``. So keep a ``HostFuncs`` alive at least as long as the graphs captured through it, and close it
-    (or drop it) only when no replay is in flight. Each ``ExpertPool`` has one (used when none is given) that
+    (or drop it) only when no replay is in flight. Each ``WorkerPool`` has one (used when none is given) that
     lives as long as the pool; pass your own to tie captured work to a graph that may be discarded.
 
     ``sync(allow_pending=n)`` waits, with ``callbacks``, until at most n jobs of the pool are unfinished; with
@@ -82,7 +82,7 @@ class HostFuncs:
             raise ValueError(f"unknown stream mechanism {mechanism!r}; expected one of {', '.join(MECHANISMS)}")
         self.mechanism = mechanism
         self._c = None
-        self._jobs: dict = {}  # payload id -> MoEJob: its tensors must outlive the payload
+        self._jobs: dict = {}  # payload id -> EngineJob: its tensors must outlive the payload
         self._lock = threading.Lock()
         self._live()
 
@@ -102,13 +102,13 @@ class HostFuncs:
         for pid in self._c.release_finished():
             self._jobs.pop(pid, None)
 
-    def submit(self, pool: "ExpertPool", job: "MoEJob", stream) -> None:
+    def submit(self, pool: "WorkerPool", job: "EngineJob", stream) -> None:
         with self._lock:
             c = self._live()
             self._release()
             self._jobs[c.submit(stream, pool._pool, job._job)] = job
 
-    def sync(self, pool: "ExpertPool", allow_pending: int, stream) -> None:
+    def sync(self, pool: "WorkerPool", allow_pending: int, stream) -> None:
         with self._lock:
             c = self._live()
             self._release()

@@ -22,7 +22,7 @@ from torch import nn
 from hetmoe import _C
 from hetmoe.config.formats import dense_format
 from hetmoe.config.options import AMX_EMULATED, ISAS
-from hetmoe.cpu.pool import ExpertPool, MoEJob, shared_pool
+from hetmoe.cpu.pool import EngineJob, WorkerPool, shared_pool
 
 GROUPS = (32, 64, 128)  # int8 / int4 scale groups along K; both also take 0 (one scale per row)
 LOAD_CHUNK_BYTES = 64 << 20  # fp32 rows converted at once by load(): no fp32 copy of a whole lm_head
@@ -63,7 +63,7 @@ class CPULinear(nn.Module):
         bias: ``[out_features]`` (any float dtype; kept in fp32) or None.
         isa: ``"auto"`` (best the CPU supports) or ``scalar``, ``avx2``, ``avx512``, ``amx`` (``"amx-emulated"``:
             tests only), as ``CPUExperts``.
-        pool: an ``ExpertPool`` (default: the process-wide shared pool). A pool split over NUMA subpools runs the
+        pool: an ``WorkerPool`` (default: the process-wide shared pool). A pool split over NUMA subpools runs the
             linear on its first subpool.
         amx_min_tokens: calls with at least this many tokens use the AMX GEMM (default: the engine's crossover for
             the format, ``cpu_info()["amx_min_tokens_default"]``).
@@ -75,7 +75,7 @@ class CPULinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, fmt: str = "int8", group_size: int = 64,
-                 bias: Optional[torch.Tensor] = None, isa: str = "auto", pool: Optional[ExpertPool] = None,
+                 bias: Optional[torch.Tensor] = None, isa: str = "auto", pool: Optional[WorkerPool] = None,
                  amx_min_tokens: Optional[int] = None, sizes: Optional[Sequence[int]] = None):
         super().__init__()
         self.format = dense_format(fmt, "cpu")
@@ -102,8 +102,8 @@ class CPULinear(nn.Module):
             raise ValueError(f"amx_min_tokens must be an integer >= 1, got {amx_min_tokens!r}")
         if pool is None:
             pool = shared_pool()
-        elif not isinstance(pool, ExpertPool):
-            raise TypeError(f"pool must be an ExpertPool, got {type(pool).__name__}")
+        elif not isinstance(pool, WorkerPool):
+            raise TypeError(f"pool must be an WorkerPool, got {type(pool).__name__}")
         self.pool = pool
         self.sizes = [self.out_features] if sizes is None else [int(s) for s in sizes]
         if sum(self.sizes) != self.out_features or min(self.sizes) < 1:
@@ -308,7 +308,7 @@ class CPULinear(nn.Module):
         return self.forward(x, **kwargs).split(self.sizes, dim=-1)
 
     def prepare(self, x: torch.Tensor, out: Optional[torch.Tensor] = None, *, accumulate: bool = False, norm=None,
-                norm_out: Optional[torch.Tensor] = None, n_tokens: Optional[torch.Tensor] = None) -> MoEJob:
+                norm_out: Optional[torch.Tensor] = None, n_tokens: Optional[torch.Tensor] = None) -> EngineJob:
         """Bind buffers into a job for ``pool.submit`` / ``submit_on_stream``, submitted as often as needed (their
         contents may change). ``n_tokens``: an int64 CPU tensor of one element read when the job runs (x's rows
         are then a capacity)."""
@@ -319,4 +319,4 @@ class CPULinear(nn.Module):
                 raise ValueError("n_tokens must be an int64 CPU tensor of one element")
             spec.n_tokens_ptr = n_tokens.data_ptr()
             keep += (n_tokens,)
-        return MoEJob(self._lin.make_job(spec), keep, self, out)
+        return EngineJob(self._lin.make_job(spec), keep, self, out)

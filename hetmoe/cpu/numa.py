@@ -34,7 +34,7 @@ def resolve_subpools(numa: Optional[NumaOption], threads: Optional[int] = None) 
 
 
 def describe(pool) -> list:
-    """Lines for ``hetmoe doctor``: the topology and what ``pool`` (an ExpertPool) does with it."""
+    """Lines for ``hetmoe doctor``: the topology and what ``pool`` (an WorkerPool) does with it."""
     topo = topology()
     lines = [f"numa:       {len(topo['nodes'])} node(s) ({topo['source']})"]
     for node in topo["nodes"]:

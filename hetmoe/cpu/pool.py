@@ -1,7 +1,7 @@
-"""The CPU engine's worker threads: ``ExpertPool`` (pinned threads and their FIFO job queue), the process-wide pools
-(``shared_pool``), ``MoEJob`` (a prepared call a pool runs) and what the machine offers (``cpu_info``).
+"""The CPU engine's worker threads: ``WorkerPool`` (pinned threads and their FIFO job queue), the process-wide pools
+(``shared_pool``), ``EngineJob`` (a prepared call a pool runs) and what the machine offers (``cpu_info``).
 
-All layers of a process share one ``ExpertPool`` per thread count; jobs of every layer run on it in submission order,
+All layers of a process share one ``WorkerPool`` per thread count; jobs of every layer run on it in submission order,
 so ``submit`` / ``sync`` can keep several layers' work in flight. ``submit_on_stream`` / ``sync_on_stream`` do the
 same in CUDA stream order, capturable into a CUDA graph (hetmoe/cpu/host_funcs.py; the rules they keep are in
 ``csrc/stream/``).
@@ -44,7 +44,7 @@ def default_threads(reserve: int = 0) -> int:
     return max(1, len(_C.physical_core_cpus()) - reserve)
 
 
-class ExpertPool:
+class WorkerPool:
     """Pinned worker threads and their FIFO job queue (shared by every layer using the same thread count).
 
     ``numa``: ``"off"`` (default: one pool), ``"auto"`` (one subpool per NUMA node) or N subpools
@@ -88,10 +88,10 @@ class ExpertPool:
     def numa_binding(self) -> str:
         return self._numa.binding if self._numa is not None else "one pool: first touch"
 
-    def submit(self, job: MoEJob) -> None:
+    def submit(self, job: EngineJob) -> None:
         """Enqueue a prepared job; returns at once."""
-        if not isinstance(job, MoEJob):
-            raise TypeError(f"submit expects a MoEJob (from CPUExperts.prepare), got {type(job).__name__}")
+        if not isinstance(job, EngineJob):
+            raise TypeError(f"submit expects a EngineJob (from CPUExperts.prepare), got {type(job).__name__}")
         with self._lock:
             self._inflight.append(job)
             self._pool.submit(job._job)
@@ -109,7 +109,7 @@ class ExpertPool:
                 while len(self._inflight) > pending:
                     self._inflight.popleft()
 
-    def submit_on_stream(self, job: MoEJob, stream=None, *, host_funcs: Optional[HostFuncs] = None) -> None:
+    def submit_on_stream(self, job: EngineJob, stream=None, *, host_funcs: Optional[HostFuncs] = None) -> None:
         """Enqueue a CUDA host function that submits ``job`` when ``stream`` reaches it; returns at once.
 
         ``stream``: a ``torch.cuda.Stream`` (None: the current stream). The submission happens on the driver's
@@ -117,8 +117,8 @@ class ExpertPool:
         the job reads must be on the host by then: copy it with ``non_blocking=True`` on the same stream before
         this call. ``host_funcs``: who keeps the host function's payload and the job (default: this pool's own).
         """
-        if not isinstance(job, MoEJob):
-            raise TypeError(f"submit_on_stream expects a MoEJob (from CPUExperts.prepare), got {type(job).__name__}")
+        if not isinstance(job, EngineJob):
+            raise TypeError(f"submit_on_stream expects a EngineJob (from CPUExperts.prepare), got {type(job).__name__}")
         handle = stream_arg(stream, "submit_on_stream")
         self._owner(host_funcs).submit(self, job, handle)
 
@@ -179,17 +179,17 @@ _pools: dict = {}
 _pools_lock = threading.Lock()
 
 
-def shared_pool(threads: Optional[int] = None, numa: NumaOption = "auto") -> ExpertPool:
+def shared_pool(threads: Optional[int] = None, numa: NumaOption = "auto") -> WorkerPool:
     """The process-wide pool with this many threads and NUMA subpools (created on first use)."""
     subpools = resolve_subpools(numa, None if threads is None else int(threads))
     threads = default_threads() if threads is None else int(threads)
     with _pools_lock:
         if (threads, subpools) not in _pools:
-            _pools[threads, subpools] = ExpertPool(threads, numa=subpools)
+            _pools[threads, subpools] = WorkerPool(threads, numa=subpools)
         return _pools[threads, subpools]
 
 
-def default_pool() -> ExpertPool:
+def default_pool() -> WorkerPool:
     """The pool the engine's experts run on (the first shared pool made in this process), else a new shared one."""
     with _pools_lock:
         if _pools:
@@ -197,7 +197,7 @@ def default_pool() -> ExpertPool:
     return shared_pool()
 
 
-class MoEJob:
+class EngineJob:
     """A prepared call with fixed buffers; submit it as often as needed (the buffers' contents may change)."""
 
     def __init__(self, job, keep: tuple, experts: "CPUExperts", out: torch.Tensor):
@@ -207,11 +207,11 @@ class MoEJob:
         self.out = out
 
 
-def job_list(jobs) -> MoEJob:
-    """Prepared jobs (``MoEJob``s of experts, linears, decode blocks) run one after another as one job
+def job_list(jobs) -> EngineJob:
+    """Prepared jobs (``EngineJob``s of experts, linears, decode blocks) run one after another as one job
     (csrc/runtime/thread_pool.h ``JobList``): one submit and one sync for a decode step's calls, the pool's threads
     going from one call to the next without a round trip through the submitting thread. ``out``: the last job's."""
     jobs = list(jobs)
-    if not jobs or not all(isinstance(j, MoEJob) for j in jobs):
-        raise TypeError("job_list takes a non-empty list of prepared jobs (MoEJob)")
-    return MoEJob(_C.JobList([j._job for j in jobs]), tuple(jobs), None, jobs[-1].out)
+    if not jobs or not all(isinstance(j, EngineJob) for j in jobs):
+        raise TypeError("job_list takes a non-empty list of prepared jobs (EngineJob)")
+    return EngineJob(_C.JobList([j._job for j in jobs]), tuple(jobs), None, jobs[-1].out)

@@ -17,7 +17,7 @@ pool's threads go from call to call. A MoE block the engine cannot take whole (a
 Expert Deferral, dropped experts, a route observer, a router left in PyTorch) runs as the model's own module
 between two job lists; an lm_head left in PyTorch runs after them. The RoPE table is computed once per step and
 shared by all layers, as the model does. The model files stay untouched: this reads the modules' attributes.
-``LeanDecode.build`` returns None for a model or cache it does not cover (MLA, a paged or GPU cache, linears left
+``CPUDecode.build`` returns None for a model or cache it does not cover (MLA, a paged or GPU cache, linears left
 unpacked, a layer or attention whose forward is its own): the runner then keeps the eager path.
 
 Numerics: the projections, router, experts and attention are the same engine kernels as the eager path; the
@@ -37,7 +37,7 @@ import torch
 from hetmoe.cpu.attention import prepare_decode_block
 from hetmoe.cpu.experts import HostRoute
 from hetmoe.cpu.linear import CPULinear
-from hetmoe.cpu.pool import MoEJob, job_list
+from hetmoe.cpu.pool import EngineJob, job_list
 from hetmoe.layers.attention import GQAAttention
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import cos_sin
@@ -59,7 +59,7 @@ def _norm(module) -> tuple:
 
 
 def why_not(model, cache) -> Optional[str]:
-    """None when ``LeanDecode`` covers ``model`` and ``cache``, else the reason it does not."""
+    """None when ``CPUDecode`` covers ``model`` and ``cache``, else the reason it does not."""
     if type(model).forward is not CausalLM.forward or type(model.model).forward is not DecoderModel.forward:
         return "the model's forward is its own"
     if cache.paged or cache.device.type != "cpu" or cache.dtype not in DTYPES or cache.v_head_dim != cache.head_dim:
@@ -122,13 +122,13 @@ def _moe_state(layers) -> tuple:
                  for m in (getattr(getattr(layer, "mlp", None), "moe", None) for layer, *_ in layers) if m is not None)
 
 
-class LeanDecode:
+class CPUDecode:
     """One decode step (one token per sequence) of a packed GQA model on the CPU; see the module docstring."""
 
     def __init__(self, model, cache):
         reason = why_not(model, cache)
         if reason:
-            raise ValueError(f"LeanDecode does not cover this model: {reason}")
+            raise ValueError(f"CPUDecode does not cover this model: {reason}")
         self.model, self.cache = model, cache
         self.layers = []
         for layer in model.model.layers:
@@ -140,8 +140,8 @@ class LeanDecode:
         self._plans, self._plans_key = {}, None  # batch size -> _make_plan's, for one cache allocation and MoE state
 
     @classmethod
-    def build(cls, model, cache) -> Optional["LeanDecode"]:
-        """A LeanDecode, or None where it does not apply (the runner stays eager)."""
+    def build(cls, model, cache) -> Optional["CPUDecode"]:
+        """A CPUDecode, or None where it does not apply (the runner stays eager)."""
         return None if why_not(model, cache) else cls(model, cache)
 
     def _plan(self, B: int) -> dict:
@@ -170,7 +170,7 @@ class LeanDecode:
         segments, jobs = [], []  # a segment: (pool, one job_list) or a decoder layer whose MLP Python runs
         calls = []  # (name, pool, job) of every call, for bench/cpu_decode_profile.py
 
-        def queue(name: str, pool, job: MoEJob):
+        def queue(name: str, pool, job: EngineJob):
             if jobs and jobs[0][0] is not pool:
                 close()
             jobs.append((pool, job))

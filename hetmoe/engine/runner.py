@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from hetmoe import cpu
-from hetmoe.engine.cpu_decode import LeanDecode
+from hetmoe.engine.cpu_decode import CPUDecode
 from hetmoe.engine.cuda_graph import GraphDecoder
 from hetmoe.layers.attention import Step, paged_kernels
 from hetmoe.layers.kv_cache import KVCacheFull
@@ -63,9 +63,9 @@ class Runner:
         self.reclaim: Optional[Callable[[], bool]] = None  # frees idle slots' caches when the KV memory runs out
         self.lengths = [0] * self.max_batch  # tokens in each slot's cache
         self.vocab_size = loaded.config.vocab_size
-        self.lean: Optional[LeanDecode] = None
+        self.lean: Optional[CPUDecode] = None
         if self.device.type == "cpu" and lean:
-            self.lean = LeanDecode.build(self.model, self.cache)
+            self.lean = CPUDecode.build(self.model, self.cache)
         if self.device.type == "cuda":
             fused = loaded.options.fused_decode == "on" if fused_decode is None else fused_decode
             self._setup_decoder(loaded.options.cuda_graph if cuda_graph is None else cuda_graph, kv_mode,

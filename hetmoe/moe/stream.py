@@ -84,8 +84,8 @@ class _LayerBuffers:
     dev_prev: Optional[torch.Tensor]  # [C, H] fp32 on the device: the previous layer's out_def (not direct only)
     addend: Optional[torch.Tensor]  # direct: the previous layer's out_def, which the immediate job adds
     bias_src: Optional[torch.Tensor]  # the router's correction bias the jobs were prepared with (a CPU copy of it)
-    job: object  # MoEJob over (x, ids, weights, out): every slot, or the immediate ones when defer > 0
-    job_def: object  # MoEJob over (x, ids, weights, out_def): each token's `defer` lowest-weighted slots (or None)
+    job: object  # EngineJob over (x, ids, weights, out): every slot, or the immediate ones when defer > 0
+    job_def: object  # EngineJob over (x, ids, weights, out_def): each token's `defer` lowest-weighted slots (or None)
     direct: bool  # the job writes the layer's routed output complete, in x's dtype (no GPU-resident experts)
 
 

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 from hetmoe.config.options import EngineOptions  # noqa: E402
 from hetmoe.cpu.attention import decode_block, prepare_decode_block  # noqa: E402
 from hetmoe.cpu.pool import default_pool  # noqa: E402
-from hetmoe.engine.cpu_decode import LeanDecode, moe_on_engine, why_not  # noqa: E402
+from hetmoe.engine.cpu_decode import CPUDecode, moe_on_engine, why_not  # noqa: E402
 from hetmoe.engine.runner import Runner  # noqa: E402
 from hetmoe.layers.rope import apply_rope, cos_sin, inv_frequencies  # noqa: E402
 from hetmoe.load.loader import load_model  # noqa: E402
@@ -57,7 +57,7 @@ def loaded_models(checkpoints):
 def test_lean_decode_equals_eager(loaded_models, arch, dtype):
     loaded = loaded_models[(arch, dtype)]
     lean, eager = Runner(loaded), Runner(loaded, lean=False)
-    assert isinstance(lean.lean, LeanDecode) and eager.lean is None
+    assert isinstance(lean.lean, CPUDecode) and eager.lean is None
     a, b = lean.prefill(PROMPTS[0]), eager.prefill(PROMPTS[0])  # both eager (S > 1)
     assert torch.equal(a, b)
     errs = []
@@ -101,7 +101,7 @@ def test_lean_decode_covers_only_packed_gqa_models(checkpoints, loaded_models):
                        progress=False, log=lambda m: None)  # fp32 weights kept in PyTorch: nothing packed
     assert Runner(plain).lean is None
     with pytest.raises(ValueError, match="does not cover"):
-        LeanDecode(plain.model, Runner(plain, lean=False).cache)
+        CPUDecode(plain.model, Runner(plain, lean=False).cache)
 
 
 def test_lean_decode_moe_blocks_on_the_engine_and_back(loaded_models):

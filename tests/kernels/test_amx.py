@@ -47,7 +47,7 @@ import torch
 
 from cases import FORMATS, make_routing, make_weights, make_x
 from hetmoe import _C
-from hetmoe.cpu import CPUExperts, ExpertPool, cpu_info, shared_pool
+from hetmoe.cpu import CPUExperts, WorkerPool, cpu_info, shared_pool
 from reference import moe_reference, moe_reference_emulated, rel_err
 
 INFO = cpu_info()
@@ -282,8 +282,8 @@ def test_native_deepseek_v3_shape(fmt):
 @pytest.mark.parametrize("fmt", ["bf16", "int8-g32", "int4-g64"])
 def test_same_bits_with_1_and_2_threads(fmt, path):
     """The task split depends on the thread count; each output is still computed the same way."""
-    one = build(fmt, path, SMALL, pool=ExpertPool(1))
-    two = build(fmt, path, SMALL, pool=ExpertPool(2))
+    one = build(fmt, path, SMALL, pool=WorkerPool(1))
+    two = build(fmt, path, SMALL, pool=WorkerPool(2))
     for T, k, hot in ((64, 8, 0.0), (300, 6, 0.85)):
         x, ids, w = inputs(SMALL, T, k, hot)
         assert torch.equal(one(x, ids, w), two(x, ids, w)), f"T={T} hot={hot}"
@@ -446,7 +446,7 @@ def test_doctor_prints_the_choice_table():
 def test_amx_peak_probe():
     """The probe runs and reports a rate; how fast the tile unit is (and bf16 vs int8) depends on the machine and
     its load, so ``hetmoe bench kernel`` reports the rates and their ratio instead of a test asserting them."""
-    pool = ExpertPool(threads=2, pin=False)
+    pool = WorkerPool(threads=2, pin=False)
     if not HAS_AMX:
         with pytest.raises(ValueError, match="AMX"):
             pool.amx_peak("int8", rounds=10)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hetmoe.cpu import CPUExperts, ExpertPool
+from hetmoe.cpu import CPUExperts, WorkerPool
 from hetmoe.cpu.codes import load_codes
 from reference import moe_reference_emulated, rel_err
 
@@ -31,7 +31,7 @@ def random_codes(fmt: str, gen: torch.Generator):
 
 @pytest.fixture(scope="module")
 def two_subpools():
-    return ExpertPool(2, numa=2)
+    return WorkerPool(2, numa=2)
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["one-pool", "numa2"])
@@ -39,7 +39,7 @@ def two_subpools():
 def test_packed_values_are_exactly_code_times_scale(fmt, split, two_subpools):
     gen = torch.Generator().manual_seed(1)
     codes, scales, values = random_codes(fmt, gen)
-    experts = CPUExperts(E, H, I, fmt, G, pool=two_subpools if split else ExpertPool(1))
+    experts = CPUExperts(E, H, I, fmt, G, pool=two_subpools if split else WorkerPool(1))
     load_codes(experts, codes, scales)
     for e in range(E):
         for got, want in zip(experts.dequantized(e), values):
@@ -53,7 +53,7 @@ def test_a_moe_call_over_code_packed_experts_matches_the_reference(fmt):
     tests in test_kquants.py cover code-packed experts on the AMX paths)."""
     gen = torch.Generator().manual_seed(2)
     codes, scales, _ = random_codes(fmt, gen)
-    experts = CPUExperts(E, H, I, fmt, G, pool=ExpertPool(1), amx_min_tokens=10**6)
+    experts = CPUExperts(E, H, I, fmt, G, pool=WorkerPool(1), amx_min_tokens=10**6)
     load_codes(experts, codes, scales)
     T = 5
     x = torch.randn(T, H, generator=gen)
@@ -73,7 +73,7 @@ def test_gguf_blocks_load_bitwise(qtype, fmt):
     gguf = pytest.importorskip("gguf")
     qt = getattr(gguf.GGMLQuantizationType, qtype)
     gen = torch.Generator().manual_seed(3)
-    experts = CPUExperts(E, H, I, fmt, G, pool=ExpertPool(1))
+    experts = CPUExperts(E, H, I, fmt, G, pool=WorkerPool(1))
     from hetmoe.load.gguf.checkpoint import block_codes
 
     codes, scales, refs = [], [], []
@@ -92,7 +92,7 @@ def test_gguf_blocks_load_bitwise(qtype, fmt):
 def test_what_the_engine_cannot_hold_exactly_is_refused():
     gen = torch.Generator().manual_seed(4)
     codes, scales, _ = random_codes("int4", gen)
-    experts = CPUExperts(E, H, I, "int4", G, pool=ExpertPool(1))
+    experts = CPUExperts(E, H, I, "int4", G, pool=WorkerPool(1))
     bad = codes[1].clone()
     bad[0, 0, 0] = 8
     with pytest.raises(ValueError, match=r"up has codes in \[-8, 8\]; int4 holds \[-8, 7\]"):
@@ -106,7 +106,7 @@ def test_what_the_engine_cannot_hold_exactly_is_refused():
     with pytest.raises(ValueError, match="gate codes must be int8"):
         load_codes(experts, [codes[0].int(), codes[1], codes[2]], scales)
     with pytest.raises(ValueError, match="grouped int8 or int4"):
-        load_codes(CPUExperts(E, H, I, "bf16", 0, pool=ExpertPool(1)), codes, scales)
+        load_codes(CPUExperts(E, H, I, "bf16", 0, pool=WorkerPool(1)), codes, scales)
     with pytest.raises(ValueError, match="do not fit"):
         load_codes(experts, codes, scales, first_expert=1)
     assert experts.info()["experts_loaded"] == 0  # nothing of a refused call

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cases import generator
-from hetmoe.cpu import ExpertPool
+from hetmoe.cpu import WorkerPool
 from hetmoe.cpu.attention import attention_kernel, decode_attention
 from hetmoe.layers import attention as attention_layer
 
@@ -129,7 +129,7 @@ def test_strided_query_and_fp32_out():
 def test_bitwise_across_thread_counts():
     # the split of the keys and the merge order do not depend on the threads: 1 and 2 threads, the same bits
     q, k, v, rows, lens = make_case(32, 4, 128, 128, LENGTHS, torch.bfloat16, torch.float32, "threads")
-    one, two = ExpertPool(1), ExpertPool(2)
+    one, two = WorkerPool(1), WorkerPool(2)
     a = decode_attention(q, k, v, rows, lens, 0.1, pool=one)
     b = decode_attention(q, k, v, rows, lens, 0.1, pool=two)
     c = decode_attention(q, k, v, rows, lens, 0.1, pool=two)
@@ -144,7 +144,7 @@ def test_mla_bitwise_across_thread_counts():
     q_lat, q_pe = torch.randn(2, 16, 64, generator=gen), torch.randn(2, 16, 16, generator=gen)
     rows, lens = torch.tensor([1, 0]), torch.tensor(lengths)
     outs = [decode_attention(q_lat[:n], c, None, rows[:n], lens[:n], 0.1, q2=q_pe[:n], k2=pe, v_is_k1=True, pool=p)
-            for n in (1, 2) for p in (ExpertPool(1), ExpertPool(2))]
+            for n in (1, 2) for p in (WorkerPool(1), WorkerPool(2))]
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[3])
 
 

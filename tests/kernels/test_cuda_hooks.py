@@ -1,4 +1,4 @@
-"""Stream host functions (csrc/stream/host_funcs.h): ExpertPool.submit_on_stream / sync_on_stream.
+"""Stream host functions (csrc/stream/host_funcs.h): WorkerPool.submit_on_stream / sync_on_stream.
 
 On machines without CUDA the host functions run on ``_C.FakeStream``, a stand-in whose own thread calls them in
 order as the driver's thread would, and which can record and replay them as a CUDA graph does: that covers the
@@ -18,7 +18,7 @@ import torch
 
 from cases import make_routing, make_weights, make_x
 from hetmoe import _C, cpu
-from hetmoe.cpu import CPUExperts, ExpertPool, HostFuncs, Slots, cpu_info
+from hetmoe.cpu import CPUExperts, HostFuncs, Slots, WorkerPool, cpu_info
 
 BEST_ISA = cpu_info()["best_isa"]
 E, H, I = 12, 160, 96
@@ -96,7 +96,7 @@ def test_bench_overhead_stream_without_cuda(capsys):
 
 def test_bad_arguments(pool, layer, stream):
     x, ids, w = make_inputs(3, 2)
-    with pytest.raises(TypeError, match="submit_on_stream expects a MoEJob"):
+    with pytest.raises(TypeError, match="submit_on_stream expects a EngineJob"):
         pool.submit_on_stream(x, stream)
     with pytest.raises(ValueError, match="allow_pending must be >= 0, got -1"):
         pool.sync_on_stream(-1, stream)
@@ -297,7 +297,7 @@ def test_close_leaks_host_functions_not_run_yet(pool, layer, stream, mech):
 
 
 def test_default_host_funcs_of_the_pool(stream):
-    pool = ExpertPool(1)
+    pool = WorkerPool(1)
     ex = CPUExperts(E, H, I, "int8", 128, isa=BEST_ISA, pool=pool)
     ex.load(*make_weights(E, H, I, "hooks"))
     x, ids, w = make_inputs(6, 2, seed=7)
@@ -572,7 +572,7 @@ def test_signals_sync_on_another_pool_is_an_error(pool, layer, stream):
     x, ids, w = make_inputs(2, 2, seed=53)
     hf = HostFuncs("signals")
     pool.submit_on_stream(layer.prepare(x, ids, w), stream, host_funcs=hf)
-    other = ExpertPool(1)
+    other = WorkerPool(1)
     with pytest.raises(ValueError, match="runs on another pool"):
         other.sync_on_stream(0, stream, host_funcs=hf)
     pool.sync_on_stream(0, stream, host_funcs=hf)

@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from cases import FORMATS, make_routing, make_weights, make_x
-from hetmoe.cpu import CPUExperts, ExpertPool, Slots, cpu_info, shared_pool
+from hetmoe.cpu import CPUExperts, Slots, WorkerPool, cpu_info, shared_pool
 from reference import moe_reference, moe_reference_emulated, rel_err
 
 # The row-block kernels of every ISA give the same bits; the AMX level (AMX experts read bf16 / int8
@@ -246,8 +246,8 @@ def test_isas_bitwise_identical(fmt):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_deterministic_across_runs_and_threads(fmt, isa):
-    one = build(fmt, isa, SMALL, pool=ExpertPool(1))
-    two = build(fmt, isa, SMALL, pool=ExpertPool(2))
+    one = build(fmt, isa, SMALL, pool=WorkerPool(1))
+    two = build(fmt, isa, SMALL, pool=WorkerPool(2))
     for T, k, hot in ((1, 2, 0.0), (12, 8, 0.0), (64, 8, 0.0), (300, 6, 0.85)):
         x, ids, w = inputs(SMALL, T, k, hot)
         first = two(x, ids, w)
@@ -444,7 +444,7 @@ def test_partial_loads():
 def test_unloaded_expert_raises_at_sync():
     E, H, I = SMALL
     gate, up, down = weights(SMALL)
-    ex = CPUExperts(E, H, I, "bf16", isa=BEST_ISA, pool=ExpertPool(2))
+    ex = CPUExperts(E, H, I, "bf16", isa=BEST_ISA, pool=WorkerPool(2))
     ex.load(gate[:1], up[:1], down[:1])
     x, ids, w = inputs(SMALL, 3, 2)
     ex.submit(x, ids, w)  # submit validates buffers only; routing is read when the job runs
@@ -612,7 +612,7 @@ class _Gate:
         self.pool, self.gate = pool, _C.GateJob()
 
     def __enter__(self):
-        self.pool._pool.submit(self.gate)  # a raw _C job: ExpertPool.submit takes MoEJobs only
+        self.pool._pool.submit(self.gate)  # a raw _C job: WorkerPool.submit takes MoEJobs only
         return self
 
     def __exit__(self, *exc):
@@ -638,7 +638,7 @@ def test_paired_deferral_jobs_run_as_one_list_with_the_same_bits(fmt, threads):
     layers in a row, for every token count a decode step takes; above 16 tokens they run unpaired."""
     from hetmoe import _C
 
-    pool = ExpertPool(threads)
+    pool = WorkerPool(threads)
     layers = []
     for seed in range(4):
         ex = CPUExperts(16, 64, 96, fmt, 32, pool=pool)
@@ -675,7 +675,7 @@ def test_chained_deferral_pairs_match_one_at_a_time(threads):
     wait for the previous deferred job would read its output half written."""
     from hetmoe import _C
 
-    pool = ExpertPool(threads)
+    pool = WorkerPool(threads)
     gen = torch.Generator().manual_seed(11)
     layers = []
     for seed in range(5):
@@ -724,7 +724,7 @@ def test_chained_deferral_pairs_match_one_at_a_time(threads):
 def test_paired_deferral_jobs_under_load():
     """Many pairs back to back with unrelated jobs between some of them, on a pool with more threads than cores:
     every output matches its one-at-a-time value."""
-    pool = ExpertPool(3)
+    pool = WorkerPool(3)
     ex = CPUExperts(16, 64, 96, "int8", 32, pool=pool)
     ex.fill_random(seed=9)
     gen = torch.Generator().manual_seed(4)
@@ -752,7 +752,7 @@ def test_paired_deferral_job_errors():
     """A pair whose deferred part routes to an unloaded expert: the immediate output is still right and the error
     is raised once, at the sync; a pair refuses jobs that do not belong together."""
     E, H, I = 8, 64, 96
-    pool = ExpertPool(2)
+    pool = WorkerPool(2)
     ex = CPUExperts(E, H, I, "bf16", pool=pool)
     gen = torch.Generator().manual_seed(5)
     ex.load(torch.randn(6, I, H, generator=gen) * 0.05, torch.randn(6, I, H, generator=gen) * 0.05,

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from hetmoe.cpu import CPUExperts, ExpertPool, cpu_info
+from hetmoe.cpu import CPUExperts, WorkerPool, cpu_info
 from hetmoe.cpu.codes import exact_layout, load_codes
 from hetmoe.load.gguf.kquants import kquant_codes
 from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, unpack_experts
@@ -47,7 +47,7 @@ def layout_of(kinds: tuple) -> dict:
     return exact_layout(*kinds)
 
 
-def kquant_experts(kinds: tuple, seed: int, pool: ExpertPool, isa: str = "auto", centered: bool = False, **kw):
+def kquant_experts(kinds: tuple, seed: int, pool: WorkerPool, isa: str = "auto", centered: bool = False, **kw):
     """(experts loaded from random blocks, gguf's dequantization of gate, up, down [E, rows, cols] each)."""
     rng = np.random.default_rng(seed)
     experts = CPUExperts(E, H, I, threads=None, pool=pool, isa=isa, **layout_of(kinds), **kw)
@@ -64,13 +64,13 @@ def kquant_experts(kinds: tuple, seed: int, pool: ExpertPool, isa: str = "auto",
 
 @pytest.fixture(scope="module")
 def two_subpools():
-    return ExpertPool(2, numa=2)
+    return WorkerPool(2, numa=2)
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["one-pool", "numa2"])
 @pytest.mark.parametrize("kinds", LAYERS, ids=lambda k: "+".join(k))
 def test_packed_experts_dequantize_bitwise_as_gguf(kinds, split, two_subpools):
-    experts, refs = kquant_experts(kinds, 1, two_subpools if split else ExpertPool(1))
+    experts, refs = kquant_experts(kinds, 1, two_subpools if split else WorkerPool(1))
     for e in range(E):
         for got, want in zip(experts.dequantized(e), refs):
             assert torch.equal(got.view(torch.int32), want[e].view(torch.int32))  # bit for bit, -0.0 included
@@ -96,7 +96,7 @@ def test_a_moe_call_matches_the_reference_on_gguf_values(kinds, T, path):
     max 1.3e-2 with int8 activations, 4.9e-5 with int16)."""
     amx = path != "rows"
     kw = dict(isa=path, amx_min_tokens=1) if amx else dict(amx_min_tokens=ROWS_ONLY)  # every expert on one path
-    experts, refs = kquant_experts(kinds, 2, ExpertPool(1), centered=True, **kw)
+    experts, refs = kquant_experts(kinds, 2, WorkerPool(1), centered=True, **kw)
     gen = torch.Generator().manual_seed(T)
     x = torch.randn(T, H, generator=gen)
     ids = torch.randint(0, E, (T, 2), generator=gen)
@@ -124,7 +124,7 @@ def test_odd_shapes_match_the_dequantized_reference(layout, path, H, I, E_odd, T
     measured max 6.3e-6), experts with no tokens and -1 ids included."""
     amx = path != "rows"
     kw = dict(isa=path, amx_min_tokens=1) if amx else dict(amx_min_tokens=ROWS_ONLY)
-    experts = CPUExperts(E_odd, H, I, pool=ExpertPool(1), **layout, **kw)
+    experts = CPUExperts(E_odd, H, I, pool=WorkerPool(1), **layout, **kw)
     gen = torch.Generator().manual_seed(H + T)
     experts.load(*(torch.randn(E_odd, r, c, generator=gen) * 0.05 for r, c in ((I, H), (I, H), (H, I))))
     x = torch.randn(T, H, generator=gen)
@@ -139,8 +139,8 @@ def test_odd_shapes_match_the_dequantized_reference(layout, path, H, I, E_odd, T
 @pytest.mark.parametrize("kinds", LAYERS, ids=lambda k: "+".join(k))
 def test_amx_emulated_and_row_blocks_agree_on_one_token_per_expert(kinds):
     """Below amx_min_tokens the AMX engine runs the row-block kernels: the same bits as a row-block engine."""
-    a, _ = kquant_experts(kinds, 3, ExpertPool(1), isa="amx-emulated", amx_min_tokens=ROWS_ONLY)
-    b, _ = kquant_experts(kinds, 3, ExpertPool(1), amx_min_tokens=ROWS_ONLY)
+    a, _ = kquant_experts(kinds, 3, WorkerPool(1), isa="amx-emulated", amx_min_tokens=ROWS_ONLY)
+    b, _ = kquant_experts(kinds, 3, WorkerPool(1), amx_min_tokens=ROWS_ONLY)
     gen = torch.Generator().manual_seed(5)
     x, ids, w = torch.randn(4, H, generator=gen), torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2]]), torch.rand(4, 2)
     assert torch.equal(a.forward(x, ids, w), b.forward(x, ids, w))
@@ -150,7 +150,7 @@ def test_amx_emulated_and_row_blocks_agree_on_one_token_per_expert(kinds):
 def test_the_gpu_prefill_unpack_equals_the_engine(kinds):
     """hetmoe/moe/streamed/packed.py's torch twin reads the affine, group-16 and mixed-format layouts bitwise (fp32)
     like the engine."""
-    experts, _ = kquant_experts(kinds, 4, ExpertPool(1))
+    experts, _ = kquant_experts(kinds, 4, WorkerPool(1))
     lay = ExpertLayout.of(experts)
     ranges = expert_ranges(experts)
     assert sum(lay.range_bytes()) == experts.info()["bytes_per_expert"]
@@ -166,7 +166,7 @@ def test_bad_blocks_and_layouts_are_refused():
         kquant_codes(np.zeros(144 * 2, np.uint8), "Q4_K", (2, 128))
     with pytest.raises(ValueError, match=r"Q6_K \[2, 256\] needs 420 bytes, got 419"):
         kquant_codes(np.zeros(419, np.uint8), "Q6_K", (2, 256))
-    experts = CPUExperts(E, H, I, "int4", 32, pool=ExpertPool(1), scaling="affine")
+    experts = CPUExperts(E, H, I, "int4", 32, pool=WorkerPool(1), scaling="affine")
     codes, scales, mins = [], [], []
     for rows, cols in ((I, H), (I, H), (H, I)):
         q, s, m = kquant_codes(np.stack([random_blocks("Q4_K", rows, cols, rng) for _ in range(E)]), "Q4_K",
@@ -184,23 +184,23 @@ def test_bad_blocks_and_layouts_are_refused():
         load_codes(experts, [codes[0], neg, codes[2]], scales, mins=mins)
     assert experts.info()["experts_loaded"] == 0
     with pytest.raises(ValueError, match=r"group_size must be 32, 64 or 128 \(or 0 for per-row\), got 16"):
-        CPUExperts(E, H, I, "int4", 16, pool=ExpertPool(1))
+        CPUExperts(E, H, I, "int4", 16, pool=WorkerPool(1))
     with pytest.raises(ValueError, match="affine scaling needs a group size"):
-        CPUExperts(E, H, I, "int8", 0, pool=ExpertPool(1), scaling="affine")
+        CPUExperts(E, H, I, "int8", 0, pool=WorkerPool(1), scaling="affine")
     with pytest.raises(ValueError, match="unknown scaling 'asym'"):
-        CPUExperts(E, H, I, "int8", 32, pool=ExpertPool(1), scaling="asym")
+        CPUExperts(E, H, I, "int8", 32, pool=WorkerPool(1), scaling="asym")
 
 
 TRITON_CHECK = """
 import sys, torch
-from hetmoe.cpu import CPUExperts, ExpertPool, cpu_info
+from hetmoe.cpu import CPUExperts, WorkerPool, cpu_info
 from hetmoe.ops.triton import packed as packed_triton
 from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, unpack_experts
 cuda = torch.cuda.is_available()
 dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
 for fmt, group, down_group, scaling in %r:
     E, H, I = 2, 64, 40  # K padded to the group in down
-    experts = CPUExperts(E, H, I, fmt, group, pool=ExpertPool(1), down_group_size=down_group, scaling=scaling)
+    experts = CPUExperts(E, H, I, fmt, group, pool=WorkerPool(1), down_group_size=down_group, scaling=scaling)
     experts.fill_random(seed=9)
     lay = ExpertLayout.of(experts)
     ranges = expert_ranges(experts)

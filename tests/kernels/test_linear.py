@@ -18,7 +18,7 @@ from torch import nn
 
 from hetmoe import _C
 from hetmoe.config.formats import DENSE_FORMATS
-from hetmoe.cpu import CPULinear, ExpertPool
+from hetmoe.cpu import CPULinear, WorkerPool
 from hetmoe.cpu import linear as cpu_linear
 from hetmoe.layers.norm import RMSNorm
 from reference import fake_quantize, rel_err
@@ -54,7 +54,7 @@ FORMAT_BOUND = {
 
 @pytest.fixture(scope="module")
 def pools():
-    return {1: ExpertPool(1), 2: ExpertPool(2)}
+    return {1: WorkerPool(1), 2: WorkerPool(2)}
 
 
 def make(path, fmt, group, w, pool, bias=None, sizes=None) -> CPULinear:

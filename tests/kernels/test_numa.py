@@ -31,7 +31,7 @@ import torch
 from cases import FORMATS, make_routing, make_weights, make_x
 from hetmoe import _C, cpu
 from hetmoe.config.options import parse_numa
-from hetmoe.cpu import CPUExperts, ExpertPool, HostFuncs, cpu_info, shared_pool
+from hetmoe.cpu import CPUExperts, HostFuncs, WorkerPool, cpu_info, shared_pool
 from hetmoe.cpu.numa import resolve_subpools, topology
 from reference import amx_row_group, moe_reference, moe_reference_emulated, rel_err
 
@@ -59,7 +59,7 @@ def one(pool):
 
 @pytest.fixture(scope="module")
 def two():
-    return ExpertPool(2, numa=2)
+    return WorkerPool(2, numa=2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,10 +140,10 @@ def test_single_slice_is_bitwise(one, two):
 
 def test_two_threads_per_subpool():
     """Parallel loops inside each subpool (2 threads each), and the reduction spread over both subpools."""
-    wide = ExpertPool(4, numa=2)
+    wide = WorkerPool(4, numa=2)
     assert [p["threads"] for p in wide.numa_plans] == [2, 2]
     shape = (6, 48, 96)
-    a, b = build("bf16", shape, ExpertPool(2)), build("bf16", shape, wide)
+    a, b = build("bf16", shape, WorkerPool(2)), build("bf16", shape, wide)
     x, ids, w = inputs(shape, 1100, 2)  # two chunks of tokens; 1100 x 48 x 2 partials: the parallel reduction
     assert rel_err(b(x, ids, w), a(x, ids, w)) <= SPLIT_TOL
     out = torch.randn(1100, 48).bfloat16()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cases import make_routing, make_weights, make_x
-from hetmoe.cpu import ISAS, CPUExperts, CPULinear, ExpertPool, MoEJob, cpu_info
+from hetmoe.cpu import ISAS, CPUExperts, CPULinear, EngineJob, WorkerPool, cpu_info
 from hetmoe.cpu.pool import job_list
 from reference import rel_err
 
@@ -83,7 +83,7 @@ def test_resubmit_prepared_job_reads_current_contents(pool, engine_path):
     x2, ids2, w2 = make_inputs(64, 6, seed=7)
     out = torch.empty(64, H)
     job = layer.prepare(x, ids, w, out)
-    assert isinstance(job, MoEJob) and job.out is out
+    assert isinstance(job, EngineJob) and job.out is out
     pool.submit(job)
     pool.sync()
     assert torch.equal(out, layer(x, ids, w))
@@ -314,8 +314,8 @@ def test_bad_weights(pool):
 
 def test_pool_arguments(pool):
     with pytest.raises(ValueError, match="threads must be >= 1, got 0"):
-        ExpertPool(0)
-    with pytest.raises(TypeError, match="submit expects a MoEJob"):
+        WorkerPool(0)
+    with pytest.raises(TypeError, match="submit expects a EngineJob"):
         pool.submit("job")
     with pytest.raises(ValueError, match="allow_pending must be >= 0, got -1"):
         pool.sync(-1)
@@ -379,7 +379,7 @@ def test_idle_pool_threads_park_and_stay_parked():
     CPU-time budget: the threads reach S (a spinning or yielding thread is R), then their context-switch counts stay
     equal, which a thread that polls (a timed sleep, a timed wait) would change at every wake-up."""
     before = _thread_ids()
-    pool = ExpertPool(2)
+    pool = WorkerPool(2)
     threads = sorted(_thread_ids() - before)
     assert len(threads) == 2, f"a pool of 2 starts 2 threads, found new threads {threads}"
     layer = make_layer(pool)

@@ -10,7 +10,7 @@ layer input, at the same time; their bytes are the ones copied last, the ones th
                  experts set to -1); the shared experts; wait for the side stream; add the job's fp32 output, read
                  from pinned memory, to the GPU's fp32 part (``add_rows``); combine
 
-SUBMIT and SYNC are the stream-ordered host functions of the hybrid decode step (``ExpertPool.submit_on_stream`` /
+SUBMIT and SYNC are the stream-ordered host functions of the hybrid decode step (``WorkerPool.submit_on_stream`` /
 ``sync_on_stream``, hetmoe/moe/stream.py): nothing waits on the host, and the staging copies and the SYNC, which
 blocks its stream, sit on a side stream, so the main stream keeps computing. The CPU job is prepared once per (layer, c)
 over static pinned buffers of ``capacity`` tokens; T is read when it runs from a pinned int64 set in stream order, and
@@ -63,7 +63,7 @@ class CPUShare:
         self.host_funcs = HostFuncs()
         self.side = torch.cuda.Stream(self.device) if self.cuda else None
         self._bufs = None  # (x, ids, weights, out, n_tokens, n_tokens on the device): allocated at first use
-        self._jobs: dict = {}  # (layer index, c) -> MoEJob
+        self._jobs: dict = {}  # (layer index, c) -> EngineJob
         self._masks: dict = {}  # (E, c) -> bool [E]: the experts the CPU skips (the GPU's)
 
     def experts_for(self, n_tokens: int, num_experts: int) -> int:
