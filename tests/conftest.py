@@ -2,10 +2,8 @@
 
 Tiers: the per-commit tier (``python -m pytest -q tests``, what ``.ci/run`` runs) skips tests marked ``slow``;
 ``HETMOE_TEST_ALL=1`` runs them too (CI's second step, and the GPU machine). Tests marked ``gpu`` are skipped
-where torch sees no CUDA device. Layout: ``kernels/`` the C++ engine (kernels, AMX, row ops, pool, NUMA, stream
-hooks), ``models/`` the layers and model files (parity with transformers), ``engine/`` loading, running,
-generation, CLI, benchmarks, ``server/`` the HTTP server and its scheduler. ``paths.py`` names the engine's
-numerical paths and the bounds between them.
+where torch sees no CUDA device. Layout: each folder tests the package folder of its name (tests/README.md).
+``paths.py`` names the engine's numerical paths and the bounds between them.
 """
 
 from __future__ import annotations

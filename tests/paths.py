@@ -68,7 +68,7 @@ PATHS = {p.name: p for p in ALL_PATHS if p.isa == AMX_EMULATED or p.isa in _INFO
 BEST_ROW_PATH = PATHS[next(i for i in ("avx512", "avx2", "scalar") if i in PATHS)]
 BEST_AMX_PATH = PATHS.get("amx", PATHS[AMX_EMULATED])  # the tile unit where there is one, else its emulation
 # One path of each class: for whole-model tests too costly to run on every path (the row-block paths give the same
-# bits as each other, and the two AMX paths for int8/int4: tests/kernels checks both claims on every path).
+# bits as each other, and the two AMX paths for int8/int4: tests/cpu checks both claims on every path).
 CLASS_PATHS = (BEST_ROW_PATH, BEST_AMX_PATH)
 # What isa="auto" runs here, and whether it can put experts of one call on different classes.
 AUTO_MIXES_CLASSES = _INFO["best_isa"] == "amx"

@@ -246,6 +246,14 @@ def test_dispatch_decisions_live_in_the_moe_package(pattern):
     assert not hits, "\n".join(hits)
 
 
+def test_tests_mirror_the_package_folders():
+    tests = ROOT / "tests"
+    folders = sorted(d.relative_to(tests) for d in tests.rglob("*") if d.is_dir() and d.name != "__pycache__"
+                     and any(d.glob("test_*.py")))
+    stray = [str(d) for d in folders if not (PACKAGE / d).is_dir()]
+    assert folders and not stray, f"test folders with no package folder of that name: {stray}"
+
+
 def test_the_cycle_finder_finds_cycles():
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None

@@ -1,5 +1,5 @@
 """Tiny random Transformers MoE checkpoints, built with Transformers' own config classes and saved with
-save_pretrained (tests/engine/test_transformers_backend.py)."""
+save_pretrained (tests/transformers/test_transformers_backend.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 # Issue 6 items 1, 2, 3, 5 on the GPU machine (AMX Xeon, 16 cores): AMX prefill kernels, the per-expert AMX /
 # AVX-512 choice, the task split under skewed routing. Run from the repo root after
 # `python3 -m pip install --no-build-isolation --no-deps -e .`. Everything lands in $OUT/amx/. Budget: < 4 min.
-#   1. hetmoe doctor (the choice table) and tests/kernels/test_amx.py with the real tile instructions (the emulated
+#   1. hetmoe doctor (the choice table) and tests/cpu/test_amx.py with the real tile instructions (the emulated
 #      parametrizations are left to the dev machine; native-vs-emulated equality is still checked)
 #   2. hetmoe bench kernel on the DeepSeek-V3 layer (H 7168, I 2048, 64 experts, top-8, 16 threads),
 #      T = 1..8192, uniform and zipf routing, AMX (adaptive) vs AVX-512 (same weights, T <= 512), TFLOPS; then
@@ -20,11 +20,11 @@ left() { echo $(( $1 - SECONDS )); }  # seconds until second $1 of the run
 timeout 20 hetmoe doctor 2>&1 | tee "$out/doctor.txt"
 
 # 1) tests: native AMX vs the fp32 and emulated references, dispatch, task split; the big accuracy matrix last
-timeout 60 python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_amx.py -k "not amx-emulated and not test_matrix" \
+timeout 60 python3 -m pytest -q -rs -p no:cacheprovider tests/cpu/test_amx.py -k "not amx-emulated and not test_matrix" \
   --junitxml="$out/junit.xml" >"$out/tests.txt" 2>&1
 echo "tests rc=$? after ${SECONDS}s" | tee -a "$out/tests.txt"
 grep -E "passed|failed|Error|assert|SKIPPED" "$out/tests.txt" | tail -30
-timeout $(( 100 - SECONDS > 10 ? 100 - SECONDS : 10 )) python3 -m pytest -q -p no:cacheprovider tests/kernels/test_amx.py \
+timeout $(( 100 - SECONDS > 10 ? 100 - SECONDS : 10 )) python3 -m pytest -q -p no:cacheprovider tests/cpu/test_amx.py \
   -k "test_matrix and not amx-emulated" --junitxml="$out/junit_matrix.xml" >"$out/tests_matrix.txt" 2>&1
 echo "matrix tests rc=$? after ${SECONDS}s" | tee -a "$out/tests_matrix.txt"
 grep -E "passed|failed|Error|assert" "$out/tests_matrix.txt" | tail -15

@@ -145,7 +145,7 @@ rows_bf16: list = []
 def errors(formats) -> None:
     """||y - ref|| / ||ref|| of each format's kernels on this GPU, N(0, 0.02) weights [1536, 2048] (fused
     1024 + 512, bias), N(0, 1) inputs: against the fp32 product with the dequantized weights (the kernel) and with
-    the bf16 weights (the format); the numbers tests/models/test_gpu_linear.py bounds."""
+    the bf16 weights (the format); the numbers tests/layers/test_gpu_linear.py bounds."""
     from hetmoe.layers.gpu_linear import dequantize
 
     gen = torch.Generator(device="cuda").manual_seed(1)

@@ -16,8 +16,8 @@ t0=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >"$out/gpu.txt" 2>&1
 git rev-parse HEAD >"$out/commit.txt" 2>/dev/null
 
-timeout 240 python3 -m pytest tests/models/test_gpu_experts.py tests/models/test_gpu_experts_routed.py \
-  tests/models/test_gpu_experts_int.py -q -rs -s -p no:cacheprovider \
+timeout 240 python3 -m pytest tests/moe/gpu_resident/test_gpu_experts.py tests/moe/gpu_resident/test_gpu_experts_routed.py \
+  tests/moe/gpu_resident/test_gpu_experts_int.py -q -rs -s -p no:cacheprovider \
   --junitxml="$out/junit.xml" >"$out/tests.log" 2>&1
 tests_rc=$?
 grep -E "max rel|vs cpu|vs CPU|emulation|all resident|passed|failed|Error|SKIPPED" "$out/tests.log" | tail -40

@@ -14,7 +14,7 @@ git rev-parse --short HEAD 2>/dev/null | tee "$out/commit.txt"
 
 # 1) tests (GPU ones included); -s keeps the measured errors the tests print
 timeout 130 python3 -m pytest -q -s -rs -p no:cacheprovider --durations=8 tests/engine/test_cuda_graph.py tests/engine/test_hybrid_gpu.py \
-  tests/kernels/test_cuda_hooks.py tests/models/test_deferral.py >"$out/tests.txt" 2>&1
+  tests/cpu/test_cuda_hooks.py tests/moe/test_deferral.py >"$out/tests.txt" 2>&1
 echo "tests rc=$? after ${SECONDS}s" | tee -a "$out/tests.txt"
 grep -E "passed|failed|error|rel\. logit|~|generated:|fake stream|Error|assert|slowest|^[0-9.]+s " "$out/tests.txt" | tail -70
 

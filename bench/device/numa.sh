@@ -3,7 +3,7 @@
 # Run from the repo root after `python3 -m pip install --no-build-isolation --no-deps -e .`. Everything lands in
 # $OUT/numa/. Budget: ~2 min (hard stops at ~2.7 min).
 #   1. hetmoe doctor --numa auto and --numa 2 (topology, the subpools and where memory goes)
-#   2. tests/kernels/test_numa.py with the AVX-512 row-block kernels and the native AMX path (the loader end-to-end test
+#   2. tests/cpu/test_numa.py with the AVX-512 row-block kernels and the native AMX path (the loader end-to-end test
 #      is pure Python plumbing, run on the dev machine)
 #   3. python -m hetmoe.bench.numa: DeepSeek-V3 layer (H 7168, I 2048, 64 experts, top-8), 16 threads as one
 #      pool vs 2 subpools of 8, decode (T = 1, 4, 32) and prefill (T = 512, 2048 int8), int8 / bf16 / int4:
@@ -23,7 +23,7 @@ cat /sys/devices/system/node/online /sys/devices/system/node/has_memory 2>&1 | t
 grep -E "^numa|^  (node|engine|subpool)" "$out/doctor.txt"
 
 # 2) tests
-timeout 70 python3 -m pytest -q -rs -s -p no:cacheprovider tests/kernels/test_numa.py -k "not loader_numa" \
+timeout 70 python3 -m pytest -q -rs -s -p no:cacheprovider tests/cpu/test_numa.py -k "not loader_numa" \
   --junitxml="$out/junit.xml" >"$out/tests.txt" 2>&1
 echo "tests rc=$? after ${SECONDS}s" | tee -a "$out/tests.txt"
 grep -E "passed|failed|Error|assert|SKIPPED|unsplit engine" "$out/tests.txt" | tail -40

@@ -1,5 +1,5 @@
 // GGUF's K-quant blocks (llama.cpp's Q4_K, Q5_K, Q6_K) decoded into the codes, scales and mins that
-// formats/pack.h pack_row_block_codes packs exactly (hetmoe/gguf/kquants.py documents the byte layouts; the Python
+// formats/pack.h pack_row_block_codes packs exactly (hetmoe/load/gguf/kquants.py documents the byte layouts; the Python
 // side checks the sizes). A row is cut in super-blocks of 256 values:
 //   Q4_K (144 B)  fp16 d, fp16 dmin, 12 B of 6-bit (scale, min) pairs, 128 B of nibbles   -> codes 0..15, per 32
 //   Q5_K (176 B)  as Q4_K with 32 B of fifth bits before the nibbles                      -> codes 0..31, per 32

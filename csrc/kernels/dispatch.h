@@ -101,7 +101,7 @@ void rowblock_int4(const RowBlock&, const uint8_t* const*, const ActLayout&, int
 }  // namespace avx512
 namespace amx {                   // kernels/amx/kernels.cpp (real tile instructions) and emulated.cpp (plain C++)
 GemmKernel gemm(WeightFormat f);  // Gemm<Native> (native AMX builds only)
-// The loops of the AMX GEMM the engine does not pick, for same-bits tests of the emulated one (tests/kernels/
+// The loops of the AMX GEMM the engine does not pick, for same-bits tests of the emulated one (tests/cpu/
 // test_amx_loops.py; their A/B timings: BENCHMARKS.md#amx-prefill). `loop`: grouped int8 calls take the two-set
 // 16-token loop up to 32 tokens and the 32-token loop above (engine), or one of the two at every length (int4 takes
 // the two-set loop at every length in any case). `int4_signed` false: symmetric int4 expanded to unsigned bytes

@@ -13,7 +13,7 @@
 // of the 16-row block, so gate/up row blocks, down's scale groups and the groups in which the down input h is
 // quantized are all the unsplit engine's: the packed bytes and every activation rounding are bitwise the
 // same. What differs is fp32 summation order only: the down dot product over I becomes a sum of per-slice
-// partial sums, and the weighted combine runs per slice (measured in tests/kernels/test_numa.py).
+// partial sums, and the weighted combine runs per slice (measured in tests/cpu/test_numa.py).
 //
 // Packing reads the full matrices (per-row int8/int4 scales need the whole row), so the slices hold exactly the
 // bytes the unsplit engine would. The packed storage (what the converted-expert cache saves) is the slices'

@@ -1,5 +1,5 @@
 // The kernels' row ops at each ISA level, the MoE job's task split and the emulated AMX GEMM's loop variants, bound
-// for tests; and GGUF's K-quant block decoder (hetmoe/gguf/kquants.py).
+// for tests; and GGUF's K-quant block decoder (hetmoe/load/gguf/kquants.py).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -199,7 +199,7 @@ void bind_kernels(py::module_& m) {
       },
       py::arg("fmt"), py::arg("group"), py::arg("w"), py::arg("x"), py::arg("scaling") = "symmetric",
       py::arg("loop") = "engine", py::arg("int4_signed") = true);
-  // formats/gguf_blocks.h decode_kquant on raw addresses (the caller sized every buffer: hetmoe/gguf/kquants.py)
+  // formats/gguf_blocks.h decode_kquant on raw addresses (the caller sized every buffer: hetmoe/load/gguf/kquants.py)
   m.def(
       "decode_kquant",
       [](const std::string& kind, uintptr_t raw, int64_t rows, int64_t cols, uintptr_t codes, uintptr_t scales,

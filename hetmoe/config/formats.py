@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # `tolerance`: the bound on a linear's output error against the bf16 weights, ||y - y_bf16|| / ||y_bf16||, over
-# random N(0, 1) activations and N(0, 0.02) weights, measured by tests/kernels/test_linear.py and
-# tests/models/test_gpu_linear.py (the worst device and ISA path, with margin).
+# random N(0, 1) activations and N(0, 0.02) weights, measured by tests/cpu/test_linear.py and
+# tests/layers/test_gpu_linear.py (the worst device and ISA path, with margin).
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ class CPUExperts:
 
     AMX multiplies bf16 x bf16 and int8 x int8, so AMX experts read activations rounded to bf16 (bf16
     weights) or int8 per group (int8 weights; the AVX-512 path keeps int16); int4 weights use int8
-    activations on both paths (AMX, per-row weights: one x scale per token). Accuracy: tests/kernels/test_amx.py.
+    activations on both paths (AMX, per-row weights: one x scale per token). Accuracy: tests/cpu/test_amx.py.
     """
 
     def __init__(

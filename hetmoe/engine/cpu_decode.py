@@ -25,7 +25,7 @@ engine's RMSNorm and the block's q/k norm and RoPE round as PyTorch's fp32 ops (
 csrc/dense/sum_order.h), so an fp32 model's lean step is bitwise the eager one there. bf16: the input norm runs in
 fp32 inside the linear (eager rounds its output to bf16 first), o_proj's fp32 output and the experts' fp32 sum are
 added to the residual before rounding (eager rounds them first): within the bound measured in
-tests/engine/test_lean_decode.py.
+tests/engine/test_cpu_decode.py.
 """
 
 from __future__ import annotations

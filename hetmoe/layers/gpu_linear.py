@@ -41,7 +41,7 @@ INT_QMAX = {"int8": 127, "int4": 7}
 KERNELS = ("torch", "triton", "scaled_mm", "reference")
 DECODE_M = 16  # rows at most for the GEMV (triton_linear.DECODE_M, kept here so no import of triton is needed)
 _CHUNK_ELEMENTS = 1 << 22  # weight elements converted at a time while packing: a slab, 16 MiB in fp32; its
-# temporaries are about 5 such slabs (tests/engine/test_build_peak.py measures them)
+# temporaries are about 5 such slabs (tests/load/test_build_peak.py measures them)
 SCALED_MM_MIN_WEIGHTS = 1 << 25  # fp8 weights at least this large take _scaled_mm for prefill
 # a fused decode step's SwiGLU MLP computes silu(gate) * up inside the down projection's GEMV (``swiglu``), one kernel
 # fewer (the A/B that chose it: BENCHMARKS.md, "GPU part of the decode step")

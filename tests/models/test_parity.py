@@ -9,7 +9,7 @@ Checkpoints (synthetic.write_checkpoint, fp32, 3 layers):
     mixtral       the MoE block named ``block_sparse_moe``, experts ``w1|w3|w2`` (gate|up|down): the loader of
                   tests/parity.py reads both spellings
     deepseek_v2   layer 0 dense (first_k_dense_replace=1), layers 1 and 2 MoE with shared experts; prefill in the
-    deepseek_v3   expanded MLA form, decode in the weight-absorbed form (tests/models/test_mla.py: the two forms)
+    deepseek_v3   expanded MLA form, decode in the weight-absorbed form (tests/layers/test_mla.py: the two forms)
 """
 
 import pytest

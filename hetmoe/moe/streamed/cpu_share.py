@@ -22,7 +22,8 @@ The share c is chosen per chunk from the rates the layerwise path measures at lo
 side starts when the layer's input exists, so the GPU's work comes before its c / E of the whole-layer CPU time,
 stretched by the DRAM the DMA shares with it. Where the share does not promise ``MIN_GAIN`` of the layer's time
 (long chunks, where the GPU path's rate is far above the CPU's), c = 0. The sum of the two fp32 parts is the all-GPU
-path's within the formats' cross-path bound (the CPU engine rounds its activations; tests/models/test_cpu_share.py).
+path's within the formats' cross-path bound (the CPU engine rounds its activations;
+tests/moe/streamed/test_cpu_share.py).
 
 ``--gpu-prefill-cpu-share``: ``auto`` (default), ``off``, or a fixed number of experts.
 

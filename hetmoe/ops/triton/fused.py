@@ -19,7 +19,7 @@ kernels of a decode graph.
 
 Each kernel rounds to the model dtype where the unfused PyTorch code does (the cast after RMSNorm, after the
 norm's weight, after each product and sum of RoPE), so the fused path differs from the unfused one only by the
-order of a reduction: tests/models/test_fused_decode.py measures the difference under Triton's interpreter. The
+order of a reduction: tests/ops/test_fused_decode.py measures the difference under Triton's interpreter. The
 cache is the paged layout (``table`` given: position p of row r in page table[r, p // P] at offset p % P) or the
 contiguous one (``table`` None: row r is page r, P its capacity). Shapes: T tokens (B * S), H query heads, K kv
 heads, D head dim; nothing reads the host, so each call is capturable in a CUDA graph.

@@ -3,7 +3,7 @@ head, the query's no-RoPE part times W_uk into the latent space, and the attenti
 it (hetmoe/models/deepseek_v2.py). Each is ``torch.einsum("thk,hkn->thn", x, w)`` over a decode step's row, done as
 one GEMV-shaped kernel: every program reads one tile of one head's matrix once and multiplies it by each row on the
 CUDA cores, one node of the decode graph where einsum's batched GEMM is more (BENCHMARKS.md, "GPU part of the decode
-step"). Tested against einsum in tests/models/test_fused_decode.py (Triton's interpreter without a GPU).
+step"). Tested against einsum in tests/ops/test_fused_decode.py (Triton's interpreter without a GPU).
 """
 
 from __future__ import annotations

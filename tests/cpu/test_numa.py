@@ -14,7 +14,7 @@ What is bitwise and what is not:
     MEASURED over this file's cases (dev machine, AVX2 kernels): 0.9e-7..2.3e-7 for fp32 out (bf16 weights the
     most), asserted SPLIT_TOL = 1e-6; with bf16 out, the few elements whose fp32 values straddle a bf16
     rounding boundary round the other way (measured up to 8.3e-5 relative over a whole output), asserted
-    elementwise: at most one bf16 ulp apart. Plus the tolerances of tests/kernels/test_kernels.py against the exact
+    elementwise: at most one bf16 ulp apart. Plus the tolerances of tests/cpu/test_kernels.py against the exact
     fp32 reference and the dequantized (emulated) reference;
   * with I at most one group there is one slice and the output is bitwise the unsplit engine's (asserted).
 """
@@ -36,11 +36,11 @@ from hetmoe.cpu.numa import resolve_subpools, topology
 from reference import amx_row_group, moe_reference, moe_reference_emulated, rel_err
 
 # The row-block kernels (AVX-512 on the GPU machine, AVX2 here); the AMX path has its own test below, with the
-# tolerances of tests/kernels/test_amx.py (its activations are rounded to bf16 / int8).
+# tolerances of tests/cpu/test_amx.py (its activations are rounded to bf16 / int8).
 ROW_ISA = next(i for i in ("avx512", "avx2", "scalar") if i in cpu_info()["supported_isas"])
 AMX_PATHS = [getattr(cpu, "AMX_EMULATED", None)] + (["amx"] if "amx" in cpu_info()["supported_isas"] else [])
 AMX_FP32_TOL = {"bf16": 5.5e-3, "int8-g128": 2.3e-2, "int8-row": 2.5e-2, "int4-g64": 0.22, "int4-row": 0.24}
-# the tolerances of tests/kernels/test_kernels.py ("all cases" column)
+# the tolerances of tests/cpu/test_kernels.py ("all cases" column)
 FP32_TOL = {"bf16": 5.0e-3, "int8-g32": 1.5e-2, "int8-g64": 1.3e-2, "int8-g128": 1.4e-2, "int8-row": 1.75e-2,
             "int4-g32": 0.27, "int4-g64": 0.23, "int4-g128": 0.25, "int4-row": 0.235}
 EMULATED_TOL = 1e-3

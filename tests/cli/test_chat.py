@@ -236,7 +236,7 @@ def test_ctrl_c_stops_the_reply_and_keeps_it(capsys):
                            {"role": "user", "content": "second"}]
     assert "never" not in out.out and out.err.count("(stopped") == 3
     # A second Ctrl-C stops at once (KeyboardInterrupt wherever the engine is): the reply so far stays too (what
-    # the cache may then hold is LLM's concern: tests/engine/test_cli.py test_an_interrupted_step_is_not_reused).
+    # the cache may then hold is LLM's concern: tests/cli/test_cli.py test_an_interrupted_step_is_not_reused).
     # A Ctrl-C between Enter and the reply stops the reply before it starts: the message stays, with no reply.
     assert llm.seen[2][-4:] == [{"role": "assistant", "content": "a"}, {"role": "user", "content": "early"},
                                 {"role": "assistant", "content": ""}, {"role": "user", "content": "third"}]

@@ -435,7 +435,7 @@ def test_peak_rss_while_loading(big):
 
 
 def test_loader_numa_end_to_end(tmp_path):
-    """Experts split over 2 NUMA subpools (tests/kernels/test_numa.py tests the split itself): the same logits as
+    """Experts split over 2 NUMA subpools (tests/cpu/test_numa.py tests the split itself): the same logits as
     unsplit, and the split layout's own cache entries."""
     path = write_checkpoint(tmp_path / "m", "qwen3_moe", {"moe_intermediate_size": 96}, seed=4, dtype="float32")
     ref, tokens = run_logits(load(path, experts_format="int8", threads=2, numa="off"))

@@ -9,7 +9,7 @@ Engine paths (tests/paths.py): the bitwise properties (d = 0, overlapped == sync
 leaks) hold within one path, and the formula test compares the engine with the fp32 reference under the bf16
 bound. Each loads and runs whole models, the costliest tests of this folder, so to keep the per-commit tier short
 they run on TWO_PATHS, not on every path of PATHS: one row-block path (the best this machine runs; the row-block
-paths give the same bits as each other, tests/kernels) and one AMX path (the tile unit where there is one, else
+paths give the same bits as each other, tests/cpu) and one AMX path (the tile unit where there is one, else
 amx-emulated: the AMX logic on any CPU)."""
 
 import pytest

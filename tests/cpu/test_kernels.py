@@ -43,7 +43,7 @@ from hetmoe.cpu import CPUExperts, Slots, WorkerPool, cpu_info, shared_pool
 from reference import moe_reference, moe_reference_emulated, rel_err
 
 # The row-block kernels of every ISA give the same bits; the AMX level (AMX experts read bf16 / int8
-# activations) has its own file, tests/kernels/test_amx.py.
+# activations) has its own file, tests/cpu/test_amx.py.
 ISAS = [isa for isa in cpu_info()["supported_isas"] if isa != "amx"]
 BEST_ISA = ISAS[-1]
 

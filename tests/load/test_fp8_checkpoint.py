@@ -296,6 +296,6 @@ def test_fp8_checkpoint_on_cuda(fp8_ckpts, which):
     if which == "exact":  # (the round trip's 0.2% weight change flips a top-k choice of this tiny model on the CPU)
         # Kept weights equal the reference's up to its bf16 rounding; lm_head (bf16 in the checkpoint) is quantized.
         # MEASURED on the CPU with GPULinear's fp32 reference path: 3.6e-2; on the GPU: not yet. Bound as
-        # tests/engine/test_dense_format.py's whole-model fp8 bound.
+        # tests/load/test_dense_format.py's whole-model fp8 bound.
         err = ((eager - ref).abs().max() / ref.abs().max()).item()
         assert err <= 0.2, err

@@ -10,7 +10,7 @@ GPU (marked, skipped without CUDA): hybrid placement with --gpu-experts N agains
 deepseek_v3 tiny checkpoints; decode as a CUDA graph, the same step eager, and the plain synchronous path; decode steps
 take the routed Triton path); deferral + resident experts against a CPU emulation of the same dispatch; every expert
 resident makes deferral a no-op; the dense and routed decode paths captured into a CUDA graph on their own. The routed
-kernels alone: tests/models/test_gpu_experts_routed.py.
+kernels alone: tests/moe/gpu_resident/test_gpu_experts_routed.py.
 
 Tolerances (relative errors ||out - ref|| / ||ref||, or max |diff| / max |ref| for logits) are written beside each
 assert with what was measured.

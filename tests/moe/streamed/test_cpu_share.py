@@ -10,7 +10,7 @@ load option.
 
 Paths: the engine's row-block kernels on this machine's best non-AMX ISA (the CPU part) + the torch path in fp32
 (the GPU part) vs the torch path alone: the engine rounds its activations (int8: int16, int4: int8 per group), so
-the tolerances are those of tests/models/test_layerwise.py's path-vs-engine test. Relative max logit errors.
+the tolerances are those of tests/moe/streamed/test_layerwise.py's path-vs-engine test. Relative max logit errors.
 """
 
 import pytest

@@ -2,7 +2,7 @@
 hetmoe/ops/triton/grouped.py): here under Triton's interpreter on CPU tensors, with ``torch._grouped_mm`` replaced by
 a loop over the offsets that leaves the rows past the last offset NaN (as unwritten GPU memory may be), so a
 skipped slot's row leaking into the sum would show. On a GPU the same path is covered end to end by the layerwise
-GPU tests (tests/models/test_layerwise.py, prefill logits against the CPU engine)."""
+GPU tests (tests/moe/streamed/test_layerwise.py, prefill logits against the CPU engine)."""
 
 import pytest
 import torch
