@@ -1,7 +1,7 @@
 """GGUF files for the tests, written the way llama.cpp's convert_hf_to_gguf.py writes them (a converter in
 miniature): its metadata keys per architecture, its tensor transforms (q/k permutation for llama, experts stacked
 into one tensor, DeepSeek's kv_b_proj cut into attn_k_b / attn_v_b), gguf's own HF -> GGUF name table
-(TensorNameMap) and its tokenizer keys. Shared by tests/engine/test_gguf_*.py; needs the gguf package."""
+(TensorNameMap) and its tokenizer keys. Shared by tests/load/gguf/; needs the gguf package."""
 
 from __future__ import annotations
 

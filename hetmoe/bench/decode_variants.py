@@ -1,4 +1,4 @@
-"""Decode variants of the hybrid placement, for ``hetmoe bench e2e`` on a GPU (issue 4): the same loaded model decoded
+"""Decode variants of the hybrid placement, for ``hetmoe bench e2e`` on a GPU: the same loaded model decoded
 eagerly, as a CUDA graph, as a graph with Expert Deferral d = 1, 2, 3, and (with ``--gpu-experts N``) as a graph with
 GPU-resident experts — each at batch 1 beside the decode roofline, with a one-step time split:
 

@@ -1,5 +1,5 @@
 """A lean decode step on the CPU: the whole step's work queued on the engine as one job, instead of tens of small
-PyTorch ops and a round trip through Python per call (issue 23).
+PyTorch ops and a round trip through Python per call.
 
 For every decoder layer (pre-norm, GQA attention whose q/k/v and o_proj are packed into the engine,
 hetmoe/load/dense.py):

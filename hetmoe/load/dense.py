@@ -13,7 +13,7 @@ list of ``nn.Linear`` (one fused matrix of their rows) and offer ``forward(x)`` 
 
 Built on a GPU in a format other than bf16, a linear's weight is first made in host memory (``on_host``: the loader
 reads it there, synthetic models generate it there) and ``GPULinear`` uploads and converts it a slab of rows at a
-time, so the build's VRAM is the packed weights plus one slab's temporaries, within the plan (issue 24).
+time, so the build's VRAM is the packed weights plus one slab's temporaries, within the plan.
 
 A DeepSeek FP8 checkpoint (e4m3 weights, one ``weight_scale_inv`` per 128 x 128 block) packed in the fp8 format on a
 GPU keeps its own bytes (``FP8Source``): the fp8 format is DeepSeek's layout (codes [N, K] with K zero-padded to a

@@ -286,7 +286,7 @@ _CHUNK = 1 << 24  # elements generated per task (on the CPU, tasks run on all co
 def _walk(module: nn.Module, prefix: str = ""):
     """(name, module) of ``module`` and every module under it, in ``named_modules`` order, keeping no reference to a
     module whose subtree is done: ``named_modules`` remembers every module it visited until it ends, which would keep
-    alive each weight that ``_fill_random``'s ``each_layer`` packed and replaced (issue 24: a whole model's bf16
+    alive each weight that ``_fill_random``'s ``each_layer`` packed and replaced (a whole model's bf16
     weights on the GPU at once)."""
     seen = set()  # ids, not modules: a module reached twice is visited once, as named_modules does
 

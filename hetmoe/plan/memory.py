@@ -90,7 +90,7 @@ class MemoryPlan:
 
     def table(self, width: int = 100) -> list:
         """The plan as lines of at most ``width`` columns: one row per part (where, bytes, why), then each
-        budget's total (hetmoe/engine/plan_table.py)."""
+        budget's total (``plan_table`` below)."""
         return plan_table(self, width)
 
 

@@ -1,4 +1,4 @@
-"""bench/llama_cpp_peer.py's GGUF writer (issue 23's llama.cpp peer, hetmoe/load/gguf/random_file.py): the file gguf's
+"""bench/llama_cpp_peer.py's GGUF writer (the llama.cpp peer's file, hetmoe/load/gguf/random_file.py): the file gguf's
 own reader reads back holds every tensor llama.cpp's qwen3moe model loads, with the asked GGML types and shapes (Q4_0
 and K-quant experts), weights of a sensible size, and a byte-level vocabulary of the shape's size; the commands of a
 --gpu run. llama.cpp itself is not run here."""

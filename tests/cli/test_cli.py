@@ -521,7 +521,7 @@ def test_bare_commands_print_their_help(capsys):
     assert code == 2 and stdout == "" and "kernel" in stderr and "overhead" in stderr
     assert stderr.splitlines()[-1] == "hetmoe bench: error: choose a benchmark: kernel, e2e, serve, overhead"
     code, stdout, _ = main(capsys, "chat", "--help")  # chat's own default, not generate's
-    assert code == 0 and "most tokens per reply (default: 512)" in " ".join(stdout.split())
+    assert code == 0 and "(--max-new-tokens: the same; default: 512)" in " ".join(stdout.split())
 
 
 def _into_a_closed_pipe(env, *args):

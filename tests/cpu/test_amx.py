@@ -1,4 +1,4 @@
-"""AMX prefill path (issue 6): the AMX GEMM, the per-expert AMX / row-block choice, the task split, dispatch.
+"""AMX prefill path: the AMX GEMM, the per-expert AMX / row-block choice, the task split, dispatch.
 
 The GEMM runs two ways from one source (csrc/kernels/amx/gemm.h): ``isa="amx-emulated"`` (plain C++ emulation
 of the tile instructions; every machine) and ``isa="amx"`` (the real instructions; only where CPUID, the OS

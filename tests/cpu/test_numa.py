@@ -1,4 +1,4 @@
-"""NUMA tensor parallelism (issue 6 item 4): csrc/runtime/topology.h (topology, subpools, mbind) and
+"""NUMA tensor parallelism: csrc/runtime/topology.h (topology, subpools, mbind) and
 csrc/moe/split_experts.h (every expert's intermediate dimension I split across subpools, partial outputs reduced).
 
 On a one-node machine ``numa=2`` cuts the cores into two subpools: the code path of a two-socket machine, except

@@ -1,4 +1,4 @@
-"""The memory a build takes on its way (issue 24: the VRAM budget holds while a model is built, not only after).
+"""The memory a build takes on its way (the VRAM budget holds while a model is built, not only after).
 
 A build (synthetic.build_random_model, loader.load_model) makes each decoder layer's dense weights, packs them in the
 dense format and frees the source before the next layer; on a GPU in a format other than bf16 the source weights stay
@@ -83,7 +83,7 @@ def test_walk_visits_what_named_modules_visits(arch):
 def test_packed_weights_are_freed_at_each_hand_over():
     """Each layer's replaced weights are gone when the next layer is handed over: nn.Module.named_modules, which the
     fill walked before, remembers every module it visited, so every layer's bf16 weights stayed on the GPU until
-    the whole model was filled (issue 24: a 6-layer deepseek-v3 build peaked 5 GiB over its plan)."""
+    the whole model was filled (a 6-layer deepseek-v3 build once peaked 5 GiB over its plan)."""
     model = build_meta(synthetic.shape_config(_tiny_config("deepseek_v3", num_hidden_layers=4)))
     replaced, alive = [], []
 

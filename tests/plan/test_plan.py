@@ -1,4 +1,4 @@
-"""The memory plan on budgets (issue 24): sizes, --dense-format auto, --gpu-memory / --cpu-memory, --gpu-experts
+"""The memory plan on budgets: sizes, --dense-format auto, --gpu-memory / --cpu-memory, --gpu-experts
 auto, --max-context auto, the table, and `hetmoe plan`. Every plan is made from meta-device models, on the CPU; a
 GPU is planned for without being here (``device=cuda`` given to plan_model, as `hetmoe plan --device cuda` does)."""
 

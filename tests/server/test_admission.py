@@ -1,4 +1,4 @@
-"""Bounded work per request before admission (issue 26): a prompt whose length alone proves it cannot fit is refused
+"""Bounded work per request before admission: a prompt whose length alone proves it cannot fit is refused
 without tokenizing it, a longer-than-the-context one after tokenizing only a prefix, tokenization runs off the event
 loop (through the GIL-releasing batch call), the ids are those of a plain encode, and ``hetmoe serve`` on a busy
 port fails before it reads a weight. No timing asserts: calls, pieces and threads are counted. The stall itself,

@@ -397,7 +397,7 @@ def test_bench_serve_against_the_server(server, capsys):
     assert "output tok/s" in out.err
 
 
-# ---------------------------------------------------------------- one client cannot stall the server (issue 26)
+# ---------------------------------------------------------------- one client cannot stall the server
 
 def big_prompt_stall(base: str, model: str, key: str = KEY, rounds: int = 2, text: str = "") -> dict:
     """While one client streams completions (back to back), another sends 14.7 MB prompts (or ``text``) to
@@ -459,7 +459,7 @@ def big_prompt_stall(base: str, model: str, key: str = KEY, rounds: int = 2, tex
 
 @pytest.mark.slow
 def test_big_prompt_does_not_stall_the_server(server, model):
-    """Issue 26: a 14.7 MB prompt (under the 16 MiB body cap) used to take 12-17 s to be refused, and all that time
+    """A 14.7 MB prompt (under the 16 MiB body cap) used to take 12-17 s to be refused, and all that time
     the tokenizer held the GIL: /health took 16 s, a running stream stopped for 12 s. Now it is refused from its
     length alone, and a running stream's largest inter-token gap while big requests are in flight stays under
     200 ms, /health under 100 ms (a timing assert: the slow tier)."""

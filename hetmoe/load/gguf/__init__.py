@@ -1,4 +1,4 @@
-"""Reading GGUF files (llama.cpp's format) for hetmoe's models: groundwork for running them (issue 21).
+"""Reading GGUF files (llama.cpp's format) for hetmoe's models.
 
 ``open_gguf(path)`` opens one file or a split set (metadata, tensors memory-mapped; reader.py);
 ``config_from_gguf(f)`` turns its metadata into the Hugging Face config.json hetmoe's models take (metadata.py);

@@ -14,7 +14,7 @@ The key may come in two parts (q·k = q1·k1 + q2·k2): MLA scores the latent an
 absorbed decode reads the latent as both key (part 1) and value (``v_is_k1``). A part's head stride may be 0 (one
 rope key shared by every head). Shapes: N query rows, H query heads, G = H / kv_heads query heads per kv head.
 
-Tested against SDPA's math backend in fp32 (tests/test_attention_kernels.py); run with TRITON_INTERPRET=1 on a
+Tested against SDPA's math backend in fp32 (tests/ops/test_attention_kernels.py); run with TRITON_INTERPRET=1 on a
 machine without a GPU.
 """
 

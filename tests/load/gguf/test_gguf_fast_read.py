@@ -1,4 +1,4 @@
-"""The fast paths of GGUF reading (issue 21: loading at >= 1 GB/s) give what gguf's own code gives:
+"""The fast paths of GGUF reading (loading at >= 1 GB/s) give what gguf's own code gives:
 
 * metadata arrays read whole (hetmoe/load/gguf/reader.py Reader._get_field_parts) == gguf.GGUFReader's values, for
   arrays of strings, integers, floats and booleans, empty ones and arrays of arrays; a file cut inside an array is
