@@ -1,5 +1,6 @@
 """GPU-resident experts' decode paths (hetmoe/moe/gpu_resident/experts.py): the torch dense path (every resident expert
-over every token) against the routed Triton path (only the routed resident experts' weights: gpu_experts_triton.py).
+over every token) against the routed Triton path (only the routed resident experts' weights:
+hetmoe/ops/triton/experts.py).
 
   python bench/device/gpu_experts.py [--n 38] [--t 1,8] [--layers 16] [--coverage auto] [--variants] [--json FILE]
 
@@ -9,7 +10,8 @@ weights do not stay in the 60 MB L2 between layers, as in the model), replayed; 
 token's k slots goes to a resident expert with probability ``--coverage`` (default N/E: uniform routing; the
 calibration's most-routed experts cover more). Printed per layer: µs, MB of expert weights read (dense: all N experts;
 routed: each distinct resident expert routed to, once), the rate that makes, and the speed-up of routed over dense.
-``--variants`` also times a few tile configurations of the routed kernels (the A/B behind gpu_experts_triton.plan).
+``--variants`` also times a few tile configurations of the routed kernels (the A/B behind
+hetmoe.ops.triton.experts.plan).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """GPU-resident experts stored in int8/int4 against bf16 (hetmoe/moe/gpu_resident/format.py, the routed kernels of
-gpu_experts_triton.py and gpu_experts_triton_int.py), on the qwen3-30b-a3b expert shape.
+hetmoe/ops/triton/experts.py: routed and routed_int), on the qwen3-30b-a3b expert shape.
 
   python bench/device/gpu_experts_int.py [--n 29,105] [--storage bf16,int8,int4] [--group 64] [--t 1,4,8]
                                          [--layers 16] [--coverage auto] [--variants] [--json FILE]
@@ -27,7 +27,6 @@ from gpu_experts import VARIANTS, routing  # bench/device/gpu_experts.py
 from hetmoe.moe.gpu_resident import format as rf
 from hetmoe.moe.gpu_resident.experts import GpuExperts
 from hetmoe.ops.triton import experts as kern
-from hetmoe.ops.triton import experts_int as kern_int
 
 H, I, E, K = 2048, 768, 128, 8  # qwen3-30b-a3b
 
@@ -81,7 +80,7 @@ def main():
                     for name, launch in VARIANTS.items():
                         if launch.gemv != (T <= kern.GEMV_ROWS):
                             continue
-                        fns = [lambda ge=ge, r=r, launch=launch: kern_int.routed(
+                        fns = [lambda ge=ge, r=r, launch=launch: kern.routed_int(
                             x, *r, (ge.w_gate_up, ge.s_gate_up), (ge.w_down, ge.s_down), ge.storage, ge.slot_of,
                             None, E, I, launch=launch) for ge, r in zip(layers, rs)]
                         vus = graph_replay_us(fns) / len(layers)

@@ -13,7 +13,7 @@ Three paths, one result:
   routed (T <= dense_max_tokens while a CUDA graph is being captured, on a GPU with Triton: the decode graph; in
          eager calls too with decode="routed"):
          Triton kernels over the T*k (token, slot) pairs that read only the weights of the resident experts the
-         tokens routed to, each once (hetmoe/ops/triton/experts.py; int8/int4: gpu_experts_triton_int.py,
+         tokens routed to, each once (hetmoe/ops/triton/experts.py: routed, int8/int4 routed_int,
          dequantized in the K loop): the cost follows the hits, not N. Fixed shapes, no host sync: capturable.
          int8/int4 on a GPU take them in eager calls too (the dense path would dequantize all N experts per call).
   dense  (the same T where Triton is absent: CPU tensors, tests): every resident expert runs over all T tokens,
@@ -220,11 +220,9 @@ class GpuExperts:
 
     def _routed(self, x, topk_ids, topk_weights, skip) -> torch.Tensor:
         if self.storage.quantized:
-            from hetmoe.ops.triton import experts_int as gpu_experts_triton_int
-
-            return gpu_experts_triton_int.routed(x, topk_ids, topk_weights, (self.w_gate_up, self.s_gate_up),
-                                                 (self.w_down, self.s_down), self.storage, self.slot_of, skip,
-                                                 self.num_experts, self.intermediate_size)
+            return _routed().routed_int(x, topk_ids, topk_weights, (self.w_gate_up, self.s_gate_up),
+                                        (self.w_down, self.s_down), self.storage, self.slot_of, skip,
+                                        self.num_experts, self.intermediate_size)
         return _routed().routed(x, topk_ids, topk_weights, self.w_gate_up, self.w_down, self.slot_of, skip,
                                 self.num_experts, self.intermediate_size)
 

@@ -1,5 +1,5 @@
 """GPU-resident experts stored in int8/int4 (``GpuExperts(storage=...)``, hetmoe/moe/gpu_resident/format.py, the routed
-kernels of hetmoe/ops/triton/experts_int.py), their place in the memory plan (--gpu-experts-format, the rules'
+kernels of hetmoe/ops/triton/experts.py, routed_int), their place in the memory plan (--gpu-experts-format, the rules'
 ``gpu_experts_format``).
 
 References: the naive float64 layer (tests/reference.py ``moe_reference``) over the *dequantized* weights (scale * q,
@@ -42,7 +42,7 @@ STORAGES = {"int4-32": rf.Storage.of("int4", 32), "int4-128": rf.Storage.of("int
 
 @pytest.fixture(scope="module")
 def kernels():
-    return triton_module("hetmoe.ops.triton.experts_int")
+    return triton_module("hetmoe.ops.triton.experts")
 
 
 def _weights(*params):
@@ -113,7 +113,7 @@ def test_gpu_tiles_in_the_interpreter(kernels, name, T, k, defer):
     x, ids, wts = _case(T, k, "tiles", name)
     g = _experts(w, STORAGES[name])
     launch = dataclasses.replace(triton_module("hetmoe.ops.triton.experts").plan(T, on_gpu=True), defer=defer)
-    out = kernels.routed(x, ids, wts, (g.w_gate_up, g.s_gate_up), (g.w_down, g.s_down), g.storage, g.slot_of, None,
+    out = kernels.routed_int(x, ids, wts, (g.w_gate_up, g.s_gate_up), (g.w_down, g.s_down), g.storage, g.slot_of, None,
                          E, I, launch=launch)
     assert rel_err(out, _reference(g, x, ids, wts)) < FP32_BOUND
 
@@ -319,7 +319,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hetmoe.ops.triton import experts_int as k
+from hetmoe.ops.triton import experts as k
 
 ptrs = dict(X="*bf16", SGU="*fp32", SD="*fp32", IDS="*i64", WTS="*fp32", SLOT_OF="*i64", SKIP="*u8", HS="*fp32",
             P="*fp32")
@@ -333,7 +333,7 @@ for fmt, gemv, defer, rows, b, bk_gu, bk_d, ieee in forms:
     codes = "*u8" if fmt else "*i8"
     common = dict(K=8, KP=8, ROWS=rows, HAS_SKIP=True, N_EXPERTS=128, GEMV=gemv, DEFER=defer,
                   DOT_T=tl.float32 if ieee else tl.bfloat16, IEEE=ieee, FMT=fmt, GROUP=64)
-    for fn, c in ((k._gate_up, dict(common, BI=b, BK=bk_gu)), (k._down, dict(common, BH=b, BK=bk_d))):
+    for fn, c in ((k._gate_up_int, dict(common, BI=b, BK=bk_gu)), (k._down_int, dict(common, BH=b, BK=bk_d))):
         types = dict(ptrs, WGU=codes, WD=codes, X="*fp32" if ieee else "*bf16")
         sig = {a: "constexpr" if a in c else types.get(a, "i32") for a in fn.arg_names}
         triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", 90, 32))
