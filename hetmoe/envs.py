@@ -34,7 +34,6 @@ VARS = {v.name: v for v in (
     Var("HETMOE_PDL", _switch, True,
         "0 turns off programmatic dependent launch of the decode step's Triton kernels (a kill switch for drivers "
         "that mishandle it)"),
-    Var("HETMOE_API_KEY", str, None, "the key `hetmoe serve` requires, instead of --api-key on the command line"),
     Var("TRITON_INTERPRET", lambda s: s.strip() == "1", False,
         "Triton's interpreter (kernels run on the CPU, for tests); read by Triton at its import", owner="triton"),
     Var("XDG_CACHE_HOME", str, None, "where the converted-expert cache goes (default ~/.cache/hetmoe/experts)",

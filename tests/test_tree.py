@@ -246,6 +246,13 @@ def test_dispatch_decisions_live_in_the_moe_package(pattern):
     assert not hits, "\n".join(hits)
 
 
+def test_every_variable_is_documented():
+    declared = set(re.findall(r'Var\("(\w+)"', (PACKAGE / "envs.py").read_text()))
+    documented = (ROOT / "docs" / "running.md").read_text()
+    assert declared and all(f"`{name}`" in documented for name in declared), \
+        f"not in docs/running.md#environment-variables: {sorted(n for n in declared if f'`{n}`' not in documented)}"
+
+
 def test_tests_mirror_the_package_folders():
     tests = ROOT / "tests"
     folders = sorted(d.relative_to(tests) for d in tests.rglob("*") if d.is_dir() and d.name != "__pycache__"
