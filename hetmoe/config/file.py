@@ -13,7 +13,7 @@ Every field that is a command-line flag can be set. Each value is parsed by that
 checked by EngineOptions, so a file accepts what the command line accepts; what is wrong is a ConfigError (a
 ValueError) naming ``FILE:LINE`` and the key. Inline rules keep their lines: ``rules.load(FILE)`` reads the
 ``rules:`` list of a config file, so ``EngineOptions.rules`` is the config file itself. Command-line flags win
-over the file (hetmoe/cli/options.py), the file over the defaults. Imports no torch.
+over the file (hetmoe/config/flags.py), the file over the defaults. Imports no torch.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def option_fields() -> dict:
 
 def read(path, types: Mapping[str, Callable] = None) -> dict:
     """The options of the config file ``path``: {field name: value}, each value parsed as its flag parses its text
-    (``types``: the argument types of the flags by their ``type`` name, hetmoe/cli/options.py TYPES; default:
+    (``types``: the argument types of the flags by their ``type`` name, hetmoe/config/flags.py TYPES; default:
     those) and accepted by EngineOptions on its own. ``rules`` is a path: the file's own when its rules are
     inline. ConfigError at the line of what is wrong."""
     import yaml

@@ -1,4 +1,4 @@
-"""Dense weights in the dense format of the placement (``--dense-format``; the table: hetmoe/layers/linear.py).
+"""Dense weights in the dense format of the placement (``--dense-format``; the table: hetmoe/config/formats.py).
 
 Which linears a dense format applies to, and the swap that packs them once their weights are loaded: attention
 projections (q/k/v fused into one, MLA's q/kv_a fused, q_b, o), shared experts and dense MLPs (gate/up fused, down)
