@@ -7,6 +7,8 @@ It uses the tests' converter in miniature (tests/gguf_files.py: convert_hf_to_gg
 since llama.cpp's convert_hf_to_gguf.py refuses the demo tokenizer's pre-tokenizer ("BPE pre-tokenizer was not
 recognized"). The multi-token-prediction layer (num_nextn_predict_layers) is left out, as hetmoe does not run it.
 
+Needs ``gguf`` and ``safetensors``: ``python3 -m pip install -e '.[gguf]'`` in the repository.
+
     python3 bench/demo_model_gguf.py --out demo-f32.gguf
     llama-quantize demo-f32.gguf demo-q6_k.gguf Q6_K
 """
@@ -29,7 +31,11 @@ def main(argv=None) -> int:
     if args.out.exists():
         ap.error(f"{args.out} exists; not overwriting it")
 
-    from safetensors.torch import load_file  # (torch's loader: the checkpoint is bf16, which numpy cannot hold)
+    try:
+        import gguf  # noqa: F401  (tests/gguf_files.py writes with it)
+        from safetensors.torch import load_file  # (torch's loader: the checkpoint is bf16, which numpy cannot hold)
+    except ImportError as err:
+        ap.error(f"{err.name} is not installed: python3 -m pip install -e '.[gguf]' (in {ROOT})")
     from tokenizers import Tokenizer
 
     sys.path.insert(0, str(ROOT / "tests"))

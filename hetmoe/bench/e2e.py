@@ -38,6 +38,7 @@ from hetmoe.engine.runner import Runner
 from hetmoe.load.dense import packed_bytes
 from hetmoe.load.loader import LoadedModel, load_model, moe_blocks
 from hetmoe.load.random_weights import SHAPES, build_random_model
+from hetmoe.plan.placement import dense_name
 from hetmoe.plan.sysmem import free_ram
 
 DEFAULT_SHAPE = "qwen3-30b-a3b"
@@ -83,6 +84,7 @@ def roofline_bytes(loaded: LoadedModel) -> dict:
         "dense_bytes_per_token": dense if on_cpu else 0, "dense_bytes": dense,
         "bytes_per_token": expert_bytes + (dense if on_cpu else 0),
         "dense_format": loaded.plan.dense_format,
+        "dense_label": dense_name(loaded.plan.dense_format, loaded.plan.dtype),  # "bf16" in fp32 is fp32
     }
 
 
@@ -179,10 +181,11 @@ def fmt_table(records: list, prompts: list) -> list:
              + f" {'':>5s} {'tok/s':>8s} {'tok/s':>9s} {'':>6s} {'':>8s} {'':>8s} {'':>8s} {'GB/s':>7s}"]
     for r in records:
         pre = {p["tokens"]: p["tok_s"] for p in r["prefill"]}
+        dense = r.get("dense_label", r.get("dense_format", "-"))
         lines.append(
             f"{r['placement']:9s} {r['experts_format']:7s} {r['dtype']:8s} {r['layers']:6d} "
             + " ".join(f"{num(pre.get(n), '12.1f'):>12s}" for n in prompts)
-            + f" {r.get('dense_format', '-'):>5s} {r['decode_tok_s']:8.2f} {num(r['roofline_tok_s'], '9.2f'):>9s}"
+            + f" {dense:>5s} {r['decode_tok_s']:8.2f} {num(r['roofline_tok_s'], '9.2f'):>9s}"
             f" {num(r['pct_roofline'], '5.1f'):>5s}%"
             f" {r['ms_per_token']:8.1f} {r['bytes_per_token'] / 1e6:8.1f} {r['gbps_effective']:8.2f}"
             f" {r['stream_gbps']:7.1f}"

@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _usage_errors(args: argparse.Namespace) -> Optional[str]:
     """Option checks that argparse's per-option types cannot make (kept out of the types so that
     ``build_parser().parse_args`` stays lenient for code that builds EngineOptions from it)."""
-    return engine_usage_error(args) or bench.usage_error(args)
+    return engine_usage_error(args) or bench.usage_error(args) or eval.usage_error(args)
 
 
 def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:

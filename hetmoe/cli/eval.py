@@ -4,7 +4,12 @@ default, nothing dropped or deferred), both run over identical windows of tokens
 in hetmoe/tools/evaluation.py.
 
 Both configurations are loaded at once (the reference's dense part and experts too): meant for models whose
-two copies fit in memory; ``--reference-format none`` loads one copy and reports perplexity only.
+two copies fit in memory; ``--reference-format none`` loads one copy and reports perplexity only. A configuration
+that is the reference (its experts in the reference format in every layer, dense weights in the dtype, nothing
+dropped, deferred or on the GPU) is loaded and scored once and compared with itself.
+
+Without ``--model`` (the built-in model) ``--text`` defaults to the model's held-out text (``heldout.txt``, text
+it was not trained on); with ``--model`` it is required.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 from hetmoe.config.flags import add_engine_options, engine_options, expert_cache, positive_int
 
@@ -23,10 +29,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "eval", help="perplexity of a configuration, and its KL divergence / top-1 agreement against bf16 experts",
         description="Scores --text in consecutive, non-overlapping windows of --window tokens (each from an empty "
         "cache; the first token of a window is context, never scored) with the engine options given, and the same "
-        "windows with the model's --reference-format experts (default bf16; bf16 dense weights, nothing dropped or "
-        "deferred): perplexity of both, mean KL(reference || configuration) per token and the fraction of positions "
-        "whose most likely next token agrees. Both configurations are loaded at once.")
-    p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score ('-' reads stdin)")
+        "windows with the model's --reference-format experts (default bf16; the dtype's own dense weights, nothing "
+        "dropped or deferred): perplexity of both, mean KL(reference || configuration) per token and the fraction "
+        "of positions whose most likely next token agrees. Both configurations are loaded at once (once, when the "
+        "configuration is the reference).")
+    p.add_argument("--text", metavar="FILE", default=None,
+                   help="UTF-8 text to score ('-' reads stdin); required with --model (default for the built-in "
+                   "model: its held-out text, heldout.txt)")
     p.add_argument("--window", type=int, default=512, help="tokens per window, >= 2 and <= the context (default: 512)")
     p.add_argument("--text-tokens", "--max-tokens", dest="text_tokens", type=positive_int, default=None, metavar="N",
                    help="score only the first N tokens of the text (--max-tokens: its old name)")
@@ -39,6 +48,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_engine_options(p)
     p.set_defaults(handler=run)
     return p
+
+
+def usage_error(args: argparse.Namespace) -> Optional[str]:
+    """--text is required with --model (the built-in model has a default)."""
+    if getattr(args, "command", None) == "eval" and args.text is None and args.model is not None:
+        return ("--text FILE is required with --model: the text to score (only the built-in model, without --model, "
+                "has a default: its held-out text)")
+    return None
 
 
 def _read_text(name: str) -> str:
@@ -87,6 +104,22 @@ def _table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def same_as_reference(plan, reference_format: str, drop: int) -> bool:
+    """Whether a configuration planned as ``plan`` computes what the reference would: ``reference_format`` experts
+    at their default group in every MoE layer, none deferred or on the GPU, none dropped, dense weights in the
+    dtype (the reference keeps the configuration's dtype, device and threads)."""
+    from hetmoe.plan.placement import layer_group
+
+    group = layer_group(reference_format, None)
+    if drop or getattr(plan, "dense_format", None) != "bf16":
+        return False
+    layers = getattr(plan, "layers", None)
+    if not layers:  # a model without routed experts, or run through Transformers (one format, no deferral)
+        return plan.experts_format == reference_format and layer_group(plan.experts_format, plan.group_size) == group
+    return all((lp.experts_format, lp.group_size, lp.defer_experts, lp.gpu_experts) == (reference_format, group, 0, 0)
+               for lp in layers)
+
+
 def _native_opener(cache, progress: bool):
     from hetmoe.load.loader import load_model
 
@@ -123,8 +156,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--drop-experts must be >= 0, got {drop}")
     if args.window < 2:
         raise ValueError(f"--window must be at least 2 tokens, got {args.window}")
-    text = _read_text(args.text)
     model = Path(args.model) if args.model is not None else default_model_path()
+    text_name = args.text
+    if text_name is None:
+        if args.model is not None:  # (the usage check says so first on the command line)
+            raise ValueError(usage_error(args))
+        text_name = str(model / "heldout.txt")
+        print(f"hetmoe: scoring the built-in model's held-out text, {text_name} (--text FILE scores another)",
+              file=sys.stderr)
+    text = _read_text(text_name)
     cfg = check_model_dir(model)  # the directory, config.json and the tokenizer, before any weight is read
     tokenizer = load_tokenizer(model, cfg, lambda m: print(m, file=sys.stderr))
     top_k = cfg.get("num_experts_per_tok")
@@ -144,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.window > opts.max_context:
         raise ValueError(f"--window {args.window} does not fit --max-context {opts.max_context}")
     cache = expert_cache(args)
-    progress = sys.stderr.isatty()
+    progress = True  # a bar on a terminal, a plain line now and then in a log (config/units.py show_progress)
 
     open_model = _native_opener(cache, progress)
     if cfg.get("model_type") not in MODEL_TYPES:  # no hetmoe model file: Transformers' own, if it has one
@@ -159,16 +199,24 @@ def run(args: argparse.Namespace) -> int:
     if args.text_tokens is not None:
         ids = ids[:args.text_tokens]
     reference = ref_runner = None
-    if args.reference_format != "none":
+    itself = args.reference_format != "none" and same_as_reference(test.plan, args.reference_format, drop)
+    if itself:
+        reference = test
+        print(f"hetmoe: the configuration is the reference ({_describe(test.plan)['label']} experts, dense weights "
+              "in the dtype, nothing dropped or deferred): loaded and scored once, compared with itself",
+              file=sys.stderr)
+    elif args.reference_format != "none":
         ref_opts = dataclasses.replace(opts, experts_format=args.reference_format, group_size=None, defer_experts=0,
                                        gpu_experts=0, rules=None, dense_format="bf16")  # a uniform reference
         reference, ref_runner = open_model(model, ref_opts)
 
     test_runner = test_runner or Runner(test)
-    if reference is not None:
+    if reference is not None and not itself:
         ref_runner = ref_runner or Runner(reference)
     result = evaluate(test_runner, ids, args.window, ref_runner, progress)
-    report = {"model": str(test.path), "text": "<stdin>" if args.text == "-" else str(args.text),
+    if itself:
+        result = result.against_itself()
+    report = {"model": str(test.path), "text": "<stdin>" if text_name == "-" else text_name,
               "window": args.window, "config": _describe(test.plan, drop, opts.defer_experts),
               "reference": _describe(reference.plan) if reference else None, **result.summary()}
     if args.json == "-":

@@ -67,7 +67,7 @@ def port(text: str) -> int:
 
 
 def nonneg_float(text: str) -> float:
-    return _number(text, float, lambda v: v >= 0, "a number >= 0")
+    return _number(text, float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
 
 
 def top_p(text: str) -> float:
@@ -104,10 +104,9 @@ def cpu_share(text: str):
 def size(text: str) -> int:
     """--gpu-memory / --cpu-memory: 24GiB, 24G, 500MiB, 1.5TB or bytes (hetmoe/config/units.py parse_size)."""
     try:
-        return parse_size(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size such as 24GiB, 24G, 500MiB, 1.5TB or a number of bytes, "
-                                         f"got {text}") from None
+        return parse_size(text, "")
+    except ValueError as err:  # its message without the name: argparse names the flag
+        raise argparse.ArgumentTypeError(str(err).removeprefix(": ")) from None
 
 
 def auto_or_int(text: str):

@@ -64,8 +64,10 @@ class EngineOptions:
         choices=("auto", "bf16", "fp32")))
     dense_format: str = field(default="auto", metadata=cli_flag(  # the table: hetmoe/layers/linear.py
         "--dense-format", "format of the dense weights (attention projections, shared experts, dense MLPs, lm_head): "
-        "bf16 (the --dtype), int8 or int4 weight-only with a scale per 64, fp8 (GPU only, DeepSeek's block scales); "
-        "auto: on a GPU the most precise that fits --gpu-memory, on the CPU int8 (bf16 for a small model) "
+        "bf16 (the --dtype's own weights: fp32 where the dtype is fp32), int8 or int4 weight-only with a scale per "
+        "64, fp8 (GPU only, DeepSeek's block scales); auto: on a GPU the most precise that fits --gpu-memory; on the "
+        "CPU, by the bytes a decode token reads, the dtype's own weights when they stay within the caches (32 MiB) "
+        "or int8 would save under a tenth of a token's bytes, else int8; the plan's table says which "
         "(default: auto)", choices=DENSE_CHOICES))
     gpu_memory: Optional[int] = field(default=None, metadata=cli_flag(  # bytes; None: HEADROOM x what is free
         "--gpu-memory", "VRAM the plan may use, e.g. 24GiB, 500MiB, 1.5TB (default: what the GPU has free, less a "

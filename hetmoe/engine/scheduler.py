@@ -359,7 +359,7 @@ class Scheduler:
     def _sample(self, batch: list, logits: torch.Tensor) -> list:
         """One token per sequence from logits [B, V]: all greedy rows with one argmax, the others one by one with
         their own parameters and generator. None where sampling failed (that sequence is failed)."""
-        greedy = [i for i, s in enumerate(batch) if s.req.params.temperature == 0 or s.req.params.top_k == 1]
+        greedy = [i for i, s in enumerate(batch) if s.req.params.greedy]
         tokens: list = [None] * len(batch)
         if greedy:
             for i, t in zip(greedy, logits[greedy].argmax(-1).tolist()):

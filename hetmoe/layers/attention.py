@@ -147,28 +147,45 @@ def mla_expanded_paged(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tenso
                                     torch.arange(B, device=kv.device), step.positions, scale, q2=q_pe, k2=pe_pages)
 
 
+def _lower_right(step: Step, S: int, L: int):
+    """The causal mask of S queries that are the last S of L keys, or None when L == S (SDPA's own is_causal).
+
+    torch.nn.attention.bias.causal_lower_right is what torch itself would run, but importing it imports
+    torch._dynamo (~1 s, paid by the first prefill of a process). On the CPU it only materializes this boolean mask
+    (the same SDPA call, bitwise); only on a GPU, where it selects the flash kernel, is it imported, on first use."""
+    if L == S:
+        return None
+    device = step.positions.device
+    if device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(S, L)
+    mask = step._masks.get(("lower_right", S, L))
+    if mask is None:
+        mask = torch.ones(S, L, dtype=torch.bool, device=device).tril(diagonal=L - S)  # [S, L]
+        step._masks[("lower_right", S, L)] = mask
+    return mask
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, scale: float) -> torch.Tensor:
     """q [B, S, heads, D] over cache rows k/v [B, ctx, kv_heads, D] -> [B, S, heads, Dv] (causal by position).
 
-    One sequence's consecutive positions (``step.start`` given) need no mask: from position 0 SDPA's own causal
-    case, after a cached prefix its lower-right causal bias (the flash kernel on a GPU). Otherwise the g = heads /
-    kv_heads query heads that share a kv head (head h reads kv head h // g) are folded into the query length: q
-    [B, kv_heads, S * g, D], row s * g + j, with the mask repeated per row (exact: the mask depends on the position
-    only). SDPA then sees plain multi-head attention with an additive mask, which its fused kernels take
-    (memory-efficient on CUDA, flash on the CPU); enable_gqa together with a mask would send it to the math
-    fallback. For S = 1 the fold is a view of q."""
+    One sequence's consecutive positions (``step.start`` given) need no additive mask: from position 0 SDPA's own
+    causal case, after a cached prefix the lower-right causal mask (``_lower_right``; the flash kernel on a GPU).
+    Otherwise the g = heads / kv_heads query heads that share a kv head (head h reads kv head h // g) are folded
+    into the query length: q [B, kv_heads, S * g, D], row s * g + j, with the mask repeated per row (exact: the
+    mask depends on the position only). SDPA then sees plain multi-head attention with an additive mask, which its
+    fused kernels take (memory-efficient on CUDA, flash on the CPU); enable_gqa together with a mask would send it
+    to the math fallback. For S = 1 the fold is a view of q."""
     B, S, H, D = q.shape
     ctx, n_kv = k.shape[1], k.shape[2]
     g = H // n_kv
     if step.start is not None and S > 1:  # one sequence's consecutive positions: causal, no mask
-        from torch.nn.attention.bias import causal_lower_right
-
-        # its keys end with its own tokens: causality aligned to the last row and column (from position 0, L == S:
-        # SDPA's own is_causal)
+        # its keys end with its own tokens: causality aligned to the last row and column
         L = step.start + S
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k[:, :L].transpose(1, 2).to(q.dtype),
-                                             v[:, :L].transpose(1, 2).to(q.dtype), attn_mask=causal_lower_right(S, L),
-                                             scale=scale, enable_gqa=g > 1)
+                                             v[:, :L].transpose(1, 2).to(q.dtype), attn_mask=_lower_right(step, S, L),
+                                             is_causal=L == S, scale=scale, enable_gqa=g > 1)
         return out.transpose(1, 2)
     qf = q.reshape(B, S, n_kv, g, D).transpose(1, 2).reshape(B, n_kv, S * g, D)
     kt, vt = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)

@@ -1,15 +1,18 @@
 """The converted-expert cache: the packed routed experts of each MoE layer, saved so the next load skips the
 conversion.
 
-One file per layer in a directory named by a hash of what the bytes depend on: the checkpoint (absolute path,
-and name, size and modification time of config.json and every shard), the weight format and group size, the
-expert shape, and the engine's layout version. A file is written to a temporary name, flushed and renamed, so
-a crash never leaves a half-written file under the real name. Reading checks the header against the expected
-key and sizes and the data against the 64-bit checksum stored with it; a stale or corrupt file is reported,
-deleted and rebuilt from the checkpoint, never used. Each directory keeps its key in ``key.json``; when a new
-one is written, directories made from an older version of the same checkpoint path (other file sizes or times,
-another layout version) are deleted, so re-downloading a model does not leave its old cache behind; so are
-bf16 directories keyed by a group size (bf16 has none: its key says group 0 whatever --group-size was).
+One file per layer in a directory named by a hash of what the bytes depend on: the checkpoint (absolute path, and
+name, size and modification time of config.json and every shard), the weight format and group size, the expert
+shape, and the engine's layout version. A file is written to a temporary name, flushed and renamed, so a crash never
+leaves a half-written file under the real name. Reading checks the header against the expected key and sizes and the
+data against the 64-bit checksum stored with it; a stale or corrupt file is reported, deleted and rebuilt from the
+checkpoint, never used. A write that fails or is interrupted (Ctrl-C, an exception) removes its temporary file; one
+left by a process that was killed (``layerNNNN.bin.tmp<pid>``, the pid no longer alive) is removed when the cache is
+next opened. Each kind of warning (a file unusable, a write failed) is said once per load, not once per layer; after
+a failed write the load writes no more layers. Each directory keeps its key in ``key.json``; when a new one is
+written, directories made from an older version of the same checkpoint path (other file sizes or times, another
+layout version) are deleted, so re-downloading a model does not leave its old cache behind; so are bf16 directories
+keyed by a group size (bf16 has none: its key says group 0 whatever --group-size was).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -26,6 +30,7 @@ from hetmoe import _C, envs
 
 MAGIC = b"HETMOEX1"
 DATA_ALIGN = 4096
+_TMP = re.compile(r"layer\d+\.bin\.tmp(\d+)")  # a file being written by process <pid>
 
 
 def default_cache_dir() -> Path:
@@ -33,8 +38,25 @@ def default_cache_dir() -> Path:
     return Path(base) / "hetmoe" / "experts"
 
 
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (another user's counts: its file is left alone)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, owned by someone else
+        return True
+    return True
+
+
 class ExpertCache:
-    def __init__(self, root, checkpoint, weight_format: str, group_size: int, warn=print, numa: int = 1):
+    """``said``: the kinds of warning already given in this load, shared by the caches of one load (one per
+    experts format) so that each is said once."""
+
+    def __init__(self, root, checkpoint, weight_format: str, group_size: int, warn=print, numa: int = 1,
+                 said: Optional[set] = None):
         if weight_format == "bf16":  # no scale groups: a group size given with bf16 changes no byte
             group_size = 0
         key = {
@@ -51,7 +73,37 @@ class ExpertCache:
         split = f"-numa{numa}" if numa > 1 else ""
         self.dir = Path(root) / f"{Path(checkpoint.path).name}-{weight_format}-g{group_size}{split}-{digest}"
         self.warn = warn
-        self.hits = self.misses = self.rebuilt = 0
+        self.said = set() if said is None else said
+        self.hits = self.misses = self.rebuilt = self.unwritten = 0
+        self.write_failed = False
+        self.remove_orphans()
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self.said:
+            self.said.add(kind)
+            self.warn(message)
+
+    def remove_orphans(self) -> list:
+        """Delete the temporary files (``layerNNNN.bin.tmp<pid>``) of writers that are no longer alive: a process
+        killed during a write. A live writer's file is left alone. Returns the paths removed."""
+        removed = []
+        try:
+            names = os.listdir(self.dir)
+        except OSError:  # no directory yet (or unreadable: a write will say so)
+            return removed
+        for name in names:
+            m = _TMP.fullmatch(name)
+            if m is None or _pid_alive(int(m.group(1))):
+                continue
+            try:
+                (self.dir / name).unlink()
+                removed.append(self.dir / name)
+            except OSError:
+                pass
+        if removed:
+            self._warn_once("orphans", f"removed {len(removed)} unfinished expert cache file(s) in {self.dir} left "
+                                       "by a process that was interrupted")
+        return removed
 
     def _path(self, layer: int) -> Path:
         return self.dir / f"layer{layer:04d}.bin"
@@ -90,7 +142,8 @@ class ExpertCache:
             if experts.checksum() != checksum:
                 raise ValueError("its data does not match its checksum")
         except (OSError, ValueError, KeyError, json.JSONDecodeError, struct.error) as err:
-            self.warn(f"expert cache {path} is unusable ({err}); rebuilding it from the checkpoint")
+            self._warn_once("unusable", f"expert cache {path} is unusable ({err}); rebuilding it from the checkpoint"
+                                        " (the load summary counts any other layer rebuilt)")
             path.unlink(missing_ok=True)
             self.rebuilt += 1
             return False
@@ -99,7 +152,12 @@ class ExpertCache:
         return True
 
     def save(self, layer: int, experts) -> Optional[Path]:
-        """Write the layer atomically; a failure (e.g. a full disk) is reported and leaves no file behind."""
+        """Write the layer atomically. A failure (e.g. a full disk) is reported once and leaves no file behind, and
+        no later layer of this load is written; an interrupt (KeyboardInterrupt, any exception) also removes the
+        temporary file before it propagates."""
+        if self.write_failed:
+            self.unwritten += 1
+            return None
         path = self._path(layer)
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         header = json.dumps({**self._header(layer, experts), "checksum": experts.checksum()}).encode()
@@ -118,12 +176,22 @@ class ExpertCache:
             os.replace(tmp, path)
             return path
         except OSError as err:
-            self.warn(f"could not write the expert cache {path} ({err}); continuing without it")
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
+            self._remove(tmp)
+            self.write_failed = True
+            self.unwritten += 1
+            self._warn_once("write", f"could not write the expert cache {path} ({err}); continuing without it "
+                                     "(no other layer of this load is written)")
             return None
+        except BaseException:
+            self._remove(tmp)
+            raise
+
+    @staticmethod
+    def _remove(tmp: Path) -> None:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
     def _prune_stale(self) -> None:
         """Delete cache directories of an older version of this checkpoint path."""

@@ -33,7 +33,7 @@ from torch import nn
 
 from hetmoe.config.options import EngineOptions
 from hetmoe.config.rules import load as load_rules
-from hetmoe.config.units import gib, wrap
+from hetmoe.config.units import gib, show_progress, wrap
 from hetmoe.cpu import HYBRID_RESERVED_CORES, CPUExperts, default_threads
 from hetmoe.cpu.codes import plan_format
 from hetmoe.cpu.numa import resolve_subpools
@@ -159,14 +159,35 @@ def is_gguf(path) -> bool:
     return gguf_path(path)
 
 
+def check_model_kind(path) -> None:
+    """A ``--model`` path that exists but is neither a directory nor a GGUF file is refused by what it is, with what
+    is accepted (ValueError); a missing .gguf file is a FileNotFoundError (a missing directory: read_config's)."""
+    path = Path(path)
+    if not path.exists() and path.suffix == ".gguf":
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    if not path.exists() or path.is_dir() or is_gguf(path):
+        return
+    accepted = ("--model takes a Hugging Face checkpoint directory (config.json, tokenizer and *.safetensors) or a "
+                "GGUF file (.gguf)")
+    if path.suffix == ".safetensors" or path.name in ("config.json", "model.safetensors.index.json"):
+        what = f"a file of a Hugging Face checkpoint: pass its directory, {path.parent}"
+    elif not path.is_file():
+        what = "not a regular file or directory"
+    else:
+        what = f"a file ({path.suffix or 'no suffix'}), not a model"
+    raise ValueError(f"{path} is {what}. {accepted}")
+
+
 def open_checkpoint(path):
     """A Checkpoint of a Hugging Face directory, or a GGUFCheckpoint of a GGUF file (the same interface)."""
+    check_model_kind(path)
     if not is_gguf(path):
         return Checkpoint(path)
     try:
         import gguf  # noqa: F401
     except ImportError:
-        raise RuntimeError(f"{path}: reading GGUF files needs the gguf package (pip install 'hetmoe[gguf]')") from None
+        raise RuntimeError(f"{path}: reading GGUF files needs the gguf package (pip install -e '.[gguf]' in the "
+                           "hetmoe repository, or pip install gguf)") from None
     from hetmoe.load.gguf.checkpoint import GGUFCheckpoint
 
     return GGUFCheckpoint(path)
@@ -176,6 +197,7 @@ def check_model_dir(path) -> ModelConfig:
     """The checks of a model directory (or GGUF file) that read no weight: it exists (a hub id gets the download
     hint), config.json (a GGUF file's metadata) parses and describes a model hetmoe can build. Returns the config."""
     path = Path(path)
+    check_model_kind(path)
     if is_gguf(path):
         ckpt = open_checkpoint(path)
         ckpt.close()
@@ -190,12 +212,6 @@ def config_notes(cfg: ModelConfig) -> list:
         return [f"config.json asks for {scaling['rope_type']} RoPE scaling, which hetmoe's {cfg.get('model_type')} "
                 "model does not apply: it runs default RoPE, over at most max_position_embeddings positions"]
     return []
-
-
-def _progress(total: int, enabled: bool, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="layer", disable=not enabled, file=sys.stderr, leave=False)
 
 
 def load_summary(cfg: ModelConfig, path: Path, n_layers: int, n_moe: int, plan: MemoryPlan,
@@ -302,6 +318,7 @@ def load_model(
     for line in load_summary(cfg, ckpt.path, len(model.model.layers), len(blocks), plan, options):
         log(line)
     caches = {}  # (format, group) -> ExpertCache: each layer's packed experts keyed by its own format
+    said: set = set()  # the expert-cache warnings given in this load: each said once, whatever the layer or format
 
     def cache_for(lp: LayerPlan) -> Optional[ExpertCache]:
         if expert_cache is None:
@@ -310,7 +327,7 @@ def load_model(
         if key not in caches:
             root = default_cache_dir() if expert_cache == "auto" else Path(expert_cache)
             caches[key] = ExpertCache(root, ckpt, *key, warn=lambda m: log(f"hetmoe: {m}"),
-                                      numa=resolve_subpools(options.numa, options.threads))
+                                      numa=resolve_subpools(options.numa, options.threads), said=said)
         return caches[key]
     staging = (HostStaging(cfg.hidden_size, cfg.num_experts_per_tok, plan.dtype)
                if plan.device.type == "cuda" and blocks else None)
@@ -320,7 +337,7 @@ def load_model(
     pack_dense(model, plan.dense_format, plan.device, options, plan.dtype, fp8)  # lm_head now (the layers: meta)
     layers = model.model.layers
     expert_bytes = 0
-    with _progress(len(layers), progress, "loading") as bar:
+    with show_progress(len(layers), "loading", "layer", progress, say=log) as bar:
         for i in range(len(layers)):
             prefix = f"model.layers.{i}"
             filler.fill(model, prefix)
@@ -367,6 +384,11 @@ def load_model(
     if used:
         total = sum(c.hits + c.misses + c.rebuilt for c in used)
         done.append(f"expert cache {info['cache_hits']}/{total} layers reused")
+        rebuilt, unwritten = sum(c.rebuilt for c in used), sum(c.unwritten for c in used)
+        if rebuilt:
+            done.append(f"{rebuilt} bad cache file{'s' * (rebuilt > 1)} rebuilt")
+        if unwritten:
+            done.append(f"{unwritten} layer{'s' * (unwritten > 1)} not written to the cache")
     for line in wrap(f"hetmoe: loaded in {info['load_s']:.1f} s:", done):
         log(line)
     return LoadedModel(model.eval(), cfg, plan, options, ckpt.path, info, lw)

@@ -39,7 +39,15 @@ DENSE_ORDER = ("bf16", "fp8", "int8", "int4")  # --dense-format auto on a GPU: t
 # --dense-format auto with --max-context auto: the dense format is chosen for this many positions (or the model's
 # limit, if less), then the context takes what is left: precision before context length.
 DENSE_AUTO_CONTEXT = 4096
-SMALL_DENSE = 1_000_000_000  # dense parameters up to which the CPU keeps them in the dtype (tests, the demo model)
+SMALL_DENSE = 1_000_000_000  # dense parameters up to which the CPU's auto dtype is fp32 (tests, the demo model)
+# --dense-format auto on the CPU keeps the dtype's own weights when the dense bytes a decode token reads are within
+# the CPU's caches (decode is bound by its per-step work then, not DRAM: the demo model decodes faster in fp32 than
+# int8) or when packing would cut a token's bytes (dense + routed experts) by less than KEEP_DTYPE_GAIN; else it
+# packs them in the dense format that reads least among those whose tolerance (hetmoe/config/formats.py) is within
+# AUTO_DENSE_TOLERANCE: int8 (int4's ~1e-1 output error is for the user to ask for).
+CACHED_DENSE_BYTES = 32 << 20
+KEEP_DTYPE_GAIN = 0.10
+AUTO_DENSE_TOLERANCE = 2e-2
 
 
 def resolve_device(device: str) -> torch.device:
@@ -104,15 +112,51 @@ def dense_bytes(shapes: "ModelShapes", fmt: str, itemsize: int) -> int:
         shapes.dense_params - packed) * itemsize
 
 
-def default_dense(shapes: "ModelShapes", device: torch.device) -> tuple:
-    """(format, why) of --dense-format auto before any budget: on the CPU int8 (decode there is bound by the DRAM
-    bytes it reads; int8 with a scale per 64 costs ~1e-3 of output error), the dtype for a small dense part; on a
-    GPU bf16 (``choose_dense`` steps down from it when it does not fit)."""
+def dense_token_bytes(shapes: "ModelShapes", fmt: str, itemsize: int) -> int:
+    """Bytes of dense weights one decode token reads with its linears in ``fmt``: all of them but the embedding (a
+    one-row gather; counted when tied to lm_head, which reads it whole)."""
+    embedding = shapes.vocab_size * shapes.hidden
+    packed = sum(n * k for n, k in shapes.dense_linears)
+    untied = shapes.dense_params - packed >= embedding  # the embedding is not one of the packed linears
+    return dense_bytes(shapes, fmt, itemsize) - (embedding * itemsize if untied else 0)
+
+
+def dense_name(fmt: str, dtype) -> str:
+    """What a dense format is called in messages and labels: ``bf16`` is the dtype's own weights (fp32 for a small
+    model on the CPU), so it is named by the dtype."""
+    if fmt != "bf16" or dtype is None:
+        return fmt
+    return {"torch.float32": "fp32", "torch.bfloat16": "bf16"}.get(str(dtype), str(dtype).replace("torch.", ""))
+
+
+def default_dense(shapes: "ModelShapes", device: torch.device, itemsize: Optional[int] = None,
+                  expert_token_bytes: Optional[int] = None) -> tuple:
+    """(format, why) of --dense-format auto before any budget. On a GPU bf16 (``choose_dense`` steps down from it
+    when it does not fit). On the CPU, decided by the bytes a decode token reads (decode there is bound by them):
+    the dtype's own weights ("bf16") when its dense bytes per token are within CACHED_DENSE_BYTES or packing would
+    save less than KEEP_DTYPE_GAIN of a token's bytes (dense + ``expert_token_bytes`` of routed experts), else the
+    packed format that reads least within AUTO_DENSE_TOLERANCE (int8). Without the shapes' linears and
+    ``itemsize`` (the Transformers path) the rule is by size: the dtype up to SMALL_DENSE parameters, else int8."""
+    from hetmoe.config.formats import DENSE_FORMATS
+
     if device.type == "cuda":
         return "bf16", "auto: the most precise; fits"
-    if shapes.dense_params <= SMALL_DENSE:
-        return "bf16", f"auto: a small model ({shapes.dense_params / 1e9:.2f} G dense parameters) keeps its dtype"
-    return "int8", "auto on the CPU: decode is bound by the DRAM bytes it reads"
+    if itemsize is None or not getattr(shapes, "dense_linears", ()):
+        if shapes.dense_params <= SMALL_DENSE:
+            return "bf16", f"auto: a small model ({shapes.dense_params / 1e9:.2f} G dense parameters) keeps its dtype"
+        return "int8", "auto on the CPU: decode is bound by the DRAM bytes it reads"
+    dtype = {4: "fp32", 2: "bf16"}.get(itemsize, f"{8 * itemsize}-bit")
+    keep = dense_token_bytes(shapes, "bf16", itemsize)
+    packed = min((f for f in DENSE_FORMATS.values() if "cpu" in f.devices and f.name != "bf16"
+                  and f.tolerance <= AUTO_DENSE_TOLERANCE), key=lambda f: dense_token_bytes(shapes, f.name, itemsize))
+    small = dense_token_bytes(shapes, packed.name, itemsize)
+    experts = expert_token_bytes or 0
+    mb = lambda n: f"{n / 1e6:,.0f} MB/token"  # noqa: E731
+    if keep <= CACHED_DENSE_BYTES:
+        return "bf16", f"auto: {dtype}, {mb(keep)} stays in the CPU's caches"
+    if keep - small < KEEP_DTYPE_GAIN * (keep + experts):
+        return "bf16", f"auto: {dtype}; {packed.name} would save {mb(keep - small)} of {mb(keep + experts)}"
+    return packed.name, f"auto: with experts {mb(small + experts)}, in {dtype} {mb(keep + experts)}"
 
 
 def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device, fmt: str,
@@ -135,7 +179,9 @@ def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device
     if dense_format is None and opts.dense_format != "auto":
         dense_format, why["dense weights"] = opts.dense_format, f"--dense-format {opts.dense_format}"
     elif dense_format is None:
-        dense_format, why["dense weights"] = default_dense(shapes, device)
+        per_token = sum(shapes.top_k * shapes.layer_expert_bytes(i, lp.experts_format, lp.group_size)
+                        for i, lp in enumerate(per_layer))
+        dense_format, why["dense weights"] = default_dense(shapes, device, dtype.itemsize, per_token)
     dense = dense_bytes(shapes, dense_format, dtype.itemsize)
     # paged: one full sequence (pages are taken as sequences grow); contiguous: every row's capacity grows together
     kv = shapes.kv_elems_per_token * (1 if paged else opts.max_batch) * ctx * dtype.itemsize
@@ -264,9 +310,10 @@ def fp8_runs(device: torch.device, gpu_here: bool) -> str:
 
 def choose_dense(shapes: "ModelShapes", opts: EngineOptions, device: torch.device, layers, vram: int,
                  gpu_here: bool) -> tuple:
-    """(dense format, why): --dense-format as asked (refused where it does not run), or auto: on the CPU
-    ``default_dense``; on a GPU the most precise of DENSE_ORDER whose plan (dense, KV cache for the asked context
-    or DENSE_AUTO_CONTEXT, activations, asked GPU experts and --gpu-prefill N's smallest buffers) fits ``vram``."""
+    """(dense format, why): --dense-format as asked (refused where it does not run), or auto: on the CPU (None,
+    None): ``plan_memory`` applies ``default_dense`` for each experts format it plans; on a GPU the most precise of
+    DENSE_ORDER whose plan (dense, KV cache for the asked context or DENSE_AUTO_CONTEXT, activations, asked GPU
+    experts and --gpu-prefill N's smallest buffers) fits ``vram``."""
     from hetmoe.config.formats import dense_format
 
     where = "cuda" if device.type == "cuda" else "cpu"
@@ -275,7 +322,9 @@ def choose_dense(shapes: "ModelShapes", opts: EngineOptions, device: torch.devic
         if opts.dense_format == "fp8" and (why := fp8_runs(device, gpu_here)):
             raise ValueError(f"--dense-format fp8: this GPU cannot run it ({why}); use int8 or int4")
         return opts.dense_format, f"--dense-format {opts.dense_format}"
-    if where == "cpu" or not shapes.dense_linears:  # (nothing to pack: every format is the dtype's bytes)
+    if where == "cpu":  # by the bytes a token reads, which depend on the experts format: plan_memory decides
+        return None, None
+    if not shapes.dense_linears:  # (nothing to pack: every format is the dtype's bytes)
         return default_dense(shapes, device)
     limit = shapes.context_limit or shapes.max_position_embeddings or DENSE_AUTO_CONTEXT
     ctx = opts.max_context or min(limit, DENSE_AUTO_CONTEXT)
@@ -316,7 +365,8 @@ def choose_plan(shapes: "ModelShapes", opts: EngineOptions, layers: Optional[lis
             plan.why["routed experts"] = f"auto: RAM with {', '.join(tried)} > {gib(ram)}"
     else:
         plan = plan_memory(shapes, opts, device, opts.experts_format, layers, dense_format=dense)
-    plan.why["dense weights"] = dense_why
+    if dense_why is not None:
+        plan.why["dense weights"] = dense_why
     plan.budgets, plan.notes = limits, notes + plan.notes
     if opts.max_context is None:
         plan = fit_context(plan, shapes, opts, layers, ram, vram)

@@ -17,12 +17,13 @@ Shapes: N scored positions, V vocabulary.
 from __future__ import annotations
 
 import math
-import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
+
+from hetmoe.config.units import show_progress
 
 
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -74,6 +75,11 @@ class EvalResult:
     has_reference: bool = False
     seconds: float = 0.0
 
+    def against_itself(self) -> "EvalResult":
+        """This result as its own reference (a configuration that is the reference, scored once): the reference
+        perplexity is its own, KL 0, every position agrees."""
+        return replace(self, has_reference=True, ref_nll_sum=self.nll_sum, kl_sum=0.0, kl_max=0.0, agree=self.tokens)
+
     def summary(self) -> dict:
         """The numbers as plain floats (JSON-ready); reference entries are None without a reference."""
         n = max(self.tokens, 1)
@@ -96,12 +102,9 @@ def evaluate(runner, ids: Sequence[int], window: int, reference=None, progress: 
         raise ValueError(f"the text is {len(ids)} token(s): nothing to score (at least 2 tokens are needed)")
     if reference is not None and reference.vocab_size != runner.vocab_size:
         raise ValueError(f"the reference has {reference.vocab_size} logits per token, the model {runner.vocab_size}")
-    from tqdm import tqdm
-
     res = EvalResult(has_reference=reference is not None)
     t0 = time.perf_counter()
-    with tqdm(total=sum(len(c) - 1 for c in chunks), desc="eval", unit="tok", disable=not progress,
-              file=sys.stderr, leave=False) as bar:
+    with show_progress(sum(len(c) - 1 for c in chunks), "eval", "token", progress) as bar:
         for chunk in chunks:
             targets = torch.tensor(chunk[1:])
             logits = runner.score(chunk)[:-1]  # [N, V]: row i predicts chunk[i + 1]

@@ -365,6 +365,17 @@ def test_generate_seed_is_reproducible(env, capsys):
     assert c["text"] != a["text"]
 
 
+def test_generate_with_extreme_sampling_values_is_greedy(capsys):
+    """--top-p 1e-300 (0 in fp32) and --temperature 1e-300 (an fp32 overflow) are greedy, not a crash."""
+    greedy = json.loads(main(capsys, *GEN, "--json")[1])
+    extremes = [("--temperature", 1, "--top-p", "1e-300"), ("--temperature", "1e-300"),
+                ("--temperature", "1e-300", "--top-p", "1e-300")]
+    for args in extremes:
+        code, stdout, stderr = main(capsys, *GEN, "--json", "--seed", 3, *args)
+        assert code == 0, stderr
+        assert json.loads(stdout)["text"] == greedy["text"], args
+
+
 def test_generate_with_a_checkpoint_dir_and_a_cache(env, model_dir, tmp_path, llm, capsys):
     args = ("generate", "--model", model_dir, "--expert-cache", tmp_path, "--max-tokens", 6, "--json",
             "--experts-format", "bf16", "--device", "cpu", "--prompt", "Hello, world!")
@@ -414,7 +425,10 @@ def test_runtime_errors_are_one_line(capsys, args, message):
 # value as typed: no Python quotes, reprs or tuples (before: "argument --top-p" from argparse next to "top_p must
 # be ..." with exit 1, "invalid _positive_int value: 'abc'", "got ('',)").
 @pytest.mark.parametrize("args, line", [
-    (("generate", "--temperature", -1), "hetmoe generate: error: --temperature: expected a number >= 0, got -1"),
+    (("generate", "--temperature", -1),
+     "hetmoe generate: error: --temperature: expected a finite number >= 0, got -1"),
+    (("generate", "--temperature", "inf"),
+     "hetmoe generate: error: --temperature: expected a finite number >= 0, got inf"),
     (("generate", "--top-p", 0), "hetmoe generate: error: --top-p: expected a number in (0, 1], got 0"),
     (("generate", "--top-k", -2), "hetmoe generate: error: --top-k: expected an integer >= 0, got -2"),
     (("generate", "--threads", "abc"), "hetmoe generate: error: --threads: expected a positive integer, got abc"),

@@ -168,6 +168,60 @@ def test_temperature_sharpens():
     assert torch.allclose(cold, expected, atol=0.015)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [True, False])
+@pytest.mark.parametrize("kw", [
+    dict(temperature=1e-300), dict(temperature=1e-30), dict(temperature=5e-6),  # below 1e-5: greedy
+    dict(temperature=1e-300, top_p=1e-300), dict(temperature=1e-5), dict(temperature=1e-5, top_p=0.5),
+    dict(temperature=1.0, top_p=1e-300), dict(temperature=1.0, top_p=1e-40), dict(temperature=0.7, top_p=1e-8),
+])
+def test_extreme_parameters_are_greedy_not_nan(kw, batch, dtype):
+    """Temperatures below 1e-5 and a top_p that is 0 in fp32 (1e-300, 1e-40) give the argmax, never an fp32
+    overflow (inf - inf) or an empty distribution ("invalid multinomial distribution")."""
+    g = torch.Generator().manual_seed(3)  # distinct integer logits, exact in bf16: no ties for the argmax
+    logits = torch.stack([torch.randperm(300, generator=g) - 150.0 for _ in range(16)]).to(dtype)
+    logits[:, 7] = float("-inf")  # a masked token
+    x = logits if batch else logits[5]
+    for seed in range(3):
+        got = sample(x, SamplingParams(seed=seed, **kw), torch.Generator().manual_seed(seed))
+        assert torch.equal(got, x.float().argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 1e4, 1e30, 1e300])
+def test_large_temperatures_are_uniform_over_finite_tokens(temperature, dtype):
+    """A huge temperature flattens the distribution (never NaN from -inf * 0), and a -inf token stays impossible."""
+    n = 20000
+    logits = PROBS.log().to(dtype).expand(n, -1).contiguous()
+    logits[:, 4] = float("-inf")
+    draws = sample(logits, SamplingParams(temperature=temperature), torch.Generator().manual_seed(4))
+    freq = torch.bincount(draws, minlength=5) / n
+    assert freq[4] == 0
+    if temperature >= 1e4:
+        assert torch.allclose(freq[:4], torch.full((4,), 0.25), atol=0.015)
+    one = sample(logits[0], SamplingParams(temperature=temperature, top_p=0.9), torch.Generator().manual_seed(4))
+    assert one.dim() == 0 and int(one) != 4
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-20, 0.3, 0.5, 0.999999999, 1.0])
+def test_top_p_keeps_at_least_the_top_token(top_p):
+    """Every top_p in (0, 1] leaves a valid distribution that holds the most likely token."""
+    logits = PROBS.log().expand(2000, -1).contiguous()
+    draws = sample(logits, SamplingParams(temperature=1.0, top_p=top_p), torch.Generator().manual_seed(5))
+    counts = torch.bincount(draws, minlength=5)
+    assert counts[0] > 0
+    if top_p <= 0.4:
+        assert counts[0] == 2000
+
+
+def test_scheduler_takes_tiny_temperature_as_greedy(tok):
+    greedy, _ = _run(TableRunner(), tok, SamplingParams(max_tokens=10, ignore_eos=True))
+    for kw in (dict(temperature=1e-300), dict(temperature=1.0, top_p=1e-300), dict(temperature=1e-300, top_p=1e-300)):
+        assert SamplingParams(**kw).greedy == ("temperature" in kw and kw["temperature"] < 1e-5)
+        result, _ = _run(TableRunner(), tok, SamplingParams(max_tokens=10, ignore_eos=True, seed=1, **kw))
+        assert result.finish_reason == "length" and result.token_ids == greedy.token_ids
+
+
 def test_bad_logits_shape():
     with pytest.raises(ValueError, match="logits must be"):
         sample(torch.zeros(2, 3, 4), SamplingParams())
@@ -176,6 +230,7 @@ def test_bad_logits_shape():
 @pytest.mark.parametrize("kw, match", [
     (dict(temperature=-0.1), "temperature"),
     (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-1), "top_k"),

@@ -221,7 +221,9 @@ def test_cache_write_failure_is_not_fatal(ckpt, tmp_path):
     blocker.write_text("a file where the cache directory should be")
     log = []
     loaded = load(ckpt, blocker, log, experts_format="int4")
-    assert sum("could not write the expert cache" in m for m in log) == 2, log
+    # said once per load, not once per MoE layer (this model has 2); the summary counts the layers
+    assert sum("could not write the expert cache" in m for m in log) == 1, log
+    assert any("2 layers not written to the cache" in m for m in log), log
     assert torch.equal(run_logits(loaded, tokens)[0], ref)
     # The directory exists but a layer's file name is taken by a directory: the rename fails, no .tmp remains.
     cache = tmp_path / "cache"
@@ -233,6 +235,109 @@ def test_cache_write_failure_is_not_fatal(ckpt, tmp_path):
     assert loaded.info["cache_hits"] == 1 and any("could not write" in m for m in log), log
     assert torch.equal(run_logits(loaded, tokens)[0], ref)
     assert not list(tmp_path.rglob("*.tmp*"))
+
+
+def test_progress_into_a_log_is_no_bar(tiny, capsys):
+    """progress=True (LLM's default) with stderr not a terminal (a log, a pipe): no tqdm bar, no carriage return."""
+    log = []
+    load_model(tiny["qwen3_moe"], EngineOptions(**CPU), expert_cache=None, progress=True, log=log.append)
+    err = capsys.readouterr().err
+    assert "\r" not in err and "layer/s" not in err and "%|" not in err, err
+    assert not any("\r" in m for m in log)
+
+
+def test_damaged_files_are_reported_once_per_load(tiny, tmp_path):
+    path = tiny["deepseek_v3"]
+    cache_dir = Path(load(path, tmp_path, experts_format="int4").info["cache_dir"])
+    for name in ("layer0001.bin", "layer0002.bin"):
+        _patch(cache_dir / name, -10, lambda b: b ^ 0x55)
+    log = []
+    again = load(path, tmp_path, log, experts_format="int4")
+    assert sum("unusable" in m for m in log) == 1, log
+    assert any("2 bad cache files rebuilt" in m for m in log), log
+    assert again.info["cache_hits"] == 0
+    assert load(path, tmp_path, experts_format="int4").info["cache_hits"] == 2
+
+
+class _Experts:
+    """What ExpertCache reads of a CPUExperts: shapes, storage views, a checksum. While the data is written (the
+    second walk over ``storage``; the first reads the sizes) it raises ``fail`` after the first view, as an
+    interrupt in the middle of a write would."""
+
+    num_experts, hidden_size, intermediate_size = 4, 8, 16
+
+    def __init__(self, fail=None):
+        self.views = [memoryview(bytearray(range(64))), memoryview(bytearray(100))]
+        self.fail, self.walks = fail, 0
+
+    def info(self):
+        return {"numa_slices": [(0, 4)]}
+
+    def checksum(self):
+        return 1234
+
+    def mark_loaded(self):
+        pass
+
+    def storage(self):
+        self.walks += 1
+        yield self.views[0]
+        if self.fail is not None and self.walks == 2:
+            raise self.fail
+        yield self.views[1]
+
+
+class _Checkpoint:
+    def __init__(self, path):
+        self.path = path
+
+    def fingerprint(self):
+        return [["config.json", 10, 1]]
+
+
+def _dead_pid():
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt(), RuntimeError("a bug"), OSError(28, "No space left")])
+def test_an_interrupted_write_leaves_no_file(tmp_path, interrupt):
+    from hetmoe.load.expert_cache import ExpertCache
+
+    log = []
+    cache = ExpertCache(tmp_path, _Checkpoint(tmp_path / "model"), "int4", 64, warn=log.append)
+    if isinstance(interrupt, OSError):  # reported, not raised
+        assert cache.save(1, _Experts(interrupt)) is None and len(log) == 1
+    else:
+        with pytest.raises(type(interrupt)):
+            cache.save(1, _Experts(interrupt))
+    assert sorted(p.name for p in cache.dir.iterdir()) == ["key.json"]
+    if not isinstance(interrupt, OSError):
+        assert cache.save(1, _Experts()) is not None and cache.load(1, _Experts())
+
+
+def test_opening_a_cache_removes_a_dead_writers_temp_file(tmp_path):
+    from hetmoe.load.expert_cache import ExpertCache
+
+    def open_cache(log):
+        return ExpertCache(tmp_path, _Checkpoint(tmp_path / "model"), "int4", 64, warn=log.append)
+
+    cache = open_cache([])
+    assert cache.save(1, _Experts()) is not None
+    dead = cache.dir / f"layer0002.bin.tmp{_dead_pid()}"
+    live = cache.dir / f"layer0003.bin.tmp{os.getpid()}"  # a writer that is still running: this process
+    other = cache.dir / "notes.tmp1"  # not a cache file name: never touched
+    for f in (dead, live, other):
+        f.write_bytes(b"half a layer")
+    log = []
+    reopened = open_cache(log)
+    assert not dead.exists() and live.exists() and other.exists()
+    assert len(log) == 1 and "interrupted" in log[0], log
+    assert reopened.load(1, _Experts())  # the finished file is kept and still valid
 
 
 # ---------------------------------------------------------------- checkpoint errors

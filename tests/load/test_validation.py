@@ -234,6 +234,31 @@ def test_hub_id_gets_the_download_hint(tmp_path, monkeypatch, capsys):
         assert str(err.value) == f"model directory {not_an_id} does not exist"
 
 
+@pytest.mark.parametrize("name, what", [
+    ("model.bin", "is a file (.bin), not a model"),
+    ("weights", "is a file (no suffix), not a model"),
+    ("config.json", "is a file of a Hugging Face checkpoint: pass its directory"),
+    ("model-00001-of-00002.safetensors", "is a file of a Hugging Face checkpoint: pass its directory"),
+])
+def test_a_file_that_is_not_a_model_says_what_it_is(tmp_path, capsys, name, what):
+    """--model FILE of an unknown kind: not "directory does not exist", but what it is and what --model takes."""
+    path = tmp_path / name
+    path.write_text("{}")
+    accepted = "--model takes a Hugging Face checkpoint directory (config.json, tokenizer and *.safetensors) or a " \
+               "GGUF file (.gguf)"
+    for call in (lambda: load(path), lambda: LLM(str(path), EngineOptions(**CPU), expert_cache=None, progress=False)):
+        with pytest.raises(ValueError) as err:
+            call()
+        assert str(err.value).startswith(f"{path} {what}") and accepted in str(err.value)
+    for command in ("generate", "eval"):
+        assert main([command, "--model", str(path), "--device", "cpu", "--text", str(path)]
+                    if command == "eval" else [command, "--model", str(path), "--device", "cpu"]) == 1
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith(f"hetmoe {command}: error: {path} {what}") and "does not exist" not in err, err
+    with pytest.raises(FileNotFoundError, match="GGUF file .* does not exist"):
+        load(tmp_path / "missing.gguf")
+
+
 # ---------------------------------------------------------------- options that cannot apply
 
 def test_threads_above_the_cores_are_capped_once(originals):

@@ -47,7 +47,8 @@ def _plan(model, device=CUDA, **opts):
 
 @pytest.mark.parametrize("text, n", [("24GiB", 24 * GiB), ("24G", 24 * GiB), ("24g", 24 * GiB), ("500MiB", 500 << 20),
                                      ("1.5TB", 1_500_000_000_000), ("2GB", 2_000_000_000), ("1048576", 1 << 20),
-                                     (" 8 GiB ", 8 * GiB), ("64k", 65536), (".5G", GiB // 2), (4096, 4096)])
+                                     (" 8 GiB ", 8 * GiB), ("64k", 65536), (".5G", GiB // 2), (GiB, GiB),
+                                     ("500B", 500), ("1048576.0", 1 << 20)])
 def test_sizes(text, n):
     assert parse_size(text) == n
     assert EngineOptions(gpu_memory=text, cpu_memory=text).gpu_memory == n
@@ -65,6 +66,22 @@ def test_bad_sizes_are_clear_errors(text, capsys):
         err = capsys.readouterr().err.splitlines()[-1]
         assert exit.value.code == 2 and err == f"hetmoe plan: error: --cpu-memory: expected a size such as 24GiB, " \
                                                f"24G, 500MiB, 1.5TB or a number of bytes, got {text}", err
+
+
+@pytest.mark.parametrize("value", ["24", 24, " 80 ", "0.5", "1048575", 4096])
+def test_a_bare_number_below_1_mib_is_a_forgotten_unit(value, capsys):
+    """--gpu-memory 24 meant 24 GiB, not 24 bytes: refused with the unit suggested (a unit given is taken as is)."""
+    text = str(value).strip()
+    with pytest.raises(ValueError, match=rf"--gpu-memory: {text} bytes is too small; did you mean {text}GiB\?"):
+        EngineOptions(gpu_memory=value)
+    if isinstance(value, str):
+        from hetmoe.cli import main
+
+        for flag in ("--gpu-memory", "--cpu-memory"):
+            with pytest.raises(SystemExit) as exit:
+                main(["plan", f"{flag}={value}"])
+            err = capsys.readouterr().err.splitlines()[-1]
+            assert exit.value.code == 2 and f"{flag}: {text} bytes is too small; did you mean {text}GiB?" in err, err
 
 
 def test_auto_values_parse():
@@ -135,13 +152,47 @@ def test_cpu_placement_dense_format(deepseek, qwen):
     cpu = torch.device("cpu")
     assert _plan(deepseek, cpu).dense_format == "int8"  # decode on a CPU reads every dense byte from DRAM
     assert _plan(qwen, cpu).dense_format == "int8"
-    small = shape_config("qwen3-30b-a3b", 1)
-    small.update(vocab_size=1000)
-    model = build_meta(small)
-    plan = plan_model(model, small, moe_blocks(model), EngineOptions(device="cpu"), 768, cpu)
-    assert plan.dense_format == "bf16" and plan.dtype == torch.float32  # a small model keeps its dtype
     with pytest.raises(ValueError, match=r"dense format fp8 does not run on cpu \(it runs on: cuda\)"):
         _plan(qwen, cpu, dense_format="fp8")
+
+
+def _shape_plan(name, layers=None, **opts):
+    cfg = shape_config(name, layers)
+    model = build_meta(cfg)
+    options = EngineOptions(**{"device": "cpu", "cpu_memory": BIG_RAM, **opts})
+    inter = cfg.get("moe_intermediate_size") or cfg.intermediate_size
+    return plan_model(model, cfg, moe_blocks(model), options, inter, torch.device("cpu"))
+
+
+def test_cpu_dense_auto_is_decided_by_the_bytes_a_token_reads():
+    """--dense-format auto on the CPU: the dtype's own weights only where they cost a decode token little (within
+    the caches, or under 10% of its bytes against the experts'), else int8 — whatever the parameter count."""
+    # 4 layers of Qwen3-30B-A3B: < 1 G dense parameters, so fp32; its lm_head alone is 1.2 GB read per token in
+    # fp32 (1,636 MB in all against 500 MB in int8; measured 10.7 against 48.3 tok/s): int8
+    few = _shape_plan("qwen3-30b-a3b", 4, experts_format="int4")
+    assert (few.dense_format, few.dtype) == ("int8", torch.float32), few.why["dense weights"]
+    assert "int8" not in few.why["dense weights"] and "fp32" in few.why["dense weights"]  # the table names int8
+    # the built-in model: 15 MB of fp32 dense weights per token stay in the caches (it decodes faster so)
+    from hetmoe.engine.llm import default_model_path
+    from hetmoe.load.loader import check_model_dir
+
+    cfg = check_model_dir(default_model_path())
+    model = build_meta(cfg)
+    demo = plan_model(model, cfg, moe_blocks(model), EngineOptions(device="cpu"), cfg.moe_intermediate_size,
+                      torch.device("cpu"))
+    assert (demo.dense_format, demo.dtype) == ("bf16", torch.float32) and "caches" in demo.why["dense weights"]
+    # Mixtral's bf16 experts read 22.5 GB per token: int8 dense would save 1.4 GB of them (6%), so bf16 stays;
+    # against int4 experts (6 GB) the same 1.4 GB is 16%: int8
+    assert _shape_plan("mixtral-8x7b", experts_format="bf16").dense_format == "bf16"
+    assert _shape_plan("mixtral-8x7b", experts_format="int4").dense_format == "int8"
+    # an experts format left to auto: the dense format is decided with the experts format each candidate plan has
+    auto = _shape_plan("mixtral-8x7b")
+    assert auto.experts_format == "bf16" and auto.dense_format == "bf16"
+    # asked for: as asked, and the table names fp32 weights by their dtype
+    asked = _shape_plan("qwen3-30b-a3b", 4, experts_format="int4", dense_format="bf16")
+    assert asked.dense_format == "bf16" and "dense weights (fp32)" in "\n".join(asked.table())
+    assert placement.dense_name("bf16", torch.float32) == "fp32" and placement.dense_name("int8", torch.float32) == \
+        "int8" and placement.dense_name("bf16", torch.bfloat16) == "bf16"
 
 
 # ---------------------------------------------------------------- budgets, GPU experts, context

@@ -191,12 +191,55 @@ def test_eval_command_json(env, text_file):
 
 
 def test_eval_command_table_and_identical_configs(capsys, text_file, tmp_path):
-    code, stdout, _ = cli(capsys, "eval", "--text", text_file, "--experts-format", "bf16", "--expert-cache", "off",
-                          "--window", 32, "--max-tokens", 100, "--json", tmp_path / "r.json")
+    """A configuration that is the reference is loaded and scored once (said), and compared with itself."""
+    code, stdout, stderr = cli(capsys, "eval", "--text", text_file, "--experts-format", "bf16", "--expert-cache",
+                               "off", "--window", 32, "--max-tokens", 100, "--json", tmp_path / "r.json")
     assert code == 0 and "bf16 (reference)" in stdout and "KL(ref||test)" in stdout
     result = json.loads((tmp_path / "r.json").read_text())
-    assert result["kl"] <= 1e-6 and result["top1_agreement"] == 1.0
+    assert result["kl"] == 0 and result["top1_agreement"] == 1.0
+    assert result["perplexity"] == result["reference_perplexity"] and result["reference"] == result["config"]
     assert result["tokens"] == 100 - 4  # 100 tokens in windows of 32, 32, 32, 4: one unscored token each
+    assert stderr.count("hetmoe: loaded in") == 1 and "the configuration is the reference" in stderr, stderr
+    # another configuration loads its reference beside it
+    code, _, stderr = cli(capsys, "eval", "--text", text_file, "--experts-format", "int8", "--expert-cache", "off",
+                          "--window", 32, "--max-tokens", 40, "--json", "-")
+    assert code == 0 and stderr.count("hetmoe: loaded in") == 2 and "is the reference" not in stderr, stderr
+
+
+def test_same_as_reference_reads_the_plan():
+    from types import SimpleNamespace
+
+    from hetmoe.cli.eval import same_as_reference
+
+    def plan(dense="bf16", **layer):
+        lp = SimpleNamespace(**{"experts_format": "bf16", "group_size": 0, "defer_experts": 0, "gpu_experts": 0,
+                                **layer})
+        return SimpleNamespace(dense_format=dense, experts_format=lp.experts_format, layers=[lp, lp])
+
+    assert same_as_reference(plan(), "bf16", 0)
+    assert not same_as_reference(plan(), "bf16", 1)  # experts dropped
+    assert not same_as_reference(plan("int8"), "bf16", 0)
+    for change in (dict(experts_format="int8", group_size=128), dict(defer_experts=1), dict(gpu_experts=2)):
+        assert not same_as_reference(plan(**change), "bf16", 0), change
+    assert same_as_reference(plan(experts_format="int8", group_size=128), "int8", 0)  # int8's default group
+    assert not same_as_reference(plan(experts_format="int8", group_size=32), "int8", 0)
+
+
+def test_eval_scores_the_builtin_models_heldout_text_by_default(capsys):
+    code, stdout, stderr = cli(capsys, "eval", "--device", "cpu", "--expert-cache", "off", "--window", 32,
+                               "--max-tokens", 60, "--reference-format", "none", "--json", "-")
+    assert code == 0, stderr
+    result = json.loads(stdout)
+    assert result["text"] == str(default_model_path() / "heldout.txt") and result["tokens"] == 60 - 2
+    assert "held-out text" in stderr
+
+
+def test_eval_with_a_model_requires_text(capsys):
+    code, stdout, stderr = cli(capsys, "eval", "--model", default_model_path(), "--expert-cache", "off")
+    assert code == 2 and stdout == ""
+    assert stderr.splitlines()[-1] == ("hetmoe eval: error: --text FILE is required with --model: the text to score "
+                                       "(only the built-in model, without --model, has a default: its held-out "
+                                       "text)"), stderr
 
 
 @pytest.mark.parametrize("args, message", [
