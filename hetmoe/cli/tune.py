@@ -52,11 +52,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "tune", help="measure the fastest threads, GPU experts, deferral, prefill threshold, dense format here; "
         "write them as a --config file",
         description="Builds the model (--model, --shape or the built-in one) for each candidate that needs it and "
-        "times batch-1 decode (median of repeats): expert threads; with a GPU the number of GPU-resident experts, "
-        "the Expert Deferral depth (the fastest whose perplexity on the calibration text moves by at most "
-        "--max-ppl-change) and the layerwise prefill threshold; on the CPU alone the dense format (same bound). "
-        "Prints every candidate measured and writes the choice to --out, which --config loads "
-        "(docs/running.md#hetmoe-tune). Engine flags given here are kept as given, not tuned.")
+        "times batch-1 decode (median of repeated runs, the candidates interleaved): expert threads; with a GPU "
+        "the number of GPU-resident experts, the Expert Deferral depth (among those whose perplexity on the "
+        "calibration text moves by at most --max-ppl-change) and the layerwise prefill threshold; on the CPU alone "
+        "the dense format (same bound). "
+        "A stage keeps its default unless a candidate is faster by more than the noise its runs measured (at "
+        "least 3%). Prints every candidate measured and what each stage chose and why, and writes the choice to "
+        "--out, which --config loads (docs/running.md#hetmoe-tune). Engine flags given here are kept as given, "
+        "not tuned.")
     p.add_argument("--out", metavar="FILE", default=DEFAULT_OUT, help=f"the config file written (default: "
                    f"{DEFAULT_OUT})")
     p.add_argument("--max-ppl-change", type=percent, default=1.0, metavar="PCT",
@@ -74,7 +77,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def _header(result, source, machine: dict, fixed: list, out: Path) -> list:
     from hetmoe import __version__
-    from hetmoe.tools.tune import summary
+    from hetmoe.tools.tune import NOISE_FLOOR, summary
 
     b = result.budget
     return [
@@ -84,8 +87,11 @@ def _header(result, source, machine: dict, fixed: list, out: Path) -> list:
         f"date: {machine['date']}, hetmoe {__version__}, commit {machine['commit'] or '?'}",
         f"model: {source.name}; placement {result.placement}",
         f"measured: decode tok/s at batch 1, median of {b.repeats} runs of {b.steps} steps after a prompt of "
-        f"{b.prompt} tokens; perplexity change on {result.tokens} tokens of the {result.calibration} (windows of "
-        f"{b.window})",
+        f"{b.prompt} tokens ({b.rounds} passes over each stage's candidates, every other one reversed, {b.runs} runs "
+        f"each; ±: the farthest run from the median); perplexity change on {result.tokens} tokens of the "
+        f"{result.calibration} (windows of {b.window})",
+        f"chosen: a stage's default unless a candidate is faster by more than the noise (9 in 10 of the stage's runs "
+        f"within it of their median; at least {100 * NOISE_FLOOR:g}%)",
         f"accepted: a perplexity change of at most {100 * result.bound:g}%; {result.seconds:.0f} s in all"
         + (f"; kept as given: {', '.join(fixed)}" if fixed else ""),
         *summary(result),
@@ -114,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     model = None if args.shape else (args.model or default_model_path())
     source = Source(model, args.shape, args.layers, expert_cache(args), args.seed)
     progress = sys.stderr.isatty()
-    bar = tqdm(total=None, desc="tune", unit="candidate", file=sys.stderr, disable=not progress, leave=False)
+    bar = tqdm(total=None, desc="tune", unit="pass", file=sys.stderr, disable=not progress, leave=False)
 
     def on_row(row):
         bar.update(1)
@@ -130,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
     for line in fmt_rows(result.rows):
         print(line)
+    for decision in result.decisions:
+        print(decision.line())
     info = cpu_info()
     machine = {"host": socket.gethostname(), "cpu": cpu_model() or "CPU", "cores": info["physical_cores"],
                "gpu": torch.cuda.get_device_name(0) if tuner.gpu else None, "commit": git_commit(),

@@ -10,16 +10,28 @@ grid search over hours):
     deferral      with a GPU: Expert Deferral d = 0 .. top_k - 1                                 set on the same build
     gpu prefill   with a GPU: the layerwise prefill's threshold, measured at load (hetmoe/moe/streamed/layerwise.py)
 
-A candidate's speed is decode tok/s at batch 1 (``hetmoe.bench.e2e.time_decode``: the median of ``repeats`` runs of
-``steps`` steps after a ``prompt``-token prefill). A candidate that changes the model's numbers (a dense format, a
-deferral) is accepted only when its perplexity on the calibration text (``hetmoe.tools.evaluation``) is within
-``max_ppl_change`` of the exact configuration's (bf16 dense; d = 0); deferrals are tried in increasing d and the
-first over the bound ends the stage. Options named in ``fixed`` (the flags the user gave) are not tuned.
+A candidate's speed is decode tok/s at batch 1 (``hetmoe.bench.e2e.time_decode``: runs of ``steps`` steps after a
+``prompt``-token prefill). A stage times its candidates in ``rounds`` passes, every other pass in reverse order
+(A B C, C B A: a drift of the machine's speed over the stage falls on every candidate alike), ``runs`` runs per
+candidate per pass; a candidate's rate is the median of its runs. The stage's noise: 9 in 10 of its runs (every
+candidate's pooled) lie within it of their candidate's median, and it is at least NOISE_FLOOR.
+
+A stage moves away from its default (the engine's own value, else the first candidate) only to a candidate faster
+by more than that noise; of several, the first in the stage's order (fewer GPU experts, fewer deferred, the more
+precise format) within the noise of the fastest.
+Otherwise the default is kept and the summary says the faster candidates are within noise (``decide``), so two
+runs on one machine choose the same setting or say why they need not.
+
+A candidate that changes the model's numbers (a dense format, a deferral) is accepted only when its perplexity on
+the calibration text (``hetmoe.tools.evaluation``) is within ``max_ppl_change`` of the exact configuration's (bf16
+dense; d = 0); deferrals are scored in increasing d and the first over the bound ends the stage. Options named in
+``fixed`` (the flags the user gave) are not tuned.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -39,20 +51,30 @@ from hetmoe.tools.evaluation import evaluate
 
 TUNED = ("threads", "dense_format", "gpu_experts", "defer_experts", "gpu_prefill")  # the options tune chooses
 BUILD_ERRORS = (ValueError, RuntimeError, MemoryError, ImportError, NotImplementedError, TypeError)
+# The least relative difference taken for a real one: two identical runs on a quiet machine measured up to 8% apart
+# from 3 short runs each, so a spread measured from a few runs is not trusted below this.
+NOISE_FLOOR = 0.03
 
 
 @dataclass(frozen=True)
 class Budget:
-    """How much one tune run measures: decode steps per run, runs per candidate, the calibration tokens scored."""
+    """How much one tune run measures: decode steps per run, passes over a stage's candidates, runs per candidate
+    per pass, the calibration tokens scored."""
 
     prompt: int = 32
     steps: int = 16
-    repeats: int = 3
+    rounds: int = 2
+    runs: int = 3
     ppl_tokens: int = 512
     window: int = 256
 
+    @property
+    def repeats(self) -> int:
+        """Timed runs per candidate."""
+        return self.rounds * self.runs
 
-FULL, QUICK = Budget(), Budget(prompt=8, steps=4, repeats=3, ppl_tokens=128, window=64)
+
+FULL, QUICK = Budget(), Budget(prompt=8, steps=4, rounds=2, runs=2, ppl_tokens=128, window=64)
 
 
 @dataclass
@@ -67,6 +89,108 @@ class Row:
     note: str = ""
     chosen: bool = False
     exact: bool = False  # the perplexity reference itself (bf16 dense, d = 0): always within the bound
+    rates: list = field(default_factory=list)  # tok/s of each timed run; tok_s is their median
+
+    def add(self, rates: list) -> None:
+        self.rates += rates
+        self.tok_s = statistics.median(self.rates)
+
+    def deviations(self) -> list:
+        """|run / median - 1| of each timed run."""
+        return [abs(x / self.tok_s - 1) for x in self.rates]
+
+    @property
+    def spread(self) -> float:
+        """The farthest run from the median, relative to it (the ± of this candidate's runs); 0 untimed."""
+        return max(self.deviations(), default=0.0)
+
+
+def accepted(row: Row, bound: float) -> bool:
+    """Timed, and its perplexity change (where measured) at most ``bound``."""
+    return row.tok_s is not None and (row.exact or row.ppl_change is None or row.ppl_change <= bound)
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:+.1f}%"
+
+
+@dataclass
+class Decision:
+    """One stage's choice (``decide``): the chosen row (None: no candidate accepted), the baseline it was compared
+    with (the default, or the first candidate where the default was not one), the relative noise the comparison
+    allowed, and the accepted rows."""
+
+    stage: str
+    chosen: Optional[Row]
+    baseline: Optional[Row]
+    noise: float
+    is_default: bool
+    rows: list = field(default_factory=list)
+
+    @property
+    def kept(self) -> bool:
+        return self.chosen is not None and self.chosen is self.baseline
+
+    @property
+    def within_noise(self) -> list:
+        """The accepted rows faster than the baseline by at most the noise, where the baseline is kept."""
+        return [r for r in self.rows if self.kept and r is not self.baseline and r.tok_s > self.baseline.tok_s]
+
+    def line(self) -> str:
+        """What the stage chose and why, for the printed summary and the written file's comments."""
+        if self.chosen is None:
+            return f"{self.stage}: nothing chosen (no candidate timed within the perplexity bound)"
+        base, head = self.baseline, f"{self.stage} chosen: {self.chosen.value}"
+        what = "the default" if self.is_default else "the first candidate"
+        noise = f"±{100 * self.noise:.1f}%"
+        if len(self.rows) == 1:
+            return f"{head} ({what}, the only candidate accepted)"
+        if self.kept:
+            near = self.within_noise
+            if not near:
+                return f"{head} ({what}, the fastest; noise {noise})"
+            faster = ", ".join(f"{r.value} ({pct(r.tok_s / base.tok_s - 1)})" for r in near)
+            return f"{head} ({what}, kept): {faster} within noise ({noise})"
+        text = f"{head}, {pct(self.chosen.tok_s / base.tok_s - 1)} over {what} {base.value}, beyond the noise ({noise})"
+        best = max(self.rows, key=lambda r: r.tok_s)
+        if best is not self.chosen:
+            text += f"; {best.value} ({pct(best.tok_s / base.tok_s - 1)}) is within noise of it"
+        return text
+
+
+def stage_noise(rows: list, floor: float = NOISE_FLOOR) -> float:
+    """The relative noise of a stage's timings: 9 in 10 of its runs lie within it of their candidate's median (the
+    runs of every candidate pooled, so one slow run does not set it alone), and at least ``floor``."""
+    devs = sorted(d for r in rows if r.rates for d in r.deviations())
+    if len(devs) < 2:
+        return floor
+    return max(floor, statistics.quantiles(devs, n=10, method="inclusive")[-1])
+
+
+def decide(stage: str, rows: list, bound: float, default=None, floor: float = NOISE_FLOOR) -> Decision:
+    """The choice among ``rows`` (in the stage's order) of the accepted ones (``accepted``): the baseline (the row of
+    ``default``, else the first accepted) unless a row is faster than it by more than the stage's noise
+    (``stage_noise``); of such rows, the first within the noise of the fastest. A difference the noise covers never
+    decides, so two runs choose alike."""
+    timed = [r for r in rows if r.tok_s is not None]
+    noise = stage_noise(timed, floor)
+    ok = [r for r in timed if accepted(r, bound)]
+    if not ok:
+        return Decision(stage, None, None, noise, False)
+    base = next((r for r in ok if r.value == default), ok[0])
+    faster = [r for r in ok if r.tok_s > base.tok_s * (1 + noise)]
+    if not faster:
+        return Decision(stage, base, base, noise, base.value == default, ok)
+    best = max(r.tok_s for r in faster)
+    pick = next(r for r in faster if r.tok_s * (1 + noise) >= best)
+    return Decision(stage, pick, base, noise, base.value == default, ok)
+
+
+def interleave(values: list, rounds: int) -> list:
+    """The order a stage times ``values`` in: ``rounds`` passes, every other one reversed (A B C, C B A, A B C), as
+    (value, passes) with back-to-back repeats merged (C, C: one build timed for both passes)."""
+    order = [v for r in range(rounds) for v in (values if r % 2 == 0 else values[::-1])]
+    return [(v, len(list(same))) for v, same in itertools.groupby(order)]
 
 
 @dataclass
@@ -80,6 +204,7 @@ class TuneResult:
     tokens: int = 0  # its tokens scored
     bound: float = 0.01  # the largest perplexity change accepted (a fraction)
     seconds: float = 0.0
+    decisions: list = field(default_factory=list)  # a Decision per stage that chose
 
 
 class Source:
@@ -121,27 +246,21 @@ class Source:
         return load_model(self.model, options, expert_cache=self.cache, progress=False, log=quiet)
 
 
-def thread_candidates(cores: int, gpu: bool, quick: bool) -> list:
+def thread_candidates(cores: int, gpu: bool, quick: bool, default: Optional[int] = None) -> list:
     """Expert thread counts to try on ``cores`` physical cores: all, one fewer, two fewer with a GPU (its
-    launching thread needs a core: BENCHMARKS.md#reserved-cores), half; ``quick``: all and the GPU default."""
-    default = max(1, cores - 2 if gpu else cores)  # the engine's own default (hetmoe/load/loader.py new_experts)
+    launching thread needs a core: BENCHMARKS.md#reserved-cores), half; ``quick``: all and the GPU default.
+    ``default``: the engine's own count (hetmoe/load/loader.py new_experts), always a candidate."""
+    default = default or max(1, cores - 2 if gpu else cores)
     picks = [default, cores - 1] if quick else [cores, cores - 1, default, cores // 2]
     return sorted({c for c in picks if c >= 1} | {default}, reverse=True)
 
 
-def choose(rows: list, bound: float) -> Optional[Row]:
-    """The fastest of ``rows`` that was timed and whose perplexity change (where measured) is at most ``bound``;
-    None when there is none. Ties: the earlier row (the candidate sets list the engine's default first)."""
-    ok = [r for r in rows if r.tok_s is not None and (r.exact or r.ppl_change is None or r.ppl_change <= bound)]
-    return max(ok, key=lambda r: r.tok_s) if ok else None
-
-
-def decode_rate(loaded: LoadedModel, budget: Budget, seed: int = 0) -> float:
-    """Batch-1 decode tok/s: the median over ``budget.repeats`` runs of ``budget.steps`` steps."""
+def decode_rates(loaded: LoadedModel, budget: Budget, runs: int, seed: int = 0) -> list:
+    """Batch-1 decode tok/s of each of ``runs`` runs of ``budget.steps`` steps (random prompts from ``seed``: every
+    candidate decodes the same tokens)."""
     runner = Runner(loaded)
     gen = torch.Generator().manual_seed(seed)
-    runs = [time_decode(runner, budget.prompt, budget.steps, gen) for _ in range(budget.repeats)]
-    return statistics.median(len(r) / sum(r) for r in runs)
+    return [len(t) / sum(t) for t in (time_decode(runner, budget.prompt, budget.steps, gen) for _ in range(runs))]
 
 
 def perplexity(loaded: LoadedModel, ids: list, window: int) -> float:
@@ -157,7 +276,7 @@ def _free() -> None:
 
 class Tuner:
     """One tune run; ``run()`` -> TuneResult. ``candidates``: option -> values to try instead of the default set
-    (``hetmoe tune --try``); ``on_row``: called with each Row as it is measured (the progress bar)."""
+    (``hetmoe tune --try``); ``on_row``: called with a Row each time it is measured (the progress bar)."""
 
     def __init__(self, source: Source, base: EngineOptions, *, fixed=(), max_ppl_change: float = 0.01,
                  quick: bool = False, candidates: Optional[dict] = None, seed: int = 0,
@@ -179,9 +298,14 @@ class Tuner:
             raise ValueError(f"--max-context {base.max_context}: tune needs {need} positions")
         self.base = base
         self.work = replace(base, max_context=base.max_context or need)  # what every build uses
-        self.rows, self.tuned = [], {}
+        self.rows, self.tuned, self.decisions = [], {}, []
+        self.auto_dense: Optional[str] = None  # what --dense-format auto gave in a build of this run
 
     # ------------------------------------------------------------------------------------------ helpers
+
+    def time_runs(self, row: Row, loaded: LoadedModel, runs: int) -> list:
+        """tok/s of ``runs`` decode runs of ``row``'s candidate, set on ``loaded`` (the one place tune times)."""
+        return decode_rates(loaded, self.budget, runs, self.seed)
 
     def _row(self, row: Row) -> Row:
         self.rows.append(row)
@@ -189,24 +313,57 @@ class Tuner:
         return row
 
     def _values(self, option: str, default: list) -> list:
-        return list(self.candidates.get(option, default))
+        return list(dict.fromkeys(self.candidates.get(option, default)))  # in order, once each
 
-    def _build(self, stage: str, option: str, value, **changes) -> Optional[LoadedModel]:
-        """The model built with ``changes``; None (and a row saying why) where it cannot be."""
+    def _build(self, row: Row, **changes) -> Optional[LoadedModel]:
+        """The model built with ``changes``; None (``row.note`` says why) where it cannot be."""
+        options = replace(self.work, **changes)
         try:
-            return self.source.build(replace(self.work, **changes))
+            loaded = self.source.build(options)
         except BUILD_ERRORS as err:
-            self._row(Row(stage, option, value, note=f"not built: {err}".splitlines()[0][:160]))
+            row.note = f"not built: {err}".splitlines()[0][:160]
             return None
+        if options.dense_format == "auto":
+            self.auto_dense = loaded.plan.dense_format
+        return loaded
 
-    def _choose(self, option: str, rows: list) -> None:
-        """Mark the fastest accepted row of ``rows`` and keep its value."""
-        best = choose(rows, self.bound)
-        if best is None:
+    def _time(self, rows: list, prepare: Callable, first: Optional[Callable] = None, rebuilt: bool = False) -> None:
+        """Time ``rows`` interleaved (``interleave``): ``prepare(row)`` -> the model with the row's candidate set
+        (None: it cannot be, the row's note says why); ``first(row, loaded)``: what is measured once per
+        candidate (its perplexity); ``rebuilt``: each prepare is a new build, freed after its runs."""
+        by_value = {r.value: r for r in rows}
+        failed = set()
+        for value, passes in interleave(list(by_value), self.budget.rounds):
+            row = by_value[value]
+            if value in failed:
+                continue
+            loaded = prepare(row)
+            if loaded is None:
+                failed.add(value)
+                continue
+            if first is not None and not row.rates:
+                first(row, loaded)
+            row.add(self.time_runs(row, loaded, passes * self.budget.runs))
+            self.on_row(row)
+            if rebuilt:
+                del loaded
+                _free()
+
+    def _choose(self, stage: str, option: str, rows: list, default, among: Optional[list] = None) -> None:
+        """Keep the stage's choice (``decide``) among ``rows`` (or only ``among`` them); all go into the table."""
+        self.rows += rows
+        d = decide(stage, rows if among is None else among, self.bound, default)
+        self.decisions.append(d)
+        if d.chosen is None:
             return
-        best.chosen = True
-        self.tuned[option] = best.value
-        self.work = replace(self.work, **{option: best.value})
+        d.chosen.chosen = True
+        noise = f"±{100 * d.noise:.1f}%"
+        if d.kept and d.within_noise:
+            d.chosen.note = f"faster ones within noise ({noise})"
+        elif not d.kept:
+            d.chosen.note = f"{pct(d.chosen.tok_s / d.baseline.tok_s - 1)} over {d.baseline.value} (noise {noise})"
+        self.tuned[option] = d.chosen.value
+        self.work = replace(self.work, **{option: d.chosen.value})
 
     def _tuning(self, option: str) -> bool:
         return option not in self.fixed
@@ -214,48 +371,41 @@ class Tuner:
     # ------------------------------------------------------------------------------------------ stages
 
     def tune_threads(self) -> None:
-        """Each thread count in its own build (a pool per count; one model in memory at a time)."""
-        from hetmoe.cpu import cpu_info
+        """Each thread count in its own build (a pool per count; one model in memory at a time), built again for
+        each pass."""
+        from hetmoe.cpu import HYBRID_RESERVED_CORES, cpu_info, default_threads
 
         if not self._tuning("threads"):
             return
-        cores = cpu_info()["physical_cores"]
-        rows = []
-        for t in self._values("threads", thread_candidates(cores, self.gpu, self.quick)):
-            loaded = self._build("threads", "threads", t, threads=t)
-            if loaded is None:
-                continue
-            rows.append(self._row(Row("threads", "threads", t, tok_s=decode_rate(loaded, self.budget, self.seed))))
-            del loaded
-            _free()
-        self._choose("threads", rows)
+        default = default_threads(HYBRID_RESERVED_CORES if self.gpu else 0)  # hetmoe/load/loader.py new_experts
+        values = self._values("threads", thread_candidates(cpu_info()["physical_cores"], self.gpu, self.quick,
+                                                           default))
+        rows = [Row("threads", "threads", t) for t in values]
+        self._time(rows, lambda row: self._build(row, threads=row.value), rebuilt=True)
+        self._choose("threads", "threads", rows, default)
 
     def tune_dense(self) -> None:
-        """CPU alone: each dense format that runs on the CPU, bf16 (the exact weights) first as the reference."""
+        """CPU alone: each dense format that runs on the CPU, bf16 (the exact weights) first as the reference; the
+        default is what ``auto`` gave (bf16 where no build of this run showed it)."""
         if self.gpu or not self._tuning("dense_format"):
             return
         default = [n for n, f in DENSE_FORMATS.items() if "cpu" in f.devices]
         formats = self._values("dense_format", default[:2] if self.quick else default)
-        formats = sorted(formats, key=lambda f: f != "bf16")
-        reference, rows = None, []
-        for fmt in formats:
-            loaded = self._build("dense format", "dense_format", fmt, dense_format=fmt)
-            if loaded is None:
-                continue
-            row = Row("dense format", "dense_format", fmt, tok_s=decode_rate(loaded, self.budget, self.seed))
-            ppl = perplexity(loaded, self.ids, self.budget.window)
-            if fmt == "bf16":
-                reference, row.exact = ppl, True
-            if reference is not None:
-                row.ppl_change = ppl / reference - 1
-            else:
-                row.note = "no bf16 reference: accuracy not compared"
-            rows.append(self._row(row))
-            del loaded
-            _free()
-        if reference is None:  # nothing to compare with: keep only what is exact
-            rows = [r for r in rows if r.value == "bf16"]
-        self._choose("dense_format", rows)
+        rows = [Row("dense format", "dense_format", f) for f in sorted(formats, key=lambda f: f != "bf16")]
+        ppl = {}
+
+        def score(row, loaded):
+            ppl[row.value] = perplexity(loaded, self.ids, self.budget.window)
+
+        self._time(rows, lambda row: self._build(row, dense_format=row.value), score, rebuilt=True)
+        reference = ppl.get("bf16")
+        for row in rows:
+            if reference is None:
+                row.note = row.note or "no bf16 reference: accuracy not compared"
+            elif row.value in ppl:
+                row.ppl_change, row.exact = ppl[row.value] / reference - 1, row.value == "bf16"
+        exact = [r for r in rows if r.value == "bf16"] if reference is None else None  # nothing to compare with
+        self._choose("dense format", "dense_format", rows, self.auto_dense or "bf16", among=exact)
 
     def gpu_upper(self) -> Optional[LoadedModel]:
         """The build with the most GPU experts the plan allows: the planner's auto where it has one, else the
@@ -283,12 +433,15 @@ class Tuner:
         blocks = moe_blocks(loaded.model)
         top = max((len(b.gpu.expert_ids) for _, b in blocks if b.gpu is not None), default=0)
         default = [0, top] if self.quick else [0, top // 4, top // 2, top]
-        rows = []
-        for n in sorted({v for v in self._values("gpu_experts", default) if 0 <= v <= top}):
-            self.set_gpu_experts(loaded, n)
-            rows.append(self._row(Row("gpu experts", "gpu_experts", n,
-                                      tok_s=decode_rate(loaded, self.budget, self.seed))))
-        self._choose("gpu_experts", rows)
+        rows = [Row("gpu experts", "gpu_experts", n)
+                for n in sorted({v for v in self._values("gpu_experts", default) if 0 <= v <= top})]
+
+        def place(row):
+            self.set_gpu_experts(loaded, row.value)
+            return loaded
+
+        self._time(rows, place)
+        self._choose("gpu experts", "gpu_experts", rows, EngineOptions().gpu_experts)
         self.set_gpu_experts(loaded, self.work.gpu_experts)
 
     def set_gpu_experts(self, loaded: LoadedModel, n: int) -> None:
@@ -302,24 +455,31 @@ class Tuner:
                               storage=[lp.gpu_format for lp in loaded.plan.layers] or "auto")
 
     def tune_deferral(self, loaded: LoadedModel) -> None:
-        """d = 0, 1, ... on one build; the first d over the perplexity bound ends the stage."""
+        """d = 0, 1, ... on one build: scored in increasing d, the first over the perplexity bound ending the
+        stage, then those scored timed interleaved."""
         k = loaded.config.num_experts_per_tok
         default = [0, 1] if self.quick else list(range(k))
         ds = sorted({d for d in self._values("defer_experts", default) if 0 <= d < k} | {0})
         rows, reference = [], None
         for i, d in enumerate(ds):
             defer_experts(loaded.model, d)
-            row = Row("deferral", "defer_experts", d, tok_s=decode_rate(loaded, self.budget, self.seed))
             ppl = perplexity(loaded, self.ids, self.budget.window)
             reference = ppl if d == 0 else reference
-            row.ppl_change, row.exact = ppl / reference - 1, d == 0
-            rows.append(self._row(row))
-            if not row.exact and row.ppl_change > self.bound:
-                for later in ds[i + 1:]:
-                    self._row(Row("deferral", "defer_experts", later, note=f"not tried: d={d} is over the bound"))
+            rows.append(Row("deferral", "defer_experts", d, ppl_change=ppl / reference - 1, exact=d == 0))
+            if not rows[-1].exact and rows[-1].ppl_change > self.bound:
+                later = [Row("deferral", "defer_experts", e, note=f"not tried: d={d} is over the bound")
+                         for e in ds[i + 1:]]
                 break
+        else:
+            later = []
+
+        def defer(row):
+            defer_experts(loaded.model, row.value)
+            return loaded
+
+        self._time(rows, defer)
         defer_experts(loaded.model, 0)
-        self._choose("defer_experts", rows)
+        self._choose("deferral", "defer_experts", rows + later, EngineOptions().defer_experts)
 
     def tune_prefill(self, loaded: LoadedModel) -> None:
         """The threshold the layerwise prefill measured when ``loaded`` was built (``--gpu-prefill auto``): a count,
@@ -360,26 +520,29 @@ class Tuner:
         _free()
         chosen = replace(self.base, **self.tuned)
         return TuneResult(chosen, dict(self.tuned), self.rows, "hybrid" if self.gpu else "cpu", self.budget,
-                          self.calibration, len(self.ids), self.bound, time.perf_counter() - t0)
+                          self.calibration, len(self.ids), self.bound, time.perf_counter() - t0, self.decisions)
 
 
 def fmt_rows(rows: list) -> list:
-    """The table of every candidate: stage, value, decode tok/s, perplexity change, chosen mark, note."""
-    lines = [f"{'stage':<13} {'candidate':>10} {'decode tok/s':>13} {'ppl change':>11}  {'':6}  note"]
+    """The table of every candidate: stage, value, decode tok/s (the median of its runs), ± half their range,
+    perplexity change, chosen mark, note."""
+    lines = [f"{'stage':<13} {'candidate':>10} {'decode tok/s':>13} {'runs ±':>7} {'ppl change':>11}  {'':6}  note"]
     for r in rows:
         tok = f"{r.tok_s:.2f}" if r.tok_s is not None else "-"
+        spread = f"{100 * r.spread:.1f}%" if r.rates else "-"
         ppl = f"{100 * r.ppl_change:+.2f}%" if r.ppl_change is not None else "-"
-        lines.append(f"{r.stage:<13} {str(r.value):>10} {tok:>13} {ppl:>11}  {'chosen' if r.chosen else '':6}  "
-                     f"{r.note}".rstrip())
+        lines.append(f"{r.stage:<13} {str(r.value):>10} {tok:>13} {spread:>7} {ppl:>11}  "
+                     f"{'chosen' if r.chosen else '':6}  {r.note}".rstrip())
     return lines
 
 
 def summary(result: TuneResult) -> list:
-    """One line per stage for the written file's header: the candidates and what they measured."""
+    """The written file's header lines: per stage the candidates and what they measured, then what each stage
+    chose and why (``Decision.line``: "within noise (±x%)" where the default was kept)."""
     out = {}
     for r in result.rows:
-        what = f"{r.value}" + (f" {r.tok_s:.2f} tok/s" if r.tok_s is not None else "")
+        what = f"{r.value}" + (f" {r.tok_s:.2f} tok/s ±{100 * r.spread:.1f}%" if r.tok_s is not None else "")
         what += f" ppl {100 * r.ppl_change:+.2f}%" if r.ppl_change is not None else ""
         what += " (chosen)" if r.chosen else ("" if r.tok_s is not None else f" ({r.note})" if r.note else "")
         out.setdefault(r.stage, []).append(what)
-    return [f"{stage}: " + "; ".join(v) for stage, v in out.items()]
+    return [f"{stage}: " + "; ".join(v) for stage, v in out.items()] + [d.line() for d in result.decisions]

@@ -22,14 +22,34 @@ from torch.nn import functional as F
 
 NAME = "hetmoe"
 ENGINE_ATTR = "_hetmoe_experts"  # the CPUExperts of a module computed by hetmoe
+# The Transformers versions this backend runs (pyproject's test extra says the same; docs/transformers.md): 5.7 is
+# the first whose experts modules carry every attribute read here (``has_gate`` came in 5.3, ``is_concatenated`` in
+# 5.7); a 6.x is unknown. tests/transformers pass on 5.7, 5.17 and 5.25.
+MIN_VERSION, BELOW_VERSION = (5, 7), (6, 0)
+SUPPORTED = ">=5.7,<6"
 
 
 class FallbackWarning(UserWarning):
     """Experts modules the engine cannot compute exactly run with Transformers' own implementation."""
 
 
+def check_version(version: str) -> None:
+    """An ImportError naming the supported range when Transformers ``version`` is outside it."""
+    try:
+        got = tuple(int(p) for p in version.split(".")[:2])
+    except ValueError:
+        got = None  # a local build with an odd version string: let it run
+    if got is not None and not MIN_VERSION <= got < BELOW_VERSION:
+        raise ImportError(f"hetmoe.transformers runs transformers {SUPPORTED}; transformers {version} is installed "
+                          f"(pip install 'transformers{SUPPORTED}')")
+
+
 def register() -> None:
-    """Register ``"hetmoe"`` in Transformers' experts interface (idempotent)."""
+    """Register ``"hetmoe"`` in Transformers' experts interface (idempotent); an ImportError where the installed
+    Transformers is outside the supported versions."""
+    import transformers
+
+    check_version(transformers.__version__)  # before importing what an older one may not have
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(NAME, hetmoe_experts_forward)

@@ -5,7 +5,9 @@ model file for but Transformers implements with the experts interface.
 Each of the ``max_batch`` slots keeps its own Transformers cache (whatever the model makes: attention KV,
 linear-attention state) and the tokens it holds. Prefill and decode are eager forward calls, one slot at a time
 (no CUDA graphs, no Expert Deferral: those belong to the native runner). A prefix reused from a slot's cache is
-cropped to when the cache can crop, else the slot is recomputed from its kept tokens.
+cropped to where the cache holds attention KV only, else the slot is recomputed from its kept tokens. The cache goes
+in and comes back under the name the installed Transformers gives it: ``cache`` (5.24 on) or ``past_key_values``
+(5.7 to 5.23).
 """
 
 from __future__ import annotations
@@ -17,7 +19,11 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from hetmoe.transformers.backend import SUPPORTED
+
 DEFAULT_CONTEXT = 4096
+CACHE_NAMES = ("cache", "past_key_values")  # the forward keyword and output field, newest name first
+STATE_ATTRS = ("conv_states", "recurrent_states", "ssm_states", "linear_cache")  # a recurrent state: no crop
 
 
 def transformers_class(model_type: Optional[str]) -> Optional[str]:
@@ -43,6 +49,45 @@ def transformers_class(model_type: Optional[str]) -> Optional[str]:
         return None
     source = Path(module.__file__).read_text(encoding="utf-8") if module.__file__ else ""
     return name if "@use_experts_implementation" in source else None
+
+
+def cache_keyword(model) -> str:
+    """The keyword ``model``'s forward takes its cache under: ``cache`` (Transformers 5.24 on, where
+    ``past_key_values`` is a deprecated alias) or ``past_key_values`` (5.7 to 5.23)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters  # through deprecate_kwarg's wrapper (functools.wraps)
+    for name in CACHE_NAMES:
+        if name in params:
+            return name
+    raise TypeError(f"{type(model).__name__}.forward takes neither of {', '.join(CACHE_NAMES)}: the hetmoe "
+                    f"runner cannot keep its cache (supported: transformers {SUPPORTED})")
+
+
+def returned_cache(out):
+    """The cache a forward call returned: ``out.cache`` (5.24 on; there ``past_key_values`` is a deprecated alias),
+    else ``out.past_key_values`` (the output classes of 5.7 to 5.23 have no ``cache``)."""
+    cache = getattr(out, "cache", None)
+    if cache is None:
+        cache = getattr(out, "past_key_values", None)
+    if cache is None:
+        raise RuntimeError(f"{type(out).__name__} holds no cache (neither .cache nor .past_key_values) although "
+                           "use_cache=True was passed")
+    return cache
+
+
+def croppable(cache) -> bool:
+    """Whether ``cache.crop`` can roll ``cache`` back: attention KV only. A cache or cache layer keeping a recurrent
+    state (linear attention, SSM) is recomputed instead: its crop raises (Transformers 5.17 on: it rolls back only a
+    state whose past it recorded) or leaves the state as it was without a word (5.7's linear-attention layer), and a
+    stale state would be a wrong answer."""
+    if cache is None or not hasattr(cache, "crop"):
+        return False
+    for part in (cache, *getattr(cache, "layers", ())):
+        if any(hasattr(part, a) for a in STATE_ATTRS) or \
+                any(c.__name__.startswith("LinearAttention") for c in type(part).__mro__):
+            return False
+    return True
 
 
 @dataclass
@@ -86,6 +131,7 @@ class TransformersRunner:
         self.prefill_chunk = int(prefill_chunk)
         self.vocab_size = int(cfg.vocab_size)
         self.device = next(p.device for p in model.parameters())
+        self.cache_keyword = cache_keyword(model)
         self.caches: list = [None] * self.max_batch
         self.tokens: list = [[] for _ in range(self.max_batch)]  # what each slot's cache holds
 
@@ -113,9 +159,10 @@ class TransformersRunner:
         rows = []
         for i in range(0, len(ids), self.prefill_chunk):
             chunk = ids[i:i + self.prefill_chunk]
-            out = self.model(input_ids=torch.tensor([chunk], device=self.device), cache=self.caches[slot],
-                             use_cache=True, logits_to_keep=0 if all_logits else 1)
-            self.caches[slot] = out.cache
+            out = self.model(input_ids=torch.tensor([chunk], device=self.device),
+                             **{self.cache_keyword: self.caches[slot]}, use_cache=True,
+                             logits_to_keep=0 if all_logits else 1)
+            self.caches[slot] = returned_cache(out)
             self.tokens[slot] += chunk
             rows.append(out.logits[0].float().cpu() if all_logits else out.logits[0, -1].float())
         return torch.cat(rows) if all_logits else rows[-1]
@@ -128,14 +175,14 @@ class TransformersRunner:
         if start == len(held):
             return []
         cache = self.caches[slot]
-        if start > 0 and cache is not None and hasattr(cache, "crop"):
+        if start > 0 and croppable(cache):
             try:
-                cache.crop(start - len(held))  # Transformers 5: minus the number of tokens to remove
+                cache.crop(start - len(held))  # minus the number of tokens to remove (every 5.x reads it so)
                 if cache.get_seq_length() == start:
                     self.tokens[slot] = held[:start]
                     return []
             except (RuntimeError, NotImplementedError, ValueError, AttributeError, TypeError):
-                pass  # e.g. linear-attention state that does not record its past
+                pass  # e.g. a sliding window already past its size
         self.caches[slot], self.tokens[slot] = None, []
         return held[:start]
 

@@ -339,11 +339,11 @@ def test_llm_routes_a_type_without_model_file(tiny):
 
     said = []
     opts = EngineOptions(device="cpu", dtype="fp32", experts_format="bf16", isa=BEST_ROW_PATH.isa, max_context=64)
-    llm = LLM(tiny("glm4_moe"), opts, expert_cache=None, log=said.append)
+    llm = LLM(tiny("olmoe"), opts, expert_cache=None, log=said.append)
     assert isinstance(llm.runner, TransformersRunner) and any("through Transformers" in m for m in said)
     out = llm.generate("def f(x):", SamplingParams(max_tokens=6), chat=False)
     ids = llm.tokenizer.encode("def f(x):")
-    ref = eager(tiny("glm4_moe")).generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):]
+    ref = eager(tiny("olmoe")).generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):]
     assert out.token_ids == ref[:len(out.token_ids)].tolist() and out.completion_tokens >= 1
     native = LLM(tiny("qwen3_moe"), opts, expert_cache=None, log=said.append)
     assert isinstance(native.runner, Runner)  # a type with a hetmoe model file keeps the native runner
