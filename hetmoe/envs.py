@@ -31,6 +31,9 @@ VARS = {v.name: v for v in (
     Var("HETMOE_MAX_ISA", str, None,
         "the highest CPU kernel level the engine may pick (scalar, avx2, avx512, amx): runs the kernels of a smaller "
         "CPU on this one; read by the C++ engine"),
+    Var("HETMOE_API_KEY", str, None,
+        "the API key `hetmoe serve` requires when neither --api-key nor --api-key-file is given: a key kept out "
+        "of the command line, which other users of the machine can read in the process list"),
     Var("HETMOE_PDL", _switch, True,
         "0 turns off programmatic dependent launch of the decode step's Triton kernels (a kill switch for drivers "
         "that mishandle it)"),

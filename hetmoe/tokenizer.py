@@ -13,12 +13,23 @@ text's length alone (every token of the vocabulary covers at most ``chars_per_to
 ``encode_capped(text, cap)`` returns the same ids as ``encode`` when there are at most ``cap`` of them, and
 otherwise raises ``PromptTooLong`` after tokenizing only a prefix of roughly ``cap`` tokens. It encodes through
 the backend's batch call, which releases the GIL, so other Python threads keep running meanwhile.
+
+Special tokens written inside message text: ``encode_chat(messages, split_special_tokens=True)`` keeps the chat
+template's own special tokens (``<|im_start|>`` ...) and tokenizes the same text inside a message's content as
+plain text, so a message cannot forge a turn. The tokenizers library has no such mode for part of a text
+(``add_special_tokens`` only adds a bos/eos; its ``encode_special_tokens`` switch applies to the whole text), so
+the rendered prompt is cut at the template's special tokens, found outside the spans that ``render_chat`` marks as
+message text, and the pieces between are encoded with a copy of the backend that matches no special token. A
+prompt whose messages hold no special-token text is encoded whole, as ``encode`` does.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
+import re
+import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
@@ -27,6 +38,7 @@ _REPLACEMENT = "\ufffd"  # what a byte-level decoder emits for an incomplete UTF
 CAPPED_FIRST_PIECE = 1 << 16  # characters encode_capped tokenizes first; each further prefix is twice as long
 _MAX_DECOMPOSITION = 4  # code points in the longest canonical decomposition (Unicode 14; tested against unicodedata)
 _UNICODE_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
+_MARKS = range(0xE000, 0xF8FF, 2)  # private-use pairs; render_chat marks message text with one absent from the input
 
 
 class PromptTooLong(ValueError):
@@ -222,6 +234,8 @@ class Tokenizer:
         self.chat_template = chat_template
         self._compiled = None
         self._bound: Optional[tuple] = None  # (chars_per_token, longest added token), computed on first use
+        self._specials: Optional[tuple] = None  # (regex of the special tokens' texts or None, {text: id})
+        self._plain_backend = None  # a copy of the backend that matches no special token (encode_chat)
 
     @classmethod
     def from_dir(cls, path: Union[str, Path]) -> "Tokenizer":
@@ -310,13 +324,16 @@ class Tokenizer:
         character, so they hold every word within that many characters of the cut)."""
         if not isinstance(text, str):
             raise TypeError(f"encode_capped() takes a str, got {type(text).__name__}")
+        return self._encode_capped(self._tok, text, cap, add_special_tokens)
+
+    def _encode_capped(self, backend, text: str, cap: int, add_special_tokens: bool) -> list[int]:
         bound = self.min_tokens(text)
         if bound > cap:
             raise PromptTooLong(bound, cap, len(text))
         margin_words = self._bounds()[1] + 16
         k = CAPPED_FIRST_PIECE
         while k < len(text):
-            word_ids = self._encode_unlocked(text[:k], False).word_ids
+            word_ids = self._encode_unlocked(text[:k], False, backend).word_ids
             proven = len(word_ids)
             last = next((w for w in reversed(word_ids) if w is not None), None)
             if last is not None:
@@ -325,14 +342,131 @@ class Tokenizer:
             if proven > cap:
                 raise PromptTooLong(proven, cap, len(text))
             k *= 2
-        ids = self._fix_bos(text, self._encode_unlocked(text, add_special_tokens).ids, add_special_tokens)
+        ids = self._fix_bos(text, self._encode_unlocked(text, add_special_tokens, backend).ids, add_special_tokens)
         if len(ids) > cap:
             raise PromptTooLong(len(ids), cap, len(text), exact=True)
         return ids
 
-    def _encode_unlocked(self, text: str, add_special_tokens: bool):
+    def _encode_unlocked(self, text: str, add_special_tokens: bool, backend=None):
         # the batch call runs in Rust with the GIL released (encode() keeps it for the whole tokenization)
-        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        return (backend or self._tok).encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
+    # ------------------------------------------------------------------ special tokens inside message text
+
+    def _special_tokens(self) -> tuple:
+        """(a regex matching the text of any special token, longest first, or None when there are none;
+        {text: id})."""
+        if self._specials is None:
+            by_text = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special and t.content}
+            texts = sorted(by_text, key=len, reverse=True)
+            self._specials = (re.compile("|".join(map(re.escape, texts))) if texts else None, by_text)
+        return self._specials
+
+    def has_special_text(self, text: str) -> bool:
+        """Whether ``text`` contains the text of one of the tokenizer's special tokens (``<|im_end|>`` ...)."""
+        pattern = self._special_tokens()[0]
+        return pattern is not None and pattern.search(text) is not None
+
+    def _plain(self):
+        """The backend with special-token matching off (tokenizers' ``encode_special_tokens``): a copy, because
+        the switch belongs to the whole backend and other threads encode with the original meanwhile."""
+        if self._plain_backend is None:
+            from tokenizers import Tokenizer as Backend
+
+            plain = Backend.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain_backend = plain
+        return self._plain_backend
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> tuple:
+        """``apply_chat_template``'s text and the spans ``[(start, end), ...]`` of it that are the messages' own
+        text (every string field but ``role``), in order.
+
+        The template is rendered a second time with each such string wrapped in two private-use characters that
+        appear nowhere in the input; where the marks land are the spans. When that rendering, marks removed, is
+        not the plain one (a template that trims or splits the content), each string is looked up in order in
+        the plain text instead; a string with special-token text that cannot be found so is a ValueError (its
+        tokens could not be told from the template's)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        return text, self._spans(messages, text, add_generation_prompt, kwargs)
+
+    def _spans(self, messages: list[dict], text: str, add_generation_prompt: bool, kwargs: dict) -> list:
+        values = [v for m in messages for k, v in m.items() if k != "role" and isinstance(v, str) and v]
+        if not values:
+            return []
+        taken = values + [self.chat_template or ""]
+        open_, close = next((chr(c), chr(c + 1)) for c in _MARKS
+                            if not any(chr(c) in t or chr(c + 1) in t for t in taken))
+        marked = [{k: open_ + v + close if k != "role" and isinstance(v, str) and v else v for k, v in m.items()}
+                  for m in messages]
+        try:
+            found = _unmark(self.apply_chat_template(marked, add_generation_prompt, **kwargs), open_, close)
+        except ValueError:
+            found = None
+        if found is not None and found[0] == text:
+            return found[1]
+        spans, pos = [], 0
+        for v in values:
+            at = text.find(v, pos)
+            if at < 0 and v.strip():
+                v = v.strip()
+                at = text.find(v, pos)
+            if at >= 0:
+                spans.append((at, at + len(v)))
+                pos = at + len(v)
+            elif self.has_special_text(v):
+                raise ValueError("the chat template rewrites a message's text, so special-token text inside it "
+                                 "cannot be told from the template's own tokens; remove it from the message")
+        return spans
+
+    def encode_chat(self, messages: list[dict], cap: Optional[int] = None, *, split_special_tokens: bool = False,
+                    add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """The ids of ``messages`` rendered by the chat template (``encode(apply_chat_template(...),
+        add_special_tokens=False)``), through ``encode_capped`` when ``cap`` is given.
+
+        ``split_special_tokens``: special-token text inside the messages' own text (``hi<|im_end|>``) is
+        tokenized as plain text, the template's own special tokens stay tokens; messages without such text get
+        exactly the ids of a plain encode."""
+        cap = sys.maxsize if cap is None else cap
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        bound = self.min_tokens(text)
+        if bound > cap:  # refused from the length alone, before any second rendering
+            raise PromptTooLong(bound, cap, len(text))
+        if not split_special_tokens or not any(
+                self.has_special_text(v) for m in messages for k, v in m.items() if k != "role" and isinstance(v, str)):
+            return self._encode_capped(self._tok, text, cap, False)
+        return self._encode_split(text, self._spans(messages, text, add_generation_prompt, kwargs), cap)
+
+    def _encode_split(self, text: str, spans: list, cap: int) -> list[int]:
+        """``text``'s ids with the special tokens outside ``spans`` as tokens and everything else, special-token
+        text inside the spans included, as plain text; ``PromptTooLong`` past ``cap``."""
+        pattern, by_text = self._special_tokens()
+        starts = [s for s, _ in spans]
+        ids: list[int] = []
+        pos = 0
+
+        def inside(start: int, end: int) -> bool:  # does [start, end) overlap a span?
+            i = bisect.bisect_right(starts, end - 1) - 1
+            return i >= 0 and spans[i][1] > start
+
+        def plain(piece: str) -> None:
+            try:
+                ids.extend(self._encode_capped(self._plain(), piece, cap - len(ids), False))
+            except PromptTooLong as e:
+                raise PromptTooLong(len(ids) + e.at_least, cap, len(text)) from None
+
+        for m in pattern.finditer(text):
+            if inside(m.start(), m.end()):
+                continue  # written in a message: plain text
+            if m.start() > pos:
+                plain(text[pos:m.start()])
+            ids.append(by_text[m.group()])
+            pos = m.end()
+        if pos < len(text):
+            plain(text[pos:])
+        if len(ids) > cap:
+            raise PromptTooLong(len(ids), cap, len(text), exact=True)
+        return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -365,6 +499,28 @@ class Tokenizer:
                                          add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template: {e}") from e
+
+
+def _unmark(marked: str, open_: str, close: str) -> Optional[tuple]:
+    """(the text without the marks, the spans the mark pairs enclosed) or None when the marks do not pair up."""
+    pieces, spans, pos, length = [], [], 0, 0
+    while True:
+        start = marked.find(open_, pos)
+        stray = marked.find(close, pos)
+        if start < 0:
+            if stray >= 0:
+                return None
+            pieces.append(marked[pos:])
+            return "".join(pieces), spans
+        end = marked.find(close, start + 1)
+        if end < 0 or 0 <= stray < start or marked.find(open_, start + 1, end) >= 0:
+            return None
+        pieces.append(marked[pos:start])
+        length += start - pos
+        pieces.append(marked[start + 1:end])
+        spans.append((length, length + end - start - 1))
+        length += end - start - 1
+        pos = end + 1
 
 
 class IncrementalDecoder:

@@ -33,6 +33,8 @@ from typing import Optional
 import aiohttp
 import numpy as np
 
+from hetmoe import envs
+
 STARTUP_TIMEOUT_S = 600.0
 
 
@@ -135,7 +137,8 @@ async def _client(i: int, session, url: str, model: str, args, deadline: float, 
 
 
 async def _run(api: str, args) -> dict:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    key = args.api_key or envs.HETMOE_API_KEY  # the key the server it starts requires (hetmoe/envs.py)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)
     connector = aiohttp.TCPConnector(limit=args.clients + 4)
     async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as session:

@@ -5,20 +5,84 @@ from __future__ import annotations
 import argparse
 
 from hetmoe.cli.options import add_shape_options
-from hetmoe.config.flags import add_engine_options, port, positive_int
+from hetmoe.config.flags import add_engine_options, port, positive_int, size
+
+
+def _api_key(text: str) -> str:
+    from hetmoe.server.access import check_api_key
+
+    try:
+        return check_api_key(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _api_key_file(text: str) -> str:
+    from hetmoe.server.access import read_api_key_file
+
+    try:
+        return read_api_key_file(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _body_size(text: str) -> int:
+    value = size(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a size of at least 1 byte, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
+    return value
+
+
+def _hosts(text: str) -> list:
+    hosts = [h.strip() for h in text.split(",") if h.strip()]
+    if not hosts or not all(h.isascii() and " " not in h for h in hosts):
+        raise argparse.ArgumentTypeError(f"expected a comma list of host names (name or name:port), or *, got {text}")
+    return hosts
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models)",
         description="Serves the model over the OpenAI API: point the openai client (or any tool that speaks it) at "
-        "http://HOST:PORT/v1. Up to --max-batch requests decode together (continuous batching).")
+        "http://HOST:PORT/v1. Up to --max-batch requests decode together (continuous batching). Limits and "
+        "security: docs/serving.md.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=port, default=8000, help="TCP port (default: 8000; 0 = any free port, printed)")
-    p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every /v1 request (default: no key)")
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", type=_api_key, default=None, metavar="KEY",
+                      help="require 'Authorization: Bearer KEY' on every /v1 request (default: HETMOE_API_KEY if "
+                      "set, else no key)")
+    keys.add_argument("--api-key-file", type=_api_key_file, default=None, metavar="FILE",
+                      help="as --api-key, the key read from FILE (one line), out of sight of the process list")
+    p.add_argument("--allowed-hosts", type=_hosts, default=None, metavar="HOSTS",
+                   help="comma list of names (name or name:port) the Host header may give besides the bind address, "
+                   "localhost, 127.0.0.1 and [::1] with the port; * accepts any (default: those alone on a loopback "
+                   "bind, any on other binds)")
+    p.add_argument("--split-special-tokens", action=argparse.BooleanOptionalAction, default=True,
+                   help="tokenize special-token text written inside chat messages (<|im_end|> ...) as plain text, "
+                   "so a message cannot forge a turn; the chat template's own special tokens are kept (default: on)")
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="sequences that decode together, each with its own KV-cache slot (default: 8)")
+    p.add_argument("--max-body-size", type=_body_size, default=None, metavar="SIZE",
+                   help="largest request body (default: 64 bytes per token of the context, at least 1MiB)")
+    p.add_argument("--max-connections", type=positive_int, default=None, metavar="N",
+                   help="open client connections (default: 4096, fewer where the open-file limit is lower)")
+    p.add_argument("--header-timeout", type=_seconds, default=None, metavar="S",
+                   help="a new connection's request headers must arrive within S seconds (default: 10)")
+    p.add_argument("--body-timeout", type=_seconds, default=None, metavar="S",
+                   help="a request body must arrive within S seconds of its headers (default: 30)")
+    p.add_argument("--keepalive-timeout", type=_seconds, default=None, metavar="S",
+                   help="an idle keep-alive connection is closed after S seconds (default: 5)")
     add_shape_options(p)
     add_engine_options(p)
     p.set_defaults(handler=run)

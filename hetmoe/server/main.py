@@ -1,7 +1,8 @@
-"""What ``hetmoe serve`` does: bind the port (a busy one fails at once, before any weight is read), load the model,
-start the engine loop, serve HTTP on the bound sockets, and on SIGINT/SIGTERM shut down in order — stop accepting
-connections, end the running generations (their clients get what was generated, finish_reason "length", and a clean
-end of stream), wait for the handlers to write it, exit 0."""
+"""What ``hetmoe serve`` does: settle the API key, bind the port (a busy one fails at once, before any weight is
+read), load the model, start the engine loop, serve HTTP on the bound sockets (each connection counted and given
+deadlines: connections.py), and on SIGINT/SIGTERM shut down in order — stop accepting connections, end the running
+generations (their clients get what was generated, finish_reason "length", and a clean end of stream), wait for the
+handlers to write it, exit 0."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import Optional
 
+from hetmoe import envs
+from hetmoe.server.access import check_api_key, is_loopback
+from hetmoe.server.limits import BACKLOG, default_backlog, raise_open_file_limit
 from hetmoe.server.protocol import ServedModel, prompt_encoder
 
-BACKLOG = 128  # connections the kernel queues while the model loads (and later between accepts)
 SHUTDOWN_TIMEOUT_S = 5.0  # how long handlers get to write their last bytes after the engine loop stopped
 
 
@@ -41,7 +45,7 @@ def model_id(model) -> str:
     return "hetmoe-default" if model is None else Path(model).resolve().name
 
 
-def bind(host: str, port: int) -> list:
+def bind(host: str, port: int, backlog: int = BACKLOG) -> list:
     """Listening sockets on every address of ``host`` (as asyncio's create_server binds them), made before the
     model loads: the port is ours from then on (a socket only bound, not listening, could still be taken by
     another SO_REUSEADDR server), and clients that connect during the load wait in the backlog and are answered
@@ -56,7 +60,7 @@ def bind(host: str, port: int) -> list:
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(address)
-            sock.listen(BACKLOG)
+            sock.listen(backlog)
             if port == 0:  # the other addresses of the host take the port the first one got
                 port = sock.getsockname()[1]
     except OSError as e:
@@ -66,11 +70,23 @@ def bind(host: str, port: int) -> list:
     return sockets
 
 
+def api_key(args: argparse.Namespace) -> Optional[str]:
+    """--api-key, --api-key-file (both checked when parsed, and exclusive), else HETMOE_API_KEY; None: no key.
+    (A blank HETMOE_API_KEY reads as unset: the serving line then says that no key is required.)"""
+    key = getattr(args, "api_key", None) or getattr(args, "api_key_file", None)
+    if key is None and envs.HETMOE_API_KEY is not None:
+        key = check_api_key(envs.HETMOE_API_KEY, "HETMOE_API_KEY")
+    return key
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from hetmoe.config.flags import engine_options, expert_cache
     from hetmoe.engine.llm import LLM
+    from hetmoe.server.access import HostPolicy
     from hetmoe.server.app import create_app
     from hetmoe.server.bridge import EngineLoop
+    from hetmoe.server.connections import ConnectionGuard
+    from hetmoe.server.limits import RETRY_AFTER_S, Limits
 
     options = engine_options(args)
     options.max_batch = args.max_batch
@@ -78,7 +94,10 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("give --model or --shape, not both")
     if args.shape is None and args.layers is not None:
         raise ValueError("--layers goes with --shape")
-    sockets = bind(args.host, args.port)  # before the (possibly minutes long) load: a busy port fails at once
+    key = api_key(args)
+    raise_open_file_limit()  # before the limits are derived from it
+    # before the (possibly minutes long) load: a busy port fails at once
+    sockets = bind(args.host, args.port, default_backlog())
     try:
         if args.shape is not None:
             from hetmoe.load.random_weights import build_random_model, shape_tokenizer
@@ -89,43 +108,92 @@ def run_serve(args: argparse.Namespace) -> int:
             llm = LLM(args.model, options, expert_cache=expert_cache(args), progress=sys.stderr.isatty())
         llm.runner.prefill([0], slot=0)  # warm-up: the first forward call pays one-time initialisation
         llm.tokenizer.chars_per_token  # the prompt-length bound reads the vocabulary once, now rather than later
-        served = ServedModel(id=args.shape or model_id(args.model), prompt_ids=prompt_encoder(llm.tokenizer),
+        split = getattr(args, "split_special_tokens", True)
+        served = ServedModel(id=args.shape or model_id(args.model),
+                             prompt_ids=prompt_encoder(llm.tokenizer, split_special_tokens=split),
                              max_context=llm.max_context, vocab_size=llm.runner.vocab_size,
                              has_chat_template=llm.tokenizer.has_chat_template,
                              defaults=generation_defaults(llm.loaded.path or Path(".")))
+        limits = Limits.for_model(llm.max_context, args.max_batch, max_body=getattr(args, "max_body_size", None),
+                                  max_connections=getattr(args, "max_connections", None),
+                                  **{k: getattr(args, k, None) for k in ("header_timeout", "body_timeout",
+                                                                         "keepalive_timeout")})
+        hosts = HostPolicy.for_server(args.host, sockets, getattr(args, "allowed_hosts", None))
         engine = EngineLoop(llm.runner, llm.tokenizer).start()
-        app = create_app(served, engine, args.api_key)
-        return asyncio.run(_serve(app, engine, sockets, args.host, served, args.max_batch))
+        guard = ConnectionGuard(limits.max_connections, limits.header_timeout, limits.keepalive_timeout,
+                                RETRY_AFTER_S, engine.metrics)
+        app = create_app(served, engine, key, limits=limits, hosts=hosts, guard=guard)
+        notes = [f"max batch {args.max_batch}", f"context {served.max_context}",
+                 "API key required" if key else "no API key"]
+        return asyncio.run(_serve(app, engine, sockets, args.host, served, notes, limits, guard))
     finally:
         for sock in sockets:
             sock.close()
 
 
-async def _serve(app, engine, sockets: list, host: str, served: ServedModel, max_batch: int) -> int:
+def exposure_warning(host: str, sockets: list, has_key: bool) -> Optional[str]:
+    """What to warn about when the server can be reached from other machines without a key (None: nothing)."""
+    if has_key or is_loopback(sockets):
+        return None
+    port = sockets[0].getsockname()[1]
+    return (f"{host} is reachable from other machines and no API key is set: anyone who can reach port {port} can "
+            "use the model (--api-key, --api-key-file or HETMOE_API_KEY set one)")
+
+
+async def listen(app, sockets: list, limits, guard) -> tuple:
+    """Serve ``app`` on the bound ``sockets``, every connection through ``guard`` -> (the aiohttp runner, the
+    asyncio servers). ``stop_listening`` and ``runner.cleanup()`` undo it."""
     from aiohttp import web
 
+    from hetmoe.server.connections import http_log
+
+    # aiohttp's own keep-alive timer (it also closes a new connection that sends nothing) is only a backstop:
+    # the guard's deadlines come first. Bodies are inflated by the app (limits.decode_body), off the event loop.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+                           keepalive_timeout=max(limits.header_timeout, limits.keepalive_timeout),
+                           auto_decompress=False, logger=http_log())
+    await runner.setup()
+    loop, listening = asyncio.get_running_loop(), []
+    try:
+        for sock in sockets:
+            listening.append(await loop.create_server(guard.protocol_factory(runner.server), sock=sock,
+                                                      backlog=limits.backlog))
+    except BaseException:
+        stop_listening(listening)
+        await runner.cleanup()
+        raise
+    return runner, listening
+
+
+def stop_listening(listening: list) -> None:
+    for server in listening:  # the listening sockets close; open connections go on
+        server.close()
+
+
+async def _serve(app, engine, sockets: list, host: str, served: ServedModel, notes: list, limits, guard) -> int:
+    from hetmoe.server.app import API_KEY
+    from hetmoe.server.connections import AcceptErrors
+
     loop = asyncio.get_running_loop()
+    loop.set_exception_handler(AcceptErrors())
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
-    await runner.setup()
     try:
-        for sock in sockets:
-            await web.SockSite(runner, sock, backlog=BACKLOG).start()
+        runner, listening = await listen(app, sockets, limits, guard)
     except OSError as e:
-        await runner.cleanup()
         engine.shutdown()
         raise OSError(f"cannot listen on {host}: {e.strerror or e}") from e
     port = sockets[0].getsockname()[1]
-    bound = runner.addresses[0][1] if runner.addresses else port
     shown = f"[{host}]" if ":" in host else host
-    print(f"hetmoe serve: serving {served.id} on http://{shown}:{bound}/v1 (max batch {max_batch}, "
-          f"context {served.max_context}); Ctrl-C stops", file=sys.stderr, flush=True)
+    warning = exposure_warning(host, sockets, bool(app[API_KEY]))
+    if warning:
+        print(f"hetmoe serve: warning: {warning}", file=sys.stderr, flush=True)
+    print(f"hetmoe serve: serving {served.id} on http://{shown}:{port}/v1 ({', '.join(notes)}); Ctrl-C stops",
+          file=sys.stderr, flush=True)
     await stop.wait()
     print("hetmoe serve: shutting down", file=sys.stderr, flush=True)
-    for s in list(runner.sites):  # stop accepting connections
-        await s.stop()
+    stop_listening(listening)  # stop accepting connections
     await asyncio.to_thread(engine.shutdown)  # running generations end; their handlers finish the responses
     await runner.cleanup()
     print("hetmoe serve: stopped", file=sys.stderr, flush=True)

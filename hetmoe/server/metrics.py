@@ -27,6 +27,8 @@ class Metrics:
         self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)  # the last one is +Inf
         self.ttft_sum = 0.0
         self._recent: deque = deque()  # (monotonic time, tokens) of recent samples, for the tok/s gauge
+        self.connections_open = 0
+        self.connections: Counter = Counter()  # "refused" | "displaced" | "timed_out" -> count (connections.py)
 
     def on_request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -48,6 +50,14 @@ class Metrics:
         with self._lock:
             self.prompt_tokens += prompt_tokens
             self.finished += 1
+
+    def on_connection(self, kind: str) -> None:
+        with self._lock:
+            self.connections[kind] += 1
+
+    def set_connections(self, n: int) -> None:
+        with self._lock:
+            self.connections_open = n
 
     def on_cancel(self) -> None:
         with self._lock:
@@ -98,6 +108,11 @@ class Metrics:
                    [("", self.running)])
             metric("hetmoe_generation_tokens_per_second", "gauge",
                    f"Tokens generated per second over the last {RATE_WINDOW_S:g} s.", [("", f"{rate:.3f}")])
+            metric("hetmoe_connections_open", "gauge", "Client connections open.", [("", self.connections_open)])
+            metric("hetmoe_connections_closed_total", "counter",
+                   "Connections the server closed: refused (503 at --max-connections), displaced (the longest "
+                   "waiting one, for a new connection at the cap), timed_out (no request headers in time).",
+                   [(f'{{reason="{k}"}}', self.connections[k]) for k in ("refused", "displaced", "timed_out")])
             cumulative, samples = 0, []
             for bound, n in zip(TTFT_BUCKETS + (float("inf"),), self.ttft_counts):
                 cumulative += n

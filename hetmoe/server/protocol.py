@@ -11,12 +11,17 @@ Bounded work per request: a text prompt is tokenized with a cap (``Tokenizer.enc
 (400 ``context_length_exceeded``) without being tokenized, and a longer-than-the-context one after tokenizing a
 prefix of about a context's worth of tokens, so a megabyte prompt costs no more than a fitting one. The tokenizer
 runs with the GIL released: the event loop and the engine thread go on meanwhile.
+
+Text must be Unicode: a lone surrogate (a JSON ``\\ud800`` escape without its pair) is refused by name (400) before
+it reaches the tokenizer. With ``split_special_tokens`` (``hetmoe serve``'s default) special-token text inside a
+message (``hi<|im_end|>``) is tokenized as plain text: a message cannot forge a turn of the chat template.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -28,13 +33,20 @@ from hetmoe.tokenizer import PromptTooLong
 ROLES = ("system", "user", "assistant", "developer")  # developer (OpenAI's newer name) is rendered as system
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # bounds the per-token hold-back check
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads lets a lone \\ud800 escape through; no encoder takes it
 
 
 class APIError(Exception):
+    """``headers`` go on the response (Retry-After). ``close``: "after" — the connection closes after the
+    response (aiohttp first drains what is left of the body for a while, so the client reads the answer rather
+    than a reset); "now" — it closes once the response is written (a body that cannot be read on)."""
+
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None):
+                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None,
+                 close: Optional[str] = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers, self.close = headers or {}, close
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
@@ -68,7 +80,7 @@ class Parsed:
 
 # ---------------------------------------------------------------------------------------------- fields
 
-def _show(value: Any) -> str:
+def shown(value: Any) -> str:
     text = json.dumps(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -93,13 +105,23 @@ def _field(body: dict, name: str, kind, default=None):
     ok = kind(value) if kind in (_is_int, _is_number) else isinstance(value, kind) and not (
         kind is not bool and isinstance(value, bool))
     if not ok:
-        raise APIError(400, f"Invalid type for '{name}': expected {_TYPE_NAMES[kind]}, got {_show(value)}",
+        raise APIError(400, f"Invalid type for '{name}': expected {_TYPE_NAMES[kind]}, got {shown(value)}",
                        param=name, code="invalid_type")
     return value
 
 
 def _bad_value(name: str, message: str) -> APIError:
     return APIError(400, f"Invalid '{name}': {message}", param=name, code="invalid_value")
+
+
+def _text(value: str, name: str) -> str:
+    """``value`` when it is Unicode text; 400 naming the field and the first lone surrogate otherwise."""
+    bad = _SURROGATE.search(value)
+    if bad is not None:
+        raise _bad_value(name, f"the text holds a lone surrogate (U+{ord(bad.group()):04X} at character "
+                               f"{bad.start()}), which is not Unicode; a \\uD800-\\uDFFF escape must be half of a "
+                               "valid pair")
+    return value
 
 
 def _unsupported(name: str, what: str) -> APIError:
@@ -113,7 +135,7 @@ def check_model(body: dict, served: ServedModel) -> None:
         raise APIError(400, "You must provide a model parameter ('model').", param="model",
                        code="missing_required_parameter")
     if not isinstance(model, str):
-        raise APIError(400, f"Invalid type for 'model': expected a string, got {_show(model)}", param="model",
+        raise APIError(400, f"Invalid type for 'model': expected a string, got {shown(model)}", param="model",
                        code="invalid_type")
     if model != served.id:
         raise APIError(404, f"The model '{model}' does not exist; this server serves '{served.id}' (GET /v1/models)",
@@ -159,13 +181,13 @@ def _stop(body: dict) -> tuple:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise APIError(400, f"Invalid type for 'stop': expected a string or an array of strings, got {_show(stop)}",
+        raise APIError(400, f"Invalid type for 'stop': expected a string or an array of strings, got {shown(stop)}",
                        param="stop", code="invalid_type")
     if len(stops) > MAX_STOP_STRINGS:
         raise _bad_value("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
     if not all(0 < len(s) <= MAX_STOP_CHARS for s in stops):
         raise _bad_value("stop", f"stop strings must be 1 to {MAX_STOP_CHARS} characters long")
-    return tuple(stops)
+    return tuple(_text(s, "stop") for s in stops)
 
 
 def _stream(body: dict) -> tuple:
@@ -219,7 +241,7 @@ def _sampling(body: dict, served: ServedModel, n_prompt: int, chat: bool, prompt
 def _content(m: dict, i: int) -> str:
     content, where = m.get("content"), f"messages[{i}].content"
     if isinstance(content, str):
-        return content
+        return _text(content, where)
     if content is None and m.get("role") == "assistant":
         return ""
     if isinstance(content, list):  # content parts: only text
@@ -227,13 +249,13 @@ def _content(m: dict, i: int) -> str:
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise APIError(400, f"Invalid '{where}[{j}]': only {{\"type\": \"text\", \"text\": str}} parts are "
-                                    f"supported, got {_show(part)}", param=f"{where}[{j}]", code="invalid_value")
-            texts.append(part["text"])
+                                    f"supported, got {shown(part)}", param=f"{where}[{j}]", code="invalid_value")
+            texts.append(_text(part["text"], f"{where}[{j}].text"))
         return "".join(texts)
     if content is None:
         raise APIError(400, f"Missing required parameter: '{where}'.", param=where, code="missing_required_parameter")
     raise APIError(400, f"Invalid type for '{where}': expected a string or an array of text parts, got "
-                        f"{_show(content)}", param=where, code="invalid_type")
+                        f"{shown(content)}", param=where, code="invalid_type")
 
 
 def _messages(body: dict) -> list:
@@ -242,7 +264,7 @@ def _messages(body: dict) -> list:
         raise APIError(400, "Missing required parameter: 'messages'.", param="messages",
                        code="missing_required_parameter")
     if not isinstance(messages, list):
-        raise APIError(400, f"Invalid type for 'messages': expected an array, got {_show(messages)}",
+        raise APIError(400, f"Invalid type for 'messages': expected an array, got {shown(messages)}",
                        param="messages", code="invalid_type")
     if not messages:
         raise APIError(400, "Invalid 'messages': empty array. Expected at least one message.", param="messages",
@@ -250,28 +272,29 @@ def _messages(body: dict) -> list:
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise APIError(400, f"Invalid type for 'messages[{i}]': expected an object, got {_show(m)}",
+            raise APIError(400, f"Invalid type for 'messages[{i}]': expected an object, got {shown(m)}",
                            param=f"messages[{i}]", code="invalid_type")
         role = m.get("role")
         if role not in ROLES:
             raise APIError(400, f"Invalid 'messages[{i}].role': expected one of {', '.join(ROLES)}, got "
-                                f"{_show(role)}", param=f"messages[{i}].role", code="invalid_value")
+                                f"{shown(role)}", param=f"messages[{i}].role", code="invalid_value")
         message = {"role": "system" if role == "developer" else role, "content": _content(m, i)}
         if isinstance(m.get("name"), str):
-            message["name"] = m["name"]
+            message["name"] = _text(m["name"], f"messages[{i}].name")
         out.append(message)
     return out
 
 
-def prompt_encoder(tokenizer) -> Callable:
+def prompt_encoder(tokenizer, split_special_tokens: bool = False) -> Callable:
     """``ServedModel.prompt_ids`` for a ``Tokenizer``: the ids ``LLM.prompt_ids`` gives (a list of messages
-    rendered by the chat template, a string as is), through ``encode_capped``: ``PromptTooLong`` past ``cap``."""
+    rendered by the chat template, a string as is), through ``encode_capped``: ``PromptTooLong`` past ``cap``.
+    ``split_special_tokens``: special-token text inside a message is plain text (``Tokenizer.encode_chat``); a raw
+    completions prompt is the client's whole prompt and keeps its special tokens."""
 
     def prompt_ids(prompt, chat: bool, cap: int) -> list:
         if isinstance(prompt, list) or (chat and tokenizer.has_chat_template):
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            return tokenizer.encode_capped(text, cap, add_special_tokens=False)
+            return tokenizer.encode_chat(messages, cap, split_special_tokens=split_special_tokens)
         return tokenizer.encode_capped(prompt, cap)
 
     return prompt_ids
@@ -301,7 +324,7 @@ def _prompt_ids(body: dict, served: ServedModel) -> list:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        ids = _encode(served, prompt, False, "prompt")
+        ids = _encode(served, _text(prompt, "prompt"), False, "prompt")
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         ids = prompt
         if len(ids) >= served.max_context:
@@ -314,7 +337,7 @@ def _prompt_ids(body: dict, served: ServedModel) -> list:
                        param="prompt", code="invalid_value")
     else:
         raise APIError(400, f"Invalid type for 'prompt': expected a string or an array of token ids, got "
-                            f"{_show(prompt)}", param="prompt", code="invalid_type")
+                            f"{shown(prompt)}", param="prompt", code="invalid_type")
     if not ids:
         raise _bad_value("prompt", "the prompt is empty (no tokens)")
     return ids
@@ -323,7 +346,7 @@ def _prompt_ids(body: dict, served: ServedModel) -> list:
 def parse_request(body: Any, served: ServedModel, kind: str) -> Parsed:
     """A request body (parsed JSON) -> what the scheduler needs; APIError on anything wrong with it."""
     if not isinstance(body, dict):
-        raise APIError(400, f"The request body must be a JSON object, got {_show(body)}", code="invalid_type")
+        raise APIError(400, f"The request body must be a JSON object, got {shown(body)}", code="invalid_type")
     chat = kind == "chat"
     check_model(body, served)
     _reject_unsupported(body, chat)

@@ -108,7 +108,7 @@ def test_tiny_deepseek_v3_shape_bf16():
 
 
 def test_real_qwen3_one_layer_and_roofline_bytes():
-    opts = EngineOptions(device="cpu", experts_format="int4", max_context=16)
+    opts = EngineOptions(device="cpu", experts_format="int4", dense_format="bf16", max_context=16)  # the dtype: fp32
     loaded = build_random_model("qwen3-30b-a3b", num_layers=1, options=opts, log=lambda m: None)
     cfg = loaded.config
     assert (cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.vocab_size) == (2048, 128, 768, 151936)

@@ -5,7 +5,6 @@ port fails before it reads a weight. No timing asserts: calls, pieces and thread
 measured with real clients, is ``test_server.py::test_big_prompt_does_not_stall_the_server`` (slow tier)."""
 
 import asyncio
-import json
 import random
 import socket
 import subprocess
@@ -241,8 +240,7 @@ def test_tokenization_runs_off_the_event_loop(tok):
     async def run():
         loop_thread = threading.get_ident()
         async with TestClient(TestServer(app)) as client:
-            r = await client.post("/v1/completions", data=json.dumps({"model": "m", "prompt": prompt,
-                                                                       "max_tokens": 1}))
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 1})
             assert r.status == 200, await r.text()
         return loop_thread
 
