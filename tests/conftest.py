@@ -92,6 +92,27 @@ def checkpoints(tmp_path_factory):
     return CheckpointFactory(tmp_path_factory.mktemp("checkpoints"))
 
 
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory):
+    """``hf_checkpoints(family, overrides, seed=, tokenizer=)``: a tiny random checkpoint directory written by
+    Transformers' own class with save_pretrained (tests/transformers_tiny.py ``save_tiny``), shared by every test of
+    the session that asks for the same one (tests only read them; copy one to change it)."""
+    root = tmp_path_factory.mktemp("hf-checkpoints")
+    made = {}
+
+    def get(family: str, overrides: dict | None = None, seed: int = 0, tokenizer: bool = False):
+        pytest.importorskip("transformers")
+        from transformers_tiny import save_tiny
+
+        key = (family, repr(sorted((overrides or {}).items())), seed, tokenizer)
+        if key not in made:
+            made[key] = save_tiny(family, root / f"{family}-{len(made)}", seed=seed, tokenizer=tokenizer,
+                                  overrides=overrides)
+        return made[key]
+
+    return get
+
+
 @pytest.fixture(scope="module")
 def qwen3_checkpoint(checkpoints):
     """The tiny qwen3_moe checkpoint (fp32, seed 1) that the command, runner and server tests run."""

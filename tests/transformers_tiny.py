@@ -1,5 +1,6 @@
 """Tiny random Transformers MoE checkpoints, built with Transformers' own config classes and saved with
-save_pretrained (tests/transformers/test_transformers_backend.py)."""
+save_pretrained (tests/transformers/test_transformers_backend.py; tests/models for the native model files of the
+families Transformers writes them for: ``FAMILIES`` and ``NATIVE_FAMILIES``)."""
 
 from __future__ import annotations
 
@@ -35,25 +36,33 @@ FAMILIES = {
                                      sliding_window=32)),
 }
 
+# Families whose checkpoints only hetmoe's own model files read in the tests (tests/models), beyond FAMILIES (the
+# Transformers backend's list). MiniMax-M2's config class defaults bos/eos ids beyond this vocabulary: none here.
+NATIVE_FAMILIES = {
+    "minimax_m2": ("MiniMaxM2Config", dict(intermediate_size=32, num_local_experts=6, num_experts_per_tok=2,
+                                           head_dim=16, rotary_dim=8, bos_token_id=None, eos_token_id=None)),
+}
 
-def make_config(family: str):
+
+def make_config(family: str, overrides: dict | None = None):
     import transformers
 
-    cls_name, extra = FAMILIES[family]
-    return getattr(transformers, cls_name)(**{**COMMON, **extra})
+    cls_name, extra = {**FAMILIES, **NATIVE_FAMILIES}[family]
+    return getattr(transformers, cls_name)(**{**COMMON, **extra, **(overrides or {})})
 
 
 def save_tiny(family: str, path, seed: int = 0, dtype: torch.dtype = torch.float32, std: float = 0.08,
-              max_shard_size: str = "100KB", tokenizer: bool = False) -> Path:
-    """A random ``family`` model saved to ``path`` in shards of ``max_shard_size`` (with ``tokenizer``: a
-    byte-level BPE tokenizer and its config beside it). Weights are rounded to bf16 (then stored in ``dtype``), so
-    the engine's bf16 experts hold them exactly; std well above the init's 0.02 so that the routing and logits are
-    far from uniform; norm weights 1 + noise, DeepSeek-style correction biases random."""
+              max_shard_size: str = "100KB", tokenizer: bool = False, overrides: dict | None = None) -> Path:
+    """A random ``family`` model (its config entries changed by ``overrides``) saved to ``path`` in shards of
+    ``max_shard_size`` (with ``tokenizer``: a byte-level BPE tokenizer and its config beside it). Weights are
+    rounded to bf16 (then stored in ``dtype``), so the engine's bf16 experts hold them exactly; std well above the
+    init's 0.02 so that the routing and logits are far from uniform; norm weights 1 + noise, DeepSeek-style
+    correction biases random."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_config(family), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(make_config(family, overrides), dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = (torch.randn_like(p) * std).to(torch.bfloat16).float()

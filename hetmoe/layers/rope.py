@@ -1,4 +1,5 @@
-"""Rotary position embedding (default RoPE, half-split rotation as in Llama/Qwen)."""
+"""Rotary position embedding (default RoPE, half-split rotation as in Llama/Qwen), over whole heads or, partial RoPE
+(transformers' ``partial_rotary_factor``: GLM-4.5, MiniMax-M2), over the leading dims of each head only."""
 
 import torch
 
@@ -21,7 +22,13 @@ def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype)
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x [B, S, heads, D] with the table of ``cos_sin``: x * cos + rotate_half(x) * sin, where rotate_half(x) * sin
-    = [x2, x1] * [-sin, sin] (x = [x1, x2]): four kernels instead of five, no negation per layer."""
+    = [x2, x1] * [-sin, sin] (x = [x1, x2]): four kernels instead of five, no negation per layer.
+
+    Partial RoPE: a table of R < D dims (``cos_sin`` of R / 2 frequencies) turns x[..., :R] as above and passes
+    x[..., R:] through unchanged, as transformers' apply_rotary_pos_emb does with a smaller cos."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, signed_sin), x[..., rot:]), dim=-1)
     half = x.shape[-1] // 2
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 

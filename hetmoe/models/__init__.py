@@ -22,6 +22,8 @@ MODEL_TYPES = {
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "mixtral": ("mixtral", "MixtralForCausalLM"),
+    "glm4_moe": ("glm4_moe", "Glm4MoeForCausalLM"),
+    "minimax_m2": ("minimax_m2", "MiniMaxM2ForCausalLM"),
 }
 # The model types whose file builds its RoPE from config.json's rope_scaling / rope_parameters (YaRN); the others
 # run default RoPE whatever the config says, so a scaling factor there extends nothing.

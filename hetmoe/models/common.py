@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetmoe.layers.attention import Step
+from hetmoe.layers.attention import GQAAttention, Step, attend_cache
 from hetmoe.layers.kv_cache import KVCache
 from hetmoe.layers.linear import FusedLinears
 from hetmoe.layers.norm import RMSNorm
-from hetmoe.layers.rope import cos_sin, inv_frequencies
+from hetmoe.layers.rope import apply_rope, cos_sin, inv_frequencies
 from hetmoe.models.config import ModelConfig
 from hetmoe.moe import MoELayer, RouterLogits, RouterSpec
 
@@ -121,6 +121,40 @@ def qwen_layer_is_sparse(cfg: ModelConfig, layer_idx: int) -> bool:
     )
 
 
+class PartialRopeAttention(GQAAttention):
+    """GQA whose RoPE table (``PartialRopeModel``) may cover only the leading dims of each head (the rest pass
+    through: layers/rope.py apply_rope), with q/k RMSNorm per head (``qk_norm_eps``, as GQAAttention), over all heads
+    at once (``qk_norm_all_heads``: one weight [heads * D] for q, one [kv_heads * D] for k; MiniMax-M2), or none.
+
+    Its forward is its own: the fused decode epilogue (ops/triton/fused.py) and the CPU engine's decode block turn
+    and normalise whole heads, so a fused step runs these PyTorch ops, and the CPU decode step leaves such a model
+    to the eager forward (engine/cpu_decode.py ``why_not``)."""
+
+    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, layer_idx: int, *,
+                 qkv_bias: bool = False, o_bias: bool = False, qk_norm_eps: float | None = None,
+                 qk_norm_all_heads: bool = False):
+        super().__init__(hidden, n_heads, n_kv_heads, head_dim, layer_idx, qkv_bias=qkv_bias, o_bias=o_bias,
+                         qk_norm_eps=qk_norm_eps)
+        self.qk_norm_all_heads = qk_norm_all_heads and qk_norm_eps is not None
+        if self.qk_norm_all_heads:
+            self.q_norm = RMSNorm(n_heads * head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(n_kv_heads * head_dim, qk_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple, step: Step, cache: KVCache) -> torch.Tensor:
+        B, S, _ = x.shape
+        H, K, D = self.n_heads, self.n_kv, self.head_dim
+        q, k, v = self.qkv.parts(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        if self.qk_norm_all_heads:  # q [B, S, H * D], k [B, S, K * D]: one RMS over all heads' dims
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.reshape(B, S, H, D), k.reshape(B, S, K, D), v.reshape(B, S, K, D)
+        if self.qk_norm_eps is not None and not self.qk_norm_all_heads:  # one RMS per head
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        cache.write(self.layer_idx, step, k, v)
+        out = attend_cache(q, cache, self.layer_idx, step, D**-0.5)  # [B, S, heads, D]
+        return self.o_proj(out.reshape(B, S, -1))
+
+
 class DecoderModel(nn.Module):
     layer_cls: type = None  # set by each model: (cfg, layer_idx) -> decoder layer
 
@@ -137,13 +171,24 @@ class DecoderModel(nn.Module):
         return run_layers(self.layers, x, rope, step, cache, self.norm)
 
 
+class PartialRopeModel(DecoderModel):
+    """A DecoderModel whose RoPE table turns the leading ``cfg.rope_dim`` dims of each head (transformers'
+    partial_rotary_factor; ``PartialRopeAttention`` passes the rest through)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.inv_freq = inv_frequencies(cfg.rope_dim, cfg.rope_theta)
+
+
 class CausalLM(nn.Module):
-    """forward(ids, step, cache) -> hidden states [B, S, H]; logits(hidden) -> [B, S, vocab]."""
+    """forward(ids, step, cache) -> hidden states [B, S, H]; logits(hidden) -> [B, S, vocab]. ``config``: the
+    config.json it was built from, with the defaults of transformers' config class filled in (``with_defaults``)."""
 
     model_cls: type = None  # set by each model
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        cfg = cfg.with_defaults()
         self.config = cfg
         self.model = self.model_cls(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -46,6 +46,23 @@ class ModelConfig(dict):
         return self.get("head_dim") or self["hidden_size"] // self["num_attention_heads"]
 
     @property
+    def rope_dim(self) -> int:
+        """The leading dims of each head that RoPE turns, as transformers computes them: int(head size x
+        partial_rotary_factor), the factor from rope_parameters (or rope_scaling), else config.json's top level,
+        else MiniMax's rotary_dim / head_dim, else the whole head (GLM-4.5's default 0.5: ``with_defaults``)."""
+        name, value = _rotary_entry(self)
+        head_dim = self.head_dim_or_default
+        factor = 1.0 if name is None else value / head_dim if name == "rotary_dim" else value
+        return int(head_dim * factor)
+
+    def with_defaults(self) -> "ModelConfig":
+        """This config with the entries it leaves out that transformers' config class of its model_type fills with
+        a default of its own (``HF_DEFAULTS``); the same object when there are none."""
+        defaults = HF_DEFAULTS.get(self.get("model_type"), {})
+        missing = {k: v for k, v in defaults.items() if k not in self}
+        return ModelConfig({**missing, **self}) if missing else self
+
+    @property
     def rope_scaling_params(self) -> dict:
         """rope_parameters (transformers >= 4.56) or rope_scaling, {} when neither scales (rope_type "default")."""
         params = self.get("rope_parameters") or self.get("rope_scaling") or {}
@@ -55,16 +72,41 @@ class ModelConfig(dict):
         return {} if kind == "default" else {**params, "rope_type": kind}
 
 
+# Entries that transformers' config class of a model_type fills when config.json leaves them out, where its default
+# is not the one the model files assume otherwise (ModelConfig.with_defaults).
+HF_DEFAULTS = {
+    "glm4_moe": dict(first_k_dense_replace=1, n_shared_experts=1, partial_rotary_factor=0.5),
+    "minimax_m2": dict(head_dim=128, rope_theta=5000000.0),
+}
+
+
+def _rotary_entry(cfg: ModelConfig) -> tuple:
+    """(the entry that sets how much of each head RoPE turns, its value), read as transformers reads them:
+    rope_parameters' partial_rotary_factor wins over the top level's, which wins over MiniMax's rotary_dim; (None,
+    None) without any (whole heads). Checked by check_config, not here."""
+    field = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    params = cfg.get(field)
+    if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
+        return f"{field}.partial_rotary_factor", params["partial_rotary_factor"]
+    for name in ("partial_rotary_factor", "rotary_dim"):
+        if cfg.get(name) is not None:
+            return name, cfg[name]
+    return None, None
+
+
 # ------------------------------------------------------------------------------------------------ checks
 
-# model_type family -> (the entry or entries naming the routed-expert count, whether attention is GQA)
+# model_type -> the entry or entries naming the routed-expert count
 _EXPERTS = {
     "qwen3_moe": ("num_experts", "num_local_experts"), "qwen2_moe": ("num_experts", "num_local_experts"),
     "mixtral": ("num_local_experts", "num_experts"),
     "deepseek_v2": ("n_routed_experts", "num_local_experts", "num_experts"),
     "deepseek_v3": ("n_routed_experts", "num_local_experts", "num_experts"),
     "kimi_k2": ("n_routed_experts", "num_local_experts", "num_experts"),
+    "glm4_moe": ("n_routed_experts", "num_local_experts"),
+    "minimax_m2": ("num_local_experts", "num_experts"),
 }
+PARTIAL_ROPE = ("glm4_moe", "minimax_m2")  # GQA models whose RoPE may turn part of each head (ModelConfig.rope_dim)
 
 
 class _Checker:
@@ -95,6 +137,7 @@ def check_config(cfg: ModelConfig, source: str = "config.json") -> None:
     files cannot run: sizes that are missing or not positive, a top-k outside 1..experts, DeepSeek expert groups
     that do not divide the experts, head sizes that do not divide, RoPE settings the model cannot build. Only
     supported model types are checked (model_class refuses the others)."""
+    cfg = cfg.with_defaults()
     c = _Checker(cfg, source)
     if c.model_type not in _EXPERTS:
         return
@@ -137,6 +180,13 @@ def check_config(cfg: ModelConfig, source: str = "config.json") -> None:
         if head_dim % 2:
             c.fail(f"the head size is {head_dim} ({'head_dim' if cfg.get('head_dim') else 'hidden_size / heads'}); "
                    "RoPE needs an even size")
+        if c.model_type in PARTIAL_ROPE:
+            _check_rotary(c, head_dim)
+            act = cfg.get("hidden_act", "silu")
+            if act != "silu":
+                c.fail(f"hidden_act is {act!r}; {c.model_type} runs SwiGLU experts and MLPs (silu)")
+    if c.model_type == "glm4_moe":
+        first_dense = c.int("first_k_dense_replace", minimum=0)
     dense_layers = n_experts == 0 or first_dense > 0
     if c.model_type in ("qwen3_moe", "qwen2_moe"):
         step = c.int("decoder_sparse_step", default=1)
@@ -147,24 +197,70 @@ def check_config(cfg: ModelConfig, source: str = "config.json") -> None:
         if bad:
             c.fail(f"mlp_only_layers lists layer(s) {bad}; the model has {layers} (num_hidden_layers)")
         dense_layers = dense_layers or bool(only) or step > 1
-    if c.model_type == "mixtral" or dense_layers:
+    experts_in_intermediate = c.model_type in ("mixtral", "minimax_m2")  # intermediate_size is the experts' size
+    if experts_in_intermediate or dense_layers:
         c.int("intermediate_size")
     if not n_experts:
         return
-    if c.model_type != "mixtral":
+    if not experts_in_intermediate:
         c.int("moe_intermediate_size")
     if c.model_type == "qwen2_moe":
         c.int("shared_expert_intermediate_size")
-    if deepseek:
+    if deepseek or c.model_type == "glm4_moe":
         c.int("n_shared_experts", minimum=0, default=0)
+    if c.model_type == "minimax_m2":
+        _check_minimax(c, n_experts)
     k = cfg.get("num_experts_per_tok")
     if k is None:
         c.int("num_experts_per_tok")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_experts:
         c.fail(f"num_experts_per_tok is {k!r}; with {n_experts} routed experts ({_expert_field(cfg)}) it must be "
                f"between 1 and {n_experts}")
-    if deepseek:
+    if deepseek or c.model_type == "glm4_moe":
         _check_groups(c, n_experts, k)
+    if c.model_type in PARTIAL_ROPE and cfg.get("routed_scaling_factor") is not None:
+        c.number("routed_scaling_factor", cfg["routed_scaling_factor"])
+
+
+def _check_rotary(c: _Checker, head_dim: int) -> None:
+    """Partial RoPE (ModelConfig.rope_dim): an even number of dims between 2 and the head size."""
+    name, value = _rotary_entry(c.cfg)
+    if name is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        c.fail(f"{name} is {value!r}; it must be a number > 0")
+    dim = c.cfg.rope_dim
+    if not 2 <= dim <= head_dim or dim % 2:
+        c.fail(f"{name} is {value!r}: RoPE would turn {dim} of the {head_dim} dims of each head; it needs an even "
+               f"number between 2 and {head_dim}")
+
+
+def _check_minimax(c: _Checker, n_experts: int) -> None:
+    """What hetmoe's minimax_m2 (transformers' MiniMaxM2) runs: every layer full attention over the whole context
+    with q/k norm over all heads, sigmoid routing without expert groups or scaling, no shared expert. Entries
+    transformers ignores are refused where they would ask for something else, rather than run as if absent."""
+    cfg = c.cfg
+    if n_experts < 2:
+        c.fail(f"{_expert_field(cfg)} is {n_experts}; MiniMax-M2's router needs at least 2 routed experts")
+    for name, want in (("scoring_func", "sigmoid"), ("qk_norm_type", "per_layer"), ("use_qk_norm", True),
+                       ("routed_scaling_factor", 1.0)):
+        if cfg.get(name) is not None and cfg[name] != want:
+            c.fail(f"{name} is {cfg[name]!r}; hetmoe's minimax_m2 runs MiniMax-M2's {name} {want!r} only")
+    groups = cfg.get("num_expert_group")
+    if cfg.get("use_grouped_topk") and groups not in (None, 1):
+        c.fail(f"num_expert_group is {groups!r} (use_grouped_topk); hetmoe's minimax_m2 routes without expert groups")
+    shared = cfg.get("shared_intermediate_size") or 0
+    if shared:
+        c.fail(f"shared_intermediate_size is {shared!r}; hetmoe's minimax_m2 has no shared expert")
+    types = cfg.get("attn_type_list")
+    if types is not None and (not isinstance(types, list) or any(t != 1 for t in types)):
+        c.fail("attn_type_list lists layers other than full attention (1): hetmoe's minimax_m2 has no linear "
+               "(lightning) attention layers")
+    for name in ("sliding_window", "attn_window_size"):
+        window = cfg.get(name)
+        windows = window if isinstance(window, list) else [window]
+        if any(w is not None and not (isinstance(w, (int, float)) and w <= 0) for w in windows):
+            c.fail(f"{name} is {window!r}; hetmoe's minimax_m2 attends over the whole context (no sliding window)")
 
 
 def _expert_field(cfg: ModelConfig) -> str:
@@ -176,7 +272,7 @@ def _n_experts(c: _Checker) -> int:
     present = [n for n in names if c.cfg.get(n) is not None]
     if not present:
         raise ConfigError(f"{c.source} does not describe a {c.model_type} model: it has none of {', '.join(names)}")
-    return c.int(present[0], minimum=0 if c.model_type != "mixtral" else 1)
+    return c.int(present[0], minimum=1 if c.model_type in ("mixtral", *PARTIAL_ROPE) else 0)
 
 
 def _check_groups(c: _Checker, n_experts: int, k: int) -> None:
