@@ -5,7 +5,8 @@
 ``hf_name`` / ``hf_tensors`` map its tensor names to the models' parameter names with the transforms that undo
 llama.cpp's conversion (names.py); ``tokenizer_from_gguf(f)`` rebuilds its tokenizer as hetmoe's Tokenizer
 (tokenizer.py); ``GGUFCheckpoint`` (checkpoint.py) is what the loader reads a GGUF model through
-(hetmoe/load/loader.py ``open_checkpoint``). Needs the ``gguf`` package (``pip install hetmoe[gguf]``).
+(hetmoe/load/loader.py ``open_checkpoint``). Needs the ``gguf`` package (``pip install -e '.[gguf]'`` in the
+repository, or ``pip install gguf``).
 """
 
 from hetmoe.load.gguf.metadata import ARCHITECTURES, config_from_gguf
