@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from decode_steps import graph_decode
 from hetmoe.config.options import EngineOptions
 from hetmoe.layers.attention import Step
 from hetmoe.layers.rope import apply_rope, cos_sin
@@ -345,18 +346,6 @@ def test_generate_from_a_transformers_checkpoint(hf_checkpoints, tmp_path, monke
 # ---------------------------------------------------------------- GPU
 
 
-def _graph_decode(loaded, batch: int, fused: bool, graph: bool = True) -> torch.Tensor:
-    from hetmoe.engine.runner import Runner
-
-    runner = Runner(loaded, cuda_graph=graph, fused_decode=fused)
-    slots = list(range(batch))
-    for s in slots:  # 14..21-token prompts: the steps cross the 16-position page boundary of some rows
-        runner.prefill([(37 * s + 11 * j) % 250 + 3 for j in range(14 + (3 * s) % 8)], slot=s)
-    out = [runner.decode_batch([(13 * i + 29 * s) % 250 + 3 for s in slots], slots).cpu() for i in range(6)]
-    runner.decoder.close()
-    return torch.stack(out)  # [6, batch, V]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(TINY))
 @pytest.mark.parametrize("attention", ["triton", "sdpa"])
@@ -368,8 +357,8 @@ def test_graph_decode_on_gpu(name, attention):
     pytest.importorskip("triton")
     loaded = _random_model(name, "bf16", "cuda", attention=attention)
     for batch in (1, 3, 8):
-        on, off = _graph_decode(loaded, batch, True), _graph_decode(loaded, batch, False)
-        eager = _graph_decode(loaded, batch, True, graph=False)
+        on, off = graph_decode(loaded, batch, True), graph_decode(loaded, batch, False)
+        eager = graph_decode(loaded, batch, True, graph=False)
         errs = {"fused~unfused": rel(on, off), "graph~eager": rel(on, eager)}
         print(f"{name} {attention} batch {batch}: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
         assert torch.isfinite(on).all() and all(v < 5e-2 for v in errs.values()), errs

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from cases import generator
+from decode_steps import graph_decode
 from hetmoe.layers.attention import Step
 from hetmoe.layers.kv_cache import KVCache
 from hetmoe.layers.rope import apply_rope, cos_sin, inv_frequencies
@@ -380,21 +381,6 @@ def test_cpu_steps_are_never_fused():
 
 # ---------------------------------------------------------------- GPU: graph decode, fused against unfused
 
-STEPS = 6
-
-
-def _graph_decode(loaded, batch: int, fused: bool, graph: bool = True) -> torch.Tensor:
-    from hetmoe.engine.runner import Runner
-
-    runner = Runner(loaded, cuda_graph=graph, fused_decode=fused)
-    assert runner.decoder.fused is fused
-    slots = list(range(batch))
-    for s in slots:  # 14..21-token prompts: the steps cross the 16-position page boundary of some rows
-        runner.prefill([(37 * s + 11 * j) % 250 + 3 for j in range(14 + (3 * s) % 8)], slot=s)
-    out = [runner.decode_batch([(13 * i + 29 * s) % 250 + 3 for s in slots], slots).cpu() for i in range(STEPS)]
-    runner.decoder.close()
-    return torch.stack(out)  # [STEPS, batch, V]
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v2"])
@@ -407,8 +393,8 @@ def test_graph_decode_fused_matches_unfused(arch, attention):
     pytest.importorskip("triton")
     loaded = _tiny(arch, "bf16", "cuda", attention=attention)
     for batch in (1, 3, 8):
-        on, off = _graph_decode(loaded, batch, True), _graph_decode(loaded, batch, False)
-        eager_on = _graph_decode(loaded, batch, True, graph=False)
+        on, off = graph_decode(loaded, batch, True), graph_decode(loaded, batch, False)
+        eager_on = graph_decode(loaded, batch, True, graph=False)
         errs = {"fused~unfused": rel(on, off), "fused graph~fused eager": rel(on, eager_on)}
         print(f"{arch} {attention} batch {batch}: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
         assert torch.isfinite(on).all() and all(v < 5e-2 for v in errs.values()), errs
@@ -428,10 +414,10 @@ def test_graph_decode_pdl_is_exact(arch, dense, monkeypatch):
         pytest.skip("PDL needs compute capability 9.0 (HETMOE_PDL=0 turns it off)")
     loaded = _tiny(arch, "bf16", "cuda", dense_format=dense)
     for batch in (1, 3):
-        with_pdl = _graph_decode(loaded, batch, True)
+        with_pdl = graph_decode(loaded, batch, True)
         monkeypatch.setenv("HETMOE_PDL", "0")
         monkeypatch.setattr(triton_pdl, "_CAPABLE", {})
-        without = _graph_decode(loaded, batch, True)
+        without = graph_decode(loaded, batch, True)
         monkeypatch.setenv("HETMOE_PDL", "1")
         monkeypatch.setattr(triton_pdl, "_CAPABLE", {})
         assert torch.isfinite(with_pdl).all() and torch.equal(with_pdl, without), rel(with_pdl, without)
