@@ -204,6 +204,8 @@ def _check_messages(messages: Any) -> None:
             raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
         if not isinstance(m.get("role"), str) or not m["role"]:
             raise ValueError(f"messages[{i}] needs a non-empty string 'role', got {m.get('role')!r}")
+        if m["role"] == "assistant" and m.get("content") is None:
+            continue  # an assistant turn of tool calls only (content None or absent): the template renders it
         if not isinstance(m.get("content"), str):
             raise ValueError(f"messages[{i}] needs a string 'content', got {type(m.get('content')).__name__}")
 
@@ -236,6 +238,8 @@ class Tokenizer:
         self._bound: Optional[tuple] = None  # (chars_per_token, longest added token), computed on first use
         self._specials: Optional[tuple] = None  # (regex of the special tokens' texts or None, {text: id})
         self._plain_backend = None  # a copy of the backend that matches no special token (encode_chat)
+        self._byte_values: Optional[dict] = None  # byte-level vocabulary character -> byte (token_bytes)
+        self._added: dict = {}
 
     @classmethod
     def from_dir(cls, path: Union[str, Path]) -> "Tokenizer":
@@ -263,6 +267,11 @@ class Tokenizer:
             bos_token_id=bos if isinstance(bos, int) else None,
             chat_template=template,
         )
+
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` underneath: its vocabulary, added tokens and decoder (grammars read them)."""
+        return self._tok
 
     @property
     def vocab_size(self) -> int:
@@ -471,6 +480,24 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for, alone: for a byte-level or byte-fallback vocabulary it may be part of
+        a UTF-8 character (which ``decode([token_id])`` would show as U+FFFD); an added token's text as UTF-8."""
+        if self._byte_values is None:
+            self._byte_values = _byte_level_table() if _uses_byte_level(self._tok) else {}
+            self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_values and all(c in self._byte_values for c in piece):
+            return bytes(self._byte_values[c] for c in piece)
+        fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
     @property
     def has_chat_template(self) -> bool:
         return bool(self.chat_template)
@@ -499,6 +526,25 @@ class Tokenizer:
                                          add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template: {e}") from e
+
+
+def _byte_level_table() -> dict:
+    """GPT-2's byte-level alphabet, reversed: the printable character standing for each byte -> the byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: chr(b) for b in kept}
+    shifted = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + shifted)
+            shifted += 1
+    return {c: b for b, c in chars.items()}
+
+
+def _uses_byte_level(backend) -> bool:
+    """Whether the tokenizer's decoder maps vocabulary characters back to bytes (GPT-2 style byte-level BPE)."""
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    return any(isinstance(d, dict) and d.get("type") == "ByteLevel" for d in parts)
 
 
 def _unmark(marked: str, open_: str, close: str) -> Optional[tuple]:

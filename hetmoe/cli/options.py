@@ -10,8 +10,11 @@ from hetmoe.config.flags import (
     MODEL_SHAPES,
     engine_options,
     expert_cache,
+    min_p,
     nonneg_float,
     nonneg_int,
+    penalty,
+    positive_float,
     positive_int,
     stop,
     top_p,
@@ -29,6 +32,15 @@ def add_sampling_options(p: argparse.ArgumentParser, max_tokens: int = 128) -> N
     g.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling mass, (0, 1] (default: 1 = off)")
     g.add_argument("--top-k", type=nonneg_int, default=0,
                    help="sample among the k most likely tokens (default: 0 = off)")
+    g.add_argument("--min-p", type=min_p, default=0.0,
+                   help="drop tokens less likely than this fraction of the most likely one, [0, 1] (default: 0 = off)")
+    g.add_argument("--repetition-penalty", type=positive_float, default=1.0,
+                   help="divide the positive logits (multiply the negative ones) of tokens already in the prompt or "
+                   "the reply by this, > 0 (default: 1 = off)")
+    g.add_argument("--presence-penalty", type=penalty, default=0.0,
+                   help="subtract this from the logits of tokens already in the reply, [-2, 2] (default: 0 = off)")
+    g.add_argument("--frequency-penalty", type=penalty, default=0.0,
+                   help="subtract this times its count in the reply from a token's logit, [-2, 2] (default: 0 = off)")
     g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     g.add_argument("--stop", type=stop, action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
 
@@ -38,7 +50,9 @@ def sampling_params(args: argparse.Namespace):
     from hetmoe.engine.sampler import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+                          top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty)
 
 
 def open_llm(args: argparse.Namespace):

@@ -74,6 +74,19 @@ def top_p(text: str) -> float:
     return _number(text, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 
 
+def min_p(text: str) -> float:
+    return _number(text, float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+
+
+def positive_float(text: str) -> float:
+    return _number(text, float, lambda v: 0 < v < float("inf"), "a finite number > 0")
+
+
+def penalty(text: str) -> float:
+    """--presence-penalty / --frequency-penalty: OpenAI's range."""
+    return _number(text, float, lambda v: -2 <= v <= 2, "a number in [-2, 2]")
+
+
 def stop(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("expected a non-empty string")

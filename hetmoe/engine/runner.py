@@ -147,18 +147,23 @@ class Runner:
             raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {int(ids.min())}..{int(ids.max())}")
         return ids
 
-    def prefill(self, token_ids: Sequence[int], slot: int = 0, start: int = 0) -> torch.Tensor:
+    def prefill(self, token_ids: Sequence[int], slot: int = 0, start: int = 0,
+                all_logits: bool = False) -> torch.Tensor:
         """Write a prompt into ``slot`` from position ``start`` (0: replace what it held; > 0: keep the first
-        ``start`` cached tokens, a shared prefix); logits after its last token, fp32 [vocab]."""
+        ``start`` cached tokens, a shared prefix); logits after its last token, fp32 [vocab] (``all_logits``: after
+        every one of ``token_ids``, fp32 [n, vocab] on the model's device: prompt log-probabilities)."""
         ids = self._check_prompt(token_ids, slot, start)
         n = len(ids)
         self.cache.release(slot, start)  # pages past the kept prefix go back (a longer earlier sequence's)
         slots = torch.tensor([slot])
+        rows = []
         for i in range(0, n, self.prefill_chunk):
             chunk = ids[i:i + self.prefill_chunk]
-            logits = self.forward(chunk[None], torch.arange(start + i, start + i + len(chunk))[None], slots)
+            logits = self.forward(chunk[None], torch.arange(start + i, start + i + len(chunk))[None], slots,
+                                  last_only=not all_logits)
+            rows.append(logits[0])
         self.lengths[slot] = start + n
-        return logits[0]
+        return torch.cat(rows) if all_logits else rows[-1]
 
     def score(self, token_ids: Sequence[int], slot: int = 0) -> torch.Tensor:
         """Write ``token_ids`` into ``slot`` from position 0, as prefill does, and return the logits after every

@@ -9,8 +9,10 @@ their requests through a ``Scheduler``. It is a plain synchronous object, driven
                    -> one prefill call: the next chunk (<= runner.prefill_chunk tokens) of the oldest sequence
                       still prefilling, batched with those of younger ones up to PREFILL_TOKENS padded tokens;
                       a sequence whose prompt is complete samples its first token
-                   -> one Runner.decode_batch step for every sequence that has a token to feed, then per
-                      sequence: sample with its own SamplingParams and generator, stop checks, new text
+                   -> one Runner.decode_batch step for every sequence that has a token to feed, then: one
+                      batched argmax for the plain greedy rows (SamplingParams.plain_greedy), and per other
+                      sequence its own SequenceState.sample (bias, constraint, penalties, log-probabilities,
+                      temperature, top-k/p, min_p, its generator); stop checks, new text
                    -> finished, failed and cancelled sequences free their slot
 
 so a long prompt joins in chunks between decode steps instead of stalling the running sequences.
@@ -22,6 +24,8 @@ event loop, runs the same loop on a thread of its own (the bridge), and only ``R
 
 Each request receives its results through ``Request.emit`` (called in the thread that runs ``step``), as events:
 
+    ("logprobs", [TokenLogprob, ...])                 params.logprobs set: the step's sampled token (one entry),
+                                                      sent before that step's "text" event (if it has one)
     ("text", piece)                                   text that is final (stop strings already cut)
     ("done", finish_reason, prompt_tokens, completion_tokens)
     ("error", kind, message)                          kind: "invalid" | "failed" | "shutdown"; the loop goes on
@@ -29,7 +33,9 @@ Each request receives its results through ``Request.emit`` (called in the thread
 Prefix reuse: each slot keeps the list of tokens its cache holds, counting only runner calls that returned. A
 record is marked untrusted when a call on its slot starts and trusted again when it returns, so a call that never
 returned (Ctrl-C, an error) leaves nothing for a later prompt to reuse. At least the last prompt token is always
-computed, for its logits.
+computed, for its logits. A request that asks for ``prompt_logprobs`` reuses nothing: its prompt is computed whole,
+alone in its prefill calls, in chunks of at most PROMPT_LOGPROBS_CHUNK tokens (the logits of every position are
+kept for the chunk), and ``Request.prompt_logprobs`` is complete before its first "text" or "logprobs" event.
 """
 
 from __future__ import annotations
@@ -43,19 +49,24 @@ from typing import Callable, Optional
 
 import torch
 
-from hetmoe.engine.sampler import SamplingParams
+from hetmoe.engine.sampler import SamplingParams, prompt_logprobs
 from hetmoe.engine.sequence import GenerationResult, SequenceState, Timings
 from hetmoe.layers.kv_cache import KVCacheFull
 from hetmoe.tokenizer import Tokenizer
 
 PREFILL_TOKENS = 512  # padded tokens one batched prefill call may hold (short prompts arriving together)
+PROMPT_LOGPROBS_CHUNK = 512  # prompt tokens per prefill call when every position's logits [n, V] fp32 are kept
 
 
 class Request:
     """One sequence to generate. The scheduler fills ``state`` (at ``add``), the times and ``cached_tokens``, and
     calls ``emit`` with its events; ``cancel`` may be called from any thread (the slot is freed at the next step).
     This base class keeps the events in ``events`` for its driver to hand on between steps (``drain``: the text
-    to ``on_text``); the server's subclass hands them to an asyncio queue instead."""
+    to ``on_text``); the server's subclass hands them to an asyncio queue instead.
+
+    ``prompt_logprobs``: None unless ``params.prompt_logprobs`` is set; then a list of TokenLogprob, one per
+    prompt token after the first (entry i is prompt token i + 1), filled while the prompt is computed and complete
+    before the first "text" / "logprobs" event."""
 
     _ids = itertools.count()
 
@@ -69,6 +80,7 @@ class Request:
         self.exception: Optional[BaseException] = None  # what made it fail, when an exception did
         self.state: Optional[SequenceState] = None
         self.cached_tokens = 0  # prompt tokens found in the slot's cache (prefix reuse)
+        self.prompt_logprobs: Optional[list] = None
         self.arrival = time.perf_counter()
         self.t_admitted = self.t_first = self.t_done = None
 
@@ -105,7 +117,9 @@ class Request:
                           prompt_tokens=st.prompt_tokens, decode_steps=max(st.completion_tokens - 1, 0),
                           cached_tokens=self.cached_tokens)
         return GenerationResult(text=st.text, token_ids=st.token_ids, finish_reason=st.finish_reason,
-                                prompt_tokens=st.prompt_tokens, completion_tokens=st.completion_tokens, timings=timings)
+                                prompt_tokens=st.prompt_tokens, completion_tokens=st.completion_tokens, timings=timings,
+                                logprobs=list(st.logprobs) if self.params.logprobs is not None else None,
+                                prompt_logprobs=self.prompt_logprobs)
 
 
 class _NoObserver:
@@ -171,10 +185,15 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------ the caller's side
 
     def add(self, req: Request) -> Request:
-        """Queue ``req``. ValueError (nothing queued) when it cannot run: an empty prompt, or one that leaves no
-        room in the context."""
+        """Queue ``req``. ValueError (nothing queued) when it cannot run: an empty prompt, one that leaves no
+        room in the context, a logit bias beyond the model's vocabulary, a constraint factory that fails."""
+        vocab = getattr(self.runner, "vocab_size", None)
+        if vocab is not None:
+            req.params.check_vocab(vocab)
         req.state = SequenceState(self.tokenizer, len(req.prompt_ids), req.params, self.max_context,
-                                  on_text=lambda piece: req.emit("text", piece))
+                                  on_text=lambda piece: req.emit("text", piece), prompt_ids=req.prompt_ids)
+        if req.params.prompt_logprobs is not None:
+            req.prompt_logprobs = []
         self.waiting.append(req)
         return req
 
@@ -262,7 +281,7 @@ class Scheduler:
                 self.observer.on_cancel()
                 continue
             slot, common = self._free[0], 0
-            if self.prefix_reuse:
+            if self.prefix_reuse and req.params.prompt_logprobs is None:  # those need every position's logits
                 for s in self._free:
                     n = _common_prefix(self._cached[s], req.prompt_ids[:-1])  # the last one is computed
                     if n > common:
@@ -275,25 +294,28 @@ class Scheduler:
     def _prefill_chunk(self) -> None:
         """One prefill forward call: the next chunk of the oldest prefilling sequence, batched with the next
         chunks of younger ones while the padded batch stays within prefill_chunk tokens per row and
-        PREFILL_TOKENS in all (many short prompts arriving together join in one call)."""
-        chunk_len = self.runner.prefill_chunk
+        PREFILL_TOKENS in all (many short prompts arriving together join in one call). A sequence that asks for
+        prompt log-probabilities is prefilled alone, in chunks of at most PROMPT_LOGPROBS_CHUNK tokens."""
         group, width = [], 0
         for seq in (s for s in self.running if s.prefilling):
-            n = min(len(seq.req.prompt_ids) - seq.prefilled, chunk_len)
+            n = min(len(seq.req.prompt_ids) - seq.prefilled, self._chunk_len(seq))
             if group and (max(width, n) * (len(group) + 1) > PREFILL_TOKENS
                           or seq.prefilled + max(width, n) > self.max_context
-                          or any(g.prefilled + max(width, n) > self.max_context for g in group)):
+                          or any(g.prefilled + max(width, n) > self.max_context for g in group)
+                          or seq.req.params.prompt_logprobs is not None):
                 break
             group.append(seq)
             width = max(width, n)
+            if seq.req.params.prompt_logprobs is not None:
+                break
         if not group:
             return
-        chunks = [s.req.prompt_ids[s.prefilled:s.prefilled + chunk_len] for s in group]
+        chunks = [s.req.prompt_ids[s.prefilled:s.prefilled + self._chunk_len(s)] for s in group]
         for seq in group:
             seq.kv_trusted = False
         try:
             if len(group) == 1:
-                rows = [self.runner.prefill(chunks[0], slot=group[0].slot, start=group[0].prefilled)]
+                rows = [self._prefill_one(group[0], chunks[0])]
             else:
                 rows = list(self.runner.prefill_batch(chunks, [s.slot for s in group], [s.prefilled for s in group]))
         except Exception:
@@ -314,11 +336,30 @@ class Scheduler:
             self.observer.on_first_token(seq.req.t_first - seq.req.arrival, len(seq.req.prompt_ids))
             self._advance(seq, token)
 
+    def _chunk_len(self, seq: _Sequence) -> int:
+        chunk = self.runner.prefill_chunk
+        return chunk if seq.req.params.prompt_logprobs is None else min(chunk, PROMPT_LOGPROBS_CHUNK)
+
+    def _prefill_one(self, seq: _Sequence, chunk: list) -> torch.Tensor:
+        """One sequence's chunk -> the logits after its last token [V]; with prompt log-probabilities asked, the
+        runner returns every position's logits [n, V], and the entries of the prompt tokens they predict (all but
+        the one after the prompt's end) are added to ``Request.prompt_logprobs``."""
+        req = seq.req
+        if req.params.prompt_logprobs is None:
+            return self.runner.prefill(chunk, slot=seq.slot, start=seq.prefilled)
+        logits = self.runner.prefill(chunk, slot=seq.slot, start=seq.prefilled, all_logits=True)  # [n, V]
+        targets = req.prompt_ids[seq.prefilled + 1:seq.prefilled + 1 + len(chunk)]  # what each row predicts
+        if targets:
+            entries = prompt_logprobs(logits[:len(targets)], torch.tensor(targets), req.params.prompt_logprobs)
+            del req.prompt_logprobs[seq.prefilled:]  # a chunk computed again after a failed call: no duplicates
+            req.prompt_logprobs.extend(entries)
+        return logits[-1]
+
     def _prefill_one_by_one(self, group: list, chunks: list) -> list:
         rows = []
         for seq, chunk in zip(group, chunks):
             try:
-                rows.append(self.runner.prefill(chunk, slot=seq.slot, start=seq.prefilled))
+                rows.append(self._prefill_one(seq, chunk))
             except Exception as e:
                 traceback.print_exc()
                 self._fail(seq, _kind(e), f"prefill failed: {type(e).__name__}: {e}", e)
@@ -357,9 +398,11 @@ class Scheduler:
         return torch.stack(rows) if rows else torch.empty(0)
 
     def _sample(self, batch: list, logits: torch.Tensor) -> list:
-        """One token per sequence from logits [B, V]: all greedy rows with one argmax, the others one by one with
-        their own parameters and generator. None where sampling failed (that sequence is failed)."""
-        greedy = [i for i, s in enumerate(batch) if s.req.params.greedy]
+        """One token per sequence from logits [B, V]: the plain greedy rows (no bias, constraint, penalty, min_p or
+        log-probabilities: ``SamplingParams.plain_greedy``) with one argmax, the others one by one through their
+        SequenceState (processing, log-probabilities, their own parameters and generator). None where sampling
+        failed (that sequence is failed)."""
+        greedy = [i for i, s in enumerate(batch) if s.req.params.plain_greedy]
         tokens: list = [None] * len(batch)
         if greedy:
             for i, t in zip(greedy, logits[greedy].argmax(-1).tolist()):
@@ -375,7 +418,15 @@ class Scheduler:
     def _advance(self, seq: _Sequence, token: int) -> None:
         self.observer.on_tokens(1)
         seq.next_token = None
-        if seq.state.add(token):
+        st = seq.state
+        if st.params.logprobs is not None:
+            seq.req.emit("logprobs", st.logprobs[-1:])  # before the text this token completes
+        try:
+            finished = st.add(token)
+        except Exception as e:  # the constraint refused the token its own mask allowed (or failed)
+            self._fail(seq, "failed", f"constraint: {type(e).__name__}: {e}", e)
+            return
+        if finished:
             self._finish(seq)
         else:
             seq.next_token = token

@@ -1,9 +1,9 @@
-"""One sequence's part of the generation loop: stop checks, stop strings and streamed text.
+"""One sequence's part of the generation loop: its sampling, stop checks, stop strings and streamed text.
 
-``SequenceState`` follows one
-sequence after its prompt (stop checks, incremental text, finish reason, token counts). The loop that drives
-many sequences at once is ``engine/scheduler.py``. Text that could still become a stop string is held back until it
-is resolved, so a stop string never reaches the caller.
+``SequenceState`` follows one sequence after its prompt (logit processing and sampling, log-probabilities, a
+constraint, stop checks, incremental text, finish reason, token counts). The loop that drives many sequences at once
+is ``engine/scheduler.py``. Text that could still become a stop string is held back until it is resolved, so a stop
+string never reaches the caller.
 """
 
 from __future__ import annotations
@@ -13,7 +13,14 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from hetmoe.engine.sampler import SamplingParams, sample
+from hetmoe.engine.sampler import (
+    LogitsProcessor,
+    SamplingParams,
+    TokenConstraint,
+    TokenLogprob,
+    sample,
+    token_logprob,
+)
 from hetmoe.tokenizer import IncrementalDecoder, Tokenizer
 
 
@@ -47,6 +54,10 @@ class GenerationResult:
     prompt_tokens: int
     completion_tokens: int  # tokens the model produced, a final eos / stop token included
     timings: Timings = field(default_factory=Timings)
+    # SamplingParams.logprobs set: one TokenLogprob per token sampled, a final eos / stop token included
+    logprobs: Optional[list[TokenLogprob]] = None
+    # SamplingParams.prompt_logprobs set: one TokenLogprob per prompt token after the first (positions 1..n-1)
+    prompt_logprobs: Optional[list[TokenLogprob]] = None
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:
@@ -100,12 +111,17 @@ class SequenceState:
     stop checks (eos / stop token ids, stop strings, ``max_tokens``, a full context) and streams the text
     that is final to ``on_text``. The scheduler (engine/scheduler.py) keeps one per running sequence.
 
-    ``finish_reason`` is None while the sequence goes on, then "stop" (eos, stop token or stop string) or
-    "length" (``max_tokens`` or the context is full).
+    ``finish_reason`` is None while the sequence goes on, then "stop" (eos, stop token, stop string, or the
+    constraint complete) or "length" (``max_tokens`` or the context is full).
+
+    ``sample`` picks a token from the sequence's logits: its ``LogitsProcessor`` (logit bias, the constraint's mask,
+    penalties over ``prompt_ids`` and the generated tokens) when the parameters ask for one, then ``sampler.sample``;
+    with ``params.logprobs`` set, each pick's ``TokenLogprob`` is appended to ``logprobs``. The constraint
+    (``params.constraint()``, made here) accepts each generated token in ``add``.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_tokens: int, params: SamplingParams, max_context: int,
-                 on_text: Optional[Callable[[str], None]] = None):
+                 on_text: Optional[Callable[[str], None]] = None, *, prompt_ids: Optional[Sequence[int]] = None):
         if prompt_tokens < 1:
             raise ValueError("the prompt is empty: at least one token is needed to start generation")
         if prompt_tokens >= max_context:
@@ -120,6 +136,16 @@ class SequenceState:
         self.completion_tokens = 0  # sampled, a final eos / stop token included
         self.finish_reason: Optional[str] = None
         self._generator: Optional[torch.Generator] = None
+        self.logprobs: list[TokenLogprob] = []  # one per sample() when params.logprobs is set
+        self.constraint: Optional[TokenConstraint] = None
+        if params.constraint is not None:
+            self.constraint = params.constraint()
+            if not isinstance(self.constraint, TokenConstraint):
+                raise ValueError(f"constraint() must return an object with mask, accept and is_terminated, got "
+                                 f"{type(self.constraint).__name__}")
+        self.processor: Optional[LogitsProcessor] = None
+        if params.processes_logits:
+            self.processor = LogitsProcessor(params, prompt_ids or (), self.constraint)
 
     @property
     def text(self) -> str:
@@ -136,19 +162,33 @@ class SequenceState:
         return self._generator
 
     def sample(self, logits: torch.Tensor) -> int:
-        """A token from this sequence's logits [V] with its own parameters and generator."""
-        return int(sample(logits, self.params, self.generator(logits.device)))
+        """A token from this sequence's logits [V] (left unchanged) with its own parameters, processor and
+        generator; its TokenLogprob appended to ``logprobs`` when ``params.logprobs`` is set. ValueError when the
+        constraint allows no token."""
+        if self.processor is not None:
+            logits = self.processor.apply(logits.to(torch.float32, copy=True))
+        token = int(sample(logits, self.params, self.generator(logits.device)))
+        if self.params.logprobs is not None:
+            self.logprobs.append(token_logprob(torch.log_softmax(logits.float(), -1), token, self.params.logprobs))
+        return token
 
     def add(self, token: int) -> bool:
-        """Record a sampled token; True when the sequence is finished (then it must not be decoded further)."""
+        """Record a sampled token; True when the sequence is finished (then it must not be decoded further).
+        ValueError when the constraint refuses the token (the sequence cannot go on)."""
         if self.finished:
             raise RuntimeError("add() after the sequence finished")
         self.completion_tokens += 1
+        if self.processor is not None:
+            self.processor.record(token)
         if token in self.stop_ids:
             return self._finish("stop", flush=True)
+        if self.constraint is not None:
+            self.constraint.accept(token)
         self.token_ids.append(token)
         if self.stream.push(token):
             return self._finish("stop", flush=False)
+        if self.constraint is not None and self.constraint.is_terminated():
+            return self._finish("stop", flush=True)
         if (len(self.token_ids) >= self.params.max_tokens
                 or self.prompt_tokens + len(self.token_ids) >= self.max_context):
             return self._finish("length", flush=True)

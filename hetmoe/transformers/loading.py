@@ -193,6 +193,31 @@ def _rule_placements(rules, model, modules: dict, dev: torch.device, dtype: torc
     return out
 
 
+def _refuse_saving(model: nn.Module, engine_modules: list, dense_fmt: str) -> None:
+    """Make ``model.save_pretrained`` and ``push_to_hub`` raise a ValueError with the reason, before anything is
+    written or sent, when weights left the model's parameters at load: routed experts packed into the CPU engine
+    (``backend.attach`` drops them) or dense linears packed into ``dense_fmt`` (hetmoe/transformers/dense.py).
+    Transformers would otherwise write a checkpoint without those tensors, without a word."""
+    why = []
+    if engine_modules:
+        why.append(f"the routed experts of {len(engine_modules)} module(s) ({engine_modules[0]}"
+                   f"{', ...' if len(engine_modules) > 1 else ''}) were packed into hetmoe's CPU engine")
+    if dense_fmt != "bf16":
+        why.append(f"the dense linears were packed into the engine's {dense_fmt} format")
+    if not why:
+        return  # every weight is still a parameter of the model: Transformers saves it as usual
+
+    def refuse(name: str):
+        def refused(*args, **kwargs):
+            raise ValueError(f"{name}: {' and '.join(why)}, so those weights are no longer parameters of this model "
+                             "and the checkpoint would lack them; use the original checkpoint instead (or load it "
+                             "with Transformers alone to change and save it)")
+
+        return refused
+
+    model.save_pretrained, model.push_to_hub = refuse("save_pretrained"), refuse("push_to_hub")
+
+
 def from_pretrained(path, rules=None, experts_format: str = "auto", device: str = "auto",
                     threads: Optional[int] = None, *, group_size: Optional[int] = None, dtype: str = "auto",
                     isa: str = "auto", numa="auto", dense_format: str = "auto", log=None):
@@ -349,6 +374,7 @@ def from_pretrained(path, rules=None, experts_format: str = "auto", device: str 
                          "formats": {n: format_of(n) for n in engine_modules},
                          "device_modules": {n: placed[n].device for n in sorted(on_device)},
                          "dense_format": dense_fmt, "dense_why": dense_why}
+    _refuse_saving(model, sorted(engine_modules), dense_fmt)
     if log is not None:
         log(f"hetmoe: {type(model).__name__} through Transformers: {len(engine_modules)} experts modules on the CPU "
             f"engine ({fmt}), {len(fallback)} with Transformers' eager experts; dense part {torch_dtype} on "

@@ -186,8 +186,10 @@ class TransformersRunner:
         self.caches[slot], self.tokens[slot] = None, []
         return held[:start]
 
-    def prefill(self, token_ids: Sequence[int], slot: int = 0, start: int = 0) -> torch.Tensor:
-        """Write a prompt into ``slot`` after its first ``start`` cached tokens -> fp32 logits [vocab]."""
+    def prefill(self, token_ids: Sequence[int], slot: int = 0, start: int = 0,
+                all_logits: bool = False) -> torch.Tensor:
+        """Write a prompt into ``slot`` after its first ``start`` cached tokens -> fp32 logits [vocab]
+        (``all_logits``: after each of ``token_ids``, [n, vocab])."""
         self._check_slot(slot)
         ids = self._check_ids(token_ids)
         if not ids:
@@ -196,6 +198,8 @@ class TransformersRunner:
             raise ValueError(f"the prompt is {start + len(ids)} tokens; the context holds {self.max_context} "
                              "(--max-context)")
         redo = self._keep(slot, start)
+        if all_logits:
+            return self._forward(slot, redo + ids, all_logits=True)[len(redo):]
         return self._forward(slot, redo + ids)
 
     def prefill_batch(self, chunks: Sequence[Sequence[int]], slots: Sequence[int],
