@@ -6,6 +6,8 @@ import argparse
 
 from hetmoe.cli.options import add_shape_options
 from hetmoe.config.flags import add_engine_options, port, positive_int, size
+from hetmoe.server.reasoning import PARSERS as REASONING_PARSERS
+from hetmoe.server.tool_calls import PARSERS as TOOL_PARSERS
 
 
 def _api_key(text: str) -> str:
@@ -50,12 +52,28 @@ def _hosts(text: str) -> list:
     return hosts
 
 
+def _origins(text: str) -> list:
+    from hetmoe.server.cors import check_origin
+
+    try:
+        return [check_origin(o) for o in text.split(",") if o.strip()] or [check_origin(text)]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _model_name(text: str) -> str:
+    if not text or not text.isprintable() or text != text.strip():
+        raise argparse.ArgumentTypeError(f"expected a model name (printable, no surrounding spaces), got {text!r}")
+    return text
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models)",
-        description="Serves the model over the OpenAI API: point the openai client (or any tool that speaks it) at "
-        "http://HOST:PORT/v1. Up to --max-batch requests decode together (continuous batching). Limits and "
-        "security: docs/serving.md.")
+        "serve", help="OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions, /v1/completions, "
+        "/v1/messages, /v1/models)",
+        description="Serves the model over the OpenAI API and Anthropic's Messages API: point the openai client "
+        "(or any tool that speaks it) at http://HOST:PORT/v1, the anthropic client at http://HOST:PORT. Up to "
+        "--max-batch requests decode together (continuous batching). Limits and security: docs/serving.md.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=port, default=8000, help="TCP port (default: 8000; 0 = any free port, printed)")
     keys = p.add_mutually_exclusive_group()
@@ -71,6 +89,22 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--split-special-tokens", action=argparse.BooleanOptionalAction, default=True,
                    help="tokenize special-token text written inside chat messages (<|im_end|> ...) as plain text, "
                    "so a message cannot forge a turn; the chat template's own special tokens are kept (default: on)")
+    p.add_argument("--served-model-name", type=_model_name, nargs="+", default=None, metavar="NAME",
+                   help="the model's name in the API: requests may give any of the names, /v1/models and responses "
+                   "give the first (default: the --model directory's name)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template that replaces the checkpoint's (checked at startup)")
+    p.add_argument("--cors-origins", type=_origins, default=None, metavar="ORIGINS",
+                   help="comma list of origins (scheme://host[:port]) whose web pages may call the server, or *; "
+                   "(default: none, no CORS headers)")
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="one line per request on stderr: client, method, path, status, tokens, time (default: on)")
+    p.add_argument("--tool-call-parser", choices=("auto", *TOOL_PARSERS), default="auto",
+                   help="the syntax the model writes tool calls in (default: auto, read from the chat template; "
+                   "hermes when it renders none)")
+    p.add_argument("--reasoning-parser", choices=("auto", "none", *REASONING_PARSERS), default="auto",
+                   help="move <think>...</think> into reasoning_content (default: auto, when the chat template "
+                   "mentions <think>)")
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="sequences that decode together, each with its own KV-cache slot (default: 8)")
     p.add_argument("--max-body-size", type=_body_size, default=None, metavar="SIZE",

@@ -79,12 +79,34 @@ def api_key(args: argparse.Namespace) -> Optional[str]:
     return key
 
 
+def read_chat_template(path: str) -> str:
+    """The Jinja chat template in ``path`` (``--chat-template``), compiled once to check it; ValueError naming the
+    file and the problem otherwise."""
+    from hetmoe.tokenizer import compile_template
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not text.strip():
+        raise ValueError(f"--chat-template: {path} is empty")
+    try:
+        compile_template(text)
+    except Exception as e:  # jinja2's TemplateSyntaxError and kin
+        line = getattr(e, "lineno", None)
+        raise ValueError(f"--chat-template: {path} is not a valid Jinja template"
+                         f"{f' (line {line})' if line else ''}: {e}") from None
+    return text
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from hetmoe.config.flags import engine_options, expert_cache
     from hetmoe.engine.llm import LLM
     from hetmoe.server.access import HostPolicy
     from hetmoe.server.app import create_app
     from hetmoe.server.bridge import EngineLoop
+    from hetmoe.server.chat import ChatSupport
     from hetmoe.server.connections import ConnectionGuard
     from hetmoe.server.limits import RETRY_AFTER_S, Limits
 
@@ -95,6 +117,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.shape is None and args.layers is not None:
         raise ValueError("--layers goes with --shape")
     key = api_key(args)
+    template = read_chat_template(args.chat_template) if getattr(args, "chat_template", None) else None
     raise_open_file_limit()  # before the limits are derived from it
     # before the (possibly minutes long) load: a busy port fails at once
     sockets = bind(args.host, args.port, default_backlog())
@@ -106,14 +129,21 @@ def run_serve(args: argparse.Namespace) -> int:
             llm = LLM(loaded=loaded, tokenizer=shape_tokenizer(loaded.config.vocab_size))
         else:
             llm = LLM(args.model, options, expert_cache=expert_cache(args), progress=sys.stderr.isatty())
+        if template is not None:
+            llm.tokenizer.chat_template = template  # before anything was rendered with the checkpoint's
         llm.runner.prefill([0], slot=0)  # warm-up: the first forward call pays one-time initialisation
         llm.tokenizer.chars_per_token  # the prompt-length bound reads the vocabulary once, now rather than later
         split = getattr(args, "split_special_tokens", True)
-        served = ServedModel(id=args.shape or model_id(args.model),
+        names = getattr(args, "served_model_name", None) or [args.shape or model_id(args.model)]
+        served = ServedModel(id=names[0], aliases=tuple(names[1:]),
                              prompt_ids=prompt_encoder(llm.tokenizer, split_special_tokens=split),
                              max_context=llm.max_context, vocab_size=llm.runner.vocab_size,
                              has_chat_template=llm.tokenizer.has_chat_template,
-                             defaults=generation_defaults(llm.loaded.path or Path(".")))
+                             defaults=generation_defaults(llm.loaded.path or Path(".")), tokenizer=llm.tokenizer)
+        served.chat = ChatSupport.build(llm.tokenizer, llm.runner.vocab_size,
+                                        getattr(args, "tool_call_parser", "auto"),
+                                        getattr(args, "reasoning_parser", "auto"))
+        notes_chat = _chat_notes(served.chat)
         limits = Limits.for_model(llm.max_context, args.max_batch, max_body=getattr(args, "max_body_size", None),
                                   max_connections=getattr(args, "max_connections", None),
                                   **{k: getattr(args, k, None) for k in ("header_timeout", "body_timeout",
@@ -122,13 +152,27 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = EngineLoop(llm.runner, llm.tokenizer).start()
         guard = ConnectionGuard(limits.max_connections, limits.header_timeout, limits.keepalive_timeout,
                                 RETRY_AFTER_S, engine.metrics)
-        app = create_app(served, engine, key, limits=limits, hosts=hosts, guard=guard)
+        app = create_app(served, engine, key, limits=limits, hosts=hosts, guard=guard,
+                         cors_origins=getattr(args, "cors_origins", None),
+                         log_requests=getattr(args, "access_log", True))
         notes = [f"max batch {args.max_batch}", f"context {served.max_context}",
-                 "API key required" if key else "no API key"]
+                 "API key required" if key else "no API key", *notes_chat]
         return asyncio.run(_serve(app, engine, sockets, args.host, served, notes, limits, guard))
     finally:
         for sock in sockets:
             sock.close()
+
+
+def _chat_notes(support) -> list:
+    """What the serving line says of tool calls, reasoning and structured output."""
+    notes = [f"tool calls {support.parser.name}"]
+    if support.hidden_start:
+        notes.append(f"{support.parser.start} is a special token, which the decoder drops: only forced calls are read")
+    if support.reasoning is not None:
+        notes.append(f"reasoning {support.reasoning.name}")
+    if support.grammars is None:
+        notes.append("no structured output (xgrammar is not installed)")
+    return notes
 
 
 def exposure_warning(host: str, sockets: list, has_key: bool) -> Optional[str]:

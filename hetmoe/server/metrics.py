@@ -29,6 +29,7 @@ class Metrics:
         self._recent: deque = deque()  # (monotonic time, tokens) of recent samples, for the tok/s gauge
         self.connections_open = 0
         self.connections: Counter = Counter()  # "refused" | "displaced" | "timed_out" -> count (connections.py)
+        self.tool_parse_failures = 0  # outputs that began a tool call in the model's syntax that did not parse
 
     def on_request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -58,6 +59,10 @@ class Metrics:
     def set_connections(self, n: int) -> None:
         with self._lock:
             self.connections_open = n
+
+    def on_tool_parse_failure(self) -> None:
+        with self._lock:
+            self.tool_parse_failures += 1
 
     def on_cancel(self) -> None:
         with self._lock:
@@ -113,6 +118,9 @@ class Metrics:
                    "Connections the server closed: refused (503 at --max-connections), displaced (the longest "
                    "waiting one, for a new connection at the cap), timed_out (no request headers in time).",
                    [(f'{{reason="{k}"}}', self.connections[k]) for k in ("refused", "displaced", "timed_out")])
+            metric("hetmoe_tool_call_parse_failures_total", "counter",
+                   "Outputs that began a tool call the parser could not read (returned as content).",
+                   [("", self.tool_parse_failures)])
             cumulative, samples = 0, []
             for bound, n in zip(TTFT_BUCKETS + (float("inf"),), self.ttft_counts):
                 cumulative += n

@@ -30,8 +30,11 @@ from typing import Any, Callable, Optional
 from hetmoe.engine.sampler import SamplingParams
 from hetmoe.tokenizer import PromptTooLong
 
-ROLES = ("system", "user", "assistant", "developer")  # developer (OpenAI's newer name) is rendered as system
+ROLES = ("system", "user", "assistant", "developer", "tool")  # developer (OpenAI's newer name): rendered as system
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # bounds the per-token hold-back check
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs bound; its completions stop at 5)
+MAX_CHOICES = 128  # n x prompts in one request (OpenAI's bound on n)
+MAX_REPETITION_PENALTY = 10.0
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 _SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads lets a lone \\ud800 escape through; no encoder takes it
 
@@ -67,15 +70,43 @@ class ServedModel:
     has_chat_template: bool
     defaults: dict = field(default_factory=dict)  # temperature / top_p / top_k from generation_config.json
     created: int = field(default_factory=lambda: int(time.time()))
+    aliases: tuple = ()  # more names a request's 'model' may give (--served-model-name); responses say ``id``
+    tokenizer: Any = None  # the Tokenizer (token text for logprobs, /tokenize); None in tests that need neither
+    chat: Any = None  # chat.ChatSupport (tool and reasoning parsers, grammars); None: built from the tokenizer
+
+    @property
+    def names(self) -> tuple:
+        return (self.id, *self.aliases)
+
+
+@dataclass
+class Prompt:
+    """One prompt of a request: its ids, its SamplingParams, and for /v1/completions the text to echo."""
+
+    ids: list
+    params: SamplingParams
+    text: Optional[str] = None  # a text prompt as sent (echo); None: token ids, echoed decoded
 
 
 @dataclass
 class Parsed:
     kind: str  # "chat" | "completion"
-    prompt_ids: list
+    prompt_ids: list  # the first prompt's (the only one but for /v1/completions with a list of prompts)
     params: SamplingParams
     stream: bool
     include_usage: bool
+    n: int = 1  # choices per prompt
+    logprobs: Optional[int] = None  # alternatives per token shown (0: the chosen token alone); None: no logprobs
+    echo: bool = False  # /v1/completions: the prompt (and with logprobs its tokens' logprobs) leads each choice
+    generate: bool = True  # False: max_tokens 0 with echo, the prompt alone is answered
+    prompts: list = field(default_factory=list)  # [Prompt], one per prompt; choice p * n + j is prompt p's j-th
+    chat: Any = None  # chat.ChatOptions of a chat request: tools, reasoning, response_format
+
+    def choices(self) -> list:
+        """[(index, Prompt, SamplingParams)] for every choice, the seeds told apart per choice."""
+        prompts = self.prompts or [Prompt(self.prompt_ids, self.params)]
+        return [(p * self.n + j, prompt, prompt.params.for_choice(j) if self.n > 1 else prompt.params)
+                for p, prompt in enumerate(prompts) for j in range(self.n)]
 
 
 # ---------------------------------------------------------------------------------------------- fields
@@ -137,42 +168,39 @@ def check_model(body: dict, served: ServedModel) -> None:
     if not isinstance(model, str):
         raise APIError(400, f"Invalid type for 'model': expected a string, got {shown(model)}", param="model",
                        code="invalid_type")
-    if model != served.id:
+    if model not in served.names:
         raise APIError(404, f"The model '{model}' does not exist; this server serves '{served.id}' (GET /v1/models)",
                        param="model", code="model_not_found")
+
+
+# Fields of OpenAI's API, and extensions of vLLM's that clients send, which hetmoe does not implement: accepted at
+# their no-op values (null always), refused by name otherwise. Unknown fields are ignored, as OpenAI does.
+_NO_OPS = {
+    "min_tokens": ((0,), "only 0"), "use_beam_search": ((False,), "only false: no beam search"),
+    "length_penalty": ((1, 1.0), "only 1: no beam search"), "include_stop_str_in_output": ((False,), "only false"),
+    "skip_special_tokens": ((True,), "only true"), "spaces_between_special_tokens": ((True,), "only true"),
+    "truncate_prompt_tokens": ((), "prompts are never truncated"), "bad_words": (([],), "only an empty list"),
+    "allowed_token_ids": ((), "logit_bias can favour tokens"), "priority": ((0,), "only 0: requests run in order"),
+    "return_tokens_as_token_ids": ((False,), "only false"),
+    "prompt_logprobs": ((), "/v1/completions with echo and logprobs gives the prompt's logprobs"),
+}
+_CHAT_NO_OPS = {
+    "modalities": ((["text"],), 'only ["text"]'), "audio": ((), "text only"), "prediction": ((), "none"),
+    "web_search_options": ((), "no web search"), "echo": ((False,), "only false; /v1/completions echoes"),
+    "continue_final_message": ((False,), "only false"), "add_generation_prompt": ((True,), "only true"),
+    "chat_template": ((), "one template per server: --chat-template"), "documents": ((), "none"),
+    "mm_processor_kwargs": ((), "text only"),
+}
+_COMPLETION_NO_OPS = {"suffix": (("",), "only an empty suffix"), "best_of": ((1,), "only 1")}
 
 
 def _reject_unsupported(body: dict, chat: bool) -> None:
     """Parameters hetmoe does not implement: accepted at their no-op values, refused otherwise (rather than
     silently answering something else than what was asked for)."""
-    n = _field(body, "n", _is_int, 1)
-    if n != 1:
-        raise APIError(400, f"Invalid 'n': only n=1 is supported, got {n}", param="n", code="invalid_value")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _field(body, name, _is_number, 0) != 0:
-            raise _unsupported(name, "only 0")
-    if _field(body, "logit_bias", dict, {}):
-        raise _unsupported("logit_bias", "only an empty map")
-    if chat:
-        if _field(body, "logprobs", bool, False):
-            raise _unsupported("logprobs", "only false")
-        if _field(body, "top_logprobs", _is_int, 0):
-            raise _unsupported("top_logprobs", "only 0")
-        for name in ("tools", "functions"):
-            if _field(body, name, list, []):
-                raise _unsupported(name, "no tool calling")
-        fmt = _field(body, "response_format", dict)
-        if fmt is not None and fmt.get("type") != "text":
-            raise _unsupported("response_format", "only {\"type\": \"text\"}")
-    else:
-        if _field(body, "logprobs", _is_int, 0):
-            raise _unsupported("logprobs", "only null or 0")
-        if _field(body, "echo", bool, False):
-            raise _unsupported("echo", "only false")
-        if _field(body, "suffix", str, ""):
-            raise _unsupported("suffix", "only an empty suffix")
-        if _field(body, "best_of", _is_int, 1) != 1:
-            raise _unsupported("best_of", "only 1")
+    for name, (no_ops, what) in {**_NO_OPS, **(_CHAT_NO_OPS if chat else _COMPLETION_NO_OPS)}.items():
+        value = body.get(name)
+        if value is not None and not any(type(value) is type(v) and value == v for v in no_ops):
+            raise _unsupported(name, what)
 
 
 def _stop(body: dict) -> tuple:
@@ -200,14 +228,81 @@ def _stream(body: dict) -> tuple:
     return stream, include_usage
 
 
-def _sampling(body: dict, served: ServedModel, n_prompt: int, chat: bool, prompt_param: str) -> SamplingParams:
+def _logprobs(body: dict, chat: bool) -> tuple:
+    """(alternatives per token or None for no logprobs, echo): chat's ``logprobs`` (bool) and ``top_logprobs``,
+    completions' ``logprobs`` (int) and ``echo``."""
+    if chat:
+        top = _field(body, "top_logprobs", _is_int)
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise _bad_value("top_logprobs", f"expected a value in [0, {MAX_LOGPROBS}], got {top}")
+        if not _field(body, "logprobs", bool, False):
+            if top:
+                raise _bad_value("top_logprobs", "'logprobs' must be true when 'top_logprobs' is used")
+            return None, False
+        return top or 0, False
+    n = _field(body, "logprobs", _is_int)
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise _bad_value("logprobs", f"expected a value in [0, {MAX_LOGPROBS}], got {n}")
+    return n, _field(body, "echo", bool, False)
+
+
+def _logit_bias(body: dict, vocab_size: int) -> Optional[dict]:
+    bias = _field(body, "logit_bias", dict)
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else -1
+        if not 0 <= token < vocab_size:
+            raise _bad_value("logit_bias", f"keys must be token ids in [0, {vocab_size}) (as strings), got "
+                                           f"{shown(key)}")
+        if not _is_number(value) or not -100 <= value <= 100:
+            raise _bad_value("logit_bias", f"values must be numbers in [-100, 100], got {shown(value)} for token "
+                                           f"{token}")
+        out[token] = float(value)
+    return out
+
+
+def _penalties(body: dict, served: ServedModel) -> dict:
+    """The SamplingParams fields beyond OpenAI's first ones, those a request sets (the others keep their
+    defaults): min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias, stop_token_ids."""
+    out = {}
+    for name, low, high, off in (("presence_penalty", -2, 2, 0), ("frequency_penalty", -2, 2, 0),
+                                 ("min_p", 0, 1, 0)):
+        value = _field(body, name, _is_number)
+        if value is not None and not low <= value <= high:
+            raise _bad_value(name, f"expected a value in [{low}, {high}], got {value}")
+        if value is not None and value != off:
+            out[name] = float(value)
+    value = _field(body, "repetition_penalty", _is_number)  # an extension, as in vLLM
+    if value is not None and not 0 < value <= MAX_REPETITION_PENALTY:
+        raise _bad_value("repetition_penalty", f"expected a value in (0, {MAX_REPETITION_PENALTY}] (1: off), got "
+                                               f"{value}")
+    if value is not None and value != 1:
+        out["repetition_penalty"] = float(value)
+    bias = _logit_bias(body, served.vocab_size)
+    if bias:
+        out["logit_bias"] = bias
+    ids = _field(body, "stop_token_ids", list)  # an extension, as in vLLM
+    if ids:
+        if len(ids) > MAX_STOP_STRINGS or not all(_is_int(t) and 0 <= t < served.vocab_size for t in ids):
+            raise _bad_value("stop_token_ids", f"expected at most {MAX_STOP_STRINGS} token ids in "
+                                               f"[0, {served.vocab_size}), got {shown(ids)}")
+        out["stop_token_ids"] = tuple(ids)
+    return out
+
+
+def _sampling(body: dict, served: ServedModel, n_prompt: int, chat: bool, prompt_param: str,
+              logprobs: Optional[int] = None, echo: bool = False) -> SamplingParams:
+    """The SamplingParams of one prompt of ``n_prompt`` tokens. ``max_tokens`` 0 is taken with ``echo`` (the
+    prompt alone is answered): the params then ask for one token, which the response leaves out."""
     max_tokens, param = None, "max_tokens"
     for name in (("max_tokens", "max_completion_tokens") if chat else ("max_tokens",)):
         value = _field(body, name, _is_int)
         if value is not None:
-            if value < 1:
-                raise _bad_value(name, f"expected a value >= 1, got {value}")
-            max_tokens, param = value, name  # max_completion_tokens (OpenAI's newer name) wins over max_tokens
+            if value < 1 and not (value == 0 and echo):
+                raise _bad_value(name, f"expected a value >= 1{'' if chat else ' (0 only with echo)'}, got {value}")
+            max_tokens, param = max(value, 1), name  # max_completion_tokens (OpenAI's newer name) wins
     limit = served.max_context
     if n_prompt >= limit:
         raise _too_long(limit, n_prompt, prompt_param)
@@ -232,8 +327,16 @@ def _sampling(body: dict, served: ServedModel, n_prompt: int, chat: bool, prompt
     if seed is not None and not -2**63 <= seed < 2**64:
         raise _bad_value("seed", f"expected a 64-bit integer, got {seed}")
     ignore_eos = _field(body, "ignore_eos", bool, False)  # an extension, as in vLLM (benchmarks)
-    return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                          top_k=max(top_k, 0), seed=seed, stop=_stop(body), ignore_eos=ignore_eos)
+    extra = _penalties(body, served)
+    if logprobs is not None:
+        extra["logprobs"] = logprobs
+        if echo:
+            extra["prompt_logprobs"] = logprobs
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                              top_k=max(top_k, 0), seed=seed, stop=_stop(body), ignore_eos=ignore_eos, **extra)
+    except ValueError as e:  # a combination the sampler refuses
+        raise APIError(400, f"Invalid sampling parameters: {e}", code="invalid_value") from None
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -256,6 +359,13 @@ def _content(m: dict, i: int) -> str:
         raise APIError(400, f"Missing required parameter: '{where}'.", param=where, code="missing_required_parameter")
     raise APIError(400, f"Invalid type for '{where}': expected a string or an array of text parts, got "
                         f"{shown(content)}", param=where, code="invalid_type")
+
+
+def chat_path():
+    """hetmoe.server.chat (tools, reasoning, response_format), which imports this module."""
+    from hetmoe.server import chat
+
+    return chat
 
 
 def _messages(body: dict) -> list:
@@ -281,6 +391,7 @@ def _messages(body: dict) -> list:
         message = {"role": "system" if role == "developer" else role, "content": _content(m, i)}
         if isinstance(m.get("name"), str):
             message["name"] = _text(m["name"], f"messages[{i}].name")
+        message.update(chat_path().message_fields(m, i))  # tool calls, tool results, reasoning
         out.append(message)
     return out
 
@@ -291,10 +402,11 @@ def prompt_encoder(tokenizer, split_special_tokens: bool = False) -> Callable:
     ``split_special_tokens``: special-token text inside a message is plain text (``Tokenizer.encode_chat``); a raw
     completions prompt is the client's whole prompt and keeps its special tokens."""
 
-    def prompt_ids(prompt, chat: bool, cap: int) -> list:
+    def prompt_ids(prompt, chat: bool, cap: int, template_kwargs: Optional[dict] = None) -> list:
         if isinstance(prompt, list) or (chat and tokenizer.has_chat_template):
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            return tokenizer.encode_chat(messages, cap, split_special_tokens=split_special_tokens)
+            return tokenizer.encode_chat(messages, cap, split_special_tokens=split_special_tokens,
+                                         **(template_kwargs or {}))
         return tokenizer.encode_capped(prompt, cap)
 
     return prompt_ids
@@ -307,40 +419,50 @@ def _too_long(limit: int, n_prompt: int, param: str, exact: bool = True) -> APIE
                     param=param, code="context_length_exceeded")
 
 
-def _encode(served: ServedModel, prompt, chat: bool, param: str) -> list:
+def _encode(served: ServedModel, prompt, chat: bool, param: str, template_kwargs: Optional[dict] = None) -> list:
+    """``template_kwargs``: variables for the chat template (tools, enable_thinking ...)."""
     limit = served.max_context
+    extra = {"template_kwargs": template_kwargs} if template_kwargs else {}
     try:
-        return list(served.prompt_ids(prompt, chat, limit - 1))  # at least one token must stay for the completion
+        return list(served.prompt_ids(prompt, chat, limit - 1, **extra))  # one token must stay for the completion
     except PromptTooLong as e:
         raise _too_long(limit, e.at_least, param, e.exact) from None
     except Exception as e:  # template errors (roles must alternate ...), text the tokenizer cannot take
         raise APIError(400, f"Invalid '{param}': {e}", param=param, code="invalid_value") from e
 
 
-def _prompt_ids(body: dict, served: ServedModel) -> list:
+def _one_prompt(prompt, served: ServedModel, param: str) -> tuple:
+    """(ids, text) of one completions prompt: a string (its text kept for echo) or a list of token ids."""
+    if isinstance(prompt, str):
+        ids, text = _encode(served, _text(prompt, param), False, param), prompt
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        ids, text = prompt, None
+        if len(ids) >= served.max_context:
+            raise _too_long(served.max_context, len(ids), param)
+        bad = [t for t in ids if not 0 <= t < served.vocab_size]
+        if bad:
+            raise _bad_value(param, f"token ids must be in [0, {served.vocab_size}), got {bad[0]}")
+    else:
+        raise APIError(400, f"Invalid type for '{param}': expected a string or an array of token ids, got "
+                            f"{shown(prompt)}", param=param, code="invalid_type")
+    if not ids:
+        raise _bad_value(param, "the prompt is empty (no tokens)")
+    return ids, text
+
+
+def _prompts(body: dict, served: ServedModel) -> list:
+    """[(ids, text, param)]: ``prompt`` is a string, an array of token ids, or an array of either (one choice per
+    prompt, in order)."""
     prompt = body.get("prompt")
     if prompt is None:
         raise APIError(400, "Missing required parameter: 'prompt'.", param="prompt", code="missing_required_parameter")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        ids = _encode(served, _text(prompt, "prompt"), False, "prompt")
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        ids = prompt
-        if len(ids) >= served.max_context:
-            raise _too_long(served.max_context, len(ids), "prompt")
-        bad = [t for t in ids if not 0 <= t < served.vocab_size]
-        if bad:
-            raise _bad_value("prompt", f"token ids must be in [0, {served.vocab_size}), got {bad[0]}")
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise APIError(400, "Invalid 'prompt': one prompt per request is supported (send one request per prompt)",
-                       param="prompt", code="invalid_value")
-    else:
-        raise APIError(400, f"Invalid type for 'prompt': expected a string or an array of token ids, got "
-                            f"{shown(prompt)}", param="prompt", code="invalid_type")
-    if not ids:
-        raise _bad_value("prompt", "the prompt is empty (no tokens)")
-    return ids
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_CHOICES:
+            raise _bad_value("prompt", f"at most {MAX_CHOICES} prompts per request, got {len(prompt)}")
+        many = len(prompt) > 1
+        return [(*_one_prompt(p, served, f"prompt[{i}]" if many else "prompt"), f"prompt[{i}]" if many else "prompt")
+                for i, p in enumerate(prompt)]
+    return [(*_one_prompt(prompt, served, "prompt"), "prompt")]
 
 
 def parse_request(body: Any, served: ServedModel, kind: str) -> Parsed:
@@ -351,16 +473,33 @@ def parse_request(body: Any, served: ServedModel, kind: str) -> Parsed:
     check_model(body, served)
     _reject_unsupported(body, chat)
     stream, include_usage = _stream(body)
+    n = _field(body, "n", _is_int, 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise _bad_value("n", f"expected a value in [1, {MAX_CHOICES}], got {n}")
+    logprobs, echo = _logprobs(body, chat)
+    options = None
     if chat:
         messages = _messages(body)
         if not served.has_chat_template:
             raise APIError(400, "This model has no chat template; use /v1/completions with a raw prompt",
                            param="messages", code="invalid_value")
-        ids = _encode(served, messages, True, "messages")
+        options = chat_path().parse(body, messages, chat_path().support_of(served))
+        ids = _encode(served, options.messages, True, "messages", options.template_kwargs)
+        options.prompt_done(ids)
+        prompts = [(ids, None, "messages")]
     else:
-        ids = _prompt_ids(body, served)
-    params = _sampling(body, served, len(ids), chat, "messages" if chat else "prompt")
-    return Parsed(kind, ids, params, stream, include_usage)
+        prompts = _prompts(body, served)
+    if n * len(prompts) > MAX_CHOICES:
+        raise _bad_value("n", f"n x prompts must be at most {MAX_CHOICES}, got {n} x {len(prompts)}")
+    parsed = [Prompt(ids, _sampling(body, served, len(ids), chat, param, logprobs, echo), text)
+              for ids, text, param in prompts]
+    generate = body.get("max_tokens") != 0  # 0 is only taken with echo (_sampling)
+    if options is not None:
+        constraint = options.constraint()  # compiled now (or found in the cache): a bad schema is a 400 here
+        for p in parsed:
+            p.params.constraint = constraint
+    return Parsed(kind, parsed[0].ids, parsed[0].params, stream, include_usage, n=n, logprobs=logprobs, echo=echo,
+                  generate=generate, prompts=parsed, chat=options)
 
 
 # ---------------------------------------------------------------------------------------------- responses
@@ -369,34 +508,40 @@ def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached: Optional[int] = None) -> dict:
+    """OpenAI's usage object; ``cached``: prompt tokens found in the KV cache (prefix reuse), not computed again."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
 
 
-def response(kind: str, rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
+def choice(kind: str, index: int, text: str, finish_reason: str, logprobs: Optional[dict] = None) -> dict:
+    """One choice of a response that is not streamed."""
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": use}
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def response_body(kind: str, rid: str, model: str, choices: list, use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices, "usage": use}
 
 
 def chunk(kind: str, rid: str, model: str, created: int, *, text: Optional[str] = None, role: bool = False,
-          finish_reason: Optional[str] = None, use: Optional[dict] = None, choices: bool = True) -> dict:
+          finish_reason: Optional[str] = None, use: Optional[dict] = None, choices: bool = True, index: int = 0,
+          logprobs: Optional[dict] = None) -> dict:
     """One streamed object. ``choices=False``: the usage-only last chunk (``stream_options.include_usage``)."""
     if kind == "chat":
         delta = {"role": "assistant", "content": ""} if role else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice] if choices else []}
     if use is not None or not choices:

@@ -101,9 +101,11 @@ class Echo:
 class InProcess:
     """The server's HTTP stack as ``hetmoe serve`` builds it (``create_app``, ``main.listen``, a ConnectionGuard
     and the accept-error handler) on a free loopback port, its event loop on a thread of its own, with ``Echo``
-    for the engine: the HTTP rules tested without loading a model. ``call(fn)`` runs ``fn()`` on that loop."""
+    (or ``engine``) for the engine: the HTTP rules tested without loading a model; ``app_options`` go to
+    ``create_app``. ``call(fn)`` runs ``fn()`` on that loop."""
 
-    def __init__(self, tokenizer, limits=None, api_key=None, allowed_hosts=None, split_special_tokens=True):
+    def __init__(self, tokenizer, limits=None, api_key=None, allowed_hosts=None, split_special_tokens=True,
+                 engine=None, **app_options):
         import asyncio
 
         from hetmoe.server.access import HostPolicy
@@ -113,10 +115,10 @@ class InProcess:
         from hetmoe.server.main import bind, listen
         from hetmoe.server.protocol import ServedModel, prompt_encoder
 
-        self.engine = Echo()
+        self.engine = engine or Echo()
         self.served = ServedModel(id="m", prompt_ids=prompt_encoder(tokenizer, split_special_tokens),
                                   max_context=256, vocab_size=tokenizer.vocab_size,
-                                  has_chat_template=tokenizer.has_chat_template)
+                                  has_chat_template=tokenizer.has_chat_template, tokenizer=tokenizer)
         self.limits = limits or Limits.for_model(256, 2)
         self.sockets = bind("127.0.0.1", 0)
         self.port = self.sockets[0].getsockname()[1]
@@ -124,7 +126,7 @@ class InProcess:
         self.guard = ConnectionGuard(self.limits.max_connections, self.limits.header_timeout,
                                      self.limits.keepalive_timeout, 1, self.engine.metrics)
         self.app = create_app(self.served, self.engine, api_key, limits=self.limits, guard=self.guard,
-                              hosts=HostPolicy.for_server("127.0.0.1", self.sockets, allowed_hosts))
+                              hosts=HostPolicy.for_server("127.0.0.1", self.sockets, allowed_hosts), **app_options)
         self.loop = asyncio.new_event_loop()
         self.loop.set_exception_handler(AcceptErrors())
         ready = threading.Event()

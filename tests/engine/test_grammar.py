@@ -1,0 +1,165 @@
+"""engine/grammar.py: xgrammar constraints over the built-in model's vocabulary (CPU). A constrained random walk
+(random logits, a token drawn among those the mask leaves) must produce text that is valid JSON matching the schema,
+for several schemas and seeds; the CPU bit-unpacking is compared with a naive per-token reference; the caps refuse
+oversized schemas and slow compiles; the cache compiles each schema once."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+from schema_check import validate
+
+from hetmoe.engine import grammar
+from hetmoe.engine.llm import default_model_path
+from hetmoe.engine.sampler import TokenConstraint
+from hetmoe.tokenizer import Tokenizer
+
+V = 8192  # the built-in model's vocabulary (config.json)
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]}, "maxItems": 3},
+    "kind": {"enum": ["cat", "dog"]}}, "required": ["name", "age", "kind"], "additionalProperties": False}
+COORD = {"type": "integer", "minimum": -1000, "maximum": 1000}  # unbounded numbers let a random walk go on and on
+NESTED = {"$defs": {"point": {"type": "object", "properties": {"x": COORD, "y": COORD},
+                              "required": ["x", "y"], "additionalProperties": False}},
+          "type": "object", "properties": {"a": {"$ref": "#/$defs/point"},
+                                           "b": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/point"}]},
+                                           "ok": {"type": "boolean"}},
+          "required": ["a", "b", "ok"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_dir(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def grammars(tok):
+    return grammar.Grammars(tok, V)
+
+
+def walk(constraint, tok, seed: int, max_tokens: int = 400) -> str:
+    """Random logits each step, masked, a token drawn among the allowed ones (stop tokens end the walk)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = []
+    for _ in range(max_tokens):
+        logits = torch.randn(V, generator=gen) * 3
+        # favour closing: a random walk over JSON otherwise nests and writes strings for a long time
+        logits[[tok.token_to_id(t) for t in ("}", "]", '"', "Ġ}") if tok.token_to_id(t) is not None]] += 4
+        constraint.mask(logits)
+        allowed = torch.isfinite(logits)
+        assert allowed.any()
+        token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+        if token in tok.eos_ids:
+            break
+        constraint.accept(token)
+        ids.append(token)
+        if constraint.is_terminated():
+            break
+    else:
+        pytest.fail(f"no end within {max_tokens} tokens: {tok.decode(ids)!r}")
+    return tok.decode(ids)
+
+
+@pytest.mark.parametrize("schema", [PERSON, NESTED, {"type": "object"}], ids=["person", "nested", "object"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_walk_follows_the_schema(grammars, tok, schema, seed):
+    factory = grammars.json_schema(schema)
+    c = factory()
+    assert isinstance(c, TokenConstraint)
+    text = walk(c, tok, seed)
+    validate(json.loads(text), schema)
+
+
+def test_structural_tag_after_a_reasoning_block(grammars, tok):
+    """``after``: free text up to the end tag, then the schema."""
+    c = grammars.json_schema(PERSON, after="</think>")()
+    for t in tok.encode("let me think</think>\n", add_special_tokens=False):
+        c.accept(t)
+    text = walk(c, tok, 5)
+    validate(json.loads(text), PERSON)
+
+
+def test_bitmask_unpacking_matches_a_naive_reference():
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (1, 31, 32, 33, 1000, V):
+        words = torch.randint(-2**31, 2**31 - 1, ((vocab + 31) // 32,), dtype=torch.int32, generator=gen)
+        logits = torch.randn(vocab, generator=gen)
+        ref = logits.clone()
+        for j in range(vocab):
+            if not (int(words[j // 32]) >> (j % 32)) & 1:
+                ref[j] = float("-inf")
+        out = logits.clone()
+        grammar._apply_bitmask(out, words)
+        assert torch.equal(out, ref), vocab
+
+
+def test_a_token_the_grammar_refuses_is_an_error(grammars, tok):
+    c = grammars.json_schema(PERSON)()
+    with pytest.raises(ValueError, match="does not follow the grammar"):
+        c.accept(tok.encode("hello", add_special_tokens=False)[0])
+    with pytest.raises(ValueError, match="expects logits"):
+        c.mask(torch.zeros(V + 1))
+
+
+def test_each_schema_is_compiled_once(grammars):
+    schema = {"type": "object", "properties": {"unique_to_this_test": {"type": "integer"}}}
+    misses, hits = grammars.misses, grammars.hits
+    first = grammars.json_schema(schema)
+    again = grammars.json_schema(json.loads(json.dumps(schema, sort_keys=True)))  # the same schema, keys reordered
+    assert grammars.misses == misses + 1 and grammars.hits == hits + 1
+    assert again.compiled is first.compiled
+
+
+def _nest(depth):
+    s = {"type": "string"}
+    for _ in range(depth):
+        s = {"type": "object", "properties": {"a": s}}
+    return s
+
+
+@pytest.mark.parametrize("schema, message", [
+    (_nest(10_000), "nested more than"),
+    ({"enum": [f"v{i}" for i in range(50_000)]}, "enum/const values"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(3000)}}, "object properties"),
+    ({"type": "string", "description": "x" * 300_000}, "characters of JSON"),
+    ({"type": "strin"}, "strin"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "missing"),
+])
+def test_schemas_over_the_caps_or_invalid_are_refused(grammars, schema, message):
+    with pytest.raises(grammar.GrammarError, match=message):
+        grammars.json_schema(schema)
+
+
+def test_a_slow_compile_is_cut_at_the_cap_and_the_next_waits_busy(tok):
+    g = grammar.Grammars(tok, V, grammar.Caps(compile_s=0.02))
+    slow = {"enum": [f"value number {i}" for i in range(4000)]}  # a few hundred ms to compile here
+    with pytest.raises(grammar.GrammarError, match="did not compile within"):
+        g.json_schema(slow)
+    # the slow compile still holds the compiler: the next request cannot start within its own 20 ms
+    with pytest.raises(grammar.GrammarBusy):
+        g.json_schema({"type": "integer"})
+
+
+def test_matchers_run_in_parallel_threads(grammars, tok):
+    """One compiled grammar, a fresh matcher per sequence: sequences in other threads do not interfere."""
+    factory = grammars.json_schema(PERSON)
+    texts: dict = {}
+
+    def run(seed):
+        texts[seed] = walk(factory(), tok, seed)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(texts) == {0, 1, 2, 3}
+    for seed, text in texts.items():
+        validate(json.loads(text), PERSON)
+        assert text == walk(factory(), tok, seed)  # the same walk alone
