@@ -10,12 +10,21 @@ On a GPU, decode steps go through ``engine/cuda_graph.py`` (one CUDA graph per b
 ``EngineOptions.cuda_graph=False`` runs the same step eagerly) and the MoE layers whose experts run on the CPU
 through ``moe/stream.py`` (CPU jobs in CUDA stream order). Prefill stays eager; chunks of at least
 ``layerwise.min_tokens`` tokens compute their routed experts on the GPU (``moe/streamed/layerwise.py``).
+
+A model with recurrent layers (linear attention: Qwen3-Next, Qwen3.5-MoE) keeps fixed-size states per slot beside
+its KV cache (``recurrent``; layers/kv_cache.py ``RecurrentStates``). A state folds in every token it has seen and
+cannot be cut back: a slot is continued from its end or written from position 0 (``prefill``'s ``start``), never
+from a shorter prefix; chunked prefill carries it from chunk to chunk; a right-padded batch tells the layers each
+row's length (``Step.lengths``). A call that fails inside the model may have advanced some layers' states and not
+others: its slots are marked lost, and only a prefill from position 0 takes them again. The decode step of these
+models runs their eager forward (said once at load): the CUDA graph (whose capture runs the step twice) and the lean
+CPU step do not cover them yet.
 """
 
 from __future__ import annotations
 
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -25,10 +34,15 @@ from hetmoe.engine.cpu_decode import CPUDecode
 from hetmoe.engine.cuda_graph import GraphDecoder
 from hetmoe.layers.attention import Step, paged_kernels
 from hetmoe.layers.kv_cache import KVCacheFull
+from hetmoe.layers.linear_attention import use_kernels
 from hetmoe.load.loader import LoadedModel, moe_blocks
 from hetmoe.moe import StreamDecode
 
 KV_BUCKET = 64
+
+
+def _say(msg: str) -> None:
+    print(f"hetmoe: {msg}", file=sys.stderr, flush=True)
 
 
 class Runner:
@@ -63,13 +77,25 @@ class Runner:
         self.reclaim: Optional[Callable[[], bool]] = None  # frees idle slots' caches when the KV memory runs out
         self.lengths = [0] * self.max_batch  # tokens in each slot's cache
         self.vocab_size = loaded.config.vocab_size
+        self.recurrent = getattr(self.cache, "states", None) is not None  # recurrent layers: states per slot
+        self.lost: set = set()  # slots whose recurrent states a failed call left half updated
+        kernels = use_kernels(self.model, self.device, self.dtype)
+        if kernels is not None:
+            _say(f"linear attention runs {kernels}")
         self.lean: Optional[CPUDecode] = None
         if self.device.type == "cpu" and lean:
-            self.lean = CPUDecode.build(self.model, self.cache)
+            self.lean = None if self.recurrent else CPUDecode.build(self.model, self.cache)
+            if self.recurrent:
+                _say("decode steps run the eager forward: the lean CPU decode step does not cover linear-attention "
+                     "layers")
         if self.device.type == "cuda":
             fused = loaded.options.fused_decode == "on" if fused_decode is None else fused_decode
-            self._setup_decoder(loaded.options.cuda_graph if cuda_graph is None else cuda_graph, kv_mode,
-                                fused and paged_kernels(self.device))
+            graph = loaded.options.cuda_graph if cuda_graph is None else cuda_graph
+            if self.recurrent and (graph or fused):
+                _say("decode steps run without CUDA graphs or the fused kernels: their capture does not cover the "
+                     "linear-attention layers' recurrent states yet")
+                graph = fused = False
+            self._setup_decoder(graph, kv_mode, fused and paged_kernels(self.device))
 
     def _setup_decoder(self, cuda_graph: bool, kv_mode: Optional[str], fused: bool) -> None:
         offloaded = [layer for _, layer in moe_blocks(self.model) if layer.staging is not None]
@@ -93,10 +119,16 @@ class Runner:
             self.cache.reserve(slot, length)
 
     def release(self, slot: int, keep: int = 0) -> None:
-        """``slot`` keeps only its first ``keep`` cached positions (the rest of its KV memory is freed)."""
+        """``slot`` keeps only its first ``keep`` cached positions (the rest of its KV memory is freed). A model with
+        recurrent states keeps all of a slot's tokens or none (ValueError otherwise); none zeroes its states."""
         self._check_slot(slot)
+        if self.recurrent and 0 < keep < self.lengths[slot]:
+            raise ValueError(f"slot {slot} holds {self.lengths[slot]} tokens in recurrent states, which cannot be cut "
+                             f"back to {keep}: keep all of them or none (0)")
         self.cache.release(slot, keep)
         self.lengths[slot] = min(self.lengths[slot], keep)
+        if keep == 0:
+            self.lost.discard(slot)
 
     def synchronize(self) -> None:
         """Wait for the work queued on the model's device (timings)."""
@@ -119,19 +151,42 @@ class Runner:
         for s, top in zip(slots.tolist(), positions.max(dim=1).values.tolist()):
             self.reserve(s, top + 1)
         start = int(positions[0, 0]) if len(slots) == 1 else None  # one row: its positions are consecutive
+        lengths = (last + 1).to(self.device) if last is not None and self.recurrent else None
         step = Step(positions.to(self.device), slots.to(self.device), kv_len=kv_len,
-                    first_slot=first if consecutive else None, start=start)
+                    first_slot=first if consecutive else None, start=start, lengths=lengths)
         layerwise = self.layerwise is not None and self.layerwise.wants(ids.numel())
         if self.lean is not None and ids.shape[1] == 1 and not layerwise:
             logits = self.lean(ids, step.positions, step.slots)  # [B, vocab] fp32: the one token of each row
             return logits if last is not None or last_only else logits[:, None]
-        with self.layerwise.prefill(ids.numel()) if layerwise else nullcontext():  # the routed experts on the GPU
-            hidden = self.model(ids.to(self.device), step, self.cache)
+        with self._states_of(slots.tolist()):
+            with self.layerwise.prefill(ids.numel()) if layerwise else nullcontext():  # routed experts on the GPU
+                hidden = self.model(ids.to(self.device), step, self.cache)
         if last is not None:
             hidden = hidden[torch.arange(len(last), device=hidden.device), last.to(hidden.device)]  # [B, H]
         elif last_only:
             hidden = hidden[:, -1]
         return self.model.logits(hidden).float()
+
+    @contextmanager
+    def _states_of(self, slots: list):
+        """Around a call that advances the recurrent states of ``slots``: an exception marks them lost."""
+        try:
+            yield
+        except BaseException:
+            if self.recurrent:
+                self.lost.update(slots)
+            raise
+
+    def _check_continuation(self, slot: int, start: int) -> None:
+        """A model with recurrent states continues ``slot`` from position ``start`` only where its states stand."""
+        if not self.recurrent or start == 0:
+            return
+        if slot in self.lost:
+            raise ValueError(f"the recurrent states of slot {slot} were lost when an earlier call on it failed: write "
+                             "its sequence again from position 0")
+        if start != self.lengths[slot]:
+            raise ValueError(f"start {start}: slot {slot}'s recurrent states hold its {self.lengths[slot]} tokens and "
+                             f"cannot be rewound; continue from {self.lengths[slot]} or start over from 0")
 
     def _check_prompt(self, token_ids: Sequence[int], slot: int, start: int) -> torch.Tensor:
         self._check_slot(slot)
@@ -142,6 +197,7 @@ class Runner:
             raise ValueError(f"the prompt is {start + n} tokens; the context holds {self.max_context} (--max-context)")
         if not 0 <= start <= self.lengths[slot]:
             raise ValueError(f"start {start} is beyond the {self.lengths[slot]} tokens cached in slot {slot}")
+        self._check_continuation(slot, start)
         ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {int(ids.min())}..{int(ids.max())}")
@@ -155,6 +211,8 @@ class Runner:
         ids = self._check_prompt(token_ids, slot, start)
         n = len(ids)
         self.cache.release(slot, start)  # pages past the kept prefix go back (a longer earlier sequence's)
+        if start == 0:
+            self.lost.discard(slot)  # (position 0: the recurrent layers start from zero states)
         slots = torch.tensor([slot])
         rows = []
         for i in range(0, n, self.prefill_chunk):
@@ -179,6 +237,7 @@ class Runner:
             raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {int(ids.min())}..{int(ids.max())}")
         out = torch.empty(n, self.vocab_size, dtype=torch.float32)
         self.cache.release(slot, 0)
+        self.lost.discard(slot)
         for i in range(0, n, self.prefill_chunk):
             chunk = ids[i:i + self.prefill_chunk]
             logits = self.forward(chunk[None], torch.arange(i, i + len(chunk))[None], torch.tensor([slot]), False)
@@ -207,6 +266,7 @@ class Runner:
             ids[b, :len(r)] = r
         positions = torch.tensor(list(starts)).unsqueeze(1) + torch.arange(S)
         last = torch.tensor([len(r) - 1 for r in rows])
+        self.lost.difference_update(s for s, st in zip(slots, starts) if st == 0)
         logits = self.forward(ids, positions, torch.tensor(list(slots)), last=last)
         for s, st, r in zip(slots, starts, rows):
             self.lengths[s] = st + len(r)
@@ -231,10 +291,12 @@ class Runner:
             self._check_slot(s)
             if self.lengths[s] >= self.max_context:
                 raise ValueError(f"slot {s} is full ({self.max_context} tokens, --max-context)")
+            self._check_continuation(s, self.lengths[s])
         for s in slots:
             self.reserve(s, self.lengths[s] + 1)
         if self.decoder is not None:
-            logits = self.decoder.step(token_ids, [self.lengths[s] for s in slots], slots)
+            with self._states_of(slots):
+                logits = self.decoder.step(token_ids, [self.lengths[s] for s in slots], slots)
         else:
             positions = torch.tensor([[self.lengths[s]] for s in slots])
             logits = self.forward(torch.tensor([[int(t)] for t in token_ids]), positions, torch.tensor(list(slots)))

@@ -36,6 +36,11 @@ returned (Ctrl-C, an error) leaves nothing for a later prompt to reuse. At least
 computed, for its logits. A request that asks for ``prompt_logprobs`` reuses nothing: its prompt is computed whole,
 alone in its prefill calls, in chunks of at most PROMPT_LOGPROBS_CHUNK tokens (the logits of every position are
 kept for the chunk), and ``Request.prompt_logprobs`` is complete before its first "text" or "logprobs" event.
+
+A model with recurrent layers (``runner.recurrent``: linear attention) reuses no prefix: its states fold in a whole
+prompt and cannot be cut back to the part another prompt shares. Prefix reuse is then off (said once), every prompt
+is computed from position 0, and a slot's states are zeroed as soon as its sequence ends (finished, failed or
+cancelled).
 """
 
 from __future__ import annotations
@@ -175,6 +180,11 @@ class Scheduler:
         self.max_context = runner.max_context
         self.observer = observer or _NoObserver()
         self.log = log or (lambda msg: print(f"hetmoe: {msg}", file=sys.stderr, flush=True))
+        self.recurrent = bool(getattr(runner, "recurrent", False))  # states per slot that cannot be cut back
+        if self.recurrent and prefix_reuse:
+            self.prefix_reuse = False
+            self.log("prefix reuse is off: the model's linear-attention layers keep recurrent states, which cannot "
+                     "be cut back to a shared prefix")
         self.waiting: deque = deque()  # Requests without a slot, oldest first
         self.running: list = []  # _Sequences, in admission order
         self._free = list(range(runner.max_batch))  # least recently used first
@@ -451,5 +461,7 @@ class Scheduler:
     def _release(self, seq: _Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
-            self._cached[seq.slot] = seq.kv if seq.kv_trusted and seq.keep else []
+            self._cached[seq.slot] = seq.kv if seq.kv_trusted and seq.keep and not self.recurrent else []
             self._free.append(seq.slot)
+            if self.recurrent:  # nothing to reuse: its states zeroed, its KV memory freed
+                self.runner.release(seq.slot, 0)

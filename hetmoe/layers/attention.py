@@ -39,6 +39,9 @@ class Step:
     kv_len: int | None = None
     first_slot: int | None = None
     start: int | None = None  # when every row's positions are start, start + 1, ...: that start
+    # [B] int64: the real tokens of each row of a right-padded batch (None: all S). Attention needs no such thing
+    # (padding sits past a row's tokens); a recurrent layer must not fold the padding into its state
+    lengths: torch.Tensor | None = None
     # a decode step of the fused path (the CUDA graph's, engine/cuda_graph.py): layers run their element-wise work
     # as the Triton kernels of ops/triton/fused.py (PreNormDecoderLayer.forward_fused)
     fused: bool = False

@@ -13,6 +13,12 @@ Two layouts, one interface (``reserve`` / ``release`` / ``write`` / ``rows``):
 
 Growing reallocates the storage: ``version`` counts reallocations, and whoever captured the old tensors in a CUDA
 graph (engine/cuda_graph.py) drops those graphs. A pool that cannot grow raises ``KVCacheFull``.
+
+A model with recurrent layers (linear attention: layers/linear_attention.py) gives its cache ``states``
+(``RecurrentStates``): per slot and recurrent layer a fixed-size state, whatever the sequence's length, beside the
+keys and values of its attention layers (``n_layers`` counts those only; each model maps its layers to rows of
+either). A slot released whole (``release(row, 0)``) has its states zeroed with its positions. A state cannot be
+rewound: a slot continues from its end, or starts over from position 0.
 """
 
 from __future__ import annotations
@@ -28,12 +34,51 @@ class KVCacheFull(MemoryError):
     """The cache cannot hold more positions (its device is out of memory)."""
 
 
+class RecurrentStates:
+    """The fixed-size states of a model's recurrent layers for ``rows`` slots, allocated once: ``conv``
+    [layers, rows, channels, width] in the model dtype (the last ``width`` inputs of a causal convolution) and
+    ``recurrent`` [layers, rows, heads, k_dim, v_dim] fp32 (a linear-attention state). Zero is the state of a
+    sequence that has not started."""
+
+    def __init__(self, n_layers: int, rows: int, conv_channels: int, conv_width: int, heads: int, k_dim: int,
+                 v_dim: int, dtype: torch.dtype = torch.float32, device="cpu"):
+        self.n_layers, self.n_rows = n_layers, rows
+        device = torch.device(device)
+        try:
+            self.conv = torch.zeros(n_layers, rows, conv_channels, conv_width, dtype=dtype, device=device)
+            self.recurrent = torch.zeros(n_layers, rows, heads, k_dim, v_dim, dtype=torch.float32, device=device)
+        except torch.OutOfMemoryError as e:
+            need = n_layers * rows * (conv_channels * conv_width * dtype.itemsize + heads * k_dim * v_dim * 4)
+            raise KVCacheFull(f"the recurrent states of {rows} slots ({need / 2**30:.2f} GiB) do not fit the "
+                              f"{device.type} memory; use a smaller --max-batch") from e
+
+    @property
+    def bytes_per_row(self) -> int:
+        """Bytes one slot's states take over all recurrent layers (the same at any context length)."""
+        return (self.conv[:, 0].numel() * self.conv.element_size()
+                + self.recurrent[:, 0].numel() * self.recurrent.element_size())
+
+    @property
+    def bytes_allocated(self) -> int:
+        return self.conv.numel() * self.conv.element_size() + self.recurrent.numel() * self.recurrent.element_size()
+
+    def reset(self, row: int) -> None:
+        """Slot ``row`` holds no sequence: its states are zero."""
+        self.conv[:, row].zero_()
+        self.recurrent[:, row].zero_()
+
+
 class KVCache:
     def __init__(self, n_layers: int, rows: int, max_context: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device="cpu", v_head_dim: Optional[int] = None, *,
-                 page_size: Optional[int] = None, initial_tokens: Optional[int] = None):
+                 page_size: Optional[int] = None, initial_tokens: Optional[int] = None,
+                 states: Optional[RecurrentStates] = None):
         """``initial_tokens``: positions allocated up front (paged: in the pool; contiguous: per row; default
-        ``max_context`` per row for contiguous, a few pages per row for paged)."""
+        ``max_context`` per row for contiguous, a few pages per row for paged). ``states``: the recurrent layers'
+        states of the same ``rows`` (module docstring), or None."""
+        if states is not None and states.n_rows != rows:
+            raise ValueError(f"recurrent states of {states.n_rows} rows for a cache of {rows}")
+        self.states = states
         self.n_layers, self.n_rows, self.max_context = n_layers, rows, max_context
         self.kv_heads, self.head_dim, self.v_head_dim = kv_heads, head_dim, v_head_dim or head_dim
         self.dtype, self.device = dtype, torch.device(device)
@@ -63,7 +108,8 @@ class KVCache:
 
     @property
     def bytes_allocated(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        states = self.states.bytes_allocated if self.states is not None else 0
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size() + states
 
     def _alloc(self, *shape_tail) -> tuple:
         k = torch.zeros(self.n_layers, *shape_tail, self.kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
@@ -126,7 +172,10 @@ class KVCache:
         self.table[row, first:first + need] = torch.tensor(new, dtype=torch.int32).to(self.device)
 
     def release(self, row: int, keep: int = 0) -> None:
-        """Positions >= ``keep`` of ``row`` are no longer needed (paged: their pages return to the pool)."""
+        """Positions >= ``keep`` of ``row`` are no longer needed (paged: their pages return to the pool); with
+        ``keep`` 0 its recurrent states are zeroed too (a state cannot be cut at another length)."""
+        if keep == 0 and self.states is not None:
+            self.states.reset(row)
         if not self.paged:
             return
         owned = self.owned[row]

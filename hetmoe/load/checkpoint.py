@@ -8,10 +8,21 @@ Every shard header is checked when the checkpoint is opened: a truncated shard, 
 whose byte range disagrees with its shape is reported with the file and tensor name before anything loads.
 DeepSeek's FP8 weights (e4m3 with a ``weight_scale_inv`` per 128x128 block) are dequantized by ``get_float``, or
 handed over as stored by ``get_fp8`` (the fp8 dense format on a GPU keeps them: hetmoe/load/dense.py ``FP8Source``).
+
+Linears stored by compressed-tensors as ``pack-quantized`` int4 (``<m>.weight_packed``, ``weight_scale``,
+``weight_shape``: hetmoe/load/compressed.py) appear under their plain name ``<m>.weight`` with their real shape;
+``get_float`` dequantizes them, and routed experts stored so are packed from their codes into the CPU engine's int4
+(or int8) format, nothing re-quantized (``experts_options`` / ``experts_layout`` / ``load_exact_experts``, the
+interface the loader uses for GGUF files too).
+
+A multimodal checkpoint whose language model hetmoe runs (hetmoe.models.MULTIMODAL, e.g. Kimi-K2.5's kimi_k25) is
+read text only: config.json's text_config is the config, the language model's tensors are named without their
+prefix (``language_model.``), and the vision tower's are left out unread (``skipped``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import mmap
 import os
@@ -19,11 +30,13 @@ import re
 import struct
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from hetmoe.models.config import ModelConfig
+from hetmoe.cpu.codes import layout_of, load_codes, plan_format
+from hetmoe.load import compressed
+from hetmoe.models.config import MULTIMODAL, ConfigError, ModelConfig, text_model_config
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -32,6 +45,7 @@ DTYPES = {
     "BOOL": torch.bool,
 }
 FP8_BLOCK = 128  # DeepSeek-V3/R1: one weight_scale_inv per 128 x 128 block
+CHUNK = 8  # routed experts unpacked and packed into the engine at once (load_exact_experts)
 
 
 class CheckpointError(ValueError):
@@ -43,7 +57,8 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 def read_config(path: Path) -> ModelConfig:
     """config.json of the model directory ``path`` (FileNotFoundError / CheckpointError naming the file); a
-    missing directory spelled like a Hugging Face hub id gets the download command, as hetmoe downloads nothing."""
+    missing directory spelled like a Hugging Face hub id gets the download command, as hetmoe downloads nothing. A
+    multimodal checkpoint's is its language model's (hetmoe.models.text_model_config)."""
     path = Path(path)
     if not path.is_dir():
         hint = ""
@@ -55,18 +70,46 @@ def read_config(path: Path) -> ModelConfig:
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} is missing: not a Hugging Face model directory")
     try:
-        return ModelConfig.from_file(config_path)
+        cfg = ModelConfig.from_file(config_path)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{config_path} is not valid JSON: {err}") from None
     except (TypeError, ValueError):  # valid JSON, but not an object
         raise CheckpointError(f"{config_path} does not hold a JSON object") from None
+    try:
+        return text_model_config(cfg, str(config_path))
+    except ConfigError as err:
+        raise CheckpointError(str(err)) from None
+
+
+def check_quantization(cfg: ModelConfig, source) -> None:
+    """Refuse, before any weight is read, a quantization_config the native loader cannot read (CheckpointError
+    naming the setting): DeepSeek's block FP8 (e4m3, 128x128) and compressed-tensors pack-quantized int4 are read."""
+    qc = cfg.get("quantization_config")
+    if qc is None:
+        return
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method == "fp8":
+        if not block_fp8(cfg):
+            raise CheckpointError(f"{source}: quantization_config fp8 with fmt {qc.get('fmt', 'e4m3')!r} and "
+                                  f"weight_block_size {qc.get('weight_block_size')!r}: hetmoe reads FP8 as DeepSeek "
+                                  f"stores it, e4m3 with one weight_scale_inv per {FP8_BLOCK}x{FP8_BLOCK} block")
+        return
+    if method == "compressed-tensors":
+        try:
+            compressed.PackQuantized.parse(qc, str(source))
+        except compressed.QuantizationConfigError as err:
+            raise CheckpointError(str(err)) from None
+        return
+    raise CheckpointError(f"{source}: quantization_config.quant_method is {method!r}, which hetmoe does not read "
+                          "(it reads fp8 as DeepSeek stores it and compressed-tensors pack-quantized int4)")
 
 
 class _Entry:
-    __slots__ = ("shard", "dtype", "shape", "begin", "end")
+    __slots__ = ("shard", "dtype", "shape", "begin", "end", "raw")
 
-    def __init__(self, shard, dtype, shape, begin, end):
+    def __init__(self, shard, dtype, shape, begin, end, raw):
         self.shard, self.dtype, self.shape, self.begin, self.end = shard, dtype, shape, begin, end
+        self.raw = raw  # the name in the file
 
 
 class Checkpoint:
@@ -75,11 +118,27 @@ class Checkpoint:
     def __init__(self, path):
         self.path = Path(path)
         self.config = read_config(self.path)
+        self.wrapper = MULTIMODAL.get(self.config.get("model_type"))
         self.shards = self._shard_files()
         self._entries: dict = {}
         self._maps: dict = {}
+        self.skipped: list = []  # tensors of a multimodal wrapper that a text-only model never reads
         for shard in self.shards:
             self._read_header(shard)
+        self._strip_prefix()
+        self._split_fused_experts()
+        self._packed: dict = {}  # "<m>.weight" -> compressed.PackedWeight of a pack-quantized linear
+        self._parts: set = set()  # the stored tensors of those (hidden from names())
+        self._scratch: dict = {}  # (matrix, shape) -> codes and scales of CHUNK experts (load_exact_experts)
+        self._find_packed()
+
+    @property
+    def notes(self) -> list:
+        """What the loader says about this checkpoint beyond the plan (the tensors it leaves out)."""
+        if not self.skipped:
+            return []
+        heads = sorted({n.split(".")[0] for n in self.skipped})
+        return [f"{len(self.skipped)} tensors of {', '.join(heads)} (not the language model) left out: text only"]
 
     def _shard_files(self) -> list:
         index = self.path / "model.safetensors.index.json"
@@ -115,8 +174,12 @@ class Checkpoint:
         if not isinstance(header, dict):
             raise CheckpointError(f"{shard}: corrupt safetensors header (not a JSON object)")
         base = 8 + n
+        skip = self.wrapper.skipped if self.wrapper is not None else ()
         for name, meta in header.items():
             if name == "__metadata__":
+                continue
+            if name.startswith(skip):  # a vision tower's: never read, whatever its dtype
+                self.skipped.append(name)
                 continue
             try:
                 dtype_name, (begin, end) = str(meta["dtype"]), (int(o) for o in meta["data_offsets"])
@@ -141,18 +204,99 @@ class Checkpoint:
             if name in self._entries:
                 raise CheckpointError(
                     f"tensor {name} appears in both {self._entries[name].shard.name} and {shard.name}")
-            self._entries[name] = _Entry(shard, dtype, shape, begin, end)
+            self._entries[name] = _Entry(shard, dtype, shape, begin, end, name)
+
+    def _strip_prefix(self) -> None:
+        """A multimodal wrapper's language-model tensors under the names the text model has (its prefix off, or
+        replaced by the wrapper's ``renamed``)."""
+        prefix = self.wrapper.prefix if self.wrapper is not None else ""
+        if not prefix or not any(n.startswith(prefix) for n in self._entries):
+            return
+        entries = {}
+        for name, e in self._entries.items():
+            short = self.wrapper.renamed + name[len(prefix):] if name.startswith(prefix) else name
+            if short in entries:
+                raise CheckpointError(f"{self.path}: tensors {entries[short].raw} and {name} are both {short} of the "
+                                      "language model")
+            entries[short] = e
+        self._entries = entries
+
+    def _split_fused_experts(self) -> None:
+        """Routed experts stored stacked, as transformers' fused experts hold them (Qwen3.5-MoE's checkpoints):
+        ``<block>.experts.gate_up_proj`` [E, 2I, H] (each expert's gate rows, then its up rows) and
+        ``<block>.experts.down_proj`` [E, H, I] appear, for a model type of hetmoe's own model files, also under the
+        per-expert names the loader reads (``<block>.experts.<e>.gate_proj.weight`` [I, H], ``up_proj``,
+        ``down_proj`` [H, I]): byte ranges of the stored tensors, read in place. Other layouts (transposed, with
+        biases, quantized) are left as they are."""
+        from hetmoe.models import MODEL_TYPES
+
+        if self.config.get("model_type") not in MODEL_TYPES:
+            return
+        for name in [n for n in self._entries if n.endswith(".experts.gate_up_proj")]:
+            block = name[:-len(".gate_up_proj")]
+            gu, down = self._entries[name], self._entries.get(block + ".down_proj")
+            if down is None or len(gu.shape) != 3 or gu.dtype != down.dtype or not gu.dtype.is_floating_point \
+                    or gu.dtype.itemsize < 2 or gu.shape[1] % 2 or f"{block}.0.gate_proj.weight" in self._entries:
+                continue
+            E, I, H = gu.shape[0], gu.shape[1] // 2, gu.shape[2]
+            if down.shape != (E, H, I):
+                continue
+            size = I * H * gu.dtype.itemsize  # bytes of one expert's gate (or up, or down) matrix
+            for e in range(E):
+                at = gu.begin + 2 * e * size
+                self._entries[f"{block}.{e}.gate_proj.weight"] = _Entry(gu.shard, gu.dtype, (I, H), at, at + size, name)
+                self._entries[f"{block}.{e}.up_proj.weight"] = _Entry(gu.shard, gu.dtype, (I, H), at + size,
+                                                                       at + 2 * size, name)
+                at = down.begin + e * size
+                self._entries[f"{block}.{e}.down_proj.weight"] = _Entry(down.shard, down.dtype, (H, I), at, at + size,
+                                                                        block + ".down_proj")
+
+    def _find_packed(self) -> None:
+        """The pack-quantized linears: each checked against quantization_config (which group quantizes it) and its
+        stored tensors' headers; CheckpointError naming the setting or tensor, before any weight is read."""
+        tail = ".weight_packed"
+        modules = [n[:-len(tail)] for n in self._entries if n.endswith(tail)]
+        if not modules:
+            return
+        where = str(self.path / "config.json")
+        check_quantization(self.config, where)  # another method named as such
+        try:
+            scheme = compressed.PackQuantized.parse(self.config.get("quantization_config"), where)
+        except compressed.QuantizationConfigError as err:
+            raise CheckpointError(str(err)) from None
+        for m in modules:
+            stored = self._entries[m + tail]
+            group = scheme.group_of(m, stored.raw[:-len(tail)])
+            if group is None:
+                raise CheckpointError(f"{stored.shard}: {stored.raw} is pack-quantized, but {where}'s "
+                                      f"quantization_config does not quantize {m} (no config group targets it, or "
+                                      "ignore lists it)")
+            if m + ".weight" in self._entries:
+                raise CheckpointError(f"{stored.shard}: {m} has both a weight and a weight_packed")
+            parts = {p: (self._entries[f"{m}.{p}"].dtype, self._entries[f"{m}.{p}"].shape)
+                     for p in compressed.PARTS if f"{m}.{p}" in self._entries}
+            try:
+                self._packed[m + ".weight"] = compressed.check_parts(m, parts, group)
+            except compressed.QuantizationConfigError as err:
+                raise CheckpointError(f"{stored.shard}: {err}") from None
+            self._parts.update(f"{m}.{p}" for p in (*compressed.PARTS, "weight_zero_point"))
 
     # ------------------------------------------------------------------ access
 
     def __contains__(self, name: str) -> bool:
-        return name in self._entries
+        return name in self._entries or name in self._packed
 
     def names(self) -> list:
-        return list(self._entries)
+        """Every tensor by the model's names: a pack-quantized linear as ``<m>.weight`` (its parts not listed)."""
+        return [n for n in self._entries if n not in self._parts] + list(self._packed)
 
     def shape(self, name: str) -> tuple:
-        return self._entry(name).shape
+        pw = self._packed.get(name)
+        return pw.shape if pw is not None else self._entry(name).shape
+
+    def packed(self, name: str) -> Optional[compressed.PackedWeight]:
+        """The PackedWeight of ``name`` (``<m>.weight``) when it is stored pack-quantized, else None."""
+        return self._packed.get(name)
 
     def _entry(self, name: str) -> _Entry:
         try:
@@ -162,6 +306,8 @@ class Checkpoint:
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor as stored (a view of the mapped file: do not write to it)."""
+        if name in self._packed:
+            raise CheckpointError(f"tensor {name} is stored pack-quantized ({name}_packed): read it with get_float")
         e = self._entry(name)
         mm = self._maps.get(e.shard)
         if mm is None:
@@ -178,6 +324,11 @@ class Checkpoint:
         """A floating-point weight in ``dtype`` (None: as stored). FP8 weights are multiplied by their block
         scales (``<name>_scale_inv``, one per 128x128 block) into ``dtype`` (None: fp32). A weight already in
         ``dtype`` is returned as the mapped view."""
+        pw = self._packed.get(name)
+        if pw is not None:
+            codes, scales = self._codes(pw)
+            w = compressed.dequantize(codes, scales, pw.group_size)
+            return w if dtype is None or dtype == w.dtype else w.to(dtype)
         t = self.get(name)
         if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             scale_name = name + "_scale_inv"
@@ -191,7 +342,9 @@ class Checkpoint:
     def get_fp8(self, name: str) -> Optional[tuple]:
         """(e4m3 weight [N, K], its scale_inv [ceil(N/128), ceil(K/128)]) as stored (views of the mapped file) when
         ``name`` is a DeepSeek FP8 weight (w = weight * scale_inv per 128x128 block); None for a weight stored
-        otherwise (bf16, fp32, e5m2: ``get_float`` reads those)."""
+        otherwise (bf16, fp32, e5m2, pack-quantized: ``get_float`` reads those)."""
+        if name in self._packed:
+            return None
         e = self._entry(name)
         if e.dtype != torch.float8_e4m3fn or len(e.shape) != 2:
             return None
@@ -202,6 +355,123 @@ class Checkpoint:
         check_fp8_scale(e.shape, scale, name)
         return self.get(name), scale
 
+    # ------------------------------------------------------------------ pack-quantized routed experts
+
+    def _codes(self, pw: compressed.PackedWeight, codes: Optional[torch.Tensor] = None,
+               scales: Optional[torch.Tensor] = None) -> tuple:
+        """(int8 codes [out, in], the engine's scales [out, in / group]) of a pack-quantized linear, written into
+        ``codes`` / ``scales`` when given; its weight_shape checked."""
+        m = pw.module
+        try:
+            compressed.check_shape(pw, self.get(m + ".weight_shape"))
+        except compressed.QuantizationConfigError as err:
+            raise CheckpointError(f"{self.path}: {err}") from None
+        return (compressed.unpack_int4(self.get(m + ".weight_packed"), codes),
+                compressed.engine_scales(self.get(m + ".weight_scale"), scales))
+
+    def expert_types(self, prefixes: list, names: list) -> tuple:
+        """Per-layer expert types for the memory plan (GGUF files have them); the layouts of pack-quantized experts
+        are the engine's int4 / int8 formats themselves, counted as such."""
+        return ()
+
+    def experts_layout(self, prefix: str, names: list, plan: Optional[str] = None) -> Optional[dict]:
+        """The CPUExperts layout holding block ``prefix``'s routed experts (``names``: gate, up, down as the model
+        calls them) exactly when expert 0's are pack-quantized (int4 codes; in int8 when the plan gives the layer
+        int8), or None (gate and up of different groups, or experts stored otherwise)."""
+        pws = [self._packed.get(f"{prefix}.experts.0.{w}.weight") for w in names]
+        if None in pws or pws[0].group_size != pws[1].group_size:
+            return None
+        layout = {"weight_format": "int8" if plan == "int8" else "int4", "group_size": pws[0].group_size,
+                  "down_group_size": pws[2].group_size, "scaling": ("symmetric", "symmetric")}
+        scales = (compressed.held_scale_dtype(pws[0].scale_dtype), compressed.held_scale_dtype(pws[2].scale_dtype))
+        if scales != ("fp32", "fp32"):  # the engine's default
+            layout["scale_dtype"] = scales
+        return layout
+
+    def load_exact_experts(self, prefix: str, names: list, experts) -> bool:
+        """Pack block ``prefix``'s routed experts from their own codes and scales when ``experts`` has the layout that
+        holds them exactly: True when done, False when not (the loader dequantizes and packs floats then).
+        CheckpointError naming the expert and matrix that the engine refuses or that is stored otherwise."""
+        held = layout_of(experts)
+        mine = self.experts_layout(prefix, names, plan_format(held)[0])
+        if mine is None or any(k in held and held[k] != v for k, v in mine.items()):  # (no scale_dtype: fp32)
+            return False
+        I, H = experts.intermediate_size, experts.hidden_size
+        shapes = ((I, H), (I, H), (H, I))
+        groups = (held["group_size"],) * 2 + (held["down_group_size"],)
+        for e0 in range(0, experts.num_experts, CHUNK):
+            n = min(CHUNK, experts.num_experts - e0)
+            codes, scales = [], []
+            for slot, (which, (rows, cols), g) in enumerate(zip(names, shapes, groups)):
+                key = (slot, rows, cols, g)
+                if key not in self._scratch:
+                    self._scratch[key] = (torch.empty(CHUNK, rows, cols, dtype=torch.int8),
+                                          torch.empty(CHUNK, rows, cols // g, dtype=compressed.ENGINE_SCALE_DTYPE))
+                q, s = (t[:n] for t in self._scratch[key])
+                for j in range(n):
+                    name = f"{prefix}.experts.{e0 + j}.{which}.weight"
+                    pw = self._packed.get(name)
+                    if pw is None or pw.shape != (rows, cols) or pw.group_size != g:
+                        got = "stored otherwise" if pw is None else f"{list(pw.shape)} in groups of {pw.group_size}"
+                        raise CheckpointError(f"{self.path}: {name} is {got}; the layer's experts are pack-quantized "
+                                              f"[{rows}, {cols}] in groups of {g}")
+                    self._codes(pw, q[j], s[j])
+                codes.append(q)
+                scales.append(s)
+            try:
+                load_codes(experts, codes, scales, first_expert=e0, scan_first=False)
+            except ValueError as err:
+                raise self._refused(experts, codes, scales, prefix, e0, err) from None
+        return True
+
+    def _refused(self, experts, codes: list, scales: list, prefix: str, e0: int, err: ValueError) -> CheckpointError:
+        """The error of a chunk of experts the engine refused, naming its first bad expert (each loaded alone, its
+        values scanned first)."""
+        for j in range(codes[0].shape[0]):
+            try:
+                load_codes(experts, [q[j:j + 1] for q in codes], [s[j:j + 1] for s in scales], first_expert=e0 + j)
+            except ValueError as bad:
+                return CheckpointError(f"{self.path}: {prefix}.experts.{e0 + j}: {bad}")
+        return CheckpointError(f"{self.path}: {prefix}.experts.{e0}-{e0 + codes[0].shape[0] - 1}: {err}")
+
+    def _layer_names(self, names: list) -> list:
+        """``names`` (one MoE layer's expert 0 gate, up, down) for every layer of the checkpoint that has them."""
+        out = []
+        for i in range(self.config.get("num_hidden_layers") or 0):
+            mine = [re.sub(r"\.layers\.\d+\.", f".layers.{i}.", n, count=1) for n in names]
+            if all(n in self for n in mine):
+                out.append(mine)
+        return out or [names]
+
+    def experts_options(self, names: list, options, log: Callable[[str], None]):
+        """``options`` with the experts format pack-quantized routed experts (``names``: one layer's expert 0 gate,
+        up, down) load at by default: int4 in their own group, exactly. An explicit --experts-format is kept (exact
+        where it holds them: int4 of their group, or their codes in int8); other experts: ``options`` as given."""
+        layers = self._layer_names(names)
+        layouts = [self.experts_layout(layer[0].rsplit(".experts.", 1)[0], [n.split(".")[-2] for n in layer])
+                   for layer in layers]
+        exact = [plan_format(x) for x in layouts if x is not None]
+        if not exact:
+            return options
+        groups = [g for _, g in exact]
+        group = max(set(groups), key=groups.count)
+        pw = next(self._packed[layer[0]] for layer, x in zip(layers, layouts) if x is not None)
+        what = (f"{self.path.name}'s routed experts are compressed-tensors pack-quantized int4 (symmetric, "
+                f"{str(pw.scale_dtype).replace('torch.', '')} scales per group of {group})")
+        fmt = options.experts_format
+        if fmt == "auto":
+            off = len(layouts) - groups.count(group)
+            log(f"hetmoe: {what}: packed as int4 group {group} from their codes"
+                + (f", exactly except {off} layer(s) stored otherwise (re-quantized)" if off else ", exactly"))
+            return dataclasses.replace(options, experts_format="int4", group_size=group)
+        asked = options.group_size if options.group_size is not None else group
+        if fmt in ("int4", "int8") and asked == group:
+            log(f"hetmoe: {what}: packed as {fmt} group {group} as asked, exactly")
+        else:
+            log(f"hetmoe: note: {what}: dequantized and re-quantized into {fmt} as asked")
+        keep = options.group_size is not None or fmt == "bf16"  # bf16 has no groups
+        return options if keep else dataclasses.replace(options, group_size=group)
+
     def release(self) -> None:
         """Drop the mapped pages of every shard from this process's resident memory."""
         for mm in self._maps.values():
@@ -211,6 +481,7 @@ class Checkpoint:
                 pass
 
     def close(self) -> None:
+        self._scratch.clear()
         self.release()
         for mm in self._maps.values():
             try:

@@ -5,7 +5,8 @@
     -> memory plan (placement.choose_plan: refuses what cannot fit, before reading any weight)
     -> the globals (embeddings, final norm, lm_head), then one decoder layer at a time:
          dense tensors copied to their device in the plan's dtype (FP8 dequantized on the fly),
-         routed experts packed into the CPU engine's format (or read from the converted-expert cache),
+         routed experts packed into the CPU engine's format (or read from the converted-expert cache; a GGUF
+         file's and compressed-tensors int4 experts from their own codes, hetmoe/cpu/codes.py),
          the dense linears packed in the dense format (on a GPU other than bf16: read into host memory, uploaded
          and converted a slab at a time, so VRAM holds no bf16 copy: load/dense.py),
          the layer's source pages released
@@ -38,13 +39,13 @@ from hetmoe.cpu import HYBRID_RESERVED_CORES, CPUExperts, default_threads
 from hetmoe.cpu.codes import plan_format
 from hetmoe.cpu.numa import resolve_subpools
 from hetmoe.load.calibration import calibration_text, check_gpu_experts, keep_gpu_experts
-from hetmoe.load.checkpoint import Checkpoint, CheckpointError, block_fp8, read_config
+from hetmoe.load.checkpoint import Checkpoint, CheckpointError, block_fp8, check_quantization, read_config
 from hetmoe.load.dense import FP8Source, pack_dense
 from hetmoe.load.expert_cache import ExpertCache, default_cache_dir
 from hetmoe.load.materialize import Materializer, expert_keys, fill_experts
 from hetmoe.load.rules import apply_native, defer_layers, layerwise_layers
 from hetmoe.load.shapes import model_shapes
-from hetmoe.models import APPLIES_ROPE_SCALING, ConfigError, check_config, model_class
+from hetmoe.models import APPLIES_ROPE_SCALING, MODEL_TYPES, ConfigError, check_config, model_class
 from hetmoe.models.config import ModelConfig
 from hetmoe.moe import HostStaging, MoELayer, moe_layers
 from hetmoe.moe.streamed import choice as prefill_choice
@@ -143,12 +144,15 @@ def check_deferral(cfg: ModelConfig, n_moe: int, d: int) -> None:
 
 
 def checked_config(cfg: ModelConfig, source) -> ModelConfig:
-    """``cfg`` when the model files can run it (models.check_config); else CheckpointError naming the entry, its
-    value and ``source`` (the config.json file)."""
+    """``cfg`` when the model files can run it (models.check_config) and the loader can read its weights
+    (checkpoint.check_quantization); else CheckpointError naming the entry, its value and ``source`` (the
+    config.json file)."""
     try:
         check_config(cfg, str(source))
     except ConfigError as err:
         raise CheckpointError(str(err)) from None
+    if cfg.get("model_type") in MODEL_TYPES:
+        check_quantization(cfg, source)
     return cfg
 
 
@@ -262,6 +266,10 @@ def load_tokenizer(path, cfg: Optional[ModelConfig] = None, log: Optional[Callab
         from hetmoe.load.gguf.checkpoint import tokenizer_of
 
         return tokenizer_of(path)
+    if not (path / "tokenizer.json").is_file() and (path / "tiktoken.model").is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {path}: its tokenizer is tiktoken.model (a tiktoken BPE, as "
+                                "Kimi's checkpoints ship it, read by their own tokenization code), which hetmoe does "
+                                "not read; hetmoe needs the Hugging Face 'fast' tokenizer file, tokenizer.json")
     try:
         tok = Tokenizer.from_dir(path)
     except UnicodeDecodeError as err:
@@ -309,7 +317,7 @@ def load_model(
     if blocks:
         names = expert_keys(ckpt, blocks[0][0])
         inter = ckpt.shape(f"{blocks[0][0]}.experts.0.{names[0]}.weight")[0]
-    if blocks and hasattr(ckpt, "experts_options"):  # a GGUF file: experts at their own precision by default
+    if blocks and hasattr(ckpt, "experts_options"):  # GGUF / compressed-tensors experts: their own bits by default
         options = ckpt.experts_options([f"{blocks[0][0]}.experts.0.{n}.weight" for n in names], options, log)
     types = getattr(ckpt, "expert_types", lambda *a: ())([name for name, _ in blocks], names) if blocks else ()
     plan = plan_model(model, cfg, blocks, options, inter, expert_types=types)
@@ -317,6 +325,9 @@ def load_model(
         calibration_text(options.calibration_file)  # a bad file fails now, not after loading
     for line in load_summary(cfg, ckpt.path, len(model.model.layers), len(blocks), plan, options):
         log(line)
+    for note in getattr(ckpt, "notes", ()):  # e.g. a multimodal checkpoint's vision tower, left out
+        for line in wrap("hetmoe: note:", note.split(" "), 100, indent="hetmoe:   ", sep=""):
+            log(line)
     caches = {}  # (format, group) -> ExpertCache: each layer's packed experts keyed by its own format
     said: set = set()  # the expert-cache warnings given in this load: each said once, whatever the layer or format
 

@@ -86,12 +86,12 @@ class Materializer:
 def fill_experts(ckpt: Checkpoint, prefix: str, experts: CPUExperts) -> None:
     """Pack the routed experts of block ``prefix`` from the checkpoint, one expert at a time (FP8 dequantized
     per expert, so at most one expert's fp32 copy exists at once). A GGUF file's experts of exactly held types
-    (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) loaded in the layout that holds them are packed from their codes: nothing is
-    re-quantized."""
+    (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) and a checkpoint's compressed-tensors pack-quantized int4 experts, loaded in the
+    layout that holds them, are packed from their codes: nothing is re-quantized."""
     names = expert_keys(ckpt, prefix)
     H, I = experts.hidden_size, experts.intermediate_size
     if getattr(ckpt, "load_exact_experts", lambda *a: False)(prefix, names, experts):
-        return  # a GGUF file's own codes (GGUFCheckpoint.load_exact_experts)
+        return  # the checkpoint's own codes (GGUFCheckpoint / Checkpoint.load_exact_experts)
     for e in range(experts.num_experts):
         mats = []
         for which, want in zip(names, ((I, H), (I, H), (H, I))):

@@ -2,32 +2,40 @@
 
 ``model_class(cfg)`` maps a checkpoint's ``config.json`` to the causal-LM class that runs it; ``check_config``
 (models/config.py) refuses entries those classes cannot run, and ``context_limit(cfg)`` is how many positions the
-model attends over.
+model attends over. A multimodal checkpoint whose language model is one of these (``MULTIMODAL``) is read through
+``text_model_config``: its text_config, the vision tower left out.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from hetmoe.models.config import ConfigError, ModelConfig, check_config
+from hetmoe.models.config import MULTIMODAL, ConfigError, ModelConfig, Multimodal, check_config, text_model_config
 from hetmoe.models.config import context_limit as _limit
 
-__all__ = ["ConfigError", "ModelConfig", "check_config", "context_limit", "model_class", "MODEL_TYPES"]
+__all__ = ["ConfigError", "ModelConfig", "check_config", "context_limit", "model_class", "MODEL_TYPES", "MULTIMODAL",
+           "Multimodal", "text_model_config"]
 
-# model_type -> (module, class). Kimi-K2 ships model_type "kimi_k2" with the DeepSeek-V3 architecture.
+# model_type -> (module, class). Kimi-K2 ships model_type "kimi_k2" with the DeepSeek-V3 architecture; Kimi-K2.5 and
+# K2.6 ship "kimi_k25", the same language model inside a multimodal wrapper (MULTIMODAL: its text_config is run).
 MODEL_TYPES = {
     "deepseek_v3": ("deepseek_v2", "DeepseekV3ForCausalLM"),
     "kimi_k2": ("deepseek_v2", "DeepseekV3ForCausalLM"),
+    "kimi_k25": ("deepseek_v2", "DeepseekV3ForCausalLM"),
     "deepseek_v2": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "mixtral": ("mixtral", "MixtralForCausalLM"),
     "glm4_moe": ("glm4_moe", "Glm4MoeForCausalLM"),
     "minimax_m2": ("minimax_m2", "MiniMaxM2ForCausalLM"),
+    "qwen3_next": ("qwen3_next", "Qwen3NextForCausalLM"),
+    # Qwen3.5-MoE: its language model alone ("qwen3_5_moe_text"), or inside the multimodal wrapper (MULTIMODAL)
+    "qwen3_5_moe": ("qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
+    "qwen3_5_moe_text": ("qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
 }
 # The model types whose file builds its RoPE from config.json's rope_scaling / rope_parameters (YaRN); the others
 # run default RoPE whatever the config says, so a scaling factor there extends nothing.
-APPLIES_ROPE_SCALING = frozenset({"deepseek_v3", "kimi_k2", "deepseek_v2"})
+APPLIES_ROPE_SCALING = frozenset({"deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v2"})
 
 
 def model_class(cfg: ModelConfig) -> type:

@@ -5,6 +5,7 @@ checks that its entries describe a model these files can build (``check_config``
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -77,7 +78,51 @@ class ModelConfig(dict):
 HF_DEFAULTS = {
     "glm4_moe": dict(first_k_dense_replace=1, n_shared_experts=1, partial_rotary_factor=0.5),
     "minimax_m2": dict(head_dim=128, rope_theta=5000000.0),
+    **{t: dict(head_dim=256, partial_rotary_factor=0.25, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+               linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+               moe_intermediate_size=512, shared_expert_intermediate_size=512)
+       for t in ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")},
 }
+
+
+@dataclass(frozen=True)
+class Multimodal:
+    """A multimodal checkpoint whose language model one of the native model files runs, text only."""
+
+    text_types: tuple  # the model_types its text_config may name (the first when it names none)
+    prefix: str  # its language model's tensors are <prefix>model.layers.*, <prefix>lm_head.weight
+    skipped: tuple  # name prefixes of the tensors a text-only model never reads (vision tower, projector)
+    renamed: str = ""  # what the prefix becomes in the text model's names ("": dropped)
+
+
+# model_type -> what it wraps. Kimi-K2.5 / K2.6 ("kimi_k25"): the DeepSeek-V3 language model of Kimi-K2 (text_config,
+# model_type "kimi_k2") beside the MoonViT vision tower and its projector.
+MULTIMODAL = {
+    "kimi_k25": Multimodal(("kimi_k2", "deepseek_v3"), "language_model.", ("vision_tower.", "mm_projector.")),
+    # Qwen3.5-MoE: model.language_model.* is the text model's model.*, lm_head stays, model.visual.* is the vision
+    "qwen3_5_moe": Multimodal(("qwen3_5_moe_text",), "model.language_model.", ("model.visual.",), "model."),
+}
+_WRAPPER_ONLY = ("text_config", "vision_config", "architectures", "auto_map")  # entries of the wrapper alone
+
+
+def text_model_config(cfg: ModelConfig, source: str = "config.json") -> ModelConfig:
+    """The config of the language model of a multimodal checkpoint (``MULTIMODAL``): its text_config's entries over
+    the wrapper's other top-level ones (tie_word_embeddings, token ids, a quantization_config written beside
+    text_config), model_type the wrapper's; any other config (one without text_config too) as it is. ConfigError
+    naming ``source`` for a text_config that is not an object or names another model type."""
+    wrapper = MULTIMODAL.get(cfg.get("model_type"))
+    if wrapper is None or "text_config" not in cfg:
+        return cfg
+    text = cfg["text_config"]
+    if not isinstance(text, dict):
+        raise ConfigError(f"{source}: text_config is {text!r}; a {cfg['model_type']} config.json holds its language "
+                          "model's config there as an object")
+    kind = text.get("model_type", wrapper.text_types[0])
+    if kind not in wrapper.text_types:
+        raise ConfigError(f"{source}: text_config.model_type is {kind!r}; hetmoe runs the language model of "
+                          f"{cfg['model_type']} as {' / '.join(wrapper.text_types)} only")
+    outer = {k: v for k, v in cfg.items() if k not in _WRAPPER_ONLY}
+    return ModelConfig({**outer, **text, "model_type": cfg["model_type"]})
 
 
 def _rotary_entry(cfg: ModelConfig) -> tuple:
@@ -103,10 +148,14 @@ _EXPERTS = {
     "deepseek_v2": ("n_routed_experts", "num_local_experts", "num_experts"),
     "deepseek_v3": ("n_routed_experts", "num_local_experts", "num_experts"),
     "kimi_k2": ("n_routed_experts", "num_local_experts", "num_experts"),
+    "kimi_k25": ("n_routed_experts", "num_local_experts", "num_experts"),
     "glm4_moe": ("n_routed_experts", "num_local_experts"),
     "minimax_m2": ("num_local_experts", "num_experts"),
+    "qwen3_next": ("num_experts", "num_local_experts"), "qwen3_5_moe": ("num_experts",),
+    "qwen3_5_moe_text": ("num_experts",),
 }
 PARTIAL_ROPE = ("glm4_moe", "minimax_m2")  # GQA models whose RoPE may turn part of each head (ModelConfig.rope_dim)
+LINEAR_ATTENTION = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # Gated DeltaNet hybrids (models/qwen3_next.py)
 
 
 class _Checker:
@@ -141,7 +190,7 @@ def check_config(cfg: ModelConfig, source: str = "config.json") -> None:
     c = _Checker(cfg, source)
     if c.model_type not in _EXPERTS:
         return
-    deepseek = c.model_type.startswith("deepseek") or c.model_type == "kimi_k2"
+    deepseek = c.model_type.startswith("deepseek") or c.model_type in ("kimi_k2", "kimi_k25")
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
         c.int(name)
     layers, heads, hidden = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["hidden_size"]
@@ -156,6 +205,8 @@ def check_config(cfg: ModelConfig, source: str = "config.json") -> None:
     if theta is not None:
         c.number("rope_theta", theta)
     _check_rope_scaling(c, deepseek)
+    if c.model_type in LINEAR_ATTENTION:
+        _check_linear_attention(c)
 
     n_experts = _n_experts(c)
     first_dense = 0
@@ -220,6 +271,41 @@ def check_config(cfg: ModelConfig, source: str = "config.json") -> None:
         _check_groups(c, n_experts, k)
     if c.model_type in PARTIAL_ROPE and cfg.get("routed_scaling_factor") is not None:
         c.number("routed_scaling_factor", cfg["routed_scaling_factor"])
+
+
+def _check_linear_attention(c: _Checker) -> None:
+    """Qwen3-Next / Qwen3.5-MoE: which layers are linear attention (layer_types, or full_attention_interval), the
+    Gated DeltaNet sizes (value heads a multiple of key heads), SiLU, partial RoPE, and the shared expert and dense
+    MLP sizes."""
+    cfg = c.cfg
+    layers = cfg["num_hidden_layers"]
+    if isinstance(cfg.get("head_dim"), int) and cfg["head_dim"] > 0:
+        _check_rotary(c, cfg["head_dim"])
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        c.int("full_attention_interval", default=4)
+    elif (not isinstance(kinds, list) or len(kinds) != layers
+          or any(k not in ("linear_attention", "full_attention") for k in kinds)):
+        c.fail(f"layer_types is {kinds!r}; it must list one of 'linear_attention' or 'full_attention' for each of the "
+               f"{layers} layers (num_hidden_layers)")
+    for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                 "linear_num_value_heads", "shared_expert_intermediate_size"):
+        c.int(name)
+    if cfg["linear_num_value_heads"] % cfg["linear_num_key_heads"]:
+        c.fail(f"linear_num_value_heads {cfg['linear_num_value_heads']} is not a multiple of linear_num_key_heads "
+               f"{cfg['linear_num_key_heads']}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        c.fail(f"hidden_act is {cfg['hidden_act']!r}; {c.model_type} runs SiLU convolutions and SwiGLU experts")
+    if c.model_type != "qwen3_next":  # Qwen3.5-MoE: every layer a MoE layer
+        c.int("num_experts")
+    else:
+        step = c.int("decoder_sparse_step", default=1)
+        only = cfg.get("mlp_only_layers") or []
+        if not isinstance(only, list) or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < layers
+                                             for i in only):
+            c.fail(f"mlp_only_layers is {only!r}; it must be a list of layer indices below {layers}")
+        if only or step > 1:
+            c.int("intermediate_size")
 
 
 def _check_rotary(c: _Checker, head_dim: int) -> None:

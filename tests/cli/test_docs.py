@@ -14,7 +14,8 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 def _extras() -> dict:
     text = (ROOT / "pyproject.toml").read_text()
     block = text.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
-    return {m[1]: re.findall(r'"([A-Za-z0-9_.-]+)', m[2]) for m in re.finditer(r"^(\w+) = \[(.*)\]", block, re.M)}
+    entries = re.finditer(r"^(\w+) = \[(.*?)\]", block, re.M | re.S)  # an extra's list may span lines
+    return {m[1]: re.findall(r'"([A-Za-z0-9_.-]+)', m[2]) for m in entries}
 
 
 def test_the_raw_example_continues_the_function_it_starts(capsys):

@@ -1,0 +1,252 @@
+"""Checkpoints quantized by compressed-tensors in its ``pack-quantized`` format, as Kimi-K2.5 / K2.6 (and
+Kimi-K2-Thinking) ship their routed experts: int4 weights, symmetric, one scale per group of 32 along the input.
+
+One quantized linear ``<m>`` of shape [out, in] is stored as three tensors (compressed-tensors'
+PackedQuantizationCompressor):
+
+    <m>.weight_packed   int32 [out, in / 8]: eight codes per word, column 8w + j in bits 4j..4j+3 of word w, each
+                        code stored as q + 8 (q in [-8, 7]); the words are little-endian, so byte b of a row holds
+                        column 2b in its low nibble and column 2b + 1 in its high one
+    <m>.weight_scale    bf16 / fp16 / fp32 [out, in / group]
+    <m>.weight_shape    int [2]: (out, in)
+
+and means ``w[r, c] = q[r, c] * scale[r, c // group]`` (no zero point). The CPU engine's int4 symmetric format holds
+exactly this: the codes as they are and each scale in the engine's scale dtype, fp32 (a widening, exact;
+``held_scale_dtype`` is the one place that chooses it). ``quantization_config`` names which modules are
+quantized (``config_groups`` -> targets, less ``ignore``) and how; a setting this reader does not handle is refused
+by name (``PackQuantized.parse``) before any weight is read.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+GROUPS = (32, 64, 128)  # the int4 scale groups the CPU engine holds (hetmoe/cpu/experts.py)
+ENGINE_SCALE_DTYPE = torch.float32  # the scales as load_codes takes them (whatever the engine then stores them as)
+SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # each widens to fp32 exactly
+SHAPE_DTYPES = (torch.int32, torch.int64)
+PARTS = ("weight_packed", "weight_scale", "weight_shape")  # the tensors of one quantized linear, beside <m>.
+_FORMAT = "pack-quantized"
+
+
+class QuantizationConfigError(ValueError):
+    """A quantization_config (or a quantized tensor) this reader does not handle; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """One entry of quantization_config.config_groups: the modules it quantizes and its group size."""
+
+    name: str
+    targets: tuple  # "Linear" (every linear), "re:<regex>" (re.match on the module name), or a module name
+    group_size: int
+
+    def matches(self, names: tuple) -> bool:
+        return any(_match(n, t) for n in names for t in self.targets)
+
+
+def _match(name: str, target: str) -> bool:
+    """compressed-tensors' rule for names: a ``re:`` target matches from the start of the name, any other the whole
+    name; ``Linear`` (the class every quantized module of a checkpoint is) matches every name."""
+    if target == "Linear":
+        return True
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name
+
+
+@dataclass(frozen=True)
+class PackQuantized:
+    """A compressed-tensors quantization_config that this reader handles: int4, symmetric, per group, stored
+    ``pack-quantized``, weights only."""
+
+    groups: tuple  # of Group, in config order (the first that targets a module quantizes it)
+    ignore: tuple  # module names and re: patterns left unquantized
+
+    def group_of(self, *names: str) -> Optional[Group]:
+        """The config group quantizing the module known by ``names`` (its name in the model and in the file), or
+        None when no group targets it or ``ignore`` leaves it out."""
+        if any(_match(n, t) for n in names for t in self.ignore):
+            return None
+        return next((g for g in self.groups if g.matches(names)), None)
+
+    @classmethod
+    def parse(cls, qc, where: str = "config.json") -> "PackQuantized":
+        """``qc`` (config.json's quantization_config) checked setting by setting; QuantizationConfigError naming the
+        first one this reader does not handle (``where``: the file, for the message)."""
+        if not isinstance(qc, dict):
+            raise QuantizationConfigError(f"{where}: the checkpoint holds pack-quantized tensors (*.weight_packed) "
+                                          f"but quantization_config is {qc!r}; it must describe them")
+
+        def refuse(setting: str, value, why: str):
+            raise QuantizationConfigError(f"{where}: quantization_config.{setting} is {value!r}; {why}")
+
+        supported = (f"hetmoe reads compressed-tensors '{_FORMAT}' weights: int4 (type int, num_bits 4), symmetric, "
+                     f"strategy group with group_size {' / '.join(map(str, GROUPS))}, weights only")
+        method = qc.get("quant_method")
+        if method != "compressed-tensors":
+            refuse("quant_method", method, supported)
+        top_format = qc.get("format")
+        if top_format not in (_FORMAT, "mixed-precision", None):
+            refuse("format", top_format, supported)
+        status = qc.get("quantization_status")
+        if status not in (None, "compressed", "frozen"):
+            refuse("quantization_status", status, "hetmoe reads checkpoints saved compressed")
+        for key in ("kv_cache_scheme", "sparsity_config", "transform_config", "moe_sparsity_config"):
+            if qc.get(key):  # None or {} (what compressed-tensors writes when there is none)
+                refuse(key, qc[key], f"hetmoe runs none ({supported})")
+        ignore = qc.get("ignore") or []
+        if not isinstance(ignore, list) or not all(isinstance(t, str) for t in ignore):
+            refuse("ignore", ignore, "it must be a list of module names and re: patterns")
+        for t in ignore:
+            _check_pattern(t, "ignore", refuse)
+        raw_groups = qc.get("config_groups")
+        if not isinstance(raw_groups, dict) or not raw_groups:
+            refuse("config_groups", raw_groups, "it must map group names to their schemes")
+        groups = []
+        for name, scheme in raw_groups.items():
+            at = f"config_groups.{name}"
+            if not isinstance(scheme, dict):
+                refuse(at, scheme, "a scheme is an object with targets and weights")
+            fmt = scheme.get("format")
+            if fmt not in (None, _FORMAT) or (fmt is None and top_format != _FORMAT):
+                refuse(f"{at}.format" if fmt is not None else "format", fmt if fmt is not None else top_format,
+                       supported)
+            for key in ("input_activations", "output_activations"):
+                if scheme.get(key) is not None:
+                    refuse(f"{at}.{key}", scheme[key], f"activation quantization is not run ({supported})")
+            targets = scheme.get("targets")
+            if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+                refuse(f"{at}.targets", targets, "it must be a non-empty list of module names, re: patterns or Linear")
+            for t in targets:
+                _check_pattern(t, f"{at}.targets", refuse)
+            groups.append(Group(name, tuple(targets), _check_weights(scheme.get("weights"), f"{at}.weights", refuse,
+                                                                     supported)))
+        return cls(tuple(groups), tuple(ignore))
+
+
+def _check_pattern(target: str, setting: str, refuse) -> None:
+    if target.startswith("re:"):
+        try:
+            re.compile(target[3:])
+        except re.error as err:
+            refuse(setting, target, f"its pattern does not compile ({err})")
+
+
+def _check_weights(w, at: str, refuse, supported: str) -> int:
+    """The group size of a weights scheme this reader handles (else refused naming the setting)."""
+    if not isinstance(w, dict):
+        refuse(at, w, supported)
+    wants = (("type", "int"), ("num_bits", 4), ("symmetric", True), ("strategy", "group"))
+    for key, want in wants:
+        if w.get(key) != want:
+            refuse(f"{at}.{key}", w.get(key), supported)
+    group = w.get("group_size")
+    if group not in GROUPS:
+        refuse(f"{at}.group_size", group, f"the CPU engine's int4 holds groups of {' / '.join(map(str, GROUPS))}")
+    if w.get("dynamic") not in (None, False):
+        refuse(f"{at}.dynamic", w["dynamic"], f"weights quantized at run time are not stored ({supported})")
+    if w.get("actorder") not in (None, False, "weight"):  # "weight": a calibration order, nothing stored
+        refuse(f"{at}.actorder", w["actorder"], "activation-ordered groups (a g_idx per column) are not read")
+    if w.get("block_structure") is not None:
+        refuse(f"{at}.block_structure", w["block_structure"], supported)
+    scale_dtype = w.get("scale_dtype")
+    if scale_dtype not in (None, "torch.bfloat16", "torch.float16", "torch.float32"):
+        refuse(f"{at}.scale_dtype", scale_dtype, "scales are read from bf16, fp16 or fp32")
+    return group
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A pack-quantized linear of the checkpoint: its module name (as the model names it), shape and group."""
+
+    module: str
+    shape: tuple  # (out, in)
+    group_size: int
+    scale_dtype: torch.dtype
+
+
+def check_parts(module: str, parts: dict, group: Group) -> PackedWeight:
+    """``parts``: PARTS name -> (dtype, shape) of the module's stored tensors (headers only). The PackedWeight they
+    describe, or QuantizationConfigError naming the tensor whose dtype or shape disagrees."""
+    missing = [p for p in PARTS if p not in parts]
+    if missing:
+        raise QuantizationConfigError(f"{module}.weight_packed has no {', '.join(f'{module}.{p}' for p in missing)} "
+                                      "beside it")
+    (pdt, pshape), (sdt, sshape), (hdt, hshape) = (parts[p] for p in PARTS)
+    if pdt != torch.int32 or len(pshape) != 2:
+        raise QuantizationConfigError(f"{module}.weight_packed is {pdt} {list(pshape)}; int4 codes are packed eight "
+                                      "to an int32, [out, in / 8]")
+    if hdt not in SHAPE_DTYPES or tuple(hshape) != (2,):
+        raise QuantizationConfigError(f"{module}.weight_shape is {hdt} {list(hshape)}; it must hold (out, in) as "
+                                      "integers")
+    if sdt not in SCALE_DTYPES:
+        raise QuantizationConfigError(f"{module}.weight_scale has dtype {sdt}; scales are read from bf16, fp16 or "
+                                      "fp32")
+    out, cols = pshape[0], pshape[1] * 8
+    g = group.group_size
+    if tuple(sshape) != (out, cols // g) or cols % g:
+        raise QuantizationConfigError(f"{module}.weight_scale has shape {list(sshape)}; {module}.weight_packed "
+                                      f"{list(pshape)} holds [{out}, {cols}], which in groups of {g} "
+                                      f"(quantization_config.config_groups.{group.name}) needs [{out}, {cols // g}]")
+    return PackedWeight(module, (out, cols), g, sdt)
+
+
+def check_shape(pw: PackedWeight, stored: torch.Tensor) -> None:
+    """QuantizationConfigError unless ``stored`` (the module's weight_shape tensor) says the shape the packed codes
+    and scales hold."""
+    got = tuple(int(v) for v in stored.tolist())
+    if got != pw.shape:
+        raise QuantizationConfigError(f"{pw.module}.weight_shape says {list(got)}; its codes and scales hold "
+                                      f"{list(pw.shape)}")
+
+
+def unpack_int4(packed: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Codes q in [-8, 7], int8 [..., 8 * words], of pack-quantized int32 words [..., words] (written into ``out``
+    when given)."""
+    nibbles = packed.contiguous().view(torch.uint8)  # [..., 4 * words]: byte b holds columns 2b, 2b + 1
+    shape = (*nibbles.shape[:-1], 2 * nibbles.shape[-1])
+    if out is None:
+        out = torch.empty(shape, dtype=torch.int8)
+    elif tuple(out.shape) != shape or out.dtype != torch.int8:
+        raise ValueError(f"unpack_int4: out must be int8 {list(shape)}, got {out.dtype} {list(out.shape)}")
+    pairs = out.view(torch.uint8).view(*nibbles.shape, 2)
+    torch.bitwise_and(nibbles, 0x0F, out=pairs[..., 0])
+    torch.bitwise_right_shift(nibbles, 4, out=pairs[..., 1])
+    out.sub_(8)
+    return out
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """The inverse of unpack_int4: int8 codes in [-8, 7], [..., cols] with cols a multiple of 8 -> int32 words
+    [..., cols / 8], as compressed-tensors packs them."""
+    if codes.dtype != torch.int8 or codes.shape[-1] % 8:
+        raise ValueError(f"pack_int4 takes int8 codes [..., 8 * n], got {codes.dtype} {list(codes.shape)}")
+    if codes.numel() and not (-8 <= int(codes.min()) and int(codes.max()) <= 7):
+        raise ValueError("pack_int4 takes codes in [-8, 7]")
+    u = (codes.to(torch.int16) + 8).to(torch.uint8).view(*codes.shape[:-1], -1, 2)
+    return (u[..., 0] | (u[..., 1] << 4)).contiguous().view(torch.int32)
+
+
+def held_scale_dtype(stored: torch.dtype) -> str:
+    """The scale dtype the CPU engine holds a checkpoint's ``stored`` scales in: fp32, which widens bf16 and fp16
+    exactly (int4 group 32: 5 bits a weight for the file's 4.5). The one place to choose a narrower one (the file's
+    own bf16 / fp16: its bytes exactly) where the engine stores such scales."""
+    return "fp32"
+
+
+def engine_scales(scale: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A checkpoint's scales as the engine's int4 format takes them (ENGINE_SCALE_DTYPE; widening is exact)."""
+    if out is None:
+        return scale.to(ENGINE_SCALE_DTYPE)
+    return out.copy_(scale)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """w = q * scale per group of ``group`` columns, fp32 [..., out, in]: exact for bf16 and fp16 scales (a 4-bit
+    code times 8 or 11 significant bits fits fp32's 24), one fp32 rounding for fp32 scales."""
+    return (codes.float().unflatten(-1, (-1, group)) * scale.float().unsqueeze(-1)).flatten(-2)
