@@ -298,8 +298,8 @@ def load_model(
 ) -> LoadedModel:
     """Load the checkpoint directory ``path`` as ``options`` place it.
 
-    ``expert_cache``: a directory for converted experts, ``"auto"`` (``$XDG_CACHE_HOME/hetmoe/experts``) or
-    None (no cache). Raises FileNotFoundError / CheckpointError (ValueError) naming the file and tensor for a
+    ``expert_cache``: a directory for converted experts, ``"auto"`` (``$XDG_CACHE_HOME/hetmoe/experts``), or
+    None or ``"off"`` (no cache, as the CLI's ``--expert-cache off``). Raises FileNotFoundError / CheckpointError (ValueError) naming the file and tensor for a
     bad checkpoint, MemoryError when the plan does not fit.
     """
     t0 = time.perf_counter()
@@ -332,7 +332,7 @@ def load_model(
     said: set = set()  # the expert-cache warnings given in this load: each said once, whatever the layer or format
 
     def cache_for(lp: LayerPlan) -> Optional[ExpertCache]:
-        if expert_cache is None:
+        if expert_cache is None or expert_cache == "off":
             return None
         key = (lp.experts_format, lp.group_size)
         if key not in caches:

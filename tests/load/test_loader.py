@@ -551,3 +551,11 @@ def test_loader_numa_end_to_end(tmp_path):
         assert "-numa2-" in loaded.info["cache_dir"]
         ours, _ = run_logits(loaded, tokens)
         assert rel(ours, ref) <= 1e-5, rel(ours, ref)
+
+
+def test_expert_cache_off_writes_nothing(ckpt, tmp_path, monkeypatch):
+    # "off" means no cache in the Python API as on the command line, not a directory named "off"
+    monkeypatch.chdir(tmp_path)
+    loaded = load(ckpt, "off", experts_format="int4")
+    assert "cache_dir" not in loaded.info or loaded.info["cache_dir"] is None
+    assert not (tmp_path / "off").exists()
