@@ -179,7 +179,8 @@ KLAYOUTS = [("Q4_K", ("int4", 32), ("int4", 32, 32, ("affine", "affine"))),
 
 
 def _layout(engine) -> tuple:
-    return tuple(layout_of(engine).values())
+    """(formats, group, down group, scalings) of an engine's code layout."""
+    return tuple(layout_of(engine).values())[:4]
 
 
 def _assert_exact(loaded, deq: dict) -> None:
