@@ -34,7 +34,10 @@ CODE_RANGE = {("int8", "symmetric"): (-127, 127), ("int4", "symmetric"): (-8, 7)
 # GGML types held exactly -> (format, scaling, group, scale dtype, codebook)
 EXACT_TYPES = {"Q8_0": ("int8", "symmetric", 32, "fp16", None), "Q4_0": ("int4", "symmetric", 32, "fp16", None),
                "Q4_K": ("int4", "affine", 32, "fp32", None), "Q5_K": ("int8", "affine", 32, "fp32", None),
-               "Q6_K": ("int8", "symmetric", 16, "fp32", None)}
+               "Q6_K": ("int8", "symmetric", 16, "fp32", None),
+               "IQ4_NL": ("lut4", "symmetric", 32, "fp16", "iq4nl"),
+               "IQ4_XS": ("lut4", "symmetric", 32, "fp32", "iq4nl"),
+               "MXFP4": ("lut4", "symmetric", 32, "e8m0", "e2m1")}
 FOUR_BITS = ("int4", "lut4")
 
 

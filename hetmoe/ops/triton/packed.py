@@ -70,8 +70,8 @@ if triton is not None:
             sb = b * G * (2 if AFFINE else 1) * R
             gi = (line * PER) // GROUP
             if SCALE == 3:  # e8m0: 2^(e - 128), e < 2 the subnormals 2^-128 << e
-                e = tl.load(scales + sb + gi * R + r, mask=ok, other=0).to(tl.int32)
-                bits = tl.where(e < 2, (e * 0 + 0x00200000) << e, (e - 1) << 23)
+                ex = tl.load(scales + sb + gi * R + r, mask=ok, other=0).to(tl.int32)
+                bits = tl.where(ex < 2, (ex * 0 + 0x00200000) << ex, (ex - 1) << 23)
                 s = bits.to(tl.float32, bitcast=True)[:, :, None]
             else:
                 s = tl.load(scales + sb + gi * R + r, mask=ok, other=0.0).to(tl.float32)[:, :, None]
