@@ -278,10 +278,22 @@ struct Int4Tile<1> {
 
 // lut4 weights x int8 activations: each nibble looked up (vpshufb) into its signed codebook value q, multiplied by
 // the activation with the sign trick (maddubs(|x|, sign(q, x)) = q * x pairwise, |x| <= 127 and |q| <= 127 keep
-// each pair within int16) and widened to int32 per line. The sum is the exact sum of q * x: no offset to undo.
+// each pair within int16) and widened to int32 per line. The sum is the exact sum of q * x: no offset to undo. A
+// codebook of |q| <= 64 (E2M1's 12) keeps the low and high nibbles' pairs summed within int16 too (2 * 2 * 127 * 64
+// < 32768): one widening per half line instead of two (kSmall; the same integers).
+inline bool small_codebook(const int8_t* cb) {
+  for (int i = 0; i < 16; ++i)
+    if (cb[i] > 64 || cb[i] < -64) return false;
+  return true;
+}
+
 template <int NT>
 struct Lut4Tile {
   static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+    small_codebook(w.codebook) ? body<true>(w, rows, a, out) : body<false>(w, rows, a, out);
+  }
+  template <bool kSmall>
+  static void body(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
     const int lines_per_group = w.group / 8, n_groups = w.kp / w.group;
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.codebook)));
@@ -317,8 +329,9 @@ struct Lut4Tile {
           for (int i = 0; i < NT; ++i) {
             const __m256i pl = _mm256_maddubs_epi16(_mm256_abs_epi8(xl[i]), _mm256_sign_epi8(ql, xl[i]));
             const __m256i ph = _mm256_maddubs_epi16(_mm256_abs_epi8(xh[i]), _mm256_sign_epi8(qh, xh[i]));
-            acc[i][half] = _mm256_add_epi32(acc[i][half],
-                                            _mm256_add_epi32(_mm256_madd_epi16(pl, ones), _mm256_madd_epi16(ph, ones)));
+            const __m256i wide = kSmall ? _mm256_madd_epi16(_mm256_add_epi16(pl, ph), ones)
+                                        : _mm256_add_epi32(_mm256_madd_epi16(pl, ones), _mm256_madd_epi16(ph, ones));
+            acc[i][half] = _mm256_add_epi32(acc[i][half], wide);
           }
         }
       }
