@@ -369,6 +369,8 @@ def test_a_split_gguf_loads_as_the_single_file_does(tmp_path):
     ("Q8_0", None), ("Q4_0", None), ("Q4_K", None), ("Q5_K", None), ("Q6_K", None), ("Q4_K+Q6_K", None),
     ("Q4_K", {0: "Q4_K+Q6_K", 1: "Q5_K+Q8_0"}),  # layers of different exact layouts
     ("Q4_K", {1: "Q6_K+Q6_K"}),  # gate and up of different types: that layer re-quantized into the plan's format
+    ("MXFP4", None), ("IQ4_XS", None), ("IQ4_NL", None), ("MXFP4+Q8_0", None),  # lut4 at its scales' own width
+    ("MXFP4", {1: "Q8_0"}),  # an int8 plan: the MXFP4 layer's codebook values as int8 codes, e8m0 scales
 ])
 def test_the_plan_counts_what_the_engine_allocates(tmp_path, qtype, layer_types, capsys):
     """For every GGUF type mix the plan's routed-expert bytes, per layer and in all, are the bytes the engine
