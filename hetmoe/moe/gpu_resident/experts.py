@@ -109,6 +109,13 @@ class GpuExperts:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dense_max_tokens = int(dense_max_tokens)
         self.s_gate_up = self.s_down = None  # int8/int4: the fp32 scales beside the codes
+        # lut4: the (gate/up, down) codebooks on the device, made here once (never inside a graph capture)
+        self.luts = None
+        if "lut4" in (self.storage.gate_up, self.storage.down):
+            from hetmoe.moe.streamed.packed import codebook_values
+
+            self.luts = tuple(codebook_values(b, self.device) if b else None
+                              for b in (self.storage.gate_up_codebook, self.storage.down_codebook))
         slot_of = torch.full((num_experts + 1,), -1, dtype=torch.int64)
         slot_of[torch.tensor(ids)] = torch.arange(n)
         self.slot_of = slot_of.to(self.device)  # [E + 1]
@@ -222,7 +229,7 @@ class GpuExperts:
         if self.storage.quantized:
             return _routed().routed_int(x, topk_ids, topk_weights, (self.w_gate_up, self.s_gate_up),
                                         (self.w_down, self.s_down), self.storage, self.slot_of, skip,
-                                        self.num_experts, self.intermediate_size)
+                                        self.num_experts, self.intermediate_size, luts=self.luts)
         return _routed().routed(x, topk_ids, topk_weights, self.w_gate_up, self.w_down, self.slot_of, skip,
                                 self.num_experts, self.intermediate_size)
 

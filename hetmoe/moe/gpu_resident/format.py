@@ -133,8 +133,9 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str, group: int, 
     """Stored ``codes``/``scales`` of ``fmt`` -> [R, k] in ``dtype`` (scale * q in fp32, then rounded to ``dtype``;
     lut4: q = ``codebook``'s value of each index)."""
     if fmt == "lut4":
-        book = torch.tensor(CODEBOOKS[codebook], dtype=torch.int8, device=codes.device)
-        q = book[unpack_int4(codes, group, 0).long()]
+        from hetmoe.moe.streamed.packed import codebook_values
+
+        q = codebook_values(codebook, codes.device)[unpack_int4(codes, group, 0).long()]
     else:
         q = unpack_int4(codes, group) if fmt == "int4" else codes
     R, kp = q.shape

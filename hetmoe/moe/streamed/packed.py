@@ -11,6 +11,7 @@ Shape letters: E experts, H hidden size, I intermediate size, N rows, K columns,
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +117,13 @@ def _unpack_data(data: torch.Tensor, shape: MatrixShape, n_mats: int) -> torch.T
     return codes.reshape(n_mats, NB * ROWS, shape.kp).to(torch.int16)
 
 
+@functools.lru_cache(maxsize=None)
+def codebook_values(name: str, device: torch.device) -> torch.Tensor:
+    """lut4 codebook ``name``'s 16 values, fp32, on ``device``: made once per device (a copy from the host blocks it,
+    and cannot happen inside a CUDA graph capture), then only read."""
+    return torch.tensor(CODEBOOKS[name], dtype=torch.float32, device=device)
+
+
 def widen_scales(raw: torch.Tensor, scale_dtype: str) -> torch.Tensor:
     """Stored scales (uint8 bytes, a whole number of scales) -> fp32, exactly as the CPU kernels widen them
     (csrc/formats/layout.h scale_to_float)."""
@@ -141,10 +149,10 @@ def _dequantize(codes: torch.Tensor, scales: torch.Tensor, shape: MatrixShape, n
         return w.view(n_mats, NB * ROWS, shape.kp).to(dtype)
     s = widen_scales(scales, shape.scale_dtype).view(n_mats, NB, G, ROWS).permute(0, 1, 3, 2)
     if shape.fmt == "lut4":
-        q = torch.tensor(CODEBOOKS[shape.codebook], dtype=torch.int16, device=codes.device)[codes.long()]
+        q = codebook_values(shape.codebook, codes.device)[codes.long()]
     else:
-        q = codes - (128 if shape.fmt == "int8" else 8)
-    w = q.view(n_mats, NB * ROWS, G, shape.group).to(torch.float32) * s.reshape(n_mats, NB * ROWS, G, 1)
+        q = (codes - (128 if shape.fmt == "int8" else 8)).to(torch.float32)
+    w = q.view(n_mats, NB * ROWS, G, shape.group) * s.reshape(n_mats, NB * ROWS, G, 1)
     return w.view(n_mats, NB * ROWS, shape.kp).to(dtype)
 
 

@@ -33,7 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-from hetmoe.cpu.layout import CODEBOOKS
 from hetmoe.ops.triton.linear import nibbles_f32
 
 GEMV_ROWS = 4  # at most this many rows of x (T rounded up to a power of two) take the CUDA-core path
@@ -427,10 +426,12 @@ def _down_int(HS, WD, SD, LUT, IDS, WTS, SLOT_OF, SKIP, P, T, H, I, IP, stride_w
 
 def routed_int(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: tuple, down: tuple,
            storage, slot_of: torch.Tensor, skip_mask: torch.Tensor | None, num_experts: int, intermediate: int,
-           launch: Launch | None = None) -> torch.Tensor:
+           launch: Launch | None = None, luts: tuple | None = None) -> torch.Tensor:
     """fp32 [T, H]: the resident experts' part for x [T, H] routed by topk_ids/topk_weights [T, k] (-1 = empty slot),
     the weights ``gate_up`` and ``down`` each (codes, scales) in ``storage`` (a resident_format.Storage, both
-    matrices int8/int4/lut4). ``slot_of``, ``skip_mask``, ``launch``: as ``routed``."""
+    matrices int8/int4/lut4). ``slot_of``, ``skip_mask``, ``launch``: as ``routed``. ``luts``: the lut4 matrices'
+    (gate/up, down) codebooks, fp32 [16] each on x's device (None for a matrix that is not lut4), made by the
+    caller once (a copy from the host cannot happen inside a graph capture)."""
     T, H = x.shape
     k = topk_ids.shape[1]
     if T > MAX_ROWS:
@@ -448,8 +449,11 @@ def routed_int(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
                   IEEE=x.is_cuda and x.dtype == torch.float32,  # interpreter's bf16 dot is wrong; fp32 x: IEEE dots
                   num_warps=launch.num_warps, num_stages=launch.num_stages)
     (wgu, sgu), (wd, sd) = gate_up, down
-    lut_gu, lut_d = (torch.tensor(CODEBOOKS[book] if book else (0.0,), dtype=torch.float32, device=x.device)
-                     for book in (storage.gate_up_codebook, storage.down_codebook))
+    lut_gu, lut_d = luts or (None, None)
+    for fmt, lut in ((storage.gate_up, lut_gu), (storage.down, lut_d)):
+        if fmt == "lut4" and (lut is None or lut.dtype != torch.float32 or lut.numel() != 16):
+            raise ValueError("routed_int: a lut4 matrix needs its codebook's 16 fp32 values (luts)")
+    lut_gu, lut_d = sgu if lut_gu is None else lut_gu, sd if lut_d is None else lut_d  # unread unless lut4
     hs = torch.empty(T, k, intermediate, dtype=torch.float32, device=x.device)
     _gate_up_int[(T * k, triton.cdiv(intermediate, launch.bi))](
         x, wgu, sgu, lut_gu, ids, wts, slot_of, skip, hs, T, H, intermediate, sgu.shape[1] * storage.group, x.stride(0),

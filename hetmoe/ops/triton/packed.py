@@ -9,6 +9,7 @@ fixed cost per layer below its PCIe copy. Triton comes with PyTorch's CUDA build
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -88,6 +89,12 @@ if triton is not None:
         tl.store(dst + k, v.to(out.dtype.element_ty), mask=(row < rows_out) & (k < cols_out))
 
 
+@functools.lru_cache(maxsize=None)
+def _codebook(name: str, device: torch.device) -> torch.Tensor:
+    """lut4 codebook ``name``'s 16 values, int32, on ``device``: made once (a copy from the host blocks it)."""
+    return torch.tensor(CODEBOOKS[name], dtype=torch.int32, device=device)
+
+
 def _launch(shape, data: torch.Tensor, scales, out: torch.Tensor, n_blocks: int, interleaved: bool) -> None:
     fmt = FMT_CODE[shape.fmt]
     per = K_PER_LINE[shape.fmt]  # values per 4-byte cell
@@ -95,7 +102,7 @@ def _launch(shape, data: torch.Tensor, scales, out: torch.Tensor, n_blocks: int,
         raise ValueError(f"{shape.fmt} groups of {shape.group}: the GPU unpack needs a multiple of {per}")
     sdt = getattr(shape, "scale_dtype", "fp32")
     sc = scales.view(SCALE_VIEW[sdt]) if scales is not None else data.view(torch.float32)  # unused for bf16
-    lut = torch.tensor(CODEBOOKS[shape.codebook] if fmt == 3 else (0,), dtype=torch.int32, device=data.device)
+    lut = _codebook(shape.codebook, data.device) if fmt == 3 else data.view(torch.int32)  # unread unless lut4
     rows, cols = out.shape[1] // (2 if interleaved else 1), out.shape[2]
     bl = min(LINES_PER_PROGRAM, triton.next_power_of_2(shape.lines))
     grid = (n_blocks, triton.cdiv(shape.lines, bl))

@@ -242,8 +242,12 @@ def test_from_cpu_keeps_codebooks_and_widens_scales(kernels, name):
         for defer in (True, False):
             launch = dataclasses.replace(kernels.plan(T, on_gpu=True), defer=defer)
             out = kernels.routed_int(x, ids, wts, (g.w_gate_up, g.s_gate_up), (g.w_down, g.s_down), g.storage,
-                                     g.slot_of, None, E, I, launch=launch)
+                                     g.slot_of, None, E, I, launch=launch, luts=g.luts)
             assert rel_err(out, ref) < FP32_BOUND
+    if g.luts is not None:
+        with pytest.raises(ValueError, match="needs its codebook"):
+            kernels.routed_int(x, ids, wts, (g.w_gate_up, g.s_gate_up), (g.w_down, g.s_down), g.storage, g.slot_of,
+                               None, E, I)
 
 
 def test_lut4_storage_is_only_copied():
