@@ -33,9 +33,10 @@
 // A line is one 512-bit register (16 rows x 32 bits): the layout AVX-512 VNNI/BF16 dot products and the AMX
 // B-tile format (16 lines = one 1 KB tile) read directly, so no kernel repacks at run time.
 //
-// K is zero-padded to a multiple of the group size (bf16 uses 32), N to a multiple of 16. Padding is zero in
-// value (128 for int8, 8 for int4, index 0 with scale 0 for lut4; affine: code 0 with scale and min 0 in padded
-// rows; padded K meets zero activations) so it contributes nothing to dot products.
+// K is zero-padded to a multiple of the group size (bf16 uses 32), N to a multiple of 16. Padding contributes
+// nothing to dot products: padded K holds the code of zero (128 for int8, 8 for int4; affine: code 0) or, for
+// lut4, index 0 (whatever its value: IQ4_NL's is -127) and meets zero activations; padded rows have scale (and min)
+// 0 (e8m0 has no 0: its smallest, 2^-128), and their outputs are never read.
 //
 // Scales (int8/int4/lut4) live apart from the lines, one per (row, group), laid out [row block][group][16 rows],
 // so the 16 scales a kernel needs at the end of a group are one contiguous vector. Each matrix chooses how its
