@@ -42,11 +42,11 @@
 // so the 16 scales a kernel needs at the end of a group are one contiguous vector. Each matrix chooses how its
 // scales are stored (ScaleType): fp32 (4 bytes), fp16 or bf16 (2), or e8m0 (1 byte e: 2^(e - 128)) — the width of
 // the checkpoint's own scales, so a Q4_0 block (fp16 d + 16 bytes) costs 18 bytes here as in the file. Every kernel
-// widens a group's 16 scales to fp32 with one load and one conversion (vcvtph2ps for fp16, a shift for bf16 and
-// e8m0); the widening is exact, so the epilogue and its bits are those of fp32 scales of the same values. e8m0 is
-// the MX block scale 2^(e - 127) with E2M1's 1/2 folded in (llama.cpp's GGML_E8M0_TO_FP32_HALF, bit for bit; e = 0
-// and 1 give the fp32 subnormals 2^-128 and 2^-127). Affine blocks hold fp32 scales and their fp32 mins right after
-// them, in the same [group][16 rows] order; per-row scales are fp32.
+// widens a group's 16 scales to fp32 with one load and one conversion (vcvtph2ps for fp16, a shift for bf16, a
+// shift and a blend for e8m0); the widening is exact, so the epilogue and its bits are those of fp32 scales of the
+// same values. e8m0 is the MX block scale 2^(e - 127) with E2M1's 1/2 folded in (llama.cpp's
+// GGML_E8M0_TO_FP32_HALF, bit for bit; e = 0 and 1 give the fp32 subnormals 2^-128 and 2^-127). Affine blocks hold
+// fp32 scales and their fp32 mins right after them, in the same [group][16 rows] order; per-row scales are fp32.
 //
 // Groups: 32, 64 or 128 elements of K (int8 also 16, for GGUF's Q6_K; lut4 also 16, for NVFP4), or per row (int8
 // and int4, symmetric: one scale per row, stored repeated in every group of 128, so every kernel reads it as a
