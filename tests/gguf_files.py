@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 
 from hetmoe.load.gguf.kquants import KQUANTS
+from hetmoe.load.gguf.lut4_blocks import LUT4_BLOCKS
 from hetmoe.load.loader import build_meta, moe_blocks
 from hetmoe.load.random_weights import _config
 from hetmoe.models.config import _EXPERTS, ModelConfig
@@ -196,7 +197,7 @@ def add_tokenizer(w, backend, config: dict, pre: str, vocab_size: int = 0) -> No
         w.add_chat_template(config["chat_template"])
 
 
-# ------------------------------------------------------------------------ K-quant blocks (gguf cannot quantize them)
+# ---------------------------------------------------- K-quant and 4-bit codebook blocks (gguf cannot quantize them)
 
 SYMMETRIC_32 = {"Q8_0": ("int8", "symmetric", 32), "Q4_0": ("int4", "symmetric", 32)}
 
@@ -216,6 +217,8 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, cen
     if kind in SYMMETRIC_32:  # Q8_0 / Q4_0: the gguf package quantizes them itself
         qt = getattr(gguf.GGMLQuantizationType, kind)
         return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qt)
+    if kind in LUT4_BLOCKS:
+        return lut4_blocks(kind, rows, cols, rng, centered)
     nb, nbytes = cols // 256, KQUANTS[kind][3]
     raw = rng.integers(0, 256, (rows, nb, nbytes), dtype=np.uint8)
     d = (rng.uniform(0.2, 1.0, (rows, nb)) * 0.01).astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
@@ -229,4 +232,26 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, cen
             mid = 7.5 if kind == "Q4_K" else 15.5
             sc = rng.integers(1, int(63 / mid) + 1, (rows, nb, 8))
             raw[..., 4:16] = scale_bytes(sc, np.rint(sc * mid).astype(np.int64))
+    return raw.reshape(rows, -1)
+
+
+def lut4_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, centered: bool = False) -> np.ndarray:
+    """Bytes of a [rows, cols] matrix of IQ4_NL / IQ4_XS / MXFP4: random nibbles (every pattern is a valid block) and
+    random scales: fp16 d, IQ4_XS's 6-bit sub-block scales, MXFP4's exponent byte. ``centered``: weights of a std of
+    about 0.1 (IQ4_XS sub-block scales of one sign, MXFP4 exponents around 2^-6), else any sub-block scale and
+    exponents over a wide range (2^-28 .. 2^0; the edge cases 0, 1 and 255: tests/load/gguf/test_lut4_blocks.py)."""
+    per, nbytes = LUT4_BLOCKS[kind]
+    nb = cols // per
+    raw = rng.integers(0, 256, (rows, nb, nbytes), dtype=np.uint8)
+    if kind == "MXFP4":
+        raw[..., 0] = rng.integers(120, 124, (rows, nb)) if centered else rng.integers(100, 129, (rows, nb))
+        return raw.reshape(rows, -1)
+    d = 0.1 / 67.4 if kind == "IQ4_NL" else 0.1 / (67.4 * 4.5)  # the codebook's rms (times IQ4_XS's mean ls - 32)
+    scale = (rng.uniform(0.5, 1.5, (rows, nb)) * (d if centered else 0.01)).astype(np.float16)
+    raw[..., 0:2] = scale.view(np.uint8).reshape(rows, nb, 2)
+    if kind == "IQ4_XS" and centered:  # ls in 33..40: (ls - 32) in 1..8
+        ls = rng.integers(33, 41, (rows, nb, 8))
+        raw[..., 2:4] = np.ascontiguousarray(sum(((ls[..., j] >> 4) & 3) << (2 * j) for j in range(8))
+                                             .astype(np.uint16)).view(np.uint8).reshape(rows, nb, 2)
+        raw[..., 4:8] = ((ls[..., 0::2] & 15) | ((ls[..., 1::2] & 15) << 4)).astype(np.uint8)
     return raw.reshape(rows, -1)

@@ -17,7 +17,7 @@ void check_config(const LinearConfig& c) {
   auto bad = [](const std::string& m) { throw std::invalid_argument(m); };
   if (c.n <= 0 || c.k <= 0)
     bad("out_features and in_features must be positive, got " + std::to_string(c.n) + " and " + std::to_string(c.k));
-  check_kernel_choice(c.format, c.group, c.isa, c.amx, c.amx_min_tokens);
+  check_kernel_choice(MatrixFormat{c.format, c.group}, c.isa, c.amx, c.amx_min_tokens);
 }
 
 // The shape of row block rb alone (its rows of W from row 0): packing and unpacking see one block of a matrix
@@ -57,8 +57,7 @@ void DenseLinear::set_amx_min_tokens(int n) {
 RowBlock DenseLinear::block(int rb) const {
   RowBlock b;
   b.data = data_.data() + (size_t)rb * shape_.block_bytes();
-  b.scales = shape_.has_scales() ? reinterpret_cast<const float*>(scales_.data()) + (size_t)rb * shape_.block_scales()
-                                 : nullptr;
+  b.scales = shape_.has_scales() ? scales_.data() + (size_t)rb * shape_.block_scale_bytes() : nullptr;
   b.kp = shape_.kp;
   b.group = shape_.group;
   return b;
@@ -88,7 +87,7 @@ void DenseLinear::load_rows(int r0, int n_rows, const float* w) {
           return;
         }
       const RowBlock b = block(rb);
-      pack_row_block(s, src, 0, const_cast<uint8_t*>(b.data), const_cast<float*>(b.scales));
+      pack_row_block(s, src, 0, const_cast<uint8_t*>(b.data), const_cast<uint8_t*>(b.scales));
     });
   });
   for (int i = 0; i < n_blk; ++i)
@@ -119,7 +118,7 @@ void DenseLinear::fill_random(uint64_t seed, float std) {
     pool.parallel_for(shape_.n_blocks, [&](int64_t rb, int) {
       const RowBlock b = block((int)rb);
       fill_random_block(shape_, (int)rb, seed * 0x2545F4914F6CDD1Dull + (uint64_t)rb, fill,
-                        const_cast<uint8_t*>(b.data), const_cast<float*>(b.scales));
+                        const_cast<uint8_t*>(b.data), const_cast<uint8_t*>(b.scales));
     });
   });
   mark_loaded();

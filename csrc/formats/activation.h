@@ -67,14 +67,15 @@ inline void quantize_activation(WeightFormat f, const float* x, int k, const Act
       break;
     }
     case WeightFormat::int8: quantize_groups<int16_t>(x, k, a, 32767.f, row); break;
-    case WeightFormat::int4: quantize_groups<int8_t>(x, k, a, 127.f, row); break;
+    case WeightFormat::int4:
+    case WeightFormat::lut4: quantize_groups<int8_t>(x, k, a, 127.f, row); break;
   }
 }
 
 inline uint16_t float_to_bf16(float f);
 
 // The AMX experts' activation row (ActLayout::make(shape, true)): bf16 elements for bf16 weights, int8 groups
-// with qmax 127 for int8 and int4 weights (for int4 this is the same row as quantize_activation writes).
+// with qmax 127 for int8, int4 and lut4 weights (for int4 and lut4 the same row as quantize_activation writes).
 inline void quantize_activation_amx(WeightFormat f, const float* x, int k, const ActLayout& a, uint8_t* row) {
   if (f == WeightFormat::bf16) {
     uint16_t* dst = reinterpret_cast<uint16_t*>(row);

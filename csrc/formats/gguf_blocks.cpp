@@ -2,28 +2,14 @@
 
 #include <cstring>
 
+#include "formats/layout.h"
+
 namespace hetmoe {
 
 namespace {
 
-// IEEE half -> float, exact for every half (subnormals, infinities, NaN) without F16C.
-inline float half_to_float(const uint8_t* p) {
-  const uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
-  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (mant << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);
-  } else {  // zero or subnormal: mant * 2^-24, exact in fp32
-    float f = (float)mant * 5.9604644775390625e-8f;
-    std::memcpy(&bits, &f, 4);
-    bits |= sign;
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+// IEEE half -> float, exact (formats/layout.h: the widening of fp16 scales).
+inline float half_to_float(const uint8_t* p) { return scale_to_float(ScaleType::f16, p); }
 
 // The eight 6-bit scales and mins of a Q4_K / Q5_K super-block from its 12 bytes s.
 inline void scale_min(const uint8_t* s, int* sc, int* m) {

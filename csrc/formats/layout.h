@@ -10,31 +10,51 @@
 //   int8: kpl = 4   four bytes k = 4j..4j+3, stored as unsigned (q + 128), q in [-127, 127]
 //   int4: kpl = 8   byte b holds k = 8j+b in its low nibble and k = 8j+4+b in its high nibble, stored as
 //                   unsigned (q + 8), q in [-8, 7]
+//   lut4: kpl = 8   the nibbles of int4, each an index i (0..15) into the matrix's codebook: q = codebook[i]
 //
-// Scaling (int8/int4) is symmetric (above: value = scale * q) or affine (GGUF's K-quants): value = scale * u - min
-// with u the stored byte / nibble itself (int8: 0..255, int4: 0..15; no implied offset) and one fp32 min per
-// (row, group) beside the scale. Kernels undo both forms with the activation's per-group element sum:
-//     symmetric: acc = fma(float(isum - offset * xsum), scale * x_scale, acc)                (offset 128 / 8)
+// lut4 ("4-bit lookup") holds the 4-bit types whose 16 levels are not evenly spaced, at their own bytes: the FP4
+// element E2M1 of MXFP4 / NVFP4 (its values doubled into the integers 0, 1, 2, 3, 4, 6, 8, 12 and their negatives;
+// the 1/2 is in the scale) and the IQ4_NL table of llama.cpp (kvalues_iq4nl, -127..113; IQ4_NL and IQ4_XS). A
+// codebook is 16 int8 values, so the kernels compute with lut4 what they compute with symmetric int8 codes: each
+// nibble is looked up (one byte shuffle per 16 or 64 nibbles), the dot product with the int8 activation is exact in
+// int32, and the epilogue is the symmetric one. It is a format of its own, not int4 with a table, because its kernels
+// differ in code (the lookup) while every codebook is the same code reading other data: the codebook is a field of
+// the matrix (Codebook below), the kernel the table's (format, ISA) row.
+//
+// Scaling (int8/int4/lut4) is symmetric (above: value = scale * q) or affine (GGUF's K-quants; int8/int4 only):
+// value = scale * u - min with u the stored byte / nibble itself (int8: 0..255, int4: 0..15; no implied offset) and
+// one fp32 min per (row, group) beside the scale. Kernels undo both forms with the activation's per-group element sum:
+//     symmetric: acc = fma(float(isum - offset * xsum), scale * x_scale, acc)          (offset 128 / 8; lut4: 0)
 //     affine:    acc = fma(float(isum), scale * x_scale, acc); acc = fma(float(-xsum), min * x_scale, acc)
-// in that order on every ISA, so every path of one format gives the same bits.
+// in that order on every ISA, so every path of one format gives the same bits. (isum is the exact integer sum of
+// q * x over the group however a kernel forms it: lut4 on AVX-512 looks up q + 128 as unsigned bytes and subtracts
+// 128 * xsum, on AVX2 multiplies signed bytes, on AMX expands tiles of signed q.)
 //
 // A line is one 512-bit register (16 rows x 32 bits): the layout AVX-512 VNNI/BF16 dot products and the AMX
 // B-tile format (16 lines = one 1 KB tile) read directly, so no kernel repacks at run time.
 //
-// K is zero-padded to a multiple of the group size (bf16 uses 32), N to a multiple of 16. Padding is zero in
-// value (128 for int8, 8 for int4; affine: code 0 with scale and min 0 in padded rows, and padded K meets zero
-// activations) so it contributes nothing to dot products.
+// K is zero-padded to a multiple of the group size (bf16 uses 32), N to a multiple of 16. Padding contributes
+// nothing to dot products: padded K holds the code of zero (128 for int8, 8 for int4; affine: code 0) or, for
+// lut4, index 0 (whatever its value: IQ4_NL's is -127) and meets zero activations; padded rows have scale (and min)
+// 0 (e8m0 has no 0: its smallest, 2^-128), and their outputs are never read.
 //
-// Scales (int8/int4) live apart from the lines, one fp32 per (row, group), laid out [row block][group][16 rows],
-// so the 16 scales a kernel needs at the end of a group are one contiguous 64-byte vector. Affine blocks hold
-// their mins right after their scales, in the same [group][16 rows] order.
+// Scales (int8/int4/lut4) live apart from the lines, one per (row, group), laid out [row block][group][16 rows],
+// so the 16 scales a kernel needs at the end of a group are one contiguous vector. Each matrix chooses how its
+// scales are stored (ScaleType): fp32 (4 bytes), fp16 or bf16 (2), or e8m0 (1 byte e: 2^(e - 128)) — the width of
+// the checkpoint's own scales, so a Q4_0 block (fp16 d + 16 bytes) costs 18 bytes here as in the file. Every kernel
+// widens a group's 16 scales to fp32 with one load and one conversion (vcvtph2ps for fp16, a shift for bf16, a
+// shift and a blend for e8m0); the widening is exact, so the epilogue and its bits are those of fp32 scales of the
+// same values. e8m0 is the MX block scale 2^(e - 127) with E2M1's 1/2 folded in (llama.cpp's
+// GGML_E8M0_TO_FP32_HALF, bit for bit; e = 0 and 1 give the fp32 subnormals 2^-128 and 2^-127). Affine blocks hold
+// fp32 scales and their fp32 mins right after them, in the same [group][16 rows] order; per-row scales are fp32.
 //
-// Groups: 32, 64 or 128 elements of K (int8 also 16, for GGUF's Q6_K), or per row (int8 and int4, symmetric: one
-// scale per row, stored repeated in every group of 128, so every kernel reads it as a grouped matrix).
+// Groups: 32, 64 or 128 elements of K (int8 also 16, for GGUF's Q6_K; lut4 also 16, for NVFP4), or per row (int8
+// and int4, symmetric: one scale per row, stored repeated in every group of 128, so every kernel reads it as a
+// grouped matrix).
 //
 // Activations are quantized once per layer into "activation rows" (ActRow below) whose element type follows
-// the weight format: fp32 for bf16 weights, int16 for int8 weights, int8 for int4 weights, each with one fp32
-// scale and one int32 element sum per group (the sum undoes the unsigned offset of the weights).
+// the weight format: fp32 for bf16 weights, int16 for int8 weights, int8 for int4 and lut4 weights, each with one
+// fp32 scale and one int32 element sum per group (the sum undoes the unsigned offset of the weights).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -42,12 +62,29 @@
 
 namespace hetmoe {
 
-enum class WeightFormat : int { bf16 = 0, int8 = 1, int4 = 2 };
+enum class WeightFormat : int { bf16 = 0, int8 = 1, int4 = 2, lut4 = 3 };
+constexpr int kWeightFormats = 4;
 
-// How int8/int4 codes become values (see the top of this file). bf16 ignores it.
+// How int8/int4/lut4 codes become values (see the top of this file). bf16 ignores it.
 enum class Scaling : int { symmetric = 0, affine = 1 };
 
+// How a matrix's scales are stored (see the top of this file).
+enum class ScaleType : int { f32 = 0, f16 = 1, bf16 = 2, e8m0 = 3 };
+
+// The 16 values a lut4 nibble indexes (see the top of this file); none for every other format.
+enum class Codebook : int { none = 0, e2m1 = 1, iq4nl = 2 };
+constexpr int kCodebooks = 3;
+// clang-format off
+inline constexpr int8_t kCodebookValues[kCodebooks][16] = {
+    /* none  */ {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    /* e2m1  */ {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12},  // E2M1 x 2: sign bit 3, |v| in bits 0-2
+    /* iq4nl */ {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113},
+};
+// clang-format on
+inline const int8_t* codebook_values(Codebook c) { return kCodebookValues[(int)c]; }
+
 // Bumped whenever the packed bytes of any format change: converted-expert caches of another version are rebuilt.
+// (Scale types and lut4 added formats; fp32-scaled int8/int4 kept their bytes.)
 constexpr int kLayoutVersion = 1;
 
 constexpr int kRowsPerBlock = 16;
@@ -61,11 +98,61 @@ inline int k_per_line(WeightFormat f) {
     case WeightFormat::bf16: return 2;
     case WeightFormat::int8: return 4;
     case WeightFormat::int4: return 8;
+    case WeightFormat::lut4: return 8;
   }
   return 0;
 }
 
+inline int scale_width(ScaleType t) {  // bytes per stored scale
+  switch (t) {
+    case ScaleType::f32: return 4;
+    case ScaleType::f16: return 2;
+    case ScaleType::bf16: return 2;
+    case ScaleType::e8m0: return 1;
+  }
+  return 0;
+}
+
+// One stored scale as the fp32 it stands for (exact). The kernels widen 16 at a time with vector instructions that
+// give these bits; this is the portable definition.
+inline float scale_to_float(ScaleType t, const uint8_t* p) {
+  uint32_t bits = 0;
+  switch (t) {
+    case ScaleType::f32: std::memcpy(&bits, p, 4); break;
+    case ScaleType::bf16: bits = ((uint32_t)p[0] | (uint32_t)p[1] << 8) << 16; break;
+    case ScaleType::e8m0: bits = p[0] < 2 ? 0x00200000u << p[0] : (uint32_t)(p[0] - 1) << 23; break;
+    case ScaleType::f16: {
+      const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
+      const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu;
+      if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);
+      } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+      } else {  // zero or subnormal: mant * 2^-24, exact in fp32
+        const float f = (float)mant * 5.9604644775390625e-8f;
+        std::memcpy(&bits, &f, 4);
+        bits |= sign;
+      }
+      break;
+    }
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// What a matrix's bytes hold besides its shape: the element format and, for int8/int4/lut4, its scale group, how
+// codes become values, how scales are stored and (lut4) the codebook. dispatch.h check_kernel_choice says which
+// combinations the kernels run.
+struct MatrixFormat {
+  WeightFormat format = WeightFormat::bf16;
+  int group = 128;  // int8/int4: <= 0 means per-row scales
+  Scaling scaling = Scaling::symmetric;
+  ScaleType scale_type = ScaleType::f32;
+  Codebook codebook = Codebook::none;
+};
 
 // Geometry of one packed matrix [N, K].
 struct MatrixShape {
@@ -77,6 +164,8 @@ struct MatrixShape {
   int n_blocks;  // row blocks of 16
   bool per_row;  // int8/int4: one scale per row, stored repeated in every group of 128
   Scaling scaling;
+  ScaleType scale_type = ScaleType::f32;
+  Codebook codebook = Codebook::none;
 
   // group <= 0 with int8 or int4 means per-row scales (symmetric only).
   static MatrixShape make(WeightFormat f, int n, int k, int group, Scaling scaling = Scaling::symmetric) {
@@ -92,35 +181,54 @@ struct MatrixShape {
     s.n_blocks = (int)((n + kRowsPerBlock - 1) / kRowsPerBlock);
     return s;
   }
+  static MatrixShape make(const MatrixFormat& m, int n, int k) {
+    MatrixShape s = make(m.format, n, k, m.group, m.scaling);
+    if (s.has_scales()) s.scale_type = m.scale_type;
+    s.codebook = m.format == WeightFormat::lut4 ? m.codebook : Codebook::none;
+    return s;
+  }
+  MatrixFormat matrix_format() const { return {format, per_row ? 0 : group, scaling, scale_type, codebook}; }
   int n_groups() const { return kp / group; }
   int lines_per_block() const { return kp / k_per_line(format); }
   size_t block_bytes() const { return (size_t)lines_per_block() * kLineBytes; }
   size_t data_bytes() const { return block_bytes() * n_blocks; }
   bool has_scales() const { return format != WeightFormat::bf16; }
   bool affine() const { return scaling == Scaling::affine; }
-  // floats of one block's scales (and, affine, its mins after them)
-  size_t block_scales() const { return has_scales() ? (size_t)n_groups() * kRowsPerBlock * (affine() ? 2 : 1) : 0; }
-  size_t scale_bytes() const { return block_scales() * n_blocks * sizeof(float); }
+  // bytes of one block's scales: n_groups x 16 of scale_type, and (affine) as many fp32 mins after them
+  size_t block_scale_bytes() const {
+    if (!has_scales()) return 0;
+    const size_t n = (size_t)n_groups() * kRowsPerBlock;
+    return n * scale_width(scale_type) + (affine() ? n * sizeof(float) : 0);
+  }
+  size_t scale_bytes() const { return block_scale_bytes() * n_blocks; }
 };
 
 // What the micro-kernel reads for one row block.
 struct RowBlock {
-  const uint8_t* data;  // block_bytes(), 64-byte aligned
-  const float* scales;  // [n_groups][16] or nullptr for bf16
+  const uint8_t* data;    // block_bytes(), 64-byte aligned
+  const uint8_t* scales;  // [n_groups][16] of scale_type, or nullptr for bf16
   int kp;
   int group;
   const float* mins = nullptr;  // affine: [n_groups][16] (right after the scales); symmetric: nullptr
+  ScaleType scale_type = ScaleType::f32;
+  const int8_t* codebook = nullptr;  // lut4: its 16 values
 
-  // The block of shape s whose data and scales (s.block_scales() floats) start at these addresses.
-  static RowBlock at(const MatrixShape& s, const uint8_t* data, const float* scales) {
+  // The block of shape s whose data and scales (s.block_scale_bytes()) start at these addresses.
+  static RowBlock at(const MatrixShape& s, const uint8_t* data, const uint8_t* scales) {
     RowBlock b;
     b.data = data;
     b.scales = s.has_scales() ? scales : nullptr;
     b.kp = s.kp;
     b.group = s.group;
-    b.mins = s.affine() ? scales + (size_t)s.n_groups() * kRowsPerBlock : nullptr;
+    b.scale_type = s.scale_type;
+    const size_t n = (size_t)s.n_groups() * kRowsPerBlock;
+    b.mins = s.affine() ? reinterpret_cast<const float*>(scales + n * scale_width(s.scale_type)) : nullptr;
+    b.codebook = s.format == WeightFormat::lut4 ? codebook_values(s.codebook) : nullptr;
     return b;
   }
+  // The 16 stored scales of group g (scale_width(scale_type) bytes each), and one of them widened.
+  const uint8_t* group_scales(int g) const { return scales + (size_t)g * kRowsPerBlock * scale_width(scale_type); }
+  float scale(int g, int r) const { return scale_to_float(scale_type, group_scales(g) + r * scale_width(scale_type)); }
 };
 
 // Activation row for one token: [kp] elements, then per group one fp32 scale and one int32 sum.
@@ -130,12 +238,13 @@ inline size_t act_elem_bytes(WeightFormat f) {
     case WeightFormat::bf16: return 4;
     case WeightFormat::int8: return 2;
     case WeightFormat::int4: return 1;
+    case WeightFormat::lut4: return 1;
   }
   return 0;
 }
 
 // AMX tiles multiply bf16 x bf16 and int8 x int8 only, so experts computed with AMX read narrower activations:
-// bf16 for bf16 weights, int8 (groups as above, qmax 127) for int8 and int4 weights. `group` > 0 overrides the
+// bf16 for bf16 weights, int8 (groups as above, qmax 127) for int8, int4 and lut4 weights. `group` > 0 overrides the
 // matrix's group for per-row int8/int4 weights, whose AMX GEMM sums a whole activation group in the tiles before
 // its one fp32 epilogue (kernels/amx/gemm.h): x gets one group over the whole row (one scale per token), h groups
 // of amx_row_group(I) (the NUMA split cuts I at multiples of it, so slices round h as the unsplit engine does).

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include "formats/activation.h"
@@ -18,7 +19,8 @@ inline size_t elem_offset(WeightFormat f, int r, int k, int* nibble) {
   switch (f) {
     case WeightFormat::bf16: *nibble = 0; return base + (size_t)j * 2;
     case WeightFormat::int8: *nibble = 0; return base + j;
-    case WeightFormat::int4: *nibble = j / 4; return base + (j % 4);
+    case WeightFormat::int4:
+    case WeightFormat::lut4: *nibble = j / 4; return base + (j % 4);
   }
   return 0;
 }
@@ -115,8 +117,96 @@ float choose_int4_row_scale(const float* src, int n, float* code_scale) {
   return best_s;
 }
 
+// fp32 -> IEEE half bits, rounded to nearest even (overflow to infinity, underflow through the subnormals to 0).
+uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);   // NaN
+  if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // rounds past 65504: infinity
+  if (ax < 0x38800000u) {  // below 2^-14: a multiple of 2^-24, rounded to nearest even
+    float a;
+    std::memcpy(&a, &ax, 4);
+    return (uint16_t)(sign | (uint32_t)round_even(a * 16777216.f));
+  }
+  const uint32_t r = ax + 0x0fffu + ((ax >> 13) & 1u) - (112u << 23);
+  return (uint16_t)(sign | (r >> 13));
+}
+
+// The stored bytes of scale v in type t, exactly: false when v has no exact form in t (or is not finite).
+bool store_scale_exact(ScaleType t, float v, uint8_t* dst) {
+  if (!std::isfinite(v)) return false;
+  uint8_t buf[4] = {0, 0, 0, 0};
+  switch (t) {
+    case ScaleType::f32: std::memcpy(buf, &v, 4); break;
+    case ScaleType::f16: {
+      const uint16_t h = float_to_half(v);
+      std::memcpy(buf, &h, 2);
+      break;
+    }
+    case ScaleType::bf16: {
+      const uint16_t b = float_to_bf16(v);
+      std::memcpy(buf, &b, 2);
+      break;
+    }
+    case ScaleType::e8m0: {  // 2^(e - 128): a power of two in [2^-128, 2^127]
+      int e2;
+      if (!(v > 0.f) || std::frexp(v, &e2) != 0.5f || e2 - 1 < -128 || e2 - 1 > 127) return false;
+      buf[0] = (uint8_t)(e2 - 1 + 128);
+      break;
+    }
+  }
+  float back = scale_to_float(t, buf);
+  if (std::memcmp(&back, &v, 4) != 0) return false;
+  std::memcpy(dst, buf, scale_width(t));
+  return true;
+}
+
+}  // namespace
+
+float store_scale_rounded(ScaleType t, float v, uint8_t* dst) {
+  uint8_t buf[4];
+  switch (t) {
+    case ScaleType::f32: std::memcpy(buf, &v, 4); break;
+    case ScaleType::f16: {
+      const uint16_t h = float_to_half(v);
+      std::memcpy(buf, &h, 2);
+      break;
+    }
+    case ScaleType::bf16: {
+      const uint16_t b = float_to_bf16(v);
+      std::memcpy(buf, &b, 2);
+      break;
+    }
+    case ScaleType::e8m0: {
+      int e2 = -127;  // 0 -> the smallest, 2^-128
+      if (v > 0.f) {
+        const float m = std::frexp(v, &e2);  // v = m 2^e2, m in [0.5, 1)
+        if (m == 0.5f) --e2;                 // a power of two stays itself: 2^(e2 - 1)
+      }
+      buf[0] = (uint8_t)std::min(255, std::max(0, e2 + 128));
+      break;
+    }
+  }
+  std::memcpy(dst, buf, scale_width(t));
+  return scale_to_float(t, buf);
+}
+
+namespace {
+
+// The index of the codebook value nearest v (the lower index on a tie).
+inline int nearest_index(const int8_t* cb, float v) {
+  int best = 0;
+  float best_d = INFINITY;
+  for (int i = 0; i < 16; ++i) {
+    const float d = std::fabs(v - (float)cb[i]);
+    if (d < best_d) best_d = d, best = i;
+  }
+  return best;
+}
+
 // Writes the codes of elements [k0, k0 + n) of one row (stored as code + offset: int8 symmetric 128, int4
-// symmetric 8, affine 0) into its lines; dst points at the row's 4 bytes of line 0.
+// symmetric 8, affine and lut4 0) into its lines; dst points at the row's 4 bytes of line 0.
 inline void put_codes(WeightFormat f, uint8_t* dst, int k0, int n, const int8_t* codes, int offset) {
   for (int i = 0; i < n; ++i) {
     int k = k0 + i;
@@ -131,38 +221,42 @@ inline void put_codes(WeightFormat f, uint8_t* dst, int k0, int n, const int8_t*
   }
 }
 
-// The stored offset of a symmetric code (layout.h); affine codes are stored as they are.
+// The stored offset of a symmetric code (layout.h); affine codes and lut4 indices are stored as they are.
 inline int code_offset(const MatrixShape& s) {
-  if (s.affine()) return 0;
+  if (s.affine() || s.format == WeightFormat::lut4) return 0;
   return s.format == WeightFormat::int8 ? 128 : 8;
 }
 
-inline void clear_block(const MatrixShape& s, uint8_t* data, float* scales) {
+inline void clear_block(const MatrixShape& s, uint8_t* data, uint8_t* scales) {
   const WeightFormat f = s.format;
   const uint8_t zero = s.affine() ? 0 : f == WeightFormat::int8 ? 128 : (f == WeightFormat::int4 ? 0x88 : 0);
   std::memset(data, zero, s.block_bytes());
-  if (s.has_scales()) std::memset(scales, 0, s.block_scales() * sizeof(float));
+  // bytes 0: the scale 0, or in e8m0 the smallest, 2^-128 (padded rows' outputs are never read)
+  if (s.has_scales()) std::memset(scales, 0, s.block_scale_bytes());
 }
 
 }  // namespace
 
 bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* group_scales, const float* group_mins,
-                          int rb, uint8_t* data, float* scales) {
+                          int rb, uint8_t* data, uint8_t* scales) {
   const WeightFormat f = s.format;
   if (f == WeightFormat::bf16 || s.per_row || (s.affine() && !group_mins)) return false;
+  if (s.affine() && s.scale_type != ScaleType::f32) return false;
   clear_block(s, data, scales);
   const int off = code_offset(s);
-  const int lo = s.affine() ? 0 : f == WeightFormat::int8 ? -127 : -8;
-  const int hi = f == WeightFormat::int8 ? 127 : s.affine() ? 15 : 7;
+  const bool lut = f == WeightFormat::lut4;
+  const int lo = s.affine() || lut ? 0 : f == WeightFormat::int8 ? -127 : -8;
+  const int hi = f == WeightFormat::int8 ? 127 : s.affine() || lut ? 15 : 7;
   const int ng = s.n_groups(), row0 = rb * kRowsPerBlock, rows = std::min(kRowsPerBlock, s.n - row0);
-  float* mins = scales + (size_t)ng * kRowsPerBlock;  // affine only
+  const int width = scale_width(s.scale_type);
+  float* mins = reinterpret_cast<float*>(scales + (size_t)ng * kRowsPerBlock * width);  // affine only (fp32)
   for (int r = 0; r < rows; ++r) {
     const int8_t* src = q + (size_t)(row0 + r) * s.k;
     int bad = 0;
     for (int k = 0; k < s.k; ++k) bad |= (src[k] < lo) | (src[k] > hi);
     if (bad) return false;
   }
-  // Whole lines first, each line's 16 rows in turn (sequential stores), 4 codes (int8) or 8 (int4) per 32-bit
+  // Whole lines first, each line's 16 rows in turn (sequential stores), 4 codes (int8) or 8 (int4, lut4) per 32-bit
   // word: q + offset is q ^ 0x80 for int8 codes in [-127, 127] and (q & 15) ^ 8 for int4 codes in [-8, 7].
   const int kpl = f == WeightFormat::int8 ? 4 : 8, n_lines = s.k / kpl;
   const uint32_t flip = off == 128 ? 0x80808080u : off == 8 ? 0x08080808u : 0u;
@@ -186,9 +280,8 @@ bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* gr
     const int8_t* src = q + (size_t)row * s.k;
     put_codes(f, data + 4 * r, n_lines * kpl, s.k - n_lines * kpl, src + n_lines * kpl, off);
     for (int g = 0; g < ng; ++g) {
-      float sc = group_scales[(size_t)row * ng + g];
-      if (!std::isfinite(sc)) return false;
-      scales[(size_t)g * kRowsPerBlock + r] = sc;
+      const float sc = group_scales[(size_t)row * ng + g];
+      if (!store_scale_exact(s.scale_type, sc, scales + ((size_t)g * kRowsPerBlock + r) * width)) return false;
       if (s.affine()) {
         float mn = group_mins[(size_t)row * ng + g];
         if (!std::isfinite(mn)) return false;
@@ -199,9 +292,14 @@ bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* gr
   return true;
 }
 
-void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data, float* scales) {
+void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data, uint8_t* scales) {
   const WeightFormat f = s.format;
   clear_block(s, data, scales);
+  const int ng = s.n_groups(), width = scale_width(s.scale_type);
+  float* mins = reinterpret_cast<float*>(scales + (size_t)ng * kRowsPerBlock * width);  // affine only (fp32)
+  const int8_t* cb = f == WeightFormat::lut4 ? codebook_values(s.codebook) : nullptr;
+  int cb_max = 0;
+  for (int i = 0; cb && i < 16; ++i) cb_max = std::max(cb_max, std::abs((int)cb[i]));
   int8_t codes[kMaxGroup];
   for (int r = 0; r < kRowsPerBlock; ++r) {
     int row = rb * kRowsPerBlock + r;
@@ -223,9 +321,10 @@ void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data,
       row_scale = choose_int4_row_scale(src, s.k, &code_scale);
       row_inv = code_scale > 0.f ? 1.f / code_scale : 0.f;
     }
-    for (int g = 0; g < s.n_groups(); ++g) {
+    for (int g = 0; g < ng; ++g) {
       int k0 = g * s.group, n = std::min(s.group, s.k - k0);
       if (n <= 0) break;
+      uint8_t* sp = scales + ((size_t)g * kRowsPerBlock + r) * width;  // this (row, group)'s scale
       float scale;
       if (s.affine()) {  // min/max over the group (with 0), codes 0..qmax
         float lo = 0.f, hi = 0.f;
@@ -234,7 +333,13 @@ void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data,
         scale = (hi - lo) / qmax;
         const float inv = scale > 0.f ? 1.f / scale : 0.f;
         for (int i = 0; i < n; ++i) codes[i] = (int8_t)clampf(round_even((src[k0 + i] - lo) * inv), 0.f, qmax);
-        scales[(size_t)(s.n_groups() + g) * kRowsPerBlock + r] = -lo;
+        mins[(size_t)g * kRowsPerBlock + r] = -lo;
+      } else if (cb) {  // lut4: the scale that maps the group's largest |w| to the codebook's, the nearest entries
+        float amax = 0.f;
+        for (int i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(src[k0 + i]));
+        scale = store_scale_rounded(s.scale_type, amax / (float)cb_max, sp);
+        const float inv = scale > 0.f ? 1.f / scale : 0.f;
+        for (int i = 0; i < n; ++i) codes[i] = (int8_t)nearest_index(cb, src[k0 + i] * inv);
       } else if (f == WeightFormat::int8) {
         float amax = row_amax;
         if (!s.per_row)
@@ -248,14 +353,24 @@ void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data,
       } else {
         scale = choose_int4_scale(src + k0, n, codes);
       }
+      if (!cb && s.scale_type != ScaleType::f32) {  // int8/int4: the codes again, for the scale the type holds
+        scale = store_scale_rounded(s.scale_type, scale, sp);
+        const float inv = scale > 0.f ? 1.f / scale : 0.f, qlo = f == WeightFormat::int8 ? -127.f : -8.f;
+        const float qhi = f == WeightFormat::int8 ? 127.f : 7.f;
+        for (int i = 0; i < n; ++i) codes[i] = (int8_t)clampf(round_even(src[k0 + i] * inv), qlo, qhi);
+      } else if (!cb) {
+        std::memcpy(sp, &scale, 4);
+      }
       put_codes(f, dst, k0, n, codes, code_offset(s));
-      scales[(size_t)g * kRowsPerBlock + r] = scale;
     }
   }
 }
 
-void unpack_row_block(const MatrixShape& s, const uint8_t* data, const float* scales, int rb, float* w) {
+void unpack_row_block(const MatrixShape& s, const uint8_t* data, const uint8_t* scales, int rb, float* w) {
   const WeightFormat f = s.format;
+  const int width = scale_width(s.scale_type);
+  const float* mins = reinterpret_cast<const float*>(scales + (size_t)s.n_groups() * kRowsPerBlock * width);
+  const int8_t* cb = f == WeightFormat::lut4 ? codebook_values(s.codebook) : nullptr;
   for (int r = 0; r < kRowsPerBlock; ++r) {
     int row = rb * kRowsPerBlock + r;
     if (row >= s.n) break;
@@ -269,11 +384,14 @@ void unpack_row_block(const MatrixShape& s, const uint8_t* data, const float* sc
         dst[k] = bf16_to_float(v);
       } else {
         const size_t gi = (size_t)(k / s.group) * kRowsPerBlock + r;
+        const float scale = scale_to_float(s.scale_type, scales + gi * width);
         const int u = f == WeightFormat::int8 ? (int)*p : (int)((*p >> (4 * nib)) & 0x0f);
         if (s.affine())  // two roundings, as gguf's dequantization: fl(fl(scale * u) - min)
-          dst[k] = (float)u * scales[gi] - scales[(size_t)s.n_groups() * kRowsPerBlock + gi];
+          dst[k] = (float)u * scale - mins[gi];
+        else if (cb)
+          dst[k] = (float)cb[u] * scale;
         else
-          dst[k] = (float)(u - code_offset(s)) * scales[gi];
+          dst[k] = (float)(u - code_offset(s)) * scale;
       }
     }
   }

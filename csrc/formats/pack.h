@@ -7,21 +7,28 @@
 namespace hetmoe {
 
 // Packs row block `rb` of w (fp32 [s.n][s.k], row-major) into data (s.block_bytes()) and scales
-// (s.block_scales() floats). int8: absmax scale per (row, group). int4: the scale minimising squared error
+// (s.block_scale_bytes()). int8: absmax scale per (row, group). int4: the scale minimising squared error
 // over a small set of candidates, then refitted by least squares. Affine: the group's range with 0, min = -lowest.
-void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data, float* scales);
+// lut4: the scale mapping the group's largest |w| to the codebook's largest |value|, each w to the nearest entry.
+// Scales stored narrower than fp32 are rounded to their type (e8m0: up to a power of two) before the codes.
+void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data, uint8_t* scales);
 
-// Packs row block `rb` from codes quantized already (GGUF's Q8_0 / Q4_0 / K-quant blocks): q [s.n][s.k] and one
-// scale per (row, group), group_scales [s.n][s.n_groups()]; affine shapes also one min per (row, group),
+// Packs row block `rb` from codes quantized already (GGUF's Q8_0 / Q4_0 / K-quant / IQ4 / FP4 blocks): q [s.n][s.k]
+// and one scale per (row, group), group_scales [s.n][s.n_groups()]; affine shapes also one min per (row, group),
 // group_mins (same shape; ignored when symmetric). Code ranges: symmetric int8 [-127, 127], int4 [-8, 7]; affine
-// int8 [0, 127], int4 [0, 15]. The values the kernels multiply by are then exactly q * scale (affine:
-// fl(fl(scale * q) - min), as gguf's K-quant dequantization): nothing is re-quantized. Grouped int8/int4 only (not
-// per-row, not bf16). Returns false when a code is out of its range or a scale or min is not finite (the block is
-// then garbage).
+// int8 [0, 127], int4 [0, 15]; lut4 the codebook index [0, 15]. The values the kernels multiply by are then exactly
+// q * scale (lut4: codebook[q] * scale; affine: fl(fl(scale * q) - min), as gguf's K-quant dequantization): nothing
+// is re-quantized. Grouped int8/int4/lut4 only (not per-row, not bf16). Returns false when a code is out of its
+// range, a scale or min is not finite, or a scale has no exact form in the shape's scale type (the block is then
+// garbage).
 bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* group_scales, const float* group_mins,
-                          int rb, uint8_t* data, float* scales);
+                          int rb, uint8_t* data, uint8_t* scales);
+
+// Scale v of a group quantized from floats, stored in type t at dst: the nearest value t holds (e8m0: the next power
+// of two up, so that no code is clipped), which is returned for the codes.
+float store_scale_rounded(ScaleType t, float v, uint8_t* dst);
 
 // The inverse: fp32 [s.n][s.k] values the kernels actually multiply by.
-void unpack_row_block(const MatrixShape& s, const uint8_t* data, const float* scales, int rb, float* w);
+void unpack_row_block(const MatrixShape& s, const uint8_t* data, const uint8_t* scales, int rb, float* w);
 
 }  // namespace hetmoe

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "formats/pack.h"
+
 namespace hetmoe {
 
 namespace {
@@ -18,9 +20,16 @@ inline uint64_t splitmix64(uint64_t& state) {
 
 }  // namespace
 
-RandomFill RandomFill::make(WeightFormat f, float std) {
-  // Standard deviation of the uniform quantized values: int8 q in [-127, 127], int4 q in [-8, 7].
-  const float q_std = f == WeightFormat::int8 ? 73.6f : 4.61f;
+RandomFill RandomFill::make(WeightFormat f, float std, Codebook codebook) {
+  // Standard deviation of the uniform quantized values: int8 q in [-127, 127], int4 q in [-8, 7], lut4 the
+  // codebook's 16 values.
+  float q_std = f == WeightFormat::int8 ? 73.6f : 4.61f;
+  if (f == WeightFormat::lut4) {
+    double ss = 0.;
+    for (int i = 0; i < 16; ++i) ss += (double)codebook_values(codebook)[i] * codebook_values(codebook)[i];
+    q_std = (float)std::sqrt(ss / 16.);
+    if (!(q_std > 0.f)) throw std::invalid_argument("fill_random: lut4 needs a codebook");
+  }
   RandomFill r;
   r.scale = std / q_std;
   // bf16: magnitudes 2^e..2^(e+3) have a std of about 0.0316 * 2^(e+7)
@@ -30,7 +39,7 @@ RandomFill RandomFill::make(WeightFormat f, float std) {
 }
 
 void fill_random_block(const MatrixShape& s, int rb, uint64_t seed, const RandomFill& fill, uint8_t* data,
-                       float* scales) {
+                       uint8_t* scales) {
   const int kpl = k_per_line(s.format);
   uint64_t state = seed;
   for (int line = 0; line < s.lines_per_block(); ++line) {
@@ -52,19 +61,25 @@ void fill_random_block(const MatrixShape& s, int rb, uint64_t seed, const Random
           const int q = (int)((bits >> (16 * b)) % 255) - 127;
           dst[b] = (uint8_t)((row_ok && k0 + b < s.k ? q : 0) + 128);
         }
-      } else {
+      } else {  // int4 (padding 8), lut4 (padding index 0)
+        const uint8_t pad = s.format == WeightFormat::lut4 ? 0 : 8;
         for (int b = 0; b < 4; ++b) {
           const bool lo_ok = row_ok && k0 + b < s.k, hi_ok = row_ok && k0 + 4 + b < s.k;
-          const uint8_t lo = lo_ok ? (bits >> (8 * b)) & 0xF : 8, hi = hi_ok ? (bits >> (8 * b + 4)) & 0xF : 8;
+          const uint8_t lo = lo_ok ? (bits >> (8 * b)) & 0xF : pad, hi = hi_ok ? (bits >> (8 * b + 4)) & 0xF : pad;
           dst[b] = (uint8_t)(lo | (hi << 4));
         }
       }
     }
   }
-  // affine: the same bytes read as u with min = scale * 128 (int8) / 8 (int4) give the symmetric values again
+  // every scale the same (rounded to the scale type); affine (fp32 scales): the same bytes read as u with
+  // min = scale * 128 (int8) / 8 (int4) give the symmetric values again
+  if (!s.has_scales()) return;
   const size_t n_scales = (size_t)s.n_groups() * kRowsPerBlock;
-  for (size_t i = 0; i < s.block_scales(); ++i)
-    scales[i] = i < n_scales ? fill.scale : fill.scale * (s.format == WeightFormat::int8 ? 128.f : 8.f);
+  const int width = scale_width(s.scale_type);
+  for (size_t i = 0; i < n_scales; ++i) store_scale_rounded(s.scale_type, fill.scale, scales + i * width);
+  float* mins = reinterpret_cast<float*>(scales + n_scales * width);
+  for (size_t i = 0; s.affine() && i < n_scales; ++i)
+    mins[i] = fill.scale * (s.format == WeightFormat::int8 ? 128.f : 8.f);
 }
 
 uint64_t storage_checksum(ThreadPool& pool, const std::vector<std::pair<uint8_t*, size_t>>& ranges) {

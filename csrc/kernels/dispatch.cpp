@@ -11,23 +11,32 @@ namespace {
 
 // [isa][format]; an empty entry falls back to the level below.
 // clang-format off
-const KernelEntry kTable[4][3] = {
+const KernelEntry kTable[4][kWeightFormats] = {
     /* scalar */ {{scalar::rowblock_bf16, "bf16/scalar"},
                   {scalar::rowblock_int8, "int8/scalar"},
-                  {scalar::rowblock_int4, "int4/scalar"}},
+                  {scalar::rowblock_int4, "int4/scalar"},
+                  {scalar::rowblock_lut4, "lut4/scalar"}},
     /* avx2   */ {{avx2::rowblock_bf16, "bf16/avx2-fma"},
                   {avx2::rowblock_int8, "int8/avx2-madd"},
-                  {avx2::rowblock_int4, "int4/avx2-maddubs"}},
+                  {avx2::rowblock_int4, "int4/avx2-maddubs"},
+                  {avx2::rowblock_lut4, "lut4/avx2-pshufb-maddubs"}},
     /* avx512 */ {{avx512::rowblock_bf16, "bf16/avx512-fma"},
                   {avx512::rowblock_int8, "int8/avx512-vnni"},
-                  {avx512::rowblock_int4, "int4/avx512-vnni"}},
-    /* amx    */ {{}, {}, {}},  // row blocks of few tokens: the AVX-512 kernels; the GEMM from amx::gemm
+                  {avx512::rowblock_int4, "int4/avx512-vnni"},
+                  {avx512::rowblock_lut4, "lut4/avx512-vpshufb-vnni"}},
+    /* amx    */ {{}, {}, {}, {}},  // row blocks of few tokens: the AVX-512 kernels; the GEMM from amx::gemm
 };
 // clang-format on
 
 // [native, emulated][format]
-const char* const kGemmNames[2][3] = {{"bf16/amx-tdpbf16ps", "int8/amx-tdpbsud", "int4/amx-tdpbsud"},
-                                      {"bf16/amx-emulated", "int8/amx-emulated", "int4/amx-emulated"}};
+const char* const kGemmNames[2][kWeightFormats] = {
+    {"bf16/amx-tdpbf16ps", "int8/amx-tdpbsud", "int4/amx-tdpbsud", "lut4/amx-tdpbssd"},
+    {"bf16/amx-emulated", "int8/amx-emulated", "int4/amx-emulated", "lut4/amx-emulated"}};
+
+const char* scale_type_name(ScaleType t) {
+  static const char* const names[] = {"fp32", "fp16", "bf16", "e8m0"};
+  return names[(int)t];
+}
 
 }  // namespace
 
@@ -75,14 +84,27 @@ ReadKernel select_read_kernel(Isa isa) {
   return scalar::read_bytes;
 }
 
-void check_kernel_choice(WeightFormat format, int group, Isa isa, AmxMode amx, int amx_min_tokens) {
-  auto bad = [](const std::string& m) { throw std::invalid_argument(m); };
-  if (format != WeightFormat::bf16) {
-    const bool int8 = format == WeightFormat::int8, per_row = group <= 0;
-    if (!per_row && group != 32 && group != 64 && group != 128 && !(int8 && group == 16))
+void check_kernel_choice(const MatrixFormat& m, Isa isa, AmxMode amx, int amx_min_tokens) {
+  auto bad = [](const std::string& msg) { throw std::invalid_argument(msg); };
+  const int group = m.group;
+  const bool lut4 = m.format == WeightFormat::lut4, per_row = group <= 0;
+  if (m.format == WeightFormat::bf16) {
+    if (m.scale_type != ScaleType::f32 || m.codebook != Codebook::none || m.scaling != Scaling::symmetric)
+      bad("bf16 weights have no scales, scaling or codebook");
+  } else {
+    const bool int8 = m.format == WeightFormat::int8;
+    if (lut4 && group != 16 && group != 32 && group != 64 && group != 128)
+      bad("lut4 group_size must be 16, 32, 64 or 128, got " + std::to_string(group));
+    if (!lut4 && !per_row && group != 32 && group != 64 && group != 128 && !(int8 && group == 16))
       bad("group_size must be 32, 64 or 128" +
           std::string(int8 ? " (int8 also 16, or 0 for per-row)" : " (or 0 for per-row)") + ", got " +
           std::to_string(group));
+    if (lut4 && m.codebook == Codebook::none) bad("lut4 weights need a codebook (e2m1 or iq4nl)");
+    if (!lut4 && m.codebook != Codebook::none) bad("a codebook goes with lut4 weights only");
+    if (lut4 && m.scaling == Scaling::affine) bad("lut4 weights are symmetric: affine scaling needs int8 or int4");
+    if (m.scale_type != ScaleType::f32 && (per_row || m.scaling == Scaling::affine))
+      bad(std::string(scale_type_name(m.scale_type)) + " scales need grouped symmetric weights (per-row and affine " +
+          "scales are fp32)");
   }
   if (!cpu_features().supports(isa))
     bad(std::string("this CPU cannot run the ") + isa_name(isa) + " kernels: " + isa_refusal(isa));

@@ -48,11 +48,12 @@ enum class AmxMode : int { off = 0, native = 1, emulated = 2 };
 // expert) plus the AMX GEMM (many tokens); `emulated` replaces that GEMM by its emulation.
 KernelEntry select_kernel(WeightFormat format, Isa isa, AmxMode amx = AmxMode::off);
 
-// Throws std::invalid_argument naming what is wrong when (format, group, isa, amx, amx_min_tokens) is not a kernel
-// choice this build and CPU can run: a group other than 32/64/128 (int8 also 16) or <= 0 (per row), an ISA the CPU (or
-// HETMOE_MAX_ISA) refuses, native AMX without isa amx, amx_min_tokens < 1. The experts and the dense linear check
-// their configs with it.
-void check_kernel_choice(WeightFormat format, int group, Isa isa, AmxMode amx, int amx_min_tokens);
+// Throws std::invalid_argument naming what is wrong when (matrix format, isa, amx, amx_min_tokens) is not a kernel
+// choice this build and CPU can run: a group other than 32/64/128 (int8 and lut4 also 16) or <= 0 (per row: int8
+// and int4), lut4 without a codebook or a codebook on another format, affine lut4, scales narrower than fp32 on
+// per-row or affine matrices, bf16 with scale options, an ISA the CPU (or HETMOE_MAX_ISA) refuses, native AMX
+// without isa amx, amx_min_tokens < 1. The experts and the dense linear check their configs with it.
+void check_kernel_choice(const MatrixFormat& m, Isa isa, AmxMode amx, int amx_min_tokens);
 
 // Whether the AMX tile kernels were compiled into this build (the compiler knew -mamx-*).
 bool amx_kernels_compiled();
@@ -84,6 +85,7 @@ RowOps row_ops();
 void rowblock_bf16(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_int8(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_int4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
+void rowblock_lut4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 }  // namespace scalar
 namespace avx2 {
 uint64_t read_bytes(const uint8_t*, size_t);
@@ -91,6 +93,7 @@ RowOps row_ops();
 void rowblock_bf16(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_int8(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_int4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
+void rowblock_lut4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 }  // namespace avx2
 namespace avx512 {
 uint64_t read_bytes(const uint8_t*, size_t);
@@ -98,6 +101,7 @@ RowOps row_ops();
 void rowblock_bf16(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_int8(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_int4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
+void rowblock_lut4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 }  // namespace avx512
 namespace amx {                   // kernels/amx/kernels.cpp (real tile instructions) and emulated.cpp (plain C++)
 GemmKernel gemm(WeightFormat f);  // Gemm<Native> (native AMX builds only)

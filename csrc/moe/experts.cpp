@@ -22,14 +22,13 @@ static void check_config(const ExpertsConfig& c) {
   if (c.hidden <= 0 || c.intermediate <= 0)
     bad("hidden_size and intermediate_size must be positive, got " + std::to_string(c.hidden) + " and " +
         std::to_string(c.intermediate));
-  check_kernel_choice(c.format, c.group, c.isa, c.amx, c.amx_min_tokens);
   const WeightFormat down = c.down_format.value_or(c.format);
-  if (c.down_group != 0 || down != c.format)
-    check_kernel_choice(down, c.down_group != 0 ? c.down_group : c.group, c.isa, c.amx, c.amx_min_tokens);
   if (down != c.format && (down == WeightFormat::bf16 || c.format == WeightFormat::bf16 || c.group <= 0))
-    bad("gate/up and down of different formats must both be grouped int8/int4");
+    bad("gate/up and down of different formats must both be grouped int8/int4/lut4");
   const bool affine = c.gate_up_scaling == Scaling::affine || c.down_scaling == Scaling::affine;
   if (affine && c.format == WeightFormat::bf16) bad("affine scaling needs int8 or int4 weights, got bf16");
+  check_kernel_choice(c.gate_up_format(), c.isa, c.amx, c.amx_min_tokens);
+  check_kernel_choice(c.down_matrix_format(), c.isa, c.amx, c.amx_min_tokens);
   if ((c.gate_up_scaling == Scaling::affine && c.group <= 0) ||
       (c.down_scaling == Scaling::affine && (c.down_group != 0 ? c.down_group : c.group) <= 0))
     bad("affine scaling needs a group size (not per-row scales)");
@@ -42,9 +41,8 @@ MoeExperts::MoeExperts(const ExpertsConfig& cfg, std::shared_ptr<ThreadPool> poo
   check_config(cfg_);
   if (cfg_.intermediate_full <= 0) cfg_.intermediate_full = cfg_.intermediate;
   if (cfg_.down_group == 0) cfg_.down_group = cfg_.group;
-  gu_ = MatrixShape::make(cfg_.format, cfg_.intermediate, cfg_.hidden, cfg_.group, cfg_.gate_up_scaling);
-  down_ = MatrixShape::make(cfg_.down_format.value_or(cfg_.format), cfg_.hidden, cfg_.intermediate, cfg_.down_group,
-                            cfg_.down_scaling);
+  gu_ = MatrixShape::make(cfg_.gate_up_format(), cfg_.intermediate, cfg_.hidden);
+  down_ = MatrixShape::make(cfg_.down_matrix_format(), cfg_.hidden, cfg_.intermediate);
   gu_act_ = ActLayout::make(gu_);
   down_act_ = ActLayout::make(down_);
   // per-row int8/int4 on AMX: x in one group per token, h in groups of amx_row_group(I) (layout.h)
@@ -99,13 +97,13 @@ int MoeExperts::n_loaded() const { return (int)std::count(loaded_.begin(), loade
 RowBlock MoeExperts::gate_up_block(int e, int rb, int which) const {
   size_t idx = ((size_t)e * gu_.n_blocks + rb) * 2 + which;
   return RowBlock::at(gu_, gu_data_.data() + idx * gu_.block_bytes(),
-                      reinterpret_cast<const float*>(gu_scales_.data()) + idx * gu_.block_scales());
+                      gu_scales_.data() + idx * gu_.block_scale_bytes());
 }
 
 RowBlock MoeExperts::down_block(int e, int rb) const {
   size_t idx = (size_t)e * down_.n_blocks + rb;
   return RowBlock::at(down_, down_data_.data() + idx * down_.block_bytes(),
-                      reinterpret_cast<const float*>(down_scales_.data()) + idx * down_.block_scales());
+                      down_scales_.data() + idx * down_.block_scale_bytes());
 }
 
 void MoeExperts::pack_all(int e0, int n, const BlockPacker& pack, const char* failure) {
@@ -123,8 +121,7 @@ void MoeExperts::pack_all(int e0, int n, const BlockPacker& pack, const char* fa
       int which = b < gu_tasks ? b % 2 : 2, rb = b < gu_tasks ? b / 2 : b - gu_tasks;
       size_t idx = which == 2 ? (size_t)e * down_.n_blocks + rb : ((size_t)e * gu_.n_blocks + rb) * 2 + which;
       uint8_t* data = (which == 2 ? down_data_ : gu_data_).data() + idx * shape.block_bytes();
-      float* scales =
-          reinterpret_cast<float*>((which == 2 ? down_scales_ : gu_scales_).data()) + idx * shape.block_scales();
+      uint8_t* scales = (which == 2 ? down_scales_ : gu_scales_).data() + idx * shape.block_scale_bytes();
       if (!pack(i, which, shape, rb, data, scales)) bad[i * 3 + which].store(1);
     });
   });
@@ -141,7 +138,7 @@ void MoeExperts::load(int e0, int n, const float* gate, const float* up, const f
   const size_t IH = (size_t)cfg_.intermediate * cfg_.hidden;
   pack_all(
       e0, n,
-      [&](int i, int which, const MatrixShape& shape, int rb, uint8_t* data, float* scales) {
+      [&](int i, int which, const MatrixShape& shape, int rb, uint8_t* data, uint8_t* scales) {
         const float* src = (which == 0 ? gate : which == 1 ? up : down) + i * IH;
         const int r0 = rb * kRowsPerBlock, r1 = std::min(shape.n, r0 + kRowsPerBlock);
         for (size_t v = (size_t)r0 * shape.k; v < (size_t)r1 * shape.k; ++v)
@@ -155,20 +152,21 @@ void MoeExperts::load(int e0, int n, const float* gate, const float* up, const f
 void MoeExperts::load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3],
                             const float* const group_mins[3]) {
   if (cfg_.format == WeightFormat::bf16 || gu_.per_row || down_.per_row)
-    throw std::invalid_argument("load_codes: the experts' format must be grouped int8 or int4");
+    throw std::invalid_argument("load_codes: the experts' format must be grouped int8, int4 or lut4");
   for (int m = 0; m < 3; ++m)
     if ((m < 2 ? gu_ : down_).affine() && !group_mins[m])
       throw std::invalid_argument("load_codes: affine matrices need their mins");
   const size_t IH = (size_t)cfg_.intermediate * cfg_.hidden;
   pack_all(
       e0, n,
-      [&](int i, int which, const MatrixShape& shape, int rb, uint8_t* data, float* scales) {
+      [&](int i, int which, const MatrixShape& shape, int rb, uint8_t* data, uint8_t* scales) {
         const size_t per_expert_scales = (size_t)shape.n * shape.n_groups();
         const float* mins = shape.affine() ? group_mins[which] + i * per_expert_scales : nullptr;
         return pack_row_block_codes(shape, q[which] + i * IH, group_scales[which] + i * per_expert_scales, mins, rb,
                                     data, scales);
       },
-      "has a code outside its format's range or a scale or min that is not finite");
+      "has a code outside its format's range, a scale or min that is not finite, or a scale its scale type does not "
+      "hold exactly");
 }
 
 void MoeExperts::unpack(int e, float* gate, float* up, float* down) const {
@@ -188,7 +186,8 @@ void MoeExperts::unpack(int e, float* gate, float* up, float* down) const {
 // ---------------------------------------------------------------- random weights, raw storage
 
 void MoeExperts::fill_random(uint64_t seed, float std) {
-  const RandomFill fill = RandomFill::make(cfg_.format, std), down_fill = RandomFill::make(down_.format, std);
+  const RandomFill fill = RandomFill::make(gu_.format, std, gu_.codebook);
+  const RandomFill down_fill = RandomFill::make(down_.format, std, down_.codebook);
   const int gu_tasks = gu_.n_blocks * 2, per_expert = gu_tasks + down_.n_blocks;
   pool_->run_and_wait([&](ThreadPool& pool) {
     pool.parallel_for((int64_t)cfg_.n_expert * per_expert, [&](int64_t task, int) {
@@ -196,11 +195,12 @@ void MoeExperts::fill_random(uint64_t seed, float std) {
       uint64_t block_seed = seed * 0x2545F4914F6CDD1Dull + (uint64_t)task;
       if (b < gu_tasks) {
         RowBlock blk = gate_up_block(e, b / 2, b % 2);
-        fill_random_block(gu_, b / 2, block_seed, fill, const_cast<uint8_t*>(blk.data), const_cast<float*>(blk.scales));
+        fill_random_block(gu_, b / 2, block_seed, fill, const_cast<uint8_t*>(blk.data),
+                          const_cast<uint8_t*>(blk.scales));
       } else {
         RowBlock blk = down_block(e, b - gu_tasks);
         fill_random_block(down_, b - gu_tasks, block_seed, down_fill, const_cast<uint8_t*>(blk.data),
-                          const_cast<float*>(blk.scales));
+                          const_cast<uint8_t*>(blk.scales));
       }
     });
   });

@@ -43,7 +43,7 @@ namespace hetmoe {
 constexpr int kAmxMinTokens = 4;
 constexpr int kAmxMinTokensInt4 = 32;
 inline int default_amx_min_tokens(WeightFormat f) {
-  return f == WeightFormat::int4 ? kAmxMinTokensInt4 : kAmxMinTokens;
+  return f == WeightFormat::int4 || f == WeightFormat::lut4 ? kAmxMinTokensInt4 : kAmxMinTokens;
 }
 
 // The stages of one MoE job (see the top of this file), for the per-stage time profile.
@@ -70,12 +70,24 @@ struct ExpertsConfig {
   // int8/int4 codes of gate/up and of down (formats/layout.h); affine needs a group (not per row)
   Scaling gate_up_scaling = Scaling::symmetric;
   Scaling down_scaling = Scaling::symmetric;
+  // how gate/up's and down's scales are stored, and (lut4) the codebook of each (formats/layout.h)
+  ScaleType gate_up_scale_type = ScaleType::f32;
+  ScaleType down_scale_type = ScaleType::f32;
+  Codebook gate_up_codebook = Codebook::none;
+  Codebook down_codebook = Codebook::none;
   Isa isa = Isa::scalar;
   AmxMode amx = AmxMode::off;  // isa == amx implies native; emulated: tests only
   int amx_min_tokens = kAmxMinTokens;
   // The whole expert's I when this config is one NUMA slice of it (0: `intermediate`): per-row int8/int4 experts on AMX
   // group h by amx_row_group of it, in every slice alike.
   int intermediate_full = 0;
+
+  // gate/up's and down's matrix formats (down's group and format resolved: down_group 0 is group)
+  MatrixFormat gate_up_format() const { return {format, group, gate_up_scaling, gate_up_scale_type, gate_up_codebook}; }
+  MatrixFormat down_matrix_format() const {
+    return {down_format.value_or(format), down_group != 0 ? down_group : group, down_scaling, down_scale_type,
+            down_codebook};
+  }
 };
 
 class MoeExperts {
@@ -87,8 +99,9 @@ class MoeExperts {
   void load(int e0, int n, const float* gate, const float* up, const float* down);
   // Packs experts [e0, e0 + n) from codes quantized already (formats/pack.h, pack_row_block_codes): q[m] int8
   // [n, rows, cols] and group_scales[m] fp32 [n, rows, cols / group] for m = gate, up, down, and for affine
-  // matrices group_mins[m] of the same shape (null for symmetric ones). Grouped int8/int4 only; the kernels then
-  // multiply by exactly q * scale (affine: scale * q - min).
+  // matrices group_mins[m] of the same shape (null for symmetric ones). Grouped int8/int4/lut4 only; the kernels then
+  // multiply by exactly q * scale (lut4: codebook[q] * scale; affine: scale * q - min). Scales with no exact form in
+  // the matrix's scale type are refused as out-of-range codes are.
   void load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3],
                   const float* const group_mins[3]);
   // The values the kernels multiply by, fp32: gate, up [I, H], down [H, I].
@@ -143,7 +156,7 @@ class MoeExperts {
  private:
   // Runs pack(i, matrix, shape, row block, data, scales) -> accepted, for every row block of experts [e0, e0 + n)
   // on the pool; a refused block fails its matrix with "<matrix> of expert E <failure>".
-  using BlockPacker = std::function<bool(int, int, const MatrixShape&, int, uint8_t*, float*)>;
+  using BlockPacker = std::function<bool(int, int, const MatrixShape&, int, uint8_t*, uint8_t*)>;
   void pack_all(int e0, int n, const BlockPacker& pack, const char* failure);
 
   ExpertsConfig cfg_;

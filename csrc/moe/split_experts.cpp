@@ -47,9 +47,8 @@ NumaExperts::NumaExperts(const ExpertsConfig& cfg, std::shared_ptr<NumaPools> po
     // Before anything touches the pages: they then fault in on the subpool's node.
     for (auto& [p, n] : slices_.back()->storage()) pools_->bind((int)s, p, n);
   }
-  gu_ = MatrixShape::make(cfg_.format, cfg_.intermediate, cfg_.hidden, cfg_.group, cfg_.gate_up_scaling);
-  down_ = MatrixShape::make(cfg_.down_format.value_or(cfg_.format), cfg_.hidden, cfg_.intermediate, down_group,
-                            cfg_.down_scaling);
+  gu_ = MatrixShape::make(cfg_.gate_up_format(), cfg_.intermediate, cfg_.hidden);
+  down_ = MatrixShape::make(cfg_.down_matrix_format(), cfg_.hidden, cfg_.intermediate);
 }
 
 size_t NumaExperts::bytes_per_expert() const {
@@ -96,7 +95,7 @@ void NumaExperts::load(int e0, int n, const float* gate, const float* up, const 
           return;
         }
         RowBlock blk = sl.gate_up_block(e, b / 2, which);
-        pack_row_block(gu_, src, rb, const_cast<uint8_t*>(blk.data), const_cast<float*>(blk.scales));
+        pack_row_block(gu_, src, rb, const_cast<uint8_t*>(blk.data), const_cast<uint8_t*>(blk.scales));
         return;
       }
       // down: columns [i0, i0 + Is) of row block rb
@@ -109,21 +108,22 @@ void NumaExperts::load(int e0, int n, const float* gate, const float* up, const 
         }
       RowBlock blk = sl.down_block(e, rb);
       uint8_t* data = const_cast<uint8_t*>(blk.data);
-      float* scales = const_cast<float*>(blk.scales);
+      uint8_t* scales = const_cast<uint8_t*>(blk.scales);
       if (down_.per_row) {
-        // Per-row scales come from the whole row: pack the full row block, keep this slice's lines and groups.
+        // Per-row scales (fp32) come from the whole row: pack the full row block, keep this slice's lines and groups.
         const size_t data_bytes = down_.block_bytes();
-        uint8_t* tmp = pool.thread_scratch(th, data_bytes + down_.block_scales() * sizeof(float));
-        float* tmp_scales = reinterpret_cast<float*>(tmp + data_bytes);
+        uint8_t* tmp = pool.thread_scratch(th, data_bytes + down_.block_scale_bytes());
+        uint8_t* tmp_scales = tmp + data_bytes;
         pack_row_block(down_, src, rb, tmp, tmp_scales);
         std::memcpy(data, tmp + (size_t)(i0 / k_per_line(fmt)) * kLineBytes, sd.block_bytes());
-        std::memcpy(scales, tmp_scales + (size_t)(i0 / down_.group) * kRowsPerBlock, sd.block_scales() * sizeof(float));
+        std::memcpy(scales, tmp_scales + (size_t)(i0 / down_.group) * kRowsPerBlock * sizeof(float),
+                    sd.block_scale_bytes());
       } else {
         // Scales are per group and groups are whole: the slice's columns packed alone give the same bytes.
         float* tmp = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * nr * Is));
         for (int r = 0; r < nr; ++r)
           std::memcpy(tmp + (size_t)r * Is, src + (size_t)(r0 + r) * I + i0, sizeof(float) * Is);
-        pack_row_block(MatrixShape::make(fmt, nr, Is, down_.group, down_.scaling), tmp, 0, data, scales);
+        pack_row_block(MatrixShape::make(sd.matrix_format(), nr, Is), tmp, 0, data, scales);
       }
     });
   });
@@ -139,7 +139,7 @@ void NumaExperts::load(int e0, int n, const float* gate, const float* up, const 
 void NumaExperts::load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3],
                              const float* const group_mins[3]) {
   if (cfg_.format == WeightFormat::bf16 || gu_.per_row || down_.per_row)
-    throw std::invalid_argument("load_codes: the experts' format must be grouped int8 or int4");
+    throw std::invalid_argument("load_codes: the experts' format must be grouped int8, int4 or lut4");
   const int H = cfg_.hidden, I = cfg_.intermediate, gg = gu_.group, gd = down_.group;
   if (H % gg || I % gd)
     throw std::invalid_argument("load_codes: hidden and intermediate sizes must be multiples of the group");

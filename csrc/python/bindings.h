@@ -27,7 +27,22 @@ inline WeightFormat format_from_name(const std::string& s) {
   if (s == "bf16") return WeightFormat::bf16;
   if (s == "int8") return WeightFormat::int8;
   if (s == "int4") return WeightFormat::int4;
-  throw std::invalid_argument("unknown weight format '" + s + "' (expected bf16, int8 or int4)");
+  if (s == "lut4") return WeightFormat::lut4;
+  throw std::invalid_argument("unknown weight format '" + s + "' (expected bf16, int8, int4 or lut4)");
+}
+
+// Scale types and codebooks by their Python names (hetmoe/cpu/experts.py SCALE_DTYPES, CODEBOOKS).
+inline const char* const kScaleTypeNames[] = {"fp32", "fp16", "bf16", "e8m0"};
+inline const char* const kCodebookNames[] = {"", "e2m1", "iq4nl"};
+inline ScaleType scale_type_from_name(const std::string& s) {
+  for (int i = 0; i < 4; ++i)
+    if (s == kScaleTypeNames[i]) return (ScaleType)i;
+  throw std::invalid_argument("unknown scale dtype '" + s + "' (expected fp32, fp16, bf16 or e8m0)");
+}
+inline Codebook codebook_from_name(const std::string& s) {
+  for (int i = 0; i < kCodebooks; ++i)
+    if (s == kCodebookNames[i]) return (Codebook)i;
+  throw std::invalid_argument("unknown codebook '" + s + "' (expected e2m1 or iq4nl)");
 }
 
 template <typename T>
@@ -40,6 +55,7 @@ inline const char* format_name(WeightFormat f) {
     case WeightFormat::bf16: return "bf16";
     case WeightFormat::int8: return "int8";
     case WeightFormat::int4: return "int4";
+    case WeightFormat::lut4: return "lut4";
   }
   return "?";
 }

@@ -146,7 +146,9 @@ template <typename Experts, typename Pools, typename JobT>
 void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const char* pools_arg) {
   c.def(py::init([](std::shared_ptr<Pools> pools, int n_expert, int hidden, int inter, const std::string& fmt,
                     int group, const std::string& isa, bool amx_emulated, int amx_min_tokens, int down_group,
-                    const std::string& gate_up_scaling, const std::string& down_scaling, const std::string& down_fmt) {
+                    const std::string& gate_up_scaling, const std::string& down_scaling, const std::string& down_fmt,
+                    const std::string& gate_up_scale_dtype, const std::string& down_scale_dtype,
+                    const std::string& gate_up_codebook, const std::string& down_codebook) {
           ExpertsConfig cfg;
           cfg.n_expert = n_expert;
           cfg.hidden = hidden;
@@ -157,6 +159,10 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
           if (!down_fmt.empty()) cfg.down_format = format_from_name(down_fmt);
           cfg.gate_up_scaling = scaling_from_name(gate_up_scaling);
           cfg.down_scaling = scaling_from_name(down_scaling);
+          cfg.gate_up_scale_type = scale_type_from_name(gate_up_scale_dtype);
+          cfg.down_scale_type = scale_type_from_name(down_scale_dtype);
+          cfg.gate_up_codebook = codebook_from_name(gate_up_codebook);
+          cfg.down_codebook = codebook_from_name(down_codebook);
           cfg.isa = isa_from_name(isa);
           cfg.amx = amx_emulated ? AmxMode::emulated : AmxMode::off;
           cfg.amx_min_tokens = amx_min_tokens;
@@ -165,7 +171,9 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
         py::arg(pools_arg), py::arg("num_experts"), py::arg("hidden_size"), py::arg("intermediate_size"),
         py::arg("weight_format"), py::arg("group_size"), py::arg("isa"), py::arg("amx_emulated") = false,
         py::arg("amx_min_tokens") = kAmxMinTokens, py::arg("down_group_size") = 0,
-        py::arg("gate_up_scaling") = "symmetric", py::arg("down_scaling") = "symmetric", py::arg("down_format") = "")
+        py::arg("gate_up_scaling") = "symmetric", py::arg("down_scaling") = "symmetric", py::arg("down_format") = "",
+        py::arg("gate_up_scale_dtype") = "fp32", py::arg("down_scale_dtype") = "fp32", py::arg("gate_up_codebook") = "",
+        py::arg("down_codebook") = "")
       .def_property("amx_min_tokens", &Experts::amx_min_tokens, &Experts::set_amx_min_tokens)
       .def(
           "load",
@@ -254,6 +262,17 @@ void bind_experts(py::module_& m) {
     }
     d["gate_up_scaling"] = scaling_name(gu.scaling);
     d["down_scaling"] = scaling_name(dn.scaling);
+    // how the scales are stored and (lut4) the codebook; None where the matrix has none
+    auto scale_dtype = [](const MatrixShape& m) -> py::object {
+      return m.has_scales() ? py::cast(kScaleTypeNames[(int)m.scale_type]) : py::none();
+    };
+    auto codebook = [](const MatrixShape& m) -> py::object {
+      return m.codebook != Codebook::none ? py::cast(kCodebookNames[(int)m.codebook]) : py::none();
+    };
+    d["gate_up_scale_dtype"] = scale_dtype(gu);
+    d["down_scale_dtype"] = scale_dtype(dn);
+    d["gate_up_codebook"] = codebook(gu);
+    d["down_codebook"] = codebook(dn);
     d["isa"] = isa_name(c.isa);
     d["kernel"] = ex.kernel().name;
     auto activation = [](WeightFormat f) {

@@ -152,7 +152,7 @@ void bind_kernels(py::module_& m) {
   m.def(
       "amx_emulated_gemm",
       [](const std::string& fmt, int group, py::buffer w, py::buffer x, const std::string& scaling,
-         const std::string& loop, bool int4_signed) {
+         const std::string& loop, bool int4_signed, const std::string& scale_dtype, const std::string& codebook) {
         const char* fn = "amx_emulated_gemm";
         py::buffer_info wb = float_matrix(w, fn, "w"), xb = float_matrix(x, fn, "x");
         const int rows = (int)wb.shape[0], k = (int)wb.shape[1], n_tok = (int)xb.shape[0];
@@ -162,16 +162,17 @@ void bind_kernels(py::module_& m) {
         if (scaling != "symmetric" && scaling != "affine")
           throw std::invalid_argument("unknown scaling '" + scaling + "' (expected symmetric or affine)");
         const Scaling sc = scaling == "affine" ? Scaling::affine : Scaling::symmetric;
-        check_kernel_choice(f, group, Isa::scalar, AmxMode::emulated, 1);  // the group
         if (sc == Scaling::affine && (f == WeightFormat::bf16 || group <= 0))
           throw std::invalid_argument("amx_emulated_gemm: affine scaling needs int8/int4 with a group");
-        const MatrixShape s = MatrixShape::make(f, rows, k, group, sc);
+        const MatrixFormat mf{f, group, sc, scale_type_from_name(scale_dtype), codebook_from_name(codebook)};
+        check_kernel_choice(mf, Isa::scalar, AmxMode::emulated, 1);  // the group, scale type, codebook
+        const MatrixShape s = MatrixShape::make(mf, rows, k);
         const ActLayout a = ActLayout::make(s, true);
         const GemmKernel gemm = amx::emulated_gemm(f, amx::GemmVariant{grouped_loop_from_name(loop), int4_signed});
         constexpr int kOutStride = 32;  // floats per row of a GemmKernel's out
         const int n_blk = s.n_blocks, n_rows = (int)round_up(n_tok, 32);
         auto data = aligned_zeros(s.data_bytes());
-        std::vector<float> scales(s.block_scales() * n_blk);
+        std::vector<uint8_t> scales(s.block_scale_bytes() * n_blk);
         auto tiles = aligned_zeros(AmxPanel::tile_bytes(a, n_rows));
         auto meta = aligned_zeros(AmxPanel::meta_bytes_of(a, n_rows));
         auto row = aligned_zeros(a.row_bytes);
@@ -181,8 +182,8 @@ void bind_kernels(py::module_& m) {
           RowBlock blk[2];
           for (int j = 0; j < n_blk; ++j) {
             pack_row_block(s, static_cast<const float*>(wb.ptr), j, data.get() + j * s.block_bytes(),
-                           scales.data() + j * s.block_scales());
-            blk[j] = RowBlock::at(s, data.get() + j * s.block_bytes(), scales.data() + j * s.block_scales());
+                           scales.data() + j * s.block_scale_bytes());
+            blk[j] = RowBlock::at(s, data.get() + j * s.block_bytes(), scales.data() + j * s.block_scale_bytes());
           }
           const AmxPanel panel = AmxPanel::make(a, tiles.get(), meta.get());
           for (int t = 0; t < n_tok; ++t) {
@@ -198,7 +199,8 @@ void bind_kernels(py::module_& m) {
         return res;
       },
       py::arg("fmt"), py::arg("group"), py::arg("w"), py::arg("x"), py::arg("scaling") = "symmetric",
-      py::arg("loop") = "engine", py::arg("int4_signed") = true);
+      py::arg("loop") = "engine", py::arg("int4_signed") = true, py::arg("scale_dtype") = "fp32",
+      py::arg("codebook") = "");
   // formats/gguf_blocks.h decode_kquant on raw addresses (the caller sized every buffer: hetmoe/load/gguf/kquants.py)
   m.def(
       "decode_kquant",

@@ -2,10 +2,19 @@
 becomes the engine's int8 / int4 codes with their own scales (and mins), so the kernels multiply by the very values
 ``gguf``'s own dequantization gives. The packing itself is csrc/formats/pack.cpp (pack_row_block_codes).
 
-- Q8_0 / Q4_0 (one scale per 32: int8 codes in [-127, 127], 4-bit codes in [-8, 7] once llama.cpp's +8 offset is
-  taken off): int8 / int4 symmetric, group 32.
+- Q8_0 / Q4_0 (one fp16 scale per 32: int8 codes in [-127, 127], 4-bit codes in [-8, 7] once llama.cpp's +8 offset
+  is taken off): int8 / int4 symmetric, group 32, fp16 scales (the file's 34 / 18 bytes per 32 values).
 - Q4_K / Q5_K (value = scale * q - min per 32, q in 0..15 / 0..31): int4 / int8 affine, group 32.
 - Q6_K (value = scale * q per 16, q in [-32, 31]): int8 symmetric, group 16.
+- IQ4_NL (fp16 scale per 32, 4-bit indices into llama.cpp's kvalues_iq4nl): lut4, codebook iq4nl, fp16 scales.
+- IQ4_XS (super-blocks of 256: fp16 d and a 6-bit scale per 32, value = d * (ls - 32) * kvalues_iq4nl[q]): lut4 iq4nl,
+  group 32, fp32 scales (d * (ls - 32) has up to 17 significant bits: exact in fp32, not in fp16), 4.5 bits per weight
+  held against the file's 4.25.
+- MXFP4 (an E8M0 exponent per 32, 4-bit E2M1 codes): lut4, codebook e2m1 (values doubled), e8m0 scales (the
+  exponent byte itself: 2^(e - 128) has the 1/2 in it), the file's 17 bytes per 32 values.
+
+Codes of lut4 types are codebook indices (0..15). A layer planned as int8 (other layers need it) takes int8 codes:
+int4 codes as they are, lut4 indices looked up into their codebook values (``lut4_values``), exactly either way.
 
 Gate/up and down may differ in format, group and scaling (``CPUExperts(weight_format=(gate_up, down),
 down_group_size=..., scaling=(gate_up, down))``): unsloth's Q4_K_M is int4 affine gate/up beside int8 group-16 down.
@@ -18,31 +27,42 @@ from typing import Optional, Sequence
 import torch
 
 from hetmoe.cpu.experts import CPUExperts
+from hetmoe.cpu.layout import CODEBOOKS
 
 CODE_RANGE = {("int8", "symmetric"): (-127, 127), ("int4", "symmetric"): (-8, 7),
-              ("int8", "affine"): (0, 127), ("int4", "affine"): (0, 15)}
-# GGML types held exactly -> (format, scaling, group)
-EXACT_TYPES = {"Q8_0": ("int8", "symmetric", 32), "Q4_0": ("int4", "symmetric", 32), "Q4_K": ("int4", "affine", 32),
-               "Q5_K": ("int8", "affine", 32), "Q6_K": ("int8", "symmetric", 16)}
+              ("int8", "affine"): (0, 127), ("int4", "affine"): (0, 15), ("lut4", "symmetric"): (0, 15)}
+# GGML types held exactly -> (format, scaling, group, scale dtype, codebook)
+EXACT_TYPES = {"Q8_0": ("int8", "symmetric", 32, "fp16", None), "Q4_0": ("int4", "symmetric", 32, "fp16", None),
+               "Q4_K": ("int4", "affine", 32, "fp32", None), "Q5_K": ("int8", "affine", 32, "fp32", None),
+               "Q6_K": ("int8", "symmetric", 16, "fp32", None),
+               "IQ4_NL": ("lut4", "symmetric", 32, "fp16", "iq4nl"),
+               "IQ4_XS": ("lut4", "symmetric", 32, "fp32", "iq4nl"),
+               "MXFP4": ("lut4", "symmetric", 32, "e8m0", "e2m1")}
+FOUR_BITS = ("int4", "lut4")
 
 
 def exact_layout(gate_up_type: str, down_type: str, plan: Optional[str] = None) -> Optional[dict]:
     """The CPUExperts keyword arguments (``weight_format`` — one format or a (gate/up, down) pair —,
-    ``group_size``, ``down_group_size``, ``scaling``) that hold gate/up of GGML type ``gate_up_type`` and down of
-    ``down_type`` exactly, or None when one is not held exactly. A layer of int4 types planned as int8 (``plan``;
-    other layers need int8) takes int8 codes, still exactly, so that it has the bytes the plan counted."""
+    ``group_size``, ``down_group_size``, ``scaling``, ``scale_dtype``, ``codebook``) that hold gate/up of GGML type
+    ``gate_up_type`` and down of ``down_type`` exactly, or None when one is not held exactly. A layer of 4-bit types
+    planned as int8 (``plan``; other layers need int8) takes int8 codes, still exactly (lut4 indices looked up into
+    their values), so that it has the bytes the plan counted."""
     if gate_up_type not in EXACT_TYPES or down_type not in EXACT_TYPES:
         return None
     gu, down = EXACT_TYPES[gate_up_type], EXACT_TYPES[down_type]
-    fmts = ("int8", "int8") if plan == "int8" and gu[0] == down[0] == "int4" else (gu[0], down[0])
+    fmts, books = (gu[0], down[0]), (gu[4], down[4])
+    if plan == "int8" and gu[0] in FOUR_BITS and down[0] in FOUR_BITS:
+        fmts, books = ("int8", "int8"), (None, None)
     return {"weight_format": fmts[0] if fmts[0] == fmts[1] else fmts, "group_size": gu[2],
-            "down_group_size": down[2], "scaling": (gu[1], down[1])}
+            "down_group_size": down[2], "scaling": (gu[1], down[1]), "scale_dtype": (gu[3], down[3]),
+            "codebook": books}
 
 
 def plan_format(layout: dict) -> tuple:
-    """(format, group) a memory plan counts for ``layout`` (exact_layout's): int8 when either matrix is int8."""
+    """(format, group) a memory plan counts for ``layout`` (exact_layout's): int8 when either matrix is int8, else
+    int4 (lut4 is a 4-bit format of the same line bytes: a plan's int4 holds those layers in their own layout)."""
     fmt = layout["weight_format"]
-    return ("int8" if "int8" in (fmt if isinstance(fmt, tuple) else (fmt,)) else fmt), layout["group_size"]
+    return ("int8" if "int8" in (fmt if isinstance(fmt, tuple) else (fmt,)) else "int4"), layout["group_size"]
 
 
 def layout_of(experts: CPUExperts) -> dict:
@@ -50,7 +70,14 @@ def layout_of(experts: CPUExperts) -> dict:
     info = experts.info()
     fmt, down = info["weight_format"], info["down_weight_format"]
     return {"weight_format": fmt if fmt == down else (fmt, down), "group_size": info["group_size"],
-            "down_group_size": info["down_group_size"], "scaling": (info["gate_up_scaling"], info["down_scaling"])}
+            "down_group_size": info["down_group_size"], "scaling": (info["gate_up_scaling"], info["down_scaling"]),
+            "scale_dtype": (info["gate_up_scale_dtype"], info["down_scale_dtype"]),
+            "codebook": (info["gate_up_codebook"], info["down_codebook"])}
+
+
+def lut4_values(codes: torch.Tensor, codebook: str) -> torch.Tensor:
+    """lut4 indices (int8 0..15) -> their codebook's int8 values: the same weights as int8 codes."""
+    return torch.tensor(CODEBOOKS[codebook], dtype=torch.int8)[codes.long()]
 
 
 def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
@@ -66,8 +93,8 @@ def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Seque
     experts' bytes (still not marked loaded)."""
     info = experts.info()
     fmt, group, down_group = info["weight_format"], info["group_size"], info["down_group_size"]
-    if fmt not in ("int8", "int4") or group <= 0 or down_group <= 0:
-        raise ValueError(f"codes load into grouped int8 or int4 experts; these are {fmt} (group {group})")
+    if fmt not in ("int8", "int4", "lut4") or group <= 0 or down_group <= 0:
+        raise ValueError(f"codes load into grouped int8, int4 or lut4 experts; these are {fmt} (group {group})")
     mins = (None, None, None) if mins is None else tuple(mins)
     if len(codes) != 3 or len(scales) != 3 or len(mins) != 3:
         raise ValueError("codes, scales and mins must each hold (gate, up, down)")
@@ -76,11 +103,11 @@ def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Seque
     if not 0 <= first_expert or n < 0 or first_expert + n > experts.num_experts:
         raise ValueError(f"experts [{first_expert}, {first_expert + n}) do not fit in "
                          f"num_experts={experts.num_experts}")
-    ready = []  # per matrix: (name, format, scaling, codes, scales, mins or None), contiguous on the CPU
-    layouts = ((fmt, group, info["gate_up_scaling"]),) * 2 + ((info["down_weight_format"], down_group,
-                                                              info["down_scaling"]),)
-    for name, q, s, m, (rows, cols), (mfmt, g, scaling) in zip(("gate", "up", "down"), codes, scales, mins,
-                                                               ((I, H), (I, H), (H, I)), layouts):
+    ready = []  # per matrix: (name, format, scaling, scale dtype, codes, scales, mins or None), contiguous on the CPU
+    layouts = ((fmt, group, info["gate_up_scaling"], info["gate_up_scale_dtype"]),) * 2 + (
+        (info["down_weight_format"], down_group, info["down_scaling"], info["down_scale_dtype"]),)
+    for name, q, s, m, (rows, cols), (mfmt, g, scaling, sdt) in zip(("gate", "up", "down"), codes, scales, mins,
+                                                                    ((I, H), (I, H), (H, I)), layouts):
         if cols % g:
             raise ValueError(f"{name}: {cols} columns are not a multiple of the group size {g}")
         if q.dtype != torch.int8 or tuple(q.shape) != (n, rows, cols):
@@ -93,10 +120,10 @@ def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Seque
             if t is not None and tuple(t.shape) != (n, rows, cols // g):
                 raise ValueError(f"{name} {what} must be [{n}, {rows}, {cols // g}] (one per {g} columns), "
                                  f"got {list(t.shape)}")
-        ready.append((name, mfmt, scaling, q, s, m))
+        ready.append((name, mfmt, scaling, sdt, q, s, m))
     if scan_first:
         _scan(ready)
-    (_, _, _, gq, gs, gm), (_, _, _, uq, us, um), (_, _, _, dq, ds, dm) = ready
+    (_, _, _, _, gq, gs, gm), (_, _, _, _, uq, us, um), (_, _, _, _, dq, ds, dm) = ready
     addr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     try:
         experts._ex.load_codes(first_expert, n, gq.data_ptr(), gs.data_ptr(), uq.data_ptr(), us.data_ptr(),
@@ -108,8 +135,9 @@ def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Seque
 
 
 def _scan(ready: list) -> None:
-    """ValueError naming the first matrix whose codes are out of its range or whose scales or mins are not finite."""
-    for name, mfmt, scaling, q, s, m in ready:
+    """ValueError naming the first matrix whose codes are out of its range, whose scales or mins are not finite, or
+    whose scales its scale dtype does not hold exactly."""
+    for name, mfmt, scaling, sdt, q, s, m in ready:
         lo, hi = CODE_RANGE[mfmt, scaling]
         qmin, qmax = (int(v) for v in q.aminmax()) if q.numel() else (lo, hi)  # one pass over the codes
         if qmin < lo or qmax > hi:
@@ -119,3 +147,18 @@ def _scan(ready: list) -> None:
             # a NaN or Inf makes the sum one (so does an overflow: then the exact test decides)
             if t is not None and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
                 raise ValueError(f"{name} has {what} that are NaN or Inf")
+        inexact = ~held_exactly(s, sdt)
+        if inexact.any():
+            raise ValueError(f"{name} has scales that {sdt} does not hold exactly (e.g. {float(s[inexact][0])!r})")
+
+
+def held_exactly(s: torch.Tensor, scale_dtype: str) -> torch.Tensor:
+    """Which fp32 scales ``s`` the scale dtype stores exactly (csrc/formats/layout.h; e8m0: 2^(e - 128), e in
+    0..255)."""
+    if scale_dtype == "fp32":
+        return torch.ones_like(s, dtype=torch.bool)
+    if scale_dtype in ("fp16", "bf16"):
+        narrow = s.to(torch.float16 if scale_dtype == "fp16" else torch.bfloat16).float()
+        return narrow.view(torch.int32) == s.view(torch.int32)
+    mantissa, exponent = torch.frexp(s)  # e8m0: a power of two 2^(exponent - 1) in [2^-128, 2^127]
+    return (mantissa == 0.5) & (exponent >= -127) & (exponent <= 128)

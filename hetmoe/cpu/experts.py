@@ -22,7 +22,11 @@ from hetmoe.config.options import AMX_EMULATED, ISAS, NumaOption
 from hetmoe.cpu.numa import resolve_subpools
 from hetmoe.cpu.pool import EngineJob, WorkerPool, shared_pool
 
-WEIGHT_FORMATS = ("bf16", "int8", "int4")
+WEIGHT_FORMATS = ("bf16", "int8", "int4")  # what weights quantized here take (one CPUExperts(weight_format=...) each)
+# lut4: nibbles indexing a codebook of 16 int8 values (csrc/formats/layout.h), for checkpoints' own 4-bit codes
+LUT_FORMAT = "lut4"
+SCALE_DTYPES = ("fp32", "fp16", "bf16", "e8m0")  # how int8/int4/lut4 scales are stored (csrc/formats/layout.h)
+CODEBOOKS = ("e2m1", "iq4nl")  # lut4's codebooks: FP4 (MXFP4, NVFP4) doubled, llama.cpp's IQ4_NL table
 
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
 PARTS = ("all", "immediate", "deferred")  # Slots.part
@@ -101,11 +105,17 @@ class CPUExperts:
         num_experts: E.
         hidden_size: H.
         intermediate_size: I (per expert).
-        weight_format: ``"bf16"``, ``"int8"`` or ``"int4"``, or a pair (gate/up, down) of int8/int4.
+        weight_format: ``"bf16"``, ``"int8"``, ``"int4"`` or ``"lut4"`` (4-bit indices into a ``codebook``), or a
+            pair (gate/up, down) of int8/int4/lut4.
         group_size: int8/int4 scale group along the input dimension (32, 64 or 128; int8 also 16); ``0`` = one
             scale per row (symmetric). ``down_group_size``: down's own group (default: ``group_size``).
         scaling: ``"symmetric"`` (value = scale * q) or ``"affine"`` (value = scale * q - min, GGUF's K-quants), or a
             pair (gate/up, down); codes go in with ``hetmoe.cpu.codes.load_codes``.
+        scale_dtype: how the scales are stored: ``"fp32"`` (default), ``"fp16"``, ``"bf16"`` or ``"e8m0"`` (a power
+            of two, MXFP4's), or a pair (gate/up, down); grouped symmetric matrices only. Scales quantized here are
+            rounded to the type; codes loaded with ``load_codes`` must have scales the type holds exactly.
+        codebook: lut4's 16 values: ``"e2m1"`` (FP4 doubled) or ``"iq4nl"``, or a pair (gate/up, down; None for a
+            matrix that is not lut4).
         threads: pool size (default: one per physical core). Ignored when ``pool`` is given.
         isa: ``"auto"`` (best the CPU supports) or one of ``scalar``, ``avx2``, ``avx512``, ``amx``
             (``"amx-emulated"``: tests only). With ``amx``, each call computes experts that have at least
@@ -137,11 +147,22 @@ class CPUExperts:
         numa: Optional[NumaOption] = None,
         down_group_size: Optional[int] = None,
         scaling: Union[str, tuple] = "symmetric",
+        scale_dtype: Union[str, tuple] = "fp32",
+        codebook: Union[None, str, tuple] = None,
     ):
         scaling = (scaling, scaling) if isinstance(scaling, str) else tuple(scaling)
+        scale_dtype = (scale_dtype, scale_dtype) if isinstance(scale_dtype, str) else tuple(scale_dtype)
+        codebook = (codebook, codebook) if codebook is None or isinstance(codebook, str) else tuple(codebook)
         weight_format, down_format = (weight_format, "") if isinstance(weight_format, str) else weight_format
-        if weight_format not in WEIGHT_FORMATS or down_format not in WEIGHT_FORMATS + ("",):
-            raise ValueError(f"unknown weight_format {weight_format!r}; expected one of {', '.join(WEIGHT_FORMATS)}")
+        formats = WEIGHT_FORMATS + (LUT_FORMAT,)
+        if weight_format not in formats or down_format not in formats + ("",):
+            raise ValueError(f"unknown weight_format {weight_format!r}; expected one of {', '.join(formats)}")
+        if len(scale_dtype) != 2 or any(t not in SCALE_DTYPES for t in scale_dtype):
+            raise ValueError(f"scale_dtype must be one of {', '.join(SCALE_DTYPES)} or a (gate/up, down) pair of them, "
+                             f"got {scale_dtype!r}")
+        if len(codebook) != 2 or any(c is not None and c not in CODEBOOKS for c in codebook):
+            raise ValueError(f"codebook must be one of {', '.join(CODEBOOKS)}, None or a (gate/up, down) pair, got "
+                             f"{codebook!r}")
         features = _C.cpu_features()
         emulated = isa == AMX_EMULATED
         if isa == "auto":
@@ -168,7 +189,7 @@ class CPUExperts:
         self._ex = (_C.NumaExperts if split else _C.MoeExperts)(
             self.pool._numa if split else self.pool._pool, self.num_experts, self.hidden_size, self.intermediate_size,
             weight_format, int(group_size), isa, emulated, int(amx_min_tokens), int(down_group_size or 0), *scaling,
-            down_format)
+            down_format, *scale_dtype, *(c or "" for c in codebook))
         self._skip_mask: Optional[torch.Tensor] = None  # static: experts computed elsewhere (set_skip_mask)
 
     @property

@@ -12,14 +12,17 @@ ROWS = _C.LAYOUT["rows_per_block"]  # rows of a row block
 LINE = _C.LAYOUT["line_bytes"]  # bytes of a line: the same 4-byte slice of K for each of the ROWS rows
 BF16_GROUP = _C.LAYOUT["bf16_group"]  # K padding unit of bf16, which has no scales
 K_PER_LINE = dict(_C.LAYOUT["k_per_line"])  # values of K per line, per format
+SCALE_WIDTH = dict(_C.LAYOUT["scale_width"])  # bytes per stored scale, per scale dtype
+CODEBOOKS = {name: tuple(values) for name, values in _C.LAYOUT["codebooks"].items()}  # lut4: name -> 16 int8 values
 
-def packed_matrix_bytes(fmt: str, n: int, k: int, group: int, affine: bool = False) -> int:
-    """Bytes of one [n, k] matrix in the engine's packed layout (csrc/formats/layout.h), scales (and an affine
-    matrix's mins, one fp32 beside each scale) included."""
+
+def packed_matrix_bytes(fmt: str, n: int, k: int, group: int, affine: bool = False, scale_dtype: str = "fp32") -> int:
+    """Bytes of one [n, k] matrix in the engine's packed layout (csrc/formats/layout.h), scales (of
+    ``scale_dtype``; an affine matrix's fp32 mins beside them) included."""
     group = BF16_GROUP if fmt == "bf16" else (group or 128)
     rows, kp = -(-n // ROWS) * ROWS, -(-k // group) * group
     data = rows * kp * LINE // (ROWS * K_PER_LINE[fmt])
-    scales = 0 if fmt == "bf16" else rows * (kp // group) * 4 * (2 if affine else 1)
+    scales = 0 if fmt == "bf16" else rows * (kp // group) * (SCALE_WIDTH[scale_dtype] + (4 if affine else 0))
     return data + scales
 
 
@@ -28,14 +31,18 @@ def expert_bytes(fmt: str, hidden: int, inter: int, group: int) -> int:
     return 2 * packed_matrix_bytes(fmt, inter, hidden, group) + packed_matrix_bytes(fmt, hidden, inter, group)
 
 
+def _pair(value) -> tuple:
+    """(gate/up, down) of a CPUExperts argument given once or as a pair."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+
+
 def layout_bytes(layout: dict, hidden: int, inter: int) -> int:
     """One routed expert packed in a code layout (CPUExperts' keyword arguments, hetmoe/cpu/codes.py exact_layout:
-    gate/up and down each with its own format, group and scaling), as the engine allocates it."""
-    fmt = layout["weight_format"]
-    gate_up, down = fmt if isinstance(fmt, tuple) else (fmt, fmt)
-    scaling = layout.get("scaling", "symmetric")
-    gu_scaling, down_scaling = scaling if isinstance(scaling, tuple) else (scaling, scaling)
+    gate/up and down each with its own format, group, scaling and scale dtype), as the engine allocates it."""
+    gate_up, down = _pair(layout["weight_format"])
+    gu_scaling, down_scaling = _pair(layout.get("scaling", "symmetric"))
+    gu_scales, down_scales = _pair(layout.get("scale_dtype", "fp32"))
     group = layout["group_size"]
-    return (2 * packed_matrix_bytes(gate_up, inter, hidden, group, gu_scaling == "affine")
+    return (2 * packed_matrix_bytes(gate_up, inter, hidden, group, gu_scaling == "affine", gu_scales)
             + packed_matrix_bytes(down, hidden, inter, layout.get("down_group_size") or group,
-                                  down_scaling == "affine"))
+                                  down_scaling == "affine", down_scales))

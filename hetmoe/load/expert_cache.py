@@ -31,6 +31,8 @@ from hetmoe import _C, envs
 MAGIC = b"HETMOEX1"
 DATA_ALIGN = 4096
 _TMP = re.compile(r"layer\d+\.bin\.tmp(\d+)")  # a file being written by process <pid>
+LAYOUT_KEYS = ("weight_format", "down_weight_format", "group_size", "down_group_size", "gate_up_scaling",
+               "down_scaling", "gate_up_scale_dtype", "down_scale_dtype", "gate_up_codebook", "down_codebook")
 
 
 def default_cache_dir() -> Path:
@@ -109,10 +111,14 @@ class ExpertCache:
         return self.dir / f"layer{layer:04d}.bin"
 
     def _header(self, layer: int, experts) -> dict:
-        slices = experts.info()["numa_slices"]
+        info = experts.info()
+        slices = info["numa_slices"]
+        # the layer's own code layout (a GGUF layer may hold its types exactly: formats, scalings, scale dtypes and
+        # codebooks of their own, in bytes of the same size as another layout's)
+        layout = {k: info.get(k) for k in LAYOUT_KEYS}
         return {**self.key, "layer": layer, "shape": [experts.num_experts, experts.hidden_size,
                                                       experts.intermediate_size],
-                "sizes": [m.nbytes for m in experts.storage()],
+                "layout": layout, "sizes": [m.nbytes for m in experts.storage()],
                 **({"numa_slices": [list(b) for b in slices]} if len(slices) > 1 else {})}
 
     def load(self, layer: int, experts) -> bool:

@@ -103,7 +103,7 @@ def new_experts(layer: MoELayer, cfg: ModelConfig, inter: int, plan: MemoryPlan,
     fmt, group = (spec.experts_format, spec.group_size) if spec else (plan.experts_format, plan.group_size)
     own = {}
     if exact is not None and plan_format(exact) == (fmt, group):  # e.g. int4 gate/up, int8 down in an int8 plan
-        fmt, own = exact["weight_format"], {"down_group_size": exact["down_group_size"], "scaling": exact["scaling"]}
+        fmt, own = exact["weight_format"], {k: v for k, v in exact.items() if k not in ("weight_format", "group_size")}
     return CPUExperts(layer.num_experts, cfg.hidden_size, inter, fmt, group,
                       threads=threads, numa=options.numa, isa=options.isa, amx_min_tokens=options.amx_min_tokens, **own)
 

@@ -34,6 +34,30 @@ def gemm(fmt, group, w, x, scaling="symmetric", **variant) -> np.ndarray:
     return np.asarray(out, dtype=np.float32).reshape(len(x), -1)
 
 
+# Scales stored narrower than fp32 and lut4's codebooks (csrc/formats/layout.h): widened exactly before the same
+# epilogue, so the loops agree as they do with fp32 scales. (32, 64): K in one group of 64 (the per-row branch's
+# whole-K sums, whose epilogue widens the group's scales too).
+NARROW = [("lut4", 32, "fp32", "iq4nl"), ("lut4", 16, "fp16", "e2m1"), ("lut4", 64, "e8m0", "e2m1"),
+          ("lut4", 128, "bf16", "iq4nl"), ("int8", 32, "fp16", ""), ("int8", 16, "e8m0", ""), ("int8", 64, "bf16", ""),
+          ("int4", 32, "fp16", ""), ("int4", 64, "e8m0", ""), ("int4", 128, "bf16", "")]
+
+
+@pytest.mark.parametrize("fmt, group, scale_dtype, codebook", NARROW, ids=lambda v: str(v or "-"))
+def test_narrow_scales_and_lut4_give_the_same_bits_in_every_loop(fmt, group, scale_dtype, codebook):
+    narrow = dict(scale_dtype=scale_dtype, codebook=codebook)
+    for i, (rows, k) in enumerate(SHAPES + [(32, 64)]):
+        w, x = data(rows, k, 30 + i)
+        for T in TOKENS:
+            outs = {loop: gemm(fmt, group, w, x[:T], loop=loop, **narrow) for loop in LOOPS}
+            ref = outs["engine"]
+            assert np.isfinite(ref).all() and np.abs(ref).max() > 0, f"{rows}x{k}, T={T}: no output"
+            for loop, out in outs.items():
+                assert np.array_equal(out, ref), f"{rows}x{k}, T={T}: the {loop} loop differs"
+            prod = x[:T] @ w.T
+            tol = 0.03 if fmt == "int8" else 0.35  # the weights' quantization (e8m0 halves int8's code range)
+            assert np.abs(ref[:, :rows] - prod).max() <= tol * np.abs(prod).max(), f"{rows}x{k}, T={T}"
+
+
 @pytest.mark.parametrize(
     "fmt, group, scaling",
     [("int4", 32, "symmetric"), ("int4", 64, "symmetric"), ("int4", 128, "symmetric"), ("int4", 0, "symmetric"),
@@ -85,3 +109,7 @@ def test_bad_arguments():
         _C.amx_emulated_gemm("int8", 32, np.zeros((33, 64), np.float32), x)
     with pytest.raises(ValueError, match="affine"):
         _C.amx_emulated_gemm("int8", 0, w, x, scaling="affine")
+    with pytest.raises(ValueError, match="lut4 weights need a codebook"):
+        _C.amx_emulated_gemm("lut4", 32, w, x)
+    with pytest.raises(ValueError, match="unknown scale dtype 'fp8'"):
+        _C.amx_emulated_gemm("int4", 32, w, x, scale_dtype="fp8")

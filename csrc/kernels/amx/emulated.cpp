@@ -130,11 +130,19 @@ struct EmulatedT : PlainEpilogue {
         dst[128 * l + 64 + b] = (uint8_t)((src[64 * l + b] >> 4) - (kSigned ? 8 : 0));
       }
   }
+  static void unpack_lut4(const uint8_t* src, int n_lines, const int8_t* codebook, uint8_t* dst) {
+    for (int l = 0; l < n_lines; ++l)
+      for (int b = 0; b < 64; ++b) {
+        dst[128 * l + b] = (uint8_t)codebook[src[64 * l + b] & 0x0f];
+        dst[128 * l + 64 + b] = (uint8_t)codebook[src[64 * l + b] >> 4];
+      }
+  }
   static void prefetch_l2(const void*) {}
 };
 using Emulated = EmulatedT<false>;
 
-// The GEMM whose grouped int8 calls of up to kTwoSetMax tokens take the two-set loop (bf16 has no grouped loop).
+// The GEMM whose grouped int8 calls of up to kTwoSetMax tokens take the two-set loop (bf16 has no grouped loop;
+// int4 and lut4 take the two-set loop at every length).
 template <int kTwoSetMax>
 GemmKernel emulated_with(WeightFormat f, bool int4_signed) {
   switch (f) {
@@ -142,6 +150,7 @@ GemmKernel emulated_with(WeightFormat f, bool int4_signed) {
     case WeightFormat::int8: return Gemm<Emulated, kTwoSetMax>::int8;
     case WeightFormat::int4:
       return int4_signed ? int4_gemm<Emulated, EmulatedT<true>, kTwoSetMax> : Gemm<Emulated, kTwoSetMax>::int4;
+    case WeightFormat::lut4: return Gemm<EmulatedT<true>, kTwoSetMax>::lut4;
   }
   return nullptr;
 }

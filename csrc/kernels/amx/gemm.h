@@ -18,14 +18,16 @@
 //   load_c<I, J>(p, stride)     C(I, J) = 16 rows of 64 B from p + m * stride
 //   unpack_int4(src, n, dst)    n int4 lines -> 2n int8 lines (low nibbles, then high nibbles, per line; minus 8
 //                               with kSignedB)
+//   unpack_lut4(src, n, cb, dst)  n lut4 lines -> 2n int8 lines as unpack_int4, each nibble i as its codebook value
+//                               cb[i] (signed: kSignedB policies only)
 //   prefetch_l2(p)              prefetcht2: the line at p into L2
 //   epilogue_rows<kAffine, NB>(...)  the fp32 epilogue of one group (PlainEpilogue below, which the emulated policy
 //                               derives from; the native one writes the same operations with intrinsics)
 //
 // Shapes: a tile step covers 32 tokens (A(0), A(1): 16 each) x 32 outputs (B(0), B(1): 16 rows each) x one K
 // step (bf16: 32 k = 16 B rows of bf16 pairs; int8: min(group, 64) k = 16 or 8 B rows of 4 bytes). A B tile is
-// a run of consecutive lines of one packed row block: the weights are read in place, never repacked (int4 is
-// first expanded to int8 lines in a per-thread slab, since tiles multiply bytes, not nibbles). An A tile is a
+// a run of consecutive lines of one packed row block: the weights are read in place, never repacked (int4 and lut4
+// are first expanded to int8 lines in a per-thread slab, since tiles multiply bytes, not nibbles). An A tile is a
 // piece of the activation panel (formats/layout.h AmxPanel): 16 rows x 64 bytes, 1 KB contiguous.
 //
 // Loop nest: the caller hands one (expert, row-block pair, token range) task; here K is cut in chunks whose
@@ -34,9 +36,9 @@
 // of the caller's next call) into L2, so each thread streams DRAM evenly while all its token blocks compute
 // (faster than prefetching in the first token block only: BENCHMARKS.md#amx-spread-prefetch). C accumulates in
 // tiles across a chunk (bf16; `out` holds it
-// between chunks) or across one scale group (int8/int4: then the int32 sums go through the same fp32 epilogue
+// between chunks) or across one scale group (int8/int4/lut4: then the int32 sums go through the same fp32 epilogue
 // as the other kernels: acc = fma(float(isum - offset * xsum), w_scale * x_scale, acc), affine weights the
-// two fmas of formats/layout.h).
+// two fmas of formats/layout.h; scales stored narrower than fp32 are widened first, exactly).
 //
 // `out` has round_up(n_tok, 32) rows of 32 floats (rows past n_tok are scratch).
 #pragma once
@@ -93,6 +95,28 @@ struct NextChunk {
   const uint8_t* p[2] = {nullptr, nullptr};
   int n = 0;
   int lines = 0;
+};
+
+// The scales (and mins) of the one or two row blocks of a call: scales[j] are block j's [n_groups][16] stored
+// scales of `type`, mins[j] its fp32 [n_groups][16] mins (affine) or null.
+struct BlockScales {
+  const uint8_t* scales[2] = {nullptr, nullptr};
+  const float* mins[2] = {nullptr, nullptr};
+  ScaleType type = ScaleType::f32;
+
+  static BlockScales of(const RowBlock* w, int n_blk) {
+    BlockScales b;
+    for (int j = 0; j < n_blk && j < 2; ++j) b.scales[j] = w[j].scales, b.mins[j] = w[j].mins;
+    b.type = w[0].scale_type;
+    return b;
+  }
+  // Block j's 16 scales of group g as fp32: in place when stored as fp32, else widened into buf (exact).
+  const float* widened(int j, int g, float* buf) const {
+    const uint8_t* p = scales[j] + (size_t)g * kRowsPerBlock * scale_width(type);
+    if (type == ScaleType::f32) return reinterpret_cast<const float*>(p);
+    for (int r = 0; r < kRowsPerBlock; ++r) buf[r] = scale_to_float(type, p + r * scale_width(type));
+    return buf;
+  }
 };
 
 // The fp32 epilogue of one group for 16 outputs o (formats/layout.h): symmetric o = fma(float(isum - offset * xsum),
@@ -317,11 +341,13 @@ struct Gemm {
   // the policy's epilogue_rows (the native one is hand-vectorized: ~6 instructions per 16 outputs, against ~13 for
   // the compiler's loop, which let the tiles of the next group run under it; BENCHMARKS.md#amx-prefill).
   template <bool kAffine, int NB>
-  static void group_epilogue(float* out, const int32_t* c, const float* const* scales, const float* const* mins,
-                             int wgroup, int group, int32_t offset, const AmxPanel& x, int m0, int rows, int g) {
-    const size_t wo = (size_t)(g * group / wgroup) * kRowsPerBlock;
-    const float* ws[2] = {scales[0] + wo, NB > 1 ? scales[1] + wo : nullptr};
-    const float* wm[2] = {kAffine ? mins[0] + wo : nullptr, kAffine && NB > 1 ? mins[1] + wo : nullptr};
+  static void group_epilogue(float* out, const int32_t* c, const BlockScales& sc, int wgroup, int group, int32_t offset,
+                             const AmxPanel& x, int m0, int rows, int g) {
+    const int wg = g * group / wgroup;
+    const size_t wo = (size_t)wg * kRowsPerBlock;
+    alignas(64) float wide[2][kRowsPerBlock];
+    const float* ws[2] = {sc.widened(0, wg, wide[0]), NB > 1 ? sc.widened(1, wg, wide[1]) : nullptr};
+    const float* wm[2] = {kAffine ? sc.mins[0] + wo : nullptr, kAffine && NB > 1 ? sc.mins[1] + wo : nullptr};
     Tiles::template epilogue_rows<kAffine, NB>(out + (size_t)m0 * kOutStride, c, ws, wm, x, m0, rows, g,
                                                kAffine || Tiles::kSignedB ? 0 : offset);
   }
@@ -329,9 +355,9 @@ struct Gemm {
   // K in chunks (the chunk's weights stay in L1 for every token block), then 16-token blocks, then the chunk's
   // groups in the two-set pipeline. Prefetch as in `chunked`: the lines' next chunk, or a slice of `spread`.
   template <bool kAffine, int NB>
-  static void grouped_as(const uint8_t* const* lines, const float* const* scales, const float* const* mins,
-                         const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x,
-                         int n_tok, float* out, bool prefetch, int group, const NextChunk& spread) {
+  static void grouped_as(const uint8_t* const* lines, const BlockScales& sc, const RowBlock* next, int n_next, int kp,
+                         int wgroup, int32_t offset, const AmxPanel& x, int n_tok, float* out, bool prefetch, int group,
+                         const NextChunk& spread) {
     const int kstep = group < 64 ? group : 64, n_steps = group / kstep;
     const int chunk = kChunkInt8 / group * group, per_chunk = chunk / group;
     const int n_blocks = (n_tok + 15) / 16, n_chunks = (kp + chunk - 1) / chunk;
@@ -346,7 +372,7 @@ struct Gemm {
         const int rows = n_tok - m0 < 16 ? n_tok - m0 : 16, part0 = (m0 / 16) * per_chunk;
         auto fetch = [&](int g) { prefetch_share(nx, part0 + g - g0, n_blocks * per_chunk); };
         auto epi = [&](const int32_t* cg, int g) {
-          group_epilogue<kAffine, NB>(out, cg, scales, mins, wgroup, group, offset, x, m0, rows, g);
+          group_epilogue<kAffine, NB>(out, cg, sc, wgroup, group, offset, x, m0, rows, g);
         };
         for (int g = g0; g < g1; g += 2) {  // c[0] holds group g, c[1] group g + 1
           fetch(g);
@@ -367,9 +393,9 @@ struct Gemm {
   // The 32-token loop (grouped int8 calls of more than kTwoSetMax tokens): one C set of up to 2 x 2 tiles per group,
   // its epilogue after the tiles; A and B tiles serve twice the products of the two-set loop's 16-token steps.
   template <bool kAffine>
-  static void grouped32(const uint8_t* const* lines, const float* const* scales, const float* const* mins, int n_blk,
-                        const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x,
-                        int n_tok, float* out, bool prefetch, int group) {
+  static void grouped32(const uint8_t* const* lines, const BlockScales& sc, int n_blk, const RowBlock* next, int n_next,
+                        int kp, int wgroup, int32_t offset, const AmxPanel& x, int n_tok, float* out, bool prefetch,
+                        int group) {
     const int kstep = group < 64 ? group : 64, n_steps = group / kstep;
     const int chunk = kChunkInt8 / group * group;
     alignas(64) int32_t c[kTokBlock * kOutStride];
@@ -390,8 +416,8 @@ struct Gemm {
           else
             n_blk > 1 ? int8_group<1, 2>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts)
                       : int8_group<1, 1>(lines, x, m0, k0, n_steps, kstep, c, nx, part0, n_parts);
-          n_blk > 1 ? group_epilogue<kAffine, 2>(out, c, scales, mins, wgroup, group, offset, x, m0, rows, g)
-                    : group_epilogue<kAffine, 1>(out, c, scales, mins, wgroup, group, offset, x, m0, rows, g);
+          n_blk > 1 ? group_epilogue<kAffine, 2>(out, c, sc, wgroup, group, offset, x, m0, rows, g)
+                    : group_epilogue<kAffine, 1>(out, c, sc, wgroup, group, offset, x, m0, rows, g);
         }
       }
     }
@@ -399,13 +425,12 @@ struct Gemm {
   }
 
   template <bool kAffine>
-  static void grouped(const uint8_t* const* lines, const float* const* scales, const float* const* mins, int n_blk,
-                      const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x,
-                      int n_tok, float* out, bool prefetch, int group, const NextChunk& spread) {
-    n_blk > 1 ? grouped_as<kAffine, 2>(lines, scales, mins, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch,
-                                       group, spread)
-              : grouped_as<kAffine, 1>(lines, scales, mins, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch,
-                                       group, spread);
+  static void grouped(const uint8_t* const* lines, const BlockScales& sc, int n_blk, const RowBlock* next, int n_next,
+                      int kp, int wgroup, int32_t offset, const AmxPanel& x, int n_tok, float* out, bool prefetch,
+                      int group, const NextChunk& spread) {
+    n_blk > 1
+        ? grouped_as<kAffine, 2>(lines, sc, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch, group, spread)
+        : grouped_as<kAffine, 1>(lines, sc, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch, group, spread);
   }
 
   // Same chunk / token-block order as bf16; the fp32 accumulators are `out` itself (group order per output is
@@ -413,25 +438,23 @@ struct Gemm {
   // (a.group); the weight scales are read per weight group `wgroup` (the same, except for per-row int8 weights,
   // whose scales repeat in every group of 128 while their h groups are longer).
   // Every block of one call has the same scaling (gate and up of one matrix shape, or row blocks of down), so
-  // mins[0] picks the instantiation.
+  // sc.mins[0] picks the instantiation.
   // `two_set`: grouped calls take the two-set loop at any length (int4: kTwoSetMaxTokens above).
-  static void int8_lines(const uint8_t* const* lines, const float* const* scales, const float* const* mins, int n_blk,
-                         const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x,
-                         const ActLayout& a, int n_tok, float* out, bool prefetch, const NextChunk& spread = {},
-                         bool two_set = false) {
-    if (mins[0])
-      int8_lines_as<true>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out, prefetch,
-                          spread, two_set);
+  static void int8_lines(const uint8_t* const* lines, const BlockScales& sc, int n_blk, const RowBlock* next,
+                         int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x, const ActLayout& a,
+                         int n_tok, float* out, bool prefetch, const NextChunk& spread = {}, bool two_set = false) {
+    if (sc.mins[0])
+      int8_lines_as<true>(lines, sc, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out, prefetch, spread,
+                          two_set);
     else
-      int8_lines_as<false>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out, prefetch,
-                           spread, two_set);
+      int8_lines_as<false>(lines, sc, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out, prefetch, spread,
+                           two_set);
   }
 
   template <bool kAffine>
-  static void int8_lines_as(const uint8_t* const* lines, const float* const* scales, const float* const* mins,
-                            int n_blk, const RowBlock* next, int n_next, int kp, int wgroup, int32_t offset,
-                            const AmxPanel& x, const ActLayout& a, int n_tok, float* out, bool prefetch,
-                            const NextChunk& spread, bool two_set) {
+  static void int8_lines_as(const uint8_t* const* lines, const BlockScales& sc, int n_blk, const RowBlock* next,
+                            int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x, const ActLayout& a,
+                            int n_tok, float* out, bool prefetch, const NextChunk& spread, bool two_set) {
     const int group = a.group;
     // One activation group per row (per-row int8 weights, or all of K in one group): all of K is summed first, in
     // K steps of 64 (a K of 32 in one group of 32 takes the grouped loop below, whose K step is the group).
@@ -442,7 +465,8 @@ struct Gemm {
         const float xs = x.scales(t)[0];
         const int32_t xoff = offset * x.sums(t)[0];
         for (int j = 0; j < n_blk; ++j) {
-          const float* ws = scales[j];  // group 0 (per-row scales repeat in every group)
+          alignas(64) float wide[kRowsPerBlock];
+          const float* ws = sc.widened(j, 0, wide);  // group 0 (per-row scales repeat in every group)
           int32_t ci[16];
           std::memcpy(ci, sums + (size_t)t * kOutStride + 16 * j, sizeof(ci));  // read before the cells are overwritten
           float* o = out + (size_t)t * kOutStride + 16 * j;
@@ -452,18 +476,15 @@ struct Gemm {
       return;
     }
     if (n_tok > kTwoSetMax && !two_set)
-      grouped32<kAffine>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch, group);
+      grouped32<kAffine>(lines, sc, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch, group);
     else
-      grouped<kAffine>(lines, scales, mins, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch, group,
-                       spread);
+      grouped<kAffine>(lines, sc, n_blk, next, n_next, kp, wgroup, offset, x, n_tok, out, prefetch, group, spread);
   }
 
   static void int8(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
                    const ActLayout& a, int n_tok, float* out) {
     const uint8_t* lines[2] = {w[0].data, n_blk > 1 ? w[1].data : nullptr};
-    const float* scales[2] = {w[0].scales, n_blk > 1 ? w[1].scales : nullptr};
-    const float* mins[2] = {w[0].mins, n_blk > 1 ? w[1].mins : nullptr};
-    int8_lines(lines, scales, mins, n_blk, next, n_next, w[0].kp, w[0].group, 128, x, a, n_tok, out, true);
+    int8_lines(lines, BlockScales::of(w, n_blk), n_blk, next, n_next, w[0].kp, w[0].group, 128, x, a, n_tok, out, true);
   }
 
   static void int4(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
@@ -477,17 +498,35 @@ struct Gemm {
     const size_t block_bytes = (size_t)kp / 4 * kLineBytes;
     uint8_t* buf = slab(block_bytes * n_blk);
     const uint8_t* lines[2] = {buf, buf + block_bytes};
-    const float* scales[2] = {w[0].scales, n_blk > 1 ? w[1].scales : nullptr};
-    const float* mins[2] = {w[0].mins, n_blk > 1 ? w[1].mins : nullptr};
     for (int j = 0; j < n_blk; ++j) Tiles::unpack_int4(w[j].data, int4_lines, buf + j * block_bytes);
+    int8_lines(lines, BlockScales::of(w, n_blk), n_blk, nullptr, 0, kp, w[0].group, Tiles::kSignedB ? 0 : 8, x, a,
+               n_tok, out, false, spread_of(next, n_next), true);
+  }
+
+  // ---- lut4 weights: as int4, each nibble expanded through the codebook (Tiles::unpack_lut4) into its signed
+  // int8 value, summed with tdpbssd (a policy with kSignedB): the tile sums are the true sums of codebook value x
+  // activation, and the epilogue has no offset.
+  static void lut4(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
+                   const ActLayout& a, int n_tok, float* out) {
+    static_assert(Tiles::kSignedB, "lut4 expands to signed bytes");
+    const int kp = w[0].kp, nib_lines = kp / 8;
+    const size_t block_bytes = (size_t)kp / 4 * kLineBytes;
+    uint8_t* buf = slab(block_bytes * n_blk);
+    const uint8_t* lines[2] = {buf, buf + block_bytes};
+    for (int j = 0; j < n_blk; ++j) Tiles::unpack_lut4(w[j].data, nib_lines, w[j].codebook, buf + j * block_bytes);
+    int8_lines(lines, BlockScales::of(w, n_blk), n_blk, nullptr, 0, kp, w[0].group, 0, x, a, n_tok, out, false,
+               spread_of(next, n_next), true);
+  }
+
+  // The next call's packed nibble lines, prefetched into L2 across an int4 / lut4 call's steps.
+  static NextChunk spread_of(const RowBlock* next, int n_next) {
     NextChunk spread;
     if (next) {
       for (int j = 0; j < n_next && j < 2; ++j) spread.p[j] = next[j].data;
       spread.n = n_next < 2 ? n_next : 2;
       spread.lines = next[0].kp / 8;
     }
-    int8_lines(lines, scales, mins, n_blk, nullptr, 0, kp, w[0].group, Tiles::kSignedB ? 0 : 8, x, a, n_tok, out, false,
-               spread, true);
+    return spread;
   }
 };
 

@@ -68,6 +68,16 @@ struct NativeT {
       _mm512_store_si512(dst + 128 * l + 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), bias));
     }
   }
+  static void unpack_lut4(const uint8_t* src, int n_lines, const int8_t* codebook, uint8_t* dst) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const __m512i cb = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codebook)));
+    for (int l = 0; l < n_lines; ++l) {
+      _mm_prefetch(reinterpret_cast<const char*>(src) + 64 * l + 1024, _MM_HINT_T0);
+      const __m512i v = _mm512_load_si512(src + 64 * l);
+      _mm512_store_si512(dst + 128 * l, _mm512_shuffle_epi8(cb, _mm512_and_si512(v, low4)));
+      _mm512_store_si512(dst + 128 * l + 64, _mm512_shuffle_epi8(cb, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)));
+    }
+  }
   static HETMOE_AI void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T2); }
   // gemm.h epilogue_rows with intrinsics: the same operations per output (so the same bits), the block scales
   // (and mins) of the group loaded once, and each 16 outputs one load of the sums, a subtract, a convert, a multiply,
@@ -116,7 +126,8 @@ uint64_t peak_loop(bool bf16, int64_t rounds) {
 }
 
 GemmKernel gemm(WeightFormat f) {
-  static constexpr GemmKernel kByFormat[3] = {Gemm<Native>::bf16, Gemm<Native>::int8, int4_gemm<Native, NativeT<true>>};
+  static constexpr GemmKernel kByFormat[kWeightFormats] = {Gemm<Native>::bf16, Gemm<Native>::int8,
+                                                           int4_gemm<Native, NativeT<true>>, Gemm<NativeT<true>>::lut4};
   return kByFormat[(int)f];
 }
 

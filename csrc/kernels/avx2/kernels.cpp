@@ -51,19 +51,40 @@ struct Bf16Tile {
   }
 };
 
+// Scales 8 * half .. 8 * half + 7 of group g of w as fp32 (formats/layout.h: one load and one conversion, exact, the
+// bits of scale_to_float).
+inline __m256 scales8(const RowBlock& w, int g, int half) {
+  const uint8_t* p = w.group_scales(g) + 8 * half * scale_width(w.scale_type);
+  switch (w.scale_type) {
+    case ScaleType::f16: return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    case ScaleType::bf16: {
+      const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+    }
+    case ScaleType::e8m0: {  // 2^(e - 128): exponent field e - 1, or for e < 2 the subnormal 2^-128 << e
+      const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+      const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+      const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+      return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+    }
+    case ScaleType::f32: break;
+  }
+  return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+}
+
 // acc += float(isum - offset * xsum) * (w_scale * x_scale), for 8 rows; affine (offset 0): then
 // acc += float(-xsum) * (w_min * x_scale) (formats/layout.h). As on AVX-512, a kernel body per scaling (kAffine).
+// wscale: the 8 rows' weight scales (scales8).
 template <bool kAffine>
-inline __m256 epilogue8(__m256 acc, __m256i isum, int32_t offset, int32_t xsum, const float* wscale, const float* wmin,
+inline __m256 epilogue8(__m256 acc, __m256i isum, int32_t offset, int32_t xsum, __m256 wscale, const float* wmin,
                         float xscale) {
   if constexpr (kAffine) {
-    acc =
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_loadu_ps(wscale), _mm256_set1_ps(xscale)), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(wscale, _mm256_set1_ps(xscale)), acc);
     return _mm256_fmadd_ps(_mm256_set1_ps((float)(-xsum)), _mm256_mul_ps(_mm256_loadu_ps(wmin), _mm256_set1_ps(xscale)),
                            acc);
   }
   isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(offset * xsum));
-  __m256 s = _mm256_mul_ps(_mm256_loadu_ps(wscale), _mm256_set1_ps(xscale));
+  __m256 s = _mm256_mul_ps(wscale, _mm256_set1_ps(xscale));
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, acc);
 }
 
@@ -107,6 +128,7 @@ struct Int8Tile {
           for (int i = 0; i < NT; ++i) acc[i][c] = _mm256_add_epi32(acc[i][c], _mm256_madd_epi16(w16, xb[i]));
         }
       }
+      const __m256 ws0 = scales8(w, g, 0), ws1 = scales8(w, g, 1);
 #pragma GCC unroll 8
       for (int i = 0; i < NT; ++i) {
         const float xs = act_scales(rows[i], a)[g];
@@ -114,9 +136,8 @@ struct Int8Tile {
         const float* wm = kAffine ? w.mins + g * kRowsPerBlock : nullptr;
         __m256i lo = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][0], acc[i][1]), 0xD8);
         __m256i hi = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][2], acc[i][3]), 0xD8);
-        facc[i][0] = epilogue8<kAffine>(facc[i][0], lo, 128, xsum, w.scales + g * kRowsPerBlock, wm, xs);
-        facc[i][1] =
-            epilogue8<kAffine>(facc[i][1], hi, 128, xsum, w.scales + g * kRowsPerBlock + 8, wm ? wm + 8 : wm, xs);
+        facc[i][0] = epilogue8<kAffine>(facc[i][0], lo, 128, xsum, ws0, wm, xs);
+        facc[i][1] = epilogue8<kAffine>(facc[i][1], hi, 128, xsum, ws1, wm ? wm + 8 : wm, xs);
       }
     }
 #pragma GCC unroll 8
@@ -183,14 +204,14 @@ struct Int4Tile {
           for (int half = 0; half < 2; ++half)
             acc[i][half] = _mm256_add_epi32(acc[i][half], _mm256_madd_epi16(acc16[i][half], ones));
       }
+      const __m256 ws0 = scales8(w, g, 0), ws1 = scales8(w, g, 1);
 #pragma GCC unroll 8
       for (int i = 0; i < NT; ++i) {
         const float xs = act_scales(rows[i], a)[g];
         const int32_t xsum = act_sums(rows[i], a)[g];
         const float* wm = kAffine ? w.mins + g * kRowsPerBlock : nullptr;
-        facc[i][0] = epilogue8<kAffine>(facc[i][0], acc[i][0], 8, xsum, w.scales + g * kRowsPerBlock, wm, xs);
-        facc[i][1] =
-            epilogue8<kAffine>(facc[i][1], acc[i][1], 8, xsum, w.scales + g * kRowsPerBlock + 8, wm ? wm + 8 : wm, xs);
+        facc[i][0] = epilogue8<kAffine>(facc[i][0], acc[i][0], 8, xsum, ws0, wm, xs);
+        facc[i][1] = epilogue8<kAffine>(facc[i][1], acc[i][1], 8, xsum, ws1, wm ? wm + 8 : wm, xs);
       }
     }
 #pragma GCC unroll 8
@@ -247,11 +268,87 @@ struct Int4Tile<1> {
         a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(s1, ones));
       }
       const float* wm = kAffine ? w.mins + g * kRowsPerBlock : nullptr;
-      f0 = epilogue8<kAffine>(f0, a0, 8, xsums[g], w.scales + g * kRowsPerBlock, wm, xscales[g]);
-      f1 = epilogue8<kAffine>(f1, a1, 8, xsums[g], w.scales + g * kRowsPerBlock + 8, wm ? wm + 8 : wm, xscales[g]);
+      f0 = epilogue8<kAffine>(f0, a0, 8, xsums[g], scales8(w, g, 0), wm, xscales[g]);
+      f1 = epilogue8<kAffine>(f1, a1, 8, xsums[g], scales8(w, g, 1), wm ? wm + 8 : wm, xscales[g]);
     }
     _mm256_storeu_ps(out, f0);
     _mm256_storeu_ps(out + 8, f1);
+  }
+};
+
+// lut4 weights x int8 activations: each nibble looked up (vpshufb) into its signed codebook value q, multiplied by
+// the activation with the sign trick (maddubs(|x|, sign(q, x)) = q * x pairwise, |x| <= 127 and |q| <= 127 keep
+// each pair within int16) and widened to int32 per line. The sum is the exact sum of q * x: no offset to undo. A
+// codebook of |q| <= 64 (E2M1's 12) keeps the low and high nibbles' pairs summed within int16 too (2 * 2 * 127 * 64
+// < 32768): one widening per half line instead of two (kSmall; the same integers).
+inline bool small_codebook(const int8_t* cb) {
+  for (int i = 0; i < 16; ++i)
+    if (cb[i] > 64 || cb[i] < -64) return false;
+  return true;
+}
+
+template <int NT>
+struct Lut4Tile {
+  static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+    small_codebook(w.codebook) ? body<true>(w, rows, a, out) : body<false>(w, rows, a, out);
+  }
+  template <bool kSmall>
+  static void body(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+    const int lines_per_group = w.group / 8, n_groups = w.kp / w.group;
+    const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.codebook)));
+    const int8_t* x[NT];
+#pragma GCC unroll 8
+    for (int i = 0; i < NT; ++i) x[i] = reinterpret_cast<const int8_t*>(rows[i]);
+    __m256 facc[NT][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < NT; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
+    const uint8_t* p = w.data;
+    for (int g = 0; g < n_groups; ++g) {
+      __m256i acc[NT][2];
+#pragma GCC unroll 8
+      for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+      for (int jj = 0; jj < lines_per_group; ++jj, p += kLineBytes) {
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+        const int j = g * lines_per_group + jj;
+        __m256i xl[NT], xh[NT];
+#pragma GCC unroll 8
+        for (int i = 0; i < NT; ++i) {
+          int32_t l, h;
+          std::memcpy(&l, x[i] + 8 * j, 4);
+          std::memcpy(&h, x[i] + 8 * j + 4, 4);
+          xl[i] = _mm256_set1_epi32(l);
+          xh[i] = _mm256_set1_epi32(h);
+        }
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; ++half) {
+          const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32 * half));
+          const __m256i ql = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, low4));
+          const __m256i qh = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+#pragma GCC unroll 8
+          for (int i = 0; i < NT; ++i) {
+            const __m256i pl = _mm256_maddubs_epi16(_mm256_abs_epi8(xl[i]), _mm256_sign_epi8(ql, xl[i]));
+            const __m256i ph = _mm256_maddubs_epi16(_mm256_abs_epi8(xh[i]), _mm256_sign_epi8(qh, xh[i]));
+            const __m256i wide = kSmall ? _mm256_madd_epi16(_mm256_add_epi16(pl, ph), ones)
+                                        : _mm256_add_epi32(_mm256_madd_epi16(pl, ones), _mm256_madd_epi16(ph, ones));
+            acc[i][half] = _mm256_add_epi32(acc[i][half], wide);
+          }
+        }
+      }
+      const __m256 ws0 = scales8(w, g, 0), ws1 = scales8(w, g, 1);
+#pragma GCC unroll 8
+      for (int i = 0; i < NT; ++i) {
+        const float xs = act_scales(rows[i], a)[g];
+        const int32_t xsum = act_sums(rows[i], a)[g];
+        facc[i][0] = epilogue8<false>(facc[i][0], acc[i][0], 0, xsum, ws0, nullptr, xs);
+        facc[i][1] = epilogue8<false>(facc[i][1], acc[i][1], 0, xsum, ws1, nullptr, xs);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < NT; ++i) {
+      _mm256_storeu_ps(out + i * kRowsPerBlock, facc[i][0]);
+      _mm256_storeu_ps(out + i * kRowsPerBlock + 8, facc[i][1]);
+    }
   }
 };
 
@@ -342,6 +439,9 @@ void rowblock_int8(const RowBlock& w, const uint8_t* const* rows, const ActLayou
 }
 void rowblock_int4(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
   tiles::run_tiles<2, Int4Tile>(w, rows, a, n_tok, out);
+}
+void rowblock_lut4(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  tiles::run_tiles<2, Lut4Tile>(w, rows, a, n_tok, out);
 }
 
 }  // namespace avx2

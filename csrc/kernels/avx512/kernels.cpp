@@ -45,20 +45,41 @@ struct Bf16Tile {
   }
 };
 
+// The 16 scales of group g of w as fp32 (formats/layout.h: one load and one conversion, exact, the bits of
+// scale_to_float).
+inline __m512 scales16(const RowBlock& w, int g) {
+  const uint8_t* p = w.group_scales(g);
+  switch (w.scale_type) {
+    case ScaleType::f16: return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    case ScaleType::bf16: {
+      const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+    }
+    case ScaleType::e8m0: {  // 2^(e - 128): exponent field e - 1, or for e < 2 the subnormal 2^-128 << e
+      const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+      const __m512i sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+      return _mm512_castsi512_ps(_mm512_mask_mov_epi32(normal, _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), sub));
+    }
+    case ScaleType::f32: break;
+  }
+  return _mm512_loadu_ps(p);
+}
+
 // acc += float(isum - offset * xsum) * (w_scale * x_scale), for 16 rows; affine (offset 0): then
 // acc += float(-xsum) * (w_min * x_scale) (formats/layout.h). The tiles run a kernel body per scaling
 // (kAffine), so the symmetric one carries no min pointer or branch (they cost it registers: spills at NT >= 8).
+// wscale: the group's 16 weight scales (scales16).
 template <bool kAffine>
-inline __m512 epilogue16(__m512 acc, __m512i isum, int32_t offset, int32_t xsum, const float* wscale, const float* wmin,
+inline __m512 epilogue16(__m512 acc, __m512i isum, int32_t offset, int32_t xsum, __m512 wscale, const float* wmin,
                          float xscale) {
   if constexpr (kAffine) {
-    acc =
-        _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_loadu_ps(wscale), _mm512_set1_ps(xscale)), acc);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(wscale, _mm512_set1_ps(xscale)), acc);
     return _mm512_fmadd_ps(_mm512_set1_ps((float)(-xsum)), _mm512_mul_ps(_mm512_loadu_ps(wmin), _mm512_set1_ps(xscale)),
                            acc);
   }
   isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset * xsum));
-  __m512 s = _mm512_mul_ps(_mm512_loadu_ps(wscale), _mm512_set1_ps(xscale));
+  __m512 s = _mm512_mul_ps(wscale, _mm512_set1_ps(xscale));
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc);
 }
 
@@ -100,10 +121,11 @@ struct Int8Tile {
           acc[i][1] = _mm512_dpwssd_epi32(acc[i][1], w1, xb);
         }
       }
+      const __m512 ws = scales16(w, g);
 #pragma GCC unroll 16
       for (int i = 0; i < NT; ++i) {
         __m512i rows16 = _mm512_inserti64x4(_mm512_castsi256_si512(pair_sums(acc[i][0])), pair_sums(acc[i][1]), 1);
-        facc[i] = epilogue16<kAffine>(facc[i], rows16, 128, act_sums(rows[i], a)[g], w.scales + g * kRowsPerBlock,
+        facc[i] = epilogue16<kAffine>(facc[i], rows16, 128, act_sums(rows[i], a)[g], ws,
                                       kAffine ? w.mins + g * kRowsPerBlock : nullptr, act_scales(rows[i], a)[g]);
       }
     }
@@ -112,24 +134,42 @@ struct Int8Tile {
   }
 };
 
-// int4 weights (unsigned nibbles, offset 8) x int8 activations with vpdpbusd. A vpdpbusd waits for the previous
+// The unsigned bytes a nibble line multiplies: int4 the nibbles themselves (q + 8), lut4 (kLut) the codebook
+// value + 128 of each, looked up with one vpshufb in `lut` (the codebook + 128, in every 128-bit lane).
+template <bool kLut>
+inline __m512i nibble_bytes(__m512i nibbles, __m512i lut) {
+  if constexpr (kLut) return _mm512_shuffle_epi8(lut, nibbles);
+  return nibbles;
+}
+inline __m512i lut_bytes(const RowBlock& w) {  // codebook + 128 as unsigned bytes (lut4), else unused zeros
+  if (!w.codebook) return _mm512_setzero_si512();
+  const __m128i cb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.codebook));
+  return _mm512_broadcast_i32x4(_mm_xor_si128(cb, _mm_set1_epi8((char)0x80)));
+}
+
+// int4 weights (unsigned nibbles, offset 8) and lut4 weights (kLut: codebook values + 128, offset 128) x int8
+// activations with vpdpbusd. A vpdpbusd waits for the previous
 // one on its accumulator: with one chain per token, the two per line would bound a one-token row block by their
 // latency rather than by memory. So up to 4 tokens, low and high nibbles sum into separate accumulators (one token
-// has a body of its own below, Int4Tile<1>, on 4 chains); more tokens are enough chains by themselves (and need the
+// has a body of its own below, NibbleTile<1>, on 4 chains); more tokens are enough chains by themselves (and need the
 // registers). The sums are int32: the same bits in any order. (Faster from the caches; DRAM-bound decode jobs gain
 // nothing: BENCHMARKS.md#int4-accumulators.)
-template <int NT>
-struct Int4Tile {
+template <int NT, bool kLut>
+struct NibbleTile {
   static constexpr int kSplit = NT <= 4 ? 2 : 1;  // chains per line: low/high nibbles apart
   static constexpr int kUnroll = 1;               // lines per step
   static constexpr int kChains = kSplit * kUnroll;
+  static constexpr int32_t kOffset = kLut ? 128 : 8;
   static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
-    w.mins ? body<true>(w, rows, a, out) : body<false>(w, rows, a, out);
+    if constexpr (kLut)
+      body<false>(w, rows, a, out);  // lut4 is symmetric
+    else
+      w.mins ? body<true>(w, rows, a, out) : body<false>(w, rows, a, out);
   }
   template <bool kAffine>
   static void body(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
-    const int lines_per_group = w.group / 8, n_groups = w.kp / w.group;  // a multiple of kUnroll (group >= 32)
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const int lines_per_group = w.group / 8, n_groups = w.kp / w.group;  // a multiple of kUnroll
+    const __m512i low4 = _mm512_set1_epi8(0x0f), lut = lut_bytes(w);
     const int8_t* x[NT];
 #pragma GCC unroll 16
     for (int i = 0; i < NT; ++i) x[i] = reinterpret_cast<const int8_t*>(rows[i]);
@@ -150,8 +190,8 @@ struct Int4Tile {
           _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchL2Bytes, _MM_HINT_T1);
           const int j = g * lines_per_group + jj + u;
           __m512i v = _mm512_load_si512(p);
-          __m512i lo = _mm512_and_si512(v, low4);
-          __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          __m512i lo = nibble_bytes<kLut>(_mm512_and_si512(v, low4), lut);
+          __m512i hi = nibble_bytes<kLut>(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), lut);
 #pragma GCC unroll 16
           for (int i = 0; i < NT; ++i) {
             int32_t l, h;
@@ -164,12 +204,13 @@ struct Int4Tile {
           }
         }
       }
+      const __m512 ws = scales16(w, g);
 #pragma GCC unroll 16
       for (int i = 0; i < NT; ++i) {
         __m512i sum = acc[i][0];
 #pragma GCC unroll 4
         for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, acc[i][c]);
-        facc[i] = epilogue16<kAffine>(facc[i], sum, 8, act_sums(rows[i], a)[g], w.scales + g * kRowsPerBlock,
+        facc[i] = epilogue16<kAffine>(facc[i], sum, kOffset, act_sums(rows[i], a)[g], ws,
                                       kAffine ? w.mins + g * kRowsPerBlock : nullptr, act_scales(rows[i], a)[g]);
       }
     }
@@ -178,19 +219,23 @@ struct Int4Tile {
   }
 };
 
-// One token (decode), the same int32 sums as Int4Tile<NT> (any order gives the same bits) written for a weight
+// One token (decode), the same int32 sums as NibbleTile<NT> (any order gives the same bits) written for a weight
 // stream at DRAM speed: two lines a step, each loaded once into a register, their nibble halves on four chains,
 // prefetched into L1 2 KB ahead (1 KB or less left a core short of its stream on a Zen 4: BENCHMARKS.md#cpu-only).
 constexpr int kInt4RowPrefetchBytes = 2048;
-template <>
-struct Int4Tile<1> {
+template <bool kLut>
+struct NibbleTile<1, kLut> {
+  static constexpr int32_t kOffset = kLut ? 128 : 8;
   static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
-    w.mins ? body<true>(w, rows[0], a, out) : body<false>(w, rows[0], a, out);
+    if constexpr (kLut)
+      body<false>(w, rows[0], a, out);
+    else
+      w.mins ? body<true>(w, rows[0], a, out) : body<false>(w, rows[0], a, out);
   }
   template <bool kAffine>
   static void body(const RowBlock& w, const uint8_t* row, const ActLayout& a, float* out) {
-    const int lines_per_group = w.group / 8, n_groups = w.kp / w.group;  // even (group >= 32)
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const int lines_per_group = w.group / 8, n_groups = w.kp / w.group;  // even (group >= 16)
+    const __m512i low4 = _mm512_set1_epi8(0x0f), lut = lut_bytes(w);
     const int8_t* x = reinterpret_cast<const int8_t*>(row);
     const float* xscales = act_scales(row, a);
     const int32_t* xsums = act_sums(row, a);
@@ -210,18 +255,26 @@ struct Int4Tile<1> {
         std::memcpy(&x1, x + 4, 4);
         std::memcpy(&x2, x + 8, 4);
         std::memcpy(&x3, x + 12, 4);
-        c0 = _mm512_dpbusd_epi32(c0, _mm512_and_si512(v0, low4), _mm512_set1_epi32(x0));
-        c1 = _mm512_dpbusd_epi32(c1, _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4), _mm512_set1_epi32(x1));
-        c2 = _mm512_dpbusd_epi32(c2, _mm512_and_si512(v1, low4), _mm512_set1_epi32(x2));
-        c3 = _mm512_dpbusd_epi32(c3, _mm512_and_si512(_mm512_srli_epi16(v1, 4), low4), _mm512_set1_epi32(x3));
+        const __m512i l0 = nibble_bytes<kLut>(_mm512_and_si512(v0, low4), lut);
+        const __m512i h0 = nibble_bytes<kLut>(_mm512_and_si512(_mm512_srli_epi16(v0, 4), low4), lut);
+        const __m512i l1 = nibble_bytes<kLut>(_mm512_and_si512(v1, low4), lut);
+        const __m512i h1 = nibble_bytes<kLut>(_mm512_and_si512(_mm512_srli_epi16(v1, 4), low4), lut);
+        c0 = _mm512_dpbusd_epi32(c0, l0, _mm512_set1_epi32(x0));
+        c1 = _mm512_dpbusd_epi32(c1, h0, _mm512_set1_epi32(x1));
+        c2 = _mm512_dpbusd_epi32(c2, l1, _mm512_set1_epi32(x2));
+        c3 = _mm512_dpbusd_epi32(c3, h1, _mm512_set1_epi32(x3));
       }
       const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(c0, c1), _mm512_add_epi32(c2, c3));
-      f = epilogue16<kAffine>(f, sum, 8, xsums[g], w.scales + g * kRowsPerBlock,
-                              kAffine ? w.mins + g * kRowsPerBlock : nullptr, xscales[g]);
+      f = epilogue16<kAffine>(f, sum, kOffset, xsums[g], scales16(w, g), kAffine ? w.mins + g * kRowsPerBlock : nullptr,
+                              xscales[g]);
     }
     _mm512_storeu_ps(out, f);
   }
 };
+template <int NT>
+using Int4Tile = NibbleTile<NT, false>;
+template <int NT>
+using Lut4Tile = NibbleTile<NT, true>;
 
 // The SIMD wrapper of kernels/row_ops.h: 16 fp32 / int32 lanes.
 struct V {
@@ -297,6 +350,9 @@ void rowblock_int8(const RowBlock& w, const uint8_t* const* rows, const ActLayou
 }
 void rowblock_int4(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
   tiles::run_tiles<12, Int4Tile>(w, rows, a, n_tok, out);
+}
+void rowblock_lut4(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  tiles::run_tiles<12, Lut4Tile>(w, rows, a, n_tok, out);
 }
 
 }  // namespace avx512

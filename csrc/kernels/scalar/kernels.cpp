@@ -63,11 +63,13 @@ void rowblock_bf16(const RowBlock& w, const uint8_t* const* rows, const ActLayou
 }
 
 // Integer formats: exact int32 dot product per group, then acc = fma(float(isum), w_scale * x_scale, acc)
-// (affine: and acc = fma(float(-xsum), w_min * x_scale, acc)).
-template <typename Q, int kOffset, bool kNibbles>
+// (affine: and acc = fma(float(-xsum), w_min * x_scale, acc)). lut4: the nibble indexes the codebook (kLut), and
+// the sum of codebook value x activation has no offset to undo.
+template <typename Q, int kOffset, bool kNibbles, bool kLut = false>
 static void rowblock_int(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
   const int kpl = kNibbles ? 8 : 4;
   const int n_groups = w.kp / w.group, lines_per_group = w.group / kpl;
+  auto code = [&](int u) { return kLut ? (int32_t)w.codebook[u] : (int32_t)u; };
   for (int t = 0; t < n_tok; ++t) {
     const Q* x = reinterpret_cast<const Q*>(rows[t]);
     const float* xs = act_scales(rows[t], a);
@@ -80,19 +82,20 @@ static void rowblock_int(const RowBlock& w, const uint8_t* const* rows, const Ac
           const uint8_t* p = w.data + (size_t)j * kLineBytes + 4 * r;
           for (int b = 0; b < 4; ++b) {
             if (kNibbles) {
-              isum += (int32_t)(p[b] & 0x0f) * x[j * 8 + b];
-              isum += (int32_t)(p[b] >> 4) * x[j * 8 + 4 + b];
+              isum += code(p[b] & 0x0f) * x[j * 8 + b];
+              isum += code(p[b] >> 4) * x[j * 8 + 4 + b];
             } else {
               isum += (int32_t)p[b] * x[j * 4 + b];
             }
           }
         }
+        const float scale = w.scale(g, r);
         if (w.mins) {  // affine (layout.h): the codes carry no offset, the min meets the element sum
-          acc = std::fma((float)isum, w.scales[g * kRowsPerBlock + r] * xs[g], acc);
+          acc = std::fma((float)isum, scale * xs[g], acc);
           acc = std::fma((float)(-xsum[g]), w.mins[g * kRowsPerBlock + r] * xs[g], acc);
         } else {
           isum -= kOffset * xsum[g];
-          acc = std::fma((float)isum, w.scales[g * kRowsPerBlock + r] * xs[g], acc);
+          acc = std::fma((float)isum, scale * xs[g], acc);
         }
       }
       out[t * kRowsPerBlock + r] = acc;
@@ -106,6 +109,10 @@ void rowblock_int8(const RowBlock& w, const uint8_t* const* rows, const ActLayou
 
 void rowblock_int4(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
   rowblock_int<int8_t, 8, true>(w, rows, a, n_tok, out);
+}
+
+void rowblock_lut4(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  rowblock_int<int8_t, 0, true, true>(w, rows, a, n_tok, out);
 }
 
 }  // namespace scalar

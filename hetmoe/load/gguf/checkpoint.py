@@ -5,12 +5,13 @@ file has: the routed experts' own quantized blocks (``expert_codes``) and the en
 
 Tensors are read from the memory-mapped file when asked for, one at a time (a stacked experts tensor one expert at
 a time), so loading holds one layer's weights as the safetensors path does. Exact types: Q8_0 (fp16 scale + 32 int8
-per block) is the engine's int8 with groups of 32, Q4_0 (fp16 scale + 16 bytes: values 0..15 in the low nibbles,
-16..31 in the high ones, offset 8) its int4 with groups of 32; the K-quants Q4_K / Q5_K are int4 / int8 affine with
-groups of 32 and Q6_K int8 with groups of 16 (hetmoe/load/gguf/kquants.py). Gate/up and down may have different exact
-types (int4 codes then go into int8). They are packed from the codes (hetmoe/cpu/codes.py): the kernels multiply by
-exactly what ``gguf``'s dequantization gives. Every other type is dequantized (gguf.quants) and quantized into the
-experts format of the plan.
+per block) is the engine's int8 with groups of 32 and fp16 scales, Q4_0 (fp16 scale + 16 bytes: values 0..15 in the
+low nibbles, 16..31 in the high ones, offset 8) its int4 with groups of 32 and fp16 scales; the K-quants Q4_K / Q5_K
+are int4 / int8 affine with groups of 32 and Q6_K int8 with groups of 16 (hetmoe/load/gguf/kquants.py); IQ4_NL,
+IQ4_XS and MXFP4 are its lut4 (4-bit indices into a codebook) with groups of 32 (hetmoe/load/gguf/lut4_blocks.py).
+Gate/up and down may have different exact types (4-bit codes then go into int8 in an int8 plan). They are packed from
+the codes (hetmoe/cpu/codes.py): the kernels multiply by exactly what ``gguf``'s dequantization gives. Every other
+type is dequantized (gguf.quants) and quantized into the experts format of the plan.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from hetmoe.cpu.codes import EXACT_TYPES, exact_layout, layout_of, load_codes, plan_format
+from hetmoe.cpu.codes import EXACT_TYPES, exact_layout, layout_of, load_codes, lut4_values, plan_format
 from hetmoe.load.gguf.kquants import KQUANTS, kquant_codes
+from hetmoe.load.gguf.lut4_blocks import LUT4_BLOCKS, lut4_codes
 from hetmoe.load.gguf.metadata import config_from_gguf
 from hetmoe.load.gguf.names import Transform, hf_names, merge_kv_b, unpermute_rope
 from hetmoe.load.gguf.reader import GGUFError, open_gguf
@@ -171,17 +173,19 @@ class GGUFCheckpoint:
 
     def expert_codes(self, name: str) -> tuple:
         """(codes int8 [rows, cols], scales fp32 [rows, cols / group], mins of the same shape or None) of an expert
-        matrix of an exactly held type (Q8_0 / Q4_0 / K-quants)."""
+        matrix of an exactly held type (Q8_0 / Q4_0 / K-quants; lut4 types: codebook indices)."""
         t, _, e = self._entry(name)
         kind = t.ggml_type.name
         if kind not in EXACT_TYPES:
             raise GGUFError(f"{self.path}: {name} is {kind}, not one of the exactly held types "
                             f"{', '.join(EXACT_TYPES)}")
-        if kind in KQUANTS:
-            try:
+        try:
+            if kind in KQUANTS:
                 return kquant_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:]))
-            except ValueError as err:
-                raise GGUFError(f"{self.path}: {name}: {err}") from None
+            if kind in LUT4_BLOCKS:
+                return (*lut4_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:])), None)
+        except ValueError as err:
+            raise GGUFError(f"{self.path}: {name}: {err}") from None
         return (*block_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:])), None)
 
     def expert_types(self, prefixes: list, names: list) -> tuple:
@@ -205,9 +209,14 @@ class GGUFCheckpoint:
             return False
         stacked = [self._entry(f"{prefix}.experts.0.{w}.weight")[0] for w in names]
         threads = experts.info()["threads"]
+        fmts = held["weight_format"] if isinstance(held["weight_format"], tuple) else (held["weight_format"],) * 2
         for e0 in range(0, experts.num_experts, CHUNK):
             n = min(CHUNK, experts.num_experts - e0)
             parts = [self._chunk_codes(t, e0, n, threads, slot) for slot, t in enumerate(stacked)]
+            for slot, t in enumerate(stacked):  # lut4 types in an int8 layout (an int8 plan): indices -> values
+                own = EXACT_TYPES[t.ggml_type.name]
+                if own[0] == "lut4" and fmts[slot // 2] == "int8":
+                    parts[slot] = (lut4_values(parts[slot][0], own[4]), *parts[slot][1:])
             try:
                 load_codes(experts, [p[0] for p in parts], [p[1] for p in parts], first_expert=e0,
                            mins=[p[2] for p in parts], scan_first=False)
@@ -231,6 +240,11 @@ class GGUFCheckpoint:
         """(codes, scales, mins or None) of experts [e0, e0 + n) of the stacked tensor ``t``; K-quants: views of
         the buffers of ``slot`` (gate, up, down: 0, 1, 2) reused from layer to layer."""
         kind, shape = t.ggml_type.name, (n, *t.shape[1:])
+        if kind in LUT4_BLOCKS:
+            try:
+                return (*lut4_codes(np.asarray(t.data[e0:e0 + n]), kind, shape), None)
+            except ValueError as err:
+                raise GGUFError(f"{self.path}: {t.name}: {err}") from None
         if kind not in KQUANTS:
             return (*block_codes(np.asarray(t.data[e0:e0 + n]), kind, shape), None)
         group, affine = KQUANTS[kind][2], KQUANTS[kind][1] == "affine"

@@ -2,11 +2,12 @@
 (bench/llama_cpp_peer.py, bench/gguf_load.py).
 
 Blocks are written directly as random bytes (random codes, finite fp16 scales sized for a weight std of about 0.02),
-one tensor at a time: a multi-GB file takes seconds and no float copy. Types: F32 / F16 / BF16, Q4_0 / Q8_0 and
-the K-quants Q4_K / Q5_K / Q6_K; ``EXPERT_MIXES`` names the routed experts' (gate/up, down) types as llama.cpp's
-quantizer writes them (Q4_K_M: Q4_K gate/up, Q6_K down). The tokenizer is a byte-level BPE vocabulary of the
-shape's vocab size (256 byte tokens, then merges of byte pairs and byte triples), enough for llama.cpp to load:
-its benchmarks feed random token ids and never tokenize text.
+one tensor at a time: a multi-GB file takes seconds and no float copy. Types: F32 / F16 / BF16, Q4_0 / Q8_0, the
+K-quants Q4_K / Q5_K / Q6_K and the 4-bit codebook types IQ4_NL / IQ4_XS / MXFP4 (MXFP4's scale is an exponent
+byte, set near the one a weight std of 0.02 needs); ``EXPERT_MIXES`` names the routed experts' (gate/up, down) types
+as llama.cpp's quantizer writes them (Q4_K_M: Q4_K gate/up, Q6_K down). The tokenizer is a byte-level BPE
+vocabulary of the shape's vocab size (256 byte tokens, then merges of byte pairs and byte triples), enough for
+llama.cpp to load: its benchmarks feed random token ids and never tokenize text.
 """
 
 from __future__ import annotations
@@ -20,12 +21,17 @@ import numpy as np
 WEIGHT_STD = 0.02  # the std of a published checkpoint's linear weights, about
 # std of the weights random codes give at a scale d = 1: Q4_0 q - 8 for q in 0..15, Q8_0 int8 -128..127; K-quants
 # (measured with gguf.dequantize) with 6-bit sub-block scales and mins, dmin = d * KQ_MIN_RATIO (centred weights)
-CODE_STD = {"Q4_0": 4.61, "Q8_0": 73.9, "Q4_K": 259.0, "Q5_K": 532.0, "Q6_K": 1376.0}
+# IQ4_NL: the kvalues_iq4nl table's rms; IQ4_XS: times the rms of its random 6-bit sub-block scales ls - 32; MXFP4:
+# the doubled E2M1 values' rms (its scale 2^(e - 128) is chosen per block from MXFP4_E)
+CODE_STD = {"Q4_0": 4.61, "Q8_0": 73.9, "Q4_K": 259.0, "Q5_K": 532.0, "Q6_K": 1376.0, "IQ4_NL": 67.4,
+            "IQ4_XS": 1245.0, "MXFP4": 5.85}
 KQ_D = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}  # byte offsets of each block's fp16 d and dmin
+MXFP4_E = (119, 121)  # exponent bytes of MXFP4 blocks, drawn in [lo, hi): 2^(e - 128) * 5.85 around WEIGHT_STD
 KQ_MIN_RATIO = {"Q4_K": 7.5, "Q5_K": 15.5}  # dmin / d: the mean code, so that a sub-block's mean is about 0
 # routed experts' (gate/up, down) types per llama.cpp file type
 EXPERT_MIXES = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q4_K": ("Q4_K", "Q4_K"), "Q5_K": ("Q5_K", "Q5_K"),
-                "Q6_K": ("Q6_K", "Q6_K"), "Q8_0": ("Q8_0", "Q8_0"), "Q4_0": ("Q4_0", "Q4_0")}
+                "Q6_K": ("Q6_K", "Q6_K"), "Q8_0": ("Q8_0", "Q8_0"), "Q4_0": ("Q4_0", "Q4_0"),
+                "IQ4_NL": ("IQ4_NL", "IQ4_NL"), "IQ4_XS": ("IQ4_XS", "IQ4_XS"), "MXFP4": ("MXFP4", "MXFP4")}
 # the dense part of llama.cpp's Q4_K_M: attention Q4_K but attn_v Q6_K, the embedding Q4_K, the output Q6_K
 DENSE_Q4_K_M = {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
                 "output": "Q6_K"}
@@ -68,6 +74,9 @@ def random_tensor(kind: str, shape: tuple, rng: np.random.Generator) -> np.ndarr
     per, nbytes = _block(kind)
     n_blocks = int(np.prod(shape)) // per
     out = np.frombuffer(bytearray(rng.bytes(n_blocks * nbytes)), dtype=np.uint8).reshape(n_blocks, nbytes)
+    if kind == "MXFP4":  # one exponent byte per block, no fp16 scale
+        out[:, 0] = rng.integers(*MXFP4_E, n_blocks, dtype=np.uint8)
+        return out.reshape(raw)
     d = WEIGHT_STD / CODE_STD[kind] * rng.uniform(0.5, 1.5, n_blocks).astype(np.float32)
     at_d, at_min = KQ_D.get(kind, (0, None))
     out[:, at_d:at_d + 2] = d.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)

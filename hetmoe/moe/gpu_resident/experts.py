@@ -109,6 +109,13 @@ class GpuExperts:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dense_max_tokens = int(dense_max_tokens)
         self.s_gate_up = self.s_down = None  # int8/int4: the fp32 scales beside the codes
+        # lut4: the (gate/up, down) codebooks on the device, made here once (never inside a graph capture)
+        self.luts = None
+        if "lut4" in (self.storage.gate_up, self.storage.down):
+            from hetmoe.moe.streamed.packed import codebook_values
+
+            self.luts = tuple(codebook_values(b, self.device) if b else None
+                              for b in (self.storage.gate_up_codebook, self.storage.down_codebook))
         slot_of = torch.full((num_experts + 1,), -1, dtype=torch.int64)
         slot_of[torch.tensor(ids)] = torch.arange(n)
         self.slot_of = slot_of.to(self.device)  # [E + 1]
@@ -132,9 +139,9 @@ class GpuExperts:
                  **kwargs) -> "GpuExperts":
         """The resident copy of ``expert_ids`` of a ``CPUExperts``: the values its kernels multiply by. ``storage``:
         a resident_format.Storage, or a format name (``auto``: the engine's own, ``bf16``, ``int8``, ``int4``;
-        resident_format.storage_for); int8/int4 matrices of the engine's format and group keep its codes and scales
-        (the same values exactly), others are quantized from its values. One expert at a time (at most one fp32
-        copy on the host at once)."""
+        resident_format.storage_for); int8/int4/lut4 matrices of the engine's format and group keep its codes and
+        scales (the same values exactly; scales widened to fp32), others are quantized from its values. One expert at
+        a time (at most one fp32 copy on the host at once)."""
         n, I, H = len(expert_ids), cpu_experts.intermediate_size, cpu_experts.hidden_size
         st = rf.storage_for(cpu_experts, storage) if isinstance(storage, str) else storage
         if not st.quantized:
@@ -222,7 +229,7 @@ class GpuExperts:
         if self.storage.quantized:
             return _routed().routed_int(x, topk_ids, topk_weights, (self.w_gate_up, self.s_gate_up),
                                         (self.w_down, self.s_down), self.storage, self.slot_of, skip,
-                                        self.num_experts, self.intermediate_size)
+                                        self.num_experts, self.intermediate_size, luts=self.luts)
         return _routed().routed(x, topk_ids, topk_weights, self.w_gate_up, self.w_down, self.slot_of, skip,
                                 self.num_experts, self.intermediate_size)
 
@@ -231,8 +238,8 @@ class GpuExperts:
         if not self.storage.quantized:
             return self.w_gate_up, self.w_down
         st, N, H, I = self.storage, self.n, self.hidden_size, self.intermediate_size
-        gu = rf.dequantize(self.w_gate_up, self.s_gate_up, st.gate_up, st.group, H, self.dtype)
-        d = rf.dequantize(self.w_down, self.s_down, st.down, st.down_group, I, self.dtype)
+        gu = rf.dequantize(self.w_gate_up, self.s_gate_up, st.gate_up, st.group, H, self.dtype, st.gate_up_codebook)
+        d = rf.dequantize(self.w_down, self.s_down, st.down, st.down_group, I, self.dtype, st.down_codebook)
         return gu, d.view(N, H, I).permute(1, 0, 2).reshape(H, N * I)
 
     def _expert_weights(self, r0: int, r1: int) -> tuple:
@@ -243,10 +250,10 @@ class GpuExperts:
             return (self.w_gate_up[2 * r0 * I:2 * r1 * I].view(n, 2 * I, H),
                     self.w_down[:, r0 * I:r1 * I].view(H, n, I).transpose(0, 1))
         rows, drows = slice(2 * r0 * I, 2 * r1 * I), slice(r0 * H, r1 * H)
-        return (rf.dequantize(self.w_gate_up[rows], self.s_gate_up[rows], st.gate_up, st.group, H,
-                              self.dtype).view(n, 2 * I, H),
-                rf.dequantize(self.w_down[drows], self.s_down[drows], st.down, st.down_group, I,
-                              self.dtype).view(n, H, I))
+        return (rf.dequantize(self.w_gate_up[rows], self.s_gate_up[rows], st.gate_up, st.group, H, self.dtype,
+                              st.gate_up_codebook).view(n, 2 * I, H),
+                rf.dequantize(self.w_down[drows], self.s_down[drows], st.down, st.down_group, I, self.dtype,
+                              st.down_codebook).view(n, H, I))
 
     def _dense(self, x, topk_ids, topk_weights) -> torch.Tensor:
         T, N, I = x.shape[0], self.n, self.intermediate_size

@@ -1,6 +1,9 @@
 """How GPU-resident experts (hetmoe/moe/gpu_resident/experts.py) store their weights: bf16, or int8/int4 weight-only,
 symmetric, one fp32 scale per ``group`` weights along K (32, 64 or 128) -- value = scale * q, the CPU engine's own
-convention, so that resident experts of the CPU's format hold exactly the values its kernels multiply by.
+convention, so that resident experts of the CPU's format hold exactly the values its kernels multiply by; or lut4,
+a CPU engine's lut4 codes kept as they are (codebook indices in int4's layout, value = scale * codebook[i]: the
+bytes of int4, which is what a memory plan counts for those layers). Scales the CPU engine stores narrower than fp32
+(fp16, bf16, e8m0) are widened to fp32 at upload, exactly (the int4 bytes a plan counts, again).
 
 Layout of one quantized matrix stack (the conventions of hetmoe/ops/triton/linear.py, with the group a parameter;
 K zero-padded to Kp, a multiple of the group):
@@ -8,10 +11,11 @@ K zero-padded to Kp, a multiple of the group):
 * int4: codes uint8 [R, Kp / 2]; in group g, byte i holds weight g*group + i in its low nibble and weight
   g*group + group/2 + i in its high nibble, each stored as q + 8 (q in [-8, 7]); scales fp32 [R, Kp / group].
   The two halves of a group are two contiguous slices of x, so a kernel needs no interleave.
+* lut4: as int4, each nibble the codebook index itself (no offset); the codebook is the Storage's.
 
 ``cpu_codes`` reads a CPU engine's codes and scales out of its packed storage (hetmoe/moe/streamed/packed.py) where the
-format matches (symmetric int8/int4, one NUMA slice); elsewhere ``quantize`` packs the engine's dequantized values
-afresh (scale = max |w| of the group / qmax: 127 for int8, 7 for int4).
+format matches (symmetric int8/int4/lut4, one NUMA slice); elsewhere ``quantize`` packs the engine's dequantized
+values afresh into int8/int4 (scale = max |w| of the group / qmax: 127 for int8, 7 for int4).
 
 Shape letters: R rows (of all matrices stacked), K columns, Kp K padded, G groups per row.
 """
@@ -24,7 +28,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-FORMATS = ("bf16", "int8", "int4")
+from hetmoe.cpu.layout import CODEBOOKS
+
+FORMATS = ("bf16", "int8", "int4")  # what --gpu-experts-format takes
+STORED = FORMATS + ("lut4",)  # lut4: only a CPU engine's own lut4 codes, kept
 GROUPS = (32, 64, 128)
 DEFAULT_GROUP = 64  # where the weights are quantized here (not the CPU engine's own codes)
 QMAX = {"int8": 127, "int4": 7}
@@ -39,13 +46,19 @@ class Storage:
     down: str = "bf16"
     group: int = DEFAULT_GROUP
     down_group: int = DEFAULT_GROUP
+    gate_up_codebook: Optional[str] = None  # lut4's codebooks (hetmoe/cpu/layout.py CODEBOOKS)
+    down_codebook: Optional[str] = None
 
     def __post_init__(self):
-        for name, fmt, group in (("gate/up", self.gate_up, self.group), ("down", self.down, self.down_group)):
-            if fmt not in FORMATS:
+        for name, fmt, group, book in (("gate/up", self.gate_up, self.group, self.gate_up_codebook),
+                                       ("down", self.down, self.down_group, self.down_codebook)):
+            if fmt not in STORED:
                 raise ValueError(f"{name} storage must be one of {', '.join(FORMATS)}, got {fmt!r}")
             if fmt != "bf16" and group not in GROUPS:
                 raise ValueError(f"{name} {fmt} scale group must be one of {GROUPS}, got {group!r}")
+            if (fmt == "lut4") != (book is not None) or (book is not None and book not in CODEBOOKS):
+                raise ValueError(f"{name} {fmt} storage with codebook {book!r}: lut4 needs one of "
+                                 f"{', '.join(CODEBOOKS)}, other formats none")
         if (self.gate_up == "bf16") != (self.down == "bf16"):
             raise ValueError(f"resident experts are bf16 or int8/int4 throughout, not gate/up {self.gate_up} with "
                              f"down {self.down}")
@@ -73,7 +86,7 @@ def matrix_bytes(fmt: str, rows: int, k: int, group: int, itemsize: int = 2) -> 
     if fmt == "bf16":
         return rows * k * itemsize
     kp = padded(k, group)
-    return rows * (kp // (2 if fmt == "int4" else 1) + kp // group * 4)
+    return rows * (kp // (2 if fmt in ("int4", "lut4") else 1) + kp // group * 4)
 
 
 def expert_bytes(storage: Storage, hidden: int, intermediate: int, itemsize: int = 2) -> int:
@@ -82,27 +95,31 @@ def expert_bytes(storage: Storage, hidden: int, intermediate: int, itemsize: int
             + matrix_bytes(storage.down, hidden, intermediate, storage.down_group, itemsize))
 
 
-def pack_int4(q: torch.Tensor, group: int) -> torch.Tensor:
-    """int codes in [-8, 7], [R, Kp] -> uint8 [R, Kp / 2] (the layout above)."""
+def pack_int4(q: torch.Tensor, group: int, offset: int = 8) -> torch.Tensor:
+    """int codes in [-8, 7] (lut4: indices 0..15, offset 0), [R, Kp] -> uint8 [R, Kp / 2] (the layout above)."""
     R, kp = q.shape
-    u = (q.to(torch.int16) + 8).view(R, kp // group, 2, group // 2)
+    u = (q.to(torch.int16) + offset).view(R, kp // group, 2, group // 2)
     return (u[:, :, 0] | (u[:, :, 1] << 4)).to(torch.uint8).view(R, kp // 2)
 
 
-def unpack_int4(packed: torch.Tensor, group: int) -> torch.Tensor:
+def unpack_int4(packed: torch.Tensor, group: int, offset: int = 8) -> torch.Tensor:
     """The inverse of pack_int4: uint8 [R, Kp / 2] -> int8 codes [R, Kp]."""
     R, half = packed.shape
     b = packed.to(torch.int16).view(R, half * 2 // group, 1, group // 2)
-    return (torch.cat([b & 15, b >> 4], dim=2) - 8).to(torch.int8).view(R, half * 2)
+    return (torch.cat([b & 15, b >> 4], dim=2) - offset).to(torch.int8).view(R, half * 2)
 
 
 def encode(q: torch.Tensor, fmt: str, group: int) -> torch.Tensor:
-    """int codes [R, Kp] -> the stored codes of ``fmt``."""
-    return pack_int4(q, group) if fmt == "int4" else q.to(torch.int8)
+    """int codes [R, Kp] (lut4: codebook indices) -> the stored codes of ``fmt``."""
+    if fmt == "int8":
+        return q.to(torch.int8)
+    return pack_int4(q, group, 0 if fmt == "lut4" else 8)
 
 
 def quantize(w: torch.Tensor, fmt: str, group: int) -> tuple:
     """fp32 ``w`` [R, K] -> (codes, fp32 scales [R, Kp / group]), symmetric: scale = max |w| of the group / qmax."""
+    if fmt not in QMAX:
+        raise ValueError(f"resident experts quantize into int8 or int4, not {fmt} (lut4 keeps a CPU engine's codes)")
     R, K = w.shape
     kp = padded(K, group)
     g = F.pad(w.float(), (0, kp - K)).view(R, kp // group, group)
@@ -112,9 +129,15 @@ def quantize(w: torch.Tensor, fmt: str, group: int) -> tuple:
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str, group: int, k: int,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Stored ``codes``/``scales`` of ``fmt`` -> [R, k] in ``dtype`` (scale * q in fp32, then rounded to ``dtype``)."""
-    q = unpack_int4(codes, group) if fmt == "int4" else codes
+               dtype: torch.dtype = torch.float32, codebook: Optional[str] = None) -> torch.Tensor:
+    """Stored ``codes``/``scales`` of ``fmt`` -> [R, k] in ``dtype`` (scale * q in fp32, then rounded to ``dtype``;
+    lut4: q = ``codebook``'s value of each index)."""
+    if fmt == "lut4":
+        from hetmoe.moe.streamed.packed import codebook_values
+
+        q = codebook_values(codebook, codes.device)[unpack_int4(codes, group, 0).long()]
+    else:
+        q = unpack_int4(codes, group) if fmt == "int4" else codes
     R, kp = q.shape
     w = q.float().view(R, kp // group, group) * scales.float().unsqueeze(-1)
     return w.view(R, kp)[:, :k].to(dtype)
@@ -144,12 +167,21 @@ def planned_storage(fmt: str, cpu_format: str, cpu_group: int) -> Storage:
 
 def cpu_storage(cpu_experts) -> Storage:
     """The Storage that holds a CPUExperts' values exactly: its formats and groups (per-row int8/int4: a group of 128,
-    the row's scale repeated; a group the GPU kernels do not take: the default)."""
+    the row's scale repeated; a group the GPU kernels do not take: the default), lut4 with its codebooks. lut4 codes
+    are only copied, never quantized here: a lut4 matrix that cpu_codes cannot copy (a NUMA-split layer, a group the
+    GPU kernels do not take) is stored as int4 (the same bytes; re-quantized from the engine's values)."""
     info = cpu_experts.info()
     if "bf16" in (info["weight_format"], info["down_weight_format"]):
         return Storage.of("bf16")
-    return Storage(info["weight_format"], info["down_weight_format"], _group(info["group_size"] or 0),
-                   _group(info["down_group_size"] or 0))
+    whole = info.get("numa_subpools", 1) == 1
+    out = []
+    for fmt, group, book in ((info["weight_format"], info["group_size"] or 0, info["gate_up_codebook"]),
+                             (info["down_weight_format"], info["down_group_size"] or 0, info["down_codebook"])):
+        if fmt == "lut4" and not (whole and group in GROUPS):
+            fmt, book = "int4", None
+        out.append((fmt, _group(group), book))
+    (gu, g, gb), (dn, dg, db) = out
+    return Storage(gu, dn, g, dg, gb, db)
 
 
 def storage_for(cpu_experts, fmt: str = "auto") -> Storage:
@@ -171,9 +203,9 @@ def cpu_codes(cpu_experts, expert: int, storage: Storage, ranges: Optional[list]
               device=None) -> Optional[tuple]:
     """((gate_up codes, scales), (down codes, scales)) of ``expert`` in ``storage``'s layout, read from the CPU
     engine's packed bytes (``ranges``: hetmoe.moe.streamed.packed.expert_ranges, or read here) and converted on
-    ``device`` (default: the CPU; a GPU does it in well under a millisecond, the CPU in a few hundred); an entry is None
-    where the engine's matrix is not exactly that (another format or group, affine scaling, bf16, a NUMA-split
-    layer)."""
+    ``device`` (default: the CPU; a GPU does it in well under a millisecond, the CPU in a few hundred), the scales
+    widened to fp32 (exact); an entry is None where the engine's matrix is not exactly that (another format, group or
+    codebook, affine scaling, bf16, a NUMA-split layer)."""
     from hetmoe.moe.streamed import packed
 
     info = cpu_experts.info()
@@ -187,19 +219,18 @@ def cpu_codes(cpu_experts, expert: int, storage: Storage, ranges: Optional[list]
     parts = [r[expert * s:(expert + 1) * s].to(device or "cpu") for r, s in zip(ranges, sizes)]
     I, H = layout.intermediate, layout.hidden
     out = []
-    for shape, data, scales, fmt, group, n_mats, n in ((layout.gate_up, parts[0], parts[1], storage.gate_up,
-                                                        storage.group, 2, I),
-                                                       (layout.down, parts[2], parts[3], storage.down,
-                                                        storage.down_group, 1, H)):
-        if shape.affine or shape.fmt != fmt or shape.group != group:
+    for shape, data, scales, fmt, group, book, n_mats, n in (
+            (layout.gate_up, parts[0], parts[1], storage.gate_up, storage.group, storage.gate_up_codebook, 2, I),
+            (layout.down, parts[2], parts[3], storage.down, storage.down_group, storage.down_codebook, 1, H)):
+        if shape.affine or shape.fmt != fmt or shape.group != group or shape.codebook != book:
             out.append(None)
             continue
         nb, G = shape.n_blocks, shape.kp // shape.group
-        offset = 128 if fmt == "int8" else 8
+        offset = {"int8": 128, "int4": 8, "lut4": 0}[fmt]
         # gate and up row blocks alternate (block 2 rb + m is matrix m's rb): [n_mats, NB * 16, Kp] in row order
         codes = packed._unpack_data(data, shape, n_mats).view(nb, n_mats, packed.ROWS, shape.kp)
         codes = codes.transpose(0, 1).reshape(n_mats * nb * packed.ROWS, shape.kp)
-        s = scales.view(torch.float32).view(nb, n_mats, G, packed.ROWS).permute(1, 0, 3, 2)
+        s = packed.widen_scales(scales, shape.scale_dtype).view(nb, n_mats, G, packed.ROWS).permute(1, 0, 3, 2)
         s = s.reshape(n_mats, nb * packed.ROWS, G)[:, :n].reshape(n_mats * n, G)
         codes = codes.view(n_mats, nb * packed.ROWS, shape.kp)[:, :n].reshape(n_mats * n, shape.kp) - offset
         out.append((encode(codes, fmt, group), s.clone()))

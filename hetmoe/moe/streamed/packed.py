@@ -11,11 +11,12 @@ Shape letters: E experts, H hidden size, I intermediate size, N rows, K columns,
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from hetmoe.cpu.layout import BF16_GROUP, K_PER_LINE, LINE, ROWS
+from hetmoe.cpu.layout import BF16_GROUP, CODEBOOKS, K_PER_LINE, LINE, ROWS, SCALE_WIDTH
 
 
 def _round_up(v: int, m: int) -> int:
@@ -33,16 +34,22 @@ class MatrixShape:
     kp: int
     n_blocks: int
     affine: bool = False  # value = scale * u - min (GGUF's K-quants), else scale * q
+    scale_dtype: str = "fp32"  # how the scales are stored (fp32, fp16, bf16, e8m0)
+    codebook: str | None = None  # lut4: the codebook its nibbles index
 
     @classmethod
-    def make(cls, fmt: str, n: int, k: int, group: int, scaling: str = "symmetric") -> "MatrixShape":
+    def make(cls, fmt: str, n: int, k: int, group: int, scaling: str = "symmetric", scale_dtype: str = "fp32",
+             codebook: str | None = None) -> "MatrixShape":
         if fmt not in K_PER_LINE:
             raise ValueError(f"unknown weight format {fmt!r}")
         if fmt == "bf16":
             group = BF16_GROUP
         elif group <= 0:
             group = 128  # per-row int8/int4: the row's scale repeated in every group of 128
-        return cls(fmt, n, k, group, _round_up(k, group), -(-n // ROWS), fmt != "bf16" and scaling == "affine")
+        if (fmt == "lut4") != (codebook is not None):
+            raise ValueError(f"{fmt} with codebook {codebook!r}: a codebook goes with lut4, and lut4 needs one")
+        return cls(fmt, n, k, group, _round_up(k, group), -(-n // ROWS), fmt != "bf16" and scaling == "affine",
+                   scale_dtype or "fp32", codebook)
 
     @property
     def lines(self) -> int:
@@ -53,8 +60,9 @@ class MatrixShape:
         return self.lines * LINE
 
     @property
-    def block_scales(self) -> int:  # floats
-        return 0 if self.fmt == "bf16" else (self.kp // self.group) * ROWS * (2 if self.affine else 1)
+    def block_scale_bytes(self) -> int:  # scales (of scale_dtype) and an affine block's fp32 mins
+        n = 0 if self.fmt == "bf16" else (self.kp // self.group) * ROWS
+        return n * (SCALE_WIDTH[self.scale_dtype] + (4 if self.affine else 0))
 
 
 @dataclass(frozen=True)
@@ -76,15 +84,17 @@ class ExpertLayout:
             raise ValueError("the packed layout of a layer split over NUMA subpools is per slice")
         fmt, group = info["weight_format"], info["group_size"] or 0
         H, I = experts.hidden_size, experts.intermediate_size
-        return cls(fmt, experts.num_experts, H, I, MatrixShape.make(fmt, I, H, group, info["gate_up_scaling"]),
+        return cls(fmt, experts.num_experts, H, I,
+                   MatrixShape.make(fmt, I, H, group, info["gate_up_scaling"], info["gate_up_scale_dtype"],
+                                    info["gate_up_codebook"]),
                    MatrixShape.make(info["down_weight_format"], H, I, info["down_group_size"] or 0,
-                                    info["down_scaling"]))
+                                    info["down_scaling"], info["down_scale_dtype"], info["down_codebook"]))
 
     def range_bytes(self) -> tuple:
         """Bytes per expert of each range: (gate+up data, gate+up scales, down data, down scales)."""
         gu, d = self.gate_up, self.down
-        return (2 * gu.n_blocks * gu.block_bytes, 2 * gu.n_blocks * gu.block_scales * 4,
-                d.n_blocks * d.block_bytes, d.n_blocks * d.block_scales * 4)
+        return (2 * gu.n_blocks * gu.block_bytes, 2 * gu.n_blocks * gu.block_scale_bytes,
+                d.n_blocks * d.block_bytes, d.n_blocks * d.block_scale_bytes)
 
     @property
     def expert_bytes(self) -> int:
@@ -93,7 +103,7 @@ class ExpertLayout:
 
 def _unpack_data(data: torch.Tensor, shape: MatrixShape, n_mats: int) -> torch.Tensor:
     """uint8 [n_mats * n_blocks * block_bytes] -> the stored values [n_mats, n_blocks * 16, Kp]: bf16 as bf16, int8 /
-    int4 as their unsigned codes (int16: q + 128 / q + 8)."""
+    int4 as their unsigned codes (int16: q + 128 / q + 8), lut4 as its indices (int16 0..15)."""
     L, NB = shape.lines, shape.n_blocks
     lines = data.view(n_mats * NB, L, ROWS, 4)
     if shape.fmt == "bf16":
@@ -107,19 +117,42 @@ def _unpack_data(data: torch.Tensor, shape: MatrixShape, n_mats: int) -> torch.T
     return codes.reshape(n_mats, NB * ROWS, shape.kp).to(torch.int16)
 
 
+@functools.lru_cache(maxsize=None)
+def codebook_values(name: str, device: torch.device) -> torch.Tensor:
+    """lut4 codebook ``name``'s 16 values, fp32, on ``device``: made once per device (a copy from the host blocks it,
+    and cannot happen inside a CUDA graph capture), then only read."""
+    return torch.tensor(CODEBOOKS[name], dtype=torch.float32, device=device)
+
+
+def widen_scales(raw: torch.Tensor, scale_dtype: str) -> torch.Tensor:
+    """Stored scales (uint8 bytes, a whole number of scales) -> fp32, exactly as the CPU kernels widen them
+    (csrc/formats/layout.h scale_to_float)."""
+    if scale_dtype == "fp32":
+        return raw.view(torch.float32)
+    if scale_dtype in ("fp16", "bf16"):
+        return raw.view(torch.float16 if scale_dtype == "fp16" else torch.bfloat16).float()
+    e = raw.to(torch.int32)  # e8m0: 2^(e - 128); e < 2 are the subnormals 2^-128 << e
+    bits = torch.where(e < 2, torch.bitwise_left_shift(torch.full_like(e, 0x00200000), e), (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
 def _dequantize(codes: torch.Tensor, scales: torch.Tensor, shape: MatrixShape, n_mats: int,
                 dtype: torch.dtype) -> torch.Tensor:
-    """codes [n_mats, NB * 16, Kp] (q + offset, or affine u), scales fp32 [n_mats * NB * G * 16] (affine: scales and
-    mins per block, [n_mats * NB * 2 * G * 16]) -> values [n_mats, NB * 16, Kp]."""
+    """codes [n_mats, NB * 16, Kp] (q + offset, affine u, or lut4 indices), scales uint8 [n_mats * NB *
+    block_scale_bytes] ([G][16] of the scale dtype per block; affine: fp32 scales then fp32 mins) -> values
+    [n_mats, NB * 16, Kp]."""
     G, NB = shape.kp // shape.group, shape.n_blocks
-    per = scales.view(n_mats, NB, 2 if shape.affine else 1, G, ROWS).permute(2, 0, 1, 4, 3)
-    s = per[0].reshape(n_mats, NB * ROWS, G, 1)
     if shape.affine:  # two roundings, as gguf's dequantization: fl(fl(scale * u) - min)
+        per = scales.view(torch.float32).view(n_mats, NB, 2, G, ROWS).permute(2, 0, 1, 4, 3)
         q = codes.view(n_mats, NB * ROWS, G, shape.group)
-        w = q.to(torch.float32) * s - per[1].reshape(n_mats, NB * ROWS, G, 1)
+        w = q.to(torch.float32) * per[0].reshape(n_mats, NB * ROWS, G, 1) - per[1].reshape(n_mats, NB * ROWS, G, 1)
+        return w.view(n_mats, NB * ROWS, shape.kp).to(dtype)
+    s = widen_scales(scales, shape.scale_dtype).view(n_mats, NB, G, ROWS).permute(0, 1, 3, 2)
+    if shape.fmt == "lut4":
+        q = codebook_values(shape.codebook, codes.device)[codes.long()]
     else:
-        q = (codes - (128 if shape.fmt == "int8" else 8)).view(n_mats, NB * ROWS, G, shape.group)
-        w = q.to(torch.float32) * s
+        q = (codes - (128 if shape.fmt == "int8" else 8)).to(torch.float32)
+    w = q.view(n_mats, NB * ROWS, G, shape.group) * s.reshape(n_mats, NB * ROWS, G, 1)
     return w.view(n_mats, NB * ROWS, shape.kp).to(dtype)
 
 
@@ -135,8 +168,8 @@ def unpack_experts(layout: ExpertLayout, ranges, n: int, dtype: torch.dtype = to
         w_d = _unpack_data(d_data, d, n).to(dtype)
     else:
         gu_data, gu_scales, d_data, d_scales = ranges
-        w_gu = _dequantize(_unpack_data(gu_data, gu, n * 2), gu_scales.view(torch.float32), gu, n * 2, dtype)
-        w_d = _dequantize(_unpack_data(d_data, d, n), d_scales.view(torch.float32), d, n, dtype)
+        w_gu = _dequantize(_unpack_data(gu_data, gu, n * 2), gu_scales, gu, n * 2, dtype)
+        w_d = _dequantize(_unpack_data(d_data, d, n), d_scales, d, n, dtype)
     # gate_up blocks alternate: [n, NB, 2 (gate, up), 16, Kp] -> [n, 2, NB * 16, Kp], padding cut
     w_gu = w_gu.view(n, gu.n_blocks, 2, ROWS, gu.kp).transpose(1, 2).reshape(n, 2, gu.n_blocks * ROWS, gu.kp)
     w_gu = w_gu[:, :, :I, :H].reshape(n, 2 * I, H)

@@ -270,13 +270,15 @@ def weight_bytes_read(topk_ids: torch.Tensor, slot_of: torch.Tensor, hidden: int
 #
 # Shape letters: T tokens, k experts per token, N resident experts, H hidden, I expert intermediate.
 
-INT_FMT = {"int8": 0, "int4": 1}
+INT_FMT = {"int8": 0, "int4": 1, "lut4": 2}
 
 
 @triton.jit
-def _halves(W, S, w_off, s_off, k0, KP, R: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr):
+def _halves(W, S, LUT, w_off, s_off, k0, KP, R: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
+            BK: tl.constexpr):
     """(lo, hi, kl, kh): fp32 weights [R, BK/2] of the rows whose codes start at W + w_off and scales at S + s_off
-    ([R] int64 each), columns kl and kh = kl + GROUP/2 (kl [BK/2]: the first half of each group of K step k0)."""
+    ([R] int64 each), columns kl and kh = kl + GROUP/2 (kl [BK/2]: the first half of each group of K step k0).
+    lut4 (FMT 2): int4's bytes, each nibble an index into LUT (16 fp32 codebook values)."""
     c = tl.arange(0, BK // 2)
     kl = k0 + (c // (GROUP // 2)) * GROUP + c % (GROUP // 2)
     ok = (kl < KP)[None, :]
@@ -285,6 +287,10 @@ def _halves(W, S, w_off, s_off, k0, KP, R: tl.constexpr, FMT: tl.constexpr, GROU
     if FMT == 1:
         b = tl.load(W + w_off[:, None] + (k0 // 2 + c)[None, :], mask=ok, other=0)
         lo, hi = nibbles_f32(b.to(tl.int32))
+    elif FMT == 2:
+        b = tl.load(W + w_off[:, None] + (k0 // 2 + c)[None, :], mask=ok, other=0).to(tl.int32)
+        lo = tl.load(LUT + (b & 15))
+        hi = tl.load(LUT + ((b >> 4) & 15))
     else:
         lo = tl.load(W + w_off[:, None] + kl[None, :], mask=ok, other=0).to(tl.float32)
         hi = tl.load(W + w_off[:, None] + (kl + GROUP // 2)[None, :], mask=ok, other=0).to(tl.float32)
@@ -302,10 +308,11 @@ def _dot(a, w, acc, DOT_T: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_int(X, WGU, SGU, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, HP, stride_x, stride_w, stride_s, stride_id,
-             stride_wt, K: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr, HAS_SKIP: tl.constexpr,
-             N_EXPERTS: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, GEMV: tl.constexpr, DEFER: tl.constexpr,
-             DOT_T: tl.constexpr, IEEE: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr):
+def _gate_up_int(X, WGU, SGU, LUT, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, HP, stride_x, stride_w, stride_s,
+                 stride_id, stride_wt, K: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr, HAS_SKIP: tl.constexpr,
+                 N_EXPERTS: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, GEMV: tl.constexpr,
+                 DEFER: tl.constexpr, DOT_T: tl.constexpr, IEEE: tl.constexpr, FMT: tl.constexpr,
+                 GROUP: tl.constexpr):
     """HS[t, j, i-block] = silu(gate) * up for every token t routed to this program's expert (leaders only)."""
     t = tl.program_id(0) // K
     j = tl.program_id(0) % K
@@ -323,8 +330,8 @@ def _gate_up_int(X, WGU, SGU, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, HP, stride_x
         acc_ge = tl.zeros((BI, BK // 2), dtype=tl.float32)
         acc_ue = tl.zeros((BI, BK // 2), dtype=tl.float32)
         for k0 in range(0, HP, BK):
-            g_lo, g_hi, kl, kh = _halves(WGU, SGU, gw, gs, k0, HP, BI, FMT, GROUP, BK)
-            u_lo, u_hi, kl_u, kh_u = _halves(WGU, SGU, uw, us, k0, HP, BI, FMT, GROUP, BK)
+            g_lo, g_hi, kl, kh = _halves(WGU, SGU, LUT, gw, gs, k0, HP, BI, FMT, GROUP, BK)
+            u_lo, u_hi, kl_u, kh_u = _halves(WGU, SGU, LUT, uw, us, k0, HP, BI, FMT, GROUP, BK)
             x_lo = tl.load(X + kl, mask=kl < H, other=0.0).to(tl.float32)[None, :]
             x_hi = tl.load(X + kh, mask=kh < H, other=0.0).to(tl.float32)[None, :]
             acc_ge += g_lo * x_lo + g_hi * x_hi
@@ -335,8 +342,8 @@ def _gate_up_int(X, WGU, SGU, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, HP, stride_x
         acc_g = tl.zeros((ROWS, BI), dtype=tl.float32)
         acc_u = tl.zeros((ROWS, BI), dtype=tl.float32)
         for k0 in range(0, HP, BK):
-            g_lo, g_hi, kl, kh = _halves(WGU, SGU, gw, gs, k0, HP, BI, FMT, GROUP, BK)
-            u_lo, u_hi, kl_u, kh_u = _halves(WGU, SGU, uw, us, k0, HP, BI, FMT, GROUP, BK)
+            g_lo, g_hi, kl, kh = _halves(WGU, SGU, LUT, gw, gs, k0, HP, BI, FMT, GROUP, BK)
+            u_lo, u_hi, kl_u, kh_u = _halves(WGU, SGU, LUT, uw, us, k0, HP, BI, FMT, GROUP, BK)
             for m in tl.static_range(ROWS):
                 x_lo = tl.load(X + m * stride_x + kl, mask=(kl < H) & (m < T), other=0.0).to(tl.float32)[None, :]
                 x_hi = tl.load(X + m * stride_x + kh, mask=(kh < H) & (m < T),
@@ -348,8 +355,8 @@ def _gate_up_int(X, WGU, SGU, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, HP, stride_x
         acc_u = tl.zeros((ROWS, BI), dtype=tl.float32)
         x_rows = X + rows[:, None] * stride_x
         for k0 in range(0, HP, BK):
-            g_lo, g_hi, kl, kh = _halves(WGU, SGU, gw, gs, k0, HP, BI, FMT, GROUP, BK)
-            u_lo, u_hi, kl_u, kh_u = _halves(WGU, SGU, uw, us, k0, HP, BI, FMT, GROUP, BK)
+            g_lo, g_hi, kl, kh = _halves(WGU, SGU, LUT, gw, gs, k0, HP, BI, FMT, GROUP, BK)
+            u_lo, u_hi, kl_u, kh_u = _halves(WGU, SGU, LUT, uw, us, k0, HP, BI, FMT, GROUP, BK)
             x_lo = tl.load(x_rows + kl[None, :], mask=(hit != 0)[:, None] & (kl < H)[None, :], other=0.0).to(DOT_T)
             x_hi = tl.load(x_rows + kh[None, :], mask=(hit != 0)[:, None] & (kh < H)[None, :],
                            other=0.0).to(DOT_T)
@@ -363,7 +370,7 @@ def _gate_up_int(X, WGU, SGU, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, HP, stride_x
 
 
 @triton.jit
-def _down_int(HS, WD, SD, IDS, WTS, SLOT_OF, SKIP, P, T, H, I, IP, stride_w, stride_s, stride_id, stride_wt,
+def _down_int(HS, WD, SD, LUT, IDS, WTS, SLOT_OF, SKIP, P, T, H, I, IP, stride_w, stride_s, stride_id, stride_wt,
           K: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr, HAS_SKIP: tl.constexpr, N_EXPERTS: tl.constexpr,
           BH: tl.constexpr, BK: tl.constexpr, GEMV: tl.constexpr, DEFER: tl.constexpr, DOT_T: tl.constexpr,
           IEEE: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr):
@@ -387,7 +394,7 @@ def _down_int(HS, WD, SD, IDS, WTS, SLOT_OF, SKIP, P, T, H, I, IP, stride_w, str
         acc_e = tl.zeros((BH, BK // 2), dtype=tl.float32)
         h_row = HS + (t * K + j).to(tl.int64) * I  # T = 1: this pair is the expert's only row
         for k0 in range(0, IP, BK):
-            w_lo, w_hi, kl, kh = _halves(WD, SD, dw, ds, k0, IP, BH, FMT, GROUP, BK)
+            w_lo, w_hi, kl, kh = _halves(WD, SD, LUT, dw, ds, k0, IP, BH, FMT, GROUP, BK)
             h_lo = tl.load(h_row + kl, mask=kl < I, other=0.0)[None, :]
             h_hi = tl.load(h_row + kh, mask=kh < I, other=0.0)[None, :]
             acc_e += w_lo * h_lo + w_hi * h_hi
@@ -395,7 +402,7 @@ def _down_int(HS, WD, SD, IDS, WTS, SLOT_OF, SKIP, P, T, H, I, IP, stride_w, str
     elif GEMV:
         acc = tl.zeros((ROWS, BH), dtype=tl.float32)
         for k0 in range(0, IP, BK):
-            w_lo, w_hi, kl, kh = _halves(WD, SD, dw, ds, k0, IP, BH, FMT, GROUP, BK)
+            w_lo, w_hi, kl, kh = _halves(WD, SD, LUT, dw, ds, k0, IP, BH, FMT, GROUP, BK)
             for m in tl.static_range(ROWS):
                 hm = tl.sum(tl.where(rows == m, hit, 0))
                 jm = tl.sum(tl.where(rows == m, jj, 0))
@@ -407,7 +414,7 @@ def _down_int(HS, WD, SD, IDS, WTS, SLOT_OF, SKIP, P, T, H, I, IP, stride_w, str
         acc = tl.zeros((ROWS, BH), dtype=tl.float32)
         h_rows = HS + (rows * K + jj).to(tl.int64)[:, None] * I
         for k0 in range(0, IP, BK):
-            w_lo, w_hi, kl, kh = _halves(WD, SD, dw, ds, k0, IP, BH, FMT, GROUP, BK)
+            w_lo, w_hi, kl, kh = _halves(WD, SD, LUT, dw, ds, k0, IP, BH, FMT, GROUP, BK)
             h_lo = tl.load(h_rows + kl[None, :], mask=(hit != 0)[:, None] & (kl < I)[None, :], other=0.0).to(DOT_T)
             h_hi = tl.load(h_rows + kh[None, :], mask=(hit != 0)[:, None] & (kh < I)[None, :],
                            other=0.0).to(DOT_T)
@@ -419,10 +426,12 @@ def _down_int(HS, WD, SD, IDS, WTS, SLOT_OF, SKIP, P, T, H, I, IP, stride_w, str
 
 def routed_int(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: tuple, down: tuple,
            storage, slot_of: torch.Tensor, skip_mask: torch.Tensor | None, num_experts: int, intermediate: int,
-           launch: Launch | None = None) -> torch.Tensor:
+           launch: Launch | None = None, luts: tuple | None = None) -> torch.Tensor:
     """fp32 [T, H]: the resident experts' part for x [T, H] routed by topk_ids/topk_weights [T, k] (-1 = empty slot),
     the weights ``gate_up`` and ``down`` each (codes, scales) in ``storage`` (a resident_format.Storage, both
-    matrices int8/int4). ``slot_of``, ``skip_mask``, ``launch``: as ``routed``."""
+    matrices int8/int4/lut4). ``slot_of``, ``skip_mask``, ``launch``: as ``routed``. ``luts``: the lut4 matrices'
+    (gate/up, down) codebooks, fp32 [16] each on x's device (None for a matrix that is not lut4), made by the
+    caller once (a copy from the host cannot happen inside a graph capture)."""
     T, H = x.shape
     k = topk_ids.shape[1]
     if T > MAX_ROWS:
@@ -440,14 +449,19 @@ def routed_int(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
                   IEEE=x.is_cuda and x.dtype == torch.float32,  # interpreter's bf16 dot is wrong; fp32 x: IEEE dots
                   num_warps=launch.num_warps, num_stages=launch.num_stages)
     (wgu, sgu), (wd, sd) = gate_up, down
+    lut_gu, lut_d = luts or (None, None)
+    for fmt, lut in ((storage.gate_up, lut_gu), (storage.down, lut_d)):
+        if fmt == "lut4" and (lut is None or lut.dtype != torch.float32 or lut.numel() != 16):
+            raise ValueError("routed_int: a lut4 matrix needs its codebook's 16 fp32 values (luts)")
+    lut_gu, lut_d = sgu if lut_gu is None else lut_gu, sd if lut_d is None else lut_d  # unread unless lut4
     hs = torch.empty(T, k, intermediate, dtype=torch.float32, device=x.device)
     _gate_up_int[(T * k, triton.cdiv(intermediate, launch.bi))](
-        x, wgu, sgu, ids, wts, slot_of, skip, hs, T, H, intermediate, sgu.shape[1] * storage.group, x.stride(0),
+        x, wgu, sgu, lut_gu, ids, wts, slot_of, skip, hs, T, H, intermediate, sgu.shape[1] * storage.group, x.stride(0),
         wgu.stride(0), sgu.stride(0), ids.stride(0), wts.stride(0), BI=launch.bi,
         BK=max(launch.bk_gu, storage.group), FMT=INT_FMT[storage.gate_up], GROUP=storage.group, **common)
     p = torch.empty(T, k, H, dtype=torch.float32, device=x.device)
     _down_int[(T * k, triton.cdiv(H, launch.bh))](
-        hs, wd, sd, ids, wts, slot_of, skip, p, T, H, intermediate, sd.shape[1] * storage.down_group, wd.stride(0),
-        sd.stride(0), ids.stride(0), wts.stride(0), BH=launch.bh, BK=max(launch.bk_down, storage.down_group),
-        FMT=INT_FMT[storage.down], GROUP=storage.down_group, **common)
+        hs, wd, sd, lut_d, ids, wts, slot_of, skip, p, T, H, intermediate, sd.shape[1] * storage.down_group,
+        wd.stride(0), sd.stride(0), ids.stride(0), wts.stride(0), BH=launch.bh,
+        BK=max(launch.bk_down, storage.down_group), FMT=INT_FMT[storage.down], GROUP=storage.down_group, **common)
     return p.sum(dim=1)

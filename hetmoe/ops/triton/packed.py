@@ -1,5 +1,6 @@
 """One-pass GPU unpacking of the CPU engine's packed experts (csrc/formats/layout.h; hetmoe/moe/streamed/packed.py has
-the same rules in PyTorch ops): a Triton kernel reads each row block's lines and scales once and writes the
+the same rules in PyTorch ops): a Triton kernel reads each row block's lines and scales once (scales of any stored
+dtype, lut4's codebook: the values the CPU kernels multiply by) and writes the
 weights in the model dtype straight into the layer's [E, 2I, H] / [E, H, I] scratch, padding cut. PyTorch ops take
 about ten passes over a layer for the same result; this kernel's one pass is what keeps the layerwise prefill's
 fixed cost per layer below its PCIe copy. Triton comes with PyTorch's CUDA builds; without it (CPU-only installs)
@@ -8,11 +9,12 @@ fixed cost per layer below its PCIe copy. Triton comes with PyTorch's CUDA build
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
-from hetmoe.cpu.layout import K_PER_LINE, ROWS
+from hetmoe.cpu.layout import CODEBOOKS, K_PER_LINE, ROWS
 
 try:
     import triton
@@ -20,7 +22,10 @@ try:
 except ImportError:  # CPU-only PyTorch: no Triton
     triton = None
 
-FMT_CODE = {"bf16": 0, "int8": 1, "int4": 2}
+FMT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "lut4": 3}
+SCALE_CODE = {"fp32": 0, "fp16": 1, "bf16": 2, "e8m0": 3}
+# the torch dtype a scale dtype's bytes are read as (e8m0: its exponent bytes, widened in the kernel)
+SCALE_VIEW = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "e8m0": torch.uint8}
 LINES_PER_PROGRAM = 32
 
 
@@ -31,9 +36,9 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _unpack_kernel(words, scales, out, NB, lines, G, rows_out, cols_out, mat_stride, FMT: tl.constexpr,
+    def _unpack_kernel(words, scales, lut, out, NB, lines, G, rows_out, cols_out, mat_stride, FMT: tl.constexpr,
                        GROUP: tl.constexpr, INTERLEAVED: tl.constexpr, BL: tl.constexpr, AFFINE: tl.constexpr,
-                       R: tl.constexpr, PER: tl.constexpr):
+                       R: tl.constexpr, PER: tl.constexpr, SCALE: tl.constexpr):
         # A program turns a tile of BL lines of one row block (R rows) into R rows of BL * PER weights: every
         # 4-byte cell is read once as an int32 and its PER values are split off with shifts, so the loads are the
         # block's contiguous lines and each row's stores are one contiguous run (coalesced on both sides).
@@ -58,16 +63,24 @@ if triton is not None:
         else:
             if FMT == 1:  # int8: byte o, stored q + 128
                 u = (word[:, :, None] >> (8 * o)) & 255
-            else:  # int4: byte o % 4, its low nibble for o < 4, its high nibble for o >= 4; stored q + 8
+            else:  # int4 / lut4: byte o % 4, its low nibble for o < 4, its high nibble for o >= 4; int4 stores q + 8
                 u = (word[:, :, None] >> (8 * (o % 4) + 4 * (o // 4))) & 15
-            # a cell's values share one group (GROUP is a multiple of PER); affine blocks hold [G][R] scales then
-            # [G][R] mins: value = scale * u - min (two roundings: the launch turns fp fusion off)
+            # a cell's values share one group (GROUP is a multiple of PER); affine blocks hold [G][R] fp32 scales then
+            # [G][R] mins: value = scale * u - min (two roundings: the launch turns fp fusion off). Scales stored
+            # narrower (SCALE) are widened exactly, as the CPU kernels do (csrc/formats/layout.h).
             sb = b * G * (2 if AFFINE else 1) * R
             gi = (line * PER) // GROUP
-            s = tl.load(scales + sb + gi * R + r, mask=ok, other=0.0)[:, :, None]
+            if SCALE == 3:  # e8m0: 2^(e - 128), e < 2 the subnormals 2^-128 << e
+                ex = tl.load(scales + sb + gi * R + r, mask=ok, other=0).to(tl.int32)
+                bits = tl.where(ex < 2, (ex * 0 + 0x00200000) << ex, (ex - 1) << 23)
+                s = bits.to(tl.float32, bitcast=True)[:, :, None]
+            else:
+                s = tl.load(scales + sb + gi * R + r, mask=ok, other=0.0).to(tl.float32)[:, :, None]
             if AFFINE:
                 m = tl.load(scales + sb + (G + gi) * R + r, mask=ok, other=0.0)[:, :, None]
                 v = u.to(tl.float32) * s - m
+            elif FMT == 3:  # lut4: the nibble indexes the codebook
+                v = tl.load(lut + u).to(tl.float32) * s
             else:
                 v = (u - (128 if FMT == 1 else 8)).to(tl.float32) * s
         v = tl.reshape(v, (R, BL * PER))  # row-major: column PER * (line - first line) + o
@@ -76,18 +89,26 @@ if triton is not None:
         tl.store(dst + k, v.to(out.dtype.element_ty), mask=(row < rows_out) & (k < cols_out))
 
 
+@functools.lru_cache(maxsize=None)
+def _codebook(name: str, device: torch.device) -> torch.Tensor:
+    """lut4 codebook ``name``'s 16 values, int32, on ``device``: made once (a copy from the host blocks it)."""
+    return torch.tensor(CODEBOOKS[name], dtype=torch.int32, device=device)
+
+
 def _launch(shape, data: torch.Tensor, scales, out: torch.Tensor, n_blocks: int, interleaved: bool) -> None:
     fmt = FMT_CODE[shape.fmt]
     per = K_PER_LINE[shape.fmt]  # values per 4-byte cell
     if fmt and shape.group % per:
         raise ValueError(f"{shape.fmt} groups of {shape.group}: the GPU unpack needs a multiple of {per}")
-    sc = scales.view(torch.float32) if scales is not None else data.view(torch.float32)  # unused for bf16
+    sdt = getattr(shape, "scale_dtype", "fp32")
+    sc = scales.view(SCALE_VIEW[sdt]) if scales is not None else data.view(torch.float32)  # unused for bf16
+    lut = _codebook(shape.codebook, data.device) if fmt == 3 else data.view(torch.int32)  # unread unless lut4
     rows, cols = out.shape[1] // (2 if interleaved else 1), out.shape[2]
     bl = min(LINES_PER_PROGRAM, triton.next_power_of_2(shape.lines))
     grid = (n_blocks, triton.cdiv(shape.lines, bl))
-    _unpack_kernel[grid](data.view(torch.int32), sc, out, shape.n_blocks, shape.lines, shape.kp // shape.group,
+    _unpack_kernel[grid](data.view(torch.int32), sc, lut, out, shape.n_blocks, shape.lines, shape.kp // shape.group,
                          rows, cols, out.stride(0), FMT=fmt, GROUP=shape.group, INTERLEAVED=interleaved, BL=bl,
-                         AFFINE=shape.affine, R=ROWS, PER=per, enable_fp_fusion=False)
+                         AFFINE=shape.affine, R=ROWS, PER=per, SCALE=SCALE_CODE[sdt], enable_fp_fusion=False)
 
 
 def unpack_into(layout, ranges, w_gu: torch.Tensor, w_down: torch.Tensor, n_experts: Optional[int] = None) -> None:

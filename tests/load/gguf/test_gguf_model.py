@@ -37,6 +37,7 @@ from hetmoe.config.options import EngineOptions  # noqa: E402
 from hetmoe.cpu.codes import layout_of  # noqa: E402
 from hetmoe.load.gguf import GGUFError  # noqa: E402
 from hetmoe.load.gguf.kquants import KQUANTS  # noqa: E402
+from hetmoe.load.gguf.lut4_blocks import LUT4_BLOCKS  # noqa: E402
 from hetmoe.load.loader import load_model, moe_blocks  # noqa: E402
 from hetmoe.load.random_weights import build_tokenizer, tokenizer_config  # noqa: E402
 from paths import CLASS_PATHS, ids  # noqa: E402
@@ -48,7 +49,8 @@ def quantized_gguf(tmp_path, arch: str, qtype: str, tokenizer: bool = False, pad
                    split_max_tensors: int = 0, layer_types: Optional[dict] = None, **overrides):
     """(GGUF path, config, the HF state, the experts' dequantized values by GGUF name): experts stacked and quantized
     to ``qtype`` ("GATE_UP+DOWN" for two types; ``layer_types``: block id -> such a type, else ``qtype``) by the gguf
-    package, or for K-quants, which it cannot quantize, random centred blocks (tests/gguf_files.py random_blocks);
+    package, or for K-quants and the 4-bit codebook types, which it cannot quantize, random centred blocks
+    (tests/gguf_files.py random_blocks);
     everything else F32. ``overrides``: config entries (K-quant rows need sizes that are multiples of 256)."""
     cfg = hf_config(arch, **overrides)
     # a well-conditioned model: weights of std 0.1 (norm weights about 1), not hetmoe_state's N(0, 1)
@@ -60,7 +62,7 @@ def quantized_gguf(tmp_path, arch: str, qtype: str, tokenizer: bool = False, pad
             gate_up, down = ((layer_types or {}).get(int(name.split(".")[1]), qtype) + "+").split("+")[:2]
             kind = (down or gate_up) if "_down_" in name else gate_up
             qts[name] = qt = getattr(gguf.GGMLQuantizationType, kind)
-            if kind in KQUANTS:
+            if kind in KQUANTS or kind in LUT4_BLOCKS:
                 raw = np.stack([random_blocks(kind, *t.shape[1:], rng, centered=True) for _ in range(t.shape[0])])
             else:
                 raw = gguf.quants.quantize(t, qt)
@@ -179,7 +181,8 @@ KLAYOUTS = [("Q4_K", ("int4", 32), ("int4", 32, 32, ("affine", "affine"))),
 
 
 def _layout(engine) -> tuple:
-    return tuple(layout_of(engine).values())
+    """(formats, group, down group, scalings) of an engine's code layout."""
+    return tuple(layout_of(engine).values())[:4]
 
 
 def _assert_exact(loaded, deq: dict) -> None:
@@ -366,6 +369,8 @@ def test_a_split_gguf_loads_as_the_single_file_does(tmp_path):
     ("Q8_0", None), ("Q4_0", None), ("Q4_K", None), ("Q5_K", None), ("Q6_K", None), ("Q4_K+Q6_K", None),
     ("Q4_K", {0: "Q4_K+Q6_K", 1: "Q5_K+Q8_0"}),  # layers of different exact layouts
     ("Q4_K", {1: "Q6_K+Q6_K"}),  # gate and up of different types: that layer re-quantized into the plan's format
+    ("MXFP4", None), ("IQ4_XS", None), ("IQ4_NL", None), ("MXFP4+Q8_0", None),  # lut4 at its scales' own width
+    ("MXFP4", {1: "Q8_0"}),  # an int8 plan: the MXFP4 layer's codebook values as int8 codes, e8m0 scales
 ])
 def test_the_plan_counts_what_the_engine_allocates(tmp_path, qtype, layer_types, capsys):
     """For every GGUF type mix the plan's routed-expert bytes, per layer and in all, are the bytes the engine
@@ -381,3 +386,54 @@ def test_the_plan_counts_what_the_engine_allocates(tmp_path, qtype, layer_types,
     assert main(["plan", "--model", str(path), "--device", "cpu", "--dtype", "fp32"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("routed experts"))
     assert f" {gib(sum(engine))} " in row, row
+
+
+# The 4-bit codebook types (hetmoe/load/gguf/lut4_blocks.py): (types, plan format and group, engine layout: formats,
+# group, down group, scale dtypes, codebooks). A codebook type beside an int8 one plans as int8 and keeps its lut4.
+LUT_LAYOUTS = [("MXFP4", ("int4", 32), ("lut4", 32, 32, ("e8m0", "e8m0"), ("e2m1", "e2m1"))),
+               ("IQ4_XS", ("int4", 32), ("lut4", 32, 32, ("fp32", "fp32"), ("iq4nl", "iq4nl"))),
+               ("IQ4_NL", ("int4", 32), ("lut4", 32, 32, ("fp16", "fp16"), ("iq4nl", "iq4nl"))),
+               ("MXFP4+Q8_0", ("int8", 32), (("lut4", "int8"), 32, 32, ("e8m0", "fp16"), ("e2m1", None)))]
+
+
+def _lut_layout(engine) -> tuple:
+    lay = layout_of(engine)
+    return lay["weight_format"], lay["group_size"], lay["down_group_size"], lay["scale_dtype"], lay["codebook"]
+
+
+@pytest.mark.parametrize("arch", list(KSIZES))
+@pytest.mark.parametrize("qtype, plan, layout", LUT_LAYOUTS, ids=[k for k, _, _ in LUT_LAYOUTS])
+def test_codebook_experts_load_exactly(tmp_path, arch, qtype, plan, layout):
+    """MXFP4 / IQ4_XS / IQ4_NL experts held at their own bytes (lut4, their scales at their own width): every expert's
+    values are gguf's dequantization, bit for bit."""
+    path, _, _, deq = quantized_gguf(tmp_path, arch, qtype, **KSIZES[arch])
+    said = []
+    loaded = load_model(path, EngineOptions(device="cpu", dtype="fp32", threads=1), expert_cache=None,
+                        progress=False, log=said.append)
+    assert (loaded.plan.experts_format, loaded.plan.group_size) == plan
+    assert any(f"packed as {plan[0]} group {plan[1]}, exactly" in s for s in said), said
+    assert all(_lut_layout(layer.engine) == layout for _, layer in moe_blocks(loaded.model))
+    _assert_exact(loaded, deq)
+
+
+def test_an_int8_plan_holds_codebook_types_exactly(tmp_path):
+    """A layer of MXFP4 beside a layer of Q8_0: the plan is int8, and the MXFP4 layer's indices become int8 codes of
+    their codebook values (the same weights, bit for bit)."""
+    path, _, _, deq = quantized_gguf(tmp_path, "qwen3_moe", "MXFP4", layer_types={1: "Q8_0"}, **KSIZES["qwen3_moe"])
+    loaded = _load(path)
+    layouts = [_lut_layout(layer.engine) for _, layer in moe_blocks(loaded.model)]
+    assert layouts == [("int8", 32, 32, ("e8m0", "e8m0"), (None, None)),
+                       ("int8", 32, 32, ("fp16", "fp16"), (None, None))]
+    _assert_exact(loaded, deq)
+
+
+# measured (max rel. logit error against the fp32 reference on the dequantized weights, as above): MXFP4
+# 1.6e-2..2.5e-2, IQ4_XS 1.8e-2..2.4e-2 on both classes (x rounded to int8 per group of 32 for the 4-bit experts)
+@pytest.mark.parametrize("arch", list(KSIZES))
+@pytest.mark.parametrize("qtype", ["MXFP4", "IQ4_XS"])
+@pytest.mark.parametrize("path", CLASS_PATHS, ids=ids(CLASS_PATHS))
+def test_codebook_logits_match_the_dequantized_checkpoint(tmp_path, arch, qtype, path):
+    """Paths: the best row-block path and the AMX class (the tile unit where there is one, else its emulation)."""
+    err = logit_error(tmp_path, arch, *quantized_gguf(tmp_path, arch, qtype, **KSIZES[arch]), **path.options)
+    print(f"{arch} {qtype} {path}: max rel. logit error {err:.2e}")
+    assert err < 6e-2

@@ -241,5 +241,6 @@ def test_bench_kernel_takes_the_gguf_formats():
 
     assert FORMATS == KERNEL_FORMATS
     assert format_args("q4_k_m", None) == {"weight_format": ("int4", "int8"), "group_size": 32,
-                                           "down_group_size": 16, "scaling": ("affine", "symmetric")}
+                                           "down_group_size": 16, "scaling": ("affine", "symmetric"),
+                                           "scale_dtype": ("fp32", "fp32"), "codebook": (None, None)}
     assert format_args("int4", 32) == {"weight_format": "int4", "group_size": 32}

@@ -59,8 +59,10 @@ def _experts(w, storage, resident=RESIDENT, decode="routed", device="cpu", dtype
 def _dequantized(g: GpuExperts) -> tuple:
     """[E, I, H] x 2, [E, H, I] fp32: the stored values of the resident experts, zeros elsewhere."""
     st, n = g.storage, g.n
-    gu = rf.dequantize(g.w_gate_up.cpu(), g.s_gate_up.cpu(), st.gate_up, st.group, H).view(n, 2, I, H)
-    d = rf.dequantize(g.w_down.cpu(), g.s_down.cpu(), st.down, st.down_group, I).view(n, H, I)
+    gu = rf.dequantize(g.w_gate_up.cpu(), g.s_gate_up.cpu(), st.gate_up, st.group, H,
+                       codebook=st.gate_up_codebook).view(n, 2, I, H)
+    d = rf.dequantize(g.w_down.cpu(), g.s_down.cpu(), st.down, st.down_group, I,
+                      codebook=st.down_codebook).view(n, H, I)
     out = (torch.zeros(E, I, H), torch.zeros(E, I, H), torch.zeros(E, H, I))
     out[0][g.expert_ids], out[1][g.expert_ids], out[2][g.expert_ids] = gu[:, 0], gu[:, 1], d
     return out
@@ -208,6 +210,63 @@ def test_from_cpu_in_another_format():
     assert 0.02 < rel_err(gate[RESIDENT], cg) < 0.15
 
 
+# CPU engines holding a checkpoint's own 4-bit codebook or narrow scales (csrc/formats/layout.h): MXFP4-like lut4 e2m1
+# with e8m0 scales beside int8 fp16 down, IQ4_NL-like lut4 iq4nl with fp16 scales, Q4_0-like int4 with fp16 scales
+LUT_ENGINES = {"lut4-e2m1/int8": dict(weight_format=("lut4", "int8"), group_size=32, scale_dtype=("e8m0", "fp16"),
+                                      codebook=("e2m1", None)),
+               "lut4-iq4nl": dict(weight_format="lut4", group_size=32, scale_dtype="fp16", codebook="iq4nl"),
+               "int4-fp16": dict(weight_format="int4", group_size=64, scale_dtype="fp16")}
+
+
+@pytest.mark.parametrize("name", LUT_ENGINES)
+def test_from_cpu_keeps_codebooks_and_widens_scales(kernels, name):
+    """storage auto of such an engine: lut4 codes kept with their codebook (int4's bytes), scales widened to fp32 --
+    the engine's values bitwise; the routed kernels (interpreter tiles and the GPU's: GEMV, deferred GEMV, dots), the
+    dense and the gather paths against the float64 reference on them."""
+    ex = CPUExperts(E, H, I, threads=1, **LUT_ENGINES[name])
+    ex.fill_random(seed=5, std=0.3)
+    g = GpuExperts.from_cpu(ex, RESIDENT, torch.float32, "cpu", "auto")
+    fmts = LUT_ENGINES[name]["weight_format"]
+    assert (g.storage.gate_up, g.storage.down) == (fmts if isinstance(fmts, tuple) else (fmts, fmts))
+    assert g.nbytes == len(RESIDENT) * rf.expert_bytes(g.storage, H, I)
+    gate, up, down = _dequantized(g)
+    for e in RESIDENT:
+        cg, cu, cd = ex.dequantized(e)
+        assert torch.equal(gate[e], cg) and torch.equal(up[e], cu) and torch.equal(down[e], cd), e
+    for T, k in ((1, 8), (3, 2), (7, 4)):
+        x, ids, wts = _case(T, k, "lut", name)
+        ref = _reference(g, x, ids, wts)
+        assert rel_err(g(x, ids, wts), ref) < FP32_BOUND
+        assert rel_err(g._dense(x, ids, wts), ref) < FP32_BOUND
+        assert rel_err(g._gather(x, ids, wts), ref) < FP32_BOUND
+        for defer in (True, False):
+            launch = dataclasses.replace(kernels.plan(T, on_gpu=True), defer=defer)
+            out = kernels.routed_int(x, ids, wts, (g.w_gate_up, g.s_gate_up), (g.w_down, g.s_down), g.storage,
+                                     g.slot_of, None, E, I, launch=launch, luts=g.luts)
+            assert rel_err(out, ref) < FP32_BOUND
+    if g.luts is not None:
+        with pytest.raises(ValueError, match="needs its codebook"):
+            kernels.routed_int(x, ids, wts, (g.w_gate_up, g.s_gate_up), (g.w_down, g.s_down), g.storage, g.slot_of,
+                               None, E, I)
+
+
+def test_lut4_storage_is_only_copied():
+    """lut4 resident storage holds a CPU engine's codes: it has int4's bytes, needs a codebook, is never quantized
+    here; a NUMA-split lut4 engine (no codes to copy) gets int4, quantized from its values."""
+    assert rf.expert_bytes(rf.Storage("lut4", "lut4", 32, 32, "e2m1", "e2m1"), H, I) == rf.expert_bytes(
+        rf.Storage.of("int4", 32), H, I)
+    with pytest.raises(ValueError, match="lut4 needs one of e2m1, iq4nl"):
+        rf.Storage("lut4", "lut4", 32, 32)
+    with pytest.raises(ValueError, match="other formats none"):
+        rf.Storage("int4", "int4", 32, 32, "e2m1", None)
+    with pytest.raises(ValueError, match="lut4 keeps a CPU engine's codes"):
+        rf.quantize(torch.randn(4, 64), "lut4", 32)
+    from hetmoe.cpu import WorkerPool
+
+    split = CPUExperts(E, H, I, "lut4", 32, pool=WorkerPool(2, numa=2), codebook="iq4nl")
+    assert rf.cpu_storage(split) == rf.Storage.of("int4", 32)
+
+
 def test_model_with_int4_resident_experts():
     """A whole model on CPU tensors (2 MoE layers, int4 engine, the hybrid dispatch): 3 resident experts per layer in
     their own int4 codes give bitwise the logits of resident fp32 copies of the same values (the same torch paths),
@@ -321,14 +380,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hetmoe.ops.triton import experts as k
 
-ptrs = dict(X="*bf16", SGU="*fp32", SD="*fp32", IDS="*i64", WTS="*fp32", SLOT_OF="*i64", SKIP="*u8", HS="*fp32",
-            P="*fp32")
+ptrs = dict(X="*bf16", SGU="*fp32", SD="*fp32", LUT="*fp32", IDS="*i64", WTS="*fp32", SLOT_OF="*i64", SKIP="*u8",
+            HS="*fp32", P="*fp32")
 n = 0
 # (format, GEMV, DEFER, rows, BI / BH, BK gate/up, BK down, IEEE): decode at T = 1 and 4, dots at 16 rows (bf16 and
-# fp32 x); int8 differs from int4 only in its loads
+# fp32 x); int8 differs from int4 only in its loads, lut4 (2) in its codebook lookup
 forms = [(1, True, True, 1, 8, 512, 256, False), (1, True, False, 4, 8, 512, 256, False),
          (1, False, False, 16, 32, 64, 64, False), (1, False, False, 16, 32, 128, 128, True),
-         (0, False, False, 16, 32, 64, 64, False)]
+         (0, False, False, 16, 32, 64, 64, False), (2, True, True, 1, 8, 512, 256, False),
+         (2, False, False, 16, 32, 64, 64, False)]
 for fmt, gemv, defer, rows, b, bk_gu, bk_d, ieee in forms:
     codes = "*u8" if fmt else "*i8"
     common = dict(K=8, KP=8, ROWS=rows, HAS_SKIP=True, N_EXPERTS=128, GEMV=gemv, DEFER=defer,
@@ -357,7 +417,7 @@ def test_kernels_compile_for_a_gpu(kernels):
         pytest.skip("this Triton has no CUDA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0 and "compiled 10" in out.stdout, out.stderr[-3000:]
+    assert out.returncode == 0 and "compiled 14" in out.stdout, out.stderr[-3000:]
 
 
 # ---------------------------------------------------------------- GPU (bf16 activations, eager and graph)
@@ -380,6 +440,25 @@ def test_cuda_routed_int(name, T, k):
     if T > 1:
         assert rel_err(g._gather(xb, ids, wts).cpu(), ref) < BF16_X
     g32 = _experts(w, STORAGES[name], decode="auto", device="cuda")  # fp32 x: fp32 GEMV products, IEEE dots
+    assert rel_err(g32(x, ids, wts).cpu(), _reference(g32, x, ids, wts)) < FP32_BOUND
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", LUT_ENGINES)
+@pytest.mark.parametrize("T,k", [(1, 8), (3, 2), (32, 8)])
+def test_cuda_routed_codebooks_and_narrow_scales(name, T, k):
+    """The GPU's kernels on lut4 / widened-scale resident copies of a CPU engine, bf16 and fp32 activations."""
+    pytest.importorskip("triton")
+    ex = CPUExperts(E, H, I, threads=1, **LUT_ENGINES[name])
+    ex.fill_random(seed=6, std=0.3)
+    x, ids, wts = (t.cuda() for t in _case(T, k, "cuda lut", name))
+    g = GpuExperts.from_cpu(ex, RESIDENT, torch.bfloat16, "cuda", "auto")
+    assert g.decode == "routed" and g.eager_routed
+    xb = x.bfloat16()
+    ref = _reference(g, xb.float(), ids, wts)
+    print(f"{name} T={T} k={k}: routed vs float64 {rel_err(g(xb, ids, wts).cpu(), ref):.2e}")
+    assert rel_err(g(xb, ids, wts).cpu(), ref) < BF16_X
+    g32 = GpuExperts.from_cpu(ex, RESIDENT, torch.float32, "cuda", "auto")
     assert rel_err(g32(x, ids, wts).cpu(), _reference(g32, x, ids, wts)) < FP32_BOUND
 
 
