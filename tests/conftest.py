@@ -19,6 +19,9 @@ RUN_ALL = os.environ.get("HETMOE_TEST_ALL", "") not in ("", "0")
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:  # Triton kernels (where triton is installed) run in its interpreter, chosen when triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Parity tests compare with Transformers' own PyTorch modeling code. Transformers >= 5.2x otherwise swaps layers for
+# kernels fetched from the Hugging Face Hub on CUDA (and refuses to load without a matching `kernels` package).
+os.environ.setdefault("USE_HUB_KERNELS", "0")
 
 
 def pytest_collection_modifyitems(config, items):

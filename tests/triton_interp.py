@@ -7,12 +7,18 @@ import importlib
 import pytest
 import torch
 
+from hetmoe import envs
 
-def triton_module(name: str):
+
+def triton_module(name: str, on_cpu: bool = False):
     """The hetmoe module ``name`` (one that imports triton), or a skip without the triton package. Without CUDA the
     interpreter is patched once: numpy >= 2.4 refuses int() of the 1-element arrays it keeps scalars in (loop
-    bounds)."""
+    bounds). ``on_cpu``: the caller launches the kernels on CPU tensors, which only the interpreter runs; tests/
+    conftest.py turns it on only where there is no CUDA, so on a GPU machine such a test is skipped (the GPU tests
+    beside it run the same kernels on the device)."""
     pytest.importorskip("triton")
+    if on_cpu and torch.cuda.is_available() and not envs.TRITON_INTERPRET:
+        pytest.skip("runs Triton kernels on CPU tensors in the interpreter, which is off on a CUDA machine")
     if not torch.cuda.is_available():
         import triton.runtime.interpreter as interp
 

@@ -18,8 +18,12 @@ from live_server import Server
 
 from hetmoe.engine.sampler import TokenLogprob
 from hetmoe.server.logprobs import FLOOR, LegacyLogprobs, TokenText, chat_content
+from paths import AUTO_MIXES_CLASSES
 
-TOL = 1e-4
+# Whole and streamed runs of one prompt: bitwise on one path, but the second request finds its prefix cached, and on
+# an AMX machine that moves experts between the AMX and row-block classes (tests/paths.py): logits then agree within
+# the cross-path bound, a few 1e-3 nats on this model's logits.
+TOL = 2e-2 if AUTO_MIXES_CLASSES else 1e-4
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
 

@@ -34,7 +34,7 @@ BF16_VS_DENSE = 1.5e-2  # the dense path's bf16 roundings (measured <= 5.3e-3 in
 
 @pytest.fixture(scope="module")
 def kernels():
-    return triton_module("hetmoe.ops.triton.experts")
+    return triton_module("hetmoe.ops.triton.experts", on_cpu=True)
 
 
 def _weights(*params):
