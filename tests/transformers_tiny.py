@@ -41,6 +41,12 @@ FAMILIES = {
 NATIVE_FAMILIES = {
     "minimax_m2": ("MiniMaxM2Config", dict(intermediate_size=32, num_local_experts=6, num_experts_per_tok=2,
                                            head_dim=16, rotary_dim=8, bos_token_id=None, eos_token_id=None)),
+    # MLA + DeepSeek Sparse Attention with a top-6 indexer of 8 heads: a 20-token prompt is sparse
+    **{family: (cls, dict(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                          n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=16,
+                          q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                          num_key_value_heads=4, index_topk=6, index_head_dim=16, index_n_heads=8))
+       for family, cls in (("deepseek_v32", "DeepseekV32Config"), ("glm_moe_dsa", "GlmMoeDsaConfig"))},
 }
 
 

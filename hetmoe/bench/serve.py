@@ -12,6 +12,17 @@ Reported, over the requests that completed:
   character or a possible stop string and its text waits for the next: tokens_per_text_chunk says how many);
 * errors: non-200 answers, error events, streams that end without [DONE] or without usage (must be 0).
 
+Constrained decoding (``--constrained N``): N of the clients are constrained instead: POST /v1/chat/completions
+with a ``json_schema`` response format (``CONSTRAINED_SCHEMA``: strings and a long array, so that most requests run
+to ``--max-tokens`` as the plain ones do) and the same ``ignore_eos``, ``max_tokens`` and streaming. The run then
+has two phases against the same server, each ``--duration`` long, after a warm-up request from each client: every
+client plain (the baseline), and N constrained, each run in two halves in the order baseline, constrained,
+constrained, baseline (a load that drifts weighs on both alike); the requests of each kind are summarized apart
+(``streams``), with the decode rate of one stream (tokens after its first / the time from its first text chunk to
+its last: 1 / TPOT) and its ratio to the baseline's plain streams. In a batched step every row waits for the step,
+so a constrained row's mask costs the plain rows of its batch as much as itself on a CPU (the masks are computed on
+the engine thread).
+
 Without ``--url`` it starts ``hetmoe serve`` itself (``--model`` and the engine options, ``--max-batch``) on a free
 port and stops it with SIGTERM at the end. Only aiohttp is needed on the client side.
 """
@@ -20,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import re
@@ -36,6 +48,12 @@ import numpy as np
 from hetmoe import envs
 
 STARTUP_TIMEOUT_S = 600.0
+# the constrained clients' schema: free strings (the costlier masks: most tokens are allowed inside a string) and
+# an array long enough that a request seldom completes the object before max_tokens
+CONSTRAINED_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}, "minItems": 64},
+    "scores": {"type": "array", "items": {"type": "integer"}}}, "required": ["title", "tags", "scores"],
+    "additionalProperties": False}
 
 
 def _start_server(args) -> tuple:
@@ -76,7 +94,7 @@ def _start_server(args) -> tuple:
 
 class Stats:
     def __init__(self):
-        self.ttft, self.tpot, self.itl = [], [], []
+        self.ttft, self.tpot, self.itl, self.stream_tok_s = [], [], [], []
         self.tokens = self.completed = self.errors = self.chunks = 0
         self.error_messages: list = []
 
@@ -84,6 +102,12 @@ class Stats:
         self.errors += 1
         if len(self.error_messages) < 5:
             self.error_messages.append(message)
+
+
+def _text_of(event: dict) -> str:
+    """The text a streamed chunk carries: a completion's ``text`` or a chat delta's ``content``."""
+    choice = event["choices"][0]
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
 async def _one_request(session, url: str, body: dict, stats: Stats) -> None:
@@ -108,7 +132,7 @@ async def _one_request(session, url: str, body: dict, stats: Stats) -> None:
                     return
                 if event.get("usage"):
                     usage = event["usage"]
-                if event.get("choices") and event["choices"][0].get("text"):
+                if event.get("choices") and _text_of(event):
                     times.append(time.perf_counter())
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         stats.error(f"{type(e).__name__}: {e}")
@@ -123,17 +147,51 @@ async def _one_request(session, url: str, body: dict, stats: Stats) -> None:
     if times:
         stats.ttft.append(times[0] - start)
         stats.itl.extend(np.diff(times).tolist())
-        if n > 1:
+        if n > 1 and times[-1] > times[0]:
             stats.tpot.append((times[-1] - times[0]) / (n - 1))
+            stats.stream_tok_s.append((n - 1) / (times[-1] - times[0]))
 
 
-async def _client(i: int, session, url: str, model: str, args, deadline: float, stats: Stats) -> None:
+async def _client(i: int, session, api: str, model: str, args, deadline: float, stats: Stats,
+                  constrained: bool, requests: float = math.inf) -> None:
     rng = random.Random(args.seed * 1000 + i)
-    while time.perf_counter() < deadline:
-        prompt = [rng.randrange(10, 256) for _ in range(args.prompt_tokens)]
-        body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
-                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
-        await _one_request(session, url, body, stats)
+    while time.perf_counter() < deadline and requests > 0:
+        requests -= 1
+        body = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": True}
+        if constrained:  # a chat prompt of about --prompt-tokens tokens (one number a token or two)
+            words = " ".join(str(rng.randrange(1000)) for _ in range(max(args.prompt_tokens // 2, 1)))
+            body.update(messages=[{"role": "user", "content": f"Describe these as JSON: {words}"}],
+                        response_format={"type": "json_schema",
+                                         "json_schema": {"name": "bench", "schema": CONSTRAINED_SCHEMA}})
+            await _one_request(session, f"{api}/chat/completions", body, stats)
+        else:
+            body["prompt"] = [rng.randrange(10, 256) for _ in range(args.prompt_tokens)]
+            await _one_request(session, f"{api}/completions", body, stats)
+
+
+async def _phase(session, api: str, model: str, args, constrained: int, duration: float) -> tuple:
+    """Every client for ``duration`` seconds, the first ``constrained`` of them constrained -> (the stats of the
+    plain ones, of the constrained ones, seconds)."""
+    plain, forced = Stats(), Stats()
+    start = time.perf_counter()
+    deadline = start + duration
+    await asyncio.gather(*(_client(i, session, api, model, args, deadline, forced if i < constrained else plain,
+                                   i < constrained) for i in range(args.clients)))
+    return plain, forced, time.perf_counter() - start
+
+
+def _merged(a: Stats, b: Stats) -> Stats:
+    out = Stats()
+    for s in (a, b):
+        out.ttft += s.ttft
+        out.tpot += s.tpot
+        out.itl += s.itl
+        out.stream_tok_s += s.stream_tok_s
+        out.tokens, out.completed, out.errors, out.chunks = (out.tokens + s.tokens, out.completed + s.completed,
+                                                            out.errors + s.errors, out.chunks + s.chunks)
+        out.error_messages += s.error_messages
+    return out
 
 
 async def _run(api: str, args) -> dict:
@@ -146,17 +204,41 @@ async def _run(api: str, args) -> dict:
             if r.status != 200:
                 raise RuntimeError(f"GET {api}/models: HTTP {r.status} {(await r.text())[:200]}")
             model = (await r.json())["data"][0]["id"]
-        stats = Stats()
-        start = time.perf_counter()
-        deadline = start + args.duration
-        await asyncio.gather(*(_client(i, session, f"{api}/completions", model, args, deadline, stats)
-                               for i in range(args.clients)))
-        elapsed = time.perf_counter() - start
-    return _summary(stats, elapsed, model, api, args)
+        baseline = None
+        if not args.constrained:
+            plain, forced, elapsed = await _phase(session, api, model, args, 0, args.duration)
+        else:  # a warm-up request from each client (not counted), then halves in the order A B B A (A: none
+            # constrained), so that a load that drifts during the run weighs on both alike
+            await asyncio.gather(*(_client(i, session, api, model, args, math.inf, Stats(), i < args.constrained,
+                                           requests=1) for i in range(args.clients)))
+            a, b = [Stats(), Stats(), 0.0], [Stats(), Stats(), 0.0]
+            for kind in (a, b, b, a):
+                got = await _phase(session, api, model, args, args.constrained if kind is b else 0,
+                                   args.duration / 2)
+                kind[:] = [_merged(kind[0], got[0]), _merged(kind[1], got[1]), kind[2] + got[2]]
+            baseline = _summary(_merged(a[0], a[1]), a[2], model, api, args)
+            plain, forced, elapsed = b
+    result = _summary(_merged(plain, forced), elapsed, model, api, args)
+    result["constrained"] = args.constrained
+    if baseline is not None:
+        base = baseline["decode_tok_s_per_stream_p50"]
+        result["baseline"] = baseline
+        result["streams"] = {}
+        for name, s in (("plain", plain), ("constrained", forced)):
+            rate = _median(s.stream_tok_s)
+            result["streams"][name] = {
+                "requests_completed": s.completed, "completion_tokens": s.tokens,
+                "decode_tok_s_per_stream_p50": rate, "tpot_ms_p50": _pct(s.tpot, 50),
+                "vs_baseline": rate / base if rate is not None and base else None}
+    return result
 
 
 def _pct(values: list, q: float) -> Optional[float]:
     return float(np.percentile(values, q)) * 1e3 if values else None
+
+
+def _median(values: list) -> Optional[float]:
+    return float(np.median(values)) if values else None
 
 
 def _summary(stats: Stats, elapsed: float, model: str, api: str, args) -> dict:
@@ -167,6 +249,7 @@ def _summary(stats: Stats, elapsed: float, model: str, api: str, args) -> dict:
         "requests_completed": stats.completed, "errors": stats.errors, "error_messages": stats.error_messages,
         "completion_tokens": stats.tokens, "output_tok_s": stats.tokens / elapsed,
         "tokens_per_text_chunk": stats.tokens / stats.chunks if stats.chunks else None,
+        "decode_tok_s_per_stream_p50": _median(stats.stream_tok_s),
         "ttft_ms_p50": _pct(stats.ttft, 50), "ttft_ms_p99": _pct(stats.ttft, 99),
         "tpot_ms_p50": _pct(stats.tpot, 50), "tpot_ms_p99": _pct(stats.tpot, 99),
         "itl_ms_p50": _pct(stats.itl, 50), "itl_ms_p99": _pct(stats.itl, 99),
@@ -179,6 +262,9 @@ def _fmt(v, digits: int = 1) -> str:
 
 def run_serve_bench(args) -> int:
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json == "-" else print
+    if not 0 <= args.constrained <= args.clients:
+        raise SystemExit(f"hetmoe bench serve: --constrained {args.constrained} must be between 0 and --clients "
+                         f"({args.clients})")
     proc = None
     if args.url:
         api = args.url.rstrip("/")
@@ -187,7 +273,9 @@ def run_serve_bench(args) -> int:
         proc, api = _start_server(args)
     try:
         say(f"hetmoe bench serve: {args.clients} streaming clients for {args.duration:g} s against {api} "
-            f"(prompt {args.prompt_tokens} tokens, {args.max_tokens} generated per request)")
+            f"(prompt {args.prompt_tokens} tokens, {args.max_tokens} generated per request)"
+            + (f"; a phase with none constrained, then {args.constrained} constrained (json_schema)"
+               if args.constrained else ""))
         result = asyncio.run(_run(api, args))
     finally:
         if proc is not None:
@@ -202,11 +290,17 @@ def run_serve_bench(args) -> int:
         f"text chunk)")
     for name in ("ttft", "tpot", "itl"):
         say(f"{name.upper() + ' ms':>14} p50 {_fmt(result[f'{name}_ms_p50'])}  p99 {_fmt(result[f'{name}_ms_p99'])}")
-    for message in result["error_messages"]:
+    if result.get("baseline"):
+        base = result["baseline"]
+        say(f"decode tok/s of one stream (p50): none constrained {_fmt(base['decode_tok_s_per_stream_p50'])}")
+        for name, s in result["streams"].items():
+            say(f"{'':>14} {name:>11} {_fmt(s['decode_tok_s_per_stream_p50'])}  ({_fmt(s['vs_baseline'], 3)} x, "
+                f"{s['requests_completed']} requests)")
+    for message in result["error_messages"] + (result.get("baseline") or {}).get("error_messages", []):
         say(f"error: {message}")
     if args.json:
         from hetmoe.bench.machine import git_commit, write_json
 
         result.update(commit=git_commit(), date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), host=os.uname().nodename)
         write_json(args.json, result, say)
-    return 1 if result["errors"] else 0
+    return 1 if result["errors"] or (result.get("baseline") or {}).get("errors") else 0

@@ -15,6 +15,7 @@ from hetmoe.config.flags import (
     choice_list,
     int_list,
     nonneg_float,
+    nonneg_int,
     positive_int,
 )
 
@@ -155,6 +156,9 @@ def _add_serve(sub) -> None:
     bserve.add_argument("--prompt-tokens", type=positive_int, default=32, help="prompt length (default: 32)")
     bserve.add_argument("--max-tokens", type=positive_int, default=64, help="tokens per request (default: 64)")
     bserve.add_argument("--temperature", type=nonneg_float, default=0.0, help="default: 0 (greedy)")
+    bserve.add_argument("--constrained", type=nonneg_int, default=0, metavar="N",
+                        help="N of the clients ask /v1/chat/completions for a json_schema response format, measured "
+                        "against a phase with none constrained (default: 0)")
     bserve.add_argument("--seed", type=int, default=0, help="random prompts (default: 0)")
     bserve.add_argument("--max-batch", type=positive_int, default=16,
                         help="--max-batch of the server it starts (default: 16)")

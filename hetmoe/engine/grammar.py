@@ -17,7 +17,10 @@ schema's grammar compiled once.
 
 The grammar sees the text the engine decodes: special tokens (which the decoder skips) are not text to the
 grammar, so a constrained sequence never spends a token that the text would not show; stop tokens (the
-tokenizer's eos ids) end a complete grammar.
+tokenizer's eos ids) end a complete grammar. ``Grammars(..., shown_special_ids=ids)`` makes those special tokens
+text (a tool-call family's markers: the grammar then lets the model write ``<|tool_call_begin|>`` as the one token
+it was trained on); the sequences constrained by such a grammar must show them too
+(``SamplingParams.shown_special_ids``).
 
 Per token, ``mask`` fills the matcher's bitmask (a few microseconds once the grammar's token sets are cached) and
 sets the disallowed logits to -inf: numpy unpacks the bits for logits on the CPU, a few elementwise kernels do it
@@ -33,7 +36,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -115,9 +118,9 @@ def _vocab_type(backend, vocab: dict):
     return xgr.VocabType.RAW, False
 
 
-def tokenizer_info(tokenizer, vocab_size: int):
+def tokenizer_info(tokenizer, vocab_size: int, shown_special_ids: frozenset = frozenset()):
     """xgrammar's view of a hetmoe ``Tokenizer`` whose model has ``vocab_size`` logits: each id's text (special
-    tokens none: the decoder skips them), the stop tokens (its eos ids)."""
+    tokens none, as the decoder skips them, but for ``shown_special_ids``), the stop tokens (its eos ids)."""
     import xgrammar as xgr
 
     backend = tokenizer.backend
@@ -128,7 +131,7 @@ def tokenizer_info(tokenizer, vocab_size: int):
             encoded[i] = text
     for i, added in backend.get_added_tokens_decoder().items():
         if added.special and i < vocab_size:
-            encoded[i] = ""
+            encoded[i] = added.content if i in shown_special_ids else ""
     kind, prefix_space = _vocab_type(backend, vocab)
     stops = sorted(i for i in tokenizer.eos_ids if i < vocab_size)
     return xgr.TokenizerInfo(encoded, kind, vocab_size=vocab_size, stop_token_ids=stops or None,
@@ -191,12 +194,13 @@ class Grammars:
     """The grammar compiler of one served model, its caps and its cache. Thread-safe: the server compiles on its
     request threads while the engine thread runs matchers."""
 
-    def __init__(self, tokenizer, vocab_size: int, caps: Caps = Caps()):
+    def __init__(self, tokenizer, vocab_size: int, caps: Caps = Caps(), shown_special_ids: Iterable[int] = ()):
         import xgrammar as xgr
 
         self.caps, self.vocab_size = caps, vocab_size
-        self._compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size), max_threads=1,
-                                             cache_enabled=False)
+        self.shown_special_ids = frozenset(shown_special_ids)  # special tokens that are text to these grammars
+        self._compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size, self.shown_special_ids),
+                                             max_threads=1, cache_enabled=False)
         self._cache: OrderedDict = OrderedDict()  # key -> (compiled, bytes)
         self._cached_bytes = 0
         self._lock = threading.Lock()

@@ -18,7 +18,8 @@ from a shorter prefix; chunked prefill carries it from chunk to chunk; a right-p
 row's length (``Step.lengths``). A call that fails inside the model may have advanced some layers' states and not
 others: its slots are marked lost, and only a prefill from position 0 takes them again. The decode step of these
 models runs their eager forward (said once at load): the CUDA graph (whose capture runs the step twice) and the lean
-CPU step do not cover them yet.
+CPU step do not cover them yet. So does the decode step of models with sparse attention (DeepSeek-V3.2, GLM-5: their
+indexer's keys sit in the KV cache, ``KVCache.indexer``), whose layers pick the dense or the sparse form per step.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class Runner:
         self.lengths = [0] * self.max_batch  # tokens in each slot's cache
         self.vocab_size = loaded.config.vocab_size
         self.recurrent = getattr(self.cache, "states", None) is not None  # recurrent layers: states per slot
+        self.sparse = getattr(self.cache, "index_layers", 0) > 0  # DeepSeek Sparse Attention: indexer keys per slot
         self.lost: set = set()  # slots whose recurrent states a failed call left half updated
         kernels = use_kernels(self.model, self.device, self.dtype)
         if kernels is not None:
@@ -94,6 +96,11 @@ class Runner:
             if self.recurrent and (graph or fused):
                 _say("decode steps run without CUDA graphs or the fused kernels: their capture does not cover the "
                      "linear-attention layers' recurrent states yet")
+                graph = fused = False
+            if self.sparse and (graph or fused):
+                _say("decode steps run without CUDA graphs or the fused kernels: the sparse-attention layers choose "
+                     "between dense and indexer-selected attention by context length on the host, which a graph "
+                     "cannot")
                 graph = fused = False
             self._setup_decoder(graph, kv_mode, fused and paged_kernels(self.device))
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
+from typing import Callable, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -90,6 +90,10 @@ class SamplingParams:
     - ``prompt_logprobs``: None, or 0..20: the log-probability of every prompt token after the first (the model's
       own, as ``echo`` needs), with that many alternatives. Such a prompt is computed whole (no prefix reuse).
     - ``constraint``: None, or a zero-argument callable returning a fresh ``TokenConstraint`` (one per sequence).
+    - ``skip_special_tokens`` (True: on): the streamed text leaves out special tokens (a tokenizer's added tokens
+      marked special: ``<|im_end|>``, ``<|tool_calls_section_begin|>`` ...), as Hugging Face's ``decode`` does;
+      ``shown_special_ids``: ids of special tokens the text shows all the same (the markers a tool-call or
+      reasoning parser reads, while the other special tokens stay out). A stop token never reaches the text.
 
     The order in which they apply and which logits the log-probabilities come from: this module's docstring."""
 
@@ -109,6 +113,8 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     constraint: Optional[Callable[[], TokenConstraint]] = None
+    skip_special_tokens: bool = True
+    shown_special_ids: frozenset = frozenset()  # special tokens shown even with skip_special_tokens
 
     def __init__(self, max_tokens: Optional[int] = None, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: Optional[int] = None, stop: Sequence[str] = (),
@@ -116,7 +122,8 @@ class SamplingParams:
                  max_new_tokens: Optional[int] = None, min_p: float = 0.0, repetition_penalty: float = 1.0,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias: Optional[dict] = None,
                  logprobs: Optional[int] = None, prompt_logprobs: Optional[int] = None,
-                 constraint: Optional[Callable[[], TokenConstraint]] = None):
+                 constraint: Optional[Callable[[], TokenConstraint]] = None, skip_special_tokens: bool = True,
+                 shown_special_ids: Iterable[int] = ()):
         name = "max_tokens"
         if max_new_tokens is not None:
             if max_tokens is not None:
@@ -129,6 +136,7 @@ class SamplingParams:
         self.presence_penalty, self.frequency_penalty = presence_penalty, frequency_penalty
         self.logit_bias, self.logprobs, self.prompt_logprobs = logit_bias, logprobs, prompt_logprobs
         self.constraint = constraint
+        self.skip_special_tokens, self.shown_special_ids = skip_special_tokens, shown_special_ids
         self._check(name)
 
     @property
@@ -205,6 +213,16 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not _count(value):
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be a boolean, got {self.skip_special_tokens!r}")
+        shown = self.shown_special_ids
+        try:
+            ids = None if isinstance(shown, (str, bytes, dict)) else frozenset(shown)
+        except TypeError:  # not iterable, or unhashable items
+            ids = None
+        if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError(f"shown_special_ids must be a collection of token ids (integers >= 0), got {shown!r}")
+        self.shown_special_ids = ids
         if self.constraint is not None and not callable(self.constraint):
             raise ValueError(f"constraint must be None or a callable that returns a new TokenConstraint, got "
                              f"{type(self.constraint).__name__}")

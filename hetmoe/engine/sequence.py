@@ -71,17 +71,28 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
     return best
 
 
-class _TextStream:
-    """Decoded text so far, cut at the first stop string, and the part of it already handed to ``on_text``."""
+def _special_ids(tokenizer: Tokenizer) -> frozenset:
+    return frozenset(i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special)
 
-    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], on_text: Optional[Callable[[str], None]]):
-        self.decoder = IncrementalDecoder(tokenizer)
+
+class _TextStream:
+    """Decoded text so far, cut at the first stop string, and the part of it already handed to ``on_text``.
+    Special tokens are left out (``skip_special_tokens``) but for ``shown`` ones: the decoder then keeps special
+    tokens and the others are never handed to it."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], on_text: Optional[Callable[[str], None]],
+                 skip_special_tokens: bool = True, shown: frozenset = frozenset()):
+        self.hidden = _special_ids(tokenizer) - shown if skip_special_tokens and shown else frozenset()
+        self.decoder = IncrementalDecoder(tokenizer, skip_special_tokens=skip_special_tokens and not shown)
         self.stops, self.on_text = stops, on_text
         self.longest = max((len(s) for s in stops), default=0)
         self.text, self.emitted = "", 0
+        self.stop_string: Optional[str] = None  # the stop string that cut the text
 
     def push(self, token_id: int) -> bool:
         """Add a token; True when a stop string has appeared (the text is then cut before it)."""
+        if token_id in self.hidden:
+            return False
         return self._add(self.decoder.push(token_id), final=False)
 
     def finish(self) -> bool:
@@ -91,9 +102,10 @@ class _TextStream:
     def _add(self, piece: str, final: bool) -> bool:
         start = max(0, len(self.text) - self.longest + 1)  # an earlier stop string would already have been found
         self.text += piece
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0] if piece else []
+        hits = [(i, -len(s), s) for s in self.stops if (i := self.text.find(s, start)) >= 0] if piece else []
         if hits:
-            self.text = self.text[:min(hits)]
+            at, _, self.stop_string = min(hits)  # the first to begin; of those, the longest
+            self.text = self.text[:at]
             self._emit(len(self.text))
             return True
         self._emit(len(self.text) - (0 if final else _held_back(self.text, self.stops)))
@@ -131,7 +143,7 @@ class SequenceState:
         self.stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             self.stop_ids |= tokenizer.eos_ids
-        self.stream = _TextStream(tokenizer, params.stop, on_text)
+        self.stream = _TextStream(tokenizer, params.stop, on_text, params.skip_special_tokens, params.shown_special_ids)
         self.token_ids: list[int] = []  # generated, without a final eos / stop token
         self.completion_tokens = 0  # sampled, a final eos / stop token included
         self.finish_reason: Optional[str] = None
@@ -150,6 +162,11 @@ class SequenceState:
     @property
     def text(self) -> str:
         return self.stream.text
+
+    @property
+    def stop_string(self) -> Optional[str]:
+        """The stop string that ended the sequence (its text cut where it began), or None."""
+        return self.stream.stop_string
 
     @property
     def finished(self) -> bool:

@@ -19,6 +19,11 @@ A model with recurrent layers (linear attention: layers/linear_attention.py) giv
 keys and values of its attention layers (``n_layers`` counts those only; each model maps its layers to rows of
 either). A slot released whole (``release(row, 0)``) has its states zeroed with its positions. A state cannot be
 rewound: a slot continues from its end, or starts over from position 0.
+
+A model with DeepSeek Sparse Attention (layers/sparse_attention.py) gives its cache ``indexer`` = (layers, D): the
+lightning indexer's key, one vector of D per position and indexer layer, kept beside the latents in the same layout
+(pages or rows, reserved, grown and released with them), written from the first token on (``write_index``) and read
+by ``index_rows``.
 """
 
 from __future__ import annotations
@@ -72,16 +77,19 @@ class KVCache:
     def __init__(self, n_layers: int, rows: int, max_context: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device="cpu", v_head_dim: Optional[int] = None, *,
                  page_size: Optional[int] = None, initial_tokens: Optional[int] = None,
-                 states: Optional[RecurrentStates] = None):
+                 states: Optional[RecurrentStates] = None, indexer: Optional[tuple] = None):
         """``initial_tokens``: positions allocated up front (paged: in the pool; contiguous: per row; default
         ``max_context`` per row for contiguous, a few pages per row for paged). ``states``: the recurrent layers'
-        states of the same ``rows`` (module docstring), or None."""
+        states of the same ``rows`` (module docstring), or None. ``indexer``: (layers, D) of the sparse-attention
+        indexer's keys (module docstring), or None."""
         if states is not None and states.n_rows != rows:
             raise ValueError(f"recurrent states of {states.n_rows} rows for a cache of {rows}")
         self.states = states
         self.n_layers, self.n_rows, self.max_context = n_layers, rows, max_context
         self.kv_heads, self.head_dim, self.v_head_dim = kv_heads, head_dim, v_head_dim or head_dim
         self.dtype, self.device = dtype, torch.device(device)
+        self.index_layers, self.index_dim = indexer or (0, 0)
+        self.ik = None  # the indexer's keys: [index_layers, *layout, index_dim] (module docstring), or None
         self.paged = page_size is not None
         self.page_size = page_size or max_context
         self.version = 0
@@ -103,19 +111,22 @@ class KVCache:
     # ------------------------------------------------------------------ sizes
     @property
     def elems_per_token(self) -> int:
-        """Elements one position takes over all layers, keys and values."""
-        return self.n_layers * self.kv_heads * (self.head_dim + self.v_head_dim)
+        """Elements one position takes over all layers, keys and values (and the indexer's keys)."""
+        return self.n_layers * self.kv_heads * (self.head_dim + self.v_head_dim) + self.index_layers * self.index_dim
 
     @property
     def bytes_allocated(self) -> int:
         states = self.states.bytes_allocated if self.states is not None else 0
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size() + states
+        index = self.ik.numel() * self.ik.element_size() if self.ik is not None else 0
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size() + states + index
 
     def _alloc(self, *shape_tail) -> tuple:
         k = torch.zeros(self.n_layers, *shape_tail, self.kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
         v = torch.zeros(self.n_layers, *shape_tail, self.kv_heads, self.v_head_dim, dtype=self.dtype,
                         device=self.device)
-        return k, v
+        ik = (torch.zeros(self.index_layers, *shape_tail, self.index_dim, dtype=self.dtype, device=self.device)
+              if self.index_layers else None)
+        return k, v, ik
 
     def _alloc_or_full(self, what: str, *shape_tail) -> tuple:
         try:
@@ -127,11 +138,13 @@ class KVCache:
 
     def _realloc(self, what: str, dim: int, *shape_tail) -> None:
         """Storage of ``shape_tail`` ([layers, *shape_tail, heads, D]), the old contents at the start of ``dim``."""
-        k, v = self._alloc_or_full(what, *shape_tail)
+        k, v, ik = self._alloc_or_full(what, *shape_tail)
         if self.k is not None:
             k.narrow(dim, 0, self.k.shape[dim]).copy_(self.k)
             v.narrow(dim, 0, self.v.shape[dim]).copy_(self.v)
-        self.k, self.v = k, v
+            if ik is not None:
+                ik.narrow(dim, 0, self.ik.shape[dim]).copy_(self.ik)
+        self.k, self.v, self.ik = k, v, ik
         self.version += 1
 
     def _grow_pool(self, n_pages: int) -> None:
@@ -226,6 +239,33 @@ class KVCache:
         k = self.k[layer][pages].view(B, n_pages * self.page_size, self.kv_heads, self.head_dim)
         v = self.v[layer][pages].view(B, n_pages * self.page_size, self.kv_heads, self.v_head_dim)
         return k, v
+
+    def write_index(self, layer: int, step, keys: torch.Tensor) -> None:
+        """Store the indexer's keys [B, S, index_dim] of indexer layer ``layer`` at the step's positions of its rows,
+        as ``write`` stores keys and values."""
+        if not self.paged:
+            if step.kv_len is None and int(step.positions.max()) >= self.capacity:
+                raise ValueError(f"position {int(step.positions.max())} is beyond the {self.capacity} positions "
+                                 f"reserved (max_context={self.max_context})")
+            rows = step.slots.unsqueeze(1).expand_as(step.positions)
+            self.ik[layer].index_put_((rows, step.positions), keys.to(self.dtype))
+            return
+        P = self.page_size
+        page = self.table[step.slots.unsqueeze(1), step.positions // P].long()  # [B, S]
+        flat = (page * P + step.positions % P).reshape(-1)
+        self.ik[layer].view(-1, self.index_dim).index_copy_(0, flat, keys.reshape(-1, self.index_dim).to(self.dtype))
+
+    def index_rows(self, layer: int, step) -> torch.Tensor:
+        """The indexer's keys of indexer layer ``layer`` for the step's rows, [B, ctx, index_dim], ctx as ``rows``
+        gives it for the same step (positions aligned with the latents')."""
+        if not self.paged:
+            n = min(step.kv_len or self.capacity, self.capacity)
+            if step.first_slot is not None:
+                return self.ik[layer, step.first_slot:step.first_slot + step.slots.shape[0], :n]
+            return self.ik[layer][step.slots, :n]
+        n_pages = -(-(step.kv_len or self.max_context) // self.page_size)
+        pages = self.table[step.slots, :n_pages].long()  # [B, n_pages]
+        return self.ik[layer][pages].view(pages.shape[0], n_pages * self.page_size, self.index_dim)
 
     def layout(self, layer: int) -> tuple:
         """What a kernel that writes this layer's keys and values needs (ops/triton/fused.py): (k, v, table,

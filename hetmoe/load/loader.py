@@ -299,8 +299,8 @@ def load_model(
     """Load the checkpoint directory ``path`` as ``options`` place it.
 
     ``expert_cache``: a directory for converted experts, ``"auto"`` (``$XDG_CACHE_HOME/hetmoe/experts``), or
-    None or ``"off"`` (no cache, as the CLI's ``--expert-cache off``). Raises FileNotFoundError / CheckpointError (ValueError) naming the file and tensor for a
-    bad checkpoint, MemoryError when the plan does not fit.
+    None or ``"off"`` (no cache, as the CLI's ``--expert-cache off``). Raises FileNotFoundError / CheckpointError
+    (ValueError) naming the file and tensor for a bad checkpoint, MemoryError when the plan does not fit.
     """
     t0 = time.perf_counter()
     options = normalize_options(options or EngineOptions(), log)

@@ -32,10 +32,13 @@ MODEL_TYPES = {
     # Qwen3.5-MoE: its language model alone ("qwen3_5_moe_text"), or inside the multimodal wrapper (MULTIMODAL)
     "qwen3_5_moe": ("qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
     "qwen3_5_moe_text": ("qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
+    # MLA with DeepSeek Sparse Attention (a lightning indexer's top-k positions per query)
+    "deepseek_v32": ("deepseek_v32", "DeepseekV32ForCausalLM"),
+    "glm_moe_dsa": ("glm_moe_dsa", "GlmMoeDsaForCausalLM"),
 }
 # The model types whose file builds its RoPE from config.json's rope_scaling / rope_parameters (YaRN); the others
 # run default RoPE whatever the config says, so a scaling factor there extends nothing.
-APPLIES_ROPE_SCALING = frozenset({"deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v2"})
+APPLIES_ROPE_SCALING = frozenset({"deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v2", "deepseek_v32", "glm_moe_dsa"})
 
 
 def model_class(cfg: ModelConfig) -> type:

@@ -82,6 +82,15 @@ HF_DEFAULTS = {
                linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
                moe_intermediate_size=512, shared_expert_intermediate_size=512)
        for t in ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")},
+    # DeepSeek-V3.2 and GLM-5: DeepseekV32Config / GlmMoeDsaConfig's MLA, routing and indexer sizes
+    "deepseek_v32": dict(first_k_dense_replace=3, n_group=8, topk_group=4, n_shared_experts=1,
+                         routed_scaling_factor=2.5, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
+                         qk_nope_head_dim=128, v_head_dim=128, rms_norm_eps=1e-6, index_topk=2048,
+                         index_head_dim=128, index_n_heads=64),
+    "glm_moe_dsa": dict(first_k_dense_replace=3, n_group=1, topk_group=1, n_shared_experts=1,
+                        routed_scaling_factor=2.5, q_lora_rank=2048, kv_lora_rank=512, qk_rope_head_dim=64,
+                        qk_nope_head_dim=192, v_head_dim=256, rms_norm_eps=1e-5, index_topk=2048,
+                        index_head_dim=128, index_n_heads=32),
 }
 
 
@@ -153,9 +162,35 @@ _EXPERTS = {
     "minimax_m2": ("num_local_experts", "num_experts"),
     "qwen3_next": ("num_experts", "num_local_experts"), "qwen3_5_moe": ("num_experts",),
     "qwen3_5_moe_text": ("num_experts",),
+    "deepseek_v32": ("n_routed_experts", "num_local_experts", "num_experts"),
+    "glm_moe_dsa": ("n_routed_experts", "num_local_experts", "num_experts"),
 }
 PARTIAL_ROPE = ("glm4_moe", "minimax_m2")  # GQA models whose RoPE may turn part of each head (ModelConfig.rope_dim)
 LINEAR_ATTENTION = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # Gated DeltaNet hybrids (models/qwen3_next.py)
+SPARSE_ATTENTION = ("deepseek_v32", "glm_moe_dsa")  # MLA + DeepSeek Sparse Attention (models/deepseek_v32.py)
+# how each sparse-attention model turns its indexer's rope dims (Transformers': V3.2 half-split, GLM-5 interleaved)
+INDEXER_ROPE_INTERLEAVE = {"deepseek_v32": False, "glm_moe_dsa": True}
+
+
+def dsa_indexer_types(cfg: ModelConfig) -> list:
+    """Per layer, "full" (it runs its own indexer) or "shared" (it attends over the previous indexer's choice), as
+    Transformers' config classes fill it: DeepSeek-V3.2 every layer full; GLM-5 config.json's indexer_types, else
+    index_topk_pattern ("F"/"S" per layer, or the names), else every index_topk_freq-th layer from
+    index_skip_topk_offset on (defaults 1 and 2: every layer). Checked by check_config, not here."""
+    n = cfg["num_hidden_layers"]
+    if cfg.get("model_type") != "glm_moe_dsa":
+        return ["full"] * n
+    kinds = cfg.get("indexer_types")
+    if kinds is None:
+        pattern = cfg.get("index_topk_pattern")
+        if pattern is not None:
+            kinds = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else pattern
+        else:
+            freq = max(cfg.get("index_topk_freq") or 1, 1)
+            offset = cfg.get("index_skip_topk_offset")
+            offset = 2 if offset is None else offset
+            kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    return list(kinds)[:n]
 
 
 class _Checker:
@@ -190,7 +225,7 @@ def check_config(cfg: ModelConfig, source: str = "config.json") -> None:
     c = _Checker(cfg, source)
     if c.model_type not in _EXPERTS:
         return
-    deepseek = c.model_type.startswith("deepseek") or c.model_type in ("kimi_k2", "kimi_k25")
+    deepseek = c.model_type.startswith("deepseek") or c.model_type in ("kimi_k2", "kimi_k25", "glm_moe_dsa")
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
         c.int(name)
     layers, heads, hidden = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["hidden_size"]
@@ -207,6 +242,8 @@ def check_config(cfg: ModelConfig, source: str = "config.json") -> None:
     _check_rope_scaling(c, deepseek)
     if c.model_type in LINEAR_ATTENTION:
         _check_linear_attention(c)
+    if c.model_type in SPARSE_ATTENTION:
+        _check_sparse_attention(c)
 
     n_experts = _n_experts(c)
     first_dense = 0
@@ -239,6 +276,11 @@ def check_config(cfg: ModelConfig, source: str = "config.json") -> None:
     if c.model_type == "glm4_moe":
         first_dense = c.int("first_k_dense_replace", minimum=0)
     dense_layers = n_experts == 0 or first_dense > 0
+    if c.model_type in SPARSE_ATTENTION and cfg.get("mlp_layer_types") is not None:
+        kinds = cfg["mlp_layer_types"]
+        dense_layers = "dense" in kinds
+        if "sparse" in kinds and not n_experts:
+            c.fail(f"mlp_layer_types lists MoE ('sparse') layers, but {_expert_field(cfg)} is {n_experts}")
     if c.model_type in ("qwen3_moe", "qwen2_moe"):
         step = c.int("decoder_sparse_step", default=1)
         only = cfg.get("mlp_only_layers") or []
@@ -306,6 +348,71 @@ def _check_linear_attention(c: _Checker) -> None:
             c.fail(f"mlp_only_layers is {only!r}; it must be a list of layer indices below {layers}")
         if only or step > 1:
             c.int("intermediate_size")
+
+
+def _check_sparse_attention(c: _Checker) -> None:
+    """DeepSeek-V3.2 / GLM-5: the indexer's sizes (its heads turn their first qk_rope_head_dim dims), q LoRA (the
+    indexer reads its output), MLA's interleaved RoPE, SiLU, every layer indexed attention, which layers are MoE
+    (mlp_layer_types) and, for GLM-5, which layers run their own indexer (dsa_indexer_types)."""
+    cfg, layers = c.cfg, c.cfg["num_hidden_layers"]
+    for name in ("index_topk", "index_n_heads", "index_head_dim", "q_lora_rank"):
+        c.int(name)
+    rope = cfg.get("qk_rope_head_dim")
+    if isinstance(rope, int) and cfg["index_head_dim"] < rope:
+        c.fail(f"index_head_dim is {cfg['index_head_dim']}; the indexer turns the first {rope} dims of each of its "
+               "heads (qk_rope_head_dim), so it needs at least that many")
+    if cfg.get("rope_interleave") not in (None, True):
+        c.fail(f"rope_interleave is {cfg['rope_interleave']!r}; {c.model_type}'s MLA rotates interleaved pairs only")
+    want = INDEXER_ROPE_INTERLEAVE[c.model_type]
+    if cfg.get("indexer_rope_interleave") not in (None, want):
+        c.fail(f"indexer_rope_interleave is {cfg['indexer_rope_interleave']!r}; {c.model_type}'s indexer turns its "
+               f"rope dims {'as interleaved pairs' if want else 'half-split'} only")
+    if cfg.get("hidden_act", "silu") != "silu":
+        c.fail(f"hidden_act is {cfg['hidden_act']!r}; {c.model_type} runs SwiGLU experts and MLPs (silu)")
+    kinds = cfg.get("layer_types")
+    if kinds is not None and (not isinstance(kinds, list) or len(kinds) != layers
+                              or any(k != "indexed_attention" for k in kinds)):
+        c.fail(f"layer_types is {kinds!r}; {c.model_type} runs 'indexed_attention' (MLA with a sparse-attention "
+               f"indexer) in each of its {layers} layers")
+    kinds = cfg.get("mlp_layer_types")
+    if kinds is not None and (not isinstance(kinds, list) or len(kinds) != layers
+                              or any(k not in ("dense", "sparse") for k in kinds)):
+        c.fail(f"mlp_layer_types is {kinds!r}; it must list 'dense' or 'sparse' for each of the {layers} layers "
+               "(num_hidden_layers)")
+    if c.model_type == "deepseek_v32":
+        kinds = cfg.get("indexer_types")
+        if kinds is not None and (not isinstance(kinds, list) or any(k != "full" for k in kinds)):
+            c.fail(f"indexer_types is {kinds!r}; deepseek_v32 runs its indexer in every layer ('full')")
+        for name, every in (("index_topk_pattern", None), ("index_topk_freq", 1)):
+            if cfg.get(name) not in (None, every):
+                c.fail(f"{name} is {cfg[name]!r}; deepseek_v32 runs its indexer in every layer (layers that reuse "
+                       "another's choice are GLM-5's: model_type glm_moe_dsa)")
+        return
+    _check_indexer_types(c, layers)
+
+
+def _check_indexer_types(c: _Checker, layers: int) -> None:
+    """GLM-5: the entries dsa_indexer_types reads, and a first layer that runs its own indexer."""
+    cfg = c.cfg
+    if cfg.get("indexer_types") is not None:
+        name, kinds = "indexer_types", cfg["indexer_types"]
+        ok = isinstance(kinds, list) and all(k in ("full", "shared") for k in kinds)
+    elif cfg.get("index_topk_pattern") is not None:
+        name, kinds = "index_topk_pattern", cfg["index_topk_pattern"]
+        ok = (isinstance(kinds, str) and set(kinds) <= {"F", "S"}) or (
+            isinstance(kinds, list) and all(k in ("full", "shared") for k in kinds))
+    else:
+        for entry in ("index_topk_freq", "index_skip_topk_offset"):
+            v = cfg.get(entry)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                c.fail(f"{entry} is {v!r}; it must be an integer")
+        name, kinds, ok = None, None, True
+    if not ok or (kinds is not None and len(kinds) < layers):
+        c.fail(f"{name} is {kinds!r}; it must give each of the {layers} layers (num_hidden_layers) 'full' or "
+               f"'shared'{' (F or S)' if name == 'index_topk_pattern' else ''}")
+    if dsa_indexer_types(cfg)[0] != "full":
+        c.fail(f"{name or 'index_topk_freq / index_skip_topk_offset'} makes layer 0 'shared'; a shared layer reuses "
+               "the previous layer's indexer, so the first layer must run its own ('full')")
 
 
 def _check_rotary(c: _Checker, head_dim: int) -> None:

@@ -240,24 +240,35 @@ class DeepseekV2Attention(nn.Module):
         kv = self.kv_b_proj(c_all).view(B, ctx, self.n_heads, self.nope + self.v_dim)  # [B, ctx, h, nope + v]
         if cache.paged:
             return mla_expanded_paged(q_nope, q_pe, kv, pe_all, cache.page_size, step, self.scale)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat((k_nope, pe_all.expand(B, ctx, self.n_heads, self.rope)), dim=-1)  # [B, ctx, h, nope + rope]
+        k, v = self._split_expanded(kv, pe_all)
         return attend(torch.cat((q_nope, q_pe), dim=-1), k, v, step, self.scale)
+
+    def _split_expanded(self, kv: torch.Tensor, pe_all: torch.Tensor) -> tuple:
+        """kv_b_proj's output for the cached latents [B, ctx, h, nope + v_dim] and the rope keys [B, ctx, 1, rope]
+        -> per-head keys [B, ctx, h, nope + rope] and values [B, ctx, h, v_dim]."""
+        B, ctx = kv.shape[:2]
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        return torch.cat((k_nope, pe_all.expand(B, ctx, self.n_heads, self.rope)), dim=-1), v
+
+    def _latent_weights(self) -> tuple:
+        """Views of kv_b_proj.weight per head: W_uk [h, nope, r] (folded into the query) and W_uv^T [h, r, v_dim]
+        (applied to the attended latent)."""
+        w_kv = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w_kv.split([self.nope, self.v_dim], dim=1)  # [h, nope, r], [h, v, r] (views)
+        return w_uk, w_uv.transpose(1, 2)
 
     def _attend_absorbed(self, q_nope, q_pe, cache: KVCache, step: Step) -> torch.Tensor:
         """Attend in the latent space with kv_b_proj folded into the query and the output -> [B, S, h, v_dim]."""
         B, S, h, _ = q_nope.shape
         r = self.kv_lora_rank
-        w_kv = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, r)
-        w_uk, w_uv = w_kv.split([self.nope, self.v_dim], dim=1)  # [h, nope, r], [h, v, r] (views)
-        w_vu = w_uv.transpose(1, 2)  # [h, r, v]
-        q_lat = _per_head(q_nope, w_uk, step)  # [B, S, h, r]
+        w_uk, w_vu = self._latent_weights()  # [h, nope, r], [h, r, v]
+        q_lat = per_head(q_nope, w_uk, step)  # [B, S, h, r]
         out_lat = mla_latent_cpu(q_lat, q_pe, cache, self.layer_idx, step, self.scale)  # None: not a CPU decode step
         if out_lat is not None:
-            return _per_head(out_lat, w_vu, step)
+            return per_head(out_lat, w_vu, step)
         if cache.paged:
             out_lat = mla_latent_paged(q_lat, q_pe, cache, self.layer_idx, step, self.scale)
-            return _per_head(out_lat, w_vu, step)
+            return per_head(out_lat, w_vu, step)
         c_all, pe_all = (t.to(q_nope.dtype) for t in cache.rows(self.layer_idx, step))
         ctx = c_all.shape[1]
         c, pe = c_all.view(B, ctx, r), pe_all.view(B, ctx, self.rope)  # [B, ctx, r], [B, ctx, rope]
@@ -267,10 +278,10 @@ class DeepseekV2Attention(nn.Module):
         mask = step.attn_mask(ctx, scores.dtype).view(B, S, 1, ctx)  # 0 or -inf, shared by the layers
         probs = (scores + mask).softmax(dim=-1).to(c.dtype)  # [B, S, h, ctx]
         out_lat = (probs.view(B, S * h, ctx) @ c).view(B, S, h, r)  # [B, S, h, r]
-        return _per_head(out_lat, w_vu, step)
+        return per_head(out_lat, w_vu, step)
 
 
-def _per_head(x: torch.Tensor, w: torch.Tensor, step: Step) -> torch.Tensor:
+def per_head(x: torch.Tensor, w: torch.Tensor, step: Step) -> torch.Tensor:
     """x [B, S, h, K] times each head's w [h, K, N] -> [B, S, h, N]: a fused decode step of at most HEAD_GEMV_MAX_T
     rows (one) through one GEMV-shaped kernel (ops/triton/mla.py ``head_gemv``), else torch.einsum."""
     B, S, h, K = x.shape
@@ -292,11 +303,16 @@ class DeepseekV2DecoderLayer(PreNormDecoderLayer):
     attn_cls, moe_cls = DeepseekV2Attention, DeepseekV2Moe
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
-        if layer_idx >= cfg.get("first_k_dense_replace", 0) and _n_experts(cfg) > 0:
+        if self.sparse(cfg, layer_idx):
             mlp = self.moe_cls(cfg)
         else:
             mlp = DeepseekV2MLP(cfg.hidden_size, cfg.intermediate_size, cfg.get("mlp_bias", False))
         super().__init__(cfg, self.attn_cls(cfg, layer_idx), mlp)
+
+    @staticmethod
+    def sparse(cfg: ModelConfig, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` is a MoE layer: from first_k_dense_replace on, when there are experts."""
+        return layer_idx >= cfg.get("first_k_dense_replace", 0) and _n_experts(cfg) > 0
 
 
 class DeepseekV3DecoderLayer(DeepseekV2DecoderLayer):
@@ -326,9 +342,12 @@ class DeepseekV2Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [B, S, H]
-        freqs = step.positions.float().unsqueeze(-1) * self.inv_freq.to(x.device)  # [B, S, rope/2]
-        rope = ((freqs.cos() * self.attention_scaling).to(x.dtype), (freqs.sin() * self.attention_scaling).to(x.dtype))
-        return run_layers(self.layers, x, rope, step, cache, self.norm)
+        return run_layers(self.layers, x, self.rope_table(step.positions, x.dtype), step, cache, self.norm)
+
+    def rope_table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """(cos, sin) [B, S, rope/2] of ``positions`` [B, S], times the YaRN attention factor, in ``dtype``."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)  # [B, S, rope/2]
+        return (freqs.cos() * self.attention_scaling).to(dtype), (freqs.sin() * self.attention_scaling).to(dtype)
 
 
 class DeepseekV3Model(DeepseekV2Model):

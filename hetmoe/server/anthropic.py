@@ -472,11 +472,10 @@ class StreamTranslator:
             ("message_stop", {"type": "message_stop"})]
 
 
-def stop_sequence(req, stops: list, tokenizer) -> Optional[str]:
+def stop_sequence(req, stops: list) -> Optional[str]:
     """The stop sequence that ended ``req`` (a finished engine Request), or None when something else did (an
     end-of-sequence token, max_tokens, a tool call): its text was cut where one of ``stops`` began."""
     st = req.state
-    if not stops or st is None or st.finish_reason != "stop" or st.completion_tokens != len(st.token_ids):
-        return None  # a stop token was sampled last (counted in completion_tokens, not kept in token_ids)
-    rest = tokenizer.decode(st.token_ids)[len(st.text):]
-    return next((s for s in sorted(stops, key=len, reverse=True) if rest.startswith(s)), None)
+    if not stops or st is None or st.finish_reason != "stop":
+        return None
+    return st.stop_string

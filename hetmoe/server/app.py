@@ -261,12 +261,13 @@ def _usage(choices: list, parsed: protocol.Parsed) -> dict:
 
 def _echo_text(choice: _Choice, served: ServedModel) -> str:
     prompt = choice.prompt
-    return prompt.text if prompt.text is not None else served.tokenizer.decode(prompt.ids)
+    return prompt.text if prompt.text is not None else served.tokenizer.decode(
+        prompt.ids, skip_special_tokens=prompt.params.skip_special_tokens)
 
 
 def _legacy_start(choice: _Choice, parsed: protocol.Parsed, text_of) -> None:
     """The completions logprobs builder of ``choice``, with the prompt's tokens first when echoed."""
-    choice.legacy = logprobs.LegacyLogprobs(text_of)
+    choice.legacy = logprobs.LegacyLogprobs(text_of, skip_special_tokens=choice.prompt.params.skip_special_tokens)
     if parsed.echo:
         choice.legacy.add_prompt(choice.prompt.ids, choice.req.prompt_logprobs or [])
 
@@ -459,8 +460,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
     try:
         if not parsed.stream:
             body = await whole(request, run, parsed)
-            return web.json_response(anthropic.message(body, served.id, anthropic.stop_sequence(
-                req, stops, served.tokenizer), req.cached_tokens))
+            return web.json_response(anthropic.message(body, served.id, anthropic.stop_sequence(req, stops),
+                                                       req.cached_tokens))
         response = await open_stream(request)
 
         async def send(events: list) -> None:
@@ -480,7 +481,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
                 else:
                     await send(translator.feed(obj))
             else:
-                await send(translator.end(anthropic.stop_sequence(req, stops, served.tokenizer), req.cached_tokens))
+                await send(translator.end(anthropic.stop_sequence(req, stops), req.cached_tokens))
             await response.write_eof()
         except ConnectionResetError:
             pass

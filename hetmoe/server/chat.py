@@ -9,7 +9,7 @@ reasoning_effort), the grammar that enforces it (``ChatOptions.constraint``), an
     params.constraint = options.constraint()        # None unless response_format / required / a named tool
     out = ChatOutput(options); out.push(piece) -> [delta]; out.finish() -> [delta]; out.message(text)
 
-``tool_choice`` "auto" lets the model call tools in its family's syntax (tool_calls.py) or answer; "required" and
+``tool_choice`` "auto" lets the model call tools in its family's syntax (tool_calls/) or answer; "required" and
 a named function are enforced by the grammar, so even a small model returns a call whose arguments match the
 schema; "none" leaves the tools out of the prompt. A chat template that renders no tools (the built-in model's)
 is given them in a system message that shows the family's syntax, and the history's calls written in it.
@@ -53,18 +53,27 @@ class ChatSupport:
     renders_tools: bool  # the template reads ``tools``
     args_mapping: bool  # the template wants a call's arguments as a mapping
     tail: Callable  # prompt ids -> the text of their last few tokens, special tokens included
-    hidden_start: bool = False  # the parser's opening marker is a special token, which the decoder skips
+    # ids of the tool-call parser's and the reasoning parser's markers that are special tokens in this tokenizer
+    # (Kimi-K2's, Mistral's [TOOL_CALLS]): the text the parsers read keeps them, the grammars see them as text
+    tool_markers: frozenset = frozenset()
+    reasoning_markers: frozenset = frozenset()
 
     @classmethod
     def build(cls, tokenizer, vocab_size: int, tool_parser: Optional[str] = "auto",
               reasoning: Optional[str] = "auto") -> "ChatSupport":
         template = tokenizer.chat_template or ""
-        grammars = grammar.Grammars(tokenizer, vocab_size) if grammar.available() else None
         parser = tool_calls.tool_parser(tool_parser, template)
-        specials = {t.content for t in tokenizer.backend.get_added_tokens_decoder().values() if t.special}
-        return cls(parser, reasoning_parser(reasoning, template), grammars, tool_calls.renders_tools(template),
+        thinking = reasoning_parser(reasoning, template)
+        specials = {t.content: i for i, t in tokenizer.backend.get_added_tokens_decoder().items()
+                    if t.special and i < vocab_size}
+        tool_markers = frozenset(specials[m] for m in parser.markers if m in specials)
+        reasoning_markers = frozenset(specials[m] for m in (thinking.start, thinking.end) if m in specials) \
+            if thinking is not None else frozenset()
+        grammars = grammar.Grammars(tokenizer, vocab_size, shown_special_ids=tool_markers | reasoning_markers) \
+            if grammar.available() else None
+        return cls(parser, thinking, grammars, tool_calls.renders_tools(template),
                    tool_calls.arguments_as_mapping(template),
-                   lambda ids: tokenizer.decode(ids[-16:], skip_special_tokens=False), parser.start in specials)
+                   lambda ids: tokenizer.decode(ids[-16:], skip_special_tokens=False), tool_markers, reasoning_markers)
 
 
 def support_of(served) -> ChatSupport:
@@ -98,11 +107,24 @@ class ChatOptions:
         r = self.support.reasoning
         self.inside_reasoning = r is not None and r.starts_inside(self.support.tail(prompt_ids))
 
+    @property
+    def forces_output(self) -> bool:
+        """Whether a grammar shapes the output (``response_format``, a required or named tool call)."""
+        return self.response_format is not None or self.tool_choice in ("required", "function")
+
+    def shown_special_ids(self) -> frozenset:
+        """The special tokens this request's text keeps (``SamplingParams.shown_special_ids``): the markers its
+        parsers read; under a grammar all the markers the grammars see as text, so that the text and the grammar
+        agree."""
+        s = self.support
+        if self.forces_output:
+            return s.tool_markers | s.reasoning_markers
+        return (s.tool_markers if self.parses_tools else frozenset()) | s.reasoning_markers
+
     def constraint(self) -> Optional[Callable]:
         """The grammar this request's output must follow (a ``TokenConstraint`` factory), or None. APIError 400
         naming the field when it cannot be built; 503 when the compiler stays busy."""
-        forced = self.tool_choice in ("required", "function")
-        if self.response_format is None and not forced:
+        if not self.forces_output:
             return None
         param = "response_format" if self.response_format is not None else "tool_choice"
         grammars = self.support.grammars
@@ -358,14 +380,13 @@ def _for_template(messages: list, tools: list, support: ChatSupport) -> list:
     for m in out:
         calls = m.pop("tool_calls", None)
         if calls:
-            written = "\n".join(parser.format_call(tool_calls.ToolCall(c["id"], c["function"]["name"],
-                                                                       c["function"]["arguments"]), k)
-                                for k, c in enumerate(calls))
+            written = parser.format_calls([tool_calls.ToolCall(c["id"], c["function"]["name"],
+                                                               c["function"]["arguments"]) for c in calls])
             m["content"] = (m.get("content") or "") + ("\n" if m.get("content") else "") + written
         m.pop("tool_call_id", None)
         m.pop("reasoning_content", None)
     if tools:
-        example = parser.format_call(tool_calls.ToolCall("call_0", "NAME", '{"ARGUMENT": "VALUE"}'))
+        example = parser.format_calls([tool_calls.ToolCall("call_0", "NAME", '{"ARGUMENT": "VALUE"}')])
         text = ("You can call these tools (JSON schemas of their arguments):\n"
                 + "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
                 + f"\n\nTo call a tool, answer with:\n{example}")

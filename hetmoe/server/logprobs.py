@@ -73,11 +73,12 @@ def chat_logprobs(entries: Sequence, text_of: TokenText) -> dict:
 
 class LegacyLogprobs:
     """The completions shape, built as tokens arrive (``add``); ``take()`` returns what was added since the last
-    call (a streamed chunk's part) with offsets that go on from the earlier parts."""
+    call (a streamed chunk's part) with offsets that go on from the earlier parts. ``skip_special_tokens``: as the
+    choice's text was decoded (``SamplingParams.skip_special_tokens``)."""
 
-    def __init__(self, text_of: TokenText, offset: int = 0):
+    def __init__(self, text_of: TokenText, offset: int = 0, skip_special_tokens: bool = True):
         self.text_of = text_of
-        self.decoder = IncrementalDecoder(text_of.tokenizer)
+        self.decoder = IncrementalDecoder(text_of.tokenizer, skip_special_tokens)
         self.offset = offset  # characters of the choice's text before the next token
         self.tokens: list = []
         self.token_logprobs: list = []

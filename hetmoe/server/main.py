@@ -166,8 +166,8 @@ def run_serve(args: argparse.Namespace) -> int:
 def _chat_notes(support) -> list:
     """What the serving line says of tool calls, reasoning and structured output."""
     notes = [f"tool calls {support.parser.name}"]
-    if support.hidden_start:
-        notes.append(f"{support.parser.start} is a special token, which the decoder drops: only forced calls are read")
+    if support.tool_markers:
+        notes.append("its markers are special tokens, kept in the text of requests with tools")
     if support.reasoning is not None:
         notes.append(f"reasoning {support.reasoning.name}")
     if support.grammars is None:

@@ -178,7 +178,7 @@ def check_model(body: dict, served: ServedModel) -> None:
 _NO_OPS = {
     "min_tokens": ((0,), "only 0"), "use_beam_search": ((False,), "only false: no beam search"),
     "length_penalty": ((1, 1.0), "only 1: no beam search"), "include_stop_str_in_output": ((False,), "only false"),
-    "skip_special_tokens": ((True,), "only true"), "spaces_between_special_tokens": ((True,), "only true"),
+    "spaces_between_special_tokens": ((True,), "only true"),
     "truncate_prompt_tokens": ((), "prompts are never truncated"), "bad_words": (([],), "only an empty list"),
     "allowed_token_ids": ((), "logit_bias can favour tokens"), "priority": ((0,), "only 0: requests run in order"),
     "return_tokens_as_token_ids": ((False,), "only false"),
@@ -327,6 +327,7 @@ def _sampling(body: dict, served: ServedModel, n_prompt: int, chat: bool, prompt
     if seed is not None and not -2**63 <= seed < 2**64:
         raise _bad_value("seed", f"expected a 64-bit integer, got {seed}")
     ignore_eos = _field(body, "ignore_eos", bool, False)  # an extension, as in vLLM (benchmarks)
+    skip_special = _field(body, "skip_special_tokens", bool, True)  # an extension, as in vLLM
     extra = _penalties(body, served)
     if logprobs is not None:
         extra["logprobs"] = logprobs
@@ -334,7 +335,8 @@ def _sampling(body: dict, served: ServedModel, n_prompt: int, chat: bool, prompt
             extra["prompt_logprobs"] = logprobs
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                              top_k=max(top_k, 0), seed=seed, stop=_stop(body), ignore_eos=ignore_eos, **extra)
+                              top_k=max(top_k, 0), seed=seed, stop=_stop(body), ignore_eos=ignore_eos,
+                              skip_special_tokens=skip_special, **extra)
     except ValueError as e:  # a combination the sampler refuses
         raise APIError(400, f"Invalid sampling parameters: {e}", code="invalid_value") from None
 
@@ -496,8 +498,9 @@ def parse_request(body: Any, served: ServedModel, kind: str) -> Parsed:
     generate = body.get("max_tokens") != 0  # 0 is only taken with echo (_sampling)
     if options is not None:
         constraint = options.constraint()  # compiled now (or found in the cache): a bad schema is a 400 here
+        markers = options.shown_special_ids()  # the parsers' markers that are special tokens stay in the text
         for p in parsed:
-            p.params.constraint = constraint
+            p.params.constraint, p.params.shown_special_ids = constraint, markers
     return Parsed(kind, parsed[0].ids, parsed[0].params, stream, include_usage, n=n, logprobs=logprobs, echo=echo,
                   generate=generate, prompts=parsed, chat=options)
 

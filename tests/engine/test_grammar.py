@@ -85,6 +85,32 @@ def test_structural_tag_after_a_reasoning_block(grammars, tok):
     validate(json.loads(text), PERSON)
 
 
+def _allowed(c) -> set:
+    logits = torch.zeros(V)
+    c.mask(logits)
+    return set(torch.nonzero(logits > float("-inf"))[:, 0].tolist())
+
+
+def test_special_tokens_are_text_only_when_shown(tok):
+    """A special token is no text to a grammar (the decoder skips it) unless the grammars are built showing it:
+    then the grammar lets the model write that text as the one token (a tool-call marker), and no other special
+    token."""
+    im_start = tok.token_to_id("<|im_start|>")
+    fmt = {"type": "const_string", "value": "<|im_start|>ok"}
+    hidden = grammar.Grammars(tok, V).structural_tag(fmt)()
+    first = _allowed(hidden)
+    assert im_start not in first and first  # only the plain tokens that spell it ("<", "<|" ...)
+    shown = grammar.Grammars(tok, V, shown_special_ids={im_start}).structural_tag(fmt)()
+    assert _allowed(shown) == first | {im_start}
+    shown.accept(im_start)
+    for t in tok.encode("ok", add_special_tokens=False):
+        shown.accept(t)
+    assert _allowed(shown) == tok.eos_ids & set(range(V))  # complete: the stop tokens alone
+    inside = grammar.Grammars(tok, V, shown_special_ids={im_start}).json_schema({"type": "string"})()
+    inside.accept(tok.encode('"', add_special_tokens=False)[0])
+    assert im_start in _allowed(inside) and not _allowed(inside) & {t for t in tok.eos_ids if t != im_start}
+
+
 def test_bitmask_unpacking_matches_a_naive_reference():
     gen = torch.Generator().manual_seed(0)
     for vocab in (1, 31, 32, 33, 1000, V):

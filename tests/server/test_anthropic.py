@@ -9,7 +9,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from live_server import Server
+from live_server import InProcess, Server
 
 from hetmoe.server import anthropic as translate
 from hetmoe.server.protocol import APIError
@@ -284,3 +284,97 @@ def test_errors_in_anthropic_shape(server, client):
     r = httpx.post(f"{server.base}/v1/messages", content=b"{oops", headers={
         "x-api-key": KEY, "Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["type"] == "error" and set(r.json()["error"]) == {"type", "message"}
+
+
+# ---------------------------------------------------------------- thinking and tool_use through the SDK, scripted
+
+class Scripted:
+    """An engine stand-in: answers each request with the next scripted text, in pieces of 3 characters (the
+    server's chat path reads reasoning and tool calls out of it as it would out of a model's)."""
+
+    def __init__(self, metrics):
+        self.metrics, self.texts = metrics, []
+
+    def submit(self, req):
+        text = self.texts.pop(0)
+        for i in range(0, len(text), 3):
+            req.emit("text", text[i:i + 3])
+        req.emit("done", "stop", len(req.prompt_ids), len(text))
+        return req
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    from hetmoe.engine.llm import default_model_path
+    from hetmoe.server.chat import ChatSupport
+    from hetmoe.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(default_model_path())
+    srv = InProcess(tok)
+    srv.served.chat = ChatSupport.build(tok, srv.served.vocab_size, "hermes", "qwen3")  # a thinking model's parsers
+    srv.script = Scripted(srv.engine.metrics)
+    srv.engine.submit = srv.script.submit
+    srv.client = anthropic.Anthropic(base_url=srv.base, api_key="unused", max_retries=0, timeout=60)
+    yield srv
+    srv.close()
+
+
+WEATHER = [{"name": "get_weather", "description": "The weather", "input_schema": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+THOUGHT_AND_CALLS = ('<think>\nThe user wants the weather.\n</think>\n\nLet me check.\n<tool_call>\n{"name": '
+                     '"get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n{"name": '
+                     '"get_weather", "arguments": {"city": "Rome, \\"IT\\""}}\n</tool_call>')
+
+
+def _blocks(message) -> list:
+    return [(b.type, b.thinking if b.type == "thinking" else b.text if b.type == "text" else (b.name, b.input))
+            for b in message.content]
+
+
+def test_thinking_text_and_tool_use_blocks(scripted):
+    scripted.script.texts[:] = [THOUGHT_AND_CALLS]  # what the next request answers
+    m = scripted.client.messages.create(model="m", max_tokens=100, messages=[{"role": "user", "content": "Weather?"}],
+                                        tools=WEATHER, thinking={"type": "adaptive"})
+    assert _blocks(m) == [("thinking", "The user wants the weather."), ("text", "Let me check.\n"),
+                          ("tool_use", ("get_weather", {"city": "Paris"})),
+                          ("tool_use", ("get_weather", {"city": 'Rome, "IT"'}))]
+    assert m.stop_reason == "tool_use" and all(b.id for b in m.content if b.type == "tool_use")
+
+
+def test_thinking_and_tool_use_streamed(scripted):
+    scripted.script.texts[:] = [THOUGHT_AND_CALLS]  # what the next request answers
+    deltas = []
+    with scripted.client.messages.stream(model="m", max_tokens=100, tools=WEATHER,
+                                         messages=[{"role": "user", "content": "Weather?"}]) as stream:
+        for event in stream:
+            if event.type == "content_block_delta":
+                deltas.append(event.delta.type)
+        final = stream.get_final_message()
+    assert _blocks(final) == [("thinking", "The user wants the weather."), ("text", "Let me check.\n"),
+                              ("tool_use", ("get_weather", {"city": "Paris"})),
+                              ("tool_use", ("get_weather", {"city": 'Rome, "IT"'}))]
+    assert final.stop_reason == "tool_use"
+    kinds = [k for i, k in enumerate(deltas) if i == 0 or deltas[i - 1] != k]
+    assert kinds == ["thinking_delta", "signature_delta", "text_delta", "input_json_delta"]
+    assert deltas.count("input_json_delta") > 4  # the arguments in pieces, as they were generated
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_without_text_has_no_text_block(scripted, stream):
+    """The chat answer's content is None (only calls): the message has no text block, streamed or not."""
+    text = '<think>x</think><tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    scripted.script.texts[:] = [text]  # what the next request answers
+    kwargs = dict(model="m", max_tokens=100, tools=WEATHER, messages=[{"role": "user", "content": "Weather?"}])
+    if stream:
+        with scripted.client.messages.stream(**kwargs) as s:
+            m = s.get_final_message()
+    else:
+        m = scripted.client.messages.create(**kwargs)
+    assert _blocks(m) == [("thinking", "x"), ("tool_use", ("get_weather", {"city": "Oslo"}))]
+    assert m.stop_reason == "tool_use"
+
+
+def test_thinking_without_calls_ends_the_turn(scripted):
+    scripted.script.texts[:] = ["<think>Easy.</think>Four."]  # what the next request answers
+    m = scripted.client.messages.create(model="m", max_tokens=50, messages=[{"role": "user", "content": "2+2?"}])
+    assert _blocks(m) == [("thinking", "Easy."), ("text", "Four.")] and m.stop_reason == "end_turn"

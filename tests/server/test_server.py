@@ -396,6 +396,26 @@ def test_bench_serve_against_the_server(server, capsys):
     assert "output tok/s" in out.err
 
 
+def test_bench_serve_with_constrained_streams(server, capsys):
+    """--constrained: a phase with none constrained, then some clients on chat with a json_schema response format
+    (the schema's long array keeps every constrained request running to max_tokens); each kind summarized apart."""
+    from hetmoe.cli import main
+
+    code = main(["bench", "serve", "--url", server.url, "--api-key", KEY, "--clients", "4", "--constrained", "2",
+                 "--duration", "1", "--max-tokens", "6", "--prompt-tokens", "5", "--json", "-"])
+    out = capsys.readouterr()
+    result = json.loads(out.out)
+    assert code == 0 and result["errors"] == 0 and result["baseline"]["errors"] == 0, out.err
+    assert result["constrained"] == 2 and result["baseline"]["requests_completed"] >= 4
+    for kind in ("plain", "constrained"):
+        s = result["streams"][kind]
+        assert s["requests_completed"] >= 2 and s["completion_tokens"] == 6 * s["requests_completed"], (kind, s)
+        assert s["decode_tok_s_per_stream_p50"] > 0 and s["vs_baseline"] > 0
+    assert "constrained" in out.err and "none constrained" in out.err
+    with pytest.raises(SystemExit, match="--constrained 5"):
+        main(["bench", "serve", "--url", server.url, "--clients", "4", "--constrained", "5"])
+
+
 # ---------------------------------------------------------------- one client cannot stall the server
 
 def big_prompt_stall(base: str, model: str, key: str = KEY, rounds: int = 2, text: str = "") -> dict:

@@ -179,12 +179,7 @@ def test_whole_calls_before_a_broken_one_are_kept():
 def test_format_call_round_trips(family):
     parser = tool_parser(family)
     calls = [ToolCall("c0", "get_weather", '{"city": "Paris", "days": 3}'), ToolCall("c1", "noop", "{}")]
-    text = parser.separator.join(parser.format_call(c, i) for i, c in enumerate(calls))
-    if family == "mistral":
-        text = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, ' \
-               '{"name": "noop", "arguments": {}}]'
-    elif hasattr(parser, "wrap"):
-        text = parser.wrap(text)
+    text = parser.format_calls(calls)
     out = parser.parse(text, TOOLS)
     assert calls_of(out) == [("get_weather", {"city": "Paris", "days": 3}), ("noop", {})] and not out.failed
 
@@ -204,15 +199,48 @@ def test_each_grammar_accepts_its_own_syntax(grammars, family):
     import xgrammar as xgr
 
     parser = tool_parser(family)
-    one = parser.format_call(ToolCall("c0", "get_weather", '{"city": "Paris", "days": 3}'))
-    one = parser.wrap(one) if hasattr(parser, "wrap") else one
-    if family == "mistral":
-        one = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]'
+    one = parser.format_calls([ToolCall("c0", "get_weather", '{"city": "Paris", "days": 3}')])
     for name, parallel in ((None, True), ("get_weather", False)):
         matcher = xgr.GrammarMatcher(grammars.structural_tag(parser.grammar(TOOLS, name, parallel)).compiled)
         assert matcher.accept_string(one) and matcher.is_completed(), (family, name)
     wrong = xgr.GrammarMatcher(grammars.structural_tag(parser.grammar(TOOLS, "get_time", False)).compiled)
     assert not (wrong.accept_string(one) and wrong.is_completed())
+
+
+def allowed(matcher, ids):
+    """Which of ``ids`` the matcher allows next."""
+    import xgrammar as xgr
+
+    mask = xgr.allocate_token_bitmask(1, 8192)
+    matcher.fill_next_token_bitmask(mask)
+    return {i for i in ids if (int(mask[0, i // 32]) >> (i % 32)) & 1}
+
+
+@pytest.mark.parametrize("family", PARSERS)
+def test_the_output_may_end_after_each_complete_call(grammars, family):
+    """Parallel calls: the stop token is allowed after every complete call (and after the separator that follows
+    one at the top level), never inside one; one call only: after the first, the stop token alone."""
+    import xgrammar as xgr
+
+    from hetmoe.engine.llm import default_model_path
+    from hetmoe.tokenizer import Tokenizer
+
+    stops = sorted(Tokenizer.from_dir(default_model_path()).eos_ids)
+    parser = tool_parser(family)
+    calls = [ToolCall("c0", "get_weather", '{"city": "Paris", "days": 3}'), ToolCall("c1", "noop", "{}"),
+             ToolCall("c2", "get_time", "{}")]
+    compiled = grammars.structural_tag(parser.grammar(TOOLS)).compiled
+    for n in (1, 2, 3):
+        text = parser.format_calls(calls[:n])
+        matcher = xgr.GrammarMatcher(compiled)
+        assert matcher.accept_string(text[:-1]), (family, n)
+        assert not allowed(matcher, stops), (family, n)  # a character short: not complete
+        assert matcher.accept_string(text[-1]) and allowed(matcher, stops) == set(stops), (family, n)
+        if parser.separator and not hasattr(parser, "end") and family != "mistral":
+            assert matcher.accept_string(parser.separator) and allowed(matcher, stops) == set(stops), (family, n)
+    one = xgr.GrammarMatcher(grammars.structural_tag(parser.grammar(TOOLS, parallel=False)).compiled)
+    assert one.accept_string(parser.format_calls(calls[:1]))
+    assert allowed(one, range(8192)) == set(stops)
 
 
 @pytest.mark.parametrize("template, family", [
@@ -319,6 +347,23 @@ def test_parallel_calls_each_valid(client):
     assert message.tool_calls
     for call in message.tool_calls:  # a call cut by max_tokens is not returned as a call
         validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_parallel_required_calls_end_with_tool_calls(client):
+    """tool_choice required with parallel_tool_calls at its default (true): the grammar lets the output end after
+    any complete call. The built-in model (a small code model) would rather write the same call again and again
+    until max_tokens (its stop token is e^-8 less likely than a newline after a call); a frequency penalty makes it
+    stop, and the answer is its calls with finish_reason "tool_calls", streamed or not."""
+    kwargs = dict(tools=[FORECAST, CLOCK], tool_choice="required", max_tokens=400, frequency_penalty=1.0)
+    r = ask(client, **kwargs)
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and message.tool_calls, r
+    for call in message.tool_calls:
+        validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    content, calls, finish = stream_message(ask(client, stream=True, **kwargs))
+    assert finish == ["tool_calls"] and not content
+    assert [(name, args) for _, name, args in calls.values()] == [(c.function.name, c.function.arguments)
+                                                                  for c in message.tool_calls]
 
 
 def test_two_turn_exchange(client):

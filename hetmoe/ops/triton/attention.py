@@ -107,8 +107,9 @@ def _decode_split(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, PART_O, PART_L,
     lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     # a split past the row's pages stores its -inf only: the reduce reads no values where the lse is -inf, so
     # short rows in a batch with long ones cost a few bytes per empty split, not BLOCK_G x DV floats
+    has_pages = (dv * 0 + first) < last  # [BLOCK_DV], all equal: Triton 3.9's interpreter refuses a scalar in a mask
     tl.store(PART_O + n * spo_n + heads[:, None] * spo_h + sp * spo_s + dv[None, :], out,
-             mask=gmask[:, None] & (dv[None, :] < DV) & (first < last))
+             mask=gmask[:, None] & (dv[None, :] < DV) & has_pages[None, :])
     tl.store(PART_L + n * spl_n + heads * spl_h + sp, lse, mask=gmask)
 
 

@@ -1,0 +1,84 @@
+"""Qwen3-Coder's XML calls: ``<tool_call>\\n<function=f>\\n<parameter=p>\\nv\\n</parameter>\\n</function>\\n
+</tool_call>``, each value typed by the tool's schema."""
+
+from __future__ import annotations
+
+import json
+
+from hetmoe.server.tool_calls.base import ToolParser, args_format
+from hetmoe.server.tool_calls.scan import Malformed, Partial, expect, schema_type, skip_ws, xml_args, xml_value
+
+
+class Qwen3Coder(ToolParser):
+    name, start = "qwen3_coder", "<tool_call>"
+    markers = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>")
+    _PARAM = "<parameter="
+
+    def _calls(self, region, tools, final, scanner, out):
+        pos = 0
+        while True:
+            pos = skip_ws(region, pos)
+            if pos >= len(region):
+                return (pos if final else None)
+            if not region.startswith("<tool_call>", pos):
+                if not final and "<tool_call>".startswith(region[pos:]):
+                    return None
+                return pos
+            call = Partial()
+            out.append(call)
+            p = expect(region, skip_ws(region, pos + len("<tool_call>")), "<function=", final)
+            if p is None:
+                return None
+            gt = region.find(">", p)
+            if gt < 0:
+                if final or "\n" in region[p:]:
+                    raise Malformed("an unterminated <function=")
+                return None
+            call.name = region[p:gt].strip()
+            if not call.name:
+                raise Malformed("a call without a name")
+            schema, params, p = tools.get(call.name) or {}, [], gt + 1
+            while True:
+                p = skip_ws(region, p)
+                if region.startswith("</function>", p):
+                    call.args = xml_args(params, True)
+                    p = skip_ws(region, p + len("</function>"))
+                    p = expect(region, p, "</tool_call>", final) if p < len(region) else None
+                    if p is None:
+                        if final:
+                            raise Malformed("no </tool_call>")
+                        return None
+                    call.done, call.end = True, p
+                    break
+                if p >= len(region) or (not final and "</function>".startswith(region[p:])):
+                    if final:
+                        raise Malformed("no </function>")
+                    call.args = xml_args(params, False)
+                    return None
+                q = expect(region, p, self._PARAM, final)
+                if q is None:
+                    call.args = xml_args(params, False)
+                    return None
+                gt = region.find(">", q)
+                close = region.find("</parameter>", gt + 1) if gt >= 0 else -1
+                if close < 0:
+                    if final:
+                        raise Malformed("an unterminated <parameter=")
+                    call.args = xml_args(params, False)
+                    return None
+                key, raw = region[q:gt].strip(), region[gt + 1:close]
+                raw = raw[1:] if raw.startswith("\n") else raw
+                raw = raw[:-1] if raw.endswith("\n") else raw
+                params.append((key, xml_value(raw, schema_type(schema, key))))
+                p = close + len("</parameter>")
+            pos = p
+
+    def format_call(self, call, index=0):
+        params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n"
+                         "</parameter>\n" for k, v in json.loads(call.arguments).items())
+        return f"<tool_call>\n<function={call.name}>\n{params}</function>\n</tool_call>"
+
+    def tool_format(self, name, schema):
+        return {"type": "tag", "begin": f"<tool_call>\n<function={name}>\n",
+                "content": args_format(schema, "qwen_xml"),
+                "end": "</function>\n</tool_call>"}
