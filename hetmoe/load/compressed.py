@@ -11,10 +11,10 @@ PackedQuantizationCompressor):
     <m>.weight_shape    int [2]: (out, in)
 
 and means ``w[r, c] = q[r, c] * scale[r, c // group]`` (no zero point). The CPU engine's int4 symmetric format holds
-exactly this: the codes as they are and each scale in the engine's scale dtype, fp32 (a widening, exact;
-``held_scale_dtype`` is the one place that chooses it). ``quantization_config`` names which modules are
-quantized (``config_groups`` -> targets, less ``ignore``) and how; a setting this reader does not handle is refused
-by name (``PackQuantized.parse``) before any weight is read.
+exactly this: the codes as they are and each scale in the file's own dtype (bf16 or fp16 scales are stored as such,
+fp32 ones as fp32; ``held_scale_dtype`` is the one place that chooses it). ``quantization_config`` names which
+modules are quantized (``config_groups`` -> targets, less ``ignore``) and how; a setting this reader does not
+handle is refused by name (``PackQuantized.parse``) before any weight is read.
 """
 
 from __future__ import annotations
@@ -233,10 +233,9 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 
 
 def held_scale_dtype(stored: torch.dtype) -> str:
-    """The scale dtype the CPU engine holds a checkpoint's ``stored`` scales in: fp32, which widens bf16 and fp16
-    exactly (int4 group 32: 5 bits a weight for the file's 4.5). The one place to choose a narrower one (the file's
-    own bf16 / fp16: its bytes exactly) where the engine stores such scales."""
-    return "fp32"
+    """The scale dtype the CPU engine holds a checkpoint's ``stored`` scales in: the file's own bf16 or fp16 (its
+    bytes exactly: int4 group 32 is 4.5 bits a weight, as in the file), fp32 for fp32 scales."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(stored, "fp32")
 
 
 def engine_scales(scale: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
