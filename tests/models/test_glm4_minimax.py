@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -29,8 +28,10 @@ from decode_steps import graph_decode
 from hetmoe.config.options import EngineOptions
 from hetmoe.layers.attention import Step
 from hetmoe.layers.rope import apply_rope, cos_sin
-from hetmoe.load.checkpoint import Checkpoint, CheckpointError
+from hetmoe.load.checkpoint import Checkpoint
 from hetmoe.models.config import ModelConfig
+from hetmoe.moe.router import RouterSpec
+from parity import assert_refused_before_weights
 from paths import BEST_ROW_PATH
 
 transformers = pytest.importorskip("transformers")
@@ -135,9 +136,19 @@ def test_partial_rope_rotation_is_transformers(dtype):
 
 # max |cached - whole| / max |whole| over every position, and batch 2 against each sequence alone. MEASURED (the
 # three configs; experts on the best row-block path): fp32 cached~whole <= 5.2e-7, batch~alone <= 3.9e-7 (the dense
-# GEMMs' fp32 order); bf16 cached~whole <= 8.0e-3 (the whole sequence's GEMMs and attention round otherwise than
-# the one-token steps'), batch~alone 0. Bounds about 3x: fp32 1e-5 (the fp32 bound of the engine tests), bf16 2.5e-2.
+# GEMMs' fp32 order); bf16 cached~whole <= 1.3e-2 (the whole sequence's SDPA rounds its probabilities to bf16, the
+# one-token steps' CPU decode attention keeps them in fp32), batch~alone 0. Bounds about 2-3x: fp32 1e-5 (the fp32
+# bound of the engine tests), bf16 2.5e-2.
+# That bf16 rounding may also flip a router's top-k between near-equal scores (MEASURED on the AVX-512 dev machine
+# over 60 prompts per config: 4-7 prompts flip a token, 3.3e-2 to 0.30 on the logits from that token on; which
+# prompts flip changes with the bf16 GEMMs torch's SDPA runs on the CPU: on an AMX Xeon prompt 11 flips, 0.42 on
+# glm4_moe's logits and 0.099 on minimax_m2's). So cached~whole is compared up to each sequence's first token routed
+# otherwise, and at that token the router logits of the two runs must agree within the bound (a near-tie, not a
+# wrong input); batch~alone is compared at every position.
 CACHED_TOL = {"fp32": 1e-5, "bf16": 2.5e-2}
+# 23 (minimax_m2) and 25 (glm4_moe, glm4_moe-air): prompts whose cached and whole runs route a token otherwise on the
+# AVX-512 dev machine
+PROMPT_SEEDS = (11, 23, 25)
 
 
 def _forward(model, ids: torch.Tensor, start: int, slots: torch.Tensor, cache) -> torch.Tensor:
@@ -150,33 +161,87 @@ def _forward(model, ids: torch.Tensor, start: int, slots: torch.Tensor, cache) -
     return logits
 
 
+def _spy_routing(monkeypatch) -> list:
+    """Every routing from now on, in call order: (router logits [T, E] fp32, top-k ids [T, k] sorted)."""
+    calls, route = [], RouterSpec.route
+
+    def spy(self, logits, correction_bias=None):
+        weights, ids = route(self, logits, correction_bias)
+        calls.append((logits.detach().float().clone(), ids.sort(dim=-1).values))
+        return weights, ids
+
+    monkeypatch.setattr(RouterSpec, "route", spy)
+    return calls
+
+
+def _by_layer(calls: list, n_layers: int, B: int) -> tuple:
+    """The routings of consecutive forwards of B sequences (one per MoE layer each, in layer order) -> router logits
+    [L, B, S, E] and ids [L, B, S, k] over the positions of all the forwards."""
+    def stack(i):
+        return torch.stack([torch.cat([c[i].view(B, -1, c[i].shape[-1]) for c in calls[layer::n_layers]], dim=1)
+                            for layer in range(n_layers)])
+
+    return stack(0), stack(1)
+
+
+def _cached_whole_err(cached, whole, routed_cached: tuple, routed_whole: tuple, tol: float) -> tuple:
+    """max |cached - whole| / max |whole| over the positions of each sequence before its first token that a router
+    sends to other experts in the two runs; at that token the router logits must agree within ``tol``.
+    Returns (the error, the number of sequences with such a token)."""
+    (c_logits, c_ids), (w_logits, w_ids) = routed_cached, routed_whole
+    assert c_ids.shape == w_ids.shape and c_ids.shape[1:3] == cached.shape[:2]
+    differ = (c_ids != w_ids).any(dim=-1)  # [L, B, S]
+    compared = torch.ones(cached.shape[:2], dtype=torch.bool)  # [B, S]
+    for b in range(cached.shape[0]):
+        layer_pos = differ[:, b].nonzero()  # (layer, position) of each differing routing
+        if len(layer_pos):
+            pos = int(layer_pos[:, 1].min())
+            layer = int(layer_pos[layer_pos[:, 1] == pos, 0].min())  # the first layer routing it otherwise
+            err = rel(c_logits[layer, b, pos], w_logits[layer, b, pos])
+            assert err <= tol, f"sequence {b}, position {pos}, MoE layer {layer}: router logits differ by {err:.1e}"
+            compared[b, pos:] = False
+    diff = (cached.float() - whole.float()).abs()[compared]
+    return (diff.max() / whole.float().abs().max()).item(), int((~compared).any(dim=1).sum())
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(TINY))
-def test_prefill_then_cached_decode(name, dtype):
+def test_prefill_then_cached_decode(monkeypatch, name, dtype):
     loaded = _random_model(name, dtype)
     model, torch_dtype = loaded.model, loaded.plan.dtype
     assert model.config.rope_dim == 8 and model.model.inv_freq.shape == (4,)
     assert all(b.moe.experts is not None for b in model.modules() if hasattr(b, "moe"))
-    gen = torch.Generator().manual_seed(11)
+    calls = _spy_routing(monkeypatch)
+    n_moe = sum(hasattr(b, "moe") for b in model.modules())
     prompt, steps = 7, 3
-    ids = torch.randint(0, 256, (2, prompt + steps), generator=gen)
     slots = torch.arange(2)
-    with torch.inference_mode():
-        cache = model.make_cache(2, 32, torch_dtype)
-        cached = [_forward(model, ids[:, :prompt], 0, slots, cache)]
-        for i in range(prompt, prompt + steps):  # one token per sequence over the cache
-            cached.append(_forward(model, ids[:, i:i + 1], i, slots, cache))
-        cached = torch.cat(cached, dim=1)  # [2, prompt + steps, vocab]
-        whole = _forward(model, ids, 0, slots, model.make_cache(2, 32, torch_dtype))
-        alone = []
-        for b in range(2):  # each sequence alone, in slot 0 of a fresh cache
-            one = model.make_cache(1, 32, torch_dtype)
-            rows = [_forward(model, ids[b:b + 1, :prompt], 0, slots[:1], one)]
-            rows += [_forward(model, ids[b:b + 1, i:i + 1], i, slots[:1], one) for i in range(prompt, prompt + steps)]
-            alone.append(torch.cat(rows, dim=1))
-    errs = rel(cached, whole), rel(cached, torch.cat(alone))
-    print(f"{name} {dtype}: cached~whole {errs[0]:.1e}, batch~alone {errs[1]:.1e}")
-    assert torch.isfinite(cached).all() and max(errs) <= CACHED_TOL[dtype], errs
+    for seed in PROMPT_SEEDS:
+        ids = torch.randint(0, 256, (2, prompt + steps), generator=torch.Generator().manual_seed(seed))
+        calls.clear()
+        with torch.inference_mode():
+            cache = model.make_cache(2, 32, torch_dtype)
+            cached = [_forward(model, ids[:, :prompt], 0, slots, cache)]
+            for i in range(prompt, prompt + steps):  # one token per sequence over the cache
+                cached.append(_forward(model, ids[:, i:i + 1], i, slots, cache))
+            cached = torch.cat(cached, dim=1)  # [2, prompt + steps, vocab]
+            assert len(calls) == n_moe * (1 + steps)  # each MoE layer routes once per forward
+            routed_cached = _by_layer(calls[:], n_moe, 2)
+            calls.clear()
+            whole = _forward(model, ids, 0, slots, model.make_cache(2, 32, torch_dtype))
+            assert len(calls) == n_moe
+            routed_whole = _by_layer(calls[:], n_moe, 2)
+            alone = []
+            for b in range(2):  # each sequence alone, in slot 0 of a fresh cache
+                one = model.make_cache(1, 32, torch_dtype)
+                rows = [_forward(model, ids[b:b + 1, :prompt], 0, slots[:1], one)]
+                rows += [_forward(model, ids[b:b + 1, i:i + 1], i, slots[:1], one)
+                         for i in range(prompt, prompt + steps)]
+                alone.append(torch.cat(rows, dim=1))
+        err, flipped = _cached_whole_err(cached, whole, routed_cached, routed_whole, CACHED_TOL[dtype])
+        alone_err = rel(cached, torch.cat(alone))
+        print(f"{name} {dtype} prompt {seed}: cached~whole {err:.1e} ({flipped} sequences compared up to a token "
+              f"routed otherwise), batch~alone {alone_err:.1e}")
+        assert torch.isfinite(cached).all() and max(err, alone_err) <= CACHED_TOL[dtype], (err, alone_err)
 
 
 def test_minimax_without_routing_bias():
@@ -240,20 +305,9 @@ PARITY = {"glm4_moe": {"num_hidden_layers": 3, "use_qk_norm": True, "attention_b
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_config_is_refused_before_any_weight(hf_checkpoints, tmp_path, monkeypatch, case):
-    from hetmoe.load.loader import load_model
-
     family, changes, message = BAD[case]
-    path = Path(shutil.copytree(hf_checkpoints(family, PARITY[family], seed=5), tmp_path / family))
-    cfg = json.loads((path / "config.json").read_text())
-    cfg = {k: v for k, v in {**cfg, **changes}.items() if v is not None}
-    (path / "config.json").write_text(json.dumps(cfg))
-
-    def no_weight(self, name):
-        raise AssertionError(f"weight {name} was read")
-
-    monkeypatch.setattr(Checkpoint, "get", no_weight)
-    with pytest.raises(CheckpointError, match=f"^{re.escape(str(path / 'config.json'))}(: | ){message}"):
-        load_model(path, EngineOptions(**CPU), expert_cache=None, progress=False, log=lambda m: None)
+    source = hf_checkpoints(family, PARITY[family], seed=5)
+    assert_refused_before_weights(source, tmp_path / family, monkeypatch, changes, message, CPU)
 
 
 # ---------------------------------------------------------------- the CPU decode step
