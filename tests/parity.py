@@ -1,15 +1,22 @@
 """Shared harness for model parity tests: the same checkpoint in transformers' class and in ours, compared
-logit by logit over a prefill and cached decode steps. The routed experts go into a backend builder
+logit by logit over a prefill and cached decode steps; and a config a model refuses before reading any weight
+(``assert_refused_before_weights``). The routed experts go into a backend builder
 ``(gate, up, down) -> experts``: ``torch_fp32``, or ``engine_bf16(path)`` for the CPU engine forced onto one of
 the numerical paths of tests/paths.py."""
 
+import json
 import re
+import shutil
+from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
+from hetmoe.config.options import EngineOptions
 from hetmoe.cpu import CPUExperts
 from hetmoe.layers.attention import Step
+from hetmoe.load.checkpoint import Checkpoint, CheckpointError
 from hetmoe.models.config import ModelConfig
 from hetmoe.moe import TorchExperts
 
@@ -57,6 +64,17 @@ def load_ours(path, model_cls, experts_backend):
     return model.eval()
 
 
+def step_logits(model, ids: torch.Tensor, start: int, slots: torch.Tensor, cache) -> torch.Tensor:
+    """Our model's logits [B, S, vocab] for ``ids`` [B, S] at positions ``start``..., over ``cache``, with the hidden
+    states' and the logits' shapes and dtype asserted."""
+    B, S = ids.shape
+    hidden = model(ids, Step(positions=torch.arange(start, start + S).expand(B, S), slots=slots), cache)
+    assert hidden.shape == (B, S, model.config.hidden_size) and hidden.dtype == model.model.embed_tokens.weight.dtype
+    logits = model.logits(hidden)
+    assert logits.shape == (B, S, model.config.vocab_size) and logits.dtype == hidden.dtype
+    return logits
+
+
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
@@ -99,3 +117,22 @@ def parity_errors(transformers, checkpoint, model_cls, experts_backend, batch: i
             logits = ours.logits(ours(nxt, Step(positions=torch.full((batch, 1), S + i), slots=slots), cache))
             errors.append(max_rel(logits, hf_logits[i + 1]))
     return errors
+
+
+def assert_refused_before_weights(source, dest, monkeypatch, changes: dict, message: str, options: dict) -> None:
+    """A copy at ``dest`` of the checkpoint ``source`` whose config.json takes ``changes`` (a None value drops the
+    key) is refused by the loader, given EngineOptions(**options), with CheckpointError ``message`` (a regex after
+    the config's path), before any weight is read."""
+    from hetmoe.load.loader import load_model
+
+    path = Path(shutil.copytree(source, dest))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg = {k: v for k, v in {**cfg, **changes}.items() if v is not None}
+    (path / "config.json").write_text(json.dumps(cfg))
+
+    def no_weight(self, name):
+        raise AssertionError(f"weight {name} was read")
+
+    monkeypatch.setattr(Checkpoint, "get", no_weight)
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(path / 'config.json'))}(: | ){message}"):
+        load_model(path, EngineOptions(**options), expert_cache=None, progress=False, log=lambda m: None)

@@ -4,6 +4,8 @@ tests/conftest.py before anything imports triton)."""
 import contextlib
 import importlib
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -114,3 +116,40 @@ def gpu_branch_on_cpu(monkeypatch, driver) -> None:
     monkeypatch.setattr(layerwise, "_grouped_mm_ok", lambda _w: True)
     monkeypatch.setattr(torch, "_grouped_mm", checked_grouped_mm, raising=False)
     driver.triton_unpack = True
+
+
+UNPACK_CHECK = """
+import sys, torch
+from hetmoe.cpu import CPUExperts, WorkerPool
+from hetmoe.ops.triton import packed as packed_triton
+from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, unpack_experts
+cuda = torch.cuda.is_available()
+dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+E, H, I = %r
+for kwargs in %r:
+    experts = CPUExperts(E, H, I, pool=WorkerPool(1), **kwargs)
+    experts.fill_random(seed=9)
+    lay = ExpertLayout.of(experts)
+    ranges = expert_ranges(experts)
+    ref_gu, ref_d = unpack_experts(lay, ranges, E, torch.float32)
+    w_gu = torch.full((E, 2 * I, H), float("nan"), dtype=dtype, device=dev)
+    w_d = torch.full((E, H, I), float("nan"), dtype=dtype, device=dev)
+    packed_triton.unpack_into(lay, [r.to(dev) for r in ranges], w_gu, w_d)
+    if not (torch.equal(w_gu.cpu(), ref_gu.to(dtype)) and torch.equal(w_d.cpu(), ref_d.to(dtype))):
+        sys.exit(f"{kwargs}: the kernel's weights differ from the engine's")
+print("ok")
+"""
+
+
+def assert_unpack_equals_engine(shape: tuple, layouts: list) -> None:
+    """The layerwise prefill's one-pass kernel (hetmoe/ops/triton/packed.py) against the engine's own unpack, for
+    ``CPUExperts(*shape, **kwargs)`` (seeded random weights) per dict in ``layouts``: on a GPU bitwise the engine's
+    values rounded to bf16; without one under Triton's interpreter, in a fresh process (the interpreter is chosen when
+    the kernel is defined), bitwise in fp32 (the interpreter truncates where the GPU rounds)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    done = subprocess.run([sys.executable, "-c", UNPACK_CHECK % (tuple(shape), list(layouts))], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -31,7 +31,6 @@ code has both; the rotation keeps the dot products), weights_proj in fp32.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -40,9 +39,17 @@ import torch
 
 from hetmoe.config.options import EngineOptions
 from hetmoe.layers.attention import Step
-from hetmoe.load.checkpoint import Checkpoint, CheckpointError
+from hetmoe.load.checkpoint import Checkpoint
 from hetmoe.models.config import ModelConfig, dsa_indexer_types
-from parity import DECODE_STEPS, engine_bf16, hf_trace, load_ours, torch_fp32
+from parity import (
+    DECODE_STEPS,
+    assert_refused_before_weights,
+    engine_bf16,
+    hf_trace,
+    load_ours,
+    step_logits,
+    torch_fp32,
+)
 from paths import BEST_ROW_PATH
 
 transformers = pytest.importorskip("transformers")
@@ -143,15 +150,6 @@ def _random_model(name: str, dtype: str = "fp32"):
     return build_random_model(TINY[name], None, opts, std=0.08, log=lambda m: None)
 
 
-def _forward(model, ids: torch.Tensor, start: int, slots: torch.Tensor, cache) -> torch.Tensor:
-    B, S = ids.shape
-    hidden = model(ids, Step(positions=torch.arange(start, start + S).expand(B, S), slots=slots), cache)
-    assert hidden.shape == (B, S, model.config.hidden_size) and hidden.dtype == model.model.embed_tokens.weight.dtype
-    logits = model.logits(hidden)
-    assert logits.shape == (B, S, model.config.vocab_size) and logits.dtype == hidden.dtype
-    return logits
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(TINY))
 def test_prefill_then_cached_decode(name, dtype):
@@ -166,18 +164,18 @@ def test_prefill_then_cached_decode(name, dtype):
     slots = torch.tensor([3, 1])  # not the first rows, not in order
     with torch.inference_mode():
         cache = model.make_cache(4, 32, torch_dtype)
-        cached = [_forward(model, ids[:, :prompt], 0, slots, cache)]
+        cached = [step_logits(model, ids[:, :prompt], 0, slots, cache)]
         for i in range(prompt, prompt + steps):
-            cached.append(_forward(model, ids[:, i:i + 1], i, slots, cache))
+            cached.append(step_logits(model, ids[:, i:i + 1], i, slots, cache))
         cached = torch.cat(cached, dim=1)  # [2, prompt + steps, vocab]
-        whole = _forward(model, ids, 0, slots, model.make_cache(4, 32, torch_dtype))
+        whole = step_logits(model, ids, 0, slots, model.make_cache(4, 32, torch_dtype))
         chunked = model.make_cache(4, 32, torch_dtype)
-        parts = [_forward(model, ids[:, a:b], a, slots, chunked) for a, b in ((0, 3), (3, 5), (5, prompt + steps))]
+        parts = [step_logits(model, ids[:, a:b], a, slots, chunked) for a, b in ((0, 3), (3, 5), (5, prompt + steps))]
         alone = []
         for b in range(2):
             one = model.make_cache(1, 32, torch_dtype)
-            rows = [_forward(model, ids[b:b + 1, :prompt], 0, slots[:1] * 0, one)]
-            rows += [_forward(model, ids[b:b + 1, i:i + 1], i, slots[:1] * 0, one)
+            rows = [step_logits(model, ids[b:b + 1, :prompt], 0, slots[:1] * 0, one)]
+            rows += [step_logits(model, ids[b:b + 1, i:i + 1], i, slots[:1] * 0, one)
                      for i in range(prompt, prompt + steps)]
             alone.append(torch.cat(rows, dim=1))
         # the same model with a top-k above every context: dense MLA, which the sparse runs must differ from
@@ -185,7 +183,7 @@ def test_prefill_then_cached_decode(name, dtype):
             if layer.self_attn.indexer is not None:
                 layer.self_attn.indexer.topk = 64
         model.model.index_topk = 64
-        dense = _forward(model, ids, 0, slots, model.make_cache(4, 32, torch_dtype))
+        dense = step_logits(model, ids, 0, slots, model.make_cache(4, 32, torch_dtype))
     chunked = torch.cat(parts, dim=1)
     upto = None if dtype == "fp32" else 4  # (bf16: CACHED_TOL's comment)
     errs = (rel(cached[:, :upto], whole[:, :upto]), rel(cached, torch.cat(alone)),
@@ -493,20 +491,8 @@ BAD = {  # case -> (family, config.json changes (None drops the entry), the mess
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_config_is_refused_before_any_weight(request, tmp_path, monkeypatch, case):
-    from hetmoe.load.loader import load_model
-
     family, changes, message = BAD[case]
-    path = Path(shutil.copytree(checkpoint_of(request, family), tmp_path / family))
-    cfg = json.loads((path / "config.json").read_text())
-    cfg = {k: v for k, v in {**cfg, **changes}.items() if v is not None}
-    (path / "config.json").write_text(json.dumps(cfg))
-
-    def no_weight(self, name):
-        raise AssertionError(f"weight {name} was read")
-
-    monkeypatch.setattr(Checkpoint, "get", no_weight)
-    with pytest.raises(CheckpointError, match=f"^{re.escape(str(path / 'config.json'))}(: | ){message}"):
-        load_model(path, EngineOptions(**CPU), expert_cache=None, progress=False, log=lambda m: None)
+    assert_refused_before_weights(checkpoint_of(request, family), tmp_path / family, monkeypatch, changes, message, CPU)
 
 
 # ---------------------------------------------------------------- GPU

@@ -1,7 +1,9 @@
 """``hetmoe serve`` as a real process on a free loopback port, for the tests of this folder: start it, find the
-address it printed, read its metrics, post raw bodies."""
+address it printed, read its metrics, post raw bodies; and the server's HTTP stack in this process, with an engine
+stand-in (``InProcess``, ``Echo``, ``Scripted``)."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -55,6 +57,20 @@ class Server:
             self.proc.wait()
 
 
+def serve(tmp_path_factory, model_dir, *args):
+    """A module fixture's body: a ``Server`` (its own XDG cache folder) yielded, then stopped."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("xdg"))}
+    srv = Server(model_dir, env, *args)
+    yield srv
+    srv.stop()
+
+
+def openai_client(server, api_key="unused", timeout=120):
+    import openai
+
+    return openai.OpenAI(base_url=server.url, api_key=api_key, max_retries=0, timeout=timeout)
+
+
 def post(server, path, body, key=None, raw=None, headers=None):
     """POST ``body`` as JSON (or ``raw`` bytes) with Content-Type: application/json and the bearer ``key``."""
     headers = {**JSON, **({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
@@ -95,6 +111,26 @@ class Echo:
         self.prompts.append(list(req.prompt_ids))
         req.emit("text", "ok")
         req.emit("done", "stop", len(req.prompt_ids), 1)
+        return req
+
+
+class Scripted:
+    """An engine stand-in: answers each request with the next of ``texts``, in pieces of ``piece`` characters (all at
+    once when None; the server's chat path reads reasoning and tool calls out of it as it would out of a model's),
+    and keeps each request's parameters in ``params``."""
+
+    def __init__(self, piece=None):
+        from hetmoe.server.metrics import Metrics
+
+        self.metrics, self.piece, self.texts, self.params = Metrics(), piece, [], []
+
+    def submit(self, req):
+        self.params.append(req.params)
+        text = self.texts.pop(0)
+        step = self.piece or max(len(text), 1)
+        for i in range(0, len(text), step):
+            req.emit("text", text[i:i + step])
+        req.emit("done", "stop", len(req.prompt_ids), len(text))
         return req
 
 

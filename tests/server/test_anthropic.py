@@ -3,13 +3,11 @@
 create, stream, stop sequences, count_tokens, a forced tool call, errors in Anthropic's shape."""
 
 import json
-import os
 
 import anthropic
 import httpx
-import openai
 import pytest
-from live_server import InProcess, Server
+from live_server import InProcess, Scripted, openai_client, serve
 
 from hetmoe.server import anthropic as translate
 from hetmoe.server.protocol import APIError
@@ -163,10 +161,7 @@ def test_chat_chunks_become_stream_events():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("xdg"))}
-    srv = Server(None, env, "--api-key", KEY, "--max-batch", "4")
-    yield srv
-    srv.stop()
+    yield from serve(tmp_path_factory, None, "--api-key", KEY, "--max-batch", "4")
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +171,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def chat(server):
-    return openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+    return openai_client(server, KEY)
 
 
 MESSAGES = [{"role": "user", "content": "Tell me a story."}]
@@ -288,21 +283,6 @@ def test_errors_in_anthropic_shape(server, client):
 
 # ---------------------------------------------------------------- thinking and tool_use through the SDK, scripted
 
-class Scripted:
-    """An engine stand-in: answers each request with the next scripted text, in pieces of 3 characters (the
-    server's chat path reads reasoning and tool calls out of it as it would out of a model's)."""
-
-    def __init__(self, metrics):
-        self.metrics, self.texts = metrics, []
-
-    def submit(self, req):
-        text = self.texts.pop(0)
-        for i in range(0, len(text), 3):
-            req.emit("text", text[i:i + 3])
-        req.emit("done", "stop", len(req.prompt_ids), len(text))
-        return req
-
-
 @pytest.fixture(scope="module")
 def scripted():
     from hetmoe.engine.llm import default_model_path
@@ -310,10 +290,9 @@ def scripted():
     from hetmoe.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(default_model_path())
-    srv = InProcess(tok)
+    srv = InProcess(tok, engine=Scripted(piece=3))
     srv.served.chat = ChatSupport.build(tok, srv.served.vocab_size, "hermes", "qwen3")  # a thinking model's parsers
-    srv.script = Scripted(srv.engine.metrics)
-    srv.engine.submit = srv.script.submit
+    srv.script = srv.engine
     srv.client = anthropic.Anthropic(base_url=srv.base, api_key="unused", max_retries=0, timeout=60)
     yield srv
     srv.close()

@@ -15,7 +15,7 @@ import os
 
 import httpx
 import pytest
-from live_server import InProcess, Server
+from live_server import InProcess, Scripted, serve
 from pydantic import BaseModel, Field
 from schema_check import validate
 
@@ -48,10 +48,7 @@ SCHEMAS = {"GetWeather": GetWeather, "GetTime": GetTime}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("xdg"))}
-    srv = Server(None, env, "--max-batch", "4")
-    yield srv
-    srv.stop()
+    yield from serve(tmp_path_factory, None, "--max-batch", "4")
 
 
 def checked(call_name: str, args: dict) -> BaseModel:
@@ -132,28 +129,13 @@ def test_langchain_json_mode_on_the_model(llm):
     assert (out["parsed"] is None) != (out["parsing_error"] is None)
 
 
-class Scripted:
-    """An engine stand-in: answers each request with the next scripted text (and records its parameters)."""
-
-    def __init__(self, metrics):
-        self.metrics, self.texts, self.params = metrics, [], []
-
-    def submit(self, req):
-        self.params.append(req.params)
-        text = self.texts.pop(0)
-        req.emit("text", text)
-        req.emit("done", "stop", len(req.prompt_ids), 5)
-        return req
-
-
 @pytest.fixture(scope="module")
 def scripted():
     from hetmoe.engine.llm import default_model_path
     from hetmoe.tokenizer import Tokenizer
 
-    srv = InProcess(Tokenizer.from_dir(default_model_path()))
-    srv.script = Scripted(srv.engine.metrics)
-    srv.engine.submit = srv.script.submit
+    srv = InProcess(Tokenizer.from_dir(default_model_path()), engine=Scripted())
+    srv.script = srv.engine
     yield srv
     srv.close()
 

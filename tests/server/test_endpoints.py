@@ -14,7 +14,7 @@ import threading
 import httpx
 import openai
 import pytest
-from live_server import JSON, InProcess, Server, assert_error
+from live_server import JSON, InProcess, Server, assert_error, openai_client
 
 from hetmoe.server import protocol
 
@@ -40,7 +40,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+    return openai_client(server, KEY)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import random
 import httpx
 import openai
 import pytest
-from live_server import InProcess
+from live_server import InProcess, Scripted
 
 from hetmoe.server import chat, protocol
 from hetmoe.server.reasoning import PARSERS, ReasoningParser, reasoning_parser
@@ -169,24 +169,10 @@ def test_a_template_with_tools_renders_them_and_the_history(qwen3_style):
 
 # ---------------------------------------------------------------------------------------------- scripted outputs
 
-class Scripted:
-    def __init__(self, metrics):
-        self.metrics, self.texts = metrics, []
-
-    def submit(self, req):
-        text = self.texts.pop(0)
-        for i in range(0, len(text), 2):
-            req.emit("text", text[i:i + 2])
-        req.emit("done", "stop", len(req.prompt_ids), len(text))
-        return req
-
-
 @pytest.fixture(scope="module")
 def scripted(qwen3_style):
-    srv = InProcess(qwen3_style)
-    engine = Scripted(srv.engine.metrics)
-    srv.engine.submit = engine.submit
-    srv.texts = engine.texts
+    srv = InProcess(qwen3_style, engine=Scripted(piece=2))
+    srv.texts = srv.engine.texts
     yield srv
     srv.close()
 

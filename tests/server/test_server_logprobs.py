@@ -8,13 +8,11 @@ path, the same fp32 forward, chunked the same way for these short prompts, so th
 
 import json
 import math
-import os
 
 import httpx
-import openai
 import pytest
 import torch
-from live_server import Server
+from live_server import openai_client, serve
 
 from hetmoe.engine.sampler import TokenLogprob
 from hetmoe.server.logprobs import FLOOR, LegacyLogprobs, TokenText, chat_content
@@ -29,15 +27,12 @@ GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("xdg"))}
-    srv = Server(None, env, "--max-batch", "4")
-    yield srv
-    srv.stop()
+    yield from serve(tmp_path_factory, None, "--max-batch", "4")
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,12 @@ token ids (the auto mode: calls the model chose to write, reasoning, hidden toke
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import httpx
 import openai
 import pytest
-from live_server import InProcess, Server, post
+from live_server import InProcess, openai_client, post, serve
 from marker_model import IDS, write_marker_model
 from schema_check import validate
 
@@ -43,15 +42,12 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("xdg"))}
-    srv = Server(model_dir, env, "--max-batch", "2")
-    yield srv
-    srv.stop()
+    yield from serve(tmp_path_factory, model_dir, "--max-batch", "2")
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
+    return openai_client(server, timeout=300)
 
 
 def test_the_server_reads_the_family_from_the_template(server):

@@ -6,13 +6,12 @@ bad input), and the chat path's assembly over scripted outputs (auto mode, an un
 from __future__ import annotations
 
 import json
-import os
 import random
 
 import httpx
 import openai
 import pytest
-from live_server import InProcess, Server, assert_error, post
+from live_server import InProcess, Scripted, assert_error, openai_client, post, serve
 from schema_check import validate
 
 from hetmoe.server import chat, tool_calls
@@ -279,15 +278,12 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK["function"]["parameters"]}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("xdg"))}
-    srv = Server(None, env, "--max-batch", "4")
-    yield srv
-    srv.stop()
+    yield from serve(tmp_path_factory, None, "--max-batch", "4")
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
+    return openai_client(server, timeout=300)
 
 
 def ask(client, stream=False, **kwargs):
@@ -486,29 +482,13 @@ def test_metrics_list_the_parse_failures(server):
 
 # ---------------------------------------------------------------------------------------------- scripted outputs
 
-class Scripted:
-    """An engine stand-in: answers each request with the next scripted text, in pieces of 3 characters."""
-
-    def __init__(self, metrics):
-        self.metrics, self.texts = metrics, []
-
-    def submit(self, req):
-        text = self.texts.pop(0)
-        for i in range(0, len(text), 3):
-            req.emit("text", text[i:i + 3])
-        req.emit("done", "stop", len(req.prompt_ids), len(text))
-        return req
-
-
 @pytest.fixture(scope="module")
 def scripted():
     from hetmoe.engine.llm import default_model_path
     from hetmoe.tokenizer import Tokenizer
 
-    srv = InProcess(Tokenizer.from_dir(default_model_path()))
-    engine = Scripted(srv.engine.metrics)
-    srv.engine.submit = engine.submit
-    srv.texts = engine.texts
+    srv = InProcess(Tokenizer.from_dir(default_model_path()), engine=Scripted(piece=3))
+    srv.texts = srv.engine.texts
     yield srv
     srv.close()
 

@@ -6,7 +6,17 @@ from __future__ import annotations
 import json
 
 from hetmoe.server.tool_calls.base import ToolParser, args_format
-from hetmoe.server.tool_calls.scan import Malformed, Partial, expect, schema_type, skip_ws, xml_args, xml_value
+from hetmoe.server.tool_calls.scan import (
+    Malformed,
+    Partial,
+    expect,
+    open_block,
+    schema_type,
+    skip_ws,
+    xml_args,
+    xml_text,
+    xml_value,
+)
 
 
 class Glm45(ToolParser):
@@ -17,16 +27,12 @@ class Glm45(ToolParser):
     def _calls(self, region, tools, final, scanner, out):
         pos = 0
         while True:
-            pos = skip_ws(region, pos)
-            if pos >= len(region):
-                return (pos if final else None)
-            if not region.startswith("<tool_call>", pos):
-                if not final and "<tool_call>".startswith(region[pos:]):
-                    return None
+            opened, pos = open_block(region, pos, "<tool_call>", final)
+            if not opened:
                 return pos
             call = Partial()
             out.append(call)
-            p = pos + len("<tool_call>")
+            p = pos
             ends = [i for i in (region.find("\n", p), region.find("<arg_key>", p), region.find("</tool_call>", p))
                     if i >= 0]
             if not ends:
@@ -65,8 +71,7 @@ class Glm45(ToolParser):
 
     def format_call(self, call, index=0):
         nl = self.newline
-        args = "".join(f"<arg_key>{k}</arg_key>{nl}<arg_value>"
-                       f"{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}</arg_value>{nl}"
+        args = "".join(f"<arg_key>{k}</arg_key>{nl}<arg_value>{xml_text(v)}</arg_value>{nl}"
                        for k, v in json.loads(call.arguments).items())
         return f"<tool_call>{call.name}{nl}{args}</tool_call>"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from hetmoe.server.tool_calls.base import ToolParser, args_format
-from hetmoe.server.tool_calls.scan import JsonEnvelope, Malformed, Partial, expect, skip_ws
+from hetmoe.server.tool_calls.scan import JsonEnvelope, Malformed, Partial, close_block, open_block, skip_ws
 
 
 class Hermes(ToolParser):
@@ -17,14 +17,10 @@ class Hermes(ToolParser):
     def _calls(self, region, tools, final, scanner, out):
         pos, envelope = 0, JsonEnvelope(scanner)
         while True:
+            opened, pos = open_block(region, pos, self.open, final)
+            if not opened:
+                return pos  # where the text after the calls starts, or None
             pos = skip_ws(region, pos)
-            if pos >= len(region):
-                return (pos if final else None)
-            if not region.startswith(self.open, pos):
-                if not final and self.open.startswith(region[pos:]):
-                    return None
-                return pos  # text after the calls
-            pos = skip_ws(region, pos + len(self.open))
             if pos >= len(region):
                 if final:
                     raise Malformed("an empty call")
@@ -35,11 +31,8 @@ class Hermes(ToolParser):
             if end is None:
                 return None
             call.done = False
-            p = skip_ws(region, end)
-            p = expect(region, p, self.close, final) if p < len(region) else None
+            p = close_block(region, end, self.close, final)
             if p is None:
-                if final:
-                    raise Malformed(f"no {self.close}")
                 return None
             call.done, call.end = True, p
             pos = p

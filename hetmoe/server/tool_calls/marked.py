@@ -4,7 +4,7 @@ each subclass."""
 from __future__ import annotations
 
 from hetmoe.server.tool_calls.base import ToolParser, args_format
-from hetmoe.server.tool_calls.scan import Malformed, Partial, expect, json_object_text, skip_ws
+from hetmoe.server.tool_calls.scan import Malformed, Partial, close_block, expect, json_object_text, skip_ws
 
 
 class Marked(ToolParser):
@@ -61,11 +61,8 @@ class Marked(ToolParser):
             p = end
             for token in (self.args_end.strip(), self.call_end):  # whitespace around the fence is free
                 if token:
-                    p = skip_ws(region, p)
-                    p = expect(region, p, token, final) if p < len(region) else None
+                    p = close_block(region, p, token, final)
                     if p is None:
-                        if final:
-                            raise Malformed(f"no {token!r}")
                         return None
             call.done, call.end = True, p
             pos = p

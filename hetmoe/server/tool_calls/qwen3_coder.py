@@ -6,7 +6,18 @@ from __future__ import annotations
 import json
 
 from hetmoe.server.tool_calls.base import ToolParser, args_format
-from hetmoe.server.tool_calls.scan import Malformed, Partial, expect, schema_type, skip_ws, xml_args, xml_value
+from hetmoe.server.tool_calls.scan import (
+    Malformed,
+    Partial,
+    close_block,
+    expect,
+    open_block,
+    schema_type,
+    skip_ws,
+    xml_args,
+    xml_text,
+    xml_value,
+)
 
 
 class Qwen3Coder(ToolParser):
@@ -17,16 +28,12 @@ class Qwen3Coder(ToolParser):
     def _calls(self, region, tools, final, scanner, out):
         pos = 0
         while True:
-            pos = skip_ws(region, pos)
-            if pos >= len(region):
-                return (pos if final else None)
-            if not region.startswith("<tool_call>", pos):
-                if not final and "<tool_call>".startswith(region[pos:]):
-                    return None
+            opened, pos = open_block(region, pos, "<tool_call>", final)
+            if not opened:
                 return pos
             call = Partial()
             out.append(call)
-            p = expect(region, skip_ws(region, pos + len("<tool_call>")), "<function=", final)
+            p = expect(region, skip_ws(region, pos), "<function=", final)
             if p is None:
                 return None
             gt = region.find(">", p)
@@ -42,11 +49,8 @@ class Qwen3Coder(ToolParser):
                 p = skip_ws(region, p)
                 if region.startswith("</function>", p):
                     call.args = xml_args(params, True)
-                    p = skip_ws(region, p + len("</function>"))
-                    p = expect(region, p, "</tool_call>", final) if p < len(region) else None
+                    p = close_block(region, p + len("</function>"), "</tool_call>", final)
                     if p is None:
-                        if final:
-                            raise Malformed("no </tool_call>")
                         return None
                     call.done, call.end = True, p
                     break
@@ -74,8 +78,8 @@ class Qwen3Coder(ToolParser):
             pos = p
 
     def format_call(self, call, index=0):
-        params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n"
-                         "</parameter>\n" for k, v in json.loads(call.arguments).items())
+        params = "".join(f"<parameter={k}>\n{xml_text(v)}\n</parameter>\n"
+                         for k, v in json.loads(call.arguments).items())
         return f"<tool_call>\n<function={call.name}>\n{params}</function>\n</tool_call>"
 
     def tool_format(self, name, schema):

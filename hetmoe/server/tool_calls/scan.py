@@ -1,8 +1,9 @@
 """Reading a tool-call region as it arrives, the pieces every family's parser is made of: whitespace and fixed
-tokens (``skip_ws``, ``expect``), where a JSON value ends (``JsonScanner``, resumable), Hermes' and Mistral's
-``{"name": ..., "arguments": ...}`` envelope (``JsonEnvelope``), and the XML families' parameter values
-(``xml_value``, ``xml_args``). A reader that meets text which cannot be a call raises ``Malformed``; one whose text
-ends early (not ``final``) answers None, to be asked again with more text.
+tokens (``skip_ws``, ``expect``; a call block's opening and closing token, ``open_block`` and ``close_block``), where
+a JSON value ends (``JsonScanner``, resumable), Hermes' and Mistral's ``{"name": ..., "arguments": ...}`` envelope
+(``JsonEnvelope``), and the XML families' parameter values (``xml_value``, ``xml_args``, ``xml_text``). A reader that
+meets text which cannot be a call raises ``Malformed``; one whose text ends early (not ``final``) answers None, to be
+asked again with more text.
 """
 
 from __future__ import annotations
@@ -42,6 +43,30 @@ def expect(text: str, pos: int, token: str, final: bool) -> Optional[int]:
     if not final and token.startswith(text[pos:]):
         return None
     raise Malformed(f"expected {token!r} at {text[pos:pos + 20]!r}")
+
+
+def open_block(text: str, pos: int, token: str, final: bool) -> tuple:
+    """The next call block, opened by ``token`` after whitespace at ``pos`` -> (True, the position after ``token``),
+    or (False, what the reader answers: where the text after the calls starts, or None while more text may still
+    open a block)."""
+    pos = skip_ws(text, pos)
+    if text.startswith(token, pos):
+        return True, pos + len(token)
+    if pos >= len(text):
+        return False, (pos if final else None)
+    if not final and token.startswith(text[pos:]):
+        return False, None
+    return False, pos
+
+
+def close_block(text: str, pos: int, token: str, final: bool) -> Optional[int]:
+    """The position after the closing ``token`` that follows whitespace at ``pos``; None when the text ends first
+    (not final); Malformed otherwise."""
+    pos = skip_ws(text, pos)
+    end = expect(text, pos, token, final) if pos < len(text) else None
+    if end is None and final:
+        raise Malformed(f"no {token!r}")
+    return end
 
 
 _NUMBER = re.compile(r"-?(0|[1-9]\d*)(\.\d+)?([eE][+-]?\d+)?")
@@ -197,6 +222,11 @@ def xml_value(raw: str, kind) -> str:
     if isinstance(kind, str) and kind in ok and not ok[kind](value):
         return json.dumps(raw, ensure_ascii=False)
     return json.dumps(value, ensure_ascii=False)
+
+
+def xml_text(value) -> str:
+    """An argument's value as the XML families write it: a string as it is, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def xml_args(params: list, done: bool) -> str:

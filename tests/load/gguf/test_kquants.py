@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from triton_interp import assert_unpack_equals_engine
 
 from hetmoe.cpu import CPUExperts, WorkerPool, cpu_info
 from hetmoe.cpu.codes import exact_layout, load_codes
@@ -191,47 +192,17 @@ def test_bad_blocks_and_layouts_are_refused():
         CPUExperts(E, H, I, "int8", 32, pool=WorkerPool(1), scaling="asym")
 
 
-TRITON_CHECK = """
-import sys, torch
-from hetmoe.cpu import CPUExperts, WorkerPool, cpu_info
-from hetmoe.ops.triton import packed as packed_triton
-from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, unpack_experts
-cuda = torch.cuda.is_available()
-dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-for fmt, group, down_group, scaling in %r:
-    E, H, I = 2, 64, 40  # K padded to the group in down
-    experts = CPUExperts(E, H, I, fmt, group, pool=WorkerPool(1), down_group_size=down_group, scaling=scaling)
-    experts.fill_random(seed=9)
-    lay = ExpertLayout.of(experts)
-    ranges = expert_ranges(experts)
-    ref_gu, ref_d = unpack_experts(lay, ranges, E, torch.float32)
-    w_gu = torch.full((E, 2 * I, H), float("nan"), dtype=dtype, device=dev)
-    w_d = torch.full((E, H, I), float("nan"), dtype=dtype, device=dev)
-    packed_triton.unpack_into(lay, [r.to(dev) for r in ranges], w_gu, w_d)
-    if not (torch.equal(w_gu.cpu(), ref_gu.to(dtype)) and torch.equal(w_d.cpu(), ref_d.to(dtype))):
-        sys.exit(f"{fmt} {group}/{down_group} {scaling}: the kernel's weights differ from the engine's")
-print("ok")
-"""
 # The layouts of LAYERS: Q4_K, Q5_K, Q6_K, Q4_K + Q6_K
 TRITON_LAYOUTS = [("int4", 32, 32, "affine"), ("int8", 32, 32, "affine"), ("int8", 16, 16, "symmetric"),
                   (("int4", "int8"), 32, 16, ("affine", "symmetric"))]
 
 
 def test_the_triton_unpack_reads_the_kquant_layouts():
-    """The layerwise prefill's one-pass kernel (hetmoe/ops/triton/packed.py) on the affine and group-16 layouts: on
-    a GPU bitwise the engine's values rounded to bf16 (@gpu run: the same test); here under Triton's interpreter (a
-    fresh process), bitwise in fp32."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = dict(os.environ)
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    done = subprocess.run([sys.executable, "-c", TRITON_CHECK % (TRITON_LAYOUTS,)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    """The layerwise prefill's one-pass kernel on the affine and group-16 layouts (@gpu run: the same test), K
+    padded to the group in down."""
+    assert_unpack_equals_engine((2, 64, 40), [dict(weight_format=fmt, group_size=group, down_group_size=down_group,
+                                                   scaling=scaling)
+                                              for fmt, group, down_group, scaling in TRITON_LAYOUTS])
 
 
 def test_bench_kernel_takes_the_gguf_formats():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from triton_interp import assert_unpack_equals_engine
 
 from hetmoe.cpu import CPUExperts, WorkerPool, cpu_info
 from hetmoe.cpu.codes import EXACT_TYPES, exact_layout, load_codes
@@ -191,27 +192,6 @@ def test_bad_blocks_are_refused():
     assert experts.info()["experts_loaded"] == 0
 
 
-TRITON_CHECK = """
-import sys, torch
-from hetmoe.cpu import CPUExperts, WorkerPool
-from hetmoe.ops.triton import packed as packed_triton
-from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, unpack_experts
-cuda = torch.cuda.is_available()
-dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-for fmt, group, scale_dtype, codebook in %r:
-    E, H, I = 2, 64, 40  # K padded to the group in down
-    experts = CPUExperts(E, H, I, fmt, group, pool=WorkerPool(1), scale_dtype=scale_dtype, codebook=codebook)
-    experts.fill_random(seed=9)
-    lay = ExpertLayout.of(experts)
-    ranges = expert_ranges(experts)
-    ref_gu, ref_d = unpack_experts(lay, ranges, E, torch.float32)
-    w_gu = torch.full((E, 2 * I, H), float("nan"), dtype=dtype, device=dev)
-    w_d = torch.full((E, H, I), float("nan"), dtype=dtype, device=dev)
-    packed_triton.unpack_into(lay, [r.to(dev) for r in ranges], w_gu, w_d)
-    if not (torch.equal(w_gu.cpu(), ref_gu.to(dtype)) and torch.equal(w_d.cpu(), ref_d.to(dtype))):
-        sys.exit(f"{fmt} {group} {scale_dtype} {codebook}: the kernel's weights differ from the engine's")
-print("ok")
-"""
 # MXFP4 / IQ4_NL / IQ4_XS / Q4_0 / Q8_0's layouts, and bf16 scales
 TRITON_LAYOUTS = [("lut4", 32, "e8m0", "e2m1"), ("lut4", 32, "fp16", "iq4nl"), ("lut4", 32, "fp32", "iq4nl"),
                   ("int4", 32, "fp16", None), ("int8", 32, "fp16", None), ("int8", 16, "bf16", None),
@@ -219,20 +199,11 @@ TRITON_LAYOUTS = [("lut4", 32, "e8m0", "e2m1"), ("lut4", 32, "fp16", "iq4nl"), (
 
 
 def test_the_triton_unpack_reads_lut4_and_narrow_scales():
-    """The layerwise prefill's one-pass kernel (hetmoe/ops/triton/packed.py) on lut4 and the narrow scale types: on a
-    GPU bitwise the engine's values rounded to bf16 (@gpu run: the same test); here under Triton's interpreter (a
-    fresh process), bitwise in fp32."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = dict(os.environ)
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    done = subprocess.run([sys.executable, "-c", TRITON_CHECK % (TRITON_LAYOUTS,)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    """The layerwise prefill's one-pass kernel on lut4 and the narrow scale types (@gpu run: the same test), K
+    padded to the group in down."""
+    assert_unpack_equals_engine((2, 64, 40), [dict(weight_format=fmt, group_size=group, scale_dtype=scale_dtype,
+                                                   codebook=codebook)
+                                              for fmt, group, scale_dtype, codebook in TRITON_LAYOUTS])
 
 
 @pytest.mark.parametrize("mix", ["MXFP4", "IQ4_XS"])

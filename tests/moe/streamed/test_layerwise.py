@@ -28,7 +28,7 @@ from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, unpack_exper
 from hetmoe.moe.streamed.vram import gpu_prefill_bytes
 from hetmoe.plan.placement import add_gpu_prefill
 from tests.gpu_child import run_steps, say
-from tests.triton_interp import checked_accesses, gpu_branch_on_cpu
+from tests.triton_interp import assert_unpack_equals_engine, checked_accesses, gpu_branch_on_cpu
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3"]
 FORMATS = [("bf16", None), ("int8", 0), ("int8", 64), ("int4", 32), ("int4", 64), ("int4", 0)]
@@ -394,44 +394,10 @@ def test_dataclass_field_is_documented():
     assert f.metadata["flag"] == "--gpu-prefill" and f.default == "auto"
 
 
-TRITON_CHECK = """
-import sys, torch
-from hetmoe.cpu import CPUExperts
-from hetmoe.ops.triton import packed as packed_triton
-from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, unpack_experts
-cuda = torch.cuda.is_available()
-dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-for fmt, group in %r:
-    E, H, I = 3, 130, 24
-    experts = CPUExperts(E, H, I, fmt, group if group is not None else 128, threads=1)
-    experts.fill_random(seed=9)
-    lay = ExpertLayout.of(experts)
-    ranges = expert_ranges(experts)
-    ref_gu, ref_d = unpack_experts(lay, ranges, E, torch.float32)
-    w_gu = torch.full((E, 2 * I, H), float("nan"), dtype=dtype, device=dev)
-    w_d = torch.full((E, H, I), float("nan"), dtype=dtype, device=dev)
-    packed_triton.unpack_into(lay, [r.to(dev) for r in ranges], w_gu, w_d)
-    if not (torch.equal(w_gu.cpu(), ref_gu.to(dtype)) and torch.equal(w_d.cpu(), ref_d.to(dtype))):
-        sys.exit(f"{fmt} group {group}: the kernel's weights differ from the engine's")
-print("ok")
-"""
-
-
 def test_the_triton_unpack_equals_the_engine():
-    """The one-pass GPU kernel (hetmoe/ops/triton/packed.py), every format: on a GPU, bitwise the engine's values
-    rounded to bf16; without one, under Triton's interpreter (a fresh process: the interpreter is chosen when the
-    kernel is defined), bitwise in fp32 (the interpreter truncates where the GPU rounds)."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = dict(os.environ)
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    done = subprocess.run([sys.executable, "-c", TRITON_CHECK % (FORMATS,)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    """The one-pass GPU kernel (hetmoe/ops/triton/packed.py), every format."""
+    assert_unpack_equals_engine((3, 130, 24), [dict(weight_format=fmt, group_size=group if group is not None else 128)
+                                               for fmt, group in FORMATS])
 
 
 if __name__ == "__main__":  # a child process of the GPU tests above (tests/gpu_child.py)
