@@ -369,7 +369,9 @@ def test_gpu_placement_matches_transformers(request, family, dtype):
     """The checkpoint loaded by hetmoe onto the GPU (dense part and states there, bf16 experts on the CPU engine's
     row-block path; the eager decode step: no CUDA graph for these models yet; bf16: flash-linear-attention's kernels
     where installed) against transformers in fp32 on the CPU: a chunked prefill and 6 greedy steps of batch 2 (two
-    slots). Bounds: fp32 1e-3 (fp32 GPU kernels in another order), bf16 5e-2 (bf16 weights and activations)."""
+    slots). Bounds: fp32 1e-3 (fp32 GPU kernels in another order); bf16: 1.5x what transformers' own bf16 model is
+    off its fp32 one over the same steps (bf16 flips near-tie routing on these tiny random models: transformers bf16
+    vs fp32 measured up to 0.49 (qwen3_next) and 0.54 (qwen3_5_moe), hetmoe bf16 on the CPU and the GPU 0.46 / 0.33)."""
     from hetmoe.engine.runner import Runner
     from hetmoe.load.loader import load_model
 
@@ -381,12 +383,18 @@ def test_gpu_placement_matches_transformers(request, family, dtype):
     assert runner.recurrent and runner.decoder is not None and not runner.decoder.cuda_graph
     ids = torch.tensor([[5, 17, 300, 42, 9, 260, 77, 3, 128, 64, 11], [7, 7, 250, 1, 99, 13, 2, 140, 31, 8, 200]])
     errs = []
+    hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    noise = []  # transformers' own bf16 model against its fp32 one, on the same tokens
     with torch.inference_mode():
-        out = hf(ids, use_cache=True)
+        out, out_bf16 = hf(ids, use_cache=True), hf_bf16(ids, use_cache=True)
         errs += [rel(runner.prefill(ids[b].tolist(), slot=b).view(-1), out.logits[b, -1]) for b in range(2)]
+        noise += [rel(out_bf16.logits[b, -1], out.logits[b, -1]) for b in range(2)]
         for _ in range(6):
             nxt = out.logits[:, -1].argmax(-1)
             out = hf(nxt[:, None], past_key_values=out.past_key_values, use_cache=True)
+            out_bf16 = hf_bf16(nxt[:, None], past_key_values=out_bf16.past_key_values, use_cache=True)
             errs.append(rel(runner.decode_batch(nxt.tolist(), [0, 1]), out.logits[:, -1]))
-    print(f"{family} {dtype} GPU~transformers: " + " ".join(f"{e:.1e}" for e in errs))
-    assert max(errs) < (1e-3 if dtype == "fp32" else 5e-2), errs
+            noise.append(rel(out_bf16.logits[:, -1], out.logits[:, -1]))
+    print(f"{family} {dtype} GPU~transformers: " + " ".join(f"{e:.1e}" for e in errs)
+          + "; transformers bf16~fp32: " + " ".join(f"{e:.1e}" for e in noise))
+    assert max(errs) < (1e-3 if dtype == "fp32" else 1.5 * max(noise)), (errs, noise)
