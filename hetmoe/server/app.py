@@ -133,7 +133,8 @@ async def _errors(request: web.Request, handler):
             response.headers["Allow"] = e.headers.get("Allow", "")
         if e.status == 413:
             response.force_close()
-    except asyncio.CancelledError:
+    except asyncio.CancelledError:  # the client left and aiohttp cancelled the handler: counted as a 499 too
+        metrics.on_request(_endpoint(request), 499)
         raise
     except ConnectionResetError:  # the client left mid-request (its body half sent): nobody to answer, nothing to log
         response = web.Response(status=499)  # nginx's "client closed request", for the metrics

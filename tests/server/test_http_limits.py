@@ -273,6 +273,28 @@ def test_a_client_leaving_mid_body_is_counted_not_logged(serve, capfd):
     assert "Traceback" not in capfd.readouterr().err
 
 
+def test_a_client_leaving_a_cancelled_handler_is_counted(serve, capfd, monkeypatch):
+    """A client that leaves while its handler awaits is cancelled by aiohttp (handler_cancellation) before any read
+    fails: the request is counted as a 499 all the same (which of the two happens first depends on the machine)."""
+    import asyncio
+
+    from hetmoe.server import app as app_module
+
+    entered = threading.Event()
+
+    async def stuck(request):
+        entered.set()
+        await asyncio.Event().wait()  # until cancelled
+
+    monkeypatch.setattr(app_module, "_body", stuck)
+    srv = serve()
+    with connect(srv.port) as s:
+        s.sendall(request(srv.port, body=b'{"model": "m"}', headers=JSON))
+        assert entered.wait(30)
+    assert wait_for(lambda: 'status="499"' in httpx.get(f"{srv.base}/metrics").text)
+    assert "Traceback" not in capfd.readouterr().err
+
+
 # ---------------------------------------------------------------- deadlines
 
 
