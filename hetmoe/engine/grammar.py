@@ -95,12 +95,25 @@ def check_source(value: Any, caps: Caps = Caps()) -> str:
     if props > caps.properties:
         raise GrammarError(f"{props} object properties, more than this server's cap of {caps.properties}")
     try:
-        text = json.dumps(value, sort_keys=True, ensure_ascii=False, allow_nan=False)
+        text = json.dumps(_canonical(value), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise GrammarError(f"not JSON: {e}") from None
     if len(text) > caps.source_chars:
         raise GrammarError(f"{len(text)} characters of JSON, more than this server's cap of {caps.source_chars}")
     return text
+
+
+def _canonical(value: Any, properties: bool = False) -> Any:
+    """``value`` with the keys of its mappings sorted, except the members of a ``properties`` mapping: their order
+    is the order the grammar writes them in (a tool's parameters, a structured output's fields). Called on a value
+    whose depth ``check_source`` has bounded."""
+    if isinstance(value, dict):
+        keys = list(value) if properties else sorted(value, key=str)
+        return {k: _canonical(value[k], not properties and k == "properties" and isinstance(value[k], dict))
+                for k in keys}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return value
 
 
 def _vocab_type(backend, vocab: dict):

@@ -6,20 +6,21 @@
     reasoning, content = parser.split(text, open_)       # a whole output
     stream = parser.stream(open_); stream.push(piece) / stream.finish() -> [(kind, text)]
 
-The families differ in who writes the opening tag: DeepSeek-R1 and V3.1 (thinking on) and the Qwen3 thinking
-models end the prompt with ``<think>`` so the output starts inside the block; Qwen3 hybrids, Kimi-K2 Thinking and
-GLM-4.5 write ``<think>`` themselves. Both are read from the text: the output is inside a block from the start
-when the prompt's last ``<think>`` is not closed (``starts_inside``), and a block the model opens itself counts
-only at the start of its output (after whitespace). A block that never closes (``max_tokens`` ran out) is all
-reasoning. With thinking switched off (``enable_thinking: false``: the template writes an empty, closed block)
-the output is all content. Whitespace around the reasoning and between it and the content is dropped.
+The families differ in who writes the opening tag: DeepSeek-R1 and V3.1 (thinking on), the Qwen3 thinking
+models and MiniMax-M2 end the prompt with ``<think>`` so the output starts inside the block; Qwen3 hybrids,
+Kimi-K2 Thinking and GLM-4.5 write ``<think>`` themselves. Both are read from the text: the output is inside a
+block from the start when the prompt's last ``<think>`` is not closed (``starts_inside``), and a block the model
+opens itself counts only at the start of its output (after whitespace). A block that never closes
+(``max_tokens`` ran out) is all reasoning. With thinking switched off (``enable_thinking: false``: the template
+writes an empty, closed block) the output is all content. Whitespace around the reasoning and between it and the
+content is dropped.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-PARSERS = ("deepseek_r1", "deepseek_v3", "qwen3", "kimi_k2", "glm45")
+PARSERS = ("deepseek_r1", "deepseek_v3", "qwen3", "kimi_k2", "glm45", "minimax_m2")
 
 
 class ReasoningParser:

@@ -71,6 +71,21 @@ CASES = [
               "</arg_key><arg_value># Title\n\ntext</arg_value><arg_key>overwrite</arg_key><arg_value>false"
               "</arg_value></tool_call>", "Checking.",
      [("write_file", {"path": "x.md", "content": "# Title\n\ntext", "overwrite": False})]),
+    ("minimax_m2", 'Let me check both.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">'
+                   'Paris</parameter>\n<parameter name="days">2</parameter>\n<parameter name="unit">celsius'
+                   '</parameter>\n</invoke>\n<invoke name="get_time">\n<parameter name="timezone">Europe/Paris'
+                   '</parameter>\n</invoke>\n</minimax:tool_call>', "Let me check both.\n",
+     [("get_weather", {"city": "Paris", "days": 2, "unit": "celsius"}), ("get_time", {"timezone": "Europe/Paris"})]),
+    ("minimax_m2", '<minimax:tool_call>\n<invoke name="write_file">\n<parameter name="path">a "b".txt</parameter>\n'
+                   '<parameter name="content">\nx > y</invoke> <parameter name=\n</parameter>\n<parameter name='
+                   '"overwrite">true</parameter>\n<parameter name="mode">644</parameter>\n<parameter name="meta">'
+                   '{"k": [1, {"z": null}]}</parameter>\n</invoke>\n</minimax:tool_call>\nDone.', "Done.",
+     [("write_file", {"path": 'a "b".txt', "content": "x > y</invoke> <parameter name=", "overwrite": True,
+                      "mode": 644, "meta": {"k": [1, {"z": None}]}})]),
+    ("minimax_m2", "<minimax:tool_call><invoke name=get_weather><parameter name='city'>42</parameter><parameter "
+                   "name=\"days\">three</parameter></invoke></minimax:tool_call>\n<minimax:tool_call>\n<invoke "
+                   "name=\"noop\">\n</invoke>\n</minimax:tool_call>", "",
+     [("get_weather", {"city": "42", "days": "three"}), ("noop", {})]),
     ("hermes", "No tools needed: 2 + 2 = 4. A <tool_ call> is not a call.", "No tools needed: 2 + 2 = 4. A <tool_ "
                                                                            "call> is not a call.", []),
 ]
@@ -86,6 +101,12 @@ BROKEN = [  # (family, output): claims a call, does not parse
                 "{\"city\": <|tool_call_end|>"),
     ("mistral", "[TOOL_CALLS]get_weather"),
     ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n"),
+    ("minimax_m2", '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'),
+    ("minimax_m2", '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+                   "</minimax:tool_call>"),
+    ("minimax_m2", "<minimax:tool_call>\n</minimax:tool_call>"),
+    ("minimax_m2", '<minimax:tool_call>\n<invoke name="">\n</invoke>\n</minimax:tool_call>'),
+    ("minimax_m2", '<minimax:tool_call>\n<function=get_time>\n</function>\n</minimax:tool_call>'),
 ]
 
 
@@ -174,6 +195,94 @@ def test_whole_calls_before_a_broken_one_are_kept():
     assert out.content == text[text.index("</tool_call>") + len("</tool_call>"):]
 
 
+def test_minimax_invokes_read_whole_stay_calls_when_the_block_is_cut():
+    """Cut by max_tokens inside a block: the invokes read whole are calls, the rest is content, ``failed`` set;
+    streamed, the same calls (the broken one's name was sent, so it stays a call with what was sent of it)."""
+    parser = tool_parser("minimax_m2")
+    whole = ('Sure.\n<minimax:tool_call>\n<invoke name="get_time">\n<parameter name="timezone">UTC</parameter>\n'
+             '</invoke>\n')
+    out = parser.parse(whole, TOOLS)
+    assert out.failed and calls_of(out) == [("get_time", {"timezone": "UTC"})] and out.content == "Sure.\n"
+    cut = whole + '<invoke name="get_weather">\n<parameter name="city">Oslo</parameter>\n<parameter name="da'
+    out = parser.parse(cut, TOOLS)
+    assert out.failed and calls_of(out) == [("get_time", {"timezone": "UTC"})]
+    assert out.content == "Sure.\n" + cut[len(whole) - 1:]
+    for pieces in splits(cut, seed=3):
+        content, calls, failed = streamed(parser, cut, pieces)
+        assert failed and calls[0] == ("get_time", '{"timezone": "UTC"}') and content.startswith("Sure.\n"), pieces
+        if len(calls) == 2:  # the second call's name went out before the text broke
+            assert calls[1][0] == "get_weather" and '{"city": "Oslo"'.startswith(calls[1][1]), pieces
+
+
+def test_minimax_arguments_stream_one_parameter_at_a_time():
+    parser = tool_parser("minimax_m2")
+    text = ('<minimax:tool_call>\n<invoke name="write_file">\n<parameter name="path">a.txt</parameter>\n'
+            '<parameter name="content">' + "x" * 50 + '</parameter>\n<parameter name="mode">7</parameter>\n'
+            "</invoke>\n</minimax:tool_call>")
+    stream = parser.stream(TOOLS)
+    deltas = [d for ch in text for d in stream.push(ch)] + stream.finish()
+    assert [d.kind for d in deltas] == ["call", "args", "args", "args", "args"]
+    assert deltas[0].name == "write_file"
+    assert [d.text for d in deltas[1:]] == ['{"path": "a.txt"', ', "content": "' + "x" * 50 + '"', ', "mode": 7', "}"]
+
+
+def test_minimax_thinking_then_calls():
+    """MiniMax-M2's prompt ends inside ``<think>``: the reasoning parser takes the block, the content's calls are
+    read after it."""
+    from hetmoe.server.reasoning import reasoning_parser
+
+    thinking = reasoning_parser("auto", MINIMAX_TEMPLATE)
+    assert thinking is not None and thinking.starts_inside("[e~[\n]~b]ai\n<think>\n")
+    output = ('The user wants the weather.\n</think>\n\n<minimax:tool_call>\n<invoke name="get_weather">\n'
+              '<parameter name="city">Oslo</parameter>\n<parameter name="days">1</parameter>\n</invoke>\n'
+              "</minimax:tool_call>")
+    reasoning, content = thinking.split(output, True)
+    assert reasoning == "The user wants the weather."
+    out = tool_parser("auto", MINIMAX_TEMPLATE).parse(content, TOOLS)
+    assert not out.failed and out.content == "" and calls_of(out) == [("get_weather", {"city": "Oslo", "days": 1})]
+
+
+def test_minimax_history_calls_render_as_mappings():
+    """The template iterates over ``_args.items()`` after ``set _args = tool_call.arguments``: the history's
+    arguments must reach it as a mapping, and it renders them as the parser reads them back."""
+    from hetmoe.tokenizer import compile_template
+
+    assert tool_calls.arguments_as_mapping(MINIMAX_TEMPLATE)
+    assert not tool_calls.arguments_as_mapping("{% set n = tool_call.name %}{{ n }}{% for k in names.items() %}")
+    rendered = compile_template(MINIMAX_TEMPLATE).render(message={"tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}},
+        {"function": {"name": "noop", "arguments": {}}}]})
+    parser = tool_parser("auto", MINIMAX_TEMPLATE)
+    out = parser.parse(rendered, TOOLS)
+    assert not out.failed and calls_of(out) == [("get_weather", {"city": "Paris", "days": 3}), ("noop", {})]
+    written = parser.format_calls([ToolCall("a", "get_weather", '{"city": "Paris", "days": 3}'),
+                                   ToolCall("b", "noop", "{}")])
+    assert rendered.split("]~b]ai")[0].strip() == written
+
+
+# The tool-call part of MiniMax-M2's chat template, as its checkpoints ship it.
+MINIMAX_TEMPLATE = """{%- set toolcall_begin_token = '<minimax:tool_call>' -%}
+{%- set toolcall_end_token = '</minimax:tool_call>' -%}
+{%- if message.tool_calls -%}
+    {{- '\\n' ~ toolcall_begin_token ~ '\\n' }}
+    {%- for tool_call in message.tool_calls -%}
+        {%- if tool_call.function %}
+            {%- set tool_call = tool_call.function %}
+        {%- endif %}
+        {{- '<invoke name="' + tool_call.name + '">' }}
+        {% set _args = tool_call.arguments %}
+        {%- for k, v in _args.items() %}
+        {{- '<parameter name="' + k + '">' }}
+        {{- v | tojson(ensure_ascii=False) if v is not string else v }}
+        {{- '</parameter>' }}
+        {% endfor %}
+        {{- '</invoke>' ~ '\\n' }}
+    {%- endfor -%}
+    {{- toolcall_end_token}}
+{%- endif -%}
+{{- ']~b]ai' ~ '\\n' ~ '<think>' ~ '\\n' }}"""
+
+
 @pytest.mark.parametrize("family", PARSERS)
 def test_format_call_round_trips(family):
     parser = tool_parser(family)
@@ -204,6 +313,20 @@ def test_each_grammar_accepts_its_own_syntax(grammars, family):
         assert matcher.accept_string(one) and matcher.is_completed(), (family, name)
     wrong = xgr.GrammarMatcher(grammars.structural_tag(parser.grammar(TOOLS, "get_time", False)).compiled)
     assert not (wrong.accept_string(one) and wrong.is_completed())
+
+
+@pytest.mark.parametrize("family", PARSERS)
+def test_the_grammar_takes_the_parameters_in_the_schemas_order(grammars, family):
+    """A call with every type of parameter, written in the order the schema declares them (not sorted by name),
+    as models write them."""
+    import xgrammar as xgr
+
+    parser = tool_parser(family)
+    args = {"path": "src/a b.py", "content": "x = 1\ny = 2", "overwrite": True, "mode": 644, "meta": {"k": [1]}}
+    text = parser.format_calls([ToolCall("c0", "write_file", json.dumps(args))])
+    matcher = xgr.GrammarMatcher(grammars.structural_tag(parser.grammar(TOOLS, "write_file", False)).compiled)
+    assert matcher.accept_string(text) and matcher.is_completed(), family
+    assert calls_of(parser.parse(text, TOOLS)) == [("write_file", args)]
 
 
 def allowed(matcher, ids):
@@ -254,6 +377,8 @@ def test_the_output_may_end_after_each_complete_call(grammars, family):
     ("[TOOL_CALLS][{{ tool_calls | tojson }}]", "mistral"),
     ("<tool_call>{{ tc.name }}\n{% for k, v in tc.arguments.items() %}<arg_key>{{ k }}</arg_key>", "glm45"),
     ("<tool_call>{{ tc.name }}{% for k, v in tc.arguments.items() %}<arg_key>{{ k }}</arg_key>", "glm47"),
+    ("{%- set toolcall_begin_token = '<minimax:tool_call>' -%}{{- '<invoke name=\"' + tool_call.name + '\">' }}"
+     "{{- '<parameter name=\"' + k + '\">' }}", "minimax_m2"),
     ("{% for message in messages %}<|im_start|>{{ message['role'] }}{% endfor %}", "hermes"),
 ])
 def test_the_family_is_read_from_the_template(template, family):

@@ -23,6 +23,8 @@ A call is a ``ToolCall(id, name, arguments)``, ``arguments`` JSON text of an obj
     mistral       [TOOL_CALLS][{"name": "f", "arguments": {...}}]  or  [TOOL_CALLS]f[ARGS]{...}
     glm45         <tool_call>f\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call>    GLM-4.5/4.6
     glm47         the same without the newlines                                         GLM-4.7
+    minimax_m2    <minimax:tool_call>\\n<invoke name="f">\\n<parameter name="p">v</parameter>\\n</invoke>\\n
+                  </minimax:tool_call>                                       MiniMax-M2, M2.1, M2.5
 
 Text before the first call is content; so is text after the calls. A region that starts like a call but does not
 parse (broken JSON, a missing end marker, cut by max_tokens) is returned as content, and ``failed`` says so (the
@@ -36,8 +38,8 @@ Markers that are special tokens (Kimi's, Mistral's ``[TOOL_CALLS]``) reach the p
 a parser's ``markers`` in the text it decodes (``SamplingParams.shown_special_ids``).
 
 The modules: ``base`` (the types, ``ToolParser``, ``ToolStream``), ``scan`` (reading a region as it arrives), one
-per family (``hermes``, ``qwen3_coder``, ``deepseek``, ``kimi_k2``, ``mistral``, ``glm``; ``marked`` is the reader
-DeepSeek's and Kimi's share); this one picks the family.
+per family (``hermes``, ``qwen3_coder``, ``deepseek``, ``kimi_k2``, ``mistral``, ``glm``, ``minimax``; ``marked`` is
+the reader DeepSeek's and Kimi's share); this one picks the family.
 """
 
 from __future__ import annotations
@@ -50,17 +52,20 @@ from hetmoe.server.tool_calls.deepseek import DeepSeekV3, DeepSeekV31
 from hetmoe.server.tool_calls.glm import Glm45, Glm47
 from hetmoe.server.tool_calls.hermes import Hermes
 from hetmoe.server.tool_calls.kimi_k2 import KimiK2
+from hetmoe.server.tool_calls.minimax import MiniMaxM2
 from hetmoe.server.tool_calls.mistral import Mistral
 from hetmoe.server.tool_calls.qwen3_coder import Qwen3Coder
 from hetmoe.server.tool_calls.scan import Malformed
 
 __all__ = ["PARSERS", "Delta", "DeepSeekV3", "DeepSeekV31", "Glm45", "Glm47", "Hermes", "KimiK2", "Malformed",
-           "Mistral", "Qwen3Coder", "ToolCall", "ToolOutput", "ToolParser", "ToolStream", "arguments_as_mapping",
-           "detect", "new_call_id", "renders_tools", "tool_parser"]
+           "MiniMaxM2", "Mistral", "Qwen3Coder", "ToolCall", "ToolOutput", "ToolParser", "ToolStream",
+           "arguments_as_mapping", "detect", "new_call_id", "renders_tools", "tool_parser"]
 
-PARSERS = ("hermes", "qwen3_coder", "deepseek_v3", "deepseek_v31", "kimi_k2", "mistral", "glm45", "glm47")
+PARSERS = ("hermes", "qwen3_coder", "deepseek_v3", "deepseek_v31", "kimi_k2", "mistral", "glm45", "glm47",
+           "minimax_m2")
 
-_FAMILIES = {c.name: c for c in (Hermes, Qwen3Coder, DeepSeekV3, DeepSeekV31, KimiK2, Mistral, Glm45, Glm47)}
+_FAMILIES = {c.name: c for c in (Hermes, Qwen3Coder, DeepSeekV3, DeepSeekV31, KimiK2, Mistral, Glm45, Glm47,
+                                 MiniMaxM2)}
 
 
 def detect(template: Optional[str]) -> str:
@@ -69,6 +74,8 @@ def detect(template: Optional[str]) -> str:
     t = template or ""
     if "<|tool_calls_section_begin|>" in t:
         return "kimi_k2"
+    if MiniMaxM2.start in t:
+        return "minimax_m2"
     if DeepSeekV3.start in t:
         return "deepseek_v3" if "```json" in t else "deepseek_v31"
     if "<function=" in t and "<parameter=" in t:
@@ -97,6 +104,10 @@ def renders_tools(template: Optional[str]) -> bool:
 
 
 def arguments_as_mapping(template: Optional[str]) -> bool:
-    """Whether a template iterates over a call's arguments (GLM, Qwen3-Coder: ``arguments|items``), so the
-    history's calls must carry them as a mapping rather than the JSON text OpenAI sends."""
-    return bool(template) and re.search(r"arguments\s*(\|\s*items|\.items\(\))", template) is not None
+    """Whether a template iterates over a call's arguments (GLM, Qwen3-Coder: ``arguments|items``; MiniMax-M2:
+    ``set _args = tool_call.arguments`` then ``_args.items()``), so the history's calls must carry them as a
+    mapping rather than the JSON text OpenAI sends."""
+    if not template:
+        return False
+    names = ["arguments"] + re.findall(r"set\s+(\w+)\s*=\s*[\w.\[\]'\"]*arguments\b", template)
+    return any(re.search(n + r"\s*(\|\s*items|\.items\(\))", template) for n in names)
