@@ -4,7 +4,8 @@ status 0 when it fits, 1 when it does not (the table, then the reason on stderr)
 
 The model is built on the meta device from its config (config.json, the GGUF metadata, or
 hetmoe.load.random_weights.SHAPES) and planned as the loader plans it (loader.plan_model). ``--device cuda`` on a
-machine without a GPU plans for one: its memory then comes from ``--gpu-memory``.
+machine without a GPU plans for one: its memory then comes from ``--gpu-memory``. For a GGUF file a second table
+gives its bytes per GGML type, in the file and as held (hetmoe/load/gguf/type_bytes.py), from the tensor headers.
 """
 
 from __future__ import annotations
@@ -31,32 +32,29 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
-def checkpoint_model(path, options, log: Callable[[str], None]) -> tuple:
-    """(config, meta model, MoE blocks, expert intermediate size, options, GGUF expert types) of the checkpoint at
-    ``path``: its config and tensor headers only, as load_model reads them before its plan (a GGUF file's experts
-    format and per-layer types too)."""
+def checkpoint_model(ckpt, options, log: Callable[[str], None]) -> tuple:
+    """(config, meta model, MoE blocks, expert intermediate size, options, GGUF expert types, expert names) of the
+    open checkpoint ``ckpt``: its config and tensor headers only, as load_model reads them before its plan (a GGUF
+    file's experts format and per-layer types too)."""
     from hetmoe.load.checkpoint import CheckpointError
-    from hetmoe.load.loader import build_meta, checked_config, moe_blocks, open_checkpoint
+    from hetmoe.load.loader import build_meta, checked_config, moe_blocks
     from hetmoe.load.materialize import expert_keys
 
-    ckpt, types = open_checkpoint(path), ()
+    types, names = (), ()
+    source = getattr(ckpt, "config_source", ckpt.path / "config.json")
+    cfg = checked_config(ckpt.config, source)
     try:
-        source = getattr(ckpt, "config_source", ckpt.path / "config.json")
-        cfg = checked_config(ckpt.config, source)
-        try:
-            model = build_meta(cfg)
-        except (AttributeError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{source} does not describe a {cfg.get('model_type')} model ({err})") from None
-        blocks, inter = moe_blocks(model), 0
-        if blocks:
-            names = expert_keys(ckpt, blocks[0][0])
-            inter = ckpt.shape(f"{blocks[0][0]}.experts.0.{names[0]}.weight")[0]
-            if hasattr(ckpt, "experts_options"):  # a GGUF file: experts at their own precision by default
-                options = ckpt.experts_options([f"{blocks[0][0]}.experts.0.{n}.weight" for n in names], options, log)
-                types = ckpt.expert_types([name for name, _ in blocks], names)
-    finally:
-        ckpt.close()
-    return cfg, model, blocks, inter, options, types
+        model = build_meta(cfg)
+    except (AttributeError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{source} does not describe a {cfg.get('model_type')} model ({err})") from None
+    blocks, inter = moe_blocks(model), 0
+    if blocks:
+        names = expert_keys(ckpt, blocks[0][0])
+        inter = ckpt.shape(f"{blocks[0][0]}.experts.0.{names[0]}.weight")[0]
+        if hasattr(ckpt, "experts_options"):  # a GGUF file: experts at their own precision by default
+            options = ckpt.experts_options([f"{blocks[0][0]}.experts.0.{n}.weight" for n in names], options, log)
+            types = ckpt.expert_types([name for name, _ in blocks], names)
+    return cfg, model, blocks, inter, options, types, names
 
 
 def shape_model(shape: str, layers, options) -> tuple:
@@ -68,17 +66,16 @@ def shape_model(shape: str, layers, options) -> tuple:
     model = build_meta(cfg)
     blocks = moe_blocks(model)
     inter = (cfg.get("moe_intermediate_size") or cfg.intermediate_size) if blocks else 0
-    return cfg, model, blocks, inter, options, ()
+    return cfg, model, blocks, inter, options, (), ()
 
 
 def make_plan(args: argparse.Namespace, log: Callable[[str], None] = _log) -> tuple:
-    """(title line, plan or the PlanError it did not fit with) of the model ``args`` name under their options."""
-    import torch
+    """(title line, plan or the PlanError it did not fit with, lines of bytes per GGML type: a GGUF file's, else
+    none) of the model ``args`` name under their options."""
 
     from hetmoe.engine.llm import default_model_path
-    from hetmoe.load.loader import plan_model
-    from hetmoe.plan.memory import PlanError
-    from hetmoe.plan.placement import normalize_options, resolve_device
+    from hetmoe.load.loader import open_checkpoint
+    from hetmoe.plan.placement import normalize_options
 
     if args.model is not None and args.shape is not None:
         raise ValueError("--model and --shape name two models; give one")
@@ -86,12 +83,24 @@ def make_plan(args: argparse.Namespace, log: Callable[[str], None] = _log) -> tu
         raise ValueError("--layers applies to --shape only")
     options = normalize_options(engine_options(args), log)
     if args.shape is not None:
-        cfg, model, blocks, inter, options, types = shape_model(args.shape, args.layers, options)
-        name = f"{args.shape} shape"
-    else:
-        path = args.model if args.model is not None else default_model_path()
-        cfg, model, blocks, inter, options, types = checkpoint_model(path, options, log)
-        name = str(path)
+        return _plan(shape_model(args.shape, args.layers, options), f"{args.shape} shape", options, None)
+    path = args.model if args.model is not None else default_model_path()
+    ckpt = open_checkpoint(path)  # config and tensor headers; no weight
+    try:
+        return _plan(checkpoint_model(ckpt, options, log), str(path), options, ckpt)
+    finally:
+        ckpt.close()
+
+
+def _plan(model_parts: tuple, name: str, options, ckpt) -> tuple:
+    """make_plan's result for a model (checkpoint_model's tuple) named ``name``; ``ckpt``: its open checkpoint."""
+    import torch
+
+    from hetmoe.load.loader import plan_model
+    from hetmoe.plan.memory import PlanError
+    from hetmoe.plan.placement import resolve_device
+
+    cfg, model, blocks, inter, options, types, names = model_parts
     # --device cuda without a GPU here: plan for one (its size from --gpu-memory)
     planned = torch.device("cuda") if options.device == "cuda" and not torch.cuda.is_available() else None
     where = "cuda (a GPU this machine does not have)" if planned else resolve_device(options.device).type
@@ -100,17 +109,28 @@ def make_plan(args: argparse.Namespace, log: Callable[[str], None] = _log) -> tu
     title = (f"{name}: {cfg.get('model_type')}, {cfg.num_hidden_layers} layers ({len(blocks)} MoE), "
              f"{dense / 1e9:.2f} G dense + {routed / 1e9:.2f} G routed-expert parameters, on {where}")
     try:
-        return title, plan_model(model, cfg, blocks, options, inter, planned, types)
+        plan = plan_model(model, cfg, blocks, options, inter, planned, types)
     except PlanError as err:
-        return title, err
+        plan = err
+    by_type = []
+    from hetmoe.load.gguf.checkpoint import GGUFCheckpoint
+
+    if isinstance(ckpt, GGUFCheckpoint):  # a GGUF file: its bytes per GGML type
+        from hetmoe.load.gguf.type_bytes import type_rows, type_table
+
+        by_type = type_table(type_rows(ckpt, model, blocks, names, getattr(plan, "plan", plan)))
+    return title, plan, by_type
 
 
 def run(args: argparse.Namespace) -> int:
-    title, plan = make_plan(args)
+    title, plan, by_type = make_plan(args)
     err = plan if isinstance(plan, MemoryError) else None
     plan = err.plan if err is not None else plan
     print(title)
     print("\n".join(plan.table(WIDTH)))
+    if by_type:
+        print()
+        print("\n".join(by_type))
     for note in plan.notes:
         print(f"note: {note}")
     if err is not None:

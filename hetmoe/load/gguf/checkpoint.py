@@ -17,6 +17,7 @@ type is dequantized (gguf.quants) and quantized into the experts format of the p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import mmap
 import re
 from pathlib import Path
@@ -47,6 +48,28 @@ def nearest_format(ggml_type: str) -> Optional[str]:
         return None
     digits = "".join(ch for ch in ggml_type.split("_")[0] if ch.isdigit())
     return "int4" if digits and int(digits) <= 5 else "int8"
+
+
+@functools.lru_cache(maxsize=None)
+def runnable_types() -> tuple:
+    """The GGML types hetmoe runs weights of: the float types, the exactly held ones (hetmoe/cpu/codes.py), and
+    every block type gguf's reference dequantization decodes (those are re-quantized, or decoded for dense
+    weights), found by decoding one block of zeros of each."""
+    import gguf
+
+    out = list(FLOAT_TYPES) + [k for k in EXACT_TYPES if k not in FLOAT_TYPES]
+    for kind in gguf.GGMLQuantizationType:
+        if kind.name in out or kind not in gguf.GGML_QUANT_SIZES:
+            continue
+        per, nbytes = gguf.GGML_QUANT_SIZES[kind]
+        if kind.name.startswith("I") and kind.name[1:].isdigit():
+            continue  # integers, not weights
+        try:
+            gguf.quants.dequantize(np.zeros((1, nbytes), np.uint8), kind)
+        except (NotImplementedError, ValueError):
+            continue
+        out.append(kind.name)
+    return tuple(out)
 
 
 def block_codes(raw: np.ndarray, kind: str, shape: tuple) -> tuple:
@@ -122,6 +145,20 @@ class GGUFCheckpoint:
             if len(pair) != 2:
                 raise GGUFError(f"{self.path}: {name} needs both attn_k_b and attn_v_b")
             self._map[name] = (pair, Transform.KV_B_K, None)
+        self._check_types()
+
+    def _check_types(self) -> None:
+        """GGUFError naming the first tensor the model takes whose type hetmoe cannot run (neither held exactly nor
+        decoded), before any weight is read."""
+        runnable, seen = runnable_types(), set()
+        for name, (t, _, _) in self._map.items():
+            for part in (t.values() if isinstance(t, dict) else (t,)):
+                if id(part) in seen:
+                    continue
+                seen.add(id(part))
+                if part.ggml_type.name not in runnable:
+                    raise GGUFError(f"{self.path}: tensor {part.name} ({name}) is {part.ggml_type.name}, which hetmoe "
+                                    f"cannot run; supported types: {', '.join(runnable)}")
 
     def __contains__(self, name: str) -> bool:
         return name in self._map

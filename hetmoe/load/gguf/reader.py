@@ -30,7 +30,11 @@ class GGUFError(ValueError):
 
 
 class _Truncated(Exception):
-    """(bytes a read needs, bytes the file has)"""
+    """(bytes a read needs, bytes the file has[, the tensor whose data needs them])"""
+
+
+class _BadTensor(Exception):
+    """(tensor name, what is wrong with its header)"""
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,6 +58,29 @@ def _reader_class():
             arr = plain[offset:end].view(dtype)
             order = self.byte_order if override_order is None else override_order
             return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
+
+        def _build_tensors(self, start_offs, fields):
+            # Each tensor's header checked first, so that an error names the tensor: a type id gguf does not know,
+            # rows that are not whole blocks of the type (the byte count would not match the shape), data past the
+            # end of the file.
+            size = len(self.data)
+            for field in fields:
+                _, name_data, _, dims, raw_dtype, offset = field.parts
+                name = bytes(name_data).decode("utf-8", "replace")
+                try:
+                    kind = gguf.GGMLQuantizationType(int(raw_dtype[0]))
+                except ValueError:
+                    raise _BadTensor(name, f"GGML type id {int(raw_dtype[0])} is not one gguf "
+                                           f"{getattr(gguf, '__version__', '')} knows") from None
+                per, nbytes = gguf.GGML_QUANT_SIZES[kind]
+                ne = [int(d) for d in dims]
+                if ne and ne[0] % per:
+                    raise _BadTensor(name, f"{kind.name} rows of {ne[0]} values are not whole blocks of {per}: "
+                                           "its byte count does not match its shape")
+                end = int(start_offs + offset[0]) + int(np.prod(ne)) // per * nbytes
+                if end > size:
+                    raise _Truncated(end, size, name)
+            return super()._build_tensors(start_offs, fields)
 
         def _get_field_parts(self, orig_offs, raw_type):
             # An array read whole: GGUFReader reads it one element at a time (two _get calls per string), seconds
@@ -236,7 +263,12 @@ def _read(path: Path):
         raise GGUFError(f"{path} is not a GGUF file: it starts with {head!r}, not b'GGUF'")
     try:
         return _reader_class()(path)
+    except _BadTensor as e:
+        raise GGUFError(f"{path}: tensor {e.args[0]}: {e.args[1]}") from None
     except _Truncated as e:
+        if len(e.args) > 2:
+            raise GGUFError(f"{path} is truncated: tensor {e.args[2]}'s data ends at byte {e.args[0]}, the file has "
+                            f"{e.args[1]} (or the tensor's shape and type do not match its data)") from None
         raise GGUFError(f"{path} is truncated: it has {e.args[1]} bytes, its header and tensors need at least "
                         f"{e.args[0]}") from None
     except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError) as e:
