@@ -1,6 +1,7 @@
 """A Hugging Face checkpoint's tokenizer and chat template, without transformers.
 
-``Tokenizer.from_dir(path)`` reads ``tokenizer.json`` (through the ``tokenizers`` library), ``tokenizer_config.json``
+``Tokenizer.from_dir(path)`` reads ``tokenizer.json`` (through the ``tokenizers`` library) or, without one, a
+tiktoken BPE ``tiktoken.model`` as Kimi's checkpoints ship it (``tiktoken_backend``), ``tokenizer_config.json``
 (special tokens, ``add_bos_token``, ``chat_template``), ``chat_template.jinja`` (newer layout; takes priority, as in
 transformers), ``generation_config.json`` and ``config.json`` (eos / bos ids). Chat templates are rendered the way
 transformers renders them: a sandboxed jinja2 environment with ``trim_blocks`` and ``lstrip_blocks``, the
@@ -210,6 +211,126 @@ def _check_messages(messages: Any) -> None:
             raise ValueError(f"messages[{i}] needs a string 'content', got {type(m.get('content')).__name__}")
 
 
+# Kimi's pre-tokenization split, as its tokenization_kimi.py gives it to tiktoken (Rust regex syntax). Oniguruma,
+# the tokenizers library's regex engine, reads the same text alike: `&&` intersects character classes there too,
+# and it knows the Han script. Runs of Han characters split apart from other letters; cased words as in cl100k.
+KIMI_PATTERN = "|".join([
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+])
+KIMI_SPECIAL_TOKENS = 256 + 2  # the ids after the ranks: tokenization_kimi.py's num_reserved_special_tokens + 2
+TIKTOKEN_FILE = "tiktoken.model"
+
+
+def read_tiktoken(file: Path) -> list[bytes]:
+    """The tokens of a tiktoken BPE file (one ``base64(token) rank`` line each, blank lines skipped), indexed by
+    rank. The ranks must be 0..n-1, each token once, and every single byte a token (so any text can be encoded);
+    anything else is a ValueError naming the file and the line."""
+    import base64
+    import binascii
+
+    try:
+        lines = file.read_bytes().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read {file}: {e}") from e
+    by_rank: dict[int, bytes] = {}
+    line_of: dict[bytes, int] = {}
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        fields = line.split()
+        shown = [f[:80].decode("utf-8", "replace") for f in fields]
+        if len(fields) != 2:
+            raise ValueError(f"{file} line {n}: expected 'base64-token rank', got {' '.join(shown)!r}")
+        try:
+            token = base64.b64decode(fields[0], validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError(f"{file} line {n}: {shown[0]!r} is not base64") from None
+        if not fields[1].isdigit():
+            raise ValueError(f"{file} line {n}: the rank {shown[1]!r} is not a non-negative integer")
+        rank = int(fields[1])
+        if token in line_of:
+            raise ValueError(f"{file} line {n}: token {token!r} again (first on line {line_of[token]})")
+        if rank in by_rank:
+            raise ValueError(f"{file} line {n}: rank {rank} again (first on line {line_of[by_rank[rank]]})")
+        by_rank[rank] = token
+        line_of[token] = n
+    if not by_rank:
+        raise ValueError(f"{file} holds no tokens")
+    if len(by_rank) != max(by_rank) + 1:
+        missing = next(r for r in range(len(by_rank)) if r not in by_rank)
+        raise ValueError(f"{file}: ranks must run 0..{len(by_rank) - 1} without gaps; rank {missing} is missing")
+    single = [b for b in range(256) if bytes([b]) not in line_of]
+    if single:
+        raise ValueError(f"{file}: the single bytes {single[:8]}{' ...' if len(single) > 8 else ''} are not tokens "
+                         "(a byte-level BPE needs all 256 to encode any text)")
+    return [by_rank[r] for r in range(len(by_rank))]
+
+
+def tiktoken_backend(file: Path, config: dict, pattern: str = KIMI_PATTERN, n_special: int = KIMI_SPECIAL_TOKENS):
+    """A ``tokenizers.Tokenizer`` that encodes as tiktoken does with the ranks of ``file``, the split ``pattern`` and
+    ``n_special`` special tokens at the ids after the ranks (named by tokenizer_config.json's
+    ``added_tokens_decoder``, ``<|reserved_token_{id}|>`` otherwise, as tokenization_kimi.py names them).
+
+    tiktoken merges, again and again, the adjacent pair whose concatenation has the lowest rank, and takes a piece
+    that is a token whole. A byte-level BPE does the same given, for every token in rank order, a merge for each
+    way to cut it into two tokens, and ``ignore_merges`` for whole pieces. (Where two cuts of one token could apply
+    in one piece at once, tiktoken takes the leftmost and the BPE the cut listed first; a vocabulary learned by BPE
+    does not make such pairs in practice, and the tests compare with tiktoken on a learned one.) Kimi's code also
+    encodes a text past 400,000 characters, or with a run over 25,000 (non-)whitespace characters, in pieces; this
+    tokenizer does not cut. The conversion is written here rather
+    than taken from transformers' ``TikTokenConverter``: transformers is no dependency of hetmoe, that converter
+    needs the ``tiktoken`` package too just to read the file, and reading it here names the line of a bad entry.
+    """
+    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import BPE
+
+    tokens = read_tiktoken(file)
+    table = {b: c for c, b in _byte_level_table().items()}
+    names = ["".join(table[b] for b in t) for t in tokens]
+    rank = {t: r for r, t in enumerate(tokens)}
+    merges = []
+    for t in tokens:  # in rank order: a lower-ranked token's merges come first
+        cuts = sorted((rank[t[:i]], rank[t[i:]]) for i in range(1, len(t)) if t[:i] in rank and t[i:] in rank)
+        merges += [(names[a], names[b]) for a, b in cuts]
+    backend = Backend(BPE({name: r for r, name in enumerate(names)}, merges, ignore_merges=True, fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    backend.decoder = decoders.ByteLevel()
+
+    source = file.parent / "tokenizer_config.json"
+    declared = config.get("added_tokens_decoder") or {}
+    if not isinstance(declared, dict):
+        raise ValueError(f"{source}: added_tokens_decoder must be an object of id -> token")
+    n = len(tokens)
+    special = {i: f"<|reserved_token_{i}|>" for i in range(n, n + n_special)}
+    for key, value in declared.items():
+        content = _token_content(value)
+        if not (isinstance(key, str) and key.isdigit()) or content is None:
+            raise ValueError(f"{source}: added_tokens_decoder entry {key!r}: {value!r} is not id -> token")
+        if int(key) not in special:
+            raise ValueError(f"{source}: added token {content!r} has id {key}; {file.name} leaves ids {n}.."
+                             f"{n + n_special - 1} to special tokens")
+        special[int(key)] = content
+    backend.add_special_tokens([AddedToken(special[i], special=True, normalized=False) for i in sorted(special)])
+    wrong = [(i, t) for i, t in special.items() if backend.token_to_id(t) != i]
+    if wrong:  # a name given twice, or one that is also the text of a rank's token
+        raise ValueError(f"{source}: special token {wrong[0][1]!r} cannot have id {wrong[0][0]}: its text is "
+                         "another token's too")
+    return backend
+
+
 class Tokenizer:
     """Text <-> token ids, the end-of-sequence ids, and the chat template of one checkpoint."""
 
@@ -247,13 +368,17 @@ class Tokenizer:
 
         path = Path(path)
         file = path / "tokenizer.json"
-        if not file.is_file():
-            raise FileNotFoundError(f"no tokenizer.json in {path} (a Hugging Face 'fast' tokenizer file is required)")
-        try:
-            backend = Backend.from_file(str(file))
-        except Exception as e:  # the Rust side raises a bare Exception on malformed files
-            raise ValueError(f"cannot read {file}: {e}") from e
         config = _read_json(path / "tokenizer_config.json")
+        if file.is_file():
+            try:
+                backend = Backend.from_file(str(file))
+            except Exception as e:  # the Rust side raises a bare Exception on malformed files
+                raise ValueError(f"cannot read {file}: {e}") from e
+        elif (path / TIKTOKEN_FILE).is_file():  # Kimi's layout: tiktoken ranks, specials in tokenizer_config.json
+            backend = tiktoken_backend(path / TIKTOKEN_FILE, config)
+        else:
+            raise FileNotFoundError(f"no tokenizer.json in {path} (nor Kimi's {TIKTOKEN_FILE}): a Hugging Face "
+                                    "'fast' tokenizer file is required")
         generation = _read_json(path / "generation_config.json")
         model = _read_json(path / "config.json")
         template = _pick_template(config.get("chat_template"), path / "tokenizer_config.json")

@@ -254,22 +254,19 @@ def load_summary(cfg: ModelConfig, path: Path, n_layers: int, n_moe: int, plan: 
 
 
 def load_tokenizer(path, cfg: Optional[ModelConfig] = None, log: Optional[Callable[[str], None]] = None):
-    """The tokenizer of model directory ``path`` with every file read now — tokenizer.json, tokenizer_config.json,
-    the chat template compiled — so that a broken one is reported before any weight is read (ValueError /
-    FileNotFoundError naming the file). A tokenizer with more tokens than ``cfg``'s vocab_size is noted."""
+    """The tokenizer of model directory ``path`` with every file read now — tokenizer.json (or Kimi's
+    tiktoken.model), tokenizer_config.json, the chat template compiled — so that a broken one is reported before
+    any weight is read (ValueError / FileNotFoundError naming the file). A tokenizer with more tokens than
+    ``cfg``'s vocab_size is noted."""
     import jinja2
 
-    from hetmoe.tokenizer import Tokenizer, compile_template
+    from hetmoe.tokenizer import TIKTOKEN_FILE, Tokenizer, compile_template
 
     path = Path(path)
     if is_gguf(path):  # tokenizer.ggml.* and tokenizer.chat_template of the file
         from hetmoe.load.gguf.checkpoint import tokenizer_of
 
         return tokenizer_of(path)
-    if not (path / "tokenizer.json").is_file() and (path / "tiktoken.model").is_file():
-        raise FileNotFoundError(f"no tokenizer.json in {path}: its tokenizer is tiktoken.model (a tiktoken BPE, as "
-                                "Kimi's checkpoints ship it, read by their own tokenization code), which hetmoe does "
-                                "not read; hetmoe needs the Hugging Face 'fast' tokenizer file, tokenizer.json")
     try:
         tok = Tokenizer.from_dir(path)
     except UnicodeDecodeError as err:
@@ -283,7 +280,8 @@ def load_tokenizer(path, cfg: Optional[ModelConfig] = None, log: Optional[Callab
             raise ValueError(f"{src}: the chat template does not compile ({err})") from None
     vocab = (cfg or {}).get("vocab_size")
     if log is not None and isinstance(vocab, int) and tok.vocab_size > vocab:
-        log(f"hetmoe: note: {path / 'tokenizer.json'} has {tok.vocab_size} tokens, config.json's vocab_size is "
+        file = path / "tokenizer.json" if (path / "tokenizer.json").is_file() else path / TIKTOKEN_FILE
+        log(f"hetmoe: note: {file} has {tok.vocab_size} tokens, config.json's vocab_size is "
             f"{vocab}: ids from {vocab} on have no embedding")
     return tok
 

@@ -15,7 +15,7 @@ compressed-tensors itself or by hetmoe's packer):
 * the checkpoint as the text model sees it: names without ``language_model.``, the vision tensors never read;
 * bad input, refused by name: before any weight is read, quantization settings this reader does not handle,
   tensor headers that disagree with the config or with each other, a config.json whose text_config is unusable, a
-  tiktoken tokenizer without tokenizer.json; while loading, a weight_shape that disagrees with the codes and a NaN
+  tiktoken.model that is not a tiktoken file; while loading, a weight_shape that disagrees with the codes and a NaN
   scale (named with its expert).
 
 Paths: the CPU engine's best row-block path (int4 codes are held the same on every path: tests/cpu covers the kernels).
@@ -386,12 +386,11 @@ def test_an_unusable_text_config_is_named(damaged, no_weights, case):
         check_model_dir(damaged)
 
 
-def test_a_tiktoken_tokenizer_is_named(damaged, no_weights):
-    """Kimi's checkpoints ship tiktoken.model and their own tokenizer code, no tokenizer.json: hetmoe says which file
-    it needs."""
+def test_a_tiktoken_tokenizer_is_read_before_any_weight(damaged, no_weights):
+    """Kimi's checkpoints ship tiktoken.model, no tokenizer.json: hetmoe reads it (tests/test_tokenizer_tiktoken.py),
+    and one that is not a tiktoken file is refused naming it and the line."""
     (damaged / "tokenizer.json").rename(damaged / "tiktoken.model")
-    with pytest.raises(FileNotFoundError, match=r"no tokenizer.json in .*: its tokenizer is tiktoken.model .* hetmoe "
-                                                r"needs the Hugging Face 'fast' tokenizer file, tokenizer.json"):
+    with pytest.raises(ValueError, match=r"tiktoken.model line 1: expected 'base64-token rank'"):
         load_tokenizer(damaged)
 
 
