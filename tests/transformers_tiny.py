@@ -49,11 +49,28 @@ NATIVE_FAMILIES = {
        for family, cls in (("deepseek_v32", "DeepseekV32Config"), ("glm_moe_dsa", "GlmMoeDsaConfig"))},
 }
 
+# Families only the Transformers backend's own tests read, beyond FAMILIES: DeepSeek-V4 (its experts' clamped SwiGLU
+# keeps Transformers' implementation). Three layers, one of each attention kind: HCA (compressed 8x here), CSA
+# (compressed 4x, an indexer keeping the top 3), sliding window only; a window of 8 and 2 hyper-connection streams;
+# the first layer hash-routed (tid2eid); no MTP layer.
+BACKEND_FAMILIES = {
+    "deepseek_v4": ("DeepseekV4Config", dict(num_hidden_layers=3, num_key_value_heads=1, head_dim=32, q_lora_rank=24,
+                                             moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                                             n_shared_experts=1, sliding_window=8, o_groups=2, o_lora_rank=16,
+                                             index_n_heads=4, index_head_dim=16, index_topk=3,
+                                             num_nextn_predict_layers=0, hc_mult=2,
+                                             compress_rates={"compressed_sparse_attention": 4,
+                                                             "heavily_compressed_attention": 8},
+                                             layer_types=["heavily_compressed_attention",
+                                                          "compressed_sparse_attention", "sliding_attention"],
+                                             mlp_layer_types=["hash_moe", "moe", "moe"])),
+}
+
 
 def make_config(family: str, overrides: dict | None = None):
     import transformers
 
-    cls_name, extra = {**FAMILIES, **NATIVE_FAMILIES}[family]
+    cls_name, extra = {**FAMILIES, **NATIVE_FAMILIES, **BACKEND_FAMILIES}[family]
     return getattr(transformers, cls_name)(**{**COMMON, **extra, **(overrides or {})})
 
 
@@ -63,7 +80,7 @@ def save_tiny(family: str, path, seed: int = 0, dtype: torch.dtype = torch.float
     ``max_shard_size`` (with ``tokenizer``: a byte-level BPE tokenizer and its config beside it). Weights are
     rounded to bf16 (then stored in ``dtype``), so the engine's bf16 experts hold them exactly; std well above the
     init's 0.02 so that the routing and logits are far from uniform; norm weights 1 + noise, DeepSeek-style
-    correction biases random."""
+    correction biases random, hash-routing tables random."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
@@ -76,6 +93,9 @@ def save_tiny(family: str, path, seed: int = 0, dtype: torch.dtype = torch.float
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn_like(b))
+            elif name.endswith("tid2eid"):  # hash routing: k distinct experts per token id
+                n_experts = model.config.n_routed_experts
+                b.copy_(torch.stack([torch.randperm(n_experts)[:b.shape[1]] for _ in range(b.shape[0])]))
     model.to(dtype).save_pretrained(path, max_shard_size=max_shard_size)
     if tokenizer:
         from hetmoe.load.random_weights import build_tokenizer, tokenizer_config

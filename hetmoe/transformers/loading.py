@@ -162,6 +162,20 @@ def _assemble(ckpt, src: _Sources, module: nn.Module, device, dtype, where: str)
     module._parameters["down_proj"] = nn.Parameter(down, requires_grad=False)
 
 
+def _model_key(key: str, renamings: list, converters: list, prefix: str, meta_sd: dict) -> tuple:
+    """(model key, converter source pattern or None) of checkpoint tensor ``key``, by Transformers' own rule
+    (core_model_loading.convert_and_load_state_dict_in_model): the renamings, then at most one converter; where the
+    result is not a tensor of the model but ``key`` itself is, ``key`` stands as it is. A model's renamings are
+    written for its original release's names and may also match the names Transformers writes (DeepSeek-V4's
+    ``.norm.`` -> ``.kv_norm.`` turns ``model.norm.weight`` into a tensor the model does not have)."""
+    from transformers.core_model_loading import rename_source_key
+
+    target, pattern = rename_source_key(key, renamings, converters, prefix, meta_sd)
+    if target not in meta_sd and key in meta_sd:
+        return rename_source_key(key, [], [], prefix, meta_sd)
+    return target, pattern
+
+
 def _rule_placements(rules, model, modules: dict, dev: torch.device, dtype: torch.dtype) -> dict:
     """{experts module name: Placement} from placement rules (hetmoe/config/rules.py: a file or a Rules). Dense
     modules stay on the model's device in its dtype and the native runner's per-layer keys do not apply here:
@@ -231,7 +245,7 @@ def from_pretrained(path, rules=None, experts_format: str = "auto", device: str 
     layer loads (hetmoe/transformers/dense.py; auto: int8 on the CPU unless the dense part is small)."""
     from transformers import AutoConfig
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, rename_source_key
+    from transformers.core_model_loading import WeightConverter
 
     from hetmoe.config.options import DEFAULT_GROUP
     from hetmoe.cpu import CPUExperts
@@ -247,6 +261,10 @@ def from_pretrained(path, rules=None, experts_format: str = "auto", device: str 
         method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
         if str(method) != "fp8":
             raise ValueError(f"{path}: quantization {method!r} is not supported by the hetmoe Transformers backend")
+        experts_dtype = qc.get("expert_dtype") if isinstance(qc, dict) else getattr(qc, "expert_dtype", None)
+        if experts_dtype not in (None, "fp8"):  # DeepSeek-V4's released experts: MXFP4 beside FP8 dense weights
+            raise ValueError(f"{path}: experts stored as {experts_dtype!r} (quantization_config.expert_dtype) are not "
+                             "supported by the hetmoe Transformers backend; only FP8 blocks are dequantized")
         del config.quantization_config
     model = build_model(config, torch.float32)
     modules = {n: m for n, m in model.named_modules() if backend.is_experts_module(m)}
@@ -307,14 +325,14 @@ def from_pretrained(path, rules=None, experts_format: str = "auto", device: str 
     for key in ckpt.names():
         if key.endswith("_scale_inv"):
             continue  # FP8 block scales: read with their weight
-        renamed, _ = rename_source_key(key, renamings, [], model.base_model_prefix, meta_sd)
+        renamed, _ = _model_key(key, renamings, [], model.base_model_prefix, meta_sd)
         owner = next((p for p in prefixes if renamed.startswith(p + ".")), None)
         rest = renamed[len(owner) + 1:] if owner is not None else ""
         # a fallback module's fused tensors are its own parameters: they load as dense tensors
         if owner is not None and (owner in engine_modules or _PER_EXPERT.fullmatch(rest)) and \
                 sources[owner].add(rest, key):
             continue
-        target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_sd)
+        target, pattern = _model_key(key, renamings, converters, model.base_model_prefix, meta_sd)
         if target in meta_sd:
             dense[target] = key
         elif pattern is not None:

@@ -23,7 +23,8 @@ from hetmoe.transformers.backend import SUPPORTED
 
 DEFAULT_CONTEXT = 4096
 CACHE_NAMES = ("cache", "past_key_values")  # the forward keyword and output field, newest name first
-STATE_ATTRS = ("conv_states", "recurrent_states", "ssm_states", "linear_cache")  # a recurrent state: no crop
+# a recurrent state, or a compressor's running state (DeepSeek-V4's compressed KV): its crop leaves it stale
+STATE_ATTRS = ("conv_states", "recurrent_states", "ssm_states", "linear_cache", "compressed_kv", "buffer_kv")
 
 
 def transformers_class(model_type: Optional[str]) -> Optional[str]:

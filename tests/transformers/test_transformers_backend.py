@@ -9,6 +9,7 @@ bf16-rounded fp32 checkpoints are computed without any rounding of the weights) 
 Transformers' fp32 PyTorch on the CPU. GPU-marked: dense on the GPU, experts on the CPU.
 """
 
+import json
 import warnings
 
 import pytest
@@ -156,6 +157,47 @@ def test_gpt_oss_falls_back_with_one_warning(tiny):
     assert model.hetmoe_info["engine_modules"] == []
     assert torch.equal(logits(model), logits(eager(path)))  # Transformers' own eager experts, same weights
 
+
+
+def test_deepseek_v4_loads_with_transformers_experts(tmp_path):
+    """A DeepSeek-V4 checkpoint as Transformers writes it: its final norm is saved as ``model.norm.weight``, which
+    V4's renaming ``.norm.`` -> ``.kv_norm.`` (for the original release's names) would send nowhere; Transformers'
+    rule keeps the key as it is. The experts' clamped SwiGLU keeps Transformers' implementation (one warning); the
+    rest (hash routing, CSA/HCA, hyper-connections) is the model's own code. A 20-token prompt passes the window of 8,
+    the HCA rate of 8 and the indexer's top 3 of the CSA entries."""
+    import transformers
+
+    if not hasattr(transformers, "DeepseekV4Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no DeepSeek-V4")
+    path = save_tiny("deepseek_v4", tmp_path / "v4", tokenizer=True)
+    ref = eager(path)
+    with pytest.warns(ht.FallbackWarning) as record:
+        model = load(path)
+    text = str(next(w for w in record if issubclass(w.category, ht.FallbackWarning)).message)
+    assert "DeepseekV4Experts" in text and "_apply_gate" in text and "clamped SwiGLU" in text
+    assert model.hetmoe_info["engine_modules"] == []
+    assert set(model.hetmoe_info["fallback_modules"]) == {f"model.layers.{i}.mlp.experts" for i in range(3)}
+    assert torch.equal(model.model.norm.weight, ref.model.norm.weight)
+    table = model.model.layers[0].mlp.gate.tid2eid
+    assert torch.equal(table, ref.model.layers[0].mlp.gate.tid2eid) and table.unique().numel() > 1
+    ids = torch.tensor([IDS[0] + [200, 31, 8, 99, 150, 250, 19, 2, 7]])
+    assert torch.equal(logits(model, ids.tolist()), logits(ref, ids.tolist()))
+    out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, ref.generate(ids, max_new_tokens=12, do_sample=False))
+    # the compressors' running state cannot be cropped: a reused prefix is recomputed, same logits (cropped inside
+    # the window, the CSA entry written from the other slot's tokens was kept: 15% off)
+    runner = TransformersRunner(model, max_batch=2, max_context=64, prefill_chunk=4)
+    for n, start in ((7, 2), (20, 12)):
+        fresh = runner.prefill(ids[0, :n].tolist(), slot=0)
+        runner.prefill(ids[0, :start].tolist() + [1, 2, 3, 4], slot=1)
+        assert rel(runner.prefill(ids[0, start:n].tolist(), slot=1, start=start), fresh) < 1e-5
+    # the released checkpoints' MXFP4 experts (FP8 elsewhere): refused by name before any weight is read
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128], "expert_dtype": "fp4"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="'fp4' .*expert_dtype"):
+        load(path)
 
 def test_other_activation_falls_back(tmp_path):
     """A gated activation other than SiLU (GELU here): Transformers computes it, named in the warning."""
