@@ -222,6 +222,9 @@ def add_gpu_prefill(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions
     count given is refused (MemoryError with the breakdown)."""
     if plan.device.type != "cuda" or opts.gpu_prefill == "off" or not shapes.n_moe_layers:
         return
+    if plan.layers and all(lp.gpu_experts >= shapes.n_routed // shapes.n_moe_layers for lp in plan.layers):
+        plan.why["prefill slots"] = "none: every routed expert is resident (no layer to stream)"
+        return
     total = HEADROOM * vram_free if budget is None else budget
     left = total - plan.vram_bytes
     need = {}
@@ -377,7 +380,9 @@ def choose_plan(shapes: "ModelShapes", opts: EngineOptions, layers: Optional[lis
         problems.append(f"GPU memory: needs {gib(plan.vram_bytes)}, {vram_src}")
         if plan.vram["dense weights"] > vram:
             problems.append(f"the dense weights alone ({plan.dense_format}) need {gib(plan.vram['dense weights'])}")
-    if not problems:
+    if not problems and device.type == "cuda" and opts.gpu_experts == "auto" and plan.layers:
+        spend_vram(plan, shapes, opts, layers, vram)
+    elif not problems:
         add_gpu_prefill(plan, shapes, opts, budget=vram)
         fill_gpu_experts(plan, shapes, opts, layers, vram)
     if problems:
@@ -412,6 +417,113 @@ def fill_gpu_experts(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOption
     plan.vram["GPU experts"] = sum(lp.vram for lp in plan.layers)
     plan.why["GPU experts"] = (f"auto: {n} of {E} per layer" + (" (all)" if n == E else
                                                                  f" fill the {gib(left)} left"))
+
+
+# --gpu-experts auto keeps this much VRAM unplanned beside resident experts (allocator slack, fragmentation)
+RESIDENT_MARGIN = 256 << 20
+# The planner's cost model (``modelled_rates``): nominal rates of a PCIe gen5 host with an H100-class GPU
+# (rounded down from peak to what the kernels reach). Only their ratios matter to the choice: what VRAM buys as
+# resident experts against what it buys as layerwise prefill buffers.
+HBM_BPS = 2.0e12  # bytes/s a decode step reads from GPU memory
+CPU_DRAM_BPS = 120e9  # bytes/s the CPU engine reads its experts at in decode
+LINK_BPS = 45e9  # pinned host-to-device copies (the layerwise prefill's slots)
+GPU_FLOPS = 400e12  # prefill matmuls on the GPU
+CPU_FLOPS = 4e12  # prefill expert matmuls on the CPU engine (AMX-class)
+
+
+def modelled_rates(plan: MemoryPlan, shapes: "ModelShapes", resident: int, chunk: Optional[int]) -> tuple:
+    """(decode tok/s, long-prompt prefill tok/s) the cost model gives ``plan`` with ``resident`` routed experts of
+    every MoE layer on the GPU and the layerwise prefill at chunks of ``chunk`` tokens (None: without it). Decode:
+    the GPU reads the dense weights and the resident share of each token's k experts, the CPU the rest (in series).
+    Prefill: the GPU computes the dense part and the resident share; the CPU computes the rest, or, with the
+    layerwise prefill, every layer not all resident crosses the link once per chunk, overlapped with the GPU."""
+    E = shapes.n_routed // shapes.n_moe_layers
+    k, f = shapes.top_k, min(resident, E) / E
+    cpu_bytes = sum(lp.ram for lp in plan.layers) / E  # one expert of every layer, packed for the CPU
+    gpu_bytes = sum(lp.gpu_expert_bytes for lp in plan.layers)
+    itemsize = plan.dtype.itemsize
+    decode = (dense_token_bytes(shapes, plan.dense_format, itemsize) + k * f * gpu_bytes) / HBM_BPS \
+        + k * (1 - f) * cpu_bytes / CPU_DRAM_BPS
+    expert_flops = 2 * 3 * shapes.hidden * shapes.expert_inter * k * shapes.n_moe_layers  # per token
+    gpu = (2 * shapes.dense_params + expert_flops * (1 if chunk else f)) / GPU_FLOPS
+    if chunk and resident < E:
+        prefill = max(gpu, E * cpu_bytes / chunk / LINK_BPS)
+    else:
+        prefill = gpu + expert_flops * (1 - f) / CPU_FLOPS
+    return 1 / decode, 1 / prefill
+
+
+def spend_vram(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions, layers, vram: int) -> None:
+    """--gpu-experts auto on a GPU: spend the VRAM the rest of the plan leaves by value. Every routed expert
+    resident when they all fit (less RESIDENT_MARGIN), with no layerwise prefill buffers (no layer is left to
+    stream); else each candidate -- no layerwise prefill, or each of its chunks whose buffers fit -- with the
+    most resident experts per layer that fit beside it, and the candidate of the highest value: the geometric mean
+    of the decode and long-prompt prefill rates of the cost model (``modelled_rates``). --gpu-prefill N must
+    have its buffers: only the chunks are compared then; --gpu-prefill off: experts only. The table says why."""
+    E = shapes.n_routed // shapes.n_moe_layers
+    free = [lp for lp, p in zip(plan.layers, layers or [None] * len(plan.layers))
+            if getattr(p, "gpu_experts", None) is None]
+    if not free:  # the rules place every layer: --gpu-experts auto has nothing to choose
+        add_gpu_prefill(plan, shapes, opts, budget=vram)
+        fill_gpu_experts(plan, shapes, opts, layers, vram)
+        return
+    per = sum(lp.gpu_expert_bytes for lp in free)  # one more resident expert in every free layer
+    left = max(0, vram - plan.vram_bytes - RESIDENT_MARGIN)
+    fixed_resident = all(lp.gpu_experts >= E for lp, p in zip(plan.layers, layers or [None] * len(plan.layers))
+                         if getattr(p, "gpu_experts", None) is not None)
+
+    def resident(room: float) -> int:
+        return int(min(E, max(0, room) // per))
+
+    def choose(n: int, chunk: Optional[int], need: dict, why: str) -> None:
+        for lp in free:
+            lp.gpu_experts, lp.vram = n, n * lp.gpu_expert_bytes
+        plan.vram["GPU experts"] = sum(lp.vram for lp in plan.layers)
+        if chunk:
+            plan.vram.update(need)
+            plan.prefill_chunk, plan.gpu_prefill = chunk, True
+            plan.why.update(dict.fromkeys(need, f"layerwise GPU prefill, chunks of {chunk} tokens"))
+        plan.why["GPU experts"] = why
+
+    if E * per <= left and fixed_resident and not isinstance(opts.gpu_prefill, int):
+        choose(E, None, {}, f"auto: {E} of {E} per layer (all): the whole model fits "
+                            f"({gib(E * per)} of {gib(left)} left)")
+        plan.why["prefill slots"] = "none: every routed expert is resident (no layer to stream)"
+        return
+    if opts.gpu_prefill == "off":
+        n = resident(left)
+        return choose(n, None, {}, f"auto: {n} of {E} per layer fill the {gib(left)} left (--gpu-prefill off)")
+    options = [] if isinstance(opts.gpu_prefill, int) else [(resident(left), None, {})]
+    for chunk in prefill_chunks(opts):
+        need = prefill_need(plan, shapes, chunk)
+        if chunk > BIG_CHUNK and sum(need.values()) > vram / 8:  # a chunk that large is not worth its VRAM
+            continue
+        if sum(need.values()) <= left:
+            options.append((resident(left - sum(need.values())), chunk, need))
+    if not options:  # --gpu-prefill N whose buffers do not fit: refused as add_gpu_prefill refuses
+        add_gpu_prefill(plan, shapes, opts, budget=vram)
+        return
+    scored = []
+    for n, chunk, need in options:
+        dec, pre = modelled_rates(plan, shapes, n, chunk)
+        scored.append(((dec * pre) ** 0.5, n, chunk, need, dec, pre))
+    best = max(scored, key=lambda s: s[0])
+    _, n, chunk, need, dec, pre = best
+
+    def said(s) -> str:
+        where = f"prefill chunks of {s[2]} on the GPU" if s[2] else "no GPU prefill buffers"
+        return f"{s[1]}/{E} resident with {where}: decode {s[4]:,.0f}, prefill {s[5]:,.0f} tok/s"
+
+    # the runner-up: the best candidate of the other kind (buffers or none), else the next chunk
+    rest = sorted((s for s in scored if s is not best), key=lambda s: (bool(s[2]) == bool(best[2]), -s[0]))
+    others = [said(s) for s in rest[:1]]
+    reason = f"auto: {n} of {E} per layer" + (" (all)" if n == E else "") + f" by modelled value ({said(best)}"
+    reason += f"; over {'; '.join(others)})" if others else ")"
+    choose(n, chunk, need, reason)
+    if not chunk:
+        plan.why["prefill slots"] = ("none: resident experts are worth more than the layerwise prefill's buffers "
+                                     "(see GPU experts)" if others else
+                                     "none: the smallest chunk's buffers do not fit (the CPU prefills)")
 
 
 def kv_paged(opts: EngineOptions, device: torch.device) -> bool:

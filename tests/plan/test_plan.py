@@ -207,7 +207,8 @@ def test_gpu_experts_auto_fills_and_never_exceeds_the_budget(qwen, budget):
     assert len(n) == 1 and plan.vram["GPU experts"] == n.pop() * 48 * each == sum(lp.vram for lp in plan.layers)
     N = plan.layers[0].gpu_experts
     assert plan.vram_bytes <= limit and N > 0
-    assert N == E or plan.vram_bytes + 48 * each > limit  # one more per layer would not fit
+    # one more per layer would not fit beside the margin the planner keeps
+    assert N == E or plan.vram_bytes + 48 * each > limit - placement.RESIDENT_MARGIN
     assert f"GPU experts ({N} per layer, bf16)" in "\n".join(plan.table())  # bf16 experts: bf16 copies
     zero = _plan(qwen, gpu_memory=budget, max_context=32768)
     assert zero.vram["GPU experts"] == 0 and zero.dense_format == plan.dense_format
@@ -216,6 +217,73 @@ def test_gpu_experts_auto_fills_and_never_exceeds_the_budget(qwen, budget):
 def test_gpu_experts_auto_is_capped_at_the_experts_per_layer(qwen):
     plan = _plan(qwen, gpu_memory="1TiB", max_context=4096, gpu_experts="auto")
     assert [lp.gpu_experts for lp in plan.layers] == [128] * 48 and "(all)" in plan.why["GPU experts"]
+
+
+def test_gpu_experts_auto_all_resident_when_the_whole_model_fits(qwen, capsys):
+    """Dense 2.87 GiB + int4 experts 15.19 GiB + a 32K KV cache fit 24 GiB: every expert resident and no layerwise
+    prefill buffers (no layer is left to stream), not a share of the experts traded for streaming slots."""
+    opts = dict(gpu_memory="24GiB", max_context=32768, gpu_experts="auto", experts_format="int4")
+    plan = _plan(qwen, **opts)
+    assert [lp.gpu_experts for lp in plan.layers] == [128] * 48 and not plan.gpu_prefill
+    assert not any(plan.vram.get(k) for k in ("prefill slots", "prefill weights", "prefill activations"))
+    assert plan.vram["GPU experts"] == 48 * 128 * plan.layers[0].gpu_expert_bytes and plan.vram_bytes <= 24 * GiB
+    assert "the whole model fits" in plan.why["GPU experts"] and plan.why["prefill slots"].startswith("none: every")
+    code, out, err = _cli(capsys, "plan", "--shape", "qwen3-30b-a3b", "--device", "cuda", "--gpu-memory", "24GiB",
+                          "--gpu-experts", "auto", "--experts-format", "int4", "--max-context", 32768,
+                          "--cpu-memory", BIG_RAM)
+    assert code == 0, err
+    assert re.search(r"GPU experts \(128 per layer, int4\) +cuda +15\.19 GiB +auto: 128 of 128 per layer \(all\)", out)
+    assert re.search(r"prefill slots +cuda +0\.0 MiB +none: every routed expert is resident", out), out
+    assert "prefill weights" not in out and "fits: 24.00 GiB budget" in out
+    # one byte short of every expert (with the margin): the choice goes back to the cost model
+    need = plan.vram_bytes + placement.RESIDENT_MARGIN
+    short = _plan(qwen, **{**opts, "gpu_memory": need - 1})
+    assert short.layers[0].gpu_experts < 128 and "by modelled value" in short.why["GPU experts"]
+    assert _plan(qwen, **{**opts, "gpu_memory": need}).layers[0].gpu_experts == 128
+
+
+@pytest.mark.parametrize("budget", ["11GiB", "16GiB", "20GiB", "22GiB"])
+def test_gpu_experts_auto_chooses_by_modelled_value(qwen, budget, capsys):
+    """Experts that do not all fit: resident experts alone against prefill buffers + fewer experts, the higher
+    modelled value (geometric mean of decode and prefill tok/s) chosen, both candidates and the numbers printed."""
+    opts = dict(gpu_memory=budget, max_context=32768, gpu_experts="auto", experts_format="int4")
+    plan = _plan(qwen, **opts)
+    n, limit = plan.layers[0].gpu_experts, parse_size(budget)
+    assert 0 < n < 128 and plan.vram_bytes <= limit
+    assert plan.gpu_prefill == (budget != "22GiB")  # near the whole model, the experts are worth more
+    off = _plan(qwen, **opts, gpu_prefill="off")  # experts only: the most that fit beside the margin
+    m, per = off.layers[0].gpu_experts, 48 * off.layers[0].gpu_expert_bytes
+    assert not off.gpu_prefill and off.vram_bytes + per > limit - placement.RESIDENT_MARGIN >= off.vram_bytes
+    assert "--gpu-prefill off" in off.why["GPU experts"]
+    shapes = model_shapes(qwen[1], qwen[0], qwen[3])
+    value = lambda r: (r[0] * r[1]) ** 0.5  # noqa: E731
+    chosen = value(placement.modelled_rates(plan, shapes, n, plan.prefill_chunk if plan.gpu_prefill else None))
+    assert chosen >= value(placement.modelled_rates(off, shapes, m, None))
+    if plan.gpu_prefill:  # buffers were worth more than the experts they displace
+        assert m > n and plan.vram["prefill slots"] > 0
+        assert f"{n}/128 resident with prefill chunks of {plan.prefill_chunk} on the GPU" in plan.why["GPU experts"]
+        assert f"over {m}/128 resident with no GPU prefill buffers" in plan.why["GPU experts"]
+    else:
+        assert n == m and plan.why["prefill slots"].startswith("none: resident experts are worth more")
+        assert f"{n}/128 resident with no GPU prefill buffers" in plan.why["GPU experts"]
+        assert re.search(r"over \d+/128 resident with prefill chunks of \d+ on the GPU", plan.why["GPU experts"])
+    # more resident experts are always modelled faster to decode; the layerwise prefill faster on long prompts
+    d0, p0 = placement.modelled_rates(plan, shapes, 0, None)
+    d1, p1 = placement.modelled_rates(plan, shapes, 64, None)
+    assert d1 > d0 and p1 > p0 and placement.modelled_rates(plan, shapes, 0, 8192)[1] > p0
+    code, out, err = _cli(capsys, "plan", "--shape", "qwen3-30b-a3b", "--device", "cuda", "--gpu-memory", budget,
+                          "--gpu-experts", "auto", "--experts-format", "int4", "--max-context", 32768,
+                          "--cpu-memory", BIG_RAM)
+    assert code == 0 and f"GPU experts ({n} per layer, int4)" in out and "by modelled value" in out, err
+
+
+def test_gpu_prefill_count_keeps_its_buffers_with_auto_experts(qwen):
+    """--gpu-prefill N asks for the layerwise prefill: auto experts fill what its buffers leave, even where every
+    expert would fit without them."""
+    plan = _plan(qwen, gpu_memory="24GiB", max_context=32768, gpu_experts="auto", experts_format="int4",
+                 gpu_prefill=512)
+    assert plan.gpu_prefill and plan.vram["prefill slots"] > 0 and 0 < plan.layers[0].gpu_experts < 128
+    assert plan.vram_bytes <= 24 * GiB
 
 
 def test_max_context_auto_fills_the_budget(deepseek):
