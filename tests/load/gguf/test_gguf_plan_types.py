@@ -106,7 +106,11 @@ def test_plan_prints_the_types_without_reading_tensor_data(tmp_path, capsys, mon
     monkeypatch.setattr(gguf_checkpoint, "open_gguf", header_only)
     assert main(["plan", "--model", str(path), "--device", "cpu", "--dtype", "fp32"]) == 0
     after = capsys.readouterr().out
-    assert after == before
+
+    def steady(out: str) -> list:  # the lines that do not read the machine's free memory, which moves between runs
+        return [line for line in out.splitlines() if "available" not in line]
+
+    assert steady(after) == steady(before)
     lines = after.splitlines()
     q4k = next(line for line in lines if line.startswith("experts  Q4_K "))
     q6k = next(line for line in lines if line.startswith("experts  Q6_K "))
