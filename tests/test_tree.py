@@ -261,6 +261,15 @@ def test_tests_mirror_the_package_folders():
     assert folders and not stray, f"test folders with no package folder of that name: {stray}"
 
 
+def test_test_files_have_unique_names():
+    """pytest imports test files by their base name (the folders are not packages): two files of one name in
+    different folders stop the collection of the whole suite ("import file mismatch")."""
+    seen: dict = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
+
+
 def test_the_cycle_finder_finds_cycles():
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
