@@ -102,21 +102,24 @@ def hf_trace(transformers, checkpoint, batch: int, prompt_len: int) -> tuple:
     return _HF_TRACES[key]
 
 
+def trace_ours(model, ids: torch.Tensor, fed: list) -> list:
+    """Our logits over the prefill of ``ids`` [B, S] and the cached steps feeding ``fed`` (one [B, 1] each)."""
+    B, S = ids.shape
+    cache = model.make_cache(B, S + len(fed) + 4)
+    slots = torch.arange(B)
+    with torch.no_grad():
+        out = [model.logits(model(ids, Step(positions=torch.arange(S).expand(B, S), slots=slots), cache))]
+        for i, nxt in enumerate(fed):
+            out.append(model.logits(model(nxt, Step(positions=torch.full((B, 1), S + i), slots=slots), cache)))
+    return out
+
+
 def parity_errors(transformers, checkpoint, model_cls, experts_backend, batch: int, prompt_len: int = 11) -> list:
     """Max relative logit error of ours vs transformers for the prefill and each of DECODE_STEPS greedy steps
     (transformers' greedy tokens fed to both)."""
     ids, fed, hf_logits = hf_trace(transformers, checkpoint, batch, prompt_len)
-    ours = load_ours(checkpoint, model_cls, experts_backend)
-    S = prompt_len
-    cache = ours.make_cache(batch, S + DECODE_STEPS + 4)
-    slots = torch.arange(batch)
-    with torch.no_grad():
-        logits = ours.logits(ours(ids, Step(positions=torch.arange(S).expand(batch, S), slots=slots), cache))
-        errors = [max_rel(logits, hf_logits[0])]
-        for i, nxt in enumerate(fed):
-            logits = ours.logits(ours(nxt, Step(positions=torch.full((batch, 1), S + i), slots=slots), cache))
-            errors.append(max_rel(logits, hf_logits[i + 1]))
-    return errors
+    ours = trace_ours(load_ours(checkpoint, model_cls, experts_backend), ids, fed)
+    return [max_rel(a, b) for a, b in zip(ours, hf_logits)]
 
 
 def assert_refused_before_weights(source, dest, monkeypatch, changes: dict, message: str, options: dict) -> None:

@@ -34,8 +34,8 @@ from hetmoe.layers.attention import Step, attend_cache
 from hetmoe.layers.kv_cache import KVCache, RecurrentStates
 from hetmoe.layers.linear import FusedLinears
 from hetmoe.layers.linear_attention import GatedDeltaNet
-from hetmoe.layers.rope import apply_rope, cos_sin, inv_frequencies
-from hetmoe.models.common import CausalLM, SoftmaxMoeBlock, SwiGLUMLP, qwen_layer_is_sparse
+from hetmoe.layers.rope import apply_rope, cos_sin
+from hetmoe.models.common import CausalLM, PartialRopeModel, SoftmaxMoeBlock, SwiGLUMLP, qwen_layer_is_sparse
 from hetmoe.models.config import ModelConfig
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -174,19 +174,16 @@ class Qwen3NextDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3NextModel(nn.Module):
-    """embed_tokens -> layers -> norm; one partial-RoPE table per call (the leading cfg.rope_dim dims of each head).
-    A fused decode step (``Step.fused``) runs the same unfused ops: the runner takes the eager step for models with
-    recurrent layers."""
+class Qwen3NextModel(PartialRopeModel):
+    """embed_tokens -> layers -> norm (Qwen3-Next's 1 + weight form); one partial-RoPE table per call (the leading
+    cfg.rope_dim dims of each head). A fused decode step (``Step.fused``) runs the same unfused ops: the runner takes
+    the eager step for models with recurrent layers."""
 
     layer_cls = Qwen3NextDecoderLayer
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_hidden_layers))
+        super().__init__(cfg)
         self.norm = Qwen3NextRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.register_buffer("inv_freq", inv_frequencies(cfg.rope_dim, cfg.rope_theta), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [B, S, H]

@@ -49,6 +49,7 @@ from parity import (
     load_ours,
     step_logits,
     torch_fp32,
+    trace_ours,
 )
 from paths import BEST_ROW_PATH
 
@@ -202,18 +203,6 @@ def test_prefill_then_cached_decode(name, dtype):
 BACKENDS = [pytest.param(torch_fp32, id="torch-fp32"), pytest.param(engine_bf16(BEST_ROW_PATH), id="engine-bf16")]
 
 
-def _trace_ours(model, ids: torch.Tensor, fed: list) -> list:
-    """Our logits over the prefill of ``ids`` [B, S] and the cached steps feeding ``fed`` (one [B, 1] each)."""
-    B, S = ids.shape
-    cache = model.make_cache(B, S + len(fed) + 4)
-    slots = torch.arange(B)
-    with torch.no_grad():
-        out = [model.logits(model(ids, Step(torch.arange(S).expand(B, S), slots), cache))]
-        for i, nxt in enumerate(fed):
-            out.append(model.logits(model(nxt, Step(torch.full((B, 1), S + i), slots), cache)))
-    return out
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("batch", [1, 2])
@@ -223,7 +212,7 @@ def test_logits_and_greedy_tokens_match_transformers(request, family, backend, b
     greedy choice at every step is its. A 5-token prompt is dense and its decode steps cross the top-6 boundary."""
     checkpoint = checkpoint_of(request, family)
     ids, fed, hf_logits = hf_trace(transformers, checkpoint, batch, prompt_len)
-    ours = _trace_ours(load_ours(checkpoint, FAMILIES[family][0], backend), ids, fed)
+    ours = trace_ours(load_ours(checkpoint, FAMILIES[family][0], backend), ids, fed)
     errors = [rel(a, b) for a, b in zip(ours, hf_logits)]
     print(f"{family} batch {batch} prompt {prompt_len}: " + " ".join(f"{e:.1e}" for e in errors))
     assert len(errors) == DECODE_STEPS + 1 and max(errors) < FP32_TOL, errors
@@ -259,7 +248,7 @@ def test_yarn_matches_transformers(request, family):
     assert (torch.cat((cos, cos), -1) - hf_cos).abs().max() < 1e-6
     assert (torch.cat((sin, sin), -1) - hf_sin).abs().max() < 1e-6
     ids, fed, hf_logits = hf_trace(transformers, path, 1, 20)
-    errors = [rel(a, b) for a, b in zip(_trace_ours(ours, ids, fed), hf_logits)]
+    errors = [rel(a, b) for a, b in zip(trace_ours(ours, ids, fed), hf_logits)]
     print(f"{family} yarn: " + " ".join(f"{e:.1e}" for e in errors))
     assert max(errors) < FP32_TOL, errors
 

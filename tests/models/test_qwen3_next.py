@@ -32,7 +32,6 @@ import pytest
 import torch
 
 from hetmoe.config.options import EngineOptions
-from hetmoe.layers.attention import Step
 from hetmoe.load.checkpoint import Checkpoint
 from hetmoe.models.config import ModelConfig
 from parity import (
@@ -43,6 +42,7 @@ from parity import (
     load_ours,
     step_logits,
     torch_fp32,
+    trace_ours,
 )
 from paths import BEST_ROW_PATH
 
@@ -203,18 +203,6 @@ OURS = {"qwen3_next": Qwen3NextForCausalLM, "qwen3_5_moe_text": Qwen3_5MoeForCau
 BACKENDS = [pytest.param(torch_fp32, id="torch-fp32"), pytest.param(engine_bf16(BEST_ROW_PATH), id="engine-bf16")]
 
 
-def _trace_ours(model, ids: torch.Tensor, fed: list) -> list:
-    """Our logits over the prefill of ``ids`` [B, S] and the cached steps feeding ``fed`` (one [B, 1] each)."""
-    B, S = ids.shape
-    cache = model.make_cache(B, S + len(fed) + 4)
-    slots = torch.arange(B)
-    with torch.no_grad():
-        out = [model.logits(model(ids, Step(torch.arange(S).expand(B, S), slots), cache))]
-        for i, nxt in enumerate(fed):
-            out.append(model.logits(model(nxt, Step(torch.full((B, 1), S + i), slots), cache)))
-    return out
-
-
 @pytest.mark.parametrize("family", list(OURS))
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("batch", [1, 2])
@@ -223,7 +211,7 @@ def test_logits_and_greedy_tokens_match_transformers(request, family, backend, b
     both); our greedy choice at every step is its."""
     checkpoint = checkpoint_of(request, family)
     ids, fed, hf_logits = hf_trace(transformers, checkpoint, batch, 11)
-    ours = _trace_ours(load_ours(checkpoint, OURS[family], backend), ids, fed)
+    ours = trace_ours(load_ours(checkpoint, OURS[family], backend), ids, fed)
     errors = [rel(a, b) for a, b in zip(ours, hf_logits)]
     print(f"{family} batch {batch}: " + " ".join(f"{e:.1e}" for e in errors))
     assert len(errors) == DECODE_STEPS + 1 and max(errors) < FP32_TOL, errors
