@@ -255,3 +255,19 @@ def lut4_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, cente
                                              .astype(np.uint16)).view(np.uint8).reshape(rows, nb, 2)
         raw[..., 4:8] = ((ls[..., 0::2] & 15) | ((ls[..., 1::2] & 15) << 4)).astype(np.uint8)
     return raw.reshape(rows, -1)
+
+
+def assert_torch_unpack_equals_engine(experts, n_experts: int) -> None:
+    """hetmoe/moe/streamed/packed.py's torch twin of the GPU prefill's unpack reads ``experts``' packed layout (any
+    format, scaling, group or scale type) bitwise (fp32) like the engine's own dequantization."""
+    import torch
+
+    from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, unpack_experts
+
+    lay = ExpertLayout.of(experts)
+    ranges = expert_ranges(experts)
+    assert sum(lay.range_bytes()) == experts.info()["bytes_per_expert"]
+    gu, d = unpack_experts(lay, ranges, n_experts, torch.float32)
+    for e in range(n_experts):
+        g, u, dd = experts.dequantized(e)
+        assert torch.equal(gu[e], torch.cat([g, u])) and torch.equal(d[e], dd)

@@ -21,11 +21,10 @@ from triton_interp import assert_unpack_equals_engine
 from hetmoe.cpu import CPUExperts, WorkerPool, cpu_info
 from hetmoe.cpu.codes import exact_layout, load_codes
 from hetmoe.load.gguf.kquants import kquant_codes
-from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, unpack_experts
 from reference import ACTIVATION_QMAX, _moe, fake_quantize, rel_err
 
 gguf = pytest.importorskip("gguf")
-from gguf_files import SYMMETRIC_32, random_blocks  # noqa: E402
+from gguf_files import SYMMETRIC_32, assert_torch_unpack_equals_engine, random_blocks  # noqa: E402
 
 E, H, I = 3, 256, 512
 HAS_AMX = "amx" in cpu_info()["supported_isas"]
@@ -152,13 +151,7 @@ def test_the_gpu_prefill_unpack_equals_the_engine(kinds):
     """hetmoe/moe/streamed/packed.py's torch twin reads the affine, group-16 and mixed-format layouts bitwise (fp32)
     like the engine."""
     experts, _ = kquant_experts(kinds, 4, WorkerPool(1))
-    lay = ExpertLayout.of(experts)
-    ranges = expert_ranges(experts)
-    assert sum(lay.range_bytes()) == experts.info()["bytes_per_expert"]
-    gu, d = unpack_experts(lay, ranges, E, torch.float32)
-    for e in range(E):
-        g, u, dd = experts.dequantized(e)
-        assert torch.equal(gu[e], torch.cat([g, u])) and torch.equal(d[e], dd)
+    assert_torch_unpack_equals_engine(experts, E)
 
 
 def test_bad_blocks_and_layouts_are_refused():
