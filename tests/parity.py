@@ -76,6 +76,8 @@ def step_logits(model, ids: torch.Tensor, start: int, slots: torch.Tensor, cache
 
 
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|, in fp32 on the CPU (either may be bf16 or on the GPU)."""
+    a, b = a.float().cpu(), b.float().cpu()
     return ((a - b).abs().max() / b.abs().max()).item()
 
 

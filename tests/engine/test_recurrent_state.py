@@ -11,13 +11,13 @@ tests' fp32 values).
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hetmoe.config.options import EngineOptions
 from hetmoe.engine.runner import Runner
 from hetmoe.engine.sampler import SamplingParams
 from hetmoe.engine.scheduler import Request, Scheduler
 from hetmoe.load.random_weights import build_random_model, shape_tokenizer
+from parity import max_rel
 from paths import BEST_ROW_PATH
 
 L, F = "linear_attention", "full_attention"
@@ -28,10 +28,6 @@ CONFIG = dict(model_type="qwen3_next", vocab_size=300, hidden_size=64, num_hidde
               layer_types=[L, L, F, L])
 TOL = 1e-5
 PROMPT = [5, 17, 200, 42, 9, 260, 77, 3, 128, 64, 11, 90, 7]
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
 @pytest.fixture(scope="module")
@@ -53,17 +49,17 @@ def test_a_slot_continues_from_its_end_or_starts_over(loaded):
     runner = Runner(loaded)
     whole = runner.prefill(PROMPT, slot=0)  # 3 chunks of prefill_chunk 5: the states carried across them
     runner.prefill(PROMPT[:4], slot=1)
-    assert rel(runner.prefill(PROMPT[4:], slot=1, start=4), whole) < TOL
+    assert max_rel(runner.prefill(PROMPT[4:], slot=1, start=4), whole) < TOL
     with pytest.raises(ValueError, match="slot 1's recurrent states hold its 13 tokens and cannot be rewound"):
         runner.prefill(PROMPT[6:], slot=1, start=6)
     with pytest.raises(ValueError, match="cannot be cut back to 6: keep all of them or none"):
         runner.release(1, keep=6)
     runner.release(1, keep=13)  # all of them: nothing changes
     steps = runner.decode_batch([7, 7], [0, 1])
-    assert rel(steps[1], steps[0]) < TOL
+    assert max_rel(steps[1], steps[0]) < TOL
     runner.release(1)
     assert runner.cache.states.recurrent[:, 1].abs().max() == 0 and runner.lengths[1] == 0
-    assert rel(runner.prefill(PROMPT, slot=1), whole) < TOL  # over what slot 1 held: from position 0
+    assert max_rel(runner.prefill(PROMPT, slot=1), whole) < TOL  # over what slot 1 held: from position 0
 
 
 def test_a_failed_call_loses_its_slots_states(loaded, monkeypatch):
@@ -91,7 +87,7 @@ def test_a_failed_call_loses_its_slots_states(loaded, monkeypatch):
             call()
     ok = runner.decode(7, slot=2)  # slot 2 was not in the failed call
     runner.prefill(PROMPT, slot=0)
-    assert runner.lost == {1} and rel(runner.decode(7, slot=0), ok) < TOL
+    assert runner.lost == {1} and max_rel(runner.decode(7, slot=0), ok) < TOL
 
 
 def test_prefill_batch_of_padded_chunks(loaded):
@@ -105,7 +101,7 @@ def test_prefill_batch_of_padded_chunks(loaded):
     alone = Runner(loaded)
     for row, prompt in enumerate((a + PROMPT[7:9], b + PROMPT[9:13])):
         alone.prefill(prompt, slot=1)
-        assert rel(got[row], alone.decode(7, slot=1)) < TOL
+        assert max_rel(got[row], alone.decode(7, slot=1)) < TOL
 
 
 def test_scheduler_reuses_no_prefix_and_zeroes_ended_slots(loaded):

@@ -47,6 +47,7 @@ from parity import (
     engine_bf16,
     hf_trace,
     load_ours,
+    max_rel,
     step_logits,
     torch_fp32,
     trace_ours,
@@ -71,11 +72,6 @@ FP32_TOL = 1e-4
 # near-equal scores (MEASURED on GLM's tiny model: 4th and 5th place 6% apart swapped, 0.31 on the logits): in bf16
 # the positions past the top-k are compared for batch~alone only, bitwise.
 CACHED_TOL = {"fp32": 1e-5, "bf16": 2.5e-2}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float().cpu(), b.float().cpu()
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def checkpoint_of(request, family: str, tokenizer: bool = False, seed: int = 5) -> Path:
@@ -187,15 +183,15 @@ def test_prefill_then_cached_decode(name, dtype):
         dense = step_logits(model, ids, 0, slots, model.make_cache(4, 32, torch_dtype))
     chunked = torch.cat(parts, dim=1)
     upto = None if dtype == "fp32" else 4  # (bf16: CACHED_TOL's comment)
-    errs = (rel(cached[:, :upto], whole[:, :upto]), rel(cached, torch.cat(alone)),
-            rel(chunked[:, :upto], whole[:, :upto]))
+    errs = (max_rel(cached[:, :upto], whole[:, :upto]), max_rel(cached, torch.cat(alone)),
+            max_rel(chunked[:, :upto], whole[:, :upto]))
     print(f"{name} {dtype}: cached~whole {errs[0]:.1e}, batch~alone {errs[1]:.1e}, chunked~whole {errs[2]:.1e} "
-          f"(every position: {rel(cached, whole):.1e}, {rel(chunked, whole):.1e}), "
-          f"sparse~dense {rel(whole, dense):.1e}")
+          f"(every position: {max_rel(cached, whole):.1e}, {max_rel(chunked, whole):.1e}), "
+          f"sparse~dense {max_rel(whole, dense):.1e}")
     assert torch.isfinite(cached).all() and max(errs) <= CACHED_TOL[dtype], errs
     assert dtype == "fp32" or errs[1] == 0  # bf16: the rows of a batch are computed as each alone, bit for bit
-    assert rel(whole[:, :4], dense[:, :4]) <= CACHED_TOL[dtype]  # within the top-k: every position, dense
-    assert rel(whole[:, 4:], dense[:, 4:]) > 0.1  # past the top-k the selection matters
+    assert max_rel(whole[:, :4], dense[:, :4]) <= CACHED_TOL[dtype]  # within the top-k: every position, dense
+    assert max_rel(whole[:, 4:], dense[:, 4:]) > 0.1  # past the top-k the selection matters
 
 
 # ---------------------------------------------------------------- parity with transformers
@@ -213,7 +209,7 @@ def test_logits_and_greedy_tokens_match_transformers(request, family, backend, b
     checkpoint = checkpoint_of(request, family)
     ids, fed, hf_logits = hf_trace(transformers, checkpoint, batch, prompt_len)
     ours = trace_ours(load_ours(checkpoint, FAMILIES[family][0], backend), ids, fed)
-    errors = [rel(a, b) for a, b in zip(ours, hf_logits)]
+    errors = [max_rel(a, b) for a, b in zip(ours, hf_logits)]
     print(f"{family} batch {batch} prompt {prompt_len}: " + " ".join(f"{e:.1e}" for e in errors))
     assert len(errors) == DECODE_STEPS + 1 and max(errors) < FP32_TOL, errors
     for a, b in zip(ours, hf_logits):
@@ -248,7 +244,7 @@ def test_yarn_matches_transformers(request, family):
     assert (torch.cat((cos, cos), -1) - hf_cos).abs().max() < 1e-6
     assert (torch.cat((sin, sin), -1) - hf_sin).abs().max() < 1e-6
     ids, fed, hf_logits = hf_trace(transformers, path, 1, 20)
-    errors = [rel(a, b) for a, b in zip(trace_ours(ours, ids, fed), hf_logits)]
+    errors = [max_rel(a, b) for a, b in zip(trace_ours(ours, ids, fed), hf_logits)]
     print(f"{family} yarn: " + " ".join(f"{e:.1e}" for e in errors))
     assert max(errors) < FP32_TOL, errors
 
@@ -332,7 +328,7 @@ def test_runner_decode_steps_cross_the_top_k(request):
     with torch.inference_mode():
         ids = torch.tensor([prompt + fed[:-1]])
         whole = model.logits(model(ids, Step(torch.arange(10)[None], torch.tensor([0])), model.make_cache(1, 16)))
-    assert rel(torch.stack(steps), whole[0, 3:]) < 1e-5
+    assert max_rel(torch.stack(steps), whole[0, 3:]) < 1e-5
 
 
 # ---------------------------------------------------------------- FP8 checkpoints
@@ -412,7 +408,6 @@ def test_paged_cache_matches_contiguous(request, family, calls):
     import contextlib
 
     from hetmoe.moe import TorchExperts
-    from parity import max_rel
 
     checked = contextlib.nullcontext
     if calls != "sparse":
@@ -513,13 +508,13 @@ def test_gpu_placement_matches_transformers(request, family):
     with torch.inference_mode():
         for b, ids in enumerate(prompts):
             out = hf(torch.tensor([ids]), use_cache=True)
-            errs.append(rel(runner.prefill(ids, slot=b).view(-1), out.logits[0, -1]))
+            errs.append(max_rel(runner.prefill(ids, slot=b).view(-1), out.logits[0, -1]))
             caches.append(out.past_key_values)
             last.append(out.logits[0, -1])
         for _ in range(6):
             nxt = [int(x.argmax()) for x in last]
             outs = [hf(torch.tensor([[t]]), past_key_values=c, use_cache=True) for t, c in zip(nxt, caches)]
             last = [o.logits[0, -1] for o in outs]
-            errs.append(rel(runner.decode_batch(nxt, [0, 1]), torch.stack(last)))
+            errs.append(max_rel(runner.decode_batch(nxt, [0, 1]), torch.stack(last)))
     print(f"{family} GPU~transformers: " + " ".join(f"{e:.1e}" for e in errs))
     assert max(errs) < 1e-3, errs

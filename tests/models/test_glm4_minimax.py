@@ -31,7 +31,7 @@ from hetmoe.layers.rope import apply_rope, cos_sin
 from hetmoe.load.checkpoint import Checkpoint
 from hetmoe.models.config import ModelConfig
 from hetmoe.moe.router import RouterSpec
-from parity import assert_refused_before_weights
+from parity import assert_refused_before_weights, max_rel
 from paths import BEST_ROW_PATH
 
 transformers = pytest.importorskip("transformers")
@@ -53,11 +53,6 @@ TINY = {
                        qk_norm_type="per_layer", scoring_func="sigmoid", use_routing_bias=True),
 }
 CPU = dict(device="cpu", dtype="fp32", experts_format="bf16", **BEST_ROW_PATH.options)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float().cpu(), b.float().cpu()
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def _random_model(name: str, dtype: str = "fp32", device: str = "cpu", **options):
@@ -197,7 +192,7 @@ def _cached_whole_err(cached, whole, routed_cached: tuple, routed_whole: tuple, 
         if len(layer_pos):
             pos = int(layer_pos[:, 1].min())
             layer = int(layer_pos[layer_pos[:, 1] == pos, 0].min())  # the first layer routing it otherwise
-            err = rel(c_logits[layer, b, pos], w_logits[layer, b, pos])
+            err = max_rel(c_logits[layer, b, pos], w_logits[layer, b, pos])
             assert err <= tol, f"sequence {b}, position {pos}, MoE layer {layer}: router logits differ by {err:.1e}"
             compared[b, pos:] = False
     diff = (cached.float() - whole.float()).abs()[compared]
@@ -238,7 +233,7 @@ def test_prefill_then_cached_decode(monkeypatch, name, dtype):
                          for i in range(prompt, prompt + steps)]
                 alone.append(torch.cat(rows, dim=1))
         err, flipped = _cached_whole_err(cached, whole, routed_cached, routed_whole, CACHED_TOL[dtype])
-        alone_err = rel(cached, torch.cat(alone))
+        alone_err = max_rel(cached, torch.cat(alone))
         print(f"{name} {dtype} prompt {seed}: cached~whole {err:.1e} ({flipped} sequences compared up to a token "
               f"routed otherwise), batch~alone {alone_err:.1e}")
         assert torch.isfinite(cached).all() and max(err, alone_err) <= CACHED_TOL[dtype], (err, alone_err)
@@ -332,7 +327,7 @@ def test_cpu_decode_step_stays_eager(name):
         cache = model.make_cache(1, 16, torch.float32)
         ids = torch.tensor([prompt + [7, 11]])
         whole = model.logits(model(ids, Step(torch.arange(7).view(1, 7), torch.tensor([0])), cache))[0, -2:]
-    assert rel(torch.stack(steps).view(2, -1), whole) < 1e-5
+    assert max_rel(torch.stack(steps).view(2, -1), whole) < 1e-5
 
 
 # ---------------------------------------------------------------- end to end
@@ -413,7 +408,7 @@ def test_graph_decode_on_gpu(name, attention):
     for batch in (1, 3, 8):
         on, off = graph_decode(loaded, batch, True), graph_decode(loaded, batch, False)
         eager = graph_decode(loaded, batch, True, graph=False)
-        errs = {"fused~unfused": rel(on, off), "graph~eager": rel(on, eager)}
+        errs = {"fused~unfused": max_rel(on, off), "graph~eager": max_rel(on, eager)}
         print(f"{name} {attention} batch {batch}: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
         assert torch.isfinite(on).all() and all(v < 5e-2 for v in errs.values()), errs
 
@@ -436,10 +431,10 @@ def test_gpu_placement_matches_transformers(hf_checkpoints, family):
     errs = []
     with torch.inference_mode():
         out = hf(torch.tensor([ids]), use_cache=True)
-        errs.append(rel(runner.prefill(ids).view(-1), out.logits[0, -1]))
+        errs.append(max_rel(runner.prefill(ids).view(-1), out.logits[0, -1]))
         for _ in range(6):
             nxt = int(out.logits[0, -1].argmax())
             out = hf(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
-            errs.append(rel(runner.decode(nxt).view(-1), out.logits[0, -1]))
+            errs.append(max_rel(runner.decode(nxt).view(-1), out.logits[0, -1]))
     print(f"{family} GPU~transformers: " + " ".join(f"{e:.1e}" for e in errs))
     assert max(errs) < 1e-3, errs

@@ -40,6 +40,7 @@ from parity import (
     engine_bf16,
     hf_trace,
     load_ours,
+    max_rel,
     step_logits,
     torch_fp32,
     trace_ours,
@@ -63,11 +64,6 @@ QWEN35_TEXT = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_atte
 CPU = dict(device="cpu", dtype="fp32", experts_format="bf16", **BEST_ROW_PATH.options)
 FP32_TOL = 1e-4
 CACHED_TOL = {"fp32": 1e-5, "bf16": 2.5e-2}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float().cpu(), b.float().cpu()
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def save_qwen35(path: Path, seed: int, multimodal: bool, tokenizer: bool = False) -> Path:
@@ -192,7 +188,7 @@ def test_prefill_then_cached_decode(name, dtype):
             rows += [step_logits(model, ids[b:b + 1, i:i + 1], i, slots[:1] * 0, one)
                      for i in range(prompt, prompt + steps)]
             alone.append(torch.cat(rows, dim=1))
-    errs = rel(cached, whole), rel(cached, torch.cat(alone)), rel(torch.cat(parts, dim=1), whole)
+    errs = max_rel(cached, whole), max_rel(cached, torch.cat(alone)), max_rel(torch.cat(parts, dim=1), whole)
     print(f"{name} {dtype}: cached~whole {errs[0]:.1e}, batch~alone {errs[1]:.1e}, chunked~whole {errs[2]:.1e}")
     assert torch.isfinite(cached).all() and max(errs) <= CACHED_TOL[dtype], errs
 
@@ -212,7 +208,7 @@ def test_logits_and_greedy_tokens_match_transformers(request, family, backend, b
     checkpoint = checkpoint_of(request, family)
     ids, fed, hf_logits = hf_trace(transformers, checkpoint, batch, 11)
     ours = trace_ours(load_ours(checkpoint, OURS[family], backend), ids, fed)
-    errors = [rel(a, b) for a, b in zip(ours, hf_logits)]
+    errors = [max_rel(a, b) for a, b in zip(ours, hf_logits)]
     print(f"{family} batch {batch}: " + " ".join(f"{e:.1e}" for e in errors))
     assert len(errors) == DECODE_STEPS + 1 and max(errors) < FP32_TOL, errors
     for a, b in zip(ours, hf_logits):
@@ -238,8 +234,8 @@ def test_multimodal_checkpoint_runs_its_language_model(qwen35, monkeypatch):
     assert read and not any("visual" in n for n in read) and any("tensors of" in m and "left out" in m for m in said)
     ids, fed, hf_logits = hf_trace(transformers, path, 1, 11)
     runner = Runner(loaded)
-    errors = [rel(runner.prefill(ids[0].tolist()), hf_logits[0][0, -1])]
-    errors += [rel(runner.decode(int(t)), logits[0, -1]) for t, logits in zip(fed, hf_logits[1:])]
+    errors = [max_rel(runner.prefill(ids[0].tolist()), hf_logits[0][0, -1])]
+    errors += [max_rel(runner.decode(int(t)), logits[0, -1]) for t, logits in zip(fed, hf_logits[1:])]
     print("multimodal: " + " ".join(f"{e:.1e}" for e in errors))
     assert max(errors) < FP32_TOL, errors
 
@@ -375,14 +371,14 @@ def test_gpu_placement_matches_transformers(request, family, dtype):
     noise = []  # transformers' own bf16 model against its fp32 one, on the same tokens
     with torch.inference_mode():
         out, out_bf16 = hf(ids, use_cache=True), hf_bf16(ids, use_cache=True)
-        errs += [rel(runner.prefill(ids[b].tolist(), slot=b).view(-1), out.logits[b, -1]) for b in range(2)]
-        noise += [rel(out_bf16.logits[b, -1], out.logits[b, -1]) for b in range(2)]
+        errs += [max_rel(runner.prefill(ids[b].tolist(), slot=b).view(-1), out.logits[b, -1]) for b in range(2)]
+        noise += [max_rel(out_bf16.logits[b, -1], out.logits[b, -1]) for b in range(2)]
         for _ in range(6):
             nxt = out.logits[:, -1].argmax(-1)
             out = hf(nxt[:, None], past_key_values=out.past_key_values, use_cache=True)
             out_bf16 = hf_bf16(nxt[:, None], past_key_values=out_bf16.past_key_values, use_cache=True)
-            errs.append(rel(runner.decode_batch(nxt.tolist(), [0, 1]), out.logits[:, -1]))
-            noise.append(rel(out_bf16.logits[:, -1], out.logits[:, -1]))
+            errs.append(max_rel(runner.decode_batch(nxt.tolist(), [0, 1]), out.logits[:, -1]))
+            noise.append(max_rel(out_bf16.logits[:, -1], out.logits[:, -1]))
     print(f"{family} {dtype} GPU~transformers: " + " ".join(f"{e:.1e}" for e in errs)
           + "; transformers bf16~fp32: " + " ".join(f"{e:.1e}" for e in noise))
     assert max(errs) < (1e-3 if dtype == "fp32" else 1.5 * max(noise)), (errs, noise)
