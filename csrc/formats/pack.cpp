@@ -133,30 +133,12 @@ uint16_t float_to_half(float f) {
   return (uint16_t)(sign | (r >> 13));
 }
 
-// The stored bytes of scale v in type t, exactly: false when v has no exact form in t (or is not finite).
+// The stored bytes of scale v in type t, exactly: false when v has no exact form in t (or is not finite). The
+// rounded encoding of a value t holds exactly is that value itself, so exact = rounded and read back unchanged.
 bool store_scale_exact(ScaleType t, float v, uint8_t* dst) {
   if (!std::isfinite(v)) return false;
   uint8_t buf[4] = {0, 0, 0, 0};
-  switch (t) {
-    case ScaleType::f32: std::memcpy(buf, &v, 4); break;
-    case ScaleType::f16: {
-      const uint16_t h = float_to_half(v);
-      std::memcpy(buf, &h, 2);
-      break;
-    }
-    case ScaleType::bf16: {
-      const uint16_t b = float_to_bf16(v);
-      std::memcpy(buf, &b, 2);
-      break;
-    }
-    case ScaleType::e8m0: {  // 2^(e - 128): a power of two in [2^-128, 2^127]
-      int e2;
-      if (!(v > 0.f) || std::frexp(v, &e2) != 0.5f || e2 - 1 < -128 || e2 - 1 > 127) return false;
-      buf[0] = (uint8_t)(e2 - 1 + 128);
-      break;
-    }
-  }
-  float back = scale_to_float(t, buf);
+  const float back = store_scale_rounded(t, v, buf);
   if (std::memcmp(&back, &v, 4) != 0) return false;
   std::memcpy(dst, buf, scale_width(t));
   return true;
