@@ -116,6 +116,14 @@ class ModelShapes:
     # per MoE layer, the GGML types of a GGUF file's (gate, up, down) experts: a layer whose types the planned
     # format holds exactly takes their own layout (hetmoe/cpu/codes.py exact_layout) and is counted in it
     expert_types: tuple = ()
+    # per sequence, the fixed-size states of recurrent (linear-attention) layers: conv-window elements, stored in
+    # the model dtype, and bytes of the fp32 recurrent states (layers/kv_cache.py RecurrentStates)
+    conv_state_elems: int = 0
+    recurrent_state_bytes: int = 0
+
+    def state_bytes(self, itemsize: int) -> int:
+        """One sequence's recurrent-layer states, the same at any context length."""
+        return self.conv_state_elems * itemsize + self.recurrent_state_bytes
 
     def layer_expert_bytes(self, i: int, fmt: str, group: int) -> int:
         """One routed expert of MoE layer ``i`` as the loader allocates it: in ``fmt`` / ``group``, or in the exact
@@ -131,8 +139,8 @@ class ModelShapes:
 
 
 # The table's rows in this order (parts not named here after them, in the plan's order).
-ORDER = ("dense weights", "KV cache", "activations", "prefill slots", "prefill weights", "prefill activations",
-         "GPU experts", "CUDA context", "routed experts", "runtime")
+ORDER = ("dense weights", "KV cache", "recurrent states", "activations", "prefill slots", "prefill weights",
+         "prefill activations", "GPU experts", "CUDA context", "routed experts", "runtime")
 
 
 def _label(plan: MemoryPlan, part: str) -> str:
@@ -144,6 +152,8 @@ def _label(plan: MemoryPlan, part: str) -> str:
         return f"dense weights ({fmt})"
     if part == "KV cache":
         return f"KV cache ({plan.max_context} x {1 if plan.kv_paged else plan.max_batch})"
+    if part == "recurrent states":
+        return f"recurrent states (x {plan.max_batch})"
     if part == "GPU experts":
         counts = sorted({lp.gpu_experts for lp in plan.layers}) or [0]
         n = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"

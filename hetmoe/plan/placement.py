@@ -185,6 +185,7 @@ def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device
     dense = dense_bytes(shapes, dense_format, dtype.itemsize)
     # paged: one full sequence (pages are taken as sequences grow); contiguous: every row's capacity grows together
     kv = shapes.kv_elems_per_token * (1 if paged else opts.max_batch) * ctx * dtype.itemsize
+    states = shapes.state_bytes(dtype.itemsize) * opts.max_batch  # one per slot, paged or not
     tokens = opts.prefill_chunk * opts.max_batch
     act = tokens * (shapes.act_width * 4 + shapes.vocab_size * 4)  # a few hidden-width buffers + the last logits
     host_staging = 3 * tokens * shapes.hidden * 4
@@ -193,14 +194,19 @@ def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device
     plan.ram = {"routed experts": experts, "runtime": CPU_RUNTIME_BYTES + host_staging}
     if device.type == "cuda":
         plan.vram = {"dense weights": dense, "KV cache": kv, "activations": act, "CUDA context": CUDA_CONTEXT_BYTES}
+        if states:
+            plan.vram["recurrent states"] = states
         # --gpu-experts: N experts per MoE layer as stored there (they stay in RAM too, packed for the CPU)
         plan.vram["GPU experts"] = sum(lp.vram for lp in per_layer)
     else:
         plan.ram.update({"dense weights": dense, "KV cache": kv, "activations": act})
+        if states:
+            plan.ram["recurrent states"] = states
     plan.prefill_chunk = opts.prefill_chunk
     limit = shapes.context_limit or shapes.max_position_embeddings
     why.update({"KV cache": f"--max-context {ctx}" if opts.max_context else
                 "auto: the model's limit" if ctx == limit else f"auto: the most that fits (the model's limit: {limit})",
+                "recurrent states": "the linear-attention layers' states: a fixed size per sequence slot",
                 "activations": f"prefill chunks of {opts.prefill_chunk} tokens x {opts.max_batch} "
                                f"sequence{'s' * (opts.max_batch > 1)}",
                 "CUDA context": "the CUDA runtime and kernels", "runtime": "Python, torch, staging buffers",

@@ -365,3 +365,37 @@ def test_plan_command_reads_a_gguf_file(capsys, tmp_path):
     code, out, err = _cli(capsys, "plan", "--model", path, "--device", "cpu", "--experts-format", "int8")
     assert code == 0 and out.startswith(f"{path}: qwen3_moe, {cfg['num_hidden_layers']} layers"), err
     assert "routed experts (int8, group 128)" in out and "RAM total" in out
+
+
+# ---------------------------------------------------------------- recurrent (linear-attention) states
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_recurrent_states_are_planned_per_slot(device):
+    """A Qwen3-Next-shape model (3 linear-attention layers per full-attention one): the plan counts the runner's
+    recurrent states — conv windows in the model dtype, fp32 states — once per sequence slot, apart from the KV
+    cache, on the device that holds the cache."""
+    transformers = pytest.importorskip("transformers")
+    from transformers_tiny import COMMON, FAMILIES
+
+    _, extra = FAMILIES["qwen3_next"]
+    config = transformers.Qwen3NextConfig(**{**COMMON, **extra, "num_hidden_layers": 4,
+                                             "layer_types": ["linear_attention"] * 3 + ["full_attention"]})
+    cfg = shape_config(config.to_dict())
+    model = build_meta(cfg)
+    blocks = moe_blocks(model)
+    opts = dict(max_context=256, dtype="bf16", gpu_memory="8GiB")
+    plans = {batch: plan_model(model, cfg, blocks, EngineOptions(max_batch=batch, **opts), cfg.moe_intermediate_size,
+                               torch.device(device)) for batch in (1, 3)}
+    for batch, plan in plans.items():
+        where = plan.vram if device == "cuda" else plan.ram
+        states = model.make_cache(batch, 1, dtype=torch.bfloat16, device="meta").states
+        assert where["recurrent states"] == states.bytes_allocated > 0
+        assert "recurrent states" not in (plan.ram if device == "cuda" else plan.vram)
+        assert any(line.lstrip().startswith("recurrent states (x") for line in plan.table())
+    assert plans[3].ram_bytes + plans[3].vram_bytes > plans[1].ram_bytes + plans[1].vram_bytes
+
+
+def test_attention_only_models_plan_no_states(qwen):
+    plan = _plan(qwen, gpu_memory="80GiB", max_context=4096)
+    assert "recurrent states" not in plan.vram and "recurrent states" not in plan.ram
