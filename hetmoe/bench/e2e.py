@@ -49,7 +49,7 @@ PLACEMENT = {"cpu": "cpu", "cuda": "hybrid"}
 
 
 
-def _expert_pool(loaded, fallback: cpu.WorkerPool) -> cpu.WorkerPool:
+def expert_pool(loaded, fallback: cpu.WorkerPool) -> cpu.WorkerPool:
     """The pool the model's routed experts run on, else ``fallback``."""
     for _, layer in moe_blocks(loaded.model):
         if layer.engine is not None:
@@ -132,12 +132,12 @@ def measure(loaded: LoadedModel, prompts: list, decode_tokens: int, repeats: int
     }
 
 
-def _options(args, device: str, max_context: int) -> EngineOptions:
+def bench_options(args, device: str, max_context: int) -> EngineOptions:
     fmt = QUICK["experts_format"] if args.quick and args.experts_format == "auto" else args.experts_format
     return dataclasses.replace(engine_options(args), device=device, experts_format=fmt, max_context=max_context)
 
 
-def _build(args, shape: Optional[str], layers: Optional[int], options: EngineOptions, log) -> LoadedModel:
+def build_model(args, shape: Optional[str], layers: Optional[int], options: EngineOptions, log) -> LoadedModel:
     if args.model:
         cache = None if args.expert_cache == "off" else args.expert_cache
         return load_model(args.model, options, expert_cache=cache, progress=sys.stderr.isatty(), log=log)
@@ -201,6 +201,12 @@ def run_e2e_bench(args) -> int:
     if shape is not None and shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known shapes: {', '.join(SHAPES)}")
     layers = args.layers if args.layers is not None else (QUICK["layers"] if quick and shape else None)
+    if getattr(args, "gpu_experts_sweep", None):  # one table over resident expert counts (gpu_experts_sweep.py)
+        from hetmoe.bench.gpu_experts_sweep import run_sweep
+
+        out = sys.stderr if args.json == "-" else sys.stdout
+        return run_sweep(args, shape, layers, log=lambda msg: print(msg, file=sys.stderr, flush=True),
+                         say=lambda *a: print(*a, file=out, flush=True))
     conf = QUICK if quick else DEFAULTS
     prompts = args.prompt_tokens or conf["prompt_tokens"]
     decode_tokens = args.decode_tokens or conf["decode_tokens"]
@@ -214,7 +220,7 @@ def run_e2e_bench(args) -> int:
     if "cuda" in devices and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device (use --device cpu)")
     for d in devices:  # validate the options before any measurement
-        _options(args, d, max_context)
+        bench_options(args, d, max_context)
 
     out = sys.stderr if args.json == "-" else sys.stdout  # the JSON alone on stdout when it goes there
     say = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
@@ -240,7 +246,7 @@ def run_e2e_bench(args) -> int:
     for device in devices:
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        loaded = _build(args, shape, layers, _options(args, device, max_context), log)
+        loaded = build_model(args, shape, layers, bench_options(args, device, max_context), log)
         try:
             expert_total = loaded.info.get("expert_bytes", 0)
             notes = []
@@ -250,7 +256,7 @@ def run_e2e_bench(args) -> int:
             # Measured alongside, with the model resident: the buffer defeats the caches and fits next to it.
             cap = (512 << 20) if quick else (2 << 30)
             stream_bytes = max(min(cap, free_ram() // 4), 8 * llc_bytes()) // (1 << 20) * (1 << 20)
-            epool = _expert_pool(loaded, pool)  # the hybrid placement's pool leaves cores to the GPU side
+            epool = expert_pool(loaded, pool)  # the hybrid placement's pool leaves cores to the GPU side
             stream = epool.read_bandwidth(stream_bytes, 5)
             say(f"{PLACEMENT[device]}: STREAM read ({stream_bytes / GB:.2f} GB, {epool.threads} threads, best of 5): "
                 f"{stream:.1f} GB/s")

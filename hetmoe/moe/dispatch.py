@@ -160,6 +160,8 @@ class MoELayer:
         """(the routed experts of every slot but the GPU-resident ones [T, H] in x's dtype on x's device, the
         GPU-resident experts' part fp32 or None). With staging, the resident part runs on the GPU while the CPU
         computes."""
+        if self.gpu is not None and self.gpu.n == self.num_experts:  # all resident: no CPU job, no host round trip
+            return self._resident(x, ids, weights), None
         if self.staging is None or x.device.type == "cpu":
             return self.experts(x, ids, weights), self._resident(x, ids, weights)
         xh, ih, wh, out = self.staging.buffers(x.shape[0])

@@ -140,7 +140,7 @@ class ModelShapes:
 
 # The table's rows in this order (parts not named here after them, in the plan's order).
 ORDER = ("dense weights", "KV cache", "recurrent states", "activations", "prefill slots", "prefill weights",
-         "prefill activations", "GPU experts", "CUDA context", "routed experts", "runtime")
+         "prefill activations", "GPU experts", "resident prefill", "CUDA context", "routed experts", "runtime")
 
 
 def _label(plan: MemoryPlan, part: str) -> str:

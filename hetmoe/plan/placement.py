@@ -391,6 +391,11 @@ def choose_plan(shapes: "ModelShapes", opts: EngineOptions, layers: Optional[lis
     elif not problems:
         add_gpu_prefill(plan, shapes, opts, budget=vram)
         fill_gpu_experts(plan, shapes, opts, layers, vram)
+    if not problems and device.type == "cuda":
+        add_resident_prefill(plan, shapes)
+        if plan.vram_bytes > vram:
+            problems.append(f"GPU memory: needs {gib(plan.vram_bytes)} with the resident experts' prefill scratch "
+                            f"({gib(plan.vram['resident prefill'])}), {vram_src}")
     if problems:
         ram_short, gpu_short = plan.ram_bytes > ram, device.type == "cuda" and plan.vram_bytes > vram
         hints = ["--experts-format int4"] * (ram_short and plan.experts_format != "int4")
@@ -402,6 +407,29 @@ def choose_plan(shapes: "ModelShapes", opts: EngineOptions, layers: Optional[lis
             f"the model does not fit this machine with {plan.experts_format} experts on {device.type} "
             f"({'; '.join(problems)}). Plan: {plan.describe()}. {hint}\n" + "\n".join(plan.table()), plan)
     return plan
+
+
+def resident_prefill_bytes(shapes: "ModelShapes", n: int, chunk: int, itemsize: int) -> tuple:
+    """(weights, activations): VRAM of the resident experts' prefill (hetmoe/moe/gpu_resident/experts.py, grouped
+    GEMMs in hetmoe/moe/grouped.py) with ``n`` resident experts per layer and chunks of ``chunk`` tokens, where the
+    layerwise prefill's buffers are not in the plan (its weight scratch holds a whole layer and is shared): the
+    model-dtype weights of n experts, and per (token, slot) row x, gate|up, h and y in the dtype, y's fp32 sum."""
+    H, I, k = shapes.hidden, shapes.expert_inter, shapes.top_k
+    if not n:
+        return 0, 0
+    return n * 3 * H * I * itemsize, chunk * k * (2 * H + 3 * I) * itemsize + chunk * (H * 4 + k * 24)
+
+
+def add_resident_prefill(plan: MemoryPlan, shapes: "ModelShapes") -> None:
+    """The resident experts' prefill buffers into the plan (``resident_prefill_bytes``): none with the layerwise
+    prefill's (shared) or no resident expert."""
+    n = max((lp.gpu_experts for lp in plan.layers), default=0)
+    if plan.device.type != "cuda" or plan.gpu_prefill or not n:
+        return
+    weights, act = resident_prefill_bytes(shapes, n, plan.prefill_chunk, plan.dtype.itemsize)
+    plan.vram["resident prefill"] = weights + act
+    plan.why["resident prefill"] = (f"prefill of the resident experts: {n} experts' weights in the model dtype, one "
+                                    f"layer at a time; chunks of {plan.prefill_chunk} tokens")
 
 
 def fill_gpu_experts(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions, layers, vram: int) -> None:
@@ -416,8 +444,12 @@ def fill_gpu_experts(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOption
     free = [lp for lp, p in zip(plan.layers, layers or [None] * len(plan.layers))
             if getattr(p, "gpu_experts", None) is None]
     left = max(0, vram - plan.vram_bytes)
-    # each layer's experts at their stored bytes (int4: ~3.5x as many per GiB as bf16)
-    n = min(E, left // sum(lp.gpu_expert_bytes for lp in free)) if free else 0
+    # each layer's experts at their stored bytes (int4: ~3.5x as many per GiB as bf16); without the layerwise
+    # prefill's buffers, each also widens the resident prefill's weight scratch by one expert in the model dtype
+    scratch, act = resident_prefill_bytes(shapes, 1, plan.prefill_chunk, plan.dtype.itemsize)
+    if plan.gpu_prefill:
+        scratch = act = 0
+    n = min(E, max(0, left - act) // (sum(lp.gpu_expert_bytes for lp in free) + scratch)) if free else 0
     for lp in free:
         lp.gpu_experts, lp.vram = n, n * lp.gpu_expert_bytes
     plan.vram["GPU experts"] = sum(lp.vram for lp in plan.layers)
@@ -477,8 +509,12 @@ def spend_vram(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions, lay
     left = max(0, vram - plan.vram_bytes - RESIDENT_MARGIN)
     fixed_resident = all(lp.gpu_experts >= E for lp, p in zip(plan.layers, layers or [None] * len(plan.layers))
                          if getattr(p, "gpu_experts", None) is not None)
+    # without the layerwise prefill's buffers, the resident prefill's scratch: one more expert per resident one
+    scratch, act = resident_prefill_bytes(shapes, 1, plan.prefill_chunk, plan.dtype.itemsize)
 
-    def resident(room: float) -> int:
+    def resident(room: float, own_scratch: bool = False) -> int:
+        if own_scratch:
+            return int(min(E, max(0, room - act) // (per + scratch)))
         return int(min(E, max(0, room) // per))
 
     def choose(n: int, chunk: Optional[int], need: dict, why: str) -> None:
@@ -491,15 +527,15 @@ def spend_vram(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions, lay
             plan.why.update(dict.fromkeys(need, f"layerwise GPU prefill, chunks of {chunk} tokens"))
         plan.why["GPU experts"] = why
 
-    if E * per <= left and fixed_resident and not isinstance(opts.gpu_prefill, int):
+    if E * (per + scratch) + act <= left and fixed_resident and not isinstance(opts.gpu_prefill, int):
         choose(E, None, {}, f"auto: {E} of {E} per layer (all): the whole model fits "
                             f"({gib(E * per)} of {gib(left)} left)")
         plan.why["prefill slots"] = "none: every routed expert is resident (no layer to stream)"
         return
     if opts.gpu_prefill == "off":
-        n = resident(left)
+        n = resident(left, True)
         return choose(n, None, {}, f"auto: {n} of {E} per layer fill the {gib(left)} left (--gpu-prefill off)")
-    options = [] if isinstance(opts.gpu_prefill, int) else [(resident(left), None, {})]
+    options = [] if isinstance(opts.gpu_prefill, int) else [(resident(left, True), None, {})]
     for chunk in prefill_chunks(opts):
         need = prefill_need(plan, shapes, chunk)
         if chunk > BIG_CHUNK and sum(need.values()) > vram / 8:  # a chunk that large is not worth its VRAM

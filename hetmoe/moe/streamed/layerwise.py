@@ -7,8 +7,8 @@ Per forward call (a prefill chunk of T >= ``min_tokens`` tokens), with S slots (
                                          storage, registered with the driver: no second copy in RAM)
     MoE layer i             main stream: route (hetmoe/moe/router.py); wait for slot i % S's copy (an event);
                                          unpack the packed layout to the model dtype (hetmoe/moe/streamed/packed.py);
-                                         gate+up, SwiGLU, down as grouped GEMMs over the tokens sorted by expert;
-                                         record "slot free"
+                                         gate+up, SwiGLU, down as grouped GEMMs over the tokens sorted by expert
+                                         (hetmoe/moe/grouped.py); record "slot free"
                             copy stream: after "slot free", layer i + S -> slot i % S (runs while layers
                                          i + 1 .. i + S - 1 compute)
                             main stream: combine (hetmoe/moe/combine.py) with the shared experts
@@ -19,8 +19,13 @@ times the number of experts, so nearly every expert is routed to anyway; where T
 copy waits for its router and moves only the routed experts (hetmoe/moe/streamed/copy.py). While the link is the
 bottleneck, the CPU engine computes the last c experts of each layer at the same time, and only the first E - c are
 copied (hetmoe/moe/streamed/cpu_share.py; c chosen per chunk from the measured rates). Expert Deferral is a decode
-feature: here every expert is computed exactly once, on the layer's own input; GPU-resident experts are computed from
-the streamed weights like the others (they hold the same values).
+feature: here every expert is computed exactly once, on the layer's own input.
+
+**Partly resident layers** (``--gpu-experts``): only the S experts of a layer that are not resident on the GPU are
+streamed (a few runs of consecutive ones: copy.py), the CPU's share is the last ~c·S/E of those, and the resident
+experts' weights are unpacked from their own storage (``GpuExperts.unpack_into``: only the routed ones) into the
+same scratch, after the streamed ones: one grouped GEMM per projection over both. Scratch rows of a layer: its
+streamed experts the GPU computes, in order, then its N resident ones, in resident order (``_rows``).
 
 Shape letters: T tokens, k experts per token, E experts, H hidden size, I intermediate size, M = T·k rows.
 """
@@ -28,22 +33,20 @@ Shape letters: T tokens, k experts per token, E experts, H hidden size, I interm
 from __future__ import annotations
 
 import contextvars
-import sys
 import time
 from contextlib import contextmanager
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from hetmoe.config.options import parse_cpu_share
 from hetmoe.moe.combine import combine
 from hetmoe.moe.deferral import drop_lowest
+from hetmoe.moe.grouped import grouped_swiglu, weight_scratch
 from hetmoe.moe.streamed import choice
 from hetmoe.moe.streamed.copy import HostMemory, copy_experts, routed_experts
 from hetmoe.moe.streamed.cpu_share import CPUShare
 from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, unpack_experts
-from hetmoe.ops.triton import grouped as grouped_triton
 from hetmoe.ops.triton import packed as packed_triton
 
 _current: contextvars.ContextVar = contextvars.ContextVar("hetmoe_layerwise_prefill", default=None)
@@ -54,59 +57,19 @@ def current() -> Optional["LayerwisePrefill"]:
     return _current.get()
 
 
-def _grouped_mm_ok(x: torch.Tensor) -> bool:
-    """torch._grouped_mm on x's dtype and device: bf16 on a GPU of compute capability 9.0 or newer."""
-    if x.device.type != "cuda" or x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
-        return False
-    return torch.cuda.get_device_capability(x.device)[0] >= 9
-
-
-_warned: set = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        print(message, file=sys.stderr)
-
-
-def grouped_swiglu(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gu: torch.Tensor,
-                   w_down: torch.Tensor) -> torch.Tensor:
-    """The routed experts of every (token, slot) pair: x [T, H], topk_ids / topk_weights [T, k] (-1: skipped),
-    w_gu [E, 2I, H] (gate rows, then up rows), w_down [E, H, I], all in one dtype on x's device -> fp32 [T, H]."""
-    T, k = topk_ids.shape
-    E, two_i, _ = w_gu.shape
-    I = two_i // 2
-    flat = topk_ids.reshape(-1).long()
-    flat = torch.where(flat < 0, E, flat)  # skipped slots sort last, into a bucket no expert reads
-    order = torch.argsort(flat, stable=True)
-    ends = torch.cumsum(torch.bincount(flat, minlength=E + 1)[:E], 0)
-    if _grouped_mm_ok(w_gu) and grouped_triton.available():
-        # every M row goes in, the skipped ones past the last expert's offset, where no GEMM computes: no host sync
-        xs = x[order // k].to(w_gu.dtype)  # [M, H]
-        try:
-            offs = ends.to(torch.int32)
-            h = grouped_triton.swiglu(torch._grouped_mm(xs, w_gu.transpose(1, 2), offs=offs))  # [M, I]
-            y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs)  # [M, H]
-            pos = torch.empty_like(order)
-            pos[order] = torch.arange(order.numel(), device=order.device)  # slot (t, j) -> its sorted row
-            return grouped_triton.combine_slots(y, pos.view(T, k), topk_ids, topk_weights)
-        except RuntimeError as err:  # a shape the kernel does not take (alignment): the loop below
-            _warn_once(f"hetmoe: grouped GEMM unavailable for this shape ({str(err).splitlines()[0]}); "
-                       "computing the GPU prefill's experts one at a time")
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    order = order[:int(ends[-1])]  # the valid pairs (one host sync per layer)
-    tok = order // k
-    xs = x[tok].to(w_gu.dtype)  # [n_valid, H]
-    y = torch.empty(order.numel(), w_down.shape[1], dtype=xs.dtype, device=xs.device)
-    start = 0
-    for e, n in enumerate(counts.tolist()):  # one expert at a time (CPU, older GPUs, fp32 models)
-        if n:
-            gu = xs[start:start + n] @ w_gu[e].T
-            y[start:start + n] = (F.silu(gu[:, :I]) * gu[:, I:]) @ w_down[e].T
-        start += n
-    y = y.float() * topk_weights.reshape(-1)[order].float().unsqueeze(1)
-    return torch.zeros(T, w_down.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y)
+def cpu_layer_seconds(engine, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, repeats: int = 2) -> float:
+    """The best of ``repeats`` timed calls of the CPU engine on x [T, H] (the model dtype, as the CPU prefill path
+    stages it) routed by ids / weights [T, k]: every expert of the layer computed. An explicit all-False skip mask
+    replaces the engine's static one, which leaves out its GPU-resident experts: timed with it, a layer keeping N of
+    E experts on the GPU would compute only E - N of them, and its rate would read E / (E - N) times too high (the
+    "CPU experts 475642 tok/s" of a layer with 116 of 128 resident)."""
+    everything = torch.zeros(engine.num_experts, dtype=torch.bool)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        engine.forward(x, ids, weights, skip_mask=everything)
+        times.append(time.perf_counter() - t)
+    return min(times)
 
 
 class LayerwisePrefill:
@@ -133,10 +96,13 @@ class LayerwisePrefill:
         self.unpack_n = int(unpack_batch)
         self.triton_unpack = self.cuda and packed_triton.available()  # else PyTorch ops (tests set it on a CPU)
         lay = self.layouts[0] if self.layouts else None
-        if lay is not None:  # one layer's weights in the model dtype, rewritten by every layer
-            E, H, I = lay.num_experts, lay.hidden, lay.intermediate
-            self.w_gu = torch.empty(E, 2 * I, H, dtype=dtype, device=self.device)
-            self.w_down = torch.empty(E, H, I, dtype=dtype, device=self.device)
+        self.scratch = None  # one layer's weights in the model dtype, rewritten by every layer (and the resident path)
+        if lay is not None:
+            self.scratch = weight_scratch(self.device, dtype, lay.hidden, lay.intermediate)
+            self.scratch.reserve(lay.num_experts)
+        self._streamed_cache: dict = {}  # layer index -> (its GpuExperts or None, its streamed experts)
+        self._row_tables: dict = {}  # (layer index, GPU's streamed count) -> (its GpuExperts, expert -> scratch row)
+        self._slot_copied = [False] * self.n_slots  # CPU device: the slot holds a copy (else read the storage)
         self._registered = None
         self.slots: Optional[list] = None  # CUDA: the copy slots; CPU (tests): made by the first routed-only copy
         if self.cuda:
@@ -174,6 +140,46 @@ class LayerwisePrefill:
             return None
         self.share = CPUShare(self.layouts[0].hidden, ks.pop(), self.dtype, self.device, capacity, mode, self.rates)
         return self.share
+
+    @property
+    def w_gu(self) -> torch.Tensor:
+        """The weight scratch's gate/up rows [n, 2I, H]."""
+        return self.scratch.w_gu
+
+    @property
+    def w_down(self) -> torch.Tensor:
+        return self.scratch.w_down
+
+    def streamed(self, i: int) -> list:
+        """Layer i's experts this path streams, ascending: those not resident on the GPU (``layer.gpu``)."""
+        gpu = self.layers[i].gpu
+        cached = self._streamed_cache.get(i)
+        if cached is None or cached[0] is not gpu:
+            resident = set(gpu.expert_ids) if gpu is not None else set()
+            cached = (gpu, [e for e in range(self.layouts[i].num_experts) if e not in resident])
+            self._streamed_cache[i] = cached
+        return cached[1]
+
+    def cpu_count(self, i: int) -> int:
+        """How many of layer i's streamed experts (the last ones) the CPU computes in the running call: the call's
+        share of E, scaled to the S streamed experts (a partly resident layer copies S / E of a layer)."""
+        S, E = len(self.streamed(i)), self.layouts[i].num_experts
+        return min(S, (self.cpu_experts * S + E // 2) // E) if self.cpu_experts else 0
+
+    def _rows(self, i: int, n: int) -> torch.Tensor:
+        """int64 [E + 1] on the device: layer i's expert -> its scratch row when the GPU computes its first ``n``
+        streamed experts: streamed expert j -> j (j < n), resident expert r -> n + r; -1 for the CPU's experts and
+        at index E (where empty slots point)."""
+        gpu = self.layers[i].gpu
+        cached = self._row_tables.get((i, n))
+        if cached is None or cached[0] is not gpu:
+            E = self.layouts[i].num_experts
+            rows = torch.full((E + 1,), -1, dtype=torch.int64)
+            rows[self.streamed(i)[:n]] = torch.arange(n)
+            if gpu is not None:
+                rows[gpu.expert_ids] = n + torch.arange(gpu.n)
+            cached = self._row_tables[i, n] = (gpu, rows.to(self.device))
+        return cached[1]
 
     def _slot_buffers(self) -> list:
         widths = [max(r[j].numel() for r in self.host) for j in range(len(self.host[0]))]
@@ -217,13 +223,19 @@ class LayerwisePrefill:
             self.cpu_experts, self.routed_only = 0, False
 
     def gpu_experts(self, i: int) -> int:
-        """How many of layer i's experts (the first ones) the GPU computes in the running call."""
-        return self.layouts[i].num_experts - self.cpu_experts
+        """How many of layer i's streamed experts (the first ones) the GPU computes in the running call."""
+        return len(self.streamed(i)) - self.cpu_count(i)
 
     def _issue(self, i: int, experts: Optional[list] = None) -> None:
-        """Copy layer i's experts [0, gpu_experts(i)), or the ``experts`` listed (routed-only), into its slot."""
-        if not self.cuda:  # tests: whole layers are read in place; routed-only copies into host "slots"
-            if experts is not None:
+        """Copy into layer i's slot, one after another, the ``experts`` listed (routed-only), or (None) the streamed
+        experts the GPU computes."""
+        prefix = False  # the GPU's streamed experts are [0, n): the plain copy (and read in place on a CPU)
+        if experts is None:
+            experts = self.streamed(i)[:self.gpu_experts(i)]
+            prefix = experts == list(range(len(experts)))
+        if not self.cuda:  # tests: a prefix is read in place; other sets are copied into host "slots"
+            self._slot_copied[i % self.n_slots] = not prefix
+            if not prefix:
                 if self.slots is None:
                     self.slots = self._slot_buffers()
                 copy_experts(self.slots[i % self.n_slots], self.host[i], self.per[i], experts)
@@ -233,7 +245,7 @@ class LayerwisePrefill:
             if self.freed[s] is not None:
                 self.copy_stream.wait_event(self.freed[s])
             start = self._event()
-            copy_experts(self.slots[s], self.host[i], self.per[i], experts, self.gpu_experts(i))
+            copy_experts(self.slots[s], self.host[i], self.per[i], None if prefix else experts, len(experts))
             self.copied[s].record(self.copy_stream)
             if start is not None:  # an end event of its own: copied[s] is recorded again by the slot's next copy
                 self._events.append((i, "copy", start, self._event()))
@@ -250,7 +262,7 @@ class LayerwisePrefill:
         """The first E experts of layer i's slot (or storage) unpacked into the weight scratch, a few experts at a
         time (bounded temporaries) -> (w_gu [E, 2I, H], w_down [E, H, I])."""
         lay = self.layouts[i]
-        if self.cuda or self.routed_only:
+        if self.cuda or self._slot_copied[i % self.n_slots]:
             ranges = [dst[:E * b] for dst, b in zip(self.slots[i % self.n_slots], self.per[i])]
         else:
             ranges = [r[:E * b] for r, b in zip(self.host[i], self.per[i])]
@@ -271,23 +283,32 @@ class LayerwisePrefill:
         weights, ids = layer.route(logits, correction_bias)
         if layer.drop:
             ids = drop_lowest(ids, weights, layer.drop)
-        n = self.gpu_experts(i)
-        if self.cpu_experts:  # the CPU starts on its experts first, the GPU's ids leave them out
+        streamed, c = self.streamed(i), self.cpu_count(i)
+        n = len(streamed) - c  # the streamed experts the GPU computes
+        if c:  # the CPU starts on its experts first, the GPU's rows leave them out
             cpu_start, cpu_done = self._event(), self._event(record=False)
-            self.share.submit(i, layer.engine, x, ids, weights.float(), self.cpu_experts, cpu_done)
+            self.share.submit(i, layer.engine, x, ids, weights.float(), streamed[n:], cpu_done)
             if cpu_done is not None:
                 self._events.append((i, "cpu", cpu_start, cpu_done))
-            ids = ids.masked_fill(ids >= n, -1)
-        if self.routed_only:  # the routed ones among the GPU's experts, after this layer's router (a host sync)
-            experts, ids = routed_experts(ids, n)
-            n = len(experts)
+        E, gpu = self.layouts[i].num_experts, layer.gpu
+        rows = self._rows(i, n)[ids.masked_fill(ids < 0, E)]  # [T, k] scratch rows, -1: not the GPU's
+        if self.routed_only:  # the routed ones among the GPU's streamed experts, after this layer's router (a sync)
+            used, s_rows = routed_experts(rows.masked_fill(rows >= n, -1), n)
             if self.profiling:
-                self.routed.append(n)
-            self._issue(i, experts)
+                self.routed.append(len(used))
+            self._issue(i, [streamed[u] for u in used])
+            rows = torch.where(rows >= n, rows - n + len(used), s_rows)
+            n = len(used)
         self._wait(i)
         start = self._event()
-        if n:
-            y = grouped_swiglu(x, ids, weights, *self._weights(i, n))
+        N = gpu.n if gpu is not None else 0
+        if n + N:
+            if n:
+                self._weights(i, n)
+            w_gu, w_down = self.scratch.reserve(n + N)
+            if N:  # the resident experts' rows after the streamed ones, only the routed ones unpacked
+                gpu.unpack_into(w_gu[n:], w_down[n:], gpu.used(torch.where(rows >= n, rows - n, -1)))
+            y = grouped_swiglu(x, rows, weights, w_gu, w_down)
         else:  # every pair on the CPU, or skipped
             y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if start is not None:
@@ -299,7 +320,7 @@ class LayerwisePrefill:
             if i + self.n_slots < len(self.layers) and not self.routed_only:
                 self._issue(i + self.n_slots)
         dense = shared(x) if shared is not None else None
-        if self.cpu_experts:
+        if c:
             wait = self._event()
             y = self.share.add(y)  # cpu + gpu in fp32: combine's order for a layer's parts
             if wait is not None:  # the GPU's wait for the CPU (and the sum)
@@ -337,7 +358,8 @@ class LayerwisePrefill:
     def measure(self, tokens=(256, 1024), seed: int = 0) -> dict:
         """The rates the threshold is chosen from, measured on the first MoE layer with random activations and
         routing (a few ms on a GPU): the H2D copy of one layer's packed experts, the GPU path's unpack and grouped
-        GEMMs at two token counts, the CPU engine's prefill at two token counts. Seconds per layer."""
+        GEMMs at two token counts, the CPU engine's prefill at two token counts (``cpu_layer_seconds``: every expert
+        of the layer, whatever the engine's GPU-resident ones). Seconds per layer, all E experts."""
         if not self.cuda or not self.layers:
             raise RuntimeError("measuring the layerwise prefill needs its CUDA device")
         layer, lay = self.layers[0], self.layouts[0]
@@ -348,7 +370,7 @@ class LayerwisePrefill:
         for _ in range(2):
             t0 = torch.cuda.Event(enable_timing=True)
             t0.record(self.copy_stream)
-            self._issue(0)
+            self._issue(0, list(range(E)))  # the whole layer, resident experts included
             self.copy_stream.synchronize()
             copy.append(t0.elapsed_time(self.copied[0]) / 1e3)
         gpu, cpu = {}, {}
@@ -365,12 +387,7 @@ class LayerwisePrefill:
                 b.record()
                 b.synchronize()
             gpu[T] = a.elapsed_time(b) / 1e3
-            times = []
-            for rep in range(2):
-                t = time.perf_counter()
-                layer.engine.forward(x, ids, w)  # x in the model dtype, as the CPU prefill path stages it
-                times.append(time.perf_counter() - t)
-            cpu[T] = min(times)
+            cpu[T] = cpu_layer_seconds(layer.engine, x, ids, w)
         self.freed[0] = None
         self.rates = {"copy_s": min(copy), "copy_gbps": self.layer_bytes(0) / min(copy) / 1e9, "gpu_s": gpu,
                       "cpu_s": cpu}

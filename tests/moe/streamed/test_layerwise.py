@@ -22,8 +22,9 @@ from hetmoe.cpu import CPUExperts
 from hetmoe.engine.runner import Runner
 from hetmoe.load.loader import load_model, moe_blocks
 from hetmoe.moe import TorchExperts
+from hetmoe.moe.grouped import grouped_swiglu
 from hetmoe.moe.streamed.choice import choose_min_tokens
-from hetmoe.moe.streamed.layerwise import LayerwisePrefill, grouped_swiglu
+from hetmoe.moe.streamed.layerwise import LayerwisePrefill
 from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, unpack_experts
 from hetmoe.moe.streamed.vram import gpu_prefill_bytes
 from hetmoe.plan.placement import add_gpu_prefill
