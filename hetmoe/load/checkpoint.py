@@ -126,6 +126,7 @@ class Checkpoint:
         for shard in self.shards:
             self._read_header(shard)
         self._strip_prefix()
+        self._rename()
         self._split_fused_experts()
         self._packed: dict = {}  # "<m>.weight" -> compressed.PackedWeight of a pack-quantized linear
         self._parts: set = set()  # the stored tensors of those (hidden from names())
@@ -219,6 +220,25 @@ class Checkpoint:
                 raise CheckpointError(f"{self.path}: tensors {entries[short].raw} and {name} are both {short} of the "
                                       "language model")
             entries[short] = e
+        self._entries = entries
+
+    def _rename(self) -> None:
+        """Tensors under the names the model file has, for a model type whose checkpoints name them otherwise
+        (hetmoe.models.checkpoint_names: DeepSeek-V4's own naming); a block FP8 weight's ``<m>.scale`` (V4's) is its
+        ``<m>.weight_scale_inv``."""
+        from hetmoe.models import checkpoint_names
+
+        rename = checkpoint_names(self.config.get("model_type"))
+        if rename is None:
+            return
+        entries = {}
+        for name, e in self._entries.items():
+            new = rename(name)
+            if new in entries:
+                raise CheckpointError(f"{self.path}: tensors {entries[new].raw} and {name} are both {new}")
+            entries[new] = e
+        for name in [n for n in entries if n.endswith(".scale") and n[:-len("scale")] + "weight" in entries]:
+            entries[name[:-len("scale")] + "weight_scale_inv"] = entries.pop(name)
         self._entries = entries
 
     def _split_fused_experts(self) -> None:

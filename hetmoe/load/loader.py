@@ -212,10 +212,32 @@ def check_model_dir(path) -> ModelConfig:
 def config_notes(cfg: ModelConfig) -> list:
     """What a config asks for that the model file does not do (said at load, not refused)."""
     scaling = cfg.rope_scaling_params
+    notes = []
     if scaling and cfg.get("model_type") not in APPLIES_ROPE_SCALING:
-        return [f"config.json asks for {scaling['rope_type']} RoPE scaling, which hetmoe's {cfg.get('model_type')} "
-                "model does not apply: it runs default RoPE, over at most max_position_embeddings positions"]
-    return []
+        notes.append(f"config.json asks for {scaling['rope_type']} RoPE scaling, which hetmoe's "
+                     f"{cfg.get('model_type')} model does not apply: it runs default RoPE, over at most "
+                     "max_position_embeddings positions")
+    if cfg.get("model_type") == "deepseek_v4" and cfg.get("num_nextn_predict_layers"):
+        notes.append(f"the checkpoint's {cfg['num_nextn_predict_layers']} multi-token-prediction layer(s) (mtp.*) "
+                     "are not read: hetmoe decodes one token per step")
+    return notes
+
+
+def check_swiglu_limit(blocks: list, options: EngineOptions, source) -> EngineOptions:
+    """MoE layers whose routed experts clamp their SwiGLU inputs (``swiglu_limit``: DeepSeek-V4) need an experts
+    engine that does (``set_swiglu_limit``, handed the limit when the experts are attached) and no GPU-resident
+    experts (their kernels do not clamp): CheckpointError naming the entry, before any weight is read; --gpu-experts
+    auto keeps none. Returns the options."""
+    limits = sorted({b.swiglu_limit for _, b in blocks if getattr(b, "swiglu_limit", None) is not None})
+    if not limits:
+        return options
+    if not hasattr(CPUExperts, "set_swiglu_limit"):
+        raise CheckpointError(f"{source}: swiglu_limit {limits[0]:g}: this model's routed experts clamp their SwiGLU "
+                              "inputs, which hetmoe's CPU experts engine cannot do yet")
+    if isinstance(options.gpu_experts, int) and options.gpu_experts > 0:
+        raise CheckpointError(f"{source}: swiglu_limit {limits[0]:g}: GPU-resident experts do not clamp their SwiGLU "
+                              "inputs; run this model without --gpu-experts")
+    return replace(options, gpu_experts=0) if options.gpu_experts == "auto" else options
 
 
 def load_summary(cfg: ModelConfig, path: Path, n_layers: int, n_moe: int, plan: MemoryPlan,
@@ -311,6 +333,7 @@ def load_model(
         raise CheckpointError(f"{source} does not describe a {cfg.get('model_type')} model "
                               f"({err})") from None
     blocks = moe_blocks(model)
+    options = check_swiglu_limit(blocks, options, source)
     inter = 0
     if blocks:
         names = expert_keys(ckpt, blocks[0][0])
@@ -377,7 +400,12 @@ def load_model(
         fp8.done(log)
     gpu_experts = keep_gpu_experts(model.eval(), blocks, plan, options, lambda text: load_tokenizer(path).encode(text),
                                    log)
-    lw, gpu_prefill = prefill_choice.setup(layerwise_layers(blocks, plan), plan, options, log)
+    streamed = layerwise_layers(blocks, plan)
+    if streamed and plan.gpu_prefill and any(getattr(b, "swiglu_limit", None) is not None for _, b in blocks):
+        log("hetmoe: GPU prefill off: the routed experts clamp their SwiGLU inputs (swiglu_limit), which its kernels "
+            "do not")
+        streamed = []
+    lw, gpu_prefill = prefill_choice.setup(streamed, plan, options, log)
     used = list(caches.values())
     info = {
         "load_s": time.perf_counter() - t0,

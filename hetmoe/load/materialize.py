@@ -70,7 +70,13 @@ class Materializer:
         dtype = like.dtype if keep_dtype else self.plan.dtype
         device = device or self.plan.device
         copies = getattr(ckpt, "floats_are_copies", False) and device.type == "cpu"
-        src = ckpt.get_float(name, dtype) if copies else ckpt.get_float(name)
+        if not like.is_floating_point():  # an integer table (DeepSeek-V4's tid2eid): as stored, cast exactly
+            copies = False
+            src = ckpt.get(name)
+            if src.is_floating_point() or src.dtype == torch.bool:
+                raise CheckpointError(f"tensor {name} has dtype {src.dtype} in {ckpt.path}; integers were expected")
+        else:
+            src = ckpt.get_float(name, dtype) if copies else ckpt.get_float(name)
         if tuple(src.shape) != tuple(like.shape):
             raise CheckpointError(f"tensor {name} has shape {list(src.shape)} in {ckpt.path}; the config implies "
                                   f"{list(like.shape)}")

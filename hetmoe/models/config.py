@@ -91,6 +91,16 @@ HF_DEFAULTS = {
                         routed_scaling_factor=2.5, q_lora_rank=2048, kv_lora_rank=512, qk_rope_head_dim=64,
                         qk_nope_head_dim=192, v_head_dim=256, rms_norm_eps=1e-5, index_topk=2048,
                         index_head_dim=128, index_n_heads=32),
+    # DeepSeek-V4: DeepseekV4Config's defaults (V4-Flash's sizes); layer_types, mlp_layer_types, compress_rates and
+    # the RoPE tables are derived from the config (deepseek_v4_* below)
+    "deepseek_v4": dict(vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43,
+                        num_attention_heads=64, num_key_value_heads=1, head_dim=512, q_lora_rank=1024,
+                        num_experts_per_tok=6, n_routed_experts=256, n_shared_experts=1, scoring_func="sqrtsoftplus",
+                        norm_topk_prob=True, routed_scaling_factor=1.5, max_position_embeddings=1048576,
+                        rope_theta=10000.0, compress_rope_theta=160000.0, hc_mult=4, hc_sinkhorn_iters=20,
+                        hc_eps=1e-6, swiglu_limit=10.0, sliding_window=128, o_groups=8, o_lora_rank=1024,
+                        index_n_heads=64, index_head_dim=128, index_topk=512, num_nextn_predict_layers=1,
+                        rms_norm_eps=1e-6, hidden_act="silu", mlp_bias=False, attention_bias=False),
 }
 
 
@@ -164,6 +174,7 @@ _EXPERTS = {
     "qwen3_5_moe_text": ("num_experts",),
     "deepseek_v32": ("n_routed_experts", "num_local_experts", "num_experts"),
     "glm_moe_dsa": ("n_routed_experts", "num_local_experts", "num_experts"),
+    "deepseek_v4": ("n_routed_experts", "num_local_experts"),
 }
 PARTIAL_ROPE = ("glm4_moe", "minimax_m2")  # GQA models whose RoPE may turn part of each head (ModelConfig.rope_dim)
 LINEAR_ATTENTION = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # Gated DeltaNet hybrids (models/qwen3_next.py)
@@ -191,6 +202,84 @@ def dsa_indexer_types(cfg: ModelConfig) -> list:
             offset = 2 if offset is None else offset
             kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
     return list(kinds)[:n]
+
+
+# DeepSeek-V4: each layer's attention and MoE kind, the compression rates and the two RoPE tables, as
+# DeepseekV4Config.__post_init__ derives them from config.json (legacy entries folded in)
+V4_ATTENTION = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+V4_RATIO_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+V4_MLP = ("hash_moe", "moe")
+V4_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+
+
+def deepseek_v4_layer_types(cfg: ModelConfig) -> list:
+    """Each layer's attention: config.json's layer_types, else its compress_ratios (0 / 4 / 128 per layer), else two
+    HCA layers then CSA and HCA alternating (V4-Pro's schedule); cut to num_hidden_layers."""
+    n = cfg["num_hidden_layers"]
+    kinds = cfg.get("layer_types")
+    if kinds is None and isinstance(cfg.get("compress_ratios"), list):
+        kinds = [V4_RATIO_TYPES.get(r, r) if isinstance(r, int) else r for r in cfg["compress_ratios"]]
+    if kinds is None:
+        kinds = ["heavily_compressed_attention"] * min(n, 2) + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))]
+    return list(kinds)[:n] if isinstance(kinds, list) else kinds
+
+
+def deepseek_v4_mlp_layer_types(cfg: ModelConfig) -> list:
+    """Each layer's MoE routing: mlp_layer_types, else num_hash_layers (default 3) hash-routed layers, then "moe"."""
+    n = cfg["num_hidden_layers"]
+    kinds = cfg.get("mlp_layer_types")
+    if kinds is None:
+        n_hash = cfg.get("num_hash_layers")
+        n_hash = 3 if n_hash is None else n_hash
+        kinds = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+    return list(kinds)[:n] if isinstance(kinds, list) else kinds
+
+
+def deepseek_v4_compress_rates(cfg: ModelConfig) -> dict:
+    """{attention kind: tokens per compressed entry}: compress_rates over the defaults (CSA 4, HCA 128), then the
+    legacy compress_rate_csa / compress_rate_hca."""
+    given = cfg.get("compress_rates")
+    rates = {**V4_RATES, **(given if isinstance(given, dict) else {})}
+    for name, kind in (("compress_rate_csa", "compressed_sparse_attention"),
+                       ("compress_rate_hca", "heavily_compressed_attention")):
+        if cfg.get(name) is not None:
+            rates[kind] = cfg[name]
+    return rates
+
+
+def deepseek_v4_rotary_factor(cfg: ModelConfig):
+    """partial_rotary_factor, else qk_rope_head_dim / head_dim, else 64 / 512 (V4's rope dims of a 512 head)."""
+    if cfg.get("partial_rotary_factor") is not None:
+        return cfg["partial_rotary_factor"]
+    if isinstance(cfg.get("qk_rope_head_dim"), int) and isinstance(cfg.get("head_dim"), int) and cfg["head_dim"]:
+        return cfg["qk_rope_head_dim"] / cfg["head_dim"]
+    return 64 / 512
+
+
+def deepseek_v4_rope(cfg: ModelConfig) -> dict:
+    """{"main": params, "compress": params}: rope_parameters as given when nested so; else main is default RoPE of
+    rope_theta, and compress takes the flat rope_parameters (or rope_scaling: YaRN) with compress_rope_theta, a YaRN
+    attention_factor of 1 unless given (the V4 reference does not scale cos/sin)."""
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rp, dict):
+        return {"main": rp, "compress": rp}
+    factor = deepseek_v4_rotary_factor(cfg)
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        tables = {k: dict(rp[k]) for k in ("main", "compress")}
+    else:
+        flat = {k: v for k, v in rp.items() if k not in ("main", "compress")}
+        tables = {"main": {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0),
+                           "partial_rotary_factor": factor},
+                  "compress": {**flat, "rope_theta": cfg.get("compress_rope_theta", 160000.0),
+                               "partial_rotary_factor": factor}}
+        kind = flat.get("rope_type", flat.get("type", "default"))
+        tables["compress"]["rope_type"] = kind
+        if kind == "yarn":
+            tables["compress"].setdefault("attention_factor", 1.0)
+    for t in tables.values():
+        t.setdefault("rope_type", t.get("type", "default"))
+    return tables
 
 
 class _Checker:
@@ -224,6 +313,9 @@ def check_config(cfg: ModelConfig, source: str = "config.json") -> None:
     cfg = cfg.with_defaults()
     c = _Checker(cfg, source)
     if c.model_type not in _EXPERTS:
+        return
+    if c.model_type == "deepseek_v4":
+        _check_deepseek_v4(c)
         return
     deepseek = c.model_type.startswith("deepseek") or c.model_type in ("kimi_k2", "kimi_k25", "glm_moe_dsa")
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
@@ -313,6 +405,90 @@ def check_config(cfg: ModelConfig, source: str = "config.json") -> None:
         _check_groups(c, n_experts, k)
     if c.model_type in PARTIAL_ROPE and cfg.get("routed_scaling_factor") is not None:
         c.number("routed_scaling_factor", cfg["routed_scaling_factor"])
+
+
+def _check_deepseek_v4(c: _Checker) -> None:
+    """DeepSeek-V4: its sizes, one shared KV head, the grouped output projection, each layer's attention kind (and
+    its compression rate) and MoE routing, the router's scoring, the clamped SwiGLU, the hyper-connections, the
+    two RoPE tables, and entries Transformers' DeepseekV4 classes do not run otherwise (refused by name)."""
+    cfg = c.cfg
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank",
+                 "o_groups", "o_lora_rank", "sliding_window", "moe_intermediate_size", "hc_mult",
+                 "hc_sinkhorn_iters", "index_n_heads", "index_head_dim", "index_topk", "max_position_embeddings"):
+        c.int(name)
+    layers, heads, head_dim = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["head_dim"]
+    c.number("rms_norm_eps", cfg.get("rms_norm_eps"))
+    c.number("swiglu_limit", cfg.get("swiglu_limit"))
+    c.number("routed_scaling_factor", cfg.get("routed_scaling_factor"))
+    c.number("hc_eps", cfg.get("hc_eps"), positive=False)
+    if cfg.get("num_key_value_heads", 1) != 1:
+        c.fail(f"num_key_value_heads is {cfg['num_key_value_heads']!r}; DeepSeek-V4 has one key/value head shared by "
+               "every query head")
+    if heads * head_dim % cfg["o_groups"]:
+        c.fail(f"o_groups is {cfg['o_groups']}; it must divide num_attention_heads x head_dim ({heads * head_dim})")
+    kinds = deepseek_v4_layer_types(cfg)
+    source = "layer_types" if cfg.get("layer_types") is not None else "compress_ratios"
+    if not isinstance(kinds, list) or len(kinds) != layers or any(k not in V4_ATTENTION for k in kinds):
+        c.fail(f"{source} is {cfg.get(source)!r}; it must give each of the {layers} layers (num_hidden_layers) one of "
+               f"{', '.join(V4_ATTENTION)}" + (" (compress ratio 0, 4 or 128)" if source == "compress_ratios" else ""))
+    rates = deepseek_v4_compress_rates(cfg)
+    for kind in set(kinds) - {"sliding_attention"}:
+        r = rates.get(kind)
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            c.fail(f"compress_rates[{kind!r}] is {r!r}; it must be an integer >= 1")
+    mlp = deepseek_v4_mlp_layer_types(cfg)
+    if not isinstance(mlp, list) or len(mlp) != layers or any(k not in V4_MLP for k in mlp):
+        name = "mlp_layer_types" if cfg.get("mlp_layer_types") is not None else "num_hash_layers"
+        c.fail(f"{name} is {cfg.get(name)!r}; it must give each of the {layers} layers (num_hidden_layers) "
+               "'hash_moe' or 'moe'")
+    n_experts = _n_experts(c)
+    k = cfg.get("num_experts_per_tok")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_experts:
+        c.fail(f"num_experts_per_tok is {k!r}; with {n_experts} routed experts ({_expert_field(cfg)}) it must be "
+               f"between 1 and {n_experts}")
+    for name, want, what in (
+            ("hidden_act", "silu", "SwiGLU experts (silu)"),
+            ("norm_topk_prob", True, "a router that always renormalises its top-k weights"),
+            ("n_shared_experts", 1, "one shared expert of moe_intermediate_size in every layer"),
+            ("attention_bias", False, "attention projections without biases")):
+        if cfg.get(name, want) != want:
+            c.fail(f"{name} is {cfg[name]!r}; DeepSeek-V4 runs {what}")
+    if cfg.get("scoring_func") not in ("sqrtsoftplus", "sigmoid"):
+        c.fail(f"scoring_func is {cfg.get('scoring_func')!r}; DeepSeek-V4's router scores with sqrtsoftplus or "
+               "sigmoid")
+    _check_v4_rope(c, head_dim)
+    qc = cfg.get("quantization_config")
+    experts_dtype = qc.get("expert_dtype") if isinstance(qc, dict) else None
+    experts_dtype = cfg.get("expert_dtype") if experts_dtype is None else experts_dtype
+    if experts_dtype not in (None, "fp8", "bf16"):
+        c.fail(f"quantization_config.expert_dtype is {experts_dtype!r}: hetmoe reads DeepSeek-V4's routed experts in "
+               "FP8 blocks or floats, not as MXFP4")
+
+
+def _check_v4_rope(c: _Checker, head_dim: int) -> None:
+    tables = deepseek_v4_rope(c.cfg)
+    for label in ("main", "compress"):
+        p = tables[label]
+        where = f"rope_parameters[{label!r}]"
+        if not isinstance(p, dict):
+            c.fail(f"{where} is {p!r}; it must be an object")
+        if p["rope_type"] not in ("default", "yarn"):
+            c.fail(f"{where} has rope_type {p['rope_type']!r}; DeepSeek-V4 runs default or yarn RoPE")
+        c.number(f"{where}.rope_theta", p.get("rope_theta"))
+        factor = p.get("partial_rotary_factor", 1.0)
+        c.number(f"{where}.partial_rotary_factor", factor)
+        dim = int(head_dim * factor)
+        if not 2 <= dim <= head_dim or dim % 2:
+            c.fail(f"{where}.partial_rotary_factor is {factor!r}: RoPE would turn {dim} of the {head_dim} dims of each "
+                   f"head; it needs an even number between 2 and {head_dim}")
+        if label == "compress" and dim > c.cfg["index_head_dim"]:
+            c.fail(f"index_head_dim is {c.cfg['index_head_dim']}; the indexer turns the last {dim} dims of each of its "
+                   "heads, so it needs at least that many")
+        if p["rope_type"] == "yarn":
+            c.number(f"{where}.factor", p.get("factor"))
+            original = p.get("original_max_position_embeddings")
+            if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+                c.fail(f"{where}.original_max_position_embeddings is {original!r}; yarn needs an integer >= 1")
 
 
 def _check_linear_attention(c: _Checker) -> None:

@@ -36,10 +36,12 @@ class TorchExperts:
     """Routed experts computed with PyTorch, an ``ExpertsBackend``.
 
     Keeps gate/up ``[E, I, H]`` and down ``[E, H, I]`` in ``dtype`` on their device; computes in that dtype with
-    fp32 accumulation of the weighted sum.
+    fp32 accumulation of the weighted sum. ``swiglu_limit`` (DeepSeek-V4; ``set_swiglu_limit``): the SwiGLU's inputs
+    clamped first, gate to at most the limit and up to [-limit, limit].
     """
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, dtype: torch.dtype = torch.float32):
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, dtype: torch.dtype = torch.float32,
+                 swiglu_limit: Optional[float] = None):
         if gate.shape != up.shape or gate.dim() != 3 or down.shape != (gate.shape[0], gate.shape[2], gate.shape[1]):
             raise ValueError(
                 f"expert weights must be gate/up [E, I, H] and down [E, H, I]; got {tuple(gate.shape)}, "
@@ -47,6 +49,10 @@ class TorchExperts:
             )
         self.gate, self.up, self.down = (w.to(dtype) for w in (gate, up, down))
         self.num_experts = gate.shape[0]
+        self.swiglu_limit = swiglu_limit
+
+    def set_swiglu_limit(self, limit: Optional[float]) -> None:
+        self.swiglu_limit = limit
 
     def forward(
         self,
@@ -64,7 +70,10 @@ class TorchExperts:
             if e < 0 or (skip_mask is not None and bool(skip_mask[e])):
                 continue
             tok, slot = torch.where(topk_ids == e)
-            h = F.silu(xc[tok] @ self.gate[e].T) * (xc[tok] @ self.up[e].T)
+            g, u = xc[tok] @ self.gate[e].T, xc[tok] @ self.up[e].T
+            if self.swiglu_limit is not None:
+                g, u = g.clamp(max=self.swiglu_limit), u.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+            h = F.silu(g) * u
             acc.index_add_(0, tok, (h @ self.down[e].T).float() * topk_weights[tok, slot].float().unsqueeze(1))
         if out is None:
             return acc.to(x.dtype)
