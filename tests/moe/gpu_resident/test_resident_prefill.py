@@ -328,8 +328,11 @@ def test_cuda_resident_experts_hold_the_engines_values(name, T):
         ids, wts = make_routing(T, 4, E, "cuda resident", name, T)
         got = g(x.cuda(), ids.cuda(), wts.cuda()).cpu()
         assert torch.isfinite(got).all()
-        assert rel_err(got, _reference(ex, x, ids, wts, resident)) < BF16, (resident, rel_err(got, _reference(
-            ex, x, ids, wts, resident)))
+        ref = _reference(ex, x, ids, wts, resident)
+        if not ref.any():  # no slot routed to a resident expert (T = 1 may draw that): exact zeros
+            assert not got.any(), resident
+            continue
+        assert rel_err(got, ref) < BF16, (resident, rel_err(got, ref))
         skip = torch.ones(E, dtype=torch.bool)
         skip[resident] = False
         engine = ex.forward(x, ids, wts, torch.empty(T, H), skip_mask=skip)
