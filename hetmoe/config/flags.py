@@ -17,7 +17,8 @@ from hetmoe.config.units import parse_size
 SHAPE_NAMES = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")  # defined in hetmoe.bench.kernel.SHAPES
 ISAS = ISA_CHOICES  # "auto" and hetmoe.cpu.ISAS
 # hetmoe.load.random_weights.SHAPES
-MODEL_SHAPES = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "deepseek-v2-lite", "deepseek-v4-flash")
+MODEL_SHAPES = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "deepseek-v2-lite", "deepseek-v4-flash",
+                "minimax-m3")
 
 
 # ---------------------------------------------------------------------------------------------- argument types

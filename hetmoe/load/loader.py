@@ -234,6 +234,11 @@ def check_swiglu_limit(blocks: list, options: EngineOptions, source) -> EngineOp
     if not hasattr(CPUExperts, "set_swiglu_limit"):
         raise CheckpointError(f"{source}: swiglu_limit {limits[0]:g}: this model's routed experts clamp their SwiGLU "
                               "inputs, which hetmoe's CPU experts engine cannot do yet")
+    alphas = sorted({b.swiglu_alpha for _, b in blocks if getattr(b, "swiglu_alpha", None) is not None})
+    if alphas and not hasattr(CPUExperts, "set_swiglu_alpha"):  # MiniMax-M3: gpt-oss's (u + 1) * g * sigmoid(alpha g)
+        raise CheckpointError(f"{source}: swiglu_alpha {alphas[0]:g}: this model's routed experts compute (u + 1) * g "
+                              "* sigmoid(alpha * g) on their clamped SwiGLU inputs, which hetmoe's CPU experts engine "
+                              "cannot do yet")
     if isinstance(options.gpu_experts, int) and options.gpu_experts > 0:
         raise CheckpointError(f"{source}: swiglu_limit {limits[0]:g}: GPU-resident experts do not clamp their SwiGLU "
                               "inputs; run this model without --gpu-experts")

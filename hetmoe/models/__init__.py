@@ -37,6 +37,8 @@ MODEL_TYPES = {
     "glm_moe_dsa": ("glm_moe_dsa", "GlmMoeDsaForCausalLM"),
     # one shared KV head: sliding window with sinks + compressed (CSA / HCA) attention, hyper-connections, hash routing
     "deepseek_v4": ("deepseek_v4", "DeepseekV4ForCausalLM"),
+    # the language model of MiniMax-M3 (MULTIMODAL): GQA with block-sparse attention, clamped SwiGLU experts
+    "minimax_m3_vl": ("minimax_m3", "MiniMaxM3ForCausalLM"),
 }
 # The model types whose file builds its RoPE from config.json's rope_scaling / rope_parameters (YaRN); the others
 # run default RoPE whatever the config says, so a scaling factor there extends nothing.

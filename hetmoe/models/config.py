@@ -101,6 +101,14 @@ HF_DEFAULTS = {
                         hc_eps=1e-6, swiglu_limit=10.0, sliding_window=128, o_groups=8, o_lora_rank=1024,
                         index_n_heads=64, index_head_dim=128, index_topk=512, num_nextn_predict_layers=1,
                         rms_norm_eps=1e-6, hidden_act="silu", mlp_bias=False, attention_bias=False),
+    # MiniMax-M3: MiniMaxM3VLTextConfig's defaults (its text_config); layer_types, mlp_layer_types and the indexer's
+    # entries are also read from the legacy sparse_attention_config / moe_layer_freq (minimax_m3_config below)
+    "minimax_m3_vl": dict(vocab_size=200064, hidden_size=6144, intermediate_size=3072, num_hidden_layers=60,
+                          num_attention_heads=64, num_key_value_heads=4, head_dim=128, max_position_embeddings=524288,
+                          rms_norm_eps=1e-6, num_experts_per_tok=4, num_local_experts=128, rope_theta=5000000.0,
+                          dense_intermediate_size=12288, shared_intermediate_size=3072, routed_scaling_factor=2.0,
+                          swiglu_alpha=1.702, swiglu_limit=7.0, index_n_heads=4, index_head_dim=128,
+                          index_block_size=128, index_topk_blocks=16, index_local_blocks=1),
 }
 
 
@@ -120,6 +128,9 @@ MULTIMODAL = {
     "kimi_k25": Multimodal(("kimi_k2", "deepseek_v3"), "language_model.", ("vision_tower.", "mm_projector.")),
     # Qwen3.5-MoE: model.language_model.* is the text model's model.*, lm_head stays, model.visual.* is the vision
     "qwen3_5_moe": Multimodal(("qwen3_5_moe_text",), "model.language_model.", ("model.visual.",), "model."),
+    # MiniMax-M3: language_model.model.* / language_model.lm_head are the text model's model.* / lm_head
+    "minimax_m3_vl": Multimodal(("minimax_m3_vl_text",), "language_model.",
+                                ("vision_tower.", "multi_modal_projector.", "patch_merge_mlp.")),
 }
 _WRAPPER_ONLY = ("text_config", "vision_config", "architectures", "auto_map")  # entries of the wrapper alone
 
@@ -175,6 +186,7 @@ _EXPERTS = {
     "deepseek_v32": ("n_routed_experts", "num_local_experts", "num_experts"),
     "glm_moe_dsa": ("n_routed_experts", "num_local_experts", "num_experts"),
     "deepseek_v4": ("n_routed_experts", "num_local_experts"),
+    "minimax_m3_vl": ("num_local_experts", "num_experts"),
 }
 PARTIAL_ROPE = ("glm4_moe", "minimax_m2")  # GQA models whose RoPE may turn part of each head (ModelConfig.rope_dim)
 LINEAR_ATTENTION = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # Gated DeltaNet hybrids (models/qwen3_next.py)
@@ -282,6 +294,55 @@ def deepseek_v4_rope(cfg: ModelConfig) -> dict:
     return tables
 
 
+# MiniMax-M3: the legacy entries MiniMaxM3VLTextConfig.__post_init__ reads, and the layer kinds
+M3_LEGACY_INDEX = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "sparse_index_dim",
+                   "index_block_size": "sparse_block_size", "index_topk_blocks": "sparse_topk_blocks",
+                   "index_local_blocks": "sparse_local_block"}
+M3_ATTENTION = ("full_attention", "minimax_m3_sparse")
+M3_MLP = ("dense", "sparse")
+
+
+def minimax_m3_config(cfg: ModelConfig) -> ModelConfig:
+    """A MiniMax-M3 config as MiniMaxM3VLTextConfig fills it: its defaults (``HF_DEFAULTS``), the indexer's entries
+    from sparse_attention_config's legacy names where it has them, layer_types from its sparse_attention_freq (else
+    every layer full attention), mlp_layer_types from moe_layer_freq (else every layer MoE). Checked by
+    check_config, not here."""
+    if cfg.get("num_local_experts") is None and cfg.get("num_experts") is not None:  # (Transformers' alias)
+        cfg = ModelConfig({**cfg, "num_local_experts": cfg["num_experts"]})
+    cfg = cfg.with_defaults()
+    sparse = cfg.get("sparse_attention_config") or {}
+    sparse = sparse if isinstance(sparse, dict) else {}
+    out = dict(cfg)
+    out.update({flat: sparse[legacy] for flat, legacy in M3_LEGACY_INDEX.items() if legacy in sparse})
+    n = cfg.get("num_hidden_layers")
+    if out.get("layer_types") is None:
+        freq = sparse.get("sparse_attention_freq")
+        out["layer_types"] = ([M3_ATTENTION[1] if f else M3_ATTENTION[0] for f in freq] if isinstance(freq, list)
+                              else [M3_ATTENTION[0]] * (n if isinstance(n, int) else 0))
+    if out.get("mlp_layer_types") is None:
+        freq = cfg.get("moe_layer_freq")
+        out["mlp_layer_types"] = ([M3_MLP[1] if f else M3_MLP[0] for f in freq] if isinstance(freq, list)
+                                  else [M3_MLP[1]] * (n if isinstance(n, int) else 0))
+    return ModelConfig(out)
+
+
+def minimax_m3_rotary(cfg: ModelConfig) -> tuple:
+    """(the entry that sets MiniMax-M3's RoPE share of each head, its factor): rope_parameters' (or rope_scaling's)
+    partial_rotary_factor, else the top level's (Transformers moves it there), else the whole head. Transformers'
+    MiniMax-M3 never reads rotary_dim (check_config refuses one that disagrees)."""
+    for field in ("rope_parameters", "rope_scaling"):
+        params = cfg.get(field)
+        if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
+            return f"{field}.partial_rotary_factor", params["partial_rotary_factor"]
+    if cfg.get("partial_rotary_factor") is not None:
+        return "partial_rotary_factor", cfg["partial_rotary_factor"]
+    return None, 1.0
+
+
+def minimax_m3_rope_dim(cfg: ModelConfig) -> int:
+    return int(cfg["head_dim"] * minimax_m3_rotary(cfg)[1])
+
+
 class _Checker:
     def __init__(self, cfg: ModelConfig, source: str):
         self.cfg, self.source, self.model_type = cfg, source, cfg.get("model_type")
@@ -316,6 +377,9 @@ def check_config(cfg: ModelConfig, source: str = "config.json") -> None:
         return
     if c.model_type == "deepseek_v4":
         _check_deepseek_v4(c)
+        return
+    if c.model_type == "minimax_m3_vl":
+        _check_minimax_m3(c)
         return
     deepseek = c.model_type.startswith("deepseek") or c.model_type in ("kimi_k2", "kimi_k25", "glm_moe_dsa")
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
@@ -489,6 +553,89 @@ def _check_v4_rope(c: _Checker, head_dim: int) -> None:
             original = p.get("original_max_position_embeddings")
             if isinstance(original, bool) or not isinstance(original, int) or original < 1:
                 c.fail(f"{where}.original_max_position_embeddings is {original!r}; yarn needs an integer >= 1")
+
+
+def _check_minimax_m3(c: _Checker) -> None:
+    """MiniMax-M3: its sizes, each layer's attention and MLP kind, the block indexer, default RoPE over an even
+    share of each head, the clamped SwiGLU, and entries Transformers' MiniMaxM3VL classes do not run otherwise
+    (refused by name): quantized checkpoints (MXFP8 experts) are not read yet."""
+    cfg = c.cfg = minimax_m3_config(c.cfg)
+    qc = cfg.get("quantization_config")
+    if qc is not None:
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        c.fail(f"quantization_config (quant_method {method!r}): hetmoe reads MiniMax-M3 checkpoints in bf16 / fp16 / "
+               "fp32 only; its MXFP8 experts (e4m3 with a ue8m0 scale per 32 weights) are not read yet")
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "intermediate_size", "num_local_experts", "shared_intermediate_size",
+                 "max_position_embeddings"):
+        c.int(name)
+    layers, heads, kv, head_dim = (cfg[n] for n in ("num_hidden_layers", "num_attention_heads",
+                                                    "num_key_value_heads", "head_dim"))
+    n_experts = cfg["num_local_experts"]
+    c.number("rms_norm_eps", cfg.get("rms_norm_eps"))
+    if heads % kv:
+        c.fail(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    if cfg.get("num_experts") is not None and cfg["num_experts"] != n_experts:
+        c.fail(f"num_experts is {cfg['num_experts']!r} and num_local_experts {n_experts}; they name one count")
+    k = cfg.get("num_experts_per_tok")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_experts:
+        c.fail(f"num_experts_per_tok is {k!r}; with {n_experts} routed experts (num_local_experts) it must be "
+               f"between 1 and {n_experts}")
+    for name in ("swiglu_alpha", "swiglu_limit", "routed_scaling_factor"):
+        c.number(name, cfg.get(name))
+    kinds = cfg["layer_types"]
+    if not isinstance(kinds, list) or len(kinds) != layers or any(t not in M3_ATTENTION for t in kinds):
+        c.fail(f"layer_types is {kinds!r}; it must give each of the {layers} layers (num_hidden_layers) one of "
+               f"{' or '.join(map(repr, M3_ATTENTION))}")
+    mlps = cfg["mlp_layer_types"]
+    if not isinstance(mlps, list) or len(mlps) != layers or any(t not in M3_MLP for t in mlps):
+        c.fail(f"mlp_layer_types is {mlps!r}; it must give each of the {layers} layers (num_hidden_layers) 'dense' "
+               "or 'sparse'")
+    if "dense" in mlps:
+        c.int("dense_intermediate_size")
+    if M3_ATTENTION[1] in kinds:
+        for name in ("index_n_heads", "index_head_dim", "index_block_size", "index_topk_blocks"):
+            c.int(name)
+        local = c.int("index_local_blocks", minimum=0)
+        if local > cfg["index_topk_blocks"]:
+            c.fail(f"index_local_blocks is {local}; the blocks always kept are among the index_topk_blocks "
+                   f"({cfg['index_topk_blocks']}) a query attends to, so at most that many")
+        if heads % cfg["index_n_heads"]:
+            c.fail(f"index_n_heads is {cfg['index_n_heads']}; each indexer head chooses for a group of attention "
+                   f"heads, so it must divide num_attention_heads ({heads})")
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        c.fail(f"rope_parameters is {params!r}; it must be an object")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        c.fail(f"rope_parameters has rope_type {kind!r}; hetmoe's MiniMax-M3 runs default RoPE only")
+    c.number("rope_theta", cfg.rope_theta)
+    name, factor = minimax_m3_rotary(cfg)
+    if name is not None:
+        c.number(name, factor)
+    dim = minimax_m3_rope_dim(cfg)
+    if not 2 <= dim <= head_dim or dim % 2:
+        c.fail(f"{name or 'head_dim'} is {factor if name else head_dim!r}: RoPE would turn {dim} of the {head_dim} "
+               f"dims of each head; it needs an even number between 2 and {head_dim}")
+    rotary = cfg.get("rotary_dim")
+    if rotary is not None and rotary != dim:
+        c.fail(f"rotary_dim is {rotary!r}, but Transformers' MiniMax-M3 turns {dim} of the {head_dim} dims of each "
+               f"head ({name or 'no partial_rotary_factor: the whole head'}) and never reads rotary_dim; make them "
+               "agree (rope_parameters.partial_rotary_factor = rotary_dim / head_dim)")
+    if M3_ATTENTION[1] in kinds and dim > cfg["index_head_dim"]:
+        c.fail(f"index_head_dim is {cfg['index_head_dim']}; the indexer's heads are turned by the model's RoPE "
+               f"table ({dim} dims), so they need at least that many")
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swigluoai"):
+        c.fail(f"hidden_act is {act!r}; MiniMax-M3 runs its clamped SwiGLU (swigluoai)")
+    if cfg.get("scoring_func") not in (None, "sigmoid"):
+        c.fail(f"scoring_func is {cfg['scoring_func']!r}; MiniMax-M3's router scores with sigmoid")
+    if cfg.get("use_routing_bias") not in (None, True):
+        c.fail(f"use_routing_bias is {cfg['use_routing_bias']!r}; MiniMax-M3's router always adds its "
+               "e_score_correction_bias")
+    for name in ("sliding_window", "attn_window_size"):
+        if cfg.get(name) is not None:
+            c.fail(f"{name} is {cfg[name]!r}; MiniMax-M3 has no sliding-window attention")
 
 
 def _check_linear_attention(c: _Checker) -> None:

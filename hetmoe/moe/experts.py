@@ -50,9 +50,15 @@ class TorchExperts:
         self.gate, self.up, self.down = (w.to(dtype) for w in (gate, up, down))
         self.num_experts = gate.shape[0]
         self.swiglu_limit = swiglu_limit
+        self.swiglu_alpha: Optional[float] = None  # set: gpt-oss's form (set_swiglu_alpha)
 
     def set_swiglu_limit(self, limit: Optional[float]) -> None:
         self.swiglu_limit = limit
+
+    def set_swiglu_alpha(self, alpha: Optional[float]) -> None:
+        """MiniMax-M3 (gpt-oss's clamped SwiGLU): h = (u + 1) * g * sigmoid(alpha * g) on the clamped g, u in place
+        of silu(g) * u; None: silu(g) * u."""
+        self.swiglu_alpha = alpha
 
     def forward(
         self,
@@ -73,7 +79,7 @@ class TorchExperts:
             g, u = xc[tok] @ self.gate[e].T, xc[tok] @ self.up[e].T
             if self.swiglu_limit is not None:
                 g, u = g.clamp(max=self.swiglu_limit), u.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
-            h = F.silu(g) * u
+            h = F.silu(g) * u if self.swiglu_alpha is None else (u + 1) * (g * torch.sigmoid(g * self.swiglu_alpha))
             acc.index_add_(0, tok, (h @ self.down[e].T).float() * topk_weights[tok, slot].float().unsqueeze(1))
         if out is None:
             return acc.to(x.dtype)
