@@ -145,9 +145,17 @@ def build_model(args, shape: Optional[str], layers: Optional[int], options: Engi
 
 
 def gpu_peak(loaded: LoadedModel) -> dict:
-    """The GPU's peak allocation since the last reset, beside the VRAM budget the plan was made for."""
+    """The GPU's peak allocation since the last reset, beside the VRAM budget the plan was made for, and the peak
+    VRAM the process held: torch's peak reserved (its caching allocator's segments) plus what it holds outside
+    torch now (the CUDA context, cuBLAS workspaces, ...: used on the device by mem_get_info less torch's reserved;
+    other processes on the GPU count too)."""
     budget = loaded.plan.budgets.get("VRAM", (None,))[0]
-    return {"gpu_peak_bytes": torch.cuda.max_memory_allocated(), "gpu_budget_bytes": budget}
+    free, total = torch.cuda.mem_get_info()
+    outside = max(0, total - free - torch.cuda.memory_reserved())
+    reserved = torch.cuda.max_memory_reserved()
+    return {"gpu_peak_bytes": torch.cuda.max_memory_allocated(), "gpu_budget_bytes": budget,
+            "gpu_peak_reserved_bytes": reserved, "gpu_outside_torch_bytes": outside,
+            "gpu_peak_vram_bytes": reserved + outside}
 
 
 def experts_layout(loaded) -> Optional[str]:
@@ -298,6 +306,11 @@ def run_e2e_bench(args) -> int:
                            + ("" if peak <= budget else ", OVER THE BUDGET"))
                 say(f"{PLACEMENT[device]}: GPU peak allocated {peak / 2**30:.2f} GiB (torch.cuda.max_memory_allocated "
                     f"over the load and every timing above); {verdict}")
+                vram = rec["gpu_peak_vram_bytes"]
+                say(f"{PLACEMENT[device]}: peak VRAM {vram / 2**30:.2f} GiB (torch's peak reserved "
+                    f"{rec['gpu_peak_reserved_bytes'] / 2**30:.2f} GiB + {rec['gpu_outside_torch_bytes'] / 2**30:.2f} "
+                    f"GiB outside torch, from torch.cuda.mem_get_info)"
+                    + ("" if budget is None else "; within the budget" if vram <= budget else "; OVER THE BUDGET"))
             # Shared machines' bandwidth drifts over minutes: a second probe after all timings brackets the
             # roofline the rows were measured against.
             rec["stream_gbps_after"] = epool.read_bandwidth(stream_bytes, 5)

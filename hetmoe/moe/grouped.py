@@ -87,6 +87,75 @@ def grouped_swiglu(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     return torch.zeros(T, w_down.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y)
 
 
+class SortedPairs:
+    """A layer's (token, slot) pairs sorted by the scratch position their expert takes, for computing the layer a
+    group of experts at a time (``swiglu_rows``): ``tok`` int64 [M] (each sorted row's token), ``order`` int64 [M]
+    (its flat slot t·k + j), ``pos`` int64 [T, k] (each slot's sorted row), ``ends`` int64 [P] on the device and
+    ``ends_host`` (the same, a list): where each position's rows end. Slots of no position sort last, past
+    ``ends[-1]``."""
+
+    def __init__(self, order: torch.Tensor, pos: torch.Tensor, ends: torch.Tensor, k: int):
+        self.order, self.pos, self.ends = order, pos, ends
+        self.tok = order // k
+        self.ends_host = ends.tolist()  # the one host synchronization of a layer computed in groups
+
+    def start(self, p: int) -> int:
+        """The first sorted row of position p."""
+        return self.ends_host[p - 1] if p else 0
+
+    def rows(self, p0: int, p1: int) -> int:
+        """How many rows positions p0 .. p1-1 hold."""
+        return self.start(p1) - self.start(p0)
+
+
+def sort_pairs(positions: torch.Tensor, n: int) -> SortedPairs:
+    """positions [T, k] (each slot's scratch position in [0, n), -1: none) -> ``SortedPairs`` (one host sync)."""
+    T, k = positions.shape
+    flat = positions.reshape(-1).long()
+    flat = torch.where(flat < 0, n, flat)
+    order = torch.argsort(flat, stable=True)
+    ends = torch.cumsum(counts_of(flat, n + 1)[:n], 0)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.numel(), device=order.device)
+    return SortedPairs(order, pos.view(T, k), ends, k)
+
+
+def swiglu_rows(x: torch.Tensor, pairs: SortedPairs, p0: int, p1: int, topk_weights: torch.Tensor,
+                w_gu: torch.Tensor, w_down: torch.Tensor, out: torch.Tensor, max_rows: int) -> None:
+    """The routed experts of positions p0 .. p1-1 (their weights: rows 0 .. p1-p0-1 of w_gu [., 2I, H] / w_down
+    [., H, I]) on their rows of ``pairs``, at most ``max_rows`` rows at a time (bounded activations), weighted by
+    topk_weights [T, k] and added to out fp32 [T, H] (contiguous). On a GPU with grouped GEMMs the sums go through
+    the combine kernel in slot order (reproducible); elsewhere one expert at a time (``index_add_``)."""
+    first, last = pairs.start(p0), pairs.start(p1)
+    fast = _grouped_mm_ok(w_gu) and grouped_triton.available()
+    I = w_down.shape[2]
+    for a in range(first, last, max(1, int(max_rows))):
+        b = min(last, a + max_rows)
+        tok = pairs.tok[a:b]
+        xs = x[tok].to(w_gu.dtype)  # [b - a, H]
+        if fast:
+            try:
+                offs = (pairs.ends[p0:p1] - a).clamp(0, b - a).to(torch.int32)
+                h = grouped_triton.swiglu(torch._grouped_mm(xs, w_gu[:p1 - p0].transpose(1, 2), offs=offs))
+                y = torch._grouped_mm(h, w_down[:p1 - p0].transpose(1, 2), offs=offs)  # [b - a, H]
+                local = pairs.pos - a  # [T, k]: each slot's row in this window
+                inside = (local >= 0) & (local < b - a)
+                grouped_triton.combine_slots(y, local.clamp(min=0), torch.where(inside, 0, -1), topk_weights, out)
+                continue
+            except RuntimeError as err:  # a shape the kernel does not take (alignment): the loop below
+                _warn_once(f"hetmoe: grouped GEMM unavailable for this shape ({str(err).splitlines()[0]}); "
+                           "computing the GPU prefill's experts one at a time")
+                fast = False
+        y = torch.empty(b - a, w_down.shape[1], dtype=xs.dtype, device=xs.device)
+        for p in range(p0, p1):
+            s, e = max(a, pairs.start(p)), min(b, pairs.start(p + 1))
+            if s < e:
+                gu = xs[s - a:e - a] @ w_gu[p - p0].T
+                y[s - a:e - a] = (F.silu(gu[:, :I]) * gu[:, I:]) @ w_down[p - p0].T
+        w = topk_weights.reshape(-1)[pairs.order[a:b]].float().unsqueeze(1)
+        out.index_add_(0, tok, y.float() * w)
+
+
 class WeightScratch:
     """One layer's expert weights in the model dtype: ``w_gu`` [n, 2I, H] (gate rows, then up rows) and ``w_down``
     [n, H, I], grown to the most experts asked for (``reserve``). Get it with ``weight_scratch``: one per (device,

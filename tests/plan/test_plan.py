@@ -235,8 +235,14 @@ def test_gpu_experts_auto_all_resident_when_the_whole_model_fits(qwen, capsys):
     assert re.search(r"GPU experts \(128 per layer, int4\) +cuda +15\.19 GiB +auto: 128 of 128 per layer \(all\)", out)
     assert re.search(r"prefill slots +cuda +0\.0 MiB +none: every routed expert is resident", out), out
     assert "prefill weights" not in out and "fits: 24.00 GiB budget" in out
-    # one byte short of every expert (with the margin): the choice goes back to the cost model
-    need = plan.vram_bytes + placement.RESIDENT_MARGIN
+    # every prefill runs on the resident experts: chunks as long as their activations fit (each chunk unpacks
+    # every layer's experts once), shorter under a tighter budget
+    base = EngineOptions().prefill_chunk
+    assert plan.prefill_chunk > base and f"chunks of {plan.prefill_chunk} tokens" in plan.why["resident prefill"]
+    shapes = model_shapes(qwen[1], qwen[0], qwen[3])
+    least = sum(placement.resident_prefill_bytes(shapes, 128, base, 2))
+    # one byte short of every expert (with the margin) at the shortest chunk: the choice goes back to the cost model
+    need = plan.vram_bytes - plan.vram["resident prefill"] + least + placement.RESIDENT_MARGIN
     short = _plan(qwen, **{**opts, "gpu_memory": need - 1})
     assert short.layers[0].gpu_experts < 128 and "by modelled value" in short.why["GPU experts"]
     assert _plan(qwen, **{**opts, "gpu_memory": need}).layers[0].gpu_experts == 128

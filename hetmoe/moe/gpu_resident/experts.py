@@ -287,33 +287,38 @@ class GpuExperts:
         flat = torch.where(slots >= 0, slots, self.n).reshape(-1)
         return grouped.counts_of(flat, self.n + 1)[:self.n] > 0
 
-    def unpack_into(self, w_gu: torch.Tensor, w_down: torch.Tensor, used: Optional[torch.Tensor] = None) -> None:
-        """The resident experts' weights in the scratch's dtype into ``w_gu`` [N, 2I, H] (gate rows, then up rows)
-        and ``w_down`` [N, H, I] (both contiguous): the experts ``used`` marks (bool [N] on the device; None: all);
-        the others' rows may be left as they are. The layout of ``grouped.grouped_swiglu``."""
-        N, H, I = self.n, self.hidden_size, self.intermediate_size
-        if w_gu.shape != (N, 2 * I, H) or w_down.shape != (N, H, I) or not (w_gu.is_contiguous()
-                                                                            and w_down.is_contiguous()):
-            raise ValueError(f"unpack_into takes contiguous [{N}, {2 * I}, {H}] and [{N}, {H}, {I}] buffers, got "
+    def unpack_into(self, w_gu: torch.Tensor, w_down: torch.Tensor, used: Optional[torch.Tensor] = None,
+                    first: int = 0) -> None:
+        """The weights of resident experts first .. first+n-1 (all N by default) in the scratch's dtype into ``w_gu``
+        [n, 2I, H] (gate rows, then up rows) and ``w_down`` [n, H, I] (both contiguous): the experts ``used`` marks
+        (bool [n] on the device; None: all); the others' rows may be left as they are. The layout of
+        ``grouped.grouped_swiglu`` (the layerwise prefill takes a group of them at a time: ``first``)."""
+        H, I = self.hidden_size, self.intermediate_size
+        n = w_gu.shape[0]
+        if (first < 0 or first + n > self.n or w_gu.shape != (n, 2 * I, H) or w_down.shape != (n, H, I)
+                or not (w_gu.is_contiguous() and w_down.is_contiguous())):
+            raise ValueError(f"unpack_into takes contiguous [n, {2 * I}, {H}] and [n, {H}, {I}] buffers of resident "
+                             f"experts {first} .. {first} + n - 1 of {self.n}, got "
                              f"{tuple(w_gu.shape)} and {tuple(w_down.shape)}")
-        st = self.storage
+        st, last = self.storage, first + n
         if not st.quantized:
-            w_gu.copy_(self.w_gate_up.view(N, 2 * I, H))
-            w_down.copy_(self.w_down.view(H, N, I).transpose(0, 1))
+            w_gu.copy_(self.w_gate_up.view(self.n, 2 * I, H)[first:last])
+            w_down.copy_(self.w_down.view(H, self.n, I).transpose(0, 1)[first:last])
             return
         if self.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
-            used = torch.ones(N, dtype=torch.bool, device=self.device) if used is None else used
+            used = torch.ones(n, dtype=torch.bool, device=self.device) if used is None else used
             lut_gu, lut_d = self.luts or (None, None)
-            _routed().unpack_rows(self.w_gate_up, self.s_gate_up, st.gate_up, st.group, w_gu.view(N * 2 * I, H),
-                                  used, 2 * I, lut_gu)
-            _routed().unpack_rows(self.w_down, self.s_down, st.down, st.down_group, w_down.view(N * H, I), used, H,
-                                  lut_d)
+            gu_rows, d_rows = slice(first * 2 * I, last * 2 * I), slice(first * H, last * H)
+            _routed().unpack_rows(self.w_gate_up[gu_rows], self.s_gate_up[gu_rows], st.gate_up, st.group,
+                                  w_gu.view(n * 2 * I, H), used, 2 * I, lut_gu)
+            _routed().unpack_rows(self.w_down[d_rows], self.s_down[d_rows], st.down, st.down_group,
+                                  w_down.view(n * H, I), used, H, lut_d)
             return
-        for r0 in range(0, N, TORCH_UNPACK_EXPERTS):  # torch ops, a few experts at a time (bounded temporaries)
-            r1 = min(N, r0 + TORCH_UNPACK_EXPERTS)
+        for r0 in range(first, last, TORCH_UNPACK_EXPERTS):  # torch ops, a few experts at a time (bounded temporaries)
+            r1 = min(last, r0 + TORCH_UNPACK_EXPERTS)
             gu, d = self._expert_weights(r0, r1)
-            w_gu[r0:r1].copy_(gu)
-            w_down[r0:r1].copy_(d)
+            w_gu[r0 - first:r1 - first].copy_(gu)
+            w_down[r0 - first:r1 - first].copy_(d)
 
     def _grouped(self, x, topk_ids, topk_weights, skip) -> torch.Tensor:
         """The prefill path: the routed resident experts' weights in the shared scratch, one grouped GEMM per

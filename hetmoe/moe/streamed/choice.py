@@ -161,19 +161,25 @@ def setup(layers: list, plan, options, log) -> tuple:
     if not all(eligible(layer) for layer in layers):  # all or none: a layer left out could split a deferral chain
         return None, {"enabled": False, "why": "MoE layers split over NUMA subpools (their storage is per slice)"}
     threshold = options.gpu_prefill if isinstance(options.gpu_prefill, int) else 1
-    try:
-        driver = LayerwisePrefill(layers, plan.device, plan.dtype, threshold, GPU_PREFILL_SLOTS, UNPACK_EXPERTS)
+    group = getattr(plan, "prefill_group", 0) or None  # slots of a group of experts (None: whole layers)
+    slots = getattr(plan, "prefill_slots", 0) or GPU_PREFILL_SLOTS
+    try:  # groups unpack one expert at a time where PyTorch ops unpack (the plan counts that)
+        driver = LayerwisePrefill(layers, plan.device, plan.dtype, threshold, slots, 1 if group else UNPACK_EXPERTS,
+                                  group, getattr(plan, "prefill_rows", 0) or None)
     except RuntimeError as err:
         log(f"hetmoe: GPU prefill off: {err}")
         return None, {"enabled": False, "why": str(err)}
     report = {"enabled": True, "chunk": plan.prefill_chunk, "layers": len(layers), "min_tokens": threshold,
-              "chosen_by": "--gpu-prefill"}
+              "chosen_by": "--gpu-prefill", "experts_per_slot": driver.group, "slots": driver.n_slots,
+              "slot_bytes": driver.slot_bytes}
     share = options.gpu_prefill_cpu_share
     rate_text = ""
     if options.gpu_prefill == "auto" or share == "auto":  # the CPU's share is chosen from the same rates
         rates = driver.measure()
         report["rates"] = rates
         rate_text = f" ({describe_rates(rates, driver.layer_bytes(0))})"
+    ring = (f", {driver.n_slots} slots of {driver.group} experts ({driver.slot_bytes / driver.n_slots / 2**20:.0f} "
+            f"MiB each)" if group else "")
     if options.gpu_prefill == "auto":
         chosen = choose_min_tokens(report["rates"])
         report["chosen_by"] = "measured"
@@ -182,9 +188,10 @@ def setup(layers: list, plan, options, log) -> tuple:
             log(f"hetmoe: GPU prefill off: the CPU is faster at every prompt length here{rate_text}")
             return None, {**report, "enabled": False, "why": "the CPU is faster"}
         driver.min_tokens = report["min_tokens"] = chosen
-        text = f"hetmoe: GPU prefill from {chosen} tokens per chunk, chunks of {plan.prefill_chunk}"
+        text = f"hetmoe: GPU prefill from {chosen} tokens per chunk, chunks of {plan.prefill_chunk}{ring}"
     else:
-        text = f"hetmoe: GPU prefill from {threshold} tokens per chunk (--gpu-prefill), chunks of {plan.prefill_chunk}"
+        text = (f"hetmoe: GPU prefill from {threshold} tokens per chunk (--gpu-prefill), chunks of "
+                f"{plan.prefill_chunk}{ring}")
     on = driver.enable_share(share, plan.prefill_chunk)
     E = driver.layouts[0].num_experts
     if on is None:
