@@ -124,4 +124,25 @@ inline float fast_exp(float x) {
 // The SwiGLU of one element: silu(gate) * up, silu(g) = g / (1 + exp(-g)).
 inline float swiglu(float gate, float up) { return gate / (1.f + fast_exp(gate * -1.f)) * up; }
 
+// The experts' gated activation, chosen per experts object (ExpertsConfig::glu): SwiGLU, or gpt-oss's clamped
+// SwiGLU with a sigmoid gain `alpha` and a clamp `limit`:
+//     g = min(gate, limit), u = clamp(up, -limit, limit), h = (u + 1) * g * sigmoid(alpha * g)
+// The clamps are written so that a NaN passes through (x86's min/max return their second operand on NaN; the
+// vector row op, kernels/row_ops.h clamped_swiglu, takes the same operand order).
+enum class GluKind : int { swiglu = 0, clamped_swiglu = 1 };
+constexpr const char* kGluNames[] = {"swiglu", "clamped_swiglu"};
+
+struct Glu {
+  GluKind kind = GluKind::swiglu;
+  float alpha = 1.f;  // clamped_swiglu: the sigmoid's gain
+  float limit = 0.f;  // clamped_swiglu: the clamp (> 0)
+};
+
+inline float clamped_swiglu(float gate, float up, float alpha, float limit) {
+  const float g = limit < gate ? limit : gate;
+  float u = limit < up ? limit : up;
+  u = -limit > u ? -limit : u;
+  return (u + 1.f) * (g / (1.f + fast_exp(g * -alpha)));
+}
+
 }  // namespace hetmoe
