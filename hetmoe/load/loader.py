@@ -105,7 +105,8 @@ def new_experts(layer: MoELayer, cfg: ModelConfig, inter: int, plan: MemoryPlan,
     if exact is not None and plan_format(exact) == (fmt, group):  # e.g. int4 gate/up, int8 down in an int8 plan
         fmt, own = exact["weight_format"], {k: v for k, v in exact.items() if k not in ("weight_format", "group_size")}
     return CPUExperts(layer.num_experts, cfg.hidden_size, inter, fmt, group,
-                      threads=threads, numa=options.numa, isa=options.isa, amx_min_tokens=options.amx_min_tokens, **own)
+                      threads=threads, numa=options.numa, isa=options.isa, amx_min_tokens=options.amx_min_tokens,
+                      glu=layer.glu, bias=layer.bias, **own)
 
 
 def plan_model(model: nn.Module, cfg: ModelConfig, blocks: list, options: EngineOptions, inter: int,

@@ -35,10 +35,13 @@ MODEL_TYPES = {
     # MLA with DeepSeek Sparse Attention (a lightning indexer's top-k positions per query)
     "deepseek_v32": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     "glm_moe_dsa": ("glm_moe_dsa", "GlmMoeDsaForCausalLM"),
+    # attention sinks, sliding windows, experts with biases and a clamped SwiGLU
+    "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 # The model types whose file builds its RoPE from config.json's rope_scaling / rope_parameters (YaRN); the others
 # run default RoPE whatever the config says, so a scaling factor there extends nothing.
-APPLIES_ROPE_SCALING = frozenset({"deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v2", "deepseek_v32", "glm_moe_dsa"})
+APPLIES_ROPE_SCALING = frozenset({"deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v2", "deepseek_v32", "glm_moe_dsa",
+                                  "gpt_oss"})
 
 
 def model_class(cfg: ModelConfig) -> type:
