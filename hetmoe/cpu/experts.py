@@ -300,7 +300,8 @@ class CPUExperts:
                                  f"{b.dtype} {list(b.shape)}")
             ready.append(b.detach().to("cpu", torch.float32).contiguous())
         if not 0 <= first_expert or first_expert + n > self.num_experts:
-            raise ValueError(f"experts [{first_expert}, {first_expert + n}) do not fit in num_experts={self.num_experts}")
+            raise ValueError(f"experts [{first_expert}, {first_expert + n}) do not fit in "
+                             f"num_experts={self.num_experts}")
         self._ex.load_biases(first_expert, n, *(b.data_ptr() for b in ready))
 
     @staticmethod

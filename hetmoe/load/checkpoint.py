@@ -375,8 +375,8 @@ class Checkpoint:
         return name in self._entries or name in self._packed or name in self._views
 
     def names(self) -> list:
-        """Every tensor by the model's names: a pack-quantized linear as ``<m>.weight`` (its parts not listed); gpt-oss's
-        per-expert views besides the stacked tensors they read."""
+        """Every tensor by the model's names: a pack-quantized linear as ``<m>.weight`` (its parts not listed);
+        gpt-oss's per-expert views besides the stacked tensors they read."""
         return [n for n in self._entries if n not in self._parts] + list(self._packed) + list(self._views)
 
     def shape(self, name: str) -> tuple:

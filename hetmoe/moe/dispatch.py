@@ -89,8 +89,8 @@ class MoELayer:
         """ValueError unless ``experts`` computes this layer's activation and biases (never plain SwiGLU instead)."""
         glu, bias = getattr(experts, "glu", SWIGLU), getattr(experts, "bias", False)
         if glu != self.glu or bias != self.bias:
-            raise ValueError(f"{what} computes {glu.kind}{' with' if bias else ' without'} biases; this layer's experts "
-                             f"are {self.glu.kind}{' with' if self.bias else ' without'} biases")
+            raise ValueError(f"{what} computes {glu.kind}{' with' if bias else ' without'} biases; this layer's "
+                             f"experts are {self.glu.kind}{' with' if self.bias else ' without'} biases")
 
     @property
     def engine(self) -> Optional[CPUExperts]:

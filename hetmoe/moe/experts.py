@@ -6,10 +6,11 @@ Every backend is called the same way (``ExpertsBackend``)::
 
 with ids of -1 (and experts in ``skip_mask``) skipped; a layer whose experts have another gated activation
 (``hetmoe.cpu.Glu``, e.g. gpt-oss's clamped SwiGLU) or biases computes ``down_e(glu(gate_e x + bg_e, up_e x + bu_e))
-+ bd_e`` instead, and only backends that hold the same ``glu`` and ``bias`` are attached to it (``MoELayer.attach``). The backends: ``hetmoe.cpu.CPUExperts`` (the CPU engine,
-csrc/), ``TorchExperts`` below (plain PyTorch: the reference the engine is compared with, and the stand-in where the
-engine does not apply) and ``hetmoe.moe.gpu_resident.experts.GpuExperts`` (a layer's GPU-resident experts, which return
-only their own part, in fp32).
++ bd_e`` instead, and only backends that hold the same ``glu`` and ``bias`` are attached to it (``MoELayer.attach``).
+The backends: ``hetmoe.cpu.CPUExperts`` (the CPU engine, csrc/), ``TorchExperts``
+below (plain PyTorch: the reference the engine is compared with, and the stand-in where the engine does not apply)
+and ``hetmoe.moe.gpu_resident.experts.GpuExperts`` (a layer's GPU-resident experts, which return only their own
+part, in fp32).
 
 Shape letters: T tokens, E experts, k experts per token, H hidden size, I expert intermediate size.
 """
