@@ -256,6 +256,36 @@ def test_sinks_and_window_matter(checkpoints):
     assert max_rel(trace_ours(loaded.model, ids, fed)[0], hf_logits[0]) > 100 * FP32_TOL
 
 
+def test_attention_paths_agree(checkpoints, monkeypatch):
+    """The ways attend_sinks reads the cache give the same logits within fp32 rounding: a prompt prefilled whole
+    with a mask from positions (no ``start``), one sequence with ``start`` (the keys of each chunk's window only),
+    the prompt prefilled in chunks of 3 after a cached prefix, and queries cut into chunks of a few rows
+    (SINK_CHUNK_ELEMS small)."""
+    from hetmoe.layers import attention
+    from hetmoe.layers.attention import Step
+
+    loaded = load_model(checkpoints("fp32"), EngineOptions(**CPU), expert_cache=None, progress=False,
+                        log=lambda m: None)
+    model, S = loaded.model, 13
+    ids = torch.randint(0, TINY["vocab_size"], (1, S), generator=torch.Generator().manual_seed(4))
+
+    def run(chunks, start: bool):
+        cache, out, at = model.make_cache(1, 32), [], 0
+        with torch.no_grad():
+            for n in chunks:
+                step = Step(positions=torch.arange(at, at + n)[None], slots=torch.arange(1),
+                            start=at if start else None)
+                out.append(model.logits(model(ids[:, at:at + n], step, cache)))
+                at += n
+        return torch.cat(out, dim=1)
+
+    whole = run([S], start=False)
+    for got in (run([S], start=True), run([3] * 4 + [1], start=True), run([5, 1, 7], start=False)):
+        assert max_rel(got, whole) <= 1e-5
+    monkeypatch.setattr(attention, "SINK_CHUNK_ELEMS", 40)  # one query row per SDPA call here
+    assert max_rel(run([S], start=True), whole) <= 1e-5 and max_rel(run([S], start=False), whole) <= 1e-5
+
+
 # ---------------------------------------------------------------- MXFP4
 
 
