@@ -1,6 +1,6 @@
 // The per-token row work of a MoE job, vectorized: quantizing activation rows (formats/activation.h, bit for bit
-// the same rows), fp32 <-> bf16 rows, the experts' SwiGLU and clamped SwiGLU (the same bits as formats/activation.h), copies
-// that bypass the caches, and the combine's weighted sum. Written once over a small SIMD wrapper V and
+// the same rows), fp32 <-> bf16 rows, the experts' SwiGLU and clamped SwiGLU (the same bits as formats/activation.h),
+// copies that bypass the caches, and the combine's weighted sum. Written once over a small SIMD wrapper V and
 // instantiated by each ISA file with its own V (avx2/kernels.cpp: 8 lanes, avx512/kernels.cpp: 16 lanes), in that
 // file's anonymous namespace like kernels/tiles.h.
 //

@@ -1,6 +1,6 @@
-// The units of work of the MoE job's two compute phases (gate+up with the gated activation, then down), how a phase is cut
-// into them, and the code that runs one. The job pulls both phases' tasks from one list (moe/chunk_plan.h): a
-// down task waits for its expert's gate+up tasks only, not for the whole phase.
+// The units of work of the MoE job's two compute phases (gate+up with the gated activation, then down), how a phase is
+// cut into them, and the code that runs one. The job pulls both phases' tasks from one list (moe/chunk_plan.h): a down
+// task waits for its expert's gate+up tasks only, not for the whole phase.
 //
 // A task is (expert, row-block range, token range). Experts with at least `amx_min_tokens` tokens run on the
 // AMX GEMM (kernels/amx/gemm.h), the others on the row-block kernels, on the same packed weights. Big expert

@@ -251,9 +251,9 @@ void MoeExperts::fill_random(uint64_t seed, float std) {
 
 std::vector<std::pair<uint8_t*, size_t>> MoeExperts::storage() const {
   std::vector<std::pair<uint8_t*, size_t>> out = {{gu_data_.data(), gu_data_.size()},
-                                                   {gu_scales_.data(), gu_scales_.size()},
-                                                   {down_data_.data(), down_data_.size()},
-                                                   {down_scales_.data(), down_scales_.size()}};
+                                                  {gu_scales_.data(), gu_scales_.size()},
+                                                  {down_data_.data(), down_data_.size()},
+                                                  {down_scales_.data(), down_scales_.size()}};
   if (cfg_.bias) {
     out.push_back({gu_bias_.data(), gu_bias_.size()});
     out.push_back({down_bias_.data(), down_bias_.size()});

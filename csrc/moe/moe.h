@@ -130,7 +130,8 @@ class MoeExperts {
   void fill_random(uint64_t seed, float std);
 
   // The packed storage as (pointer, bytes) ranges, in a fixed order: gate+up data, gate+up scales, down
-  // data, down scales, and with biases gate+up biases, down biases. The converted-expert cache writes and reads these; `mark_loaded` follows a read.
+  // data, down scales, and with biases gate+up biases, down biases. The converted-expert cache writes and reads these;
+  // `mark_loaded` follows a read.
   std::vector<std::pair<uint8_t*, size_t>> storage() const;
   void mark_loaded(int e0, int n);
   // 64-bit hash of the packed storage (computed on the pool, independent of the thread count).

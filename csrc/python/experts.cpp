@@ -183,8 +183,8 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
         py::arg("amx_min_tokens") = kAmxMinTokens, py::arg("down_group_size") = 0,
         py::arg("gate_up_scaling") = "symmetric", py::arg("down_scaling") = "symmetric", py::arg("down_format") = "",
         py::arg("gate_up_scale_dtype") = "fp32", py::arg("down_scale_dtype") = "fp32", py::arg("gate_up_codebook") = "",
-        py::arg("down_codebook") = "", py::arg("activation") = "swiglu", py::arg("alpha") = 1.f,
-        py::arg("limit") = 0.f, py::arg("bias") = false)
+        py::arg("down_codebook") = "", py::arg("activation") = "swiglu", py::arg("alpha") = 1.f, py::arg("limit") = 0.f,
+        py::arg("bias") = false)
       .def_property("amx_min_tokens", &Experts::amx_min_tokens, &Experts::set_amx_min_tokens)
       .def(
           "load",
