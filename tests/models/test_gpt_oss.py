@@ -322,17 +322,25 @@ def test_mxfp4_checkpoint_exact(checkpoints):
     assert max(errors) <= MXFP4_TOL
 
 
-def test_mxfp4_read_as_floats(checkpoints):
-    """Asked for bf16 experts, the MXFP4 checkpoint's experts are read as their dequantized values (a note says so):
-    the same values as the exact load (they are bf16 values)."""
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_mxfp4_other_formats(checkpoints, fmt):
+    """Asked for int8 experts, the MXFP4 codes go in as their codebook values (int8 codes, e8m0 scales), exactly;
+    asked for bf16, the experts are read as their dequantized values (a note says so), which bf16 holds: the same
+    values as transformers' dequantization either way."""
     path = checkpoints("mxfp4")
     said = []
-    loaded = load_model(path, EngineOptions(**CPU), expert_cache=None, progress=False, log=said.append)
-    assert any("re-quantized into bf16" in m for m in said)
+    loaded = load_model(path, EngineOptions(device="cpu", dtype="fp32", experts_format=fmt), expert_cache=None,
+                        progress=False, log=said.append)
+    note = "packed as int8 from their codes, exactly" if fmt == "int8" else "re-quantized into bf16"
+    assert any(note in m for m in said)
     hf_values = load_file(path.parent / "dequantized" / "model.safetensors")
-    g, _, d = loaded.model.model.layers[1].mlp.moe.experts.dequantized(4)
-    assert torch.equal(g, hf_values["model.layers.1.mlp.experts.gate_up_proj"][4, :, 0::2].float().T)
-    assert torch.equal(d, hf_values["model.layers.1.mlp.experts.down_proj"][4].float().T)
+    ex = loaded.model.model.layers[1].mlp.moe.experts
+    assert ex.info()["weight_format"] == fmt
+    for e in range(ex.num_experts):
+        g, u, d = ex.dequantized(e)
+        assert torch.equal(g, hf_values["model.layers.1.mlp.experts.gate_up_proj"][e, :, 0::2].float().T)
+        assert torch.equal(u, hf_values["model.layers.1.mlp.experts.gate_up_proj"][e, :, 1::2].float().T)
+        assert torch.equal(d, hf_values["model.layers.1.mlp.experts.down_proj"][e].float().T)
 
 
 def test_mxfp4_bad_scale_refused(checkpoints, tmp_path):
