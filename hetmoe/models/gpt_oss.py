@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetmoe.cpu import Glu
 from hetmoe.layers.attention import GQAAttention, Step, attend_sinks
 from hetmoe.layers.kv_cache import KVCache
 from hetmoe.layers.norm import RMSNorm
@@ -48,7 +47,7 @@ class GptOssMLP(nn.Module):
         super().__init__()
         n_experts = cfg.first("num_local_experts", "num_experts")
         self.router = nn.Linear(cfg.hidden_size, n_experts, bias=True)
-        glu = Glu("clamped_swiglu", float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
+        glu = ("clamped_swiglu", float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
         self.moe = MoELayer(RouterSpec("softmax", cfg.num_experts_per_tok, norm_topk_prob=True), n_experts, glu=glu,
                             bias=True)
 

@@ -20,7 +20,7 @@ Shape letters: T tokens, E experts, k experts per token, H hidden size.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -58,13 +58,14 @@ Shared = Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]]
 class MoELayer:
     """route -> dispatch -> experts -> combine for one MoE layer (see the module docstring).
 
-    ``router``: how this layer routes; ``num_experts``: E; ``glu``: the experts' gated activation and ``bias``:
-    whether they have biases (gpt-oss: the clamped SwiGLU with gate/up/down biases), which every backend attached
-    must hold alike. Call ``attach(experts, staging)`` before the first forward call."""
+    ``router``: how this layer routes; ``num_experts``: E; ``glu``: the experts' gated activation (a
+    ``hetmoe.cpu.Glu``, or its fields (kind, alpha, limit): what a model file gives) and ``bias``: whether they have
+    biases (gpt-oss: the clamped SwiGLU with gate/up/down biases), which every backend attached must hold alike.
+    Call ``attach(experts, staging)`` before the first forward call."""
 
-    def __init__(self, router: RouterSpec, num_experts: int, glu: Glu = SWIGLU, bias: bool = False):
+    def __init__(self, router: RouterSpec, num_experts: int, glu: Union[Glu, tuple] = SWIGLU, bias: bool = False):
         self.router, self.num_experts = router, int(num_experts)
-        self.glu, self.bias = glu, bias
+        self.glu, self.bias = (glu if isinstance(glu, Glu) else Glu(*glu)), bool(bias)
         self.experts = None  # an ExpertsBackend
         self.staging: Optional[HostStaging] = None
         self.gpu = None  # a GpuExperts, or None
