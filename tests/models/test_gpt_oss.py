@@ -286,6 +286,48 @@ def test_attention_paths_agree(checkpoints, monkeypatch):
     assert max_rel(run([S], start=True), whole) <= 1e-5 and max_rel(run([S], start=False), whole) <= 1e-5
 
 
+@pytest.mark.parametrize("rope", ["published", "no-entry", "rope_scaling"])
+def test_yarn_table_at_long_positions(rope):
+    """The RoPE table the model gives its layers equals transformers' GptOssRotaryEmbedding at positions past 32K up to
+    the context limit (131,071), for gpt-oss's published YaRN (factor 32 over 4096, theta 150000, truncate false,
+    head size 64) given as rope_parameters, left out of config.json (GptOssConfig's default), or in the older
+    rope_scaling + rope_theta form; and differs from the unscaled table there."""
+    from hetmoe.layers.attention import Step
+    from hetmoe.layers.rope import inv_frequencies
+    from hetmoe.models import context_limit
+    from hetmoe.models.config import ModelConfig
+    from hetmoe.models.gpt_oss import GptOssForCausalLM
+
+    yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 4096}
+    base = {**TINY, "head_dim": 64, "max_position_embeddings": 131072}
+    del base["rope_parameters"]
+    entries = {"published": {"rope_parameters": {**yarn, "rope_theta": 150000.0}}, "no-entry": {},
+               "rope_scaling": {"rope_scaling": yarn, "rope_theta": 150000}}[rope]
+    hf = transformers.GptOssForCausalLM(transformers.GptOssConfig(**base, **entries)).eval()
+    ours = GptOssForCausalLM(ModelConfig({**base, **entries, "model_type": "gpt_oss"}))
+    limit, _ = context_limit(ours.config)
+    assert limit == 131072
+    positions = torch.tensor([[32_767, 32_768, 40_000, 65_535, 100_000, limit - 1]])
+    seen = []
+
+    def grab(module, args):
+        seen.append(args[1])
+        raise StopIteration
+
+    hook = ours.model.layers[0].register_forward_pre_hook(grab)
+    with torch.no_grad(), pytest.raises(StopIteration):
+        ours(torch.zeros_like(positions), Step(positions=positions, slots=torch.tensor([0])), None)
+    hook.remove()
+    cos, signed_sin = (t[:, :, 0] for t in seen[0])  # [1, S, D]: each half the same frequencies; sin signed
+    with torch.no_grad():
+        hf_cos, hf_sin = hf.model.rotary_emb(torch.zeros(1), positions)  # [1, S, D / 2]
+    assert torch.equal(cos, torch.cat((hf_cos, hf_cos), dim=-1))
+    assert torch.equal(signed_sin, torch.cat((-hf_sin, hf_sin), dim=-1))
+    freqs = positions.float().unsqueeze(-1) * inv_frequencies(64, 150000.0)
+    assert (hf_cos - freqs.cos()).abs().max() > 0.1
+
+
 # ---------------------------------------------------------------- MXFP4
 
 
