@@ -66,6 +66,8 @@ struct RowOps {
   void (*f32_to_bf16)(const float* src, int n, uint16_t* dst);
   void (*axpy)(float w, const float* y, int n, float* acc);             // acc[i] += w * y[i]
   void (*swiglu)(const float* gate, const float* up, int n, float* h);  // h[i] = silu(gate[i]) * up[i]
+  // h[i] = clamped_swiglu(gate[i], up[i], alpha, limit, offset) (formats/activation.h)
+  void (*clamped_swiglu)(const float* gate, const float* up, int n, float alpha, float limit, float offset, float* h);
   // dst[i] = src[i], with stores that bypass the caches where the ISA has them (the caller fences before
   // another thread reads dst: stream_fence)
   void (*copy_stream)(const float* src, int n, float* dst);

@@ -180,6 +180,20 @@ void NumaExperts::unpack(int e, float* gate, float* up, float* down) const {
   }
 }
 
+void NumaExperts::load_biases(int e0, int n, const float* gate, const float* up, const float* down) {
+  // Slice s: gate/up biases [i0, i1); the down bias is added once, by slice 0 (the others hold zeros).
+  const int I = cfg_.intermediate;
+  for (int s = 0; s < n_slices(); ++s) {
+    const int i0 = bounds_[s].first, Is = bounds_[s].second - i0;
+    std::vector<float> g((size_t)n * Is), u((size_t)n * Is);
+    for (int i = 0; i < n; ++i) {
+      std::memcpy(g.data() + (size_t)i * Is, gate + (size_t)i * I + i0, sizeof(float) * Is);
+      std::memcpy(u.data() + (size_t)i * Is, up + (size_t)i * I + i0, sizeof(float) * Is);
+    }
+    slices_[s]->load_biases(e0, n, g.data(), u.data(), s == 0 ? down : nullptr);
+  }
+}
+
 void NumaExperts::fill_random(uint64_t seed, float std) {
   // Each slice fills itself on its own subpool (run_and_wait there), all at once.
   std::vector<std::exception_ptr> errs(slices_.size());

@@ -131,6 +131,20 @@ void bind_kernels(py::module_& m) {
       },
       py::arg("isa"), py::arg("gate"), py::arg("up"));
   m.def(
+      "row_clamped_swiglu",
+      [](const std::string& isa, py::buffer gate, py::buffer up, float alpha, float limit, float offset) {
+        py::buffer_info g = float_row(gate, "row_clamped_swiglu"), u = float_row(up, "row_clamped_swiglu");
+        if (g.shape[0] != u.shape[0]) throw std::invalid_argument("row_clamped_swiglu: gate and up differ in length");
+        const int n = (int)g.shape[0];
+        std::vector<float> h(n);
+        select_row_ops(runnable_isa(isa))
+            .clamped_swiglu(static_cast<const float*>(g.ptr), static_cast<const float*>(u.ptr), n, alpha, limit,
+                            offset, h.data());
+        return h;
+      },
+      py::arg("isa"), py::arg("gate"), py::arg("up"), py::arg("alpha"), py::arg("limit"),
+      py::arg("offset") = 1.f);
+  m.def(
       "row_copy_stream",
       [](const std::string& isa, py::buffer x, int offset) {  // x[offset:] copied to an aligned buffer at `offset`
         py::buffer_info b = float_row(x, "row_copy_stream");

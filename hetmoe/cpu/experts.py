@@ -4,6 +4,9 @@
 
     out[t] (+)= sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),   e = topk_ids[t, j]
 
+or, with another gated activation (``Glu``: gpt-oss's clamped SwiGLU) and per-expert biases (``bias=True``,
+``load_biases``), ``down_e(glu(gate_e x + bg_e, up_e x + bu_e)) + bd_e`` in place of the expert's term.
+
 It is an experts backend of the MoE layer (``hetmoe.moe.experts.ExpertsBackend``); its jobs run on an
 ``WorkerPool`` (hetmoe/cpu/pool.py).
 
@@ -12,6 +15,7 @@ Shape letters: T tokens, E experts, k experts per token, H hidden size, I expert
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -27,6 +31,43 @@ WEIGHT_FORMATS = ("bf16", "int8", "int4")  # what weights quantized here take (o
 LUT_FORMAT = "lut4"
 SCALE_DTYPES = ("fp32", "fp16", "bf16", "e8m0")  # how int8/int4/lut4 scales are stored (csrc/formats/layout.h)
 CODEBOOKS = ("e2m1", "iq4nl")  # lut4's codebooks: FP4 (MXFP4, NVFP4) doubled, llama.cpp's IQ4_NL table
+
+GLU_KINDS = ("swiglu", "clamped_swiglu")  # csrc/formats/activation.h GluKind
+
+
+@dataclass(frozen=True)
+class Glu:
+    """The experts' gated activation. ``"swiglu"``: silu(gate) * up. ``"clamped_swiglu"``: g = min(gate, limit),
+    u = clamp(up, -limit, limit), h = (u + offset) * g * sigmoid(alpha * g), with alpha > 0 and limit > 0: gpt-oss
+    and MiniMax-M3 (alpha 1.702, offset 1), DeepSeek-V4 (alpha 1, offset 0: silu(g) * u on clamped inputs)."""
+
+    kind: str = "swiglu"
+    alpha: float = 1.0
+    limit: float = 0.0
+    offset: float = 1.0
+
+    def __post_init__(self):
+        if self.kind not in GLU_KINDS:
+            raise ValueError(f"unknown activation {self.kind!r}; expected one of {', '.join(GLU_KINDS)}")
+        if self.kind == "clamped_swiglu":
+            for name in ("alpha", "limit"):
+                v = getattr(self, name)
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v > 0:
+                    raise ValueError(f"clamped_swiglu needs a finite {name} > 0, got {v!r}")
+            v = self.offset
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"clamped_swiglu needs a finite offset, got {v!r}")
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The activation in PyTorch (the reference of the engine's, in the inputs' dtype)."""
+        if self.kind == "swiglu":
+            return torch.nn.functional.silu(gate) * up
+        g = gate.clamp(max=self.limit)
+        u = up.clamp(min=-self.limit, max=self.limit)
+        return (u + self.offset) * (g * torch.sigmoid(g * self.alpha))
+
+
+SWIGLU = Glu()
 
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
 PARTS = ("all", "immediate", "deferred")  # Slots.part
@@ -127,6 +168,9 @@ class CPUExperts:
         amx_min_tokens: the per-expert token count from which AMX is used (default: the engine's measured
             crossover for the format, ``cpu_info()["amx_min_tokens_default"]``); also settable later as
             ``.amx_min_tokens``.
+        glu: the gated activation (``Glu``; default SwiGLU).
+        bias: every expert has fp32 biases (zeros until ``load_biases``): gate and up ``[I]`` added before the
+            activation, down ``[H]`` added to the expert's output before its routing weight.
 
     AMX multiplies bf16 x bf16 and int8 x int8, so AMX experts read activations rounded to bf16 (bf16
     weights) or int8 per group (int8 weights; the AVX-512 path keeps int16); int4 weights use int8
@@ -149,7 +193,13 @@ class CPUExperts:
         scaling: Union[str, tuple] = "symmetric",
         scale_dtype: Union[str, tuple] = "fp32",
         codebook: Union[None, str, tuple] = None,
+        glu: Glu = SWIGLU,
+        bias: bool = False,
     ):
+        if not isinstance(glu, Glu):
+            raise TypeError(f"glu must be a Glu (hetmoe.cpu.experts.Glu), got {glu!r}")
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be True or False, got {bias!r}")
         scaling = (scaling, scaling) if isinstance(scaling, str) else tuple(scaling)
         scale_dtype = (scale_dtype, scale_dtype) if isinstance(scale_dtype, str) else tuple(scale_dtype)
         codebook = (codebook, codebook) if codebook is None or isinstance(codebook, str) else tuple(codebook)
@@ -189,7 +239,9 @@ class CPUExperts:
         self._ex = (_C.NumaExperts if split else _C.MoeExperts)(
             self.pool._numa if split else self.pool._pool, self.num_experts, self.hidden_size, self.intermediate_size,
             weight_format, int(group_size), isa, emulated, int(amx_min_tokens), int(down_group_size or 0), *scaling,
-            down_format, *scale_dtype, *(c or "" for c in codebook))
+            down_format, *scale_dtype, *(c or "" for c in codebook), glu.kind, float(glu.alpha), float(glu.limit),
+            float(glu.offset), bias)
+        self.glu, self.bias = glu, bias
         self._skip_mask: Optional[torch.Tensor] = None  # static: experts computed elsewhere (set_skip_mask)
 
     @property
@@ -236,6 +288,26 @@ class CPUExperts:
                 raise ValueError(
                     f"{which}[{i}] contains NaN or Inf (expert {first_expert + i}, not loaded{loaded})"
                 ) from None
+
+    def load_biases(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, first_expert: int = 0) -> None:
+        """Set the biases of experts ``first_expert ..`` (experts made with ``bias=True``): gate, up ``[n, I]``, down
+        ``[n, H]``, any float dtype, held as fp32."""
+        if not self.bias:
+            raise ValueError("these experts were made without biases (CPUExperts(bias=True) holds them)")
+        I, H = self.intermediate_size, self.hidden_size
+        n = gate.shape[0] if isinstance(gate, torch.Tensor) and gate.dim() == 2 else -1
+        ready = []
+        for name, b, width in (("gate", gate, I), ("up", up, I), ("down", down, H)):
+            if not isinstance(b, torch.Tensor):
+                raise TypeError(f"{name} bias must be a torch.Tensor, got {type(b).__name__}")
+            if not b.is_floating_point() or tuple(b.shape) != (n, width):
+                raise ValueError(f"{name} bias must be floating point [n, {width}] (n = gate's {n} experts), got "
+                                 f"{b.dtype} {list(b.shape)}")
+            ready.append(b.detach().to("cpu", torch.float32).contiguous())
+        if not 0 <= first_expert or first_expert + n > self.num_experts:
+            raise ValueError(f"experts [{first_expert}, {first_expert + n}) do not fit in "
+                             f"num_experts={self.num_experts}")
+        self._ex.load_biases(first_expert, n, *(b.data_ptr() for b in ready))
 
     @staticmethod
     def _as_list(name: str, w: TensorOrList) -> list:

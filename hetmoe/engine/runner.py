@@ -104,6 +104,10 @@ class Runner:
                      "between dense and indexer-selected attention by context length on the host, which a graph "
                      "cannot")
                 graph = fused = False
+            why = getattr(self.model, "eager_decode", None)  # e.g. attention the graphs' kernels do not compute
+            if why and (graph or fused):
+                _say(f"decode steps run without CUDA graphs or the fused kernels: {why}")
+                graph = fused = False
             self._setup_decoder(graph, kv_mode, fused and paged_kernels(self.device))
 
     def _setup_decoder(self, cuda_graph: bool, kv_mode: Optional[str], fused: bool) -> None:

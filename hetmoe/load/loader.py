@@ -105,7 +105,8 @@ def new_experts(layer: MoELayer, cfg: ModelConfig, inter: int, plan: MemoryPlan,
     if exact is not None and plan_format(exact) == (fmt, group):  # e.g. int4 gate/up, int8 down in an int8 plan
         fmt, own = exact["weight_format"], {k: v for k, v in exact.items() if k not in ("weight_format", "group_size")}
     return CPUExperts(layer.num_experts, cfg.hidden_size, inter, fmt, group,
-                      threads=threads, numa=options.numa, isa=options.isa, amx_min_tokens=options.amx_min_tokens, **own)
+                      threads=threads, numa=options.numa, isa=options.isa, amx_min_tokens=options.amx_min_tokens,
+                      glu=layer.glu, bias=layer.bias, **own)
 
 
 def plan_model(model: nn.Module, cfg: ModelConfig, blocks: list, options: EngineOptions, inter: int,
@@ -223,25 +224,18 @@ def config_notes(cfg: ModelConfig) -> list:
     return notes
 
 
-def check_swiglu_limit(blocks: list, options: EngineOptions, source) -> EngineOptions:
-    """MoE layers whose routed experts clamp their SwiGLU inputs (``swiglu_limit``: DeepSeek-V4) need an experts
-    engine that does (``set_swiglu_limit``, handed the limit when the experts are attached) and no GPU-resident
-    experts (their kernels do not clamp): CheckpointError naming the entry, before any weight is read; --gpu-experts
-    auto keeps none. Returns the options."""
-    limits = sorted({b.swiglu_limit for _, b in blocks if getattr(b, "swiglu_limit", None) is not None})
-    if not limits:
+def check_activation(blocks: list, options: EngineOptions, source) -> EngineOptions:
+    """MoE layers whose routed experts are not plain SwiGLU without biases (a clamped SwiGLU: gpt-oss, DeepSeek-V4,
+    MiniMax-M3; biases: gpt-oss) run on the CPU engine only (the GPU experts' kernels compute plain SwiGLU):
+    --gpu-experts N is refused (CheckpointError naming the activation, before any weight is read), auto plans none.
+    Returns the options."""
+    odd = [b for _, b in blocks if not b.plain_swiglu]
+    if not odd:
         return options
-    if not hasattr(CPUExperts, "set_swiglu_limit"):
-        raise CheckpointError(f"{source}: swiglu_limit {limits[0]:g}: this model's routed experts clamp their SwiGLU "
-                              "inputs, which hetmoe's CPU experts engine cannot do yet")
-    alphas = sorted({b.swiglu_alpha for _, b in blocks if getattr(b, "swiglu_alpha", None) is not None})
-    if alphas and not hasattr(CPUExperts, "set_swiglu_alpha"):  # MiniMax-M3: gpt-oss's (u + 1) * g * sigmoid(alpha g)
-        raise CheckpointError(f"{source}: swiglu_alpha {alphas[0]:g}: this model's routed experts compute (u + 1) * g "
-                              "* sigmoid(alpha * g) on their clamped SwiGLU inputs, which hetmoe's CPU experts engine "
-                              "cannot do yet")
+    what = f"{odd[0].glu.kind}{' with biases' if odd[0].bias else ''}"
     if isinstance(options.gpu_experts, int) and options.gpu_experts > 0:
-        raise CheckpointError(f"{source}: swiglu_limit {limits[0]:g}: GPU-resident experts do not clamp their SwiGLU "
-                              "inputs; run this model without --gpu-experts")
+        raise CheckpointError(f"{source}: --gpu-experts {options.gpu_experts}: this model's routed experts are {what}, "
+                              "which only the CPU engine computes; run it without --gpu-experts")
     return replace(options, gpu_experts=0) if options.gpu_experts == "auto" else options
 
 
@@ -338,7 +332,7 @@ def load_model(
         raise CheckpointError(f"{source} does not describe a {cfg.get('model_type')} model "
                               f"({err})") from None
     blocks = moe_blocks(model)
-    options = check_swiglu_limit(blocks, options, source)
+    options = check_activation(blocks, options, source)
     inter = 0
     if blocks:
         names = expert_keys(ckpt, blocks[0][0])
@@ -406,10 +400,6 @@ def load_model(
     gpu_experts = keep_gpu_experts(model.eval(), blocks, plan, options, lambda text: load_tokenizer(path).encode(text),
                                    log)
     streamed = layerwise_layers(blocks, plan)
-    if streamed and plan.gpu_prefill and any(getattr(b, "swiglu_limit", None) is not None for _, b in blocks):
-        log("hetmoe: GPU prefill off: the routed experts clamp their SwiGLU inputs (swiglu_limit), which its kernels "
-            "do not")
-        streamed = []
     lw, gpu_prefill = prefill_choice.setup(streamed, plan, options, log)
     used = list(caches.values())
     info = {

@@ -39,11 +39,13 @@ MODEL_TYPES = {
     "deepseek_v4": ("deepseek_v4", "DeepseekV4ForCausalLM"),
     # the language model of MiniMax-M3 (MULTIMODAL): GQA with block-sparse attention, clamped SwiGLU experts
     "minimax_m3_vl": ("minimax_m3", "MiniMaxM3ForCausalLM"),
+    # attention sinks, sliding windows, experts with biases and a clamped SwiGLU
+    "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 # The model types whose file builds its RoPE from config.json's rope_scaling / rope_parameters (YaRN); the others
 # run default RoPE whatever the config says, so a scaling factor there extends nothing.
 APPLIES_ROPE_SCALING = frozenset({"deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v2", "deepseek_v32", "glm_moe_dsa",
-                                  "deepseek_v4"})
+                                  "deepseek_v4", "gpt_oss"})
 
 
 def checkpoint_names(model_type):

@@ -87,6 +87,10 @@ HF_DEFAULTS = {
                          routed_scaling_factor=2.5, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
                          qk_nope_head_dim=128, v_head_dim=128, rms_norm_eps=1e-6, index_topk=2048,
                          index_head_dim=128, index_n_heads=64),
+    # gpt-oss: GptOssConfig's (its default rope_parameters, YaRN x32 from 4096, is gpt_oss_rope's)
+    "gpt_oss": dict(head_dim=64, num_key_value_heads=8, sliding_window=128, swiglu_alpha=1.702, swiglu_limit=7.0,
+                    attention_bias=True, rope_theta=150000.0, rms_norm_eps=1e-5, num_experts_per_tok=4,
+                    max_position_embeddings=131072),
     "glm_moe_dsa": dict(first_k_dense_replace=3, n_group=1, topk_group=1, n_shared_experts=1,
                         routed_scaling_factor=2.5, q_lora_rank=2048, kv_lora_rank=512, qk_rope_head_dim=64,
                         qk_nope_head_dim=192, v_head_dim=256, rms_norm_eps=1e-5, index_topk=2048,
@@ -187,12 +191,39 @@ _EXPERTS = {
     "glm_moe_dsa": ("n_routed_experts", "num_local_experts", "num_experts"),
     "deepseek_v4": ("n_routed_experts", "num_local_experts"),
     "minimax_m3_vl": ("num_local_experts", "num_experts"),
+    "gpt_oss": ("num_local_experts", "num_experts"),
 }
 PARTIAL_ROPE = ("glm4_moe", "minimax_m2")  # GQA models whose RoPE may turn part of each head (ModelConfig.rope_dim)
 LINEAR_ATTENTION = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # Gated DeltaNet hybrids (models/qwen3_next.py)
 SPARSE_ATTENTION = ("deepseek_v32", "glm_moe_dsa")  # MLA + DeepSeek Sparse Attention (models/deepseek_v32.py)
 # how each sparse-attention model turns its indexer's rope dims (Transformers': V3.2 half-split, GLM-5 interleaved)
 INDEXER_ROPE_INTERLEAVE = {"deepseek_v32": False, "glm_moe_dsa": True}
+
+
+GPT_OSS_LAYERS = ("sliding_attention", "full_attention")
+# GptOssConfig's RoPE when config.json sets none
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+
+
+def gpt_oss_layer_types(cfg: ModelConfig) -> list:
+    """gpt-oss: each layer's attention, config.json's layer_types or, as GptOssConfig fills it, sliding in even
+    layers and full in odd ones. Checked by check_config, not here."""
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        return [GPT_OSS_LAYERS[i % 2] for i in range(cfg["num_hidden_layers"])]
+    return list(kinds)
+
+
+def gpt_oss_rope(cfg: ModelConfig) -> dict:
+    """gpt-oss's RoPE parameters as transformers reads them: rope_parameters (or the older rope_scaling) with its
+    rope_type and rope_theta filled in (theta from the top level, default 150000), or GptOssConfig's YaRN when
+    config.json has neither."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or GPT_OSS_YARN
+    params = dict(params) if isinstance(params, dict) else {}
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", cfg.get("rope_theta", HF_DEFAULTS["gpt_oss"]["rope_theta"]))
+    return params
 
 
 def dsa_indexer_types(cfg: ModelConfig) -> list:
@@ -446,7 +477,7 @@ def check_config(cfg: ModelConfig, source: str = "config.json") -> None:
         if bad:
             c.fail(f"mlp_only_layers lists layer(s) {bad}; the model has {layers} (num_hidden_layers)")
         dense_layers = dense_layers or bool(only) or step > 1
-    experts_in_intermediate = c.model_type in ("mixtral", "minimax_m2")  # intermediate_size is the experts' size
+    experts_in_intermediate = c.model_type in ("mixtral", "minimax_m2", "gpt_oss")  # the experts' size
     if experts_in_intermediate or dense_layers:
         c.int("intermediate_size")
     if not n_experts:
@@ -459,6 +490,8 @@ def check_config(cfg: ModelConfig, source: str = "config.json") -> None:
         c.int("n_shared_experts", minimum=0, default=0)
     if c.model_type == "minimax_m2":
         _check_minimax(c, n_experts)
+    if c.model_type == "gpt_oss":
+        _check_gpt_oss(c)
     k = cfg.get("num_experts_per_tok")
     if k is None:
         c.int("num_experts_per_tok")
@@ -777,6 +810,28 @@ def _check_minimax(c: _Checker, n_experts: int) -> None:
         windows = window if isinstance(window, list) else [window]
         if any(w is not None and not (isinstance(w, (int, float)) and w <= 0) for w in windows):
             c.fail(f"{name} is {window!r}; hetmoe's minimax_m2 attends over the whole context (no sliding window)")
+
+
+def _check_gpt_oss(c: _Checker) -> None:
+    """gpt-oss: which layers slide (layer_types) and over how many positions, the clamped SwiGLU's alpha and limit,
+    biases on or off, and RoPE default or YaRN."""
+    cfg, layers = c.cfg, c.cfg["num_hidden_layers"]
+    kinds = cfg.get("layer_types")
+    if kinds is not None and (not isinstance(kinds, list) or len(kinds) != layers
+                              or any(k not in GPT_OSS_LAYERS for k in kinds)):
+        c.fail(f"layer_types is {kinds!r}; it must list 'sliding_attention' or 'full_attention' for each of the "
+               f"{layers} layers (num_hidden_layers)")
+    if "sliding_attention" in gpt_oss_layer_types(cfg):
+        c.int("sliding_window")
+    for name in ("swiglu_alpha", "swiglu_limit"):
+        c.number(name, cfg[name])
+    if not isinstance(cfg["attention_bias"], bool):
+        c.fail(f"attention_bias is {cfg['attention_bias']!r}; it must be true or false")
+    rope = gpt_oss_rope(cfg)
+    if rope["rope_type"] not in ("default", "yarn"):
+        c.fail(f"the RoPE's rope_type is {rope['rope_type']!r}; hetmoe's gpt_oss runs default or yarn RoPE")
+    if rope["rope_type"] == "yarn" and rope.get("original_max_position_embeddings") is None:
+        c.fail("the RoPE is yarn without original_max_position_embeddings")
 
 
 def _expert_field(cfg: ModelConfig) -> str:

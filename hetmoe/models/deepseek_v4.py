@@ -15,8 +15,9 @@
   ``tid2eid[token id]`` (no choice at all); either way the chosen scores are renormalised and scaled by
   routed_scaling_factor. The block routes itself and hands (weights, ids) to its MoE layer (router kind "given").
 * SwiGLU with clamp, experts and shared expert alike: silu(min(gate, limit)) * clamp(up, -limit, limit), limit =
-  swiglu_limit. The shared expert does it here; the routed experts get the limit from ``ClampedMoELayer.attach`` (the
-  one place it reaches an experts backend, ``set_swiglu_limit``): a backend that cannot clamp is refused there.
+  swiglu_limit. The shared expert does it here; the routed experts' MoE layer carries it as its activation
+  (``clamped_glu``: hetmoe.cpu.Glu's clamped_swiglu with alpha 1, offset 0), which every experts backend attached
+  must compute (the CPU engine does; the GPU experts' kernels do not, so they are left off at load).
 * The multi-token-prediction layer of a checkpoint (``mtp.*``) is not built, so never read (said at load).
 
 Norms, sinks, the compressors' position biases and the hyper-connections' weights are fp32 buffers whatever the
@@ -124,29 +125,11 @@ class DeepseekV4MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class ClampedMoELayer(MoELayer):
-    """A MoE layer whose routed experts clamp their SwiGLU inputs at ``swiglu_limit`` (gate <= limit, |up| <= limit).
-    ``attach`` hands the limit to the experts backend, the one place it does: ``experts.set_swiglu_limit(limit)``.
-    A backend without it cannot compute these experts and is refused there; GPU-resident experts too (their kernels
-    do not clamp)."""
-
-    def __init__(self, router: RouterSpec, num_experts: int, swiglu_limit: float):
-        super().__init__(router, num_experts)
-        self.swiglu_limit = float(swiglu_limit)
-
-    def attach(self, experts, staging=None) -> None:
-        set_limit = getattr(experts, "set_swiglu_limit", None)
-        if set_limit is None:
-            raise ValueError(f"swiglu_limit {self.swiglu_limit:g}: DeepSeek-V4's routed experts clamp their SwiGLU "
-                             f"inputs, which the {type(experts).__name__} experts backend cannot do yet")
-        set_limit(self.swiglu_limit)
-        super().attach(experts, staging)
-
-    def set_gpu_experts(self, gpu) -> None:
-        if gpu is not None:
-            raise ValueError(f"swiglu_limit {self.swiglu_limit:g}: GPU-resident experts do not clamp their SwiGLU "
-                             "inputs; DeepSeek-V4 keeps its routed experts on the CPU engine (no --gpu-experts)")
-        super().set_gpu_experts(gpu)
+def clamped_glu(limit: float, alpha: float = 1.0, offset: float = 0.0) -> tuple:
+    """The fields of the experts' activation (hetmoe.cpu.Glu) that clamp the SwiGLU inputs at ``limit``:
+    (u + offset) * g * sigmoid(alpha * g) on g = min(gate, limit), u = clamp(up, -limit, limit); alpha 1, offset 0
+    is DeepSeek-V4's silu(g) * u."""
+    return ("clamped_swiglu", float(alpha), float(limit), float(offset))
 
 
 class DeepseekV4TopKRouter(nn.Module):
@@ -203,7 +186,7 @@ class DeepseekV4SparseMoeBlock(nn.Module):
         n_experts = cfg.first("n_routed_experts", "num_local_experts")
         hashed = deepseek_v4_mlp_layer_types(cfg)[layer_idx] == "hash_moe"
         self.gate = (DeepseekV4HashRouter if hashed else DeepseekV4TopKRouter)(cfg, n_experts)
-        self.moe = ClampedMoELayer(RouterSpec("given", cfg.num_experts_per_tok), n_experts, cfg.swiglu_limit)
+        self.moe = MoELayer(RouterSpec("given", cfg.num_experts_per_tok), n_experts, glu=clamped_glu(cfg.swiglu_limit))
         self.shared_experts = DeepseekV4MLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit,
                                             cfg.get("mlp_bias", False))
 

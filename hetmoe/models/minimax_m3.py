@@ -12,10 +12,9 @@ Transformers' MiniMaxM3VL classes define it.
   ``moe`` (attached by whoever loads the weights) plus one shared expert.
 * Every MLP, expert and shared expert alike, runs the clamped SwiGLU of gpt-oss on unfused gate / up halves:
   g = min(gate, limit), u = clamp(up, -limit, limit), h = (u + 1) * g * sigmoid(alpha g), alpha = swiglu_alpha,
-  limit = swiglu_limit. The dense and shared MLPs do it here; the routed experts get both numbers in one place,
-  ``OaiClampedMoELayer.attach`` (``set_swiglu_alpha`` and DeepSeek-V4's ``set_swiglu_limit``): a backend without
-  them cannot compute these experts and is refused there, and the loader refuses such a model before reading any
-  weight while the CPU engine cannot (load/loader.py ``check_swiglu_limit``).
+  limit = swiglu_limit. The dense and shared MLPs do it here; the routed experts' MoE layer carries it as its
+  activation (hetmoe.cpu.Glu's clamped_swiglu, offset 1), which every experts backend attached must compute (the
+  CPU engine does; the GPU experts' kernels do not, so they are left off at load).
 * Every norm is the (1 + weight) RMSNorm, computed in fp32.
 
 Checkpoint names are those of the Hub and of Transformers' save_pretrained: the language model's tensors under
@@ -44,8 +43,8 @@ from hetmoe.layers.rope import cos_sin, inv_frequencies
 from hetmoe.layers.sparse_attention import SparseCall
 from hetmoe.models.common import CausalLM
 from hetmoe.models.config import ModelConfig, minimax_m3_config, minimax_m3_rope_dim
-from hetmoe.models.deepseek_v4 import ClampedMoELayer
-from hetmoe.moe import RouterSpec
+from hetmoe.models.deepseek_v4 import clamped_glu
+from hetmoe.moe import MoELayer, RouterSpec
 
 SPARSE, MOE = "minimax_m3_sparse", "sparse"
 
@@ -76,25 +75,6 @@ class MiniMaxM3MLP(nn.Module):
         return self.down_proj(clamped_swiglu(gate, up, self.alpha, self.limit))
 
 
-class OaiClampedMoELayer(ClampedMoELayer):
-    """A MoE layer whose routed experts run the clamped SwiGLU of gpt-oss (module docstring): ``attach`` hands the
-    experts backend alpha (``set_swiglu_alpha``: the (up + 1) * gate * sigmoid(alpha * gate) form) and the limit
-    (``set_swiglu_limit``, DeepSeek-V4's clamp); a backend without both is refused."""
-
-    def __init__(self, router: RouterSpec, num_experts: int, swiglu_limit: float, swiglu_alpha: float):
-        super().__init__(router, num_experts, swiglu_limit)
-        self.swiglu_alpha = float(swiglu_alpha)
-
-    def attach(self, experts, staging=None) -> None:
-        set_alpha = getattr(experts, "set_swiglu_alpha", None)
-        if set_alpha is None or not hasattr(experts, "set_swiglu_limit"):
-            raise ValueError(f"swiglu_alpha {self.swiglu_alpha:g}, swiglu_limit {self.swiglu_limit:g}: MiniMax-M3's "
-                             "routed experts compute (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit), "
-                             f"which the {type(experts).__name__} experts backend cannot do yet")
-        set_alpha(self.swiglu_alpha)
-        super().attach(experts, staging)
-
-
 class MiniMaxM3SparseMoeBlock(nn.Module):
     """router ``gate`` (logits in the model dtype, sigmoid in fp32) + the block's e_score_correction_bias -> the
     routed experts (``moe``, clamped) + the shared expert."""
@@ -106,7 +86,7 @@ class MiniMaxM3SparseMoeBlock(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(n_experts, dtype=torch.float32))
         router = RouterSpec("sigmoid_grouped", cfg.num_experts_per_tok, norm_topk_prob=True,
                             routed_scaling_factor=float(cfg.routed_scaling_factor))
-        self.moe = OaiClampedMoELayer(router, n_experts, cfg.swiglu_limit, cfg.swiglu_alpha)
+        self.moe = MoELayer(router, n_experts, glu=clamped_glu(cfg.swiglu_limit, cfg.swiglu_alpha, 1.0))
         self.shared_experts = MiniMaxM3MLP(cfg.hidden_size, cfg.shared_intermediate_size, cfg.swiglu_alpha,
                                            cfg.swiglu_limit)
 

@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from hetmoe.config.options import EngineOptions
 from hetmoe.cpu import CPUExperts
+from hetmoe.cpu.experts import SWIGLU, Glu
 from hetmoe.layers.attention import Step
 from hetmoe.load.checkpoint import Checkpoint
 from hetmoe.models.config import ModelConfig
@@ -73,7 +74,8 @@ def load_v4(path: Path) -> DeepseekV4ForCausalLM:
     model.fuse_projections()
     for layer, mats in experts.items():
         gate, up, down = (torch.stack([mats[w][e] for e in sorted(mats[w])]) for w in ("w1", "w3", "w2"))
-        model.model.layers[layer].mlp.moe.attach(TorchExperts(gate, up, down))
+        moe = model.model.layers[layer].mlp.moe
+        moe.attach(TorchExperts(gate, up, down, glu=moe.glu))
     ckpt.close()
     return model.eval()
 
@@ -160,8 +162,8 @@ def test_every_part_matters(request):
         "window": changed(lambda: set_window(16), lambda: set_window(8)),
         "indexer top-k": changed(lambda: setattr(indexer, "topk", 64), lambda: setattr(indexer, "topk", 3)),
         "HCA entries": changed(lambda: hca.kv_norm.weight.mul_(2), lambda: hca.kv_norm.weight.div_(2)),
-        "clamp": changed(lambda: [layer.mlp.moe.experts.set_swiglu_limit(None) for layer in layers],
-                         lambda: [layer.mlp.moe.experts.set_swiglu_limit(LIMIT) for layer in layers]),
+        "clamp": changed(lambda: [setattr(layer.mlp.moe.experts, "glu", SWIGLU) for layer in layers],
+                         lambda: [setattr(layer.mlp.moe.experts, "glu", layer.mlp.moe.glu) for layer in layers]),
     }
     print(diffs)
     assert min(diffs.values()) > 1e-3, diffs
@@ -234,34 +236,30 @@ def test_release_naming_loads_as_save_pretrained(request, tmp_path):
 # ---------------------------------------------------------------- end to end
 
 
-def test_loader_refuses_experts_that_cannot_clamp(request, tmp_path, monkeypatch):
-    """The CPU engine's experts have no SwiGLU clamp yet: the loader refuses the model naming swiglu_limit, before
-    any weight is read (the clamp is handed over in one place, ClampedMoELayer.attach)."""
-    if hasattr(CPUExperts, "set_swiglu_limit"):
-        pytest.skip("the CPU engine clamps: test_generate_through_llm runs it")
+def test_gpu_experts_are_refused_by_the_activation(request, tmp_path, monkeypatch):
+    """The GPU experts' kernels compute plain SwiGLU: --gpu-experts N on this model is refused naming its activation,
+    before any weight is read (auto keeps every expert on the CPU engine)."""
     assert_refused_before_weights(checkpoint_of(request), tmp_path / "v4", monkeypatch, {},
-                                  "swiglu_limit 0.3: this model's routed experts clamp their SwiGLU inputs", CPU)
+                                  "--gpu-experts 2: this model's routed experts are clamped_swiglu",
+                                  {**CPU, "device": "cuda", "gpu_experts": 2})
 
 
 def test_generate_through_llm(request, tmp_path, monkeypatch):
     """``LLM`` on a checkpoint directory Transformers wrote (with a tokenizer), the native model, prompts prefilled in
     chunks of 5: greedy tokens equal to Transformers' generate; two requests at once equal to each alone; prefix
     reuse off (said), so a prompt that extends a finished one is computed again, its tokens still Transformers'.
-    The limit here (1e4) is never reached by these activations; until the CPU engine clamps, its setter is a
-    stand-in that records the limit handed over."""
+    The CPU engine's experts clamp at the checkpoints' limit (0.3: the clamp changes their outputs)."""
     from hetmoe.engine.llm import LLM
     from hetmoe.engine.sampler import SamplingParams
 
-    handed = []
-    if not hasattr(CPUExperts, "set_swiglu_limit"):
-        monkeypatch.setattr(CPUExperts, "set_swiglu_limit", lambda self, limit: handed.append(limit), raising=False)
-    path = request.getfixturevalue("hf_checkpoints")("deepseek_v4", {"swiglu_limit": 1e4}, seed=4, tokenizer=True)
+    path = request.getfixturevalue("hf_checkpoints")("deepseek_v4", {"swiglu_limit": LIMIT}, seed=4, tokenizer=True)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     said = []
     llm = LLM(path, EngineOptions(max_context=64, max_batch=2, prefill_chunk=5, **CPU), expert_cache=None,
               progress=False, log=said.append)
     assert isinstance(llm.runner.model, DeepseekV4ForCausalLM) and llm.runner.recurrent
-    assert handed in ([], [1e4] * 3)
+    moe = llm.runner.model.model.layers[0].mlp.moe
+    assert isinstance(moe.experts, CPUExperts) and moe.experts.glu == Glu("clamped_swiglu", 1.0, LIMIT, 0.0)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     prompts = ["def f(x):\n    return x * 2 + 1 if x else 3", "Hello there, how are you today? Fine, thanks."]
 

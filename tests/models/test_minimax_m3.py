@@ -27,11 +27,12 @@ import pytest
 import torch
 
 from hetmoe.config.options import EngineOptions
+from hetmoe.cpu.experts import SWIGLU
 from hetmoe.layers.attention import Step
 from hetmoe.load.checkpoint import Checkpoint, CheckpointError
 from hetmoe.models.config import ModelConfig, text_model_config
 from hetmoe.moe import TorchExperts
-from parity import DECODE_STEPS, max_rel, trace_ours
+from parity import DECODE_STEPS, assert_refused_before_weights, max_rel, trace_ours
 from paths import BEST_ROW_PATH
 
 transformers = pytest.importorskip("transformers")
@@ -101,7 +102,8 @@ def load_m3(path: Path) -> MiniMaxM3ForCausalLM:
     model.fuse_projections()
     for layer, mats in experts.items():
         gate, up, down = (torch.stack([mats[w][e] for e in sorted(mats[w])]) for w in ("w1", "w3", "w2"))
-        model.model.layers[layer].mlp.moe.attach(TorchExperts(gate, up, down))
+        moe = model.model.layers[layer].mlp.moe
+        moe.attach(TorchExperts(gate, up, down, glu=moe.glu))
     ckpt.close()
     return model.eval()
 
@@ -199,9 +201,9 @@ def test_every_part_matters(ours):
         ours.model.dense_positions = 12
         return out
 
-    def clamp(limit):
+    def clamp(on):
         for moe in moes:
-            moe.experts.set_swiglu_limit(limit)
+            moe.experts.glu = moe.glu if on else SWIGLU
 
     everything = changed(topk=8)  # 8 blocks of 4 cover the prompt: dense
     diffs = {"top-k 4": max_rel(changed(topk=4), ref), "block 2": max_rel(changed(block=2, topk=6), ref),
@@ -211,9 +213,9 @@ def test_every_part_matters(ours):
         [w.neg_() for w in keys]
         diffs["indexer keys"] = max_rel(logits_of(ours, ids, [(0, PROMPT)]), ref)
         [w.neg_() for w in keys]
-    clamp(None)
+    clamp(False)
     diffs["clamp"] = max_rel(logits_of(ours, ids, [(0, PROMPT)]), ref)
-    clamp(LIMIT)
+    clamp(True)
     print(diffs)
     assert min(diffs.values()) > 1e-3, diffs
     assert max_rel(logits_of(ours, ids, [(0, PROMPT)]), ref) == 0  # every change undone
@@ -283,56 +285,26 @@ def refused(source: Path, dest: Path, monkeypatch, text_changes: dict, message: 
         load_model(path, EngineOptions(**CPU), expert_cache=None, progress=False, log=lambda m: None)
 
 
-def test_loader_refuses_experts_that_cannot_clamp(m3, tmp_path, monkeypatch):
-    """The CPU engine's experts compute silu(gate) * up: the loader refuses the model naming swiglu_limit, and once
-    the engine clamps (a stand-in setter here) still naming swiglu_alpha, before any weight is read."""
-    from hetmoe.cpu import CPUExperts
-
-    if hasattr(CPUExperts, "set_swiglu_alpha"):
-        pytest.skip("the CPU engine runs the clamped SwiGLU of gpt-oss")
-    if not hasattr(CPUExperts, "set_swiglu_limit"):
-        refused(m3, tmp_path / "limit", monkeypatch, {}, f"swiglu_limit {LIMIT:g}: this model's routed experts clamp")
-        monkeypatch.setattr(CPUExperts, "set_swiglu_limit", lambda self, limit: None, raising=False)
-    refused(m3, tmp_path / "alpha", monkeypatch, {}, r"swiglu_alpha 1.702: this model's routed experts compute \(u")
-
-
-class StandInExperts(TorchExperts):
-    """What the loader builds for a layer's experts (``new_experts``), in PyTorch: filled from the checkpoint
-    (``fill``), computed as TorchExperts (alpha and the clamp handed over by the layer)."""
-
-    def __init__(self, n_experts, hidden, inter, *args, **kwargs):
-        zeros = torch.zeros(n_experts, inter, hidden)
-        super().__init__(zeros, zeros.clone(), zeros.transpose(1, 2).clone())
-
-    nbytes = 0
-
-    def fill(self, ckpt, prefix):
-        """``loader.fill_experts`` for it: every expert's w1 / w3 / w2 read by name."""
-        for e in range(self.num_experts):
-            for mats, w in ((self.gate, "w1"), (self.up, "w3"), (self.down, "w2")):
-                mats[e] = ckpt.get_float(f"{prefix}.experts.{e}.{w}.weight")
+def test_gpu_experts_are_refused_by_the_activation(m3, tmp_path, monkeypatch):
+    """The GPU experts' kernels compute plain SwiGLU: --gpu-experts N on this model is refused naming its activation,
+    before any weight is read."""
+    assert_refused_before_weights(m3, tmp_path / "gpu", monkeypatch, {},
+                                  "--gpu-experts 2: this model's routed experts are clamped_swiglu",
+                                  {**CPU, "device": "cuda", "gpu_experts": 2})
 
 
 def test_generate_through_llm(m3, hf, tmp_path, monkeypatch):
     """``LLM`` on the checkpoint directory (a tokenizer beside it): the native model, prompts prefilled in chunks of
     5 that cross the dense / sparse boundary, greedy tokens equal to Transformers' generate; two requests at once
     equal to each alone; prefix reuse on (a prompt extending a finished one reuses its cached tokens and the indexer
-    keys beside them). The routed experts are PyTorch stand-ins built where the loader builds the engine's (which
-    runs silu(gate) * up only)."""
-    from hetmoe.cpu import CPUExperts
+    keys beside them). The routed experts run on the CPU engine with the clamped SwiGLU (alpha 1.702, offset 1)."""
     from hetmoe.engine.llm import LLM
     from hetmoe.engine.sampler import SamplingParams
-    from hetmoe.load import loader
     from hetmoe.load.random_weights import build_tokenizer, tokenizer_config
 
     path = Path(shutil.copytree(m3, tmp_path / "m3"))
     build_tokenizer(VOCAB).save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(TEXT["max_position_embeddings"])))
-    for name in ("set_swiglu_limit", "set_swiglu_alpha"):
-        monkeypatch.setattr(CPUExperts, name, lambda self, value: None, raising=False)
-    monkeypatch.setattr(loader, "new_experts", lambda layer, cfg, inter, *a, **k: StandInExperts(
-        layer.num_experts, cfg.hidden_size, inter))
-    monkeypatch.setattr(loader, "fill_experts", lambda ckpt, prefix, experts: experts.fill(ckpt, prefix))
     llm = LLM(path, EngineOptions(max_context=96, max_batch=2, prefill_chunk=5, **CPU), expert_cache=None,
               progress=False, log=lambda m: None)
     assert isinstance(llm.runner.model, MiniMaxM3ForCausalLM) and not llm.runner.recurrent and llm.runner.sparse

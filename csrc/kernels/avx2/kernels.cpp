@@ -415,8 +415,8 @@ struct V {
 }  // namespace
 
 RowOps row_ops() {
-  return {row_ops::quantize<V>, row_ops::bf16_to_f32<V>, row_ops::f32_to_bf16<V>,
-          row_ops::axpy<V>,     row_ops::swiglu<V>,      row_ops::copy_stream<V>};
+  return {row_ops::quantize<V>, row_ops::bf16_to_f32<V>,    row_ops::f32_to_bf16<V>, row_ops::axpy<V>,
+          row_ops::swiglu<V>,   row_ops::clamped_swiglu<V>, row_ops::copy_stream<V>};
 }
 
 uint64_t read_bytes(const uint8_t* p, size_t bytes) {

@@ -151,6 +151,10 @@ class GpuExperts:
         resident_format.storage_for); int8/int4/lut4 matrices of the engine's format and group keep its codes and
         scales (the same values exactly; scales widened to fp32), others are quantized from its values. One expert at
         a time (at most one fp32 copy on the host at once)."""
+        glu, bias = getattr(cpu_experts, "glu", None), getattr(cpu_experts, "bias", False)
+        if (glu is not None and glu.kind != "swiglu") or bias:  # the kernels compute plain SwiGLU without biases
+            raise ValueError(f"GPU-resident experts compute plain SwiGLU without biases; these experts are "
+                             f"{glu.kind}{' with biases' if bias else ''} (they run on the CPU engine only)")
         n, I, H = len(expert_ids), cpu_experts.intermediate_size, cpu_experts.hidden_size
         st = rf.storage_for(cpu_experts, storage) if isinstance(storage, str) else storage
         if not st.quantized:

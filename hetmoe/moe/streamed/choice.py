@@ -158,6 +158,12 @@ def setup(layers: list, plan, options, log) -> tuple:
         why = "no MoE layer to stream (every routed expert is on the GPU, or the rules mix bf16 and int layers in a " \
               "deferral chain)"
         return None, {"enabled": False, "why": why}
+    odd = [layer for layer in layers if not layer.plain_swiglu]
+    if odd:  # the grouped GPU kernels compute plain SwiGLU without biases
+        why = (f"the routed experts are {odd[0].glu.kind}{' with biases' if odd[0].bias else ''}, which only the CPU "
+               "engine computes")
+        log(f"hetmoe: GPU prefill off: {why}")
+        return None, {"enabled": False, "why": why}
     if not all(eligible(layer) for layer in layers):  # all or none: a layer left out could split a deferral chain
         return None, {"enabled": False, "why": "MoE layers split over NUMA subpools (their storage is per slice)"}
     threshold = options.gpu_prefill if isinstance(options.gpu_prefill, int) else 1

@@ -95,6 +95,10 @@ class LayerwisePrefill:
             raise ValueError(f"layerwise prefill needs at least 2 slots, got {slots}")
         if (group is not None and group < 1) or (rows is not None and rows < 1):
             raise ValueError(f"layerwise prefill: group (experts per slot) and rows must be >= 1, got {group}, {rows}")
+        for layer in layers:  # grouped_swiglu computes plain SwiGLU without biases, never another activation
+            if not layer.plain_swiglu:
+                raise ValueError(f"layerwise GPU prefill computes plain SwiGLU experts without biases; a layer's are "
+                                 f"{layer.glu.kind}{' with biases' if layer.bias else ''} (run them on the CPU)")
         self.device, self.dtype = torch.device(device), dtype
         self.min_tokens, self.n_slots = int(min_tokens), int(slots)
         self.layers = list(layers)
