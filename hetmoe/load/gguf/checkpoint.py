@@ -30,7 +30,7 @@ from hetmoe.cpu.codes import EXACT_TYPES, exact_layout, layout_of, load_codes, l
 from hetmoe.load.gguf.kquants import KQUANTS, kquant_codes
 from hetmoe.load.gguf.lut4_blocks import LUT4_BLOCKS, lut4_codes
 from hetmoe.load.gguf.metadata import config_from_gguf
-from hetmoe.load.gguf.names import Transform, hf_names, merge_kv_b, unpermute_rope
+from hetmoe.load.gguf.names import PAIRS, Transform, hf_names, merge_pair, undo
 from hetmoe.load.gguf.reader import GGUFError, open_gguf
 from hetmoe.models.config import ModelConfig
 
@@ -129,22 +129,34 @@ class GGUFCheckpoint:
         self.path = Path(self.file.path)
         self.config_source = self.path  # what errors about the config name
         self.config = ModelConfig(config_from_gguf(self.file))
-        self._map: dict = {}  # HF name -> (GGUFTensor, transform, expert index or None) or the kv_b pair
+        self._map: dict = {}  # HF name -> (GGUFTensor, transform, expert index or None) or a pair's two tensors
         self._scratch: dict = {}  # (matrix, GGML type, shape) -> decode buffers of CHUNK experts (load_exact_experts)
         pairs: dict = {}
+        second = {b: a for a, b in PAIRS.items()}
+        skipped = []
         for gguf_name, (name, transform) in hf_names(self.file).items():
             t = self.file.tensors[gguf_name]
-            if transform is Transform.EXPERTS:
+            if transform is Transform.SKIP:
+                skipped.append(gguf_name)
+            elif transform is Transform.EXPERTS:
                 for e in range(t.shape[0]):
                     self._map[name.format(expert=e)] = (t, transform, e)
-            elif transform in (Transform.KV_B_K, Transform.KV_B_V):
+            elif transform in PAIRS or transform in second:
                 pairs.setdefault(name, {})[transform] = t
             else:
                 self._map[name] = (t, transform, None)
         for name, pair in pairs.items():
-            if len(pair) != 2:
-                raise GGUFError(f"{self.path}: {name} needs both attn_k_b and attn_v_b")
-            self._map[name] = (pair, Transform.KV_B_K, None)
+            first = next(iter(pair)) if len(pair) == 1 else None
+            if first is not None:
+                first = first if first in PAIRS else second[first]
+                names = {Transform.KV_B_K: "attn_k_b and attn_v_b", Transform.QKVZ_QKV: "attn_qkv and attn_gate"}
+                raise GGUFError(f"{self.path}: {name} needs both {names[first]}")
+            first = next(k for k in pair if k in PAIRS)
+            self._map[name] = (pair, first, None)
+        self.notes = []
+        if skipped:
+            self.notes.append(f"{self.path.name}: {len(skipped)} tensor(s) of the multi-token-prediction layer(s) "
+                              f"({skipped[0]}, ...) are not read: hetmoe runs the main layers only")
         self._check_types()
 
     def _check_types(self) -> None:
@@ -177,29 +189,30 @@ class GGUFCheckpoint:
         if transform is Transform.KV_B_K:
             cfg = self.config
             return (cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        if transform is Transform.QKVZ_QKV:
+            qkv, z = t[Transform.QKVZ_QKV].shape, t[Transform.QKVZ_Z].shape
+            return (qkv[0] + z[0], qkv[1])
         if transform is Transform.ROW:
             return (1, int(np.prod(t.shape)))
+        if transform in (Transform.CONV, Transform.V_CONV):
+            return (t.shape[0], 1, int(np.prod(t.shape[1:])))
         return tuple(t.shape[1:]) if e is not None else tuple(t.shape)
 
     def get_float(self, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The tensor under its Hugging Face name, dequantized to fp32 (or ``dtype``), transforms undone."""
         t, transform, e = self._entry(name)
-        cfg = self.config
-        if transform is Transform.KV_B_K:
-            w = merge_kv_b(t[Transform.KV_B_K].float32(), t[Transform.KV_B_V].float32(), cfg.num_attention_heads,
-                           cfg.kv_lora_rank)
-        elif transform in (Transform.UNPERMUTE_Q, Transform.UNPERMUTE_K):
-            heads = cfg.num_attention_heads if transform is Transform.UNPERMUTE_Q else cfg.num_key_value_heads
-            w = unpermute_rope(t.float32(), heads)
-        else:  # decoded straight into the dtype
-            w = t.dequantized(dtype or torch.float32, e)
-            return w.reshape(1, -1) if transform is Transform.ROW else w
+        if transform in PAIRS:
+            w = merge_pair(transform, t[transform].float32(), t[PAIRS[transform]].float32(), self.config)
+        elif transform in (Transform.COPY, Transform.EXPERTS):  # decoded straight into the dtype
+            return t.dequantized(dtype or torch.float32, e)
+        else:
+            w = undo(transform, t.float32(), self.config)
         out = torch.from_numpy(np.ascontiguousarray(w))
         return out if dtype is None else out.to(dtype)
 
     def ggml_type(self, name: str) -> str:
         t, _, _ = self._entry(name)
-        return t[Transform.KV_B_K].ggml_type.name if isinstance(t, dict) else t.ggml_type.name
+        return next(iter(t.values())).ggml_type.name if isinstance(t, dict) else t.ggml_type.name
 
     def exact_format(self, names: list, plan: Optional[str] = None) -> Optional[dict]:
         """The CPUExperts layout holding one layer's gate, up, down (``names``) exactly (hetmoe/cpu/codes.py
