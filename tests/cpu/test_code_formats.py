@@ -183,11 +183,12 @@ def test_what_the_formats_cannot_hold_is_refused():
            (dict(weight_format="int4", group_size=32, codebook="e2m1"), "a codebook goes with lut4 weights only"),
            (dict(weight_format="lut4", group_size=32, codebook="e2m1", scaling="affine"), "lut4 weights are symmetric"),
            (dict(weight_format="lut4", group_size=0, codebook="e2m1"), "lut4 group_size must be 16, 32, 64 or 128"),
-           (dict(weight_format="int4", group_size=0, scale_dtype="fp16"), "fp16 scales need grouped symmetric"),
+           (dict(weight_format="int4", group_size=0, scale_dtype="fp16"), "fp16 scales need grouped weights"),
+           (dict(weight_format="int8", group_size=0, scale_dtype="k8"), "k8 scales need grouped weights"),
            (dict(weight_format="int4", group_size=32, scale_dtype="e8m0", scaling="affine"),
-            "e8m0 scales need grouped symmetric"),
+            "e8m0 scales need symmetric weights"),
            (dict(weight_format="bf16", scale_dtype="fp16"), "bf16 weights have no scales"),
-           (dict(weight_format="int8", scale_dtype="fp8"), "scale_dtype must be one of fp32, fp16, bf16, e8m0"),
+           (dict(weight_format="int8", scale_dtype="fp8"), "scale_dtype must be one of fp32, fp16, bf16, e8m0, k8"),
            (dict(weight_format="lut4", codebook="nf4"), "codebook must be one of e2m1, iq4nl"),
            (dict(weight_format="lut8", codebook="e2m1"), "unknown weight_format 'lut8'")]
     for kw, msg in bad:
