@@ -81,7 +81,8 @@ def test_gguf_blocks_load_bitwise(qtype, fmt):
         w = torch.randn(E, rows, cols, generator=gen).numpy()
         raw = gguf.quants.quantize(w, qt)
         refs.append(torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, qt))))
-        q, d = block_codes(raw, qtype, (E, rows, cols))
+        q, d, mins = block_codes(raw, qtype, (E, rows, cols))
+        assert mins is None
         codes.append(q), scales.append(d)
     load_codes(experts, codes, scales)
     for e in range(E):

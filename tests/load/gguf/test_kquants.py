@@ -38,7 +38,7 @@ def matrix_codes(kind: str, raw: np.ndarray, shape: tuple) -> tuple:
     if kind in SYMMETRIC_32:
         from hetmoe.load.gguf.checkpoint import block_codes
 
-        return (*block_codes(raw, kind, shape), None)
+        return block_codes(raw, kind, shape)
     return kquant_codes(raw, kind, shape)
 
 
@@ -177,8 +177,8 @@ def test_bad_blocks_and_layouts_are_refused():
     with pytest.raises(ValueError, match=r"up has codes in \[-1, 15\]; int4 affine holds \[0, 15\]"):
         load_codes(experts, [codes[0], neg, codes[2]], scales, mins=mins)
     assert experts.info()["experts_loaded"] == 0
-    with pytest.raises(ValueError, match=r"group_size must be 32, 64 or 128 \(or 0 for per-row\), got 16"):
-        CPUExperts(E, H, I, "int4", 16, pool=WorkerPool(1))
+    with pytest.raises(ValueError, match=r"group_size must be 16, 32, 64 or 128 \(or 0 for per-row\), got 8"):
+        CPUExperts(E, H, I, "int4", 8, pool=WorkerPool(1))
     with pytest.raises(ValueError, match="affine scaling needs a group size"):
         CPUExperts(E, H, I, "int8", 0, pool=WorkerPool(1), scaling="affine")
     with pytest.raises(ValueError, match="unknown scaling 'asym'"):
@@ -206,5 +206,5 @@ def test_bench_kernel_takes_the_gguf_formats():
     assert FORMATS == KERNEL_FORMATS
     assert format_args("q4_k_m", None) == {"weight_format": ("int4", "int8"), "group_size": 32,
                                            "down_group_size": 16, "scaling": ("affine", "symmetric"),
-                                           "scale_dtype": ("fp32", "fp32"), "codebook": (None, None)}
+                                           "scale_dtype": ("k8", "k8"), "codebook": (None, None)}
     assert format_args("int4", 32) == {"weight_format": "int4", "group_size": 32}
