@@ -209,6 +209,24 @@ def test_kquant_experts_load_exactly(tmp_path, arch, qtype, plan, layout):
     _assert_exact(loaded, deq)
 
 
+# the types held exactly since the two-level scales (one architecture: the loading path is the same): Q3_K, a Q2_K
+# file's mix (Q2_K gate/up, Q3_K down), Q4_1, Q5_0 + Q5_1; (types, plan, layout, scale dtypes)
+NEW_LAYOUTS = [("Q3_K", ("int4", 16), ("int4", 16, 16, ("symmetric", "symmetric")), ("k8", "k8")),
+               ("Q2_K+Q3_K", ("int4", 16), ("int4", 16, 16, ("affine", "symmetric")), ("k8", "k8")),
+               ("Q4_1", ("int4", 32), ("int4", 32, 32, ("affine", "affine")), ("fp16", "fp16")),
+               ("Q5_0+Q5_1", ("int8", 32), ("int8", 32, 32, ("symmetric", "affine")), ("fp16", "fp16"))]
+
+
+@pytest.mark.parametrize("qtype, plan, layout, scales", NEW_LAYOUTS, ids=[k[0] for k in NEW_LAYOUTS])
+def test_more_types_load_exactly(tmp_path, qtype, plan, layout, scales):
+    path, _, _, deq = quantized_gguf(tmp_path, "qwen3_moe", qtype, **KSIZES["qwen3_moe"])
+    loaded = _load(path)
+    assert (loaded.plan.experts_format, loaded.plan.group_size) == plan
+    for _, layer in moe_blocks(loaded.model):
+        assert _layout(layer.engine) == layout and layout_of(layer.engine)["scale_dtype"] == scales
+    _assert_exact(loaded, deq)
+
+
 # measured (max rel. logit error, as above): Q4_K_M 1.4e-2..1.7e-2, Q4_K 2.0e-2..3.7e-2 (int4 gate/up: x rounded to
 # int8 per group of 32; Q4_K_M's int8 down keeps h in int16)
 @pytest.mark.parametrize("arch", list(KSIZES))
