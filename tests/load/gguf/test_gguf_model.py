@@ -7,7 +7,7 @@ writes them (tests/gguf_files.py), dense tensors in F32, routed experts quantize
   (tests/gguf_files.py random_blocks; no binary fixture), and files whose layers have different exact types.
 * The GGUF model's logits match the same model's reference on the dequantized weights (fp32 dense and experts,
   tests/parity.py), within the engine's activation rounding: measured max rel. error below.
-* Another type (Q5_0 here) is dequantized and re-quantized into the nearest engine format, said on the log.
+* Another type (TQ2_0 here) is dequantized and re-quantized into the nearest engine format, said on the log.
 * ``LLM`` generates from the file with the tokenizer and chat template the file carries; a broken file is named.
 """
 
@@ -280,12 +280,14 @@ def test_a_bad_kquant_block_is_named(tmp_path):
 
 
 def test_other_types_are_requantized_into_the_nearest_format(tmp_path):
-    path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "Q5_0")
+    """TQ2_0 (ternary, 2 bits): no exact layout, re-quantized into int4."""
+    path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "TQ2_0", **KSIZES["qwen3_moe"])
     said = []
     loaded = load_model(path, EngineOptions(device="cpu", dtype="fp32", threads=1), expert_cache=None,
                         progress=False, log=said.append)
     assert loaded.plan.experts_format == "int4" and loaded.plan.group_size == 32
-    assert any("Q5_0, which no engine format holds exactly: dequantized and re-quantized into int4" in s for s in said)
+    assert any("TQ2_0, which no engine format holds exactly: dequantized and re-quantized into int4" in s
+               for s in said)
 
 
 def test_generate_from_a_gguf_file_with_its_own_tokenizer(tmp_path):
@@ -409,7 +411,7 @@ def test_the_plan_counts_what_the_engine_allocates(tmp_path, qtype, layer_types,
 # The 4-bit codebook types (hetmoe/load/gguf/lut4_blocks.py): (types, plan format and group, engine layout: formats,
 # group, down group, scale dtypes, codebooks). A codebook type beside an int8 one plans as int8 and keeps its lut4.
 LUT_LAYOUTS = [("MXFP4", ("int4", 32), ("lut4", 32, 32, ("e8m0", "e8m0"), ("e2m1", "e2m1"))),
-               ("IQ4_XS", ("int4", 32), ("lut4", 32, 32, ("fp32", "fp32"), ("iq4nl", "iq4nl"))),
+               ("IQ4_XS", ("int4", 32), ("lut4", 32, 32, ("k8", "k8"), ("iq4nl", "iq4nl"))),
                ("IQ4_NL", ("int4", 32), ("lut4", 32, 32, ("fp16", "fp16"), ("iq4nl", "iq4nl"))),
                ("MXFP4+Q8_0", ("int8", 32), (("lut4", "int8"), 32, 32, ("e8m0", "fp16"), ("e2m1", None)))]
 
