@@ -54,8 +54,9 @@
 // significant bits), so a k8 matrix gives bit for bit the outputs of the same values stored as fp32. A block's k8
 // scales are its [n_groups][16 rows] sub-scale bytes, then [n_supers][16 rows] fp16 super scales (n_supers =
 // ceil(kp / 256); the 16 of a super-block are one 32-byte vector load); the sub-scale is signed, so Q6_K's int8
-// scales and Q3_K's sc - 32 are held as they are (1.06 bytes per group of 16 or 32 against fp32's 4). Codes
-// loaded with scales (and mins) given as fp32 are split into the two levels at packing, exactly or refused.
+// scales and Q3_K's sc - 32 are held as they are (1.125 bytes per group of 16, 1.25 per group of 32, against
+// fp32's 4). Codes loaded with scales (and mins) given as fp32 are split into the two levels at packing, exactly or
+// refused (pack.cpp split_k8); every group size divides 256.
 //
 // The scales, and for affine matrices after them the mins, are each one such "scale set" of the matrix's scale type:
 // [n_groups][16] values (k8: and the super scales after them), mins stored as the scales are (fp32 mins for fp32
