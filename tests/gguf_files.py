@@ -199,7 +199,7 @@ def add_tokenizer(w, backend, config: dict, pre: str, vocab_size: int = 0) -> No
 
 # ---------------------------------------------------- K-quant and 4-bit codebook blocks (gguf cannot quantize them)
 
-SYMMETRIC_32 = {"Q8_0": ("int8", "symmetric", 32), "Q4_0": ("int4", "symmetric", 32)}
+BLOCKS_32 = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # blocks of 32 the gguf package quantizes itself
 
 
 def scale_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
@@ -214,7 +214,7 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, cen
     """Bytes of a [rows, cols] matrix of type ``kind``: random, with finite fp16 scale fields. ``centered``: weights
     of a std of about 0.1, centred on 0 as real quantized weights are (Q4_K / Q5_K mins near the middle code times
     the scale, small Q6_K scales), else any scale and min bytes."""
-    if kind in SYMMETRIC_32:  # Q8_0 / Q4_0: the gguf package quantizes them itself
+    if kind in BLOCKS_32:
         qt = getattr(gguf.GGMLQuantizationType, kind)
         return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qt)
     if kind in LUT4_BLOCKS:
@@ -226,6 +226,15 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, cen
         raw[..., 208:210] = d
         if centered:  # small positive scales (codes are centred already: q - 32)
             raw[..., 192:208] = rng.integers(1, 4, (rows, nb, 16), dtype=np.uint8)
+    elif kind == "Q3_K":
+        raw[..., 108:110] = d
+        if centered:  # sc - 32 in 1..3 (codes are centred already: -4..3)
+            raw[..., 96:108] = q3_scale_bytes(rng.integers(33, 36, (rows, nb, 16)))
+    elif kind == "Q2_K":
+        raw[..., 80:82], raw[..., 82:84] = d, d  # dmin = d
+        if centered:  # scales 1..3, mins near the middle code (1.5) times the scale
+            sc = rng.integers(1, 4, (rows, nb, 16))
+            raw[..., 0:16] = (sc | (np.rint(sc * 1.5).astype(np.int64) << 4)).astype(np.uint8)
     else:
         raw[..., 0:2], raw[..., 2:4] = d, d  # dmin = d
         if centered:
@@ -233,6 +242,14 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, cen
             sc = rng.integers(1, int(63 / mid) + 1, (rows, nb, 8))
             raw[..., 4:16] = scale_bytes(sc, np.rint(sc * mid).astype(np.int64))
     return raw.reshape(rows, -1)
+
+
+def q3_scale_bytes(sc: np.ndarray) -> np.ndarray:
+    """Q3_K's 12 scale bytes from sixteen 6-bit scales [..., 16] (csrc/formats/gguf_blocks.cpp reads them): the low
+    nibbles of scales j and j + 8 in byte j, the top two bits of scale i + 4 jj at bits 2 jj of byte 8 + i."""
+    low = (sc[..., :8] & 15) | ((sc[..., 8:] & 15) << 4)
+    high = sum(((sc[..., 4 * jj:4 * jj + 4] >> 4) & 3) << (2 * jj) for jj in range(4))
+    return np.concatenate([low, high], axis=-1).astype(np.uint8)
 
 
 def lut4_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, centered: bool = False) -> np.ndarray:

@@ -49,9 +49,9 @@ enum class AmxMode : int { off = 0, native = 1, emulated = 2 };
 KernelEntry select_kernel(WeightFormat format, Isa isa, AmxMode amx = AmxMode::off);
 
 // Throws std::invalid_argument naming what is wrong when (matrix format, isa, amx, amx_min_tokens) is not a kernel
-// choice this build and CPU can run: a group other than 32/64/128 (int8 and lut4 also 16) or <= 0 (per row: int8
-// and int4), lut4 without a codebook or a codebook on another format, affine lut4, scales narrower than fp32 on
-// per-row or affine matrices, bf16 with scale options, an ISA the CPU (or HETMOE_MAX_ISA) refuses, native AMX
+// choice this build and CPU can run: a group other than 16/32/64/128 or <= 0 (per row: int8 and int4), lut4
+// without a codebook or a codebook on another format, affine lut4, scales narrower than fp32 on per-row matrices,
+// e8m0 on affine ones, bf16 with scale options, an ISA the CPU (or HETMOE_MAX_ISA) refuses, native AMX
 // without isa amx, amx_min_tokens < 1. The experts and the dense linear check their configs with it.
 void check_kernel_choice(const MatrixFormat& m, Isa isa, AmxMode amx, int amx_min_tokens);
 

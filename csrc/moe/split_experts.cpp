@@ -33,11 +33,13 @@ NumaExperts::NumaExperts(const ExpertsConfig& cfg, std::shared_ptr<NumaPools> po
     : cfg_(cfg), pools_(std::move(pools)) {
   if (!pools_) throw std::invalid_argument("NumaExperts: no subpools");
   // The unit every boundary is a multiple of: the down matrix's scale group (bf16: the K padding unit; per-row
-  // int8/int4: the AMX activation group of h, formats/layout.h amx_row_group).
+  // int8/int4: the AMX activation group of h, formats/layout.h amx_row_group; k8 scales: the super-block, so a
+  // slice's super scales are the file's).
   const int down_group = cfg_.down_group != 0 ? cfg_.down_group : cfg_.group;
-  const int unit = cfg_.format == WeightFormat::bf16 ? kBf16Group
-                   : down_group <= 0                 ? amx_row_group(cfg_.intermediate)
-                                                     : std::max(down_group, kRowsPerBlock);
+  const int unit = cfg_.format == WeightFormat::bf16       ? kBf16Group
+                   : down_group <= 0                       ? amx_row_group(cfg_.intermediate)
+                   : cfg_.down_scale_type == ScaleType::k8 ? kSuperBlock
+                                                           : std::max(down_group, kRowsPerBlock);
   bounds_ = tp_slices(cfg_.intermediate, unit, pools_->size());
   for (size_t s = 0; s < bounds_.size(); ++s) {
     ExpertsConfig c = cfg_;

@@ -29,7 +29,8 @@ from hetmoe.cpu.pool import EngineJob, WorkerPool, shared_pool
 WEIGHT_FORMATS = ("bf16", "int8", "int4")  # what weights quantized here take (one CPUExperts(weight_format=...) each)
 # lut4: nibbles indexing a codebook of 16 int8 values (csrc/formats/layout.h), for checkpoints' own 4-bit codes
 LUT_FORMAT = "lut4"
-SCALE_DTYPES = ("fp32", "fp16", "bf16", "e8m0")  # how int8/int4/lut4 scales are stored (csrc/formats/layout.h)
+# how int8/int4/lut4 scales are stored (csrc/formats/layout.h); k8: the K-quants' int8 sub-scale x fp16 per 256
+SCALE_DTYPES = ("fp32", "fp16", "bf16", "e8m0", "k8")
 CODEBOOKS = ("e2m1", "iq4nl")  # lut4's codebooks: FP4 (MXFP4, NVFP4) doubled, llama.cpp's IQ4_NL table
 
 GLU_KINDS = ("swiglu", "clamped_swiglu")  # csrc/formats/activation.h GluKind
@@ -148,13 +149,15 @@ class CPUExperts:
         intermediate_size: I (per expert).
         weight_format: ``"bf16"``, ``"int8"``, ``"int4"`` or ``"lut4"`` (4-bit indices into a ``codebook``), or a
             pair (gate/up, down) of int8/int4/lut4.
-        group_size: int8/int4 scale group along the input dimension (32, 64 or 128; int8 also 16); ``0`` = one
-            scale per row (symmetric). ``down_group_size``: down's own group (default: ``group_size``).
+        group_size: int8/int4 scale group along the input dimension (16, 32, 64 or 128); ``0`` = one scale per
+            row (symmetric). ``down_group_size``: down's own group (default: ``group_size``).
         scaling: ``"symmetric"`` (value = scale * q) or ``"affine"`` (value = scale * q - min, GGUF's K-quants), or a
             pair (gate/up, down); codes go in with ``hetmoe.cpu.codes.load_codes``.
-        scale_dtype: how the scales are stored: ``"fp32"`` (default), ``"fp16"``, ``"bf16"`` or ``"e8m0"`` (a power
-            of two, MXFP4's), or a pair (gate/up, down); grouped symmetric matrices only. Scales quantized here are
-            rounded to the type; codes loaded with ``load_codes`` must have scales the type holds exactly.
+        scale_dtype: how the scales (and an affine matrix's mins) are stored: ``"fp32"`` (default), ``"fp16"``,
+            ``"bf16"``, ``"e8m0"`` (a power of two, MXFP4's; symmetric only) or ``"k8"`` (the K-quants' two levels:
+            an int8 sub-scale per group times an fp16 scale per 256 values of a row), or a pair (gate/up, down);
+            grouped matrices only. Scales quantized here are rounded to the type; codes loaded with ``load_codes``
+            must have scales (and mins) the type holds exactly.
         codebook: lut4's 16 values: ``"e2m1"`` (FP4 doubled) or ``"iq4nl"``, or a pair (gate/up, down; None for a
             matrix that is not lut4).
         threads: pool size (default: one per physical core). Ignored when ``pool`` is given.

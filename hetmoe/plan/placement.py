@@ -69,9 +69,9 @@ def resolve_device(device: str) -> torch.device:
 
 
 def layer_group(fmt: str, group: Optional[int]) -> int:
-    """The scale group of ``fmt`` experts asked for as ``group``: None, or 16 with int4 (int8 only: GGUF's Q6_K), is the
-    format's default, 0 per-row scales; bf16 has no groups: 0 whatever was asked (it keys the expert cache)."""
-    return 0 if fmt == "bf16" else DEFAULT_GROUP[fmt] if group is None or (group == 16 and fmt == "int4") else group
+    """The scale group of ``fmt`` experts asked for as ``group``: None is the format's default, 0 per-row scales; bf16
+    has no groups: 0 whatever was asked (it keys the expert cache)."""
+    return 0 if fmt == "bf16" else DEFAULT_GROUP[fmt] if group is None else group
 
 
 def plan_layers(shapes: "ModelShapes", opts: EngineOptions, device: torch.device, fmt: str, itemsize: int,

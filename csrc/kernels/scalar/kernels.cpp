@@ -95,7 +95,7 @@ static void rowblock_int(const RowBlock& w, const uint8_t* const* rows, const Ac
         const float scale = w.scale(g, r);
         if (w.mins) {  // affine (layout.h): the codes carry no offset, the min meets the element sum
           acc = std::fma((float)isum, scale * xs[g], acc);
-          acc = std::fma((float)(-xsum[g]), w.mins[g * kRowsPerBlock + r] * xs[g], acc);
+          acc = std::fma((float)(-xsum[g]), w.min(g, r) * xs[g], acc);
         } else {
           isum -= kOffset * xsum[g];
           acc = std::fma((float)isum, scale * xs[g], acc);

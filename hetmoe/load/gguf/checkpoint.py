@@ -4,14 +4,12 @@ file has: the routed experts' own quantized blocks (``expert_codes``) and the en
 (``exact_format``).
 
 Tensors are read from the memory-mapped file when asked for, one at a time (a stacked experts tensor one expert at
-a time), so loading holds one layer's weights as the safetensors path does. Exact types: Q8_0 (fp16 scale + 32 int8
-per block) is the engine's int8 with groups of 32 and fp16 scales, Q4_0 (fp16 scale + 16 bytes: values 0..15 in the
-low nibbles, 16..31 in the high ones, offset 8) its int4 with groups of 32 and fp16 scales; the K-quants Q4_K / Q5_K
-are int4 / int8 affine with groups of 32 and Q6_K int8 with groups of 16 (hetmoe/load/gguf/kquants.py); IQ4_NL,
-IQ4_XS and MXFP4 are its lut4 (4-bit indices into a codebook) with groups of 32 (hetmoe/load/gguf/lut4_blocks.py).
-Gate/up and down may have different exact types (4-bit codes then go into int8 in an int8 plan). They are packed from
-the codes (hetmoe/cpu/codes.py): the kernels multiply by exactly what ``gguf``'s dequantization gives. Every other
-type is dequantized (gguf.quants) and quantized into the experts format of the plan.
+a time), so loading holds one layer's weights as the safetensors path does. Exact types (hetmoe/cpu/codes.py lists
+the layout of each): the blocks of 32 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (``block_codes``), the K-quants Q2_K .. Q6_K
+(hetmoe/load/gguf/kquants.py), IQ4_NL, IQ4_XS and MXFP4 (lut4: 4-bit indices into a codebook,
+hetmoe/load/gguf/lut4_blocks.py). Gate/up and down may have different exact types (4-bit codes then go into int8 in
+an int8 plan). They are packed from the codes (hetmoe/cpu/codes.py): the kernels multiply by exactly what ``gguf``'s
+dequantization gives. Every other type is dequantized (gguf.quants) and quantized into the experts format of the plan.
 """
 
 from __future__ import annotations
@@ -34,7 +32,8 @@ from hetmoe.load.gguf.names import PAIRS, Transform, hf_names, merge_pair, undo
 from hetmoe.load.gguf.reader import GGUFError, open_gguf
 from hetmoe.models.config import ModelConfig
 
-EXACT = {"Q8_0": ("int8", 34), "Q4_0": ("int4", 18)}  # GGML type -> (engine format, bytes per block of 32)
+# GGML type -> (engine format, bytes per block of 32) of the blocks block_codes decodes
+EXACT = {"Q8_0": ("int8", 34), "Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q5_0": ("int8", 22), "Q5_1": ("int8", 24)}
 BLOCK = 32
 CHUNK = 8  # experts decoded and packed at once
 _LAYER = re.compile(r"\.layers\.\d+\.")
@@ -73,22 +72,34 @@ def runnable_types() -> tuple:
 
 
 def block_codes(raw: np.ndarray, kind: str, shape: tuple) -> tuple:
-    """(codes int8 ``shape``, scales fp32 ``shape[:-1] + (shape[-1] / 32,)``) of Q8_0 / Q4_0 blocks ``raw`` (bytes,
-    rows of blocks). Q8_0: fp16 d, 32 int8; Q4_0: fp16 d, 16 bytes whose low nibbles are values 0..15 and high
-    nibbles 16..31, stored + 8."""
+    """(codes int8 ``shape``, scales fp32 ``shape[:-1] + (shape[-1] / 32,)``, mins of the scales' shape or None) of
+    blocks of 32 ``raw`` (bytes, rows of blocks): Q8_0 (fp16 d, 32 int8), Q4_0 (fp16 d, 16 bytes whose low nibbles are
+    values 0..15 and high nibbles 16..31, stored + 8), Q4_1 (fp16 d, fp16 m, Q4_0's nibbles as they are: value =
+    d * q + m, so min = -m), Q5_0 / Q5_1 (Q4_0 / Q4_1 with a uint32 of fifth bits before the nibbles, bit i for value
+    i; Q5_0 stored + 16)."""
     nb = shape[-1] // BLOCK
     blocks = raw.reshape(*shape[:-1], nb, EXACT[kind][1])
-    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+
+    def half(at: int) -> np.ndarray:  # the fp16 field at byte `at` of every block, as fp32
+        return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+    d = half(0)
+    mins = torch.from_numpy(-half(2)) if kind in ("Q4_1", "Q5_1") else None
     if kind == "Q8_0":
-        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
-    else:  # nibbles into uint8 in place, then - 8 as int8 (no temporaries of the whole matrix)
-        nib = blocks[..., 2:]
-        q = np.empty((*shape[:-1], nb, BLOCK), np.uint8)
-        np.bitwise_and(nib, 0x0F, out=q[..., :BLOCK // 2])
-        np.right_shift(nib, 4, out=q[..., BLOCK // 2:])
-        q = q.view(np.int8)
-        q -= 8
-    return torch.from_numpy(q.reshape(shape)), torch.from_numpy(d)
+        q8 = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
+        return torch.from_numpy(q8.reshape(shape)), torch.from_numpy(d), None
+    start = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[kind]
+    nib = blocks[..., start:]  # the nibbles into uint8 in place (no temporaries of the whole matrix)
+    q = np.empty((*shape[:-1], nb, BLOCK), np.uint8)
+    np.bitwise_and(nib, 0x0F, out=q[..., :BLOCK // 2])
+    np.right_shift(nib, 4, out=q[..., BLOCK // 2:])
+    if kind in ("Q5_0", "Q5_1"):
+        qh = np.ascontiguousarray(blocks[..., start - 4:start]).view("<u4")  # [..., nb, 1]
+        q |= (((qh >> np.arange(BLOCK, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+    q = q.view(np.int8)
+    if kind in ("Q4_0", "Q5_0"):
+        q -= 8 if kind == "Q4_0" else 16
+    return torch.from_numpy(q.reshape(shape)), torch.from_numpy(d), mins
 
 
 def tokenizer_of(path):
@@ -236,7 +247,7 @@ class GGUFCheckpoint:
                 return (*lut4_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:])), None)
         except ValueError as err:
             raise GGUFError(f"{self.path}: {name}: {err}") from None
-        return (*block_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:])), None)
+        return block_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:]))
 
     def expert_types(self, prefixes: list, names: list) -> tuple:
         """The GGML types of (gate, up, down) of each MoE block of ``prefixes`` (``names``: as the model calls
@@ -296,7 +307,7 @@ class GGUFCheckpoint:
             except ValueError as err:
                 raise GGUFError(f"{self.path}: {t.name}: {err}") from None
         if kind not in KQUANTS:
-            return (*block_codes(np.asarray(t.data[e0:e0 + n]), kind, shape), None)
+            return block_codes(np.asarray(t.data[e0:e0 + n]), kind, shape)
         group, affine = KQUANTS[kind][2], KQUANTS[kind][1] == "affine"
         key = (slot, kind, tuple(t.shape[1:]))
         if key not in self._scratch:
