@@ -136,6 +136,23 @@ def test_logits_and_greedy_tokens_match_transformers(request, batch):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+@pytest.mark.parametrize("kind", ["compress", "main"])
+def test_yarn_rope_matches_transformers(request, kind):
+    """YaRN (factor 4 over 16 original positions, so the 30-token prompt and its decode steps run past them) on the
+    compressed layers' RoPE or the main one: logits and greedy tokens as Transformers'."""
+    rope = transformers.DeepseekV4Config().rope_parameters
+    rope[kind] = {**rope[kind], "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                  "beta_fast": 32.0, "beta_slow": 1.0}
+    path = checkpoint_of(request, rope_parameters=rope)
+    ids, fed, hf_logits = hf_trace(transformers, path, 1, PROMPT)
+    ours = trace_ours(load_v4(path), ids, fed)
+    plain = trace_ours(load_v4(checkpoint_of(request)), ids, fed)
+    assert max(max_rel(a, b) for a, b in zip(ours, hf_logits)) < FP32_TOL
+    assert max(max_rel(a, b) for a, b in zip(plain, hf_logits)) > 1e-3  # the scaling matters here
+    for a, b in zip(ours, hf_logits):
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
 def test_every_part_matters(request):
     """The window, the HCA entries, the indexer's choice and the clamp each move the logits of the 30-token prompt: a
     model with any of them changed is not the one compared with Transformers above."""
