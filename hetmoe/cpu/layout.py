@@ -16,19 +16,28 @@ SCALE_WIDTH = dict(_C.LAYOUT["scale_width"])  # bytes per stored scale, per scal
 CODEBOOKS = {name: tuple(values) for name, values in _C.LAYOUT["codebooks"].items()}  # lut4: name -> 16 int8 values
 
 
-def packed_matrix_bytes(fmt: str, n: int, k: int, group: int, affine: bool = False, scale_dtype: str = "fp32") -> int:
+# The fp8 experts a plan's (format, group) means: group 128, block FP8 (one fp32 scale per 16 rows and group, shared:
+# csrc/formats/layout.h), group 32, MXFP8 (one e8m0 scale per row and group). CPUExperts' keyword arguments.
+FP8_LAYOUTS = {128: {"scale_dtype": "fp32", "shared_scales": True}, 32: {"scale_dtype": "e8m0", "shared_scales": False}}
+
+
+def packed_matrix_bytes(fmt: str, n: int, k: int, group: int, affine: bool = False, scale_dtype: str = "fp32",
+                        shared_scales: bool = False) -> int:
     """Bytes of one [n, k] matrix in the engine's packed layout (csrc/formats/layout.h), scales (of
-    ``scale_dtype``; an affine matrix's fp32 mins beside them) included."""
+    ``scale_dtype``; an affine matrix's fp32 mins beside them; fp8 ``shared_scales``: one per 16 rows) included."""
     group = BF16_GROUP if fmt == "bf16" else (group or 128)
     rows, kp = -(-n // ROWS) * ROWS, -(-k // group) * group
     data = rows * kp * LINE // (ROWS * K_PER_LINE[fmt])
-    scales = 0 if fmt == "bf16" else rows * (kp // group) * (SCALE_WIDTH[scale_dtype] + (4 if affine else 0))
+    scale_rows = rows // ROWS if shared_scales and fmt == "fp8" else rows
+    scales = 0 if fmt == "bf16" else scale_rows * (kp // group) * (SCALE_WIDTH[scale_dtype] + (4 if affine else 0))
     return data + scales
 
 
 def expert_bytes(fmt: str, hidden: int, inter: int, group: int) -> int:
-    """One routed expert (gate + up [I, H], down [H, I]) packed."""
-    return 2 * packed_matrix_bytes(fmt, inter, hidden, group) + packed_matrix_bytes(fmt, hidden, inter, group)
+    """One routed expert (gate + up [I, H], down [H, I]) packed (fp8: as FP8_LAYOUTS[group] holds it)."""
+    extra = FP8_LAYOUTS.get(group or 128, {}) if fmt == "fp8" else {}
+    return (2 * packed_matrix_bytes(fmt, inter, hidden, group, **extra)
+            + packed_matrix_bytes(fmt, hidden, inter, group, **extra))
 
 
 def _pair(value) -> tuple:
@@ -42,7 +51,8 @@ def layout_bytes(layout: dict, hidden: int, inter: int) -> int:
     gate_up, down = _pair(layout["weight_format"])
     gu_scaling, down_scaling = _pair(layout.get("scaling", "symmetric"))
     gu_scales, down_scales = _pair(layout.get("scale_dtype", "fp32"))
+    gu_shared, down_shared = _pair(layout.get("shared_scales", False))
     group = layout["group_size"]
-    return (2 * packed_matrix_bytes(gate_up, inter, hidden, group, gu_scaling == "affine", gu_scales)
+    return (2 * packed_matrix_bytes(gate_up, inter, hidden, group, gu_scaling == "affine", gu_scales, gu_shared)
             + packed_matrix_bytes(down, hidden, inter, layout.get("down_group_size") or group,
-                                  down_scaling == "affine", down_scales))
+                                  down_scaling == "affine", down_scales, down_shared))
