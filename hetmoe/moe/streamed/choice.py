@@ -146,6 +146,10 @@ def setup(layers: list, plan, options, log) -> tuple:
         return None, {"enabled": False, "why": why}
     if not all(eligible(layer) for layer in layers):  # all or none: a layer left out could split a deferral chain
         return None, {"enabled": False, "why": "MoE layers split over NUMA subpools (their storage is per slice)"}
+    if any(layer.engine.info()["weight_format"] == "fp8" for layer in layers):  # (all or none, as above)
+        why = "fp8 experts: the GPU unpacking of the packed layout reads no fp8 yet (prefill stays on the CPU)"
+        log(f"hetmoe: GPU prefill off: {why}")
+        return None, {"enabled": False, "why": why}
     threshold = options.gpu_prefill if isinstance(options.gpu_prefill, int) else 1
     try:
         driver = LayerwisePrefill(layers, plan.device, plan.dtype, threshold, GPU_PREFILL_SLOTS, UNPACK_EXPERTS)
