@@ -76,11 +76,12 @@ def layout_of(experts: CPUExperts) -> dict:
     """The code layout of ``experts`` as CPUExperts' keyword arguments (what GGUFCheckpoint.exact_format returns)."""
     info = experts.info()
     fmt, down = info["weight_format"], info["down_weight_format"]
-    return {"weight_format": fmt if fmt == down else (fmt, down), "group_size": info["group_size"],
-            "down_group_size": info["down_group_size"], "scaling": (info["gate_up_scaling"], info["down_scaling"]),
-            "scale_dtype": (info["gate_up_scale_dtype"], info["down_scale_dtype"]),
-            "codebook": (info["gate_up_codebook"], info["down_codebook"]),
-            "shared_scales": (info["gate_up_shared_scales"], info["down_shared_scales"])}
+    layout = {"weight_format": fmt if fmt == down else (fmt, down), "group_size": info["group_size"],
+              "down_group_size": info["down_group_size"], "scaling": (info["gate_up_scaling"], info["down_scaling"]),
+              "scale_dtype": (info["gate_up_scale_dtype"], info["down_scale_dtype"]),
+              "codebook": (info["gate_up_codebook"], info["down_codebook"])}
+    shared = (info["gate_up_shared_scales"], info["down_shared_scales"])
+    return {**layout, "shared_scales": shared} if any(shared) else layout  # (fp8 only)
 
 
 def lut4_values(codes: torch.Tensor, codebook: str) -> torch.Tensor:

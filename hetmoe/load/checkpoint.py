@@ -509,7 +509,7 @@ class Checkpoint:
             if fmt == "fp8" and group in (None, FP8_BLOCK):
                 log(f"hetmoe: {what}: held as fp8 at their own bytes, as asked")
             elif fmt != "auto":
-                log(f"hetmoe: note: {what}: dequantized and re-quantized into {fmt} as asked")
+                log(f"hetmoe: {what}: dequantized and re-quantized into {fmt} as asked")
             return options  # auto: the plan prefers fp8 where it fits (hetmoe/load/loader.py plan_model)
         if not exact:
             return options
