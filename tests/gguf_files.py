@@ -199,7 +199,7 @@ def add_tokenizer(w, backend, config: dict, pre: str, vocab_size: int = 0) -> No
 
 # ---------------------------------------------------- K-quant and 4-bit codebook blocks (gguf cannot quantize them)
 
-SYMMETRIC_32 = {"Q8_0": ("int8", "symmetric", 32), "Q4_0": ("int4", "symmetric", 32)}
+BLOCKS_32 = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # blocks of 32 the gguf package quantizes itself
 
 
 def scale_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
@@ -214,7 +214,7 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, cen
     """Bytes of a [rows, cols] matrix of type ``kind``: random, with finite fp16 scale fields. ``centered``: weights
     of a std of about 0.1, centred on 0 as real quantized weights are (Q4_K / Q5_K mins near the middle code times
     the scale, small Q6_K scales), else any scale and min bytes."""
-    if kind in SYMMETRIC_32:  # Q8_0 / Q4_0: the gguf package quantizes them itself
+    if kind in BLOCKS_32:
         qt = getattr(gguf.GGMLQuantizationType, kind)
         return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qt)
     if kind in LUT4_BLOCKS:
@@ -226,6 +226,15 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, cen
         raw[..., 208:210] = d
         if centered:  # small positive scales (codes are centred already: q - 32)
             raw[..., 192:208] = rng.integers(1, 4, (rows, nb, 16), dtype=np.uint8)
+    elif kind == "Q3_K":
+        raw[..., 108:110] = d
+        if centered:  # sc - 32 in 1..3 (codes are centred already: -4..3)
+            raw[..., 96:108] = q3_scale_bytes(rng.integers(33, 36, (rows, nb, 16)))
+    elif kind == "Q2_K":
+        raw[..., 80:82], raw[..., 82:84] = d, d  # dmin = d
+        if centered:  # scales 1..3, mins near the middle code (1.5) times the scale
+            sc = rng.integers(1, 4, (rows, nb, 16))
+            raw[..., 0:16] = (sc | (np.rint(sc * 1.5).astype(np.int64) << 4)).astype(np.uint8)
     else:
         raw[..., 0:2], raw[..., 2:4] = d, d  # dmin = d
         if centered:
@@ -233,6 +242,14 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, cen
             sc = rng.integers(1, int(63 / mid) + 1, (rows, nb, 8))
             raw[..., 4:16] = scale_bytes(sc, np.rint(sc * mid).astype(np.int64))
     return raw.reshape(rows, -1)
+
+
+def q3_scale_bytes(sc: np.ndarray) -> np.ndarray:
+    """Q3_K's 12 scale bytes from sixteen 6-bit scales [..., 16] (csrc/formats/gguf_blocks.cpp reads them): the low
+    nibbles of scales j and j + 8 in byte j, the top two bits of scale i + 4 jj at bits 2 jj of byte 8 + i."""
+    low = (sc[..., :8] & 15) | ((sc[..., 8:] & 15) << 4)
+    high = sum(((sc[..., 4 * jj:4 * jj + 4] >> 4) & 3) << (2 * jj) for jj in range(4))
+    return np.concatenate([low, high], axis=-1).astype(np.uint8)
 
 
 def lut4_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, centered: bool = False) -> np.ndarray:
@@ -271,3 +288,194 @@ def assert_torch_unpack_equals_engine(experts, n_experts: int) -> None:
     for e in range(n_experts):
         g, u, dd = experts.dequantized(e)
         assert torch.equal(gu[e], torch.cat([g, u])) and torch.equal(d[e], dd)
+
+
+# ----------------------------------- this year's architectures, from a Transformers checkpoint directory (miniature)
+
+FRONTIER_ARCH = {"glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "qwen3_next": "qwen3next",
+                 "qwen3_5_moe_text": "qwen35moe", "glm_moe_dsa": "glm-dsa", "deepseek_v32": "deepseek32"}
+# gguf's TensorNameMap of an architecture the installed package may lack: one with the same tensor names
+_NAME_MAP_ARCH = {"deepseek32": "glm-dsa"}
+
+
+def _reorder_v_heads(w: np.ndarray, axis: int, n_k: int, r: int, head_dim: int) -> np.ndarray:
+    """_LinearAttentionVReorderBase._reorder_v_heads: value heads grouped by key head -> tiled, along ``axis``."""
+    w = np.moveaxis(w, axis, 0)
+    rest = w.shape[1:]
+    w = w.reshape(n_k, r, head_dim, *rest).swapaxes(0, 1).reshape(-1, *rest)
+    return np.moveaxis(w, 0, axis)
+
+
+def _linear_attention(name: str, w: np.ndarray, c: dict, reorder: bool) -> list:
+    """Qwen3NextModel.modify_tensors (after _LinearAttentionVReorderBase's v-head reorder for Qwen3.5): (HF-style
+    name the name map knows, array), or the GGUF names of in_proj_qkvz's two parts."""
+    n_k, n_v, dk, dv = (c["linear_num_key_heads"], c["linear_num_value_heads"], c["linear_key_head_dim"],
+                        c["linear_value_head_dim"])
+    r = n_v // n_k
+    if reorder and r > 1 and "linear_attn." in name:
+        keys = 2 * n_k * dk
+        if ".in_proj_qkv." in name:
+            w = np.concatenate([w[:keys], _reorder_v_heads(w[keys:], 0, n_k, r, dv)])
+        elif ".in_proj_z." in name:
+            w = _reorder_v_heads(w, 0, n_k, r, dv)
+        elif ".in_proj_a." in name or ".in_proj_b." in name or ".A_log" in name or ".dt_bias" in name:
+            w = _reorder_v_heads(w, 0, n_k, r, 1)
+        elif ".conv1d" in name:
+            w = np.concatenate([w[:keys], _reorder_v_heads(w[keys:], 0, n_k, r, dv)])
+        elif ".out_proj." in name:
+            w = _reorder_v_heads(w, 1, n_k, r, dv)
+    if name.endswith(".A_log"):  # -torch.exp, as the converter computes it (numpy's exp rounds differently)
+        import torch
+
+        w = (-torch.from_numpy(np.ascontiguousarray(w)).exp()).numpy()
+    elif name.endswith(".dt_bias"):
+        name = name[:-len(".dt_bias")] + ".dt_proj.bias"
+    elif "conv1d" in name:
+        w = w.reshape(w.shape[0], -1)
+    elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        w = w + np.float32(1)
+    if "in_proj_qkvz.weight" in name:  # per key head [q, k, v, z] -> all q, all k, all v | all z
+        bid = name.split(".")[2]
+        hidden = w.shape[1]
+        g = w.reshape(n_k, -1, hidden)
+        q, k, v, z = np.split(g, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+        qkv = np.concatenate([t.reshape(-1, hidden) for t in (q, k, v)])
+        return [(f"blk.{bid}.attn_qkv.weight", qkv), (f"blk.{bid}.attn_gate.weight", z.reshape(-1, hidden))]
+    return [(name, w)]
+
+
+def frontier_metadata(w, arch: str, c: dict) -> None:
+    """What convert_hf_to_gguf.py writes for these architectures (TextModel.set_gguf_parameters, then the model
+    class: Glm4MoeModel, MiniMaxM2Model, Qwen3NextModel / Qwen3_5MoeTextModel, GlmMoeDsaModel / DeepseekV32Model)."""
+    dsa = arch in ("glm-dsa", "deepseek32")
+    w.add_block_count(c["num_hidden_layers"] + (c.get("num_nextn_predict_layers") or 0 if arch == "glm4moe" else 0))
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    if c.get("intermediate_size"):
+        w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(1 if dsa else c["num_key_value_heads"])
+    w.add_rope_freq_base(ModelConfig(c).rope_theta)
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_expert_count(c.get("n_routed_experts") or c.get("num_experts") or c["num_local_experts"])
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    if c.get("n_group") is not None:
+        w.add_expert_group_count(c["n_group"])
+        w.add_expert_group_used_count(c["topk_group"])
+    if c.get("scoring_func") == "sigmoid":
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if c.get("head_dim") and not dsa:
+        w.add_key_length(c["head_dim"])
+        w.add_value_length(c["head_dim"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    if arch == "glm4moe":
+        w.add_rope_dimension_count(int(head_dim * c.get("partial_rotary_factor", 0.5)))
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+        w.add_expert_shared_count(c["n_shared_experts"])
+        w.add_leading_dense_block_count(c["first_k_dense_replace"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(c["routed_scaling_factor"])
+        w.add_expert_weights_norm(c["norm_topk_prob"])
+        if c.get("num_nextn_predict_layers") is not None:
+            w.add_nextn_predict_layers(c["num_nextn_predict_layers"])
+    elif arch == "minimax-m2":
+        w.add_expert_feed_forward_length(c["intermediate_size"])
+        w.add_rope_dimension_count(c["rotary_dim"])
+    elif arch in ("qwen3next", "qwen35moe"):
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
+        w.add_ssm_conv_kernel(c["linear_conv_kernel_dim"])
+        w.add_ssm_state_size(c["linear_key_head_dim"])
+        w.add_ssm_group_count(c["linear_num_key_heads"])
+        w.add_ssm_time_step_rank(c["linear_num_value_heads"])
+        w.add_ssm_inner_size(c["linear_value_head_dim"] * c["linear_num_value_heads"])
+        w.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in c["layer_types"]])
+        w.add_full_attention_interval(c.get("full_attention_interval", 4))
+        factor = (c.get("rope_parameters") or {}).get("partial_rotary_factor", 0.25)
+        w.add_rope_dimension_count(int(head_dim * factor))
+        if arch == "qwen35moe":
+            w.add_rope_dimension_sections([11, 11, 10, 0])
+    else:
+        w.add_leading_dense_block_count(c["first_k_dense_replace"])
+        w.add_vocab_size(c["vocab_size"])
+        w.add_q_lora_rank(c["q_lora_rank"])
+        w.add_kv_lora_rank(c["kv_lora_rank"])
+        w.add_key_length(c["kv_lora_rank"] + c["qk_rope_head_dim"])
+        w.add_value_length(c["kv_lora_rank"])
+        w.add_key_length_mla(c["qk_nope_head_dim"] + c["qk_rope_head_dim"])
+        w.add_value_length_mla(c["v_head_dim"])
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+        w.add_expert_shared_count(c["n_shared_experts"])
+        w.add_expert_weights_scale(c["routed_scaling_factor"])
+        w.add_expert_weights_norm(c.get("norm_topk_prob", True))
+        w.add_rope_dimension_count(c["qk_rope_head_dim"])
+        w.add_uint32(f"{arch}.attention.indexer.head_count", c["index_n_heads"])
+        w.add_uint32(f"{arch}.attention.indexer.key_length", c["index_head_dim"])
+        w.add_uint32(f"{arch}.attention.indexer.top_k", c["index_topk"])
+        if c.get("indexer_types") is not None:
+            w.add_array(f"{arch}.attention.indexer.types", [t == "full" for t in c["indexer_types"]])
+
+
+def convert_frontier(src, path, expert_type: str = "F32", tokenizer: bool = False) -> dict:
+    """A GGUF file at ``path`` from the Transformers checkpoint directory ``src``, written as convert_hf_to_gguf.py
+    writes it; routed experts stacked and stored as ``expert_type`` (F32, or Q8_0 / Q4_0 quantized by gguf), the
+    rest F32. Returns the GGUF tensors as written (name -> array: quantized experts as their dequantized values)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.numpy import load_file
+
+    src = Path(src)
+    c = json.loads((src / "config.json").read_text())
+    arch = FRONTIER_ARCH[c["model_type"]]
+    name_arch = _NAME_MAP_ARCH.get(arch, arch)
+    arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == name_arch)
+    names = gguf.get_tensor_name_map(arch_enum, c["num_hidden_layers"] + 1)
+    state = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        state.update({k: v.astype(np.float32) for k, v in load_file(str(shard)).items()})
+    out, experts = {}, {}
+
+    def put(name: str, w: np.ndarray):
+        if name.startswith("blk."):
+            out[name] = np.ascontiguousarray(w)
+            return
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        new = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert new is not None, f"gguf's TensorNameMap has no name for {name}"
+        out[new] = np.ascontiguousarray(w)
+
+    for name, w in state.items():
+        m = re.match(r"(.+)\.experts\.(\d+)\.(\w+)\.weight$", name)
+        if m:
+            experts.setdefault((m[1], m[3]), {})[int(m[2])] = w
+        elif arch in ("qwen3next", "qwen35moe"):
+            for new, value in _linear_attention(name, w, c, reorder=arch == "qwen35moe"):
+                put(new, value)
+        elif arch in ("glm-dsa", "deepseek32") and name.endswith("kv_b_proj.weight"):
+            nope, v, r = c["qk_nope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
+            kv_b = w.reshape(c["num_attention_heads"], nope + v, r)
+            put(name.replace("kv_b_proj", "k_b_proj"), kv_b[:, :nope].transpose(0, 2, 1))
+            put(name.replace("kv_b_proj", "v_b_proj"), kv_b[:, nope:])
+        else:
+            put(name, w)
+    for (prefix, which), per in experts.items():
+        put(f"{prefix}.experts.{which}.weight", np.stack([per[e] for e in range(len(per))]))
+    writer = gguf.GGUFWriter(str(path), arch)
+    frontier_metadata(writer, arch, c)
+    if tokenizer:
+        from hetmoe.load.random_weights import build_tokenizer, tokenizer_config
+
+        add_tokenizer(writer, build_tokenizer(c["vocab_size"]), tokenizer_config(c["max_position_embeddings"]),
+                      "gpt-2")
+    qt = getattr(gguf.GGMLQuantizationType, expert_type)
+    for name, t in out.items():
+        if "_exps." in name and expert_type != "F32":
+            raw = gguf.quants.quantize(t, qt)
+            out[name] = gguf.quants.dequantize(raw, qt)
+            writer.add_tensor(name, raw, raw_dtype=qt)
+        else:
+            writer.add_tensor(name, t)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    return out

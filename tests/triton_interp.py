@@ -108,14 +108,16 @@ def checked_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> 
 
 def gpu_branch_on_cpu(monkeypatch, driver) -> None:
     """A ``LayerwisePrefill`` on a CPU device takes its GPU branch: the Triton unpack, the sync-free grouped GEMMs
-    (``checked_grouped_mm``) and the combine kernel, all under the interpreter."""
-    from hetmoe.moe.streamed import layerwise
+    (``checked_grouped_mm``) and the combine kernel, all under the interpreter (``driver`` None: only the grouped
+    GEMMs' branch, hetmoe/moe/grouped.py)."""
+    from hetmoe.moe import grouped
 
     triton_module("hetmoe.ops.triton.packed")
     triton_module("hetmoe.ops.triton.grouped")
-    monkeypatch.setattr(layerwise, "_grouped_mm_ok", lambda _w: True)
+    monkeypatch.setattr(grouped, "_grouped_mm_ok", lambda _w: True)
     monkeypatch.setattr(torch, "_grouped_mm", checked_grouped_mm, raising=False)
-    driver.triton_unpack = True
+    if driver is not None:
+        driver.triton_unpack = True
 
 
 UNPACK_CHECK = """

@@ -129,4 +129,27 @@ inline float fast_exp(float x) {
 // The SwiGLU of one element: silu(gate) * up, silu(g) = g / (1 + exp(-g)).
 inline float swiglu(float gate, float up) { return gate / (1.f + fast_exp(gate * -1.f)) * up; }
 
+// The experts' gated activation, chosen per experts object (ExpertsConfig::glu): SwiGLU, or a clamped SwiGLU with
+// a sigmoid gain `alpha`, a clamp `limit` and an `offset` added to the clamped up:
+//     g = min(gate, limit), u = clamp(up, -limit, limit), h = (u + offset) * g * sigmoid(alpha * g)
+// gpt-oss and MiniMax-M3: alpha 1.702, offset 1; DeepSeek-V4: alpha 1, offset 0 (silu(g) * u on clamped inputs).
+// The clamps are written so that a NaN passes through (x86's min/max return their second operand on NaN; the
+// vector row op, kernels/row_ops.h clamped_swiglu, takes the same operand order).
+enum class GluKind : int { swiglu = 0, clamped_swiglu = 1 };
+constexpr const char* kGluNames[] = {"swiglu", "clamped_swiglu"};
+
+struct Glu {
+  GluKind kind = GluKind::swiglu;
+  float alpha = 1.f;   // clamped_swiglu: the sigmoid's gain
+  float limit = 0.f;   // clamped_swiglu: the clamp (> 0)
+  float offset = 1.f;  // clamped_swiglu: added to the clamped up
+};
+
+inline float clamped_swiglu(float gate, float up, float alpha, float limit, float offset) {
+  const float g = limit < gate ? limit : gate;
+  float u = limit < up ? limit : up;
+  u = -limit > u ? -limit : u;
+  return (u + offset) * (g / (1.f + fast_exp(g * -alpha)));
+}
+
 }  // namespace hetmoe

@@ -61,10 +61,54 @@ inline void q6_block(const uint8_t* b, int8_t* q, float* scales) {
     }
 }
 
+// Values 128 h + 32 t + i (h < 2, t < 4, i < 32) of a Q2_K / Q3_K super-block: bits 2t..2t+1 of byte 32 h + i of qs
+// (Q3_K: minus 4 where bit 4 h + t of hmask byte i is clear).
+inline void two_bit_codes(const uint8_t* qs, const uint8_t* hmask, int8_t* q) {
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < 4; ++t)
+      for (int i = 0; i < 32; ++i) {
+        int v = (qs[32 * h + i] >> (2 * t)) & 3;
+        if (hmask) v -= ((hmask[i] >> (4 * h + t)) & 1) ? 0 : 4;
+        q[128 * h + 32 * t + i] = (int8_t)v;
+      }
+}
+
+// One Q3_K super-block -> 256 codes in [-4, 3] and 16 scales d * (sc - 32). Scale j's 6 bits: the low nibble of
+// byte j (j < 8) or the high nibble of byte j - 8, and bits 2 (j / 4) of byte 8 + j % 4 above them.
+inline void q3_block(const uint8_t* b, int8_t* q, float* scales) {
+  const uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
+  const float d = half_to_float(b + 108);
+  for (int j = 0; j < 16; ++j) {
+    const int low = j < 8 ? sc[j] & 0x0f : sc[j - 8] >> 4, high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+    scales[j] = d * (float)((low | high << 4) - 32);
+  }
+  two_bit_codes(qs, hmask, q);
+}
+
+// One Q2_K super-block -> 256 codes in 0..3, 16 scales d * (sc & 15) and mins dmin * (sc >> 4).
+inline void q2_block(const uint8_t* b, int8_t* q, float* scales, float* mins) {
+  const uint8_t *sc = b, *qs = b + 16;
+  const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
+  for (int j = 0; j < 16; ++j) {
+    scales[j] = d * (float)(sc[j] & 0x0f);
+    mins[j] = dmin * (float)(sc[j] >> 4);
+  }
+  two_bit_codes(qs, nullptr, q);
+}
+
 }  // namespace
 
-int kquant_block_bytes(KQuant kind) { return kind == KQuant::q4_k ? 144 : kind == KQuant::q5_k ? 176 : 210; }
-int kquant_group(KQuant kind) { return kind == KQuant::q6_k ? 16 : 32; }
+int kquant_block_bytes(KQuant kind) {
+  switch (kind) {
+    case KQuant::q4_k: return 144;
+    case KQuant::q5_k: return 176;
+    case KQuant::q6_k: return 210;
+    case KQuant::q3_k: return 110;
+    case KQuant::q2_k: return 84;
+  }
+  return 0;
+}
+int kquant_group(KQuant kind) { return kind == KQuant::q4_k || kind == KQuant::q5_k ? 32 : 16; }
 
 void decode_kquant(KQuant kind, const uint8_t* raw, int64_t rows, int64_t cols, int8_t* codes, float* scales,
                    float* mins) {
@@ -76,6 +120,10 @@ void decode_kquant(KQuant kind, const uint8_t* raw, int64_t rows, int64_t cols, 
     float* s = scales + i * per_block;
     if (kind == KQuant::q6_k)
       q6_block(b, q, s);
+    else if (kind == KQuant::q3_k)
+      q3_block(b, q, s);
+    else if (kind == KQuant::q2_k)
+      q2_block(b, q, s, mins + i * per_block);
     else if (kind == KQuant::q4_k)
       affine_block(b, nullptr, b + 16, q, s, mins + i * per_block);
     else

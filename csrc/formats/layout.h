@@ -23,9 +23,10 @@
 // differ in code (the lookup) while every codebook is the same code reading other data: the codebook is a field of
 // the matrix (Codebook below), the kernel the table's (format, ISA) row.
 //
-// Scaling (int8/int4/lut4) is symmetric (above: value = scale * q) or affine (GGUF's K-quants; int8/int4 only):
-// value = scale * u - min with u the stored byte / nibble itself (int8: 0..255, int4: 0..15; no implied offset) and
-// one fp32 min per (row, group) beside the scale. Kernels undo both forms with the activation's per-group element sum:
+// Scaling (int8/int4/lut4) is symmetric (above: value = scale * q) or affine (GGUF's K-quants, Q4_1, Q5_1; int8/int4
+// only): value = scale * u - min with u the stored byte / nibble itself (int8: 0..255, int4: 0..15; no implied
+// offset) and one min per (row, group) beside the scale. Kernels undo both forms with the activation's per-group
+// element sum:
 //     symmetric: acc = fma(float(isum - offset * xsum), scale * x_scale, acc)          (offset 128 / 8; lut4: 0)
 //     affine:    acc = fma(float(isum), scale * x_scale, acc); acc = fma(float(-xsum), min * x_scale, acc)
 // in that order on every ISA, so every path of one format gives the same bits. (isum is the exact integer sum of
@@ -58,17 +59,32 @@
 //
 // Scales (int8/int4/lut4) live apart from the lines, one per (row, group), laid out [row block][group][16 rows],
 // so the 16 scales a kernel needs at the end of a group are one contiguous vector. Each matrix chooses how its
-// scales are stored (ScaleType): fp32 (4 bytes), fp16 or bf16 (2), or e8m0 (1 byte e: 2^(e - 128)) — the width of
-// the checkpoint's own scales, so a Q4_0 block (fp16 d + 16 bytes) costs 18 bytes here as in the file. Every kernel
-// widens a group's 16 scales to fp32 with one load and one conversion (vcvtph2ps for fp16, a shift for bf16, a
-// shift and a blend for e8m0); the widening is exact, so the epilogue and its bits are those of fp32 scales of the
-// same values. e8m0 is the MX block scale 2^(e - 127) with E2M1's 1/2 folded in (llama.cpp's
-// GGML_E8M0_TO_FP32_HALF, bit for bit; e = 0 and 1 give the fp32 subnormals 2^-128 and 2^-127). Affine blocks hold
-// fp32 scales and their fp32 mins right after them, in the same [group][16 rows] order; per-row scales are fp32.
+// scales are stored (ScaleType): fp32 (4 bytes), fp16 or bf16 (2), e8m0 (1 byte e: 2^(e - 128)) or k8 (two levels,
+// below) — the width of the checkpoint's own scales, so a Q4_0 block (fp16 d + 16 bytes) costs 18 bytes here as in
+// the file. Every kernel widens a group's 16 scales to fp32 with one load and one conversion (vcvtph2ps for fp16, a
+// shift for bf16, a shift and a blend for e8m0; k8: two loads, two conversions and a multiply); the widening is
+// exact, so the epilogue and its bits are those of fp32 scales of the same values. e8m0 is the MX block scale
+// 2^(e - 127) with E2M1's 1/2 folded in (llama.cpp's GGML_E8M0_TO_FP32_HALF, bit for bit; e = 0 and 1 give the fp32
+// subnormals 2^-128 and 2^-127).
 //
-// Groups: 32, 64 or 128 elements of K (int8 also 16, for GGUF's Q6_K; lut4 also 16, for NVFP4), or per row (int8,
-// int4 and fp8, symmetric: one scale per row, stored repeated in every group of 128, so every kernel reads it as a
-// grouped matrix).
+// k8 is the K-quants' own two-level form: one int8 sub-scale sc per (row, group) and one fp16 super scale d per
+// (row, super-block of 256 elements of K), scale = float(sc) * float(d). The product is exact in fp32 (11 + 7
+// significant bits), so a k8 matrix gives bit for bit the outputs of the same values stored as fp32. A block's k8
+// scales are its [n_groups][16 rows] sub-scale bytes, then [n_supers][16 rows] fp16 super scales (n_supers =
+// ceil(kp / 256); the 16 of a super-block are one 32-byte vector load); the sub-scale is signed, so Q6_K's int8
+// scales and Q3_K's sc - 32 are held as they are (1.125 bytes per group of 16, 1.25 per group of 32, against
+// fp32's 4). Codes loaded with scales (and mins) given as fp32 are split into the two levels at packing, exactly or
+// refused (pack.cpp split_k8); every group size divides 256.
+//
+// The scales, and for affine matrices after them the mins, are each one such "scale set" of the matrix's scale type:
+// [n_groups][16] values (k8: and the super scales after them), mins stored as the scales are (fp32 mins for fp32
+// scales, fp16 for fp16: Q4_1's d and m; k8's sub-mins and fp16 dmin: the K-quants'). Per-row scales are fp32;
+// affine scales are fp32, fp16, bf16 or k8 (not e8m0, which has no negative or zero values). fp8 is symmetric only
+// and takes fp32, fp16, bf16 or e8m0 scales (not k8).
+//
+// Groups: 16, 32, 64 or 128 elements of K (16: GGUF's Q2_K, Q3_K and Q6_K, NVFP4), or per row (int8, int4 and fp8,
+// symmetric: one scale per row, stored repeated in every group of 128, so every kernel reads it as a grouped
+// matrix).
 //
 // Shared scales (fp8 only; MatrixFormat::shared_scales): one scale per (row block, group), the same for its 16
 // rows, laid out [row block][group] — block FP8's 128 x 128 blocks, whose scale would otherwise be stored 16 times
@@ -109,7 +125,9 @@ inline int fp8_act_index(int k) { return (k & ~3) | ((k & 1) << 1) | ((k >> 1) &
 enum class Scaling : int { symmetric = 0, affine = 1 };
 
 // How a matrix's scales are stored (see the top of this file).
-enum class ScaleType : int { f32 = 0, f16 = 1, bf16 = 2, e8m0 = 3 };
+enum class ScaleType : int { f32 = 0, f16 = 1, bf16 = 2, e8m0 = 3, k8 = 4 };
+constexpr int kScaleTypes = 5;
+constexpr int kSuperBlock = 256;  // k8: elements of K per fp16 super scale
 
 // The 16 values a lut4 nibble indexes (see the top of this file); none for every other format.
 enum class Codebook : int { none = 0, e2m1 = 1, iq4nl = 2 };
@@ -124,7 +142,7 @@ inline constexpr int8_t kCodebookValues[kCodebooks][16] = {
 inline const int8_t* codebook_values(Codebook c) { return kCodebookValues[(int)c]; }
 
 // Bumped whenever the packed bytes of any format change: converted-expert caches of another version are rebuilt.
-// (Scale types, lut4 and fp8 added formats; fp32-scaled int8/int4 kept their bytes.)
+// (Scale types, lut4, k8, narrow affine mins and fp8 added formats; fp32-scaled int8/int4 kept their bytes.)
 constexpr int kLayoutVersion = 1;
 
 constexpr int kRowsPerBlock = 16;
@@ -150,18 +168,25 @@ inline int scale_width(ScaleType t) {  // bytes per stored scale
     case ScaleType::f16: return 2;
     case ScaleType::bf16: return 2;
     case ScaleType::e8m0: return 1;
+    case ScaleType::k8: return 1;  // the sub-scale (the super scales come after a set's sub-scales)
   }
   return 0;
 }
 
 // One stored scale as the fp32 it stands for (exact). The kernels widen 16 at a time with vector instructions that
-// give these bits; this is the portable definition.
+// give these bits; this is the portable definition. k8: the sub-scale alone (RowBlock::scale multiplies in the super
+// scale).
 inline float scale_to_float(ScaleType t, const uint8_t* p) {
   uint32_t bits = 0;
   switch (t) {
     case ScaleType::f32: std::memcpy(&bits, p, 4); break;
     case ScaleType::bf16: bits = ((uint32_t)p[0] | (uint32_t)p[1] << 8) << 16; break;
     case ScaleType::e8m0: bits = p[0] < 2 ? 0x00200000u << p[0] : (uint32_t)(p[0] - 1) << 23; break;
+    case ScaleType::k8: {
+      const float f = (float)(int8_t)p[0];
+      std::memcpy(&bits, &f, 4);
+      break;
+    }
     case ScaleType::f16: {
       const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
       const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu;
@@ -241,22 +266,26 @@ struct MatrixShape {
   size_t data_bytes() const { return block_bytes() * n_blocks; }
   bool has_scales() const { return format != WeightFormat::bf16; }
   bool affine() const { return scaling == Scaling::affine; }
-  // bytes of one block's scales: n_groups x 16 (shared: x 1) of scale_type, and (affine) as many fp32 mins after them
-  size_t block_scale_bytes() const {
+  int n_supers() const { return (int)((kp + kSuperBlock - 1) / kSuperBlock); }  // k8 super-blocks of a row
+  // bytes of one block's scale set: n_groups x 16 (shared: x 1) of scale_type (k8: then n_supers x 16 fp16 super
+  // scales)
+  size_t set_bytes() const {
     if (!has_scales()) return 0;
-    const size_t n = (size_t)n_groups() * scale_rows();
-    return n * scale_width(scale_type) + (affine() ? n * sizeof(float) : 0);
+    return (size_t)n_groups() * scale_rows() * scale_width(scale_type) +
+           (scale_type == ScaleType::k8 ? (size_t)n_supers() * kRowsPerBlock * 2 : 0);
   }
+  // bytes of one block's scales: the scale set, and (affine) the min set after it
+  size_t block_scale_bytes() const { return set_bytes() * (affine() ? 2 : 1); }
   size_t scale_bytes() const { return block_scale_bytes() * n_blocks; }
 };
 
 // What the micro-kernel reads for one row block.
 struct RowBlock {
   const uint8_t* data;    // block_bytes(), 64-byte aligned
-  const uint8_t* scales;  // [n_groups][16] of scale_type, or nullptr for bf16
+  const uint8_t* scales;  // the scale set ([n_groups][16] of scale_type; k8: then the super scales), or nullptr (bf16)
   int kp;
   int group;
-  const float* mins = nullptr;  // affine: [n_groups][16] (right after the scales); symmetric: nullptr
+  const uint8_t* mins = nullptr;  // affine: the min set (same layout, right after the scales); symmetric: nullptr
   ScaleType scale_type = ScaleType::f32;
   const int8_t* codebook = nullptr;  // lut4: its 16 values
   bool shared_scales = false;        // fp8: scales [n_groups], one per group for all 16 rows
@@ -269,18 +298,34 @@ struct RowBlock {
     b.kp = s.kp;
     b.group = s.group;
     b.scale_type = s.scale_type;
-    const size_t n = (size_t)s.n_groups() * kRowsPerBlock;
-    b.mins = s.affine() ? reinterpret_cast<const float*>(scales + n * scale_width(s.scale_type)) : nullptr;
+    b.mins = s.affine() ? scales + s.set_bytes() : nullptr;
     b.codebook = s.format == WeightFormat::lut4 ? codebook_values(s.codebook) : nullptr;
     b.shared_scales = s.shared_scales;
     return b;
   }
-  // The 16 stored scales of group g (scale_width(scale_type) bytes each; shared: the one), and row r's widened.
-  const uint8_t* group_scales(int g) const {
-    return scales + (size_t)g * (shared_scales ? 1 : kRowsPerBlock) * scale_width(scale_type);
+  int n_groups() const { return kp / group; }
+  int scale_rows() const { return shared_scales ? 1 : kRowsPerBlock; }  // stored values per group of a set
+  // The 16 stored values of group g of a set (scales or mins; k8: the sub-scales; shared: the one), and of a k8 set
+  // the 16 fp16 super scales of g's super-block.
+  const uint8_t* group_of(const uint8_t* set, int g) const {
+    return set + (size_t)g * scale_rows() * scale_width(scale_type);
   }
-  float scale(int g, int r) const {
-    return scale_to_float(scale_type, group_scales(g) + (shared_scales ? 0 : r) * scale_width(scale_type));
+  const uint8_t* super_of(const uint8_t* set, int g) const {
+    return set + (size_t)n_groups() * kRowsPerBlock + (size_t)(g * group / kSuperBlock) * kRowsPerBlock * 2;
+  }
+  const uint8_t* group_scales(int g) const { return group_of(scales, g); }
+  // Value r of group g of a set widened to fp32 (exact; k8: sub-scale times super scale, one exact product).
+  float value(const uint8_t* set, int g, int r) const {
+    const float v = scale_to_float(scale_type, group_of(set, g) + (shared_scales ? 0 : r) * scale_width(scale_type));
+    return scale_type == ScaleType::k8 ? v * scale_to_float(ScaleType::f16, super_of(set, g) + 2 * r) : v;
+  }
+  float scale(int g, int r) const { return value(scales, g, r); }
+  float min(int g, int r) const { return value(mins, g, r); }
+  // The 16 values of group g of a set as fp32: in place for fp32 sets (not shared), else widened into buf.
+  const float* widened(const uint8_t* set, int g, float* buf) const {
+    if (scale_type == ScaleType::f32 && !shared_scales) return reinterpret_cast<const float*>(group_of(set, g));
+    for (int r = 0; r < kRowsPerBlock; ++r) buf[r] = value(set, g, r);
+    return buf;
   }
 };
 

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "formats/activation.h"
 
@@ -188,6 +189,125 @@ float store_scale_rounded(ScaleType t, float v, uint8_t* dst) {
 
 namespace {
 
+// |v| = m * 2^e with m an odd integer (v finite, not 0).
+inline void odd_form(float v, uint32_t* m, int* e) {
+  int ex;
+  const float f = std::frexp(std::fabs(v), &ex);  // [0.5, 1): 24 bits of mantissa at most
+  uint32_t mm = (uint32_t)std::ldexp(f, 24);
+  ex -= 24;
+  while (!(mm & 1u)) mm >>= 1, ++ex;
+  *m = mm;
+  *e = ex;
+}
+
+inline uint32_t gcd(uint32_t a, uint32_t b) {
+  while (b) {
+    const uint32_t t = a % b;
+    a = b;
+    b = t;
+  }
+  return a;
+}
+
+// k8 (layout.h): the n values v of one row's super-block as int8 sub-scales times one fp16 super scale, exactly.
+// With g the gcd of the values' odd parts and 2^e the smallest of their powers of two, d = g 2^e gives every
+// sub-scale its least magnitude; d / r (r = 2, 3, ... whose odd part divides g) is tried when d itself is not an
+// fp16 value. A negative d takes the sign when a sub-scale would be +128 (Q6_K's -128 with d < 0). False when no
+// split exists (or a value is not finite).
+bool split_k8(const float* v, int n, int8_t* sub, uint16_t* d_bits) {
+  uint32_t g = 0;
+  int emin = 1 << 30;
+  for (int i = 0; i < n; ++i) {
+    if (!std::isfinite(v[i])) return false;
+    if (v[i] == 0.f) continue;
+    uint32_t m;
+    int e;
+    odd_form(v[i], &m, &e);
+    g = gcd(g, m);
+    emin = std::min(emin, e);
+  }
+  if (g == 0) {  // all zero
+    std::memset(sub, 0, n);
+    *d_bits = 0;
+    return true;
+  }
+  for (int r = 1; r <= 128; ++r) {
+    int t = r, s2 = 0;
+    while (!(t & 1)) t >>= 1, ++s2;
+    if (g % (uint32_t)t) continue;
+    const float d = std::ldexp((float)(g / (uint32_t)t), emin - s2);
+    uint8_t h[2];
+    if (!store_scale_exact(ScaleType::f16, d, h)) continue;
+    int lo = 0, hi = 0, c[kSuperBlock / 16];
+    bool fits = true;
+    for (int i = 0; i < n && fits; ++i) {
+      const double q = (double)v[i] / d;  // an integer (d divides v exactly)
+      fits = std::fabs(q) <= 128.;
+      c[i] = fits ? (int)q : 0;
+      lo = std::min(lo, c[i]), hi = std::max(hi, c[i]);
+    }
+    if (!fits || (hi > 127 && lo < -127)) return false;  // a smaller d only makes sub-scales larger
+    const int sign = hi > 127 ? -1 : 1;
+    for (int i = 0; i < n; ++i) sub[i] = (int8_t)(sign * c[i]);
+    uint16_t bits;
+    std::memcpy(&bits, h, 2);
+    *d_bits = sign < 0 ? (uint16_t)(bits ^ 0x8000u) : bits;
+    return true;
+  }
+  return false;
+}
+
+// k8 from values chosen here (packing floats): d = the fp16 at or above max |v| / 127, sub = round(v / d); the
+// values d * sub are written back into v.
+void round_k8(float* v, int n, int8_t* sub, uint16_t* d_bits) {
+  float amax = 0.f;
+  for (int i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(v[i]));
+  uint8_t h[2];
+  float d = store_scale_rounded(ScaleType::f16, amax / 127.f, h);
+  if (d * 127.f < amax) {  // rounded down: the next fp16 up
+    uint16_t b;
+    std::memcpy(&b, h, 2);
+    ++b;
+    std::memcpy(h, &b, 2);
+    d = scale_to_float(ScaleType::f16, h);
+  }
+  std::memcpy(d_bits, h, 2);
+  const float inv = d > 0.f ? 1.f / d : 0.f;
+  for (int i = 0; i < n; ++i) {
+    sub[i] = (int8_t)clampf(round_even(v[i] * inv), -127.f, 127.f);
+    v[i] = (float)sub[i] * d;
+  }
+}
+
+}  // namespace
+
+bool store_row_set(const MatrixShape& s, float* v, int r, uint8_t* set, bool exact) {
+  const int ng = s.n_groups();
+  const ScaleType t = s.scale_type;
+  if (t != ScaleType::k8) {
+    const int width = scale_width(t);
+    for (int g = 0; g < ng; ++g) {
+      uint8_t* dst = set + ((size_t)g * s.scale_rows() + (s.shared_scales ? 0 : r)) * width;
+      if (exact && !store_scale_exact(t, v[g], dst)) return false;
+      if (!exact) v[g] = store_scale_rounded(t, v[g], dst);
+    }
+    return true;
+  }
+  const int per = kSuperBlock / s.group;  // groups per super-block (every k8 group divides 256)
+  for (int g0 = 0; g0 < ng; g0 += per) {
+    const int n = std::min(per, ng - g0);
+    int8_t sub[kSuperBlock / 16];
+    uint16_t d;
+    if (exact && !split_k8(v + g0, n, sub, &d)) return false;
+    if (!exact) round_k8(v + g0, n, sub, &d);
+    for (int i = 0; i < n; ++i) set[(size_t)(g0 + i) * kRowsPerBlock + r] = (uint8_t)sub[i];
+    std::memcpy(set + (size_t)ng * kRowsPerBlock + ((size_t)(g0 / per) * kRowsPerBlock + r) * 2, &d, 2);
+  }
+  return true;
+}
+
+namespace {
+
 // The index of the codebook value nearest v (the lower index on a tie).
 inline int nearest_index(const int8_t* cb, float v) {
   int best = 0;
@@ -298,15 +418,14 @@ bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* gr
                           int rb, uint8_t* data, uint8_t* scales) {
   const WeightFormat f = s.format;
   if (f == WeightFormat::bf16 || s.per_row || (s.affine() && !group_mins)) return false;
-  if (s.affine() && s.scale_type != ScaleType::f32) return false;
+  if (s.affine() && s.scale_type == ScaleType::e8m0) return false;
   clear_block(s, data, scales);
   const int off = code_offset(s);
   const bool lut = f == WeightFormat::lut4;
   const int lo = s.affine() || lut ? 0 : f == WeightFormat::int8 ? -127 : -8;
   const int hi = f == WeightFormat::int8 ? 127 : s.affine() || lut ? 15 : 7;
   const int ng = s.n_groups(), row0 = rb * kRowsPerBlock, rows = std::min(kRowsPerBlock, s.n - row0);
-  const int width = scale_width(s.scale_type);
-  float* mins = reinterpret_cast<float*>(scales + (size_t)ng * kRowsPerBlock * width);  // affine only (fp32)
+  uint8_t* min_set = scales + s.set_bytes();  // affine only
   for (int r = 0; r < rows; ++r) {
     const int8_t* src = q + (size_t)(row0 + r) * s.k;
     int bad = 0;
@@ -332,26 +451,85 @@ bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* gr
       std::memcpy(line + 4 * r, &w, 4);
     }
   }
+  std::vector<float> row_values(ng);  // one row's scales (or mins), which store_row_set may rewrite
   for (int r = 0; r < rows; ++r) {
     const int row = row0 + r;
     const int8_t* src = q + (size_t)row * s.k;
     put_codes(f, data + 4 * r, n_lines * kpl, s.k - n_lines * kpl, src + n_lines * kpl, off);
-    for (int g = 0; g < ng; ++g) {
-      const float sc = group_scales[(size_t)row * ng + g];
-      if (!store_scale_exact(s.scale_type, sc, scales + ((size_t)g * kRowsPerBlock + r) * width)) return false;
-      if (s.affine()) {
-        float mn = group_mins[(size_t)row * ng + g];
-        if (!std::isfinite(mn)) return false;
-        mins[(size_t)g * kRowsPerBlock + r] = mn;
-      }
+    std::memcpy(row_values.data(), group_scales + (size_t)row * ng, sizeof(float) * ng);
+    if (!store_row_set(s, row_values.data(), r, scales, true)) return false;
+    if (s.affine()) {
+      std::memcpy(row_values.data(), group_mins + (size_t)row * ng, sizeof(float) * ng);
+      if (!store_row_set(s, row_values.data(), r, min_set, true)) return false;
     }
   }
   return true;
 }
 
+namespace {
+
+// pack_row_block for the scale sets a row must choose whole before its codes: k8 (a super scale per 256 elements)
+// and affine scales narrower than fp32 (scale and min rounded together). Each group's scale (and min) as the fp32
+// path chooses it, the row's sets rounded to the type (store_row_set), then the codes for the stored values.
+void pack_row_block_rounded(const MatrixShape& s, const float* w, int rb, uint8_t* data, uint8_t* scales) {
+  const WeightFormat f = s.format;
+  const int ng = s.n_groups();
+  const int8_t* cb = f == WeightFormat::lut4 ? codebook_values(s.codebook) : nullptr;
+  int cb_max = 0;
+  for (int i = 0; cb && i < 16; ++i) cb_max = std::max(cb_max, std::abs((int)cb[i]));
+  const float qmax = f == WeightFormat::int8 ? 127.f : 15.f;  // affine codes 0..qmax
+  const float qlo = f == WeightFormat::int8 ? -127.f : -8.f, qhi = f == WeightFormat::int8 ? 127.f : 7.f;
+  std::vector<float> sc(ng), mn(ng);
+  int8_t codes[kMaxGroup];
+  for (int r = 0; r < kRowsPerBlock; ++r) {
+    const int row = rb * kRowsPerBlock + r;
+    if (row >= s.n) break;
+    const float* src = w + (size_t)row * s.k;
+    for (int g = 0; g < ng; ++g) {
+      const int k0 = g * s.group, n = std::max(0, std::min(s.group, s.k - k0));
+      float lo = 0.f, hi = 0.f, amax = 0.f;
+      for (int i = 0; i < n; ++i) {
+        lo = std::fmin(lo, src[k0 + i]), hi = std::fmax(hi, src[k0 + i]);
+        amax = std::fmax(amax, std::fabs(src[k0 + i]));
+      }
+      if (s.affine()) {
+        sc[g] = (hi - lo) / qmax;
+        mn[g] = -lo;
+      } else if (cb) {
+        sc[g] = amax / (float)cb_max;
+      } else if (f == WeightFormat::int8) {
+        sc[g] = amax / 127.f;
+      } else {
+        sc[g] = n > 0 ? choose_int4_scale(src + k0, n, codes) : 0.f;
+      }
+    }
+    store_row_set(s, sc.data(), r, scales, false);
+    if (s.affine()) store_row_set(s, mn.data(), r, scales + s.set_bytes(), false);
+    for (int g = 0; g < ng; ++g) {
+      const int k0 = g * s.group, n = std::min(s.group, s.k - k0);
+      if (n <= 0) break;
+      const float inv = sc[g] > 0.f ? 1.f / sc[g] : 0.f;
+      for (int i = 0; i < n; ++i) {
+        const float v = src[k0 + i];
+        if (s.affine())
+          codes[i] = (int8_t)clampf(round_even((v + mn[g]) * inv), 0.f, qmax);
+        else if (cb)
+          codes[i] = (int8_t)nearest_index(cb, v * inv);
+        else
+          codes[i] = (int8_t)clampf(round_even(v * inv), qlo, qhi);
+      }
+      put_codes(f, data + 4 * r, k0, n, codes, code_offset(s));
+    }
+  }
+}
+
+}  // namespace
+
 void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data, uint8_t* scales) {
   const WeightFormat f = s.format;
   clear_block(s, data, scales);
+  if (s.scale_type == ScaleType::k8 || (s.affine() && s.scale_type != ScaleType::f32))
+    return pack_row_block_rounded(s, w, rb, data, scales);
   const int ng = s.n_groups(), width = scale_width(s.scale_type);
   float* mins = reinterpret_cast<float*>(scales + (size_t)ng * kRowsPerBlock * width);  // affine only (fp32)
   const int8_t* cb = f == WeightFormat::lut4 ? codebook_values(s.codebook) : nullptr;
@@ -429,8 +607,7 @@ void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data,
 
 void unpack_row_block(const MatrixShape& s, const uint8_t* data, const uint8_t* scales, int rb, float* w) {
   const WeightFormat f = s.format;
-  const int width = scale_width(s.scale_type);
-  const float* mins = reinterpret_cast<const float*>(scales + (size_t)s.n_groups() * s.scale_rows() * width);
+  const RowBlock b = RowBlock::at(s, data, scales);
   const int8_t* cb = f == WeightFormat::lut4 ? codebook_values(s.codebook) : nullptr;
   for (int r = 0; r < kRowsPerBlock; ++r) {
     int row = rb * kRowsPerBlock + r;
@@ -444,14 +621,13 @@ void unpack_row_block(const MatrixShape& s, const uint8_t* data, const uint8_t* 
         std::memcpy(&v, p, 2);
         dst[k] = bf16_to_float(v);
       } else if (f == WeightFormat::fp8) {
-        const size_t gi = (size_t)(k / s.group) * s.scale_rows() + (s.shared_scales ? 0 : r);
-        dst[k] = e4m3_to_float(*p) * scale_to_float(s.scale_type, scales + gi * width);
+        dst[k] = e4m3_to_float(*p) * b.scale(k / s.group, r);
       } else {
-        const size_t gi = (size_t)(k / s.group) * kRowsPerBlock + r;
-        const float scale = scale_to_float(s.scale_type, scales + gi * width);
+        const int g = k / s.group;
+        const float scale = b.scale(g, r);
         const int u = f == WeightFormat::int8 ? (int)*p : (int)((*p >> (4 * nib)) & 0x0f);
         if (s.affine())  // two roundings, as gguf's dequantization: fl(fl(scale * u) - min)
-          dst[k] = (float)u * scale - mins[gi];
+          dst[k] = (float)u * scale - b.min(g, r);
         else if (cb)
           dst[k] = (float)cb[u] * scale;
         else

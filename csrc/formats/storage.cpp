@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <vector>
 
 #include "formats/pack.h"
 
@@ -77,15 +78,24 @@ void fill_random_block(const MatrixShape& s, int rb, uint64_t seed, const Random
       }
     }
   }
-  // every scale the same (rounded to the scale type); affine (fp32 scales): the same bytes read as u with
-  // min = scale * 128 (int8) / 8 (int4) give the symmetric values again
+  // every scale the same (rounded to the scale type; k8: sub-scale 1, super scale fp16); affine: the same bytes read
+  // as u with min = scale * 128 (int8) / 8 (int4) give the symmetric values again
   if (!s.has_scales()) return;
-  const size_t n_scales = (size_t)s.n_groups() * s.scale_rows();
-  const int width = scale_width(s.scale_type);
-  for (size_t i = 0; i < n_scales; ++i) store_scale_rounded(s.scale_type, fill.scale, scales + i * width);
-  float* mins = reinterpret_cast<float*>(scales + n_scales * width);
-  for (size_t i = 0; s.affine() && i < n_scales; ++i)
-    mins[i] = fill.scale * (s.format == WeightFormat::int8 ? 128.f : 8.f);
+  uint8_t tmp[4];
+  const ScaleType t = s.scale_type == ScaleType::k8 ? ScaleType::f16 : s.scale_type;
+  const float scale = store_scale_rounded(t, fill.scale, tmp);
+  std::vector<float> v(s.n_groups());
+  for (int r = 0; r < kRowsPerBlock; ++r) {
+    for (int pass = 0; pass < (s.affine() ? 2 : 1); ++pass) {
+      const float value = pass == 0 ? scale : scale * (s.format == WeightFormat::int8 ? 128.f : 8.f);
+      uint8_t* set = scales + (pass == 0 ? 0 : s.set_bytes());
+      std::fill(v.begin(), v.end(), value);
+      if (!store_row_set(s, v.data(), r, set, true)) {
+        std::fill(v.begin(), v.end(), value);
+        store_row_set(s, v.data(), r, set, false);
+      }
+    }
+  }
 }
 
 uint64_t storage_checksum(ThreadPool& pool, const std::vector<std::pair<uint8_t*, size_t>>& ranges) {

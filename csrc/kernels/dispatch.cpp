@@ -37,7 +37,7 @@ const char* const kGemmNames[2][kWeightFormats] = {
     {"bf16/amx-emulated", "int8/amx-emulated", "int4/amx-emulated", "lut4/amx-emulated", "fp8/amx-emulated"}};
 
 const char* scale_type_name(ScaleType t) {
-  static const char* const names[] = {"fp32", "fp16", "bf16", "e8m0"};
+  static const char* const names[kScaleTypes] = {"fp32", "fp16", "bf16", "e8m0", "k8"};
   return names[(int)t];
 }
 
@@ -95,21 +95,24 @@ void check_kernel_choice(const MatrixFormat& m, Isa isa, AmxMode amx, int amx_mi
     if (m.scale_type != ScaleType::f32 || m.codebook != Codebook::none || m.scaling != Scaling::symmetric)
       bad("bf16 weights have no scales, scaling or codebook");
   } else {
-    const bool int8 = m.format == WeightFormat::int8;
     if (lut4 && group != 16 && group != 32 && group != 64 && group != 128)
       bad("lut4 group_size must be 16, 32, 64 or 128, got " + std::to_string(group));
-    if (!lut4 && !per_row && group != 32 && group != 64 && group != 128 && !(int8 && group == 16))
-      bad("group_size must be 32, 64 or 128" +
-          std::string(int8 ? " (int8 also 16, or 0 for per-row)" : " (or 0 for per-row)") + ", got " +
-          std::to_string(group));
+    if (!lut4 && !per_row && group != 16 && group != 32 && group != 64 && group != 128)
+      bad("group_size must be 16, 32, 64 or 128 (or 0 for per-row), got " + std::to_string(group));
     if (lut4 && m.codebook == Codebook::none) bad("lut4 weights need a codebook (e2m1 or iq4nl)");
     if (!lut4 && m.codebook != Codebook::none) bad("a codebook goes with lut4 weights only");
     if (lut4 && m.scaling == Scaling::affine) bad("lut4 weights are symmetric: affine scaling needs int8 or int4");
-    if (m.scale_type != ScaleType::f32 && (per_row || m.scaling == Scaling::affine))
-      bad(std::string(scale_type_name(m.scale_type)) + " scales need grouped symmetric weights (per-row and affine " +
-          "scales are fp32)");
+    if (m.scale_type != ScaleType::f32 && per_row)
+      bad(std::string(scale_type_name(m.scale_type)) + " scales need grouped weights (per-row scales are fp32)");
+    if (m.scale_type == ScaleType::e8m0 && m.scaling == Scaling::affine)
+      bad("e8m0 scales need symmetric weights (affine mins are stored as the scales, and e8m0 has no negative or "
+          "zero value)");
     if (m.format == WeightFormat::fp8 && m.scaling == Scaling::affine)
       bad("fp8 weights are symmetric: affine scaling needs int8 or int4");
+    if (m.format == WeightFormat::fp8 && m.scale_type == ScaleType::k8)
+      bad("fp8 weights take fp32, fp16, bf16 or e8m0 scales, not k8 (two-level scales go with int8 and int4)");
+    if (m.format == WeightFormat::fp8 && group == 16)
+      bad("fp8 group_size must be 32, 64 or 128 (or 0 for per-row), got 16");
   }
   if (m.shared_scales && (m.format != WeightFormat::fp8 || group <= 0))
     bad("shared scales (one per row block and group) go with grouped fp8 weights only");

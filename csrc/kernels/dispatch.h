@@ -49,11 +49,11 @@ enum class AmxMode : int { off = 0, native = 1, emulated = 2 };
 KernelEntry select_kernel(WeightFormat format, Isa isa, AmxMode amx = AmxMode::off);
 
 // Throws std::invalid_argument naming what is wrong when (matrix format, isa, amx, amx_min_tokens) is not a kernel
-// choice this build and CPU can run: a group other than 32/64/128 (int8 and lut4 also 16) or <= 0 (per row: int8
-// and int4), lut4 without a codebook or a codebook on another format, affine lut4, scales narrower than fp32 on
-// per-row or affine matrices, bf16 with scale options, an ISA the CPU (or HETMOE_MAX_ISA) refuses, native AMX
-// without isa amx, amx_min_tokens < 1, shared scales on a format other than fp8 or on per-row fp8. The experts and
-// the dense linear check their configs with it.
+// choice this build and CPU can run: a group other than 16/32/64/128 (fp8: 32/64/128) or <= 0 (per row: int8,
+// int4 and fp8), lut4 without a codebook or a codebook on another format, affine lut4 or fp8, scales narrower than
+// fp32 on per-row matrices, e8m0 on affine ones, k8 on fp8, bf16 with scale options, an ISA the CPU (or
+// HETMOE_MAX_ISA) refuses, native AMX without isa amx, amx_min_tokens < 1, shared scales on a format other than fp8
+// or on per-row fp8. The experts and the dense linear check their configs with it.
 void check_kernel_choice(const MatrixFormat& m, Isa isa, AmxMode amx, int amx_min_tokens);
 
 // Whether the AMX tile kernels were compiled into this build (the compiler knew -mamx-*).
@@ -67,6 +67,8 @@ struct RowOps {
   void (*f32_to_bf16)(const float* src, int n, uint16_t* dst);
   void (*axpy)(float w, const float* y, int n, float* acc);             // acc[i] += w * y[i]
   void (*swiglu)(const float* gate, const float* up, int n, float* h);  // h[i] = silu(gate[i]) * up[i]
+  // h[i] = clamped_swiglu(gate[i], up[i], alpha, limit, offset) (formats/activation.h)
+  void (*clamped_swiglu)(const float* gate, const float* up, int n, float alpha, float limit, float offset, float* h);
   // dst[i] = src[i], with stores that bypass the caches where the ISA has them (the caller fences before
   // another thread reads dst: stream_fence)
   void (*copy_stream)(const float* src, int n, float* dst);

@@ -1,6 +1,6 @@
 // The per-token row work of a MoE job, vectorized: quantizing activation rows (formats/activation.h, bit for bit
-// the same rows), fp32 <-> bf16 rows, the experts' SwiGLU (the same bits as formats/activation.h swiglu), copies
-// that bypass the caches, and the combine's weighted sum. Written once over a small SIMD wrapper V and
+// the same rows), fp32 <-> bf16 rows, the experts' SwiGLU and clamped SwiGLU (the same bits as formats/activation.h),
+// copies that bypass the caches, and the combine's weighted sum. Written once over a small SIMD wrapper V and
 // instantiated by each ISA file with its own V (avx2/kernels.cpp: 8 lanes, avx512/kernels.cpp: 16 lanes), in that
 // file's anonymous namespace like kernels/tiles.h.
 //
@@ -105,29 +105,52 @@ inline void f32_to_bf16(const float* src, int n, uint16_t* dst) {
   for (; i < n; ++i) dst[i] = float_to_bf16(src[i]);
 }
 
+// formats/activation.h fast_exp, lane by lane, step by step (a NaN lane gives a finite value, as there).
+template <class V>
+inline typename V::F fast_exp(typename V::F x) {
+  using F = typename V::F;
+  x = V::nan_to_zero(x);
+  x = V::max(V::min(x, V::set1(88.f)), V::set1(-87.f));
+  const F magic = V::set1(12582912.f);
+  const F k = V::sub(V::add(V::mul(x, V::set1(1.44269504f)), magic), magic);
+  const F r = V::sub(V::sub(x, V::mul(k, V::set1(0.693145752f))), V::mul(k, V::set1(1.42860677e-6f)));
+  F p = V::set1(1.38888889e-3f);
+  p = V::add(V::mul(p, r), V::set1(8.33333333e-3f));
+  p = V::add(V::mul(p, r), V::set1(4.16666667e-2f));
+  p = V::add(V::mul(p, r), V::set1(1.66666667e-1f));
+  p = V::add(V::mul(p, r), V::set1(0.5f));
+  p = V::add(V::mul(p, r), V::set1(1.f));
+  p = V::add(V::mul(p, r), V::set1(1.f));
+  return V::mul(p, V::pow2(V::cvt(k)));
+}
+
 // h[i] = swiglu(gate[i], up[i]) for i < n: formats/activation.h swiglu, step by step.
 template <class V>
 inline void swiglu(const float* gate, const float* up, int n, float* h) {
-  using F = typename V::F;
   int i = 0;
   for (; i + V::kLanes <= n; i += V::kLanes) {
-    const F g = V::load(gate + i);
-    F x = V::nan_to_zero(V::mul(g, V::set1(-1.f)));
-    x = V::max(V::min(x, V::set1(88.f)), V::set1(-87.f));
-    const F magic = V::set1(12582912.f);
-    const F k = V::sub(V::add(V::mul(x, V::set1(1.44269504f)), magic), magic);
-    const F r = V::sub(V::sub(x, V::mul(k, V::set1(0.693145752f))), V::mul(k, V::set1(1.42860677e-6f)));
-    F p = V::set1(1.38888889e-3f);
-    p = V::add(V::mul(p, r), V::set1(8.33333333e-3f));
-    p = V::add(V::mul(p, r), V::set1(4.16666667e-2f));
-    p = V::add(V::mul(p, r), V::set1(1.66666667e-1f));
-    p = V::add(V::mul(p, r), V::set1(0.5f));
-    p = V::add(V::mul(p, r), V::set1(1.f));
-    p = V::add(V::mul(p, r), V::set1(1.f));
-    const F e = V::mul(p, V::pow2(V::cvt(k)));
+    const auto g = V::load(gate + i);
+    const auto e = fast_exp<V>(V::mul(g, V::set1(-1.f)));
     V::store(h + i, V::mul(V::div(g, V::add(V::set1(1.f), e)), V::load(up + i)));
   }
   for (; i < n; ++i) h[i] = hetmoe::swiglu(gate[i], up[i]);
+}
+
+// h[i] = clamped_swiglu(gate[i], up[i], alpha, limit, offset) for i < n: formats/activation.h, step by step (V::min and
+// V::max take the clamp first, the value second, as the scalar conditionals do: a NaN value passes through).
+template <class V>
+inline void clamped_swiglu(const float* gate, const float* up, int n, float alpha, float limit, float offset,
+                           float* h) {
+  const auto hi = V::set1(limit), lo = V::set1(-limit), one = V::set1(1.f), neg_alpha = V::set1(-alpha);
+  const auto off = V::set1(offset);
+  int i = 0;
+  for (; i + V::kLanes <= n; i += V::kLanes) {
+    const auto g = V::min(hi, V::load(gate + i));
+    const auto u = V::max(lo, V::min(hi, V::load(up + i)));
+    const auto e = fast_exp<V>(V::mul(g, neg_alpha));
+    V::store(h + i, V::mul(V::add(u, off), V::div(g, V::add(one, e))));
+  }
+  for (; i < n; ++i) h[i] = hetmoe::clamped_swiglu(gate[i], up[i], alpha, limit, offset);
 }
 
 // dst[i] = src[i] for i < n, written around the caches where dst is aligned to the vector (a buffer written once

@@ -106,13 +106,37 @@ void make_tasks(const std::vector<int>& active, const std::vector<int>& count, i
   }
 }
 
-// h[i][rb*16 + r] = silu(gate[i][r]) * up[i][r] for the n tokens of one row block (rows past I left alone);
-// gate/up rows of token i start at i * stride.
-static void store_swiglu(const RowOps& ops, const float* gate, const float* up, int stride, int n, int rb, int I,
-                         float* h) {
-  const int r_end = std::min(kRowsPerBlock, I - rb * kRowsPerBlock);
+// h[i][rb*16 + r] = glu(gate[i][r] + bg[r], up[i][r] + bu[r]) for the n tokens of one row block (rows past I left
+// alone; the biases bg, bu of expert e when it has them, added in place); gate/up rows of token i start at
+// i * stride.
+static void store_glu(const MoeExperts& ex, int e, float* gate, float* up, int stride, int n, int rb, int I, float* h) {
+  const int r0 = rb * kRowsPerBlock, r_end = std::min(kRowsPerBlock, I - r0);
+  if (const float* bias = ex.gate_up_bias(e)) {
+    const float* bg = bias + r0;
+    const float* bu = bias + I + r0;
+    for (int i = 0; i < n; ++i)
+      for (int r = 0; r < r_end; ++r) {
+        gate[i * stride + r] += bg[r];
+        up[i * stride + r] += bu[r];
+      }
+  }
+  const RowOps& ops = ex.row_ops();
+  const Glu& glu = ex.config().glu;
+  for (int i = 0; i < n; ++i) {
+    float* out = h + (size_t)i * I + r0;
+    if (glu.kind == GluKind::clamped_swiglu)
+      ops.clamped_swiglu(gate + i * stride, up + i * stride, r_end, glu.alpha, glu.limit, glu.offset, out);
+    else
+      ops.swiglu(gate + i * stride, up + i * stride, r_end, out);
+  }
+}
+
+// Adds expert e's down bias (when it has one) to the n output rows o[i * stride + r] of down rows [r0, r0 + count).
+static void add_down_bias(const MoeExperts& ex, int e, float* o, int stride, int n, int r0, int count) {
+  const float* bias = ex.down_bias(e);
+  if (!bias) return;
   for (int i = 0; i < n; ++i)
-    ops.swiglu(gate + i * stride, up + i * stride, r_end, h + (size_t)i * I + rb * kRowsPerBlock);
+    for (int r = 0; r < count; ++r) o[i * stride + r] += bias[r0 + r];
 }
 
 void run_gate_up_task(const MoeExperts& ex, const Task& task, const PhaseInput& in, float* h, ThreadPool& pool,
@@ -129,7 +153,7 @@ void run_gate_up_task(const MoeExperts& ex, const Task& task, const PhaseInput& 
       const RowBlock next[2] = {more ? ex.gate_up_block(task.e, rb + 1, 0) : w[0],
                                 more ? ex.gate_up_block(task.e, rb + 1, 1) : w[1]};
       kernel.gemm(w, 2, more ? next : nullptr, 2, x, ex.gate_up_amx_act(), n, o);  // o[i] = gate 0..15, up 0..15
-      store_swiglu(ex.row_ops(), o, o + kRowsPerBlock, 2 * kRowsPerBlock, n, rb, I, h + (size_t)s0 * I);
+      store_glu(ex, task.e, o, o + kRowsPerBlock, 2 * kRowsPerBlock, n, rb, I, h + (size_t)s0 * I);
     }
     return;
   }
@@ -138,7 +162,7 @@ void run_gate_up_task(const MoeExperts& ex, const Task& task, const PhaseInput& 
   for (int rb = task.rb0; rb < task.rb1; ++rb) {
     kernel.rowblock(ex.gate_up_block(task.e, rb, 0), in.rows + s0, ex.gate_up_act(), n, g);
     kernel.rowblock(ex.gate_up_block(task.e, rb, 1), in.rows + s0, ex.gate_up_act(), n, u);
-    store_swiglu(ex.row_ops(), g, u, kRowsPerBlock, n, rb, I, h + (size_t)s0 * I);
+    store_glu(ex, task.e, g, u, kRowsPerBlock, n, rb, I, h + (size_t)s0 * I);
   }
 }
 
@@ -166,6 +190,7 @@ void run_down_task(const MoeExperts& ex, const Task& task, const PhaseInput& in,
                                 n_next > 1 ? ex.down_block(task.e, rb + 3) : w[0]};
       kernel.gemm(w, n_blk, n_next > 0 ? next : nullptr, n_next, x, ex.down_amx_act(), n, o);
       const int r_end = std::min(kRowsPerBlock * n_blk, H - rb * kRowsPerBlock);
+      add_down_bias(ex, task.e, o, 32, n, rb * kRowsPerBlock, r_end);
       for (int i = 0; i < n; ++i) put_y(o + i * 32, r_end, y + (size_t)(s0 + i) * H + rb * kRowsPerBlock);
     }
   } else {
@@ -173,6 +198,7 @@ void run_down_task(const MoeExperts& ex, const Task& task, const PhaseInput& in,
     for (int rb = task.rb0; rb < task.rb1; ++rb) {
       kernel.rowblock(ex.down_block(task.e, rb), in.rows + s0, ex.down_act(), n, o);
       const int r_end = std::min(kRowsPerBlock, H - rb * kRowsPerBlock);
+      add_down_bias(ex, task.e, o, kRowsPerBlock, n, rb * kRowsPerBlock, r_end);
       for (int i = 0; i < n; ++i) put_y(o + i * kRowsPerBlock, r_end, y + (size_t)(s0 + i) * H + rb * kRowsPerBlock);
     }
   }

@@ -1,6 +1,6 @@
-// The units of work of the MoE job's two compute phases (gate+up with SwiGLU, then down), how a phase is cut
-// into them, and the code that runs one. The job pulls both phases' tasks from one list (moe/chunk_plan.h): a
-// down task waits for its expert's gate+up tasks only, not for the whole phase.
+// The units of work of the MoE job's two compute phases (gate+up with the gated activation, then down), how a phase is
+// cut into them, and the code that runs one. The job pulls both phases' tasks from one list (moe/chunk_plan.h): a down
+// task waits for its expert's gate+up tasks only, not for the whole phase.
 //
 // A task is (expert, row-block range, token range). Experts with at least `amx_min_tokens` tokens run on the
 // AMX GEMM (kernels/amx/gemm.h), the others on the row-block kernels, on the same packed weights. Big expert
@@ -59,10 +59,10 @@ struct PhaseInput {
   bool stream_out = false;     // down: y is read only after every task (no fused combine): written around the caches
 };
 
-// h[s, :] for the task's slots and rows: silu(gate x) * (up x).   h: [n_slots, I]
+// h[s, :] for the task's slots and rows: glu(gate x + bg, up x + bu) (ExpertsConfig glu, bias).   h: [n_slots, I]
 void run_gate_up_task(const MoeExperts& ex, const Task& task, const PhaseInput& in, float* h, ThreadPool& pool,
                       int thread);
-// y[s, :] for the task's slots and rows: down h.                   y: [n_slots, H]
+// y[s, :] for the task's slots and rows: down h (+ bd).             y: [n_slots, H]
 void run_down_task(const MoeExperts& ex, const Task& task, const PhaseInput& in, float* y, ThreadPool& pool,
                    int thread);
 

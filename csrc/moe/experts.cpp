@@ -33,6 +33,12 @@ static void check_config(const ExpertsConfig& c) {
   if ((c.gate_up_scaling == Scaling::affine && c.group <= 0) ||
       (c.down_scaling == Scaling::affine && (c.down_group != 0 ? c.down_group : c.group) <= 0))
     bad("affine scaling needs a group size (not per-row scales)");
+  if (c.glu.kind != GluKind::swiglu && c.glu.kind != GluKind::clamped_swiglu)
+    bad("unknown activation " + std::to_string((int)c.glu.kind));
+  if (c.glu.kind == GluKind::clamped_swiglu && !(std::isfinite(c.glu.alpha) && std::isfinite(c.glu.limit) &&
+                                                 std::isfinite(c.glu.offset) && c.glu.alpha > 0.f && c.glu.limit > 0.f))
+    bad("clamped_swiglu needs a finite alpha > 0, limit > 0 and offset, got alpha " + std::to_string(c.glu.alpha) +
+        ", limit " + std::to_string(c.glu.limit) + " and offset " + std::to_string(c.glu.offset));
   if (c.down_group != 0 && (c.group <= 0 || c.down_group < 0))
     bad("down_group_size needs grouped scales for gate/up too, got group_size " + std::to_string(c.group) +
         " and down_group_size " + std::to_string(c.down_group));
@@ -59,6 +65,12 @@ MoeExperts::MoeExperts(const ExpertsConfig& cfg, std::shared_ptr<ThreadPool> poo
   gu_scales_ = HugeBuffer(E * 2 * gu_.scale_bytes());
   down_data_ = HugeBuffer(E * down_.data_bytes());
   down_scales_ = HugeBuffer(E * down_.scale_bytes());
+  if (cfg_.bias) {  // zeros until load_biases
+    gu_bias_ = HugeBuffer(E * 2 * cfg_.intermediate * sizeof(float));
+    down_bias_ = HugeBuffer(E * cfg_.hidden * sizeof(float));
+    std::memset(gu_bias_.data(), 0, gu_bias_.size());
+    std::memset(down_bias_.data(), 0, down_bias_.size());
+  }
   loaded_.assign(E, 0);
 }
 
@@ -69,7 +81,8 @@ void MoeExperts::set_amx_min_tokens(int n) {
 }
 
 size_t MoeExperts::bytes_per_expert() const {
-  return 2 * (gu_.data_bytes() + gu_.scale_bytes()) + down_.data_bytes() + down_.scale_bytes();
+  const size_t bias = cfg_.bias ? sizeof(float) * (2 * (size_t)cfg_.intermediate + cfg_.hidden) : 0;
+  return 2 * (gu_.data_bytes() + gu_.scale_bytes()) + down_.data_bytes() + down_.scale_bytes() + bias;
 }
 
 const char* job_stage_name(int stage) {
@@ -182,6 +195,35 @@ void MoeExperts::load_codes(int e0, int n, const int8_t* const q[3], const float
       "hold exactly");
 }
 
+void MoeExperts::load_biases(int e0, int n, const float* gate, const float* up, const float* down) {
+  if (!cfg_.bias) throw std::invalid_argument("load_biases: these experts were made without biases");
+  if (e0 < 0 || n < 0 || e0 + n > cfg_.n_expert)
+    throw std::invalid_argument("load_biases: experts [" + std::to_string(e0) + ", " + std::to_string(e0 + n) +
+                                ") are outside [0, " + std::to_string(cfg_.n_expert) + ")");
+  const size_t I = cfg_.intermediate, H = cfg_.hidden;
+  static const char* names[3] = {"gate", "up", "down"};
+  for (int i = 0; i < n; ++i)
+    for (int m = 0; m < 3; ++m) {
+      const float* src = m == 0 ? gate : m == 1 ? up : down;
+      const size_t len = m < 2 ? I : H;
+      if (!src) continue;
+      for (size_t j = 0; j < len; ++j)
+        if (!std::isfinite(src[i * len + j]))
+          throw std::invalid_argument(std::string(names[m]) + " bias of expert " + std::to_string(e0 + i) +
+                                      " contains NaN or Inf");
+    }
+  for (int i = 0; i < n; ++i) {
+    float* gu = const_cast<float*>(gate_up_bias(e0 + i));
+    std::memcpy(gu, gate + i * I, sizeof(float) * I);
+    std::memcpy(gu + I, up + i * I, sizeof(float) * I);
+    float* d = const_cast<float*>(down_bias(e0 + i));
+    if (down)
+      std::memcpy(d, down + i * H, sizeof(float) * H);
+    else
+      std::memset(d, 0, sizeof(float) * H);
+  }
+}
+
 void MoeExperts::unpack(int e, float* gate, float* up, float* down) const {
   if (e < 0 || e >= cfg_.n_expert) throw std::invalid_argument("unpack: expert " + std::to_string(e) + " out of range");
   if (!loaded_[e]) throw std::runtime_error("unpack: expert " + std::to_string(e) + " is not loaded");
@@ -221,10 +263,15 @@ void MoeExperts::fill_random(uint64_t seed, float std) {
 }
 
 std::vector<std::pair<uint8_t*, size_t>> MoeExperts::storage() const {
-  return {{gu_data_.data(), gu_data_.size()},
-          {gu_scales_.data(), gu_scales_.size()},
-          {down_data_.data(), down_data_.size()},
-          {down_scales_.data(), down_scales_.size()}};
+  std::vector<std::pair<uint8_t*, size_t>> out = {{gu_data_.data(), gu_data_.size()},
+                                                  {gu_scales_.data(), gu_scales_.size()},
+                                                  {down_data_.data(), down_data_.size()},
+                                                  {down_scales_.data(), down_scales_.size()}};
+  if (cfg_.bias) {
+    out.push_back({gu_bias_.data(), gu_bias_.size()});
+    out.push_back({down_bias_.data(), down_bias_.size()});
+  }
+  return out;
 }
 
 void MoeExperts::mark_loaded(int e0, int n) {

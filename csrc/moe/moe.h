@@ -5,11 +5,12 @@
 //            under Expert Deferral, the slots of the other part (JobPart)
 //   quantize x once per token for the weight format
 //   experts  one list of tasks pulled dynamically by every pool thread:
-//            gate+up of every active expert, split in (expert, row-block range, token range) tasks; SwiGLU
-//            h = silu(gate) * up is applied in the same task, and the task that completes an expert's rows
-//            quantizes them once per (token, expert);
-//            then down of every active expert, same split; a down task waits until its expert's h is quantized
-//            (no barrier between the two halves)
+//            gate+up of every active expert, split in (expert, row-block range, token range) tasks; the gated
+//            activation h = silu(gate) * up (or the clamped SwiGLU, ExpertsConfig::glu; each expert's gate/up
+//            biases added first when it has them) is applied in the same task, and the task that completes an
+//            expert's rows quantizes them once per (token, expert);
+//            then down of every active expert, same split (plus the expert's down bias); a down task waits until
+//            its expert's h is quantized (no barrier between the two halves)
 //   combine  out[t] (+)= sum_j topk_weights[t, j] * y[t, j], in slot order (deterministic): with a few tokens by
 //            the down task that completes a run of output columns, with many after the tasks on every thread
 // T is read when the job runs (through a pointer when given), so one prepared job serves every T up to its
@@ -25,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "formats/activation.h"
 #include "formats/layout.h"
 #include "kernels/dispatch.h"
 #include "moe/routing.h"
@@ -85,6 +87,10 @@ struct ExpertsConfig {
   Isa isa = Isa::scalar;
   AmxMode amx = AmxMode::off;  // isa == amx implies native; emulated: tests only
   int amx_min_tokens = kAmxMinTokens;
+  // The gated activation (formats/activation.h), and whether every expert has fp32 biases: gate and up [I] added
+  // before the activation, down [H] added to the expert's output before the routing weight (gpt-oss).
+  Glu glu;
+  bool bias = false;
   // The whole expert's I when this config is one NUMA slice of it (0: `intermediate`): per-row int8/int4 experts on AMX
   // group h by amx_row_group of it, in every slice alike.
   int intermediate_full = 0;
@@ -120,6 +126,17 @@ class MoeExperts {
                   const float* const group_mins[3]);
   // The values the kernels multiply by, fp32: gate, up [I, H], down [H, I].
   void unpack(int e, float* gate, float* up, float* down) const;
+  // Sets the biases of experts [e0, e0 + n) (config().bias): gate, up fp32 [n, I], down fp32 [n, H]; a null down
+  // sets zeros (a NUMA slice other than the first, which adds it). Throws for experts without biases or values
+  // that are not finite.
+  void load_biases(int e0, int n, const float* gate, const float* up, const float* down);
+  // Expert e's biases (null without): gate [I] then up [I]; down [H].
+  const float* gate_up_bias(int e) const {
+    return cfg_.bias ? reinterpret_cast<const float*>(gu_bias_.data()) + (size_t)e * 2 * cfg_.intermediate : nullptr;
+  }
+  const float* down_bias(int e) const {
+    return cfg_.bias ? reinterpret_cast<const float*>(down_bias_.data()) + (size_t)e * cfg_.hidden : nullptr;
+  }
   // Random weights for benchmarks, written straight into the packed layout (no fp32 source, no packing):
   // uniform quantized values with scales giving a weight std of about `std` (bf16: random magnitudes over
   // three octaves),
@@ -127,7 +144,8 @@ class MoeExperts {
   void fill_random(uint64_t seed, float std);
 
   // The packed storage as (pointer, bytes) ranges, in a fixed order: gate+up data, gate+up scales, down
-  // data, down scales. The converted-expert cache writes and reads these; `mark_loaded` follows a read.
+  // data, down scales, and with biases gate+up biases, down biases. The converted-expert cache writes and reads these;
+  // `mark_loaded` follows a read.
   std::vector<std::pair<uint8_t*, size_t>> storage() const;
   void mark_loaded(int e0, int n);
   // 64-bit hash of the packed storage (computed on the pool, independent of the thread count).
@@ -184,6 +202,7 @@ class MoeExperts {
   mutable std::mutex profile_mu_;
   mutable JobProfile profile_;
   HugeBuffer gu_data_, gu_scales_, down_data_, down_scales_;
+  HugeBuffer gu_bias_, down_bias_;  // fp32 [E, 2, I] and [E, H] (config().bias), else empty
   std::vector<uint8_t> loaded_;
 };
 

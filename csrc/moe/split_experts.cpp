@@ -33,11 +33,13 @@ NumaExperts::NumaExperts(const ExpertsConfig& cfg, std::shared_ptr<NumaPools> po
     : cfg_(cfg), pools_(std::move(pools)) {
   if (!pools_) throw std::invalid_argument("NumaExperts: no subpools");
   // The unit every boundary is a multiple of: the down matrix's scale group (bf16: the K padding unit; per-row
-  // int8/int4: the AMX activation group of h, formats/layout.h amx_row_group).
+  // int8/int4: the AMX activation group of h, formats/layout.h amx_row_group; k8 scales: the super-block, so a
+  // slice's super scales are the file's).
   const int down_group = cfg_.down_group != 0 ? cfg_.down_group : cfg_.group;
-  const int unit = cfg_.format == WeightFormat::bf16 ? kBf16Group
-                   : down_group <= 0                 ? amx_row_group(cfg_.intermediate)
-                                                     : std::max(down_group, kRowsPerBlock);
+  const int unit = cfg_.format == WeightFormat::bf16       ? kBf16Group
+                   : down_group <= 0                       ? amx_row_group(cfg_.intermediate)
+                   : cfg_.down_scale_type == ScaleType::k8 ? kSuperBlock
+                                                           : std::max(down_group, kRowsPerBlock);
   bounds_ = tp_slices(cfg_.intermediate, unit, pools_->size());
   for (size_t s = 0; s < bounds_.size(); ++s) {
     ExpertsConfig c = cfg_;
@@ -177,6 +179,20 @@ void NumaExperts::unpack(int e, float* gate, float* up, float* down) const {
     std::vector<float> d((size_t)H * Is);
     slices_[s]->unpack(e, gate + (size_t)i0 * H, up + (size_t)i0 * H, d.data());
     for (int h = 0; h < H; ++h) std::memcpy(down + (size_t)h * I + i0, d.data() + (size_t)h * Is, sizeof(float) * Is);
+  }
+}
+
+void NumaExperts::load_biases(int e0, int n, const float* gate, const float* up, const float* down) {
+  // Slice s: gate/up biases [i0, i1); the down bias is added once, by slice 0 (the others hold zeros).
+  const int I = cfg_.intermediate;
+  for (int s = 0; s < n_slices(); ++s) {
+    const int i0 = bounds_[s].first, Is = bounds_[s].second - i0;
+    std::vector<float> g((size_t)n * Is), u((size_t)n * Is);
+    for (int i = 0; i < n; ++i) {
+      std::memcpy(g.data() + (size_t)i * Is, gate + (size_t)i * I + i0, sizeof(float) * Is);
+      std::memcpy(u.data() + (size_t)i * Is, up + (size_t)i * I + i0, sizeof(float) * Is);
+    }
+    slices_[s]->load_biases(e0, n, g.data(), u.data(), s == 0 ? down : nullptr);
   }
 }
 

@@ -7,7 +7,9 @@
 // is linear in I, so
 //     out[t] = sum_j w[t, j] down_e h_e(x_t) = sum_s sum_j w[t, j] down_e[:, i0:i1] h_e(x_t)[i0:i1],
 // and a call runs slice s's MoeJob on subpool s (all at once), each writing a partial [T, H] fp32 output,
-// then adds the partials into out (onto its old value when accumulating) in slice order.
+// then adds the partials into out (onto its old value when accumulating) in slice order. The gated activation
+// (either kind) is elementwise too, with its gate/up biases sliced alike; a down bias is held by slice 0 only
+// (the other slices add zeros), so it enters the sum once.
 //
 // Slice boundaries are multiples of the quantization group (bf16: 32; per-row int8/int4: 128), itself a multiple
 // of the 16-row block, so gate/up row blocks, down's scale groups and the groups in which the down input h is
@@ -43,6 +45,7 @@ class NumaExperts {
   void load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3],
                   const float* const group_mins[3]);
   void unpack(int e, float* gate, float* up, float* down) const;
+  void load_biases(int e0, int n, const float* gate, const float* up, const float* down);  // full [n, I] / [n, H]
   void fill_random(uint64_t seed, float std);                // each slice its own stream (seed, slice)
   std::vector<std::pair<uint8_t*, size_t>> storage() const;  // the slices' ranges, slice after slice
   void mark_loaded(int e0, int n);

@@ -26,6 +26,13 @@ Scaling scaling_from_name(const std::string& s) {
 
 const char* scaling_name(Scaling s) { return s == Scaling::affine ? "affine" : "symmetric"; }
 
+// The experts' gated activation by name (formats/activation.h kGluNames); alpha, limit, offset: clamped_swiglu's.
+Glu glu_from_name(const std::string& name, float alpha, float limit, float offset) {
+  for (int k = 0; k < (int)(sizeof(kGluNames) / sizeof(kGluNames[0])); ++k)
+    if (name == kGluNames[k]) return {(GluKind)k, alpha, limit, offset};
+  throw std::invalid_argument("unknown activation '" + name + "' (expected swiglu or clamped_swiglu)");
+}
+
 // One MoE call as Python describes it to make_job (hetmoe/cpu/experts.py CPUExperts.prepare): tensors as addresses
 // (Tensor.data_ptr(); 0 = none) with their dtype flags, shapes in the letters of moe/moe.h. The C++ twin is MoeCall;
 // make_call converts one into the other and checks what can be checked without the tensors.
@@ -149,7 +156,8 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
                     const std::string& gate_up_scaling, const std::string& down_scaling, const std::string& down_fmt,
                     const std::string& gate_up_scale_dtype, const std::string& down_scale_dtype,
                     const std::string& gate_up_codebook, const std::string& down_codebook, bool gate_up_shared_scales,
-                    bool down_shared_scales) {
+                    bool down_shared_scales, const std::string& activation, float alpha, float limit, float offset,
+                    bool bias) {
           ExpertsConfig cfg;
           cfg.n_expert = n_expert;
           cfg.hidden = hidden;
@@ -169,6 +177,8 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
           cfg.isa = isa_from_name(isa);
           cfg.amx = amx_emulated ? AmxMode::emulated : AmxMode::off;
           cfg.amx_min_tokens = amx_min_tokens;
+          cfg.glu = glu_from_name(activation, alpha, limit, offset);
+          cfg.bias = bias;
           return std::make_shared<Experts>(cfg, std::move(pools));
         }),
         py::arg(pools_arg), py::arg("num_experts"), py::arg("hidden_size"), py::arg("intermediate_size"),
@@ -176,7 +186,9 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
         py::arg("amx_min_tokens") = kAmxMinTokens, py::arg("down_group_size") = 0,
         py::arg("gate_up_scaling") = "symmetric", py::arg("down_scaling") = "symmetric", py::arg("down_format") = "",
         py::arg("gate_up_scale_dtype") = "fp32", py::arg("down_scale_dtype") = "fp32", py::arg("gate_up_codebook") = "",
-        py::arg("down_codebook") = "", py::arg("gate_up_shared_scales") = false, py::arg("down_shared_scales") = false)
+        py::arg("down_codebook") = "", py::arg("gate_up_shared_scales") = false, py::arg("down_shared_scales") = false,
+        py::arg("activation") = "swiglu", py::arg("alpha") = 1.f, py::arg("limit") = 0.f, py::arg("offset") = 1.f,
+        py::arg("bias") = false)
       .def_property("amx_min_tokens", &Experts::amx_min_tokens, &Experts::set_amx_min_tokens)
       .def(
           "load",
@@ -196,6 +208,12 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
           py::arg("first_expert"), py::arg("n"), py::arg("gate_codes"), py::arg("gate_scales"), py::arg("up_codes"),
           py::arg("up_scales"), py::arg("down_codes"), py::arg("down_scales"), py::arg("gate_mins") = 0,
           py::arg("up_mins") = 0, py::arg("down_mins") = 0, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "load_biases",
+          [](Experts& ex, int e0, int n, uintptr_t gate, uintptr_t up, uintptr_t down) {
+            ex.load_biases(e0, n, ptr<const float>(gate), ptr<const float>(up), ptr<const float>(down));
+          },
+          py::arg("first_expert"), py::arg("n"), py::arg("gate"), py::arg("up"), py::arg("down"))
       .def("unpack", [](const Experts& ex, int e, uintptr_t gate, uintptr_t up,
                         uintptr_t down) { ex.unpack(e, ptr<float>(gate), ptr<float>(up), ptr<float>(down)); })
       .def("fill_random", &Experts::fill_random, py::arg("seed"), py::arg("std"),
@@ -298,6 +316,11 @@ void bind_experts(py::module_& m) {
       d["amx_min_tokens"] = py::none();
       d["amx_activation"] = py::none();
     }
+    d["glu"] = kGluNames[(int)c.glu.kind];
+    d["glu_alpha"] = c.glu.kind == GluKind::clamped_swiglu ? py::cast(c.glu.alpha) : py::none();
+    d["glu_limit"] = c.glu.kind == GluKind::clamped_swiglu ? py::cast(c.glu.limit) : py::none();
+    d["glu_offset"] = c.glu.kind == GluKind::clamped_swiglu ? py::cast(c.glu.offset) : py::none();
+    d["bias"] = c.bias;
     d["bytes_per_expert"] = ex.bytes_per_expert();
     d["threads"] = ex.pool().size();
     d["num_experts"] = c.n_expert;

@@ -146,6 +146,19 @@ void bind_kernels(py::module_& m) {
       },
       py::arg("isa"), py::arg("gate"), py::arg("up"));
   m.def(
+      "row_clamped_swiglu",
+      [](const std::string& isa, py::buffer gate, py::buffer up, float alpha, float limit, float offset) {
+        py::buffer_info g = float_row(gate, "row_clamped_swiglu"), u = float_row(up, "row_clamped_swiglu");
+        if (g.shape[0] != u.shape[0]) throw std::invalid_argument("row_clamped_swiglu: gate and up differ in length");
+        const int n = (int)g.shape[0];
+        std::vector<float> h(n);
+        select_row_ops(runnable_isa(isa))
+            .clamped_swiglu(static_cast<const float*>(g.ptr), static_cast<const float*>(u.ptr), n, alpha, limit, offset,
+                            h.data());
+        return h;
+      },
+      py::arg("isa"), py::arg("gate"), py::arg("up"), py::arg("alpha"), py::arg("limit"), py::arg("offset") = 1.f);
+  m.def(
       "row_copy_stream",
       [](const std::string& isa, py::buffer x, int offset) {  // x[offset:] copied to an aligned buffer at `offset`
         py::buffer_info b = float_row(x, "row_copy_stream");
@@ -216,6 +229,25 @@ void bind_kernels(py::module_& m) {
       py::arg("fmt"), py::arg("group"), py::arg("w"), py::arg("x"), py::arg("scaling") = "symmetric",
       py::arg("loop") = "engine", py::arg("int4_signed") = true, py::arg("scale_dtype") = "fp32",
       py::arg("codebook") = "");
+  // formats/pack.h store_row_set(exact) on k8: the first of `rows` rows of fp32 values (n_groups per row, groups of
+  // `group`) whose super-blocks do not all split into int8 x fp16, or -1 (hetmoe/cpu/codes.py names the matrix)
+  m.def(
+      "k8_first_inexact_row",
+      [](uintptr_t values, int64_t rows, int n_groups, int group) -> int64_t {
+        if (group <= 0 || kSuperBlock % group || n_groups < 0)
+          throw std::invalid_argument("k8_first_inexact_row: a group dividing 256");
+        const MatrixShape s = MatrixShape::make({WeightFormat::int8, group, Scaling::symmetric, ScaleType::k8},
+                                                kRowsPerBlock, n_groups * group);
+        std::vector<uint8_t> set(s.set_bytes());
+        std::vector<float> v(n_groups);
+        for (int64_t r = 0; r < rows; ++r) {
+          std::memcpy(v.data(), ptr<const float>(values) + r * n_groups, sizeof(float) * n_groups);
+          if (!store_row_set(s, v.data(), 0, set.data(), true)) return r;
+        }
+        return -1;
+      },
+      py::arg("values"), py::arg("rows"), py::arg("n_groups"), py::arg("group"),
+      py::call_guard<py::gil_scoped_release>());
   // formats/gguf_blocks.h decode_kquant on raw addresses (the caller sized every buffer: hetmoe/load/gguf/kquants.py)
   m.def(
       "decode_kquant",
@@ -224,6 +256,8 @@ void bind_kernels(py::module_& m) {
         const KQuant k = kind == "Q4_K"   ? KQuant::q4_k
                          : kind == "Q5_K" ? KQuant::q5_k
                          : kind == "Q6_K" ? KQuant::q6_k
+                         : kind == "Q3_K" ? KQuant::q3_k
+                         : kind == "Q2_K" ? KQuant::q2_k
                                           : throw std::invalid_argument("decode_kquant: unknown type " + kind);
         if (rows < 0 || cols < 0 || cols % kQkK)
           throw std::invalid_argument("decode_kquant: rows of whole super-blocks of 256 values");

@@ -45,9 +45,10 @@ PYBIND11_MODULE(_C, m) {
       per_line[format_name(f)] = k_per_line(f);
     layout["k_per_line"] = per_line;
     py::dict widths;  // bytes per stored scale, per scale dtype
-    for (int t = 0; t < 4; ++t) widths[bindings::kScaleTypeNames[t]] = scale_width((ScaleType)t);
+    for (int t = 0; t < kScaleTypes; ++t) widths[bindings::kScaleTypeNames[t]] = scale_width((ScaleType)t);
     layout["scale_width"] = widths;
-    py::dict books;  // lut4 codebooks: name -> 16 int8 values
+    layout["super_block"] = kSuperBlock;  // k8: elements of K per fp16 super scale (2 bytes per row)
+    py::dict books;                       // lut4 codebooks: name -> 16 int8 values
     for (int c = 1; c < kCodebooks; ++c) {
       py::list v;
       for (int i = 0; i < 16; ++i) v.append((int)codebook_values((Codebook)c)[i]);

@@ -49,7 +49,7 @@ PLACEMENT = {"cpu": "cpu", "cuda": "hybrid"}
 
 
 
-def _expert_pool(loaded, fallback: cpu.WorkerPool) -> cpu.WorkerPool:
+def expert_pool(loaded, fallback: cpu.WorkerPool) -> cpu.WorkerPool:
     """The pool the model's routed experts run on, else ``fallback``."""
     for _, layer in moe_blocks(loaded.model):
         if layer.engine is not None:
@@ -132,12 +132,12 @@ def measure(loaded: LoadedModel, prompts: list, decode_tokens: int, repeats: int
     }
 
 
-def _options(args, device: str, max_context: int) -> EngineOptions:
+def bench_options(args, device: str, max_context: int) -> EngineOptions:
     fmt = QUICK["experts_format"] if args.quick and args.experts_format == "auto" else args.experts_format
     return dataclasses.replace(engine_options(args), device=device, experts_format=fmt, max_context=max_context)
 
 
-def _build(args, shape: Optional[str], layers: Optional[int], options: EngineOptions, log) -> LoadedModel:
+def build_model(args, shape: Optional[str], layers: Optional[int], options: EngineOptions, log) -> LoadedModel:
     if args.model:
         cache = None if args.expert_cache == "off" else args.expert_cache
         return load_model(args.model, options, expert_cache=cache, progress=sys.stderr.isatty(), log=log)
@@ -145,9 +145,17 @@ def _build(args, shape: Optional[str], layers: Optional[int], options: EngineOpt
 
 
 def gpu_peak(loaded: LoadedModel) -> dict:
-    """The GPU's peak allocation since the last reset, beside the VRAM budget the plan was made for."""
+    """The GPU's peak allocation since the last reset, beside the VRAM budget the plan was made for, and the peak
+    VRAM the process held: torch's peak reserved (its caching allocator's segments) plus what it holds outside
+    torch now (the CUDA context, cuBLAS workspaces, ...: used on the device by mem_get_info less torch's reserved;
+    other processes on the GPU count too)."""
     budget = loaded.plan.budgets.get("VRAM", (None,))[0]
-    return {"gpu_peak_bytes": torch.cuda.max_memory_allocated(), "gpu_budget_bytes": budget}
+    free, total = torch.cuda.mem_get_info()
+    outside = max(0, total - free - torch.cuda.memory_reserved())
+    reserved = torch.cuda.max_memory_reserved()
+    return {"gpu_peak_bytes": torch.cuda.max_memory_allocated(), "gpu_budget_bytes": budget,
+            "gpu_peak_reserved_bytes": reserved, "gpu_outside_torch_bytes": outside,
+            "gpu_peak_vram_bytes": reserved + outside}
 
 
 def experts_layout(loaded) -> Optional[str]:
@@ -201,6 +209,12 @@ def run_e2e_bench(args) -> int:
     if shape is not None and shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known shapes: {', '.join(SHAPES)}")
     layers = args.layers if args.layers is not None else (QUICK["layers"] if quick and shape else None)
+    if getattr(args, "gpu_experts_sweep", None):  # one table over resident expert counts (gpu_experts_sweep.py)
+        from hetmoe.bench.gpu_experts_sweep import run_sweep
+
+        out = sys.stderr if args.json == "-" else sys.stdout
+        return run_sweep(args, shape, layers, log=lambda msg: print(msg, file=sys.stderr, flush=True),
+                         say=lambda *a: print(*a, file=out, flush=True))
     conf = QUICK if quick else DEFAULTS
     prompts = args.prompt_tokens or conf["prompt_tokens"]
     decode_tokens = args.decode_tokens or conf["decode_tokens"]
@@ -214,7 +228,7 @@ def run_e2e_bench(args) -> int:
     if "cuda" in devices and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device (use --device cpu)")
     for d in devices:  # validate the options before any measurement
-        _options(args, d, max_context)
+        bench_options(args, d, max_context)
 
     out = sys.stderr if args.json == "-" else sys.stdout  # the JSON alone on stdout when it goes there
     say = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
@@ -240,7 +254,7 @@ def run_e2e_bench(args) -> int:
     for device in devices:
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        loaded = _build(args, shape, layers, _options(args, device, max_context), log)
+        loaded = build_model(args, shape, layers, bench_options(args, device, max_context), log)
         try:
             expert_total = loaded.info.get("expert_bytes", 0)
             notes = []
@@ -250,7 +264,7 @@ def run_e2e_bench(args) -> int:
             # Measured alongside, with the model resident: the buffer defeats the caches and fits next to it.
             cap = (512 << 20) if quick else (2 << 30)
             stream_bytes = max(min(cap, free_ram() // 4), 8 * llc_bytes()) // (1 << 20) * (1 << 20)
-            epool = _expert_pool(loaded, pool)  # the hybrid placement's pool leaves cores to the GPU side
+            epool = expert_pool(loaded, pool)  # the hybrid placement's pool leaves cores to the GPU side
             stream = epool.read_bandwidth(stream_bytes, 5)
             say(f"{PLACEMENT[device]}: STREAM read ({stream_bytes / GB:.2f} GB, {epool.threads} threads, best of 5): "
                 f"{stream:.1f} GB/s")
@@ -292,6 +306,11 @@ def run_e2e_bench(args) -> int:
                            + ("" if peak <= budget else ", OVER THE BUDGET"))
                 say(f"{PLACEMENT[device]}: GPU peak allocated {peak / 2**30:.2f} GiB (torch.cuda.max_memory_allocated "
                     f"over the load and every timing above); {verdict}")
+                vram = rec["gpu_peak_vram_bytes"]
+                say(f"{PLACEMENT[device]}: peak VRAM {vram / 2**30:.2f} GiB (torch's peak reserved "
+                    f"{rec['gpu_peak_reserved_bytes'] / 2**30:.2f} GiB + {rec['gpu_outside_torch_bytes'] / 2**30:.2f} "
+                    f"GiB outside torch, from torch.cuda.mem_get_info)"
+                    + ("" if budget is None else "; within the budget" if vram <= budget else "; OVER THE BUDGET"))
             # Shared machines' bandwidth drifts over minutes: a second probe after all timings brackets the
             # roofline the rows were measured against.
             rec["stream_gbps_after"] = epool.read_bandwidth(stream_bytes, 5)

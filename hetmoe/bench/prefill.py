@@ -1,7 +1,8 @@
 """Prefill by path, for ``hetmoe bench e2e`` on a GPU: per prompt length, the routed experts on the CPU engine, on
 the layerwise GPU path (hetmoe/moe/streamed/layerwise.py) and with the automatic choice between them, beside the PCIe
 roofline of the GPU path: a prompt of T tokens cannot prefill faster than T / (one pass over every layer's packed
-experts at the measured H2D rate). The GPU path's time per MoE layer is split into its copy, its expert compute, the
+experts at the measured H2D rate); in chunks of C < T tokens every chunk makes that pass (the chunked roofline,
+printed beside it). The GPU path's time per MoE layer is split into its copy, its expert compute, the
 CPU's share (hetmoe/moe/streamed/cpu_share.py) and the main stream's idle time waiting for either (CUDA events); they
 overlap, so a layer takes about the largest of the first three. With a CPU share, the GPU path is also timed without
 it (``gpu_no_share``: the A/B in one run). Where layers copied only their routed experts
@@ -60,10 +61,14 @@ def prefill_paths(loaded: LoadedModel, prompts: list, repeats: int, seed: int, l
                 lw.profiling = False
             row["pcie_roofline_tok_s"] = n / (total / (rates["copy_gbps"] * 1e9))
             row["pct_roofline"] = 100 * row["gpu_tok_s"] / row["pcie_roofline_tok_s"]
+            passes = -(-n // runner.prefill_chunk)  # each chunk streams every layer once
+            row["chunk_roofline_tok_s"] = row["pcie_roofline_tok_s"] / passes
             rows.append(row)
             log(f"  prefill {n:6d} tokens: cpu {row['cpu_tok_s']:9.1f}  gpu {row['gpu_tok_s']:9.1f}  auto "
                 f"{row['auto_tok_s']:9.1f} tok/s; PCIe roofline {row['pcie_roofline_tok_s']:9.1f} "
-                f"({row['pct_roofline']:.0f}%); per MoE layer: copy {row['copy_ms']:.2f} ms, experts "
+                f"({row['pct_roofline']:.0f}%; {row['chunk_roofline_tok_s']:.1f} in chunks of {runner.prefill_chunk}, "
+                f"{100 * row['gpu_tok_s'] / row['chunk_roofline_tok_s']:.0f}%); per MoE layer: copy "
+                f"{row['copy_ms']:.2f} ms, experts "
                 f"{row['compute_ms']:.2f} ms, CPU share {row['cpu_ms']:.2f} ms ({row['cpu_experts']:.0f} experts), "
                 f"idle {row['idle_ms']:.2f} ms"
                 + (f"; routed-only copies: {row['routed_experts']:.1f} of {lw.layouts[0].num_experts} experts per "

@@ -127,6 +127,10 @@ def _add_e2e(sub) -> None:
     e2e.add_argument("--quick", action="store_true",
                      help="smoke run: 2 layers, int4 experts, prompts 16,64, 8 decode tokens, 1 repeat "
                      "(explicit options win)")
+    e2e.add_argument("--gpu-experts-sweep", default=None, metavar="N,N,...",
+                     help="hybrid placement only: one load per N routed experts of every MoE layer resident on the "
+                     "GPU (integers, 'all' = every expert), one table of decode and prefill tok/s (default prompts "
+                     "512,8192; 32 decode tokens; 2 repeats), e.g. 0,16,32,64,96,112,all")
     add_engine_options(e2e, model=False)
     e2e.set_defaults(handler=_run_e2e)
 

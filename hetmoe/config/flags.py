@@ -16,7 +16,9 @@ from hetmoe.config.units import parse_size
 
 SHAPE_NAMES = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")  # defined in hetmoe.bench.kernel.SHAPES
 ISAS = ISA_CHOICES  # "auto" and hetmoe.cpu.ISAS
-MODEL_SHAPES = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "deepseek-v2-lite")  # hetmoe.load.random_weights.SHAPES
+# hetmoe.load.random_weights.SHAPES
+MODEL_SHAPES = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "deepseek-v2-lite", "deepseek-v4-flash",
+                "minimax-m3")
 
 
 # ---------------------------------------------------------------------------------------------- argument types
@@ -224,8 +226,6 @@ def engine_usage_error(args: argparse.Namespace) -> Optional[str]:
         bound, value = f.metadata.get("min"), getattr(args, _dest(f), None)
         if bound is not None and isinstance(value, int) and value < bound:
             return f"{f.metadata['flag']}: expected an integer >= {bound}, got {value}"
-    if getattr(args, "experts_format", None) == "int4" and getattr(args, "group_size", None) == 16:
-        return "--group-size: int4 experts need a group size of 32, 64 or 128, or 0 (per-row scales)"
     if getattr(args, "rules", None) is not None:  # the file's own errors now; what it matches, at load
         from hetmoe.config.rules import RulesError, load
 

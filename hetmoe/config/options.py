@@ -175,9 +175,7 @@ class EngineOptions:
         if self.max_batch < 1 or self.prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
         if self.group_size is not None and self.group_size not in (0, 16, 32, 64, 128):
-            raise ValueError(f"group size must be 32, 64 or 128 (int8 also 16), or 0 = per-row, got {self.group_size}")
-        if self.group_size == 16 and self.experts_format == "int4":
-            raise ValueError("int4 experts need a group size of 32, 64 or 128, or 0 (per-row scales)")
+            raise ValueError(f"group size must be 16, 32, 64 or 128, or 0 = per-row, got {self.group_size}")
         if self.experts_format == "fp8" and self.group_size not in (None,) + FP8_GROUPS:
             raise ValueError(f"fp8 experts need a group size of 128 (block FP8) or 32 (MXFP8), got {self.group_size}")
         if not isinstance(self.rules, (str, os.PathLike, type(None))):

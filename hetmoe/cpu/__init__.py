@@ -9,14 +9,15 @@ from hetmoe import _C  # noqa: F401
 from hetmoe.config.options import AMX_EMULATED, ISAS, NumaOption
 from hetmoe.cpu.attention import attention_kernel, decode_attention
 from hetmoe.cpu.codes import load_codes
-from hetmoe.cpu.experts import WEIGHT_FORMATS, CPUExperts, HostRoute, Slots
+from hetmoe.cpu.experts import SWIGLU, WEIGHT_FORMATS, CPUExperts, Glu, HostRoute, Slots
 from hetmoe.cpu.host_funcs import MECHANISMS, HostFuncs, cuda_hooks_available, default_mechanism, leaked_jobs
 from hetmoe.cpu.linear import CPULinear
 from hetmoe.cpu.numa import resolve_subpools
 from hetmoe.cpu.pool import HYBRID_RESERVED_CORES, EngineJob, WorkerPool, cpu_info, default_threads, shared_pool
 
 __all__ = [
-    "AMX_EMULATED", "ISAS", "WEIGHT_FORMATS", "CPUExperts", "HostRoute", "Slots", "load_codes", "CPULinear",
+    "AMX_EMULATED", "ISAS", "WEIGHT_FORMATS", "CPUExperts", "Glu", "SWIGLU", "HostRoute", "Slots", "load_codes",
+    "CPULinear",
     "MECHANISMS", "HostFuncs",
     "leaked_jobs", "cuda_hooks_available", "default_mechanism", "NumaOption", "resolve_subpools",
     "HYBRID_RESERVED_CORES", "WorkerPool", "EngineJob", "cpu_info", "default_threads", "shared_pool",

@@ -2,19 +2,26 @@
 becomes the engine's int8 / int4 codes with their own scales (and mins), so the kernels multiply by the very values
 ``gguf``'s own dequantization gives. The packing itself is csrc/formats/pack.cpp (pack_row_block_codes).
 
-- Q8_0 / Q4_0 (one fp16 scale per 32: int8 codes in [-127, 127], 4-bit codes in [-8, 7] once llama.cpp's +8 offset
-  is taken off): int8 / int4 symmetric, group 32, fp16 scales (the file's 34 / 18 bytes per 32 values).
-- Q4_K / Q5_K (value = scale * q - min per 32, q in 0..15 / 0..31): int4 / int8 affine, group 32.
-- Q6_K (value = scale * q per 16, q in [-32, 31]): int8 symmetric, group 16.
+- Q8_0 / Q4_0 / Q5_0 (one fp16 scale per 32: int8 codes in [-127, 127], 4-bit codes in [-8, 7] once llama.cpp's +8
+  offset is taken off, 5-bit codes in [-16, 15]): int8 / int4 / int8 symmetric, group 32, fp16 scales (Q8_0 and Q4_0
+  at the file's 34 / 18 bytes per 32 values).
+- Q4_1 / Q5_1 (value = d * q + m per 32, fp16 d and m, q in 0..15 / 0..31): int4 / int8 affine, group 32, fp16
+  scales and mins (min = -m): Q4_1 at the file's 20 bytes per 32.
+- The K-quants, with their two-level scales held as the file holds them (scale dtype k8: an int8 sub-scale per group,
+  an fp16 super scale per 256 values; affine mins the same): Q4_K / Q5_K (value = scale * q - min per 32, q in 0..15 /
+  0..31) int4 / int8 affine, group 32; Q6_K (value = scale * q per 16, q in [-32, 31]) int8 symmetric, group 16;
+  Q3_K (value = d * (sc - 32) * q per 16, q in [-4, 3]) int4 symmetric, group 16; Q2_K (value = scale * q - min
+  per 16, q in 0..3) int4 affine, group 16.
 - IQ4_NL (fp16 scale per 32, 4-bit indices into llama.cpp's kvalues_iq4nl): lut4, codebook iq4nl, fp16 scales.
 - IQ4_XS (super-blocks of 256: fp16 d and a 6-bit scale per 32, value = d * (ls - 32) * kvalues_iq4nl[q]): lut4 iq4nl,
-  group 32, fp32 scales (d * (ls - 32) has up to 17 significant bits: exact in fp32, not in fp16), 4.5 bits per weight
-  held against the file's 4.25.
+  group 32, k8 scales (d * (ls - 32) split into the int8 sub-scale and the fp16 d again).
 - MXFP4 (an E8M0 exponent per 32, 4-bit E2M1 codes): lut4, codebook e2m1 (values doubled), e8m0 scales (the
   exponent byte itself: 2^(e - 128) has the 1/2 in it), the file's 17 bytes per 32 values.
 
-Codes of lut4 types are codebook indices (0..15). A layer planned as int8 (other layers need it) takes int8 codes:
-int4 codes as they are, lut4 indices looked up into their codebook values (``lut4_values``), exactly either way.
+Scales and mins go in as fp32 (what gguf's dequantization computes them as); the engine stores them in the layout's
+scale dtype exactly or refuses them. Codes of lut4 types are codebook indices (0..15). A layer planned as int8 (other
+layers need it) takes int8 codes: int4 codes as they are, lut4 indices looked up into their codebook values
+(``lut4_values``), exactly either way.
 
 Gate/up and down may differ in format, group and scaling (``CPUExperts(weight_format=(gate_up, down),
 down_group_size=..., scaling=(gate_up, down))``): unsloth's Q4_K_M is int4 affine gate/up beside int8 group-16 down.
@@ -30,17 +37,21 @@ from typing import Optional, Sequence
 
 import torch
 
+from hetmoe import _C
 from hetmoe.cpu.experts import CPUExperts
-from hetmoe.cpu.layout import CODEBOOKS, ROWS
+from hetmoe.cpu.layout import CODEBOOKS, ROWS, SUPER_BLOCK
 
 CODE_RANGE = {("int8", "symmetric"): (-127, 127), ("int4", "symmetric"): (-8, 7),
               ("int8", "affine"): (0, 127), ("int4", "affine"): (0, 15), ("lut4", "symmetric"): (0, 15)}
 # GGML types held exactly -> (format, scaling, group, scale dtype, codebook)
 EXACT_TYPES = {"Q8_0": ("int8", "symmetric", 32, "fp16", None), "Q4_0": ("int4", "symmetric", 32, "fp16", None),
-               "Q4_K": ("int4", "affine", 32, "fp32", None), "Q5_K": ("int8", "affine", 32, "fp32", None),
-               "Q6_K": ("int8", "symmetric", 16, "fp32", None),
+               "Q5_0": ("int8", "symmetric", 32, "fp16", None),
+               "Q4_1": ("int4", "affine", 32, "fp16", None), "Q5_1": ("int8", "affine", 32, "fp16", None),
+               "Q2_K": ("int4", "affine", 16, "k8", None), "Q3_K": ("int4", "symmetric", 16, "k8", None),
+               "Q4_K": ("int4", "affine", 32, "k8", None), "Q5_K": ("int8", "affine", 32, "k8", None),
+               "Q6_K": ("int8", "symmetric", 16, "k8", None),
                "IQ4_NL": ("lut4", "symmetric", 32, "fp16", "iq4nl"),
-               "IQ4_XS": ("lut4", "symmetric", 32, "fp32", "iq4nl"),
+               "IQ4_XS": ("lut4", "symmetric", 32, "k8", "iq4nl"),
                "MXFP4": ("lut4", "symmetric", 32, "e8m0", "e2m1")}
 FOUR_BITS = ("int4", "lut4")
 
@@ -112,7 +123,7 @@ def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Seque
     if not 0 <= first_expert or n < 0 or first_expert + n > experts.num_experts:
         raise ValueError(f"experts [{first_expert}, {first_expert + n}) do not fit in "
                          f"num_experts={experts.num_experts}")
-    ready = []  # per matrix: (name, format, scaling, scale dtype, codes, scales, mins or None), contiguous on the CPU
+    ready = []  # per matrix: (name, format, scaling, scale dtype, group, codes, scales, mins or None), on the CPU
     layouts = ((fmt, group, info["gate_up_scaling"], info["gate_up_scale_dtype"]),) * 2 + (
         (info["down_weight_format"], down_group, info["down_scaling"], info["down_scale_dtype"]),)
     for name, q, s, m, (rows, cols), (mfmt, g, scaling, sdt) in zip(("gate", "up", "down"), codes, scales, mins,
@@ -129,10 +140,10 @@ def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Seque
             if t is not None and tuple(t.shape) != (n, rows, cols // g):
                 raise ValueError(f"{name} {what} must be [{n}, {rows}, {cols // g}] (one per {g} columns), "
                                  f"got {list(t.shape)}")
-        ready.append((name, mfmt, scaling, sdt, q, s, m))
+        ready.append((name, mfmt, scaling, sdt, g, q, s, m))
     if scan_first:
         _scan(ready)
-    (_, _, _, _, gq, gs, gm), (_, _, _, _, uq, us, um), (_, _, _, _, dq, ds, dm) = ready
+    (*_, gq, gs, gm), (*_, uq, us, um), (*_, dq, ds, dm) = ready
     addr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     try:
         experts._ex.load_codes(first_expert, n, gq.data_ptr(), gs.data_ptr(), uq.data_ptr(), us.data_ptr(),
@@ -145,8 +156,8 @@ def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Seque
 
 def _scan(ready: list) -> None:
     """ValueError naming the first matrix whose codes are out of its range, whose scales or mins are not finite, or
-    whose scales its scale dtype does not hold exactly."""
-    for name, mfmt, scaling, sdt, q, s, m in ready:
+    whose scales (or mins) its scale dtype does not hold exactly."""
+    for name, mfmt, scaling, sdt, group, q, s, m in ready:
         lo, hi = CODE_RANGE[mfmt, scaling]
         qmin, qmax = (int(v) for v in q.aminmax()) if q.numel() else (lo, hi)  # one pass over the codes
         if qmin < lo or qmax > hi:
@@ -156,19 +167,31 @@ def _scan(ready: list) -> None:
             # a NaN or Inf makes the sum one (so does an overflow: then the exact test decides)
             if t is not None and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
                 raise ValueError(f"{name} has {what} that are NaN or Inf")
-        inexact = ~held_exactly(s, sdt)
-        if inexact.any():
-            raise ValueError(f"{name} has scales that {sdt} does not hold exactly (e.g. {float(s[inexact][0])!r})")
+        for what, t in (("scales", s), ("mins", m)):
+            if t is None:
+                continue
+            if sdt == "k8":
+                bad = _C.k8_first_inexact_row(t.data_ptr(), t.numel() // t.shape[-1], t.shape[-1], group)
+                if bad >= 0:
+                    raise ValueError(f"{name} has {what} that k8 does not hold exactly (row {bad}: no int8 sub-scales "
+                                     f"x one fp16 scale per {SUPER_BLOCK} values give "
+                                     f"{t.reshape(-1, t.shape[-1])[bad][:4].tolist()}...)")
+                continue
+            inexact = ~held_exactly(t, sdt)
+            if inexact.any():
+                raise ValueError(f"{name} has {what} that {sdt} does not hold exactly (e.g. {float(t[inexact][0])!r})")
 
 
 def held_exactly(s: torch.Tensor, scale_dtype: str) -> torch.Tensor:
     """Which fp32 scales ``s`` the scale dtype stores exactly (csrc/formats/layout.h; e8m0: 2^(e - 128), e in
-    0..255)."""
+    0..255; k8 holds a row's values together: ``_scan``)."""
     if scale_dtype == "fp32":
         return torch.ones_like(s, dtype=torch.bool)
     if scale_dtype in ("fp16", "bf16"):
         narrow = s.to(torch.float16 if scale_dtype == "fp16" else torch.bfloat16).float()
         return narrow.view(torch.int32) == s.view(torch.int32)
+    if scale_dtype == "k8":
+        raise ValueError("k8 scales are held a row at a time (codes._scan), not one by one")
     mantissa, exponent = torch.frexp(s)  # e8m0: a power of two 2^(exponent - 1) in [2^-128, 2^127]
     return (mantissa == 0.5) & (exponent >= -127) & (exponent <= 128)
 

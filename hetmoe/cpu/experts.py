@@ -4,6 +4,9 @@
 
     out[t] (+)= sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),   e = topk_ids[t, j]
 
+or, with another gated activation (``Glu``: gpt-oss's clamped SwiGLU) and per-expert biases (``bias=True``,
+``load_biases``), ``down_e(glu(gate_e x + bg_e, up_e x + bu_e)) + bd_e`` in place of the expert's term.
+
 It is an experts backend of the MoE layer (``hetmoe.moe.experts.ExpertsBackend``); its jobs run on an
 ``WorkerPool`` (hetmoe/cpu/pool.py).
 
@@ -12,6 +15,7 @@ Shape letters: T tokens, E experts, k experts per token, H hidden size, I expert
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -28,8 +32,47 @@ LUT_FORMAT = "lut4"
 # fp8: E4M3 codes, one byte per weight (csrc/formats/layout.h), for FP8 checkpoints' own experts (hetmoe/cpu/codes.py
 # load_fp8); floats loaded into it are rounded to E4M3
 FP8_FORMAT = "fp8"
-SCALE_DTYPES = ("fp32", "fp16", "bf16", "e8m0")  # how int8/int4/lut4 scales are stored (csrc/formats/layout.h)
+# how int8/int4/lut4/fp8 scales are stored (csrc/formats/layout.h); k8: the K-quants' int8 sub-scale x fp16 per 256
+# (int8/int4 only)
+SCALE_DTYPES = ("fp32", "fp16", "bf16", "e8m0", "k8")
 CODEBOOKS = ("e2m1", "iq4nl")  # lut4's codebooks: FP4 (MXFP4, NVFP4) doubled, llama.cpp's IQ4_NL table
+
+GLU_KINDS = ("swiglu", "clamped_swiglu")  # csrc/formats/activation.h GluKind
+
+
+@dataclass(frozen=True)
+class Glu:
+    """The experts' gated activation. ``"swiglu"``: silu(gate) * up. ``"clamped_swiglu"``: g = min(gate, limit),
+    u = clamp(up, -limit, limit), h = (u + offset) * g * sigmoid(alpha * g), with alpha > 0 and limit > 0: gpt-oss
+    and MiniMax-M3 (alpha 1.702, offset 1), DeepSeek-V4 (alpha 1, offset 0: silu(g) * u on clamped inputs)."""
+
+    kind: str = "swiglu"
+    alpha: float = 1.0
+    limit: float = 0.0
+    offset: float = 1.0
+
+    def __post_init__(self):
+        if self.kind not in GLU_KINDS:
+            raise ValueError(f"unknown activation {self.kind!r}; expected one of {', '.join(GLU_KINDS)}")
+        if self.kind == "clamped_swiglu":
+            for name in ("alpha", "limit"):
+                v = getattr(self, name)
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v > 0:
+                    raise ValueError(f"clamped_swiglu needs a finite {name} > 0, got {v!r}")
+            v = self.offset
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"clamped_swiglu needs a finite offset, got {v!r}")
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The activation in PyTorch (the reference of the engine's, in the inputs' dtype)."""
+        if self.kind == "swiglu":
+            return torch.nn.functional.silu(gate) * up
+        g = gate.clamp(max=self.limit)
+        u = up.clamp(min=-self.limit, max=self.limit)
+        return (u + self.offset) * (g * torch.sigmoid(g * self.alpha))
+
+
+SWIGLU = Glu()
 
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
 PARTS = ("all", "immediate", "deferred")  # Slots.part
@@ -110,13 +153,15 @@ class CPUExperts:
         intermediate_size: I (per expert).
         weight_format: ``"bf16"``, ``"int8"``, ``"int4"``, ``"lut4"`` (4-bit indices into a ``codebook``) or
             ``"fp8"`` (E4M3 codes), or a pair (gate/up, down) of int8/int4/lut4.
-        group_size: int8/int4/fp8 scale group along the input dimension (32, 64 or 128; int8 also 16); ``0`` = one
-            scale per row (symmetric). ``down_group_size``: down's own group (default: ``group_size``).
+        group_size: int8/int4/fp8 scale group along the input dimension (16, 32, 64 or 128; fp8 32, 64 or 128);
+            ``0`` = one scale per row (symmetric). ``down_group_size``: down's own group (default: ``group_size``).
         scaling: ``"symmetric"`` (value = scale * q) or ``"affine"`` (value = scale * q - min, GGUF's K-quants), or a
             pair (gate/up, down); codes go in with ``hetmoe.cpu.codes.load_codes``.
-        scale_dtype: how the scales are stored: ``"fp32"`` (default), ``"fp16"``, ``"bf16"`` or ``"e8m0"`` (a power
-            of two, MXFP4's), or a pair (gate/up, down); grouped symmetric matrices only. Scales quantized here are
-            rounded to the type; codes loaded with ``load_codes`` must have scales the type holds exactly.
+        scale_dtype: how the scales (and an affine matrix's mins) are stored: ``"fp32"`` (default), ``"fp16"``,
+            ``"bf16"``, ``"e8m0"`` (a power of two, MXFP4's; symmetric only) or ``"k8"`` (the K-quants' two levels:
+            an int8 sub-scale per group times an fp16 scale per 256 values of a row), or a pair (gate/up, down);
+            grouped matrices only. Scales quantized here are rounded to the type; codes loaded with ``load_codes``
+            must have scales (and mins) the type holds exactly.
         codebook: lut4's 16 values: ``"e2m1"`` (FP4 doubled) or ``"iq4nl"``, or a pair (gate/up, down; None for a
             matrix that is not lut4).
         shared_scales: fp8 only: one scale per 16 rows and group (block FP8's 128 x 128 blocks, stored once per row
@@ -132,6 +177,9 @@ class CPUExperts:
         amx_min_tokens: the per-expert token count from which AMX is used (default: the engine's measured
             crossover for the format, ``cpu_info()["amx_min_tokens_default"]``); also settable later as
             ``.amx_min_tokens``.
+        glu: the gated activation (``Glu``; default SwiGLU).
+        bias: every expert has fp32 biases (zeros until ``load_biases``): gate and up ``[I]`` added before the
+            activation, down ``[H]`` added to the expert's output before its routing weight.
 
     AMX multiplies bf16 x bf16 and int8 x int8, so AMX experts read activations rounded to bf16 (bf16 and fp8
     weights) or int8 per group (int8 weights; the AVX-512 path keeps int16); int4 weights use int8
@@ -155,7 +203,13 @@ class CPUExperts:
         scale_dtype: Union[str, tuple] = "fp32",
         codebook: Union[None, str, tuple] = None,
         shared_scales: Union[bool, tuple] = False,
+        glu: Glu = SWIGLU,
+        bias: bool = False,
     ):
+        if not isinstance(glu, Glu):
+            raise TypeError(f"glu must be a Glu (hetmoe.cpu.experts.Glu), got {glu!r}")
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be True or False, got {bias!r}")
         scaling = (scaling, scaling) if isinstance(scaling, str) else tuple(scaling)
         scale_dtype = (scale_dtype, scale_dtype) if isinstance(scale_dtype, str) else tuple(scale_dtype)
         codebook = (codebook, codebook) if codebook is None or isinstance(codebook, str) else tuple(codebook)
@@ -198,7 +252,9 @@ class CPUExperts:
         self._ex = (_C.NumaExperts if split else _C.MoeExperts)(
             self.pool._numa if split else self.pool._pool, self.num_experts, self.hidden_size, self.intermediate_size,
             weight_format, int(group_size), isa, emulated, int(amx_min_tokens), int(down_group_size or 0), *scaling,
-            down_format, *scale_dtype, *(c or "" for c in codebook), *shared_scales)
+            down_format, *scale_dtype, *(c or "" for c in codebook), *shared_scales, glu.kind, float(glu.alpha),
+            float(glu.limit), float(glu.offset), bias)
+        self.glu, self.bias = glu, bias
         self._skip_mask: Optional[torch.Tensor] = None  # static: experts computed elsewhere (set_skip_mask)
 
     @property
@@ -245,6 +301,26 @@ class CPUExperts:
                 raise ValueError(
                     f"{which}[{i}] contains NaN or Inf (expert {first_expert + i}, not loaded{loaded})"
                 ) from None
+
+    def load_biases(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, first_expert: int = 0) -> None:
+        """Set the biases of experts ``first_expert ..`` (experts made with ``bias=True``): gate, up ``[n, I]``, down
+        ``[n, H]``, any float dtype, held as fp32."""
+        if not self.bias:
+            raise ValueError("these experts were made without biases (CPUExperts(bias=True) holds them)")
+        I, H = self.intermediate_size, self.hidden_size
+        n = gate.shape[0] if isinstance(gate, torch.Tensor) and gate.dim() == 2 else -1
+        ready = []
+        for name, b, width in (("gate", gate, I), ("up", up, I), ("down", down, H)):
+            if not isinstance(b, torch.Tensor):
+                raise TypeError(f"{name} bias must be a torch.Tensor, got {type(b).__name__}")
+            if not b.is_floating_point() or tuple(b.shape) != (n, width):
+                raise ValueError(f"{name} bias must be floating point [n, {width}] (n = gate's {n} experts), got "
+                                 f"{b.dtype} {list(b.shape)}")
+            ready.append(b.detach().to("cpu", torch.float32).contiguous())
+        if not 0 <= first_expert or first_expert + n > self.num_experts:
+            raise ValueError(f"experts [{first_expert}, {first_expert + n}) do not fit in "
+                             f"num_experts={self.num_experts}")
+        self._ex.load_biases(first_expert, n, *(b.data_ptr() for b in ready))
 
     @staticmethod
     def _as_list(name: str, w: TensorOrList) -> list:

@@ -12,7 +12,8 @@ ROWS = _C.LAYOUT["rows_per_block"]  # rows of a row block
 LINE = _C.LAYOUT["line_bytes"]  # bytes of a line: the same 4-byte slice of K for each of the ROWS rows
 BF16_GROUP = _C.LAYOUT["bf16_group"]  # K padding unit of bf16, which has no scales
 K_PER_LINE = dict(_C.LAYOUT["k_per_line"])  # values of K per line, per format
-SCALE_WIDTH = dict(_C.LAYOUT["scale_width"])  # bytes per stored scale, per scale dtype
+SCALE_WIDTH = dict(_C.LAYOUT["scale_width"])  # bytes per stored scale, per scale dtype (k8: the int8 sub-scale)
+SUPER_BLOCK = _C.LAYOUT["super_block"]  # k8: values of K per fp16 super scale
 CODEBOOKS = {name: tuple(values) for name, values in _C.LAYOUT["codebooks"].items()}  # lut4: name -> 16 int8 values
 
 
@@ -21,15 +22,26 @@ CODEBOOKS = {name: tuple(values) for name, values in _C.LAYOUT["codebooks"].item
 FP8_LAYOUTS = {128: {"scale_dtype": "fp32", "shared_scales": True}, 32: {"scale_dtype": "e8m0", "shared_scales": False}}
 
 
+def set_bytes(n_blocks: int, kp: int, group: int, scale_dtype: str, shared_scales: bool = False) -> int:
+    """Bytes of one scale set (a matrix's scales, or an affine matrix's mins) of ``n_blocks`` row blocks: one value of
+    ``scale_dtype`` per (row, group) (fp8 ``shared_scales``: per (row block, group)); k8 also an fp16 super scale per
+    (row, SUPER_BLOCK values of K)."""
+    rows = n_blocks * ROWS
+    supers = -(-kp // SUPER_BLOCK) * 2 if scale_dtype == "k8" else 0
+    scale_rows = n_blocks if shared_scales else rows
+    return scale_rows * (kp // group) * SCALE_WIDTH[scale_dtype] + rows * supers
+
+
 def packed_matrix_bytes(fmt: str, n: int, k: int, group: int, affine: bool = False, scale_dtype: str = "fp32",
                         shared_scales: bool = False) -> int:
     """Bytes of one [n, k] matrix in the engine's packed layout (csrc/formats/layout.h), scales (of
-    ``scale_dtype``; an affine matrix's fp32 mins beside them; fp8 ``shared_scales``: one per 16 rows) included."""
+    ``scale_dtype``; an affine matrix's mins, stored as the scales are, beside them; fp8 ``shared_scales``: one per 16
+    rows) included."""
     group = BF16_GROUP if fmt == "bf16" else (group or 128)
-    rows, kp = -(-n // ROWS) * ROWS, -(-k // group) * group
-    data = rows * kp * LINE // (ROWS * K_PER_LINE[fmt])
-    scale_rows = rows // ROWS if shared_scales and fmt == "fp8" else rows
-    scales = 0 if fmt == "bf16" else scale_rows * (kp // group) * (SCALE_WIDTH[scale_dtype] + (4 if affine else 0))
+    n_blocks, kp = -(-n // ROWS), -(-k // group) * group
+    data = n_blocks * ROWS * kp * LINE // (ROWS * K_PER_LINE[fmt])
+    shared = shared_scales and fmt == "fp8"
+    scales = 0 if fmt == "bf16" else set_bytes(n_blocks, kp, group, scale_dtype, shared) * (2 if affine else 1)
     return data + scales
 
 

@@ -81,6 +81,9 @@ class Runner:
         self.recurrent = getattr(self.cache, "states", None) is not None  # recurrent layers: states per slot
         self.sparse = getattr(self.cache, "index_layers", 0) > 0  # DeepSeek Sparse Attention: indexer keys per slot
         self.lost: set = set()  # slots whose recurrent states a failed call left half updated
+        # what keeps those states, for the messages (a cache may say: DeepSeek-V4's compressed attention)
+        self.state_owner = getattr(self.cache, "state_owner", "linear-attention layers")
+        self.state_what = getattr(self.cache, "state_what", "recurrent states")
         kernels = use_kernels(self.model, self.device, self.dtype)
         if kernels is not None:
             _say(f"linear attention runs {kernels}")
@@ -88,19 +91,22 @@ class Runner:
         if self.device.type == "cpu" and lean:
             self.lean = None if self.recurrent else CPUDecode.build(self.model, self.cache)
             if self.recurrent:
-                _say("decode steps run the eager forward: the lean CPU decode step does not cover linear-attention "
-                     "layers")
+                _say(f"decode steps run the eager forward: the lean CPU decode step does not cover {self.state_owner}")
         if self.device.type == "cuda":
             fused = loaded.options.fused_decode == "on" if fused_decode is None else fused_decode
             graph = loaded.options.cuda_graph if cuda_graph is None else cuda_graph
             if self.recurrent and (graph or fused):
                 _say("decode steps run without CUDA graphs or the fused kernels: their capture does not cover the "
-                     "linear-attention layers' recurrent states yet")
+                     f"{self.state_owner}' {self.state_what} yet")
                 graph = fused = False
             if self.sparse and (graph or fused):
                 _say("decode steps run without CUDA graphs or the fused kernels: the sparse-attention layers choose "
                      "between dense and indexer-selected attention by context length on the host, which a graph "
                      "cannot")
+                graph = fused = False
+            why = getattr(self.model, "eager_decode", None)  # e.g. attention the graphs' kernels do not compute
+            if why and (graph or fused):
+                _say(f"decode steps run without CUDA graphs or the fused kernels: {why}")
                 graph = fused = False
             self._setup_decoder(graph, kv_mode, fused and paged_kernels(self.device))
 

@@ -183,8 +183,10 @@ class Scheduler:
         self.recurrent = bool(getattr(runner, "recurrent", False))  # states per slot that cannot be cut back
         if self.recurrent and prefix_reuse:
             self.prefix_reuse = False
-            self.log("prefix reuse is off: the model's linear-attention layers keep recurrent states, which cannot "
-                     "be cut back to a shared prefix")
+            owner = getattr(runner, "state_owner", "linear-attention layers")
+            what = getattr(runner, "state_what", "recurrent states")
+            self.log(f"prefix reuse is off: the model's {owner} keep {what}, which cannot be cut back to a shared "
+                     "prefix")
         self.waiting: deque = deque()  # Requests without a slot, oldest first
         self.running: list = []  # _Sequences, in admission order
         self._free = list(range(runner.max_batch))  # least recently used first

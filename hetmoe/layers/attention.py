@@ -196,6 +196,57 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, scale:
     return out.reshape(B, n_kv, S, g, -1).transpose(1, 2).reshape(B, S, H, -1)
 
 
+SINK_CHUNK_ELEMS = 1 << 24  # mask elements (query rows x keys) of one SDPA call of attend_sinks
+
+
+def attend_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, scale: float, sinks: torch.Tensor,
+                 window: int | None = None) -> torch.Tensor:
+    """q [B, S, heads, D] over cache rows k/v [B, ctx, kv_heads, D] -> [B, S, heads, Dv], causal by position, with a
+    learned logit per head in each softmax's denominator (``sinks`` [heads]: gpt-oss's attention sinks, which attend
+    to nothing) and, with ``window``, over the last ``window`` positions only (position p sees p - window < j <= p).
+
+    The sink is one more key that every query sees, placed first: the key [0, .., 0, 1] with a zero value, the
+    query extended by sinks[h] / scale in the new dimension, so that its score is sinks[h] while every other score
+    is the unextended one (the keys' extra dimension is zero). SDPA then computes the rest with a boolean mask over
+    chunks of queries (the mask of a chunk, [rows, keys], stays below SINK_CHUNK_ELEMS); a windowed chunk of one
+    sequence (``step.start``) reads only the keys its window reaches. The triton paged kernels and the CPU engine's
+    decode attention have no sinks: models with sinks attend here, on every device."""
+    B, S, H, D = q.shape
+    ctx, n_kv = k.shape[1], k.shape[2]
+    g, dtype, device = H // n_kv, q.dtype, q.device
+    pad = 8 if device.type == "cuda" else 1  # SDPA's fused GPU kernels take head sizes in multiples of 8
+    extra = torch.zeros(B, S, H, pad, dtype=dtype, device=device)
+    extra[..., 0] = (sinks.float() / scale).to(dtype)
+    qx = torch.cat((q, extra), dim=-1)  # [B, S, H, D + pad]
+    sink_k = torch.zeros(B, 1, n_kv, D + pad, dtype=dtype, device=device)
+    sink_k[..., D] = 1
+    sink_v = torch.zeros(B, 1, n_kv, v.shape[-1], dtype=dtype, device=device)
+    rows = max(1, SINK_CHUNK_ELEMS // max(1, B * g * (ctx + 1)))
+    out = []
+    for s0 in range(0, S, rows):
+        s1 = min(S, s0 + rows)
+        lo, hi = 0, ctx
+        if step.start is not None:  # one sequence's consecutive positions: the keys this chunk can see
+            hi = min(ctx, step.start + s1)
+            if window is not None:
+                lo = max(0, step.start + s0 - window + 1)
+        kc = torch.cat((k[:, lo:hi].to(dtype), torch.zeros(B, hi - lo, n_kv, pad, dtype=dtype, device=device)), dim=-1)
+        kc = torch.cat((sink_k, kc), dim=1).transpose(1, 2)  # [B, kv_heads, 1 + L, D + pad]
+        vc = torch.cat((sink_v, v[:, lo:hi].to(dtype)), dim=1).transpose(1, 2)
+        pos = step.positions[:, s0:s1].unsqueeze(-1)  # [B, Sc, 1]
+        kpos = torch.arange(lo, hi, device=device)
+        seen = kpos <= pos
+        if window is not None:
+            seen &= kpos > pos - window
+        seen = torch.cat((torch.ones_like(seen[..., :1]), seen), dim=-1)  # [B, Sc, 1 + L]: the sink first
+        Sc = s1 - s0
+        mask = seen.unsqueeze(2).expand(B, Sc, g, seen.shape[-1]).reshape(B, 1, Sc * g, seen.shape[-1])
+        qf = qx[:, s0:s1].reshape(B, Sc, n_kv, g, D + pad).transpose(1, 2).reshape(B, n_kv, Sc * g, D + pad)
+        o = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=mask, scale=scale)  # [B, kv_heads, Sc * g, Dv]
+        out.append(o.reshape(B, n_kv, Sc, g, -1).transpose(1, 2).reshape(B, Sc, H, -1))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+
 class GQAAttention(nn.Module):
     """Grouped-query attention with Hugging Face parameter names (q_proj, k_proj, v_proj, o_proj and, for
     Qwen3, per-head q_norm/k_norm applied before RoPE). Models subclass it under their own class names.

@@ -10,13 +10,16 @@ def inv_frequencies(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
 
 
-def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple:
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> tuple:
     """positions [B, S] -> the RoPE table of one forward call, shared by every layer: cos [B, S, 1, D] and the
     signed sin [B, S, 1, D] = [-sin, sin] (frequencies repeated over both halves; the 1 broadcasts over heads).
     Rounded to ``dtype`` as Hugging Face rounds cos and sin; negating is exact, so x rolled by half times the signed
-    sin is, bit for bit, rotate_half(x) * sin."""
+    sin is, bit for bit, rotate_half(x) * sin. ``scale``: YaRN's attention factor, multiplied into cos and sin in fp32
+    before the rounding (as Hugging Face's rotary embeddings do)."""
     freqs = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)  # [B, S, D/2]
     cos, sin = freqs.cos(), freqs.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     return torch.cat((cos, cos), dim=-1).unsqueeze(2).to(dtype), torch.cat((-sin, sin), dim=-1).unsqueeze(2).to(dtype)
 
 

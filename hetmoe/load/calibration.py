@@ -195,6 +195,11 @@ def keep_gpu_experts(model: nn.Module, blocks: list, plan, options, tokenize: Op
         return {}
     if not (any(n) if isinstance(n, list) else n):
         return {}
+    odd = [block for _, block in blocks if not block.plain_swiglu]
+    if odd:  # GpuExperts' kernels compute plain SwiGLU without biases: these experts stay on the CPU engine
+        log(f"hetmoe: GPU-resident experts off: the routed experts are {odd[0].glu.kind}"
+            f"{' with biases' if odd[0].bias else ''}, which only the CPU engine computes; every expert runs there")
+        return {}
     text, name = calibration_text(options.calibration_file)
     token_ids, source = None, "the model has no tokenizer"
     if tokenize is not None:

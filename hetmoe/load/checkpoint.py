@@ -16,6 +16,13 @@ Linears stored by compressed-tensors as ``pack-quantized`` int4 (``<m>.weight_pa
 (or int8) format, nothing re-quantized (``experts_options`` / ``experts_layout`` / ``load_exact_experts``, the
 interface the loader uses for GGUF files too).
 
+gpt-oss's routed experts are stored stacked, ``<block>.experts.gate_up_proj`` [E, H, 2I] (gate and up interleaved:
+columns 0::2 and 1::2) and ``down_proj`` [E, I, H] with their ``_bias`` [E, 2I] / [E, H], or, with quantization_config
+quant_method "mxfp4", as MXFP4 ``*_blocks`` / ``*_scales`` (hetmoe/load/mxfp4.py); both appear under the per-expert
+names the loader reads (``<block>.experts.<e>.gate_proj.weight`` [I, H], ``.bias`` [I], ...), read from the stored
+tensors when asked for (``_gpt_oss_experts``), and MXFP4 experts are packed from their own codes and scale bytes
+into the engine's lut4 e2m1 format (``experts_layout`` / ``load_exact_experts``), nothing dequantized.
+
 A multimodal checkpoint whose language model hetmoe runs (hetmoe.models.MULTIMODAL, e.g. Kimi-K2.5's kimi_k25) is
 read text only: config.json's text_config is the config, the language model's tensors are named without their
 prefix (``language_model.``), and the vision tower's are left out unread (``skipped``).
@@ -35,9 +42,9 @@ from typing import Callable, Optional
 
 import torch
 
-from hetmoe.cpu.codes import block_fp8_scales, layout_of, load_codes, load_fp8, plan_format
+from hetmoe.cpu.codes import block_fp8_scales, layout_of, load_codes, load_fp8, lut4_values, plan_format
 from hetmoe.cpu.layout import FP8_LAYOUTS
-from hetmoe.load import compressed
+from hetmoe.load import compressed, mxfp4
 from hetmoe.models.config import MULTIMODAL, ConfigError, ModelConfig, text_model_config
 
 DTYPES = {
@@ -96,6 +103,11 @@ def check_quantization(cfg: ModelConfig, source) -> None:
                                   f"weight_block_size {qc.get('weight_block_size')!r}: hetmoe reads FP8 as DeepSeek "
                                   f"stores it, e4m3 with one weight_scale_inv per {FP8_BLOCK}x{FP8_BLOCK} block")
         return
+    if method == "mxfp4":
+        if cfg.get("model_type") != "gpt_oss":
+            raise CheckpointError(f"{source}: quantization_config mxfp4 on a {cfg.get('model_type')} model: hetmoe "
+                                  "reads MXFP4 experts as gpt-oss stores them (gpt_oss)")
+        return
     if method == "compressed-tensors":
         try:
             compressed.PackQuantized.parse(qc, str(source))
@@ -103,7 +115,8 @@ def check_quantization(cfg: ModelConfig, source) -> None:
             raise CheckpointError(str(err)) from None
         return
     raise CheckpointError(f"{source}: quantization_config.quant_method is {method!r}, which hetmoe does not read "
-                          "(it reads fp8 as DeepSeek stores it and compressed-tensors pack-quantized int4)")
+                          "(it reads fp8 as DeepSeek stores it, compressed-tensors pack-quantized int4 and gpt-oss's "
+                          "mxfp4)")
 
 
 class _Entry:
@@ -128,7 +141,11 @@ class Checkpoint:
         for shard in self.shards:
             self._read_header(shard)
         self._strip_prefix()
+        self._rename()
+        self._views: dict = {}  # name -> (shape, dtype, read()): tensors read out of stored ones (gpt-oss experts)
+        self._mxfp4: set = set()  # "<block>.experts" prefixes whose experts are MXFP4 blocks
         self._split_fused_experts()
+        self._gpt_oss_experts()
         self._packed: dict = {}  # "<m>.weight" -> compressed.PackedWeight of a pack-quantized linear
         self._parts: set = set()  # the stored tensors of those (hidden from names())
         self._scratch: dict = {}  # (matrix, shape) -> codes and scales of CHUNK experts (load_exact_experts)
@@ -223,6 +240,25 @@ class Checkpoint:
             entries[short] = e
         self._entries = entries
 
+    def _rename(self) -> None:
+        """Tensors under the names the model file has, for a model type whose checkpoints name them otherwise
+        (hetmoe.models.checkpoint_names: DeepSeek-V4's own naming); a block FP8 weight's ``<m>.scale`` (V4's) is its
+        ``<m>.weight_scale_inv``."""
+        from hetmoe.models import checkpoint_names
+
+        rename = checkpoint_names(self.config.get("model_type"))
+        if rename is None:
+            return
+        entries = {}
+        for name, e in self._entries.items():
+            new = rename(name)
+            if new in entries:
+                raise CheckpointError(f"{self.path}: tensors {entries[new].raw} and {name} are both {new}")
+            entries[new] = e
+        for name in [n for n in entries if n.endswith(".scale") and n[:-len("scale")] + "weight" in entries]:
+            entries[name[:-len("scale")] + "weight_scale_inv"] = entries.pop(name)
+        self._entries = entries
+
     def _split_fused_experts(self) -> None:
         """Routed experts stored stacked, as transformers' fused experts hold them (Qwen3.5-MoE's checkpoints):
         ``<block>.experts.gate_up_proj`` [E, 2I, H] (each expert's gate rows, then its up rows) and
@@ -252,6 +288,78 @@ class Checkpoint:
                 at = down.begin + e * size
                 self._entries[f"{block}.{e}.down_proj.weight"] = _Entry(down.shard, down.dtype, (H, I), at, at + size,
                                                                         block + ".down_proj")
+
+    def _gpt_oss_experts(self) -> None:
+        """gpt-oss's stacked experts (module docstring) under per-expert names: views of the stored tensors (bf16 /
+        fp32), or their MXFP4 values dequantized when read as floats. CheckpointError naming the tensors when the
+        stored shapes do not go together."""
+        if self.config.get("model_type") != "gpt_oss":
+            return
+        for name in [n for n in self._entries if n.endswith(".experts.gate_up_proj")]:
+            block = name[:-len(".gate_up_proj")]
+            gu, down = self._entries[name], self._entry(block + ".down_proj")
+            if len(gu.shape) != 3 or gu.shape[2] % 2 or down.shape != (gu.shape[0], gu.shape[2] // 2, gu.shape[1]):
+                raise CheckpointError(f"{self.path}: {name} {list(gu.shape)} and {block}.down_proj "
+                                      f"{list(down.shape)} are not gpt-oss experts [E, H, 2I] and [E, I, H]")
+            E, H, I = gu.shape[0], gu.shape[1], gu.shape[2] // 2
+            for e in range(E):
+                for which, cols in (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))):
+                    self._views[f"{block}.{e}.{which}.weight"] = (
+                        (I, H), gu.dtype, lambda e=e, cols=cols, n=name: self.get(n)[e, :, cols].t())
+                self._views[f"{block}.{e}.down_proj.weight"] = (
+                    (H, I), down.dtype, lambda e=e, n=block + ".down_proj": self.get(n)[e].t())
+            self._bias_views(block, E, I, H)
+        for name in [n for n in self._entries if n.endswith(".experts.gate_up_proj_blocks")]:
+            block = name[:-len(".gate_up_proj_blocks")]
+            parts = {f"{w}_{p}": self._entry(f"{block}.{w}_{p}") for w in ("gate_up_proj", "down_proj")
+                     for p in ("blocks", "scales")}
+            try:
+                for w in ("gate_up_proj", "down_proj"):
+                    mxfp4.check_pair(f"{block}.{w}", parts[f"{w}_blocks"].shape, parts[f"{w}_scales"].shape)
+                    if parts[f"{w}_blocks"].dtype != torch.uint8 or parts[f"{w}_scales"].dtype != torch.uint8:
+                        raise ValueError(f"{block}.{w}_blocks / _scales must be uint8 (U8)")
+            except ValueError as err:
+                raise CheckpointError(f"{self.path}: {err}") from None
+            gub, dnb = parts["gate_up_proj_blocks"].shape, parts["down_proj_blocks"].shape
+            E, I, H = gub[0], gub[1] // 2, gub[2] * mxfp4.BLOCK
+            if gub[1] % 2 or dnb[:3] != (E, H, I // mxfp4.BLOCK) or I % mxfp4.BLOCK:
+                raise CheckpointError(f"{self.path}: {block}.gate_up_proj_blocks {list(gub)} and down_proj_blocks "
+                                      f"{list(dnb)} are not gpt-oss experts [E, 2I, H/32, 16] and [E, H, I/32, 16]")
+            self._mxfp4.add(block)
+            for e in range(E):
+                for which, rows in (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))):
+                    self._views[f"{block}.{e}.{which}.weight"] = (
+                        (I, H), torch.float32, lambda e=e, rows=rows, b=block: self._mxfp4_matrix(b, "gate_up_proj",
+                                                                                                  e, rows))
+                self._views[f"{block}.{e}.down_proj.weight"] = (
+                    (H, I), torch.float32, lambda e=e, b=block: self._mxfp4_matrix(b, "down_proj", e, slice(None)))
+            self._bias_views(block, E, I, H)
+
+    def _bias_views(self, block: str, E: int, I: int, H: int) -> None:
+        """gpt-oss's expert biases ``<block>.gate_up_proj_bias`` [E, 2I] (interleaved) and ``down_proj_bias`` [E, H]
+        as ``<block>.<e>.{gate,up,down}_proj.bias``."""
+        gu, down = block + ".gate_up_proj_bias", block + ".down_proj_bias"
+        if gu not in self._entries and down not in self._entries:
+            return
+        for name, shape in ((gu, (E, 2 * I)), (down, (E, H))):
+            if self._entry(name).shape != shape:
+                raise CheckpointError(f"{self.path}: {name} has shape {list(self._entry(name).shape)}; the experts "
+                                      f"need {list(shape)}")
+        for e in range(E):
+            for which, cols in (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))):
+                self._views[f"{block}.{e}.{which}.bias"] = ((I,), self._entries[gu].dtype,
+                                                            lambda e=e, cols=cols: self.get(gu)[e, cols])
+            self._views[f"{block}.{e}.down_proj.bias"] = ((H,), self._entries[down].dtype,
+                                                          lambda e=e: self.get(down)[e])
+
+    def _mxfp4_matrix(self, block: str, which: str, e: int, rows: slice) -> torch.Tensor:
+        """Expert e's ``which`` matrix rows (gate: 0::2, up: 1::2 of gate_up) dequantized to fp32 [N, K]."""
+        name = f"{block}.{which}"
+        try:
+            return mxfp4.dequantize(self.get(name + "_blocks")[e, rows], self.get(name + "_scales")[e, rows],
+                                    name=f"{name} of expert {e}")
+        except ValueError as err:
+            raise CheckpointError(f"{self.path}: {err}") from None
 
     def _find_packed(self) -> None:
         """The pack-quantized linears: each checked against quantization_config (which group quantizes it) and its
@@ -286,15 +394,19 @@ class Checkpoint:
     # ------------------------------------------------------------------ access
 
     def __contains__(self, name: str) -> bool:
-        return name in self._entries or name in self._packed
+        return name in self._entries or name in self._packed or name in self._views
 
     def names(self) -> list:
-        """Every tensor by the model's names: a pack-quantized linear as ``<m>.weight`` (its parts not listed)."""
-        return [n for n in self._entries if n not in self._parts] + list(self._packed)
+        """Every tensor by the model's names: a pack-quantized linear as ``<m>.weight`` (its parts not listed);
+        gpt-oss's per-expert views besides the stacked tensors they read."""
+        return [n for n in self._entries if n not in self._parts] + list(self._packed) + list(self._views)
 
     def shape(self, name: str) -> tuple:
         pw = self._packed.get(name)
-        return pw.shape if pw is not None else self._entry(name).shape
+        if pw is not None:
+            return pw.shape
+        view = self._views.get(name)
+        return view[0] if view is not None else self._entry(name).shape
 
     def packed(self, name: str) -> Optional[compressed.PackedWeight]:
         """The PackedWeight of ``name`` (``<m>.weight``) when it is stored pack-quantized, else None."""
@@ -310,6 +422,8 @@ class Checkpoint:
         """The tensor as stored (a view of the mapped file: do not write to it)."""
         if name in self._packed:
             raise CheckpointError(f"tensor {name} is stored pack-quantized ({name}_packed): read it with get_float")
+        if name in self._views:  # (a strided view of a stored tensor, or an MXFP4 matrix's values)
+            return self._views[name][2]()
         e = self._entry(name)
         mm = self._maps.get(e.shard)
         if mm is None:
@@ -345,7 +459,7 @@ class Checkpoint:
         """(e4m3 weight [N, K], its scale_inv [ceil(N/128), ceil(K/128)]) as stored (views of the mapped file) when
         ``name`` is a DeepSeek FP8 weight (w = weight * scale_inv per 128x128 block); None for a weight stored
         otherwise (bf16, fp32, e5m2, pack-quantized: ``get_float`` reads those)."""
-        if name in self._packed:
+        if name in self._packed or name in self._views:
             return None
         e = self._entry(name)
         if e.dtype != torch.float8_e4m3fn or len(e.shape) != 2:
@@ -386,7 +500,7 @@ class Checkpoint:
     def experts_layout(self, prefix: str, names: list, plan: Optional[str] = None) -> Optional[dict]:
         """The CPUExperts layout holding block ``prefix``'s routed experts (``names``: gate, up, down as the model
         calls them) exactly when expert 0's are pack-quantized (int4 codes; in int8 when the plan gives the layer
-        int8) or, in a layer planned as fp8, block FP8 (fp8 group 128, shared fp32 scales), or None (gate and up of
+        int8), in a layer planned as fp8, block FP8 (fp8 group 128, shared fp32 scales), or None (gate and up of
         different groups, or experts stored otherwise)."""
         if plan == "fp8":
             if not self.fp8_experts(prefix, names):
@@ -395,6 +509,10 @@ class Checkpoint:
             return {"weight_format": "fp8", "group_size": FP8_BLOCK, "down_group_size": FP8_BLOCK,
                     "scaling": ("symmetric", "symmetric"), "scale_dtype": (block["scale_dtype"],) * 2,
                     "shared_scales": (block["shared_scales"],) * 2}
+        if f"{prefix}.experts" in self._mxfp4:  # gpt-oss: lut4 e2m1 codes, e8m0 scales (int8 codes in an int8 plan)
+            fmt, book = ("int8", None) if plan == "int8" else ("lut4", "e2m1")
+            return {"weight_format": fmt, "group_size": mxfp4.BLOCK, "down_group_size": mxfp4.BLOCK,
+                    "scaling": ("symmetric", "symmetric"), "scale_dtype": ("e8m0", "e8m0"), "codebook": (book, book)}
         pws = [self._packed.get(f"{prefix}.experts.0.{w}.weight") for w in names]
         if None in pws or pws[0].group_size != pws[1].group_size:
             return None
@@ -415,6 +533,9 @@ class Checkpoint:
             return False
         if mine["weight_format"] == "fp8":
             self._load_fp8_experts(prefix, names, experts)
+            return True
+        if f"{prefix}.experts" in self._mxfp4:
+            self._load_mxfp4(prefix + ".experts", experts, held["weight_format"] == "int8")
             return True
         I, H = experts.intermediate_size, experts.hidden_size
         shapes = ((I, H), (I, H), (H, I))
@@ -475,6 +596,29 @@ class Checkpoint:
             except ValueError as err:
                 raise CheckpointError(f"{self.path}: {prefix}.experts: {err}") from None
 
+    def _load_mxfp4(self, block: str, experts, as_int8: bool) -> None:
+        """gpt-oss's MXFP4 experts of ``block`` ("<mlp>.experts") packed from their nibbles and scale bytes, CHUNK
+        experts at a time: gate = rows 0::2 of gate_up, up = rows 1::2, down as stored (hetmoe/load/mxfp4.py).
+        ``as_int8``: codebook values as int8 codes (a layer planned int8), still exact."""
+        gub, gus, dnb, dns = (self.get(f"{block}.{w}") for w in ("gate_up_proj_blocks", "gate_up_proj_scales",
+                                                                    "down_proj_blocks", "down_proj_scales"))
+        for e0 in range(0, experts.num_experts, CHUNK):
+            e1 = min(e0 + CHUNK, experts.num_experts)
+            try:
+                gu_q, dn_q = mxfp4.codes(gub[e0:e1]), mxfp4.codes(dnb[e0:e1])
+                gu_s = mxfp4.engine_scales(gus[e0:e1], f"{block}.gate_up_proj of experts {e0}..{e1 - 1}")
+                dn_s = mxfp4.engine_scales(dns[e0:e1], f"{block}.down_proj of experts {e0}..{e1 - 1}")
+            except ValueError as err:
+                raise CheckpointError(f"{self.path}: {err}") from None
+            codes = [gu_q[:, 0::2], gu_q[:, 1::2], dn_q]
+            if as_int8:
+                codes = [lut4_values(q, "e2m1") for q in codes]
+            scales = [gu_s[:, 0::2], gu_s[:, 1::2], dn_s]
+            try:
+                load_codes(experts, codes, scales, first_expert=e0, scan_first=False)
+            except ValueError as err:
+                raise CheckpointError(f"{self.path}: {block} experts {e0}..{e1 - 1}: {err}") from None
+
     def _refused(self, experts, codes: list, scales: list, prefix: str, e0: int, err: ValueError) -> CheckpointError:
         """The error of a chunk of experts the engine refused, naming its first bad expert (each loaded alone, its
         values scanned first)."""
@@ -498,6 +642,8 @@ class Checkpoint:
         """``options`` with the experts format pack-quantized routed experts (``names``: one layer's expert 0 gate,
         up, down) load at by default: int4 in their own group, exactly. An explicit --experts-format is kept (exact
         where it holds them: int4 of their group, or their codes in int8); other experts: ``options`` as given."""
+        if self._mxfp4:
+            return self._mxfp4_options(options, log)
         layers = self._layer_names(names)
         layouts = [self.experts_layout(layer[0].rsplit(".experts.", 1)[0], [n.split(".")[-2] for n in layer])
                    for layer in layers]
@@ -531,6 +677,20 @@ class Checkpoint:
             log(f"hetmoe: note: {what}: dequantized and re-quantized into {fmt} as asked")
         keep = options.group_size is not None or fmt == "bf16"  # bf16 has no groups
         return options if keep else dataclasses.replace(options, group_size=group)
+
+    def _mxfp4_options(self, options, log: Callable[[str], None]):
+        """``options`` with the experts format MXFP4 experts load at by default: the engine's lut4 (a plan's int4 of
+        group 32), exactly; an explicit int4 / int8 of group 32 is exact too, anything else re-quantized as asked."""
+        what = f"{self.path.name}'s routed experts are MXFP4 (E2M1 in blocks of 32, E8M0 scales)"
+        fmt = options.experts_format
+        if fmt == "auto":
+            log(f"hetmoe: {what}: packed from their own codes and scales as lut4 (e2m1), exactly")
+            return dataclasses.replace(options, experts_format="int4", group_size=mxfp4.BLOCK)
+        if fmt in ("int4", "int8") and options.group_size in (None, mxfp4.BLOCK):
+            log(f"hetmoe: {what}: packed as {'lut4 (e2m1)' if fmt == 'int4' else 'int8'} from their codes, exactly")
+            return dataclasses.replace(options, group_size=mxfp4.BLOCK)
+        log(f"hetmoe: note: {what}: dequantized and re-quantized into {fmt} as asked")
+        return options
 
     def release(self) -> None:
         """Drop the mapped pages of every shard from this process's resident memory."""

@@ -106,7 +106,8 @@ def new_experts(layer: MoELayer, cfg: ModelConfig, inter: int, plan: MemoryPlan,
     if exact is not None and plan_format(exact) == (fmt, group):  # e.g. int4 gate/up, int8 down in an int8 plan
         fmt, own = exact["weight_format"], {k: v for k, v in exact.items() if k not in ("weight_format", "group_size")}
     return CPUExperts(layer.num_experts, cfg.hidden_size, inter, fmt, group,
-                      threads=threads, numa=options.numa, isa=options.isa, amx_min_tokens=options.amx_min_tokens, **own)
+                      threads=threads, numa=options.numa, isa=options.isa, amx_min_tokens=options.amx_min_tokens,
+                      glu=layer.glu, bias=layer.bias, **own)
 
 
 def plan_model(model: nn.Module, cfg: ModelConfig, blocks: list, options: EngineOptions, inter: int,
@@ -226,10 +227,30 @@ def check_model_dir(path) -> ModelConfig:
 def config_notes(cfg: ModelConfig) -> list:
     """What a config asks for that the model file does not do (said at load, not refused)."""
     scaling = cfg.rope_scaling_params
+    notes = []
     if scaling and cfg.get("model_type") not in APPLIES_ROPE_SCALING:
-        return [f"config.json asks for {scaling['rope_type']} RoPE scaling, which hetmoe's {cfg.get('model_type')} "
-                "model does not apply: it runs default RoPE, over at most max_position_embeddings positions"]
-    return []
+        notes.append(f"config.json asks for {scaling['rope_type']} RoPE scaling, which hetmoe's "
+                     f"{cfg.get('model_type')} model does not apply: it runs default RoPE, over at most "
+                     "max_position_embeddings positions")
+    if cfg.get("model_type") == "deepseek_v4" and cfg.get("num_nextn_predict_layers"):
+        notes.append(f"the checkpoint's {cfg['num_nextn_predict_layers']} multi-token-prediction layer(s) (mtp.*) "
+                     "are not read: hetmoe decodes one token per step")
+    return notes
+
+
+def check_activation(blocks: list, options: EngineOptions, source) -> EngineOptions:
+    """MoE layers whose routed experts are not plain SwiGLU without biases (a clamped SwiGLU: gpt-oss, DeepSeek-V4,
+    MiniMax-M3; biases: gpt-oss) run on the CPU engine only (the GPU experts' kernels compute plain SwiGLU):
+    --gpu-experts N is refused (CheckpointError naming the activation, before any weight is read), auto plans none.
+    Returns the options."""
+    odd = [b for _, b in blocks if not b.plain_swiglu]
+    if not odd:
+        return options
+    what = f"{odd[0].glu.kind}{' with biases' if odd[0].bias else ''}"
+    if isinstance(options.gpu_experts, int) and options.gpu_experts > 0:
+        raise CheckpointError(f"{source}: --gpu-experts {options.gpu_experts}: this model's routed experts are {what}, "
+                              "which only the CPU engine computes; run it without --gpu-experts")
+    return replace(options, gpu_experts=0) if options.gpu_experts == "auto" else options
 
 
 def load_summary(cfg: ModelConfig, path: Path, n_layers: int, n_moe: int, plan: MemoryPlan,
@@ -325,6 +346,7 @@ def load_model(
         raise CheckpointError(f"{source} does not describe a {cfg.get('model_type')} model "
                               f"({err})") from None
     blocks = moe_blocks(model)
+    options = check_activation(blocks, options, source)
     inter = 0
     if blocks:
         names = expert_keys(ckpt, blocks[0][0])
@@ -391,7 +413,8 @@ def load_model(
         fp8.done(log)
     gpu_experts = keep_gpu_experts(model.eval(), blocks, plan, options, lambda text: load_tokenizer(path).encode(text),
                                    log)
-    lw, gpu_prefill = prefill_choice.setup(layerwise_layers(blocks, plan), plan, options, log)
+    streamed = layerwise_layers(blocks, plan)
+    lw, gpu_prefill = prefill_choice.setup(streamed, plan, options, log)
     used = list(caches.values())
     info = {
         "load_s": time.perf_counter() - t0,

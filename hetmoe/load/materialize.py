@@ -70,7 +70,13 @@ class Materializer:
         dtype = like.dtype if keep_dtype else self.plan.dtype
         device = device or self.plan.device
         copies = getattr(ckpt, "floats_are_copies", False) and device.type == "cpu"
-        src = ckpt.get_float(name, dtype) if copies else ckpt.get_float(name)
+        if not like.is_floating_point():  # an integer table (DeepSeek-V4's tid2eid): as stored, cast exactly
+            copies = False
+            src = ckpt.get(name)
+            if src.is_floating_point() or src.dtype == torch.bool:
+                raise CheckpointError(f"tensor {name} has dtype {src.dtype} in {ckpt.path}; integers were expected")
+        else:
+            src = ckpt.get_float(name, dtype) if copies else ckpt.get_float(name)
         if tuple(src.shape) != tuple(like.shape):
             raise CheckpointError(f"tensor {name} has shape {list(src.shape)} in {ckpt.path}; the config implies "
                                   f"{list(like.shape)}")
@@ -90,6 +96,8 @@ def fill_experts(ckpt: Checkpoint, prefix: str, experts: CPUExperts) -> None:
     layout that holds them, are packed from their codes: nothing is re-quantized."""
     names = expert_keys(ckpt, prefix)
     H, I = experts.hidden_size, experts.intermediate_size
+    if experts.bias:
+        fill_biases(ckpt, prefix, names, experts)
     if getattr(ckpt, "load_exact_experts", lambda *a: False)(prefix, names, experts):
         return  # the checkpoint's own codes (GGUFCheckpoint / Checkpoint.load_exact_experts)
     for e in range(experts.num_experts):
@@ -103,3 +111,25 @@ def fill_experts(ckpt: Checkpoint, prefix: str, experts: CPUExperts) -> None:
             experts.load([mats[0]], [mats[1]], [mats[2]], first_expert=e)
         except ValueError as err:
             raise CheckpointError(f"{prefix}.experts.{e}: {err}") from None
+
+
+def fill_biases(ckpt: Checkpoint, prefix: str, names: tuple, experts: CPUExperts) -> None:
+    """The routed experts' biases of block ``prefix`` (experts made with bias=True: gpt-oss), per expert
+    ``<prefix>.experts.<e>.<gate|up|down>.bias``, into the engine (fp32). CheckpointError naming the first one missing
+    or of the wrong shape."""
+    H, I = experts.hidden_size, experts.intermediate_size
+    stacked = []
+    for which, width in zip(names, (I, I, H)):
+        rows = []
+        for e in range(experts.num_experts):
+            key = f"{prefix}.experts.{e}.{which}.bias"
+            if key not in ckpt:
+                raise CheckpointError(f"{ckpt.path}: tensor {key} is missing: this model's routed experts have biases")
+            if tuple(ckpt.shape(key)) != (width,):
+                raise CheckpointError(f"tensor {key} has shape {list(ckpt.shape(key))}; expected [{width}]")
+            rows.append(ckpt.get_float(key, torch.float32))
+        stacked.append(torch.stack(rows))
+    try:
+        experts.load_biases(*stacked)
+    except ValueError as err:
+        raise CheckpointError(f"{prefix}.experts: {err}") from None

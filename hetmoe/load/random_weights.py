@@ -258,6 +258,38 @@ SHAPES = {
         "max_position_embeddings": 163840, "tie_word_embeddings": False, "bos_token_id": 100000,
         "eos_token_id": 100001, "torch_dtype": "bfloat16",
     },
+    "deepseek-v4-flash": {  # deepseek-ai/DeepSeek-V4-Flash, as Transformers' DeepseekV4Config describes it (its
+        # defaults): one 512-wide KV head, 128-token window, CSA (4x, top-512 indexer) / HCA (128x) layers, 4 mHC
+        # streams, 3 hash-routed layers, 256 routed + 1 shared expert, sqrtsoftplus routing, clamped SwiGLU
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+        "vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048, "num_hidden_layers": 43,
+        "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "q_lora_rank": 1024,
+        "o_groups": 8, "o_lora_rank": 1024, "sliding_window": 128, "num_hash_layers": 3,
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "n_routed_experts": 256,
+        "n_shared_experts": 1, "num_experts_per_tok": 6, "scoring_func": "sqrtsoftplus", "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                         "beta_slow": 1},
+        "max_position_embeddings": 1048576, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+        "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
+    },
+    "minimax-m3": {  # MiniMaxAI/MiniMax-M3's language model, as Transformers' MiniMaxM3VLTextConfig describes it (its
+        # defaults): GQA 64 / 4 heads of 128 (RoPE over 64 dims), 128 routed experts top-4 + 1 shared, clamped SwiGLU;
+        # the attention schedule is not among those defaults: every layer block-sparse here (16 blocks of 128, an
+        # indexer of 4 x 128 whose key per position every layer keeps: the larger cache)
+        "architectures": ["MiniMaxM3SparseForConditionalGeneration"], "model_type": "minimax_m3_vl",
+        "vocab_size": 200064, "hidden_size": 6144, "intermediate_size": 3072, "num_hidden_layers": 60,
+        "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "rotary_dim": 64,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5},
+        "num_local_experts": 128, "num_experts_per_tok": 4, "shared_intermediate_size": 3072,
+        "dense_intermediate_size": 12288, "routed_scaling_factor": 2.0, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+        "layer_types": ["minimax_m3_sparse"] * 60, "mlp_layer_types": ["sparse"] * 60, "index_n_heads": 4,
+        "index_head_dim": 128, "index_block_size": 128, "index_topk_blocks": 16, "index_local_blocks": 1,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 524288, "tie_word_embeddings": False,
+        "bos_token_id": 200034, "eos_token_id": 200020, "torch_dtype": "bfloat16",
+    },
 }
 
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")

@@ -13,8 +13,8 @@ import importlib
 from hetmoe.models.config import MULTIMODAL, ConfigError, ModelConfig, Multimodal, check_config, text_model_config
 from hetmoe.models.config import context_limit as _limit
 
-__all__ = ["ConfigError", "ModelConfig", "check_config", "context_limit", "model_class", "MODEL_TYPES", "MULTIMODAL",
-           "Multimodal", "text_model_config"]
+__all__ = ["ConfigError", "ModelConfig", "check_config", "checkpoint_names", "context_limit", "model_class",
+           "MODEL_TYPES", "MULTIMODAL", "Multimodal", "text_model_config"]
 
 # model_type -> (module, class). Kimi-K2 ships model_type "kimi_k2" with the DeepSeek-V3 architecture; Kimi-K2.5 and
 # K2.6 ship "kimi_k25", the same language model inside a multimodal wrapper (MULTIMODAL: its text_config is run).
@@ -35,10 +35,27 @@ MODEL_TYPES = {
     # MLA with DeepSeek Sparse Attention (a lightning indexer's top-k positions per query)
     "deepseek_v32": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     "glm_moe_dsa": ("glm_moe_dsa", "GlmMoeDsaForCausalLM"),
+    # one shared KV head: sliding window with sinks + compressed (CSA / HCA) attention, hyper-connections, hash routing
+    "deepseek_v4": ("deepseek_v4", "DeepseekV4ForCausalLM"),
+    # the language model of MiniMax-M3 (MULTIMODAL): GQA with block-sparse attention, clamped SwiGLU experts
+    "minimax_m3_vl": ("minimax_m3", "MiniMaxM3ForCausalLM"),
+    # attention sinks, sliding windows, experts with biases and a clamped SwiGLU
+    "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 # The model types whose file builds its RoPE from config.json's rope_scaling / rope_parameters (YaRN); the others
 # run default RoPE whatever the config says, so a scaling factor there extends nothing.
-APPLIES_ROPE_SCALING = frozenset({"deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v2", "deepseek_v32", "glm_moe_dsa"})
+APPLIES_ROPE_SCALING = frozenset({"deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v2", "deepseek_v32", "glm_moe_dsa",
+                                  "deepseek_v4", "gpt_oss"})
+
+
+def checkpoint_names(model_type):
+    """name -> the model's name, for a model type whose checkpoints may name tensors otherwise than its model file
+    (DeepSeek-V4's own naming, which Transformers' save_pretrained writes too), else None."""
+    if model_type == "deepseek_v4":
+        from hetmoe.models.deepseek_v4 import checkpoint_name
+
+        return checkpoint_name
+    return None
 
 
 def model_class(cfg: ModelConfig) -> type:

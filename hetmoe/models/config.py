@@ -87,10 +87,32 @@ HF_DEFAULTS = {
                          routed_scaling_factor=2.5, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
                          qk_nope_head_dim=128, v_head_dim=128, rms_norm_eps=1e-6, index_topk=2048,
                          index_head_dim=128, index_n_heads=64),
+    # gpt-oss: GptOssConfig's (its default rope_parameters, YaRN x32 from 4096, is gpt_oss_rope's)
+    "gpt_oss": dict(head_dim=64, num_key_value_heads=8, sliding_window=128, swiglu_alpha=1.702, swiglu_limit=7.0,
+                    attention_bias=True, rope_theta=150000.0, rms_norm_eps=1e-5, num_experts_per_tok=4,
+                    max_position_embeddings=131072),
     "glm_moe_dsa": dict(first_k_dense_replace=3, n_group=1, topk_group=1, n_shared_experts=1,
                         routed_scaling_factor=2.5, q_lora_rank=2048, kv_lora_rank=512, qk_rope_head_dim=64,
                         qk_nope_head_dim=192, v_head_dim=256, rms_norm_eps=1e-5, index_topk=2048,
                         index_head_dim=128, index_n_heads=32),
+    # DeepSeek-V4: DeepseekV4Config's defaults (V4-Flash's sizes); layer_types, mlp_layer_types, compress_rates and
+    # the RoPE tables are derived from the config (deepseek_v4_* below)
+    "deepseek_v4": dict(vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43,
+                        num_attention_heads=64, num_key_value_heads=1, head_dim=512, q_lora_rank=1024,
+                        num_experts_per_tok=6, n_routed_experts=256, n_shared_experts=1, scoring_func="sqrtsoftplus",
+                        norm_topk_prob=True, routed_scaling_factor=1.5, max_position_embeddings=1048576,
+                        rope_theta=10000.0, compress_rope_theta=160000.0, hc_mult=4, hc_sinkhorn_iters=20,
+                        hc_eps=1e-6, swiglu_limit=10.0, sliding_window=128, o_groups=8, o_lora_rank=1024,
+                        index_n_heads=64, index_head_dim=128, index_topk=512, num_nextn_predict_layers=1,
+                        rms_norm_eps=1e-6, hidden_act="silu", mlp_bias=False, attention_bias=False),
+    # MiniMax-M3: MiniMaxM3VLTextConfig's defaults (its text_config); layer_types, mlp_layer_types and the indexer's
+    # entries are also read from the legacy sparse_attention_config / moe_layer_freq (minimax_m3_config below)
+    "minimax_m3_vl": dict(vocab_size=200064, hidden_size=6144, intermediate_size=3072, num_hidden_layers=60,
+                          num_attention_heads=64, num_key_value_heads=4, head_dim=128, max_position_embeddings=524288,
+                          rms_norm_eps=1e-6, num_experts_per_tok=4, num_local_experts=128, rope_theta=5000000.0,
+                          dense_intermediate_size=12288, shared_intermediate_size=3072, routed_scaling_factor=2.0,
+                          swiglu_alpha=1.702, swiglu_limit=7.0, index_n_heads=4, index_head_dim=128,
+                          index_block_size=128, index_topk_blocks=16, index_local_blocks=1),
 }
 
 
@@ -110,6 +132,9 @@ MULTIMODAL = {
     "kimi_k25": Multimodal(("kimi_k2", "deepseek_v3"), "language_model.", ("vision_tower.", "mm_projector.")),
     # Qwen3.5-MoE: model.language_model.* is the text model's model.*, lm_head stays, model.visual.* is the vision
     "qwen3_5_moe": Multimodal(("qwen3_5_moe_text",), "model.language_model.", ("model.visual.",), "model."),
+    # MiniMax-M3: language_model.model.* / language_model.lm_head are the text model's model.* / lm_head
+    "minimax_m3_vl": Multimodal(("minimax_m3_vl_text",), "language_model.",
+                                ("vision_tower.", "multi_modal_projector.", "patch_merge_mlp.")),
 }
 _WRAPPER_ONLY = ("text_config", "vision_config", "architectures", "auto_map")  # entries of the wrapper alone
 
@@ -164,12 +189,41 @@ _EXPERTS = {
     "qwen3_5_moe_text": ("num_experts",),
     "deepseek_v32": ("n_routed_experts", "num_local_experts", "num_experts"),
     "glm_moe_dsa": ("n_routed_experts", "num_local_experts", "num_experts"),
+    "deepseek_v4": ("n_routed_experts", "num_local_experts"),
+    "minimax_m3_vl": ("num_local_experts", "num_experts"),
+    "gpt_oss": ("num_local_experts", "num_experts"),
 }
 PARTIAL_ROPE = ("glm4_moe", "minimax_m2")  # GQA models whose RoPE may turn part of each head (ModelConfig.rope_dim)
 LINEAR_ATTENTION = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # Gated DeltaNet hybrids (models/qwen3_next.py)
 SPARSE_ATTENTION = ("deepseek_v32", "glm_moe_dsa")  # MLA + DeepSeek Sparse Attention (models/deepseek_v32.py)
 # how each sparse-attention model turns its indexer's rope dims (Transformers': V3.2 half-split, GLM-5 interleaved)
 INDEXER_ROPE_INTERLEAVE = {"deepseek_v32": False, "glm_moe_dsa": True}
+
+
+GPT_OSS_LAYERS = ("sliding_attention", "full_attention")
+# GptOssConfig's RoPE when config.json sets none
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+
+
+def gpt_oss_layer_types(cfg: ModelConfig) -> list:
+    """gpt-oss: each layer's attention, config.json's layer_types or, as GptOssConfig fills it, sliding in even
+    layers and full in odd ones. Checked by check_config, not here."""
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        return [GPT_OSS_LAYERS[i % 2] for i in range(cfg["num_hidden_layers"])]
+    return list(kinds)
+
+
+def gpt_oss_rope(cfg: ModelConfig) -> dict:
+    """gpt-oss's RoPE parameters as transformers reads them: rope_parameters (or the older rope_scaling) with its
+    rope_type and rope_theta filled in (theta from the top level, default 150000), or GptOssConfig's YaRN when
+    config.json has neither."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or GPT_OSS_YARN
+    params = dict(params) if isinstance(params, dict) else {}
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", cfg.get("rope_theta", HF_DEFAULTS["gpt_oss"]["rope_theta"]))
+    return params
 
 
 def dsa_indexer_types(cfg: ModelConfig) -> list:
@@ -191,6 +245,133 @@ def dsa_indexer_types(cfg: ModelConfig) -> list:
             offset = 2 if offset is None else offset
             kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
     return list(kinds)[:n]
+
+
+# DeepSeek-V4: each layer's attention and MoE kind, the compression rates and the two RoPE tables, as
+# DeepseekV4Config.__post_init__ derives them from config.json (legacy entries folded in)
+V4_ATTENTION = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+V4_RATIO_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+V4_MLP = ("hash_moe", "moe")
+V4_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+
+
+def deepseek_v4_layer_types(cfg: ModelConfig) -> list:
+    """Each layer's attention: config.json's layer_types, else its compress_ratios (0 / 4 / 128 per layer), else two
+    HCA layers then CSA and HCA alternating (V4-Pro's schedule); cut to num_hidden_layers."""
+    n = cfg["num_hidden_layers"]
+    kinds = cfg.get("layer_types")
+    if kinds is None and isinstance(cfg.get("compress_ratios"), list):
+        kinds = [V4_RATIO_TYPES.get(r, r) if isinstance(r, int) else r for r in cfg["compress_ratios"]]
+    if kinds is None:
+        kinds = ["heavily_compressed_attention"] * min(n, 2) + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))]
+    return list(kinds)[:n] if isinstance(kinds, list) else kinds
+
+
+def deepseek_v4_mlp_layer_types(cfg: ModelConfig) -> list:
+    """Each layer's MoE routing: mlp_layer_types, else num_hash_layers (default 3) hash-routed layers, then "moe"."""
+    n = cfg["num_hidden_layers"]
+    kinds = cfg.get("mlp_layer_types")
+    if kinds is None:
+        n_hash = cfg.get("num_hash_layers")
+        n_hash = 3 if n_hash is None else n_hash
+        kinds = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+    return list(kinds)[:n] if isinstance(kinds, list) else kinds
+
+
+def deepseek_v4_compress_rates(cfg: ModelConfig) -> dict:
+    """{attention kind: tokens per compressed entry}: compress_rates over the defaults (CSA 4, HCA 128), then the
+    legacy compress_rate_csa / compress_rate_hca."""
+    given = cfg.get("compress_rates")
+    rates = {**V4_RATES, **(given if isinstance(given, dict) else {})}
+    for name, kind in (("compress_rate_csa", "compressed_sparse_attention"),
+                       ("compress_rate_hca", "heavily_compressed_attention")):
+        if cfg.get(name) is not None:
+            rates[kind] = cfg[name]
+    return rates
+
+
+def deepseek_v4_rotary_factor(cfg: ModelConfig):
+    """partial_rotary_factor, else qk_rope_head_dim / head_dim, else 64 / 512 (V4's rope dims of a 512 head)."""
+    if cfg.get("partial_rotary_factor") is not None:
+        return cfg["partial_rotary_factor"]
+    if isinstance(cfg.get("qk_rope_head_dim"), int) and isinstance(cfg.get("head_dim"), int) and cfg["head_dim"]:
+        return cfg["qk_rope_head_dim"] / cfg["head_dim"]
+    return 64 / 512
+
+
+def deepseek_v4_rope(cfg: ModelConfig) -> dict:
+    """{"main": params, "compress": params}: rope_parameters as given when nested so; else main is default RoPE of
+    rope_theta, and compress takes the flat rope_parameters (or rope_scaling: YaRN) with compress_rope_theta, a YaRN
+    attention_factor of 1 unless given (the V4 reference does not scale cos/sin)."""
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rp, dict):
+        return {"main": rp, "compress": rp}
+    factor = deepseek_v4_rotary_factor(cfg)
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        tables = {k: dict(rp[k]) for k in ("main", "compress")}
+    else:
+        flat = {k: v for k, v in rp.items() if k not in ("main", "compress")}
+        tables = {"main": {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0),
+                           "partial_rotary_factor": factor},
+                  "compress": {**flat, "rope_theta": cfg.get("compress_rope_theta", 160000.0),
+                               "partial_rotary_factor": factor}}
+        kind = flat.get("rope_type", flat.get("type", "default"))
+        tables["compress"]["rope_type"] = kind
+        if kind == "yarn":
+            tables["compress"].setdefault("attention_factor", 1.0)
+    for t in tables.values():
+        t.setdefault("rope_type", t.get("type", "default"))
+    return tables
+
+
+# MiniMax-M3: the legacy entries MiniMaxM3VLTextConfig.__post_init__ reads, and the layer kinds
+M3_LEGACY_INDEX = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "sparse_index_dim",
+                   "index_block_size": "sparse_block_size", "index_topk_blocks": "sparse_topk_blocks",
+                   "index_local_blocks": "sparse_local_block"}
+M3_ATTENTION = ("full_attention", "minimax_m3_sparse")
+M3_MLP = ("dense", "sparse")
+
+
+def minimax_m3_config(cfg: ModelConfig) -> ModelConfig:
+    """A MiniMax-M3 config as MiniMaxM3VLTextConfig fills it: its defaults (``HF_DEFAULTS``), the indexer's entries
+    from sparse_attention_config's legacy names where it has them, layer_types from its sparse_attention_freq (else
+    every layer full attention), mlp_layer_types from moe_layer_freq (else every layer MoE). Checked by
+    check_config, not here."""
+    if cfg.get("num_local_experts") is None and cfg.get("num_experts") is not None:  # (Transformers' alias)
+        cfg = ModelConfig({**cfg, "num_local_experts": cfg["num_experts"]})
+    cfg = cfg.with_defaults()
+    sparse = cfg.get("sparse_attention_config") or {}
+    sparse = sparse if isinstance(sparse, dict) else {}
+    out = dict(cfg)
+    out.update({flat: sparse[legacy] for flat, legacy in M3_LEGACY_INDEX.items() if legacy in sparse})
+    n = cfg.get("num_hidden_layers")
+    if out.get("layer_types") is None:
+        freq = sparse.get("sparse_attention_freq")
+        out["layer_types"] = ([M3_ATTENTION[1] if f else M3_ATTENTION[0] for f in freq] if isinstance(freq, list)
+                              else [M3_ATTENTION[0]] * (n if isinstance(n, int) else 0))
+    if out.get("mlp_layer_types") is None:
+        freq = cfg.get("moe_layer_freq")
+        out["mlp_layer_types"] = ([M3_MLP[1] if f else M3_MLP[0] for f in freq] if isinstance(freq, list)
+                                  else [M3_MLP[1]] * (n if isinstance(n, int) else 0))
+    return ModelConfig(out)
+
+
+def minimax_m3_rotary(cfg: ModelConfig) -> tuple:
+    """(the entry that sets MiniMax-M3's RoPE share of each head, its factor): rope_parameters' (or rope_scaling's)
+    partial_rotary_factor, else the top level's (Transformers moves it there), else the whole head. Transformers'
+    MiniMax-M3 never reads rotary_dim (check_config refuses one that disagrees)."""
+    for field in ("rope_parameters", "rope_scaling"):
+        params = cfg.get(field)
+        if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
+            return f"{field}.partial_rotary_factor", params["partial_rotary_factor"]
+    if cfg.get("partial_rotary_factor") is not None:
+        return "partial_rotary_factor", cfg["partial_rotary_factor"]
+    return None, 1.0
+
+
+def minimax_m3_rope_dim(cfg: ModelConfig) -> int:
+    return int(cfg["head_dim"] * minimax_m3_rotary(cfg)[1])
 
 
 class _Checker:
@@ -224,6 +405,12 @@ def check_config(cfg: ModelConfig, source: str = "config.json") -> None:
     cfg = cfg.with_defaults()
     c = _Checker(cfg, source)
     if c.model_type not in _EXPERTS:
+        return
+    if c.model_type == "deepseek_v4":
+        _check_deepseek_v4(c)
+        return
+    if c.model_type == "minimax_m3_vl":
+        _check_minimax_m3(c)
         return
     deepseek = c.model_type.startswith("deepseek") or c.model_type in ("kimi_k2", "kimi_k25", "glm_moe_dsa")
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
@@ -290,7 +477,7 @@ def check_config(cfg: ModelConfig, source: str = "config.json") -> None:
         if bad:
             c.fail(f"mlp_only_layers lists layer(s) {bad}; the model has {layers} (num_hidden_layers)")
         dense_layers = dense_layers or bool(only) or step > 1
-    experts_in_intermediate = c.model_type in ("mixtral", "minimax_m2")  # intermediate_size is the experts' size
+    experts_in_intermediate = c.model_type in ("mixtral", "minimax_m2", "gpt_oss")  # the experts' size
     if experts_in_intermediate or dense_layers:
         c.int("intermediate_size")
     if not n_experts:
@@ -303,6 +490,8 @@ def check_config(cfg: ModelConfig, source: str = "config.json") -> None:
         c.int("n_shared_experts", minimum=0, default=0)
     if c.model_type == "minimax_m2":
         _check_minimax(c, n_experts)
+    if c.model_type == "gpt_oss":
+        _check_gpt_oss(c)
     k = cfg.get("num_experts_per_tok")
     if k is None:
         c.int("num_experts_per_tok")
@@ -313,6 +502,173 @@ def check_config(cfg: ModelConfig, source: str = "config.json") -> None:
         _check_groups(c, n_experts, k)
     if c.model_type in PARTIAL_ROPE and cfg.get("routed_scaling_factor") is not None:
         c.number("routed_scaling_factor", cfg["routed_scaling_factor"])
+
+
+def _check_deepseek_v4(c: _Checker) -> None:
+    """DeepSeek-V4: its sizes, one shared KV head, the grouped output projection, each layer's attention kind (and
+    its compression rate) and MoE routing, the router's scoring, the clamped SwiGLU, the hyper-connections, the
+    two RoPE tables, and entries Transformers' DeepseekV4 classes do not run otherwise (refused by name)."""
+    cfg = c.cfg
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank",
+                 "o_groups", "o_lora_rank", "sliding_window", "moe_intermediate_size", "hc_mult",
+                 "hc_sinkhorn_iters", "index_n_heads", "index_head_dim", "index_topk", "max_position_embeddings"):
+        c.int(name)
+    layers, heads, head_dim = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["head_dim"]
+    c.number("rms_norm_eps", cfg.get("rms_norm_eps"))
+    c.number("swiglu_limit", cfg.get("swiglu_limit"))
+    c.number("routed_scaling_factor", cfg.get("routed_scaling_factor"))
+    c.number("hc_eps", cfg.get("hc_eps"), positive=False)
+    if cfg.get("num_key_value_heads", 1) != 1:
+        c.fail(f"num_key_value_heads is {cfg['num_key_value_heads']!r}; DeepSeek-V4 has one key/value head shared by "
+               "every query head")
+    if heads * head_dim % cfg["o_groups"]:
+        c.fail(f"o_groups is {cfg['o_groups']}; it must divide num_attention_heads x head_dim ({heads * head_dim})")
+    kinds = deepseek_v4_layer_types(cfg)
+    source = "layer_types" if cfg.get("layer_types") is not None else "compress_ratios"
+    if not isinstance(kinds, list) or len(kinds) != layers or any(k not in V4_ATTENTION for k in kinds):
+        c.fail(f"{source} is {cfg.get(source)!r}; it must give each of the {layers} layers (num_hidden_layers) one of "
+               f"{', '.join(V4_ATTENTION)}" + (" (compress ratio 0, 4 or 128)" if source == "compress_ratios" else ""))
+    rates = deepseek_v4_compress_rates(cfg)
+    for kind in set(kinds) - {"sliding_attention"}:
+        r = rates.get(kind)
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            c.fail(f"compress_rates[{kind!r}] is {r!r}; it must be an integer >= 1")
+    mlp = deepseek_v4_mlp_layer_types(cfg)
+    if not isinstance(mlp, list) or len(mlp) != layers or any(k not in V4_MLP for k in mlp):
+        name = "mlp_layer_types" if cfg.get("mlp_layer_types") is not None else "num_hash_layers"
+        c.fail(f"{name} is {cfg.get(name)!r}; it must give each of the {layers} layers (num_hidden_layers) "
+               "'hash_moe' or 'moe'")
+    n_experts = _n_experts(c)
+    k = cfg.get("num_experts_per_tok")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_experts:
+        c.fail(f"num_experts_per_tok is {k!r}; with {n_experts} routed experts ({_expert_field(cfg)}) it must be "
+               f"between 1 and {n_experts}")
+    for name, want, what in (
+            ("hidden_act", "silu", "SwiGLU experts (silu)"),
+            ("norm_topk_prob", True, "a router that always renormalises its top-k weights"),
+            ("n_shared_experts", 1, "one shared expert of moe_intermediate_size in every layer"),
+            ("attention_bias", False, "attention projections without biases")):
+        if cfg.get(name, want) != want:
+            c.fail(f"{name} is {cfg[name]!r}; DeepSeek-V4 runs {what}")
+    if cfg.get("scoring_func") not in ("sqrtsoftplus", "sigmoid"):
+        c.fail(f"scoring_func is {cfg.get('scoring_func')!r}; DeepSeek-V4's router scores with sqrtsoftplus or "
+               "sigmoid")
+    _check_v4_rope(c, head_dim)
+    qc = cfg.get("quantization_config")
+    experts_dtype = qc.get("expert_dtype") if isinstance(qc, dict) else None
+    experts_dtype = cfg.get("expert_dtype") if experts_dtype is None else experts_dtype
+    if experts_dtype not in (None, "fp8", "bf16"):
+        c.fail(f"quantization_config.expert_dtype is {experts_dtype!r}: hetmoe reads DeepSeek-V4's routed experts in "
+               "FP8 blocks or floats, not as MXFP4")
+
+
+def _check_v4_rope(c: _Checker, head_dim: int) -> None:
+    tables = deepseek_v4_rope(c.cfg)
+    for label in ("main", "compress"):
+        p = tables[label]
+        where = f"rope_parameters[{label!r}]"
+        if not isinstance(p, dict):
+            c.fail(f"{where} is {p!r}; it must be an object")
+        if p["rope_type"] not in ("default", "yarn"):
+            c.fail(f"{where} has rope_type {p['rope_type']!r}; DeepSeek-V4 runs default or yarn RoPE")
+        c.number(f"{where}.rope_theta", p.get("rope_theta"))
+        factor = p.get("partial_rotary_factor", 1.0)
+        c.number(f"{where}.partial_rotary_factor", factor)
+        dim = int(head_dim * factor)
+        if not 2 <= dim <= head_dim or dim % 2:
+            c.fail(f"{where}.partial_rotary_factor is {factor!r}: RoPE would turn {dim} of the {head_dim} dims of each "
+                   f"head; it needs an even number between 2 and {head_dim}")
+        if label == "compress" and dim > c.cfg["index_head_dim"]:
+            c.fail(f"index_head_dim is {c.cfg['index_head_dim']}; the indexer turns the last {dim} dims of each of its "
+                   "heads, so it needs at least that many")
+        if p["rope_type"] == "yarn":
+            c.number(f"{where}.factor", p.get("factor"))
+            original = p.get("original_max_position_embeddings")
+            if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+                c.fail(f"{where}.original_max_position_embeddings is {original!r}; yarn needs an integer >= 1")
+
+
+def _check_minimax_m3(c: _Checker) -> None:
+    """MiniMax-M3: its sizes, each layer's attention and MLP kind, the block indexer, default RoPE over an even
+    share of each head, the clamped SwiGLU, and entries Transformers' MiniMaxM3VL classes do not run otherwise
+    (refused by name): quantized checkpoints (MXFP8 experts) are not read yet."""
+    cfg = c.cfg = minimax_m3_config(c.cfg)
+    qc = cfg.get("quantization_config")
+    if qc is not None:
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        c.fail(f"quantization_config (quant_method {method!r}): hetmoe reads MiniMax-M3 checkpoints in bf16 / fp16 / "
+               "fp32 only; its MXFP8 experts (e4m3 with a ue8m0 scale per 32 weights) are not read yet")
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "intermediate_size", "num_local_experts", "shared_intermediate_size",
+                 "max_position_embeddings"):
+        c.int(name)
+    layers, heads, kv, head_dim = (cfg[n] for n in ("num_hidden_layers", "num_attention_heads",
+                                                    "num_key_value_heads", "head_dim"))
+    n_experts = cfg["num_local_experts"]
+    c.number("rms_norm_eps", cfg.get("rms_norm_eps"))
+    if heads % kv:
+        c.fail(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    if cfg.get("num_experts") is not None and cfg["num_experts"] != n_experts:
+        c.fail(f"num_experts is {cfg['num_experts']!r} and num_local_experts {n_experts}; they name one count")
+    k = cfg.get("num_experts_per_tok")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_experts:
+        c.fail(f"num_experts_per_tok is {k!r}; with {n_experts} routed experts (num_local_experts) it must be "
+               f"between 1 and {n_experts}")
+    for name in ("swiglu_alpha", "swiglu_limit", "routed_scaling_factor"):
+        c.number(name, cfg.get(name))
+    kinds = cfg["layer_types"]
+    if not isinstance(kinds, list) or len(kinds) != layers or any(t not in M3_ATTENTION for t in kinds):
+        c.fail(f"layer_types is {kinds!r}; it must give each of the {layers} layers (num_hidden_layers) one of "
+               f"{' or '.join(map(repr, M3_ATTENTION))}")
+    mlps = cfg["mlp_layer_types"]
+    if not isinstance(mlps, list) or len(mlps) != layers or any(t not in M3_MLP for t in mlps):
+        c.fail(f"mlp_layer_types is {mlps!r}; it must give each of the {layers} layers (num_hidden_layers) 'dense' "
+               "or 'sparse'")
+    if "dense" in mlps:
+        c.int("dense_intermediate_size")
+    if M3_ATTENTION[1] in kinds:
+        for name in ("index_n_heads", "index_head_dim", "index_block_size", "index_topk_blocks"):
+            c.int(name)
+        local = c.int("index_local_blocks", minimum=0)
+        if local > cfg["index_topk_blocks"]:
+            c.fail(f"index_local_blocks is {local}; the blocks always kept are among the index_topk_blocks "
+                   f"({cfg['index_topk_blocks']}) a query attends to, so at most that many")
+        if heads % cfg["index_n_heads"]:
+            c.fail(f"index_n_heads is {cfg['index_n_heads']}; each indexer head chooses for a group of attention "
+                   f"heads, so it must divide num_attention_heads ({heads})")
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        c.fail(f"rope_parameters is {params!r}; it must be an object")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        c.fail(f"rope_parameters has rope_type {kind!r}; hetmoe's MiniMax-M3 runs default RoPE only")
+    c.number("rope_theta", cfg.rope_theta)
+    name, factor = minimax_m3_rotary(cfg)
+    if name is not None:
+        c.number(name, factor)
+    dim = minimax_m3_rope_dim(cfg)
+    if not 2 <= dim <= head_dim or dim % 2:
+        c.fail(f"{name or 'head_dim'} is {factor if name else head_dim!r}: RoPE would turn {dim} of the {head_dim} "
+               f"dims of each head; it needs an even number between 2 and {head_dim}")
+    rotary = cfg.get("rotary_dim")
+    if rotary is not None and rotary != dim:
+        c.fail(f"rotary_dim is {rotary!r}, but Transformers' MiniMax-M3 turns {dim} of the {head_dim} dims of each "
+               f"head ({name or 'no partial_rotary_factor: the whole head'}) and never reads rotary_dim; make them "
+               "agree (rope_parameters.partial_rotary_factor = rotary_dim / head_dim)")
+    if M3_ATTENTION[1] in kinds and dim > cfg["index_head_dim"]:
+        c.fail(f"index_head_dim is {cfg['index_head_dim']}; the indexer's heads are turned by the model's RoPE "
+               f"table ({dim} dims), so they need at least that many")
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swigluoai"):
+        c.fail(f"hidden_act is {act!r}; MiniMax-M3 runs its clamped SwiGLU (swigluoai)")
+    if cfg.get("scoring_func") not in (None, "sigmoid"):
+        c.fail(f"scoring_func is {cfg['scoring_func']!r}; MiniMax-M3's router scores with sigmoid")
+    if cfg.get("use_routing_bias") not in (None, True):
+        c.fail(f"use_routing_bias is {cfg['use_routing_bias']!r}; MiniMax-M3's router always adds its "
+               "e_score_correction_bias")
+    for name in ("sliding_window", "attn_window_size"):
+        if cfg.get(name) is not None:
+            c.fail(f"{name} is {cfg[name]!r}; MiniMax-M3 has no sliding-window attention")
 
 
 def _check_linear_attention(c: _Checker) -> None:
@@ -454,6 +810,28 @@ def _check_minimax(c: _Checker, n_experts: int) -> None:
         windows = window if isinstance(window, list) else [window]
         if any(w is not None and not (isinstance(w, (int, float)) and w <= 0) for w in windows):
             c.fail(f"{name} is {window!r}; hetmoe's minimax_m2 attends over the whole context (no sliding window)")
+
+
+def _check_gpt_oss(c: _Checker) -> None:
+    """gpt-oss: which layers slide (layer_types) and over how many positions, the clamped SwiGLU's alpha and limit,
+    biases on or off, and RoPE default or YaRN."""
+    cfg, layers = c.cfg, c.cfg["num_hidden_layers"]
+    kinds = cfg.get("layer_types")
+    if kinds is not None and (not isinstance(kinds, list) or len(kinds) != layers
+                              or any(k not in GPT_OSS_LAYERS for k in kinds)):
+        c.fail(f"layer_types is {kinds!r}; it must list 'sliding_attention' or 'full_attention' for each of the "
+               f"{layers} layers (num_hidden_layers)")
+    if "sliding_attention" in gpt_oss_layer_types(cfg):
+        c.int("sliding_window")
+    for name in ("swiglu_alpha", "swiglu_limit"):
+        c.number(name, cfg[name])
+    if not isinstance(cfg["attention_bias"], bool):
+        c.fail(f"attention_bias is {cfg['attention_bias']!r}; it must be true or false")
+    rope = gpt_oss_rope(cfg)
+    if rope["rope_type"] not in ("default", "yarn"):
+        c.fail(f"the RoPE's rope_type is {rope['rope_type']!r}; hetmoe's gpt_oss runs default or yarn RoPE")
+    if rope["rope_type"] == "yarn" and rope.get("original_max_position_embeddings") is None:
+        c.fail("the RoPE is yarn without original_max_position_embeddings")
 
 
 def _expert_field(cfg: ModelConfig) -> str:

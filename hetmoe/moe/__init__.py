@@ -7,7 +7,8 @@
                                 engine (activations staged through pinned memory from a GPU model), the GPU-resident
                                 experts, Expert Deferral's two parts (deferral.py), drop (accuracy studies);
                stream.py        the same inside a decode step, in CUDA stream order (capturable into a CUDA graph)
-    experts    experts.py       the ExpertsBackend call: hetmoe.cpu.CPUExperts (csrc/), TorchExperts
+    experts    experts.py       the ExpertsBackend call: hetmoe.cpu.CPUExperts (csrc/), TorchExperts; the experts' gated
+                                activation (hetmoe.cpu.Glu: SwiGLU, or gpt-oss's clamped SwiGLU) and biases
     combine    combine.py       combine(): CPU part + GPU-resident part + previous layer's deferred part (fp32) ->
                                 model dtype -> + shared experts, the one addition order of every path
 

@@ -20,12 +20,12 @@ Shape letters: T tokens, E experts, k experts per token, H hidden size.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
 
-from hetmoe.cpu.experts import CPUExperts
+from hetmoe.cpu.experts import SWIGLU, CPUExperts, Glu
 from hetmoe.moe import stream
 from hetmoe.moe.combine import combine
 from hetmoe.moe.deferral import DeferralChain, Deferred, drop_lowest, split_deferred
@@ -58,11 +58,14 @@ Shared = Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]]
 class MoELayer:
     """route -> dispatch -> experts -> combine for one MoE layer (see the module docstring).
 
-    ``router``: how this layer routes; ``num_experts``: E. Call ``attach(experts, staging)`` before the first
-    forward call."""
+    ``router``: how this layer routes; ``num_experts``: E; ``glu``: the experts' gated activation (a
+    ``hetmoe.cpu.Glu``, or its fields (kind, alpha, limit): what a model file gives) and ``bias``: whether they have
+    biases (gpt-oss: the clamped SwiGLU with gate/up/down biases), which every backend attached must hold alike.
+    Call ``attach(experts, staging)`` before the first forward call."""
 
-    def __init__(self, router: RouterSpec, num_experts: int):
+    def __init__(self, router: RouterSpec, num_experts: int, glu: Union[Glu, tuple] = SWIGLU, bias: bool = False):
         self.router, self.num_experts = router, int(num_experts)
+        self.glu, self.bias = (glu if isinstance(glu, Glu) else Glu(*glu)), bool(bias)
         self.experts = None  # an ExpertsBackend
         self.staging: Optional[HostStaging] = None
         self.gpu = None  # a GpuExperts, or None
@@ -75,7 +78,20 @@ class MoELayer:
     def attach(self, experts, staging: Optional[HostStaging] = None) -> None:
         if experts.num_experts != self.num_experts:
             raise ValueError(f"{experts.num_experts} experts attached to a layer of {self.num_experts}")
+        self._check_glu(experts, type(experts).__name__)
         self.experts, self.staging = experts, staging
+
+    @property
+    def plain_swiglu(self) -> bool:
+        """Whether this layer's experts are plain SwiGLU without biases (what the GPU experts' kernels compute)."""
+        return self.glu == SWIGLU and not self.bias
+
+    def _check_glu(self, experts, what: str) -> None:
+        """ValueError unless ``experts`` computes this layer's activation and biases (never plain SwiGLU instead)."""
+        glu, bias = getattr(experts, "glu", SWIGLU), getattr(experts, "bias", False)
+        if glu != self.glu or bias != self.bias:
+            raise ValueError(f"{what} computes {glu.kind}{' with' if bias else ' without'} biases; this layer's "
+                             f"experts are {self.glu.kind}{' with' if self.bias else ' without'} biases")
 
     @property
     def engine(self) -> Optional[CPUExperts]:
@@ -90,6 +106,8 @@ class MoELayer:
             raise TypeError("GPU experts need the CPU engine behind a GPU model (a hybrid placement)")
         if gpu is not None and gpu.num_experts != self.num_experts:
             raise ValueError(f"{gpu.num_experts} experts on the GPU side, {self.num_experts} on the CPU side")
+        if gpu is not None:
+            self._check_glu(gpu, "GPU-resident experts (GpuExperts)")
         engine.set_skip_mask(gpu.skip_mask() if gpu is not None else None)
         self.gpu = gpu
 
@@ -160,6 +178,8 @@ class MoELayer:
         """(the routed experts of every slot but the GPU-resident ones [T, H] in x's dtype on x's device, the
         GPU-resident experts' part fp32 or None). With staging, the resident part runs on the GPU while the CPU
         computes."""
+        if self.gpu is not None and self.gpu.n == self.num_experts:  # all resident: no CPU job, no host round trip
+            return self._resident(x, ids, weights), None
         if self.staging is None or x.device.type == "cpu":
             return self.experts(x, ids, weights), self._resident(x, ids, weights)
         xh, ih, wh, out = self.staging.buffers(x.shape[0])

@@ -14,6 +14,8 @@ Kinds:
 * ``"sigmoid_grouped"``: DeepSeek-V3/R1, Kimi-K2: sigmoid scores; experts *chosen* by score + ``correction_bias``
   within the ``topk_group`` of ``n_group`` groups with the best sum of their two best biased scores, *weighted* by the
   unbiased score (renormalised if ``norm_topk_prob``) times ``routed_scaling_factor``.
+* ``"given"``: the model's block routed already (DeepSeek-V4: hash tables, sqrtsoftplus scores) and hands its
+  ``(weights, ids)`` over in place of the logits; routed on the device only.
 
 Every route returns ``(topk_weights [T, k] fp32, topk_ids [T, k] int64)``. Among equal values the lower id wins; a
 token with a non-finite logit gets NaN weights.
@@ -27,7 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
-KINDS = ("softmax", "deepseek_v2", "sigmoid_grouped")
+KINDS = ("softmax", "deepseek_v2", "sigmoid_grouped", "given")
 HOST_KINDS = ("softmax", "sigmoid_grouped")  # what the CPU job can route itself (csrc/moe/routing.h)
 
 
@@ -133,6 +135,8 @@ class RouterSpec:
     def route(self, logits: torch.Tensor, correction_bias: Optional[torch.Tensor] = None) -> tuple:
         """logits [T, E] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64), on logits' device.
         ``correction_bias`` (sigmoid_grouped): overrides the spec's own."""
+        if self.kind == "given":  # (weights [T, k] fp32, ids [T, k] int64), the block's own routing
+            return logits
         if self.kind == "softmax":
             return route_softmax(logits, self.top_k, self.norm_topk_prob)
         if self.kind == "deepseek_v2":

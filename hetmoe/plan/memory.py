@@ -53,6 +53,9 @@ class MemoryPlan:
     vram: dict = field(default_factory=dict)
     prefill_chunk: int = 1024  # prompt tokens per forward call
     gpu_prefill: bool = False  # the layerwise GPU prefill's buffers are in the plan (for prefill_chunk tokens)
+    prefill_group: int = 0  # experts per slot of the layerwise prefill (0: whole layers)
+    prefill_slots: int = 2  # its ring of slots
+    prefill_rows: int = 0  # (token, expert) rows it computes at once in a layer of several groups (0: all)
     layers: list = field(default_factory=list)  # LayerPlan of every MoE layer, in forward order
     kv_paged: bool = False  # the KV cache is paged (layers/kv_cache.py): "KV cache" holds one full sequence
     notes: list = field(default_factory=list)  # what the plan chose that the user did not ask for, said at load
@@ -140,7 +143,7 @@ class ModelShapes:
 
 # The table's rows in this order (parts not named here after them, in the plan's order).
 ORDER = ("dense weights", "KV cache", "recurrent states", "activations", "prefill slots", "prefill weights",
-         "prefill activations", "GPU experts", "CUDA context", "routed experts", "runtime")
+         "prefill activations", "GPU experts", "resident prefill", "CUDA context", "routed experts", "runtime")
 
 
 def _label(plan: MemoryPlan, part: str) -> str:

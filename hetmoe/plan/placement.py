@@ -20,7 +20,14 @@ from hetmoe.config.options import (
 )
 from hetmoe.config.units import gib
 from hetmoe.cpu.layout import expert_bytes
-from hetmoe.moe.streamed.vram import BIG_CHUNK, GPU_PREFILL_CHUNKS, gpu_prefill_bytes
+from hetmoe.moe.streamed.vram import (
+    BIG_CHUNK,
+    GPU_PREFILL_CHUNKS,
+    GPU_PREFILL_SLOTS,
+    gpu_prefill_bytes,
+    group_rows,
+    group_sizes,
+)
 from hetmoe.plan.memory import LayerPlan, MemoryPlan, ModelShapes, PlanError
 from hetmoe.plan.sysmem import free_ram, free_vram
 
@@ -62,9 +69,9 @@ def resolve_device(device: str) -> torch.device:
 
 
 def layer_group(fmt: str, group: Optional[int]) -> int:
-    """The scale group of ``fmt`` experts asked for as ``group``: None, or 16 with int4 (int8 only: GGUF's Q6_K), is the
-    format's default, 0 per-row scales; bf16 has no groups: 0 whatever was asked (it keys the expert cache)."""
-    return 0 if fmt == "bf16" else DEFAULT_GROUP[fmt] if group is None or (group == 16 and fmt == "int4") else group
+    """The scale group of ``fmt`` experts asked for as ``group``: None is the format's default, 0 per-row scales; bf16
+    has no groups: 0 whatever was asked (it keys the expert cache)."""
+    return 0 if fmt == "bf16" else DEFAULT_GROUP[fmt] if group is None else group
 
 
 def plan_layers(shapes: "ModelShapes", opts: EngineOptions, device: torch.device, fmt: str, itemsize: int,
@@ -221,11 +228,10 @@ def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device
 
 def add_gpu_prefill(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions, vram_free: Optional[int] = None,
                     budget: Optional[int] = None) -> None:
-    """With a GPU and --gpu-prefill not off: the largest chunk of GPU_PREFILL_CHUNKS (at least --prefill-chunk)
-    whose layerwise prefill buffers fit beside the rest of the plan in the VRAM ``budget`` (default: HEADROOM x
-    ``vram_free``) goes into the plan; chunks above BIG_CHUNK only where their buffers take at most an eighth of
-    the budget. None fitting: auto goes without (the CPU computes every prefill), a token
-    count given is refused (MemoryError with the breakdown)."""
+    """With a GPU and --gpu-prefill not off: the layerwise prefill's buffers that fit beside the rest of the plan in
+    the VRAM ``budget`` (default: HEADROOM x ``vram_free``) go into the plan (``fit_prefill``: whole layers, else
+    slots of a group of experts). None fitting: auto goes without (the CPU computes every prefill), a token count
+    given is refused (MemoryError with the breakdown)."""
     if plan.device.type != "cuda" or opts.gpu_prefill == "off" or not shapes.n_moe_layers:
         return
     if plan.layers and all(lp.gpu_experts >= shapes.n_routed // shapes.n_moe_layers for lp in plan.layers):
@@ -233,17 +239,15 @@ def add_gpu_prefill(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions
         return
     total = HEADROOM * vram_free if budget is None else budget
     left = total - plan.vram_bytes
-    need = {}
-    for chunk in prefill_chunks(opts):
-        need = prefill_need(plan, shapes, chunk)
-        if chunk > BIG_CHUNK and sum(need.values()) > total / 8:  # not worth the resident experts it would displace
-            continue
-        if sum(need.values()) <= left:
-            plan.vram.update(need)
-            plan.prefill_chunk, plan.gpu_prefill = chunk, True
-            plan.why.update(dict.fromkeys(need, f"layerwise GPU prefill, chunks of {chunk} tokens"))
-            return
-    plan.why["prefill slots"] = "none: the smallest chunk's buffers do not fit (the CPU prefills)"
+    fit = fit_prefill(plan, shapes, opts, left, total)
+    if fit is not None:
+        return take_prefill(plan, shapes, *fit)
+    chunk = prefill_chunks(opts)[-1]
+    need = prefill_need(plan, shapes, chunk, prefill_groups(plan, shapes)[-1])
+    slot = need["prefill slots"] // GPU_PREFILL_SLOTS
+    plan.why["prefill slots"] = (f"none: two slots of one expert ({gib(slot)} each) with their buffers for "
+                                 f"chunks of {chunk} tokens need {gib(sum(need.values()))}, "
+                                 f"{gib(max(0, int(left)))} left (the CPU prefills)")
     if opts.gpu_prefill != "auto":
         parts = ", ".join(f"{k} {gib(v)}" for k, v in need.items())
         raise MemoryError(f"--gpu-prefill {opts.gpu_prefill}: its buffers do not fit the GPU beside the model "
@@ -255,12 +259,101 @@ def prefill_chunks(opts: EngineOptions) -> list:
     return [c for c in GPU_PREFILL_CHUNKS if c >= opts.prefill_chunk] or [opts.prefill_chunk]
 
 
-def prefill_need(plan: MemoryPlan, shapes: "ModelShapes", chunk: int) -> dict:
-    """The layerwise prefill's VRAM for ``chunk`` tokens beside ``plan``; the slots hold any layer: sized for the
-    largest (mixed formats under placement rules)."""
+def _streamed_format(plan: MemoryPlan) -> tuple:
+    """(format, group) the slots hold: the largest layer's (mixed formats under placement rules)."""
     big = max(plan.layers, key=lambda lp: lp.ram, default=None)
-    fmt, group = (big.experts_format, big.group_size) if big is not None else (plan.experts_format, plan.group_size)
-    return gpu_prefill_bytes(shapes, fmt, group, chunk, plan.dtype.itemsize, 0 if plan.kv_paged else plan.max_context)
+    return (big.experts_format, big.group_size) if big is not None else (plan.experts_format, plan.group_size)
+
+
+def prefill_need(plan: MemoryPlan, shapes: "ModelShapes", chunk: int, experts: int = 0,
+                 slots: int = GPU_PREFILL_SLOTS) -> dict:
+    """The layerwise prefill's VRAM for ``chunk`` tokens beside ``plan`` with ``slots`` slots of ``experts`` experts
+    each (0: whole layers); the slots hold any layer: sized for the largest (mixed formats under placement
+    rules)."""
+    fmt, group = _streamed_format(plan)
+    return gpu_prefill_bytes(shapes, fmt, group, chunk, plan.dtype.itemsize, 0 if plan.kv_paged else plan.max_context,
+                             experts, slots, plan.vram.get("activations", 0))
+
+
+def prefill_groups(plan: MemoryPlan, shapes: "ModelShapes") -> list:
+    """Experts per slot of the layerwise prefill to try for this plan's layers, preferred first
+    (``vram.group_sizes``)."""
+    fmt, group = _streamed_format(plan)
+    E = shapes.n_routed // shapes.n_moe_layers
+    return group_sizes(E, expert_bytes(fmt, shapes.hidden, shapes.expert_inter, group))
+
+
+# At most this many groups a layer: each costs the host a few kernel launches, which must stay below its copy
+MAX_UNITS = 128
+
+
+def fit_prefill(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions, left: float, total: float,
+                whole: bool = True) -> Optional[tuple]:
+    """The layerwise prefill's buffers that fit in ``left`` bytes -> (chunk, need, experts per slot, slots, rows) or
+    None. Whole layers (two slots of a layer each: copies a layer ahead) with the largest chunk of
+    GPU_PREFILL_CHUNKS (at least --prefill-chunk) whose buffers fit, above BIG_CHUNK only where they take at most an
+    eighth of ``total`` (``whole``: try them). Else slots of a group of experts: the longest chunk whose activations
+    fit beside two slots (each expert crosses PCIe once per chunk: the chunk matters most), with the largest group
+    of ``vram.group_sizes`` that fits there (``min_group`` first, at most MAX_UNITS groups a layer), then as many
+    slots as the room left holds, up to a layer and one (the copies run ahead into the next layer while it
+    attends)."""
+    E = shapes.n_routed // shapes.n_moe_layers
+    for chunk in prefill_chunks(opts) if whole else ():
+        need = prefill_need(plan, shapes, chunk)
+        if chunk > BIG_CHUNK and sum(need.values()) > total / 8:  # not worth the resident experts it would displace
+            continue
+        if sum(need.values()) <= left:
+            return chunk, need, 0, GPU_PREFILL_SLOTS, 0
+    groups = [g for g in prefill_groups(plan, shapes) if g < E and E <= MAX_UNITS * g]
+    for chunk, g in ((c, g) for c in prefill_chunks(opts) for g in groups):
+        need = prefill_need(plan, shapes, chunk, g)
+        if sum(need.values()) > left:
+            continue
+        slot = need["prefill slots"] // GPU_PREFILL_SLOTS
+        slots = min(GPU_PREFILL_SLOTS + int((left - sum(need.values())) // slot), -(-E // g) + 1)
+        return chunk, prefill_need(plan, shapes, chunk, g, slots), g, slots, group_rows(chunk, shapes.top_k, g, E)
+    return None
+
+
+def take_prefill(plan: MemoryPlan, shapes: "ModelShapes", chunk: int, need: dict, group: int, slots: int,
+                 rows: int) -> None:
+    """``fit_prefill``'s choice into the plan, the table's why column saying what it is and what it promises."""
+    plan.vram.update(need)
+    plan.prefill_chunk, plan.gpu_prefill = chunk, True
+    plan.prefill_group, plan.prefill_slots, plan.prefill_rows = group, slots, rows
+    E = shapes.n_routed // shapes.n_moe_layers
+    rate = projected_prefill(plan, shapes)
+    if not group:
+        plan.why.update(dict.fromkeys(need, f"layerwise GPU prefill, chunks of {chunk} tokens"))
+        plan.why["prefill slots"] += f"; {rate}"
+        return
+    slot = need["prefill slots"] // slots
+    plan.why["prefill slots"] = (f"layerwise GPU prefill in groups: {slots} slots of {group} of {E} experts "
+                                 f"({gib(slot)} each; two whole layers and a layer's weights do not fit); {rate}")
+    plan.why["prefill weights"] = f"one slot's {group} experts unpacked to {str(plan.dtype).replace('torch.', '')}"
+    plan.why["prefill activations"] = (f"chunks of {chunk} tokens, the longest whose activations fit (each expert "
+                                       f"crosses PCIe once per chunk); {rows} expert rows at a time")
+
+
+PROJECTED_PROMPT = 8192  # the prompt length the plan projects a prefill rate for
+
+
+def projected_prefill(plan: MemoryPlan, shapes: "ModelShapes", tokens: int = PROJECTED_PROMPT) -> str:
+    """The cost model's prefill rate for a prompt of ``tokens`` tokens with the plan's layerwise prefill (every
+    streamed expert over PCIe once per chunk at the nominal LINK_BPS, against the GPU's compute) and on the CPU
+    engine, as the plan's table says it."""
+    E = shapes.n_routed // shapes.n_moe_layers
+    chunk = min(plan.prefill_chunk, tokens)
+    resident = min((lp.gpu_experts for lp in plan.layers), default=0)
+    _, gpu = modelled_rates(plan, shapes, resident, chunk)
+    _, cpu = modelled_rates(plan, shapes, resident, None)
+    passes = -(-tokens // plan.prefill_chunk)
+    streamed = sum(lp.ram * (E - min(lp.gpu_experts, E)) // E for lp in plan.layers) or \
+        shapes.n_routed * expert_bytes(plan.experts_format, shapes.hidden, shapes.expert_inter, plan.group_size)
+    bound = "PCIe-bound" if streamed / LINK_BPS >= chunk / gpu - 1e-12 else "GPU-bound"
+    return (f"projected prefill of {tokens} tokens: {gpu:,.0f} tok/s ({bound}: {passes} x {streamed / 1e9:.1f} GB "
+            f"of experts over PCIe at a nominal {LINK_BPS / 1e9:.0f} GB/s), {gpu / cpu:.1f}x the CPU engine's "
+            f"{cpu:,.0f} tok/s")
 
 
 def resolve_dtype(name: str, device: torch.device, dense_params: int) -> torch.dtype:
@@ -391,6 +484,11 @@ def choose_plan(shapes: "ModelShapes", opts: EngineOptions, layers: Optional[lis
     elif not problems:
         add_gpu_prefill(plan, shapes, opts, budget=vram)
         fill_gpu_experts(plan, shapes, opts, layers, vram)
+    if not problems and device.type == "cuda":
+        add_resident_prefill(plan, shapes, opts, vram)
+        if plan.vram_bytes > vram:
+            problems.append(f"GPU memory: needs {gib(plan.vram_bytes)} with the resident experts' prefill scratch "
+                            f"({gib(plan.vram['resident prefill'])}), {vram_src}")
     if problems:
         ram_short, gpu_short = plan.ram_bytes > ram, device.type == "cuda" and plan.vram_bytes > vram
         hints = ["--experts-format int4"] * (ram_short and plan.experts_format != "int4")
@@ -402,6 +500,45 @@ def choose_plan(shapes: "ModelShapes", opts: EngineOptions, layers: Optional[lis
             f"the model does not fit this machine with {plan.experts_format} experts on {device.type} "
             f"({'; '.join(problems)}). Plan: {plan.describe()}. {hint}\n" + "\n".join(plan.table()), plan)
     return plan
+
+
+def resident_prefill_bytes(shapes: "ModelShapes", n: int, chunk: int, itemsize: int) -> tuple:
+    """(weights, activations): VRAM of the resident experts' prefill (hetmoe/moe/gpu_resident/experts.py, grouped
+    GEMMs in hetmoe/moe/grouped.py) with ``n`` resident experts per layer and chunks of ``chunk`` tokens, where the
+    layerwise prefill's buffers are not in the plan (its weight scratch holds a whole layer and is shared): the
+    model-dtype weights of n experts, and per (token, slot) row x, gate|up, h and y in the dtype, y's fp32 sum."""
+    H, I, k = shapes.hidden, shapes.expert_inter, shapes.top_k
+    if not n:
+        return 0, 0
+    return n * 3 * H * I * itemsize, chunk * k * (2 * H + 3 * I) * itemsize + chunk * (H * 4 + k * 24)
+
+
+def add_resident_prefill(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions, vram: int) -> None:
+    """The resident experts' prefill buffers into the plan (``resident_prefill_bytes``): none with the layerwise
+    prefill's (shared) or no resident expert. Where every routed expert is resident, every prefill runs on them:
+    the longest chunk (``prefill_chunks``, the layerwise prefill's rule for chunks above BIG_CHUNK) whose
+    activations fit the ``vram`` budget, since each chunk unpacks every layer's routed experts once."""
+    n = max((lp.gpu_experts for lp in plan.layers), default=0)
+    if plan.device.type != "cuda" or plan.gpu_prefill or not n:
+        return
+    itemsize, chunk = plan.dtype.itemsize, plan.prefill_chunk
+    if all(lp.gpu_experts >= shapes.n_routed // max(shapes.n_moe_layers, 1) for lp in plan.layers):
+        weights = resident_prefill_bytes(shapes, n, chunk, itemsize)[0]
+        ctx = 0 if plan.kv_paged else plan.max_context
+        for c in prefill_chunks(opts):  # longest first
+            act = gpu_prefill_bytes(shapes, plan.experts_format, plan.group_size, c, itemsize, ctx,
+                                    planned_act=plan.vram.get("activations", 0))["prefill activations"]
+            if c > BIG_CHUNK and weights + act > vram / 8:
+                continue
+            if plan.vram_bytes + weights + act <= vram:
+                plan.prefill_chunk = chunk = c
+                plan.vram["resident prefill"] = weights + act
+                break
+    if "resident prefill" not in plan.vram:
+        weights, act = resident_prefill_bytes(shapes, n, chunk, itemsize)
+        plan.vram["resident prefill"] = weights + act
+    plan.why["resident prefill"] = (f"prefill of the resident experts: {n} experts' weights in the model dtype, one "
+                                    f"layer at a time; chunks of {chunk} tokens")
 
 
 def fill_gpu_experts(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions, layers, vram: int) -> None:
@@ -416,8 +553,12 @@ def fill_gpu_experts(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOption
     free = [lp for lp, p in zip(plan.layers, layers or [None] * len(plan.layers))
             if getattr(p, "gpu_experts", None) is None]
     left = max(0, vram - plan.vram_bytes)
-    # each layer's experts at their stored bytes (int4: ~3.5x as many per GiB as bf16)
-    n = min(E, left // sum(lp.gpu_expert_bytes for lp in free)) if free else 0
+    # each layer's experts at their stored bytes (int4: ~3.5x as many per GiB as bf16); without the layerwise
+    # prefill's buffers, each also widens the resident prefill's weight scratch by one expert in the model dtype
+    scratch, act = resident_prefill_bytes(shapes, 1, plan.prefill_chunk, plan.dtype.itemsize)
+    if plan.gpu_prefill:
+        scratch = act = 0
+    n = min(E, max(0, left - act) // (sum(lp.gpu_expert_bytes for lp in free) + scratch)) if free else 0
     for lp in free:
         lp.gpu_experts, lp.vram = n, n * lp.gpu_expert_bytes
     plan.vram["GPU experts"] = sum(lp.vram for lp in plan.layers)
@@ -477,8 +618,12 @@ def spend_vram(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions, lay
     left = max(0, vram - plan.vram_bytes - RESIDENT_MARGIN)
     fixed_resident = all(lp.gpu_experts >= E for lp, p in zip(plan.layers, layers or [None] * len(plan.layers))
                          if getattr(p, "gpu_experts", None) is not None)
+    # without the layerwise prefill's buffers, the resident prefill's scratch: one more expert per resident one
+    scratch, act = resident_prefill_bytes(shapes, 1, plan.prefill_chunk, plan.dtype.itemsize)
 
-    def resident(room: float) -> int:
+    def resident(room: float, own_scratch: bool = False) -> int:
+        if own_scratch:
+            return int(min(E, max(0, room - act) // (per + scratch)))
         return int(min(E, max(0, room) // per))
 
     def choose(n: int, chunk: Optional[int], need: dict, why: str) -> None:
@@ -486,26 +631,31 @@ def spend_vram(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions, lay
             lp.gpu_experts, lp.vram = n, n * lp.gpu_expert_bytes
         plan.vram["GPU experts"] = sum(lp.vram for lp in plan.layers)
         if chunk:
-            plan.vram.update(need)
-            plan.prefill_chunk, plan.gpu_prefill = chunk, True
-            plan.why.update(dict.fromkeys(need, f"layerwise GPU prefill, chunks of {chunk} tokens"))
+            take_prefill(plan, shapes, *layouts[chunk])
         plan.why["GPU experts"] = why
 
-    if E * per <= left and fixed_resident and not isinstance(opts.gpu_prefill, int):
+    if E * (per + scratch) + act <= left and fixed_resident and not isinstance(opts.gpu_prefill, int):
         choose(E, None, {}, f"auto: {E} of {E} per layer (all): the whole model fits "
                             f"({gib(E * per)} of {gib(left)} left)")
         plan.why["prefill slots"] = "none: every routed expert is resident (no layer to stream)"
         return
     if opts.gpu_prefill == "off":
-        n = resident(left)
+        n = resident(left, True)
         return choose(n, None, {}, f"auto: {n} of {E} per layer fill the {gib(left)} left (--gpu-prefill off)")
-    options = [] if isinstance(opts.gpu_prefill, int) else [(resident(left), None, {})]
+    options = [] if isinstance(opts.gpu_prefill, int) else [(resident(left, True), None, {})]
+    layouts = {}  # chunk -> fit_prefill's (chunk, need, group, slots, rows)
     for chunk in prefill_chunks(opts):
         need = prefill_need(plan, shapes, chunk)
         if chunk > BIG_CHUNK and sum(need.values()) > vram / 8:  # a chunk that large is not worth its VRAM
             continue
         if sum(need.values()) <= left:
             options.append((resident(left - sum(need.values())), chunk, need))
+            layouts[chunk] = (chunk, need, 0, GPU_PREFILL_SLOTS, 0)
+    if not layouts:  # no room for whole layers: slots of a group of experts, with no resident expert beside them
+        fit = fit_prefill(plan, shapes, opts, left, vram, whole=False)
+        if fit is not None:
+            options.append((0, fit[0], fit[1]))
+            layouts[fit[0]] = fit
     if not options:  # --gpu-prefill N whose buffers do not fit: refused as add_gpu_prefill refuses
         add_gpu_prefill(plan, shapes, opts, budget=vram)
         return

@@ -243,12 +243,12 @@ def test_serve_shape_and_model_are_exclusive(tmp_path):
 
 def test_expert_pool_is_the_models_own():
     from hetmoe import cpu
-    from hetmoe.bench.e2e import _expert_pool
+    from hetmoe.bench.e2e import expert_pool
 
     opts = EngineOptions(device="cpu", experts_format="int4", threads=1)
     loaded = build_random_model(TINY_QWEN3, num_layers=2, options=opts, log=lambda m: None)
     fallback = cpu.shared_pool(2)
-    pool = _expert_pool(loaded, fallback)
+    pool = expert_pool(loaded, fallback)
     assert pool is not fallback and pool.threads == 1
 
 

@@ -60,7 +60,6 @@ SHAPES = ModelShapes(hidden=1024, vocab_size=32000, n_routed=1000, expert_inter=
     (dict(dtype="fp16"), "dtype must be"), (dict(threads=0), "threads must be >= 1"),
     (dict(max_context=0), "max-context must be >= 1"), (dict(max_batch=0), "max_batch"),
     (dict(prefill_chunk=0), "prefill_chunk"), (dict(group_size=48), "group size must be"),
-    (dict(experts_format="int4", group_size=16), "int4 experts need a group size"),
     (dict(isa="sse4"), "isa must be auto, scalar, avx2, avx512, amx"), (dict(amx_min_tokens=0), "amx_min_tokens"),
     (dict(amx_min_tokens=True), "amx_min_tokens")])
 def test_engine_options_validation(kwargs, match):
@@ -438,8 +437,6 @@ def test_runtime_errors_are_one_line(capsys, args, message):
     (("generate", "--device", "tpu"),
      "hetmoe generate: error: --device: invalid choice: tpu (choose from auto, cuda, cpu)"),
     (("generate", "--gpu-experts", -1), "hetmoe generate: error: --gpu-experts: expected an integer >= 0, got -1"),
-    (("generate", "--experts-format", "int4", "--group-size", 16),
-     "hetmoe generate: error: --group-size: int4 experts need a group size of 32, 64 or 128, or 0 (per-row scales)"),
     (("generate", "--bogus"), "hetmoe generate: error: unrecognized arguments: --bogus"),
     (("chat", "--numa", "x"), "hetmoe chat: error: --numa: expected auto, off or a number of subpools >= 1, got x"),
     (("doctor", "--isa", "sse4"), "hetmoe doctor: error: --isa: invalid choice: sse4 (choose from auto, scalar"),

@@ -1,5 +1,6 @@
-"""Scales stored narrower than fp32 (fp16, bf16, e8m0) and the lut4 format (4-bit indices into a codebook of 16 int8
-values: E2M1 doubled, IQ4_NL's table), csrc/formats/layout.h, on every path this machine runs:
+"""Scales stored narrower than fp32 (fp16, bf16, e8m0, the K-quants' two-level k8; affine mins stored as the scales)
+and the lut4 format (4-bit indices into a codebook of 16 int8 values: E2M1 doubled, IQ4_NL's table),
+csrc/formats/layout.h, on every path this machine runs:
 
     scalar, avx2, avx512   the row-block kernels (each level the ISA can run; HETMOE_MAX_ISA caps them)
     amx-emulated           the AMX GEMM's loops in plain C++ (every expert on it: amx_min_tokens=1)
@@ -35,7 +36,12 @@ PATHS = ROW_ISAS + AMX_PATHS
 CASES = [("int8", 32, "fp16", None), ("int8", 16, "bf16", None), ("int8", 64, "e8m0", None),
          ("int4", 32, "fp16", None), ("int4", 64, "bf16", None), ("int4", 128, "e8m0", None),
          ("lut4", 32, "fp32", "iq4nl"), ("lut4", 32, "fp16", "iq4nl"), ("lut4", 128, "bf16", "iq4nl"),
-         ("lut4", 32, "e8m0", "e2m1"), ("lut4", 16, "fp16", "e2m1"), ("lut4", 64, "fp32", "e2m1")]
+         ("lut4", 32, "e8m0", "e2m1"), ("lut4", 16, "fp16", "e2m1"), ("lut4", 64, "fp32", "e2m1"),
+         ("int4", 32, "k8", None), ("int4", 16, "k8", None), ("lut4", 32, "k8", "iq4nl")]
+# k8 (int8 sub-scale x fp16 per 256, rounded from the fp32 group scales here): MEASURED int4 g32 0.153, int4 g16 0.158,
+# lut4 iq4nl g32 0.170 (fp32 scales of the same cases: 0.159, 0.148, 0.170), + ~15 %; int8 k8 (1.55e-2 against fp32's
+# 1.38e-2 at g16) is covered by the two-level tests below and tests/load/gguf/test_kquants.py
+K8_TOL_INT4, K8_TOL_INT4_16, K8_TOL_LUT4 = 0.177, 0.183, 0.196
 # ||out - ref|| / ||ref|| against the fp32 source, MEASURED on these cases' gaussian weights (std 0.02) over every
 # shape, T and path below (the largest), + ~15 %: int8 g32 fp16 1.50e-2, g16 bf16 1.35e-2, g64 e8m0 2.23e-2; int4
 # g32 fp16 0.160, g64 bf16 0.174, g128 e8m0 0.263; lut4 iq4nl g32 fp32 0.170, fp16 0.170, g128 bf16 0.187; lut4
@@ -45,7 +51,9 @@ CASES = [("int8", 32, "fp16", None), ("int8", 16, "bf16", None), ("int8", 64, "e
 FP32_TOL = {("int8", 32, "fp16"): 1.75e-2, ("int8", 16, "bf16"): 1.56e-2, ("int8", 64, "e8m0"): 2.6e-2,
             ("int4", 32, "fp16"): 0.185, ("int4", 64, "bf16"): 0.20, ("int4", 128, "e8m0"): 0.30,
             ("lut4", 32, "fp32"): 0.196, ("lut4", 32, "fp16"): 0.196, ("lut4", 128, "bf16"): 0.215,
-            ("lut4", 32, "e8m0"): 0.33, ("lut4", 16, "fp16"): 0.21, ("lut4", 64, "fp32"): 0.235}
+            ("lut4", 32, "e8m0"): 0.33, ("lut4", 16, "fp16"): 0.21, ("lut4", 64, "fp32"): 0.235,
+            ("int4", 32, "k8"): K8_TOL_INT4, ("int4", 16, "k8"): K8_TOL_INT4_16,
+            ("lut4", 32, "k8"): K8_TOL_LUT4}
 # against the emulated reference, MEASURED max 2.6e-7, except 1.7e-4 where AMX rounds h to int8 (T=64): an element at
 # a rounding boundary in fp32 (the engine) and not in float64 (the reference). The bound of test_kernels.py.
 EMULATED_TOL = 1e-3
@@ -127,7 +135,7 @@ def test_values_are_codes_times_stored_scales(case):
     """Weights quantized here: every value is a code (int8 / int4: an integer in range; lut4: a codebook entry) times
     its group's stored scale, read from the packed bytes and widened as the GPU paths widen them
     (hetmoe/moe/streamed/packed.py); e8m0 scales are powers of two."""
-    from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, widen_scales
+    from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, widen_set
 
     fmt, group, sdt, book = case
     shape = SHAPES["E10-H200-I88"]
@@ -135,7 +143,8 @@ def test_values_are_codes_times_stored_scales(case):
     lay = ExpertLayout.of(ex)
     gu, I, H = lay.gate_up, lay.intermediate, lay.hidden
     per_expert = lay.range_bytes()[1]
-    scales = widen_scales(expert_ranges(ex)[1][:per_expert], sdt).view(gu.n_blocks, 2, gu.kp // group, 16)
+    sets = expert_ranges(ex)[1][:per_expert].view(gu.n_blocks * 2, gu.set_bytes)  # gate and up blocks alternate
+    scales = widen_set(sets, gu).view(gu.n_blocks, 2, gu.kp // group, 16)
     gate_scales = scales[:, 0].permute(0, 2, 1).reshape(-1, gu.kp // group)[:I]  # [I, G]
     per_value = gate_scales.repeat_interleave(group, dim=1)[:, :H]  # [I, H]
     assert (per_value > 0).all()
@@ -150,6 +159,12 @@ def test_values_are_codes_times_stored_scales(case):
     assert torch.equal(q * per_value, gate)
     if sdt == "e8m0":
         assert (torch.frexp(gate_scales)[0] == 0.5).all()
+    if sdt == "k8":  # an int8 sub-scale times an fp16 per 256 values of a row
+        G = gu.kp // group
+        sub = sets[:, :G * 16].contiguous().view(torch.int8).view(gu.n_blocks, 2, G, 16)
+        sup = sets[:, G * 16:].contiguous().view(torch.float16).view(gu.n_blocks, 2, -1, 16)
+        assert sub.min() >= -127 and sub.max() <= 127 and sup.shape[2] == -(-gu.kp // 256)
+        assert torch.equal(scales, sub.float() * sup.float()[:, :, torch.arange(G) * group // 256])
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["one-pool", "numa2"])
@@ -183,11 +198,12 @@ def test_what_the_formats_cannot_hold_is_refused():
            (dict(weight_format="int4", group_size=32, codebook="e2m1"), "a codebook goes with lut4 weights only"),
            (dict(weight_format="lut4", group_size=32, codebook="e2m1", scaling="affine"), "lut4 weights are symmetric"),
            (dict(weight_format="lut4", group_size=0, codebook="e2m1"), "lut4 group_size must be 16, 32, 64 or 128"),
-           (dict(weight_format="int4", group_size=0, scale_dtype="fp16"), "fp16 scales need grouped symmetric"),
+           (dict(weight_format="int4", group_size=0, scale_dtype="fp16"), "fp16 scales need grouped weights"),
+           (dict(weight_format="int8", group_size=0, scale_dtype="k8"), "k8 scales need grouped weights"),
            (dict(weight_format="int4", group_size=32, scale_dtype="e8m0", scaling="affine"),
-            "e8m0 scales need grouped symmetric"),
+            "e8m0 scales need symmetric weights"),
            (dict(weight_format="bf16", scale_dtype="fp16"), "bf16 weights have no scales"),
-           (dict(weight_format="int8", scale_dtype="fp8"), "scale_dtype must be one of fp32, fp16, bf16, e8m0"),
+           (dict(weight_format="int8", scale_dtype="fp8"), "scale_dtype must be one of fp32, fp16, bf16, e8m0, k8"),
            (dict(weight_format="lut4", codebook="nf4"), "codebook must be one of e2m1, iq4nl"),
            (dict(weight_format="lut8", codebook="e2m1"), "unknown weight_format 'lut8'")]
     for kw, msg in bad:
@@ -208,3 +224,120 @@ def test_what_the_formats_cannot_hold_is_refused():
     with pytest.raises(ValueError, match="up has scales that e8m0 does not hold exactly"):
         load_codes(ex8, q, [s[0], s[1] * 3, s[2]])
     assert ex.info()["experts_loaded"] == ex8.info()["experts_loaded"] == 0
+
+
+def two_level_codes(fmt: str, scaling: str, group: int, shape: tuple, gen: torch.Generator) -> tuple:
+    """(codes, fp32 scales, fp32 mins or None) for gate, up, down of random K-quant-like matrices: every scale (and
+    min) d * sc with d an fp16 value per (row, 256 values of K) and sc an integer (int8 for scales, 6 bits for mins),
+    one exact fp32 product (what gguf's dequantization computes), codes anywhere in the layout's range."""
+    E, H, I = shape
+    lo, hi = {("int8", "symmetric"): (-127, 127), ("int4", "symmetric"): (-8, 7), ("int8", "affine"): (0, 127),
+              ("int4", "affine"): (0, 15), ("lut4", "symmetric"): (0, 15)}[fmt, scaling]
+    out = []
+    for rows, cols in ((I, H), (I, H), (H, I)):
+        q = torch.randint(lo, hi + 1, (E, rows, cols), generator=gen, dtype=torch.int8)
+        per = 256 // group
+        n_super = -(-cols // 256)
+
+        def level2(lo_sc: int, hi_sc: int) -> torch.Tensor:
+            d = (torch.rand(E, rows, n_super, generator=gen) * 0.01 + 1e-3).half().float()
+            if scaling == "symmetric":
+                d = d * (torch.randint(0, 2, d.shape, generator=gen) * 2 - 1)  # Q6_K's d may be negative
+            sc = torch.randint(lo_sc, hi_sc + 1, (E, rows, cols // group), generator=gen).float()
+            return d.repeat_interleave(per, dim=2)[..., :cols // group] * sc
+
+        scales = level2(-128, 127) if scaling == "symmetric" else level2(0, 63)
+        mins = level2(0, 63) if scaling == "affine" else None
+        out.append((q, scales, mins))
+    return tuple(zip(*out))
+
+
+TWO_LEVEL = [("int8", "symmetric", 16), ("int4", "symmetric", 16), ("int4", "affine", 32), ("int8", "affine", 32),
+             ("int4", "affine", 16), ("lut4", "symmetric", 32)]
+
+
+@pytest.mark.parametrize("shape", [(4, 512, 256), (3, 96, 160)], ids=["whole-supers", "part-super"])
+@pytest.mark.parametrize("fmt, scaling, group", TWO_LEVEL, ids=lambda v: str(v))
+def test_two_level_scales_give_the_bits_of_fp32_scales(fmt, scaling, group, shape):
+    """The same codes, scales and mins loaded as k8 (int8 sub-scale x fp16 per 256) and as fp32: the same values
+    (dequantized bitwise; the PyTorch unpack of the GPU prefill reads the k8 bytes to the same bits) and, on every
+    path (each row-block ISA, the emulated AMX GEMM, native AMX where there is one), decode (T = 1) and prefill
+    (T = 37, 64) calls give the same output bits: the kernels widen sub x super to the very fp32 scale."""
+    from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, unpack_experts
+
+    E, H, I = shape
+    gen = torch.Generator().manual_seed(H + group)
+    codes, scales, mins = two_level_codes(fmt, scaling, group, shape, gen)
+    book = "iq4nl" if fmt == "lut4" else None
+    x = torch.randn(64, H, generator=gen)
+    ids = torch.randint(0, E, (64, 2), generator=gen)
+    ids[5, 1] = -1
+    w = torch.rand(64, 2, generator=gen)
+    for path in PATHS:
+        kw = dict(isa=path, amx_min_tokens=1) if path in AMX_PATHS else dict(isa=path)
+        pair = [CPUExperts(E, H, I, fmt, group, pool=WorkerPool(1), scaling=scaling, scale_dtype=sdt, codebook=book,
+                           **kw) for sdt in ("k8", "fp32")]
+        for ex in pair:
+            load_codes(ex, codes, scales, mins=None if scaling == "symmetric" else mins)
+        k8, f32 = pair
+        assert k8.nbytes < f32.nbytes
+        if path == PATHS[0]:
+            for e in range(E):
+                assert all(torch.equal(a, b) for a, b in zip(k8.dequantized(e), f32.dequantized(e)))
+            gu, dn = unpack_experts(ExpertLayout.of(k8), expert_ranges(k8), E, torch.float32)
+            for e in range(E):
+                g, u, d = k8.dequantized(e)
+                assert torch.equal(gu[e], torch.cat([g, u])) and torch.equal(dn[e], d)
+        for T in (1, 37, 64):
+            a, b = k8(x[:T], ids[:T], w[:T]), f32(x[:T], ids[:T], w[:T])
+            assert torch.equal(a, b), f"{fmt} {scaling} g{group} {path} T={T}"
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_fp16_affine_mins_give_the_bits_of_fp32(fmt):
+    """Q4_1 / Q5_1's form (fp16 d and fp16 min per 32): affine with fp16 scales stores its mins as fp16 too, half
+    the bytes of fp16 scales beside fp32 mins, and gives fp32's bits on every path; the PyTorch unpack reads them."""
+    from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, unpack_experts
+
+    E, H, I, G = 3, 96, 64, 32
+    gen = torch.Generator().manual_seed(9)
+    codes, scales, mins = [], [], []
+    for rows, cols in ((I, H), (I, H), (H, I)):
+        codes.append(torch.randint(0, 16 if fmt == "int4" else 32, (E, rows, cols), generator=gen, dtype=torch.int8))
+        scales.append((torch.rand(E, rows, cols // G, generator=gen) * 0.01).half().float())
+        mins.append((torch.randn(E, rows, cols // G, generator=gen) * 0.05).half().float())
+    x = torch.randn(40, H, generator=gen)
+    ids = torch.randint(0, E, (40, 2), generator=gen)
+    w = torch.rand(40, 2, generator=gen)
+    for path in PATHS:
+        kw = dict(isa=path, amx_min_tokens=1) if path in AMX_PATHS else dict(isa=path)
+        pair = [CPUExperts(E, H, I, fmt, G, pool=WorkerPool(1), scaling="affine", scale_dtype=sdt, **kw)
+                for sdt in ("fp16", "fp32")]
+        for ex in pair:
+            load_codes(ex, codes, scales, mins=mins)
+        assert pair[0].info()["bytes_per_expert"] == (
+            2 * packed_matrix_bytes(fmt, I, H, G, True, "fp16") + packed_matrix_bytes(fmt, H, I, G, True, "fp16"))
+        for T in (1, 40):
+            assert torch.equal(pair[0](x[:T], ids[:T], w[:T]), pair[1](x[:T], ids[:T], w[:T])), f"{path} T={T}"
+    gu, dn = unpack_experts(ExpertLayout.of(pair[0]), expert_ranges(pair[0]), E, torch.float32)
+    for e in range(E):
+        g, u, d = pair[0].dequantized(e)
+        assert torch.equal(gu[e], torch.cat([g, u])) and torch.equal(dn[e], d)
+
+
+def test_what_k8_cannot_hold_is_refused():
+    """Scales whose super-block does not split into int8 sub-scales times one fp16 value are refused, naming the
+    matrix; nothing of the call is loaded."""
+    E, H, I = 2, 256, 256
+    ex = CPUExperts(E, H, I, "int8", 16, pool=WorkerPool(1), scale_dtype="k8")
+    q = [torch.zeros(E, r, c, dtype=torch.int8) for r, c in ((I, H), (I, H), (H, I))]
+    s = [torch.full((E, r, c // 16), 0.5) for r, c in ((I, H), (I, H), (H, I))]
+    load_codes(ex, q, s)  # 0.5 = 1 x fp16 0.5
+    bad = s[1].clone()
+    bad[1, 3, 0] = 0.5 * 1000  # 1000 x the others' scale: no int8 sub-scale
+    with pytest.raises(ValueError, match="up has scales that k8 does not hold exactly"):
+        load_codes(ex, q, [s[0], bad, s[2]], first_expert=0)
+    third = s[2].clone()
+    third[0, 0, 2] = 0.1  # beside 0.5: no fp16 d with int8 multiples giving both
+    with pytest.raises(ValueError, match="down has scales that k8 does not hold exactly"):
+        load_codes(ex, q, [s[0], s[1], third])

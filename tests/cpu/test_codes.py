@@ -66,27 +66,34 @@ def test_a_moe_call_over_code_packed_experts_matches_the_reference(fmt):
     assert rel_err(got, ref) < 1e-5  # the same values and roundings; fp32 summation order only
 
 
-@pytest.mark.parametrize("qtype, fmt", [("Q8_0", "int8"), ("Q4_0", "int4")])
-def test_gguf_blocks_load_bitwise(qtype, fmt):
-    """Q8_0 and Q4_0 blocks quantized by the gguf package, split into codes and scales by the loader's decoder
-    (hetmoe/load/gguf/checkpoint.py): the engine's values equal gguf.quants.dequantize bit for bit."""
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_gguf_blocks_load_bitwise(qtype):
+    """Blocks of 32 quantized by the gguf package, split into codes, scales (and Q4_1 / Q5_1's mins, -m) by the
+    loader's decoder (hetmoe/load/gguf/checkpoint.py) and held in their exact layout (hetmoe/cpu/codes.py: fp16 scales,
+    and mins): the engine's values equal gguf.quants.dequantize bit for bit, at the file's bytes for Q8_0, Q4_0 and
+    Q4_1."""
     gguf = pytest.importorskip("gguf")
-    qt = getattr(gguf.GGMLQuantizationType, qtype)
-    gen = torch.Generator().manual_seed(3)
-    experts = CPUExperts(E, H, I, fmt, G, pool=WorkerPool(1))
+    from hetmoe.cpu.codes import exact_layout
     from hetmoe.load.gguf.checkpoint import block_codes
 
-    codes, scales, refs = [], [], []
+    qt = getattr(gguf.GGMLQuantizationType, qtype)
+    gen = torch.Generator().manual_seed(3)
+    experts = CPUExperts(E, H, I, pool=WorkerPool(1), **exact_layout(qtype, qtype))
+    codes, scales, mins, refs = [], [], [], []
     for rows, cols in ((I, H), (I, H), (H, I)):
         w = torch.randn(E, rows, cols, generator=gen).numpy()
         raw = gguf.quants.quantize(w, qt)
         refs.append(torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, qt))))
-        q, d = block_codes(raw, qtype, (E, rows, cols))
-        codes.append(q), scales.append(d)
-    load_codes(experts, codes, scales)
+        q, d, m = block_codes(raw, qtype, (E, rows, cols))
+        assert (m is None) == (qtype in ("Q8_0", "Q4_0", "Q5_0"))
+        codes.append(q), scales.append(d), mins.append(m)
+    load_codes(experts, codes, scales, mins=mins)
     for e in range(E):
         for got, want in zip(experts.dequantized(e), refs):
-            assert torch.equal(got, want[e])
+            assert torch.equal(got.view(torch.int32), want[e].view(torch.int32))
+    file_bytes = gguf.GGML_QUANT_SIZES[qt][1] * (3 * I * H) // 32
+    if qtype in ("Q8_0", "Q4_0", "Q4_1"):
+        assert experts.info()["bytes_per_expert"] == file_bytes
 
 
 def test_what_the_engine_cannot_hold_exactly_is_refused():

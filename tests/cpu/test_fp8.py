@@ -244,6 +244,7 @@ def test_bad_codes_and_scales_are_refused():
                     (dict(weight_format="fp8", group_size=0, shared_scales=True), "grouped fp8 weights only"),
                     (dict(weight_format="fp8", scaling="affine"), "fp8 weights are symmetric"),
                     (dict(weight_format="fp8", group_size=16), "group_size must be 32, 64 or 128"),
+                    (dict(weight_format="fp8", scale_dtype="k8"), "fp8 weights take .* not k8"),
                     (dict(weight_format=("fp8", "int8")), "of different formats"),
                     (dict(weight_format="fp8", shared_scales="yes"), "shared_scales must be a bool")]:
         with pytest.raises(ValueError, match=msg):

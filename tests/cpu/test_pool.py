@@ -260,9 +260,10 @@ def test_forward_before_load(pool):
     [
         (dict(weight_format="fp6"), "unknown weight_format 'fp6'; expected one of bf16, int8, int4"),
         (dict(weight_format="int8", group_size=48),
-         r"group_size must be 32, 64 or 128 \(int8 also 16, or 0 for per-row\), got 48"),
-        (dict(weight_format="int4", group_size=16), r"group_size must be 32, 64 or 128 \(or 0 for per-row\), got 16"),
-        (dict(weight_format="int4", group_size=256), r"group_size must be 32, 64 or 128 \(or 0 for per-row\), got 256"),
+         r"group_size must be 16, 32, 64 or 128 \(or 0 for per-row\), got 48"),
+        (dict(weight_format="int4", group_size=8), r"group_size must be 16, 32, 64 or 128 \(or 0 for per-row\), got 8"),
+        (dict(weight_format="int4", group_size=256),
+         r"group_size must be 16, 32, 64 or 128 \(or 0 for per-row\), got 256"),
         (dict(isa="sse4"), "unknown isa 'sse4'"),
         (dict(num_experts=0), "num_experts must be positive"),
         (dict(hidden_size=0), "hidden_size and intermediate_size must be positive"),

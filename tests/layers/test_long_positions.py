@@ -72,9 +72,10 @@ DECODE = 2
 
 def test_every_scaling_model_type_is_covered():
     # A model type that starts applying RoPE scaling needs a case here; kimi_k2 runs the DeepSeek-V3 class. The
-    # sparse-attention models run DeepSeek-V3's table: their YaRN cases are in tests/models/test_deepseek_v32.py.
+    # sparse-attention models run DeepSeek-V3's table: their YaRN cases are in tests/models/test_deepseek_v32.py;
+    # gpt-oss's (its published YaRN, table to 131,071) in tests/models/test_gpt_oss.py.
     covered = {arch for arch, overrides in CASES.values() if overrides["rope_parameters"]["rope_type"] != "default"}
-    elsewhere = {"deepseek_v32", "glm_moe_dsa"}
+    elsewhere = {"deepseek_v32", "glm_moe_dsa", "gpt_oss"}
     assert {MODEL_TYPES[t] for t in APPLIES_ROPE_SCALING - elsewhere} == {MODEL_TYPES[t] for t in covered}
 
 

@@ -1,4 +1,4 @@
-"""The layerwise prefill's sync-free expert path (hetmoe/moe/streamed/layerwise.py ``grouped_swiglu`` with
+"""The GPU prefills' sync-free expert path (hetmoe/moe/grouped.py ``grouped_swiglu`` with
 hetmoe/ops/triton/grouped.py): here under Triton's interpreter on CPU tensors, with ``torch._grouped_mm`` replaced by
 a loop over the offsets that leaves the rows past the last offset NaN (as unwritten GPU memory may be), so a
 skipped slot's row leaking into the sum would show. On a GPU the same path is covered end to end by the layerwise
@@ -46,7 +46,7 @@ def test_swiglu_and_combine_kernels_match_torch():
 @pytest.mark.parametrize("T,k", [(1, 1), (17, 4), (64, 8)])
 def test_sync_free_path_matches_the_loop(monkeypatch, T, k):
     triton_module("hetmoe.ops.triton.grouped", on_cpu=True)
-    from hetmoe.moe.streamed import layerwise
+    from hetmoe.moe import grouped
 
     gen = torch.Generator().manual_seed(T + k)
     E, H, I = 9, 48, 20
@@ -55,10 +55,10 @@ def test_sync_free_path_matches_the_loop(monkeypatch, T, k):
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
     ids.view(-1)[:: 5] = -1  # skipped slots, first of all (t = 0, j = 0)
     w = torch.rand(T, k, generator=gen)
-    ref = layerwise.grouped_swiglu(x, ids, w, w_gu, w_down)  # the loop over experts (no grouped GEMM on a CPU)
-    monkeypatch.setattr(layerwise, "_grouped_mm_ok", lambda _w: True)
+    ref = grouped.grouped_swiglu(x, ids, w, w_gu, w_down)  # the loop over experts (no grouped GEMM on a CPU)
+    monkeypatch.setattr(grouped, "_grouped_mm_ok", lambda _w: True)
     monkeypatch.setattr(torch, "_grouped_mm", _emulated_grouped_mm, raising=False)
-    got = layerwise.grouped_swiglu(x, ids, w, w_gu, w_down)
+    got = grouped.grouped_swiglu(x, ids, w, w_gu, w_down)
     assert torch.isfinite(got).all()
     # fp32, summation order: measured 1e-7 of the largest value (T = k = 1: the one slot skipped, all zeros)
     assert (got - ref).abs().max().item() <= 1e-5 * max(ref.abs().max().item(), 1.0)

@@ -235,14 +235,20 @@ def test_gpu_experts_auto_all_resident_when_the_whole_model_fits(qwen, capsys):
     assert re.search(r"GPU experts \(128 per layer, int4\) +cuda +15\.19 GiB +auto: 128 of 128 per layer \(all\)", out)
     assert re.search(r"prefill slots +cuda +0\.0 MiB +none: every routed expert is resident", out), out
     assert "prefill weights" not in out and "fits: 24.00 GiB budget" in out
-    # one byte short of every expert (with the margin): the choice goes back to the cost model
-    need = plan.vram_bytes + placement.RESIDENT_MARGIN
+    # every prefill runs on the resident experts: chunks as long as their activations fit (each chunk unpacks
+    # every layer's experts once), shorter under a tighter budget
+    base = EngineOptions().prefill_chunk
+    assert plan.prefill_chunk > base and f"chunks of {plan.prefill_chunk} tokens" in plan.why["resident prefill"]
+    shapes = model_shapes(qwen[1], qwen[0], qwen[3])
+    least = sum(placement.resident_prefill_bytes(shapes, 128, base, 2))
+    # one byte short of every expert (with the margin) at the shortest chunk: the choice goes back to the cost model
+    need = plan.vram_bytes - plan.vram["resident prefill"] + least + placement.RESIDENT_MARGIN
     short = _plan(qwen, **{**opts, "gpu_memory": need - 1})
     assert short.layers[0].gpu_experts < 128 and "by modelled value" in short.why["GPU experts"]
     assert _plan(qwen, **{**opts, "gpu_memory": need}).layers[0].gpu_experts == 128
 
 
-@pytest.mark.parametrize("budget", ["11GiB", "16GiB", "20GiB", "22GiB"])
+@pytest.mark.parametrize("budget", ["11GiB", "16GiB", "20GiB", "23GiB"])
 def test_gpu_experts_auto_chooses_by_modelled_value(qwen, budget, capsys):
     """Experts that do not all fit: resident experts alone against prefill buffers + fewer experts, the higher
     modelled value (geometric mean of decode and prefill tok/s) chosen, both candidates and the numbers printed."""
@@ -250,12 +256,14 @@ def test_gpu_experts_auto_chooses_by_modelled_value(qwen, budget, capsys):
     plan = _plan(qwen, **opts)
     n, limit = plan.layers[0].gpu_experts, parse_size(budget)
     assert 0 < n < 128 and plan.vram_bytes <= limit
-    assert plan.gpu_prefill == (budget != "22GiB")  # near the whole model, the experts are worth more
+    assert plan.gpu_prefill == (budget != "23GiB")  # near the whole model, the experts are worth more
     off = _plan(qwen, **opts, gpu_prefill="off")  # experts only: the most that fit beside the margin
-    m, per = off.layers[0].gpu_experts, 48 * off.layers[0].gpu_expert_bytes
+    shapes = model_shapes(qwen[1], qwen[0], qwen[3])
+    # one more resident expert per layer: its bytes in 48 layers, and one more in the resident prefill's scratch
+    per = 48 * off.layers[0].gpu_expert_bytes + placement.resident_prefill_bytes(shapes, 1, off.prefill_chunk, 2)[0]
+    m = off.layers[0].gpu_experts
     assert not off.gpu_prefill and off.vram_bytes + per > limit - placement.RESIDENT_MARGIN >= off.vram_bytes
     assert "--gpu-prefill off" in off.why["GPU experts"]
-    shapes = model_shapes(qwen[1], qwen[0], qwen[3])
     value = lambda r: (r[0] * r[1]) ** 0.5  # noqa: E731
     chosen = value(placement.modelled_rates(plan, shapes, n, plan.prefill_chunk if plan.gpu_prefill else None))
     assert chosen >= value(placement.modelled_rates(off, shapes, m, None))

@@ -99,26 +99,20 @@ struct NextChunk {
   int lines = 0;
 };
 
-// The scales (and mins) of the one or two row blocks of a call: scales[j] are block j's [n_groups][16] stored
-// scales of `type`, mins[j] its fp32 [n_groups][16] mins (affine) or null.
+// The scales (and mins) of the one or two row blocks of a call: w[j] is block j, whose scale set (and, affine, min
+// set) of its scale type the epilogues read widened to fp32.
 struct BlockScales {
-  const uint8_t* scales[2] = {nullptr, nullptr};
-  const float* mins[2] = {nullptr, nullptr};
-  ScaleType type = ScaleType::f32;
+  const RowBlock* w[2] = {nullptr, nullptr};
 
-  static BlockScales of(const RowBlock* w, int n_blk) {
+  static BlockScales of(const RowBlock* blocks, int n_blk) {
     BlockScales b;
-    for (int j = 0; j < n_blk && j < 2; ++j) b.scales[j] = w[j].scales, b.mins[j] = w[j].mins;
-    b.type = w[0].scale_type;
+    for (int j = 0; j < n_blk && j < 2; ++j) b.w[j] = &blocks[j];
     return b;
   }
-  // Block j's 16 scales of group g as fp32: in place when stored as fp32, else widened into buf (exact).
-  const float* widened(int j, int g, float* buf) const {
-    const uint8_t* p = scales[j] + (size_t)g * kRowsPerBlock * scale_width(type);
-    if (type == ScaleType::f32) return reinterpret_cast<const float*>(p);
-    for (int r = 0; r < kRowsPerBlock; ++r) buf[r] = scale_to_float(type, p + r * scale_width(type));
-    return buf;
-  }
+  bool affine() const { return w[0]->mins != nullptr; }
+  // Block j's 16 scales / mins of group g as fp32: in place when stored as fp32, else widened into buf (exact).
+  const float* widened(int j, int g, float* buf) const { return w[j]->widened(w[j]->scales, g, buf); }
+  const float* widened_mins(int j, int g, float* buf) const { return w[j]->widened(w[j]->mins, g, buf); }
 };
 
 // The fp32 epilogue of one group for 16 outputs o (formats/layout.h): symmetric o = fma(float(isum - offset * xsum),
@@ -352,10 +346,10 @@ struct Gemm {
   static void group_epilogue(float* out, const int32_t* c, const BlockScales& sc, int wgroup, int group, int32_t offset,
                              const AmxPanel& x, int m0, int rows, int g) {
     const int wg = g * group / wgroup;
-    const size_t wo = (size_t)wg * kRowsPerBlock;
-    alignas(64) float wide[2][kRowsPerBlock];
+    alignas(64) float wide[2][kRowsPerBlock], wide_m[2][kRowsPerBlock];
     const float* ws[2] = {sc.widened(0, wg, wide[0]), NB > 1 ? sc.widened(1, wg, wide[1]) : nullptr};
-    const float* wm[2] = {kAffine ? sc.mins[0] + wo : nullptr, kAffine && NB > 1 ? sc.mins[1] + wo : nullptr};
+    const float* wm[2] = {kAffine ? sc.widened_mins(0, wg, wide_m[0]) : nullptr,
+                          kAffine && NB > 1 ? sc.widened_mins(1, wg, wide_m[1]) : nullptr};
     Tiles::template epilogue_rows<kAffine, NB>(out + (size_t)m0 * kOutStride, c, ws, wm, x, m0, rows, g,
                                                kAffine || Tiles::kSignedB ? 0 : offset);
   }
@@ -446,12 +440,12 @@ struct Gemm {
   // (a.group); the weight scales are read per weight group `wgroup` (the same, except for per-row int8 weights,
   // whose scales repeat in every group of 128 while their h groups are longer).
   // Every block of one call has the same scaling (gate and up of one matrix shape, or row blocks of down), so
-  // sc.mins[0] picks the instantiation.
+  // sc.affine() picks the instantiation.
   // `two_set`: grouped calls take the two-set loop at any length (int4: kTwoSetMaxTokens above).
   static void int8_lines(const uint8_t* const* lines, const BlockScales& sc, int n_blk, const RowBlock* next,
                          int n_next, int kp, int wgroup, int32_t offset, const AmxPanel& x, const ActLayout& a,
                          int n_tok, float* out, bool prefetch, const NextChunk& spread = {}, bool two_set = false) {
-    if (sc.mins[0])
+    if (sc.affine())
       int8_lines_as<true>(lines, sc, n_blk, next, n_next, kp, wgroup, offset, x, a, n_tok, out, prefetch, spread,
                           two_set);
     else

@@ -51,10 +51,10 @@ struct Bf16Tile {
   }
 };
 
-// Scales 8 * half .. 8 * half + 7 of group g of w as fp32 (formats/layout.h: one load and one conversion, exact, the
-// bits of scale_to_float).
-inline __m256 scales8(const RowBlock& w, int g, int half) {
-  const uint8_t* p = w.group_scales(g) + 8 * half * scale_width(w.scale_type);
+// Values 8 * half .. 8 * half + 7 of group g of a scale set of w (its scales, or its mins) as fp32 (formats/layout.h:
+// one load and one conversion, k8 two and a multiply; exact, the bits of RowBlock::value).
+inline __m256 widen8(const RowBlock& w, const uint8_t* set, int g, int half) {
+  const uint8_t* p = w.group_of(set, g) + 8 * half * scale_width(w.scale_type);
   switch (w.scale_type) {
     case ScaleType::f16: return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     case ScaleType::bf16: {
@@ -67,21 +67,32 @@ inline __m256 scales8(const RowBlock& w, int g, int half) {
       const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
       return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
     }
+    case ScaleType::k8: {  // int8 sub-scale x fp16 super scale
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+      const uint8_t* d = w.super_of(set, g) + 16 * half;
+      return _mm256_mul_ps(sc, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d))));
+    }
     case ScaleType::f32: break;
   }
   return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
 }
+inline __m256 scales8(const RowBlock& w, int g, int half) { return widen8(w, w.scales, g, half); }
+// Mins 8 * half .. of group g (affine kernels only; zeros otherwise, unused).
+template <bool kAffine>
+inline __m256 mins8(const RowBlock& w, int g, int half) {
+  if constexpr (kAffine) return widen8(w, w.mins, g, half);
+  return _mm256_setzero_ps();
+}
 
 // acc += float(isum - offset * xsum) * (w_scale * x_scale), for 8 rows; affine (offset 0): then
 // acc += float(-xsum) * (w_min * x_scale) (formats/layout.h). As on AVX-512, a kernel body per scaling (kAffine).
-// wscale: the 8 rows' weight scales (scales8).
+// wscale / wmin: the 8 rows' weight scales and mins (scales8, mins8).
 template <bool kAffine>
-inline __m256 epilogue8(__m256 acc, __m256i isum, int32_t offset, int32_t xsum, __m256 wscale, const float* wmin,
+inline __m256 epilogue8(__m256 acc, __m256i isum, int32_t offset, int32_t xsum, __m256 wscale, __m256 wmin,
                         float xscale) {
   if constexpr (kAffine) {
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(wscale, _mm256_set1_ps(xscale)), acc);
-    return _mm256_fmadd_ps(_mm256_set1_ps((float)(-xsum)), _mm256_mul_ps(_mm256_loadu_ps(wmin), _mm256_set1_ps(xscale)),
-                           acc);
+    return _mm256_fmadd_ps(_mm256_set1_ps((float)(-xsum)), _mm256_mul_ps(wmin, _mm256_set1_ps(xscale)), acc);
   }
   isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(offset * xsum));
   __m256 s = _mm256_mul_ps(wscale, _mm256_set1_ps(xscale));
@@ -129,15 +140,15 @@ struct Int8Tile {
         }
       }
       const __m256 ws0 = scales8(w, g, 0), ws1 = scales8(w, g, 1);
+      const __m256 wm0 = mins8<kAffine>(w, g, 0), wm1 = mins8<kAffine>(w, g, 1);
 #pragma GCC unroll 8
       for (int i = 0; i < NT; ++i) {
         const float xs = act_scales(rows[i], a)[g];
         const int32_t xsum = act_sums(rows[i], a)[g];
-        const float* wm = kAffine ? w.mins + g * kRowsPerBlock : nullptr;
         __m256i lo = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][0], acc[i][1]), 0xD8);
         __m256i hi = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][2], acc[i][3]), 0xD8);
-        facc[i][0] = epilogue8<kAffine>(facc[i][0], lo, 128, xsum, ws0, wm, xs);
-        facc[i][1] = epilogue8<kAffine>(facc[i][1], hi, 128, xsum, ws1, wm ? wm + 8 : wm, xs);
+        facc[i][0] = epilogue8<kAffine>(facc[i][0], lo, 128, xsum, ws0, wm0, xs);
+        facc[i][1] = epilogue8<kAffine>(facc[i][1], hi, 128, xsum, ws1, wm1, xs);
       }
     }
 #pragma GCC unroll 8
@@ -158,6 +169,7 @@ struct Int4Tile {
   template <bool kAffine>
   static void body(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
     const int lines_per_group = w.group / 8, n_groups = w.kp / w.group;
+    const int step = lines_per_group < 4 ? lines_per_group : 4;  // lines summed in int16 (group 16: 2)
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const int8_t* x[NT];
 #pragma GCC unroll 8
@@ -170,11 +182,11 @@ struct Int4Tile {
       __m256i acc[NT][2];
 #pragma GCC unroll 8
       for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
-      for (int j4 = 0; j4 < lines_per_group; j4 += 4) {
+      for (int j4 = 0; j4 < lines_per_group; j4 += step) {
         __m256i acc16[NT][2];
 #pragma GCC unroll 8
         for (int i = 0; i < NT; ++i) acc16[i][0] = acc16[i][1] = _mm256_setzero_si256();
-        for (int jj = 0; jj < 4; ++jj, p += kLineBytes) {
+        for (int jj = 0; jj < step; ++jj, p += kLineBytes) {
           _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
           const int j = g * lines_per_group + j4 + jj;
           __m256i xl[NT], xh[NT];
@@ -205,13 +217,13 @@ struct Int4Tile {
             acc[i][half] = _mm256_add_epi32(acc[i][half], _mm256_madd_epi16(acc16[i][half], ones));
       }
       const __m256 ws0 = scales8(w, g, 0), ws1 = scales8(w, g, 1);
+      const __m256 wm0 = mins8<kAffine>(w, g, 0), wm1 = mins8<kAffine>(w, g, 1);
 #pragma GCC unroll 8
       for (int i = 0; i < NT; ++i) {
         const float xs = act_scales(rows[i], a)[g];
         const int32_t xsum = act_sums(rows[i], a)[g];
-        const float* wm = kAffine ? w.mins + g * kRowsPerBlock : nullptr;
-        facc[i][0] = epilogue8<kAffine>(facc[i][0], acc[i][0], 8, xsum, ws0, wm, xs);
-        facc[i][1] = epilogue8<kAffine>(facc[i][1], acc[i][1], 8, xsum, ws1, wm ? wm + 8 : wm, xs);
+        facc[i][0] = epilogue8<kAffine>(facc[i][0], acc[i][0], 8, xsum, ws0, wm0, xs);
+        facc[i][1] = epilogue8<kAffine>(facc[i][1], acc[i][1], 8, xsum, ws1, wm1, xs);
       }
     }
 #pragma GCC unroll 8
@@ -255,6 +267,19 @@ struct Int4Tile<1> {
       __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
       for (int j4 = 0; j4 < lines_per_group; j4 += 4) {
         __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        if (lines_per_group == 2) {  // group 16: one pair of lines
+          for (int jj = 0; jj < 2; ++jj, p += kLineBytes, x += 8) {
+            _mm_prefetch(reinterpret_cast<const char*>(p) + kInt4RowPrefetchBytes, _MM_HINT_T0);
+            int32_t xl, xh;
+            std::memcpy(&xl, x, 4);
+            std::memcpy(&xh, x + 4, 4);
+            s0 = _mm256_adds_epi16(s0, half_line(p, xl, xh, low4));
+            s1 = _mm256_adds_epi16(s1, half_line(p + 32, xl, xh, low4));
+          }
+          a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(s0, ones));
+          a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(s1, ones));
+          break;
+        }
 #pragma GCC unroll 4
         for (int jj = 0; jj < 4; ++jj, p += kLineBytes, x += 8) {
           _mm_prefetch(reinterpret_cast<const char*>(p) + kInt4RowPrefetchBytes, _MM_HINT_T0);
@@ -267,9 +292,8 @@ struct Int4Tile<1> {
         a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(s0, ones));
         a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(s1, ones));
       }
-      const float* wm = kAffine ? w.mins + g * kRowsPerBlock : nullptr;
-      f0 = epilogue8<kAffine>(f0, a0, 8, xsums[g], scales8(w, g, 0), wm, xscales[g]);
-      f1 = epilogue8<kAffine>(f1, a1, 8, xsums[g], scales8(w, g, 1), wm ? wm + 8 : wm, xscales[g]);
+      f0 = epilogue8<kAffine>(f0, a0, 8, xsums[g], scales8(w, g, 0), mins8<kAffine>(w, g, 0), xscales[g]);
+      f1 = epilogue8<kAffine>(f1, a1, 8, xsums[g], scales8(w, g, 1), mins8<kAffine>(w, g, 1), xscales[g]);
     }
     _mm256_storeu_ps(out, f0);
     _mm256_storeu_ps(out + 8, f1);
@@ -340,8 +364,8 @@ struct Lut4Tile {
       for (int i = 0; i < NT; ++i) {
         const float xs = act_scales(rows[i], a)[g];
         const int32_t xsum = act_sums(rows[i], a)[g];
-        facc[i][0] = epilogue8<false>(facc[i][0], acc[i][0], 0, xsum, ws0, nullptr, xs);
-        facc[i][1] = epilogue8<false>(facc[i][1], acc[i][1], 0, xsum, ws1, nullptr, xs);
+        facc[i][0] = epilogue8<false>(facc[i][0], acc[i][0], 0, xsum, ws0, _mm256_setzero_ps(), xs);
+        facc[i][1] = epilogue8<false>(facc[i][1], acc[i][1], 0, xsum, ws1, _mm256_setzero_ps(), xs);
       }
     }
 #pragma GCC unroll 8
@@ -482,8 +506,8 @@ struct V {
 }  // namespace
 
 RowOps row_ops() {
-  return {row_ops::quantize<V>, row_ops::bf16_to_f32<V>, row_ops::f32_to_bf16<V>,
-          row_ops::axpy<V>,     row_ops::swiglu<V>,      row_ops::copy_stream<V>};
+  return {row_ops::quantize<V>, row_ops::bf16_to_f32<V>,    row_ops::f32_to_bf16<V>, row_ops::axpy<V>,
+          row_ops::swiglu<V>,   row_ops::clamped_swiglu<V>, row_ops::copy_stream<V>};
 }
 
 uint64_t read_bytes(const uint8_t* p, size_t bytes) {

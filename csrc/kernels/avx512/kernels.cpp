@@ -45,10 +45,10 @@ struct Bf16Tile {
   }
 };
 
-// The 16 scales of group g of w as fp32 (formats/layout.h: one load and one conversion, exact, the bits of
-// scale_to_float).
-inline __m512 scales16(const RowBlock& w, int g) {
-  const uint8_t* p = w.group_scales(g);
+// The 16 values of group g of a scale set of w (its scales, or its mins) as fp32 (formats/layout.h: one load and one
+// conversion, k8 two and a multiply; exact, the bits of RowBlock::value).
+inline __m512 widen16(const RowBlock& w, const uint8_t* set, int g) {
+  const uint8_t* p = w.group_of(set, g);
   switch (w.scale_type) {
     case ScaleType::f16: return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     case ScaleType::bf16: {
@@ -61,22 +61,29 @@ inline __m512 scales16(const RowBlock& w, int g) {
       const __m512i sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
       return _mm512_castsi512_ps(_mm512_mask_mov_epi32(normal, _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), sub));
     }
+    case ScaleType::k8: {  // int8 sub-scale x fp16 super scale
+      const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.super_of(set, g))));
+      return _mm512_mul_ps(sc, d);
+    }
     case ScaleType::f32: break;
   }
   return _mm512_loadu_ps(p);
 }
+inline __m512 scales16(const RowBlock& w, int g) { return widen16(w, w.scales, g); }
+// The group's 16 mins (affine kernels only).
+inline __m512 mins16(const RowBlock& w, int g) { return widen16(w, w.mins, g); }
 
 // acc += float(isum - offset * xsum) * (w_scale * x_scale), for 16 rows; affine (offset 0): then
 // acc += float(-xsum) * (w_min * x_scale) (formats/layout.h). The tiles run a kernel body per scaling
-// (kAffine), so the symmetric one carries no min pointer or branch (they cost it registers: spills at NT >= 8).
-// wscale: the group's 16 weight scales (scales16).
+// (kAffine), so the symmetric one carries no min or branch (they cost it registers: spills at NT >= 8).
+// wscale / wmin: the group's 16 weight scales and mins (scales16, mins16; wmin unused when symmetric).
 template <bool kAffine>
-inline __m512 epilogue16(__m512 acc, __m512i isum, int32_t offset, int32_t xsum, __m512 wscale, const float* wmin,
+inline __m512 epilogue16(__m512 acc, __m512i isum, int32_t offset, int32_t xsum, __m512 wscale, __m512 wmin,
                          float xscale) {
   if constexpr (kAffine) {
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(wscale, _mm512_set1_ps(xscale)), acc);
-    return _mm512_fmadd_ps(_mm512_set1_ps((float)(-xsum)), _mm512_mul_ps(_mm512_loadu_ps(wmin), _mm512_set1_ps(xscale)),
-                           acc);
+    return _mm512_fmadd_ps(_mm512_set1_ps((float)(-xsum)), _mm512_mul_ps(wmin, _mm512_set1_ps(xscale)), acc);
   }
   isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset * xsum));
   __m512 s = _mm512_mul_ps(wscale, _mm512_set1_ps(xscale));
@@ -121,12 +128,11 @@ struct Int8Tile {
           acc[i][1] = _mm512_dpwssd_epi32(acc[i][1], w1, xb);
         }
       }
-      const __m512 ws = scales16(w, g);
+      const __m512 ws = scales16(w, g), wm = kAffine ? mins16(w, g) : _mm512_setzero_ps();
 #pragma GCC unroll 16
       for (int i = 0; i < NT; ++i) {
         __m512i rows16 = _mm512_inserti64x4(_mm512_castsi256_si512(pair_sums(acc[i][0])), pair_sums(acc[i][1]), 1);
-        facc[i] = epilogue16<kAffine>(facc[i], rows16, 128, act_sums(rows[i], a)[g], ws,
-                                      kAffine ? w.mins + g * kRowsPerBlock : nullptr, act_scales(rows[i], a)[g]);
+        facc[i] = epilogue16<kAffine>(facc[i], rows16, 128, act_sums(rows[i], a)[g], ws, wm, act_scales(rows[i], a)[g]);
       }
     }
 #pragma GCC unroll 16
@@ -204,14 +210,14 @@ struct NibbleTile {
           }
         }
       }
-      const __m512 ws = scales16(w, g);
+      const __m512 ws = scales16(w, g), wm = kAffine ? mins16(w, g) : _mm512_setzero_ps();
 #pragma GCC unroll 16
       for (int i = 0; i < NT; ++i) {
         __m512i sum = acc[i][0];
 #pragma GCC unroll 4
         for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, acc[i][c]);
-        facc[i] = epilogue16<kAffine>(facc[i], sum, kOffset, act_sums(rows[i], a)[g], ws,
-                                      kAffine ? w.mins + g * kRowsPerBlock : nullptr, act_scales(rows[i], a)[g]);
+        facc[i] =
+            epilogue16<kAffine>(facc[i], sum, kOffset, act_sums(rows[i], a)[g], ws, wm, act_scales(rows[i], a)[g]);
       }
     }
 #pragma GCC unroll 16
@@ -265,7 +271,7 @@ struct NibbleTile<1, kLut> {
         c3 = _mm512_dpbusd_epi32(c3, h1, _mm512_set1_epi32(x3));
       }
       const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(c0, c1), _mm512_add_epi32(c2, c3));
-      f = epilogue16<kAffine>(f, sum, kOffset, xsums[g], scales16(w, g), kAffine ? w.mins + g * kRowsPerBlock : nullptr,
+      f = epilogue16<kAffine>(f, sum, kOffset, xsums[g], scales16(w, g), kAffine ? mins16(w, g) : _mm512_setzero_ps(),
                               xscales[g]);
     }
     _mm512_storeu_ps(out, f);
@@ -402,8 +408,8 @@ struct V {
 }  // namespace
 
 RowOps row_ops() {
-  return {row_ops::quantize<V>, row_ops::bf16_to_f32<V>, row_ops::f32_to_bf16<V>,
-          row_ops::axpy<V>,     row_ops::swiglu<V>,      row_ops::copy_stream<V>};
+  return {row_ops::quantize<V>, row_ops::bf16_to_f32<V>,    row_ops::f32_to_bf16<V>, row_ops::axpy<V>,
+          row_ops::swiglu<V>,   row_ops::clamped_swiglu<V>, row_ops::copy_stream<V>};
 }
 
 uint64_t read_bytes(const uint8_t* p, size_t bytes) {

@@ -28,11 +28,14 @@ void axpy(float w, const float* y, int n, float* acc) {
 void swiglu(const float* gate, const float* up, int n, float* h) {
   for (int i = 0; i < n; ++i) h[i] = hetmoe::swiglu(gate[i], up[i]);
 }
+void clamped_swiglu(const float* gate, const float* up, int n, float alpha, float limit, float offset, float* h) {
+  for (int i = 0; i < n; ++i) h[i] = hetmoe::clamped_swiglu(gate[i], up[i], alpha, limit, offset);
+}
 void copy(const float* src, int n, float* dst) { std::memcpy(dst, src, sizeof(float) * n); }
 
 }  // namespace
 
-RowOps row_ops() { return {quantize, bf16_to_f32, f32_to_bf16, axpy, swiglu, copy}; }
+RowOps row_ops() { return {quantize, bf16_to_f32, f32_to_bf16, axpy, swiglu, clamped_swiglu, copy}; }
 
 uint64_t read_bytes(const uint8_t* p, size_t bytes) {
   uint64_t a = 0, b = 0;
@@ -92,7 +95,7 @@ static void rowblock_int(const RowBlock& w, const uint8_t* const* rows, const Ac
         const float scale = w.scale(g, r);
         if (w.mins) {  // affine (layout.h): the codes carry no offset, the min meets the element sum
           acc = std::fma((float)isum, scale * xs[g], acc);
-          acc = std::fma((float)(-xsum[g]), w.mins[g * kRowsPerBlock + r] * xs[g], acc);
+          acc = std::fma((float)(-xsum[g]), w.min(g, r) * xs[g], acc);
         } else {
           isum -= kOffset * xsum[g];
           acc = std::fma((float)isum, scale * xs[g], acc);

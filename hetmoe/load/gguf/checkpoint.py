@@ -4,14 +4,12 @@ file has: the routed experts' own quantized blocks (``expert_codes``) and the en
 (``exact_format``).
 
 Tensors are read from the memory-mapped file when asked for, one at a time (a stacked experts tensor one expert at
-a time), so loading holds one layer's weights as the safetensors path does. Exact types: Q8_0 (fp16 scale + 32 int8
-per block) is the engine's int8 with groups of 32 and fp16 scales, Q4_0 (fp16 scale + 16 bytes: values 0..15 in the
-low nibbles, 16..31 in the high ones, offset 8) its int4 with groups of 32 and fp16 scales; the K-quants Q4_K / Q5_K
-are int4 / int8 affine with groups of 32 and Q6_K int8 with groups of 16 (hetmoe/load/gguf/kquants.py); IQ4_NL,
-IQ4_XS and MXFP4 are its lut4 (4-bit indices into a codebook) with groups of 32 (hetmoe/load/gguf/lut4_blocks.py).
-Gate/up and down may have different exact types (4-bit codes then go into int8 in an int8 plan). They are packed from
-the codes (hetmoe/cpu/codes.py): the kernels multiply by exactly what ``gguf``'s dequantization gives. Every other
-type is dequantized (gguf.quants) and quantized into the experts format of the plan.
+a time), so loading holds one layer's weights as the safetensors path does. Exact types (hetmoe/cpu/codes.py lists
+the layout of each): the blocks of 32 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (``block_codes``), the K-quants Q2_K .. Q6_K
+(hetmoe/load/gguf/kquants.py), IQ4_NL, IQ4_XS and MXFP4 (lut4: 4-bit indices into a codebook,
+hetmoe/load/gguf/lut4_blocks.py). Gate/up and down may have different exact types (4-bit codes then go into int8 in
+an int8 plan). They are packed from the codes (hetmoe/cpu/codes.py): the kernels multiply by exactly what ``gguf``'s
+dequantization gives. Every other type is dequantized (gguf.quants) and quantized into the experts format of the plan.
 """
 
 from __future__ import annotations
@@ -30,11 +28,12 @@ from hetmoe.cpu.codes import EXACT_TYPES, exact_layout, layout_of, load_codes, l
 from hetmoe.load.gguf.kquants import KQUANTS, kquant_codes
 from hetmoe.load.gguf.lut4_blocks import LUT4_BLOCKS, lut4_codes
 from hetmoe.load.gguf.metadata import config_from_gguf
-from hetmoe.load.gguf.names import Transform, hf_names, merge_kv_b, unpermute_rope
+from hetmoe.load.gguf.names import PAIRS, Transform, hf_names, merge_pair, undo
 from hetmoe.load.gguf.reader import GGUFError, open_gguf
 from hetmoe.models.config import ModelConfig
 
-EXACT = {"Q8_0": ("int8", 34), "Q4_0": ("int4", 18)}  # GGML type -> (engine format, bytes per block of 32)
+# GGML type -> (engine format, bytes per block of 32) of the blocks block_codes decodes
+EXACT = {"Q8_0": ("int8", 34), "Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q5_0": ("int8", 22), "Q5_1": ("int8", 24)}
 BLOCK = 32
 CHUNK = 8  # experts decoded and packed at once
 _LAYER = re.compile(r"\.layers\.\d+\.")
@@ -73,22 +72,34 @@ def runnable_types() -> tuple:
 
 
 def block_codes(raw: np.ndarray, kind: str, shape: tuple) -> tuple:
-    """(codes int8 ``shape``, scales fp32 ``shape[:-1] + (shape[-1] / 32,)``) of Q8_0 / Q4_0 blocks ``raw`` (bytes,
-    rows of blocks). Q8_0: fp16 d, 32 int8; Q4_0: fp16 d, 16 bytes whose low nibbles are values 0..15 and high
-    nibbles 16..31, stored + 8."""
+    """(codes int8 ``shape``, scales fp32 ``shape[:-1] + (shape[-1] / 32,)``, mins of the scales' shape or None) of
+    blocks of 32 ``raw`` (bytes, rows of blocks): Q8_0 (fp16 d, 32 int8), Q4_0 (fp16 d, 16 bytes whose low nibbles are
+    values 0..15 and high nibbles 16..31, stored + 8), Q4_1 (fp16 d, fp16 m, Q4_0's nibbles as they are: value =
+    d * q + m, so min = -m), Q5_0 / Q5_1 (Q4_0 / Q4_1 with a uint32 of fifth bits before the nibbles, bit i for value
+    i; Q5_0 stored + 16)."""
     nb = shape[-1] // BLOCK
     blocks = raw.reshape(*shape[:-1], nb, EXACT[kind][1])
-    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+
+    def half(at: int) -> np.ndarray:  # the fp16 field at byte `at` of every block, as fp32
+        return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+    d = half(0)
+    mins = torch.from_numpy(-half(2)) if kind in ("Q4_1", "Q5_1") else None
     if kind == "Q8_0":
-        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
-    else:  # nibbles into uint8 in place, then - 8 as int8 (no temporaries of the whole matrix)
-        nib = blocks[..., 2:]
-        q = np.empty((*shape[:-1], nb, BLOCK), np.uint8)
-        np.bitwise_and(nib, 0x0F, out=q[..., :BLOCK // 2])
-        np.right_shift(nib, 4, out=q[..., BLOCK // 2:])
-        q = q.view(np.int8)
-        q -= 8
-    return torch.from_numpy(q.reshape(shape)), torch.from_numpy(d)
+        q8 = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
+        return torch.from_numpy(q8.reshape(shape)), torch.from_numpy(d), None
+    start = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[kind]
+    nib = blocks[..., start:]  # the nibbles into uint8 in place (no temporaries of the whole matrix)
+    q = np.empty((*shape[:-1], nb, BLOCK), np.uint8)
+    np.bitwise_and(nib, 0x0F, out=q[..., :BLOCK // 2])
+    np.right_shift(nib, 4, out=q[..., BLOCK // 2:])
+    if kind in ("Q5_0", "Q5_1"):
+        qh = np.ascontiguousarray(blocks[..., start - 4:start]).view("<u4")  # [..., nb, 1]
+        q |= (((qh >> np.arange(BLOCK, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+    q = q.view(np.int8)
+    if kind in ("Q4_0", "Q5_0"):
+        q -= 8 if kind == "Q4_0" else 16
+    return torch.from_numpy(q.reshape(shape)), torch.from_numpy(d), mins
 
 
 def tokenizer_of(path):
@@ -129,22 +140,34 @@ class GGUFCheckpoint:
         self.path = Path(self.file.path)
         self.config_source = self.path  # what errors about the config name
         self.config = ModelConfig(config_from_gguf(self.file))
-        self._map: dict = {}  # HF name -> (GGUFTensor, transform, expert index or None) or the kv_b pair
+        self._map: dict = {}  # HF name -> (GGUFTensor, transform, expert index or None) or a pair's two tensors
         self._scratch: dict = {}  # (matrix, GGML type, shape) -> decode buffers of CHUNK experts (load_exact_experts)
         pairs: dict = {}
+        second = {b: a for a, b in PAIRS.items()}
+        skipped = []
         for gguf_name, (name, transform) in hf_names(self.file).items():
             t = self.file.tensors[gguf_name]
-            if transform is Transform.EXPERTS:
+            if transform is Transform.SKIP:
+                skipped.append(gguf_name)
+            elif transform is Transform.EXPERTS:
                 for e in range(t.shape[0]):
                     self._map[name.format(expert=e)] = (t, transform, e)
-            elif transform in (Transform.KV_B_K, Transform.KV_B_V):
+            elif transform in PAIRS or transform in second:
                 pairs.setdefault(name, {})[transform] = t
             else:
                 self._map[name] = (t, transform, None)
         for name, pair in pairs.items():
-            if len(pair) != 2:
-                raise GGUFError(f"{self.path}: {name} needs both attn_k_b and attn_v_b")
-            self._map[name] = (pair, Transform.KV_B_K, None)
+            first = next(iter(pair)) if len(pair) == 1 else None
+            if first is not None:
+                first = first if first in PAIRS else second[first]
+                names = {Transform.KV_B_K: "attn_k_b and attn_v_b", Transform.QKVZ_QKV: "attn_qkv and attn_gate"}
+                raise GGUFError(f"{self.path}: {name} needs both {names[first]}")
+            first = next(k for k in pair if k in PAIRS)
+            self._map[name] = (pair, first, None)
+        self.notes = []
+        if skipped:
+            self.notes.append(f"{self.path.name}: {len(skipped)} tensor(s) of the multi-token-prediction layer(s) "
+                              f"({skipped[0]}, ...) are not read: hetmoe runs the main layers only")
         self._check_types()
 
     def _check_types(self) -> None:
@@ -177,29 +200,30 @@ class GGUFCheckpoint:
         if transform is Transform.KV_B_K:
             cfg = self.config
             return (cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        if transform is Transform.QKVZ_QKV:
+            qkv, z = t[Transform.QKVZ_QKV].shape, t[Transform.QKVZ_Z].shape
+            return (qkv[0] + z[0], qkv[1])
         if transform is Transform.ROW:
             return (1, int(np.prod(t.shape)))
+        if transform in (Transform.CONV, Transform.V_CONV):
+            return (t.shape[0], 1, int(np.prod(t.shape[1:])))
         return tuple(t.shape[1:]) if e is not None else tuple(t.shape)
 
     def get_float(self, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The tensor under its Hugging Face name, dequantized to fp32 (or ``dtype``), transforms undone."""
         t, transform, e = self._entry(name)
-        cfg = self.config
-        if transform is Transform.KV_B_K:
-            w = merge_kv_b(t[Transform.KV_B_K].float32(), t[Transform.KV_B_V].float32(), cfg.num_attention_heads,
-                           cfg.kv_lora_rank)
-        elif transform in (Transform.UNPERMUTE_Q, Transform.UNPERMUTE_K):
-            heads = cfg.num_attention_heads if transform is Transform.UNPERMUTE_Q else cfg.num_key_value_heads
-            w = unpermute_rope(t.float32(), heads)
-        else:  # decoded straight into the dtype
-            w = t.dequantized(dtype or torch.float32, e)
-            return w.reshape(1, -1) if transform is Transform.ROW else w
+        if transform in PAIRS:
+            w = merge_pair(transform, t[transform].float32(), t[PAIRS[transform]].float32(), self.config)
+        elif transform in (Transform.COPY, Transform.EXPERTS):  # decoded straight into the dtype
+            return t.dequantized(dtype or torch.float32, e)
+        else:
+            w = undo(transform, t.float32(), self.config)
         out = torch.from_numpy(np.ascontiguousarray(w))
         return out if dtype is None else out.to(dtype)
 
     def ggml_type(self, name: str) -> str:
         t, _, _ = self._entry(name)
-        return t[Transform.KV_B_K].ggml_type.name if isinstance(t, dict) else t.ggml_type.name
+        return next(iter(t.values())).ggml_type.name if isinstance(t, dict) else t.ggml_type.name
 
     def exact_format(self, names: list, plan: Optional[str] = None) -> Optional[dict]:
         """The CPUExperts layout holding one layer's gate, up, down (``names``) exactly (hetmoe/cpu/codes.py
@@ -223,7 +247,7 @@ class GGUFCheckpoint:
                 return (*lut4_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:])), None)
         except ValueError as err:
             raise GGUFError(f"{self.path}: {name}: {err}") from None
-        return (*block_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:])), None)
+        return block_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:]))
 
     def expert_types(self, prefixes: list, names: list) -> tuple:
         """The GGML types of (gate, up, down) of each MoE block of ``prefixes`` (``names``: as the model calls
@@ -283,7 +307,7 @@ class GGUFCheckpoint:
             except ValueError as err:
                 raise GGUFError(f"{self.path}: {t.name}: {err}") from None
         if kind not in KQUANTS:
-            return (*block_codes(np.asarray(t.data[e0:e0 + n]), kind, shape), None)
+            return block_codes(np.asarray(t.data[e0:e0 + n]), kind, shape)
         group, affine = KQUANTS[kind][2], KQUANTS[kind][1] == "affine"
         key = (slot, kind, tuple(t.shape[1:]))
         if key not in self._scratch:

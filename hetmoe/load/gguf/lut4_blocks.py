@@ -7,7 +7,8 @@ same):
 - IQ4_XS, 136 bytes per super-block of 256: fp16 d, uint16 scales_h, 4 bytes scales_l, 128 bytes of nibbles (8
   sub-blocks of 32, each as IQ4_NL's 16 bytes). Sub-block j's 6-bit scale ls = (scales_l[j / 2] >> 4 (j % 2)) & 15 |
   ((scales_h >> 2 j) & 3) << 4, value = (d * (ls - 32)) * kvalues_iq4nl[q]. -> indices, scales fp32(d) * (ls - 32):
-  one fp32 rounding that is exact (11 + 6 significant bits), as gguf's numpy dequantization computes it.
+  one fp32 rounding that is exact (11 + 6 significant bits), as gguf's numpy dequantization computes it; the engine
+  holds them as k8 (csrc/formats/layout.h: the int8 ls - 32 and the fp16 d again).
 - MXFP4, 17 bytes per 32 values: an E8M0 exponent byte e, 16 bytes of nibbles (IQ4_NL's order); value =
   kvalues_mxfp4[q] * 2^(e - 128) (the E2M1 values doubled to integers, the 1/2 in the scale: ggml's
   GGML_E8M0_TO_FP32_HALF). -> indices, scale 2^(e - 128) as fp32 (e8m0 holds it as the byte e).

@@ -31,8 +31,30 @@
   files in key_length / value_length: qk_nope_head_dim = key length - rope, v_head_dim = value length.
   num_key_value_heads = heads, as in Hugging Face's DeepSeek configs. YaRN: the converter writes
   rope.scaling.yarn_log_multiplier = 0.1 * mscale_all_dim, llama.cpp divides the 0.1 out
-  ([TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]) and takes mscale = mscale_all_dim for deepseek2: both are multiplier / 0.1.
+  ([TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]) and takes mscale = mscale_all_dim for deepseek2: both are multiplier / 0.1
+  (so for deepseek32 and glm-dsa, whose converter classes derive from DeepSeek-V2's).
   (Elsewhere the multiplier is mscale_all_dim itself, with mscale 1, as llama-context.cpp reads it.)
+
+* glm4moe -> glm4_moe: DeepSeek-V3's routing (sigmoid + exp_probs_b, groups) under GQA with partial RoPE:
+  rope.dimension_count / key_length -> partial_rotary_factor; expert_shared_count, leading_dense_block_count
+  (absent: 0), expert_weights_scale (1.0), expert_weights_norm (false), expert_group_count / used (1) as for
+  deepseek2; expert_gating_func absent or 2 (llama.cpp's default for glm4moe is sigmoid); attention_bias when
+  attn_q.bias exists, use_qk_norm when attn_q_norm does. nextn_predict_layers: the MTP blocks counted in block_count
+  (their tensors are skipped, names.py).
+* minimax-m2 -> minimax_m2: expert_feed_forward_length -> intermediate_size (the experts'), rope.dimension_count ->
+  rotary_dim; sigmoid routing (expert_gating_func absent or 2) with the exp_probs_b bias when the file has it,
+  top-k always renormalised (fixed in llama.cpp's graph).
+* qwen3next -> qwen3_next, qwen35moe -> qwen3_5_moe_text: softmax top-k, renormalised (fixed in llama.cpp's graphs),
+  shared expert of expert_shared_feed_forward_length (absent: the ffn_up_shexp shape); rope.dimension_count /
+  key_length -> partial_rotary_factor (rope.dimension_sections, Qwen3.5's multimodal RoPE, turns text positions as
+  the one-axis RoPE does); the Gated DeltaNet sizes from ssm.conv_kernel -> linear_conv_kernel_dim, ssm.state_size
+  -> linear_key_head_dim, ssm.group_count -> linear_num_key_heads, ssm.time_step_rank -> linear_num_value_heads,
+  ssm.inner_size / time_step_rank -> linear_value_head_dim; attention.recurrent_layers (per layer) -> layer_types,
+  else full_attention_interval (llama.cpp's default 4).
+* glm-dsa -> glm_moe_dsa, deepseek32 -> deepseek_v32: deepseek2's MLA and V3 routing (gating 2; glm-dsa's default
+  when absent, deepseek32 requires the key) plus the indexer: attention.indexer.head_count / key_length / top_k ->
+  index_n_heads / index_head_dim / index_topk; glm-dsa's attention.indexer.types (per layer, true = "full") ->
+  indexer_types, absent: every layer full below a 1M context (GLM-5, 5.1), else GLM-5.2's layout (llama.cpp).
 
 Anything hetmoe needs that the file lacks (and llama.cpp has no default for) raises GGUFError naming the file, the
 architecture and the key.
@@ -47,7 +69,8 @@ from hetmoe.load.gguf.reader import GGUFError, GGUFFile
 
 # ------------------------------------------------------------------------------------------------ config.json
 
-ARCHITECTURES = ("qwen3moe", "qwen2moe", "deepseek2", "llama")  # the GGUF architectures config_from_gguf maps
+ARCHITECTURES = ("qwen3moe", "qwen2moe", "deepseek2", "llama", "glm4moe", "minimax-m2", "qwen3next", "qwen35moe",
+                 "glm-dsa", "deepseek32")  # the GGUF architectures config_from_gguf maps
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
 
 
@@ -75,6 +98,22 @@ class _Keys:
         if not ok:
             self.fail(f"has {key} = {value!r}, not {_KIND_NAMES[kind]} ({hf})")
         return float(value) if kind is float else value
+
+    def layers(self, name: str, hf: str, n: int) -> Optional[list]:
+        """A per-layer list (A.name) of ``n`` entries, or None when absent."""
+        key = f"{self.arch}.{name}"
+        value = self.f.metadata.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, list) or len(value) < n:
+            self.fail(f"has {key} = {value!r}, not a list of one entry per layer ({n}) ({hf})")
+        return value[:n]
+
+    def sigmoid_gating(self, default: bool) -> None:
+        """expert_gating_func must be 2 (sigmoid), or absent where llama.cpp defaults to sigmoid (``default``)."""
+        gating = self.get("expert_gating_func", "scoring_func", default=2 if default else ...)
+        if gating != 2:
+            self.fail(f"has expert_gating_func {gating}; hetmoe's {self.arch} runs 2 (sigmoid) only")
 
     def shape(self, name: str) -> Optional[tuple]:
         t = self.f.tensors.get(name)
@@ -110,7 +149,7 @@ def _rope_scaling(k: _Keys) -> Optional[dict]:
         if value is not None:
             out[hf] = value
     log_mul = k.get("rope.scaling.yarn_log_multiplier", "rope_scaling.mscale_all_dim", kind=float, default=None)
-    if log_mul is not None and k.arch == "deepseek2":
+    if log_mul is not None and k.arch in ("deepseek2", "deepseek32", "glm-dsa"):  # DeepseekV2Model's subclasses
         out["mscale"] = out["mscale_all_dim"] = float(Decimal(repr(log_mul)) / Decimal("0.1"))
     elif log_mul is not None:
         out["mscale"], out["mscale_all_dim"] = 1.0, log_mul
@@ -178,8 +217,8 @@ def _mixtral(k: _Keys, cfg: dict) -> None:
         k.fail("uses sliding-window attention (llama.attention.sliding_window), which hetmoe's Mixtral does not run")
 
 
-def _deepseek2(k: _Keys, cfg: dict) -> None:
-    gating = k.get("expert_gating_func", "scoring_func", default=1)
+def _deepseek2(k: _Keys, cfg: dict, gating: Optional[int] = None) -> None:
+    gating = gating or k.get("expert_gating_func", "scoring_func", default=1)
     if gating not in (1, 2):
         k.fail(f"has expert_gating_func {gating}; hetmoe runs 1 (softmax, DeepSeek-V2) and 2 (sigmoid, V3)")
     v3 = gating == 2
@@ -211,11 +250,97 @@ def _deepseek2(k: _Keys, cfg: dict) -> None:
     )
     if v3:
         cfg["rope_interleave"] = True  # llama.cpp rotates interleaved pairs (GGML_ROPE_TYPE_NORM) in deepseek2
+    _nextn(k, cfg)
+    _experts(k, cfg, "n_routed_experts", f"blk.{cfg['first_k_dense_replace']}.ffn_gate_exps.weight")
+
+
+def _nextn(k: _Keys, cfg: dict) -> None:
+    """The multi-token-prediction blocks counted in block_count: hetmoe runs the main layers only."""
     nextn = k.get("nextn_predict_layers", "num_nextn_predict_layers", default=0)
-    if nextn:  # multi-token-prediction blocks counted in block_count: hetmoe runs the main layers only
+    if nextn:
         cfg["num_hidden_layers"] -= nextn
         cfg["num_nextn_predict_layers"] = nextn
+
+
+def _partial_rope(k: _Keys, cfg: dict) -> None:
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    cfg["partial_rotary_factor"] = k.get("rope.dimension_count", "partial_rotary_factor", default=head_dim) / head_dim
+
+
+def _glm4moe(k: _Keys, cfg: dict) -> None:
+    k.sigmoid_gating(default=True)
+    cfg.update(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"],
+               first_k_dense_replace=k.get("leading_dense_block_count", "first_k_dense_replace", default=0),
+               n_shared_experts=k.get("expert_shared_count", "n_shared_experts"),
+               n_group=k.get("expert_group_count", "n_group", default=1),
+               topk_group=k.get("expert_group_used_count", "topk_group", default=1),
+               routed_scaling_factor=k.get("expert_weights_scale", "routed_scaling_factor", kind=float, default=1.0),
+               norm_topk_prob=k.get("expert_weights_norm", "norm_topk_prob", kind=bool, default=False),
+               attention_bias="blk.0.attn_q.bias" in k.f.tensors,
+               use_qk_norm="blk.0.attn_q_norm.weight" in k.f.tensors)
+    _gqa(k, cfg)
+    _partial_rope(k, cfg)
+    _nextn(k, cfg)
     _experts(k, cfg, "n_routed_experts", f"blk.{cfg['first_k_dense_replace']}.ffn_gate_exps.weight")
+
+
+def _minimax_m2(k: _Keys, cfg: dict) -> None:
+    k.sigmoid_gating(default=True)
+    cfg.update(model_type="minimax_m2", architectures=["MiniMaxM2ForCausalLM"], scoring_func="sigmoid",
+               use_routing_bias=any(n.endswith(".exp_probs_b.bias") for n in k.f.tensors))
+    _gqa(k, cfg)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    cfg["head_dim"] = head_dim
+    cfg["rotary_dim"] = k.get("rope.dimension_count", "rotary_dim", default=head_dim)
+    _experts(k, cfg, "num_local_experts", "blk.0.ffn_gate_exps.weight")
+    cfg["intermediate_size"] = cfg.pop("moe_intermediate_size")  # MiniMax's intermediate_size is the experts'
+
+
+def _gated_deltanet(k: _Keys, cfg: dict) -> None:
+    qwen35 = k.arch == "qwen35moe"
+    cfg.update(model_type="qwen3_5_moe_text" if qwen35 else "qwen3_next",
+               architectures=["Qwen3_5MoeForCausalLM" if qwen35 else "Qwen3NextForCausalLM"],
+               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False)
+    _gqa(k, cfg)
+    _partial_rope(k, cfg)
+    _nextn(k, cfg)
+    _experts(k, cfg, "num_experts", "blk.0.ffn_gate_exps.weight")
+    cfg["shared_expert_intermediate_size"] = _size(
+        k, "expert_shared_feed_forward_length", "shared_expert_intermediate_size", "blk.0.ffn_up_shexp.weight", 0)
+    value_heads = k.get("ssm.time_step_rank", "linear_num_value_heads")
+    inner = k.get("ssm.inner_size", "linear_value_head_dim")
+    if not value_heads or inner % value_heads:
+        k.fail(f"has ssm.inner_size {inner}, not a multiple of ssm.time_step_rank {value_heads} "
+               "(linear_value_head_dim)")
+    cfg.update(linear_conv_kernel_dim=k.get("ssm.conv_kernel", "linear_conv_kernel_dim"),
+               linear_key_head_dim=k.get("ssm.state_size", "linear_key_head_dim"),
+               linear_num_key_heads=k.get("ssm.group_count", "linear_num_key_heads"),
+               linear_num_value_heads=value_heads, linear_value_head_dim=inner // value_heads)
+    n = cfg["num_hidden_layers"]
+    recurrent = k.layers("attention.recurrent_layers", "layer_types", n)
+    if recurrent is None:
+        interval = k.get("full_attention_interval", "full_attention_interval", default=4)
+        recurrent = [(i + 1) % interval != 0 for i in range(n)]
+    cfg["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent]
+
+
+def _dsa(k: _Keys, cfg: dict) -> None:
+    """deepseek2's MLA and V3 routing, plus DeepSeek Sparse Attention's indexer."""
+    glm = k.arch == "glm-dsa"
+    k.sigmoid_gating(default=glm)
+    _deepseek2(k, cfg, gating=2)
+    n = cfg["num_hidden_layers"]
+    cfg.update(model_type="glm_moe_dsa" if glm else "deepseek_v32",
+               architectures=["GlmMoeDsaForCausalLM" if glm else "DeepseekV32ForCausalLM"],
+               index_n_heads=k.get("attention.indexer.head_count", "index_n_heads"),
+               index_head_dim=k.get("attention.indexer.key_length", "index_head_dim"),
+               index_topk=k.get("attention.indexer.top_k", "index_topk"))
+    cfg.pop("rope_interleave", None)  # MLA turns interleaved pairs in both (not a config entry of theirs)
+    if glm:
+        full = k.layers("attention.indexer.types", "indexer_types", n)
+        if full is None:  # llama.cpp: GLM-5 / 5.1 (contexts below 1M) index every layer; GLM-5.2 every 4th from 2
+            full = [True] * n if cfg["max_position_embeddings"] < 1048576 else [i < 2 or i % 4 == 2 for i in range(n)]
+        cfg["indexer_types"] = ["full" if x else "shared" for x in full]
 
 
 def config_from_gguf(f: GGUFFile) -> dict:
@@ -245,6 +370,8 @@ def config_from_gguf(f: GGUFFile) -> dict:
                 "bos_token_id": k.get("tokenizer.ggml.bos_token_id", "bos_token_id", default=None, prefix=False),
                 "eos_token_id": k.get("tokenizer.ggml.eos_token_id", "eos_token_id", default=None, prefix=False)}
     cfg.update({key: value for key, value in optional.items() if value is not None})
-    {"qwen3moe": _qwen, "qwen2moe": _qwen, "llama": _mixtral, "deepseek2": _deepseek2}[f.arch](k, cfg)
+    {"qwen3moe": _qwen, "qwen2moe": _qwen, "llama": _mixtral, "deepseek2": _deepseek2, "glm4moe": _glm4moe,
+     "minimax-m2": _minimax_m2, "qwen3next": _gated_deltanet, "qwen35moe": _gated_deltanet, "glm-dsa": _dsa,
+     "deepseek32": _dsa}[f.arch](k, cfg)
     check_config(ModelConfig(cfg), str(f.path))
     return cfg

@@ -192,7 +192,7 @@ class GGUFTensor:
         return np.asarray(out, dtype=np.float32)
 
 
-FAST_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0")  # dequantized from hetmoe's own block decoders
+FAST_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # hetmoe's decoders
 _ROWS = 4096  # rows dequantized at once (bounds the codes' temporaries)
 
 
@@ -215,7 +215,7 @@ def _dequantize(raw: np.ndarray, kind: str, shape: tuple, dtype):
         if kind in KQUANTS:
             codes, scales, mins = kquant_codes(raw[r0:r1], kind, (r1 - r0, cols), threads=threads)
         else:
-            (codes, scales), mins = block_codes(raw[r0:r1], kind, (r1 - r0, cols)), None
+            codes, scales, mins = block_codes(raw[r0:r1], kind, (r1 - r0, cols))
         dst = out[r0:r1] if tmp is None else tmp[:r1 - r0]
         view = dst.view(r1 - r0, scales.shape[-1], -1)  # [rows, groups, group]
         view.copy_(codes.view(view.shape)).mul_(scales[..., None])

@@ -2,7 +2,9 @@
 ``hetmoe plan --model FILE.gguf`` prints under the plan's table).
 
 Routed experts: a layer whose types the planned format holds exactly (hetmoe/cpu/codes.py exact_layout, as the
-loader's ``new_experts`` takes it) counts each matrix in its own layout; any other layer counts the plan's format and
+loader's ``new_experts`` takes it) counts each matrix in its own layout (hetmoe/cpu/layout.py packed_matrix_bytes:
+codes, scale sets of the type's scale dtype, affine mins the same; the K-quants' two-level k8 scales at ~1.06 bytes
+per group); any other layer counts the plan's format and
 group (re-quantized at load). Dense part: each parameter dequantized into the dtype, the linears a dense format
 packs (hetmoe/load/dense.py) in that format, as the plan's ``dense weights`` counts them. So the expert rows add up
 to the plan's ``routed experts`` (what the engine allocates) and the dense rows to its ``dense weights``.
@@ -30,7 +32,7 @@ class TypeRow:
     tensors: int = 0
     file_bytes: int = 0
     held_bytes: int = 0
-    held_as: set = field(default_factory=set)  # how hetmoe holds them ("lut4 e2m1 g32 (exact)", "int4 g32", ...)
+    held_as: set = field(default_factory=set)  # how hetmoe holds them ("int4 g32 k8 affine (exact)", "int4 g32", ...)
 
     @property
     def ratio(self) -> float:
@@ -79,7 +81,8 @@ def expert_rows(ckpt, blocks: list, names: tuple, plan, rows: dict) -> None:
             if held:
                 mfmt, mgroup, affine, sdt, book = _matrix_layouts(exact)[0 if j < 2 else 1]
                 row.held_bytes += block.num_experts * packed_matrix_bytes(mfmt, n, k, mgroup, affine, sdt)
-                row.held_as.add(f"{mfmt}{' ' + book if book else ''} g{mgroup} (exact)")
+                how = f"{mfmt}{' ' + book if book else ''} g{mgroup} {sdt}{' affine' if affine else ''}"
+                row.held_as.add(f"{how} (exact)")
             else:
                 row.held_bytes += block.num_experts * packed_matrix_bytes(fmt, n, k, group)
                 row.held_as.add(f"{fmt}{f' g{group}' if fmt != 'bf16' else ''} (re-quantized)")

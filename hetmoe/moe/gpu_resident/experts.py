@@ -20,8 +20,15 @@ Three paths, one result:
          weighted by a combine matrix C [T, N] built on the device from (topk_ids, topk_weights) (0 where a token
          did not route to that expert). Two GEMMs: [T, H] x [H, N*2I] (gate and up of all N experts), then
          [T, N*I] x [N*I, H] (down, which also sums over N). Capturable too, but reads all N experts' weights.
-  gather (larger T: prefill, always eager): per resident expert, only the tokens routed to it.
-The torch paths dequantize int8/int4 weights to the dtype per call (dense: all N; gather: each expert computed).
+  grouped (larger T: prefill, always eager): the weights of the resident experts the chunk routes to unpacked into
+         the model-dtype scratch the layerwise prefill uses too (int8/int4/lut4: one Triton pass,
+         hetmoe/ops/triton/experts.py ``unpack_rows``, the rows of unrouted experts skipped on the device; bf16: gate/up
+         read in place, down copied into the [N, H, I] layout), then the same grouped GEMMs (hetmoe/moe/grouped.py):
+         tokens sorted by expert once, one grouped GEMM per projection, no loop over experts, no host sync on a
+         GPU with grouped GEMMs. So a partly resident layer's GPU part runs while the CPU engine computes the rest
+         (MoELayer stages the CPU's inputs first), and the layerwise prefill computes a partly resident layer's
+         resident experts from this storage rather than streaming them (``unpack_into``).
+The dense path (and the grouped one on CPU tensors) dequantizes int8/int4 weights to the dtype with torch ops.
 
 Shape letters: T tokens, E experts, k experts per token, N resident experts, H hidden, I expert intermediate.
 """
@@ -35,11 +42,12 @@ import torch
 import torch.nn.functional as F
 
 from hetmoe import envs
+from hetmoe.moe import grouped
 from hetmoe.moe.gpu_resident import format as rf
 
 DENSE_MAX_TOKENS = 32  # up to here a fixed-shape path (routed or dense) costs less than N gathers
 DECODE_PATHS = ("auto", "routed", "dense")
-GATHER_EXPERTS = 16  # int8/int4 experts dequantized at once by the gather path (bounds its scratch)
+TORCH_UNPACK_EXPERTS = 16  # experts dequantized at once by torch ops (CPU tensors): bounds the temporaries
 
 
 def combine_matrix(topk_ids: torch.Tensor, topk_weights: torch.Tensor, slot_of: torch.Tensor, n: int) -> torch.Tensor:
@@ -109,6 +117,7 @@ class GpuExperts:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dense_max_tokens = int(dense_max_tokens)
         self.s_gate_up = self.s_down = None  # int8/int4: the fp32 scales beside the codes
+        self._scratch = None  # the prefill's model-dtype weights (grouped.weight_scratch), at first use
         # lut4: the (gate/up, down) codebooks on the device, made here once (never inside a graph capture)
         self.luts = None
         if "lut4" in (self.storage.gate_up, self.storage.down):
@@ -142,6 +151,10 @@ class GpuExperts:
         resident_format.storage_for); int8/int4/lut4 matrices of the engine's format and group keep its codes and
         scales (the same values exactly; scales widened to fp32), others are quantized from its values. One expert at
         a time (at most one fp32 copy on the host at once)."""
+        glu, bias = getattr(cpu_experts, "glu", None), getattr(cpu_experts, "bias", False)
+        if (glu is not None and glu.kind != "swiglu") or bias:  # the kernels compute plain SwiGLU without biases
+            raise ValueError(f"GPU-resident experts compute plain SwiGLU without biases; these experts are "
+                             f"{glu.kind}{' with biases' if bias else ''} (they run on the CPU engine only)")
         n, I, H = len(expert_ids), cpu_experts.intermediate_size, cpu_experts.hidden_size
         st = rf.storage_for(cpu_experts, storage) if isinstance(storage, str) else storage
         if not st.quantized:
@@ -213,7 +226,7 @@ class GpuExperts:
         capturing = x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         T = x.shape[0]
         if T > self.dense_max_tokens and not capturing:
-            return self._gather(x, self._skipped(topk_ids, skip), topk_weights)
+            return self._grouped(x, topk_ids, topk_weights, skip)
         if self.decode == "routed" and (capturing or self.eager_routed) and T <= _routed().MAX_ROWS:
             return self._routed(x, topk_ids, topk_weights, skip)
         return self._dense(x, self._skipped(topk_ids, skip), topk_weights)
@@ -264,26 +277,67 @@ class GpuExperts:
         h = (h.float() * c.unsqueeze(-1)).to(self.dtype)  # weighted before down (linear): one GEMM sums over N
         return F.linear(h.view(T, N * I), w_down).float()
 
-    def _gather(self, x, topk_ids, topk_weights) -> torch.Tensor:
-        I = self.intermediate_size
-        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
-        xc = x.to(self.dtype)
-        slots = self.slot_of[topk_ids.long().masked_fill(topk_ids < 0, self.num_experts)]  # [T, k]
-        step = GATHER_EXPERTS if self.storage.quantized else self.n
-        for r0 in range(0, self.n, step):
-            r1 = min(self.n, r0 + step)
-            if step < self.n and not bool(((slots >= r0) & (slots < r1)).any()):  # skip dequantizing unrouted ones
-                continue
-            w_gate_up, w_down = self._expert_weights(r0, r1)
-            for r in range(r0, r1):
-                tok, j = torch.where(slots == r)
-                if tok.numel() == 0:
-                    continue
-                gu = F.linear(xc[tok], w_gate_up[r - r0])  # [t, 2I]
-                h = F.silu(gu[:, :I]) * gu[:, I:]
-                y = F.linear(h, w_down[r - r0])  # [t, H]
-                acc.index_add_(0, tok, y.float() * topk_weights[tok, j].float().unsqueeze(1))
-        return acc
+    def slots(self, topk_ids: torch.Tensor, skip: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[T, k] int64: each slot's resident index, -1 where it is empty, not resident or in ``skip`` (bool [E] on
+        the device). No host sync."""
+        ids = topk_ids.long()
+        slots = self.slot_of[ids.masked_fill(ids < 0, self.num_experts)]
+        if skip is not None:
+            slots = slots.masked_fill(skip[ids.clamp(min=0)] & (ids >= 0), -1)
+        return slots
+
+    def used(self, slots: torch.Tensor) -> torch.Tensor:
+        """bool [N] on the device: the resident experts that ``slots`` [T, k] (resident indices, -1) route to."""
+        flat = torch.where(slots >= 0, slots, self.n).reshape(-1)
+        return grouped.counts_of(flat, self.n + 1)[:self.n] > 0
+
+    def unpack_into(self, w_gu: torch.Tensor, w_down: torch.Tensor, used: Optional[torch.Tensor] = None,
+                    first: int = 0) -> None:
+        """The weights of resident experts first .. first+n-1 (all N by default) in the scratch's dtype into ``w_gu``
+        [n, 2I, H] (gate rows, then up rows) and ``w_down`` [n, H, I] (both contiguous): the experts ``used`` marks
+        (bool [n] on the device; None: all); the others' rows may be left as they are. The layout of
+        ``grouped.grouped_swiglu`` (the layerwise prefill takes a group of them at a time: ``first``)."""
+        H, I = self.hidden_size, self.intermediate_size
+        n = w_gu.shape[0]
+        if (first < 0 or first + n > self.n or w_gu.shape != (n, 2 * I, H) or w_down.shape != (n, H, I)
+                or not (w_gu.is_contiguous() and w_down.is_contiguous())):
+            raise ValueError(f"unpack_into takes contiguous [n, {2 * I}, {H}] and [n, {H}, {I}] buffers of resident "
+                             f"experts {first} .. {first} + n - 1 of {self.n}, got "
+                             f"{tuple(w_gu.shape)} and {tuple(w_down.shape)}")
+        st, last = self.storage, first + n
+        if not st.quantized:
+            w_gu.copy_(self.w_gate_up.view(self.n, 2 * I, H)[first:last])
+            w_down.copy_(self.w_down.view(H, self.n, I).transpose(0, 1)[first:last])
+            return
+        if self.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+            used = torch.ones(n, dtype=torch.bool, device=self.device) if used is None else used
+            lut_gu, lut_d = self.luts or (None, None)
+            gu_rows, d_rows = slice(first * 2 * I, last * 2 * I), slice(first * H, last * H)
+            _routed().unpack_rows(self.w_gate_up[gu_rows], self.s_gate_up[gu_rows], st.gate_up, st.group,
+                                  w_gu.view(n * 2 * I, H), used, 2 * I, lut_gu)
+            _routed().unpack_rows(self.w_down[d_rows], self.s_down[d_rows], st.down, st.down_group,
+                                  w_down.view(n * H, I), used, H, lut_d)
+            return
+        for r0 in range(first, last, TORCH_UNPACK_EXPERTS):  # torch ops, a few experts at a time (bounded temporaries)
+            r1 = min(last, r0 + TORCH_UNPACK_EXPERTS)
+            gu, d = self._expert_weights(r0, r1)
+            w_gu[r0 - first:r1 - first].copy_(gu)
+            w_down[r0 - first:r1 - first].copy_(d)
+
+    def _grouped(self, x, topk_ids, topk_weights, skip) -> torch.Tensor:
+        """The prefill path: the routed resident experts' weights in the shared scratch, one grouped GEMM per
+        projection over the tokens sorted by resident expert."""
+        N, H, I = self.n, self.hidden_size, self.intermediate_size
+        slots = self.slots(topk_ids, skip)  # [T, k]
+        if self._scratch is None:
+            self._scratch = grouped.weight_scratch(self.device, self.dtype, H, I)
+        w_gu, w_down = self._scratch.reserve(N)
+        if not self.storage.quantized:  # gate/up as stored already: [N * 2I, H] is [N, 2I, H]
+            w_gu = self.w_gate_up.view(N, 2 * I, H)
+            w_down.copy_(self.w_down.view(H, N, I).transpose(0, 1))
+        else:
+            self.unpack_into(w_gu, w_down, self.used(slots))
+        return grouped.grouped_swiglu(x, slots, topk_weights, w_gu, w_down)
 
 
 def _routed():

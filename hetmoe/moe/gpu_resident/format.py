@@ -3,7 +3,7 @@ symmetric, one fp32 scale per ``group`` weights along K (32, 64 or 128) -- value
 convention, so that resident experts of the CPU's format hold exactly the values its kernels multiply by; or lut4,
 a CPU engine's lut4 codes kept as they are (codebook indices in int4's layout, value = scale * codebook[i]: the
 bytes of int4, which is what a memory plan counts for those layers). Scales the CPU engine stores narrower than fp32
-(fp16, bf16, e8m0) are widened to fp32 at upload, exactly (the int4 bytes a plan counts, again).
+(fp16, bf16, e8m0, k8) are widened to fp32 at upload, exactly (the int4 bytes a plan counts, again).
 
 Layout of one quantized matrix stack (the conventions of hetmoe/ops/triton/linear.py, with the group a parameter;
 K zero-padded to Kp, a multiple of the group):
@@ -230,7 +230,7 @@ def cpu_codes(cpu_experts, expert: int, storage: Storage, ranges: Optional[list]
         # gate and up row blocks alternate (block 2 rb + m is matrix m's rb): [n_mats, NB * 16, Kp] in row order
         codes = packed._unpack_data(data, shape, n_mats).view(nb, n_mats, packed.ROWS, shape.kp)
         codes = codes.transpose(0, 1).reshape(n_mats * nb * packed.ROWS, shape.kp)
-        s = packed.widen_scales(scales, shape.scale_dtype).view(nb, n_mats, G, packed.ROWS).permute(1, 0, 3, 2)
+        s = packed.widen_set(scales.view(nb * n_mats, -1), shape).view(nb, n_mats, G, packed.ROWS).permute(1, 0, 3, 2)
         s = s.reshape(n_mats, nb * packed.ROWS, G)[:, :n].reshape(n_mats * n, G)
         codes = codes.view(n_mats, nb * packed.ROWS, shape.kp)[:, :n].reshape(n_mats * n, shape.kp) - offset
         out.append((encode(codes, fmt, group), s.clone()))

@@ -124,6 +124,20 @@ def describe_share(rates: dict, num_experts: int, lo: int, hi: int) -> str:
     return ", ".join(parts) if parts else "none"
 
 
+def cpu_tokens_per_second(rates: dict) -> float:
+    """The CPU engine's measured rate on a whole MoE layer (every expert): the larger token count of ``rates["cpu_s"]``
+    over its seconds."""
+    T = max(rates["cpu_s"])
+    return T / rates["cpu_s"][T]
+
+
+def describe_rates(rates: dict, layer_bytes: int) -> str:
+    """The measured rates for the load log: "H2D 52.1 GB/s (324 MiB per layer in 6.5 ms), CPU experts 44107 tok/s
+    per layer"."""
+    return (f"H2D {rates['copy_gbps']:.1f} GB/s ({layer_bytes / 2**20:.0f} MiB per layer in "
+            f"{1e3 * rates['copy_s']:.1f} ms), CPU experts {cpu_tokens_per_second(rates):.0f} tok/s per layer")
+
+
 def eligible(layer) -> bool:
     """Whether a MoE layer can take this path: the CPU engine, not split over NUMA subpools."""
     engine = layer.engine
@@ -144,6 +158,12 @@ def setup(layers: list, plan, options, log) -> tuple:
         why = "no MoE layer to stream (every routed expert is on the GPU, or the rules mix bf16 and int layers in a " \
               "deferral chain)"
         return None, {"enabled": False, "why": why}
+    odd = [layer for layer in layers if not layer.plain_swiglu]
+    if odd:  # the grouped GPU kernels compute plain SwiGLU without biases
+        why = (f"the routed experts are {odd[0].glu.kind}{' with biases' if odd[0].bias else ''}, which only the CPU "
+               "engine computes")
+        log(f"hetmoe: GPU prefill off: {why}")
+        return None, {"enabled": False, "why": why}
     if not all(eligible(layer) for layer in layers):  # all or none: a layer left out could split a deferral chain
         return None, {"enabled": False, "why": "MoE layers split over NUMA subpools (their storage is per slice)"}
     if any(layer.engine.info()["weight_format"] == "fp8" for layer in layers):  # (all or none, as above)
@@ -151,21 +171,25 @@ def setup(layers: list, plan, options, log) -> tuple:
         log(f"hetmoe: GPU prefill off: {why}")
         return None, {"enabled": False, "why": why}
     threshold = options.gpu_prefill if isinstance(options.gpu_prefill, int) else 1
-    try:
-        driver = LayerwisePrefill(layers, plan.device, plan.dtype, threshold, GPU_PREFILL_SLOTS, UNPACK_EXPERTS)
+    group = getattr(plan, "prefill_group", 0) or None  # slots of a group of experts (None: whole layers)
+    slots = getattr(plan, "prefill_slots", 0) or GPU_PREFILL_SLOTS
+    try:  # groups unpack one expert at a time where PyTorch ops unpack (the plan counts that)
+        driver = LayerwisePrefill(layers, plan.device, plan.dtype, threshold, slots, 1 if group else UNPACK_EXPERTS,
+                                  group, getattr(plan, "prefill_rows", 0) or None)
     except RuntimeError as err:
         log(f"hetmoe: GPU prefill off: {err}")
         return None, {"enabled": False, "why": str(err)}
     report = {"enabled": True, "chunk": plan.prefill_chunk, "layers": len(layers), "min_tokens": threshold,
-              "chosen_by": "--gpu-prefill"}
+              "chosen_by": "--gpu-prefill", "experts_per_slot": driver.group, "slots": driver.n_slots,
+              "slot_bytes": driver.slot_bytes}
     share = options.gpu_prefill_cpu_share
     rate_text = ""
     if options.gpu_prefill == "auto" or share == "auto":  # the CPU's share is chosen from the same rates
         rates = driver.measure()
         report["rates"] = rates
-        cpu_tok_s = max(rates["cpu_s"]) / rates["cpu_s"][max(rates["cpu_s"])]
-        rate_text = (f" (H2D {rates['copy_gbps']:.1f} GB/s ({driver.layer_bytes(0) / 2**20:.0f} MiB per layer in "
-                     f"{1e3 * rates['copy_s']:.1f} ms), CPU experts {cpu_tok_s:.0f} tok/s per layer)")
+        rate_text = f" ({describe_rates(rates, driver.layer_bytes(0))})"
+    ring = (f", {driver.n_slots} slots of {driver.group} experts ({driver.slot_bytes / driver.n_slots / 2**20:.0f} "
+            f"MiB each)" if group else "")
     if options.gpu_prefill == "auto":
         chosen = choose_min_tokens(report["rates"])
         report["chosen_by"] = "measured"
@@ -174,9 +198,10 @@ def setup(layers: list, plan, options, log) -> tuple:
             log(f"hetmoe: GPU prefill off: the CPU is faster at every prompt length here{rate_text}")
             return None, {**report, "enabled": False, "why": "the CPU is faster"}
         driver.min_tokens = report["min_tokens"] = chosen
-        text = f"hetmoe: GPU prefill from {chosen} tokens per chunk, chunks of {plan.prefill_chunk}"
+        text = f"hetmoe: GPU prefill from {chosen} tokens per chunk, chunks of {plan.prefill_chunk}{ring}"
     else:
-        text = f"hetmoe: GPU prefill from {threshold} tokens per chunk (--gpu-prefill), chunks of {plan.prefill_chunk}"
+        text = (f"hetmoe: GPU prefill from {threshold} tokens per chunk (--gpu-prefill), chunks of "
+                f"{plan.prefill_chunk}{ring}")
     on = driver.enable_share(share, plan.prefill_chunk)
     E = driver.layouts[0].num_experts
     if on is None:

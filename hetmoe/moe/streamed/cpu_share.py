@@ -10,6 +10,9 @@ layer input, at the same time; their bytes are the ones copied last, the ones th
                  experts set to -1); the shared experts; wait for the side stream; add the job's fp32 output, read
                  from pinned memory, to the GPU's fp32 part (``add_rows``); combine
 
+(A partly resident layer streams only its S non-resident experts; the CPU takes the last ~c·S/E of those: the job is
+given the list of its experts.)
+
 SUBMIT and SYNC are the stream-ordered host functions of the hybrid decode step (``WorkerPool.submit_on_stream`` /
 ``sync_on_stream``, hetmoe/moe/stream.py): nothing waits on the host, and the staging copies and the SYNC, which
 blocks its stream, sit on a side stream, so the main stream keeps computing. The CPU job is prepared once per (layer, c)
@@ -33,7 +36,7 @@ Shape letters: T tokens, E experts, k experts per token, H hidden size, C capaci
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -64,8 +67,8 @@ class CPUShare:
         self.host_funcs = HostFuncs()
         self.side = torch.cuda.Stream(self.device) if self.cuda else None
         self._bufs = None  # (x, ids, weights, out, n_tokens, n_tokens on the device): allocated at first use
-        self._jobs: dict = {}  # (layer index, c) -> EngineJob
-        self._masks: dict = {}  # (E, c) -> bool [E]: the experts the CPU skips (the GPU's)
+        self._jobs: dict = {}  # (layer index, the CPU's experts) -> EngineJob
+        self._masks: dict = {}  # (E, the CPU's experts) -> bool [E]: the experts the CPU skips (the GPU's)
 
     def experts_for(self, n_tokens: int, num_experts: int) -> int:
         """The CPU's share (a count of experts, the last ones) of a chunk of ``n_tokens`` tokens."""
@@ -97,32 +100,37 @@ class CPUShare:
         else:
             n_host.fill_(n_tokens)
 
-    def _job(self, index: int, engine, cpu_experts: int):
-        key = (index, cpu_experts)
+    def _job(self, index: int, engine, experts: tuple):
+        key = (index, experts)
         if key not in self._jobs:
             E = engine.num_experts
-            if (E, cpu_experts) not in self._masks:
-                mask = torch.zeros(E, dtype=torch.bool)
-                mask[:E - cpu_experts] = True
-                self._masks[E, cpu_experts] = mask
+            if (E, experts) not in self._masks:
+                mask = torch.ones(E, dtype=torch.bool)
+                mask[list(experts)] = False
+                self._masks[E, experts] = mask
             x, ids, w, out, n_host, _ = self._bufs
-            self._jobs[key] = engine.prepare(x, ids, w, out, n_tokens=n_host, skip_mask=self._masks[E, cpu_experts])
+            self._jobs[key] = engine.prepare(x, ids, w, out, n_tokens=n_host, skip_mask=self._masks[E, experts])
         return self._jobs[key]
 
     def _stream(self):
         return torch.cuda.current_stream(self.device) if self.cuda else self.fake
 
     def submit(self, index: int, engine, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-               cpu_experts: int, done=None) -> None:
-        """Stage layer ``index``'s input x [T, H] and routing [T, k], queue its CPU job (the last ``cpu_experts``
-        experts of ``engine``) and its sync, all on the side stream once the current stream has computed the
-        inputs (``done``, a CUDA event, is recorded after the sync: profiling). The main stream goes on at once:
-        the staging copies run on the device-to-host copy engine, beside its compute and the host-to-device copy."""
+               cpu_experts: Union[int, Sequence[int]], done=None) -> None:
+        """Stage layer ``index``'s input x [T, H] and routing [T, k], queue its CPU job (the experts of ``engine``
+        listed in ``cpu_experts``, or, a count c, its last c experts) and its sync, all on the side stream once the
+        current stream has computed the inputs (``done``, a CUDA event, is recorded after the sync: profiling). The
+        main stream goes on at once: the staging copies run on the device-to-host copy engine, beside its compute
+        and the host-to-device copy."""
         T, k = ids.shape
         if T > self.capacity or k != self.top_k or x.shape[1] != self.hidden:
             raise ValueError(f"the CPU share holds [{self.capacity}, {self.hidden}] inputs with top-{self.top_k}, "
                              f"got x {tuple(x.shape)} and ids {tuple(ids.shape)}")
-        job = self._job(index, engine, cpu_experts)
+        E = engine.num_experts
+        experts = tuple(range(E - cpu_experts, E)) if isinstance(cpu_experts, int) else tuple(cpu_experts)
+        if not experts or min(experts) < 0 or max(experts) >= E:
+            raise ValueError(f"the CPU share's experts must be a non-empty set in [0, {E}), got {cpu_experts!r}")
+        job = self._job(index, engine, experts)
         stream = self.fake
         if self.cuda:
             stream = self.side

@@ -7,8 +7,8 @@ Per forward call (a prefill chunk of T >= ``min_tokens`` tokens), with S slots (
                                          storage, registered with the driver: no second copy in RAM)
     MoE layer i             main stream: route (hetmoe/moe/router.py); wait for slot i % S's copy (an event);
                                          unpack the packed layout to the model dtype (hetmoe/moe/streamed/packed.py);
-                                         gate+up, SwiGLU, down as grouped GEMMs over the tokens sorted by expert;
-                                         record "slot free"
+                                         gate+up, SwiGLU, down as grouped GEMMs over the tokens sorted by expert
+                                         (hetmoe/moe/grouped.py); record "slot free"
                             copy stream: after "slot free", layer i + S -> slot i % S (runs while layers
                                          i + 1 .. i + S - 1 compute)
                             main stream: combine (hetmoe/moe/combine.py) with the shared experts
@@ -19,8 +19,20 @@ times the number of experts, so nearly every expert is routed to anyway; where T
 copy waits for its router and moves only the routed experts (hetmoe/moe/streamed/copy.py). While the link is the
 bottleneck, the CPU engine computes the last c experts of each layer at the same time, and only the first E - c are
 copied (hetmoe/moe/streamed/cpu_share.py; c chosen per chunk from the measured rates). Expert Deferral is a decode
-feature: here every expert is computed exactly once, on the layer's own input; GPU-resident experts are computed from
-the streamed weights like the others (they hold the same values).
+feature: here every expert is computed exactly once, on the layer's own input.
+
+**Partly resident layers** (``--gpu-experts``): only the S experts of a layer that are not resident on the GPU are
+streamed (a few runs of consecutive ones: copy.py), the CPU's share is the last ~c·S/E of those, and the resident
+experts' weights are unpacked from their own storage (``GpuExperts.unpack_into``: only the routed ones) into the
+same scratch, after the streamed ones: one grouped GEMM per projection over both. Scratch rows of a layer: its
+streamed experts the GPU computes, in order, then its N resident ones, in resident order (``_rows``).
+
+**Expert groups** (``group`` G < E: a budget without room for whole layers): a slot holds G experts; a call's
+units are each layer's GPU experts in runs of G, queued in forward order, and a unit's copy is issued once the unit
+S places before it has been computed, so the copies run ahead into the next layers as far as the ring allows. A
+layer of several units sorts its rows once (one host sync) and computes each unit's rows on its G experts' weights,
+at most ``rows`` rows at a time (hetmoe/moe/grouped.py ``swiglu_rows``), resident experts as further units. Out of
+GPU memory inside a layer, that layer and the rest of the call take the CPU engine's path (``_fall_back``).
 
 Shape letters: T tokens, k experts per token, E experts, H hidden size, I intermediate size, M = T·k rows.
 """
@@ -34,16 +46,15 @@ from contextlib import contextmanager
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from hetmoe.config.options import parse_cpu_share
 from hetmoe.moe.combine import combine
 from hetmoe.moe.deferral import drop_lowest
+from hetmoe.moe.grouped import grouped_swiglu, sort_pairs, swiglu_rows, weight_scratch
 from hetmoe.moe.streamed import choice
 from hetmoe.moe.streamed.copy import HostMemory, copy_experts, routed_experts
 from hetmoe.moe.streamed.cpu_share import CPUShare
 from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, unpack_experts
-from hetmoe.ops.triton import grouped as grouped_triton
 from hetmoe.ops.triton import packed as packed_triton
 
 _current: contextvars.ContextVar = contextvars.ContextVar("hetmoe_layerwise_prefill", default=None)
@@ -54,59 +65,19 @@ def current() -> Optional["LayerwisePrefill"]:
     return _current.get()
 
 
-def _grouped_mm_ok(x: torch.Tensor) -> bool:
-    """torch._grouped_mm on x's dtype and device: bf16 on a GPU of compute capability 9.0 or newer."""
-    if x.device.type != "cuda" or x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
-        return False
-    return torch.cuda.get_device_capability(x.device)[0] >= 9
-
-
-_warned: set = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        print(message, file=sys.stderr)
-
-
-def grouped_swiglu(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gu: torch.Tensor,
-                   w_down: torch.Tensor) -> torch.Tensor:
-    """The routed experts of every (token, slot) pair: x [T, H], topk_ids / topk_weights [T, k] (-1: skipped),
-    w_gu [E, 2I, H] (gate rows, then up rows), w_down [E, H, I], all in one dtype on x's device -> fp32 [T, H]."""
-    T, k = topk_ids.shape
-    E, two_i, _ = w_gu.shape
-    I = two_i // 2
-    flat = topk_ids.reshape(-1).long()
-    flat = torch.where(flat < 0, E, flat)  # skipped slots sort last, into a bucket no expert reads
-    order = torch.argsort(flat, stable=True)
-    ends = torch.cumsum(torch.bincount(flat, minlength=E + 1)[:E], 0)
-    if _grouped_mm_ok(w_gu) and grouped_triton.available():
-        # every M row goes in, the skipped ones past the last expert's offset, where no GEMM computes: no host sync
-        xs = x[order // k].to(w_gu.dtype)  # [M, H]
-        try:
-            offs = ends.to(torch.int32)
-            h = grouped_triton.swiglu(torch._grouped_mm(xs, w_gu.transpose(1, 2), offs=offs))  # [M, I]
-            y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs)  # [M, H]
-            pos = torch.empty_like(order)
-            pos[order] = torch.arange(order.numel(), device=order.device)  # slot (t, j) -> its sorted row
-            return grouped_triton.combine_slots(y, pos.view(T, k), topk_ids, topk_weights)
-        except RuntimeError as err:  # a shape the kernel does not take (alignment): the loop below
-            _warn_once(f"hetmoe: grouped GEMM unavailable for this shape ({str(err).splitlines()[0]}); "
-                       "computing the GPU prefill's experts one at a time")
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    order = order[:int(ends[-1])]  # the valid pairs (one host sync per layer)
-    tok = order // k
-    xs = x[tok].to(w_gu.dtype)  # [n_valid, H]
-    y = torch.empty(order.numel(), w_down.shape[1], dtype=xs.dtype, device=xs.device)
-    start = 0
-    for e, n in enumerate(counts.tolist()):  # one expert at a time (CPU, older GPUs, fp32 models)
-        if n:
-            gu = xs[start:start + n] @ w_gu[e].T
-            y[start:start + n] = (F.silu(gu[:, :I]) * gu[:, I:]) @ w_down[e].T
-        start += n
-    y = y.float() * topk_weights.reshape(-1)[order].float().unsqueeze(1)
-    return torch.zeros(T, w_down.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y)
+def cpu_layer_seconds(engine, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, repeats: int = 2) -> float:
+    """The best of ``repeats`` timed calls of the CPU engine on x [T, H] (the model dtype, as the CPU prefill path
+    stages it) routed by ids / weights [T, k]: every expert of the layer computed. An explicit all-False skip mask
+    replaces the engine's static one, which leaves out its GPU-resident experts: timed with it, a layer keeping N of
+    E experts on the GPU would compute only E - N of them, and its rate would read E / (E - N) times too high (the
+    "CPU experts 475642 tok/s" of a layer with 116 of 128 resident)."""
+    everything = torch.zeros(engine.num_experts, dtype=torch.bool)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        engine.forward(x, ids, weights, skip_mask=everything)
+        times.append(time.perf_counter() - t)
+    return min(times)
 
 
 class LayerwisePrefill:
@@ -119,9 +90,15 @@ class LayerwisePrefill:
     "auto" (per chunk, ``prefill_choice.wants_routed_only``), "on" or "off": copy only the routed experts."""
 
     def __init__(self, layers: list, device, dtype: torch.dtype, min_tokens: int, slots: int = 2,
-                 unpack_batch: int = 16):
+                 unpack_batch: int = 16, group: Optional[int] = None, rows: Optional[int] = None):
         if slots < 2:
             raise ValueError(f"layerwise prefill needs at least 2 slots, got {slots}")
+        if (group is not None and group < 1) or (rows is not None and rows < 1):
+            raise ValueError(f"layerwise prefill: group (experts per slot) and rows must be >= 1, got {group}, {rows}")
+        for layer in layers:  # grouped_swiglu computes plain SwiGLU without biases, never another activation
+            if not layer.plain_swiglu:
+                raise ValueError(f"layerwise GPU prefill computes plain SwiGLU experts without biases; a layer's are "
+                                 f"{layer.glu.kind}{' with biases' if layer.bias else ''} (run them on the CPU)")
         self.device, self.dtype = torch.device(device), dtype
         self.min_tokens, self.n_slots = int(min_tokens), int(slots)
         self.layers = list(layers)
@@ -133,10 +110,22 @@ class LayerwisePrefill:
         self.unpack_n = int(unpack_batch)
         self.triton_unpack = self.cuda and packed_triton.available()  # else PyTorch ops (tests set it on a CPU)
         lay = self.layouts[0] if self.layouts else None
-        if lay is not None:  # one layer's weights in the model dtype, rewritten by every layer
-            E, H, I = lay.num_experts, lay.hidden, lay.intermediate
-            self.w_gu = torch.empty(E, 2 * I, H, dtype=dtype, device=self.device)
-            self.w_down = torch.empty(E, H, I, dtype=dtype, device=self.device)
+        most = max((lay.num_experts for lay in self.layouts), default=1)
+        self.group = most if group is None else min(int(group), most)  # experts a slot holds (E: whole layers)
+        self.max_rows = None if rows is None else int(rows)  # (token, expert) rows computed at once (None: T·k)
+        self.scratch = None  # a unit's weights in the model dtype, rewritten by every unit (and the resident path)
+        if lay is not None:
+            self.scratch = weight_scratch(self.device, dtype, lay.hidden, lay.intermediate)
+            self.scratch.reserve(min(lay.num_experts, self.group))
+        self._streamed_cache: dict = {}  # layer index -> (its GpuExperts or None, its streamed experts)
+        self._row_tables: dict = {}  # (layer index, GPU's streamed count) -> (its GpuExperts, expert -> position)
+        self._slot_src: list = [None] * self.n_slots  # CPU device: (layer, first expert) read in place, or None
+        # the ring: the running call's units (layer, its experts), in issue order; units issued / computed so far
+        self._units: list = []
+        self._layer_units: dict = {}  # layer index -> its units' indices
+        self._issued = self._done = 0
+        self.failed: Optional[str] = None  # the running call fell back to the CPU engine (out of GPU memory): why
+        self.fallbacks = 0  # forward calls that fell back since construction
         self._registered = None
         self.slots: Optional[list] = None  # CUDA: the copy slots; CPU (tests): made by the first routed-only copy
         if self.cuda:
@@ -175,8 +164,52 @@ class LayerwisePrefill:
         self.share = CPUShare(self.layouts[0].hidden, ks.pop(), self.dtype, self.device, capacity, mode, self.rates)
         return self.share
 
+    @property
+    def w_gu(self) -> torch.Tensor:
+        """The weight scratch's gate/up rows [n, 2I, H]."""
+        return self.scratch.w_gu
+
+    @property
+    def w_down(self) -> torch.Tensor:
+        return self.scratch.w_down
+
+    def streamed(self, i: int) -> list:
+        """Layer i's experts this path streams, ascending: those not resident on the GPU (``layer.gpu``)."""
+        gpu = self.layers[i].gpu
+        cached = self._streamed_cache.get(i)
+        if cached is None or cached[0] is not gpu:
+            resident = set(gpu.expert_ids) if gpu is not None else set()
+            cached = (gpu, [e for e in range(self.layouts[i].num_experts) if e not in resident])
+            self._streamed_cache[i] = cached
+        return cached[1]
+
+    def cpu_count(self, i: int) -> int:
+        """How many of layer i's streamed experts (the last ones) the CPU computes in the running call: the call's
+        share of E, scaled to the S streamed experts (a partly resident layer copies S / E of a layer)."""
+        S, E = len(self.streamed(i)), self.layouts[i].num_experts
+        return min(S, (self.cpu_experts * S + E // 2) // E) if self.cpu_experts else 0
+
+    def _positions(self, i: int, order: list) -> torch.Tensor:
+        """int64 [E + 1] on the device: layer i's expert -> its position in the layer's computation when the GPU
+        computes the streamed experts ``order`` (ascending; copied in that order): order[j] -> j, resident expert r
+        -> len(order) + r; -1 for the others (the CPU's, uncopied) and at index E (where empty slots point)."""
+        gpu, n = self.layers[i].gpu, len(order)
+        whole = order == self.streamed(i)[:n]  # the usual set: kept (a routed-only set is made per call)
+        cached = self._row_tables.get((i, n)) if whole else None
+        if cached is None or cached[0] is not gpu:
+            E = self.layouts[i].num_experts
+            rows = torch.full((E + 1,), -1, dtype=torch.int64)
+            rows[order] = torch.arange(n)
+            if gpu is not None:
+                rows[gpu.expert_ids] = n + torch.arange(gpu.n)
+            cached = (gpu, rows.to(self.device))
+            if whole:
+                self._row_tables[i, n] = cached
+        return cached[1]
+
     def _slot_buffers(self) -> list:
-        widths = [max(r[j].numel() for r in self.host) for j in range(len(self.host[0]))]
+        widths = [max(b * min(self.group, lay.num_experts) for lay, b in zip(self.layouts, col))
+                  for col in zip(*self.per)]
         return [[torch.empty(w, dtype=torch.uint8, device=self.device) for w in widths] for _ in range(self.n_slots)]
 
     @property
@@ -188,7 +221,7 @@ class LayerwisePrefill:
         return bool(self.layers) and n_tokens >= self.min_tokens
 
     def drives(self, layer, x: torch.Tensor) -> bool:
-        return id(layer) in self._index and x.device.type == self.device.type
+        return self.failed is None and id(layer) in self._index and x.device.type == self.device.type
 
     @contextmanager
     def prefill(self, n_tokens: Optional[int] = None):
@@ -207,105 +240,199 @@ class LayerwisePrefill:
         if n_tokens and self.layers and self.routed_copy != "off":
             k, E = self.layers[0].router.top_k, self.layouts[0].num_experts
             self.routed_only = self.routed_copy == "on" or choice.wants_routed_only(int(n_tokens), k, E, self.rates)
-        for i in range(0 if self.routed_only else min(self.n_slots, len(self.layers))):
-            self._issue(i)
+        self._units, self._layer_units, self._issued, self._done, self.failed = [], {}, 0, 0, None
+        if not self.routed_only:  # every layer's units now: the copies run ahead as far as the ring allows
+            for i in range(len(self.layers)):
+                self._add_units(i, self.streamed(i)[:self.gpu_experts(i)])
+        self._fill()
         token = _current.set(self)
         try:
             yield self
         finally:
             _current.reset(token)
             self.cpu_experts, self.routed_only = 0, False
+            self._units, self._layer_units = [], {}
 
     def gpu_experts(self, i: int) -> int:
-        """How many of layer i's experts (the first ones) the GPU computes in the running call."""
-        return self.layouts[i].num_experts - self.cpu_experts
+        """How many of layer i's streamed experts (the first ones) the GPU computes in the running call."""
+        return len(self.streamed(i)) - self.cpu_count(i)
 
-    def _issue(self, i: int, experts: Optional[list] = None) -> None:
-        """Copy layer i's experts [0, gpu_experts(i)), or the ``experts`` listed (routed-only), into its slot."""
-        if not self.cuda:  # tests: whole layers are read in place; routed-only copies into host "slots"
-            if experts is not None:
+    def _add_units(self, i: int, experts: list) -> None:
+        """Layer i's GPU-computed streamed ``experts`` (ascending) as units of at most ``group`` experts, queued."""
+        self._layer_units[i] = []
+        for a in range(0, len(experts), self.group):
+            self._layer_units[i].append(len(self._units))
+            self._units.append((i, experts[a:a + self.group]))
+
+    def _fill(self) -> None:
+        """Issue the queued units' copies while the ring has a slot no uncomputed unit holds."""
+        while self._issued < len(self._units) and self._issued < self._done + self.n_slots:
+            self._issue(self._issued)
+            self._issued += 1
+
+    def _issue(self, u: int) -> None:
+        """Copy unit u's experts (a few runs of consecutive ones) into slot u % S, one after another, once the unit
+        that held the slot before has been computed."""
+        i, experts = self._units[u]
+        s = u % self.n_slots
+        if not self.cuda:  # tests: consecutive experts are read in place; other sets are copied into host "slots"
+            first = experts[0]
+            in_place = experts == list(range(first, first + len(experts)))
+            self._slot_src[s] = (i, first) if in_place else None
+            if not in_place:
                 if self.slots is None:
                     self.slots = self._slot_buffers()
-                copy_experts(self.slots[i % self.n_slots], self.host[i], self.per[i], experts)
+                copy_experts(self.slots[s], self.host[i], self.per[i], experts)
             return
-        s = i % self.n_slots
         with torch.cuda.stream(self.copy_stream):
             if self.freed[s] is not None:
                 self.copy_stream.wait_event(self.freed[s])
             start = self._event()
-            copy_experts(self.slots[s], self.host[i], self.per[i], experts, self.gpu_experts(i))
+            copy_experts(self.slots[s], self.host[i], self.per[i], experts)
             self.copied[s].record(self.copy_stream)
             if start is not None:  # an end event of its own: copied[s] is recorded again by the slot's next copy
                 self._events.append((i, "copy", start, self._event()))
 
-    def _wait(self, i: int) -> None:
-        """The main stream waits for layer i's copy."""
+    def _wait(self, u: int) -> None:
+        """The main stream waits for unit u's copy."""
         if self.cuda:
             idle = self._event()
-            torch.cuda.current_stream(self.device).wait_event(self.copied[i % self.n_slots])
+            torch.cuda.current_stream(self.device).wait_event(self.copied[u % self.n_slots])
             if idle is not None:
-                self._events.append((i, "idle", idle, self._event()))
+                self._events.append((self._units[u][0], "idle", idle, self._event()))
 
-    def _weights(self, i: int, E: int) -> tuple:
-        """The first E experts of layer i's slot (or storage) unpacked into the weight scratch, a few experts at a
-        time (bounded temporaries) -> (w_gu [E, 2I, H], w_down [E, H, I])."""
-        lay = self.layouts[i]
-        if self.cuda or self.routed_only:
-            ranges = [dst[:E * b] for dst, b in zip(self.slots[i % self.n_slots], self.per[i])]
+    def _release(self, u: int) -> None:
+        """Unit u has been computed (queued on the main stream): its slot may take the next unit's copy."""
+        if u != self._done:
+            raise RuntimeError(f"layerwise prefill: unit {u} computed out of order (expected {self._done})")
+        if self.cuda:
+            s = u % self.n_slots
+            self.freed[s] = torch.cuda.Event()
+            self.freed[s].record(torch.cuda.current_stream(self.device))
+        self._done += 1
+        self._fill()
+
+    def _weights(self, u: int) -> tuple:
+        """Unit u's experts, from its slot (or the storage), unpacked into the weight scratch, a few experts at a
+        time where PyTorch ops unpack (bounded temporaries) -> (w_gu [n, 2I, H], w_down [n, H, I])."""
+        i, experts = self._units[u]
+        lay, n, s = self.layouts[i], len(experts), u % self.n_slots
+        if not self.cuda and self._slot_src[s] is not None:
+            first = self._slot_src[s][1]
+            ranges = [r[first * b:(first + n) * b] for r, b in zip(self.host[i], self.per[i])]
         else:
-            ranges = [r[:E * b] for r, b in zip(self.host[i], self.per[i])]
+            ranges = [dst[:n * b] for dst, b in zip(self.slots[s], self.per[i])]
+        w_gu, w_down = self.scratch.reserve(n)
         if self.triton_unpack:  # one pass, straight into the scratch
-            packed_triton.unpack_into(lay, ranges, self.w_gu, self.w_down, E)
-            return self.w_gu[:E], self.w_down[:E]
-        for e0 in range(0, E, self.unpack_n):
-            n = min(self.unpack_n, E - e0)
-            gu, d = unpack_experts(lay, [r[e0 * b:(e0 + n) * b] for r, b in zip(ranges, self.per[i])], n, self.dtype)
-            self.w_gu[e0:e0 + n].copy_(gu)
-            self.w_down[e0:e0 + n].copy_(d)
-        return self.w_gu[:E], self.w_down[:E]
+            packed_triton.unpack_into(lay, ranges, self.w_gu, self.w_down, n)
+            return w_gu, w_down
+        for e0 in range(0, n, self.unpack_n):
+            m = min(self.unpack_n, n - e0)
+            gu, d = unpack_experts(lay, [r[e0 * b:(e0 + m) * b] for r, b in zip(ranges, self.per[i])], m, self.dtype)
+            w_gu[e0:e0 + m].copy_(gu)
+            w_down[e0:e0 + m].copy_(d)
+        return w_gu, w_down
 
     def run(self, layer, x: torch.Tensor, logits: torch.Tensor, shared=None,
             correction_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """MoE layer ``layer``'s routed (+ ``shared(x)``) output [T, H] in x's dtype, its experts on this device."""
+        """MoE layer ``layer``'s routed (+ ``shared(x)``) output [T, H] in x's dtype, its experts on this device.
+        Out of GPU memory (another process took it): this layer and the rest of the call on the CPU engine."""
         i = self._index[id(layer)]
         weights, ids = layer.route(logits, correction_bias)
         if layer.drop:
             ids = drop_lowest(ids, weights, layer.drop)
-        n = self.gpu_experts(i)
-        if self.cpu_experts:  # the CPU starts on its experts first, the GPU's ids leave them out
+        streamed, c = self.streamed(i), self.cpu_count(i)
+        n = len(streamed) - c  # the streamed experts the GPU computes
+        if c:  # the CPU starts on its experts first, the GPU's rows leave them out
             cpu_start, cpu_done = self._event(), self._event(record=False)
-            self.share.submit(i, layer.engine, x, ids, weights.float(), self.cpu_experts, cpu_done)
+            self.share.submit(i, layer.engine, x, ids, weights.float(), streamed[n:], cpu_done)
             if cpu_done is not None:
                 self._events.append((i, "cpu", cpu_start, cpu_done))
-            ids = ids.masked_fill(ids >= n, -1)
-        if self.routed_only:  # the routed ones among the GPU's experts, after this layer's router (a host sync)
-            experts, ids = routed_experts(ids, n)
-            n = len(experts)
-            if self.profiling:
-                self.routed.append(n)
-            self._issue(i, experts)
-        self._wait(i)
-        start = self._event()
-        if n:
-            y = grouped_swiglu(x, ids, weights, *self._weights(i, n))
-        else:  # every pair on the CPU, or skipped
-            y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if start is not None:
-            self._events.append((i, "compute", start, self._event()))
-        if self.cuda:
-            s = i % self.n_slots
-            self.freed[s] = torch.cuda.Event()
-            self.freed[s].record(torch.cuda.current_stream(self.device))
-            if i + self.n_slots < len(self.layers) and not self.routed_only:
-                self._issue(i + self.n_slots)
+        order = streamed[:n]
+        why = None
+        try:
+            if self.routed_only:  # the routed ones among them, after this layer's router (a sync)
+                pos = self._positions(i, order)[ids.masked_fill(ids < 0, self.layouts[i].num_experts)]
+                used, _ = routed_experts(pos.masked_fill(pos >= n, -1), n)
+                if self.profiling:
+                    self.routed.append(len(used))
+                order = [order[u] for u in used]
+                self._add_units(i, order)
+                self._fill()
+            start = self._event()
+            y = self._experts(i, x, ids, weights, order)
+            if start is not None:
+                self._events.append((i, "compute", start, self._event()))
+        except torch.OutOfMemoryError as err:  # handled below, once the traceback (and its tensors) is gone
+            why = str(err).splitlines()[0] if str(err) else "out of memory"
+        if why is not None:
+            return self._fall_back(layer, x, logits, shared, correction_bias, why)
         dense = shared(x) if shared is not None else None
-        if self.cpu_experts:
+        if c:
             wait = self._event()
             y = self.share.add(y)  # cpu + gpu in fp32: combine's order for a layer's parts
             if wait is not None:  # the GPU's wait for the CPU (and the sum)
                 self._events.append((i, "idle", wait, self._event()))
         self.layers_run += 1
         return combine(y, None, None, x.dtype, dense)
+
+    def _experts(self, i: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, order: list) -> torch.Tensor:
+        """Layer i's experts on the GPU (the streamed ones in ``order``, copied as the layer's units, then its
+        resident ones) -> fp32 [T, H]. One unit holding the whole layer: one grouped GEMM per projection over every
+        (token, slot) row, no host sync. Several: the rows sorted by position once (one host sync), then each unit's
+        weights unpacked (units no row reaches are neither unpacked nor waited for) and its rows computed, at most
+        ``max_rows`` at a time, its sums added to the layer's in unit order."""
+        E, gpu = self.layouts[i].num_experts, self.layers[i].gpu
+        n, N = len(order), (gpu.n if gpu is not None else 0)
+        units = self._layer_units.get(i, [])
+        pos = self._positions(i, order)[ids.masked_fill(ids < 0, E)]  # [T, k] positions, -1: not the GPU's
+        T, k = ids.shape
+        if n + N <= self.group and (self.max_rows is None or T * k <= self.max_rows):
+            self.scratch.reserve(n + N)  # before the unpack: growing the scratch later would drop its weights
+            if units:
+                self._wait(units[0])
+                self._weights(units[0])
+            if not n + N:  # every pair on the CPU, or skipped
+                y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            else:
+                w_gu, w_down = self.scratch.reserve(n + N)
+                if N:  # the resident experts' rows after the streamed ones, only the routed ones unpacked
+                    gpu.unpack_into(w_gu[n:], w_down[n:], gpu.used(torch.where(pos >= n, pos - n, -1)))
+                y = grouped_swiglu(x, pos, weights, w_gu, w_down)
+            if units:
+                self._release(units[0])
+            return y
+        pairs = sort_pairs(pos, n + N)
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        rows = self.max_rows or T * k
+        p0 = 0
+        for u in units:
+            p1 = p0 + len(self._units[u][1])
+            if pairs.rows(p0, p1):
+                self._wait(u)
+                w_gu, w_down = self._weights(u)
+                swiglu_rows(x, pairs, p0, p1, weights, w_gu, w_down, y, rows)
+            self._release(u)
+            p0 = p1
+        if N and pairs.rows(n, n + N):
+            used = gpu.used(torch.where(pos >= n, pos - n, -1))
+            for r0 in range(0, N, self.group):
+                r1 = min(N, r0 + self.group)
+                if pairs.rows(n + r0, n + r1):
+                    w_gu, w_down = self.scratch.reserve(r1 - r0)
+                    gpu.unpack_into(w_gu, w_down, used[r0:r1], first=r0)
+                    swiglu_rows(x, pairs, n + r0, n + r1, weights, w_gu, w_down, y, rows)
+        return y
+
+    def _fall_back(self, layer, x, logits, shared, correction_bias, why: str) -> torch.Tensor:
+        """Out of GPU memory inside this path: the rest of the forward call takes the MoE layers' own path (the CPU
+        engine), starting with this one; the next call tries the GPU again. A CPU share already submitted for this
+        layer is left to finish on its stream (its output is not read)."""
+        self.failed = why
+        self.fallbacks += 1
+        print(f"hetmoe: GPU prefill out of GPU memory ({why}); the rest of this chunk prefills on the CPU engine",
+              file=sys.stderr)
+        return layer(x, logits, shared, correction_bias)  # drives() is False now: the layer's own dispatch
 
     def _event(self, record: bool = True):
         if not (self.cuda and self.profiling):
@@ -337,20 +464,27 @@ class LayerwisePrefill:
     def measure(self, tokens=(256, 1024), seed: int = 0) -> dict:
         """The rates the threshold is chosen from, measured on the first MoE layer with random activations and
         routing (a few ms on a GPU): the H2D copy of one layer's packed experts, the GPU path's unpack and grouped
-        GEMMs at two token counts, the CPU engine's prefill at two token counts. Seconds per layer."""
+        GEMMs at two token counts, the CPU engine's prefill at two token counts (``cpu_layer_seconds``: every expert
+        of the layer, whatever the engine's GPU-resident ones). Seconds per layer, all E experts. With slots of G < E
+        experts, one slot's copy and compute (its experts' share of the rows, sorted as a layer of several units
+        is) are timed and scaled by E / G."""
         if not self.cuda or not self.layers:
             raise RuntimeError("measuring the layerwise prefill needs its CUDA device")
+        if current() is not None:
+            raise RuntimeError("the layerwise prefill cannot be measured while a prefill runs")
         layer, lay = self.layers[0], self.layouts[0]
         gen = torch.Generator().manual_seed(seed)
         H, E, k = lay.hidden, lay.num_experts, layer.router.top_k
+        G = min(self.group, E)
         torch.cuda.synchronize(self.device)
+        self._units = [(0, list(range(G)))]  # one unit of the layer's first G experts, resident ones included
         copy = []
         for _ in range(2):
             t0 = torch.cuda.Event(enable_timing=True)
             t0.record(self.copy_stream)
             self._issue(0)
             self.copy_stream.synchronize()
-            copy.append(t0.elapsed_time(self.copied[0]) / 1e3)
+            copy.append(t0.elapsed_time(self.copied[0]) / 1e3 * E / G)
         gpu, cpu = {}, {}
         for T in tokens:
             x = torch.randn(T, H, generator=gen).to(self.dtype)
@@ -361,17 +495,18 @@ class LayerwisePrefill:
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
                 self._wait(0)
-                grouped_swiglu(xd, idd, wd, *self._weights(0, lay.num_experts))
+                if G >= E:
+                    self.scratch.reserve(E)
+                    grouped_swiglu(xd, idd, wd, *self._weights(0))
+                else:
+                    y = torch.zeros(T, H, dtype=torch.float32, device=self.device)
+                    pairs = sort_pairs(torch.where(idd < G, idd, -1), G)
+                    swiglu_rows(xd, pairs, 0, G, wd, *self._weights(0), y, self.max_rows or T * k)
                 b.record()
                 b.synchronize()
-            gpu[T] = a.elapsed_time(b) / 1e3
-            times = []
-            for rep in range(2):
-                t = time.perf_counter()
-                layer.engine.forward(x, ids, w)  # x in the model dtype, as the CPU prefill path stages it
-                times.append(time.perf_counter() - t)
-            cpu[T] = min(times)
-        self.freed[0] = None
+            gpu[T] = a.elapsed_time(b) / 1e3 * E / G
+            cpu[T] = cpu_layer_seconds(layer.engine, x, ids, w)
+        self.freed[0], self._units = None, []
         self.rates = {"copy_s": min(copy), "copy_gbps": self.layer_bytes(0) / min(copy) / 1e9, "gpu_s": gpu,
                       "cpu_s": cpu}
         if self.share is not None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hetmoe.cpu.layout import BF16_GROUP, CODEBOOKS, K_PER_LINE, LINE, ROWS, SCALE_WIDTH
+from hetmoe.cpu.layout import BF16_GROUP, CODEBOOKS, K_PER_LINE, LINE, ROWS, SCALE_WIDTH, SUPER_BLOCK, set_bytes
 
 
 def _round_up(v: int, m: int) -> int:
@@ -34,7 +34,7 @@ class MatrixShape:
     kp: int
     n_blocks: int
     affine: bool = False  # value = scale * u - min (GGUF's K-quants), else scale * q
-    scale_dtype: str = "fp32"  # how the scales are stored (fp32, fp16, bf16, e8m0)
+    scale_dtype: str = "fp32"  # how the scales (and mins) are stored (fp32, fp16, bf16, e8m0, k8)
     codebook: str | None = None  # lut4: the codebook its nibbles index
 
     @classmethod
@@ -62,9 +62,12 @@ class MatrixShape:
         return self.lines * LINE
 
     @property
-    def block_scale_bytes(self) -> int:  # scales (of scale_dtype) and an affine block's fp32 mins
-        n = 0 if self.fmt == "bf16" else (self.kp // self.group) * ROWS
-        return n * (SCALE_WIDTH[self.scale_dtype] + (4 if self.affine else 0))
+    def set_bytes(self) -> int:  # one block's scales (of scale_dtype; k8: sub-scales, then fp16 super scales)
+        return 0 if self.fmt == "bf16" else set_bytes(1, self.kp, self.group, self.scale_dtype)
+
+    @property
+    def block_scale_bytes(self) -> int:  # the scale set and an affine block's min set (stored as the scales are)
+        return self.set_bytes * (2 if self.affine else 1)
 
 
 @dataclass(frozen=True)
@@ -127,34 +130,52 @@ def codebook_values(name: str, device: torch.device) -> torch.Tensor:
 
 
 def widen_scales(raw: torch.Tensor, scale_dtype: str) -> torch.Tensor:
-    """Stored scales (uint8 bytes, a whole number of scales) -> fp32, exactly as the CPU kernels widen them
-    (csrc/formats/layout.h scale_to_float)."""
+    """Stored scales of one level (uint8 bytes, a whole number of scales; not k8, whose sets ``widen_set`` reads) ->
+    fp32, exactly as the CPU kernels widen them (csrc/formats/layout.h scale_to_float)."""
     if scale_dtype == "fp32":
         return raw.view(torch.float32)
     if scale_dtype in ("fp16", "bf16"):
         return raw.view(torch.float16 if scale_dtype == "fp16" else torch.bfloat16).float()
+    if scale_dtype != "e8m0":
+        raise ValueError(f"{scale_dtype} scales are not one value per scale: widen_set reads them")
     e = raw.to(torch.int32)  # e8m0: 2^(e - 128); e < 2 are the subnormals 2^-128 << e
     bits = torch.where(e < 2, torch.bitwise_left_shift(torch.full_like(e, 0x00200000), e), (e - 1) << 23)
     return bits.view(torch.float32)
 
 
+def widen_set(sets: torch.Tensor, shape: MatrixShape) -> torch.Tensor:
+    """Scale sets of ``shape``'s blocks (uint8 [n, shape.set_bytes]: a block's scales, or its mins) -> fp32
+    [n, G, ROWS], exactly as the CPU kernels widen them (csrc/formats/layout.h RowBlock::value; k8: int8 sub-scale x
+    fp16 super scale of the group's super-block)."""
+    G, n = shape.kp // shape.group, sets.shape[0]
+    head = sets[:, :G * ROWS * SCALE_WIDTH[shape.scale_dtype]].contiguous()
+    if shape.scale_dtype != "k8":
+        return widen_scales(head.reshape(-1), shape.scale_dtype).view(n, G, ROWS)
+    sub = head.view(torch.int8).view(n, G, ROWS).float()
+    sup = sets[:, G * ROWS:].contiguous().view(torch.float16).view(n, -1, ROWS).float()  # [n, supers, ROWS]
+    which = torch.arange(G, device=sets.device) * shape.group // SUPER_BLOCK
+    return sub * sup[:, which]
+
+
 def _dequantize(codes: torch.Tensor, scales: torch.Tensor, shape: MatrixShape, n_mats: int,
                 dtype: torch.dtype) -> torch.Tensor:
     """codes [n_mats, NB * 16, Kp] (q + offset, affine u, or lut4 indices), scales uint8 [n_mats * NB *
-    block_scale_bytes] ([G][16] of the scale dtype per block; affine: fp32 scales then fp32 mins) -> values
-    [n_mats, NB * 16, Kp]."""
+    block_scale_bytes] (per block its scale set, and affine its min set) -> values [n_mats, NB * 16, Kp]."""
     G, NB = shape.kp // shape.group, shape.n_blocks
+    sets = scales.view(n_mats * NB, 2 if shape.affine else 1, shape.set_bytes)
+
+    def per_row(j: int) -> torch.Tensor:  # set j of every block as [n_mats, NB * 16, G, 1]
+        return widen_set(sets[:, j], shape).view(n_mats, NB, G, ROWS).transpose(2, 3).reshape(n_mats, NB * ROWS, G, 1)
+
+    s = per_row(0)
     if shape.affine:  # two roundings, as gguf's dequantization: fl(fl(scale * u) - min)
-        per = scales.view(torch.float32).view(n_mats, NB, 2, G, ROWS).permute(2, 0, 1, 4, 3)
         q = codes.view(n_mats, NB * ROWS, G, shape.group)
-        w = q.to(torch.float32) * per[0].reshape(n_mats, NB * ROWS, G, 1) - per[1].reshape(n_mats, NB * ROWS, G, 1)
-        return w.view(n_mats, NB * ROWS, shape.kp).to(dtype)
-    s = widen_scales(scales, shape.scale_dtype).view(n_mats, NB, G, ROWS).permute(0, 1, 3, 2)
+        return (q.to(torch.float32) * s - per_row(1)).view(n_mats, NB * ROWS, shape.kp).to(dtype)
     if shape.fmt == "lut4":
         q = codebook_values(shape.codebook, codes.device)[codes.long()]
     else:
         q = (codes - (128 if shape.fmt == "int8" else 8)).to(torch.float32)
-    w = q.view(n_mats, NB * ROWS, G, shape.group) * s.reshape(n_mats, NB * ROWS, G, 1)
+    w = q.view(n_mats, NB * ROWS, G, shape.group) * s
     return w.view(n_mats, NB * ROWS, shape.kp).to(dtype)
 
 

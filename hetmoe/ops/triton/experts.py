@@ -465,3 +465,54 @@ def routed_int(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
         wd.stride(0), sd.stride(0), ids.stride(0), wts.stride(0), BH=launch.bh,
         BK=max(launch.bk_down, storage.down_group), FMT=INT_FMT[storage.down], GROUP=storage.down_group, **common)
     return p.sum(dim=1)
+
+
+# ------------------------------------------------------------------------------ prefill: unpacking into a scratch
+# The resident prefill (hetmoe/moe/gpu_resident/experts.py) runs the layer's experts as grouped GEMMs on bf16
+# weights (hetmoe/moe/grouped.py); this kernel writes the stored int8/int4/lut4 rows of the experts a chunk routes
+# to into the model-dtype scratch in one pass, with the decode kernels' K-loop dequantization (``_halves``: the same
+# values, scale * q in fp32, then rounded once to the scratch's dtype). Rows of unrouted experts are not written.
+
+
+@triton.jit
+def _unpack_rows(W, S, LUT, USED, OUT, R, K, KP, ROWS_PER, stride_w, stride_s, stride_o, FMT: tl.constexpr,
+                 GROUP: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    """OUT[r, :K] = the values of stored row r, for the rows r < R whose expert r // ROWS_PER is marked in USED."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    ok = r < R
+    rr = tl.where(ok, r, 0).to(tl.int64)
+    used = ok & (tl.load(USED + rr // ROWS_PER, mask=ok, other=0) != 0)  # [BR]
+    if tl.max(used.to(tl.int32), axis=0) == 0:
+        return
+    k0 = tl.program_id(1) * BK
+    lo, hi, kl, kh = _halves(W, S, LUT, rr * stride_w, rr * stride_s, k0, KP, BR, FMT, GROUP, BK)
+    dst = OUT + rr[:, None] * stride_o
+    tl.store(dst + kl[None, :], lo.to(OUT.dtype.element_ty), mask=used[:, None] & (kl < K)[None, :])
+    tl.store(dst + kh[None, :], hi.to(OUT.dtype.element_ty), mask=used[:, None] & (kh < K)[None, :])
+
+
+UNPACK_ROWS = 32  # rows per program of the unpack
+UNPACK_K = 128  # columns per program (at least one group)
+
+
+def unpack_rows(codes: torch.Tensor, scales: torch.Tensor, fmt: str, group: int, out: torch.Tensor,
+                used: torch.Tensor, rows_per_expert: int, lut: torch.Tensor | None = None) -> None:
+    """Stored rows ``codes`` / ``scales`` (hetmoe/moe/gpu_resident/format.py: [R, Kp] int8 or [R, Kp / 2] uint8, fp32
+    [R, Kp / group]) of ``fmt`` (int8, int4, lut4 with its 16 fp32 codebook values ``lut``) -> ``out`` [R, K] (K <= Kp,
+    rows contiguous in K), only the rows of the experts ``used`` marks (bool / uint8 [R / rows_per_expert], on the
+    device: no host sync); the other rows of ``out`` are left as they are."""
+    R, K = out.shape
+    if codes.shape[0] != R or scales.shape[0] != R or out.stride(1) != 1:
+        raise ValueError(f"unpack_rows: {codes.shape[0]} rows of codes, {scales.shape[0]} of scales, out "
+                         f"{tuple(out.shape)} with strides {out.stride()}")
+    if fmt == "lut4" and (lut is None or lut.dtype != torch.float32 or lut.numel() != 16):
+        raise ValueError("unpack_rows: lut4 needs its codebook's 16 fp32 values (lut)")
+    if R == 0:
+        return
+    kp = scales.shape[1] * group
+    bk = max(UNPACK_K, group)
+    used = used.to(torch.uint8) if used.dtype == torch.bool else used
+    grid = (triton.cdiv(R, UNPACK_ROWS), triton.cdiv(K, bk))
+    _unpack_rows[grid](codes, scales, lut if lut is not None else scales, used, out, R, K, kp, rows_per_expert,
+                       codes.stride(0), scales.stride(0), out.stride(0), FMT=INT_FMT[fmt], GROUP=group,
+                       BR=UNPACK_ROWS, BK=bk, num_warps=4)

@@ -15,6 +15,8 @@ Shape letters: T tokens, k slots per token, M = T·k rows, H hidden, I expert in
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 try:
@@ -31,11 +33,14 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _combine_slots(Y, POS, IDS, W, OUT, H, K: tl.constexpr, BLOCK: tl.constexpr):
+    def _combine_slots(Y, POS, IDS, W, OUT, H, K: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = i < H
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        if ACC:
+            acc = tl.load(OUT + t * H + i, mask=m, other=0.0)
+        else:
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in tl.static_range(K):
             e = tl.load(IDS + t * K + j)
             if e >= 0:
@@ -52,14 +57,21 @@ def swiglu(gu: torch.Tensor) -> torch.Tensor:
     return silu_mul(gu, round_silu=False)
 
 
-def combine_slots(y: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The weighted sum of each token's routed rows of ``y`` (see the module's docstring) -> fp32 [T, H]."""
+def combine_slots(y: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The weighted sum of each token's routed rows of ``y`` (see the module's docstring) -> fp32 [T, H]; with
+    ``out`` (fp32 [T, H], contiguous) the sum is added to it in place (each token's slots in slot order after what
+    ``out`` holds: a layer computed a group of experts at a time sums its groups in order)."""
     T, k = ids.shape
     H = y.shape[1]
-    out = torch.empty(T, H, dtype=torch.float32, device=y.device)
+    acc = out is not None
+    if out is None:
+        out = torch.empty(T, H, dtype=torch.float32, device=y.device)
+    elif out.shape != (T, H) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 [{T}, {H}] tensor, got {out.dtype} {tuple(out.shape)}")
     block = min(1024, triton.next_power_of_2(H))
     if T:
         _combine_slots[(T, triton.cdiv(H, block))](y.contiguous(), pos.contiguous(), ids.contiguous(),
-                                                  weights.float().contiguous(), out, H, K=k, BLOCK=block,
+                                                  weights.float().contiguous(), out, H, K=k, BLOCK=block, ACC=acc,
                                                   num_warps=4)
     return out

@@ -1,6 +1,6 @@
 """One-pass GPU unpacking of the CPU engine's packed experts (csrc/formats/layout.h; hetmoe/moe/streamed/packed.py has
 the same rules in PyTorch ops): a Triton kernel reads each row block's lines and scales once (scales of any stored
-dtype, lut4's codebook: the values the CPU kernels multiply by) and writes the
+dtype, k8's two levels included, lut4's codebook: the values the CPU kernels multiply by) and writes the
 weights in the model dtype straight into the layer's [E, 2I, H] / [E, H, I] scratch, padding cut. PyTorch ops take
 about ten passes over a layer for the same result; this kernel's one pass is what keeps the layerwise prefill's
 fixed cost per layer below its PCIe copy. Triton comes with PyTorch's CUDA builds; without it (CPU-only installs)
@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from hetmoe.cpu.layout import CODEBOOKS, K_PER_LINE, ROWS
+from hetmoe.cpu.layout import CODEBOOKS, K_PER_LINE, ROWS, SUPER_BLOCK
 
 try:
     import triton
@@ -23,9 +23,11 @@ except ImportError:  # CPU-only PyTorch: no Triton
     triton = None
 
 FMT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "lut4": 3}
-SCALE_CODE = {"fp32": 0, "fp16": 1, "bf16": 2, "e8m0": 3}
-# the torch dtype a scale dtype's bytes are read as (e8m0: its exponent bytes, widened in the kernel)
-SCALE_VIEW = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "e8m0": torch.uint8}
+SCALE_CODE = {"fp32": 0, "fp16": 1, "bf16": 2, "e8m0": 3, "k8": 4}
+# the torch dtype a scale dtype's bytes are read as (e8m0: its exponent bytes, widened in the kernel; k8: its int8
+# sub-scales, the fp16 super scales read through a cast pointer)
+SCALE_VIEW = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "e8m0": torch.uint8,
+              "k8": torch.int8}
 LINES_PER_PROGRAM = 32
 
 
@@ -36,9 +38,9 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _unpack_kernel(words, scales, lut, out, NB, lines, G, rows_out, cols_out, mat_stride, FMT: tl.constexpr,
+    def _unpack_kernel(words, scales, lut, out, NB, lines, G, NS, rows_out, cols_out, mat_stride, FMT: tl.constexpr,
                        GROUP: tl.constexpr, INTERLEAVED: tl.constexpr, BL: tl.constexpr, AFFINE: tl.constexpr,
-                       R: tl.constexpr, PER: tl.constexpr, SCALE: tl.constexpr):
+                       R: tl.constexpr, PER: tl.constexpr, SCALE: tl.constexpr, SUPER: tl.constexpr):
         # A program turns a tile of BL lines of one row block (R rows) into R rows of BL * PER weights: every
         # 4-byte cell is read once as an int32 and its PER values are split off with shifts, so the loads are the
         # block's contiguous lines and each row's stores are one contiguous run (coalesced on both sides).
@@ -65,19 +67,35 @@ if triton is not None:
                 u = (word[:, :, None] >> (8 * o)) & 255
             else:  # int4 / lut4: byte o % 4, its low nibble for o < 4, its high nibble for o >= 4; int4 stores q + 8
                 u = (word[:, :, None] >> (8 * (o % 4) + 4 * (o // 4))) & 15
-            # a cell's values share one group (GROUP is a multiple of PER); affine blocks hold [G][R] fp32 scales then
-            # [G][R] mins: value = scale * u - min (two roundings: the launch turns fp fusion off). Scales stored
-            # narrower (SCALE) are widened exactly, as the CPU kernels do (csrc/formats/layout.h).
-            sb = b * G * (2 if AFFINE else 1) * R
+            # a cell's values share one group (GROUP is a multiple of PER); a block holds its scale set, then
+            # (affine) its min set stored the same way: [G][R] values of the scale dtype (k8: [G][R] int8 sub-scales,
+            # then [NS][R] fp16 super scales, one per SUPER values of K). value = scale * u - min (two roundings: the
+            # launch turns fp fusion off). Narrow values are widened exactly, as the CPU kernels do
+            # (csrc/formats/layout.h).
             gi = (line * PER) // GROUP
-            if SCALE == 3:  # e8m0: 2^(e - 128), e < 2 the subnormals 2^-128 << e
-                ex = tl.load(scales + sb + gi * R + r, mask=ok, other=0).to(tl.int32)
-                bits = tl.where(ex < 2, (ex * 0 + 0x00200000) << ex, (ex - 1) << 23)
-                s = bits.to(tl.float32, bitcast=True)[:, :, None]
+            if SCALE == 4:  # k8: sets of G R + 2 NS R bytes
+                set_bytes = G * R + 2 * NS * R
+                sb = b * set_bytes * (2 if AFFINE else 1)
+                sup = (line * PER) // SUPER
+                sub = tl.load(scales + sb + gi * R + r, mask=ok, other=0).to(tl.float32)
+                d = tl.load((scales + sb + G * R).to(tl.pointer_type(tl.float16)) + sup * R + r, mask=ok, other=0.0)
+                s = (sub * d.to(tl.float32))[:, :, None]
+                if AFFINE:
+                    msub = tl.load(scales + sb + set_bytes + gi * R + r, mask=ok, other=0).to(tl.float32)
+                    mptr = (scales + sb + set_bytes + G * R).to(tl.pointer_type(tl.float16))
+                    md = tl.load(mptr + sup * R + r, mask=ok, other=0.0)
+                    m = (msub * md.to(tl.float32))[:, :, None]
             else:
-                s = tl.load(scales + sb + gi * R + r, mask=ok, other=0.0).to(tl.float32)[:, :, None]
+                sb = b * G * (2 if AFFINE else 1) * R
+                if SCALE == 3:  # e8m0: 2^(e - 128), e < 2 the subnormals 2^-128 << e
+                    ex = tl.load(scales + sb + gi * R + r, mask=ok, other=0).to(tl.int32)
+                    bits = tl.where(ex < 2, (ex * 0 + 0x00200000) << ex, (ex - 1) << 23)
+                    s = bits.to(tl.float32, bitcast=True)[:, :, None]
+                else:
+                    s = tl.load(scales + sb + gi * R + r, mask=ok, other=0.0).to(tl.float32)[:, :, None]
+                if AFFINE:
+                    m = tl.load(scales + sb + (G + gi) * R + r, mask=ok, other=0.0).to(tl.float32)[:, :, None]
             if AFFINE:
-                m = tl.load(scales + sb + (G + gi) * R + r, mask=ok, other=0.0)[:, :, None]
                 v = u.to(tl.float32) * s - m
             elif FMT == 3:  # lut4: the nibble indexes the codebook
                 v = tl.load(lut + u).to(tl.float32) * s
@@ -108,9 +126,11 @@ def _launch(shape, data: torch.Tensor, scales, out: torch.Tensor, n_blocks: int,
     rows, cols = out.shape[1] // (2 if interleaved else 1), out.shape[2]
     bl = min(LINES_PER_PROGRAM, triton.next_power_of_2(shape.lines))
     grid = (n_blocks, triton.cdiv(shape.lines, bl))
+    n_supers = -(-shape.kp // SUPER_BLOCK)
     _unpack_kernel[grid](data.view(torch.int32), sc, lut, out, shape.n_blocks, shape.lines, shape.kp // shape.group,
-                         rows, cols, out.stride(0), FMT=fmt, GROUP=shape.group, INTERLEAVED=interleaved, BL=bl,
-                         AFFINE=shape.affine, R=ROWS, PER=per, SCALE=SCALE_CODE[sdt], enable_fp_fusion=False)
+                         n_supers, rows, cols, out.stride(0), FMT=fmt, GROUP=shape.group, INTERLEAVED=interleaved,
+                         BL=bl, AFFINE=shape.affine, R=ROWS, PER=per, SCALE=SCALE_CODE[sdt], SUPER=SUPER_BLOCK,
+                         enable_fp_fusion=False)
 
 
 def unpack_into(layout, ranges, w_gu: torch.Tensor, w_down: torch.Tensor, n_experts: Optional[int] = None) -> None:

@@ -7,7 +7,7 @@ writes them (tests/gguf_files.py), dense tensors in F32, routed experts quantize
   (tests/gguf_files.py random_blocks; no binary fixture), and files whose layers have different exact types.
 * The GGUF model's logits match the same model's reference on the dequantized weights (fp32 dense and experts,
   tests/parity.py), within the engine's activation rounding: measured max rel. error below.
-* Another type (Q5_0 here) is dequantized and re-quantized into the nearest engine format, said on the log.
+* Another type (TQ2_0 here) is dequantized and re-quantized into the nearest engine format, said on the log.
 * ``LLM`` generates from the file with the tokenizer and chat template the file carries; a broken file is named.
 """
 
@@ -209,6 +209,24 @@ def test_kquant_experts_load_exactly(tmp_path, arch, qtype, plan, layout):
     _assert_exact(loaded, deq)
 
 
+# the types held exactly since the two-level scales (one architecture: the loading path is the same): Q3_K, a Q2_K
+# file's mix (Q2_K gate/up, Q3_K down), Q4_1, Q5_0 + Q5_1; (types, plan, layout, scale dtypes)
+NEW_LAYOUTS = [("Q3_K", ("int4", 16), ("int4", 16, 16, ("symmetric", "symmetric")), ("k8", "k8")),
+               ("Q2_K+Q3_K", ("int4", 16), ("int4", 16, 16, ("affine", "symmetric")), ("k8", "k8")),
+               ("Q4_1", ("int4", 32), ("int4", 32, 32, ("affine", "affine")), ("fp16", "fp16")),
+               ("Q5_0+Q5_1", ("int8", 32), ("int8", 32, 32, ("symmetric", "affine")), ("fp16", "fp16"))]
+
+
+@pytest.mark.parametrize("qtype, plan, layout, scales", NEW_LAYOUTS, ids=[k[0] for k in NEW_LAYOUTS])
+def test_more_types_load_exactly(tmp_path, qtype, plan, layout, scales):
+    path, _, _, deq = quantized_gguf(tmp_path, "qwen3_moe", qtype, **KSIZES["qwen3_moe"])
+    loaded = _load(path)
+    assert (loaded.plan.experts_format, loaded.plan.group_size) == plan
+    for _, layer in moe_blocks(loaded.model):
+        assert _layout(layer.engine) == layout and layout_of(layer.engine)["scale_dtype"] == scales
+    _assert_exact(loaded, deq)
+
+
 # measured (max rel. logit error, as above): Q4_K_M 1.4e-2..1.7e-2, Q4_K 2.0e-2..3.7e-2 (int4 gate/up: x rounded to
 # int8 per group of 32; Q4_K_M's int8 down keeps h in int16)
 @pytest.mark.parametrize("arch", list(KSIZES))
@@ -262,12 +280,14 @@ def test_a_bad_kquant_block_is_named(tmp_path):
 
 
 def test_other_types_are_requantized_into_the_nearest_format(tmp_path):
-    path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "Q5_0")
+    """TQ2_0 (ternary, 2 bits): no exact layout, re-quantized into int4."""
+    path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "TQ2_0", **KSIZES["qwen3_moe"])
     said = []
     loaded = load_model(path, EngineOptions(device="cpu", dtype="fp32", threads=1), expert_cache=None,
                         progress=False, log=said.append)
     assert loaded.plan.experts_format == "int4" and loaded.plan.group_size == 32
-    assert any("Q5_0, which no engine format holds exactly: dequantized and re-quantized into int4" in s for s in said)
+    assert any("TQ2_0, which no engine format holds exactly: dequantized and re-quantized into int4" in s
+               for s in said)
 
 
 def test_generate_from_a_gguf_file_with_its_own_tokenizer(tmp_path):
@@ -391,7 +411,7 @@ def test_the_plan_counts_what_the_engine_allocates(tmp_path, qtype, layer_types,
 # The 4-bit codebook types (hetmoe/load/gguf/lut4_blocks.py): (types, plan format and group, engine layout: formats,
 # group, down group, scale dtypes, codebooks). A codebook type beside an int8 one plans as int8 and keeps its lut4.
 LUT_LAYOUTS = [("MXFP4", ("int4", 32), ("lut4", 32, 32, ("e8m0", "e8m0"), ("e2m1", "e2m1"))),
-               ("IQ4_XS", ("int4", 32), ("lut4", 32, 32, ("fp32", "fp32"), ("iq4nl", "iq4nl"))),
+               ("IQ4_XS", ("int4", 32), ("lut4", 32, 32, ("k8", "k8"), ("iq4nl", "iq4nl"))),
                ("IQ4_NL", ("int4", 32), ("lut4", 32, 32, ("fp16", "fp16"), ("iq4nl", "iq4nl"))),
                ("MXFP4+Q8_0", ("int8", 32), (("lut4", "int8"), 32, 32, ("e8m0", "fp16"), ("e2m1", None)))]
 

@@ -44,7 +44,7 @@ def _type_rows(path, **options):
 
 @pytest.mark.parametrize("qtype, layer_types", [
     ("Q8_0", None), ("Q4_K", None), ("Q6_K", None), ("MXFP4", None), ("IQ4_XS", None),
-    ("Q5_0", None),  # re-quantized into int4 g32
+    ("Q5_0", None), ("Q2_K", None), ("Q4_1", None),
     ("Q4_K+Q6_K", None),  # Q4_K_M's experts
     ("Q4_K", {0: "Q4_K+Q6_K", 1: "Q5_K+Q8_0"}),  # a mix per layer, one int8 plan
     ("Q4_K", {1: "Q6_K+Q6_K"}),  # gate and up of different types: that layer re-quantized
@@ -68,6 +68,31 @@ def test_bytes_per_type_are_what_the_load_allocates(tmp_path, qtype, layer_types
     held = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     assert sum(r.held_bytes for r in dense) == plan.ram["dense weights"] == held
     assert all(r.ggml_type == "F32" for r in dense)  # the test files' dense tensors (tests/gguf_files.py)
+
+
+# held / file bytes of the routed experts per type (csrc/formats/layout.h: codes + scale sets), what `hetmoe plan`
+# prints; <= 1.05 where the engine holds the file's bits per weight (4-bit codes with their own scales)
+RAM_FACTORS = {"Q4_K": (1.0278, "int4 g32 k8 affine"), "Q4_1": (1.0, "int4 g32 fp16 affine"),
+               "IQ4_XS": (1.0147, "lut4 iq4nl g32 k8"), "Q4_0": (1.0, "int4 g32 fp16"),
+               "Q3_K": (1.3273, "int4 g16 k8"), "Q2_K": (1.9524, "int4 g16 k8 affine"),
+               "Q5_K": (1.5682, "int8 g32 k8 affine"), "Q6_K": (1.3048, "int8 g16 k8"),
+               "Q5_0": (1.5455, "int8 g32 fp16"), "Q5_1": (1.5, "int8 g32 fp16 affine")}
+AT_FILE_SIZE = ("Q4_K", "Q4_1", "IQ4_XS", "Q4_0")
+
+
+@pytest.mark.parametrize("qtype", list(RAM_FACTORS))
+def test_ram_factor_per_type(tmp_path, qtype):
+    """Each exactly held type's row of the plan (held / file bytes, from the real layout), and what a load
+    allocates for it."""
+    path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", qtype, **KSIZES["qwen3_moe"])
+    plan, rows = _type_rows(path, dense_format="bf16")
+    (row,) = [r for r in rows if r.part == "experts"]
+    factor, how = RAM_FACTORS[qtype]
+    assert row.ggml_type == qtype and row.held_as == {f"{how} (exact)"}
+    assert row.ratio == pytest.approx(factor, abs=1e-4)
+    assert row.held_bytes == plan.ram["routed experts"]
+    if qtype in AT_FILE_SIZE:
+        assert row.ratio <= 1.05
 
 
 def test_a_single_type_per_layer_matches_each_engine(tmp_path):
@@ -114,7 +139,8 @@ def test_plan_prints_the_types_without_reading_tensor_data(tmp_path, capsys, mon
     lines = after.splitlines()
     q4k = next(line for line in lines if line.startswith("experts  Q4_K "))
     q6k = next(line for line in lines if line.startswith("experts  Q6_K "))
-    assert "int4 g32 (exact)" in q4k and "int8 g16 (exact)" in q6k, (q4k, q6k)
+    assert "int4 g32 k8 affine (exact)" in q4k and "int8 g16 k8 (exact)" in q6k, (q4k, q6k)
+    assert " 1.03x " in q4k and " 1.30x " in q6k, (q4k, q6k)
     assert any(line.startswith("dense    F32 ") for line in lines)
     with pytest.raises(AssertionError, match="tensor data read"):  # the guard works: a load reads data
         _load(path)

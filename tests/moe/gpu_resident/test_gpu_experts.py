@@ -1,7 +1,7 @@
 """GPU-resident experts (--gpu-experts N; hetmoe/moe/gpu_resident/experts.py, MoELayer.set_gpu_experts,
 hetmoe/load/calibration.py).
 
-CPU (CI): the combine matrix against a naive loop; GpuExperts (dense and gather paths) on CPU tensors against
+CPU (CI): the combine matrix against a naive loop; GpuExperts (dense and grouped paths) on CPU tensors against
 TorchExperts over odd shapes; the CPU engine's static skip mask plus the resident part equals the all-CPU result
 (also through the hybrid MoELayer run on CPU tensors and Expert Deferral, where resident experts are never
 deferred); calibration picks
@@ -98,7 +98,7 @@ def test_combine_matrix_matches_naive_loop(T, k):
 
 @pytest.mark.parametrize("T", [1, 2, 3, 7, 64, 300])
 @pytest.mark.parametrize("k", [1, 2, 6, 8])
-@pytest.mark.parametrize("path", ["dense", "gather"])
+@pytest.mark.parametrize("path", ["dense", "grouped"])
 def test_gpu_experts_match_torch_experts(T, k, path):
     gen = torch.Generator().manual_seed(1000 * T + 10 * k + (path == "dense"))
     gate, up, down = _weights(gen)
@@ -318,7 +318,7 @@ def test_resident_experts_keep_the_model_output():
     from hetmoe.engine.runner import Runner
 
     loaded = _tiny_qwen3()
-    prompt = list(range(5, 45))  # 40 tokens: the gather path in prefill, the dense path in decode
+    prompt = list(range(5, 45))  # 40 tokens: the grouped path in prefill, the dense path in decode
     runner = Runner(loaded)
     ref = torch.stack([runner.prefill(prompt), runner.decode(17), runner.decode(250)])
     report = place_gpu_experts(loaded.model, moe_blocks(loaded.model), 3, torch.float32, "cpu",
@@ -419,7 +419,7 @@ def checkpoints(tmp_path_factory):
             for i, a in enumerate(("qwen3_moe", "deepseek_v3"))}
 
 
-PROMPT = list(range(3, 43))  # 40 tokens: the gather path in prefill; decode steps take the dense path
+PROMPT = list(range(3, 43))  # 40 tokens: the grouped path in prefill; decode steps take the dense path
 
 
 def _logits(path, logs=None, mode="graph", **opts):

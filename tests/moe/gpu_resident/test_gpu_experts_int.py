@@ -7,10 +7,10 @@ exact in fp32), the non-resident and skipped experts masked out: the kernels' co
 CPU engine multiplies by (``CPUExperts.dequantized``): resident experts of its own format hold them bitwise.
 Paths: Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, tests/conftest.py; skipped without triton) with the
 interpreter's wide tiles and with the GPU's (``plan(T, on_gpu=True)``: GEMV, deferred GEMV, dots); the torch paths
-(dense: all N experts dequantized per call; gather: per expert); the GPU (marked gpu): bf16 activations, eager and
-captured in a CUDA graph.
+(dense: all N experts dequantized per call; grouped: the prefill's grouped GEMMs); the GPU (marked gpu): bf16
+activations, eager and captured in a CUDA graph.
 
-Measured, ||out - ref|| / ||ref||, fp32 activations, interpreter: routed, dense and gather vs float64 <= 3.1e-7 for
+Measured, ||out - ref|| / ||ref||, fp32 activations, interpreter: routed, dense and grouped vs float64 <= 3.1e-7 for
 int8 and int4, groups 32-128 (bound 1e-5: summation order only). GPU bound: BF16_X below.
 """
 
@@ -89,7 +89,7 @@ CASES = [("int4-32", 1, 8), ("int4-32", 7, 2), ("int4-128", 3, 1), ("int4-128", 
 
 
 @pytest.mark.parametrize("name,T,k", CASES)
-def test_routed_dense_and_gather_match_the_dequantized_reference(kernels, name, T, k):
+def test_routed_dense_and_grouped_match_the_dequantized_reference(kernels, name, T, k):
     w = _weights(name, T, k)
     x, ids, wts = _case(T, k, name)
     g = _experts(w, STORAGES[name])
@@ -100,7 +100,7 @@ def test_routed_dense_and_gather_match_the_dequantized_reference(kernels, name, 
     assert rel_err(out, ref) < FP32_BOUND, rel_err(out, ref)
     dense = _experts(w, STORAGES[name], decode="dense")
     assert rel_err(dense(x, ids, wts), ref) < FP32_BOUND
-    assert rel_err(dense._gather(x, ids, wts), ref) < FP32_BOUND  # the prefill path, one expert at a time
+    assert rel_err(dense._grouped(x, ids, wts, None), ref) < FP32_BOUND  # the prefill path (grouped GEMMs)
 
 
 TILE_CASES = [("int4-32", 1, 8, True), ("int4-32", 1, 8, False), ("int4-32", 2, 2, False), ("int4-32", 5, 3, False),
@@ -140,13 +140,13 @@ def test_no_hit_all_hits_and_skip_mask(kernels):
     assert torch.equal(out, everything(x, cut, wts))  # a skipped expert is an empty slot: the same bits
 
 
-def test_prefill_gathers_experts_in_chunks():
-    """T > dense_max_tokens takes the gather path: int4 experts dequantized GATHER_EXPERTS at a time (20 resident:
-    two chunks), each expert over its own tokens."""
-    from hetmoe.moe.gpu_resident.experts import GATHER_EXPERTS
+def test_prefill_unpacks_experts_in_chunks():
+    """T > dense_max_tokens takes the grouped path: on CPU tensors int4 experts dequantized TORCH_UNPACK_EXPERTS at a
+    time (20 resident: two chunks) into the scratch, then the grouped GEMMs over the tokens sorted by expert."""
+    from hetmoe.moe.gpu_resident.experts import TORCH_UNPACK_EXPERTS
 
     e, resident = 37, list(range(36, 16, -1))
-    assert len(resident) > GATHER_EXPERTS
+    assert len(resident) > TORCH_UNPACK_EXPERTS
     gen = generator("gather chunks")
     gate, up, down = (torch.randn(e, *shape, generator=gen) * 0.3 for shape in ((I, H), (I, H), (H, I)))
     g = GpuExperts(resident, gate[resident], up[resident], down[resident], e, torch.float32, storage="int4",
@@ -222,7 +222,7 @@ LUT_ENGINES = {"lut4-e2m1/int8": dict(weight_format=("lut4", "int8"), group_size
 def test_from_cpu_keeps_codebooks_and_widens_scales(kernels, name):
     """storage auto of such an engine: lut4 codes kept with their codebook (int4's bytes), scales widened to fp32 --
     the engine's values bitwise; the routed kernels (interpreter tiles and the GPU's: GEMV, deferred GEMV, dots), the
-    dense and the gather paths against the float64 reference on them."""
+    dense and the grouped paths against the float64 reference on them."""
     ex = CPUExperts(E, H, I, threads=1, **LUT_ENGINES[name])
     ex.fill_random(seed=5, std=0.3)
     g = GpuExperts.from_cpu(ex, RESIDENT, torch.float32, "cpu", "auto")
@@ -238,7 +238,7 @@ def test_from_cpu_keeps_codebooks_and_widens_scales(kernels, name):
         ref = _reference(g, x, ids, wts)
         assert rel_err(g(x, ids, wts), ref) < FP32_BOUND
         assert rel_err(g._dense(x, ids, wts), ref) < FP32_BOUND
-        assert rel_err(g._gather(x, ids, wts), ref) < FP32_BOUND
+        assert rel_err(g._grouped(x, ids, wts, None), ref) < FP32_BOUND
         for defer in (True, False):
             launch = dataclasses.replace(kernels.plan(T, on_gpu=True), defer=defer)
             out = kernels.routed_int(x, ids, wts, (g.w_gate_up, g.s_gate_up), (g.w_down, g.s_down), g.storage,
@@ -284,7 +284,7 @@ def test_model_with_int4_resident_experts():
     blocks = moe_blocks(loaded.model)
     for _, block in blocks:
         block.attach(block.experts, HostStaging(cfg["hidden_size"], block.router.top_k, torch.float32))
-    prompt = list(range(5, 45))  # 40 tokens: the gather path in prefill, the dense path in decode
+    prompt = list(range(5, 45))  # 40 tokens: the grouped path in prefill, the dense path in decode
 
     def logits():
         runner = Runner(loaded)
@@ -337,9 +337,14 @@ def test_plan_counts_resident_experts_at_their_stored_bytes(monkeypatch):
     auto = placement.choose_plan(QWEN, EngineOptions(**opts))
     bf16 = placement.choose_plan(QWEN, EngineOptions(**opts, gpu_experts_format="bf16"))
     n, n_bf16 = auto.layers[0].gpu_experts, bf16.layers[0].gpu_experts
-    left = 12 * 2**30 + base - auto.vram_bytes + auto.vram["GPU experts"] - placement.RESIDENT_MARGIN
-    assert n == min(128, left // (48 * int4_each)) and n_bf16 == left // (48 * bf16_each)
-    assert n >= 3.5 * n_bf16 > 0  # int4: ~3.5x as many experts in the same VRAM
+    # without the layerwise prefill's buffers each resident expert also widens the prefill's bf16 weight scratch
+    scratch, act = placement.resident_prefill_bytes(QWEN, 1, auto.prefill_chunk, 2)
+    assert auto.vram["resident prefill"] == n * scratch + act
+    assert bf16.vram["resident prefill"] == n_bf16 * scratch + act
+    left = (12 * 2**30 + base - auto.vram_bytes + auto.vram["GPU experts"] + auto.vram["resident prefill"]
+            - placement.RESIDENT_MARGIN - act)
+    assert n == min(128, left // (48 * int4_each + scratch)) and n_bf16 == left // (48 * bf16_each + scratch)
+    assert n >= 3.3 * n_bf16 > 0  # int4: ~3.4x as many experts in the same VRAM (the bf16 scratch is the same)
     table = "\n".join(auto.table())
     assert f"GPU experts ({n} per layer, int4)" in table, table
     assert f"GPU experts ({n_bf16} per layer, bf16)" in "\n".join(bf16.table())
@@ -438,7 +443,7 @@ def test_cuda_routed_int(name, T, k):
     print(f"{name} T={T} k={k}: routed vs float64 {rel_err(out.cpu(), ref):.2e}")
     assert rel_err(out.cpu(), ref) < BF16_X
     if T > 1:
-        assert rel_err(g._gather(xb, ids, wts).cpu(), ref) < BF16_X
+        assert rel_err(g._grouped(xb, ids, wts, None).cpu(), ref) < BF16_X
     g32 = _experts(w, STORAGES[name], decode="auto", device="cuda")  # fp32 x: fp32 GEMV products, IEEE dots
     assert rel_err(g32(x, ids, wts).cpu(), _reference(g32, x, ids, wts)) < FP32_BOUND
 

@@ -22,8 +22,9 @@ from hetmoe.cpu import CPUExperts
 from hetmoe.engine.runner import Runner
 from hetmoe.load.loader import load_model, moe_blocks
 from hetmoe.moe import TorchExperts
+from hetmoe.moe.grouped import grouped_swiglu
 from hetmoe.moe.streamed.choice import choose_min_tokens
-from hetmoe.moe.streamed.layerwise import LayerwisePrefill, grouped_swiglu
+from hetmoe.moe.streamed.layerwise import LayerwisePrefill
 from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, unpack_experts
 from hetmoe.moe.streamed.vram import gpu_prefill_bytes
 from hetmoe.plan.placement import add_gpu_prefill
@@ -212,12 +213,19 @@ def test_chunks_above_8192_only_on_a_large_budget():
 
 
 def test_the_plan_refuses_an_impossible_gpu_prefill():
+    """32 MiB beside the model: not even two slots of one expert (hetmoe/moe/streamed/vram.py group_sizes) with
+    their buffers (4 GiB would hold slots of a group: tests/moe/streamed/test_groups.py)."""
+    tiny = int((3 << 30) / 0.92) + (32 << 20)
     plan, shapes = _plan_and_shapes()
-    add_gpu_prefill(plan, shapes, EngineOptions(), vram_free=4 << 30)  # auto: no room -> prefill stays on the CPU
+    add_gpu_prefill(plan, shapes, EngineOptions(), vram_free=tiny)  # auto: no room -> prefill stays on the CPU
     assert not plan.gpu_prefill and plan.prefill_chunk == 1024 and "prefill slots" not in plan.vram
+    assert plan.why["prefill slots"].startswith("none: two slots of one expert")
     plan, shapes = _plan_and_shapes()
     with pytest.raises(MemoryError, match=r"--gpu-prefill 512: its buffers do not fit the GPU .*prefill slots"):
-        add_gpu_prefill(plan, shapes, EngineOptions(gpu_prefill=512), vram_free=4 << 30)
+        add_gpu_prefill(plan, shapes, EngineOptions(gpu_prefill=512), vram_free=tiny)
+    plan, shapes = _plan_and_shapes()
+    add_gpu_prefill(plan, shapes, EngineOptions(), vram_free=4 << 30)
+    assert plan.gpu_prefill and 0 < plan.prefill_group < 128 and plan.prefill_slots >= 2
 
 
 # ---------------------------------------------------------------- GPU

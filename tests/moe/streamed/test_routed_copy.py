@@ -19,7 +19,6 @@ import torch
 from hetmoe.config.options import EngineOptions
 from hetmoe.engine.runner import Runner
 from hetmoe.load.loader import load_model, moe_blocks
-from hetmoe.moe.streamed import copy as expert_copy
 from hetmoe.moe.streamed.choice import routed_fraction, wants_routed_only
 from hetmoe.moe.streamed.copy import copy_experts, routed_experts, runs
 from hetmoe.moe.streamed.layerwise import LayerwisePrefill
@@ -75,20 +74,21 @@ def _cpu_model(checkpoints, arch, fmt):
 def test_routed_only_equals_whole_layers(checkpoints, arch, fmt, monkeypatch):
     runner, lw = _cpu_model(checkpoints, arch, fmt)
     copied = []
-    copy = expert_copy.copy_experts
+    issue = lw._issue
 
-    def spy(dst, src, per, experts=None, n=0):
-        copied.append(experts)
-        copy(dst, src, per, experts, n)
+    def spy(u):  # the experts each copy moves (consecutive ones are read in place on a CPU device)
+        copied.append(lw._units[u][1])
+        issue(u)
 
-    monkeypatch.setattr("hetmoe.moe.streamed.layerwise.copy_experts", spy)
+    monkeypatch.setattr(lw, "_issue", spy)
     ids = [11, 4, 29]  # 3 tokens x top-2 of 8 experts: at most 6 reached per layer
     E = lw.layouts[0].num_experts
     for share in ("off", 3):
         lw.enable_share(share, chunk=8)
         lw.routed_copy = "off"
         whole = runner.score(ids)
-        assert copied == []  # whole layers are read in place on a CPU device
+        assert len(copied) == len(lw.layers) and all(len(c) == E - (share != "off") * 3 for c in copied), copied
+        copied.clear()
         lw.routed_copy = "on"
         routed = runner.score(ids)
         assert len(copied) == len(lw.layers) and all(len(c) < E for c in copied), copied

@@ -1,0 +1,53 @@
+"""MXFP4 as Hugging Face checkpoints store it (gpt-oss: quantization_config quant_method "mxfp4"), read as the codes
+and scales the expert engine's lut4 format holds exactly (hetmoe/cpu/codes.py, csrc/formats/layout.h).
+
+A matrix [N, K] (out x in) is ``<name>_blocks`` uint8 [.., N, K / 32, 16] and ``<name>_scales`` uint8 [.., N, K / 32]:
+byte j of a block holds value 2j in its low nibble and value 2j + 1 in its high one (transformers'
+integrations/mxfp4.py: ``lut[blk & 0x0F]`` to the even columns, ``lut[blk >> 4]`` to the odd ones), each nibble an
+E2M1 index into (0, 0.5, 1, 1.5, 2, 3, 4, 6, -0, -0.5, ..., -6); the scale byte s is the E8M0 exponent, value =
+E2M1[q] * 2^(s - 127). The engine's e2m1 codebook holds the E2M1 values doubled (integers), so its scale is
+2^(s - 128), which its e8m0 scale type stores as the byte s itself: the codes and scale bytes go in unchanged, 17
+bytes per 32 values as in the file. A scale byte of 255 (2^128: not finite) is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hetmoe.cpu.layout import CODEBOOKS
+
+BLOCK = 32  # values per scale
+BLOCK_BYTES = 16  # nibble bytes per block
+
+
+def check_pair(name: str, blocks_shape: tuple, scales_shape: tuple) -> None:
+    """ValueError unless ``<name>_blocks`` [.., N, G, 16] uint8 and ``<name>_scales`` [.., N, G] go together."""
+    if len(blocks_shape) < 3 or blocks_shape[-1] != BLOCK_BYTES or tuple(scales_shape) != tuple(blocks_shape[:-1]):
+        raise ValueError(f"{name}_blocks {list(blocks_shape)} and {name}_scales {list(scales_shape)} are not MXFP4 "
+                         f"blocks [.., N, K/{BLOCK}, {BLOCK_BYTES}] with one scale [.., N, K/{BLOCK}] each")
+
+
+def codes(blocks: torch.Tensor) -> torch.Tensor:
+    """uint8 blocks [.., N, G, 16] -> int8 E2M1 indices [.., N, G * 32] (the low nibble of byte j is value 2j)."""
+    b = blocks.to(torch.uint8)
+    out = torch.stack(((b & 0x0F), (b >> 4)), dim=-1)  # [.., N, G, 16, 2]
+    return out.reshape(*b.shape[:-2], b.shape[-2] * BLOCK).view(torch.int8)
+
+
+def engine_scales(scales: torch.Tensor, name: str = "MXFP4 weight") -> torch.Tensor:
+    """E8M0 scale bytes [.., N, G] -> the engine's lut4 e2m1 scales fp32 2^(s - 128) (exact; s = 0 and 1 are the fp32
+    subnormals 2^-128, 2^-127). ValueError for the byte 255."""
+    s = scales.to(torch.int32)
+    if s.numel() and int(s.max()) == 255:
+        raise ValueError(f"{name} has the E8M0 scale byte 255 (2^128: not a finite scale)")
+    bits = torch.where(s < 2, torch.tensor(0x00200000, dtype=torch.int32) << s, (s - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32,
+               name: str = "MXFP4 weight") -> torch.Tensor:
+    """The values [.., N, K] in ``dtype``: doubled E2M1 value x 2^(s - 128), computed in fp32 (exact)."""
+    q = codes(blocks).long()
+    book = torch.tensor(CODEBOOKS["e2m1"], dtype=torch.float32)
+    s = engine_scales(scales, name).repeat_interleave(BLOCK, dim=-1)
+    return (book[q] * s).to(dtype)
