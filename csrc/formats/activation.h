@@ -66,6 +66,11 @@ inline void quantize_activation(WeightFormat f, const float* x, int k, const Act
       for (int i = k; i < a.kp; ++i) dst[i] = 0.f;
       break;
     }
+    case WeightFormat::fp8: {  // each quad x0 x2 x1 x3 (layout.h)
+      float* dst = reinterpret_cast<float*>(row);
+      for (int i = 0; i < a.kp; ++i) dst[fp8_act_index(i)] = i < k ? x[i] : 0.f;
+      break;
+    }
     case WeightFormat::int8: quantize_groups<int16_t>(x, k, a, 32767.f, row); break;
     case WeightFormat::int4:
     case WeightFormat::lut4: quantize_groups<int8_t>(x, k, a, 127.f, row); break;
@@ -74,10 +79,10 @@ inline void quantize_activation(WeightFormat f, const float* x, int k, const Act
 
 inline uint16_t float_to_bf16(float f);
 
-// The AMX experts' activation row (ActLayout::make(shape, true)): bf16 elements for bf16 weights, int8 groups
-// with qmax 127 for int8, int4 and lut4 weights (for int4 and lut4 the same row as quantize_activation writes).
+// The AMX experts' activation row (ActLayout::make(shape, true)): bf16 elements for bf16 and fp8 weights, int8
+// groups with qmax 127 for int8, int4 and lut4 weights (for int4 and lut4 the same row as quantize_activation writes).
 inline void quantize_activation_amx(WeightFormat f, const float* x, int k, const ActLayout& a, uint8_t* row) {
-  if (f == WeightFormat::bf16) {
+  if (float_activations(f)) {
     uint16_t* dst = reinterpret_cast<uint16_t*>(row);
     for (int i = 0; i < k; ++i) dst[i] = float_to_bf16(x[i]);
     for (int i = k; i < a.kp; ++i) dst[i] = 0;
@@ -135,8 +140,8 @@ constexpr const char* kGluNames[] = {"swiglu", "clamped_swiglu"};
 
 struct Glu {
   GluKind kind = GluKind::swiglu;
-  float alpha = 1.f;  // clamped_swiglu: the sigmoid's gain
-  float limit = 0.f;  // clamped_swiglu: the clamp (> 0)
+  float alpha = 1.f;   // clamped_swiglu: the sigmoid's gain
+  float limit = 0.f;   // clamped_swiglu: the clamp (> 0)
   float offset = 1.f;  // clamped_swiglu: added to the clamped up
 };
 

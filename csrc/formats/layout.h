@@ -11,6 +11,8 @@
 //   int4: kpl = 8   byte b holds k = 8j+b in its low nibble and k = 8j+4+b in its high nibble, stored as
 //                   unsigned (q + 8), q in [-8, 7]
 //   lut4: kpl = 8   the nibbles of int4, each an index i (0..15) into the matrix's codebook: q = codebook[i]
+//   fp8:  kpl = 4   four bytes k = 4j..4j+3, each an E4M3 code (OCP FP8: sign, 4 exponent bits of bias 7, 3 mantissa
+//                   bits; q = the value it encodes, |q| <= 448), as the checkpoint stores it
 //
 // lut4 ("4-bit lookup") holds the 4-bit types whose 16 levels are not evenly spaced, at their own bytes: the FP4
 // element E2M1 of MXFP4 / NVFP4 (its values doubled into the integers 0, 1, 2, 3, 4, 6, 8, 12 and their negatives;
@@ -31,13 +33,29 @@
 // q * x over the group however a kernel forms it: lut4 on AVX-512 looks up q + 128 as unsigned bytes and subtracts
 // 128 * xsum, on AVX2 multiplies signed bytes, on AMX expands tiles of signed q.)
 //
+// fp8 holds the E4M3 experts of FP8 checkpoints at their own bytes: block FP8 (one fp32 scale per 128 x 128 block:
+// DeepSeek-V3, GLM, Qwen-FP8; shared scales below), per-channel FP8 (one fp32 scale per row) and MXFP8 (one E8M0
+// scale per 32 of K). The kernels widen codes to floats in registers and multiply fp32 activations with fp32 FMAs, so
+// the stream stays at one byte per weight, the checkpoint's. A code becomes an IEEE half with integer ops (its sign
+// to bit 15, its other 7 bits to bits 7..13: the half of value q * 2^-8, subnormals included) and the half an fp32
+// with vcvtph2ps (F16C), exact, with no fp32 subnormal anywhere (an arithmetic widening would meet them: E4M3's
+// subnormals, and they cost microcode assists or read as zero under DAZ). The 2^8 goes into the scale. The halves
+// of a line's 16-bit words come out as rows x (k, k + 2) pairs, so fp8 activation rows (fp32) store each quad of K
+// as x0 x2 x1 x3 (fp8_act_index), and four fma chains run per row, one per byte of a line (k mod 4); a group ends as
+//     acc = fma((c0 + c1) + (c2 + c3), scale * 256, acc)        with c_b = sum over the group of (q * 2^-8) * x
+// in that order on every ISA, so scalar, AVX2 and AVX-512 give the same bits (as bf16 does; exact but for a scale
+// above 2^120 or a product below 2^-118). The AMX GEMM widens each line to two bf16 lines of q * 2^-8 (exact: 3
+// mantissa bits) and multiplies bf16 activations in tiles, one fp32 epilogue per group. Dot products in bf16
+// (AVX-512 BF16's vdpbf16ps) would round the activations on the row blocks too and differ between CPUs; the row
+// blocks stay fp32 like bf16's. The E4M3 NaN codes (0x7F, 0xFF) are refused at packing.
+//
 // A line is one 512-bit register (16 rows x 32 bits): the layout AVX-512 VNNI/BF16 dot products and the AMX
 // B-tile format (16 lines = one 1 KB tile) read directly, so no kernel repacks at run time.
 //
 // K is zero-padded to a multiple of the group size (bf16 uses 32), N to a multiple of 16. Padding contributes
 // nothing to dot products: padded K holds the code of zero (128 for int8, 8 for int4; affine: code 0) or, for
-// lut4, index 0 (whatever its value: IQ4_NL's is -127) and meets zero activations; padded rows have scale (and min)
-// 0 (e8m0 has no 0: its smallest, 2^-128), and their outputs are never read.
+// lut4, index 0 (whatever its value: IQ4_NL's is -127), for fp8 the code 0 (+0), and meets zero activations; padded
+// rows have scale (and min) 0 (e8m0 has no 0: its smallest, 2^-128), and their outputs are never read.
 //
 // Scales (int8/int4/lut4) live apart from the lines, one per (row, group), laid out [row block][group][16 rows],
 // so the 16 scales a kernel needs at the end of a group are one contiguous vector. Each matrix chooses how its
@@ -61,24 +79,47 @@
 // The scales, and for affine matrices after them the mins, are each one such "scale set" of the matrix's scale type:
 // [n_groups][16] values (k8: and the super scales after them), mins stored as the scales are (fp32 mins for fp32
 // scales, fp16 for fp16: Q4_1's d and m; k8's sub-mins and fp16 dmin: the K-quants'). Per-row scales are fp32;
-// affine scales are fp32, fp16, bf16 or k8 (not e8m0, which has no negative or zero values).
+// affine scales are fp32, fp16, bf16 or k8 (not e8m0, which has no negative or zero values). fp8 is symmetric only
+// and takes fp32, fp16, bf16 or e8m0 scales (not k8).
 //
-// Groups: 16, 32, 64 or 128 elements of K (16: GGUF's Q2_K, Q3_K and Q6_K, NVFP4), or per row (int8 and int4,
+// Groups: 16, 32, 64 or 128 elements of K (16: GGUF's Q2_K, Q3_K and Q6_K, NVFP4), or per row (int8, int4 and fp8,
 // symmetric: one scale per row, stored repeated in every group of 128, so every kernel reads it as a grouped
 // matrix).
 //
+// Shared scales (fp8 only; MatrixFormat::shared_scales): one scale per (row block, group), the same for its 16
+// rows, laid out [row block][group] — block FP8's 128 x 128 blocks, whose scale would otherwise be stored 16 times
+// per group (4 bytes per 128 weights: 3.1% over the checkpoint's bytes; shared, 4 per 2048: 0.2%). A kernel
+// broadcasts the one scale where it would load 16.
+//
 // Activations are quantized once per layer into "activation rows" (ActRow below) whose element type follows
-// the weight format: fp32 for bf16 weights, int16 for int8 weights, int8 for int4 and lut4 weights, each with one
-// fp32 scale and one int32 element sum per group (the sum undoes the unsigned offset of the weights).
+// the weight format: fp32 for bf16 and fp8 weights (fp8: each quad of K as x0 x2 x1 x3), int16 for int8 weights,
+// int8 for int4 and lut4 weights, each with one fp32 scale and one int32 element sum per group (the sum undoes the
+// unsigned offset of the weights; fp32 rows leave both unused).
 #pragma once
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 
 namespace hetmoe {
 
-enum class WeightFormat : int { bf16 = 0, int8 = 1, int4 = 2, lut4 = 3 };
-constexpr int kWeightFormats = 4;
+enum class WeightFormat : int { bf16 = 0, int8 = 1, int4 = 2, lut4 = 3, fp8 = 4 };
+constexpr int kWeightFormats = 5;
+
+// Formats whose row-block kernels read fp32 activations (and whose AMX GEMM reads bf16 ones).
+inline bool float_activations(WeightFormat f) { return f == WeightFormat::bf16 || f == WeightFormat::fp8; }
+
+// One E4M3 code as the fp32 it stands for, exactly (the NaN codes 0x7F / 0xFF: NaN).
+inline float e4m3_to_float(uint8_t c) {
+  if ((c & 0x7f) == 0x7f) return NAN;
+  const int e = (c >> 3) & 15, m = c & 7;  // subnormal (e = 0): m * 2^-9, else (8 + m) * 2^(e - 10)
+  const float v = std::ldexp((float)(e ? 8 + m : m), (e ? e : 1) - 10);
+  return c & 0x80 ? -v : v;
+}
+
+// Where element k of an fp8 weight's K sits in its fp32 activation row: each quad of K stored x0 x2 x1 x3 (see the
+// top of this file).
+inline int fp8_act_index(int k) { return (k & ~3) | ((k & 1) << 1) | ((k >> 1) & 1); }
 
 // How int8/int4/lut4 codes become values (see the top of this file). bf16 ignores it.
 enum class Scaling : int { symmetric = 0, affine = 1 };
@@ -101,7 +142,7 @@ inline constexpr int8_t kCodebookValues[kCodebooks][16] = {
 inline const int8_t* codebook_values(Codebook c) { return kCodebookValues[(int)c]; }
 
 // Bumped whenever the packed bytes of any format change: converted-expert caches of another version are rebuilt.
-// (Scale types, lut4, k8 and narrow affine mins added formats; fp32-scaled int8/int4 kept their bytes.)
+// (Scale types, lut4, k8, narrow affine mins and fp8 added formats; fp32-scaled int8/int4 kept their bytes.)
 constexpr int kLayoutVersion = 1;
 
 constexpr int kRowsPerBlock = 16;
@@ -116,6 +157,7 @@ inline int k_per_line(WeightFormat f) {
     case WeightFormat::int8: return 4;
     case WeightFormat::int4: return 8;
     case WeightFormat::lut4: return 8;
+    case WeightFormat::fp8: return 4;
   }
   return 0;
 }
@@ -176,6 +218,7 @@ struct MatrixFormat {
   Scaling scaling = Scaling::symmetric;
   ScaleType scale_type = ScaleType::f32;
   Codebook codebook = Codebook::none;
+  bool shared_scales = false;  // fp8: one scale per (row block, group) for its 16 rows (see the top of this file)
 };
 
 // Geometry of one packed matrix [N, K].
@@ -190,8 +233,9 @@ struct MatrixShape {
   Scaling scaling;
   ScaleType scale_type = ScaleType::f32;
   Codebook codebook = Codebook::none;
+  bool shared_scales = false;  // fp8: one scale per (row block, group)
 
-  // group <= 0 with int8 or int4 means per-row scales (symmetric only).
+  // group <= 0 with int8, int4 or fp8 means per-row scales (symmetric only).
   static MatrixShape make(WeightFormat f, int n, int k, int group, Scaling scaling = Scaling::symmetric) {
     MatrixShape s;
     s.per_row = f != WeightFormat::bf16 && group <= 0;
@@ -209,9 +253,13 @@ struct MatrixShape {
     MatrixShape s = make(m.format, n, k, m.group, m.scaling);
     if (s.has_scales()) s.scale_type = m.scale_type;
     s.codebook = m.format == WeightFormat::lut4 ? m.codebook : Codebook::none;
+    s.shared_scales = m.format == WeightFormat::fp8 && m.shared_scales && !s.per_row;
     return s;
   }
-  MatrixFormat matrix_format() const { return {format, per_row ? 0 : group, scaling, scale_type, codebook}; }
+  MatrixFormat matrix_format() const {
+    return {format, per_row ? 0 : group, scaling, scale_type, codebook, shared_scales};
+  }
+  int scale_rows() const { return shared_scales ? 1 : kRowsPerBlock; }  // stored scales per group of a block
   int n_groups() const { return kp / group; }
   int lines_per_block() const { return kp / k_per_line(format); }
   size_t block_bytes() const { return (size_t)lines_per_block() * kLineBytes; }
@@ -219,10 +267,11 @@ struct MatrixShape {
   bool has_scales() const { return format != WeightFormat::bf16; }
   bool affine() const { return scaling == Scaling::affine; }
   int n_supers() const { return (int)((kp + kSuperBlock - 1) / kSuperBlock); }  // k8 super-blocks of a row
-  // bytes of one block's scale set: n_groups x 16 of scale_type (k8: then n_supers x 16 fp16 super scales)
+  // bytes of one block's scale set: n_groups x 16 (shared: x 1) of scale_type (k8: then n_supers x 16 fp16 super
+  // scales)
   size_t set_bytes() const {
     if (!has_scales()) return 0;
-    return (size_t)n_groups() * kRowsPerBlock * scale_width(scale_type) +
+    return (size_t)n_groups() * scale_rows() * scale_width(scale_type) +
            (scale_type == ScaleType::k8 ? (size_t)n_supers() * kRowsPerBlock * 2 : 0);
   }
   // bytes of one block's scales: the scale set, and (affine) the min set after it
@@ -239,6 +288,7 @@ struct RowBlock {
   const uint8_t* mins = nullptr;  // affine: the min set (same layout, right after the scales); symmetric: nullptr
   ScaleType scale_type = ScaleType::f32;
   const int8_t* codebook = nullptr;  // lut4: its 16 values
+  bool shared_scales = false;        // fp8: scales [n_groups], one per group for all 16 rows
 
   // The block of shape s whose data and scales (s.block_scale_bytes()) start at these addresses.
   static RowBlock at(const MatrixShape& s, const uint8_t* data, const uint8_t* scales) {
@@ -250,13 +300,15 @@ struct RowBlock {
     b.scale_type = s.scale_type;
     b.mins = s.affine() ? scales + s.set_bytes() : nullptr;
     b.codebook = s.format == WeightFormat::lut4 ? codebook_values(s.codebook) : nullptr;
+    b.shared_scales = s.shared_scales;
     return b;
   }
   int n_groups() const { return kp / group; }
-  // The 16 stored values of group g of a set (scales or mins; k8: the sub-scales), and of a k8 set the 16 fp16
-  // super scales of g's super-block.
+  int scale_rows() const { return shared_scales ? 1 : kRowsPerBlock; }  // stored values per group of a set
+  // The 16 stored values of group g of a set (scales or mins; k8: the sub-scales; shared: the one), and of a k8 set
+  // the 16 fp16 super scales of g's super-block.
   const uint8_t* group_of(const uint8_t* set, int g) const {
-    return set + (size_t)g * kRowsPerBlock * scale_width(scale_type);
+    return set + (size_t)g * scale_rows() * scale_width(scale_type);
   }
   const uint8_t* super_of(const uint8_t* set, int g) const {
     return set + (size_t)n_groups() * kRowsPerBlock + (size_t)(g * group / kSuperBlock) * kRowsPerBlock * 2;
@@ -264,14 +316,14 @@ struct RowBlock {
   const uint8_t* group_scales(int g) const { return group_of(scales, g); }
   // Value r of group g of a set widened to fp32 (exact; k8: sub-scale times super scale, one exact product).
   float value(const uint8_t* set, int g, int r) const {
-    const float v = scale_to_float(scale_type, group_of(set, g) + r * scale_width(scale_type));
+    const float v = scale_to_float(scale_type, group_of(set, g) + (shared_scales ? 0 : r) * scale_width(scale_type));
     return scale_type == ScaleType::k8 ? v * scale_to_float(ScaleType::f16, super_of(set, g) + 2 * r) : v;
   }
   float scale(int g, int r) const { return value(scales, g, r); }
   float min(int g, int r) const { return value(mins, g, r); }
-  // The 16 values of group g of a set as fp32: in place for fp32 sets, else widened into buf.
+  // The 16 values of group g of a set as fp32: in place for fp32 sets (not shared), else widened into buf.
   const float* widened(const uint8_t* set, int g, float* buf) const {
-    if (scale_type == ScaleType::f32) return reinterpret_cast<const float*>(group_of(set, g));
+    if (scale_type == ScaleType::f32 && !shared_scales) return reinterpret_cast<const float*>(group_of(set, g));
     for (int r = 0; r < kRowsPerBlock; ++r) buf[r] = value(set, g, r);
     return buf;
   }
@@ -285,17 +337,18 @@ inline size_t act_elem_bytes(WeightFormat f) {
     case WeightFormat::int8: return 2;
     case WeightFormat::int4: return 1;
     case WeightFormat::lut4: return 1;
+    case WeightFormat::fp8: return 4;
   }
   return 0;
 }
 
 // AMX tiles multiply bf16 x bf16 and int8 x int8 only, so experts computed with AMX read narrower activations:
-// bf16 for bf16 weights, int8 (groups as above, qmax 127) for int8, int4 and lut4 weights. `group` > 0 overrides the
-// matrix's group for per-row int8/int4 weights, whose AMX GEMM sums a whole activation group in the tiles before
-// its one fp32 epilogue (kernels/amx/gemm.h): x gets one group over the whole row (one scale per token), h groups
-// of amx_row_group(I) (the NUMA split cuts I at multiples of it, so slices round h as the unsplit engine does).
+// bf16 for bf16 and fp8 weights, int8 (groups as above, qmax 127) for int8, int4 and lut4 weights. `group` > 0
+// overrides the matrix's group for per-row int8/int4 weights, whose AMX GEMM sums a whole activation group in the tiles
+// before its one fp32 epilogue (kernels/amx/gemm.h): x gets one group over the whole row (one scale per token), h
+// groups of amx_row_group(I) (the NUMA split cuts I at multiples of it, so slices round h as the unsplit engine does).
 // Same row layout otherwise; the GEMM reads these rows from an AmxPanel (below), which stores them as its A tiles.
-inline size_t act_elem_bytes_amx(WeightFormat f) { return f == WeightFormat::bf16 ? 2 : 1; }
+inline size_t act_elem_bytes_amx(WeightFormat f) { return float_activations(f) ? 2 : 1; }
 
 struct ActLayout {
   int kp;

@@ -19,7 +19,8 @@ inline size_t elem_offset(WeightFormat f, int r, int k, int* nibble) {
   size_t base = (size_t)line * kLineBytes + (size_t)r * 4;
   switch (f) {
     case WeightFormat::bf16: *nibble = 0; return base + (size_t)j * 2;
-    case WeightFormat::int8: *nibble = 0; return base + j;
+    case WeightFormat::int8:
+    case WeightFormat::fp8: *nibble = 0; return base + j;
     case WeightFormat::int4:
     case WeightFormat::lut4: *nibble = j / 4; return base + (j % 4);
   }
@@ -132,6 +133,17 @@ uint16_t float_to_half(float f) {
   }
   const uint32_t r = ax + 0x0fffu + ((ax >> 13) & 1u) - (112u << 23);
   return (uint16_t)(sign | (r >> 13));
+}
+
+// fp32 -> the nearest E4M3 code, rounded to nearest even, |v| clamped to 448 (the largest finite E4M3); v finite.
+uint8_t float_to_e4m3(float v) {
+  const uint8_t sign = std::signbit(v) ? 0x80 : 0;
+  const float a = std::fmin(std::fabs(v), 448.f);
+  if (a < 0x1p-6f) return sign | (uint8_t)round_even(a * 512.f);  // subnormals: m * 2^-9 (m = 8 is 2^-6, code 8)
+  int e;
+  const float m = std::frexp(a, &e);  // a = m 2^e, m in [0.5, 1): exponent field e + 6, mantissa (2m - 1) * 8
+  const int code = ((e + 6) << 3) + (int)round_even((2.f * m - 1.f) * 8.f);  // a carry into the exponent is right
+  return sign | (uint8_t)std::min(code, 0x7e);
 }
 
 // The stored bytes of scale v in type t, exactly: false when v has no exact form in t (or is not finite). The
@@ -275,7 +287,7 @@ bool store_row_set(const MatrixShape& s, float* v, int r, uint8_t* set, bool exa
   if (t != ScaleType::k8) {
     const int width = scale_width(t);
     for (int g = 0; g < ng; ++g) {
-      uint8_t* dst = set + ((size_t)g * kRowsPerBlock + r) * width;
+      uint8_t* dst = set + ((size_t)g * s.scale_rows() + (s.shared_scales ? 0 : r)) * width;
       if (exact && !store_scale_exact(t, v[g], dst)) return false;
       if (!exact) v[g] = store_scale_rounded(t, v[g], dst);
     }
@@ -337,7 +349,70 @@ inline void clear_block(const MatrixShape& s, uint8_t* data, uint8_t* scales) {
   if (s.has_scales()) std::memset(scales, 0, s.block_scale_bytes());
 }
 
+// fp8 from floats, row r of block rb (dst: its 4 bytes of line 0): per (row, group) — or per (block, group) with
+// shared scales, then over the block's 16 rows — the scale that maps the largest |w| to 448 (rounded to the scale
+// type: e8m0 up to a power of two, so no code clips), each w / scale rounded to the nearest E4M3 code.
+void pack_fp8_row(const MatrixShape& s, const float* w, int rb, int r, uint8_t* dst, uint8_t* scales) {
+  const int row = rb * kRowsPerBlock + r, ng = s.n_groups(), width = scale_width(s.scale_type);
+  const int rows = std::min(kRowsPerBlock, s.n - rb * kRowsPerBlock);
+  const float* src = w + (size_t)row * s.k;
+  float row_amax = 0.f;
+  if (s.per_row)
+    for (int k = 0; k < s.k; ++k) row_amax = std::fmax(row_amax, std::fabs(src[k]));
+  for (int g = 0; g < ng; ++g) {
+    const int k0 = g * s.group, n = std::min(s.group, s.k - k0);
+    if (n <= 0) break;
+    float amax = row_amax;
+    const int r0 = s.shared_scales ? 0 : r, r1 = s.shared_scales ? rows : r + 1;
+    for (int rr = r0; rr < r1 && !s.per_row; ++rr)
+      for (int i = 0; i < n; ++i)
+        amax = std::fmax(amax, std::fabs(w[(size_t)(rb * kRowsPerBlock + rr) * s.k + k0 + i]));
+    uint8_t* sp = scales + ((size_t)g * s.scale_rows() + (s.shared_scales ? 0 : r)) * width;
+    const float scale = store_scale_rounded(s.scale_type, amax / 448.f, sp);
+    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    for (int i = 0; i < n; ++i) {
+      const int k = k0 + i;
+      dst[(size_t)(k / 4) * kLineBytes + k % 4] = float_to_e4m3(src[k] * inv);
+    }
+  }
+}
+
 }  // namespace
+
+bool pack_row_block_fp8(const MatrixShape& s, const uint8_t* codes, const float* group_scales, int rb, uint8_t* data,
+                        uint8_t* scales) {
+  if (s.format != WeightFormat::fp8 || s.per_row) return false;
+  clear_block(s, data, scales);
+  const int ng = s.n_groups(), row0 = rb * kRowsPerBlock, rows = std::min(kRowsPerBlock, s.n - row0);
+  const int width = scale_width(s.scale_type);
+  for (int r = 0; r < rows; ++r) {
+    const uint8_t* src = codes + (size_t)(row0 + r) * s.k;
+    int nan = 0;
+    for (int k = 0; k < s.k; ++k) nan |= (src[k] & 0x7f) == 0x7f;
+    if (nan) return false;
+  }
+  // whole lines: each row's 4 codes are its 4 bytes of the line, as stored
+  const int n_lines = s.k / 4;
+  for (int j = 0; j < n_lines; ++j) {
+    uint8_t* line = data + (size_t)j * kLineBytes;
+    for (int r = 0; r < rows; ++r) std::memcpy(line + 4 * r, codes + (size_t)(row0 + r) * s.k + 4 * j, 4);
+  }
+  for (int r = 0; r < rows; ++r) {
+    const uint8_t* src = codes + (size_t)(row0 + r) * s.k;
+    for (int k = n_lines * 4; k < s.k; ++k) data[(size_t)(k / 4) * kLineBytes + 4 * r + k % 4] = src[k];
+    for (int g = 0; g < ng; ++g) {
+      const float sc = group_scales[(size_t)(row0 + r) * ng + g];
+      if (s.shared_scales && r > 0) {  // one scale for the block's rows: theirs must all be the same
+        if (std::memcmp(&sc, &group_scales[(size_t)row0 * ng + g], 4) != 0) return false;
+        continue;
+      }
+      if (!store_scale_exact(s.scale_type, sc,
+                             scales + ((size_t)g * s.scale_rows() + (s.shared_scales ? 0 : r)) * width))
+        return false;
+    }
+  }
+  return true;
+}
 
 bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* group_scales, const float* group_mins,
                           int rb, uint8_t* data, uint8_t* scales) {
@@ -473,6 +548,10 @@ void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data,
       }
       continue;
     }
+    if (f == WeightFormat::fp8) {
+      pack_fp8_row(s, w, rb, r, dst, scales);
+      continue;
+    }
     float row_amax = 0.f, row_scale = 0.f, row_inv = 0.f;
     if (s.per_row && f == WeightFormat::int8)
       for (int k = 0; k < s.k; ++k) row_amax = std::fmax(row_amax, std::fabs(src[k]));
@@ -541,6 +620,8 @@ void unpack_row_block(const MatrixShape& s, const uint8_t* data, const uint8_t* 
         uint16_t v;
         std::memcpy(&v, p, 2);
         dst[k] = bf16_to_float(v);
+      } else if (f == WeightFormat::fp8) {
+        dst[k] = e4m3_to_float(*p) * b.scale(k / s.group, r);
       } else {
         const int g = k / s.group;
         const float scale = b.scale(g, r);

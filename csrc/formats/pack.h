@@ -10,6 +10,8 @@ namespace hetmoe {
 // (s.block_scale_bytes()). int8: absmax scale per (row, group). int4: the scale minimising squared error
 // over a small set of candidates, then refitted by least squares. Affine: the group's range with 0, min = -lowest.
 // lut4: the scale mapping the group's largest |w| to the codebook's largest |value|, each w to the nearest entry.
+// fp8: the scale mapping the group's (shared scales: the block's group's) largest |w| to 448, each w / scale rounded
+// to the nearest E4M3 code.
 // Scales stored narrower than fp32 are rounded to their type (e8m0: up to a power of two) before the codes.
 void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data, uint8_t* scales);
 
@@ -24,6 +26,14 @@ void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data,
 // form in the shape's scale type (the block is then garbage).
 bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* group_scales, const float* group_mins,
                           int rb, uint8_t* data, uint8_t* scales);
+
+// Packs row block `rb` of an fp8 matrix from E4M3 codes as a checkpoint stores them, codes [s.n][s.k] (bytes), and
+// one scale per (row, group), group_scales [s.n][s.n_groups()] (shared scales: the same for the 16 rows of a block,
+// stored once). The values the kernels multiply by are then exactly e4m3(code) * scale. Grouped fp8 only (a per-row
+// scale goes in as group 128, each group's the row's). Returns false when a code is a NaN (0x7F, 0xFF), a scale has
+// no exact form in the shape's scale type (or is not finite), or, shared, a block's rows have different scales.
+bool pack_row_block_fp8(const MatrixShape& s, const uint8_t* codes, const float* group_scales, int rb, uint8_t* data,
+                        uint8_t* scales);
 
 // Writes the per-group values v[0..s.n_groups()) of row r of a block into one of its scale sets (`set`: the block's
 // scales, or its mins at scales + s.set_bytes()) in the shape's scale type. exact: true when every value is stored

@@ -23,8 +23,8 @@ inline uint64_t splitmix64(uint64_t& state) {
 
 RandomFill RandomFill::make(WeightFormat f, float std, Codebook codebook) {
   // Standard deviation of the uniform quantized values: int8 q in [-127, 127], int4 q in [-8, 7], lut4 the
-  // codebook's 16 values.
-  float q_std = f == WeightFormat::int8 ? 73.6f : 4.61f;
+  // codebook's 16 values, fp8 the E4M3 values of exponents 2^-3 .. 2^1 (fill_random_block).
+  float q_std = f == WeightFormat::int8 ? 73.6f : f == WeightFormat::fp8 ? 1.513f : 4.61f;
   if (f == WeightFormat::lut4) {
     double ss = 0.;
     for (int i = 0; i < 16; ++i) ss += (double)codebook_values(codebook)[i] * codebook_values(codebook)[i];
@@ -61,6 +61,12 @@ void fill_random_block(const MatrixShape& s, int rb, uint64_t seed, const Random
         for (int b = 0; b < 4; ++b) {
           const int q = (int)((bits >> (16 * b)) % 255) - 127;
           dst[b] = (uint8_t)((row_ok && k0 + b < s.k ? q : 0) + 128);
+        }
+      } else if (s.format == WeightFormat::fp8) {
+        for (int b = 0; b < 4; ++b) {  // sign, one of 5 exponent fields 4..8 (2^-3 .. 2^1), 3 mantissa bits
+          const uint64_t v = bits >> (16 * b);
+          const uint8_t code = (uint8_t)(((v >> 8) & 0x80) | ((4 + (v & 0xff) % 5) << 3) | ((v >> 8) & 7));
+          dst[b] = row_ok && k0 + b < s.k ? code : 0;
         }
       } else {  // int4 (padding 8), lut4 (padding index 0)
         const uint8_t pad = s.format == WeightFormat::lut4 ? 0 : 8;

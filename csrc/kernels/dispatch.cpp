@@ -15,23 +15,26 @@ const KernelEntry kTable[4][kWeightFormats] = {
     /* scalar */ {{scalar::rowblock_bf16, "bf16/scalar"},
                   {scalar::rowblock_int8, "int8/scalar"},
                   {scalar::rowblock_int4, "int4/scalar"},
-                  {scalar::rowblock_lut4, "lut4/scalar"}},
+                  {scalar::rowblock_lut4, "lut4/scalar"},
+                  {scalar::rowblock_fp8, "fp8/scalar"}},
     /* avx2   */ {{avx2::rowblock_bf16, "bf16/avx2-fma"},
                   {avx2::rowblock_int8, "int8/avx2-madd"},
                   {avx2::rowblock_int4, "int4/avx2-maddubs"},
-                  {avx2::rowblock_lut4, "lut4/avx2-pshufb-maddubs"}},
+                  {avx2::rowblock_lut4, "lut4/avx2-pshufb-maddubs"},
+                  {avx2::rowblock_fp8, "fp8/avx2-fma"}},
     /* avx512 */ {{avx512::rowblock_bf16, "bf16/avx512-fma"},
                   {avx512::rowblock_int8, "int8/avx512-vnni"},
                   {avx512::rowblock_int4, "int4/avx512-vnni"},
-                  {avx512::rowblock_lut4, "lut4/avx512-vpshufb-vnni"}},
-    /* amx    */ {{}, {}, {}, {}},  // row blocks of few tokens: the AVX-512 kernels; the GEMM from amx::gemm
+                  {avx512::rowblock_lut4, "lut4/avx512-vpshufb-vnni"},
+                  {avx512::rowblock_fp8, "fp8/avx512-fma"}},
+    /* amx    */ {{}, {}, {}, {}, {}},  // row blocks of few tokens: the AVX-512 kernels; the GEMM from amx::gemm
 };
 // clang-format on
 
 // [native, emulated][format]
 const char* const kGemmNames[2][kWeightFormats] = {
-    {"bf16/amx-tdpbf16ps", "int8/amx-tdpbsud", "int4/amx-tdpbsud", "lut4/amx-tdpbssd"},
-    {"bf16/amx-emulated", "int8/amx-emulated", "int4/amx-emulated", "lut4/amx-emulated"}};
+    {"bf16/amx-tdpbf16ps", "int8/amx-tdpbsud", "int4/amx-tdpbsud", "lut4/amx-tdpbssd", "fp8/amx-tdpbf16ps"},
+    {"bf16/amx-emulated", "int8/amx-emulated", "int4/amx-emulated", "lut4/amx-emulated", "fp8/amx-emulated"}};
 
 const char* scale_type_name(ScaleType t) {
   static const char* const names[kScaleTypes] = {"fp32", "fp16", "bf16", "e8m0", "k8"};
@@ -104,7 +107,15 @@ void check_kernel_choice(const MatrixFormat& m, Isa isa, AmxMode amx, int amx_mi
     if (m.scale_type == ScaleType::e8m0 && m.scaling == Scaling::affine)
       bad("e8m0 scales need symmetric weights (affine mins are stored as the scales, and e8m0 has no negative or "
           "zero value)");
+    if (m.format == WeightFormat::fp8 && m.scaling == Scaling::affine)
+      bad("fp8 weights are symmetric: affine scaling needs int8 or int4");
+    if (m.format == WeightFormat::fp8 && m.scale_type == ScaleType::k8)
+      bad("fp8 weights take fp32, fp16, bf16 or e8m0 scales, not k8 (two-level scales go with int8 and int4)");
+    if (m.format == WeightFormat::fp8 && group == 16)
+      bad("fp8 group_size must be 32, 64 or 128 (or 0 for per-row), got 16");
   }
+  if (m.shared_scales && (m.format != WeightFormat::fp8 || group <= 0))
+    bad("shared scales (one per row block and group) go with grouped fp8 weights only");
   if (!cpu_features().supports(isa))
     bad(std::string("this CPU cannot run the ") + isa_name(isa) + " kernels: " + isa_refusal(isa));
   if (amx == AmxMode::native && isa != Isa::amx)

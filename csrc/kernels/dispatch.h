@@ -4,7 +4,7 @@
 //     out[t][r] = sum_k W[r][k] * x_t[k]      for t < n_tok, r < 16
 // where x_t is the token's activation row, already quantized for the format (formats/activation.h).
 // Every kernel of one format produces bitwise the same result: integer dot products are exact per group and
-// the float epilogue (acc = fma(float(isum), w_scale * x_scale, acc)) and the bf16 fma order are fixed.
+// the float epilogue (acc = fma(float(isum), w_scale * x_scale, acc)) and the bf16 and fp8 fma orders are fixed.
 #pragma once
 #include <cstdint>
 
@@ -49,10 +49,11 @@ enum class AmxMode : int { off = 0, native = 1, emulated = 2 };
 KernelEntry select_kernel(WeightFormat format, Isa isa, AmxMode amx = AmxMode::off);
 
 // Throws std::invalid_argument naming what is wrong when (matrix format, isa, amx, amx_min_tokens) is not a kernel
-// choice this build and CPU can run: a group other than 16/32/64/128 or <= 0 (per row: int8 and int4), lut4
-// without a codebook or a codebook on another format, affine lut4, scales narrower than fp32 on per-row matrices,
-// e8m0 on affine ones, bf16 with scale options, an ISA the CPU (or HETMOE_MAX_ISA) refuses, native AMX
-// without isa amx, amx_min_tokens < 1. The experts and the dense linear check their configs with it.
+// choice this build and CPU can run: a group other than 16/32/64/128 (fp8: 32/64/128) or <= 0 (per row: int8,
+// int4 and fp8), lut4 without a codebook or a codebook on another format, affine lut4 or fp8, scales narrower than
+// fp32 on per-row matrices, e8m0 on affine ones, k8 on fp8, bf16 with scale options, an ISA the CPU (or
+// HETMOE_MAX_ISA) refuses, native AMX without isa amx, amx_min_tokens < 1, shared scales on a format other than fp8
+// or on per-row fp8. The experts and the dense linear check their configs with it.
 void check_kernel_choice(const MatrixFormat& m, Isa isa, AmxMode amx, int amx_min_tokens);
 
 // Whether the AMX tile kernels were compiled into this build (the compiler knew -mamx-*).
@@ -81,6 +82,16 @@ RowOps select_row_ops(Isa isa);
 using ReadKernel = uint64_t (*)(const uint8_t* p, size_t bytes);
 ReadKernel select_read_kernel(Isa isa);
 
+// fp8 lines -> bf16 lines for the AMX GEMM (kernels/amx/gemm.h unpack_fp8): n_lines fp8 lines of src become 2 n_lines
+// bf16 lines of dst (line 2j: k 4j, 4j + 1; line 2j + 1: k 4j + 2, 4j + 3), each code the bf16 of q * 2^-8. The
+// emulated GEMM takes the scalar one, the native the AVX-512 one (the same bytes).
+namespace scalar {
+void fp8_to_bf16_lines(const uint8_t* src, int n_lines, uint8_t* dst);
+}
+namespace avx512 {
+void fp8_to_bf16_lines(const uint8_t* src, int n_lines, uint8_t* dst);
+}
+
 namespace scalar {
 uint64_t read_bytes(const uint8_t*, size_t);
 RowOps row_ops();
@@ -88,6 +99,7 @@ void rowblock_bf16(const RowBlock&, const uint8_t* const*, const ActLayout&, int
 void rowblock_int8(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_int4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_lut4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
+void rowblock_fp8(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 }  // namespace scalar
 namespace avx2 {
 uint64_t read_bytes(const uint8_t*, size_t);
@@ -96,6 +108,7 @@ void rowblock_bf16(const RowBlock&, const uint8_t* const*, const ActLayout&, int
 void rowblock_int8(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_int4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_lut4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
+void rowblock_fp8(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 }  // namespace avx2
 namespace avx512 {
 uint64_t read_bytes(const uint8_t*, size_t);
@@ -104,6 +117,7 @@ void rowblock_bf16(const RowBlock&, const uint8_t* const*, const ActLayout&, int
 void rowblock_int8(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_int4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_lut4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
+void rowblock_fp8(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 }  // namespace avx512
 namespace amx {                   // kernels/amx/kernels.cpp (real tile instructions) and emulated.cpp (plain C++)
 GemmKernel gemm(WeightFormat f);  // Gemm<Native> (native AMX builds only)

@@ -75,7 +75,7 @@ inline void quantize_groups(const float* x, int k, const ActLayout& a, float qma
 // formats/activation.h quantize_activation (amx = false) / quantize_activation_amx (amx = true).
 template <class V>
 inline void quantize(WeightFormat f, bool amx, const float* x, int k, const ActLayout& a, uint8_t* row) {
-  if (f == WeightFormat::bf16) {
+  if (float_activations(f)) {
     if (!amx) return quantize_activation(f, x, k, a, row);  // an fp32 copy
     uint16_t* dst = reinterpret_cast<uint16_t*>(row);
     int i = 0;

@@ -23,7 +23,8 @@ static void check_config(const ExpertsConfig& c) {
     bad("hidden_size and intermediate_size must be positive, got " + std::to_string(c.hidden) + " and " +
         std::to_string(c.intermediate));
   const WeightFormat down = c.down_format.value_or(c.format);
-  if (down != c.format && (down == WeightFormat::bf16 || c.format == WeightFormat::bf16 || c.group <= 0))
+  if (down != c.format && (down == WeightFormat::bf16 || c.format == WeightFormat::bf16 || c.group <= 0 ||
+                           down == WeightFormat::fp8 || c.format == WeightFormat::fp8))
     bad("gate/up and down of different formats must both be grouped int8/int4/lut4");
   const bool affine = c.gate_up_scaling == Scaling::affine || c.down_scaling == Scaling::affine;
   if (affine && c.format == WeightFormat::bf16) bad("affine scaling needs int8 or int4 weights, got bf16");
@@ -34,9 +35,8 @@ static void check_config(const ExpertsConfig& c) {
     bad("affine scaling needs a group size (not per-row scales)");
   if (c.glu.kind != GluKind::swiglu && c.glu.kind != GluKind::clamped_swiglu)
     bad("unknown activation " + std::to_string((int)c.glu.kind));
-  if (c.glu.kind == GluKind::clamped_swiglu &&
-      !(std::isfinite(c.glu.alpha) && std::isfinite(c.glu.limit) && std::isfinite(c.glu.offset) &&
-        c.glu.alpha > 0.f && c.glu.limit > 0.f))
+  if (c.glu.kind == GluKind::clamped_swiglu && !(std::isfinite(c.glu.alpha) && std::isfinite(c.glu.limit) &&
+                                                 std::isfinite(c.glu.offset) && c.glu.alpha > 0.f && c.glu.limit > 0.f))
     bad("clamped_swiglu needs a finite alpha > 0, limit > 0 and offset, got alpha " + std::to_string(c.glu.alpha) +
         ", limit " + std::to_string(c.glu.limit) + " and offset " + std::to_string(c.glu.offset));
   if (c.down_group != 0 && (c.group <= 0 || c.down_group < 0))
@@ -166,11 +166,23 @@ void MoeExperts::load(int e0, int n, const float* gate, const float* up, const f
 void MoeExperts::load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3],
                             const float* const group_mins[3]) {
   if (cfg_.format == WeightFormat::bf16 || gu_.per_row || down_.per_row)
-    throw std::invalid_argument("load_codes: the experts' format must be grouped int8, int4 or lut4");
+    throw std::invalid_argument("load_codes: the experts' format must be grouped int8, int4, lut4 or fp8");
   for (int m = 0; m < 3; ++m)
     if ((m < 2 ? gu_ : down_).affine() && !group_mins[m])
       throw std::invalid_argument("load_codes: affine matrices need their mins");
   const size_t IH = (size_t)cfg_.intermediate * cfg_.hidden;
+  if (cfg_.format == WeightFormat::fp8) {
+    pack_all(
+        e0, n,
+        [&](int i, int which, const MatrixShape& shape, int rb, uint8_t* data, uint8_t* scales) {
+          const uint8_t* codes = reinterpret_cast<const uint8_t*>(q[which]) + i * IH;
+          return pack_row_block_fp8(shape, codes, group_scales[which] + i * (size_t)shape.n * shape.n_groups(), rb,
+                                    data, scales);
+        },
+        "has an E4M3 NaN code (0x7F / 0xFF), a scale that is not finite or that its scale type does not hold "
+        "exactly, or (shared scales) rows of one row block with different scales");
+    return;
+  }
   pack_all(
       e0, n,
       [&](int i, int which, const MatrixShape& shape, int rb, uint8_t* data, uint8_t* scales) {

@@ -44,7 +44,11 @@ namespace hetmoe {
 // wins only from 32.
 constexpr int kAmxMinTokens = 4;
 constexpr int kAmxMinTokensInt4 = 32;
+// fp8 AMX widens every line to bf16 per call (as int4 unpacks nibbles), where its AVX-512 row blocks pay one
+// conversion per line per 4 tokens: its cut is not measured yet (no AMX machine at hand); 16 splits the two.
+constexpr int kAmxMinTokensFp8 = 16;
 inline int default_amx_min_tokens(WeightFormat f) {
+  if (f == WeightFormat::fp8) return kAmxMinTokensFp8;
   return f == WeightFormat::int4 || f == WeightFormat::lut4 ? kAmxMinTokensInt4 : kAmxMinTokens;
 }
 
@@ -77,6 +81,9 @@ struct ExpertsConfig {
   ScaleType down_scale_type = ScaleType::f32;
   Codebook gate_up_codebook = Codebook::none;
   Codebook down_codebook = Codebook::none;
+  // fp8: one scale per (row block, group) for its 16 rows (formats/layout.h shared scales; block FP8)
+  bool gate_up_shared_scales = false;
+  bool down_shared_scales = false;
   Isa isa = Isa::scalar;
   AmxMode amx = AmxMode::off;  // isa == amx implies native; emulated: tests only
   int amx_min_tokens = kAmxMinTokens;
@@ -89,10 +96,16 @@ struct ExpertsConfig {
   int intermediate_full = 0;
 
   // gate/up's and down's matrix formats (down's group and format resolved: down_group 0 is group)
-  MatrixFormat gate_up_format() const { return {format, group, gate_up_scaling, gate_up_scale_type, gate_up_codebook}; }
+  MatrixFormat gate_up_format() const {
+    return {format, group, gate_up_scaling, gate_up_scale_type, gate_up_codebook, gate_up_shared_scales};
+  }
   MatrixFormat down_matrix_format() const {
-    return {down_format.value_or(format), down_group != 0 ? down_group : group, down_scaling, down_scale_type,
-            down_codebook};
+    return {down_format.value_or(format),
+            down_group != 0 ? down_group : group,
+            down_scaling,
+            down_scale_type,
+            down_codebook,
+            down_shared_scales};
   }
 };
 
@@ -107,7 +120,8 @@ class MoeExperts {
   // [n, rows, cols] and group_scales[m] fp32 [n, rows, cols / group] for m = gate, up, down, and for affine
   // matrices group_mins[m] of the same shape (null for symmetric ones). Grouped int8/int4/lut4 only; the kernels then
   // multiply by exactly q * scale (lut4: codebook[q] * scale; affine: scale * q - min). Scales with no exact form in
-  // the matrix's scale type are refused as out-of-range codes are.
+  // the matrix's scale type are refused as out-of-range codes are. fp8 experts take their E4M3 codes (bytes) the
+  // same way (formats/pack.h pack_row_block_fp8: NaN codes refused as out-of-range codes are).
   void load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3],
                   const float* const group_mins[3]);
   // The values the kernels multiply by, fp32: gate, up [I, H], down [H, I].

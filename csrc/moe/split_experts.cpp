@@ -141,7 +141,7 @@ void NumaExperts::load(int e0, int n, const float* gate, const float* up, const 
 void NumaExperts::load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3],
                              const float* const group_mins[3]) {
   if (cfg_.format == WeightFormat::bf16 || gu_.per_row || down_.per_row)
-    throw std::invalid_argument("load_codes: the experts' format must be grouped int8, int4 or lut4");
+    throw std::invalid_argument("load_codes: the experts' format must be grouped int8, int4, lut4 or fp8");
   const int H = cfg_.hidden, I = cfg_.intermediate, gg = gu_.group, gd = down_.group;
   if (H % gg || I % gd)
     throw std::invalid_argument("load_codes: hidden and intermediate sizes must be multiples of the group");

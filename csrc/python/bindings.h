@@ -28,7 +28,8 @@ inline WeightFormat format_from_name(const std::string& s) {
   if (s == "int8") return WeightFormat::int8;
   if (s == "int4") return WeightFormat::int4;
   if (s == "lut4") return WeightFormat::lut4;
-  throw std::invalid_argument("unknown weight format '" + s + "' (expected bf16, int8, int4 or lut4)");
+  if (s == "fp8") return WeightFormat::fp8;
+  throw std::invalid_argument("unknown weight format '" + s + "' (expected bf16, int8, int4, lut4 or fp8)");
 }
 
 // Scale types and codebooks by their Python names (hetmoe/cpu/experts.py SCALE_DTYPES, CODEBOOKS).
@@ -56,6 +57,7 @@ inline const char* format_name(WeightFormat f) {
     case WeightFormat::int8: return "int8";
     case WeightFormat::int4: return "int4";
     case WeightFormat::lut4: return "lut4";
+    case WeightFormat::fp8: return "fp8";
   }
   return "?";
 }

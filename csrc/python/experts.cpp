@@ -155,8 +155,9 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
                     int group, const std::string& isa, bool amx_emulated, int amx_min_tokens, int down_group,
                     const std::string& gate_up_scaling, const std::string& down_scaling, const std::string& down_fmt,
                     const std::string& gate_up_scale_dtype, const std::string& down_scale_dtype,
-                    const std::string& gate_up_codebook, const std::string& down_codebook,
-                    const std::string& activation, float alpha, float limit, float offset, bool bias) {
+                    const std::string& gate_up_codebook, const std::string& down_codebook, bool gate_up_shared_scales,
+                    bool down_shared_scales, const std::string& activation, float alpha, float limit, float offset,
+                    bool bias) {
           ExpertsConfig cfg;
           cfg.n_expert = n_expert;
           cfg.hidden = hidden;
@@ -171,6 +172,8 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
           cfg.down_scale_type = scale_type_from_name(down_scale_dtype);
           cfg.gate_up_codebook = codebook_from_name(gate_up_codebook);
           cfg.down_codebook = codebook_from_name(down_codebook);
+          cfg.gate_up_shared_scales = gate_up_shared_scales;
+          cfg.down_shared_scales = down_shared_scales;
           cfg.isa = isa_from_name(isa);
           cfg.amx = amx_emulated ? AmxMode::emulated : AmxMode::off;
           cfg.amx_min_tokens = amx_min_tokens;
@@ -183,8 +186,9 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
         py::arg("amx_min_tokens") = kAmxMinTokens, py::arg("down_group_size") = 0,
         py::arg("gate_up_scaling") = "symmetric", py::arg("down_scaling") = "symmetric", py::arg("down_format") = "",
         py::arg("gate_up_scale_dtype") = "fp32", py::arg("down_scale_dtype") = "fp32", py::arg("gate_up_codebook") = "",
-        py::arg("down_codebook") = "", py::arg("activation") = "swiglu", py::arg("alpha") = 1.f, py::arg("limit") = 0.f,
-        py::arg("offset") = 1.f, py::arg("bias") = false)
+        py::arg("down_codebook") = "", py::arg("gate_up_shared_scales") = false, py::arg("down_shared_scales") = false,
+        py::arg("activation") = "swiglu", py::arg("alpha") = 1.f, py::arg("limit") = 0.f, py::arg("offset") = 1.f,
+        py::arg("bias") = false)
       .def_property("amx_min_tokens", &Experts::amx_min_tokens, &Experts::set_amx_min_tokens)
       .def(
           "load",
@@ -290,10 +294,12 @@ void bind_experts(py::module_& m) {
     d["down_scale_dtype"] = scale_dtype(dn);
     d["gate_up_codebook"] = codebook(gu);
     d["down_codebook"] = codebook(dn);
+    d["gate_up_shared_scales"] = gu.shared_scales;
+    d["down_shared_scales"] = dn.shared_scales;
     d["isa"] = isa_name(c.isa);
     d["kernel"] = ex.kernel().name;
     auto activation = [](WeightFormat f) {
-      return f == WeightFormat::bf16 ? "fp32" : f == WeightFormat::int8 ? "int16" : "int8";
+      return float_activations(f) ? "fp32" : f == WeightFormat::int8 ? "int16" : "int8";
     };
     d["activation"] = activation(c.format);
     d["down_weight_format"] = format_name(ex.down_format());
@@ -304,7 +310,7 @@ void bind_experts(py::module_& m) {
     if (amx != AmxMode::off) {
       d["amx_kernel"] = ex.kernel().gemm_name;
       d["amx_min_tokens"] = ex.amx_min_tokens();
-      d["amx_activation"] = c.format == WeightFormat::bf16 ? "bf16" : "int8";
+      d["amx_activation"] = float_activations(c.format) ? "bf16" : "int8";
     } else {
       d["amx_kernel"] = py::none();
       d["amx_min_tokens"] = py::none();

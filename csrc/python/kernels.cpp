@@ -105,6 +105,21 @@ void bind_kernels(py::module_& m) {
       },
       py::arg("isa"), py::arg("fmt"), py::arg("amx"), py::arg("group"), py::arg("x"), py::arg("one_group") = false);
   m.def(
+      "fp8_to_bf16_lines",
+      [](const std::string& isa, py::bytes lines) {  // fp8 lines -> the AMX GEMM's bf16 lines (dispatch.h), as bytes
+        const std::string src = lines;
+        if (src.size() % kLineBytes) throw std::invalid_argument("fp8_to_bf16_lines: whole 64-byte lines expected");
+        const int n = (int)(src.size() / kLineBytes);
+        auto in = aligned_zeros(src.size()), out = aligned_zeros(2 * src.size());
+        std::memcpy(in.get(), src.data(), src.size());
+        if (runnable_isa(isa) >= Isa::avx512)
+          avx512::fp8_to_bf16_lines(in.get(), n, out.get());
+        else
+          scalar::fp8_to_bf16_lines(in.get(), n, out.get());
+        return py::bytes(reinterpret_cast<const char*>(out.get()), 2 * src.size());
+      },
+      py::arg("isa"), py::arg("lines"));
+  m.def(
       "row_bf16",
       [](const std::string& isa, py::buffer x) {  // fp32 -> bf16 bits (uint16) -> fp32, both through the ISA
         py::buffer_info b = float_row(x, "row_bf16");
@@ -138,12 +153,11 @@ void bind_kernels(py::module_& m) {
         const int n = (int)g.shape[0];
         std::vector<float> h(n);
         select_row_ops(runnable_isa(isa))
-            .clamped_swiglu(static_cast<const float*>(g.ptr), static_cast<const float*>(u.ptr), n, alpha, limit,
-                            offset, h.data());
+            .clamped_swiglu(static_cast<const float*>(g.ptr), static_cast<const float*>(u.ptr), n, alpha, limit, offset,
+                            h.data());
         return h;
       },
-      py::arg("isa"), py::arg("gate"), py::arg("up"), py::arg("alpha"), py::arg("limit"),
-      py::arg("offset") = 1.f);
+      py::arg("isa"), py::arg("gate"), py::arg("up"), py::arg("alpha"), py::arg("limit"), py::arg("offset") = 1.f);
   m.def(
       "row_copy_stream",
       [](const std::string& isa, py::buffer x, int offset) {  // x[offset:] copied to an aligned buffer at `offset`

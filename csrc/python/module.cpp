@@ -27,7 +27,8 @@ PYBIND11_MODULE(_C, m) {
     d["amx_unavailable"] = amx_unavailable_reason();  // "" when the AMX kernels can run
     d["amx_kernels_compiled"] = amx_kernels_compiled();
     py::dict amx_min;  // per weight format
-    for (WeightFormat f : {WeightFormat::bf16, WeightFormat::int8, WeightFormat::int4, WeightFormat::lut4})
+    for (WeightFormat f :
+         {WeightFormat::bf16, WeightFormat::int8, WeightFormat::int4, WeightFormat::lut4, WeightFormat::fp8})
       amx_min[format_name(f)] = default_amx_min_tokens(f);
     d["amx_min_tokens_default"] = amx_min;
     return d;
@@ -39,7 +40,8 @@ PYBIND11_MODULE(_C, m) {
     layout["line_bytes"] = kLineBytes;
     layout["bf16_group"] = kBf16Group;
     py::dict per_line;
-    for (WeightFormat f : {WeightFormat::bf16, WeightFormat::int8, WeightFormat::int4, WeightFormat::lut4})
+    for (WeightFormat f :
+         {WeightFormat::bf16, WeightFormat::int8, WeightFormat::int4, WeightFormat::lut4, WeightFormat::fp8})
       per_line[format_name(f)] = k_per_line(f);
     layout["k_per_line"] = per_line;
     py::dict widths;  // bytes per stored scale, per scale dtype

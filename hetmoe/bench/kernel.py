@@ -28,6 +28,7 @@ from hetmoe.bench.machine import (
     write_json,
 )
 from hetmoe.cpu.codes import exact_layout
+from hetmoe.cpu.layout import FP8_LAYOUTS
 
 
 @dataclass(frozen=True)
@@ -52,13 +53,17 @@ DEFAULT_GROUP = {"bf16": 128, "int8": 128, "int4": 64}
 GGUF_FORMATS = {"q4_k": ("Q4_K", "Q4_K"), "q5_k": ("Q5_K", "Q5_K"), "q6_k": ("Q6_K", "Q6_K"),
                 "q4_k_m": ("Q4_K", "Q6_K"), "q4_0": ("Q4_0", "Q4_0"), "q8_0": ("Q8_0", "Q8_0"),
                 "mxfp4": ("MXFP4", "MXFP4"), "iq4_nl": ("IQ4_NL", "IQ4_NL"), "iq4_xs": ("IQ4_XS", "IQ4_XS")}
-FORMATS = tuple(cpu.WEIGHT_FORMATS) + tuple(GGUF_FORMATS)
+# FP8 checkpoints' experts at their own layout (hetmoe/cpu/layout.py FP8_LAYOUTS): block FP8 and MXFP8
+FP8_FORMATS = {"fp8": 128, "mxfp8": 32}
+FORMATS = tuple(cpu.WEIGHT_FORMATS) + tuple(GGUF_FORMATS) + tuple(FP8_FORMATS)
 
 
 def format_args(fmt: str, group_size) -> dict:
     """CPUExperts' format keyword arguments of a --formats name (group_size: --group-size, int8/int4 only)."""
     if fmt in GGUF_FORMATS:
         return exact_layout(*GGUF_FORMATS[fmt])
+    if fmt in FP8_FORMATS:
+        return {"weight_format": "fp8", "group_size": FP8_FORMATS[fmt], **FP8_LAYOUTS[FP8_FORMATS[fmt]]}
     group = DEFAULT_GROUP[fmt] if group_size is None or fmt == "bf16" else group_size
     return {"weight_format": fmt, "group_size": group}
 WARMUP = 2
@@ -306,7 +311,8 @@ def run_kernel_bench(args) -> int:
             baseline = None
             if not args.no_baseline:
                 # GGUF formats' affine values are not symmetric codes: the loop holds them as bf16
-                baseline = TorchLoopExperts(experts, min(E, BASELINE_EXPERTS), "bf16" if fmt in GGUF_FORMATS else fmt,
+                baseline = TorchLoopExperts(experts, min(E, BASELINE_EXPERTS),
+                                            "bf16" if fmt in GGUF_FORMATS or fmt in FP8_FORMATS else fmt,
                                             group)
                 xc = torch.randn(CHECK_TOKENS, H, generator=gen).bfloat16()
                 ids_c, w_c = random_routing(CHECK_TOKENS, len(baseline.weights), k, gen)

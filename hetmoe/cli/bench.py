@@ -22,7 +22,7 @@ from hetmoe.config.flags import (
 BENCHES = ("kernel", "e2e", "serve", "overhead")  # in the order `hetmoe bench --help` lists them
 # hetmoe/bench/kernel.py FORMATS (not imported here: the CLI starts without torch)
 KERNEL_FORMATS = ("bf16", "int8", "int4", "q4_k", "q5_k", "q6_k", "q4_k_m", "q4_0", "q8_0", "mxfp4", "iq4_nl",
-                  "iq4_xs")
+                  "iq4_xs", "fp8", "mxfp8")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -13,14 +13,18 @@ from typing import Optional, Union
 
 from hetmoe.config.units import parse_size
 
-FORMATS = ("bf16", "int8", "int4")
+FORMATS = ("bf16", "int8", "int4")  # what --experts-format auto chooses among, the most precise first
+# --experts-format's choices: fp8 holds an FP8 checkpoint's E4M3 experts at their own bytes (auto prefers it for those:
+# hetmoe/load/loader.py plan_model); other checkpoints' experts are rounded to E4M3
+EXPERT_FORMATS = FORMATS + ("fp8",)
+FP8_GROUPS = (128, 32)  # fp8 experts: block FP8 (fp32 scales, one per 16 rows and group), MXFP8 (e8m0 per row)
 ATTENTION_CHOICES = ("auto", "triton", "sdpa")
 ISAS = ("scalar", "avx2", "avx512", "amx")  # the CPU engine's ISA levels (csrc/runtime/cpu_features.h)
 # Tests only: the AMX GEMM through a plain C++ emulation of the tile instructions (any CPU; slow), with the
 # best non-AMX row-block kernels for experts with few tokens.
 AMX_EMULATED = "amx-emulated"
 ISA_CHOICES = ("auto",) + ISAS
-DEFAULT_GROUP = {"bf16": 0, "int8": 128, "int4": 64}
+DEFAULT_GROUP = {"bf16": 0, "int8": 128, "int4": 64, "fp8": 128}
 DENSE_CHOICES = ("auto", "bf16", "fp8", "int8", "int4")  # "auto" and hetmoe.config.formats.DENSE_FORMATS
 NumaOption = Union[str, int]
 
@@ -45,10 +49,11 @@ class EngineOptions:
         "--device", "auto: the GPU for everything but the routed experts when there is one (default: auto)",
         choices=("auto", "cuda", "cpu")))
     experts_format: str = field(default="auto", metadata=cli_flag(
-        "--experts-format", "format of the routed experts on the CPU; auto: the most precise that fits in RAM",
-        choices=("auto",) + FORMATS))
+        "--experts-format", "format of the routed experts on the CPU; auto: the most precise that fits in RAM (an FP8 "
+        "checkpoint's own fp8 experts first)", choices=("auto",) + EXPERT_FORMATS))
     group_size: Optional[int] = field(default=None, metadata=cli_flag(
-        "--group-size", "int8/int4 scale group (default: 128 for int8, 64 for int4; 0 = per-row scales; bf16 has none)",
+        "--group-size", "int8/int4 scale group (default: 128 for int8, 64 for int4; 0 = per-row scales; bf16 has none; "
+        "fp8: 128, block FP8, or 32, MXFP8)",
         type="int", choices=(0, 16, 32, 64, 128)))  # 16: int8 only (GGUF's Q6_K)
     threads: Optional[int] = field(default=None, metadata=cli_flag(
         "--threads", "CPU expert threads (default: physical cores; with a GPU, 2 fewer)", type="positive_int"))
@@ -126,8 +131,8 @@ class EngineOptions:
 
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}")
-        if self.experts_format not in ("auto",) + FORMATS:
-            raise ValueError(f"experts format must be auto, {', '.join(FORMATS)}; got {self.experts_format!r}")
+        if self.experts_format not in ("auto",) + EXPERT_FORMATS:
+            raise ValueError(f"experts format must be auto, {', '.join(EXPERT_FORMATS)}; got {self.experts_format!r}")
         if self.dtype not in ("auto", "bf16", "fp32"):
             raise ValueError(f"dtype must be auto, bf16 or fp32, got {self.dtype!r}")
         if self.dense_format not in DENSE_CHOICES:
@@ -171,6 +176,8 @@ class EngineOptions:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
         if self.group_size is not None and self.group_size not in (0, 16, 32, 64, 128):
             raise ValueError(f"group size must be 16, 32, 64 or 128, or 0 = per-row, got {self.group_size}")
+        if self.experts_format == "fp8" and self.group_size not in (None,) + FP8_GROUPS:
+            raise ValueError(f"fp8 experts need a group size of 128 (block FP8) or 32 (MXFP8), got {self.group_size}")
         if not isinstance(self.rules, (str, os.PathLike, type(None))):
             raise ValueError(f"rules must be the path of a YAML file, got {self.rules!r}")
 

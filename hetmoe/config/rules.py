@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
-from hetmoe.config.options import FORMATS
+from hetmoe.config.options import EXPERT_FORMATS, FORMATS, FP8_GROUPS
 
 EXPERTS, DENSE = "experts", "dense"  # the two kinds of module a rule places
 EXPERT_KEYS = ("experts_format", "group_size", "gpu_experts", "gpu_experts_format", "defer_experts")
@@ -224,6 +224,8 @@ def _rule(node, index: int, source: str, yaml) -> Rule:
     fmt, group = placement.experts_format, placement.group_size
     if group is not None and fmt == "bf16":
         raise fail("group_size: bf16 experts have no scale groups", _at(node, "group_size"))
+    if group is not None and fmt == "fp8" and group not in FP8_GROUPS:
+        raise fail("group_size: fp8 experts take 128 (block FP8) or 32 (MXFP8)", _at(node, "group_size"))
     if placement.gpu_experts is not None and (placement.device or "cpu").startswith("cuda"):
         raise fail("gpu_experts: with device cuda every expert of the layer is on the GPU already",
                    _at(node, "gpu_experts"))
@@ -254,8 +256,8 @@ def _value(key: str, value, fail):
             raise fail(f"gpu_experts_format: expected auto, {', '.join(FORMATS)}, got {value!r}")
         return value
     if key == "experts_format":
-        if value not in FORMATS:
-            raise fail(f"experts_format: expected {', '.join(FORMATS)}, got {value!r}")
+        if value not in EXPERT_FORMATS:
+            raise fail(f"experts_format: expected {', '.join(EXPERT_FORMATS)}, got {value!r}")
         return value
     if key == "dtype":
         if value not in DTYPES:

@@ -25,6 +25,10 @@ layers need it) takes int8 codes: int4 codes as they are, lut4 indices looked up
 
 Gate/up and down may differ in format, group and scaling (``CPUExperts(weight_format=(gate_up, down),
 down_group_size=..., scaling=(gate_up, down))``): unsloth's Q4_K_M is int4 affine gate/up beside int8 group-16 down.
+
+FP8 checkpoints' E4M3 experts go into the engine's fp8 format byte for byte (``load_fp8``): block FP8 (an fp32 scale
+per 128 x 128 block) as group 128 with shared scales (one per 16 rows, the block's), MXFP8 (an E8M0 scale per 32) as
+group 32 with e8m0 scales, per-channel FP8 as group 128 with the row's scale in every group.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch
 
 from hetmoe import _C
 from hetmoe.cpu.experts import CPUExperts
-from hetmoe.cpu.layout import CODEBOOKS, SUPER_BLOCK
+from hetmoe.cpu.layout import CODEBOOKS, ROWS, SUPER_BLOCK
 
 CODE_RANGE = {("int8", "symmetric"): (-127, 127), ("int4", "symmetric"): (-8, 7),
               ("int8", "affine"): (0, 127), ("int4", "affine"): (0, 15), ("lut4", "symmetric"): (0, 15)}
@@ -70,9 +74,12 @@ def exact_layout(gate_up_type: str, down_type: str, plan: Optional[str] = None) 
 
 
 def plan_format(layout: dict) -> tuple:
-    """(format, group) a memory plan counts for ``layout`` (exact_layout's): int8 when either matrix is int8, else
-    int4 (lut4 is a 4-bit format of the same line bytes: a plan's int4 holds those layers in their own layout)."""
+    """(format, group) a memory plan counts for ``layout`` (exact_layout's): fp8 as fp8, int8 when either matrix is
+    int8, else int4 (lut4 is a 4-bit format of the same line bytes: a plan's int4 holds those layers in their own
+    layout)."""
     fmt = layout["weight_format"]
+    if fmt == "fp8":
+        return "fp8", layout["group_size"]
     return ("int8" if "int8" in (fmt if isinstance(fmt, tuple) else (fmt,)) else "int4"), layout["group_size"]
 
 
@@ -80,10 +87,12 @@ def layout_of(experts: CPUExperts) -> dict:
     """The code layout of ``experts`` as CPUExperts' keyword arguments (what GGUFCheckpoint.exact_format returns)."""
     info = experts.info()
     fmt, down = info["weight_format"], info["down_weight_format"]
-    return {"weight_format": fmt if fmt == down else (fmt, down), "group_size": info["group_size"],
-            "down_group_size": info["down_group_size"], "scaling": (info["gate_up_scaling"], info["down_scaling"]),
-            "scale_dtype": (info["gate_up_scale_dtype"], info["down_scale_dtype"]),
-            "codebook": (info["gate_up_codebook"], info["down_codebook"])}
+    layout = {"weight_format": fmt if fmt == down else (fmt, down), "group_size": info["group_size"],
+              "down_group_size": info["down_group_size"], "scaling": (info["gate_up_scaling"], info["down_scaling"]),
+              "scale_dtype": (info["gate_up_scale_dtype"], info["down_scale_dtype"]),
+              "codebook": (info["gate_up_codebook"], info["down_codebook"])}
+    shared = (info["gate_up_shared_scales"], info["down_shared_scales"])
+    return {**layout, "shared_scales": shared} if any(shared) else layout  # (fp8 only)
 
 
 def lut4_values(codes: torch.Tensor, codebook: str) -> torch.Tensor:
@@ -185,3 +194,67 @@ def held_exactly(s: torch.Tensor, scale_dtype: str) -> torch.Tensor:
         raise ValueError("k8 scales are held a row at a time (codes._scan), not one by one")
     mantissa, exponent = torch.frexp(s)  # e8m0: a power of two 2^(exponent - 1) in [2^-128, 2^127]
     return (mantissa == 0.5) & (exponent >= -127) & (exponent <= 128)
+
+
+E4M3_NAN = 0x7F  # with or without the sign bit: the only E4M3 codes that are not numbers
+
+
+def load_fp8(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+             first_expert: int = 0) -> None:
+    """Pack experts ``first_expert ..`` of fp8 ``experts`` from E4M3 ``codes`` = (gate, up, down) float8_e4m3fn (or
+    uint8: the codes' bytes) [n, I, H] / [n, I, H] / [n, H, I] and ``scales`` = the same matrices' fp32
+    [n, rows, ceil(cols / group)] (one per group of the matrix's group size consecutive columns of a row; shared
+    scales: the same for each 16 rows). The kernels then multiply by exactly e4m3(code) * scale. ValueError, naming
+    the matrix, for a shape or dtype the engine does not take, an E4M3 NaN code (0x7F / 0xFF), a scale that is not
+    finite or that the scale dtype does not hold exactly, or shared scales that differ within 16 rows; nothing of a
+    refused call is marked loaded."""
+    info = experts.info()
+    fmt, group, down_group = info["weight_format"], info["group_size"], info["down_group_size"]
+    if fmt != "fp8" or not group or not down_group:
+        raise ValueError(f"E4M3 codes load into grouped fp8 experts; these are {fmt} (group {group})")
+    if len(codes) != 3 or len(scales) != 3:
+        raise ValueError("codes and scales must each hold (gate, up, down)")
+    I, H = experts.intermediate_size, experts.hidden_size
+    n = codes[0].shape[0] if codes[0].dim() == 3 else -1
+    if not 0 <= first_expert or n < 0 or first_expert + n > experts.num_experts:
+        raise ValueError(f"experts [{first_expert}, {first_expert + n}) do not fit in "
+                         f"num_experts={experts.num_experts}")
+    ready = []
+    layouts = ((group, info["gate_up_scale_dtype"], info["gate_up_shared_scales"]),) * 2 + (
+        (down_group, info["down_scale_dtype"], info["down_shared_scales"]),)
+    for name, q, s, (rows, cols), (g, sdt, shared) in zip(("gate", "up", "down"), codes, scales,
+                                                          ((I, H), (I, H), (H, I)), layouts):
+        if q.dtype not in (torch.float8_e4m3fn, torch.uint8) or tuple(q.shape) != (n, rows, cols):
+            raise ValueError(f"{name} codes must be float8_e4m3fn (or their uint8 bytes) [{n}, {rows}, {cols}], got "
+                             f"{q.dtype} {list(q.shape)}")
+        groups = -(-cols // g)
+        if not isinstance(s, torch.Tensor) or tuple(s.shape) != (n, rows, groups):
+            raise ValueError(f"{name} scales must be [{n}, {rows}, {groups}] (one per {g} columns), got "
+                             f"{list(getattr(s, 'shape', ()))}")
+        q = q.detach().to("cpu").contiguous().view(torch.uint8)
+        s = s.detach().to("cpu", torch.float32).contiguous()
+        nan = (q & E4M3_NAN) == E4M3_NAN
+        if nan.any():
+            e, r, c = (int(i) for i in nan.nonzero()[0])
+            raise ValueError(f"{name} of expert {first_expert + e} holds the E4M3 NaN code 0x{int(q[e, r, c]):02X} at "
+                             f"[{r}, {c}]; fp8 weights must be numbers")
+        if not torch.isfinite(s).all():
+            raise ValueError(f"{name} has scales that are NaN or Inf")
+        inexact = ~held_exactly(s, sdt)
+        if inexact.any():
+            raise ValueError(f"{name} has scales that {sdt} does not hold exactly (e.g. {float(s[inexact][0])!r})")
+        if shared:
+            head = s[:, ::ROWS].repeat_interleave(ROWS, 1)[:, :rows]  # each row block's first row's
+            if not torch.equal(s, head):
+                raise ValueError(f"{name} has shared scales (one per {ROWS} rows and group) that differ within "
+                                 f"{ROWS} rows")
+        ready.append((q, s))
+    (gq, gs), (uq, us), (dq, ds) = ready
+    experts._ex.load_codes(first_expert, n, gq.data_ptr(), gs.data_ptr(), uq.data_ptr(), us.data_ptr(),
+                           dq.data_ptr(), ds.data_ptr(), 0, 0, 0)
+
+
+def block_fp8_scales(scale_inv: torch.Tensor, rows: int, block: int = 128) -> torch.Tensor:
+    """A block FP8 weight's ``scale_inv`` [ceil(rows / block), ceil(cols / block)] as load_fp8's per-row scales
+    [rows, ceil(cols / block)] (each block's scale in each of its rows; fp32)."""
+    return scale_inv.float().repeat_interleave(block, 0)[:rows]

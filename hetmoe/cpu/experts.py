@@ -29,7 +29,11 @@ from hetmoe.cpu.pool import EngineJob, WorkerPool, shared_pool
 WEIGHT_FORMATS = ("bf16", "int8", "int4")  # what weights quantized here take (one CPUExperts(weight_format=...) each)
 # lut4: nibbles indexing a codebook of 16 int8 values (csrc/formats/layout.h), for checkpoints' own 4-bit codes
 LUT_FORMAT = "lut4"
-# how int8/int4/lut4 scales are stored (csrc/formats/layout.h); k8: the K-quants' int8 sub-scale x fp16 per 256
+# fp8: E4M3 codes, one byte per weight (csrc/formats/layout.h), for FP8 checkpoints' own experts (hetmoe/cpu/codes.py
+# load_fp8); floats loaded into it are rounded to E4M3
+FP8_FORMAT = "fp8"
+# how int8/int4/lut4/fp8 scales are stored (csrc/formats/layout.h); k8: the K-quants' int8 sub-scale x fp16 per 256
+# (int8/int4 only)
 SCALE_DTYPES = ("fp32", "fp16", "bf16", "e8m0", "k8")
 CODEBOOKS = ("e2m1", "iq4nl")  # lut4's codebooks: FP4 (MXFP4, NVFP4) doubled, llama.cpp's IQ4_NL table
 
@@ -147,10 +151,10 @@ class CPUExperts:
         num_experts: E.
         hidden_size: H.
         intermediate_size: I (per expert).
-        weight_format: ``"bf16"``, ``"int8"``, ``"int4"`` or ``"lut4"`` (4-bit indices into a ``codebook``), or a
-            pair (gate/up, down) of int8/int4/lut4.
-        group_size: int8/int4 scale group along the input dimension (16, 32, 64 or 128); ``0`` = one scale per
-            row (symmetric). ``down_group_size``: down's own group (default: ``group_size``).
+        weight_format: ``"bf16"``, ``"int8"``, ``"int4"``, ``"lut4"`` (4-bit indices into a ``codebook``) or
+            ``"fp8"`` (E4M3 codes), or a pair (gate/up, down) of int8/int4/lut4.
+        group_size: int8/int4/fp8 scale group along the input dimension (16, 32, 64 or 128; fp8 32, 64 or 128);
+            ``0`` = one scale per row (symmetric). ``down_group_size``: down's own group (default: ``group_size``).
         scaling: ``"symmetric"`` (value = scale * q) or ``"affine"`` (value = scale * q - min, GGUF's K-quants), or a
             pair (gate/up, down); codes go in with ``hetmoe.cpu.codes.load_codes``.
         scale_dtype: how the scales (and an affine matrix's mins) are stored: ``"fp32"`` (default), ``"fp16"``,
@@ -160,6 +164,8 @@ class CPUExperts:
             must have scales (and mins) the type holds exactly.
         codebook: lut4's 16 values: ``"e2m1"`` (FP4 doubled) or ``"iq4nl"``, or a pair (gate/up, down; None for a
             matrix that is not lut4).
+        shared_scales: fp8 only: one scale per 16 rows and group (block FP8's 128 x 128 blocks, stored once per row
+            block instead of per row), or a pair (gate/up, down).
         threads: pool size (default: one per physical core). Ignored when ``pool`` is given.
         isa: ``"auto"`` (best the CPU supports) or one of ``scalar``, ``avx2``, ``avx512``, ``amx``
             (``"amx-emulated"``: tests only). With ``amx``, each call computes experts that have at least
@@ -175,7 +181,7 @@ class CPUExperts:
         bias: every expert has fp32 biases (zeros until ``load_biases``): gate and up ``[I]`` added before the
             activation, down ``[H]`` added to the expert's output before its routing weight.
 
-    AMX multiplies bf16 x bf16 and int8 x int8, so AMX experts read activations rounded to bf16 (bf16
+    AMX multiplies bf16 x bf16 and int8 x int8, so AMX experts read activations rounded to bf16 (bf16 and fp8
     weights) or int8 per group (int8 weights; the AVX-512 path keeps int16); int4 weights use int8
     activations on both paths (AMX, per-row weights: one x scale per token). Accuracy: tests/cpu/test_amx.py.
     """
@@ -196,6 +202,7 @@ class CPUExperts:
         scaling: Union[str, tuple] = "symmetric",
         scale_dtype: Union[str, tuple] = "fp32",
         codebook: Union[None, str, tuple] = None,
+        shared_scales: Union[bool, tuple] = False,
         glu: Glu = SWIGLU,
         bias: bool = False,
     ):
@@ -206,13 +213,16 @@ class CPUExperts:
         scaling = (scaling, scaling) if isinstance(scaling, str) else tuple(scaling)
         scale_dtype = (scale_dtype, scale_dtype) if isinstance(scale_dtype, str) else tuple(scale_dtype)
         codebook = (codebook, codebook) if codebook is None or isinstance(codebook, str) else tuple(codebook)
+        shared_scales = (shared_scales, shared_scales) if isinstance(shared_scales, bool) else tuple(shared_scales)
         weight_format, down_format = (weight_format, "") if isinstance(weight_format, str) else weight_format
-        formats = WEIGHT_FORMATS + (LUT_FORMAT,)
+        formats = WEIGHT_FORMATS + (LUT_FORMAT, FP8_FORMAT)
         if weight_format not in formats or down_format not in formats + ("",):
             raise ValueError(f"unknown weight_format {weight_format!r}; expected one of {', '.join(formats)}")
         if len(scale_dtype) != 2 or any(t not in SCALE_DTYPES for t in scale_dtype):
             raise ValueError(f"scale_dtype must be one of {', '.join(SCALE_DTYPES)} or a (gate/up, down) pair of them, "
                              f"got {scale_dtype!r}")
+        if len(shared_scales) != 2 or any(not isinstance(b, bool) for b in shared_scales):
+            raise ValueError(f"shared_scales must be a bool or a (gate/up, down) pair of them, got {shared_scales!r}")
         if len(codebook) != 2 or any(c is not None and c not in CODEBOOKS for c in codebook):
             raise ValueError(f"codebook must be one of {', '.join(CODEBOOKS)}, None or a (gate/up, down) pair, got "
                              f"{codebook!r}")
@@ -242,8 +252,8 @@ class CPUExperts:
         self._ex = (_C.NumaExperts if split else _C.MoeExperts)(
             self.pool._numa if split else self.pool._pool, self.num_experts, self.hidden_size, self.intermediate_size,
             weight_format, int(group_size), isa, emulated, int(amx_min_tokens), int(down_group_size or 0), *scaling,
-            down_format, *scale_dtype, *(c or "" for c in codebook), glu.kind, float(glu.alpha), float(glu.limit),
-            float(glu.offset), bias)
+            down_format, *scale_dtype, *(c or "" for c in codebook), *shared_scales, glu.kind, float(glu.alpha),
+            float(glu.limit), float(glu.offset), bias)
         self.glu, self.bias = glu, bias
         self._skip_mask: Optional[torch.Tensor] = None  # static: experts computed elsewhere (set_skip_mask)
 

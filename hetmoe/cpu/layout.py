@@ -17,27 +17,39 @@ SUPER_BLOCK = _C.LAYOUT["super_block"]  # k8: values of K per fp16 super scale
 CODEBOOKS = {name: tuple(values) for name, values in _C.LAYOUT["codebooks"].items()}  # lut4: name -> 16 int8 values
 
 
-def set_bytes(n_blocks: int, kp: int, group: int, scale_dtype: str) -> int:
+# The fp8 experts a plan's (format, group) means: group 128, block FP8 (one fp32 scale per 16 rows and group, shared:
+# csrc/formats/layout.h), group 32, MXFP8 (one e8m0 scale per row and group). CPUExperts' keyword arguments.
+FP8_LAYOUTS = {128: {"scale_dtype": "fp32", "shared_scales": True}, 32: {"scale_dtype": "e8m0", "shared_scales": False}}
+
+
+def set_bytes(n_blocks: int, kp: int, group: int, scale_dtype: str, shared_scales: bool = False) -> int:
     """Bytes of one scale set (a matrix's scales, or an affine matrix's mins) of ``n_blocks`` row blocks: one value of
-    ``scale_dtype`` per (row, group); k8 also an fp16 super scale per (row, SUPER_BLOCK values of K)."""
+    ``scale_dtype`` per (row, group) (fp8 ``shared_scales``: per (row block, group)); k8 also an fp16 super scale per
+    (row, SUPER_BLOCK values of K)."""
     rows = n_blocks * ROWS
     supers = -(-kp // SUPER_BLOCK) * 2 if scale_dtype == "k8" else 0
-    return rows * ((kp // group) * SCALE_WIDTH[scale_dtype] + supers)
+    scale_rows = n_blocks if shared_scales else rows
+    return scale_rows * (kp // group) * SCALE_WIDTH[scale_dtype] + rows * supers
 
 
-def packed_matrix_bytes(fmt: str, n: int, k: int, group: int, affine: bool = False, scale_dtype: str = "fp32") -> int:
+def packed_matrix_bytes(fmt: str, n: int, k: int, group: int, affine: bool = False, scale_dtype: str = "fp32",
+                        shared_scales: bool = False) -> int:
     """Bytes of one [n, k] matrix in the engine's packed layout (csrc/formats/layout.h), scales (of
-    ``scale_dtype``; an affine matrix's mins, stored as the scales are, beside them) included."""
+    ``scale_dtype``; an affine matrix's mins, stored as the scales are, beside them; fp8 ``shared_scales``: one per 16
+    rows) included."""
     group = BF16_GROUP if fmt == "bf16" else (group or 128)
     n_blocks, kp = -(-n // ROWS), -(-k // group) * group
     data = n_blocks * ROWS * kp * LINE // (ROWS * K_PER_LINE[fmt])
-    scales = 0 if fmt == "bf16" else set_bytes(n_blocks, kp, group, scale_dtype) * (2 if affine else 1)
+    shared = shared_scales and fmt == "fp8"
+    scales = 0 if fmt == "bf16" else set_bytes(n_blocks, kp, group, scale_dtype, shared) * (2 if affine else 1)
     return data + scales
 
 
 def expert_bytes(fmt: str, hidden: int, inter: int, group: int) -> int:
-    """One routed expert (gate + up [I, H], down [H, I]) packed."""
-    return 2 * packed_matrix_bytes(fmt, inter, hidden, group) + packed_matrix_bytes(fmt, hidden, inter, group)
+    """One routed expert (gate + up [I, H], down [H, I]) packed (fp8: as FP8_LAYOUTS[group] holds it)."""
+    extra = FP8_LAYOUTS.get(group or 128, {}) if fmt == "fp8" else {}
+    return (2 * packed_matrix_bytes(fmt, inter, hidden, group, **extra)
+            + packed_matrix_bytes(fmt, hidden, inter, group, **extra))
 
 
 def _pair(value) -> tuple:
@@ -51,7 +63,8 @@ def layout_bytes(layout: dict, hidden: int, inter: int) -> int:
     gate_up, down = _pair(layout["weight_format"])
     gu_scaling, down_scaling = _pair(layout.get("scaling", "symmetric"))
     gu_scales, down_scales = _pair(layout.get("scale_dtype", "fp32"))
+    gu_shared, down_shared = _pair(layout.get("shared_scales", False))
     group = layout["group_size"]
-    return (2 * packed_matrix_bytes(gate_up, inter, hidden, group, gu_scaling == "affine", gu_scales)
+    return (2 * packed_matrix_bytes(gate_up, inter, hidden, group, gu_scaling == "affine", gu_scales, gu_shared)
             + packed_matrix_bytes(down, hidden, inter, layout.get("down_group_size") or group,
-                                  down_scaling == "affine", down_scales))
+                                  down_scaling == "affine", down_scales, down_shared))

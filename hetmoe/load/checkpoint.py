@@ -7,7 +7,8 @@ and releases after each never holds more than one layer of the source in memory.
 Every shard header is checked when the checkpoint is opened: a truncated shard, an unknown dtype or a tensor
 whose byte range disagrees with its shape is reported with the file and tensor name before anything loads.
 DeepSeek's FP8 weights (e4m3 with a ``weight_scale_inv`` per 128x128 block) are dequantized by ``get_float``, or
-handed over as stored by ``get_fp8`` (the fp8 dense format on a GPU keeps them: hetmoe/load/dense.py ``FP8Source``).
+handed over as stored by ``get_fp8`` (the fp8 dense format on a GPU keeps them: hetmoe/load/dense.py ``FP8Source``;
+routed experts of the CPU engine's fp8 format are packed from them byte for byte, ``load_exact_experts``).
 
 Linears stored by compressed-tensors as ``pack-quantized`` int4 (``<m>.weight_packed``, ``weight_scale``,
 ``weight_shape``: hetmoe/load/compressed.py) appear under their plain name ``<m>.weight`` with their real shape;
@@ -41,7 +42,8 @@ from typing import Callable, Optional
 
 import torch
 
-from hetmoe.cpu.codes import layout_of, load_codes, lut4_values, plan_format
+from hetmoe.cpu.codes import block_fp8_scales, layout_of, load_codes, load_fp8, lut4_values, plan_format
+from hetmoe.cpu.layout import FP8_LAYOUTS
 from hetmoe.load import compressed, mxfp4
 from hetmoe.models.config import MULTIMODAL, ConfigError, ModelConfig, text_model_config
 
@@ -488,10 +490,25 @@ class Checkpoint:
         are the engine's int4 / int8 formats themselves, counted as such."""
         return ()
 
+    def fp8_experts(self, prefix: str, names: list) -> bool:
+        """Whether block ``prefix``'s expert 0 is stored in block FP8 (e4m3 and a weight_scale_inv per 128x128)."""
+        keys = [f"{prefix}.experts.0.{w}.weight" for w in names]
+        return block_fp8(self.config) and all(
+            k in self._entries and self._entries[k].dtype == torch.float8_e4m3fn and k + "_scale_inv" in self._entries
+            for k in keys)
+
     def experts_layout(self, prefix: str, names: list, plan: Optional[str] = None) -> Optional[dict]:
         """The CPUExperts layout holding block ``prefix``'s routed experts (``names``: gate, up, down as the model
         calls them) exactly when expert 0's are pack-quantized (int4 codes; in int8 when the plan gives the layer
-        int8), or None (gate and up of different groups, or experts stored otherwise)."""
+        int8), in a layer planned as fp8, block FP8 (fp8 group 128, shared fp32 scales), or None (gate and up of
+        different groups, or experts stored otherwise)."""
+        if plan == "fp8":
+            if not self.fp8_experts(prefix, names):
+                return None
+            block = FP8_LAYOUTS[FP8_BLOCK]
+            return {"weight_format": "fp8", "group_size": FP8_BLOCK, "down_group_size": FP8_BLOCK,
+                    "scaling": ("symmetric", "symmetric"), "scale_dtype": (block["scale_dtype"],) * 2,
+                    "shared_scales": (block["shared_scales"],) * 2}
         if f"{prefix}.experts" in self._mxfp4:  # gpt-oss: lut4 e2m1 codes, e8m0 scales (int8 codes in an int8 plan)
             fmt, book = ("int8", None) if plan == "int8" else ("lut4", "e2m1")
             return {"weight_format": fmt, "group_size": mxfp4.BLOCK, "down_group_size": mxfp4.BLOCK,
@@ -514,6 +531,9 @@ class Checkpoint:
         mine = self.experts_layout(prefix, names, plan_format(held)[0])
         if mine is None or any(k in held and held[k] != v for k, v in mine.items()):  # (no scale_dtype: fp32)
             return False
+        if mine["weight_format"] == "fp8":
+            self._load_fp8_experts(prefix, names, experts)
+            return True
         if f"{prefix}.experts" in self._mxfp4:
             self._load_mxfp4(prefix + ".experts", experts, held["weight_format"] == "int8")
             return True
@@ -544,6 +564,37 @@ class Checkpoint:
             except ValueError as err:
                 raise self._refused(experts, codes, scales, prefix, e0, err) from None
         return True
+
+    def _load_fp8_experts(self, prefix: str, names: list, experts) -> None:
+        """Block ``prefix``'s block FP8 experts into fp8 ``experts`` byte for byte, CHUNK at a time (their codes and
+        per-row scales staged; no expert is ever dequantized). CheckpointError naming the expert and matrix stored
+        otherwise or refused (a NaN code, scales missing or of the wrong shape)."""
+        I, H = experts.intermediate_size, experts.hidden_size
+        for e0 in range(0, experts.num_experts, CHUNK):
+            n = min(CHUNK, experts.num_experts - e0)
+            codes, scales = [], []
+            for slot, (which, (rows, cols)) in enumerate(zip(names, ((I, H), (I, H), (H, I)))):
+                key = ("fp8", slot, rows, cols)
+                if key not in self._scratch:
+                    self._scratch[key] = (torch.empty(CHUNK, rows, cols, dtype=torch.uint8),
+                                          torch.empty(CHUNK, rows, -(-cols // FP8_BLOCK)))
+                q, sc = (t[:n] for t in self._scratch[key])
+                for j in range(n):
+                    name = f"{prefix}.experts.{e0 + j}.{which}.weight"
+                    stored = self.get_fp8(name) if name in self._entries else None
+                    if stored is None or tuple(stored[0].shape) != (rows, cols):
+                        got = "missing" if name not in self else f"stored as {self._entries[name].dtype} " \
+                            f"{list(self._entries[name].shape)}"
+                        raise CheckpointError(f"{self.path}: {name} is {got}; the layer's experts are block FP8 "
+                                              f"[{rows}, {cols}]")
+                    q[j].copy_(stored[0].view(torch.uint8))
+                    sc[j].copy_(block_fp8_scales(stored[1], rows, FP8_BLOCK))
+                codes.append(q)
+                scales.append(sc)
+            try:
+                load_fp8(experts, codes, scales, first_expert=e0)
+            except ValueError as err:
+                raise CheckpointError(f"{self.path}: {prefix}.experts: {err}") from None
 
     def _load_mxfp4(self, block: str, experts, as_int8: bool) -> None:
         """gpt-oss's MXFP4 experts of ``block`` ("<mlp>.experts") packed from their nibbles and scale bytes, CHUNK
@@ -597,6 +648,15 @@ class Checkpoint:
         layouts = [self.experts_layout(layer[0].rsplit(".experts.", 1)[0], [n.split(".")[-2] for n in layer])
                    for layer in layers]
         exact = [plan_format(x) for x in layouts if x is not None]
+        prefix, short = names[0].rsplit(".experts.", 1)[0], [n.split(".")[-2] for n in names]
+        if not exact and self.fp8_experts(prefix, short):
+            what = f"{self.path.name}'s routed experts are block FP8 (e4m3, an fp32 scale per 128x128 block)"
+            fmt, group = options.experts_format, options.group_size
+            if fmt == "fp8" and group in (None, FP8_BLOCK):
+                log(f"hetmoe: {what}: held as fp8 at their own bytes, as asked")
+            elif fmt != "auto":
+                log(f"hetmoe: {what}: dequantized and re-quantized into {fmt} as asked")
+            return options  # auto: the plan prefers fp8 where it fits (hetmoe/load/loader.py plan_model)
         if not exact:
             return options
         groups = [g for _, g in exact]

@@ -37,9 +37,10 @@ from hetmoe.config.rules import load as load_rules
 from hetmoe.config.units import gib, show_progress, wrap
 from hetmoe.cpu import HYBRID_RESERVED_CORES, CPUExperts, default_threads
 from hetmoe.cpu.codes import plan_format
+from hetmoe.cpu.layout import FP8_LAYOUTS
 from hetmoe.cpu.numa import resolve_subpools
 from hetmoe.load.calibration import calibration_text, check_gpu_experts, keep_gpu_experts
-from hetmoe.load.checkpoint import Checkpoint, CheckpointError, block_fp8, check_quantization, read_config
+from hetmoe.load.checkpoint import FP8_BLOCK, Checkpoint, CheckpointError, block_fp8, check_quantization, read_config
 from hetmoe.load.dense import FP8Source, pack_dense
 from hetmoe.load.expert_cache import ExpertCache, default_cache_dir
 from hetmoe.load.materialize import Materializer, expert_keys, fill_experts
@@ -101,7 +102,7 @@ def new_experts(layer: MoELayer, cfg: ModelConfig, inter: int, plan: MemoryPlan,
     if threads is None and plan.device.type == "cuda":
         threads = default_threads(reserve=HYBRID_RESERVED_CORES)
     fmt, group = (spec.experts_format, spec.group_size) if spec else (plan.experts_format, plan.group_size)
-    own = {}
+    own = dict(FP8_LAYOUTS[group]) if fmt == "fp8" else {}  # what a plan's fp8 group holds (block FP8, MXFP8)
     if exact is not None and plan_format(exact) == (fmt, group):  # e.g. int4 gate/up, int8 down in an int8 plan
         fmt, own = exact["weight_format"], {k: v for k, v in exact.items() if k not in ("weight_format", "group_size")}
     return CPUExperts(layer.num_experts, cfg.hidden_size, inter, fmt, group,
@@ -122,6 +123,19 @@ def plan_model(model: nn.Module, cfg: ModelConfig, blocks: list, options: Engine
         where = device or resolve_device(options.device)
         layers = apply_native(load_rules(options.rules), model, blocks, where,
                               resolve_dtype(options.dtype, where, shapes.dense_params), shapes.top_k)
+    if options.experts_format == "auto" and block_fp8(cfg) and options.group_size in (None, FP8_BLOCK) and blocks:
+        try:  # an FP8 checkpoint's own routed experts: exact, one byte per weight (if they fit; else auto as usual)
+            plan = _choose_dense(shapes, replace(options, experts_format="fp8"), cfg, layers, device)
+            plan.why["routed experts"] = ("auto: the checkpoint's own FP8 experts (exact: e4m3 codes and block scales "
+                                          "as stored)")
+            return plan
+        except (PlanError, ValueError):
+            pass
+    return _choose_dense(shapes, options, cfg, layers, device)
+
+
+def _choose_dense(shapes, options: EngineOptions, cfg: ModelConfig, layers, device) -> MemoryPlan:
+    """choose_plan, trying a DeepSeek FP8 checkpoint's own dense weights first on a GPU (--dense-format auto)."""
     if options.dense_format == "auto" and block_fp8(cfg) and (device or resolve_device(options.device)).type == "cuda":
         try:  # a DeepSeek FP8 checkpoint's own weights: exact, half of bf16 (if they fit and run; else auto says why)
             plan = choose_plan(shapes, replace(options, dense_format="fp8"), layers, device)

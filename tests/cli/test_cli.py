@@ -55,7 +55,8 @@ SHAPES = ModelShapes(hidden=1024, vocab_size=32000, n_routed=1000, expert_inter=
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(device="tpu"), "device must be"), (dict(experts_format="fp8"), "experts format"),
+    (dict(device="tpu"), "device must be"), (dict(experts_format="fp6"), "experts format"),
+    (dict(experts_format="fp8", group_size=64), "fp8 experts need a group size of 128"),
     (dict(dtype="fp16"), "dtype must be"), (dict(threads=0), "threads must be >= 1"),
     (dict(max_context=0), "max-context must be >= 1"), (dict(max_batch=0), "max_batch"),
     (dict(prefill_chunk=0), "prefill_chunk"), (dict(group_size=48), "group size must be"),

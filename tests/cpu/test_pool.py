@@ -258,7 +258,7 @@ def test_forward_before_load(pool):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(weight_format="fp8"), "unknown weight_format 'fp8'; expected one of bf16, int8, int4"),
+        (dict(weight_format="fp6"), "unknown weight_format 'fp6'; expected one of bf16, int8, int4"),
         (dict(weight_format="int8", group_size=48),
          r"group_size must be 16, 32, 64 or 128 \(or 0 for per-row\), got 48"),
         (dict(weight_format="int4", group_size=8), r"group_size must be 16, 32, 64 or 128 \(or 0 for per-row\), got 8"),

@@ -450,8 +450,8 @@ def test_generate_through_llm(checkpoints):
 def test_bad_activation_refused():
     with pytest.raises(ValueError, match="unknown activation 'gelu'; expected one of swiglu, clamped_swiglu"):
         Glu("gelu")
-    for bad in (dict(alpha=0.0), dict(limit=float("inf")), dict(limit=-1.0), dict(alpha=True), dict(offset=float("nan")),
-                dict(offset=False)):
+    for bad in (dict(alpha=0.0), dict(limit=float("inf")), dict(limit=-1.0), dict(alpha=True),
+                dict(offset=float("nan")), dict(offset=False)):
         with pytest.raises(ValueError, match="clamped_swiglu needs a finite"):
             Glu("clamped_swiglu", **{"alpha": 1.702, "limit": 7.0, **bad})
     with pytest.raises(TypeError, match="glu must be a Glu"):

@@ -137,6 +137,9 @@ struct EmulatedT : PlainEpilogue {
         dst[128 * l + 64 + b] = (uint8_t)codebook[src[64 * l + b] >> 4];
       }
   }
+  static void unpack_fp8(const uint8_t* src, int n_lines, uint8_t* dst) {
+    scalar::fp8_to_bf16_lines(src, n_lines, dst);
+  }
   static void prefetch_l2(const void*) {}
 };
 using Emulated = EmulatedT<false>;
@@ -151,6 +154,7 @@ GemmKernel emulated_with(WeightFormat f, bool int4_signed) {
     case WeightFormat::int4:
       return int4_signed ? int4_gemm<Emulated, EmulatedT<true>, kTwoSetMax> : Gemm<Emulated, kTwoSetMax>::int4;
     case WeightFormat::lut4: return Gemm<EmulatedT<true>, kTwoSetMax>::lut4;
+    case WeightFormat::fp8: return Gemm<Emulated>::fp8;
   }
   return nullptr;
 }

@@ -20,6 +20,8 @@
 //                               with kSignedB)
 //   unpack_lut4(src, n, cb, dst)  n lut4 lines -> 2n int8 lines as unpack_int4, each nibble i as its codebook value
 //                               cb[i] (signed: kSignedB policies only)
+//   unpack_fp8(src, n, dst)     n fp8 lines -> 2n bf16 lines (k 4j, 4j + 1, then 4j + 2, 4j + 3), each code as the
+//                               bf16 of q * 2^-8 (exact)
 //   prefetch_l2(p)              prefetcht2: the line at p into L2
 //   epilogue_rows<kAffine, NB>(...)  the fp32 epilogue of one group (PlainEpilogue below, which the emulated policy
 //                               derives from; the native one writes the same operations with intrinsics)
@@ -130,6 +132,12 @@ inline void epilogue16(float* __restrict o, const int32_t* __restrict isum, cons
     const int32_t xoff = offset * xsum;
     for (int r = 0; r < 16; ++r) o[r] = std::fma((float)(isum[r] - xoff), ws[r] * xs, o[r]);
   }
+}
+
+// fp8's epilogue of one group for 16 outputs o: o = fma(c, ws, o) (ws: the scales times 256; restrict pointers, so
+// the compiler makes it one vector step, as epilogue16).
+inline void fp8_epilogue16(float* __restrict o, const float* __restrict c, const float* __restrict ws) {
+  for (int r = 0; r < 16; ++r) o[r] = std::fma(c[r], ws[r], o[r]);
 }
 
 // The epilogue of one group g for panel rows m0 .. m0 + rows and NB blocks of 16 outputs, as plain C++: a tile
@@ -510,6 +518,54 @@ struct Gemm {
     for (int j = 0; j < n_blk; ++j) Tiles::unpack_lut4(w[j].data, nib_lines, w[j].codebook, buf + j * block_bytes);
     int8_lines(lines, BlockScales::of(w, n_blk), n_blk, nullptr, 0, kp, w[0].group, 0, x, a, n_tok, out, false,
                spread_of(next, n_next), true);
+  }
+
+  // ---- fp8 weights: each line widened to two bf16 lines of q * 2^-8 (Tiles::unpack_fp8, exact), multiplied by
+  // the bf16 activations in tiles one scale group at a time (K step 32, C zeroed per group), and each group's fp32
+  // sums added by o = fma(c, scale * 256, o) (formats/layout.h), the groups in order per output. Chunks and token
+  // blocks as `chunked`; the next call's fp8 lines are prefetched into L2 across the steps.
+  static void fp8(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x, const ActLayout&,
+                  int n_tok, float* out) {
+    const int kp = w[0].kp, group = w[0].group;
+    const size_t block_bytes = (size_t)kp / 2 * kLineBytes;
+    uint8_t* buf = slab(block_bytes * n_blk);
+    const uint8_t* lines[2] = {buf, buf + block_bytes};
+    for (int j = 0; j < n_blk; ++j) Tiles::unpack_fp8(w[j].data, kp / 4, buf + j * block_bytes);
+    NextChunk spread;
+    if (next) {
+      for (int j = 0; j < n_next && j < 2; ++j) spread.p[j] = next[j].data;
+      spread.n = n_next < 2 ? n_next : 2;
+      spread.lines = next[0].kp / 4;
+    }
+    const int chunk = kChunkBf16 / group * group, n_chunks = (kp + chunk - 1) / chunk;
+    const int n_tok_blocks = (n_tok + kTokBlock - 1) / kTokBlock;
+    alignas(64) float c[kTokBlock * kOutStride];
+    std::memset(out, 0, sizeof(float) * kOutStride * (size_t)n_tok);
+    Tiles::configure(64, 16);
+    for (int kc = 0; kc < kp; kc += chunk) {
+      const int kc_end = kc + chunk < kp ? kc + chunk : kp;
+      const NextChunk nx = slice(spread, kc / chunk, n_chunks);
+      const int steps = (kc_end - kc) / 32, n_parts = n_tok_blocks * steps;
+      for (int m0 = 0; m0 < n_tok; m0 += kTokBlock) {
+        const int rows = n_tok - m0 < kTokBlock ? n_tok - m0 : kTokBlock;
+        for (int k0 = kc; k0 < kc_end; k0 += group) {
+          const int part0 = (m0 / kTokBlock) * steps + (k0 - kc) / 32, k1 = k0 + group;
+          if (rows > 16)
+            n_blk > 1 ? k_chunk<true, 2, 2>(lines, x, m0, k0, k1, false, c, nx, part0, n_parts)
+                      : k_chunk<true, 2, 1>(lines, x, m0, k0, k1, false, c, nx, part0, n_parts);
+          else
+            n_blk > 1 ? k_chunk<true, 1, 2>(lines, x, m0, k0, k1, false, c, nx, part0, n_parts)
+                      : k_chunk<true, 1, 1>(lines, x, m0, k0, k1, false, c, nx, part0, n_parts);
+          for (int j = 0; j < n_blk; ++j) {
+            alignas(64) float ws[kRowsPerBlock];
+            for (int r = 0; r < kRowsPerBlock; ++r) ws[r] = w[j].scale(k0 / group, r) * 256.f;
+            for (int t = 0; t < rows; ++t)
+              fp8_epilogue16(out + (size_t)(m0 + t) * kOutStride + 16 * j, c + t * kOutStride + 16 * j, ws);
+          }
+        }
+      }
+    }
+    Tiles::release();
   }
 
   // The next call's packed nibble lines, prefetched into L2 across an int4 / lut4 call's steps.

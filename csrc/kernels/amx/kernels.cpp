@@ -78,6 +78,9 @@ struct NativeT {
       _mm512_store_si512(dst + 128 * l + 64, _mm512_shuffle_epi8(cb, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)));
     }
   }
+  static void unpack_fp8(const uint8_t* src, int n_lines, uint8_t* dst) {
+    avx512::fp8_to_bf16_lines(src, n_lines, dst);
+  }
   static HETMOE_AI void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T2); }
   // gemm.h epilogue_rows with intrinsics: the same operations per output (so the same bits), the block scales
   // (and mins) of the group loaded once, and each 16 outputs one load of the sums, a subtract, a convert, a multiply,
@@ -127,7 +130,8 @@ uint64_t peak_loop(bool bf16, int64_t rounds) {
 
 GemmKernel gemm(WeightFormat f) {
   static constexpr GemmKernel kByFormat[kWeightFormats] = {Gemm<Native>::bf16, Gemm<Native>::int8,
-                                                           int4_gemm<Native, NativeT<true>>, Gemm<NativeT<true>>::lut4};
+                                                           int4_gemm<Native, NativeT<true>>, Gemm<NativeT<true>>::lut4,
+                                                           Gemm<Native>::fp8};
   return kByFormat[(int)f];
 }
 

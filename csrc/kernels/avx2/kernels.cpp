@@ -376,6 +376,73 @@ struct Lut4Tile {
   }
 };
 
+// fp8 (formats/layout.h, avx512/kernels.cpp Fp8Tile): one 32-byte half of a line (rows 8h..8h+7) as fp32 q * 2^-8
+// in four vectors of row pairs: lo[q] rows 8h + 4q .. + 3 as (k, k + 2) pairs of bytes 0 and 2, hi[q] of bytes 1, 3.
+struct Fp8Half {
+  __m256 lo[2], hi[2];
+};
+inline Fp8Half fp8_half(__m256i v) {
+  const __m256i mask = _mm256_set1_epi16((short)0xbf80);
+  const __m256i h = _mm256_and_si256(_mm256_srai_epi16(v, 1), mask);
+  const __m256i l = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 1), mask);
+  Fp8Half f;
+  f.lo[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(l));
+  f.lo[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(l, 1));
+  f.hi[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  f.hi[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+  return f;
+}
+
+// 8 rows' (c0 + c1) + (c2 + c3) of a group from the pair accumulators of their two quarters.
+inline __m256 fp8_group_sum(const __m256* lo, const __m256* hi) {
+  const __m256 s0 = _mm256_add_ps(lo[0], hi[0]), s1 = _mm256_add_ps(lo[1], hi[1]);  // c0 + c1, c2 + c3 per row
+  const __m256 t0 = _mm256_add_ps(s0, _mm256_permute_ps(s0, 0xB1)), t1 = _mm256_add_ps(s1, _mm256_permute_ps(s1, 0xB1));
+  const __m256 even = _mm256_shuffle_ps(t0, t1, 0x88);  // t0 0 2, t1 0 2 | t0 4 6, t1 4 6 (per 128-bit lane)
+  return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8));
+}
+
+// Scales 8h .. 8h + 7 of group g times 256 (shared scales: the one, broadcast).
+inline __m256 fp8_scales8(const RowBlock& w, int g, int half) {
+  const __m256 s = w.shared_scales ? _mm256_set1_ps(w.scale(g, 0)) : scales8(w, g, half);
+  return _mm256_mul_ps(s, _mm256_set1_ps(256.f));
+}
+
+// fp8 weights x fp32 activations, as the scalar kernel: one token at a time (its eight pair accumulators and the
+// line's conversions fill the 16 ymm registers).
+template <int NT>
+struct Fp8Tile {
+  static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout&, float* out) {
+    static_assert(NT == 1, "one token per tile");
+    const int lines_per_group = w.group / 4, n_groups = w.kp / w.group;
+    const float* x = reinterpret_cast<const float*>(rows[0]);
+    __m256 facc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const uint8_t* p = w.data;
+    for (int g = 0; g < n_groups; ++g) {
+      __m256 lo[2][2], hi[2][2];  // [half][quarter]
+      for (int h = 0; h < 2; ++h) lo[h][0] = lo[h][1] = hi[h][0] = hi[h][1] = _mm256_setzero_ps();
+      for (int jj = 0; jj < lines_per_group; ++jj, p += kLineBytes) {
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+        const int j = g * lines_per_group + jj;
+        double pl, ph;
+        std::memcpy(&pl, x + 4 * j, 8);
+        std::memcpy(&ph, x + 4 * j + 2, 8);
+        const __m256 xl = _mm256_castpd_ps(_mm256_set1_pd(pl)), xh = _mm256_castpd_ps(_mm256_set1_pd(ph));
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const Fp8Half f = fp8_half(_mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32 * h)));
+          lo[h][0] = _mm256_fmadd_ps(f.lo[0], xl, lo[h][0]);
+          lo[h][1] = _mm256_fmadd_ps(f.lo[1], xl, lo[h][1]);
+          hi[h][0] = _mm256_fmadd_ps(f.hi[0], xh, hi[h][0]);
+          hi[h][1] = _mm256_fmadd_ps(f.hi[1], xh, hi[h][1]);
+        }
+      }
+      for (int h = 0; h < 2; ++h) facc[h] = _mm256_fmadd_ps(fp8_group_sum(lo[h], hi[h]), fp8_scales8(w, g, h), facc[h]);
+    }
+    _mm256_storeu_ps(out, facc[0]);
+    _mm256_storeu_ps(out + 8, facc[1]);
+  }
+};
+
 // The SIMD wrapper of kernels/row_ops.h: 8 fp32 / int32 lanes.
 struct V {
   static constexpr int kLanes = 8;
@@ -466,6 +533,9 @@ void rowblock_int4(const RowBlock& w, const uint8_t* const* rows, const ActLayou
 }
 void rowblock_lut4(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
   tiles::run_tiles<2, Lut4Tile>(w, rows, a, n_tok, out);
+}
+void rowblock_fp8(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  tiles::run_tiles<1, Fp8Tile>(w, rows, a, n_tok, out);
 }
 
 }  // namespace avx2

@@ -282,6 +282,82 @@ using Int4Tile = NibbleTile<NT, false>;
 template <int NT>
 using Lut4Tile = NibbleTile<NT, true>;
 
+// fp8 (formats/layout.h): a line's 64 codes as fp32 q * 2^-8 in four vectors of row pairs: lo[h] holds rows
+// 8h..8h+7 as (k, k + 2) pairs of bytes 0 and 2 (lanes 2r, 2r + 1), hi[h] the pairs of bytes 1 and 3. Each 16-bit
+// word's high byte is a code: shifted right arithmetically by 1 and masked (sign at bit 15, the other 7 bits at
+// 7..13) it is the IEEE half of q * 2^-8, which vcvtph2ps widens exactly; the low bytes are moved up first.
+struct Fp8Line {
+  __m512 lo[2], hi[2];
+};
+inline Fp8Line fp8_line(__m512i v) {
+  const __m512i mask = _mm512_set1_epi16((short)0xbf80);
+  const __m512i h = _mm512_and_si512(_mm512_srai_epi16(v, 1), mask);
+  const __m512i l = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(v, 8), 1), mask);
+  Fp8Line f;
+  f.lo[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(l));
+  f.lo[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(l, 1));
+  f.hi[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  f.hi[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+  return f;
+}
+
+// The 16 rows' (c0 + c1) + (c2 + c3) of a group from the pair accumulators (lo[h]: c0, c2 of rows 8h..; hi: c1, c3).
+inline __m512 fp8_group_sum(const __m512* lo, const __m512* hi) {
+  const __m512 s0 = _mm512_add_ps(lo[0], hi[0]), s1 = _mm512_add_ps(lo[1], hi[1]);  // c0 + c1, c2 + c3 per row
+  const __m512 t0 = _mm512_add_ps(s0, _mm512_permute_ps(s0, 0xB1)), t1 = _mm512_add_ps(s1, _mm512_permute_ps(s1, 0xB1));
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  return _mm512_permutex2var_ps(t0, even, t1);
+}
+
+// The group's 16 scales times 256 (the 2^8 of the codes' halves; shared scales: the one, broadcast).
+inline __m512 fp8_scales16(const RowBlock& w, int g) {
+  const __m512 s = w.shared_scales ? _mm512_set1_ps(w.scale(g, 0)) : scales16(w, g);
+  return _mm512_mul_ps(s, _mm512_set1_ps(256.f));
+}
+
+// fp8 weights x fp32 activations (stored x0 x2 x1 x3 per quad: the pairs each half-vector multiplies are one 64-bit
+// broadcast), four fma chains per row and token, as the scalar kernel.
+template <int NT>
+struct Fp8Tile {
+  static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout&, float* out) {
+    const int lines_per_group = w.group / 4, n_groups = w.kp / w.group;
+    const float* x[NT];
+#pragma GCC unroll 8
+    for (int i = 0; i < NT; ++i) x[i] = reinterpret_cast<const float*>(rows[i]);
+    __m512 facc[NT];
+#pragma GCC unroll 8
+    for (int i = 0; i < NT; ++i) facc[i] = _mm512_setzero_ps();
+    const uint8_t* p = w.data;
+    for (int g = 0; g < n_groups; ++g) {
+      __m512 lo[NT][2], hi[NT][2];
+#pragma GCC unroll 8
+      for (int i = 0; i < NT; ++i) lo[i][0] = lo[i][1] = hi[i][0] = hi[i][1] = _mm512_setzero_ps();
+      for (int jj = 0; jj < lines_per_group; ++jj, p += kLineBytes) {
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchL2Bytes, _MM_HINT_T1);
+        const int j = g * lines_per_group + jj;
+        const Fp8Line f = fp8_line(_mm512_load_si512(p));
+#pragma GCC unroll 8
+        for (int i = 0; i < NT; ++i) {
+          int64_t pl, ph;
+          std::memcpy(&pl, x[i] + 4 * j, 8);
+          std::memcpy(&ph, x[i] + 4 * j + 2, 8);
+          const __m512 xl = _mm512_castsi512_ps(_mm512_set1_epi64(pl)), xh = _mm512_castsi512_ps(_mm512_set1_epi64(ph));
+          lo[i][0] = _mm512_fmadd_ps(f.lo[0], xl, lo[i][0]);
+          lo[i][1] = _mm512_fmadd_ps(f.lo[1], xl, lo[i][1]);
+          hi[i][0] = _mm512_fmadd_ps(f.hi[0], xh, hi[i][0]);
+          hi[i][1] = _mm512_fmadd_ps(f.hi[1], xh, hi[i][1]);
+        }
+      }
+      const __m512 ws = fp8_scales16(w, g);
+#pragma GCC unroll 8
+      for (int i = 0; i < NT; ++i) facc[i] = _mm512_fmadd_ps(fp8_group_sum(lo[i], hi[i]), ws, facc[i]);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < NT; ++i) _mm512_storeu_ps(out + i * kRowsPerBlock, facc[i]);
+  }
+};
+
 // The SIMD wrapper of kernels/row_ops.h: 16 fp32 / int32 lanes.
 struct V {
   static constexpr int kLanes = 16;
@@ -359,6 +435,27 @@ void rowblock_int4(const RowBlock& w, const uint8_t* const* rows, const ActLayou
 }
 void rowblock_lut4(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
   tiles::run_tiles<12, Lut4Tile>(w, rows, a, n_tok, out);
+}
+void rowblock_fp8(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  tiles::run_tiles<4, Fp8Tile>(w, rows, a, n_tok, out);
+}
+
+void fp8_to_bf16_lines(const uint8_t* src, int n_lines, uint8_t* dst) {
+  // Fp8Line's pairs: lanes 2r, 2r + 1 of lo are k 4j, 4j + 2 of row r, of hi k 4j + 1, 4j + 3. A bf16 line's dword is
+  // (k + 1) << 16 | k, so (hi's top half | lo >> 16) holds line 2j's dword in even lanes and 2j + 1's in odd ones.
+  const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int l = 0; l < n_lines; ++l) {
+    _mm_prefetch(reinterpret_cast<const char*>(src) + 64 * l + 1024, _MM_HINT_T0);
+    const Fp8Line f = fp8_line(_mm512_load_si512(src + 64 * l));
+    __m512i d[2];
+    for (int h = 0; h < 2; ++h)
+      d[h] = _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(f.hi[h]), top),
+                             _mm512_srli_epi32(_mm512_castps_si512(f.lo[h]), 16));
+    _mm512_store_si512(dst + 128 * l, _mm512_permutex2var_epi32(d[0], even, d[1]));
+    _mm512_store_si512(dst + 128 * l + 64, _mm512_permutex2var_epi32(d[0], odd, d[1]));
+  }
 }
 
 }  // namespace avx512

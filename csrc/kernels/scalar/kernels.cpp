@@ -118,5 +118,39 @@ void rowblock_lut4(const RowBlock& w, const uint8_t* const* rows, const ActLayou
   rowblock_int<int8_t, 0, true, true>(w, rows, a, n_tok, out);
 }
 
+// fp8 (formats/layout.h): each code as q * 2^-8, four fma chains per row (k mod 4: the bytes of a line; x stored
+// x0 x2 x1 x3 per quad), summed (c0 + c1) + (c2 + c3) at the end of a group, which then meets its scale:
+// acc = fma(sum, scale * 256, acc).
+void rowblock_fp8(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  const int n_groups = w.kp / w.group, lines_per_group = w.group / 4;
+  for (int t = 0; t < n_tok; ++t) {
+    const float* x = reinterpret_cast<const float*>(rows[t]);
+    for (int r = 0; r < kRowsPerBlock; ++r) {
+      float acc = 0.f;
+      for (int g = 0; g < n_groups; ++g) {
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int j = g * lines_per_group; j < (g + 1) * lines_per_group; ++j) {
+          const uint8_t* p = w.data + (size_t)j * kLineBytes + 4 * r;
+          for (int b = 0; b < 4; ++b) c[b] = std::fma(e4m3_to_float(p[b]) * 0x1p-8f, x[fp8_act_index(4 * j + b)], c[b]);
+        }
+        acc = std::fma((c[0] + c[1]) + (c[2] + c[3]), w.scale(g, r) * 256.f, acc);
+      }
+      out[t * kRowsPerBlock + r] = acc;
+    }
+  }
+}
+
+void fp8_to_bf16_lines(const uint8_t* src, int n_lines, uint8_t* dst) {
+  for (int l = 0; l < n_lines; ++l)
+    for (int r = 0; r < kRowsPerBlock; ++r)
+      for (int b = 0; b < 4; ++b) {
+        const float q = e4m3_to_float(src[64 * l + 4 * r + b]) * 0x1p-8f;  // exact in bf16
+        uint32_t bits;
+        std::memcpy(&bits, &q, 4);
+        const uint16_t h = (uint16_t)(bits >> 16);
+        std::memcpy(dst + 128 * l + 64 * (b / 2) + 4 * r + 2 * (b % 2), &h, 2);
+      }
+}
+
 }  // namespace scalar
 }  // namespace hetmoe

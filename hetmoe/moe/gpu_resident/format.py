@@ -157,7 +157,7 @@ def planned_storage(fmt: str, cpu_format: str, cpu_group: int) -> Storage:
     (before any weight exists: the memory plan): auto is the CPU format; int8/int4 of the CPU's format keep its group
     (its codes), another format takes the default group."""
     if fmt == "auto":
-        fmt = cpu_format
+        fmt = "bf16" if cpu_format == "fp8" else cpu_format  # fp8: no GPU kernels for it; its values in bf16
     if fmt not in FORMATS:
         raise ValueError(f"GPU experts format must be auto or one of {', '.join(FORMATS)}, got {fmt!r}")
     if fmt == "bf16":
@@ -171,7 +171,7 @@ def cpu_storage(cpu_experts) -> Storage:
     are only copied, never quantized here: a lut4 matrix that cpu_codes cannot copy (a NUMA-split layer, a group the
     GPU kernels do not take) is stored as int4 (the same bytes; re-quantized from the engine's values)."""
     info = cpu_experts.info()
-    if "bf16" in (info["weight_format"], info["down_weight_format"]):
+    if {"bf16", "fp8"} & {info["weight_format"], info["down_weight_format"]}:  # fp8: no GPU kernels; its values
         return Storage.of("bf16")
     whole = info.get("numa_subpools", 1) == 1
     out = []
@@ -205,11 +205,11 @@ def cpu_codes(cpu_experts, expert: int, storage: Storage, ranges: Optional[list]
     engine's packed bytes (``ranges``: hetmoe.moe.streamed.packed.expert_ranges, or read here) and converted on
     ``device`` (default: the CPU; a GPU does it in well under a millisecond, the CPU in a few hundred), the scales
     widened to fp32 (exact); an entry is None where the engine's matrix is not exactly that (another format, group or
-    codebook, affine scaling, bf16, a NUMA-split layer)."""
+    codebook, affine scaling, bf16 or fp8, a NUMA-split layer)."""
     from hetmoe.moe.streamed import packed
 
     info = cpu_experts.info()
-    if info.get("numa_subpools", 1) != 1:
+    if info.get("numa_subpools", 1) != 1 or info["weight_format"] == "fp8":
         return None, None
     layout = packed.ExpertLayout.of(cpu_experts)
     ranges = packed.expert_ranges(cpu_experts) if ranges is None else ranges

@@ -166,6 +166,10 @@ def setup(layers: list, plan, options, log) -> tuple:
         return None, {"enabled": False, "why": why}
     if not all(eligible(layer) for layer in layers):  # all or none: a layer left out could split a deferral chain
         return None, {"enabled": False, "why": "MoE layers split over NUMA subpools (their storage is per slice)"}
+    if any(layer.engine.info()["weight_format"] == "fp8" for layer in layers):  # (all or none, as above)
+        why = "fp8 experts: the GPU unpacking of the packed layout reads no fp8 yet (prefill stays on the CPU)"
+        log(f"hetmoe: GPU prefill off: {why}")
+        return None, {"enabled": False, "why": why}
     threshold = options.gpu_prefill if isinstance(options.gpu_prefill, int) else 1
     group = getattr(plan, "prefill_group", 0) or None  # slots of a group of experts (None: whole layers)
     slots = getattr(plan, "prefill_slots", 0) or GPU_PREFILL_SLOTS

@@ -42,6 +42,8 @@ class MatrixShape:
              codebook: str | None = None) -> "MatrixShape":
         if fmt not in K_PER_LINE:
             raise ValueError(f"unknown weight format {fmt!r}")
+        if fmt == "fp8":  # (streamed prefill and GPU-resident experts keep fp8 layers off this path)
+            raise ValueError("fp8 experts have no GPU unpacking of the packed layout yet")
         if fmt == "bf16":
             group = BF16_GROUP
         elif group <= 0:

@@ -114,6 +114,8 @@ def _codebook(name: str, device: torch.device) -> torch.Tensor:
 
 
 def _launch(shape, data: torch.Tensor, scales, out: torch.Tensor, n_blocks: int, interleaved: bool) -> None:
+    if shape.fmt not in FMT_CODE:
+        raise ValueError(f"{shape.fmt} experts have no GPU unpacking of the packed layout yet")
     fmt = FMT_CODE[shape.fmt]
     per = K_PER_LINE[shape.fmt]  # values per 4-byte cell
     if fmt and shape.group % per:
