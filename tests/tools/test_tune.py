@@ -80,7 +80,7 @@ def test_inline_rules_are_read_from_the_config_file(tmp_path):
     ("cuda_graph: maybe\n", 1, ["cuda_graph", "true or false"]),
     ("threads:\n  - 1\n  - 2\n", 2, ["threads", "single value"]),
     ("threads: 1\nthreads: 2\n", 2, ["threads", "given twice"]),
-    ("experts_format: int4\ngroup_size: 16\n", 2, ["group_size", "per-row"]),
+    ("experts_format: int4\ngroup_size: 24\n", 2, ["group_size", "expected one of 0, 16, 32, 64, 128, got 24"]),
     ("- threads: 2\n", 1, ["expected a mapping"]),
     ("just text\n", 1, ["expected a mapping"]),
     ("threads: [1\n", 2, ["not valid YAML"]),

@@ -22,23 +22,40 @@ import torch
 class HostMemory:
     """The engine's storage ranges registered with the CUDA driver (page-locked in place), so that copies from them
     are DMA transfers that run on a stream, without a staging copy. ``cudaHostRegister`` through PyTorch's binding of
-    the CUDA runtime."""
+    the CUDA runtime. Ranges are counted per process: a range inside one registered already (a second prefill over
+    the same engine) takes a reference to it instead of a second registration, which the driver refuses (and whose
+    error a later kernel launch would report)."""
+
+    _live: dict = {}  # start -> [end, references] of the ranges this process registered
 
     def __init__(self, tensors: list):
         self.ptrs = []
         cudart = torch.cuda.cudart()
         for t in tensors:
-            err = cudart.cudaHostRegister(t.data_ptr(), t.numel(), 0)
+            lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+            outer = next((s for s, (e, _) in self._live.items() if s <= lo and hi <= e), None)
+            if outer is not None:
+                self._live[outer][1] += 1
+                self.ptrs.append(outer)
+                continue
+            err = cudart.cudaHostRegister(lo, hi - lo, 0)
             if int(getattr(err, "value", err)) != 0:
                 self.close()
                 raise RuntimeError(f"cudaHostRegister of {t.numel() / 2**20:.0f} MiB of expert storage failed "
                                    f"(error {int(getattr(err, 'value', err))})")
-            self.ptrs.append(t.data_ptr())
+            self._live[lo] = [hi, 1]
+            self.ptrs.append(lo)
 
     def close(self) -> None:
         cudart = torch.cuda.cudart()
         for p in self.ptrs:
-            cudart.cudaHostUnregister(p)
+            entry = self._live.get(p)
+            if entry is None:
+                continue
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._live[p]
+                cudart.cudaHostUnregister(p)
         self.ptrs = []
 
 

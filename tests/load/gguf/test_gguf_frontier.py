@@ -39,6 +39,7 @@ from hetmoe.engine.runner import Runner  # noqa: E402
 from hetmoe.load.gguf import GGUFError, open_gguf  # noqa: E402
 from hetmoe.load.loader import load_model, moe_blocks  # noqa: E402
 from parity import hf_trace, max_rel, trace_ours  # noqa: E402
+from paths import BEST_ROW_PATH  # noqa: E402
 
 FAMILIES = ["glm4_moe", "minimax_m2", "qwen3_next", "qwen3_5_moe", "glm_moe_dsa", "deepseek_v32"]
 # published config.json files name their routing; Transformers' config classes leave it out of the tiny ones
@@ -91,8 +92,12 @@ def checkpoints(tmp_path_factory):
     return get
 
 
+# the row path: the bounds below are fp32 accumulation's (AMX rounds activations to bf16: tests/paths.py)
+ROW = dict(device="cpu", dtype="fp32", threads=1, **BEST_ROW_PATH.options)
+
+
 def _load(path, **kw):
-    opts = EngineOptions(device="cpu", dtype="fp32", threads=1, experts_format="bf16", **kw)
+    opts = EngineOptions(experts_format="bf16", **ROW, **kw)
     return load_model(path, opts, expert_cache=None, progress=False, log=lambda m: None)
 
 
@@ -125,8 +130,7 @@ def test_q8_0_experts_load_exactly(checkpoints, family, tmp_path):
     path = tmp_path / "q8.gguf"
     written = convert_frontier(checkpoints(family), path, expert_type="Q8_0")
     said = []
-    loaded = load_model(path, EngineOptions(device="cpu", dtype="fp32", threads=1), expert_cache=None,
-                        progress=False, log=said.append)
+    loaded = load_model(path, EngineOptions(**ROW), expert_cache=None, progress=False, log=said.append)
     assert any("are Q8_0: packed as int8 group 32, exactly" in s for s in said), said
     for name, layer in moe_blocks(loaded.model):
         bid = int(name.split(".")[2])
