@@ -37,24 +37,11 @@ from torch import nn
 from hetmoe.layers.attention import Step, attend_cache
 from hetmoe.layers.kv_cache import KVCache
 from hetmoe.layers.linear import FusedLinears
+from hetmoe.layers.norm import OffsetRMSNorm
 from hetmoe.layers.rope import apply_rope
 from hetmoe.layers.sparse_attention import SparseCall
 
 BLOCK_ELEMS = 1 << 24  # fp32 elements of one block of queries' scores or mask: 64 MiB
-
-
-class OffsetRMSNorm(nn.Module):
-    """RMSNorm in the (1 + weight) form (weight zero at init): normalised in fp32, times (1 + weight) in fp32, rounded
-    to x's dtype."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.variance_epsilon = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.variance_epsilon)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
 @dataclass(frozen=True)

@@ -26,3 +26,17 @@ class RMSNorm(nn.Module):
         from hetmoe.ops.triton.fused import add_rms_norm
 
         return add_rms_norm(x, delta, self.weight, self.variance_epsilon)
+
+
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm in the (1 + weight) form (weight zero at init): normalised in fp32, times (1 + weight) in fp32, rounded
+    to x's dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.variance_epsilon)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)

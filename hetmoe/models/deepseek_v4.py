@@ -104,15 +104,18 @@ def attention_shape(cfg: ModelConfig, layer_idx: int) -> V4AttentionShape:
                             cfg.index_n_heads, cfg.index_topk)
 
 
-class DeepseekV4MLP(nn.Module):
-    """The shared expert: down(silu(min(gate(x), limit)) * clamp(up(x), -limit, limit))."""
+class ClampedMLP(nn.Module):
+    """A dense MLP or shared expert with clamped SwiGLU inputs: down((u + offset) * g * sigmoid(alpha * g)) on
+    g = min(gate(x), limit), u = clamp(up(x), -limit, limit) — DeepSeek-V4's silu(g) * u with alpha 1, offset 0
+    (computed as F.silu there, as Transformers does); MiniMax-M3's (gpt-oss's form) with alpha, offset 1."""
 
-    def __init__(self, hidden: int, inter: int, limit: float, bias: bool = False):
+    def __init__(self, hidden: int, inter: int, limit: float, alpha: float = 1.0, offset: float = 0.0,
+                 bias: bool = False):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
-        self.limit = limit
+        self.limit, self.alpha, self.offset = float(limit), float(alpha), float(offset)
         self.gate_up = None  # a FusedLinears once fuse_projections ran
 
     def fuse_projections(self) -> None:
@@ -122,7 +125,9 @@ class DeepseekV4MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up.parts(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
         gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
-        return self.down_proj(F.silu(gate) * up)
+        if self.alpha == 1.0 and self.offset == 0.0:
+            return self.down_proj(F.silu(gate) * up)
+        return self.down_proj((up + self.offset) * (gate * torch.sigmoid(gate * self.alpha)))
 
 
 def clamped_glu(limit: float, alpha: float = 1.0, offset: float = 0.0) -> tuple:
@@ -187,8 +192,8 @@ class DeepseekV4SparseMoeBlock(nn.Module):
         hashed = deepseek_v4_mlp_layer_types(cfg)[layer_idx] == "hash_moe"
         self.gate = (DeepseekV4HashRouter if hashed else DeepseekV4TopKRouter)(cfg, n_experts)
         self.moe = MoELayer(RouterSpec("given", cfg.num_experts_per_tok), n_experts, glu=clamped_glu(cfg.swiglu_limit))
-        self.shared_experts = DeepseekV4MLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit,
-                                            cfg.get("mlp_bias", False))
+        self.shared_experts = ClampedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit,
+                                         bias=cfg.get("mlp_bias", False))
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:  # [B, S, H], [B, S]
         flat = x.reshape(-1, x.shape[-1])

@@ -36,43 +36,17 @@ import torch
 from torch import nn
 
 from hetmoe.layers.attention import Step
-from hetmoe.layers.block_sparse_attention import BlockSparseAttention, BlockSparseShape, OffsetRMSNorm
+from hetmoe.layers.block_sparse_attention import BlockSparseAttention, BlockSparseShape
 from hetmoe.layers.kv_cache import KVCache
-from hetmoe.layers.linear import FusedLinears
+from hetmoe.layers.norm import OffsetRMSNorm
 from hetmoe.layers.rope import cos_sin, inv_frequencies
 from hetmoe.layers.sparse_attention import SparseCall
 from hetmoe.models.common import CausalLM
 from hetmoe.models.config import ModelConfig, minimax_m3_config, minimax_m3_rope_dim
-from hetmoe.models.deepseek_v4 import clamped_glu
+from hetmoe.models.deepseek_v4 import ClampedMLP, clamped_glu
 from hetmoe.moe import MoELayer, RouterSpec
 
 SPARSE, MOE = "minimax_m3_sparse", "sparse"
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """(min(gate, limit) sigmoid(alpha min(gate, limit))) (clamp(up, -limit, limit) + 1)."""
-    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))
-
-
-class MiniMaxM3MLP(nn.Module):
-    """A dense MLP or the shared expert: down(clamped_swiglu(gate(x), up(x)))."""
-
-    def __init__(self, hidden: int, inter: int, alpha: float, limit: float):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-        self.alpha, self.limit = float(alpha), float(limit)
-        self.gate_up = None  # a FusedLinears once fuse_projections ran
-
-    def fuse_projections(self) -> None:
-        if self.gate_up is None:
-            self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up.parts(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(clamped_swiglu(gate, up, self.alpha, self.limit))
 
 
 class MiniMaxM3SparseMoeBlock(nn.Module):
@@ -87,8 +61,8 @@ class MiniMaxM3SparseMoeBlock(nn.Module):
         router = RouterSpec("sigmoid_grouped", cfg.num_experts_per_tok, norm_topk_prob=True,
                             routed_scaling_factor=float(cfg.routed_scaling_factor))
         self.moe = MoELayer(router, n_experts, glu=clamped_glu(cfg.swiglu_limit, cfg.swiglu_alpha, 1.0))
-        self.shared_experts = MiniMaxM3MLP(cfg.hidden_size, cfg.shared_intermediate_size, cfg.swiglu_alpha,
-                                           cfg.swiglu_limit)
+        self.shared_experts = ClampedMLP(cfg.hidden_size, cfg.shared_intermediate_size, cfg.swiglu_limit,
+                                         cfg.swiglu_alpha, 1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H]
         flat = x.reshape(-1, x.shape[-1])
@@ -114,7 +88,7 @@ class MiniMaxM3DecoderLayer(nn.Module):
         if cfg.mlp_layer_types[layer_idx] == MOE:
             self.block_sparse_moe = MiniMaxM3SparseMoeBlock(cfg)
         else:
-            self.mlp = MiniMaxM3MLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha, cfg.swiglu_limit)
+            self.mlp = ClampedMLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_limit, cfg.swiglu_alpha, 1.0)
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

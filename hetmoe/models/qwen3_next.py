@@ -27,13 +27,13 @@ them) and, for each linear-attention layer (``state_index``), a convolution stat
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hetmoe.layers.attention import Step, attend_cache
 from hetmoe.layers.kv_cache import KVCache, RecurrentStates
 from hetmoe.layers.linear import FusedLinears
 from hetmoe.layers.linear_attention import GatedDeltaNet
+from hetmoe.layers.norm import OffsetRMSNorm
 from hetmoe.layers.rope import apply_rope, cos_sin
 from hetmoe.models.common import CausalLM, PartialRopeModel, SoftmaxMoeBlock, SwiGLUMLP, qwen_layer_is_sparse
 from hetmoe.models.config import ModelConfig
@@ -48,19 +48,6 @@ def layer_types(cfg: ModelConfig) -> list:
         return list(cfg["layer_types"])
     every = cfg.get("full_attention_interval") or 4
     return [FULL if (i + 1) % every == 0 else LINEAR for i in range(cfg.num_hidden_layers)]
-
-
-class Qwen3NextRMSNorm(nn.Module):
-    """Zero-centred RMSNorm: normalise in fp32, times (1 + weight) in fp32, rounded to x's dtype."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.variance_epsilon = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.variance_epsilon)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class Qwen3NextMLP(SwiGLUMLP):
@@ -95,8 +82,8 @@ class Qwen3NextAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, K * D, bias=bias)
         self.v_proj = nn.Linear(hidden, K * D, bias=bias)
         self.o_proj = nn.Linear(H * D, hidden, bias=bias)
-        self.q_norm = Qwen3NextRMSNorm(D, cfg.rms_norm_eps)
-        self.k_norm = Qwen3NextRMSNorm(D, cfg.rms_norm_eps)
+        self.q_norm = OffsetRMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(D, cfg.rms_norm_eps)
         self.qkv = None  # a FusedLinears once fuse_projections ran
 
     def fuse_projections(self) -> None:
@@ -158,8 +145,8 @@ class Qwen3NextDecoderLayer(nn.Module):
             self.self_attn = Qwen3NextAttention(cfg, rank)
         self.mlp = self.moe_cls(cfg) if self.sparse(cfg, layer_idx) else Qwen3NextMLP(cfg.hidden_size,
                                                                                      cfg.intermediate_size)
-        self.input_layernorm = Qwen3NextRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3NextRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     @staticmethod
     def sparse(cfg: ModelConfig, layer_idx: int) -> bool:
@@ -183,7 +170,7 @@ class Qwen3NextModel(PartialRopeModel):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.norm = Qwen3NextRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [B, S, H]

@@ -156,7 +156,7 @@ def test_layout_names_and_cache(m3, ours):
     layers = ours.model.layers
     assert [a.self_attn.shape.sparse for a in layers] == [True, False, True]
     assert [a.self_attn.index_layer for a in layers] == [0, 1, 1]
-    assert [type(a.mlp).__name__ for a in layers] == ["MiniMaxM3MLP", "MiniMaxM3SparseMoeBlock"] * 1 + [
+    assert [type(a.mlp).__name__ for a in layers] == ["ClampedMLP", "MiniMaxM3SparseMoeBlock"] * 1 + [
         "MiniMaxM3SparseMoeBlock"]
     assert "model.layers.1.mlp.gate.weight" not in dict(ours.named_parameters())  # names stay block_sparse_moe
     assert ours.model.inv_freq.shape == (4,)  # RoPE over 8 of the 16 dims
