@@ -141,3 +141,33 @@ def assert_refused_before_weights(source, dest, monkeypatch, changes: dict, mess
     monkeypatch.setattr(Checkpoint, "get", no_weight)
     with pytest.raises(CheckpointError, match=f"^{re.escape(str(path / 'config.json'))}(: | ){message}"):
         load_model(path, EngineOptions(**options), expert_cache=None, progress=False, log=lambda m: None)
+
+
+GENERATE_PROMPTS = ("def f(x):\n    return x * 2 + 1 if x else 3", "Hello there, how are you today? Fine, thanks.")
+
+
+def generate_like_transformers(llm, hf, max_tokens: int, check_ids=lambda ids: None):
+    """``LLM`` greedy over GENERATE_PROMPTS (each longer than 12 tokens; ``check_ids`` sees their ids), alone and two
+    at once, gives Transformers' ``generate`` tokens; then a prompt extending the first does too. Returns that last
+    result (the caller checks its cached tokens: prefix reuse on or off)."""
+    from hetmoe.engine.sampler import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+    def reference(prompt):
+        ids = llm.tokenizer.encode(prompt)
+        assert len(ids) > 12
+        check_ids(ids)
+        with torch.inference_mode():
+            return hf.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(ids):].tolist()
+
+    alone = [llm.generate(p, params, chat=False) for p in GENERATE_PROMPTS]
+    for prompt, out in zip(GENERATE_PROMPTS, alone):
+        assert out.token_ids == reference(prompt)
+    both = llm.generate(list(GENERATE_PROMPTS), params, chat=False)
+    assert [r.token_ids for r in both] == [r.token_ids for r in alone]
+    longer = GENERATE_PROMPTS[0] + " + f(x - 1)"
+    out = llm.generate(longer, params, chat=False)
+    assert out.token_ids == reference(longer)
+    return out

@@ -35,7 +35,14 @@ from hetmoe.layers.attention import Step
 from hetmoe.load.checkpoint import Checkpoint
 from hetmoe.models.config import ModelConfig
 from hetmoe.moe import TorchExperts
-from parity import DECODE_STEPS, assert_refused_before_weights, hf_trace, max_rel, trace_ours
+from parity import (
+    DECODE_STEPS,
+    assert_refused_before_weights,
+    generate_like_transformers,
+    hf_trace,
+    max_rel,
+    trace_ours,
+)
 from paths import BEST_ROW_PATH
 
 transformers = pytest.importorskip("transformers")
@@ -267,7 +274,6 @@ def test_generate_through_llm(request, tmp_path, monkeypatch):
     reuse off (said), so a prompt that extends a finished one is computed again, its tokens still Transformers'.
     The CPU engine's experts clamp at the checkpoints' limit (0.3: the clamp changes their outputs)."""
     from hetmoe.engine.llm import LLM
-    from hetmoe.engine.sampler import SamplingParams
 
     path = request.getfixturevalue("hf_checkpoints")("deepseek_v4", {"swiglu_limit": LIMIT}, seed=4, tokenizer=True)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -277,24 +283,8 @@ def test_generate_through_llm(request, tmp_path, monkeypatch):
     assert isinstance(llm.runner.model, DeepseekV4ForCausalLM) and llm.runner.recurrent
     moe = llm.runner.model.model.layers[0].mlp.moe
     assert isinstance(moe.experts, CPUExperts) and moe.experts.glu == Glu("clamped_swiglu", 1.0, LIMIT, 0.0)
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
-    prompts = ["def f(x):\n    return x * 2 + 1 if x else 3", "Hello there, how are you today? Fine, thanks."]
-
-    def reference(prompt):
-        ids = llm.tokenizer.encode(prompt)
-        assert len(ids) > 12
-        with torch.inference_mode():
-            return hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, len(ids):].tolist()
-
-    alone = [llm.generate(p, params, chat=False) for p in prompts]
-    for prompt, out in zip(prompts, alone):
-        assert out.token_ids == reference(prompt)
-    both = llm.generate(prompts, params, chat=False)
-    assert [r.token_ids for r in both] == [r.token_ids for r in alone]
-    longer = prompts[0] + " + f(x - 1)"
-    out = llm.generate(longer, params, chat=False)
-    assert out.timings.cached_tokens == 0 and out.token_ids == reference(longer)
+    out = generate_like_transformers(llm, hf, 8)
+    assert out.timings.cached_tokens == 0
     assert any("prefix reuse is off: the model's compressed-attention layers keep" in m for m in said)
 
 

@@ -32,7 +32,7 @@ from hetmoe.layers.attention import Step
 from hetmoe.load.checkpoint import Checkpoint, CheckpointError
 from hetmoe.models.config import ModelConfig, text_model_config
 from hetmoe.moe import TorchExperts
-from parity import DECODE_STEPS, assert_refused_before_weights, max_rel, trace_ours
+from parity import DECODE_STEPS, assert_refused_before_weights, generate_like_transformers, max_rel, trace_ours
 from paths import BEST_ROW_PATH
 
 transformers = pytest.importorskip("transformers")
@@ -299,7 +299,6 @@ def test_generate_through_llm(m3, hf, tmp_path, monkeypatch):
     equal to each alone; prefix reuse on (a prompt extending a finished one reuses its cached tokens and the indexer
     keys beside them). The routed experts run on the CPU engine with the clamped SwiGLU (alpha 1.702, offset 1)."""
     from hetmoe.engine.llm import LLM
-    from hetmoe.engine.sampler import SamplingParams
     from hetmoe.load.random_weights import build_tokenizer, tokenizer_config
 
     path = Path(shutil.copytree(m3, tmp_path / "m3"))
@@ -308,24 +307,11 @@ def test_generate_through_llm(m3, hf, tmp_path, monkeypatch):
     llm = LLM(path, EngineOptions(max_context=96, max_batch=2, prefill_chunk=5, **CPU), expert_cache=None,
               progress=False, log=lambda m: None)
     assert isinstance(llm.runner.model, MiniMaxM3ForCausalLM) and not llm.runner.recurrent and llm.runner.sparse
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    prompts = ["def f(x):\n    return x * 2 + 1 if x else 3", "Hello there, how are you today? Fine, thanks."]
+    def no_placeholders(ids):
+        assert IMAGE not in ids and VIDEO not in ids
 
-    def reference(prompt):
-        ids = llm.tokenizer.encode(prompt)
-        assert len(ids) > 12 and IMAGE not in ids and VIDEO not in ids
-        with torch.inference_mode():
-            return hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, len(ids):].tolist()
-
-    alone = [llm.generate(p, params, chat=False) for p in prompts]
-    for prompt, out in zip(prompts, alone):
-        assert out.token_ids == reference(prompt)
-    both = llm.generate(prompts, params, chat=False)
-    assert [r.token_ids for r in both] == [r.token_ids for r in alone]
-    longer = prompts[0] + " + f(x - 1)"
-    out = llm.generate(longer, params, chat=False)
-    assert out.timings.cached_tokens > 12 and out.token_ids == reference(longer)
+    out = generate_like_transformers(llm, hf, 6, no_placeholders)
+    assert out.timings.cached_tokens > 12
 
 
 BAD = {  # case -> (text_config changes, the message after the file name)
