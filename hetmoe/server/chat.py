@@ -67,7 +67,7 @@ class ChatSupport:
         specials = {t.content: i for i, t in tokenizer.backend.get_added_tokens_decoder().items()
                     if t.special and i < vocab_size}
         tool_markers = frozenset(specials[m] for m in parser.markers if m in specials)
-        reasoning_markers = frozenset(specials[m] for m in (thinking.start, thinking.end) if m in specials) \
+        reasoning_markers = frozenset(specials[m] for m in thinking.markers if m in specials) \
             if thinking is not None else frozenset()
         grammars = grammar.Grammars(tokenizer, vocab_size, shown_special_ids=tool_markers | reasoning_markers) \
             if grammar.available() else None
@@ -375,7 +375,7 @@ def _for_template(messages: list, tools: list, support: ChatSupport) -> list:
             for c in m["tool_calls"]:
                 c["function"]["arguments"] = json.loads(c["function"]["arguments"])
     if support.renders_tools:
-        return out
+        return tool_calls.harmony.to_template(out) if support.parser.name == "harmony" else out
     parser = support.parser
     for m in out:
         calls = m.pop("tool_calls", None)

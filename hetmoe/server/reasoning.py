@@ -14,18 +14,31 @@ opens itself counts only at the start of its output (after whitespace). A block 
 (``max_tokens`` ran out) is all reasoning. With thinking switched off (``enable_thinking: false``: the template
 writes an empty, closed block) the output is all content. Whitespace around the reasoning and between it and the
 content is dropped.
+
+gpt-oss (``harmony``) writes channels rather than tags: an ``analysis`` message is reasoning, a ``final`` message
+(and a ``commentary`` one without a recipient, the preamble before a call) is content; a message to a recipient
+(a tool call) is passed on as content in the form the harmony tool-call parser reads (tool_calls/harmony.py).
+Output that starts with no message header (a grammar's JSON) is content as it is.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
-PARSERS = ("deepseek_r1", "deepseek_v3", "qwen3", "kimi_k2", "glm45", "minimax_m2")
+from hetmoe.server.tool_calls import harmony
+
+PARSERS = ("deepseek_r1", "deepseek_v3", "qwen3", "kimi_k2", "glm45", "minimax_m2", "harmony")
 
 
 class ReasoningParser:
     def __init__(self, name: str, start: str = "<think>", end: str = "</think>"):
         self.name, self.start, self.end = name, start, end
+
+    @property
+    def markers(self) -> tuple:
+        """The strings this parser reads that a tokenizer may make special tokens (kept in the text it reads)."""
+        return (self.start, self.end)
 
     def starts_inside(self, prompt_tail: str) -> bool:
         """Whether a prompt ending in ``prompt_tail`` leaves a reasoning block open."""
@@ -113,6 +126,105 @@ class ReasoningStream:
             out.append((kind, text))
 
 
+class HarmonyParser(ReasoningParser):
+    """gpt-oss's channels (the module's docstring)."""
+
+    def __init__(self, name: str = "harmony"):
+        super().__init__(name, harmony.CHANNEL + "analysis" + harmony.MESSAGE, harmony.END)
+
+    @property
+    def markers(self) -> tuple:
+        return (harmony.START, harmony.CHANNEL, harmony.MESSAGE, harmony.CONSTRAIN, harmony.END, harmony.CALL,
+                harmony.RETURN)
+
+    def starts_inside(self, prompt_tail: str) -> bool:
+        return False  # the template's generation prompt ends before the first header (<|start|>assistant)
+
+    def stream(self, inside: bool) -> "HarmonyStream":
+        return HarmonyStream()
+
+
+_BODY_ENDS = (harmony.END, harmony.CALL, harmony.RETURN, harmony.START)
+_HEADER_STARTS = (harmony.CHANNEL, harmony.START, " to=", "to=")
+
+
+class HarmonyStream:
+    """``push(piece)`` / ``finish()`` -> [("reasoning" | "content", text)] over harmony messages: a header is held
+    until its ``<|message|>``, a body is sent as it comes but for the beginning of an end marker."""
+
+    def __init__(self):
+        self.state = "start"  # start -> header -> body -> between -> header ...; start -> plain (no headers)
+        self.reasoned = False
+        self.buffer = ""
+        self.kind = "content"  # the current body's: "reasoning", "content" or "call" (passed on as content)
+
+    def push(self, piece: str) -> list:
+        self.buffer += piece
+        out: list = []
+        while self.buffer:
+            if self.state == "plain":
+                out.append(("content", self.buffer))
+                self.buffer = ""
+            elif self.state in ("start", "between"):
+                text = self.buffer.lstrip() if self.state == "between" else self.buffer
+                if any(text.startswith(s) for s in _HEADER_STARTS):
+                    self.buffer, self.state = text, "header"
+                elif any(s.startswith(text) for s in _HEADER_STARTS):
+                    return out  # maybe a header, not all there yet
+                elif self.state == "start":
+                    self.state = "plain"
+                else:  # text after an end marker with no header: content up to the next message
+                    self.buffer, self.state, self.kind = text, "body", "content"
+            elif self.state == "header":
+                at = self.buffer.find(harmony.MESSAGE)
+                if at < 0:
+                    if len(self.buffer) > harmony.MAX_HEADER:  # not a header after all
+                        self.state = "plain"
+                        continue
+                    return out
+                header, self.buffer = self.buffer[:at], self.buffer[at + len(harmony.MESSAGE):]
+                if header.startswith(harmony.START):  # <|start|>assistant ...: the role is no part of the header
+                    header = re.sub(r"^\S+?(?=\s|<\||$)", "", header[len(harmony.START):])
+                channel, recipient, kind = harmony.read_header(header)
+                self.state = "body"
+                if recipient is not None:
+                    self.kind = "call"
+                    out.append(("content", harmony.call_header(recipient, kind)))
+                elif channel == "analysis":
+                    self.kind, self.reasoned = "reasoning", True
+                else:
+                    self.kind = "content"
+            else:  # body
+                ends = [(self.buffer.find(t), t) for t in _BODY_ENDS]
+                found = [(at, t) for at, t in ends if at >= 0]
+                if found:
+                    at, marker = min(found)
+                    self._body(out, self.buffer[:at])
+                    if self.kind == "call":
+                        out.append(("content", harmony.CALL))
+                    keep = marker == harmony.START  # the next message's own start
+                    self.buffer = self.buffer[at if keep else at + len(marker):]
+                    self.state = "between"
+                    continue
+                keep = max(_partial_suffix(self.buffer, t) for t in _BODY_ENDS)
+                self._body(out, self.buffer[:len(self.buffer) - keep])
+                self.buffer = self.buffer[len(self.buffer) - keep:]
+                return out
+        return out
+
+    def finish(self) -> list:
+        out: list = []
+        if self.state == "body":
+            self._body(out, self.buffer)
+        elif self.state in ("start", "plain"):
+            ReasoningStream._emit(out, "content", self.buffer)
+        self.buffer = ""  # an unfinished header, or whitespace after the last message, says nothing
+        return out
+
+    def _body(self, out: list, text: str) -> None:
+        ReasoningStream._emit(out, "reasoning" if self.kind == "reasoning" else "content", text)
+
+
 def _partial_suffix(text: str, marker: str) -> int:
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:k]):
@@ -121,10 +233,12 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 
 def reasoning_parser(name: Optional[str], template: Optional[str] = None) -> Optional[ReasoningParser]:
-    """The parser ``name`` (one of PARSERS, or "none"); with None / "auto" the think-tag parser when ``template``
-    mentions ``<think>`` / ``</think>``, else None."""
+    """The parser ``name`` (one of PARSERS, or "none"); with None / "auto" the harmony parser when ``template``
+    writes gpt-oss's channels, the think-tag parser when it mentions ``<think>`` / ``</think>``, else None."""
     if name == "none":
         return None
+    if name == "harmony" or (name in (None, "auto") and template and harmony.CHANNEL in template):
+        return HarmonyParser()
     if name in (None, "auto"):
         return ReasoningParser("auto") if template and ("<think>" in template or "</think>" in template) else None
     if name not in PARSERS:

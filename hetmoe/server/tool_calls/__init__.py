@@ -25,6 +25,7 @@ A call is a ``ToolCall(id, name, arguments)``, ``arguments`` JSON text of an obj
     glm47         the same without the newlines                                         GLM-4.7
     minimax_m2    <minimax:tool_call>\\n<invoke name="f">\\n<parameter name="p">v</parameter>\\n</invoke>\\n
                   </minimax:tool_call>                                       MiniMax-M2, M2.1, M2.5
+    harmony       <|channel|>commentary to=functions.f <|constrain|>json<|message|>{...}<|call|>         gpt-oss
 
 Text before the first call is content; so is text after the calls. A region that starts like a call but does not
 parse (broken JSON, a missing end marker, cut by max_tokens) is returned as content, and ``failed`` says so (the
@@ -38,8 +39,8 @@ Markers that are special tokens (Kimi's, Mistral's ``[TOOL_CALLS]``) reach the p
 a parser's ``markers`` in the text it decodes (``SamplingParams.shown_special_ids``).
 
 The modules: ``base`` (the types, ``ToolParser``, ``ToolStream``), ``scan`` (reading a region as it arrives), one
-per family (``hermes``, ``qwen3_coder``, ``deepseek``, ``kimi_k2``, ``mistral``, ``glm``, ``minimax``; ``marked`` is
-the reader DeepSeek's and Kimi's share); this one picks the family.
+per family (``hermes``, ``qwen3_coder``, ``deepseek``, ``kimi_k2``, ``mistral``, ``glm``, ``minimax``,
+``harmony``; ``marked`` is the reader DeepSeek's and Kimi's share); this one picks the family.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from typing import Optional
 from hetmoe.server.tool_calls.base import Delta, ToolCall, ToolOutput, ToolParser, ToolStream, new_call_id
 from hetmoe.server.tool_calls.deepseek import DeepSeekV3, DeepSeekV31
 from hetmoe.server.tool_calls.glm import Glm45, Glm47
+from hetmoe.server.tool_calls.harmony import Harmony
 from hetmoe.server.tool_calls.hermes import Hermes
 from hetmoe.server.tool_calls.kimi_k2 import KimiK2
 from hetmoe.server.tool_calls.minimax import MiniMaxM2
@@ -57,21 +59,23 @@ from hetmoe.server.tool_calls.mistral import Mistral
 from hetmoe.server.tool_calls.qwen3_coder import Qwen3Coder
 from hetmoe.server.tool_calls.scan import Malformed
 
-__all__ = ["PARSERS", "Delta", "DeepSeekV3", "DeepSeekV31", "Glm45", "Glm47", "Hermes", "KimiK2", "Malformed",
-           "MiniMaxM2", "Mistral", "Qwen3Coder", "ToolCall", "ToolOutput", "ToolParser", "ToolStream",
+__all__ = ["PARSERS", "Delta", "DeepSeekV3", "DeepSeekV31", "Glm45", "Glm47", "Harmony", "Hermes", "KimiK2",
+           "Malformed", "MiniMaxM2", "Mistral", "Qwen3Coder", "ToolCall", "ToolOutput", "ToolParser", "ToolStream",
            "arguments_as_mapping", "detect", "new_call_id", "renders_tools", "tool_parser"]
 
 PARSERS = ("hermes", "qwen3_coder", "deepseek_v3", "deepseek_v31", "kimi_k2", "mistral", "glm45", "glm47",
-           "minimax_m2")
+           "minimax_m2", "harmony")
 
 _FAMILIES = {c.name: c for c in (Hermes, Qwen3Coder, DeepSeekV3, DeepSeekV31, KimiK2, Mistral, Glm45, Glm47,
-                                 MiniMaxM2)}
+                                 MiniMaxM2, Harmony)}
 
 
 def detect(template: Optional[str]) -> str:
     """The family a chat template writes tool calls in (from the markers it renders); "hermes" when it renders
     none (the format the server then describes to the model itself)."""
     t = template or ""
+    if "<|channel|>" in t:  # gpt-oss's harmony channels
+        return "harmony"
     if "<|tool_calls_section_begin|>" in t:
         return "kimi_k2"
     if MiniMaxM2.start in t:
