@@ -174,12 +174,17 @@ class GGUFCheckpoint:
         """GGUFError naming the first tensor the model takes whose type hetmoe cannot run (neither held exactly nor
         decoded), before any weight is read."""
         runnable, seen = runnable_types(), set()
-        for name, (t, _, _) in self._map.items():
+        for name, (t, transform, _) in self._map.items():
             for part in (t.values() if isinstance(t, dict) else (t,)):
                 if id(part) in seen:
                     continue
                 seen.add(id(part))
-                if part.ggml_type.name not in runnable:
+                kind = part.ggml_type.name
+                if transform is Transform.INTEGERS:  # an integer table: any GGML integer type, nothing else
+                    if not (kind.startswith("I") and kind[1:].isdigit()):
+                        raise GGUFError(f"{self.path}: tensor {part.name} ({name}) is {kind}; an integer table "
+                                        "(I8, I16, I32 or I64) was expected")
+                elif part.ggml_type.name not in runnable:
                     raise GGUFError(f"{self.path}: tensor {part.name} ({name}) is {part.ggml_type.name}, which hetmoe "
                                     f"cannot run; supported types: {', '.join(runnable)}")
 
@@ -208,6 +213,13 @@ class GGUFCheckpoint:
         if transform in (Transform.CONV, Transform.V_CONV):
             return (t.shape[0], 1, int(np.prod(t.shape[1:])))
         return tuple(t.shape[1:]) if e is not None else tuple(t.shape)
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor as stored: an integer table (Transform.INTEGERS) as its integers, any other as fp32."""
+        t, transform, _ = self._entry(name)
+        if transform is Transform.INTEGERS:
+            return torch.from_numpy(np.array(t.data))
+        return self.get_float(name)
 
     def get_float(self, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The tensor under its Hugging Face name, dequantized to fp32 (or ``dtype``), transforms undone."""

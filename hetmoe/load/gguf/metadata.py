@@ -55,6 +55,36 @@
   when absent, deepseek32 requires the key) plus the indexer: attention.indexer.head_count / key_length / top_k ->
   index_n_heads / index_head_dim / index_topk; glm-dsa's attention.indexer.types (per layer, true = "full") ->
   indexer_types, absent: every layer full below a 1M context (GLM-5, 5.1), else GLM-5.2's layout (llama.cpp).
+* gpt-oss -> gpt_oss (llama.cpp's LLM_ARCH_OPENAI_MOE): expert_feed_forward_length -> intermediate_size (the
+  experts'), attention.sliding_window -> sliding_window (required, as llama.cpp reads it);
+  attention.sliding_window_pattern -> layer_types as llama.cpp's load_swa_pattern reads it: a per-layer list (true:
+  sliding), or n (absent: 2), layer i sliding when i % n < n - 1 (0: every layer); softmax over the top-k logits
+  (llama.cpp's SOFTMAX_WEIGHT gating, fixed in its graph); attention_bias when attn_q.bias exists. The clamped
+  SwiGLU's swiglu_alpha 1.702 and swiglu_limit 7.0 have no key: llama.cpp's graph hard-codes them (llama-graph.cpp
+  LLM_FFN_SWIGLU_OAI_MOE), and so does this mapping. YaRN is read as Transformers reads gpt-oss's own config.json
+  (GptOssConfig and every published gpt-oss checkpoint): ``truncate`` false, a key the converter does not write
+  (llama.cpp itself rounds the correction range, which Transformers does not for gpt-oss).
+* minimax-m3 -> minimax_m3_vl (its language model, text only), laid out as llama.cpp builds it: the first
+  leading_dense_block_count layers dense (feed_forward_length -> dense_intermediate_size) with full attention, the
+  others MoE with block-sparse attention (layer_types, mlp_layer_types); expert_feed_forward_length ->
+  intermediate_size (the experts'), the shared expert's size from ffn_up_shexp (llama.cpp: the experts' size x
+  expert_shared_count); rope.dimension_count -> rotary_dim and partial_rotary_factor; attention.indexer.head_count /
+  key_length / top_k / block_size / local_blocks -> index_n_heads / index_head_dim / index_topk_blocks /
+  index_block_size / index_local_blocks; expert_gating_func required and 2 (sigmoid), expert_weights_norm true,
+  expert_weights_scale (absent: 1.0) -> routed_scaling_factor; swiglu_alpha 1.702 / swiglu_limit 7.0 as llama.cpp's
+  graph hard-codes them. Every norm is stored as 1 + w (names.py NORM_OFFSET).
+* deepseek4 -> deepseek_v4: attention.compress_ratios (per layer: 0 sliding window only, 4 CSA with the indexer,
+  128 HCA; llama.cpp reads no other) -> layer_types, hash_layer_count -> mlp_layer_types (the first ones
+  "hash_moe"), expert_gating_func required and 4 (sqrtsoftplus, the one llama.cpp's loader takes);
+  attention.key_length -> head_dim, rope.dimension_count / key_length -> partial_rotary_factor, rope.freq_base and
+  attention.compress_rope_freq_base -> rope_theta and compress_rope_theta (YaRN, for the compressed layers, from
+  rope.scaling.*: factor, original context, beta_fast / slow; the attention factor 1 as llama.cpp and Transformers
+  take it); attention.q_lora_rank, sliding_window, output_group_count / output_lora_rank -> q_lora_rank,
+  sliding_window, o_groups / o_lora_rank; the indexer's head_count / key_length / top_k; hyper_connection.count /
+  sinkhorn_iterations / epsilon -> hc_mult / hc_sinkhorn_iters / hc_eps; swiglu_clamp_exp and swiglu_clamp_shexp
+  (one value or one per layer; absent shexp: = exp) -> swiglu_limit, which must be one number for every layer and
+  both; expert_shared_count, expert_weights_scale, expert_weights_norm -> n_shared_experts, routed_scaling_factor,
+  norm_topk_prob. nextn_predict_layers: the MTP blocks counted in block_count (and compress_ratios), skipped.
 
 Anything hetmoe needs that the file lacks (and llama.cpp has no default for) raises GGUFError naming the file, the
 architecture and the key.
@@ -70,7 +100,8 @@ from hetmoe.load.gguf.reader import GGUFError, GGUFFile
 # ------------------------------------------------------------------------------------------------ config.json
 
 ARCHITECTURES = ("qwen3moe", "qwen2moe", "deepseek2", "llama", "glm4moe", "minimax-m2", "qwen3next", "qwen35moe",
-                 "glm-dsa", "deepseek32")  # the GGUF architectures config_from_gguf maps
+                 "glm-dsa", "deepseek32", "gpt-oss", "minimax-m3",
+                 "deepseek4")  # the GGUF architectures config_from_gguf maps
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
 
 
@@ -343,6 +374,126 @@ def _dsa(k: _Keys, cfg: dict) -> None:
         cfg["indexer_types"] = ["full" if x else "shared" for x in full]
 
 
+def _gpt_oss(k: _Keys, cfg: dict) -> None:
+    cfg.update(model_type="gpt_oss", architectures=["GptOssForCausalLM"], swiglu_alpha=1.702, swiglu_limit=7.0,
+               attention_bias="blk.0.attn_q.bias" in k.f.tensors,
+               sliding_window=k.get("attention.sliding_window", "sliding_window"))
+    _gqa(k, cfg)
+    _experts(k, cfg, "num_local_experts", "blk.0.ffn_gate_exps.weight")
+    cfg["intermediate_size"] = cfg.pop("moe_intermediate_size")  # gpt-oss's intermediate_size is the experts'
+    n = cfg["num_hidden_layers"]
+    key = f"{k.arch}.attention.sliding_window_pattern"
+    pattern = k.f.metadata.get(key)
+    if isinstance(pattern, list):
+        sliding = k.layers("attention.sliding_window_pattern", "layer_types", n)
+    else:
+        period = k.get("attention.sliding_window_pattern", "layer_types", default=2)
+        sliding = [period == 0 or i % period < period - 1 for i in range(n)]
+    cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    if cfg.get("rope_scaling", {}).get("rope_type") == "yarn":
+        cfg["rope_scaling"]["truncate"] = False
+
+
+def _minimax_m3(k: _Keys, cfg: dict) -> None:
+    """MiniMax-M3's language model, laid out as llama.cpp builds it: leading_dense_block_count dense layers of full
+    attention, then MoE layers of block-sparse attention (llama-model's minimax-m3: is_sparse = il >= n_dense)."""
+    k.sigmoid_gating(default=False)  # llama.cpp requires the key for minimax-m3
+    if not k.get("expert_weights_norm", "norm_topk_prob", kind=bool, default=False):
+        k.fail("does not renormalise the chosen experts' weights (minimax-m3.expert_weights_norm is false or "
+               "absent); hetmoe's MiniMax-M3 always does")
+    _gqa(k, cfg)
+    head_dim = cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    rot = k.get("rope.dimension_count", "rotary_dim", default=head_dim)
+    cfg.update(model_type="minimax_m3_vl", architectures=["MiniMaxM3SparseForConditionalGeneration"],
+               scoring_func="sigmoid", use_routing_bias=True, rotary_dim=rot,
+               rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"],
+                                "partial_rotary_factor": rot / head_dim},
+               routed_scaling_factor=k.get("expert_weights_scale", "routed_scaling_factor", kind=float, default=1.0),
+               swiglu_alpha=1.702, swiglu_limit=7.0)  # no keys: llama.cpp's LLM_FFN_SWIGLU_OAI_MOE hard-codes them
+    n = cfg["num_hidden_layers"]
+    dense = k.get("leading_dense_block_count", "mlp_layer_types", default=0)
+    if not 0 <= dense <= n:
+        k.fail(f"has leading_dense_block_count {dense}, more than its {n} layers (mlp_layer_types)")
+    cfg["mlp_layer_types"] = ["dense"] * dense + ["sparse"] * (n - dense)
+    cfg["layer_types"] = ["full_attention"] * dense + ["minimax_m3_sparse"] * (n - dense)
+    if dense == n:
+        k.fail("has no MoE layer (leading_dense_block_count = block_count); hetmoe runs Mixture-of-Experts models only")
+    if dense:
+        cfg["dense_intermediate_size"] = _size(k, "feed_forward_length", "dense_intermediate_size",
+                                               "blk.0.ffn_up.weight", 0)
+    _experts(k, cfg, "num_local_experts", f"blk.{dense}.ffn_gate_exps.weight")
+    cfg["intermediate_size"] = cfg.pop("moe_intermediate_size")  # MiniMax's intermediate_size is the experts'
+    shared = k.shape(f"blk.{dense}.ffn_up_shexp.weight")  # llama.cpp: experts' size x expert_shared_count
+    cfg["shared_intermediate_size"] = shared[0] if shared else cfg["intermediate_size"] * k.get(
+        "expert_shared_count", "shared_intermediate_size")
+    cfg.update(index_n_heads=k.get("attention.indexer.head_count", "index_n_heads"),
+               index_head_dim=k.get("attention.indexer.key_length", "index_head_dim"),
+               index_topk_blocks=k.get("attention.indexer.top_k", "index_topk_blocks"),
+               index_block_size=k.get("attention.indexer.block_size", "index_block_size"),
+               index_local_blocks=k.get("attention.indexer.local_blocks", "index_local_blocks"))
+
+
+def _one_per_layer(k: _Keys, name: str, hf: str, n: int, default: Any = ...) -> float:
+    """A key llama.cpp reads as one value or a per-layer list (get_key_or_arr), as one number for every layer."""
+    value = k.f.metadata.get(f"{k.arch}.{name}")
+    if isinstance(value, list):
+        values = set(k.layers(name, hf, n))
+        if len(values) != 1 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            k.fail(f"has {k.arch}.{name} = {value!r}; hetmoe's model takes one {hf} for every layer")
+        return float(values.pop())
+    return k.get(name, hf, kind=float, default=default)
+
+
+def _deepseek4(k: _Keys, cfg: dict) -> None:
+    """DeepSeek-V4 as llama.cpp's deepseek4 loader reads it: per-layer compress_ratios 0 (sliding window only), 4
+    (CSA, with the indexer) or 128 (HCA); the first hash_layer_count layers hash-routed; sqrtsoftplus scoring."""
+    gating = k.get("expert_gating_func", "scoring_func")
+    if gating != 4:  # LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS, the one llama.cpp's deepseek4 loader accepts
+        k.fail(f"has expert_gating_func {gating}; DeepSeek-V4 GGUFs score experts with 4 (sqrtsoftplus)")
+    _gqa(k, cfg)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    _nextn(k, cfg)
+    n = cfg["num_hidden_layers"]
+    ratios = k.layers("attention.compress_ratios", "compress_ratios", n)
+    if ratios is None:
+        k.fail("has no deepseek4.attention.compress_ratios (needed for config.json layer_types)")
+    kinds = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+    if any(r not in kinds for r in ratios):
+        k.fail(f"has attention.compress_ratios {ratios}; llama.cpp and hetmoe read 0, 4 and 128 only (layer_types)")
+    n_hash = k.get("hash_layer_count", "mlp_layer_types")
+    limit = _one_per_layer(k, "swiglu_clamp_exp", "swiglu_limit", n)
+    if _one_per_layer(k, "swiglu_clamp_shexp", "swiglu_limit", n, default=limit) != limit:
+        k.fail("clamps the shared expert (swiglu_clamp_shexp) otherwise than the routed ones (swiglu_clamp_exp); "
+               "hetmoe's DeepSeek-V4 takes one swiglu_limit for both")
+    cfg.update(
+        model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], head_dim=head_dim,
+        scoring_func="sqrtsoftplus", hidden_act="silu", attention_bias=False, mlp_bias=False,
+        q_lora_rank=k.get("attention.q_lora_rank", "q_lora_rank"),
+        sliding_window=k.get("attention.sliding_window", "sliding_window"),
+        n_shared_experts=k.get("expert_shared_count", "n_shared_experts"),
+        routed_scaling_factor=k.get("expert_weights_scale", "routed_scaling_factor", kind=float),
+        norm_topk_prob=k.get("expert_weights_norm", "norm_topk_prob", kind=bool),
+        swiglu_limit=limit,
+        index_n_heads=k.get("attention.indexer.head_count", "index_n_heads"),
+        index_head_dim=k.get("attention.indexer.key_length", "index_head_dim"),
+        index_topk=k.get("attention.indexer.top_k", "index_topk"),
+        o_groups=k.get("attention.output_group_count", "o_groups"),
+        o_lora_rank=k.get("attention.output_lora_rank", "o_lora_rank"),
+        compress_rope_theta=k.get("attention.compress_rope_freq_base", "compress_rope_theta", kind=float),
+        hc_mult=k.get("hyper_connection.count", "hc_mult"),
+        hc_sinkhorn_iters=k.get("hyper_connection.sinkhorn_iterations", "hc_sinkhorn_iters"),
+        hc_eps=k.get("hyper_connection.epsilon", "hc_eps", kind=float),
+        layer_types=[kinds[r] for r in ratios], compress_rates={kinds[4]: 4, kinds[128]: 128},
+        mlp_layer_types=["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash),
+        partial_rotary_factor=k.get("rope.dimension_count", "partial_rotary_factor", default=head_dim) / head_dim)
+    cfg.setdefault("num_nextn_predict_layers", 0)
+    scaling = cfg.pop("rope_scaling", None)
+    if scaling is not None:  # the compressed layers' YaRN (llama.cpp cancels YaRN's attention factor: none, as V4)
+        keep = ("rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+        cfg["rope_scaling"] = {key: v for key, v in scaling.items() if key in keep}
+    _experts(k, cfg, "n_routed_experts", "blk.0.ffn_gate_exps.weight")
+
+
 def config_from_gguf(f: GGUFFile) -> dict:
     """The Hugging Face config.json dict of the model in ``f`` (a GGUFFile from ``open_gguf``), checked with
     hetmoe's own config checks (ConfigError, a ValueError, names the file). See the module docstring."""
@@ -372,6 +523,7 @@ def config_from_gguf(f: GGUFFile) -> dict:
     cfg.update({key: value for key, value in optional.items() if value is not None})
     {"qwen3moe": _qwen, "qwen2moe": _qwen, "llama": _mixtral, "deepseek2": _deepseek2, "glm4moe": _glm4moe,
      "minimax-m2": _minimax_m2, "qwen3next": _gated_deltanet, "qwen35moe": _gated_deltanet, "glm-dsa": _dsa,
-     "deepseek32": _dsa}[f.arch](k, cfg)
+     "deepseek32": _dsa, "gpt-oss": _gpt_oss, "minimax-m3": _minimax_m3,
+     "deepseek4": _deepseek4}[f.arch](k, cfg)
     check_config(ModelConfig(cfg), str(f.path))
     return cfg

@@ -23,6 +23,8 @@ order (``GGUFTensor.shape``: reversed ggml ne), so a Linear weight is [out, in] 
     blk.N.attn_kv_a_mqa, attn_kv_a_norm     self_attn.kv_a_proj_with_mqa, kv_a_layernorm
     blk.N.attn_kv_b                         self_attn.kv_b_proj (files from before MLA)
     blk.N.attn_k_b + attn_v_b               self_attn.kv_b_proj, recombined: KV_B_K / KV_B_V
+    blk.N.attn_sinks.weight                 self_attn.sinks, a bare parameter (gpt-oss)
+    blk.N.ffn_gate_inp, ffn_*_exps.bias     mlp.router (weight, bias), the experts' biases (gpt-oss; EXPERTS)
 
 Transforms (each undoes what convert_hf_to_gguf.py did):
 
@@ -40,6 +42,13 @@ Transforms (each undoes what convert_hf_to_gguf.py did):
 * ROW: ffn_gate_inp_shexp is [H] in some files and [1, H] in others; Hugging Face's shared_expert_gate is [1, H].
 * SKIP: the multi-token-prediction layers (``nextn.*`` tensors, and every tensor of a block at or past
   block_count - nextn_predict_layers), which hetmoe's models do not build: left unread (GGUFCheckpoint notes it).
+* INTEGERS: an integer table written as stored (DeepSeek-V4's hash-routing tid2eid, I32 [vocab, k]): read as its
+  integers (GGUFCheckpoint.get), never as floats.
+
+minimax-m3 and deepseek4 have tables of their own (below TABLES): M3 is MiniMax-M2's layout with the indexer
+(indexer.q_proj / k_proj / q_norm / k_norm) and NORM_OFFSET on every norm; V4 renames DeepSeek's tensors one for
+one (attn_kv, attn_output_a / b, attn_sinks, attn_compressor_*, indexer_compressor_*, hc_*, output_hc_*), stacked
+experts (MXFP4 as released) and its tid2eid as INTEGERS.
 
 Gated DeltaNet (qwen3next, qwen35moe; Qwen3NextModel and _LinearAttentionVReorderBase in the converter). Hk, Hv key
 and value heads of Dk, Dv; r = Hv / Hk:
@@ -91,6 +100,7 @@ class Transform(str, Enum):
     V_A_LOG = "v_a_log"
     V_CONV = "v_conv"
     V_COLS = "v_cols"
+    INTEGERS = "integers"
 
 
 PAIRS = {Transform.KV_B_K: Transform.KV_B_V, Transform.QKVZ_QKV: Transform.QKVZ_Z}  # two tensors -> one parameter
@@ -163,6 +173,19 @@ def _gated_deltanet(reorder: bool) -> dict:
             "SSM_CONV1D": (la + "conv1d", Transform.V_CONV), "SSM_OUT": (la + "out_proj", Transform.V_COLS)}
 
 
+# gpt-oss (llama.cpp's "gpt-oss", LLM_ARCH_OPENAI_MOE; GptOssModel in the converter): GQA with biases and a sink
+# logit per head (attn_sinks.weight -> self_attn.sinks, a bare parameter), post_attention_norm as the MoE's pre-norm,
+# the router with bias (ffn_gate_inp), and gate_up_proj / down_proj split per matrix and stacked (*_exps: weights,
+# MXFP4 or float, and biases [E, I] / [E, H]), read one expert at a time as every other stacked expert tensor
+_GPT_OSS = {**_COMMON, "ATTN_POST_NORM": (_L + "post_attention_layernorm", Transform.COPY),
+            "ATTN_SINKS": (_L + "self_attn.sinks", Transform.COPY),
+            "FFN_GATE_INP": (_L + "mlp.router", Transform.COPY),
+            "FFN_GATE_EXP": (_L + "mlp.experts.{expert}.gate_proj", Transform.EXPERTS),
+            "FFN_UP_EXP": (_L + "mlp.experts.{expert}.up_proj", Transform.EXPERTS),
+            "FFN_DOWN_EXP": (_L + "mlp.experts.{expert}.down_proj", Transform.EXPERTS)}
+for _kind in ("FFN_NORM", "FFN_GATE", "FFN_UP", "FFN_DOWN"):  # its MoE pre-norm is post_attention_norm; no dense FFN
+    del _GPT_OSS[_kind]
+
 # GGUF architecture -> MODEL_TENSOR name -> (Hugging Face name without .weight/.bias, transform)
 TABLES = {
     "qwen3moe": {**_COMMON, **_ROUTED, "ATTN_Q_NORM": (_L + "self_attn.q_norm", Transform.COPY),
@@ -201,6 +224,7 @@ TABLES = {
     "qwen35moe": _gated_deltanet(reorder=True),
     "glm-dsa": _DSA,
     "deepseek32": _DSA,
+    "gpt-oss": _GPT_OSS,
 }
 # hetmoe's own listing of the GGUF names of the kinds the tables above use or skip (gguf-py's TENSOR_NAMES): the
 # gguf package on PyPI may predate an architecture (deepseek32) or a kind, and a file must load all the same.
@@ -210,7 +234,7 @@ GGUF_NAMES = {
     "FFN_NORM": "blk.{bid}.ffn_norm", "ATTN_Q": "blk.{bid}.attn_q", "ATTN_K": "blk.{bid}.attn_k",
     "ATTN_V": "blk.{bid}.attn_v", "ATTN_QKV": "blk.{bid}.attn_qkv", "ATTN_OUT": "blk.{bid}.attn_output",
     "ATTN_GATE": "blk.{bid}.attn_gate", "ATTN_Q_NORM": "blk.{bid}.attn_q_norm", "ATTN_K_NORM": "blk.{bid}.attn_k_norm",
-    "ATTN_ROT_EMBD": "blk.{bid}.attn_rot_embd",
+    "ATTN_ROT_EMBD": "blk.{bid}.attn_rot_embd", "ATTN_SINKS": "blk.{bid}.attn_sinks",
     "FFN_GATE": "blk.{bid}.ffn_gate", "FFN_UP": "blk.{bid}.ffn_up", "FFN_DOWN": "blk.{bid}.ffn_down",
     "FFN_GATE_INP": "blk.{bid}.ffn_gate_inp", "FFN_GATE_EXP": "blk.{bid}.ffn_gate_exps",
     "FFN_UP_EXP": "blk.{bid}.ffn_up_exps", "FFN_DOWN_EXP": "blk.{bid}.ffn_down_exps",
@@ -229,13 +253,78 @@ GGUF_NAMES = {
     **{f"NEXTN_{k.upper()}": f"blk.{{bid}}.nextn.{k}" for k in ("eh_proj", "embed_tokens", "enorm", "hnorm",
                                                               "shared_head_head", "shared_head_norm")},
 }
+# MiniMax-M3 (llama.cpp's "minimax-m3", MiniMaxM3Model in the converter: MiniMax-M2's names and expert stacking, every
+# RMSNorm written as 1 + w, the (1 + weight) form baked in): a MoE layer's block under block_sparse_moe, its
+# block-sparse attention's indexer (index_q_proj, index_k_proj and their norms) as indexer.q_proj ... .
+_M3_OFF, _M3_MOE = Transform.NORM_OFFSET, _L + "block_sparse_moe."
+TABLES["minimax-m3"] = {
+    **_COMMON, "OUTPUT_NORM": ("model.norm", _M3_OFF), "ATTN_NORM": (_L + "input_layernorm", _M3_OFF),
+    "FFN_NORM": (_L + "post_attention_layernorm", _M3_OFF),
+    "ATTN_Q_NORM": (_L + "self_attn.q_norm", _M3_OFF), "ATTN_K_NORM": (_L + "self_attn.k_norm", _M3_OFF),
+    "INDEXER_Q_PROJ": (_L + "self_attn.index_q_proj", Transform.COPY),
+    "INDEXER_K_PROJ": (_L + "self_attn.index_k_proj", Transform.COPY),
+    "INDEXER_Q_NORM": (_L + "self_attn.index_q_norm", _M3_OFF),
+    "INDEXER_K_NORM": (_L + "self_attn.index_k_norm", _M3_OFF),
+    "FFN_GATE_INP": (_M3_MOE + "gate", Transform.COPY),
+    "FFN_EXP_PROBS_B": (_M3_MOE + "e_score_correction_bias", Transform.COPY),
+    "FFN_GATE_EXP": (_M3_MOE + "experts.{expert}.w1", Transform.EXPERTS),
+    "FFN_UP_EXP": (_M3_MOE + "experts.{expert}.w3", Transform.EXPERTS),
+    "FFN_DOWN_EXP": (_M3_MOE + "experts.{expert}.w2", Transform.EXPERTS),
+    **{f"FFN_{w.upper()}_SHEXP": (_M3_MOE + f"shared_experts.{w}_proj", Transform.COPY)
+       for w in ("gate", "up", "down")}}
+GGUF_NAMES.update({f"INDEXER_{k.upper()}": f"blk.{{bid}}.indexer.{k}" for k in ("q_proj", "k_proj", "q_norm")})
+
+# DeepSeek-V4 (llama.cpp's "deepseek4", DeepseekV4Model in the converter, which reads DeepSeek's own checkpoint names):
+# every tensor written as it is, renamed; the routed experts stacked ([E, out, in], MXFP4 as released) and the hash
+# layers' tid2eid table written as I32 [vocab, k] (INTEGERS: read as stored). attn_kv_a_norm is the kv_norm of the
+# one shared key/value head (gguf-py's ATTN_KV_NORM, the name deepseek2's kv_a_layernorm has too).
+_V4_ATT, _V4_CMP = _L + "self_attn.", _L + "self_attn.compressor."
+TABLES["deepseek4"] = {
+    "TOKEN_EMBD": ("model.embed_tokens", Transform.COPY), "OUTPUT_NORM": ("model.norm", Transform.COPY),
+    "OUTPUT": ("lm_head", Transform.COPY), "ATTN_NORM": (_L + "input_layernorm", Transform.COPY),
+    "FFN_NORM": (_L + "post_attention_layernorm", Transform.COPY),
+    **{f"HC_HEAD_{k.upper()}": (f"model.hc_head.hc_{k}", Transform.COPY) for k in ("fn", "base", "scale")},
+    **{f"HC_{b.upper()}_{k.upper()}": (_L + f"{b}_hc.{k}", Transform.COPY) for b in ("attn", "ffn")
+       for k in ("fn", "base", "scale")},
+    "ATTN_SINKS": (_V4_ATT + "sinks", Transform.COPY), "ATTN_Q_A": (_V4_ATT + "q_a_proj", Transform.COPY),
+    "ATTN_Q_A_NORM": (_V4_ATT + "q_a_norm", Transform.COPY), "ATTN_Q_B": (_V4_ATT + "q_b_proj", Transform.COPY),
+    "ATTN_KV": (_V4_ATT + "kv_proj", Transform.COPY), "ATTN_KV_A_NORM": (_V4_ATT + "kv_norm", Transform.COPY),
+    "ATTN_OUT_A": (_V4_ATT + "o_a_proj", Transform.COPY), "ATTN_OUT_B": (_V4_ATT + "o_b_proj", Transform.COPY),
+    **{f"{who}_COMPRESSOR_{k}": (at + name, Transform.COPY)
+       for who, at in (("ATTN", _V4_CMP), ("INDEXER", _V4_CMP + "indexer."))
+       for k, name in (("WKV", "kv_proj"), ("WGATE", "gate_proj"), ("APE", "position_bias"), ("NORM", "kv_norm"))},
+    "INDEXER_ATTN_Q_B": (_V4_CMP + "indexer.q_b_proj", Transform.COPY),
+    "INDEXER_PROJ": (_V4_CMP + "indexer.scorer.weights_proj", Transform.COPY),
+    "FFN_GATE_INP": (_L + "mlp.gate", Transform.COPY),
+    "FFN_GATE_TID2EID": (_L + "mlp.gate.tid2eid", Transform.INTEGERS),
+    "FFN_EXP_PROBS_B": (_L + "mlp.gate.e_score_correction_bias", Transform.COPY),
+    "FFN_GATE_EXP": (_L + "mlp.experts.{expert}.w1", Transform.EXPERTS),
+    "FFN_UP_EXP": (_L + "mlp.experts.{expert}.w3", Transform.EXPERTS),
+    "FFN_DOWN_EXP": (_L + "mlp.experts.{expert}.w2", Transform.EXPERTS),
+    **_shared_expert("shared_experts")}
+GGUF_NAMES.update({
+    **{f"HC_HEAD_{k.upper()}": f"output_hc_{k}" for k in ("fn", "base", "scale")},
+    **{f"HC_{b.upper()}_{k.upper()}": f"blk.{{bid}}.hc_{b}_{k}" for b in ("attn", "ffn")
+       for k in ("fn", "base", "scale")},
+    "ATTN_SINKS": "blk.{bid}.attn_sinks", "ATTN_KV": "blk.{bid}.attn_kv", "ATTN_OUT_A": "blk.{bid}.attn_output_a",
+    "ATTN_OUT_B": "blk.{bid}.attn_output_b", "FFN_GATE_TID2EID": "blk.{bid}.ffn_gate_tid2eid",
+    "FFN_EXP_PROBS_B_VL": "blk.{bid}.exp_probs_b_vl",
+    **{f"{who}_COMPRESSOR_{k}": f"blk.{{bid}}.{who.lower()}_compressor_{name}" for who in ("ATTN", "INDEXER")
+       for k, name in (("WKV", "kv"), ("WGATE", "gate"), ("APE", "ape"), ("NORM", "norm"))}})
 _SKIPPED = tuple(k for k in GGUF_NAMES if k.startswith("NEXTN_"))  # multi-token prediction: not built
 # "exp_probs_b.bias" is e_score_correction_bias itself (a buffer), "ssm_dt.bias" dt_bias (a parameter)
 _NO_SUFFIX = {"FFN_EXP_PROBS_B", "SSM_DT"}
 _BARE = {"SSM_A"}  # written without a .weight suffix (ssm_a: A_log, a parameter of its own)
+_WEIGHT_ONLY = {"ATTN_SINKS"}  # written as .weight, a bare parameter in Hugging Face (self_attn.sinks)
 _WHY_NOT = {"ROPE_FREQS": "RoPE frequency factors (Llama-3 style scaling), which hetmoe's models do not apply",
             "ATTN_ROT_EMBD": "a precomputed RoPE table, which llama.cpp itself ignores",
             "FFN_GATE_UP_EXP": "gate and up experts fused in one tensor, which hetmoe does not read yet"}
+# DeepSeek-V4's bare parameters and buffers (hyper-connections, sinks, compressor position biases, tid2eid), each
+# written with .weight; its vision variant's routing bias of image tokens is refused (hetmoe runs text only)
+_WEIGHT_ONLY.update({"HC_HEAD_FN", "HC_HEAD_BASE", "HC_HEAD_SCALE", "ATTN_COMPRESSOR_APE", "INDEXER_COMPRESSOR_APE",
+                     "FFN_GATE_TID2EID", *(f"HC_{b}_{k}" for b in ("ATTN", "FFN") for k in ("FN", "BASE", "SCALE"))})
+_WHY_NOT["FFN_EXP_PROBS_B_VL"] = ("the routing bias of image tokens (DeepSeek-V4's vision variant), which hetmoe's "
+                                  "text-only DeepSeek-V4 never uses")
 _OLD_MIXTRAL_EXPERT = re.compile(r"^blk\.(?P<bid>\d+)\.ffn_(?P<which>gate|up|down)\.(?P<expert>\d+)\.weight$")
 _OLD_MIXTRAL_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}
 
@@ -275,6 +364,10 @@ def hf_name(gguf_name: str, arch: str) -> tuple:
         template, transform = TABLES[arch][kind]
         name = template.format(bid=m.groupdict().get("bid"), expert="{expert}")
         if kind in _BARE:
+            return name, transform
+        if kind in _WEIGHT_ONLY:
+            if m["suffix"] != "weight":
+                raise GGUFError(f"GGUF tensor {gguf_name}: {kind} is a weight, not a {m['suffix']}")
             return name, transform
         if kind in _NO_SUFFIX:
             if m["suffix"] != "bias":
@@ -416,6 +509,8 @@ def hf_tensors(f: GGUFFile, cfg: Optional[dict] = None) -> Iterator[tuple]:
                 del halves[name]
                 first = transform if transform in PAIRS else second[transform]
                 yield name, merge_pair(first, pair[first], pair[PAIRS[first]], cfg)
+        elif transform is Transform.INTEGERS:  # an integer table (DeepSeek-V4's tid2eid), as stored
+            yield name, np.array(t.data)
         else:
             yield name, undo(transform, t.float32(), cfg)
     if halves:

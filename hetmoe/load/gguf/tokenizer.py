@@ -9,7 +9,9 @@ converter writes:
   applies its list) followed by ``ByteLevel`` without its own regex, as the published tokenizer.json files have
   them: "qwen2" (and deepseek-r1-qwen; NFC-normalized first, as Qwen's tokenizer.json does and llama.cpp does not),
   "llama-bpe" (llama3, llama-v3; merges ignored for whole-word tokens, as in llama.cpp), "deepseek-v3",
-  "deepseek-llm" (DeepSeek-V2), "default" (also when the key is absent, as llama.cpp reads such files). "gpt-2" (and
+  "deepseek-llm" (DeepSeek-V2), "gpt-4o" (o200k: GPT-4o's and gpt-oss's, with tokenizer.json's own regex, of which
+  llama.cpp's is a rewrite without \\p{Lu}-style classes), "default" (also when the key is absent, as llama.cpp reads
+  such files). "gpt-2" (and
   phi-2) is ByteLevel with its built-in GPT-2 regex, exactly GPT-2's tokenizer.json (llama.cpp's copy of that regex
   lacks the final ``|\\s+``, which only decides whether an unmatched run of spaces is its own piece: it is either
   way). Another ``pre`` raises GGUFError naming it.
@@ -24,7 +26,9 @@ when asked), USER_DEFINED ones plain added tokens; both are pre-normalized in GG
 bos / eos / pad / unk come from ``bos_token_id`` ... ``unknown_token_id``; ``add_bos_token`` from its key (absent:
 llama.cpp's default, true for SentencePiece and llama-bpe, false otherwise); ``add_eos_token`` adds a
 post-processor. The end-of-sequence ids are llama.cpp's end-of-generation set: eos, ``eot_token_id``,
-``eom_token_id`` and the tokens it recognises by text (<|im_end|>, <|endoftext|>, <|eot_id|>, ...).
+``eom_token_id`` and the tokens it recognises by text (<|im_end|>, <|endoftext|>, <|eot_id|>, ...), less <|end|> in a
+vocabulary with <|return|> and <|call|> (o200k harmony, gpt-oss: <|end|> closes a message, such as the reasoning, not
+the turn; llama.cpp drops it from the set, and gpt-oss's generation_config.json does not list it).
 ``tokenizer.chat_template`` is the chat template.
 """
 
@@ -36,6 +40,10 @@ from hetmoe.tokenizer import Tokenizer
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # gguf.TokenType
 
 _CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+_O200K_UPPER, _O200K_LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_O200K = (rf"[^\r\n\p{{L}}\p{{N}}]?{_O200K_UPPER}*{_O200K_LOWER}+{_CONTRACTIONS}?"
+          rf"|[^\r\n\p{{L}}\p{{N}}]?{_O200K_UPPER}+{_O200K_LOWER}*{_CONTRACTIONS}?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _GPT2_WORDS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -59,6 +67,7 @@ PRE_TOKENIZERS = {
     "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_WORDS, r"\p{N}+", "[0-9][0-9][0-9]"),
     "qwen2": (_QWEN2,),
     "llama-bpe": (_LLAMA3,),
+    "gpt-4o": (_O200K,),
     "deepseek-v3": (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
                     r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
                     r"""| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""),
@@ -71,6 +80,7 @@ _PRE_ALIASES = {"phi-2": "gpt-2", "deepseek-r1-qwen": "qwen2", "llama3": "llama-
 # end-of-generation"), besides the eos / eot / eom ids
 _EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
                         "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>"})
+_HARMONY_ENDS = ("<|return|>", "<|call|>", "<|end|>")  # all three: <|end|> is no end of generation
 _SPACE = "\u2581"
 
 
@@ -180,6 +190,8 @@ def tokenizer_from_gguf(f: GGUFFile) -> Tokenizer:
               "add_bos_token": bool(f.get("tokenizer.ggml.add_bos_token", default_bos))}
     end_ids = {vocab[t] for t in (eos, token("eot_token_id"), token("eom_token_id")) if t is not None}
     end_ids |= {vocab[t] for t in _EOG_TEXTS if t in vocab}
+    if all(t in vocab for t in _HARMONY_ENDS):
+        end_ids.discard(vocab["<|end|>"])
     bos_id = f.get("tokenizer.ggml.bos_token_id")
     return Tokenizer(backend, config, eos_token_ids=sorted(end_ids),
                      bos_token_id=bos_id if isinstance(bos_id, int) else None,
