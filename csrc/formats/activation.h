@@ -71,9 +71,12 @@ inline void quantize_activation(WeightFormat f, const float* x, int k, const Act
       for (int i = 0; i < a.kp; ++i) dst[fp8_act_index(i)] = i < k ? x[i] : 0.f;
       break;
     }
-    case WeightFormat::int8: quantize_groups<int16_t>(x, k, a, 32767.f, row); break;
-    case WeightFormat::int4:
-    case WeightFormat::lut4: quantize_groups<int8_t>(x, k, a, 127.f, row); break;
+    default:  // integer codes: int16 rows for int8, int6, int5; int8 rows for int4, lut4, int3, int2
+      if (wide_codes(f))
+        quantize_groups<int16_t>(x, k, a, 32767.f, row);
+      else
+        quantize_groups<int8_t>(x, k, a, 127.f, row);
+      break;
   }
 }
 

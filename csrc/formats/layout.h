@@ -49,6 +49,25 @@
 // (AVX-512 BF16's vdpbf16ps) would round the activations on the row blocks too and differ between CPUs; the row
 // blocks stay fp32 like bf16's. The E4M3 NaN codes (0x7F, 0xFF) are refused at packing.
 //
+// Bit-plane formats (int6, int5, int3, int2) hold b-bit codes at b bits each: the GGUF K-quants Q6_K, Q5_K, Q3_K
+// and Q2_K at their own bytes. A code u (symmetric: q + 2^(b-1), q in [-2^(b-1), 2^(b-1) - 1]; affine: u itself, 0 ..
+// 2^b - 1) is split into a low part (int6, int5: 4 bits; int3, int2: 2) and a high part (int6: 2 bits; int5, int3:
+// 1; int2: none), each held in lines of its own ("planes"). K is walked in quads of 16; "byte line" f (0..3) of quad
+// q is the int8 line of k = 16q + 4f .. 16q + 4f + 3 (byte e of row n: k = 16q + 4f + e), and its codes sit as
+//   low 4 bits:  two nibble lines per quad, int4's bytes: line 0 holds f = 0 (low nibbles) and 1 (high), line 1
+//                f = 2 and 3
+//   low 2 bits:  one line per quad: bits 2f, 2f + 1 of byte e of row n
+//   high 2 bits: one line per quad, as the low 2 bits (int6)
+//   high 1 bit:  one line per two quads: bit 4 (q % 2) + f of byte e of row n (int5, int3)
+// A unit is the lines of one quad, or of two where the high plane has 1 bit: the low lines of its quads in order,
+// then its high line: int6 16 of K in 3 lines, int5 32 in 5, int3 32 in 3, int2 16 in 1 (b bits per weight, exactly).
+// A kp that ends in half a unit (int5 and int3, kp an odd multiple of 16) stores the last unit whole.
+// Byte line f is then ((lo >> s) & m) | (((hi >> t) & m') << low bits): one shift and one mask per plane at any
+// SIMD width (16-bit shifts do: the bits kept never cross a byte), the very line the int8 / int4 kernels multiply.
+// int6 and int5 read int16 activation rows as int8 does, int3 and int2 int8 rows as int4 does, and a matrix of
+// either gives bit for bit the outputs of the same codes held as int8 (int6, int5) or int4 (int3, int2): the same
+// integer sums, the same epilogue, with the offset 2^(b-1) of symmetric codes.
+//
 // A line is one 512-bit register (16 rows x 32 bits): the layout AVX-512 VNNI/BF16 dot products and the AMX
 // B-tile format (16 lines = one 1 KB tile) read directly, so no kernel repacks at run time.
 //
@@ -103,8 +122,74 @@
 
 namespace hetmoe {
 
-enum class WeightFormat : int { bf16 = 0, int8 = 1, int4 = 2, lut4 = 3, fp8 = 4 };
-constexpr int kWeightFormats = 5;
+enum class WeightFormat : int { bf16 = 0, int8 = 1, int4 = 2, lut4 = 3, fp8 = 4, int6 = 5, int5 = 6, int3 = 7, int2 = 8 };
+constexpr int kWeightFormats = 9;
+
+// The bit-plane formats (see the top of this file).
+constexpr inline bool plane_format(WeightFormat f) { return (int)f >= (int)WeightFormat::int6; }
+
+// Bits per code of an integer format (0 for bf16 and fp8).
+constexpr inline int code_bits(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::int8: return 8;
+    case WeightFormat::int6: return 6;
+    case WeightFormat::int5: return 5;
+    case WeightFormat::int4:
+    case WeightFormat::lut4: return 4;
+    case WeightFormat::int3: return 3;
+    case WeightFormat::int2: return 2;
+    default: return 0;
+  }
+}
+
+// Whether a format's row-block kernels read int16 activations (int8, int6, int5: codes of 5 bits and more) rather
+// than int8 ones (int4, lut4, int3, int2). The AMX GEMM reads int8 activations for all of them.
+constexpr inline bool wide_codes(WeightFormat f) {
+  return f == WeightFormat::int8 || f == WeightFormat::int6 || f == WeightFormat::int5;
+}
+
+// A bit-plane format's unit (see the top of this file): low and high bits per code, quads of 16 of K, lines.
+struct Planes {
+  int lo_bits = 0, hi_bits = 0, quads = 0, lines = 0;
+  constexpr int unit_k() const { return 16 * quads; }
+  constexpr int lo_lines() const { return lo_bits == 4 ? 2 : 1; }  // low lines per quad
+  // Unit-relative line of the low bits of byte line f of quad q, and their shift.
+  constexpr int lo_line(int q, int f) const { return (q % quads) * lo_lines() + (lo_bits == 4 ? f / 2 : 0); }
+  constexpr int lo_shift(int f) const { return lo_bits == 4 ? 4 * (f % 2) : 2 * f; }
+  constexpr int hi_line() const { return lines - 1; }
+  constexpr int hi_shift(int q, int f) const { return hi_bits == 2 ? 2 * f : 4 * (q % quads) + f; }
+  constexpr size_t unit_offset(int q) const { return (size_t)(q / quads) * lines * 64; }  // of quad q's unit, in a block
+};
+constexpr inline Planes planes_of(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::int6: return {4, 2, 1, 3};
+    case WeightFormat::int5: return {4, 1, 2, 5};
+    case WeightFormat::int3: return {2, 1, 2, 3};
+    case WeightFormat::int2: return {2, 0, 1, 1};
+    default: return {};
+  }
+}
+
+// The stored code u of row r, element k of a bit-plane block, and its store (the other bits kept).
+inline int plane_code(const Planes& p, const uint8_t* block, int r, int k) {
+  const int q = k / 16, f = (k / 4) % 4, e = k % 4;
+  const uint8_t* u = block + p.unit_offset(q) + 4 * r + e;
+  int code = (u[p.lo_line(q, f) * 64] >> p.lo_shift(f)) & ((1 << p.lo_bits) - 1);
+  if (p.hi_bits) code |= ((u[p.hi_line() * 64] >> p.hi_shift(q, f)) & ((1 << p.hi_bits) - 1)) << p.lo_bits;
+  return code;
+}
+inline void set_plane_code(const Planes& p, uint8_t* block, int r, int k, int code) {
+  const int q = k / 16, f = (k / 4) % 4, e = k % 4;
+  uint8_t* u = block + p.unit_offset(q) + 4 * r + e;
+  uint8_t* lo = u + p.lo_line(q, f) * 64;
+  const int lm = ((1 << p.lo_bits) - 1) << p.lo_shift(f);
+  *lo = (uint8_t)((*lo & ~lm) | ((code << p.lo_shift(f)) & lm));
+  if (p.hi_bits) {
+    uint8_t* hi = u + p.hi_line() * 64;
+    const int hm = ((1 << p.hi_bits) - 1) << p.hi_shift(q, f);
+    *hi = (uint8_t)((*hi & ~hm) | (((code >> p.lo_bits) << p.hi_shift(q, f)) & hm));
+  }
+}
 
 // Formats whose row-block kernels read fp32 activations (and whose AMX GEMM reads bf16 ones).
 inline bool float_activations(WeightFormat f) { return f == WeightFormat::bf16 || f == WeightFormat::fp8; }
@@ -142,7 +227,8 @@ inline constexpr int8_t kCodebookValues[kCodebooks][16] = {
 inline const int8_t* codebook_values(Codebook c) { return kCodebookValues[(int)c]; }
 
 // Bumped whenever the packed bytes of any format change: converted-expert caches of another version are rebuilt.
-// (Scale types, lut4, k8, narrow affine mins and fp8 added formats; fp32-scaled int8/int4 kept their bytes.)
+// (Scale types, lut4, k8, narrow affine mins, fp8 and the bit-plane formats added formats; fp32-scaled int8/int4 kept
+// their bytes.)
 constexpr int kLayoutVersion = 1;
 
 constexpr int kRowsPerBlock = 16;
@@ -158,8 +244,8 @@ inline int k_per_line(WeightFormat f) {
     case WeightFormat::int4: return 8;
     case WeightFormat::lut4: return 8;
     case WeightFormat::fp8: return 4;
+    default: return 0;  // bit-plane formats: lines per unit of K instead (planes_of)
   }
-  return 0;
 }
 
 inline int scale_width(ScaleType t) {  // bytes per stored scale
@@ -261,7 +347,11 @@ struct MatrixShape {
   }
   int scale_rows() const { return shared_scales ? 1 : kRowsPerBlock; }  // stored scales per group of a block
   int n_groups() const { return kp / group; }
-  int lines_per_block() const { return kp / k_per_line(format); }
+  int lines_per_block() const {
+    if (!plane_format(format)) return kp / k_per_line(format);
+    const Planes p = planes_of(format);
+    return (kp + p.unit_k() - 1) / p.unit_k() * p.lines;
+  }
   size_t block_bytes() const { return (size_t)lines_per_block() * kLineBytes; }
   size_t data_bytes() const { return block_bytes() * n_blocks; }
   bool has_scales() const { return format != WeightFormat::bf16; }
@@ -338,8 +428,8 @@ inline size_t act_elem_bytes(WeightFormat f) {
     case WeightFormat::int4: return 1;
     case WeightFormat::lut4: return 1;
     case WeightFormat::fp8: return 4;
+    default: return wide_codes(f) ? 2 : 1;  // bit-plane formats
   }
-  return 0;
 }
 
 // AMX tiles multiply bf16 x bf16 and int8 x int8 only, so experts computed with AMX read narrower activations:

@@ -23,8 +23,8 @@ inline size_t elem_offset(WeightFormat f, int r, int k, int* nibble) {
     case WeightFormat::fp8: *nibble = 0; return base + j;
     case WeightFormat::int4:
     case WeightFormat::lut4: *nibble = j / 4; return base + (j % 4);
+    default: *nibble = 0; return 0;  // bit-plane formats: plane_code (layout.h)
   }
-  return 0;
 }
 
 inline float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
@@ -322,9 +322,12 @@ inline int nearest_index(const int8_t* cb, float v) {
 // Writes the codes of elements [k0, k0 + n) of one row (stored as code + offset: int8 symmetric 128, int4
 // symmetric 8, affine and lut4 0) into its lines; dst points at the row's 4 bytes of line 0.
 inline void put_codes(WeightFormat f, uint8_t* dst, int k0, int n, const int8_t* codes, int offset) {
+  const Planes planes = planes_of(f);
   for (int i = 0; i < n; ++i) {
     int k = k0 + i;
-    if (f == WeightFormat::int8) {
+    if (planes.lines) {  // dst is the block's start moved by 4 r: row 0 of that base is row r
+      set_plane_code(planes, dst, 0, k, codes[i] + offset);
+    } else if (f == WeightFormat::int8) {
       dst[(size_t)(k / 4) * kLineBytes + k % 4] = (uint8_t)(codes[i] + offset);
     } else {
       int j = k % 8;
@@ -338,13 +341,51 @@ inline void put_codes(WeightFormat f, uint8_t* dst, int k0, int n, const int8_t*
 // The stored offset of a symmetric code (layout.h); affine codes and lut4 indices are stored as they are.
 inline int code_offset(const MatrixShape& s) {
   if (s.affine() || s.format == WeightFormat::lut4) return 0;
-  return s.format == WeightFormat::int8 ? 128 : 8;
+  return 1 << (code_bits(s.format) - 1);  // int8 128, int6 32, int5 16, int4 8, int3 4, int2 2
+}
+
+// The code range of a shape's integer format: symmetric q (the stored code is q + code_offset), affine u.
+inline int code_min(const MatrixShape& s) {
+  if (s.affine() || s.format == WeightFormat::lut4) return 0;
+  return s.format == WeightFormat::int8 ? -127 : -(1 << (code_bits(s.format) - 1));
+}
+inline int code_max(const MatrixShape& s) {
+  if (s.format == WeightFormat::int8) return 127;
+  if (s.affine() || s.format == WeightFormat::lut4) return (1 << code_bits(s.format)) - 1;
+  return (1 << (code_bits(s.format) - 1)) - 1;
+}
+
+// One row of a bit-plane block from its stored codes u[0 .. whole units of K) (layout.h), into bytes that are zero.
+inline void write_plane_row(const Planes& p, uint8_t* block, int r, const uint8_t* u, int n_quads) {
+  const int lo_mask = (1 << p.lo_bits) - 1, hi_mask = (1 << p.hi_bits) - 1;
+  for (int q = 0; q < n_quads; ++q) {
+    uint8_t* unit = block + p.unit_offset(q) + 4 * r;
+    for (int f = 0; f < 4; ++f) {
+      uint8_t* lo = unit + p.lo_line(q, f) * kLineBytes;
+      uint8_t* hi = unit + p.hi_line() * kLineBytes;
+      for (int e = 0; e < 4; ++e) {
+        const int c = u[16 * q + 4 * f + e];
+        lo[e] |= (uint8_t)((c & lo_mask) << p.lo_shift(f));
+        if (p.hi_bits) hi[e] |= (uint8_t)(((c >> p.lo_bits) & hi_mask) << p.hi_shift(q, f));
+      }
+    }
+  }
+}
+inline int plane_quads(const MatrixShape& s) {  // quads of K a bit-plane block stores (whole units)
+  const Planes p = planes_of(s.format);
+  return s.lines_per_block() / p.lines * p.quads;
 }
 
 inline void clear_block(const MatrixShape& s, uint8_t* data, uint8_t* scales) {
   const WeightFormat f = s.format;
   const uint8_t zero = s.affine() ? 0 : f == WeightFormat::int8 ? 128 : (f == WeightFormat::int4 ? 0x88 : 0);
-  std::memset(data, zero, s.block_bytes());
+  std::memset(data, plane_format(f) ? 0 : zero, s.block_bytes());
+  if (plane_format(f) && !s.affine()) {  // every code the offset 2^(b-1): the top bit of each code's high part
+    const Planes p = planes_of(f);
+    const uint8_t top = p.hi_bits == 1 ? 0xff : 0xaa;  // 1-bit fields all set; 2-bit fields 0b10
+    for (int line = p.hi_line(); line < s.lines_per_block(); line += p.lines)
+      std::memset(data + (size_t)line * kLineBytes, top, kLineBytes);
+  }
   // bytes 0: the scale 0, or in e8m0 the smallest, 2^-128 (padded rows' outputs are never read)
   if (s.has_scales()) std::memset(scales, 0, s.block_scale_bytes());
 }
@@ -421,9 +462,7 @@ bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* gr
   if (s.affine() && s.scale_type == ScaleType::e8m0) return false;
   clear_block(s, data, scales);
   const int off = code_offset(s);
-  const bool lut = f == WeightFormat::lut4;
-  const int lo = s.affine() || lut ? 0 : f == WeightFormat::int8 ? -127 : -8;
-  const int hi = f == WeightFormat::int8 ? 127 : s.affine() || lut ? 15 : 7;
+  const int lo = code_min(s), hi = code_max(s);
   const int ng = s.n_groups(), row0 = rb * kRowsPerBlock, rows = std::min(kRowsPerBlock, s.n - row0);
   uint8_t* min_set = scales + s.set_bytes();  // affine only
   for (int r = 0; r < rows; ++r) {
@@ -434,7 +473,18 @@ bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* gr
   }
   // Whole lines first, each line's 16 rows in turn (sequential stores), 4 codes (int8) or 8 (int4, lut4) per 32-bit
   // word: q + offset is q ^ 0x80 for int8 codes in [-127, 127] and (q & 15) ^ 8 for int4 codes in [-8, 7].
-  const int kpl = f == WeightFormat::int8 ? 4 : 8, n_lines = s.k / kpl;
+  if (plane_format(f)) {  // codes + offset, padding the offset (affine: 0), into zeroed planes, row by row
+    const Planes p = planes_of(f);
+    const int n_quads = plane_quads(s);
+    std::vector<uint8_t> u((size_t)n_quads * 16);
+    std::memset(data, 0, s.block_bytes());
+    for (int r = 0; r < kRowsPerBlock; ++r) {
+      const int8_t* src = r < rows ? q + (size_t)(row0 + r) * s.k : nullptr;
+      for (int k = 0; k < n_quads * 16; ++k) u[k] = (uint8_t)((src && k < s.k ? src[k] : 0) + off);
+      write_plane_row(p, data, r, u.data(), n_quads);
+    }
+  }
+  const int kpl = plane_format(f) ? 0 : f == WeightFormat::int8 ? 4 : 8, n_lines = kpl ? s.k / kpl : 0;
   const uint32_t flip = off == 128 ? 0x80808080u : off == 8 ? 0x08080808u : 0u;
   for (int j = 0; j < n_lines; ++j) {
     uint8_t* line = data + (size_t)j * kLineBytes;
@@ -455,7 +505,7 @@ bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* gr
   for (int r = 0; r < rows; ++r) {
     const int row = row0 + r;
     const int8_t* src = q + (size_t)row * s.k;
-    put_codes(f, data + 4 * r, n_lines * kpl, s.k - n_lines * kpl, src + n_lines * kpl, off);
+    if (!plane_format(f)) put_codes(f, data + 4 * r, n_lines * kpl, s.k - n_lines * kpl, src + n_lines * kpl, off);
     std::memcpy(row_values.data(), group_scales + (size_t)row * ng, sizeof(float) * ng);
     if (!store_row_set(s, row_values.data(), r, scales, true)) return false;
     if (s.affine()) {
@@ -477,8 +527,9 @@ void pack_row_block_rounded(const MatrixShape& s, const float* w, int rb, uint8_
   const int8_t* cb = f == WeightFormat::lut4 ? codebook_values(s.codebook) : nullptr;
   int cb_max = 0;
   for (int i = 0; cb && i < 16; ++i) cb_max = std::max(cb_max, std::abs((int)cb[i]));
-  const float qmax = f == WeightFormat::int8 ? 127.f : 15.f;  // affine codes 0..qmax
-  const float qlo = f == WeightFormat::int8 ? -127.f : -8.f, qhi = f == WeightFormat::int8 ? 127.f : 7.f;
+  const float qmax = (float)code_max(s);  // affine codes 0..qmax
+  const MatrixShape sym = MatrixShape::make(f, s.n, s.k, s.group);
+  const float qlo = (float)code_min(sym), qhi = (float)code_max(sym);
   std::vector<float> sc(ng), mn(ng);
   int8_t codes[kMaxGroup];
   for (int r = 0; r < kRowsPerBlock; ++r) {
@@ -497,8 +548,8 @@ void pack_row_block_rounded(const MatrixShape& s, const float* w, int rb, uint8_
         mn[g] = -lo;
       } else if (cb) {
         sc[g] = amax / (float)cb_max;
-      } else if (f == WeightFormat::int8) {
-        sc[g] = amax / 127.f;
+      } else if (f != WeightFormat::int4) {  // int8 and the bit-plane formats: absmax
+        sc[g] = amax / qhi;
       } else {
         sc[g] = n > 0 ? choose_int4_scale(src + k0, n, codes) : 0.f;
       }
@@ -568,7 +619,7 @@ void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data,
       if (s.affine()) {  // min/max over the group (with 0), codes 0..qmax
         float lo = 0.f, hi = 0.f;
         for (int i = 0; i < n; ++i) lo = std::fmin(lo, src[k0 + i]), hi = std::fmax(hi, src[k0 + i]);
-        const float qmax = f == WeightFormat::int8 ? 127.f : 15.f;
+        const float qmax = (float)code_max(s);
         scale = (hi - lo) / qmax;
         const float inv = scale > 0.f ? 1.f / scale : 0.f;
         for (int i = 0; i < n; ++i) codes[i] = (int8_t)clampf(round_even((src[k0 + i] - lo) * inv), 0.f, qmax);
@@ -579,13 +630,14 @@ void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data,
         scale = store_scale_rounded(s.scale_type, amax / (float)cb_max, sp);
         const float inv = scale > 0.f ? 1.f / scale : 0.f;
         for (int i = 0; i < n; ++i) codes[i] = (int8_t)nearest_index(cb, src[k0 + i] * inv);
-      } else if (f == WeightFormat::int8) {
+      } else if (f != WeightFormat::int4) {  // int8 and the bit-plane formats: absmax to the largest positive code
         float amax = row_amax;
         if (!s.per_row)
           for (int i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(src[k0 + i]));
-        float inv = amax > 0.f ? 127.f / amax : 0.f;
-        for (int i = 0; i < n; ++i) codes[i] = (int8_t)clampf(round_even(src[k0 + i] * inv), -127.f, 127.f);
-        scale = amax / 127.f;
+        const float qhi = (float)code_max(s), qlo = (float)code_min(s);
+        float inv = amax > 0.f ? qhi / amax : 0.f;
+        for (int i = 0; i < n; ++i) codes[i] = (int8_t)clampf(round_even(src[k0 + i] * inv), qlo, qhi);
+        scale = amax / qhi;
       } else if (s.per_row) {  // int4, the row's one scale
         for (int i = 0; i < n; ++i) codes[i] = (int8_t)clampf(round_even(src[k0 + i] * row_inv), -8.f, 7.f);
         scale = row_scale;
@@ -594,8 +646,8 @@ void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data,
       }
       if (!cb && s.scale_type != ScaleType::f32) {  // int8/int4: the codes again, for the scale the type holds
         scale = store_scale_rounded(s.scale_type, scale, sp);
-        const float inv = scale > 0.f ? 1.f / scale : 0.f, qlo = f == WeightFormat::int8 ? -127.f : -8.f;
-        const float qhi = f == WeightFormat::int8 ? 127.f : 7.f;
+        const float inv = scale > 0.f ? 1.f / scale : 0.f, qlo = (float)code_min(s);
+        const float qhi = (float)code_max(s);
         for (int i = 0; i < n; ++i) codes[i] = (int8_t)clampf(round_even(src[k0 + i] * inv), qlo, qhi);
       } else if (!cb) {
         std::memcpy(sp, &scale, 4);
@@ -614,8 +666,8 @@ void unpack_row_block(const MatrixShape& s, const uint8_t* data, const uint8_t* 
     if (row >= s.n) break;
     float* dst = w + (size_t)row * s.k;
     for (int k = 0; k < s.k; ++k) {
-      int nib;
-      const uint8_t* p = data + elem_offset(f, r, k, &nib);
+      int nib = 0;
+      const uint8_t* p = plane_format(f) ? data : data + elem_offset(f, r, k, &nib);
       if (f == WeightFormat::bf16) {
         uint16_t v;
         std::memcpy(&v, p, 2);
@@ -625,7 +677,9 @@ void unpack_row_block(const MatrixShape& s, const uint8_t* data, const uint8_t* 
       } else {
         const int g = k / s.group;
         const float scale = b.scale(g, r);
-        const int u = f == WeightFormat::int8 ? (int)*p : (int)((*p >> (4 * nib)) & 0x0f);
+        const int u = plane_format(f)          ? plane_code(planes_of(f), data, r, k)
+                      : f == WeightFormat::int8 ? (int)*p
+                                                : (int)((*p >> (4 * nib)) & 0x0f);
         if (s.affine())  // two roundings, as gguf's dequantization: fl(fl(scale * u) - min)
           dst[k] = (float)u * scale - b.min(g, r);
         else if (cb)

@@ -25,6 +25,10 @@ RandomFill RandomFill::make(WeightFormat f, float std, Codebook codebook) {
   // Standard deviation of the uniform quantized values: int8 q in [-127, 127], int4 q in [-8, 7], lut4 the
   // codebook's 16 values, fp8 the E4M3 values of exponents 2^-3 .. 2^1 (fill_random_block).
   float q_std = f == WeightFormat::int8 ? 73.6f : f == WeightFormat::fp8 ? 1.513f : 4.61f;
+  if (plane_format(f)) {  // uniform over the 2^b codes
+    const double n = (double)(1 << code_bits(f));
+    q_std = (float)std::sqrt((n * n - 1.) / 12.);
+  }
   if (f == WeightFormat::lut4) {
     double ss = 0.;
     for (int i = 0; i < 16; ++i) ss += (double)codebook_values(codebook)[i] * codebook_values(codebook)[i];
@@ -43,7 +47,22 @@ void fill_random_block(const MatrixShape& s, int rb, uint64_t seed, const Random
                        uint8_t* scales) {
   const int kpl = k_per_line(s.format);
   uint64_t state = seed;
-  for (int line = 0; line < s.lines_per_block(); ++line) {
+  if (plane_format(s.format)) {  // uniform codes, padding the code of zero (the offset; affine 0: the min undoes it)
+    const Planes p = planes_of(s.format);
+    const int bits = code_bits(s.format), pad = s.affine() ? 0 : 1 << (bits - 1);
+    const int kpu = s.lines_per_block() / p.lines * p.unit_k();
+    std::memset(data, 0, s.block_bytes());
+    for (int r = 0; r < kRowsPerBlock; ++r) {
+      const bool row_ok = rb * kRowsPerBlock + r < s.n;
+      for (int k = 0; k < kpu; k += 8) {
+        const uint64_t bits64 = splitmix64(state);
+        for (int i = 0; i < 8; ++i)
+          set_plane_code(p, data, r, k + i,
+                         row_ok && k + i < s.k ? (int)((bits64 >> (8 * i)) & ((1u << bits) - 1)) : pad);
+      }
+    }
+  }
+  for (int line = 0; line < (kpl ? s.lines_per_block() : 0); ++line) {
     for (int r = 0; r < kRowsPerBlock; ++r) {
       const bool row_ok = rb * kRowsPerBlock + r < s.n;
       const uint64_t bits = splitmix64(state);
@@ -87,7 +106,7 @@ void fill_random_block(const MatrixShape& s, int rb, uint64_t seed, const Random
   std::vector<float> v(s.n_groups());
   for (int r = 0; r < kRowsPerBlock; ++r) {
     for (int pass = 0; pass < (s.affine() ? 2 : 1); ++pass) {
-      const float value = pass == 0 ? scale : scale * (s.format == WeightFormat::int8 ? 128.f : 8.f);
+      const float value = pass == 0 ? scale : scale * (float)(1 << (code_bits(s.format) - 1));
       uint8_t* set = scales + (pass == 0 ? 0 : s.set_bytes());
       std::fill(v.begin(), v.end(), value);
       if (!store_row_set(s, v.data(), r, set, true)) {

@@ -16,25 +16,45 @@ const KernelEntry kTable[4][kWeightFormats] = {
                   {scalar::rowblock_int8, "int8/scalar"},
                   {scalar::rowblock_int4, "int4/scalar"},
                   {scalar::rowblock_lut4, "lut4/scalar"},
-                  {scalar::rowblock_fp8, "fp8/scalar"}},
+                  {scalar::rowblock_fp8, "fp8/scalar"},
+                  {scalar::rowblock_int6, "int6/scalar"},
+                  {scalar::rowblock_int5, "int5/scalar"},
+                  {scalar::rowblock_int3, "int3/scalar"},
+                  {scalar::rowblock_int2, "int2/scalar"}},
     /* avx2   */ {{avx2::rowblock_bf16, "bf16/avx2-fma"},
                   {avx2::rowblock_int8, "int8/avx2-madd"},
                   {avx2::rowblock_int4, "int4/avx2-maddubs"},
                   {avx2::rowblock_lut4, "lut4/avx2-pshufb-maddubs"},
-                  {avx2::rowblock_fp8, "fp8/avx2-fma"}},
+                  {avx2::rowblock_fp8, "fp8/avx2-fma"},
+                  {avx2::rowblock_int6, "int6/avx2-planes-madd"},
+                  {avx2::rowblock_int5, "int5/avx2-planes-madd"},
+                  {avx2::rowblock_int3, "int3/avx2-planes-maddubs"},
+                  {avx2::rowblock_int2, "int2/avx2-planes-maddubs"}},
     /* avx512 */ {{avx512::rowblock_bf16, "bf16/avx512-fma"},
                   {avx512::rowblock_int8, "int8/avx512-vnni"},
                   {avx512::rowblock_int4, "int4/avx512-vnni"},
                   {avx512::rowblock_lut4, "lut4/avx512-vpshufb-vnni"},
-                  {avx512::rowblock_fp8, "fp8/avx512-fma"}},
-    /* amx    */ {{}, {}, {}, {}, {}},  // row blocks of few tokens: the AVX-512 kernels; the GEMM from amx::gemm
+                  {avx512::rowblock_fp8, "fp8/avx512-fma"},
+                  {avx512::rowblock_int6, "int6/avx512-planes-vnni"},
+                  {avx512::rowblock_int5, "int5/avx512-planes-vnni"},
+                  {avx512::rowblock_int3, "int3/avx512-planes-vnni"},
+                  {avx512::rowblock_int2, "int2/avx512-planes-vnni"}},
+    /* amx    */ {{}, {}, {}, {}, {}, {}, {}, {}, {}},  // row blocks of few tokens: the AVX-512 kernels; the GEMM from amx::gemm
 };
 // clang-format on
 
 // [native, emulated][format]
 const char* const kGemmNames[2][kWeightFormats] = {
-    {"bf16/amx-tdpbf16ps", "int8/amx-tdpbsud", "int4/amx-tdpbsud", "lut4/amx-tdpbssd", "fp8/amx-tdpbf16ps"},
-    {"bf16/amx-emulated", "int8/amx-emulated", "int4/amx-emulated", "lut4/amx-emulated", "fp8/amx-emulated"}};
+    {"bf16/amx-tdpbf16ps", "int8/amx-tdpbsud", "int4/amx-tdpbsud", "lut4/amx-tdpbssd", "fp8/amx-tdpbf16ps",
+     "int6/amx-planes-tdpbsud", "int5/amx-planes-tdpbsud", "int3/amx-planes-tdpbsud", "int2/amx-planes-tdpbsud"},
+    {"bf16/amx-emulated", "int8/amx-emulated", "int4/amx-emulated", "lut4/amx-emulated", "fp8/amx-emulated",
+     "int6/amx-emulated", "int5/amx-emulated", "int3/amx-emulated", "int2/amx-emulated"}};
+
+const char* format_label(WeightFormat f) {
+  static const char* const names[kWeightFormats] = {"bf16", "int8", "int4", "lut4", "fp8",
+                                                    "int6", "int5", "int3", "int2"};
+  return names[(int)f];
+}
 
 const char* scale_type_name(ScaleType t) {
   static const char* const names[kScaleTypes] = {"fp32", "fp16", "bf16", "e8m0", "k8"};
@@ -99,6 +119,8 @@ void check_kernel_choice(const MatrixFormat& m, Isa isa, AmxMode amx, int amx_mi
       bad("lut4 group_size must be 16, 32, 64 or 128, got " + std::to_string(group));
     if (!lut4 && !per_row && group != 16 && group != 32 && group != 64 && group != 128)
       bad("group_size must be 16, 32, 64 or 128 (or 0 for per-row), got " + std::to_string(group));
+    if (plane_format(m.format) && per_row)
+      bad(std::string(format_label(m.format)) + " weights need a group size of 16, 32, 64 or 128 (no per-row scales)");
     if (lut4 && m.codebook == Codebook::none) bad("lut4 weights need a codebook (e2m1 or iq4nl)");
     if (!lut4 && m.codebook != Codebook::none) bad("a codebook goes with lut4 weights only");
     if (lut4 && m.scaling == Scaling::affine) bad("lut4 weights are symmetric: affine scaling needs int8 or int4");

@@ -100,6 +100,10 @@ void rowblock_int8(const RowBlock&, const uint8_t* const*, const ActLayout&, int
 void rowblock_int4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_lut4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_fp8(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
+void rowblock_int6(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
+void rowblock_int5(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
+void rowblock_int3(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
+void rowblock_int2(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 }  // namespace scalar
 namespace avx2 {
 uint64_t read_bytes(const uint8_t*, size_t);
@@ -109,6 +113,10 @@ void rowblock_int8(const RowBlock&, const uint8_t* const*, const ActLayout&, int
 void rowblock_int4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_lut4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_fp8(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
+void rowblock_int6(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
+void rowblock_int5(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
+void rowblock_int3(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
+void rowblock_int2(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 }  // namespace avx2
 namespace avx512 {
 uint64_t read_bytes(const uint8_t*, size_t);
@@ -118,6 +126,10 @@ void rowblock_int8(const RowBlock&, const uint8_t* const*, const ActLayout&, int
 void rowblock_int4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_lut4(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_fp8(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
+void rowblock_int6(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
+void rowblock_int5(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
+void rowblock_int3(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
+void rowblock_int2(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 }  // namespace avx512
 namespace amx {                   // kernels/amx/kernels.cpp (real tile instructions) and emulated.cpp (plain C++)
 GemmKernel gemm(WeightFormat f);  // Gemm<Native> (native AMX builds only)

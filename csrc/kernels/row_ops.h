@@ -82,7 +82,7 @@ inline void quantize(WeightFormat f, bool amx, const float* x, int k, const ActL
     for (; i + V::kLanes <= k; i += V::kLanes) V::to_bf16(x + i, dst + i);
     for (; i < k; ++i) dst[i] = float_to_bf16(x[i]);
     for (; i < a.kp; ++i) dst[i] = 0;
-  } else if (f == WeightFormat::int8 && !amx) {
+  } else if (wide_codes(f) && !amx) {  // int8, int6, int5
     quantize_groups<V, int16_t>(x, k, a, 32767.f, row);
   } else {
     quantize_groups<V, int8_t>(x, k, a, 127.f, row);

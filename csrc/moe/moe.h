@@ -49,7 +49,8 @@ constexpr int kAmxMinTokensInt4 = 32;
 constexpr int kAmxMinTokensFp8 = 16;
 inline int default_amx_min_tokens(WeightFormat f) {
   if (f == WeightFormat::fp8) return kAmxMinTokensFp8;
-  return f == WeightFormat::int4 || f == WeightFormat::lut4 ? kAmxMinTokensInt4 : kAmxMinTokens;
+  // the bit-plane formats expand their lines per call as int4 does
+  return f == WeightFormat::int4 || f == WeightFormat::lut4 || plane_format(f) ? kAmxMinTokensInt4 : kAmxMinTokens;
 }
 
 // The stages of one MoE job (see the top of this file), for the per-stage time profile.

@@ -29,7 +29,12 @@ inline WeightFormat format_from_name(const std::string& s) {
   if (s == "int4") return WeightFormat::int4;
   if (s == "lut4") return WeightFormat::lut4;
   if (s == "fp8") return WeightFormat::fp8;
-  throw std::invalid_argument("unknown weight format '" + s + "' (expected bf16, int8, int4, lut4 or fp8)");
+  if (s == "int6") return WeightFormat::int6;
+  if (s == "int5") return WeightFormat::int5;
+  if (s == "int3") return WeightFormat::int3;
+  if (s == "int2") return WeightFormat::int2;
+  throw std::invalid_argument("unknown weight format '" + s +
+                              "' (expected bf16, int8, int6, int5, int4, lut4, int3, int2 or fp8)");
 }
 
 // Scale types and codebooks by their Python names (hetmoe/cpu/experts.py SCALE_DTYPES, CODEBOOKS).
@@ -58,6 +63,10 @@ inline const char* format_name(WeightFormat f) {
     case WeightFormat::int4: return "int4";
     case WeightFormat::lut4: return "lut4";
     case WeightFormat::fp8: return "fp8";
+    case WeightFormat::int6: return "int6";
+    case WeightFormat::int5: return "int5";
+    case WeightFormat::int3: return "int3";
+    case WeightFormat::int2: return "int2";
   }
   return "?";
 }

@@ -299,7 +299,7 @@ void bind_experts(py::module_& m) {
     d["isa"] = isa_name(c.isa);
     d["kernel"] = ex.kernel().name;
     auto activation = [](WeightFormat f) {
-      return float_activations(f) ? "fp32" : f == WeightFormat::int8 ? "int16" : "int8";
+      return float_activations(f) ? "fp32" : wide_codes(f) ? "int16" : "int8";
     };
     d["activation"] = activation(c.format);
     d["down_weight_format"] = format_name(ex.down_format());

@@ -136,7 +136,7 @@ void bind_linear(py::module_& m) {
           d["group_size"] = py::none();
         d["isa"] = isa_name(c.isa);
         d["kernel"] = lin.kernel().name;
-        d["activation"] = c.format == WeightFormat::bf16 ? "fp32" : c.format == WeightFormat::int8 ? "int16" : "int8";
+        d["activation"] = c.format == WeightFormat::bf16 ? "fp32" : wide_codes(c.format) ? "int16" : "int8";
         const AmxMode amx = lin.amx_mode();
         d["amx"] = amx == AmxMode::native ? "native" : amx == AmxMode::emulated ? "emulated" : "off";
         d["amx_kernel"] = amx != AmxMode::off ? py::cast(lin.kernel().gemm_name) : py::none();

@@ -27,9 +27,7 @@ PYBIND11_MODULE(_C, m) {
     d["amx_unavailable"] = amx_unavailable_reason();  // "" when the AMX kernels can run
     d["amx_kernels_compiled"] = amx_kernels_compiled();
     py::dict amx_min;  // per weight format
-    for (WeightFormat f :
-         {WeightFormat::bf16, WeightFormat::int8, WeightFormat::int4, WeightFormat::lut4, WeightFormat::fp8})
-      amx_min[format_name(f)] = default_amx_min_tokens(f);
+    for (int f = 0; f < kWeightFormats; ++f) amx_min[format_name((WeightFormat)f)] = default_amx_min_tokens((WeightFormat)f);
     d["amx_min_tokens_default"] = amx_min;
     return d;
   });
@@ -44,6 +42,10 @@ PYBIND11_MODULE(_C, m) {
          {WeightFormat::bf16, WeightFormat::int8, WeightFormat::int4, WeightFormat::lut4, WeightFormat::fp8})
       per_line[format_name(f)] = k_per_line(f);
     layout["k_per_line"] = per_line;
+    py::dict planes;  // bit-plane formats: (values of K per unit, lines per unit, bits per code)
+    for (WeightFormat f : {WeightFormat::int6, WeightFormat::int5, WeightFormat::int3, WeightFormat::int2})
+      planes[format_name(f)] = py::make_tuple(planes_of(f).unit_k(), planes_of(f).lines, code_bits(f));
+    layout["planes"] = planes;
     py::dict widths;  // bytes per stored scale, per scale dtype
     for (int t = 0; t < kScaleTypes; ++t) widths[bindings::kScaleTypeNames[t]] = scale_width((ScaleType)t);
     layout["scale_width"] = widths;

@@ -9,9 +9,10 @@ becomes the engine's int8 / int4 codes with their own scales (and mins), so the 
   scales and mins (min = -m): Q4_1 at the file's 20 bytes per 32.
 - The K-quants, with their two-level scales held as the file holds them (scale dtype k8: an int8 sub-scale per group,
   an fp16 super scale per 256 values; affine mins the same): Q4_K / Q5_K (value = scale * q - min per 32, q in 0..15 /
-  0..31) int4 / int8 affine, group 32; Q6_K (value = scale * q per 16, q in [-32, 31]) int8 symmetric, group 16;
-  Q3_K (value = d * (sc - 32) * q per 16, q in [-4, 3]) int4 symmetric, group 16; Q2_K (value = scale * q - min
-  per 16, q in 0..3) int4 affine, group 16.
+  0..31) int4 / int5 affine, group 32; Q6_K (value = scale * q per 16, q in [-32, 31]) int6 symmetric, group 16;
+  Q3_K (value = d * (sc - 32) * q per 16, q in [-4, 3]) int3 symmetric, group 16; Q2_K (value = scale * q - min
+  per 16, q in 0..3) int2 affine, group 16. int6 / int5 / int3 / int2 are the bit-plane formats: b bits per code,
+  so each type is held at its file's bytes (csrc/formats/layout.h).
 - IQ4_NL (fp16 scale per 32, 4-bit indices into llama.cpp's kvalues_iq4nl): lut4, codebook iq4nl, fp16 scales.
 - IQ4_XS (super-blocks of 256: fp16 d and a 6-bit scale per 32, value = d * (ls - 32) * kvalues_iq4nl[q]): lut4 iq4nl,
   group 32, k8 scales (d * (ls - 32) split into the int8 sub-scale and the fp16 d again).
@@ -39,21 +40,26 @@ import torch
 
 from hetmoe import _C
 from hetmoe.cpu.experts import CPUExperts
-from hetmoe.cpu.layout import CODEBOOKS, ROWS, SUPER_BLOCK
+from hetmoe.cpu.layout import CODEBOOKS, PLANES, ROWS, SUPER_BLOCK
 
 CODE_RANGE = {("int8", "symmetric"): (-127, 127), ("int4", "symmetric"): (-8, 7),
-              ("int8", "affine"): (0, 127), ("int4", "affine"): (0, 15), ("lut4", "symmetric"): (0, 15)}
+              ("int8", "affine"): (0, 127), ("int4", "affine"): (0, 15), ("lut4", "symmetric"): (0, 15),
+              **{(f, "symmetric"): (-(1 << (PLANES[f][2] - 1)), (1 << (PLANES[f][2] - 1)) - 1) for f in PLANES},
+              **{(f, "affine"): (0, (1 << PLANES[f][2]) - 1) for f in PLANES}}
 # GGML types held exactly -> (format, scaling, group, scale dtype, codebook)
 EXACT_TYPES = {"Q8_0": ("int8", "symmetric", 32, "fp16", None), "Q4_0": ("int4", "symmetric", 32, "fp16", None),
                "Q5_0": ("int8", "symmetric", 32, "fp16", None),
                "Q4_1": ("int4", "affine", 32, "fp16", None), "Q5_1": ("int8", "affine", 32, "fp16", None),
-               "Q2_K": ("int4", "affine", 16, "k8", None), "Q3_K": ("int4", "symmetric", 16, "k8", None),
-               "Q4_K": ("int4", "affine", 32, "k8", None), "Q5_K": ("int8", "affine", 32, "k8", None),
-               "Q6_K": ("int8", "symmetric", 16, "k8", None),
+               "Q2_K": ("int2", "affine", 16, "k8", None), "Q3_K": ("int3", "symmetric", 16, "k8", None),
+               "Q4_K": ("int4", "affine", 32, "k8", None), "Q5_K": ("int5", "affine", 32, "k8", None),
+               "Q6_K": ("int6", "symmetric", 16, "k8", None),
                "IQ4_NL": ("lut4", "symmetric", 32, "fp16", "iq4nl"),
                "IQ4_XS": ("lut4", "symmetric", 32, "k8", "iq4nl"),
                "MXFP4": ("lut4", "symmetric", 32, "e8m0", "e2m1")}
 FOUR_BITS = ("int4", "lut4")
+# formats whose codes a plan counts as int8 (the row blocks read int16 activations for them); the others as int4
+WIDE = ("int8", "int6", "int5")
+NARROW = FOUR_BITS + ("int3", "int2")
 
 
 def exact_layout(gate_up_type: str, down_type: str, plan: Optional[str] = None) -> Optional[dict]:
@@ -66,7 +72,7 @@ def exact_layout(gate_up_type: str, down_type: str, plan: Optional[str] = None) 
         return None
     gu, down = EXACT_TYPES[gate_up_type], EXACT_TYPES[down_type]
     fmts, books = (gu[0], down[0]), (gu[4], down[4])
-    if plan == "int8" and gu[0] in FOUR_BITS and down[0] in FOUR_BITS:
+    if plan == "int8" and gu[0] in NARROW and down[0] in NARROW:
         fmts, books = ("int8", "int8"), (None, None)
     return {"weight_format": fmts[0] if fmts[0] == fmts[1] else fmts, "group_size": gu[2],
             "down_group_size": down[2], "scaling": (gu[1], down[1]), "scale_dtype": (gu[3], down[3]),
@@ -80,7 +86,8 @@ def plan_format(layout: dict) -> tuple:
     fmt = layout["weight_format"]
     if fmt == "fp8":
         return "fp8", layout["group_size"]
-    return ("int8" if "int8" in (fmt if isinstance(fmt, tuple) else (fmt,)) else "int4"), layout["group_size"]
+    wide = any(f in WIDE for f in (fmt if isinstance(fmt, tuple) else (fmt,)))
+    return ("int8" if wide else "int4"), layout["group_size"]
 
 
 def layout_of(experts: CPUExperts) -> dict:
@@ -113,8 +120,9 @@ def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Seque
     experts' bytes (still not marked loaded)."""
     info = experts.info()
     fmt, group, down_group = info["weight_format"], info["group_size"], info["down_group_size"]
-    if fmt not in ("int8", "int4", "lut4") or group <= 0 or down_group <= 0:
-        raise ValueError(f"codes load into grouped int8, int4 or lut4 experts; these are {fmt} (group {group})")
+    if fmt not in ("int8", "int4", "lut4", *PLANES) or group <= 0 or down_group <= 0:
+        raise ValueError(f"codes load into grouped int8, int4, lut4 or bit-plane (int6, int5, int3, int2) experts; "
+                         f"these are {fmt} (group {group})")
     mins = (None, None, None) if mins is None else tuple(mins)
     if len(codes) != 3 or len(scales) != 3 or len(mins) != 3:
         raise ValueError("codes, scales and mins must each hold (gate, up, down)")

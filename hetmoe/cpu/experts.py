@@ -32,6 +32,9 @@ LUT_FORMAT = "lut4"
 # fp8: E4M3 codes, one byte per weight (csrc/formats/layout.h), for FP8 checkpoints' own experts (hetmoe/cpu/codes.py
 # load_fp8); floats loaded into it are rounded to E4M3
 FP8_FORMAT = "fp8"
+# bit-plane formats: b-bit codes at b bits each (csrc/formats/layout.h), for the K-quants' own codes (Q6_K, Q5_K, Q3_K,
+# Q2_K: hetmoe/cpu/codes.py); floats loaded into them are quantized absmax (affine: min/max) per group
+PLANE_FORMATS = ("int6", "int5", "int3", "int2")
 # how int8/int4/lut4/fp8 scales are stored (csrc/formats/layout.h); k8: the K-quants' int8 sub-scale x fp16 per 256
 # (int8/int4 only)
 SCALE_DTYPES = ("fp32", "fp16", "bf16", "e8m0", "k8")
@@ -215,7 +218,7 @@ class CPUExperts:
         codebook = (codebook, codebook) if codebook is None or isinstance(codebook, str) else tuple(codebook)
         shared_scales = (shared_scales, shared_scales) if isinstance(shared_scales, bool) else tuple(shared_scales)
         weight_format, down_format = (weight_format, "") if isinstance(weight_format, str) else weight_format
-        formats = WEIGHT_FORMATS + (LUT_FORMAT, FP8_FORMAT)
+        formats = WEIGHT_FORMATS + PLANE_FORMATS + (LUT_FORMAT, FP8_FORMAT)
         if weight_format not in formats or down_format not in formats + ("",):
             raise ValueError(f"unknown weight_format {weight_format!r}; expected one of {', '.join(formats)}")
         if len(scale_dtype) != 2 or any(t not in SCALE_DTYPES for t in scale_dtype):

@@ -11,7 +11,10 @@ VERSION = _C.LAYOUT_VERSION  # bumped whenever the packed bytes change (the expe
 ROWS = _C.LAYOUT["rows_per_block"]  # rows of a row block
 LINE = _C.LAYOUT["line_bytes"]  # bytes of a line: the same 4-byte slice of K for each of the ROWS rows
 BF16_GROUP = _C.LAYOUT["bf16_group"]  # K padding unit of bf16, which has no scales
-K_PER_LINE = dict(_C.LAYOUT["k_per_line"])  # values of K per line, per format
+K_PER_LINE = dict(_C.LAYOUT["k_per_line"])  # values of K per line, per format (not the bit-plane formats)
+# bit-plane formats (int6, int5, int3, int2): (values of K per unit, lines per unit, bits per code); a matrix's K is
+# stored in whole units
+PLANES = {name: tuple(v) for name, v in _C.LAYOUT["planes"].items()}
 SCALE_WIDTH = dict(_C.LAYOUT["scale_width"])  # bytes per stored scale, per scale dtype (k8: the int8 sub-scale)
 SUPER_BLOCK = _C.LAYOUT["super_block"]  # k8: values of K per fp16 super scale
 CODEBOOKS = {name: tuple(values) for name, values in _C.LAYOUT["codebooks"].items()}  # lut4: name -> 16 int8 values
@@ -20,6 +23,14 @@ CODEBOOKS = {name: tuple(values) for name, values in _C.LAYOUT["codebooks"].item
 # The fp8 experts a plan's (format, group) means: group 128, block FP8 (one fp32 scale per 16 rows and group, shared:
 # csrc/formats/layout.h), group 32, MXFP8 (one e8m0 scale per row and group). CPUExperts' keyword arguments.
 FP8_LAYOUTS = {128: {"scale_dtype": "fp32", "shared_scales": True}, 32: {"scale_dtype": "e8m0", "shared_scales": False}}
+
+
+def data_lines(fmt: str, kp: int) -> int:
+    """Lines of one row block of ``fmt`` whose K is padded to ``kp`` (bit-plane formats: whole units)."""
+    if fmt in PLANES:
+        unit_k, lines, _ = PLANES[fmt]
+        return -(-kp // unit_k) * lines
+    return kp // K_PER_LINE[fmt]
 
 
 def set_bytes(n_blocks: int, kp: int, group: int, scale_dtype: str, shared_scales: bool = False) -> int:
@@ -39,7 +50,7 @@ def packed_matrix_bytes(fmt: str, n: int, k: int, group: int, affine: bool = Fal
     rows) included."""
     group = BF16_GROUP if fmt == "bf16" else (group or 128)
     n_blocks, kp = -(-n // ROWS), -(-k // group) * group
-    data = n_blocks * ROWS * kp * LINE // (ROWS * K_PER_LINE[fmt])
+    data = n_blocks * data_lines(fmt, kp) * LINE
     shared = shared_scales and fmt == "fp8"
     scales = 0 if fmt == "bf16" else set_bytes(n_blocks, kp, group, scale_dtype, shared) * (2 if affine else 1)
     return data + scales

@@ -155,6 +155,10 @@ GemmKernel emulated_with(WeightFormat f, bool int4_signed) {
       return int4_signed ? int4_gemm<Emulated, EmulatedT<true>, kTwoSetMax> : Gemm<Emulated, kTwoSetMax>::int4;
     case WeightFormat::lut4: return Gemm<EmulatedT<true>, kTwoSetMax>::lut4;
     case WeightFormat::fp8: return Gemm<Emulated>::fp8;
+    case WeightFormat::int6: return Gemm<Emulated, kTwoSetMax>::template planes<WeightFormat::int6>;
+    case WeightFormat::int5: return Gemm<Emulated, kTwoSetMax>::template planes<WeightFormat::int5>;
+    case WeightFormat::int3: return Gemm<Emulated, kTwoSetMax>::template planes<WeightFormat::int3>;
+    case WeightFormat::int2: return Gemm<Emulated, kTwoSetMax>::template planes<WeightFormat::int2>;
   }
   return nullptr;
 }

@@ -70,6 +70,26 @@ constexpr int kChunkInt8 = 1024;  // same bytes for int8 lines (a multiple of ev
 // the two-set loop at 3.5-4.1 (int8: 5.8 and 4.0 at T = 512; BENCHMARKS.md#amx-prefill).
 constexpr int kTwoSetMaxTokens = 32;
 
+// A bit-plane block's codes (formats/layout.h) as kp / 4 int8 lines of the stored codes u, as plain C++ for the native
+// and the emulated GEMM alike (the same bytes; each byte line one shift and mask per plane, which compilers vectorize).
+inline void unpack_planes(const Planes& p, const uint8_t* src, int kp, uint8_t* dst) {
+  const int lo_mask = (1 << p.lo_bits) - 1, hi_mask = (1 << p.hi_bits) - 1;
+  for (int q = 0; q < kp / 16; ++q) {
+    const uint8_t* unit = src + p.unit_offset(q);
+    const uint8_t* hi = unit + p.hi_line() * kLineBytes;
+    for (int f = 0; f < 4; ++f) {
+      const uint8_t* lo = unit + p.lo_line(q, f) * kLineBytes;
+      const int ls = p.lo_shift(f), hs = p.hi_shift(q, f);
+      uint8_t* d = dst + (size_t)(4 * q + f) * kLineBytes;
+      if (p.hi_bits)
+        for (int b = 0; b < kLineBytes; ++b)
+          d[b] = (uint8_t)(((lo[b] >> ls) & lo_mask) | (((hi[b] >> hs) & hi_mask) << p.lo_bits));
+      else
+        for (int b = 0; b < kLineBytes; ++b) d[b] = (uint8_t)((lo[b] >> ls) & lo_mask);
+    }
+  }
+}
+
 // Per-thread buffer of the int4 expansion (grows, 64-byte aligned, never shrinks).
 inline uint8_t* slab(size_t bytes) {
   struct Buf {
@@ -566,6 +586,31 @@ struct Gemm {
       }
     }
     Tiles::release();
+  }
+
+  // ---- bit-plane weights (int6, int5, int3, int2; formats/layout.h): each block's planes expanded into int8 lines of
+  // the stored codes u (unpack_planes: byte line f of quad q is int8 line 4q + f), summed with tdpbsud (a policy with
+  // unsigned B bytes), the offset 2^(b-1) of symmetric codes undone in the epilogue as int8's 128 is. The next call's
+  // packed lines are prefetched into L2 across this call's steps, as int4's.
+  template <WeightFormat F>
+  static void planes(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
+                     const ActLayout& a, int n_tok, float* out) {
+    static_assert(!Tiles::kSignedB, "bit-plane codes expand to unsigned bytes");
+    constexpr Planes P = planes_of(F);
+    const int kp = w[0].kp;
+    const size_t block_bytes = (size_t)kp / 4 * kLineBytes;
+    uint8_t* buf = slab(block_bytes * n_blk);
+    const uint8_t* lines[2] = {buf, buf + block_bytes};
+    for (int j = 0; j < n_blk; ++j) unpack_planes(P, w[j].data, kp, buf + j * block_bytes);
+    NextChunk spread;
+    if (next) {
+      for (int j = 0; j < n_next && j < 2; ++j) spread.p[j] = next[j].data;
+      spread.n = n_next < 2 ? n_next : 2;
+      spread.lines = (next[0].kp + P.unit_k() - 1) / P.unit_k() * P.lines;
+    }
+    const int32_t offset = w[0].mins ? 0 : 1 << (code_bits(F) - 1);
+    int8_lines(lines, BlockScales::of(w, n_blk), n_blk, nullptr, 0, kp, w[0].group, offset, x, a, n_tok, out, false,
+               spread, true);
   }
 
   // The next call's packed nibble lines, prefetched into L2 across an int4 / lut4 call's steps.

@@ -376,6 +376,184 @@ struct Lut4Tile {
   }
 };
 
+// Bit-plane weights (formats/layout.h; avx512/kernels.cpp plane_quad): the four byte lines of one quad of K, each as
+// two halves (rows 0..7, 8..15): out[f][h].
+template <WeightFormat F>
+inline void plane_quad(const uint8_t* unit, int qi, __m256i (*out)[2]) {
+  constexpr Planes P = planes_of(F);
+  const __m256i lo_mask = _mm256_set1_epi8((char)((1 << P.lo_bits) - 1));
+  const __m256i hi_mask = _mm256_set1_epi8((char)(((1 << P.hi_bits) - 1) << P.lo_bits));
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    if constexpr (P.lo_bits == 4) {
+      const __m256i l0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(unit + 2 * qi * kLineBytes + 32 * h));
+      const __m256i l1 =
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(unit + (2 * qi + 1) * kLineBytes + 32 * h));
+      out[0][h] = _mm256_and_si256(l0, lo_mask);
+      out[1][h] = _mm256_and_si256(_mm256_srli_epi16(l0, 4), lo_mask);
+      out[2][h] = _mm256_and_si256(l1, lo_mask);
+      out[3][h] = _mm256_and_si256(_mm256_srli_epi16(l1, 4), lo_mask);
+    } else {
+      const __m256i l = _mm256_load_si256(reinterpret_cast<const __m256i*>(unit + qi * kLineBytes + 32 * h));
+      out[0][h] = _mm256_and_si256(l, lo_mask);
+      out[1][h] = _mm256_and_si256(_mm256_srli_epi16(l, 2), lo_mask);
+      out[2][h] = _mm256_and_si256(_mm256_srli_epi16(l, 4), lo_mask);
+      out[3][h] = _mm256_and_si256(_mm256_srli_epi16(l, 6), lo_mask);
+    }
+    if constexpr (P.hi_bits > 0) {
+      __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(unit + P.hi_line() * kLineBytes + 32 * h));
+      if (P.quads == 2 && qi) v = _mm256_srli_epi16(v, 4);  // quad 1's bits 4..7 down to 0..3
+#pragma GCC unroll 4
+      for (int f = 0; f < 4; ++f) {
+        const int up = P.lo_bits - P.hi_shift(0, f);
+        const __m256i s = up >= 0 ? _mm256_slli_epi16(v, up) : _mm256_srli_epi16(v, -up);
+        out[f][h] = _mm256_or_si256(out[f][h], _mm256_and_si256(s, hi_mask));
+      }
+    }
+  }
+}
+
+// int6 / int5 weights x int16 activations: each byte line's 16-byte chunks (4 rows x 4 k) widened to words and
+// multiplied with madd as Int8Tile does (the same integer sums as int8 of the same codes).
+template <WeightFormat F>
+struct PlaneWide {
+  template <int NT>
+  struct Tile {
+    static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+      w.mins ? body<true>(w, rows, a, out) : body<false>(w, rows, a, out);
+    }
+    template <bool kAffine>
+    static void body(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+      constexpr Planes P = planes_of(F);
+      constexpr int32_t kOffset = 1 << (code_bits(F) - 1);
+      const int quads_per_group = w.group / 16, n_groups = w.kp / w.group;
+      const int16_t* x[NT];
+#pragma GCC unroll 8
+      for (int i = 0; i < NT; ++i) x[i] = reinterpret_cast<const int16_t*>(rows[i]);
+      __m256 facc[NT][2];
+#pragma GCC unroll 8
+      for (int i = 0; i < NT; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
+      for (int g = 0; g < n_groups; ++g) {
+        __m256i acc[NT][4];
+#pragma GCC unroll 8
+        for (int i = 0; i < NT; ++i)
+#pragma GCC unroll 4
+          for (int c = 0; c < 4; ++c) acc[i][c] = _mm256_setzero_si256();
+        for (int qq = 0; qq < quads_per_group; ++qq) {
+          const int q = g * quads_per_group + qq;
+          const uint8_t* unit = w.data + P.unit_offset(q);
+          _mm_prefetch(reinterpret_cast<const char*>(unit) + kPrefetchBytes, _MM_HINT_T0);
+          __m256i bl[4][2];
+          plane_quad<F>(unit, q % P.quads, bl);
+#pragma GCC unroll 4
+          for (int f = 0; f < 4; ++f) {
+            __m256i xb[NT];
+#pragma GCC unroll 8
+            for (int i = 0; i < NT; ++i) {
+              int64_t q4;
+              std::memcpy(&q4, x[i] + 16 * q + 4 * f, 8);
+              xb[i] = _mm256_set1_epi64x(q4);
+            }
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; ++c) {
+              const __m256i y = bl[f][c / 2];
+              const __m256i w16 =
+                  _mm256_cvtepu8_epi16(c % 2 ? _mm256_extracti128_si256(y, 1) : _mm256_castsi256_si128(y));
+#pragma GCC unroll 8
+              for (int i = 0; i < NT; ++i) acc[i][c] = _mm256_add_epi32(acc[i][c], _mm256_madd_epi16(w16, xb[i]));
+            }
+          }
+        }
+        const __m256 ws0 = scales8(w, g, 0), ws1 = scales8(w, g, 1);
+        const __m256 wm0 = mins8<kAffine>(w, g, 0), wm1 = mins8<kAffine>(w, g, 1);
+#pragma GCC unroll 8
+        for (int i = 0; i < NT; ++i) {
+          const float xs = act_scales(rows[i], a)[g];
+          const int32_t xsum = act_sums(rows[i], a)[g];
+          __m256i lo = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][0], acc[i][1]), 0xD8);
+          __m256i hi = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][2], acc[i][3]), 0xD8);
+          facc[i][0] = epilogue8<kAffine>(facc[i][0], lo, kOffset, xsum, ws0, wm0, xs);
+          facc[i][1] = epilogue8<kAffine>(facc[i][1], hi, kOffset, xsum, ws1, wm1, xs);
+        }
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < NT; ++i) {
+        _mm256_storeu_ps(out + i * kRowsPerBlock, facc[i][0]);
+        _mm256_storeu_ps(out + i * kRowsPerBlock + 8, facc[i][1]);
+      }
+    }
+  };
+};
+
+// int3 / int2 weights x int8 activations: maddubs per byte line as Int4Tile's nibble halves; a quad's four lines
+// summed in int16 (|sum| <= 4 * 2 * 7 * 128), then widened to int32 per row.
+template <WeightFormat F>
+struct PlaneNarrow {
+  template <int NT>
+  struct Tile {
+    static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+      w.mins ? body<true>(w, rows, a, out) : body<false>(w, rows, a, out);
+    }
+    template <bool kAffine>
+    static void body(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+      constexpr Planes P = planes_of(F);
+      constexpr int32_t kOffset = 1 << (code_bits(F) - 1);
+      const int quads_per_group = w.group / 16, n_groups = w.kp / w.group;
+      const __m256i ones = _mm256_set1_epi16(1);
+      const int8_t* x[NT];
+#pragma GCC unroll 8
+      for (int i = 0; i < NT; ++i) x[i] = reinterpret_cast<const int8_t*>(rows[i]);
+      __m256 facc[NT][2];
+#pragma GCC unroll 8
+      for (int i = 0; i < NT; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
+      for (int g = 0; g < n_groups; ++g) {
+        __m256i acc[NT][2];
+#pragma GCC unroll 8
+        for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+        for (int qq = 0; qq < quads_per_group; ++qq) {
+          const int q = g * quads_per_group + qq;
+          const uint8_t* unit = w.data + P.unit_offset(q);
+          _mm_prefetch(reinterpret_cast<const char*>(unit) + kPrefetchBytes, _MM_HINT_T0);
+          __m256i bl[4][2];
+          plane_quad<F>(unit, q % P.quads, bl);
+#pragma GCC unroll 8
+          for (int i = 0; i < NT; ++i) {
+            __m256i xd[4];
+#pragma GCC unroll 4
+            for (int f = 0; f < 4; ++f) {
+              int32_t v;
+              std::memcpy(&v, x[i] + 16 * q + 4 * f, 4);
+              xd[f] = _mm256_set1_epi32(v);
+            }
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; ++h) {
+              const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(bl[0][h], xd[0]),
+                                                   _mm256_maddubs_epi16(bl[1][h], xd[1]));
+              const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(bl[2][h], xd[2]),
+                                                   _mm256_maddubs_epi16(bl[3][h], xd[3]));
+              acc[i][h] = _mm256_add_epi32(acc[i][h], _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones));
+            }
+          }
+        }
+        const __m256 ws0 = scales8(w, g, 0), ws1 = scales8(w, g, 1);
+        const __m256 wm0 = mins8<kAffine>(w, g, 0), wm1 = mins8<kAffine>(w, g, 1);
+#pragma GCC unroll 8
+        for (int i = 0; i < NT; ++i) {
+          const float xs = act_scales(rows[i], a)[g];
+          const int32_t xsum = act_sums(rows[i], a)[g];
+          facc[i][0] = epilogue8<kAffine>(facc[i][0], acc[i][0], kOffset, xsum, ws0, wm0, xs);
+          facc[i][1] = epilogue8<kAffine>(facc[i][1], acc[i][1], kOffset, xsum, ws1, wm1, xs);
+        }
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < NT; ++i) {
+        _mm256_storeu_ps(out + i * kRowsPerBlock, facc[i][0]);
+        _mm256_storeu_ps(out + i * kRowsPerBlock + 8, facc[i][1]);
+      }
+    }
+  };
+};
+
 // fp8 (formats/layout.h, avx512/kernels.cpp Fp8Tile): one 32-byte half of a line (rows 8h..8h+7) as fp32 q * 2^-8
 // in four vectors of row pairs: lo[q] rows 8h + 4q .. + 3 as (k, k + 2) pairs of bytes 0 and 2, hi[q] of bytes 1, 3.
 struct Fp8Half {
@@ -536,6 +714,18 @@ void rowblock_lut4(const RowBlock& w, const uint8_t* const* rows, const ActLayou
 }
 void rowblock_fp8(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
   tiles::run_tiles<1, Fp8Tile>(w, rows, a, n_tok, out);
+}
+void rowblock_int6(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  tiles::run_tiles<2, PlaneWide<WeightFormat::int6>::Tile>(w, rows, a, n_tok, out);
+}
+void rowblock_int5(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  tiles::run_tiles<2, PlaneWide<WeightFormat::int5>::Tile>(w, rows, a, n_tok, out);
+}
+void rowblock_int3(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  tiles::run_tiles<2, PlaneNarrow<WeightFormat::int3>::Tile>(w, rows, a, n_tok, out);
+}
+void rowblock_int2(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  tiles::run_tiles<2, PlaneNarrow<WeightFormat::int2>::Tile>(w, rows, a, n_tok, out);
 }
 
 }  // namespace avx2

@@ -282,6 +282,159 @@ using Int4Tile = NibbleTile<NT, false>;
 template <int NT>
 using Lut4Tile = NibbleTile<NT, true>;
 
+// Bit-plane weights (formats/layout.h): the four byte lines of one quad of K (16 rows x 16 k, byte f: k 4f..4f+3 of
+// the quad), unpacked from the quad's unit with a shift and a mask per plane. unit: the unit's first line; qi: the
+// quad's place in its unit (0, or 1 where the high plane has 1 bit).
+template <WeightFormat F>
+inline void plane_quad(const uint8_t* unit, int qi, __m512i* out) {
+  constexpr Planes P = planes_of(F);
+  const __m512i lo_mask = _mm512_set1_epi8((char)((1 << P.lo_bits) - 1));
+  if constexpr (P.lo_bits == 4) {
+    const __m512i l0 = _mm512_load_si512(unit + 2 * qi * kLineBytes), l1 = _mm512_load_si512(unit + (2 * qi + 1) * kLineBytes);
+    out[0] = _mm512_and_si512(l0, lo_mask);
+    out[1] = _mm512_and_si512(_mm512_srli_epi16(l0, 4), lo_mask);
+    out[2] = _mm512_and_si512(l1, lo_mask);
+    out[3] = _mm512_and_si512(_mm512_srli_epi16(l1, 4), lo_mask);
+  } else {
+    const __m512i l = _mm512_load_si512(unit + qi * kLineBytes);
+    out[0] = _mm512_and_si512(l, lo_mask);
+    out[1] = _mm512_and_si512(_mm512_srli_epi16(l, 2), lo_mask);
+    out[2] = _mm512_and_si512(_mm512_srli_epi16(l, 4), lo_mask);
+    out[3] = _mm512_and_si512(_mm512_srli_epi16(l, 6), lo_mask);
+  }
+  if constexpr (P.hi_bits > 0) {
+    __m512i h = _mm512_load_si512(unit + P.hi_line() * kLineBytes);
+    if (P.quads == 2 && qi) h = _mm512_srli_epi16(h, 4);  // quad 1's bits 4..7 down to 0..3 (bits 4..7 unused)
+    const __m512i hi_mask = _mm512_set1_epi8((char)(((1 << P.hi_bits) - 1) << P.lo_bits));
+    // field f at bit hi_shift(0, f), moved up to bit lo_bits
+#pragma GCC unroll 4
+    for (int f = 0; f < 4; ++f) {
+      const int up = P.lo_bits - P.hi_shift(0, f);
+      const __m512i v = up >= 0 ? _mm512_slli_epi16(h, up) : _mm512_srli_epi16(h, -up);
+      out[f] = _mm512_or_si512(out[f], _mm512_and_si512(v, hi_mask));
+    }
+  }
+}
+
+// int6 / int5 weights x int16 activations: each byte line widened to words and multiplied with vpdpwssd as an int8
+// line (Int8Tile), so the integer sums, and the outputs, are int8's for the same codes.
+template <WeightFormat F>
+struct PlaneWide {
+  template <int NT>
+  struct Tile {
+    static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+      w.mins ? body<true>(w, rows, a, out) : body<false>(w, rows, a, out);
+    }
+    template <bool kAffine>
+    static void body(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+      constexpr Planes P = planes_of(F);
+      constexpr int32_t kOffset = 1 << (code_bits(F) - 1);
+      const int quads_per_group = w.group / 16, n_groups = w.kp / w.group;
+      const int16_t* x[NT];
+#pragma GCC unroll 16
+      for (int i = 0; i < NT; ++i) x[i] = reinterpret_cast<const int16_t*>(rows[i]);
+      __m512 facc[NT];
+#pragma GCC unroll 16
+      for (int i = 0; i < NT; ++i) facc[i] = _mm512_setzero_ps();
+      for (int g = 0; g < n_groups; ++g) {
+        __m512i acc[NT][2];
+#pragma GCC unroll 16
+        for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
+        for (int qq = 0; qq < quads_per_group; ++qq) {
+          const int q = g * quads_per_group + qq;
+          const uint8_t* unit = w.data + P.unit_offset(q);
+          _mm_prefetch(reinterpret_cast<const char*>(unit) + kPrefetchBytes, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(unit) + kPrefetchL2Bytes, _MM_HINT_T1);
+          __m512i bl[4];
+          plane_quad<F>(unit, q % P.quads, bl);
+#pragma GCC unroll 4
+          for (int f = 0; f < 4; ++f) {
+            const __m512i w0 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(bl[f]));
+            const __m512i w1 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(bl[f], 1));
+#pragma GCC unroll 16
+            for (int i = 0; i < NT; ++i) {
+              int64_t q4;
+              std::memcpy(&q4, x[i] + 16 * q + 4 * f, 8);
+              const __m512i xb = _mm512_set1_epi64(q4);
+              acc[i][0] = _mm512_dpwssd_epi32(acc[i][0], w0, xb);
+              acc[i][1] = _mm512_dpwssd_epi32(acc[i][1], w1, xb);
+            }
+          }
+        }
+        const __m512 ws = scales16(w, g), wm = kAffine ? mins16(w, g) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int i = 0; i < NT; ++i) {
+          __m512i rows16 = _mm512_inserti64x4(_mm512_castsi256_si512(pair_sums(acc[i][0])), pair_sums(acc[i][1]), 1);
+          facc[i] =
+              epilogue16<kAffine>(facc[i], rows16, kOffset, act_sums(rows[i], a)[g], ws, wm, act_scales(rows[i], a)[g]);
+        }
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < NT; ++i) _mm512_storeu_ps(out + i * kRowsPerBlock, facc[i]);
+    }
+  };
+};
+
+// int3 / int2 weights x int8 activations: each byte line multiplied with vpdpbusd as a nibble half of an int4 line
+// (NibbleTile), up to 4 tokens on two chains per token (even and odd byte lines).
+template <WeightFormat F>
+struct PlaneNarrow {
+  template <int NT>
+  struct Tile {
+    static constexpr int kChains = NT <= 4 ? 2 : 1;
+    static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+      w.mins ? body<true>(w, rows, a, out) : body<false>(w, rows, a, out);
+    }
+    template <bool kAffine>
+    static void body(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+      constexpr Planes P = planes_of(F);
+      constexpr int32_t kOffset = 1 << (code_bits(F) - 1);
+      const int quads_per_group = w.group / 16, n_groups = w.kp / w.group;
+      const int8_t* x[NT];
+#pragma GCC unroll 16
+      for (int i = 0; i < NT; ++i) x[i] = reinterpret_cast<const int8_t*>(rows[i]);
+      __m512 facc[NT];
+#pragma GCC unroll 16
+      for (int i = 0; i < NT; ++i) facc[i] = _mm512_setzero_ps();
+      for (int g = 0; g < n_groups; ++g) {
+        __m512i acc[NT][kChains];
+#pragma GCC unroll 16
+        for (int i = 0; i < NT; ++i)
+#pragma GCC unroll 2
+          for (int c = 0; c < kChains; ++c) acc[i][c] = _mm512_setzero_si512();
+        for (int qq = 0; qq < quads_per_group; ++qq) {
+          const int q = g * quads_per_group + qq;
+          const uint8_t* unit = w.data + P.unit_offset(q);
+          _mm_prefetch(reinterpret_cast<const char*>(unit) + kPrefetchBytes, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(unit) + kPrefetchL2Bytes, _MM_HINT_T1);
+          __m512i bl[4];
+          plane_quad<F>(unit, q % P.quads, bl);
+#pragma GCC unroll 4
+          for (int f = 0; f < 4; ++f) {
+#pragma GCC unroll 16
+            for (int i = 0; i < NT; ++i) {
+              int32_t xd;
+              std::memcpy(&xd, x[i] + 16 * q + 4 * f, 4);
+              __m512i& c = acc[i][f % kChains];
+              c = _mm512_dpbusd_epi32(c, bl[f], _mm512_set1_epi32(xd));
+            }
+          }
+        }
+        const __m512 ws = scales16(w, g), wm = kAffine ? mins16(w, g) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int i = 0; i < NT; ++i) {
+          __m512i sum = acc[i][0];
+          if constexpr (kChains > 1) sum = _mm512_add_epi32(sum, acc[i][1]);
+          facc[i] =
+              epilogue16<kAffine>(facc[i], sum, kOffset, act_sums(rows[i], a)[g], ws, wm, act_scales(rows[i], a)[g]);
+        }
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < NT; ++i) _mm512_storeu_ps(out + i * kRowsPerBlock, facc[i]);
+    }
+  };
+};
+
 // fp8 (formats/layout.h): a line's 64 codes as fp32 q * 2^-8 in four vectors of row pairs: lo[h] holds rows
 // 8h..8h+7 as (k, k + 2) pairs of bytes 0 and 2 (lanes 2r, 2r + 1), hi[h] the pairs of bytes 1 and 3. Each 16-bit
 // word's high byte is a code: shifted right arithmetically by 1 and masked (sign at bit 15, the other 7 bits at
@@ -438,6 +591,18 @@ void rowblock_lut4(const RowBlock& w, const uint8_t* const* rows, const ActLayou
 }
 void rowblock_fp8(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
   tiles::run_tiles<4, Fp8Tile>(w, rows, a, n_tok, out);
+}
+void rowblock_int6(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  tiles::run_tiles<8, PlaneWide<WeightFormat::int6>::Tile>(w, rows, a, n_tok, out);
+}
+void rowblock_int5(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  tiles::run_tiles<8, PlaneWide<WeightFormat::int5>::Tile>(w, rows, a, n_tok, out);
+}
+void rowblock_int3(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  tiles::run_tiles<12, PlaneNarrow<WeightFormat::int3>::Tile>(w, rows, a, n_tok, out);
+}
+void rowblock_int2(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  tiles::run_tiles<12, PlaneNarrow<WeightFormat::int2>::Tile>(w, rows, a, n_tok, out);
 }
 
 void fp8_to_bf16_lines(const uint8_t* src, int n_lines, uint8_t* dst) {

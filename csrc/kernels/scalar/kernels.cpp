@@ -1,6 +1,7 @@
 // Portable reference micro-kernels: the semantics every ISA version reproduces bit for bit.
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "formats/activation.h"
 #include "kernels/dispatch.h"
@@ -116,6 +117,51 @@ void rowblock_int4(const RowBlock& w, const uint8_t* const* rows, const ActLayou
 
 void rowblock_lut4(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
   rowblock_int<int8_t, 0, true, true>(w, rows, a, n_tok, out);
+}
+
+// Bit-plane formats (formats/layout.h): each stored code u read from its planes; the integer sums and the epilogue
+// are those of int8 (int6, int5: int16 activations) or int4 (int3, int2: int8 activations), with the offset 2^(b-1)
+// of symmetric codes.
+template <WeightFormat F>
+static void rowblock_planes(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  using Q = std::conditional_t<wide_codes(F), int16_t, int8_t>;
+  constexpr Planes kPlanes = planes_of(F);
+  constexpr int32_t kOffset = 1 << (code_bits(F) - 1);
+  const int n_groups = w.kp / w.group;
+  for (int t = 0; t < n_tok; ++t) {
+    const Q* x = reinterpret_cast<const Q*>(rows[t]);
+    const float* xs = act_scales(rows[t], a);
+    const int32_t* xsum = act_sums(rows[t], a);
+    for (int r = 0; r < kRowsPerBlock; ++r) {
+      float acc = 0.f;
+      for (int g = 0; g < n_groups; ++g) {
+        int32_t isum = 0;
+        for (int k = g * w.group; k < (g + 1) * w.group; ++k) isum += plane_code(kPlanes, w.data, r, k) * x[k];
+        const float scale = w.scale(g, r);
+        if (w.mins) {
+          acc = std::fma((float)isum, scale * xs[g], acc);
+          acc = std::fma((float)(-xsum[g]), w.min(g, r) * xs[g], acc);
+        } else {
+          isum -= kOffset * xsum[g];
+          acc = std::fma((float)isum, scale * xs[g], acc);
+        }
+      }
+      out[t * kRowsPerBlock + r] = acc;
+    }
+  }
+}
+
+void rowblock_int6(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  rowblock_planes<WeightFormat::int6>(w, rows, a, n_tok, out);
+}
+void rowblock_int5(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  rowblock_planes<WeightFormat::int5>(w, rows, a, n_tok, out);
+}
+void rowblock_int3(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  rowblock_planes<WeightFormat::int3>(w, rows, a, n_tok, out);
+}
+void rowblock_int2(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  rowblock_planes<WeightFormat::int2>(w, rows, a, n_tok, out);
 }
 
 // fp8 (formats/layout.h): each code as q * 2^-8, four fma chains per row (k mod 4: the bytes of a line; x stored

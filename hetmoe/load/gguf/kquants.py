@@ -7,14 +7,14 @@ same):
   j (32 values) is value = (d * sc_j) * q - (dmin * m_j), q in 0..15: the low nibbles of bytes 32c..32c+31 are
   sub-block 2c, the high nibbles sub-block 2c+1. -> int4 affine, group 32.
 - Q5_K, 176 bytes: as Q4_K with 32 bytes of high bits after the scales: bit j of byte i is bit 4 of value i of
-  sub-block j, q in 0..31. -> int8 affine, group 32 (8 bits hold 5 exactly).
+  sub-block j, q in 0..31. -> int5 affine, group 32 (5 bits per code, as the file).
 - Q6_K, 210 bytes: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, fp16 d; value =
-  (d * sc_g) * (q - 32) for groups g of 16, q in 0..63. -> int8 symmetric, group 16.
+  (d * sc_g) * (q - 32) for groups g of 16, q in 0..63. -> int6 symmetric, group 16.
 - Q3_K, 110 bytes: 32 bytes of high-bit masks, 64 bytes of 2-bit lows, 12 bytes of sixteen 6-bit scales, fp16 d;
   value = (d * (sc_g - 32)) * q for groups g of 16, q in [-4, 3] (the low 2 bits, minus 4 where the mask bit is
-  clear). -> int4 symmetric, group 16.
+  clear). -> int3 symmetric, group 16.
 - Q2_K, 84 bytes: 16 bytes of 4-bit (scale, min) pairs, 64 bytes of 2-bit codes, fp16 d, fp16 dmin; value =
-  (d * sc_g) * q - (dmin * m_g) for groups g of 16, q in 0..3. -> int4 affine, group 16.
+  (d * sc_g) * q - (dmin * m_g) for groups g of 16, q in 0..3. -> int2 affine, group 16.
 
 The engine holds the scales (and mins) in its k8 scale dtype: the file's int8 sub-scales and fp16 super scales again
 (csrc/formats/layout.h), split back out of the fp32 values given here.
@@ -37,9 +37,9 @@ from hetmoe import _C
 
 QK = 256  # values per super-block
 # GGML type -> (engine format, scaling, group, bytes per super-block)
-KQUANTS = {"Q4_K": ("int4", "affine", 32, 144), "Q5_K": ("int8", "affine", 32, 176),
-           "Q6_K": ("int8", "symmetric", 16, 210), "Q3_K": ("int4", "symmetric", 16, 110),
-           "Q2_K": ("int4", "affine", 16, 84)}
+KQUANTS = {"Q4_K": ("int4", "affine", 32, 144), "Q5_K": ("int5", "affine", 32, 176),
+           "Q6_K": ("int6", "symmetric", 16, 210), "Q3_K": ("int3", "symmetric", 16, 110),
+           "Q2_K": ("int2", "affine", 16, 84)}
 
 
 def kquant_codes(raw: np.ndarray, kind: str, shape: tuple, out: Optional[tuple] = None, threads: int = 1) -> tuple:

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from hetmoe.cpu.layout import CODEBOOKS
+from hetmoe.cpu.layout import CODEBOOKS, PLANES
 
 FORMATS = ("bf16", "int8", "int4")  # what --gpu-experts-format takes
 STORED = FORMATS + ("lut4",)  # lut4: only a CPU engine's own lut4 codes, kept
@@ -179,6 +179,8 @@ def cpu_storage(cpu_experts) -> Storage:
                              (info["down_weight_format"], info["down_group_size"] or 0, info["down_codebook"])):
         if fmt == "lut4" and not (whole and group in GROUPS):
             fmt, book = "int4", None
+        if fmt in PLANES:  # bit-plane codes: no GPU kernels read them; int8 / int4 of the engine's values
+            fmt = "int8" if PLANES[fmt][2] > 4 else "int4"
         out.append((fmt, _group(group), book))
     (gu, g, gb), (dn, dg, db) = out
     return Storage(gu, dn, g, dg, gb, db)
@@ -210,6 +212,8 @@ def cpu_codes(cpu_experts, expert: int, storage: Storage, ranges: Optional[list]
 
     info = cpu_experts.info()
     if info.get("numa_subpools", 1) != 1 or info["weight_format"] == "fp8":
+        return None, None
+    if info["weight_format"] in PLANES or info["down_weight_format"] in PLANES:  # (quantized from the values)
         return None, None
     layout = packed.ExpertLayout.of(cpu_experts)
     ranges = packed.expert_ranges(cpu_experts) if ranges is None else ranges

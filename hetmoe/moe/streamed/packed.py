@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hetmoe.cpu.layout import BF16_GROUP, CODEBOOKS, K_PER_LINE, LINE, ROWS, SCALE_WIDTH, SUPER_BLOCK, set_bytes
+from hetmoe.cpu.layout import BF16_GROUP, CODEBOOKS, K_PER_LINE, LINE, PLANES, ROWS, SCALE_WIDTH, SUPER_BLOCK, set_bytes
 
 
 def _round_up(v: int, m: int) -> int:
@@ -40,6 +40,8 @@ class MatrixShape:
     @classmethod
     def make(cls, fmt: str, n: int, k: int, group: int, scaling: str = "symmetric", scale_dtype: str = "fp32",
              codebook: str | None = None) -> "MatrixShape":
+        if fmt in PLANES:  # (streamed prefill and GPU-resident experts keep bit-plane layers off this path)
+            raise ValueError(f"{fmt} experts (bit planes) have no GPU unpacking of the packed layout yet")
         if fmt not in K_PER_LINE:
             raise ValueError(f"unknown weight format {fmt!r}")
         if fmt == "fp8":  # (streamed prefill and GPU-resident experts keep fp8 layers off this path)
