@@ -8,7 +8,11 @@ Every shard header is checked when the checkpoint is opened: a truncated shard, 
 whose byte range disagrees with its shape is reported with the file and tensor name before anything loads.
 DeepSeek's FP8 weights (e4m3 with a ``weight_scale_inv`` per 128x128 block) are dequantized by ``get_float``, or
 handed over as stored by ``get_fp8`` (the fp8 dense format on a GPU keeps them: hetmoe/load/dense.py ``FP8Source``;
-routed experts of the CPU engine's fp8 format are packed from them byte for byte, ``load_exact_experts``).
+routed experts of the CPU engine's fp8 format are packed from them byte for byte, ``load_exact_experts``). MXFP8 (an
+E8M0 scale per 32) and per-channel FP8 are read the same way, each scale checked against its weight from the headers
+when the checkpoint is opened (hetmoe/load/fp8_formats.py); ``get_fp8`` hands over block FP8 only. DeepSeek-V4's FP4
+experts (expert_dtype "fp4": int8 [N, K/2] codes and an E8M0 ``scale`` per 32) appear with their real shape [N, K],
+dequantized by ``get_float`` and packed from their codes into lut4 e2m1 (``_deepseek_v4_fp4``, hetmoe/load/mxfp4.py).
 
 Linears stored by compressed-tensors as ``pack-quantized`` int4 (``<m>.weight_packed``, ``weight_scale``,
 ``weight_shape``: hetmoe/load/compressed.py) appear under their plain name ``<m>.weight`` with their real shape;
@@ -42,14 +46,14 @@ from typing import Callable, Optional
 
 import torch
 
-from hetmoe.cpu.codes import block_fp8_scales, layout_of, load_codes, load_fp8, lut4_values, plan_format
-from hetmoe.cpu.layout import FP8_LAYOUTS
-from hetmoe.load import compressed, mxfp4
+from hetmoe.cpu.codes import layout_of, load_codes, load_fp8, lut4_values, plan_format
+from hetmoe.cpu.layout import CODEBOOKS
+from hetmoe.load import compressed, fp8_formats, mxfp4
 from hetmoe.models.config import MULTIMODAL, ConfigError, ModelConfig, text_model_config
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
@@ -92,16 +96,21 @@ def read_config(path: Path) -> ModelConfig:
 
 def check_quantization(cfg: ModelConfig, source) -> None:
     """Refuse, before any weight is read, a quantization_config the native loader cannot read (CheckpointError
-    naming the setting): DeepSeek's block FP8 (e4m3, 128x128) and compressed-tensors pack-quantized int4 are read."""
+    naming the setting): FP8 in 128x128 blocks (DeepSeek), MXFP8 and per channel (hetmoe/load/fp8_formats.py),
+    DeepSeek-V4's FP4 experts, compressed-tensors pack-quantized int4 and float-quantized FP8 are read."""
     qc = cfg.get("quantization_config")
     if qc is None:
         return
     method = qc.get("quant_method") if isinstance(qc, dict) else None
-    if method == "fp8":
-        if not block_fp8(cfg):
-            raise CheckpointError(f"{source}: quantization_config fp8 with fmt {qc.get('fmt', 'e4m3')!r} and "
-                                  f"weight_block_size {qc.get('weight_block_size')!r}: hetmoe reads FP8 as DeepSeek "
-                                  f"stores it, e4m3 with one weight_scale_inv per {FP8_BLOCK}x{FP8_BLOCK} block")
+    if method in ("fp8", "mxfp8"):
+        try:
+            fp8_formats.check(qc, source)
+        except ValueError as err:
+            raise CheckpointError(str(err)) from None
+        experts = fp4_experts_dtype(cfg)
+        if experts not in (None, "fp8") and cfg.get("model_type") != "deepseek_v4":  # (V4's: models/config.py)
+            raise CheckpointError(f"{source}: expert_dtype {experts!r} on a {cfg.get('model_type')} model: hetmoe "
+                                  "reads FP4 experts (expert_dtype 'fp4') as DeepSeek-V4 stores them (deepseek_v4)")
         return
     if method == "mxfp4":
         if cfg.get("model_type") != "gpt_oss":
@@ -110,13 +119,23 @@ def check_quantization(cfg: ModelConfig, source) -> None:
         return
     if method == "compressed-tensors":
         try:
+            if qc.get("format") == "float-quantized":
+                compressed.FloatQuantized.parse(qc, str(source))
+                return
             compressed.PackQuantized.parse(qc, str(source))
         except compressed.QuantizationConfigError as err:
             raise CheckpointError(str(err)) from None
         return
     raise CheckpointError(f"{source}: quantization_config.quant_method is {method!r}, which hetmoe does not read "
-                          "(it reads fp8 as DeepSeek stores it, compressed-tensors pack-quantized int4 and gpt-oss's "
-                          "mxfp4)")
+                          "(it reads fp8 in 128x128 blocks, per channel or as MXFP8, mxfp8, compressed-tensors "
+                          "pack-quantized int4 and float-quantized FP8, and gpt-oss's mxfp4)")
+
+
+def fp4_experts_dtype(cfg) -> Optional[str]:
+    """DeepSeek-V4's expert_dtype (quantization_config's, else the top level's, as Transformers reads it)."""
+    qc = cfg.get("quantization_config")
+    dtype = qc.get("expert_dtype") if isinstance(qc, dict) else None
+    return cfg.get("expert_dtype") if dtype is None else dtype
 
 
 class _Entry:
@@ -144,8 +163,13 @@ class Checkpoint:
         self._rename()
         self._views: dict = {}  # name -> (shape, dtype, read()): tensors read out of stored ones (gpt-oss experts)
         self._mxfp4: set = set()  # "<block>.experts" prefixes whose experts are MXFP4 blocks
+        self._fp4: dict = {}  # DeepSeek-V4 FP4 expert matrix name -> (its codes' entry, its scale's entry)
+        self._fp4_blocks: set = set()  # "<block>.experts" prefixes whose experts are those
+        self._fp8_kind = fp8_formats.scheme(self.config.get("quantization_config"))  # FP8 weights' scales
         self._split_fused_experts()
         self._gpt_oss_experts()
+        self._deepseek_v4_fp4()
+        self._check_fp8_scales()
         self._packed: dict = {}  # "<m>.weight" -> compressed.PackedWeight of a pack-quantized linear
         self._parts: set = set()  # the stored tensors of those (hidden from names())
         self._scratch: dict = {}  # (matrix, shape) -> codes and scales of CHUNK experts (load_exact_experts)
@@ -335,6 +359,62 @@ class Checkpoint:
                     (H, I), torch.float32, lambda e=e, b=block: self._mxfp4_matrix(b, "down_proj", e, slice(None)))
             self._bias_views(block, E, I, H)
 
+    def _deepseek_v4_fp4(self) -> None:
+        """DeepSeek-V4's FP4 routed experts (expert_dtype "fp4": hetmoe/load/mxfp4.py) under their own names with their
+        real shape [N, K]: their values dequantized when read as floats, packed from their codes and scale bytes
+        into lut4 e2m1 (``load_exact_experts``). CheckpointError naming a matrix whose scale is missing or whose
+        shapes do not go together, before any weight is read."""
+        if self.config.get("model_type") != "deepseek_v4" or fp4_experts_dtype(self.config) != "fp4":
+            return
+        pattern = re.compile(r"(model\.layers\.\d+\..*\.experts)\.\d+\.\w+\.weight")
+        for name in [n for n, e in self._entries.items() if e.dtype in (torch.int8, torch.uint8)]:
+            m = pattern.fullmatch(name)
+            if m is None:
+                continue
+            scale = name + "_scale_inv"
+            if scale not in self._entries:
+                raise CheckpointError(f"{self.path}: FP4 expert weight {self._entries[name].raw} has no scale beside "
+                                      "it")
+            e, se = self._entries.pop(name), self._entries.pop(scale)
+            try:
+                mxfp4.check_packed(e.raw, e.shape, se.shape)
+                if se.dtype not in fp8_formats.E8M0_DTYPES:
+                    raise ValueError(f"{se.raw} has dtype {se.dtype}; FP4 scales are E8M0 (F8_E8M0 or U8)")
+            except ValueError as err:
+                raise CheckpointError(f"{self.path}: {err}") from None
+            self._fp4[name] = (e, se)
+            self._fp4_blocks.add(m[1])
+            self._views[name] = ((e.shape[0], 2 * e.shape[1]), torch.float32, lambda n=name: self._fp4_matrix(n))
+
+    def _check_fp8_scales(self) -> None:
+        """Every E4M3 weight's scale against its shape, by the kind quantization_config names (hetmoe/load/
+        fp8_formats.py), from the headers: CheckpointError naming the tensor, before any weight is read."""
+        if self._fp8_kind is None:
+            return
+        check_quantization(self.config, self.path / "config.json")  # a setting refused is named first
+        for name, e in self._entries.items():
+            if e.dtype != torch.float8_e4m3fn or len(e.shape) != 2 or name.startswith("mtp."):
+                continue
+            suffix = next((x for x in fp8_formats.scale_suffixes(self._fp8_kind) if name + x in self._entries), None)
+            if suffix is None:
+                want = name + fp8_formats.scale_suffixes(self._fp8_kind)[0]
+                raise CheckpointError(f"FP8 tensor {name} has no {want} in {self.path}")
+            se = self._entries[name + suffix]
+            try:
+                fp8_formats.check_scale(self._fp8_kind, e.shape, se.shape, se.dtype, name, name + suffix)
+            except ValueError as err:
+                raise CheckpointError(f"{e.shard}: {err}") from None
+
+    def _fp4_matrix(self, name: str) -> torch.Tensor:
+        e, se = self._fp4[name]
+        codes = mxfp4.packed_codes(self._read(e))
+        book = torch.tensor(CODEBOOKS["e2m1"], dtype=torch.float32)
+        try:
+            s = mxfp4.engine_scales(self._read(se), name).repeat_interleave(mxfp4.BLOCK, dim=-1)
+        except ValueError as err:
+            raise CheckpointError(f"{self.path}: {err}") from None
+        return book[codes.long()] * s
+
     def _bias_views(self, block: str, E: int, I: int, H: int) -> None:
         """gpt-oss's expert biases ``<block>.gate_up_proj_bias`` [E, 2I] (interleaved) and ``down_proj_bias`` [E, H]
         as ``<block>.<e>.{gate,up,down}_proj.bias``."""
@@ -424,7 +504,9 @@ class Checkpoint:
             raise CheckpointError(f"tensor {name} is stored pack-quantized ({name}_packed): read it with get_float")
         if name in self._views:  # (a strided view of a stored tensor, or an MXFP4 matrix's values)
             return self._views[name][2]()
-        e = self._entry(name)
+        return self._read(self._entry(name))
+
+    def _read(self, e: _Entry) -> torch.Tensor:
         mm = self._maps.get(e.shard)
         if mm is None:
             with open(e.shard, "rb") as f:
@@ -447,27 +529,35 @@ class Checkpoint:
             return w if dtype is None or dtype == w.dtype else w.to(dtype)
         t = self.get(name)
         if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            scale_name = name + "_scale_inv"
-            if scale_name not in self._entries:
-                raise CheckpointError(f"FP8 tensor {name} has no {scale_name} in {self.path}")
-            return dequantize_fp8(t, self.get(scale_name), dtype or torch.float32, name)
+            kind, scale = self._fp8_scale(name)
+            try:
+                return fp8_formats.dequantize(kind, t, scale, dtype or torch.float32, name)
+            except ValueError as err:
+                raise CheckpointError(f"{self.path}: {err}") from None
         if not t.is_floating_point():
             raise CheckpointError(f"tensor {name} has dtype {t.dtype}; a floating-point weight was expected")
         return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
+    def _fp8_scale(self, name: str) -> tuple:
+        """(kind, the scale tensor as stored) of the FP8 weight ``name``: the kind config.json's quantization_config
+        says (a checkpoint that says none: block FP8, DeepSeek's); CheckpointError when the scale is missing."""
+        kind = self._fp8_kind or "block"
+        suffixes = fp8_formats.scale_suffixes(kind)
+        for suffix in suffixes:
+            if name + suffix in self._entries:
+                return kind, self.get(name + suffix)
+        raise CheckpointError(f"FP8 tensor {name} has no {name + suffixes[0]} in {self.path}")
+
     def get_fp8(self, name: str) -> Optional[tuple]:
         """(e4m3 weight [N, K], its scale_inv [ceil(N/128), ceil(K/128)]) as stored (views of the mapped file) when
-        ``name`` is a DeepSeek FP8 weight (w = weight * scale_inv per 128x128 block); None for a weight stored
-        otherwise (bf16, fp32, e5m2, pack-quantized: ``get_float`` reads those)."""
-        if name in self._packed or name in self._views:
+        ``name`` is a DeepSeek block FP8 weight (w = weight * scale_inv per 128x128 block); None for a weight stored
+        otherwise (bf16, fp32, e5m2, pack-quantized, MXFP8 or per-channel FP8: ``get_float`` reads those)."""
+        if name in self._packed or name in self._views or self._fp8_kind not in (None, "block"):
             return None
         e = self._entry(name)
         if e.dtype != torch.float8_e4m3fn or len(e.shape) != 2:
             return None
-        scale_name = name + "_scale_inv"
-        if scale_name not in self._entries:
-            raise CheckpointError(f"FP8 tensor {name} has no {scale_name} in {self.path}")
-        scale = self.get(scale_name)
+        _, scale = self._fp8_scale(name)
         check_fp8_scale(e.shape, scale, name)
         return self.get(name), scale
 
@@ -490,12 +580,16 @@ class Checkpoint:
         are the engine's int4 / int8 formats themselves, counted as such."""
         return ()
 
-    def fp8_experts(self, prefix: str, names: list) -> bool:
-        """Whether block ``prefix``'s expert 0 is stored in block FP8 (e4m3 and a weight_scale_inv per 128x128)."""
+    def fp8_experts(self, prefix: str, names: list) -> Optional[str]:
+        """The kind of FP8 (hetmoe/load/fp8_formats.py: "block", "mx", "channel") block ``prefix``'s expert 0 is
+        stored in (e4m3 and its scale beside it), or None."""
+        kind = self._fp8_kind
         keys = [f"{prefix}.experts.0.{w}.weight" for w in names]
-        return block_fp8(self.config) and all(
-            k in self._entries and self._entries[k].dtype == torch.float8_e4m3fn and k + "_scale_inv" in self._entries
-            for k in keys)
+        if kind is None or not all(k in self._entries and self._entries[k].dtype == torch.float8_e4m3fn
+                                   and any(k + x in self._entries for x in fp8_formats.scale_suffixes(kind))
+                                   for k in keys):
+            return None
+        return kind
 
     def experts_layout(self, prefix: str, names: list, plan: Optional[str] = None) -> Optional[dict]:
         """The CPUExperts layout holding block ``prefix``'s routed experts (``names``: gate, up, down as the model
@@ -503,13 +597,10 @@ class Checkpoint:
         int8), in a layer planned as fp8, block FP8 (fp8 group 128, shared fp32 scales), or None (gate and up of
         different groups, or experts stored otherwise)."""
         if plan == "fp8":
-            if not self.fp8_experts(prefix, names):
-                return None
-            block = FP8_LAYOUTS[FP8_BLOCK]
-            return {"weight_format": "fp8", "group_size": FP8_BLOCK, "down_group_size": FP8_BLOCK,
-                    "scaling": ("symmetric", "symmetric"), "scale_dtype": (block["scale_dtype"],) * 2,
-                    "shared_scales": (block["shared_scales"],) * 2}
-        if f"{prefix}.experts" in self._mxfp4:  # gpt-oss: lut4 e2m1 codes, e8m0 scales (int8 codes in an int8 plan)
+            kind = self.fp8_experts(prefix, names)
+            return None if kind is None else fp8_formats.layout(kind)
+        if f"{prefix}.experts" in self._mxfp4 | self._fp4_blocks:  # gpt-oss, DeepSeek-V4: lut4 e2m1 codes, e8m0
+            # scales (int8 codes in an int8 plan)
             fmt, book = ("int8", None) if plan == "int8" else ("lut4", "e2m1")
             return {"weight_format": fmt, "group_size": mxfp4.BLOCK, "down_group_size": mxfp4.BLOCK,
                     "scaling": ("symmetric", "symmetric"), "scale_dtype": ("e8m0", "e8m0"), "codebook": (book, book)}
@@ -532,10 +623,13 @@ class Checkpoint:
         if mine is None or any(k in held and held[k] != v for k, v in mine.items()):  # (no scale_dtype: fp32)
             return False
         if mine["weight_format"] == "fp8":
-            self._load_fp8_experts(prefix, names, experts)
+            self._load_fp8_experts(prefix, names, experts, self.fp8_experts(prefix, names))
             return True
         if f"{prefix}.experts" in self._mxfp4:
             self._load_mxfp4(prefix + ".experts", experts, held["weight_format"] == "int8")
+            return True
+        if f"{prefix}.experts" in self._fp4_blocks:
+            self._load_fp4(prefix, names, experts, held["weight_format"] == "int8")
             return True
         I, H = experts.intermediate_size, experts.hidden_size
         shapes = ((I, H), (I, H), (H, I))
@@ -565,30 +659,36 @@ class Checkpoint:
                 raise self._refused(experts, codes, scales, prefix, e0, err) from None
         return True
 
-    def _load_fp8_experts(self, prefix: str, names: list, experts) -> None:
-        """Block ``prefix``'s block FP8 experts into fp8 ``experts`` byte for byte, CHUNK at a time (their codes and
-        per-row scales staged; no expert is ever dequantized). CheckpointError naming the expert and matrix stored
-        otherwise or refused (a NaN code, scales missing or of the wrong shape)."""
+    def _load_fp8_experts(self, prefix: str, names: list, experts, kind: str) -> None:
+        """Block ``prefix``'s FP8 experts of ``kind`` (hetmoe/load/fp8_formats.py) into fp8 ``experts`` byte for byte,
+        CHUNK at a time (their codes and per-row scales staged; no expert is ever dequantized). CheckpointError naming
+        the expert and matrix stored otherwise or refused (a NaN code or scale, scales missing or of the wrong
+        shape)."""
         I, H = experts.intermediate_size, experts.hidden_size
+        group = fp8_formats.GROUPS[kind]
         for e0 in range(0, experts.num_experts, CHUNK):
             n = min(CHUNK, experts.num_experts - e0)
             codes, scales = [], []
             for slot, (which, (rows, cols)) in enumerate(zip(names, ((I, H), (I, H), (H, I)))):
-                key = ("fp8", slot, rows, cols)
+                key = ("fp8", kind, slot, rows, cols)
                 if key not in self._scratch:
                     self._scratch[key] = (torch.empty(CHUNK, rows, cols, dtype=torch.uint8),
-                                          torch.empty(CHUNK, rows, -(-cols // FP8_BLOCK)))
+                                          torch.empty(CHUNK, rows, -(-cols // group)))
                 q, sc = (t[:n] for t in self._scratch[key])
                 for j in range(n):
                     name = f"{prefix}.experts.{e0 + j}.{which}.weight"
-                    stored = self.get_fp8(name) if name in self._entries else None
-                    if stored is None or tuple(stored[0].shape) != (rows, cols):
-                        got = "missing" if name not in self else f"stored as {self._entries[name].dtype} " \
-                            f"{list(self._entries[name].shape)}"
-                        raise CheckpointError(f"{self.path}: {name} is {got}; the layer's experts are block FP8 "
-                                              f"[{rows}, {cols}]")
-                    q[j].copy_(stored[0].view(torch.uint8))
-                    sc[j].copy_(block_fp8_scales(stored[1], rows, FP8_BLOCK))
+                    e = self._entries.get(name)
+                    if e is None or e.dtype != torch.float8_e4m3fn or e.shape != (rows, cols):
+                        got = "missing" if name not in self else f"stored as {e.dtype} {list(e.shape)}"
+                        raise CheckpointError(f"{self.path}: {name} is {got}; the layer's experts are "
+                                              f"{fp8_formats.NAMES[kind]} [{rows}, {cols}]")
+                    _, scale = self._fp8_scale(name)
+                    try:
+                        fp8_formats.check_scale(kind, e.shape, tuple(scale.shape), scale.dtype, name)
+                        sc[j].copy_(fp8_formats.row_scales(kind, scale, rows, cols, name))
+                    except ValueError as err:
+                        raise CheckpointError(f"{self.path}: {err}") from None
+                    q[j].copy_(self.get(name).view(torch.uint8))
                 codes.append(q)
                 scales.append(sc)
             try:
@@ -619,6 +719,36 @@ class Checkpoint:
             except ValueError as err:
                 raise CheckpointError(f"{self.path}: {block} experts {e0}..{e1 - 1}: {err}") from None
 
+    def _load_fp4(self, prefix: str, names: list, experts, as_int8: bool) -> None:
+        """DeepSeek-V4's FP4 experts of block ``prefix`` packed from their nibbles and scale bytes, CHUNK experts at a
+        time, into lut4 e2m1 (``as_int8``: their codebook values as int8 codes, a layer planned int8), nothing
+        dequantized."""
+        I, H = experts.intermediate_size, experts.hidden_size
+        for e0 in range(0, experts.num_experts, CHUNK):
+            e1 = min(e0 + CHUNK, experts.num_experts)
+            codes, scales = [], []
+            for which, shape in zip(names, ((I, H), (I, H), (H, I))):
+                qs, ss = [], []
+                for e in range(e0, e1):
+                    name = f"{prefix}.experts.{e}.{which}.weight"
+                    if name not in self._fp4 or self.shape(name) != shape:
+                        got = "missing" if name not in self else f"stored as {list(self.shape(name))}"
+                        raise CheckpointError(f"{self.path}: {name} is {got}; the layer's experts are FP4 "
+                                              f"{list(shape)}")
+                    w, s = self._fp4[name]
+                    qs.append(mxfp4.packed_codes(self._read(w)))
+                    try:
+                        ss.append(mxfp4.engine_scales(self._read(s), f"{name} (expert {e})"))
+                    except ValueError as err:
+                        raise CheckpointError(f"{self.path}: {err}") from None
+                q = torch.stack(qs)
+                codes.append(lut4_values(q, "e2m1") if as_int8 else q)
+                scales.append(torch.stack(ss))
+            try:
+                load_codes(experts, codes, scales, first_expert=e0, scan_first=False)
+            except ValueError as err:
+                raise CheckpointError(f"{self.path}: {prefix}.experts {e0}..{e1 - 1}: {err}") from None
+
     def _refused(self, experts, codes: list, scales: list, prefix: str, e0: int, err: ValueError) -> CheckpointError:
         """The error of a chunk of experts the engine refused, naming its first bad expert (each loaded alone, its
         values scanned first)."""
@@ -642,19 +772,21 @@ class Checkpoint:
         """``options`` with the experts format pack-quantized routed experts (``names``: one layer's expert 0 gate,
         up, down) load at by default: int4 in their own group, exactly. An explicit --experts-format is kept (exact
         where it holds them: int4 of their group, or their codes in int8); other experts: ``options`` as given."""
-        if self._mxfp4:
+        if self._mxfp4 or self._fp4_blocks:
             return self._mxfp4_options(options, log)
         layers = self._layer_names(names)
         layouts = [self.experts_layout(layer[0].rsplit(".experts.", 1)[0], [n.split(".")[-2] for n in layer])
                    for layer in layers]
         exact = [plan_format(x) for x in layouts if x is not None]
         prefix, short = names[0].rsplit(".experts.", 1)[0], [n.split(".")[-2] for n in names]
-        if not exact and self.fp8_experts(prefix, short):
-            what = f"{self.path.name}'s routed experts are block FP8 (e4m3, an fp32 scale per 128x128 block)"
+        kind = None if exact else self.fp8_experts(prefix, short)
+        if kind is not None:
+            what = f"{self.path.name}'s routed experts are {fp8_formats.NAMES[kind]}, e4m3"
             fmt, group = options.experts_format, options.group_size
-            if fmt == "fp8" and group in (None, FP8_BLOCK):
+            if fmt == "fp8" and group in (None, fp8_formats.GROUPS[kind]):
                 log(f"hetmoe: {what}: held as fp8 at their own bytes, as asked")
-            elif fmt != "auto":
+                return dataclasses.replace(options, group_size=fp8_formats.GROUPS[kind])
+            if fmt != "auto":
                 log(f"hetmoe: {what}: dequantized and re-quantized into {fmt} as asked")
             return options  # auto: the plan prefers fp8 where it fits (hetmoe/load/loader.py plan_model)
         if not exact:

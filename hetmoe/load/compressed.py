@@ -249,3 +249,61 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Te
     """w = q * scale per group of ``group`` columns, fp32 [..., out, in]: exact for bf16 and fp16 scales (a 4-bit
     code times 8 or 11 significant bits fits fp32's 24), one fp32 rounding for fp32 scales."""
     return (codes.float().unflatten(-1, (-1, group)) * scale.float().unsqueeze(-1)).flatten(-2)
+
+
+_FLOAT_FORMAT = "float-quantized"
+
+
+@dataclass(frozen=True)
+class FloatQuantized:
+    """A compressed-tensors quantization_config of FP8 weights stored ``float-quantized`` that this reader handles:
+    e4m3 (type float, num_bits 8), symmetric, one scale per output channel (``<m>.weight_scale`` [out, 1] beside the
+    float8 ``<m>.weight``: hetmoe/load/fp8_formats.py "channel"); activations unquantized or quantized at run time
+    (dynamic: nothing stored; hetmoe computes them unquantized)."""
+
+    ignore: tuple
+
+    @classmethod
+    def parse(cls, qc, where: str = "config.json") -> "FloatQuantized":
+        """``qc`` checked setting by setting; QuantizationConfigError naming the first one not handled."""
+        def refuse(setting: str, value, why: str):
+            raise QuantizationConfigError(f"{where}: quantization_config.{setting} is {value!r}; {why}")
+
+        supported = (f"hetmoe reads compressed-tensors '{_FLOAT_FORMAT}' weights as FP8 e4m3 (type float, num_bits 8), "
+                     "symmetric, strategy channel, with dynamic or no activation quantization")
+        if qc.get("quant_method") != "compressed-tensors":
+            refuse("quant_method", qc.get("quant_method"), supported)
+        if qc.get("format") != _FLOAT_FORMAT:
+            refuse("format", qc.get("format"), supported)
+        if qc.get("quantization_status") not in (None, "compressed", "frozen"):
+            refuse("quantization_status", qc["quantization_status"], "hetmoe reads checkpoints saved compressed")
+        for key in ("kv_cache_scheme", "sparsity_config", "transform_config", "moe_sparsity_config"):
+            if qc.get(key):
+                refuse(key, qc[key], f"hetmoe runs none ({supported})")
+        ignore = qc.get("ignore") or []
+        if not isinstance(ignore, list) or not all(isinstance(t, str) for t in ignore):
+            refuse("ignore", ignore, "it must be a list of module names and re: patterns")
+        groups = qc.get("config_groups")
+        if not isinstance(groups, dict) or not groups:
+            refuse("config_groups", groups, "it must map group names to their schemes")
+        for name, scheme in groups.items():
+            at = f"config_groups.{name}"
+            if not isinstance(scheme, dict):
+                refuse(at, scheme, "a scheme is an object with targets and weights")
+            if scheme.get("format") not in (None, _FLOAT_FORMAT):
+                refuse(f"{at}.format", scheme["format"], supported)
+            w = scheme.get("weights")
+            if not isinstance(w, dict):
+                refuse(f"{at}.weights", w, supported)
+            for key, want in (("type", "float"), ("num_bits", 8), ("symmetric", True), ("strategy", "channel")):
+                if w.get(key) != want:
+                    refuse(f"{at}.weights.{key}", w.get(key), supported)
+            if w.get("dynamic") not in (None, False):
+                refuse(f"{at}.weights.dynamic", w["dynamic"], f"weights quantized at run time are not stored "
+                                                              f"({supported})")
+            for key in ("input_activations", "output_activations"):
+                a = scheme.get(key)
+                if a is not None and (key == "output_activations" or not isinstance(a, dict)
+                                      or a.get("dynamic") is not True):
+                    refuse(f"{at}.{key}", a, f"static activation scales are not read ({supported})")
+        return cls(tuple(ignore))

@@ -39,8 +39,9 @@ from hetmoe.cpu import HYBRID_RESERVED_CORES, CPUExperts, default_threads
 from hetmoe.cpu.codes import plan_format
 from hetmoe.cpu.layout import FP8_LAYOUTS
 from hetmoe.cpu.numa import resolve_subpools
+from hetmoe.load import fp8_formats
 from hetmoe.load.calibration import calibration_text, check_gpu_experts, keep_gpu_experts
-from hetmoe.load.checkpoint import FP8_BLOCK, Checkpoint, CheckpointError, block_fp8, check_quantization, read_config
+from hetmoe.load.checkpoint import Checkpoint, CheckpointError, block_fp8, check_quantization, read_config
 from hetmoe.load.dense import FP8Source, pack_dense
 from hetmoe.load.expert_cache import ExpertCache, default_cache_dir
 from hetmoe.load.materialize import Materializer, expert_keys, fill_experts
@@ -123,11 +124,12 @@ def plan_model(model: nn.Module, cfg: ModelConfig, blocks: list, options: Engine
         where = device or resolve_device(options.device)
         layers = apply_native(load_rules(options.rules), model, blocks, where,
                               resolve_dtype(options.dtype, where, shapes.dense_params), shapes.top_k)
-    if options.experts_format == "auto" and block_fp8(cfg) and options.group_size in (None, FP8_BLOCK) and blocks:
+    group = fp8_formats.GROUPS.get(fp8_formats.scheme(cfg.get("quantization_config")))  # FP8: block, MX, channel
+    if options.experts_format == "auto" and group and options.group_size in (None, group) and blocks:
         try:  # an FP8 checkpoint's own routed experts: exact, one byte per weight (if they fit; else auto as usual)
-            plan = _choose_dense(shapes, replace(options, experts_format="fp8"), cfg, layers, device)
-            plan.why["routed experts"] = ("auto: the checkpoint's own FP8 experts (exact: e4m3 codes and block scales "
-                                          "as stored)")
+            plan = _choose_dense(shapes, replace(options, experts_format="fp8", group_size=group), cfg, layers, device)
+            plan.why["routed experts"] = ("auto: the checkpoint's own FP8 experts (exact: e4m3 codes and scales as "
+                                          "stored)")
             return plan
         except (PlanError, ValueError):
             pass

@@ -557,9 +557,9 @@ def _check_deepseek_v4(c: _Checker) -> None:
     qc = cfg.get("quantization_config")
     experts_dtype = qc.get("expert_dtype") if isinstance(qc, dict) else None
     experts_dtype = cfg.get("expert_dtype") if experts_dtype is None else experts_dtype
-    if experts_dtype not in (None, "fp8", "bf16"):
+    if experts_dtype not in (None, "fp8", "bf16", "fp4"):
         c.fail(f"quantization_config.expert_dtype is {experts_dtype!r}: hetmoe reads DeepSeek-V4's routed experts in "
-               "FP8 blocks or floats, not as MXFP4")
+               "FP8 blocks, FP4 (E2M1 with an E8M0 scale per 32) or floats")
 
 
 def _check_v4_rope(c: _Checker, head_dim: int) -> None:
@@ -591,13 +591,18 @@ def _check_v4_rope(c: _Checker, head_dim: int) -> None:
 def _check_minimax_m3(c: _Checker) -> None:
     """MiniMax-M3: its sizes, each layer's attention and MLP kind, the block indexer, default RoPE over an even
     share of each head, the clamped SwiGLU, and entries Transformers' MiniMaxM3VL classes do not run otherwise
-    (refused by name): quantized checkpoints (MXFP8 experts) are not read yet."""
+    (refused by name): a quantization_config other than MXFP8 (MiniMax-M3's own: e4m3 with an E8M0 scale per 32
+    weights; its settings are checked by the loader, hetmoe/load/fp8_formats.py)."""
     cfg = c.cfg = minimax_m3_config(c.cfg)
     qc = cfg.get("quantization_config")
     if qc is not None:
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
-        c.fail(f"quantization_config (quant_method {method!r}): hetmoe reads MiniMax-M3 checkpoints in bf16 / fp16 / "
-               "fp32 only; its MXFP8 experts (e4m3 with a ue8m0 scale per 32 weights) are not read yet")
+        block = qc.get("weight_block_size") if isinstance(qc, dict) else None
+        mxfp8 = method == "mxfp8" or (method == "fp8" and isinstance(block, (list, tuple)) and list(block) == [1, 32])
+        if not mxfp8:
+            c.fail(f"quantization_config (quant_method {method!r}, weight_block_size {block!r}): hetmoe reads "
+                   "MiniMax-M3 checkpoints in bf16 / fp16 / fp32 or with MXFP8 weights (quant_method 'mxfp8', or "
+                   "'fp8' with weight_block_size [1, 32])")
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                  "head_dim", "intermediate_size", "num_local_experts", "shared_intermediate_size",
                  "max_position_embeddings"):

@@ -248,7 +248,7 @@ BAD_QUANT = {  # case -> (the change to text_config.quantization_config, what th
     "dynamic": ("config_groups.group_0.weights.dynamic", True, r"weights.dynamic is True"),
     "w4a8": ("config_groups.group_0.input_activations", {"num_bits": 8, "type": "int"},
              r"group_0.input_activations is \{.*\}; activation quantization is not run"),
-    "format": ("format", "float-quantized", r"quantization_config.format is 'float-quantized'"),
+    "format": ("format", "int-quantized", r"quantization_config.format is 'int-quantized'"),
     "kv-cache": ("kv_cache_scheme", {"num_bits": 8, "type": "float"}, r"kv_cache_scheme is \{.*\}; hetmoe runs none"),
     "gptq": ("quant_method", "gptq", r"quantization_config.quant_method is 'gptq', which hetmoe does not read"),
     "no-groups": ("config_groups", {}, r"config_groups is \{\}; it must map group names"),

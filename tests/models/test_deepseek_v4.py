@@ -305,9 +305,9 @@ BAD = {  # case -> (config.json changes, the message after the file name)
     "activation": ({"hidden_act": "gelu"}, "hidden_act is 'gelu'; DeepSeek-V4 runs SwiGLU experts"),
     "rope": ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
              r"rope_parameters\['compress'\] has rope_type 'llama3'; DeepSeek-V4 runs default or yarn RoPE"),
-    "mxfp4": ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
-                                       "expert_dtype": "fp4"}},
-              "quantization_config.expert_dtype is 'fp4': hetmoe reads DeepSeek-V4's routed experts in FP8"),
+    "expert-dtype": ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                              "expert_dtype": "int4"}},
+                     "quantization_config.expert_dtype is 'int4': hetmoe reads DeepSeek-V4's routed experts in FP8"),
 }
 
 

@@ -332,8 +332,9 @@ BAD = {  # case -> (text_config changes, the message after the file name)
     "top-k": ({"num_experts_per_tok": 7}, r"num_experts_per_tok is 7; with 6 routed experts"),
     "scoring": ({"scoring_func": "softmax"}, "scoring_func is 'softmax'; MiniMax-M3's router scores with sigmoid"),
     "window": ({"sliding_window": 8}, "sliding_window is 8; MiniMax-M3 has no sliding-window attention"),
-    "mxfp8": ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [1, 32]}},
-              r"quantization_config \(quant_method 'fp8'\): .* MXFP8 experts"),
+    "block-fp8": ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}},
+                  r"quantization_config \(quant_method 'fp8', weight_block_size \[128, 128\]\): hetmoe reads "
+                  r"MiniMax-M3 checkpoints in bf16 / fp16 / fp32 or with MXFP8 weights"),
 }
 
 
