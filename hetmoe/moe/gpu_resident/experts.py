@@ -89,6 +89,8 @@ class GpuExperts:
             raise ValueError(f"{len(list(expert_ids))} expert ids for {n} experts' weights")
         self._setup(expert_ids, num_experts, H, I, dtype, device, dense_max_tokens, decode, storage)
         st = self.storage
+        if st.gate_up_affine or st.down_affine:
+            raise ValueError("affine resident storage only holds a CPU engine's codes (GpuExperts.from_cpu)")
         if not st.quantized:
             # [N*2I, H]: rows of expert r are gate_r then up_r, so x @ W^T viewed [T, N, 2, I] splits them.
             self.w_gate_up = torch.stack((gate, up), dim=1).reshape(n * 2 * I, H).to(self.device, dtype).contiguous()
@@ -117,6 +119,7 @@ class GpuExperts:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dense_max_tokens = int(dense_max_tokens)
         self.s_gate_up = self.s_down = None  # int8/int4: the fp32 scales beside the codes
+        self.m_gate_up = self.m_down = None  # affine int8/int4: the fp32 mins beside the scales
         self._scratch = None  # the prefill's model-dtype weights (grouped.weight_scratch), at first use
         # lut4: the (gate/up, down) codebooks on the device, made here once (never inside a graph capture)
         self.luts = None
@@ -175,21 +178,32 @@ class GpuExperts:
         ranges = expert_ranges(cpu_experts) if cpu_experts.info().get("numa_subpools", 1) == 1 else None
         for r, e in enumerate(expert_ids):  # each expert's rows copied into place: no second copy on the device
             own = rf.cpu_codes(cpu_experts, int(e), st, ranges, self.device) if ranges is not None else (None, None)
+            for part, affine in zip(own, (st.gate_up_affine, st.down_affine)):
+                if affine and part is None:
+                    raise ValueError(f"affine resident storage {st} holds only the CPU engine's own codes, which "
+                                     "these experts do not have")
             g, u, d = (t.to(self.device) for t in cpu_experts.dequantized(int(e))) if None in own else (None,) * 3
-            gu = own[0] or rf.quantize(torch.cat((g, u)), st.gate_up, st.group)  # ([2I, .], [2I, G]) on the device
-            dn = own[1] or rf.quantize(d, st.down, st.down_group)  # ([H, .], [H, G])
+            # (codes, scales[, mins]): [2I, .], [2I, G] and [H, .], [H, G] on the device
+            gu = own[0] or rf.quantize(torch.cat((g, u)), st.gate_up, st.group)
+            dn = own[1] or rf.quantize(d, st.down, st.down_group)
             if r == 0:
                 self.w_gate_up, self.s_gate_up, self.w_down, self.s_down = (
-                    torch.empty((n * t.shape[0], t.shape[1]), dtype=t.dtype, device=self.device) for t in gu + dn)
-            for dst, src in zip((self.w_gate_up, self.s_gate_up), gu):
+                    torch.empty((n * t.shape[0], t.shape[1]), dtype=t.dtype, device=self.device)
+                    for t in gu[:2] + dn[:2])
+                if st.gate_up_affine:
+                    self.m_gate_up = torch.empty_like(self.s_gate_up)
+                if st.down_affine:
+                    self.m_down = torch.empty_like(self.s_down)
+            for dst, src in zip((self.w_gate_up, self.s_gate_up, self.m_gate_up), gu):
                 dst[r * 2 * I:(r + 1) * 2 * I].copy_(src)
-            for dst, src in zip((self.w_down, self.s_down), dn):
+            for dst, src in zip((self.w_down, self.s_down, self.m_down), dn):
                 dst[r * H:(r + 1) * H].copy_(src)
         return self
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.w_gate_up, self.w_down, self.s_gate_up, self.s_down) if t is not None)
+        return sum(t.nbytes for t in (self.w_gate_up, self.w_down, self.s_gate_up, self.s_down, self.m_gate_up,
+                                      self.m_down) if t is not None)
 
     def skip_mask(self) -> torch.Tensor:
         """bool [E] on the host, True for the resident experts: what the CPU engine must skip."""
@@ -240,19 +254,27 @@ class GpuExperts:
 
     def _routed(self, x, topk_ids, topk_weights, skip) -> torch.Tensor:
         if self.storage.quantized:
-            return _routed().routed_int(x, topk_ids, topk_weights, (self.w_gate_up, self.s_gate_up),
-                                        (self.w_down, self.s_down), self.storage, self.slot_of, skip,
+            gate_up = self._stored(self.w_gate_up, self.s_gate_up, self.m_gate_up)
+            down = self._stored(self.w_down, self.s_down, self.m_down)
+            return _routed().routed_int(x, topk_ids, topk_weights, gate_up, down, self.storage, self.slot_of, skip,
                                         self.num_experts, self.intermediate_size, luts=self.luts)
         return _routed().routed(x, topk_ids, topk_weights, self.w_gate_up, self.w_down, self.slot_of, skip,
                                 self.num_experts, self.intermediate_size)
+
+    @staticmethod
+    def _stored(codes, scales, mins) -> tuple:
+        """(codes, scales), or (codes, scales, mins) of an affine matrix: as routed_int takes them."""
+        return (codes, scales) if mins is None else (codes, scales, mins)
 
     def _dense_weights(self) -> tuple:
         """(w_gate_up [N*2I, H], w_down [H, N*I]) in the dtype; int8/int4 dequantized for this call."""
         if not self.storage.quantized:
             return self.w_gate_up, self.w_down
         st, N, H, I = self.storage, self.n, self.hidden_size, self.intermediate_size
-        gu = rf.dequantize(self.w_gate_up, self.s_gate_up, st.gate_up, st.group, H, self.dtype, st.gate_up_codebook)
-        d = rf.dequantize(self.w_down, self.s_down, st.down, st.down_group, I, self.dtype, st.down_codebook)
+        gu = rf.dequantize(self.w_gate_up, self.s_gate_up, st.gate_up, st.group, H, self.dtype, st.gate_up_codebook,
+                           self.m_gate_up)
+        d = rf.dequantize(self.w_down, self.s_down, st.down, st.down_group, I, self.dtype, st.down_codebook,
+                          self.m_down)
         return gu, d.view(N, H, I).permute(1, 0, 2).reshape(H, N * I)
 
     def _expert_weights(self, r0: int, r1: int) -> tuple:
@@ -263,10 +285,11 @@ class GpuExperts:
             return (self.w_gate_up[2 * r0 * I:2 * r1 * I].view(n, 2 * I, H),
                     self.w_down[:, r0 * I:r1 * I].view(H, n, I).transpose(0, 1))
         rows, drows = slice(2 * r0 * I, 2 * r1 * I), slice(r0 * H, r1 * H)
+        mgu, md = (m[sl] if m is not None else None for m, sl in ((self.m_gate_up, rows), (self.m_down, drows)))
         return (rf.dequantize(self.w_gate_up[rows], self.s_gate_up[rows], st.gate_up, st.group, H, self.dtype,
-                              st.gate_up_codebook).view(n, 2 * I, H),
+                              st.gate_up_codebook, mgu).view(n, 2 * I, H),
                 rf.dequantize(self.w_down[drows], self.s_down[drows], st.down, st.down_group, I, self.dtype,
-                              st.down_codebook).view(n, H, I))
+                              st.down_codebook, md).view(n, H, I))
 
     def _dense(self, x, topk_ids, topk_weights) -> torch.Tensor:
         T, N, I = x.shape[0], self.n, self.intermediate_size
@@ -313,10 +336,11 @@ class GpuExperts:
             used = torch.ones(n, dtype=torch.bool, device=self.device) if used is None else used
             lut_gu, lut_d = self.luts or (None, None)
             gu_rows, d_rows = slice(first * 2 * I, last * 2 * I), slice(first * H, last * H)
+            mgu, md = (m[sl] if m is not None else None for m, sl in ((self.m_gate_up, gu_rows), (self.m_down, d_rows)))
             _routed().unpack_rows(self.w_gate_up[gu_rows], self.s_gate_up[gu_rows], st.gate_up, st.group,
-                                  w_gu.view(n * 2 * I, H), used, 2 * I, lut_gu)
+                                  w_gu.view(n * 2 * I, H), used, 2 * I, lut_gu, mgu)
             _routed().unpack_rows(self.w_down[d_rows], self.s_down[d_rows], st.down, st.down_group,
-                                  w_down.view(n * H, I), used, H, lut_d)
+                                  w_down.view(n * H, I), used, H, lut_d, md)
             return
         for r0 in range(first, last, TORCH_UNPACK_EXPERTS):  # torch ops, a few experts at a time (bounded temporaries)
             r1 = min(last, r0 + TORCH_UNPACK_EXPERTS)

@@ -3,7 +3,12 @@ symmetric, one fp32 scale per ``group`` weights along K (32, 64 or 128) -- value
 convention, so that resident experts of the CPU's format hold exactly the values its kernels multiply by; or lut4,
 a CPU engine's lut4 codes kept as they are (codebook indices in int4's layout, value = scale * codebook[i]: the
 bytes of int4, which is what a memory plan counts for those layers). Scales the CPU engine stores narrower than fp32
-(fp16, bf16, e8m0, k8) are widened to fp32 at upload, exactly (the int4 bytes a plan counts, again).
+(fp16, bf16, e8m0, k8) are widened to fp32 at upload, exactly (the int4 bytes a plan counts, again). The bit-plane
+codes (int6, int5, int3, int2: GGUF's Q6_K, Q5_K, Q3_K, Q2_K) are widened exactly, int6 / int5 into int8 codes and
+int3 / int2 into int4 codes, in the same group with the same scales: the resident kernels dequantize int8 and int4 in
+their K loop (hetmoe/ops/triton/experts.py ``_halves``) and no kernel of theirs reads the packed planes. Affine
+matrices (the K-quants Q4_K, Q5_K, Q2_K; Q4_1 / Q5_1) keep their mins beside the scales, fp32 too: value =
+scale * u - min, u = q + 128 (int8) or the nibble (int4), rounded twice as the CPU engine rounds it.
 
 Layout of one quantized matrix stack (the conventions of hetmoe/ops/triton/linear.py, with the group a parameter;
 K zero-padded to Kp, a multiple of the group):
@@ -12,10 +17,12 @@ K zero-padded to Kp, a multiple of the group):
   g*group + group/2 + i in its high nibble, each stored as q + 8 (q in [-8, 7]); scales fp32 [R, Kp / group].
   The two halves of a group are two contiguous slices of x, so a kernel needs no interleave.
 * lut4: as int4, each nibble the codebook index itself (no offset); the codebook is the Storage's.
+* affine int8 / int4: as above, u - 128 / u - 8 stored as q; mins fp32 [R, Kp / group] beside the scales.
 
-``cpu_codes`` reads a CPU engine's codes and scales out of its packed storage (hetmoe/moe/streamed/packed.py) where the
-format matches (symmetric int8/int4/lut4, one NUMA slice); elsewhere ``quantize`` packs the engine's dequantized
-values afresh into int8/int4 (scale = max |w| of the group / qmax: 127 for int8, 7 for int4).
+``cpu_codes`` reads a CPU engine's codes and scales (and mins) out of its packed storage (hetmoe/moe/streamed/packed.py)
+where the format matches (int8/int4/lut4 and the bit-plane formats widened, one NUMA slice); elsewhere ``quantize``
+packs the engine's dequantized values afresh into int8/int4 (scale = max |w| of the group / qmax: 127 for int8, 7
+for int4).
 
 Shape letters: R rows (of all matrices stacked), K columns, Kp K padded, G groups per row.
 """
@@ -28,13 +35,15 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from hetmoe.cpu.layout import CODEBOOKS, PLANES
+from hetmoe.cpu.layout import CODEBOOKS
 
 FORMATS = ("bf16", "int8", "int4")  # what --gpu-experts-format takes
 STORED = FORMATS + ("lut4",)  # lut4: only a CPU engine's own lut4 codes, kept
-GROUPS = (32, 64, 128)
+GROUPS = (16, 32, 64, 128)
 DEFAULT_GROUP = 64  # where the weights are quantized here (not the CPU engine's own codes)
 QMAX = {"int8": 127, "int4": 7}
+WIDENED = {"int6": "int8", "int5": "int8", "int3": "int4", "int2": "int4"}  # a bit-plane format's codes, held exactly
+OFFSET = {"int8": 128, "int4": 8, "lut4": 0}  # u - q of a stored code (affine: the kernels add it back)
 
 
 @dataclass(frozen=True)
@@ -48,10 +57,13 @@ class Storage:
     down_group: int = DEFAULT_GROUP
     gate_up_codebook: Optional[str] = None  # lut4's codebooks (hetmoe/cpu/layout.py CODEBOOKS)
     down_codebook: Optional[str] = None
+    gate_up_affine: bool = False  # mins beside the scales: only a CPU engine's affine codes, kept
+    down_affine: bool = False
 
     def __post_init__(self):
-        for name, fmt, group, book in (("gate/up", self.gate_up, self.group, self.gate_up_codebook),
-                                       ("down", self.down, self.down_group, self.down_codebook)):
+        for name, fmt, group, book, affine in (
+                ("gate/up", self.gate_up, self.group, self.gate_up_codebook, self.gate_up_affine),
+                ("down", self.down, self.down_group, self.down_codebook, self.down_affine)):
             if fmt not in STORED:
                 raise ValueError(f"{name} storage must be one of {', '.join(FORMATS)}, got {fmt!r}")
             if fmt != "bf16" and group not in GROUPS:
@@ -59,6 +71,8 @@ class Storage:
             if (fmt == "lut4") != (book is not None) or (book is not None and book not in CODEBOOKS):
                 raise ValueError(f"{name} {fmt} storage with codebook {book!r}: lut4 needs one of "
                                  f"{', '.join(CODEBOOKS)}, other formats none")
+            if affine and fmt not in QMAX:
+                raise ValueError(f"{name} {fmt} storage cannot be affine (int8 and int4 can)")
         if (self.gate_up == "bf16") != (self.down == "bf16"):
             raise ValueError(f"resident experts are bf16 or int8/int4 throughout, not gate/up {self.gate_up} with "
                              f"down {self.down}")
@@ -81,18 +95,19 @@ def padded(k: int, group: int) -> int:
     return -(-k // group) * group
 
 
-def matrix_bytes(fmt: str, rows: int, k: int, group: int, itemsize: int = 2) -> int:
-    """Bytes of ``rows`` x ``k`` weights stored in ``fmt`` (bf16: ``itemsize`` per weight, the model dtype)."""
+def matrix_bytes(fmt: str, rows: int, k: int, group: int, itemsize: int = 2, affine: bool = False) -> int:
+    """Bytes of ``rows`` x ``k`` weights stored in ``fmt`` (bf16: ``itemsize`` per weight, the model dtype;
+    ``affine``: mins beside the scales)."""
     if fmt == "bf16":
         return rows * k * itemsize
     kp = padded(k, group)
-    return rows * (kp // (2 if fmt in ("int4", "lut4") else 1) + kp // group * 4)
+    return rows * (kp // (2 if fmt in ("int4", "lut4") else 1) + kp // group * 4 * (2 if affine else 1))
 
 
 def expert_bytes(storage: Storage, hidden: int, intermediate: int, itemsize: int = 2) -> int:
     """Bytes one resident expert takes on the GPU: gate and up [I, H], down [H, I]."""
-    return (matrix_bytes(storage.gate_up, 2 * intermediate, hidden, storage.group, itemsize)
-            + matrix_bytes(storage.down, hidden, intermediate, storage.down_group, itemsize))
+    return (matrix_bytes(storage.gate_up, 2 * intermediate, hidden, storage.group, itemsize, storage.gate_up_affine)
+            + matrix_bytes(storage.down, hidden, intermediate, storage.down_group, itemsize, storage.down_affine))
 
 
 def pack_int4(q: torch.Tensor, group: int, offset: int = 8) -> torch.Tensor:
@@ -129,9 +144,11 @@ def quantize(w: torch.Tensor, fmt: str, group: int) -> tuple:
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str, group: int, k: int,
-               dtype: torch.dtype = torch.float32, codebook: Optional[str] = None) -> torch.Tensor:
+               dtype: torch.dtype = torch.float32, codebook: Optional[str] = None,
+               mins: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Stored ``codes``/``scales`` of ``fmt`` -> [R, k] in ``dtype`` (scale * q in fp32, then rounded to ``dtype``;
-    lut4: q = ``codebook``'s value of each index)."""
+    lut4: q = ``codebook``'s value of each index; ``mins``: affine, scale * u - min with u = q + OFFSET, two
+    roundings)."""
     if fmt == "lut4":
         from hetmoe.moe.streamed.packed import codebook_values
 
@@ -139,7 +156,11 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str, group: int, 
     else:
         q = unpack_int4(codes, group) if fmt == "int4" else codes
     R, kp = q.shape
-    w = q.float().view(R, kp // group, group) * scales.float().unsqueeze(-1)
+    if mins is not None:
+        u = q.float().view(R, kp // group, group) + OFFSET[fmt]
+        w = u * scales.float().unsqueeze(-1) - mins.float().unsqueeze(-1)
+    else:
+        w = q.float().view(R, kp // group, group) * scales.float().unsqueeze(-1)
     return w.view(R, kp)[:, :k].to(dtype)
 
 
@@ -156,6 +177,7 @@ def planned_storage(fmt: str, cpu_format: str, cpu_group: int) -> Storage:
     """The storage ``--gpu-experts-format fmt`` gives experts whose CPU format is ``cpu_format`` in ``cpu_group``
     (before any weight exists: the memory plan): auto is the CPU format; int8/int4 of the CPU's format keep its group
     (its codes), another format takes the default group."""
+    cpu_format = WIDENED.get(cpu_format, cpu_format)  # bit-plane codes: held as int8 / int4
     if fmt == "auto":
         fmt = "bf16" if cpu_format == "fp8" else cpu_format  # fp8: no GPU kernels for it; its values in bf16
     if fmt not in FORMATS:
@@ -167,23 +189,25 @@ def planned_storage(fmt: str, cpu_format: str, cpu_group: int) -> Storage:
 
 def cpu_storage(cpu_experts) -> Storage:
     """The Storage that holds a CPUExperts' values exactly: its formats and groups (per-row int8/int4: a group of 128,
-    the row's scale repeated; a group the GPU kernels do not take: the default), lut4 with its codebooks. lut4 codes
-    are only copied, never quantized here: a lut4 matrix that cpu_codes cannot copy (a NUMA-split layer, a group the
-    GPU kernels do not take) is stored as int4 (the same bytes; re-quantized from the engine's values)."""
+    the row's scale repeated; a group the GPU kernels do not take: the default; bit-plane codes widened into int8 /
+    int4), lut4 with its codebooks, affine matrices with their mins. lut4 codes and affine mins are only copied, never
+    made here: a matrix that cpu_codes cannot copy (a NUMA-split layer, a group the GPU kernels do not take) is stored
+    as symmetric int8 / int4 (lut4: int4, the same bytes), re-quantized from the engine's values."""
     info = cpu_experts.info()
     if {"bf16", "fp8"} & {info["weight_format"], info["down_weight_format"]}:  # fp8: no GPU kernels; its values
         return Storage.of("bf16")
     whole = info.get("numa_subpools", 1) == 1
     out = []
-    for fmt, group, book in ((info["weight_format"], info["group_size"] or 0, info["gate_up_codebook"]),
-                             (info["down_weight_format"], info["down_group_size"] or 0, info["down_codebook"])):
-        if fmt == "lut4" and not (whole and group in GROUPS):
+    for fmt, group, book, scaling in (
+            (info["weight_format"], info["group_size"] or 0, info["gate_up_codebook"], info["gate_up_scaling"]),
+            (info["down_weight_format"], info["down_group_size"] or 0, info["down_codebook"], info["down_scaling"])):
+        copied = whole and group in GROUPS  # (per-row codes, group 0, are copied too, as symmetric group 128)
+        if fmt == "lut4" and not copied:
             fmt, book = "int4", None
-        if fmt in PLANES:  # bit-plane codes: no GPU kernels read them; int8 / int4 of the engine's values
-            fmt = "int8" if PLANES[fmt][2] > 4 else "int4"
-        out.append((fmt, _group(group), book))
-    (gu, g, gb), (dn, dg, db) = out
-    return Storage(gu, dn, g, dg, gb, db)
+        fmt = WIDENED.get(fmt, fmt)  # bit-plane codes: widened exactly (cpu_codes)
+        out.append((fmt, _group(group), book, copied and scaling == "affine"))
+    (gu, g, gb, ga), (dn, dg, db, da) = out
+    return Storage(gu, dn, g, dg, gb, db, ga, da)
 
 
 def storage_for(cpu_experts, fmt: str = "auto") -> Storage:
@@ -197,23 +221,23 @@ def storage_for(cpu_experts, fmt: str = "auto") -> Storage:
     if fmt == "bf16":
         return Storage.of("bf16")
     info = cpu_experts.info()
-    return Storage(fmt, fmt, _group(info["group_size"] or 0) if info["weight_format"] == fmt else DEFAULT_GROUP,
-                   _group(info["down_group_size"] or 0) if info["down_weight_format"] == fmt else DEFAULT_GROUP)
+    gu, dn = (WIDENED.get(info[key], info[key]) for key in ("weight_format", "down_weight_format"))
+    return Storage(fmt, fmt, _group(info["group_size"] or 0) if gu == fmt else DEFAULT_GROUP,
+                   _group(info["down_group_size"] or 0) if dn == fmt else DEFAULT_GROUP)
 
 
 def cpu_codes(cpu_experts, expert: int, storage: Storage, ranges: Optional[list] = None,
               device=None) -> Optional[tuple]:
-    """((gate_up codes, scales), (down codes, scales)) of ``expert`` in ``storage``'s layout, read from the CPU
-    engine's packed bytes (``ranges``: hetmoe.moe.streamed.packed.expert_ranges, or read here) and converted on
-    ``device`` (default: the CPU; a GPU does it in well under a millisecond, the CPU in a few hundred), the scales
-    widened to fp32 (exact); an entry is None where the engine's matrix is not exactly that (another format, group or
-    codebook, affine scaling, bf16 or fp8, a NUMA-split layer)."""
+    """((gate_up codes, scales), (down codes, scales)) of ``expert`` in ``storage``'s layout -- (codes, scales, mins)
+    for a matrix ``storage`` holds affine -- read from the CPU engine's packed bytes (``ranges``:
+    hetmoe.moe.streamed.packed.expert_ranges, or read here) and converted on ``device`` (default: the CPU; a GPU does
+    it in well under a millisecond, the CPU in a few hundred), the scales (and mins) widened to fp32 (exact),
+    bit-plane codes widened into int8 / int4 (exact); an entry is None where the engine's matrix is not exactly that
+    (another format, group, codebook or scaling, bf16 or fp8, a NUMA-split layer)."""
     from hetmoe.moe.streamed import packed
 
     info = cpu_experts.info()
     if info.get("numa_subpools", 1) != 1 or info["weight_format"] == "fp8":
-        return None, None
-    if info["weight_format"] in PLANES or info["down_weight_format"] in PLANES:  # (quantized from the values)
         return None, None
     layout = packed.ExpertLayout.of(cpu_experts)
     ranges = packed.expert_ranges(cpu_experts) if ranges is None else ranges
@@ -223,19 +247,27 @@ def cpu_codes(cpu_experts, expert: int, storage: Storage, ranges: Optional[list]
     parts = [r[expert * s:(expert + 1) * s].to(device or "cpu") for r, s in zip(ranges, sizes)]
     I, H = layout.intermediate, layout.hidden
     out = []
-    for shape, data, scales, fmt, group, book, n_mats, n in (
-            (layout.gate_up, parts[0], parts[1], storage.gate_up, storage.group, storage.gate_up_codebook, 2, I),
-            (layout.down, parts[2], parts[3], storage.down, storage.down_group, storage.down_codebook, 1, H)):
-        if shape.affine or shape.fmt != fmt or shape.group != group or shape.codebook != book:
+    for shape, data, scales, fmt, group, book, affine, n_mats, n in (
+            (layout.gate_up, parts[0], parts[1], storage.gate_up, storage.group, storage.gate_up_codebook,
+             storage.gate_up_affine, 2, I),
+            (layout.down, parts[2], parts[3], storage.down, storage.down_group, storage.down_codebook,
+             storage.down_affine, 1, H)):
+        if (shape.affine != affine or WIDENED.get(shape.fmt, shape.fmt) != fmt or shape.group != group
+                or shape.codebook != book):
             out.append(None)
             continue
         nb, G = shape.n_blocks, shape.kp // shape.group
-        offset = {"int8": 128, "int4": 8, "lut4": 0}[fmt]
         # gate and up row blocks alternate (block 2 rb + m is matrix m's rb): [n_mats, NB * 16, Kp] in row order
         codes = packed._unpack_data(data, shape, n_mats).view(nb, n_mats, packed.ROWS, shape.kp)
         codes = codes.transpose(0, 1).reshape(n_mats * nb * packed.ROWS, shape.kp)
-        s = packed.widen_set(scales.view(nb * n_mats, -1), shape).view(nb, n_mats, G, packed.ROWS).permute(1, 0, 3, 2)
-        s = s.reshape(n_mats, nb * packed.ROWS, G)[:, :n].reshape(n_mats * n, G)
-        codes = codes.view(n_mats, nb * packed.ROWS, shape.kp)[:, :n].reshape(n_mats * n, shape.kp) - offset
-        out.append((encode(codes, fmt, group), s.clone()))
+        sets = scales.view(nb * n_mats, 2 if affine else 1, -1)
+
+        def per_row(j: int) -> torch.Tensor:  # set j (0: scales, 1: mins) as fp32 [n_mats * n, G]
+            v = packed.widen_set(sets[:, j], shape).view(nb, n_mats, G, packed.ROWS).permute(1, 0, 3, 2)
+            return v.reshape(n_mats, nb * packed.ROWS, G)[:, :n].reshape(n_mats * n, G).clone()
+
+        # q = u - the stored offset: symmetric codes' own (2^(b-1) of a b-bit code), affine int8 / int4's (added back)
+        codes = codes.view(n_mats, nb * packed.ROWS, shape.kp)[:, :n].reshape(n_mats * n, shape.kp)
+        codes = codes - (OFFSET[fmt] if affine else shape.offset if fmt != "lut4" else 0)
+        out.append((encode(codes, fmt, group), per_row(0)) + ((per_row(1),) if affine else ()))
     return tuple(out)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-from hetmoe.cpu.layout import PLANES
-
 
 def _line(rates: dict) -> tuple:
     """(fixed seconds, seconds per token) through the two measured points of ``rates`` {tokens: seconds}."""
@@ -170,13 +168,6 @@ def setup(layers: list, plan, options, log) -> tuple:
         return None, {"enabled": False, "why": "MoE layers split over NUMA subpools (their storage is per slice)"}
     if any(layer.engine.info()["weight_format"] == "fp8" for layer in layers):  # (all or none, as above)
         why = "fp8 experts: the GPU unpacking of the packed layout reads no fp8 yet (prefill stays on the CPU)"
-        log(f"hetmoe: GPU prefill off: {why}")
-        return None, {"enabled": False, "why": why}
-    planes = sorted({f for layer in layers for f in (layer.engine.info()["weight_format"],
-                                                     layer.engine.info()["down_weight_format"]) if f in PLANES})
-    if planes:  # the K-quants' bit-plane formats (hetmoe/cpu/layout.py PLANES)
-        why = (f"{'/'.join(planes)} experts: the GPU unpacking of the packed layout reads no bit-plane format yet "
-               "(prefill stays on the CPU)")
         log(f"hetmoe: GPU prefill off: {why}")
         return None, {"enabled": False, "why": why}
     threshold = options.gpu_prefill if isinstance(options.gpu_prefill, int) else 1

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hetmoe.cpu import layout as cpu_layout
 from hetmoe.cpu.layout import BF16_GROUP, CODEBOOKS, K_PER_LINE, LINE, PLANES, ROWS, SCALE_WIDTH, SUPER_BLOCK, set_bytes
 
 
@@ -40,9 +41,7 @@ class MatrixShape:
     @classmethod
     def make(cls, fmt: str, n: int, k: int, group: int, scaling: str = "symmetric", scale_dtype: str = "fp32",
              codebook: str | None = None) -> "MatrixShape":
-        if fmt in PLANES:  # (streamed prefill and GPU-resident experts keep bit-plane layers off this path)
-            raise ValueError(f"{fmt} experts (bit planes) have no GPU unpacking of the packed layout yet")
-        if fmt not in K_PER_LINE:
+        if fmt not in K_PER_LINE and fmt not in PLANES:
             raise ValueError(f"unknown weight format {fmt!r}")
         if fmt == "fp8":  # (streamed prefill and GPU-resident experts keep fp8 layers off this path)
             raise ValueError("fp8 experts have no GPU unpacking of the packed layout yet")
@@ -56,8 +55,13 @@ class MatrixShape:
                    scale_dtype or "fp32", codebook)
 
     @property
-    def lines(self) -> int:
-        return self.kp // K_PER_LINE[self.fmt]
+    def lines(self) -> int:  # data lines of a row block (bit-plane formats: whole units)
+        return cpu_layout.data_lines(self.fmt, self.kp)
+
+    @property
+    def offset(self) -> int:
+        """What a symmetric code stores on top of q: 128 for int8, 8 for int4, 2^(b-1) for a b-bit plane format."""
+        return 1 << (code_bits(self.fmt) - 1)
 
     @property
     def block_bytes(self) -> int:
@@ -108,9 +112,49 @@ class ExpertLayout:
         return sum(self.range_bytes())
 
 
+def code_bits(fmt: str) -> int:
+    """Bits per code of an integer format (csrc/formats/layout.h code_bits)."""
+    return PLANES[fmt][2] if fmt in PLANES else {"int8": 8, "int4": 4, "lut4": 4}[fmt]
+
+
+def plane_split(fmt: str) -> tuple:
+    """(low bits, high bits, quads of 16 of K per unit, lines per unit) of a bit-plane format (csrc/formats/layout.h
+    Planes: the low part is 4 bits for codes of 5 bits and more, else 2)."""
+    unit_k, lines, bits = PLANES[fmt]
+    lo = 4 if bits >= 4 else 2
+    return lo, bits - lo, unit_k // 16, lines
+
+
+def _unpack_planes(data: torch.Tensor, shape: MatrixShape, n_mats: int) -> torch.Tensor:
+    """uint8 bit-plane row blocks -> their codes u, int16 [n_mats, n_blocks * 16, Kp] (csrc/formats/layout.h: byte
+    line f of quad q is ((lo >> s) & m) | (((hi >> t) & m') << low bits), the lines of a unit its quads' low lines,
+    then its high line)."""
+    lo_bits, hi_bits, quads, unit_lines = plane_split(shape.fmt)
+    NB, units = shape.n_blocks, shape.lines // unit_lines
+    lines = data.view(n_mats * NB, units, unit_lines, ROWS, 4).to(torch.int16)
+    per_quad = []
+    for q in range(quads):
+        byte_lines = []
+        for f in range(4):  # byte line f: k = 16 q + 4 f + e, e the byte of a row's cell
+            if lo_bits == 4:
+                code = (lines[:, :, 2 * q + f // 2] >> (4 * (f % 2))) & 15
+            else:
+                code = (lines[:, :, q] >> (2 * f)) & 3
+            if hi_bits:
+                shift = 2 * f if hi_bits == 2 else 4 * q + f
+                code = code | (((lines[:, :, unit_lines - 1] >> shift) & ((1 << hi_bits) - 1)) << lo_bits)
+            byte_lines.append(code)
+        per_quad.append(torch.stack(byte_lines, dim=2))  # [., units, 4 (f), ROWS, 4 (e)]
+    codes = torch.stack(per_quad, dim=2)  # [., units, quads, 4 (f), ROWS, 4 (e)]
+    codes = codes.permute(0, 4, 1, 2, 3, 5).reshape(n_mats, NB * ROWS, units * quads * 16)
+    return codes[:, :, :shape.kp]
+
+
 def _unpack_data(data: torch.Tensor, shape: MatrixShape, n_mats: int) -> torch.Tensor:
     """uint8 [n_mats * n_blocks * block_bytes] -> the stored values [n_mats, n_blocks * 16, Kp]: bf16 as bf16, int8 /
-    int4 as their unsigned codes (int16: q + 128 / q + 8), lut4 as its indices (int16 0..15)."""
+    int4 / bit-plane codes as their unsigned codes (int16: q + offset, affine u), lut4 as its indices (int16 0..15)."""
+    if shape.fmt in PLANES:
+        return _unpack_planes(data, shape, n_mats)
     L, NB = shape.lines, shape.n_blocks
     lines = data.view(n_mats * NB, L, ROWS, 4)
     if shape.fmt == "bf16":
@@ -161,7 +205,7 @@ def widen_set(sets: torch.Tensor, shape: MatrixShape) -> torch.Tensor:
 
 def _dequantize(codes: torch.Tensor, scales: torch.Tensor, shape: MatrixShape, n_mats: int,
                 dtype: torch.dtype) -> torch.Tensor:
-    """codes [n_mats, NB * 16, Kp] (q + offset, affine u, or lut4 indices), scales uint8 [n_mats * NB *
+    """codes [n_mats, NB * 16, Kp] (q + shape.offset, affine u, or lut4 indices), scales uint8 [n_mats * NB *
     block_scale_bytes] (per block its scale set, and affine its min set) -> values [n_mats, NB * 16, Kp]."""
     G, NB = shape.kp // shape.group, shape.n_blocks
     sets = scales.view(n_mats * NB, 2 if shape.affine else 1, shape.set_bytes)
@@ -176,7 +220,7 @@ def _dequantize(codes: torch.Tensor, scales: torch.Tensor, shape: MatrixShape, n
     if shape.fmt == "lut4":
         q = codebook_values(shape.codebook, codes.device)[codes.long()]
     else:
-        q = (codes - (128 if shape.fmt == "int8" else 8)).to(torch.float32)
+        q = (codes - shape.offset).to(torch.float32)
     w = q.view(n_mats, NB * ROWS, G, shape.group) * s
     return w.view(n_mats, NB * ROWS, shape.kp).to(dtype)
 

@@ -259,7 +259,8 @@ def weight_bytes_read(topk_ids: torch.Tensor, slot_of: torch.Tensor, hidden: int
 # programs above -- a program per ((token, slot) pair, block of outputs), only each routed
 # resident expert's leader computing, every weight of it read once per call -- with the weights dequantized in the K
 # loop: codes and their fp32 scales loaded, ``scale * q`` in fp32 (the very values the CPU engine multiplies by when the
-# codes are its own), fp32 accumulation.
+# codes are its own), fp32 accumulation. Affine matrices (a CPU engine's K-quant codes) have fp32 mins beside the
+# scales, [rows, Kp/group] too, and the value ``scale * u - min`` with u = q + 128 (int8) or the nibble (int4).
 #
 # Weights: ``w_gate_up`` codes [N*2I, Hp(/2)] with scales [N*2I, Hp/group] (rows of resident expert r: gate_r then
 # up_r), ``w_down`` codes [N*H, Ip(/2)] with scales [N*H, Ip/group_down] (rows of r: down_r). Each K step takes a
@@ -274,11 +275,11 @@ INT_FMT = {"int8": 0, "int4": 1, "lut4": 2}
 
 
 @triton.jit
-def _halves(W, S, LUT, w_off, s_off, k0, KP, R: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
-            BK: tl.constexpr):
+def _halves(W, S, MN, LUT, w_off, s_off, k0, KP, R: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
+            BK: tl.constexpr, AFFINE: tl.constexpr):
     """(lo, hi, kl, kh): fp32 weights [R, BK/2] of the rows whose codes start at W + w_off and scales at S + s_off
-    ([R] int64 each), columns kl and kh = kl + GROUP/2 (kl [BK/2]: the first half of each group of K step k0).
-    lut4 (FMT 2): int4's bytes, each nibble an index into LUT (16 fp32 codebook values)."""
+    ([R] int64 each; AFFINE: mins at MN + s_off), columns kl and kh = kl + GROUP/2 (kl [BK/2]: the first half of each
+    group of K step k0). lut4 (FMT 2): int4's bytes, each nibble an index into LUT (16 fp32 codebook values)."""
     c = tl.arange(0, BK // 2)
     kl = k0 + (c // (GROUP // 2)) * GROUP + c % (GROUP // 2)
     ok = (kl < KP)[None, :]
@@ -294,8 +295,15 @@ def _halves(W, S, LUT, w_off, s_off, k0, KP, R: tl.constexpr, FMT: tl.constexpr,
     else:
         lo = tl.load(W + w_off[:, None] + kl[None, :], mask=ok, other=0).to(tl.float32)
         hi = tl.load(W + w_off[:, None] + (kl + GROUP // 2)[None, :], mask=ok, other=0).to(tl.float32)
-    lo = tl.reshape(tl.reshape(lo, (R, BK // GROUP, GROUP // 2)) * s[:, :, None], (R, BK // 2))
-    hi = tl.reshape(tl.reshape(hi, (R, BK // GROUP, GROUP // 2)) * s[:, :, None], (R, BK // 2))
+    if AFFINE:  # scale * u - min, u = q + 128 (int8) or q + 8 (int4): exact integers in fp32
+        m = tl.load(MN + s_off[:, None] + gi[None, :], mask=(gi < KP // GROUP)[None, :], other=0.0)
+        off = 8.0 if FMT == 1 else 128.0
+        lo = tl.reshape(lo + off, (R, BK // GROUP, GROUP // 2)) * s[:, :, None] - m[:, :, None]
+        hi = tl.reshape(hi + off, (R, BK // GROUP, GROUP // 2)) * s[:, :, None] - m[:, :, None]
+        lo, hi = tl.reshape(lo, (R, BK // 2)), tl.reshape(hi, (R, BK // 2))
+    else:
+        lo = tl.reshape(tl.reshape(lo, (R, BK // GROUP, GROUP // 2)) * s[:, :, None], (R, BK // 2))
+        hi = tl.reshape(tl.reshape(hi, (R, BK // GROUP, GROUP // 2)) * s[:, :, None], (R, BK // 2))
     return lo, hi, kl, kl + GROUP // 2
 
 
@@ -308,11 +316,11 @@ def _dot(a, w, acc, DOT_T: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_int(X, WGU, SGU, LUT, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, HP, stride_x, stride_w, stride_s,
+def _gate_up_int(X, WGU, SGU, MGU, LUT, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, HP, stride_x, stride_w, stride_s,
                  stride_id, stride_wt, K: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr, HAS_SKIP: tl.constexpr,
                  N_EXPERTS: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, GEMV: tl.constexpr,
                  DEFER: tl.constexpr, DOT_T: tl.constexpr, IEEE: tl.constexpr, FMT: tl.constexpr,
-                 GROUP: tl.constexpr):
+                 GROUP: tl.constexpr, AFFINE: tl.constexpr):
     """HS[t, j, i-block] = silu(gate) * up for every token t routed to this program's expert (leaders only)."""
     t = tl.program_id(0) // K
     j = tl.program_id(0) % K
@@ -330,8 +338,8 @@ def _gate_up_int(X, WGU, SGU, LUT, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, HP, str
         acc_ge = tl.zeros((BI, BK // 2), dtype=tl.float32)
         acc_ue = tl.zeros((BI, BK // 2), dtype=tl.float32)
         for k0 in range(0, HP, BK):
-            g_lo, g_hi, kl, kh = _halves(WGU, SGU, LUT, gw, gs, k0, HP, BI, FMT, GROUP, BK)
-            u_lo, u_hi, kl_u, kh_u = _halves(WGU, SGU, LUT, uw, us, k0, HP, BI, FMT, GROUP, BK)
+            g_lo, g_hi, kl, kh = _halves(WGU, SGU, MGU, LUT, gw, gs, k0, HP, BI, FMT, GROUP, BK, AFFINE)
+            u_lo, u_hi, kl_u, kh_u = _halves(WGU, SGU, MGU, LUT, uw, us, k0, HP, BI, FMT, GROUP, BK, AFFINE)
             x_lo = tl.load(X + kl, mask=kl < H, other=0.0).to(tl.float32)[None, :]
             x_hi = tl.load(X + kh, mask=kh < H, other=0.0).to(tl.float32)[None, :]
             acc_ge += g_lo * x_lo + g_hi * x_hi
@@ -342,8 +350,8 @@ def _gate_up_int(X, WGU, SGU, LUT, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, HP, str
         acc_g = tl.zeros((ROWS, BI), dtype=tl.float32)
         acc_u = tl.zeros((ROWS, BI), dtype=tl.float32)
         for k0 in range(0, HP, BK):
-            g_lo, g_hi, kl, kh = _halves(WGU, SGU, LUT, gw, gs, k0, HP, BI, FMT, GROUP, BK)
-            u_lo, u_hi, kl_u, kh_u = _halves(WGU, SGU, LUT, uw, us, k0, HP, BI, FMT, GROUP, BK)
+            g_lo, g_hi, kl, kh = _halves(WGU, SGU, MGU, LUT, gw, gs, k0, HP, BI, FMT, GROUP, BK, AFFINE)
+            u_lo, u_hi, kl_u, kh_u = _halves(WGU, SGU, MGU, LUT, uw, us, k0, HP, BI, FMT, GROUP, BK, AFFINE)
             for m in tl.static_range(ROWS):
                 x_lo = tl.load(X + m * stride_x + kl, mask=(kl < H) & (m < T), other=0.0).to(tl.float32)[None, :]
                 x_hi = tl.load(X + m * stride_x + kh, mask=(kh < H) & (m < T),
@@ -355,8 +363,8 @@ def _gate_up_int(X, WGU, SGU, LUT, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, HP, str
         acc_u = tl.zeros((ROWS, BI), dtype=tl.float32)
         x_rows = X + rows[:, None] * stride_x
         for k0 in range(0, HP, BK):
-            g_lo, g_hi, kl, kh = _halves(WGU, SGU, LUT, gw, gs, k0, HP, BI, FMT, GROUP, BK)
-            u_lo, u_hi, kl_u, kh_u = _halves(WGU, SGU, LUT, uw, us, k0, HP, BI, FMT, GROUP, BK)
+            g_lo, g_hi, kl, kh = _halves(WGU, SGU, MGU, LUT, gw, gs, k0, HP, BI, FMT, GROUP, BK, AFFINE)
+            u_lo, u_hi, kl_u, kh_u = _halves(WGU, SGU, MGU, LUT, uw, us, k0, HP, BI, FMT, GROUP, BK, AFFINE)
             x_lo = tl.load(x_rows + kl[None, :], mask=(hit != 0)[:, None] & (kl < H)[None, :], other=0.0).to(DOT_T)
             x_hi = tl.load(x_rows + kh[None, :], mask=(hit != 0)[:, None] & (kh < H)[None, :],
                            other=0.0).to(DOT_T)
@@ -370,10 +378,10 @@ def _gate_up_int(X, WGU, SGU, LUT, IDS, WTS, SLOT_OF, SKIP, HS, T, H, I, HP, str
 
 
 @triton.jit
-def _down_int(HS, WD, SD, LUT, IDS, WTS, SLOT_OF, SKIP, P, T, H, I, IP, stride_w, stride_s, stride_id, stride_wt,
+def _down_int(HS, WD, SD, MD, LUT, IDS, WTS, SLOT_OF, SKIP, P, T, H, I, IP, stride_w, stride_s, stride_id, stride_wt,
           K: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr, HAS_SKIP: tl.constexpr, N_EXPERTS: tl.constexpr,
           BH: tl.constexpr, BK: tl.constexpr, GEMV: tl.constexpr, DEFER: tl.constexpr, DOT_T: tl.constexpr,
-          IEEE: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr):
+          IEEE: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, AFFINE: tl.constexpr):
     """P[t, j, h-block] = weight * (h W_down^T) for every token routed to this program's expert (leaders), zeros for
     an invalid pair (its own row)."""
     t = tl.program_id(0) // K
@@ -394,7 +402,7 @@ def _down_int(HS, WD, SD, LUT, IDS, WTS, SLOT_OF, SKIP, P, T, H, I, IP, stride_w
         acc_e = tl.zeros((BH, BK // 2), dtype=tl.float32)
         h_row = HS + (t * K + j).to(tl.int64) * I  # T = 1: this pair is the expert's only row
         for k0 in range(0, IP, BK):
-            w_lo, w_hi, kl, kh = _halves(WD, SD, LUT, dw, ds, k0, IP, BH, FMT, GROUP, BK)
+            w_lo, w_hi, kl, kh = _halves(WD, SD, MD, LUT, dw, ds, k0, IP, BH, FMT, GROUP, BK, AFFINE)
             h_lo = tl.load(h_row + kl, mask=kl < I, other=0.0)[None, :]
             h_hi = tl.load(h_row + kh, mask=kh < I, other=0.0)[None, :]
             acc_e += w_lo * h_lo + w_hi * h_hi
@@ -402,7 +410,7 @@ def _down_int(HS, WD, SD, LUT, IDS, WTS, SLOT_OF, SKIP, P, T, H, I, IP, stride_w
     elif GEMV:
         acc = tl.zeros((ROWS, BH), dtype=tl.float32)
         for k0 in range(0, IP, BK):
-            w_lo, w_hi, kl, kh = _halves(WD, SD, LUT, dw, ds, k0, IP, BH, FMT, GROUP, BK)
+            w_lo, w_hi, kl, kh = _halves(WD, SD, MD, LUT, dw, ds, k0, IP, BH, FMT, GROUP, BK, AFFINE)
             for m in tl.static_range(ROWS):
                 hm = tl.sum(tl.where(rows == m, hit, 0))
                 jm = tl.sum(tl.where(rows == m, jj, 0))
@@ -414,7 +422,7 @@ def _down_int(HS, WD, SD, LUT, IDS, WTS, SLOT_OF, SKIP, P, T, H, I, IP, stride_w
         acc = tl.zeros((ROWS, BH), dtype=tl.float32)
         h_rows = HS + (rows * K + jj).to(tl.int64)[:, None] * I
         for k0 in range(0, IP, BK):
-            w_lo, w_hi, kl, kh = _halves(WD, SD, LUT, dw, ds, k0, IP, BH, FMT, GROUP, BK)
+            w_lo, w_hi, kl, kh = _halves(WD, SD, MD, LUT, dw, ds, k0, IP, BH, FMT, GROUP, BK, AFFINE)
             h_lo = tl.load(h_rows + kl[None, :], mask=(hit != 0)[:, None] & (kl < I)[None, :], other=0.0).to(DOT_T)
             h_hi = tl.load(h_rows + kh[None, :], mask=(hit != 0)[:, None] & (kh < I)[None, :],
                            other=0.0).to(DOT_T)
@@ -428,10 +436,10 @@ def routed_int(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
            storage, slot_of: torch.Tensor, skip_mask: torch.Tensor | None, num_experts: int, intermediate: int,
            launch: Launch | None = None, luts: tuple | None = None) -> torch.Tensor:
     """fp32 [T, H]: the resident experts' part for x [T, H] routed by topk_ids/topk_weights [T, k] (-1 = empty slot),
-    the weights ``gate_up`` and ``down`` each (codes, scales) in ``storage`` (a resident_format.Storage, both
-    matrices int8/int4/lut4). ``slot_of``, ``skip_mask``, ``launch``: as ``routed``. ``luts``: the lut4 matrices'
-    (gate/up, down) codebooks, fp32 [16] each on x's device (None for a matrix that is not lut4), made by the
-    caller once (a copy from the host cannot happen inside a graph capture)."""
+    the weights ``gate_up`` and ``down`` each (codes, scales), or (codes, scales, mins) where affine, in ``storage``
+    (a resident_format.Storage, both matrices int8/int4/lut4). ``slot_of``, ``skip_mask``, ``launch``: as
+    ``routed``. ``luts``: the lut4 matrices' (gate/up, down) codebooks, fp32 [16] each on x's device (None for a
+    matrix that is not lut4), made by the caller once (a copy from the host cannot happen inside a graph capture)."""
     T, H = x.shape
     k = topk_ids.shape[1]
     if T > MAX_ROWS:
@@ -448,7 +456,10 @@ def routed_int(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
                   DOT_T=tl.bfloat16 if x.is_cuda and x.dtype != torch.float32 else tl.float32,  # the
                   IEEE=x.is_cuda and x.dtype == torch.float32,  # interpreter's bf16 dot is wrong; fp32 x: IEEE dots
                   num_warps=launch.num_warps, num_stages=launch.num_stages)
-    (wgu, sgu), (wd, sd) = gate_up, down
+    (wgu, sgu, mgu), (wd, sd, md) = ((*w, None)[:3] for w in (gate_up, down))
+    for what, mins, affine in (("gate/up", mgu, storage.gate_up_affine), ("down", md, storage.down_affine)):
+        if (mins is None) == affine:
+            raise ValueError(f"routed_int: {what} is {'affine and needs' if affine else 'symmetric and takes no'} mins")
     lut_gu, lut_d = luts or (None, None)
     for fmt, lut in ((storage.gate_up, lut_gu), (storage.down, lut_d)):
         if fmt == "lut4" and (lut is None or lut.dtype != torch.float32 or lut.numel() != 16):
@@ -456,14 +467,18 @@ def routed_int(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     lut_gu, lut_d = sgu if lut_gu is None else lut_gu, sd if lut_d is None else lut_d  # unread unless lut4
     hs = torch.empty(T, k, intermediate, dtype=torch.float32, device=x.device)
     _gate_up_int[(T * k, triton.cdiv(intermediate, launch.bi))](
-        x, wgu, sgu, lut_gu, ids, wts, slot_of, skip, hs, T, H, intermediate, sgu.shape[1] * storage.group, x.stride(0),
+        x, wgu, sgu, sgu if mgu is None else mgu, lut_gu, ids, wts, slot_of, skip, hs, T, H, intermediate,
+        sgu.shape[1] * storage.group, x.stride(0),
         wgu.stride(0), sgu.stride(0), ids.stride(0), wts.stride(0), BI=launch.bi,
-        BK=max(launch.bk_gu, storage.group), FMT=INT_FMT[storage.gate_up], GROUP=storage.group, **common)
+        BK=max(launch.bk_gu, storage.group), FMT=INT_FMT[storage.gate_up], GROUP=storage.group,
+        AFFINE=storage.gate_up_affine, **common)
     p = torch.empty(T, k, H, dtype=torch.float32, device=x.device)
     _down_int[(T * k, triton.cdiv(H, launch.bh))](
-        hs, wd, sd, lut_d, ids, wts, slot_of, skip, p, T, H, intermediate, sd.shape[1] * storage.down_group,
+        hs, wd, sd, sd if md is None else md, lut_d, ids, wts, slot_of, skip, p, T, H, intermediate,
+        sd.shape[1] * storage.down_group,
         wd.stride(0), sd.stride(0), ids.stride(0), wts.stride(0), BH=launch.bh,
-        BK=max(launch.bk_down, storage.down_group), FMT=INT_FMT[storage.down], GROUP=storage.down_group, **common)
+        BK=max(launch.bk_down, storage.down_group), FMT=INT_FMT[storage.down], GROUP=storage.down_group,
+        AFFINE=storage.down_affine, **common)
     return p.sum(dim=1)
 
 
@@ -475,8 +490,8 @@ def routed_int(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
 
 
 @triton.jit
-def _unpack_rows(W, S, LUT, USED, OUT, R, K, KP, ROWS_PER, stride_w, stride_s, stride_o, FMT: tl.constexpr,
-                 GROUP: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+def _unpack_rows(W, S, MN, LUT, USED, OUT, R, K, KP, ROWS_PER, stride_w, stride_s, stride_o, FMT: tl.constexpr,
+                 GROUP: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, AFFINE: tl.constexpr):
     """OUT[r, :K] = the values of stored row r, for the rows r < R whose expert r // ROWS_PER is marked in USED."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     ok = r < R
@@ -485,7 +500,7 @@ def _unpack_rows(W, S, LUT, USED, OUT, R, K, KP, ROWS_PER, stride_w, stride_s, s
     if tl.max(used.to(tl.int32), axis=0) == 0:
         return
     k0 = tl.program_id(1) * BK
-    lo, hi, kl, kh = _halves(W, S, LUT, rr * stride_w, rr * stride_s, k0, KP, BR, FMT, GROUP, BK)
+    lo, hi, kl, kh = _halves(W, S, MN, LUT, rr * stride_w, rr * stride_s, k0, KP, BR, FMT, GROUP, BK, AFFINE)
     dst = OUT + rr[:, None] * stride_o
     tl.store(dst + kl[None, :], lo.to(OUT.dtype.element_ty), mask=used[:, None] & (kl < K)[None, :])
     tl.store(dst + kh[None, :], hi.to(OUT.dtype.element_ty), mask=used[:, None] & (kh < K)[None, :])
@@ -496,23 +511,28 @@ UNPACK_K = 128  # columns per program (at least one group)
 
 
 def unpack_rows(codes: torch.Tensor, scales: torch.Tensor, fmt: str, group: int, out: torch.Tensor,
-                used: torch.Tensor, rows_per_expert: int, lut: torch.Tensor | None = None) -> None:
+                used: torch.Tensor, rows_per_expert: int, lut: torch.Tensor | None = None,
+                mins: torch.Tensor | None = None) -> None:
     """Stored rows ``codes`` / ``scales`` (hetmoe/moe/gpu_resident/format.py: [R, Kp] int8 or [R, Kp / 2] uint8, fp32
     [R, Kp / group]) of ``fmt`` (int8, int4, lut4 with its 16 fp32 codebook values ``lut``) -> ``out`` [R, K] (K <= Kp,
     rows contiguous in K), only the rows of the experts ``used`` marks (bool / uint8 [R / rows_per_expert], on the
-    device: no host sync); the other rows of ``out`` are left as they are."""
+    device: no host sync); the other rows of ``out`` are left as they are. ``mins`` (fp32, as ``scales``): an affine
+    matrix's, value = scale * u - min, rounded twice as the CPU engine does (no fused multiply-add)."""
     R, K = out.shape
     if codes.shape[0] != R or scales.shape[0] != R or out.stride(1) != 1:
         raise ValueError(f"unpack_rows: {codes.shape[0]} rows of codes, {scales.shape[0]} of scales, out "
                          f"{tuple(out.shape)} with strides {out.stride()}")
     if fmt == "lut4" and (lut is None or lut.dtype != torch.float32 or lut.numel() != 16):
         raise ValueError("unpack_rows: lut4 needs its codebook's 16 fp32 values (lut)")
+    if mins is not None and (fmt == "lut4" or mins.shape != scales.shape):
+        raise ValueError(f"unpack_rows: mins {tuple(mins.shape)} for {fmt} scales {tuple(scales.shape)}")
     if R == 0:
         return
     kp = scales.shape[1] * group
     bk = max(UNPACK_K, group)
     used = used.to(torch.uint8) if used.dtype == torch.bool else used
     grid = (triton.cdiv(R, UNPACK_ROWS), triton.cdiv(K, bk))
-    _unpack_rows[grid](codes, scales, lut if lut is not None else scales, used, out, R, K, kp, rows_per_expert,
-                       codes.stride(0), scales.stride(0), out.stride(0), FMT=INT_FMT[fmt], GROUP=group,
-                       BR=UNPACK_ROWS, BK=bk, num_warps=4)
+    _unpack_rows[grid](codes, scales, scales if mins is None else mins, lut if lut is not None else scales, used, out,
+                       R, K, kp, rows_per_expert, codes.stride(0), scales.stride(0), out.stride(0), FMT=INT_FMT[fmt],
+                       GROUP=group, BR=UNPACK_ROWS, BK=bk, AFFINE=mins is not None, num_warps=4,
+                       enable_fp_fusion=mins is None)

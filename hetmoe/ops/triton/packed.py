@@ -1,6 +1,7 @@
 """One-pass GPU unpacking of the CPU engine's packed experts (csrc/formats/layout.h; hetmoe/moe/streamed/packed.py has
 the same rules in PyTorch ops): a Triton kernel reads each row block's lines and scales once (scales of any stored
-dtype, k8's two levels included, lut4's codebook: the values the CPU kernels multiply by) and writes the
+dtype, k8's two levels included, lut4's codebook, the bit-plane formats' codes put together from their planes: the
+values the CPU kernels multiply by) and writes the
 weights in the model dtype straight into the layer's [E, 2I, H] / [E, H, I] scratch, padding cut. PyTorch ops take
 about ten passes over a layer for the same result; this kernel's one pass is what keeps the layerwise prefill's
 fixed cost per layer below its PCIe copy. Triton comes with PyTorch's CUDA builds; without it (CPU-only installs)
@@ -14,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from hetmoe.cpu.layout import CODEBOOKS, K_PER_LINE, ROWS, SUPER_BLOCK
+from hetmoe.cpu.layout import CODEBOOKS, K_PER_LINE, PLANES, ROWS, SUPER_BLOCK
 
 try:
     import triton
@@ -22,7 +23,7 @@ try:
 except ImportError:  # CPU-only PyTorch: no Triton
     triton = None
 
-FMT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "lut4": 3}
+FMT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "lut4": 3, **{name: 4 for name in PLANES}}  # 4: the bit-plane formats
 SCALE_CODE = {"fp32": 0, "fp16": 1, "bf16": 2, "e8m0": 3, "k8": 4}
 # the torch dtype a scale dtype's bytes are read as (e8m0: its exponent bytes, widened in the kernel; k8: its int8
 # sub-scales, the fp16 super scales read through a cast pointer)
@@ -38,12 +39,16 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _unpack_kernel(words, scales, lut, out, NB, lines, G, NS, rows_out, cols_out, mat_stride, FMT: tl.constexpr,
-                       GROUP: tl.constexpr, INTERLEAVED: tl.constexpr, BL: tl.constexpr, AFFINE: tl.constexpr,
-                       R: tl.constexpr, PER: tl.constexpr, SCALE: tl.constexpr, SUPER: tl.constexpr):
+    def _unpack_kernel(words, scales, lut, out, NB, lines, block_lines, G, NS, rows_out, cols_out, mat_stride,
+                       FMT: tl.constexpr, GROUP: tl.constexpr, INTERLEAVED: tl.constexpr, BL: tl.constexpr,
+                       AFFINE: tl.constexpr, R: tl.constexpr, PER: tl.constexpr, SCALE: tl.constexpr,
+                       SUPER: tl.constexpr, OFFSET: tl.constexpr, LO_BITS: tl.constexpr, HI_BITS: tl.constexpr,
+                       QUADS: tl.constexpr, UNIT_LINES: tl.constexpr):
         # A program turns a tile of BL lines of one row block (R rows) into R rows of BL * PER weights: every
         # 4-byte cell is read once as an int32 and its PER values are split off with shifts, so the loads are the
-        # block's contiguous lines and each row's stores are one contiguous run (coalesced on both sides).
+        # block's contiguous lines and each row's stores are one contiguous run (coalesced on both sides). The
+        # bit-plane formats (FMT 4) are walked in byte lines (4 of K per row: ``lines`` counts them), each put
+        # together from the cells of its low and high lines (a block holds ``block_lines`` data lines).
         b = tl.program_id(0).to(tl.int64)  # row block, over every expert of the range
         lt = tl.program_id(1)  # tile of BL lines
         if INTERLEAVED:  # gate and up row blocks alternate: block 2 rb + which of the expert
@@ -58,13 +63,30 @@ if triton is not None:
         line = lt * BL + tl.arange(0, BL)[None, :]  # [1, BL]
         row = rb * R + r
         ok = (row < rows_out) & (line < lines)
-        word = tl.load(words + b * lines * R + line * R + r, mask=ok, other=0)  # [R, BL] cells (row r, line)
         o = tl.arange(0, PER)[None, None, :]  # [1, 1, PER]: value o of a cell is k = PER * line + o
+        if FMT != 4:
+            word = tl.load(words + b * lines * R + line * R + r, mask=ok, other=0)  # [R, BL] cells (row r, line)
         if FMT == 0:  # bf16: the low half is k = 2 line, the high half 2 line + 1; bf16 bits << 16 = fp32
             v = ((word[:, :, None] >> (16 * o)) << 16).to(tl.float32, bitcast=True)
         else:
             if FMT == 1:  # int8: byte o, stored q + 128
                 u = (word[:, :, None] >> (8 * o)) & 255
+            elif FMT == 4:  # bit planes: byte line f of quad q (k = 16 q + 4 f + o), csrc/formats/layout.h
+                q = line // 4
+                f = line % 4
+                unit = b * block_lines * R + (q // QUADS) * UNIT_LINES * R + r  # the unit's first cell of row r
+                if LO_BITS == 4:  # two nibble lines per quad: f = 0, 1 in the first, 2, 3 in the second
+                    lo_line = (q % QUADS) * 2 + f // 2
+                    lo_shift = 4 * (f % 2)
+                else:  # one line per quad: bits 2 f, 2 f + 1 of each byte
+                    lo_line = q % QUADS
+                    lo_shift = 2 * f
+                lo = tl.load(words + unit + lo_line * R, mask=ok, other=0)
+                u = (lo[:, :, None] >> (8 * o + lo_shift[:, :, None])) & ((1 << LO_BITS) - 1)
+                if HI_BITS > 0:  # the unit's last line: 2 bits as the low 2, or bit 4 (q % 2) + f of each byte
+                    hi = tl.load(words + unit + (UNIT_LINES - 1) * R, mask=ok, other=0)
+                    hi_shift = 2 * f if HI_BITS == 2 else 4 * (q % QUADS) + f
+                    u = u | (((hi[:, :, None] >> (8 * o + hi_shift[:, :, None])) & ((1 << HI_BITS) - 1)) << LO_BITS)
             else:  # int4 / lut4: byte o % 4, its low nibble for o < 4, its high nibble for o >= 4; int4 stores q + 8
                 u = (word[:, :, None] >> (8 * (o % 4) + 4 * (o // 4))) & 15
             # a cell's values share one group (GROUP is a multiple of PER); a block holds its scale set, then
@@ -99,8 +121,8 @@ if triton is not None:
                 v = u.to(tl.float32) * s - m
             elif FMT == 3:  # lut4: the nibble indexes the codebook
                 v = tl.load(lut + u).to(tl.float32) * s
-            else:
-                v = (u - (128 if FMT == 1 else 8)).to(tl.float32) * s
+            else:  # symmetric: the stored code is q + OFFSET
+                v = (u - OFFSET).to(tl.float32) * s
         v = tl.reshape(v, (R, BL * PER))  # row-major: column PER * (line - first line) + o
         k = lt * BL * PER + tl.arange(0, BL * PER)[None, :]
         dst = out + e * mat_stride + (which * rows_out + row) * cols_out  # row start in the [rows, cols] matrix
@@ -117,20 +139,28 @@ def _launch(shape, data: torch.Tensor, scales, out: torch.Tensor, n_blocks: int,
     if shape.fmt not in FMT_CODE:
         raise ValueError(f"{shape.fmt} experts have no GPU unpacking of the packed layout yet")
     fmt = FMT_CODE[shape.fmt]
-    per = K_PER_LINE[shape.fmt]  # values per 4-byte cell
+    per = 4 if shape.fmt in PLANES else K_PER_LINE[shape.fmt]  # values per 4-byte cell (bit planes: per byte line)
     if fmt and shape.group % per:
         raise ValueError(f"{shape.fmt} groups of {shape.group}: the GPU unpack needs a multiple of {per}")
+    lines = shape.kp // 4 if shape.fmt in PLANES else shape.lines  # the lines a program's tile walks
+    lo_bits, hi_bits, quads, unit_lines = 0, 0, 1, 1
+    if shape.fmt in PLANES:  # (values of K per unit, lines per unit, bits): the low part 4 bits from 5 bits up, else 2
+        unit_k, unit_lines, bits = PLANES[shape.fmt]
+        lo_bits, quads = 4 if bits >= 4 else 2, unit_k // 16
+        hi_bits = bits - lo_bits
+    offset = shape.offset if fmt else 0
     sdt = getattr(shape, "scale_dtype", "fp32")
     sc = scales.view(SCALE_VIEW[sdt]) if scales is not None else data.view(torch.float32)  # unused for bf16
     lut = _codebook(shape.codebook, data.device) if fmt == 3 else data.view(torch.int32)  # unread unless lut4
     rows, cols = out.shape[1] // (2 if interleaved else 1), out.shape[2]
-    bl = min(LINES_PER_PROGRAM, triton.next_power_of_2(shape.lines))
-    grid = (n_blocks, triton.cdiv(shape.lines, bl))
+    bl = min(LINES_PER_PROGRAM, triton.next_power_of_2(lines))
+    grid = (n_blocks, triton.cdiv(lines, bl))
     n_supers = -(-shape.kp // SUPER_BLOCK)
-    _unpack_kernel[grid](data.view(torch.int32), sc, lut, out, shape.n_blocks, shape.lines, shape.kp // shape.group,
-                         n_supers, rows, cols, out.stride(0), FMT=fmt, GROUP=shape.group, INTERLEAVED=interleaved,
-                         BL=bl, AFFINE=shape.affine, R=ROWS, PER=per, SCALE=SCALE_CODE[sdt], SUPER=SUPER_BLOCK,
-                         enable_fp_fusion=False)
+    _unpack_kernel[grid](data.view(torch.int32), sc, lut, out, shape.n_blocks, lines, shape.lines,
+                         shape.kp // shape.group, n_supers, rows, cols, out.stride(0), FMT=fmt, GROUP=shape.group,
+                         INTERLEAVED=interleaved, BL=bl, AFFINE=shape.affine, R=ROWS, PER=per, SCALE=SCALE_CODE[sdt],
+                         SUPER=SUPER_BLOCK, OFFSET=offset, LO_BITS=lo_bits, HI_BITS=hi_bits, QUADS=quads,
+                         UNIT_LINES=unit_lines, enable_fp_fusion=False)
 
 
 def unpack_into(layout, ranges, w_gu: torch.Tensor, w_down: torch.Tensor, n_experts: Optional[int] = None) -> None:

@@ -181,18 +181,9 @@ def test_held_bytes_are_the_files_own(kinds):
 
 @pytest.mark.parametrize("kinds", LAYERS, ids=lambda k: "+".join(k))
 def test_the_gpu_prefill_unpack_equals_the_engine(kinds):
-    """hetmoe/moe/streamed/packed.py's torch twin reads the affine, group-16, k8 / fp16 scale and mixed-format layouts
-    bitwise (fp32) like the engine; a layer with a bit-plane matrix (Q6_K, Q5_K, Q3_K, Q2_K) is refused by name (the
-    layerwise prefill keeps it on the CPU: hetmoe/moe/streamed/choice.py)."""
-    from hetmoe.cpu.layout import PLANES
-    from hetmoe.moe.streamed.packed import ExpertLayout
-
+    """hetmoe/moe/streamed/packed.py's torch twin reads the affine, group-16, k8 / fp16 scale, bit-plane (Q6_K, Q5_K,
+    Q3_K, Q2_K) and mixed-format layouts bitwise (fp32) like the engine."""
     experts, _ = kquant_experts(kinds, 4, WorkerPool(1))
-    planes = {experts.info()["weight_format"], experts.info()["down_weight_format"]} & set(PLANES)
-    if planes:
-        with pytest.raises(ValueError, match="bit planes"):
-            ExpertLayout.of(experts)
-        return
     assert_torch_unpack_equals_engine(experts, E)
 
 
