@@ -18,7 +18,7 @@ SHAPE_NAMES = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")  # defined in het
 ISAS = ISA_CHOICES  # "auto" and hetmoe.cpu.ISAS
 # hetmoe.load.random_weights.SHAPES
 MODEL_SHAPES = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "deepseek-v2-lite", "deepseek-v4-flash",
-                "minimax-m3")
+                "minimax-m3", "glm-5.3-flash")
 
 
 # ---------------------------------------------------------------------------------------------- argument types

@@ -86,7 +86,8 @@ class KVCache:
             raise ValueError(f"recurrent states of {states.n_rows} rows for a cache of {rows}")
         self.states = states
         self.n_layers, self.n_rows, self.max_context = n_layers, rows, max_context
-        self.kv_heads, self.head_dim, self.v_head_dim = kv_heads, head_dim, v_head_dim or head_dim
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim  # 0: keys only (NoPE MLA's latent)
         self.dtype, self.device = dtype, torch.device(device)
         self.index_layers, self.index_dim = indexer or (0, 0)
         self.ik = None  # the indexer's keys: [index_layers, *layout, index_dim] (module docstring), or None
@@ -220,8 +221,7 @@ class KVCache:
         flat = (page * P + step.positions % P).reshape(-1)
         self.k[layer].view(-1, self.kv_heads, self.head_dim).index_copy_(
             0, flat, k.reshape(-1, self.kv_heads, self.head_dim).to(self.dtype))
-        self.v[layer].view(-1, self.kv_heads, self.v_head_dim).index_copy_(
-            0, flat, v.reshape(-1, self.kv_heads, self.v_head_dim).to(self.dtype))
+        self.v[layer].flatten(0, 1).index_copy_(0, flat, v.flatten(0, 1).to(self.dtype))  # (flatten: Dv may be 0)
 
     def rows(self, layer: int, step) -> tuple:
         """This layer's keys and values of the step's rows, [B, ctx, kv_heads, D] each: ctx = step.kv_len (or all

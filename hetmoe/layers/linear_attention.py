@@ -42,6 +42,19 @@ rule above; its output is RMS-normalised per head and gated (``GatedRMSNorm``: w
 Per sequence it keeps the convolution's last W - 1 inputs and the state M: ``RecurrentStates`` in the cache
 (layers/kv_cache.py). A row whose first position is 0 starts from zero states (a new sequence: whatever its slot
 held before is ignored), any other row continues from its slot's.
+
+Kimi Delta Attention (KDA: Kimi-Linear, GLM-5.3-Flash) is the same delta rule with a decay per key channel instead
+of per head: g_t is a vector of Dk log decays and the state decays row by row, M_t = (I - b_t k_t k_t^T)
+diag(exp(g_t)) M_{t-1} + b_t k_t v_t^T (as stored, Dk x Dv), o_t = M_t^T q_t; as many key heads as value heads.
+``recurrent_kda`` steps it token by token; ``chunk_kda`` solves a chunk at once as above, with the scalar
+exp(G_t - G_s) inside each product replaced by the channel-wise one, A[t, s] = b_t sum_c k_t[c] k_s[c]
+exp(G_t[c] - G_s[c]) (s < t) and likewise the intra-chunk Q K^T: the exponents are formed as differences and
+masked before exp, [C, C, Dk] per chunk, so again none is positive. ``kda_kernels`` chooses flash-linear-attention's
+chunk_kda / fused_recurrent_kda (``fla.ops.kda``, recent versions) on a GPU in bf16/fp16 where they import, the torch
+forms otherwise, and says why. ``KimiDeltaAttention`` is the layer: q/k/v projections, the same causal convolution
+and states (``short_conv``), the channel-wise forget gate (lower_bound * sigmoid(exp(A_log) * (f_b(f_a(x)) +
+dt_bias)), or -exp(A_log) * softplus(.) without a bound), beta = sigmoid(b_proj(x)), the rule, then an RMSNorm per
+head gated by sigmoid(g_b(g_a(x))) (``SigmoidGatedRMSNorm``) and o_proj.
 """
 
 from __future__ import annotations
@@ -51,6 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetmoe.layers.kv_cache import KVCache
+from hetmoe.layers.linear import FusedLinears
 
 CHUNK = 64  # tokens per chunk of the chunked form
 
@@ -173,15 +187,38 @@ def delta_rule_kernels(device, dtype: torch.dtype) -> tuple:
 
 
 def use_kernels(model: nn.Module, device, dtype: torch.dtype):
-    """Give every ``GatedDeltaNet`` of ``model`` the delta rule ``delta_rule_kernels`` chooses -> the reason, or None
-    when the model has no such layer."""
-    layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
-    if not layers:
-        return None
-    kernels, why = delta_rule_kernels(device, dtype)
-    for layer in layers:
-        layer.delta_rule = kernels
-    return why
+    """Give every ``GatedDeltaNet`` of ``model`` the delta rule ``delta_rule_kernels`` chooses, and every
+    ``KimiDeltaAttention`` the one ``kda_kernels`` chooses -> the reason, or None when the model has no such layer."""
+    whys = []
+    for cls, choose in ((GatedDeltaNet, delta_rule_kernels), (KimiDeltaAttention, kda_kernels)):
+        layers = [m for m in model.modules() if isinstance(m, cls)]
+        if layers:
+            kernels, why = choose(device, dtype)
+            for layer in layers:
+                layer.delta_rule = kernels
+            whys.append(why)
+    return "; ".join(whys) or None
+
+
+def short_conv(mixed: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, step,
+               fresh: torch.Tensor) -> torch.Tensor:
+    """The causal depthwise convolution of a linear-attention layer, then SiLU: mixed [B, S, C] over [the last W - 1
+    inputs of each row's slot (``conv`` [rows, C, W - 1], zero for a ``fresh`` row), this call's S] with ``weight``
+    [C, 1, W], computed in the weight's dtype and rounded to mixed's -> [B, S, C]. Each slot's last W - 1 inputs
+    (before its padding, with ``step.lengths``) are written back."""
+    B, _, C = mixed.shape
+    rows = step.slots
+    conv_state = conv[rows].masked_fill(fresh, 0)  # [B, C, W - 1]
+    seq = torch.cat((conv_state.to(mixed.dtype), mixed.transpose(1, 2)), dim=-1)  # [B, C, W - 1 + S]
+    out = F.silu(F.conv1d(seq.to(weight.dtype), weight, groups=C)).to(mixed.dtype).transpose(1, 2)
+    keep = weight.shape[-1] - 1
+    if step.lengths is None:
+        tail = seq[..., seq.shape[-1] - keep:]
+    else:  # each row's last W - 1 inputs before its padding
+        idx = step.lengths.to(mixed.device)[:, None] + torch.arange(keep, device=mixed.device)  # [B, W - 1]
+        tail = seq.gather(-1, idx[:, None, :].expand(B, C, keep))
+    conv.index_copy_(0, rows, tail.to(conv.dtype))
+    return out
 
 
 class GatedRMSNorm(nn.Module):
@@ -236,18 +273,7 @@ class GatedDeltaNet(nn.Module):
         if step.lengths is not None:  # [B, S]: the real tokens of right-padded rows
             valid = torch.arange(S, device=x.device) < step.lengths.to(x.device)[:, None]
 
-        # the causal depthwise convolution over [the last W - 1 inputs, this call's S]
-        conv_state = states.conv[layer][rows].masked_fill(fresh, 0)  # [B, C, W - 1]
-        seq = torch.cat((conv_state.to(mixed.dtype), mixed.transpose(1, 2)), dim=-1)  # [B, C, W - 1 + S]
-        weight = self.conv1d.weight  # [C, 1, W]
-        mixed = F.silu(F.conv1d(seq.to(weight.dtype), weight, groups=self.conv_dim)).to(x.dtype).transpose(1, 2)
-        keep = weight.shape[-1] - 1
-        if valid is None:
-            tail = seq[..., seq.shape[-1] - keep:]
-        else:  # each row's last W - 1 inputs before its padding
-            idx = step.lengths.to(x.device)[:, None] + torch.arange(keep, device=x.device)  # [B, W - 1]
-            tail = seq.gather(-1, idx[:, None, :].expand(B, self.conv_dim, keep))
-        states.conv[layer].index_copy_(0, rows, tail.to(states.conv.dtype))
+        mixed = short_conv(mixed, self.conv1d.weight, states.conv[layer], step, fresh)
 
         q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         q, k = q.reshape(B, S, self.n_k, self.k_dim), k.reshape(B, S, self.n_k, self.k_dim)
@@ -261,3 +287,201 @@ class GatedDeltaNet(nn.Module):
         states.recurrent[layer].index_copy_(0, rows, state)
         out = self.norm(out.to(x.dtype), z)  # [B, S, Hv, Dv]
         return self.out_proj(out.reshape(B, S, self.value_dim))
+
+
+# ------------------------------------------------------------------------------------------ Kimi Delta Attention
+
+
+def _prepare_kda(q, k, v, g, beta) -> tuple:
+    """fp32 [B, H, S, .] inputs of KDA: q and k L2-normalised, q scaled by Dk^-1/2."""
+    q, k = l2_normalize(q.float()), l2_normalize(k.float())
+    q = q * q.shape[-1] ** -0.5
+    return tuple(x.transpose(1, 2).float() for x in (q, k, v, g, beta))
+
+
+def recurrent_kda(q, k, v, g, beta, state) -> tuple:
+    """KDA token by token. q, k [B, S, H, Dk], v [B, S, H, Dv] (any float dtype: normalised and computed in fp32),
+    g [B, S, H, Dk] log decay per key channel (<= 0), beta [B, S, H], state [B, H, Dk, Dv] fp32 (not written)
+    -> (o [B, S, H, Dv] fp32, the state after the last token [B, H, Dk, Dv] fp32)."""
+    q, k, v, g, beta = _prepare_kda(q, k, v, g, beta)  # [B, H, S, .]
+    M = state.float()
+    out = torch.empty_like(v)
+    for t in range(q.shape[2]):
+        M = M * g[:, :, t].exp().unsqueeze(-1)  # each key channel's row decays by its own gate
+        kt = k[:, :, t]  # [B, H, Dk]
+        write = (v[:, :, t] - (kt.unsqueeze(-2) @ M).squeeze(-2)) * beta[:, :, t, None]
+        M = M + kt.unsqueeze(-1) * write.unsqueeze(-2)
+        out[:, :, t] = (q[:, :, t].unsqueeze(-2) @ M).squeeze(-2)
+    return out.transpose(1, 2), M
+
+
+def chunk_kda(q, k, v, g, beta, state, chunk: int = CHUNK) -> tuple:
+    """KDA ``chunk`` tokens at a time (module docstring); the same arguments and results as ``recurrent_kda``.
+    One chunk's [B, H, C, C, Dk] channel-wise decays at a time."""
+    q, k, v, g, beta = _prepare_kda(q, k, v, g, beta)  # [B, H, S, .]
+    B, H, S, Dk = k.shape
+    pad = -S % chunk
+    if pad:  # b = 0, log g = 0: the padding leaves the state as it is
+        q, k, v, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, pad))
+    strict = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    M = state.float()
+    out = torch.empty_like(v)
+    for c0 in range(0, S + pad, chunk):
+        part = slice(c0, c0 + chunk)
+        qc, kc, vc, bc = q[:, :, part], k[:, :, part], v[:, :, part], beta[:, :, part]
+        G = g[:, :, part].cumsum(2)  # [B, H, C, Dk]
+        diff = G.unsqueeze(3) - G.unsqueeze(2)  # [.., t, s, Dk] = G_t - G_s
+        D = diff.masked_fill(~lower[:, :, None], float("-inf")).exp()  # s <= t only: every exponent <= 0
+        A = torch.einsum("bhtc,bhsc,bhtsc->bhts", kc * bc.unsqueeze(-1), kc, D).masked_fill(~strict, 0)
+        U = torch.linalg.solve_triangular(A, vc * bc.unsqueeze(-1), upper=False, unitriangular=True)
+        Wk = torch.linalg.solve_triangular(A, kc * bc.unsqueeze(-1) * G.exp(), upper=False, unitriangular=True)
+        W = U - Wk @ M  # [B, H, C, Dv]: what each token writes
+        QK = torch.einsum("bhtc,bhsc,bhtsc->bhts", qc, kc, D)  # (D is 0 above the diagonal)
+        out[:, :, part] = (qc * G.exp()) @ M + QK @ W
+        end = G[:, :, -1:]  # [B, H, 1, Dk]
+        M = M * end.squeeze(2).exp().unsqueeze(-1) + (kc * (end - G).exp()).transpose(-1, -2) @ W
+    return out[:, :, :S].transpose(1, 2), M
+
+
+class TorchKdaRule:
+    """The plain PyTorch forms of KDA: chunked for several tokens per sequence, recurrent for one."""
+
+    name = "torch"
+
+    def __call__(self, q, k, v, g, beta, state) -> tuple:
+        if q.shape[1] == 1:
+            return recurrent_kda(q, k, v, g, beta, state)
+        return chunk_kda(q, k, v, g, beta, state)
+
+
+class FlaKdaRule:
+    """flash-linear-attention's KDA kernels behind the same call (q/k L2 norm inside them, scale Dk^-1/2, fp32
+    state, g the per-channel log decay): chunk_kda for several tokens per sequence, fused_recurrent_kda for one."""
+
+    name = "fla"
+
+    def __init__(self):
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+        self.chunk, self.recurrent = chunk_kda, fused_recurrent_kda
+
+    def __call__(self, q, k, v, g, beta, state) -> tuple:
+        fn = self.recurrent if q.shape[1] == 1 else self.chunk
+        o, final = fn(q.contiguous(), k.contiguous(), v.contiguous(), g=g.float().contiguous(),
+                      beta=beta.to(v.dtype), initial_state=state.float().contiguous(), output_final_state=True,
+                      use_qk_l2norm_in_kernel=True)
+        return o.float(), final.float()
+
+
+TORCH_KDA = TorchKdaRule()
+
+
+def kda_kernels(device, dtype: torch.dtype) -> tuple:
+    """(the KDA rule to run on ``device`` in ``dtype``, why): flash-linear-attention's chunk_kda /
+    fused_recurrent_kda on a GPU with bf16/fp16 weights where ``fla.ops.kda`` imports, else the torch forms."""
+    if torch.device(device).type != "cuda":
+        return TORCH_KDA, "KDA in the PyTorch chunked/recurrent form (CPU)"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return TORCH_KDA, f"KDA in the PyTorch chunked/recurrent form ({dtype} weights: flash-linear-attention needs " \
+                          "bf16/fp16)"
+    try:
+        kernels = FlaKdaRule()
+    except ImportError as err:
+        return TORCH_KDA, f"KDA in the PyTorch chunked/recurrent form (flash-linear-attention's fla.ops.kda is not " \
+                          f"importable: {err})"
+    return kernels, "KDA in flash-linear-attention's chunk_kda / fused_recurrent_kda"
+
+
+class SigmoidGatedRMSNorm(nn.Module):
+    """KDA's output norm: weight * norm(x) * sigmoid(gate), all in fp32, rounded to x's dtype at the end
+    (transformers' KimiLinear / Glm5Next RMSNormGated)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.variance_epsilon)
+        return (self.weight.float() * normed * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+class ConvWeight(nn.Module):
+    """The fp32 weight [C, 1, W] of one depthwise convolution (a buffer: the loader keeps its dtype)."""
+
+    def __init__(self, channels: int, width: int):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(channels, 1, width, dtype=torch.float32))
+
+
+class KimiDeltaAttention(nn.Module):
+    """The KDA token mixer (module docstring) under the parameter names its checkpoints store (Transformers'
+    save_pretrained writes them back so): q_proj, k_proj, v_proj, q_conv1d / k_conv1d / v_conv1d (one depthwise
+    convolution over q|k|v, stored per part), f_a_proj / f_b_proj, dt_bias [H Dk], A_log [H] (the forget gate),
+    b_proj, g_a_proj / g_b_proj, o_norm, o_proj. ``state_index``: this layer's row in the cache's RecurrentStates.
+    ``lower_bound``: the forget gate's (None: the unbounded softplus form).
+
+    forward(x [B, S, H], step, cache) -> [B, S, H], as GatedDeltaNet's."""
+
+    def __init__(self, hidden: int, n_heads: int, head_dim: int, conv_width: int, eps: float, lower_bound,
+                 state_index: int):
+        super().__init__()
+        self.n_heads, self.head_dim, self.state_index = n_heads, head_dim, state_index
+        self.lower_bound = None if lower_bound is None else float(lower_bound)
+        dim = n_heads * head_dim
+        self.dim = dim
+        self.q_proj = nn.Linear(hidden, dim, bias=False)
+        self.k_proj = nn.Linear(hidden, dim, bias=False)
+        self.v_proj = nn.Linear(hidden, dim, bias=False)
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (ConvWeight(dim, conv_width) for _ in range(3))
+        self.f_a_proj = nn.Linear(hidden, head_dim, bias=False)
+        self.f_b_proj = nn.Linear(head_dim, dim, bias=False)
+        self.register_buffer("dt_bias", torch.zeros(dim, dtype=torch.float32))
+        self.register_buffer("A_log", torch.zeros(n_heads, dtype=torch.float32))
+        self.b_proj = nn.Linear(hidden, n_heads, bias=False)
+        self.g_a_proj = nn.Linear(hidden, head_dim, bias=False)
+        self.g_b_proj = nn.Linear(head_dim, dim, bias=False)
+        self.o_norm = SigmoidGatedRMSNorm(head_dim, eps)
+        self.o_proj = nn.Linear(dim, hidden, bias=False)
+        self.delta_rule = TORCH_KDA  # use_kernels may choose flash-linear-attention's
+        self.in_proj = None  # a FusedLinears once fuse_projections ran
+
+    def fuse_projections(self) -> None:
+        if self.in_proj is None:
+            self.in_proj = FusedLinears(self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
+                                        self.g_a_proj)
+
+    def forget_gate(self, f: torch.Tensor) -> torch.Tensor:
+        """f_b_proj's output [B, S, H Dk] -> the log decay per key channel [B, S, H, Dk] fp32."""
+        B, S = f.shape[:2]
+        g = (f.float() + self.dt_bias.float()).view(B, S, self.n_heads, self.head_dim)
+        rate = self.A_log.float().exp().view(1, 1, -1, 1)
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(rate * g)
+        return -rate * F.softplus(g)
+
+    def forward(self, x: torch.Tensor, step, cache: KVCache) -> torch.Tensor:
+        B, S, _ = x.shape
+        H, D = self.n_heads, self.head_dim
+        if self.in_proj is not None:
+            q, k, v, fa, b, ga = self.in_proj.parts(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            fa, b, ga = self.f_a_proj(x), self.b_proj(x), self.g_a_proj(x)
+        states, layer = cache.states, self.state_index
+        fresh = (step.positions[:, 0] == 0)[:, None, None]  # [B, 1, 1]: a sequence that starts with this call
+        weight = torch.cat((self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight))  # [3 H Dk, 1, W]
+        mixed = short_conv(torch.cat((q, k, v), dim=-1), weight, states.conv[layer], step, fresh)
+        q, k, v = (t.reshape(B, S, H, D) for t in mixed.split(self.dim, dim=-1))
+        g = self.forget_gate(self.f_b_proj(fa))  # [B, S, H, Dk]
+        beta = b.sigmoid()  # (in the model dtype, as transformers rounds it)
+        if step.lengths is not None:  # the padding of a right-padded row changes no state
+            valid = torch.arange(S, device=x.device) < step.lengths.to(x.device)[:, None]  # [B, S]
+            beta, g = beta * valid[..., None], g * valid[..., None, None]
+        state = states.recurrent[layer][step.slots].masked_fill(fresh[..., None], 0)  # [B, H, Dk, Dv] fp32
+        out, state = self.delta_rule(q, k, v, g, beta, state)  # [B, S, H, Dv] fp32
+        states.recurrent[layer].index_copy_(0, step.slots, state)
+        out = self.o_norm(out.to(x.dtype), self.g_b_proj(ga).view(B, S, H, D))
+        return self.o_proj(out.reshape(B, S, self.dim))

@@ -290,6 +290,23 @@ SHAPES = {
         "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 524288, "tie_word_embeddings": False,
         "bos_token_id": 200034, "eos_token_id": 200020, "torch_dtype": "bfloat16",
     },
+    "glm-5.3-flash": {  # zai-org/GLM-5.3-Flash's language model, as Transformers' Glm5NextTextConfig describes it (its
+        # defaults): 34 KDA layers (64 heads of 128: a 4 MiB fp32 state + a 3-wide conv window of 3 x 8192 per layer
+        # and sequence, ~141 MiB per sequence in bf16) and 11 NoPE MLA layers (every 4th) caching a 512 latent plus
+        # the pooled indexer's key and gate (2 x 128) per position: 11 x 768 elements, 16.5 KiB per token in bf16;
+        # 288 routed experts top-8 + 1 shared, 3 dense layers, 4 mHC streams, clamped SwiGLU
+        "architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
+        "vocab_size": 154880, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 45, "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1536,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 256, "qk_rope_head_dim": 0, "v_head_dim": 256,
+        "n_routed_experts": 288, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
+        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "swiglu_limit": 10.0, "index_topk": 2048,
+        "index_head_dim": 128, "index_n_heads": 32, "index_kpool": 16, "index_kpool_always_select_tail": True,
+        "linear_head_dim": 128, "linear_num_heads": 64, "linear_conv_kernel_dim": 4, "linear_lower_bound": -5.0,
+        "hc_mult": 4, "hc_eps": 1e-6, "hc_sinkhorn_iters": 20, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+        "attention_bias": False, "max_position_embeddings": 1048576, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
 }
 
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")

@@ -41,6 +41,10 @@ MODEL_TYPES = {
     "minimax_m3_vl": ("minimax_m3", "MiniMaxM3ForCausalLM"),
     # attention sinks, sliding windows, experts with biases and a clamped SwiGLU
     "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
+    # GLM-5.3-Flash: KDA linear attention + NoPE MLA with a pooled DSA indexer, hyper-connections; its language model
+    # alone ("glm5_next_text") or inside the multimodal wrapper (MULTIMODAL)
+    "glm5_next": ("glm5_next", "Glm5NextForCausalLM"),
+    "glm5_next_text": ("glm5_next", "Glm5NextForCausalLM"),
 }
 # The model types whose file builds its RoPE from config.json's rope_scaling / rope_parameters (YaRN); the others
 # run default RoPE whatever the config says, so a scaling factor there extends nothing.
@@ -50,11 +54,15 @@ APPLIES_ROPE_SCALING = frozenset({"deepseek_v3", "kimi_k2", "kimi_k25", "deepsee
 
 def checkpoint_names(model_type):
     """name -> the model's name, for a model type whose checkpoints may name tensors otherwise than its model file
-    (DeepSeek-V4's own naming, which Transformers' save_pretrained writes too), else None."""
+    (DeepSeek-V4's and GLM-5.3-Flash's own naming, which Transformers' save_pretrained writes too), else None."""
     if model_type == "deepseek_v4":
         from hetmoe.models.deepseek_v4 import checkpoint_name
 
         return checkpoint_name
+    if model_type in ("glm5_next", "glm5_next_text"):
+        from hetmoe.models.glm5_next import checkpoint_name as glm5_next_name
+
+        return glm5_next_name
     return None
 
 

@@ -412,6 +412,9 @@ def check_config(cfg: ModelConfig, source: str = "config.json") -> None:
     if c.model_type == "minimax_m3_vl":
         _check_minimax_m3(c)
         return
+    if c.model_type in GLM5_NEXT:
+        _check_glm5_next(c)
+        return
     deepseek = c.model_type.startswith("deepseek") or c.model_type in ("kimi_k2", "kimi_k25", "glm_moe_dsa")
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
         c.int(name)
@@ -920,3 +923,127 @@ def context_limit(cfg: ModelConfig, applies_rope_scaling: bool = True) -> tuple:
             why = (f"{scaling['rope_type']} RoPE scaling: original_max_position_embeddings {original} x factor "
                    f"{factor:g}")
     return limit, why
+
+
+# ------------------------------------------------------------------------------------------------ GLM-5.3-Flash
+
+# GLM-5.3-Flash ("glm5_next"; its language model alone "glm5_next_text"): Glm5NextTextConfig's defaults, the
+# checkpoint's multimodal wrapper (Glm5NextForConditionalGeneration: model.language_model.* is the text model's
+# model.*, lm_head stays, model.visual.* is the vision tower) and its routed-expert count
+GLM5_NEXT = ("glm5_next", "glm5_next_text")
+GLM5_NEXT_ATTENTION = ("linear_attention", "indexed_attention")
+for _t in GLM5_NEXT:
+    HF_DEFAULTS[_t] = dict(
+        vocab_size=154880, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=2048, num_hidden_layers=45,
+        num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1, n_routed_experts=288,
+        routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=0, v_head_dim=256,
+        qk_nope_head_dim=256, n_group=1, topk_group=1, num_experts_per_tok=8, norm_topk_prob=True, hidden_act="silu",
+        max_position_embeddings=1048576, rms_norm_eps=1e-5, attention_bias=False, index_topk=2048,
+        index_head_dim=128, index_n_heads=32, swiglu_limit=10.0, linear_head_dim=128, linear_num_heads=64,
+        linear_conv_kernel_dim=4, linear_lower_bound=-5.0, hc_mult=4, hc_eps=1e-6, hc_sinkhorn_iters=20,
+        index_kpool=16, index_kpool_always_select_tail=True)
+    _EXPERTS[_t] = ("n_routed_experts", "num_local_experts")
+MULTIMODAL["glm5_next"] = Multimodal(("glm5_next_text",), "model.language_model.", ("model.visual.",), "model.")
+
+
+def glm5_next_config(cfg: ModelConfig) -> ModelConfig:
+    """A GLM-5.3-Flash config as Glm5NextTextConfig fills it: its defaults, linear_attn_config's entries (head_dim,
+    num_heads, short_conv_kernel_size, gate_lower_bound; safe_gate) over the flat ones, layer_types (every 4th layer
+    from the 4th indexed attention, the others KDA; "full_attention" read as "indexed_attention"), mlp_layer_types
+    (3 dense layers, then MoE) and indexer_types (dsa_indexer_types' rules). Checked by check_config, not here."""
+    cfg = cfg.with_defaults()
+    out = dict(cfg)
+    linear = cfg.get("linear_attn_config")
+    if isinstance(linear, dict):
+        for flat, key in (("linear_head_dim", "head_dim"), ("linear_num_heads", "num_heads"),
+                          ("linear_conv_kernel_dim", "short_conv_kernel_size"), ("linear_lower_bound",
+                                                                                 "gate_lower_bound")):
+            out[flat] = linear.get(key, out.get(flat))
+        if linear.get("safe_gate", True) and out.get("linear_lower_bound") is None:
+            out["linear_lower_bound"] = -5.0
+    n = cfg.get("num_hidden_layers")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
+    kinds = out.get("layer_types")
+    if kinds is None:
+        kinds = ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)]
+    if isinstance(kinds, list):
+        kinds = ["indexed_attention" if k == "full_attention" else k for k in kinds]
+    out["layer_types"] = kinds
+    if out.get("mlp_layer_types") is None:
+        out["mlp_layer_types"] = ["dense"] * min(3, n) + ["sparse"] * max(0, n - 3)
+    if out.get("indexer_types") is None and n:
+        pattern = cfg.get("index_topk_pattern")
+        if pattern is None or (isinstance(pattern, str) and set(pattern) <= {"F", "S"}) or isinstance(pattern, list):
+            out["indexer_types"] = dsa_indexer_types(ModelConfig({**out, "model_type": "glm_moe_dsa"}))
+    return ModelConfig(out)
+
+
+def _check_glm5_next(c: _Checker) -> None:
+    """GLM-5.3-Flash: its sizes; KDA layers (heads, head size, convolution, the forget gate's lower bound) and NoPE
+    MLA layers (q LoRA, no RoPE dims, as many KV heads as query heads) per layer_types; the pooled DSA indexer (pool
+    size dividing index_topk, the incomplete tail always attended) and which MLA layers reuse the previous one's
+    choice; dense or MoE per layer, sigmoid group-limited routing, the clamped SwiGLU, the hyper-connections. Entries
+    Transformers' Glm5Next classes run otherwise, or not at all, are refused by name."""
+    cfg = c.cfg = glm5_next_config(c.cfg)
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
+                 "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "index_topk", "index_head_dim", "index_n_heads",
+                 "index_kpool", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim", "hc_mult",
+                 "hc_sinkhorn_iters", "max_position_embeddings"):
+        c.int(name)
+    layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    for name in ("rms_norm_eps", "swiglu_limit", "routed_scaling_factor"):
+        c.number(name, cfg.get(name))
+    c.number("hc_eps", cfg.get("hc_eps"), positive=False)
+    if cfg.get("num_key_value_heads", heads) != heads:
+        c.fail(f"num_key_value_heads is {cfg['num_key_value_heads']!r}; GLM-5.3-Flash's MLA has as many key/value "
+               f"heads as query heads ({heads}, num_attention_heads)")
+    if cfg.get("qk_rope_head_dim") != 0:
+        c.fail(f"qk_rope_head_dim is {cfg.get('qk_rope_head_dim')!r}; GLM-5.3-Flash's MLA layers use no positional "
+               "encoding (NoPE: 0 RoPE dims)")
+    if cfg["index_topk"] % cfg["index_kpool"]:
+        c.fail(f"index_topk is {cfg['index_topk']}; the indexer chooses whole pools of index_kpool "
+               f"({cfg['index_kpool']}) positions, so it must be a multiple of that")
+    if cfg.get("index_kpool_always_select_tail") is not True:
+        c.fail(f"index_kpool_always_select_tail is {cfg.get('index_kpool_always_select_tail')!r}; hetmoe runs "
+               "GLM-5.3-Flash with the incomplete last pool always attended (true): without it the first tokens "
+               "attend to nothing")
+    bound = cfg.get("linear_lower_bound")
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))):
+        c.fail(f"linear_lower_bound is {bound!r}; it must be a number (or null: the unbounded softplus gate)")
+    if cfg.get("hidden_act") != "silu":
+        c.fail(f"hidden_act is {cfg.get('hidden_act')!r}; GLM-5.3-Flash runs SiLU convolutions and SwiGLU MLPs")
+    for name in ("norm_topk_prob", "attention_bias"):
+        if not isinstance(cfg.get(name), bool):
+            c.fail(f"{name} is {cfg.get(name)!r}; it must be true or false")
+    kinds = cfg["layer_types"]
+    if not isinstance(kinds, list) or len(kinds) != layers or any(k not in GLM5_NEXT_ATTENTION for k in kinds):
+        c.fail(f"layer_types is {cfg.get('layer_types')!r}; it must give each of the {layers} layers "
+               f"(num_hidden_layers) 'linear_attention' (KDA) or 'indexed_attention' (MLA with the DSA indexer)")
+    mlp = cfg["mlp_layer_types"]
+    if not isinstance(mlp, list) or len(mlp) != layers or any(k not in ("dense", "sparse") for k in mlp):
+        c.fail(f"mlp_layer_types is {mlp!r}; it must list 'dense' or 'sparse' for each of the {layers} layers "
+               "(num_hidden_layers)")
+    if "dense" in mlp:
+        c.int("intermediate_size")
+    index = cfg.get("indexer_types")
+    if not isinstance(index, list) or len(index) < layers or any(k not in ("full", "shared") for k in index):
+        source = next((n for n in ("indexer_types", "index_topk_pattern") if c.cfg.get(n) is not None),
+                      "index_topk_freq / index_skip_topk_offset")
+        c.fail(f"{source} is {cfg.get(source)!r}; it must give each of the {layers} layers (num_hidden_layers) "
+               "'full' or 'shared' (F or S)")
+    for i, kind in enumerate(kinds):
+        if kind == "indexed_attention" and index[i] == "shared" and not (
+                i > 0 and kinds[i - 1] == "indexed_attention" and index[i - 1] == "full"):
+            c.fail(f"indexer_types makes layer {i} 'shared', but layer {i - 1} is not an indexed-attention layer that "
+                   "runs its own indexer ('full'): a shared layer reuses the top-k of the layer just before it")
+    n_experts = _n_experts(c)
+    if "sparse" in mlp:
+        if n_experts < 1:
+            c.fail(f"mlp_layer_types lists MoE ('sparse') layers, but {_expert_field(cfg)} is {n_experts}")
+        c.int("moe_intermediate_size")
+        c.int("n_shared_experts", minimum=0, default=0)
+        k = cfg.get("num_experts_per_tok")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_experts:
+            c.fail(f"num_experts_per_tok is {k!r}; with {n_experts} routed experts ({_expert_field(cfg)}) it must be "
+                   f"between 1 and {n_experts}")
+        _check_groups(c, n_experts, k)
