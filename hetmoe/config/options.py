@@ -16,7 +16,11 @@ from hetmoe.config.units import parse_size
 FORMATS = ("bf16", "int8", "int4")  # what --experts-format auto chooses among, the most precise first
 # --experts-format's choices: fp8 holds an FP8 checkpoint's E4M3 experts at their own bytes (auto prefers it for those:
 # hetmoe/load/loader.py plan_model); other checkpoints' experts are rounded to E4M3
-EXPERT_FORMATS = FORMATS + ("fp8",)
+EXPERT_FORMATS = FORMATS + ("fp8",) + ("int3", "int2")
+# hetmoe's own 3- and 2-bit experts (hetmoe/cpu/lowbit.py), quantized at load from float weights: int3 3.3125 bits
+# per weight with its scales (symmetric, group 32, k8 scales), int2 2.625 (affine, group 32, k8 scales and mins).
+# --experts-format auto takes them, per layer and projection, where int4 does not fit (hetmoe/plan/lowbit.py).
+LOW_BIT_FORMATS = ("int3", "int2")
 FP8_GROUPS = (128, 32)  # fp8 experts: block FP8 (fp32 scales, one per 16 rows and group), MXFP8 (e8m0 per row)
 ATTENTION_CHOICES = ("auto", "triton", "sdpa")
 ISAS = ("scalar", "avx2", "avx512", "amx")  # the CPU engine's ISA levels (csrc/runtime/cpu_features.h)
@@ -24,7 +28,7 @@ ISAS = ("scalar", "avx2", "avx512", "amx")  # the CPU engine's ISA levels (csrc/
 # best non-AMX row-block kernels for experts with few tokens.
 AMX_EMULATED = "amx-emulated"
 ISA_CHOICES = ("auto",) + ISAS
-DEFAULT_GROUP = {"bf16": 0, "int8": 128, "int4": 64, "fp8": 128}
+DEFAULT_GROUP = {"bf16": 0, "int8": 128, "int4": 64, "fp8": 128, "int3": 32, "int2": 32}
 DENSE_CHOICES = ("auto", "bf16", "fp8", "int8", "int4")  # "auto" and hetmoe.config.formats.DENSE_FORMATS
 NumaOption = Union[str, int]
 
@@ -49,8 +53,10 @@ class EngineOptions:
         "--device", "auto: the GPU for everything but the routed experts when there is one (default: auto)",
         choices=("auto", "cuda", "cpu")))
     experts_format: str = field(default="auto", metadata=cli_flag(
-        "--experts-format", "format of the routed experts on the CPU; auto: the most precise that fits in RAM (an FP8 "
-        "checkpoint's own fp8 experts first)", choices=("auto",) + EXPERT_FORMATS))
+        "--experts-format", "format of the routed experts on the CPU: bf16, int8 (8.25 bits per weight with its "
+        "scales), int4 (4.5), fp8, or hetmoe's own int3 (3.3 bits per weight) and int2 (2.6), quantized at load "
+        "from float weights; auto: the most precise that fits in RAM (an FP8 checkpoint's own fp8 experts first; "
+        "where int4 does not fit, int4/int3/int2 per layer and projection)", choices=("auto",) + EXPERT_FORMATS))
     group_size: Optional[int] = field(default=None, metadata=cli_flag(
         "--group-size", "int8/int4 scale group (default: 128 for int8, 64 for int4; 0 = per-row scales; bf16 has none; "
         "fp8: 128, block FP8, or 32, MXFP8)",
@@ -176,6 +182,9 @@ class EngineOptions:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
         if self.group_size is not None and self.group_size not in (0, 16, 32, 64, 128):
             raise ValueError(f"group size must be 16, 32, 64 or 128, or 0 = per-row, got {self.group_size}")
+        if self.experts_format in LOW_BIT_FORMATS and self.group_size not in (None, 32):
+            raise ValueError(f"{self.experts_format} experts have a group size of 32 (their k8 scales), got "
+                             f"{self.group_size}")
         if self.experts_format == "fp8" and self.group_size not in (None,) + FP8_GROUPS:
             raise ValueError(f"fp8 experts need a group size of 128 (block FP8) or 32 (MXFP8), got {self.group_size}")
         if not isinstance(self.rules, (str, os.PathLike, type(None))):

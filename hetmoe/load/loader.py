@@ -32,18 +32,20 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from hetmoe.config.options import EngineOptions
+from hetmoe.config.options import LOW_BIT_FORMATS, EngineOptions
 from hetmoe.config.rules import load as load_rules
 from hetmoe.config.units import gib, show_progress, wrap
 from hetmoe.cpu import HYBRID_RESERVED_CORES, CPUExperts, default_threads
 from hetmoe.cpu.codes import plan_format
 from hetmoe.cpu.layout import FP8_LAYOUTS
+from hetmoe.cpu.lowbit import layout as low_bit_layout
 from hetmoe.cpu.numa import resolve_subpools
 from hetmoe.load import fp8_formats
 from hetmoe.load.calibration import calibration_text, check_gpu_experts, keep_gpu_experts
 from hetmoe.load.checkpoint import Checkpoint, CheckpointError, block_fp8, check_quantization, read_config
 from hetmoe.load.dense import FP8Source, pack_dense
 from hetmoe.load.expert_cache import ExpertCache, default_cache_dir
+from hetmoe.load.lowbit import fill_low_bits, low_bit_formats, low_bit_key
 from hetmoe.load.materialize import Materializer, expert_keys, fill_experts
 from hetmoe.load.rules import apply_native, defer_layers, layerwise_layers
 from hetmoe.load.shapes import model_shapes
@@ -103,6 +105,11 @@ def new_experts(layer: MoELayer, cfg: ModelConfig, inter: int, plan: MemoryPlan,
     if threads is None and plan.device.type == "cuda":
         threads = default_threads(reserve=HYBRID_RESERVED_CORES)
     fmt, group = (spec.experts_format, spec.group_size) if spec else (plan.experts_format, plan.group_size)
+    formats = low_bit_formats(spec) if spec else (fmt, fmt)
+    if exact is None and (formats[0] != formats[1] or fmt in LOW_BIT_FORMATS):  # quantized in hetmoe/cpu/lowbit.py
+        return CPUExperts(layer.num_experts, cfg.hidden_size, inter, threads=threads, numa=options.numa,
+                          isa=options.isa, amx_min_tokens=options.amx_min_tokens, glu=layer.glu, bias=layer.bias,
+                          **low_bit_layout(*formats))
     own = dict(FP8_LAYOUTS[group]) if fmt == "fp8" else {}  # what a plan's fp8 group holds (block FP8, MXFP8)
     if exact is not None and plan_format(exact) == (fmt, group):  # e.g. int4 gate/up, int8 down in an int8 plan
         fmt, own = exact["weight_format"], {k: v for k, v in exact.items() if k not in ("weight_format", "group_size")}
@@ -263,7 +270,7 @@ def load_summary(cfg: ModelConfig, path: Path, n_layers: int, n_moe: int, plan: 
     def fmt(f: str, g: int) -> str:
         return f + ("" if f == "bf16" else f" (group {g})" if g else " (per-row scales)")
 
-    kinds = [fmt(lp.experts_format, lp.group_size) for lp in plan.layers] or [fmt(plan.experts_format,
+    kinds = [fmt(lp.formats, lp.group_size) for lp in plan.layers] or [fmt(plan.experts_format,
                                                                                    plan.group_size)]
     experts = (f"{kinds[0]} experts" if len(set(kinds)) == 1
                else "experts " + " + ".join(f"{k} in {kinds.count(k)} layer{'s' * (kinds.count(k) > 1)}"
@@ -370,7 +377,7 @@ def load_model(
     def cache_for(lp: LayerPlan) -> Optional[ExpertCache]:
         if expert_cache is None or expert_cache == "off":
             return None
-        key = (lp.experts_format, lp.group_size)
+        key = (low_bit_key(lp), lp.group_size)
         if key not in caches:
             root = default_cache_dir() if expert_cache == "auto" else Path(expert_cache)
             caches[key] = ExpertCache(root, ckpt, *key, warn=lambda m: log(f"hetmoe: {m}"),
@@ -396,7 +403,10 @@ def load_model(
                 experts = new_experts(block, cfg, inter, plan, options, lp, exact)
                 cache = cache_for(lp)
                 if cache is None or not cache.load(i, experts):
-                    fill_experts(ckpt, name, experts)
+                    if exact is None and low_bit_key(lp) != lp.experts_format:
+                        fill_low_bits(ckpt, name, experts, low_bit_formats(lp))  # quantized here from floats
+                    else:
+                        fill_experts(ckpt, name, experts)
                     if cache is not None:
                         cache.save(i, experts)
                 expert_bytes += experts.nbytes

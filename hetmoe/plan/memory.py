@@ -9,6 +9,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+from hetmoe.config.options import LOW_BIT_FORMATS
 from hetmoe.config.units import gib, wrap
 from hetmoe.cpu.layout import expert_bytes, layout_bytes
 
@@ -40,6 +41,13 @@ class LayerPlan:
     vram: int
     gpu_format: str = "bf16"  # resident_format.Storage.name: bf16, int8, int4
     gpu_expert_bytes: int = 0  # one resident expert, as stored
+    down_format: Optional[str] = None  # down_proj's own format where it differs (hetmoe/plan/lowbit.py's mixes)
+
+    @property
+    def formats(self) -> str:
+        """The format as the plan prints it: ``int4`` or, gate/up and down differing, ``int3/int4``."""
+        down = self.down_format or self.experts_format
+        return self.experts_format if down == self.experts_format else f"{self.experts_format}/{down}"
 
 
 @dataclass
@@ -128,9 +136,14 @@ class ModelShapes:
         """One sequence's recurrent-layer states, the same at any context length."""
         return self.conv_state_elems * itemsize + self.recurrent_state_bytes
 
-    def layer_expert_bytes(self, i: int, fmt: str, group: int) -> int:
-        """One routed expert of MoE layer ``i`` as the loader allocates it: in ``fmt`` / ``group``, or in the exact
+    def layer_expert_bytes(self, i: int, fmt: str, group: int, down: Optional[str] = None) -> int:
+        """One routed expert of MoE layer ``i`` as the loader allocates it: in ``fmt`` / ``group`` (``down``: down_proj
+        in its own format; hetmoe's own int3 / int2 in their layout, hetmoe/cpu/lowbit.py), or in the exact
         layout of a GGUF file's types where that format holds them (the loader's ``new_experts`` takes it then)."""
+        if fmt in LOW_BIT_FORMATS or (down is not None and down != fmt):
+            from hetmoe.cpu.lowbit import layout
+
+            return layout_bytes(layout(fmt, down or fmt), self.hidden, self.expert_inter)
         if i < len(self.expert_types):
             from hetmoe.cpu.codes import exact_layout, plan_format
 
@@ -163,7 +176,7 @@ def _label(plan: MemoryPlan, part: str) -> str:
         fmts = sorted({lp.gpu_format for lp in plan.layers if lp.gpu_experts})
         return f"GPU experts ({n} per layer{', ' + '/'.join(fmts) if fmts else ''})"
     if part == "routed experts":
-        kinds = {(lp.experts_format, lp.group_size) for lp in plan.layers} or {(plan.experts_format, plan.group_size)}
+        kinds = {(lp.formats, lp.group_size) for lp in plan.layers} or {(plan.experts_format, plan.group_size)}
         if len(kinds) > 1:
             return "routed experts (mixed per layer)"
         fmt, group = kinds.pop()

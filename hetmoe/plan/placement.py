@@ -28,6 +28,8 @@ from hetmoe.moe.streamed.vram import (
     group_rows,
     group_sizes,
 )
+from hetmoe.plan.lowbit import choose_mix
+from hetmoe.plan.lowbit import describe as describe_mix
 from hetmoe.plan.memory import LayerPlan, MemoryPlan, ModelShapes, PlanError
 from hetmoe.plan.sysmem import free_ram, free_vram
 
@@ -84,16 +86,18 @@ def plan_layers(shapes: "ModelShapes", opts: EngineOptions, device: torch.device
         gpu_experts = 0 if opts.gpu_experts == "auto" else opts.gpu_experts
     out = []
     for name, p in zip(names, layers if layers is not None else [None] * n):
-        got = {k: getattr(p, k, None) for k in ("experts_format", "group_size", "gpu_experts", "defer_experts")}
+        got = {k: getattr(p, k, None) for k in ("experts_format", "group_size", "gpu_experts", "defer_experts",
+                                                "down_format")}
         f = got["experts_format"] or fmt
         group = layer_group(f, opts.group_size if got["group_size"] is None else got["group_size"])
         gpu = gpu_experts if got["gpu_experts"] is None else got["gpu_experts"]
         gpu = gpu if device.type == "cuda" else 0  # a CPU-only placement keeps every expert on the CPU
         defer = opts.defer_experts if got["defer_experts"] is None else got["defer_experts"]
-        ram = shapes.n_routed // n * shapes.layer_expert_bytes(len(out), f, group)
+        down = got["down_format"] if got["down_format"] not in (None, f) else None
+        ram = shapes.n_routed // n * shapes.layer_expert_bytes(len(out), f, group, down)
         gfmt = getattr(p, "gpu_experts_format", None) or opts.gpu_experts_format
         each, stored = resident_bytes(gfmt, f, group, H, I, itemsize)
-        out.append(LayerPlan(name, f, group, gpu, defer, ram, gpu * each, stored, each))
+        out.append(LayerPlan(name, f, group, gpu, defer, ram, gpu * each, stored, each, down))
     return out
 
 
@@ -186,7 +190,7 @@ def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device
     if dense_format is None and opts.dense_format != "auto":
         dense_format, why["dense weights"] = opts.dense_format, f"--dense-format {opts.dense_format}"
     elif dense_format is None:
-        per_token = sum(shapes.top_k * shapes.layer_expert_bytes(i, lp.experts_format, lp.group_size)
+        per_token = sum(shapes.top_k * shapes.layer_expert_bytes(i, lp.experts_format, lp.group_size, lp.down_format)
                         for i, lp in enumerate(per_layer))
         dense_format, why["dense weights"] = default_dense(shapes, device, dtype.itemsize, per_token)
     dense = dense_bytes(shapes, dense_format, dtype.itemsize)
@@ -463,7 +467,17 @@ def choose_plan(shapes: "ModelShapes", opts: EngineOptions, layers: Optional[lis
         fitting = [p for p in plans if p.ram_bytes <= ram]
         plan = fitting[0] if fitting else plans[-1]
         tried = [f"{p.experts_format} {gib(p.ram_bytes)}" for p in plans[:plans.index(plan)]]
-        if tried:
+        if not fitting and shapes.n_moe_layers and low_bits_apply(shapes, opts, device, layers, dense, ram):
+            # int4 does not fit even at a short context: int3 / int2 per layer and projection (precision before
+            # context, as the dense format: DENSE_AUTO_CONTEXT)
+            short = min(DENSE_AUTO_CONTEXT, plan.max_context) if opts.max_context is None else None
+            layers, plan = choose_mix(shapes, layers, ram, lambda ls: plan_memory(
+                shapes, opts, device, "int4", ls, max_context=short, dense_format=dense), ram_src)
+            plan = plan_memory(shapes, opts, device, "int4", layers, dense_format=dense)
+            tried.append(f"int4 {gib(plans[-1].ram_bytes)}")
+            plan.why["routed experts"] = (f"auto: RAM with {', '.join(tried)} > {gib(ram)}; "
+                                          f"{describe_mix(plan)}")
+        elif tried:
             plan.why["routed experts"] = f"auto: RAM with {', '.join(tried)} > {gib(ram)}"
     else:
         plan = plan_memory(shapes, opts, device, opts.experts_format, layers, dense_format=dense)
@@ -500,6 +514,18 @@ def choose_plan(shapes: "ModelShapes", opts: EngineOptions, layers: Optional[lis
             f"the model does not fit this machine with {plan.experts_format} experts on {device.type} "
             f"({'; '.join(problems)}). Plan: {plan.describe()}. {hint}\n" + "\n".join(plan.table()), plan)
     return plan
+
+
+def low_bits_apply(shapes: "ModelShapes", opts: EngineOptions, device: torch.device, layers, dense: str,
+                   ram: int) -> bool:
+    """Whether --experts-format auto steps below int4: int4 experts with a float checkpoint's weights (a GGUF
+    file's own types are chosen by the file), no --group-size asked for, and the int4 plan over the RAM budget
+    even at the short context auto keeps precision for."""
+    if shapes.expert_types or opts.group_size is not None:
+        return False
+    short = min(DENSE_AUTO_CONTEXT, opts.max_context or shapes.context_limit or shapes.max_position_embeddings
+                or DENSE_AUTO_CONTEXT)
+    return plan_memory(shapes, opts, device, "int4", layers, max_context=short, dense_format=dense).ram_bytes > ram
 
 
 def resident_prefill_bytes(shapes: "ModelShapes", n: int, chunk: int, itemsize: int) -> tuple:

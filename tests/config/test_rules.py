@@ -76,7 +76,8 @@ def test_class_is_a_second_condition():
 
 @pytest.mark.parametrize("text, line, message", [
     ("- match: x\n  device: cpu\n  colour: red\n", 3, "unknown key 'colour'"),
-    ("- match: x\n  experts_format: int5\n", 2, "experts_format: expected bf16, int8, int4, fp8, got 'int5'"),
+    ("- match: x\n  experts_format: int5\n", 2,
+     "experts_format: expected bf16, int8, int4, fp8, int3, int2, got 'int5'"),
     ("- match: x\n\n  group_size: 48\n", 3, "group_size: expected 32, 64 or 128"),
     ("- match: x\n  experts_format: bf16\n  group_size: 32\n", 3, "bf16 experts have no scale groups"),
     ("- match: x\n  gpu_experts: -1\n", 2, "gpu_experts: expected an integer >= 0"),

@@ -309,7 +309,8 @@ def test_budgets_replace_what_is_free_and_warn_above_it(qwen, monkeypatch):
     assert any("--cpu-memory 8192.00 GiB is more than the 16.00 GiB available" in n for n in plan.notes)
     assert any("--gpu-memory 24.00 GiB does not apply: the placement is CPU-only" in n for n in plan.notes)
     with pytest.raises(PlanError, match=r"RAM: needs [0-9.]+ GiB, 16.00 GiB available") as err:
-        plan_model(qwen[1], qwen[0], qwen[2], EngineOptions(device="cpu"), 768, torch.device("cpu"))
+        plan_model(qwen[1], qwen[0], qwen[2], EngineOptions(device="cpu", experts_format="int4"), 768,
+                   torch.device("cpu"))
     assert "DOES NOT FIT: 14.72 GiB budget (92% of 16.00 GiB available)" in " ".join(str(err.value).split())
     with pytest.raises(ValueError, match="a GPU this machine does not have.*--gpu-memory SIZE"):
         _plan(qwen)
