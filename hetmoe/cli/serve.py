@@ -93,7 +93,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="the model's name in the API: requests may give any of the names, /v1/models and responses "
                    "give the first (default: the --model directory's name)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
-                   help="a Jinja chat template that replaces the checkpoint's (checked at startup)")
+                   help="a Jinja chat template that replaces the checkpoint's (checked at startup), or a built-in "
+                   "one: deepseek_v32, deepseek_v4 (DeepSeek-V3.2 and V4 ship their encoding as code, no template)")
     p.add_argument("--cors-origins", type=_origins, default=None, metavar="ORIGINS",
                    help="comma list of origins (scheme://host[:port]) whose web pages may call the server, or *; "
                    "(default: none, no CORS headers)")

@@ -79,11 +79,17 @@ def api_key(args: argparse.Namespace) -> Optional[str]:
     return key
 
 
+BUILTIN_TEMPLATES = ("deepseek_v32", "deepseek_v4")  # server/templates/NAME.jinja: encodings shipped as code
+
+
 def read_chat_template(path: str) -> str:
-    """The Jinja chat template in ``path`` (``--chat-template``), compiled once to check it; ValueError naming the
-    file and the problem otherwise."""
+    """The Jinja chat template in ``path`` (``--chat-template``), or the built-in one named ``path`` (one of
+    BUILTIN_TEMPLATES, where no such file exists), compiled once to check it; ValueError naming the file and the
+    problem otherwise."""
     from hetmoe.tokenizer import compile_template
 
+    if path in BUILTIN_TEMPLATES and not Path(path).exists():
+        path = str(Path(__file__).parent / "templates" / f"{path}.jinja")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()

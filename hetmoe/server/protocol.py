@@ -483,7 +483,9 @@ def parse_request(body: Any, served: ServedModel, kind: str) -> Parsed:
     if chat:
         messages = _messages(body)
         if not served.has_chat_template:
-            raise APIError(400, "This model has no chat template; use /v1/completions with a raw prompt",
+            raise APIError(400, "This model has no chat template; use /v1/completions with a raw prompt, or start "
+                                "the server with --chat-template FILE (DeepSeek-V3.2 and V4, which ship their "
+                                "encoding as code: --chat-template deepseek_v32 or deepseek_v4)",
                            param="messages", code="invalid_value")
         options = chat_path().parse(body, messages, chat_path().support_of(served))
         ids = _encode(served, options.messages, True, "messages", options.template_kwargs)

@@ -6,14 +6,16 @@
     reasoning, content = parser.split(text, open_)       # a whole output
     stream = parser.stream(open_); stream.push(piece) / stream.finish() -> [(kind, text)]
 
-The families differ in who writes the opening tag: DeepSeek-R1 and V3.1 (thinking on), the Qwen3 thinking
-models and MiniMax-M2 end the prompt with ``<think>`` so the output starts inside the block; Qwen3 hybrids,
+The families differ in who writes the opening tag: DeepSeek-R1, V3.1, V3.2 and V4 (thinking on), the Qwen3
+thinking models and MiniMax-M2 end the prompt with ``<think>`` so the output starts inside the block; Qwen3 hybrids,
 Kimi-K2 Thinking and GLM-4.5 write ``<think>`` themselves. Both are read from the text: the output is inside a
 block from the start when the prompt's last ``<think>`` is not closed (``starts_inside``), and a block the model
-opens itself counts only at the start of its output (after whitespace). A block that never closes
+opens itself counts only at the start of its output (after whitespace), where a lone closing tag (a block the model
+chose to skip) is dropped. A block that never closes
 (``max_tokens`` ran out) is all reasoning. With thinking switched off (``enable_thinking: false``: the template
-writes an empty, closed block) the output is all content. Whitespace around the reasoning and between it and the
-content is dropped.
+writes an empty, closed block; DeepSeek-V3.2 and V4 end the prompt with ``</think>``) the output is all content.
+Whitespace around the reasoning and between it and the content is dropped. MiniMax-M3 writes the same block as
+``<mm:think>`` ... ``</mm:think>``.
 
 gpt-oss (``harmony``) writes channels rather than tags: an ``analysis`` message is reasoning, a ``final`` message
 (and a ``commentary`` one without a recipient, the preamble before a call) is content; a message to a recipient
@@ -28,7 +30,9 @@ from typing import Optional
 
 from hetmoe.server.tool_calls import harmony
 
-PARSERS = ("deepseek_r1", "deepseek_v3", "qwen3", "kimi_k2", "glm45", "minimax_m2", "harmony")
+PARSERS = ("deepseek_r1", "deepseek_v3", "deepseek_v32", "deepseek_v4", "qwen3", "kimi_k2", "glm45", "minimax_m2",
+           "minimax_m3", "harmony")
+MM_THINK = ("<mm:think>", "</mm:think>")  # MiniMax-M3's tags
 
 
 class ReasoningParser:
@@ -66,6 +70,7 @@ class ReasoningStream:
         self.reasoned = inside  # a reasoning block was seen (reasoning_content is then a string, maybe empty)
         self.buffer = ""
         self.lead = True  # at the start of the current part: leading whitespace is dropped
+        self.skipped = False  # the output began with a closing tag alone
 
     def push(self, piece: str) -> list:
         self.buffer += piece
@@ -76,7 +81,10 @@ class ReasoningStream:
                 if text.startswith(self.parser.start):
                     self.buffer, self.state, self.reasoned = text[len(self.parser.start):], "reasoning", True
                     continue
-                if self.parser.start.startswith(text):  # still could be the opening tag (or only whitespace)
+                if text.startswith(self.parser.end):  # reasoning skipped (MiniMax-M3's adaptive mode): no content
+                    self.buffer, self.state, self.skipped = text[len(self.parser.end):], "content", True
+                    continue
+                if self.parser.start.startswith(text) or self.parser.end.startswith(text):  # maybe a tag, or blank
                     return out
                 self.state = "content"
                 continue
@@ -102,7 +110,7 @@ class ReasoningStream:
                 self._emit(out, "reasoning", self.buffer[:len(self.buffer) - keep])
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 return out
-            if self.lead and self.reasoned:
+            if self.lead and (self.reasoned or self.skipped):
                 self.buffer = self.buffer.lstrip()
                 if not self.buffer:
                     return out
@@ -115,7 +123,7 @@ class ReasoningStream:
         out: list = []
         if self.state == "reasoning":
             self._emit(out, "reasoning", self.buffer.rstrip())
-        elif self.state == "start" or not (self.lead and self.reasoned):
+        elif self.state == "start" or not (self.lead and (self.reasoned or self.skipped)):
             self._emit(out, "content", self.buffer)
         self.buffer = ""
         return out
@@ -234,11 +242,14 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 def reasoning_parser(name: Optional[str], template: Optional[str] = None) -> Optional[ReasoningParser]:
     """The parser ``name`` (one of PARSERS, or "none"); with None / "auto" the harmony parser when ``template``
-    writes gpt-oss's channels, the think-tag parser when it mentions ``<think>`` / ``</think>``, else None."""
+    writes gpt-oss's channels, MiniMax-M3's when it writes ``<mm:think>``, the think-tag parser when it mentions
+    ``<think>`` / ``</think>``, else None."""
     if name == "none":
         return None
     if name == "harmony" or (name in (None, "auto") and template and harmony.CHANNEL in template):
         return HarmonyParser()
+    if name == "minimax_m3" or (name in (None, "auto") and template and MM_THINK[0] in template):
+        return ReasoningParser("minimax_m3", *MM_THINK)
     if name in (None, "auto"):
         return ReasoningParser("auto") if template and ("<think>" in template or "</think>" in template) else None
     if name not in PARSERS:

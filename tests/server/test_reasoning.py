@@ -80,7 +80,7 @@ def test_parser_choice():
     assert reasoning_parser("auto", "<|im_start|>{{ m.content }}") is None
     assert reasoning_parser("none", "<think>") is None
     for name in PARSERS:
-        assert reasoning_parser(name).end == ("<|end|>" if name == "harmony" else "</think>")
+        assert reasoning_parser(name).end == {"harmony": "<|end|>", "minimax_m3": "</mm:think>"}.get(name, "</think>")
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         reasoning_parser("o1")
 

@@ -26,6 +26,11 @@ A call is a ``ToolCall(id, name, arguments)``, ``arguments`` JSON text of an obj
     minimax_m2    <minimax:tool_call>\\n<invoke name="f">\\n<parameter name="p">v</parameter>\\n</invoke>\\n
                   </minimax:tool_call>                                       MiniMax-M2, M2.1, M2.5
     harmony       <|channel|>commentary to=functions.f <|constrain|>json<|message|>{...}<|call|>         gpt-oss
+    deepseek_v32  <｜DSML｜function_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="p" string="true">
+                  v</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>             DeepSeek-V3.2
+    deepseek_v4   the same in a <｜DSML｜tool_calls> block                                   DeepSeek-V4
+    minimax_m3    ]<]minimax[>[<tool_call>\n]<]minimax[>[<invoke name="f">]<]minimax[>[<p>v]<]minimax[>[</p>
+                  ]<]minimax[>[</invoke>\n]<]minimax[>[</tool_call>       MiniMax-M3 (objects, arrays as elements)
 
 Text before the first call is content; so is text after the calls. A region that starts like a call but does not
 parse (broken JSON, a missing end marker, cut by max_tokens) is returned as content, and ``failed`` says so (the
@@ -39,8 +44,8 @@ Markers that are special tokens (Kimi's, Mistral's ``[TOOL_CALLS]``) reach the p
 a parser's ``markers`` in the text it decodes (``SamplingParams.shown_special_ids``).
 
 The modules: ``base`` (the types, ``ToolParser``, ``ToolStream``), ``scan`` (reading a region as it arrives), one
-per family (``hermes``, ``qwen3_coder``, ``deepseek``, ``kimi_k2``, ``mistral``, ``glm``, ``minimax``,
-``harmony``; ``marked`` is the reader DeepSeek's and Kimi's share); this one picks the family.
+per family (``hermes``, ``qwen3_coder``, ``deepseek``, ``dsml``, ``kimi_k2``, ``mistral``, ``glm``, ``minimax``,
+``minimax_m3``, ``harmony``; ``marked`` is the reader DeepSeek's and Kimi's share); this one picks the family.
 """
 
 from __future__ import annotations
@@ -50,24 +55,26 @@ from typing import Optional
 
 from hetmoe.server.tool_calls.base import Delta, ToolCall, ToolOutput, ToolParser, ToolStream, new_call_id
 from hetmoe.server.tool_calls.deepseek import DeepSeekV3, DeepSeekV31
+from hetmoe.server.tool_calls.dsml import DeepSeekV4, DeepSeekV32
 from hetmoe.server.tool_calls.glm import Glm45, Glm47
 from hetmoe.server.tool_calls.harmony import Harmony
 from hetmoe.server.tool_calls.hermes import Hermes
 from hetmoe.server.tool_calls.kimi_k2 import KimiK2
 from hetmoe.server.tool_calls.minimax import MiniMaxM2
+from hetmoe.server.tool_calls.minimax_m3 import MiniMaxM3
 from hetmoe.server.tool_calls.mistral import Mistral
 from hetmoe.server.tool_calls.qwen3_coder import Qwen3Coder
 from hetmoe.server.tool_calls.scan import Malformed
 
-__all__ = ["PARSERS", "Delta", "DeepSeekV3", "DeepSeekV31", "Glm45", "Glm47", "Harmony", "Hermes", "KimiK2",
-           "Malformed", "MiniMaxM2", "Mistral", "Qwen3Coder", "ToolCall", "ToolOutput", "ToolParser", "ToolStream",
-           "arguments_as_mapping", "detect", "new_call_id", "renders_tools", "tool_parser"]
+__all__ = ["PARSERS", "Delta", "DeepSeekV3", "DeepSeekV31", "DeepSeekV32", "DeepSeekV4", "Glm45", "Glm47", "Harmony",
+           "Hermes", "KimiK2", "Malformed", "MiniMaxM2", "MiniMaxM3", "Mistral", "Qwen3Coder", "ToolCall", "ToolOutput",
+           "ToolParser", "ToolStream", "arguments_as_mapping", "detect", "new_call_id", "renders_tools", "tool_parser"]
 
 PARSERS = ("hermes", "qwen3_coder", "deepseek_v3", "deepseek_v31", "kimi_k2", "mistral", "glm45", "glm47",
-           "minimax_m2", "harmony")
+           "minimax_m2", "harmony", "deepseek_v32", "deepseek_v4", "minimax_m3")
 
 _FAMILIES = {c.name: c for c in (Hermes, Qwen3Coder, DeepSeekV3, DeepSeekV31, KimiK2, Mistral, Glm45, Glm47,
-                                 MiniMaxM2, Harmony)}
+                                 MiniMaxM2, Harmony, DeepSeekV32, DeepSeekV4, MiniMaxM3)}
 
 
 def detect(template: Optional[str]) -> str:
@@ -78,6 +85,10 @@ def detect(template: Optional[str]) -> str:
         return "harmony"
     if "<|tool_calls_section_begin|>" in t:
         return "kimi_k2"
+    if "｜DSML｜" in t:  # DeepSeek-V3.2's function_calls block, V4's tool_calls
+        return "deepseek_v32" if "function_calls" in t else "deepseek_v4"
+    if "]<]minimax[>[" in t:  # MiniMax-M3's namespace token
+        return "minimax_m3"
     if MiniMaxM2.start in t:
         return "minimax_m2"
     if DeepSeekV3.start in t:
