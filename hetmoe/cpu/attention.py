@@ -63,8 +63,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor]
     ``rows [B]`` the cache row of each sequence, ``lens [B]`` its keys (position + 1, 1..cap). ``v_is_k1``: no ``v``;
     the values are k's first Dv = D1 dims. ``sinks [Hq]`` (any float dtype, used in fp32): a logit per head in the
     softmax's denominator, unscaled, with no value. ``window`` (an int >= 1): only positions ``lens[b] - window ..
-    lens[b] - 1`` are attended (the query's own included). ``pool``: an ``WorkerPool`` (default: ``default_pool()``); the call runs
-    after the jobs queued on it and returns when done.
+    lens[b] - 1`` are attended (the query's own included). ``pool``: an ``WorkerPool`` (default:
+    ``default_pool()``); the call runs after the jobs queued on it and returns when done.
     """
     _check("q", q, 3)
     _check("k", k, 4)

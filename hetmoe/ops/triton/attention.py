@@ -8,7 +8,12 @@ takes no per-sequence lengths without a mask, and FlexAttention needs torch.comp
 
 Both kernels read the cache through a page table: ``pages`` [n_pages, P, kv_heads, D] per layer, ``table`` [rows,
 pages_per_row] int32 (row r's position p lives in page table[r, p // P] at offset p % P), ``slots`` the row of
-each sequence. A query at position p attends to positions 0..p of its row.
+each sequence. A query at position p attends to positions 0..p of its row; with a sliding window W (decode's
+``window``) to p - W < j <= p only (Transformers' sliding-window mask: the query's own position counts in W).
+
+Attention sinks (gpt-oss: decode's ``sinks`` [H], one logit per query head): each head's softmax runs over its
+scores and the sink's logit, which takes its share of the probability and adds no value. The split kernel never sees
+it: the reduce adds e^sink to the denominator of the splits' merge.
 
 The key may come in two parts (q·k = q1·k1 + q2·k2): MLA scores the latent and the rope part apart, and its
 absorbed decode reads the latent as both key (part 1) and value (``v_is_k1``). A part's head stride may be 0 (one
@@ -46,13 +51,15 @@ def _decode_split(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, PART_O, PART_L,
                   sq1_n, sq1_h, sq2_n, sq2_h,
                   sk1_p, sk1_t, sk1_h, sk2_p, sk2_t, sk2_h, sv_p, sv_t, sv_h, st_r, ss_n, spos_n,
                   spo_n, spo_h, spo_s, spl_n, spl_h,
-                  scale, G, HEAD_BLOCKS,
+                  scale, G, HEAD_BLOCKS, WINDOW,
                   D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
                   BD1: tl.constexpr, BD2: tl.constexpr, BDV: tl.constexpr,
                   BLOCK_G: tl.constexpr, P: tl.constexpr, NSPLIT: tl.constexpr,
                   HAS_Q2: tl.constexpr, V_IS_K1: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """One (query row, block of a kv head's query heads, split of the sequence): the softmax-weighted values
-    of its pages, normalised, and their log-sum-exp (-inf for a split with no page)."""
+    of its pages, normalised, and their log-sum-exp (-inf for a split with no page). WINDOW > 0: the pages from
+    the one holding position pos - WINDOW + 1 on, positions before it masked (every page of that range holds at
+    least one visible position, so no page's max is -inf)."""
     pdl_begin(PDL)
     n = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS
@@ -61,8 +68,12 @@ def _decode_split(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, PART_O, PART_L,
     pos = tl.load(POS + n * spos_n)
     slot = tl.load(SLOTS + n * ss_n).to(tl.int64)  # ss_n may be 0: MLA's rows of one sequence share its slot
     n_pages = pos // P + 1
-    per = tl.cdiv(n_pages, NSPLIT)
-    first = sp * per
+    lo = pos * 0  # the first visible position (in pos's type: both branches must agree for the compiler)
+    if WINDOW > 0:
+        lo = tl.maximum(pos - WINDOW + 1, 0)
+    page0 = lo // P
+    per = tl.cdiv(n_pages - page0, NSPLIT)
+    first = page0 + sp * per
     last = tl.minimum(first + per, n_pages)
 
     gs = g0 + tl.arange(0, BLOCK_G)
@@ -82,7 +93,7 @@ def _decode_split(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, PART_O, PART_L,
     acc = tl.zeros([BLOCK_G, BDV], tl.float32)
     for pg in range(first, last):
         page = tl.load(TABLE + slot * st_r + pg).to(tl.int64)
-        valid = pg * P + t <= pos
+        valid = (pg * P + t <= pos) & (pg * P + t >= lo)
         k1 = tl.load(K1 + page * sk1_p + t[:, None] * sk1_t + kvh * sk1_h + d1[None, :],
                      mask=valid[:, None] & (d1[None, :] < D1), other=0.0)
         s = _dot(q1, tl.trans(k1), IEEE)
@@ -114,17 +125,25 @@ def _decode_split(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, PART_O, PART_L,
 
 
 @triton.jit
-def _decode_reduce(PART_O, PART_L, OUT, spo_n, spo_h, spo_s, spl_n, spl_h, so_n, so_h, H,
-                   DV: tl.constexpr, BDV: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr):
-    """Merge a (row, head)'s splits by their log-sum-exp, for BDV of the value dims (program axis 2)."""
+def _decode_reduce(PART_O, PART_L, SINKS, OUT, spo_n, spo_h, spo_s, spl_n, spl_h, so_n, so_h, H,
+                   DV: tl.constexpr, BDV: tl.constexpr, NSPLIT: tl.constexpr, HAS_SINKS: tl.constexpr,
+                   PDL: tl.constexpr):
+    """Merge a (row, head)'s splits by their log-sum-exp, for BDV of the value dims (program axis 2); the head's
+    sink (HAS_SINKS) joins the denominator: sum_sp e^lse_sp o_sp / (sum_sp e^lse_sp + e^sink)."""
     pdl_begin(PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, NSPLIT)
     lse = tl.load(PART_L + n * spl_n + h * spl_h + sp)
     m = tl.max(lse, 0)
-    w = tl.exp(lse - m)
-    w = w / tl.sum(w, 0)
+    if HAS_SINKS:
+        sink = tl.load(SINKS + h).to(tl.float32)
+        m = tl.maximum(m, sink)
+        w = tl.exp(lse - m)
+        w = w / (tl.sum(w, 0) + tl.exp(sink - m))
+    else:
+        w = tl.exp(lse - m)
+        w = w / tl.sum(w, 0)
     dv = tl.program_id(2) * BDV + tl.arange(0, BDV)
     o = tl.load(PART_O + n * spo_n + h * spo_h + sp[:, None] * spo_s + dv[None, :],
                 mask=(lse[:, None] > float("-inf")) & (dv[None, :] < DV), other=0.0)
@@ -251,13 +270,20 @@ def decode_splits(program_rows: int, pages_per_row: int, device: torch.device) -
 
 def decode(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None, table: torch.Tensor, slots: torch.Tensor,
            positions: torch.Tensor, scale: float, *, q2: torch.Tensor | None = None, k2: torch.Tensor | None = None,
-           v_is_k1: bool = False) -> torch.Tensor:
+           v_is_k1: bool = False, sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """One query token per row: q1 [N, H, D1] (q2 [N, H, D2]) at ``positions`` [N] of cache rows ``slots`` [N]
     -> [N, H, DV] in q1's dtype. k1 [n_pages, P, kv, D1], k2 [n_pages, P, kv or 1, D2], v [n_pages, P, kv, DV]
     (``v_is_k1``: the values are k1 itself). ``slots`` and ``positions`` are read through their strides: a stride-0
     ``slots`` (one sequence's S tokens as S rows, ``mla_latent_paged``) needs no copy and is read at its one
-    element only."""
+    element only. ``sinks`` [H] (any float dtype, on q1's device): each head's sink logit, unscaled. ``window``: an
+    int >= 1, each row attends to its last ``window`` positions (its own included)."""
     N, H, D1 = q1.shape
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"decode: window must be an int >= 1 (or None), got {window!r}")
+    if sinks is not None and (tuple(sinks.shape) != (H,) or not sinks.dtype.is_floating_point
+                              or sinks.device != q1.device):
+        raise ValueError(f"decode: sinks must be a float tensor [{H}] on {q1.device}, got {sinks.dtype} "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
     n_pages, P, KV = k1.shape[:3]
     if v_is_k1:
         v = k1
@@ -279,16 +305,18 @@ def decode(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None, table: to
         q1.stride(0), q1.stride(1), q2_.stride(0), q2_.stride(1),
         *_page_strides(k1), *_page_strides(k2_), *_page_strides(v), table.stride(0), slots.stride(0),
         positions.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
-        scale, G, head_blocks,
+        scale, G, head_blocks, window or 0,
         D1=D1, D2=D2, DV=DV, BD1=_pow2(D1), BD2=_pow2(D2), BDV=_pow2(DV),
         BLOCK_G=BLOCK_G, P=P, NSPLIT=nsplit, HAS_Q2=has_q2, V_IS_K1=v_is_k1, IEEE=ieee,
         num_warps=4 if max(D1, DV) <= 128 else 8, num_stages=2,
         **triton_pdl.launch(q1.device),
     )
     bd_reduce = min(_pow2(DV), 128)
+    sinks_ = sinks.contiguous() if sinks is not None else part_l
     _decode_reduce[(N, H, -(-DV // bd_reduce))](
-        part_o, part_l, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0),
-        part_l.stride(1), out.stride(0), out.stride(1), H, DV=DV, BDV=bd_reduce, NSPLIT=nsplit, num_warps=4,
+        part_o, part_l, sinks_, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0),
+        part_l.stride(1), out.stride(0), out.stride(1), H, DV=DV, BDV=bd_reduce, NSPLIT=nsplit,
+        HAS_SINKS=sinks is not None, num_warps=4,
         **triton_pdl.launch(q1.device),
     )
     return out
