@@ -45,7 +45,7 @@ struct AttentionArgs {
   float scale = 1.0f;
   const float* sinks = nullptr;  // [n_head] fp32 or null: each head's sink logit (not scaled)
   int64_t window = 0;            // > 0: only the last `window` keys of each sequence are attended; 0: all of them
-  void* out = nullptr;  // [B, n_head, dv]
+  void* out = nullptr;           // [B, n_head, dv]
   int64_t out_stride_b = 0, out_stride_h = 0;
   bool out_bf16 = false;
 };
