@@ -115,3 +115,25 @@ def moe_reference_emulated(x, gate_dq, up_dq, down_dq, topk_ids, topk_weights, a
         quant = lambda v: fake_quantize(v, amx_row_group(v.shape[-1]), qmax).double()  # noqa: E731
     weights_of = lambda e: (gate_dq[e].double(), up_dq[e].double(), down_dq[e].double())  # noqa: E731
     return _moe(x.float().double(), weights_of, len(gate_dq), topk_ids, topk_weights, skip_mask, quant_x, quant)
+
+
+def sink_attention_reference(q, k, v, positions, scale, sinks=None, window=None) -> torch.Tensor:
+    """Decode attention with gpt-oss's sinks and sliding window, from Transformers' eager_attention_forward: q [N, H,
+    D] at ``positions`` [N], each row over its own keys k [N, L, KV, D] / values v [N, L, KV, Dv] (query head h reads
+    kv head h // (H / KV)) -> [N, H, Dv] in fp32. Scores of the positions j <= p (and p - window < j with a window),
+    the head's sink logit appended as one more column, softmax over the row, the sink's column dropped."""
+    N, H, _ = q.shape
+    L, KV = k.shape[1], k.shape[2]
+    kk = k.float().repeat_interleave(H // KV, dim=2)  # [N, L, H, D]
+    vv = v.float().repeat_interleave(H // KV, dim=2)
+    scores = torch.einsum("nhd,nlhd->nhl", q.float(), kk) * scale  # [N, H, L]
+    j = torch.arange(L, device=q.device).view(1, 1, L)
+    p = positions.to(q.device).view(N, 1, 1)
+    seen = j <= p
+    if window is not None:
+        seen = seen & (j > p - window)
+    scores = scores.masked_fill(~seen, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat((scores, sinks.float().to(q.device).view(1, H, 1).expand(N, H, 1)), dim=-1)
+    probs = scores.softmax(dim=-1)[..., :L]
+    return torch.einsum("nhl,nlhd->nhd", probs, vv)

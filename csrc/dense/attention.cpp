@@ -44,6 +44,7 @@ void check(const AttentionArgs& a) {
   if ((a.d2 > 0) != (a.q2 != nullptr) || (a.d2 > 0) != (a.k2 != nullptr)) fail("q2 and k2 come together, with d2 > 0");
   if (!a.v && a.dv > a.d1)
     fail("v is k1, so dv (" + std::to_string(a.dv) + ") must be <= d1 (" + std::to_string(a.d1) + ")");
+  if (a.window < 0) fail("window must be >= 0 (0: no window), got " + std::to_string(a.window));
   if (a.B == 0) return;
   if (!a.q || !a.k1 || !a.out || !a.rows || !a.lens) fail("q, k1, out, rows and lens must be given");
   for (int b = 0; b < a.B; ++b) {
@@ -56,12 +57,28 @@ void check(const AttentionArgs& a) {
   }
 }
 
-// out[b, h] = acc / l in the output's dtype (bf16: rounded to nearest even)
-inline void store_out(const AttentionArgs& a, int b, int h, const float* acc, float l) {
+// The first key sequence b attends: its window's first, or 0.
+inline int64_t first_key(const AttentionArgs& a, int b) {
+  return a.window > 0 ? std::max<int64_t>(0, a.lens[b] - a.window) : 0;
+}
+
+// Head h's sink joined to a softmax of max m and sum l (both relative to m): the sum and the max made relative to
+// max(m, sink), l's new value returned and the factor e^(m - max) by which the output's sum is to be multiplied. No
+// sink: l and 1 unchanged (multiplying by 1 is exact, so such a head's output is bitwise that of plain softmax).
+inline float join_sink(const AttentionArgs& a, int h, float m, float& l) {
+  if (!a.sinks) return 1.0f;
+  const float sink = a.sinks[h], mx = std::max(m, sink);
+  const float w = exp_neg(m - mx);
+  l = l * w + exp_neg(sink - mx);
+  return w;
+}
+
+// out[b, h] = acc * mult / l in the output's dtype (bf16: rounded to nearest even)
+inline void store_out(const AttentionArgs& a, int b, int h, const float* acc, float l, float mult) {
   if (a.out_bf16) {
     uint16_t* o = static_cast<uint16_t*>(a.out) + b * a.out_stride_b + h * a.out_stride_h;
     for (int d = 0; d < a.dv; ++d) {
-      const float x = acc[d] / l;
+      const float x = acc[d] * mult / l;
       uint32_t u;
       std::memcpy(&u, &x, sizeof u);
       o[d] = (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)((u >> 16) | 0x40)  // NaN stays a (quiet) NaN
@@ -69,7 +86,7 @@ inline void store_out(const AttentionArgs& a, int b, int h, const float* acc, fl
     }
   } else {
     float* o = static_cast<float*>(a.out) + b * a.out_stride_b + h * a.out_stride_h;
-    for (int d = 0; d < a.dv; ++d) o[d] = acc[d] / l;
+    for (int d = 0; d < a.dv; ++d) o[d] = acc[d] * mult / l;
   }
 }
 
@@ -85,8 +102,9 @@ void decode_attention(ThreadPool& pool, const AttentionArgs& a) {
   int kv_per_task = g >= kHeadsPerTask ? 1 : std::min(a.n_kv_head, kHeadsPerTask / g);
   // Short contexts (a decode step at a few hundred positions: one split per sequence) give fewer tasks than
   // threads: halve the kv heads per task until every thread has two (the same bits: heads are independent).
+  auto splits_of = [&](int b) { return (a.lens[b] - first_key(a, b) + kKeysPerSplit - 1) / kKeysPerSplit; };
   int64_t n_splits = 0;
-  for (int b = 0; b < a.B; ++b) n_splits += (a.lens[b] + kKeysPerSplit - 1) / kKeysPerSplit;
+  for (int b = 0; b < a.B; ++b) n_splits += splits_of(b);
   while (kv_per_task > 1 && n_splits * ((a.n_kv_head + kv_per_task - 1) / kv_per_task) < 2 * (int64_t)pool.size())
     kv_per_task = (kv_per_task + 1) / 2;
   int hb = g >= kHeadsPerTask ? kHeadsPerTask : kv_per_task * g;  // the most query heads of a task
@@ -99,11 +117,11 @@ void decode_attention(ThreadPool& pool, const AttentionArgs& a) {
 
   int64_t n_tasks = 0, per_split = 0;  // per_split: tasks of one split of a sequence
   for (int kv0 = 0; kv0 < a.n_kv_head; kv0 += kv_per_task) per_split += kv_per_task == 1 ? (g + hb - 1) / hb : 1;
-  for (int b = 0; b < a.B; ++b) n_tasks += per_split * ((a.lens[b] + kKeysPerSplit - 1) / kKeysPerSplit);
+  for (int b = 0; b < a.B; ++b) n_tasks += per_split * splits_of(b);
   Task* tasks = reinterpret_cast<Task*>(pool.scratch(kTaskSlot, sizeof(Task) * n_tasks));
   int64_t n = 0, n_merge = 0;
   for (int b = 0; b < a.B; ++b) {
-    const int64_t n_split = (a.lens[b] + kKeysPerSplit - 1) / kKeysPerSplit;
+    const int64_t n_split = splits_of(b);
     for (int kv0 = 0; kv0 < a.n_kv_head; kv0 += kv_per_task) {
       const int n_kv = std::min(kv_per_task, a.n_kv_head - kv0);
       for (int h0 = kv0 * g; h0 < (kv0 + n_kv) * g; h0 += hb) {
@@ -130,7 +148,7 @@ void decode_attention(ThreadPool& pool, const AttentionArgs& a) {
         row_to_f32(static_cast<const uint8_t*>(a.q2) + (t.b * a.q2_stride_b + h * a.q2_stride_h) * qe, a.q_bf16, a.d2,
                    qf + (size_t)j * dk + d1p);
     }
-    const int64_t row = a.rows[t.b], p0 = t.split * kKeysPerSplit;
+    const int64_t row = a.rows[t.b], p0 = first_key(a, t.b) + t.split * kKeysPerSplit;
     auto at = [&](const void* base, const int64_t* st) -> const void* {
       return base ? static_cast<const uint8_t*>(base) + (row * st[0] + p0 * st[1] + t.kv0 * st[2]) * ke : nullptr;
     };
@@ -148,7 +166,11 @@ void decode_attention(ThreadPool& pool, const AttentionArgs& a) {
     s.m = part, s.l = part + hb, s.o = part + 2 * hb;
     span(s);
     if (t.n_split == 1)
-      for (int j = 0; j < t.nh; ++j) store_out(a, t.b, t.h0 + j, s.o + (size_t)j * dvp, s.l[j]);
+      for (int j = 0; j < t.nh; ++j) {
+        float l = s.l[j];
+        const float mult = join_sink(a, t.h0 + j, s.m[j], l);
+        store_out(a, t.b, t.h0 + j, s.o + (size_t)j * dvp, l, mult);
+      }
   });
   if (n_merge == 0) return;
 
@@ -161,9 +183,9 @@ void decode_attention(ThreadPool& pool, const AttentionArgs& a) {
     float* acc = reinterpret_cast<float*>(pool.thread_scratch(th, sizeof(float) * (dvp + t0.n_split)));
     float* w = acc + dvp;
     for (int j = 0; j < t0.nh; ++j) {
-      float mx = -std::numeric_limits<float>::infinity();
+      float mx = a.sinks ? a.sinks[t0.h0 + j] : -std::numeric_limits<float>::infinity();
       for (int64_t sp = 0; sp < t0.n_split; ++sp) mx = std::max(mx, parts[(first[k] + sp) * part_floats + j]);
-      float l = 0.0f;
+      float l = a.sinks ? exp_neg(a.sinks[t0.h0 + j] - mx) : 0.0f;  // the sink's term first, then the splits'
       for (int64_t sp = 0; sp < t0.n_split; ++sp) {
         const float* part = parts + (first[k] + sp) * part_floats;
         w[sp] = exp_neg(part[j] - mx);
@@ -174,7 +196,7 @@ void decode_attention(ThreadPool& pool, const AttentionArgs& a) {
         const float* o = parts + (first[k] + sp) * part_floats + 2 * hb + (size_t)j * dvp;
         for (int d = 0; d < dvp; ++d) acc[d] += o[d] * w[sp];
       }
-      store_out(a, t0.b, t0.h0 + j, acc, l);
+      store_out(a, t0.b, t0.h0 + j, acc, l, 1.0f);
     }
   });
 }

@@ -2,8 +2,12 @@
 // token per sequence, each at its own position, GQA and MLA's absorbed form (two-part keys, the latent as value).
 //
 // For sequence b and query head h (kv head h / g, g = n_head / n_kv_head):
-//     s[t]   = scale * (q[b,h] . k1[rows[b], t, kvh] + q2[b,h] . k2[rows[b], t, kvh])      for t < lens[b]
-//     out[b,h] = sum_t softmax(s)[t] * v[rows[b], t, kvh]            (v = k1's first dv dims when v_is_k1)
+//     s[t]   = scale * (q[b,h] . k1[rows[b], t, kvh] + q2[b,h] . k2[rows[b], t, kvh])      for lo[b] <= t < lens[b]
+//     out[b,h] = sum_t e^s[t] v[rows[b], t, kvh] / (sum_t e^s[t] + e^sinks[h])   (v = k1's first dv dims when v_is_k1)
+// lo[b] = max(0, lens[b] - window) with a sliding window (the query at position p = lens[b] - 1 sees the window's
+// positions p - window < t <= p, itself included: Transformers' sliding-window mask), else 0. The sink (gpt-oss,
+// DeepSeek-V4) is a logit per head that joins the softmax's denominator and adds no value; without sinks the term is
+// absent (a plain softmax).
 // Softmax in fp32: exact within a task (the max of its scores first), merged across splits by their maxima. Work: tasks
 // of (sequence, split of kKeysPerSplit keys, up to kHeadsPerTask query heads: the groups of several kv heads when
 // groups are small, else a block of one group); each task reads its block of the cache once, in order, for all its
@@ -39,7 +43,9 @@ struct AttentionArgs {
   int64_t n_rows = 0, cap = 0;
   int B = 0, n_head = 0, n_kv_head = 0, d1 = 0, d2 = 0, dv = 0;
   float scale = 1.0f;
-  void* out = nullptr;  // [B, n_head, dv]
+  const float* sinks = nullptr;  // [n_head] fp32 or null: each head's sink logit (not scaled)
+  int64_t window = 0;            // > 0: only the last `window` keys of each sequence are attended; 0: all of them
+  void* out = nullptr;           // [B, n_head, dv]
   int64_t out_stride_b = 0, out_stride_h = 0;
   bool out_bf16 = false;
 };

@@ -30,7 +30,9 @@ struct AttentionSpec {
   int64_t n_rows = 0, cap = 0;
   int B = 0, n_head = 0, n_kv_head = 0, d1 = 0, d2 = 0, dv = 0;
   float scale = 1.0f;
-  uintptr_t out = 0;  // [B, n_head, dv]
+  uintptr_t sinks = 0;  // [n_head] fp32 or 0: no sinks
+  int64_t window = 0;   // 0: no sliding window
+  uintptr_t out = 0;    // [B, n_head, dv]
   std::vector<int64_t> out_strides{0, 0};
   bool out_bf16 = false;
 };
@@ -57,6 +59,7 @@ AttentionArgs make_args(const AttentionSpec& s) {
   a.rows = ptr<const int64_t>(s.rows), a.lens = ptr<const int64_t>(s.lens), a.n_rows = s.n_rows, a.cap = s.cap;
   a.B = s.B, a.n_head = s.n_head, a.n_kv_head = s.n_kv_head, a.d1 = s.d1, a.d2 = s.d2, a.dv = s.dv;
   a.scale = s.scale;
+  a.sinks = ptr<const float>(s.sinks), a.window = s.window;
   a.out = ptr<void>(s.out), a.out_bf16 = s.out_bf16;
   copy_strides(s.out_strides, st, 2, "out_strides");
   a.out_stride_b = st[0], a.out_stride_h = st[1];
@@ -136,6 +139,8 @@ void bind_attention(py::module_& m) {
       .def_readwrite("d2", &AttentionSpec::d2)
       .def_readwrite("dv", &AttentionSpec::dv)
       .def_readwrite("scale", &AttentionSpec::scale)
+      .def_readwrite("sinks", &AttentionSpec::sinks)
+      .def_readwrite("window", &AttentionSpec::window)
       .def_readwrite("out", &AttentionSpec::out)
       .def_readwrite("out_strides", &AttentionSpec::out_strides)
       .def_readwrite("out_bf16", &AttentionSpec::out_bf16);

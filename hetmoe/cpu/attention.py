@@ -4,7 +4,9 @@ One query token per sequence, each at its own position: ``q [B, Hq, D1]`` over o
 D1]`` / ``v [rows, cap, Hkv, Dv]`` (hetmoe/layers/kv_cache.py, contiguous layout, fp32 or bf16), sequence b reading
 cache row ``rows[b]`` at positions ``< lens[b]``. Query head h reads kv head ``h // (Hq // Hkv)``. MLA's absorbed
 form: a second key part (``q2 [B, Hq, D2]`` against ``k2 [rows, cap, Hkv, D2]``) and the latent as the value
-(``v_is_k1``). Softmax in fp32, output in q's dtype; bitwise the same for any thread count (a fixed split of the keys
+(``v_is_k1``). With ``sinks [Hq]``, each head's sink logit joins its softmax's denominator and adds no value
+(gpt-oss); with ``window``, sequence b attends only to its last ``window`` positions (``lens[b] - window <= t``).
+Softmax in fp32, output in q's dtype; bitwise the same for any thread count (a fixed split of the keys
 and a fixed merge order), different rounding on the portable and the AVX2 build of the loops
 (``attention_kernel()``).
 """
@@ -51,15 +53,18 @@ def _index(name: str, t, B: int) -> torch.Tensor:
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor], rows, lens, scale: float,
                      q2: Optional[torch.Tensor] = None, k2: Optional[torch.Tensor] = None, v_is_k1: bool = False,
-                     out: Optional[torch.Tensor] = None, pool: Optional[_pool.WorkerPool] = None) -> torch.Tensor:
+                     out: Optional[torch.Tensor] = None, pool: Optional[_pool.WorkerPool] = None,
+                     sinks: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
     """Attention of B decode queries over their cache rows -> ``out [B, Hq, Dv]`` (q's dtype, or the ``out`` given:
     fp32 or q's dtype).
 
     ``q [B, Hq, D1]`` (fp32 or bf16; ``q2 [B, Hq, D2]`` the same dtype), ``k [rows, cap, Hkv, D1]`` (``k2 [rows, cap,
     Hkv, D2]``, ``v [rows, cap, Hkv, Dv]``: one dtype, fp32 or bf16, any strides with a contiguous last dim),
     ``rows [B]`` the cache row of each sequence, ``lens [B]`` its keys (position + 1, 1..cap). ``v_is_k1``: no ``v``;
-    the values are k's first Dv = D1 dims. ``pool``: an ``WorkerPool`` (default: ``default_pool()``); the call runs
-    after the jobs queued on it and returns when done.
+    the values are k's first Dv = D1 dims. ``sinks [Hq]`` (any float dtype, used in fp32): a logit per head in the
+    softmax's denominator, unscaled, with no value. ``window`` (an int >= 1): only positions ``lens[b] - window ..
+    lens[b] - 1`` are attended (the query's own included). ``pool``: an ``WorkerPool`` (default:
+    ``default_pool()``); the call runs after the jobs queued on it and returns when done.
     """
     _check("q", q, 3)
     _check("k", k, 4)
@@ -90,6 +95,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor]
     else:
         Dv = D1
     rows, lens = _index("rows", rows, B), _index("lens", lens, B)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"decode_attention: window must be an int >= 1 (or None), got {window!r}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.device.type != "cpu" or not sinks.dtype.is_floating_point \
+                or tuple(sinks.shape) != (Hq,):
+            raise ValueError(f"decode_attention: sinks must be a CPU float tensor of shape [{Hq}], got "
+                             f"{getattr(sinks, 'dtype', type(sinks).__name__)} {tuple(getattr(sinks, 'shape', ()))}")
+        sinks = sinks.detach().to(torch.float32).contiguous()
     if out is None:
         out = torch.empty(B, Hq, Dv, dtype=q.dtype)
     else:
@@ -108,6 +121,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor]
         spec.k2, spec.k2_strides = k2.data_ptr(), list(k2.stride()[:3])
     if v is not None:
         spec.v, spec.v_strides = v.data_ptr(), list(v.stride()[:3])
+    if sinks is not None:
+        spec.sinks = sinks.data_ptr()
+    if window is not None:
+        spec.window = window
     _C.decode_attention((pool or default_pool())._pool, spec)
     return out
 

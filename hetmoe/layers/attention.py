@@ -11,6 +11,10 @@ faster than the SDPA flash kernel the engine runs, BENCHMARKS.md#attention-kerne
 causal bias after a cached prefix, an additive mask for batches of several sequences. A decode step over the contiguous
 cache on the CPU (one token per sequence) runs on the CPU engine's threads instead (``cpu_decode``,
 hetmoe/cpu/attention.py).
+
+Attention sinks and a sliding window (gpt-oss: ``attend_cache``'s ``sinks`` and ``window``) run in the same kernels:
+the paged Triton kernels (decode and prefill) and the CPU engine's decode attention; every other call (a prefill
+chunk over the contiguous cache, the contiguous cache on a GPU) runs ``attend_sinks`` (SDPA).
 """
 
 from __future__ import annotations
@@ -89,20 +93,31 @@ def cpu_decode(q: torch.Tensor, cache: KVCache):
     return decode_attention
 
 
-def attend_cache(q: torch.Tensor, cache: KVCache, layer: int, step: Step, scale: float) -> torch.Tensor:
-    """q [B, S, heads, D] over this layer's cache (written already for this step) -> [B, S, heads, Dv]."""
+def attend_cache(q: torch.Tensor, cache: KVCache, layer: int, step: Step, scale: float,
+                 sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """q [B, S, heads, D] over this layer's cache (written already for this step) -> [B, S, heads, Dv].
+    ``sinks`` [heads] (gpt-oss's attention sinks) and, with them, ``window`` (attend to the last ``window``
+    positions only): see ``attend_sinks``."""
+    if window is not None and sinks is None:
+        raise ValueError("attend_cache: a sliding window is implemented together with attention sinks only")
     decode = cpu_decode(q, cache)
     if decode:  # lens = positions + 1: each token attends to its own position and those before
-        return decode(q[:, 0], cache.k[layer], cache.v[layer], step.slots, step.positions[:, 0] + 1, scale).unsqueeze(1)
+        out = decode(q[:, 0], cache.k[layer], cache.v[layer], step.slots, step.positions[:, 0] + 1, scale,
+                     sinks=sinks, window=window)
+        return out.unsqueeze(1)
     if cache.paged:
         from hetmoe.ops.triton import attention as triton_attention
 
         k, v = cache.pages(layer)
         if q.shape[1] == 1:
-            out = triton_attention.decode(q[:, 0], k, v, cache.table, step.slots, step.positions[:, 0], scale)
+            out = triton_attention.decode(q[:, 0], k, v, cache.table, step.slots, step.positions[:, 0], scale,
+                                          sinks=sinks, window=window)
             return out.unsqueeze(1)
-        return triton_attention.prefill(q, k, v, cache.table, step.slots, step.positions, scale)
+        return triton_attention.prefill(q, k, v, cache.table, step.slots, step.positions, scale, sinks=sinks,
+                                        window=window)
     k, v = cache.rows(layer, step)
+    if sinks is not None:
+        return attend_sinks(q, k, v, step, scale, sinks, window)
     return attend(q, k, v, step, scale)
 
 
@@ -209,8 +224,8 @@ def attend_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, 
     query extended by sinks[h] / scale in the new dimension, so that its score is sinks[h] while every other score
     is the unextended one (the keys' extra dimension is zero). SDPA then computes the rest with a boolean mask over
     chunks of queries (the mask of a chunk, [rows, keys], stays below SINK_CHUNK_ELEMS); a windowed chunk of one
-    sequence (``step.start``) reads only the keys its window reaches. The triton paged kernels and the CPU engine's
-    decode attention have no sinks: models with sinks attend here, on every device."""
+    sequence (``step.start``) reads only the keys its window reaches. Calls over the paged cache and the CPU
+    engine's decode steps take their kernels instead (``attend_cache``)."""
     B, S, H, D = q.shape
     ctx, n_kv = k.shape[1], k.shape[2]
     g, dtype, device = H // n_kv, q.dtype, q.device

@@ -3,10 +3,11 @@ logit per head, sliding-window and full attention alternating as ``layer_types``
 sliding), YaRN RoPE; every layer MoE, routed experts only.
 
 * Attention: the sinks (``self_attn.sinks`` [heads]) join each head's softmax denominator and attend to nothing;
-  a ``sliding_attention`` layer sees the last ``sliding_window`` positions (p - window < j <= p). Both run in
-  layers/attention.py ``attend_sinks`` (PyTorch SDPA, on every device): the paged Triton kernels, the fused decode
-  epilogue and the CPU engine's decode attention have no sinks, so the runner keeps gpt-oss's decode steps eager.
-  The cache holds every position of every layer (a sliding layer reads only its window of it).
+  a ``sliding_attention`` layer sees the last ``sliding_window`` positions (p - window < j <= p). Both run in the
+  attention kernels (layers/attention.py ``attend_cache``): on a GPU the paged Triton kernels, decode steps inside the
+  CUDA graph and the fused path (whose epilogue does RoPE and the cache write); on the CPU the engine's decode
+  attention, prompts in ``attend_sinks`` (PyTorch SDPA). The cache holds every position of every layer (a sliding
+  layer reads only its window of it: docs/attention.md says what a ring would take).
 * Router ``mlp.router``: a linear with bias; softmax over the top-k logits, i.e. softmax top-k renormalised
   (hetmoe/moe/router.py kind ``softmax``, norm_topk_prob: the same weights up to rounding).
 * Experts (``mlp.moe``, the CPU engine): gate/up/down with biases and the clamped SwiGLU
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetmoe.layers.attention import GQAAttention, Step, attend_sinks
+from hetmoe.layers.attention import GQAAttention, Step, attend_cache
 from hetmoe.layers.kv_cache import KVCache
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import apply_rope, cos_sin, inv_frequencies, yarn_parameters
@@ -38,6 +39,16 @@ class GptOssRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.variance_epsilon)
         return (self.weight.float() * normed).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, delta) -> tuple:
+        """The fused decode step's layer boundary: (x + delta, self(x + delta)) in one kernel, rounded as ``forward``
+        rounds (the normalised x not rounded before the weight)."""
+        if delta is not None and delta.dtype != x.dtype:
+            x = x + delta.to(x.device)
+            return x, self(x)
+        from hetmoe.ops.triton.fused import add_rms_norm
+
+        return add_rms_norm(x, delta, self.weight, self.variance_epsilon, round_normed=False)
 
 
 class GptOssMLP(nn.Module):
@@ -58,7 +69,8 @@ class GptOssMLP(nn.Module):
 
 class GptOssAttention(GQAAttention):
     """GQA with biases on q/k/v/o, a sink logit per head and, in sliding layers, a window (module docstring). Its
-    forward is its own (no fused epilogue, no CPU-engine decode attention: neither has sinks)."""
+    forward is its own (the lean CPU decode step, engine/cpu_decode.py, does not cover it); a fused step takes
+    GQAAttention's epilogue (biased q/k/v projection, RoPE and the cache write in one kernel)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         bias = cfg.attention_bias
@@ -71,11 +83,13 @@ class GptOssAttention(GQAAttention):
     def forward(self, x: torch.Tensor, rope: tuple, step: Step, cache: KVCache) -> torch.Tensor:
         B, S, _ = x.shape
         H, K, D = self.n_heads, self.n_kv, self.head_dim
-        q, k, v = self.qkv.parts(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        q, k = apply_rope(q.reshape(B, S, H, D), *rope), apply_rope(k.reshape(B, S, K, D), *rope)
-        cache.write(self.layer_idx, step, k, v.reshape(B, S, K, D))
-        keys, values = cache.rows(self.layer_idx, step)
-        out = attend_sinks(q, keys, values, step, D**-0.5, self.sinks, self.sliding_window)  # [B, S, H, D]
+        if step.fused and self.qkv is not None:  # RoPE and the cache write in one kernel
+            q = self._fused_epilogue(self.qkv(x), rope, step, cache)
+        else:
+            q, k, v = self.qkv.parts(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+            q, k = apply_rope(q.reshape(B, S, H, D), *rope), apply_rope(k.reshape(B, S, K, D), *rope)
+            cache.write(self.layer_idx, step, k, v.reshape(B, S, K, D))
+        out = attend_cache(q, cache, self.layer_idx, step, D**-0.5, self.sinks, self.sliding_window)  # [B, S, H, D]
         return self.o_proj(out.reshape(B, S, -1))
 
 
@@ -110,5 +124,3 @@ class GptOssModel(DecoderModel):
 
 class GptOssForCausalLM(CausalLM):
     model_cls = GptOssModel
-    # why decode steps stay eager on a GPU (engine/runner.py): no CUDA graph, no fused kernels
-    eager_decode = "gpt-oss's attention sinks run in PyTorch SDPA (the paged and fused kernels have no sinks)"

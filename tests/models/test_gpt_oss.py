@@ -8,7 +8,11 @@ csrc/formats/activation.h clamped_swiglu), and its checkpoints, stacked bf16/fp3
   with the engine's own (dequantized) weights;
 * parity: checkpoints written by Transformers' own GptOssForCausalLM (sliding window 4 < the 11-token prompt, sinks and
   biases nonzero, YaRN) loaded by hetmoe's loader onto the CPU engine, against transformers' logits over a prefill and
-  cached greedy steps, batch 1 and 2, weights stored fp32 and bf16;
+  cached greedy steps, batch 1 and 2, weights stored fp32 and bf16, each decode step on the CPU engine's decode
+  attention with sinks and window (asserted per layer); the same decode in a batch of rows inside and past the window
+  against SDPA; the GPU's path on CPU tensors (Triton's interpreter: the paged prefill and decode kernels with sinks
+  and window, the fused epilogue and norm kernel) against transformers; on a GPU, the CUDA graph + fused decode against
+  transformers and against the unfused and eager steps;
 * MXFP4: a checkpoint whose experts the test quantizes into Hugging Face's MXFP4 layout loads from its own codes into
   lut4 e2m1 (values equal to transformers' integrations.mxfp4 dequantization, bit for bit; the packed experts take the
   file's block and scale bytes exactly), and its logits agree with transformers run on those dequantized values;
@@ -238,12 +242,30 @@ def test_experts_with_biases_numa_split():
 # ---------------------------------------------------------------- parity with transformers
 
 
+def spy_decode_attention(monkeypatch) -> list:
+    """The window of every call of the CPU engine's decode attention (hetmoe/cpu/attention.py) that carried sinks,
+    in call order: which layers' decode steps ran on the kernel."""
+    from hetmoe.cpu import attention as cpu_attention
+
+    seen, real = [], cpu_attention.decode_attention
+
+    def spy(*args, **kwargs):
+        if kwargs.get("sinks") is not None:
+            seen.append(kwargs.get("window"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_attention, "decode_attention", spy)
+    return seen
+
+
 @pytest.mark.parametrize("kind", ["fp32", "bf16"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_parity_cpu_engine(checkpoints, kind, batch):
+def test_parity_cpu_engine(checkpoints, kind, batch, monkeypatch):
     """hetmoe's loader (experts bf16 on the CPU engine's best row path, fp32 dense part) on the checkpoint
     transformers wrote (fp32 or bf16 tensors) against transformers' logits: prefill of 11 tokens (past the sliding
-    window of 4) and DECODE_STEPS cached greedy steps."""
+    window of 4; SDPA) and DECODE_STEPS cached greedy steps, each on the CPU engine's decode attention with the
+    sinks, and the window in the sliding layers."""
+    seen = spy_decode_attention(monkeypatch)
     path = checkpoints(kind)
     said = []
     loaded = load_model(path, EngineOptions(**CPU), expert_cache=None, progress=False, log=said.append)
@@ -257,6 +279,87 @@ def test_parity_cpu_engine(checkpoints, kind, batch):
     errors = [max_rel(a, b) for a, b in zip(trace_ours(loaded.model, ids, fed), hf_logits)]
     print(f"gpt_oss {kind} batch {batch}: max rel error per step {[f'{e:.1e}' for e in errors]}")
     assert len(errors) == DECODE_STEPS + 1 and max(errors) <= FP32_TOL
+    assert seen == [4, None, 4] * DECODE_STEPS  # every decode step of every layer on the kernel, prefill not
+
+
+def test_kernel_decode_matches_sdpa_in_a_mixed_batch(checkpoints, monkeypatch):
+    """A batch of two rows at different positions (prompts of 3 and 17 tokens: one inside the window of 4, one
+    far past it) decoded 12 steps on the CPU engine's decode attention, against the same steps through
+    ``attend_sinks`` (SDPA, the kernel switched off): logits within fp32 rounding (bound 1e-5)."""
+    from hetmoe.layers import attention
+    from hetmoe.layers.attention import Step
+
+    loaded = load_model(checkpoints("fp32"), EngineOptions(**CPU), expert_cache=None, progress=False,
+                        log=lambda m: None)
+    model, lengths = loaded.model, [3, 17]
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, TINY["vocab_size"], (1, n), generator=gen) for n in lengths]
+    fed = torch.randint(0, TINY["vocab_size"], (12, 2, 1), generator=gen)
+
+    def run() -> torch.Tensor:
+        cache, out = model.make_cache(2, 40), []
+        with torch.no_grad():
+            for slot, ids in enumerate(prompts):
+                model(ids, Step(positions=torch.arange(ids.shape[1])[None], slots=torch.tensor([slot])), cache)
+            for i, ids in enumerate(fed):
+                step = Step(positions=torch.tensor(lengths).view(2, 1) + i, slots=torch.arange(2))
+                out.append(model.logits(model(ids, step, cache)))
+        return torch.cat(out, dim=1)
+
+    seen = spy_decode_attention(monkeypatch)
+    kernel = run()
+    assert seen == [4, None, 4] * 12
+    monkeypatch.setattr(attention, "cpu_decode", lambda q, cache: None)
+    sdpa = run()
+    assert max_rel(kernel, sdpa) <= 1e-5
+
+
+def test_fused_paged_decode_matches_transformers(checkpoints, monkeypatch):
+    """The GPU attention path on CPU tensors (Triton's interpreter): a paged cache of 8-position pages, the prompt
+    of 11 prefilled by the paged prefill kernel with the sinks and the window, then DECODE_STEPS fused steps: the
+    q/k/v epilogue (RoPE, the cache write), the paged decode kernel with the sinks and the window, gpt-oss's norms in
+    the fused add + norm kernel, against transformers' logits (bound FP32_TOL). Paths: interpreter + CPU engine."""
+    from triton_interp import triton_module
+
+    fused = triton_module("hetmoe.ops.triton.fused", on_cpu=True)
+    kernels = triton_module("hetmoe.ops.triton.attention", on_cpu=True)
+    from hetmoe.layers.attention import Step
+
+    ran = []  # (kernel, window) of each call: which path each layer's decode took
+
+    def spy(module, name):
+        real = getattr(module, name)
+
+        def call(*args, **kwargs):
+            ran.append((name, kwargs.get("window") if kwargs.get("sinks") is not None else "no sinks"))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, call)
+
+    spy(kernels, "decode")
+    spy(kernels, "prefill")
+    spy(fused, "qkv_epilogue")
+
+    path = checkpoints("fp32")
+    loaded = load_model(path, EngineOptions(**CPU), expert_cache=None, progress=False, log=lambda m: None)
+    model = loaded.model
+    ids, fed, hf_logits = hf_trace(transformers, path, 2, 11)
+    cache = model.make_cache(2, 32, page_size=8, initial_tokens=64)
+    assert cache.paged
+    slots, out = torch.arange(2), []
+    for row in range(2):
+        cache.reserve(row, 11 + DECODE_STEPS)
+    with torch.no_grad():
+        out.append(model.logits(model(ids, Step(positions=torch.arange(11).expand(2, 11), slots=slots), cache)))
+        for i, nxt in enumerate(fed):
+            step = Step(positions=torch.full((2, 1), 11 + i), slots=slots, fused=True)
+            out.append(model.logits(model(nxt, step, cache)))
+    errors = [max_rel(a, b) for a, b in zip(out, hf_logits)]
+    print(f"gpt_oss fused paged decode: max rel error per step {[f'{e:.1e}' for e in errors]}")
+    assert max(errors) <= FP32_TOL
+    layer = [("qkv_epilogue", "no sinks"), ("decode", 4), ("qkv_epilogue", "no sinks"), ("decode", None),
+             ("qkv_epilogue", "no sinks"), ("decode", 4)]
+    assert ran == [("prefill", 4), ("prefill", None), ("prefill", 4)] + layer * DECODE_STEPS
 
 
 def test_sinks_and_window_matter(checkpoints):
@@ -544,8 +647,10 @@ def test_missing_bias_refused(checkpoints, tmp_path):
 
 @pytest.mark.gpu
 def test_parity_gpu_dense(checkpoints):
-    """The dense part on the GPU (attention with sinks in SDPA over the paged cache, decode steps eager: a note
-    says why), experts on the CPU engine: the same parity, and the GPU experts paths left off with a note."""
+    """The dense part on the GPU (fp32), experts on the CPU engine: the prompt of 11 (past the window of 4) prefilled
+    by the paged Triton prefill kernel, then DECODE_STEPS greedy steps through the CUDA graph with the fused path (the
+    epilogue, the paged Triton decode kernel with the sinks and the window), against transformers' logits; the GPU
+    experts paths left off with a note. Bound 1e-3 (fp32 GPU kernels in another order; measured values printed)."""
     from hetmoe.engine.runner import Runner
 
     path = checkpoints("fp32")
@@ -554,17 +659,33 @@ def test_parity_gpu_dense(checkpoints):
                                             max_context=64), expert_cache=None, progress=False, log=said.append)
     assert any("GPU-resident experts off" in m for m in said)
     runner = Runner(loaded)
-    assert runner.decoder is None or not runner.decoder.fused
-    ids, fed, hf_logits = hf_trace(transformers, path, 2, 11)
-    model = loaded.model
-    cache = model.make_cache(2, 32, torch.float32, "cuda")
-    from hetmoe.layers.attention import Step
+    assert runner.cache.paged and runner.decoder is not None
+    assert runner.decoder.cuda_graph and runner.decoder.fused  # the decode path: graph + fused, not eager
+    ids, fed, hf_logits = hf_trace(transformers, path, 1, 11)
+    errs = [max_rel(runner.prefill(ids[0].tolist()).view(-1).cpu(), hf_logits[0][0, -1])]
+    for i, nxt in enumerate(fed):
+        errs.append(max_rel(runner.decode(int(nxt[0, 0])).view(-1).cpu(), hf_logits[i + 1][0, -1]))
+    print(f"gpt_oss GPU graph decode ~ transformers: {[f'{e:.1e}' for e in errs]}")
+    assert runner.decoder.stats()["graphs"] >= 1 and max(errs) <= 1e-3, errs
+    runner.decoder.close()
 
-    slots = torch.arange(2, device="cuda")
-    with torch.no_grad():
-        out = [model.logits(model(ids.cuda(), Step(positions=torch.arange(11, device="cuda").expand(2, 11),
-                                                   slots=slots), cache))]
-        for i, nxt in enumerate(fed):
-            out.append(model.logits(model(nxt.cuda(), Step(positions=torch.full((2, 1), 11 + i, device="cuda"),
-                                                           slots=slots), cache)))
-    assert max(max_rel(a, b) for a, b in zip(out, hf_logits)) <= FP32_TOL
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["triton", "sdpa"])
+def test_graph_decode_on_gpu(checkpoints, attention):
+    """bf16 on the GPU, experts on the CPU engine: the CUDA graph decode with the fused path on against off and
+    against the same steps eager, batch 1, 3 and 8 (prompts of 14..21 tokens, past the window of 4), over the paged
+    cache (the Triton decode kernel with sinks and window) and the contiguous one (``attend_sinks`` in the graph).
+    Bound 5e-2 relative max logit error, the bf16 graph tests' (tests/ops/test_fused_decode.py)."""
+    pytest.importorskip("triton")
+    from decode_steps import graph_decode
+
+    loaded = load_model(checkpoints("bf16"), EngineOptions(device="cuda", dtype="bf16", experts_format="bf16",
+                                                           max_context=64, max_batch=8, attention=attention),
+                        expert_cache=None, progress=False, log=lambda m: None)
+    for batch in (1, 3, 8):
+        on, off = graph_decode(loaded, batch, True), graph_decode(loaded, batch, False)
+        eager = graph_decode(loaded, batch, True, graph=False)
+        errs = {"fused~unfused": max_rel(on, off), "graph~eager": max_rel(on, eager)}
+        print(f"gpt_oss {attention} batch {batch}: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+        assert torch.isfinite(on).all() and all(v < 5e-2 for v in errs.values()), errs

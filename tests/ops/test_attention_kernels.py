@@ -1,7 +1,8 @@
 """The paged KV cache and its Triton attention kernels (hetmoe/layers/kv_cache.py, triton_attention.py) against
 SDPA's math backend in fp32 on the same inputs: split-KV decode and causal prefill from positions, for GQA ratios
 1/4/8, MLA's two-part keys (absorbed decode, expanded prefill), odd lengths, lengths that are not a multiple of the
-page, batches with mixed lengths over scattered pages.
+page, batches with mixed lengths over scattered pages; decode and prefill with gpt-oss's attention sinks and sliding
+window against the naive reference of its eager attention (tests/reference.py ``sink_attention_reference``).
 
 Where there is no GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py);
 without the triton package those tests skip (CI's CPU torch has none) and the cache's bookkeeping tests still run.
@@ -19,7 +20,7 @@ from triton_interp import checked_accesses, triton_module
 from cases import generator
 from hetmoe.layers.attention import Step
 from hetmoe.layers.kv_cache import KVCache, KVCacheFull
-from reference import rel_err
+from reference import rel_err, sink_attention_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -76,6 +77,86 @@ def test_decode_matches_sdpa_math(kernels, heads, kv_heads, dtype):
     ref = sdpa_reference(q, rows_k[slots], rows_v[slots], positions.to(DEVICE), D**-0.5)
     assert out.dtype == dtype and out.shape == (4, heads, D)
     assert rel_err(out.float(), ref) < tolerance(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 40, 1000], ids=lambda w: f"window{w}")
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (6, 3)], ids=["gqa4", "gqa2"])
+def test_decode_with_sinks_and_window_matches_reference(kernels, heads, kv_heads, window, dtype):
+    """gpt-oss's attention: a sink logit per head in the softmax's denominator and a sliding window (p - W < j <= p)
+    against the naive reference (tests/reference.py): windows of one position, inside a page, a page exactly, over
+    page boundaries and longer than every context; rows at position 0, a page boundary, odd and many pages."""
+    gen = generator("decode-kernel-sinks", heads, kv_heads, window)
+    P, D = 16, 32
+    slots = torch.tensor([2, 0, 3, 1])
+    positions = torch.tensor([0, 16, 77, 130])
+    k, v, table, rows_k, rows_v = paged(gen, 4, 131, P, kv_heads, D, D, dtype)
+    q = torch.randn(4, heads, D, generator=gen).to(dtype).to(DEVICE)
+    sinks = (torch.randn(heads, generator=gen) * 2).to(DEVICE)
+    out = kernels.decode(q, k, v, table, slots.to(DEVICE), positions.to(DEVICE), D**-0.5, sinks=sinks, window=window)
+    ref = sink_attention_reference(q, rows_k[slots], rows_v[slots], positions, D**-0.5, sinks, window)
+    assert out.dtype == dtype and out.shape == (4, heads, D)
+    assert rel_err(out.float(), ref) < tolerance(dtype)
+
+
+@pytest.mark.parametrize("window", [None, 20], ids=["full", "window20"])
+def test_decode_extreme_sinks(kernels, window):
+    """A sink far above every score takes nearly all the probability (output ~0, absolute error), one far below
+    none (the output is the plain softmax's); bf16 sinks are read as they are."""
+    gen = generator("decode-kernel-extreme-sinks", window)
+    P, D, H = 16, 32, 8
+    slots, positions = torch.tensor([1, 0]).to(DEVICE), torch.tensor([130, 9]).to(DEVICE)
+    k, v, table, rows_k, rows_v = paged(gen, 2, 131, P, 2, D, D)
+    q = torch.randn(2, H, D, generator=gen).to(DEVICE)
+    plain = kernels.decode(q, k, v, table, slots, positions, 0.2, window=window)
+    low = kernels.decode(q, k, v, table, slots, positions, 0.2, sinks=torch.full((H,), -1e4, device=DEVICE),
+                         window=window)
+    assert rel_err(low, plain) < 1e-6
+    for sinks in (torch.full((H,), 30.0), torch.tensor([1e4, -1e4, 50.0, -50.0, 0.0, 3.0, -3.0, 88.0]),
+                  torch.randn(H, generator=gen).bfloat16()):
+        sinks = sinks.to(DEVICE)
+        out = kernels.decode(q, k, v, table, slots, positions, 0.2, sinks=sinks, window=window)
+        ref = sink_attention_reference(q, rows_k[slots], rows_v[slots], positions, 0.2, sinks, window)
+        assert out.isfinite().all() and (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item() + 1e-7
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 40, 1000], ids=lambda w: f"window{w}")
+def test_prefill_with_sinks_and_window_matches_reference(kernels, window, dtype):
+    """Prefill with a sink per head and a sliding window: a row from position 0 and one over a cached prefix (its
+    first queries' windows reach back into the prefix), a padded tail; 70 tokens, so a window of 5 leaves whole
+    blocks of a row seeing nothing of some pages, and rows whose first pages hold nothing visible."""
+    gen = generator("prefill-kernel-sinks", window)
+    P, D, S, H, KV = 16, 32, 70, 8, 2
+    k, v, table, rows_k, rows_v = paged(gen, 2, 37 + S, P, KV, D, D, dtype)
+    positions = torch.stack([torch.arange(S), torch.arange(S) + 37])
+    q = torch.randn(2, S, H, D, generator=gen).to(dtype).to(DEVICE)
+    sinks = (torch.randn(H, generator=gen) * 2).to(DEVICE)
+    out = kernels.prefill(q, k, v, table, torch.arange(2, device=DEVICE), positions.to(DEVICE), 0.2, sinks=sinks,
+                          window=window)
+    for b in range(2):
+        ref = sink_attention_reference(q[b], rows_k[b].expand(S, -1, -1, -1), rows_v[b].expand(S, -1, -1, -1),
+                                       positions[b], 0.2, sinks, window)
+        assert rel_err(out[b].float(), ref) < tolerance(dtype)
+    plain = kernels.prefill(q, k, v, table, torch.arange(2, device=DEVICE), positions.to(DEVICE), 0.2)
+    low = kernels.prefill(q, k, v, table, torch.arange(2, device=DEVICE), positions.to(DEVICE), 0.2,
+                          sinks=torch.full((H,), -1e4, device=DEVICE))
+    assert rel_err(low.float(), plain.float()) < 1e-6  # a sink far below every score takes nothing
+
+
+def test_kernels_refuse_bad_sinks_or_window(kernels):
+    gen = generator("decode-kernel-bad")
+    k, v, table, *_ = paged(gen, 1, 20, 16, 2, 16, 16)
+    q = torch.randn(1, 4, 16, generator=gen).to(DEVICE)
+    args = (q, k, v, table, torch.tensor([0], device=DEVICE), torch.tensor([5], device=DEVICE), 0.25)
+    for window in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="window must be an int >= 1"):
+            kernels.decode(*args, window=window)
+    with pytest.raises(ValueError, match=r"sinks must be a float tensor \[4\]"):
+        kernels.decode(*args, sinks=torch.zeros(3, device=DEVICE))
+    with pytest.raises(ValueError, match="prefill: window must be an int >= 1"):
+        kernels.prefill(q[None], k, v, table, torch.tensor([0], device=DEVICE), torch.tensor([[5]], device=DEVICE),
+                        0.25, window=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -79,6 +79,22 @@ def test_add_rms_norm(tf, dtype, T, N):
     assert same is x and rel(out2, w * F.rms_norm(x, (N,), eps=1e-6)) <= BOUND[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,N", [(1, 64), (3, 300), (5, 2880)])
+def test_add_rms_norm_rounded_once(tf, dtype, T, N):
+    """``round_normed=False``: gpt-oss's norm (hetmoe/models/gpt_oss.py GptOssRMSNorm), the fp32 weight times the
+    fp32 normalised sum, rounded once; an fp32 weight beside bf16 activations too."""
+    gen = generator("add_rms_norm_once", T, N, str(dtype))
+    x, d = randn(gen, T, N, dtype=dtype), randn(gen, T, N, dtype=dtype, scale=0.5)
+    for w in ((1 + randn(gen, N, scale=0.1)).to(dtype), 1 + randn(gen, N, scale=0.1)):
+        res, out = tf.add_rms_norm(x, d, w, 1e-5, round_normed=False)
+        r = x + d
+        ref = (w.float() * F.rms_norm(r.float(), (N,), eps=1e-5)).to(dtype)
+        assert torch.equal(res, r) and out.dtype == dtype
+        print(f"add_rms_norm rounded once {dtype} T={T} N={N} weight {w.dtype}: {rel(out, ref):.1e}")
+        assert rel(out, ref) <= BOUND[dtype]
+
+
 # ---------------------------------------------------------------- GQA: q/k norm + RoPE + KV write
 
 
@@ -431,6 +447,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hetmoe.ops.triton import fused as tf
 from hetmoe.ops.triton import mla as tm
+from hetmoe.ops.triton import attention as ta
 
 def sig(ptrs, ints, scalars, consts, **types):
     consts = dict(consts, PDL=True)  # griddepcontrol (hetmoe/ops/triton/pdl.py) exists from sm_90
@@ -441,9 +458,11 @@ def sig(ptrs, ints, scalars, consts, **types):
 idx = dict(TABLE="*i32", SLOTS="*i64", POS="*i64")
 cases = [
     (tf._add_rms_norm, *sig("X DELTA W RES OUT", "sx sd sr so", dict(N="i32", eps="fp32"),
-                            dict(BLOCK=8192, HAS_DELTA=True, DELTA_HOST=False))),
+                            dict(BLOCK=8192, HAS_DELTA=True, DELTA_HOST=False, ROUND_NORMED=True))),
     (tf._add_rms_norm, *sig("X DELTA W RES OUT", "sx sd sr so", dict(N="i32", eps="fp32"),
-                            dict(BLOCK=8192, HAS_DELTA=True, DELTA_HOST=True))),
+                            dict(BLOCK=8192, HAS_DELTA=True, DELTA_HOST=True, ROUND_NORMED=True))),
+    (tf._add_rms_norm, *sig("X DELTA W RES OUT", "sx sd sr so", dict(N="i32", eps="fp32"),
+                            dict(BLOCK=4096, HAS_DELTA=True, DELTA_HOST=True, ROUND_NORMED=False), W="*fp32")),
     (tf._silu_mul, *sig("GU OUT", "s_gu s_o", dict(N="i32"), dict(BLOCK=1024, ROUND_SILU=True))),
     (tf._add_rows, *sig("A B OUT", "sa sb so", dict(N="i32"), dict(BLOCK=1024))),
 ]
@@ -471,6 +490,25 @@ for bk, bn in ((128, 128), (512, 32)):  # MLA's W_uk and W_uv tiles
     cases.append((tm._head_gemv, *sig("X W OUT", "", dict(T="i32", K="i32", N="i32", sx_t="i32", sx_h="i32",
                                                           sw_h="i32", sw_k="i32", sw_n="i32", so_t="i32",
                                                           so_h="i32"), dict(BT=8, BK=bk, BN=bn))))
+# the paged decode kernel (GQA: a window; with and without sinks in the reduce, bf16 and fp32 sinks)
+cases.append((ta._decode_split, *sig(
+    "Q1 Q2 K1 K2 V TABLE SLOTS POS PART_O PART_L",
+    "sq1_n sq1_h sq2_n sq2_h sk1_p sk1_t sk1_h sk2_p sk2_t sk2_h sv_p sv_t sv_h st_r ss_n spos_n spo_n spo_h spo_s "
+    "spl_n spl_h", dict(scale="fp32", G="i32", HEAD_BLOCKS="i32", WINDOW="i32"),
+    dict(D1=64, D2=16, DV=64, BD1=64, BD2=16, BDV=64, BLOCK_G=16, P=64, NSPLIT=8, HAS_Q2=False, V_IS_K1=False,
+         IEEE=False), PART_O="*fp32", PART_L="*fp32", **idx)))
+s, c = sig("Q1 Q2 K1 K2 V TABLE SLOTS POS OUT SINKS",
+           "sq1_b sq1_s sq1_h sq2_b sq2_s sq2_h sk1_p sk1_t sk1_h sk2_p sk2_t sk2_h sv_p sv_t sv_h st_r ss_b sp_b so_b "
+           "so_s so_h", dict(S="i32", H="i32", G="i32", qk_scale="fp32", WINDOW="i32"),
+           dict(D1=64, D2=16, DV=64, BD1=64, BD2=16, BDV=64, BLOCK_M=64, P=64, HAS_Q2=False, IEEE=False,
+                HAS_SINKS=True), **idx)
+c.pop("PDL")  # (the prefill kernel has no PDL switch)
+cases.append((ta._prefill, s, c))
+for sinks in ("*bf16", "*fp32"):
+    for has in (True, False):
+        cases.append((ta._decode_reduce, *sig("PART_O PART_L SINKS OUT", "spo_n spo_h spo_s spl_n spl_h so_n so_h",
+                                              dict(H="i32"), dict(DV=64, BDV=64, NSPLIT=8, HAS_SINKS=has),
+                                              PART_O="*fp32", PART_L="*fp32", SINKS=sinks)))
 for fn, s, c in cases:
     triton.compile(ASTSource(fn=fn, signature={n: s[n] for n in fn.arg_names}, constexprs=c),
                    target=GPUTarget("cuda", 90, 32))
@@ -482,7 +520,9 @@ print("compiled", len(cases))
 def test_kernels_compile_for_a_gpu(tf):
     """Triton's interpreter runs code that compiled Triton refuses (a pointer chosen across a runtime branch must
     have one type, ...): compile every kernel variant for sm_90 (bf16 activations, bf16 and fp32 caches, paged and
-    contiguous, each RoPE form, the router GEMM into bf16 and fp32 logits) in a process without TRITON_INTERPRET."""
+    contiguous, each RoPE form, the router GEMM into bf16 and fp32 logits, both norm roundings; the paged decode
+    kernel with a window and its reduce with and without sinks, the prefill kernel with both) in a process without
+    TRITON_INTERPRET."""
     import os
     import subprocess
     import sys
@@ -493,4 +533,4 @@ def test_kernels_compile_for_a_gpu(tf):
         pytest.skip("this Triton has no CUDA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0 and "compiled 22" in out.stdout, out.stderr[-3000:]
+    assert out.returncode == 0 and "compiled 29" in out.stdout, out.stderr[-3000:]

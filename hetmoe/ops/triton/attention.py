@@ -8,7 +8,12 @@ takes no per-sequence lengths without a mask, and FlexAttention needs torch.comp
 
 Both kernels read the cache through a page table: ``pages`` [n_pages, P, kv_heads, D] per layer, ``table`` [rows,
 pages_per_row] int32 (row r's position p lives in page table[r, p // P] at offset p % P), ``slots`` the row of
-each sequence. A query at position p attends to positions 0..p of its row.
+each sequence. A query at position p attends to positions 0..p of its row; with a sliding window W (``window``) to
+p - W < j <= p only (Transformers' sliding-window mask: the query's own position counts in W).
+
+Attention sinks (gpt-oss: ``sinks`` [H], one logit per query head): each head's softmax runs over its scores and the
+sink's logit, which takes its share of the probability and adds no value. Decode's split kernel never sees it: the
+reduce adds e^sink to the denominator of the splits' merge; prefill adds it to each row's sum at the end.
 
 The key may come in two parts (q·k = q1·k1 + q2·k2): MLA scores the latent and the rope part apart, and its
 absorbed decode reads the latent as both key (part 1) and value (``v_is_k1``). A part's head stride may be 0 (one
@@ -46,13 +51,15 @@ def _decode_split(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, PART_O, PART_L,
                   sq1_n, sq1_h, sq2_n, sq2_h,
                   sk1_p, sk1_t, sk1_h, sk2_p, sk2_t, sk2_h, sv_p, sv_t, sv_h, st_r, ss_n, spos_n,
                   spo_n, spo_h, spo_s, spl_n, spl_h,
-                  scale, G, HEAD_BLOCKS,
+                  scale, G, HEAD_BLOCKS, WINDOW,
                   D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
                   BD1: tl.constexpr, BD2: tl.constexpr, BDV: tl.constexpr,
                   BLOCK_G: tl.constexpr, P: tl.constexpr, NSPLIT: tl.constexpr,
                   HAS_Q2: tl.constexpr, V_IS_K1: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """One (query row, block of a kv head's query heads, split of the sequence): the softmax-weighted values
-    of its pages, normalised, and their log-sum-exp (-inf for a split with no page)."""
+    of its pages, normalised, and their log-sum-exp (-inf for a split with no page). WINDOW > 0: the pages from
+    the one holding position pos - WINDOW + 1 on, positions before it masked (every page of that range holds at
+    least one visible position, so no page's max is -inf)."""
     pdl_begin(PDL)
     n = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS
@@ -61,8 +68,12 @@ def _decode_split(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, PART_O, PART_L,
     pos = tl.load(POS + n * spos_n)
     slot = tl.load(SLOTS + n * ss_n).to(tl.int64)  # ss_n may be 0: MLA's rows of one sequence share its slot
     n_pages = pos // P + 1
-    per = tl.cdiv(n_pages, NSPLIT)
-    first = sp * per
+    lo = pos * 0  # the first visible position (in pos's type: both branches must agree for the compiler)
+    if WINDOW > 0:
+        lo = tl.maximum(pos - WINDOW + 1, 0)
+    page0 = lo // P
+    per = tl.cdiv(n_pages - page0, NSPLIT)
+    first = page0 + sp * per
     last = tl.minimum(first + per, n_pages)
 
     gs = g0 + tl.arange(0, BLOCK_G)
@@ -82,7 +93,7 @@ def _decode_split(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, PART_O, PART_L,
     acc = tl.zeros([BLOCK_G, BDV], tl.float32)
     for pg in range(first, last):
         page = tl.load(TABLE + slot * st_r + pg).to(tl.int64)
-        valid = pg * P + t <= pos
+        valid = (pg * P + t <= pos) & (pg * P + t >= lo)
         k1 = tl.load(K1 + page * sk1_p + t[:, None] * sk1_t + kvh * sk1_h + d1[None, :],
                      mask=valid[:, None] & (d1[None, :] < D1), other=0.0)
         s = _dot(q1, tl.trans(k1), IEEE)
@@ -114,17 +125,25 @@ def _decode_split(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, PART_O, PART_L,
 
 
 @triton.jit
-def _decode_reduce(PART_O, PART_L, OUT, spo_n, spo_h, spo_s, spl_n, spl_h, so_n, so_h, H,
-                   DV: tl.constexpr, BDV: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr):
-    """Merge a (row, head)'s splits by their log-sum-exp, for BDV of the value dims (program axis 2)."""
+def _decode_reduce(PART_O, PART_L, SINKS, OUT, spo_n, spo_h, spo_s, spl_n, spl_h, so_n, so_h, H,
+                   DV: tl.constexpr, BDV: tl.constexpr, NSPLIT: tl.constexpr, HAS_SINKS: tl.constexpr,
+                   PDL: tl.constexpr):
+    """Merge a (row, head)'s splits by their log-sum-exp, for BDV of the value dims (program axis 2); the head's
+    sink (HAS_SINKS) joins the denominator: sum_sp e^lse_sp o_sp / (sum_sp e^lse_sp + e^sink)."""
     pdl_begin(PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, NSPLIT)
     lse = tl.load(PART_L + n * spl_n + h * spl_h + sp)
     m = tl.max(lse, 0)
-    w = tl.exp(lse - m)
-    w = w / tl.sum(w, 0)
+    if HAS_SINKS:
+        sink = tl.load(SINKS + h).to(tl.float32)
+        m = tl.maximum(m, sink)
+        w = tl.exp(lse - m)
+        w = w / (tl.sum(w, 0) + tl.exp(sink - m))
+    else:
+        w = tl.exp(lse - m)
+        w = w / tl.sum(w, 0)
     dv = tl.program_id(2) * BDV + tl.arange(0, BDV)
     o = tl.load(PART_O + n * spo_n + h * spo_h + sp[:, None] * spo_s + dv[None, :],
                 mask=(lse[:, None] > float("-inf")) & (dv[None, :] < DV), other=0.0)
@@ -137,9 +156,10 @@ def _prefill_page(acc, l_i, m_i, q1, q2, pos, page, kpos, K1, K2, V, kvh,
                   sk1_t, sk1_h, sk2_t, sk2_h, sv_t, sv_h, sk1_p, sk2_p, sv_p, qk_scale,
                   D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
                   BD1: tl.constexpr, BD2: tl.constexpr, BDV: tl.constexpr, P: tl.constexpr,
-                  HAS_Q2: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+                  HAS_Q2: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr, WINDOW):
     """One page of keys/values into a block's online softmax (base 2: qk_scale holds log2(e)). MASKED: a page
-    with positions past some query's own (the diagonal); else every position is visible to every query."""
+    with positions past some query's own (the diagonal) or, WINDOW > 0, before some query's window; else every
+    position is visible to every query. A row that has seen nothing yet keeps its max at -inf."""
     t = tl.arange(0, P)
     d1 = tl.arange(0, BD1)
     dv = tl.arange(0, BDV)
@@ -152,13 +172,18 @@ def _prefill_page(acc, l_i, m_i, q1, q2, pos, page, kpos, K1, K2, V, kvh,
                      other=0.0)
         s += _dot(q2, tl.trans(k2), IEEE)
     s = s * qk_scale
+    m_ref = tl.maximum(m_i, tl.max(s, 1))  # (unmasked: finite)
     if MASKED:
-        s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MASKED:
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet (or padding)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+        visible = kpos[None, :] <= pos[:, None]
+        if WINDOW > 0:
+            visible = visible & (kpos[None, :] > pos[:, None] - WINDOW)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet (or padding)
+    else:
+        m_new = m_ref
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(V + page * sv_p + t[:, None] * sv_t + kvh * sv_h + dv[None, :], mask=dv[None, :] < DV, other=0.0)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
@@ -166,17 +191,20 @@ def _prefill_page(acc, l_i, m_i, q1, q2, pos, page, kpos, K1, K2, V, kvh,
 
 
 @triton.jit
-def _prefill(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, OUT,
+def _prefill(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, OUT, SINKS,
              sq1_b, sq1_s, sq1_h, sq2_b, sq2_s, sq2_h,
              sk1_p, sk1_t, sk1_h, sk2_p, sk2_t, sk2_h, sv_p, sv_t, sv_h, st_r, ss_b,
              sp_b, so_b, so_s, so_h,
-             S, H, G, qk_scale,
+             S, H, G, qk_scale, WINDOW,
              D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
              BD1: tl.constexpr, BD2: tl.constexpr, BDV: tl.constexpr,
-             BLOCK_M: tl.constexpr, P: tl.constexpr, HAS_Q2: tl.constexpr, IEEE: tl.constexpr):
+             BLOCK_M: tl.constexpr, P: tl.constexpr, HAS_Q2: tl.constexpr, IEEE: tl.constexpr,
+             HAS_SINKS: tl.constexpr):
     """One (block of BLOCK_M query tokens, sequence, head): flash attention over the row's pages up to the
     block's last position: first the pages every query of the block sees whole, without masks, then the pages
-    on the diagonal, each token masked to the positions <= its own."""
+    on the diagonal, each token masked to the positions <= its own. With a window (WINDOW > 0) every page from the
+    one holding the block's first visible position on is masked (a block spans at most (BLOCK_M + WINDOW) / P + 1
+    pages). The head's sink (HAS_SINKS) joins each row's sum at the end."""
     mb = tl.program_id(0)
     b = tl.program_id(1) // H
     h = tl.program_id(1) % H
@@ -200,16 +228,26 @@ def _prefill(Q1, Q2, K1, K2, V, TABLE, SLOTS, POS, OUT,
     top = tl.max(pos, 0)
     low = tl.min(tl.where(mmask, pos, top), 0)  # the block's first real position
     whole = (low + 1) // P  # pages 0 .. whole - 1 end at or before it
-    for pg in range(0, whole):
+    first = whole * 0
+    if WINDOW > 0:
+        first = tl.maximum(low - WINDOW + 1, 0) // P
+        whole = first
+    for pg in range(first, whole):
         page = tl.load(TABLE + slot * st_r + pg).to(tl.int64)
         acc, l_i, m_i = _prefill_page(acc, l_i, m_i, q1, q2, pos, page, pg * P + t, K1, K2, V, kvh,
                                       sk1_t, sk1_h, sk2_t, sk2_h, sv_t, sv_h, sk1_p, sk2_p, sv_p, qk_scale,
-                                      D1, D2, DV, BD1, BD2, BDV, P, HAS_Q2, False, IEEE)
+                                      D1, D2, DV, BD1, BD2, BDV, P, HAS_Q2, False, IEEE, WINDOW)
     for pg in range(whole, top // P + 1):
         page = tl.load(TABLE + slot * st_r + pg).to(tl.int64)
         acc, l_i, m_i = _prefill_page(acc, l_i, m_i, q1, q2, pos, page, pg * P + t, K1, K2, V, kvh,
                                       sk1_t, sk1_h, sk2_t, sk2_h, sv_t, sv_h, sk1_p, sk2_p, sv_p, qk_scale,
-                                      D1, D2, DV, BD1, BD2, BDV, P, HAS_Q2, True, IEEE)
+                                      D1, D2, DV, BD1, BD2, BDV, P, HAS_Q2, True, IEEE, WINDOW)
+    if HAS_SINKS:  # base 2, as the scores: the sink's logit times log2(e)
+        sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+        m_f = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_f)
+        l_i = l_i * alpha + tl.exp2(sink - m_f)
+        acc = acc * alpha[:, None]
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dv = tl.arange(0, BDV)
     tl.store(OUT + b * so_b + ms[:, None] * so_s + h * so_h + dv[None, :], out.to(OUT.dtype.element_ty),
@@ -249,15 +287,27 @@ def decode_splits(program_rows: int, pages_per_row: int, device: torch.device) -
     return max(1, min(floor_pow2, MAX_SPLITS, triton.next_power_of_2(pages_per_row)))
 
 
+def _check_sinks_window(name: str, sinks, window, H: int, device) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"{name}: window must be an int >= 1 (or None), got {window!r}")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (H,)
+                              or not sinks.dtype.is_floating_point or sinks.device != device):
+        raise ValueError(f"{name}: sinks must be a float tensor [{H}] on {device}, got "
+                         f"{getattr(sinks, 'dtype', type(sinks).__name__)} {tuple(getattr(sinks, 'shape', ()))} "
+                         f"on {getattr(sinks, 'device', None)}")
+
+
 def decode(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None, table: torch.Tensor, slots: torch.Tensor,
            positions: torch.Tensor, scale: float, *, q2: torch.Tensor | None = None, k2: torch.Tensor | None = None,
-           v_is_k1: bool = False) -> torch.Tensor:
+           v_is_k1: bool = False, sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """One query token per row: q1 [N, H, D1] (q2 [N, H, D2]) at ``positions`` [N] of cache rows ``slots`` [N]
     -> [N, H, DV] in q1's dtype. k1 [n_pages, P, kv, D1], k2 [n_pages, P, kv or 1, D2], v [n_pages, P, kv, DV]
     (``v_is_k1``: the values are k1 itself). ``slots`` and ``positions`` are read through their strides: a stride-0
     ``slots`` (one sequence's S tokens as S rows, ``mla_latent_paged``) needs no copy and is read at its one
-    element only."""
+    element only. ``sinks`` [H] (any float dtype, on q1's device): each head's sink logit, unscaled. ``window``: an
+    int >= 1, each row attends to its last ``window`` positions (its own included)."""
     N, H, D1 = q1.shape
+    _check_sinks_window("decode", sinks, window, H, q1.device)
     n_pages, P, KV = k1.shape[:3]
     if v_is_k1:
         v = k1
@@ -279,16 +329,18 @@ def decode(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None, table: to
         q1.stride(0), q1.stride(1), q2_.stride(0), q2_.stride(1),
         *_page_strides(k1), *_page_strides(k2_), *_page_strides(v), table.stride(0), slots.stride(0),
         positions.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
-        scale, G, head_blocks,
+        scale, G, head_blocks, window or 0,
         D1=D1, D2=D2, DV=DV, BD1=_pow2(D1), BD2=_pow2(D2), BDV=_pow2(DV),
         BLOCK_G=BLOCK_G, P=P, NSPLIT=nsplit, HAS_Q2=has_q2, V_IS_K1=v_is_k1, IEEE=ieee,
         num_warps=4 if max(D1, DV) <= 128 else 8, num_stages=2,
         **triton_pdl.launch(q1.device),
     )
     bd_reduce = min(_pow2(DV), 128)
+    sinks_ = sinks.contiguous() if sinks is not None else part_l
     _decode_reduce[(N, H, -(-DV // bd_reduce))](
-        part_o, part_l, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0),
-        part_l.stride(1), out.stride(0), out.stride(1), H, DV=DV, BDV=bd_reduce, NSPLIT=nsplit, num_warps=4,
+        part_o, part_l, sinks_, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0),
+        part_l.stride(1), out.stride(0), out.stride(1), H, DV=DV, BDV=bd_reduce, NSPLIT=nsplit,
+        HAS_SINKS=sinks is not None, num_warps=4,
         **triton_pdl.launch(q1.device),
     )
     return out
@@ -304,11 +356,13 @@ PREFILL_CONFIGS = {
 
 def prefill(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
             positions: torch.Tensor, scale: float, *, q2: torch.Tensor | None = None,
-            k2: torch.Tensor | None = None, config: tuple | None = None) -> torch.Tensor:
+            k2: torch.Tensor | None = None, config: tuple | None = None, sinks: torch.Tensor | None = None,
+            window: int | None = None) -> torch.Tensor:
     """q1 [B, S, H, D1] (q2 [B, S, H, D2]) at ``positions`` [B, S] of cache rows ``slots`` [B] -> [B, S, H, DV]
-    in q1's dtype; every token's key/value must be in the cache already. Pages as in ``decode``. ``config``:
-    (BLOCK_M, num_warps, num_stages) instead of PREFILL_CONFIGS' (benchmarks)."""
+    in q1's dtype; every token's key/value must be in the cache already. Pages, ``sinks`` and ``window`` as in
+    ``decode``. ``config``: (BLOCK_M, num_warps, num_stages) instead of PREFILL_CONFIGS' (benchmarks)."""
     B, S, H, D1 = q1.shape
+    _check_sinks_window("prefill", sinks, window, H, q1.device)
     KV = k1.shape[2]
     DV = v.shape[-1]
     P = k1.shape[1]
@@ -322,13 +376,13 @@ def prefill(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, table: torch.Te
     if q1.dtype == torch.float32 or q1.device.type != "cuda":
         block_m, warps, stages = 64, 4, 1  # fp32 tiles (tests, the interpreter)
     _prefill[(-(-S // block_m), B * H)](
-        q1, q2_, k1, k2_, v, table, slots, positions, out,
+        q1, q2_, k1, k2_, v, table, slots, positions, out, sinks.contiguous() if sinks is not None else positions,
         q1.stride(0), q1.stride(1), q1.stride(2), q2_.stride(0), q2_.stride(1), q2_.stride(2),
         *_page_strides(k1), *_page_strides(k2_), *_page_strides(v), table.stride(0), slots.stride(0),
         positions.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        S, H, H // KV, scale * LOG2E,
+        S, H, H // KV, scale * LOG2E, window or 0,
         D1=D1, D2=D2, DV=DV, BD1=_pow2(D1), BD2=_pow2(D2), BDV=_pow2(DV),
-        BLOCK_M=block_m, P=P, HAS_Q2=has_q2, IEEE=q1.dtype == torch.float32,
+        BLOCK_M=block_m, P=P, HAS_Q2=has_q2, IEEE=q1.dtype == torch.float32, HAS_SINKS=sinks is not None,
         num_warps=warps, num_stages=stages,
     )
     return out

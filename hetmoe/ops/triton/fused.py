@@ -2,7 +2,8 @@
 so that a decode step launches fewer kernels per layer (docs/decode-step.md#fused-decode).
 
 * ``add_rms_norm``: residual add + RMSNorm at a layer boundary: writes the new residual x + delta and the
-  normalised input weight * rms_norm(x + delta) (delta None: the norm alone).
+  normalised input weight * rms_norm(x + delta) (delta None: the norm alone), the normalised x rounded before the
+  weight (Hugging Face's RMSNorm) or not (``round_normed=False``: gpt-oss's, the product rounded once).
 * ``qkv_epilogue``: after GQA's fused q/k/v projection: per-head q/k RMSNorm (Qwen3), RoPE (half-split) and the
   write of k and v into the KV cache; returns q.
 * ``mla_epilogue``: after MLA's kv_a projection: kv_a_layernorm of the latent, RoPE of k_pe and both written to the
@@ -109,7 +110,7 @@ def _store_host(ptrs, x, mask):
 
 @triton.jit
 def _add_rms_norm(X, DELTA, W, RES, OUT, sx, sd, sr, so, N, eps, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr,
-                  DELTA_HOST: tl.constexpr, PDL: tl.constexpr):
+                  DELTA_HOST: tl.constexpr, ROUND_NORMED: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
@@ -124,7 +125,10 @@ def _add_rms_norm(X, DELTA, W, RES, OUT, sx, sd, sr, so, N, eps, BLOCK: tl.const
         store_rows(RES + t * sr + i, x, m)
     r = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
     w = tl.load(W + i, mask=m, other=0.0).to(tl.float32)
-    store_rows(OUT + t * so + i, round_to(x * r, OUT.dtype.element_ty) * w, m)
+    normed = x * r
+    if ROUND_NORMED:
+        normed = round_to(normed, OUT.dtype.element_ty)
+    store_rows(OUT + t * so + i, normed * w, m)
 
 
 @triton.jit
@@ -284,10 +288,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def add_rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float) -> tuple:
+def add_rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float, round_normed: bool = True) -> tuple:
     """x [..., N] (+ delta [..., N]) -> (residual = x + delta rounded to x's dtype (x itself when delta is None),
     weight * rms_norm(residual)), both [..., N] in x's dtype. delta may be a pinned host tensor (read over PCIe:
-    a MoE layer's CPU output, hetmoe/moe/stream.py)."""
+    a MoE layer's CPU output, hetmoe/moe/stream.py). ``round_normed``: rms_norm(residual) rounded to x's dtype
+    before the weight multiplies it (else the fp32 product is rounded once)."""
     N = x.shape[-1]
     x2 = _rows(x)
     T = x2.shape[0]
@@ -298,7 +303,7 @@ def add_rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float) -> tu
         block = triton.next_power_of_2(N)
         _add_rms_norm[(T,)](x2, d2, weight, res, out, x2.stride(0), d2.stride(0), res.stride(0), out.stride(0), N,
                             eps, BLOCK=block, HAS_DELTA=delta is not None, DELTA_HOST=d2.device != x2.device,
-                            num_warps=_warps(block), **triton_pdl.launch(x2.device))
+                            ROUND_NORMED=round_normed, num_warps=_warps(block), **triton_pdl.launch(x2.device))
     return (res.view(x.shape) if delta is not None else x), out.view(x.shape)
 
 
