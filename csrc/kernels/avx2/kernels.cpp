@@ -52,7 +52,7 @@ struct Bf16Tile {
 };
 
 // Values 8 * half .. 8 * half + 7 of group g of a scale set of w (its scales, or its mins) as fp32 (formats/layout.h:
-// one load and one conversion, k8 two and a multiply; exact, the bits of RowBlock::value).
+// one load and one conversion, k8 / k4 two and a multiply; exact, the bits of RowBlock::value).
 inline __m256 widen8(const RowBlock& w, const uint8_t* set, int g, int half) {
   const uint8_t* p = w.group_of(set, g) + 8 * half * scale_width(w.scale_type);
   switch (w.scale_type) {
@@ -69,6 +69,13 @@ inline __m256 widen8(const RowBlock& w, const uint8_t* set, int g, int half) {
     }
     case ScaleType::k8: {  // int8 sub-scale x fp16 super scale
       const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+      const uint8_t* d = w.super_of(set, g) + 16 * half;
+      return _mm256_mul_ps(sc, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d))));
+    }
+    case ScaleType::k4: {  // 4-bit sub-scale (low nibble) or sub-min (high) x fp16 super scale / min
+      __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+      if (w.sub_shift(set)) b = _mm256_srli_epi32(b, 4);
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
       const uint8_t* d = w.super_of(set, g) + 16 * half;
       return _mm256_mul_ps(sc, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d))));
     }
@@ -387,8 +394,7 @@ inline void plane_quad(const uint8_t* unit, int qi, __m256i (*out)[2]) {
   for (int h = 0; h < 2; ++h) {
     if constexpr (P.lo_bits == 4) {
       const __m256i l0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(unit + 2 * qi * kLineBytes + 32 * h));
-      const __m256i l1 =
-          _mm256_load_si256(reinterpret_cast<const __m256i*>(unit + (2 * qi + 1) * kLineBytes + 32 * h));
+      const __m256i l1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(unit + (2 * qi + 1) * kLineBytes + 32 * h));
       out[0][h] = _mm256_and_si256(l0, lo_mask);
       out[1][h] = _mm256_and_si256(_mm256_srli_epi16(l0, 4), lo_mask);
       out[2][h] = _mm256_and_si256(l1, lo_mask);
@@ -527,10 +533,10 @@ struct PlaneNarrow {
             }
 #pragma GCC unroll 2
             for (int h = 0; h < 2; ++h) {
-              const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(bl[0][h], xd[0]),
-                                                   _mm256_maddubs_epi16(bl[1][h], xd[1]));
-              const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(bl[2][h], xd[2]),
-                                                   _mm256_maddubs_epi16(bl[3][h], xd[3]));
+              const __m256i s01 =
+                  _mm256_add_epi16(_mm256_maddubs_epi16(bl[0][h], xd[0]), _mm256_maddubs_epi16(bl[1][h], xd[1]));
+              const __m256i s23 =
+                  _mm256_add_epi16(_mm256_maddubs_epi16(bl[2][h], xd[2]), _mm256_maddubs_epi16(bl[3][h], xd[3]));
               acc[i][h] = _mm256_add_epi32(acc[i][h], _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones));
             }
           }

@@ -46,7 +46,7 @@ struct Bf16Tile {
 };
 
 // The 16 values of group g of a scale set of w (its scales, or its mins) as fp32 (formats/layout.h: one load and one
-// conversion, k8 two and a multiply; exact, the bits of RowBlock::value).
+// conversion, k8 / k4 two and a multiply; exact, the bits of RowBlock::value).
 inline __m512 widen16(const RowBlock& w, const uint8_t* set, int g) {
   const uint8_t* p = w.group_of(set, g);
   switch (w.scale_type) {
@@ -63,6 +63,13 @@ inline __m512 widen16(const RowBlock& w, const uint8_t* set, int g) {
     }
     case ScaleType::k8: {  // int8 sub-scale x fp16 super scale
       const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.super_of(set, g))));
+      return _mm512_mul_ps(sc, d);
+    }
+    case ScaleType::k4: {  // 4-bit sub-scale (low nibble) or sub-min (high) x fp16 super scale / min
+      __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      if (w.sub_shift(set)) b = _mm512_srli_epi32(b, 4);
+      const __m512 sc = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.super_of(set, g))));
       return _mm512_mul_ps(sc, d);
     }
@@ -290,7 +297,8 @@ inline void plane_quad(const uint8_t* unit, int qi, __m512i* out) {
   constexpr Planes P = planes_of(F);
   const __m512i lo_mask = _mm512_set1_epi8((char)((1 << P.lo_bits) - 1));
   if constexpr (P.lo_bits == 4) {
-    const __m512i l0 = _mm512_load_si512(unit + 2 * qi * kLineBytes), l1 = _mm512_load_si512(unit + (2 * qi + 1) * kLineBytes);
+    const __m512i l0 = _mm512_load_si512(unit + 2 * qi * kLineBytes),
+                  l1 = _mm512_load_si512(unit + (2 * qi + 1) * kLineBytes);
     out[0] = _mm512_and_si512(l0, lo_mask);
     out[1] = _mm512_and_si512(_mm512_srli_epi16(l0, 4), lo_mask);
     out[2] = _mm512_and_si512(l1, lo_mask);
