@@ -407,7 +407,18 @@ inline void plane_quad(const uint8_t* unit, int qi, __m256i (*out)[2]) {
       out[2][h] = _mm256_and_si256(_mm256_srli_epi16(l, 4), lo_mask);
       out[3][h] = _mm256_and_si256(_mm256_srli_epi16(l, 6), lo_mask);
     }
-    if constexpr (P.hi_bits > 0) {
+    if constexpr (P.hi_bits == 1) {  // the quad's 4 bits as a nibble, bit f looked up to bit lo_bits (one vpshufb)
+      __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(unit + P.hi_line() * kLineBytes + 32 * h));
+      if (qi) v = _mm256_srli_epi16(v, 4);  // quad 1's bits 4..7 down to 0..3
+      const __m256i nib = _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+#pragma GCC unroll 4
+      for (int f = 0; f < 4; ++f) {
+        alignas(16) uint8_t t[16];
+        for (int i = 0; i < 16; ++i) t[i] = (uint8_t)(((i >> f) & 1) << P.lo_bits);
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+        out[f][h] = _mm256_or_si256(out[f][h], _mm256_shuffle_epi8(table, nib));
+      }
+    } else if constexpr (P.hi_bits > 0) {
       __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(unit + P.hi_line() * kLineBytes + 32 * h));
       if (P.quads == 2 && qi) v = _mm256_srli_epi16(v, 4);  // quad 1's bits 4..7 down to 0..3
 #pragma GCC unroll 4
