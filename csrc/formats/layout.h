@@ -98,8 +98,18 @@
 // The scales, and for affine matrices after them the mins, are each one such "scale set" of the matrix's scale type:
 // [n_groups][16] values (k8: and the super scales after them), mins stored as the scales are (fp32 mins for fp32
 // scales, fp16 for fp16: Q4_1's d and m; k8's sub-mins and fp16 dmin: the K-quants'). Per-row scales are fp32;
-// affine scales are fp32, fp16, bf16 or k8 (not e8m0, which has no negative or zero values). fp8 is symmetric only
-// and takes fp32, fp16, bf16 or e8m0 scales (not k8).
+// affine scales are fp32, fp16, bf16, k8 or k4 (not e8m0, which has no negative or zero values). fp8 is symmetric
+// only and takes fp32, fp16, bf16 or e8m0 scales (not k8 or k4).
+//
+// k4 is Q2_K's two-level form, affine only: per (row, group) one byte holding a 4-bit unsigned sub-scale sc (low
+// nibble) and a 4-bit unsigned sub-min m (high nibble), per (row, super-block of 256) an fp16 super scale d and an
+// fp16 super min dmin; scale = float(sc) * float(d), min = float(m) * float(dmin) (exact in fp32, as k8). Its scale
+// set is the [n_groups][16 rows] pair bytes, then [n_supers][16] fp16 d; its min set (right after, as for every
+// affine matrix) only the [n_supers][16] fp16 dmin: the sub-mins are the high nibbles of the scale set's bytes. 1 + 4
+// / group bytes per group of 16 for scales and mins together: Q2_K's 84 bytes per 256 values, its 2-bit codes
+// included. A kernel widens a group's 16 scales as k8's (one load of the bytes, a mask, two conversions and a
+// multiply) and its mins the same with a shift for the mask. Values given as fp32 are split at packing exactly or
+// refused (pack.cpp split_two_level); the sign of d carries a set's sign (all its values <= 0: d < 0).
 //
 // Groups: 16, 32, 64 or 128 elements of K (16: GGUF's Q2_K, Q3_K and Q6_K, NVFP4), or per row (int8, int4 and fp8,
 // symmetric: one scale per row, stored repeated in every group of 128, so every kernel reads it as a grouped
@@ -122,7 +132,17 @@
 
 namespace hetmoe {
 
-enum class WeightFormat : int { bf16 = 0, int8 = 1, int4 = 2, lut4 = 3, fp8 = 4, int6 = 5, int5 = 6, int3 = 7, int2 = 8 };
+enum class WeightFormat : int {
+  bf16 = 0,
+  int8 = 1,
+  int4 = 2,
+  lut4 = 3,
+  fp8 = 4,
+  int6 = 5,
+  int5 = 6,
+  int3 = 7,
+  int2 = 8
+};
 constexpr int kWeightFormats = 9;
 
 // The bit-plane formats (see the top of this file).
@@ -158,7 +178,9 @@ struct Planes {
   constexpr int lo_shift(int f) const { return lo_bits == 4 ? 4 * (f % 2) : 2 * f; }
   constexpr int hi_line() const { return lines - 1; }
   constexpr int hi_shift(int q, int f) const { return hi_bits == 2 ? 2 * f : 4 * (q % quads) + f; }
-  constexpr size_t unit_offset(int q) const { return (size_t)(q / quads) * lines * 64; }  // of quad q's unit, in a block
+  constexpr size_t unit_offset(int q) const {
+    return (size_t)(q / quads) * lines * 64;
+  }  // of quad q's unit, in a block
 };
 constexpr inline Planes planes_of(WeightFormat f) {
   switch (f) {
@@ -210,9 +232,11 @@ inline int fp8_act_index(int k) { return (k & ~3) | ((k & 1) << 1) | ((k >> 1) &
 enum class Scaling : int { symmetric = 0, affine = 1 };
 
 // How a matrix's scales are stored (see the top of this file).
-enum class ScaleType : int { f32 = 0, f16 = 1, bf16 = 2, e8m0 = 3, k8 = 4 };
-constexpr int kScaleTypes = 5;
-constexpr int kSuperBlock = 256;  // k8: elements of K per fp16 super scale
+enum class ScaleType : int { f32 = 0, f16 = 1, bf16 = 2, e8m0 = 3, k8 = 4, k4 = 5 };
+constexpr int kScaleTypes = 6;
+constexpr int kSuperBlock = 256;  // k8, k4: elements of K per fp16 super scale
+// Scale types of two levels: a sub-scale per group times an fp16 super scale per kSuperBlock of K.
+constexpr inline bool two_level(ScaleType t) { return t == ScaleType::k8 || t == ScaleType::k4; }
 
 // The 16 values a lut4 nibble indexes (see the top of this file); none for every other format.
 enum class Codebook : int { none = 0, e2m1 = 1, iq4nl = 2 };
@@ -228,8 +252,8 @@ inline const int8_t* codebook_values(Codebook c) { return kCodebookValues[(int)c
 
 // Bumped whenever the packed bytes of any format change: converted-expert caches of another version are rebuilt.
 // (Scale types, lut4, k8, narrow affine mins, fp8 and the bit-plane formats added formats; fp32-scaled int8/int4 kept
-// their bytes.)
-constexpr int kLayoutVersion = 1;
+// their bytes. 2: Q2_K's experts, which a cache keys by the plan's format alone, moved from k8 to k4 scales.)
+constexpr int kLayoutVersion = 2;
 
 constexpr int kRowsPerBlock = 16;
 constexpr int kLineBytes = 64;
@@ -255,21 +279,23 @@ inline int scale_width(ScaleType t) {  // bytes per stored scale
     case ScaleType::bf16: return 2;
     case ScaleType::e8m0: return 1;
     case ScaleType::k8: return 1;  // the sub-scale (the super scales come after a set's sub-scales)
+    case ScaleType::k4: return 1;  // the (sub-scale, sub-min) byte
   }
   return 0;
 }
 
 // One stored scale as the fp32 it stands for (exact). The kernels widen 16 at a time with vector instructions that
-// give these bits; this is the portable definition. k8: the sub-scale alone (RowBlock::scale multiplies in the super
-// scale).
+// give these bits; this is the portable definition. k8: the sub-scale alone, k4: the sub-scale nibble alone
+// (RowBlock::value multiplies in the super scale and reads k4's sub-min).
 inline float scale_to_float(ScaleType t, const uint8_t* p) {
   uint32_t bits = 0;
   switch (t) {
     case ScaleType::f32: std::memcpy(&bits, p, 4); break;
     case ScaleType::bf16: bits = ((uint32_t)p[0] | (uint32_t)p[1] << 8) << 16; break;
     case ScaleType::e8m0: bits = p[0] < 2 ? 0x00200000u << p[0] : (uint32_t)(p[0] - 1) << 23; break;
-    case ScaleType::k8: {
-      const float f = (float)(int8_t)p[0];
+    case ScaleType::k8:
+    case ScaleType::k4: {
+      const float f = t == ScaleType::k8 ? (float)(int8_t)p[0] : (float)(p[0] & 15);
       std::memcpy(&bits, &f, 4);
       break;
     }
@@ -356,23 +382,28 @@ struct MatrixShape {
   size_t data_bytes() const { return block_bytes() * n_blocks; }
   bool has_scales() const { return format != WeightFormat::bf16; }
   bool affine() const { return scaling == Scaling::affine; }
-  int n_supers() const { return (int)((kp + kSuperBlock - 1) / kSuperBlock); }  // k8 super-blocks of a row
-  // bytes of one block's scale set: n_groups x 16 (shared: x 1) of scale_type (k8: then n_supers x 16 fp16 super
+  int n_supers() const { return (int)((kp + kSuperBlock - 1) / kSuperBlock); }  // k8/k4 super-blocks of a row
+  // bytes of one block's scale set: n_groups x 16 (shared: x 1) of scale_type (k8, k4: then n_supers x 16 fp16 super
   // scales)
   size_t set_bytes() const {
     if (!has_scales()) return 0;
     return (size_t)n_groups() * scale_rows() * scale_width(scale_type) +
-           (scale_type == ScaleType::k8 ? (size_t)n_supers() * kRowsPerBlock * 2 : 0);
+           (two_level(scale_type) ? (size_t)n_supers() * kRowsPerBlock * 2 : 0);
+  }
+  // bytes of one block's min set (affine): as the scale set, but k4's is its fp16 super mins alone
+  size_t min_set_bytes() const {
+    if (!affine()) return 0;
+    return scale_type == ScaleType::k4 ? (size_t)n_supers() * kRowsPerBlock * 2 : set_bytes();
   }
   // bytes of one block's scales: the scale set, and (affine) the min set after it
-  size_t block_scale_bytes() const { return set_bytes() * (affine() ? 2 : 1); }
+  size_t block_scale_bytes() const { return set_bytes() + min_set_bytes(); }
   size_t scale_bytes() const { return block_scale_bytes() * n_blocks; }
 };
 
 // What the micro-kernel reads for one row block.
 struct RowBlock {
   const uint8_t* data;    // block_bytes(), 64-byte aligned
-  const uint8_t* scales;  // the scale set ([n_groups][16] of scale_type; k8: then the super scales), or nullptr (bf16)
+  const uint8_t* scales;  // the scale set ([n_groups][16] of scale_type; k8/k4: then the super scales), or nullptr
   int kp;
   int group;
   const uint8_t* mins = nullptr;  // affine: the min set (same layout, right after the scales); symmetric: nullptr
@@ -395,19 +426,25 @@ struct RowBlock {
   }
   int n_groups() const { return kp / group; }
   int scale_rows() const { return shared_scales ? 1 : kRowsPerBlock; }  // stored values per group of a set
-  // The 16 stored values of group g of a set (scales or mins; k8: the sub-scales; shared: the one), and of a k8 set
-  // the 16 fp16 super scales of g's super-block.
+  // The 16 stored values of group g of a set (scales or mins; k8: the sub-scales; k4: the pair bytes, in the scale
+  // set for the mins too; shared: the one), and of a k8/k4 set the 16 fp16 super scales of g's super-block.
   const uint8_t* group_of(const uint8_t* set, int g) const {
+    if (scale_type == ScaleType::k4) set = scales;
     return set + (size_t)g * scale_rows() * scale_width(scale_type);
   }
   const uint8_t* super_of(const uint8_t* set, int g) const {
-    return set + (size_t)n_groups() * kRowsPerBlock + (size_t)(g * group / kSuperBlock) * kRowsPerBlock * 2;
+    const size_t subs = scale_type == ScaleType::k4 && set == mins ? 0 : (size_t)n_groups() * kRowsPerBlock;
+    return set + subs + (size_t)(g * group / kSuperBlock) * kRowsPerBlock * 2;
   }
+  // k4: the shift of a set's nibble in the pair bytes (scales 0, mins 4); 0 for every other type
+  int sub_shift(const uint8_t* set) const { return scale_type == ScaleType::k4 && set == mins ? 4 : 0; }
   const uint8_t* group_scales(int g) const { return group_of(scales, g); }
-  // Value r of group g of a set widened to fp32 (exact; k8: sub-scale times super scale, one exact product).
+  // Value r of group g of a set widened to fp32 (exact; k8/k4: sub-scale times super scale, one exact product).
   float value(const uint8_t* set, int g, int r) const {
-    const float v = scale_to_float(scale_type, group_of(set, g) + (shared_scales ? 0 : r) * scale_width(scale_type));
-    return scale_type == ScaleType::k8 ? v * scale_to_float(ScaleType::f16, super_of(set, g) + 2 * r) : v;
+    const uint8_t* p = group_of(set, g) + (shared_scales ? 0 : r) * scale_width(scale_type);
+    const uint8_t nib = (uint8_t)(*p >> sub_shift(set));
+    const float v = scale_to_float(scale_type, scale_type == ScaleType::k4 ? &nib : p);
+    return two_level(scale_type) ? v * scale_to_float(ScaleType::f16, super_of(set, g) + 2 * r) : v;
   }
   float scale(int g, int r) const { return value(scales, g, r); }
   float min(int g, int r) const { return value(mins, g, r); }

@@ -209,12 +209,20 @@ inline uint32_t gcd(uint32_t a, uint32_t b) {
   return a;
 }
 
-// k8 (layout.h): the n values v of one row's super-block as int8 sub-scales times one fp16 super scale, exactly.
+// The sub-scale range of a two-level scale type (layout.h): k8 int8 [-128, 127] (a set's values of both signs), k4
+// 4-bit [0, 15] (one sign per set: the super scale's).
+struct SubRange {
+  int lo, hi;
+};
+inline SubRange sub_range(ScaleType t) { return t == ScaleType::k4 ? SubRange{0, 15} : SubRange{-128, 127}; }
+
+// k8 / k4 (layout.h): the n values v of one row's super-block as sub-scales times one fp16 super scale, exactly.
 // With g the gcd of the values' odd parts and 2^e the smallest of their powers of two, d = g 2^e gives every
 // sub-scale its least magnitude; d / r (r = 2, 3, ... whose odd part divides g) is tried when d itself is not an
-// fp16 value. A negative d takes the sign when a sub-scale would be +128 (Q6_K's -128 with d < 0). False when no
-// split exists (or a value is not finite).
-bool split_k8(const float* v, int n, int8_t* sub, uint16_t* d_bits) {
+// fp16 value. A negative d takes the sign when the sub-scales would otherwise leave their range (k8: Q6_K's -128
+// with d < 0; k4: a set whose values are all <= 0). False when no split exists (or a value is not finite).
+bool split_two_level(ScaleType t, const float* v, int n, int8_t* sub, uint16_t* d_bits) {
+  const SubRange range = sub_range(t);
   uint32_t g = 0;
   int emin = 1 << 30;
   for (int i = 0; i < n; ++i) {
@@ -231,23 +239,26 @@ bool split_k8(const float* v, int n, int8_t* sub, uint16_t* d_bits) {
     *d_bits = 0;
     return true;
   }
-  for (int r = 1; r <= 128; ++r) {
-    int t = r, s2 = 0;
-    while (!(t & 1)) t >>= 1, ++s2;
-    if (g % (uint32_t)t) continue;
-    const float d = std::ldexp((float)(g / (uint32_t)t), emin - s2);
+  const int limit = std::max(range.hi, -range.lo);
+  for (int r = 1; r <= limit; ++r) {
+    int tt = r, s2 = 0;
+    while (!(tt & 1)) tt >>= 1, ++s2;
+    if (g % (uint32_t)tt) continue;
+    const float d = std::ldexp((float)(g / (uint32_t)tt), emin - s2);
     uint8_t h[2];
     if (!store_scale_exact(ScaleType::f16, d, h)) continue;
     int lo = 0, hi = 0, c[kSuperBlock / 16];
     bool fits = true;
     for (int i = 0; i < n && fits; ++i) {
       const double q = (double)v[i] / d;  // an integer (d divides v exactly)
-      fits = std::fabs(q) <= 128.;
+      fits = std::fabs(q) <= (double)limit;
       c[i] = fits ? (int)q : 0;
       lo = std::min(lo, c[i]), hi = std::max(hi, c[i]);
     }
-    if (!fits || (hi > 127 && lo < -127)) return false;  // a smaller d only makes sub-scales larger
-    const int sign = hi > 127 ? -1 : 1;
+    if (!fits) return false;  // a smaller d only makes sub-scales larger
+    const bool plus = lo >= range.lo && hi <= range.hi, minus = -hi >= range.lo && -lo <= range.hi;
+    if (!plus && !minus) return false;
+    const int sign = plus ? 1 : -1;
     for (int i = 0; i < n; ++i) sub[i] = (int8_t)(sign * c[i]);
     uint16_t bits;
     std::memcpy(&bits, h, 2);
@@ -257,14 +268,16 @@ bool split_k8(const float* v, int n, int8_t* sub, uint16_t* d_bits) {
   return false;
 }
 
-// k8 from values chosen here (packing floats): d = the fp16 at or above max |v| / 127, sub = round(v / d); the
-// values d * sub are written back into v.
-void round_k8(float* v, int n, int8_t* sub, uint16_t* d_bits) {
+// k8 / k4 from values chosen here (packing floats): d = the fp16 at or above max |v| / (the largest sub-scale), sub
+// = round(v / d) (k4: the values are >= 0, affine scales and mins); the values d * sub are written back into v.
+void round_two_level(ScaleType t, float* v, int n, int8_t* sub, uint16_t* d_bits) {
+  const SubRange range = sub_range(t);
+  const float top = (float)range.hi;
   float amax = 0.f;
   for (int i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(v[i]));
   uint8_t h[2];
-  float d = store_scale_rounded(ScaleType::f16, amax / 127.f, h);
-  if (d * 127.f < amax) {  // rounded down: the next fp16 up
+  float d = store_scale_rounded(ScaleType::f16, amax / top, h);
+  if (d * top < amax) {  // rounded down: the next fp16 up
     uint16_t b;
     std::memcpy(&b, h, 2);
     ++b;
@@ -274,17 +287,18 @@ void round_k8(float* v, int n, int8_t* sub, uint16_t* d_bits) {
   std::memcpy(d_bits, h, 2);
   const float inv = d > 0.f ? 1.f / d : 0.f;
   for (int i = 0; i < n; ++i) {
-    sub[i] = (int8_t)clampf(round_even(v[i] * inv), -127.f, 127.f);
+    sub[i] = (int8_t)clampf(round_even(v[i] * inv), (float)std::max(range.lo, -range.hi), top);
     v[i] = (float)sub[i] * d;
   }
 }
 
 }  // namespace
 
-bool store_row_set(const MatrixShape& s, float* v, int r, uint8_t* set, bool exact) {
+bool store_row_set(const MatrixShape& s, float* v, int r, uint8_t* scales, bool mins, bool exact) {
   const int ng = s.n_groups();
   const ScaleType t = s.scale_type;
-  if (t != ScaleType::k8) {
+  uint8_t* set = scales + (mins ? s.set_bytes() : 0);
+  if (!two_level(t)) {
     const int width = scale_width(t);
     for (int g = 0; g < ng; ++g) {
       uint8_t* dst = set + ((size_t)g * s.scale_rows() + (s.shared_scales ? 0 : r)) * width;
@@ -293,15 +307,24 @@ bool store_row_set(const MatrixShape& s, float* v, int r, uint8_t* set, bool exa
     }
     return true;
   }
-  const int per = kSuperBlock / s.group;  // groups per super-block (every k8 group divides 256)
+  // k8: [ng][16] sub-scales, then [n_supers][16] fp16 super scales, per set; k4: the pair bytes (scales' nibble low,
+  // mins' high) and the fp16 d of the scale set, the min set only its fp16 dmin (layout.h)
+  const bool k4 = t == ScaleType::k4;
+  uint8_t* subs = k4 ? scales : set;
+  uint8_t* supers = k4 && mins ? set : set + (size_t)ng * kRowsPerBlock;
+  const int shift = k4 && mins ? 4 : 0;
+  const int per = kSuperBlock / s.group;  // groups per super-block (every group size divides 256)
   for (int g0 = 0; g0 < ng; g0 += per) {
     const int n = std::min(per, ng - g0);
     int8_t sub[kSuperBlock / 16];
     uint16_t d;
-    if (exact && !split_k8(v + g0, n, sub, &d)) return false;
-    if (!exact) round_k8(v + g0, n, sub, &d);
-    for (int i = 0; i < n; ++i) set[(size_t)(g0 + i) * kRowsPerBlock + r] = (uint8_t)sub[i];
-    std::memcpy(set + (size_t)ng * kRowsPerBlock + ((size_t)(g0 / per) * kRowsPerBlock + r) * 2, &d, 2);
+    if (exact && !split_two_level(t, v + g0, n, sub, &d)) return false;
+    if (!exact) round_two_level(t, v + g0, n, sub, &d);
+    for (int i = 0; i < n; ++i) {
+      uint8_t& b = subs[(size_t)(g0 + i) * kRowsPerBlock + r];
+      b = k4 ? (uint8_t)((b & ~(15 << shift)) | ((uint8_t)sub[i] << shift)) : (uint8_t)sub[i];
+    }
+    std::memcpy(supers + ((size_t)(g0 / per) * kRowsPerBlock + r) * 2, &d, 2);
   }
   return true;
 }
@@ -464,7 +487,6 @@ bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* gr
   const int off = code_offset(s);
   const int lo = code_min(s), hi = code_max(s);
   const int ng = s.n_groups(), row0 = rb * kRowsPerBlock, rows = std::min(kRowsPerBlock, s.n - row0);
-  uint8_t* min_set = scales + s.set_bytes();  // affine only
   for (int r = 0; r < rows; ++r) {
     const int8_t* src = q + (size_t)(row0 + r) * s.k;
     int bad = 0;
@@ -507,10 +529,10 @@ bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* gr
     const int8_t* src = q + (size_t)row * s.k;
     if (!plane_format(f)) put_codes(f, data + 4 * r, n_lines * kpl, s.k - n_lines * kpl, src + n_lines * kpl, off);
     std::memcpy(row_values.data(), group_scales + (size_t)row * ng, sizeof(float) * ng);
-    if (!store_row_set(s, row_values.data(), r, scales, true)) return false;
+    if (!store_row_set(s, row_values.data(), r, scales, false, true)) return false;
     if (s.affine()) {
       std::memcpy(row_values.data(), group_mins + (size_t)row * ng, sizeof(float) * ng);
-      if (!store_row_set(s, row_values.data(), r, min_set, true)) return false;
+      if (!store_row_set(s, row_values.data(), r, scales, true, true)) return false;
     }
   }
   return true;
@@ -554,8 +576,8 @@ void pack_row_block_rounded(const MatrixShape& s, const float* w, int rb, uint8_
         sc[g] = n > 0 ? choose_int4_scale(src + k0, n, codes) : 0.f;
       }
     }
-    store_row_set(s, sc.data(), r, scales, false);
-    if (s.affine()) store_row_set(s, mn.data(), r, scales + s.set_bytes(), false);
+    store_row_set(s, sc.data(), r, scales, false, false);
+    if (s.affine()) store_row_set(s, mn.data(), r, scales, true, false);
     for (int g = 0; g < ng; ++g) {
       const int k0 = g * s.group, n = std::min(s.group, s.k - k0);
       if (n <= 0) break;
@@ -579,7 +601,7 @@ void pack_row_block_rounded(const MatrixShape& s, const float* w, int rb, uint8_
 void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data, uint8_t* scales) {
   const WeightFormat f = s.format;
   clear_block(s, data, scales);
-  if (s.scale_type == ScaleType::k8 || (s.affine() && s.scale_type != ScaleType::f32))
+  if (two_level(s.scale_type) || (s.affine() && s.scale_type != ScaleType::f32))
     return pack_row_block_rounded(s, w, rb, data, scales);
   const int ng = s.n_groups(), width = scale_width(s.scale_type);
   float* mins = reinterpret_cast<float*>(scales + (size_t)ng * kRowsPerBlock * width);  // affine only (fp32)
@@ -677,7 +699,7 @@ void unpack_row_block(const MatrixShape& s, const uint8_t* data, const uint8_t* 
       } else {
         const int g = k / s.group;
         const float scale = b.scale(g, r);
-        const int u = plane_format(f)          ? plane_code(planes_of(f), data, r, k)
+        const int u = plane_format(f)           ? plane_code(planes_of(f), data, r, k)
                       : f == WeightFormat::int8 ? (int)*p
                                                 : (int)((*p >> (4 * nib)) & 0x0f);
         if (s.affine())  // two roundings, as gguf's dequantization: fl(fl(scale * u) - min)

@@ -18,7 +18,7 @@ void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data,
 // Packs row block `rb` from codes quantized already (GGUF's Q8_0 / Q4_0 / Q4_1 / Q5 / K-quant / IQ4 / FP4 blocks):
 // q [s.n][s.k] and one fp32 scale per (row, group), group_scales [s.n][s.n_groups()]; affine shapes also one min per
 // (row, group), group_mins (same shape; ignored when symmetric), stored in the shape's scale type as the scales are
-// (k8: each super-block's values split into int8 sub-scales and an fp16 super scale, store_row_set). Code ranges:
+// (k8 / k4: each super-block's values split into sub-scales and an fp16 super scale, store_row_set). Code ranges:
 // symmetric int8 [-127, 127], int4 [-8, 7]; affine int8 [0, 127], int4 [0, 15]; lut4 the codebook index [0, 15]. The
 // values the kernels multiply by are then exactly q * scale (lut4: codebook[q] * scale; affine: fl(fl(scale * q) -
 // min), as gguf's K-quant dequantization): nothing is re-quantized. Grouped int8/int4/lut4 only (not per-row, not
@@ -35,12 +35,14 @@ bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* gr
 bool pack_row_block_fp8(const MatrixShape& s, const uint8_t* codes, const float* group_scales, int rb, uint8_t* data,
                         uint8_t* scales);
 
-// Writes the per-group values v[0..s.n_groups()) of row r of a block into one of its scale sets (`set`: the block's
-// scales, or its mins at scales + s.set_bytes()) in the shape's scale type. exact: true when every value is stored
-// as it is (k8: every super-block splits exactly into int8 x fp16), false otherwise. Not exact: each value rounded
-// to the nearest the type holds (e8m0 up to a power of two; k8 a super scale at or above max |v| / 127, the
-// sub-scales rounded), the stored values written back into v, always true.
-bool store_row_set(const MatrixShape& s, float* v, int r, uint8_t* set, bool exact);
+// Writes the per-group values v[0..s.n_groups()) of row r of a block into one of its scale sets (mins false: the
+// scales, true: the affine mins) in the shape's scale type; `scales` is the block's scale bytes
+// (s.block_scale_bytes(): the scale set, then the min set). exact: true when every value is stored as it is (k8 / k4:
+// every super-block splits exactly into sub-scales x fp16), false otherwise. Not exact: each value rounded to the
+// nearest the type holds (e8m0 up to a power of two; k8 / k4 a super scale at or above max |v| / 127 (k4: / 15), the
+// sub-scales rounded), the stored values written back into v, always true. k4's scales and mins share their pair
+// bytes: each call writes its own nibble.
+bool store_row_set(const MatrixShape& s, float* v, int r, uint8_t* scales, bool mins, bool exact);
 
 // Scale v of a group quantized from floats, stored in type t at dst: the nearest value t holds (e8m0: the next power
 // of two up, so that no code is clipped), which is returned for the codes.

@@ -97,21 +97,20 @@ void fill_random_block(const MatrixShape& s, int rb, uint64_t seed, const Random
       }
     }
   }
-  // every scale the same (rounded to the scale type; k8: sub-scale 1, super scale fp16); affine: the same bytes read
-  // as u with min = scale * 128 (int8) / 8 (int4) give the symmetric values again
+  // every scale the same (rounded to the scale type; k8 / k4: sub-scale 1, super scale fp16); affine: the same bytes
+  // read as u with min = scale * 128 (int8) / 8 (int4) give the symmetric values again
   if (!s.has_scales()) return;
   uint8_t tmp[4];
-  const ScaleType t = s.scale_type == ScaleType::k8 ? ScaleType::f16 : s.scale_type;
+  const ScaleType t = two_level(s.scale_type) ? ScaleType::f16 : s.scale_type;
   const float scale = store_scale_rounded(t, fill.scale, tmp);
   std::vector<float> v(s.n_groups());
   for (int r = 0; r < kRowsPerBlock; ++r) {
     for (int pass = 0; pass < (s.affine() ? 2 : 1); ++pass) {
       const float value = pass == 0 ? scale : scale * (float)(1 << (code_bits(s.format) - 1));
-      uint8_t* set = scales + (pass == 0 ? 0 : s.set_bytes());
       std::fill(v.begin(), v.end(), value);
-      if (!store_row_set(s, v.data(), r, set, true)) {
+      if (!store_row_set(s, v.data(), r, scales, pass == 1, true)) {
         std::fill(v.begin(), v.end(), value);
-        store_row_set(s, v.data(), r, set, false);
+        store_row_set(s, v.data(), r, scales, pass == 1, false);
       }
     }
   }

@@ -57,7 +57,7 @@ const char* format_label(WeightFormat f) {
 }
 
 const char* scale_type_name(ScaleType t) {
-  static const char* const names[kScaleTypes] = {"fp32", "fp16", "bf16", "e8m0", "k8"};
+  static const char* const names[kScaleTypes] = {"fp32", "fp16", "bf16", "e8m0", "k8", "k4"};
   return names[(int)t];
 }
 
@@ -131,8 +131,11 @@ void check_kernel_choice(const MatrixFormat& m, Isa isa, AmxMode amx, int amx_mi
           "zero value)");
     if (m.format == WeightFormat::fp8 && m.scaling == Scaling::affine)
       bad("fp8 weights are symmetric: affine scaling needs int8 or int4");
-    if (m.format == WeightFormat::fp8 && m.scale_type == ScaleType::k8)
-      bad("fp8 weights take fp32, fp16, bf16 or e8m0 scales, not k8 (two-level scales go with int8 and int4)");
+    if (m.format == WeightFormat::fp8 && two_level(m.scale_type))
+      bad(std::string("fp8 weights take fp32, fp16, bf16 or e8m0 scales, not ") + scale_type_name(m.scale_type) +
+          " (two-level scales go with the integer formats)");
+    if (m.scale_type == ScaleType::k4 && m.scaling != Scaling::affine)
+      bad("k4 scales need affine weights (each byte holds a group's 4-bit sub-scale and sub-min)");
     if (m.format == WeightFormat::fp8 && group == 16)
       bad("fp8 group_size must be 32, 64 or 128 (or 0 for per-row), got 16");
   }

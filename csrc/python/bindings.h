@@ -38,12 +38,12 @@ inline WeightFormat format_from_name(const std::string& s) {
 }
 
 // Scale types and codebooks by their Python names (hetmoe/cpu/experts.py SCALE_DTYPES, CODEBOOKS).
-inline const char* const kScaleTypeNames[kScaleTypes] = {"fp32", "fp16", "bf16", "e8m0", "k8"};
+inline const char* const kScaleTypeNames[kScaleTypes] = {"fp32", "fp16", "bf16", "e8m0", "k8", "k4"};
 inline const char* const kCodebookNames[] = {"", "e2m1", "iq4nl"};
 inline ScaleType scale_type_from_name(const std::string& s) {
   for (int i = 0; i < kScaleTypes; ++i)
     if (s == kScaleTypeNames[i]) return (ScaleType)i;
-  throw std::invalid_argument("unknown scale dtype '" + s + "' (expected fp32, fp16, bf16, e8m0 or k8)");
+  throw std::invalid_argument("unknown scale dtype '" + s + "' (expected fp32, fp16, bf16, e8m0, k8 or k4)");
 }
 inline Codebook codebook_from_name(const std::string& s) {
   for (int i = 0; i < kCodebooks; ++i)

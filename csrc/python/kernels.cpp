@@ -229,24 +229,28 @@ void bind_kernels(py::module_& m) {
       py::arg("fmt"), py::arg("group"), py::arg("w"), py::arg("x"), py::arg("scaling") = "symmetric",
       py::arg("loop") = "engine", py::arg("int4_signed") = true, py::arg("scale_dtype") = "fp32",
       py::arg("codebook") = "");
-  // formats/pack.h store_row_set(exact) on k8: the first of `rows` rows of fp32 values (n_groups per row, groups of
-  // `group`) whose super-blocks do not all split into int8 x fp16, or -1 (hetmoe/cpu/codes.py names the matrix)
+  // formats/pack.h store_row_set(exact) on k8 or k4 (`scale_dtype`): the first of `rows` rows of fp32 values
+  // (n_groups per row, groups of `group`) whose super-blocks do not all split into sub-scales x fp16, or -1
+  // (hetmoe/cpu/codes.py names the matrix)
   m.def(
-      "k8_first_inexact_row",
-      [](uintptr_t values, int64_t rows, int n_groups, int group) -> int64_t {
+      "two_level_first_inexact_row",
+      [](const std::string& scale_dtype, uintptr_t values, int64_t rows, int n_groups, int group) -> int64_t {
+        const ScaleType t = scale_type_from_name(scale_dtype);
+        if (!two_level(t)) throw std::invalid_argument("two_level_first_inexact_row: k8 or k4, got " + scale_dtype);
         if (group <= 0 || kSuperBlock % group || n_groups < 0)
-          throw std::invalid_argument("k8_first_inexact_row: a group dividing 256");
-        const MatrixShape s = MatrixShape::make({WeightFormat::int8, group, Scaling::symmetric, ScaleType::k8},
-                                                kRowsPerBlock, n_groups * group);
-        std::vector<uint8_t> set(s.set_bytes());
+          throw std::invalid_argument("two_level_first_inexact_row: a group dividing 256");
+        const Scaling scaling = t == ScaleType::k4 ? Scaling::affine : Scaling::symmetric;
+        const MatrixShape s =
+            MatrixShape::make({WeightFormat::int8, group, scaling, t}, kRowsPerBlock, n_groups * group);
+        std::vector<uint8_t> set(s.block_scale_bytes());
         std::vector<float> v(n_groups);
         for (int64_t r = 0; r < rows; ++r) {
           std::memcpy(v.data(), ptr<const float>(values) + r * n_groups, sizeof(float) * n_groups);
-          if (!store_row_set(s, v.data(), 0, set.data(), true)) return r;
+          if (!store_row_set(s, v.data(), 0, set.data(), false, true)) return r;
         }
         return -1;
       },
-      py::arg("values"), py::arg("rows"), py::arg("n_groups"), py::arg("group"),
+      py::arg("scale_dtype"), py::arg("values"), py::arg("rows"), py::arg("n_groups"), py::arg("group"),
       py::call_guard<py::gil_scoped_release>());
   // formats/gguf_blocks.h decode_kquant on raw addresses (the caller sized every buffer: hetmoe/load/gguf/kquants.py)
   m.def(

@@ -11,8 +11,10 @@ becomes the engine's int8 / int4 codes with their own scales (and mins), so the 
   an fp16 super scale per 256 values; affine mins the same): Q4_K / Q5_K (value = scale * q - min per 32, q in 0..15 /
   0..31) int4 / int5 affine, group 32; Q6_K (value = scale * q per 16, q in [-32, 31]) int6 symmetric, group 16;
   Q3_K (value = d * (sc - 32) * q per 16, q in [-4, 3]) int3 symmetric, group 16; Q2_K (value = scale * q - min
-  per 16, q in 0..3) int2 affine, group 16. int6 / int5 / int3 / int2 are the bit-plane formats: b bits per code,
-  so each type is held at its file's bytes (csrc/formats/layout.h).
+  per 16, q in 0..3) int2 affine, group 16, with its scales and mins in scale dtype k4 instead (a 4-bit sub-scale
+  and a 4-bit sub-min per 16 in one byte, an fp16 d and dmin per 256: the file's 84 bytes per 256 values). int6 /
+  int5 / int3 / int2 are the bit-plane formats: b bits per code, so each type is held at its file's bytes
+  (csrc/formats/layout.h).
 - IQ4_NL (fp16 scale per 32, 4-bit indices into llama.cpp's kvalues_iq4nl): lut4, codebook iq4nl, fp16 scales.
 - IQ4_XS (super-blocks of 256: fp16 d and a 6-bit scale per 32, value = d * (ls - 32) * kvalues_iq4nl[q]): lut4 iq4nl,
   group 32, k8 scales (d * (ls - 32) split into the int8 sub-scale and the fp16 d again).
@@ -40,7 +42,7 @@ import torch
 
 from hetmoe import _C
 from hetmoe.cpu.experts import CPUExperts
-from hetmoe.cpu.layout import CODEBOOKS, PLANES, ROWS, SUPER_BLOCK
+from hetmoe.cpu.layout import CODEBOOKS, PLANES, ROWS, SUPER_BLOCK, TWO_LEVEL
 
 CODE_RANGE = {("int8", "symmetric"): (-127, 127), ("int4", "symmetric"): (-8, 7),
               ("int8", "affine"): (0, 127), ("int4", "affine"): (0, 15), ("lut4", "symmetric"): (0, 15),
@@ -50,7 +52,7 @@ CODE_RANGE = {("int8", "symmetric"): (-127, 127), ("int4", "symmetric"): (-8, 7)
 EXACT_TYPES = {"Q8_0": ("int8", "symmetric", 32, "fp16", None), "Q4_0": ("int4", "symmetric", 32, "fp16", None),
                "Q5_0": ("int8", "symmetric", 32, "fp16", None),
                "Q4_1": ("int4", "affine", 32, "fp16", None), "Q5_1": ("int8", "affine", 32, "fp16", None),
-               "Q2_K": ("int2", "affine", 16, "k8", None), "Q3_K": ("int3", "symmetric", 16, "k8", None),
+               "Q2_K": ("int2", "affine", 16, "k4", None), "Q3_K": ("int3", "symmetric", 16, "k8", None),
                "Q4_K": ("int4", "affine", 32, "k8", None), "Q5_K": ("int5", "affine", 32, "k8", None),
                "Q6_K": ("int6", "symmetric", 16, "k8", None),
                "IQ4_NL": ("lut4", "symmetric", 32, "fp16", "iq4nl"),
@@ -72,11 +74,12 @@ def exact_layout(gate_up_type: str, down_type: str, plan: Optional[str] = None) 
         return None
     gu, down = EXACT_TYPES[gate_up_type], EXACT_TYPES[down_type]
     fmts, books = (gu[0], down[0]), (gu[4], down[4])
+    sdts = (gu[3], down[3])
     if plan == "int8" and gu[0] in NARROW and down[0] in NARROW:
-        fmts, books = ("int8", "int8"), (None, None)
+        # (Q2_K's k4 values split into k8 exactly: int8 layers keep the scale dtypes every reader of int8 takes)
+        fmts, books, sdts = ("int8", "int8"), (None, None), tuple("k8" if s == "k4" else s for s in sdts)
     return {"weight_format": fmts[0] if fmts[0] == fmts[1] else fmts, "group_size": gu[2],
-            "down_group_size": down[2], "scaling": (gu[1], down[1]), "scale_dtype": (gu[3], down[3]),
-            "codebook": books}
+            "down_group_size": down[2], "scaling": (gu[1], down[1]), "scale_dtype": sdts, "codebook": books}
 
 
 def plan_format(layout: dict) -> tuple:
@@ -178,10 +181,11 @@ def _scan(ready: list) -> None:
         for what, t in (("scales", s), ("mins", m)):
             if t is None:
                 continue
-            if sdt == "k8":
-                bad = _C.k8_first_inexact_row(t.data_ptr(), t.numel() // t.shape[-1], t.shape[-1], group)
+            if sdt in TWO_LEVEL:
+                bad = _C.two_level_first_inexact_row(sdt, t.data_ptr(), t.numel() // t.shape[-1], t.shape[-1], group)
                 if bad >= 0:
-                    raise ValueError(f"{name} has {what} that k8 does not hold exactly (row {bad}: no int8 sub-scales "
+                    subs = "int8 sub-scales" if sdt == "k8" else "4-bit unsigned sub-scales"
+                    raise ValueError(f"{name} has {what} that {sdt} does not hold exactly (row {bad}: no {subs} "
                                      f"x one fp16 scale per {SUPER_BLOCK} values give "
                                      f"{t.reshape(-1, t.shape[-1])[bad][:4].tolist()}...)")
                 continue
@@ -192,14 +196,14 @@ def _scan(ready: list) -> None:
 
 def held_exactly(s: torch.Tensor, scale_dtype: str) -> torch.Tensor:
     """Which fp32 scales ``s`` the scale dtype stores exactly (csrc/formats/layout.h; e8m0: 2^(e - 128), e in
-    0..255; k8 holds a row's values together: ``_scan``)."""
+    0..255; k8 and k4 hold a row's values together: ``_scan``)."""
     if scale_dtype == "fp32":
         return torch.ones_like(s, dtype=torch.bool)
     if scale_dtype in ("fp16", "bf16"):
         narrow = s.to(torch.float16 if scale_dtype == "fp16" else torch.bfloat16).float()
         return narrow.view(torch.int32) == s.view(torch.int32)
-    if scale_dtype == "k8":
-        raise ValueError("k8 scales are held a row at a time (codes._scan), not one by one")
+    if scale_dtype in TWO_LEVEL:
+        raise ValueError(f"{scale_dtype} scales are held a row at a time (codes._scan), not one by one")
     mantissa, exponent = torch.frexp(s)  # e8m0: a power of two 2^(exponent - 1) in [2^-128, 2^127]
     return (mantissa == 0.5) & (exponent >= -127) & (exponent <= 128)
 

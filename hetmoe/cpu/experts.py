@@ -36,8 +36,8 @@ FP8_FORMAT = "fp8"
 # Q2_K: hetmoe/cpu/codes.py); floats loaded into them are quantized absmax (affine: min/max) per group
 PLANE_FORMATS = ("int6", "int5", "int3", "int2")
 # how int8/int4/lut4/fp8 scales are stored (csrc/formats/layout.h); k8: the K-quants' int8 sub-scale x fp16 per 256
-# (int8/int4 only)
-SCALE_DTYPES = ("fp32", "fp16", "bf16", "e8m0", "k8")
+# (integer formats only); k4: Q2_K's 4-bit sub-scale and sub-min in one byte x fp16 d and dmin per 256 (affine only)
+SCALE_DTYPES = ("fp32", "fp16", "bf16", "e8m0", "k8", "k4")
 CODEBOOKS = ("e2m1", "iq4nl")  # lut4's codebooks: FP4 (MXFP4, NVFP4) doubled, llama.cpp's IQ4_NL table
 
 GLU_KINDS = ("swiglu", "clamped_swiglu")  # csrc/formats/activation.h GluKind
@@ -162,7 +162,9 @@ class CPUExperts:
             pair (gate/up, down); codes go in with ``hetmoe.cpu.codes.load_codes``.
         scale_dtype: how the scales (and an affine matrix's mins) are stored: ``"fp32"`` (default), ``"fp16"``,
             ``"bf16"``, ``"e8m0"`` (a power of two, MXFP4's; symmetric only) or ``"k8"`` (the K-quants' two levels:
-            an int8 sub-scale per group times an fp16 scale per 256 values of a row), or a pair (gate/up, down);
+            an int8 sub-scale per group times an fp16 scale per 256 values of a row) or ``"k4"`` (Q2_K's: a 4-bit
+            sub-scale and a 4-bit sub-min per group in one byte, times an fp16 scale and an fp16 min per 256 values
+            of a row; affine only), or a pair (gate/up, down);
             grouped matrices only. Scales quantized here are rounded to the type; codes loaded with ``load_codes``
             must have scales (and mins) the type holds exactly.
         codebook: lut4's 16 values: ``"e2m1"`` (FP4 doubled) or ``"iq4nl"``, or a pair (gate/up, down; None for a

@@ -15,8 +15,10 @@ K_PER_LINE = dict(_C.LAYOUT["k_per_line"])  # values of K per line, per format (
 # bit-plane formats (int6, int5, int3, int2): (values of K per unit, lines per unit, bits per code); a matrix's K is
 # stored in whole units
 PLANES = {name: tuple(v) for name, v in _C.LAYOUT["planes"].items()}
-SCALE_WIDTH = dict(_C.LAYOUT["scale_width"])  # bytes per stored scale, per scale dtype (k8: the int8 sub-scale)
-SUPER_BLOCK = _C.LAYOUT["super_block"]  # k8: values of K per fp16 super scale
+# bytes per stored scale, per scale dtype (k8: the int8 sub-scale; k4: the byte of a 4-bit sub-scale and sub-min)
+SCALE_WIDTH = dict(_C.LAYOUT["scale_width"])
+SUPER_BLOCK = _C.LAYOUT["super_block"]  # k8, k4: values of K per fp16 super scale
+TWO_LEVEL = ("k8", "k4")  # scale dtypes with an fp16 super scale per (row, SUPER_BLOCK values of K)
 CODEBOOKS = {name: tuple(values) for name, values in _C.LAYOUT["codebooks"].items()}  # lut4: name -> 16 int8 values
 
 
@@ -34,26 +36,36 @@ def data_lines(fmt: str, kp: int) -> int:
 
 
 def set_bytes(n_blocks: int, kp: int, group: int, scale_dtype: str, shared_scales: bool = False) -> int:
-    """Bytes of one scale set (a matrix's scales, or an affine matrix's mins) of ``n_blocks`` row blocks: one value of
-    ``scale_dtype`` per (row, group) (fp8 ``shared_scales``: per (row block, group)); k8 also an fp16 super scale per
-    (row, SUPER_BLOCK values of K)."""
+    """Bytes of one scale set (a matrix's scales, or an affine matrix's mins but for k4: ``min_set_bytes``) of
+    ``n_blocks`` row blocks: one value of ``scale_dtype`` per (row, group) (fp8 ``shared_scales``: per (row block,
+    group)); k8 and k4 also an fp16 super scale per (row, SUPER_BLOCK values of K)."""
     rows = n_blocks * ROWS
-    supers = -(-kp // SUPER_BLOCK) * 2 if scale_dtype == "k8" else 0
+    supers = -(-kp // SUPER_BLOCK) * 2 if scale_dtype in TWO_LEVEL else 0
     scale_rows = n_blocks if shared_scales else rows
     return scale_rows * (kp // group) * SCALE_WIDTH[scale_dtype] + rows * supers
+
+
+def min_set_bytes(n_blocks: int, kp: int, group: int, scale_dtype: str) -> int:
+    """Bytes of an affine matrix's min set of ``n_blocks`` row blocks: as its scale set, but k4's is only its fp16
+    super mins (one per (row, SUPER_BLOCK values of K); the sub-mins share the scale set's bytes)."""
+    if scale_dtype == "k4":
+        return n_blocks * ROWS * -(-kp // SUPER_BLOCK) * 2
+    return set_bytes(n_blocks, kp, group, scale_dtype)
 
 
 def packed_matrix_bytes(fmt: str, n: int, k: int, group: int, affine: bool = False, scale_dtype: str = "fp32",
                         shared_scales: bool = False) -> int:
     """Bytes of one [n, k] matrix in the engine's packed layout (csrc/formats/layout.h), scales (of
-    ``scale_dtype``; an affine matrix's mins, stored as the scales are, beside them; fp8 ``shared_scales``: one per 16
-    rows) included."""
+    ``scale_dtype``; an affine matrix's mins, stored as the scales are, beside them (k4: in the scales' bytes but for
+    their fp16 super mins); fp8 ``shared_scales``: one per 16 rows) included."""
     group = BF16_GROUP if fmt == "bf16" else (group or 128)
     n_blocks, kp = -(-n // ROWS), -(-k // group) * group
     data = n_blocks * data_lines(fmt, kp) * LINE
     shared = shared_scales and fmt == "fp8"
-    scales = 0 if fmt == "bf16" else set_bytes(n_blocks, kp, group, scale_dtype, shared) * (2 if affine else 1)
-    return data + scales
+    if fmt == "bf16":
+        return data
+    scales = set_bytes(n_blocks, kp, group, scale_dtype, shared)
+    return data + scales + (min_set_bytes(n_blocks, kp, group, scale_dtype) if affine else 0)
 
 
 def expert_bytes(fmt: str, hidden: int, inter: int, group: int) -> int:

@@ -226,13 +226,14 @@ def test_what_the_formats_cannot_hold_is_refused():
     assert ex.info()["experts_loaded"] == ex8.info()["experts_loaded"] == 0
 
 
-def two_level_codes(fmt: str, scaling: str, group: int, shape: tuple, gen: torch.Generator) -> tuple:
+def two_level_codes(fmt: str, scaling: str, group: int, shape: tuple, gen: torch.Generator, k4: bool = False) -> tuple:
     """(codes, fp32 scales, fp32 mins or None) for gate, up, down of random K-quant-like matrices: every scale (and
-    min) d * sc with d an fp16 value per (row, 256 values of K) and sc an integer (int8 for scales, 6 bits for mins),
-    one exact fp32 product (what gguf's dequantization computes), codes anywhere in the layout's range."""
+    min) d * sc with d an fp16 value per (row, 256 values of K) and sc an integer (int8 for scales, 6 bits for mins;
+    ``k4``: 4 bits for both, Q2_K's), one exact fp32 product (what gguf's dequantization computes), codes anywhere in
+    the layout's range."""
     E, H, I = shape
     lo, hi = {("int8", "symmetric"): (-127, 127), ("int4", "symmetric"): (-8, 7), ("int8", "affine"): (0, 127),
-              ("int4", "affine"): (0, 15), ("lut4", "symmetric"): (0, 15)}[fmt, scaling]
+              ("int4", "affine"): (0, 15), ("lut4", "symmetric"): (0, 15), ("int2", "affine"): (0, 3)}[fmt, scaling]
     out = []
     for rows, cols in ((I, H), (I, H), (H, I)):
         q = torch.randint(lo, hi + 1, (E, rows, cols), generator=gen, dtype=torch.int8)
@@ -246,8 +247,8 @@ def two_level_codes(fmt: str, scaling: str, group: int, shape: tuple, gen: torch
             sc = torch.randint(lo_sc, hi_sc + 1, (E, rows, cols // group), generator=gen).float()
             return d.repeat_interleave(per, dim=2)[..., :cols // group] * sc
 
-        scales = level2(-128, 127) if scaling == "symmetric" else level2(0, 63)
-        mins = level2(0, 63) if scaling == "affine" else None
+        scales = level2(-128, 127) if scaling == "symmetric" else level2(0, 15 if k4 else 63)
+        mins = level2(0, 15 if k4 else 63) if scaling == "affine" else None
         out.append((q, scales, mins))
     return tuple(zip(*out))
 
@@ -291,6 +292,37 @@ def test_two_level_scales_give_the_bits_of_fp32_scales(fmt, scaling, group, shap
         for T in (1, 37, 64):
             a, b = k8(x[:T], ids[:T], w[:T]), f32(x[:T], ids[:T], w[:T])
             assert torch.equal(a, b), f"{fmt} {scaling} g{group} {path} T={T}"
+
+
+@pytest.mark.parametrize("shape", [(4, 512, 256), (3, 96, 160)], ids=["whole-supers", "part-super"])
+@pytest.mark.parametrize("fmt, group", [("int4", 16), ("int8", 32), ("int2", 16)], ids=lambda v: str(v))
+def test_k4_scales_give_the_bits_of_fp32_scales(fmt, group, shape):
+    """The same affine codes, scales and mins loaded as k4 (Q2_K's 4-bit sub-scale and sub-min per group in one byte,
+    an fp16 d and dmin per 256 values) and as fp32: the same values (dequantized bitwise), fewer bytes than k8, and on
+    every path (each row-block ISA, the emulated AMX GEMM, native AMX where there is one) decode (T = 1) and prefill
+    (T = 37, 64) give the same output bits."""
+    E, H, I = shape
+    gen = torch.Generator().manual_seed(H + group + 1)
+    codes, scales, mins = two_level_codes(fmt, "affine", group, shape, gen, k4=True)
+    x = torch.randn(64, H, generator=gen)
+    ids = torch.randint(0, E, (64, 2), generator=gen)
+    ids[5, 1] = -1
+    w = torch.rand(64, 2, generator=gen)
+    for path in PATHS:
+        kw = dict(isa=path, amx_min_tokens=1) if path in AMX_PATHS else dict(isa=path)
+        trio = [CPUExperts(E, H, I, fmt, group, pool=WorkerPool(1), scaling="affine", scale_dtype=sdt, **kw)
+                for sdt in ("k4", "k8", "fp32")]
+        for ex in trio:
+            load_codes(ex, codes, scales, mins=mins)
+        k4, k8, f32 = trio
+        assert k4.nbytes < k8.nbytes < f32.nbytes
+        assert k4.info()["gate_up_scale_dtype"] == k4.info()["down_scale_dtype"] == "k4"
+        if path == PATHS[0]:
+            for e in range(E):
+                assert all(torch.equal(a, b) for a, b in zip(k4.dequantized(e), f32.dequantized(e)))
+        for T in (1, 37, 64):
+            a, b = k4(x[:T], ids[:T], w[:T]), f32(x[:T], ids[:T], w[:T])
+            assert torch.equal(a, b), f"{fmt} g{group} {path} T={T}"
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])

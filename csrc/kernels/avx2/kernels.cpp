@@ -2,6 +2,7 @@
 // Tokens are processed in tiles of NT so each weight line loaded from memory serves NT tokens.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cstring>
 
@@ -52,7 +53,7 @@ struct Bf16Tile {
 };
 
 // Values 8 * half .. 8 * half + 7 of group g of a scale set of w (its scales, or its mins) as fp32 (formats/layout.h:
-// one load and one conversion, k8 two and a multiply; exact, the bits of RowBlock::value).
+// one load and one conversion, k8 / k4 two and a multiply; exact, the bits of RowBlock::value).
 inline __m256 widen8(const RowBlock& w, const uint8_t* set, int g, int half) {
   const uint8_t* p = w.group_of(set, g) + 8 * half * scale_width(w.scale_type);
   switch (w.scale_type) {
@@ -69,6 +70,13 @@ inline __m256 widen8(const RowBlock& w, const uint8_t* set, int g, int half) {
     }
     case ScaleType::k8: {  // int8 sub-scale x fp16 super scale
       const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+      const uint8_t* d = w.super_of(set, g) + 16 * half;
+      return _mm256_mul_ps(sc, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d))));
+    }
+    case ScaleType::k4: {  // 4-bit sub-scale (low nibble) or sub-min (high) x fp16 super scale / min
+      __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+      if (w.sub_shift(set)) b = _mm256_srli_epi32(b, 4);
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
       const uint8_t* d = w.super_of(set, g) + 16 * half;
       return _mm256_mul_ps(sc, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d))));
     }
@@ -387,8 +395,7 @@ inline void plane_quad(const uint8_t* unit, int qi, __m256i (*out)[2]) {
   for (int h = 0; h < 2; ++h) {
     if constexpr (P.lo_bits == 4) {
       const __m256i l0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(unit + 2 * qi * kLineBytes + 32 * h));
-      const __m256i l1 =
-          _mm256_load_si256(reinterpret_cast<const __m256i*>(unit + (2 * qi + 1) * kLineBytes + 32 * h));
+      const __m256i l1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(unit + (2 * qi + 1) * kLineBytes + 32 * h));
       out[0][h] = _mm256_and_si256(l0, lo_mask);
       out[1][h] = _mm256_and_si256(_mm256_srli_epi16(l0, 4), lo_mask);
       out[2][h] = _mm256_and_si256(l1, lo_mask);
@@ -400,7 +407,18 @@ inline void plane_quad(const uint8_t* unit, int qi, __m256i (*out)[2]) {
       out[2][h] = _mm256_and_si256(_mm256_srli_epi16(l, 4), lo_mask);
       out[3][h] = _mm256_and_si256(_mm256_srli_epi16(l, 6), lo_mask);
     }
-    if constexpr (P.hi_bits > 0) {
+    if constexpr (P.hi_bits == 1) {  // the quad's 4 bits as a nibble, bit f looked up to bit lo_bits (one vpshufb)
+      __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(unit + P.hi_line() * kLineBytes + 32 * h));
+      if (qi) v = _mm256_srli_epi16(v, 4);  // quad 1's bits 4..7 down to 0..3
+      const __m256i nib = _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+#pragma GCC unroll 4
+      for (int f = 0; f < 4; ++f) {
+        alignas(16) uint8_t t[16];
+        for (int i = 0; i < 16; ++i) t[i] = (uint8_t)(((i >> f) & 1) << P.lo_bits);
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+        out[f][h] = _mm256_or_si256(out[f][h], _mm256_shuffle_epi8(table, nib));
+      }
+    } else if constexpr (P.hi_bits > 0) {
       __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(unit + P.hi_line() * kLineBytes + 32 * h));
       if (P.quads == 2 && qi) v = _mm256_srli_epi16(v, 4);  // quad 1's bits 4..7 down to 0..3
 #pragma GCC unroll 4
@@ -527,10 +545,10 @@ struct PlaneNarrow {
             }
 #pragma GCC unroll 2
             for (int h = 0; h < 2; ++h) {
-              const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(bl[0][h], xd[0]),
-                                                   _mm256_maddubs_epi16(bl[1][h], xd[1]));
-              const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(bl[2][h], xd[2]),
-                                                   _mm256_maddubs_epi16(bl[3][h], xd[3]));
+              const __m256i s01 =
+                  _mm256_add_epi16(_mm256_maddubs_epi16(bl[0][h], xd[0]), _mm256_maddubs_epi16(bl[1][h], xd[1]));
+              const __m256i s23 =
+                  _mm256_add_epi16(_mm256_maddubs_epi16(bl[2][h], xd[2]), _mm256_maddubs_epi16(bl[3][h], xd[3]));
               acc[i][h] = _mm256_add_epi32(acc[i][h], _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones));
             }
           }
@@ -553,6 +571,137 @@ struct PlaneNarrow {
     }
   };
 };
+
+// One token (decode) of bit-plane weights (avx512/kernels.cpp PlaneRow): PlaneWide / PlaneNarrow<F>::Tile<1>'s int32
+// sums and epilogue (the same bits), the lines read in order and prefetched once each as Int4Tile<1> does, and
+// two-level scales (T: k8, k4; f32 stands for any other type, widened by widen8) widened in the body with their super
+// scales converted once per super-block.
+template <ScaleType T, bool kMin>
+inline __m256 sub_times8(const uint8_t* p, __m256 d) {  // 8 rows' sub-scales (k4 kMin: sub-mins) x super scales
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if constexpr (T == ScaleType::k8) return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d);
+  __m256i v = _mm256_cvtepu8_epi32(b);
+  if constexpr (kMin) v = _mm256_srli_epi32(v, 4);
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))), d);
+}
+inline __m256 super8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+template <WeightFormat F, ScaleType T>
+struct PlaneRow {
+  static void run(const RowBlock& w, const uint8_t* row, const ActLayout& a, float* out) {
+    w.mins ? body<true>(w, row, a, out) : body<false>(w, row, a, out);
+  }
+  // The group of quads [q, q + n)'s row sums: sum[0] rows 0..7, sum[1] rows 8..15.
+  static void group_sum(const uint8_t* data, const uint8_t* row, int q, int n, __m256i* sum) {
+    constexpr Planes P = planes_of(F);
+    __m256i acc[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) acc[c] = _mm256_setzero_si256();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int e = q + n; q < e; ++q) {
+      const uint8_t* unit = data + P.unit_offset(q);
+      const int qi = q % P.quads;
+      if (qi == 0) {
+#pragma GCC unroll 5
+        for (int l = 0; l < P.lines; ++l)
+          _mm_prefetch(reinterpret_cast<const char*>(unit) + l * kLineBytes + kInt4RowPrefetchBytes, _MM_HINT_T0);
+      }
+      __m256i bl[4][2];
+      plane_quad<F>(unit, qi, bl);
+      if constexpr (wide_codes(F)) {  // PlaneWide's madd on 16-byte chunks (4 rows x 4 k): acc[c] rows 4c..4c+3
+        const int16_t* x = reinterpret_cast<const int16_t*>(row) + 16 * q;
+#pragma GCC unroll 4
+        for (int f = 0; f < 4; ++f) {
+          int64_t q4;
+          std::memcpy(&q4, x + 4 * f, 8);
+          const __m256i xb = _mm256_set1_epi64x(q4);
+#pragma GCC unroll 4
+          for (int c = 0; c < 4; ++c) {
+            const __m256i y = bl[f][c / 2];
+            const __m256i w16 =
+                _mm256_cvtepu8_epi16(c % 2 ? _mm256_extracti128_si256(y, 1) : _mm256_castsi256_si128(y));
+            acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(w16, xb));
+          }
+        }
+      } else {  // PlaneNarrow's maddubs, a quad's four byte lines summed in int16: acc[h] rows 8h..8h+7
+        const int8_t* x = reinterpret_cast<const int8_t*>(row) + 16 * q;
+        __m256i xd[4];
+#pragma GCC unroll 4
+        for (int f = 0; f < 4; ++f) {
+          int32_t v;
+          std::memcpy(&v, x + 4 * f, 4);
+          xd[f] = _mm256_set1_epi32(v);
+        }
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256i s01 =
+              _mm256_add_epi16(_mm256_maddubs_epi16(bl[0][h], xd[0]), _mm256_maddubs_epi16(bl[1][h], xd[1]));
+          const __m256i s23 =
+              _mm256_add_epi16(_mm256_maddubs_epi16(bl[2][h], xd[2]), _mm256_maddubs_epi16(bl[3][h], xd[3]));
+          acc[h] = _mm256_add_epi32(acc[h], _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones));
+        }
+      }
+    }
+    if constexpr (wide_codes(F)) {
+      sum[0] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[0], acc[1]), 0xD8);
+      sum[1] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[2], acc[3]), 0xD8);
+    } else {
+      sum[0] = acc[0];
+      sum[1] = acc[1];
+    }
+  }
+  template <bool kAffine>
+  static void body(const RowBlock& w, const uint8_t* row, const ActLayout& a, float* out) {
+    constexpr int32_t kOffset = 1 << (code_bits(F) - 1);
+    constexpr bool kTwo = two_level(T);
+    const int quads_per_group = w.group / 16, n_groups = w.kp / w.group, per_super = kSuperBlock / w.group;
+    const float* xscales = act_scales(row, a);
+    const int32_t* xsums = act_sums(row, a);
+    const uint8_t* sub = w.group_of(w.scales, 0);
+    const uint8_t* sub_m = kAffine ? w.group_of(w.mins, 0) : nullptr;
+    const uint8_t* sup = kTwo ? w.super_of(w.scales, 0) : nullptr;
+    const uint8_t* sup_m = kTwo && kAffine ? w.super_of(w.mins, 0) : nullptr;
+    __m256 f0 = _mm256_setzero_ps(), f1 = _mm256_setzero_ps();
+    for (int g0 = 0, s = 0; g0 < n_groups; g0 += per_super, ++s) {
+      __m256 ds[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, dm[2] = {ds[0], ds[1]};
+      if constexpr (kTwo) {
+        ds[0] = super8(sup + 32 * s), ds[1] = super8(sup + 32 * s + 16);
+        if constexpr (kAffine) dm[0] = super8(sup_m + 32 * s), dm[1] = super8(sup_m + 32 * s + 16);
+      }
+      const int g1 = std::min(g0 + per_super, n_groups);
+      for (int g = g0; g < g1; ++g) {
+        __m256i sum[2];
+        group_sum(w.data, row, g * quads_per_group, quads_per_group, sum);
+        __m256 ws[2], wm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          if constexpr (kTwo) {
+            ws[h] = sub_times8<T, false>(sub + 16 * g + 8 * h, ds[h]);
+            if constexpr (kAffine) wm[h] = sub_times8 < T, T == ScaleType::k4 > (sub_m + 16 * g + 8 * h, dm[h]);
+          } else {
+            ws[h] = scales8(w, g, h);
+            wm[h] = mins8<kAffine>(w, g, h);
+          }
+        }
+        f0 = epilogue8<kAffine>(f0, sum[0], kOffset, xsums[g], ws[0], wm[0], xscales[g]);
+        f1 = epilogue8<kAffine>(f1, sum[1], kOffset, xsums[g], ws[1], wm[1], xscales[g]);
+      }
+    }
+    _mm256_storeu_ps(out, f0);
+    _mm256_storeu_ps(out + 8, f1);
+  }
+};
+
+// A bit-plane row block: one token on PlaneRow (its scale type's body), more on the tiles of `Tile`.
+template <WeightFormat F, template <int> class Tile, int kMax>
+inline void plane_rowblock(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  if (n_tok != 1) return tiles::run_tiles<kMax, Tile>(w, rows, a, n_tok, out);
+  switch (w.scale_type) {
+    case ScaleType::k8: return PlaneRow<F, ScaleType::k8>::run(w, rows[0], a, out);
+    case ScaleType::k4: return PlaneRow<F, ScaleType::k4>::run(w, rows[0], a, out);
+    default: return PlaneRow<F, ScaleType::f32>::run(w, rows[0], a, out);
+  }
+}
 
 // fp8 (formats/layout.h, avx512/kernels.cpp Fp8Tile): one 32-byte half of a line (rows 8h..8h+7) as fp32 q * 2^-8
 // in four vectors of row pairs: lo[q] rows 8h + 4q .. + 3 as (k, k + 2) pairs of bytes 0 and 2, hi[q] of bytes 1, 3.
@@ -716,16 +865,16 @@ void rowblock_fp8(const RowBlock& w, const uint8_t* const* rows, const ActLayout
   tiles::run_tiles<1, Fp8Tile>(w, rows, a, n_tok, out);
 }
 void rowblock_int6(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
-  tiles::run_tiles<2, PlaneWide<WeightFormat::int6>::Tile>(w, rows, a, n_tok, out);
+  plane_rowblock<WeightFormat::int6, PlaneWide<WeightFormat::int6>::Tile, 2>(w, rows, a, n_tok, out);
 }
 void rowblock_int5(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
-  tiles::run_tiles<2, PlaneWide<WeightFormat::int5>::Tile>(w, rows, a, n_tok, out);
+  plane_rowblock<WeightFormat::int5, PlaneWide<WeightFormat::int5>::Tile, 2>(w, rows, a, n_tok, out);
 }
 void rowblock_int3(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
-  tiles::run_tiles<2, PlaneNarrow<WeightFormat::int3>::Tile>(w, rows, a, n_tok, out);
+  plane_rowblock<WeightFormat::int3, PlaneNarrow<WeightFormat::int3>::Tile, 2>(w, rows, a, n_tok, out);
 }
 void rowblock_int2(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
-  tiles::run_tiles<2, PlaneNarrow<WeightFormat::int2>::Tile>(w, rows, a, n_tok, out);
+  plane_rowblock<WeightFormat::int2, PlaneNarrow<WeightFormat::int2>::Tile, 2>(w, rows, a, n_tok, out);
 }
 
 }  // namespace avx2

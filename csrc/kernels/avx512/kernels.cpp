@@ -2,6 +2,7 @@
 // them). One 64-byte line is one zmm register: 16 rows x 4 bytes.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cstring>
 
@@ -46,7 +47,7 @@ struct Bf16Tile {
 };
 
 // The 16 values of group g of a scale set of w (its scales, or its mins) as fp32 (formats/layout.h: one load and one
-// conversion, k8 two and a multiply; exact, the bits of RowBlock::value).
+// conversion, k8 / k4 two and a multiply; exact, the bits of RowBlock::value).
 inline __m512 widen16(const RowBlock& w, const uint8_t* set, int g) {
   const uint8_t* p = w.group_of(set, g);
   switch (w.scale_type) {
@@ -63,6 +64,13 @@ inline __m512 widen16(const RowBlock& w, const uint8_t* set, int g) {
     }
     case ScaleType::k8: {  // int8 sub-scale x fp16 super scale
       const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.super_of(set, g))));
+      return _mm512_mul_ps(sc, d);
+    }
+    case ScaleType::k4: {  // 4-bit sub-scale (low nibble) or sub-min (high) x fp16 super scale / min
+      __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      if (w.sub_shift(set)) b = _mm512_srli_epi32(b, 4);
+      const __m512 sc = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.super_of(set, g))));
       return _mm512_mul_ps(sc, d);
     }
@@ -290,7 +298,8 @@ inline void plane_quad(const uint8_t* unit, int qi, __m512i* out) {
   constexpr Planes P = planes_of(F);
   const __m512i lo_mask = _mm512_set1_epi8((char)((1 << P.lo_bits) - 1));
   if constexpr (P.lo_bits == 4) {
-    const __m512i l0 = _mm512_load_si512(unit + 2 * qi * kLineBytes), l1 = _mm512_load_si512(unit + (2 * qi + 1) * kLineBytes);
+    const __m512i l0 = _mm512_load_si512(unit + 2 * qi * kLineBytes),
+                  l1 = _mm512_load_si512(unit + (2 * qi + 1) * kLineBytes);
     out[0] = _mm512_and_si512(l0, lo_mask);
     out[1] = _mm512_and_si512(_mm512_srli_epi16(l0, 4), lo_mask);
     out[2] = _mm512_and_si512(l1, lo_mask);
@@ -434,6 +443,116 @@ struct PlaneNarrow {
     }
   };
 };
+
+// One token (decode) of bit-plane weights: the int32 sums and the epilogue of PlaneWide / PlaneNarrow<F>::Tile<1>
+// (the same bits: int32 sums in any order), written for a weight stream at DRAM speed, where the tiles' per-group
+// costs would bound it (a group of 16 is one line of int2): the lines read in order, each prefetched once (as
+// NibbleTile<1>), and the scales widened in the body. T is the matrix's scale type when it has two levels (k8, k4):
+// its super scales are converted once per super-block, its sub-scales with one load, a convert and a multiply per
+// group, the bits of widen16; any other type (T = f32 here) widens each group with widen16.
+template <ScaleType T, bool kMin>
+inline __m512 sub_times(const uint8_t* p, __m512 d) {  // group's 16 sub-scales (k4 kMin: sub-mins) x super scales
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (T == ScaleType::k8) return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), d);
+  __m512i v = _mm512_cvtepu8_epi32(b);
+  if constexpr (kMin) v = _mm512_srli_epi32(v, 4);
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), d);
+}
+inline __m512 super16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <WeightFormat F, ScaleType T>
+struct PlaneRow {
+  static void run(const RowBlock& w, const uint8_t* row, const ActLayout& a, float* out) {
+    w.mins ? body<true>(w, row, a, out) : body<false>(w, row, a, out);
+  }
+  // The group of quads [q, q + n)'s 16 row sums.
+  static __m512i group_sum(const uint8_t* data, const uint8_t* row, int q, int n) {
+    constexpr Planes P = planes_of(F);
+    __m512i c0 = _mm512_setzero_si512(), c1 = c0;
+    for (int e = q + n; q < e; ++q) {
+      const uint8_t* unit = data + P.unit_offset(q);
+      const int qi = q % P.quads;
+      if (qi == 0) {
+#pragma GCC unroll 5
+        for (int l = 0; l < P.lines; ++l) {
+          _mm_prefetch(reinterpret_cast<const char*>(unit) + l * kLineBytes + kInt4RowPrefetchBytes, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(unit) + l * kLineBytes + kPrefetchL2Bytes, _MM_HINT_T1);
+        }
+      }
+      __m512i bl[4];
+      plane_quad<F>(unit, qi, bl);
+      if constexpr (wide_codes(F)) {  // int16 activations: PlaneWide's vpdpwssd on words, c0 rows 0..7, c1 8..15
+        const int16_t* x = reinterpret_cast<const int16_t*>(row) + 16 * q;
+#pragma GCC unroll 4
+        for (int f = 0; f < 4; ++f) {
+          int64_t q4;
+          std::memcpy(&q4, x + 4 * f, 8);
+          const __m512i xb = _mm512_set1_epi64(q4);
+          c0 = _mm512_dpwssd_epi32(c0, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(bl[f])), xb);
+          c1 = _mm512_dpwssd_epi32(c1, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(bl[f], 1)), xb);
+        }
+      } else {  // int8 activations: PlaneNarrow's vpdpbusd, byte lines on two chains
+        const int8_t* x = reinterpret_cast<const int8_t*>(row) + 16 * q;
+        int32_t x0, x1, x2, x3;
+        std::memcpy(&x0, x, 4);
+        std::memcpy(&x1, x + 4, 4);
+        std::memcpy(&x2, x + 8, 4);
+        std::memcpy(&x3, x + 12, 4);
+        c0 = _mm512_dpbusd_epi32(c0, bl[0], _mm512_set1_epi32(x0));
+        c1 = _mm512_dpbusd_epi32(c1, bl[1], _mm512_set1_epi32(x1));
+        c0 = _mm512_dpbusd_epi32(c0, bl[2], _mm512_set1_epi32(x2));
+        c1 = _mm512_dpbusd_epi32(c1, bl[3], _mm512_set1_epi32(x3));
+      }
+    }
+    if constexpr (wide_codes(F)) return _mm512_inserti64x4(_mm512_castsi256_si512(pair_sums(c0)), pair_sums(c1), 1);
+    return _mm512_add_epi32(c0, c1);
+  }
+  template <bool kAffine>
+  static void body(const RowBlock& w, const uint8_t* row, const ActLayout& a, float* out) {
+    constexpr int32_t kOffset = 1 << (code_bits(F) - 1);
+    constexpr bool kTwo = two_level(T);
+    const int quads_per_group = w.group / 16, n_groups = w.kp / w.group, per_super = kSuperBlock / w.group;
+    const float* xscales = act_scales(row, a);
+    const int32_t* xsums = act_sums(row, a);
+    // two levels: group g's sub bytes at sub + 16 g (k4: the mins' in the same bytes), its super-block's at + 32 s
+    const uint8_t* sub = w.group_of(w.scales, 0);
+    const uint8_t* sub_m = kAffine ? w.group_of(w.mins, 0) : nullptr;
+    const uint8_t* sup = kTwo ? w.super_of(w.scales, 0) : nullptr;
+    const uint8_t* sup_m = kTwo && kAffine ? w.super_of(w.mins, 0) : nullptr;
+    __m512 f = _mm512_setzero_ps();
+    for (int g0 = 0, s = 0; g0 < n_groups; g0 += per_super, ++s) {
+      const __m512 ds = kTwo ? super16(sup + 32 * s) : _mm512_setzero_ps();
+      const __m512 dm = kTwo && kAffine ? super16(sup_m + 32 * s) : _mm512_setzero_ps();
+      const int g1 = std::min(g0 + per_super, n_groups);
+      for (int g = g0; g < g1; ++g) {
+        const __m512i sum = group_sum(w.data, row, g * quads_per_group, quads_per_group);
+        __m512 ws, wm = _mm512_setzero_ps();
+        if constexpr (kTwo) {
+          ws = sub_times<T, false>(sub + 16 * g, ds);
+          if constexpr (kAffine) wm = sub_times < T, T == ScaleType::k4 > (sub_m + 16 * g, dm);
+        } else {
+          ws = scales16(w, g);
+          if constexpr (kAffine) wm = mins16(w, g);
+        }
+        f = epilogue16<kAffine>(f, sum, kOffset, xsums[g], ws, wm, xscales[g]);
+      }
+    }
+    _mm512_storeu_ps(out, f);
+  }
+};
+
+// A bit-plane row block: one token on PlaneRow (its scale type's body), more on the tiles of `Tile`.
+template <WeightFormat F, template <int> class Tile, int kMax>
+inline void plane_rowblock(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  if (n_tok != 1) return tiles::run_tiles<kMax, Tile>(w, rows, a, n_tok, out);
+  switch (w.scale_type) {
+    case ScaleType::k8: return PlaneRow<F, ScaleType::k8>::run(w, rows[0], a, out);
+    case ScaleType::k4: return PlaneRow<F, ScaleType::k4>::run(w, rows[0], a, out);
+    default: return PlaneRow<F, ScaleType::f32>::run(w, rows[0], a, out);
+  }
+}
 
 // fp8 (formats/layout.h): a line's 64 codes as fp32 q * 2^-8 in four vectors of row pairs: lo[h] holds rows
 // 8h..8h+7 as (k, k + 2) pairs of bytes 0 and 2 (lanes 2r, 2r + 1), hi[h] the pairs of bytes 1 and 3. Each 16-bit
@@ -593,16 +712,16 @@ void rowblock_fp8(const RowBlock& w, const uint8_t* const* rows, const ActLayout
   tiles::run_tiles<4, Fp8Tile>(w, rows, a, n_tok, out);
 }
 void rowblock_int6(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
-  tiles::run_tiles<8, PlaneWide<WeightFormat::int6>::Tile>(w, rows, a, n_tok, out);
+  plane_rowblock<WeightFormat::int6, PlaneWide<WeightFormat::int6>::Tile, 8>(w, rows, a, n_tok, out);
 }
 void rowblock_int5(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
-  tiles::run_tiles<8, PlaneWide<WeightFormat::int5>::Tile>(w, rows, a, n_tok, out);
+  plane_rowblock<WeightFormat::int5, PlaneWide<WeightFormat::int5>::Tile, 8>(w, rows, a, n_tok, out);
 }
 void rowblock_int3(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
-  tiles::run_tiles<12, PlaneNarrow<WeightFormat::int3>::Tile>(w, rows, a, n_tok, out);
+  plane_rowblock<WeightFormat::int3, PlaneNarrow<WeightFormat::int3>::Tile, 12>(w, rows, a, n_tok, out);
 }
 void rowblock_int2(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
-  tiles::run_tiles<12, PlaneNarrow<WeightFormat::int2>::Tile>(w, rows, a, n_tok, out);
+  plane_rowblock<WeightFormat::int2, PlaneNarrow<WeightFormat::int2>::Tile, 12>(w, rows, a, n_tok, out);
 }
 
 void fp8_to_bf16_lines(const uint8_t* src, int n_lines, uint8_t* dst) {

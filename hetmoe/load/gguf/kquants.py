@@ -17,7 +17,8 @@ same):
   (d * sc_g) * q - (dmin * m_g) for groups g of 16, q in 0..3. -> int2 affine, group 16.
 
 The engine holds the scales (and mins) in its k8 scale dtype: the file's int8 sub-scales and fp16 super scales again
-(csrc/formats/layout.h), split back out of the fp32 values given here.
+(csrc/formats/layout.h), split back out of the fp32 values given here; Q2_K's in k4 (its 4-bit sub-scale and sub-min
+pairs, fp16 d and dmin: 84 bytes per 256 values as in the file; hetmoe/cpu/codes.py EXACT_TYPES).
 
 The scales (and mins) are computed in fp32 exactly as gguf's numpy dequantization computes them (fp16 -> fp32,
 times the small integer as fp32), so scale * code (- min) is bitwise what ``gguf.quants.dequantize`` gives. The

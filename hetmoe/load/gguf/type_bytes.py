@@ -1,13 +1,13 @@
 """A GGUF file's bytes per GGML type against the bytes hetmoe holds them in, from the tensor headers alone (what
 ``hetmoe plan --model FILE.gguf`` prints under the plan's table).
 
-Routed experts: a layer whose types the planned format holds exactly (hetmoe/cpu/codes.py exact_layout, as the
-loader's ``new_experts`` takes it) counts each matrix in its own layout (hetmoe/cpu/layout.py packed_matrix_bytes:
-codes, scale sets of the type's scale dtype, affine mins the same; the K-quants' two-level k8 scales at ~1.06 bytes
-per group); any other layer counts the plan's format and
-group (re-quantized at load). Dense part: each parameter dequantized into the dtype, the linears a dense format
-packs (hetmoe/load/dense.py) in that format, as the plan's ``dense weights`` counts them. So the expert rows add up
-to the plan's ``routed experts`` (what the engine allocates) and the dense rows to its ``dense weights``.
+Routed experts: a layer whose types the planned format holds exactly (hetmoe/cpu/codes.py exact_layout, as the loader's
+``new_experts`` takes it) counts each matrix in its own layout (hetmoe/cpu/layout.py packed_matrix_bytes: codes, scale
+sets of the type's scale dtype, affine mins the same; the K-quants' two-level k8 scales at ~1.06 bytes per group, Q2_K's
+k4 scale and min pairs at 1.25 bytes per group of 16 for both, as in the file); any other layer counts the plan's format
+and group (re-quantized at load). Dense part: each parameter dequantized into the dtype, the linears a dense format
+packs (hetmoe/load/dense.py) in that format, as the plan's ``dense weights`` counts them. So the expert rows add up to
+the plan's ``routed experts`` (what the engine allocates) and the dense rows to its ``dense weights``.
 """
 
 from __future__ import annotations

@@ -74,10 +74,10 @@ def test_bytes_per_type_are_what_the_load_allocates(tmp_path, qtype, layer_types
 # prints; <= 1.05 where the engine holds the file's bits per weight (4-bit codes with their own scales)
 RAM_FACTORS = {"Q4_K": (1.0278, "int4 g32 k8 affine"), "Q4_1": (1.0, "int4 g32 fp16 affine"),
                "IQ4_XS": (1.0147, "lut4 iq4nl g32 k8"), "Q4_0": (1.0, "int4 g32 fp16"),
-               "Q3_K": (1.0364, "int3 g16 k8"), "Q2_K": (1.1905, "int2 g16 k8 affine"),
+               "Q3_K": (1.0364, "int3 g16 k8"), "Q2_K": (1.0, "int2 g16 k4 affine"),
                "Q5_K": (1.0227, "int5 g32 k8 affine"), "Q6_K": (1.0, "int6 g16 k8"),
                "Q5_0": (1.5455, "int8 g32 fp16"), "Q5_1": (1.5, "int8 g32 fp16 affine")}
-AT_FILE_SIZE = ("Q4_K", "Q4_1", "IQ4_XS", "Q4_0", "Q3_K", "Q5_K", "Q6_K")  # (Q2_K: int8 sub-scales and mins, 1.19x)
+AT_FILE_SIZE = ("Q4_K", "Q4_1", "IQ4_XS", "Q4_0", "Q3_K", "Q5_K", "Q6_K", "Q2_K")
 
 
 @pytest.mark.parametrize("qtype", list(RAM_FACTORS))
