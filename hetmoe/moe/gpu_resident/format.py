@@ -3,12 +3,13 @@ symmetric, one fp32 scale per ``group`` weights along K (32, 64 or 128) -- value
 convention, so that resident experts of the CPU's format hold exactly the values its kernels multiply by; or lut4,
 a CPU engine's lut4 codes kept as they are (codebook indices in int4's layout, value = scale * codebook[i]: the
 bytes of int4, which is what a memory plan counts for those layers). Scales the CPU engine stores narrower than fp32
-(fp16, bf16, e8m0, k8) are widened to fp32 at upload, exactly (the int4 bytes a plan counts, again). The bit-plane
+(fp16, bf16, e8m0, k8, k4) are widened to fp32 at upload, exactly (the int4 bytes a plan counts, again). The bit-plane
 codes (int6, int5, int3, int2: GGUF's Q6_K, Q5_K, Q3_K, Q2_K) are widened exactly, int6 / int5 into int8 codes and
 int3 / int2 into int4 codes, in the same group with the same scales: the resident kernels dequantize int8 and int4 in
 their K loop (hetmoe/ops/triton/experts.py ``_halves``) and no kernel of theirs reads the packed planes. Affine
 matrices (the K-quants Q4_K, Q5_K, Q2_K; Q4_1 / Q5_1) keep their mins beside the scales, fp32 too: value =
-scale * u - min, u = q + 128 (int8) or the nibble (int4), rounded twice as the CPU engine rounds it.
+scale * u - min, u = q + 128 (int8) or the nibble (int4), rounded twice as the CPU engine rounds it (Q2_K's k4: scale =
+sub-scale nibble x fp16 d, min = sub-min nibble x fp16 dmin, both exact in fp32).
 
 Layout of one quantized matrix stack (the conventions of hetmoe/ops/triton/linear.py, with the group a parameter;
 K zero-padded to Kp, a multiple of the group):
@@ -260,10 +261,10 @@ def cpu_codes(cpu_experts, expert: int, storage: Storage, ranges: Optional[list]
         # gate and up row blocks alternate (block 2 rb + m is matrix m's rb): [n_mats, NB * 16, Kp] in row order
         codes = packed._unpack_data(data, shape, n_mats).view(nb, n_mats, packed.ROWS, shape.kp)
         codes = codes.transpose(0, 1).reshape(n_mats * nb * packed.ROWS, shape.kp)
-        sets = scales.view(nb * n_mats, 2 if affine else 1, -1)
+        widened = packed.widen_sets(scales.view(nb * n_mats, shape.block_scale_bytes), shape)  # (scales, mins)
 
-        def per_row(j: int) -> torch.Tensor:  # set j (0: scales, 1: mins) as fp32 [n_mats * n, G]
-            v = packed.widen_set(sets[:, j], shape).view(nb, n_mats, G, packed.ROWS).permute(1, 0, 3, 2)
+        def per_row(j: int) -> torch.Tensor:  # widened j (0: scales, 1: mins) as fp32 [n_mats * n, G]
+            v = widened[j].view(nb, n_mats, G, packed.ROWS).permute(1, 0, 3, 2)
             return v.reshape(n_mats, nb * packed.ROWS, G)[:, :n].reshape(n_mats * n, G).clone()
 
         # q = u - the stored offset: symmetric codes' own (2^(b-1) of a b-bit code), affine int8 / int4's (added back)

@@ -144,6 +144,23 @@ def eligible(layer) -> bool:
     return engine is not None and engine.info().get("numa_subpools", 1) == 1
 
 
+def unreadable(layers: list) -> Optional[str]:
+    """Why the GPU prefill's readers of the packed layout cannot read some layer's experts (the PyTorch unpack,
+    hetmoe/moe/streamed/packed.py, and where Triton is installed its one-pass kernel, hetmoe/ops/triton/packed.py:
+    each refuses what it does not read by name), or None."""
+    from hetmoe.moe.streamed.packed import ExpertLayout
+    from hetmoe.ops.triton import packed as packed_triton
+
+    for layer in layers:
+        try:
+            layout = ExpertLayout.of(layer.engine)
+            if packed_triton.available():
+                packed_triton.check_layout(layout)
+        except ValueError as err:
+            return f"{err} (prefill stays on the CPU)"
+    return None
+
+
 def setup(layers: list, plan, options, log) -> tuple:
     """The model's layerwise GPU prefill for a plan that holds its buffers (``plan.gpu_prefill``), with the token
     threshold of ``options.gpu_prefill`` (a count, or "auto": measured here) -> (LayerwisePrefill or None, the
@@ -168,6 +185,10 @@ def setup(layers: list, plan, options, log) -> tuple:
         return None, {"enabled": False, "why": "MoE layers split over NUMA subpools (their storage is per slice)"}
     if any(layer.engine.info()["weight_format"] == "fp8" for layer in layers):  # (all or none, as above)
         why = "fp8 experts: the GPU unpacking of the packed layout reads no fp8 yet (prefill stays on the CPU)"
+        log(f"hetmoe: GPU prefill off: {why}")
+        return None, {"enabled": False, "why": why}
+    why = unreadable(layers)  # (all or none, as above)
+    if why:
         log(f"hetmoe: GPU prefill off: {why}")
         return None, {"enabled": False, "why": why}
     threshold = options.gpu_prefill if isinstance(options.gpu_prefill, int) else 1

@@ -35,7 +35,7 @@ class MatrixShape:
     kp: int
     n_blocks: int
     affine: bool = False  # value = scale * u - min (GGUF's K-quants), else scale * q
-    scale_dtype: str = "fp32"  # how the scales (and mins) are stored (fp32, fp16, bf16, e8m0, k8)
+    scale_dtype: str = "fp32"  # how the scales (and mins) are stored (fp32, fp16, bf16, e8m0, k8, k4)
     codebook: str | None = None  # lut4: the codebook its nibbles index
 
     @classmethod
@@ -51,6 +51,11 @@ class MatrixShape:
             group = 128  # per-row int8/int4: the row's scale repeated in every group of 128
         if (fmt == "lut4") != (codebook is not None):
             raise ValueError(f"{fmt} with codebook {codebook!r}: a codebook goes with lut4, and lut4 needs one")
+        if fmt != "bf16" and (scale_dtype or "fp32") not in SCALE_WIDTH:
+            raise ValueError(f"{fmt} experts with {scale_dtype!r} scales: the GPU unpacking of the packed layout reads "
+                             f"{', '.join(SCALE_WIDTH)} scales")
+        if scale_dtype == "k4" and scaling != "affine":
+            raise ValueError(f"{fmt} experts with k4 scales must be affine (k4 holds a sub-min beside each sub-scale)")
         return cls(fmt, n, k, group, _round_up(k, group), -(-n // ROWS), fmt != "bf16" and scaling == "affine",
                    scale_dtype or "fp32", codebook)
 
@@ -68,12 +73,16 @@ class MatrixShape:
         return self.lines * LINE
 
     @property
-    def set_bytes(self) -> int:  # one block's scales (of scale_dtype; k8: sub-scales, then fp16 super scales)
+    def set_bytes(self) -> int:  # one block's scales (of scale_dtype; k8 / k4: sub-scales, then fp16 super scales)
         return 0 if self.fmt == "bf16" else set_bytes(1, self.kp, self.group, self.scale_dtype)
 
     @property
-    def block_scale_bytes(self) -> int:  # the scale set and an affine block's min set (stored as the scales are)
-        return self.set_bytes * (2 if self.affine else 1)
+    def min_set_bytes(self) -> int:  # an affine block's mins, stored as the scales are (k4: its fp16 super mins alone)
+        return cpu_layout.min_set_bytes(1, self.kp, self.group, self.scale_dtype) if self.affine else 0
+
+    @property
+    def block_scale_bytes(self) -> int:  # the scale set and an affine block's min set right after it
+        return self.set_bytes + self.min_set_bytes
 
 
 @dataclass(frozen=True)
@@ -176,8 +185,8 @@ def codebook_values(name: str, device: torch.device) -> torch.Tensor:
 
 
 def widen_scales(raw: torch.Tensor, scale_dtype: str) -> torch.Tensor:
-    """Stored scales of one level (uint8 bytes, a whole number of scales; not k8, whose sets ``widen_set`` reads) ->
-    fp32, exactly as the CPU kernels widen them (csrc/formats/layout.h scale_to_float)."""
+    """Stored scales of one level (uint8 bytes, a whole number of scales; not k8 or k4, whose sets ``widen_set`` and
+    ``widen_sets`` read) -> fp32, exactly as the CPU kernels widen them (csrc/formats/layout.h scale_to_float)."""
     if scale_dtype == "fp32":
         return raw.view(torch.float32)
     if scale_dtype in ("fp16", "bf16"):
@@ -189,18 +198,48 @@ def widen_scales(raw: torch.Tensor, scale_dtype: str) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def widen_set(sets: torch.Tensor, shape: MatrixShape) -> torch.Tensor:
-    """Scale sets of ``shape``'s blocks (uint8 [n, shape.set_bytes]: a block's scales, or its mins) -> fp32
-    [n, G, ROWS], exactly as the CPU kernels widen them (csrc/formats/layout.h RowBlock::value; k8: int8 sub-scale x
-    fp16 super scale of the group's super-block)."""
-    G, n = shape.kp // shape.group, sets.shape[0]
-    head = sets[:, :G * ROWS * SCALE_WIDTH[shape.scale_dtype]].contiguous()
-    if shape.scale_dtype != "k8":
-        return widen_scales(head.reshape(-1), shape.scale_dtype).view(n, G, ROWS)
-    sub = head.view(torch.int8).view(n, G, ROWS).float()
-    sup = sets[:, G * ROWS:].contiguous().view(torch.float16).view(n, -1, ROWS).float()  # [n, supers, ROWS]
-    which = torch.arange(G, device=sets.device) * shape.group // SUPER_BLOCK
+def _times_supers(sub: torch.Tensor, supers: torch.Tensor, shape: MatrixShape) -> torch.Tensor:
+    """Two-level values: sub-values fp32 [n, G, ROWS] times the fp16 super values (uint8 [n, n_supers * ROWS * 2],
+    [n_supers][ROWS]) of each group's super-block of SUPER_BLOCK values of K (exact: at most 8 + 11 significant
+    bits)."""
+    n, G = sub.shape[0], sub.shape[1]
+    sup = supers.contiguous().view(torch.float16).view(n, -1, ROWS).float()  # [n, supers, ROWS]
+    which = torch.arange(G, device=sub.device) * shape.group // SUPER_BLOCK
     return sub * sup[:, which]
+
+
+def widen_set(sets: torch.Tensor, shape: MatrixShape) -> torch.Tensor:
+    """Scale sets of ``shape``'s blocks (uint8 [n, shape.set_bytes]: a block's scales, or its mins but k4's, which
+    ``widen_sets`` reads) -> fp32 [n, G, ROWS], exactly as the CPU kernels widen them (csrc/formats/layout.h
+    RowBlock::value; k8: int8 sub-scale x fp16 super scale of the group's super-block; k4: the low nibble of the pair
+    byte x fp16 super scale)."""
+    if sets.dim() != 2 or sets.shape[1] != shape.set_bytes:
+        raise ValueError(f"{shape.scale_dtype} scale sets of {shape.set_bytes} bytes each, got {tuple(sets.shape)}"
+                         + (" (a k4 min set holds only its super mins: widen_sets reads it)"
+                            if shape.scale_dtype == "k4" else ""))
+    G, n, sdt = shape.kp // shape.group, sets.shape[0], shape.scale_dtype
+    head = sets[:, :G * ROWS * SCALE_WIDTH[sdt]].contiguous()
+    if sdt not in cpu_layout.TWO_LEVEL:
+        return widen_scales(head.reshape(-1), sdt).view(n, G, ROWS)
+    sub = head.view(torch.int8) if sdt == "k8" else head & 15
+    return _times_supers(sub.view(n, G, ROWS).float(), sets[:, G * ROWS:], shape)
+
+
+def widen_sets(blocks: torch.Tensor, shape: MatrixShape) -> tuple:
+    """The whole scale bytes of ``shape``'s blocks (uint8 [n, shape.block_scale_bytes]: the scale set, and an affine
+    block's min set after it) -> (scales, mins or None), fp32 [n, G, ROWS] each, exactly as the CPU kernels widen them
+    (k4's mins: the high nibble of the scale set's pair byte x the min set's fp16 super min)."""
+    if blocks.dim() != 2 or blocks.shape[1] != shape.block_scale_bytes:
+        raise ValueError(f"scale bytes of {shape.block_scale_bytes} per block, got {tuple(blocks.shape)}")
+    scales = widen_set(blocks[:, :shape.set_bytes], shape)
+    if not shape.affine:
+        return scales, None
+    mins = blocks[:, shape.set_bytes:]
+    if shape.scale_dtype != "k4":
+        return scales, widen_set(mins, shape)
+    G, n = shape.kp // shape.group, blocks.shape[0]
+    sub = (blocks[:, :G * ROWS] >> 4).view(n, G, ROWS).float()
+    return scales, _times_supers(sub, mins, shape)
 
 
 def _dequantize(codes: torch.Tensor, scales: torch.Tensor, shape: MatrixShape, n_mats: int,
@@ -208,15 +247,15 @@ def _dequantize(codes: torch.Tensor, scales: torch.Tensor, shape: MatrixShape, n
     """codes [n_mats, NB * 16, Kp] (q + shape.offset, affine u, or lut4 indices), scales uint8 [n_mats * NB *
     block_scale_bytes] (per block its scale set, and affine its min set) -> values [n_mats, NB * 16, Kp]."""
     G, NB = shape.kp // shape.group, shape.n_blocks
-    sets = scales.view(n_mats * NB, 2 if shape.affine else 1, shape.set_bytes)
+    widened = widen_sets(scales.view(n_mats * NB, shape.block_scale_bytes), shape)
 
-    def per_row(j: int) -> torch.Tensor:  # set j of every block as [n_mats, NB * 16, G, 1]
-        return widen_set(sets[:, j], shape).view(n_mats, NB, G, ROWS).transpose(2, 3).reshape(n_mats, NB * ROWS, G, 1)
+    def per_row(v: torch.Tensor) -> torch.Tensor:  # [n_mats * NB, G, 16] as [n_mats, NB * 16, G, 1]
+        return v.view(n_mats, NB, G, ROWS).transpose(2, 3).reshape(n_mats, NB * ROWS, G, 1)
 
-    s = per_row(0)
+    s = per_row(widened[0])
     if shape.affine:  # two roundings, as gguf's dequantization: fl(fl(scale * u) - min)
         q = codes.view(n_mats, NB * ROWS, G, shape.group)
-        return (q.to(torch.float32) * s - per_row(1)).view(n_mats, NB * ROWS, shape.kp).to(dtype)
+        return (q.to(torch.float32) * s - per_row(widened[1])).view(n_mats, NB * ROWS, shape.kp).to(dtype)
     if shape.fmt == "lut4":
         q = codebook_values(shape.codebook, codes.device)[codes.long()]
     else:

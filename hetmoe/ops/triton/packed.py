@@ -1,11 +1,11 @@
 """One-pass GPU unpacking of the CPU engine's packed experts (csrc/formats/layout.h; hetmoe/moe/streamed/packed.py has
 the same rules in PyTorch ops): a Triton kernel reads each row block's lines and scales once (scales of any stored
-dtype, k8's two levels included, lut4's codebook, the bit-plane formats' codes put together from their planes: the
-values the CPU kernels multiply by) and writes the
-weights in the model dtype straight into the layer's [E, 2I, H] / [E, H, I] scratch, padding cut. PyTorch ops take
-about ten passes over a layer for the same result; this kernel's one pass is what keeps the layerwise prefill's
-fixed cost per layer below its PCIe copy. Triton comes with PyTorch's CUDA builds; without it (CPU-only installs)
-``available()`` is False and hetmoe/moe/streamed/packed.py does the work.
+dtype, the two levels of k8 and k4 included, lut4's codebook, the bit-plane formats' codes put together from their
+planes: the values the CPU kernels multiply by) and writes the weights in the model dtype straight into the layer's
+[E, 2I, H] / [E, H, I] scratch, padding cut. PyTorch ops take about ten passes over a layer for the same result; this
+kernel's one pass is what keeps the layerwise prefill's fixed cost per layer below its PCIe copy. Triton comes with
+PyTorch's CUDA builds; without it (CPU-only installs) ``available()`` is False and hetmoe/moe/streamed/packed.py does
+the work.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ except ImportError:  # CPU-only PyTorch: no Triton
     triton = None
 
 FMT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "lut4": 3, **{name: 4 for name in PLANES}}  # 4: the bit-plane formats
-SCALE_CODE = {"fp32": 0, "fp16": 1, "bf16": 2, "e8m0": 3, "k8": 4}
+SCALE_CODE = {"fp32": 0, "fp16": 1, "bf16": 2, "e8m0": 3, "k8": 4, "k4": 5}
 # the torch dtype a scale dtype's bytes are read as (e8m0: its exponent bytes, widened in the kernel; k8: its int8
-# sub-scales, the fp16 super scales read through a cast pointer)
+# sub-scales, k4: its bytes of 4-bit sub-scale and sub-min, the fp16 super scales and mins read through a cast pointer)
 SCALE_VIEW = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "e8m0": torch.uint8,
-              "k8": torch.int8}
+              "k8": torch.int8, "k4": torch.uint8}
 LINES_PER_PROGRAM = 32
 
 
@@ -91,20 +91,33 @@ if triton is not None:
                 u = (word[:, :, None] >> (8 * (o % 4) + 4 * (o // 4))) & 15
             # a cell's values share one group (GROUP is a multiple of PER); a block holds its scale set, then
             # (affine) its min set stored the same way: [G][R] values of the scale dtype (k8: [G][R] int8 sub-scales,
-            # then [NS][R] fp16 super scales, one per SUPER values of K). value = scale * u - min (two roundings: the
-            # launch turns fp fusion off). Narrow values are widened exactly, as the CPU kernels do
-            # (csrc/formats/layout.h).
+            # then [NS][R] fp16 super scales, one per SUPER values of K; k4: [G][R] bytes, the 4-bit sub-scale in the
+            # low nibble and the 4-bit sub-min in the high one, then [NS][R] fp16 super scales, its min set only the
+            # [NS][R] fp16 super mins). value = scale * u - min (two roundings: the launch turns fp fusion off).
+            # Narrow values are widened exactly, as the CPU kernels do (csrc/formats/layout.h).
             gi = (line * PER) // GROUP
-            if SCALE == 4:  # k8: sets of G R + 2 NS R bytes
+            if SCALE >= 4:  # k8, k4: scale sets of G R + 2 NS R bytes
                 set_bytes = G * R + 2 * NS * R
-                sb = b * set_bytes * (2 if AFFINE else 1)
+                if SCALE == 5:  # k4: the min set is the 2 NS R bytes of super mins
+                    sb = b * (set_bytes + (2 * NS * R if AFFINE else 0))
+                else:
+                    sb = b * set_bytes * (2 if AFFINE else 1)
                 sup = (line * PER) // SUPER
-                sub = tl.load(scales + sb + gi * R + r, mask=ok, other=0).to(tl.float32)
+                byte = tl.load(scales + sb + gi * R + r, mask=ok, other=0)
+                if SCALE == 5:
+                    byte = byte.to(tl.int32)
+                    sub = (byte & 15).to(tl.float32)
+                else:
+                    sub = byte.to(tl.float32)
                 d = tl.load((scales + sb + G * R).to(tl.pointer_type(tl.float16)) + sup * R + r, mask=ok, other=0.0)
                 s = (sub * d.to(tl.float32))[:, :, None]
                 if AFFINE:
-                    msub = tl.load(scales + sb + set_bytes + gi * R + r, mask=ok, other=0).to(tl.float32)
-                    mptr = (scales + sb + set_bytes + G * R).to(tl.pointer_type(tl.float16))
+                    if SCALE == 5:  # the sub-min is the pair byte's high nibble
+                        msub = (byte >> 4).to(tl.float32)
+                        mptr = (scales + sb + set_bytes).to(tl.pointer_type(tl.float16))
+                    else:
+                        msub = tl.load(scales + sb + set_bytes + gi * R + r, mask=ok, other=0).to(tl.float32)
+                        mptr = (scales + sb + set_bytes + G * R).to(tl.pointer_type(tl.float16))
                     md = tl.load(mptr + sup * R + r, mask=ok, other=0.0)
                     m = (msub * md.to(tl.float32))[:, :, None]
             else:
@@ -135,13 +148,30 @@ def _codebook(name: str, device: torch.device) -> torch.Tensor:
     return torch.tensor(CODEBOOKS[name], dtype=torch.int32, device=device)
 
 
-def _launch(shape, data: torch.Tensor, scales, out: torch.Tensor, n_blocks: int, interleaved: bool) -> None:
+def check(shape) -> None:
+    """Refuses by name (ValueError) a packed matrix (hetmoe/moe/streamed/packed.py MatrixShape) this kernel cannot
+    read: its format, its scale dtype, a group that splits a cell."""
     if shape.fmt not in FMT_CODE:
         raise ValueError(f"{shape.fmt} experts have no GPU unpacking of the packed layout yet")
+    sdt = getattr(shape, "scale_dtype", "fp32")
+    if shape.fmt != "bf16" and sdt not in SCALE_CODE:
+        raise ValueError(f"{shape.fmt} experts with {sdt} scales: the Triton unpack of the packed layout reads "
+                         f"{', '.join(SCALE_CODE)} scales")
+    per = 4 if shape.fmt in PLANES else K_PER_LINE[shape.fmt]  # values per 4-byte cell (bit planes: per byte line)
+    if FMT_CODE[shape.fmt] and shape.group % per:
+        raise ValueError(f"{shape.fmt} groups of {shape.group}: the GPU unpack needs a multiple of {per}")
+
+
+def check_layout(layout) -> None:
+    """``check`` on both matrices of a layer's ExpertLayout."""
+    check(layout.gate_up)
+    check(layout.down)
+
+
+def _launch(shape, data: torch.Tensor, scales, out: torch.Tensor, n_blocks: int, interleaved: bool) -> None:
+    check(shape)
     fmt = FMT_CODE[shape.fmt]
     per = 4 if shape.fmt in PLANES else K_PER_LINE[shape.fmt]  # values per 4-byte cell (bit planes: per byte line)
-    if fmt and shape.group % per:
-        raise ValueError(f"{shape.fmt} groups of {shape.group}: the GPU unpack needs a multiple of {per}")
     lines = shape.kp // 4 if shape.fmt in PLANES else shape.lines  # the lines a program's tile walks
     lo_bits, hi_bits, quads, unit_lines = 0, 0, 1, 1
     if shape.fmt in PLANES:  # (values of K per unit, lines per unit, bits): the low part 4 bits from 5 bits up, else 2

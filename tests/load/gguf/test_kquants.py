@@ -14,6 +14,11 @@ pool and two NUMA subpools; the GPU prefill's PyTorch unpack (hetmoe/moe/streame
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -183,10 +188,46 @@ def test_held_bytes_are_the_files_own(kinds):
 
 @pytest.mark.parametrize("kinds", LAYERS, ids=lambda k: "+".join(k))
 def test_the_gpu_prefill_unpack_equals_the_engine(kinds):
-    """hetmoe/moe/streamed/packed.py's torch twin reads the affine, group-16, k8 / fp16 scale, bit-plane (Q6_K, Q5_K,
-    Q3_K, Q2_K) and mixed-format layouts bitwise (fp32) like the engine."""
+    """hetmoe/moe/streamed/packed.py's torch twin reads the affine, group-16, k8 / k4 / fp16 scale, bit-plane (Q6_K,
+    Q5_K, Q3_K, Q2_K) and mixed-format layouts bitwise (fp32) like the engine, on the files' own blocks (H = 256: one
+    super-block of gate/up; I = 512: two of down)."""
     experts, _ = kquant_experts(kinds, 4, WorkerPool(1))
+    info = experts.info()
+    for kind, key in zip(kinds, ("gate_up_scale_dtype", "down_scale_dtype")):  # Q2_K's own two levels: k4
+        assert (info[key] == "k4") == (kind == "Q2_K"), (kinds, info[key])
     assert_torch_unpack_equals_engine(experts, E)
+    if "Q2_K" in kinds:  # k4's reader in the one-pass kernel too, on the same blocks
+        env = dict(os.environ)
+        if not torch.cuda.is_available():
+            env["TRITON_INTERPRET"] = "1"
+        here = Path(__file__).resolve().parent
+        done = subprocess.run([sys.executable, "-c", KQUANT_TRITON_CHECK % ([str(here), str(here.parents[1])], kinds)],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+# The layerwise prefill's one-pass kernel (hetmoe/ops/triton/packed.py) on a layer of GGUF blocks, against
+# CPUExperts.dequantized: in a fresh process (the interpreter is chosen when the kernel is defined), bitwise fp32
+# under the interpreter, bitwise the values rounded to bf16 on a GPU
+KQUANT_TRITON_CHECK = """
+import sys, torch
+sys.path[:0] = %r
+from test_kquants import E, kquant_experts
+from hetmoe.cpu import WorkerPool
+from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges
+from hetmoe.ops.triton import packed as packed_triton
+dev, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+experts, _ = kquant_experts(%r, 4, WorkerPool(1))
+H, I = experts.hidden_size, experts.intermediate_size
+w_gu = torch.full((E, 2 * I, H), float("nan"), dtype=dtype, device=dev)
+w_d = torch.full((E, H, I), float("nan"), dtype=dtype, device=dev)
+packed_triton.unpack_into(ExpertLayout.of(experts), [r.to(dev) for r in expert_ranges(experts)], w_gu, w_d)
+for e in range(E):
+    g, u, d = experts.dequantized(e)
+    if not (torch.equal(w_gu[e].cpu(), torch.cat([g, u]).to(dtype)) and torch.equal(w_d[e].cpu(), d.to(dtype))):
+        sys.exit(f"expert {e}: the kernel's weights differ from the engine's")
+print("ok")
+"""
 
 
 def test_bad_blocks_and_layouts_are_refused():

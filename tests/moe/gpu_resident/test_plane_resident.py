@@ -1,8 +1,9 @@
 """GPU-resident copies of CPU experts in the bit-plane formats (int6, int5, int3, int2: GGUF's Q6_K, Q5_K, Q3_K,
 Q2_K) and affine K-quants (Q4_K): ``storage auto`` widens the codes exactly (int6 / int5 -> int8, int3 / int2 ->
-int4, same group, scales and mins widened to fp32; hetmoe/moe/gpu_resident/format.py), so the resident values are the
-CPU engine's bitwise (``CPUExperts.dequantized``), and every path (dense, grouped, the routed kernels) computes with
-them: against the float64 reference on those values (tests/reference.py), bound FP32_BOUND (summation order only).
+int4, same group, scales and mins widened to fp32, k8's and Q2_K's k4 two levels included;
+hetmoe/moe/gpu_resident/format.py), so the resident values are the CPU engine's bitwise (``CPUExperts.dequantized``),
+and every path (dense, grouped, the routed kernels) computes with them: against the float64 reference on those values
+(tests/reference.py), bound FP32_BOUND (summation order only).
 
 Paths: torch (dense, grouped) on the CPU; the routed kernels and the prefill unpack in Triton's interpreter (slow
 tier, HETMOE_TEST_ALL=1) with its tiles and the GPU's; the GPU (marked gpu): bf16 and fp32 activations.
@@ -33,6 +34,10 @@ ENGINES = {  # name: (CPUExperts keyword arguments, the resident (gate/up, down)
              ("int8", "int8", True, True)),
     "q3_k/q2_k": (dict(weight_format=("int3", "int2"), group_size=16, scaling=("symmetric", "affine"),
                        scale_dtype=("k8", "k8")), ("int4", "int4", False, True)),
+    "q2_k": (dict(weight_format="int2", group_size=16, scaling="affine", scale_dtype="k4"),
+             ("int4", "int4", True, True)),
+    "q2_k/q3_k": (dict(weight_format=("int2", "int3"), group_size=16, scaling=("affine", "symmetric"),
+                       scale_dtype=("k4", "k8")), ("int4", "int4", True, False)),
     "int6-fp32/int3-fp16": (dict(weight_format=("int6", "int3"), group_size=32, scaling=("affine", "symmetric"),
                                  scale_dtype=("fp32", "fp16")), ("int8", "int4", True, False)),
 }
@@ -90,6 +95,44 @@ def test_resident_copy_is_the_engines_values(name):
         x, ids, wts = _case(T, k, name)
         ref = _reference(g, x, ids, wts)
         assert ref.abs().max() > 0 and rel_err(g(x, ids, wts), ref) < FP32_BOUND
+
+
+def _scramble_two_level(ex: CPUExperts, seed: int) -> None:
+    """Random bytes in place of ``ex``'s k8 / k4 scale and min sets (``fill_random`` gives every group the same
+    scale): every sub-scale / sub-min bit pattern, then finite fp16 super scales and mins of either sign."""
+    from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges
+
+    gen = torch.Generator().manual_seed(seed)
+    lay, ranges = ExpertLayout.of(ex), expert_ranges(ex)
+    for shape, sets in ((lay.gate_up, ranges[1]), (lay.down, ranges[3])):
+        blocks = sets.view(-1, shape.block_scale_bytes)
+        blocks.copy_(torch.randint(0, 256, blocks.shape, generator=gen, dtype=torch.uint8))
+        subs = shape.kp // shape.group * 16
+        runs = [(subs, shape.set_bytes)] + ([(shape.set_bytes + (0 if shape.scale_dtype == "k4" else subs),
+                                              shape.block_scale_bytes)] if shape.affine else [])
+        for lo, hi in runs:  # the fp16 super scales (and mins)
+            val = (torch.rand(blocks.shape[0], (hi - lo) // 2, generator=gen) * 2e-2 - 1e-2).half()
+            blocks[:, lo:hi] = val.view(torch.uint8).view(blocks.shape[0], hi - lo)
+
+
+@pytest.mark.parametrize("name", ["q2_k", "q2_k/q3_k", "q3_k/q2_k", "q4_k_m"])
+@pytest.mark.parametrize("h,i", [(288, 40), (512, 272)])
+def test_resident_two_level_over_super_blocks(name, h, i):
+    """k4 (Q2_K) and k8 with random scale bytes over two super-blocks (h = 288: the second partial; 512: two whole
+    ones, down's K ending 16 into its second; i = 40: down's K padded to its group): the resident storage holds
+    bitwise the engine's values."""
+    ex = CPUExperts(E, h, i, pool=WorkerPool(1), **ENGINES[name][0])
+    ex.fill_random(seed=h + i)
+    _scramble_two_level(ex, h + i)
+    g = GpuExperts.from_cpu(ex, RESIDENT, torch.float32, "cpu", "auto", decode="dense")
+    st, n = g.storage, len(RESIDENT)
+    assert (g.m_gate_up is not None, g.m_down is not None) == ENGINES[name][1][2:]
+    gu = rf.dequantize(g.w_gate_up, g.s_gate_up, st.gate_up, st.group, h, mins=g.m_gate_up).view(n, 2 * i, h)
+    d = rf.dequantize(g.w_down, g.s_down, st.down, st.down_group, i, mins=g.m_down).view(n, h, i)
+    for j, e in enumerate(RESIDENT):
+        cg, cu, cd = ex.dequantized(e)
+        assert cg.unique().numel() > 100  # the scrambled scales reach the values
+        assert torch.equal(gu[j], torch.cat([cg, cu])) and torch.equal(d[j], cd), (name, e)
 
 
 def test_affine_storage_is_only_copied():

@@ -5,34 +5,71 @@ kernel (hetmoe/ops/triton/packed.py) against the CPU engine's own values (``CPUE
 
 Paths: torch ops on the CPU (bitwise); the Triton kernel in Triton's interpreter in a fresh process where there is no
 GPU (bitwise in fp32), on the GPU otherwise (bitwise the engine's values rounded to bf16): the same test.
+
+``fill_random`` gives every group of a matrix the same scale (and min), so the tests of the two-level scale dtypes (k8,
+k4) overwrite their scale bytes with random ones (``scramble_two_level``): every sub-scale and sub-min bit pattern,
+fp16 super scales and mins of either sign, normal and subnormal, one per (row, super-block).
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hetmoe.cpu import CPUExperts, WorkerPool
+from hetmoe.cpu.layout import TWO_LEVEL
 from hetmoe.moe.streamed import layerwise
 from hetmoe.moe.streamed.choice import setup
-from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges, unpack_experts
+from hetmoe.moe.streamed.packed import ExpertLayout, MatrixShape, expert_ranges, unpack_experts, widen_set
 from tests.triton_interp import assert_unpack_equals_engine
 
 # (weight_format, scaling, group, scale dtype): every plane format symmetric and affine; the K-quants' own with k8
-# (Q6_K, Q5_K, Q3_K, Q2_K), the others with fp32 or fp16 scales
+# (Q6_K, Q5_K, Q3_K) and k4 (Q2_K), the others with fp32 or fp16 scales, k8 and k4 on other formats and groups
 CASES = [("int6", "symmetric", 16, "k8"), ("int6", "affine", 32, "fp32"), ("int5", "affine", 32, "k8"),
          ("int5", "symmetric", 16, "fp32"), ("int3", "symmetric", 16, "k8"), ("int3", "affine", 64, "fp16"),
-         ("int2", "affine", 16, "k8"), ("int2", "symmetric", 128, "fp32")]
-# Q4_K_M's mixed expert (Q4_K gate/up, Q6_K down) and Q3_K_M's (Q3_K gate/up, Q5_K down)
+         ("int2", "affine", 16, "k4"), ("int2", "affine", 16, "k8"), ("int2", "symmetric", 128, "fp32"),
+         ("int6", "affine", 32, "k4")]
+# Q4_K_M's mixed expert (Q4_K gate/up, Q6_K down), Q3_K_M's (Q3_K gate/up, Q5_K down) and Q2_K's (Q2_K gate/up,
+# Q3_K down)
 MIXED = [dict(weight_format=("int4", "int6"), group_size=32, down_group_size=16, scaling=("affine", "symmetric"),
               scale_dtype=("k8", "k8")),
          dict(weight_format=("int3", "int5"), group_size=16, down_group_size=32, scaling=("symmetric", "affine"),
-              scale_dtype=("k8", "k8"))]
+              scale_dtype=("k8", "k8")),
+         dict(weight_format=("int2", "int3"), group_size=16, scaling=("affine", "symmetric"), scale_dtype=("k4", "k8"))]
+MIXED_IDS = ["q4_k_m", "q3_k_m", "q2_k+q3_k"]
+
+
+def scramble_two_level(ex: CPUExperts, seed: int) -> None:
+    """Random bytes in place of ``ex``'s k8 / k4 scale sets (and min sets), in the engine's own storage: random
+    sub-scale bytes (k4: sub-scale and sub-min nibbles), random finite fp16 super scales (and mins) of either sign,
+    some subnormal. Matrices of other scale dtypes are left as they are."""
+    gen = torch.Generator().manual_seed(seed)
+    lay, ranges = ExpertLayout.of(ex), expert_ranges(ex)
+    for shape, sets in ((lay.gate_up, ranges[1] if len(ranges) == 4 else None), (lay.down, ranges[-1])):
+        if shape.scale_dtype not in TWO_LEVEL:
+            continue
+        blocks = sets.view(-1, shape.block_scale_bytes)
+        blocks.copy_(torch.randint(0, 256, blocks.shape, generator=gen, dtype=torch.uint8))
+        subs = shape.kp // shape.group * 16
+        supers = [(subs, shape.set_bytes)]  # (first, end) byte of each fp16 run of a block
+        if shape.affine:
+            supers.append((shape.set_bytes + (0 if shape.scale_dtype == "k4" else subs), shape.block_scale_bytes))
+        for lo, hi in supers:
+            n = (hi - lo) // 2
+            mag = torch.exp2(torch.randint(-20, -4, (blocks.shape[0], n), generator=gen).float())  # 2^-20: subnormal
+            sign = torch.randint(0, 2, (blocks.shape[0], n), generator=gen).float() * 2 - 1
+            val = (sign * mag * (1 + torch.rand(blocks.shape[0], n, generator=gen))).half()
+            blocks[:, lo:hi] = val.view(torch.uint8).view(blocks.shape[0], hi - lo)
 
 
 def _engine(E, H, I, seed, **kwargs) -> CPUExperts:
     ex = CPUExperts(E, H, I, pool=WorkerPool(1), **kwargs)
     ex.fill_random(seed=seed)  # codes over each format's whole range (every plane's bits)
+    scramble_two_level(ex, seed)
     return ex
 
 
@@ -42,11 +79,12 @@ def _kwargs(case) -> dict:
 
 
 @pytest.mark.parametrize("kwargs", [_kwargs(c) for c in CASES] + MIXED,
-                         ids=["-".join(map(str, c)) for c in CASES] + ["q4_k_m", "q3_k_m"])
-@pytest.mark.parametrize("H,I", [(48, 80), (288, 40)])
+                         ids=["-".join(map(str, c)) for c in CASES] + MIXED_IDS)
+@pytest.mark.parametrize("H,I", [(48, 80), (288, 40), (512, 272)])
 def test_torch_unpack_equals_the_engine(kwargs, H, I):
-    """H = 48 with group 16: K ends in half a unit of int5 / int3; H = 288: two k8 super-blocks, the second partial;
-    I = 40 in groups of 32: K padded. Experts 1..2 of 4 alone, as the GPU path unpacks a few at a time."""
+    """H = 48 with group 16: K ends in half a unit of int5 / int3, and mid-super-block; H = 288: two k8 / k4
+    super-blocks, the second partial; H = 512: two whole ones (I = 272: down's K ends 16 into its second); I = 40 in
+    groups of 32: K padded. Experts 1..2 of 4 alone, as the GPU path unpacks a few at a time."""
     E = 4
     ex = _engine(E, H, I, H + I, **kwargs)
     lay = ExpertLayout.of(ex)
@@ -68,8 +106,48 @@ def test_the_triton_unpack_equals_the_engine():
 
 
 def test_the_triton_unpack_over_super_blocks():
-    """The K-quants' own layouts over two k8 super-blocks (H = 288, the second partial)."""
-    assert_unpack_equals_engine((2, 288, 40), [_kwargs(c) for c in CASES if c[3] == "k8"] + MIXED[:1])
+    """The K-quants' own layouts over two k8 / k4 super-blocks (H = 288, the second partial)."""
+    assert_unpack_equals_engine((2, 288, 40), [_kwargs(c) for c in CASES if c[3] in TWO_LEVEL] + MIXED[:1] + MIXED[2:])
+
+
+TWO_LEVEL_CHECK = """
+import sys, torch
+sys.path.insert(0, %r)
+from tests.moe.streamed.test_plane_unpack import _engine
+from hetmoe.ops.triton import packed as packed_triton
+from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges
+cuda = torch.cuda.is_available()
+dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+E = 3
+for (H, I), kwargs in %r:
+    ex = _engine(E, H, I, H + I, **kwargs)
+    lay = ExpertLayout.of(ex)
+    w_gu = torch.full((E, 2 * I, H), float("nan"), dtype=dtype, device=dev)
+    w_d = torch.full((E, H, I), float("nan"), dtype=dtype, device=dev)
+    packed_triton.unpack_into(lay, [r.to(dev) for r in expert_ranges(ex)], w_gu, w_d)
+    for e in range(E):
+        g, u, d = ex.dequantized(e)
+        if not (torch.equal(w_gu[e].cpu(), torch.cat([g, u]).to(dtype)) and torch.equal(w_d[e].cpu(), d.to(dtype))):
+            sys.exit(f"{H}x{I} {kwargs}, expert {e}: the kernel's weights differ from the engine's")
+print("ok")
+"""
+
+
+def test_the_triton_unpack_reads_every_two_level_byte():
+    """The one-pass kernel against ``CPUExperts.dequantized`` itself on random k8 / k4 scale bytes (every sub-scale
+    and sub-min, super scales and mins of either sign): Q2_K's k4 (int2 affine), k4 on int6 in groups of 32, Q2_K +
+    Q3_K and Q4_K_M; K within one super-block, over two (the second partial) and over two whole ones (down's K ending
+    16 into its second). Interpreter: bitwise fp32; GPU: bitwise the engine's values rounded to bf16."""
+    pytest.importorskip("triton")
+    root = str(Path(__file__).resolve().parents[3])
+    layouts = [_kwargs(CASES[6]), _kwargs(CASES[9]), MIXED[2], MIXED[0]]
+    runs = [(hi, kw) for hi in ((48, 80), (288, 40), (512, 272)) for kw in layouts]
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    done = subprocess.run([sys.executable, "-c", TWO_LEVEL_CHECK % (root, runs)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 class _Driver:
@@ -84,7 +162,8 @@ class _Driver:
         return None
 
 
-@pytest.mark.parametrize("kwargs", [_kwargs(CASES[0]), MIXED[0], _kwargs(CASES[6])], ids=["q6_k", "q4_k_m", "q2_k"])
+@pytest.mark.parametrize("kwargs", [_kwargs(CASES[0]), MIXED[0], _kwargs(CASES[6]), MIXED[2]],
+                         ids=["q6_k", "q4_k_m", "q2_k", "q2_k+q3_k"])
 def test_setup_streams_plane_format_layers(monkeypatch, kwargs):
     """A plan with the GPU prefill on and layers of plane formats: the prefill is set up (the fallback that kept such
     layers on the CPU is gone), and their layouts are read."""
@@ -99,3 +178,34 @@ def test_setup_streams_plane_format_layers(monkeypatch, kwargs):
     fmts = {(lay.gate_up.fmt, lay.down.fmt) for lay in driver.layouts}
     want = kwargs["weight_format"]
     assert fmts == {want if isinstance(want, tuple) else (want, want)}
+
+
+def test_setup_falls_back_where_a_reader_refuses_a_scale_dtype(monkeypatch):
+    """A scale dtype one of the GPU readers does not read (here the Triton kernel made to lack k4) is refused by name,
+    and the prefill stays on the CPU with that reason logged, not a KeyError at the first prefill."""
+    from hetmoe.ops.triton import packed as packed_triton
+
+    monkeypatch.setattr(layerwise, "LayerwisePrefill", _Driver)
+    monkeypatch.setattr(packed_triton, "available", lambda: True)
+    monkeypatch.setattr(packed_triton, "SCALE_CODE", {k: v for k, v in packed_triton.SCALE_CODE.items() if k != "k4"})
+    engine = _engine(3, 64, 32, 1, **MIXED[2])
+    layers = [SimpleNamespace(engine=engine, plain_swiglu=True) for _ in range(2)]
+    plan = SimpleNamespace(gpu_prefill=True, device="cpu", dtype=torch.float32, prefill_chunk=512)
+    said = []
+    driver, report = setup(layers, plan, SimpleNamespace(gpu_prefill=64, gpu_prefill_cpu_share="off"), said.append)
+    assert driver is None and not report["enabled"] and "k4" in report["why"], report
+    assert len(said) == 1 and said[0].startswith("hetmoe: GPU prefill off: int2 experts with k4 scales"), said
+    with pytest.raises(ValueError, match="int2 experts with k4 scales: the Triton unpack"):
+        packed_triton.check_layout(ExpertLayout.of(engine))
+
+
+def test_the_torch_reader_refuses_what_it_cannot_read():
+    """Unknown scale dtypes, symmetric k4 and a k4 min set read as a scale set: a ValueError naming them."""
+    with pytest.raises(ValueError, match="'k5' scales"):
+        MatrixShape.make("int2", 32, 256, 16, "affine", "k5")
+    with pytest.raises(ValueError, match="k4 scales must be affine"):
+        MatrixShape.make("int2", 32, 256, 16, "symmetric", "k4")
+    shape = MatrixShape.make("int2", 32, 256, 16, "affine", "k4")
+    assert (shape.set_bytes, shape.min_set_bytes, shape.block_scale_bytes) == (16 * 16 + 32, 32, 16 * 16 + 64)
+    with pytest.raises(ValueError, match="widen_sets reads it"):
+        widen_set(torch.zeros(2, shape.min_set_bytes, dtype=torch.uint8), shape)
