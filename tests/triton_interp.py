@@ -112,8 +112,8 @@ def gpu_branch_on_cpu(monkeypatch, driver) -> None:
     GEMMs' branch, hetmoe/moe/grouped.py)."""
     from hetmoe.moe import grouped
 
-    triton_module("hetmoe.ops.triton.packed")
-    triton_module("hetmoe.ops.triton.grouped")
+    triton_module("hetmoe.ops.triton.packed", on_cpu=True)  # CPU tensors: the interpreter only (a skip on CUDA)
+    triton_module("hetmoe.ops.triton.grouped", on_cpu=True)
     monkeypatch.setattr(grouped, "_grouped_mm_ok", lambda _w: True)
     monkeypatch.setattr(torch, "_grouped_mm", checked_grouped_mm, raising=False)
     if driver is not None:

@@ -48,6 +48,7 @@ import torch
 from cases import FORMATS, make_routing, make_weights, make_x
 from hetmoe import _C
 from hetmoe.cpu import CPUExperts, WorkerPool, cpu_info, shared_pool
+from paths import NATIVE_BF16_TOL
 from reference import moe_reference, moe_reference_emulated, rel_err
 
 INFO = cpu_info()
@@ -67,9 +68,6 @@ FP32_TOL = {  # measured maxima + ~15 % (module docstring)
     "int4-row": 0.24,
 }
 EMULATED_TOL = 1e-3
-# native tdpbf16ps vs its emulation (fp32 sums of pair products in a fixed order): the hardware rounds its
-# accumulation differently; measured 2.8e-5 on the GPU machine's Xeon (2026-11-29), bound with ~3x margin
-NATIVE_BF16_TOL = 1e-4
 
 SMALL = (12, 160, 96)  # E, H, I: not powers of two; H not a multiple of 64
 ODD = (10, 200, 88)  # H, I not multiples of 16 nor of any group size

@@ -24,6 +24,7 @@ from hetmoe.config.options import EngineOptions
 from hetmoe.cpu import CPUExperts
 from hetmoe.moe.gpu_resident import format as rf
 from hetmoe.moe.gpu_resident.experts import GpuExperts
+from paths import BEST_ROW_PATH
 from reference import moe_reference, rel_err
 
 HAS_CUDA = torch.cuda.is_available()
@@ -47,7 +48,9 @@ ENGINES = {
 
 
 def _engine(name: str) -> CPUExperts:
-    ex = CPUExperts(E, H, I, threads=1, **ENGINES[name])
+    """Forced to the row-block path, whose activation rounding ACROSS bounds (an AMX machine's auto path would put
+    the 300-token calls on the tile GEMM: bf16 / int8-per-group activations, another bound)."""
+    ex = CPUExperts(E, H, I, threads=1, **ENGINES[name], **BEST_ROW_PATH.options)
     ex.fill_random(seed=len(name))
     return ex
 
