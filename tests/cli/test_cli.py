@@ -74,7 +74,8 @@ def test_plan_refuses_what_does_not_fit(monkeypatch, model_dir):
         choose_plan(SHAPES, EngineOptions(device="cpu", experts_format="bf16"))
     with pytest.raises(MemoryError, match=r"with int4 experts.*1.0 MiB available.*smaller --max-context"):
         choose_plan(SHAPES, EngineOptions(device="cpu"))
-    with pytest.raises(MemoryError, match="int4"):  # refused before any weight is read
+    # auto steps a float checkpoint's experts down to int2 before giving up; refused before any weight is read
+    with pytest.raises(MemoryError, match=r"even with every routed expert in int2: the plan needs at least [0-9.]+"):
         _load(model_dir, experts_format="auto")
 
 

@@ -79,8 +79,8 @@ def test_bf16_conversions_match_scalar(isa):
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="float32"):
         _C.row_quantize("scalar", "int8", False, 32, np.zeros(64, np.float64))
-    with pytest.raises(ValueError):
-        _C.row_quantize("scalar", "int5", False, 32, np.zeros(64, np.float32))
+    with pytest.raises(ValueError, match="unknown weight format 'int7'"):
+        _C.row_quantize("scalar", "int7", False, 32, np.zeros(64, np.float32))
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -350,7 +350,10 @@ class GGUFCheckpoint:
         is kept (still exact where it holds the types: int4 codes in int8)."""
         layers = self._layer_names(names)
         kinds = sorted({self.ggml_type(n) for layer in layers for n in layer})
-        exact = [plan_format(x) for x in (self.exact_format(layer) for layer in layers) if x is not None]
+        layouts = [x for x in (self.exact_format(layer) for layer in layers) if x is not None]
+        exact = [plan_format(x) for x in layouts]
+        held = sorted({f for x in layouts for f in (x["weight_format"] if isinstance(x["weight_format"], tuple)
+                                                    else (x["weight_format"],))})  # the engine formats, e.g. int6
         chosen = None
         if exact:
             fmt = "int8" if any(x[0] == "int8" for x in exact) else "int4"
@@ -370,7 +373,8 @@ class GGUFCheckpoint:
             return options if keep else dataclasses.replace(options, group_size=chosen[1])
         if chosen is not None:
             off = len(layers) - groups.count(chosen[1])
-            log(f"hetmoe: {self.path.name}'s experts are {'/'.join(kinds)}: packed as {chosen[0]} group {chosen[1]}"
+            log(f"hetmoe: {self.path.name}'s experts are {'/'.join(kinds)}: packed as {'/'.join(held)} (planned as "
+                f"{chosen[0]} group {chosen[1]})"
                 + (f", exactly except {off} layer(s) of other types (re-quantized)" if off else ", exactly"))
             return dataclasses.replace(options, experts_format=chosen[0], group_size=chosen[1])
         near = [nearest_format(k) for k in kinds]

@@ -97,7 +97,7 @@ def test_q8_0_and_q4_0_experts_load_exactly(tmp_path, arch, qtype, fmt):
     loaded = load_model(path, EngineOptions(device="cpu", dtype="fp32", threads=1), expert_cache=None,
                         progress=False, log=said.append)
     assert loaded.plan.experts_format == fmt and loaded.plan.group_size == 32
-    assert any(f"are {qtype}: packed as {fmt} group 32, exactly" in s for s in said)
+    assert any(f"are {qtype}: packed as " in s and f"(planned as {fmt} group 32), exactly" in s for s in said)
     blocks = moe_blocks(loaded.model)
     assert blocks
     exps = {k: v for k, v in deq.items()}
@@ -173,11 +173,11 @@ KSIZES = {"qwen3_moe": dict(hidden_size=256, moe_intermediate_size=256),
           "deepseek_v3": dict(hidden_size=256, moe_intermediate_size=256),
           "mixtral": dict(hidden_size=256, intermediate_size=256)}
 # (types, plan format and group, engine layout: formats, group, down group, scalings): one type, and unsloth's Q4_K_M
-# (Q4_K gate/up, Q6_K down: int4 beside int8, planned as int8)
+# (Q4_K gate/up, Q6_K down: int4 beside the 6-bit planes, planned as int8)
 KLAYOUTS = [("Q4_K", ("int4", 32), ("int4", 32, 32, ("affine", "affine"))),
-            ("Q5_K", ("int8", 32), ("int8", 32, 32, ("affine", "affine"))),
-            ("Q6_K", ("int8", 16), ("int8", 16, 16, ("symmetric", "symmetric"))),
-            ("Q4_K+Q6_K", ("int8", 32), (("int4", "int8"), 32, 16, ("affine", "symmetric")))]
+            ("Q5_K", ("int8", 32), ("int5", 32, 32, ("affine", "affine"))),
+            ("Q6_K", ("int8", 16), ("int6", 16, 16, ("symmetric", "symmetric"))),
+            ("Q4_K+Q6_K", ("int8", 32), (("int4", "int6"), 32, 16, ("affine", "symmetric")))]
 
 
 def _layout(engine) -> tuple:
@@ -203,16 +203,17 @@ def test_kquant_experts_load_exactly(tmp_path, arch, qtype, plan, layout):
     loaded = load_model(path, EngineOptions(device="cpu", dtype="fp32", threads=1), expert_cache=None,
                         progress=False, log=said.append)
     assert (loaded.plan.experts_format, loaded.plan.group_size) == plan
-    assert any(f"are {'/'.join(sorted(set(qtype.split('+'))))}: packed as {plan[0]} group {plan[1]}, exactly"
-               in s for s in said), said
+    held = "/".join(sorted(set(layout[0] if isinstance(layout[0], tuple) else (layout[0],))))
+    assert any(f"are {'/'.join(sorted(set(qtype.split('+'))))}: packed as {held} (planned as {plan[0]} group "
+               f"{plan[1]}), exactly" in s for s in said), said
     assert all(_layout(layer.engine) == layout for _, layer in moe_blocks(loaded.model))
     _assert_exact(loaded, deq)
 
 
 # the types held exactly since the two-level scales (one architecture: the loading path is the same): Q3_K, a Q2_K
 # file's mix (Q2_K gate/up, Q3_K down), Q4_1, Q5_0 + Q5_1; (types, plan, layout, scale dtypes)
-NEW_LAYOUTS = [("Q3_K", ("int4", 16), ("int4", 16, 16, ("symmetric", "symmetric")), ("k8", "k8")),
-               ("Q2_K+Q3_K", ("int4", 16), ("int4", 16, 16, ("affine", "symmetric")), ("k8", "k8")),
+NEW_LAYOUTS = [("Q3_K", ("int4", 16), ("int3", 16, 16, ("symmetric", "symmetric")), ("k8", "k8")),
+               ("Q2_K+Q3_K", ("int4", 16), (("int2", "int3"), 16, 16, ("affine", "symmetric")), ("k4", "k8")),
                ("Q4_1", ("int4", 32), ("int4", 32, 32, ("affine", "affine")), ("fp16", "fp16")),
                ("Q5_0+Q5_1", ("int8", 32), ("int8", 32, 32, ("symmetric", "affine")), ("fp16", "fp16"))]
 
@@ -244,7 +245,8 @@ def test_mixed_types_per_layer(tmp_path):
     path, _, _, deq = quantized_gguf(tmp_path, "qwen3_moe", "Q4_K", layer_types=types, **KSIZES["qwen3_moe"])
     loaded = _load(path)
     layouts = [_layout(layer.engine) for _, layer in moe_blocks(loaded.model)]
-    assert layouts == [(("int4", "int8"), 32, 16, ("affine", "symmetric")), ("int8", 32, 32, ("affine", "symmetric"))]
+    assert layouts == [(("int4", "int6"), 32, 16, ("affine", "symmetric")), (("int5", "int8"), 32, 32,
+                                                                             ("affine", "symmetric"))]
     _assert_exact(loaded, deq)
 
 
@@ -264,7 +266,7 @@ def test_gate_and_up_of_different_types_are_requantized(tmp_path):
     said = []
     load_model(path, EngineOptions(device="cpu", dtype="fp32", threads=1), expert_cache=None, progress=False,
                log=said.append)
-    assert any("packed as int8 group 32, exactly except 1 layer(s) of other types (re-quantized)" in s for s in said)
+    assert any("(planned as int8 group 32), exactly except 1 layer(s) of other types (re-quantized)" in s for s in said)
 
 
 def test_a_bad_kquant_block_is_named(tmp_path):
@@ -431,7 +433,7 @@ def test_codebook_experts_load_exactly(tmp_path, arch, qtype, plan, layout):
     loaded = load_model(path, EngineOptions(device="cpu", dtype="fp32", threads=1), expert_cache=None,
                         progress=False, log=said.append)
     assert (loaded.plan.experts_format, loaded.plan.group_size) == plan
-    assert any(f"packed as {plan[0]} group {plan[1]}, exactly" in s for s in said), said
+    assert any(f"(planned as {plan[0]} group {plan[1]}), exactly" in s for s in said), said
     assert all(_lut_layout(layer.engine) == layout for _, layer in moe_blocks(loaded.model))
     _assert_exact(loaded, deq)
 
