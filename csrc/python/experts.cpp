@@ -298,9 +298,7 @@ void bind_experts(py::module_& m) {
     d["down_shared_scales"] = dn.shared_scales;
     d["isa"] = isa_name(c.isa);
     d["kernel"] = ex.kernel().name;
-    auto activation = [](WeightFormat f) {
-      return float_activations(f) ? "fp32" : wide_codes(f) ? "int16" : "int8";
-    };
+    auto activation = [](WeightFormat f) { return float_activations(f) ? "fp32" : wide_codes(f) ? "int16" : "int8"; };
     d["activation"] = activation(c.format);
     d["down_weight_format"] = format_name(ex.down_format());
     d["down_kernel"] = ex.down_kernel().name;

@@ -27,7 +27,8 @@ PYBIND11_MODULE(_C, m) {
     d["amx_unavailable"] = amx_unavailable_reason();  // "" when the AMX kernels can run
     d["amx_kernels_compiled"] = amx_kernels_compiled();
     py::dict amx_min;  // per weight format
-    for (int f = 0; f < kWeightFormats; ++f) amx_min[format_name((WeightFormat)f)] = default_amx_min_tokens((WeightFormat)f);
+    for (int f = 0; f < kWeightFormats; ++f)
+      amx_min[format_name((WeightFormat)f)] = default_amx_min_tokens((WeightFormat)f);
     d["amx_min_tokens_default"] = amx_min;
     return d;
   });

@@ -650,7 +650,8 @@ def test_parity_gpu_dense(checkpoints):
     """The dense part on the GPU (fp32), experts on the CPU engine: the prompt of 11 (past the window of 4) prefilled
     by the paged Triton prefill kernel, then DECODE_STEPS greedy steps through the CUDA graph with the fused path (the
     epilogue, the paged Triton decode kernel with the sinks and the window), against transformers' logits (no
-    GPU-resident experts: the clamped SwiGLU refuses --gpu-experts N, test_gpu_experts_refused). Bound 1e-3 (fp32 GPU kernels in another order; measured values printed)."""
+    GPU-resident experts: a clamped SwiGLU refuses --gpu-experts N). Bound 1e-3 (fp32 GPU kernels in another order;
+    measured values printed)."""
     from hetmoe.engine.runner import Runner
 
     path = checkpoints("fp32")

@@ -129,8 +129,10 @@ uint64_t peak_loop(bool bf16, int64_t rounds) {
 }
 
 GemmKernel gemm(WeightFormat f) {
-  static constexpr GemmKernel kByFormat[kWeightFormats] = {Gemm<Native>::bf16, Gemm<Native>::int8,
-                                                           int4_gemm<Native, NativeT<true>>, Gemm<NativeT<true>>::lut4,
+  static constexpr GemmKernel kByFormat[kWeightFormats] = {Gemm<Native>::bf16,
+                                                           Gemm<Native>::int8,
+                                                           int4_gemm<Native, NativeT<true>>,
+                                                           Gemm<NativeT<true>>::lut4,
                                                            Gemm<Native>::fp8,
                                                            Gemm<Native>::planes<WeightFormat::int6>,
                                                            Gemm<Native>::planes<WeightFormat::int5>,
