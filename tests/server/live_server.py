@@ -1,6 +1,6 @@
 """``hetmoe serve`` as a real process on a free loopback port, for the tests of this folder: start it, find the
-address it printed, read its metrics, post raw bodies; and the server's HTTP stack in this process, with an engine
-stand-in (``InProcess``, ``Echo``, ``Scripted``)."""
+address it printed, read its metrics, post raw bodies, read a streamed chat completion; and the server's HTTP stack
+in this process, with an engine stand-in (``InProcess``, ``Echo``, ``Scripted``)."""
 
 import json
 import os
@@ -88,6 +88,21 @@ def assert_error(response, status, param=None, code=None):
         assert err["code"] == code, err
     return err
 
+
+def read_chat_stream(chunks) -> tuple:
+    """(reasoning, content, {index: [name, arguments]}, finish reasons) of a streamed chat completion (openai SDK
+    chunks)."""
+    reasoning, content, calls, finish = "", "", {}, []
+    for c in chunks:
+        d = c.choices[0].delta
+        reasoning += getattr(d, "reasoning_content", None) or ""
+        content += d.content or ""
+        for t in d.tool_calls or ():
+            if t.id is not None:
+                calls[t.index] = [t.function.name, ""]
+            calls[t.index][1] += t.function.arguments or ""
+        finish += [c.choices[0].finish_reason] if c.choices[0].finish_reason else []
+    return reasoning, content, calls, finish
 
 def wait_for(predicate, timeout=30.0):
     """Polls a condition of the server's state (the state lives in another process: polling is the interface)."""

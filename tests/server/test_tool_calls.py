@@ -118,6 +118,11 @@ def streamed(parser, text: str, pieces: list) -> tuple:
     """(content, [(name, arguments text)], failed) from a stream fed ``pieces``."""
     stream = parser.stream(TOOLS)
     deltas = [d for p in pieces for d in stream.push(p)] + stream.finish()
+    return (*read_deltas(deltas), stream.failed)
+
+
+def read_deltas(deltas: list) -> tuple:
+    """(content, [(name, arguments text)]) that a tool-call stream's ``deltas`` add up to."""
     content, calls = "", {}
     for d in deltas:
         if d.kind == "content":
@@ -128,7 +133,7 @@ def streamed(parser, text: str, pieces: list) -> tuple:
         else:
             assert d.index in calls  # arguments only after the name
             calls[d.index][1] += d.text
-    return content, [tuple(calls[i]) for i in sorted(calls)], stream.failed
+    return content, [tuple(calls[i]) for i in sorted(calls)]
 
 
 def splits(text: str, seed: int):

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import openai
 import pytest
-from live_server import InProcess
+from live_server import InProcess, read_chat_stream
 from test_special_markers import TokenScript
+from test_tool_calls import read_deltas
 
 from hetmoe.server import chat
 from hetmoe.server.main import read_chat_template
@@ -77,16 +78,7 @@ def broken(f):
 def run(family, pieces) -> tuple:
     stream = tool_parser(family).stream(TOOLS)
     deltas = [d for p in pieces for d in stream.push(p)] + stream.finish()
-    content, calls = "", {}
-    for d in deltas:
-        if d.kind == "content":
-            content += d.text
-        elif d.kind == "call":
-            assert d.index == len(calls) and d.name and d.id
-            calls[d.index] = [d.name, ""]
-        else:
-            calls[d.index][1] += d.text
-    return content, [(n, a) for n, a in (calls[i] for i in sorted(calls))], stream.failed
+    return (*read_deltas(deltas), stream.failed)
 
 
 def splits(text: str):
@@ -416,16 +408,7 @@ def test_a_thought_and_a_call(dsml):
 
 
 def test_a_thought_and_a_call_streamed(dsml):
-    reasoning, content, calls, finish = "", "", {}, []
-    for c in ask(dsml, THOUGHT_AND_CALL, stream=True):
-        d = c.choices[0].delta
-        reasoning += getattr(d, "reasoning_content", None) or ""
-        content += d.content or ""
-        for t in d.tool_calls or ():
-            if t.id is not None:
-                calls[t.index] = [t.function.name, ""]
-            calls[t.index][1] += t.function.arguments or ""
-        finish += [c.choices[0].finish_reason] if c.choices[0].finish_reason else []
+    reasoning, content, calls, finish = read_chat_stream(ask(dsml, THOUGHT_AND_CALL, stream=True))
     assert reasoning == "The user wants Oslo." and content == "" and finish == ["tool_calls"]
     assert calls[0][0] == "get_weather" and json.loads(calls[0][1]) == {"city": "Oslo", "days": 2}
 

@@ -13,8 +13,9 @@ import anthropic
 import httpx
 import openai
 import pytest
-from live_server import InProcess
+from live_server import InProcess, read_chat_stream
 from test_special_markers import TokenScript
+from test_tool_calls import read_deltas
 
 from hetmoe.server import chat
 from hetmoe.server.reasoning import HarmonyParser, reasoning_parser
@@ -60,7 +61,7 @@ def run(text: str, pieces: list) -> tuple:
     """(reasoning or None, content, [(name, arguments text)], failed) of ``pieces`` through the chat path's two
     streams, as ChatOutput chains them."""
     thinking, calls_stream = HarmonyParser().stream(False), tool_parser("harmony").stream(TOOLS)
-    reasoning, content, calls = "", "", {}
+    reasoning = ""
     parts = [p for piece in pieces for p in thinking.push(piece)] + thinking.finish()
     deltas = []
     for kind, t in parts:
@@ -70,16 +71,8 @@ def run(text: str, pieces: list) -> tuple:
         else:
             deltas += calls_stream.push(t)
     deltas += calls_stream.finish()
-    for d in deltas:
-        if d.kind == "content":
-            content += d.text
-        elif d.kind == "call":
-            assert d.index == len(calls) and d.name and d.id
-            calls[d.index] = [d.name, ""]
-        else:
-            calls[d.index][1] += d.text
-    return (reasoning if thinking.reasoned else None), content, [tuple(calls[i]) for i in sorted(calls)], \
-        calls_stream.failed
+    content, calls = read_deltas(deltas)
+    return (reasoning if thinking.reasoned else None), content, calls, calls_stream.failed
 
 
 def whole(text: str) -> tuple:
@@ -272,17 +265,8 @@ def test_a_call_is_read_and_the_output_stops_at_call(harmony):
 def test_a_call_streamed(harmony):
     harmony.scripts.append(script(harmony.tok, "<|channel|>", "analysis", "<|message|>", "Hmm.", "<|end|>",
                                   *call_script("get_weather", {"city": "Rome", "days": 3}, recipient_first=True)))
-    reasoning, content, calls, finish = "", "", {}, []
-    for c in harmony.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Rome?"}],
-                                                    tools=[WEATHER], stream=True):
-        d = c.choices[0].delta
-        reasoning += getattr(d, "reasoning_content", None) or ""
-        content += d.content or ""
-        for t in d.tool_calls or ():
-            if t.id is not None:
-                calls[t.index] = [t.function.name, ""]
-            calls[t.index][1] += t.function.arguments or ""
-        finish += [c.choices[0].finish_reason] if c.choices[0].finish_reason else []
+    reasoning, content, calls, finish = read_chat_stream(harmony.client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Rome?"}], tools=[WEATHER], stream=True))
     assert reasoning == "Hmm." and content == "" and finish == ["tool_calls"]
     assert list(calls) == [0] and calls[0][0] == "get_weather" and json.loads(calls[0][1]) == {"city": "Rome",
                                                                                                 "days": 3}

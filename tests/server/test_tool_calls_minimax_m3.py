@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_tool_calls import read_deltas
 
 from hetmoe.server.reasoning import reasoning_parser
 from hetmoe.server.tool_calls import ToolCall, detect, tool_parser
@@ -69,7 +70,7 @@ BROKEN = [  # (output, content): claims a call, does not parse
 
 def run(pieces, inside=False) -> tuple:
     thinking, calls_stream = reasoning_parser("minimax_m3").stream(inside), tool_parser("minimax_m3").stream(TOOLS)
-    reasoning, content, calls = "", "", {}
+    reasoning = ""
     parts = [p for piece in pieces for p in thinking.push(piece)] + thinking.finish()
     deltas = []
     for kind, t in parts:
@@ -79,16 +80,8 @@ def run(pieces, inside=False) -> tuple:
         else:
             deltas += calls_stream.push(t)
     deltas += calls_stream.finish()
-    for d in deltas:
-        if d.kind == "content":
-            content += d.text
-        elif d.kind == "call":
-            assert d.index == len(calls) and d.name and d.id
-            calls[d.index] = [d.name, ""]
-        else:
-            calls[d.index][1] += d.text
-    return (reasoning if thinking.reasoned else None), content, [tuple(calls[i]) for i in sorted(calls)], \
-        calls_stream.failed
+    content, calls = read_deltas(deltas)
+    return (reasoning if thinking.reasoned else None), content, calls, calls_stream.failed
 
 
 def whole(text, inside=False) -> tuple:

@@ -45,7 +45,8 @@ a parser's ``markers`` in the text it decodes (``SamplingParams.shown_special_id
 
 The modules: ``base`` (the types, ``ToolParser``, ``ToolStream``), ``scan`` (reading a region as it arrives), one
 per family (``hermes``, ``qwen3_coder``, ``deepseek``, ``dsml``, ``kimi_k2``, ``mistral``, ``glm``, ``minimax``,
-``minimax_m3``, ``harmony``; ``marked`` is the reader DeepSeek's and Kimi's share); this one picks the family.
+``minimax_m3``, ``harmony``; ``marked`` is the reader DeepSeek's and Kimi's share, ``invoke`` the one of the
+``invoke``-element families: MiniMax-M2/M3 and DSML); this one picks the family.
 """
 
 from __future__ import annotations

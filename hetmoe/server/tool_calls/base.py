@@ -155,7 +155,7 @@ class ToolStream:
         if not self.in_region:
             at = self.buffer.find(self.parser.start)
             if at < 0:
-                keep = _partial_suffix(self.buffer, self.parser.start)
+                keep = partial_suffix(self.buffer, self.parser.start)
                 if len(self.buffer) > keep:
                     out.append(Delta("content", self.buffer[:len(self.buffer) - keep]))
                     self.buffer = self.buffer[len(self.buffer) - keep:]
@@ -220,7 +220,7 @@ class ToolStream:
         return [Delta("content", text)]
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of ``text`` that begins ``marker``."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:k]):

@@ -18,38 +18,14 @@ whitespace before the block belongs to it, not to the content (as the encoding w
 from __future__ import annotations
 
 import json
-import re
 
-from hetmoe.server.tool_calls.base import Delta, ToolParser, ToolStream, args_format
-from hetmoe.server.tool_calls.scan import (
-    Malformed,
-    Partial,
-    expect,
-    open_block,
-    schema_type,
-    skip_ws,
-    xml_args,
-    xml_value,
-)
+from hetmoe.server.tool_calls.base import Delta, ToolStream, args_format, partial_suffix
+from hetmoe.server.tool_calls.invoke import MAX_TAG, InvokeBlocks, read_attributes
+from hetmoe.server.tool_calls.scan import Malformed, expect, schema_type, xml_value
 
 DSML = "｜DSML｜"
 INVOKE, INVOKE_END = f"<{DSML}invoke", f"</{DSML}invoke>"
 PARAM, PARAM_END = f"<{DSML}parameter", f"</{DSML}parameter>"
-_ATTRIBUTE = re.compile(r'\s*([A-Za-z_][\w-]*)\s*=\s*(?:"([^"]*)"|\'([^\']*)\'|([^\s"\'>]+))')
-MAX_TAG = 512  # characters of an element's attributes before its ">": more is not an element
-
-
-def read_attributes(text: str) -> dict:
-    """The attributes of an element as written between its name and ``>``; Malformed when they do not read."""
-    out, pos = {}, 0
-    while pos < len(text.rstrip()):
-        m = _ATTRIBUTE.match(text, pos)
-        if m is None:
-            raise Malformed(f"not attributes: {text[pos:pos + 20]!r}")
-        value = next(v for v in m.groups()[1:] if v is not None)
-        out[m.group(1)] = value
-        pos = m.end()
-    return out
 
 
 def dsml_value(raw: str, string, kind) -> str:
@@ -72,21 +48,12 @@ def dsml_text(value) -> tuple:
     return ("true", value) if isinstance(value, str) else ("false", json.dumps(value, ensure_ascii=False))
 
 
-class DeepSeekV32(ToolParser):
+class DeepSeekV32(InvokeBlocks):
     name = "deepseek_v32"
     start, end = f"<{DSML}function_calls>", f"</{DSML}function_calls>"
     markers = (start, end, DSML)
-    separator = ""  # each invoke ends with its own newline
-
-    def _calls(self, region, tools, final, scanner, out):
-        pos = 0
-        while True:
-            opened, pos = open_block(region, pos, self.start, final)
-            if not opened:
-                return pos
-            pos = self._invokes(region, pos, tools, final, out)
-            if pos is None:
-                return None
+    invoke, invoke_end = INVOKE, INVOKE_END
+    unique_params = True
 
     def _tag(self, region, p, final):
         """(attributes, the position after ``>``) of the element whose name ends at ``p``; None while the text
@@ -98,64 +65,24 @@ class DeepSeekV32(ToolParser):
             return None
         return read_attributes(region[p:gt]), gt + 1
 
-    def _invokes(self, region, pos, tools, final, out):
-        """The invokes of one block, from just after its opening -> the position after its end, or None."""
-        first = True
-        while True:
-            p = skip_ws(region, pos)
-            if region.startswith(self.end, p):
-                if first:
-                    raise Malformed("a tool-call block without an invoke")
-                return p + len(self.end)
-            if p >= len(region) or (not final and self.end.startswith(region[p:])):
-                if final:
-                    raise Malformed(f"no {self.end!r}")
-                return None
-            q = expect(region, p, INVOKE, final)
-            tag = self._tag(region, q, final) if q is not None else None
-            if tag is None:
-                return None
-            attributes, q = tag
-            call = Partial(name=attributes.get("name"))
-            if not call.name:
-                raise Malformed("a call without a name")
-            out.append(call)
-            pos, first = self._params(region, q, tools.get(call.name) or {}, final, call), False
-            if pos is None:
-                return None
+    def head(self, region, q, final):
+        tag = self._tag(region, q, final)
+        return (tag[0].get("name"), tag[1]) if tag is not None else None
 
-    def _params(self, region, p, schema, final, call):
-        """The parameters of one invoke, from just after its opening element -> the position after INVOKE_END,
-        or None (``call.args`` then holds the parameters read so far)."""
-        params: list = []
-        while True:
-            p = skip_ws(region, p)
-            if region.startswith(INVOKE_END, p):
-                call.args, call.done = xml_args(params, True), True
-                call.end = p + len(INVOKE_END)
-                return call.end
-            if p >= len(region) or (not final and INVOKE_END.startswith(region[p:])):
-                if final:
-                    raise Malformed(f"no {INVOKE_END!r}")
-                call.args = xml_args(params, False)
-                return None
-            q = expect(region, p, PARAM, final)
-            tag = self._tag(region, q, final) if q is not None else None
-            close = region.find(PARAM_END, tag[1]) if tag is not None else -1
-            if close < 0:
-                if final:
-                    raise Malformed("an unterminated parameter")
-                call.args = xml_args(params, False)
-                return None
-            attributes, value_at = tag
-            key = attributes.get("name")
-            if not key:
-                raise Malformed("a parameter without a name")
-            if any(k == key for k, _ in params):
-                raise Malformed(f"the parameter {key!r} twice")
-            raw = region[value_at:close]
-            params.append((key, dsml_value(raw, attributes.get("string"), schema_type(schema, key))))
-            p = close + len(PARAM_END)
+    def param(self, region, p, schema, final):
+        q = expect(region, p, PARAM, final)
+        tag = self._tag(region, q, final) if q is not None else None
+        close = region.find(PARAM_END, tag[1]) if tag is not None else -1
+        if close < 0:
+            if final:
+                raise Malformed("an unterminated parameter")
+            return None
+        attributes, value_at = tag
+        key = attributes.get("name")
+        if not key:
+            raise Malformed("a parameter without a name")
+        value = dsml_value(region[value_at:close], attributes.get("string"), schema_type(schema, key))
+        return (key, value), close + len(PARAM_END)
 
     def parse(self, text, tools):
         at = text.find(self.start)
@@ -171,19 +98,15 @@ class DeepSeekV32(ToolParser):
             params.append(f'{PARAM} name="{k}" string="{string}">{text}{PARAM_END}\n')
         return f'{INVOKE} name="{call.name}">\n' + "".join(params) + INVOKE_END + "\n"
 
-    def format_calls(self, calls):
-        return self.start + "\n" + super().format_calls(calls) + self.end
-
     def tool_format(self, name, schema):
         return {"type": "tag", "begin": f'{INVOKE} name="{name}">\n', "content": args_format(schema, "deepseek_xml"),
                 "end": INVOKE_END + "\n"}
 
     def grammar(self, tools, name=None, parallel=True):
         """The block, after the blank line the model writes before it."""
-        block = {"type": "tag", "begin": self.start + "\n", "content": self.calls_format(tools, name, parallel),
-                 "end": self.end}
         return {"type": "sequence", "elements": [
-            {"type": "optional", "content": {"type": "const_string", "value": "\n\n"}}, block]}
+            {"type": "optional", "content": {"type": "const_string", "value": "\n\n"}},
+            super().grammar(tools, name, parallel)]}
 
 
 class DeepSeekV4(DeepSeekV32):
@@ -204,10 +127,7 @@ class DsmlStream(ToolStream):
         if at >= 0:
             text, self.buffer, self.in_region = self.buffer[:at].rstrip(), self.buffer[at:], True
             return ([Delta("content", text)] if text else []) + self._region(final=False)
-        keep = next((k for k in range(min(len(start) - 1, len(self.buffer)), 0, -1)
-                     if self.buffer.endswith(start[:k])), 0)
-        head = self.buffer[:len(self.buffer) - keep]
-        sent = head.rstrip()
+        sent = self.buffer[:len(self.buffer) - partial_suffix(self.buffer, start)].rstrip()
         if sent:
             out.append(Delta("content", sent))
         self.buffer = self.buffer[len(sent):]

@@ -13,7 +13,7 @@ from hetmoe.server.tool_calls.scan import (
     open_block,
     schema_type,
     skip_ws,
-    xml_args,
+    xml_params,
     xml_text,
     xml_value,
 )
@@ -42,32 +42,27 @@ class Glm45(ToolParser):
             call.name = region[p:min(ends)].strip()
             if not call.name:
                 raise Malformed("a call without a name")
-            schema, params, p = tools.get(call.name) or {}, [], min(ends)
-            while True:
-                p = skip_ws(region, p)
-                if region.startswith("</tool_call>", p):
-                    call.args, call.done = xml_args(params, True), True
-                    p = call.end = p + len("</tool_call>")
-                    break
-                if p >= len(region) or (not final and "</tool_call>".startswith(region[p:])):
-                    if final:
-                        raise Malformed("no </tool_call>")
-                    call.args = xml_args(params, False)
-                    return None
-                q = expect(region, p, "<arg_key>", final)
-                k_end = region.find("</arg_key>", q) if q is not None else -1
-                v_at = skip_ws(region, k_end + len("</arg_key>")) if k_end >= 0 else -1
-                v = expect(region, v_at, "<arg_value>", final) if 0 <= v_at < len(region) else None
-                v_end = region.find("</arg_value>", v) if v is not None else -1
-                if v_end < 0:
-                    if final:
-                        raise Malformed("an unterminated <arg_key>/<arg_value>")
-                    call.args = xml_args(params, False)
-                    return None
-                key = region[q:k_end].strip()
-                params.append((key, xml_value(region[v:v_end], schema_type(schema, key))))
-                p = v_end + len("</arg_value>")
-            pos = p
+            schema = tools.get(call.name) or {}
+            pos = xml_params(region, min(ends), "</tool_call>", lambda at: self._param(region, at, schema, final),
+                             final, call)
+            if pos is None:
+                return None
+            call.done, call.end = True, pos
+
+    def _param(self, region, p, schema, final):
+        """((key, JSON text of the value), the position after it) of the parameter at ``p``; None while the text
+        ends first."""
+        q = expect(region, p, "<arg_key>", final)
+        k_end = region.find("</arg_key>", q) if q is not None else -1
+        v_at = skip_ws(region, k_end + len("</arg_key>")) if k_end >= 0 else -1
+        v = expect(region, v_at, "<arg_value>", final) if 0 <= v_at < len(region) else None
+        v_end = region.find("</arg_value>", v) if v is not None else -1
+        if v_end < 0:
+            if final:
+                raise Malformed("an unterminated <arg_key>/<arg_value>")
+            return None
+        key = region[q:k_end].strip()
+        return (key, xml_value(region[v:v_end], schema_type(schema, key))), v_end + len("</arg_value>")
 
     def format_call(self, call, index=0):
         nl = self.newline

@@ -23,7 +23,7 @@ import re
 from typing import Optional
 
 from hetmoe.server.tool_calls.base import ToolParser, args_format
-from hetmoe.server.tool_calls.scan import Malformed, Partial, json_object_text, skip_ws
+from hetmoe.server.tool_calls.scan import Malformed, Partial, json_args, skip_ws
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
@@ -88,19 +88,9 @@ class Harmony(ToolParser):
             raise Malformed(f"a call to {name!r}, which is no tool of the request")
         call = Partial(name=name)
         out.append(call)
-        a = skip_ws(region, a)
-        if a >= len(region):
-            if final:
-                raise Malformed("a call without arguments")
-            return None
-        end = scanner.end(region, a, final)
-        if region[a] == "{":
-            call.args = region[a:end if end is not None else len(region)]
+        end = json_args(region, a, final, scanner, call)
         if end is None:
-            if final:
-                raise Malformed("the arguments end early")
             return None
-        call.args = json_object_text(region[a:end])
         p = skip_ws(region, end)
         for token in (CALL, END):
             if region.startswith(token, p):

@@ -4,7 +4,7 @@ each subclass."""
 from __future__ import annotations
 
 from hetmoe.server.tool_calls.base import ToolParser, args_format
-from hetmoe.server.tool_calls.scan import Malformed, Partial, close_block, expect, json_object_text, skip_ws
+from hetmoe.server.tool_calls.scan import Malformed, Partial, close_block, expect, json_args, skip_ws
 
 
 class Marked(ToolParser):
@@ -45,20 +45,9 @@ class Marked(ToolParser):
             call.name, call.id = self.head(region[p:h])
             if not call.name:
                 raise Malformed("a call without a name")
-            a = skip_ws(region, h + len(self.head_end))
-            if a >= len(region):
-                if final:
-                    raise Malformed("a call without arguments")
+            p = json_args(region, h + len(self.head_end), final, scanner, call)
+            if p is None:
                 return None
-            end = scanner.end(region, a, final)
-            if region[a] == "{":
-                call.args = region[a:end if end is not None else len(region)]
-            if end is None:
-                if final:
-                    raise Malformed("the arguments end early")
-                return None
-            call.args = json_object_text(region[a:end])
-            p = end
             for token in (self.args_end.strip(), self.call_end):  # whitespace around the fence is free
                 if token:
                     p = close_block(region, p, token, final)

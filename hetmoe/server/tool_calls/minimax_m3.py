@@ -19,20 +19,15 @@ from __future__ import annotations
 import json
 import re
 
-from hetmoe.server.tool_calls.base import ToolParser, args_format
-from hetmoe.server.tool_calls.dsml import read_attributes
-from hetmoe.server.tool_calls.scan import Malformed, Partial, expect, open_block, skip_ws, xml_args, xml_value
+from hetmoe.server.tool_calls.base import args_format
+from hetmoe.server.tool_calls.invoke import MAX_TAG, InvokeBlocks, read_attributes
+from hetmoe.server.tool_calls.scan import Malformed, expect, schema_kind, schema_property, skip_ws, xml_value
 
 NS = "]<]minimax[>["
 BEGIN, END = NS + "<tool_call>", NS + "</tool_call>"
 INVOKE, INVOKE_END = NS + "<invoke", NS + "</invoke>"
 ITEM = "item"
 _NAME = re.compile(r"[A-Za-z_][\w.\-]*")
-MAX_TAG = 512
-
-
-def _kind(schema) -> object:
-    return schema.get("type") if isinstance(schema, dict) else None
 
 
 def _children(raw: str) -> list:
@@ -77,7 +72,7 @@ def _element(text: str, p: int, final: bool):
 
 def m3_value(raw: str, schema):
     """The value written ``raw`` (elements or a scalar) for ``schema`` (None: none)."""
-    kind = _kind(schema)
+    kind = schema_kind(schema)
     if NS in raw:
         children = _children(raw)
         if kind == "array" or (kind != "object" and children and all(n == ITEM for n, _ in children)):
@@ -85,13 +80,11 @@ def m3_value(raw: str, schema):
             if any(n != ITEM for n, _ in children):
                 raise Malformed("an array entry that is not an item")
             return [m3_value(v, items) for _, v in children]
-        props = schema.get("properties") if isinstance(schema, dict) else None
-        props = props if isinstance(props, dict) else {}
         out: dict = {}
         for n, v in children:
             if n in out:
                 raise Malformed(f"the key {n!r} twice")
-            out[n] = m3_value(v, props.get(n))
+            out[n] = m3_value(v, schema_property(schema, n))
         return out
     if kind in ("array", "object") and not raw.strip():
         return [] if kind == "array" else {}
@@ -126,83 +119,32 @@ def _relaxed(schema):
     return schema
 
 
-class MiniMaxM3(ToolParser):
-    name, start = "minimax_m3", BEGIN
+class MiniMaxM3(InvokeBlocks):
+    name, start, end = "minimax_m3", BEGIN, END
     markers = (NS,)
-    separator = ""  # each invoke ends with its own newline
+    invoke, invoke_end = INVOKE, INVOKE_END
+    unique_params = True
 
-    def _calls(self, region, tools, final, scanner, out):
-        pos = 0
-        while True:
-            opened, pos = open_block(region, pos, BEGIN, final)
-            if not opened:
-                return pos
-            pos = self._invokes(region, pos, tools, final, out)
-            if pos is None:
-                return None
+    def head(self, region, q, final):
+        gt = region.find(">", q)
+        if gt < 0:
+            if final or len(region) - q > MAX_TAG:
+                raise Malformed("an unterminated invoke")
+            return None
+        return read_attributes(region[q:gt]).get("name"), gt + 1
 
-    def _invokes(self, region, pos, tools, final, out):
-        """The invokes of one block, from just after BEGIN -> the position after END, or None."""
-        first = True
-        while True:
-            p = skip_ws(region, pos)
-            if region.startswith(END, p):
-                if first:
-                    raise Malformed("a tool-call block without an invoke")
-                return p + len(END)
-            if p >= len(region) or (not final and END.startswith(region[p:])):
-                if final:
-                    raise Malformed(f"no {END!r}")
-                return None
-            q = expect(region, p, INVOKE, final)
-            gt = region.find(">", q) if q is not None else -1
-            if gt < 0:
-                if final or (q is not None and len(region) - q > MAX_TAG):
-                    raise Malformed("an unterminated invoke")
-                return None
-            call = Partial(name=read_attributes(region[q:gt]).get("name"))
-            if not call.name:
-                raise Malformed("a call without a name")
-            out.append(call)
-            pos, first = self._params(region, gt + 1, tools.get(call.name) or {}, final, call), False
-            if pos is None:
-                return None
-
-    def _params(self, region, p, schema, final, call):
-        """The parameters of one invoke -> the position after INVOKE_END, or None (``call.args`` then holds the
-        parameters read so far)."""
-        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-        params: list = []
-        while True:
-            p = skip_ws(region, p)
-            if region.startswith(INVOKE_END, p):
-                call.args, call.done = xml_args(params, True), True
-                call.end = p + len(INVOKE_END)
-                return call.end
-            if p >= len(region) or (not final and INVOKE_END.startswith(region[p:])):
-                if final:
-                    raise Malformed(f"no {INVOKE_END!r}")
-                call.args = xml_args(params, False)
-                return None
-            q = expect(region, p, NS + "<", final)
-            element = _element(region, q, final) if q is not None else None
-            if element is None:
-                call.args = xml_args(params, False)
-                return None
-            key, raw, p = element
-            if any(k == key for k, _ in params):
-                raise Malformed(f"the parameter {key!r} twice")
-            params.append((key, json.dumps(m3_value(raw, props.get(key)), ensure_ascii=False)))
+    def param(self, region, p, schema, final):
+        q = expect(region, p, NS + "<", final)
+        element = _element(region, q, final) if q is not None else None
+        if element is None:
+            return None
+        key, raw, p = element
+        return (key, json.dumps(m3_value(raw, schema_property(schema, key)), ensure_ascii=False)), p
 
     def format_call(self, call, index=0):
         return f'{INVOKE} name="{call.name}">' + m3_text(json.loads(call.arguments)) + INVOKE_END + "\n"
-
-    def format_calls(self, calls):
-        return BEGIN + "\n" + super().format_calls(calls) + END
 
     def tool_format(self, name, schema):
         return {"type": "tag", "begin": f'{INVOKE} name="{name}">',
                 "content": args_format(_relaxed(schema), "minimax_m3_xml"), "end": INVOKE_END + "\n"}
 
-    def grammar(self, tools, name=None, parallel=True):
-        return {"type": "tag", "begin": BEGIN + "\n", "content": self.calls_format(tools, name, parallel), "end": END}

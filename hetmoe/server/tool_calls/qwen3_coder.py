@@ -14,7 +14,7 @@ from hetmoe.server.tool_calls.scan import (
     open_block,
     schema_type,
     skip_ws,
-    xml_args,
+    xml_params,
     xml_text,
     xml_value,
 )
@@ -44,38 +44,31 @@ class Qwen3Coder(ToolParser):
             call.name = region[p:gt].strip()
             if not call.name:
                 raise Malformed("a call without a name")
-            schema, params, p = tools.get(call.name) or {}, [], gt + 1
-            while True:
-                p = skip_ws(region, p)
-                if region.startswith("</function>", p):
-                    call.args = xml_args(params, True)
-                    p = close_block(region, p + len("</function>"), "</tool_call>", final)
-                    if p is None:
-                        return None
-                    call.done, call.end = True, p
-                    break
-                if p >= len(region) or (not final and "</function>".startswith(region[p:])):
-                    if final:
-                        raise Malformed("no </function>")
-                    call.args = xml_args(params, False)
-                    return None
-                q = expect(region, p, self._PARAM, final)
-                if q is None:
-                    call.args = xml_args(params, False)
-                    return None
-                gt = region.find(">", q)
-                close = region.find("</parameter>", gt + 1) if gt >= 0 else -1
-                if close < 0:
-                    if final:
-                        raise Malformed("an unterminated <parameter=")
-                    call.args = xml_args(params, False)
-                    return None
-                key, raw = region[q:gt].strip(), region[gt + 1:close]
-                raw = raw[1:] if raw.startswith("\n") else raw
-                raw = raw[:-1] if raw.endswith("\n") else raw
-                params.append((key, xml_value(raw, schema_type(schema, key))))
-                p = close + len("</parameter>")
+            schema = tools.get(call.name) or {}
+            p = xml_params(region, gt + 1, "</function>", lambda at: self._param(region, at, schema, final), final,
+                           call)
+            p = close_block(region, p, "</tool_call>", final) if p is not None else None
+            if p is None:
+                return None
+            call.done, call.end = True, p
             pos = p
+
+    def _param(self, region, p, schema, final):
+        """((key, JSON text of the value), the position after it) of the parameter at ``p``; None while the text
+        ends first."""
+        q = expect(region, p, self._PARAM, final)
+        if q is None:
+            return None
+        gt = region.find(">", q)
+        close = region.find("</parameter>", gt + 1) if gt >= 0 else -1
+        if close < 0:
+            if final:
+                raise Malformed("an unterminated <parameter=")
+            return None
+        key, raw = region[q:gt].strip(), region[gt + 1:close]
+        raw = raw[1:] if raw.startswith("\n") else raw
+        raw = raw[:-1] if raw.endswith("\n") else raw
+        return (key, xml_value(raw, schema_type(schema, key))), close + len("</parameter>")
 
     def format_call(self, call, index=0):
         params = "".join(f"<parameter={k}>\n{xml_text(v)}\n</parameter>\n"

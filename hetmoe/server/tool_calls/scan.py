@@ -1,9 +1,10 @@
 """Reading a tool-call region as it arrives, the pieces every family's parser is made of: whitespace and fixed
 tokens (``skip_ws``, ``expect``; a call block's opening and closing token, ``open_block`` and ``close_block``), where
 a JSON value ends (``JsonScanner``, resumable), Hermes' and Mistral's ``{"name": ..., "arguments": ...}`` envelope
-(``JsonEnvelope``), and the XML families' parameter values (``xml_value``, ``xml_args``, ``xml_text``). A reader that
-meets text which cannot be a call raises ``Malformed``; one whose text ends early (not ``final``) answers None, to be
-asked again with more text.
+(``JsonEnvelope``), a call's arguments written as a bare JSON object (``json_args``), and the XML families' parameters
+(``xml_params``, read one by one to a closing tag; ``xml_value`` types a value by the tool's schema, ``xml_args``,
+``xml_text``). A reader that meets text which cannot be a call raises ``Malformed``; one whose text ends early (not
+``final``) answers None, to be asked again with more text.
 """
 
 from __future__ import annotations
@@ -130,6 +131,25 @@ def json_object_text(raw: str) -> str:
     return raw
 
 
+def json_args(text: str, pos: int, final: bool, scanner: JsonScanner, call: Partial) -> Optional[int]:
+    """Reads ``call``'s arguments, a JSON object after whitespace at ``pos`` -> the position after it, or None while
+    the text ends first (``call.args`` then holds what has arrived of the object); Malformed when they are not one."""
+    a = skip_ws(text, pos)
+    if a >= len(text):
+        if final:
+            raise Malformed("a call without arguments")
+        return None
+    end = scanner.end(text, a, final)
+    if text[a] == "{":
+        call.args = text[a:end if end is not None else len(text)]
+    if end is None:
+        if final:
+            raise Malformed("the arguments end early")
+        return None
+    call.args = json_object_text(text[a:end])
+    return end
+
+
 class JsonEnvelope:
     """``{"name": "f", "arguments": {...}}`` (or "parameters"), read as it arrives: the name once its string is
     complete, the arguments as they are scanned (when they are an object; a JSON string holding the object is
@@ -200,10 +220,20 @@ class JsonEnvelope:
             p = end
 
 
-def schema_type(schema: dict, param: str):
+def schema_kind(schema):
+    """The ``type`` a value's ``schema`` gives (None: none)."""
+    return schema.get("type") if isinstance(schema, dict) else None
+
+
+def schema_property(schema, param: str):
+    """The schema of property ``param`` in an object's ``schema`` (None: none)."""
     props = schema.get("properties") if isinstance(schema, dict) else None
-    spec = props.get(param) if isinstance(props, dict) else None
-    return spec.get("type") if isinstance(spec, dict) else None
+    return props.get(param) if isinstance(props, dict) else None
+
+
+def schema_type(schema, param: str):
+    """The ``type`` the tool's ``schema`` gives parameter ``param`` (None: none)."""
+    return schema_kind(schema_property(schema, param))
 
 
 def xml_value(raw: str, kind) -> str:
@@ -235,3 +265,30 @@ def xml_args(params: list, done: bool) -> str:
     if done:
         return "{" + body + "}"
     return "{" + body if params else ""
+
+
+def xml_params(text: str, pos: int, close: str, read, final: bool, call: Partial,
+               unique: bool = False) -> Optional[int]:
+    """Reads one XML call's parameters from ``pos`` up to its ``close`` tag into ``call.args`` -> the position after
+    ``close``, or None while the text ends first (``call.args`` then holds the parameters read so far).
+    ``read(p)``: the parameter at ``p`` -> ((key, JSON text of its value), the position after it), or None while the
+    text ends first. ``unique``: a key given twice is Malformed (else the last one counts, as JSON reads it)."""
+    params: list = []
+    while True:
+        pos = skip_ws(text, pos)
+        if text.startswith(close, pos):
+            call.args = xml_args(params, True)
+            return pos + len(close)
+        if pos >= len(text) or (not final and close.startswith(text[pos:])):
+            if final:
+                raise Malformed(f"no {close!r}")
+            call.args = xml_args(params, False)
+            return None
+        param = read(pos)
+        if param is None:
+            call.args = xml_args(params, False)
+            return None
+        (key, value), pos = param
+        if unique and any(k == key for k, _ in params):
+            raise Malformed(f"the parameter {key!r} twice")
+        params.append((key, value))
