@@ -53,7 +53,7 @@ def checkpoint_model(ckpt, options, log: Callable[[str], None]) -> tuple:
         inter = ckpt.shape(f"{blocks[0][0]}.experts.0.{names[0]}.weight")[0]
         if hasattr(ckpt, "experts_options"):  # a GGUF file: experts at their own precision by default
             options = ckpt.experts_options([f"{blocks[0][0]}.experts.0.{n}.weight" for n in names], options, log)
-            types = ckpt.expert_types([name for name, _ in blocks], names)
+            types = ckpt.expert_layouts([name for name, _ in blocks], names)
     return cfg, model, blocks, inter, options, types, names
 
 

@@ -575,9 +575,10 @@ class Checkpoint:
         return (compressed.unpack_int4(self.get(m + ".weight_packed"), codes),
                 compressed.engine_scales(self.get(m + ".weight_scale"), scales))
 
-    def expert_types(self, prefixes: list, names: list) -> tuple:
-        """Per-layer expert types for the memory plan (GGUF files have them); the layouts of pack-quantized experts
-        are the engine's int4 / int8 formats themselves, counted as such."""
+    def expert_layouts(self, prefixes: list, names: list) -> tuple:
+        """Per-layer held layouts for the memory plan (GGUF files have them; FP8 experts' are the plan's own:
+        hetmoe/load/loader.py plan_model); the layouts of pack-quantized experts are the engine's int4 / int8 formats
+        themselves, counted as such."""
         return ()
 
     def fp8_experts(self, prefix: str, names: list) -> Optional[str]:

@@ -54,7 +54,7 @@ from hetmoe.models.config import ModelConfig
 from hetmoe.moe import HostStaging, MoELayer, moe_layers
 from hetmoe.moe.streamed import choice as prefill_choice
 from hetmoe.moe.streamed.layerwise import LayerwisePrefill
-from hetmoe.plan.memory import LayerPlan, MemoryPlan, PlanError
+from hetmoe.plan.memory import HeldLayouts, LayerPlan, MemoryPlan, PlanError
 from hetmoe.plan.placement import choose_plan, normalize_options, resolve_device, resolve_dtype
 
 # (*) defer_experts (the uniform deferral) is imported from here by hetmoe/bench/decode_variants.py and tests.
@@ -119,19 +119,24 @@ def new_experts(layer: MoELayer, cfg: ModelConfig, inter: int, plan: MemoryPlan,
 
 
 def plan_model(model: nn.Module, cfg: ModelConfig, blocks: list, options: EngineOptions, inter: int,
-               device: Optional[torch.device] = None, expert_types: tuple = ()) -> MemoryPlan:
+               device: Optional[torch.device] = None, expert_layouts: tuple = ()) -> MemoryPlan:
     """The checks that read no weight (deferral, --gpu-experts, the placement rules of ``options.rules`` against the
     model's modules) and the memory plan, its ``layers`` placed as the rules say (on ``device``: hetmoe plan's).
-    ``expert_types``: a GGUF file's (GGUFCheckpoint.expert_types), so that layers held exactly count their layout."""
+    ``expert_layouts``: a GGUF file's (GGUFCheckpoint.expert_layouts, a HeldLayouts per MoE layer), so that layers
+    held exactly are planned and counted in the layouts the loader builds; an FP8 checkpoint's experts count theirs
+    (hetmoe/load/fp8_formats.py layout: per-channel FP8's scales are per row and group, not shared)."""
     check_deferral(cfg, len(blocks), options.defer_experts)
     check_gpu_experts([b.num_experts for _, b in blocks], 0 if options.gpu_experts == "auto" else options.gpu_experts)
-    shapes = replace(model_shapes(model, cfg, inter), expert_types=tuple(expert_types))
+    kind = fp8_formats.scheme(cfg.get("quantization_config"))  # FP8: block, MX, channel
+    if not expert_layouts and kind is not None and blocks:
+        expert_layouts = (HeldLayouts({"fp8": fp8_formats.layout(kind)}),) * len(blocks)
+    shapes = replace(model_shapes(model, cfg, inter), expert_layouts=tuple(expert_layouts))
     layers = None
     if options.rules is not None:
         where = device or resolve_device(options.device)
         layers = apply_native(load_rules(options.rules), model, blocks, where,
                               resolve_dtype(options.dtype, where, shapes.dense_params), shapes.top_k)
-    group = fp8_formats.GROUPS.get(fp8_formats.scheme(cfg.get("quantization_config")))  # FP8: block, MX, channel
+    group = fp8_formats.GROUPS.get(kind)
     if options.experts_format == "auto" and group and options.group_size in (None, group) and blocks:
         try:  # an FP8 checkpoint's own routed experts: exact, one byte per weight (if they fit; else auto as usual)
             plan = _choose_dense(shapes, replace(options, experts_format="fp8", group_size=group), cfg, layers, device)
@@ -362,8 +367,8 @@ def load_model(
         inter = ckpt.shape(f"{blocks[0][0]}.experts.0.{names[0]}.weight")[0]
     if blocks and hasattr(ckpt, "experts_options"):  # GGUF / compressed-tensors experts: their own bits by default
         options = ckpt.experts_options([f"{blocks[0][0]}.experts.0.{n}.weight" for n in names], options, log)
-    types = getattr(ckpt, "expert_types", lambda *a: ())([name for name, _ in blocks], names) if blocks else ()
-    plan = plan_model(model, cfg, blocks, options, inter, expert_types=types)
+    held = getattr(ckpt, "expert_layouts", lambda *a: ())([name for name, _ in blocks], names) if blocks else ()
+    plan = plan_model(model, cfg, blocks, options, inter, expert_layouts=held)
     if options.gpu_experts or any(lp.gpu_experts for lp in plan.layers):
         calibration_text(options.calibration_file)  # a bad file fails now, not after loading
     for line in load_summary(cfg, ckpt.path, len(model.model.layers), len(blocks), plan, options):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 
 from hetmoe.config.options import LOW_BIT_FORMATS
 from hetmoe.config.units import gib, wrap
-from hetmoe.cpu.layout import expert_bytes, layout_bytes
+from hetmoe.cpu.layout import FP8_LAYOUTS, layout_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -124,9 +124,9 @@ class ModelShapes:
     context_why: str = ""
     moe_names: tuple = ()  # the MoE blocks' names, in forward order (the plan's per-layer entries)
     dense_linears: tuple = ()  # (out, in) of each linear a dense format packs (load/dense.py), part of dense_params
-    # per MoE layer, the GGML types of a GGUF file's (gate, up, down) experts: a layer whose types the planned
-    # format holds exactly takes their own layout (hetmoe/cpu/codes.py exact_layout) and is counted in it
-    expert_types: tuple = ()
+    # per MoE layer, how its checkpoint holds its routed experts exactly (HeldLayouts): the layouts the loader builds
+    # in place of a planned format's own, and the format the layer takes by default
+    expert_layouts: tuple = ()
     # per sequence, the fixed-size states of recurrent (linear-attention) layers: conv-window elements, stored in
     # the model dtype, and bytes of the fp32 recurrent states (layers/kv_cache.py RecurrentStates)
     conv_state_elems: int = 0
@@ -136,22 +136,45 @@ class ModelShapes:
         """One sequence's recurrent-layer states, the same at any context length."""
         return self.conv_state_elems * itemsize + self.recurrent_state_bytes
 
-    def layer_expert_bytes(self, i: int, fmt: str, group: int, down: Optional[str] = None) -> int:
-        """One routed expert of MoE layer ``i`` as the loader allocates it: in ``fmt`` / ``group`` (``down``: down_proj
-        in its own format; hetmoe's own int3 / int2 in their layout, hetmoe/cpu/lowbit.py), or in the exact
-        layout of a GGUF file's types where that format holds them (the loader's ``new_experts`` takes it then)."""
+    def layer_layout(self, i: int, fmt: str, group: int, down: Optional[str] = None) -> dict:
+        """One routed expert's layout (CPUExperts' keyword arguments) in MoE layer ``i`` as the loader builds it in
+        ``fmt`` / ``group`` (``down``: down_proj in its own format; hetmoe's own int3 / int2 in their layout,
+        hetmoe/cpu/lowbit.py): the checkpoint's exact layout where the layer's ``expert_layouts`` has one for that
+        format and group (the loader's ``new_experts`` takes it then), else the format's own (fp8: FP8_LAYOUTS)."""
         if fmt in LOW_BIT_FORMATS or (down is not None and down != fmt):
             from hetmoe.cpu.lowbit import layout
 
-            return layout_bytes(layout(fmt, down or fmt), self.hidden, self.expert_inter)
-        if i < len(self.expert_types):
-            from hetmoe.cpu.codes import exact_layout, plan_format
+            return layout(fmt, down or fmt)
+        held = self.expert_layouts[i] if i < len(self.expert_layouts) else None
+        exact = held.layouts.get(fmt) if held is not None else None
+        if exact is not None:
+            from hetmoe.cpu.codes import plan_format
 
-            gate, up, down = self.expert_types[i]
-            exact = exact_layout(gate, down, fmt) if gate == up else None
-            if exact is not None and plan_format(exact) == (fmt, group):
-                return layout_bytes(exact, self.hidden, self.expert_inter)
-        return expert_bytes(fmt, self.hidden, self.expert_inter, group)
+            if plan_format(exact) == (fmt, group):
+                return exact
+        extra = FP8_LAYOUTS.get(group or 128, {}) if fmt == "fp8" else {}
+        return {"weight_format": fmt, "group_size": group, **extra}
+
+    def layer_expert_bytes(self, i: int, fmt: str, group: int, down: Optional[str] = None) -> int:
+        """One routed expert of MoE layer ``i`` as the loader allocates it (``layer_layout``)."""
+        return layout_bytes(self.layer_layout(i, fmt, group, down), self.hidden, self.expert_inter)
+
+    def layer_own(self, i: int) -> Optional[tuple]:
+        """The (format, group) MoE layer ``i`` is planned in when its checkpoint chose the experts' format (a GGUF
+        file's layers each in their own exact layout), or None (the plan's format)."""
+        return self.expert_layouts[i].own if i < len(self.expert_layouts) else None
+
+
+@dataclass(frozen=True)
+class HeldLayouts:
+    """How a checkpoint holds one MoE layer's routed experts exactly, before any weight is read: ``layouts``, planned
+    format -> the CPUExperts keyword arguments the loader builds the layer in when the plan gives it that format
+    (and the layout's group: hetmoe/cpu/codes.py plan_format); ``own``: the (format, group) the layer is planned in
+    when the checkpoint chose the experts' format (a GGUF file with --experts-format auto: the layer's own exact
+    layout, whatever its other layers need), None for the plan's."""
+
+    layouts: dict
+    own: Optional[tuple] = None
 
 
 # The table's rows in this order (parts not named here after them, in the plan's order).

@@ -19,7 +19,7 @@ from hetmoe.config.options import (
     EngineOptions,
 )
 from hetmoe.config.units import gib
-from hetmoe.cpu.layout import expert_bytes
+from hetmoe.cpu.layout import expert_bytes, layout_bytes
 from hetmoe.moe.streamed.vram import (
     BIG_CHUNK,
     GPU_PREFILL_CHUNKS,
@@ -88,26 +88,33 @@ def plan_layers(shapes: "ModelShapes", opts: EngineOptions, device: torch.device
     for name, p in zip(names, layers if layers is not None else [None] * n):
         got = {k: getattr(p, k, None) for k in ("experts_format", "group_size", "gpu_experts", "defer_experts",
                                                 "down_format")}
-        f = got["experts_format"] or fmt
-        group = layer_group(f, opts.group_size if got["group_size"] is None else got["group_size"])
+        own = shapes.layer_own(len(out)) if fmt == opts.experts_format else None
+        if own is not None and got["experts_format"] is None and got["group_size"] is None:
+            f, group = own  # the checkpoint's own exact layout for this layer
+        else:
+            f = got["experts_format"] or fmt
+            group = layer_group(f, opts.group_size if got["group_size"] is None else got["group_size"])
         gpu = gpu_experts if got["gpu_experts"] is None else got["gpu_experts"]
         gpu = gpu if device.type == "cuda" else 0  # a CPU-only placement keeps every expert on the CPU
         defer = opts.defer_experts if got["defer_experts"] is None else got["defer_experts"]
         down = got["down_format"] if got["down_format"] not in (None, f) else None
-        ram = shapes.n_routed // n * shapes.layer_expert_bytes(len(out), f, group, down)
+        layout = shapes.layer_layout(len(out), f, group, down)
+        ram = shapes.n_routed // n * layout_bytes(layout, H, I)
         gfmt = getattr(p, "gpu_experts_format", None) or opts.gpu_experts_format
-        each, stored = resident_bytes(gfmt, f, group, H, I, itemsize)
+        each, stored = resident_bytes(gfmt, f, group, H, I, itemsize, layout)
         out.append(LayerPlan(name, f, group, gpu, defer, ram, gpu * each, stored, each, down))
     return out
 
 
-def resident_bytes(fmt: str, cpu_format: str, group: int, H: int, I: int, itemsize: int) -> tuple:
-    """(bytes, format) of one GPU-resident expert of a layer whose CPU experts are ``cpu_format`` in ``group``,
-    stored as ``fmt`` (--gpu-experts-format; auto: the CPU's): bf16 in the dtype, int8/int4 with fp32 scales."""
+def resident_bytes(fmt: str, cpu_format: str, group: int, H: int, I: int, itemsize: int,
+                   layout: Optional[dict] = None) -> tuple:
+    """(bytes, format) of one GPU-resident expert of a layer whose CPU experts are ``cpu_format`` in ``group``
+    (``layout``: as the loader builds them, ModelShapes.layer_layout), stored as ``fmt`` (--gpu-experts-format; auto:
+    the CPU's): bf16 in the dtype, int8/int4 with fp32 scales (and an affine layout's fp32 mins)."""
     from hetmoe.moe.gpu_resident.format import expert_bytes as stored_bytes
     from hetmoe.moe.gpu_resident.format import planned_storage
 
-    st = planned_storage(fmt, cpu_format, group)
+    st = planned_storage(fmt, cpu_format, group, layout)
     return stored_bytes(st, H, I, itemsize), st.name
 
 
@@ -521,7 +528,9 @@ def low_bits_apply(shapes: "ModelShapes", opts: EngineOptions, device: torch.dev
     """Whether --experts-format auto steps below int4: int4 experts with a float checkpoint's weights (a GGUF
     file's own types are chosen by the file), no --group-size asked for, and the int4 plan over the RAM budget
     even at the short context auto keeps precision for."""
-    if shapes.expert_types or opts.group_size is not None:
+    # a quantized file (GGUF) hands its layers' layouts: its own codes, never below them; an FP8 checkpoint's fp8 ones
+    # are floats here
+    if any(set(held.layouts) != {"fp8"} for held in shapes.expert_layouts) or opts.group_size is not None:
         return False
     short = min(DENSE_AUTO_CONTEXT, opts.max_context or shapes.context_limit or shapes.max_position_embeddings
                 or DENSE_AUTO_CONTEXT)
@@ -731,8 +740,8 @@ def fit_context(plan: MemoryPlan, shapes: "ModelShapes", opts: EngineOptions, la
     ctx = min(plan.max_context - int(over / each) - 1 for over, each in short) // 1024 * 1024
     if ctx < 1024:
         return plan
-    fitted = plan_memory(shapes, opts, plan.device, plan.experts_format, layers, max_context=ctx,
-                         dense_format=plan.dense_format)
+    fmt = plan.experts_format if opts.experts_format == "auto" else opts.experts_format  # (GGUF: layers differ)
+    fitted = plan_memory(shapes, opts, plan.device, fmt, layers, max_context=ctx, dense_format=plan.dense_format)
     fitted.why = {**fitted.why, **{k: v for k, v in plan.why.items() if k != "KV cache"}}
     fitted.budgets, fitted.notes = plan.budgets, list(plan.notes)
     rows = 1 if plan.kv_paged else opts.max_batch

@@ -7,9 +7,10 @@ Tensors are read from the memory-mapped file when asked for, one at a time (a st
 a time), so loading holds one layer's weights as the safetensors path does. Exact types (hetmoe/cpu/codes.py lists
 the layout of each): the blocks of 32 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (``block_codes``), the K-quants Q2_K .. Q6_K
 (hetmoe/load/gguf/kquants.py), IQ4_NL, IQ4_XS and MXFP4 (lut4: 4-bit indices into a codebook,
-hetmoe/load/gguf/lut4_blocks.py). Gate/up and down may have different exact types (4-bit codes then go into int8 in
-an int8 plan). They are packed from the codes (hetmoe/cpu/codes.py): the kernels multiply by exactly what ``gguf``'s
-dequantization gives. Every other type is dequantized (gguf.quants) and quantized into the experts format of the plan.
+hetmoe/load/gguf/lut4_blocks.py). Gate/up and down may have different exact types, and each layer its own (4-bit
+codes go into int8 under an explicit --experts-format int8). They are packed from the codes (hetmoe/cpu/codes.py):
+the kernels multiply by exactly what ``gguf``'s dequantization gives. Every other type is dequantized (gguf.quants)
+and quantized into the experts format of the plan.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from hetmoe.load.gguf.metadata import config_from_gguf
 from hetmoe.load.gguf.names import PAIRS, Transform, hf_names, merge_pair, undo
 from hetmoe.load.gguf.reader import GGUFError, open_gguf
 from hetmoe.models.config import ModelConfig
+from hetmoe.plan.memory import HeldLayouts
 
 # GGML type -> (engine format, bytes per block of 32) of the blocks block_codes decodes
 EXACT = {"Q8_0": ("int8", 34), "Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q5_0": ("int8", 22), "Q5_1": ("int8", 24)}
@@ -142,6 +144,7 @@ class GGUFCheckpoint:
         self.config = ModelConfig(config_from_gguf(self.file))
         self._map: dict = {}  # HF name -> (GGUFTensor, transform, expert index or None) or a pair's two tensors
         self._scratch: dict = {}  # (matrix, GGML type, shape) -> decode buffers of CHUNK experts (load_exact_experts)
+        self._own_formats = False  # experts_options chose the format: each exact layer is planned in its own layout
         pairs: dict = {}
         second = {b: a for a, b in PAIRS.items()}
         skipped = []
@@ -261,10 +264,22 @@ class GGUFCheckpoint:
             raise GGUFError(f"{self.path}: {name}: {err}") from None
         return block_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:]))
 
-    def expert_types(self, prefixes: list, names: list) -> tuple:
-        """The GGML types of (gate, up, down) of each MoE block of ``prefixes`` (``names``: as the model calls
-        them): what the memory plan counts a layer held exactly by (ModelShapes.layer_expert_bytes)."""
-        return tuple(tuple(self.ggml_type(f"{p}.experts.0.{w}.weight") for w in names) for p in prefixes)
+    def expert_layouts(self, prefixes: list, names: list) -> tuple:
+        """A HeldLayouts for each MoE block of ``prefixes`` (``names``: gate, up, down as the model calls them): the
+        exact layout the loader builds the block in when the plan gives it int8 or int4 (4-bit codes in int8: in an
+        explicit --experts-format int8), and, where ``experts_options`` chose the format, the (format, group) of the
+        block's own exact layout (int4 for Q4_K, int8 class for Q4_K gate/up beside Q6_K down, ...): what the memory
+        plan places and counts each layer by (hetmoe/plan/memory.py ModelShapes.layer_layout)."""
+        out = []
+        for prefix in prefixes:
+            layouts = {}
+            for fmt in ("int8", "int4"):
+                x = self.experts_layout(prefix, names, fmt)
+                if x is not None and plan_format(x)[0] == fmt:
+                    layouts[fmt] = x
+            own = self.experts_layout(prefix, names) if self._own_formats else None
+            out.append(HeldLayouts(layouts, None if own is None else plan_format(own)))
+        return tuple(out)
 
     def experts_layout(self, prefix: str, names: list, plan: Optional[str] = None) -> Optional[dict]:
         """exact_format of block ``prefix``'s experts (``names``: gate, up, down as the model calls them)."""
@@ -344,10 +359,12 @@ class GGUFCheckpoint:
 
     def experts_options(self, names: list, options, log: Callable[[str], None]):
         """``options`` with the experts format this file's experts (``names``: one layer's gate, up, down) load
-        at by default: the exact one (the layout most layers' types need; int8 where any layer needs it), else the
-        nearest by bits (a note says what re-quantizing costs is measured by ``hetmoe eval``). Layers whose types
-        the chosen format and group cannot hold exactly are re-quantized, with a note. An explicit --experts-format
-        is kept (still exact where it holds the types: int4 codes in int8)."""
+        at by default: the exact one, each layer in its own layout (``expert_layouts`` tells the plan: a Q4_K layer
+        int4 beside a Q4_K_M layer's int4 / int6), the others in int8 where any layer's types need it, else int4, in
+        the group most layers have; else the nearest by bits (a note says what re-quantizing costs is measured by
+        ``hetmoe eval``). Layers whose types no layout holds exactly are re-quantized, with a note. An explicit
+        --experts-format is kept (still exact where it holds the types: int4 codes in int8)."""
+        self._own_formats = False
         layers = self._layer_names(names)
         kinds = sorted({self.ggml_type(n) for layer in layers for n in layer})
         layouts = [x for x in (self.exact_format(layer) for layer in layers) if x is not None]
@@ -372,9 +389,12 @@ class GGUFCheckpoint:
             keep = chosen is None or options.group_size or fmt == "bf16"  # bf16 has no groups
             return options if keep else dataclasses.replace(options, group_size=chosen[1])
         if chosen is not None:
-            off = len(layers) - groups.count(chosen[1])
-            log(f"hetmoe: {self.path.name}'s experts are {'/'.join(kinds)}: packed as {'/'.join(held)} (planned as "
-                f"{chosen[0]} group {chosen[1]})"
+            self._own_formats = True
+            off = len(layers) - len(exact)
+            classes = sorted(sorted(set(exact)), key=lambda c: -exact.count(c))  # most layers' first
+            planned = ("as " if len(classes) == 1 else "per layer: ") + ", ".join(f"{f} group {g}" for f, g in classes)
+            log(f"hetmoe: {self.path.name}'s experts are {'/'.join(kinds)}: packed as {'/'.join(held)} (planned "
+                f"{planned})"
                 + (f", exactly except {off} layer(s) of other types (re-quantized)" if off else ", exactly"))
             return dataclasses.replace(options, experts_format=chosen[0], group_size=chosen[1])
         near = [nearest_format(k) for k in kinds]

@@ -174,15 +174,32 @@ def _group(cpu_group: int) -> int:
     return 128 if not cpu_group else cpu_group if cpu_group in GROUPS else DEFAULT_GROUP
 
 
-def planned_storage(fmt: str, cpu_format: str, cpu_group: int) -> Storage:
+def planned_storage(fmt: str, cpu_format: str, cpu_group: int, layout: Optional[dict] = None) -> Storage:
     """The storage ``--gpu-experts-format fmt`` gives experts whose CPU format is ``cpu_format`` in ``cpu_group``
     (before any weight exists: the memory plan): auto is the CPU format; int8/int4 of the CPU's format keep its group
-    (its codes), another format takes the default group."""
+    (its codes), another format takes the default group. ``layout``: the CPU experts' layout as the loader builds it
+    (CPUExperts' keyword arguments: each matrix's format, group, scaling, codebook), so that the storage is the one
+    ``storage_for`` gives them (a whole layer: its codes copied; affine matrices with their fp32 mins)."""
+    if fmt not in ("auto",) + FORMATS:
+        raise ValueError(f"GPU experts format must be auto or one of {', '.join(FORMATS)}, got {fmt!r}")
+    if layout is not None and fmt != "bf16":
+        fmts, books, scalings = (tuple(v) if isinstance(v, (tuple, list)) else (v, v) for v in (
+            layout["weight_format"], layout.get("codebook"), layout.get("scaling", "symmetric")))
+        groups = (layout["group_size"] or 0, layout.get("down_group_size") or layout["group_size"] or 0)
+        if "bf16" in fmts or "fp8" in fmts:  # no GPU kernels for fp8: its values in bf16
+            return Storage.of("bf16") if fmt == "auto" else Storage.of(fmt)
+        if fmt == "auto":  # cpu_storage's, the NUMA split aside
+            out = [("int4", g, None, False) if f == "lut4" and g not in GROUPS else
+                   (WIDENED.get(f, f), g, b, g in GROUPS and s == "affine")
+                   for f, g, b, s in zip(fmts, groups, books, scalings)]
+            (gu, g, gb, ga), (dn, dg, db, da) = out
+            return Storage(gu, dn, _group(g), _group(dg), gb, db, ga, da)
+        gu, dn = (WIDENED.get(f, f) for f in fmts)  # storage_for's
+        return Storage(fmt, fmt, _group(groups[0]) if gu == fmt else DEFAULT_GROUP,
+                       _group(groups[1]) if dn == fmt else DEFAULT_GROUP)
     cpu_format = WIDENED.get(cpu_format, cpu_format)  # bit-plane codes: held as int8 / int4
     if fmt == "auto":
         fmt = "bf16" if cpu_format == "fp8" else cpu_format  # fp8: no GPU kernels for it; its values in bf16
-    if fmt not in FORMATS:
-        raise ValueError(f"GPU experts format must be auto or one of {', '.join(FORMATS)}, got {fmt!r}")
     if fmt == "bf16":
         return Storage.of("bf16")
     return Storage.of(fmt, _group(cpu_group) if fmt == cpu_format else DEFAULT_GROUP)

@@ -260,13 +260,28 @@ def test_an_explicit_int8_holds_int4_types_exactly(tmp_path):
     _assert_exact(loaded, deq)
 
 
-def test_gate_and_up_of_different_types_are_requantized(tmp_path):
-    path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "Q4_K", layer_types={1: "Q6_K+Q6_K"},
-                                   **KSIZES["qwen3_moe"])
+def test_each_layer_takes_its_own_layout(tmp_path):
+    """A Q4_K layer beside a Q6_K layer (an int8 type of group 16): each held exactly in its own layout."""
+    path, _, _, deq = quantized_gguf(tmp_path, "qwen3_moe", "Q4_K", layer_types={1: "Q6_K"}, **KSIZES["qwen3_moe"])
     said = []
-    load_model(path, EngineOptions(device="cpu", dtype="fp32", threads=1), expert_cache=None, progress=False,
-               log=said.append)
-    assert any("(planned as int8 group 32), exactly except 1 layer(s) of other types (re-quantized)" in s for s in said)
+    loaded = load_model(path, EngineOptions(device="cpu", dtype="fp32", threads=1), expert_cache=None, progress=False,
+                        log=said.append)
+    said = [s for s in said if "packed as" in s]
+    assert any("packed as int4/int6 (planned per layer: int4 group 32, int8 group 16), exactly" in s for s in said)
+    assert [_layout(layer.engine) for _, layer in moe_blocks(loaded.model)] == [
+        ("int4", 32, 32, ("affine", "affine")), ("int6", 16, 16, ("symmetric", "symmetric"))]
+    _assert_exact(loaded, deq)
+
+
+def test_a_layer_of_a_type_no_layout_holds_is_requantized(tmp_path):
+    path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "Q4_K", layer_types={1: "F16"}, **KSIZES["qwen3_moe"])
+    said = []
+    loaded = load_model(path, EngineOptions(device="cpu", dtype="fp32", threads=1), expert_cache=None,
+                        progress=False, log=said.append)
+    assert any("(planned as int4 group 32), exactly except 1 layer(s) of other types (re-quantized)" in s
+               for s in said), said
+    assert [_layout(layer.engine) for _, layer in moe_blocks(loaded.model)] == [
+        ("int4", 32, 32, ("affine", "affine")), ("int4", 32, 32, ("symmetric", "symmetric"))]
 
 
 def test_a_bad_kquant_block_is_named(tmp_path):
@@ -438,15 +453,17 @@ def test_codebook_experts_load_exactly(tmp_path, arch, qtype, plan, layout):
     _assert_exact(loaded, deq)
 
 
-def test_an_int8_plan_holds_codebook_types_exactly(tmp_path):
-    """A layer of MXFP4 beside a layer of Q8_0: the plan is int8, and the MXFP4 layer's indices become int8 codes of
-    their codebook values (the same weights, bit for bit)."""
+def test_codebook_types_beside_an_int8_layer(tmp_path):
+    """A layer of MXFP4 beside a layer of Q8_0: by default each layer in its own layout (lut4 beside int8); under
+    --experts-format int8 the MXFP4 layer's indices become int8 codes of their codebook values. The same weights, bit
+    for bit, either way."""
     path, _, _, deq = quantized_gguf(tmp_path, "qwen3_moe", "MXFP4", layer_types={1: "Q8_0"}, **KSIZES["qwen3_moe"])
-    loaded = _load(path)
-    layouts = [_lut_layout(layer.engine) for _, layer in moe_blocks(loaded.model)]
-    assert layouts == [("int8", 32, 32, ("e8m0", "e8m0"), (None, None)),
-                       ("int8", 32, 32, ("fp16", "fp16"), (None, None))]
-    _assert_exact(loaded, deq)
+    int8 = ("int8", 32, 32, ("fp16", "fp16"), (None, None))
+    for kw, first in (({}, ("lut4", 32, 32, ("e8m0", "e8m0"), ("e2m1", "e2m1"))),
+                      ({"experts_format": "int8"}, ("int8", 32, 32, ("e8m0", "e8m0"), (None, None)))):
+        loaded = _load(path, **kw)
+        assert [_lut_layout(layer.engine) for _, layer in moe_blocks(loaded.model)] == [first, int8]
+        _assert_exact(loaded, deq)
 
 
 # measured (max rel. logit error against the fp32 reference on the dequantized weights, as above): MXFP4

@@ -34,9 +34,9 @@ def _type_rows(path, **options):
         blocks = moe_blocks(model)
         names = expert_keys(ckpt, blocks[0][0])
         opts = ckpt.experts_options([f"{blocks[0][0]}.experts.0.{n}.weight" for n in names], opts, lambda m: None)
-        types = ckpt.expert_types([n for n, _ in blocks], names)
+        types = ckpt.expert_layouts([n for n, _ in blocks], names)
         inter = ckpt.shape(f"{blocks[0][0]}.experts.0.{names[0]}.weight")[0]
-        plan = plan_model(model, ckpt.config, blocks, opts, inter, expert_types=types)
+        plan = plan_model(model, ckpt.config, blocks, opts, inter, expert_layouts=types)
         return plan, type_rows(ckpt, model, blocks, names, plan)
     finally:
         ckpt.close()
@@ -47,7 +47,8 @@ def _type_rows(path, **options):
     ("Q5_0", None), ("Q2_K", None), ("Q4_1", None),
     ("Q4_K+Q6_K", None),  # Q4_K_M's experts
     ("Q4_K", {0: "Q4_K+Q6_K", 1: "Q5_K+Q8_0"}),  # a mix per layer, one int8 plan
-    ("Q4_K", {1: "Q6_K+Q6_K"}),  # gate and up of different types: that layer re-quantized
+    ("Q4_K", {1: "Q6_K+Q6_K"}),  # a Q6_K layer (int8 class, group 16) beside Q4_K: each in its own layout
+    ("Q4_K", {1: "F16"}),  # a type no layout holds: that layer re-quantized
     ("MXFP4", {1: "Q8_0"}),
 ])
 def test_bytes_per_type_are_what_the_load_allocates(tmp_path, qtype, layer_types):
@@ -96,13 +97,58 @@ def test_ram_factor_per_type(tmp_path, qtype):
 
 
 def test_a_single_type_per_layer_matches_each_engine(tmp_path):
-    """Layer 0 all Q8_0, layer 1 all Q4_K (an int8 plan): each type's row is that layer's engine bytes."""
+    """Layer 0 all Q8_0, layer 1 all Q4_K (each in its own layout): each type's row is that layer's engine bytes."""
     path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "Q8_0", layer_types={1: "Q4_K"}, **KSIZES["qwen3_moe"])
     _, rows = _type_rows(path)
     loaded = _load(path)
     engine = [block.experts.nbytes for _, block in moe_blocks(loaded.model)]
     held = {r.ggml_type: r.held_bytes for r in rows if r.part == "experts"}
     assert held == {"Q8_0": engine[0], "Q4_K": engine[1]}
+
+
+def test_q4_k_m_like_file_holds_each_layer_in_its_own_layout(tmp_path):
+    """Layer 0 Q4_K gate/up beside Q6_K down (Q4_K_M's), layer 1 all Q4_K: the pure Q4_K layer is held as int4 at its
+    file's bytes (not as int8 codes because another layer needs wide codes), and the plan's bytes per layer, CPU and
+    GPU-resident (affine mins included), are what the load allocates."""
+    from hetmoe.cpu.codes import exact_layout
+    from hetmoe.cpu.layout import layout_bytes
+    from hetmoe.moe.gpu_resident.format import expert_bytes as resident_bytes
+    from hetmoe.moe.gpu_resident.format import storage_for
+
+    path, cfg, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "Q4_K", layer_types={0: "Q4_K+Q6_K"},
+                                     **KSIZES["qwen3_moe"])
+    plan, _ = _type_rows(path)
+    loaded = _load(path)
+    engines = [block.experts for _, block in moe_blocks(loaded.model)]
+    assert [(e.info()["weight_format"], e.info()["down_weight_format"]) for e in engines] == [
+        ("int4", "int6"), ("int4", "int4")]
+    assert [(lp.experts_format, lp.group_size) for lp in plan.layers] == [("int8", 32), ("int4", 32)]
+    assert [lp.ram for lp in plan.layers] == [e.nbytes for e in engines]
+    assert plan.ram["routed experts"] == loaded.info["expert_bytes"] == sum(e.nbytes for e in engines)
+    H, I, E = cfg["hidden_size"], cfg["moe_intermediate_size"], engines[1].num_experts
+    as_int8 = E * layout_bytes(exact_layout("Q4_K", "Q4_K", "int8"), H, I)  # the layer in int8 codes
+    # per 256 weights: int4 codes 128 + k8 scales and mins 20 bytes, against int8 codes 256 + 20 (4.6 bits, not 8.6)
+    assert engines[1].nbytes / as_int8 == pytest.approx(148 / 276, abs=1e-4)
+    # GPU-resident experts as the plan counts them: the engines' own codes, mins (fp32, per group) beside the scales
+    for lp, e in zip(plan.layers, engines):
+        st = storage_for(e)
+        assert st.gate_up_affine and lp.gpu_format == st.name
+        assert lp.gpu_expert_bytes == resident_bytes(st, H, I, plan.dtype.itemsize)
+
+
+def test_a_shorter_context_keeps_each_layers_layout(tmp_path):
+    """Most layers all Q4_K (int4), one Q4_K_M layer (int8 class): a RAM budget that --max-context auto shortens the
+    context for re-plans every layer in its own layout, as the load builds it."""
+    path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "Q4_K", layer_types={0: "Q4_K+Q6_K"}, num_hidden_layers=3,
+                                   **KSIZES["qwen3_moe"])
+    full, _ = _type_rows(path)
+    own = [(lp.experts_format, lp.group_size) for lp in full.layers]
+    assert own == [("int8", 32), ("int4", 32), ("int4", 32)] and full.experts_format == "int4"
+    budget = full.ram_bytes - full.ram["KV cache"] // 2
+    short, _ = _type_rows(path, cpu_memory=budget)
+    assert short.max_context < full.max_context and short.ram_bytes <= budget
+    assert [(lp.experts_format, lp.group_size) for lp in short.layers] == own
+    assert short.ram["routed experts"] == full.ram["routed experts"]
 
 
 def test_plan_prints_the_types_without_reading_tensor_data(tmp_path, capsys, monkeypatch):
@@ -133,7 +179,7 @@ def test_plan_prints_the_types_without_reading_tensor_data(tmp_path, capsys, mon
     after = capsys.readouterr().out
 
     def steady(out: str) -> list:  # the lines that do not read the machine's free memory, which moves between runs
-        return [line for line in out.splitlines() if "available" not in line]
+        return [line for line in out.splitlines() if "available" not in line and " budget (" not in line]
 
     assert steady(after) == steady(before)
     lines = after.splitlines()
