@@ -1,6 +1,7 @@
 #include "formats/lowbit.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <exception>
@@ -25,67 +26,96 @@ namespace {
 inline float round_even(float v) { return (v + 12582912.f) - 12582912.f; }
 inline float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
-// The sum of v[0..G) as the reference's pairwise tree; v is overwritten.
+constexpr int kLanes = 8;  // groups searched at once, one per lane: every step below is lane-wise
+
+// The sums of t[0..G)[l] for each lane l as the reference's pairwise tree, into out[l]; t is overwritten.
 template <int G>
-inline float tree_sum(float* v) {
+inline void tree_sums(float (*t)[kLanes], float* out) {
   for (int h = G / 2; h >= 1; h /= 2)
-    for (int i = 0; i < h; ++i) v[i] = v[i] + v[i + h];
-  return v[0];
+    for (int i = 0; i < h; ++i)
+      for (int l = 0; l < kLanes; ++l) t[i][l] = t[i][l] + t[i + h][l];
+  for (int l = 0; l < kLanes; ++l) out[l] = t[0][l];
 }
 
-struct Fit {
-  float s, b;
-};
-
-// The search of one group x[0..G) with weights w[0..G): the (scale, offset) of least weighted squared error among
-// the candidates, each refitted by least squares to the codes it rounds to.
+// The search of kLanes groups, x[i][l] the i-th value of group l, w[i][l] its weight, sw[l] and swx[l] the sums of w
+// and w * x: per group the (scale, offset) of least weighted squared error among the candidates, each refitted by
+// least squares to the codes it rounds to, into best_s[l], best_b[l].
 template <int G>
-Fit search_group(const LowBitSearch& p, const float* x, const float* w, float sw, float swx) {
+void search_groups(const LowBitSearch& p, const float (*x)[kLanes], const float (*w)[kLanes], const float* sw,
+                   const float* swx, float* best_s, float* best_b) {
   const float lo = p.affine ? 0.f : -(float)(1 << (p.bits - 1));
   const float hi = p.affine ? (float)((1 << p.bits) - 1) : (float)((1 << (p.bits - 1)) - 1);
-  float base = 0.f, b0 = 0.f;  // affine: the range and the min; symmetric: the signed value of largest magnitude
+  // affine: the range and the min; symmetric: the signed value of largest magnitude (the first, as argmax picks)
+  float base[kLanes], b0[kLanes], best_e[kLanes] = {};
   if (p.affine) {
-    float mn = x[0], mx = x[0];
-    for (int i = 1; i < G; ++i) mn = std::min(mn, x[i]), mx = std::max(mx, x[i]);
-    base = std::max(mx - mn, 1e-30f);
-    b0 = mn;
-  } else {
-    int idx = 0;  // the first of the largest |x|, as argmax picks
+    float mn[kLanes], mx[kLanes];
+    for (int l = 0; l < kLanes; ++l) mn[l] = mx[l] = x[0][l];
     for (int i = 1; i < G; ++i)
-      if (std::fabs(x[i]) > std::fabs(x[idx])) idx = i;
-    base = x[idx] == 0.f ? 1e-30f : x[idx];
+      for (int l = 0; l < kLanes; ++l) {
+        mn[l] = x[i][l] < mn[l] ? x[i][l] : mn[l];
+        mx[l] = x[i][l] > mx[l] ? x[i][l] : mx[l];
+      }
+    for (int l = 0; l < kLanes; ++l) {
+      const float span = mx[l] - mn[l];
+      base[l] = span < 1e-30f ? 1e-30f : span;
+      b0[l] = mn[l];
+    }
+  } else {
+    float am[kLanes], m[kLanes];
+    for (int l = 0; l < kLanes; ++l) am[l] = std::fabs(x[0][l]), m[l] = x[0][l];
+    for (int i = 1; i < G; ++i)
+      for (int l = 0; l < kLanes; ++l) {
+        const float a = std::fabs(x[i][l]);
+        const bool gt = a > am[l];
+        am[l] = gt ? a : am[l];
+        m[l] = gt ? x[i][l] : m[l];
+      }
+    for (int l = 0; l < kLanes; ++l) base[l] = m[l] == 0.f ? 1e-30f : m[l], b0[l] = 0.f;
   }
-  float best_s = 0.f, best_b = 0.f, best_e = 0.f;
-  float q[G], t[G];
+  float q[G][kLanes], t[G][kLanes];
   for (int c = 0; c < p.n_cands; ++c) {
-    const float s0 = (c < p.n_negated ? -base : base) / p.denoms[c];
-    for (int i = 0; i < G; ++i) q[i] = clampf(round_even((x[i] - b0) / s0), lo, hi);
-    for (int i = 0; i < G; ++i) t[i] = w[i] * q[i];
-    const float wq = tree_sum<G>(t);
-    for (int i = 0; i < G; ++i) t[i] = w[i] * q[i] * q[i];
-    const float wqq = tree_sum<G>(t);
-    for (int i = 0; i < G; ++i) t[i] = w[i] * q[i] * x[i];
-    const float wqx = tree_sum<G>(t);
-    float s, b;
-    if (!p.affine) {
-      s = wqx / wqq, b = 0.f;
-    } else {
-      const float swqq = sw * wqq, det = swqq - wq * wq;
-      s = (sw * wqx - wq * swx) / det;
-      b = (swx - s * wq) / sw;
-      if (std::fabs(det) <= 1e-12f * std::fabs(swqq)) s = NAN;
+    const float den = p.denoms[c];
+    float s0[kLanes], wq[kLanes], wqq[kLanes], wqx[kLanes], s[kLanes], b[kLanes], e[kLanes];
+    for (int l = 0; l < kLanes; ++l) s0[l] = (c < p.n_negated ? -base[l] : base[l]) / den;
+    for (int i = 0; i < G; ++i)
+      for (int l = 0; l < kLanes; ++l) q[i][l] = clampf(round_even((x[i][l] - b0[l]) / s0[l]), lo, hi);
+    for (int i = 0; i < G; ++i)
+      for (int l = 0; l < kLanes; ++l) t[i][l] = w[i][l] * q[i][l];
+    tree_sums<G>(t, wq);
+    for (int i = 0; i < G; ++i)
+      for (int l = 0; l < kLanes; ++l) t[i][l] = w[i][l] * q[i][l] * q[i][l];
+    tree_sums<G>(t, wqq);
+    for (int i = 0; i < G; ++i)
+      for (int l = 0; l < kLanes; ++l) t[i][l] = w[i][l] * q[i][l] * x[i][l];
+    tree_sums<G>(t, wqx);
+    for (int l = 0; l < kLanes; ++l) {
+      float sl, bl;
+      if (!p.affine) {
+        sl = wqx[l] / wqq[l], bl = 0.f;
+      } else {
+        const float swqq = sw[l] * wqq[l], det = swqq - wq[l] * wq[l];
+        sl = (sw[l] * wqx[l] - wq[l] * swx[l]) / det;
+        bl = (swx[l] - sl * wq[l]) / sw[l];
+        sl = std::fabs(det) <= 1e-12f * std::fabs(swqq) ? NAN : sl;
+      }
+      const bool keep = std::fabs(sl) <= FLT_MAX && sl != 0.f;  // finite, not 0
+      s[l] = keep ? sl : s0[l];
+      b[l] = keep ? bl : b0[l];
     }
-    if (!(std::isfinite(s) && s != 0.f)) s = s0, b = b0;
-    for (int i = 0; i < G; ++i) {
-      const float d = (s * clampf(round_even((x[i] - b) / s), lo, hi) + b) - x[i];
-      t[i] = w[i] * (d * d);
+    for (int i = 0; i < G; ++i)
+      for (int l = 0; l < kLanes; ++l) {
+        const float d = (s[l] * clampf(round_even((x[i][l] - b[l]) / s[l]), lo, hi) + b[l]) - x[i][l];
+        t[i][l] = w[i][l] * (d * d);
+      }
+    tree_sums<G>(t, e);
+    for (int l = 0; l < kLanes; ++l) {
+      const bool better = c == 0 || e[l] < best_e[l];
+      best_s[l] = better ? s[l] : best_s[l];
+      best_b[l] = better ? b[l] : best_b[l];
+      // torch.minimum: a NaN error stays, and no later candidate is better than it
+      best_e[l] = c == 0 ? e[l] : (e[l] != e[l] || best_e[l] != best_e[l]) ? NAN : std::min(e[l], best_e[l]);
     }
-    const float e = tree_sum<G>(t);
-    if (c == 0 || e < best_e) best_s = s, best_b = b;
-    // torch.minimum: a NaN error stays, and no later candidate is better than it
-    best_e = c == 0 ? e : (std::isnan(e) || std::isnan(best_e)) ? NAN : std::min(e, best_e);
   }
-  return {best_s, best_b};
 }
 
 float half_bits_to_float(uint16_t h) {
@@ -115,32 +145,42 @@ void round_k8(float* v, int n, int per) {
 template <int G>
 void quantize_rows(const LowBitSearch& p, const float* w, int64_t r0, int64_t r1, int64_t k, const float* imp,
                    int8_t* codes, float* scales, float* mins) {
-  const int64_t ng = k / G;
+  const int64_t ng = k / G, nb = (ng + kLanes - 1) / kLanes;  // groups, blocks of kLanes groups
   const float lo = p.affine ? 0.f : -(float)(1 << (p.bits - 1));
   const float hi = p.affine ? (float)((1 << p.bits) - 1) : (float)((1 << (p.bits - 1)) - 1);
-  std::vector<float> ones(imp ? 0 : G, 1.f), sw(ng);
-  for (int64_t g = 0; g < ng; ++g) {
-    float t[G];
-    for (int i = 0; i < G; ++i) t[i] = imp ? imp[g * G + i] : 1.f;
-    sw[g] = tree_sum<G>(t);
+  // the weights of each block, lane-wise (a block short of kLanes groups repeats its last one), and their sums
+  std::vector<float> wt((size_t)nb * G * kLanes), sw((size_t)nb * kLanes);
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    float(*wb)[kLanes] = reinterpret_cast<float(*)[kLanes]>(wt.data() + blk * G * kLanes);
+    for (int l = 0; l < kLanes; ++l) {
+      const int64_t g = std::min(ng - 1, blk * kLanes + l);
+      for (int i = 0; i < G; ++i) wb[i][l] = imp ? imp[g * G + i] : 1.f;
+    }
+    float t[G][kLanes];
+    std::memcpy(t, wb, sizeof(t));
+    tree_sums<G>(t, sw.data() + blk * kLanes);
   }
-  std::vector<float> s(ng), b(ng);
+  std::vector<float> s((size_t)nb * kLanes), b((size_t)nb * kLanes);
   for (int64_t r = r0; r < r1; ++r) {
     const float* row = w + r * k;
-    for (int64_t g = 0; g < ng; ++g) {
-      const float* x = row + g * G;
-      const float* wg = imp ? imp + g * G : ones.data();
-      float t[G];
-      for (int i = 0; i < G; ++i) t[i] = wg[i] * x[i];
-      const Fit f = search_group<G>(p, x, wg, sw[g], tree_sum<G>(t));
-      s[g] = f.s, b[g] = f.b;
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const float(*wb)[kLanes] = reinterpret_cast<const float(*)[kLanes]>(wt.data() + blk * G * kLanes);
+      float x[G][kLanes], t[G][kLanes], swx[kLanes];
+      for (int l = 0; l < kLanes; ++l) {
+        const float* src = row + std::min(ng - 1, blk * kLanes + l) * G;
+        for (int i = 0; i < G; ++i) x[i][l] = src[i];
+      }
+      for (int i = 0; i < G; ++i)
+        for (int l = 0; l < kLanes; ++l) t[i][l] = wb[i][l] * x[i][l];
+      tree_sums<G>(t, swx);
+      search_groups<G>(p, x, wb, sw.data() + blk * kLanes, swx, s.data() + blk * kLanes, b.data() + blk * kLanes);
     }
     if (p.k8) {
       round_k8(s.data(), (int)ng, kSuperBlock / G);
       if (p.affine) {
-        for (auto& v : b) v = -v;
+        for (int64_t g = 0; g < ng; ++g) b[g] = -b[g];
         round_k8(b.data(), (int)ng, kSuperBlock / G);
-        for (auto& v : b) v = -v;
+        for (int64_t g = 0; g < ng; ++g) b[g] = -b[g];
       }
     }
     for (int64_t g = 0; g < ng; ++g) {
