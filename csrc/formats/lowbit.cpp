@@ -20,17 +20,20 @@ namespace hetmoe {
 
 namespace {
 
+// The search's functions are inlined into each ISA's entry (quantize_rows_isa): compiled for its instructions.
+#define HOT inline __attribute__((always_inline))
+
 // Round half to even for |v| < 2^22 with plain float adds (vectorizes); larger |v| stay beyond every code range, so
 // the clamp after it gives what exact rounding gives. Only the sign of a zero can differ, which no code, scale or
 // (nonzero) min depends on.
-inline float round_even(float v) { return (v + 12582912.f) - 12582912.f; }
-inline float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
+HOT float round_even(float v) { return (v + 12582912.f) - 12582912.f; }
+HOT float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
 constexpr int kLanes = 8;  // groups searched at once, one per lane: every step below is lane-wise
 
 // The sums of t[0..G)[l] for each lane l as the reference's pairwise tree, into out[l]; t is overwritten.
 template <int G>
-inline void tree_sums(float (*t)[kLanes], float* out) {
+HOT void tree_sums(float (*t)[kLanes], float* out) {
   for (int h = G / 2; h >= 1; h /= 2)
     for (int i = 0; i < h; ++i)
       for (int l = 0; l < kLanes; ++l) t[i][l] = t[i][l] + t[i + h][l];
@@ -41,8 +44,8 @@ inline void tree_sums(float (*t)[kLanes], float* out) {
 // and w * x: per group the (scale, offset) of least weighted squared error among the candidates, each refitted by
 // least squares to the codes it rounds to, into best_s[l], best_b[l].
 template <int G>
-void search_groups(const LowBitSearch& p, const float (*x)[kLanes], const float (*w)[kLanes], const float* sw,
-                   const float* swx, float* best_s, float* best_b) {
+HOT void search_groups(const LowBitSearch& p, const float (*x)[kLanes], const float (*w)[kLanes], const float* sw,
+                       const float* swx, float* best_s, float* best_b) {
   const float lo = p.affine ? 0.f : -(float)(1 << (p.bits - 1));
   const float hi = p.affine ? (float)((1 << p.bits) - 1) : (float)((1 << (p.bits - 1)) - 1);
   // affine: the range and the min; symmetric: the signed value of largest magnitude (the first, as argmax picks)
@@ -143,8 +146,8 @@ void round_k8(float* v, int n, int per) {
 }
 
 template <int G>
-void quantize_rows(const LowBitSearch& p, const float* w, int64_t r0, int64_t r1, int64_t k, const float* imp,
-                   int8_t* codes, float* scales, float* mins) {
+HOT void quantize_rows(const LowBitSearch& p, const float* w, int64_t r0, int64_t r1, int64_t k, const float* imp,
+                       int8_t* codes, float* scales, float* mins) {
   const int64_t ng = k / G, nb = (ng + kLanes - 1) / kLanes;  // groups, blocks of kLanes groups
   const float lo = p.affine ? 0.f : -(float)(1 << (p.bits - 1));
   const float hi = p.affine ? (float)((1 << p.bits) - 1) : (float)((1 << (p.bits - 1)) - 1);
@@ -194,16 +197,36 @@ void quantize_rows(const LowBitSearch& p, const float* w, int64_t r0, int64_t r1
   }
 }
 
+// The entries: the same code, built for baseline x86-64 and for AVX2 (8 lanes a step rather than 4; the same bits,
+// each operation being an IEEE one either way).
+template <int G>
+void quantize_rows_isa(const LowBitSearch& p, const float* w, int64_t r0, int64_t r1, int64_t k, const float* imp,
+                       int8_t* codes, float* scales, float* mins) {
+  quantize_rows<G>(p, w, r0, r1, k, imp, codes, scales, mins);
+}
+template <int G>
+__attribute__((target("avx2"))) void quantize_rows_avx2(const LowBitSearch& p, const float* w, int64_t r0, int64_t r1,
+                                                        int64_t k, const float* imp, int8_t* codes, float* scales,
+                                                        float* mins) {
+  quantize_rows<G>(p, w, r0, r1, k, imp, codes, scales, mins);
+}
+
+#undef HOT
+
 }  // namespace
 
 void lowbit_quantize(const LowBitSearch& p, const float* w, int64_t rows, int64_t k, const float* imp, int threads,
                      int8_t* codes, float* scales, float* mins) {
   auto run = [&](int64_t r0, int64_t r1) {
     switch (p.group) {
-      case 16: return quantize_rows<16>(p, w, r0, r1, k, imp, codes, scales, mins);
-      case 32: return quantize_rows<32>(p, w, r0, r1, k, imp, codes, scales, mins);
-      case 64: return quantize_rows<64>(p, w, r0, r1, k, imp, codes, scales, mins);
-      case 128: return quantize_rows<128>(p, w, r0, r1, k, imp, codes, scales, mins);
+      case 16:
+        return (p.avx2 ? quantize_rows_avx2<16> : quantize_rows_isa<16>)(p, w, r0, r1, k, imp, codes, scales, mins);
+      case 32:
+        return (p.avx2 ? quantize_rows_avx2<32> : quantize_rows_isa<32>)(p, w, r0, r1, k, imp, codes, scales, mins);
+      case 64:
+        return (p.avx2 ? quantize_rows_avx2<64> : quantize_rows_isa<64>)(p, w, r0, r1, k, imp, codes, scales, mins);
+      case 128:
+        return (p.avx2 ? quantize_rows_avx2<128> : quantize_rows_isa<128>)(p, w, r0, r1, k, imp, codes, scales, mins);
     }
   };
   const int n = (int)std::max<int64_t>(1, std::min<int64_t>(threads, rows));

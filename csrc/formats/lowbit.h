@@ -12,6 +12,7 @@ struct LowBitSearch {
   const float* denoms = nullptr;  // candidate scales: affine the group's range / denoms[c], symmetric m / denoms[c]
   int n_cands = 0;                // (m the signed value of largest magnitude, negated for the first n_negated)
   int n_negated = 0;
+  bool avx2 = false;  // the AVX2 build of the search (the caller checked the CPU): the same results, faster
   bool k8 = true;  // scales (and mins) rounded to k8 (an int8 per group times an fp16 per 256 values) before the codes
 };
 

@@ -268,7 +268,7 @@ void bind_kernels(py::module_& m) {
           throw std::invalid_argument("lowbit_quantize: at least one candidate, n_negated among them");
         std::vector<float> d(denoms.begin(), denoms.end());
         LowBitSearch p;
-        p.bits = bits, p.affine = affine, p.group = group, p.k8 = k8;
+        p.bits = bits, p.affine = affine, p.group = group, p.k8 = k8, p.avx2 = cpu_features().supports(Isa::avx2);
         p.denoms = d.data(), p.n_cands = (int)d.size(), p.n_negated = n_negated;
         lowbit_quantize(p, ptr<const float>(w), rows, k, ptr<const float>(importance), threads, ptr<int8_t>(codes),
                         ptr<float>(scales), ptr<float>(mins));
