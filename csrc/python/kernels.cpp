@@ -14,6 +14,7 @@
 #include "formats/activation.h"
 #include "formats/gguf_blocks.h"
 #include "formats/layout.h"
+#include "formats/lowbit.h"
 #include "formats/pack.h"
 #include "kernels/dispatch.h"
 #include "kernels/row_ops.h"
@@ -252,6 +253,29 @@ void bind_kernels(py::module_& m) {
       },
       py::arg("scale_dtype"), py::arg("values"), py::arg("rows"), py::arg("n_groups"), py::arg("group"),
       py::call_guard<py::gil_scoped_release>());
+  // formats/lowbit.h lowbit_quantize on raw addresses (hetmoe/cpu/lowbit.py quantize sized every buffer and passes
+  // the candidate denominators its reference search uses)
+  m.def(
+      "lowbit_quantize",
+      [](uintptr_t w, int64_t rows, int64_t k, int group, int bits, bool affine, bool k8, uintptr_t importance,
+         const std::vector<double>& denoms, int n_negated, int threads, uintptr_t codes, uintptr_t scales,
+         uintptr_t mins) {
+        if (group != 16 && group != 32 && group != 64 && group != 128)
+          throw std::invalid_argument("lowbit_quantize: group must be 16, 32, 64 or 128");
+        if (bits < 2 || bits > 8 || rows < 0 || k < 0 || k % group || (affine && !mins) || threads < 1)
+          throw std::invalid_argument("lowbit_quantize: bits 2..8, rows >= 0, k a multiple of the group, threads >= 1");
+        if (denoms.empty() || n_negated < 0 || n_negated > (int)denoms.size())
+          throw std::invalid_argument("lowbit_quantize: at least one candidate, n_negated among them");
+        std::vector<float> d(denoms.begin(), denoms.end());
+        LowBitSearch p;
+        p.bits = bits, p.affine = affine, p.group = group, p.k8 = k8, p.avx2 = cpu_features().supports(Isa::avx2);
+        p.denoms = d.data(), p.n_cands = (int)d.size(), p.n_negated = n_negated;
+        lowbit_quantize(p, ptr<const float>(w), rows, k, ptr<const float>(importance), threads, ptr<int8_t>(codes),
+                        ptr<float>(scales), ptr<float>(mins));
+      },
+      py::arg("w"), py::arg("rows"), py::arg("k"), py::arg("group"), py::arg("bits"), py::arg("affine"), py::arg("k8"),
+      py::arg("importance"), py::arg("denoms"), py::arg("n_negated"), py::arg("threads"), py::arg("codes"),
+      py::arg("scales"), py::arg("mins"), py::call_guard<py::gil_scoped_release>());
   // formats/gguf_blocks.h decode_kquant on raw addresses (the caller sized every buffer: hetmoe/load/gguf/kquants.py)
   m.def(
       "decode_kquant",

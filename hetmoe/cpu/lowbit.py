@@ -7,14 +7,16 @@ packed through the exact-codes path (hetmoe/cpu/codes.py ``load_codes``): the en
 - ``int2`` (2.625 bits per weight, the size of llama.cpp's Q2_K): 2-bit codes in 0..3, affine (value = scale * q -
   min), group 32, k8 scales and mins.
 
-Each group's scale (and min) comes from a search: a grid of candidate scales (int3: the group's largest magnitude
-mapped to each end of the code range at a few stretches; int2: the group's range over a few code spans, codes counted
-from its minimum), each followed by a least-squares refit of scale (and min) to the codes it rounds to, the
-candidate of least squared error kept (optionally weighted by a per-input-column importance, e.g. the mean squared
-activation of calibration tokens); then the scales (and mins) are rounded to k8 and the codes rounded again against
-the stored values. Round-to-nearest with a max-abs scale, for comparison, is ``rtn``. Group 16 costs 0.25 (int3) /
-0.5 (int2) bits per weight more for 10-15 % less weight error (tests/cpu/test_lowbit.py measures both), which the
-chooser of hetmoe/plan/ spends better on a wider format elsewhere.
+Each group's scale (and min) comes from a search: a grid of candidate scales (int3: the group's largest magnitude mapped
+to each end of the code range at a few stretches; int2: the group's range over a few code spans, codes counted from its
+minimum), each followed by a least-squares refit of scale (and min) to the codes it rounds to, the candidate of least
+squared error kept (optionally weighted by a per-input-column importance, e.g. the mean squared activation of
+calibration tokens); then the scales (and mins) are rounded to k8 and the codes rounded again against the stored values.
+The search runs in C++ (csrc/formats/lowbit.cpp, threads over rows) with the very arithmetic of the torch reference here
+(``reference=True``), sums over a group included (``_gsum``'s fixed pairwise order rather than torch's, which depends on
+the CPU): both give the same bits (tests/cpu/test_lowbit.py). Round-to-nearest with a max-abs scale, for comparison, is
+``rtn``. Group 16 costs 0.25 (int3) / 0.5 (int2) bits per weight more for 10-15 % less weight error
+(tests/cpu/test_lowbit.py measures both), which the chooser of hetmoe/plan/ spends better on a wider format elsewhere.
 
 Gate/up and down may be in different formats (``layout``: a pair), int4 among them: in such a layer int4 is affine,
 group 32, k8 scales and mins (4.625 bits per weight, Q4_K's layout; weight error 0.071 against the uniform int4
@@ -24,18 +26,39 @@ projection.
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import torch
 
+from hetmoe import _C
 from hetmoe.cpu.layout import SUPER_BLOCK
 
 # plan name -> (engine format, bits per code, group, scaling, scale dtype)
 OWN = {"int3": ("int3", 3, 32, "symmetric", "k8"), "int2": ("int2", 2, 32, "affine", "k8"),
        "int4": ("int4", 4, 32, "affine", "k8")}
-VERSION = 1  # of the search: the expert cache keys layers quantized here on it
+VERSION = 2  # of the search (2: group sums in _gsum's order): the expert cache keys layers quantized here on it
 BITS_PER_WEIGHT = {"int4": 4.625, "int3": 3.3125, "int2": 2.625}  # with the scales (and mins)
 ROWS_AT_ONCE = 256  # rows quantized together: bounds the search's scratch (~ rows x K x 4 bytes x 6)
+ROWS_AT_ONCE_CPP = 4096  # the C++ search: rows converted to fp32 at once
+
+
+def _gsum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (a power of two) in a fixed order, the first half plus the second down to one value:
+    torch's own reduction order depends on the CPU's vector width, this one is what the C++ search does too."""
+    while t.shape[-1] > 1:
+        h = t.shape[-1] // 2
+        t = t[..., :h] + t[..., h:]
+    return t[..., 0]
+
+
+def _candidates(bits: int, affine: bool) -> tuple:
+    """(denominators, how many of the first take the negated value): the candidate scales of a group are its range
+    (affine) or its signed value of largest magnitude m (symmetric; -m for the first n) over each denominator."""
+    if affine:
+        return [(1 << bits) - 1 + t for t in torch.linspace(-0.5, 1.0, 16).tolist()], 0
+    stretches = torch.linspace(0.0, 1.5, 7).tolist()
+    return [(1 << (bits - 1)) + t for t in stretches] + [(1 << (bits - 1)) - 1 + t for t in stretches], 7
 
 
 def layout(gate_up: str, down: str) -> dict:
@@ -62,10 +85,10 @@ def _k8(s: torch.Tensor, group: int) -> torch.Tensor:
 def _fit(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor, affine: bool) -> tuple:
     """Least-squares (scale, offset) of x ~ scale * q + offset over each group (last dim), weighted by w; symmetric:
     offset 0. Groups where the fit is degenerate get scale NaN (the caller keeps its candidate)."""
-    wq, wqq, wqx = (w * q).sum(-1), (w * q * q).sum(-1), (w * q * x).sum(-1)
+    wq, wqq, wqx = _gsum(w * q), _gsum(w * q * q), _gsum(w * q * x)
     if not affine:
         return wqx / wqq, torch.zeros_like(wqx)
-    sw, swx = w.sum(-1), (w * x).sum(-1)
+    sw, swx = _gsum(w.expand_as(x)), _gsum(w * x)
     det = sw * wqq - wq * wq
     s = (sw * wqx - wq * swx) / det
     b = (swx - s * wq) / sw
@@ -75,19 +98,19 @@ def _fit(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor, affine: bool) -> tup
 
 def _search(x: torch.Tensor, w: torch.Tensor, bits: int, affine: bool) -> tuple:
     """x [R, G, g] fp32 -> (scale, offset) [R, G] of least weighted squared error among the candidates."""
+    denoms, n_neg = _candidates(bits, affine)
     if affine:
         lo, hi = 0, (1 << bits) - 1
         mn, mx = x.amin(-1), x.amax(-1)
         span = (mx - mn).clamp_min(1e-30)
-        cands = [(span / (hi + t), mn) for t in torch.linspace(-0.5, 1.0, 16).tolist()]
+        cands = [(span / d, mn) for d in denoms]
     else:
         lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
         idx = x.abs().argmax(-1, keepdim=True)
         m = x.gather(-1, idx).squeeze(-1)  # the signed value of largest magnitude
         m = torch.where(m == 0, 1e-30, m)
-        stretches = torch.linspace(0.0, 1.5, 7).tolist()
-        cands = [(-m / (-lo + t), torch.zeros_like(m)) for t in stretches]  # m -> the negative end
-        cands += [(m / (hi + t), torch.zeros_like(m)) for t in stretches]  # m -> the positive end
+        # m -> the negative end, then m -> the positive end
+        cands = [((-m if c < n_neg else m) / d, torch.zeros_like(m)) for c, d in enumerate(denoms)]
     best_s = best_b = best_e = None
     for s0, b0 in cands:
         q = torch.round((x - b0[..., None]) / s0[..., None]).clamp_(lo, hi)
@@ -96,7 +119,7 @@ def _search(x: torch.Tensor, w: torch.Tensor, bits: int, affine: bool) -> tuple:
         s, b = torch.where(keep, s, s0), torch.where(keep, b, b0)
         # the refit's scale with the candidate's codes, then the codes the refit scale rounds to: error of those
         q = torch.round((x - b[..., None]) / s[..., None]).clamp_(lo, hi)
-        e = (w * (s[..., None] * q + b[..., None] - x) ** 2).sum(-1)
+        e = _gsum(w * (s[..., None] * q + b[..., None] - x) ** 2)
         if best_e is None:
             best_s, best_b, best_e = s, b, e
         else:
@@ -106,10 +129,13 @@ def _search(x: torch.Tensor, w: torch.Tensor, bits: int, affine: bool) -> tuple:
     return best_s, best_b
 
 
-def quantize(w: torch.Tensor, fmt: str, importance: Optional[torch.Tensor] = None) -> tuple:
+def quantize(w: torch.Tensor, fmt: str, importance: Optional[torch.Tensor] = None, threads: Optional[int] = None,
+             reference: bool = False) -> tuple:
     """``w`` [..., n, k] float -> (codes int8 [..., n, k], scales fp32 [..., n, k / group], mins fp32 or None) of
     OWN format ``fmt``, the values being scales * codes - mins, the scales and mins as their scale dtype stores them.
-    ``importance`` [k] (>= 0): per input column, how much its error counts (default: all alike)."""
+    ``importance`` [k] (>= 0): per input column, how much its error counts (default: all alike). ``threads``: of the
+    C++ search (default: the CPUs this process may use); ``reference``: the torch search instead (the same bits,
+    many times slower)."""
     if fmt not in OWN:
         raise ValueError(f"own formats are {', '.join(OWN)}; got {fmt!r}")
     _, bits, g, scaling, sdt = OWN[fmt]
@@ -124,9 +150,27 @@ def quantize(w: torch.Tensor, fmt: str, importance: Optional[torch.Tensor] = Non
     scales = torch.empty(rows.shape[0], k // g)
     mins = torch.empty_like(scales) if affine else None
     imp = (torch.ones(k) if importance is None else importance.float()).reshape(1, k // g, g)
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be an int >= 1; got {threads!r}")
+    if not reference and hasattr(_C, "lowbit_quantize"):
+        imp_c = None if importance is None else importance.float().contiguous()
+        denoms, n_neg = _candidates(bits, affine)
+        n_threads = threads or len(os.sched_getaffinity(0))
+        for r0 in range(0, rows.shape[0], ROWS_AT_ONCE_CPP):
+            x = rows[r0:r0 + ROWS_AT_ONCE_CPP].float().contiguous()
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError(f"{fmt}: the weights contain NaN or Inf")
+            addr = lambda t: 0 if t is None else t[r0:].data_ptr()  # noqa: E731
+            _C.lowbit_quantize(x.data_ptr(), x.shape[0], k, g, bits, affine, sdt == "k8",
+                               0 if imp_c is None else imp_c.data_ptr(), denoms, n_neg, n_threads, addr(codes),
+                               addr(scales), addr(mins))
+        shape = lambda t: None if t is None else t.reshape(*lead, n, -1)  # noqa: E731
+        return codes.reshape(*lead, n, k), shape(scales), shape(mins)
     lo, hi = (0, (1 << bits) - 1) if affine else (-(1 << (bits - 1)), (1 << (bits - 1)) - 1)
     for r0 in range(0, rows.shape[0], ROWS_AT_ONCE):
         x = rows[r0:r0 + ROWS_AT_ONCE].float().reshape(-1, k // g, g)
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{fmt}: the weights contain NaN or Inf")
         s, b = _search(x, imp, bits, affine)
         if sdt == "k8":
             s, b = _k8(s, g), (-_k8(-b, g) if affine else b)

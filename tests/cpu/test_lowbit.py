@@ -70,3 +70,58 @@ def test_bad_input_is_refused():
         L.quantize(torch.randn(4, 48), "int3")
     with pytest.raises(ValueError, match="own formats"):
         L.quantize(torch.randn(4, 64), "int1")
+
+
+def _weights(kind, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    if kind == "heavy":  # a normal over a uniform: tails like a Cauchy's
+        w = w / torch.rand(n, k, generator=g).clamp_min(1e-4)
+    elif kind == "edge":  # all-zero groups, one outlier per group, constant groups, a zero row, ties of magnitude
+        w[0, :64] = 0
+        w[1, ::32] = 5.0
+        w[2, 32:64] = 0.25
+        w[3] = 0
+        w[4, 0], w[4, 1] = -0.5, 0.5
+        w[5, 64:96] = 0
+        w[5, 70] = -3e-3
+        w[6, :256] *= 1e-6  # a super-block of tiny scales next to ordinary ones
+    return w
+
+
+def _same(a, b):
+    return (a is None and b is None) or (a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
+
+
+@pytest.mark.parametrize("fmt", ["int3", "int2", "int4"])
+@pytest.mark.parametrize("kind", ["gauss", "heavy", "edge"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_cpp_search_matches_the_reference_bitwise(fmt, kind, weighted):
+    w = _weights(kind, 48, 768, 3)
+    imp = None
+    if weighted:
+        imp = torch.rand(768, generator=torch.Generator().manual_seed(4)) ** 4 * 10
+        imp[:32] = 0  # a group nobody reads: every candidate ties
+    ref = L.quantize(w, fmt, importance=imp, reference=True)
+    for threads in (1, 2, 5):
+        got = L.quantize(w, fmt, importance=imp, threads=threads)
+        assert all(_same(a, b) for a, b in zip(got, ref)), (fmt, kind, weighted, threads)
+
+
+def test_cpp_search_handles_batches_and_dtypes():
+    w = (torch.randn(3, 40, 256) * 0.05).bfloat16()
+    for fmt in ("int3", "int2"):
+        ref = L.quantize(w, fmt, reference=True)
+        got = L.quantize(w, fmt, threads=2)
+        assert got[0].shape == (3, 40, 256) and got[1].shape == (3, 40, 8)
+        assert all(_same(a, b) for a, b in zip(got, ref))
+
+
+def test_non_finite_weights_and_bad_threads_are_refused():
+    w = torch.randn(8, 64)
+    w[2, 5] = float("nan")
+    for reference in (False, True):
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            L.quantize(w, "int3", reference=reference)
+    with pytest.raises(ValueError, match="threads"):
+        L.quantize(torch.randn(8, 64), "int2", threads=0)
