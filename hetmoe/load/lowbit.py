@@ -18,7 +18,7 @@ def low_bit_formats(lp: LayerPlan) -> tuple:
 
 def low_bit_key(lp: LayerPlan) -> str:
     """The layer's format as the expert cache keys it: the plain format, or for a layer quantized here its
-    (gate/up, down) formats and the quantizer's version (``int3+int4-q1``)."""
+    (gate/up, down) formats and the quantizer's version (``int3+int4-q2``)."""
     gu, down = low_bit_formats(lp)
     if gu == down and gu not in ("int3", "int2"):
         return gu
