@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from hetmoe.config.options import EngineOptions
 from hetmoe.cpu import CPUExperts
+from hetmoe.cpu.experts import SWIGLU
 from hetmoe.layers.attention import Step
 from hetmoe.load.checkpoint import Checkpoint, CheckpointError
-from hetmoe.models.config import ModelConfig
 from hetmoe.moe import TorchExperts
 
 # Routed-expert tensors on disk: mlp.experts.E.{gate,up,down}_proj (Qwen, DeepSeek) or, in Mixtral checkpoints,
@@ -45,22 +44,30 @@ def engine_bf16(path):
     return build
 
 
-def load_ours(path, model_cls, experts_backend):
-    """Non-expert tensors by name (strict); routed experts stacked per layer into the given backend."""
-    model = model_cls(ModelConfig.from_file(path / "config.json"))
+def load_ours(path, model_cls, experts_backend=None):
+    """Our model from a checkpoint directory through hetmoe's Checkpoint (a multimodal checkpoint: its language model
+    under the model's names, the rest left unread): every tensor but the routed experts by name (strict), those
+    stacked per layer into ``experts_backend(gate, up, down)`` — with the layer's activation as a fourth argument
+    where it is not plain SwiGLU (a clamped SwiGLU) — or fp32 TorchExperts where there is no backend or it returns
+    None."""
+    ckpt = Checkpoint(path)
+    model = model_cls(ckpt.config)
     tensors, experts = {}, {}
-    for shard in sorted(path.glob("*.safetensors")):
-        for name, t in load_file(shard).items():
-            m = EXPERT_KEY.fullmatch(name)
-            if m:
-                experts.setdefault(int(m[1]), {}).setdefault(PROJ[m[3]], {})[int(m[2])] = t.float()
-            else:
-                tensors[name] = t.float()
+    for name in ckpt.names():
+        m = EXPERT_KEY.fullmatch(name)
+        if m:
+            experts.setdefault(int(m[1]), {}).setdefault(PROJ[m[3]], {})[int(m[2])] = ckpt.get(name).float()
+        else:
+            tensors[name] = ckpt.get(name).float()
     model.load_state_dict(tensors, strict=True)
     model.fuse_projections()  # as the loader does: q/k/v and gate/up as one matmul each
     for layer, mats in experts.items():
         gate, up, down = (torch.stack([mats[w][e] for e in sorted(mats[w])]) for w in ("gate", "up", "down"))
-        model.model.layers[layer].mlp.moe.attach(experts_backend(gate, up, down))
+        moe = model.model.layers[layer].mlp.moe
+        glu = () if moe.glu == SWIGLU else (moe.glu,)
+        built = experts_backend(gate, up, down, *glu) if experts_backend is not None else None
+        moe.attach(built if built is not None else TorchExperts(gate, up, down, glu=moe.glu))
+    ckpt.close()  # after the copies: fp32 tensors are views of the mapped file
     return model.eval()
 
 

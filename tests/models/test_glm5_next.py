@@ -20,7 +20,6 @@ Tolerances (max |ours - hf| / max |hf|), MEASURED on the dev machine: TorchExper
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -28,8 +27,8 @@ import torch
 
 from hetmoe.config.options import EngineOptions
 from hetmoe.load.checkpoint import Checkpoint
-from hetmoe.moe import TorchExperts
 from parity import assert_refused_before_weights, max_rel, trace_ours
+from parity import load_ours as parity_load
 from paths import BEST_ROW_PATH
 
 transformers = pytest.importorskip("transformers")
@@ -52,7 +51,6 @@ VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hi
               projection_intermediate_size=32)
 CPU = dict(device="cpu", dtype="fp32", experts_format="bf16", **BEST_ROW_PATH.options)
 FP32_TOL = 1e-4
-EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 STEPS = 6
 
 
@@ -100,27 +98,8 @@ def hf_trace(path: Path, batch: int, prompt_len: int) -> tuple:
 
 
 def load_ours(path: Path, backend) -> Glm5NextForCausalLM:
-    """Our model through hetmoe's Checkpoint (the language model's tensors under the model's names), every tensor
-    but the routed experts by name (strict), those stacked per layer into ``backend``."""
-    ckpt = Checkpoint(path)
-    model = Glm5NextForCausalLM(ckpt.config)
-    tensors, experts = {}, {}
-    for name in ckpt.names():
-        m = EXPERT.fullmatch(name)
-        if m:
-            experts.setdefault(int(m[1]), {}).setdefault(m[3], {})[int(m[2])] = ckpt.get(name).float()
-        else:
-            tensors[name] = ckpt.get(name).float()
-    model.load_state_dict(tensors, strict=True)
-    model.fuse_projections()
-    for layer, mats in experts.items():
-        gate, up, down = (torch.stack([mats[w][e] for e in sorted(mats[w])]) for w in ("gate_proj", "up_proj",
-                                                                                         "down_proj"))
-        moe = model.model.layers[layer].mlp.moe
-        built = backend(gate, up, down, moe.glu) if backend is not None else None
-        moe.attach(built if built is not None else TorchExperts(gate, up, down, glu=moe.glu))
-    ckpt.close()
-    return model.eval()
+    """Our model through hetmoe's Checkpoint (parity.load_ours): routed experts into ``backend`` (None: fp32)."""
+    return parity_load(path, Glm5NextForCausalLM, backend)
 
 
 # ---------------------------------------------------------------- KDA against a naive loop

@@ -31,8 +31,14 @@ from hetmoe.cpu.experts import SWIGLU
 from hetmoe.layers.attention import Step
 from hetmoe.load.checkpoint import Checkpoint, CheckpointError
 from hetmoe.models.config import ModelConfig, text_model_config
-from hetmoe.moe import TorchExperts
-from parity import DECODE_STEPS, assert_refused_before_weights, generate_like_transformers, max_rel, trace_ours
+from parity import (
+    DECODE_STEPS,
+    assert_refused_before_weights,
+    generate_like_transformers,
+    load_ours,
+    max_rel,
+    trace_ours,
+)
 from paths import BEST_ROW_PATH
 
 transformers = pytest.importorskip("transformers")
@@ -48,7 +54,6 @@ IMAGE, VIDEO = 300, 301
 FP32_TOL = 1e-4
 CACHED_TOL = 1e-5
 CPU = dict(device="cpu", dtype="fp32", experts_format="bf16", **BEST_ROW_PATH.options)
-EXPERT = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w3|w2)\.weight")
 TEXT = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, intermediate_size=32, num_local_experts=6, num_experts_per_tok=2,
             dense_intermediate_size=48, shared_intermediate_size=24, rotary_dim=8,
@@ -86,26 +91,9 @@ def hf(m3):
 
 
 def load_m3(path: Path) -> MiniMaxM3ForCausalLM:
-    """Our model from a checkpoint directory through hetmoe's Checkpoint (language_model. dropped, the vision tower
-    left out), every tensor but the routed experts by name (strict), those stacked per layer into fp32 TorchExperts
-    (the layer hands them alpha and the limit)."""
-    ckpt = Checkpoint(path)
-    model = MiniMaxM3ForCausalLM(ckpt.config)
-    tensors, experts = {}, {}
-    for name in ckpt.names():
-        m = EXPERT.fullmatch(name)
-        if m:
-            experts.setdefault(int(m[1]), {}).setdefault(m[3], {})[int(m[2])] = ckpt.get(name).float()
-        else:
-            tensors[name] = ckpt.get(name).float()
-    model.load_state_dict(tensors, strict=True)
-    model.fuse_projections()
-    for layer, mats in experts.items():
-        gate, up, down = (torch.stack([mats[w][e] for e in sorted(mats[w])]) for w in ("w1", "w3", "w2"))
-        moe = model.model.layers[layer].mlp.moe
-        moe.attach(TorchExperts(gate, up, down, glu=moe.glu))
-    ckpt.close()
-    return model.eval()
+    """Our model from a checkpoint directory (parity.load_ours: language_model. dropped, the vision tower left out),
+    the routed experts in fp32 TorchExperts (the layer hands them alpha and the limit)."""
+    return load_ours(path, MiniMaxM3ForCausalLM)
 
 
 @pytest.fixture(scope="module")
