@@ -70,10 +70,15 @@ VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_att
 def m3(tmp_path_factory) -> Path:
     """The module's checkpoint (module docstring): random weights rounded to bf16, std 0.08, norms' weights noise
     around 0 (their 1 + weight form), correction biases random."""
-    path = tmp_path_factory.mktemp("minimax-m3") / "ckpt"
+    return write_m3(tmp_path_factory.mktemp("minimax-m3") / "ckpt", TEXT, VISION, IMAGE, VIDEO)
+
+
+def write_m3(path: Path, text: dict, vision: dict, image: int, video: int) -> Path:
+    """A MiniMaxM3SparseForConditionalGeneration of these configs saved at ``path``, the weights as the module
+    docstring says (seed 7)."""
     torch.manual_seed(7)
-    cfg = transformers.MiniMaxM3VLConfig(text_config=TEXT, vision_config=VISION, projector_hidden_size=64,
-                                         image_token_index=IMAGE, video_token_index=VIDEO)
+    cfg = transformers.MiniMaxM3VLConfig(text_config=text, vision_config=vision, projector_hidden_size=64,
+                                         image_token_index=image, video_token_index=video)
     model = transformers.MiniMaxM3SparseForConditionalGeneration(cfg)
     with torch.no_grad():
         for _, p in model.named_parameters():

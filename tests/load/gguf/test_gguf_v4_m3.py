@@ -57,6 +57,8 @@ transformers = pytest.importorskip("transformers")
 if not (hasattr(transformers, "DeepseekV4Config") and hasattr(transformers, "MiniMaxM3VLConfig")):
     pytest.skip(f"transformers {transformers.__version__} has no DeepSeek-V4 or MiniMax-M3", allow_module_level=True)
 
+from models.test_minimax_m3 import write_m3  # noqa: E402
+
 from hetmoe.config.options import EngineOptions  # noqa: E402
 from hetmoe.load.gguf import GGUFError  # noqa: E402
 from hetmoe.load.loader import load_model, moe_blocks  # noqa: E402
@@ -119,18 +121,7 @@ def _convert(source: Path, model_dir: Path, out: Path, pinned_config: bool = Fal
 
 
 def _save_m3(path: Path) -> Path:
-    torch.manual_seed(7)
-    cfg = transformers.MiniMaxM3VLConfig(text_config=M3_TEXT, vision_config=M3_VISION, projector_hidden_size=64,
-                                         image_token_index=M3_IMAGE, video_token_index=M3_VIDEO)
-    model = transformers.MiniMaxM3SparseForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            p.copy_((torch.randn_like(p) * 0.08).to(torch.bfloat16).float())
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.05 * torch.randn_like(b))
-    model.save_pretrained(path, max_shard_size="100KB")
-    return path
+    return write_m3(path, M3_TEXT, M3_VISION, M3_IMAGE, M3_VIDEO)
 
 
 def _m3_for_converter(src: Path, dest: Path) -> Path:
