@@ -3,10 +3,10 @@ becomes the engine's int8 / int4 codes with their own scales (and mins), so the 
 ``gguf``'s own dequantization gives. The packing itself is csrc/formats/pack.cpp (pack_row_block_codes).
 
 - Q8_0 / Q4_0 / Q5_0 (one fp16 scale per 32: int8 codes in [-127, 127], 4-bit codes in [-8, 7] once llama.cpp's +8
-  offset is taken off, 5-bit codes in [-16, 15]): int8 / int4 / int8 symmetric, group 32, fp16 scales (Q8_0 and Q4_0
-  at the file's 34 / 18 bytes per 32 values).
-- Q4_1 / Q5_1 (value = d * q + m per 32, fp16 d and m, q in 0..15 / 0..31): int4 / int8 affine, group 32, fp16
-  scales and mins (min = -m): Q4_1 at the file's 20 bytes per 32.
+  offset is taken off, 5-bit codes in [-16, 15]): int8 / int4 / int5 symmetric, group 32, fp16 scales, at the file's
+  34 / 18 / 22 bytes per 32 values.
+- Q4_1 / Q5_1 (value = d * q + m per 32, fp16 d and m, q in 0..15 / 0..31): int4 / int5 affine, group 32, fp16
+  scales and mins (min = -m), at the file's 20 / 24 bytes per 32.
 - The K-quants, with their two-level scales held as the file holds them (scale dtype k8: an int8 sub-scale per group,
   an fp16 super scale per 256 values; affine mins the same): Q4_K / Q5_K (value = scale * q - min per 32, q in 0..15 /
   0..31) int4 / int5 affine, group 32; Q6_K (value = scale * q per 16, q in [-32, 31]) int6 symmetric, group 16;
@@ -50,8 +50,8 @@ CODE_RANGE = {("int8", "symmetric"): (-127, 127), ("int4", "symmetric"): (-8, 7)
               **{(f, "affine"): (0, (1 << PLANES[f][2]) - 1) for f in PLANES}}
 # GGML types held exactly -> (format, scaling, group, scale dtype, codebook)
 EXACT_TYPES = {"Q8_0": ("int8", "symmetric", 32, "fp16", None), "Q4_0": ("int4", "symmetric", 32, "fp16", None),
-               "Q5_0": ("int8", "symmetric", 32, "fp16", None),
-               "Q4_1": ("int4", "affine", 32, "fp16", None), "Q5_1": ("int8", "affine", 32, "fp16", None),
+               "Q5_0": ("int5", "symmetric", 32, "fp16", None),
+               "Q4_1": ("int4", "affine", 32, "fp16", None), "Q5_1": ("int5", "affine", 32, "fp16", None),
                "Q2_K": ("int2", "affine", 16, "k4", None), "Q3_K": ("int3", "symmetric", 16, "k8", None),
                "Q4_K": ("int4", "affine", 32, "k8", None), "Q5_K": ("int5", "affine", 32, "k8", None),
                "Q6_K": ("int6", "symmetric", 16, "k8", None),

@@ -35,7 +35,7 @@ from hetmoe.models.config import ModelConfig
 from hetmoe.plan.memory import HeldLayouts
 
 # GGML type -> (engine format, bytes per block of 32) of the blocks block_codes decodes
-EXACT = {"Q8_0": ("int8", 34), "Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q5_0": ("int8", 22), "Q5_1": ("int8", 24)}
+EXACT = {"Q8_0": ("int8", 34), "Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q5_0": ("int5", 22), "Q5_1": ("int5", 24)}
 BLOCK = 32
 CHUNK = 8  # experts decoded and packed at once
 _LAYER = re.compile(r"\.layers\.\d+\.")

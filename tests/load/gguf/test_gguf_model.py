@@ -215,7 +215,7 @@ def test_kquant_experts_load_exactly(tmp_path, arch, qtype, plan, layout):
 NEW_LAYOUTS = [("Q3_K", ("int4", 16), ("int3", 16, 16, ("symmetric", "symmetric")), ("k8", "k8")),
                ("Q2_K+Q3_K", ("int4", 16), (("int2", "int3"), 16, 16, ("affine", "symmetric")), ("k4", "k8")),
                ("Q4_1", ("int4", 32), ("int4", 32, 32, ("affine", "affine")), ("fp16", "fp16")),
-               ("Q5_0+Q5_1", ("int8", 32), ("int8", 32, 32, ("symmetric", "affine")), ("fp16", "fp16"))]
+               ("Q5_0+Q5_1", ("int8", 32), ("int5", 32, 32, ("symmetric", "affine")), ("fp16", "fp16"))]
 
 
 @pytest.mark.parametrize("qtype, plan, layout, scales", NEW_LAYOUTS, ids=[k[0] for k in NEW_LAYOUTS])

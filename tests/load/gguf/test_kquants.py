@@ -45,7 +45,7 @@ LAYERS = [("Q4_K", "Q4_K"), ("Q5_K", "Q5_K"), ("Q6_K", "Q6_K"), ("Q4_K", "Q6_K")
 # RAM held / file bytes of one type's matrices (whole super-blocks, rows a multiple of 16): codes + scale sets
 RAM_FACTOR = {"Q4_K": (4 + 16 / 32 + 32 / 256) / 4.5, "Q5_K": (5 + 16 / 32 + 32 / 256) / 5.5,
               "Q6_K": (6 + 8 / 16 + 16 / 256) / 6.5625, "Q3_K": (3 + 8 / 16 + 16 / 256) / 3.4375,
-              "Q2_K": (2 + 8 / 16 + 32 / 256) / 2.625, "Q4_1": 1.0, "Q5_0": 8.5 / 5.5, "Q5_1": 9 / 6, "Q8_0": 1.0}
+              "Q2_K": (2 + 8 / 16 + 32 / 256) / 2.625, "Q4_1": 1.0, "Q5_0": 1.0, "Q5_1": 1.0, "Q8_0": 1.0}
 
 
 def matrix_codes(kind: str, raw: np.ndarray, shape: tuple) -> tuple:
