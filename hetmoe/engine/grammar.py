@@ -167,6 +167,14 @@ def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     logits.masked_fill_(allowed.logical_not_(), float("-inf"))
 
 
+def _allows_some(bitmask: torch.Tensor, V: int) -> bool:
+    """Whether ``bitmask`` (int32 [ceil(V/32)] on the host) allows any of the V tokens."""
+    full, rest = divmod(V, 32)
+    if bool(bitmask[:full].any()):
+        return True
+    return bool(rest) and (int(bitmask[full]) & ((1 << rest) - 1)) != 0
+
+
 class GrammarConstraint:
     """One sequence's matcher (``TokenConstraint``): ``mask`` / ``accept`` / ``is_terminated``."""
 
@@ -178,14 +186,28 @@ class GrammarConstraint:
         if torch.cuda.is_available():
             self._bitmask = self._bitmask.pin_memory()
         self.vocab_size = vocab_size
+        self._filled = False  # the bitmask holds the next position's mask (prepare)
+        self._allows_some = True
 
-    def mask(self, logits: torch.Tensor) -> None:
+    def prepare(self) -> None:
+        """The next position's bitmask, filled on the host (and whether it allows any token)."""
+        if not self._filled:
+            self._matcher.fill_next_token_bitmask(self._bitmask.view(1, -1))
+            self._allows_some = _allows_some(self._bitmask, self.vocab_size)
+            self._filled = True
+
+    def mask(self, logits: torch.Tensor) -> bool:
         if logits.shape != (self.vocab_size,):
             raise ValueError(f"the constraint expects logits [{self.vocab_size}], got {tuple(logits.shape)}")
-        self._matcher.fill_next_token_bitmask(self._bitmask.view(1, -1))
+        self.prepare()
+        self._filled = False
+        if not self._allows_some:
+            raise ValueError("the constraint allows no token at this position")
         _apply_bitmask(logits, self._bitmask)
+        return True  # checked on the host: some token stays allowed
 
     def accept(self, token: int) -> None:
+        self._filled = False
         if not self._matcher.accept_token(int(token)):
             raise ValueError(f"token {token} does not follow the grammar at this position")
 

@@ -41,7 +41,13 @@ class TokenConstraint(Protocol):
         is_terminated()   the grammar is complete: the sequence ends there, finish reason "stop"
 
     A stop token (eos, ``stop_token_ids``) that the mask leaves allowed ends the sequence too, without ``accept``.
-    A mask that allows no token at all fails the request (ValueError from the sampler)."""
+    A mask that allows no token at all fails the request (ValueError from the sampler). Optionally:
+
+        prepare()         work out the next mask on the host now (the scheduler calls it while the GPU computes the
+                          step's logits, so that ``mask`` only applies it)
+
+    and ``mask`` may return True to say it checked on the host that some token stays allowed (raising ValueError
+    otherwise); any other return lets the sampler check the masked logits itself (a device round trip)."""
 
     def mask(self, logits: torch.Tensor) -> None: ...
 
@@ -283,6 +289,13 @@ class LogitsProcessor:
             counts.index_add_(0, gen, torch.ones(len(gen)))
             self._seen, self._counts = seen.to(device), counts.to(device)
 
+    def prepare(self) -> None:
+        """The host's share of the next ``apply`` (the constraint's next mask), done now: called while the device
+        computes the logits."""
+        prepare = getattr(self.constraint, "prepare", None)
+        if prepare is not None:
+            prepare()
+
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] fp32, modified in place and returned. ValueError when the constraint allows no token, or the
         logit bias names one beyond V."""
@@ -292,8 +305,7 @@ class LogitsProcessor:
         if self._bias is not None:
             logits.index_add_(0, *self._bias)
         if self.constraint is not None:
-            self.constraint.mask(logits)
-            if not bool((logits > float("-inf")).any()):
+            if self.constraint.mask(logits) is not True and not bool((logits > float("-inf")).any()):
                 raise ValueError("the constraint allows no token at this position")
         if self._seen is not None:
             if p.repetition_penalty != 1:

@@ -410,21 +410,47 @@ class Scheduler:
         return torch.stack(rows) if rows else torch.empty(0)
 
     def _sample(self, batch: list, logits: torch.Tensor) -> list:
-        """One token per sequence from logits [B, V]: the plain greedy rows (no bias, constraint, penalty, min_p or
-        log-probabilities: ``SamplingParams.plain_greedy``) with one argmax, the others one by one through their
-        SequenceState (processing, log-probabilities, their own parameters and generator). None where sampling
-        failed (that sequence is failed)."""
-        greedy = [i for i, s in enumerate(batch) if s.req.params.plain_greedy]
+        """One token per sequence from logits [B, V]. First the host's share of every processed row (constraint
+        masks: ``SequenceState.prepare``), done while a GPU may still be computing ``logits``. Then one argmax for
+        the plain greedy rows (no bias, constraint, penalty, min_p or log-probabilities:
+        ``SamplingParams.plain_greedy``) and the processed greedy rows without log-probabilities (each processed
+        by its SequenceState), read back at once; the others one by one through their SequenceState (log-
+        probabilities, their own parameters and generator). None where sampling failed (that sequence is
+        failed)."""
         tokens: list = [None] * len(batch)
-        if greedy:
-            for i, t in zip(greedy, logits[greedy].argmax(-1).tolist()):
+        failed: set = set()
+
+        def fail(i: int, e: Exception) -> None:
+            failed.add(i)
+            self._fail(batch[i], "failed", f"sampling failed: {type(e).__name__}: {e}", e)
+
+        for i, seq in enumerate(batch):
+            if not seq.req.params.plain_greedy:
+                try:
+                    seq.state.prepare()
+                except Exception as e:
+                    fail(i, e)
+        plain = [i for i, s in enumerate(batch) if s.req.params.plain_greedy]
+        processed, rows = [], []
+        for i, seq in enumerate(batch):
+            p = seq.req.params
+            if i not in failed and not p.plain_greedy and p.greedy and p.logprobs is None:
+                try:
+                    rows.append(seq.state.process(logits[i]))
+                    processed.append(i)
+                except Exception as e:
+                    fail(i, e)
+        picks = [logits[plain].argmax(-1)] if plain else []
+        picks += [torch.stack(rows).argmax(-1)] if rows else []
+        if picks:
+            for i, t in zip(plain + processed, torch.cat(picks).tolist()):
                 tokens[i] = t
         for i, seq in enumerate(batch):
-            if tokens[i] is None:
+            if tokens[i] is None and i not in failed:
                 try:
                     tokens[i] = seq.state.sample(logits[i])
                 except Exception as e:
-                    self._fail(seq, "failed", f"sampling failed: {type(e).__name__}: {e}", e)
+                    fail(i, e)
         return tokens
 
     def _advance(self, seq: _Sequence, token: int) -> None:

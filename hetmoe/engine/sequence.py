@@ -178,12 +178,25 @@ class SequenceState:
             self._generator = torch.Generator(device=device).manual_seed(self.params.seed)
         return self._generator
 
+    def prepare(self) -> None:
+        """The host's share of the next ``sample`` (the constraint's mask), done now: the scheduler calls it while
+        the device computes the step's logits."""
+        if self.processor is not None:
+            self.processor.prepare()
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """This sequence's logits [V] (left unchanged) after its processor, as a new fp32 tensor: what ``sample``
+        picks from (no host round trip where the constraint checks its mask on the host). ValueError when the
+        constraint allows no token."""
+        logits = logits.to(torch.float32, copy=True)
+        return self.processor.apply(logits) if self.processor is not None else logits
+
     def sample(self, logits: torch.Tensor) -> int:
         """A token from this sequence's logits [V] (left unchanged) with its own parameters, processor and
         generator; its TokenLogprob appended to ``logprobs`` when ``params.logprobs`` is set. ValueError when the
         constraint allows no token."""
         if self.processor is not None:
-            logits = self.processor.apply(logits.to(torch.float32, copy=True))
+            logits = self.process(logits)
         token = int(sample(logits, self.params, self.generator(logits.device)))
         if self.params.logprobs is not None:
             self.logprobs.append(token_logprob(torch.log_softmax(logits.float(), -1), token, self.params.logprobs))

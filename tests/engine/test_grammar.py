@@ -125,6 +125,48 @@ def test_bitmask_unpacking_matches_a_naive_reference():
         assert torch.equal(out, ref), vocab
 
 
+def test_the_host_side_check_of_a_mask_matches_a_naive_reference():
+    """_allows_some: whether any of the first V bits is set (bits past V, in the last word, do not count)."""
+    gen = torch.Generator().manual_seed(1)
+    for vocab in (1, 31, 32, 33, 95, 1000):
+        n = (vocab + 31) // 32
+        for bit in list(range(n * 32)) + [None]:
+            words = torch.zeros(n, dtype=torch.int32)
+            if bit is not None:
+                words[bit // 32] = torch.tensor(1 << (bit % 32), dtype=torch.int64).to(torch.int32)
+            assert grammar._allows_some(words, vocab) == (bit is not None and bit < vocab), (vocab, bit)
+        words = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, generator=gen)
+        naive = any((int(words[j // 32]) >> (j % 32)) & 1 for j in range(vocab))
+        assert grammar._allows_some(words, vocab) == naive
+
+
+def test_prepare_fills_the_mask_once_and_mask_applies_it(grammars, tok, monkeypatch):
+    """prepare() (the scheduler's call while the GPU computes) fills the bitmask; mask() then applies that mask
+    without filling again, says it checked on the host (True), and the next position needs a new fill."""
+    c = grammars.json_schema(PERSON)()
+    fills = []
+    matcher = c._matcher
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(matcher, name)
+
+        def fill_next_token_bitmask(self, *args):
+            fills.append(1)
+            return matcher.fill_next_token_bitmask(*args)
+
+    c._matcher = Counting()
+    c.prepare()
+    c.prepare()
+    logits = torch.zeros(V)
+    assert c.mask(logits) is True and len(fills) == 1
+    brace = tok.encode("{", add_special_tokens=False)[0]
+    assert torch.isfinite(logits[brace]) and not torch.isfinite(logits).all()
+    c.accept(brace)
+    c.mask(torch.zeros(V))
+    assert len(fills) == 2
+
+
 def test_a_token_the_grammar_refuses_is_an_error(grammars, tok):
     c = grammars.json_schema(PERSON)()
     with pytest.raises(ValueError, match="does not follow the grammar"):

@@ -192,20 +192,29 @@ def test_logit_bias_forces_a_token_and_min_p_one_is_greedy(llm):
     assert sampled.token_ids != greedy.token_ids  # what min_p=1 took away
 
 
-def test_plain_greedy_rows_take_the_batched_argmax(llm, monkeypatch):
-    calls = []
-    original = SequenceState.sample
+def test_greedy_rows_take_the_batched_argmax(llm, monkeypatch):
+    """In a decode step the plain greedy rows and the processed greedy rows without log-probabilities share one
+    argmax: no row goes through SequenceState.sample one by one (only the first token, after the prefill, does);
+    the processed rows still go through their processor each token, and the result is the one-by-one result."""
+    calls = {"sample": [], "process": []}
+    originals = {name: getattr(SequenceState, name) for name in calls}
 
-    def counting(self, logits):
-        calls.append(self.params)
-        return original(self, logits)
+    def counting(name):
+        def wrapper(self, logits):
+            calls[name].append(self.params)
+            return originals[name](self, logits)
+        return wrapper
 
-    monkeypatch.setattr(SequenceState, "sample", counting)
+    for name in calls:
+        monkeypatch.setattr(SequenceState, name, counting(name))
     plain, biased = SamplingParams(max_tokens=6, ignore_eos=True), SamplingParams(
         max_tokens=6, ignore_eos=True, logit_bias={5: 0.5})
-    llm.generate(["Hello", "def f"], [plain, biased])
-    assert sum(p is plain for p in calls) == 1  # its first token (after the prefill) only
-    assert sum(p is biased for p in calls) == 6  # every token through the processed path
+    batched = llm.generate(["Hello", "def f"], [plain, biased])
+    assert sum(p is plain for p in calls["sample"]) == 1 and sum(p is biased for p in calls["sample"]) == 1
+    assert not any(p is plain for p in calls["process"])
+    assert sum(p is biased for p in calls["process"]) == 6  # every token through the processor
+    alone = llm.generate("def f", biased)
+    assert batched[1].token_ids == alone.token_ids
 
 
 class FixedTokens:
