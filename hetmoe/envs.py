@@ -43,12 +43,20 @@ VARS = {v.name: v for v in (
         owner="XDG"),
     Var("XDG_STATE_HOME", str, None, "where `hetmoe chat` keeps its input history (default ~/.local/state/hetmoe)",
         owner="XDG"),
+    Var("PYTORCH_CUDA_ALLOC_CONF", str, None,
+        "torch's CUDA allocator settings; under a --gpu-memory cap hetmoe sets expandable_segments:True unless this "
+        "or PYTORCH_ALLOC_CONF is given, before CUDA initialises (hetmoe/plan/vram_cap.py: memory freed by one size "
+        "serves another within the cap)", owner="torch"),
+    Var("PYTORCH_ALLOC_CONF", str, None,
+        "torch's newer name for PYTORCH_CUDA_ALLOC_CONF; when given, hetmoe sets neither", owner="torch"),
     Var("OMP_WAIT_POLICY", str, None,
         "the command line sets PASSIVE unless given: OpenMP threads of torch spinning beside the expert pool's "
         "pinned workers slow both", owner="OpenMP"),
 )}
 # Recorded in a benchmark's JSON (they change CPU timings), never read for a decision.
 THREAD_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_BLOCKTIME", "OMP_PROC_BIND", "GOMP_SPINCOUNT")
+# Recorded in a GPU benchmark's JSON (they change how torch's allocator reserves VRAM), never read for a decision.
+ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
 def get(name: str) -> Any:

@@ -38,6 +38,7 @@ from hetmoe.engine.runner import Runner
 from hetmoe.load.dense import packed_bytes
 from hetmoe.load.loader import LoadedModel, load_model, moe_blocks
 from hetmoe.load.random_weights import SHAPES, build_random_model
+from hetmoe.plan import vram_cap
 from hetmoe.plan.placement import dense_name
 from hetmoe.plan.sysmem import free_ram
 
@@ -148,14 +149,38 @@ def gpu_peak(loaded: LoadedModel) -> dict:
     """The GPU's peak allocation since the last reset, beside the VRAM budget the plan was made for, and the peak
     VRAM the process held: torch's peak reserved (its caching allocator's segments) plus what it holds outside
     torch now (the CUDA context, cuBLAS workspaces, ...: used on the device by mem_get_info less torch's reserved;
-    other processes on the GPU count too)."""
+    other processes on the GPU count too). With --gpu-memory, the cap it is held to and torch's allocator limit
+    under it (hetmoe/plan/vram_cap.py: what was outside torch when the plan was made, what was kept for it)."""
     budget = loaded.plan.budgets.get("VRAM", (None,))[0]
     free, total = torch.cuda.mem_get_info()
     outside = max(0, total - free - torch.cuda.memory_reserved())
     reserved = torch.cuda.max_memory_reserved()
+    lim = loaded.plan.vram_limit
+    cap = loaded.options.gpu_memory
     return {"gpu_peak_bytes": torch.cuda.max_memory_allocated(), "gpu_budget_bytes": budget,
             "gpu_peak_reserved_bytes": reserved, "gpu_outside_torch_bytes": outside,
-            "gpu_peak_vram_bytes": reserved + outside}
+            "gpu_peak_vram_bytes": reserved + outside, "gpu_total_bytes": total, "gpu_cap_bytes": cap,
+            "gpu_within_cap": None if cap is None else reserved + outside <= cap,
+            "gpu_torch_limit_bytes": lim.limit if lim else None,
+            "gpu_outside_at_plan_bytes": lim.outside if lim else None,
+            "gpu_outside_reserve_bytes": lim.reserve if lim else None,
+            "gpu_expandable_segments": lim.expandable if lim else None,
+            "alloc_env": envs.snapshot(envs.ALLOC_VARS)}
+
+
+def vram_verdict(rec: dict) -> str:
+    """The peak VRAM line's verdict: against --gpu-memory where given (the cap the run is held to), else against the
+    plan's budget (what was free, less a margin)."""
+    vram, cap, budget = rec["gpu_peak_vram_bytes"], rec["gpu_cap_bytes"], rec["gpu_budget_bytes"]
+    if cap is not None:
+        limit = rec["gpu_torch_limit_bytes"]
+        held = ("" if limit is None else f"; torch held to {limit / 2**30:.2f} GiB, "
+                f"{rec['gpu_outside_at_plan_bytes'] / 2**30:.2f} GiB was outside torch at the plan")
+        return (f"--gpu-memory {cap / 2**30:.2f} GiB{held}: " + ("within the cap" if vram <= cap else "OVER THE CAP"))
+    if budget is None:
+        return "no VRAM budget in the plan"
+    return f"the plan's budget {budget / 2**30:.2f} GiB: " + ("within the budget" if vram <= budget else
+                                                                "OVER THE BUDGET")
 
 
 def experts_layout(loaded) -> Optional[str]:
@@ -229,6 +254,8 @@ def run_e2e_bench(args) -> int:
         raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device (use --device cpu)")
     for d in devices:  # validate the options before any measurement
         bench_options(args, d, max_context)
+    if "cuda" in devices and bench_options(args, "cuda", max_context).gpu_memory:
+        vram_cap.prepare()  # before the first CUDA call below (the device's name): the allocator reads it once
 
     out = sys.stderr if args.json == "-" else sys.stdout  # the JSON alone on stdout when it goes there
     say = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
@@ -309,8 +336,7 @@ def run_e2e_bench(args) -> int:
                 vram = rec["gpu_peak_vram_bytes"]
                 say(f"{PLACEMENT[device]}: peak VRAM {vram / 2**30:.2f} GiB (torch's peak reserved "
                     f"{rec['gpu_peak_reserved_bytes'] / 2**30:.2f} GiB + {rec['gpu_outside_torch_bytes'] / 2**30:.2f} "
-                    f"GiB outside torch, from torch.cuda.mem_get_info)"
-                    + ("" if budget is None else "; within the budget" if vram <= budget else "; OVER THE BUDGET"))
+                    f"GiB outside torch, from torch.cuda.mem_get_info); {vram_verdict(rec)}")
             # Shared machines' bandwidth drifts over minutes: a second probe after all timings brackets the
             # roofline the rows were measured against.
             rec["stream_gbps_after"] = epool.read_bandwidth(stream_bytes, 5)

@@ -71,6 +71,7 @@ class MemoryPlan:
     max_batch: int = 1  # KV cache rows (sequences)
     why: dict = field(default_factory=dict)  # part -> why it is there at that size (the table's last column)
     budgets: dict = field(default_factory=dict)  # "RAM" / "VRAM" -> (bytes it may use, their source: message, table)
+    vram_limit: Optional[object] = None  # vram_cap.VramLimit: torch's allocator limit this plan holds (--gpu-memory)
 
     @property
     def ram_bytes(self) -> int:

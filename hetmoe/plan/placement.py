@@ -32,6 +32,7 @@ from hetmoe.plan.lowbit import choose_mix
 from hetmoe.plan.lowbit import describe as describe_mix
 from hetmoe.plan.memory import LayerPlan, MemoryPlan, ModelShapes, PlanError
 from hetmoe.plan.sysmem import free_ram, free_vram
+from hetmoe.plan.vram_cap import CUDA_CONTEXT_BYTES, VramLimit, bind, measure
 
 if TYPE_CHECKING:
     import torch
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 # Fraction of the currently free RAM / VRAM a plan may use (the rest: allocator slack, the OS, other processes).
 # An explicit --cpu-memory / --gpu-memory is used whole.
 HEADROOM = 0.92
-CUDA_CONTEXT_BYTES = 600 << 20
 CPU_RUNTIME_BYTES = 400 << 20  # the Python process, torch and the engine's scratch
 DENSE_ORDER = ("bf16", "fp8", "int8", "int4")  # --dense-format auto on a GPU: the first that fits
 # --dense-format auto with --max-context auto: the dense format is chosen for this many positions (or the model's
@@ -378,11 +378,14 @@ def resolve_dtype(name: str, device: torch.device, dense_params: int) -> torch.d
     return torch.bfloat16 if device.type == "cuda" or dense_params > SMALL_DENSE else torch.float32
 
 
-def budgets(opts: EngineOptions, device: torch.device, gpu_here: bool = True) -> tuple:
+def budgets(opts: EngineOptions, device: torch.device, gpu_here: bool = True,
+            cap: Optional[VramLimit] = None) -> tuple:
     """({"RAM": (bytes, source, short source), "VRAM": ...}, notes): what a plan on ``device`` may use. --cpu-memory /
     --gpu-memory replace what is free (a plan for a smaller GPU on a bigger one), a note when more than is free;
     else HEADROOM x what is free. ``gpu_here`` False: planning for a GPU this machine does not have (hetmoe plan
-    --device cuda): --gpu-memory is required."""
+    --device cuda): --gpu-memory is required. ``cap``: --gpu-memory's limit measured on the GPU here
+    (vram_cap.measure); where it keeps more outside torch than the plan's CUDA context, the VRAM budget is less by
+    the difference (a note says)."""
     notes, out = [], {}
     for name, asked, flag, device_type in (("RAM", opts.cpu_memory, "--cpu-memory", "cpu"),
                                            ("VRAM", opts.gpu_memory, "--gpu-memory", "cuda")):
@@ -402,6 +405,13 @@ def budgets(opts: EngineOptions, device: torch.device, gpu_here: bool = True) ->
             out[name] = (int(HEADROOM * free), f"{gib(free)} {kind}", f"{HEADROOM:.0%} of {gib(free)} {kind}")
             continue
         out[name] = (asked, f"budget {gib(asked)} ({flag})", flag)
+        more = cap.reserve - CUDA_CONTEXT_BYTES if cap is not None and device_type == "cuda" else 0
+        if more > 0:
+            out[name] = (asked - more, f"budget {gib(asked - more)} ({flag} {gib(asked)} less {gib(more)} more "
+                                       "outside torch than the plan's CUDA context)", f"{flag} less {gib(more)}")
+            notes.append(f"{gib(cap.outside)} of the GPU is outside torch already: {flag} keeps {gib(cap.reserve)} "
+                         f"of its {gib(asked)} for it, {gib(more)} more than the plan's CUDA context, and plans "
+                         f"within {gib(asked - more)}")
         if asked > free:
             notes.append(f"{flag} {gib(asked)} is more than the {gib(free)} {kind} on this machine now: the plan may "
                          "not fit when it runs")
@@ -466,7 +476,9 @@ def choose_plan(shapes: "ModelShapes", opts: EngineOptions, layers: Optional[lis
     check_context(shapes, opts)
     gpu_here = device is None
     device = resolve_device(opts.device) if device is None else device
-    limits, notes = budgets(opts, device, gpu_here)
+    # --gpu-memory on a GPU here: torch's allocator is limited to it (vram_cap.py), measured before the first CUDA call
+    cap = measure(device, opts.gpu_memory) if gpu_here and device.type == "cuda" and opts.gpu_memory else None
+    limits, notes = budgets(opts, device, gpu_here, cap)
     (ram, ram_src, _), (vram, vram_src, _) = limits["RAM"], limits.get("VRAM", (0, "", ""))
     dense, dense_why = choose_dense(shapes, opts, device, layers, vram, gpu_here)
     if opts.experts_format == "auto":
@@ -520,6 +532,10 @@ def choose_plan(shapes: "ModelShapes", opts: EngineOptions, layers: Optional[lis
         raise PlanError(
             f"the model does not fit this machine with {plan.experts_format} experts on {device.type} "
             f"({'; '.join(problems)}). Plan: {plan.describe()}. {hint}\n" + "\n".join(plan.table()), plan)
+    if cap is not None:  # binding from now on, while the plan (the model holding it) is alive
+        plan.vram_limit = cap
+        plan.notes.append(cap.describe())
+        bind(plan, cap)
     return plan
 
 

@@ -248,7 +248,7 @@ def test_gpu_experts_auto_all_resident_when_the_whole_model_fits(qwen, capsys):
     assert _plan(qwen, **{**opts, "gpu_memory": need}).layers[0].gpu_experts == 128
 
 
-@pytest.mark.parametrize("budget", ["11GiB", "16GiB", "20GiB", "23GiB"])
+@pytest.mark.parametrize("budget", ["11GiB", "16GiB", "20GiB", "23.5GiB"])
 def test_gpu_experts_auto_chooses_by_modelled_value(qwen, budget, capsys):
     """Experts that do not all fit: resident experts alone against prefill buffers + fewer experts, the higher
     modelled value (geometric mean of decode and prefill tok/s) chosen, both candidates and the numbers printed."""
@@ -256,7 +256,7 @@ def test_gpu_experts_auto_chooses_by_modelled_value(qwen, budget, capsys):
     plan = _plan(qwen, **opts)
     n, limit = plan.layers[0].gpu_experts, parse_size(budget)
     assert 0 < n < 128 and plan.vram_bytes <= limit
-    assert plan.gpu_prefill == (budget != "23GiB")  # near the whole model, the experts are worth more
+    assert plan.gpu_prefill == (budget != "23.5GiB")  # near the whole model, the experts are worth more
     off = _plan(qwen, **opts, gpu_prefill="off")  # experts only: the most that fit beside the margin
     shapes = model_shapes(qwen[1], qwen[0], qwen[3])
     # one more resident expert per layer: its bytes in 48 layers, and one more in the resident prefill's scratch
