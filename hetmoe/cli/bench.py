@@ -21,8 +21,8 @@ from hetmoe.config.flags import (
 
 BENCHES = ("kernel", "e2e", "serve", "overhead")  # in the order `hetmoe bench --help` lists them
 # hetmoe/bench/kernel.py FORMATS (not imported here: the CLI starts without torch)
-KERNEL_FORMATS = ("bf16", "int8", "int4", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_k_m", "q4_0", "q8_0", "q5_0", "q5_1", "mxfp4",
-                  "iq4_nl", "iq4_xs", "fp8", "mxfp8")
+KERNEL_FORMATS = ("bf16", "int8", "int4", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_k_m", "q4_0", "q8_0", "q5_0",
+                  "q5_1", "mxfp4", "iq4_nl", "iq4_xs", "fp8", "mxfp8")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -283,7 +283,17 @@ def prefill_need(plan: MemoryPlan, shapes: "ModelShapes", chunk: int, experts: i
     rules)."""
     fmt, group = _streamed_format(plan)
     return gpu_prefill_bytes(shapes, fmt, group, chunk, plan.dtype.itemsize, 0 if plan.kv_paged else plan.max_context,
-                             experts, slots, plan.vram.get("activations", 0))
+                             experts, slots, plan.vram.get("activations", 0), torch_unpack=_torch_unpacks(plan))
+
+
+def _torch_unpacks(plan: MemoryPlan) -> bool:
+    """Whether the layerwise prefill of ``plan`` unpacks with PyTorch ops: only with a GPU on this machine and no
+    Triton (a plan for a GPU elsewhere counts Triton, which torch's CUDA builds bring)."""
+    import torch
+
+    from hetmoe.ops.triton import packed
+
+    return plan.device.type == "cuda" and torch.cuda.is_available() and not packed.available()
 
 
 def prefill_groups(plan: MemoryPlan, shapes: "ModelShapes") -> list:

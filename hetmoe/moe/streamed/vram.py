@@ -45,10 +45,12 @@ def group_rows(chunk: int, top_k: int, group: int, num_experts: int) -> int:
 
 
 def gpu_prefill_bytes(shapes, fmt: str, group: int, chunk: int, itemsize: int, ctx: int, experts: int = 0,
-                      slots: int = GPU_PREFILL_SLOTS, planned_act: int = 0) -> dict:
+                      slots: int = GPU_PREFILL_SLOTS, planned_act: int = 0, torch_unpack: bool = False) -> dict:
     """VRAM of the layerwise GPU prefill for prefill chunks of ``chunk`` tokens (hetmoe/moe/streamed/layerwise.py):
     ``slots`` slots of packed experts (``experts`` each; 0: a whole layer), a slot's weights unpacked to the model
-    dtype (+ the temporaries of unpacking UNPACK_EXPERTS experts), the activations of one MoE layer (in groups: a
+    dtype (``torch_unpack``, PyTorch ops unpacking where Triton is missing: + the temporaries of unpacking
+    UNPACK_EXPERTS experts, one where a layer runs in groups; Triton's kernel writes straight into the weights and
+    needs none), the activations of one MoE layer (in groups: a
     window of ``group_rows`` rows, the layer's fp32 sum and its sorted pairs; groups unpack one expert at a time
     where PyTorch ops unpack), the model's own activations for a chunk (DENSE_ACT_BUFFERS per token) beyond the
     ``planned_act`` bytes the plan's "activations" hold, and the attention mask of one chunk over a context of
@@ -56,7 +58,7 @@ def gpu_prefill_bytes(shapes, fmt: str, group: int, chunk: int, itemsize: int, c
     E = shapes.n_routed // max(shapes.n_moe_layers, 1)
     H, I, k = shapes.hidden, shapes.expert_inter, shapes.top_k
     G = E if not experts or experts >= E else experts
-    weights = G * 3 * H * I * itemsize + (UNPACK_EXPERTS if G == E else 1) * 3 * H * I * 8
+    weights = G * 3 * H * I * itemsize + torch_unpack * (UNPACK_EXPERTS if G == E else 1) * 3 * H * I * 8
     rows = chunk * k  # (token, expert) pairs
     if G == E:
         act = rows * (H * itemsize + 3 * I * itemsize + H * itemsize + H * 4 + 16) + chunk * H * 4
