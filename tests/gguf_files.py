@@ -14,7 +14,7 @@ from hetmoe.load.gguf.kquants import KQUANTS
 from hetmoe.load.gguf.lut4_blocks import LUT4_BLOCKS
 from hetmoe.load.loader import build_meta, moe_blocks
 from hetmoe.load.random_weights import _config
-from hetmoe.models.config import _EXPERTS, ModelConfig
+from hetmoe.models.config import EXPERT_COUNT_FIELDS, ModelConfig
 
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "deepseek_v3": "deepseek2",
              "deepseek_v2": "deepseek2"}
@@ -42,7 +42,7 @@ def write_metadata(w, arch: str, cfg: dict) -> None:
     w.add_head_count_kv(1 if deepseek else c.num_key_value_heads)  # DeepseekV2Model: MLA as MQA
     w.add_rope_freq_base(c.rope_theta)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_expert_count(c.first(*_EXPERTS[arch]))
+    w.add_expert_count(c.first(*EXPERT_COUNT_FIELDS[arch]))
     w.add_expert_used_count(c.num_experts_per_tok)
     if c.get("n_group") is not None:
         w.add_expert_group_count(c.n_group)

@@ -108,7 +108,7 @@ def check_quantization(cfg: ModelConfig, source) -> None:
         except ValueError as err:
             raise CheckpointError(str(err)) from None
         experts = fp4_experts_dtype(cfg)
-        if experts not in (None, "fp8") and cfg.get("model_type") != "deepseek_v4":  # (V4's: models/config.py)
+        if experts not in (None, "fp8") and cfg.get("model_type") != "deepseek_v4":  # (V4's: models/config_checks.py)
             raise CheckpointError(f"{source}: expert_dtype {experts!r} on a {cfg.get('model_type')} model: hetmoe "
                                   "reads FP4 experts (expert_dtype 'fp4') as DeepSeek-V4 stores them (deepseek_v4)")
         return

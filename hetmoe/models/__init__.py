@@ -1,8 +1,8 @@
 """One file per Hugging Face ``model_type``; pure nn.Modules with Hugging Face class and parameter names.
 
 ``model_class(cfg)`` maps a checkpoint's ``config.json`` to the causal-LM class that runs it; ``check_config``
-(models/config.py) refuses entries those classes cannot run, and ``context_limit(cfg)`` is how many positions the
-model attends over. A multimodal checkpoint whose language model is one of these (``MULTIMODAL``) is read through
+(models/config_checks.py) refuses entries those classes cannot run, and ``context_limit(cfg)`` is how many positions
+the model attends over. A multimodal checkpoint whose language model is one of these (``MULTIMODAL``) is read through
 ``text_model_config``: its text_config, the vision tower left out.
 """
 
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import importlib
 
-from hetmoe.models.config import MULTIMODAL, ConfigError, ModelConfig, Multimodal, check_config, text_model_config
+from hetmoe.models.config import MULTIMODAL, ConfigError, ModelConfig, Multimodal, text_model_config
 from hetmoe.models.config import context_limit as _limit
+from hetmoe.models.config_checks import check_config
 
 __all__ = ["ConfigError", "ModelConfig", "check_config", "checkpoint_names", "context_limit", "model_class",
            "MODEL_TYPES", "MULTIMODAL", "Multimodal", "text_model_config"]

@@ -497,7 +497,8 @@ def _deepseek4(k: _Keys, cfg: dict) -> None:
 def config_from_gguf(f: GGUFFile) -> dict:
     """The Hugging Face config.json dict of the model in ``f`` (a GGUFFile from ``open_gguf``), checked with
     hetmoe's own config checks (ConfigError, a ValueError, names the file). See the module docstring."""
-    from hetmoe.models.config import ModelConfig, check_config
+    from hetmoe.models.config import ModelConfig
+    from hetmoe.models.config_checks import check_config
 
     if f.arch not in ARCHITECTURES:
         raise GGUFError(f"{f.path}: GGUF architecture {f.arch!r} is not one hetmoe runs "
