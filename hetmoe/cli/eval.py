@@ -8,6 +8,11 @@ two copies fit in memory; ``--reference-format none`` loads one copy and reports
 that is the reference (its experts in the reference format in every layer, dense weights in the dtype, nothing
 dropped, deferred or on the GPU) is loaded and scored once and compared with itself.
 
+``--reference-model`` takes the reference from another checkpoint instead (the original of a quantized file: a GGUF
+file made by llama.cpp's quantizer against the Hugging Face checkpoint it came from), which must split the text into
+the same tokens and have the same vocabulary; its experts are then in ``--reference-format`` too, and its dense
+weights in the dtype.
+
 Without ``--model`` (the built-in model) ``--text`` defaults to the model's held-out text (``heldout.txt``, text
 it was not trained on); with ``--model`` it is required.
 """
@@ -44,6 +49,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "renormalised; default: 0)")
     p.add_argument("--reference-format", choices=("bf16", "int8", "int4", "none"), default="bf16",
                    help="experts format of the reference run ('none': perplexity only; default: bf16)")
+    p.add_argument("--reference-model", metavar="DIR|FILE.gguf", default=None,
+                   help="take the reference from this checkpoint instead of --model (e.g. the original of a quantized "
+                   "file); it must tokenize the text the same way and have the same vocabulary")
     p.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON ('-' = stdout only)")
     add_engine_options(p)
     p.set_defaults(handler=run)
@@ -95,6 +103,8 @@ def _table(report: dict) -> str:
              f"{report['window']} ({report['seconds']:.1f} s)",
              f"{'configuration':<24} {'perplexity':>10} {'change':>8} {'KL(ref||test)':>14} {'top-1':>8}"]
     if report["reference"] is not None:
+        if "model" in report["reference"]:  # --reference-model: two checkpoints
+            lines[1:1] = [f"configuration: {report['model']}", f"reference: {report['reference']['model']}"]
         lines.append(f"{report['reference']['label'] + ' (reference)':<24} {report['reference_perplexity']:>10.4f}")
         lines.append(f"{report['config']['label']:<24} {report['perplexity']:>10.4f} "
                      f"{100 * report['perplexity_change']:>+7.2f}% {report['kl']:>14.3e} "
@@ -186,9 +196,20 @@ def run(args: argparse.Namespace) -> int:
     cache = expert_cache(args)
     progress = True  # a bar on a terminal, a plain line now and then in a log (config/units.py show_progress)
 
-    open_model = _native_opener(cache, progress)
-    if cfg.get("model_type") not in MODEL_TYPES:  # no hetmoe model file: Transformers' own, if it has one
-        open_model = _transformers_opener(cfg, drop)
+    def opener(config):
+        if config.get("model_type") not in MODEL_TYPES:  # no hetmoe model file: Transformers' own, if it has one
+            return _transformers_opener(config, drop)
+        return _native_opener(cache, progress)
+
+    ref_model = ref_open = None
+    if args.reference_model is not None:
+        if args.reference_format == "none":
+            raise ValueError("--reference-model with --reference-format none: no reference is scored")
+        ref_model = Path(args.reference_model)
+        ref_cfg = check_model_dir(ref_model)
+        ref_tokenizer = load_tokenizer(ref_model, ref_cfg, lambda m: print(m, file=sys.stderr))
+        ref_open = opener(ref_cfg)
+    open_model = opener(cfg)
     test, test_runner = open_model(model, opts)
     blocks = moe_blocks(test.model) if test_runner is None else []
     if drop and test_runner is None and not blocks:
@@ -198,8 +219,15 @@ def run(args: argparse.Namespace) -> int:
     ids = tokenizer.encode(text)
     if args.text_tokens is not None:
         ids = ids[:args.text_tokens]
+    if ref_model is not None:
+        ref_ids = ref_tokenizer.encode(text)[:len(ids)]
+        if ref_ids != ids:
+            at = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), min(len(ids), len(ref_ids)))
+            raise ValueError(f"--reference-model {ref_model} splits the text into other tokens than --model {model} "
+                             f"(first difference at token {at}): their log-probabilities cannot be compared")
     reference = ref_runner = None
-    itself = args.reference_format != "none" and same_as_reference(test.plan, args.reference_format, drop)
+    itself = (ref_model is None and args.reference_format != "none"
+              and same_as_reference(test.plan, args.reference_format, drop))
     if itself:
         reference = test
         print(f"hetmoe: the configuration is the reference ({_describe(test.plan)['label']} experts, dense weights "
@@ -208,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.reference_format != "none":
         ref_opts = dataclasses.replace(opts, experts_format=args.reference_format, group_size=None, defer_experts=0,
                                        gpu_experts=0, rules=None, dense_format="bf16")  # a uniform reference
-        reference, ref_runner = open_model(model, ref_opts)
+        reference, ref_runner = (ref_open or open_model)(ref_model or model, ref_opts)
 
     test_runner = test_runner or Runner(test)
     if reference is not None and not itself:
@@ -219,6 +247,8 @@ def run(args: argparse.Namespace) -> int:
     report = {"model": str(test.path), "text": "<stdin>" if text_name == "-" else text_name,
               "window": args.window, "config": _describe(test.plan, drop, opts.defer_experts),
               "reference": _describe(reference.plan) if reference else None, **result.summary()}
+    if ref_model is not None:
+        report["reference"]["model"] = str(reference.path)
     if args.json == "-":
         print(json.dumps(report))
         return 0

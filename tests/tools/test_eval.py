@@ -206,6 +206,49 @@ def test_eval_command_table_and_identical_configs(capsys, text_file, tmp_path):
     assert code == 0 and stderr.count("hetmoe: loaded in") == 2 and "is the reference" not in stderr, stderr
 
 
+@pytest.fixture(scope="module")
+def model_copy(tmp_path_factory):
+    """The built-in model's files in another directory (another checkpoint of the same weights and tokenizer)."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("copy") / "model"
+    shutil.copytree(default_model_path(), path)
+    return path
+
+
+def test_eval_against_another_checkpoint(capsys, text_file, tmp_path, model_copy):
+    """--reference-model: the reference is loaded from the other checkpoint (not the configuration compared with
+    itself): the same weights agree exactly, int8 experts against it move the distribution, both paths named."""
+    common = ("eval", "--text", text_file, "--expert-cache", "off", "--window", 32, "--max-tokens", 70,
+              "--reference-model", model_copy)
+    code, stdout, stderr = cli(capsys, *common, "--experts-format", "bf16", "--json", tmp_path / "r.json")
+    assert code == 0 and stderr.count("hetmoe: loaded in") == 2 and "is the reference" not in stderr, stderr
+    assert f"reference: {model_copy}" in stdout
+    same = json.loads((tmp_path / "r.json").read_text())
+    assert same["kl"] == 0 and same["top1_agreement"] == 1.0 and same["reference"]["model"] == str(model_copy)
+    code, stdout, stderr = cli(capsys, *common, "--experts-format", "int8", "--json", "-")
+    assert code == 0, stderr
+    moved = json.loads(stdout)
+    assert moved["kl"] > 0 and moved["reference"]["experts_format"] == "bf16"
+
+
+def test_eval_refuses_a_reference_that_tokenizes_otherwise(capsys, text_file, tmp_path, model_copy):
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(model_copy, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    spec["model"]["merges"] = spec["model"]["merges"][40:]  # the first merges gone: the text splits otherwise
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    code, stdout, stderr = cli(capsys, "eval", "--text", text_file, "--expert-cache", "off", "--window", 32,
+                               "--reference-model", other)
+    assert code not in (0, None) and stdout == ""
+    assert f"--reference-model {other} splits the text into other tokens than --model" in stderr, stderr
+    code, _, stderr = cli(capsys, "eval", "--text", text_file, "--expert-cache", "off", "--reference-model",
+                          model_copy, "--reference-format", "none")
+    assert code not in (0, None) and "--reference-model with --reference-format none" in stderr, stderr
+
+
 def test_same_as_reference_reads_the_plan():
     from types import SimpleNamespace
 
