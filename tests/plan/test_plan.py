@@ -22,19 +22,6 @@ GiB = 1 << 30
 BIG_RAM = "4TiB"  # RAM budget for the full shapes: their routed experts do not fit this machine
 
 
-@pytest.fixture(scope="module")
-def deepseek():
-    """(config, meta model, MoE blocks, expert intermediate size) of the full 61-layer DeepSeek-V3 shape."""
-    cfg = shape_config("deepseek-v3")
-    model = build_meta(cfg)
-    return cfg, model, moe_blocks(model), cfg.moe_intermediate_size
-
-
-@pytest.fixture(scope="module")
-def qwen():
-    cfg = shape_config("qwen3-30b-a3b")
-    model = build_meta(cfg)
-    return cfg, model, moe_blocks(model), cfg.moe_intermediate_size
 
 
 def _plan(model, device=CUDA, **opts):

@@ -11,7 +11,6 @@ import torch
 from hetmoe.config.options import EngineOptions
 from hetmoe.config.units import gib
 from hetmoe.load.loader import build_meta, moe_blocks, plan_model
-from hetmoe.load.random_weights import shape_config
 from hetmoe.plan import placement, vram_cap
 from hetmoe.plan.memory import PlanError
 from hetmoe.plan.vram_cap import CUDA_CONTEXT_BYTES, LATE_CUDA_BYTES, SHARED_GPU_BYTES, vram_limit
@@ -86,12 +85,6 @@ def fake_cuda(monkeypatch):
     gc.collect()
     assert not any(vram_cap._held.values()), vram_cap._held
 
-
-@pytest.fixture(scope="module")
-def qwen():
-    cfg = shape_config("qwen3-30b-a3b")
-    model = build_meta(cfg)
-    return cfg, model, moe_blocks(model), cfg.moe_intermediate_size
 
 
 def _plan(model, planned_for=None, **opts):
