@@ -53,7 +53,8 @@ DEFAULT_GROUP = {"bf16": 128, "int8": 128, "int4": 64}
 GGUF_FORMATS = {"q2_k": ("Q2_K", "Q2_K"), "q3_k": ("Q3_K", "Q3_K"), "q4_k": ("Q4_K", "Q4_K"),
                 "q5_k": ("Q5_K", "Q5_K"), "q6_k": ("Q6_K", "Q6_K"), "q4_k_m": ("Q4_K", "Q6_K"),
                 "q4_0": ("Q4_0", "Q4_0"), "q8_0": ("Q8_0", "Q8_0"), "q5_0": ("Q5_0", "Q5_0"), "q5_1": ("Q5_1", "Q5_1"),
-                "mxfp4": ("MXFP4", "MXFP4"), "iq4_nl": ("IQ4_NL", "IQ4_NL"), "iq4_xs": ("IQ4_XS", "IQ4_XS")}
+                "mxfp4": ("MXFP4", "MXFP4"), "iq4_nl": ("IQ4_NL", "IQ4_NL"), "iq4_xs": ("IQ4_XS", "IQ4_XS"),
+                "tq2_0": ("TQ2_0", "TQ2_0"), "tq1_0": ("TQ1_0", "TQ1_0")}
 # FP8 checkpoints' experts at their own layout (hetmoe/cpu/layout.py FP8_LAYOUTS): block FP8 and MXFP8
 FP8_FORMATS = {"fp8": 128, "mxfp8": 32}
 FORMATS = tuple(cpu.WEIGHT_FORMATS) + tuple(GGUF_FORMATS) + tuple(FP8_FORMATS)

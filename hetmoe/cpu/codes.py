@@ -15,6 +15,9 @@ becomes the engine's int8 / int4 codes with their own scales (and mins), so the 
   and a 4-bit sub-min per 16 in one byte, an fp16 d and dmin per 256: the file's 84 bytes per 256 values). int6 /
   int5 / int3 / int2 are the bit-plane formats: b bits per code, so each type is held at its file's bytes
   (csrc/formats/layout.h).
+- TQ2_0 / TQ1_0 (ternary: value = d * (q - 1), q in 0..2, an fp16 d per 256): int2 symmetric, group 128 (the
+  super-block's d for both of its groups), fp16 scales: 2.125 bits per weight against the file's 2.0625 / 1.6875
+  (hetmoe/load/gguf/ternary.py).
 - IQ4_NL (fp16 scale per 32, 4-bit indices into llama.cpp's kvalues_iq4nl): lut4, codebook iq4nl, fp16 scales.
 - IQ4_XS (super-blocks of 256: fp16 d and a 6-bit scale per 32, value = d * (ls - 32) * kvalues_iq4nl[q]): lut4 iq4nl,
   group 32, k8 scales (d * (ls - 32) split into the int8 sub-scale and the fp16 d again).
@@ -57,7 +60,8 @@ EXACT_TYPES = {"Q8_0": ("int8", "symmetric", 32, "fp16", None), "Q4_0": ("int4",
                "Q6_K": ("int6", "symmetric", 16, "k8", None),
                "IQ4_NL": ("lut4", "symmetric", 32, "fp16", "iq4nl"),
                "IQ4_XS": ("lut4", "symmetric", 32, "k8", "iq4nl"),
-               "MXFP4": ("lut4", "symmetric", 32, "e8m0", "e2m1")}
+               "MXFP4": ("lut4", "symmetric", 32, "e8m0", "e2m1"),
+               "TQ2_0": ("int2", "symmetric", 128, "fp16", None), "TQ1_0": ("int2", "symmetric", 128, "fp16", None)}
 FOUR_BITS = ("int4", "lut4")
 # formats whose codes a plan counts as int8 (the row blocks read int16 activations for them); the others as int4
 WIDE = ("int8", "int6", "int5")

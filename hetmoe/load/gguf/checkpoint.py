@@ -7,8 +7,9 @@ Tensors are read from the memory-mapped file when asked for, one at a time (a st
 a time), so loading holds one layer's weights as the safetensors path does. Exact types (hetmoe/cpu/codes.py lists
 the layout of each): the blocks of 32 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (``block_codes``), the K-quants Q2_K .. Q6_K
 (hetmoe/load/gguf/kquants.py), IQ4_NL, IQ4_XS and MXFP4 (lut4: 4-bit indices into a codebook,
-hetmoe/load/gguf/lut4_blocks.py). Gate/up and down may have different exact types, and each layer its own (4-bit
-codes go into int8 under an explicit --experts-format int8). They are packed from the codes (hetmoe/cpu/codes.py):
+hetmoe/load/gguf/lut4_blocks.py), and the ternary TQ2_0 and TQ1_0 (int2, hetmoe/load/gguf/ternary.py). Gate/up
+and down may have different exact types, and each layer its own (4-bit codes go into int8 under an explicit
+--experts-format int8). They are packed from the codes (hetmoe/cpu/codes.py):
 the kernels multiply by exactly what ``gguf``'s dequantization gives. Every other type is dequantized (gguf.quants)
 and quantized into the experts format of the plan.
 """
@@ -31,6 +32,7 @@ from hetmoe.load.gguf.lut4_blocks import LUT4_BLOCKS, lut4_codes
 from hetmoe.load.gguf.metadata import config_from_gguf
 from hetmoe.load.gguf.names import PAIRS, Transform, hf_names, merge_pair, undo
 from hetmoe.load.gguf.reader import GGUFError, open_gguf
+from hetmoe.load.gguf.ternary import TERNARY, ternary_codes
 from hetmoe.models.config import ModelConfig
 from hetmoe.plan.memory import HeldLayouts
 
@@ -249,7 +251,7 @@ class GGUFCheckpoint:
 
     def expert_codes(self, name: str) -> tuple:
         """(codes int8 [rows, cols], scales fp32 [rows, cols / group], mins of the same shape or None) of an expert
-        matrix of an exactly held type (Q8_0 / Q4_0 / K-quants; lut4 types: codebook indices)."""
+        matrix of an exactly held type (Q8_0 / Q4_0 / K-quants / TQ2_0 / TQ1_0; lut4 types: codebook indices)."""
         t, _, e = self._entry(name)
         kind = t.ggml_type.name
         if kind not in EXACT_TYPES:
@@ -260,6 +262,8 @@ class GGUFCheckpoint:
                 return kquant_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:]))
             if kind in LUT4_BLOCKS:
                 return (*lut4_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:])), None)
+            if kind in TERNARY:
+                return (*ternary_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:])), None)
         except ValueError as err:
             raise GGUFError(f"{self.path}: {name}: {err}") from None
         return block_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:]))
@@ -328,8 +332,10 @@ class GGUFCheckpoint:
         """(codes, scales, mins or None) of experts [e0, e0 + n) of the stacked tensor ``t``; K-quants: views of
         the buffers of ``slot`` (gate, up, down: 0, 1, 2) reused from layer to layer."""
         kind, shape = t.ggml_type.name, (n, *t.shape[1:])
-        if kind in LUT4_BLOCKS:
+        if kind in LUT4_BLOCKS or kind in TERNARY:
             try:
+                if kind in TERNARY:
+                    return (*ternary_codes(np.asarray(t.data[e0:e0 + n]), kind, shape, threads), None)
                 return (*lut4_codes(np.asarray(t.data[e0:e0 + n]), kind, shape), None)
             except ValueError as err:
                 raise GGUFError(f"{self.path}: {t.name}: {err}") from None

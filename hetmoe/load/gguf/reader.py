@@ -192,7 +192,8 @@ class GGUFTensor:
         return np.asarray(out, dtype=np.float32)
 
 
-FAST_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # hetmoe's decoders
+FAST_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "TQ2_0",
+              "TQ1_0")  # hetmoe's decoders
 _ROWS = 4096  # rows dequantized at once (bounds the codes' temporaries)
 
 
@@ -204,6 +205,7 @@ def _dequantize(raw: np.ndarray, kind: str, shape: tuple, dtype):
 
     from hetmoe.load.gguf.checkpoint import block_codes
     from hetmoe.load.gguf.kquants import KQUANTS, kquant_codes
+    from hetmoe.load.gguf.ternary import TERNARY, ternary_codes
 
     rows, cols = int(np.prod(shape[:-1])), shape[-1]
     raw = np.asarray(raw).reshape(rows, -1)
@@ -214,6 +216,8 @@ def _dequantize(raw: np.ndarray, kind: str, shape: tuple, dtype):
         r1 = min(rows, r0 + _ROWS)
         if kind in KQUANTS:
             codes, scales, mins = kquant_codes(raw[r0:r1], kind, (r1 - r0, cols), threads=threads)
+        elif kind in TERNARY:
+            (codes, scales), mins = ternary_codes(raw[r0:r1], kind, (r1 - r0, cols), threads=threads), None
         else:
             codes, scales, mins = block_codes(raw[r0:r1], kind, (r1 - r0, cols))
         dst = out[r0:r1] if tmp is None else tmp[:r1 - r0]

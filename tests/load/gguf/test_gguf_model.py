@@ -7,7 +7,7 @@ writes them (tests/gguf_files.py), dense tensors in F32, routed experts quantize
   (tests/gguf_files.py random_blocks; no binary fixture), and files whose layers have different exact types.
 * The GGUF model's logits match the same model's reference on the dequantized weights (fp32 dense and experts,
   tests/parity.py), within the engine's activation rounding: measured max rel. error below.
-* Another type (TQ2_0 here) is dequantized and re-quantized into the nearest engine format, said on the log.
+* Another type (IQ2_XXS here) is dequantized and re-quantized into the nearest engine format, said on the log.
 * ``LLM`` generates from the file with the tokenizer and chat template the file carries; a broken file is named.
 """
 
@@ -49,7 +49,7 @@ def quantized_gguf(tmp_path, arch: str, qtype: str, tokenizer: bool = False, pad
                    split_max_tensors: int = 0, layer_types: Optional[dict] = None, **overrides):
     """(GGUF path, config, the HF state, the experts' dequantized values by GGUF name): experts stacked and quantized
     to ``qtype`` ("GATE_UP+DOWN" for two types; ``layer_types``: block id -> such a type, else ``qtype``) by the gguf
-    package, or for K-quants and the 4-bit codebook types, which it cannot quantize, random centred blocks
+    package, or for K-quants, the 4-bit codebook types and IQ2_XXS, which it cannot quantize, random centred blocks
     (tests/gguf_files.py random_blocks);
     everything else F32. ``overrides``: config entries (K-quant rows need sizes that are multiples of 256)."""
     cfg = hf_config(arch, **overrides)
@@ -64,6 +64,10 @@ def quantized_gguf(tmp_path, arch: str, qtype: str, tokenizer: bool = False, pad
             qts[name] = qt = getattr(gguf.GGMLQuantizationType, kind)
             if kind in KQUANTS or kind in LUT4_BLOCKS:
                 raw = np.stack([random_blocks(kind, *t.shape[1:], rng, centered=True) for _ in range(t.shape[0])])
+            elif kind == "IQ2_XXS":  # random grid and sign indices, an fp16 d per 256 (its first field)
+                raw = rng.integers(0, 256, (*t.shape[:-1], t.shape[-1] // 256, 66), dtype=np.uint8)
+                raw[..., 0:2] = np.full(raw.shape[:-1], 1e-3, np.float16)[..., None].view(np.uint8)
+                raw = raw.reshape(*t.shape[:-1], -1)
             else:
                 raw = gguf.quants.quantize(t, qt)
             deq[name] = gguf.quants.dequantize(raw, qt)
@@ -297,13 +301,13 @@ def test_a_bad_kquant_block_is_named(tmp_path):
 
 
 def test_other_types_are_requantized_into_the_nearest_format(tmp_path):
-    """TQ2_0 (ternary, 2 bits): no exact layout, re-quantized into int4."""
-    path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "TQ2_0", **KSIZES["qwen3_moe"])
+    """IQ2_XXS (2 bits, grid codebooks): no exact layout, re-quantized into int4."""
+    path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "IQ2_XXS", **KSIZES["qwen3_moe"])
     said = []
     loaded = load_model(path, EngineOptions(device="cpu", dtype="fp32", threads=1), expert_cache=None,
                         progress=False, log=said.append)
     assert loaded.plan.experts_format == "int4" and loaded.plan.group_size == 32
-    assert any("TQ2_0, which no engine format holds exactly: dequantized and re-quantized into int4" in s
+    assert any("IQ2_XXS, which no engine format holds exactly: dequantized and re-quantized into int4" in s
                for s in said)
 
 

@@ -44,7 +44,7 @@ def _type_rows(path, **options):
 
 @pytest.mark.parametrize("qtype, layer_types", [
     ("Q8_0", None), ("Q4_K", None), ("Q6_K", None), ("MXFP4", None), ("IQ4_XS", None),
-    ("Q5_0", None), ("Q2_K", None), ("Q4_1", None),
+    ("Q5_0", None), ("Q2_K", None), ("Q4_1", None), ("TQ2_0", None), ("TQ1_0", None),
     ("Q4_K+Q6_K", None),  # Q4_K_M's experts
     ("Q4_K", {0: "Q4_K+Q6_K", 1: "Q5_K+Q8_0"}),  # a mix per layer, one int8 plan
     ("Q4_K", {1: "Q6_K+Q6_K"}),  # a Q6_K layer (int8 class, group 16) beside Q4_K: each in its own layout
@@ -77,8 +77,11 @@ RAM_FACTORS = {"Q4_K": (1.0278, "int4 g32 k8 affine"), "Q4_1": (1.0, "int4 g32 f
                "IQ4_XS": (1.0147, "lut4 iq4nl g32 k8"), "Q4_0": (1.0, "int4 g32 fp16"),
                "Q3_K": (1.0364, "int3 g16 k8"), "Q2_K": (1.0, "int2 g16 k4 affine"),
                "Q5_K": (1.0227, "int5 g32 k8 affine"), "Q6_K": (1.0, "int6 g16 k8"),
-               "Q5_0": (1.0, "int5 g32 fp16"), "Q5_1": (1.0, "int5 g32 fp16 affine")}
-AT_FILE_SIZE = tuple(RAM_FACTORS)  # every exactly held type: codes as narrow as the file's
+               "Q5_0": (1.0, "int5 g32 fp16"), "Q5_1": (1.0, "int5 g32 fp16 affine"),
+               # int2 codes with the file's fp16 d per 256 once per 128: 2.125 bits per weight against TQ2_0's 2.0625
+               # and TQ1_0's 1.6875 (its trits packed at 1.6 bits)
+               "TQ2_0": (2.125 / 2.0625, "int2 g128 fp16"), "TQ1_0": (2.125 / 1.6875, "int2 g128 fp16")}
+AT_FILE_SIZE = tuple(t for t in RAM_FACTORS if t != "TQ1_0")  # codes as narrow as the file's (TQ1_0's are narrower)
 
 
 @pytest.mark.parametrize("qtype", list(RAM_FACTORS))

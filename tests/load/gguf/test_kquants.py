@@ -1,10 +1,11 @@
-"""GGUF's K-quant experts (Q2_K .. Q6_K) and the blocks of 32 with mins or fifth bits (Q4_1, Q5_0, Q5_1) at their own
-precision (hetmoe/load/gguf/kquants.py, checkpoint.py block_codes -> hetmoe/cpu/codes.py -> the affine, group-16 and
-k8 / fp16 scale layouts of csrc/formats/layout.h).
+"""GGUF's K-quant experts (Q2_K .. Q6_K), the blocks of 32 with mins or fifth bits (Q4_1, Q5_0, Q5_1) and the ternary
+TQ2_0 / TQ1_0 at their own precision (hetmoe/load/gguf/kquants.py, checkpoint.py block_codes, ternary.py ->
+hetmoe/cpu/codes.py -> the affine, group-16, int2 group-128 and k8 / fp16 scale layouts of csrc/formats/layout.h).
 
 Fixtures: the ``gguf`` package cannot quantize K-quants, so the blocks are written here from random bytes — every
 byte pattern is a valid block (codes, 6-bit and int8 scales) once the fp16 d / dmin fields hold finite values — and
-``gguf.quants.dequantize`` of those bytes is the reference. No binary fixture is committed.
+``gguf.quants.dequantize`` of those bytes is the reference; TQ2_0 / TQ1_0 are quantized by the gguf package (random
+ternary bytes: tests/load/gguf/test_ternary.py). No binary fixture is committed.
 
 Paths covered: the row-block kernels at each ISA the tests may use (scalar, AVX2, AVX-512: HETMOE_MAX_ISA / the
 CPU caps the list), the AMX GEMM through its emulation (``isa="amx-emulated"``) and, on a CPU with AMX, natively; one
@@ -27,6 +28,7 @@ from triton_interp import assert_unpack_equals_engine
 from hetmoe.cpu import CPUExperts, WorkerPool, cpu_info
 from hetmoe.cpu.codes import exact_layout, load_codes
 from hetmoe.load.gguf.kquants import kquant_codes
+from hetmoe.load.gguf.ternary import TERNARY, ternary_codes
 from reference import ACTIVATION_QMAX, _moe, fake_quantize, rel_err
 
 gguf = pytest.importorskip("gguf")
@@ -39,16 +41,22 @@ PATHS = ROW_ISAS + ["amx-emulated"] + (["amx"] if HAS_AMX else [])
 AMX_PATHS = ("amx-emulated", "amx")
 ROWS_ONLY = 10**6  # amx_min_tokens that keeps every expert on the row-block kernels
 # (gate/up type, down type): one type per layer, unsloth's Q4_K_M mix (Q4_K gate/up, Q6_K down), Q2_K / Q3_K_M-like
-# mixes (group 16 beside 32), and the blocks of 32 with mins (Q4_1, Q5_1) or a fifth bit (Q5_0)
+# mixes (group 16 beside 32), the blocks of 32 with mins (Q4_1, Q5_1) or a fifth bit (Q5_0), and the ternary types
+# (int2 group 128; TQ1_0 gate/up beside a Q2_K down, as a "UD-TQ1_0" file may have)
 LAYERS = [("Q4_K", "Q4_K"), ("Q5_K", "Q5_K"), ("Q6_K", "Q6_K"), ("Q4_K", "Q6_K"), ("Q6_K", "Q8_0"),
-          ("Q3_K", "Q3_K"), ("Q2_K", "Q2_K"), ("Q2_K", "Q3_K"), ("Q3_K", "Q4_K"), ("Q4_1", "Q4_1"), ("Q5_0", "Q5_1")]
+          ("Q3_K", "Q3_K"), ("Q2_K", "Q2_K"), ("Q2_K", "Q3_K"), ("Q3_K", "Q4_K"), ("Q4_1", "Q4_1"), ("Q5_0", "Q5_1"),
+          ("TQ2_0", "TQ2_0"), ("TQ1_0", "TQ1_0"), ("TQ1_0", "Q2_K")]
 # RAM held / file bytes of one type's matrices (whole super-blocks, rows a multiple of 16): codes + scale sets
 RAM_FACTOR = {"Q4_K": (4 + 16 / 32 + 32 / 256) / 4.5, "Q5_K": (5 + 16 / 32 + 32 / 256) / 5.5,
               "Q6_K": (6 + 8 / 16 + 16 / 256) / 6.5625, "Q3_K": (3 + 8 / 16 + 16 / 256) / 3.4375,
-              "Q2_K": (2 + 8 / 16 + 32 / 256) / 2.625, "Q4_1": 1.0, "Q5_0": 1.0, "Q5_1": 1.0, "Q8_0": 1.0}
+              "Q2_K": (2 + 8 / 16 + 32 / 256) / 2.625, "Q4_1": 1.0, "Q5_0": 1.0, "Q5_1": 1.0, "Q8_0": 1.0,
+              # the ternary types as int2 with an fp16 scale per 128 (the file's d per 256, twice)
+              "TQ2_0": (2 + 16 / 128) / 2.0625, "TQ1_0": (2 + 16 / 128) / 1.6875}
 
 
 def matrix_codes(kind: str, raw: np.ndarray, shape: tuple) -> tuple:
+    if kind in TERNARY:
+        return (*ternary_codes(raw, kind, shape), None)
     if kind in BLOCKS_32:
         from hetmoe.load.gguf.checkpoint import block_codes
 
@@ -67,8 +75,9 @@ def kquant_experts(kinds: tuple, seed: int, pool: WorkerPool, isa: str = "auto",
     experts = CPUExperts(E, H, I, threads=None, pool=pool, isa=isa, **layout_of(kinds), **kw)
     codes, scales, mins, refs = [], [], [], []
     for kind, (rows, cols) in zip((kinds[0], kinds[0], kinds[1]), ((I, H), (I, H), (H, I))):
-        raws = [random_blocks(kind, rows, cols, rng, centered) for _ in range(E)]
         qt = getattr(gguf.GGMLQuantizationType, kind)
+        raws = [gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qt)
+                if kind in TERNARY else random_blocks(kind, rows, cols, rng, centered) for _ in range(E)]
         refs.append(torch.stack([torch.from_numpy(gguf.quants.dequantize(r, qt).astype(np.float32)) for r in raws]))
         q, s, m = matrix_codes(kind, np.stack(raws), (E, rows, cols))
         codes.append(q), scales.append(s), mins.append(m)
@@ -107,7 +116,8 @@ def reference(experts, x, ids, w, refs, amx: bool) -> torch.Tensor:
 def test_a_moe_call_matches_the_reference_on_gguf_values(kinds, T, path):
     """Each path against the reference on the same values and activation rounding (tight: fp32 summation order
     only; measured max 3.4e-6) and against the plain fp64 MoE on gguf's values (the activation rounding: measured
-    max 1.3e-2 with int8 activations, 4.9e-5 with int16). T = 1 is decode, T = 37 a prefill chunk."""
+    max 1.3e-2 with int8 activations, 1.7e-2 for TQ2_0 / TQ1_0's int8 per group of 128, 4.9e-5 with int16). T = 1 is
+    decode, T = 37 a prefill chunk."""
     amx = path in AMX_PATHS
     kw = dict(isa=path, amx_min_tokens=1) if amx else dict(isa=path)  # every expert on one path
     experts, refs = kquant_experts(kinds, 2, WorkerPool(1), centered=True, **kw)
@@ -179,7 +189,7 @@ def test_held_bytes_are_the_files_own(kinds):
             for t, (rows, cols) in zip((qt[0], qt[0], qt[1]), ((I, H), (I, H), (H, I)))]
     want = (2 * file[0] * RAM_FACTOR[kinds[0]] + file[2] * RAM_FACTOR[kinds[1]])
     assert per_expert == pytest.approx(want, rel=1e-12)
-    for kind in set(kinds) & {"Q4_K", "Q4_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K"}:  # (Q6_K, Q2_K: the file's bytes)
+    for kind in set(kinds) & {"Q4_K", "Q4_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "TQ2_0"}:  # (Q6_K, Q2_K: the file's)
         assert RAM_FACTOR[kind] <= 1.05
     # Q2_K's 4-bit sub-scale and sub-min pairs, fp16 d and dmin (k4) and 2-bit codes: the file's 84 bytes per 256
     if kinds == ("Q2_K", "Q2_K"):
