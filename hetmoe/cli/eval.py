@@ -86,6 +86,10 @@ def _describe(plan, drop: int = 0, defer: int = 0) -> dict:
     label = plan.experts_format
     if plan.experts_format != "bf16":
         label += f" g{plan.group_size}" if plan.group_size else " per-row"
+    layers = getattr(plan, "layers", None) or ()
+    formats = {(lp.experts_format, lp.down_format or lp.experts_format) for lp in layers}
+    if len(formats) > 1 or any(gu != down for gu, down in formats):  # per layer / projection (--cpu-memory's mix)
+        label = "/".join(sorted({f for pair in formats for f in pair})) + " mix"
     dense = getattr(plan, "dense_format", "bf16")
     if dense != "bf16":
         label += f", dense {dense}"
@@ -93,7 +97,12 @@ def _describe(plan, drop: int = 0, defer: int = 0) -> dict:
         label += f", drop {drop}"
     if defer:
         label += f", defer {defer}"
-    return {"label": label, "experts_format": plan.experts_format, "group_size": plan.group_size,
+    mix = {}
+    if label.endswith(" mix"):
+        from hetmoe.plan.lowbit import describe as describe_mix
+
+        mix = {"layers": describe_mix(plan)}
+    return {"label": label, **mix, "experts_format": plan.experts_format, "group_size": plan.group_size,
             "dense_format": dense, "drop_experts": drop, "defer_experts": defer, "device": plan.device.type,
             "dtype": str(plan.dtype).replace("torch.", "")}
 
@@ -234,8 +243,10 @@ def run(args: argparse.Namespace) -> int:
               "in the dtype, nothing dropped or deferred): loaded and scored once, compared with itself",
               file=sys.stderr)
     elif args.reference_format != "none":
+        # a uniform reference; --cpu-memory sizes the configuration (e.g. the auto mix of low-bit formats it picks),
+        # not the reference, which takes what the machine has
         ref_opts = dataclasses.replace(opts, experts_format=args.reference_format, group_size=None, defer_experts=0,
-                                       gpu_experts=0, rules=None, dense_format="bf16")  # a uniform reference
+                                       gpu_experts=0, rules=None, dense_format="bf16", cpu_memory=None)
         reference, ref_runner = (ref_open or open_model)(ref_model or model, ref_opts)
 
     test_runner = test_runner or Runner(test)

@@ -249,6 +249,26 @@ def test_eval_refuses_a_reference_that_tokenizes_otherwise(capsys, text_file, tm
     assert code not in (0, None) and "--reference-model with --reference-format none" in stderr, stderr
 
 
+def test_a_mix_of_formats_is_labelled_as_one():
+    """--cpu-memory's per-layer / per-projection mixes are named as such (not by the plan's nominal format)."""
+    from types import SimpleNamespace
+
+    from hetmoe.cli.eval import _describe
+
+    def layer(fmt, down=None):
+        return SimpleNamespace(experts_format=fmt, down_format=down, group_size=32)
+
+    def plan(*layers):
+        return SimpleNamespace(experts_format="int4", group_size=64, dense_format="bf16", layers=list(layers),
+                               device=torch.device("cpu"), dtype=torch.float32)
+
+    assert _describe(plan(layer("int4"), layer("int4")))["label"] == "int4 g64"
+    mixed = _describe(plan(layer("int4"), layer("int3", "int4")))
+    assert mixed["label"] == "int3/int4 mix"
+    assert mixed["layers"] == "gate+up/down per MoE layer: 0 int4/int4, 1 int3/int4"
+    assert _describe(plan(layer("int2", "int3"), layer("int2", "int3")))["label"] == "int2/int3 mix"
+
+
 def test_same_as_reference_reads_the_plan():
     from types import SimpleNamespace
 
