@@ -42,7 +42,7 @@ from hetmoe.load.random_weights import (  # noqa: E402
     build_tokenizer,
     tokenizer_config,
 )
-from hetmoe.models.config import _EXPERTS, ModelConfig  # noqa: E402
+from hetmoe.models.config import EXPERT_COUNT_FIELDS, ModelConfig  # noqa: E402
 from hetmoe.tokenizer import Tokenizer  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ config.json
@@ -61,7 +61,7 @@ def assert_same_config(ours: dict, theirs: dict) -> None:
         if theirs.get(key) is not None:
             assert ours.get(key) == pytest.approx(theirs[key]), key
     a, b = ModelConfig(ours), ModelConfig(theirs)
-    assert a.first(*_EXPERTS[arch]) == b.first(*_EXPERTS[arch])
+    assert a.first(*EXPERT_COUNT_FIELDS[arch]) == b.first(*EXPERT_COUNT_FIELDS[arch])
     assert a.rope_theta == pytest.approx(b.rope_theta)
     assert a.head_dim_or_default == b.head_dim_or_default
     strip = ("rope_theta", "type")
