@@ -33,12 +33,13 @@ LLAMA_BPW = {"q2_k": 2.625, "q3_k": 3.4375, "q4_0": 4.5}
 OWN_BPW = {"int2": 2.625, "int3": 3.3125, "int4": 4.625, "int4 g32": 4.5, "int4 g64": 4.25}
 
 
-def run(cmd: list, **kw) -> str:
+def run(cmd: list, both: bool = False) -> str:
+    """``cmd``'s stdout (``both``: and its stderr, where llama-quantize says what it falls back to)."""
     print("+", " ".join(str(c) for c in cmd), file=sys.stderr)
-    out = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
+    out = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
     if out.returncode:
         sys.exit(f"failed ({out.returncode}): {' '.join(map(str, cmd))}\n{out.stderr[-3000:]}")
-    return out.stdout
+    return out.stdout + out.stderr if both else out.stdout
 
 
 def main() -> None:
@@ -70,7 +71,7 @@ def main() -> None:
         log = run([args.quantize, "--tensor-type", "attn_.*=f32", "--tensor-type", "shexp=f32", "--tensor-type",
                    r"ffn_(gate|up|down)\.weight=f32", "--tensor-type", "ffn_gate_inp=f32", "--tensor-type",
                    f"exps={t}", "--output-tensor-type", "f32", "--token-embedding-type", "f32", f32, files[t],
-                   t.upper(), "2"])
+                   t.upper(), "2"], both=True)
         fallback = "q4_0" if "falling back to    q4_0" in log else t
         files[t] = (files[t], (2 * LLAMA_BPW[t] + LLAMA_BPW[fallback]) / 3, f"gate/up {t.upper()}, down "
                     f"{fallback.upper()} (llama-quantize)")
