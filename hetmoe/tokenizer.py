@@ -27,6 +27,7 @@ prompt whose messages hold no special-token text is encoded whole, as ``encode``
 from __future__ import annotations
 
 import bisect
+import copy
 import json
 import math
 import re
@@ -168,7 +169,7 @@ def _pick_template(value: Any, source: Path) -> Optional[str]:
 def compile_template(source: str):
     import jinja2
     from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.sandbox import SandboxedEnvironment
 
     class GenerationTag(Extension):
         # transformers' {% generation %} ... {% endgeneration %} marks assistant text for training masks; render as is
@@ -189,7 +190,10 @@ def compile_template(source: str):
         # jinja's own tojson escapes HTML characters, which transformers' (and so every template's author's) does not
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
+    # sandboxed (no attribute of Python's internals reachable), but lists and dicts the template builds may grow
+    # (``ns.ids.append(x)``): templates written for llama.cpp's renderer do so (Kimi-K2's), which transformers'
+    # immutable sandbox refuses; the messages handed in are copies (apply_chat_template)
+    env = SandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -646,7 +650,9 @@ class Tokenizer:
             variables.update(tools=None, documents=None)
             variables.update(kwargs)
             # keys set to None are dropped, as transformers does (templates test presence, not None)
-            messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+            # (copies all the way down: the template may grow lists it is given)
+            messages = copy.deepcopy([{k: v for k, v in m.items() if v is not None} for m in messages])
+            variables = {k: copy.deepcopy(v) if isinstance(v, (list, dict)) else v for k, v in variables.items()}
             return self._compiled.render(messages=messages,
                                          add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.exceptions.TemplateError as e:

@@ -11,9 +11,20 @@ they do for a published checkpoint.
 
 from __future__ import annotations
 
+import glob
+import os
 import runpy
 import sys
 from pathlib import Path
+from typing import Optional
+
+
+def llama_cpp_source() -> Optional[Path]:
+    """llama.cpp's source tree for the tests that use it (its converter, its models/templates): $LLAMA_CPP_DIR, or
+    the llama-cpp-python source distribution unpacked under /tmp/lcp (``pip download --no-binary :all: --no-deps
+    llama-cpp-python``); None when neither is there (those tests skip)."""
+    found = [os.environ.get("LLAMA_CPP_DIR", "")] + sorted(glob.glob("/tmp/lcp/*/vendor/llama.cpp"))
+    return next((Path(p) for p in found if p and (Path(p) / "convert_hf_to_gguf.py").is_file()), None)
 
 
 def main() -> None:

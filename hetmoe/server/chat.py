@@ -369,8 +369,8 @@ def _for_template(messages: list, tools: list, support: ChatSupport) -> list:
     them; for a template that renders no tools, the tools described in a system message and the calls written
     into the assistant's text in the parser's syntax."""
     out = [dict(m) for m in messages]
-    for m in out:
-        if m.get("tool_calls") and support.args_mapping:
+    for m in out:  # (a template that renders no tools gets the calls written into the text, below)
+        if m.get("tool_calls") and support.args_mapping and support.renders_tools:
             m["tool_calls"] = [copy.deepcopy(c) for c in m["tool_calls"]]
             for c in m["tool_calls"]:
                 c["function"]["arguments"] = json.loads(c["function"]["arguments"])

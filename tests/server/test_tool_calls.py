@@ -247,6 +247,39 @@ def test_minimax_thinking_then_calls():
     assert not out.failed and out.content == "" and calls_of(out) == [("get_weather", {"city": "Oslo", "days": 1})]
 
 
+def test_a_template_that_writes_arguments_with_tojson_gets_mappings():
+    """Kimi-K2's first template writes ``arguments | tojson`` unconditionally (JSON text would be quoted again);
+    its later ones ask ``is string`` first, and take the text as it is."""
+    bare = "<|tool_call_begin|>{{ tool_call['function']['arguments'] | tojson}}<|tool_call_end|>"
+    guarded = ("{% if tool_call['function']['arguments'] is string %}{{ tool_call['function']['arguments'] }}"
+               "{% else %}{{ tool_call['function']['arguments'] | tojson }}{% endif %}")
+    assert tool_calls.arguments_as_mapping(bare) and tool_calls.arguments_as_mapping(bare.replace("['function']"
+                                                                                                   "['arguments']",
+                                                                                                   ".function.arguments"))
+    assert not tool_calls.arguments_as_mapping(guarded)
+    assert not tool_calls.arguments_as_mapping("{{ tool_call.function.name | tojson }}")
+
+
+def test_templates_may_grow_their_own_lists_but_not_the_callers():
+    """Templates written for llama.cpp's renderer append to lists (Kimi-K2's ``ns.ids.append(...)``): allowed, on
+    copies of what the caller handed over; the sandbox still keeps Python's internals out of reach."""
+    import jinja2
+
+    from hetmoe.engine.llm import default_model_path
+    from hetmoe.tokenizer import Tokenizer, compile_template
+
+    assert compile_template("{% set ns = namespace(ids=[]) %}{% set _ = ns.ids.append(1) %}{{ ns.ids }}").render() \
+        == "[1]"
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        compile_template("{{ ''.__class__.__mro__ }}").render()
+    tok = Tokenizer.from_dir(default_model_path())
+    tok.chat_template = "{% for m in messages %}{% set _ = m.tool_calls.append(9) %}{{ m.tool_calls }}{% endfor %}"
+    tok._compiled = None
+    messages = [{"role": "assistant", "content": "", "tool_calls": [1]}]
+    assert tok.apply_chat_template(messages, add_generation_prompt=False) == "[1, 9]"
+    assert messages[0]["tool_calls"] == [1]
+
+
 def test_minimax_history_calls_render_as_mappings():
     """The template iterates over ``_args.items()`` after ``set _args = tool_call.arguments``: the history's
     arguments must reach it as a mapping, and it renders them as the parser reads them back."""

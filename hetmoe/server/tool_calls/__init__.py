@@ -121,9 +121,14 @@ def renders_tools(template: Optional[str]) -> bool:
 
 def arguments_as_mapping(template: Optional[str]) -> bool:
     """Whether a template iterates over a call's arguments (GLM, Qwen3-Coder: ``arguments|items``; MiniMax-M2:
-    ``set _args = tool_call.arguments`` then ``_args.items()``), so the history's calls must carry them as a
-    mapping rather than the JSON text OpenAI sends."""
+    ``set _args = tool_call.arguments`` then ``_args.items()``) or writes them with ``tojson`` without first asking
+    whether they are a string (Kimi-K2's first template: the JSON text would be quoted again), so the history's
+    calls must carry them as a mapping rather than the JSON text OpenAI sends."""
     if not template:
         return False
     names = ["arguments"] + re.findall(r"set\s+(\w+)\s*=\s*[\w.\[\]'\"]*arguments\b", template)
-    return any(re.search(n + r"\s*(\|\s*items|\.items\(\))", template) for n in names)
+    if any(re.search(n + r"\s*(\|\s*items|\.items\(\))", template) for n in names):
+        return True
+    arguments = r"arguments(?:['\"]\])?"  # .arguments or ['arguments']
+    return (re.search(arguments + r"\s*\|\s*tojson", template) is not None
+            and re.search(arguments + r"\s+is\s+(?:not\s+)?string", template) is None)

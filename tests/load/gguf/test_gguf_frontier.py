@@ -17,9 +17,7 @@ logits. Bad files: a missing key or tensor, a gating function hetmoe does not ru
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +30,7 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 from gguf_files import FRONTIER_ARCH, convert_frontier  # noqa: E402
+from llama_cpp_convert import llama_cpp_source  # noqa: E402
 from transformers_tiny import save_tiny  # noqa: E402
 
 from hetmoe.config.options import EngineOptions  # noqa: E402
@@ -233,11 +232,6 @@ def test_multi_token_prediction_layers_are_skipped(checkpoints, tmp_path):
 
 # ---------------------------------------------------------------- llama.cpp's own converter (slow tier)
 
-def _llama_cpp_source():
-    found = [os.environ.get("LLAMA_CPP_DIR", "")] + sorted(glob.glob("/tmp/lcp/*/vendor/llama.cpp"))
-    return next((Path(p) for p in found if p and (Path(p) / "convert_hf_to_gguf.py").is_file()), None)
-
-
 # DeepSeek-V3.2's converter asserts tokenizer.add_bos_token, which Transformers 5's fast tokenizer class of the tests'
 # tokenizer does not expose: converted by the miniature only.
 REAL = [f for f in FAMILIES if f != "deepseek_v32"]
@@ -248,7 +242,7 @@ REAL = [f for f in FAMILIES if f != "deepseek_v32"]
 def test_llama_cpp_converter_writes_what_the_miniature_writes(checkpoints, family, tmp_path):
     """The same metadata keys and values (tokenizer and general.* aside) and bit-identical tensors; so the
     per-commit tests above hold for the files users convert."""
-    source = _llama_cpp_source()
+    source = llama_cpp_source()
     if source is None:
         pytest.skip("llama.cpp's source (convert_hf_to_gguf.py) not found: set LLAMA_CPP_DIR")
     src = checkpoints(family)

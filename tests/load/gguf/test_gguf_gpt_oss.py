@@ -27,9 +27,7 @@ reach ``LLM``: greedy tokens from the GGUF file equal Transformers' generate.
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +39,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
+from llama_cpp_convert import llama_cpp_source  # noqa: E402
 from models.test_gpt_oss import CHAT_TEMPLATE, MXFP4_TOL, TINY, save_gpt_oss, write_mxfp4  # noqa: E402
 
 from hetmoe.config.options import EngineOptions  # noqa: E402
@@ -141,13 +140,8 @@ def test_gpt4o_pre_tokenizer_and_harmony_ends(tmp_path):
 # ---------------------------------------------------------------- files from llama.cpp's converter (slow tier)
 
 
-def _llama_cpp_source():
-    found = [os.environ.get("LLAMA_CPP_DIR", "")] + sorted(glob.glob("/tmp/lcp/*/vendor/llama.cpp"))
-    return next((Path(p) for p in found if p and (Path(p) / "convert_hf_to_gguf.py").is_file()), None)
-
-
 def _convert(src: Path, dest: Path, outtype: str) -> Path:
-    source = _llama_cpp_source()
+    source = llama_cpp_source()
     if source is None:
         pytest.skip("llama.cpp's source (convert_hf_to_gguf.py) not found: set LLAMA_CPP_DIR")
     run = subprocess.run([sys.executable, str(Path(__file__).parents[2] / "llama_cpp_convert.py"), str(source),
