@@ -33,10 +33,8 @@ if TYPE_CHECKING:
     import torch
 
 # What a process holds on the GPU outside torch's allocator (the CUDA context, cuBLAS/cuBLASLt handles, the kernel
-# modules of torch, Triton and the engine): 771 MiB were outside torch at the end of `hetmoe bench e2e --shape
-# deepseek-v3 --layers 4 --experts-format int4 --device cuda --gpu-memory 24GiB --gpu-prefill auto --prompt-tokens
-# 2048,8192,32768` on an H100, torch 2.11 cu130 (bench/results/2026-12-07-gpu-machine-layerwise-ds3-4l-int4-24GiB-
-# f4bf853.json, gpu_outside_torch_bytes; issue 51), rounded up; the plan counts it as "CUDA context".
+# modules of torch, Triton and the engine), from what a long capped run measured outside torch, rounded up
+# (BENCHMARKS.md "Long prompts under a VRAM cap"); the plan counts it as "CUDA context".
 CUDA_CONTEXT_BYTES = 800 << 20
 # Outside torch, loaded after the plan measured it: CUDA loads a kernel's module when it first runs (lazy loading),
 # so the bytes outside torch grow during the first prefills and decodes (docs/running.md#the-vram-cap).

@@ -16,7 +16,7 @@ import re
 import httpx
 import openai
 import pytest
-from live_server import InProcess, openai_client, post, serve
+from live_server import InProcess, openai_client, post, read_chat_stream, serve
 from marker_model import IDS, write_marker_model
 from schema_check import validate
 
@@ -81,15 +81,7 @@ def test_forced_call_streamed(client):
         model="marker-model", messages=[{"role": "user", "content": "Note that."}], tools=[CLOCK, NOTE],
         tool_choice={"type": "function", "function": {"name": "note"}}, temperature=0, max_tokens=80, stream=True,
         logit_bias={str(t): 100 for t in TOOL_MARKERS})
-    calls, content, finish = {}, "", []
-    for c in chunks:
-        d = c.choices[0].delta
-        content += d.content or ""
-        for t in d.tool_calls or ():
-            if t.id is not None:
-                calls[t.index] = [t.function.name, ""]
-            calls[t.index][1] += t.function.arguments or ""
-        finish += [c.choices[0].finish_reason] if c.choices[0].finish_reason else []
+    _, content, calls, finish = read_chat_stream(chunks)
     assert finish == ["tool_calls"] and content == "" and list(calls) == [0] and calls[0][0] == "note"
     validate(json.loads(calls[0][1]), NOTE["function"]["parameters"])
 
