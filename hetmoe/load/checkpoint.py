@@ -14,11 +14,14 @@ when the checkpoint is opened (hetmoe/load/fp8_formats.py); ``get_fp8`` hands ov
 experts (expert_dtype "fp4": int8 [N, K/2] codes and an E8M0 ``scale`` per 32) appear with their real shape [N, K],
 dequantized by ``get_float`` and packed from their codes into lut4 e2m1 (``_deepseek_v4_fp4``, hetmoe/load/mxfp4.py).
 
-Linears stored by compressed-tensors as ``pack-quantized`` int4 (``<m>.weight_packed``, ``weight_scale``,
-``weight_shape``: hetmoe/load/compressed.py) appear under their plain name ``<m>.weight`` with their real shape;
-``get_float`` dequantizes them, and routed experts stored so are packed from their codes into the CPU engine's int4
-(or int8) format, nothing re-quantized (``experts_options`` / ``experts_layout`` / ``load_exact_experts``, the
-interface the loader uses for GGUF files too).
+Linears stored as int4 codes with their scales (and zero points) — by compressed-tensors as ``pack-quantized``
+(``<m>.weight_packed``, ``weight_scale``, ``weight_shape``, ``weight_zero_point``: hetmoe/load/compressed.py), by
+GPTQ or by AWQ's gemm packing (``<m>.qweight``, ``qzeros``, ``scales``, ``g_idx``: hetmoe/load/gptq.py) — appear under
+their plain name ``<m>.weight`` with their real shape [out, in]; ``get_float`` dequantizes them (the dense linears),
+and routed experts stored so are packed from their codes into the CPU engine's int4 (or int8) format, nothing
+re-quantized: symmetric ones with their scales in the file's dtype, those with zero points as int4 affine with fp32
+scales and mins (``experts_options`` / ``experts_layout`` / ``load_exact_experts``, the interface the loader uses for
+GGUF files too).
 
 gpt-oss's routed experts are stored stacked, ``<block>.experts.gate_up_proj`` [E, H, 2I] (gate and up interleaved:
 columns 0::2 and 1::2) and ``down_proj`` [E, I, H] with their ``_bias`` [E, 2I] / [E, H], or, with quantization_config
@@ -48,8 +51,9 @@ import torch
 
 from hetmoe.cpu.codes import layout_of, load_codes, load_fp8, lut4_values, plan_format
 from hetmoe.cpu.layout import CODEBOOKS
-from hetmoe.load import compressed, fp8_formats, mxfp4
+from hetmoe.load import compressed, fp8_formats, gptq, mxfp4
 from hetmoe.models.config import MULTIMODAL, ConfigError, ModelConfig, text_model_config
+from hetmoe.plan.memory import HeldLayouts
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -97,7 +101,8 @@ def read_config(path: Path) -> ModelConfig:
 def check_quantization(cfg: ModelConfig, source) -> None:
     """Refuse, before any weight is read, a quantization_config the native loader cannot read (CheckpointError
     naming the setting): FP8 in 128x128 blocks (DeepSeek), MXFP8 and per channel (hetmoe/load/fp8_formats.py),
-    DeepSeek-V4's FP4 experts, compressed-tensors pack-quantized int4 and float-quantized FP8 are read."""
+    DeepSeek-V4's FP4 experts, compressed-tensors pack-quantized int4 and float-quantized FP8, GPTQ int4 and AWQ's
+    gemm int4 are read (hetmoe/load/gptq.py names what of those it refuses)."""
     qc = cfg.get("quantization_config")
     if qc is None:
         return
@@ -117,6 +122,12 @@ def check_quantization(cfg: ModelConfig, source) -> None:
             raise CheckpointError(f"{source}: quantization_config mxfp4 on a {cfg.get('model_type')} model: hetmoe "
                                   "reads MXFP4 experts as gpt-oss stores them (gpt_oss)")
         return
+    if method in ("gptq", "awq"):
+        try:
+            gptq.Int4Scheme.parse(qc, str(source))
+        except compressed.QuantizationConfigError as err:
+            raise CheckpointError(str(err)) from None
+        return
     if method == "compressed-tensors":
         try:
             if qc.get("format") == "float-quantized":
@@ -128,7 +139,7 @@ def check_quantization(cfg: ModelConfig, source) -> None:
         return
     raise CheckpointError(f"{source}: quantization_config.quant_method is {method!r}, which hetmoe does not read "
                           "(it reads fp8 in 128x128 blocks, per channel or as MXFP8, mxfp8, compressed-tensors "
-                          "pack-quantized int4 and float-quantized FP8, and gpt-oss's mxfp4)")
+                          "pack-quantized int4 and float-quantized FP8, gptq and awq int4, and gpt-oss's mxfp4)")
 
 
 def fp4_experts_dtype(cfg) -> Optional[str]:
@@ -170,10 +181,11 @@ class Checkpoint:
         self._gpt_oss_experts()
         self._deepseek_v4_fp4()
         self._check_fp8_scales()
-        self._packed: dict = {}  # "<m>.weight" -> compressed.PackedWeight of a pack-quantized linear
+        self._packed: dict = {}  # "<m>.weight" -> compressed.PackedWeight of an int4 linear (any of the three)
         self._parts: set = set()  # the stored tensors of those (hidden from names())
         self._scratch: dict = {}  # (matrix, shape) -> codes and scales of CHUNK experts (load_exact_experts)
         self._find_packed()
+        self._find_gptq()
 
     @property
     def notes(self) -> list:
@@ -464,12 +476,46 @@ class Checkpoint:
             if m + ".weight" in self._entries:
                 raise CheckpointError(f"{stored.shard}: {m} has both a weight and a weight_packed")
             parts = {p: (self._entries[f"{m}.{p}"].dtype, self._entries[f"{m}.{p}"].shape)
-                     for p in compressed.PARTS if f"{m}.{p}" in self._entries}
+                     for p in (*compressed.PARTS, compressed.ZERO_POINT) if f"{m}.{p}" in self._entries}
             try:
                 self._packed[m + ".weight"] = compressed.check_parts(m, parts, group)
             except compressed.QuantizationConfigError as err:
                 raise CheckpointError(f"{stored.shard}: {err}") from None
-            self._parts.update(f"{m}.{p}" for p in (*compressed.PARTS, "weight_zero_point"))
+            self._parts.update(f"{m}.{p}" for p in (*compressed.PARTS, compressed.ZERO_POINT))
+
+    def _find_gptq(self) -> None:
+        """The GPTQ / AWQ int4 linears (``<m>.qweight`` beside qzeros, scales and GPTQ's g_idx): quantization_config
+        checked (hetmoe/load/gptq.py) and each linear's tensors against it, from the headers; CheckpointError naming
+        the setting or tensor, before any weight is read."""
+        tail = ".qweight"
+        modules = [n[:-len(tail)] for n in self._entries if n.endswith(tail)]
+        if not modules:
+            return
+        where = str(self.path / "config.json")
+        qc = self.config.get("quantization_config")
+        method = qc.get("quant_method") if isinstance(qc, dict) else None
+        if method not in ("gptq", "awq"):
+            stored = self._entries[modules[0] + tail]
+            raise CheckpointError(f"{stored.shard}: {stored.raw} is a GPTQ / AWQ weight, but {where}'s "
+                                  f"quantization_config.quant_method is {method!r} (gptq or awq describes it)")
+        try:
+            scheme = gptq.Int4Scheme.parse(qc, where)
+        except compressed.QuantizationConfigError as err:
+            raise CheckpointError(str(err)) from None
+        for m in modules:
+            stored = self._entries[m + tail]
+            if scheme.leaves_out(m):
+                raise CheckpointError(f"{stored.shard}: {stored.raw} is quantized, but {where}'s quantization_config "
+                                      f"leaves {m} out")
+            if m + ".weight" in self._entries:
+                raise CheckpointError(f"{stored.shard}: {m} has both a weight and a qweight")
+            parts = {p: (self._entries[f"{m}.{p}"].dtype, self._entries[f"{m}.{p}"].shape)
+                     for p in gptq.GPTQ_PARTS if f"{m}.{p}" in self._entries}
+            try:
+                self._packed[m + ".weight"] = gptq.check_parts(m, parts, scheme)
+            except compressed.QuantizationConfigError as err:
+                raise CheckpointError(f"{stored.shard}: {err}") from None
+            self._parts.update(f"{m}.{p}" for p in gptq.GPTQ_PARTS)
 
     # ------------------------------------------------------------------ access
 
@@ -500,8 +546,11 @@ class Checkpoint:
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor as stored (a view of the mapped file: do not write to it)."""
-        if name in self._packed:
-            raise CheckpointError(f"tensor {name} is stored pack-quantized ({name}_packed): read it with get_float")
+        pw = self._packed.get(name)
+        if pw is not None:
+            how = ("pack-quantized", f"{name}_packed") if pw.method == "compressed-tensors" else (
+                f"as {pw.method.upper()} int4", f"{pw.module}.qweight")
+            raise CheckpointError(f"tensor {name} is stored {how[0]} ({how[1]}): read it with get_float")
         if name in self._views:  # (a strided view of a stored tensor, or an MXFP4 matrix's values)
             return self._views[name][2]()
         return self._read(self._entry(name))
@@ -524,8 +573,8 @@ class Checkpoint:
         ``dtype`` is returned as the mapped view."""
         pw = self._packed.get(name)
         if pw is not None:
-            codes, scales = self._codes(pw)
-            w = compressed.dequantize(codes, scales, pw.group_size)
+            codes, scales, mins = self._codes(pw)
+            w = compressed.dequantize(codes, scales, pw.group_size, mins)
             return w if dtype is None or dtype == w.dtype else w.to(dtype)
         t = self.get(name)
         if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -564,22 +613,60 @@ class Checkpoint:
     # ------------------------------------------------------------------ pack-quantized routed experts
 
     def _codes(self, pw: compressed.PackedWeight, codes: Optional[torch.Tensor] = None,
-               scales: Optional[torch.Tensor] = None) -> tuple:
-        """(int8 codes [out, in], the engine's scales [out, in / group]) of a pack-quantized linear, written into
-        ``codes`` / ``scales`` when given; its weight_shape checked."""
+               scales: Optional[torch.Tensor] = None, mins: Optional[torch.Tensor] = None) -> tuple:
+        """(int8 codes [out, in], the engine's scales [out, in / group], its mins or None) of an int4 linear, written
+        into ``codes`` / ``scales`` / ``mins`` when given: a symmetric one's codes q in [-8, 7] (value = scale * q),
+        one with zero points as u in 0..15 with min = scale * z (value = scale * u - min), fp32. Its weight_shape
+        (compressed-tensors), g_idx (GPTQ) and symmetric zero points (GPTQ / AWQ) checked: CheckpointError naming
+        the tensor."""
         m = pw.module
         try:
-            compressed.check_shape(pw, self.get(m + ".weight_shape"))
+            if pw.method == "compressed-tensors":
+                compressed.check_shape(pw, self.get(m + ".weight_shape"))
+                q = compressed.unpack_int4(self.get(m + ".weight_packed"), codes)
+                if pw.symmetric:
+                    return q, compressed.engine_scales(self.get(m + ".weight_scale"), scales), None
+                q.add_(8)  # u = q + 8
+                z = compressed.unpack_zero_points(self.get(f"{m}.{compressed.ZERO_POINT}"), pw.shape[0])
+                s = self.get(m + ".weight_scale").float()  # [N, G]
+            else:
+                if pw.method == "gptq":
+                    gptq.check_g_idx(pw, self.get(m + ".g_idx") if m + ".g_idx" in self._entries else None)
+                z = gptq.zeros_of(pw, self.get(m + ".qzeros")).t()  # [N, G]
+                if pw.symmetric:
+                    gptq.check_symmetric_zeros(pw, z.t())
+                u = gptq.codes_of(pw, self.get(m + ".qweight"))  # [N, K] uint8
+                q = torch.empty(u.shape, dtype=torch.int8) if codes is None else codes
+                q.copy_(u)
+                if pw.symmetric:
+                    q.sub_(gptq.SYMMETRIC_ZERO)
+                s = self.get(m + ".scales").float().t()  # [N, G]
         except compressed.QuantizationConfigError as err:
             raise CheckpointError(f"{self.path}: {err}") from None
-        return (compressed.unpack_int4(self.get(m + ".weight_packed"), codes),
-                compressed.engine_scales(self.get(m + ".weight_scale"), scales))
+        repeat = pw.stored_group // pw.group_size  # a file group held as several engine groups of its scale
+        s = s.repeat_interleave(repeat, dim=1) if repeat > 1 else s
+        s = s if scales is None else scales.copy_(s)
+        if pw.symmetric:
+            return q, s, None
+        z = z.float().repeat_interleave(repeat, dim=1) if repeat > 1 else z.float()
+        m_ = torch.mul(s, z) if mins is None else torch.mul(s, z, out=mins)  # exact: <= 15 significant bits
+        return q, s, m_
 
     def expert_layouts(self, prefixes: list, names: list) -> tuple:
-        """Per-layer held layouts for the memory plan (GGUF files have them; FP8 experts' are the plan's own:
-        hetmoe/load/loader.py plan_model); the layouts of pack-quantized experts are the engine's int4 / int8 formats
-        themselves, counted as such."""
-        return ()
+        """Per-layer held layouts for the memory plan (FP8 experts' are the plan's own: hetmoe/load/loader.py
+        plan_model): for int4 experts (compressed-tensors, GPTQ, AWQ) the int4 / int8 layouts ``experts_layout`` gives,
+        so that their scale dtypes and an affine layout's mins are counted as the loader builds them."""
+        if not self._packed:
+            return ()
+        out = []
+        for prefix in prefixes:
+            layouts = {}
+            for fmt in ("int8", "int4"):
+                x = self.experts_layout(prefix, names, fmt)
+                if x is not None:
+                    layouts[fmt] = x
+            out.append(HeldLayouts(layouts))
+        return tuple(out)
 
     def fp8_experts(self, prefix: str, names: list) -> Optional[str]:
         """The kind of FP8 (hetmoe/load/fp8_formats.py: "block", "mx", "channel") block ``prefix``'s expert 0 is
@@ -606,11 +693,13 @@ class Checkpoint:
             return {"weight_format": fmt, "group_size": mxfp4.BLOCK, "down_group_size": mxfp4.BLOCK,
                     "scaling": ("symmetric", "symmetric"), "scale_dtype": ("e8m0", "e8m0"), "codebook": (book, book)}
         pws = [self._packed.get(f"{prefix}.experts.0.{w}.weight") for w in names]
-        if None in pws or pws[0].group_size != pws[1].group_size:
+        if None in pws or (pws[0].group_size, pws[0].symmetric, pws[0].held_scale_dtype) != (
+                pws[1].group_size, pws[1].symmetric, pws[1].held_scale_dtype):
             return None
         layout = {"weight_format": "int8" if plan == "int8" else "int4", "group_size": pws[0].group_size,
-                  "down_group_size": pws[2].group_size, "scaling": ("symmetric", "symmetric")}
-        scales = (compressed.held_scale_dtype(pws[0].scale_dtype), compressed.held_scale_dtype(pws[2].scale_dtype))
+                  "down_group_size": pws[2].group_size,
+                  "scaling": tuple("symmetric" if pw.symmetric else "affine" for pw in (pws[0], pws[2]))}
+        scales = (pws[0].held_scale_dtype, pws[2].held_scale_dtype)
         if scales != ("fp32", "fp32"):  # the engine's default
             layout["scale_dtype"] = scales
         return layout
@@ -635,29 +724,33 @@ class Checkpoint:
         I, H = experts.intermediate_size, experts.hidden_size
         shapes = ((I, H), (I, H), (H, I))
         groups = (held["group_size"],) * 2 + (held["down_group_size"],)
+        first = [self._packed[f"{prefix}.experts.0.{w}.weight"] for w in names]  # what every expert must be stored as
         for e0 in range(0, experts.num_experts, CHUNK):
             n = min(CHUNK, experts.num_experts - e0)
-            codes, scales = [], []
-            for slot, (which, (rows, cols), g) in enumerate(zip(names, shapes, groups)):
-                key = (slot, rows, cols, g)
+            codes, scales, mins = [], [], []
+            for slot, (which, (rows, cols), g, like) in enumerate(zip(names, shapes, groups, first)):
+                key = (slot, rows, cols, g, like.symmetric)
                 if key not in self._scratch:
                     self._scratch[key] = (torch.empty(CHUNK, rows, cols, dtype=torch.int8),
-                                          torch.empty(CHUNK, rows, cols // g, dtype=compressed.ENGINE_SCALE_DTYPE))
-                q, s = (t[:n] for t in self._scratch[key])
+                                          torch.empty(CHUNK, rows, cols // g, dtype=compressed.ENGINE_SCALE_DTYPE),
+                                          None if like.symmetric else torch.empty(CHUNK, rows, cols // g))
+                q, s, m = (None if t is None else t[:n] for t in self._scratch[key])
                 for j in range(n):
                     name = f"{prefix}.experts.{e0 + j}.{which}.weight"
                     pw = self._packed.get(name)
-                    if pw is None or pw.shape != (rows, cols) or pw.group_size != g:
-                        got = "stored otherwise" if pw is None else f"{list(pw.shape)} in groups of {pw.group_size}"
-                        raise CheckpointError(f"{self.path}: {name} is {got}; the layer's experts are pack-quantized "
-                                              f"[{rows}, {cols}] in groups of {g}")
-                    self._codes(pw, q[j], s[j])
+                    if pw is None or (pw.shape, pw.group_size, pw.symmetric, pw.method) != (
+                            (rows, cols), g, like.symmetric, like.method):
+                        got = "stored otherwise" if pw is None else pw.describe() + f" {list(pw.shape)}"
+                        raise CheckpointError(f"{self.path}: {name} is {got}; the layer's experts are "
+                                              f"{like.describe()} [{rows}, {cols}]")
+                    self._codes(pw, q[j], s[j], None if m is None else m[j])
                 codes.append(q)
                 scales.append(s)
+                mins.append(m)
             try:
-                load_codes(experts, codes, scales, first_expert=e0, scan_first=False)
+                load_codes(experts, codes, scales, first_expert=e0, mins=mins, scan_first=False)
             except ValueError as err:
-                raise self._refused(experts, codes, scales, prefix, e0, err) from None
+                raise self._refused(experts, codes, scales, prefix, e0, err, mins) from None
         return True
 
     def _load_fp8_experts(self, prefix: str, names: list, experts, kind: str) -> None:
@@ -750,12 +843,15 @@ class Checkpoint:
             except ValueError as err:
                 raise CheckpointError(f"{self.path}: {prefix}.experts {e0}..{e1 - 1}: {err}") from None
 
-    def _refused(self, experts, codes: list, scales: list, prefix: str, e0: int, err: ValueError) -> CheckpointError:
+    def _refused(self, experts, codes: list, scales: list, prefix: str, e0: int, err: ValueError,
+                 mins: Optional[list] = None) -> CheckpointError:
         """The error of a chunk of experts the engine refused, naming its first bad expert (each loaded alone, its
         values scanned first)."""
+        mins = mins or [None] * 3
         for j in range(codes[0].shape[0]):
             try:
-                load_codes(experts, [q[j:j + 1] for q in codes], [s[j:j + 1] for s in scales], first_expert=e0 + j)
+                load_codes(experts, [q[j:j + 1] for q in codes], [s[j:j + 1] for s in scales], first_expert=e0 + j,
+                           mins=[None if m is None else m[j:j + 1] for m in mins])
             except ValueError as bad:
                 return CheckpointError(f"{self.path}: {prefix}.experts.{e0 + j}: {bad}")
         return CheckpointError(f"{self.path}: {prefix}.experts.{e0}-{e0 + codes[0].shape[0] - 1}: {err}")
@@ -770,9 +866,11 @@ class Checkpoint:
         return out or [names]
 
     def experts_options(self, names: list, options, log: Callable[[str], None]):
-        """``options`` with the experts format pack-quantized routed experts (``names``: one layer's expert 0 gate,
-        up, down) load at by default: int4 in their own group, exactly. An explicit --experts-format is kept (exact
-        where it holds them: int4 of their group, or their codes in int8); other experts: ``options`` as given."""
+        """``options`` with the experts format int4 routed experts (compressed-tensors, GPTQ, AWQ; ``names``: one
+        layer's expert 0 gate, up, down) load at by default: int4 in their own group (or one dividing it), exactly.
+        An explicit --experts-format is kept (exact where it holds them: int4 of their group, or their codes in
+        int8); other experts: ``options`` as given. A GPTQ layer's first expert's g_idx is read here, so that
+        act-order groups are refused before the plan (CheckpointError naming the tensor)."""
         if self._mxfp4 or self._fp4_blocks:
             return self._mxfp4_options(options, log)
         layers = self._layer_names(names)
@@ -795,17 +893,25 @@ class Checkpoint:
         groups = [g for _, g in exact]
         group = max(set(groups), key=groups.count)
         pw = next(self._packed[layer[0]] for layer, x in zip(layers, layouts) if x is not None)
-        what = (f"{self.path.name}'s routed experts are compressed-tensors pack-quantized int4 (symmetric, "
-                f"{str(pw.scale_dtype).replace('torch.', '')} scales per group of {group})")
+        if pw.method == "gptq":  # act-order refused before anything is planned (each g_idx is checked as read, too)
+            for n in names:
+                w = self._packed.get(n)
+                if w is not None and w.module + ".g_idx" in self._entries:
+                    try:
+                        gptq.check_g_idx(w, self.get(w.module + ".g_idx"))
+                    except compressed.QuantizationConfigError as err:
+                        raise CheckpointError(f"{self.path}: {err}") from None
+        what = f"{self.path.name}'s routed experts are {pw.describe()}"
+        held = "" if pw.symmetric else " (zero points as fp32 mins)"
         fmt = options.experts_format
         if fmt == "auto":
             off = len(layouts) - groups.count(group)
-            log(f"hetmoe: {what}: packed as int4 group {group} from their codes"
+            log(f"hetmoe: {what}: packed as int4 group {group}{held} from their codes"
                 + (f", exactly except {off} layer(s) stored otherwise (re-quantized)" if off else ", exactly"))
             return dataclasses.replace(options, experts_format="int4", group_size=group)
         asked = options.group_size if options.group_size is not None else group
         if fmt in ("int4", "int8") and asked == group:
-            log(f"hetmoe: {what}: packed as {fmt} group {group} as asked, exactly")
+            log(f"hetmoe: {what}: packed as {fmt} group {group}{held} as asked, exactly")
         else:
             log(f"hetmoe: note: {what}: dequantized and re-quantized into {fmt} as asked")
         keep = options.group_size is not None or fmt == "bf16"  # bf16 has no groups

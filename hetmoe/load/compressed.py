@@ -12,9 +12,21 @@ PackedQuantizationCompressor):
 
 and means ``w[r, c] = q[r, c] * scale[r, c // group]`` (no zero point). The CPU engine's int4 symmetric format holds
 exactly this: the codes as they are and each scale in the file's own dtype (bf16 or fp16 scales are stored as such,
-fp32 ones as fp32; ``held_scale_dtype`` is the one place that chooses it). ``quantization_config`` names which
-modules are quantized (``config_groups`` -> targets, less ``ignore``) and how; a setting this reader does not
-handle is refused by name (``PackQuantized.parse``) before any weight is read.
+fp32 ones as fp32; ``held_scale_dtype`` is the one place that chooses it).
+
+Asymmetric int4 (``symmetric: false``, llm-compressor's W4A16_ASYM) adds a zero point zp in [-8, 7] per group,
+``w[r, c] = (q[r, c] - zp[r, c // group]) * scale[r, c // group]``, stored as
+
+    <m>.weight_zero_point  int32 [ceil(out / 8), in / group]: packed along the rows (compressed-tensors'
+                           pack_to_int32(packed_dim=0)): row 8w + j of a column in bits 4j.. of word w, stored zp + 8
+                           (or, as older writers left it, int8 [out, in / group] unpacked)
+
+which the engine's int4 affine format holds exactly as u = q + 8 in 0..15, value = scale * u - min with
+min = scale * (zp + 8): a bf16 or fp16 scale times a 4-bit integer needs up to 12 / 15 significant bits, so scales
+and mins are held in fp32 (the engine stores an affine matrix's mins in its scales' dtype).
+
+``quantization_config`` names which modules are quantized (``config_groups`` -> targets, less ``ignore``) and how; a
+setting this reader does not handle is refused by name (``PackQuantized.parse``) before any weight is read.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ ENGINE_SCALE_DTYPE = torch.float32  # the scales as load_codes takes them (whate
 SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # each widens to fp32 exactly
 SHAPE_DTYPES = (torch.int32, torch.int64)
 PARTS = ("weight_packed", "weight_scale", "weight_shape")  # the tensors of one quantized linear, beside <m>.
+ZERO_POINT = "weight_zero_point"  # beside them when asymmetric
 _FORMAT = "pack-quantized"
 
 
@@ -39,11 +52,13 @@ class QuantizationConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Group:
-    """One entry of quantization_config.config_groups: the modules it quantizes and its group size."""
+    """One entry of quantization_config.config_groups: the modules it quantizes, its group size and whether it has
+    zero points."""
 
     name: str
     targets: tuple  # "Linear" (every linear), "re:<regex>" (re.match on the module name), or a module name
     group_size: int
+    symmetric: bool = True
 
     def matches(self, names: tuple) -> bool:
         return any(_match(n, t) for n in names for t in self.targets)
@@ -61,8 +76,8 @@ def _match(name: str, target: str) -> bool:
 
 @dataclass(frozen=True)
 class PackQuantized:
-    """A compressed-tensors quantization_config that this reader handles: int4, symmetric, per group, stored
-    ``pack-quantized``, weights only."""
+    """A compressed-tensors quantization_config that this reader handles: int4, symmetric or with zero points, per
+    group, stored ``pack-quantized``, weights only."""
 
     groups: tuple  # of Group, in config order (the first that targets a module quantizes it)
     ignore: tuple  # module names and re: patterns left unquantized
@@ -85,8 +100,8 @@ class PackQuantized:
         def refuse(setting: str, value, why: str):
             raise QuantizationConfigError(f"{where}: quantization_config.{setting} is {value!r}; {why}")
 
-        supported = (f"hetmoe reads compressed-tensors '{_FORMAT}' weights: int4 (type int, num_bits 4), symmetric, "
-                     f"strategy group with group_size {' / '.join(map(str, GROUPS))}, weights only")
+        supported = (f"hetmoe reads compressed-tensors '{_FORMAT}' weights: int4 (type int, num_bits 4), symmetric or "
+                     f"not, strategy group with group_size {' / '.join(map(str, GROUPS))}, weights only")
         method = qc.get("quant_method")
         if method != "compressed-tensors":
             refuse("quant_method", method, supported)
@@ -124,8 +139,8 @@ class PackQuantized:
                 refuse(f"{at}.targets", targets, "it must be a non-empty list of module names, re: patterns or Linear")
             for t in targets:
                 _check_pattern(t, f"{at}.targets", refuse)
-            groups.append(Group(name, tuple(targets), _check_weights(scheme.get("weights"), f"{at}.weights", refuse,
-                                                                     supported)))
+            group = _check_weights(scheme.get("weights"), f"{at}.weights", refuse, supported)
+            groups.append(Group(name, tuple(targets), group, scheme["weights"]["symmetric"]))
         return cls(tuple(groups), tuple(ignore))
 
 
@@ -141,10 +156,12 @@ def _check_weights(w, at: str, refuse, supported: str) -> int:
     """The group size of a weights scheme this reader handles (else refused naming the setting)."""
     if not isinstance(w, dict):
         refuse(at, w, supported)
-    wants = (("type", "int"), ("num_bits", 4), ("symmetric", True), ("strategy", "group"))
+    wants = (("type", "int"), ("num_bits", 4), ("strategy", "group"))
     for key, want in wants:
         if w.get(key) != want:
             refuse(f"{at}.{key}", w.get(key), supported)
+    if not isinstance(w.get("symmetric"), bool):
+        refuse(f"{at}.symmetric", w.get("symmetric"), "it must be true or false")
     group = w.get("group_size")
     if group not in GROUPS:
         refuse(f"{at}.group_size", group, f"the CPU engine's int4 holds groups of {' / '.join(map(str, GROUPS))}")
@@ -157,17 +174,50 @@ def _check_weights(w, at: str, refuse, supported: str) -> int:
     scale_dtype = w.get("scale_dtype")
     if scale_dtype not in (None, "torch.bfloat16", "torch.float16", "torch.float32"):
         refuse(f"{at}.scale_dtype", scale_dtype, "scales are read from bf16, fp16 or fp32")
+    if w.get("zp_dtype") not in (None, "torch.int8", "torch.int32"):
+        refuse(f"{at}.zp_dtype", w["zp_dtype"], "zero points are read as integers")
     return group
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A pack-quantized linear of the checkpoint: its module name (as the model names it), shape and group."""
+    """An int4 linear of the checkpoint, stored by compressed-tensors (``method`` "compressed-tensors"), GPTQ or AWQ
+    (hetmoe/load/gptq.py): its module name (as the model names it), shape, the group the engine holds its scales in
+    and how the file stores them."""
 
     module: str
     shape: tuple  # (out, in)
-    group_size: int
-    scale_dtype: torch.dtype
+    group_size: int  # the engine's group: the file's, or a divisor of it (GPTQ's per-channel and larger groups)
+    scale_dtype: torch.dtype  # as stored
+    symmetric: bool = True  # False: a zero point per group (held int4 affine, fp32 scales and mins)
+    method: str = "compressed-tensors"
+    file_group: Optional[int] = None  # the file's group when not group_size (GPTQ / AWQ)
+    zeros_minus_one: bool = False  # GPTQ v1's zero points
+    zeros_packed: bool = True  # compressed-tensors' zero points: packed int32 words (else int8)
+    per_channel: bool = False  # GPTQ / AWQ group_size -1: one group of all inputs
+
+    @property
+    def stored_group(self) -> int:
+        return self.file_group or self.group_size
+
+    @property
+    def held_scale_dtype(self) -> str:
+        """The scale dtype the engine holds this weight's scales (and mins) in: an affine weight's mins are a scale
+        times a 4-bit zero point, which only fp32 holds exactly."""
+        return held_scale_dtype(self.scale_dtype) if self.symmetric else "fp32"
+
+    def describe(self) -> str:
+        what = {"compressed-tensors": "compressed-tensors pack-quantized int4", "gptq": "GPTQ int4",
+                "awq": "AWQ (gemm) int4"}[self.method]
+        per = "per output channel" if self.per_channel else f"per group of {self.stored_group}"
+        kind = "symmetric" if self.symmetric else "with zero points"
+        return f"{what} ({kind}, {str(self.scale_dtype).replace('torch.', '')} scales {per})"
+
+
+def engine_group(group: int) -> Optional[int]:
+    """The largest of the engine's int4 groups (GROUPS) dividing a file's ``group`` (its scales repeated in each),
+    or None."""
+    return next((g for g in reversed(GROUPS) if group % g == 0), None)
 
 
 def check_parts(module: str, parts: dict, group: Group) -> PackedWeight:
@@ -193,7 +243,29 @@ def check_parts(module: str, parts: dict, group: Group) -> PackedWeight:
         raise QuantizationConfigError(f"{module}.weight_scale has shape {list(sshape)}; {module}.weight_packed "
                                       f"{list(pshape)} holds [{out}, {cols}], which in groups of {g} "
                                       f"(quantization_config.config_groups.{group.name}) needs [{out}, {cols // g}]")
-    return PackedWeight(module, (out, cols), g, sdt)
+    zero = parts.get(ZERO_POINT)
+    if group.symmetric:
+        return PackedWeight(module, (out, cols), g, sdt)
+    if zero is None:
+        raise QuantizationConfigError(f"{module}.weight_packed has no {module}.{ZERO_POINT} beside it; quantization_"
+                                      f"config.config_groups.{group.name} is asymmetric (symmetric false)")
+    zdt, zshape = zero
+    packed = (-(-out // 8), cols // g)
+    unpacked = (out, cols // g)
+    if not ((zdt == torch.int32 and tuple(zshape) == packed) or (zdt == torch.int8 and tuple(zshape) == unpacked)):
+        raise QuantizationConfigError(f"{module}.{ZERO_POINT} is {zdt} {list(zshape)}; the zero points of [{out}, "
+                                      f"{cols}] in groups of {g} are int32 {list(packed)} (packed along the rows) or "
+                                      f"int8 [{out}, {cols // g}]")
+    return PackedWeight(module, (out, cols), g, sdt, symmetric=False, zeros_packed=zdt == torch.int32)
+
+
+def unpack_zero_points(stored: torch.Tensor, rows: int) -> torch.Tensor:
+    """Zero points zp + 8 (uint8 0..15) [rows, groups] of a weight_zero_point: int32 [ceil(rows / 8), groups] packed
+    along the rows, or int8 [rows, groups] holding zp itself."""
+    if stored.dtype == torch.int8:
+        return (stored.to(torch.int16) + 8).to(torch.uint8)
+    b = stored.t().contiguous().view(torch.uint8)  # [groups, 4 * words]: byte i holds rows 2i, 2i + 1
+    return torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)[:, :rows].t()
 
 
 def check_shape(pw: PackedWeight, stored: torch.Tensor) -> None:
@@ -245,10 +317,16 @@ def engine_scales(scale: torch.Tensor, out: Optional[torch.Tensor] = None) -> to
     return out.copy_(scale)
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
-    """w = q * scale per group of ``group`` columns, fp32 [..., out, in]: exact for bf16 and fp16 scales (a 4-bit
-    code times 8 or 11 significant bits fits fp32's 24), one fp32 rounding for fp32 scales."""
-    return (codes.float().unflatten(-1, (-1, group)) * scale.float().unsqueeze(-1)).flatten(-2)
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, group: int, mins: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
+    """w = q * scale (``mins``: u * scale - min) per group of ``group`` columns, fp32 [..., out, in]: exact for bf16
+    and fp16 scales (a 4-bit code times 8 or 11 significant bits fits fp32's 24; scale * u and min = scale * z are
+    multiples of the scale's last bit whose difference has at most 15 significant bits), one fp32 rounding for fp32
+    scales."""
+    w = codes.float().unflatten(-1, (-1, group)) * scale.float().unsqueeze(-1)
+    if mins is not None:
+        w = w - mins.float().unsqueeze(-1)
+    return w.flatten(-2)
 
 
 _FLOAT_FORMAT = "float-quantized"

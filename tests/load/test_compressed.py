@@ -241,7 +241,7 @@ QC = "text_config.quantization_config"
 BAD_QUANT = {  # case -> (the change to text_config.quantization_config, what the error says after the file name)
     "eight-bits": ("config_groups.group_0.weights.num_bits", 8, r"weights.num_bits is 8; hetmoe reads"),
     "group-16": ("config_groups.group_0.weights.group_size", 16, r"weights.group_size is 16; the CPU engine's int4"),
-    "asymmetric": ("config_groups.group_0.weights.symmetric", False, r"weights.symmetric is False"),
+    "symmetric": ("config_groups.group_0.weights.symmetric", "yes", r"weights.symmetric is 'yes'; it must be true"),
     "per-channel": ("config_groups.group_0.weights.strategy", "channel", r"weights.strategy is 'channel'"),
     "float": ("config_groups.group_0.weights.type", "float", r"weights.type is 'float'"),
     "actorder": ("config_groups.group_0.weights.actorder", "group", r"weights.actorder is 'group'; activation-order"),
@@ -250,7 +250,8 @@ BAD_QUANT = {  # case -> (the change to text_config.quantization_config, what th
              r"group_0.input_activations is \{.*\}; activation quantization is not run"),
     "format": ("format", "int-quantized", r"quantization_config.format is 'int-quantized'"),
     "kv-cache": ("kv_cache_scheme", {"num_bits": 8, "type": "float"}, r"kv_cache_scheme is \{.*\}; hetmoe runs none"),
-    "gptq": ("quant_method", "gptq", r"quantization_config.quant_method is 'gptq', which hetmoe does not read"),
+    "bnb": ("quant_method", "bitsandbytes", r"quantization_config.quant_method is 'bitsandbytes', which hetmoe does "
+                                             r"not read"),
     "no-groups": ("config_groups", {}, r"config_groups is \{\}; it must map group names"),
     "bad-regex": ("ignore", ["re:(unclosed"], r"quantization_config.ignore is 're:\(unclosed'; its pattern does"),
 }
