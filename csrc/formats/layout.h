@@ -68,6 +68,25 @@
 // either gives bit for bit the outputs of the same codes held as int8 (int6, int5) or int4 (int3, int2): the same
 // integer sums, the same epilogue, with the offset 2^(b-1) of symmetric codes.
 //
+// grid holds GGUF's i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M; the matrix's grid type is its
+// Codebook below) at their file's bytes. Each decodes to symmetric integer codes |q| <= 63 times one fp32 scale per
+// group of 16 or 32 of K that is its super-block's fp16 d times a small odd integer and a power of two (formats/grid.h
+// lists them), so the kernels compute with grid what they compute with lut4: int8 codes x int8 activations, exact
+// int32 sums per group, the symmetric epilogue with no offset. What differs is the expansion of the stored bits (grid
+// indices into the type's table of 8- or 4-value entries, sign indices or sign bytes, sub-scales), which is not a
+// shift and a mask per line: the row block keeps the file's blocks whole, and a kernel decodes them a super-block at
+// a time. K is whole super-blocks of 256 (kp a multiple of 256), and a row block is
+//     data:   [n_supers][16 rows][row_bytes]   each row's block of that super-block less its fp16 d (IQ1_M: whole)
+//     scales: [n_supers][16 rows] fp16 d       (IQ1_M: none; its d is the top nibbles of its four scale words)
+// (grid_info: row_bytes 64 / 72 / 80 / 96 / 108 / 48 / 56, which with the d are the files' 66 / 74 / 82 / 98 / 110 /
+// 50 / 56 bytes per 256 values; 16 x row_bytes is a multiple of 64, so every super-block starts a line). A kernel
+// decodes one super-block of its 16 rows into 64 int8 lines of the signed codes (line j: k = 4j .. 4j + 3, the
+// layout of an int8 block) and its [256 / group][16] fp32 scales, with the one portable decoder (formats/grid.h,
+// compiled at each ISA level), then multiplies them as lut4's looked-up codes: AVX-512 vpdpbusd on q + 128 (its group
+// sum undoes the 128), AVX2 maddubs on |x| and q signed by x, AMX tdpbssd on the signed lines. A grid matrix is
+// loaded from the file's blocks (pack.h pack_row_block_grid), never quantized from floats; padded rows are zero bytes
+// with d = 0.
+//
 // A line is one 512-bit register (16 rows x 32 bits): the layout AVX-512 VNNI/BF16 dot products and the AMX
 // B-tile format (16 lines = one 1 KB tile) read directly, so no kernel repacks at run time.
 //
@@ -141,12 +160,15 @@ enum class WeightFormat : int {
   int6 = 5,
   int5 = 6,
   int3 = 7,
-  int2 = 8
+  int2 = 8,
+  grid = 9
 };
-constexpr int kWeightFormats = 9;
+constexpr int kWeightFormats = 10;
 
 // The bit-plane formats (see the top of this file).
-constexpr inline bool plane_format(WeightFormat f) { return (int)f >= (int)WeightFormat::int6; }
+constexpr inline bool plane_format(WeightFormat f) {
+  return (int)f >= (int)WeightFormat::int6 && (int)f <= (int)WeightFormat::int2;
+}
 
 // Bits per code of an integer format (0 for bf16 and fp8).
 constexpr inline int code_bits(WeightFormat f) {
@@ -238,17 +260,53 @@ constexpr int kSuperBlock = 256;  // k8, k4: elements of K per fp16 super scale
 // Scale types of two levels: a sub-scale per group times an fp16 super scale per kSuperBlock of K.
 constexpr inline bool two_level(ScaleType t) { return t == ScaleType::k8 || t == ScaleType::k4; }
 
-// The 16 values a lut4 nibble indexes (see the top of this file); none for every other format.
-enum class Codebook : int { none = 0, e2m1 = 1, iq4nl = 2 };
-constexpr int kCodebooks = 3;
+// The 16 values a lut4 nibble indexes (see the top of this file), or a grid matrix's grid type (the GGUF i-quant
+// whose blocks it holds); none for every other format.
+enum class Codebook : int {
+  none = 0,
+  e2m1 = 1,
+  iq4nl = 2,
+  iq2_xxs = 3,
+  iq2_xs = 4,
+  iq2_s = 5,
+  iq3_xxs = 6,
+  iq3_s = 7,
+  iq1_s = 8,
+  iq1_m = 9
+};
+constexpr int kCodebooks = 10;
+constexpr int kLut4Codebooks = 3;  // none, e2m1, iq4nl: the ones with 16 values
+constexpr inline bool grid_codebook(Codebook c) { return (int)c >= (int)Codebook::iq2_xxs; }
+
+// What a grid type's rows hold per super-block of 256 values of K (see the top of this file): its scale group (16
+// or 32), the bytes of one row's block as the row block stores them (the file's block less its fp16 d, IQ1_M's
+// whole), and whether its fp16 d is held apart, in the scale set.
+struct GridInfo {
+  int group = 0, row_bytes = 0;
+  bool has_d = false;
+};
+constexpr inline GridInfo grid_info(Codebook c) {
+  switch (c) {
+    case Codebook::iq2_xxs: return {32, 64, true};  // IQ2_XXS: 66 B
+    case Codebook::iq2_xs: return {16, 72, true};   // IQ2_XS: 74 B
+    case Codebook::iq2_s: return {16, 80, true};    // IQ2_S: 82 B
+    case Codebook::iq3_xxs: return {32, 96, true};  // IQ3_XXS: 98 B
+    case Codebook::iq3_s: return {32, 108, true};   // IQ3_S: 110 B
+    case Codebook::iq1_s: return {32, 48, true};    // IQ1_S: 50 B
+    case Codebook::iq1_m: return {16, 56, false};   // IQ1_M: 56 B, its d spread over its scales
+    default: return {};
+  }
+}
+// Bytes of one block of a grid type in the file (per row and super-block of 256).
+constexpr inline int grid_file_bytes(Codebook c) { return grid_info(c).row_bytes + (grid_info(c).has_d ? 2 : 0); }
 // clang-format off
-inline constexpr int8_t kCodebookValues[kCodebooks][16] = {
+inline constexpr int8_t kCodebookValues[kLut4Codebooks][16] = {
     /* none  */ {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
     /* e2m1  */ {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12},  // E2M1 x 2: sign bit 3, |v| in bits 0-2
     /* iq4nl */ {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113},
 };
 // clang-format on
-inline const int8_t* codebook_values(Codebook c) { return kCodebookValues[(int)c]; }
+inline const int8_t* codebook_values(Codebook c) { return kCodebookValues[grid_codebook(c) ? 0 : (int)c]; }
 
 // Bumped whenever the packed bytes of any format change: converted-expert caches of another version are rebuilt.
 // (Scale types, lut4, k8, narrow affine mins, fp8 and the bit-plane formats added formats; fp32-scaled int8/int4 kept
@@ -268,7 +326,7 @@ inline int k_per_line(WeightFormat f) {
     case WeightFormat::int4: return 8;
     case WeightFormat::lut4: return 8;
     case WeightFormat::fp8: return 4;
-    default: return 0;  // bit-plane formats: lines per unit of K instead (planes_of)
+    default: return 0;  // bit-plane formats: lines per unit of K instead (planes_of); grid: bytes per row (grid_info)
   }
 }
 
@@ -322,8 +380,8 @@ inline float scale_to_float(ScaleType t, const uint8_t* p) {
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 // What a matrix's bytes hold besides its shape: the element format and, for int8/int4/lut4, its scale group, how
-// codes become values, how scales are stored and (lut4) the codebook. dispatch.h check_kernel_choice says which
-// combinations the kernels run.
+// codes become values, how scales are stored and (lut4) the codebook or (grid) the grid type. dispatch.h
+// check_kernel_choice says which combinations the kernels run.
 struct MatrixFormat {
   WeightFormat format = WeightFormat::bf16;
   int group = 128;  // int8/int4: <= 0 means per-row scales
@@ -357,14 +415,14 @@ struct MatrixShape {
     s.n = n;
     s.k = k;
     s.group = f == WeightFormat::bf16 ? kBf16Group : group;
-    s.kp = (int)round_up(k, s.group);
+    s.kp = (int)round_up(k, f == WeightFormat::grid ? kSuperBlock : s.group);  // grid: whole super-blocks
     s.n_blocks = (int)((n + kRowsPerBlock - 1) / kRowsPerBlock);
     return s;
   }
   static MatrixShape make(const MatrixFormat& m, int n, int k) {
     MatrixShape s = make(m.format, n, k, m.group, m.scaling);
     if (s.has_scales()) s.scale_type = m.scale_type;
-    s.codebook = m.format == WeightFormat::lut4 ? m.codebook : Codebook::none;
+    s.codebook = m.format == WeightFormat::lut4 || m.format == WeightFormat::grid ? m.codebook : Codebook::none;
     s.shared_scales = m.format == WeightFormat::fp8 && m.shared_scales && !s.per_row;
     return s;
   }
@@ -374,6 +432,7 @@ struct MatrixShape {
   int scale_rows() const { return shared_scales ? 1 : kRowsPerBlock; }  // stored scales per group of a block
   int n_groups() const { return kp / group; }
   int lines_per_block() const {
+    if (format == WeightFormat::grid) return n_supers() * kRowsPerBlock * grid_info(codebook).row_bytes / kLineBytes;
     if (!plane_format(format)) return kp / k_per_line(format);
     const Planes p = planes_of(format);
     return (kp + p.unit_k() - 1) / p.unit_k() * p.lines;
@@ -387,6 +446,8 @@ struct MatrixShape {
   // scales)
   size_t set_bytes() const {
     if (!has_scales()) return 0;
+    if (format == WeightFormat::grid)  // the fp16 d of each (super-block, row)
+      return grid_info(codebook).has_d ? (size_t)n_supers() * kRowsPerBlock * 2 : 0;
     return (size_t)n_groups() * scale_rows() * scale_width(scale_type) +
            (two_level(scale_type) ? (size_t)n_supers() * kRowsPerBlock * 2 : 0);
   }
@@ -410,6 +471,7 @@ struct RowBlock {
   ScaleType scale_type = ScaleType::f32;
   const int8_t* codebook = nullptr;  // lut4: its 16 values
   bool shared_scales = false;        // fp8: scales [n_groups], one per group for all 16 rows
+  Codebook grid = Codebook::none;    // grid: the grid type
 
   // The block of shape s whose data and scales (s.block_scale_bytes()) start at these addresses.
   static RowBlock at(const MatrixShape& s, const uint8_t* data, const uint8_t* scales) {
@@ -422,6 +484,7 @@ struct RowBlock {
     b.mins = s.affine() ? scales + s.set_bytes() : nullptr;
     b.codebook = s.format == WeightFormat::lut4 ? codebook_values(s.codebook) : nullptr;
     b.shared_scales = s.shared_scales;
+    b.grid = s.format == WeightFormat::grid ? s.codebook : Codebook::none;
     return b;
   }
   int n_groups() const { return kp / group; }

@@ -4,9 +4,11 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <vector>
 
 #include "formats/activation.h"
+#include "formats/grid.h"
 
 namespace hetmoe {
 
@@ -600,6 +602,9 @@ void pack_row_block_rounded(const MatrixShape& s, const float* w, int rb, uint8_
 
 void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data, uint8_t* scales) {
   const WeightFormat f = s.format;
+  if (f == WeightFormat::grid)
+    throw std::invalid_argument("grid weights hold a GGUF file's i-quant blocks as they are (load_codes); floats are "
+                                "not quantized into them");
   clear_block(s, data, scales);
   if (two_level(s.scale_type) || (s.affine() && s.scale_type != ScaleType::f32))
     return pack_row_block_rounded(s, w, rb, data, scales);
@@ -679,9 +684,50 @@ void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data,
   }
 }
 
+bool pack_row_block_grid(const MatrixShape& s, const uint8_t* raw, int rb, uint8_t* data, uint8_t* scales) {
+  const GridInfo gi = grid_info(s.codebook);
+  const int n_supers = s.n_supers(), file_bytes = grid_file_bytes(s.codebook);
+  std::memset(data, 0, s.block_bytes());
+  if (s.has_scales()) std::memset(scales, 0, s.block_scale_bytes());
+  bool ok = true;
+  for (int r = 0; r < kRowsPerBlock; ++r) {
+    const int row = rb * kRowsPerBlock + r;
+    if (row >= s.n) break;
+    for (int sp = 0; sp < n_supers; ++sp) {
+      const uint8_t* src = raw + ((size_t)row * n_supers + sp) * file_bytes;
+      uint16_t dbits;
+      if (gi.has_d) {
+        std::memcpy(scales + ((size_t)sp * kRowsPerBlock + r) * 2, src, 2);
+        dbits = (uint16_t)(src[0] | src[1] << 8);
+        src += 2;
+      } else {
+        dbits = grid::iq1m_d_bits(src);
+      }
+      ok &= (dbits & 0x7c00) != 0x7c00;  // a finite d
+      std::memcpy(data + ((size_t)sp * kRowsPerBlock + r) * gi.row_bytes, src, gi.row_bytes);
+    }
+  }
+  return ok;
+}
+
 void unpack_row_block(const MatrixShape& s, const uint8_t* data, const uint8_t* scales, int rb, float* w) {
   const WeightFormat f = s.format;
   const RowBlock b = RowBlock::at(s, data, scales);
+  if (f == WeightFormat::grid) {  // scale * q, exact (formats/grid.h)
+    alignas(64) uint8_t lines[kSuperBlock / 4 * kLineBytes];
+    float sc[kSuperBlock / 16 * kRowsPerBlock];
+    for (int sp = 0; sp < s.n_supers(); ++sp) {
+      grid::decode_super(b, sp, lines, sc);
+      for (int r = 0; r < kRowsPerBlock; ++r) {
+        const int row = rb * kRowsPerBlock + r;
+        if (row >= s.n) break;
+        for (int k = 0; k < kSuperBlock && sp * kSuperBlock + k < s.k; ++k)
+          w[(size_t)row * s.k + sp * kSuperBlock + k] =
+              sc[k / s.group * kRowsPerBlock + r] * (float)(int8_t)lines[(k / 4) * kLineBytes + 4 * r + k % 4];
+      }
+    }
+    return;
+  }
   const int8_t* cb = f == WeightFormat::lut4 ? codebook_values(s.codebook) : nullptr;
   for (int r = 0; r < kRowsPerBlock; ++r) {
     int row = rb * kRowsPerBlock + r;

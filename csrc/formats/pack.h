@@ -35,6 +35,12 @@ bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* gr
 bool pack_row_block_fp8(const MatrixShape& s, const uint8_t* codes, const float* group_scales, int rb, uint8_t* data,
                         uint8_t* scales);
 
+// Packs row block `rb` of a grid matrix (formats/layout.h) from its GGUF i-quant blocks as the file stores them:
+// raw [s.n][s.n_supers()] blocks of grid_file_bytes(s.codebook) bytes (row-major). The bytes are moved, not decoded:
+// each block's fp16 d into the scale set, the rest into the row's place in the data. Returns false when a d is not
+// finite (the block is then garbage).
+bool pack_row_block_grid(const MatrixShape& s, const uint8_t* raw, int rb, uint8_t* data, uint8_t* scales);
+
 // Writes the per-group values v[0..s.n_groups()) of row r of a block into one of its scale sets (mins false: the
 // scales, true: the affine mins) in the shape's scale type; `scales` is the block's scale bytes
 // (s.block_scale_bytes(): the scale set, then the min set). exact: true when every value is stored as it is (k8 / k4:

@@ -29,6 +29,7 @@ RandomFill RandomFill::make(WeightFormat f, float std, Codebook codebook) {
     const double n = (double)(1 << code_bits(f));
     q_std = (float)std::sqrt((n * n - 1.) / 12.);
   }
+  if (f == WeightFormat::grid) q_std = 64.f;  // |code| x the sub-scale's factor, roughly: the d of fill_random_block
   if (f == WeightFormat::lut4) {
     double ss = 0.;
     for (int i = 0; i < 16; ++i) ss += (double)codebook_values(codebook)[i] * codebook_values(codebook)[i];
@@ -47,6 +48,29 @@ void fill_random_block(const MatrixShape& s, int rb, uint64_t seed, const Random
                        uint8_t* scales) {
   const int kpl = k_per_line(s.format);
   uint64_t state = seed;
+  if (s.format == WeightFormat::grid) {  // random block bytes with one fp16 d (padded rows: zeros, d = 0)
+    const GridInfo gi = grid_info(s.codebook);
+    uint8_t d16[2];
+    store_scale_rounded(ScaleType::f16, fill.scale, d16);
+    std::memset(data, 0, s.block_bytes());
+    if (s.has_scales()) std::memset(scales, 0, s.block_scale_bytes());
+    for (int sp = 0; sp < s.n_supers(); ++sp)
+      for (int r = 0; r < kRowsPerBlock && rb * kRowsPerBlock + r < s.n; ++r) {
+        uint8_t* b = data + ((size_t)sp * kRowsPerBlock + r) * gi.row_bytes;
+        for (int i = 0; i < gi.row_bytes; i += 8) {
+          const uint64_t v = splitmix64(state);
+          std::memcpy(b + i, &v, std::min(8, gi.row_bytes - i));
+        }
+        if (gi.has_d) {
+          std::memcpy(scales + ((size_t)sp * kRowsPerBlock + r) * 2, d16, 2);
+        } else {  // IQ1_M: the d's nibbles on top of its four scale words
+          const uint16_t d = (uint16_t)(d16[0] | d16[1] << 8);
+          for (int j = 0; j < 4; ++j)
+            b[48 + 2 * j + 1] = (uint8_t)((b[48 + 2 * j + 1] & 0x0f) | ((d >> (4 * j)) & 15) << 4);
+        }
+      }
+    return;
+  }
   if (plane_format(s.format)) {  // uniform codes, padding the code of zero (the offset; affine 0: the min undoes it)
     const Planes p = planes_of(s.format);
     const int bits = code_bits(s.format), pad = s.affine() ? 0 : 1 << (bits - 1);

@@ -20,7 +20,8 @@ const KernelEntry kTable[4][kWeightFormats] = {
                   {scalar::rowblock_int6, "int6/scalar"},
                   {scalar::rowblock_int5, "int5/scalar"},
                   {scalar::rowblock_int3, "int3/scalar"},
-                  {scalar::rowblock_int2, "int2/scalar"}},
+                  {scalar::rowblock_int2, "int2/scalar"},
+                  {scalar::rowblock_grid, "grid/scalar"}},
     /* avx2   */ {{avx2::rowblock_bf16, "bf16/avx2-fma"},
                   {avx2::rowblock_int8, "int8/avx2-madd"},
                   {avx2::rowblock_int4, "int4/avx2-maddubs"},
@@ -29,7 +30,8 @@ const KernelEntry kTable[4][kWeightFormats] = {
                   {avx2::rowblock_int6, "int6/avx2-planes-madd"},
                   {avx2::rowblock_int5, "int5/avx2-planes-madd"},
                   {avx2::rowblock_int3, "int3/avx2-planes-maddubs"},
-                  {avx2::rowblock_int2, "int2/avx2-planes-maddubs"}},
+                  {avx2::rowblock_int2, "int2/avx2-planes-maddubs"},
+                  {avx2::rowblock_grid, "grid/avx2-decode-maddubs"}},
     /* avx512 */ {{avx512::rowblock_bf16, "bf16/avx512-fma"},
                   {avx512::rowblock_int8, "int8/avx512-vnni"},
                   {avx512::rowblock_int4, "int4/avx512-vnni"},
@@ -38,21 +40,23 @@ const KernelEntry kTable[4][kWeightFormats] = {
                   {avx512::rowblock_int6, "int6/avx512-planes-vnni"},
                   {avx512::rowblock_int5, "int5/avx512-planes-vnni"},
                   {avx512::rowblock_int3, "int3/avx512-planes-vnni"},
-                  {avx512::rowblock_int2, "int2/avx512-planes-vnni"}},
-    /* amx    */ {{}, {}, {}, {}, {}, {}, {}, {}, {}},  // row blocks of few tokens: the AVX-512 kernels; the GEMM from amx::gemm
+                  {avx512::rowblock_int2, "int2/avx512-planes-vnni"},
+                  {avx512::rowblock_grid, "grid/avx512-decode-vnni"}},
+    /* amx    */ {{}, {}, {}, {}, {}, {}, {}, {}, {}, {}},  // row blocks of few tokens: the AVX-512 kernels; the GEMM from amx::gemm
 };
 // clang-format on
 
 // [native, emulated][format]
 const char* const kGemmNames[2][kWeightFormats] = {
     {"bf16/amx-tdpbf16ps", "int8/amx-tdpbsud", "int4/amx-tdpbsud", "lut4/amx-tdpbssd", "fp8/amx-tdpbf16ps",
-     "int6/amx-planes-tdpbsud", "int5/amx-planes-tdpbsud", "int3/amx-planes-tdpbsud", "int2/amx-planes-tdpbsud"},
+     "int6/amx-planes-tdpbsud", "int5/amx-planes-tdpbsud", "int3/amx-planes-tdpbsud", "int2/amx-planes-tdpbsud",
+     "grid/amx-decode-tdpbssd"},
     {"bf16/amx-emulated", "int8/amx-emulated", "int4/amx-emulated", "lut4/amx-emulated", "fp8/amx-emulated",
-     "int6/amx-emulated", "int5/amx-emulated", "int3/amx-emulated", "int2/amx-emulated"}};
+     "int6/amx-emulated", "int5/amx-emulated", "int3/amx-emulated", "int2/amx-emulated", "grid/amx-emulated"}};
 
 const char* format_label(WeightFormat f) {
   static const char* const names[kWeightFormats] = {"bf16", "int8", "int4", "lut4", "fp8",
-                                                    "int6", "int5", "int3", "int2"};
+                                                    "int6", "int5", "int3", "int2", "grid"};
   return names[(int)f];
 }
 
@@ -111,7 +115,15 @@ void check_kernel_choice(const MatrixFormat& m, Isa isa, AmxMode amx, int amx_mi
   auto bad = [](const std::string& msg) { throw std::invalid_argument(msg); };
   const int group = m.group;
   const bool lut4 = m.format == WeightFormat::lut4, per_row = group <= 0;
-  if (m.format == WeightFormat::bf16) {
+  if (m.format == WeightFormat::grid) {
+    if (!grid_codebook(m.codebook))
+      bad("grid weights need a grid type (iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, iq1_s or iq1_m)");
+    if (group != grid_info(m.codebook).group)
+      bad("grid weights of this type have groups of " + std::to_string(grid_info(m.codebook).group) + ", got " +
+          std::to_string(group));
+    if (m.scaling != Scaling::symmetric || m.scale_type != ScaleType::f16 || m.shared_scales)
+      bad("grid weights are symmetric with fp16 scales (the blocks' d)");
+  } else if (m.format == WeightFormat::bf16) {
     if (m.scale_type != ScaleType::f32 || m.codebook != Codebook::none || m.scaling != Scaling::symmetric)
       bad("bf16 weights have no scales, scaling or codebook");
   } else {
@@ -121,7 +133,8 @@ void check_kernel_choice(const MatrixFormat& m, Isa isa, AmxMode amx, int amx_mi
       bad("group_size must be 16, 32, 64 or 128 (or 0 for per-row), got " + std::to_string(group));
     if (plane_format(m.format) && per_row)
       bad(std::string(format_label(m.format)) + " weights need a group size of 16, 32, 64 or 128 (no per-row scales)");
-    if (lut4 && m.codebook == Codebook::none) bad("lut4 weights need a codebook (e2m1 or iq4nl)");
+    if (lut4 && (m.codebook == Codebook::none || grid_codebook(m.codebook)))
+      bad("lut4 weights need a codebook (e2m1 or iq4nl)");
     if (!lut4 && m.codebook != Codebook::none) bad("a codebook goes with lut4 weights only");
     if (lut4 && m.scaling == Scaling::affine) bad("lut4 weights are symmetric: affine scaling needs int8 or int4");
     if (m.scale_type != ScaleType::f32 && per_row)

@@ -149,6 +149,8 @@ void MoeExperts::pack_all(int e0, int n, const BlockPacker& pack, const char* fa
 }
 
 void MoeExperts::load(int e0, int n, const float* gate, const float* up, const float* down) {
+  if (gu_.format == WeightFormat::grid || down_.format == WeightFormat::grid)
+    throw std::invalid_argument(kGridFromFloats);
   const size_t IH = (size_t)cfg_.intermediate * cfg_.hidden;
   pack_all(
       e0, n,
@@ -186,13 +188,18 @@ void MoeExperts::load_codes(int e0, int n, const int8_t* const q[3], const float
   pack_all(
       e0, n,
       [&](int i, int which, const MatrixShape& shape, int rb, uint8_t* data, uint8_t* scales) {
+        if (shape.format == WeightFormat::grid) {  // the file's blocks: [n][rows][n_supers] of grid_file_bytes
+          const size_t per_expert = (size_t)shape.n * shape.n_supers() * grid_file_bytes(shape.codebook);
+          return pack_row_block_grid(shape, reinterpret_cast<const uint8_t*>(q[which]) + i * per_expert, rb, data,
+                                     scales);
+        }
         const size_t per_expert_scales = (size_t)shape.n * shape.n_groups();
         const float* mins = shape.affine() ? group_mins[which] + i * per_expert_scales : nullptr;
         return pack_row_block_codes(shape, q[which] + i * IH, group_scales[which] + i * per_expert_scales, mins, rb,
                                     data, scales);
       },
       "has a code outside its format's range, a scale or min that is not finite, or a scale its scale type does not "
-      "hold exactly");
+      "hold exactly (grid: a block's d that is not finite)");
 }
 
 void MoeExperts::load_biases(int e0, int n, const float* gate, const float* up, const float* down) {

@@ -49,8 +49,10 @@ constexpr int kAmxMinTokensInt4 = 32;
 constexpr int kAmxMinTokensFp8 = 16;
 inline int default_amx_min_tokens(WeightFormat f) {
   if (f == WeightFormat::fp8) return kAmxMinTokensFp8;
-  // the bit-plane formats expand their lines per call as int4 does
-  return f == WeightFormat::int4 || f == WeightFormat::lut4 || plane_format(f) ? kAmxMinTokensInt4 : kAmxMinTokens;
+  // the bit-plane and grid formats expand their lines per call as int4 does
+  return f == WeightFormat::int4 || f == WeightFormat::lut4 || plane_format(f) || f == WeightFormat::grid
+             ? kAmxMinTokensInt4
+             : kAmxMinTokens;
 }
 
 // The stages of one MoE job (see the top of this file), for the per-stage time profile.
@@ -110,6 +112,10 @@ struct ExpertsConfig {
   }
 };
 
+// The refusal of floats for grid experts (formats/layout.h: they hold a file's i-quant blocks as they are).
+inline constexpr const char* kGridFromFloats =
+    "grid weights hold a GGUF file's i-quant blocks as they are (load_codes); floats are not quantized into them";
+
 class MoeExperts {
  public:
   MoeExperts(const ExpertsConfig& cfg, std::shared_ptr<ThreadPool> pool);
@@ -122,7 +128,9 @@ class MoeExperts {
   // matrices group_mins[m] of the same shape (null for symmetric ones). Grouped int8/int4/lut4 only; the kernels then
   // multiply by exactly q * scale (lut4: codebook[q] * scale; affine: scale * q - min). Scales with no exact form in
   // the matrix's scale type are refused as out-of-range codes are. fp8 experts take their E4M3 codes (bytes) the
-  // same way (formats/pack.h pack_row_block_fp8: NaN codes refused as out-of-range codes are).
+  // same way (formats/pack.h pack_row_block_fp8: NaN codes refused as out-of-range codes are). A grid matrix takes
+  // its GGUF blocks as the file stores them instead of codes (q[m]: [n, rows, rows' blocks] bytes, pack_row_block_grid;
+  // its scales and mins unused).
   void load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3],
                   const float* const group_mins[3]);
   // The values the kernels multiply by, fp32: gate, up [I, H], down [H, I].

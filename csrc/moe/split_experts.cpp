@@ -36,10 +36,12 @@ NumaExperts::NumaExperts(const ExpertsConfig& cfg, std::shared_ptr<NumaPools> po
   // int8/int4: the AMX activation group of h, formats/layout.h amx_row_group; k8 scales: the super-block, so a
   // slice's super scales are the file's).
   const int down_group = cfg_.down_group != 0 ? cfg_.down_group : cfg_.group;
-  const int unit = cfg_.format == WeightFormat::bf16       ? kBf16Group
-                   : down_group <= 0                       ? amx_row_group(cfg_.intermediate)
-                   : cfg_.down_scale_type == ScaleType::k8 ? kSuperBlock
-                                                           : std::max(down_group, kRowsPerBlock);
+  const int unit = cfg_.format == WeightFormat::bf16 ? kBf16Group
+                   : down_group <= 0                 ? amx_row_group(cfg_.intermediate)
+                   : cfg_.down_scale_type == ScaleType::k8 ||
+                           cfg_.down_format.value_or(cfg_.format) == WeightFormat::grid  // whole blocks of the file
+                       ? kSuperBlock
+                       : std::max(down_group, kRowsPerBlock);
   bounds_ = tp_slices(cfg_.intermediate, unit, pools_->size());
   for (size_t s = 0; s < bounds_.size(); ++s) {
     ExpertsConfig c = cfg_;
@@ -70,6 +72,8 @@ bool all_finite(const float* p, size_t n) {
 }  // namespace
 
 void NumaExperts::load(int e0, int n, const float* gate, const float* up, const float* down) {
+  if (gu_.format == WeightFormat::grid || down_.format == WeightFormat::grid)
+    throw std::invalid_argument(kGridFromFloats);
   if (e0 < 0 || n < 0 || e0 + n > cfg_.n_expert)
     throw std::invalid_argument("load: experts [" + std::to_string(e0) + ", " + std::to_string(e0 + n) +
                                 ") are outside [0, " + std::to_string(cfg_.n_expert) + ")");
@@ -146,28 +150,47 @@ void NumaExperts::load_codes(int e0, int n, const int8_t* const q[3], const floa
   if (H % gg || I % gd)
     throw std::invalid_argument("load_codes: hidden and intermediate sizes must be multiples of the group");
   const size_t IH = (size_t)I * H;
+  // grid matrices take the file's blocks (formats/pack.h pack_row_block_grid): bytes per block and per row
+  const bool gu_grid = gu_.format == WeightFormat::grid, down_grid = down_.format == WeightFormat::grid;
+  const size_t gu_row = gu_grid ? (size_t)gu_.n_supers() * grid_file_bytes(gu_.codebook) : 0;
+  const size_t down_block = down_grid ? grid_file_bytes(down_.codebook) : 0, down_row = down_block * down_.n_supers();
   std::vector<int8_t> down_q;
   std::vector<float> down_s, down_m;
   for (int i = 0; i < n; ++i)
     for (int s = 0; s < n_slices(); ++s) {
-      // slice s: rows [i0, i1) of gate and up (contiguous), columns [i0, i1) of down (copied out; whole groups)
+      // slice s: rows [i0, i1) of gate and up (contiguous), columns [i0, i1) of down (copied out; whole groups, for a
+      // grid down whole blocks of 256: the unit of the slices)
       const int i0 = bounds_[s].first, Is = bounds_[s].second - i0;
-      down_q.resize((size_t)H * Is);
-      down_s.resize((size_t)H * (Is / gd));
-      down_m.resize(group_mins[2] ? (size_t)H * (Is / gd) : 0);
-      const int8_t* dq = q[2] + i * IH;
-      const size_t d_off = i * IH / gd;
-      for (int r = 0; r < H; ++r) {
-        std::memcpy(down_q.data() + (size_t)r * Is, dq + (size_t)r * I + i0, Is);
-        const size_t src = d_off + (size_t)r * (I / gd) + i0 / gd, n_g = Is / gd;
-        std::memcpy(down_s.data() + (size_t)r * n_g, group_scales[2] + src, sizeof(float) * n_g);
-        if (group_mins[2]) std::memcpy(down_m.data() + (size_t)r * n_g, group_mins[2] + src, sizeof(float) * n_g);
+      const size_t n_g = Is / gd;
+      if (down_grid) {
+        const size_t slice_row = (size_t)(Is / kSuperBlock) * down_block,
+                     skip = (size_t)(i0 / kSuperBlock) * down_block;
+        down_q.resize((size_t)H * slice_row);
+        const int8_t* dq = q[2] + i * (size_t)H * down_row;
+        for (int r = 0; r < H; ++r)
+          std::memcpy(down_q.data() + (size_t)r * slice_row, dq + (size_t)r * down_row + skip, slice_row);
+      } else {
+        down_q.resize((size_t)H * Is);
+        down_s.resize((size_t)H * n_g);
+        down_m.resize(group_mins[2] ? (size_t)H * n_g : 0);
+        const int8_t* dq = q[2] + i * IH;
+        const size_t d_off = i * IH / gd;
+        for (int r = 0; r < H; ++r) {
+          std::memcpy(down_q.data() + (size_t)r * Is, dq + (size_t)r * I + i0, Is);
+          const size_t src = d_off + (size_t)r * (I / gd) + i0 / gd;
+          std::memcpy(down_s.data() + (size_t)r * n_g, group_scales[2] + src, sizeof(float) * n_g);
+          if (group_mins[2]) std::memcpy(down_m.data() + (size_t)r * n_g, group_mins[2] + src, sizeof(float) * n_g);
+        }
       }
       const size_t gu_off = i * IH / gg + (size_t)i0 * (H / gg);
       const int8_t* sq[3] = {q[0] + i * IH + (size_t)i0 * H, q[1] + i * IH + (size_t)i0 * H, down_q.data()};
-      const float* ss[3] = {group_scales[0] + gu_off, group_scales[1] + gu_off, down_s.data()};
+      if (gu_grid)
+        for (int m = 0; m < 2; ++m) sq[m] = q[m] + (i * (size_t)I + i0) * gu_row;
+      const float* ss[3] = {gu_grid ? nullptr : group_scales[0] + gu_off, gu_grid ? nullptr : group_scales[1] + gu_off,
+                            down_grid ? nullptr : down_s.data()};
       const float* sm[3] = {group_mins[0] ? group_mins[0] + gu_off : nullptr,
-                            group_mins[1] ? group_mins[1] + gu_off : nullptr, group_mins[2] ? down_m.data() : nullptr};
+                            group_mins[1] ? group_mins[1] + gu_off : nullptr,
+                            group_mins[2] && !down_grid ? down_m.data() : nullptr};
       slices_[s]->load_codes(e0 + i, 1, sq, ss, sm);
     }
 }

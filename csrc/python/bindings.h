@@ -33,13 +33,15 @@ inline WeightFormat format_from_name(const std::string& s) {
   if (s == "int5") return WeightFormat::int5;
   if (s == "int3") return WeightFormat::int3;
   if (s == "int2") return WeightFormat::int2;
+  if (s == "grid") return WeightFormat::grid;
   throw std::invalid_argument("unknown weight format '" + s +
-                              "' (expected bf16, int8, int6, int5, int4, lut4, int3, int2 or fp8)");
+                              "' (expected bf16, int8, int6, int5, int4, lut4, int3, int2, grid or fp8)");
 }
 
 // Scale types and codebooks by their Python names (hetmoe/cpu/experts.py SCALE_DTYPES, CODEBOOKS).
 inline const char* const kScaleTypeNames[kScaleTypes] = {"fp32", "fp16", "bf16", "e8m0", "k8", "k4"};
-inline const char* const kCodebookNames[] = {"", "e2m1", "iq4nl"};
+inline const char* const kCodebookNames[kCodebooks] = {"",      "e2m1",    "iq4nl", "iq2_xxs", "iq2_xs",
+                                                       "iq2_s", "iq3_xxs", "iq3_s", "iq1_s",   "iq1_m"};
 inline ScaleType scale_type_from_name(const std::string& s) {
   for (int i = 0; i < kScaleTypes; ++i)
     if (s == kScaleTypeNames[i]) return (ScaleType)i;
@@ -48,7 +50,9 @@ inline ScaleType scale_type_from_name(const std::string& s) {
 inline Codebook codebook_from_name(const std::string& s) {
   for (int i = 0; i < kCodebooks; ++i)
     if (s == kCodebookNames[i]) return (Codebook)i;
-  throw std::invalid_argument("unknown codebook '" + s + "' (expected e2m1 or iq4nl)");
+  throw std::invalid_argument("unknown codebook '" + s +
+                              "' (expected e2m1 or iq4nl; grid types: iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, iq1_s, "
+                              "iq1_m)");
 }
 
 template <typename T>
@@ -67,6 +71,7 @@ inline const char* format_name(WeightFormat f) {
     case WeightFormat::int5: return "int5";
     case WeightFormat::int3: return "int3";
     case WeightFormat::int2: return "int2";
+    case WeightFormat::grid: return "grid";
   }
   return "?";
 }

@@ -52,12 +52,17 @@ PYBIND11_MODULE(_C, m) {
     layout["scale_width"] = widths;
     layout["super_block"] = kSuperBlock;  // k8: elements of K per fp16 super scale (2 bytes per row)
     py::dict books;                       // lut4 codebooks: name -> 16 int8 values
-    for (int c = 1; c < kCodebooks; ++c) {
+    for (int c = 1; c < kLut4Codebooks; ++c) {
       py::list v;
       for (int i = 0; i < 16; ++i) v.append((int)codebook_values((Codebook)c)[i]);
       books[bindings::kCodebookNames[c]] = v;
     }
     layout["codebooks"] = books;
+    py::dict grids;  // grid types: name -> (group, bytes per row and super-block held, bytes per block in the file)
+    for (int c = kLut4Codebooks; c < kCodebooks; ++c)
+      grids[bindings::kCodebookNames[c]] =
+          py::make_tuple(grid_info((Codebook)c).group, grid_info((Codebook)c).row_bytes, grid_file_bytes((Codebook)c));
+    layout["grids"] = grids;
     m.attr("LAYOUT") = layout;
   }
 

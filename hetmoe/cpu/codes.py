@@ -45,7 +45,10 @@ import torch
 
 from hetmoe import _C
 from hetmoe.cpu.experts import CPUExperts
-from hetmoe.cpu.layout import CODEBOOKS, PLANES, ROWS, SUPER_BLOCK, TWO_LEVEL
+from hetmoe.cpu.layout import CODEBOOKS, GRIDS, PLANES, ROWS, SUPER_BLOCK, TWO_LEVEL
+
+# GGML i-quant types the grid format holds natively (the first the most used in unsloth's "UD" mixes)
+GRID_TYPES = ("IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 
 CODE_RANGE = {("int8", "symmetric"): (-127, 127), ("int4", "symmetric"): (-8, 7),
               ("int8", "affine"): (0, 127), ("int4", "affine"): (0, 15), ("lut4", "symmetric"): (0, 15),
@@ -61,7 +64,9 @@ EXACT_TYPES = {"Q8_0": ("int8", "symmetric", 32, "fp16", None), "Q4_0": ("int4",
                "IQ4_NL": ("lut4", "symmetric", 32, "fp16", "iq4nl"),
                "IQ4_XS": ("lut4", "symmetric", 32, "k8", "iq4nl"),
                "MXFP4": ("lut4", "symmetric", 32, "e8m0", "e2m1"),
-               "TQ2_0": ("int2", "symmetric", 128, "fp16", None), "TQ1_0": ("int2", "symmetric", 128, "fp16", None)}
+               "TQ2_0": ("int2", "symmetric", 128, "fp16", None), "TQ1_0": ("int2", "symmetric", 128, "fp16", None),
+               # the i-quants as their files' blocks (csrc/formats/layout.h grid; the group is the type's scale's)
+               **{k: ("grid", "symmetric", GRIDS[k.lower()][0], "fp16", k.lower()) for k in GRID_TYPES}}
 FOUR_BITS = ("int4", "lut4")
 # formats whose codes a plan counts as int8 (the row blocks read int16 activations for them); the others as int4
 WIDE = ("int8", "int6", "int5")
@@ -119,17 +124,18 @@ def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Seque
                scan_first: bool = True) -> None:
     """Pack experts ``first_expert ..`` of ``experts`` (grouped int8 or int4) from ``codes`` = (gate, up, down) int8
     [n, I, H] / [n, I, H] / [n, H, I] and ``scales`` = the same matrices' fp32 [n, rows, cols / group] (one per
-    group of the matrix's group size consecutive columns of a row); ``mins`` (same shapes as the scales) for the
-    matrices the experts hold affine (None for symmetric ones). ValueError, naming the matrix, for a shape, dtype,
-    group or range the engine cannot hold exactly; nothing of a refused call is marked loaded. ``scan_first=False``
-    (codes a decoder made, in range by construction): the values are scanned only when the engine refuses them (it
-    checks ranges and scales as it packs), to name what was wrong; a refused call may then have overwritten the
-    experts' bytes (still not marked loaded)."""
+    group of the matrix's group size consecutive columns of a row); a grid matrix takes its GGUF blocks instead,
+    uint8 [n, rows, cols / 256 * block bytes] as the file holds them, and no scales (None). ``mins`` (same shapes
+    as the scales) for the matrices the experts hold affine (None for symmetric ones). ValueError, naming the
+    matrix, for a shape, dtype, group or range the engine cannot hold exactly; nothing of a refused call is marked
+    loaded. ``scan_first=False`` (codes a decoder made, in range by construction): the values are scanned only when
+    the engine refuses them (it checks ranges and scales as it packs), to name what was wrong; a refused call may
+    then have overwritten the experts' bytes (still not marked loaded)."""
     info = experts.info()
     fmt, group, down_group = info["weight_format"], info["group_size"], info["down_group_size"]
-    if fmt not in ("int8", "int4", "lut4", *PLANES) or group <= 0 or down_group <= 0:
-        raise ValueError(f"codes load into grouped int8, int4, lut4 or bit-plane (int6, int5, int3, int2) experts; "
-                         f"these are {fmt} (group {group})")
+    if fmt not in ("int8", "int4", "lut4", "grid", *PLANES) or group <= 0 or down_group <= 0:
+        raise ValueError(f"codes load into grouped int8, int4, lut4, grid or bit-plane (int6, int5, int3, int2) "
+                         f"experts; these are {fmt} (group {group})")
     mins = (None, None, None) if mins is None else tuple(mins)
     if len(codes) != 3 or len(scales) != 3 or len(mins) != 3:
         raise ValueError("codes, scales and mins must each hold (gate, up, down)")
@@ -139,10 +145,20 @@ def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Seque
         raise ValueError(f"experts [{first_expert}, {first_expert + n}) do not fit in "
                          f"num_experts={experts.num_experts}")
     ready = []  # per matrix: (name, format, scaling, scale dtype, group, codes, scales, mins or None), on the CPU
-    layouts = ((fmt, group, info["gate_up_scaling"], info["gate_up_scale_dtype"]),) * 2 + (
-        (info["down_weight_format"], down_group, info["down_scaling"], info["down_scale_dtype"]),)
-    for name, q, s, m, (rows, cols), (mfmt, g, scaling, sdt) in zip(("gate", "up", "down"), codes, scales, mins,
-                                                                    ((I, H), (I, H), (H, I)), layouts):
+    layouts = ((fmt, group, info["gate_up_scaling"], info["gate_up_scale_dtype"], info["gate_up_codebook"]),) * 2 + (
+        (info["down_weight_format"], down_group, info["down_scaling"], info["down_scale_dtype"],
+         info["down_codebook"]),)
+    for name, q, s, m, (rows, cols), (mfmt, g, scaling, sdt, book) in zip(("gate", "up", "down"), codes, scales, mins,
+                                                                          ((I, H), (I, H), (H, I)), layouts):
+        if mfmt == "grid":  # the file's blocks, [n, rows, blocks of the row] bytes; no scales (the blocks hold them)
+            row_bytes = cols // SUPER_BLOCK * GRIDS[book][2]
+            if cols % SUPER_BLOCK:
+                raise ValueError(f"{name}: {cols} columns are not whole {book} blocks of {SUPER_BLOCK}")
+            if q.dtype not in (torch.uint8, torch.int8) or tuple(q.shape) != (n, rows, row_bytes):
+                raise ValueError(f"{name} ({book} blocks) must be uint8 [{n}, {rows}, {row_bytes}], got {q.dtype} "
+                                 f"{list(q.shape)}")
+            ready.append((name, mfmt, scaling, sdt, g, q.detach().to("cpu").contiguous().view(torch.int8), None, None))
+            continue
         if cols % g:
             raise ValueError(f"{name}: {cols} columns are not a multiple of the group size {g}")
         if q.dtype != torch.int8 or tuple(q.shape) != (n, rows, cols):
@@ -161,8 +177,8 @@ def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Seque
     (*_, gq, gs, gm), (*_, uq, us, um), (*_, dq, ds, dm) = ready
     addr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     try:
-        experts._ex.load_codes(first_expert, n, gq.data_ptr(), gs.data_ptr(), uq.data_ptr(), us.data_ptr(),
-                               dq.data_ptr(), ds.data_ptr(), addr(gm), addr(um), addr(dm))
+        experts._ex.load_codes(first_expert, n, gq.data_ptr(), addr(gs), uq.data_ptr(), addr(us), dq.data_ptr(),
+                               addr(ds), addr(gm), addr(um), addr(dm))
     except ValueError:
         if not scan_first:
             _scan(ready)  # names the matrix and what is wrong with it
@@ -173,6 +189,8 @@ def _scan(ready: list) -> None:
     """ValueError naming the first matrix whose codes are out of its range, whose scales or mins are not finite, or
     whose scales (or mins) its scale dtype does not hold exactly."""
     for name, mfmt, scaling, sdt, group, q, s, m in ready:
+        if mfmt == "grid":
+            continue  # blocks: the engine names a bad one (a d that is not a number)
         lo, hi = CODE_RANGE[mfmt, scaling]
         qmin, qmax = (int(v) for v in q.aminmax()) if q.numel() else (lo, hi)  # one pass over the codes
         if qmin < lo or qmax > hi:

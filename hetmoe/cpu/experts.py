@@ -35,10 +35,14 @@ FP8_FORMAT = "fp8"
 # bit-plane formats: b-bit codes at b bits each (csrc/formats/layout.h), for the K-quants' own codes (Q6_K, Q5_K, Q3_K,
 # Q2_K: hetmoe/cpu/codes.py); floats loaded into them are quantized absmax (affine: min/max) per group
 PLANE_FORMATS = ("int6", "int5", "int3", "int2")
+# grid: GGUF's i-quant blocks (IQ2_XXS .. IQ1_M) as the file holds them, decoded to int8 codes in the kernels
+# (csrc/formats/layout.h); loaded from the file's bytes only (hetmoe/cpu/codes.py load_codes), never from floats
+GRID_FORMAT = "grid"
 # how int8/int4/lut4/fp8 scales are stored (csrc/formats/layout.h); k8: the K-quants' int8 sub-scale x fp16 per 256
 # (integer formats only); k4: Q2_K's 4-bit sub-scale and sub-min in one byte x fp16 d and dmin per 256 (affine only)
 SCALE_DTYPES = ("fp32", "fp16", "bf16", "e8m0", "k8", "k4")
 CODEBOOKS = ("e2m1", "iq4nl")  # lut4's codebooks: FP4 (MXFP4, NVFP4) doubled, llama.cpp's IQ4_NL table
+GRID_TYPES = tuple(_C.LAYOUT["grids"])  # grid's codebooks: the i-quant each grid matrix holds (iq2_xxs, ...)
 
 GLU_KINDS = ("swiglu", "clamped_swiglu")  # csrc/formats/activation.h GluKind
 
@@ -167,8 +171,8 @@ class CPUExperts:
             of a row; affine only), or a pair (gate/up, down);
             grouped matrices only. Scales quantized here are rounded to the type; codes loaded with ``load_codes``
             must have scales (and mins) the type holds exactly.
-        codebook: lut4's 16 values: ``"e2m1"`` (FP4 doubled) or ``"iq4nl"``, or a pair (gate/up, down; None for a
-            matrix that is not lut4).
+        codebook: lut4's 16 values: ``"e2m1"`` (FP4 doubled) or ``"iq4nl"``; grid's type (``"iq2_xxs"``, ...); or a
+            pair (gate/up, down; None for a matrix that is neither).
         shared_scales: fp8 only: one scale per 16 rows and group (block FP8's 128 x 128 blocks, stored once per row
             block instead of per row), or a pair (gate/up, down).
         threads: pool size (default: one per physical core). Ignored when ``pool`` is given.
@@ -220,7 +224,7 @@ class CPUExperts:
         codebook = (codebook, codebook) if codebook is None or isinstance(codebook, str) else tuple(codebook)
         shared_scales = (shared_scales, shared_scales) if isinstance(shared_scales, bool) else tuple(shared_scales)
         weight_format, down_format = (weight_format, "") if isinstance(weight_format, str) else weight_format
-        formats = WEIGHT_FORMATS + PLANE_FORMATS + (LUT_FORMAT, FP8_FORMAT)
+        formats = WEIGHT_FORMATS + PLANE_FORMATS + (LUT_FORMAT, FP8_FORMAT, GRID_FORMAT)
         if weight_format not in formats or down_format not in formats + ("",):
             raise ValueError(f"unknown weight_format {weight_format!r}; expected one of {', '.join(formats)}")
         if len(scale_dtype) != 2 or any(t not in SCALE_DTYPES for t in scale_dtype):
@@ -228,9 +232,9 @@ class CPUExperts:
                              f"got {scale_dtype!r}")
         if len(shared_scales) != 2 or any(not isinstance(b, bool) for b in shared_scales):
             raise ValueError(f"shared_scales must be a bool or a (gate/up, down) pair of them, got {shared_scales!r}")
-        if len(codebook) != 2 or any(c is not None and c not in CODEBOOKS for c in codebook):
-            raise ValueError(f"codebook must be one of {', '.join(CODEBOOKS)}, None or a (gate/up, down) pair, got "
-                             f"{codebook!r}")
+        if len(codebook) != 2 or any(c is not None and c not in CODEBOOKS + GRID_TYPES for c in codebook):
+            raise ValueError(f"codebook must be one of {', '.join(CODEBOOKS + GRID_TYPES)}, None or a (gate/up, down) "
+                             f"pair, got {codebook!r}")
         features = _C.cpu_features()
         emulated = isa == AMX_EMULATED
         if isa == "auto":
@@ -281,6 +285,9 @@ class CPUExperts:
         Accepts stacked tensors or per-expert lists, in any floating dtype. The engine keeps no reference to
         them afterwards. ``first_expert`` loads a slice (experts ``first_expert .. first_expert + n``).
         """
+        if GRID_FORMAT in (self.weight_format if isinstance(self.weight_format, tuple) else (self.weight_format,)):
+            raise ValueError("grid weights hold a GGUF file's i-quant blocks as they are (hetmoe.cpu.codes."
+                             "load_codes); floats are not quantized into them")
         gate, up, down = (self._as_list(n, w) for n, w in (("gate", gate), ("up", up), ("down", down)))
         n = len(gate)
         if len(up) != n or len(down) != n:

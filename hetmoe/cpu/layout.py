@@ -5,6 +5,8 @@ bytes with these constants."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 from hetmoe import _C
 
 VERSION = _C.LAYOUT_VERSION  # bumped whenever the packed bytes change (the expert cache keys on it)
@@ -20,6 +22,9 @@ SCALE_WIDTH = dict(_C.LAYOUT["scale_width"])
 SUPER_BLOCK = _C.LAYOUT["super_block"]  # k8, k4: values of K per fp16 super scale
 TWO_LEVEL = ("k8", "k4")  # scale dtypes with an fp16 super scale per (row, SUPER_BLOCK values of K)
 CODEBOOKS = {name: tuple(values) for name, values in _C.LAYOUT["codebooks"].items()}  # lut4: name -> 16 int8 values
+# grid's types (GGUF i-quants): name -> (scale group, bytes per row and SUPER_BLOCK values held, bytes per block in the
+# file); a grid matrix's K is whole super-blocks
+GRIDS = {name: tuple(v) for name, v in _C.LAYOUT["grids"].items()}
 
 
 # The fp8 experts a plan's (format, group) means: group 128, block FP8 (one fp32 scale per 16 rows and group, shared:
@@ -53,11 +58,20 @@ def min_set_bytes(n_blocks: int, kp: int, group: int, scale_dtype: str) -> int:
     return set_bytes(n_blocks, kp, group, scale_dtype)
 
 
+def grid_matrix_bytes(grid: str, n: int, k: int) -> int:
+    """Bytes of one [n, k] grid matrix of type ``grid`` (csrc/formats/layout.h): each row's blocks less their fp16 d,
+    the d apart (IQ1_M: none apart), rows padded to whole row blocks, K to whole super-blocks."""
+    _, row_bytes, file_bytes = GRIDS[grid]
+    return -(-n // ROWS) * ROWS * -(-k // SUPER_BLOCK) * (row_bytes + (2 if file_bytes > row_bytes else 0))
+
+
 def packed_matrix_bytes(fmt: str, n: int, k: int, group: int, affine: bool = False, scale_dtype: str = "fp32",
-                        shared_scales: bool = False) -> int:
+                        shared_scales: bool = False, codebook: Optional[str] = None) -> int:
     """Bytes of one [n, k] matrix in the engine's packed layout (csrc/formats/layout.h), scales (of
     ``scale_dtype``; an affine matrix's mins, stored as the scales are, beside them (k4: in the scales' bytes but for
     their fp16 super mins); fp8 ``shared_scales``: one per 16 rows) included."""
+    if fmt == "grid":
+        return grid_matrix_bytes(codebook, n, k)
     group = BF16_GROUP if fmt == "bf16" else (group or 128)
     n_blocks, kp = -(-n // ROWS), -(-k // group) * group
     data = n_blocks * data_lines(fmt, kp) * LINE
@@ -87,7 +101,9 @@ def layout_bytes(layout: dict, hidden: int, inter: int) -> int:
     gu_scaling, down_scaling = _pair(layout.get("scaling", "symmetric"))
     gu_scales, down_scales = _pair(layout.get("scale_dtype", "fp32"))
     gu_shared, down_shared = _pair(layout.get("shared_scales", False))
+    gu_book, down_book = _pair(layout.get("codebook"))
     group = layout["group_size"]
-    return (2 * packed_matrix_bytes(gate_up, inter, hidden, group, gu_scaling == "affine", gu_scales, gu_shared)
+    return (2 * packed_matrix_bytes(gate_up, inter, hidden, group, gu_scaling == "affine", gu_scales, gu_shared,
+                                    gu_book)
             + packed_matrix_bytes(down, hidden, inter, layout.get("down_group_size") or group,
-                                  down_scaling == "affine", down_scales, down_shared))
+                                  down_scaling == "affine", down_scales, down_shared, down_book))

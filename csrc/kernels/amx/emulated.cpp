@@ -159,6 +159,7 @@ GemmKernel emulated_with(WeightFormat f, bool int4_signed) {
     case WeightFormat::int5: return Gemm<Emulated, kTwoSetMax>::template planes<WeightFormat::int5>;
     case WeightFormat::int3: return Gemm<Emulated, kTwoSetMax>::template planes<WeightFormat::int3>;
     case WeightFormat::int2: return Gemm<Emulated, kTwoSetMax>::template planes<WeightFormat::int2>;
+    case WeightFormat::grid: return Gemm<EmulatedT<true>, kTwoSetMax>::grid;
   }
   return nullptr;
 }

@@ -51,6 +51,7 @@
 #include <new>
 
 #include "formats/activation.h"
+#include "formats/grid.h"
 #include "formats/layout.h"
 
 namespace hetmoe {
@@ -611,6 +612,39 @@ struct Gemm {
     const int32_t offset = w[0].mins ? 0 : 1 << (code_bits(F) - 1);
     int8_lines(lines, BlockScales::of(w, n_blk), n_blk, nullptr, 0, kp, w[0].group, offset, x, a, n_tok, out, false,
                spread, true);
+  }
+
+  // ---- grid weights (formats/layout.h): each block decoded (formats/grid.h, the row-block kernels' decoding) into
+  // int8 lines of its signed codes and fp32 scales [n_groups][16] in the slab, summed with tdpbssd (a policy with
+  // kSignedB) as lut4's: the tile sums are the true sums, the epilogue has no offset. The next call's packed bytes
+  // are prefetched into L2 across this call's steps.
+  static void grid(const RowBlock* w, int n_blk, const RowBlock* next, int n_next, const AmxPanel& x,
+                   const ActLayout& a, int n_tok, float* out) {
+    static_assert(Tiles::kSignedB, "grid codes expand to signed bytes");
+    const int kp = w[0].kp, group = w[0].group, gps = kSuperBlock / group;
+    const size_t line_bytes = (size_t)kp / 4 * kLineBytes, scale_bytes = (size_t)(kp / group) * kRowsPerBlock * 4;
+    uint8_t* buf = slab((line_bytes + scale_bytes) * n_blk);
+    RowBlock wide[2];
+    const uint8_t* lines[2] = {nullptr, nullptr};
+    for (int j = 0; j < n_blk; ++j) {
+      uint8_t* l = buf + j * (line_bytes + scale_bytes);
+      float* sc = reinterpret_cast<float*>(l + line_bytes);
+      for (int sp = 0; sp < kp / kSuperBlock; ++sp)
+        grid::decode_super(w[j], sp, l + (size_t)sp * (kSuperBlock / 4) * kLineBytes, sc + sp * gps * kRowsPerBlock);
+      wide[j] = w[j];
+      wide[j].scales = reinterpret_cast<const uint8_t*>(sc);
+      wide[j].scale_type = ScaleType::f32;
+      wide[j].grid = Codebook::none;
+      lines[j] = l;
+    }
+    NextChunk spread;
+    if (next) {
+      for (int j = 0; j < n_next && j < 2; ++j) spread.p[j] = next[j].data;
+      spread.n = n_next < 2 ? n_next : 2;
+      spread.lines = next[0].kp / kSuperBlock * kRowsPerBlock * grid_info(next[0].grid).row_bytes / kLineBytes;
+    }
+    int8_lines(lines, BlockScales::of(wide, n_blk), n_blk, nullptr, 0, kp, group, 0, x, a, n_tok, out, false, spread,
+               true);
   }
 
   // The next call's packed nibble lines, prefetched into L2 across an int4 / lut4 call's steps.

@@ -137,7 +137,8 @@ GemmKernel gemm(WeightFormat f) {
                                                            Gemm<Native>::planes<WeightFormat::int6>,
                                                            Gemm<Native>::planes<WeightFormat::int5>,
                                                            Gemm<Native>::planes<WeightFormat::int3>,
-                                                           Gemm<Native>::planes<WeightFormat::int2>};
+                                                           Gemm<Native>::planes<WeightFormat::int2>,
+                                                           Gemm<NativeT<true>>::grid};
   return kByFormat[(int)f];
 }
 

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "formats/activation.h"
+#include "formats/grid.h"
 #include "kernels/dispatch.h"
 #include "kernels/row_ops.h"
 #include "kernels/tiles.h"
@@ -383,6 +384,76 @@ struct Lut4Tile {
     }
   }
 };
+
+// grid weights (formats/layout.h): one super-block of 256 of K decoded (formats/grid.h) into 64 int8 lines of signed
+// codes and [256 / group][16] fp32 scales, then NT tokens over them as Lut4Tile multiplies looked-up codes:
+// maddubs(|x|, sign(q, x)) (|q| <= 63, so two lines' int16 pair sums add before the widening madd). The outputs'
+// fp32 accumulators stay in `out` from one super-block to the next (the same chain as one pass).
+template <int NT>
+struct GridTile {
+  static void run(const uint8_t* lines, const float* sc, int group, int sp, const uint8_t* const* rows,
+                  const ActLayout& a, float* out) {
+    const int gps = kSuperBlock / group, lines_per_group = group / 4;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t* x[NT];
+    __m256 facc[NT][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < NT; ++i) {
+      x[i] = reinterpret_cast<const int8_t*>(rows[i]) + sp * kSuperBlock;
+      facc[i][0] = _mm256_loadu_ps(out + i * kRowsPerBlock);
+      facc[i][1] = _mm256_loadu_ps(out + i * kRowsPerBlock + 8);
+    }
+    for (int g = 0; g < gps; ++g) {
+      __m256i acc[NT][2];
+#pragma GCC unroll 8
+      for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+      for (int j = g * lines_per_group; j < (g + 1) * lines_per_group; j += 2) {
+        const uint8_t* p = lines + (size_t)j * kLineBytes;
+        __m256i xa[NT], xb[NT];
+#pragma GCC unroll 8
+        for (int i = 0; i < NT; ++i) {
+          int32_t l0, l1;
+          std::memcpy(&l0, x[i] + 4 * j, 4);
+          std::memcpy(&l1, x[i] + 4 * j + 4, 4);
+          xa[i] = _mm256_set1_epi32(l0);
+          xb[i] = _mm256_set1_epi32(l1);
+        }
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; ++half) {
+          const __m256i q0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32 * half));
+          const __m256i q1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + kLineBytes + 32 * half));
+#pragma GCC unroll 8
+          for (int i = 0; i < NT; ++i) {
+            const __m256i p0 = _mm256_maddubs_epi16(_mm256_abs_epi8(xa[i]), _mm256_sign_epi8(q0, xa[i]));
+            const __m256i p1 = _mm256_maddubs_epi16(_mm256_abs_epi8(xb[i]), _mm256_sign_epi8(q1, xb[i]));
+            acc[i][half] = _mm256_add_epi32(acc[i][half], _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones));
+          }
+        }
+      }
+      const __m256 ws0 = _mm256_loadu_ps(sc + g * kRowsPerBlock), ws1 = _mm256_loadu_ps(sc + g * kRowsPerBlock + 8);
+#pragma GCC unroll 8
+      for (int i = 0; i < NT; ++i) {
+        const float xs = act_scales(rows[i], a)[sp * gps + g];
+        facc[i][0] = epilogue8<false>(facc[i][0], acc[i][0], 0, 0, ws0, _mm256_setzero_ps(), xs);
+        facc[i][1] = epilogue8<false>(facc[i][1], acc[i][1], 0, 0, ws1, _mm256_setzero_ps(), xs);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < NT; ++i) {
+      _mm256_storeu_ps(out + i * kRowsPerBlock, facc[i][0]);
+      _mm256_storeu_ps(out + i * kRowsPerBlock + 8, facc[i][1]);
+    }
+  }
+};
+
+template <int N>
+inline void grid_tail(int rest, const uint8_t* lines, const float* sc, int group, int sp, const uint8_t* const* rows,
+                      const ActLayout& a, float* out) {
+  if constexpr (N > 0) {
+    if (rest == N) return GridTile<N>::run(lines, sc, group, sp, rows, a, out);
+    grid_tail<N - 1>(rest, lines, sc, group, sp, rows, a, out);
+  }
+}
 
 // Bit-plane weights (formats/layout.h; avx512/kernels.cpp plane_quad): the four byte lines of one quad of K, each as
 // two halves (rows 0..7, 8..15): out[f][h].
@@ -872,6 +943,21 @@ void rowblock_int5(const RowBlock& w, const uint8_t* const* rows, const ActLayou
 }
 void rowblock_int3(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
   plane_rowblock<WeightFormat::int3, PlaneNarrow<WeightFormat::int3>::Tile, 2>(w, rows, a, n_tok, out);
+}
+void rowblock_grid(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  constexpr int kMax = 6;
+  alignas(64) uint8_t lines[kSuperBlock / 4 * kLineBytes];
+  alignas(64) float sc[kSuperBlock / 16 * kRowsPerBlock];
+  std::fill(out, out + (size_t)n_tok * kRowsPerBlock, 0.f);
+  for (int sp = 0; sp < w.kp / kSuperBlock; ++sp) {
+    _mm_prefetch(reinterpret_cast<const char*>(w.data) + (size_t)(sp + 1) * kRowsPerBlock * grid_info(w.grid).row_bytes,
+                 _MM_HINT_T0);
+    grid::decode_super(w, sp, lines, sc);
+    int t = 0;
+    for (; t + kMax <= n_tok; t += kMax)
+      GridTile<kMax>::run(lines, sc, w.group, sp, rows + t, a, out + t * kRowsPerBlock);
+    grid_tail<kMax - 1>(n_tok - t, lines, sc, w.group, sp, rows + t, a, out + t * kRowsPerBlock);
+  }
 }
 void rowblock_int2(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
   plane_rowblock<WeightFormat::int2, PlaneNarrow<WeightFormat::int2>::Tile, 2>(w, rows, a, n_tok, out);

@@ -1,9 +1,11 @@
 // Portable reference micro-kernels: the semantics every ISA version reproduces bit for bit.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
 
 #include "formats/activation.h"
+#include "formats/grid.h"
 #include "kernels/dispatch.h"
 
 namespace hetmoe {
@@ -162,6 +164,34 @@ void rowblock_int3(const RowBlock& w, const uint8_t* const* rows, const ActLayou
 }
 void rowblock_int2(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
   rowblock_planes<WeightFormat::int2>(w, rows, a, n_tok, out);
+}
+
+// grid (formats/layout.h): each super-block of 256 decoded into int8 lines of the signed codes and their fp32 group
+// scales (formats/grid.h), then the integer sums of int4's row-block (int8 activations, no offset: the codes are
+// signed) and its epilogue acc = fma(float(isum), scale * x_scale, acc), the groups in order; out holds each
+// output's accumulator from one super-block to the next.
+void rowblock_grid(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  alignas(64) uint8_t lines[kSuperBlock / 4 * kLineBytes];
+  float sc[kSuperBlock / 16 * kRowsPerBlock];
+  const int gps = kSuperBlock / w.group, lines_per_group = w.group / 4;
+  std::fill(out, out + (size_t)n_tok * kRowsPerBlock, 0.f);
+  for (int sp = 0; sp < w.kp / kSuperBlock; ++sp) {
+    grid::decode_super(w, sp, lines, sc);
+    for (int t = 0; t < n_tok; ++t) {
+      const int8_t* x = reinterpret_cast<const int8_t*>(rows[t]) + sp * kSuperBlock;
+      const float* xs = act_scales(rows[t], a) + sp * gps;
+      for (int r = 0; r < kRowsPerBlock; ++r) {
+        float acc = out[t * kRowsPerBlock + r];
+        for (int g = 0; g < gps; ++g) {
+          int32_t isum = 0;
+          for (int j = g * lines_per_group; j < (g + 1) * lines_per_group; ++j)
+            for (int b = 0; b < 4; ++b) isum += (int32_t)(int8_t)lines[j * kLineBytes + 4 * r + b] * x[4 * j + b];
+          acc = std::fma((float)isum, sc[g * kRowsPerBlock + r] * xs[g], acc);
+        }
+        out[t * kRowsPerBlock + r] = acc;
+      }
+    }
+  }
 }
 
 // fp8 (formats/layout.h): each code as q * 2^-8, four fma chains per row (k mod 4: the bytes of a line; x stored

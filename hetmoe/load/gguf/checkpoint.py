@@ -7,7 +7,8 @@ Tensors are read from the memory-mapped file when asked for, one at a time (a st
 a time), so loading holds one layer's weights as the safetensors path does. Exact types (hetmoe/cpu/codes.py lists
 the layout of each): the blocks of 32 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (``block_codes``), the K-quants Q2_K .. Q6_K
 (hetmoe/load/gguf/kquants.py), IQ4_NL, IQ4_XS and MXFP4 (lut4: 4-bit indices into a codebook,
-hetmoe/load/gguf/lut4_blocks.py), and the ternary TQ2_0 and TQ1_0 (int2, hetmoe/load/gguf/ternary.py). Gate/up
+hetmoe/load/gguf/lut4_blocks.py), the ternary TQ2_0 and TQ1_0 (int2, hetmoe/load/gguf/ternary.py), and the i-quants
+IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (grid: their blocks moved as they are, ``grid_blocks``). Gate/up
 and down may have different exact types, and each layer its own (4-bit codes go into int8 under an explicit
 --experts-format int8). They are packed from the codes (hetmoe/cpu/codes.py):
 the kernels multiply by exactly what ``gguf``'s dequantization gives. Every other type is dequantized (gguf.quants)
@@ -20,13 +21,14 @@ import dataclasses
 import functools
 import mmap
 import re
+import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
-from hetmoe.cpu.codes import EXACT_TYPES, exact_layout, layout_of, load_codes, lut4_values, plan_format
+from hetmoe.cpu.codes import EXACT_TYPES, GRID_TYPES, exact_layout, layout_of, load_codes, lut4_values, plan_format
 from hetmoe.load.gguf.kquants import KQUANTS, kquant_codes
 from hetmoe.load.gguf.lut4_blocks import LUT4_BLOCKS, lut4_codes
 from hetmoe.load.gguf.metadata import config_from_gguf
@@ -104,6 +106,24 @@ def block_codes(raw: np.ndarray, kind: str, shape: tuple) -> tuple:
     if kind in ("Q4_0", "Q5_0"):
         q -= 8 if kind == "Q4_0" else 16
     return torch.from_numpy(q.reshape(shape)), torch.from_numpy(d), mins
+
+
+def grid_blocks(raw: np.ndarray, kind: str, shape: tuple) -> torch.Tensor:
+    """The blocks of an i-quant matrix held as grid (hetmoe/cpu/codes.py GRID_TYPES) as load_codes takes them: uint8
+    [*shape[:-1], shape[-1] / 256 * bytes per block], a view of ``raw`` (the file's bytes) where it is contiguous;
+    ValueError for rows that are not whole blocks or a byte count that does not match the shape."""
+    import gguf
+
+    per, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    if shape[-1] % per:
+        raise ValueError(f"{kind} rows of {shape[-1]} values are not whole blocks of {per}")
+    raw = np.ascontiguousarray(np.asarray(raw, np.uint8)).reshape(-1)
+    want = int(np.prod(shape[:-1])) * (shape[-1] // per) * nbytes
+    if raw.size != want:
+        raise ValueError(f"{kind} {list(shape)} needs {want} bytes, got {raw.size} (a truncated file?)")
+    with warnings.catch_warnings():  # the mapped file's pages are read-only, and only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(raw).view(*shape[:-1], shape[-1] // per * nbytes)
 
 
 def tokenizer_of(path):
@@ -258,6 +278,8 @@ class GGUFCheckpoint:
             raise GGUFError(f"{self.path}: {name} is {kind}, not one of the exactly held types "
                             f"{', '.join(EXACT_TYPES)}")
         try:
+            if kind in GRID_TYPES:
+                return grid_blocks(np.asarray(t.data[e]), kind, tuple(t.shape[1:])), None, None
             if kind in KQUANTS:
                 return kquant_codes(np.asarray(t.data[e]), kind, tuple(t.shape[1:]))
             if kind in LUT4_BLOCKS:
@@ -332,6 +354,11 @@ class GGUFCheckpoint:
         """(codes, scales, mins or None) of experts [e0, e0 + n) of the stacked tensor ``t``; K-quants: views of
         the buffers of ``slot`` (gate, up, down: 0, 1, 2) reused from layer to layer."""
         kind, shape = t.ggml_type.name, (n, *t.shape[1:])
+        if kind in GRID_TYPES:  # the blocks themselves: the engine moves them into its layout
+            try:
+                return grid_blocks(np.asarray(t.data[e0:e0 + n]), kind, shape), None, None
+            except ValueError as err:
+                raise GGUFError(f"{self.path}: {t.name}: {err}") from None
         if kind in LUT4_BLOCKS or kind in TERNARY:
             try:
                 if kind in TERNARY:

@@ -1,13 +1,14 @@
 """Random-weight GGUF files of a qwen3_moe shape, as llama.cpp's ``qwen3moe`` model loads them, for benchmarks
 (bench/llama_cpp_peer.py, bench/gguf_load.py).
 
-Blocks are written directly as random bytes (random codes, finite fp16 scales sized for a weight std of about 0.02),
-one tensor at a time: a multi-GB file takes seconds and no float copy. Types: F32 / F16 / BF16, Q4_0 / Q8_0, the
-K-quants Q4_K / Q5_K / Q6_K and the 4-bit codebook types IQ4_NL / IQ4_XS / MXFP4 (MXFP4's scale is an exponent
-byte, set near the one a weight std of 0.02 needs); ``EXPERT_MIXES`` names the routed experts' (gate/up, down) types
-as llama.cpp's quantizer writes them (Q4_K_M: Q4_K gate/up, Q6_K down). The tokenizer is a byte-level BPE
-vocabulary of the shape's vocab size (256 byte tokens, then merges of byte pairs and byte triples), enough for
-llama.cpp to load: its benchmarks feed random token ids and never tokenize text.
+Blocks are written directly as random bytes (random codes, finite fp16 scales sized for a weight std of about 0.02), one
+tensor at a time: a multi-GB file takes seconds and no float copy. Types: F32 / F16 / BF16, Q4_0 / Q8_0, the K-quants
+Q4_K / Q5_K / Q6_K, the 4-bit codebook types IQ4_NL / IQ4_XS / MXFP4 (MXFP4's scale is an exponent byte, set near the
+one a weight std of 0.02 needs) and the i-quants IQ2_XXS .. IQ1_M (random grid indices, signs and sub-scales: every byte
+pattern is a valid block; IQ1_M's d is spread over its scale words); ``EXPERT_MIXES`` names the routed experts'
+(gate/up, down) types as llama.cpp's quantizer writes them (Q4_K_M: Q4_K gate/up, Q6_K down). The tokenizer is a
+byte-level BPE vocabulary of the shape's vocab size (256 byte tokens, then merges of byte pairs and byte triples),
+enough for llama.cpp to load: its benchmarks feed random token ids and never tokenize text.
 """
 
 from __future__ import annotations
@@ -24,14 +25,17 @@ WEIGHT_STD = 0.02  # the std of a published checkpoint's linear weights, about
 # IQ4_NL: the kvalues_iq4nl table's rms; IQ4_XS: times the rms of its random 6-bit sub-block scales ls - 32; MXFP4:
 # the doubled E2M1 values' rms (its scale 2^(e - 128) is chosen per block from MXFP4_E)
 CODE_STD = {"Q4_0": 4.61, "Q8_0": 73.9, "Q4_K": 259.0, "Q5_K": 532.0, "Q6_K": 1376.0, "IQ4_NL": 67.4,
-            "IQ4_XS": 1245.0, "MXFP4": 5.85}
+            "IQ4_XS": 1245.0, "MXFP4": 5.85, "IQ2_XXS": 53.2, "IQ2_XS": 55.6, "IQ2_S": 56.2, "IQ3_XXS": 142.0,
+            "IQ3_S": 140.0, "IQ1_S": 7.24, "IQ1_M": 7.21}
 KQ_D = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}  # byte offsets of each block's fp16 d and dmin
 MXFP4_E = (119, 121)  # exponent bytes of MXFP4 blocks, drawn in [lo, hi): 2^(e - 128) * 5.85 around WEIGHT_STD
 KQ_MIN_RATIO = {"Q4_K": 7.5, "Q5_K": 15.5}  # dmin / d: the mean code, so that a sub-block's mean is about 0
 # routed experts' (gate/up, down) types per llama.cpp file type
 EXPERT_MIXES = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q4_K": ("Q4_K", "Q4_K"), "Q5_K": ("Q5_K", "Q5_K"),
                 "Q6_K": ("Q6_K", "Q6_K"), "Q8_0": ("Q8_0", "Q8_0"), "Q4_0": ("Q4_0", "Q4_0"),
-                "IQ4_NL": ("IQ4_NL", "IQ4_NL"), "IQ4_XS": ("IQ4_XS", "IQ4_XS"), "MXFP4": ("MXFP4", "MXFP4")}
+                "IQ4_NL": ("IQ4_NL", "IQ4_NL"), "IQ4_XS": ("IQ4_XS", "IQ4_XS"), "MXFP4": ("MXFP4", "MXFP4"),
+                **{k: (k, k) for k in ("IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")},
+                "UD-IQ2_XXS": ("IQ2_XXS", "IQ3_XXS")}  # unsloth's dynamic mixes: a larger down beside gate/up
 # the dense part of llama.cpp's Q4_K_M: attention Q4_K but attn_v Q6_K, the embedding Q4_K, the output Q6_K
 DENSE_Q4_K_M = {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
                 "output": "Q6_K"}
@@ -78,6 +82,11 @@ def random_tensor(kind: str, shape: tuple, rng: np.random.Generator) -> np.ndarr
         out[:, 0] = rng.integers(*MXFP4_E, n_blocks, dtype=np.uint8)
         return out.reshape(raw)
     d = WEIGHT_STD / CODE_STD[kind] * rng.uniform(0.5, 1.5, n_blocks).astype(np.float32)
+    if kind == "IQ1_M":  # its fp16 d is the top nibbles of its four uint16 scale words (bytes 48..55)
+        bits = d.astype(np.float16).view(np.uint16)
+        for j in range(4):
+            out[:, 49 + 2 * j] = (out[:, 49 + 2 * j] & 0x0F) | (((bits >> (4 * j)) & 0x0F) << 4).astype(np.uint8)
+        return out.reshape(raw)
     at_d, at_min = KQ_D.get(kind, (0, None))
     out[:, at_d:at_d + 2] = d.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
     if at_min is not None:

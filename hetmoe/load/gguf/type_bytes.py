@@ -80,7 +80,8 @@ def expert_rows(ckpt, blocks: list, names: tuple, plan, rows: dict) -> None:
                 row.file_bytes += stored_bytes(t)
             if held:
                 mfmt, mgroup, affine, sdt, book = _matrix_layouts(exact)[0 if j < 2 else 1]
-                row.held_bytes += block.num_experts * packed_matrix_bytes(mfmt, n, k, mgroup, affine, sdt)
+                row.held_bytes += block.num_experts * packed_matrix_bytes(mfmt, n, k, mgroup, affine, sdt,
+                                                                          codebook=book)
                 how = f"{mfmt}{' ' + book if book else ''} g{mgroup} {sdt}{' affine' if affine else ''}"
                 row.held_as.add(f"{how} (exact)")
             else:

@@ -1,0 +1,201 @@
+// Decoding the grid format (formats/layout.h): the rows of one super-block of a grid row block -> 64 int8 lines of
+// their signed codes q and their group scales as fp32. Portable C++ that every kernel level includes and compiles
+// with its own flags (scalar, AVX2, AVX-512, the AMX expansion), so every path multiplies the same codes by the same
+// scales. The codes are integers with |q| <= 63:
+//   IQ2_XXS, IQ2_XS, IQ2_S   grid values {8, 25, 43} x sign         scale d * (2 s + 1) / 8   (s: 4 bits)
+//   IQ3_XXS                  grid values {4, 12, .., 52, 62} x sign  scale d * (2 s + 1) / 4   (s: 4 bits)
+//   IQ3_S                    grid values {1, 3, .., 15} x sign       scale d * (2 s + 1)       (s: 4 bits)
+//   IQ1_S, IQ1_M             8 x grid value {-1, 0, 1} + delta (+-1)  scale d * (2 s + 1) / 8   (s: 3 bits)
+// and each scale is one exact fp32 product (11 + 5 significant bits, a power of two), so scale * q is bitwise what
+// gguf.quants.dequantize computes (d * (0.5 + s) * 0.25 * grid * sign, dl * (grid + delta), ...).
+#pragma once
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "formats/grid_tables.h"
+#include "formats/layout.h"
+
+namespace hetmoe {
+namespace grid {
+
+// A packed grid (grid_tables.h) as words of int8 values, value j in byte j.
+template <size_t N, int M>
+constexpr std::array<uint64_t, N> expand8(const uint16_t (&packed)[N], const int (&map)[M]) {
+  std::array<uint64_t, N> out{};
+  for (size_t i = 0; i < N; ++i) {
+    uint64_t w = 0;
+    for (int j = 0; j < 8; ++j) w |= (uint64_t)(uint8_t)(int8_t)map[(packed[i] >> (2 * j)) & 3] << (8 * j);
+    out[i] = w;
+  }
+  return out;
+}
+template <size_t N, int M>
+constexpr std::array<uint32_t, N> expand4(const uint16_t (&packed)[N], const int (&map)[M]) {
+  std::array<uint32_t, N> out{};
+  for (size_t i = 0; i < N; ++i) {
+    uint32_t w = 0;
+    for (int j = 0; j < 4; ++j) w |= (uint32_t)(uint8_t)map[(packed[i] >> (3 * j)) & 7] << (8 * j);
+    out[i] = w;
+  }
+  return out;
+}
+
+constexpr int kIq2Map[3] = {8, 25, 43};
+constexpr int kIq3xxsMap[8] = {4, 12, 20, 28, 36, 44, 52, 62};
+constexpr int kIq3sMap[8] = {1, 3, 5, 7, 9, 11, 13, 15};
+constexpr int kIq1Map[3] = {-1, 0, 1};
+inline constexpr auto kIq2xxs = expand8(grid_tables::kIq2xxsPacked, kIq2Map);
+inline constexpr auto kIq2xs = expand8(grid_tables::kIq2xsPacked, kIq2Map);
+inline constexpr auto kIq2s = expand8(grid_tables::kIq2sPacked, kIq2Map);
+inline constexpr auto kIq3xxs = expand4(grid_tables::kIq3xxsPacked, kIq3xxsMap);
+inline constexpr auto kIq3s = expand4(grid_tables::kIq3sPacked, kIq3sMap);
+inline constexpr auto kIq1s = expand8(grid_tables::kIq1sPacked, kIq1Map);
+
+// Byte j of kSignMask[s]: 0xFF where bit j of s is set. kSigns7[i]: the 8 signs of a 7-bit sign index (IQ2_XXS,
+// IQ2_XS, IQ3_XXS): its 7 bits and their parity as bit 7 (an even number of minus signs, llama.cpp's ksigns_iq2xs).
+constexpr std::array<uint64_t, 256> sign_masks() {
+  std::array<uint64_t, 256> out{};
+  for (int s = 0; s < 256; ++s)
+    for (int j = 0; j < 8; ++j)
+      if (s >> j & 1) out[s] |= (uint64_t)0xFF << (8 * j);
+  return out;
+}
+constexpr std::array<uint8_t, 128> signs7() {
+  std::array<uint8_t, 128> out{};
+  for (int i = 0; i < 128; ++i) {
+    int parity = 0;
+    for (int j = 0; j < 7; ++j) parity ^= i >> j & 1;
+    out[i] = (uint8_t)(i | parity << 7);
+  }
+  return out;
+}
+inline constexpr auto kSignMask = sign_masks();
+inline constexpr auto kSigns7 = signs7();
+
+// Eight values g_j (each 1..127, as the IQ2 / IQ3 grids hold) negated where bit j of s is set: ~g + 1 per byte,
+// which never carries into the next byte since g >= 1.
+inline uint64_t with_signs(uint64_t g, uint8_t s) {
+  const uint64_t m = kSignMask[s];
+  return (g ^ m) + (m & 0x0101010101010101ull);
+}
+
+// IQ1: 8 * g + delta per byte (g in {-1, 0, 1}, delta +-1).
+inline uint64_t iq1_codes(uint64_t g, int delta) {
+  uint64_t out = 0;
+  for (int j = 0; j < 8; ++j) out |= (uint64_t)(uint8_t)(int8_t)(8 * (int8_t)(g >> (8 * j)) + delta) << (8 * j);
+  return out;
+}
+
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline uint16_t u16_at(const uint8_t* p) { return (uint16_t)(p[0] | p[1] << 8); }
+
+// IQ1_M's fp16 d, from the top nibbles of its 4 uint16 scale words (b: its block, the 56 bytes).
+inline uint16_t iq1m_d_bits(const uint8_t* b) {
+  uint16_t s16[4];
+  for (int j = 0; j < 4; ++j) s16[j] = u16_at(b + 48 + 2 * j);
+  return (uint16_t)((s16[0] >> 12) | ((s16[1] >> 8) & 0xF0) | ((s16[2] >> 4) & 0xF00) | (s16[3] & 0xF000));
+}
+
+// Values 8c .. 8c + 7 of a row into its lines: the low four into line 2c, the high four into line 2c + 1 (dst: the
+// row's 4 bytes in line 0).
+inline void put8(uint8_t* dst, int c, uint64_t q) {
+  const uint32_t lo = (uint32_t)q, hi = (uint32_t)(q >> 32);
+  std::memcpy(dst + (size_t)(2 * c) * kLineBytes, &lo, 4);
+  std::memcpy(dst + (size_t)(2 * c + 1) * kLineBytes, &hi, 4);
+}
+
+// One row of one super-block: b its stored bytes (grid_info(type).row_bytes), d its fp16 d as fp32 (IQ1_M: unused,
+// its d is in b) -> its 256 codes into the lines at dst (the row's 4 bytes of line 0; lines 64 bytes apart) and its
+// scales into sc[g * 16] for each group g. False when its d is not finite.
+inline bool decode_row(Codebook type, const uint8_t* b, float d, uint8_t* dst, float* sc) {
+  switch (type) {
+    case Codebook::iq2_xxs:  // 8 x (4 index bytes, uint32: four 7-bit sign indices, a 4-bit scale on top)
+      for (int ib = 0; ib < 8; ++ib) {
+        const uint32_t aux = u32_at(b + 8 * ib + 4);
+        sc[ib * 16] = d * (float)(2 * (aux >> 28) + 1) * 0.125f;
+        for (int l = 0; l < 4; ++l)
+          put8(dst, 4 * ib + l, with_signs(kIq2xxs[b[8 * ib + l]], kSigns7[(aux >> (7 * l)) & 127]));
+      }
+      break;
+    case Codebook::iq2_xs:  // 32 uint16: a 9-bit index, a 7-bit sign index; 8 bytes of two 4-bit scales
+    case Codebook::iq2_s:   // 32 low index bytes, 32 sign bytes, 8 bytes of 2-bit high indices; the same scales
+    {
+      const bool xs = type == Codebook::iq2_xs;
+      for (int i = 0; i < 32; ++i) {
+        if (xs) {
+          const uint16_t v = u16_at(b + 2 * i);
+          put8(dst, i, with_signs(kIq2xs[v & 511], kSigns7[v >> 9]));
+        } else {
+          const int idx = b[i] | ((b[64 + i / 4] >> (2 * (i % 4))) & 3) << 8;
+          put8(dst, i, with_signs(kIq2s[idx], b[32 + i]));
+        }
+      }
+      const uint8_t* scales = b + (xs ? 64 : 72);
+      for (int g = 0; g < 16; ++g) sc[g * 16] = d * (float)(2 * ((scales[g / 2] >> (4 * (g % 2))) & 15) + 1) * 0.125f;
+      break;
+    }
+    case Codebook::iq3_xxs:  // 64 index bytes (4 values each); 8 uint32 as IQ2_XXS's
+      for (int ib = 0; ib < 8; ++ib) {
+        const uint32_t aux = u32_at(b + 64 + 4 * ib);
+        sc[ib * 16] = d * (float)(2 * (aux >> 28) + 1) * 0.25f;
+        for (int l = 0; l < 4; ++l) {
+          const uint64_t g = kIq3xxs[b[8 * ib + 2 * l]] | (uint64_t)kIq3xxs[b[8 * ib + 2 * l + 1]] << 32;
+          put8(dst, 4 * ib + l, with_signs(g, kSigns7[(aux >> (7 * l)) & 127]));
+        }
+      }
+      break;
+    case Codebook::iq3_s:  // 64 low index bytes, 8 bytes of high index bits, 32 sign bytes, 4 bytes of 4-bit scales
+      for (int i = 0; i < 32; ++i) {
+        const int i0 = b[2 * i] | ((b[64 + i / 4] >> ((2 * i) % 8)) & 1) << 8;
+        const int i1 = b[2 * i + 1] | ((b[64 + i / 4] >> ((2 * i + 1) % 8)) & 1) << 8;
+        put8(dst, i, with_signs(kIq3s[i0] | (uint64_t)kIq3s[i1] << 32, b[72 + i]));
+      }
+      for (int ib = 0; ib < 8; ++ib) sc[ib * 16] = d * (float)(1 + 2 * ((b[104 + ib / 2] >> (4 * (ib % 2))) & 15));
+      break;
+    case Codebook::iq1_s:  // 32 low index bytes; 8 uint16: four 3-bit high indices, a 3-bit scale, the delta's sign
+      for (int ib = 0; ib < 8; ++ib) {
+        const uint16_t h = u16_at(b + 32 + 2 * ib);
+        sc[ib * 16] = d * (float)(2 * ((h >> 12) & 7) + 1) * 0.125f;
+        const int delta = h & 0x8000 ? -1 : 1;
+        for (int l = 0; l < 4; ++l)
+          put8(dst, 4 * ib + l, iq1_codes(kIq1s[b[4 * ib + l] | ((h >> (3 * l)) & 7) << 8], delta));
+      }
+      break;
+    case Codebook::iq1_m: {  // 32 low index bytes; 16 bytes of (3-bit high index, delta sign) nibbles; 4 uint16 of
+                             // four 3-bit scales each, whose top nibbles are the fp16 d
+      uint16_t s16[4];
+      for (int j = 0; j < 4; ++j) s16[j] = u16_at(b + 48 + 2 * j);
+      const uint16_t dbits = iq1m_d_bits(b);
+      uint8_t h2[2] = {(uint8_t)dbits, (uint8_t)(dbits >> 8)};
+      d = scale_to_float(ScaleType::f16, h2);
+      for (int g = 0; g < 16; ++g) sc[g * 16] = d * (float)(2 * ((s16[g / 4] >> (3 * (g % 4))) & 7) + 1) * 0.125f;
+      for (int i = 0; i < 32; ++i) {
+        const int nib = (b[32 + i / 2] >> (4 * (i % 2))) & 15;
+        put8(dst, i, iq1_codes(kIq1s[b[i] | (nib & 7) << 8], nib & 8 ? -1 : 1));
+      }
+      break;
+    }
+    default: return false;
+  }
+  return d - d == 0.f;  // finite
+}
+
+// Super-block s of grid row block w: its 16 rows' codes into `lines` (64 lines of 64 bytes, line j = k 4j .. 4j + 3
+// of the super-block, as an int8 line of signed codes) and its scales into `scales` ([256 / group][16] fp32).
+inline void decode_super(const RowBlock& w, int s, uint8_t* lines, float* scales) {
+  const GridInfo gi = grid_info(w.grid);
+  const uint8_t* rows = w.data + (size_t)s * kRowsPerBlock * gi.row_bytes;
+  const uint8_t* d16 = gi.has_d ? w.scales + (size_t)s * kRowsPerBlock * 2 : nullptr;
+  for (int r = 0; r < kRowsPerBlock; ++r)
+    decode_row(w.grid, rows + (size_t)r * gi.row_bytes, d16 ? scale_to_float(ScaleType::f16, d16 + 2 * r) : 0.f,
+               lines + 4 * r, scales + r);
+}
+
+}  // namespace grid
+}  // namespace hetmoe
