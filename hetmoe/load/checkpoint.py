@@ -649,8 +649,7 @@ class Checkpoint:
         if pw.symmetric:
             return q, s, None
         z = z.float().repeat_interleave(repeat, dim=1) if repeat > 1 else z.float()
-        m_ = torch.mul(s, z) if mins is None else torch.mul(s, z, out=mins)  # exact: <= 15 significant bits
-        return q, s, m_
+        return q, s, torch.mul(s, z, out=mins)  # min = scale * z, exact in fp32 (at most 15 significant bits)
 
     def expert_layouts(self, prefixes: list, names: list) -> tuple:
         """Per-layer held layouts for the memory plan (FP8 experts' are the plan's own: hetmoe/load/loader.py

@@ -170,11 +170,12 @@ FORMATS = {"gptq": (write_gptq, gptq_config), "awq": (write_awq, awq_config), "c
            "ct": (None, ct_config)}
 
 
-def save_int4(root: Path, fmt: str, group: int = 128, sym: bool = False, v1: bool = True, seed: int = 0) -> tuple:
+def save_int4(root: Path, fmt: str, group: int = 128, sym: bool = False, v1: bool = True, seed: int = 0,
+              sizes: dict = SIZES) -> tuple:
     """(quantized checkpoint dir, reference dir, {linear: (u, z, scale, stored parts)}): the tiny Qwen3-MoE with its
     quantized linears written in ``fmt``; the reference holds the dequantized values in fp32 for Transformers. A few
     groups are made all positive / all negative, so that zero points 0 and 15 (GPTQ v1's borrow) occur."""
-    src = save_tiny("qwen3_moe", root / "src", seed=seed, overrides=SIZES, max_shard_size="100MB")
+    src = save_tiny("qwen3_moe", root / "src", seed=seed, overrides=sizes, max_shard_size="100MB")
     state = {}
     for shard in sorted(src.glob("*.safetensors")):
         state.update(load_file(shard))
@@ -401,6 +402,32 @@ def test_explicit_formats(int4):
     assert any("dequantized and re-quantized into int4 as asked" in s for s in said)
     got = dict(moe_blocks(loaded.model))["model.layers.1.mlp"].engine.dequantized(5)[0]
     assert 0 < ((got - want).abs().max() / want.abs().max()).item() < 0.25  # re-rounded, close
+
+
+def test_expert_cache_reuses_the_affine_codes(int4, tmp_path):
+    """The converted-expert cache holds the affine layout (fp32 scales and mins) and gives back the same values."""
+    path, _, linears = int4("awq", 64)
+    opts = EngineOptions(device="cpu", dtype="fp32", threads=1)
+    first = load_model(path, opts, expert_cache=str(tmp_path), progress=False, log=lambda m: None)
+    again = load_model(path, opts, expert_cache=str(tmp_path), progress=False, log=lambda m: None)
+    assert (first.info["cache_misses"], again.info["cache_hits"]) == (2, 2)
+    engine = dict(moe_blocks(again.model))["model.layers.0.mlp"].engine
+    assert engine.info()["down_scaling"] == "affine"
+    assert torch.equal(engine.dequantized(4)[2], dequant(*linears["model.layers.0.mlp.experts.4.down_proj"][:3]))
+
+
+def test_a_larger_group_is_held_in_groups_of_128(tmp_path):
+    """GPTQ group_size 256 (every quantized matrix 256 inputs wide): each scale and zero point repeated over two
+    engine groups of 128, exactly."""
+    sizes = dict(hidden_size=256, moe_intermediate_size=256, head_dim=64, num_hidden_layers=2)
+    path, _, linears = save_int4(tmp_path, "gptq", 256, False, False, sizes=sizes)
+    said = []
+    loaded = _load(path, log=said.append)
+    assert any("GPTQ int4 (with zero points, float16 scales per group of 256): packed as int4 group 128" in s
+               for s in said)
+    engine = dict(moe_blocks(loaded.model))["model.layers.1.mlp"].engine
+    for which, got in zip(WEIGHTS, engine.dequantized(2)):
+        assert torch.equal(got, dequant(*linears[f"model.layers.1.mlp.experts.2.{which}"][:3]))
 
 
 # ---------------------------------------------------------------- logits against Transformers
