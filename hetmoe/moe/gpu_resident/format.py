@@ -44,6 +44,9 @@ GROUPS = (16, 32, 64, 128)
 DEFAULT_GROUP = 64  # where the weights are quantized here (not the CPU engine's own codes)
 QMAX = {"int8": 127, "int4": 7}
 WIDENED = {"int6": "int8", "int5": "int8", "int3": "int4", "int2": "int4"}  # a bit-plane format's codes, held exactly
+# grid (GGUF's i-quants, decoded in the CPU kernels): no GPU reader of its blocks; held as int8 in its group,
+# re-quantized from the engine's values (cpu_codes gives none)
+WIDENED["grid"] = "int8"
 OFFSET = {"int8": 128, "int4": 8, "lut4": 0}  # u - q of a stored code (affine: the kernels add it back)
 
 
@@ -190,7 +193,7 @@ def planned_storage(fmt: str, cpu_format: str, cpu_group: int, layout: Optional[
             return Storage.of("bf16") if fmt == "auto" else Storage.of(fmt)
         if fmt == "auto":  # cpu_storage's, the NUMA split aside
             out = [("int4", g, None, False) if f == "lut4" and g not in GROUPS else
-                   (WIDENED.get(f, f), g, b, g in GROUPS and s == "affine")
+                   (WIDENED.get(f, f), g, b if f == "lut4" else None, g in GROUPS and s == "affine")
                    for f, g, b, s in zip(fmts, groups, books, scalings)]
             (gu, g, gb, ga), (dn, dg, db, da) = out
             return Storage(gu, dn, _group(g), _group(dg), gb, db, ga, da)
@@ -222,6 +225,7 @@ def cpu_storage(cpu_experts) -> Storage:
         copied = whole and group in GROUPS  # (per-row codes, group 0, are copied too, as symmetric group 128)
         if fmt == "lut4" and not copied:
             fmt, book = "int4", None
+        book = book if fmt == "lut4" else None  # (grid's type)
         fmt = WIDENED.get(fmt, fmt)  # bit-plane codes: widened exactly (cpu_codes)
         out.append((fmt, _group(group), book, copied and scaling == "affine"))
     (gu, g, gb, ga), (dn, dg, db, da) = out
@@ -256,6 +260,8 @@ def cpu_codes(cpu_experts, expert: int, storage: Storage, ranges: Optional[list]
 
     info = cpu_experts.info()
     if info.get("numa_subpools", 1) != 1 or info["weight_format"] == "fp8":
+        return None, None
+    if "grid" in (info["weight_format"], info["down_weight_format"]):  # blocks no GPU code reads: re-quantized
         return None, None
     layout = packed.ExpertLayout.of(cpu_experts)
     ranges = packed.expert_ranges(cpu_experts) if ranges is None else ranges

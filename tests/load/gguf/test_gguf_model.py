@@ -7,13 +7,16 @@ writes them (tests/gguf_files.py), dense tensors in F32, routed experts quantize
   (tests/gguf_files.py random_blocks; no binary fixture), and files whose layers have different exact types.
 * The GGUF model's logits match the same model's reference on the dequantized weights (fp32 dense and experts,
   tests/parity.py), within the engine's activation rounding: measured max rel. error below.
-* Another type (IQ2_XXS here) is dequantized and re-quantized into the nearest engine format, said on the log.
+* The i-quants (IQ2_XXS .. IQ1_M) load as grid at their file's bytes (random blocks: every byte pattern is valid),
+  alone and beside K-quants, and their logits match the dequantized checkpoint's as the other exact types' do.
+* Another type (NVFP4 here) is dequantized and re-quantized into the nearest engine format, said on the log.
 * ``LLM`` generates from the file with the tokenizer and chat template the file carries; a broken file is named.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Optional
 
 import numpy as np
@@ -34,10 +37,11 @@ from gguf_files import (  # noqa: E402
 )
 
 from hetmoe.config.options import EngineOptions  # noqa: E402
-from hetmoe.cpu.codes import layout_of  # noqa: E402
+from hetmoe.cpu.codes import GRID_TYPES, layout_of  # noqa: E402
 from hetmoe.load.gguf import GGUFError  # noqa: E402
 from hetmoe.load.gguf.kquants import KQUANTS  # noqa: E402
 from hetmoe.load.gguf.lut4_blocks import LUT4_BLOCKS  # noqa: E402
+from hetmoe.load.gguf.random_file import random_tensor  # noqa: E402
 from hetmoe.load.loader import load_model, moe_blocks  # noqa: E402
 from hetmoe.load.random_weights import build_tokenizer, tokenizer_config  # noqa: E402
 from paths import CLASS_PATHS, ids  # noqa: E402
@@ -49,8 +53,8 @@ def quantized_gguf(tmp_path, arch: str, qtype: str, tokenizer: bool = False, pad
                    split_max_tensors: int = 0, layer_types: Optional[dict] = None, **overrides):
     """(GGUF path, config, the HF state, the experts' dequantized values by GGUF name): experts stacked and quantized
     to ``qtype`` ("GATE_UP+DOWN" for two types; ``layer_types``: block id -> such a type, else ``qtype``) by the gguf
-    package, or for K-quants, the 4-bit codebook types and IQ2_XXS, which it cannot quantize, random centred blocks
-    (tests/gguf_files.py random_blocks);
+    package, or for K-quants and the 4-bit codebook types, which it cannot quantize, random centred blocks
+    (tests/gguf_files.py random_blocks), for the i-quants random blocks (hetmoe/load/gguf/random_file.py);
     everything else F32. ``overrides``: config entries (K-quant rows need sizes that are multiples of 256)."""
     cfg = hf_config(arch, **overrides)
     # a well-conditioned model: weights of std 0.1 (norm weights about 1), not hetmoe_state's N(0, 1)
@@ -64,9 +68,11 @@ def quantized_gguf(tmp_path, arch: str, qtype: str, tokenizer: bool = False, pad
             qts[name] = qt = getattr(gguf.GGMLQuantizationType, kind)
             if kind in KQUANTS or kind in LUT4_BLOCKS:
                 raw = np.stack([random_blocks(kind, *t.shape[1:], rng, centered=True) for _ in range(t.shape[0])])
-            elif kind == "IQ2_XXS":  # random grid and sign indices, an fp16 d per 256 (its first field)
-                raw = rng.integers(0, 256, (*t.shape[:-1], t.shape[-1] // 256, 66), dtype=np.uint8)
-                raw[..., 0:2] = np.full(raw.shape[:-1], 1e-3, np.float16)[..., None].view(np.uint8)
+            elif kind in GRID_TYPES:  # random grid and sign indices, sub-scales, an fp16 d per 256 (weights ~0.02)
+                raw = random_tensor(kind, t.shape, rng)
+            elif kind == "NVFP4":  # random E2M1 nibbles, four UE4M3 scale bytes per 64 (0x30: 2^-1 * 1/2)
+                raw = rng.integers(0, 256, (*t.shape[:-1], t.shape[-1] // 64, 36), dtype=np.uint8)
+                raw[..., :4] = 0x30
                 raw = raw.reshape(*t.shape[:-1], -1)
             else:
                 raw = gguf.quants.quantize(t, qt)
@@ -301,13 +307,13 @@ def test_a_bad_kquant_block_is_named(tmp_path):
 
 
 def test_other_types_are_requantized_into_the_nearest_format(tmp_path):
-    """IQ2_XXS (2 bits, grid codebooks): no exact layout, re-quantized into int4."""
-    path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "IQ2_XXS", **KSIZES["qwen3_moe"])
+    """NVFP4 (E2M1 codes, an E4M3 scale per 16): no exact layout, re-quantized into int4."""
+    path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "NVFP4", **KSIZES["qwen3_moe"])
     said = []
     loaded = load_model(path, EngineOptions(device="cpu", dtype="fp32", threads=1), expert_cache=None,
                         progress=False, log=said.append)
     assert loaded.plan.experts_format == "int4" and loaded.plan.group_size == 32
-    assert any("IQ2_XXS, which no engine format holds exactly: dequantized and re-quantized into int4" in s
+    assert any("NVFP4, which no engine format holds exactly: dequantized and re-quantized into int4" in s
                for s in said)
 
 
@@ -412,6 +418,7 @@ def test_a_split_gguf_loads_as_the_single_file_does(tmp_path):
     ("Q4_K", {1: "Q6_K+Q6_K"}),  # gate and up of different types: that layer re-quantized into the plan's format
     ("MXFP4", None), ("IQ4_XS", None), ("IQ4_NL", None), ("MXFP4+Q8_0", None),  # lut4 at its scales' own width
     ("MXFP4", {1: "Q8_0"}),  # an int8 plan: the MXFP4 layer's codebook values as int8 codes, e8m0 scales
+    ("IQ2_XXS+IQ3_XXS", None), ("IQ1_M", {1: "IQ2_XS+Q6_K"}),  # grid at the file's bytes, beside a K-quant
 ])
 def test_the_plan_counts_what_the_engine_allocates(tmp_path, qtype, layer_types, capsys):
     """For every GGUF type mix the plan's routed-expert bytes, per layer and in all, are the bytes the engine
@@ -480,3 +487,71 @@ def test_codebook_logits_match_the_dequantized_checkpoint(tmp_path, arch, qtype,
     err = logit_error(tmp_path, arch, *quantized_gguf(tmp_path, arch, qtype, **KSIZES[arch]), **path.options)
     print(f"{arch} {qtype} {path}: max rel. logit error {err:.2e}")
     assert err < 6e-2
+
+
+# The i-quants (csrc/formats/layout.h grid): (types, engine layout: formats, group, down group, codebooks). A type
+# beside a K-quant keeps both layouts.
+GRID_LAYOUTS = [("IQ2_XXS", ("grid", 32, 32, ("iq2_xxs", "iq2_xxs"))),
+                ("IQ2_XXS+IQ3_XXS", ("grid", 32, 32, ("iq2_xxs", "iq3_xxs"))),
+                ("IQ3_S+IQ2_S", ("grid", 32, 16, ("iq3_s", "iq2_s"))),
+                ("IQ1_S+IQ1_M", ("grid", 32, 16, ("iq1_s", "iq1_m"))),
+                ("IQ2_XS+Q4_K", (("grid", "int4"), 16, 32, ("iq2_xs", None)))]
+
+
+def _grid_layout(engine) -> tuple:
+    lay = layout_of(engine)
+    return lay["weight_format"], lay["group_size"], lay["down_group_size"], lay["codebook"]
+
+
+@pytest.mark.parametrize("qtype, layout", GRID_LAYOUTS, ids=[k for k, _ in GRID_LAYOUTS])
+def test_grid_experts_load_at_the_files_bytes(tmp_path, qtype, layout):
+    """i-quant experts held as grid: every expert's values are gguf's dequantization, bit for bit, and the experts'
+    RAM is the file's expert bytes (a K-quant down beside: its own layout's)."""
+    path, _, _, deq = quantized_gguf(tmp_path, "qwen3_moe", qtype, **KSIZES["qwen3_moe"])
+    said = []
+    loaded = load_model(path, EngineOptions(device="cpu", dtype="fp32", threads=1), expert_cache=None,
+                        progress=False, log=said.append)
+    assert any("packed as grid" in s and "exactly" in s for s in said), said
+    assert all(_grid_layout(layer.engine) == layout for _, layer in moe_blocks(loaded.model))
+    _assert_exact(loaded, deq)
+    reader = gguf.GGUFReader(str(path))
+    file_bytes = {t.name: int(t.n_bytes) for t in reader.tensors if "_exps." in t.name}
+    for block, layer in moe_blocks(loaded.model):
+        bid = int(block.split(".")[2])
+        want = sum(file_bytes[f"blk.{bid}.ffn_{w}_exps.weight"] for w in ("gate", "up", "down"))
+        if "Q4_K" not in qtype:
+            assert layer.engine.nbytes == want
+        assert layer.engine.nbytes <= 1.05 * want
+
+
+# MEASURED max rel. logit error (prefill of 11 tokens, 4 decode steps, against the fp32 model on the dequantized
+# weights): 4.9e-4 (IQ2_XXS+IQ3_XXS), 3.7e-4 (IQ1_M+IQ3_S) on the AVX2 row blocks and the emulated AMX GEMM alike (the
+# same bits: int8 activations on both), + ~2x
+GRID_LOGIT_BOUND = 1e-3
+
+
+@pytest.mark.parametrize("qtype", ["IQ2_XXS+IQ3_XXS", "IQ1_M+IQ3_S"])
+@pytest.mark.parametrize("path", CLASS_PATHS, ids=ids(CLASS_PATHS))
+def test_grid_logits_match_the_dequantized_checkpoint(tmp_path, qtype, path):
+    err = logit_error(tmp_path, "qwen3_moe", *quantized_gguf(tmp_path, "qwen3_moe", qtype, **KSIZES["qwen3_moe"]),
+                      **path.options)
+    print(f"{qtype} {path}: max rel. logit error {err:.2e}")
+    assert err < GRID_LOGIT_BOUND
+
+
+def test_a_bad_grid_block_is_named(tmp_path):
+    """An IQ3_XXS super-block whose fp16 d is Inf, and a file cut inside an expert tensor: the loader names the file,
+    the tensor (the expert and matrix for a bad block)."""
+    path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "IQ2_XXS+IQ3_XXS", **KSIZES["qwen3_moe"])
+    good = path.read_bytes()
+    reader = gguf.GGUFReader(str(path))
+    t = next(t for t in reader.tensors if t.name == "blk.1.ffn_down_exps.weight")
+    data = bytearray(good)
+    data[t.data_offset + 98:t.data_offset + 100] = np.array([np.inf], np.float16).tobytes()  # expert 0, row 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"IQ3_XXS.gguf: model.layers.1.mlp.experts.0: down of expert 0 .*d that is "
+                                         r"not finite"):
+        _load(path)
+    path.write_bytes(good[:t.data_offset + 1000])  # the file ends inside blk.1's down experts
+    with pytest.raises(GGUFError, match=re.escape(path.name) + r" is truncated: tensor blk.1.ffn_down_exps.weight"):
+        _load(path)
