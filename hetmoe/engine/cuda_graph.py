@@ -28,15 +28,35 @@ from __future__ import annotations
 
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Sequence
 
 import torch
 
 from hetmoe.layers.attention import Step
+from hetmoe.layers.kv_cache import RecurrentStates
 
 KV_MODES = ("full", "bucket")
 DEFAULT_KV_MODE = "bucket"
+
+
+@contextmanager
+def kept_states(cache, rows: torch.Tensor):
+    """The recurrent states (``RecurrentStates``: convolution inputs and linear-attention states) of cache ``rows``
+    (a device index tensor; repeats allowed) as they are on entry, put back on exit; nothing for a cache without
+    them. Padding rows all name the scratch slot, whose states nobody reads. The copies are kept in host memory, a
+    layer at a time, so that a capture needs no device memory beyond the states' own (tens of MB per row)."""
+    states = getattr(cache, "states", None)
+    if not isinstance(states, RecurrentStates):
+        yield
+        return
+    saved = [(t[layer], t[layer].index_select(0, rows).cpu()) for t in (states.conv, states.recurrent)
+             for layer in range(t.shape[0])]  # [B, ...] each
+    try:
+        yield
+    finally:
+        for t, rows_before in saved:
+            t.index_copy_(0, rows, rows_before.to(t.device))
 
 
 def capture_sizes(max_batch: int) -> list:
@@ -168,13 +188,16 @@ class GraphDecoder:
         t0 = time.perf_counter()
         # Warm-up, eagerly on a side stream (lazy initialisations, the hybrid layers' buffers and jobs): it computes
         # this very step, so the replay that follows rewrites the same KV entries with the same values.
+        # Recurrent states (linear attention) are not rewritten but advanced: the rows of this step are put back as
+        # they were before the warm-up, so the replay advances them once.
         main = torch.cuda.current_stream(self.device)
         warm = torch.cuda.Stream(self.device)
-        warm.wait_stream(main)
-        with torch.cuda.stream(warm):
-            self._forward(B, kv_len, cpu)
-        main.wait_stream(warm)
-        self.finish()
+        with kept_states(self.cache, self.inputs[2 * self.capacity:2 * self.capacity + B]):
+            warm.wait_stream(main)  # (after the states' copy)
+            with torch.cuda.stream(warm):
+                self._forward(B, kv_len, cpu)
+            main.wait_stream(warm)
+            self.finish()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             logits = self._forward(B, kv_len, cpu)

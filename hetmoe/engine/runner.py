@@ -16,10 +16,12 @@ its KV cache (``recurrent``; layers/kv_cache.py ``RecurrentStates``). A state fo
 cannot be cut back: a slot is continued from its end or written from position 0 (``prefill``'s ``start``), never
 from a shorter prefix; chunked prefill carries it from chunk to chunk; a right-padded batch tells the layers each
 row's length (``Step.lengths``). A call that fails inside the model may have advanced some layers' states and not
-others: its slots are marked lost, and only a prefill from position 0 takes them again. The decode step of these
-models runs their eager forward (said once at load): the CUDA graph (whose capture runs the step twice) and the lean
-CPU step do not cover them yet. So does the decode step of models with sparse attention (DeepSeek-V3.2, GLM-5: their
-indexer's keys sit in the KV cache, ``KVCache.indexer``), whose layers pick the dense or the sparse form per step.
+others: its slots are marked lost, and only a prefill from position 0 takes them again. On a GPU their decode steps
+take the CUDA graph (whose capture runs the step twice: engine/cuda_graph.py puts the states back in between); on the
+CPU they run the eager forward (said once at load): the lean CPU step does not cover them yet. DeepSeek-V4's
+compressed attention (windows and compressor states of another kind) decodes eagerly, and so do models with sparse
+attention (DeepSeek-V3.2, GLM-5: their indexer's keys sit in the KV cache, ``KVCache.indexer``), whose layers pick
+the dense or the sparse form per step.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from hetmoe import cpu
 from hetmoe.engine.cpu_decode import CPUDecode
 from hetmoe.engine.cuda_graph import GraphDecoder
 from hetmoe.layers.attention import Step, paged_kernels
-from hetmoe.layers.kv_cache import KVCacheFull
+from hetmoe.layers.kv_cache import KVCacheFull, RecurrentStates
 from hetmoe.layers.linear_attention import use_kernels
 from hetmoe.load.loader import LoadedModel, moe_blocks
 from hetmoe.moe import StreamDecode
@@ -95,7 +97,7 @@ class Runner:
         if self.device.type == "cuda":
             fused = loaded.options.fused_decode == "on" if fused_decode is None else fused_decode
             graph = loaded.options.cuda_graph if cuda_graph is None else cuda_graph
-            if self.recurrent and (graph or fused):
+            if self.recurrent and not isinstance(self.cache.states, RecurrentStates) and (graph or fused):
                 _say("decode steps run without CUDA graphs or the fused kernels: their capture does not cover the "
                      f"{self.state_owner}' {self.state_what} yet")
                 graph = fused = False
