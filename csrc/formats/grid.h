@@ -73,13 +73,19 @@ constexpr std::array<uint8_t, 128> signs7() {
 }
 inline constexpr auto kSignMask = sign_masks();
 inline constexpr auto kSigns7 = signs7();
-
-// Eight values g_j (each 1..127, as the IQ2 / IQ3 grids hold) negated where bit j of s is set: ~g + 1 per byte,
-// which never carries into the next byte since g >= 1.
-inline uint64_t with_signs(uint64_t g, uint8_t s) {
-  const uint64_t m = kSignMask[s];
-  return (g ^ m) + (m & 0x0101010101010101ull);
+// kSignMask[kSigns7[i]]: one load per 8 values where the file holds sign indices
+constexpr std::array<uint64_t, 128> sign_masks7() {
+  std::array<uint64_t, 128> out{};
+  for (int i = 0; i < 128; ++i) out[i] = sign_masks()[signs7()[i]];
+  return out;
 }
+inline constexpr auto kSignMask7 = sign_masks7();
+
+// Eight values g_j (each 1..127, as the IQ2 / IQ3 grids hold) negated where byte j of the mask m is 0xFF: ~g + 1 per
+// byte, which never carries into the next byte since g >= 1.
+inline uint64_t with_mask(uint64_t g, uint64_t m) { return (g ^ m) + (m & 0x0101010101010101ull); }
+inline uint64_t with_signs(uint64_t g, uint8_t s) { return with_mask(g, kSignMask[s]); }
+inline uint64_t with_signs7(uint64_t g, int s7) { return with_mask(g, kSignMask7[s7]); }
 
 // IQ1: 8 * g + delta per byte (g in {-1, 0, 1}, delta +-1).
 inline uint64_t iq1_codes(uint64_t g, int delta) {
@@ -119,8 +125,7 @@ inline bool decode_row(Codebook type, const uint8_t* b, float d, uint8_t* dst, f
       for (int ib = 0; ib < 8; ++ib) {
         const uint32_t aux = u32_at(b + 8 * ib + 4);
         sc[ib * 16] = d * (float)(2 * (aux >> 28) + 1) * 0.125f;
-        for (int l = 0; l < 4; ++l)
-          put8(dst, 4 * ib + l, with_signs(kIq2xxs[b[8 * ib + l]], kSigns7[(aux >> (7 * l)) & 127]));
+        for (int l = 0; l < 4; ++l) put8(dst, 4 * ib + l, with_signs7(kIq2xxs[b[8 * ib + l]], (aux >> (7 * l)) & 127));
       }
       break;
     case Codebook::iq2_xs:  // 32 uint16: a 9-bit index, a 7-bit sign index; 8 bytes of two 4-bit scales
@@ -130,7 +135,7 @@ inline bool decode_row(Codebook type, const uint8_t* b, float d, uint8_t* dst, f
       for (int i = 0; i < 32; ++i) {
         if (xs) {
           const uint16_t v = u16_at(b + 2 * i);
-          put8(dst, i, with_signs(kIq2xs[v & 511], kSigns7[v >> 9]));
+          put8(dst, i, with_signs7(kIq2xs[v & 511], v >> 9));
         } else {
           const int idx = b[i] | ((b[64 + i / 4] >> (2 * (i % 4))) & 3) << 8;
           put8(dst, i, with_signs(kIq2s[idx], b[32 + i]));
@@ -146,7 +151,7 @@ inline bool decode_row(Codebook type, const uint8_t* b, float d, uint8_t* dst, f
         sc[ib * 16] = d * (float)(2 * (aux >> 28) + 1) * 0.25f;
         for (int l = 0; l < 4; ++l) {
           const uint64_t g = kIq3xxs[b[8 * ib + 2 * l]] | (uint64_t)kIq3xxs[b[8 * ib + 2 * l + 1]] << 32;
-          put8(dst, 4 * ib + l, with_signs(g, kSigns7[(aux >> (7 * l)) & 127]));
+          put8(dst, 4 * ib + l, with_signs7(g, (aux >> (7 * l)) & 127));
         }
       }
       break;

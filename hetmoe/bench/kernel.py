@@ -27,7 +27,7 @@ from hetmoe.bench.machine import (
     mem_total_bytes,
     write_json,
 )
-from hetmoe.cpu.codes import exact_layout
+from hetmoe.cpu.codes import GRID_TYPES, exact_layout
 from hetmoe.cpu.layout import FP8_LAYOUTS
 
 
@@ -54,7 +54,8 @@ GGUF_FORMATS = {"q2_k": ("Q2_K", "Q2_K"), "q3_k": ("Q3_K", "Q3_K"), "q4_k": ("Q4
                 "q5_k": ("Q5_K", "Q5_K"), "q6_k": ("Q6_K", "Q6_K"), "q4_k_m": ("Q4_K", "Q6_K"),
                 "q4_0": ("Q4_0", "Q4_0"), "q8_0": ("Q8_0", "Q8_0"), "q5_0": ("Q5_0", "Q5_0"), "q5_1": ("Q5_1", "Q5_1"),
                 "mxfp4": ("MXFP4", "MXFP4"), "iq4_nl": ("IQ4_NL", "IQ4_NL"), "iq4_xs": ("IQ4_XS", "IQ4_XS"),
-                "tq2_0": ("TQ2_0", "TQ2_0"), "tq1_0": ("TQ1_0", "TQ1_0")}
+                "tq2_0": ("TQ2_0", "TQ2_0"), "tq1_0": ("TQ1_0", "TQ1_0"),
+                **{k.lower(): (k, k) for k in GRID_TYPES}, "ud_iq2_xxs": ("IQ2_XXS", "IQ3_XXS")}
 # FP8 checkpoints' experts at their own layout (hetmoe/cpu/layout.py FP8_LAYOUTS): block FP8 and MXFP8
 FP8_FORMATS = {"fp8": 128, "mxfp8": 32}
 FORMATS = tuple(cpu.WEIGHT_FORMATS) + tuple(GGUF_FORMATS) + tuple(FP8_FORMATS)
@@ -305,7 +306,7 @@ def run_kernel_bench(args) -> int:
                 notes.append(f"all {E} experts ({E * bpe / 1e6:.0f} MB) fit in 4x the last-level cache: "
                              "weights may come from cache, GB/s can exceed DRAM")
             experts = cpu.CPUExperts(E, H, I, pool=pool, isa=isa, **fkw, **amx_kw)
-            if args.random_packed:
+            if args.random_packed or "grid" in str(fkw["weight_format"]):  # (grid: a file's blocks, never floats)
                 experts.fill_random(seed=len(records) + 1)
             else:
                 load_random(experts, f"{shape.name} {fmt}", gen)

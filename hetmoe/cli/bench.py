@@ -22,7 +22,8 @@ from hetmoe.config.flags import (
 BENCHES = ("kernel", "e2e", "serve", "overhead")  # in the order `hetmoe bench --help` lists them
 # hetmoe/bench/kernel.py FORMATS (not imported here: the CLI starts without torch)
 KERNEL_FORMATS = ("bf16", "int8", "int4", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_k_m", "q4_0", "q8_0", "q5_0",
-                  "q5_1", "mxfp4", "iq4_nl", "iq4_xs", "tq2_0", "tq1_0", "fp8", "mxfp8")
+                  "q5_1", "mxfp4", "iq4_nl", "iq4_xs", "tq2_0", "tq1_0", "iq2_xxs", "iq3_xxs", "iq3_s", "iq2_xs",
+                  "iq2_s", "iq1_s", "iq1_m", "ud_iq2_xxs", "fp8", "mxfp8")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -55,7 +56,8 @@ def _add_kernel(sub) -> None:
                         help="comma list of bf16, int8, int4 (default: these three), and GGUF experts at their own "
                         "precision: q2_k, q3_k, q4_k, q5_k, q6_k, q4_k_m (Q4_K gate/up, Q6_K down), q4_0, q8_0, "
                         "q5_0, q5_1 (fp16 scales), mxfp4, iq4_nl, iq4_xs (lut4: 4-bit codebook indices), tq2_0, "
-                        "tq1_0 (ternary: int2 group 128)")
+                        "tq1_0 (ternary: int2 group 128), iq2_xxs, iq3_xxs, iq3_s, iq2_xs, iq2_s, iq1_s, iq1_m, "
+                        "ud_iq2_xxs (IQ2_XXS gate/up, IQ3_XXS down; grid: the i-quants' blocks decoded in the kernels)")
     kernel.add_argument("--tokens", type=int_list, default=None, help="comma list of T (default: 1,4,32,512,2048)")
     kernel.add_argument("--threads", type=positive_int, default=None,
                         help="pool and torch threads (default: physical cores)")
