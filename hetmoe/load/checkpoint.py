@@ -92,6 +92,15 @@ def read_config(path: Path) -> ModelConfig:
         raise CheckpointError(f"{config_path} is not valid JSON: {err}") from None
     except (TypeError, ValueError):  # valid JSON, but not an object
         raise CheckpointError(f"{config_path} does not hold a JSON object") from None
+    gptq_file = path / "quantize_config.json"  # AutoGPTQ's / GPTQModel's, alone in checkpoints older than
+    if "quantization_config" not in cfg and gptq_file.is_file():  # transformers' GPTQ integration
+        try:
+            qc = json.loads(gptq_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{gptq_file} is not valid JSON: {err}") from None
+        if not isinstance(qc, dict):
+            raise CheckpointError(f"{gptq_file} does not hold a JSON object")
+        cfg["quantization_config"] = {"quant_method": "gptq", **qc}
     try:
         return text_model_config(cfg, str(config_path))
     except ConfigError as err:

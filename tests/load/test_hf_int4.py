@@ -598,6 +598,23 @@ def test_a_permuted_g_idx_is_refused_before_the_plan(int4, tmp_path):
         _load(path)
 
 
+def test_quantize_config_json_alone_describes_a_gptq_checkpoint(int4, tmp_path):
+    """AutoGPTQ's checkpoints older than transformers' GPTQ integration: quantize_config.json beside a config.json
+    without quantization_config (and without quant_method)."""
+    path = Path(shutil.copytree(int4("gptq", 32, False, False)[0], tmp_path / "ckpt"))
+    cfg = json.loads((path / "config.json").read_text())
+    qc = cfg.pop("quantization_config")
+    (path / "config.json").write_text(json.dumps(cfg))
+    (path / "quantize_config.json").write_text(json.dumps({k: v for k, v in qc.items() if k != "quant_method"}))
+    said = []
+    _load(path, log=said.append)
+    assert any("GPTQ int4 (with zero points, float16 scales per group of 32): packed as int4 group 32" in s
+               for s in said)
+    (path / "quantize_config.json").write_text("{bits: 4")
+    with pytest.raises(CheckpointError, match=r"quantize_config.json is not valid JSON"):
+        check_model_dir(path)
+
+
 def test_zero_points_a_symmetric_config_contradicts_are_named(int4, tmp_path):
     path = Path(shutil.copytree(int4("gptq", 128, False, True)[0], tmp_path / "ckpt"))
     _edit_config(path, sym=True)
