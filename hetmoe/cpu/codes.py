@@ -23,6 +23,10 @@ becomes the engine's int8 / int4 codes with their own scales (and mins), so the 
   group 32, k8 scales (d * (ls - 32) split into the int8 sub-scale and the fp16 d again).
 - MXFP4 (an E8M0 exponent per 32, 4-bit E2M1 codes): lut4, codebook e2m1 (values doubled), e8m0 scales (the
   exponent byte itself: 2^(e - 128) has the 1/2 in it), the file's 17 bytes per 32 values.
+- The i-quants IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (grid indices, signs and sub-scales per 256
+  values, an fp16 d): grid, its codebook the type (``GRID_TYPES``), group 32 or 16 (the type's scale's), fp16 scales
+  (the d): the file's blocks moved into the row blocks as they are and decoded in the kernels (csrc/formats/grid.h),
+  the file's bytes exactly. ``load_codes`` takes them as uint8 blocks, not codes and scales.
 
 Scales and mins go in as fp32 (what gguf's dequantization computes them as); the engine stores them in the layout's
 scale dtype exactly or refuses them. Codes of lut4 types are codebook indices (0..15). A layer planned as int8 (other
@@ -93,8 +97,8 @@ def exact_layout(gate_up_type: str, down_type: str, plan: Optional[str] = None) 
 
 def plan_format(layout: dict) -> tuple:
     """(format, group) a memory plan counts for ``layout`` (exact_layout's): fp8 as fp8, int8 when either matrix is
-    int8, else int4 (lut4 is a 4-bit format of the same line bytes: a plan's int4 holds those layers in their own
-    layout)."""
+    int8, else int4 (lut4 is a 4-bit format of the same line bytes, grid reads int8 activations as int4 does: a plan's
+    int4 holds those layers in their own layout)."""
     fmt = layout["weight_format"]
     if fmt == "fp8":
         return "fp8", layout["group_size"]
