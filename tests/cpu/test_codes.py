@@ -112,7 +112,7 @@ def test_what_the_engine_cannot_hold_exactly_is_refused():
         load_codes(experts, codes, [scales[0][..., :1], scales[1], scales[2]])
     with pytest.raises(ValueError, match="gate codes must be int8"):
         load_codes(experts, [codes[0].int(), codes[1], codes[2]], scales)
-    with pytest.raises(ValueError, match=r"grouped int8, int4, lut4 or bit-plane \(int6, int5, int3, int2\)"):
+    with pytest.raises(ValueError, match=r"grouped int8, int4, lut4, grid or bit-plane \(int6, int5, int3, int2\)"):
         load_codes(CPUExperts(E, H, I, "bf16", 0, pool=WorkerPool(1)), codes, scales)
     with pytest.raises(ValueError, match="do not fit"):
         load_codes(experts, codes, scales, first_expert=1)
