@@ -83,6 +83,10 @@ constexpr std::array<uint64_t, 128> sign_masks7() {
 }
 inline constexpr auto kSignMask7 = sign_masks7();
 
+// The functions below are compiled into every kernel file with that file's ISA flags: internal linkage keeps each
+// file's own copy (one merged copy could be an AVX-512 build called on an AVX2 CPU).
+namespace {
+
 // Eight values g_j (each 1..127, as the IQ2 / IQ3 grids hold) negated where byte j of the mask m is 0xFF: ~g + 1 per
 // byte, which never carries into the next byte since g >= 1.
 inline uint64_t with_mask(uint64_t g, uint64_t m) { return (g ^ m) + (m & 0x0101010101010101ull); }
@@ -218,6 +222,8 @@ inline bool decode_super(const RowBlock& w, int s, uint8_t* lines, float* scales
   }
   return ok;
 }
+
+}  // namespace
 
 }  // namespace grid
 }  // namespace hetmoe
