@@ -3,7 +3,7 @@
 
 Blocks are written directly as random bytes (random codes, finite fp16 scales sized for a weight std of about 0.02), one
 tensor at a time: a multi-GB file takes seconds and no float copy. Types: F32 / F16 / BF16, Q4_0 / Q8_0, the K-quants
-Q4_K / Q5_K / Q6_K, the 4-bit codebook types IQ4_NL / IQ4_XS / MXFP4 (MXFP4's scale is an exponent byte, set near the
+Q2_K .. Q6_K, the 4-bit codebook types IQ4_NL / IQ4_XS / MXFP4 (MXFP4's scale is an exponent byte, set near the
 one a weight std of 0.02 needs) and the i-quants IQ2_XXS .. IQ1_M (random grid indices, signs and sub-scales: every byte
 pattern is a valid block; IQ1_M's d is spread over its scale words); ``EXPERT_MIXES`` names the routed experts'
 (gate/up, down) types as llama.cpp's quantizer writes them (Q4_K_M: Q4_K gate/up, Q6_K down). The tokenizer is a
@@ -24,12 +24,14 @@ WEIGHT_STD = 0.02  # the std of a published checkpoint's linear weights, about
 # (measured with gguf.dequantize) with 6-bit sub-block scales and mins, dmin = d * KQ_MIN_RATIO (centred weights)
 # IQ4_NL: the kvalues_iq4nl table's rms; IQ4_XS: times the rms of its random 6-bit sub-block scales ls - 32; MXFP4:
 # the doubled E2M1 values' rms (its scale 2^(e - 128) is chosen per block from MXFP4_E)
-CODE_STD = {"Q4_0": 4.61, "Q8_0": 73.9, "Q4_K": 259.0, "Q5_K": 532.0, "Q6_K": 1376.0, "IQ4_NL": 67.4,
-            "IQ4_XS": 1245.0, "MXFP4": 5.85, "IQ2_XXS": 53.2, "IQ2_XS": 55.6, "IQ2_S": 56.2, "IQ3_XXS": 142.0,
-            "IQ3_S": 140.0, "IQ1_S": 7.24, "IQ1_M": 7.21}
-KQ_D = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}  # byte offsets of each block's fp16 d and dmin
+CODE_STD = {"Q4_0": 4.61, "Q8_0": 73.9, "Q2_K": 13.9, "Q3_K": 43.4, "Q4_K": 259.0, "Q5_K": 532.0, "Q6_K": 1376.0,
+            "IQ4_NL": 67.4, "IQ4_XS": 1245.0, "MXFP4": 5.85, "IQ2_XXS": 53.2, "IQ2_XS": 55.6, "IQ2_S": 56.2,
+            "IQ3_XXS": 142.0, "IQ3_S": 140.0, "IQ1_S": 7.24, "IQ1_M": 7.21}
+# byte offsets of each block's fp16 d and dmin
+KQ_D = {"Q2_K": (80, 82), "Q3_K": (108, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
 MXFP4_E = (119, 121)  # exponent bytes of MXFP4 blocks, drawn in [lo, hi): 2^(e - 128) * 5.85 around WEIGHT_STD
-KQ_MIN_RATIO = {"Q4_K": 7.5, "Q5_K": 15.5}  # dmin / d: the mean code, so that a sub-block's mean is about 0
+# dmin / d: the mean code (times the mean sub-scale over the mean sub-min), so that a sub-block's mean is about 0
+KQ_MIN_RATIO = {"Q2_K": 1.5, "Q4_K": 7.5, "Q5_K": 15.5}
 # routed experts' (gate/up, down) types per llama.cpp file type
 EXPERT_MIXES = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q4_K": ("Q4_K", "Q4_K"), "Q5_K": ("Q5_K", "Q5_K"),
                 "Q6_K": ("Q6_K", "Q6_K"), "Q8_0": ("Q8_0", "Q8_0"), "Q4_0": ("Q4_0", "Q4_0"),
