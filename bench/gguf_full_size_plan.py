@@ -7,6 +7,11 @@ size: its blocks are never read, since ``hetmoe plan --model FILE.gguf`` reads t
     python3 bench/gguf_full_size_plan.py [--mixes UD-Q2_K_XL,UD-IQ2_XXS,...] [--cpu-memory 256GB] [--dir /tmp]
         [--plan-args "--dense-format int4"]
 
+With ``--with-data --layers N --experts E`` the file is a real one of fewer layers and experts (every other size as
+the full model's; random blocks, hetmoe/load/gguf/random_file.py), loaded and run: ``hetmoe plan`` as above, then
+``hetmoe bench e2e --model FILE --device cpu`` (prefill and decode; the routed experts' held bytes against the
+file's are in the plan's type table).
+
 The mixes follow the published files' pattern (unsloth's dynamic quants of DeepSeek-R1: low-bit routed experts, a
 wider down_proj where named, the dense part at 4-8 bits); the exact per-layer choices of those files differ.
 """
@@ -35,13 +40,14 @@ MIXES = {
     "UD-IQ1_S": ("IQ1_S", "IQ2_XXS", "IQ3_XXS", 3),
     "Q4_K_M": ("Q4_K", "Q6_K", "Q6_K", 0),
 }
-DENSE = {"attn": "Q4_K", "attn_kv_b": "Q6_K", "dense_ffn": "Q4_K", "shexp": "Q6_K", "token_embd": "Q4_K",
-         "output": "Q6_K"}
+# (attn_k_b's rows are 128 long, under a K-quant's 256: llama-quantize falls back to Q8_0 for it)
+DENSE = {"attn": "Q4_K", "attn_k_b": "Q8_0", "attn_v_b": "Q6_K", "dense_ffn": "Q4_K", "shexp": "Q6_K",
+         "token_embd": "Q4_K", "output": "Q6_K"}
 
 
-def tensors(mix: str) -> list:
-    """(GGUF name, numpy-order shape, GGML type) of every tensor of the full model, in llama.cpp's file order."""
-    s = V3
+def tensors(mix: str, s: dict = V3) -> list:
+    """(GGUF name, numpy-order shape, GGML type) of every tensor of the model of shape ``s``, in llama.cpp's file
+    order."""
     gate_up, down, early_down, n_early = MIXES[mix]
     h, f32 = s["hidden"], "F32"
     out = [("token_embd.weight", (s["vocab"], h), DENSE["token_embd"])]
@@ -53,8 +59,8 @@ def tensors(mix: str) -> list:
                 (p + "attn_q_a.weight", (s["q_lora"], h), DENSE["attn"]),
                 (p + "attn_q_b.weight", (s["heads"] * (s["nope"] + s["rope"]), s["q_lora"]), DENSE["attn"]),
                 (p + "attn_kv_a_mqa.weight", (s["kv_lora"] + s["rope"], h), DENSE["attn"]),
-                (p + "attn_k_b.weight", (s["heads"], s["kv_lora"], s["nope"]), DENSE["attn_kv_b"]),
-                (p + "attn_v_b.weight", (s["heads"], s["v"], s["kv_lora"]), DENSE["attn_kv_b"]),
+                (p + "attn_k_b.weight", (s["heads"], s["kv_lora"], s["nope"]), DENSE["attn_k_b"]),
+                (p + "attn_v_b.weight", (s["heads"], s["v"], s["kv_lora"]), DENSE["attn_v_b"]),
                 (p + "attn_output.weight", (h, s["heads"] * s["v"]), DENSE["attn"]),
                 (p + "ffn_norm.weight", (h,), f32)]
         if b < s["dense_layers"]:
@@ -75,13 +81,13 @@ def tensors(mix: str) -> list:
     return out + [("output_norm.weight", (h,), f32), ("output.weight", (s["vocab"], h), DENSE["output"])]
 
 
-def write_header_only(path: str, mix: str) -> int:
-    """The GGUF file of ``mix`` with its data a hole of the right size -> the file's size in bytes."""
+def write_gguf(path: str, mix: str, s: dict = V3, data: bool = False) -> int:
+    """The GGUF file of ``mix`` and shape ``s`` -> its size in bytes. ``data``: random blocks (norms 1, the
+    selection bias 0); else the data section is a hole of the right size."""
     import gguf
 
-    from hetmoe.load.gguf.random_file import byte_level_vocab
+    from hetmoe.load.gguf.random_file import byte_level_vocab, random_tensor
 
-    s = V3
     w = gguf.GGUFWriter(path, "deepseek2")
     w.add_name(f"DeepSeek-V3 shape, {mix} experts")
     for add, value in ((w.add_block_count, s["layers"]), (w.add_context_length, 163840),
@@ -107,9 +113,12 @@ def write_header_only(path: str, mix: str) -> int:
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
     total = 0
-    for name, shape, kind in tensors(mix):
+    plan = tensors(mix, s)
+    for name, shape, kind in plan:
         qtype = gguf.GGMLQuantizationType[kind]
         per, block = gguf.GGML_QUANT_SIZES[qtype]
+        if shape[-1] % per:
+            raise ValueError(f"{name}: rows of {shape[-1]} are not whole {kind} blocks of {per}")
         nbytes = (math.prod(shape) // per) * block
         raw = (*shape[:-1], shape[-1] // per * block) if per > 1 else shape
         w.add_tensor_info(name, raw, np.dtype(np.uint8) if per > 1 else np.dtype(np.float32), nbytes,
@@ -118,11 +127,22 @@ def write_header_only(path: str, mix: str) -> int:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
+    if data:
+        rng = np.random.default_rng(0)
+        for name, shape, kind in plan:
+            if name.endswith("norm.weight"):
+                w.write_tensor_data(np.ones(shape, np.float32))
+            elif name.endswith("exp_probs_b.bias"):
+                w.write_tensor_data(np.zeros(shape, np.float32))
+            else:
+                w.write_tensor_data(random_tensor(kind, shape, rng))
+        w.close()
+        return os.path.getsize(path)
     w.fout[0].flush()
     start = w.fout[0].tell()
     w.close()
     with open(path, "r+b") as fh:  # the data section as a hole (each tensor padded to 32 bytes at most)
-        fh.truncate(start + total + 32 * len(tensors(mix)))
+        fh.truncate(start + total + 32 * len(plan))
     return os.path.getsize(path)
 
 
@@ -132,15 +152,26 @@ def main() -> int:
     ap.add_argument("--cpu-memory", default="256GB")
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--plan-args", default="", help="more options for hetmoe plan, e.g. '--dense-format int4'")
+    ap.add_argument("--with-data", action="store_true", help="write random blocks and run the model (with --layers,"
+                    " --experts: a smaller model)")
+    ap.add_argument("--layers", type=int, default=V3["layers"])
+    ap.add_argument("--experts", type=int, default=V3["experts"])
+    ap.add_argument("--e2e-args", default="--prompt-tokens 128 --decode-tokens 16 --repeats 1",
+                    help="options for hetmoe bench e2e (--with-data)")
     args = ap.parse_args()
     for mix in args.mixes.split(","):
+        shape = {**V3, "layers": args.layers, "experts": args.experts, "used": min(V3["used"], args.experts)}
         path = os.path.join(args.dir, f"deepseek-v3-{mix}.gguf")
-        size = write_header_only(path, mix)
-        print(f"== {mix}: {size / 1e9:.1f} GB file ({size / 2**30:.1f} GiB), header only (sparse)", flush=True)
-        cmd = [sys.executable, "-m", "hetmoe", "plan", "--model", path, "--device", "cpu",
-               "--cpu-memory", args.cpu_memory, *args.plan_args.split()]
-        print("$ hetmoe " + " ".join(cmd[3:]), flush=True)
-        subprocess.run(cmd, check=False)
+        size = write_gguf(path, mix, shape, data=args.with_data)
+        print(f"== {mix}: {shape['layers']} layers, {shape['experts']} experts: {size / 1e9:.1f} GB file "
+              f"({size / 2**30:.1f} GiB){'' if args.with_data else ', header only (sparse)'}", flush=True)
+        runs = [["plan", "--model", path, "--device", "cpu", "--cpu-memory", args.cpu_memory, *args.plan_args.split()]]
+        if args.with_data:
+            runs.append(["bench", "e2e", "--model", path, "--device", "cpu", *args.plan_args.split(),
+                         *args.e2e_args.split()])
+        for run in runs:
+            print("$ hetmoe " + " ".join(run), flush=True)
+            subprocess.run([sys.executable, "-m", "hetmoe", *run], check=False)
         os.remove(path)
     return 0
 
