@@ -9,7 +9,8 @@ writes them (tests/gguf_files.py), dense tensors in F32, routed experts quantize
   tests/parity.py), within the engine's activation rounding: measured max rel. error below.
 * The i-quants (IQ2_XXS .. IQ1_M) load as grid at their file's bytes (random blocks: every byte pattern is valid),
   alone and beside K-quants, and their logits match the dequantized checkpoint's as the other exact types' do.
-* Another type (NVFP4 here) is dequantized and re-quantized into the nearest engine format, said on the log.
+* Experts no layout holds (gate and up of different types here) are dequantized and re-quantized into the nearest
+  engine format, said on the log.
 * ``LLM`` generates from the file with the tokenizer and chat template the file carries; a broken file is named.
 """
 
@@ -64,16 +65,13 @@ def quantized_gguf(tmp_path, arch: str, qtype: str, tokenizer: bool = False, pad
     for name, t in list(tensors.items()):
         if "_exps." in name:
             gate_up, down = ((layer_types or {}).get(int(name.split(".")[1]), qtype) + "+").split("+")[:2]
-            kind = (down or gate_up) if "_down_" in name else gate_up
+            gate, up = (gate_up + "," + gate_up).split(",")[:2]  # "GATE,UP": gate and up of different types
+            kind = (down or gate) if "_down_" in name else gate if "_gate_" in name else up
             qts[name] = qt = getattr(gguf.GGMLQuantizationType, kind)
             if kind in KQUANTS or kind in LUT4_BLOCKS:
                 raw = np.stack([random_blocks(kind, *t.shape[1:], rng, centered=True) for _ in range(t.shape[0])])
             elif kind in GRID_TYPES:  # random grid and sign indices, sub-scales, an fp16 d per 256 (weights ~0.02)
                 raw = random_tensor(kind, t.shape, rng)
-            elif kind == "NVFP4":  # random E2M1 nibbles, four UE4M3 scale bytes per 64 (0x30: 2^-1 * 1/2)
-                raw = rng.integers(0, 256, (*t.shape[:-1], t.shape[-1] // 64, 36), dtype=np.uint8)
-                raw[..., :4] = 0x30
-                raw = raw.reshape(*t.shape[:-1], -1)
             else:
                 raw = gguf.quants.quantize(t, qt)
             deq[name] = gguf.quants.dequantize(raw, qt)
@@ -307,14 +305,14 @@ def test_a_bad_kquant_block_is_named(tmp_path):
 
 
 def test_other_types_are_requantized_into_the_nearest_format(tmp_path):
-    """NVFP4 (E2M1 codes, an E4M3 scale per 16): no exact layout, re-quantized into int4."""
-    path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "NVFP4", **KSIZES["qwen3_moe"])
+    """Gate Q4_0 beside up Q4_1 (no layout holds gate and up of different types): re-quantized into int4."""
+    path, _, _, _ = quantized_gguf(tmp_path, "qwen3_moe", "Q4_0,Q4_1+Q4_0", **KSIZES["qwen3_moe"])
     said = []
     loaded = load_model(path, EngineOptions(device="cpu", dtype="fp32", threads=1), expert_cache=None,
                         progress=False, log=said.append)
     assert loaded.plan.experts_format == "int4" and loaded.plan.group_size == 32
-    assert any("NVFP4, which no engine format holds exactly: dequantized and re-quantized into int4" in s
-               for s in said)
+    assert any("Q4_0/Q4_1, which no engine format holds exactly: dequantized and re-quantized into int4" in s
+               for s in said), said
 
 
 def test_generate_from_a_gguf_file_with_its_own_tokenizer(tmp_path):
