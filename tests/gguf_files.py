@@ -253,15 +253,19 @@ def q3_scale_bytes(sc: np.ndarray) -> np.ndarray:
 
 
 def lut4_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, centered: bool = False) -> np.ndarray:
-    """Bytes of a [rows, cols] matrix of IQ4_NL / IQ4_XS / MXFP4: random nibbles (every pattern is a valid block) and
-    random scales: fp16 d, IQ4_XS's 6-bit sub-block scales, MXFP4's exponent byte. ``centered``: weights of a std of
-    about 0.1 (IQ4_XS sub-block scales of one sign, MXFP4 exponents around 2^-6), else any sub-block scale and
-    exponents over a wide range (2^-28 .. 2^0; the edge cases 0, 1 and 255: tests/load/gguf/test_lut4_blocks.py)."""
+    """Bytes of a [rows, cols] matrix of IQ4_NL / IQ4_XS / MXFP4 / NVFP4: random nibbles (every pattern is a valid
+    block) and random scales: fp16 d, IQ4_XS's 6-bit sub-block scales, MXFP4's exponent byte, NVFP4's UE4M3 bytes.
+    ``centered``: weights of a std of about 0.1 (IQ4_XS sub-block scales of one sign, MXFP4 exponents around 2^-6), else
+    any sub-block scale and exponents over a wide range (2^-28 .. 2^0; the edge cases 0, 1 and 255:
+    tests/load/gguf/test_lut4_blocks.py)."""
     per, nbytes = LUT4_BLOCKS[kind]
     nb = cols // per
     raw = rng.integers(0, 256, (rows, nb, nbytes), dtype=np.uint8)
     if kind == "MXFP4":
         raw[..., 0] = rng.integers(120, 124, (rows, nb)) if centered else rng.integers(100, 129, (rows, nb))
+        return raw.reshape(rows, -1)
+    if kind == "NVFP4":  # UE4M3 scale bytes: near 2^-5 (exponent 2), or any of 0..127 (0, subnormals, 0x7F)
+        raw[..., 0:4] = rng.integers(16, 24, (rows, nb, 4)) if centered else rng.integers(0, 128, (rows, nb, 4))
         return raw.reshape(rows, -1)
     d = 0.1 / 67.4 if kind == "IQ4_NL" else 0.1 / (67.4 * 4.5)  # the codebook's rms (times IQ4_XS's mean ls - 32)
     scale = (rng.uniform(0.5, 1.5, (rows, nb)) * (d if centered else 0.01)).astype(np.float16)

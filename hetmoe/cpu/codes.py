@@ -23,6 +23,8 @@ becomes the engine's int8 / int4 codes with their own scales (and mins), so the 
   group 32, k8 scales (d * (ls - 32) split into the int8 sub-scale and the fp16 d again).
 - MXFP4 (an E8M0 exponent per 32, 4-bit E2M1 codes): lut4, codebook e2m1 (values doubled), e8m0 scales (the
   exponent byte itself: 2^(e - 128) has the 1/2 in it), the file's 17 bytes per 32 values.
+- NVFP4 (a UE4M3 scale per 16, E2M1 codes): lut4 e2m1, group 16, fp16 scales (each UE4M3 value halved, exact in
+  fp16): 5 bits per weight against the file's 4.5 (no 1-byte E4M3 scale type yet).
 - The i-quants IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (grid indices, signs and sub-scales per 256
   values, an fp16 d): grid, its codebook the type (``GRID_TYPES``), group 32 or 16 (the type's scale's), fp16 scales
   (the d): the file's blocks moved into the row blocks as they are and decoded in the kernels (csrc/formats/grid.h),
@@ -68,6 +70,7 @@ EXACT_TYPES = {"Q8_0": ("int8", "symmetric", 32, "fp16", None), "Q4_0": ("int4",
                "IQ4_NL": ("lut4", "symmetric", 32, "fp16", "iq4nl"),
                "IQ4_XS": ("lut4", "symmetric", 32, "k8", "iq4nl"),
                "MXFP4": ("lut4", "symmetric", 32, "e8m0", "e2m1"),
+               "NVFP4": ("lut4", "symmetric", 16, "fp16", "e2m1"),
                "TQ2_0": ("int2", "symmetric", 128, "fp16", None), "TQ1_0": ("int2", "symmetric", 128, "fp16", None),
                # the i-quants as their files' blocks (csrc/formats/layout.h grid; the group is the type's scale's)
                **{k: ("grid", "symmetric", GRIDS[k.lower()][0], "fp16", k.lower()) for k in GRID_TYPES}}

@@ -3,12 +3,12 @@
 
 Blocks are written directly as random bytes (random codes, finite fp16 scales sized for a weight std of about 0.02), one
 tensor at a time: a multi-GB file takes seconds and no float copy. Types: F32 / F16 / BF16, Q4_0 / Q8_0, the K-quants
-Q2_K .. Q6_K, the 4-bit codebook types IQ4_NL / IQ4_XS / MXFP4 (MXFP4's scale is an exponent byte, set near the
-one a weight std of 0.02 needs) and the i-quants IQ2_XXS .. IQ1_M (random grid indices, signs and sub-scales: every byte
-pattern is a valid block; IQ1_M's d is spread over its scale words); ``EXPERT_MIXES`` names the routed experts'
-(gate/up, down) types as llama.cpp's quantizer writes them (Q4_K_M: Q4_K gate/up, Q6_K down). The tokenizer is a
-byte-level BPE vocabulary of the shape's vocab size (256 byte tokens, then merges of byte pairs and byte triples),
-enough for llama.cpp to load: its benchmarks feed random token ids and never tokenize text.
+Q2_K .. Q6_K, the 4-bit codebook types IQ4_NL / IQ4_XS / MXFP4 / NVFP4 (MXFP4's scale is an exponent byte, NVFP4's four
+UE4M3 bytes, set near what a weight std of 0.02 needs) and the i-quants IQ2_XXS .. IQ1_M (random grid indices, signs and
+sub-scales: every byte pattern is a valid block; IQ1_M's d is spread over its scale words); ``EXPERT_MIXES`` names the
+routed experts' (gate/up, down) types as llama.cpp's quantizer writes them (Q4_K_M: Q4_K gate/up, Q6_K down). The
+tokenizer is a byte-level BPE vocabulary of the shape's vocab size (256 byte tokens, then merges of byte pairs and byte
+triples), enough for llama.cpp to load: its benchmarks feed random token ids and never tokenize text.
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ WEIGHT_STD = 0.02  # the std of a published checkpoint's linear weights, about
 # the doubled E2M1 values' rms (its scale 2^(e - 128) is chosen per block from MXFP4_E)
 CODE_STD = {"Q4_0": 4.61, "Q8_0": 73.9, "Q2_K": 13.9, "Q3_K": 43.4, "Q4_K": 259.0, "Q5_K": 532.0, "Q6_K": 1376.0,
             "IQ4_NL": 67.4, "IQ4_XS": 1245.0, "MXFP4": 5.85, "IQ2_XXS": 53.2, "IQ2_XS": 55.6, "IQ2_S": 56.2,
-            "IQ3_XXS": 142.0, "IQ3_S": 140.0, "IQ1_S": 7.24, "IQ1_M": 7.21}
+            "IQ3_XXS": 142.0, "IQ3_S": 140.0, "IQ1_S": 7.24, "IQ1_M": 7.21, "NVFP4": 5.85}
 # byte offsets of each block's fp16 d and dmin
 KQ_D = {"Q2_K": (80, 82), "Q3_K": (108, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
+# UE4M3 bytes of NVFP4 blocks, drawn in [lo, hi): the subnormals m * 2^-9, halved, times 5.85 around WEIGHT_STD
+NVFP4_S = (3, 6)
 MXFP4_E = (119, 121)  # exponent bytes of MXFP4 blocks, drawn in [lo, hi): 2^(e - 128) * 5.85 around WEIGHT_STD
 # dmin / d: the mean code (times the mean sub-scale over the mean sub-min), so that a sub-block's mean is about 0
 KQ_MIN_RATIO = {"Q2_K": 1.5, "Q4_K": 7.5, "Q5_K": 15.5}
@@ -36,6 +38,7 @@ KQ_MIN_RATIO = {"Q2_K": 1.5, "Q4_K": 7.5, "Q5_K": 15.5}
 EXPERT_MIXES = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q4_K": ("Q4_K", "Q4_K"), "Q5_K": ("Q5_K", "Q5_K"),
                 "Q6_K": ("Q6_K", "Q6_K"), "Q8_0": ("Q8_0", "Q8_0"), "Q4_0": ("Q4_0", "Q4_0"),
                 "IQ4_NL": ("IQ4_NL", "IQ4_NL"), "IQ4_XS": ("IQ4_XS", "IQ4_XS"), "MXFP4": ("MXFP4", "MXFP4"),
+                "NVFP4": ("NVFP4", "NVFP4"),
                 **{k: (k, k) for k in ("IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")},
                 "UD-IQ2_XXS": ("IQ2_XXS", "IQ3_XXS")}  # unsloth's dynamic mixes: a larger down beside gate/up
 # the dense part of llama.cpp's Q4_K_M: attention Q4_K but attn_v Q6_K, the embedding Q4_K, the output Q6_K
@@ -82,6 +85,9 @@ def random_tensor(kind: str, shape: tuple, rng: np.random.Generator) -> np.ndarr
     out = np.frombuffer(bytearray(rng.bytes(n_blocks * nbytes)), dtype=np.uint8).reshape(n_blocks, nbytes)
     if kind == "MXFP4":  # one exponent byte per block, no fp16 scale
         out[:, 0] = rng.integers(*MXFP4_E, n_blocks, dtype=np.uint8)
+        return out.reshape(raw)
+    if kind == "NVFP4":  # four UE4M3 bytes per block, no fp16 scale (and no tensor scale in a GGUF file)
+        out[:, 0:4] = rng.integers(*NVFP4_S, (n_blocks, 4), dtype=np.uint8)
         return out.reshape(raw)
     d = WEIGHT_STD / CODE_STD[kind] * rng.uniform(0.5, 1.5, n_blocks).astype(np.float32)
     if kind == "IQ1_M":  # its fp16 d is the top nibbles of its four uint16 scale words (bytes 48..55)

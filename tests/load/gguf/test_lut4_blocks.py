@@ -1,4 +1,4 @@
-"""GGUF's 4-bit codebook types (IQ4_NL, IQ4_XS, MXFP4) and Q4_0 / Q8_0 at the file's own bytes
+"""GGUF's 4-bit codebook types (IQ4_NL, IQ4_XS, MXFP4, NVFP4) and Q4_0 / Q8_0 at the file's own bytes
 (hetmoe/load/gguf/lut4_blocks.py and checkpoint.py -> hetmoe/cpu/codes.py -> the lut4 format and the fp16 / e8m0 scale
 types of csrc/formats/layout.h).
 
@@ -33,10 +33,10 @@ E, H, I = 3, 256, 512
 HAS_AMX = "amx" in cpu_info()["supported_isas"]
 PATHS = ["rows", "amx-emulated"] + (["amx"] if HAS_AMX else [])
 ROWS_ONLY = 10**6  # amx_min_tokens that keeps every expert on the row-block kernels
-TYPES = ["IQ4_NL", "IQ4_XS", "MXFP4", "Q4_0", "Q8_0"]
+TYPES = ["IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4", "Q4_0", "Q8_0"]
 # (gate/up type, down type): one type per layer, and mixes of a codebook type with an int8 one (down, as the
 # dynamic quantizers keep it wider)
-LAYERS = [(t, t) for t in TYPES] + [("MXFP4", "Q8_0"), ("IQ4_XS", "Q6_K"), ("IQ4_NL", "Q4_0")]
+LAYERS = [(t, t) for t in TYPES] + [("MXFP4", "Q8_0"), ("IQ4_XS", "Q6_K"), ("IQ4_NL", "Q4_0"), ("NVFP4", "Q8_0")]
 
 
 def codes_of(kind: str, raw: np.ndarray, shape: tuple) -> tuple:
@@ -66,20 +66,27 @@ def gguf_experts(kinds: tuple, seed: int, pool: WorkerPool, centered: bool = Fal
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # gguf's own, on 12 * 2^127 (inf)
-@pytest.mark.parametrize("kind", ["IQ4_NL", "IQ4_XS", "MXFP4"])
+@pytest.mark.parametrize("kind", ["IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4"])
 def test_decoded_codes_times_codebook_are_gguf_values(kind):
     """lut4_codes of random blocks: codebook[index] * scale is gguf.quants.dequantize, bit for bit; MXFP4's exponent
-    bytes 0 and 1 (fp32 subnormal scales) and 255 (2^127) included."""
+    bytes 0 and 1 (fp32 subnormal scales) and 255 (2^127) included; NVFP4's UE4M3 bytes 0 and 0x7F (zero), 1 (the
+    smallest subnormal), 0x80 (bit 7, not read) and 0x7E (the largest), its scales exact in fp16."""
     from hetmoe.cpu.layout import CODEBOOKS
 
     rng = np.random.default_rng(1)
     raw = random_blocks(kind, 8, 512, rng)
     if kind == "MXFP4":
         raw.reshape(8, 16, 17)[:3, 0, 0] = (0, 1, 255)
+    if kind == "NVFP4":
+        raw.reshape(8, 8, 36)[0, 0, :4] = (0, 0x7F, 1, 0x80)
+        raw.reshape(8, 8, 36)[1, 0, 0] = 0x7E
     q, s = lut4_codes(raw, kind, (8, 512))
     assert q.dtype == torch.int8 and int(q.min()) >= 0 and int(q.max()) <= 15
+    assert s.shape == (8, 512 // EXACT_TYPES[kind][2])
+    if kind == "NVFP4":
+        assert torch.equal(s, s.half().float())
     book = torch.tensor(CODEBOOKS[EXACT_TYPES[kind][4]], dtype=torch.float32)
-    got = book[q.long()] * s.repeat_interleave(32, dim=1)
+    got = book[q.long()] * s.repeat_interleave(EXACT_TYPES[kind][2], dim=1)
     want = torch.from_numpy(gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind)).astype(np.float32))
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
@@ -97,7 +104,9 @@ def test_packed_experts_dequantize_bitwise_as_gguf(kinds, split):
 # their own width); IQ4_XS: an fp32 scale per 32 (d * (ls - 32) has 17 significant bits) against the file's fp16 d
 # per 256 and 6-bit ls per 32: 5 / 4.25 bits per weight = 1.176 (its nibbles are the file's).
 # IQ4_XS: k8 scales (an int8 sub-scale per 32 and the file's fp16 d per 256) against the file's 6-bit ls per 32
-RAM_RATIO = {"MXFP4": 1.0, "IQ4_NL": 1.0, "Q4_0": 1.0, "Q8_0": 1.0, "IQ4_XS": (4 + 8 / 32 + 16 / 256) / 4.25}
+# NVFP4: an fp16 scale per 16 against the file's UE4M3 byte: 5 / 4.5 bits per weight
+RAM_RATIO = {"MXFP4": 1.0, "IQ4_NL": 1.0, "Q4_0": 1.0, "Q8_0": 1.0, "IQ4_XS": (4 + 8 / 32 + 16 / 256) / 4.25,
+             "NVFP4": 5 / 4.5}
 
 
 @pytest.mark.parametrize("kind", TYPES)
@@ -200,11 +209,11 @@ def test_the_triton_unpack_reads_lut4_and_narrow_scales():
                                               for fmt, group, scale_dtype, codebook in TRITON_LAYOUTS])
 
 
-@pytest.mark.parametrize("mix", ["MXFP4", "IQ4_XS"])
+@pytest.mark.parametrize("mix", ["MXFP4", "IQ4_XS", "NVFP4"])
 def test_a_random_file_of_codebook_experts_loads_at_its_bytes(tmp_path, mix):
-    """hetmoe/load/gguf/random_file.py's qwen3moe file (what the benchmarks write) with MXFP4 / IQ4_XS experts, loaded
-    by the loader: every expert's values are gguf's dequantization of the file's tensors, and the experts' RAM is the
-    file's expert bytes (IQ4_XS: times 1.015, its k8 scales)."""
+    """hetmoe/load/gguf/random_file.py's qwen3moe file (what the benchmarks write) with MXFP4 / IQ4_XS / NVFP4 experts,
+    loaded by the loader: every expert's values are gguf's dequantization of the file's tensors, and the experts' RAM
+    is the file's expert bytes (IQ4_XS: times 1.015, its k8 scales; NVFP4: 1.11, its fp16 scales)."""
     import copy
 
     from hetmoe.config.options import EngineOptions
