@@ -151,9 +151,20 @@ class _Sequence:
 
 
 def _kind(e: BaseException) -> str:
-    """The error kind of a request that a runner call failed: "capacity" when the KV cache memory is out (the server
-    answers 503: the request may succeed later), else "failed"."""
-    return "capacity" if isinstance(e, KVCacheFull) else "failed"
+    """The error kind of a request that a runner call failed: "capacity" when the KV cache memory is out, "memory"
+    when the device ran out of memory in the forward (another process may hold it: the server answers 503 to both,
+    the request may succeed later), else "failed"."""
+    if isinstance(e, KVCacheFull):
+        return "capacity"
+    return "memory" if isinstance(e, torch.OutOfMemoryError) else "failed"
+
+
+def _release_cached_memory(failures: list) -> None:
+    """After a call that ran out of device memory failed (``failures``: the exception types; the exceptions, their
+    tracebacks and the tensors these hold are gone), hand the allocator's cached blocks back, so the next request
+    starts from what is really in use."""
+    if any(issubclass(t, torch.OutOfMemoryError) for t in failures) and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _common_prefix(a: list, b: list) -> int:
@@ -368,7 +379,7 @@ class Scheduler:
         return logits[-1]
 
     def _prefill_one_by_one(self, group: list, chunks: list) -> list:
-        rows = []
+        rows, failures = [], []
         for seq, chunk in zip(group, chunks):
             try:
                 rows.append(self._prefill_one(seq, chunk))
@@ -376,6 +387,8 @@ class Scheduler:
                 traceback.print_exc()
                 self._fail(seq, _kind(e), f"prefill failed: {type(e).__name__}: {e}", e)
                 rows.append(None)
+                failures.append(type(e))
+        _release_cached_memory(failures)
         return rows
 
     def _decode(self) -> None:
@@ -400,13 +413,15 @@ class Scheduler:
                 self._advance(seq, token)
 
     def _decode_one_by_one(self, batch: list) -> torch.Tensor:
-        rows = []
+        rows, failures = [], []
         for seq in batch:
             try:
                 rows.append(self.runner.decode_batch([seq.next_token], [seq.slot])[0])
             except Exception as e:
                 traceback.print_exc()
                 self._fail(seq, _kind(e), f"decode failed: {type(e).__name__}: {e}", e)
+                failures.append(type(e))
+        _release_cached_memory(failures)
         return torch.stack(rows) if rows else torch.empty(0)
 
     def _sample(self, batch: list, logits: torch.Tensor) -> list:
@@ -482,6 +497,8 @@ class Scheduler:
               log: bool = True) -> None:
         if log:
             self.log(f"request {seq.req.id} failed: {message}")
+        if isinstance(exception, torch.OutOfMemoryError):  # its traceback's frames hold the failed call's tensors
+            exception = exception.with_traceback(None)
         seq.req.exception = exception
         self._release(seq)
         seq.req.emit("error", kind, message)

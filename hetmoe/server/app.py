@@ -492,7 +492,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 
 def _error_status(body: dict) -> int:
-    return {"kv_cache_full": 503, "shutting_down": 503, "invalid_value": 400}.get(body["error"].get("code"), 500)
+    return {"kv_cache_full": 503, "out_of_memory": 503, "shutting_down": 503,
+            "invalid_value": 400}.get(body["error"].get("code"), 500)
 
 
 async def count_tokens(request: web.Request) -> web.Response:

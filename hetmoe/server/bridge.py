@@ -24,10 +24,11 @@ from hetmoe.engine.sampler import SamplingParams
 from hetmoe.server.metrics import Metrics
 from hetmoe.tokenizer import Tokenizer
 
-# the engine's error kinds -> HTTP status and error code ("capacity": the KV cache memory is out; try again later)
-HTTP_STATUS = {"invalid": 400, "failed": 500, "shutdown": 503, "capacity": 503}
+# the engine's error kinds -> HTTP status and error code ("capacity": the KV cache memory is out; "memory": the
+# device ran out of memory in the forward; either may succeed later)
+HTTP_STATUS = {"invalid": 400, "failed": 500, "shutdown": 503, "capacity": 503, "memory": 503}
 ERROR_CODE = {"invalid": "invalid_value", "failed": "engine_error", "shutdown": "shutting_down",
-              "capacity": "kv_cache_full"}
+              "capacity": "kv_cache_full", "memory": "out_of_memory"}
 SHUTTING_DOWN = "the server is shutting down"
 
 

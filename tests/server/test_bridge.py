@@ -313,3 +313,30 @@ def test_idle_loop_waits_untimed_and_wakes_only_for_work(tok):
     finally:
         sched.shutdown()
     assert cond.returned == 2 and not sched._thread.is_alive()  # shutdown's notify was the only other wake-up
+
+
+class OutOfMemoryRunner(SlotRunner):
+    """A runner whose prefill runs out of device memory for prompts longer than ``limit`` tokens (another process
+    took the GPU's memory, or the prompt's activations do not fit)."""
+
+    def __init__(self, limit, **kw):
+        super().__init__(**kw)
+        self.limit = limit
+
+    def prefill(self, ids, slot=0, start=0):
+        if len(ids) > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().prefill(ids, slot, start)
+
+
+def test_out_of_memory_in_a_prefill_fails_that_request_with_503_and_the_loop_goes_on(tok):
+    """A forward that runs out of device memory fails its request alone: 503 out_of_memory (it may succeed later),
+    the message says what ran out; the request beside it and the next one run, and the slot is free again."""
+    runner = OutOfMemoryRunner(limit=8, max_batch=2, max_context=64, prefill_chunk=64)
+    got = _serve(runner, tok, [([5] * 20, SamplingParams(max_tokens=2, ignore_eos=True)),
+                               ([6, 7], SamplingParams(max_tokens=2, ignore_eos=True))])
+    assert got[0][1][:2] == ("error", 503) and got[0][1][3] == "out_of_memory"
+    assert "OutOfMemoryError" in got[0][1][2] and "prefill failed" in got[0][1][2]
+    assert got[1][1][:2] == ("done", "length")
+    got = _serve(runner, tok, [([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))] * 2)
+    assert all(g[1][:2] == ("done", "length") for g in got)
