@@ -623,7 +623,8 @@ BAD = {  # case -> (config.json changes, the message after the file name)
     "limit": ({"swiglu_limit": -7.0}, r"swiglu_limit is -7\.0; it must be a number > 0"),
     "rope": ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
              r"the RoPE's rope_type is 'linear'; hetmoe's gpt_oss runs default or yarn RoPE"),
-    "quant": ({"quantization_config": {"quant_method": "awq"}}, r"quantization_config\.quant_method is 'awq'"),
+    "quant": ({"quantization_config": {"quant_method": "bitsandbytes"}},
+              r"quantization_config\.quant_method is 'bitsandbytes'"),
 }
 
 
