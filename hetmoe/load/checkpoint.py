@@ -23,6 +23,10 @@ re-quantized: symmetric ones with their scales in the file's dtype, those with z
 scales and mins (``experts_options`` / ``experts_layout`` / ``load_exact_experts``, the interface the loader uses for
 GGUF files too).
 
+NVFP4 linears — compressed-tensors ``nvfp4-pack-quantized`` and NVIDIA ModelOpt's (hetmoe/load/nvfp4.py; ModelOpt's
+hf_quant_config.json read where config.json has no quantization_config) — appear as ``<m>.weight`` [out, in] too,
+dequantized by ``get_float``; routed experts stored so are packed from their codes into lut4 e2m1 group 16.
+
 gpt-oss's routed experts are stored stacked, ``<block>.experts.gate_up_proj`` [E, H, 2I] (gate and up interleaved:
 columns 0::2 and 1::2) and ``down_proj`` [E, I, H] with their ``_bias`` [E, 2I] / [E, H], or, with quantization_config
 quant_method "mxfp4", as MXFP4 ``*_blocks`` / ``*_scales`` (hetmoe/load/mxfp4.py); both appear under the per-expert
@@ -51,7 +55,7 @@ import torch
 
 from hetmoe.cpu.codes import layout_of, load_codes, load_fp8, lut4_values, plan_format
 from hetmoe.cpu.layout import CODEBOOKS
-from hetmoe.load import compressed, fp8_formats, gptq, mxfp4
+from hetmoe.load import compressed, fp8_formats, gptq, mxfp4, nvfp4
 from hetmoe.models.config import MULTIMODAL, ConfigError, ModelConfig, text_model_config
 from hetmoe.plan.memory import HeldLayouts
 
@@ -101,6 +105,12 @@ def read_config(path: Path) -> ModelConfig:
         if not isinstance(qc, dict):
             raise CheckpointError(f"{gptq_file} does not hold a JSON object")
         cfg["quantization_config"] = {"quant_method": "gptq", **qc}
+    modelopt_file = path / "hf_quant_config.json"  # ModelOpt's, alone in its older exports
+    if "quantization_config" not in cfg and modelopt_file.is_file():
+        try:
+            cfg["quantization_config"] = nvfp4.read_modelopt_file(modelopt_file)
+        except compressed.QuantizationConfigError as err:
+            raise CheckpointError(str(err)) from None
     try:
         return text_model_config(cfg, str(config_path))
     except ConfigError as err:
@@ -137,6 +147,12 @@ def check_quantization(cfg: ModelConfig, source) -> None:
         except compressed.QuantizationConfigError as err:
             raise CheckpointError(str(err)) from None
         return
+    if nvfp4.describes(qc):  # compressed-tensors nvfp4-pack-quantized, ModelOpt (hetmoe/load/nvfp4.py)
+        try:
+            nvfp4.Scheme.parse(qc, str(source))
+        except compressed.QuantizationConfigError as err:
+            raise CheckpointError(str(err)) from None
+        return
     if method == "compressed-tensors":
         try:
             if qc.get("format") == "float-quantized":
@@ -148,7 +164,8 @@ def check_quantization(cfg: ModelConfig, source) -> None:
         return
     raise CheckpointError(f"{source}: quantization_config.quant_method is {method!r}, which hetmoe does not read "
                           "(it reads fp8 in 128x128 blocks, per channel or as MXFP8, mxfp8, compressed-tensors "
-                          "pack-quantized int4 and float-quantized FP8, gptq and awq int4, and gpt-oss's mxfp4)")
+                          "pack-quantized int4, float-quantized FP8 and nvfp4-pack-quantized, modelopt NVFP4, gptq "
+                          "and awq int4, and gpt-oss's mxfp4)")
 
 
 def fp4_experts_dtype(cfg) -> Optional[str]:
@@ -193,6 +210,7 @@ class Checkpoint:
         self._packed: dict = {}  # "<m>.weight" -> compressed.PackedWeight of an int4 linear (any of the three)
         self._parts: set = set()  # the stored tensors of those (hidden from names())
         self._scratch: dict = {}  # (matrix, shape) -> codes and scales of CHUNK experts (load_exact_experts)
+        self._nvfp4 = self._find_nvfp4()  # (before _find_packed: compressed-tensors' NVFP4 is weight_packed too)
         self._find_packed()
         self._find_gptq()
 
@@ -462,6 +480,24 @@ class Checkpoint:
         except ValueError as err:
             raise CheckpointError(f"{self.path}: {err}") from None
 
+    def _find_nvfp4(self) -> Optional[nvfp4.FP4Linears]:
+        """The NVFP4 linears (hetmoe/load/nvfp4.py) under their plain names ``<m>.weight`` [N, K], read dequantized
+        (fp32); CheckpointError naming the setting or tensor, before any weight is read."""
+        try:
+            found = nvfp4.FP4Linears.find(self._entries, self._read, self.config.get("quantization_config"),
+                                          str(self.path / "config.json"))
+        except compressed.QuantizationConfigError as err:
+            raise CheckpointError(str(err)) from None
+        for name, w in (found.weights.items() if found is not None else ()):
+            self._views[name] = (w.shape, torch.float32, lambda n=name: self._nvfp4_call(found.matrix, n))
+        return found
+
+    def _nvfp4_call(self, fn: Callable, *args):
+        try:
+            return fn(*args)
+        except ValueError as err:
+            raise CheckpointError(f"{self.path}: {err}") from None
+
     def _find_packed(self) -> None:
         """The pack-quantized linears: each checked against quantization_config (which group quantizes it) and its
         stored tensors' headers; CheckpointError naming the setting or tensor, before any weight is read."""
@@ -664,7 +700,7 @@ class Checkpoint:
         """Per-layer held layouts for the memory plan (FP8 experts' are the plan's own: hetmoe/load/loader.py
         plan_model): for int4 experts (compressed-tensors, GPTQ, AWQ) the int4 / int8 layouts ``experts_layout`` gives,
         so that their scale dtypes and an affine layout's mins are counted as the loader builds them."""
-        if not self._packed:
+        if not self._packed and not (self._nvfp4 is not None and self._nvfp4.blocks):
             return ()
         out = []
         for prefix in prefixes:
@@ -700,6 +736,8 @@ class Checkpoint:
             fmt, book = ("int8", None) if plan == "int8" else ("lut4", "e2m1")
             return {"weight_format": fmt, "group_size": mxfp4.BLOCK, "down_group_size": mxfp4.BLOCK,
                     "scaling": ("symmetric", "symmetric"), "scale_dtype": ("e8m0", "e8m0"), "codebook": (book, book)}
+        if self._nvfp4 is not None and f"{prefix}.experts" in self._nvfp4.blocks:  # lut4 e2m1 group 16
+            return self._nvfp4_call(self._nvfp4.layout, prefix, names, plan)
         pws = [self._packed.get(f"{prefix}.experts.0.{w}.weight") for w in names]
         if None in pws or (pws[0].group_size, pws[0].symmetric, pws[0].held_scale_dtype) != (
                 pws[1].group_size, pws[1].symmetric, pws[1].held_scale_dtype):
@@ -728,6 +766,9 @@ class Checkpoint:
             return True
         if f"{prefix}.experts" in self._fp4_blocks:
             self._load_fp4(prefix, names, experts, held["weight_format"] == "int8")
+            return True
+        if self._nvfp4 is not None and f"{prefix}.experts" in self._nvfp4.blocks:
+            self._nvfp4_call(self._nvfp4.load, prefix, names, experts)
             return True
         I, H = experts.intermediate_size, experts.hidden_size
         shapes = ((I, H), (I, H), (H, I))
@@ -881,6 +922,10 @@ class Checkpoint:
         act-order groups are refused before the plan (CheckpointError naming the tensor)."""
         if self._mxfp4 or self._fp4_blocks:
             return self._mxfp4_options(options, log)
+        if self._nvfp4 is not None and self._nvfp4.blocks:
+            prefixes = sorted({layer[0].rsplit(".experts.", 1)[0] for layer in self._layer_names(names)})
+            return self._nvfp4_call(self._nvfp4.options, options, log, self.path.name, prefixes,
+                                    [n.split(".")[-2] for n in names])
         layers = self._layer_names(names)
         layouts = [self.experts_layout(layer[0].rsplit(".experts.", 1)[0], [n.split(".")[-2] for n in layer])
                    for layer in layers]
