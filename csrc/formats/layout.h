@@ -82,8 +82,9 @@
 // 50 / 56 bytes per 256 values; 16 x row_bytes is a multiple of 64, so every super-block starts a line). A kernel
 // decodes one super-block of its 16 rows into 64 int8 lines of the signed codes (line j: k = 4j .. 4j + 3, the
 // layout of an int8 block) and its [256 / group][16] fp32 scales, with the one portable decoder (formats/grid.h,
-// compiled at each ISA level), then multiplies them as lut4's looked-up codes: AVX-512 vpdpbusd on q + 128 (its group
-// sum undoes the 128), AVX2 maddubs on |x| and q signed by x, AMX tdpbssd on the signed lines. A grid matrix is
+// compiled at each ISA level), then multiplies them as lut4's looked-up codes: AVX2 maddubs on |x| and q signed by x
+// (AVX-512 CPUs run it too: an AVX-512 kernel waits for an AVX-512 machine to verify it), AMX tdpbssd on the signed
+// lines. A grid matrix is
 // loaded from the file's blocks (pack.h pack_row_block_grid), never quantized from floats; padded rows are zero bytes
 // with d = 0.
 //

@@ -132,7 +132,6 @@ void rowblock_int6(const RowBlock&, const uint8_t* const*, const ActLayout&, int
 void rowblock_int5(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_int3(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 void rowblock_int2(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
-void rowblock_grid(const RowBlock&, const uint8_t* const*, const ActLayout&, int, float*);
 }  // namespace avx512
 namespace amx {                   // kernels/amx/kernels.cpp (real tile instructions) and emulated.cpp (plain C++)
 GemmKernel gemm(WeightFormat f);  // Gemm<Native> (native AMX builds only)

@@ -7,7 +7,6 @@
 #include <cstring>
 
 #include "formats/activation.h"
-#include "formats/grid.h"
 #include "kernels/dispatch.h"
 #include "kernels/row_ops.h"
 #include "kernels/tiles.h"
@@ -290,65 +289,6 @@ template <int NT>
 using Int4Tile = NibbleTile<NT, false>;
 template <int NT>
 using Lut4Tile = NibbleTile<NT, true>;
-
-// grid weights (formats/layout.h): one super-block of 256 of K decoded (formats/grid.h) into 64 int8 lines of signed
-// codes and [256 / group][16] fp32 scales, then NT tokens over them with vpdpbusd on the codes + 128 (one xor per
-// line), the 128 undone with the activation's group sum as lut4's. One token takes two chains (even and odd lines).
-// The outputs' fp32 accumulators stay in `out` from one super-block to the next (the same chain as one pass).
-template <int NT>
-struct GridTile {
-  static constexpr int kChains = NT == 1 ? 2 : 1;
-  static void run(const uint8_t* lines, const float* sc, int group, int sp, const uint8_t* const* rows,
-                  const ActLayout& a, float* out) {
-    const int gps = kSuperBlock / group, lines_per_group = group / 4;
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const int8_t* x[NT];
-    __m512 facc[NT];
-#pragma GCC unroll 16
-    for (int i = 0; i < NT; ++i) {
-      x[i] = reinterpret_cast<const int8_t*>(rows[i]) + sp * kSuperBlock;
-      facc[i] = _mm512_loadu_ps(out + i * kRowsPerBlock);
-    }
-    for (int g = 0; g < gps; ++g) {
-      __m512i acc[NT][kChains];
-#pragma GCC unroll 16
-      for (int i = 0; i < NT; ++i)
-#pragma GCC unroll 2
-        for (int c = 0; c < kChains; ++c) acc[i][c] = _mm512_setzero_si512();
-      for (int j = g * lines_per_group; j < (g + 1) * lines_per_group; j += 2) {
-#pragma GCC unroll 2
-        for (int u = 0; u < 2; ++u) {
-          const __m512i v = _mm512_xor_si512(_mm512_load_si512(lines + (size_t)(j + u) * kLineBytes), flip);
-#pragma GCC unroll 16
-          for (int i = 0; i < NT; ++i) {
-            int32_t xv;
-            std::memcpy(&xv, x[i] + 4 * (j + u), 4);
-            __m512i& c = acc[i][kChains == 2 ? u : 0];
-            c = _mm512_dpbusd_epi32(c, v, _mm512_set1_epi32(xv));
-          }
-        }
-      }
-      const __m512 ws = _mm512_loadu_ps(sc + g * kRowsPerBlock);
-#pragma GCC unroll 16
-      for (int i = 0; i < NT; ++i) {
-        const __m512i sum = kChains == 2 ? _mm512_add_epi32(acc[i][0], acc[i][kChains - 1]) : acc[i][0];
-        facc[i] = epilogue16<false>(facc[i], sum, 128, act_sums(rows[i], a)[sp * gps + g], ws, _mm512_setzero_ps(),
-                                    act_scales(rows[i], a)[sp * gps + g]);
-      }
-    }
-#pragma GCC unroll 16
-    for (int i = 0; i < NT; ++i) _mm512_storeu_ps(out + i * kRowsPerBlock, facc[i]);
-  }
-};
-
-template <int N>
-inline void grid_tail(int rest, const uint8_t* lines, const float* sc, int group, int sp, const uint8_t* const* rows,
-                      const ActLayout& a, float* out) {
-  if constexpr (N > 0) {
-    if (rest == N) return GridTile<N>::run(lines, sc, group, sp, rows, a, out);
-    grid_tail<N - 1>(rest, lines, sc, group, sp, rows, a, out);
-  }
-}
 
 // Bit-plane weights (formats/layout.h): the four byte lines of one quad of K (16 rows x 16 k, byte f: k 4f..4f+3 of
 // the quad), unpacked from the quad's unit with a shift and a mask per plane. unit: the unit's first line; qi: the
@@ -779,22 +719,6 @@ void rowblock_int5(const RowBlock& w, const uint8_t* const* rows, const ActLayou
 }
 void rowblock_int3(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
   plane_rowblock<WeightFormat::int3, PlaneNarrow<WeightFormat::int3>::Tile, 12>(w, rows, a, n_tok, out);
-}
-void rowblock_grid(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
-  constexpr int kMax = 8;
-  alignas(64) uint8_t lines[kSuperBlock / 4 * kLineBytes];
-  alignas(64) float sc[kSuperBlock / 16 * kRowsPerBlock];
-  const size_t super_bytes = (size_t)kRowsPerBlock * grid_info(w.grid).row_bytes;
-  std::fill(out, out + (size_t)n_tok * kRowsPerBlock, 0.f);
-  for (int sp = 0; sp < w.kp / kSuperBlock; ++sp) {
-    const char* next = reinterpret_cast<const char*>(w.data) + (sp + 1) * super_bytes;
-    for (size_t b = 0; b < super_bytes; b += kLineBytes) _mm_prefetch(next + b, _MM_HINT_T0);
-    grid::decode_super(w, sp, lines, sc);
-    int t = 0;
-    for (; t + kMax <= n_tok; t += kMax)
-      GridTile<kMax>::run(lines, sc, w.group, sp, rows + t, a, out + t * kRowsPerBlock);
-    grid_tail<kMax - 1>(n_tok - t, lines, sc, w.group, sp, rows + t, a, out + t * kRowsPerBlock);
-  }
 }
 void rowblock_int2(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
   plane_rowblock<WeightFormat::int2, PlaneNarrow<WeightFormat::int2>::Tile, 12>(w, rows, a, n_tok, out);
