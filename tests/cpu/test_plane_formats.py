@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases import make_routing, make_x
+from cases import make_routing, make_x, seed_of
 from hetmoe.cpu import CPUExperts, WorkerPool, cpu_info
 from hetmoe.cpu.codes import CODE_RANGE, load_codes
 from hetmoe.cpu.layout import PLANES, min_set_bytes, packed_matrix_bytes, set_bytes
@@ -90,7 +90,7 @@ def test_every_path_matches_the_references_and_the_widened_format(case, shape):
     fmt, scaling, group, sdt = case
     shape = SHAPES[shape](group)
     E, H, I = shape
-    codes = random_codes(case, shape, hash(case_id(case)) % 1000)
+    codes = random_codes(case, shape, seed_of(case) % 1000)  # (hash() of a str changes from run to run)
     engines = {p: engine(fmt, case, p, shape, codes) for p in PATHS}
     wide = {p: engine(WIDENED[fmt], case, p, shape, codes) for p in PATHS}
     base = engines[ROW_ISAS[0]]
