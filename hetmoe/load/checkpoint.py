@@ -680,9 +680,8 @@ class Checkpoint:
                 z = gptq.zeros_of(pw, self.get(m + ".qzeros")).t()  # [N, G]
                 if pw.symmetric:
                     gptq.check_symmetric_zeros(pw, z.t())
-                u = gptq.codes_of(pw, self.get(m + ".qweight"))  # [N, K] uint8
-                q = torch.empty(u.shape, dtype=torch.int8) if codes is None else codes
-                q.copy_(u)
+                q = torch.empty(pw.shape, dtype=torch.int8) if codes is None else codes
+                gptq.codes_of(pw, self.get(m + ".qweight"), q)  # u [N, K]
                 if pw.symmetric:
                     q.sub_(gptq.SYMMETRIC_ZERO)
                 s = self.get(m + ".scales").float().t()  # [N, G]

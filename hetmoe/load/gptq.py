@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from hetmoe.load.compressed import SCALE_DTYPES, PackedWeight, QuantizationConfigError, engine_group
+from hetmoe.load.compressed import SCALE_DTYPES, PackedWeight, QuantizationConfigError, engine_group, unpack_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8c + AWQ_ORDER[i]
 AWQ_COLUMN_NIBBLE = tuple(AWQ_ORDER.index(j) for j in range(8))  # column 8c + j sits in nibble AWQ_COLUMN_NIBBLE[j]
@@ -207,16 +207,35 @@ def _nibbles(words: torch.Tensor) -> torch.Tensor:
     return torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)
 
 
-def gptq_codes(qweight: torch.Tensor) -> torch.Tensor:
-    """GPTQ codes u (uint8 0..15) [N, K] of qweight int32 [K / 8, N]."""
-    b = qweight.contiguous().view(torch.uint8).view(qweight.shape[0], qweight.shape[1], 4)  # [K/8, N, 4]
-    u = torch.stack((b & 0x0F, b >> 4), dim=-1)  # [K/8, N, 4, 2]: input 8r + 2i + h
-    return u.permute(1, 0, 2, 3).reshape(qweight.shape[1], 8 * qweight.shape[0])
+def _transposed(words: torch.Tensor) -> torch.Tensor:
+    """int32 [a, b] -> [b, a] in fresh row-major memory (``.contiguous()`` keeps odd strides on size-1 dims, which a
+    byte view refuses)."""
+    return torch.empty(words.shape[1], words.shape[0], dtype=words.dtype).copy_(words.t())
 
 
-def awq_codes(qweight: torch.Tensor) -> torch.Tensor:
-    """AWQ codes u (uint8 0..15) [N, K] of qweight int32 [K, N / 8] (interleaved columns)."""
-    return awq_columns(qweight).t()
+def gptq_codes(qweight: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """GPTQ codes u (0..15) [N, K] of qweight int32 [K / 8, N], uint8 (or written into int8 ``out``). The words
+    transposed to [N, K / 8] hold eight inputs each as compressed-tensors' do, so their nibbles split the same way."""
+    u = unpack_int4(_transposed(qweight), None if out is None else out.view(torch.int8))  # u - 8
+    u.add_(8)
+    return u.view(torch.uint8) if out is None else out
+
+
+def awq_codes(qweight: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """AWQ codes u (0..15) [N, K] of qweight int32 [K, N / 8] (interleaved columns), uint8 (or written into int8
+    ``out``): nibble i of the transposed words [N / 8, K] is output row 8c + AWQ_ORDER[i]."""
+    K, n8 = qweight.shape
+    words = _transposed(qweight).view(torch.uint8).view(n8, K, 4)  # byte b: nibbles 2b (low), 2b + 1 (high)
+    if out is None:
+        out = torch.empty(8 * n8, K, dtype=torch.uint8)
+    rows = out.view(torch.uint8).view(n8, 8, K)
+    for i, row in enumerate(AWQ_ORDER):
+        b = words[:, :, i // 2]
+        if i % 2:
+            torch.bitwise_right_shift(b, 4, out=rows[:, row])
+        else:
+            torch.bitwise_and(b, 0x0F, out=rows[:, row])
+    return out
 
 
 def awq_columns(words: torch.Tensor) -> torch.Tensor:
@@ -237,9 +256,9 @@ def zeros_of(pw: PackedWeight, qzeros: torch.Tensor) -> torch.Tensor:
     return gptq_zeros(qzeros, pw.zeros_minus_one) if pw.method == "gptq" else awq_columns(qzeros)
 
 
-def codes_of(pw: PackedWeight, qweight: torch.Tensor) -> torch.Tensor:
-    """The codes u (uint8 0..15) [N, K] of ``pw``'s stored qweight."""
-    return gptq_codes(qweight) if pw.method == "gptq" else awq_codes(qweight)
+def codes_of(pw: PackedWeight, qweight: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The codes u (0..15) [N, K] of ``pw``'s stored qweight: uint8, or written into int8 ``out``."""
+    return gptq_codes(qweight, out) if pw.method == "gptq" else awq_codes(qweight, out)
 
 
 def check_g_idx(pw: PackedWeight, g_idx: Optional[torch.Tensor]) -> None:
