@@ -39,21 +39,19 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers")
 
+from hf_quantized import QUANTIZED, ROUTER_SHARPNESS, SIZES, WEIGHTS  # noqa: E402
+from hf_quantized import edit_tensors as _edit_tensors  # noqa: E402
+from hf_quantized import file_expert_bytes as _file_expert_bytes  # noqa: E402
+from hf_quantized import load as _load  # noqa: E402
 from transformers_tiny import save_tiny  # noqa: E402
 
 from hetmoe.config.options import EngineOptions  # noqa: E402
 from hetmoe.load import gptq  # noqa: E402
-from hetmoe.load.checkpoint import Checkpoint, CheckpointError  # noqa: E402
+from hetmoe.load.checkpoint import CheckpointError  # noqa: E402
 from hetmoe.load.compressed import pack_int4  # noqa: E402
 from hetmoe.load.loader import check_model_dir, load_model, moe_blocks  # noqa: E402
 from parity import DECODE_STEPS, hf_trace, max_rel, trace_ours  # noqa: E402
-from paths import BEST_ROW_PATH, CLASS_PATHS, ids  # noqa: E402
-
-# Qwen3-MoE with every matrix a multiple of 128 wide: experts [128, 128], q/o [128, 128], k/v [64, 128]
-SIZES = dict(hidden_size=128, moe_intermediate_size=128, head_dim=32, num_hidden_layers=2)
-QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)")
-WEIGHTS = ("gate_proj", "up_proj", "down_proj")
-ROUTER_SHARPNESS = 8.0
+from paths import CLASS_PATHS, ids  # noqa: E402
 
 
 def has(module: str) -> bool:
@@ -223,11 +221,6 @@ def int4(tmp_path_factory):
         return made[key]
 
     return get
-
-
-def _load(path, log=None, **options):
-    opts = EngineOptions(device="cpu", dtype="fp32", threads=1, **{**BEST_ROW_PATH.options, **options})
-    return load_model(path, opts, expert_cache=None, progress=False, log=log or (lambda m: None))
 
 
 # ---------------------------------------------------------------- naive decodings of the stored words
@@ -460,11 +453,6 @@ def test_logits_match_transformers_on_the_dequantized_weights(int4, case, path):
 # ---------------------------------------------------------------- bytes
 
 
-def _file_expert_bytes(path: Path) -> int:
-    return sum(t.numel() * t.element_size() for n, t in load_file(path / "model.safetensors").items()
-               if ".experts." in n)
-
-
 @pytest.mark.parametrize("case, bound", [("gptq-v1-sym-g128", (0.93, 0.95)), ("gptq-v1-asym-g128", (1.0, 1.03)),
                                          ("awq-g128", (1.08, 1.09)), ("awq-g64", (1.14, 1.16)),
                                          ("gptq-v2-asym-g32", (1.22, 1.25)),
@@ -496,19 +484,6 @@ def _edit_config(path: Path, **changes) -> None:
             qc[k] = v
     (path / "config.json").write_text(json.dumps(cfg))
 
-
-def _edit_tensors(path: Path, change) -> None:
-    tensors = load_file(path / "model.safetensors")
-    change(tensors)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-
-
-@pytest.fixture
-def no_weights(monkeypatch):
-    def get(self, name):
-        raise AssertionError(f"weight {name} was read")
-
-    monkeypatch.setattr(Checkpoint, "get", get)
 
 
 EXPERT = "model.layers.1.mlp.experts.3.up_proj"

@@ -38,19 +38,18 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers")
 
+from hf_quantized import QUANTIZED, ROUTER_SHARPNESS, SIZES, WEIGHTS  # noqa: E402
+from hf_quantized import edit_tensors as _edit_tensors  # noqa: E402
+from hf_quantized import file_expert_bytes as _file_expert_bytes  # noqa: E402
+from hf_quantized import load as _load  # noqa: E402
 from transformers_tiny import save_tiny  # noqa: E402
 
-from hetmoe.config.options import EngineOptions  # noqa: E402
 from hetmoe.load import nvfp4  # noqa: E402
-from hetmoe.load.checkpoint import Checkpoint, CheckpointError  # noqa: E402
-from hetmoe.load.loader import check_model_dir, load_model, moe_blocks  # noqa: E402
+from hetmoe.load.checkpoint import CheckpointError  # noqa: E402
+from hetmoe.load.loader import check_model_dir, moe_blocks  # noqa: E402
 from parity import DECODE_STEPS, hf_trace, max_rel, trace_ours  # noqa: E402
-from paths import BEST_ROW_PATH, CLASS_PATHS, ids  # noqa: E402
+from paths import CLASS_PATHS, ids  # noqa: E402
 
-SIZES = dict(hidden_size=128, moe_intermediate_size=128, head_dim=32, num_hidden_layers=2)
-QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)")
-WEIGHTS = ("gate_proj", "up_proj", "down_proj")
-ROUTER_SHARPNESS = 8.0
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 NEEDS_CT = pytest.mark.skipif(importlib.util.find_spec("compressed_tensors") is None,
                               reason="compressed-tensors is not installed")
@@ -201,11 +200,6 @@ def fp4(tmp_path_factory):
     return get
 
 
-def _load(path, log=None, **options):
-    opts = EngineOptions(device="cpu", dtype="fp32", threads=1, **{**BEST_ROW_PATH.options, **options})
-    return load_model(path, opts, expert_cache=None, progress=False, log=log or (lambda m: None))
-
-
 # ---------------------------------------------------------------- the packing
 
 
@@ -348,11 +342,6 @@ def test_logits_match_transformers_on_the_dequantized_weights(fp4, producer, pat
 # ---------------------------------------------------------------- bytes
 
 
-def _file_expert_bytes(path: Path) -> int:
-    return sum(t.numel() * t.element_size() for n, t in load_file(path / "model.safetensors").items()
-               if ".experts." in n)
-
-
 @pytest.mark.parametrize("case, bound", [("modelopt", (1.33, 1.334)), ("ct", (1.33, 1.334)),
                                          ("modelopt-pow2", (1.11, 1.112))])
 def test_ram_held_for_the_experts(fp4, case, bound):
@@ -375,21 +364,6 @@ def _edit_config(path: Path, change) -> None:
     cfg = json.loads((path / "config.json").read_text())
     change(cfg["quantization_config"])
     (path / "config.json").write_text(json.dumps(cfg))
-
-
-def _edit_tensors(path: Path, change) -> None:
-    tensors = load_file(path / "model.safetensors")
-    change(tensors)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-
-
-@pytest.fixture
-def no_weights(monkeypatch):
-    def get(self, name):
-        raise AssertionError(f"weight {name} was read")
-
-    monkeypatch.setattr(Checkpoint, "get", get)
-    monkeypatch.setattr(Checkpoint, "_read", get)
 
 
 def _weights(qc):

@@ -1,0 +1,37 @@
+"""What the tests of Hugging Face quantized checkpoints share (tests/load/test_hf_int4.py, test_hf_nvfp4.py): the
+tiny Qwen3-MoE's sizes and which of its linears are quantized, loading one on the best row-block path, the experts'
+bytes in the file, editing a written checkpoint's tensors. (The fixture that fails any weight read, for errors that
+must come before it, is tests/load/conftest.py's ``no_weights``.)"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from hetmoe.config.options import EngineOptions
+from hetmoe.load.loader import load_model
+from paths import BEST_ROW_PATH
+
+# Qwen3-MoE with every matrix a multiple of 128 wide: experts [128, 128], q/o [128, 128], k/v [64, 128]
+SIZES = dict(hidden_size=128, moe_intermediate_size=128, head_dim=32, num_hidden_layers=2)
+QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)")
+WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+ROUTER_SHARPNESS = 8.0
+
+
+def load(path, log=None, **options):
+    opts = EngineOptions(device="cpu", dtype="fp32", threads=1, **{**BEST_ROW_PATH.options, **options})
+    return load_model(path, opts, expert_cache=None, progress=False, log=log or (lambda m: None))
+
+
+def file_expert_bytes(path: Path) -> int:
+    return sum(t.numel() * t.element_size() for n, t in load_file(path / "model.safetensors").items()
+               if ".experts." in n)
+
+
+def edit_tensors(path: Path, change) -> None:
+    tensors = load_file(path / "model.safetensors")
+    change(tensors)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
