@@ -268,14 +268,6 @@ def _edit(path: Path, dotted: str, value) -> None:
 
 
 @pytest.fixture
-def no_weights(monkeypatch):
-    def get(self, name):
-        raise AssertionError(f"weight {name} was read")
-
-    monkeypatch.setattr(Checkpoint, "get", get)
-
-
-@pytest.fixture
 def damaged(kimi, tmp_path):
     """A private copy of the own-packer checkpoint, to damage."""
     return Path(shutil.copytree(kimi("own")[0], tmp_path / "kimi"))

@@ -19,7 +19,7 @@ from hetmoe.config.options import EngineOptions
 from hetmoe.config.units import gib
 from hetmoe.cpu import default_threads
 from hetmoe.engine.llm import LLM
-from hetmoe.load.checkpoint import Checkpoint, CheckpointError
+from hetmoe.load.checkpoint import CheckpointError
 from hetmoe.load.loader import load_model
 from hetmoe.load.random_weights import SHAPES, write_checkpoint
 from hetmoe.models import context_limit
@@ -42,14 +42,6 @@ def originals(tmp_path_factory):
 def copy(originals, tmp_path):
     """copy(arch) -> a private copy of the tiny checkpoint of ``arch``, to damage."""
     return lambda arch="qwen3_moe": Path(shutil.copytree(originals[arch], tmp_path / arch))
-
-
-@pytest.fixture
-def no_weights(monkeypatch):
-    def get(self, name):
-        raise AssertionError(f"weight {name} was read")
-
-    monkeypatch.setattr(Checkpoint, "get", get)
 
 
 def edit_config(path: Path, drop=(), **changes) -> None:
