@@ -1,16 +1,19 @@
 """What the tests of Hugging Face quantized checkpoints share (tests/load/test_hf_int4.py, test_hf_nvfp4.py): the
 tiny Qwen3-MoE's sizes and which of its linears are quantized, loading one on the best row-block path, the experts'
-bytes in the file, editing a written checkpoint's tensors. (The fixture that fails any weight read, for errors that
-must come before it, is tests/load/conftest.py's ``no_weights``.)"""
+bytes in the file, editing a written checkpoint's tensors and the loader's refusal of the edited copy. (The fixture
+that fails any weight read, for errors that must come before it, is tests/load/conftest.py's ``no_weights``.)"""
 
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file, save_file
 
 from hetmoe.config.options import EngineOptions
+from hetmoe.load.checkpoint import CheckpointError
 from hetmoe.load.loader import load_model
 from paths import BEST_ROW_PATH
 
@@ -35,3 +38,12 @@ def edit_tensors(path: Path, change) -> None:
     tensors = load_file(path / "model.safetensors")
     change(tensors)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def assert_tensor_edit_refused(source: Path, dest: Path, change, message: str) -> None:
+    """A copy of checkpoint ``source`` at ``dest`` with its tensors changed by ``change`` is refused by the loader with
+    CheckpointError ``message`` (a regex) after the tensor file's name."""
+    path = Path(shutil.copytree(source, dest))
+    edit_tensors(path, change)
+    with pytest.raises(CheckpointError, match=f"model.safetensors: {message}"):
+        load(path)

@@ -39,7 +39,13 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers")
 
-from hf_quantized import QUANTIZED, ROUTER_SHARPNESS, SIZES, WEIGHTS  # noqa: E402
+from hf_quantized import (  # noqa: E402
+    QUANTIZED,
+    ROUTER_SHARPNESS,
+    SIZES,
+    WEIGHTS,
+    assert_tensor_edit_refused,  # noqa: E402
+)
 from hf_quantized import edit_tensors as _edit_tensors  # noqa: E402
 from hf_quantized import file_expert_bytes as _file_expert_bytes  # noqa: E402
 from hf_quantized import load as _load  # noqa: E402
@@ -549,10 +555,7 @@ BAD_TENSORS = {  # id -> (format, change to the tensors, the error)
 @pytest.mark.parametrize("case", list(BAD_TENSORS))
 def test_inconsistent_tensors_are_named_before_any_weight(int4, tmp_path, no_weights, case):
     fmt, change, message = BAD_TENSORS[case]
-    path = Path(shutil.copytree(int4(fmt)[0], tmp_path / "ckpt"))
-    _edit_tensors(path, change)
-    with pytest.raises(CheckpointError, match=f"model.safetensors: {message}"):
-        _load(path)
+    assert_tensor_edit_refused(int4(fmt)[0], tmp_path / "ckpt", change, message)
 
 
 def test_a_permuted_g_idx_is_refused_before_the_plan(int4, tmp_path):
