@@ -26,8 +26,8 @@ DeepSeek-V3-style MoE with clamped SwiGLU experts.
 Checkpoints (Transformers' save_pretrained writes the same): the hyper-connections as ``hc_attn_fn`` etc., read as
 ``attn_hc.fn`` (``checkpoint_name``); KDA's forget gate and convolution under their stored names. The
 multi-token-prediction layer (model.layers.<num_hidden_layers>.*) is not built, so never read; a multimodal
-checkpoint's vision tower neither (models/config.py MULTIMODAL). Decode runs this eager forward (recurrent states
-and sparse attention: engine/runner.py).
+checkpoint's vision tower neither (models/config.py MULTIMODAL). Decode runs this eager forward (on a GPU for its
+sparse attention, on the CPU for its recurrent states: engine/runner.py).
 """
 
 from __future__ import annotations

@@ -163,8 +163,8 @@ class Qwen3NextDecoderLayer(nn.Module):
 
 class Qwen3NextModel(PartialRopeModel):
     """embed_tokens -> layers -> norm (Qwen3-Next's 1 + weight form); one partial-RoPE table per call (the leading
-    cfg.rope_dim dims of each head). A fused decode step (``Step.fused``) runs the same unfused ops: the runner takes
-    the eager step for models with recurrent layers."""
+    cfg.rope_dim dims of each head). A fused decode step (``Step.fused``, the CUDA graph's) runs the same unfused
+    ops."""
 
     layer_cls = Qwen3NextDecoderLayer
 
