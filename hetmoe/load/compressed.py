@@ -102,46 +102,66 @@ class PackQuantized:
 
         supported = (f"hetmoe reads compressed-tensors '{_FORMAT}' weights: int4 (type int, num_bits 4), symmetric or "
                      f"not, strategy group with group_size {' / '.join(map(str, GROUPS))}, weights only")
-        method = qc.get("quant_method")
-        if method != "compressed-tensors":
-            refuse("quant_method", method, supported)
-        top_format = qc.get("format")
-        if top_format not in (_FORMAT, "mixed-precision", None):
-            refuse("format", top_format, supported)
-        status = qc.get("quantization_status")
-        if status not in (None, "compressed", "frozen"):
-            refuse("quantization_status", status, "hetmoe reads checkpoints saved compressed")
-        for key in ("kv_cache_scheme", "sparsity_config", "transform_config", "moe_sparsity_config"):
-            if qc.get(key):  # None or {} (what compressed-tensors writes when there is none)
-                refuse(key, qc[key], f"hetmoe runs none ({supported})")
-        ignore = qc.get("ignore") or []
-        if not isinstance(ignore, list) or not all(isinstance(t, str) for t in ignore):
-            refuse("ignore", ignore, "it must be a list of module names and re: patterns")
-        for t in ignore:
-            _check_pattern(t, "ignore", refuse)
-        raw_groups = qc.get("config_groups")
-        if not isinstance(raw_groups, dict) or not raw_groups:
-            refuse("config_groups", raw_groups, "it must map group names to their schemes")
         groups = []
-        for name, scheme in raw_groups.items():
-            at = f"config_groups.{name}"
-            if not isinstance(scheme, dict):
-                refuse(at, scheme, "a scheme is an object with targets and weights")
-            fmt = scheme.get("format")
-            if fmt not in (None, _FORMAT) or (fmt is None and top_format != _FORMAT):
-                refuse(f"{at}.format" if fmt is not None else "format", fmt if fmt is not None else top_format,
-                       supported)
-            for key in ("input_activations", "output_activations"):
-                if scheme.get(key) is not None:
-                    refuse(f"{at}.{key}", scheme[key], f"activation quantization is not run ({supported})")
-            targets = scheme.get("targets")
-            if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
-                refuse(f"{at}.targets", targets, "it must be a non-empty list of module names, re: patterns or Linear")
-            for t in targets:
-                _check_pattern(t, f"{at}.targets", refuse)
-            group = _check_weights(scheme.get("weights"), f"{at}.weights", refuse, supported)
+        for name, scheme, targets in config_groups(
+                qc, _FORMAT, refuse, supported, unsupported=("kv_cache_scheme",) + UNSUPPORTED,
+                activations=("input_activations", "output_activations"),
+                activations_why=f"activation quantization is not run ({supported})"):
+            group = _check_weights(scheme.get("weights"), f"config_groups.{name}.weights", refuse, supported)
             groups.append(Group(name, tuple(targets), group, scheme["weights"]["symmetric"]))
+        ignore = qc.get("ignore") or []
         return cls(tuple(groups), tuple(ignore))
+
+
+# settings no compressed-tensors reader of hetmoe runs
+UNSUPPORTED = ("sparsity_config", "transform_config", "moe_sparsity_config")
+
+
+def config_groups(qc: dict, fmt: str, refuse, supported: str, *, unsupported: tuple, activations: tuple,
+                  activations_why: str):
+    """The envelope of a compressed-tensors quantization_config whose groups are all stored as ``fmt`` (the top
+    format, or "mixed-precision" with each group's own), checked setting by setting (``refuse(setting, value, why)``
+    raises; ``supported`` says what the reader takes): quant_method, format, quantization_status, the ``unsupported``
+    settings (None or {} only), ``ignore`` (a list of names and re: patterns that compile). Then, scheme by scheme,
+    its format, the ``activations`` keys (None only; else ``activations_why``) and its targets -> yields
+    (name, scheme, targets), the caller checking the scheme's weights before the next one."""
+    method = qc.get("quant_method")
+    if method != "compressed-tensors":
+        refuse("quant_method", method, supported)
+    top_format = qc.get("format")
+    if top_format not in (fmt, "mixed-precision", None):
+        refuse("format", top_format, supported)
+    status = qc.get("quantization_status")
+    if status not in (None, "compressed", "frozen"):
+        refuse("quantization_status", status, "hetmoe reads checkpoints saved compressed")
+    for key in unsupported:
+        if qc.get(key):  # None or {} (what compressed-tensors writes when there is none)
+            refuse(key, qc[key], f"hetmoe runs none ({supported})")
+    ignore = qc.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(t, str) for t in ignore):
+        refuse("ignore", ignore, "it must be a list of module names and re: patterns")
+    for t in ignore:
+        _check_pattern(t, "ignore", refuse)
+    raw_groups = qc.get("config_groups")
+    if not isinstance(raw_groups, dict) or not raw_groups:
+        refuse("config_groups", raw_groups, "it must map group names to their schemes")
+    for name, scheme in raw_groups.items():
+        at = f"config_groups.{name}"
+        if not isinstance(scheme, dict):
+            refuse(at, scheme, "a scheme is an object with targets and weights")
+        own = scheme.get("format")
+        if own not in (None, fmt) or (own is None and top_format != fmt):
+            refuse(f"{at}.format" if own is not None else "format", own if own is not None else top_format,
+                   supported)
+        for key in activations:
+            if scheme.get(key) is not None:
+                refuse(f"{at}.{key}", scheme[key], activations_why)
+        targets = scheme.get("targets")
+        if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+            refuse(f"{at}.targets", targets, "it must be a non-empty list of module names, re: patterns or Linear")
+        for t in targets:
+            _check_pattern(t, f"{at}.targets", refuse)
+        yield name, scheme, targets
 
 
 def _check_pattern(target: str, setting: str, refuse) -> None:

@@ -47,7 +47,7 @@ import torch
 
 from hetmoe.cpu.codes import load_codes, lut4_values
 from hetmoe.cpu.layout import CODEBOOKS
-from hetmoe.load.compressed import Group, PackQuantized, QuantizationConfigError
+from hetmoe.load.compressed import UNSUPPORTED, Group, PackQuantized, QuantizationConfigError, config_groups
 
 GROUP = 16  # inputs per E4M3 scale
 CT_FORMAT = "nvfp4-pack-quantized"
@@ -111,42 +111,10 @@ class Scheme:
     def _compressed(cls, qc: dict, refuse) -> "Scheme":
         supported = (f"hetmoe reads compressed-tensors '{CT_FORMAT}' weights as NVFP4: type float, num_bits 4, "
                      f"strategy tensor_group, group_size {GROUP}, symmetric, weights stored (not dynamic)")
-        if qc.get("quant_method") != "compressed-tensors":
-            refuse("quant_method", qc.get("quant_method"), supported)
-        top = qc.get("format")
-        if top not in (CT_FORMAT, "mixed-precision", None):
-            refuse("format", top, supported)
-        if qc.get("quantization_status") not in (None, "compressed", "frozen"):
-            refuse("quantization_status", qc["quantization_status"], "hetmoe reads checkpoints saved compressed")
-        for key in ("sparsity_config", "transform_config", "moe_sparsity_config"):
-            if qc.get(key):
-                refuse(key, qc[key], f"hetmoe runs none ({supported})")
-        ignore = qc.get("ignore") or []
-        if not isinstance(ignore, list) or not all(isinstance(t, str) for t in ignore):
-            refuse("ignore", ignore, "it must be a list of module names and re: patterns")
-        raw = qc.get("config_groups")
-        if not isinstance(raw, dict) or not raw:
-            refuse("config_groups", raw, "it must map group names to their schemes")
         groups = []
-        for name, scheme in raw.items():
+        for name, scheme, targets in config_groups(qc, CT_FORMAT, refuse, supported, unsupported=UNSUPPORTED,
+                                                   activations=("output_activations",), activations_why=supported):
             at = f"config_groups.{name}"
-            if not isinstance(scheme, dict):
-                refuse(at, scheme, "a scheme is an object with targets and weights")
-            fmt = scheme.get("format")
-            if fmt not in (None, CT_FORMAT) or (fmt is None and top != CT_FORMAT):
-                refuse(f"{at}.format" if fmt is not None else "format", fmt if fmt is not None else top, supported)
-            if scheme.get("output_activations") is not None:
-                refuse(f"{at}.output_activations", scheme["output_activations"], supported)
-            targets = scheme.get("targets")
-            if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
-                refuse(f"{at}.targets", targets, "it must be a non-empty list of module names, re: patterns or Linear")
-            for t in targets + ignore:
-                if t.startswith("re:"):
-                    try:
-                        re.compile(t[3:])
-                    except re.error as err:
-                        where_t = f"{at}.targets" if t in targets else "ignore"
-                        refuse(where_t, t, f"its pattern does not compile ({err})")
             w = scheme.get("weights")
             if not isinstance(w, dict):
                 refuse(f"{at}.weights", w, supported)
@@ -160,7 +128,7 @@ class Scheme:
             if w.get("scale_dtype") not in (None, "torch.float8_e4m3fn"):
                 refuse(f"{at}.weights.scale_dtype", w["scale_dtype"], "NVFP4 scales are E4M3")
             groups.append(Group(name, tuple(targets), GROUP))
-        return cls("compressed-tensors", PackQuantized(tuple(groups), tuple(ignore)))
+        return cls("compressed-tensors", PackQuantized(tuple(groups), tuple(qc.get("ignore") or [])))
 
 
 def read_modelopt_file(path: Path) -> dict:
