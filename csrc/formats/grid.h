@@ -82,6 +82,13 @@ constexpr std::array<uint64_t, 128> sign_masks7() {
   return out;
 }
 inline constexpr auto kSignMask7 = sign_masks7();
+// The same signs as +-1 bytes (0x01 / 0xFF): what a SIMD sign instruction (x86 psignb) applies to the activations.
+constexpr std::array<uint64_t, 128> sign_ones7() {
+  std::array<uint64_t, 128> out{};
+  for (int i = 0; i < 128; ++i) out[i] = sign_masks7()[i] | 0x0101010101010101ull;
+  return out;
+}
+inline constexpr auto kSignOnes7 = sign_ones7();
 
 // The functions below are compiled into every kernel file with that file's ISA flags: internal linkage keeps each
 // file's own copy (one merged copy could be an AVX-512 build called on an AVX2 CPU).

@@ -455,6 +455,230 @@ inline void grid_tail(int rest, const uint8_t* lines, const float* sc, int group
   }
 }
 
+// grid, few tokens (decode): each row's block decoded straight into registers, 32 values of K at a time, never
+// written out as lines. The 32 values of one row become one vector of int8 grid magnitudes (IQ2, IQ3: four 8-value
+// or eight 4-value entries of the type's grid put together) and one of +-1 signs that psignb puts onto the
+// activations instead (|x| <= 127), so maddubs(magnitudes, signed x) sums the pairs in int16 (|q| <= 62: no
+// saturation) and madd with ones widens them to int32: lanes 0-3 the first 16 values, 4-7 the next. IQ1_S
+// multiplies g + 1 (0..2, unsigned: 8 g + delta = 8 (g + 1) + delta - 8) and adds (delta - 8) times the group's
+// activation sum to 8 times that sum; IQ1_M its signed codes 8 g + delta by the sign trick of the lines path. A tree
+// of hadds turns eight rows' vectors into one vector of their eight sums (group 16: two, one per half of the 32).
+// The sums are the exact int32 sums of the lines path and the epilogue is its fma(float(isum), scale * x_scale, acc)
+// per group in order, the scale d * (2 s + 1) * unit the one exact product of grid::row_scales: any token count,
+// either path, gives the same bits (and the scalar kernel's).
+namespace gridrow {
+
+// One row's 32 values of K: q its grid magnitudes (IQ2, IQ3), g + 1 (IQ1_S) or signed codes (IQ1_M); s the +-1
+// signs that go onto x (IQ2, IQ3).
+struct Q32 {
+  __m256i q, s;
+};
+
+// Entries i0 .. i3 of a table of 8-byte words as one vector (entry j in qword j): a load and three broadcast loads
+// put together by blends, which leave the shuffle unit (the vector's busiest) to the rest.
+inline __m256i words4(const uint64_t* t, uint32_t i0, uint32_t i1, uint32_t i2, uint32_t i3) {
+  const __m256i a = _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + i0)));
+  const __m256i b = _mm256_set1_epi64x((long long)t[i1]), c = _mm256_set1_epi64x((long long)t[i2]);
+  const __m256i d = _mm256_set1_epi64x((long long)t[i3]);
+  return _mm256_blend_epi32(_mm256_blend_epi32(a, b, 0x0C), _mm256_blend_epi32(c, d, 0xC0), 0xF0);
+}
+
+// Byte k: -1 where bit k of `bits` is set, else +1 (IQ2_S, IQ3_S: a sign bit per value).
+inline __m256i signs32(uint32_t bits) {
+  const __m256i spread =
+      _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                          _mm256_set_epi64x(0x0303030303030303ll, 0x0202020202020202ll, 0x0101010101010101ll, 0));
+  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+  return _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(1));
+}
+
+// The signs of four 7-bit sign indices (IQ2_XXS, IQ3_XXS: aux's low 28 bits).
+inline __m256i signs7x4(uint32_t aux) {
+  using grid::kSignOnes7;
+  return words4(kSignOnes7.data(), aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127);
+}
+
+// Values 32 c .. 32 c + 31 of one row's block b (formats/grid.h chunk(): chunks 4 c .. 4 c + 3).
+template <Codebook T>
+inline Q32 decode32(const uint8_t* b, int c) {
+  using namespace grid;
+  Q32 r;
+  if constexpr (T == Codebook::iq2_xxs) {  // 4 index bytes, then the uint32 of 4 sign indices and the scale
+    uint64_t v;
+    std::memcpy(&v, b + 8 * c, 8);
+    r.q = words4(kIq2xxs.data(), v & 255, (v >> 8) & 255, (v >> 16) & 255, (v >> 24) & 255);
+    r.s = signs7x4((uint32_t)(v >> 32));
+  } else if constexpr (T == Codebook::iq2_xs) {  // 4 uint16: a 9-bit index, a 7-bit sign index
+    uint64_t v;
+    std::memcpy(&v, b + 8 * c, 8);
+    r.q = words4(kIq2xs.data(), v & 511, (v >> 16) & 511, (v >> 32) & 511, (v >> 48) & 511);
+    r.s = words4(kSignOnes7.data(), (v >> 9) & 127, (v >> 25) & 127, (v >> 41) & 127, (uint32_t)(v >> 57));
+  } else if constexpr (T == Codebook::iq2_s) {  // 4 low index bytes, 2 high bits each in byte 64 + c; sign bits
+    const uint32_t lo = u32_at(b + 4 * c), hi = b[64 + c];
+    r.q = words4(kIq2s.data(), (lo & 255) | (hi << 8 & 0x300), (lo >> 8 & 255) | (hi << 6 & 0x300),
+                 (lo >> 16 & 255) | (hi << 4 & 0x300), (lo >> 24) | (hi << 2 & 0x300));
+    r.s = signs32(u32_at(b + 32 + 4 * c));
+  } else if constexpr (T == Codebook::iq3_xxs) {  // 8 index bytes of 4 values each; the uint32 as IQ2_XXS's
+    const uint8_t* i = b + 8 * c;
+    r.q = _mm256_set_epi32((int)kIq3xxs[i[7]], (int)kIq3xxs[i[6]], (int)kIq3xxs[i[5]], (int)kIq3xxs[i[4]],
+                           (int)kIq3xxs[i[3]], (int)kIq3xxs[i[2]], (int)kIq3xxs[i[1]], (int)kIq3xxs[i[0]]);
+    r.s = signs7x4(u32_at(b + 64 + 4 * c));
+  } else if constexpr (T == Codebook::iq3_s) {  // 8 low index bytes, bit k of byte 64 + c the 9th of index k
+    const uint8_t* i = b + 8 * c;
+    const uint32_t h = b[64 + c];
+    r.q = _mm256_set_epi32((int)kIq3s[i[7] | (h << 1 & 256)], (int)kIq3s[i[6] | (h << 2 & 256)],
+                           (int)kIq3s[i[5] | (h << 3 & 256)], (int)kIq3s[i[4] | (h << 4 & 256)],
+                           (int)kIq3s[i[3] | (h << 5 & 256)], (int)kIq3s[i[2] | (h << 6 & 256)],
+                           (int)kIq3s[i[1] | (h << 7 & 256)], (int)kIq3s[i[0] | (h << 8 & 256)]);
+    r.s = signs32(u32_at(b + 72 + 4 * c));
+  } else if constexpr (T == Codebook::iq1_s) {  // 4 low index bytes; uint16 c: 4 x 3 high index bits
+    const uint32_t lo = u32_at(b + 4 * c), h = u16_at(b + 32 + 2 * c);
+    const __m256i g = words4(kIq1s.data(), (lo & 255) | (h << 8 & 0x700), (lo >> 8 & 255) | (h << 5 & 0x700),
+                             (lo >> 16 & 255) | (h << 2 & 0x700), (lo >> 24) | (h >> 1 & 0x700));
+    r.q = _mm256_add_epi8(g, _mm256_set1_epi8(1));
+  } else {  // IQ1_M: 4 low index bytes; uint16 c: 4 nibbles of (3 high index bits, delta sign)
+    const uint32_t lo = u32_at(b + 4 * c), n = u16_at(b + 32 + 2 * c);
+    const __m256i g = words4(kIq1s.data(), (lo & 255) | (n << 8 & 0x700), (lo >> 8 & 255) | (n << 4 & 0x700),
+                             (lo >> 16 & 255) | (n & 0x700), (lo >> 24) | (n >> 4 & 0x700));
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi16((short)n),
+                                               _mm256_set_epi64x(0x0101010101010101ll, 0x0101010101010101ll, 0, 0));
+    const __m256i bit = _mm256_set_epi64x((long long)0x8080808080808080ull, 0x0808080808080808ll,
+                                          (long long)0x8080808080808080ull, 0x0808080808080808ll);
+    const __m256i delta = _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(1));
+    r.q = _mm256_add_epi8(_mm256_and_si256(_mm256_slli_epi16(g, 3), _mm256_set1_epi8((char)0xF8)), delta);
+  }
+  return r;
+}
+
+// The 32 values' products with x as 8 int32 pair sums (ax = |x|, IQ1_M only).
+template <Codebook T>
+inline __m256i dot32(const Q32& d, __m256i x, __m256i ax) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (T == Codebook::iq1_s) return _mm256_madd_epi16(_mm256_maddubs_epi16(d.q, x), ones);
+  if constexpr (T == Codebook::iq1_m)
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(d.q, x)), ones);
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(d.q, _mm256_sign_epi8(x, d.s)), ones);
+}
+
+// Row r's sub-scales 2 s + 1 into sub[g][r] (grid::row_scales), and IQ1_S's delta - 8 into fix[g][r].
+template <Codebook T>
+inline void row_subs(const uint8_t* b, int r, uint8_t (*sub)[kRowsPerBlock], int8_t (*fix)[kRowsPerBlock]) {
+  using grid::u16_at;
+  using grid::u32_at;
+  for (int g = 0; g < kSuperBlock / grid_info(T).group; ++g) {
+    int s = 0;
+    if constexpr (T == Codebook::iq2_xxs) s = (int)(u32_at(b + 8 * g + 4) >> 28);
+    if constexpr (T == Codebook::iq3_xxs) s = (int)(u32_at(b + 64 + 4 * g) >> 28);
+    if constexpr (T == Codebook::iq2_xs) s = (b[64 + g / 2] >> (4 * (g % 2))) & 15;
+    if constexpr (T == Codebook::iq2_s) s = (b[72 + g / 2] >> (4 * (g % 2))) & 15;
+    if constexpr (T == Codebook::iq3_s) s = (b[104 + g / 2] >> (4 * (g % 2))) & 15;
+    if constexpr (T == Codebook::iq1_s) {
+      const int h = u16_at(b + 32 + 2 * g);
+      s = (h >> 12) & 7;
+      fix[g][r] = (int8_t)((h & 0x8000 ? -1 : 1) - 8);
+    }
+    if constexpr (T == Codebook::iq1_m) s = (u16_at(b + 48 + 2 * (g / 4)) >> (3 * (g % 4))) & 7;
+    sub[g][r] = (uint8_t)(2 * s + 1);
+  }
+}
+
+// The power of two of a grid type's scales (grid::row_scales): d * (2 s + 1) * unit.
+constexpr float unit_of(Codebook t) { return t == Codebook::iq3_xxs ? 0.25f : t == Codebook::iq3_s ? 1.f : 0.125f; }
+
+// NT tokens over one grid row block of type T, rows decoded in registers (above). out: [NT][16].
+template <Codebook T>
+struct Rows {
+  template <int NT>
+  struct Tile {
+    static constexpr int kBytes = grid_info(T).row_bytes, kGroup = grid_info(T).group;
+    static constexpr int kGroups = kSuperBlock / kGroup;
+
+    // acc += float(isum) * (d * sub * unit * x_scale) for rows 8h .. 8h + 7 of group g (GridTile's epilogue).
+    static __m256 epilogue(__m256 acc, __m256i isum, __m256 d, const uint8_t* sub, float xscale) {
+      const __m256i s = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub)));
+      const __m256 ws = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(s)), _mm256_set1_ps(unit_of(T)));
+      return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ws, _mm256_set1_ps(xscale)), acc);
+    }
+
+    static void run(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, float* out) {
+      const int8_t* x[NT];
+      const float* xs[NT];
+      const int32_t* xsum[NT];
+      __m256 facc[NT][2];
+#pragma GCC unroll 8
+      for (int t = 0; t < NT; ++t) {
+        x[t] = reinterpret_cast<const int8_t*>(rows[t]);
+        xs[t] = act_scales(rows[t], a);
+        xsum[t] = act_sums(rows[t], a);
+        facc[t][0] = facc[t][1] = _mm256_setzero_ps();
+      }
+      constexpr int kSuperBytes = kRowsPerBlock * kBytes;
+      for (int sp = 0; sp < w.kp / kSuperBlock; ++sp) {
+        const uint8_t* blk = w.data + (size_t)sp * kSuperBytes;
+        for (int l = 0; l < kSuperBytes; l += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(blk) + kSuperBytes + l, _MM_HINT_T0);
+        alignas(16) uint8_t sub[kGroups][kRowsPerBlock];
+        alignas(16) int8_t fix[kGroups][kRowsPerBlock];
+        alignas(32) uint16_t d1m[kRowsPerBlock];
+        for (int r = 0; r < kRowsPerBlock; ++r) {
+          row_subs<T>(blk + r * kBytes, r, sub, fix);
+          if constexpr (T == Codebook::iq1_m) d1m[r] = grid::iq1m_d_bits(blk + r * kBytes);
+        }
+        const uint8_t* d16 = T == Codebook::iq1_m ? reinterpret_cast<const uint8_t*>(d1m) : w.scales + sp * 32;
+        const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d16))),
+                             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d16 + 16)))};
+        for (int c = 0; c < kSuperBlock / 32; ++c) {
+          __m256i xv[NT], ax[NT];
+#pragma GCC unroll 8
+          for (int t = 0; t < NT; ++t) {
+            xv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[t] + sp * kSuperBlock + 32 * c));
+            ax[t] = T == Codebook::iq1_m ? _mm256_abs_epi8(xv[t]) : xv[t];
+          }
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h) {
+            const uint8_t* b = blk + 8 * h * kBytes;
+            __m256i pair[NT][4];  // rows (2i, 2i + 1) of the 8, hadd: [2i 01, 2i 23, 2i+1 01, 2i+1 23 | .. 45, 67]
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) {
+              const Q32 q0 = decode32<T>(b + 2 * i * kBytes, c), q1 = decode32<T>(b + (2 * i + 1) * kBytes, c);
+#pragma GCC unroll 8
+              for (int t = 0; t < NT; ++t)
+                pair[t][i] = _mm256_hadd_epi32(dot32<T>(q0, xv[t], ax[t]), dot32<T>(q1, xv[t], ax[t]));
+            }
+#pragma GCC unroll 8
+            for (int t = 0; t < NT; ++t) {
+              // b0: rows 0-3 sums of values 0-15 | of 16-31; b1: rows 4-7
+              const __m256i b0 = _mm256_hadd_epi32(pair[t][0], pair[t][1]),
+                            b1 = _mm256_hadd_epi32(pair[t][2], pair[t][3]);
+              const __m256i lo = _mm256_permute2x128_si256(b0, b1, 0x20), hi = _mm256_permute2x128_si256(b0, b1, 0x31);
+              if constexpr (kGroup == 32) {
+                __m256i isum = _mm256_add_epi32(lo, hi);
+                if constexpr (T == Codebook::iq1_s) {
+                  const __m256i f =
+                      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(fix[c] + 8 * h)));
+                  isum = _mm256_add_epi32(_mm256_slli_epi32(isum, 3),
+                                          _mm256_mullo_epi32(f, _mm256_set1_epi32(xsum[t][sp * kGroups + c])));
+                }
+                facc[t][h] = epilogue(facc[t][h], isum, d[h], sub[c] + 8 * h, xs[t][sp * kGroups + c]);
+              } else {
+                facc[t][h] = epilogue(facc[t][h], lo, d[h], sub[2 * c] + 8 * h, xs[t][sp * kGroups + 2 * c]);
+                facc[t][h] = epilogue(facc[t][h], hi, d[h], sub[2 * c + 1] + 8 * h, xs[t][sp * kGroups + 2 * c + 1]);
+              }
+            }
+          }
+        }
+      }
+#pragma GCC unroll 8
+      for (int t = 0; t < NT; ++t) {
+        _mm256_storeu_ps(out + t * kRowsPerBlock, facc[t][0]);
+        _mm256_storeu_ps(out + t * kRowsPerBlock + 8, facc[t][1]);
+      }
+    }
+  };
+};
+
+}  // namespace gridrow
+
 // Bit-plane weights (formats/layout.h; avx512/kernels.cpp plane_quad): the four byte lines of one quad of K, each as
 // two halves (rows 0..7, 8..15): out[f][h].
 template <WeightFormat F>
@@ -944,7 +1168,28 @@ void rowblock_int5(const RowBlock& w, const uint8_t* const* rows, const ActLayou
 void rowblock_int3(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
   plane_rowblock<WeightFormat::int3, PlaneNarrow<WeightFormat::int3>::Tile, 2>(w, rows, a, n_tok, out);
 }
+// Up to kGridRowTokens tokens (the decode's experts) on rows decoded in registers (gridrow), tiles of kGridRowTile;
+// more on decoded lines (GridTile), where one decoding serves up to 6 tokens.
+constexpr int kGridRowTokens = 4, kGridRowTile = 1;
+
+template <Codebook T>
+inline void grid_rows(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  tiles::run_tiles<kGridRowTile, gridrow::Rows<T>::template Tile>(w, rows, a, n_tok, out);
+}
+
 void rowblock_grid(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  if (n_tok <= kGridRowTokens) {
+    switch (w.grid) {
+      case Codebook::iq2_xxs: return grid_rows<Codebook::iq2_xxs>(w, rows, a, n_tok, out);
+      case Codebook::iq2_xs: return grid_rows<Codebook::iq2_xs>(w, rows, a, n_tok, out);
+      case Codebook::iq2_s: return grid_rows<Codebook::iq2_s>(w, rows, a, n_tok, out);
+      case Codebook::iq3_xxs: return grid_rows<Codebook::iq3_xxs>(w, rows, a, n_tok, out);
+      case Codebook::iq3_s: return grid_rows<Codebook::iq3_s>(w, rows, a, n_tok, out);
+      case Codebook::iq1_s: return grid_rows<Codebook::iq1_s>(w, rows, a, n_tok, out);
+      case Codebook::iq1_m: return grid_rows<Codebook::iq1_m>(w, rows, a, n_tok, out);
+      default: break;
+    }
+  }
   constexpr int kMax = 6;
   alignas(64) uint8_t lines[kSuperBlock / 4 * kLineBytes];
   alignas(64) float sc[kSuperBlock / 16 * kRowsPerBlock];
