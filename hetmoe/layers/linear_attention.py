@@ -200,6 +200,20 @@ def use_kernels(model: nn.Module, device, dtype: torch.dtype):
     return "; ".join(whys) or None
 
 
+def depthwise_conv(seq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The valid depthwise convolution of seq [B, C, W - 1 + S] with weight [C, 1, W] -> [B, C, S] in the weight's
+    dtype: W multiply-adds of shifted views, summed in fp32 in tap order and rounded once. ``F.conv1d`` with
+    ``groups=C`` computes the same (bitwise for bf16 weights, summation order for fp32), but on the CPU it runs one
+    small convolution per channel: 270 ms for Qwen3-Next's 8,192 channels and one token in bf16, against 3 ms here."""
+    S = seq.shape[-1] - weight.shape[-1] + 1
+    w = weight[:, 0, :].float()  # [C, W]
+    seq = seq.to(weight.dtype)
+    acc = seq[..., :S].float() * w[:, :1]
+    for k in range(1, weight.shape[-1]):
+        acc += seq[..., k:k + S].float() * w[:, k:k + 1]
+    return acc.to(weight.dtype)
+
+
 def short_conv(mixed: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, step,
                fresh: torch.Tensor) -> torch.Tensor:
     """The causal depthwise convolution of a linear-attention layer, then SiLU: mixed [B, S, C] over [the last W - 1
@@ -210,7 +224,7 @@ def short_conv(mixed: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, st
     rows = step.slots
     conv_state = conv[rows].masked_fill(fresh, 0)  # [B, C, W - 1]
     seq = torch.cat((conv_state.to(mixed.dtype), mixed.transpose(1, 2)), dim=-1)  # [B, C, W - 1 + S]
-    out = F.silu(F.conv1d(seq.to(weight.dtype), weight, groups=C)).to(mixed.dtype).transpose(1, 2)
+    out = F.silu(depthwise_conv(seq, weight)).to(mixed.dtype).transpose(1, 2)
     keep = weight.shape[-1] - 1
     if step.lengths is None:
         tail = seq[..., seq.shape[-1] - keep:]

@@ -23,6 +23,7 @@ from hetmoe.layers.linear_attention import (
     GatedDeltaNet,
     chunk_delta_rule,
     delta_rule_kernels,
+    depthwise_conv,
     recurrent_delta_rule,
     use_kernels,
 )
@@ -163,6 +164,20 @@ def _run(layer, cache, x, start, slots, lengths=None):
     B, S, _ = x.shape
     step = Step(torch.arange(start, start + S).expand(B, S), torch.as_tensor(slots), lengths=lengths)
     return layer(x, step, cache)
+
+
+@pytest.mark.parametrize("S", [1, 5, 67])
+def test_depthwise_conv_equals_torch_conv1d(S):
+    """The short convolution's tap loop against F.conv1d(groups=C): bitwise in bf16 (both sum in fp32 and round
+    once), within fp32 rounding in fp32 (another summation order); two rows, 96 channels, 4 taps."""
+    g = torch.Generator().manual_seed(S)
+    seq, weight = torch.randn(2, 96, 3 + S, generator=g), torch.randn(96, 1, 4, generator=g)
+    want = torch.nn.functional.conv1d(seq, weight, groups=96)
+    got = depthwise_conv(seq, weight)
+    assert got.shape == want.shape == (2, 96, S)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    bf_seq, bf_w = seq.bfloat16(), weight.bfloat16()
+    assert torch.equal(depthwise_conv(bf_seq, bf_w), torch.nn.functional.conv1d(bf_seq, bf_w, groups=96))
 
 
 @torch.inference_mode()
