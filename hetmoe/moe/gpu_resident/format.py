@@ -21,7 +21,8 @@ K zero-padded to Kp, a multiple of the group):
 * affine int8 / int4: as above, u - 128 / u - 8 stored as q; mins fp32 [R, Kp / group] beside the scales.
 
 ``cpu_codes`` reads a CPU engine's codes and scales (and mins) out of its packed storage (hetmoe/moe/streamed/packed.py)
-where the format matches (int8/int4/lut4 and the bit-plane formats widened, one NUMA slice); elsewhere ``quantize``
+where the format matches (int8/int4/lut4, the bit-plane formats widened, grid blocks decoded into int8, one NUMA
+slice); elsewhere ``quantize``
 packs the engine's dequantized values afresh into int8/int4 (scale = max |w| of the group / qmax: 127 for int8, 7
 for int4).
 
@@ -44,8 +45,8 @@ GROUPS = (16, 32, 64, 128)
 DEFAULT_GROUP = 64  # where the weights are quantized here (not the CPU engine's own codes)
 QMAX = {"int8": 127, "int4": 7}
 WIDENED = {"int6": "int8", "int5": "int8", "int3": "int4", "int2": "int4"}  # a bit-plane format's codes, held exactly
-# grid (GGUF's i-quants, decoded in the CPU kernels): no GPU reader of its blocks; held as int8 in its group,
-# re-quantized from the engine's values (cpu_codes gives none)
+# grid (GGUF's i-quants): its blocks decoded at upload (hetmoe/moe/streamed/grid.py) into the int8 codes (|q| <= 63)
+# and fp32 scales of its group that the CPU kernels multiply, exactly (cpu_codes); the resident kernels read no blocks
 WIDENED["grid"] = "int8"
 OFFSET = {"int8": 128, "int4": 8, "lut4": 0}  # u - q of a stored code (affine: the kernels add it back)
 
@@ -254,21 +255,20 @@ def cpu_codes(cpu_experts, expert: int, storage: Storage, ranges: Optional[list]
     for a matrix ``storage`` holds affine -- read from the CPU engine's packed bytes (``ranges``:
     hetmoe.moe.streamed.packed.expert_ranges, or read here) and converted on ``device`` (default: the CPU; a GPU does
     it in well under a millisecond, the CPU in a few hundred), the scales (and mins) widened to fp32 (exact),
-    bit-plane codes widened into int8 / int4 (exact); an entry is None where the engine's matrix is not exactly that
-    (another format, group, codebook or scaling, bf16 or fp8, a NUMA-split layer)."""
-    from hetmoe.moe.streamed import packed
+    bit-plane codes widened into int8 / int4 and grid blocks decoded into int8 (exact); an entry is None where the
+    engine's matrix is not exactly that (another format, group, codebook or scaling, bf16 or fp8, a NUMA-split
+    layer)."""
+    from hetmoe.moe.streamed import grid, packed
 
     info = cpu_experts.info()
     if info.get("numa_subpools", 1) != 1 or info["weight_format"] == "fp8":
-        return None, None
-    if "grid" in (info["weight_format"], info["down_weight_format"]):  # blocks no GPU code reads: re-quantized
         return None, None
     layout = packed.ExpertLayout.of(cpu_experts)
     ranges = packed.expert_ranges(cpu_experts) if ranges is None else ranges
     if layout.fmt == "bf16":
         return None, None
-    sizes = layout.range_bytes()
-    parts = [r[expert * s:(expert + 1) * s].to(device or "cpu") for r, s in zip(ranges, sizes)]
+    given = iter(ranges)  # (storage() leaves empty ranges out: IQ1_M's d)
+    parts = [next(given)[expert * s:(expert + 1) * s].to(device or "cpu") if s else None for s in layout.range_bytes()]
     I, H = layout.intermediate, layout.hidden
     out = []
     for shape, data, scales, fmt, group, book, affine, n_mats, n in (
@@ -277,8 +277,12 @@ def cpu_codes(cpu_experts, expert: int, storage: Storage, ranges: Optional[list]
             (layout.down, parts[2], parts[3], storage.down, storage.down_group, storage.down_codebook,
              storage.down_affine, 1, H)):
         if (shape.affine != affine or WIDENED.get(shape.fmt, shape.fmt) != fmt or shape.group != group
-                or shape.codebook != book):
+                or (shape.codebook != book and shape.fmt != "grid")):
             out.append(None)
+            continue
+        if shape.fmt == "grid":  # the blocks decoded: int8 codes and fp32 scales in the type's group, rows in order
+            blocks, d = grid.engine_rows(data, scales, shape.codebook, shape.n_blocks, shape.kp, n_mats, n)
+            out.append(grid.decode(blocks, d, shape.codebook))
             continue
         nb, G = shape.n_blocks, shape.kp // shape.group
         # gate and up row blocks alternate (block 2 rb + m is matrix m's rb): [n_mats, NB * 16, Kp] in row order

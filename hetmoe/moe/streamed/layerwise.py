@@ -6,7 +6,8 @@ Per forward call (a prefill chunk of T >= ``min_tokens`` tokens), with S slots (
     start of the call       copy stream: layers 0 .. S-1's packed experts -> slots 0 .. S-1   (DMA from the engine's
                                          storage, registered with the driver: no second copy in RAM)
     MoE layer i             main stream: route (hetmoe/moe/router.py); wait for slot i % S's copy (an event);
-                                         unpack the packed layout to the model dtype (hetmoe/moe/streamed/packed.py);
+                                         unpack the packed layout to the model dtype (hetmoe/moe/streamed/packed.py;
+                                         grid blocks, GGUF's i-quants: decoded by hetmoe/moe/streamed/grid.py);
                                          gate+up, SwiGLU, down as grouped GEMMs over the tokens sorted by expert
                                          (hetmoe/moe/grouped.py); record "slot free"
                             copy stream: after "slot free", layer i + S -> slot i % S (runs while layers
@@ -323,14 +324,13 @@ class LayerwisePrefill:
         else:
             ranges = [dst[:n * b] for dst, b in zip(self.slots[s], self.per[i])]
         w_gu, w_down = self.scratch.reserve(n)
-        if self.triton_unpack:  # one pass, straight into the scratch
+        if self.triton_unpack and not lay.grid:  # one pass, straight into the scratch
             packed_triton.unpack_into(lay, ranges, self.w_gu, self.w_down, n)
             return w_gu, w_down
-        for e0 in range(0, n, self.unpack_n):
+        for e0 in range(0, n, self.unpack_n):  # (grid matrices: decoded straight into the scratch)
             m = min(self.unpack_n, n - e0)
-            gu, d = unpack_experts(lay, [r[e0 * b:(e0 + m) * b] for r, b in zip(ranges, self.per[i])], m, self.dtype)
-            w_gu[e0:e0 + m].copy_(gu)
-            w_down[e0:e0 + m].copy_(d)
+            unpack_experts(lay, [r[e0 * b:(e0 + m) * b] for r, b in zip(ranges, self.per[i])], m, self.dtype,
+                           (w_gu[e0:e0 + m], w_down[e0:e0 + m]))
         return w_gu, w_down
 
     def run(self, layer, x: torch.Tensor, logits: torch.Tensor, shared=None,

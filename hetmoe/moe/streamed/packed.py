@@ -4,7 +4,8 @@ hetmoe/moe/streamed/layerwise.py) — no second copy in RAM, no re-layout on the
 
 The layout (row blocks of ROWS rows, lines of LINE bytes, the codes, the scales, gate and up row blocks alternating,
 a layer's four storage ranges) is described once, in csrc/formats/layout.h; its constants come from there through
-hetmoe/cpu/layout.py.
+hetmoe/cpu/layout.py. Grid matrices (GGUF's i-quants) hold their file's blocks in the row blocks instead of lines
+and scales: hetmoe/moe/streamed/grid.py decodes them, Triton or not.
 
 Shape letters: E experts, H hidden size, I intermediate size, N rows, K columns, Kp K padded, G groups.
 """
@@ -13,11 +14,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from hetmoe.cpu import layout as cpu_layout
 from hetmoe.cpu.layout import BF16_GROUP, CODEBOOKS, K_PER_LINE, LINE, PLANES, ROWS, SCALE_WIDTH, SUPER_BLOCK, set_bytes
+from hetmoe.moe.streamed import grid
 
 
 def _round_up(v: int, m: int) -> int:
@@ -36,11 +39,16 @@ class MatrixShape:
     n_blocks: int
     affine: bool = False  # value = scale * u - min (GGUF's K-quants), else scale * q
     scale_dtype: str = "fp32"  # how the scales (and mins) are stored (fp32, fp16, bf16, e8m0, k8, k4)
-    codebook: str | None = None  # lut4: the codebook its nibbles index
+    codebook: str | None = None  # lut4: the codebook its nibbles index; grid: its type (iq2_xxs, ...)
 
     @classmethod
     def make(cls, fmt: str, n: int, k: int, group: int, scaling: str = "symmetric", scale_dtype: str = "fp32",
              codebook: str | None = None) -> "MatrixShape":
+        if fmt == "grid":  # the file's blocks (hetmoe/moe/streamed/grid.py): whole super-blocks, the type's group
+            if codebook not in grid.TYPES or k % SUPER_BLOCK:
+                raise ValueError(f"grid experts of type {codebook!r} and K = {k}: a grid type "
+                                 f"({', '.join(grid.TYPES)}) in whole super-blocks of {SUPER_BLOCK} is read")
+            return cls(fmt, n, k, grid.group_of(codebook), k, -(-n // ROWS), False, "fp16", codebook)
         if fmt not in K_PER_LINE and fmt not in PLANES:
             raise ValueError(f"unknown weight format {fmt!r}")
         if fmt == "fp8":  # (streamed prefill and GPU-resident experts keep fp8 layers off this path)
@@ -60,7 +68,9 @@ class MatrixShape:
                    scale_dtype or "fp32", codebook)
 
     @property
-    def lines(self) -> int:  # data lines of a row block (bit-plane formats: whole units)
+    def lines(self) -> int:  # data lines of a row block (bit-plane formats: whole units; grid: its blocks' bytes)
+        if self.fmt == "grid":
+            return self.kp // SUPER_BLOCK * ROWS * grid.row_bytes(self.codebook) // LINE
         return cpu_layout.data_lines(self.fmt, self.kp)
 
     @property
@@ -74,6 +84,8 @@ class MatrixShape:
 
     @property
     def set_bytes(self) -> int:  # one block's scales (of scale_dtype; k8 / k4: sub-scales, then fp16 super scales)
+        if self.fmt == "grid":  # each row's fp16 d per super-block (IQ1_M: none, its d is in its blocks)
+            return self.kp // SUPER_BLOCK * ROWS * 2 if grid.HAS_D[self.codebook] else 0
         return 0 if self.fmt == "bf16" else set_bytes(1, self.kp, self.group, self.scale_dtype)
 
     @property
@@ -119,6 +131,11 @@ class ExpertLayout:
     @property
     def expert_bytes(self) -> int:
         return sum(self.range_bytes())
+
+    @property
+    def grid(self) -> bool:
+        """Whether a matrix holds grid blocks (GGUF's i-quants: decoded by hetmoe/moe/streamed/grid.py)."""
+        return "grid" in (self.gate_up.fmt, self.down.fmt)
 
 
 def code_bits(fmt: str) -> int:
@@ -264,24 +281,40 @@ def _dequantize(codes: torch.Tensor, scales: torch.Tensor, shape: MatrixShape, n
     return w.view(n_mats, NB * ROWS, shape.kp).to(dtype)
 
 
-def unpack_experts(layout: ExpertLayout, ranges, n: int, dtype: torch.dtype = torch.bfloat16) -> tuple:
-    """The weights of ``n`` consecutive experts from their packed bytes ``ranges`` (uint8 tensors, one per storage
-    range, each holding those ``n`` experts: ``range_bytes()`` each; bf16 has only the two data ranges), on their
-    device: ``(gate_up [n, 2I, H], down [n, H, I])`` in ``dtype`` — gate rows then up rows per expert — the values the
-    CPU kernels multiply by (``CPUExperts.dequantized``), rounded to ``dtype``."""
-    gu, d, I, H = layout.gate_up, layout.down, layout.intermediate, layout.hidden
-    if layout.fmt == "bf16":
-        gu_data, d_data = ranges
-        w_gu = _unpack_data(gu_data, gu, n * 2).to(dtype)
-        w_d = _unpack_data(d_data, d, n).to(dtype)
+def _matrix(shape: MatrixShape, data: torch.Tensor, scales, n: int, mats: int, rows: int, cols: int,
+            dtype: torch.dtype, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """``n`` experts' ``mats`` matrices [rows, cols] (gate/up: 2, their row blocks alternating) from their data and
+    scale bytes -> [n, mats * rows, cols] in ``dtype``, padding cut (written into ``out`` where given)."""
+    if shape.fmt == "grid":  # decoded straight into place, rows in order
+        blocks, d = grid.engine_rows(data, scales, shape.codebook, shape.n_blocks, shape.kp, mats, rows)
+        return grid.dequantize(blocks, d, shape.codebook, dtype, out).view(n, mats * rows, cols)
+    if shape.fmt == "bf16":
+        w = _unpack_data(data, shape, n * mats).to(dtype)
     else:
-        gu_data, gu_scales, d_data, d_scales = ranges
-        w_gu = _dequantize(_unpack_data(gu_data, gu, n * 2), gu_scales, gu, n * 2, dtype)
-        w_d = _dequantize(_unpack_data(d_data, d, n), d_scales, d, n, dtype)
-    # gate_up blocks alternate: [n, NB, 2 (gate, up), 16, Kp] -> [n, 2, NB * 16, Kp], padding cut
-    w_gu = w_gu.view(n, gu.n_blocks, 2, ROWS, gu.kp).transpose(1, 2).reshape(n, 2, gu.n_blocks * ROWS, gu.kp)
-    w_gu = w_gu[:, :, :I, :H].reshape(n, 2 * I, H)
-    return w_gu, w_d.view(n, d.n_blocks * ROWS, d.kp)[:, :H, :I]
+        w = _dequantize(_unpack_data(data, shape, n * mats), scales, shape, n * mats, dtype)
+    rows_p = shape.n_blocks * ROWS
+    if mats == 1:
+        w = w.view(n, rows_p, shape.kp)[:, :rows, :cols]
+    else:  # [n, NB, mats, 16, Kp] -> [n, mats, NB * 16, Kp]
+        w = w.view(n, shape.n_blocks, mats, ROWS, shape.kp).transpose(1, 2).reshape(n, mats, rows_p, shape.kp)
+        w = w[:, :, :rows, :cols].reshape(n, mats * rows, cols)
+    return w if out is None else out.copy_(w)
+
+
+def unpack_experts(layout: ExpertLayout, ranges, n: int, dtype: torch.dtype = torch.bfloat16,
+                   out: Optional[tuple] = None) -> tuple:
+    """The weights of ``n`` consecutive experts from their packed bytes ``ranges`` (uint8 tensors, one per storage
+    range, each holding those ``n`` experts: ``range_bytes()`` each; the empty ranges left out, as
+    ``CPUExperts.storage`` leaves them: bf16's scales, IQ1_M's d), on their device: ``(gate_up [n, 2I, H],
+    down [n, H, I])`` in ``dtype`` — gate rows then up rows per expert — the values the CPU kernels multiply by
+    (``CPUExperts.dequantized``), rounded to ``dtype``; written into ``out`` (two such contiguous tensors) where
+    given (grid matrices are decoded straight into them)."""
+    gu, d, I, H = layout.gate_up, layout.down, layout.intermediate, layout.hidden
+    given = iter(ranges)
+    gu_data, gu_scales, d_data, d_scales = (next(given) if b else None for b in layout.range_bytes())
+    out = (None, None) if out is None else out
+    return (_matrix(gu, gu_data, gu_scales, n, 2, I, H, dtype, out[0]),
+            _matrix(d, d_data, d_scales, n, 1, H, I, dtype, out[1]))
 
 
 def expert_ranges(experts) -> list:
