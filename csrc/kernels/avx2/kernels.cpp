@@ -468,6 +468,9 @@ inline void grid_tail(int rest, const uint8_t* lines, const float* sc, int group
 // either path, gives the same bits (and the scalar kernel's).
 namespace gridrow {
 
+// The decoders are called at many places per tile: always inlined (out of line, their Q32 goes through memory).
+#define GRID_INLINE inline __attribute__((always_inline))
+
 // One row's 32 values of K: q its grid magnitudes (IQ2, IQ3), g + 1 (IQ1_S) or signed codes (IQ1_M); s the +-1
 // signs that go onto x (IQ2, IQ3).
 struct Q32 {
@@ -476,7 +479,7 @@ struct Q32 {
 
 // Entries i0 .. i3 of a table of 8-byte words as one vector (entry j in qword j): a load and three broadcast loads
 // put together by blends, which leave the shuffle unit (the vector's busiest) to the rest.
-inline __m256i words4(const uint64_t* t, uint32_t i0, uint32_t i1, uint32_t i2, uint32_t i3) {
+GRID_INLINE __m256i words4(const uint64_t* t, uint32_t i0, uint32_t i1, uint32_t i2, uint32_t i3) {
   const __m256i a = _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + i0)));
   const __m256i b = _mm256_set1_epi64x((long long)t[i1]), c = _mm256_set1_epi64x((long long)t[i2]);
   const __m256i d = _mm256_set1_epi64x((long long)t[i3]);
@@ -484,7 +487,7 @@ inline __m256i words4(const uint64_t* t, uint32_t i0, uint32_t i1, uint32_t i2, 
 }
 
 // Byte k: -1 where bit k of `bits` is set, else +1 (IQ2_S, IQ3_S: a sign bit per value).
-inline __m256i signs32(uint32_t bits) {
+GRID_INLINE __m256i signs32(uint32_t bits) {
   const __m256i spread =
       _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
                           _mm256_set_epi64x(0x0303030303030303ll, 0x0202020202020202ll, 0x0101010101010101ll, 0));
@@ -493,14 +496,14 @@ inline __m256i signs32(uint32_t bits) {
 }
 
 // The signs of four 7-bit sign indices (IQ2_XXS, IQ3_XXS: aux's low 28 bits).
-inline __m256i signs7x4(uint32_t aux) {
+GRID_INLINE __m256i signs7x4(uint32_t aux) {
   using grid::kSignOnes7;
   return words4(kSignOnes7.data(), aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127);
 }
 
 // Values 32 c .. 32 c + 31 of one row's block b (formats/grid.h chunk(): chunks 4 c .. 4 c + 3).
 template <Codebook T>
-inline Q32 decode32(const uint8_t* b, int c) {
+GRID_INLINE Q32 decode32(const uint8_t* b, int c) {
   using namespace grid;
   Q32 r;
   if constexpr (T == Codebook::iq2_xxs) {  // 4 index bytes, then the uint32 of 4 sign indices and the scale
@@ -552,7 +555,7 @@ inline Q32 decode32(const uint8_t* b, int c) {
 
 // The 32 values' products with x as 8 int32 pair sums (ax = |x|, IQ1_M only).
 template <Codebook T>
-inline __m256i dot32(const Q32& d, __m256i x, __m256i ax) {
+GRID_INLINE __m256i dot32(const Q32& d, __m256i x, __m256i ax) {
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (T == Codebook::iq1_s) return _mm256_madd_epi16(_mm256_maddubs_epi16(d.q, x), ones);
   if constexpr (T == Codebook::iq1_m)
@@ -562,7 +565,7 @@ inline __m256i dot32(const Q32& d, __m256i x, __m256i ax) {
 
 // Row r's sub-scales 2 s + 1 into sub[g][r] (grid::row_scales), and IQ1_S's delta - 8 into fix[g][r].
 template <Codebook T>
-inline void row_subs(const uint8_t* b, int r, uint8_t (*sub)[kRowsPerBlock], int8_t (*fix)[kRowsPerBlock]) {
+GRID_INLINE void row_subs(const uint8_t* b, int r, uint8_t (*sub)[kRowsPerBlock], int8_t (*fix)[kRowsPerBlock]) {
   using grid::u16_at;
   using grid::u32_at;
   for (int g = 0; g < kSuperBlock / grid_info(T).group; ++g) {
@@ -585,6 +588,37 @@ inline void row_subs(const uint8_t* b, int r, uint8_t (*sub)[kRowsPerBlock], int
 // The power of two of a grid type's scales (grid::row_scales): d * (2 s + 1) * unit.
 constexpr float unit_of(Codebook t) { return t == Codebook::iq3_xxs ? 0.25f : t == Codebook::iq3_s ? 1.f : 0.125f; }
 
+// The scales of one super-block of a grid row block of type T: each row's sub-scale integers 2 s + 1 (and IQ1_S's
+// delta - 8) and the rows' d, read once and then multiplied as GridTile's fp32 scales, 8 rows at a time.
+template <Codebook T>
+struct SuperScales {
+  static constexpr int kBytes = grid_info(T).row_bytes, kGroups = kSuperBlock / grid_info(T).group;
+  alignas(16) uint8_t sub[kGroups][kRowsPerBlock];
+  alignas(16) int8_t fix[kGroups][kRowsPerBlock];
+  __m256 d[2];
+
+  // blk: the super-block's 16 rows; d16: their fp16 d (IQ1_M: none, its d is in its scale words)
+  SuperScales(const uint8_t* blk, const uint8_t* d16) {
+    alignas(32) uint16_t d1m[kRowsPerBlock];
+    for (int r = 0; r < kRowsPerBlock; ++r) {
+      row_subs<T>(blk + r * kBytes, r, sub, fix);
+      if constexpr (T == Codebook::iq1_m) d1m[r] = grid::iq1m_d_bits(blk + r * kBytes);
+    }
+    if constexpr (T == Codebook::iq1_m) d16 = reinterpret_cast<const uint8_t*>(d1m);
+    d[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d16)));
+    d[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d16 + 16)));
+  }
+  // The fp32 scales of rows 8h .. 8h + 7 in group g: d * (2 s + 1) * unit, grid::row_scales's exact products.
+  __m256 scales8(int g, int h) const {
+    const __m256i s = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub[g] + 8 * h)));
+    return _mm256_mul_ps(_mm256_mul_ps(d[h], _mm256_cvtepi32_ps(s)), _mm256_set1_ps(unit_of(T)));
+  }
+  // IQ1_S: delta - 8 of rows 8h .. 8h + 7 in group g
+  __m256i fix8(int g, int h) const {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(fix[g] + 8 * h)));
+  }
+};
+
 // NT tokens over one grid row block of type T, rows decoded in registers (above). out: [NT][16].
 template <Codebook T>
 struct Rows {
@@ -593,10 +627,8 @@ struct Rows {
     static constexpr int kBytes = grid_info(T).row_bytes, kGroup = grid_info(T).group;
     static constexpr int kGroups = kSuperBlock / kGroup;
 
-    // acc += float(isum) * (d * sub * unit * x_scale) for rows 8h .. 8h + 7 of group g (GridTile's epilogue).
-    static __m256 epilogue(__m256 acc, __m256i isum, __m256 d, const uint8_t* sub, float xscale) {
-      const __m256i s = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub)));
-      const __m256 ws = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(s)), _mm256_set1_ps(unit_of(T)));
+    // acc += float(isum) * (scale * x_scale) (GridTile's epilogue)
+    static __m256 epilogue(__m256 acc, __m256i isum, __m256 ws, float xscale) {
       return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ws, _mm256_set1_ps(xscale)), acc);
     }
 
@@ -617,16 +649,7 @@ struct Rows {
         const uint8_t* blk = w.data + (size_t)sp * kSuperBytes;
         for (int l = 0; l < kSuperBytes; l += 64)
           _mm_prefetch(reinterpret_cast<const char*>(blk) + kSuperBytes + l, _MM_HINT_T0);
-        alignas(16) uint8_t sub[kGroups][kRowsPerBlock];
-        alignas(16) int8_t fix[kGroups][kRowsPerBlock];
-        alignas(32) uint16_t d1m[kRowsPerBlock];
-        for (int r = 0; r < kRowsPerBlock; ++r) {
-          row_subs<T>(blk + r * kBytes, r, sub, fix);
-          if constexpr (T == Codebook::iq1_m) d1m[r] = grid::iq1m_d_bits(blk + r * kBytes);
-        }
-        const uint8_t* d16 = T == Codebook::iq1_m ? reinterpret_cast<const uint8_t*>(d1m) : w.scales + sp * 32;
-        const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d16))),
-                             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d16 + 16)))};
+        const SuperScales<T> ss(blk, w.scales + sp * 32);
         for (int c = 0; c < kSuperBlock / 32; ++c) {
           __m256i xv[NT], ax[NT];
 #pragma GCC unroll 8
@@ -647,22 +670,20 @@ struct Rows {
             }
 #pragma GCC unroll 8
             for (int t = 0; t < NT; ++t) {
-              // b0: rows 0-3 sums of values 0-15 | of 16-31; b1: rows 4-7
-              const __m256i b0 = _mm256_hadd_epi32(pair[t][0], pair[t][1]),
-                            b1 = _mm256_hadd_epi32(pair[t][2], pair[t][3]);
+              // b0: rows 0-3's sums of values 0-15 | of values 16-31; b1: rows 4-7's
+              const __m256i b0 = _mm256_hadd_epi32(pair[t][0], pair[t][1]);
+              const __m256i b1 = _mm256_hadd_epi32(pair[t][2], pair[t][3]);
               const __m256i lo = _mm256_permute2x128_si256(b0, b1, 0x20), hi = _mm256_permute2x128_si256(b0, b1, 0x31);
+              const int g0 = sp * kGroups;
               if constexpr (kGroup == 32) {
                 __m256i isum = _mm256_add_epi32(lo, hi);
-                if constexpr (T == Codebook::iq1_s) {
-                  const __m256i f =
-                      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(fix[c] + 8 * h)));
+                if constexpr (T == Codebook::iq1_s)
                   isum = _mm256_add_epi32(_mm256_slli_epi32(isum, 3),
-                                          _mm256_mullo_epi32(f, _mm256_set1_epi32(xsum[t][sp * kGroups + c])));
-                }
-                facc[t][h] = epilogue(facc[t][h], isum, d[h], sub[c] + 8 * h, xs[t][sp * kGroups + c]);
+                                          _mm256_mullo_epi32(ss.fix8(c, h), _mm256_set1_epi32(xsum[t][g0 + c])));
+                facc[t][h] = epilogue(facc[t][h], isum, ss.scales8(c, h), xs[t][g0 + c]);
               } else {
-                facc[t][h] = epilogue(facc[t][h], lo, d[h], sub[2 * c] + 8 * h, xs[t][sp * kGroups + 2 * c]);
-                facc[t][h] = epilogue(facc[t][h], hi, d[h], sub[2 * c + 1] + 8 * h, xs[t][sp * kGroups + 2 * c + 1]);
+                facc[t][h] = epilogue(facc[t][h], lo, ss.scales8(2 * c, h), xs[t][g0 + 2 * c]);
+                facc[t][h] = epilogue(facc[t][h], hi, ss.scales8(2 * c + 1, h), xs[t][g0 + 2 * c + 1]);
               }
             }
           }
@@ -677,6 +698,60 @@ struct Rows {
   };
 };
 
+// One row's 32 values as signed codes (the lines' bytes): q x sign, or for IQ1_S 8 (g + 1) + delta - 8.
+template <Codebook T>
+GRID_INLINE __m256i codes32(const uint8_t* b, int c) {
+  const Q32 q = decode32<T>(b, c);
+  if constexpr (T == Codebook::iq1_m) return q.q;
+  if constexpr (T == Codebook::iq1_s) {
+    const int delta = grid::u16_at(b + 32 + 2 * c) & 0x8000 ? -1 : 1;
+    return _mm256_add_epi8(_mm256_and_si256(_mm256_slli_epi16(q.q, 3), _mm256_set1_epi8((char)0xF8)),
+                           _mm256_set1_epi8((char)(delta - 8)));
+  }
+  return _mm256_sign_epi8(q.q, q.s);
+}
+
+// Super-block sp of a grid row block of type T as grid::decode_super writes it, bit for bit: 64 lines of signed codes
+// (line j: k 4j .. 4j + 3 of the 16 rows) and [groups][16] fp32 scales. Eight rows' 32 values at a time, an 8 x 8
+// transpose of their 4-byte pieces giving the halves of 8 lines.
+template <Codebook T>
+inline void decode_lines(const RowBlock& w, int sp, uint8_t* lines, float* sc) {
+  constexpr int kBytes = grid_info(T).row_bytes, kGroups = kSuperBlock / grid_info(T).group;
+  const uint8_t* blk = w.data + (size_t)sp * kRowsPerBlock * kBytes;
+  const SuperScales<T> ss(blk, w.scales + sp * 32);
+  for (int g = 0; g < kGroups; ++g)
+    for (int h = 0; h < 2; ++h) _mm256_store_ps(sc + g * kRowsPerBlock + 8 * h, ss.scales8(g, h));
+  for (int c = 0; c < kSuperBlock / 32; ++c) {
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256i y[8], t[8], u[8];
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; ++r) y[r] = codes32<T>(blk + (8 * h + r) * kBytes, c);
+#pragma GCC unroll 4
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(y[i], y[i + 1]);  // [r0 0, r1 0, r0 1, r1 1 | r0 4, r1 4, r0 5, r1 5]
+        t[i + 1] = _mm256_unpackhi_epi32(y[i], y[i + 1]);
+      }
+#pragma GCC unroll 2
+      for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);  // [r0-3 piece 0 | piece 4]
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+      }
+      uint8_t* dst = lines + (size_t)(8 * c) * kLineBytes + 32 * h;
+#pragma GCC unroll 4
+      for (int m = 0; m < 4; ++m) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + m * kLineBytes),
+                           _mm256_permute2x128_si256(u[m], u[m + 4], 0x20));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + (m + 4) * kLineBytes),
+                           _mm256_permute2x128_si256(u[m], u[m + 4], 0x31));
+      }
+    }
+  }
+}
+
+#undef GRID_INLINE
 }  // namespace gridrow
 
 // Bit-plane weights (formats/layout.h; avx512/kernels.cpp plane_quad): the four byte lines of one quad of K, each as
@@ -1168,40 +1243,40 @@ void rowblock_int5(const RowBlock& w, const uint8_t* const* rows, const ActLayou
 void rowblock_int3(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
   plane_rowblock<WeightFormat::int3, PlaneNarrow<WeightFormat::int3>::Tile, 2>(w, rows, a, n_tok, out);
 }
-// Up to kGridRowTokens tokens (the decode's experts) on rows decoded in registers (gridrow), tiles of kGridRowTile;
-// more on decoded lines (GridTile), where one decoding serves up to 6 tokens.
-constexpr int kGridRowTokens = 4, kGridRowTile = 1;
+// grid: up to kGridRowTokens tokens (the decode's experts) on rows decoded in registers (gridrow), tiles of
+// kGridRowTile; more on each super-block decoded into lines (gridrow::decode_lines) that GridTile reads for up to 6
+// tokens at a time.
+constexpr int kGridRowTokens = 3, kGridRowTile = 3;
 
 template <Codebook T>
 inline void grid_rows(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
-  tiles::run_tiles<kGridRowTile, gridrow::Rows<T>::template Tile>(w, rows, a, n_tok, out);
-}
-
-void rowblock_grid(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
-  if (n_tok <= kGridRowTokens) {
-    switch (w.grid) {
-      case Codebook::iq2_xxs: return grid_rows<Codebook::iq2_xxs>(w, rows, a, n_tok, out);
-      case Codebook::iq2_xs: return grid_rows<Codebook::iq2_xs>(w, rows, a, n_tok, out);
-      case Codebook::iq2_s: return grid_rows<Codebook::iq2_s>(w, rows, a, n_tok, out);
-      case Codebook::iq3_xxs: return grid_rows<Codebook::iq3_xxs>(w, rows, a, n_tok, out);
-      case Codebook::iq3_s: return grid_rows<Codebook::iq3_s>(w, rows, a, n_tok, out);
-      case Codebook::iq1_s: return grid_rows<Codebook::iq1_s>(w, rows, a, n_tok, out);
-      case Codebook::iq1_m: return grid_rows<Codebook::iq1_m>(w, rows, a, n_tok, out);
-      default: break;
-    }
-  }
+  if (n_tok <= kGridRowTokens)
+    return tiles::run_tiles<kGridRowTile, gridrow::Rows<T>::template Tile>(w, rows, a, n_tok, out);
   constexpr int kMax = 6;
   alignas(64) uint8_t lines[kSuperBlock / 4 * kLineBytes];
   alignas(64) float sc[kSuperBlock / 16 * kRowsPerBlock];
   std::fill(out, out + (size_t)n_tok * kRowsPerBlock, 0.f);
   for (int sp = 0; sp < w.kp / kSuperBlock; ++sp) {
-    _mm_prefetch(reinterpret_cast<const char*>(w.data) + (size_t)(sp + 1) * kRowsPerBlock * grid_info(w.grid).row_bytes,
+    _mm_prefetch(reinterpret_cast<const char*>(w.data) + (size_t)(sp + 1) * kRowsPerBlock * grid_info(T).row_bytes,
                  _MM_HINT_T0);
-    grid::decode_super(w, sp, lines, sc);
+    gridrow::decode_lines<T>(w, sp, lines, sc);
     int t = 0;
     for (; t + kMax <= n_tok; t += kMax)
       GridTile<kMax>::run(lines, sc, w.group, sp, rows + t, a, out + t * kRowsPerBlock);
     grid_tail<kMax - 1>(n_tok - t, lines, sc, w.group, sp, rows + t, a, out + t * kRowsPerBlock);
+  }
+}
+
+void rowblock_grid(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
+  switch (w.grid) {
+    case Codebook::iq2_xxs: return grid_rows<Codebook::iq2_xxs>(w, rows, a, n_tok, out);
+    case Codebook::iq2_xs: return grid_rows<Codebook::iq2_xs>(w, rows, a, n_tok, out);
+    case Codebook::iq2_s: return grid_rows<Codebook::iq2_s>(w, rows, a, n_tok, out);
+    case Codebook::iq3_xxs: return grid_rows<Codebook::iq3_xxs>(w, rows, a, n_tok, out);
+    case Codebook::iq3_s: return grid_rows<Codebook::iq3_s>(w, rows, a, n_tok, out);
+    case Codebook::iq1_s: return grid_rows<Codebook::iq1_s>(w, rows, a, n_tok, out);
+    case Codebook::iq1_m: return grid_rows<Codebook::iq1_m>(w, rows, a, n_tok, out);
+    default: std::fill(out, out + (size_t)n_tok * kRowsPerBlock, 0.f);  // not a grid type: refused at load
   }
 }
 void rowblock_int2(const RowBlock& w, const uint8_t* const* rows, const ActLayout& a, int n_tok, float* out) {
