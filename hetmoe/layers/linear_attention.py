@@ -22,8 +22,9 @@ the step is M_t = g_t (I - b_t k_t k_t^T) M_{t-1} + b_t k_t v_t^T and o_t = M_t^
 
       (I + A) W = diag(b) V - diag(b exp(G)) K M0,     A[t, s] = b_t exp(G_t - G_s) (k_t . k_s)  for s < t
 
-  so W = U - Wk M0 with U = (I + A)^-1 diag(b) V and Wk = (I + A)^-1 diag(b exp(G)) K (two triangular solves, for
-  every chunk in parallel); then, chunk after chunk,
+  so W = U - Wk M0 with U = (I + A)^-1 diag(b) V and Wk = (I + A)^-1 diag(b exp(G)) K (one inverse of a unit
+  lower triangular matrix, ``unit_lower_inverse``, and two products, for every chunk in parallel); then, chunk after
+  chunk,
 
       O  = diag(exp(G)) Q M0 + ((Q K^T) o D) W,     D[t, s] = exp(G_t - G_s) for s <= t, else 0
       M_C = exp(G_C) M0 + (diag(exp(G_C - G)) K)^T W
@@ -102,6 +103,29 @@ def recurrent_delta_rule(q, k, v, g, beta, state) -> tuple:
     return out.transpose(1, 2), M
 
 
+def unit_lower_inverse(A: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """(I + L)^-1 for L the strictly lower triangle of A [.., C, C] (the diagonal and above are not read), for every
+    leading index at once. Each diagonal block of ``block`` rows is inverted by forward substitution, a row at a
+    time (row i of the inverse: -L[i] times the rows above it, plus e_i); the blocks below the diagonal then follow
+    from T[b, :b] = -T[b, b] L[b, :b] T[:b, :b]. The batched triangular solve of the LAPACK in PyTorch's CPU build
+    runs each small matrix alone: 690 ms for the 256 solves of 64 x 64 by 64 x 128 of one 512-token Qwen3-Next
+    layer on a 2-core AMD EPYC, against 10 ms for this inverse and its products."""
+    C = A.shape[-1]
+    L = A.tril(-1)
+    T = torch.zeros_like(L)
+    for b0 in range(0, C, block):
+        b1 = min(b0 + block, C)
+        Td = -L[..., b0:b1, b0:b1]  # becomes the inverse of I + this diagonal block, less its identity
+        for i in range(1, b1 - b0):
+            row = Td[..., i, :i].clone()
+            Td[..., i, :i] = row + (row.unsqueeze(-1) * Td[..., :i, :i]).sum(-2)
+        Td = Td + torch.eye(b1 - b0, dtype=A.dtype, device=A.device)
+        T[..., b0:b1, b0:b1] = Td
+        if b0:
+            T[..., b0:b1, :b0] = -Td @ (L[..., b0:b1, :b0] @ T[..., :b0, :b0])
+    return T
+
+
 def chunk_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK) -> tuple:
     """The gated delta rule ``chunk`` tokens at a time (module docstring); the same arguments and results as
     ``recurrent_delta_rule``."""
@@ -119,9 +143,10 @@ def chunk_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK) -> tuple:
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     D = diff.masked_fill(~lower, float("-inf")).exp()  # exp(G_t - G_s), s <= t
     kb = k * beta.unsqueeze(-1)
-    A = (kb @ k.transpose(-1, -2)) * D  # its diagonal is ignored: the solves take I + strictly lower A
-    U = torch.linalg.solve_triangular(A, v * beta.unsqueeze(-1), upper=False, unitriangular=True)  # [.., C, Dv]
-    Wk = torch.linalg.solve_triangular(A, kb * G.exp().unsqueeze(-1), upper=False, unitriangular=True)  # [.., C, Dk]
+    A = (kb @ k.transpose(-1, -2)) * D  # its diagonal is ignored: the inverse takes I + strictly lower A
+    T = unit_lower_inverse(A)
+    U = T @ (v * beta.unsqueeze(-1))  # [.., C, Dv]
+    Wk = T @ (kb * G.exp().unsqueeze(-1))  # [.., C, Dk]
     QK = (q @ k.transpose(-1, -2)) * D  # [.., C, C]
     qg = q * G.exp().unsqueeze(-1)
     kd = k * (G[..., -1:] - G).exp().unsqueeze(-1)  # keys decayed to the chunk's end
@@ -349,8 +374,9 @@ def chunk_kda(q, k, v, g, beta, state, chunk: int = CHUNK) -> tuple:
         diff = G.unsqueeze(3) - G.unsqueeze(2)  # [.., t, s, Dk] = G_t - G_s
         D = diff.masked_fill(~lower[:, :, None], float("-inf")).exp()  # s <= t only: every exponent <= 0
         A = torch.einsum("bhtc,bhsc,bhtsc->bhts", kc * bc.unsqueeze(-1), kc, D).masked_fill(~strict, 0)
-        U = torch.linalg.solve_triangular(A, vc * bc.unsqueeze(-1), upper=False, unitriangular=True)
-        Wk = torch.linalg.solve_triangular(A, kc * bc.unsqueeze(-1) * G.exp(), upper=False, unitriangular=True)
+        T = unit_lower_inverse(A)
+        U = T @ (vc * bc.unsqueeze(-1))
+        Wk = T @ (kc * bc.unsqueeze(-1) * G.exp())
         W = U - Wk @ M  # [B, H, C, Dv]: what each token writes
         QK = torch.einsum("bhtc,bhsc,bhtsc->bhts", qc, kc, D)  # (D is 0 above the diagonal)
         out[:, :, part] = (qc * G.exp()) @ M + QK @ W

@@ -25,6 +25,7 @@ from hetmoe.layers.linear_attention import (
     delta_rule_kernels,
     depthwise_conv,
     recurrent_delta_rule,
+    unit_lower_inverse,
     use_kernels,
 )
 from reference import rel_err
@@ -164,6 +165,19 @@ def _run(layer, cache, x, start, slots, lengths=None):
     B, S, _ = x.shape
     step = Step(torch.arange(start, start + S).expand(B, S), torch.as_tensor(slots), lengths=lengths)
     return layer(x, step, cache)
+
+
+@pytest.mark.parametrize("C", [1, 16, 37, 64])
+def test_unit_lower_inverse(C):
+    """(I + strictly lower A)^-1 against float64 inversion, for sizes that are and are not whole 16-row blocks; the
+    diagonal and upper triangle of A (filled with noise here) are not read."""
+    g = torch.Generator().manual_seed(C)
+    A = torch.randn(3, 2, C, C, generator=g) * 0.3
+    want = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A.double().tril(-1))
+    got = unit_lower_inverse(A)
+    assert got.dtype == torch.float32 and got.shape == A.shape
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(got, unit_lower_inverse(A.tril(-1) + torch.randn(C, C, generator=g).triu()))
 
 
 @pytest.mark.parametrize("S", [1, 5, 67])
