@@ -119,6 +119,25 @@ def test_every_path_gives_the_same_bits_and_matches_the_references(kind):
         assert rel_err(want, ref) <= FP32_TOL, f"{kind} T={T}: {rel_err(want, ref):.3g} vs the fp32 reference"
 
 
+@pytest.mark.parametrize("kind", GRID_TYPES)
+def test_a_token_gets_the_same_bits_with_any_number_of_tokens(kind):
+    """An expert's tokens take the row kernels' paths by their count (AVX2: 1-3 tokens decode each row into
+    registers, in tiles of 1, 2 and 3; more decode each super-block into lines shared by up to 6 tokens): every
+    count gives each token the bits it gets alone, on every row path, and the scalar kernel's. K of several
+    super-blocks (H 768: 3, I 512: 2); expert 1 gets no token."""
+    shape = (3, 768, 512)
+    engines = {p: engine(kind, kind, p, shape) for p in ROW_ISAS}
+    x = make_x(13, shape[1], kind, "counts")
+    _, w = make_routing(13, 2, shape[0], kind, "counts", n_cold=1, p_skip=0.0)
+    ids = torch.tensor([[0, 2]] * 13)
+    alone = {p: torch.cat([ex(x[t:t + 1], ids[t:t + 1], w[t:t + 1]) for t in range(13)]) for p, ex in engines.items()}
+    for p, ex in engines.items():
+        assert torch.equal(alone[p], alone[ROW_ISAS[0]]), f"{kind} {p}: one token differs from {ROW_ISAS[0]}"
+        for n in (2, 3, 4, 5, 6, 7, 8, 13):
+            out = ex(x[:n], ids[:n], w[:n])
+            assert torch.equal(out, alone[p][:n]), f"{kind} {p}: {n} tokens per expert differ from one at a time"
+
+
 @pytest.mark.parametrize("gate_up,down", [("IQ2_XXS", "IQ3_XXS"), ("IQ2_XS", "IQ3_S"), ("IQ1_M", "IQ2_XXS"),
                                           ("IQ2_XXS", "Q4_K"), ("Q4_K", "IQ3_XXS"), ("IQ3_XXS", "Q6_K")])
 def test_mixed_layers(gate_up, down):
