@@ -486,6 +486,16 @@ GRID_INLINE __m256i words4(const uint64_t* t, uint32_t i0, uint32_t i1, uint32_t
   return _mm256_blend_epi32(_mm256_blend_epi32(a, b, 0x0C), _mm256_blend_epi32(c, d, 0xC0), 0xF0);
 }
 
+// Entries i0 .. i7 of a table of 4-byte words as one vector (entry j in dword j), as words4.
+GRID_INLINE __m256i dwords8(const uint32_t* t, uint32_t i0, uint32_t i1, uint32_t i2, uint32_t i3, uint32_t i4,
+                            uint32_t i5, uint32_t i6, uint32_t i7) {
+  const uint32_t i[8] = {i0, i1, i2, i3, i4, i5, i6, i7};
+  __m256i r = _mm256_castsi128_si256(_mm_cvtsi32_si128((int)t[i0]));
+#pragma GCC unroll 8
+  for (int j = 1; j < 8; ++j) r = _mm256_blend_epi32(r, _mm256_set1_epi32((int)t[i[j]]), 1 << j);
+  return r;
+}
+
 // Byte k: -1 where bit k of `bits` is set, else +1 (IQ2_S, IQ3_S: a sign bit per value).
 GRID_INLINE __m256i signs32(uint32_t bits) {
   const __m256i spread =
@@ -527,12 +537,14 @@ GRID_INLINE Q32 decode32(const uint8_t* b, int c) {
                            (int)kIq3xxs[i[3]], (int)kIq3xxs[i[2]], (int)kIq3xxs[i[1]], (int)kIq3xxs[i[0]]);
     r.s = signs7x4(u32_at(b + 64 + 4 * c));
   } else if constexpr (T == Codebook::iq3_s) {  // 8 low index bytes, bit k of byte 64 + c the 9th of index k
-    const uint8_t* i = b + 8 * c;
-    const uint32_t h = b[64 + c];
-    r.q = _mm256_set_epi32((int)kIq3s[i[7] | (h << 1 & 256)], (int)kIq3s[i[6] | (h << 2 & 256)],
-                           (int)kIq3s[i[5] | (h << 3 & 256)], (int)kIq3s[i[4] | (h << 4 & 256)],
-                           (int)kIq3s[i[3] | (h << 5 & 256)], (int)kIq3s[i[2] | (h << 6 & 256)],
-                           (int)kIq3s[i[1] | (h << 7 & 256)], (int)kIq3s[i[0] | (h << 8 & 256)]);
+    // the 8 indices as 16-bit words, low bytes interleaved with the 9th bits spread to bytes
+    const __m128i bit = _mm_set1_epi64x((long long)0x8040201008040201ull);
+    const __m128i nine =
+        _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(_mm_set1_epi8((char)b[64 + c]), bit), bit), _mm_set1_epi8(1));
+    const __m128i idx = _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * c)), nine);
+    const uint64_t i0 = (uint64_t)_mm_cvtsi128_si64(idx), i1 = (uint64_t)_mm_extract_epi64(idx, 1);
+    r.q = dwords8(kIq3s.data(), i0 & 0xFFFF, (i0 >> 16) & 0xFFFF, (i0 >> 32) & 0xFFFF, i0 >> 48, i1 & 0xFFFF,
+                  (i1 >> 16) & 0xFFFF, (i1 >> 32) & 0xFFFF, i1 >> 48);
     r.s = signs32(u32_at(b + 72 + 4 * c));
   } else if constexpr (T == Codebook::iq1_s) {  // 4 low index bytes; uint16 c: 4 x 3 high index bits
     const uint32_t lo = u32_at(b + 4 * c), h = u16_at(b + 32 + 2 * c);
