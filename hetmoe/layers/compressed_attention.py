@@ -56,6 +56,28 @@ from hetmoe.layers.attention import Step
 from hetmoe.layers.hyper_connection import unweighted_rms_norm
 
 BLOCK_ELEMS = 1 << 24  # fp32 elements of one block of scores: 64 MiB
+WIDEN_ROWS = 32  # GroupedLinear on the CPU widens its bf16 weight to fp32 for at least this many rows (a prefill)
+
+
+def _low_precision_on_cpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.matmul(a, b)``; on the CPU in bf16 / fp16, the product of the fp32 widenings rounded once to a's dtype,
+    as the low-precision GEMM rounds its fp32 sums. PyTorch's CPU build runs bf16 batched products without native
+    bf16 FMA 10-100x slower than fp32 ones (an AVX2 EPYC: 1.4 GFLOP/s for one V4-Flash layer's 256-token probs @
+    values, 4.6 s)."""
+    if _low_precision_on_cpu(a):
+        return torch.matmul(a.float(), b.float()).to(a.dtype)
+    return torch.matmul(a, b)
+
+
+def einsum(spec: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.einsum(spec, a, b)``, widened on the CPU as ``matmul``."""
+    if _low_precision_on_cpu(a):
+        return torch.einsum(spec, a.float(), b.float()).to(a.dtype)
+    return torch.einsum(spec, a, b)
 GROW_ALIGN = 64  # the compressed entries' storage grows in multiples of this many positions
 
 
@@ -107,7 +129,10 @@ class GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, width = x.shape[:-2], x.shape[-1]
         w = self.weight.view(self.n_groups, -1, width).transpose(1, 2)  # [g, in, out]
-        y = torch.bmm(x.reshape(-1, self.n_groups, width).transpose(0, 1), w).transpose(0, 1)
+        xg = x.reshape(-1, self.n_groups, width).transpose(0, 1)  # [g, rows, in]
+        if xg.shape[1] >= WIDEN_ROWS and _low_precision_on_cpu(xg):  # a prefill: see matmul
+            return torch.bmm(xg.float(), w.float()).to(x.dtype).transpose(0, 1).reshape(*lead, self.n_groups, -1)
+        y = torch.bmm(xg, w).transpose(0, 1)
         return y.reshape(*lead, self.n_groups, -1)
 
 
@@ -474,24 +499,24 @@ class CompressedAttention(nn.Module):
             qp = positions[:, s0:s1].unsqueeze(-1)  # [B, s, 1]
             kp = key_pos.unsqueeze(1)  # [B, 1, L]
             window = (kp >= 0) & (kp <= qp) & (kp > qp - W)  # [B, s, L]
-            logits = torch.matmul(qb, keys.transpose(1, 2).unsqueeze(1)) * self.scaling  # [B, h, s, L]
+            logits = matmul(qb, keys.transpose(1, 2).unsqueeze(1)) * self.scaling  # [B, h, s, L]
             parts = [logits.masked_fill(~window.unsqueeze(1), float("-inf"))]
             if entries is not None:
                 if per_query:  # [B, s, k, D]: each query's own entries
-                    c = torch.einsum("bhsd,bskd->bhsk", qb, entries[:, s0:s1]) * self.scaling
+                    c = einsum("bhsd,bskd->bhsk", qb, entries[:, s0:s1]) * self.scaling
                 else:
-                    c = torch.matmul(qb, entries.transpose(1, 2).unsqueeze(1)) * self.scaling  # [B, h, s, n]
+                    c = matmul(qb, entries.transpose(1, 2).unsqueeze(1)) * self.scaling  # [B, h, s, n]
                 parts.append(c.masked_fill(~visible[:, s0:s1].unsqueeze(1), float("-inf")))
             parts.append(sinks.expand(B, h, s1 - s0, 1))  # fp32: the logits are promoted, as Transformers'
             combined = torch.cat(parts, dim=-1)
             combined = combined - combined.max(dim=-1, keepdim=True).values
             probs = combined.softmax(dim=-1)[..., :-1].to(keys.dtype)  # the sink's share dropped
             L = keys.shape[1]
-            o = torch.matmul(probs[..., :L], keys.unsqueeze(1))  # [B, h, s, D]
+            o = matmul(probs[..., :L], keys.unsqueeze(1))  # [B, h, s, D]
             if entries is not None:
                 if per_query:
-                    o = o + torch.einsum("bhsk,bskd->bhsd", probs[..., L:], entries[:, s0:s1])
+                    o = o + einsum("bhsk,bskd->bhsd", probs[..., L:], entries[:, s0:s1])
                 else:
-                    o = o + torch.matmul(probs[..., L:], entries.unsqueeze(1))
+                    o = o + matmul(probs[..., L:], entries.unsqueeze(1))
             out[:, s0:s1] = o.transpose(1, 2)
         return out
