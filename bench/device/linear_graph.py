@@ -31,7 +31,8 @@ opts = EngineOptions(device=device, dtype="bf16", experts_format="int4", max_con
 for graph in ((True, False) if device == "cuda" else (False,)):
     runner = Runner(build_random_model(SHAPE, None, opts, log=lambda m: None), cuda_graph=graph)
     if runner.decoder is not None:
-        print(f"{'graph' if graph else 'eager'}: decoder graph={runner.decoder.cuda_graph} fused={runner.decoder.fused}")
+        d = runner.decoder
+        print(f"{'graph' if graph else 'eager'}: decoder graph={d.cuda_graph} fused={d.fused}")
     for batch in (1, 4):
         rows = list(range(batch))
         sync()
