@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The per-commit tier (the README's test command: tests marked slow skipped) on the lent GPU machine's AMX CPU, the
-# GPU hidden as on a CI machine: the test files in 4 (or N) shards of about equal size, each shard's pytest pinned to 4 of
-# the 16 cores (OMP_NUM_THREADS=4; the expert pools take the cores they may run on), so that no two shards' pinned
-# pools share a core. Results under $OUT (or ./out): shardK.log, rc.txt; a summary on stdout.
+# GPU hidden as on a CI machine: the test files in 4 (or N) shards of about equal size, each shard's pytest pinned
+# to 4 of the 16 cores (OMP_NUM_THREADS=4; the expert pools take the cores they may run on), so that no two shards'
+# pinned pools share a core. Results under $OUT (or ./out): shardK.log, rc.txt; a summary on stdout.
 #
 # Usage: bash bench/device/ci_shards.sh [timeout seconds per shard, default 300] [shards, default 4]
 # The machine has no network: the test extras it lacks (openai, anthropic, gguf, xgrammar, compressed-tensors, a
