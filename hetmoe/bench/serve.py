@@ -12,16 +12,18 @@ Reported, over the requests that completed:
   character or a possible stop string and its text waits for the next: tokens_per_text_chunk says how many);
 * errors: non-200 answers, error events, streams that end without [DONE] or without usage (must be 0).
 
-Constrained decoding (``--constrained N``): N of the clients are constrained instead: POST /v1/chat/completions
-with a ``json_schema`` response format (``CONSTRAINED_SCHEMA``: strings and a long array, so that most requests run
-to ``--max-tokens`` as the plain ones do) and the same ``ignore_eos``, ``max_tokens`` and streaming. The run then
-has two phases against the same server, each ``--duration`` long, after a warm-up request from each client: every
-client plain (the baseline), and N constrained, each run in two halves in the order baseline, constrained,
-constrained, baseline (a load that drifts weighs on both alike); the requests of each kind are summarized apart
-(``streams``), with the decode rate of one stream (tokens after its first / the time from its first text chunk to
-its last: 1 / TPOT) and its ratio to the baseline's plain streams. In a batched step every row waits for the step,
-so a constrained row's mask costs the plain rows of its batch as much as itself on a CPU (the masks are computed on
-the engine thread).
+Constrained decoding (``--constrained N``): N of the clients POST /v1/chat/completions instead (a chat prompt of
+about ``--prompt-tokens`` tokens, the same ``ignore_eos``, ``max_tokens`` and streaming). The run has two phases
+against the same server, each ``--duration`` long, after a warm-up request from each client: the baseline, where
+those N send no response format, and the constrained phase, where they send a ``json_schema`` one
+(``CONSTRAINED_SCHEMA``: strings and a long array, so that most requests run to ``--max-tokens`` as the plain ones
+do); each phase runs in two halves in the order baseline, constrained, constrained, baseline (a load that drifts
+weighs on both alike). So the two phases differ in the grammar only: the chat requests' own costs (a templated
+prompt, the chat endpoint's chunks) are in both. The requests of each kind are summarized apart (``streams``), with
+the decode rate of one stream (tokens after its first / the time from its first text chunk to its last: 1 / TPOT)
+and its ratio to the same clients' rate in the baseline (plain to plain, constrained to chat). In a batched step
+every row waits for the step, so a constrained row's mask costs the plain rows of its batch as much as itself on a
+CPU (the masks are computed on the engine thread).
 
 Without ``--url`` it starts ``hetmoe serve`` itself (``--model`` and the engine options, ``--max-batch``) on a free
 port and stops it with SIGTERM at the end. Only aiohttp is needed on the client side.
@@ -153,32 +155,35 @@ async def _one_request(session, url: str, body: dict, stats: Stats) -> None:
 
 
 async def _client(i: int, session, api: str, model: str, args, deadline: float, stats: Stats,
-                  constrained: bool, requests: float = math.inf) -> None:
+                  chat: bool, schema: bool = True, requests: float = math.inf) -> None:
+    """Client ``i``'s requests until ``deadline`` (or ``requests`` of them): chat ones (with the json_schema
+    response format when ``schema``) or plain completions."""
     rng = random.Random(args.seed * 1000 + i)
     while time.perf_counter() < deadline and requests > 0:
         requests -= 1
         body = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True,
                 "stream_options": {"include_usage": True}, "ignore_eos": True}
-        if constrained:  # a chat prompt of about --prompt-tokens tokens (one number a token or two)
+        if chat:  # a chat prompt of about --prompt-tokens tokens (one number a token or two)
             words = " ".join(str(rng.randrange(1000)) for _ in range(max(args.prompt_tokens // 2, 1)))
-            body.update(messages=[{"role": "user", "content": f"Describe these as JSON: {words}"}],
-                        response_format={"type": "json_schema",
-                                         "json_schema": {"name": "bench", "schema": CONSTRAINED_SCHEMA}})
+            body["messages"] = [{"role": "user", "content": f"Describe these as JSON: {words}"}]
+            if schema:
+                body["response_format"] = {"type": "json_schema",
+                                           "json_schema": {"name": "bench", "schema": CONSTRAINED_SCHEMA}}
             await _one_request(session, f"{api}/chat/completions", body, stats)
         else:
             body["prompt"] = [rng.randrange(10, 256) for _ in range(args.prompt_tokens)]
             await _one_request(session, f"{api}/completions", body, stats)
 
 
-async def _phase(session, api: str, model: str, args, constrained: int, duration: float) -> tuple:
-    """Every client for ``duration`` seconds, the first ``constrained`` of them constrained -> (the stats of the
-    plain ones, of the constrained ones, seconds)."""
-    plain, forced = Stats(), Stats()
+async def _phase(session, api: str, model: str, args, chats: int, duration: float, schema: bool = True) -> tuple:
+    """Every client for ``duration`` seconds, the first ``chats`` of them on the chat endpoint (constrained when
+    ``schema``) -> (the stats of the plain ones, of the chat ones, seconds)."""
+    plain, chat = Stats(), Stats()
     start = time.perf_counter()
     deadline = start + duration
-    await asyncio.gather(*(_client(i, session, api, model, args, deadline, forced if i < constrained else plain,
-                                   i < constrained) for i in range(args.clients)))
-    return plain, forced, time.perf_counter() - start
+    await asyncio.gather(*(_client(i, session, api, model, args, deadline, chat if i < chats else plain,
+                                   i < chats, schema) for i in range(args.clients)))
+    return plain, chat, time.perf_counter() - start
 
 
 def _merged(a: Stats, b: Stats) -> Stats:
@@ -207,30 +212,34 @@ async def _run(api: str, args) -> dict:
         baseline = None
         if not args.constrained:
             plain, forced, elapsed = await _phase(session, api, model, args, 0, args.duration)
-        else:  # a warm-up request from each client (not counted), then halves in the order A B B A (A: none
-            # constrained), so that a load that drifts during the run weighs on both alike
+        else:  # a warm-up request from each client (not counted), then halves in the order A B B A (A: the chat
+            # clients without a response format), so that a load that drifts during the run weighs on both alike
             await asyncio.gather(*(_client(i, session, api, model, args, math.inf, Stats(), i < args.constrained,
                                            requests=1) for i in range(args.clients)))
             a, b = [Stats(), Stats(), 0.0], [Stats(), Stats(), 0.0]
             for kind in (a, b, b, a):
-                got = await _phase(session, api, model, args, args.constrained if kind is b else 0,
-                                   args.duration / 2)
+                got = await _phase(session, api, model, args, args.constrained, args.duration / 2,
+                                   schema=kind is b)
                 kind[:] = [_merged(kind[0], got[0]), _merged(kind[1], got[1]), kind[2] + got[2]]
             baseline = _summary(_merged(a[0], a[1]), a[2], model, api, args)
+            baseline["streams"] = {name: _stream(s) for name, s in (("plain", a[0]), ("chat", a[1]))}
             plain, forced, elapsed = b
     result = _summary(_merged(plain, forced), elapsed, model, api, args)
     result["constrained"] = args.constrained
     if baseline is not None:
-        base = baseline["decode_tok_s_per_stream_p50"]
         result["baseline"] = baseline
         result["streams"] = {}
-        for name, s in (("plain", plain), ("constrained", forced)):
-            rate = _median(s.stream_tok_s)
-            result["streams"][name] = {
-                "requests_completed": s.completed, "completion_tokens": s.tokens,
-                "decode_tok_s_per_stream_p50": rate, "tpot_ms_p50": _pct(s.tpot, 50),
-                "vs_baseline": rate / base if rate is not None and base else None}
+        for name, s, same in (("plain", plain, "plain"), ("constrained", forced, "chat")):
+            result["streams"][name] = _stream(s)
+            rate, base = _median(s.stream_tok_s), baseline["streams"][same]["decode_tok_s_per_stream_p50"]
+            result["streams"][name]["vs_baseline"] = rate / base if rate is not None and base else None
     return result
+
+
+def _stream(s: Stats) -> dict:
+    """One kind of request's summary: count, tokens, decode rate of one stream (p50), TPOT p50."""
+    return {"requests_completed": s.completed, "completion_tokens": s.tokens,
+            "decode_tok_s_per_stream_p50": _median(s.stream_tok_s), "tpot_ms_p50": _pct(s.tpot, 50)}
 
 
 def _pct(values: list, q: float) -> Optional[float]:
@@ -274,7 +283,8 @@ def run_serve_bench(args) -> int:
     try:
         say(f"hetmoe bench serve: {args.clients} streaming clients for {args.duration:g} s against {api} "
             f"(prompt {args.prompt_tokens} tokens, {args.max_tokens} generated per request)"
-            + (f"; a phase with none constrained, then {args.constrained} constrained (json_schema)"
+            + (f"; {args.constrained} of them on the chat endpoint, without a response format, then with a "
+               f"json_schema one"
                if args.constrained else ""))
         result = asyncio.run(_run(api, args))
     finally:
@@ -291,8 +301,9 @@ def run_serve_bench(args) -> int:
     for name in ("ttft", "tpot", "itl"):
         say(f"{name.upper() + ' ms':>14} p50 {_fmt(result[f'{name}_ms_p50'])}  p99 {_fmt(result[f'{name}_ms_p99'])}")
     if result.get("baseline"):
-        base = result["baseline"]
-        say(f"decode tok/s of one stream (p50): none constrained {_fmt(base['decode_tok_s_per_stream_p50'])}")
+        base = result["baseline"]["streams"]
+        say(f"decode tok/s of one stream (p50), baseline: plain {_fmt(base['plain']['decode_tok_s_per_stream_p50'])}"
+            f", chat without a response format {_fmt(base['chat']['decode_tok_s_per_stream_p50'])}")
         for name, s in result["streams"].items():
             say(f"{'':>14} {name:>11} {_fmt(s['decode_tok_s_per_stream_p50'])}  ({_fmt(s['vs_baseline'], 3)} x, "
                 f"{s['requests_completed']} requests)")

@@ -23,7 +23,8 @@ BENCHES = ("kernel", "e2e", "serve", "overhead")  # in the order `hetmoe bench -
 # hetmoe/bench/kernel.py FORMATS (not imported here: the CLI starts without torch)
 KERNEL_FORMATS = ("bf16", "int8", "int4", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_k_m", "q4_0", "q8_0", "q5_0",
                   "q5_1", "mxfp4", "iq4_nl", "iq4_xs", "tq2_0", "tq1_0", "iq2_xxs", "iq3_xxs", "iq3_s", "iq2_xs",
-                  "iq2_s", "iq1_s", "iq1_m", "ud_iq2_xxs", "fp8", "mxfp8")
+                  "iq2_s", "iq1_s", "iq1_m", "ud_iq2_xxs", "nvfp4", "nvfp4_div", "nvfp4_fp16", "nvfp4_fp32", "fp8",
+                  "mxfp8")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -57,7 +58,9 @@ def _add_kernel(sub) -> None:
                         "precision: q2_k, q3_k, q4_k, q5_k, q6_k, q4_k_m (Q4_K gate/up, Q6_K down), q4_0, q8_0, "
                         "q5_0, q5_1 (fp16 scales), mxfp4, iq4_nl, iq4_xs (lut4: 4-bit codebook indices), tq2_0, "
                         "tq1_0 (ternary: int2 group 128), iq2_xxs, iq3_xxs, iq3_s, iq2_xs, iq2_s, iq1_s, iq1_m, "
-                        "ud_iq2_xxs (IQ2_XXS gate/up, IQ3_XXS down; grid: the i-quants' blocks decoded in the kernels)")
+                        "ud_iq2_xxs (IQ2_XXS gate/up, IQ3_XXS down; grid: the i-quants' blocks decoded in the "
+                        "kernels), nvfp4, nvfp4_div (lut4 e2m1 g16 with E4M3 scale bytes: a factor that "
+                        "multiplies, one that divides), nvfp4_fp16, nvfp4_fp32 (the same with widened scales)")
     kernel.add_argument("--tokens", type=int_list, default=None, help="comma list of T (default: 1,4,32,512,2048)")
     kernel.add_argument("--threads", type=positive_int, default=None,
                         help="pool and torch threads (default: physical cores)")
@@ -165,7 +168,7 @@ def _add_serve(sub) -> None:
     bserve.add_argument("--temperature", type=nonneg_float, default=0.0, help="default: 0 (greedy)")
     bserve.add_argument("--constrained", type=nonneg_int, default=0, metavar="N",
                         help="N of the clients ask /v1/chat/completions for a json_schema response format, measured "
-                        "against a phase with none constrained (default: 0)")
+                        "against a phase where they send the same chat requests without one (default: 0)")
     bserve.add_argument("--seed", type=int, default=0, help="random prompts (default: 0)")
     bserve.add_argument("--max-batch", type=positive_int, default=16,
                         help="--max-batch of the server it starts (default: 16)")

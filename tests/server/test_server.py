@@ -397,8 +397,9 @@ def test_bench_serve_against_the_server(server, capsys):
 
 
 def test_bench_serve_with_constrained_streams(server, capsys):
-    """--constrained: a phase with none constrained, then some clients on chat with a json_schema response format
-    (the schema's long array keeps every constrained request running to max_tokens); each kind summarized apart."""
+    """--constrained: some clients on chat, first without a response format (the baseline), then with a json_schema
+    one (the schema's long array keeps every constrained request running to max_tokens); each kind summarized apart
+    and compared with the same clients' baseline."""
     from hetmoe.cli import main
 
     code = main(["bench", "serve", "--url", server.url, "--api-key", KEY, "--clients", "4", "--constrained", "2",
@@ -411,7 +412,10 @@ def test_bench_serve_with_constrained_streams(server, capsys):
         s = result["streams"][kind]
         assert s["requests_completed"] >= 2 and s["completion_tokens"] == 6 * s["requests_completed"], (kind, s)
         assert s["decode_tok_s_per_stream_p50"] > 0 and s["vs_baseline"] > 0
-    assert "constrained" in out.err and "none constrained" in out.err
+    for kind in ("plain", "chat"):
+        s = result["baseline"]["streams"][kind]
+        assert s["requests_completed"] >= 2 and s["completion_tokens"] == 6 * s["requests_completed"], (kind, s)
+    assert "constrained" in out.err and "chat without a response format" in out.err
     with pytest.raises(SystemExit, match="--constrained 5"):
         main(["bench", "serve", "--url", server.url, "--clients", "4", "--constrained", "5"])
 
