@@ -54,30 +54,9 @@ from torch import nn
 
 from hetmoe.layers.attention import Step
 from hetmoe.layers.hyper_connection import unweighted_rms_norm
+from hetmoe.layers.widen import WIDEN_ROWS, einsum, low_precision_on_cpu, matmul
 
 BLOCK_ELEMS = 1 << 24  # fp32 elements of one block of scores: 64 MiB
-WIDEN_ROWS = 32  # GroupedLinear on the CPU widens its bf16 weight to fp32 for at least this many rows (a prefill)
-
-
-def _low_precision_on_cpu(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)
-
-
-def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``torch.matmul(a, b)``; on the CPU in bf16 / fp16, the product of the fp32 widenings rounded once to a's dtype,
-    as the low-precision GEMM rounds its fp32 sums. PyTorch's CPU build runs bf16 batched products without native
-    bf16 FMA 10-100x slower than fp32 ones (an AVX2 EPYC: 1.4 GFLOP/s for one V4-Flash layer's 256-token probs @
-    values, 4.6 s)."""
-    if _low_precision_on_cpu(a):
-        return torch.matmul(a.float(), b.float()).to(a.dtype)
-    return torch.matmul(a, b)
-
-
-def einsum(spec: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``torch.einsum(spec, a, b)``, widened on the CPU as ``matmul``."""
-    if _low_precision_on_cpu(a):
-        return torch.einsum(spec, a.float(), b.float()).to(a.dtype)
-    return torch.einsum(spec, a, b)
 GROW_ALIGN = 64  # the compressed entries' storage grows in multiples of this many positions
 
 
@@ -130,7 +109,7 @@ class GroupedLinear(nn.Module):
         lead, width = x.shape[:-2], x.shape[-1]
         w = self.weight.view(self.n_groups, -1, width).transpose(1, 2)  # [g, in, out]
         xg = x.reshape(-1, self.n_groups, width).transpose(0, 1)  # [g, rows, in]
-        if xg.shape[1] >= WIDEN_ROWS and _low_precision_on_cpu(xg):  # a prefill: see matmul
+        if xg.shape[1] >= WIDEN_ROWS and low_precision_on_cpu(xg):  # a prefill: see layers/widen.py
             return torch.bmm(xg.float(), w.float()).to(x.dtype).transpose(0, 1).reshape(*lead, self.n_groups, -1)
         y = torch.bmm(xg, w).transpose(0, 1)
         return y.reshape(*lead, self.n_groups, -1)

@@ -1,0 +1,62 @@
+"""bf16 products on the CPU computed on fp32 widenings (hetmoe/layers/widen.py ``matmul``, ``einsum``, ``linear``) and
+MLA's per-head products (models/deepseek_v2.py ``per_head``: one GEMV per row): the same values as PyTorch's bf16
+products, within the one rounding both make (fp32 sums in another order). CPU path only; fp32 inputs are PyTorch's
+own products, bitwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hetmoe.layers.attention import Step
+from hetmoe.layers.widen import WIDEN_ROWS, einsum, linear, matmul
+from hetmoe.models.deepseek_v2 import per_head
+
+
+def _close(got: torch.Tensor, want: torch.Tensor):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    # one bf16 rounding of an fp32 sum: half an ulp of each value, 2^-8 relative
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-8 + 1e-6).all()
+
+
+def test_matmul_and_einsum_equal_the_bf16_products():
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(2, 4, 40, 64, generator=g).bfloat16()
+    b = torch.randn(2, 1, 64, 33, generator=g).bfloat16()  # broadcast over the heads, as the window keys are
+    _close(matmul(a, b), torch.matmul(a, b))
+    e = torch.randn(2, 40, 7, 64, generator=g).bfloat16()  # per-query entries
+    _close(einsum("bhsd,bskd->bhsk", a, e), torch.einsum("bhsd,bskd->bhsk", a, e))
+    f = torch.randn(3, 5, dtype=torch.float32, generator=g)
+    assert torch.equal(matmul(f, f.T), torch.matmul(f, f.T))  # fp32: PyTorch's own product
+
+
+@pytest.mark.parametrize("rows", [1, 7, WIDEN_ROWS - 1, WIDEN_ROWS, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_either_side_of_the_widening(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(70, 48, generator=g).bfloat16()
+    b = torch.randn(70, generator=g).bfloat16() if bias else None
+    x = torch.randn(2, rows, 48, generator=g).bfloat16()
+    got = linear(x, w, b)
+    if rows * 2 >= WIDEN_ROWS:  # fp32 sums (the bias added in fp32) rounded once
+        want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+        _close(got, want.bfloat16())
+    else:  # PyTorch's own bf16 product
+        assert torch.equal(got, torch.nn.functional.linear(x, w, b))
+    f = x.float()
+    assert torch.equal(linear(f, w.float()), torch.nn.functional.linear(f, w.float()))
+
+
+@pytest.mark.parametrize("rows", [(1, 1), (2, 1), (1, 3), (3, 4), (WIDEN_ROWS, 1)])
+@pytest.mark.parametrize("layout", ["uk", "vu"])
+def test_per_head_on_the_cpu_equals_the_bf16_einsum(rows, layout):
+    B, S = rows
+    h, nope, v, r = 5, 24, 16, 40
+    g = torch.Generator().manual_seed(B * 10 + S)
+    w_kv = torch.randn(h, nope + v, r, generator=g).bfloat16()  # kv_b_proj.weight per head, as the model views it
+    w_uk, w_uv = w_kv.split([nope, v], dim=1)
+    w = w_uk if layout == "uk" else w_uv.transpose(1, 2)  # [h, K, N]: N contiguous (uk) or K contiguous (vu)
+    x = torch.randn(B, S, h, w.shape[1], generator=g).bfloat16()
+    step = Step(positions=torch.zeros(B, S, dtype=torch.long), slots=torch.arange(B))
+    got = per_head(x, w, step)
+    _close(got, torch.einsum("bshk,hkn->bshn", x.float(), w.float()).bfloat16())
