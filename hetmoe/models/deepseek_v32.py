@@ -30,6 +30,7 @@ from hetmoe.layers.sparse_attention import (
     sparse_latent_attention,
     sparse_masked_attention,
 )
+from hetmoe.layers.widen import linear
 from hetmoe.models.config import ModelConfig, dsa_indexer_types
 from hetmoe.models.deepseek_v2 import (
     ROPE_FORMS,
@@ -86,7 +87,7 @@ class DeepseekV32Attention(DeepseekV3Attention):
             out_lat = sparse_latent_attention(q_lat, q_pe, c_all.view(B, ctx, -1), pe_all.view(B, ctx, -1),
                                               call.selection, self.scale)
             return per_head(out_lat, w_vu, call.step)
-        kv = self.kv_b_proj(c_all).view(B, ctx, h, self.nope + self.v_dim)
+        kv = linear(c_all, self.kv_b_proj.weight).view(B, ctx, h, self.nope + self.v_dim)
         k, v = self._split_expanded(kv, pe_all)
         return sparse_masked_attention(torch.cat((q_nope, q_pe), dim=-1), k, v, call.selection, self.scale)
 

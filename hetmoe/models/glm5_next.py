@@ -44,6 +44,7 @@ from hetmoe.layers.kv_cache import KVCache, RecurrentStates
 from hetmoe.layers.linear_attention import KimiDeltaAttention
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.sparse_attention import Selection, SparseCall, sparse_masked_attention
+from hetmoe.layers.widen import linear
 from hetmoe.models.common import CausalLM
 from hetmoe.models.config import ModelConfig, glm5_next_config
 from hetmoe.models.deepseek_v2 import DeepseekV3Attention, DeepseekV3MoE, per_head
@@ -212,8 +213,8 @@ class Glm5NextAttention(DeepseekV3Attention):
         """Every attended latent expanded into per-head keys W_uk c and values W_uv c -> [B, S, h, v_dim]."""
         c = cache.rows(self.layer_idx, rows)[0].to(q.dtype)  # [B, ctx, 1, r]
         B, ctx = c.shape[:2]
-        k, v = self.kv_b_proj(c).view(B, ctx, self.n_heads, self.nope + self.v_dim).split([self.nope, self.v_dim],
-                                                                                           dim=-1)
+        kv = linear(c, self.kv_b_proj.weight).view(B, ctx, self.n_heads, self.nope + self.v_dim)  # widened on the CPU
+        k, v = kv.split([self.nope, self.v_dim], dim=-1)
         if sel is not None:  # (padding picks repeat a real one: the mask is the same)
             return sparse_masked_attention(q, k, v, Selection(sel.index, torch.ones_like(sel.valid)), self.scale)
         if cache.paged:  # the expanded rows as pages of an identity table
