@@ -49,8 +49,9 @@ of per head: g_t is a vector of Dk log decays and the state decays row by row, M
 diag(exp(g_t)) M_{t-1} + b_t k_t v_t^T (as stored, Dk x Dv), o_t = M_t^T q_t; as many key heads as value heads.
 ``recurrent_kda`` steps it token by token; ``chunk_kda`` solves a chunk at once as above, with the scalar
 exp(G_t - G_s) inside each product replaced by the channel-wise one, A[t, s] = b_t sum_c k_t[c] k_s[c]
-exp(G_t[c] - G_s[c]) (s < t) and likewise the intra-chunk Q K^T: the exponents are formed as differences and
-masked before exp, [C, C, Dk] per chunk, so again none is positive. ``kda_kernels`` chooses flash-linear-attention's
+exp(G_t[c] - G_s[c]) (s < t) and likewise the intra-chunk Q K^T (``channel_decayed_products``: pairwise
+exponents inside blocks of 16 rows, a product of two decays through the block's first row across blocks), so again
+no exponent is positive. ``kda_kernels`` chooses flash-linear-attention's
 chunk_kda / fused_recurrent_kda (``fla.ops.kda``, recent versions) on a GPU in bf16/fp16 where they import, the torch
 forms otherwise, and says why. ``KimiDeltaAttention`` is the layer: q/k/v projections, the same causal convolution
 and states (``short_conv``), the channel-wise forget gate (lower_bound * sigmoid(exp(A_log) * (f_b(f_a(x)) +
@@ -354,9 +355,39 @@ def recurrent_kda(q, k, v, g, beta, state) -> tuple:
     return out.transpose(1, 2), M
 
 
+def channel_decayed_products(G: torch.Tensor, b: torch.Tensor, *rows: torch.Tensor, block: int = 16) -> tuple:
+    """For each a of ``rows``: P[.., t, s] = sum_c a[t, c] b[s, c] exp(G[t, c] - G[s, c]) for s <= t, 0 above the
+    diagonal -> [.., C, C]. G [.., C, Dk] is a cumulative log decay (non-increasing along C); a, b [.., C, Dk].
+
+    By blocks of ``block`` rows: within a diagonal block the exponents are formed pairwise ([block, block, Dk] per
+    block); for s in an earlier block than t, with R the first row of t's block, exp(G_t - G_s) = exp(G_t - R)
+    exp(R - G_s), both exponents <= 0, so that part is one matrix product per block pair. Forming every pair's
+    exponents ([C, C, Dk]) costs C / block times the element-wise work."""
+    *lead, C, Dk = G.shape
+    if C % block:
+        block = C
+    n = C // block
+    Gb = G.view(*lead, n, block, Dk)
+    ref = Gb[..., :1, :]  # [.., n, 1, Dk]: R of each block
+    i = torch.arange(n, device=G.device)
+    before = (i.view(n, 1) > i.view(1, n))[:, :, None, None]  # [i, j, 1, 1]: block j wholly before block i
+    from_t = (Gb - ref).exp()  # [.., n, block, Dk]
+    to_s = (ref.unsqueeze(-3) - Gb.unsqueeze(-4)).masked_fill(~before, float("-inf")).exp()  # [.., i, j, block, Dk]
+    lower = torch.ones(block, block, dtype=torch.bool, device=G.device).tril()[:, :, None]
+    D = (Gb.unsqueeze(-2) - Gb.unsqueeze(-3)).masked_fill(~lower, float("-inf")).exp()  # [.., n, t, s, Dk]
+    bb = b.reshape(*lead, n, block, Dk)
+    bs = (bb.unsqueeze(-4) * to_s).transpose(-1, -2)  # [.., i, j, Dk, block]
+    out = []
+    for a in rows:
+        ab = a.reshape(*lead, n, block, Dk)
+        P = (ab * from_t).unsqueeze(-3) @ bs  # [.., i, j, t, s]: 0 where j >= i
+        P[..., i, i, :, :] = (ab.unsqueeze(-2) * D * bb.unsqueeze(-3)).sum(-1)  # the diagonal blocks
+        out.append(P.transpose(-3, -2).reshape(*lead, C, C))  # [.., i, t, j, s] -> [.., C, C]
+    return tuple(out)
+
+
 def chunk_kda(q, k, v, g, beta, state, chunk: int = CHUNK) -> tuple:
-    """KDA ``chunk`` tokens at a time (module docstring); the same arguments and results as ``recurrent_kda``.
-    One chunk's [B, H, C, C, Dk] channel-wise decays at a time."""
+    """KDA ``chunk`` tokens at a time (module docstring); the same arguments and results as ``recurrent_kda``."""
     q, k, v, g, beta = _prepare_kda(q, k, v, g, beta)  # [B, H, S, .]
     B, H, S, Dk = k.shape
     pad = -S % chunk
@@ -364,21 +395,17 @@ def chunk_kda(q, k, v, g, beta, state, chunk: int = CHUNK) -> tuple:
         q, k, v, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
         beta = F.pad(beta, (0, pad))
     strict = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1)
-    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     M = state.float()
     out = torch.empty_like(v)
     for c0 in range(0, S + pad, chunk):
         part = slice(c0, c0 + chunk)
         qc, kc, vc, bc = q[:, :, part], k[:, :, part], v[:, :, part], beta[:, :, part]
         G = g[:, :, part].cumsum(2)  # [B, H, C, Dk]
-        diff = G.unsqueeze(3) - G.unsqueeze(2)  # [.., t, s, Dk] = G_t - G_s
-        D = diff.masked_fill(~lower[:, :, None], float("-inf")).exp()  # s <= t only: every exponent <= 0
-        A = torch.einsum("bhtc,bhsc,bhtsc->bhts", kc * bc.unsqueeze(-1), kc, D).masked_fill(~strict, 0)
-        T = unit_lower_inverse(A)
+        A, QK = channel_decayed_products(G, kc, kc * bc.unsqueeze(-1), qc)  # [B, H, C, C] each, 0 above the diagonal
+        T = unit_lower_inverse(A.masked_fill(~strict, 0))
         U = T @ (vc * bc.unsqueeze(-1))
         Wk = T @ (kc * bc.unsqueeze(-1) * G.exp())
         W = U - Wk @ M  # [B, H, C, Dv]: what each token writes
-        QK = torch.einsum("bhtc,bhsc,bhtsc->bhts", qc, kc, D)  # (D is 0 above the diagonal)
         out[:, :, part] = (qc * G.exp()) @ M + QK @ W
         end = G[:, :, -1:]  # [B, H, 1, Dk]
         M = M * end.squeeze(2).exp().unsqueeze(-1) + (kc * (end - G).exp()).transpose(-1, -2) @ W

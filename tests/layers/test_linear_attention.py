@@ -21,6 +21,7 @@ from hetmoe.layers.linear_attention import (
     CHUNK,
     TORCH,
     GatedDeltaNet,
+    channel_decayed_products,
     chunk_delta_rule,
     delta_rule_kernels,
     depthwise_conv,
@@ -178,6 +179,24 @@ def test_unit_lower_inverse(C):
     assert got.dtype == torch.float32 and got.shape == A.shape
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
     assert torch.equal(got, unit_lower_inverse(A.tril(-1) + torch.randn(C, C, generator=g).triu()))
+
+
+@pytest.mark.parametrize("C", [16, 20, 64])
+@pytest.mark.parametrize("decay", [1.0, 30.0])
+def test_channel_decayed_products(C, decay):
+    """KDA's intra-chunk products sum_c a[t, c] b[s, c] exp(G[t, c] - G[s, c]) (s <= t, else 0) against float64
+    pairwise exponents, in chunks of whole 16-row blocks and not (20), with decays that underflow fp32's exp
+    across a chunk (log decay up to -30 a token): the block factorisation neither overflows nor loses them."""
+    g = torch.Generator().manual_seed(C)
+    G = (-decay * torch.rand(2, 3, C, 8, generator=g)).cumsum(2)
+    a, a2, b = (torch.randn(2, 3, C, 8, generator=g) for _ in range(3))
+    diff = (G.double().unsqueeze(3) - G.double().unsqueeze(2)).masked_fill(~torch.ones(C, C).tril().bool()[:, :, None],
+                                                                          float("-inf"))
+    for got, x in zip(channel_decayed_products(G, b, a, a2), (a, a2)):
+        want = torch.einsum("bhtc,bhsc,bhtsc->bhts", x.double(), b.double(), diff.exp())
+        assert got.dtype == torch.float32 and got.shape == (2, 3, C, C)
+        assert torch.isfinite(got).all() and (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+        assert (got.triu(1) == 0).all()
 
 
 @pytest.mark.parametrize("S", [1, 5, 67])
