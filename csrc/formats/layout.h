@@ -98,13 +98,14 @@
 //
 // Scales (int8/int4/lut4) live apart from the lines, one per (row, group), laid out [row block][group][16 rows],
 // so the 16 scales a kernel needs at the end of a group are one contiguous vector. Each matrix chooses how its
-// scales are stored (ScaleType): fp32 (4 bytes), fp16 or bf16 (2), e8m0 (1 byte e: 2^(e - 128)) or k8 (two levels,
-// below) — the width of the checkpoint's own scales, so a Q4_0 block (fp16 d + 16 bytes) costs 18 bytes here as in
-// the file. Every kernel widens a group's 16 scales to fp32 with one load and one conversion (vcvtph2ps for fp16, a
-// shift for bf16, a shift and a blend for e8m0; k8: two loads, two conversions and a multiply); the widening is
-// exact, so the epilogue and its bits are those of fp32 scales of the same values. e8m0 is the MX block scale
-// 2^(e - 127) with E2M1's 1/2 folded in (llama.cpp's GGML_E8M0_TO_FP32_HALF, bit for bit; e = 0 and 1 give the fp32
-// subnormals 2^-128 and 2^-127).
+// scales are stored (ScaleType): fp32 (4 bytes), fp16 or bf16 (2), e8m0 (1 byte e: 2^(e - 128)), k8 (two levels,
+// below) or e4m3 / e4m3_div (1 byte and a factor per row block, below) — the width of the checkpoint's own scales, so a
+// Q4_0 block (fp16 d + 16 bytes) costs 18 bytes here as in the file. Every kernel widens a group's 16 scales to fp32
+// with one load and one conversion (vcvtph2ps for fp16, a shift for bf16, a shift and a blend for e8m0; k8: two loads,
+// two conversions and a multiply; e4m3: integer ops, a conversion and a multiply by the block's factor, whose one
+// rounding is the checkpoint's); the widening is exact, so the epilogue and its bits are those of fp32 scales of the
+// same values. e8m0 is the MX block scale 2^(e - 127) with E2M1's 1/2 folded in (llama.cpp's GGML_E8M0_TO_FP32_HALF,
+// bit for bit; e = 0 and 1 give the fp32 subnormals 2^-128 and 2^-127).
 //
 // k8 is the K-quants' own two-level form: one int8 sub-scale sc per (row, group) and one fp16 super scale d per
 // (row, super-block of 256 elements of K), scale = float(sc) * float(d). The product is exact in fp32 (11 + 7
@@ -130,6 +131,19 @@
 // included. A kernel widens a group's 16 scales as k8's (one load of the bytes, a mask, two conversions and a
 // multiply) and its mins the same with a shift for the mask. Values given as fp32 are split at packing exactly or
 // refused (pack.cpp split_two_level); the sign of d carries a set's sign (all its values <= 0: d < 0).
+//
+// e4m3 and e4m3_div are NVFP4's scales at their file's bytes, lut4 only (symmetric, grouped): one E4M3 byte b per
+// (row, group), the file's, and one fp32 factor per row block (the matrix's per-tensor scale f, the same in every block
+// of the matrix) after the set's [n_groups][16] bytes, so a group of 16 e2m1 codes costs 9 bytes as in the file (and
+// a row block 4 more). The value is the NVFP4 references' own fp32 product (ModelOpt: e4m3 x f) or quotient
+// (compressed-tensors: e4m3 / f), halved for E2M1's doubled codebook:
+//     e4m3:     scale = fl(e4m3(b) * f) / 2          e4m3_div: scale = fl(e4m3(b) / f) / 2
+// The block stores the factor the kernels use, F = f * 2^7 (e4m3) or f * 2^-7 (e4m3_div), and every kernel widens a
+// group's 16 bytes as fp8's codes: b to the IEEE half of e4m3(b) * 2^-8 with integer ops (its sign to bit 15, its
+// other 7 bits to bits 7..13; subnormals included), vcvtph2ps to fp32 (exact), then one multiply by F (or one
+// division) — fl(e4m3(b) 2^-8 * F) is fl(e4m3(b) * f) / 2 wherever the scale is normal, and the packer stores a
+// scale only where the widened byte gives it bit for bit (e4m3_store). GGUF's NVFP4 (no per-tensor scale: ue4m3(b) /
+// 2) is e4m3 with f = 1, also the factor of weights packed from floats. The NaN codes 0x7F, 0xFF are never stored.
 //
 // Groups: 16, 32, 64 or 128 elements of K (16: GGUF's Q2_K, Q3_K and Q6_K, NVFP4), or per row (int8, int4 and fp8,
 // symmetric: one scale per row, stored repeated in every group of 128, so every kernel reads it as a grouped
@@ -255,11 +269,19 @@ inline int fp8_act_index(int k) { return (k & ~3) | ((k & 1) << 1) | ((k >> 1) &
 enum class Scaling : int { symmetric = 0, affine = 1 };
 
 // How a matrix's scales are stored (see the top of this file).
-enum class ScaleType : int { f32 = 0, f16 = 1, bf16 = 2, e8m0 = 3, k8 = 4, k4 = 5 };
-constexpr int kScaleTypes = 6;
+enum class ScaleType : int { f32 = 0, f16 = 1, bf16 = 2, e8m0 = 3, k8 = 4, k4 = 5, e4m3 = 6, e4m3_div = 7 };
+constexpr int kScaleTypes = 8;
 constexpr int kSuperBlock = 256;  // k8, k4: elements of K per fp16 super scale
 // Scale types of two levels: a sub-scale per group times an fp16 super scale per kSuperBlock of K.
 constexpr inline bool two_level(ScaleType t) { return t == ScaleType::k8 || t == ScaleType::k4; }
+// Scale types of one byte per group and one fp32 factor per row block (e4m3, e4m3_div: see the top of this file).
+constexpr inline bool factor_scales(ScaleType t) { return t == ScaleType::e4m3 || t == ScaleType::e4m3_div; }
+constexpr int kFactorBytes = 4;  // the fp32 factor after a factor_scales set's bytes
+
+// The IEEE half bits of e4m3(b) * 2^-8 (exact, subnormals included; the NaN codes give 1.875 * 2^(7 - 8)).
+constexpr inline uint16_t e4m3_half_bits(uint8_t b) { return (uint16_t)((b & 0x80) << 8 | (b & 0x7f) << 7); }
+// The factor F a block of a factor_scales type stores for the per-tensor scale f (see the top of this file).
+inline float stored_factor(ScaleType t, float f) { return t == ScaleType::e4m3_div ? f * 0x1p-7f : f * 0x1p7f; }
 
 // The 16 values a lut4 nibble indexes (see the top of this file), or a grid matrix's grid type (the GGUF i-quant
 // whose blocks it holds); none for every other format.
@@ -339,14 +361,27 @@ inline int scale_width(ScaleType t) {  // bytes per stored scale
     case ScaleType::e8m0: return 1;
     case ScaleType::k8: return 1;  // the sub-scale (the super scales come after a set's sub-scales)
     case ScaleType::k4: return 1;  // the (sub-scale, sub-min) byte
+    case ScaleType::e4m3:
+    case ScaleType::e4m3_div: return 1;  // the E4M3 byte (the block's factor comes after a set's bytes)
   }
   return 0;
 }
 
 // One stored scale as the fp32 it stands for (exact). The kernels widen 16 at a time with vector instructions that
 // give these bits; this is the portable definition. k8: the sub-scale alone, k4: the sub-scale nibble alone
-// (RowBlock::value multiplies in the super scale and reads k4's sub-min).
+// (RowBlock::value multiplies in the super scale and reads k4's sub-min), e4m3 / e4m3_div: the byte's scale at the
+// factor f = 1, e4m3(b) / 2 (RowBlock::value applies the block's factor: factor_scale).
+inline float scale_to_float(ScaleType t, const uint8_t* p);
+// The scale of E4M3 byte b in a block of factor_scales type t whose stored factor is F: fl(half(b) * F), e4m3_div
+// fl(half(b) / F) (see the top of this file); the kernels' widening gives these bits.
+inline float factor_scale(ScaleType t, uint8_t b, float factor) {
+  const uint16_t h = e4m3_half_bits(b);
+  const uint8_t hb[2] = {(uint8_t)(h & 0xff), (uint8_t)(h >> 8)};
+  const float v = scale_to_float(ScaleType::f16, hb);
+  return t == ScaleType::e4m3_div ? v / factor : v * factor;
+}
 inline float scale_to_float(ScaleType t, const uint8_t* p) {
+  if (factor_scales(t)) return factor_scale(t, p[0], stored_factor(t, 1.f));
   uint32_t bits = 0;
   switch (t) {
     case ScaleType::f32: std::memcpy(&bits, p, 4); break;
@@ -358,6 +393,8 @@ inline float scale_to_float(ScaleType t, const uint8_t* p) {
       std::memcpy(&bits, &f, 4);
       break;
     }
+    case ScaleType::e4m3:
+    case ScaleType::e4m3_div: break;  // above
     case ScaleType::f16: {
       const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
       const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu;
@@ -444,13 +481,14 @@ struct MatrixShape {
   bool affine() const { return scaling == Scaling::affine; }
   int n_supers() const { return (int)((kp + kSuperBlock - 1) / kSuperBlock); }  // k8/k4 super-blocks of a row
   // bytes of one block's scale set: n_groups x 16 (shared: x 1) of scale_type (k8, k4: then n_supers x 16 fp16 super
-  // scales)
+  // scales; e4m3, e4m3_div: then the fp32 factor)
   size_t set_bytes() const {
     if (!has_scales()) return 0;
     if (format == WeightFormat::grid)  // the fp16 d of each (super-block, row)
       return grid_info(codebook).has_d ? (size_t)n_supers() * kRowsPerBlock * 2 : 0;
     return (size_t)n_groups() * scale_rows() * scale_width(scale_type) +
-           (two_level(scale_type) ? (size_t)n_supers() * kRowsPerBlock * 2 : 0);
+           (two_level(scale_type) ? (size_t)n_supers() * kRowsPerBlock * 2 : 0) +
+           (factor_scales(scale_type) ? kFactorBytes : 0);
   }
   // bytes of one block's min set (affine): as the scale set, but k4's is its fp16 super mins alone
   size_t min_set_bytes() const {
@@ -473,6 +511,7 @@ struct RowBlock {
   const int8_t* codebook = nullptr;  // lut4: its 16 values
   bool shared_scales = false;        // fp8: scales [n_groups], one per group for all 16 rows
   Codebook grid = Codebook::none;    // grid: the grid type
+  float factor = 0.f;                // e4m3, e4m3_div: the block's stored factor F (see the top of this file)
 
   // The block of shape s whose data and scales (s.block_scale_bytes()) start at these addresses.
   static RowBlock at(const MatrixShape& s, const uint8_t* data, const uint8_t* scales) {
@@ -486,6 +525,7 @@ struct RowBlock {
     b.codebook = s.format == WeightFormat::lut4 ? codebook_values(s.codebook) : nullptr;
     b.shared_scales = s.shared_scales;
     b.grid = s.format == WeightFormat::grid ? s.codebook : Codebook::none;
+    if (factor_scales(b.scale_type)) std::memcpy(&b.factor, scales + (size_t)s.n_groups() * kRowsPerBlock, 4);
     return b;
   }
   int n_groups() const { return kp / group; }
@@ -506,6 +546,7 @@ struct RowBlock {
   // Value r of group g of a set widened to fp32 (exact; k8/k4: sub-scale times super scale, one exact product).
   float value(const uint8_t* set, int g, int r) const {
     const uint8_t* p = group_of(set, g) + (shared_scales ? 0 : r) * scale_width(scale_type);
+    if (factor_scales(scale_type)) return factor_scale(scale_type, *p, factor);
     const uint8_t nib = (uint8_t)(*p >> sub_shift(set));
     const float v = scale_to_float(scale_type, scale_type == ScaleType::k4 ? &nib : p);
     return two_level(scale_type) ? v * scale_to_float(ScaleType::f16, super_of(set, g) + 2 * r) : v;

@@ -148,6 +148,34 @@ uint8_t float_to_e4m3(float v) {
   return sign | (uint8_t)std::min(code, 0x7e);
 }
 
+// The scales of the E4M3 bytes 0 .. 0x7E (every non-negative code but NaN) in a block of factor_scales type t whose
+// stored factor is F > 0: non-decreasing in the byte, so a scale's byte is found by bisection (the negative codes
+// 0x80 | b give the same values negated, exactly).
+struct E4m3Scales {
+  float v[0x7f];
+  E4m3Scales(ScaleType t, float factor) {
+    for (int b = 0; b < 0x7f; ++b) v[b] = factor_scale(t, (uint8_t)b, factor);
+  }
+  // The byte of scale x: exact, the byte whose scale is x bit for bit (false where none is: x not finite, or not a
+  // value of this factor); else the smallest at or above |x| (0x7E at most), with x's sign. *out: the byte's scale.
+  bool store(float x, bool exact, uint8_t* dst, float* out) const {
+    if (!std::isfinite(x)) return false;
+    const float a = std::fabs(x);
+    const int b = std::min((int)(std::lower_bound(v, v + 0x7f, a) - v), 0x7e);
+    const uint8_t code = (uint8_t)(b | (std::signbit(x) ? 0x80 : 0));
+    const float got = std::signbit(x) ? -v[b] : v[b];
+    if (exact && std::memcmp(&got, &x, 4) != 0) return false;
+    *dst = code;
+    if (out) *out = got;
+    return true;
+  }
+};
+inline const E4m3Scales& unit_e4m3_scales(ScaleType t) {  // at the factor f = 1
+  static const E4m3Scales mul(ScaleType::e4m3, stored_factor(ScaleType::e4m3, 1.f));
+  static const E4m3Scales div(ScaleType::e4m3_div, stored_factor(ScaleType::e4m3_div, 1.f));
+  return t == ScaleType::e4m3_div ? div : mul;
+}
+
 // The stored bytes of scale v in type t, exactly: false when v has no exact form in t (or is not finite). The
 // rounded encoding of a value t holds exactly is that value itself, so exact = rounded and read back unchanged.
 bool store_scale_exact(ScaleType t, float v, uint8_t* dst) {
@@ -173,6 +201,12 @@ float store_scale_rounded(ScaleType t, float v, uint8_t* dst) {
     case ScaleType::bf16: {
       const uint16_t b = float_to_bf16(v);
       std::memcpy(buf, &b, 2);
+      break;
+    }
+    case ScaleType::e4m3:
+    case ScaleType::e4m3_div: {  // at the factor f = 1 (the factor of weights packed from floats): up, as e8m0
+      float got = 0.f;
+      if (!unit_e4m3_scales(t).store(std::isfinite(v) ? v : 0.f, false, buf, &got)) buf[0] = 0;
       break;
     }
     case ScaleType::e8m0: {
@@ -296,10 +330,25 @@ void round_two_level(ScaleType t, float* v, int n, int8_t* sub, uint16_t* d_bits
 
 }  // namespace
 
+void set_block_factor(const MatrixShape& s, uint8_t* scales, float f) {
+  if (!factor_scales(s.scale_type)) return;
+  const float stored = stored_factor(s.scale_type, f);
+  std::memcpy(scales + (size_t)s.n_groups() * kRowsPerBlock, &stored, 4);
+}
+
 bool store_row_set(const MatrixShape& s, float* v, int r, uint8_t* scales, bool mins, bool exact) {
   const int ng = s.n_groups();
   const ScaleType t = s.scale_type;
   uint8_t* set = scales + (mins ? s.set_bytes() : 0);
+  if (factor_scales(t)) {  // symmetric only: the scale set, at the block's factor
+    float factor;
+    std::memcpy(&factor, scales + (size_t)ng * kRowsPerBlock, 4);
+    if (!(factor > 0.f) || !std::isfinite(factor)) return false;
+    const E4m3Scales table(t, factor);
+    for (int g = 0; g < ng; ++g)
+      if (!table.store(v[g], exact, set + (size_t)g * kRowsPerBlock + r, &v[g])) return false;
+    return true;
+  }
   if (!two_level(t)) {
     const int width = scale_width(t);
     for (int g = 0; g < ng; ++g) {
@@ -411,8 +460,9 @@ inline void clear_block(const MatrixShape& s, uint8_t* data, uint8_t* scales) {
     for (int line = p.hi_line(); line < s.lines_per_block(); line += p.lines)
       std::memset(data + (size_t)line * kLineBytes, top, kLineBytes);
   }
-  // bytes 0: the scale 0, or in e8m0 the smallest, 2^-128 (padded rows' outputs are never read)
+  // bytes 0: the scale 0, or in e8m0 the smallest, 2^-128 (padded rows' outputs are never read); e4m3: factor 1
   if (s.has_scales()) std::memset(scales, 0, s.block_scale_bytes());
+  if (s.has_scales()) set_block_factor(s, scales, 1.f);
 }
 
 // fp8 from floats, row r of block rb (dst: its 4 bytes of line 0): per (row, group) — or per (block, group) with
@@ -481,11 +531,12 @@ bool pack_row_block_fp8(const MatrixShape& s, const uint8_t* codes, const float*
 }
 
 bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* group_scales, const float* group_mins,
-                          int rb, uint8_t* data, uint8_t* scales) {
+                          int rb, uint8_t* data, uint8_t* scales, float factor) {
   const WeightFormat f = s.format;
   if (f == WeightFormat::bf16 || s.per_row || (s.affine() && !group_mins)) return false;
-  if (s.affine() && s.scale_type == ScaleType::e8m0) return false;
+  if (s.affine() && (s.scale_type == ScaleType::e8m0 || factor_scales(s.scale_type))) return false;
   clear_block(s, data, scales);
+  set_block_factor(s, scales, factor);
   const int off = code_offset(s);
   const int lo = code_min(s), hi = code_max(s);
   const int ng = s.n_groups(), row0 = rb * kRowsPerBlock, rows = std::min(kRowsPerBlock, s.n - row0);

@@ -23,9 +23,15 @@ void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data,
 // values the kernels multiply by are then exactly q * scale (lut4: codebook[q] * scale; affine: fl(fl(scale * q) -
 // min), as gguf's K-quant dequantization): nothing is re-quantized. Grouped int8/int4/lut4 only (not per-row, not
 // bf16). Returns false when a code is out of its range, a scale or min is not finite, or a scale or min has no exact
-// form in the shape's scale type (the block is then garbage).
+// form in the shape's scale type (the block is then garbage). e4m3 / e4m3_div scales (layout.h): `factor` is the
+// matrix's per-tensor scale f, and each scale must be the exact fl(e4m3(b) * f) / 2 (fl(e4m3(b) / f) / 2) of some
+// byte b (false otherwise, or for f not finite and > 0 once stored); the other types ignore it.
 bool pack_row_block_codes(const MatrixShape& s, const int8_t* q, const float* group_scales, const float* group_mins,
-                          int rb, uint8_t* data, uint8_t* scales);
+                          int rb, uint8_t* data, uint8_t* scales, float factor = 1.f);
+
+// Writes the block factor of a factor_scales shape (layout.h e4m3, e4m3_div) for the per-tensor scale f into a
+// block's scale bytes (nothing for other types). store_row_set stores the set's bytes at that factor.
+void set_block_factor(const MatrixShape& s, uint8_t* scales, float f);
 
 // Packs row block `rb` of an fp8 matrix from E4M3 codes as a checkpoint stores them, codes [s.n][s.k] (bytes), and
 // one scale per (row, group), group_scales [s.n][s.n_groups()] (shared scales: the same for the 16 rows of a block,
@@ -45,13 +51,13 @@ bool pack_row_block_grid(const MatrixShape& s, const uint8_t* raw, int rb, uint8
 // scales, true: the affine mins) in the shape's scale type; `scales` is the block's scale bytes
 // (s.block_scale_bytes(): the scale set, then the min set). exact: true when every value is stored as it is (k8 / k4:
 // every super-block splits exactly into sub-scales x fp16), false otherwise. Not exact: each value rounded to the
-// nearest the type holds (e8m0 up to a power of two; k8 / k4 a super scale at or above max |v| / 127 (k4: / 15), the
-// sub-scales rounded), the stored values written back into v, always true. k4's scales and mins share their pair
-// bytes: each call writes its own nibble.
+// nearest the type holds (e8m0 up to a power of two, e4m3 / e4m3_div up to a byte's scale at the block's factor; k8 /
+// k4 a super scale at or above max |v| / 127 (k4: / 15), the sub-scales rounded), the stored values written back into
+// v, always true. k4's scales and mins share their pair bytes: each call writes its own nibble.
 bool store_row_set(const MatrixShape& s, float* v, int r, uint8_t* scales, bool mins, bool exact);
 
 // Scale v of a group quantized from floats, stored in type t at dst: the nearest value t holds (e8m0: the next power
-// of two up, so that no code is clipped), which is returned for the codes.
+// of two up, so that no code is clipped; e4m3 / e4m3_div: up, at the factor f = 1), which is returned for the codes.
 float store_scale_rounded(ScaleType t, float v, uint8_t* dst);
 
 // The inverse: fp32 [s.n][s.k] values the kernels actually multiply by.

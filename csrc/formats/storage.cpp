@@ -127,6 +127,7 @@ void fill_random_block(const MatrixShape& s, int rb, uint64_t seed, const Random
   uint8_t tmp[4];
   const ScaleType t = two_level(s.scale_type) ? ScaleType::f16 : s.scale_type;
   const float scale = store_scale_rounded(t, fill.scale, tmp);
+  set_block_factor(s, scales, 1.f);  // e4m3: the factor store_scale_rounded rounded at
   std::vector<float> v(s.n_groups());
   for (int r = 0; r < kRowsPerBlock; ++r) {
     for (int pass = 0; pass < (s.affine() ? 2 : 1); ++pass) {

@@ -61,7 +61,7 @@ const char* format_label(WeightFormat f) {
 }
 
 const char* scale_type_name(ScaleType t) {
-  static const char* const names[kScaleTypes] = {"fp32", "fp16", "bf16", "e8m0", "k8", "k4"};
+  static const char* const names[kScaleTypes] = {"fp32", "fp16", "bf16", "e8m0", "k8", "k4", "e4m3", "e4m3_div"};
   return names[(int)t];
 }
 
@@ -147,6 +147,9 @@ void check_kernel_choice(const MatrixFormat& m, Isa isa, AmxMode amx, int amx_mi
     if (m.format == WeightFormat::fp8 && two_level(m.scale_type))
       bad(std::string("fp8 weights take fp32, fp16, bf16 or e8m0 scales, not ") + scale_type_name(m.scale_type) +
           " (two-level scales go with the integer formats)");
+    if (factor_scales(m.scale_type) && !lut4)
+      bad(std::string(scale_type_name(m.scale_type)) + " scales (NVFP4's E4M3 bytes and a per-tensor factor) go "
+                                                       "with lut4 weights only");
     if (m.scale_type == ScaleType::k4 && m.scaling != Scaling::affine)
       bad("k4 scales need affine weights (each byte holds a group's 4-bit sub-scale and sub-min)");
     if (m.format == WeightFormat::fp8 && group == 16)

@@ -166,7 +166,7 @@ void MoeExperts::load(int e0, int n, const float* gate, const float* up, const f
 }
 
 void MoeExperts::load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3],
-                            const float* const group_mins[3]) {
+                            const float* const group_mins[3], const float* const factors[3]) {
   if (cfg_.format == WeightFormat::bf16 || gu_.per_row || down_.per_row)
     throw std::invalid_argument("load_codes: the experts' format must be grouped int8, int4, lut4 or fp8");
   for (int m = 0; m < 3; ++m)
@@ -195,8 +195,9 @@ void MoeExperts::load_codes(int e0, int n, const int8_t* const q[3], const float
         }
         const size_t per_expert_scales = (size_t)shape.n * shape.n_groups();
         const float* mins = shape.affine() ? group_mins[which] + i * per_expert_scales : nullptr;
+        const float factor = factors && factors[which] ? factors[which][i] : 1.f;
         return pack_row_block_codes(shape, q[which] + i * IH, group_scales[which] + i * per_expert_scales, mins, rb,
-                                    data, scales);
+                                    data, scales, factor);
       },
       "has a code outside its format's range, a scale or min that is not finite, or a scale its scale type does not "
       "hold exactly (grid: a block's d that is not finite)");

@@ -130,9 +130,10 @@ class MoeExperts {
   // the matrix's scale type are refused as out-of-range codes are. fp8 experts take their E4M3 codes (bytes) the
   // same way (formats/pack.h pack_row_block_fp8: NaN codes refused as out-of-range codes are). A grid matrix takes
   // its GGUF blocks as the file stores them instead of codes (q[m]: [n, rows, rows' blocks] bytes, pack_row_block_grid;
-  // its scales and mins unused).
+  // its scales and mins unused). factors[m] (null: 1): fp32 [n], each expert's per-tensor scale of a matrix of e4m3
+  // / e4m3_div scales (NVFP4's; formats/pack.h pack_row_block_codes), unread for other scale types.
   void load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3],
-                  const float* const group_mins[3]);
+                  const float* const group_mins[3], const float* const factors[3] = nullptr);
   // The values the kernels multiply by, fp32: gate, up [I, H], down [H, I].
   void unpack(int e, float* gate, float* up, float* down) const;
   // Sets the biases of experts [e0, e0 + n) (config().bias): gate, up fp32 [n, I], down fp32 [n, H]; a null down

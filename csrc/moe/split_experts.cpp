@@ -143,7 +143,7 @@ void NumaExperts::load(int e0, int n, const float* gate, const float* up, const 
 }
 
 void NumaExperts::load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3],
-                             const float* const group_mins[3]) {
+                             const float* const group_mins[3], const float* const factors[3]) {
   if (cfg_.format == WeightFormat::bf16 || gu_.per_row || down_.per_row)
     throw std::invalid_argument("load_codes: the experts' format must be grouped int8, int4, lut4 or fp8");
   const int H = cfg_.hidden, I = cfg_.intermediate, gg = gu_.group, gd = down_.group;
@@ -191,7 +191,9 @@ void NumaExperts::load_codes(int e0, int n, const int8_t* const q[3], const floa
       const float* sm[3] = {group_mins[0] ? group_mins[0] + gu_off : nullptr,
                             group_mins[1] ? group_mins[1] + gu_off : nullptr,
                             group_mins[2] && !down_grid ? down_m.data() : nullptr};
-      slices_[s]->load_codes(e0 + i, 1, sq, ss, sm);
+      const float* sf[3];  // each slice's rows of expert i keep its per-tensor factors
+      for (int m = 0; m < 3; ++m) sf[m] = factors && factors[m] ? factors[m] + i : nullptr;
+      slices_[s]->load_codes(e0 + i, 1, sq, ss, sm, sf);
     }
 }
 

@@ -43,7 +43,7 @@ class NumaExperts {
   // Same contracts as MoeExperts (moe.h), on full-size matrices: gate, up [n, I, H], down [n, H, I].
   void load(int e0, int n, const float* gate, const float* up, const float* down);
   void load_codes(int e0, int n, const int8_t* const q[3], const float* const group_scales[3],
-                  const float* const group_mins[3]);
+                  const float* const group_mins[3], const float* const factors[3] = nullptr);
   void unpack(int e, float* gate, float* up, float* down) const;
   void load_biases(int e0, int n, const float* gate, const float* up, const float* down);  // full [n, I] / [n, H]
   void fill_random(uint64_t seed, float std);                // each slice its own stream (seed, slice)

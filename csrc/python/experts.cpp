@@ -199,15 +199,18 @@ void bind_experts_common(py::class_<Experts, std::shared_ptr<Experts>>& c, const
       .def(
           "load_codes",
           [](Experts& ex, int e0, int n, uintptr_t gq, uintptr_t gs, uintptr_t uq, uintptr_t us, uintptr_t dq,
-             uintptr_t ds, uintptr_t gm, uintptr_t um, uintptr_t dm) {  // mins: 0 for symmetric matrices
+             uintptr_t ds, uintptr_t gm, uintptr_t um, uintptr_t dm, uintptr_t gf, uintptr_t uf,
+             uintptr_t df) {  // mins: 0 for symmetric matrices; factors: 0 but for e4m3 scales (fp32 [n])
             const int8_t* q[3] = {ptr<const int8_t>(gq), ptr<const int8_t>(uq), ptr<const int8_t>(dq)};
             const float* s[3] = {ptr<const float>(gs), ptr<const float>(us), ptr<const float>(ds)};
             const float* m[3] = {ptr<const float>(gm), ptr<const float>(um), ptr<const float>(dm)};
-            ex.load_codes(e0, n, q, s, m);
+            const float* f[3] = {ptr<const float>(gf), ptr<const float>(uf), ptr<const float>(df)};
+            ex.load_codes(e0, n, q, s, m, f);
           },
           py::arg("first_expert"), py::arg("n"), py::arg("gate_codes"), py::arg("gate_scales"), py::arg("up_codes"),
           py::arg("up_scales"), py::arg("down_codes"), py::arg("down_scales"), py::arg("gate_mins") = 0,
-          py::arg("up_mins") = 0, py::arg("down_mins") = 0, py::call_guard<py::gil_scoped_release>())
+          py::arg("up_mins") = 0, py::arg("down_mins") = 0, py::arg("gate_factors") = 0, py::arg("up_factors") = 0,
+          py::arg("down_factors") = 0, py::call_guard<py::gil_scoped_release>())
       .def(
           "load_biases",
           [](Experts& ex, int e0, int n, uintptr_t gate, uintptr_t up, uintptr_t down) {

@@ -56,15 +56,20 @@ GGUF_FORMATS = {"q2_k": ("Q2_K", "Q2_K"), "q3_k": ("Q3_K", "Q3_K"), "q4_k": ("Q4
                 "mxfp4": ("MXFP4", "MXFP4"), "iq4_nl": ("IQ4_NL", "IQ4_NL"), "iq4_xs": ("IQ4_XS", "IQ4_XS"),
                 "tq2_0": ("TQ2_0", "TQ2_0"), "tq1_0": ("TQ1_0", "TQ1_0"),
                 **{k.lower(): (k, k) for k in GRID_TYPES}, "ud_iq2_xxs": ("IQ2_XXS", "IQ3_XXS")}
+# NVFP4 experts (lut4 e2m1 group 16): at the file's bytes, E4M3 scale bytes and a per-tensor factor that multiplies
+# (GGUF's NVFP4, ModelOpt) or divides (compressed-tensors), and the scales held widened before (fp16, fp32)
+NVFP4_FORMATS = {"nvfp4": "e4m3", "nvfp4_div": "e4m3_div", "nvfp4_fp16": "fp16", "nvfp4_fp32": "fp32"}
 # FP8 checkpoints' experts at their own layout (hetmoe/cpu/layout.py FP8_LAYOUTS): block FP8 and MXFP8
 FP8_FORMATS = {"fp8": 128, "mxfp8": 32}
-FORMATS = tuple(cpu.WEIGHT_FORMATS) + tuple(GGUF_FORMATS) + tuple(FP8_FORMATS)
+FORMATS = tuple(cpu.WEIGHT_FORMATS) + tuple(GGUF_FORMATS) + tuple(NVFP4_FORMATS) + tuple(FP8_FORMATS)
 
 
 def format_args(fmt: str, group_size) -> dict:
     """CPUExperts' format keyword arguments of a --formats name (group_size: --group-size, int8/int4 only)."""
     if fmt in GGUF_FORMATS:
         return exact_layout(*GGUF_FORMATS[fmt])
+    if fmt in NVFP4_FORMATS:
+        return {"weight_format": "lut4", "group_size": 16, "scale_dtype": NVFP4_FORMATS[fmt], "codebook": "e2m1"}
     if fmt in FP8_FORMATS:
         return {"weight_format": "fp8", "group_size": FP8_FORMATS[fmt], **FP8_LAYOUTS[FP8_FORMATS[fmt]]}
     group = DEFAULT_GROUP[fmt] if group_size is None or fmt == "bf16" else group_size

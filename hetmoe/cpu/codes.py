@@ -24,7 +24,8 @@ becomes the engine's int8 / int4 codes with their own scales (and mins), so the 
 - MXFP4 (an E8M0 exponent per 32, 4-bit E2M1 codes): lut4, codebook e2m1 (values doubled), e8m0 scales (the
   exponent byte itself: 2^(e - 128) has the 1/2 in it), the file's 17 bytes per 32 values.
 - NVFP4 (a UE4M3 scale per 16, E2M1 codes): lut4 e2m1, group 16, fp16 scales (each UE4M3 value halved, exact in
-  fp16): 5 bits per weight against the file's 4.5 (no 1-byte E4M3 scale type yet).
+  fp16): 5 bits per weight against the file's 4.5. With ``E4M3_HELD``: e4m3 scales (the UE4M3 byte itself, factor 1),
+  the file's 36 bytes per 64 values (and 4 bytes per 16 rows: the row block's factor).
 - The i-quants IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (grid indices, signs and sub-scales per 256
   values, an fp16 d): grid, its codebook the type (``GRID_TYPES``), group 32 or 16 (the type's scale's), fp16 scales
   (the d): the file's blocks moved into the row blocks as they are and decoded in the kernels (csrc/formats/grid.h),
@@ -51,7 +52,7 @@ import torch
 
 from hetmoe import _C
 from hetmoe.cpu.experts import CPUExperts
-from hetmoe.cpu.layout import CODEBOOKS, GRIDS, PLANES, ROWS, SUPER_BLOCK, TWO_LEVEL
+from hetmoe.cpu.layout import CODEBOOKS, FACTOR_SCALES, GRIDS, PLANES, ROWS, SUPER_BLOCK, TWO_LEVEL
 
 # GGML i-quant types the grid format holds natively (the first the most used in unsloth's "UD" mixes)
 GRID_TYPES = ("IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
@@ -74,6 +75,11 @@ EXACT_TYPES = {"Q8_0": ("int8", "symmetric", 32, "fp16", None), "Q4_0": ("int4",
                "TQ2_0": ("int2", "symmetric", 128, "fp16", None), "TQ1_0": ("int2", "symmetric", 128, "fp16", None),
                # the i-quants as their files' blocks (csrc/formats/layout.h grid; the group is the type's scale's)
                **{k: ("grid", "symmetric", GRIDS[k.lower()][0], "fp16", k.lower()) for k in GRID_TYPES}}
+# NVFP4 experts (GGUF's, hetmoe/load/nvfp4.py's) held at their file's bytes, e4m3 / e4m3_div scales (the E4M3 bytes
+# and the per-tensor factor), rather than widened to fp16 / fp32: off until the GPU prefill's readers of the packed
+# layout (hetmoe/moe/streamed/packed.py widen_set, hetmoe/ops/triton/packed.py) read those scale dtypes; the CPU
+# engine reads them on every path (tests/cpu/test_e4m3_scales.py)
+E4M3_HELD = False
 FOUR_BITS = ("int4", "lut4")
 # formats whose codes a plan counts as int8 (the row blocks read int16 activations for them); the others as int4
 WIDE = ("int8", "int6", "int5")
@@ -90,7 +96,8 @@ def exact_layout(gate_up_type: str, down_type: str, plan: Optional[str] = None) 
         return None
     gu, down = EXACT_TYPES[gate_up_type], EXACT_TYPES[down_type]
     fmts, books = (gu[0], down[0]), (gu[4], down[4])
-    sdts = (gu[3], down[3])
+    sdts = tuple("e4m3" if E4M3_HELD and t == "NVFP4" else s
+                 for t, s in ((gate_up_type, gu[3]), (down_type, down[3])))
     if plan == "int8" and gu[0] in NARROW and down[0] in NARROW:
         # (Q2_K's k4 values split into k8 exactly: int8 layers keep the scale dtypes every reader of int8 takes)
         fmts, books, sdts = ("int8", "int8"), (None, None), tuple("k8" if s == "k4" else s for s in sdts)
@@ -128,12 +135,15 @@ def lut4_values(codes: torch.Tensor, codebook: str) -> torch.Tensor:
 
 def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
                first_expert: int = 0, mins: Optional[Sequence[Optional[torch.Tensor]]] = None,
-               scan_first: bool = True) -> None:
+               scan_first: bool = True, factors: Optional[Sequence[Optional[torch.Tensor]]] = None) -> None:
     """Pack experts ``first_expert ..`` of ``experts`` (grouped int8 or int4) from ``codes`` = (gate, up, down) int8
     [n, I, H] / [n, I, H] / [n, H, I] and ``scales`` = the same matrices' fp32 [n, rows, cols / group] (one per
     group of the matrix's group size consecutive columns of a row); a grid matrix takes its GGUF blocks instead,
     uint8 [n, rows, cols / 256 * block bytes] as the file holds them, and no scales (None). ``mins`` (same shapes
-    as the scales) for the matrices the experts hold affine (None for symmetric ones). ValueError, naming the
+    as the scales) for the matrices the experts hold affine (None for symmetric ones). ``factors``: for the matrices
+    held with e4m3 / e4m3_div scales (NVFP4's), each expert's per-tensor factor f, fp32 [n] (None: 1), and each scale
+    must be fl(e4m3 * f) / 2 (e4m3_div: fl(e4m3 / f) / 2) of an E4M3 value, as the NVFP4 references compute it;
+    unread for other scale dtypes. ValueError, naming the
     matrix, for a shape, dtype, group or range the engine cannot hold exactly; nothing of a refused call is marked
     loaded. ``scan_first=False`` (codes a decoder made, in range by construction): the values are scanned only when
     the engine refuses them (it checks ranges and scales as it packs), to name what was wrong; a refused call may
@@ -144,19 +154,21 @@ def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Seque
         raise ValueError(f"codes load into grouped int8, int4, lut4, grid or bit-plane (int6, int5, int3, int2) "
                          f"experts; these are {fmt} (group {group})")
     mins = (None, None, None) if mins is None else tuple(mins)
-    if len(codes) != 3 or len(scales) != 3 or len(mins) != 3:
-        raise ValueError("codes, scales and mins must each hold (gate, up, down)")
+    factors = (None, None, None) if factors is None else tuple(factors)
+    if len(codes) != 3 or len(scales) != 3 or len(mins) != 3 or len(factors) != 3:
+        raise ValueError("codes, scales, mins and factors must each hold (gate, up, down)")
     I, H = experts.intermediate_size, experts.hidden_size
     n = codes[0].shape[0] if codes[0].dim() == 3 else -1
     if not 0 <= first_expert or n < 0 or first_expert + n > experts.num_experts:
         raise ValueError(f"experts [{first_expert}, {first_expert + n}) do not fit in "
                          f"num_experts={experts.num_experts}")
-    ready = []  # per matrix: (name, format, scaling, scale dtype, group, codes, scales, mins or None), on the CPU
+    # per matrix: (name, format, scaling, scale dtype, group, codes, scales, mins or None, factors or None), on the CPU
+    ready = []
     layouts = ((fmt, group, info["gate_up_scaling"], info["gate_up_scale_dtype"], info["gate_up_codebook"]),) * 2 + (
         (info["down_weight_format"], down_group, info["down_scaling"], info["down_scale_dtype"],
          info["down_codebook"]),)
-    for name, q, s, m, (rows, cols), (mfmt, g, scaling, sdt, book) in zip(("gate", "up", "down"), codes, scales, mins,
-                                                                          ((I, H), (I, H), (H, I)), layouts):
+    for name, q, s, m, fac, (rows, cols), (mfmt, g, scaling, sdt, book) in zip(
+            ("gate", "up", "down"), codes, scales, mins, factors, ((I, H), (I, H), (H, I)), layouts):
         if mfmt == "grid":  # the file's blocks, [n, rows, blocks of the row] bytes; no scales (the blocks hold them)
             row_bytes = cols // SUPER_BLOCK * GRIDS[book][2]
             if cols % SUPER_BLOCK:
@@ -164,7 +176,8 @@ def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Seque
             if q.dtype not in (torch.uint8, torch.int8) or tuple(q.shape) != (n, rows, row_bytes):
                 raise ValueError(f"{name} ({book} blocks) must be uint8 [{n}, {rows}, {row_bytes}], got {q.dtype} "
                                  f"{list(q.shape)}")
-            ready.append((name, mfmt, scaling, sdt, g, q.detach().to("cpu").contiguous().view(torch.int8), None, None))
+            ready.append((name, mfmt, scaling, sdt, g, q.detach().to("cpu").contiguous().view(torch.int8), None, None,
+                          None))
             continue
         if cols % g:
             raise ValueError(f"{name}: {cols} columns are not a multiple of the group size {g}")
@@ -178,14 +191,21 @@ def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Seque
             if t is not None and tuple(t.shape) != (n, rows, cols // g):
                 raise ValueError(f"{name} {what} must be [{n}, {rows}, {cols // g}] (one per {g} columns), "
                                  f"got {list(t.shape)}")
-        ready.append((name, mfmt, scaling, sdt, g, q, s, m))
+        f = None
+        if sdt in FACTOR_SCALES:
+            f = torch.ones(n) if fac is None else fac.detach().to("cpu", torch.float32).reshape(-1).contiguous()
+            if f.numel() != n:
+                raise ValueError(f"{name} factors must be {n} values (one per expert), got {f.numel()}")
+            if not (torch.isfinite(f) & (f > 0)).all():
+                raise ValueError(f"{name} has factors that are not finite and positive: {f.tolist()[:4]}...")
+        ready.append((name, mfmt, scaling, sdt, g, q, s, m, f))
     if scan_first:
         _scan(ready)
-    (*_, gq, gs, gm), (*_, uq, us, um), (*_, dq, ds, dm) = ready
+    (*_, gq, gs, gm, gf), (*_, uq, us, um, uf), (*_, dq, ds, dm, df) = ready
     addr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     try:
         experts._ex.load_codes(first_expert, n, gq.data_ptr(), addr(gs), uq.data_ptr(), addr(us), dq.data_ptr(),
-                               addr(ds), addr(gm), addr(um), addr(dm))
+                               addr(ds), addr(gm), addr(um), addr(dm), addr(gf), addr(uf), addr(df))
     except ValueError:
         if not scan_first:
             _scan(ready)  # names the matrix and what is wrong with it
@@ -195,7 +215,7 @@ def load_codes(experts: CPUExperts, codes: Sequence[torch.Tensor], scales: Seque
 def _scan(ready: list) -> None:
     """ValueError naming the first matrix whose codes are out of its range, whose scales or mins are not finite, or
     whose scales (or mins) its scale dtype does not hold exactly."""
-    for name, mfmt, scaling, sdt, group, q, s, m in ready:
+    for name, mfmt, scaling, sdt, group, q, s, m, f in ready:
         if mfmt == "grid":
             continue  # blocks: the engine names a bad one (a d that is not a number)
         lo, hi = CODE_RANGE[mfmt, scaling]
@@ -218,14 +238,32 @@ def _scan(ready: list) -> None:
                                      f"x one fp16 scale per {SUPER_BLOCK} values give "
                                      f"{t.reshape(-1, t.shape[-1])[bad][:4].tolist()}...)")
                 continue
-            inexact = ~held_exactly(t, sdt)
+            inexact = ~held_exactly(t, sdt, f)
             if inexact.any():
-                raise ValueError(f"{name} has {what} that {sdt} does not hold exactly (e.g. {float(t[inexact][0])!r})")
+                at = " at its factor" if sdt in FACTOR_SCALES else ""
+                raise ValueError(f"{name} has {what} that {sdt} does not hold exactly{at} (e.g. "
+                                 f"{float(t[inexact][0])!r})")
 
 
-def held_exactly(s: torch.Tensor, scale_dtype: str) -> torch.Tensor:
-    """Which fp32 scales ``s`` the scale dtype stores exactly (csrc/formats/layout.h; e8m0: 2^(e - 128), e in
-    0..255; k8 and k4 hold a row's values together: ``_scan``)."""
+def e4m3_scales(factor: torch.Tensor, scale_dtype: str) -> torch.Tensor:
+    """fp32 [.., 256]: the scale each E4M3 byte stands for in e4m3 / e4m3_div matrices of per-tensor factors
+    ``factor`` [..]: fl(e4m3 * f) / 2 (fl(e4m3 / f) / 2), as the kernels widen it (csrc/formats/layout.h: the
+    half of e4m3 * 2^-8 times f * 2^7, or over f * 2^-7; the NaN codes 0x7F, 0xFF give no scale: NaN)."""
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float() * 2.0**-8
+    f = factor.float().unsqueeze(-1)
+    return e4m3 / (f * 2.0**-7) if scale_dtype == "e4m3_div" else e4m3 * (f * 2.0**7)
+
+
+def held_exactly(s: torch.Tensor, scale_dtype: str, factors: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Which fp32 scales ``s`` [n, ...] the scale dtype stores exactly (csrc/formats/layout.h; e8m0: 2^(e - 128), e
+    in 0..255; e4m3 / e4m3_div: a byte's scale at its matrix's factor, ``factors`` [n] (None: 1); k8 and k4 hold a
+    row's values together: ``_scan``)."""
+    if scale_dtype in FACTOR_SCALES:
+        f = torch.ones(s.shape[0]) if factors is None else factors
+        table = e4m3_scales(f, scale_dtype)  # [n, 256]
+        flat = s.reshape(s.shape[0], -1).contiguous()
+        return torch.stack([torch.isin(flat[i].view(torch.int32), table[i].view(torch.int32))
+                            for i in range(flat.shape[0])]).reshape(s.shape)
     if scale_dtype == "fp32":
         return torch.ones_like(s, dtype=torch.bool)
     if scale_dtype in ("fp16", "bf16"):

@@ -21,6 +21,9 @@ PLANES = {name: tuple(v) for name, v in _C.LAYOUT["planes"].items()}
 SCALE_WIDTH = dict(_C.LAYOUT["scale_width"])
 SUPER_BLOCK = _C.LAYOUT["super_block"]  # k8, k4: values of K per fp16 super scale
 TWO_LEVEL = ("k8", "k4")  # scale dtypes with an fp16 super scale per (row, SUPER_BLOCK values of K)
+# scale dtypes (NVFP4's E4M3 bytes) with one fp32 factor per row block after a set's bytes (csrc/formats/layout.h)
+FACTOR_SCALES = ("e4m3", "e4m3_div")
+FACTOR_BYTES = 4
 CODEBOOKS = {name: tuple(values) for name, values in _C.LAYOUT["codebooks"].items()}  # lut4: name -> 16 int8 values
 # grid's types (GGUF i-quants): name -> (scale group, bytes per row and SUPER_BLOCK values held, bytes per block in the
 # file); a grid matrix's K is whole super-blocks
@@ -43,11 +46,13 @@ def data_lines(fmt: str, kp: int) -> int:
 def set_bytes(n_blocks: int, kp: int, group: int, scale_dtype: str, shared_scales: bool = False) -> int:
     """Bytes of one scale set (a matrix's scales, or an affine matrix's mins but for k4: ``min_set_bytes``) of
     ``n_blocks`` row blocks: one value of ``scale_dtype`` per (row, group) (fp8 ``shared_scales``: per (row block,
-    group)); k8 and k4 also an fp16 super scale per (row, SUPER_BLOCK values of K)."""
+    group)); k8 and k4 also an fp16 super scale per (row, SUPER_BLOCK values of K), e4m3 and e4m3_div an fp32 factor
+    per row block."""
     rows = n_blocks * ROWS
     supers = -(-kp // SUPER_BLOCK) * 2 if scale_dtype in TWO_LEVEL else 0
     scale_rows = n_blocks if shared_scales else rows
-    return scale_rows * (kp // group) * SCALE_WIDTH[scale_dtype] + rows * supers
+    factors = n_blocks * FACTOR_BYTES if scale_dtype in FACTOR_SCALES else 0
+    return scale_rows * (kp // group) * SCALE_WIDTH[scale_dtype] + rows * supers + factors
 
 
 def min_set_bytes(n_blocks: int, kp: int, group: int, scale_dtype: str) -> int:

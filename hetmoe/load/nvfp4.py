@@ -25,9 +25,14 @@ bits 0..2 into (0, 0.5, 1, 1.5, 2, 3, 4, 6). The scale product is one fp32 round
 more for the product with the code: the engine's e2m1 codebook holds the E2M1 values doubled (integers), so its
 scale is that fp32 product halved (exact), and codebook value x scale is bitwise the reference's value.
 
-That product of an E4M3 value and an arbitrary fp32 factor needs fp32: the scales are held as fp32, 6 bits a weight
-against the file's 4.5 (1.33x). Where every factor of a layer's gate and up (or of its down) is a power of two that
-keeps each E4M3 value, halved, within fp16's exact range, those scales are held as fp16 (5 bits a weight, 1.11x).
+With hetmoe/cpu/codes.py E4M3_HELD, the engine holds those scales at the file's bytes: scale dtype e4m3 (ModelOpt:
+the factor multiplies) or e4m3_div (compressed-tensors: it divides) keeps each E4M3 byte and each matrix's factor, and
+the kernels widen a byte to that very fp32 product (or quotient), halved (csrc/formats/layout.h): 4.5 bits a weight,
+as the file. A factor whose 2^7 multiple (2^-7 for a divisor) is not a normal fp32, or that is not positive (and
+every factor while E4M3_HELD is off), has its scales held widened: fp16 where every factor of the layer's gate and up
+(or of its down) is a power of two that keeps each E4M3 value, halved, within fp16's exact range (5 bits a weight,
+1.11x the file), fp32 otherwise (6 bits, 1.33x). A layer planned as int8 (its codebook values as int8 codes) takes
+those widened scales too.
 
 The activation scales (compressed-tensors' ``input_global_scale``, ModelOpt's ``input_scale``: NVFP4 W4A4) and a KV
 cache scheme quantize activations at run time in engines that do so; the weights are exact without them, and hetmoe,
@@ -45,6 +50,7 @@ from typing import Callable, Optional
 
 import torch
 
+from hetmoe.cpu import codes as codes_module
 from hetmoe.cpu.codes import load_codes, lut4_values
 from hetmoe.cpu.layout import CODEBOOKS
 from hetmoe.load.compressed import UNSUPPORTED, Group, PackQuantized, QuantizationConfigError, config_groups
@@ -191,9 +197,12 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, factor: torch.Tensor, 
     return (book[codes(packed).long()].unflatten(-1, (-1, GROUP)) * s.unsqueeze(-1)).flatten(-2)
 
 
-def held_scale_dtype(factors: list, divides: bool) -> str:
-    """fp16 where every factor makes each E4M3 value's engine scale e4m3 * 2^j with j in FP16_EXPONENTS (a power of
-    two factor), else fp32."""
+def held_scale_dtype(factors: list, divides: bool, plan: Optional[str] = None) -> str:
+    """e4m3 (e4m3_div where the factor divides) for lut4 experts whose every factor f is positive with f * 2^7
+    (f * 2^-7) a normal fp32; else (and for an int8 ``plan``) fp16 where every factor makes each E4M3 value's engine
+    scale e4m3 * 2^j with j in FP16_EXPONENTS (a power of two factor), else fp32."""
+    if codes_module.E4M3_HELD and plan != "int8" and factors and all(_e4m3_factor(f, divides) for f in factors):
+        return "e4m3_div" if divides else "e4m3"
     for f in factors:
         mantissa, exponent = torch.frexp(torch.tensor(float(f), dtype=torch.float32))
         if float(mantissa) != 0.5:
@@ -204,6 +213,12 @@ def held_scale_dtype(factors: list, divides: bool) -> str:
     return "fp32" if not factors else "fp16"
 
 
+def _e4m3_factor(f: float, divides: bool) -> bool:
+    """Whether e4m3 / e4m3_div scales hold factor ``f``: positive, its stored form f * 2^7 (f * 2^-7) a normal fp32."""
+    stored = torch.tensor(f, dtype=torch.float32) * (2.0**-7 if divides else 2.0**7)
+    return f > 0 and bool(torch.isfinite(stored)) and float(stored) >= torch.finfo(torch.float32).tiny
+
+
 class FP4Linears:
     """The NVFP4 linears of one checkpoint by their model names (``<m>.weight``), found from the headers; the
     routed experts among them (``blocks``: "<block>.experts" prefixes) packed from their codes."""
@@ -211,7 +226,7 @@ class FP4Linears:
     def __init__(self, scheme: Scheme, weights: dict, read: Callable, where: str):
         self.scheme, self.weights, self._read, self.where = scheme, weights, read, where
         self.blocks = {m[1] for m in (_EXPERT.fullmatch(n) for n in weights) if m is not None}
-        self._dtypes: dict = {}  # block prefix -> held scale dtypes (gate/up, down)
+        self._dtypes: dict = {}  # (block prefix, plan) -> held scale dtypes (gate/up, down)
 
     @classmethod
     def find(cls, entries: dict, read: Callable, qc, where: str) -> Optional["FP4Linears"]:
@@ -254,20 +269,22 @@ class FP4Linears:
             e += 1
         return out
 
-    def scale_dtypes(self, prefix: str, names: list) -> tuple:
-        """(gate/up, down) scale dtypes block ``prefix``'s experts are held in (each matrix's factor read)."""
-        if prefix not in self._dtypes:
+    def scale_dtypes(self, prefix: str, names: list, plan: Optional[str] = None) -> tuple:
+        """(gate/up, down) scale dtypes block ``prefix``'s experts are held in (each matrix's factor read; an int8
+        ``plan``: the widened ones)."""
+        key = (prefix, plan == "int8")
+        if key not in self._dtypes:
             gu = self._factors(prefix, names[0]) + self._factors(prefix, names[1])
-            self._dtypes[prefix] = (held_scale_dtype(gu, self.scheme.divides),
-                                    held_scale_dtype(self._factors(prefix, names[2]), self.scheme.divides))
-        return self._dtypes[prefix]
+            self._dtypes[key] = (held_scale_dtype(gu, self.scheme.divides, plan),
+                                 held_scale_dtype(self._factors(prefix, names[2]), self.scheme.divides, plan))
+        return self._dtypes[key]
 
     def layout(self, prefix: str, names: list, plan: Optional[str] = None) -> dict:
         """The CPUExperts layout that holds block ``prefix``'s experts exactly: lut4 e2m1 group 16 (an int8 plan:
         their codebook values as int8 codes)."""
         fmt, book = ("int8", None) if plan == "int8" else ("lut4", "e2m1")
         return {"weight_format": fmt, "group_size": GROUP, "down_group_size": GROUP,
-                "scaling": ("symmetric", "symmetric"), "scale_dtype": self.scale_dtypes(prefix, names),
+                "scaling": ("symmetric", "symmetric"), "scale_dtype": self.scale_dtypes(prefix, names, plan),
                 "codebook": (book, book)}
 
     def load(self, prefix: str, names: list, experts) -> None:
@@ -277,9 +294,9 @@ class FP4Linears:
         as_int8 = experts.info()["weight_format"] == "int8"
         for e0 in range(0, experts.num_experts, CHUNK):
             e1 = min(e0 + CHUNK, experts.num_experts)
-            qs, ss = [], []
+            qs, ss, fs = [], [], []
             for which, shape in zip(names, ((I, H), (I, H), (H, I))):
-                q, s = [], []
+                q, s, f = [], [], []
                 for e in range(e0, e1):
                     name = f"{prefix}.experts.{e}.{which}.weight"
                     w = self.weights.get(name)
@@ -287,12 +304,15 @@ class FP4Linears:
                         got = "not NVFP4" if w is None else f"NVFP4 {list(w.shape)}"
                         raise ValueError(f"{name} is {got}; the layer's experts are NVFP4 {list(shape)}")
                     q.append(codes(self._read(w.codes)))
-                    s.append(engine_scales(self._read(w.scale), self._read(w.factor), self.scheme.divides, name))
+                    factor = self._read(w.factor)
+                    s.append(engine_scales(self._read(w.scale), factor, self.scheme.divides, name))
+                    f.append(factor.float().reshape(()))
                 q = torch.stack(q)
                 qs.append(lut4_values(q, "e2m1") if as_int8 else q)
                 ss.append(torch.stack(s))
+                fs.append(torch.stack(f))  # read only where the scales are held e4m3 / e4m3_div
             try:
-                load_codes(experts, qs, ss, first_expert=e0, scan_first=False)
+                load_codes(experts, qs, ss, first_expert=e0, scan_first=False, factors=fs)
             except ValueError as err:
                 raise ValueError(f"{prefix}.experts {e0}..{e1 - 1}: {err}") from None
 
@@ -306,9 +326,12 @@ class FP4Linears:
         group 16), exactly; an explicit int4 / int8 of group 16 is exact too, anything else re-quantized as asked.
         ``layers``: the MoE blocks' prefixes (their held scale dtypes said)."""
         what = f"{file}'s routed experts are {self.describe()}"
-        dtypes = sorted({d for p in layers if f"{p}.experts" in self.blocks for d in self.scale_dtypes(p, names)})
-        held = f"{'/'.join(dtypes)} scales"
         fmt = options.experts_format
+        plan = "int8" if fmt == "int8" else None
+        dtypes = sorted({d for p in layers if f"{p}.experts" in self.blocks
+                         for d in self.scale_dtypes(p, names, plan)})
+        held = f"{'/'.join(dtypes)} scales"
+
         if fmt == "auto":
             log(f"hetmoe: {what}: packed from their own codes as lut4 (e2m1) group {GROUP} with {held}, exactly")
             return dataclasses.replace(options, experts_format="int4", group_size=GROUP)

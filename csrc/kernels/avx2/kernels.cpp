@@ -54,7 +54,8 @@ struct Bf16Tile {
 };
 
 // Values 8 * half .. 8 * half + 7 of group g of a scale set of w (its scales, or its mins) as fp32 (formats/layout.h:
-// one load and one conversion, k8 / k4 two and a multiply; exact, the bits of RowBlock::value).
+// one load and one conversion, k8 / k4 two and a multiply, e4m3 a multiply by the block's factor; exact, the bits of
+// RowBlock::value).
 inline __m256 widen8(const RowBlock& w, const uint8_t* set, int g, int half) {
   const uint8_t* p = w.group_of(set, g) + 8 * half * scale_width(w.scale_type);
   switch (w.scale_type) {
@@ -80,6 +81,14 @@ inline __m256 widen8(const RowBlock& w, const uint8_t* set, int g, int half) {
       const __m256 sc = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
       const uint8_t* d = w.super_of(set, g) + 16 * half;
       return _mm256_mul_ps(sc, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d))));
+    }
+    case ScaleType::e4m3:
+    case ScaleType::e4m3_div: {  // E4M3 byte -> half of e4m3 * 2^-8 -> fp32, times (or over) the block's factor
+      const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+      const __m128i h = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(b, 8), _mm_set1_epi16((short)0x8000)),
+                                     _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+      const __m256 v = _mm256_cvtph_ps(h), f = _mm256_set1_ps(w.factor);
+      return w.scale_type == ScaleType::e4m3 ? _mm256_mul_ps(v, f) : _mm256_div_ps(v, f);
     }
     case ScaleType::f32: break;
   }

@@ -47,7 +47,7 @@ struct Bf16Tile {
 };
 
 // The 16 values of group g of a scale set of w (its scales, or its mins) as fp32 (formats/layout.h: one load and one
-// conversion, k8 / k4 two and a multiply; exact, the bits of RowBlock::value).
+// conversion, k8 / k4 two and a multiply, e4m3 a multiply by the block's factor; exact, the bits of RowBlock::value).
 inline __m512 widen16(const RowBlock& w, const uint8_t* set, int g) {
   const uint8_t* p = w.group_of(set, g);
   switch (w.scale_type) {
@@ -73,6 +73,14 @@ inline __m512 widen16(const RowBlock& w, const uint8_t* set, int g) {
       const __m512 sc = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.super_of(set, g))));
       return _mm512_mul_ps(sc, d);
+    }
+    case ScaleType::e4m3:
+    case ScaleType::e4m3_div: {  // E4M3 byte -> half of e4m3 * 2^-8 -> fp32, times (or over) the block's factor
+      const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(b, 8), _mm256_set1_epi16((short)0x8000)),
+                                        _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+      const __m512 v = _mm512_cvtph_ps(h), f = _mm512_set1_ps(w.factor);
+      return w.scale_type == ScaleType::e4m3 ? _mm512_mul_ps(v, f) : _mm512_div_ps(v, f);
     }
     case ScaleType::f32: break;
   }

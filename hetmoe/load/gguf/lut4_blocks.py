@@ -15,8 +15,8 @@ the same):
 - NVFP4, 36 bytes per 64 values: four UE4M3 scale bytes (one per 16 values: 4 exponent bits of bias 7, 3 mantissa
   bits; 0 and 0x7F mean 0), then four sub-blocks of 8 bytes of nibbles (the low nibbles are the sub-block's values
   0..7, the high ones 8..15); value = kvalues_mxfp4[q] * ue4m3(s) / 2. -> indices, scale ue4m3(s) / 2 per group of
-  16: at most 4 significant bits in 2^-10 .. 240, so fp16 holds it exactly (the engine keeps fp16 scales: 2 bytes
-  per 16 values against the file's 1, 1.11x the file's bytes).
+  16: at most 4 significant bits in 2^-10 .. 224 (the engine keeps the byte: e4m3 scales of factor 1, the file's
+  bytes).
 
 The indices go through the codebook in the kernels, so codebook value x scale is bitwise gguf's dequantization. Decoded
 in numpy, vectorized over the blocks (the nibble split is the same work as Q4_0's: hetmoe/load/gguf/checkpoint.py).

@@ -119,6 +119,21 @@ def test_ram_is_the_files_bytes(kind):
                                                                                            layout["codebook"][0])
 
 
+def test_nvfp4_e4m3_held_is_the_files_bytes(monkeypatch):
+    """With hetmoe/cpu/codes.py E4M3_HELD: NVFP4's UE4M3 bytes held as they are (e4m3 scales, factor 1), the values
+    gguf's dequantization bit for bit, the RAM the file's bytes and 4 bytes per 16 rows of a matrix (its factor)."""
+    from hetmoe.cpu import codes as cpu_codes
+
+    monkeypatch.setattr(cpu_codes, "E4M3_HELD", True)
+    experts, refs, nbytes = gguf_experts(("NVFP4", "NVFP4"), 5, WorkerPool(1))
+    assert experts.info()["gate_up_scale_dtype"] == experts.info()["down_scale_dtype"] == "e4m3"
+    for e in range(E):
+        for got, want in zip(experts.dequantized(e), refs):
+            assert torch.equal(got, want[e])
+    held = experts.info()["bytes_per_expert"] * E
+    assert held == sum(nbytes) + E * 4 * (2 * -(-I // 16) + -(-H // 16))
+
+
 def reference(experts, x, ids, w, refs, amx: bool) -> torch.Tensor:
     """The float64 MoE on gguf's values with the engine's activation rounding (as tests/load/gguf/test_kquants.py)."""
     info = experts.info()
