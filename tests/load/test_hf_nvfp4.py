@@ -463,7 +463,8 @@ def test_e4m3_held_experts_are_the_file_bytes_and_values(fp4, case, monkeypatch)
     for ModelOpt's multiplying factor, e4m3_div for compressed-tensors' dividing one), every value bitwise the
     reference's, and the RAM the file's bytes but for the factor, held once per 16 rows (4 bytes) where the file has
     it and the activation scale once per matrix: 1.0026 on this tiny model, 1.0001 at DeepSeek-V3's expert shapes
-    (widened: 1.33 with fp32 scales, 1.11 with fp16 where the factors are powers of two; test_ram_held_for_the_experts)."""
+    (widened: 1.33 with fp32 scales, 1.11 with fp16 where the factors are powers of two:
+    test_ram_held_for_the_experts)."""
     from hetmoe.cpu import codes as cpu_codes
 
     monkeypatch.setattr(cpu_codes, "E4M3_HELD", True)
