@@ -147,15 +147,15 @@ def eligible(layer) -> bool:
 def unreadable(layers: list) -> Optional[str]:
     """Why the GPU prefill's readers of the packed layout cannot read some layer's experts (the PyTorch unpack,
     hetmoe/moe/streamed/packed.py, and where Triton is installed its one-pass kernel, hetmoe/ops/triton/packed.py:
-    each refuses what it does not read by name), or None. Layers holding grid blocks (GGUF's i-quants) take the
-    PyTorch decoder (hetmoe/moe/streamed/grid.py) whether Triton is there or not."""
+    each refuses what it does not read by name), or None. Layers holding grid blocks (GGUF's i-quants) or E4M3 scale
+    bytes take the PyTorch reader whether Triton is there or not (``ExpertLayout.torch_only``)."""
     from hetmoe.moe.streamed.packed import ExpertLayout
     from hetmoe.ops.triton import packed as packed_triton
 
     for layer in layers:
         try:
             layout = ExpertLayout.of(layer.engine)
-            if packed_triton.available() and not layout.grid:
+            if packed_triton.available() and not layout.torch_only:
                 packed_triton.check_layout(layout)
         except ValueError as err:
             return f"{err} (prefill stays on the CPU)"

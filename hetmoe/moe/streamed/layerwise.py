@@ -324,11 +324,14 @@ class LayerwisePrefill:
         else:
             ranges = [dst[:n * b] for dst, b in zip(self.slots[s], self.per[i])]
         w_gu, w_down = self.scratch.reserve(n)
-        if self.triton_unpack and not lay.grid:  # one pass, straight into the scratch
+        if self.triton_unpack and not lay.torch_only:  # one pass, straight into the scratch
             packed_triton.unpack_into(lay, ranges, self.w_gu, self.w_down, n)
             return w_gu, w_down
-        for e0 in range(0, n, self.unpack_n):  # (grid matrices: decoded straight into the scratch)
-            m = min(self.unpack_n, n - e0)
+        # (grid matrices: decoded straight into the scratch.) Where Triton is installed the plan counts no PyTorch
+        # temporaries (hetmoe/plan/placement.py _torch_unpacks), so its torch_only layers go an expert at a time
+        step = 1 if self.triton_unpack else self.unpack_n
+        for e0 in range(0, n, step):
+            m = min(step, n - e0)
             unpack_experts(lay, [r[e0 * b:(e0 + m) * b] for r, b in zip(ranges, self.per[i])], m, self.dtype,
                            (w_gu[e0:e0 + m], w_down[e0:e0 + m]))
         return w_gu, w_down

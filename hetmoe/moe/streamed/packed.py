@@ -5,7 +5,8 @@ hetmoe/moe/streamed/layerwise.py) — no second copy in RAM, no re-layout on the
 The layout (row blocks of ROWS rows, lines of LINE bytes, the codes, the scales, gate and up row blocks alternating,
 a layer's four storage ranges) is described once, in csrc/formats/layout.h; its constants come from there through
 hetmoe/cpu/layout.py. Grid matrices (GGUF's i-quants) hold their file's blocks in the row blocks instead of lines
-and scales: hetmoe/moe/streamed/grid.py decodes them, Triton or not.
+and scales: hetmoe/moe/streamed/grid.py decodes them, Triton or not. NVFP4's E4M3 scale bytes (e4m3, e4m3_div) are
+widened here too, Triton or not (``ExpertLayout.torch_only``).
 
 Shape letters: E experts, H hidden size, I intermediate size, N rows, K columns, Kp K padded, G groups.
 """
@@ -137,6 +138,13 @@ class ExpertLayout:
         """Whether a matrix holds grid blocks (GGUF's i-quants: decoded by hetmoe/moe/streamed/grid.py)."""
         return "grid" in (self.gate_up.fmt, self.down.fmt)
 
+    @property
+    def torch_only(self) -> bool:
+        """Whether the PyTorch reader takes this layout even where Triton's one-pass unpack is installed: grid
+        blocks, and NVFP4's E4M3 scale bytes with their row blocks' factors (e4m3, e4m3_div), which that kernel
+        does not read."""
+        return self.grid or any(m.scale_dtype in cpu_layout.FACTOR_SCALES for m in (self.gate_up, self.down))
+
 
 def code_bits(fmt: str) -> int:
     """Bits per code of an integer format (csrc/formats/layout.h code_bits)."""
@@ -236,6 +244,11 @@ def widen_set(sets: torch.Tensor, shape: MatrixShape) -> torch.Tensor:
                             if shape.scale_dtype == "k4" else ""))
     G, n, sdt = shape.kp // shape.group, sets.shape[0], shape.scale_dtype
     head = sets[:, :G * ROWS * SCALE_WIDTH[sdt]].contiguous()
+    if sdt in cpu_layout.FACTOR_SCALES:  # the half of e4m3(b) * 2^-8, times (or over) the block's stored factor
+        b = head.to(torch.int32)
+        half = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(torch.int16).view(torch.float16).float()
+        factor = sets[:, G * ROWS:G * ROWS + cpu_layout.FACTOR_BYTES].contiguous().view(torch.float32)  # [n, 1]
+        return (half / factor if sdt == "e4m3_div" else half * factor).view(n, G, ROWS)
     if sdt not in cpu_layout.TWO_LEVEL:
         return widen_scales(head.reshape(-1), sdt).view(n, G, ROWS)
     sub = head.view(torch.int8) if sdt == "k8" else head & 15

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from hetmoe.cpu import CPUExperts, WorkerPool
-from hetmoe.cpu.layout import TWO_LEVEL
+from hetmoe.cpu.layout import FACTOR_SCALES, TWO_LEVEL
 from hetmoe.moe.streamed import layerwise
 from hetmoe.moe.streamed.choice import setup
 from hetmoe.moe.streamed.packed import ExpertLayout, MatrixShape, expert_ranges, unpack_experts, widen_set
@@ -41,6 +41,9 @@ MIXED = [dict(weight_format=("int4", "int6"), group_size=32, down_group_size=16,
               scale_dtype=("k8", "k8")),
          dict(weight_format=("int2", "int3"), group_size=16, scaling=("affine", "symmetric"), scale_dtype=("k4", "k8"))]
 MIXED_IDS = ["q4_k_m", "q3_k_m", "q2_k+q3_k"]
+# NVFP4 at its file's bytes: E4M3 scale bytes with a factor per row block (ModelOpt's product, compressed-tensors'
+# quotient); the PyTorch reader only (ExpertLayout.torch_only)
+E4M3 = [dict(weight_format="lut4", group_size=16, scale_dtype=sdt, codebook="e2m1") for sdt in ("e4m3", "e4m3_div")]
 
 
 def scramble_two_level(ex: CPUExperts, seed: int) -> None:
@@ -66,10 +69,29 @@ def scramble_two_level(ex: CPUExperts, seed: int) -> None:
             blocks[:, lo:hi] = val.view(torch.uint8).view(blocks.shape[0], hi - lo)
 
 
+def scramble_factors(ex: CPUExperts, seed: int) -> None:
+    """Random E4M3 bytes (never the NaN codes) and random positive fp32 factors in place of ``ex``'s e4m3 /
+    e4m3_div scale sets, in the engine's own storage. Matrices of other scale dtypes are left as they are."""
+    gen = torch.Generator().manual_seed(seed)
+    lay, ranges = ExpertLayout.of(ex), expert_ranges(ex)
+    for shape, sets in ((lay.gate_up, ranges[1] if len(ranges) == 4 else None), (lay.down, ranges[-1])):
+        if shape.scale_dtype not in FACTOR_SCALES:
+            continue
+        blocks = sets.view(-1, shape.block_scale_bytes)
+        subs = shape.kp // shape.group * 16
+        b = torch.randint(0, 0x7F, (blocks.shape[0], subs), generator=gen, dtype=torch.uint8)
+        b |= torch.randint(0, 2, b.shape, generator=gen, dtype=torch.uint8) << 7  # either sign
+        blocks[:, :subs] = b
+        f = torch.rand(blocks.shape[0], 1, generator=gen) * torch.exp2(torch.randint(-3, 9, (blocks.shape[0], 1),
+                                                                                    generator=gen).float()) + 0.01
+        blocks[:, subs:subs + 4] = f.float().view(torch.uint8)
+
+
 def _engine(E, H, I, seed, **kwargs) -> CPUExperts:
     ex = CPUExperts(E, H, I, pool=WorkerPool(1), **kwargs)
     ex.fill_random(seed=seed)  # codes over each format's whole range (every plane's bits)
     scramble_two_level(ex, seed)
+    scramble_factors(ex, seed)
     return ex
 
 
@@ -78,8 +100,8 @@ def _kwargs(case) -> dict:
     return dict(weight_format=fmt, group_size=group, scaling=scaling, scale_dtype=sdt)
 
 
-@pytest.mark.parametrize("kwargs", [_kwargs(c) for c in CASES] + MIXED,
-                         ids=["-".join(map(str, c)) for c in CASES] + MIXED_IDS)
+@pytest.mark.parametrize("kwargs", [_kwargs(c) for c in CASES] + MIXED + E4M3,
+                         ids=["-".join(map(str, c)) for c in CASES] + MIXED_IDS + ["nvfp4-e4m3", "nvfp4-e4m3_div"])
 @pytest.mark.parametrize("H,I", [(48, 80), (288, 40), (512, 272)])
 def test_torch_unpack_equals_the_engine(kwargs, H, I):
     """H = 48 with group 16: K ends in half a unit of int5 / int3, and mid-super-block; H = 288: two k8 / k4
@@ -197,6 +219,26 @@ def test_setup_falls_back_where_a_reader_refuses_a_scale_dtype(monkeypatch):
     assert len(said) == 1 and said[0].startswith("hetmoe: GPU prefill off: int2 experts with k4 scales"), said
     with pytest.raises(ValueError, match="int2 experts with k4 scales: the Triton unpack"):
         packed_triton.check_layout(ExpertLayout.of(engine))
+
+
+@pytest.mark.parametrize("kwargs", E4M3, ids=["e4m3", "e4m3_div"])
+def test_e4m3_layers_take_the_torch_reader_where_triton_is(monkeypatch, kwargs):
+    """NVFP4 layers with E4M3 scale bytes, which the Triton unpack refuses by name: with Triton installed the prefill
+    is still set up, their layouts marked for the PyTorch reader (unpacked an expert at a time: the plan counts no
+    PyTorch temporaries where Triton is)."""
+    from hetmoe.ops.triton import packed as packed_triton
+
+    monkeypatch.setattr(layerwise, "LayerwisePrefill", _Driver)
+    monkeypatch.setattr(packed_triton, "available", lambda: True)
+    engine = _engine(3, 64, 32, 1, **kwargs)
+    with pytest.raises(ValueError, match=f"{kwargs['scale_dtype']} scales"):
+        packed_triton.check_layout(ExpertLayout.of(engine))
+    layers = [SimpleNamespace(engine=engine, plain_swiglu=True) for _ in range(2)]
+    plan = SimpleNamespace(gpu_prefill=True, device="cpu", dtype=torch.float32, prefill_chunk=512)
+    said = []
+    driver, report = setup(layers, plan, SimpleNamespace(gpu_prefill=64, gpu_prefill_cpu_share="off"), said.append)
+    assert isinstance(driver, _Driver) and report["enabled"], (report, said)
+    assert all(lay.torch_only and not lay.grid for lay in driver.layouts)
 
 
 def test_the_torch_reader_refuses_what_it_cannot_read():
