@@ -369,27 +369,11 @@ class FloatQuantized:
 
         supported = (f"hetmoe reads compressed-tensors '{_FLOAT_FORMAT}' weights as FP8 e4m3 (type float, num_bits 8), "
                      "symmetric, strategy channel, with dynamic or no activation quantization")
-        if qc.get("quant_method") != "compressed-tensors":
-            refuse("quant_method", qc.get("quant_method"), supported)
-        if qc.get("format") != _FLOAT_FORMAT:
-            refuse("format", qc.get("format"), supported)
-        if qc.get("quantization_status") not in (None, "compressed", "frozen"):
-            refuse("quantization_status", qc["quantization_status"], "hetmoe reads checkpoints saved compressed")
-        for key in ("kv_cache_scheme", "sparsity_config", "transform_config", "moe_sparsity_config"):
-            if qc.get(key):
-                refuse(key, qc[key], f"hetmoe runs none ({supported})")
-        ignore = qc.get("ignore") or []
-        if not isinstance(ignore, list) or not all(isinstance(t, str) for t in ignore):
-            refuse("ignore", ignore, "it must be a list of module names and re: patterns")
-        groups = qc.get("config_groups")
-        if not isinstance(groups, dict) or not groups:
-            refuse("config_groups", groups, "it must map group names to their schemes")
-        for name, scheme in groups.items():
+        static = f"static activation scales are not read ({supported})"
+        for name, scheme, _ in config_groups(qc, _FLOAT_FORMAT, refuse, supported,
+                                             unsupported=("kv_cache_scheme",) + UNSUPPORTED,
+                                             activations=("output_activations",), activations_why=static):
             at = f"config_groups.{name}"
-            if not isinstance(scheme, dict):
-                refuse(at, scheme, "a scheme is an object with targets and weights")
-            if scheme.get("format") not in (None, _FLOAT_FORMAT):
-                refuse(f"{at}.format", scheme["format"], supported)
             w = scheme.get("weights")
             if not isinstance(w, dict):
                 refuse(f"{at}.weights", w, supported)
@@ -399,9 +383,8 @@ class FloatQuantized:
             if w.get("dynamic") not in (None, False):
                 refuse(f"{at}.weights.dynamic", w["dynamic"], f"weights quantized at run time are not stored "
                                                               f"({supported})")
-            for key in ("input_activations", "output_activations"):
-                a = scheme.get(key)
-                if a is not None and (key == "output_activations" or not isinstance(a, dict)
-                                      or a.get("dynamic") is not True):
-                    refuse(f"{at}.{key}", a, f"static activation scales are not read ({supported})")
+            a = scheme.get("input_activations")  # dynamic only: nothing stored
+            if a is not None and (not isinstance(a, dict) or a.get("dynamic") is not True):
+                refuse(f"{at}.input_activations", a, static)
+        ignore = qc.get("ignore") or []
         return cls(tuple(ignore))
