@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from hetmoe.config.options import EngineOptions
 from hetmoe.load.checkpoint import CheckpointError
 from hetmoe.load.loader import load_model
+from parity import DECODE_STEPS, hf_trace, max_rel, trace_ours
 from paths import BEST_ROW_PATH
 
 # Qwen3-MoE with every matrix a multiple of 128 wide: experts [128, 128], q/o [128, 128], k/v [64, 128]
@@ -32,6 +33,28 @@ def load(path, log=None, **options):
 def file_expert_bytes(path: Path) -> int:
     return sum(t.numel() * t.element_size() for n, t in load_file(path / "model.safetensors").items()
                if ".experts." in n)
+
+
+def held_ratio(path: Path, label: str, log=None) -> tuple:
+    """Load ``path`` -> (the loaded model, the routed experts' bytes held / their bytes in the file), the ratio
+    printed under ``label``, after checking that the plan counted the layout the loader built."""
+    loaded = load(path, log=log)
+    held, file_bytes = loaded.info["expert_bytes"], file_expert_bytes(path)
+    print(f"{label}: routed experts {held} bytes held, {file_bytes} in the file: {held / file_bytes:.4f}")
+    assert loaded.plan.ram["routed experts"] == held  # the plan counted the layout the loader built
+    return loaded, held / file_bytes
+
+
+def logit_error(ckpt: Path, ref, path, label: str) -> float:
+    """The largest relative logit error of checkpoint ``ckpt`` loaded on engine path ``path`` against Transformers'
+    model ``ref`` (its dequantized weights), over a 2-row prompt of 11 and DECODE_STEPS steps; printed."""
+    import transformers
+
+    ids_, fed, want = hf_trace(transformers, ref, batch=2, prompt_len=11)
+    got = trace_ours(load(ckpt, **path.options).model, ids_, fed)
+    err = max(max_rel(a, b) for a, b in zip(got, want))
+    print(f"{label} {path}: max rel. logit error {err:.2e} over {DECODE_STEPS} steps")
+    return err
 
 
 def edit_tensors(path: Path, change) -> None:

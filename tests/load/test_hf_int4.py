@@ -45,9 +45,10 @@ from hf_quantized import (  # noqa: E402
     SIZES,
     WEIGHTS,
     assert_tensor_edit_refused,  # noqa: E402
+    held_ratio,
+    logit_error,
 )
 from hf_quantized import edit_tensors as _edit_tensors  # noqa: E402
-from hf_quantized import file_expert_bytes as _file_expert_bytes  # noqa: E402
 from hf_quantized import load as _load  # noqa: E402
 from transformers_tiny import save_tiny  # noqa: E402
 
@@ -56,7 +57,6 @@ from hetmoe.load import gptq  # noqa: E402
 from hetmoe.load.checkpoint import CheckpointError  # noqa: E402
 from hetmoe.load.compressed import pack_int4  # noqa: E402
 from hetmoe.load.loader import check_model_dir, load_model, moe_blocks  # noqa: E402
-from parity import DECODE_STEPS, hf_trace, max_rel, trace_ours  # noqa: E402
 from paths import CLASS_PATHS, ids  # noqa: E402
 
 
@@ -444,16 +444,9 @@ LOGIT_SEED = 5
 @pytest.mark.parametrize("case", ["gptq-v1-asym-g128", "gptq-v1-sym-g128", "awq-g64", "ct-own-asym-g128"])
 @pytest.mark.parametrize("path", CLASS_PATHS, ids=ids(CLASS_PATHS))
 def test_logits_match_transformers_on_the_dequantized_weights(int4, case, path):
-    import transformers
-
     fmt, group, sym, v1 = CASES[case][:4]
     ckpt, ref, _ = int4(fmt, group, sym, v1, LOGIT_SEED)
-    ids_, fed, want = hf_trace(transformers, ref, batch=2, prompt_len=11)
-    loaded = _load(ckpt, **path.options)
-    got = trace_ours(loaded.model, ids_, fed)
-    err = max(max_rel(a, b) for a, b in zip(got, want))
-    print(f"{case} {path}: max rel. logit error {err:.2e} over {DECODE_STEPS} steps")
-    assert err < LOGIT_BOUND
+    assert logit_error(ckpt, ref, path, case) < LOGIT_BOUND
 
 
 # ---------------------------------------------------------------- bytes
@@ -469,12 +462,8 @@ def test_ram_held_for_the_experts(int4, case, bound):
     up to 15 significant bits). File: codes, scales, packed zero points and GPTQ's g_idx (4 bytes per input)."""
     fmt, group, sym, v1 = CASES[case][:4]
     path, _, _ = int4(fmt, group, sym, v1)
-    loaded = _load(path)
-    held, file_bytes = loaded.info["expert_bytes"], _file_expert_bytes(path)
-    ratio = held / file_bytes
-    print(f"{case}: routed experts {held} bytes held, {file_bytes} in the file: {ratio:.4f}")
+    _, ratio = held_ratio(path, case)
     assert bound[0] <= ratio <= bound[1]
-    assert loaded.plan.ram["routed experts"] == held  # the plan counted the layout the loader built
 
 
 # ---------------------------------------------------------------- bad input

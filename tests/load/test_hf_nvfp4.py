@@ -44,16 +44,16 @@ from hf_quantized import (  # noqa: E402
     SIZES,
     WEIGHTS,
     assert_tensor_edit_refused,  # noqa: E402
+    held_ratio,
+    logit_error,
 )
 from hf_quantized import edit_tensors as _edit_tensors  # noqa: E402
-from hf_quantized import file_expert_bytes as _file_expert_bytes  # noqa: E402
 from hf_quantized import load as _load  # noqa: E402
 from transformers_tiny import save_tiny  # noqa: E402
 
 from hetmoe.load import nvfp4  # noqa: E402
 from hetmoe.load.checkpoint import CheckpointError  # noqa: E402
 from hetmoe.load.loader import check_model_dir, moe_blocks  # noqa: E402
-from parity import DECODE_STEPS, hf_trace, max_rel, trace_ours  # noqa: E402
 from paths import CLASS_PATHS, ids  # noqa: E402
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -334,15 +334,8 @@ LOGIT_SEED = 5
 @pytest.mark.parametrize("producer", [pytest.param("compressed-tensors", marks=NEEDS_CT), "modelopt"])
 @pytest.mark.parametrize("path", CLASS_PATHS, ids=ids(CLASS_PATHS))
 def test_logits_match_transformers_on_the_dequantized_weights(fp4, producer, path):
-    import transformers
-
     ckpt, ref, _ = fp4(producer, LOGIT_SEED)
-    ids_, fed, want = hf_trace(transformers, ref, batch=2, prompt_len=11)
-    loaded = _load(ckpt, **path.options)
-    got = trace_ours(loaded.model, ids_, fed)
-    err = max(max_rel(a, b) for a, b in zip(got, want))
-    print(f"{producer} {path}: max rel. logit error {err:.2e} over {DECODE_STEPS} steps")
-    assert err < LOGIT_BOUND
+    assert logit_error(ckpt, ref, path, producer) < LOGIT_BOUND
 
 
 # ---------------------------------------------------------------- bytes
@@ -355,12 +348,8 @@ def test_ram_held_for_the_experts(fp4, case, bound):
     File: codes, an E4M3 byte per 16, the fp32 factor and the activation scale per matrix."""
     producer, pow2 = CASES[case][:2]
     path, _, _ = fp4(producer, power_of_two=pow2)
-    loaded = _load(path)
-    held, file_bytes = loaded.info["expert_bytes"], _file_expert_bytes(path)
-    ratio = held / file_bytes
-    print(f"{case}: routed experts {held} bytes held, {file_bytes} in the file: {ratio:.4f}")
+    _, ratio = held_ratio(path, case)
     assert bound[0] <= ratio <= bound[1]
-    assert loaded.plan.ram["routed experts"] == held  # the plan counted the layout the loader built
 
 
 # ---------------------------------------------------------------- bad input
@@ -472,7 +461,7 @@ def test_e4m3_held_experts_are_the_file_bytes_and_values(fp4, case, monkeypatch)
     sdt = "e4m3_div" if producer == "compressed-tensors" else "e4m3"
     path, _, linears = fp4(producer, power_of_two=pow2)
     said = []
-    loaded = _load(path, log=said.append)
+    loaded, ratio = held_ratio(path, f"{case} e4m3", log=said.append)
     assert any(f"group 16 with {sdt} scales, exactly" in s for s in said), said
     for name, layer in moe_blocks(loaded.model):
         info = layer.engine.info()
@@ -480,7 +469,4 @@ def test_e4m3_held_experts_are_the_file_bytes_and_values(fp4, case, monkeypatch)
         for e in range(layer.engine.num_experts):
             for which, got in zip(WEIGHTS, layer.engine.dequantized(e)):
                 assert torch.equal(got, reference(producer, linears[f"{name}.experts.{e}.{which}"])), (name, e, which)
-    held, file_bytes = loaded.info["expert_bytes"], _file_expert_bytes(path)
-    print(f"{case} e4m3: routed experts {held} bytes held, {file_bytes} in the file: {held / file_bytes:.4f}")
-    assert 1.0 <= held / file_bytes <= 1.003
-    assert loaded.plan.ram["routed experts"] == held
+    assert 1.0 <= ratio <= 1.003
