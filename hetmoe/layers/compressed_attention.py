@@ -54,7 +54,7 @@ from torch import nn
 
 from hetmoe.layers.attention import Step
 from hetmoe.layers.hyper_connection import unweighted_rms_norm
-from hetmoe.layers.widen import WIDEN_ROWS, einsum, low_precision_on_cpu, matmul
+from hetmoe.layers.widen import WIDEN_ROWS, einsum, matmul
 
 BLOCK_ELEMS = 1 << 24  # fp32 elements of one block of scores: 64 MiB
 GROW_ALIGN = 64  # the compressed entries' storage grows in multiples of this many positions
@@ -109,10 +109,9 @@ class GroupedLinear(nn.Module):
         lead, width = x.shape[:-2], x.shape[-1]
         w = self.weight.view(self.n_groups, -1, width).transpose(1, 2)  # [g, in, out]
         xg = x.reshape(-1, self.n_groups, width).transpose(0, 1)  # [g, rows, in]
-        if xg.shape[1] >= WIDEN_ROWS and low_precision_on_cpu(xg):  # a prefill: see layers/widen.py
-            return torch.bmm(xg.float(), w.float()).to(x.dtype).transpose(0, 1).reshape(*lead, self.n_groups, -1)
-        y = torch.bmm(xg, w).transpose(0, 1)
-        return y.reshape(*lead, self.n_groups, -1)
+        # a prefill's rows widened on the CPU (layers/widen.py); a decode step reads the weight as it is
+        y = matmul(xg, w) if xg.shape[1] >= WIDEN_ROWS else torch.bmm(xg, w)
+        return y.transpose(0, 1).reshape(*lead, self.n_groups, -1)
 
 
 def _blocks(S: int, per_row: int):

@@ -41,3 +41,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if low_precision_on_cpu(x) and x.numel() >= WIDEN_ROWS * x.shape[-1]:
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)
+
+
+def head_products(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [B, S, h, K] times each head's w [h, K, N] -> [B, S, h, N] (MLA's absorbed products). On the CPU in bf16 /
+    fp16 with fewer than ``WIDEN_ROWS`` rows: with N contiguous in w, one matrix-vector product per row over w^T
+    (PyTorch's batched product of that layout runs each head's matrix alone, slowly; this takes its fast path), with K
+    contiguous PyTorch's own einsum (bf16 dot products, fast); more rows, the widened einsum."""
+    B, S, h, _ = x.shape
+    if low_precision_on_cpu(x) and B * S < WIDEN_ROWS:
+        if w.stride(-1) == 1:
+            rows = [torch.matmul(w.transpose(1, 2), row) for row in x.reshape(B * S, h, -1, 1).unbind(0)]  # [h, N, 1]
+            return torch.stack(rows).view(B, S, h, w.shape[2])
+        return torch.einsum("bshk,hkn->bshn", x, w)
+    return einsum("bshk,hkn->bshn", x, w)

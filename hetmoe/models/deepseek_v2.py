@@ -29,7 +29,7 @@ from hetmoe.layers.kv_cache import KVCache
 from hetmoe.layers.linear import FusedLinears
 from hetmoe.layers.norm import RMSNorm
 from hetmoe.layers.rope import inv_frequencies, yarn_get_mscale, yarn_parameters
-from hetmoe.layers.widen import WIDEN_ROWS, einsum, linear, low_precision_on_cpu
+from hetmoe.layers.widen import head_products, linear
 from hetmoe.models.common import CausalLM, PreNormDecoderLayer, SwiGLUMLP, fused_call, run_layers
 from hetmoe.models.config import ModelConfig
 from hetmoe.moe import MoELayer, RouterLogits, RouterSpec
@@ -285,22 +285,15 @@ class DeepseekV2Attention(nn.Module):
 
 def per_head(x: torch.Tensor, w: torch.Tensor, step: Step) -> torch.Tensor:
     """x [B, S, h, K] times each head's w [h, K, N] -> [B, S, h, N]: a fused decode step of at most HEAD_GEMV_MAX_T
-    rows (one) through one GEMV-shaped kernel (ops/triton/mla.py ``head_gemv``), on the CPU in bf16 one GEMV per row,
-    else an einsum (widened on the CPU: layers/widen.py)."""
+    rows (one) through one GEMV-shaped kernel (ops/triton/mla.py ``head_gemv``), else layers/widen.py's
+    ``head_products`` (an einsum, on the CPU on its fast paths)."""
     B, S, h, K = x.shape
     if step.fused and x.dtype == w.dtype:  # (a fused step has Triton)
         from hetmoe.ops.triton.mla import HEAD_GEMV_MAX_T, head_gemv
 
         if B * S <= HEAD_GEMV_MAX_T:
             return head_gemv(x.reshape(B * S, h, K), w).view(B, S, h, w.shape[2])
-    if low_precision_on_cpu(x) and B * S < WIDEN_ROWS:  # (more rows: the widened product below)
-        if w.stride(-1) == 1:
-            # PyTorch's CPU bf16 batched product with N contiguous in w runs each head's matrix alone, slowly; one
-            # matrix-vector product per row over w^T takes its fast path (layers/widen.py)
-            rows = [torch.matmul(w.transpose(1, 2), row) for row in x.reshape(B * S, h, K, 1).unbind(0)]  # [h, N, 1]
-            return torch.stack(rows).view(B, S, h, w.shape[2])
-        return torch.einsum("bshk,hkn->bshn", x, w)  # K contiguous in w (W_uv^T): bf16 dot products, fast
-    return einsum("bshk,hkn->bshn", x, w)
+    return head_products(x, w)
 
 
 class DeepseekV3Attention(DeepseekV2Attention):

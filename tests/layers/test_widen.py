@@ -1,5 +1,6 @@
 """bf16 products on the CPU computed on fp32 widenings (hetmoe/layers/widen.py ``matmul``, ``einsum``, ``linear``) and
-MLA's per-head products (models/deepseek_v2.py ``per_head``: one GEMV per row): the same values as PyTorch's bf16
+MLA's per-head products (``head_products`` through models/deepseek_v2.py ``per_head``: one GEMV per row): the same
+values as PyTorch's bf16
 products, within the one rounding both make (fp32 sums in another order). CPU path only; fp32 inputs are PyTorch's
 own products, bitwise."""
 
