@@ -46,16 +46,21 @@ MIXED_IDS = ["q4_k_m", "q3_k_m", "q2_k+q3_k"]
 E4M3 = [dict(weight_format="lut4", group_size=16, scale_dtype=sdt, codebook="e2m1") for sdt in ("e4m3", "e4m3_div")]
 
 
+def _scale_blocks(ex: CPUExperts, scale_dtypes: tuple):
+    """(matrix shape, its scale bytes per row block [blocks, block_scale_bytes], a view of the engine's storage) of
+    ``ex``'s gate/up and down matrices whose scale dtype is one of ``scale_dtypes``."""
+    lay, ranges = ExpertLayout.of(ex), expert_ranges(ex)
+    for shape, sets in ((lay.gate_up, ranges[1] if len(ranges) == 4 else None), (lay.down, ranges[-1])):
+        if shape.scale_dtype in scale_dtypes:
+            yield shape, sets.view(-1, shape.block_scale_bytes)
+
+
 def scramble_two_level(ex: CPUExperts, seed: int) -> None:
     """Random bytes in place of ``ex``'s k8 / k4 scale sets (and min sets), in the engine's own storage: random
     sub-scale bytes (k4: sub-scale and sub-min nibbles), random finite fp16 super scales (and mins) of either sign,
     some subnormal. Matrices of other scale dtypes are left as they are."""
     gen = torch.Generator().manual_seed(seed)
-    lay, ranges = ExpertLayout.of(ex), expert_ranges(ex)
-    for shape, sets in ((lay.gate_up, ranges[1] if len(ranges) == 4 else None), (lay.down, ranges[-1])):
-        if shape.scale_dtype not in TWO_LEVEL:
-            continue
-        blocks = sets.view(-1, shape.block_scale_bytes)
+    for shape, blocks in _scale_blocks(ex, TWO_LEVEL):
         blocks.copy_(torch.randint(0, 256, blocks.shape, generator=gen, dtype=torch.uint8))
         subs = shape.kp // shape.group * 16
         supers = [(subs, shape.set_bytes)]  # (first, end) byte of each fp16 run of a block
@@ -73,11 +78,7 @@ def scramble_factors(ex: CPUExperts, seed: int) -> None:
     """Random E4M3 bytes (never the NaN codes) and random positive fp32 factors in place of ``ex``'s e4m3 /
     e4m3_div scale sets, in the engine's own storage. Matrices of other scale dtypes are left as they are."""
     gen = torch.Generator().manual_seed(seed)
-    lay, ranges = ExpertLayout.of(ex), expert_ranges(ex)
-    for shape, sets in ((lay.gate_up, ranges[1] if len(ranges) == 4 else None), (lay.down, ranges[-1])):
-        if shape.scale_dtype not in FACTOR_SCALES:
-            continue
-        blocks = sets.view(-1, shape.block_scale_bytes)
+    for shape, blocks in _scale_blocks(ex, FACTOR_SCALES):
         subs = shape.kp // shape.group * 16
         b = torch.randint(0, 0x7F, (blocks.shape[0], subs), generator=gen, dtype=torch.uint8)
         b |= torch.randint(0, 2, b.shape, generator=gen, dtype=torch.uint8) << 7  # either sign
