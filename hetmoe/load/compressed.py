@@ -279,13 +279,19 @@ def check_parts(module: str, parts: dict, group: Group) -> PackedWeight:
     return PackedWeight(module, (out, cols), g, sdt, symmetric=False, zeros_packed=zdt == torch.int32)
 
 
+def nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 2 * bytes] of ``packed``'s bytes [..., bytes] (any dtype, contiguous bytes: int32 words read
+    little-endian): the low nibble of byte i at 2i, the high one at 2i + 1."""
+    b = packed.contiguous().view(torch.uint8)
+    return torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)
+
+
 def unpack_zero_points(stored: torch.Tensor, rows: int) -> torch.Tensor:
     """Zero points zp + 8 (uint8 0..15) [rows, groups] of a weight_zero_point: int32 [ceil(rows / 8), groups] packed
     along the rows, or int8 [rows, groups] holding zp itself."""
     if stored.dtype == torch.int8:
         return (stored.to(torch.int16) + 8).to(torch.uint8)
-    b = stored.t().contiguous().view(torch.uint8)  # [groups, 4 * words]: byte i holds rows 2i, 2i + 1
-    return torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)[:, :rows].t()
+    return nibbles(stored.t())[:, :rows].t()  # [groups, 8 * words]: byte i holds rows 2i, 2i + 1
 
 
 def check_shape(pw: PackedWeight, stored: torch.Tensor) -> None:

@@ -37,7 +37,14 @@ from typing import Optional
 
 import torch
 
-from hetmoe.load.compressed import SCALE_DTYPES, PackedWeight, QuantizationConfigError, engine_group, unpack_int4
+from hetmoe.load.compressed import (
+    SCALE_DTYPES,
+    PackedWeight,
+    QuantizationConfigError,
+    engine_group,
+    nibbles,
+    unpack_int4,
+)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8c + AWQ_ORDER[i]
 AWQ_COLUMN_NIBBLE = tuple(AWQ_ORDER.index(j) for j in range(8))  # column 8c + j sits in nibble AWQ_COLUMN_NIBBLE[j]
@@ -201,12 +208,6 @@ def check_parts(module: str, parts: dict, scheme: Int4Scheme) -> PackedWeight:
                         zeros_minus_one=scheme.zeros_minus_one, per_channel=scheme.group_size == -1)
 
 
-def _nibbles(words: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., 8 * n] of int32 words [..., n]: nibble j of word w at 8w + j (little-endian bytes)."""
-    b = words.contiguous().view(torch.uint8)  # [..., 4n]
-    return torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)
-
-
 def _transposed(words: torch.Tensor) -> torch.Tensor:
     """int32 [a, b] -> [b, a] in fresh row-major memory (``.contiguous()`` keeps odd strides on size-1 dims, which a
     byte view refuses)."""
@@ -240,7 +241,7 @@ def awq_codes(qweight: torch.Tensor, out: Optional[torch.Tensor] = None) -> torc
 
 def awq_columns(words: torch.Tensor) -> torch.Tensor:
     """uint8 [R, 8 * n] of AWQ-interleaved int32 words [R, n], in column order."""
-    nib = _nibbles(words).view(words.shape[0], words.shape[1], 8)
+    nib = nibbles(words).view(words.shape[0], words.shape[1], 8)
     return nib[..., list(AWQ_COLUMN_NIBBLE)].reshape(words.shape[0], 8 * words.shape[1])
 
 
@@ -248,7 +249,7 @@ def gptq_zeros(qzeros: torch.Tensor, minus_one: bool) -> torch.Tensor:
     """Zero points z (uint8 0..15) [G, N] of GPTQ qzeros int32 [G, N / 8] (v1: the words raised by 0x11111111)."""
     if minus_one:
         qzeros = ((qzeros.to(torch.int64) + V1_OFFSET) & 0xFFFFFFFF).to(torch.uint32).view(torch.int32)
-    return _nibbles(qzeros)
+    return nibbles(qzeros)
 
 
 def zeros_of(pw: PackedWeight, qzeros: torch.Tensor) -> torch.Tensor:

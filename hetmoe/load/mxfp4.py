@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from hetmoe.cpu.layout import CODEBOOKS
+from hetmoe.load.compressed import nibbles
 
 BLOCK = 32  # values per scale
 BLOCK_BYTES = 16  # nibble bytes per block
@@ -47,9 +48,7 @@ def packed_codes(weight: torch.Tensor) -> torch.Tensor:
 
 def codes(blocks: torch.Tensor) -> torch.Tensor:
     """uint8 blocks [.., N, G, 16] -> int8 E2M1 indices [.., N, G * 32] (the low nibble of byte j is value 2j)."""
-    b = blocks.to(torch.uint8)
-    out = torch.stack(((b & 0x0F), (b >> 4)), dim=-1)  # [.., N, G, 16, 2]
-    return out.reshape(*b.shape[:-2], b.shape[-2] * BLOCK).view(torch.int8)
+    return nibbles(blocks.to(torch.uint8)).reshape(*blocks.shape[:-2], blocks.shape[-2] * BLOCK).view(torch.int8)
 
 
 def engine_scales(scales: torch.Tensor, name: str = "MXFP4 weight") -> torch.Tensor:

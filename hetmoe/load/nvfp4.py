@@ -53,7 +53,7 @@ import torch
 from hetmoe.cpu import codes as codes_module
 from hetmoe.cpu.codes import load_codes, lut4_values
 from hetmoe.cpu.layout import CODEBOOKS
-from hetmoe.load.compressed import UNSUPPORTED, Group, PackQuantized, QuantizationConfigError, config_groups
+from hetmoe.load.compressed import UNSUPPORTED, Group, PackQuantized, QuantizationConfigError, config_groups, nibbles
 
 GROUP = 16  # inputs per E4M3 scale
 CT_FORMAT = "nvfp4-pack-quantized"
@@ -169,8 +169,7 @@ class FP4Weight:
 
 def codes(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [.., N, K / 2] -> int8 E2M1 indices [.., N, K] (the low nibble of byte j is column 2j)."""
-    b = packed.contiguous().view(torch.uint8)
-    return torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2).view(torch.int8)
+    return nibbles(packed).view(torch.int8)
 
 
 def engine_scales(scale: torch.Tensor, factor: torch.Tensor, divides: bool, name: str) -> torch.Tensor:
