@@ -1,6 +1,6 @@
 """bf16 products on the CPU computed on fp32 widenings (hetmoe/layers/widen.py ``matmul``, ``einsum``, ``linear``) and
-MLA's per-head products (``head_products`` through models/deepseek_v2.py ``per_head``: one GEMV per row): the same
-values as PyTorch's bf16
+MLA's per-head products (``head_products`` through models/deepseek_v2.py ``per_head``: one GEMV per row) and
+DeepSeek-V4's ``GroupedLinear`` (widened for a prefill's rows): the same values as PyTorch's bf16
 products, within the one rounding both make (fp32 sums in another order). CPU path only; fp32 inputs are PyTorch's
 own products, bitwise."""
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hetmoe.layers.attention import Step
+from hetmoe.layers.compressed_attention import GroupedLinear
 from hetmoe.layers.widen import WIDEN_ROWS, einsum, linear, matmul
 from hetmoe.models.deepseek_v2 import per_head
 
@@ -61,3 +62,22 @@ def test_per_head_on_the_cpu_equals_the_bf16_einsum(rows, layout):
     step = Step(positions=torch.zeros(B, S, dtype=torch.long), slots=torch.arange(B))
     got = per_head(x, w, step)
     _close(got, torch.einsum("bshk,hkn->bshn", x.float(), w.float()).bfloat16())
+
+
+@pytest.mark.parametrize("rows", [1, WIDEN_ROWS - 1, WIDEN_ROWS, 3 * WIDEN_ROWS + 5])
+def test_grouped_linear_rows_either_side_of_the_widening(rows):
+    g = torch.Generator().manual_seed(rows)
+    layer = GroupedLinear(64, 4 * 24, 4)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(4 * 24, 64, generator=g))
+    layer = layer.bfloat16()
+    x = torch.randn(rows, 4, 64, generator=g).bfloat16()
+    w = layer.weight.view(4, 24, 64)
+    want = torch.einsum("rgi,goi->rgo", x.float(), w.float())  # each group's block of rows, in fp32
+    with torch.no_grad():
+        got = layer(x)
+    assert got.shape == (rows, 4, 24) and got.dtype == torch.bfloat16
+    if rows >= WIDEN_ROWS:  # fp32 sums rounded once
+        _close(got, want.bfloat16())
+    else:  # PyTorch's bf16 product, which may round more than once
+        assert (got.float() - want).abs().max() <= 2**-7 * want.abs().max()
