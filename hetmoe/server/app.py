@@ -33,7 +33,7 @@ from aiohttp import web
 
 from hetmoe.server import access_log, anthropic, chat, cors, logprobs, protocol, tokens
 from hetmoe.server.access import HostPolicy
-from hetmoe.server.bridge import EngineLoop, Request
+from hetmoe.server.bridge import ERROR_CODE, HTTP_STATUS, EngineLoop, Request
 from hetmoe.server.connections import ConnectionGuard
 from hetmoe.server.limits import RETRY_AFTER_S, Limits, parse_body
 from hetmoe.server.metrics import Metrics
@@ -491,9 +491,12 @@ async def messages(request: web.Request) -> web.StreamResponse:
         run.close()
 
 
+STATUS_OF_CODE = {ERROR_CODE[kind]: status for kind, status in HTTP_STATUS.items()}
+
+
 def _error_status(body: dict) -> int:
-    return {"kv_cache_full": 503, "out_of_memory": 503, "shutting_down": 503,
-            "invalid_value": 400}.get(body["error"].get("code"), 500)
+    """The HTTP status of an engine error event's body, by its code (bridge.py's tables)."""
+    return STATUS_OF_CODE.get(body["error"].get("code"), 500)
 
 
 async def count_tokens(request: web.Request) -> web.Response:
