@@ -5,6 +5,7 @@ that fails any weight read, for errors that must come before it, is tests/load/c
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -14,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from hetmoe.config.options import EngineOptions
 from hetmoe.load.checkpoint import CheckpointError
-from hetmoe.load.loader import load_model
+from hetmoe.load.loader import check_model_dir, load_model
 from parity import DECODE_STEPS, hf_trace, max_rel, trace_ours
 from paths import BEST_ROW_PATH
 
@@ -61,6 +62,26 @@ def edit_tensors(path: Path, change) -> None:
     tensors = load_file(path / "model.safetensors")
     change(tensors)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def edit_config(path: Path, change) -> None:
+    """The checkpoint at ``path`` with its quantization_config changed in place by ``change(qc)``."""
+    cfg = json.loads((path / "config.json").read_text())
+    change(cfg["quantization_config"])
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def assert_config_edit_refused(source: Path, dest: Path, change, message: str, check_dir: bool = True) -> None:
+    """A copy of checkpoint ``source`` at ``dest`` with its quantization_config changed by ``change(qc)`` is refused
+    by the loader with CheckpointError ``message`` (a regex), and (``check_dir``) by check_model_dir after
+    config.json's path."""
+    path = Path(shutil.copytree(source, dest))
+    edit_config(path, change)
+    with pytest.raises(CheckpointError, match=message):
+        load(path)
+    if check_dir:
+        with pytest.raises(CheckpointError, match=f"^{re.escape(str(path / 'config.json'))}: .*{message}"):
+            check_model_dir(path)
 
 
 def assert_tensor_edit_refused(source: Path, dest: Path, change, message: str) -> None:

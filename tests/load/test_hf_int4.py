@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -44,7 +43,9 @@ from hf_quantized import (  # noqa: E402
     ROUTER_SHARPNESS,
     SIZES,
     WEIGHTS,
+    assert_config_edit_refused,
     assert_tensor_edit_refused,  # noqa: E402
+    edit_config,
     held_ratio,
     logit_error,
 )
@@ -469,15 +470,19 @@ def test_ram_held_for_the_experts(int4, case, bound):
 # ---------------------------------------------------------------- bad input
 
 
+def _settings(**changes):
+    """A quantization_config change: these settings set (None: removed)."""
+    def change(qc: dict) -> None:
+        for k, v in changes.items():
+            if v is None:
+                qc.pop(k, None)
+            else:
+                qc[k] = v
+    return change
+
+
 def _edit_config(path: Path, **changes) -> None:
-    cfg = json.loads((path / "config.json").read_text())
-    qc = cfg["quantization_config"]
-    for k, v in changes.items():
-        if v is None:
-            qc.pop(k, None)
-        else:
-            qc[k] = v
-    (path / "config.json").write_text(json.dumps(cfg))
+    edit_config(path, _settings(**changes))
 
 
 
@@ -510,13 +515,8 @@ BAD_CONFIGS = {  # id -> (format, config changes, the error after config.json's 
 @pytest.mark.parametrize("case", list(BAD_CONFIGS))
 def test_an_unsupported_config_is_named_before_any_weight(int4, tmp_path, no_weights, case):
     fmt, changes, message = BAD_CONFIGS[case]
-    path = Path(shutil.copytree(int4(fmt)[0], tmp_path / "ckpt"))
-    _edit_config(path, **changes)
-    with pytest.raises(CheckpointError, match=message):
-        _load(path)
-    if case not in ("gptq-group-256", "no-method"):  # (those need the tensors' headers)
-        with pytest.raises(CheckpointError, match=f"^{re.escape(str(path / 'config.json'))}: .*{message}"):
-            check_model_dir(path)
+    assert_config_edit_refused(int4(fmt)[0], tmp_path / "ckpt", _settings(**changes), message,
+                               check_dir=case not in ("gptq-group-256", "no-method"))  # (those need the headers)
 
 
 BAD_TENSORS = {  # id -> (format, change to the tensors, the error)

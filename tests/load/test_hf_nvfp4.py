@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -43,6 +42,7 @@ from hf_quantized import (  # noqa: E402
     ROUTER_SHARPNESS,
     SIZES,
     WEIGHTS,
+    assert_config_edit_refused,
     assert_tensor_edit_refused,  # noqa: E402
     held_ratio,
     logit_error,
@@ -355,12 +355,6 @@ def test_ram_held_for_the_experts(fp4, case, bound):
 # ---------------------------------------------------------------- bad input
 
 
-def _edit_config(path: Path, change) -> None:
-    cfg = json.loads((path / "config.json").read_text())
-    change(cfg["quantization_config"])
-    (path / "config.json").write_text(json.dumps(cfg))
-
-
 def _weights(qc):
     return qc["config_groups"]["group_0"]["weights"]
 
@@ -392,12 +386,7 @@ BAD_CONFIGS = {  # id -> (producer, change to quantization_config, the error aft
 @pytest.mark.parametrize("case", list(BAD_CONFIGS))
 def test_an_unsupported_config_is_named_before_any_weight(fp4, tmp_path, no_weights, case):
     producer, change, message = BAD_CONFIGS[case]
-    path = Path(shutil.copytree(fp4(producer)[0], tmp_path / "ckpt"))
-    _edit_config(path, change)
-    with pytest.raises(CheckpointError, match=message):
-        _load(path)
-    with pytest.raises(CheckpointError, match=f"^{re.escape(str(path / 'config.json'))}: .*{message}"):
-        check_model_dir(path)
+    assert_config_edit_refused(fp4(producer)[0], tmp_path / "ckpt", change, message)
 
 
 def _cut(name: str, cols: int):
