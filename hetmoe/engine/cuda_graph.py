@@ -29,7 +29,7 @@ from __future__ import annotations
 import sys
 import time
 from contextlib import contextmanager, nullcontext
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -140,9 +140,10 @@ class GraphDecoder:
 
     @torch.inference_mode()
     def step(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-             cpu: bool = True) -> torch.Tensor:
+             cpu: bool = True, meanwhile: Optional[Callable[[], None]] = None) -> torch.Tensor:
         """One token for each of n sequences (validated by the runner) -> logits fp32 [n, V] (a fresh tensor).
-        ``cpu=False``: leave the CPU experts out (benchmark time split; the outputs are then meaningless)."""
+        ``cpu=False``: leave the CPU experts out (benchmark time split; the outputs are then meaningless).
+        ``meanwhile()``: host work run after the step is launched and before it is waited for."""
         n = len(token_ids)
         B = padded_size(n, self.sizes) if self.cuda_graph else n
         kv_len = self.kv_len(positions)
@@ -162,7 +163,11 @@ class GraphDecoder:
             graph, logits = self.graphs[key]
             graph.replay()
         out = logits[:n].clone()
-        self.finish()
+        try:
+            if meanwhile is not None:
+                meanwhile()
+        finally:
+            self.finish()
         return out
 
     def finish(self) -> None:

@@ -151,19 +151,19 @@ def tokenizer_info(tokenizer, vocab_size: int, shown_special_ids: frozenset = fr
                              add_prefix_space=prefix_space)
 
 
-def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """logits [V] fp32, in place: -inf where ``bitmask`` (int32 [ceil(V/32)], bit j of word i = token 32i + j
-    allowed) has a 0."""
+def apply_bitmasks(logits: torch.Tensor, bitmasks: torch.Tensor) -> None:
+    """logits [R, V] fp32, in place: -inf where row r's bitmask (``bitmasks`` int32 [R, ceil(V/32)] on the host,
+    bit j of word i = token 32i + j allowed) has a 0. One set of operations for all R rows."""
     V = logits.shape[-1]
     if logits.device.type == "cpu":
         import numpy as np
 
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[:V]
+        bits = np.unpackbits(bitmasks.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :V]
         logits.masked_fill_(torch.from_numpy(bits.view(np.bool_)).logical_not_(), float("-inf"))
         return
-    words = bitmask.to(logits.device, non_blocking=True)
+    words = bitmasks.to(logits.device, non_blocking=True)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(-1)[:V].bool()  # [V]
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(words.shape[0], -1)[:, :V].bool()  # [R, V]
     logits.masked_fill_(allowed.logical_not_(), float("-inf"))
 
 
@@ -196,14 +196,19 @@ class GrammarConstraint:
             self._allows_some = _allows_some(self._bitmask, self.vocab_size)
             self._filled = True
 
-    def mask(self, logits: torch.Tensor) -> bool:
-        if logits.shape != (self.vocab_size,):
-            raise ValueError(f"the constraint expects logits [{self.vocab_size}], got {tuple(logits.shape)}")
+    def host_mask(self) -> torch.Tensor:
+        """The next position's bitmask (int32 [ceil(V/32)] on the host), for the caller to apply (with other rows'
+        at once: ``apply_bitmasks``) instead of ``mask``. ValueError when it allows no token."""
         self.prepare()
         self._filled = False
         if not self._allows_some:
             raise ValueError("the constraint allows no token at this position")
-        _apply_bitmask(logits, self._bitmask)
+        return self._bitmask
+
+    def mask(self, logits: torch.Tensor) -> bool:
+        if logits.shape != (self.vocab_size,):
+            raise ValueError(f"the constraint expects logits [{self.vocab_size}], got {tuple(logits.shape)}")
+        apply_bitmasks(logits.view(1, -1), self.host_mask().view(1, -1))
         return True  # checked on the host: some token stays allowed
 
     def accept(self, token: int) -> None:

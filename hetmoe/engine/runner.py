@@ -291,8 +291,10 @@ class Runner:
         """Append one token to ``slot``; logits after it, fp32 [vocab]."""
         return self.decode_batch([token_id], [slot])[0]
 
-    def decode_batch(self, token_ids: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
-        """One token for each of several slots (their positions may differ) -> fp32 [B, vocab]."""
+    def decode_batch(self, token_ids: Sequence[int], slots: Sequence[int],
+                     meanwhile: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        """One token for each of several slots (their positions may differ) -> fp32 [B, vocab]. ``meanwhile()``:
+        host work (the scheduler's constraint masks) run while the GPU computes the step (on the CPU: before it)."""
         token_ids, slots = [int(t) for t in token_ids], [int(s) for s in slots]
         if not slots or len(token_ids) != len(slots):
             raise ValueError(
@@ -311,8 +313,10 @@ class Runner:
             self.reserve(s, self.lengths[s] + 1)
         if self.decoder is not None:
             with self._states_of(slots):
-                logits = self.decoder.step(token_ids, [self.lengths[s] for s in slots], slots)
+                logits = self.decoder.step(token_ids, [self.lengths[s] for s in slots], slots, meanwhile=meanwhile)
         else:
+            if meanwhile is not None:
+                meanwhile()
             positions = torch.tensor([[self.lengths[s]] for s in slots])
             logits = self.forward(torch.tensor([[int(t)] for t in token_ids]), positions, torch.tensor(list(slots)))
         for s in slots:

@@ -46,6 +46,10 @@ class TokenConstraint(Protocol):
         prepare()         work out the next mask on the host now (the scheduler calls it while the GPU computes the
                           step's logits, so that ``mask`` only applies it)
 
+        host_mask()       the next mask as a host bitmask (int32 [ceil(V/32)], bit j of word i = token 32i + j
+                          allowed; ValueError when none is), which the scheduler applies to all its rows' logits at
+                          once instead of calling ``mask``
+
     and ``mask`` may return True to say it checked on the host that some token stays allowed (raising ValueError
     otherwise); any other return lets the sampler check the masked logits itself (a device round trip)."""
 
@@ -296,15 +300,16 @@ class LogitsProcessor:
         if prepare is not None:
             prepare()
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [V] fp32, modified in place and returned. ValueError when the constraint allows no token, or the
-        logit bias names one beyond V."""
+    def apply(self, logits: torch.Tensor, masked: bool = False) -> torch.Tensor:
+        """logits [V] fp32, modified in place and returned. ``masked``: the constraint's mask was applied already
+        (``host_mask``; it commutes with the bias and the penalties: -inf stays -inf). ValueError when the
+        constraint allows no token, or the logit bias names one beyond V."""
         p = self.params
         if self._device != logits.device:  # the first call (or the logits moved)
             self._build(logits.shape[-1], logits.device)
         if self._bias is not None:
             logits.index_add_(0, *self._bias)
-        if self.constraint is not None:
+        if self.constraint is not None and not masked:
             if self.constraint.mask(logits) is not True and not bool((logits > float("-inf")).any()):
                 raise ValueError("the constraint allows no token at this position")
         if self._seen is not None:

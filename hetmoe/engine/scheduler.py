@@ -54,6 +54,7 @@ from typing import Callable, Optional
 
 import torch
 
+from hetmoe.engine.grammar import apply_bitmasks
 from hetmoe.engine.sampler import SamplingParams, prompt_logprobs
 from hetmoe.engine.sequence import GenerationResult, SequenceState, Timings
 from hetmoe.layers.kv_cache import KVCacheFull
@@ -148,6 +149,18 @@ class _Sequence:
     @property
     def prefilling(self) -> bool:
         return self.prefilled < len(self.req.prompt_ids)
+
+
+def _prepare(batch: list) -> None:
+    """The host's share of the step's sampling (each constraint's next mask: ``SequenceState.prepare``), run by
+    the runner while the GPU computes the step. Errors are left for ``_sample``, which asks again and fails that
+    sequence alone."""
+    for seq in batch:
+        if not seq.req.params.plain_greedy:
+            try:
+                seq.state.prepare()
+            except Exception:
+                pass
 
 
 def _kind(e: BaseException) -> str:
@@ -398,7 +411,8 @@ class Scheduler:
         for seq in batch:
             seq.kv_trusted = False
         try:
-            logits = self.runner.decode_batch([s.next_token for s in batch], [s.slot for s in batch])
+            logits = self.runner.decode_batch([s.next_token for s in batch], [s.slot for s in batch],
+                                              meanwhile=lambda: _prepare(batch))
         except Exception:
             logits = self._decode_one_by_one(batch)  # find the sequence at fault; the others go on
             batch = [s for s in batch if s in self.running]
@@ -425,13 +439,12 @@ class Scheduler:
         return torch.stack(rows) if rows else torch.empty(0)
 
     def _sample(self, batch: list, logits: torch.Tensor) -> list:
-        """One token per sequence from logits [B, V]. First the host's share of every processed row (constraint
-        masks: ``SequenceState.prepare``), done while a GPU may still be computing ``logits``. Then one argmax for
-        the plain greedy rows (no bias, constraint, penalty, min_p or log-probabilities:
-        ``SamplingParams.plain_greedy``) and the processed greedy rows without log-probabilities (each processed
-        by its SequenceState), read back at once; the others one by one through their SequenceState (log-
-        probabilities, their own parameters and generator). None where sampling failed (that sequence is
-        failed)."""
+        """One token per sequence from logits [B, V]. One argmax for the plain greedy rows (no bias, constraint,
+        penalty, min_p or log-probabilities: ``SamplingParams.plain_greedy``) and the processed greedy rows
+        without log-probabilities, read back at once: those rows are gathered, their constraints' host bitmasks
+        (filled while the step ran: ``_prepare``) applied to all of them in one set of operations, then each
+        row's bias and penalties. The others one by one through their SequenceState (log-probabilities, their own
+        parameters and generator). None where sampling failed (that sequence is failed)."""
         tokens: list = [None] * len(batch)
         failed: set = set()
 
@@ -439,27 +452,35 @@ class Scheduler:
             failed.add(i)
             self._fail(batch[i], "failed", f"sampling failed: {type(e).__name__}: {e}", e)
 
-        for i, seq in enumerate(batch):
-            if not seq.req.params.plain_greedy:
-                try:
-                    seq.state.prepare()
-                except Exception as e:
-                    fail(i, e)
         plain = [i for i, s in enumerate(batch) if s.req.params.plain_greedy]
-        processed, rows = [], []
+        processed, masks = [], []
         for i, seq in enumerate(batch):
             p = seq.req.params
-            if i not in failed and not p.plain_greedy and p.greedy and p.logprobs is None:
+            if not p.plain_greedy and p.greedy and p.logprobs is None:
                 try:
-                    rows.append(seq.state.process(logits[i]))
+                    masks.append(seq.state.host_mask())
                     processed.append(i)
                 except Exception as e:
                     fail(i, e)
         picks = [logits[plain].argmax(-1)] if plain else []
-        picks += [torch.stack(rows).argmax(-1)] if rows else []
+        if processed:
+            rows = logits[processed].float()  # a copy: [R, V]
+            held = [r for r, m in enumerate(masks) if m is not None]
+            if held:
+                words = torch.full((len(processed), masks[held[0]].shape[-1]), -1, dtype=torch.int32)
+                for r in held:
+                    words[r] = masks[r]
+                apply_bitmasks(rows, words)
+            for r, i in enumerate(processed):
+                try:
+                    batch[i].state.process_in_place(rows[r], masked=masks[r] is not None)
+                except Exception as e:
+                    fail(i, e)
+            picks.append(rows.argmax(-1))
         if picks:
             for i, t in zip(plain + processed, torch.cat(picks).tolist()):
-                tokens[i] = t
+                if i not in failed:
+                    tokens[i] = t
         for i, seq in enumerate(batch):
             if tokens[i] is None and i not in failed:
                 try:

@@ -184,6 +184,18 @@ class SequenceState:
         if self.processor is not None:
             self.processor.prepare()
 
+    def host_mask(self) -> Optional[torch.Tensor]:
+        """The constraint's next mask as a host bitmask (``TokenConstraint.host_mask``) for the caller to apply,
+        then ``process_in_place(..., masked=True)``; None without a constraint or where it masks on its own."""
+        host_mask = getattr(self.constraint, "host_mask", None)
+        return host_mask() if host_mask is not None else None
+
+    def process_in_place(self, logits: torch.Tensor, masked: bool = False) -> None:
+        """This sequence's processor on logits [V] fp32 (a row the caller owns), in place; ``masked``: its
+        constraint's host mask was applied already."""
+        if self.processor is not None:
+            self.processor.apply(logits, masked)
+
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """This sequence's logits [V] (left unchanged) after its processor, as a new fp32 tensor: what ``sample``
         picks from (no host round trip where the constraint checks its mask on the host). ValueError when the

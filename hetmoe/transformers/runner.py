@@ -212,14 +212,18 @@ class TransformersRunner:
     def decode(self, token_id: int, slot: int = 0) -> torch.Tensor:
         return self.decode_batch([token_id], [slot])[0]
 
-    def decode_batch(self, token_ids: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
-        """One token for each of several slots -> fp32 [B, vocab] (one forward call per slot)."""
+    def decode_batch(self, token_ids: Sequence[int], slots: Sequence[int],
+                     meanwhile: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        """One token for each of several slots -> fp32 [B, vocab] (one forward call per slot). ``meanwhile()``:
+        the scheduler's host work for the step (run first: these calls are not overlapped with it)."""
         token_ids, slots = self._check_ids(token_ids), [int(s) for s in slots]
         if not slots or len(token_ids) != len(slots) or len(set(slots)) != len(slots):
             raise ValueError(f"decode_batch needs one token per distinct slot, got {len(token_ids)} tokens for "
                              f"slots {slots}")
         for s in slots:
             self._check_slot(s)
+        if meanwhile is not None:
+            meanwhile()
             if len(self.tokens[s]) >= self.max_context:
                 raise ValueError(f"slot {s} is full ({self.max_context} tokens, --max-context)")
         return torch.stack([self._forward(s, [t]) for t, s in zip(token_ids, slots)])

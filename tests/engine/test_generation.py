@@ -76,7 +76,9 @@ class TableRunner:
     def prefill_batch(self, chunks, slots, starts):
         return torch.stack([self.prefill(c, s, st) for c, s, st in zip(chunks, slots, starts)])
 
-    def decode_batch(self, tokens, slots):
+    def decode_batch(self, tokens, slots, meanwhile=None):
+        if meanwhile is not None:
+            meanwhile()
         rows = []
         for token, slot in zip(tokens, slots):
             assert len(self.cache[slot]) < self.max_context, "decode past the context"
@@ -487,7 +489,7 @@ def test_stopping_between_steps_keeps_the_cache(tok):
 def test_a_failed_request_raises_its_error(tok):
     runner = ContextRunner(max_batch=2)
 
-    def broken(tokens, slots):
+    def broken(tokens, slots, meanwhile=None):
         raise RuntimeError("decode exploded")
 
     runner.decode_batch = broken

@@ -10,11 +10,13 @@ import threading
 
 import pytest
 import torch
+from paths import BEST_ROW_PATH
 from schema_check import validate
 
-from hetmoe.engine import grammar
-from hetmoe.engine.llm import default_model_path
-from hetmoe.engine.sampler import TokenConstraint
+from hetmoe.config.options import EngineOptions
+from hetmoe.engine import grammar, scheduler
+from hetmoe.engine.llm import LLM, default_model_path
+from hetmoe.engine.sampler import SamplingParams, TokenConstraint
 from hetmoe.tokenizer import Tokenizer
 
 V = 8192  # the built-in model's vocabulary (config.json)
@@ -111,18 +113,22 @@ def test_special_tokens_are_text_only_when_shown(tok):
     assert im_start in _allowed(inside) and not _allowed(inside) & {t for t in tok.eos_ids if t != im_start}
 
 
-def test_bitmask_unpacking_matches_a_naive_reference():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_bitmask_unpacking_matches_a_naive_reference(device):
+    """apply_bitmasks: every row of a batch masked by its own bitmask, bits past V unread."""
     gen = torch.Generator().manual_seed(0)
     for vocab in (1, 31, 32, 33, 1000, V):
-        words = torch.randint(-2**31, 2**31 - 1, ((vocab + 31) // 32,), dtype=torch.int32, generator=gen)
-        logits = torch.randn(vocab, generator=gen)
-        ref = logits.clone()
-        for j in range(vocab):
-            if not (int(words[j // 32]) >> (j % 32)) & 1:
-                ref[j] = float("-inf")
-        out = logits.clone()
-        grammar._apply_bitmask(out, words)
-        assert torch.equal(out, ref), vocab
+        for rows in (1, 3):
+            words = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+            logits = torch.randn(rows, vocab, generator=gen)
+            ref = logits.clone()
+            for r in range(rows):
+                for j in range(vocab):
+                    if not (int(words[r, j // 32]) >> (j % 32)) & 1:
+                        ref[r, j] = float("-inf")
+            out = logits.to(device)
+            grammar.apply_bitmasks(out, words)
+            assert torch.equal(out.cpu(), ref), (vocab, rows)
 
 
 def test_the_host_side_check_of_a_mask_matches_a_naive_reference():
@@ -231,3 +237,40 @@ def test_matchers_run_in_parallel_threads(grammars, tok):
     for seed, text in texts.items():
         validate(json.loads(text), PERSON)
         assert text == walk(factory(), tok, seed)  # the same walk alone
+
+
+def test_grammar_rows_of_a_step_are_masked_together_and_equal_each_alone(grammars, monkeypatch):
+    """In a decode step the constraints' bitmasks are filled inside the runner's call (``meanwhile``: while a GPU
+    computes) and applied to all constrained rows in one ``apply_bitmasks``; a bias on one of them still applies,
+    and every sequence's tokens equal its run alone."""
+
+    llm = LLM(None, EngineOptions(device="cpu", max_context=256, max_batch=4, **BEST_ROW_PATH.options),
+              expert_cache=None, progress=False, log=lambda m: None)
+    person, nested = grammars.json_schema(PERSON), grammars.json_schema(NESTED)
+    params = [SamplingParams(max_tokens=24, constraint=person), SamplingParams(max_tokens=24),
+              SamplingParams(max_tokens=24, constraint=nested, logit_bias={tok_id: 5.0 for tok_id in (17, 18)}),
+              SamplingParams(max_tokens=24, constraint=person)]
+    prompts = ["A person:", "Hello", "Points:", "Someone else:"]
+    alone = []
+    for prompt, p in zip(prompts, params):
+        llm.forget_cache()
+        alone.append(llm.generate(prompt, p).token_ids)
+    applied, inside = [], []
+    apply, decode_batch = scheduler.apply_bitmasks, llm.runner.decode_batch
+
+    def counting_apply(rows, words):
+        applied.append(rows.shape[0])
+        apply(rows, words)
+
+    def spy(tokens, slots, meanwhile=None):
+        def watched():
+            inside.append(True)
+            meanwhile()
+        return decode_batch(tokens, slots, watched if meanwhile is not None else None)
+
+    monkeypatch.setattr(scheduler, "apply_bitmasks", counting_apply)
+    llm.runner.decode_batch = spy
+    llm.forget_cache()
+    together = [r.token_ids for r in llm.generate(prompts, params)]
+    assert together == alone
+    assert applied and max(applied) == 3 and len(inside) >= len(applied)

@@ -35,9 +35,9 @@ def test_a_list_of_prompts_equals_each_alone(llm):
         alone.append(llm.generate(prompt, params))
     batches, decode_batch = [], llm.runner.decode_batch
 
-    def spy(tokens, slots):
+    def spy(tokens, slots, meanwhile=None):
         batches.append(len(slots))
-        return decode_batch(tokens, slots)
+        return decode_batch(tokens, slots, meanwhile)
 
     llm.forget_cache()
     llm.runner.decode_batch = spy

@@ -196,13 +196,13 @@ def test_greedy_rows_take_the_batched_argmax(llm, monkeypatch):
     """In a decode step the plain greedy rows and the processed greedy rows without log-probabilities share one
     argmax: no row goes through SequenceState.sample one by one (only the first token, after the prefill, does);
     the processed rows still go through their processor each token, and the result is the one-by-one result."""
-    calls = {"sample": [], "process": []}
+    calls = {"sample": [], "process_in_place": []}
     originals = {name: getattr(SequenceState, name) for name in calls}
 
     def counting(name):
-        def wrapper(self, logits):
+        def wrapper(self, logits, **kwargs):
             calls[name].append(self.params)
-            return originals[name](self, logits)
+            return originals[name](self, logits, **kwargs)
         return wrapper
 
     for name in calls:
@@ -211,8 +211,8 @@ def test_greedy_rows_take_the_batched_argmax(llm, monkeypatch):
         max_tokens=6, ignore_eos=True, logit_bias={5: 0.5})
     batched = llm.generate(["Hello", "def f"], [plain, biased])
     assert sum(p is plain for p in calls["sample"]) == 1 and sum(p is biased for p in calls["sample"]) == 1
-    assert not any(p is plain for p in calls["process"])
-    assert sum(p is biased for p in calls["process"]) == 6  # every token through the processor
+    assert not any(p is plain for p in calls["process_in_place"])
+    assert sum(p is biased for p in calls["process_in_place"]) == 5  # every decoded token through the processor
     alone = llm.generate("def f", biased)
     assert batched[1].token_ids == alone.token_ids
 

@@ -45,7 +45,9 @@ class SlotRunner:
         self.calls.append(("prefill_batch", tuple(slots)))
         return torch.stack(rows)
 
-    def decode_batch(self, tokens, slots):
+    def decode_batch(self, tokens, slots, meanwhile=None):
+        if meanwhile is not None:
+            meanwhile()
         assert len(set(slots)) == len(slots)
         if POISON in tokens:
             raise RuntimeError("poisoned token")
@@ -179,10 +181,10 @@ class KVLimitedRunner(SlotRunner):
         self.reserve(slot, start + len(ids))
         return super().prefill(ids, slot, start)
 
-    def decode_batch(self, tokens, slots):
+    def decode_batch(self, tokens, slots, meanwhile=None):
         for s in slots:
             self.reserve(s, self.lengths[s] + 1)
-        return super().decode_batch(tokens, slots)
+        return super().decode_batch(tokens, slots, meanwhile)
 
 
 def test_kv_memory_out_frees_idle_slots_then_fails_that_request_with_503(tok):
@@ -208,10 +210,10 @@ class GatedRunner(SlotRunner):
         super().__init__(**kw)
         self.gate, self.held = threading.Event(), threading.Event()
 
-    def decode_batch(self, tokens, slots):
+    def decode_batch(self, tokens, slots, meanwhile=None):
         self.held.set()
         assert self.gate.wait(30), "the test never opened the gate"
-        return super().decode_batch(tokens, slots)
+        return super().decode_batch(tokens, slots, meanwhile)
 
 
 def test_cancel_frees_the_slot(tok):
