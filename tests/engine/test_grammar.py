@@ -10,7 +10,6 @@ import threading
 
 import pytest
 import torch
-from paths import BEST_ROW_PATH
 from schema_check import validate
 
 from hetmoe.config.options import EngineOptions
@@ -18,6 +17,7 @@ from hetmoe.engine import grammar, scheduler
 from hetmoe.engine.llm import LLM, default_model_path
 from hetmoe.engine.sampler import SamplingParams, TokenConstraint
 from hetmoe.tokenizer import Tokenizer
+from paths import BEST_ROW_PATH
 
 V = 8192  # the built-in model's vocabulary (config.json)
 
