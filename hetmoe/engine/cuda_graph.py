@@ -35,6 +35,7 @@ import torch
 
 from hetmoe.layers.attention import Step
 from hetmoe.layers.kv_cache import RecurrentStates
+from hetmoe.layers.sparse_attention import sparse_kv_len
 
 KV_MODES = ("full", "bucket")
 DEFAULT_KV_MODE = "bucket"
@@ -108,12 +109,13 @@ class GraphDecoder:
 
     def __init__(self, model, cache, max_batch: int, max_context: int, device: torch.device, hybrid=None,
                  cuda_graph: bool = True, kv_mode: str = DEFAULT_KV_MODE, kv_bucket: int = 64, fused: bool = False,
-                 log=lambda msg: print(msg, file=sys.stderr, flush=True)):
+                 sparse_topk: Optional[int] = None, log=lambda msg: print(msg, file=sys.stderr, flush=True)):
         if kv_mode not in KV_MODES:
             raise ValueError(f"kv_mode must be one of {', '.join(KV_MODES)}, got {kv_mode!r}")
         self.model, self.cache, self.hybrid = model, cache, hybrid
         self.max_batch, self.max_context, self.device = max_batch, max_context, device
         self.cuda_graph, self.kv_mode, self.kv_bucket, self.fused, self.log = cuda_graph, kv_mode, kv_bucket, fused, log
+        self.sparse_topk = sparse_topk  # DeepSeek Sparse Attention's index_topk: kv_len from sparse_kv_len
         self.sizes = capture_sizes(max_batch)
         self.capacity = self.sizes[-1]
         self.scratch_slot = max_batch
@@ -132,6 +134,8 @@ class GraphDecoder:
 
     def kv_len(self, positions: Sequence[int]) -> int:
         top = max(positions)
+        if self.sparse_topk is not None:  # the sparse layers read kv_len rows and choose dense or sparse by it
+            return sparse_kv_len(top, self.sparse_topk, self.max_context)
         if self.cache.paged:  # the kernels read the lengths on the device; kv_len only bounds eager fallbacks
             return self.max_context
         if self.cuda_graph and self.kv_mode == "full":
@@ -181,7 +185,8 @@ class GraphDecoder:
         """The decode forward over the static inputs' first B rows -> logits fp32 [B, V]."""
         C = self.capacity
         ids = self.inputs[:B].view(B, 1)
-        step = Step(self.inputs[C:C + B].view(B, 1), self.inputs[2 * C:2 * C + B], kv_len=kv_len, fused=self.fused)
+        step = Step(self.inputs[C:C + B].view(B, 1), self.inputs[2 * C:2 * C + B], kv_len=kv_len, fused=self.fused,
+                    captured=self.cuda_graph)
         n = self.inputs[3 * C:3 * C + 1]
         ctx = self.hybrid.step(n, cpu, mapped=self.fused) if self.hybrid is not None else nullcontext()
         with ctx:

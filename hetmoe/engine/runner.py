@@ -82,6 +82,7 @@ class Runner:
         self.vocab_size = loaded.config.vocab_size
         self.recurrent = getattr(self.cache, "states", None) is not None  # recurrent layers: states per slot
         self.sparse = getattr(self.cache, "index_layers", 0) > 0  # DeepSeek Sparse Attention: indexer keys per slot
+        self.sparse_topk: Optional[int] = None  # its index_topk where decode steps are captured (GraphDecoder)
         self.lost: set = set()  # slots whose recurrent states a failed call left half updated
         # what keeps those states, for the messages (a cache may say: DeepSeek-V4's compressed attention)
         self.state_owner = getattr(self.cache, "state_owner", "linear-attention layers")
@@ -101,11 +102,16 @@ class Runner:
                 _say("decode steps run without CUDA graphs or the fused kernels: their capture does not cover the "
                      f"{self.state_owner}' {self.state_what} yet")
                 graph = fused = False
-            if self.sparse and (graph or fused):
-                _say("decode steps run without CUDA graphs or the fused kernels: the sparse-attention layers choose "
+            captures = getattr(self.model, "sparse_steps_captured", False)
+            if self.sparse and not captures and (graph or fused):
+                _say("decode steps run without CUDA graphs or the fused kernels: these sparse-attention layers choose "
                      "between dense and indexer-selected attention by context length on the host, which a graph "
                      "cannot")
                 graph = fused = False
+            if self.sparse and fused:
+                _say("decode steps run without the fused kernels: the sparse-attention layers have no fused step")
+                fused = False
+            self.sparse_topk = self.model.config.index_topk if self.sparse and captures else None
             why = getattr(self.model, "eager_decode", None)  # e.g. attention the graphs' kernels do not compute
             if why and (graph or fused):
                 _say(f"decode steps run without CUDA graphs or the fused kernels: {why}")
@@ -121,7 +127,8 @@ class Runner:
                 return
             self.hybrid = StreamDecode(GraphDecoder.capacity_for(self.max_batch), self.device, offloaded)
         self.decoder = GraphDecoder(self.model, self.cache, self.max_batch, self.max_context, self.device,
-                                    self.hybrid, cuda_graph, fused=fused, **decoder_kwargs)
+                                    self.hybrid, cuda_graph, fused=fused, sparse_topk=self.sparse_topk,
+                                    **decoder_kwargs)
 
     def reserve(self, slot: int, length: int) -> None:
         """KV positions [0, length) of ``slot`` held; when the memory is out, ``reclaim`` (the scheduler's: drop

@@ -49,6 +49,9 @@ class Step:
     # a decode step of the fused path (the CUDA graph's, engine/cuda_graph.py): layers run their element-wise work
     # as the Triton kernels of ops/triton/fused.py (PreNormDecoderLayer.forward_fused)
     fused: bool = False
+    # a step a CUDA graph captures (engine/cuda_graph.py): no layer may read a device tensor on the host; whatever
+    # depends on the context length is decided from kv_len alone
+    captured: bool = False
     _masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # attn_mask's, once per call
 
     def attn_mask(self, ctx: int, dtype: torch.dtype, group: int = 1) -> torch.Tensor:

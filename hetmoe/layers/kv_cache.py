@@ -233,12 +233,26 @@ class KVCache:
                 b = slice(step.first_slot, step.first_slot + step.slots.shape[0])
                 return self.k[layer, b, :n], self.v[layer, b, :n]
             return self.k[layer][step.slots, :n], self.v[layer][step.slots, :n]
-        n_pages = -(-(step.kv_len or self.max_context) // self.page_size)
+        n_pages = min(-(-(step.kv_len or self.max_context) // self.page_size), self.pages_per_row)
         pages = self.table[step.slots, :n_pages].long()  # [B, n_pages]
         B = pages.shape[0]
         k = self.k[layer][pages].view(B, n_pages * self.page_size, self.kv_heads, self.head_dim)
         v = self.v[layer][pages].view(B, n_pages * self.page_size, self.kv_heads, self.v_head_dim)
         return k, v
+
+    def rows_at(self, layer: int, step, index: torch.Tensor) -> tuple:
+        """This layer's keys and values at cache positions ``index`` [B, S, k] of the step's rows -> [B, S, k,
+        kv_heads, D] each: only those positions read (through the page table when paged), no host read, so a CUDA
+        graph can capture it. Positions past a row's own are stale or zero (the caller masks them)."""
+        B = step.slots.shape[0]
+        slots = step.slots.view(B, 1, 1)
+        if self.paged:
+            P = self.page_size
+            flat = self.table[slots, index // P].long() * P + index % P  # [B, S, k]
+        else:
+            flat = slots * self.k.shape[2] + index
+        return (self.k[layer].view(-1, self.kv_heads, self.head_dim)[flat],
+                self.v[layer].view(-1, self.kv_heads, self.v_head_dim)[flat])
 
     def write_index(self, layer: int, step, keys: torch.Tensor) -> None:
         """Store the indexer's keys [B, S, index_dim] of indexer layer ``layer`` at the step's positions of its rows,
@@ -263,7 +277,7 @@ class KVCache:
             if step.first_slot is not None:
                 return self.ik[layer, step.first_slot:step.first_slot + step.slots.shape[0], :n]
             return self.ik[layer][step.slots, :n]
-        n_pages = -(-(step.kv_len or self.max_context) // self.page_size)
+        n_pages = min(-(-(step.kv_len or self.max_context) // self.page_size), self.pages_per_row)
         pages = self.table[step.slots, :n_pages].long()  # [B, n_pages]
         return self.ik[layer][pages].view(pages.shape[0], n_pages * self.page_size, self.index_dim)
 

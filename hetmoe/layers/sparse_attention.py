@@ -70,21 +70,28 @@ class SparseCall:
 
     @property
     def top(self) -> int:
-        """The largest position of the call + 1: read once per call (a device sync on a GPU; these models decode
-        without CUDA graphs, engine/runner.py)."""
+        """The largest position of the call + 1: read once per call (a device sync on a GPU; never in a captured
+        step)."""
         if self._top is None:
             self._top = int(self.step.positions.max()) + 1
         return self._top
 
     @property
     def dense(self) -> bool:
-        """Every query attends to at most ``topk`` positions: the selection would be all of them."""
+        """Every query attends to at most ``topk`` positions: the selection would be all of them. A captured step
+        decides by its kv_len alone (the graph decoder makes it at most topk exactly while every position is:
+        ``sparse_kv_len``); past topk the selection of a shorter context is all its positions, the same attention."""
         kv = self.step.kv_len
+        if self.step.captured:
+            return kv <= self.topk
         return (kv is not None and kv <= self.topk) or self.top <= self.topk
 
     def rows_step(self) -> Step:
         """The step whose ``kv_len`` bounds the cache rows the sparse path reads: the positions in use, rounded up to
-        GROW_ALIGN (within the runner's own bound; a decoder step may give the whole max_context)."""
+        GROW_ALIGN (within the runner's own bound; a decoder step may give the whole max_context); a captured step's
+        own kv_len."""
+        if self.step.captured:
+            return self.step
         if self._rows is None:
             need = -(-self.top // GROW_ALIGN) * GROW_ALIGN
             kv = self.step.kv_len
@@ -174,17 +181,34 @@ def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def sparse_latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor, pe: torch.Tensor,
                             sel: Selection, scale: float) -> torch.Tensor:
     """MLA's absorbed form over the selected positions: q_lat [B, S, h, r], q_pe [B, S, h, rope] against the cached
-    latents c [B, ctx, r] and rope keys pe [B, ctx, rope] at ``sel`` -> [B, S, h, r] (in c's dtype). Scores
-    as the dense form makes them: q_lat . c + q_pe . k_pe in the model dtype, softmax in fp32."""
+    latents c [B, ctx, r] and rope keys pe [B, ctx, rope] at ``sel`` -> [B, S, h, r] (in c's dtype)."""
+    return selected_latent_attention(q_lat, q_pe, _gather(c, sel.index), _gather(pe, sel.index), sel.valid, scale)
+
+
+def selected_latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, c_sel: torch.Tensor, pe_sel: torch.Tensor,
+                              valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """MLA's absorbed form over the selected latents c_sel [B * S, k, r] and rope keys pe_sel [B * S, k, rope]
+    (``valid`` [B, S, k]: False for padding picks) -> [B, S, h, r] (in c_sel's dtype). Scores as the dense form
+    makes them: q_lat . c + q_pe . k_pe in the model dtype, softmax in fp32."""
     B, S, h, r = q_lat.shape
-    k = sel.index.shape[-1]
-    c_sel, pe_sel = _gather(c, sel.index), _gather(pe, sel.index)  # [B * S, k, r | rope]
+    k = valid.shape[-1]
     scores = (q_lat.reshape(B * S, h, r) @ c_sel.transpose(1, 2)
               + q_pe.reshape(B * S, h, -1) @ pe_sel.transpose(1, 2))  # [B * S, h, k]
     scores = scores.float() * scale
-    scores.masked_fill_(~sel.valid.view(B * S, 1, k), float("-inf"))
+    scores.masked_fill_(~valid.view(B * S, 1, k), float("-inf"))
     probs = scores.softmax(dim=-1).to(c_sel.dtype)
     return (probs @ c_sel).view(B, S, h, r)
+
+
+def sparse_kv_len(max_position: int, topk: int, max_context: int) -> int:
+    """A decode step's kv_len for a sparse-attention model under CUDA graphs (engine/cuda_graph.py): at most
+    ``topk`` exactly while every position is below topk (``SparseCall.dense`` then), else the next power of two
+    above the largest position (at most max_context): a few graphs per batch size, and the indexer scores about
+    the context in use, not max_context."""
+    n = max_position + 1
+    if n <= topk:
+        return min(topk, max_context)
+    return min(max_context, 1 << (n - 1).bit_length())
 
 
 def sparse_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: Selection,

@@ -27,7 +27,7 @@ from hetmoe.layers.kv_cache import KVCache
 from hetmoe.layers.sparse_attention import (
     LightningIndexer,
     SparseCall,
-    sparse_latent_attention,
+    selected_latent_attention,
     sparse_masked_attention,
 )
 from hetmoe.layers.widen import linear
@@ -77,16 +77,17 @@ class DeepseekV32Attention(DeepseekV3Attention):
     def _attend_selected(self, q_nope, q_pe, cache: KVCache, call: SparseCall) -> torch.Tensor:
         """Attention over ``call.selection`` only -> [B, S, h, v_dim]: absorbed over the gathered latents for a few
         query tokens per sequence, else expanded with a mask of the selected positions."""
-        rows = call.rows_step()
-        c_all, pe_all = (t.to(q_nope.dtype) for t in cache.rows(self.layer_idx, rows))  # [B, ctx, 1, r | rope]
         B, S, h, _ = q_nope.shape
-        ctx = c_all.shape[1]
-        if S <= self.absorb_max_tokens:
+        sel = call.selection
+        if S <= self.absorb_max_tokens:  # the selected positions' latents alone read from the cache
+            c_sel, pe_sel = (t.to(q_nope.dtype).view(B * S, t.shape[2], -1)
+                             for t in cache.rows_at(self.layer_idx, call.step, sel.index))  # [B * S, k, r | rope]
             w_uk, w_vu = self._latent_weights()
             q_lat = per_head(q_nope, w_uk, call.step)  # [B, S, h, r]
-            out_lat = sparse_latent_attention(q_lat, q_pe, c_all.view(B, ctx, -1), pe_all.view(B, ctx, -1),
-                                              call.selection, self.scale)
+            out_lat = selected_latent_attention(q_lat, q_pe, c_sel, pe_sel, sel.valid, self.scale)
             return per_head(out_lat, w_vu, call.step)
+        c_all, pe_all = (t.to(q_nope.dtype) for t in cache.rows(self.layer_idx, call.rows_step()))  # [B, ctx, 1, ..]
+        ctx = c_all.shape[1]
         kv = linear(c_all, self.kv_b_proj.weight).view(B, ctx, h, self.nope + self.v_dim)
         k, v = self._split_expanded(kv, pe_all)
         return sparse_masked_attention(torch.cat((q_nope, q_pe), dim=-1), k, v, call.selection, self.scale)
@@ -132,6 +133,9 @@ class DeepseekV32Model(DeepseekV3Model):
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     model_cls = DeepseekV32Model
+    # its decode steps read no device value on the host when the step says it is captured (SparseCall), so the
+    # runner decodes it through CUDA graphs (kv_len from sparse_attention.sparse_kv_len)
+    sparse_steps_captured = True
 
     def make_cache(self, max_batch: int, max_context: int, dtype=torch.float32, device="cpu", **layout) -> KVCache:
         """DeepSeek-V3's latent cache, plus the indexer keys [.., index_head_dim] of every layer with an indexer."""

@@ -139,12 +139,12 @@ TINY = {
 }
 
 
-def _random_model(name: str, dtype: str = "fp32"):
+def _random_model(name: str, dtype: str = "fp32", **entries):
     from hetmoe.load.random_weights import build_random_model
 
     opts = EngineOptions(device="cpu", dtype=dtype, experts_format="bf16", max_context=96, max_batch=4,
                          **BEST_ROW_PATH.options)
-    return build_random_model(TINY[name], None, opts, std=0.08, log=lambda m: None)
+    return build_random_model({**TINY[name], **entries}, None, opts, std=0.08, log=lambda m: None)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -192,6 +192,76 @@ def test_prefill_then_cached_decode(name, dtype):
     assert dtype == "fp32" or errs[1] == 0  # bf16: the rows of a batch are computed as each alone, bit for bit
     assert max_rel(whole[:, :4], dense[:, :4]) <= CACHED_TOL[dtype]  # within the top-k: every position, dense
     assert max_rel(whole[:, 4:], dense[:, 4:]) > 0.1  # past the top-k the selection matters
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("name", list(TINY))
+def test_captured_steps_equal_the_host_decided_ones(name, paged):
+    """Decode steps as a CUDA graph captures them (``Step.captured``: dense or sparse decided from kv_len alone,
+    kv_len from ``sparse_kv_len``, the selected latents read at their positions: ``KVCache.rows_at``) against the
+    same steps deciding on the host from the positions: prompts of 2 and 3 tokens (top-4), then 9 steps of a batch of
+    2 across the top-k and across kv_len's powers of two. Where every position is below the top-k
+    the two are the same computation; past it, at a kv_len > the context, the selection is the same. (16 indexer
+    heads: with 4, positions whose every head's score the relu cuts to 0 tie often, and top-k may keep either of
+    two tied positions, differently over a longer row.)"""
+    from hetmoe.layers.sparse_attention import sparse_kv_len
+
+    model = _random_model(name, index_n_heads=16).model
+    layout = dict(page_size=4, initial_tokens=8) if paged else {}
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 256, (2, 14), generator=gen)
+    slots = torch.tensor([2, 0])
+    caches = [model.make_cache(3, 32, **layout) for _ in range(2)]
+    errs, lens = [], []
+    with torch.inference_mode():
+        for cache in caches:
+            for b, n in enumerate((2, 3)):
+                cache.reserve(int(slots[b]), n)
+                model(ids[b:b + 1, :n], Step(torch.arange(n)[None], slots[b:b + 1]), cache)
+        for i in range(9):
+            pos = torch.tensor([[2 + i], [3 + i]])
+            for s, p in zip(slots.tolist(), pos[:, 0].tolist()):
+                for cache in caches:
+                    cache.reserve(s, p + 1)
+            tok = ids[:, 3 + i:4 + i]
+            kv = sparse_kv_len(int(pos.max()), 4, 32)
+            lens.append(kv)
+            host = model.logits(model(tok, Step(pos, slots, kv_len=32), caches[0]))  # (the runner's eager bound)
+            captured = model.logits(model(tok, Step(pos, slots, kv_len=kv, captured=True), caches[1]))
+            errs.append(max_rel(captured, host))
+    print(f"{name} {'paged' if paged else 'contiguous'}: captured~host " + " ".join(f"{e:.1e}" for e in errs)
+          + f" (kv_len {lens})")
+    assert lens[:3] == [4, 8, 8] and lens[-1] == 16  # a dense step, then sparse ones
+    assert max(errs) < 1e-5, errs
+
+
+def test_sparse_kv_len():
+    from hetmoe.layers.sparse_attention import sparse_kv_len
+
+    assert [sparse_kv_len(p, 4, 32) for p in (0, 3, 4, 7, 8, 15, 16, 31)] == [4, 4, 8, 8, 16, 16, 32, 32]
+    assert sparse_kv_len(100, 2048, 4096) == 2048 and sparse_kv_len(2048, 2048, 4096) == 4096
+    assert sparse_kv_len(5000, 2048, 6000) == 6000 and sparse_kv_len(10, 64, 32) == 32  # never past max_context
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_rows_at_reads_the_gathered_rows(paged):
+    """KVCache.rows_at (the selected positions alone) against rows() then a gather, with positions past a row's
+    own in the index (they read a stale or zero entry there and in the gather alike)."""
+    from hetmoe.layers.kv_cache import KVCache
+    from hetmoe.layers.sparse_attention import _gather
+
+    cache = KVCache(2, 3, 40, 1, 6, torch.float32, "cpu", v_head_dim=4,
+                    **(dict(page_size=8, initial_tokens=8) if paged else {}))
+    for s, n in ((0, 17), (2, 33), (1, 5)):
+        cache.reserve(s, n)
+        pos = torch.arange(n)[None]
+        cache.write(1, Step(pos, torch.tensor([s])), torch.randn(1, n, 1, 6), torch.randn(1, n, 1, 4))
+    step = Step(torch.tensor([[16], [32]]), torch.tensor([0, 2]), kv_len=40)
+    index = torch.randint(0, 33, (2, 1, 5), generator=torch.Generator().manual_seed(1))
+    k, v = cache.rows_at(1, step, index)
+    k_all, v_all = cache.rows(1, step)
+    assert torch.equal(k.view(2, 5, 6), _gather(k_all.view(2, -1, 6), index))
+    assert torch.equal(v.view(2, 5, 4), _gather(v_all.view(2, -1, 4), index))
 
 
 # ---------------------------------------------------------------- parity with transformers
@@ -486,7 +556,7 @@ def test_bad_config_is_refused_before_any_weight(request, tmp_path, monkeypatch,
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_gpu_placement_matches_transformers(request, family):
     """The checkpoint loaded by hetmoe onto the GPU in fp32 (dense part and the paged cache there, bf16 experts on the
-    CPU engine's row-block path; decode steps eager, said at load) against transformers in fp32 on the CPU: prompts of
+    CPU engine's row-block path; decode steps through CUDA graphs) against transformers in fp32 on the CPU: prompts of
     4 and 11 tokens in two slots (chunks of 5: the first chunks dense, on the Triton MLA kernels; the rest sparse,
     the indexer's keys and the latents read through the page table), then 6 greedy steps of batch 2. Bound 1e-3
     (fp32 GPU kernels in another order). Not bf16 against fp32: bf16 rounding flips the indexer's and the router's
@@ -502,7 +572,7 @@ def test_gpu_placement_matches_transformers(request, family):
                         expert_cache=None, progress=False, log=lambda m: None)
     runner = Runner(loaded)
     assert runner.sparse and runner.cache.paged
-    assert runner.decoder is not None and not runner.decoder.cuda_graph and not runner.decoder.fused
+    assert runner.decoder is not None and runner.decoder.cuda_graph and not runner.decoder.fused
     prompts = [[5, 17, 300, 42], [7, 7, 250, 1, 99, 13, 2, 140, 31, 8, 200]]
     errs, caches, last = [], [], []
     with torch.inference_mode():
@@ -518,3 +588,31 @@ def test_gpu_placement_matches_transformers(request, family):
             errs.append(max_rel(runner.decode_batch(nxt, [0, 1]), torch.stack(last)))
     print(f"{family} GPU~transformers: " + " ".join(f"{e:.1e}" for e in errs))
     assert max(errs) < 1e-3, errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_graph_decode_equals_eager(request, family):
+    """Decode steps of a batch of 2 replayed from CUDA graphs against the same steps run eagerly (fp32, the paged
+    cache): prompts of 2 and 5 tokens (top-6), 10 steps, so the graphs cover a dense step and sparse ones at kv_len
+    8 and 16 (``sparse_kv_len``: one graph per batch size and kv_len)."""
+    from hetmoe.engine.runner import Runner
+    from hetmoe.load.loader import load_model
+
+    loaded = load_model(checkpoint_of(request, family), EngineOptions(**{**CPU, "device": "cuda"}, max_context=64,
+                                                                      max_batch=2),
+                        expert_cache=None, progress=False, log=lambda m: None)
+    out = {}
+    for graph in (True, False):
+        runner = Runner(loaded, cuda_graph=graph)
+        assert runner.decoder.cuda_graph is graph and runner.sparse_topk == 6
+        for s, ids in enumerate(([5, 17], [7, 250, 1, 99, 13])):
+            runner.prefill(ids, slot=s)
+        out[graph] = torch.stack([runner.decode_batch([(13 * i + 29 * s) % 250 + 3 for s in (0, 1)], [0, 1]).cpu()
+                                  for i in range(10)])
+        keys = sorted(runner.decoder.graphs) if graph else None
+        runner.decoder.close()
+    errs = [max_rel(a, b) for a, b in zip(out[True], out[False])]
+    print(f"{family} graph~eager: " + " ".join(f"{e:.1e}" for e in errs) + f" (graphs {keys})")
+    assert {k[1] for k in keys} == {6, 8, 16}
+    assert max(errs) < 1e-5, errs
