@@ -99,7 +99,8 @@
 // Scales (int8/int4/lut4) live apart from the lines, one per (row, group), laid out [row block][group][16 rows],
 // so the 16 scales a kernel needs at the end of a group are one contiguous vector. Each matrix chooses how its
 // scales are stored (ScaleType): fp32 (4 bytes), fp16 or bf16 (2), e8m0 (1 byte e: 2^(e - 128)), k8 (two levels,
-// below) or e4m3 / e4m3_div (1 byte and a factor per row block, below) — the width of the checkpoint's own scales, so a
+// below), e4m3 / e4m3_div (1 byte and a factor per row block, below) or fp32 / fp16 / bf16 with zero points (affine:
+// the scale, and a byte per min, below) — the width of the checkpoint's own scales, so a
 // Q4_0 block (fp16 d + 16 bytes) costs 18 bytes here as in the file. Every kernel widens a group's 16 scales to fp32
 // with one load and one conversion (vcvtph2ps for fp16, a shift for bf16, a shift and a blend for e8m0; k8: two loads,
 // two conversions and a multiply; e4m3: integer ops, a conversion and a multiply by the block's factor, whose one
@@ -118,8 +119,9 @@
 //
 // The scales, and for affine matrices after them the mins, are each one such "scale set" of the matrix's scale type:
 // [n_groups][16] values (k8: and the super scales after them), mins stored as the scales are (fp32 mins for fp32
-// scales, fp16 for fp16: Q4_1's d and m; k8's sub-mins and fp16 dmin: the K-quants'). Per-row scales are fp32;
-// affine scales are fp32, fp16, bf16, k8 or k4 (not e8m0, which has no negative or zero values). fp8 is symmetric
+// scales, fp16 for fp16: Q4_1's d and m; k8's sub-mins and fp16 dmin: the K-quants'; one int8 zero point per value
+// for the zero-point types). Per-row scales are fp32; affine scales are fp32, fp16, bf16, k8, k4 or a zero-point type
+// (not e8m0, which has no negative or zero values). fp8 is symmetric
 // only and takes fp32, fp16, bf16 or e8m0 scales (not k8 or k4).
 //
 // k4 is Q2_K's two-level form, affine only: per (row, group) one byte holding a 4-bit unsigned sub-scale sc (low
@@ -144,6 +146,19 @@
 // division) — fl(e4m3(b) 2^-8 * F) is fl(e4m3(b) * f) / 2 wherever the scale is normal, and the packer stores a
 // scale only where the widened byte gives it bit for bit (e4m3_store). GGUF's NVFP4 (no per-tensor scale: ue4m3(b) /
 // 2) is e4m3 with f = 1, also the factor of weights packed from floats. The NaN codes 0x7F, 0xFF are never stored.
+//
+// f32_zp, f16_zp and bf16_zp hold the int4 experts of GPTQ, AWQ and compressed-tensors checkpoints with zero points
+// (asymmetric) at their file's bytes, affine only: w = s * (u - z) with u the 4-bit code (the affine nibble as it is),
+// s the file's scale and z its 4-bit zero point, i.e. value = s * u - min with min = s * z. The scale set is the
+// base type's ([n_groups][16] fp32, fp16 or bf16: the file's scale dtype), the min set one signed byte z per (row,
+// group), [n_groups][16] int8, and every kernel widens a group's 16 mins as
+//     min = fl(scale * float(z))         with scale the group's widened scale (the base type's widening)
+// one exact conversion of the bytes and one multiply: exact for fp16 and bf16 scales (at most 11 + 7 significant
+// bits), and for fp32 scales the one rounding of fl(s * z), the fp32 min a loader computes. So a matrix gives bit for
+// bit the outputs of the same values held as fp32 scales and fp32 mins. A group costs the file's scale and one byte
+// where the file has half a byte (fp16: 3 bytes per group, 1.0075x the file's int4 at group 128, 1.027x at 32). The
+// packer stores a min only where some z in [-128, 127] gives it bit for bit (pack.cpp store_row_set); mins chosen
+// from floats are rounded to the nearest multiple of the stored scale.
 //
 // Groups: 16, 32, 64 or 128 elements of K (16: GGUF's Q2_K, Q3_K and Q6_K, NVFP4), or per row (int8, int4 and fp8,
 // symmetric: one scale per row, stored repeated in every group of 128, so every kernel reads it as a grouped
@@ -269,14 +284,38 @@ inline int fp8_act_index(int k) { return (k & ~3) | ((k & 1) << 1) | ((k >> 1) &
 enum class Scaling : int { symmetric = 0, affine = 1 };
 
 // How a matrix's scales are stored (see the top of this file).
-enum class ScaleType : int { f32 = 0, f16 = 1, bf16 = 2, e8m0 = 3, k8 = 4, k4 = 5, e4m3 = 6, e4m3_div = 7 };
-constexpr int kScaleTypes = 8;
+enum class ScaleType : int {
+  f32 = 0,
+  f16 = 1,
+  bf16 = 2,
+  e8m0 = 3,
+  k8 = 4,
+  k4 = 5,
+  e4m3 = 6,
+  e4m3_div = 7,
+  f32_zp = 8,
+  f16_zp = 9,
+  bf16_zp = 10
+};
+constexpr int kScaleTypes = 11;
 constexpr int kSuperBlock = 256;  // k8, k4: elements of K per fp16 super scale
 // Scale types of two levels: a sub-scale per group times an fp16 super scale per kSuperBlock of K.
 constexpr inline bool two_level(ScaleType t) { return t == ScaleType::k8 || t == ScaleType::k4; }
 // Scale types of one byte per group and one fp32 factor per row block (e4m3, e4m3_div: see the top of this file).
 constexpr inline bool factor_scales(ScaleType t) { return t == ScaleType::e4m3 || t == ScaleType::e4m3_div; }
 constexpr int kFactorBytes = 4;  // the fp32 factor after a factor_scales set's bytes
+// Scale types whose affine mins are zero points (f32_zp, f16_zp, bf16_zp: see the top of this file): the scale set
+// is of the base type, the min set one int8 z per (row, group), min = fl(scale * z).
+constexpr inline bool zero_points(ScaleType t) {
+  return t == ScaleType::f32_zp || t == ScaleType::f16_zp || t == ScaleType::bf16_zp;
+}
+// The type a zero-point type's scales are stored in (every other type: itself).
+constexpr inline ScaleType zp_base(ScaleType t) {
+  return t == ScaleType::f32_zp    ? ScaleType::f32
+         : t == ScaleType::f16_zp  ? ScaleType::f16
+         : t == ScaleType::bf16_zp ? ScaleType::bf16
+                                   : t;
+}
 
 // The IEEE half bits of e4m3(b) * 2^-8 (exact, subnormals included; the NaN codes give 1.875 * 2^(7 - 8)).
 constexpr inline uint16_t e4m3_half_bits(uint8_t b) { return (uint16_t)((b & 0x80) << 8 | (b & 0x7f) << 7); }
@@ -333,8 +372,9 @@ inline const int8_t* codebook_values(Codebook c) { return kCodebookValues[grid_c
 
 // Bumped whenever the packed bytes of any format change: converted-expert caches of another version are rebuilt.
 // (Scale types, lut4, k8, narrow affine mins, fp8 and the bit-plane formats added formats; fp32-scaled int8/int4 kept
-// their bytes. 2: Q2_K's experts, which a cache keys by the plan's format alone, moved from k8 to k4 scales.)
-constexpr int kLayoutVersion = 2;
+// their bytes. 2: Q2_K's experts, which a cache keys by the plan's format alone, moved from k8 to k4 scales. 3: int4
+// experts with zero points (GPTQ, AWQ, compressed-tensors) moved from fp32 scales and mins to the zero-point types.)
+constexpr int kLayoutVersion = 3;
 
 constexpr int kRowsPerBlock = 16;
 constexpr int kLineBytes = 64;
@@ -363,9 +403,14 @@ inline int scale_width(ScaleType t) {  // bytes per stored scale
     case ScaleType::k4: return 1;  // the (sub-scale, sub-min) byte
     case ScaleType::e4m3:
     case ScaleType::e4m3_div: return 1;  // the E4M3 byte (the block's factor comes after a set's bytes)
+    case ScaleType::f32_zp: return 4;    // the scale (the min set holds a byte per (row, group): min_width)
+    case ScaleType::f16_zp:
+    case ScaleType::bf16_zp: return 2;
   }
   return 0;
 }
+// Bytes per stored value of an affine min set: the zero-point types' int8 z, every other type as its scales.
+inline int min_width(ScaleType t) { return zero_points(t) ? 1 : scale_width(t); }
 
 // One stored scale as the fp32 it stands for (exact). The kernels widen 16 at a time with vector instructions that
 // give these bits; this is the portable definition. k8: the sub-scale alone, k4: the sub-scale nibble alone
@@ -382,6 +427,7 @@ inline float factor_scale(ScaleType t, uint8_t b, float factor) {
 }
 inline float scale_to_float(ScaleType t, const uint8_t* p) {
   if (factor_scales(t)) return factor_scale(t, p[0], stored_factor(t, 1.f));
+  t = zp_base(t);  // zero-point types: the scale of the base type
   uint32_t bits = 0;
   switch (t) {
     case ScaleType::f32: std::memcpy(&bits, p, 4); break;
@@ -394,7 +440,10 @@ inline float scale_to_float(ScaleType t, const uint8_t* p) {
       break;
     }
     case ScaleType::e4m3:
-    case ScaleType::e4m3_div: break;  // above
+    case ScaleType::e4m3_div:
+    case ScaleType::f32_zp:
+    case ScaleType::f16_zp:
+    case ScaleType::bf16_zp: break;  // above
     case ScaleType::f16: {
       const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
       const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu;
@@ -490,9 +539,11 @@ struct MatrixShape {
            (two_level(scale_type) ? (size_t)n_supers() * kRowsPerBlock * 2 : 0) +
            (factor_scales(scale_type) ? kFactorBytes : 0);
   }
-  // bytes of one block's min set (affine): as the scale set, but k4's is its fp16 super mins alone
+  // bytes of one block's min set (affine): as the scale set, but k4's is its fp16 super mins alone and a zero-point
+  // type's its n_groups x 16 int8 zero points
   size_t min_set_bytes() const {
     if (!affine()) return 0;
+    if (zero_points(scale_type)) return (size_t)n_groups() * kRowsPerBlock;
     return scale_type == ScaleType::k4 ? (size_t)n_supers() * kRowsPerBlock * 2 : set_bytes();
   }
   // bytes of one block's scales: the scale set, and (affine) the min set after it
@@ -533,6 +584,7 @@ struct RowBlock {
   // The 16 stored values of group g of a set (scales or mins; k8: the sub-scales; k4: the pair bytes, in the scale
   // set for the mins too; shared: the one), and of a k8/k4 set the 16 fp16 super scales of g's super-block.
   const uint8_t* group_of(const uint8_t* set, int g) const {
+    if (zero_points(scale_type) && set == mins) return set + (size_t)g * kRowsPerBlock;  // the 16 zero points
     if (scale_type == ScaleType::k4) set = scales;
     return set + (size_t)g * scale_rows() * scale_width(scale_type);
   }
@@ -545,6 +597,10 @@ struct RowBlock {
   const uint8_t* group_scales(int g) const { return group_of(scales, g); }
   // Value r of group g of a set widened to fp32 (exact; k8/k4: sub-scale times super scale, one exact product).
   float value(const uint8_t* set, int g, int r) const {
+    if (zero_points(scale_type)) {  // the scale, or fl(scale * z)
+      const float sc = scale_to_float(scale_type, group_of(scales, g) + r * scale_width(scale_type));
+      return set == mins ? sc * (float)(int8_t)group_of(mins, g)[r] : sc;
+    }
     const uint8_t* p = group_of(set, g) + (shared_scales ? 0 : r) * scale_width(scale_type);
     if (factor_scales(scale_type)) return factor_scale(scale_type, *p, factor);
     const uint8_t nib = (uint8_t)(*p >> sub_shift(set));
@@ -553,9 +609,11 @@ struct RowBlock {
   }
   float scale(int g, int r) const { return value(scales, g, r); }
   float min(int g, int r) const { return value(mins, g, r); }
-  // The 16 values of group g of a set as fp32: in place for fp32 sets (not shared), else widened into buf.
+  // The 16 values of group g of a set as fp32: in place for fp32 sets (not shared; f32_zp: its scales), else widened
+  // into buf.
   const float* widened(const uint8_t* set, int g, float* buf) const {
-    if (scale_type == ScaleType::f32 && !shared_scales) return reinterpret_cast<const float*>(group_of(set, g));
+    if ((scale_type == ScaleType::f32 || (scale_type == ScaleType::f32_zp && set == scales)) && !shared_scales)
+      return reinterpret_cast<const float*>(group_of(set, g));
     for (int r = 0; r < kRowsPerBlock; ++r) buf[r] = value(set, g, r);
     return buf;
   }

@@ -190,6 +190,7 @@ bool store_scale_exact(ScaleType t, float v, uint8_t* dst) {
 }  // namespace
 
 float store_scale_rounded(ScaleType t, float v, uint8_t* dst) {
+  if (zero_points(t)) return store_scale_rounded(zp_base(t), v, dst);  // the scale set is the base type's
   uint8_t buf[4];
   switch (t) {
     case ScaleType::f32: std::memcpy(buf, &v, 4); break;
@@ -209,6 +210,9 @@ float store_scale_rounded(ScaleType t, float v, uint8_t* dst) {
       if (!unit_e4m3_scales(t).store(std::isfinite(v) ? v : 0.f, false, buf, &got)) buf[0] = 0;
       break;
     }
+    case ScaleType::f32_zp:
+    case ScaleType::f16_zp:
+    case ScaleType::bf16_zp: break;  // above
     case ScaleType::e8m0: {
       int e2 = -127;  // 0 -> the smallest, 2^-128
       if (v > 0.f) {
@@ -328,6 +332,24 @@ void round_two_level(ScaleType t, float* v, int n, int8_t* sub, uint16_t* d_bits
   }
 }
 
+// The zero point z in [-128, 127] of min m against the stored scale sc: the one whose fl(sc * z) is m bit for bit
+// (false where none is, or m is not finite). m = fl(sc * z) lies within half an ulp of sc * z, so z is the integer
+// nearest m / sc; its neighbours are tried for the signed zeros (sc = 0: z = 0 gives +-0, z = -1 the other sign).
+bool zero_point_of(float sc, float m, int8_t* z) {
+  if (!std::isfinite(m) || !std::isfinite(sc)) return false;
+  const double c = sc != 0.f ? std::nearbyint((double)m / (double)sc) : 0.0;
+  for (const double d : {0.0, -1.0, 1.0}) {
+    const double zz = c + d;
+    if (zz < -128.0 || zz > 127.0) continue;
+    const float got = sc * (float)zz;
+    if (std::memcmp(&got, &m, 4) == 0) {
+      *z = (int8_t)zz;
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
 void set_block_factor(const MatrixShape& s, uint8_t* scales, float f) {
@@ -340,6 +362,21 @@ bool store_row_set(const MatrixShape& s, float* v, int r, uint8_t* scales, bool 
   const int ng = s.n_groups();
   const ScaleType t = s.scale_type;
   uint8_t* set = scales + (mins ? s.set_bytes() : 0);
+  if (zero_points(t) && mins) {  // one int8 z per group against the row's stored scale: min = fl(scale * z)
+    const int width = scale_width(t);
+    for (int g = 0; g < ng; ++g) {
+      const float sc = scale_to_float(t, scales + ((size_t)g * kRowsPerBlock + r) * width);
+      int8_t z;
+      if (exact && !zero_point_of(sc, v[g], &z)) return false;
+      if (!exact) {
+        const double c = sc != 0.f && std::isfinite(v[g]) ? std::nearbyint((double)v[g] / (double)sc) : 0.0;
+        z = (int8_t)(c < -128.0 ? -128.0 : c > 127.0 ? 127.0 : c);
+        v[g] = sc * (float)z;
+      }
+      set[(size_t)g * kRowsPerBlock + r] = (uint8_t)z;
+    }
+    return true;
+  }
   if (factor_scales(t)) {  // symmetric only: the scale set, at the block's factor
     float factor;
     std::memcpy(&factor, scales + (size_t)ng * kRowsPerBlock, 4);

@@ -18,7 +18,8 @@ void pack_row_block(const MatrixShape& s, const float* w, int rb, uint8_t* data,
 // Packs row block `rb` from codes quantized already (GGUF's Q8_0 / Q4_0 / Q4_1 / Q5 / K-quant / IQ4 / FP4 blocks):
 // q [s.n][s.k] and one fp32 scale per (row, group), group_scales [s.n][s.n_groups()]; affine shapes also one min per
 // (row, group), group_mins (same shape; ignored when symmetric), stored in the shape's scale type as the scales are
-// (k8 / k4: each super-block's values split into sub-scales and an fp16 super scale, store_row_set). Code ranges:
+// (k8 / k4: each super-block's values split into sub-scales and an fp16 super scale; zero-point types: each min as
+// one int8 z, min = fl(scale * z); store_row_set). Code ranges:
 // symmetric int8 [-127, 127], int4 [-8, 7]; affine int8 [0, 127], int4 [0, 15]; lut4 the codebook index [0, 15]. The
 // values the kernels multiply by are then exactly q * scale (lut4: codebook[q] * scale; affine: fl(fl(scale * q) -
 // min), as gguf's K-quant dequantization): nothing is re-quantized. Grouped int8/int4/lut4 only (not per-row, not
@@ -53,7 +54,10 @@ bool pack_row_block_grid(const MatrixShape& s, const uint8_t* raw, int rb, uint8
 // every super-block splits exactly into sub-scales x fp16), false otherwise. Not exact: each value rounded to the
 // nearest the type holds (e8m0 up to a power of two, e4m3 / e4m3_div up to a byte's scale at the block's factor; k8 /
 // k4 a super scale at or above max |v| / 127 (k4: / 15), the sub-scales rounded), the stored values written back into
-// v, always true. k4's scales and mins share their pair bytes: each call writes its own nibble.
+// v, always true. k4's scales and mins share their pair bytes: each call writes its own nibble. A zero-point type's
+// min set (f32_zp, f16_zp, bf16_zp) holds z with min = fl(scale * z) against the row's scales stored already: exact,
+// the z in [-128, 127] that gives each min bit for bit (false where none does); not exact, z the nearest integer to
+// min / scale (0 where the scale is 0), clamped to the range.
 bool store_row_set(const MatrixShape& s, float* v, int r, uint8_t* scales, bool mins, bool exact);
 
 // Scale v of a group quantized from floats, stored in type t at dst: the nearest value t holds (e8m0: the next power

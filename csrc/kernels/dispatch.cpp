@@ -61,7 +61,8 @@ const char* format_label(WeightFormat f) {
 }
 
 const char* scale_type_name(ScaleType t) {
-  static const char* const names[kScaleTypes] = {"fp32", "fp16", "bf16", "e8m0", "k8", "k4", "e4m3", "e4m3_div"};
+  static const char* const names[kScaleTypes] = {"fp32", "fp16",     "bf16",    "e8m0",    "k8",     "k4",
+                                                 "e4m3", "e4m3_div", "fp32_zp", "fp16_zp", "bf16_zp"};
   return names[(int)t];
 }
 
@@ -152,6 +153,9 @@ void check_kernel_choice(const MatrixFormat& m, Isa isa, AmxMode amx, int amx_mi
                                                        "with lut4 weights only");
     if (m.scale_type == ScaleType::k4 && m.scaling != Scaling::affine)
       bad("k4 scales need affine weights (each byte holds a group's 4-bit sub-scale and sub-min)");
+    if (zero_points(m.scale_type) && m.scaling != Scaling::affine)
+      bad(std::string(scale_type_name(m.scale_type)) + " scales need affine weights (their min set holds a zero "
+                                                       "point per group)");
     if (m.format == WeightFormat::fp8 && group == 16)
       bad("fp8 group_size must be 32, 64 or 128 (or 0 for per-row), got 16");
   }

@@ -51,8 +51,8 @@ KernelEntry select_kernel(WeightFormat format, Isa isa, AmxMode amx = AmxMode::o
 // Throws std::invalid_argument naming what is wrong when (matrix format, isa, amx, amx_min_tokens) is not a kernel
 // choice this build and CPU can run: a group other than 16/32/64/128 (fp8: 32/64/128) or <= 0 (per row: int8,
 // int4 and fp8), lut4 without a codebook or a codebook on another format, affine lut4 or fp8, scales narrower than
-// fp32 on per-row matrices, e8m0 on affine ones, k8 or k4 on fp8, k4 on symmetric ones, e4m3 / e4m3_div on a format
-// other than lut4, bf16 with scale options, an ISA
+// fp32 on per-row matrices, e8m0 on affine ones, k8 or k4 on fp8, k4 or a zero-point type (fp32_zp, fp16_zp, bf16_zp)
+// on symmetric ones, e4m3 / e4m3_div on a format other than lut4, bf16 with scale options, an ISA
 // the CPU (or HETMOE_MAX_ISA) refuses, native AMX without isa amx, amx_min_tokens < 1, shared scales on a format other
 // than fp8 or on per-row fp8. The experts and the dense linear check their configs with it.
 void check_kernel_choice(const MatrixFormat& m, Isa isa, AmxMode amx, int amx_min_tokens);

@@ -39,15 +39,16 @@ inline WeightFormat format_from_name(const std::string& s) {
 }
 
 // Scale types and codebooks by their Python names (hetmoe/cpu/experts.py SCALE_DTYPES, CODEBOOKS).
-inline const char* const kScaleTypeNames[kScaleTypes] = {"fp32", "fp16", "bf16", "e8m0",
-                                                         "k8",   "k4",   "e4m3", "e4m3_div"};
+inline const char* const kScaleTypeNames[kScaleTypes] = {"fp32", "fp16",     "bf16",    "e8m0",    "k8",     "k4",
+                                                         "e4m3", "e4m3_div", "fp32_zp", "fp16_zp", "bf16_zp"};
 inline const char* const kCodebookNames[kCodebooks] = {"",      "e2m1",    "iq4nl", "iq2_xxs", "iq2_xs",
                                                        "iq2_s", "iq3_xxs", "iq3_s", "iq1_s",   "iq1_m"};
 inline ScaleType scale_type_from_name(const std::string& s) {
   for (int i = 0; i < kScaleTypes; ++i)
     if (s == kScaleTypeNames[i]) return (ScaleType)i;
-  throw std::invalid_argument("unknown scale dtype '" + s +
-                              "' (expected fp32, fp16, bf16, e8m0, k8, k4, e4m3 or e4m3_div)");
+  throw std::invalid_argument(
+      "unknown scale dtype '" + s +
+      "' (expected fp32, fp16, bf16, e8m0, k8, k4, e4m3, e4m3_div, fp32_zp, fp16_zp or bf16_zp)");
 }
 inline Codebook codebook_from_name(const std::string& s) {
   for (int i = 0; i < kCodebooks; ++i)

@@ -50,6 +50,9 @@ PYBIND11_MODULE(_C, m) {
     py::dict widths;  // bytes per stored scale, per scale dtype
     for (int t = 0; t < kScaleTypes; ++t) widths[bindings::kScaleTypeNames[t]] = scale_width((ScaleType)t);
     layout["scale_width"] = widths;
+    py::dict min_widths;  // bytes per stored min of an affine matrix (the zero-point types: one int8 zero point)
+    for (int t = 0; t < kScaleTypes; ++t) min_widths[bindings::kScaleTypeNames[t]] = min_width((ScaleType)t);
+    layout["min_width"] = min_widths;
     layout["super_block"] = kSuperBlock;  // k8: elements of K per fp16 super scale (2 bytes per row)
     py::dict books;                       // lut4 codebooks: name -> 16 int8 values
     for (int c = 1; c < kLut4Codebooks; ++c) {

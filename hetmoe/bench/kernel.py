@@ -59,9 +59,13 @@ GGUF_FORMATS = {"q2_k": ("Q2_K", "Q2_K"), "q3_k": ("Q3_K", "Q3_K"), "q4_k": ("Q4
 # NVFP4 experts (lut4 e2m1 group 16): at the file's bytes, E4M3 scale bytes and a per-tensor factor that multiplies
 # (GGUF's NVFP4, ModelOpt) or divides (compressed-tensors), and the scales held widened before (fp16, fp32)
 NVFP4_FORMATS = {"nvfp4": "e4m3", "nvfp4_div": "e4m3_div", "nvfp4_fp16": "fp16", "nvfp4_fp32": "fp32"}
+# int4 with zero points (GPTQ, AWQ, compressed-tensors asymmetric: int4 affine, group --group-size or 128): at the
+# file's bytes (fp16 scales, an int8 zero point per group) and as held before (fp32 scales and fp32 mins)
+ZP_FORMATS = {"int4_zp": "fp16_zp", "int4_zp_fp32": "fp32"}
 # FP8 checkpoints' experts at their own layout (hetmoe/cpu/layout.py FP8_LAYOUTS): block FP8 and MXFP8
 FP8_FORMATS = {"fp8": 128, "mxfp8": 32}
-FORMATS = tuple(cpu.WEIGHT_FORMATS) + tuple(GGUF_FORMATS) + tuple(NVFP4_FORMATS) + tuple(FP8_FORMATS)
+FORMATS = (tuple(cpu.WEIGHT_FORMATS) + tuple(GGUF_FORMATS) + tuple(NVFP4_FORMATS) + tuple(ZP_FORMATS)
+           + tuple(FP8_FORMATS))
 
 
 def format_args(fmt: str, group_size) -> dict:
@@ -72,6 +76,9 @@ def format_args(fmt: str, group_size) -> dict:
         return {"weight_format": "lut4", "group_size": 16, "scale_dtype": NVFP4_FORMATS[fmt], "codebook": "e2m1"}
     if fmt in FP8_FORMATS:
         return {"weight_format": "fp8", "group_size": FP8_FORMATS[fmt], **FP8_LAYOUTS[FP8_FORMATS[fmt]]}
+    if fmt in ZP_FORMATS:
+        return {"weight_format": "int4", "group_size": group_size or 128, "scaling": "affine",
+                "scale_dtype": ZP_FORMATS[fmt]}
     group = DEFAULT_GROUP[fmt] if group_size is None or fmt == "bf16" else group_size
     return {"weight_format": fmt, "group_size": group}
 WARMUP = 2
@@ -320,7 +327,8 @@ def run_kernel_bench(args) -> int:
             if not args.no_baseline:
                 # GGUF formats' affine values are not symmetric codes: the loop holds them as bf16
                 baseline = TorchLoopExperts(experts, min(E, BASELINE_EXPERTS),
-                                            "bf16" if fmt in GGUF_FORMATS or fmt in FP8_FORMATS else fmt,
+                                            "bf16" if fmt in GGUF_FORMATS or fmt in FP8_FORMATS
+                                            or fmt in ZP_FORMATS else fmt,
                                             group)
                 xc = torch.randn(CHECK_TOKENS, H, generator=gen).bfloat16()
                 ids_c, w_c = random_routing(CHECK_TOKENS, len(baseline.weights), k, gen)

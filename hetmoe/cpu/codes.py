@@ -52,7 +52,7 @@ import torch
 
 from hetmoe import _C
 from hetmoe.cpu.experts import CPUExperts
-from hetmoe.cpu.layout import CODEBOOKS, FACTOR_SCALES, GRIDS, PLANES, ROWS, SUPER_BLOCK, TWO_LEVEL
+from hetmoe.cpu.layout import CODEBOOKS, FACTOR_SCALES, GRIDS, PLANES, ROWS, SUPER_BLOCK, TWO_LEVEL, ZERO_POINTS
 
 # GGML i-quant types the grid format holds natively (the first the most used in unsloth's "UD" mixes)
 GRID_TYPES = ("IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
@@ -238,11 +238,35 @@ def _scan(ready: list) -> None:
                                      f"x one fp16 scale per {SUPER_BLOCK} values give "
                                      f"{t.reshape(-1, t.shape[-1])[bad][:4].tolist()}...)")
                 continue
-            inexact = ~held_exactly(t, sdt, f)
+            if what == "mins" and sdt in ZERO_POINTS:
+                inexact = ~zero_points_of(s, t)[1]
+                if inexact.any():
+                    raise ValueError(f"{name} has mins that {sdt} does not hold exactly: no int8 zero point z gives "
+                                     f"fl(scale * z) = {float(t[inexact][0])!r}")
+                continue
+            inexact = ~held_exactly(t, ZERO_POINTS.get(sdt, sdt), f)
             if inexact.any():
                 at = " at its factor" if sdt in FACTOR_SCALES else ""
                 raise ValueError(f"{name} has {what} that {sdt} does not hold exactly{at} (e.g. "
                                  f"{float(t[inexact][0])!r})")
+
+
+def zero_points_of(scales: torch.Tensor, mins: torch.Tensor) -> tuple:
+    """(z, held): the int8 zero points z of affine ``mins`` against fp32 ``scales`` (the same shape) as the
+    zero-point scale dtypes hold them (csrc/formats/layout.h: min = fl(scale * z), z in [-128, 127]), and where some
+    z gives the min bit for bit (z nearest min / scale; for the signed zeros of a zero scale, 0 or -1)."""
+    s, m = scales.float(), mins.float()
+    near = torch.where(s != 0, torch.round(m.double() / s.double()), torch.zeros_like(m, dtype=torch.float64))
+    z = torch.zeros_like(m, dtype=torch.int8)
+    held = torch.zeros_like(m, dtype=torch.bool)
+    for d in (0.0, -1.0, 1.0):
+        c = (near + d).nan_to_num(0.0)
+        fits = (c >= -128) & (c <= 127)
+        cz = c.clamp(-128, 127)
+        ok = fits & ~held & ((s * cz.float()).view(torch.int32) == m.view(torch.int32))
+        z = torch.where(ok, cz.to(torch.int8), z)
+        held |= ok
+    return z, held
 
 
 def e4m3_scales(factor: torch.Tensor, scale_dtype: str) -> torch.Tensor:

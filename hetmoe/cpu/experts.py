@@ -40,7 +40,9 @@ PLANE_FORMATS = ("int6", "int5", "int3", "int2")
 GRID_FORMAT = "grid"
 # how int8/int4/lut4/fp8 scales are stored (csrc/formats/layout.h); k8: the K-quants' int8 sub-scale x fp16 per 256
 # (integer formats only); k4: Q2_K's 4-bit sub-scale and sub-min in one byte x fp16 d and dmin per 256 (affine only)
-SCALE_DTYPES = ("fp32", "fp16", "bf16", "e8m0", "k8", "k4", "e4m3", "e4m3_div")
+# fp32_zp / fp16_zp / bf16_zp: affine scales of that dtype and one int8 zero point z per group, min = fl(scale * z)
+# (the int4 of GPTQ, AWQ and compressed-tensors with zero points)
+SCALE_DTYPES = ("fp32", "fp16", "bf16", "e8m0", "k8", "k4", "e4m3", "e4m3_div", "fp32_zp", "fp16_zp", "bf16_zp")
 CODEBOOKS = ("e2m1", "iq4nl")  # lut4's codebooks: FP4 (MXFP4, NVFP4) doubled, llama.cpp's IQ4_NL table
 GRID_TYPES = tuple(_C.LAYOUT["grids"])  # grid's codebooks: the i-quant each grid matrix holds (iq2_xxs, ...)
 
@@ -170,7 +172,9 @@ class CPUExperts:
             sub-scale and a 4-bit sub-min per group in one byte, times an fp16 scale and an fp16 min per 256 values
             of a row; affine only) or ``"e4m3"`` / ``"e4m3_div"`` (NVFP4's: an E4M3 byte per group and a per-tensor
             fp32 factor f per matrix, scale = fl(e4m3 * f) / 2 or fl(e4m3 / f) / 2; lut4 only, f given to
-            ``load_codes``, 1 for scales quantized here), or a pair (gate/up, down);
+            ``load_codes``, 1 for scales quantized here) or ``"fp32_zp"`` / ``"fp16_zp"`` / ``"bf16_zp"`` (scales of
+            that dtype, and each min held as one int8 zero point z, min = fl(scale * z): GPTQ's, AWQ's and
+            compressed-tensors' zero points at their file's bytes; affine only), or a pair (gate/up, down);
             grouped matrices only. Scales quantized here are rounded to the type; codes loaded with ``load_codes``
             must have scales (and mins) the type holds exactly.
         codebook: lut4's 16 values: ``"e2m1"`` (FP4 doubled) or ``"iq4nl"``; grid's type (``"iq2_xxs"``, ...); or a

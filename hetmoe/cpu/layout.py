@@ -17,13 +17,18 @@ K_PER_LINE = dict(_C.LAYOUT["k_per_line"])  # values of K per line, per format (
 # bit-plane formats (int6, int5, int3, int2): (values of K per unit, lines per unit, bits per code); a matrix's K is
 # stored in whole units
 PLANES = {name: tuple(v) for name, v in _C.LAYOUT["planes"].items()}
-# bytes per stored scale, per scale dtype (k8: the int8 sub-scale; k4: the byte of a 4-bit sub-scale and sub-min)
+# bytes per stored scale, per scale dtype (k8: the int8 sub-scale; k4: the byte of a 4-bit sub-scale and sub-min; a
+# zero-point dtype: its base dtype's scale)
 SCALE_WIDTH = dict(_C.LAYOUT["scale_width"])
 SUPER_BLOCK = _C.LAYOUT["super_block"]  # k8, k4: values of K per fp16 super scale
 TWO_LEVEL = ("k8", "k4")  # scale dtypes with an fp16 super scale per (row, SUPER_BLOCK values of K)
 # scale dtypes (NVFP4's E4M3 bytes) with one fp32 factor per row block after a set's bytes (csrc/formats/layout.h)
 FACTOR_SCALES = ("e4m3", "e4m3_div")
 FACTOR_BYTES = 4
+# scale dtypes of affine matrices with zero points (GPTQ's, AWQ's, compressed-tensors'): the scales of the base dtype,
+# the min set one int8 zero point z per (row, group), min = fl(scale * z) (csrc/formats/layout.h)
+ZERO_POINTS = {"fp32_zp": "fp32", "fp16_zp": "fp16", "bf16_zp": "bf16"}
+MIN_WIDTH = dict(_C.LAYOUT["min_width"])  # bytes per stored min (the zero-point dtypes: 1)
 CODEBOOKS = {name: tuple(values) for name, values in _C.LAYOUT["codebooks"].items()}  # lut4: name -> 16 int8 values
 # grid's types (GGUF i-quants): name -> (scale group, bytes per row and SUPER_BLOCK values held, bytes per block in the
 # file); a grid matrix's K is whole super-blocks
@@ -57,9 +62,12 @@ def set_bytes(n_blocks: int, kp: int, group: int, scale_dtype: str, shared_scale
 
 def min_set_bytes(n_blocks: int, kp: int, group: int, scale_dtype: str) -> int:
     """Bytes of an affine matrix's min set of ``n_blocks`` row blocks: as its scale set, but k4's is only its fp16
-    super mins (one per (row, SUPER_BLOCK values of K); the sub-mins share the scale set's bytes)."""
+    super mins (one per (row, SUPER_BLOCK values of K); the sub-mins share the scale set's bytes) and a zero-point
+    dtype's one int8 zero point per (row, group)."""
     if scale_dtype == "k4":
         return n_blocks * ROWS * -(-kp // SUPER_BLOCK) * 2
+    if scale_dtype in ZERO_POINTS:
+        return n_blocks * ROWS * (kp // group) * MIN_WIDTH[scale_dtype]
     return set_bytes(n_blocks, kp, group, scale_dtype)
 
 
@@ -74,7 +82,7 @@ def packed_matrix_bytes(fmt: str, n: int, k: int, group: int, affine: bool = Fal
                         shared_scales: bool = False, codebook: Optional[str] = None) -> int:
     """Bytes of one [n, k] matrix in the engine's packed layout (csrc/formats/layout.h), scales (of
     ``scale_dtype``; an affine matrix's mins, stored as the scales are, beside them (k4: in the scales' bytes but for
-    their fp16 super mins); fp8 ``shared_scales``: one per 16 rows) included."""
+    their fp16 super mins; a zero-point dtype: one byte each); fp8 ``shared_scales``: one per 16 rows) included."""
     if fmt == "grid":
         return grid_matrix_bytes(codebook, n, k)
     group = BF16_GROUP if fmt == "bf16" else (group or 128)

@@ -53,18 +53,35 @@ struct Bf16Tile {
   }
 };
 
+// 8 stored values of a one-level float type (f32, f16, bf16) at p as fp32: one load and one conversion.
+inline __m256 plain8(ScaleType t, const uint8_t* p) {
+  if (t == ScaleType::f16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  if (t == ScaleType::bf16) {
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+  }
+  return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+}
+
 // Values 8 * half .. 8 * half + 7 of group g of a scale set of w (its scales, or its mins) as fp32 (formats/layout.h:
-// one load and one conversion, k8 / k4 two and a multiply, e4m3 a multiply by the block's factor; exact, the bits of
-// RowBlock::value).
+// one load and one conversion, k8 / k4 two and a multiply, e4m3 a multiply by the block's factor, zero-point mins the
+// scales times the converted bytes; exact, the bits of RowBlock::value).
 inline __m256 widen8(const RowBlock& w, const uint8_t* set, int g, int half) {
+  if (zero_points(w.scale_type)) {  // the base type's scales; the mins fl(scale * z) of the int8 zero points
+    const ScaleType base = zp_base(w.scale_type);
+    const __m256 sc = plain8(base, w.group_of(w.scales, g) + 8 * half * scale_width(base));
+    if (set != w.mins) return sc;
+    const __m128i z8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.group_of(w.mins, g) + 8 * half));
+    return _mm256_mul_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(z8)));
+  }
   const uint8_t* p = w.group_of(set, g) + 8 * half * scale_width(w.scale_type);
   switch (w.scale_type) {
-    case ScaleType::f16: return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    case ScaleType::bf16: {
-      const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-    }
-    case ScaleType::e8m0: {  // 2^(e - 128): exponent field e - 1, or for e < 2 the subnormal 2^-128 << e
+    case ScaleType::f16:
+    case ScaleType::bf16: return plain8(w.scale_type, p);
+    case ScaleType::f32_zp:
+    case ScaleType::f16_zp:
+    case ScaleType::bf16_zp: break;  // above
+    case ScaleType::e8m0: {          // 2^(e - 128): exponent field e - 1, or for e < 2 the subnormal 2^-128 << e
       const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
       const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
       const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);

@@ -46,15 +46,31 @@ struct Bf16Tile {
   }
 };
 
+// 16 stored values of a one-level float type (f32, f16, bf16) at p as fp32: one load and one conversion.
+inline __m512 plain16(ScaleType t, const uint8_t* p) {
+  if (t == ScaleType::f16) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  if (t == ScaleType::bf16) {
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+  }
+  return _mm512_loadu_ps(p);
+}
+
 // The 16 values of group g of a scale set of w (its scales, or its mins) as fp32 (formats/layout.h: one load and one
-// conversion, k8 / k4 two and a multiply, e4m3 a multiply by the block's factor; exact, the bits of RowBlock::value).
+// conversion, k8 / k4 two and a multiply, e4m3 a multiply by the block's factor, zero-point mins the scales times the
+// converted bytes; exact, the bits of RowBlock::value).
 inline __m512 widen16(const RowBlock& w, const uint8_t* set, int g) {
   const uint8_t* p = w.group_of(set, g);
   switch (w.scale_type) {
-    case ScaleType::f16: return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    case ScaleType::bf16: {
-      const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-      return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+    case ScaleType::f16:
+    case ScaleType::bf16: return plain16(w.scale_type, p);
+    case ScaleType::f32_zp:
+    case ScaleType::f16_zp:
+    case ScaleType::bf16_zp: {  // the base type's scales; the mins fl(scale * z) of the int8 zero points
+      const __m512 sc = plain16(zp_base(w.scale_type), w.group_of(w.scales, g));
+      if (set != w.mins) return sc;
+      const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      return _mm512_mul_ps(sc, z);
     }
     case ScaleType::e8m0: {  // 2^(e - 128): exponent field e - 1, or for e < 2 the subnormal 2^-128 << e
       const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

@@ -5,8 +5,9 @@ hetmoe/moe/streamed/layerwise.py) — no second copy in RAM, no re-layout on the
 The layout (row blocks of ROWS rows, lines of LINE bytes, the codes, the scales, gate and up row blocks alternating,
 a layer's four storage ranges) is described once, in csrc/formats/layout.h; its constants come from there through
 hetmoe/cpu/layout.py. Grid matrices (GGUF's i-quants) hold their file's blocks in the row blocks instead of lines
-and scales: hetmoe/moe/streamed/grid.py decodes them, Triton or not. NVFP4's E4M3 scale bytes (e4m3, e4m3_div) are
-widened here too, Triton or not (``ExpertLayout.torch_only``).
+and scales: hetmoe/moe/streamed/grid.py decodes them, Triton or not. NVFP4's E4M3 scale bytes (e4m3, e4m3_div) and
+the int8 zero points of GPTQ / AWQ / compressed-tensors mins (fp32_zp, fp16_zp, bf16_zp) are widened here too, Triton
+or not (``ExpertLayout.torch_only``).
 
 Shape letters: E experts, H hidden size, I intermediate size, N rows, K columns, Kp K padded, G groups.
 """
@@ -39,7 +40,7 @@ class MatrixShape:
     kp: int
     n_blocks: int
     affine: bool = False  # value = scale * u - min (GGUF's K-quants), else scale * q
-    scale_dtype: str = "fp32"  # how the scales (and mins) are stored (fp32, fp16, bf16, e8m0, k8, k4)
+    scale_dtype: str = "fp32"  # how the scales (and mins) are stored (fp32, fp16, bf16, e8m0, k8, k4, e4m3, ..._zp)
     codebook: str | None = None  # lut4: the codebook its nibbles index; grid: its type (iq2_xxs, ...)
 
     @classmethod
@@ -65,6 +66,8 @@ class MatrixShape:
                              f"{', '.join(SCALE_WIDTH)} scales")
         if scale_dtype == "k4" and scaling != "affine":
             raise ValueError(f"{fmt} experts with k4 scales must be affine (k4 holds a sub-min beside each sub-scale)")
+        if scale_dtype in cpu_layout.ZERO_POINTS and scaling != "affine":
+            raise ValueError(f"{fmt} experts with {scale_dtype} scales must be affine (a zero point per min)")
         return cls(fmt, n, k, group, _round_up(k, group), -(-n // ROWS), fmt != "bf16" and scaling == "affine",
                    scale_dtype or "fp32", codebook)
 
@@ -141,9 +144,10 @@ class ExpertLayout:
     @property
     def torch_only(self) -> bool:
         """Whether the PyTorch reader takes this layout even where Triton's one-pass unpack is installed: grid
-        blocks, and NVFP4's E4M3 scale bytes with their row blocks' factors (e4m3, e4m3_div), which that kernel
-        does not read."""
-        return self.grid or any(m.scale_dtype in cpu_layout.FACTOR_SCALES for m in (self.gate_up, self.down))
+        blocks, NVFP4's E4M3 scale bytes with their row blocks' factors (e4m3, e4m3_div) and the int8 zero points of
+        the zero-point dtypes (fp32_zp, fp16_zp, bf16_zp), which that kernel does not read."""
+        return self.grid or any(m.scale_dtype in cpu_layout.FACTOR_SCALES + tuple(cpu_layout.ZERO_POINTS)
+                                for m in (self.gate_up, self.down))
 
 
 def code_bits(fmt: str) -> int:
@@ -249,8 +253,8 @@ def widen_set(sets: torch.Tensor, shape: MatrixShape) -> torch.Tensor:
         half = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(torch.int16).view(torch.float16).float()
         factor = sets[:, G * ROWS:G * ROWS + cpu_layout.FACTOR_BYTES].contiguous().view(torch.float32)  # [n, 1]
         return (half / factor if sdt == "e4m3_div" else half * factor).view(n, G, ROWS)
-    if sdt not in cpu_layout.TWO_LEVEL:
-        return widen_scales(head.reshape(-1), sdt).view(n, G, ROWS)
+    if sdt not in cpu_layout.TWO_LEVEL:  # (a zero-point dtype's scales: its base dtype's)
+        return widen_scales(head.reshape(-1), cpu_layout.ZERO_POINTS.get(sdt, sdt)).view(n, G, ROWS)
     sub = head.view(torch.int8) if sdt == "k8" else head & 15
     return _times_supers(sub.view(n, G, ROWS).float(), sets[:, G * ROWS:], shape)
 
@@ -258,13 +262,16 @@ def widen_set(sets: torch.Tensor, shape: MatrixShape) -> torch.Tensor:
 def widen_sets(blocks: torch.Tensor, shape: MatrixShape) -> tuple:
     """The whole scale bytes of ``shape``'s blocks (uint8 [n, shape.block_scale_bytes]: the scale set, and an affine
     block's min set after it) -> (scales, mins or None), fp32 [n, G, ROWS] each, exactly as the CPU kernels widen them
-    (k4's mins: the high nibble of the scale set's pair byte x the min set's fp16 super min)."""
+    (k4's mins: the high nibble of the scale set's pair byte x the min set's fp16 super min; a zero-point dtype's:
+    the widened scale x the min set's int8 zero point, one fp32 product)."""
     if blocks.dim() != 2 or blocks.shape[1] != shape.block_scale_bytes:
         raise ValueError(f"scale bytes of {shape.block_scale_bytes} per block, got {tuple(blocks.shape)}")
     scales = widen_set(blocks[:, :shape.set_bytes], shape)
     if not shape.affine:
         return scales, None
     mins = blocks[:, shape.set_bytes:]
+    if shape.scale_dtype in cpu_layout.ZERO_POINTS:  # int8 zero points z: min = fl(scale * z)
+        return scales, scales * mins.contiguous().view(torch.int8).view(scales.shape).float()
     if shape.scale_dtype != "k4":
         return scales, widen_set(mins, shape)
     G, n = shape.kp // shape.group, blocks.shape[0]

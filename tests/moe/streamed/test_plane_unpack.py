@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from hetmoe.cpu import CPUExperts, WorkerPool
-from hetmoe.cpu.layout import FACTOR_SCALES, TWO_LEVEL
+from hetmoe.cpu.layout import FACTOR_SCALES, SCALE_WIDTH, TWO_LEVEL, ZERO_POINTS
 from hetmoe.moe.streamed import layerwise
 from hetmoe.moe.streamed.choice import setup
 from hetmoe.moe.streamed.packed import ExpertLayout, MatrixShape, expert_ranges, unpack_experts, widen_set
@@ -44,6 +44,13 @@ MIXED_IDS = ["q4_k_m", "q3_k_m", "q2_k+q3_k"]
 # NVFP4 at its file's bytes: E4M3 scale bytes with a factor per row block (ModelOpt's product, compressed-tensors'
 # quotient); the PyTorch reader only (ExpertLayout.torch_only)
 E4M3 = [dict(weight_format="lut4", group_size=16, scale_dtype=sdt, codebook="e2m1") for sdt in ("e4m3", "e4m3_div")]
+# GPTQ / AWQ / compressed-tensors zero points at their file's bytes: scales of the base dtype, one int8 zero point per
+# min (min = fl(scale * z)); the PyTorch reader only (ExpertLayout.torch_only)
+ZP = [dict(weight_format="int4", group_size=32, scaling="affine", scale_dtype="fp16_zp"),
+      dict(weight_format="int4", group_size=16, scaling="affine", scale_dtype="bf16_zp"),
+      dict(weight_format="int4", group_size=16, scaling="affine", scale_dtype="fp32_zp"),
+      dict(weight_format="int8", group_size=16, scaling="affine", scale_dtype="fp16_zp")]
+ZP_IDS = ["int4-fp16_zp", "int4-bf16_zp", "int4-fp32_zp", "int8-fp16_zp"]
 
 
 def _scale_blocks(ex: CPUExperts, scale_dtypes: tuple):
@@ -88,11 +95,29 @@ def scramble_factors(ex: CPUExperts, seed: int) -> None:
         blocks[:, subs:subs + 4] = f.float().view(torch.uint8)
 
 
+def scramble_zero_points(ex: CPUExperts, seed: int) -> None:
+    """Random scales of the base dtype (either sign, normal and, fp16, subnormal; some zero) and random zero-point
+    bytes (all of int8) in place of ``ex``'s fp32_zp / fp16_zp / bf16_zp scale and min sets, in the engine's own
+    storage. Matrices of other scale dtypes are left as they are."""
+    gen = torch.Generator().manual_seed(seed)
+    for shape, blocks in _scale_blocks(ex, tuple(ZERO_POINTS)):
+        n = shape.set_bytes // SCALE_WIDTH[shape.scale_dtype]
+        mag = torch.exp2(torch.randint(-20, -4, (blocks.shape[0], n), generator=gen).float())  # 2^-20: subnormal
+        sign = torch.randint(0, 2, (blocks.shape[0], n), generator=gen).float() * 2 - 1
+        val = sign * mag * (1 + torch.rand(blocks.shape[0], n, generator=gen))
+        val[:, ::7] = 0.0
+        base = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[ZERO_POINTS[shape.scale_dtype]]
+        blocks[:, :shape.set_bytes] = val.to(base).view(torch.uint8).view(blocks.shape[0], -1)
+        blocks[:, shape.set_bytes:] = torch.randint(0, 256, (blocks.shape[0], shape.min_set_bytes), generator=gen,
+                                                    dtype=torch.uint8)
+
+
 def _engine(E, H, I, seed, **kwargs) -> CPUExperts:
     ex = CPUExperts(E, H, I, pool=WorkerPool(1), **kwargs)
     ex.fill_random(seed=seed)  # codes over each format's whole range (every plane's bits)
     scramble_two_level(ex, seed)
     scramble_factors(ex, seed)
+    scramble_zero_points(ex, seed)
     return ex
 
 
@@ -101,8 +126,9 @@ def _kwargs(case) -> dict:
     return dict(weight_format=fmt, group_size=group, scaling=scaling, scale_dtype=sdt)
 
 
-@pytest.mark.parametrize("kwargs", [_kwargs(c) for c in CASES] + MIXED + E4M3,
-                         ids=["-".join(map(str, c)) for c in CASES] + MIXED_IDS + ["nvfp4-e4m3", "nvfp4-e4m3_div"])
+@pytest.mark.parametrize("kwargs", [_kwargs(c) for c in CASES] + MIXED + E4M3 + ZP,
+                         ids=["-".join(map(str, c)) for c in CASES] + MIXED_IDS + ["nvfp4-e4m3", "nvfp4-e4m3_div"]
+                         + ZP_IDS)
 @pytest.mark.parametrize("H,I", [(48, 80), (288, 40), (512, 272)])
 def test_torch_unpack_equals_the_engine(kwargs, H, I):
     """H = 48 with group 16: K ends in half a unit of int5 / int3, and mid-super-block; H = 288: two k8 / k4
@@ -222,11 +248,11 @@ def test_setup_falls_back_where_a_reader_refuses_a_scale_dtype(monkeypatch):
         packed_triton.check_layout(ExpertLayout.of(engine))
 
 
-@pytest.mark.parametrize("kwargs", E4M3, ids=["e4m3", "e4m3_div"])
+@pytest.mark.parametrize("kwargs", E4M3 + ZP[:1], ids=["e4m3", "e4m3_div", "fp16_zp"])
 def test_e4m3_layers_take_the_torch_reader_where_triton_is(monkeypatch, kwargs):
-    """NVFP4 layers with E4M3 scale bytes, which the Triton unpack refuses by name: with Triton installed the prefill
-    is still set up, their layouts marked for the PyTorch reader (unpacked an expert at a time: the plan counts no
-    PyTorch temporaries where Triton is)."""
+    """NVFP4 layers with E4M3 scale bytes and layers with zero points, which the Triton unpack refuses by name: with
+    Triton installed the prefill is still set up, their layouts marked for the PyTorch reader (unpacked an expert at
+    a time: the plan counts no PyTorch temporaries where Triton is)."""
     from hetmoe.ops.triton import packed as packed_triton
 
     monkeypatch.setattr(layerwise, "LayerwisePrefill", _Driver)
