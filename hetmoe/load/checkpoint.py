@@ -19,9 +19,10 @@ Linears stored as int4 codes with their scales (and zero points) — by compress
 GPTQ or by AWQ's gemm packing (``<m>.qweight``, ``qzeros``, ``scales``, ``g_idx``: hetmoe/load/gptq.py) — appear under
 their plain name ``<m>.weight`` with their real shape [out, in]; ``get_float`` dequantizes them (the dense linears),
 and routed experts stored so are packed from their codes into the CPU engine's int4 (or int8) format, nothing
-re-quantized: symmetric ones with their scales in the file's dtype, those with zero points as int4 affine with fp32
-scales and mins (``experts_options`` / ``experts_layout`` / ``load_exact_experts``, the interface the loader uses for
-GGUF files too).
+re-quantized: symmetric ones with their scales in the file's dtype, those with zero points as int4 affine with the
+file's scales and one int8 zero point per group (scale dtype fp16_zp / bf16_zp / fp32_zp: min = scale * z, widened by
+the kernels; ``experts_options`` / ``experts_layout`` / ``load_exact_experts``, the interface the loader uses for GGUF
+files too).
 
 NVFP4 linears — compressed-tensors ``nvfp4-pack-quantized`` and NVIDIA ModelOpt's (hetmoe/load/nvfp4.py; ModelOpt's
 hf_quant_config.json read where config.json has no quantization_config) — appear as ``<m>.weight`` [out, in] too,
@@ -954,7 +955,7 @@ class Checkpoint:
                     except compressed.QuantizationConfigError as err:
                         raise CheckpointError(f"{self.path}: {err}") from None
         what = f"{self.path.name}'s routed experts are {pw.describe()}"
-        held = "" if pw.symmetric else " (zero points as fp32 mins)"
+        held = "" if pw.symmetric else f" (zero points as int8 beside {pw.held_scale_dtype.split('_')[0]} scales)"
         fmt = options.experts_format
         if fmt == "auto":
             off = len(layouts) - groups.count(group)

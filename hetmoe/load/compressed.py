@@ -22,8 +22,9 @@ Asymmetric int4 (``symmetric: false``, llm-compressor's W4A16_ASYM) adds a zero 
                            (or, as older writers left it, int8 [out, in / group] unpacked)
 
 which the engine's int4 affine format holds exactly as u = q + 8 in 0..15, value = scale * u - min with
-min = scale * (zp + 8): a bf16 or fp16 scale times a 4-bit integer needs up to 12 / 15 significant bits, so scales
-and mins are held in fp32 (the engine stores an affine matrix's mins in its scales' dtype).
+min = scale * z, z = zp + 8: the scales in the file's dtype and each z as one int8 byte (scale dtype bf16_zp /
+fp16_zp / fp32_zp, csrc/formats/layout.h: the kernels compute min = fl(scale * z), exact for bf16 and fp16 scales),
+so a group costs its scale and one byte, as in the file but for half a byte.
 
 ``quantization_config`` names which modules are quantized (``config_groups`` -> targets, less ``ignore``) and how; a
 setting this reader does not handle is refused by name (``PackQuantized.parse``) before any weight is read.
@@ -209,7 +210,7 @@ class PackedWeight:
     shape: tuple  # (out, in)
     group_size: int  # the engine's group: the file's, or a divisor of it (GPTQ's per-channel and larger groups)
     scale_dtype: torch.dtype  # as stored
-    symmetric: bool = True  # False: a zero point per group (held int4 affine, fp32 scales and mins)
+    symmetric: bool = True  # False: a zero point per group (held int4 affine, the file's scales and int8 zero points)
     method: str = "compressed-tensors"
     file_group: Optional[int] = None  # the file's group when not group_size (GPTQ / AWQ)
     zeros_minus_one: bool = False  # GPTQ v1's zero points
@@ -222,9 +223,10 @@ class PackedWeight:
 
     @property
     def held_scale_dtype(self) -> str:
-        """The scale dtype the engine holds this weight's scales (and mins) in: an affine weight's mins are a scale
-        times a 4-bit zero point, which only fp32 holds exactly."""
-        return held_scale_dtype(self.scale_dtype) if self.symmetric else "fp32"
+        """The scale dtype the engine holds this weight's scales (and mins) in: the file's scale dtype; an affine
+        weight's mins (a scale times a 4-bit zero point) as one int8 zero point each beside them (fp16_zp,
+        bf16_zp, fp32_zp)."""
+        return held_scale_dtype(self.scale_dtype) + ("" if self.symmetric else "_zp")
 
     def describe(self) -> str:
         what = {"compressed-tensors": "compressed-tensors pack-quantized int4", "gptq": "GPTQ int4",

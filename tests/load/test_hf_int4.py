@@ -17,7 +17,9 @@ What is checked:
   are the same values rounded);
 * the attention linears, dequantized into the dense part, exactly;
 * logits against Transformers' own Qwen3MoeForCausalLM on the dequantized weights, per class of engine path;
-* the RAM held for the experts against their bytes in the file;
+* the RAM held for the experts against their bytes in the file: with zero points, at most 1.05x (the file's scale
+  and an int8 zero point per group, csrc/formats/layout.h fp16_zp / bf16_zp), groups of 32 / 64 / 128 and per
+  channel;
 * bad input refused by name before any weight is read (bits, versions, shapes, groups, act-order, overrides), and
   while loading, zero points a symmetric config contradicts and a permuted g_idx.
 
@@ -320,21 +322,26 @@ def test_our_zero_point_packing_is_compressed_tensors():
 # ---------------------------------------------------------------- the experts, exactly
 
 CASES = {  # id -> (format, group, symmetric, v1, held layout (scaling, scale dtype), message)
-    "gptq-v1-asym-g128": ("gptq", 128, False, True, ("affine", "fp32"), "GPTQ int4 (with zero points, float16 "
-                          "scales per group of 128): packed as int4 group 128 (zero points as fp32 mins) from their "
-                          "codes, exactly"),
-    "gptq-v2-asym-g32": ("gptq", 32, False, False, ("affine", "fp32"), "packed as int4 group 32 (zero points"),
+    "gptq-v1-asym-g128": ("gptq", 128, False, True, ("affine", "fp16_zp"), "GPTQ int4 (with zero points, float16 "
+                          "scales per group of 128): packed as int4 group 128 (zero points as int8 beside fp16 "
+                          "scales) from their codes, exactly"),
+    "gptq-v2-asym-g32": ("gptq", 32, False, False, ("affine", "fp16_zp"), "packed as int4 group 32 (zero points"),
     "gptq-v1-sym-g128": ("gptq", 128, True, True, ("symmetric", "fp16"), "GPTQ int4 (symmetric, float16 scales per "
                          "group of 128): packed as int4 group 128 from their codes, exactly"),
     "gptq-v2-sym-channel": ("gptq", -1, True, False, ("symmetric", "fp16"), "GPTQ int4 (symmetric, float16 scales "
                             "per output channel): packed as int4 group 128"),
-    "awq-g128": ("awq", 128, False, False, ("affine", "fp32"), "AWQ (gemm) int4 (with zero points, float16 scales "
-                 "per group of 128): packed as int4 group 128 (zero points as fp32 mins)"),
-    "awq-g64": ("awq", 64, False, False, ("affine", "fp32"), "packed as int4 group 64"),
-    "ct-own-asym-g128": ("ct-own", 128, False, False, ("affine", "fp32"), "compressed-tensors pack-quantized int4 "
-                         "(with zero points, bfloat16 scales per group of 128): packed as int4 group 128 (zero "
-                         "points as fp32 mins)"),
-    "ct-asym-g32": ("ct", 32, False, False, ("affine", "fp32"), "packed as int4 group 32 (zero"),
+    "awq-g128": ("awq", 128, False, False, ("affine", "fp16_zp"), "AWQ (gemm) int4 (with zero points, float16 "
+                 "scales per group of 128): packed as int4 group 128 (zero points as int8 beside fp16 scales)"),
+    "awq-g64": ("awq", 64, False, False, ("affine", "fp16_zp"), "packed as int4 group 64"),
+    "awq-g32": ("awq", 32, False, False, ("affine", "fp16_zp"), "packed as int4 group 32"),
+    "gptq-v1-asym-channel": ("gptq", -1, False, True, ("affine", "fp16_zp"), "GPTQ int4 (with zero points, float16 "
+                             "scales per output channel): packed as int4 group 128 (zero points as int8 beside fp16 "
+                             "scales)"),
+    "gptq-v2-asym-g64": ("gptq", 64, False, False, ("affine", "fp16_zp"), "packed as int4 group 64 (zero points"),
+    "ct-own-asym-g128": ("ct-own", 128, False, False, ("affine", "bf16_zp"), "compressed-tensors pack-quantized "
+                         "int4 (with zero points, bfloat16 scales per group of 128): packed as int4 group 128 (zero "
+                         "points as int8 beside bf16 scales)"),
+    "ct-asym-g32": ("ct", 32, False, False, ("affine", "bf16_zp"), "packed as int4 group 32 (zero"),
 }
 
 
@@ -394,7 +401,8 @@ def test_explicit_formats(int4):
     want = dequant(*linears["model.layers.1.mlp.experts.5.gate_proj"][:3])
     said = []
     loaded = _load(path, log=said.append, experts_format="int8")
-    assert any("packed as int8 group 128 (zero points as fp32 mins) as asked, exactly" in s for s in said)
+    assert any("packed as int8 group 128 (zero points as int8 beside fp16 scales) as asked, exactly" in s
+               for s in said)
     engine = dict(moe_blocks(loaded.model))["model.layers.1.mlp"].engine
     assert engine.info()["weight_format"] == "int8" and torch.equal(engine.dequantized(5)[0], want)
     said = []
@@ -405,7 +413,8 @@ def test_explicit_formats(int4):
 
 
 def test_expert_cache_reuses_the_affine_codes(int4, tmp_path):
-    """The converted-expert cache holds the affine layout (fp32 scales and mins) and gives back the same values."""
+    """The converted-expert cache holds the affine layout (fp16 scales, int8 zero points) and gives back the same
+    values."""
     path, _, linears = int4("awq", 64)
     opts = EngineOptions(device="cpu", dtype="fp32", threads=1)
     first = load_model(path, opts, expert_cache=str(tmp_path), progress=False, log=lambda m: None)
@@ -442,7 +451,8 @@ LOGIT_BOUND = 8e-2
 LOGIT_SEED = 5
 
 
-@pytest.mark.parametrize("case", ["gptq-v1-asym-g128", "gptq-v1-sym-g128", "awq-g64", "ct-own-asym-g128"])
+@pytest.mark.parametrize("case", ["gptq-v1-asym-g128", "gptq-v2-asym-g32", "gptq-v1-sym-g128", "awq-g64",
+                                  "ct-own-asym-g128"])
 @pytest.mark.parametrize("path", CLASS_PATHS, ids=ids(CLASS_PATHS))
 def test_logits_match_transformers_on_the_dequantized_weights(int4, case, path):
     fmt, group, sym, v1 = CASES[case][:4]
@@ -453,18 +463,29 @@ def test_logits_match_transformers_on_the_dequantized_weights(int4, case, path):
 # ---------------------------------------------------------------- bytes
 
 
-@pytest.mark.parametrize("case, bound", [("gptq-v1-sym-g128", (0.93, 0.95)), ("gptq-v1-asym-g128", (1.0, 1.03)),
-                                         ("awq-g128", (1.08, 1.09)), ("awq-g64", (1.14, 1.16)),
-                                         ("gptq-v2-asym-g32", (1.22, 1.25)),
-                                         ("ct-own-asym-g128", (1.08, 1.09))])
-def test_ram_held_for_the_experts(int4, case, bound):
-    """Held: int4 codes (half a byte a weight) and, symmetric, the file's fp16 scale per group; with zero points, an
-    fp32 scale and an fp32 min per group (the engine stores mins in the scales' dtype, and scale * zero point needs
-    up to 15 significant bits). File: codes, scales, packed zero points and GPTQ's g_idx (4 bytes per input)."""
+# Held / file bytes of the routed experts. The file's GPTQ matrices carry g_idx (4 bytes per input: GPTQ's ratios
+# are below AWQ's); per channel, the engine holds the row's scale and zero point once per group of 128 inputs (the
+# tiny model's K is 128: as group 128; at K = 2048, 1.044). MEASURED: GPTQ symmetric g128 0.936, with zero points
+# g128 0.950, g64 0.959, g32 0.974, per channel 0.950; AWQ g128 1.0075, g64 1.0145, g32 1.027; compressed-tensors
+# g128 1.0056, g32 1.0253 (fp32 scales and mins before: GPTQ g32 1.24, AWQ g64 1.15, g128 1.08).
+RAM_BOUNDS = {"gptq-v1-sym-g128": (0.93, 0.95), "gptq-v1-asym-g128": (0.94, 0.96),
+              "gptq-v2-asym-g64": (0.95, 0.97), "gptq-v2-asym-g32": (0.96, 0.98),
+              "gptq-v1-asym-channel": (0.94, 0.96), "awq-g128": (1.0, 1.01), "awq-g64": (1.0, 1.02),
+              "awq-g32": (1.0, 1.03), "ct-own-asym-g128": (1.0, 1.01), "ct-asym-g32": (1.0, 1.03)}
+ZERO_POINT_LIMIT = 1.05  # issue 47: experts with zero points held at most 5 % over the file's bytes
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=NEEDS_CT) if CASES[c][0] == "ct" else c
+                                  for c in RAM_BOUNDS])
+def test_ram_held_for_the_experts(int4, case):
+    """Held: int4 codes (half a byte a weight) and the file's scale per group (fp16 or bf16); with zero points, one
+    int8 zero point beside it (csrc/formats/layout.h fp16_zp / bf16_zp: the kernels widen min = scale * z), where the
+    file packs it in half a byte. File: codes, scales, packed zero points and GPTQ's g_idx (4 bytes per input)."""
     fmt, group, sym, v1 = CASES[case][:4]
     path, _, _ = int4(fmt, group, sym, v1)
     _, ratio = held_ratio(path, case)
-    assert bound[0] <= ratio <= bound[1]
+    low, high = RAM_BOUNDS[case]
+    assert low <= ratio <= high and (sym or ratio <= ZERO_POINT_LIMIT), ratio
 
 
 # ---------------------------------------------------------------- bad input
