@@ -9,7 +9,8 @@ int3 / int2 into int4 codes, in the same group with the same scales: the residen
 their K loop (hetmoe/ops/triton/experts.py ``_halves``) and no kernel of theirs reads the packed planes. Affine
 matrices (the K-quants Q4_K, Q5_K, Q2_K; Q4_1 / Q5_1) keep their mins beside the scales, fp32 too: value =
 scale * u - min, u = q + 128 (int8) or the nibble (int4), rounded twice as the CPU engine rounds it (Q2_K's k4: scale =
-sub-scale nibble x fp16 d, min = sub-min nibble x fp16 dmin, both exact in fp32).
+sub-scale nibble x fp16 d, min = sub-min nibble x fp16 dmin, both exact in fp32; GPTQ / AWQ / compressed-tensors zero
+points, fp16_zp / bf16_zp / fp32_zp: min = fl(scale x int8 zero point), as the CPU kernels widen it).
 
 Layout of one quantized matrix stack (the conventions of hetmoe/ops/triton/linear.py, with the group a parameter;
 K zero-padded to Kp, a multiple of the group):

@@ -135,6 +135,41 @@ def test_resident_two_level_over_super_blocks(name, h, i):
         assert torch.equal(gu[j], torch.cat([cg, cu])) and torch.equal(d[j], cd), (name, e)
 
 
+@pytest.mark.parametrize("sdt", ["fp16_zp", "bf16_zp", "fp32_zp"])
+def test_resident_zero_points_are_the_engines_values(sdt):
+    """int4 affine with zero points (GPTQ / AWQ / compressed-tensors at their file's bytes: scales of the base dtype,
+    one int8 zero point per min) and random scale and zero-point bytes: storage auto holds int4 affine with fp32
+    scales and mins, bitwise the engine's values (min = fl(scale * z), widened by the PyTorch reader); the dense and
+    grouped paths on them."""
+    from hetmoe.cpu.layout import SCALE_WIDTH, ZERO_POINTS
+    from hetmoe.moe.streamed.packed import ExpertLayout, expert_ranges
+
+    ex = CPUExperts(E, H, I, "int4", 32, pool=WorkerPool(1), scaling="affine", scale_dtype=sdt)
+    ex.fill_random(seed=3, std=0.3)
+    gen = torch.Generator().manual_seed(len(sdt))
+    base = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[ZERO_POINTS[sdt]]
+    lay, ranges = ExpertLayout.of(ex), expert_ranges(ex)
+    for shape, sets in ((lay.gate_up, ranges[1]), (lay.down, ranges[3])):
+        blocks = sets.view(-1, shape.block_scale_bytes)
+        n = shape.set_bytes // SCALE_WIDTH[sdt]
+        val = (torch.rand(blocks.shape[0], n, generator=gen) * 2e-2 - 1e-2).to(base)
+        blocks[:, :shape.set_bytes] = val.view(torch.uint8).view(blocks.shape[0], -1)
+        blocks[:, shape.set_bytes:] = torch.randint(0, 256, (blocks.shape[0], shape.min_set_bytes), generator=gen,
+                                                    dtype=torch.uint8)
+    st = rf.cpu_storage(ex)
+    assert (st.gate_up, st.down, st.gate_up_affine, st.down_affine) == ("int4", "int4", True, True)
+    g = GpuExperts.from_cpu(ex, RESIDENT, torch.float32, "cpu", "auto", decode="dense")
+    gate, up, down = _values(g)
+    for e in RESIDENT:
+        cg, cu, cd = ex.dequantized(e)
+        assert cg.unique().numel() > 100  # the scrambled bytes reach the values
+        assert torch.equal(gate[e], cg) and torch.equal(up[e], cu) and torch.equal(down[e], cd), (sdt, e)
+    for T, k in ((3, 2), (40, 4)):  # dense (T <= 32), grouped (T > 32)
+        x, ids, wts = _case(T, k, sdt)
+        ref = _reference(g, x, ids, wts)
+        assert ref.abs().max() > 0 and rel_err(g(x, ids, wts), ref) < FP32_BOUND
+
+
 def test_affine_storage_is_only_copied():
     with pytest.raises(ValueError, match="cannot be affine"):
         rf.Storage("lut4", "lut4", 32, 32, "e2m1", "e2m1", True, False)
