@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 from hetmoe.cli.options import add_shape_options
 from hetmoe.config.flags import add_engine_options, engine_options
@@ -20,10 +20,25 @@ from hetmoe.config.flags import add_engine_options, engine_options
 WIDTH = 100  # columns of the table
 
 
+def checkpoint_formats() -> dict:
+    """Name -> CPUExperts layout of the experts' formats hetmoe holds exactly as checkpoints ship them (GGUF types
+    and mixes, NVFP4, int4 with zero points, FP8 blocks and MXFP8): ``--shape-experts``'s choices, the same names
+    as ``hetmoe bench kernel --formats``."""
+    from hetmoe.bench import kernel
+
+    names = [*kernel.GGUF_FORMATS, *kernel.NVFP4_FORMATS, *kernel.FP8_FORMATS, *getattr(kernel, "ZP_FORMATS", {})]
+    return {n: kernel.format_args(n, None) for n in names}
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="the memory plan of a model (what goes where, bytes, why), without loading it")
     add_engine_options(p)
     add_shape_options(p)
+    p.add_argument("--shape-experts", metavar="FORMAT", default=None,
+                   help="with --shape: plan the routed experts as a checkpoint that ships them in FORMAT holds them "
+                        "(its own bytes, every layer): a GGUF type or mix (q4_k_m, mxfp4, iq2_xxs, ud_iq2_xxs, ...), "
+                        "nvfp4, nvfp4_div, fp8 (128x128 blocks), mxfp8, int4_zp (GPTQ / AWQ zero points); the names "
+                        "of `hetmoe bench kernel --formats`")
     p.set_defaults(handler=run)
     return p
 
@@ -57,16 +72,35 @@ def checkpoint_model(ckpt, options, log: Callable[[str], None]) -> tuple:
     return cfg, model, blocks, inter, options, types, names
 
 
-def shape_model(shape: str, layers, options) -> tuple:
-    """As ``checkpoint_model``, for a named shape of hetmoe.load.random_weights.SHAPES."""
+def shape_model(shape: str, layers, options, experts: Optional[str] = None) -> tuple:
+    """As ``checkpoint_model``, for a named shape of hetmoe.load.random_weights.SHAPES; ``experts``: a name of
+    ``checkpoint_formats``, the layout every MoE layer's experts are held in exactly (as a checkpoint of those
+    types is loaded: the plan's experts format and group are the layout's, every layer planned in it)."""
+    import dataclasses
+
+    from hetmoe.cpu.codes import plan_format
     from hetmoe.load.loader import build_meta, moe_blocks
     from hetmoe.load.random_weights import shape_config
+    from hetmoe.plan.memory import HeldLayouts
 
     cfg = shape_config(shape, layers)
     model = build_meta(cfg)
     blocks = moe_blocks(model)
     inter = (cfg.get("moe_intermediate_size") or cfg.intermediate_size) if blocks else 0
-    return cfg, model, blocks, inter, options, (), ()
+    held = ()
+    if experts is not None:
+        formats = checkpoint_formats()
+        if experts not in formats:
+            raise ValueError(f"--shape-experts {experts!r} is not a checkpoint format hetmoe holds exactly; one of: "
+                             f"{', '.join(formats)}")
+        if options.experts_format != "auto" or options.group_size is not None:
+            raise ValueError("--shape-experts sets the experts' format and group; leave --experts-format and "
+                             "--group-size out")
+        layout = formats[experts]
+        fmt, group = plan_format(layout)
+        held = (HeldLayouts({fmt: layout}, (fmt, group)),) * len(blocks)
+        options = dataclasses.replace(options, experts_format=fmt, group_size=group)
+    return cfg, model, blocks, inter, options, held, ()
 
 
 def make_plan(args: argparse.Namespace, log: Callable[[str], None] = _log) -> tuple:
@@ -81,9 +115,13 @@ def make_plan(args: argparse.Namespace, log: Callable[[str], None] = _log) -> tu
         raise ValueError("--model and --shape name two models; give one")
     if args.layers is not None and args.shape is None:
         raise ValueError("--layers applies to --shape only")
+    experts = getattr(args, "shape_experts", None)
+    if experts is not None and args.shape is None:
+        raise ValueError("--shape-experts applies to --shape only (a checkpoint's experts are held as it ships them)")
     options = normalize_options(engine_options(args), log)
     if args.shape is not None:
-        return _plan(shape_model(args.shape, args.layers, options), f"{args.shape} shape", options, None)
+        name = f"{args.shape} shape" + (f", experts as {experts}" if experts else "")
+        return _plan(shape_model(args.shape, args.layers, options, experts), name, options, None)
     path = args.model if args.model is not None else default_model_path()
     ckpt = open_checkpoint(path)  # config and tensor headers; no weight
     try:

@@ -18,7 +18,8 @@ SHAPE_NAMES = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")  # defined in het
 ISAS = ISA_CHOICES  # "auto" and hetmoe.cpu.ISAS
 # hetmoe.load.random_weights.SHAPES
 MODEL_SHAPES = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "deepseek-v2-lite", "deepseek-v4-flash",
-                "minimax-m3", "glm-5.3-flash")
+                "minimax-m3", "glm-5.3-flash", "deepseek-v3.2", "glm-5", "qwen3.5-397b-a17b", "qwen3-next-80b-a3b",
+                "gpt-oss-120b", "glm-4.5-air", "minimax-m2.5")
 
 
 # ---------------------------------------------------------------------------------------------- argument types

@@ -307,6 +307,96 @@ SHAPES = {
         "attention_bias": False, "max_position_embeddings": 1048576, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     },
+    "deepseek-v3.2": {  # deepseek-ai/DeepSeek-V3.2: DeepSeek-V3's sizes and routing, plus DeepSeek Sparse Attention's
+        # lightning indexer (64 heads of 128, top-2048) in every layer, its key cached per position beside the latent
+        "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+        "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61, "first_k_dense_replace": 3, "num_attention_heads": 128, "num_key_value_heads": 128,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+        "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64, "attention_bias": False, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+        "max_position_embeddings": 163840, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+        "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
+    },
+    "glm-5": {  # zai-org/GLM-5, as Transformers' GlmMoeDsaConfig describes it (its defaults): MLA (64 heads, nope 192,
+        # v 256) with DeepSeek Sparse Attention (32 indexer heads of 128, top-2048) in all 78 layers, 3 dense layers,
+        # 256 routed experts top-8 + 1 shared
+        "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+        "vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 78, "first_k_dense_replace": 3, "num_attention_heads": 64, "num_key_value_heads": 64,
+        "q_lora_rank": 2048, "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256,
+        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
+        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "index_topk": 2048, "index_head_dim": 128,
+        "index_n_heads": 32, "attention_bias": False, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "max_position_embeddings": 202752,
+        "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
+    },
+    "qwen3.5-397b-a17b": {  # Qwen/Qwen3.5-397B-A17B's language model: 60 layers of 4096 (3 Gated DeltaNet : 1 gated
+        # full attention, 32 query / 2 KV heads of 256, RoPE on a quarter), 512 routed experts top-10 + 1 shared, as
+        # published; the expert width (1024) is what 397 B parameters leave, and the linear attention's heads (16 key /
+        # 64 value heads of 128) twice Transformers' Qwen3_5MoeTextConfig defaults (the 35B-A3B's) with the width
+        "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+        "vocab_size": 248320, "hidden_size": 4096, "num_hidden_layers": 60, "num_attention_heads": 32,
+        "num_key_value_heads": 2, "head_dim": 256, "moe_intermediate_size": 1024,
+        "shared_expert_intermediate_size": 1024,
+        "num_experts": 512, "num_experts_per_tok": 10, "norm_topk_prob": True, "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 64, "hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_bias": False,
+        "rope_parameters": {"rope_theta": 10000000.0, "partial_rotary_factor": 0.25, "rope_type": "default"},
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 15,
+        "max_position_embeddings": 262144, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+    "qwen3-next-80b-a3b": {  # Qwen/Qwen3-Next-80B-A3B, as Transformers' Qwen3NextConfig describes it (its defaults): 48
+        # layers of 2048, 3 Gated DeltaNet : 1 gated full attention, 512 routed experts top-10 + 1 shared
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 48,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "num_experts": 512, "num_experts_per_tok": 10, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "attention_bias": False,
+        "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25, "rope_type": "default"},
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 12,
+        "max_position_embeddings": 262144, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+    "gpt-oss-120b": {  # openai/gpt-oss-120b, as Transformers' GptOssConfig describes it (its defaults): 36 layers of
+        # 2880, alternating 128-token sliding and full attention with sinks, 128 experts top-4 with biases and clamped
+        # SwiGLU
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+        "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 36,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 18, "num_local_experts": 128,
+        "num_experts_per_tok": 4, "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "attention_bias": True,
+        "hidden_act": "silu", "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+        "max_position_embeddings": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+    "glm-4.5-air": {  # zai-org/GLM-4.5-Air: Transformers' Glm4MoeConfig defaults (its sizes: 46 layers of 4096, 1 dense
+        # layer, 128 routed experts top-8 + 1 shared) with the checkpoint's 96 / 8 heads of 128 (RoPE on half) and
+        # q/k/v biases
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+        "vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+        "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+        "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+        "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0, "use_qk_norm": False,
+        "attention_bias": True, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.5, "rope_type": "default"},
+        "max_position_embeddings": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+    "minimax-m2.5": {  # MiniMaxAI/MiniMax-M2.5 (MiniMax-M2's architecture), as Transformers' MiniMaxM2Config
+        # describes it (its defaults): 62 layers of 3072, 48 / 8 heads of 128, 256 experts top-8, sigmoid routing
+        "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2",
+        "vocab_size": 200064, "hidden_size": 3072, "intermediate_size": 1536, "num_hidden_layers": 62,
+        "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 256,
+        "num_experts_per_tok": 8, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_theta": 5000000.0, "rope_type": "default"}, "max_position_embeddings": 196608,
+        "tie_word_embeddings": False, "bos_token_id": 200034, "eos_token_id": 200020, "torch_dtype": "bfloat16",
+    },
 }
 
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")

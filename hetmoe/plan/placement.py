@@ -228,7 +228,9 @@ def plan_memory(shapes: "ModelShapes", opts: EngineOptions, device: torch.device
                 "activations": f"prefill chunks of {opts.prefill_chunk} tokens x {opts.max_batch} "
                                f"sequence{'s' * (opts.max_batch > 1)}",
                 "CUDA context": "the CUDA runtime and kernels", "runtime": "Python, torch, staging buffers",
-                "routed experts": f"--experts-format {opts.experts_format}" if opts.experts_format != "auto" else
+                "routed experts": "the checkpoint's own codes, exactly" if shapes.expert_layouts and all(
+                    h.own is not None for h in shapes.expert_layouts) else
+                f"--experts-format {opts.experts_format}" if opts.experts_format != "auto" else
                 "auto: the most precise that fits",
                 "GPU experts": f"--gpu-experts {opts.gpu_experts}" if opts.gpu_experts != "auto" else "auto"})
     if layers is not None and any(getattr(p, "gpu_experts", None) is not None for p in layers):

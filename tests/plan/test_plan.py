@@ -363,6 +363,62 @@ def test_plan_command_reads_a_gguf_file(capsys, tmp_path):
     assert "routed experts (int8, group 128)" in out and "RAM total" in out
 
 
+@pytest.mark.parametrize("name,bits", [("mxfp4", 4.25), ("q4_k_m", None), ("iq2_xxs", 2.0625), ("fp8", None)])
+def test_plan_shape_experts_as_a_checkpoint_ships_them(capsys, name, bits):
+    """--shape-experts: every MoE layer planned in the checkpoint format's own layout; the RAM of the routed experts
+    is what the engine allocates for that layout (layout_bytes), for MXFP4 4.25 bits and IQ2_XXS 2.0625 bits a
+    weight as in the file."""
+    from hetmoe.cli.plan import checkpoint_formats
+    from hetmoe.cpu.layout import layout_bytes
+
+    args = ("plan", "--shape", "deepseek-v4-flash", "--layers", 4, "--device", "cpu", "--cpu-memory", BIG_RAM)
+    code, out, err = _cli(capsys, *args, "--shape-experts", name)
+    assert code == 0 and out.startswith(f"deepseek-v4-flash shape, experts as {name}:"), err
+    cfg = shape_config("deepseek-v4-flash", 4)
+    H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+    want = 4 * E * layout_bytes(checkpoint_formats()[name], H, I)
+    row = re.search(r"routed experts \(\w+, group \d+\) +cpu +([\d.]+) GiB +the checkpoint's own codes", out)
+    assert row and abs(float(row.group(1)) - want / 2**30) < 0.006, (row and row.group(0), want / 2**30)
+    if bits is not None:
+        assert abs(want / (4 * E * 3 * H * I) * 8 - bits) < 1e-9
+    for bad, message in ((("--shape-experts", "q9_z"), "not a checkpoint format hetmoe holds exactly"),
+                         (("--shape-experts", name, "--experts-format", "int8"), "leave --experts-format"),
+                         (("--shape-experts", name, "--group-size", "32"), "leave --experts-format and --group-size")):
+        code, _, err = _cli(capsys, *args, *bad)
+        assert code == 1 and message in err, err
+    code, _, err = _cli(capsys, "plan", "--device", "cpu", "--shape-experts", name)
+    assert code == 1 and "--shape-experts applies to --shape only" in err
+
+
+# published total parameters (billions) of the full-size shapes
+PUBLISHED_B = {"deepseek-v3.2": 671, "glm-5": 744, "qwen3.5-397b-a17b": 397, "qwen3-next-80b-a3b": 80,
+               "gpt-oss-120b": 117, "glm-4.5-air": 106, "minimax-m2.5": 229}
+
+
+@pytest.mark.parametrize("shape", list(PUBLISHED_B))
+def test_full_size_shapes_have_their_published_size_and_plan(capsys, shape):
+    """Each preset builds (meta device) to its model's published parameter count within 1%, and plans on a 24 GiB GPU
+    with 256 GiB of RAM."""
+    code, out, err = _cli(capsys, "plan", "--shape", shape, "--device", "cuda", "--gpu-memory", "24GiB",
+                          "--cpu-memory", "256GiB")
+    assert code == 0, err
+    dense, routed = map(float, re.search(r"([\d.]+) G dense \+ ([\d.]+) G routed", out).groups())
+    assert abs(dense + routed - PUBLISHED_B[shape]) / PUBLISHED_B[shape] < 0.01, (dense, routed)
+
+
+@pytest.mark.parametrize("shape,context,experts", [("deepseek-v4-flash", 131072, "mxfp4"),
+                                                   ("qwen3.5-397b-a17b", 262144, None)])
+def test_frontier_models_fit_a_24_gib_gpu_and_256_gib_with_gpu_prefill(capsys, shape, context, experts):
+    """DeepSeek-V4-Flash with its MXFP4 experts at 128K and Qwen3.5-397B at 256K fit 24 GiB + 256 GiB with the
+    layerwise GPU prefill planned."""
+    code, out, err = _cli(capsys, "plan", "--shape", shape, "--device", "cuda", "--gpu-memory", "24GiB",
+                          "--cpu-memory", "256GiB", "--max-context", context,
+                          *(("--shape-experts", experts) if experts else ()))
+    assert code == 0, err
+    assert f"KV cache ({context} x 1)" in out and "prefill slots" in out and "fits: 24.00 GiB budget" in out
+    assert "fits: 256.00 GiB budget" in out
+
+
 # ---------------------------------------------------------------- recurrent (linear-attention) states
 
 
