@@ -23,8 +23,8 @@ BENCHES = ("kernel", "e2e", "serve", "overhead")  # in the order `hetmoe bench -
 # hetmoe/bench/kernel.py FORMATS (not imported here: the CLI starts without torch)
 KERNEL_FORMATS = ("bf16", "int8", "int4", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_k_m", "q4_0", "q8_0", "q5_0",
                   "q5_1", "mxfp4", "iq4_nl", "iq4_xs", "tq2_0", "tq1_0", "iq2_xxs", "iq3_xxs", "iq3_s", "iq2_xs",
-                  "iq2_s", "iq1_s", "iq1_m", "ud_iq2_xxs", "nvfp4", "nvfp4_div", "nvfp4_fp16", "nvfp4_fp32", "fp8",
-                  "mxfp8")
+                  "iq2_s", "iq1_s", "iq1_m", "ud_iq2_xxs", "nvfp4", "nvfp4_div", "nvfp4_fp16", "nvfp4_fp32",
+                  "int4_zp", "int4_zp_fp32", "fp8", "mxfp8")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -60,7 +60,9 @@ def _add_kernel(sub) -> None:
                         "tq1_0 (ternary: int2 group 128), iq2_xxs, iq3_xxs, iq3_s, iq2_xs, iq2_s, iq1_s, iq1_m, "
                         "ud_iq2_xxs (IQ2_XXS gate/up, IQ3_XXS down; grid: the i-quants' blocks decoded in the "
                         "kernels), nvfp4, nvfp4_div (lut4 e2m1 g16 with E4M3 scale bytes: a factor that "
-                        "multiplies, one that divides), nvfp4_fp16, nvfp4_fp32 (the same with widened scales)")
+                        "multiplies, one that divides), nvfp4_fp16, nvfp4_fp32 (the same with widened scales), "
+                        "int4_zp (int4 affine, --group-size or 128, fp16 scales and an int8 zero point per group: "
+                        "GPTQ / AWQ at their file's bytes), int4_zp_fp32 (the same with fp32 scales and mins)")
     kernel.add_argument("--tokens", type=int_list, default=None, help="comma list of T (default: 1,4,32,512,2048)")
     kernel.add_argument("--threads", type=positive_int, default=None,
                         help="pool and torch threads (default: physical cores)")
