@@ -115,7 +115,7 @@ class GraphDecoder:
         self.model, self.cache, self.hybrid = model, cache, hybrid
         self.max_batch, self.max_context, self.device = max_batch, max_context, device
         self.cuda_graph, self.kv_mode, self.kv_bucket, self.fused, self.log = cuda_graph, kv_mode, kv_bucket, fused, log
-        self.sparse_topk = sparse_topk  # DeepSeek Sparse Attention's index_topk: kv_len from sparse_kv_len
+        self.sparse_topk = sparse_topk  # a sparse-attention model's dense positions: kv_len from sparse_kv_len
         self.sizes = capture_sizes(max_batch)
         self.capacity = self.sizes[-1]
         self.scratch_slot = max_batch

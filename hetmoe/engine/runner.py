@@ -82,7 +82,7 @@ class Runner:
         self.vocab_size = loaded.config.vocab_size
         self.recurrent = getattr(self.cache, "states", None) is not None  # recurrent layers: states per slot
         self.sparse = getattr(self.cache, "index_layers", 0) > 0  # DeepSeek Sparse Attention: indexer keys per slot
-        self.sparse_topk: Optional[int] = None  # its index_topk where decode steps are captured (GraphDecoder)
+        self.sparse_topk: Optional[int] = None  # its dense positions where decode steps are captured (GraphDecoder)
         self.lost: set = set()  # slots whose recurrent states a failed call left half updated
         # what keeps those states, for the messages (a cache may say: DeepSeek-V4's compressed attention)
         self.state_owner = getattr(self.cache, "state_owner", "linear-attention layers")
@@ -111,7 +111,7 @@ class Runner:
             if self.sparse and fused:
                 _say("decode steps run without the fused kernels: the sparse-attention layers have no fused step")
                 fused = False
-            self.sparse_topk = self.model.config.index_topk if self.sparse and captures else None
+            self.sparse_topk = self.model.dense_positions if self.sparse and captures else None
             why = getattr(self.model, "eager_decode", None)  # e.g. attention the graphs' kernels do not compute
             if why and (graph or fused):
                 _say(f"decode steps run without CUDA graphs or the fused kernels: {why}")

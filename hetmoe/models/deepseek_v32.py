@@ -137,6 +137,11 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     # runner decodes it through CUDA graphs (kv_len from sparse_attention.sparse_kv_len)
     sparse_steps_captured = True
 
+    @property
+    def dense_positions(self) -> int:
+        """Contexts up to this many positions attend to every position: dense MLA (SparseCall's topk)."""
+        return self.model.index_topk
+
     def make_cache(self, max_batch: int, max_context: int, dtype=torch.float32, device="cpu", **layout) -> KVCache:
         """DeepSeek-V3's latent cache, plus the indexer keys [.., index_head_dim] of every layer with an indexer."""
         cfg = self.config

@@ -136,9 +136,17 @@ class MiniMaxM3Model(nn.Module):
 
 class MiniMaxM3ForCausalLM(CausalLM):
     model_cls = MiniMaxM3Model
+    # its decode steps read no device value on the host when the step says it is captured (SparseCall), so the
+    # runner decodes it through CUDA graphs (kv_len from sparse_attention.sparse_kv_len over dense_positions)
+    sparse_steps_captured = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(minimax_m3_config(cfg))
+
+    @property
+    def dense_positions(self) -> int:
+        """Contexts up to this many positions keep every block: attention is dense (SparseCall's topk)."""
+        return self.model.dense_positions
 
     def make_cache(self, max_batch: int, max_context: int, dtype=torch.float32, device="cpu", **layout) -> KVCache:
         """The KV cache of every layer, plus the indexer keys [.., index_head_dim] of every sparse layer."""

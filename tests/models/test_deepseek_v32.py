@@ -41,6 +41,7 @@ from hetmoe.config.options import EngineOptions
 from hetmoe.layers.attention import Step
 from hetmoe.load.checkpoint import Checkpoint
 from hetmoe.models.config import ModelConfig, dsa_indexer_types
+from decode_steps import captured_against_host
 from parity import (
     DECODE_STEPS,
     assert_refused_before_weights,
@@ -204,31 +205,8 @@ def test_captured_steps_equal_the_host_decided_ones(name, paged):
     the two are the same computation; past it, at a kv_len > the context, the selection is the same. (16 indexer
     heads: with 4, positions whose every head's score the relu cuts to 0 tie often, and top-k may keep either of
     two tied positions, differently over a longer row.)"""
-    from hetmoe.layers.sparse_attention import sparse_kv_len
-
     model = _random_model(name, index_n_heads=16).model
-    layout = dict(page_size=4, initial_tokens=8) if paged else {}
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 256, (2, 14), generator=gen)
-    slots = torch.tensor([2, 0])
-    caches = [model.make_cache(3, 32, **layout) for _ in range(2)]
-    errs, lens = [], []
-    with torch.inference_mode():
-        for cache in caches:
-            for b, n in enumerate((2, 3)):
-                cache.reserve(int(slots[b]), n)
-                model(ids[b:b + 1, :n], Step(torch.arange(n)[None], slots[b:b + 1]), cache)
-        for i in range(9):
-            pos = torch.tensor([[2 + i], [3 + i]])
-            for s, p in zip(slots.tolist(), pos[:, 0].tolist()):
-                for cache in caches:
-                    cache.reserve(s, p + 1)
-            tok = ids[:, 3 + i:4 + i]
-            kv = sparse_kv_len(int(pos.max()), 4, 32)
-            lens.append(kv)
-            host = model.logits(model(tok, Step(pos, slots, kv_len=32), caches[0]))  # (the runner's eager bound)
-            captured = model.logits(model(tok, Step(pos, slots, kv_len=kv, captured=True), caches[1]))
-            errs.append(max_rel(captured, host))
+    errs, lens = captured_against_host(model, 4, (2, 3), 9, 32, paged)
     print(f"{name} {'paged' if paged else 'contiguous'}: captured~host " + " ".join(f"{e:.1e}" for e in errs)
           + f" (kv_len {lens})")
     assert lens[:3] == [4, 8, 8] and lens[-1] == 16  # a dense step, then sparse ones
@@ -602,7 +580,7 @@ def test_graph_decode_equals_eager(request, family):
     loaded = load_model(checkpoint_of(request, family), EngineOptions(**{**CPU, "device": "cuda"}, max_context=64,
                                                                       max_batch=2),
                         expert_cache=None, progress=False, log=lambda m: None)
-    out = {}
+    out, keys = {}, None
     for graph in (True, False):
         runner = Runner(loaded, cuda_graph=graph)
         assert runner.decoder.cuda_graph is graph and runner.sparse_topk == 6
@@ -610,7 +588,7 @@ def test_graph_decode_equals_eager(request, family):
             runner.prefill(ids, slot=s)
         out[graph] = torch.stack([runner.decode_batch([(13 * i + 29 * s) % 250 + 3 for s in (0, 1)], [0, 1]).cpu()
                                   for i in range(10)])
-        keys = sorted(runner.decoder.graphs) if graph else None
+        keys = sorted(runner.decoder.graphs) if graph else keys
         runner.decoder.close()
     errs = [max_rel(a, b) for a, b in zip(out[True], out[False])]
     print(f"{family} graph~eager: " + " ".join(f"{e:.1e}" for e in errs) + f" (graphs {keys})")

@@ -31,6 +31,7 @@ from hetmoe.cpu.experts import SWIGLU
 from hetmoe.layers.attention import Step
 from hetmoe.load.checkpoint import Checkpoint, CheckpointError
 from hetmoe.models.config import ModelConfig, text_model_config
+from decode_steps import captured_against_host
 from parity import (
     DECODE_STEPS,
     assert_refused_before_weights,
@@ -248,6 +249,19 @@ def test_chunks_steps_and_batches_match_one_call(ours):
 # ---------------------------------------------------------------- images, the loader, refused configs
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_captured_steps_equal_the_host_decided_ones(ours, paged):
+    """Decode steps as a CUDA graph captures them (``Step.captured``: dense or block-sparse decided from kv_len
+    alone, kv_len from ``sparse_kv_len`` over the 12 dense positions: 3 blocks of 4) against the same steps deciding
+    on the host: prompts of 9 and 10 tokens, 12 steps of a batch of 2 across the dense positions and kv_len's powers
+    of two. Blocks past a row's context score -inf either way: the same blocks are kept."""
+    errs, lens = captured_against_host(ours, ours.dense_positions, (9, 10), 12, 64, paged, ids_below=IMAGE)
+    print(f"{'paged' if paged else 'contiguous'}: captured~host " + " ".join(f"{e:.1e}" for e in errs)
+          + f" (kv_len {lens})")
+    assert ours.dense_positions == 12 and lens[:3] == [12, 12, 16] and lens[-1] == 32
+    assert max(errs) < 1e-5, errs
+
+
 def test_image_and_video_placeholders_are_refused(ours):
     """A prompt holding the image or video placeholder token is refused by name (text only); decode steps are not
     checked (the model's own tokens)."""
@@ -353,3 +367,29 @@ def test_legacy_entries_read_as_transformers_reads_them():
         assert mine[name] == getattr(theirs, name), name
     assert [a.self_attn.shape.sparse for a in model.model.layers] == [False, True, True]
     assert hasattr(model.model.layers[1], "mlp") and not hasattr(model.model.layers[1], "block_sparse_moe")
+
+
+@pytest.mark.gpu
+def test_graph_decode_equals_eager(m3):
+    """Decode steps of a batch of 2 replayed from CUDA graphs against the same steps run eagerly (fp32, experts on
+    the CPU engine): prompts of 9 and 11 tokens (12 dense positions), 12 steps, so the graphs cover dense steps and
+    block-sparse ones at kv_len 16 and 32 (``sparse_kv_len``: one graph per batch size and kv_len)."""
+    from hetmoe.engine.runner import Runner
+    from hetmoe.load.loader import load_model
+
+    loaded = load_model(m3, EngineOptions(**{**CPU, "device": "cuda"}, max_context=64, max_batch=2),
+                        expert_cache=None, progress=False, log=lambda m: None)
+    out, keys = {}, None
+    for graph in (True, False):
+        runner = Runner(loaded, cuda_graph=graph)
+        assert runner.decoder.cuda_graph is graph and runner.sparse_topk == 12
+        for s, n in enumerate((9, 11)):
+            runner.prefill(prompt_ids(1, n, seed=s)[0].tolist(), slot=s)
+        out[graph] = torch.stack([runner.decode_batch([(13 * i + 29 * s) % 250 + 3 for s in (0, 1)], [0, 1]).cpu()
+                                  for i in range(12)])
+        keys = sorted(runner.decoder.graphs) if graph else keys
+        runner.decoder.close()
+    errs = [max_rel(a, b) for a, b in zip(out[True], out[False])]
+    print("minimax_m3 graph~eager: " + " ".join(f"{e:.1e}" for e in errs) + f" (graphs {keys})")
+    assert {k[1] for k in keys} == {12, 16, 32}
+    assert max(errs) < 1e-5, errs
