@@ -37,11 +37,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from decode_steps import captured_against_host
 from hetmoe.config.options import EngineOptions
 from hetmoe.layers.attention import Step
 from hetmoe.load.checkpoint import Checkpoint
 from hetmoe.models.config import ModelConfig, dsa_indexer_types
-from decode_steps import captured_against_host
 from parity import (
     DECODE_STEPS,
     assert_refused_before_weights,

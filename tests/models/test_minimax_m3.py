@@ -26,12 +26,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from decode_steps import captured_against_host
 from hetmoe.config.options import EngineOptions
 from hetmoe.cpu.experts import SWIGLU
 from hetmoe.layers.attention import Step
 from hetmoe.load.checkpoint import Checkpoint, CheckpointError
 from hetmoe.models.config import ModelConfig, text_model_config
-from decode_steps import captured_against_host
 from parity import (
     DECODE_STEPS,
     assert_refused_before_weights,
