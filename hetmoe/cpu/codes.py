@@ -77,8 +77,9 @@ EXACT_TYPES = {"Q8_0": ("int8", "symmetric", 32, "fp16", None), "Q4_0": ("int4",
                **{k: ("grid", "symmetric", GRIDS[k.lower()][0], "fp16", k.lower()) for k in GRID_TYPES}}
 # NVFP4 experts (GGUF's, hetmoe/load/nvfp4.py's) held at their file's bytes, e4m3 / e4m3_div scales (the E4M3 bytes
 # and the per-tensor factor), rather than widened to fp16 / fp32: the CPU engine reads them on every path
-# (tests/cpu/test_e4m3_scales.py) and the GPU prefill through its PyTorch reader only (hetmoe/moe/streamed/packed.py
-# widen_set; the Triton unpack refuses them); off until their cost there and on AMX is measured
+# (tests/cpu/test_e4m3_scales.py) and so does the GPU prefill, through its PyTorch reader (hetmoe/moe/streamed/packed.py
+# widen_set) and its Triton unpack (hetmoe/ops/triton/packed.py), bit for bit; off until their cost on AMX and in the
+# GPU prefill is measured
 E4M3_HELD = False
 FOUR_BITS = ("int4", "lut4")
 # formats whose codes a plan counts as int8 (the row blocks read int16 activations for them); the others as int4

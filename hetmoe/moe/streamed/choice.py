@@ -147,8 +147,9 @@ def eligible(layer) -> bool:
 def unreadable(layers: list) -> Optional[str]:
     """Why the GPU prefill's readers of the packed layout cannot read some layer's experts (the PyTorch unpack,
     hetmoe/moe/streamed/packed.py, and where Triton is installed its one-pass kernel, hetmoe/ops/triton/packed.py:
-    each refuses what it does not read by name), or None. Layers holding grid blocks (GGUF's i-quants) or E4M3 scale
-    bytes take the PyTorch reader whether Triton is there or not (``ExpertLayout.torch_only``)."""
+    each refuses what it does not read by name), or None. Layers holding grid blocks (GGUF's i-quants) take the
+    PyTorch reader whether Triton is there or not (``ExpertLayout.torch_only``); E4M3 scale bytes and zero points are
+    read by both."""
     from hetmoe.moe.streamed.packed import ExpertLayout
     from hetmoe.ops.triton import packed as packed_triton
 

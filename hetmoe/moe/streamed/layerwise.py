@@ -328,7 +328,8 @@ class LayerwisePrefill:
             packed_triton.unpack_into(lay, ranges, self.w_gu, self.w_down, n)
             return w_gu, w_down
         # (grid matrices: decoded straight into the scratch.) Where Triton is installed the plan counts no PyTorch
-        # temporaries (hetmoe/plan/placement.py _torch_unpacks), so its torch_only layers go an expert at a time
+        # temporaries (hetmoe/plan/placement.py _torch_unpacks), so its torch_only layers (grid) go an expert at a
+        # time
         step = 1 if self.triton_unpack else self.unpack_n
         for e0 in range(0, n, step):
             m = min(step, n - e0)

@@ -5,9 +5,9 @@ hetmoe/moe/streamed/layerwise.py) — no second copy in RAM, no re-layout on the
 The layout (row blocks of ROWS rows, lines of LINE bytes, the codes, the scales, gate and up row blocks alternating,
 a layer's four storage ranges) is described once, in csrc/formats/layout.h; its constants come from there through
 hetmoe/cpu/layout.py. Grid matrices (GGUF's i-quants) hold their file's blocks in the row blocks instead of lines
-and scales: hetmoe/moe/streamed/grid.py decodes them, Triton or not. NVFP4's E4M3 scale bytes (e4m3, e4m3_div) and
-the int8 zero points of GPTQ / AWQ / compressed-tensors mins (fp32_zp, fp16_zp, bf16_zp) are widened here too, Triton
-or not (``ExpertLayout.torch_only``).
+and scales: hetmoe/moe/streamed/grid.py decodes them, Triton or not (``ExpertLayout.torch_only``). NVFP4's E4M3 scale
+bytes (e4m3, e4m3_div) and the int8 zero points of GPTQ / AWQ / compressed-tensors mins (fp32_zp, fp16_zp, bf16_zp)
+are widened here and in the Triton unpack (hetmoe/ops/triton/packed.py) with the same fp32 operations, bit for bit.
 
 Shape letters: E experts, H hidden size, I intermediate size, N rows, K columns, Kp K padded, G groups.
 """
@@ -144,10 +144,10 @@ class ExpertLayout:
     @property
     def torch_only(self) -> bool:
         """Whether the PyTorch reader takes this layout even where Triton's one-pass unpack is installed: grid
-        blocks, NVFP4's E4M3 scale bytes with their row blocks' factors (e4m3, e4m3_div) and the int8 zero points of
-        the zero-point dtypes (fp32_zp, fp16_zp, bf16_zp), which that kernel does not read."""
-        return self.grid or any(m.scale_dtype in cpu_layout.FACTOR_SCALES + tuple(cpu_layout.ZERO_POINTS)
-                                for m in (self.gate_up, self.down))
+        blocks (hetmoe/moe/streamed/grid.py), which that kernel does not read. (NVFP4's E4M3 scale bytes with their
+        row blocks' factors and the int8 zero points of fp32_zp / fp16_zp / bf16_zp it reads, bit for bit as
+        ``widen_sets``.)"""
+        return self.grid
 
 
 def code_bits(fmt: str) -> int:

@@ -1,11 +1,12 @@
 """One-pass GPU unpacking of the CPU engine's packed experts (csrc/formats/layout.h; hetmoe/moe/streamed/packed.py has
 the same rules in PyTorch ops): a Triton kernel reads each row block's lines and scales once (scales of any stored
-dtype, the two levels of k8 and k4 included, lut4's codebook, the bit-plane formats' codes put together from their
-planes: the values the CPU kernels multiply by) and writes the weights in the model dtype straight into the layer's
-[E, 2I, H] / [E, H, I] scratch, padding cut. PyTorch ops take about ten passes over a layer for the same result; this
-kernel's one pass is what keeps the layerwise prefill's fixed cost per layer below its PCIe copy. Triton comes with
-PyTorch's CUDA builds; without it (CPU-only installs) ``available()`` is False and hetmoe/moe/streamed/packed.py does
-the work.
+dtype, the two levels of k8 and k4, NVFP4's E4M3 bytes with their block's factor and the int8 zero points of the
+zero-point dtypes included, lut4's codebook, the bit-plane formats' codes put together from their planes: the values
+the CPU kernels multiply by, bit for bit those of the PyTorch reader) and writes the weights in the model dtype
+straight into the layer's [E, 2I, H] / [E, H, I] scratch, padding cut. PyTorch ops take about ten passes over a layer
+for the same result; this kernel's one pass is what keeps the layerwise prefill's fixed cost per layer below its PCIe
+copy. Triton comes with PyTorch's CUDA builds; without it (CPU-only installs) ``available()`` is False and
+hetmoe/moe/streamed/packed.py does the work.
 """
 
 from __future__ import annotations
@@ -24,11 +25,16 @@ except ImportError:  # CPU-only PyTorch: no Triton
     triton = None
 
 FMT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "lut4": 3, **{name: 4 for name in PLANES}}  # 4: the bit-plane formats
-SCALE_CODE = {"fp32": 0, "fp16": 1, "bf16": 2, "e8m0": 3, "k8": 4, "k4": 5}
+# csrc/formats/layout.h ScaleType's numbers (its f32_zp / f16_zp are fp32_zp / fp16_zp here)
+SCALE_CODE = {"fp32": 0, "fp16": 1, "bf16": 2, "e8m0": 3, "k8": 4, "k4": 5, "e4m3": 6, "e4m3_div": 7, "fp32_zp": 8,
+              "fp16_zp": 9, "bf16_zp": 10}
 # the torch dtype a scale dtype's bytes are read as (e8m0: its exponent bytes, widened in the kernel; k8: its int8
-# sub-scales, k4: its bytes of 4-bit sub-scale and sub-min, the fp16 super scales and mins read through a cast pointer)
+# sub-scales, k4: its bytes of 4-bit sub-scale and sub-min, the fp16 super scales and mins read through a cast pointer;
+# e4m3, e4m3_div and the zero-point dtypes: bytes, their fp32 factor, scales and int8 zero points read through cast
+# pointers)
 SCALE_VIEW = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "e8m0": torch.uint8,
-              "k8": torch.int8, "k4": torch.uint8}
+              "k8": torch.int8, "k4": torch.uint8, "e4m3": torch.uint8, "e4m3_div": torch.uint8,
+              "fp32_zp": torch.uint8, "fp16_zp": torch.uint8, "bf16_zp": torch.uint8}
 LINES_PER_PROGRAM = 32
 
 
@@ -37,6 +43,21 @@ def available() -> bool:
 
 
 if triton is not None:
+
+    @triton.jit
+    def _factor_scale(set_ptr, idx, ok, n_bytes, DIV: tl.constexpr):
+        # e4m3 / e4m3_div (csrc/formats/layout.h): E4M3 byte b of a set at byte ``idx`` -> the IEEE half of
+        # e4m3(b) * 2^-8 with integer ops (sign to bit 15, the other 7 bits to bits 7..13: subnormals included, the
+        # NaN codes 0x7F / 0xFF read as the PyTorch reader reads them), widened to fp32 (exact), then one IEEE
+        # multiply by the block's stored fp32 factor (after the set's ``n_bytes`` bytes) or one IEEE division by it
+        byte = tl.load(set_ptr + idx, mask=ok, other=0).to(tl.int32)
+        bits = ((byte & 0x80) << 8) | ((byte & 0x7F) << 7)
+        half = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        factor = tl.load((set_ptr + n_bytes).to(tl.pointer_type(tl.float32)))
+        if DIV:
+            return tl.math.div_rn(half, factor)  # the IEEE quotient (Triton's plain / may be approximate)
+        else:
+            return half * factor
 
     @triton.jit
     def _unpack_kernel(words, scales, lut, out, NB, lines, block_lines, G, NS, rows_out, cols_out, mat_stride,
@@ -93,10 +114,12 @@ if triton is not None:
             # (affine) its min set stored the same way: [G][R] values of the scale dtype (k8: [G][R] int8 sub-scales,
             # then [NS][R] fp16 super scales, one per SUPER values of K; k4: [G][R] bytes, the 4-bit sub-scale in the
             # low nibble and the 4-bit sub-min in the high one, then [NS][R] fp16 super scales, its min set only the
-            # [NS][R] fp16 super mins). value = scale * u - min (two roundings: the launch turns fp fusion off).
+            # [NS][R] fp16 super mins; e4m3 / e4m3_div: [G][R] E4M3 bytes, then the block's fp32 factor; fp32_zp /
+            # fp16_zp / bf16_zp: [G][R] scales of the base dtype, the min set [G][R] int8 zero points z, min =
+            # fl(scale * z)). value = scale * u - min (two roundings: the launch turns fp fusion off).
             # Narrow values are widened exactly, as the CPU kernels do (csrc/formats/layout.h).
             gi = (line * PER) // GROUP
-            if SCALE >= 4:  # k8, k4: scale sets of G R + 2 NS R bytes
+            if SCALE == 4 or SCALE == 5:  # k8, k4: scale sets of G R + 2 NS R bytes
                 set_bytes = G * R + 2 * NS * R
                 if SCALE == 5:  # k4: the min set is the 2 NS R bytes of super mins
                     sb = b * (set_bytes + (2 * NS * R if AFFINE else 0))
@@ -120,6 +143,27 @@ if triton is not None:
                         mptr = (scales + sb + set_bytes + G * R).to(tl.pointer_type(tl.float16))
                     md = tl.load(mptr + sup * R + r, mask=ok, other=0.0)
                     m = (msub * md.to(tl.float32))[:, :, None]
+            elif SCALE == 6 or SCALE == 7:  # e4m3, e4m3_div: sets of G R E4M3 bytes, then the block's fp32 factor
+                set_bytes = G * R + 4
+                sb = b * set_bytes * (2 if AFFINE else 1)
+                s = _factor_scale(scales + sb, gi * R + r, ok, G * R, SCALE == 7)[:, :, None]
+                if AFFINE:
+                    m = _factor_scale(scales + sb + set_bytes, gi * R + r, ok, G * R, SCALE == 7)[:, :, None]
+            elif SCALE >= 8:  # fp32_zp, fp16_zp, bf16_zp: G R scales of the base dtype, then G R int8 zero points
+                if SCALE == 8:
+                    set_bytes = G * R * 4
+                    sb = b * (set_bytes + G * R)
+                    sp = (scales + sb).to(tl.pointer_type(tl.float32))
+                else:
+                    set_bytes = G * R * 2
+                    sb = b * (set_bytes + G * R)
+                    sp = (scales + sb).to(tl.pointer_type(tl.float16 if SCALE == 9 else tl.bfloat16))
+                s2 = tl.load(sp + gi * R + r, mask=ok, other=0.0).to(tl.float32)  # [R, BL]
+                s = s2[:, :, None]
+                if AFFINE:  # min = fl(scale * z), one rounding (the fp32 min a loader computes)
+                    zp = (scales + sb + set_bytes).to(tl.pointer_type(tl.int8))
+                    z = tl.load(zp + gi * R + r, mask=ok, other=0).to(tl.float32)
+                    m = (s2 * z)[:, :, None]
             else:
                 sb = b * G * (2 if AFFINE else 1) * R
                 if SCALE == 3:  # e8m0: 2^(e - 128), e < 2 the subnormals 2^-128 << e

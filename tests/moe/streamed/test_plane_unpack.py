@@ -42,10 +42,10 @@ MIXED = [dict(weight_format=("int4", "int6"), group_size=32, down_group_size=16,
          dict(weight_format=("int2", "int3"), group_size=16, scaling=("affine", "symmetric"), scale_dtype=("k4", "k8"))]
 MIXED_IDS = ["q4_k_m", "q3_k_m", "q2_k+q3_k"]
 # NVFP4 at its file's bytes: E4M3 scale bytes with a factor per row block (ModelOpt's product, compressed-tensors'
-# quotient); the PyTorch reader only (ExpertLayout.torch_only)
+# quotient); both readers
 E4M3 = [dict(weight_format="lut4", group_size=16, scale_dtype=sdt, codebook="e2m1") for sdt in ("e4m3", "e4m3_div")]
 # GPTQ / AWQ / compressed-tensors zero points at their file's bytes: scales of the base dtype, one int8 zero point per
-# min (min = fl(scale * z)); the PyTorch reader only (ExpertLayout.torch_only)
+# min (min = fl(scale * z)); both readers
 ZP = [dict(weight_format="int4", group_size=32, scaling="affine", scale_dtype="fp16_zp"),
       dict(weight_format="int4", group_size=16, scaling="affine", scale_dtype="bf16_zp"),
       dict(weight_format="int4", group_size=16, scaling="affine", scale_dtype="fp32_zp"),
@@ -149,9 +149,9 @@ def test_torch_unpack_equals_the_engine(kwargs, H, I):
 
 
 def test_the_triton_unpack_equals_the_engine():
-    """The one-pass kernel on every plane format, symmetric and affine, k8 / fp32 / fp16 scales, and the mixed
-    experts (H = 48: half a unit; I = 40: padded K)."""
-    assert_unpack_equals_engine((2, 48, 40), [_kwargs(c) for c in CASES] + MIXED)
+    """The one-pass kernel on every plane format, symmetric and affine, k8 / fp32 / fp16 scales, the mixed experts,
+    NVFP4's e4m3 / e4m3_div and the zero-point dtypes (H = 48: half a unit; I = 40: padded K)."""
+    assert_unpack_equals_engine((2, 48, 40), [_kwargs(c) for c in CASES] + MIXED + E4M3 + ZP)
 
 
 def test_the_triton_unpack_over_super_blocks():
@@ -249,23 +249,117 @@ def test_setup_falls_back_where_a_reader_refuses_a_scale_dtype(monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs", E4M3 + ZP[:1], ids=["e4m3", "e4m3_div", "fp16_zp"])
-def test_e4m3_layers_take_the_torch_reader_where_triton_is(monkeypatch, kwargs):
-    """NVFP4 layers with E4M3 scale bytes and layers with zero points, which the Triton unpack refuses by name: with
-    Triton installed the prefill is still set up, their layouts marked for the PyTorch reader (unpacked an expert at
-    a time: the plan counts no PyTorch temporaries where Triton is)."""
+def test_e4m3_and_zero_point_layers_take_the_triton_unpack(monkeypatch, kwargs):
+    """NVFP4 layers with E4M3 scale bytes and layers with zero points: with Triton installed the prefill is set up
+    and their layouts go to the one-pass kernel (not ``torch_only``, which only grid layers are)."""
     from hetmoe.ops.triton import packed as packed_triton
 
     monkeypatch.setattr(layerwise, "LayerwisePrefill", _Driver)
     monkeypatch.setattr(packed_triton, "available", lambda: True)
     engine = _engine(3, 64, 32, 1, **kwargs)
-    with pytest.raises(ValueError, match=f"{kwargs['scale_dtype']} scales"):
-        packed_triton.check_layout(ExpertLayout.of(engine))
+    packed_triton.check_layout(ExpertLayout.of(engine))
     layers = [SimpleNamespace(engine=engine, plain_swiglu=True) for _ in range(2)]
     plan = SimpleNamespace(gpu_prefill=True, device="cpu", dtype=torch.float32, prefill_chunk=512)
     said = []
     driver, report = setup(layers, plan, SimpleNamespace(gpu_prefill=64, gpu_prefill_cpu_share="off"), said.append)
     assert isinstance(driver, _Driver) and report["enabled"], (report, said)
-    assert all(lay.torch_only and not lay.grid for lay in driver.layouts)
+    assert not any(lay.torch_only or lay.grid for lay in driver.layouts)
+
+
+# (gate/up, down) as MatrixShape.make's (format, scaling, group, scale dtype, codebook): NVFP4's two factor dtypes,
+# factor scales on an affine matrix (a min set with its own factor: the readers take it though no loader makes it),
+# every zero-point dtype on int4 (and int8), and a layer mixing the two kinds
+EDGE_LAYOUTS = [(("lut4", "symmetric", 16, "e4m3", "e2m1"),) * 2, (("lut4", "symmetric", 16, "e4m3_div", "e2m1"),) * 2,
+                (("int4", "affine", 32, "e4m3", None), ("int8", "affine", 16, "e4m3_div", None)),
+                (("int4", "affine", 32, "fp16_zp", None), ("int4", "affine", 16, "bf16_zp", None)),
+                (("int4", "affine", 16, "fp32_zp", None), ("int8", "affine", 32, "fp32_zp", None)),
+                (("lut4", "symmetric", 16, "e4m3", "e2m1"), ("int4", "affine", 32, "fp16_zp", None))]
+
+
+def edge_layout(E: int, H: int, I: int, gate_up: tuple, down: tuple, seed: int) -> tuple:
+    """(ExpertLayout, its four ranges of random bytes) for E experts of ``gate_up`` / ``down`` (EDGE_LAYOUTS' rows),
+    the scale bytes chosen to reach every case of the widening: e4m3 / e4m3_div sets holding every byte 0x00..0xFF
+    (the NaN codes 0x7F / 0xFF, subnormals and both zeros included) then random ones, one random fp32 factor per row
+    block (never a power of two; one block's small or large enough to give fp32 subnormal scales); zero-point sets
+    holding scales of the base dtype of either sign (fp16: subnormal ones; some zero) and every int8 z."""
+    gen = torch.Generator().manual_seed(seed)
+    def shape(m: tuple, n: int, k: int) -> MatrixShape:
+        fmt, scaling, group, sdt, codebook = m
+        return MatrixShape.make(fmt, n, k, group, scaling, sdt, codebook)
+
+    lay = ExpertLayout(gate_up[0], E, H, I, shape(gate_up, I, H), shape(down, H, I))
+    ranges = [torch.randint(0, 256, (E * b,), generator=gen, dtype=torch.uint8) for b in lay.range_bytes()]
+    for shape, raw in ((lay.gate_up, ranges[1]), (lay.down, ranges[3])):
+        blocks = raw.view(-1, shape.block_scale_bytes)
+        n, subs = blocks.shape[0], shape.kp // shape.group * 16
+        every = torch.randint(0, 256, (n * subs,), generator=gen, dtype=torch.uint8)
+        every[:256] = torch.arange(256, dtype=torch.uint8)  # every byte: E4M3 codes, int8 zero points
+        if shape.scale_dtype in FACTOR_SCALES:
+            for lo in (0, shape.set_bytes) if shape.affine else (0,):
+                blocks[:, lo:lo + subs] = every.view(n, subs)
+                every = every[torch.randperm(every.numel(), generator=gen)]
+                f = (1 + torch.rand(n, generator=gen) * 0.999 + 2.0**-20) * torch.exp2(
+                    torch.randint(-12, 13, (n,), generator=gen).float())
+                f[1] = 1.3 * (2.0**118 if shape.scale_dtype == "e4m3_div" else 2.0**-118)  # subnormal scales
+                blocks[:, lo + subs:lo + subs + 4] = f.view(torch.uint8).view(n, 4)
+        else:
+            base = {"fp16": torch.float16, "bf16": torch.bfloat16,
+                    "fp32": torch.float32}[ZERO_POINTS[shape.scale_dtype]]
+            mag = torch.exp2(torch.randint(-20, 6, (n, subs), generator=gen).float())  # 2^-20: an fp16 subnormal
+            sign = torch.randint(0, 2, (n, subs), generator=gen).float() * 2 - 1
+            val = sign * mag * (1 + torch.rand(n, subs, generator=gen))
+            val[:, ::7] = 0.0
+            blocks[:, :shape.set_bytes] = val.to(base).view(torch.uint8).view(n, -1)
+            blocks[:, shape.set_bytes:] = every.view(n, subs)
+    return lay, ranges
+
+
+EDGE_CHECK = """
+import sys, torch
+sys.path.insert(0, %r)
+from tests.moe.streamed.test_plane_unpack import edge_layout
+from hetmoe.ops.triton import packed as packed_triton
+from hetmoe.moe.streamed.packed import unpack_experts
+cuda = torch.cuda.is_available()
+dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+if not cuda:
+    from tests.triton_interp import checked_accesses
+else:
+    import contextlib
+    checked_accesses = contextlib.nullcontext
+E = 3
+for i, ((H, I), (gate_up, down)) in enumerate(%r):
+    lay, ranges = edge_layout(E, H, I, gate_up, down, seed=i)
+    assert not lay.torch_only
+    ref_gu, ref_d = unpack_experts(lay, ranges, E, torch.float32)
+    w_gu = torch.full((E, 2 * I, H), float("nan"), dtype=dtype, device=dev)
+    w_d = torch.full((E, H, I), float("nan"), dtype=dtype, device=dev)
+    with checked_accesses():
+        packed_triton.unpack_into(lay, [r.to(dev) for r in ranges], w_gu, w_d)
+    for got, ref, what in ((w_gu, ref_gu, "gate/up"), (w_d, ref_d, "down")):
+        ref = ref.to(dtype)
+        if not (torch.isfinite(ref).all() and torch.equal(got.cpu().view(torch.int16 if cuda else torch.int32),
+                                                          ref.view(torch.int16 if cuda else torch.int32))):
+            sys.exit(f"{H}x{I} {gate_up} / {down}: {what} differs from the PyTorch reader")
+print("ok")
+"""
+
+
+def test_the_triton_unpack_reads_factor_scales_and_zero_points_as_the_torch_reader():
+    """The one-pass kernel against the PyTorch reader (``unpack_experts``) on random bytes of e4m3 / e4m3_div and
+    fp32_zp / fp16_zp / bf16_zp layouts (``edge_layout``: every E4M3 code and every int8 zero point, subnormal scales,
+    factors that are not powers of two, one per row block), every load and store inside its tensor under the
+    interpreter (``checked_accesses``). Interpreter: bitwise fp32; GPU: bitwise the reader's values rounded to bf16.
+    K = 48 (padded to 64 in groups of 32), 288 and 40 (padded)."""
+    pytest.importorskip("triton")
+    root = str(Path(__file__).resolve().parents[3])
+    runs = [(hi, lay) for hi in ((48, 40), (288, 80)) for lay in EDGE_LAYOUTS]
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    done = subprocess.run([sys.executable, "-c", EDGE_CHECK % (root, runs)], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_the_torch_reader_refuses_what_it_cannot_read():
