@@ -36,8 +36,11 @@ and cannot be cut back to a shorter prefix (prefix reuse is off for these models
 a slot is continued from its end, or written again from position 0 (a row whose first position is 0 starts over).
 A row's padding tokens (``Step.lengths``) change none of it.
 
-Everything is plain PyTorch (CPU or GPU, eager); the compressed entries' bookkeeping runs per row. Scores are made
-per block of queries so that their fp32 intermediates stay bounded (``BLOCK_ELEMS``).
+Everything is plain PyTorch (CPU or GPU, eager). The cache's bookkeeping runs for all rows at once in a decode step
+(one token per row) and when no row is padded (the window), per row otherwise (a prefill's rows, whose windows close
+at different tokens). The window keys and HCA's entries, one head shared by every query head, are multiplied with a
+row's queries and heads as the rows of one product. Scores are made per block of queries so that their fp32
+intermediates stay bounded (``BLOCK_ELEMS``).
 
 Shape letters: h attention heads, D head size (key = value), W window, m compression rate, Di / ni the indexer's
 head size / heads, k entries kept per query.
@@ -54,7 +57,7 @@ from torch import nn
 
 from hetmoe.layers.attention import Step
 from hetmoe.layers.hyper_connection import unweighted_rms_norm
-from hetmoe.layers.widen import WIDEN_ROWS, einsum, matmul
+from hetmoe.layers.widen import WIDEN_ROWS, matmul
 
 BLOCK_ELEMS = 1 << 24  # fp32 elements of one block of scores: 64 MiB
 GROW_ALIGN = 64  # the compressed entries' storage grows in multiples of this many positions
@@ -98,17 +101,40 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 class GroupedLinear(nn.Module):
     """A block-diagonal linear (Transformers' DeepseekV4GroupedLinear, ``o_a_proj``): weight [g * out, in], group i
     maps its slice x[..., i, :] [in] through rows i * out ... (i + 1) * out - 1.
-    forward(x [..., g, in]) -> [..., g, out]."""
+    forward(x [..., g, in]) -> [..., g, out].
+
+    Where a dense format packs the linears (hetmoe/load/dense.py ``pack_dense``, on the CPU), ``split_linears``
+    hands the groups' blocks over as linears of their own (``groups``), packed one by one and then run each on its
+    group's slice; the weight is then gone (``weight`` None)."""
 
     def __init__(self, in_per_group: int, out_features: int, n_groups: int):
         super().__init__()
         self.n_groups = n_groups
         self.weight = nn.Parameter(torch.empty(out_features, in_per_group))
+        self.groups = None  # an nn.ModuleList of the groups' linears once split_linears ran
+
+    def split_linears(self) -> None:
+        """The groups' blocks as ``groups``: an nn.Linear [out, in] each, views of the weight, which this module no
+        longer holds (the packer frees the blocks as it packs them). Once."""
+        if self.weight is None:
+            return
+        w = self.weight.detach()
+        out, width = w.shape[0] // self.n_groups, w.shape[1]
+        groups = nn.ModuleList()
+        for block in w.view(self.n_groups, out, width).unbind(0):
+            lin = nn.Linear(width, out, bias=False, device="meta", dtype=w.dtype)
+            lin.weight = nn.Parameter(block, requires_grad=False)
+            groups.append(lin)
+        self.weight, self.groups = None, groups
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, width = x.shape[:-2], x.shape[-1]
+        xg = x.reshape(-1, self.n_groups, width)
+        if self.weight is None:  # split (and packed): each group's linear on its slice
+            y = torch.cat([lin(xg[:, i]) for i, lin in enumerate(self.groups)], dim=-1)
+            return y.view(*lead, self.n_groups, -1)
         w = self.weight.view(self.n_groups, -1, width).transpose(1, 2)  # [g, in, out]
-        xg = x.reshape(-1, self.n_groups, width).transpose(0, 1)  # [g, rows, in]
+        xg = xg.transpose(0, 1)  # [g, rows, in]
         # a prefill's rows widened on the CPU (layers/widen.py); a decode step reads the weight as it is
         y = matmul(xg, w) if xg.shape[1] >= WIDEN_ROWS else torch.bmm(xg, w)
         return y.transpose(0, 1).reshape(*lead, self.n_groups, -1)
@@ -283,6 +309,12 @@ class RowSpans:
         """Entries of compressed windows of m each row has after this call."""
         return [(p + n) // m for p, n in zip(self.first, self.lengths)]
 
+    @property
+    def one_each(self) -> bool:
+        """Whether every row appends one token to a sequence it continues (a decode step): the state's bookkeeping
+        is then the same for all rows, done for them at once."""
+        return all(n == 1 for n in self.lengths) and all(p > 0 for p in self.first)
+
 
 class Compressor(nn.Module):
     """One compressor (module docstring), Transformers' names: kv_proj / gate_proj [c dim, hidden], position_bias
@@ -302,6 +334,8 @@ class Compressor(nn.Module):
                scaling: float) -> None:
         """x [B, S, hidden]: each row's real tokens appended to its slot's windows; closed windows become entries."""
         kv, gate = self.kv_proj(x), self.gate_proj(x).float()  # [B, S, c dim]
+        if x.shape[1] == 1 and rows.one_each:
+            return self._append_one(kv[:, 0], gate[:, 0], rows, state, inv_freq, scaling)
         m, d = self.shape.rate, self.shape.dim
         for b, (slot, p0, n) in enumerate(zip(rows.slots, rows.first, rows.lengths)):
             if n == 0:
@@ -331,6 +365,32 @@ class Compressor(nn.Module):
             cos, sin = rope_table(torch.arange(w0, w0 + closed, device=x.device) * m, inv_freq, scaling,
                                   entries.dtype)
             state.entries[slot, w0:w0 + closed] = rope_tail(entries, cos, sin)
+
+    def _append_one(self, kv: torch.Tensor, gate: torch.Tensor, rows: RowSpans, state: CompressorState,
+                    inv_freq: torch.Tensor, scaling: float) -> None:
+        """``update`` of a decode step (``RowSpans.one_each``), every row at once: kv [B, c dim], gate [B, c dim] fp32
+        into the slots' current windows at position mod m (a closing token's lands in the window's last place, where
+        nothing reads it: the next window starts over), then the entries of the windows this step closes."""
+        m, d = self.shape.rate, self.shape.dim
+        slots = torch.tensor(rows.slots, device=kv.device)
+        at = torch.tensor([p % m for p in rows.first], device=kv.device)
+        state.kv[slots, at] = kv.to(state.kv.dtype)
+        state.gate[slots, at] = gate
+        closing = [b for b, p in enumerate(rows.first) if p % m == m - 1]
+        if not closing:
+            return
+        cs = slots[closing] if len(closing) < len(rows.first) else slots
+        ckv = state.kv[cs].to(kv.dtype)  # [C, m, c dim]
+        cgate = state.gate[cs] + self.position_bias
+        if self.shape.overlap:  # [a-series of the previous window | b-series of this one]
+            wkv = torch.cat((state.prev_kv[cs].to(kv.dtype), ckv[..., d:]), dim=1)  # [C, 2 m, dim]
+            wgate = torch.cat((state.prev_gate[cs], cgate[..., d:]), dim=1)
+            state.prev_kv[cs], state.prev_gate[cs] = ckv[..., :d], cgate[..., :d]
+            ckv, cgate = wkv, wgate
+        entries = self.kv_norm((ckv * cgate.softmax(dim=1, dtype=torch.float32).to(ckv.dtype)).sum(dim=1))
+        windows = [rows.first[b] // m for b in closing]
+        cos, sin = rope_table(torch.tensor(windows, device=kv.device) * m, inv_freq, scaling, entries.dtype)
+        state.entries[cs, torch.tensor(windows, device=kv.device)] = rope_tail(entries, cos, sin)
 
 
 class Indexer(Compressor):
@@ -457,6 +517,10 @@ class CompressedAttention(nn.Module):
     def _write_window(ring: torch.Tensor, kv: torch.Tensor, step: Step, rows: RowSpans) -> None:
         """Each row's last W real keys into its slot's ring, at position mod W."""
         W = ring.shape[1]
+        if step.lengths is None:  # every row's last min(S, W) keys, at once
+            lo = max(0, kv.shape[1] - W)
+            ring[step.slots.view(-1, 1), step.positions[:, lo:] % W] = kv[:, lo:].to(ring.dtype)
+            return
         for b, (slot, n) in enumerate(zip(rows.slots, rows.lengths)):
             lo = max(0, n - W)
             if n > lo:
@@ -465,36 +529,42 @@ class CompressedAttention(nn.Module):
     def _attend(self, q, keys, key_pos, positions, entries, visible) -> torch.Tensor:
         """q [B, S, h, D] over the window keys [B, L, D] at key_pos [B, L] and, when given, compressed entries
         (HCA: [B, n, D] shared by the queries; CSA: [B, S, k, D] per query) with ``visible`` [B, S, n | k]; one sink
-        logit per head -> [B, S, h, D]."""
+        logit per head -> [B, S, h, D].
+
+        The keys (and HCA's entries) are one head shared by every query head, so a row's queries and heads are the
+        rows of one product with them ([s h, D] x [D, L]) rather than h products against the keys broadcast over
+        the heads (which PyTorch would copy h times); CSA's entries, one set per query, are one product per query
+        ([h, D] x [D, k])."""
         B, S, h, D = q.shape
-        W = self.shape.window
+        W, L = self.shape.window, keys.shape[1]
         out = torch.empty_like(q)
-        sinks = self.sinks.view(1, h, 1, 1)
+        sinks = self.sinks.view(1, 1, h, 1)
         per_query = entries is not None and entries.dim() == 4
         n = 0 if entries is None else entries.shape[-2]
-        for s0, s1 in _blocks(S, B * h * (keys.shape[1] + n)):
-            qb = q[:, s0:s1].transpose(1, 2)  # [B, h, s, D]
+        kp = key_pos.unsqueeze(1)  # [B, 1, L]
+        keys_t = keys.transpose(1, 2)  # [B, D, L]
+        for s0, s1 in _blocks(S, B * h * (L + n)):
+            s = s1 - s0
+            qb = q[:, s0:s1]  # [B, s, h, D]
             qp = positions[:, s0:s1].unsqueeze(-1)  # [B, s, 1]
-            kp = key_pos.unsqueeze(1)  # [B, 1, L]
             window = (kp >= 0) & (kp <= qp) & (kp > qp - W)  # [B, s, L]
-            logits = matmul(qb, keys.transpose(1, 2).unsqueeze(1)) * self.scaling  # [B, h, s, L]
-            parts = [logits.masked_fill(~window.unsqueeze(1), float("-inf"))]
+            logits = matmul(qb.reshape(B, s * h, D), keys_t).view(B, s, h, L) * self.scaling
+            parts = [logits.masked_fill(~window.unsqueeze(2), float("-inf"))]
             if entries is not None:
                 if per_query:  # [B, s, k, D]: each query's own entries
-                    c = einsum("bhsd,bskd->bhsk", qb, entries[:, s0:s1]) * self.scaling
+                    c = matmul(qb, entries[:, s0:s1].transpose(-1, -2)) * self.scaling  # [B, s, h, k]
                 else:
-                    c = matmul(qb, entries.transpose(1, 2).unsqueeze(1)) * self.scaling  # [B, h, s, n]
-                parts.append(c.masked_fill(~visible[:, s0:s1].unsqueeze(1), float("-inf")))
-            parts.append(sinks.expand(B, h, s1 - s0, 1))  # fp32: the logits are promoted, as Transformers'
+                    c = matmul(qb.reshape(B, s * h, D), entries.transpose(1, 2)).view(B, s, h, n) * self.scaling
+                parts.append(c.masked_fill(~visible[:, s0:s1].unsqueeze(2), float("-inf")))
+            parts.append(sinks.expand(B, s, h, 1))  # fp32: the logits are promoted, as Transformers'
             combined = torch.cat(parts, dim=-1)
             combined = combined - combined.max(dim=-1, keepdim=True).values
             probs = combined.softmax(dim=-1)[..., :-1].to(keys.dtype)  # the sink's share dropped
-            L = keys.shape[1]
-            o = matmul(probs[..., :L], keys.unsqueeze(1))  # [B, h, s, D]
+            o = matmul(probs[..., :L].reshape(B, s * h, L), keys).view(B, s, h, D)
             if entries is not None:
                 if per_query:
-                    o = o + einsum("bhsk,bskd->bhsd", probs[..., L:], entries[:, s0:s1])
+                    o = o + matmul(probs[..., L:], entries[:, s0:s1])
                 else:
-                    o = o + matmul(probs[..., L:], entries.unsqueeze(1))
-            out[:, s0:s1] = o.transpose(1, 2)
+                    o = o + matmul(probs[..., L:].reshape(B, s * h, n), entries).view(B, s, h, D)
+            out[:, s0:s1] = o
         return out

@@ -17,6 +17,12 @@ Everything here is computed in fp32 whatever the model dtype, the mixings applie
 Transformers' DeepseekV4HyperConnection / DeepseekV4HyperHead do (their parameter names: ``fn``, ``base``,
 ``scale``; ``hc_fn``, ``hc_base``, ``hc_scale``), held as fp32 buffers (Transformers keeps these modules in fp32).
 
+A decode step's mixings are tiny ([n, n] per token) and a model runs two per layer, so they are made with few
+whole-tensor ops: the RMS factor applied to the linear's (2 + n) n outputs rather than to its n H inputs (the same
+products up to fp32 rounding), the three scales and biases in one multiply-add, each Sinkhorn normalisation one sum
+and one in-place division (``sinkhorn``). ``mix_streams``' [n, n] x [n, H] products per token are widened on the CPU
+in bf16 (layers/widen.py: PyTorch's batched bf16 product runs each token's alone, slowly).
+
 Shape letters: n streams, H hidden size.
 """
 
@@ -25,6 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hetmoe.layers.widen import matmul
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -43,31 +51,56 @@ class HyperConnection(nn.Module):
         self.register_buffer("fn", torch.zeros(width, n_streams * hidden, dtype=torch.float32))
         self.register_buffer("base", torch.zeros(width, dtype=torch.float32))
         self.register_buffer("scale", torch.ones(3, dtype=torch.float32))
+        self._scale_index = [0] * n_streams + [1] * n_streams + [2] * n_streams * n_streams  # scale of each mix output
 
     def forward(self, streams: torch.Tensor) -> tuple:
         B, S = streams.shape[:2]
         n = self.n
-        flat = unweighted_rms_norm(streams.reshape(B, S, -1).float(), self.norm_eps)
-        mix = F.linear(flat, self.fn.float())  # [B, S, (2 + n) n]
-        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre_s, post_s, comb_s = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.eps  # [B, S, n]
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = torch.softmax(comb_w.view(B, S, n, n) * comb_s + comb_b.view(n, n), dim=-1) + self.eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        for _ in range(self.sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+        flat = streams.reshape(B, S, -1).float()
+        mix = F.linear(flat, self.fn.float()) * rms_factor(flat, self.norm_eps)  # [B, S, (2 + n) n]
+        mix = mix * self.scale[self._scale_index] + self.base  # [pre | post | comb] times their scale, + bias
+        gates = torch.sigmoid(mix[..., :2 * n])
+        pre = gates[..., :n] + self.eps  # [B, S, n]
+        post = 2 * gates[..., n:]
+        comb = sinkhorn(torch.softmax(mix[..., 2 * n:].view(B, S, n, n), dim=-1), self.sinkhorn_iters, self.eps)
+        collapsed = (pre.unsqueeze(-1) * flat.view(B, S, n, -1)).sum(dim=2).to(streams.dtype)
         return post, comb, collapsed
+
+
+def rms_factor(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / sqrt(mean(x^2) + eps) over the last dim of fp32 x, [..., 1]: ``unweighted_rms_norm`` of fp32 x is x times
+    this, and a linear of the normalised x is the linear of x times it (the factor applied to its few outputs rather
+    than to the n H inputs)."""
+    return torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """``comb + eps`` [..., n, n] (fp32) made nearly doubly stochastic: its columns normalised, then ``iters - 1``
+    times its rows and columns, every division by the sum plus ``eps`` (the module docstring).
+
+    The matrix sits in the top-left corner of an [n + 1, n + 1] one whose last row and last column hold ``eps``:
+    a row's sum over its n + 1 entries is then its sum plus eps, and a column's likewise, so that each
+    normalisation is one sum and one in-place division (of the corner) rather than a sum, an add and a division
+    into a new tensor (a decode step runs 4 (iters - 1) + 2 small ops per mixing instead of 6 (iters - 1) + 3)."""
+    n = comb.shape[-1]
+    ext = comb.new_full((*comb.shape[:-2], n + 1, n + 1), eps)
+    out = ext[..., :n, :n]
+    torch.add(comb, eps, out=out)
+    rows, cols = ext[..., :n, :], ext[..., :, :n]  # [n, n + 1]: sums of the rows plus eps; [n + 1, n]: of the columns
+    row_sums = ext.new_empty((*comb.shape[:-1], 1))
+    col_sums = ext.new_empty((*comb.shape[:-2], 1, n))
+    out.div_(torch.sum(cols, dim=-2, keepdim=True, out=col_sums))
+    for _ in range(iters - 1):
+        out.div_(torch.sum(rows, dim=-1, keepdim=True, out=row_sums))
+        out.div_(torch.sum(cols, dim=-2, keepdim=True, out=col_sums))
+    return out
 
 
 def mix_streams(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """A block's new streams: post_i * out + sum_j comb[j, i] * stream_j, in the streams' dtype.
     streams [B, S, n, H], out [B, S, H], post [B, S, n], comb [B, S, n, n]."""
     dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + matmul(comb.to(dtype).transpose(-1, -2), streams)
 
 
 class HyperHead(nn.Module):
@@ -82,6 +115,7 @@ class HyperHead(nn.Module):
         self.register_buffer("hc_scale", torch.ones(1, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float())
-        return ((pre + self.eps).unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+        flat = streams.flatten(2).float()
+        mix = F.linear(flat, self.hc_fn.float()) * rms_factor(flat, self.norm_eps)
+        pre = torch.sigmoid(mix * self.hc_scale.float() + self.hc_base.float())
+        return ((pre + self.eps).unsqueeze(-1) * flat.view(streams.shape)).sum(dim=2).to(streams.dtype)

@@ -213,13 +213,18 @@ def pack_dense(root: nn.Module, fmt: str, device, options=None, dtype=None, fp8:
     bf16 on a GPU packs nothing (cuBLAS reads bf16). On the CPU with a bf16 ``dtype`` everything goes to the engine,
     bf16 included, and the routers too in bf16: the weights exactly as given, multiplied in fp32, every product of
     a decode step on the engine's threads (docs/dense-formats.md); with fp32 weights (small models) bf16 packs
-    nothing."""
+    nothing. On the CPU a module whose one weight holds several linears' blocks (``split_linears``: DeepSeek-V4's
+    grouped o_a_proj, each group reading its own slice of the input) hands them over as linears, packed one by one."""
     engine_bf16 = device.type == "cpu" and dtype == torch.bfloat16
     if fmt == "bf16" and not engine_bf16:
         return 0
     for module in root.modules():
         if hasattr(module, "fuse_projections") and not hasattr(module, "model") and _loaded(module):
             module.fuse_projections()  # (not a CausalLM: its layers)
+    if device.type == "cpu":  # a weight holding several linears' blocks (DeepSeek-V4's grouped o_a_proj): each packed
+        for module in root.modules():
+            if hasattr(module, "split_linears") and _loaded(module):
+                module.split_linears()  # its blocks as nn.Linear children, packed below as any linear
     make = _packer(device, options, fp8)
     made = 0
     for module in list(root.modules()):

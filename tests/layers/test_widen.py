@@ -81,3 +81,25 @@ def test_grouped_linear_rows_either_side_of_the_widening(rows):
         _close(got, want.bfloat16())
     else:  # PyTorch's bf16 product, which may round more than once
         assert (got.float() - want).abs().max() <= 2**-7 * want.abs().max()
+
+
+@pytest.mark.parametrize("rows", [1, 4, WIDEN_ROWS + 3])
+def test_grouped_linear_packed_group_by_group(rows):
+    """On the CPU in bf16, ``pack_dense`` packs DeepSeek-V4's grouped o_a_proj one group at a time (``split_linears``):
+    each group's block a linear of the engine's, run on its own slice; the bf16 weight is no longer held. The engine's
+    bf16 format reads the weights exactly and sums in fp32: one rounding of the fp32 product. In fp32 nothing packs."""
+    from hetmoe.cpu import CPULinear
+    from hetmoe.load.dense import pack_dense
+
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(4 * 24, 64, generator=g).bfloat16()
+    layer = GroupedLinear(64, 4 * 24, 4)
+    layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    assert pack_dense(layer, "bf16", torch.device("cpu"), None, torch.bfloat16) > 0
+    assert layer.weight is None and [type(m) for m in layer.groups] == [CPULinear] * 4
+    x = torch.randn(rows, 4, 64, generator=g).bfloat16()
+    want = torch.einsum("rgi,goi->rgo", x.float(), weight.view(4, 24, 64).float())
+    with torch.no_grad():
+        _close(layer(x), want.bfloat16())
+    fp32 = GroupedLinear(64, 4 * 24, 4)
+    assert pack_dense(fp32, "bf16", torch.device("cpu"), None, torch.float32) == 0 and fp32.weight is not None
