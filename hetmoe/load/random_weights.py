@@ -445,8 +445,9 @@ def _fill_random(model: nn.Module, device: torch.device, dtype: torch.dtype, see
                  each_layer: Optional[Callable[[nn.Module], None]] = None,
                  host: Optional[Callable[[str, nn.Module], bool]] = None) -> None:
     """Give every meta parameter and buffer of ``model`` storage on ``device``, one tensor at a time: parameters
-    N(0, std) in ``dtype`` (RMSNorm weights 1), persistent buffers (e.g. e_score_correction_bias) zeros in their
-    own dtype, non-persistent buffers (RoPE tables, computed at build time) moved — as the loader does. Each
+    N(0, std) in ``dtype`` (RMSNorm weights 1), persistent buffers in their own dtype by their role
+    (``_buffer_role``: ones, N(0, std), a hash-routing table, else zeros as e_score_correction_bias), non-persistent
+    buffers (RoPE tables, computed at build time) moved — as the loader does. Each
     chunk of ``_CHUNK`` elements has its own seeded generator, so the values do not depend on the thread count.
     ``each_layer(layer)`` runs as soon as a decoder layer is filled (the loader packs each layer's dense weights
     then, so that the dtype copies of one layer at most are alive). ``host(name, module)``: the module's parameters
@@ -489,10 +490,38 @@ def _fill_random(model: nn.Module, device: torch.device, dtype: torch.dtype, see
                     continue
                 if leaf in module._non_persistent_buffers_set:
                     module._buffers[leaf] = b.to(device)
-                else:
-                    module._buffers[leaf] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+                    continue
+                t = torch.zeros(b.shape, dtype=b.dtype, device=device)
+                role = _buffer_role(module, leaf)
+                if role == "ones":
+                    t.fill_(1.0)
+                elif role == "normal":
+                    list(pool.map(lambda c: normal(t, index, c), range(-(-t.numel() // _CHUNK))))
+                elif role == "experts":  # hash routing: each token's k distinct experts, spread over the layer's
+                    rows, k = t.shape
+                    first = (torch.arange(rows, device=device) * 2654435761 + index) % module.n_experts
+                    t.copy_((first[:, None] + torch.arange(k, device=device)) % module.n_experts)
+                module._buffers[leaf] = t
+                index += 1
         if current is not None:
             each_layer(current)
+
+
+# Persistent buffers hold weights of some models (fp32 norm weights, hyper-connection mixers, the short convolution's
+# taps, hash-routing tables): random builds give them values of their role, not zeros (a zero norm weight would make
+# every logit 0 and every router choose the same experts). Named by buffer; anything else stays zero (score biases).
+_ONES = ("scale", "hc_scale")  # multiplicative scales
+_NORMAL = ("fn", "base", "hc_fn", "hc_base", "position_bias", "sinks", "dt_bias", "A_log")
+
+
+def _buffer_role(module: nn.Module, leaf: str) -> Optional[str]:
+    """How a random build fills persistent buffer ``leaf`` of ``module``: "ones", "normal" (N(0, std)), "experts"
+    (a hash-routing table) or None (zeros)."""
+    if leaf == "tid2eid":
+        return "experts"
+    if leaf == "weight":  # a norm's weight (ones) or a convolution's taps (normal)
+        return "ones" if type(module).__name__.endswith("Norm") else "normal"
+    return "ones" if leaf in _ONES else "normal" if leaf in _NORMAL else None
 
 
 def build_random_model(

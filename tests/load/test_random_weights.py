@@ -52,3 +52,38 @@ def test_seed_reproducible_and_overrides(tmp_path):
 def test_unknown_architecture(tmp_path):
     with pytest.raises(ValueError, match="unknown architecture 'llama'"):
         write_checkpoint(tmp_path, "llama")
+
+
+def test_persistent_buffers_get_values_of_their_role():
+    """A random build of a model whose weights include persistent buffers (DeepSeek-V4: fp32 norm weights,
+    hyper-connection mixers, hash-routing tables) gives them values of their role, not zeros: norm weights 1,
+    mixers and biases random, each token's hash-routed experts distinct and within the layer; the logits then
+    depend on the prompt (all zeros before: a zero norm weight)."""
+    pytest.importorskip("transformers")
+    from transformers_tiny import make_config
+
+    from hetmoe.config.options import EngineOptions
+    from hetmoe.engine.runner import Runner
+    from hetmoe.load.random_weights import build_random_model
+
+    cfg = make_config("deepseek_v4").to_dict()
+    loaded = build_random_model(cfg, None, EngineOptions(device="cpu", dtype="fp32", experts_format="bf16",
+                                                         max_context=64, max_batch=2), log=lambda m: None)
+    seen = set()
+    for name, module in loaded.model.named_modules():
+        for leaf, b in module.named_buffers(recurse=False):
+            if leaf in module._non_persistent_buffers_set:
+                continue
+            seen.add(leaf)
+            if leaf == "weight" and type(module).__name__.endswith("Norm"):
+                assert torch.equal(b, torch.ones_like(b)), name
+            elif leaf in ("fn", "hc_fn", "position_bias", "sinks"):
+                assert b.abs().max() > 0, f"{name}.{leaf}"
+            elif leaf == "tid2eid":
+                assert 0 <= int(b.min()) and int(b.max()) < module.n_experts
+                assert all(len(set(row)) == b.shape[1] for row in b[:50].tolist())
+                assert len({tuple(row) for row in b[:50].tolist()}) >= min(10, module.n_experts)  # spread
+    assert {"weight", "fn", "hc_fn", "tid2eid"} <= seen
+    runner = Runner(loaded)
+    a, b = runner.prefill([5, 17, 30, 42], slot=0), runner.prefill([7, 7, 250, 1], slot=1)
+    assert a.abs().max() > 0 and not torch.allclose(a, b)
