@@ -26,7 +26,7 @@ def checkpoint_formats() -> dict:
     as ``hetmoe bench kernel --formats``."""
     from hetmoe.bench import kernel
 
-    names = [*kernel.GGUF_FORMATS, *kernel.NVFP4_FORMATS, *kernel.FP8_FORMATS, *getattr(kernel, "ZP_FORMATS", {})]
+    names = [*kernel.GGUF_FORMATS, *kernel.NVFP4_FORMATS, *kernel.FP8_FORMATS, *kernel.ZP_FORMATS]
     return {n: kernel.format_args(n, None) for n in names}
 
 
