@@ -388,9 +388,9 @@ class Compressor(nn.Module):
             state.prev_kv[cs], state.prev_gate[cs] = ckv[..., :d], cgate[..., :d]
             ckv, cgate = wkv, wgate
         entries = self.kv_norm((ckv * cgate.softmax(dim=1, dtype=torch.float32).to(ckv.dtype)).sum(dim=1))
-        windows = [rows.first[b] // m for b in closing]
-        cos, sin = rope_table(torch.tensor(windows, device=kv.device) * m, inv_freq, scaling, entries.dtype)
-        state.entries[cs, torch.tensor(windows, device=kv.device)] = rope_tail(entries, cos, sin)
+        windows = torch.tensor([rows.first[b] // m for b in closing], device=kv.device)
+        cos, sin = rope_table(windows * m, inv_freq, scaling, entries.dtype)
+        state.entries[cs, windows] = rope_tail(entries, cos, sin)
 
 
 class Indexer(Compressor):
